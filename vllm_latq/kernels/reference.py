@@ -1,0 +1,104 @@
+"""The runtime form of a latq linear and the torch reference that defines its math.
+
+Every kernel (Triton GPU, CPU fast path) computes exactly :func:`latq_linear_ref` up to
+floating-point summation order, and is tested against it.
+
+Runtime form (one per linear, built once at load): dense b-bit inliers packed as in the
+checkpoint (``format.pack``), fp16 group scales, and CSR outliers with int32 columns and
+**fp32** values (torch's sparse kernels have no bf16/fp16 path, and an HPTQ outlier z·s is
+exact in fp32 but not always in fp16). HPTQ/HRTN layers are transcoded to this form
+(:func:`transcode`), so one kernel family serves both checkpoint kinds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import format as fmt
+
+
+@dataclass
+class LatqWeight:
+    qweight: torch.Tensor      # int32 [out, ceil(in/32)·bits]
+    scales: torch.Tensor       # fp16  [out, ceil(in/group_size)]
+    crow: torch.Tensor         # int32 [out+1]
+    col: torch.Tensor          # int32 [nnz]
+    val: torch.Tensor          # fp32  [nnz]
+    bits: int
+    group_size: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def nnz(self) -> int:
+        return self.col.numel()
+
+    def bits_per_weight(self) -> float:
+        """Runtime bytes → bits/weight (what a decode step streams from memory)."""
+        n = self.out_features * self.in_features
+        return sum(t.numel() * t.element_size() * 8 for t in
+                   (self.qweight, self.scales, self.crow, self.col, self.val)) / n
+
+
+def dequantize(w: LatqWeight) -> torch.Tensor:
+    """fp32 ``[out, in]``: unpack(qweight) · scales (per group) + CSR(outliers)."""
+    z = fmt.unpack(w.qweight, w.bits, w.in_features).float()
+    W = z * w.scales.float().repeat_interleave(w.group_size, dim=1)[:, : w.in_features]
+    rows = torch.repeat_interleave(torch.arange(w.out_features, device=W.device),
+                                   (w.crow[1:] - w.crow[:-1]).long())
+    W[rows, w.col.long()] += w.val.float()   # the dense integer is 0 at every outlier
+    return W
+
+
+def latq_linear_ref(x: torch.Tensor, w: LatqWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ Wᵀ (+ bias)`` computed in fp32, returned in ``x.dtype``. x: ``[..., in]``."""
+    y = x.float() @ dequantize(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def from_dense_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, in_features: int) -> LatqWeight:
+    """A dense-kind checkpoint layer → runtime form."""
+    return LatqWeight(t["qweight"], t["scales"], t["outlier_crow"].int(), t["outlier_col"].int(),
+                      t["outlier_val"].float(), bits, group_size, in_features)
+
+
+def transcode(z: torch.Tensor, scale: float, max_bits: int = 8) -> LatqWeight:
+    """Unclipped integers under one scale (HPTQ/HRTN) → the dense+CSR runtime form with
+    the inlier width b ∈ 2..max_bits that minimises runtime bytes; integers off the b-bit
+    grid become fp32 outliers z·s (exact). One group per row carries the per-tensor scale."""
+    out, cin = z.shape
+    s16 = torch.tensor(scale, dtype=torch.float32).half()
+    if s16.float().item() != scale:
+        raise ValueError(f"per-tensor scale {scale!r} is not fp16-exact")
+    best = None
+    for b in range(2, max_bits + 1):
+        lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
+        nnz = int(((z < lo) | (z > hi)).sum())
+        size = out * fmt.packed_words(cin, b) * 4 + out * 2 + nnz * 8 + (out + 1) * 4
+        if best is None or size < best[0]:
+            best = (size, b)
+    b = best[1]
+    lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
+    mask = (z < lo) | (z > hi)
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(out + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = z[rows, cols].float() * scale
+    inl = torch.where(mask, torch.zeros_like(z), z)
+    return LatqWeight(fmt.pack(inl, b), s16.reshape(1, 1).expand(out, 1).contiguous(), crow,
+                      cols.int(), val, b, cin, cin)
+
+
+def from_tensors(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None,
+                 group_size: int | None) -> LatqWeight:
+    """Any checkpoint layer (format kind ``dense`` or ``huffman``) → runtime form."""
+    if kind == "dense":
+        return from_dense_tensors(t, bits, group_size, shape[1])
+    z = fmt.decode_integers(t, kind, shape, None)
+    return transcode(z, float(t["hscale"].item()))

@@ -1,0 +1,77 @@
+"""HPTQ and HRTN (paper §5, Alg. 11/12): one scale per matrix, unclipped integers,
+one canonical Huffman code per matrix; the scale is searched so that the stored size
+(payload + codebook + chunk table + the fp32 scale) meets a target bits/weight."""
+from __future__ import annotations
+
+import torch
+
+from . import huffman, lattice
+from .result import QuantResult
+from .scales import matrix_scale
+from .search import scale_search
+from .solvers import Grid, Sweep, _compute_dtype, gptq_lattice, gptq_sweep
+
+SCALE_BITS = 32  # the per-matrix scale is stored as fp32
+
+
+def hptq_bits(z: torch.Tensor) -> float:
+    """Exact stored bits/weight of a Huffman-coded integer matrix."""
+    return (huffman.coded_bits(z.to(torch.int32).numpy()) + SCALE_BITS) / z.numel()
+
+
+def _estimated_bits(z_sample: torch.Tensor, numel: int) -> float:
+    """Bits/weight of the full matrix, estimated from a row sample's histogram."""
+    _, counts = torch.unique(z_sample, return_counts=True)
+    counts = counts.numpy()
+    payload = (counts * huffman.code_lengths(counts)).sum() * numel / z_sample.numel()
+    return (huffman.stored_bits(int(payload), len(counts), numel) + SCALE_BITS) / numel
+
+
+def _huffman_search(method, W, target_bits, tol, run, name, **result_kw) -> QuantResult:
+    if target_bits <= 1.0:
+        raise ValueError(f"{method}: target_bits must exceed 1 (a Huffman code spends ≥ 1 bit "
+                         f"per weight), got {target_bits}")
+    numel = W.numel()
+
+    def bits(sw, k):
+        zs = sw.z.reshape(k, -1).to(torch.int32)
+        if k == 1 and zs.shape[1] == numel:
+            return [hptq_bits(zs)]
+        return [_estimated_bits(zk, numel) for zk in zs]
+
+    s0 = matrix_scale(W, target_bits)
+    alpha, b, sw, log = scale_search(W, s0, None, run, bits, target_bits, tol)
+    scale = (s0 * alpha).half().float()
+    res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scale, None, None, b, **result_kw)
+    res.info.update(alpha=alpha, target_bits=target_bits, search=log,
+                    code=huffman.HuffmanCode.fit(sw.z.to(torch.int32).numpy()))
+    return res
+
+
+@torch.no_grad()
+def hptq(W: torch.Tensor, H: torch.Tensor, *, target_bits: float = 3.125, order="act",
+         damp: float = 0.01, block_size: int = 128, tol: float = 5e-3,
+         name: str | None = None) -> QuantResult:
+    """W ``[out, in]``, H ``[in, in]`` → unclipped ``.z`` under one scalar ``.scales``,
+    ``.bits_per_weight`` ≤ ``target_bits`` (within ``tol`` when reachable), ``.bound``,
+    the Huffman code in ``.info["code"]``. H is factorized once for the whole search."""
+    lattice.check_inputs(W, H, name)
+    lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
+    res = _huffman_search("hptq", W, target_bits, tol,
+                          lambda Wr, S: gptq_sweep(lat, Wr, S, Grid(), block_size), name,
+                          order=lat.perm, damp=lat.damp)
+    res.bound = lattice.bound_from_d(lat.D_col, res.scales.expand(W.shape))
+    return res
+
+
+@torch.no_grad()
+def hrtn(W: torch.Tensor, H: torch.Tensor | None = None, *, target_bits: float = 3.125,
+         tol: float = 5e-3, name: str | None = None) -> QuantResult:
+    """HPTQ's baseline: the same scale search and coding with plain rounding (H unused)."""
+    lattice.check_inputs(W, H, name)
+
+    def run(Wr, S):
+        z = torch.round(Wr.float() / S)
+        return Sweep(z, z * S, None, None)
+
+    return _huffman_search("hrtn", W, target_bits, tol, run, name)

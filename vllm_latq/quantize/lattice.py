@@ -1,0 +1,165 @@
+"""The lattice side of GPTQ: the damped Hessian, its factors, column orders and the
+no-clipping error bound (paper v1 Alg. 3-4 and Theorem 5).
+
+Frames. GPTQ processes columns first-to-last in a permutation ``p``; Babai processes
+its Gram-Schmidt order ``T`` back-to-front. ``gptq(order=p)`` ≡ ``babai(order=p.flip(0))``.
+Named orders are frame-literal for ``natural``/``reverse`` and mean the *same
+processing sequence* in both frames for the heuristics ``act`` and ``min-pivot``.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+ORDERS = ("natural", "reverse", "act", "min-pivot")
+FACTOR_DTYPE = torch.float64  # factor in fp64: real Hessians are ill-conditioned
+
+
+def check_finite(x: torch.Tensor, what: str, name: str | None) -> None:
+    bad = (~torch.isfinite(x)).sum().item()
+    if bad:
+        raise ValueError(f"{_where(name)}{what} has {bad} non-finite (NaN/Inf) entries")
+
+
+def _where(name: str | None) -> str:
+    return f"layer {name}: " if name else ""
+
+
+def check_inputs(W: torch.Tensor, H: torch.Tensor | None, name: str | None) -> None:
+    if W.dim() != 2:
+        raise ValueError(f"{_where(name)}W must be [out, in], got shape {tuple(W.shape)}")
+    check_finite(W, "weight", name)
+    if H is None:
+        return
+    c = W.shape[1]
+    if H.shape != (c, c):
+        raise ValueError(f"{_where(name)}H must be [in, in] = [{c}, {c}], got {tuple(H.shape)}")
+    check_finite(H, "Hessian", name)
+    if (H.diagonal() < 0).any():
+        raise ValueError(f"{_where(name)}Hessian has negative diagonal entries: not X^T X")
+
+
+def damp_lambda(H: torch.Tensor, damp: float) -> float:
+    """λ = damp · mean(diag H). Dead columns (H_jj = 0: the input never fired) get λ too,
+    so they stay in the lattice and their weights are kept, quantized by plain rounding."""
+    mean = H.diagonal().double().mean().item()
+    return damp * (mean if mean > 0 else 1.0)
+
+
+def damped(H: torch.Tensor, damp: float) -> torch.Tensor:
+    Hd = H.to(FACTOR_DTYPE).clone()
+    Hd.diagonal().add_(damp_lambda(H, damp))
+    return Hd
+
+
+def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
+             name: str | None = None, max_tries: int = 6) -> tuple[torch.Tensor, float]:
+    """Lower Cholesky factor of the damped (and permuted) Hessian. If it is not positive
+    definite, damping is raised ×10 per try; the final value is warned about (never a silent
+    fallback) and returned so every later step — and the certificate — uses the same matrix."""
+    d = damp
+    for _ in range(max_tries):
+        Hd = damped(H, d)
+        if perm is not None:
+            Hd = Hd[perm][:, perm]
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info.item() == 0:
+            if d != damp:
+                warnings.warn(f"{_where(name)}Hessian not positive definite with damp={damp}; "
+                              f"damping raised to {d:g}", RuntimeWarning, stacklevel=3)
+            return L, d
+        d *= 10
+    raise ValueError(f"{_where(name)}Hessian is not positive definite even with damp={d / 10:g}")
+
+
+def min_pivot_order(H: torch.Tensor, damp: float = 0.01, block: int = 64) -> torch.Tensor:
+    """Paper v1 Alg. 4: greedy LDL pivoting on the smallest Schur-complement diagonal.
+
+    Returns Babai's Gram-Schmidt order ``T`` (``T[0]`` = first pivot, processed *last* by
+    Babai); GPTQ uses ``T.flip(0)``. Blocked like LAPACK's pivoted Cholesky: inside a panel
+    only pivot columns and the diagonal are updated, the trailing matrix once per panel by a
+    GEMM — the same pivots as the rank-1 textbook loop at O(c³) GEMM cost."""
+    A = damped(H, damp)
+    c = A.shape[0]
+    diag = A.diagonal().clone()
+    taken = torch.zeros(c, dtype=torch.bool)
+    T = torch.empty(c, dtype=torch.long)
+    for k0 in range(0, c, block):
+        nb = min(block, c - k0)
+        Lp = torch.zeros(c, nb, dtype=A.dtype)
+        for k in range(nb):
+            j = int(torch.where(taken, torch.inf, diag).argmin())
+            col = A[:, j] - Lp[:, :k] @ Lp[j, :k]
+            piv = col[j].clamp(min=torch.finfo(A.dtype).tiny)
+            col[taken] = 0.0
+            l = col / piv.sqrt()
+            Lp[:, k] = l
+            diag -= l * l
+            taken[j] = True
+            T[k0 + k] = j
+        A -= Lp @ Lp.T
+    return T
+
+
+def is_permutation(p: torch.Tensor, n: int) -> bool:
+    return (p.dim() == 1 and p.numel() == n
+            and torch.equal(torch.sort(p.long()).values, torch.arange(n)))
+
+
+def resolve_order(order, H: torch.Tensor, damp: float, *, babai: bool) -> torch.Tensor:
+    """A name or explicit permutation → the permutation in the solver's own frame."""
+    c = H.shape[0]
+    if isinstance(order, torch.Tensor):
+        if not is_permutation(order, c):
+            raise ValueError(f"order must be a permutation of range({c}), got a tensor of shape "
+                             f"{tuple(order.shape)} that is not one")
+        return order.long().cpu()
+    if order == "natural":
+        return torch.arange(c)
+    if order == "reverse":
+        return torch.arange(c).flip(0)
+    if order == "act":  # GPTQ: descending diag H first; Babai: its reverse
+        p = torch.argsort(H.diagonal().cpu(), descending=True, stable=True)
+        return p.flip(0) if babai else p
+    if order == "min-pivot":
+        T = min_pivot_order(H.cpu(), damp)
+        return T if babai else T.flip(0)
+    raise ValueError(f"unknown order {order!r}: use one of {ORDERS} or a permutation tensor")
+
+
+def ldl_diag(H: torch.Tensor, order, damp: float = 0.01) -> torch.Tensor:
+    """D of the LDLᵀ decomposition of the damped ``TᵀHT`` (pivot order = Babai order T),
+    in pivot order. ``tr(D)`` is what min-pivot greedily minimises (paper Table 2)."""
+    T = resolve_order(order, H, damp, babai=True)
+    L, _ = cholesky(H, damp, T)
+    return L.diagonal() ** 2
+
+
+def bound_from_d(D_col: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """¼ Σ_j D_j s_ij² per row, with ``D_col`` indexed by original column and ``S`` the
+    per-weight scales ``[out, in]``."""
+    return 0.25 * (S.double() ** 2 @ D_col.double())
+
+
+def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_size: int | None = None,
+                damp: float = 0.01) -> torch.Tensor:
+    """Per-row certificate ``(q_i - w_i)ᵀ H_d (q_i - w_i) ≤ ¼ Σ_j D_jj s_i[T_j]²`` of unclipped
+    Babai / back-to-front GPTQ, with ``H_d`` the damped Hessian and D from its LDLᵀ in
+    Babai's order ``order`` (for ``gptq(order=p)`` pass ``p.flip(0)``; named heuristics
+    match both). ``scales``: ``[out, ngroups]`` with ``group_size``, or a scalar. → ``[out]``."""
+    from .scales import expand
+
+    T = resolve_order(order, H, damp, babai=True)
+    D = ldl_diag(H, T, damp)
+    D_col = torch.empty_like(D)
+    D_col[T] = D
+    rows = 1 if scales.dim() == 0 else scales.shape[0]
+    return bound_from_d(D_col, expand(scales, group_size, (rows, H.shape[0])))
+
+
+def layer_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, damp: float = 0.0) -> torch.Tensor:
+    """Per-row ``(q_i - w_i)ᵀ (H + λI) (q_i - w_i)`` with λ = damp · mean diag H → ``[out]``."""
+    E = (Q.double() - W.double())
+    Hd = damped(H, damp) if damp else H.double()
+    return ((E @ Hd) * E).sum(1)

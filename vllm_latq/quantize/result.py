@@ -1,0 +1,70 @@
+"""What every solver returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CSR:
+    """Sparse outliers of an ``[out, in]`` matrix in compressed-sparse-row form:
+    ``crow`` int32 ``[out+1]``, ``col`` int32 ``[nnz]`` (original column indices, sorted
+    within a row), ``val`` fp16 ``[nnz]``."""
+    crow: torch.Tensor
+    col: torch.Tensor
+    val: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, values: torch.Tensor) -> "CSR":
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major: already CSR order
+        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
+        crow[1:] = torch.cumsum(mask.sum(1), 0)
+        return cls(crow, cols.int(), values[rows, cols].half(), tuple(mask.shape))
+
+    @property
+    def nnz(self) -> int:
+        return self.col.numel()
+
+    def to_dense(self) -> torch.Tensor:
+        """fp32 ``[out, in]`` with the outlier values, zeros elsewhere."""
+        out = torch.zeros(self.shape)
+        rows = torch.repeat_interleave(torch.arange(self.shape[0]), (self.crow[1:] - self.crow[:-1]).long())
+        out[rows, self.col.long()] = self.val.float()
+        return out
+
+
+@dataclass
+class QuantResult:
+    """A quantized ``[out, in]`` matrix.
+
+    z: int32 ``[out, in]`` integers (for SSQR 0 where a weight is an outlier).
+    q: fp32 ``[out, in]`` dequantized weights = z·s (+ outliers), exactly what a checkpoint
+       loader reconstructs.
+    scales: ``[out, ngroups]`` group scales (fp16-exact) or a 0-d per-matrix scale.
+    order: the processing sequence actually used (GPTQ frame: ``order[0]`` processed first).
+    bound: per-row certificate ¼ Σ D s² (unclipped solvers only), against the Hessian damped
+       with ``damp``; ``error(W, H)`` gives the measured left-hand side.
+    """
+    method: str
+    z: torch.Tensor
+    q: torch.Tensor
+    scales: torch.Tensor
+    group_size: int | None
+    bits: int | None
+    bits_per_weight: float
+    order: torch.Tensor | None = None
+    damp: float | None = None
+    bound: torch.Tensor | None = None
+    outliers: CSR | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def outlier_rate(self) -> float:
+        return 0.0 if self.outliers is None else self.outliers.nnz / self.z.numel()
+
+    def error(self, W: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+        """Measured per-row ``(q_i - w_i)ᵀ H_d (q_i - w_i)`` with the damping this result used."""
+        from .lattice import layer_error
+        return layer_error(W, self.q, H, self.damp or 0.0)

@@ -1,0 +1,91 @@
+"""Quantization scales, fixed before any sweep (static groups, as in the paper).
+
+Shapes: ``W`` is ``[out, in]``; group scales are ``[out, ngroups]`` with
+``ngroups = ceil(in / group_size)`` (the last group may be ragged); a per-matrix
+scale is a 0-d tensor. Scales are rounded to fp16 here, once, because that is
+what checkpoints store: the dequantized weights seen by every algorithm are then
+exactly the ones a loader reconstructs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP16_MAX = 65504.0
+FP16_TINY = 2.0**-14  # smallest normal fp16; a zero group gets this scale
+
+
+def grid(bits: int) -> tuple[int, int]:
+    """The signed b-bit grid ``[-2^(b-1), 2^(b-1)-1]``."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in 2..8, got {bits}")
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def num_groups(columns: int, group_size: int) -> int:
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    return math.ceil(columns / group_size)
+
+
+def _grouped(W: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[out, in]`` → ``[out, ngroups, group_size]``, the ragged tail padded with zeros
+    (a zero rounds to zero, so padding never changes a scale or an error)."""
+    r, c = W.shape
+    G = num_groups(c, group_size)
+    pad = G * group_size - c
+    if pad:
+        W = torch.nn.functional.pad(W, (0, pad))
+    return W.reshape(r, G, group_size)
+
+
+def to_fp16_grid(s: torch.Tensor, what: str = "scale") -> torch.Tensor:
+    """Round scales to fp16 (kept as fp32 tensors); refuse scales fp16 cannot hold."""
+    if not torch.isfinite(s).all() or (s.abs() > FP16_MAX).any():
+        raise ValueError(f"{what} exceeds the fp16 range (|s| > {FP16_MAX}): weights too large to store")
+    return s.clamp(min=FP16_TINY).half().float()
+
+
+def absmax_scales(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Smallest per-group scale that puts every weight of the group on the clipped grid."""
+    qmin, qmax = grid(bits)
+    Wg = _grouped(W.float(), group_size)
+    return torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin)
+
+
+def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, grid_points: int = 40,
+               min_shrink: float = 0.2, row_chunk: int = 1024) -> torch.Tensor:
+    """Per-group scales minimising the clipped-RTN squared error: absmax shrunk by the best
+    factor in ``linspace(1, min_shrink, grid_points)``, searched per group. Returns fp16-exact
+    ``[out, ngroups]`` fp32."""
+    qmin, qmax = grid(bits)
+    out = []
+    for Wc in W.float().split(row_chunk):  # bounds the [rows, G, g] temporaries
+        Wg = _grouped(Wc, group_size)
+        base = to_fp16_grid(torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin))
+        best_s, best_err = base, None
+        for shrink in torch.linspace(1.0, min_shrink, grid_points).tolist():
+            s = to_fp16_grid(base * shrink)
+            err = ((torch.round(Wg / s[..., None]).clamp_(qmin, qmax) * s[..., None] - Wg) ** 2).sum(-1)
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best_s = torch.where(better, s, best_s)
+            best_err = torch.where(better, err, best_err)
+        out.append(best_s)
+    return torch.cat(out)
+
+
+def matrix_scale(W: torch.Tensor, bits: float) -> torch.Tensor:
+    """One scalar per matrix: ``max|W| / 2^(b-1)`` (a b-bit grid over the full range), the
+    starting point of the HPTQ/HRTN scale search."""
+    return to_fp16_grid(W.float().abs().max() / 2 ** (bits - 1)).reshape(())
+
+
+def expand(scales: torch.Tensor, group_size: int | None, shape: tuple[int, int]) -> torch.Tensor:
+    """Per-weight scales ``[out, in]`` from group scales ``[out, ngroups]`` (or a scalar)."""
+    if scales.dim() == 0:
+        return scales.expand(shape)
+    return scales.repeat_interleave(group_size, dim=1)[:, : shape[1]]

@@ -1,0 +1,105 @@
+"""One-dimensional scale search shared by SSQR, HPTQ and HRTN (paper Alg. 9/11/12).
+
+All three scale fixed reference scales ``S0`` by one multiplier α and look for the α
+whose metric (outlier rate, or Huffman bits/weight) is at most ``target`` and within
+``tol`` of it; the metric falls as α grows. The paper bisects with one full solver run
+per step. Rows of W are quantized independently, so we bisect k-ary instead: each round
+runs one sweep over a stacked batch of ``grid`` copies of a fixed sample of rows, each
+copy with its own α (one Python loop over columns serves them all). A few full-matrix
+runs then settle the exact target. Cost ≈ 1 full run of sampled rounds + 1-2 full runs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .scales import expand, to_fp16_grid
+
+Run = Callable[[torch.Tensor, torch.Tensor], object]      # (W rows, per-weight scales) → sweep
+Metric = Callable[[object, int], list]                   # (sweep of k stacked copies, k) → k values
+
+
+def scaled(S0: torch.Tensor, alpha: float) -> torch.Tensor:
+    return to_fp16_grid(S0 * alpha)
+
+
+def _rows(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return S0 if S0.dim() == 0 else S0[idx]
+
+
+def scale_search(W: torch.Tensor, S0: torch.Tensor, group_size: int | None, run: Run, metric: Metric,
+                 target: float, tol: float, *, sample_rows: int | None = None, grid: int = 12, rounds: int = 3,
+                 span: float = 16.0, max_full: int = 10, seed: int = 0):
+    """→ ``(alpha, metric_value, sweep, log)`` for the full matrix with metric ≤ target
+    (if any α up to the search limit reaches it) and as close to it as found."""
+    r, c = W.shape
+    log = []
+    gen = torch.Generator().manual_seed(seed)
+    # ~1/32 of the rows (≥ 16, ≤ 128): a round of `grid` copies costs ≈ 1/3 of a full run.
+    n = sample_rows or min(128, max(16, r // 32))
+    idx = torch.randperm(r, generator=gen)[: min(r, n)].sort().values
+    Ws = W[idx]
+
+    def sampled(alphas):
+        S = torch.cat([expand(scaled(_rows(S0, idx), a), group_size, tuple(Ws.shape)) for a in alphas])
+        vals = metric(run(Ws.repeat(len(alphas), 1), S), len(alphas))
+        log.extend(("sample", a, v) for a, v in zip(alphas, vals))
+        return vals
+
+    # Stage 1: k-ary bracketing on the row sample; aim half a tolerance below the target so
+    # the full matrix usually lands inside [target - tol, target] at the first full run.
+    aim = target - tol / 2 if target > tol else target  # a zero target must stay reachable
+    lo, hi = 1.0 / span, span
+    for _ in range(rounds + 8):  # extra rounds only when the bracket must move
+        alphas = torch.logspace(math.log10(lo), math.log10(hi), grid).tolist()
+        vals = sampled(alphas)
+        ok = [i for i, v in enumerate(vals) if v <= aim]
+        if not ok:
+            lo, hi = hi, hi * span
+        elif ok[0] == 0:
+            if lo < 1e-6:
+                break
+            lo, hi = lo / span, lo
+        else:
+            lo, hi = alphas[ok[0] - 1], alphas[ok[0]]
+            rounds -= 1
+            if rounds == 0:
+                break
+
+    # Stage 2: full-matrix runs from the sampled estimate: expand to a bracket, then bisect.
+    def full(a):
+        S = expand(scaled(S0, a), group_size, tuple(W.shape))
+        sw = run(W, S)
+        v = metric(sw, 1)[0]
+        log.append(("full", a, v))
+        return v, sw
+
+    a = hi
+    best = None    # (alpha, value, sweep): the smallest alpha seen with value ≤ target
+    above = None   # the largest alpha seen with value > target
+    step = 1.02
+    for _ in range(max_full):
+        v, sw = full(a)
+        if v <= target:
+            if best is None or a < best[0]:
+                best = (a, v, sw)
+            if target - v <= tol:
+                break
+        else:
+            above = a if above is None else max(above, a)
+        if best is not None and above is not None:
+            a = math.sqrt(best[0] * above)
+        else:
+            a = best[0] / step if best is not None else above * step
+            step *= step  # widen geometrically until the target is bracketed
+    for _ in range(40):  # never under target yet: grow α (the metric falls as z → 0)
+        if best is not None:
+            return best[0], best[1], best[2], log
+        a *= 2
+        v, sw = full(a)
+        if v <= target:
+            best = (a, v, sw)
+    raise ValueError(f"target {target} is unreachable: the metric stays at {v:.4g} even with "
+                     f"scales {a:.3g}x the reference")

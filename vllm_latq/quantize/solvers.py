@@ -1,0 +1,242 @@
+"""RTN, GPTQ (front-to-back, lazy batch) and Babai's nearest plane (back-to-front).
+
+Both sweeps work on transposed ``[in, out]`` copies so that one input column — the unit
+of the sequential dependency — is a contiguous vector of all output rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import lattice
+from .result import CSR, QuantResult
+from .scales import expand, grid, mse_scales, num_groups
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The rounding step. ``qmin is None``: unclipped integers. ``outliers``: SSQR — an
+    integer off the b-bit grid becomes an outlier stored as the updated weight in fp16
+    (rounding error ≈ 0, so the certificate still holds) and 0 in the dense part."""
+    qmin: int | None = None
+    qmax: int | None = None
+    outliers: bool = False
+
+    @classmethod
+    def of(cls, bits: int | None, clip: bool, outliers: bool = False) -> "Grid":
+        if bits is None or not (clip or outliers):
+            return cls()
+        return cls(*grid(bits), outliers)
+
+    def __call__(self, omega: torch.Tensor, s: torch.Tensor):
+        z = torch.round(omega / s)
+        if self.qmin is None:
+            return z, z * s, None
+        if not self.outliers:
+            z.clamp_(self.qmin, self.qmax)
+            return z, z * s, None
+        out = (z < self.qmin) | (z > self.qmax)
+        z.masked_fill_(out, 0.0)
+        return z, torch.where(out, omega.half().to(omega.dtype), z * s), out
+
+
+@dataclass
+class Sweep:
+    """Sweep output in original column order, ``[out, in]``."""
+    z: torch.Tensor
+    q: torch.Tensor
+    outlier: torch.Tensor | None
+    rho: torch.Tensor | None  # the rounded argument ω/s, for tie analysis
+
+
+def _compute_dtype(W: torch.Tensor) -> torch.dtype:
+    return torch.float64 if W.dtype == torch.float64 else torch.float32
+
+
+def _unpermute(xt: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | None:
+    """``[in, out]`` rows in processing order → ``[out, in]`` in original column order."""
+    if xt is None:
+        return None
+    out = torch.empty_like(xt)
+    out[perm] = xt
+    return out.T.contiguous()
+
+
+# ----------------------------------------------------------------------------- GPTQ
+
+@dataclass
+class GPTQLattice:
+    """Everything GPTQ needs from H, computed once (SSQR/HPTQ reuse it for every search step).
+    ``perm``: processing order; ``U``: upper factor with ``U ᵀU = (H_d)_pp⁻¹``;
+    ``D_col``: LDL diagonal of the matching Babai order, indexed by original column."""
+    perm: torch.Tensor
+    U: torch.Tensor
+    D_col: torch.Tensor
+    damp: float
+
+
+def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> GPTQLattice:
+    p = lattice.resolve_order(order, H, damp, babai=False)
+    # GPTQ's factor of H⁻¹ via one Cholesky: with J the reversal, chol(J H_pp J) = J R J where
+    # H_pp = R Rᵀ (R upper), and (H_pp)⁻¹ = R⁻ᵀR⁻¹, so U = R⁻¹. This is Babai's factor of the
+    # reversed order, inverted — the equivalence in one line.
+    Lrev, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name)
+    R = Lrev.flip(0, 1)
+    U = torch.linalg.solve_triangular(R, torch.eye(R.shape[0], dtype=R.dtype), upper=True)
+    D_col = torch.empty(len(p), dtype=torch.float64)
+    D_col[p] = U.diagonal() ** -2
+    return GPTQLattice(p, U.to(device=H.device, dtype=dtype), D_col.to(H.device), damp_used)
+
+
+def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, S: torch.Tensor, rounder: Grid,
+               block_size: int = 128, keep_rho: bool = False) -> Sweep:
+    """Paper Alg. 1 in GPTQ's lazy-batch form. ``W``, ``S``: ``[out, in]`` weights and
+    per-weight scales (``S`` may be an expanded view)."""
+    p, U = lat.perm, lat.U
+    dt = U.dtype
+    Wt = W.T[p].to(dt).contiguous()                # [in, out], processing order
+    St = S.T[p].to(dt)
+    c, r = Wt.shape
+    Zt, Qt = torch.empty_like(Wt), torch.empty_like(Wt)
+    Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
+    Rt = torch.empty_like(Wt) if keep_rho else None
+    d = U.diagonal()
+    for i1 in range(0, c, block_size):
+        i2 = min(i1 + block_size, c)
+        E = torch.empty(i2 - i1, r, dtype=dt)
+        for j in range(i1, i2):
+            w = Wt[j]
+            z, q, o = rounder(w, St[j])
+            Zt[j], Qt[j] = z, q
+            if o is not None:
+                Ot[j] = o
+            if Rt is not None:
+                Rt[j] = w / St[j]
+            e = (w - q) / d[j]
+            Wt[j + 1:i2].addr_(U[j, j + 1:i2], e, alpha=-1)   # in-block update
+            E[j - i1] = e
+        Wt[i2:].addmm_(U[i1:i2, i2:].T, E, alpha=-1)          # lazy trailing update
+    return Sweep(_unpermute(Zt, p), _unpermute(Qt, p), _unpermute(Ot, p), _unpermute(Rt, p))
+
+
+# ----------------------------------------------------------------------------- Babai
+
+def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, S: torch.Tensor, rounder: Grid,
+                block_size: int = 128, keep_rho: bool = False) -> Sweep:
+    """Paper v1 Alg. 3, blocked: ``Y = A Wᵀ``; for j = c..1: ``ω = Y_j / A_jj``, round,
+    ``Y -= A[:, j] ⊗ q``. A is upper, so a block only updates rows above it; the rest of
+    ``Y`` is updated once per block by a GEMM."""
+    dt = A.dtype
+    Wt = W.T[T].to(dt)
+    St = S.T[T].to(dt)
+    c, r = Wt.shape
+    Y = A @ Wt
+    Zt, Qt = torch.empty_like(Y), torch.empty_like(Y)
+    Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
+    Rt = torch.empty_like(Y) if keep_rho else None
+    a = A.diagonal()
+    for j1 in range(c, 0, -block_size):
+        j0 = max(j1 - block_size, 0)
+        for j in range(j1 - 1, j0 - 1, -1):
+            omega = Y[j] / a[j]
+            z, q, o = rounder(omega, St[j])
+            Zt[j], Qt[j] = z, q
+            if o is not None:
+                Ot[j] = o
+            if Rt is not None:
+                Rt[j] = omega / St[j]
+            Y[j0:j].addr_(A[j0:j, j], q, alpha=-1)
+        Y[:j0].addmm_(A[:j0, j0:j1], Qt[j0:j1], alpha=-1)
+    return Sweep(_unpermute(Zt, T), _unpermute(Qt, T), _unpermute(Ot, T), _unpermute(Rt, T))
+
+
+# ----------------------------------------------------------------------------- public API
+
+def dense_bits(z: torch.Tensor, bits: int | None, clip: bool, group_size: int | None, n_scales: int) -> float:
+    """Storage cost of fixed-width integers + fp16 scales. Unclipped integers need
+    ``ceil(log2(range))`` bits to be stored at a fixed width, whatever ``bits`` was asked."""
+    if clip and bits is not None:
+        width = bits
+    else:
+        span = int(z.max().item() - z.min().item()) + 1 if z.numel() else 1
+        width = max(1, math.ceil(math.log2(span)))
+    return width + 16 * n_scales / z.numel()
+
+
+def _scales_for(W, bits, group_size, scales):
+    if scales is not None:
+        return scales.float(), (None if scales.dim() == 0 else group_size)
+    return mse_scales(W, bits, group_size), group_size
+
+
+def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col, W) -> QuantResult:
+    S = expand(scales, group_size, tuple(W.shape))
+    bound = None if clip or D_col is None else lattice.bound_from_d(D_col, S)
+    n_scales = 1 if scales.dim() == 0 else scales.numel()
+    res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
+                      dense_bits(sw.z, bits, clip, group_size, n_scales), perm, damp, bound)
+    if sw.rho is not None:
+        res.info["rho"] = sw.rho
+    return res
+
+
+@torch.no_grad()
+def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_size: int = 128,
+        clip: bool = True, scales: torch.Tensor | None = None, name: str | None = None) -> QuantResult:
+    """Round-to-nearest with MSE group scales. ``H`` is accepted for a uniform signature and
+    only validated: RTN ignores it. ``W`` ``[out, in]``."""
+    lattice.check_inputs(W, H, name)
+    scales, group_size = _scales_for(W, bits, group_size, scales)
+    S = expand(scales, group_size, tuple(W.shape))
+    z, q, _ = Grid.of(bits, clip)(W.float(), S)
+    return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W)
+
+
+@torch.no_grad()
+def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
+         damp: float = 0.01, clip: bool = True, scales: torch.Tensor | None = None,
+         block_size: int = 128, keep_rho: bool = False, name: str | None = None) -> QuantResult:
+    """GPTQ (paper Alg. 1): columns processed first-to-last in ``order`` (a name from
+    ``lattice.ORDERS`` or a permutation), each rounded and its error spread over the
+    unprocessed columns through the Cholesky factor of ``H⁻¹``.
+
+    W ``[out, in]``; H ``[in, in]`` (= XᵀX, undamped; λ = damp·mean diag H is added).
+    ``clip=False`` rounds to unbounded integers and fills ``.bound`` (the certificate).
+    ``scales`` (``[out, ngroups]`` or a scalar) overrides the MSE group scales.
+    ``keep_rho`` keeps the rounded arguments ω/s in ``info["rho"]``.
+    """
+    lattice.check_inputs(W, H, name)
+    scales, group_size = _scales_for(W, bits, group_size, scales)
+    lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
+    S = expand(scales, group_size, tuple(W.shape))
+    sw = gptq_sweep(lat, W, S, Grid.of(bits, clip), block_size, keep_rho)
+    return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W)
+
+
+@torch.no_grad()
+def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
+          damp: float = 0.01, clip: bool = False, scales: torch.Tensor | None = None,
+          block_size: int = 128, keep_rho: bool = False, name: str | None = None) -> QuantResult:
+    """Babai's nearest plane (paper v1 Alg. 3), batched over output rows: back-to-front on
+    the upper Cholesky factor A of the damped, permuted Hessian (AᵀA = TᵀH_dT).
+
+    ``order`` is Babai's Gram-Schmidt order T (processed ``T[-1]`` first); ``babai(order=p.
+    flip(0))`` returns the same integers as ``gptq(order=p)``. Unclipped by default, which
+    is where the certificate ``.bound`` holds. Other arguments as in :func:`gptq`."""
+    lattice.check_inputs(W, H, name)
+    scales, group_size = _scales_for(W, bits, group_size, scales)
+    T = lattice.resolve_order(order, H, damp, babai=True)
+    L, damp_used = lattice.cholesky(H.cpu(), damp, T, name)
+    A = L.T.to(device=W.device, dtype=_compute_dtype(W))
+    S = expand(scales, group_size, tuple(W.shape))
+    sw = babai_sweep(A, T, W, S, Grid.of(bits, clip), block_size, keep_rho)
+    D_col = torch.empty(len(T), dtype=torch.float64)
+    D_col[T] = L.diagonal() ** 2
+    return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, D_col, W)
+
+
+__all__ = ["Grid", "Sweep", "GPTQLattice", "gptq_lattice", "gptq_sweep", "babai_sweep",
+           "rtn", "gptq", "babai", "num_groups", "CSR"]
