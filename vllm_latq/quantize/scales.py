@@ -55,25 +55,26 @@ def absmax_scales(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 
 def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, grid_points: int = 40,
-               min_shrink: float = 0.2, row_chunk: int = 1024) -> torch.Tensor:
+               min_shrink: float = 0.2, row_chunk: int = 128) -> torch.Tensor:
     """Per-group scales minimising the clipped-RTN squared error: absmax shrunk by the best
     factor in ``linspace(1, min_shrink, grid_points)``, searched per group. Returns fp16-exact
     ``[out, ngroups]`` fp32."""
     qmin, qmax = grid(bits)
+    shrinks = torch.linspace(1.0, min_shrink, grid_points).tolist()
     out = []
-    for Wc in W.float().split(row_chunk):  # bounds the [rows, G, g] temporaries
+    for Wc in W.float().split(row_chunk):  # small chunks: the temporaries stay in cache
         Wg = _grouped(Wc, group_size)
         base = to_fp16_grid(torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin))
         best_s, best_err = base, None
-        for shrink in torch.linspace(1.0, min_shrink, grid_points).tolist():
+        buf = torch.empty_like(Wg)
+        for shrink in shrinks:
             s = to_fp16_grid(base * shrink)
-            err = ((torch.round(Wg / s[..., None]).clamp_(qmin, qmax) * s[..., None] - Wg) ** 2).sum(-1)
-            if best_err is None:
-                best_err = err
-                continue
-            better = err < best_err
-            best_s = torch.where(better, s, best_s)
-            best_err = torch.where(better, err, best_err)
+            torch.div(Wg, s[..., None], out=buf).round_().clamp_(qmin, qmax).mul_(s[..., None]).sub_(Wg)
+            err = torch.linalg.vecdot(buf, buf)
+            if best_err is not None:
+                s = torch.where(err < best_err, s, best_s)
+                err = torch.minimum(err, best_err)
+            best_s, best_err = s, err
         out.append(best_s)
     return torch.cat(out)
 

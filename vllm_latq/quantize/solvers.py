@@ -30,16 +30,22 @@ class Grid:
             return cls()
         return cls(*grid(bits), outliers)
 
-    def __call__(self, omega: torch.Tensor, s: torch.Tensor):
-        z = torch.round(omega / s)
+    def __call__(self, omega: torch.Tensor, s: torch.Tensor, z: torch.Tensor, q: torch.Tensor):
+        """Round ``omega`` on scales ``s`` into ``z`` and ``q = z·s`` (written in place: this
+        runs once per column); returns the outlier mask or None."""
+        torch.div(omega, s, out=z).round_()
         if self.qmin is None:
-            return z, z * s, None
+            torch.mul(z, s, out=q)
+            return None
         if not self.outliers:
             z.clamp_(self.qmin, self.qmax)
-            return z, z * s, None
+            torch.mul(z, s, out=q)
+            return None
         out = (z < self.qmin) | (z > self.qmax)
         z.masked_fill_(out, 0.0)
-        return z, torch.where(out, omega.half().to(omega.dtype), z * s), out
+        torch.mul(z, s, out=q)
+        q[out] = omega[out].half().to(omega.dtype)
+        return out
 
 
 @dataclass
@@ -69,7 +75,7 @@ def _unpermute(xt: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | No
 @dataclass
 class GPTQLattice:
     """Everything GPTQ needs from H, computed once (SSQR/HPTQ reuse it for every search step).
-    ``perm``: processing order; ``U``: upper factor with ``U ᵀU = (H_d)_pp⁻¹``;
+    ``perm``: processing order; ``U``: upper factor with ``UᵀU = (H_d)_pp⁻¹``;
     ``D_col``: LDL diagonal of the matching Babai order, indexed by original column."""
     perm: torch.Tensor
     U: torch.Tensor
@@ -83,42 +89,52 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     # GPTQ's factor of H⁻¹ via one Cholesky: with J the reversal, chol(J H_pp J) = J R J where
     # H_pp = R Rᵀ (R upper), and (H_pp)⁻¹ = R⁻ᵀR⁻¹, so U = R⁻¹. This is Babai's factor of the
     # reversed order, inverted — the equivalence in one line.
-    Lrev, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name)
-    R = Lrev.flip(0, 1)
-    U = torch.linalg.solve_triangular(R, torch.eye(R.shape[0], dtype=R.dtype), upper=True)
+    Lrev, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name, dtype=dtype)
+    U = lattice.tri_inv_upper(Lrev.flip(0, 1).contiguous())
     D_col = torch.empty(len(p), dtype=torch.float64)
-    D_col[p] = U.diagonal() ** -2
-    return GPTQLattice(p, U.to(device=H.device, dtype=dtype), D_col.to(H.device), damp_used)
+    D_col[p] = U.diagonal().double() ** -2
+    return GPTQLattice(p, U.to(H.device), D_col.to(H.device), damp_used)
+
+
+INNER = 16  # columns rounded between rank-k updates: keeps the rank-1 work in cache
+
+
+def _outputs(c, r, dt, rounder, keep_rho):
+    Zt, Qt = torch.empty(c, r, dtype=dt), torch.empty(c, r, dtype=dt)
+    Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
+    Rt = torch.empty(c, r, dtype=dt) if keep_rho else None
+    return Zt, Qt, Ot, Rt
 
 
 def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, S: torch.Tensor, rounder: Grid,
                block_size: int = 128, keep_rho: bool = False) -> Sweep:
-    """Paper Alg. 1 in GPTQ's lazy-batch form. ``W``, ``S``: ``[out, in]`` weights and
-    per-weight scales (``S`` may be an expanded view)."""
+    """Paper Alg. 1 in GPTQ's lazy-batch form, two-level: the error of each column goes to
+    the rest of its 16-column sub-block at once (rank-1), to the rest of its block per
+    sub-block (rank-16 GEMM), and to all later columns per block (rank-``block_size``
+    GEMM). ``W``, ``S``: ``[out, in]`` weights and per-weight scales (``S`` may be a view)."""
     p, U = lat.perm, lat.U
     dt = U.dtype
-    Wt = W.T[p].to(dt).contiguous()                # [in, out], processing order
+    Wt = W.T[p].to(dt).contiguous()                 # [in, out], processing order
     St = S.T[p].to(dt)
     c, r = Wt.shape
-    Zt, Qt = torch.empty_like(Wt), torch.empty_like(Wt)
-    Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
-    Rt = torch.empty_like(Wt) if keep_rho else None
-    d = U.diagonal()
+    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
+    dinv = (1.0 / U.diagonal()).tolist()
+    E = torch.empty(c, r, dtype=dt)                  # scaled errors (w - q) / U_jj
     for i1 in range(0, c, block_size):
         i2 = min(i1 + block_size, c)
-        E = torch.empty(i2 - i1, r, dtype=dt)
-        for j in range(i1, i2):
-            w = Wt[j]
-            z, q, o = rounder(w, St[j])
-            Zt[j], Qt[j] = z, q
-            if o is not None:
-                Ot[j] = o
-            if Rt is not None:
-                Rt[j] = w / St[j]
-            e = (w - q) / d[j]
-            Wt[j + 1:i2].addr_(U[j, j + 1:i2], e, alpha=-1)   # in-block update
-            E[j - i1] = e
-        Wt[i2:].addmm_(U[i1:i2, i2:].T, E, alpha=-1)          # lazy trailing update
+        for k1 in range(i1, i2, INNER):
+            k2 = min(k1 + INNER, i2)
+            for j in range(k1, k2):
+                w = Wt[j]
+                if Rt is not None:
+                    torch.div(w, St[j], out=Rt[j])
+                o = rounder(w, St[j], Zt[j], Qt[j])
+                if o is not None:
+                    Ot[j] = o
+                torch.sub(w, Qt[j], out=E[j]).mul_(dinv[j])
+                Wt[j + 1:k2].addr_(U[j, j + 1:k2], E[j], alpha=-1)
+            Wt[k2:i2].addmm_(U[k1:k2, k2:i2].T, E[k1:k2], alpha=-1)
+        Wt[i2:].addmm_(U[i1:i2, i2:].T, E[i1:i2], alpha=-1)
     return Sweep(_unpermute(Zt, p), _unpermute(Qt, p), _unpermute(Ot, p), _unpermute(Rt, p))
 
 
@@ -127,28 +143,28 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, S: torch.Tensor, rounder: Grid
 def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, S: torch.Tensor, rounder: Grid,
                 block_size: int = 128, keep_rho: bool = False) -> Sweep:
     """Paper v1 Alg. 3, blocked: ``Y = A Wᵀ``; for j = c..1: ``ω = Y_j / A_jj``, round,
-    ``Y -= A[:, j] ⊗ q``. A is upper, so a block only updates rows above it; the rest of
-    ``Y`` is updated once per block by a GEMM."""
+    ``Y -= A[:, j] ⊗ q``. A is upper, so a (sub-)block only updates rows above it: rank-1
+    inside 16-row sub-blocks, GEMMs for the rest of the block and for all rows above it."""
     dt = A.dtype
-    Wt = W.T[T].to(dt)
     St = S.T[T].to(dt)
-    c, r = Wt.shape
-    Y = A @ Wt
-    Zt, Qt = torch.empty_like(Y), torch.empty_like(Y)
-    Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
-    Rt = torch.empty_like(Y) if keep_rho else None
-    a = A.diagonal()
+    c, r = St.shape
+    Y = A @ W.T[T].to(dt)
+    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
+    ainv = (1.0 / A.diagonal()).tolist()
+    omega = torch.empty(r, dtype=dt)
     for j1 in range(c, 0, -block_size):
         j0 = max(j1 - block_size, 0)
-        for j in range(j1 - 1, j0 - 1, -1):
-            omega = Y[j] / a[j]
-            z, q, o = rounder(omega, St[j])
-            Zt[j], Qt[j] = z, q
-            if o is not None:
-                Ot[j] = o
-            if Rt is not None:
-                Rt[j] = omega / St[j]
-            Y[j0:j].addr_(A[j0:j, j], q, alpha=-1)
+        for k2 in range(j1, j0, -INNER):
+            k1 = max(k2 - INNER, j0)
+            for j in range(k2 - 1, k1 - 1, -1):
+                torch.mul(Y[j], ainv[j], out=omega)
+                if Rt is not None:
+                    torch.div(omega, St[j], out=Rt[j])
+                o = rounder(omega, St[j], Zt[j], Qt[j])
+                if o is not None:
+                    Ot[j] = o
+                Y[k1:j].addr_(A[k1:j, j], Qt[j], alpha=-1)
+            Y[j0:k1].addmm_(A[j0:k1, k1:k2], Qt[k1:k2], alpha=-1)
         Y[:j0].addmm_(A[:j0, j0:j1], Qt[j0:j1], alpha=-1)
     return Sweep(_unpermute(Zt, T), _unpermute(Qt, T), _unpermute(Ot, T), _unpermute(Rt, T))
 
@@ -191,7 +207,8 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     lattice.check_inputs(W, H, name)
     scales, group_size = _scales_for(W, bits, group_size, scales)
     S = expand(scales, group_size, tuple(W.shape))
-    z, q, _ = Grid.of(bits, clip)(W.float(), S)
+    z, q = torch.empty(W.shape), torch.empty(W.shape)
+    Grid.of(bits, clip)(W.float(), S, z, q)
     return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W)
 
 
@@ -229,12 +246,12 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     lattice.check_inputs(W, H, name)
     scales, group_size = _scales_for(W, bits, group_size, scales)
     T = lattice.resolve_order(order, H, damp, babai=True)
-    L, damp_used = lattice.cholesky(H.cpu(), damp, T, name)
-    A = L.T.to(device=W.device, dtype=_compute_dtype(W))
+    L, damp_used = lattice.cholesky(H.cpu(), damp, T, name, dtype=_compute_dtype(W))
+    A = L.T.contiguous().to(W.device)
     S = expand(scales, group_size, tuple(W.shape))
     sw = babai_sweep(A, T, W, S, Grid.of(bits, clip), block_size, keep_rho)
     D_col = torch.empty(len(T), dtype=torch.float64)
-    D_col[T] = L.diagonal() ** 2
+    D_col[T] = L.diagonal().double() ** 2
     return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, D_col, W)
 
 

@@ -1,0 +1,518 @@
+"""The offline pipeline: a Hugging Face causal LM → a latq checkpoint, block by block.
+
+Sequential calibration (the standard GPTQ pipeline): the inputs of decoder block 0 are
+captured once; then for every block i
+
+1. its weights are loaded from the source safetensors (only this block is in memory),
+2. the Hessians ``XᵀX`` of all its linears are accumulated in fp64 over every calibration
+   sequence (linears fed the same tensor — q/k/v, gate/up — share one Hessian),
+3. every linear is quantized and its weight replaced by the dequantized result,
+4. the block is run again: its outputs, computed by the *quantized* block, are the inputs of
+   block i+1,
+5. the block's shard is written (with the activations and progress, for ``--resume``).
+
+The keyword arguments a block receives from the model (position embeddings, attention masks:
+they differ per layer type in Gemma3) are captured from one real forward call per block, with
+the blocks replaced by catchers, and replayed. Everything is deterministic: the same source,
+options and seed give a byte-identical checkpoint, with or without an interruption.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import checkpoint as ckpt
+from .. import data
+from .. import format as fmt
+from .hessian import Hessian
+from .lattice import layer_error
+
+log = logging.getLogger("vllm_latq.quantize")
+
+STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
+TMP_SUFFIX = ".tmp-latq"
+PROGRESS_FILE = "latq_progress.json"
+ACTS_FILE = "latq_activations.safetensors"
+PIPELINE_VERSION = 1  # part of the resume fingerprint
+
+
+class SimulatedInterruption(RuntimeError):
+    """Raised after block k when ``stop_after_block=k`` (or ``$LATQ_STOP_AFTER_BLOCK=k``)."""
+
+
+@dataclass
+class QuantizeOptions:
+    method: str = "ssqr"
+    bits: int = 4
+    group_size: int = 128
+    outlier_rate: float = 0.01
+    target_bits: float = 3.125
+    order: str = "act"
+    damp: float = 0.01
+    calib: str = "wiki"
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self):
+        fmt.kind_of(self.method)  # FormatError for an unknown method
+        if self.order not in ("act", "min-pivot", "natural"):
+            raise ValueError(f"order must be act, min-pivot or natural, got {self.order!r}")
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 2..8, got {self.bits}")
+        if self.group_size < 1:
+            raise ValueError(f"group size must be positive, got {self.group_size}")
+        if not 0 <= self.outlier_rate < 1:
+            raise ValueError(f"outlier rate must be in [0, 1), got {self.outlier_rate}")
+        if self.target_bits <= 1:
+            raise ValueError(f"target bits must exceed 1, got {self.target_bits}")
+        if self.damp < 0:
+            raise ValueError(f"damp must be >= 0, got {self.damp}")
+
+    @property
+    def kind(self) -> str:
+        return fmt.kind_of(self.method)
+
+    def solver_kwargs(self) -> dict:
+        m = self.method
+        if m == "ssqr":
+            return dict(bits=self.bits, group_size=self.group_size, outlier_rate=self.outlier_rate,
+                        order=self.order, damp=self.damp)
+        if m == "hptq":
+            return dict(target_bits=self.target_bits, order=self.order, damp=self.damp)
+        if m == "hrtn":
+            return dict(target_bits=self.target_bits)
+        if m == "rtn":
+            return dict(bits=self.bits, group_size=self.group_size)
+        # gptq and babai: the clipped baselines (babai = clipped Babai ≡ GPTQ in reversed order)
+        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True)
+
+    def quantization_config(self, modules_not_converted) -> dict:
+        return fmt.quantization_config(
+            self.method, bits=self.bits, group_size=self.group_size, outlier_rate=self.outlier_rate,
+            target_bits=self.target_bits, order=self.order, damp=self.damp,
+            modules_not_converted=modules_not_converted,
+            calibration={"source": _source_label(self.calib), "nsamples": self.nsamples,
+                         "seqlen": self.seqlen, "seed": self.seed})
+
+
+def _source_label(calib: str) -> str:
+    return "wiki" if str(calib) == "wiki" else Path(calib).name
+
+
+def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw):
+    """Run one solver (a name from ``format.METHODS``) → QuantResult."""
+    from . import babai, gptq, hptq, hrtn, rtn, ssqr
+    fn = {"ssqr": ssqr, "hptq": hptq, "gptq": gptq, "rtn": rtn, "hrtn": hrtn, "babai": babai}[method]
+    return fn(W, H, name=name, **kw)
+
+
+# ============================================================================ the source model
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """An HF model directory for ``spec``: a directory with config.json, a ``.gguf`` file
+    (converted once into ``cache_dir()/converted``), or a name from ``data.MODELS``."""
+    s = str(spec)
+    if s in data.MODELS:
+        return data.model_dir(s)
+    p = Path(s).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}")
+        st = p.resolve().stat()
+        key = hashlib.sha256(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        out = data.cache_dir() / "converted" / f"{p.stem}-{key}"
+        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+            return out
+        from filelock import FileLock
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(out) + ".lock"):
+            if not ((out / "config.json").is_file() and any(out.glob("*.safetensors"))):
+                log.info("converting %s to a Hugging Face directory in %s (once)", p, out)
+                data.convert_gguf(p, out)
+        return out
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} has no config.json: not a Hugging Face model directory")
+        return p
+    raise FileNotFoundError(f"model {s!r}: not a Hugging Face model directory, a .gguf file, or one of "
+                            f"{sorted(data.MODELS)}")
+
+
+class SourceWeights:
+    """Tensors of a safetensors HF directory, read one at a time (memory-mapped)."""
+
+    def __init__(self, d: Path):
+        from safetensors import safe_open
+        idx = d / ckpt.INDEX_FILE
+        if idx.is_file():
+            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        elif (d / ckpt.SINGLE_FILE).is_file():
+            files = [ckpt.SINGLE_FILE]
+        else:
+            raise FileNotFoundError(f"{d}: no safetensors weights (only safetensors sources are supported; "
+                                    "convert .bin checkpoints with transformers first)")
+        self.handles = {f: safe_open(str(d / f), framework="pt") for f in files}
+        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+# ============================================================================ block inputs
+
+class _Stop(Exception):
+    pass
+
+
+class _Catcher(torch.nn.Module):
+    """Stands in for decoder block ``i`` during the capture pass: records its inputs and
+    keyword arguments, returns the hidden states unchanged (or stops the forward)."""
+
+    def __init__(self, layer, i: int, store: dict, stop: bool):
+        super().__init__()
+        self.layer, self.i, self.store, self.stop = layer, i, store, stop
+
+    def __getattr__(self, name):  # models may read attributes of their blocks (attention_type, ...)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            raise ckpt.UnsupportedModelError("decoder blocks called with extra positional arguments")
+        self.store["hidden"].setdefault(self.i, hidden_states)
+        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+        self.store["kwargs"].setdefault(self.i, kw)
+        if self.stop:
+            raise _Stop
+        return hidden_states
+
+
+@torch.no_grad()
+def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: bool):
+    """Run the model's own forward on ``ids`` [1, seqlen] with the blocks replaced by
+    catchers → (input of block 0, {block: kwargs}); ``all_kwargs=False`` stops at block 0."""
+    store = {"hidden": {}, "kwargs": {}}
+    n = len(layers)
+    orig = list(layers)
+    for i in range(n):
+        layers[i] = _Catcher(orig[i], i, store, stop=(i == n - 1) or not all_kwargs)
+    try:
+        model.base_model(input_ids=ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for i in range(n):
+            layers[i] = orig[i]
+    if 0 not in store["hidden"]:
+        raise ckpt.UnsupportedModelError(f"{type(model).__name__}: the forward pass never reached decoder block 0")
+    return store["hidden"][0], store["kwargs"]
+
+
+def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    y = layer(x, **kwargs)
+    return y[0] if isinstance(y, (tuple, list)) else y
+
+
+# ============================================================================ Hessians
+
+class SharedHessians:
+    """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64. During the first
+    forward, linears that receive the very same input tensor (q/k/v, gate/up) are grouped and
+    share one Hessian; afterwards only each group's first member accumulates."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear]):
+        self.linears = linears
+        self.of: dict[str, Hessian] = {}
+        self.leader: dict[str, bool] = {}
+        self._call: list = []  # (input tensor, Hessian) seen in the current forward (keeps refs)
+        self.frozen = False
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in linears.items()]
+
+    def _hook(self, name):
+        def hook(mod, args):
+            x = args[0].detach()
+            if self.frozen:
+                if self.leader[name]:
+                    self.of[name].add(x)
+                return
+            for seen, hs in self._call:
+                if seen is x:
+                    self.of[name], self.leader[name] = hs, False
+                    return
+            hs = Hessian(mod.in_features, mod.weight.device)
+            hs.add(x)
+            self.of[name], self.leader[name] = hs, True
+            self._call.append((x, hs))
+        return hook
+
+    def end_forward(self):
+        if not self.frozen:
+            missing = set(self.linears) - set(self.of)
+            if missing:
+                raise RuntimeError(f"linears never called in a forward pass: {sorted(missing)}")
+            self.frozen = True
+            self._call = []
+
+    def groups(self) -> list[list[str]]:
+        out: dict[int, list[str]] = {}
+        for n in self.linears:
+            out.setdefault(id(self.of[n]), []).append(n)
+        return list(out.values())
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+# ============================================================================ the pipeline
+
+def _fingerprint(src: Path, opts: QuantizeOptions, sources: SourceWeights, config: dict) -> str:
+    """What must not change between an interrupted run and its ``--resume``."""
+    files = sorted((f, (src / f).stat().st_size) for f in sources.handles)
+    blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION,
+                       "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "device"},
+                       "source": str(src.resolve()), "files": files, "config": config}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _layer_stats(name, W, H, res, t, kind) -> dict:
+    """Per-layer record for latq_stats.json (deterministic: no timings)."""
+    num = layer_error(W, res.q, H).sum().item()
+    den = layer_error(W, torch.zeros_like(W), H).sum().item()
+    cert = None
+    if res.bound is not None:
+        err = res.error(W, H)
+        cert = (err / res.bound.clamp_min(1e-300)).max().item()
+    st = fmt.layer_stats(t, kind, tuple(W.shape))
+    return {"name": name, "method": res.method, "shape": list(W.shape), "bits": st["bits"],
+            "solver_bits": float(res.bits_per_weight), "outlier_rate": st["outlier_rate"],
+            "rel_error": num / den if den > 0 else 0.0, "cert": cert,
+            "damp": res.damp, "alpha": res.info.get("alpha")}
+
+
+def _log_line(s: dict) -> str:
+    cert = f"{s['cert']:.3f}" if s["cert"] is not None else "—"
+    return (f"{s['name']}: {s['method']} {s['bits']:.3f} bits/w, outliers {100 * s['outlier_rate']:.3f}%, "
+            f"rel.err {s['rel_error']:.3e}, cert {cert}")
+
+
+def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: QuantizeOptions | None = None, *,
+                   resume: bool = False, overwrite: bool = False, progress: bool = True,
+                   on_layer: Callable | None = None, stop_after_block: int | None = None,
+                   validate: bool = True) -> Path:
+    """Quantize ``model`` (see :func:`resolve_model`) into the checkpoint directory ``out``.
+
+    ``on_layer(name, W, H, result)`` is called for every quantized linear (tests).
+    ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is persisted
+    (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    opts = opts or QuantizeOptions()
+    if stop_after_block is None and os.environ.get(STOP_ENV):
+        stop_after_block = int(os.environ[STOP_ENV])
+    t_start = time.time()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
+    src = resolve_model(model)
+    raw_cfg = ckpt.config_dict(src)
+    if "quantization_config" in raw_cfg:
+        qm = raw_cfg["quantization_config"].get("quant_method", "?") if isinstance(raw_cfg["quantization_config"],
+                                                                                dict) else "?"
+        raise ValueError(f"{src} is already quantized (quant_method {qm!r}); start from a bf16/fp16/fp32 model")
+    config = ckpt.hf_config(raw_cfg)
+    ckpt.check_supported(config)
+    sources = SourceWeights(src)
+    device = torch.device(opts.device)
+
+    net = ckpt.empty_model(config, torch.float32)
+    prefix, layers = ckpt.decoder_layers(net)
+    nblocks = len(layers)
+    expected = dict(net.state_dict())
+    head = net.get_output_embeddings()
+    head_names = {n for n, m in net.named_modules() if m is head}
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [n for n in expected
+               if n not in sources.where and not (tied and n.rpartition(".")[0] in head_names)
+               and n in dict(net.named_parameters())]
+    if missing:
+        raise ValueError(f"{src}: tensors of the model are missing from its safetensors files: {missing[:4]}")
+    block_of = {}  # source tensor name -> block index
+    for n in sources.names():
+        if n.startswith(prefix + "."):
+            block_of[n] = int(n[len(prefix) + 1:].split(".")[0])
+    ignored = sorted(n for n in sources.names() if n not in expected)
+    if ignored:
+        log.warning("ignoring %d source tensors the model does not use: %s", len(ignored), ignored[:4])
+
+    # quantized = every linear inside a decoder block; the rest keeps its dtype
+    qlinears = {}
+    for i, layer in enumerate(layers):
+        qlinears[i] = list(ckpt.block_linears(layer, f"{prefix}.{i}"))
+    quantized = {n for names in qlinears.values() for n in names}
+    not_converted = sorted(n for n, m in net.named_modules()
+                           if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n not in quantized)
+
+    # ---------------------------------------------------------------- temp dir and resume state
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    fp = _fingerprint(src, opts, sources, raw_cfg)
+    state = None
+    if tmp.exists():
+        try:
+            state = json.loads((tmp / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            state = None
+        if resume and state is not None and state.get("fingerprint") != fp:
+            raise ValueError(f"{tmp} holds an interrupted run of a different model or options; remove it or "
+                             "rerun without --resume")
+        if not resume or state is None:
+            log.warning("removing stale partial output %s", tmp)
+            shutil.rmtree(tmp)
+            state = None
+    elif resume:
+        log.info("nothing to resume at %s: starting from block 0", tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    start = state["blocks_done"] if state else 0
+    stats: list[dict] = state["stats"] if state else []
+    nshards = nblocks + 1
+
+    tok = AutoTokenizer.from_pretrained(src)
+    calib = data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
+                                     source=opts.calib)
+
+    # ---------------------------------------------------------------- block-0 inputs, per-block kwargs
+    outside = [n for n in expected if n not in block_of and not n.rpartition(".")[0] in head_names
+               and n in dict(net.named_parameters())]
+    for n in outside:
+        ckpt.set_tensor(net, n, sources.get(n).to(device=device, dtype=torch.float32))
+    for m in net.modules():  # the real buffers (rotary frequencies, ...) go to the device
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = b.to(device)
+    with torch.no_grad():
+        if start == 0:
+            inps = torch.empty(len(calib), opts.seqlen, config.hidden_size, dtype=torch.float32, device=device)
+            kwargs = None
+            for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
+                          leave=False):
+                h, kw = capture(net, layers, calib[j:j + 1].to(device), all_kwargs=(j == 0))
+                inps[j] = h[0]
+                kwargs = kwargs or kw
+        else:
+            _, kwargs = capture(net, layers, calib[:1].to(device), all_kwargs=True)
+            acts = ckpt.SafetensorsFile(tmp / ACTS_FILE)
+            if acts.metadata.get("blocks_done") != str(start):
+                raise ValueError(f"{tmp / ACTS_FILE} does not match {PROGRESS_FILE}; rerun without --resume")
+            inps = acts.get("hidden").to(device)
+            log.info("resuming after block %d of %d", start - 1, nblocks)
+    ckpt.to_meta(net)  # embeddings are not needed any more
+    if len(kwargs) != nblocks:
+        raise ckpt.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {nblocks} decoder blocks")
+
+    # ---------------------------------------------------------------- blocks
+    bar = tqdm(range(start, nblocks), desc=f"{opts.method} blocks", unit="block", disable=not progress,
+               initial=start, total=nblocks)
+    for i in bar:
+        layer = layers[i]
+        bprefix = f"{prefix}.{i}."
+        names = [n for n in sources.names() if block_of.get(n) == i]
+        for n in names:
+            ckpt.set_tensor(net, n, sources.get(n).to(device=device, dtype=torch.float32))
+        linears = ckpt.block_linears(layer, f"{prefix}.{i}")
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs[i].items()}
+        outs = torch.empty_like(inps)
+        with torch.no_grad():
+            hs = SharedHessians(linears)
+            try:
+                for j in tqdm(range(len(inps)), desc=f"block {i}: Hessians", unit="seq", disable=not progress,
+                              leave=False):
+                    run_block(layer, inps[j:j + 1], kw)
+                    hs.end_forward()
+            finally:
+                hs.remove()
+            shard: dict[str, torch.Tensor] = {}
+            for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress,
+                             leave=False):
+                mod = linears[name]
+                W = mod.weight.detach().float()
+                H = hs.of[name].H
+                res = solve(opts.method, W, H, name, **opts.solver_kwargs())
+                t = fmt.encode_layer(res, opts.kind)
+                for sfx, v in t.items():
+                    shard[f"{name}.{sfx}"] = v
+                s = _layer_stats(name, W, H, res, t, opts.kind)
+                s["hessian_tokens"] = hs.of[name].n
+                stats.append(s)
+                log.info(_log_line(s))
+                if on_layer is not None:
+                    on_layer(name, W, H, res)
+                ckpt.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=torch.float32))
+                del H
+            hs = None
+            for j in range(len(inps)):
+                outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
+        for n in names:  # the rest of the block in its original dtype and name
+            if n.rpartition(".")[0] in linears and n.endswith(".weight"):
+                continue
+            shard[n] = sources.get(n)
+        ckpt.write_safetensors(tmp / ckpt.shard_name(i, nshards), shard)
+        ckpt.to_meta(layer)
+        inps = outs
+        del outs
+        ckpt.write_safetensors(tmp / ACTS_FILE, {"hidden": inps}, {"blocks_done": str(i + 1)})
+        ckpt.write_json(tmp / PROGRESS_FILE, {"fingerprint": fp, "blocks_done": i + 1, "stats": stats})
+        if stop_after_block is not None and i == stop_after_block:
+            raise SimulatedInterruption(f"simulated interruption after block {i}")
+    bar.close()
+    del inps
+
+    # ---------------------------------------------------------------- the rest, metadata, rename
+    rest = {n: sources.get(n) for n in sources.names() if n not in block_of and n in expected}
+    ckpt.write_safetensors(tmp / ckpt.shard_name(nblocks, nshards), rest)
+    shards = [ckpt.shard_name(i, nshards) for i in range(nshards)]
+    ckpt.write_index(tmp, shards)
+    cfg = dict(raw_cfg)
+    cfg["quantization_config"] = opts.quantization_config(not_converted)
+    ckpt.write_json(tmp / ckpt.CONFIG_FILE, cfg)
+    ckpt.copy_aux_files(src, tmp)
+    ckpt.write_json(tmp / ckpt.STATS_FILE, _stats_file(stats, opts, src))
+    (tmp / ACTS_FILE).unlink()
+    (tmp / PROGRESS_FILE).unlink()
+    if validate:
+        ckpt.validate_checkpoint(tmp, decode=True, verify_checksums=False)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    tot = _stats_file(stats, opts, src)["totals"]
+    log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
+             tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
+    return out
+
+
+def _stats_file(stats: list[dict], opts: QuantizeOptions, src: Path) -> dict:
+    n = sum(s["shape"][0] * s["shape"][1] for s in stats)
+    wavg = lambda k: sum(s[k] * s["shape"][0] * s["shape"][1] for s in stats) / n if n else 0.0  # noqa: E731
+    certs = [s["cert"] for s in stats if s["cert"] is not None]
+    return {"format_version": fmt.FORMAT_VERSION, "method": opts.method, "source": src.name,
+            "layers": stats,
+            "totals": {"layers": len(stats), "quantized_params": n, "bits_per_weight": wavg("bits"),
+                       "outlier_rate": wavg("outlier_rate"), "rel_error_mean": sum(s["rel_error"] for s in stats)
+                       / max(1, len(stats)), "cert_max": max(certs) if certs else None}}
