@@ -1,0 +1,356 @@
+"""CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
+inliers, MKL CSR SpMV/SpMM in fp32 for the outliers.
+
+The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
+``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
+takes int32 ``[N, K]`` with values u in 0..15 (N % 16 == 0, K even); the GEMM dequantizes
+``w = (u - 8)·scale + zero`` in fp32 with ``scale``/``zero`` from ``scales_and_zeros``
+``[K/g, N, 2]`` (same dtype as the activations), g ∈ {32, 64, 128, 256}, K % g == 0, and
+accumulates in fp32. So a signed b-bit integer z (b ≤ 4) maps to u = z + 8 with zero = 0:
+exact, for any b ≤ 4. The scale is carried over in bf16 (the only dtype with a vectorized
+kernel; see below), a relative change ≤ 2⁻⁹ from the fp16 scale.
+
+Decisions, each measured (2 threads, 4096×4096, this repo's ``bench/cpu_layer.py`` and the
+measurements quoted in the report of issue 6):
+
+* Activations are cast to bf16 for the op: only the bf16 kernel is vectorized (AVX512/AVX2);
+  fp16 / fp32 activations take the scalar fallback, 22.6 ms / 15.0 ms vs 0.47 ms at M=1.
+* Op group size: the largest of 256/128/64/32 that divides both the latq group size and K
+  (a latq group is re-expressed as several op groups sharing its scale; a per-row HPTQ scale
+  is one group of K). Larger groups are slightly faster (g=32: 505 µs, 128: 469, 256: 461).
+* Outliers: ``torch.mv`` (M=1) / ``torch.sparse.mm`` (M>1) on an fp32 CSR with int32
+  indices (MKL). At 1% outliers on 4096×4096: mv 43–75 µs vs row-padded ELL gather 490 µs,
+  index_add 530 µs, segment_reduce 390 µs; at M=8 sparse.mm 164–190 µs vs ELL 3.4–4.4 ms,
+  index_add 3.4 ms. int64 indices are ~2× slower than int32. The CSR is rebuilt per call from
+  the dense crow/col/val (3–6 µs) because the custom-op state holds only dense tensors.
+* Bits 5..8 (HPTQ transcodes): z = 16·(a − 8) + (c − 8) + 8 with nibbles a, c (v = z + 128 =
+  16a + c). Two int4 planes concatenated along K ([c-plane | a-plane], activations duplicated):
+  one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
+  If few weights leave the 4-bit grid, they go to the CSR instead (``SPLIT_MAX_EXTRA_RATE``).
+* Large M (prefill): the op re-dequantizes the weights once per 4 rows and is compute bound
+  (≈2.4× slower than bf16 ``F.linear`` at M ≥ 128). From ``LARGE_M`` rows on, the weights are
+  dequantized per call, in row chunks that stay in cache, from the op's own packed layout
+  into a reused bf16 buffer, and multiplied with a bf16 GEMM (no second copy of the weights).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import format as fmt
+from .reference import LatqWeight
+from .selector import LatqKernel
+
+OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
+MAX_BITS = 8
+# bits > 4: weights off the 4-bit grid become fp32 outliers when they are at most this
+# fraction of the layer (one CSR entry costs ~25× one int4 weight: measured 1% outliers
+# = 43–75 µs vs the int4 op 470 µs on 4096×4096); otherwise a second int4 plane.
+SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.02"))
+# rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
+LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "64"))
+CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 20)))  # bf16 weight chunk
+PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
+
+_PACK = None
+_MM = None
+
+
+def _ops():
+    global _PACK, _MM
+    if _MM is None:
+        _PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu.default
+        _MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    return _PACK, _MM
+
+
+def _has_op() -> bool:
+    try:
+        _ops()
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ----------------------------------------------------------------------------- layout
+
+_LAYOUT: tuple[int, bool] | None = None
+
+
+def _unpack_int4pack(packed: torch.Tensor, n_rows: int, k: int, layout: tuple[int, bool],
+                     r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    """Rows [r0, r1) of the op's packed weight → int8 ``[K, r1 - r0]`` of u − 8 (transposed:
+    the layout stores K-major blocks of B rows). ``layout = (B, halves)``: full blocks of B
+    rows; byte j of a (block, k) holds rows j and j + B/2 (``halves``, AVX512/AVX2 kernels) or
+    rows 2j and 2j + 1 (the scalar kernel); a tail block (< B rows) always holds pairs.
+    r0, r1 must be block boundaries (or r1 = n_rows)."""
+    B, halves = layout
+    r1 = n_rows if r1 is None else r1
+    flat = packed.view(-1)
+    q = (flat[r0 * k // 2: r1 * k // 2] ^ 0x88).view(torch.int8)   # nibble u ^ 8 = two's complement of u-8
+    out = torch.empty(k, r1 - r0, dtype=torch.int8)
+    full_end = min(r1, n_rows // B * B)
+    if full_end > r0:
+        nblk = (full_end - r0) // B
+        qb = q[: nblk * k * B // 2].view(nblk, k, B // 2)
+        ob = out[:, : nblk * B].view(k, nblk, B).permute(1, 0, 2)
+        lo, hi = (ob[..., : B // 2], ob[..., B // 2:]) if halves else (ob[..., 0::2], ob[..., 1::2])
+        lo.copy_(torch.bitwise_left_shift(qb, 4).bitwise_right_shift_(4))
+        hi.copy_(torch.bitwise_right_shift(qb, 4))
+    if r1 > full_end:
+        t0 = max(r0, full_end)
+        qt = q[(t0 - r0) * k // 2:].view(k, (r1 - t0) // 2)
+        ot = out[:, t0 - r0:]
+        ot[:, 0::2].copy_(torch.bitwise_left_shift(qt, 4).bitwise_right_shift_(4))
+        ot[:, 1::2].copy_(torch.bitwise_right_shift(qt, 4))
+    return out
+
+
+def _detect_layout() -> tuple[int, bool] | None:
+    """Which of the op's known packed layouts this torch build uses (probe once)."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        pack, _ = _ops()
+        g = torch.Generator().manual_seed(0)
+        u = torch.randint(0, 16, (64 + 64 + 16, 6), generator=g, dtype=torch.int32)
+        p = pack(u, 1)
+        _LAYOUT = (0, False)
+        for cand in ((64, True), (32, True), (32, False), (64, False), (16, False)):
+            if torch.equal(_unpack_int4pack(p, u.shape[0], u.shape[1], cand).T.int() + 8, u):
+                _LAYOUT = cand
+                break
+    return _LAYOUT if _LAYOUT[0] else None
+
+
+# ----------------------------------------------------------------------------- state
+
+@dataclass
+class CPUState:
+    packed: torch.Tensor          # uint8 [N, Kp/2]  the op's int4pack (Kp = K·planes)
+    scales_zeros: torch.Tensor    # bf16  [Kp/g, N, 2]
+    crow: torch.Tensor | None     # int32 [N+1]  outliers (fp32 CSR), None: no outliers
+    col: torch.Tensor | None      # int32 [nnz]
+    val: torch.Tensor | None      # fp32  [nnz]
+    out_features: int
+    in_features: int
+    group_size: int               # the op's group size g
+    planes: int                   # 1: bits ≤ 4 (or split), 2: two nibble planes along K
+    has_zero: int                 # 1 if any zero point is non-zero (2-plane layers)
+    layout_block: int             # packed layout for the large-M dequant (0: unknown → op)
+    layout_halves: int
+
+
+def _op_group(w: LatqWeight) -> int | None:
+    K, g = w.in_features, w.group_size
+    for go in OP_GROUPS:
+        if K % go == 0 and (g % go == 0 or g >= K):
+            return go
+    return None
+
+
+def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
+    """Signed integers of rows [r0, r1) → int32 [r1 - r0, K]. ``format.pack``'s tile of 32
+    values is a little-endian 32·b-bit integer, value k at bits [k·b, k·b + b); so every b
+    consecutive bytes hold exactly 8 values: read them as one 64-bit integer (b ≤ 8)."""
+    b, K = w.bits, w.in_features
+    q = w.qweight[r0:r1].contiguous().view(torch.uint8)                      # [R, T·4b]
+    R = q.shape[0]
+    if 8 % b == 0:                                                           # byte-aligned values
+        u = (q.unsqueeze(-1) >> torch.arange(0, 8, b, dtype=torch.uint8)) & (2 ** b - 1)
+    else:
+        v = (q.view(R, -1, b).long() << (8 * torch.arange(b))).sum(-1)      # [R, T·4] 8 values each
+        u = (v.unsqueeze(-1) >> (b * torch.arange(8))) & (2 ** b - 1)
+    return u.reshape(R, -1)[:, :K].int() - 2 ** (b - 1)
+
+
+def _op_scales(w: LatqWeight, go: int, rows: slice) -> torch.Tensor:
+    """fp32 [N', K/go] scale of every op group (each op group lies inside one latq group)."""
+    K, g = w.in_features, w.group_size
+    idx = torch.arange(K // go) * go // min(g, K) if g < K else torch.zeros(K // go, dtype=torch.long)
+    return w.scales[rows].float()[:, idx]
+
+
+class CPUKernel(LatqKernel):
+    """torch's int4pack GEMM + MKL CSR outliers; bf16 compute, output in x.dtype."""
+    name = "cpu"
+    state_cls = CPUState
+
+    @classmethod
+    def can_implement(cls, w, device, act_dtype):
+        device = torch.device(device)
+        if device.type != "cpu":
+            return False, f"device {device} is not a CPU"
+        if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return False, f"activation dtype {act_dtype} unsupported (bf16/fp16/fp32)"
+        if not _has_op():
+            return False, f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu"
+        if w.bits > MAX_BITS or w.bits < 1:
+            return False, f"{w.bits}-bit inliers: the CPU path takes 1..{MAX_BITS} bits"
+        if w.out_features % 16:
+            return False, f"out_features={w.out_features} is not a multiple of 16 (int4pack layout)"
+        if _op_group(w) is None:
+            return False, (f"in_features={w.in_features} with group size {w.group_size}: the int4 op "
+                           f"needs a group size in {OP_GROUPS} dividing both in_features and the "
+                           f"latq group size")
+        return True, None
+
+    # ------------------------------------------------------------------ prepare
+    @classmethod
+    def prepare(cls, w: LatqWeight) -> CPUState:
+        ok, why = cls.can_implement(w, torch.device("cpu"), torch.bfloat16)
+        if not ok:
+            raise ValueError(f"CPU kernel cannot run this layer: {why}")
+        pack, _ = _ops()
+        N, K, go = w.out_features, w.in_features, _op_group(w)
+        planes = 1
+        extra_rows, extra_cols, extra_vals = [], [], []
+        if w.bits > 4:
+            # count weights off the 4-bit grid to choose split (CSR) vs two planes
+            off = 0
+            for r0 in range(0, N, 1024):
+                z = _unpack_rows(w, r0, min(N, r0 + 1024))
+                off += int(((z < -8) | (z > 7)).sum())
+            planes = 1 if off <= SPLIT_MAX_EXTRA_RATE * N * K else 2
+        packed_parts, sz_parts = [], []
+        step = max(64, PREPARE_CHUNK // K // 64 * 64)   # whole 64-row pack blocks
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            z = _unpack_rows(w, r0, r1)
+            s = _op_scales(w, go, slice(r0, r1))                       # [R, K/go] fp32
+            if planes == 1:
+                if w.bits > 4:
+                    m = (z < -8) | (z > 7)
+                    rr, cc = m.nonzero(as_tuple=True)
+                    extra_rows.append(rr + r0)
+                    extra_cols.append(cc)
+                    extra_vals.append(z[rr, cc].float() * s[rr, cc // go])   # exact: ≤ 19 bits
+                    z = torch.where(m, torch.zeros_like(z), z)
+                u = z + 8
+                szs = torch.stack([s, torch.zeros_like(s)], -1)             # [R, K/go, 2]
+            else:
+                v = z + 128
+                a, c = v >> 4, v & 15                                       # z = 16(a-8) + (c-8) + 8
+                u = torch.cat([c, a], 1)
+                szs = torch.cat([torch.stack([s, 8 * s], -1), torch.stack([16 * s, torch.zeros_like(s)], -1)], 1)
+            packed_parts.append(pack(u.int().contiguous(), 1))
+            sz_parts.append(szs)
+        packed = torch.cat(packed_parts, 0) if len(packed_parts) > 1 else packed_parts[0]
+        sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16).contiguous()   # [Kp/go, N, 2]
+        if len(packed_parts) > 1:
+            # the layout packs blocks of rows independently, but check the concatenation anyway
+            assert packed.shape == (N, K * planes // 2)
+        # outliers: merge the layer's CSR with the split-off ones (row-major, sorted)
+        rows = torch.repeat_interleave(torch.arange(N), (w.crow[1:] - w.crow[:-1]).long())
+        cols, vals = w.col.long(), w.val.float()
+        if extra_rows:
+            rows = torch.cat([rows, *extra_rows])
+            cols = torch.cat([cols, *[c.long() for c in extra_cols]])
+            vals = torch.cat([vals, *extra_vals])
+            order = torch.argsort(rows * K + cols)
+            rows, cols, vals = rows[order], cols[order], vals[order]
+        if vals.numel():
+            crow = torch.zeros(N + 1, dtype=torch.int32)
+            crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
+            crow, col, val = crow, cols.int().contiguous(), vals.contiguous()
+        else:
+            crow = col = val = None
+        layout = _detect_layout()
+        if layout is not None:   # verify the large-M dequant on this layer's first and last rows
+            B = layout[0]
+            last = (N - 1) // B * B
+            for r0, r1 in ((0, min(N, B)), (last, N)):
+                got = _unpack_int4pack(packed, N, K * planes, layout, r0, r1).T.int() + 8
+                if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
+                    layout = None
+                    break
+        return CPUState(packed, sz, crow, col, val, N, K, go, planes,
+                        int(planes == 2), layout[0] if layout else 0, int(layout[1]) if layout else 0)
+
+    @staticmethod
+    def _reference_u(w, planes, r0, r1, split):
+        z = _unpack_rows(w, r0, r1)
+        if planes == 2:
+            v = z + 128
+            return torch.cat([v & 15, v >> 4], 1)
+        if split:
+            z = torch.where((z < -8) | (z > 7), torch.zeros_like(z), z)
+        return z + 8
+
+    # ------------------------------------------------------------------ apply
+    @classmethod
+    def apply(cls, state: CPUState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        N, K = state.out_features, state.in_features
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, K)
+        M = x2.shape[0]
+        dtype = x.dtype
+        if M >= LARGE_M and state.layout_block:
+            y = _large_m(state, x2)                                            # bf16 [M, N]
+        else:
+            _, mm = _ops()
+            xb = x2.to(torch.bfloat16).contiguous()
+            if state.planes == 2:
+                xb = torch.cat([xb, xb], 1)
+            y = mm(xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
+        if state.crow is not None:
+            csr = torch.sparse_csr_tensor(state.crow, state.col, state.val, (N, K), check_invariants=False)
+            xf = x2.float()
+            if M == 1:
+                ys = torch.mv(csr, xf[0]).unsqueeze(0)
+            else:
+                ys = torch.sparse.mm(csr, xf.t()).t()
+            if dtype == torch.bfloat16 and bias is None and y.dtype == torch.bfloat16:
+                y = y.add_(ys)            # fp32 math, one rounding to bf16
+            else:
+                y = ys.add_(y)
+        if bias is not None:
+            y = y.float().add_(bias) if y.dtype != torch.float32 else y.add_(bias)
+        return y.to(dtype).contiguous().reshape(*lead, N)
+
+
+# ----------------------------------------------------------------------------- large M
+
+_SCRATCH: dict[str, torch.Tensor] = {}
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    t = _SCRATCH.get(name)
+    if t is None or t.numel() < numel or t.dtype != dtype:
+        t = torch.empty(numel, dtype=dtype)
+        _SCRATCH[name] = t
+    return t[:numel]
+
+
+def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
+    """Dequantize row chunks of the packed weight into a reused bf16 buffer and multiply
+    with a bf16 GEMM; bf16 result [M, N]."""
+    N, K, planes = state.out_features, state.in_features, state.planes
+    Kp = K * planes
+    B = state.layout_block
+    layout = (B, bool(state.layout_halves))
+    M = x2.shape[0]
+    xbT = x2.to(torch.bfloat16).t().contiguous()                           # [K, M]
+    yT = torch.empty(N, M, dtype=torch.bfloat16)
+    R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
+    g = state.group_size
+    sc = state.scales_zeros[..., 0]                                        # [Kp/g, N] bf16
+    ze = state.scales_zeros[..., 1]
+    buf_all = _scratch("w", Kp * min(R, N), torch.bfloat16)
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        if r1 < N and r1 % B:
+            r1 = r1 // B * B
+        z = _unpack_int4pack(state.packed, N, Kp, layout, r0, r1)          # int8 [Kp, R']
+        buf = buf_all[: Kp * (r1 - r0)].view(Kp, r1 - r0)
+        buf.copy_(z)
+        bv = buf.view(Kp // g, g, r1 - r0)
+        bv.mul_(sc[:, None, r0:r1])
+        if state.has_zero:
+            bv.add_(ze[:, None, r0:r1])
+        if planes == 2:
+            buf = buf[:K].add_(buf[K:])
+        torch.mm(buf.t(), xbT, out=yT[r0:r1])
+    return yT.t()
