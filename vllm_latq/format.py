@@ -19,10 +19,15 @@ huffman (HPTQ, HRTN — unclipped integers under one scale, one canonical Huffma
     P.hstream       uint8  [nbytes]              MSB-first bit stream, row-major symbols
     P.hchunk_bits   int16  [ceil(out·in/2048)]   bits of each 2048-symbol chunk (uint16 bits)
     W = decode(stream) · hscale
+
+Directory level (shards, index, ``config.json``'s ``quantization_config``, checksums,
+stats) lives in :mod:`vllm_latq.checkpoint`; this module defines the per-layer tensors and
+the ``quantization_config`` schema (:func:`quantization_config`, :func:`parse_quantization_config`).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +40,8 @@ METHODS = DENSE_METHODS + HUFFMAN_METHODS
 DENSE_TENSORS = ("qweight", "scales", "outlier_crow", "outlier_col", "outlier_val")
 HUFFMAN_TENSORS = ("hscale", "hsymbols", "hlengths", "hstream", "hchunk_bits")
 PACK_TILE = 32  # values per tile; a tile of b-bit values is exactly b int32 words
+LAYER_TENSORS = {"dense": DENSE_TENSORS, "huffman": HUFFMAN_TENSORS}
+ORDERS = ("act", "min-pivot", "natural", "reverse")
 
 
 class FormatError(ValueError):
@@ -217,6 +224,11 @@ def _validate_huffman(t, shape, layer, file, decode):
         raise FormatError(f"code lengths must be in 1..{huffman.MAX_CODE_LEN}", file=file, tensor=f"{layer}.hlengths")
     if float((2.0 ** -lengths.double()).sum()) > 1 + 1e-12:
         raise FormatError("code lengths violate the Kraft inequality", file=file, tensor=f"{layer}.hlengths")
+    sym, ln = t["hsymbols"].long(), lengths.long()
+    key = ln * 2**33 + sym  # canonical order: by (length, symbol), symbols distinct
+    if key.numel() > 1 and (key[1:] <= key[:-1]).any():
+        raise FormatError("symbols not in canonical order (by code length, then symbol) or not distinct",
+                          file=file, tensor=f"{layer}.hsymbols")
     bits = int(t["hchunk_bits"].numpy().view(np.uint16).astype(np.int64).sum())
     if bits > 8 * t["hstream"].numel():
         raise FormatError(f"chunk table needs {bits} bits, stream has {8 * t['hstream'].numel()}",
@@ -231,3 +243,147 @@ def _validate_huffman(t, shape, layer, file, decode):
 def layer_bits(t: dict[str, torch.Tensor], numel: int) -> float:
     """Stored bits/weight of one layer: the sum of its tensors' sizes."""
     return sum(x.numel() * x.element_size() * 8 for x in t.values()) / numel
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``"model.layers.0.mlp.up_proj.qweight"`` → ``("model.layers.0.mlp.up_proj", "qweight")``;
+    ``None`` if the name is not a latq layer tensor."""
+    module, _, suffix = name.rpartition(".")
+    if module and suffix in DENSE_TENSORS + HUFFMAN_TENSORS:
+        return module, suffix
+    return None
+
+
+def layer_stats(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]) -> dict:
+    """Stored bits/weight and outlier rate of one layer, from its tensors alone."""
+    numel = shape[0] * shape[1]
+    nnz = t["outlier_col"].numel() if kind == "dense" else 0
+    return {"bits": layer_bits(t, numel), "outlier_rate": nnz / numel if numel else 0.0}
+
+
+# ----------------------------------------------------------------------------- config.json
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The parsed ``quantization_config`` of a latq checkpoint (format version 1)."""
+    method: str
+    kind: str
+    bits: int | None                 # dense: inlier bits; huffman: None
+    group_size: int | None           # dense: group size; huffman: None
+    outlier_rate: float | None       # ssqr: the requested outlier-rate budget
+    target_bits: float | None        # hptq/hrtn: the requested bits/weight budget
+    order: str | None
+    damp: float | None
+    modules_not_converted: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def is_converted(self, module: str) -> bool:
+        """False for a module listed in ``modules_not_converted`` (or below one)."""
+        return not any(module == m or module.startswith(m + ".") for m in self.modules_not_converted)
+
+
+def quantization_config(method: str, *, bits: int | None = None, group_size: int | None = None,
+                        outlier_rate: float | None = None, target_bits: float | None = None,
+                        order: str | None = None, damp: float | None = None,
+                        modules_not_converted=(), **extra) -> dict:
+    """The ``quantization_config`` dict written to ``config.json`` (keys as in docs/FORMAT.md).
+    Only the keys that apply to ``method`` are set; ``extra`` (e.g. ``calibration``) is
+    informational and ignored by readers."""
+    kind = kind_of(method)
+    qc = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
+          "bits": int(bits) if kind == "dense" else None,
+          "group_size": int(group_size) if kind == "dense" else None}
+    if method == "ssqr":
+        qc["outlier_rate"] = float(outlier_rate)
+    if kind == "huffman":
+        qc["target_bits"] = float(target_bits)
+    uses_h = method not in ("rtn", "hrtn")
+    qc["order"] = order if uses_h else None
+    qc["damp"] = float(damp) if uses_h else None
+    qc["modules_not_converted"] = sorted(modules_not_converted)
+    qc.update(extra)
+    parse_quantization_config(qc)  # never write what we cannot read
+    return qc
+
+
+def _num(x, what, file, kinds=(int, float)) -> float:
+    if isinstance(x, bool) or not isinstance(x, kinds) or not math.isfinite(x):
+        raise FormatError(f"quantization_config.{what} must be a finite number, got {x!r}", file=file)
+    return x
+
+
+def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantSpec:
+    """Check a ``quantization_config`` dict and return its :class:`QuantSpec`.
+
+    Raises :class:`FormatError` for anything but a well-formed latq version-1 config: wrong
+    ``quant_method``, unknown ``format_version`` (newer writers bump it on incompatible
+    changes), unknown method, bits outside 2..8, non-positive group size, budgets out of range."""
+    if not isinstance(qc, dict):
+        raise FormatError(f"quantization_config must be an object, got {type(qc).__name__}", file=file)
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise FormatError(f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected "
+                          f"{QUANT_METHOD!r}", file=file)
+    version = qc.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise FormatError(f"unsupported latq format_version {version!r}: this reader knows version "
+                          f"{FORMAT_VERSION} (upgrade vllm-latq to read newer checkpoints)", file=file)
+    method = qc.get("method")
+    if method not in METHODS:
+        raise FormatError(f"quantization_config.method is {method!r}, expected one of {METHODS}", file=file)
+    kind = kind_of(method)
+    bits = group_size = outlier_rate = target_bits = None
+    if kind == "dense":
+        bits = qc.get("bits")
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise FormatError(f"quantization_config.bits must be an integer in 2..8, got {bits!r}", file=file)
+        group_size = qc.get("group_size")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise FormatError(f"quantization_config.group_size must be a positive integer, got {group_size!r}",
+                              file=file)
+    if method == "ssqr":
+        outlier_rate = _num(qc.get("outlier_rate"), "outlier_rate", file)
+        if not 0 <= outlier_rate < 1:
+            raise FormatError(f"quantization_config.outlier_rate must be in [0, 1), got {outlier_rate}", file=file)
+    if kind == "huffman":
+        target_bits = _num(qc.get("target_bits"), "target_bits", file)
+        if target_bits <= 1:
+            raise FormatError(f"quantization_config.target_bits must exceed 1, got {target_bits}", file=file)
+    order, damp = qc.get("order"), qc.get("damp")
+    if order is not None and order not in ORDERS:
+        raise FormatError(f"quantization_config.order is {order!r}, expected one of {ORDERS} or null", file=file)
+    if damp is not None:
+        damp = _num(damp, "damp", file)
+    mnc = qc.get("modules_not_converted", [])
+    if not isinstance(mnc, list) or not all(isinstance(m, str) for m in mnc):
+        raise FormatError("quantization_config.modules_not_converted must be a list of module names", file=file)
+    known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
+             "order", "damp", "modules_not_converted"}
+    return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
+                     {k: v for k, v in qc.items() if k not in known})
+
+
+BUDGET_SLACK = 1e-9
+
+
+def check_budget(t: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], *, layer: str,
+                 file: str | None = None) -> dict:
+    """The bit budget promised by ``quantization_config``: SSQR stores at most ``outlier_rate``
+    outliers, the other dense methods none; HPTQ/HRTN store at most ``target_bits`` bits/weight
+    (everything counted, as :func:`layer_bits`). Returns :func:`layer_stats`."""
+    st = layer_stats(t, spec.kind, shape)
+    if spec.kind == "dense":
+        limit = spec.outlier_rate if spec.method == "ssqr" else 0.0
+        if st["outlier_rate"] > limit + BUDGET_SLACK:
+            raise FormatError(f"outlier rate {st['outlier_rate']:.6f} exceeds the budget {limit} of method "
+                              f"{spec.method}", file=file, tensor=f"{layer}.outlier_col")
+    elif st["bits"] > spec.target_bits + BUDGET_SLACK:
+        raise FormatError(f"{st['bits']:.4f} bits/weight exceed target_bits {spec.target_bits}", file=file,
+                          tensor=f"{layer}.hstream")
+    return st
+
+
+def inspect_main(argv=None) -> int:
+    """``latq-inspect`` (kept here for older installed entry points): see
+    :func:`vllm_latq.checkpoint.inspect_main`."""
+    from .checkpoint import inspect_main as _main
+    return _main(argv)

@@ -1,0 +1,113 @@
+"""``latq-quantize MODEL OUT``: quantize a Hugging Face causal LM into a latq checkpoint.
+
+MODEL is a Hugging Face directory (bf16/fp16/fp32 safetensors), a ``.gguf`` file (converted
+once into the cache), or a reference model name (gemma3-270m, smollm2-135m). The checkpoint
+format is described in docs/FORMAT.md; ``latq-inspect OUT`` validates it, ``latq-eval OUT``
+measures its perplexity.
+
+examples:
+  latq-quantize gemma3-270m ckpt/gemma-ssqr                      # SSQR, 4-bit g128, 1% outliers
+  latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
+  latq-quantize ./my-llama ckpt/w3 --method gptq --bits 3 --group-size 64 --nsamples 64
+  latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .. import format as fmt
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines printed above the progress bars instead of through them."""
+
+    def emit(self, record):
+        try:
+            from tqdm.auto import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # pragma: no cover
+            self.handleError(record)
+
+
+def setup_logging(quiet: bool = False) -> None:
+    log = logging.getLogger("vllm_latq")
+    if not any(isinstance(h, _TqdmHandler) for h in log.handlers):
+        h = _TqdmHandler()
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def _rate(s: str) -> float:
+    """``0.01`` or ``1%``."""
+    s = s.strip()
+    return float(s[:-1]) / 100 if s.endswith("%") else float(s)
+
+
+def parser() -> argparse.ArgumentParser:
+    from .pipeline import QuantizeOptions
+    d = QuantizeOptions()
+    ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="HF model directory, .gguf file, or a name: gemma3-270m, smollm2-135m")
+    ap.add_argument("out", help="output checkpoint directory (written as OUT.tmp-latq, then renamed)")
+    g = ap.add_argument_group("method")
+    g.add_argument("--method", default=d.method, choices=fmt.METHODS,
+                   help="ssqr (default: b-bit groups + CSR outliers), hptq (Huffman, one scale), baselines "
+                        "gptq (clipped), rtn, hrtn, babai (clipped Babai ≡ GPTQ reversed)")
+    g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4)")
+    g.add_argument("--group-size", type=int, default=d.group_size,
+                   help="group size along the input dimension (default 128; a ragged last group is allowed)")
+    g.add_argument("--outlier-rate", type=_rate, default=d.outlier_rate,
+                   help="ssqr outlier budget, e.g. 0.01 or 1%% (default 0.01)")
+    g.add_argument("--target-bits", type=float, default=d.target_bits,
+                   help="hptq/hrtn target bits/weight, everything counted (default 3.125)")
+    g.add_argument("--order", default=d.order, choices=("act", "min-pivot", "natural"),
+                   help="column order (default act)")
+    g.add_argument("--damp", type=float, default=d.damp, help="Hessian damping λ = damp·mean(diag H) (default 0.01)")
+    c = ap.add_argument_group("calibration")
+    c.add_argument("--calib", default=d.calib,
+                   help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
+    c.add_argument("--nsamples", type=int, default=d.nsamples, help="calibration sequences (default 128)")
+    c.add_argument("--seqlen", type=int, default=d.seqlen, help="tokens per sequence (default 512)")
+    c.add_argument("--seed", type=int, default=d.seed, help="calibration shuffle seed (default 0)")
+    r = ap.add_argument_group("run")
+    r.add_argument("--device", default=d.device, help="torch device for blocks and solvers (default cpu)")
+    r.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
+    r.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    r.add_argument("--no-validate", action="store_true", help="skip the final validation of the checkpoint")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("-q", "--quiet", action="store_true", help="no per-layer log lines")
+    return ap
+
+
+def main(argv=None) -> int:
+    from ..checkpoint import UnsupportedModelError
+    from .pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+
+    a = parser().parse_args(argv)
+    setup_logging(a.quiet)
+    try:
+        opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size, outlier_rate=a.outlier_rate,
+                               target_bits=a.target_bits, order=a.order, damp=a.damp, calib=a.calib,
+                               nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device)
+        quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
+                       validate=not a.no_validate)
+    except SimulatedInterruption as e:
+        print(f"latq-quantize: {e}; rerun with --resume to continue", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("latq-quantize: interrupted; rerun with --resume to continue from the last finished block",
+              file=sys.stderr)
+        return 130
+    except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, ModuleNotFoundError) as e:
+        print(f"latq-quantize: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

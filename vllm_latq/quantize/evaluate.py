@@ -1,0 +1,107 @@
+"""``latq-eval MODEL_OR_CKPT``: perplexity by the shared protocol, as one JSON object.
+
+Protocol (docs/../shared data.md): the Wikipedia eval split (every 10th article), tokenized
+once, non-overlapping 512-token windows (BOS + 511 tokens for tokenizers that add BOS, e.g.
+Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens).
+
+A latq checkpoint is validated, then dequantized through ``format.dequantize_layer`` into a
+plain transformers model, so the number does not depend on any kernel. All models are
+evaluated with fp32 compute (a bf16 model's weights are exact in fp32).
+
+    latq-eval gemma3-270m                 # the bf16 reference model
+    latq-eval ckpt/gemma-ssqr --output ssqr.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def is_latq_checkpoint(path) -> bool:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        return False
+    try:
+        qc = json.loads(p.read_text()).get("quantization_config")
+    except ValueError:
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == "latq"
+
+
+def load_for_eval(model: str, device: str = "cpu"):
+    """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .. import checkpoint as ckpt
+    from .pipeline import resolve_model
+
+    if is_latq_checkpoint(model):
+        report = ckpt.validate_checkpoint(model, decode=False)
+        spec = report["spec"]
+        m = ckpt.load_dequantized_model(model, torch.float32, device)
+        tok = AutoTokenizer.from_pretrained(model)
+        info = {"method": spec.method, "bits": report["totals"]["bits_per_weight"],
+                "outlier_rate": report["totals"]["outlier_rate"],
+                "budget": spec.outlier_rate if spec.method == "ssqr" else spec.target_bits,
+                "quantized_params": report["totals"]["quantized_params"]}
+        return m, tok, info
+    d = resolve_model(model)
+    cfg = json.loads((d / "config.json").read_text())
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    bits = {"bfloat16": 16, "float16": 16, "float32": 32}.get(dtype)
+    return m, tok, {"method": {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype),
+                    "bits": bits}
+
+
+def evaluate(model: str, *, seqlen: int = 512, nwindows: int = 64, batch_size: int = 4, device: str = "cpu",
+             progress: bool = True) -> dict:
+    """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) → result dict."""
+    from .. import data
+
+    t0 = time.time()
+    m, tok, info = load_for_eval(model, device)
+    windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows)
+    r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
+    return {"model": str(model), **info, "ppl": r["ppl"], "nll": r["nll"], "windows": r["windows"],
+            "tokens": r["tokens"], "seqlen": seqlen, "compute_dtype": "float32",
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    from ..format import FormatError
+
+    ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="latq checkpoint, HF directory, .gguf file, or gemma3-270m / smollm2-135m")
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--nwindows", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--output", help="also write the JSON here")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        r = evaluate(a.model, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size, device=a.device,
+                     progress=not a.no_progress)
+    except FormatError as e:
+        print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
+        print(f"latq-eval: error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(r, indent=2)
+    print(text)
+    if a.output:
+        Path(a.output).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
