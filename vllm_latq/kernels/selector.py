@@ -5,10 +5,21 @@ own layout once at load (``prepare``) and computes ``y = x @ Wᵀ (+ bias)`` per
 (``apply``), matching :func:`~vllm_latq.kernels.reference.latq_linear_ref`.
 The selector tries ``KERNELS`` in order (fastest first); ``LATQ_KERNEL=<name>`` forces one,
 and an impossible forced choice raises with every kernel's reason.
+
+Custom-op contract (vLLM's compiled mode, CUDA graphs): the vLLM layer does not keep the
+state object; it keeps ``flatten(state)`` = (tensors, ints) — the tensors as module buffers,
+the ints as static Python ints — and ``kernels/ops.py`` runs one ``torch.library`` custom op
+per kernel (``torch.ops.latq.<name>_linear``) that calls ``apply(unflatten(tensors, ints),
+x, bias)``. The defaults below handle a state that is a dataclass of ``state_cls`` whose
+fields are tensors (annotation mentions ``Tensor``; ``None`` allowed) or ints; a kernel with
+another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goes (batch-size
+branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
+tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
 """
 from __future__ import annotations
 
 import os
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,8 +29,40 @@ from .reference import LatqWeight, latq_linear_ref
 ENV_FORCE = "LATQ_KERNEL"
 
 
+def _is_tensor_field(f: dataclasses.Field) -> bool:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return "Tensor" in str(t)
+
+
+def flatten_dataclass(state: Any) -> tuple[list[torch.Tensor | None], list[int]]:
+    """A dataclass state → (tensor fields, int fields), each in field order."""
+    if not dataclasses.is_dataclass(state):
+        raise TypeError(f"kernel state {type(state).__name__} is not a dataclass: override flatten/unflatten")
+    tensors, ints = [], []
+    for f in dataclasses.fields(state):
+        v = getattr(state, f.name)
+        if _is_tensor_field(f):
+            if v is not None and not isinstance(v, torch.Tensor):
+                raise TypeError(f"{type(state).__name__}.{f.name} must be a tensor or None, got {type(v).__name__}")
+            tensors.append(v)
+        elif isinstance(v, (bool, int)):
+            ints.append(int(v))
+        else:
+            raise TypeError(f"{type(state).__name__}.{f.name}: state fields must be tensors or ints, "
+                            f"got {type(v).__name__}")
+    return tensors, ints
+
+
+def unflatten_dataclass(cls: type, tensors, ints) -> Any:
+    kw, ti, ii = {}, iter(tensors), iter(ints)
+    for f in dataclasses.fields(cls):
+        kw[f.name] = next(ti) if _is_tensor_field(f) else next(ii)
+    return cls(**kw)
+
+
 class LatqKernel:
     name = "base"
+    state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[bool, str | None]:
@@ -33,6 +76,18 @@ class LatqKernel:
     @classmethod
     def apply(cls, state: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    @classmethod
+    def flatten(cls, state: Any) -> tuple[list[torch.Tensor | None], list[int]]:
+        """State → (tensors, static ints) for the custom op; inverse of ``unflatten``."""
+        if not isinstance(state, cls.state_cls):
+            raise TypeError(f"kernel {cls.name}: prepare() returned {type(state).__name__}, "
+                            f"state_cls is {cls.state_cls.__name__}")
+        return flatten_dataclass(state)
+
+    @classmethod
+    def unflatten(cls, tensors: list[torch.Tensor | None], ints: list[int]) -> Any:
+        return unflatten_dataclass(cls.state_cls, tensors, ints)
 
 
 class ReferenceKernel(LatqKernel):

@@ -1,0 +1,165 @@
+"""``LatqConfig``: vLLM's view of a latq checkpoint's ``quantization_config``.
+
+Registered as quantization method ``latq`` by :mod:`vllm_latq.plugin`. A checkpoint whose
+``config.json`` has ``quantization_config.quant_method == "latq"`` is detected without
+``--quantization``; ``--quantization latq`` is accepted too; any other ``--quantization``
+on a latq checkpoint (or ``latq`` on a checkpoint that is not latq) fails while vLLM builds
+its config, before any weight is read, with a message naming both.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from . import format as fmt
+
+logger = logging.getLogger("vllm_latq")
+
+# vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
+DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def parse(qc: Any) -> "fmt.QuantSpec | Any":
+    """The checkpoint's ``quantization_config`` → spec (``method, kind, bits, group_size,
+    modules_not_converted, ...``); :class:`~vllm_latq.format.FormatError` when malformed."""
+    parser = getattr(fmt, "parse_quantization_config", None)
+    if parser is not None:
+        return parser(qc)
+    return _parse_v1(qc)
+
+
+def _parse_v1(qc: Any):
+    """Minimal reader of the version-1 schema (used when ``format`` has no parser)."""
+    from types import SimpleNamespace
+
+    if not isinstance(qc, dict):
+        raise fmt.FormatError(f"quantization_config must be an object, got {type(qc).__name__}", file="config.json")
+    if str(qc.get("quant_method", "")).lower() != fmt.QUANT_METHOD:
+        raise fmt.FormatError(f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'latq'",
+                              file="config.json")
+    if qc.get("format_version") != fmt.FORMAT_VERSION:
+        raise fmt.FormatError(f"unsupported latq format_version {qc.get('format_version')!r}: this reader knows "
+                              f"version {fmt.FORMAT_VERSION} (upgrade vllm-latq to read newer checkpoints)",
+                              file="config.json")
+    method = qc.get("method")
+    kind = fmt.kind_of(method)
+    bits, g = qc.get("bits"), qc.get("group_size")
+    if kind == "dense" and not (isinstance(bits, int) and 2 <= bits <= 8 and isinstance(g, int) and g > 0):
+        raise fmt.FormatError(f"quantization_config needs integer bits in 2..8 and a positive group_size, got "
+                              f"bits={bits!r}, group_size={g!r}", file="config.json")
+    return SimpleNamespace(method=method, kind=kind, bits=bits if kind == "dense" else None,
+                           group_size=g if kind == "dense" else None, outlier_rate=qc.get("outlier_rate"),
+                           target_bits=qc.get("target_bits"), order=qc.get("order"), damp=qc.get("damp"),
+                           modules_not_converted=tuple(qc.get("modules_not_converted") or ()))
+
+
+class LatqConfig(QuantizationConfig):
+    """Weight-only latq (SSQR/GPTQ/RTN/Babai dense + CSR, HPTQ/HRTN Huffman) linears."""
+
+    def __init__(self, quant_config: dict | None = None):
+        super().__init__()
+        if quant_config is None:
+            # vLLM instantiates the class without arguments when `--quantization latq` is
+            # given for a model whose config.json has no quantization_config.
+            raise ValueError(
+                "--quantization latq needs a latq checkpoint: the model's config.json has no "
+                "quantization_config with quant_method 'latq'. Make one with `latq-quantize MODEL OUT`.")
+        self.raw = dict(quant_config)
+        self.spec = parse(quant_config)
+        self.method: str = self.spec.method
+        self.kind: str = self.spec.kind
+        self.bits: int | None = self.spec.bits
+        self.group_size: int | None = self.spec.group_size
+        self.modules_not_converted: list[str] = list(self.spec.modules_not_converted)
+
+    def __repr__(self) -> str:
+        return (f"LatqConfig(method={self.method}, kind={self.kind}, bits={self.bits}, "
+                f"group_size={self.group_size}, modules_not_converted={self.modules_not_converted})")
+
+    # ------------------------------------------------------------------ vLLM interface
+
+    def get_name(self) -> str:
+        return "latq"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # the Triton path (bf16 tensor cores); vLLM does not ask on CPU
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the config lives in config.json's quantization_config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LatqConfig":
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        """Claim latq checkpoints when the user gave no ``--quantization`` (or ``latq``).
+        With another ``--quantization`` we stay silent so that vLLM reports the mismatch."""
+        method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
+        if method == "latq" and user_quant in (None, "latq"):
+            return "latq"
+        return None
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings, lm_head: unquantized
+        if not self.is_converted(prefix):
+            return UnquantizedLinearMethod()
+        from .linear_method import LatqLinearMethod
+        return LatqLinearMethod(self)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.modules_not_converted:
+            self.modules_not_converted = hf_to_vllm_mapper.apply_list(self.modules_not_converted)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        """Fingerprint the checkpoint's files into the HF config. vLLM keys its on-disk
+        torch.compile cache on the configs, and a latq graph carries static per-layer ints
+        (e.g. the inlier width chosen when an HPTQ layer is transcoded, which depends on the
+        data): re-quantizing into the same directory must not reuse a stale graph."""
+        qc = getattr(hf_config, "quantization_config", None)
+        if not isinstance(qc, dict) or not os.path.isdir(model_name):
+            return
+        h = hashlib.sha256()
+        for name in sorted(os.listdir(model_name)):
+            if name.endswith((".safetensors", ".json")):
+                st = os.stat(os.path.join(model_name, name))
+                h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        qc["_latq_fingerprint"] = h.hexdigest()[:16]
+
+    # ------------------------------------------------------------------ helpers
+
+    def hf_names(self, prefix: str) -> list[str]:
+        """vLLM module name → the checkpoint (HF) module names it loads."""
+        parent, _, leaf = prefix.rpartition(".")
+        mapping = self.packed_modules_mapping or DEFAULT_PACKED
+        subs = mapping.get(leaf)
+        if not subs:
+            return [prefix]
+        return [f"{parent}.{s}" if parent else s for s in subs]
+
+    def is_converted(self, prefix: str) -> bool:
+        """Whether the vLLM layer ``prefix`` is latq-quantized in the checkpoint. A fused
+        layer whose parts disagree is an error (vLLM needs one method per layer)."""
+        def conv(name: str) -> bool:
+            return not any(name == m or name.startswith(m + ".") for m in self.modules_not_converted)
+
+        if not conv(prefix):
+            return False
+        flags = {n: conv(n) for n in self.hf_names(prefix)}
+        if len(set(flags.values())) > 1:
+            raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} are not all quantized "
+                             f"({flags}); vLLM needs one method per fused layer")
+        return all(flags.values())

@@ -1,0 +1,60 @@
+"""Torch custom ops around the latq kernels: one op per kernel (call path),
+``torch.ops.latq.<kernel>_linear(x, tensors, ints, bias, out_features) -> y``.
+
+``tensors``/``ints`` are the kernel's prepared state flattened by
+:meth:`~vllm_latq.kernels.selector.LatqKernel.flatten` (the layer keeps the tensors as
+buffers and the ints as static Python ints). The op is opaque to torch.compile: Dynamo and
+Inductor see one node with a fake implementation (output ``[..., out_features]`` in
+``x.dtype``, any leading dimension, dimension 0 dynamic), so a kernel may branch on the
+batch size, call ``.item()`` or build sparse tensors inside ``apply`` without a graph break
+and without baking a Python branch into the graph. Under CUDA graphs the op is captured like
+any other kernel launch.
+
+Ops are registered lazily, once per process, when a layer first selects a kernel (vLLM
+loads weights, and so registers the ops, in every worker before it compiles).
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from .selector import LatqKernel
+
+NAMESPACE = "latq"
+_OPS: dict[str, tuple[type[LatqKernel], "torch._ops.OpOverload"]] = {}
+
+
+def op_name(kernel: type[LatqKernel]) -> str:
+    return re.sub(r"\W", "_", kernel.name) + "_linear"
+
+
+def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
+    """The custom op running ``kernel`` (registered on first use)."""
+    name = op_name(kernel)
+    if name in _OPS:
+        registered, op = _OPS[name]
+        if registered is not kernel:
+            raise ValueError(f"two latq kernels map to op {NAMESPACE}::{name}: {registered} and {kernel}")
+        return op
+
+    def impl(x: torch.Tensor, tensors: list[Optional[torch.Tensor]], ints: list[int],
+             bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+        return kernel.apply(kernel.unflatten(list(tensors), list(ints)), x, bias)
+
+    impl.__name__ = name
+    custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
+
+    @custom.register_fake
+    def _fake(x, tensors, ints, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    _OPS[name] = (kernel, op)
+    return op
+
+
+def run(kernel: type[LatqKernel], state, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Eager call without the op's dispatch overhead (same math)."""
+    return kernel.apply(state, x, bias)

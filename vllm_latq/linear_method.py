@@ -1,0 +1,373 @@
+"""``LatqLinearMethod``: loads latq layers into vLLM linears and runs them through the
+kernel selector.
+
+Loading (any linear: column-, row-parallel, replicated, merged ``gate_up``, ``qkv``; any TP
+size; both checkpoint kinds). ``create_weights`` registers one empty placeholder parameter
+per checkpoint tensor (``P.qweight``, ``P.scales``, ``P.outlier_*`` or ``P.h*``) with the
+checkpoint dtype and a weight loader that *stashes* the whole tensor it is given, per
+shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up, none otherwise). As soon as all
+tensors of one logical matrix (one shard) have arrived, the matrix is validated as a whole
+with the checkpoint format's own validator (shapes, dtypes, CSR structure, Huffman code),
+cut to this rank's rows/columns, and the full tensors are dropped — so at most one layer's
+full tensors are held at a time. When all shards are in, they are concatenated into the
+runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`).
+``process_weights_after_loading`` then checks nothing is missing, deletes the
+placeholders, selects a kernel, and keeps its prepared state as buffers.
+
+Why not vLLM's Packed/GroupQuant parameter classes: 3-bit tiles (32 values in 3 int32
+words) have no integer pack factor, a row-parallel split need not fall on a tile or group
+boundary (SmolLM2: 576 = 4.5 groups of 128), and CSR outliers and Huffman streams have a
+variable length — one stash-and-slice path handles all of it, exactly.
+
+Per rank (r = tp_rank; rows = output dim, cols = input dim):
+- column-parallel: rows ``[r·n, (r+1)·n)`` of each logical matrix (n = its partition size);
+  QKV's k/v use source rank ``r // num_kv_head_replicas``; all columns.
+- row-parallel: all rows, columns ``[r·k, (r+1)·k)``: packed words sliced on 32-column
+  tiles (unpacked and repacked only when the split is not on a tile), group scales sliced
+  (off a group boundary the runtime group size becomes gcd(g, r·k) with scales repeated —
+  exact), CSR outliers filtered to the column range and their columns re-based to 0.
+- HPTQ/HRTN: the Huffman stream is decoded once (whole matrix), cut like the dense case,
+  and transcoded to dense+CSR with the inlier width that minimises bytes for this rank's
+  matrix (one fp16 scale per row: q, k, v keep their own per-matrix scales).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn import Parameter
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.utils import set_weight_attrs
+
+from . import format as fmt
+from .kernels import ops, selector
+from .kernels.reference import LatqWeight
+
+logger = init_logger("vllm.latq")
+
+_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "outlier_crow": torch.int32,
+           "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
+           "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
+
+
+# ----------------------------------------------------------------------------- geometry
+
+@dataclass
+class Shard:
+    """One logical matrix as stored in the checkpoint and the rows this rank keeps."""
+    name: str                              # checkpoint module name (for messages)
+    rows: int                              # rows of the checkpoint matrix
+    blocks: list[tuple[int, int]]          # (first source row, row count), in output order
+
+
+@dataclass
+class Geometry:
+    shards: dict                           # shard id → Shard, in output order
+    fused: Shard | None                    # the same matrix when stored fused (shard id None)
+    in_features: int                       # checkpoint columns
+    col0: int                              # this rank's first column
+    ncols: int                             # this rank's column count
+
+
+def geometry(layer, hf_names: list[str]) -> Geometry:
+    """Which rows/columns of which checkpoint matrices this rank's layer holds."""
+    cin = layer.input_size
+    col0, ncols = 0, cin
+    if isinstance(layer, RowParallelLinear):
+        ncols = layer.input_size_per_partition
+        col0 = layer.tp_rank * ncols
+    name = hf_names[0] if len(hf_names) == 1 else layer.prefix
+    if isinstance(layer, ReplicatedLinear):
+        sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
+        return _split(sizes, [(0, s) for s in sizes], hf_names, name, cin, col0, ncols)
+    if isinstance(layer, QKVParallelLinear):
+        r, kr = layer.tp_rank, layer.tp_rank // layer.num_kv_head_replicas
+        full = [layer.total_num_heads * layer.head_size, layer.total_num_kv_heads * layer.head_size,
+                layer.total_num_kv_heads * layer.v_head_size]
+        part = [layer.num_heads * layer.head_size, layer.num_kv_heads * layer.head_size,
+                layer.num_kv_heads * layer.v_head_size]
+        blocks = [(r * part[0], part[0]), (kr * part[1], part[1]), (kr * part[2], part[2])]
+        return _split(full, blocks, hf_names, name, cin, col0, ncols, ids=("q", "k", "v"))
+    if isinstance(layer, MergedColumnParallelLinear):
+        tp, r = layer.tp_size, layer.tp_rank
+        sizes = list(layer.output_sizes)
+        return _split(sizes, [(r * (s // tp), s // tp) for s in sizes], hf_names, name, cin, col0, ncols)
+    if isinstance(layer, ColumnParallelLinear):
+        n = layer.output_size_per_partition
+        return _split([layer.output_size], [(layer.tp_rank * n, n)], hf_names, name, cin, col0, ncols)
+    if isinstance(layer, RowParallelLinear):
+        return _split([layer.output_size], [(0, layer.output_size)], hf_names, name, cin, col0, ncols)
+    raise NotImplementedError(f"latq: unsupported linear layer type {type(layer).__name__} ({layer.prefix})")
+
+
+def _split(full, blocks, hf_names, name, cin, col0, ncols, ids=None) -> Geometry:
+    if len(full) == 1:
+        return Geometry({None: Shard(name, full[0], [blocks[0]])}, None, cin, col0, ncols)
+    ids = ids or tuple(range(len(full)))
+    names = hf_names if len(hf_names) == len(full) else [f"{name}[{i}]" for i in ids]
+    shards = {i: Shard(n, f, [b]) for i, n, f, b in zip(ids, names, full, blocks)}
+    offs = [sum(full[:i]) for i in range(len(full))]
+    fused = Shard(name, sum(full), [(o + s0, n) for o, (s0, n) in zip(offs, blocks)])
+    return Geometry(shards, fused, cin, col0, ncols)
+
+
+# ----------------------------------------------------------------------------- slicing
+
+def _rows_csr(crow, col, val, r0, n):
+    a, b = int(crow[r0]), int(crow[r0 + n])
+    return crow[r0:r0 + n + 1] - a, col[a:b], val[a:b]
+
+
+def _cols_csr(crow, col, val, c0, n):
+    rows = torch.repeat_interleave(torch.arange(crow.numel() - 1), (crow[1:] - crow[:-1]).long())
+    keep = (col >= c0) & (col < c0 + n)
+    new = torch.zeros_like(crow)
+    new[1:] = torch.cumsum(torch.bincount(rows[keep], minlength=crow.numel() - 1), 0)
+    return new, col[keep] - c0, val[keep]
+
+
+def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int) -> LatqWeight:
+    """Rows ``blocks`` and columns ``[c0, c0+n)`` of a dense-kind layer → runtime form."""
+    qw, sc, cr, co, va = [], [], [], [], []
+    crow_all = t["outlier_crow"].to(torch.int64)
+    col_all, val_all = t["outlier_col"].to(torch.int64), t["outlier_val"].float()
+    for r0, nr in blocks:
+        q = t["qweight"][r0:r0 + nr]
+        s = t["scales"][r0:r0 + nr]
+        crow, col, val = _rows_csr(crow_all, col_all, val_all, r0, nr)
+        if (c0, n) != (0, cin):
+            crow, col, val = _cols_csr(crow, col, val, c0, n)
+            t0, t1 = c0 // fmt.PACK_TILE, -(-(c0 + n) // fmt.PACK_TILE)
+            q = q[:, t0 * bits:t1 * bits]
+            if c0 % fmt.PACK_TILE or (n % fmt.PACK_TILE and c0 + n != cin):  # not on tiles: repack
+                z = fmt.unpack(q, bits, (t1 - t0) * fmt.PACK_TILE)[:, c0 - t0 * fmt.PACK_TILE:][:, :n]
+                q = fmt.pack(z, bits)
+        qw.append(q), sc.append(s), cr.append(crow), co.append(col), va.append(val)
+    g_eff = g
+    if c0 % g:
+        g_eff = math.gcd(g, c0)
+        sc = [s.repeat_interleave(g // g_eff, dim=1) for s in sc]
+    sc = [s[:, c0 // g_eff: -(-(c0 + n) // g_eff)] for s in sc]
+    crow, off = [cr[0]], int(cr[0][-1])
+    for c in cr[1:]:
+        crow.append(c[1:] + off)
+        off += int(c[-1])
+    return LatqWeight(torch.cat(qw).contiguous(), torch.cat(sc).contiguous(), torch.cat(crow).to(torch.int32),
+                      torch.cat(co).to(torch.int32), torch.cat(va), bits, g_eff, n)
+
+
+def transcode_rows(z: torch.Tensor, row_scale: torch.Tensor, max_bits: int = 8) -> LatqWeight:
+    """Unclipped integers with one scale per row (HPTQ/HRTN; a fused layer's parts keep
+    their own per-matrix scale) → dense+CSR runtime form, inlier width b ∈ 2..max_bits
+    minimising runtime bytes; integers off the b-bit grid become fp32 outliers z·s (exact).
+    With one scale for all rows this is :func:`~vllm_latq.kernels.reference.transcode`."""
+    out, cin = z.shape
+    s = row_scale.float().reshape(out)
+    s16 = s.half()
+    if not torch.equal(s16.float(), s):
+        raise ValueError("a per-tensor scale (hscale) is not fp16-exact")
+    lo_v, hi_v = (int(z.min()), int(z.max())) if z.numel() else (0, 0)
+    best = None
+    for b in range(2, max_bits + 1):
+        lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
+        nnz = 0 if lo <= lo_v and hi_v <= hi else int(((z < lo) | (z > hi)).sum())
+        size = out * fmt.packed_words(cin, b) * 4 + out * 2 + nnz * 8 + (out + 1) * 4
+        if best is None or size < best[0]:
+            best = (size, b)
+    b = best[1]
+    lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
+    mask = (z < lo) | (z > hi)
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(out + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = z[rows, cols].float() * s[rows]
+    inl = torch.where(mask, torch.zeros_like(z), z)
+    return LatqWeight(fmt.pack(inl, b), s16.reshape(out, 1).contiguous(), crow, cols.int(), val, b, cin, cin)
+
+
+def _merge(parts: list[LatqWeight]) -> LatqWeight:
+    if len(parts) == 1:
+        return parts[0]
+    p0 = parts[0]
+    if any((p.bits, p.group_size, p.in_features) != (p0.bits, p0.group_size, p0.in_features) for p in parts):
+        raise ValueError("latq: parts of a fused layer differ in bits/group size")
+    crow, off = [parts[0].crow], int(parts[0].crow[-1])
+    for p in parts[1:]:
+        crow.append(p.crow[1:] + off)
+        off += int(p.crow[-1])
+    return LatqWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                      torch.cat(crow), torch.cat([p.col for p in parts]), torch.cat([p.val for p in parts]),
+                      p0.bits, p0.group_size, p0.in_features)
+
+
+# ----------------------------------------------------------------------------- loading
+
+class LoadState:
+    """Collects one layer's checkpoint tensors and builds its runtime form."""
+
+    def __init__(self, layer, config, geo: Geometry):
+        self.prefix = layer.prefix
+        self.config = config
+        self.geo = geo
+        self.names = fmt.DENSE_TENSORS if config.kind == "dense" else fmt.HUFFMAN_TENSORS
+        self.fused: bool | None = None if geo.fused is not None else False
+        self.stash: dict = {}
+        self.parts: dict = {}     # shard id → (z, row scales) for huffman, LatqWeight for dense
+        self.weight: LatqWeight | None = None
+
+    def expected(self) -> dict:
+        return {None: self.geo.fused} if self.fused else self.geo.shards
+
+    def add(self, name: str, tensor: torch.Tensor, shard_id) -> None:
+        if isinstance(shard_id, (tuple, list)):
+            raise NotImplementedError(f"latq: layer {self.prefix}: loading a span of fused shards {shard_id} "
+                                      "is not supported")
+        if self.fused is None:  # a fused layer: its first tensor says whether stored fused
+            self.fused = shard_id is None
+        exp = self.expected()
+        if shard_id not in exp:
+            raise ValueError(f"latq: layer {self.prefix}: unexpected shard {shard_id!r} for tensor {name} "
+                             f"(expected {list(exp)}); mixing fused and split tensors is not supported")
+        if shard_id in self.parts or name in self.stash.get(shard_id, {}):
+            raise ValueError(f"latq checkpoint: tensor {exp[shard_id].name}.{name} is loaded twice")
+        self.stash.setdefault(shard_id, {})[name] = tensor
+        if len(self.stash[shard_id]) == len(self.names):
+            self.parts[shard_id] = self._part(exp[shard_id], self.stash.pop(shard_id))
+            if len(self.parts) == len(exp):
+                self.weight = self._finish([self.parts[k] for k in exp])
+                self.parts.clear()
+
+    def _part(self, shard: Shard, t: dict):
+        c = self.config
+        shape = (shard.rows, self.geo.in_features)
+        t = {k: v.detach().cpu() for k, v in t.items()}
+        try:
+            fmt.validate_layer(t, c.kind, shape, c.bits, c.group_size, layer=shard.name, decode=False)
+        except fmt.FormatError as e:
+            raise fmt.FormatError(f"latq checkpoint does not match layer {self.prefix} of the model: {e}") from e
+        g = self.geo
+        if c.kind == "dense":
+            return slice_dense(t, c.bits, c.group_size, g.in_features, shard.blocks, g.col0, g.ncols)
+        try:
+            z = fmt.decode_integers(t, "huffman", shape, None)
+        except ValueError as e:
+            raise fmt.FormatError(f"latq checkpoint: Huffman stream does not decode: {e}",
+                                  tensor=f"{shard.name}.hstream") from e
+        z = torch.cat([z[r0:r0 + n, g.col0:g.col0 + g.ncols] for r0, n in shard.blocks])
+        return z, t["hscale"].float().expand(z.shape[0])
+
+    def _finish(self, parts) -> LatqWeight:
+        if self.config.kind == "dense":
+            return _merge(parts)
+        z = torch.cat([p[0] for p in parts])
+        s = torch.cat([p[1] for p in parts])
+        try:
+            return transcode_rows(z, s)
+        except ValueError as e:
+            raise fmt.FormatError(f"latq checkpoint: layer {self.prefix}: {e}") from e
+
+    def missing(self) -> str:
+        exp = self.expected() if self.fused is not None else self.geo.shards
+        miss = []
+        for k, shard in exp.items():
+            if k in self.parts:
+                continue
+            have = self.stash.get(k, {})
+            miss += [f"{shard.name}.{n}" for n in self.names if n not in have]
+        return ", ".join(miss)
+
+
+# ----------------------------------------------------------------------------- the method
+
+class LatqLinearMethod(LinearMethodBase):
+    """A latq-quantized linear: loads the checkpoint tensors, runs the selected kernel."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
+        layer._latq_load = LoadState(layer, self.config, geometry(layer, self.config.hf_names(layer.prefix)))
+        layer._latq_act_dtype = params_dtype
+        for name in names:
+            dtype = fmt.col_dtype(input_size) if name == "outlier_col" else _DTYPES[name]
+            p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            set_weight_attrs(p, {"weight_loader": _Loader(layer, name)})
+            layer.register_parameter(name, p)
+        self.config._latq_created = getattr(self.config, "_latq_created", 0) + 1
+
+    def process_weights_after_loading(self, layer) -> None:
+        st: LoadState | None = getattr(layer, "_latq_load", None)
+        if st is None:
+            return  # already processed
+        if st.weight is None:
+            raise ValueError(f"latq checkpoint is missing tensors for layer {layer.prefix}: {st.missing()}")
+        names = st.names
+        device = getattr(layer, names[0]).device
+        for name in names:
+            delattr(layer, name)
+        w = st.weight
+        del layer._latq_load
+        w = LatqWeight(*(getattr(w, f).to(device) for f in ("qweight", "scales", "crow", "col", "val")),
+                       w.bits, w.group_size, w.in_features)
+        kernel = selector.select(w, device, layer._latq_act_dtype)
+        state = kernel.prepare(w)
+        tensors, ints = kernel.flatten(state)
+        for i, t in enumerate(tensors):
+            layer.register_buffer(f"latq_t{i}", t, persistent=False)
+        layer.latq_kernel = kernel
+        layer.latq_op = ops.op_for(kernel)
+        layer.latq_state = state
+        layer.latq_ntensors = len(tensors)
+        layer.latq_ints = list(ints)
+        layer.latq_out = w.out_features
+        _record(self.config, layer.prefix, w, kernel)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
+            return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)
+        return layer.latq_kernel.apply(layer.latq_state, x, bias)
+
+
+class _Loader:
+    """The weight loader of one placeholder: stashes the whole tensor (see module doc)."""
+
+    def __init__(self, layer, name):
+        self.layer, self.name = layer, name
+
+    def __call__(self, param, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        st: LoadState = self.layer._latq_load
+        st.add(self.name, loaded_weight, shard_id)
+
+
+def _record(config, prefix: str, w: LatqWeight, kernel) -> None:
+    """Per-layer debug line; one info summary when the last latq layer is processed."""
+    n = w.out_features * w.in_features
+    bpw = w.bits_per_weight()
+    logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, runtime %.3f bits/weight, "
+                 "kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size, 100 * w.nnz / n,
+                 bpw, kernel.name)
+    stats = config.__dict__.setdefault("_latq_stats", [])
+    stats.append((n, bpw, w.bits, w.nnz, kernel.name))
+    if len(stats) == getattr(config, "_latq_created", -1):
+        total = sum(s[0] for s in stats)
+        widths: dict = {}
+        kernels: dict = {}
+        for s in stats:
+            widths[s[2]] = widths.get(s[2], 0) + 1
+            kernels[s[4]] = kernels.get(s[4], 0) + 1
+        logger.info("latq: %d linears loaded (%s checkpoint): runtime %.3f bits/weight, inlier widths %s, "
+                    "%.3f%% outliers, kernels %s", len(stats), config.method,
+                    sum(s[0] * s[1] for s in stats) / total, dict(sorted(widths.items())),
+                    100 * sum(s[3] for s in stats) / total, kernels)
