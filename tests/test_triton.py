@@ -1,0 +1,297 @@
+"""Triton kernels (issue 5), proven without a GPU.
+
+* The load-time layout (pure torch): plane packing round trips, ELL-16 / CSR outliers
+  rebuild the checkpoint's CSR, the outlier-layout model picks ELL for spread outliers and
+  CSR for crowded ones.
+* The kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest) against
+  ``latq_linear_ref``: bits {2, 3, 4} × M {1, 2, 4, 7, 8, 16} × outlier rates {0, 1 %, 5 %}
+  × fp16/bf16, on shapes that are multiples of nothing (N = 40, K = 300: ragged scale group,
+  ragged 32-column tile, rows padded to 16, K padded to the step), with a row holding half
+  the columns as outliers and rows holding none; split-K, bias, fp32 activations, the
+  larger-M fallback, group sizes 32/64/one group per tensor, both outlier layouts.
+* Offline compilation for sm_80/86/89/90 (real ptxas): no register spills, shared memory
+  within the target's limit (heaviest config per kernel and bit width here; every config
+  in the slow test and in ``bench/kernels.py``).
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from vllm_latq import format as fmt
+from vllm_latq.kernels import triton_layout as tlay
+from vllm_latq.kernels.reference import LatqWeight, latq_linear_ref
+
+triton = pytest.importorskip("triton")
+from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
+from vllm_latq.kernels.triton_kernels import TritonKernel  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton's interpreter")
+
+N, K = 40, 300
+
+
+def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0, crowded=True) -> LatqWeight:
+    """Random b-bit inliers, fp16 scales, CSR outliers at ``rate``; with ``crowded``, row 1
+    has half its columns as outliers and rows 3..5 none."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    z = torch.randint(lo, hi + 1, (n, k), generator=g)
+    mask = torch.rand(n, k, generator=g) < rate
+    if crowded and rate > 0:
+        mask[1] = torch.rand(k, generator=g) < 0.5
+        mask[3:6] = False
+    z[mask] = 0
+    ng = math.ceil(k / group)
+    scales = (torch.rand(n, ng, generator=g) * 0.02 + 0.002).half()
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(n + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
+    return LatqWeight(fmt.pack(z.int(), bits), scales, crow, cols.int(), val, bits, group, k)
+
+
+def check(y, x, w, bias=None):
+    ref32 = latq_linear_ref(x.float(), w, None if bias is None else bias.float())
+    assert y.dtype == x.dtype and y.shape == ref32.shape
+    eps = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}[x.dtype]
+    scale = ref32.abs().max().item() + 1e-6
+    # the output is rounded to x.dtype (≤ ½ ulp) after an fp32 sum in another order
+    torch.testing.assert_close(y.float(), ref32, rtol=eps, atol=scale * 2e-6 + 1e-6)
+
+
+def activations(m, dtype, k=K, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(dtype)
+
+
+# ----------------------------------------------------------------------------- layout (torch)
+
+@pytest.mark.parametrize("pbits", [1, 2, 4])
+def test_pack_plane_round_trip(pbits):
+    v = torch.randint(0, 2**pbits, (32, 2 * 16 * (32 // pbits)), dtype=torch.uint8)
+    words = tlay.pack_plane(v, pbits)
+    assert words.dtype == torch.int32 and words.numel() == v.numel() * pbits // 32
+    assert torch.equal(tlay.unpack_plane(words, pbits, *v.shape), v)
+
+
+def test_plane_word_holds_slab_columns():
+    """Word w, slot j of chunk c ↔ column c·16V + 16j + w (the kernels' slab order)."""
+    n_pad, k_pad = 16, 256
+    v = torch.zeros(n_pad, k_pad, dtype=torch.uint8)
+    v[5, 128 + 16 * 3 + 7] = 3                                  # chunk 0 (2-bit: 256 cols), slot 11
+    words = tlay.pack_plane(v, 2).reshape(1, 1, 16, 16)
+    assert words[0, 0, 7, 5].item() == 3 << (2 * 11) and words.count_nonzero() == 1
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_layout_inliers_round_trip(bits):
+    w = make_weight(bits=bits, rate=0.0)
+    L = tlay.build(w)
+    u = torch.zeros(L.n_pad, L.k_pad, dtype=torch.int64)
+    shift = 0
+    for pb, plane in zip(tlay.planes_of(bits), L.planes):
+        u |= tlay.unpack_plane(plane, pb, L.n_pad, L.k_pad).long() << shift
+        shift += pb
+    z = fmt.unpack(w.qweight, bits, K)
+    assert torch.equal(u[:N, :K] - 2 ** (bits - 1), z.long())
+    assert L.k_pad % tlay.step_of(bits) == 0 and L.n_pad % 16 == 0
+    assert L.nbytes()["inliers"] == L.n_pad * L.k_pad * bits // 8     # 3 bits: 32 values in 3 words
+
+
+def _dense_outliers(w):
+    D = torch.zeros(w.out_features, w.in_features)
+    rows = torch.repeat_interleave(torch.arange(w.out_features), (w.crow[1:] - w.crow[:-1]).long())
+    D[rows, w.col.long()] = w.val
+    return D
+
+
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+def test_layout_outliers_rebuild_csr(mode):
+    w = make_weight(rate=0.05)
+    L = tlay.build(w, outlier_mode=mode)
+    o = L.outliers
+    D = torch.zeros(L.n_pad, K)
+    if mode == "ell":
+        for g in range(L.n_pad // 16):
+            a, b = int(o["off"][g]), int(o["off"][g + 1])
+            col = o["col"][a:b].reshape(-1, 16).long()
+            val = o["val"][a:b].reshape(-1, 16)
+            for r in range(16):
+                D[16 * g + r].index_put_((col[:, r],), val[:, r], accumulate=True)
+        assert L.max_row_outliers == int((w.crow[1:] - w.crow[:-1]).max())
+    else:
+        D[o["row"].long(), o["col"].long()] = o["val"]
+        assert o["crow"].numel() == L.n_pad + 1
+    assert torch.equal(D[:N], _dense_outliers(w))
+
+
+def test_outlier_model_choice():
+    spread = make_weight(n=256, k=512, rate=0.02, crowded=False)
+    assert tlay.outlier_model(spread.crow, 256)["mode"] == "ell"
+    crowd = torch.zeros(257, dtype=torch.int32)                # one row in 16 holds all: ELL pads 16x
+    counts = torch.zeros(256, dtype=torch.int64)
+    counts[::16] = 400
+    crowd[1:] = torch.cumsum(counts, 0)
+    m = tlay.outlier_model(crowd, 256)
+    assert m["mode"] == "csr" and m["padding"] == 16 and "csr" in m["reason"]
+
+
+def test_spg():
+    assert tk.spg_of(4, 128) == 8 and tk.spg_of(2, 128) == 8 and tk.spg_of(3, 128) == 8
+    assert tk.spg_of(4, 32) == 2 and tk.spg_of(2, 96) == 2 and tk.spg_of(3, 4096) == 32
+    assert tk.spg_of(4, 48) == 1
+
+
+def test_lop3_lut():
+    """0xEA is (a & b) | c in PTX's lop3 truth-table encoding (a=0xF0, b=0xCC, c=0xAA)."""
+    a, b, c = 0xF0, 0xCC, 0xAA
+    assert (a & b) | c == 0xEA
+
+
+# ----------------------------------------------------------------------------- selector contract
+
+def test_can_implement(monkeypatch):
+    w = make_weight()
+    monkeypatch.delenv(tk.ENV_INTERPRET_OK, raising=False)
+    ok, why = TritonKernel.can_implement(w, torch.device("cpu"), torch.bfloat16)
+    assert not ok and "CUDA" in why and tk.ENV_INTERPRET_OK in why
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    assert TritonKernel.can_implement(w, torch.device("cpu"), torch.bfloat16) == (True, None)
+    w5 = LatqWeight(w.qweight, w.scales, w.crow, w.col, w.val, 5, 128, K)
+    ok, why = TritonKernel.can_implement(w5, torch.device("cpu"), torch.bfloat16)
+    assert not ok and "5-bit" in why
+    w24 = make_weight(group=24)
+    ok, why = TritonKernel.can_implement(w24, torch.device("cpu"), torch.bfloat16)
+    assert not ok and "24" in why
+    ok, why = TritonKernel.can_implement(w, torch.device("cpu"), torch.int8)
+    assert not ok
+
+
+def test_selector_picks_triton_in_interpreter(monkeypatch):
+    from vllm_latq.kernels import selector
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    assert selector.select(make_weight(), torch.device("cpu"), torch.float16) is TritonKernel
+    monkeypatch.delenv(tk.ENV_INTERPRET_OK)
+    assert selector.select(make_weight(), torch.device("cpu"), torch.float16) is not TritonKernel
+
+
+# ----------------------------------------------------------------------------- kernels (interpreter)
+
+_STATES = {}
+
+
+def state_for(bits, rate, mode=None, group=128):
+    key = (bits, rate, mode, group)
+    if key not in _STATES:
+        w = make_weight(bits=bits, rate=rate, group=group, seed=bits)
+        _STATES[key] = (w, TritonKernel.prepare(w, outlier_mode=mode))
+    return _STATES[key]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, 16])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_kernel_matches_reference(bits, m, rate, dtype):
+    w, st = state_for(bits, rate)
+    x = activations(m, dtype, seed=m)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(dtype) if m % 2 else None
+    y = TritonKernel.apply(st, x, bias)
+    check(y, x, w, bias)
+
+
+@pytest.mark.parametrize("kernel,m", [("gemv", 3), ("mma", 8)])
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_both_outlier_layouts(bits, mode, kernel, m):
+    w, st = state_for(bits, 0.05, mode)
+    assert st.layout.outlier_mode == mode
+    x = activations(m, torch.bfloat16)
+    check(TritonKernel.apply(st, x, kernel=kernel), x, w)
+
+
+@pytest.mark.parametrize("kernel,m,cfg", [
+    ("gemv", 2, dict(BN=32, SPLIT=4, num_warps=2)),
+    ("gemv", 5, dict(BN=16, SPLIT=3, num_warps=1)),
+    ("mma", 9, dict(BN=32, SPLIT=2, BR=4, num_warps=4)),
+    ("mma", 16, dict(BN=16, SPLIT=4, BR=16, num_warps=4)),
+])
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+def test_split_k(kernel, m, cfg, mode):
+    """K = 600 (5 steps at 4 bits): splits get unequal step counts, one may get none;
+    the ticket counters are reset, so a second call is right too."""
+    w = make_weight(k=600, bits=4, rate=0.03, seed=3)
+    st = TritonKernel.prepare(w, outlier_mode=mode)
+    for seed in (1, 2):
+        x = activations(m, torch.float16, k=600, seed=seed)
+        bias = torch.randn(N).half()
+        check(TritonKernel.apply(st, x, bias, kernel=kernel, config=cfg), x, w, bias)
+    assert int(st.counters[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("group", [32, 64, 300])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_group_sizes(bits, group):
+    """32/64: several scale groups per dot / per slab run; 300 = K: one group per row
+    (HPTQ transcode form)."""
+    w = make_weight(bits=bits, group=group, rate=0.01, seed=7)
+    st = TritonKernel.prepare(w)
+    for m in (1, 8):
+        x = activations(m, torch.bfloat16)
+        check(TritonKernel.apply(st, x), x, w)
+
+
+def test_fp32_activations_and_shapes():
+    w, st = state_for(3, 0.01)
+    for m in (1, 8, 20):                                         # fp32: SIMT for every M (tiles of 8)
+        x = activations(m, torch.float32)
+        bias = torch.randn(N)
+        check(TritonKernel.apply(st, x, bias), x, w, bias)
+    x = activations(6, torch.bfloat16).reshape(2, 3, K)          # leading dims are flattened
+    y = TritonKernel.apply(st, x)
+    assert y.shape == (2, 3, N)
+    check(y.reshape(6, N), x.reshape(6, K), w)
+    xs = activations(4, torch.float16, k=2 * K)[:, ::2]          # non-contiguous input
+    check(TritonKernel.apply(st, xs), xs.contiguous(), w)
+    assert TritonKernel.apply(st, torch.zeros(0, K, dtype=torch.float16)).shape == (0, N)
+    with pytest.raises(ValueError):
+        TritonKernel.apply(st, torch.zeros(1, K + 1))
+
+
+def test_large_m_fallback():
+    """M > 16: the tensor-core kernel with BM = 64 tiles (a tiled GEMM)."""
+    w, st = state_for(4, 0.05)
+    x = activations(70, torch.bfloat16)
+    check(TritonKernel.apply(st, x), x, w)
+
+
+# ----------------------------------------------------------------------------- offline compilation
+
+def _check_static(jobs):
+    from vllm_latq.kernels import triton_compile as tc
+    rows = tc.summarize(jobs, tc.run(jobs))
+    bad = [r for r in rows if "error" in r]
+    assert not bad, tc.report(bad)
+    spills = [r for r in rows if (r["spill_stores"] or r["spill_loads"] or r["stack"])]
+    assert not spills, "register spills:\n" + tc.report(spills)
+    big = [r for r in rows if r["smem"] > r["smem_limit"]]
+    assert not big, "shared memory over the limit:\n" + tc.report(big)
+    assert all(r["regs"] and r["regs"] <= 255 for r in rows)
+    return rows
+
+
+def test_offline_compile_heaviest_configs():
+    from vllm_latq.kernels import triton_compile as tc
+    jobs = tc.all_jobs(quick=True)
+    assert {j["cc"] for j in jobs} == {80, 86, 89, 90} and {j["kernel"] for j in jobs} == {"gemv", "mma"}
+    rows = _check_static(jobs)
+    assert all(r["mma"] > 0 for r in rows if r["kernel"] == "mma")        # tensor cores used
+    assert all(r["mma"] == 0 for r in rows if r["kernel"] == "gemv")      # SIMT only
+
+
+@pytest.mark.slow
+def test_offline_compile_every_config():
+    from vllm_latq.kernels import triton_compile as tc
+    _check_static(tc.all_jobs())

@@ -1,0 +1,250 @@
+"""Offline compilation of every Triton kernel config for real GPUs, without a GPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` runs the whole CUDA
+pipeline (TTIR → TTGIR → LLVM → PTX → ptxas → cubin) on the CPU. For every job we record
+ptxas' own verdict (registers, spill stores/loads, stack frame: Triton's ptxas log), the
+shared memory Triton allocated, and SASS instruction counts from the ``nvdisasm`` that
+Triton ships. The interpreter (``TRITON_INTERPRET=1``) cannot compile, so jobs run in worker
+subprocesses with it unset; results are cached on disk, keyed by the kernel source and the
+Triton version, so the tests and ``bench/kernels.py`` share them.
+
+Jobs: kernel × bits × BM × tile config (BN, warps, [BR]) × SPLIT ∈ {1, 8} (2 and 4 compile
+to the SPLIT=8 code with another constant) × outlier layout (none / ELL-16 / CSR) × target.
+Activations are bf16 for the static report (fp16 differs only in the convert opcodes).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynamic smem per block (bytes)
+CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq")) / "triton_static"
+HERE = Path(__file__).resolve().parent
+
+
+def source_hash() -> str:
+    import importlib.metadata as md
+    h = hashlib.sha256()
+    for f in ("triton_kernels.py", "triton_layout.py", "triton_compile.py"):
+        h.update((HERE / f).read_bytes())
+    h.update(md.version("triton").encode())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- jobs
+
+def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
+    """Every (kernel, specialisation, config, target). ``quick``: per kernel and bits only
+    the heaviest config (largest BM·BN per warp, CSR outliers, split-K) — the default test."""
+    from . import triton_kernels as tk  # noqa: F401 (config tables only; no launch)
+    jobs = []
+    for kernel, table, fits, bms in (("gemv", tk.GEMV_AMPERE, tk.gemv_fits, (1, 2, 4, 8)),
+                                     ("mma", tk.MMA_AMPERE, tk.mma_fits, (16, 64))):
+        tiles = []
+        for c in table:
+            t = {k: v for k, v in c.items() if k != "SPLIT"}
+            if t not in tiles:
+                tiles.append(t)
+        for bits in (2, 3, 4):
+            for bm in bms:
+                fitting = [t for t in tiles if fits(dict(t, SPLIT=1), bm)]
+                if quick:
+                    fitting = [max(fitting, key=lambda t: (bm * t["BN"] * t.get("BR", 1) / t["num_warps"], t["BN"]))]
+                    variants = [(8, "csr")]
+                else:
+                    variants = [(sp, o) for sp in (1, 8) for o in ("none", "ell", "csr")]
+                for t in fitting:
+                    for sp, outl in variants:
+                        for cc in targets:
+                            jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, cc=cc, **t))
+    return jobs
+
+
+def job_key(j: dict) -> str:
+    return json.dumps(j, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- one compile (worker)
+
+def _bin(name: str) -> str:
+    import triton
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def sass_counts(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        out = subprocess.run([_bin("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    ops = Counter()
+    for line in out.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return dict(ops)
+
+
+def compile_job(j: dict) -> dict:
+    """Compile one job (TRITON_INTERPRET must be unset in this process)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from . import triton_kernels as tk
+    assert not tk.INTERPRET, "compile jobs need TRITON_INTERPRET unset"
+    fn = tk._gemv_kernel if j["kernel"] == "gemv" else tk._mma_kernel
+    xdt = "bf16"
+    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i32", "*fp32", "*fp32"],
+            "csr": ["*i32", "*i32", "*i32", "*fp32"]}[j["outl"]]
+    ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*fp16", *optr, "*fp32", "*i32"]
+    ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "M_WS"]
+    names = fn.arg_names
+    sig = {}
+    for i, n in enumerate(names[:len(ptrs)]):
+        sig[n] = ptrs[i]
+    for n in ints:
+        sig[n] = "i32"
+    group = 128
+    const = dict(BITS=j["bits"], GROUP=group, SPG=tk.spg_of(j["bits"], group), BM=j["BM"], BN=j["BN"],
+                 SPLIT=j["SPLIT"], OUTL=tk.OUTL_CODE[j["outl"]], HAS_BIAS=True, ASM=True)
+    if j["kernel"] == "mma":
+        const.update(BR=j["BR"], F32DOT=False)
+    for n in const:
+        sig[n] = "constexpr"
+    # production-like specialisation: 16-byte aligned pointers, 16-divisible sizes/strides
+    # (Qwen3-8B shapes); M is not.
+    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn, sig, const, attrs)
+    knobs.nvidia.dump_ptxas_log = True
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        c = triton.compile(src, target=GPUTarget("cuda", j["cc"], 32),
+                           options=dict(num_warps=j["num_warps"], num_stages=1))
+    log = buf.getvalue()
+    regs = re.search(r"Used (\d+) registers", log)
+    st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    ops = sass_counts(c.asm["cubin"])
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_stores=int(st.group(1)) if st else None, spill_loads=int(st.group(2)) if st else None,
+                stack=int(stack.group(1)) if stack else None, smem=int(c.metadata.shared),
+                smem_limit=TARGETS[j["cc"]], sass=ops, sass_total=sum(ops.values()))
+
+
+def _worker(jobs_path: str, out_path: str) -> None:
+    jobs = json.loads(Path(jobs_path).read_text())
+    res = {}
+    for j in jobs:
+        try:
+            res[job_key(j)] = compile_job(j)
+        except Exception as e:  # noqa: BLE001 — reported, never hidden
+            res[job_key(j)] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+    Path(out_path).write_text(json.dumps(res))
+
+
+# ----------------------------------------------------------------------------- driver
+
+def run(jobs: list[dict], workers: int | None = None, cache: bool = True, log=None) -> dict:
+    """Compile ``jobs`` (cached) in worker subprocesses → {job_key: result}."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    cpath = CACHE / f"{source_hash()}.json"
+    done = json.loads(cpath.read_text()) if cache and cpath.exists() else {}
+    todo = [j for j in jobs if job_key(j) not in done]
+    if todo:
+        workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        root = str(HERE.parent.parent)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        with tempfile.TemporaryDirectory() as td:
+            procs = []
+            for w in range(workers):
+                part = todo[w::workers]
+                jp, op = Path(td) / f"jobs{w}.json", Path(td) / f"out{w}.json"
+                jp.write_text(json.dumps(part))
+                procs.append((subprocess.Popen([sys.executable, "-m", "vllm_latq.kernels.triton_compile",
+                                                "--worker", str(jp), str(op)], env=env, cwd=root,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), op))
+            for p, op in procs:
+                _, err = p.communicate()
+                if p.returncode != 0:
+                    raise RuntimeError(f"compile worker failed: {err.decode()[-3000:]}")
+                done.update(json.loads(op.read_text()))
+        if cache:
+            cur = json.loads(cpath.read_text()) if cpath.exists() else {}
+            cur.update(done)
+            cpath.write_text(json.dumps(cur))
+    return {job_key(j): done[job_key(j)] for j in jobs}
+
+
+SASS_GROUPS = {
+    "mem": ("LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS", "ATOM", "ATOMG", "RED", "LDL", "STL"),
+    "fp32": ("FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP"),
+    "int": ("LOP3", "SHF", "IADD3", "IMAD", "LEA", "ISETP", "SEL", "PRMT", "IMNMX"),
+    "cvt": ("F2F", "F2FP", "I2F", "F2I", "I2FP"),
+    "mma": ("HMMA", "IMMA", "HGMMA"),
+}
+
+
+def summarize(jobs: list[dict], res: dict) -> list[dict]:
+    rows = []
+    for j in jobs:
+        r = res[job_key(j)]
+        row = dict(j)
+        if "error" in r:
+            row.update(error=r["error"])
+        else:
+            row.update({k: r[k] for k in ("regs", "spill_stores", "spill_loads", "stack", "smem", "smem_limit",
+                                          "sass_total")})
+            for g, names in SASS_GROUPS.items():
+                row[g] = sum(v for k, v in r["sass"].items() if k.split(".")[0] in names)
+        rows.append(row)
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    """Human-readable table: one line per job."""
+    hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'spl':>3} {'outl':4} {'sm':>3} "
+           f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4}")
+    lines = [hdr]
+    for r in rows:
+        head = (f"{r['kernel']:6} {r['bits']:>1} {r['BM']:>3} {r['BN']:>4} {r['num_warps']:>2} "
+                f"{r.get('BR', '-'):>2} {r['SPLIT']:>3} {r['outl']:4} {r['cc']:>3} ")
+        if "error" in r:
+            lines.append(head + "ERROR " + r["error"].splitlines()[-1][:120])
+            continue
+        sp = (r["spill_stores"] or 0) + (r["spill_loads"] or 0)
+        lines.append(head + f"{r['regs']:>4} {sp:>5} {r['smem']:>6} {r['sass_total']:>5} {r['mem']:>4} "
+                     f"{r['fp32']:>4} {r['int']:>4} {r['cvt']:>4} {r['mma']:>4}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=2, metavar=("JOBS", "OUT"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    if a.worker:
+        _worker(*a.worker)
+        return
+    jobs = all_jobs(quick=a.quick)
+    rows = summarize(jobs, run(jobs))
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()

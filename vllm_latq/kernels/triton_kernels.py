@@ -1,0 +1,579 @@
+"""Triton GPU kernels for latq dense + outlier linears (issue 5).
+
+Two kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton_layout`: 16×16
+word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
+
+``_gemv_kernel`` — M = 1..7 (SIMT, no tensor cores)
+    One program per BN output rows (× a K split × an M tile). Per K step it loads one
+    [16 words × BN rows] int32 tile per plane (16-byte vector loads of contiguous 1 KiB
+    blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
+    ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
+    ``(word & (2^b−1) << P) | 0x4B000000`` *is* the fp32 number 2^23 + u·2^P (P ≤ 14, the high
+    half of a word is shifted down once per step), so one FADD gives ``(u − 2^(b−1))·2^P``
+    exactly; the 2^−P is folded into the (tiny) activation slab. Per weight: 1 LOP3, 1 FADD,
+    and one FFMA per activation row (3-bit: + 1 SHF + 1 LOP3 to merge the 1-bit plane).
+    Products accumulate per (row, slab lane) in fp32 over all slabs sharing a scale group and
+    are scaled once per group (``acc += part · s``); the fp16 scales are loaded as fp16 and
+    widened. The slab-lane axis is reduced once at the end, so the K loop has no cross-thread
+    traffic. Split-K (``SPLIT`` programs per row tile, for long K / small N) writes fp32
+    partials; the last program of a tile (an acq_rel atomic ticket) sums them in fixed order,
+    adds the bias and stores — one launch, deterministic, counters self-reset.
+    Outliers of the program's rows are added by the same program (16 ELL slots or 16 CSR
+    entries per iteration, spread over the K splits), into the same accumulator.
+
+``_mma_kernel`` — M ≥ 8 (tensor cores; 8 is padded to the 16-row MMA, 9..16 likewise)
+    Same tiles; slab j is a [16 × BN] B operand (``K = 16`` of one ``mma.m16n8k16``): the
+    integers z = u − 2^(b−1) are exact in fp16 and bf16, so ``tl.dot(x_slab, z_slab)``
+    multiplies exactly and accumulates in fp32; slabs of one scale group chain into one
+    accumulator that is scaled once per group (so the result is the fp32 reference up to
+    summation order — no fp16 rounding of z·s). Operands are fp16/bf16 on GPU (bf16 native);
+    in the interpreter (no bf16 arithmetic) both are cast to fp32 right after loading.
+    Outliers run on SIMT lanes after the K loop of the same program ([BM × BR × BN] gathers
+    of the activations, reduced over BR). The same kernel with BM = 32/64 is the **larger-M
+    fallback** (a plain tiled GEMM that re-dequantises each weight tile per M tile: for
+    prefill-sized M a dequantise-once + cuBLAS path would amortise better, but would round
+    z·s to bf16; not implemented, see the issue).
+
+fp32 activations use the SIMT kernel for every M (tiles of 8 rows): exact, no TF32.
+Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
+interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
+(:mod:`~vllm_latq.kernels.triton_compile`, ``bench/kernels.py``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_layout as tlay
+from .reference import LatqWeight
+from .selector import LatqKernel
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ENV_INTERPRET_OK = "LATQ_TRITON_INTERPRET_OK"   # =1: accept CPU tensors when TRITON_INTERPRET=1
+OUTL_NONE, OUTL_ELL, OUTL_CSR = 0, 1, 2
+OUTL_CODE = {"none": OUTL_NONE, "ell": OUTL_ELL, "csr": OUTL_CSR}
+
+
+# ============================================================================ device code
+
+@triton.jit
+def _and_or(a, MASK: tl.constexpr, c, ASM: tl.constexpr):
+    """``(a & MASK) | c``. On GPU one ``lop3.b32`` (LUT 0xEA = (a & b) | c): written as two
+    PTX ops, ptxas keeps two LOP3s because it cannot encode two constants in one. In the
+    interpreter (no inline asm) plain integer ops."""
+    if ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [a, tl.full(a.shape, MASK, tl.int32), c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (a & MASK) | c
+
+
+@triton.jit
+def _fbits(wa, wb, wh, J: tl.constexpr, BITS: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr):
+    """Slot J (= slab J) of the step's word tiles → int32 bits of the fp32 number
+    2^23 + u·2^P (u at bits [P, P+b), OR-ed into the bits of 2^23). ``wa``: the b-bit plane
+    (3 bits: the 2-bit plane, first 256 columns of the step), ``wb``: 3 bits: the 2-bit
+    plane, second 256 columns; ``wh``: 3 bits: the 1-bit plane. The caller passes the
+    high half-words (``w >> 16``) for slots that live there, so P + b ≤ 16."""
+    magic = tl.full(wa.shape, 0x4B000000, tl.int32)
+    if BITS == 4:
+        r = _and_or(wa, 15 << P, magic, ASM)
+    elif BITS == 2:
+        r = _and_or(wa, 3 << P, magic, ASM)
+    else:
+        I: tl.constexpr = J % 16
+        D: tl.constexpr = P + 2 - I          # move hi bit I (of the 16-bit half) to bit P + 2
+        if D >= 0:
+            hb = wh << D
+        else:
+            hb = wh >> (-D)
+        if J < 16:
+            lo = wa
+        else:
+            lo = wb
+        r = _and_or(lo, 3 << P, _and_or(hb, 4 << P, magic, ASM), ASM)
+    return r
+
+
+@triton.jit
+def _finish(acc, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k, tile,
+              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """fp32 ``acc`` [BM, BN] → y (+ bias). SPLIT > 1: partials to the workspace, and the last
+    of the SPLIT programs of this tile (acq_rel ticket) reduces them in fixed order."""
+    if SPLIT == 1:
+        _finish(acc, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    else:
+        wmask = (rm < M_WS)[:, None] & (rn < N_PAD)[None, :]
+        wsp = ws_ptr + rm[:, None] * N_PAD + rn[None, :]
+        tl.store(wsp + pid_k * M_WS * N_PAD, acc, mask=wmask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            tot = tl.load(wsp, mask=wmask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                tot += tl.load(wsp + s * M_WS * N_PAD, mask=wmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _finish(tot, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
+                 o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+    # Every tensor of the K loop is 3-D [BM rows of x, 16 slab lanes, BN output rows] (or a
+    # broadcastable slice of it), so the word tiles' coalesced layout (16-byte vectors along
+    # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.
+    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
+    STEP: tl.constexpr = 16 * SLABS
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    w16 = tl.arange(0, 16)
+    g16 = rn // 16
+    r16 = rn % 16
+    rn3 = rn[None, None, :]                                        # [1, 1, BN]
+    w3 = w16[None, :, None]                                        # [1, 16, 1]
+    rm3 = rm[:, None, None]                                        # [BM, 1, 1]
+    xrow = x_ptr + rm3 * stride_xm
+    mmask = rm3 < M
+    # word-tile pointers of chunk 0: ((g·NCH + c)·16 + w)·16 + r
+    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
+    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    sp = s_ptr + (g16 * (NGP * 16) + r16)[None, None, :]           # scales of group 0
+
+    SPS = tl.cdiv(NSTEPS, SPLIT)                                  # K steps per split
+    s_beg = pid_k * SPS
+    s_end = tl.minimum(s_beg + SPS, NSTEPS)
+    CA: tl.constexpr = 512 if BITS == 3 else 256                   # plane-A words per step per row group
+    # (a scalar bool & a bool tensor is int in the interpreter: fold conditions into limits)
+    pm = (rn3 < tl.where(s_beg < s_end, N_PAD, 0)) & (w3 < 16)
+    wa_n = tl.load(ta + s_beg * CA, mask=pm, other=0)
+    wb_n = wa_n
+    wh_n = wa_n
+    if BITS == 3:
+        wb_n = tl.load(ta + s_beg * CA + 256, mask=pm, other=0)
+        wh_n = tl.load(th + s_beg * 256, mask=pm, other=0)
+    acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
+    for s in range(s_beg, s_end):
+        wa = wa_n
+        wb = wb_n
+        wh = wh_n
+        pm = (rn3 < tl.where(s + 1 < s_end, N_PAD, 0)) & (w3 < 16)
+        wa_n = tl.load(ta + (s + 1) * CA, mask=pm, other=0)           # prefetch the next step
+        if BITS == 3:
+            wb_n = tl.load(ta + (s + 1) * CA + 256, mask=pm, other=0)
+            wh_n = tl.load(th + (s + 1) * 256, mask=pm, other=0)
+        wa2 = wa >> 16
+        wb2 = wb >> 16
+        wh2 = wh >> 16
+        k0 = s * STEP
+        part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+        for j in tl.static_range(SLABS):
+            # position of slot j inside its 16-bit half word, and which half
+            if BITS == 4:
+                P = 4 * (j % 4)
+                HI = j >= 4
+            elif BITS == 2:
+                P = 2 * (j % 8)
+                HI = j >= 8
+            else:
+                P = 2 * ((j % 16) % 8)
+                HI = (j % 16) >= 8
+            if HI:
+                src_a = wa2
+                src_b = wb2
+            else:
+                src_a = wa
+                src_b = wb
+            if j >= 16:
+                src_h = wh2
+            else:
+                src_h = wh
+            f = _fbits(src_a, src_b, src_h, j, BITS, P, ASM)
+            z = f.to(tl.float32, bitcast=True) - (8388608.0 + OFF * (1 << P))    # (u − o)·2^P, exact
+            kk = k0 + 16 * j + w3
+            xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
+            part += z * (xs * (1.0 / (1 << P)))
+            if (j + 1) % SPG == 0:
+                gi = (k0 + 16 * (j + 1 - SPG)) // GROUP
+                sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
+                acc += part * sc
+                part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+
+    # ---- outliers of these rows (same accumulator; entries spread over the K splits)
+    if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
+        gm = rn < N_PAD
+        e0 = tl.load(o0_ptr + g16, mask=gm, other=0)
+        cnt = (tl.load(o0_ptr + g16 + 1, mask=gm, other=0) - e0) // 16
+        rmax = tl.max(cnt, axis=0)
+        e03 = (e0 + r16)[None, None, :]
+        cnt3 = cnt[None, None, :]
+        for r0 in range(pid_k * 16, rmax, SPLIT * 16):
+            rr = r0 + w3                                                        # [1, 16, 1]
+            em = rr < cnt3                                                      # [1, 16, BN]
+            idx = e03 + rr * 16
+            col = tl.load(o1_ptr + idx, mask=em, other=0)
+            val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+            xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, BN]
+            acc += val * xg
+    elif OUTL == 2:    # CSR: o0 = crow [N_PAD+1], o1 = row, o2 = col, o3 = val
+        n0 = pid_n * BN
+        e0 = tl.load(o0_ptr + n0)
+        e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+        for e in range(e0 + pid_k * 16, e1, SPLIT * 16):
+            ee = e + w3                                                         # [1, 16, 1]
+            em = ee < e1
+            row = tl.load(o1_ptr + ee, mask=em, other=-1)
+            col = tl.load(o2_ptr + ee, mask=em, other=0)
+            val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+            xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, 1]
+            acc += tl.where(row == rn3, xg * val, 0.0)                          # one-hot routing
+
+    out = tl.sum(acc, axis=1)
+    _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
+              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+            DT: tl.constexpr):
+    """Slabs [Q·DS, Q·DS + DS) of a step, dequantised to exact integers z = u − 2^(b−1) in
+    DT: [DS, 16, BN] from the [1, 16, BN] word tiles (per-slab shift amounts broadcast along
+    the first axis). u is OR-ed into the bits of 2^23 (one LOP3) and 2^23 + 2^(b−1)
+    subtracted (one FADD): no integer → float conversion."""
+    jj = Q * DS + tl.arange(0, DS)[:, None, None]                # slab index j
+    magic = tl.full([DS, 16, wa.shape[2]], 0x4B000000, tl.int32)
+    if BITS == 4:
+        f = _and_or(wa >> (4 * jj), 15, magic, ASM)
+    elif BITS == 2:
+        f = _and_or(wa >> (2 * jj), 3, magic, ASM)
+    else:
+        i = jj % 16
+        if Q * DS < 16:                                         # DS divides 16: one lo tile
+            lo = wa
+        else:
+            lo = wb
+        hb = ((wh >> (16 * (jj // 16) + i)) << 2)
+        f = _and_or(lo >> (2 * i), 3, _and_or(hb, 4, magic, ASM), ASM)
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    return (f.to(tl.float32, bitcast=True) - (8388608.0 + OFF)).to(DT)
+
+
+@triton.jit
+def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
+                o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
+                BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
+                ASM: tl.constexpr):
+    # Per K step and per DS slabs (≤ 128 columns, one scale group): the [DS·16, BN] B tile is
+    # built in registers from the step's word tiles by broadcasting per-slab shifts
+    # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot
+    # with the contiguous [BM, DS·16] activation tile: one shared-memory staging per 128
+    # columns (Triton's MMAv2 operand path) instead of one per 16-column slab.
+    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
+    STEP: tl.constexpr = 16 * SLABS
+    DS: tl.constexpr = SPG if SPG < 8 else 8                   # slabs per tl.dot (K ≤ 128)
+    ND: tl.constexpr = SLABS // DS                             # dots per step
+    DPG: tl.constexpr = SPG // DS                              # dots per scale group
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    w16 = tl.arange(0, 16)
+    kd = tl.arange(0, DS * 16)
+    g16 = rn // 16
+    r16 = rn % 16
+    rn3 = rn[None, None, :]
+    w3 = w16[None, :, None]
+    xrow = x_ptr + rm[:, None] * stride_xm
+    mmask = (rm < M)[:, None]
+    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
+    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    sp = s_ptr + g16 * (NGP * 16) + r16
+
+    SPS = tl.cdiv(NSTEPS, SPLIT)
+    s_beg = pid_k * SPS
+    s_end = tl.minimum(s_beg + SPS, NSTEPS)
+    CA: tl.constexpr = 512 if BITS == 3 else 256
+    pm = (rn3 < tl.where(s_beg < s_end, N_PAD, 0)) & (w3 < 16)
+    wa_n = tl.load(ta + s_beg * CA, mask=pm, other=0)
+    wb_n = wa_n
+    wh_n = wa_n
+    if BITS == 3:
+        wb_n = tl.load(ta + s_beg * CA + 256, mask=pm, other=0)
+        wh_n = tl.load(th + s_beg * 256, mask=pm, other=0)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in range(s_beg, s_end):
+        wa = wa_n
+        wb = wb_n
+        wh = wh_n
+        pm = (rn3 < tl.where(s + 1 < s_end, N_PAD, 0)) & (w3 < 16)
+        wa_n = tl.load(ta + (s + 1) * CA, mask=pm, other=0)           # prefetch the next step
+        if BITS == 3:
+            wb_n = tl.load(ta + (s + 1) * CA + 256, mask=pm, other=0)
+            wh_n = tl.load(th + (s + 1) * 256, mask=pm, other=0)
+        k0 = s * STEP
+        part = tl.zeros([BM, BN], dtype=tl.float32)
+        for q in tl.static_range(ND):
+            z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
+            kk = k0 + q * (DS * 16) + kd
+            xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+            part = tl.dot(xs, z, part)
+            if (q + 1) % DPG == 0:
+                gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
+                sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                acc += part * sc[None, :]
+                part = tl.zeros([BM, BN], dtype=tl.float32)
+
+    if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
+        oacc = tl.zeros([BM, BN], dtype=tl.float32)
+        rb = tl.arange(0, BR)
+        if OUTL == 1:
+            gm = rn < N_PAD
+            e0 = tl.load(o0_ptr + g16, mask=gm, other=0)
+            cnt = (tl.load(o0_ptr + g16 + 1, mask=gm, other=0) - e0) // 16
+            rmax = tl.max(cnt, axis=0)
+            for r0 in range(pid_k * BR, rmax, SPLIT * BR):
+                rr = r0 + rb
+                em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
+                idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
+                col = tl.load(o1_ptr + idx, mask=em, other=0)
+                val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+                xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
+                             other=0.0).to(tl.float32)                          # [BM, BR, BN]
+                oacc += tl.sum(val[None, :, :] * xg, axis=1)
+        else:
+            n0 = pid_n * BN
+            e0 = tl.load(o0_ptr + n0)
+            e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+            for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
+                ee = e + rb
+                em = ee < e1
+                row = tl.load(o1_ptr + ee, mask=em, other=-1)
+                col = tl.load(o2_ptr + ee, mask=em, other=0)
+                val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+                xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
+                hit = row[:, None] == rn[None, :]                               # [BR, BN]
+                oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
+        acc += oacc
+
+    _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
+              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+
+
+# ============================================================================ configs
+
+def spg_of(bits: int, group: int) -> int:
+    """Slabs per scale application: the largest power of two dividing group/16, at most the
+    slabs of one K step (slab boundaries are multiples of 16·SPG, so all of them lie in one
+    group). group % 16 == 0 is required (or a single group: group ≥ K_pad)."""
+    slabs = tlay.step_of(bits) // 16
+    q = group // 16
+    spg = 1
+    while spg < slabs and q % (2 * spg) == 0:
+        spg *= 2
+    return spg
+
+
+# SIMT GEMV, Ampere (A100: 108 SMs, 164 KiB smem/SM; A10/A6000/RTX 30xx: 72–84 SMs, 100 KiB):
+# the kernel is register-only (no shared memory but the split-K ticket), so the knobs are the
+# row tile BN (bytes in flight per program: BN·64 B per plane per step, 2 steps with the
+# prefetch), warps, and SPLIT (programs per row tile, for when N/BN alone cannot fill
+# ~2 programs per SM: o/down projections at TP > 1, or K ≥ 8k). The accumulators are
+# 2·BM·16·BN fp32 per program; BM·BN ≤ 512 keeps them ≤ 128 registers/thread at 4 warps.
+GEMV_AMPERE = [dict(BN=bn, SPLIT=sp, num_warps=nw)
+               for bn, nw in ((32, 2), (64, 4), (128, 4), (128, 8))
+               for sp in (1, 2, 4, 8)]
+# Tensor-core kernel, BM = 16 (M = 8..16) and BM = 64 (larger M): BN × warps × SPLIT.
+MMA_AMPERE = [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw)
+              for bn, nw, br in ((32, 4, 8), (64, 4, 8), (128, 4, 4), (128, 8, 8))
+              for sp in (1, 2, 4)]
+# The interpreter runs one config (autotuning needs a GPU); big tiles keep program counts low.
+GEMV_INTERP = dict(BN=64, SPLIT=1, num_warps=4)
+MMA_INTERP = dict(BN=64, SPLIT=1, BR=8, num_warps=4)
+
+
+def gemv_fits(cfg: dict, bm: int) -> bool:
+    return bm * cfg["BN"] <= 512 * cfg["num_warps"] // 4
+
+
+def mma_fits(cfg: dict, bm: int) -> bool:
+    return bm * cfg["BN"] * cfg["BR"] <= 8192 * cfg["num_warps"] // 4 and (bm <= 16 or cfg["BN"] >= 64)
+
+
+def _prune(fits):
+    def prune(configs, named_args, **kw):
+        bm = named_args.get("BM", kw.get("BM"))
+        nsteps = named_args.get("NSTEPS", kw.get("NSTEPS"))
+        keep = [c for c in configs if fits(dict(c.kwargs, num_warps=c.num_warps), bm)
+                and c.kwargs["SPLIT"] <= max(1, nsteps)]
+        return keep or configs[:1]
+    return prune
+
+
+def _tconfigs(cfgs):
+    return [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"],
+                          num_stages=1) for c in cfgs]
+
+
+_KEY = ["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"]
+_gemv_tuned = triton.autotune(_tconfigs(GEMV_AMPERE), key=_KEY,
+                              prune_configs_by={"early_config_prune": _prune(gemv_fits)})(_gemv_kernel)
+_mma_tuned = triton.autotune(_tconfigs(MMA_AMPERE), key=_KEY,
+                             prune_configs_by={"early_config_prune": _prune(mma_fits)})(_mma_kernel)
+
+
+# ============================================================================ host side
+
+@dataclass
+class TritonState:
+    layout: tlay.TritonLayout
+    spg: int
+    counters: dict = field(default_factory=dict)   # (device, m_tiles) → int32 zeros (split-K tickets)
+
+    @property
+    def out_features(self):
+        return self.layout.n
+
+    @property
+    def in_features(self):
+        return self.layout.k
+
+    def _counters(self, dev, n):
+        c = self.counters.get(dev)
+        if c is None or c.numel() < n:
+            c = torch.zeros(max(n, 64), dtype=torch.int32, device=dev)
+            self.counters[dev] = c
+        return c
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch(state: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
+           config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma". ``config``: a fixed
+    config (dict as in GEMV_AMPERE / MMA_AMPERE, plus optional "BM"); default: the
+    interpreter's fixed config, or autotuning on a GPU."""
+    L = state.layout
+    M, K = x2.shape
+    dev = x2.device
+    y = torch.empty(M, L.n, dtype=x2.dtype, device=dev)
+    if M == 0:
+        return y
+    if kernel == "gemv":
+        bm = min(8, _next_pow2(M))
+    else:
+        bm = 16 if M <= 16 else 64
+    if config is not None and "BM" in config:
+        bm = config["BM"]
+    m_tiles = triton.cdiv(M, bm)
+    o = L.outliers
+    if L.outlier_mode == "ell":
+        optr = [o["off"], o["col"], o["val"], o["val"]]
+    elif L.outlier_mode == "csr":
+        optr = [o["crow"], o["row"], o["col"], o["val"]]
+    else:
+        optr = [L.scales] * 4
+    planes = L.planes if len(L.planes) == 2 else [L.planes[0], L.planes[0]]
+    step = tlay.step_of(L.bits)
+    nch_a = L.k_pad // (256 if L.bits == 3 else step)
+    nch_h = L.k_pad // 512 if L.bits == 3 else 0
+    m_ws = m_tiles * bm
+    max_split = 8
+    ws = torch.empty(max_split * m_ws * L.n_pad, dtype=torch.float32, device=dev)
+    cnt = state._counters(dev, m_tiles * triton.cdiv(L.n_pad, 16))
+    has_bias = bias is not None
+    args = [x2, y, bias if has_bias else y, planes[0], planes[1], L.scales, *optr, ws, cnt,
+            M, L.n, K, x2.stride(0), y.stride(0), L.n_pad, nch_a, nch_h, L.scales.shape[1],
+            L.k_pad // step, m_ws]
+    meta = dict(BITS=L.bits, GROUP=L.group, SPG=state.spg, BM=bm, OUTL=OUTL_CODE[L.outlier_mode],
+                HAS_BIAS=has_bias, ASM=not INTERPRET)
+    if kernel == "mma":
+        meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
+
+    def grid(META):
+        return (triton.cdiv(L.n_pad, META["BN"]), META["SPLIT"], m_tiles)
+
+    if config is None and INTERPRET:
+        config = dict(GEMV_INTERP if kernel == "gemv" else MMA_INTERP)
+    if config is None:
+        (_gemv_tuned if kernel == "gemv" else _mma_tuned)[grid](*args, **meta)
+    else:
+        cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages")}
+        if cfg["SPLIT"] > max_split:
+            raise ValueError(f"SPLIT ≤ {max_split}")
+        fn = _gemv_kernel if kernel == "gemv" else _mma_kernel
+        fn[grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
+                      num_stages=config.get("num_stages", 1))
+    return y
+
+
+class TritonKernel(LatqKernel):
+    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers."""
+    name = "triton"
+
+    @classmethod
+    def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
+        device = torch.device(device)
+        if device.type != "cuda":
+            if not (INTERPRET and os.environ.get(ENV_INTERPRET_OK) == "1"):
+                return False, (f"needs a CUDA device (got {device.type}); for CPU tensors set "
+                               f"TRITON_INTERPRET=1 and {ENV_INTERPRET_OK}=1 (Triton interpreter)")
+        elif torch.cuda.get_device_capability(device) < (8, 0):
+            return False, f"needs compute capability ≥ 8.0 (got {torch.cuda.get_device_capability(device)})"
+        if w.bits not in (2, 3, 4):
+            return False, f"{w.bits}-bit inliers (kernels exist for 2, 3, 4)"
+        if act_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False, f"activation dtype {act_dtype}"
+        if w.scales.shape[1] > 1 and w.group_size % 16:
+            return False, f"group size {w.group_size} is not a multiple of 16"
+        if w.out_features * w.in_features >= 2**35 or w.nnz >= 2**31 - 1:
+            return False, "layer too large for int32 offsets"
+        return True, None
+
+    @classmethod
+    def prepare(cls, w: LatqWeight, outlier_mode: str | None = None) -> TritonState:
+        L = tlay.build(w, outlier_mode)
+        return TritonState(L, spg_of(L.bits, L.group))
+
+    @classmethod
+    def apply(cls, state: TritonState, x: torch.Tensor, bias: torch.Tensor | None = None,
+              kernel: str | None = None, config: dict | None = None) -> torch.Tensor:
+        K = state.layout.k
+        if x.shape[-1] != K:
+            raise ValueError(f"x has {x.shape[-1]} features, layer expects {K}")
+        x2 = x.reshape(-1, K)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if kernel is None:
+            kernel = "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
+        y = launch(state, x2, bias, kernel, config)
+        return y.reshape(*x.shape[:-1], state.layout.n)

@@ -1,0 +1,254 @@
+"""Load-time layout of the Triton kernels (pure torch: no Triton needed, runs on any device).
+
+The checkpoint / runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`) stores b-bit
+offset-binary integers row-major, each tile of 32 columns as one 32·b-bit little-endian number.
+Both Triton kernels (SIMT GEMV for M ≤ 7, tensor-core GEMM for M ≥ 8) read ONE repacked copy
+of the weights, built once here (weights are never stored twice).
+
+Inliers — "16×16 word blocks"
+-----------------------------
+A *plane* holds p-bit values (p ∈ {1, 2, 4}), ``V = 32/p`` per int32 word. Rows are grouped by
+16; columns by chunks of ``16·V`` (the kernel's K step: 128 columns at 4 bits, 256 at 2 bits).
+Within one (16-row group, chunk) the 16 rows × 16 words form one contiguous 1 KiB block,
+stored word-major with the row fastest::
+
+    word(g, c, w, r) = Σ_j  value(row 16g + r, column c·16V + 16j + w) << (p·j)
+    address          = ((g · nchunks + c) · 16 + w) · 16 + r                  (int32 units)
+
+so a [16 words × BN rows] tile is BN/16 contiguous 1 KiB runs (perfectly coalesced 16-byte
+vector loads), and *slot j of all 16 words is 16 consecutive columns* ``c·16V + 16j + [0, 16)``:
+one shift/mask of a word tile yields a dense [16 × BN] slab of W^T, which is exactly the
+``K = 16`` B-operand of one tensor-core MMA (``tl.dot``) and a 16-column slab of the SIMT GEMV.
+No reshape/transposition is ever needed in the kernel; slabs of one word tile share its load.
+
+3-bit inliers — two planes (2 + 1 bits)
+--------------------------------------
+3 bits are stored as a 2-bit plane (``u & 3``, the 2-bit layout above, chunks of 256) plus a
+1-bit plane (``u >> 2``, V = 32, chunks of 512): still exactly 32 values in 3 words, no wasted
+bit, so 3-bit weights stream 3/32 bytes per weight like the checkpoint. Alternatives rejected:
+10 values per int32 wastes 2 bits in 32 (+6.7 % bytes on a memory-bound kernel) and makes the
+values per word a non-power of two, which Triton tiles cannot express; the checkpoint's own
+96-bit tiles make values 10 and 21 straddle two words (a funnel shift + word select per value).
+With planes, a 3-bit value is one shift of the 1-bit word plus two LOP3s: ``(lo & 3<<s) |
+(hi' & 4<<s) | magic`` (see the kernel). The kernel's K step is 512 columns at 3 bits.
+
+Rows are padded to a multiple of 16 (zero words, zero scales) and columns to a multiple of
+the K step (zero words; the activations are masked there, and their scales are zero).
+
+Scales — fp16, ``[ngroups_padded, 16]`` per 16-row group (row fastest, so the BN scales of a
+group are contiguous), ``ngroups_padded = ceil(K_pad / g)``; one group for a per-tensor scale.
+
+Outliers — ELL-16 (the paper's layout) or CSR, chosen per layer by :func:`outlier_model`
+-------------------------------------------------------------------------------------------
+ELL-16: rows grouped by 16 (the tensor-core N tile), column-major within the group (entry r of
+the 16 rows is 16 consecutive slots), padded to the group's largest row count ``R_g``;
+``off[g] = 16·Σ_{h<g} R_h``. A program reads a [BR × BN] tile per step with unit-stride
+16-lane runs and adds ``val · x[:, col]`` straight into its own output rows — no scatter, no
+row lookup, no per-entry control flow.
+
+CSR (plain, as in the checkpoint, plus a COO row index per entry): a program's rows own the
+contiguous entry range ``crow[n0] .. crow[n0+BN]``; each entry must be routed to its row inside
+the program by a one-hot compare over the BN rows (BN lanes of work per entry).
+
+The model (:func:`outlier_model`) compares, per layer, the time of the outlier phase of one
+GEMV on an A100-class part ``max(bytes / 1.5 TB/s, lane-ops / 9.7 T/s)``:
+  ELL: 8 bytes and ``1 + M`` lane-ops per padded slot (``Σ_g 16·R_g`` slots);
+  CSR: 12 bytes per entry and ``BN·(2 + M)`` lane-ops per entry (one-hot routing).
+ELL wins whenever the padding ratio ``16·ΣR_g / nnz`` stays below ~1.5 in bytes and far
+beyond that in ALU time (random outliers at 1–5 % pad by 1.1–1.4×), so ELL is the default;
+CSR is kept for layers whose outliers crowd into a few rows (padding ratio ≫ 2), where ELL
+would stream mostly zeros.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+ROWS = 16            # row group: tensor-core N tile, ELL group, word-block height
+WORDS = 16           # words per row per chunk (a slab = 16 columns = one MMA K step)
+BW_BYTES = 1.555e12  # A100-40GB HBM2e (model constants; the ratio is what matters)
+LANE_OPS = 108 * 64 * 1.41e9
+
+
+def step_of(bits: int) -> int:
+    """Columns per kernel K step: 16 words × values per word (3 bits: the 1-bit plane's)."""
+    return {2: 256, 3: 512, 4: 128}[bits]
+
+
+def planes_of(bits: int) -> list[int]:
+    """Bit widths of the stored planes, low bits first."""
+    return {2: [2], 3: [2, 1], 4: [4]}[bits]
+
+
+@dataclass
+class TritonLayout:
+    """Everything the kernels read, on the weight's device."""
+    planes: list[torch.Tensor]     # int32 [N_pad/16 · nchunks_p · 16 · 16] per plane
+    scales: torch.Tensor           # fp16 [N_pad/16, ngroups_pad, 16]
+    bits: int
+    group: int                     # scale group as the kernel sees it (≥ K_pad: one group)
+    n: int
+    k: int
+    n_pad: int
+    k_pad: int
+    outlier_mode: str              # "none" | "ell" | "csr"
+    outlier_reason: str
+    nnz: int
+    # ELL: off int32 [G+1], col int32 [S], val fp32 [S];  CSR: crow int32 [N_pad+1], row, col, val
+    outliers: dict[str, torch.Tensor] = field(default_factory=dict)
+    max_row_outliers: int = 0
+
+    def nbytes(self) -> dict[str, int]:
+        b = {"inliers": sum(p.numel() * 4 for p in self.planes), "scales": self.scales.numel() * 2}
+        b["outliers"] = sum(t.numel() * t.element_size() for t in self.outliers.values())
+        return b
+
+
+# ----------------------------------------------------------------------------- inliers
+
+def unpack_u(qweight: torch.Tensor, bits: int, in_features: int, row_block: int = 256) -> torch.Tensor:
+    """Checkpoint packing (``format.pack``) → offset-binary values u ∈ [0, 2^b), uint8
+    ``[out, in]``, on qweight's device, in row blocks (bounded temporary memory)."""
+    out = qweight.shape[0]
+    tiles = qweight.shape[1] // bits
+    dev = qweight.device
+    u = torch.empty(out, tiles * 32, dtype=torch.uint8, device=dev)
+    shifts = torch.arange(32, device=dev)
+    weights = 1 << torch.arange(bits, device=dev)
+    for r0 in range(0, out, row_block):
+        w = qweight[r0:r0 + row_block].to(torch.int64).reshape(-1, tiles, bits, 1) & 0xFFFFFFFF
+        bitplanes = ((w >> shifts) & 1).reshape(-1, tiles, 32, bits)   # bit k·b+i of the tile
+        u[r0:r0 + row_block] = (bitplanes * weights).sum(-1).reshape(-1, tiles * 32).to(torch.uint8)
+    return u[:, :in_features]
+
+
+def pack_plane(v: torch.Tensor, pbits: int) -> torch.Tensor:
+    """p-bit values ``[N_pad, K_pad]`` (uint8, N_pad % 16 == 0, K_pad % (16·32/p) == 0) →
+    int32 word blocks, flat (see the module docstring)."""
+    V = 32 // pbits
+    n_pad, k_pad = v.shape
+    G, C = n_pad // ROWS, k_pad // (WORDS * V)
+    out = torch.empty(G, C, WORDS, ROWS, dtype=torch.int32, device=v.device)
+    sh = (pbits * torch.arange(V, device=v.device, dtype=torch.int64))
+    for g0 in range(0, G, 64):
+        blk = v[g0 * ROWS:(g0 + 64) * ROWS].to(torch.int64).reshape(-1, ROWS, C, V, WORDS)
+        w = (blk.permute(0, 2, 4, 1, 3) << sh).sum(-1)                 # [g, C, w, r]
+        out[g0:g0 + 64] = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    return out.reshape(-1)
+
+
+def unpack_plane(words: torch.Tensor, pbits: int, n_pad: int, k_pad: int) -> torch.Tensor:
+    """Inverse of :func:`pack_plane` (tests)."""
+    V = 32 // pbits
+    G, C = n_pad // ROWS, k_pad // (WORDS * V)
+    w = words.to(torch.int64).reshape(G, C, WORDS, ROWS, 1) & 0xFFFFFFFF
+    vals = (w >> (pbits * torch.arange(V, device=words.device))) & ((1 << pbits) - 1)   # [G,C,w,r,j]
+    return vals.permute(0, 3, 1, 4, 2).reshape(n_pad, k_pad).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- outliers
+
+def _csr_rows(crow: torch.Tensor) -> torch.Tensor:
+    n = crow.numel() - 1
+    return torch.repeat_interleave(torch.arange(n, device=crow.device), (crow[1:] - crow[:-1]).long())
+
+
+def build_ell(crow, col, val, n_pad):
+    """CSR → ELL-16 (off [G+1], col, val; padding slots: col 0, val 0)."""
+    dev = crow.device
+    n = crow.numel() - 1
+    G = n_pad // ROWS
+    counts = torch.zeros(n_pad, dtype=torch.int64, device=dev)
+    counts[:n] = (crow[1:] - crow[:-1]).long()
+    R = counts.reshape(G, ROWS).max(1).values
+    off = torch.zeros(G + 1, dtype=torch.int64, device=dev)
+    off[1:] = torch.cumsum(R * ROWS, 0)
+    S = int(off[-1])
+    ecol = torch.zeros(S, dtype=torch.int32, device=dev)
+    evalv = torch.zeros(S, dtype=torch.float32, device=dev)
+    if col.numel():
+        rows = _csr_rows(crow)
+        rank = torch.arange(col.numel(), device=dev) - crow.long()[rows]
+        idx = off[rows // ROWS] + ROWS * rank + rows % ROWS
+        ecol[idx] = col.to(torch.int32)
+        evalv[idx] = val.float()
+    return {"off": off.to(torch.int32), "col": ecol, "val": evalv}, int(R.max()) if G else 0
+
+
+def build_csr(crow, col, val, n_pad):
+    dev = crow.device
+    n = crow.numel() - 1
+    crow_p = torch.empty(n_pad + 1, dtype=torch.int32, device=dev)
+    crow_p[: n + 1] = crow.to(torch.int32)
+    crow_p[n + 1:] = crow[-1].to(torch.int32)
+    return {"crow": crow_p, "row": _csr_rows(crow).to(torch.int32), "col": col.to(torch.int32).contiguous(),
+            "val": val.float().contiguous()}
+
+
+def outlier_model(crow: torch.Tensor, n_pad: int, m: int = 1, bn: int = 64) -> dict:
+    """Model time (seconds, A100-class) of the outlier phase for ELL-16 and CSR; see the
+    module docstring. Returns the numbers and the choice with its reason."""
+    n = crow.numel() - 1
+    nnz = int(crow[-1])
+    counts = torch.zeros(n_pad, dtype=torch.int64, device=crow.device)
+    counts[:n] = (crow[1:] - crow[:-1]).long()
+    slots = int(counts.reshape(-1, ROWS).max(1).values.sum()) * ROWS
+    ell_b, ell_ops = 8 * slots + 4 * (n_pad // ROWS + 1), slots * (1 + m)
+    csr_b, csr_ops = 12 * nnz + 4 * (n_pad + 1), nnz * bn * (2 + m)
+    t_ell = max(ell_b / BW_BYTES, ell_ops / LANE_OPS)
+    t_csr = max(csr_b / BW_BYTES, csr_ops / LANE_OPS)
+    mode = "ell" if t_ell <= t_csr else "csr"
+    pad = slots / nnz if nnz else 1.0
+    reason = (f"{mode}: ELL-16 {slots} slots (padding {pad:.2f}x nnz={nnz}) ~{t_ell * 1e9:.0f} ns vs "
+              f"CSR ~{t_csr * 1e9:.0f} ns (model: max(bytes/1.5TB/s, lane-ops/9.7T/s), M={m}, BN={bn})")
+    return {"mode": mode, "reason": reason, "t_ell": t_ell, "t_csr": t_csr, "slots": slots, "nnz": nnz,
+            "padding": pad}
+
+
+# ----------------------------------------------------------------------------- whole layer
+
+def build(w, outlier_mode: str | None = None) -> TritonLayout:
+    """Runtime form :class:`LatqWeight` → :class:`TritonLayout` (``outlier_mode``: force
+    ``"ell"``/``"csr"``; default: the model's choice)."""
+    bits, K, N = w.bits, w.in_features, w.out_features
+    if bits not in (2, 3, 4):
+        raise ValueError(f"Triton kernels support 2/3/4-bit inliers, got {bits}")
+    step = step_of(bits)
+    n_pad = math.ceil(N / ROWS) * ROWS
+    k_pad = max(step, math.ceil(K / step) * step)
+    dev = w.qweight.device
+    u = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)
+    u[:N, :K] = unpack_u(w.qweight, bits, K)
+    planes = []
+    shift = 0
+    for pb in planes_of(bits):
+        planes.append(pack_plane((u >> shift) & ((1 << pb) - 1), pb))
+        shift += pb
+    del u
+    ng = w.scales.shape[1]
+    group = w.group_size
+    if ng == 1:
+        group = k_pad                      # one group: the kernel's group index is always 0
+    ngp = math.ceil(k_pad / group)
+    sc = torch.zeros(n_pad, ngp, dtype=torch.float16, device=dev)
+    sc[:N, :ng] = w.scales.half()
+    scales = sc.reshape(n_pad // ROWS, ROWS, ngp).transpose(1, 2).contiguous()
+
+    nnz = w.nnz
+    crow = w.crow.to(dev)
+    if nnz == 0:
+        mode, reason, outl, rmax = "none", "no outliers", {}, 0
+    else:
+        model = outlier_model(crow, n_pad)
+        mode = outlier_mode or model["mode"]
+        reason = model["reason"] + ("" if outlier_mode is None else f" [forced {outlier_mode}]")
+        if mode == "ell":
+            outl, rmax = build_ell(crow, w.col.to(dev), w.val.to(dev), n_pad)
+        elif mode == "csr":
+            outl = build_csr(crow, w.col.to(dev), w.val.to(dev), n_pad)
+            rmax = int((crow[1:] - crow[:-1]).max())
+        else:
+            raise ValueError(f"outlier_mode must be 'ell' or 'csr', got {outlier_mode!r}")
+    return TritonLayout(planes, scales, bits, group, N, K, n_pad, k_pad, mode, reason, nnz, outl, rmax)
