@@ -59,7 +59,7 @@ def cache_dir() -> Path:
 
 
 def _package_dir(module: str, install_hint: str) -> Path:
-    """Folder of an installed package, found without importing it (imports may have side effects)."""
+    """Folder of an installed package, found without importing it (imports have side effects)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(f"package {module!r} is not installed: {install_hint}")
@@ -307,7 +307,9 @@ def _read_documents(path: Path) -> list[str]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f'{path}: line {lineno}: expected an object with a string "text" field')
+                raise ValueError(
+                    f'{path}: line {lineno}: expected an object with a string "text" field'
+                )
             docs.append(record["text"])
     return docs
 
