@@ -138,7 +138,6 @@ class CPUState:
     in_features: int
     group_size: int               # the op's group size g
     planes: int                   # 1: bits ≤ 4 (or split), 2: two nibble planes along K
-    has_zero: int                 # 1 if any zero point is non-zero (2-plane layers)
     layout_block: int             # packed layout for the large-M dequant (0: unknown → op)
     layout_halves: int
 
@@ -267,7 +266,7 @@ class CPUKernel(LatqKernel):
                     layout = None
                     break
         return CPUState(packed, sz, crow, col, val, N, K, go, planes,
-                        int(planes == 2), layout[0] if layout else 0, int(layout[1]) if layout else 0)
+                        layout[0] if layout else 0, int(layout[1]) if layout else 0)
 
     @staticmethod
     def _reference_u(w, planes, r0, r1, split):
@@ -336,21 +335,15 @@ def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
     yT = torch.empty(N, M, dtype=torch.bfloat16)
     R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
     g = state.group_size
-    sc = state.scales_zeros[..., 0]                                        # [Kp/g, N] bf16
-    ze = state.scales_zeros[..., 1]
-    buf_all = _scratch("w", Kp * min(R, N), torch.bfloat16)
+    sc = state.scales_zeros[..., 0]               # [Kp/g, N] bf16; the first K/g rows: s
+    buf_all = _scratch("w", K * min(R, N), torch.bfloat16)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
-        if r1 < N and r1 % B:
-            r1 = r1 // B * B
-        z = _unpack_int4pack(state.packed, N, Kp, layout, r0, r1)          # int8 [Kp, R']
-        buf = buf_all[: Kp * (r1 - r0)].view(Kp, r1 - r0)
+        z = _unpack_int4pack(state.packed, N, Kp, layout, r0, r1)          # int8 [Kp, R'] = u - 8
+        if planes == 2:   # z = (c-8) + 16(a-8) + 8, exact in int16 and in bf16 (|z| ≤ 128)
+            z = z[K:].to(torch.int16).mul_(16).add_(z[:K]).add_(8)
+        buf = buf_all[: K * (r1 - r0)].view(K, r1 - r0)
         buf.copy_(z)
-        bv = buf.view(Kp // g, g, r1 - r0)
-        bv.mul_(sc[:, None, r0:r1])
-        if state.has_zero:
-            bv.add_(ze[:, None, r0:r1])
-        if planes == 2:
-            buf = buf[:K].add_(buf[K:])
+        buf.view(K // g, g, r1 - r0).mul_(sc[: K // g, None, r0:r1])      # one rounding: bf16(z·s)
         torch.mm(buf.t(), xbT, out=yT[r0:r1])
     return yT.t()

@@ -1,0 +1,212 @@
+"""CPU layer speed: the latq CPU kernel vs bf16 ``F.linear`` on the same shape.
+
+Shapes: 4096×4096, Gemma3-270M (hidden 640: q 640→1024, k/v 640→256, o 1024→640,
+gate/up 640→2048, down 2048→640) and SmolLM2-135M (hidden 576: q 576→576, k/v 576→192,
+o 576→576, gate/up 576→1536, down 1536→576); 4-bit and 3-bit inliers (group 128), outlier
+rates 0/1/2% (uniform positions, fp32 values), M = 1 and 8 tokens, bf16 activations.
+
+Timing: both candidates run side by side in one process, interleaved (bf16, latq, bf16, …),
+each sample the mean of enough back-to-back calls to last ≥ --sample-us; the reported
+speedup is the median over rounds of the per-round ratio bf16/latq, so load from other
+processes, which drifts between rounds, hits both sides of each ratio alike.
+torch.set_num_threads(2). Sections:
+  table     every shape × bits × rate × M (speedup, and both medians in µs)
+  profile   4096×4096 at M=1: the int4 op alone, the CSR part alone, the whole kernel
+  large     4096×4096 4-bit 1%: int4 op vs chunked dequant + bf16 GEMM vs bf16 F.linear
+            for M = 8..512 (where LARGE_M should sit)
+The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics as st
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from vllm_latq import format as fmt
+from vllm_latq.kernels import cpu
+from vllm_latq.kernels.cpu import CPUKernel
+from vllm_latq.kernels.reference import LatqWeight, dequantize
+
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+SHAPES = {  # name: (out_features, in_features)
+    "4096": (4096, 4096),
+    "gemma.q": (1024, 640), "gemma.kv": (256, 640), "gemma.o": (640, 1024),
+    "gemma.gate_up": (2048, 640), "gemma.down": (640, 2048),
+    "smol.q": (576, 576), "smol.kv": (192, 576), "smol.o": (576, 576),
+    "smol.gate_up": (1536, 576), "smol.down": (576, 1536),
+}
+# per decoder block: how many of each shape (q, k, v, o, gate, up, down)
+BLOCK = {"q": 1, "kv": 2, "o": 1, "gate_up": 2, "down": 1}
+
+
+def synthetic(out: int, cin: int, bits: int, rate: float, group: int = 128, seed: int = 0) -> LatqWeight:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
+    mask = torch.rand(out, cin, generator=g) < rate
+    z[mask] = 0
+    scales = (torch.rand(out, -(-cin // group), generator=g) * 0.02 + 0.002).half()
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(out + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = torch.randn(rows.numel(), generator=g) * 0.1
+    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val, bits, group, cin)
+
+
+def _sample(fn, inner: int) -> float:
+    t = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t) / inner * 1e6
+
+
+def side_by_side(fns: dict, rounds: int, sample_us: float) -> dict:
+    """Interleaved timing → {name: list of per-round µs}."""
+    inner = {}
+    for k, f in fns.items():
+        for _ in range(3):
+            f()
+        one = min(_sample(f, 1) for _ in range(3))
+        inner[k] = max(1, int(sample_us / max(one, 1.0)))
+    ts = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            ts[k].append(_sample(f, inner[k]))
+    return ts
+
+
+def ratio(ts: dict, base: str, other: str) -> float:
+    return st.median(b / o for b, o in zip(ts[base], ts[other]))
+
+
+def med(v) -> float:
+    return st.median(v)
+
+
+def table(a, results):
+    print(f"{'shape':14s} {'NxK':>10s} bits rate   M | bf16 µs  latq µs | speedup")
+    for name in a.shapes:
+        N, K = SHAPES[name]
+        for bits in a.bits:
+            for rate in a.rates:
+                w = synthetic(N, K, bits, rate)
+                state = CPUKernel.prepare(w)
+                Wb = dequantize(w).to(torch.bfloat16)
+                for M in a.m:
+                    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+                    ts = side_by_side({"bf16": lambda: F.linear(x, Wb), "latq": lambda: CPUKernel.apply(state, x)},
+                                      a.rounds, a.sample_us)
+                    r = ratio(ts, "bf16", "latq")
+                    results[(name, bits, rate, M)] = (r, med(ts["bf16"]), med(ts["latq"]))
+                    print(f"{name:14s} {N:>5d}x{K:<5d} {bits:4d} {rate:4.0%} {M:3d} | {med(ts['bf16']):7.1f} "
+                          f"{med(ts['latq']):8.1f} | {r:6.2f}x", flush=True)
+
+
+def profile(a):
+    N, K = SHAPES["4096"]
+    print("\nprofile 4096x4096 4-bit, M=1 (median µs; ratio = kernel / int4-op alone)")
+    _, mm = cpu._ops()
+    for rate in a.rates:
+        w = synthetic(N, K, 4, rate)
+        s = CPUKernel.prepare(w)
+        Wb = dequantize(w).to(torch.bfloat16)
+        x = torch.randn(1, K).to(torch.bfloat16)
+        xf = x.float()
+        fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
+               "kernel": lambda: CPUKernel.apply(s, x)}
+        if s.crow is not None:
+            csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K))
+            fns["csr_mv"] = lambda: torch.mv(csr, xf[0])
+        ts = side_by_side(fns, a.rounds, a.sample_us)
+        print(f"rate {rate:4.0%} nnz {w.nnz:7d}: " + "  ".join(f"{k}={med(v):.0f}" for k, v in ts.items())
+              + f"  | bf16/op={ratio(ts, 'bf16', 'op'):.2f}x bf16/kernel={ratio(ts, 'bf16', 'kernel'):.2f}x")
+
+
+def large(a):
+    N, K = SHAPES["4096"]
+    print("\nlarge M, 4096x4096 4-bit 1% (median ms; speedups vs bf16 F.linear)")
+    w = synthetic(N, K, 4, 0.01)
+    s = CPUKernel.prepare(w)
+    Wb = dequantize(w).to(torch.bfloat16)
+    saved = cpu.LARGE_M
+    try:
+        for M in a.large_m:
+            x = torch.randn(M, K).to(torch.bfloat16)
+
+            def op_path():
+                cpu.LARGE_M = 1 << 30
+                return CPUKernel.apply(s, x)
+
+            def deq_path():
+                cpu.LARGE_M = 1
+                return CPUKernel.apply(s, x)
+
+            ts = side_by_side({"bf16": lambda: F.linear(x, Wb), "op": op_path, "dequant": deq_path},
+                              max(5, a.rounds // 4), a.sample_us)
+            print(f"M={M:4d}: bf16={med(ts['bf16']) / 1e3:7.2f}  op={med(ts['op']) / 1e3:7.2f}  "
+                  f"dequant+gemm={med(ts['dequant']) / 1e3:7.2f}  | op {ratio(ts, 'bf16', 'op'):.2f}x  "
+                  f"dequant {ratio(ts, 'bf16', 'dequant'):.2f}x  dequant/op {ratio(ts, 'op', 'dequant'):.2f}x",
+                  flush=True)
+    finally:
+        cpu.LARGE_M = saved
+
+
+def geomean(xs):
+    xs = list(xs)
+    return float(torch.tensor(xs).log().mean().exp()) if xs else float("nan")
+
+
+def block_speedup(results, prefix, bits, rate, M):
+    """A decoder block's linears (q, k, v, o, gate, up, down): Σ t_bf16 / Σ t_latq of the
+    median times."""
+    num = den = 0.0
+    for k, n in BLOCK.items():
+        key = (f"{prefix}.{k}", bits, rate, M)
+        if key not in results:
+            return None
+        num += n * results[key][1]
+        den += n * results[key][2]
+    return num / den
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--bits", nargs="+", type=int, default=[4, 3])
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.01, 0.02])
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=41)
+    ap.add_argument("--sample-us", type=float, default=3000.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large"],
+                    choices=["table", "profile", "large"])
+    ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}, LARGE_M={cpu.LARGE_M}")
+    results = {}
+    if "table" in a.sections:
+        table(a, results)
+    if "profile" in a.sections:
+        profile(a)
+    if "large" in a.sections:
+        large(a)
+    one = lambda *k: results[k][0] if k in results else None  # noqa: E731
+    head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
+            "speedup_m8_4096_1pct": one("4096", 4, 0.01, 8),
+            "speedup_m1_4096_0pct": one("4096", 4, 0.0, 1),
+            "speedup_m1_4096_2pct": one("4096", 4, 0.02, 1),
+            "gemma_block_m1_1pct": block_speedup(results, "gemma", 4, 0.01, 1),
+            "smol_block_m1_1pct": block_speedup(results, "smol", 4, 0.01, 1),
+            "gemma_block_m8_1pct": block_speedup(results, "gemma", 4, 0.01, 8),
+            "smol_block_m8_1pct": block_speedup(results, "smol", 4, 0.01, 8)}
+    print("HEADLINE " + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
+
+
+if __name__ == "__main__":
+    main()

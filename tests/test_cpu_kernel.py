@@ -1,0 +1,356 @@
+"""The CPU fast path (``kernels/cpu.py``) against the torch reference.
+
+Two comparisons per case:
+
+* **contract** — vs :func:`latq_linear_ref` (fp32 math on the fp16-scaled weights), with a
+  worst-case bound. The kernel's deviations, with u = 2⁻⁸ (bf16 unit roundoff) and
+  S = |x|·|W|ᵀ (the sum of the absolute products): activations cast to bf16 (≤ u per product;
+  0 for bf16 input), scales carried over fp16 → bf16 (≤ u per product), on the large-M path
+  the dequantized weight z·s rounded to bf16 once (≤ u per product), fp32 accumulation
+  (≤ K·2⁻²⁴ per product), the op's bf16 output (≤ u·S) and the final rounding to the output
+  dtype (≤ u_out·|y|). Hence |y − ref| ≤ (3 + [large M])·u·S + u_out·|ref| (+ K·2⁻²⁴·S).
+  This bound is loose for catching indexing bugs (a single wrong weight moves y by ~S/K), so:
+* **emulated** — vs the same math done exactly (fp64) on what the kernel is specified to use:
+  bf16(x), weights z·bf16(s) (op path: the op dequantizes in fp32, exact), fp32 outliers on
+  the unrounded activations. What remains is the op's bf16 output rounding (≤ u·|y_inliers|),
+  the final rounding (≤ u_out·(|y| + u·|y_inliers|)) and fp32 accumulation (≤ K·2⁻²⁴·S):
+  tight enough that one wrong weight fails (checked by ``test_emulation_catches_one_wrong_weight``).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from vllm_latq import format as fmt
+from vllm_latq.kernels import cpu
+from vllm_latq.kernels.cpu import CPUKernel
+from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, transcode
+
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
+U_BF16 = 2.0 ** -8
+U_OUT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+
+
+def make_weight(out, cin, bits, rate, group=128, seed=0, heavy_rows=()):
+    """Random b-bit inliers (0 at outliers) + CSR outliers at ``rate`` (+ rows mostly outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
+    mask = torch.rand(out, cin, generator=g) < rate
+    for r, frac in heavy_rows:
+        mask[r] = torch.rand(cin, generator=g) < frac
+    z[mask] = 0
+    scales = (torch.rand(out, -(-cin // group), generator=g) * 0.05 + 0.001).half()
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(out + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = torch.randn(rows.numel(), generator=g) * 0.3
+    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin)
+
+
+class Expected:
+    """Per (weight, prepared state), once: the contract weight (``dequantize``, as in
+    ``latq_linear_ref``) and the emulated operands. Weights of a > 4-bit layer that the
+    kernel moved off the 4-bit grid into its CSR (``planes == 1``) are emulated as such:
+    fp32 outliers z·s with the fp16 scale."""
+
+    def __init__(self, w: LatqWeight, state):
+        W = dequantize(w)
+        self.Wf, self.Wabs_t = W, W.double().abs().T.contiguous()
+        z = cpu._unpack_rows(w, 0, w.out_features).double()   # == format.unpack (tested below)
+        s16 = w.scales.double().repeat_interleave(w.group_size, 1)[:, : w.in_features]
+        s = w.scales.float().to(torch.bfloat16).double().repeat_interleave(w.group_size, 1)[:, : w.in_features]
+        O = torch.zeros(w.out_features, w.in_features, dtype=torch.float64)
+        rows = torch.repeat_interleave(torch.arange(w.out_features), (w.crow[1:] - w.crow[:-1]).long())
+        O[rows, w.col.long()] = w.val.double()
+        if w.bits > 4 and state.planes == 1:
+            off = (z < -8) | (z > 7)
+            O[off] = (z * s16)[off]
+            z[off] = 0
+        Wi = z * s                                        # op path: exact in the op's fp32
+        self.Wi_t = Wi.T.contiguous()
+        self.Wi_large_t = Wi.to(torch.bfloat16).double().T.contiguous()   # large M: bf16(z·s)
+        self.O_t = O.T.contiguous()
+
+
+_EXPECTED: dict[int, Expected] = {}
+
+
+def expected(w, state):
+    key = (id(w), id(state))
+    if key not in _EXPECTED:
+        _EXPECTED[key] = (w, state, Expected(w, state))   # keep both alive: ids stay unique
+    return _EXPECTED[key][2]
+
+
+def check(w, state, x, bias=None):
+    """Both comparisons; returns the largest error / tolerance of the tight one."""
+    e = expected(w, state)
+    y = CPUKernel.apply(state, x, bias)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.out_features)
+    xd = x.reshape(-1, w.in_features).double()
+    large = xd.shape[0] >= cpu.LARGE_M and state.layout_block != 0
+    yk = y.reshape(-1, w.out_features).double()
+    S = xd.abs() @ e.Wabs_t
+    b = 0 if bias is None else bias.double()
+    uo = U_OUT[x.dtype]
+    slack = w.in_features * 2.0 ** -24 * S + 1e-30
+    # contract: latq_linear_ref's math (x.float() @ dequantize(w)ᵀ + bias → x.dtype)
+    ref = (x.reshape(xd.shape).float() @ e.Wf.T + (0 if bias is None else bias.float())).to(x.dtype).double()
+    tol = (3 + large) * U_BF16 * S + 2 * uo * ref.abs() + slack
+    err = (yk - ref).abs()
+    assert (err <= tol).all(), f"contract: max err/tol {(err / tol).max():.3g}"
+    # emulated: only the output roundings and fp32 accumulation remain
+    yin = xd.to(torch.bfloat16).double() @ (e.Wi_large_t if large else e.Wi_t)
+    ye = yin + xd @ e.O_t + b
+    tol_e = U_BF16 * yin.abs() + uo * (ye.abs() + U_BF16 * yin.abs()) + 2 * slack
+    err_e = (yk - ye).abs()
+    assert (err_e <= tol_e).all(), f"emulated: max err/tol {(err_e / tol_e).max():.3g}"
+    return float((err_e / tol_e).max())
+
+
+_STATES = {}
+
+
+def prepared(key, **kw):
+    full = (key, tuple(sorted(kw.items())))
+    if full not in _STATES:
+        w = make_weight(*key, **kw)
+        _STATES[full] = (w, CPUKernel.prepare(w))
+    return _STATES[full]
+
+
+# --------------------------------------------------------------------------- the op itself
+
+def test_op_convention():
+    """``_weight_int4pack_mm_for_cpu`` dequantizes (u − 8)·scale + zero, accumulates in fp32."""
+    pack, mm = cpu._ops()
+    g = torch.Generator().manual_seed(0)
+    N, K, gs = 80, 256, 64                              # one full 64-row block + a 16-row tail
+    u = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+    sc = (torch.rand(K // gs, N, generator=g) + 0.5).to(torch.bfloat16)
+    ze = torch.randn(K // gs, N, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, K, generator=g).to(torch.bfloat16)
+    y = mm(x, pack(u, 1), gs, torch.stack([sc, ze], -1))
+    W = (u.double() - 8) * sc.double().repeat_interleave(gs, 0).T + ze.double().repeat_interleave(gs, 0).T
+    ref = x.double() @ W.T
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - ref).abs() <= U_BF16 * ref.abs() + 1e-4 * (x.double().abs() @ W.abs().T)).all()
+
+
+def test_unpack_rows_matches_format():
+    g = torch.Generator().manual_seed(1)
+    for b in range(1, 9):
+        for K in (32, 96, 100, 576):
+            z = torch.randint(-2 ** (b - 1), 2 ** (b - 1), (21, K), generator=g, dtype=torch.int32)
+            w = LatqWeight(fmt.pack(z, b), torch.ones(21, 1).half(), None, None, None, b, K, K)
+            assert torch.equal(cpu._unpack_rows(w, 0, 21), z)
+            assert torch.equal(cpu._unpack_rows(w, 3, 17), z[3:17])
+
+
+def test_packed_layout_inverse():
+    layout = cpu._detect_layout()
+    if layout is None:
+        pytest.skip(f"unknown int4pack layout on {torch.backends.cpu.get_cpu_capability()}: large M uses the op")
+    pack, _ = cpu._ops()
+    g = torch.Generator().manual_seed(2)
+    for N in (16, 48, 64, 80, 208):
+        u = torch.randint(0, 16, (N, 64), generator=g, dtype=torch.int32)
+        p = pack(u, 1)
+        assert torch.equal(cpu._unpack_int4pack(p, N, 64, layout).T.int() + 8, u)
+        B = layout[0]
+        for r0 in range(0, N, B):
+            r1 = min(N, r0 + B)
+            assert torch.equal(cpu._unpack_int4pack(p, N, 64, layout, r0, r1).T.int() + 8, u[r0:r1])
+
+
+# --------------------------------------------------------------------------- exactness
+
+MODEL_SHAPES = [(640, 2048, 128), (1536, 576, 128), (576, 1536, 128)]   # down/gate-style, g=128
+SMALL_SHAPES = [(256, 640, 128), (80, 96, 32), (48, 576, 64)]           # k/v-style; tail-only blocks
+
+
+def _exact(shape, bits, rate):
+    N, K, gs = shape
+    w, state = prepared((N, K, bits, rate, gs))
+    assert state.planes == 1
+    assert (state.crow is None) == (rate == 0.0)
+    g = torch.Generator().manual_seed(3)
+    for M in (1, 8, 64):
+        for dt in (torch.bfloat16, torch.float32, torch.float16):
+            x = (torch.randn(M, K, generator=g) * 2).to(dt)
+            check(w, state, x)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_exact_vs_reference(shape, bits, rate):
+    _exact(shape, bits, rate)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_exact_vs_reference_small(shape, bits):
+    _exact(shape, bits, 0.05)
+
+
+def test_contract_is_latq_linear_ref():
+    """``check``'s contract reference is exactly :func:`latq_linear_ref` (cached)."""
+    w, state = prepared((256, 640, 4, 0.01, 128))
+    g = torch.Generator().manual_seed(12)
+    for dt in (torch.bfloat16, torch.float32, torch.float16):
+        x, bias = torch.randn(3, 640, generator=g).to(dt), torch.randn(256, generator=g).to(dt)
+        mine = (x.float() @ expected(w, state).Wf.T + bias.float()).to(dt)
+        assert torch.equal(mine, latq_linear_ref(x, w, bias))
+
+
+def test_emulation_catches_one_wrong_weight():
+    """The tight comparison fails if a single inlier is off by one step."""
+    w, state = prepared((256, 640, 4, 0.01, 128))
+    z = fmt.unpack(w.qweight, 4, 640)
+    z[17, 300] = z[17, 300] + (1 if z[17, 300] < 7 else -1)
+    if w.col[w.crow[17]:w.crow[18]].eq(300).any():
+        pytest.skip("picked an outlier position")
+    bad = LatqWeight(fmt.pack(z, 4), w.scales, w.crow, w.col, w.val, 4, 128, 640)
+    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="emulated"):
+        check(w, CPUKernel.prepare(bad), x)
+
+
+def test_rows_with_many_outliers():
+    heavy = [(0, 1.0), (5, 0.6), (63, 0.5), (64, 0.3), (250, 0.9)]
+    w, state = prepared((256, 640, 4, 0.01, 128), heavy_rows=tuple(heavy))
+    counts = (w.crow[1:] - w.crow[:-1])
+    assert counts[0] == 640 and counts.max() > 300
+    g = torch.Generator().manual_seed(5)
+    for M in (1, 3, 8, 64):
+        check(w, state, torch.randn(M, 640, generator=g).to(torch.bfloat16))
+        check(w, state, torch.randn(M, 640, generator=g))
+
+
+def test_every_batch_size_and_leading_dims_and_bias():
+    w, state = prepared((640, 2048, 4, 0.01, 128))
+    g = torch.Generator().manual_seed(6)
+    for M in list(range(1, 17)) + [cpu.LARGE_M - 1, cpu.LARGE_M, 200]:
+        check(w, state, torch.randn(M, 2048, generator=g).to(torch.bfloat16))
+    for dt in (torch.bfloat16, torch.float32, torch.float16):
+        bias = torch.randn(640, generator=g).to(dt)
+        for M in (1, 5, 96):
+            check(w, state, torch.randn(2, M, 2048, generator=g).to(dt), bias)
+
+
+def test_chunked_prepare_and_large_m(monkeypatch):
+    """Several prepare chunks and several large-M dequant chunks (with a 16-row tail)."""
+    monkeypatch.setattr(cpu, "PREPARE_CHUNK", 64 * 256)
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 2 * 256 * 64)
+    w = make_weight(208, 256, 4, 0.02, group=64, seed=7)
+    state = CPUKernel.prepare(w)
+    g = torch.Generator().manual_seed(8)
+    for M in (1, 8, cpu.LARGE_M, 150):
+        check(w, state, torch.randn(M, 256, generator=g).to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- HPTQ / > 4 bits
+
+def hptq_like(out, cin, spread, seed):
+    """Unclipped Laplacian-ish integers under one fp16-exact scale → transcoded runtime form."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.round(torch.distributions.Laplace(0.0, spread).sample((out, cin))).int()
+    return transcode(z.clamp(-2000, 2000), float(torch.tensor(0.0137).half()))
+
+
+@pytest.mark.parametrize("split_rate,planes", [(0.0, 2), (1.0, 1)])
+def test_wide_transcodes(monkeypatch, split_rate, planes):
+    """5..8-bit inliers: two nibble planes along K, or off-grid weights as fp32 outliers."""
+    monkeypatch.setattr(cpu, "SPLIT_MAX_EXTRA_RATE", split_rate)
+    g = torch.Generator().manual_seed(9)
+    seen = set()
+    for (N, K), spread in (((256, 640), 4.0), ((192, 576), 12.0), ((64, 1024), 30.0)):
+        w = hptq_like(N, K, spread, seed=N)
+        assert w.group_size == K and w.scales.shape == (N, 1)
+        seen.add(w.bits)
+        state = CPUKernel.prepare(w)
+        assert state.planes == (planes if w.bits > 4 else 1)
+        for M in (1, 8, 64):
+            for dt in (torch.bfloat16, torch.float32):
+                check(w, state, torch.randn(M, K, generator=g).to(dt))
+    assert max(seen) > 4, seen
+
+
+def test_hptq_low_bits_use_whole_row_group():
+    w = hptq_like(128, 576, 1.0, seed=1)
+    assert w.bits <= 4
+    state = CPUKernel.prepare(w)
+    assert state.group_size == 64          # 576 = 9·64: the largest op group dividing K
+    check(w, state, torch.randn(4, 576).to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- can_implement
+
+def _w(out, cin, bits=4, group=128):
+    """Shape-only weight (can_implement looks at shapes, bits and group size)."""
+    return LatqWeight(torch.zeros(out, fmt.packed_words(cin, bits), dtype=torch.int32),
+                      torch.ones(out, -(-cin // group), dtype=torch.float16),
+                      torch.zeros(out + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                      torch.zeros(0), bits, group, cin)
+
+
+@pytest.mark.parametrize("w,device,dt,needle", [
+    (lambda: _w(100, 256), "cpu", torch.bfloat16, "out_features=100"),
+    (lambda: _w(64, 200, group=200), "cpu", torch.bfloat16, "in_features=200"),
+    (lambda: _w(64, 96, group=48), "cpu", torch.bfloat16, "group size 48"),
+    (lambda: _w(64, 100, group=32), "cpu", torch.bfloat16, "in_features=100"),
+    (lambda: _w(64, 256), "meta", torch.bfloat16, "not a CPU"),
+    (lambda: _w(64, 256), "cpu", torch.int8, "activation dtype"),
+], ids=["ragged-N", "ragged-K", "group48", "K100", "device", "dtype"])
+def test_cannot_implement_with_reason(w, device, dt, needle):
+    weight = w()
+    ok, why = CPUKernel.can_implement(weight, torch.device(device), dt)
+    assert not ok and needle in why, why
+    with pytest.raises(ValueError, match="CPU kernel cannot run"):
+        if device == "cpu" and dt == torch.bfloat16:
+            CPUKernel.prepare(weight)
+        else:
+            raise ValueError("CPU kernel cannot run: (device/dtype is checked at selection)")
+
+
+def test_can_implement_model_shapes():
+    for N, K in [(1024, 640), (256, 640), (640, 1024), (2048, 640), (640, 2048),
+                 (576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096)]:
+        ok, why = CPUKernel.can_implement(_w(N, K), torch.device("cpu"), torch.bfloat16)
+        assert ok, (N, K, why)
+    bad = _w(64, 256)
+    bad.bits = 9
+    ok, why = CPUKernel.can_implement(bad, torch.device("cpu"), torch.bfloat16)
+    assert not ok and "9-bit" in why
+
+
+def test_selector_sees_cpu_kernel(monkeypatch):
+    from vllm_latq.kernels import selector
+    assert CPUKernel in selector.kernels()
+    monkeypatch.setenv(selector.ENV_FORCE, "cpu")
+    assert selector.select(_w(64, 256), torch.device("cpu"), torch.bfloat16) is CPUKernel
+
+
+def test_state_flattens_to_dense_tensors_and_ints():
+    w, state = prepared((256, 640, 4, 0.01, 128))
+    from vllm_latq.kernels import selector
+    if not hasattr(selector.LatqKernel, "flatten"):
+        pytest.skip("selector has no flatten contract yet")
+    tensors, ints = CPUKernel.flatten(state)
+    assert all(t is None or (isinstance(t, torch.Tensor) and t.layout == torch.strided) for t in tensors)
+    again = CPUKernel.unflatten(tensors, ints)
+    x = torch.randn(2, 640).to(torch.bfloat16)
+    assert torch.equal(CPUKernel.apply(again, x), CPUKernel.apply(state, x))
+
+
+def test_prepare_is_quick():
+    w = make_weight(1024, 2048, 4, 0.01, seed=11)
+    t = time.perf_counter()
+    CPUKernel.prepare(w)
+    assert time.perf_counter() - t < 10.0   # ~0.2 s unloaded; generous for shared CI machines
