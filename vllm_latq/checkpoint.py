@@ -81,19 +81,39 @@ def sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` with a ``latq_sha256`` checksum table in the metadata, atomically
-    (``path.part`` then rename). The bytes depend only on the tensors and metadata."""
-    from safetensors.torch import save_file
+    """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
+    atomically (``path.part`` then rename).
 
+    Our own serializer, because the safetensors library orders the metadata keys by a
+    randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
+    out contiguously in name order and the header is space-padded to 8 bytes, so the bytes
+    depend only on the tensors and the metadata (and the library reads the file as usual)."""
     path = Path(path)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
     meta = {"format": "pt", **(metadata or {})}
-    meta[CHECKSUM_KEY] = json.dumps({k: sha256(v) for k, v in sorted(tensors.items())}, sort_keys=True,
+    meta[CHECKSUM_KEY] = json.dumps({k: sha256(v) for k, v in tensors.items()}, sort_keys=True,
                                     separators=(",", ":"))
+    header: dict = {"__metadata__": dict(sorted(meta.items()))}
+    off = 0
+    for k, v in tensors.items():
+        if v.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{k}: dtype {v.dtype} cannot be stored")
+        n = v.numel() * v.element_size()
+        header[k] = {"dtype": _DTYPE_NAMES[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
     part = path.with_name(path.name + ".part")
-    save_file(tensors, str(part), metadata=meta)
+    with part.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for v in tensors.values():
+            f.write(tensor_bytes(v))
     os.replace(part, path)
 
 

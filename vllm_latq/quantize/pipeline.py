@@ -247,17 +247,17 @@ class SharedHessians:
 
     def _hook(self, name):
         def hook(mod, args):
-            x = args[0].detach()
+            x = args[0]
             if self.frozen:
                 if self.leader[name]:
-                    self.of[name].add(x)
+                    self.of[name].add(x.detach())
                 return
             for seen, hs in self._call:
-                if seen is x:
+                if seen is x:  # the very same tensor object (kept alive in _call: ids cannot be reused)
                     self.of[name], self.leader[name] = hs, False
                     return
             hs = Hessian(mod.in_features, mod.weight.device)
-            hs.add(x)
+            hs.add(x.detach())
             self.of[name], self.leader[name] = hs, True
             self._call.append((x, hs))
         return hook
@@ -439,6 +439,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         linears = ckpt.block_linears(layer, f"{prefix}.{i}")
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs[i].items()}
         outs = torch.empty_like(inps)
+        t0 = time.time()
         with torch.no_grad():
             hs = SharedHessians(linears)
             try:
@@ -448,6 +449,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                     hs.end_forward()
             finally:
                 hs.remove()
+            t1 = time.time()
             shard: dict[str, torch.Tensor] = {}
             for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress,
                              leave=False):
@@ -467,8 +469,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 ckpt.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=torch.float32))
                 del H
             hs = None
+            t2 = time.time()
             for j in range(len(inps)):
                 outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
+            log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, nblocks, t1 - t0,
+                     t2 - t1, time.time() - t2)
         for n in names:  # the rest of the block in its original dtype and name
             if n.rpartition(".")[0] in linears and n.endswith(".weight"):
                 continue
