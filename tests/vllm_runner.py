@@ -1,0 +1,62 @@
+"""Run vLLM greedy decoding for a list of jobs and write the token ids as JSON (used by the
+tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
+
+A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
+"env"}; jobs run one after the other in this process (each engine is torn down before the
+next: saves the ~10 s vLLM import per run). A job that raises records
+{"error": "Type: message", "traceback": ...} instead of tokens.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def run_job(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.time()
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=not job.get("compiled"),
+              max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=job.get("tp", 1), seed=0,
+              quantization=job.get("quantization"), max_num_seqs=8)
+    t1 = time.time()
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
+    sp = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    t2 = time.time()
+    del llm
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1}
+
+
+def main() -> None:
+    jobs = json.load(open(sys.argv[1]))
+    results = []
+    for job in jobs:
+        saved = {k: os.environ.get(k) for k in job.get("env", {})}
+        os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
+        try:
+            results.append(run_job(job))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results.append({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            gc.collect()
+            if len(jobs) > 1:
+                from vllm.distributed import cleanup_dist_env_and_memory
+                cleanup_dist_env_and_memory()
+        print(f"[vllm_runner] job {len(results)}/{len(jobs)} done", file=sys.stderr, flush=True)
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
