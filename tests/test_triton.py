@@ -207,7 +207,7 @@ def test_kernel_matches_reference(bits, m, rate, dtype):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_both_outlier_layouts(bits, mode, kernel, m):
     w, st = state_for(bits, 0.05, mode)
-    assert st.layout.outlier_mode == mode
+    assert st.outl == tk.OUTL_CODE[mode]
     x = activations(m, torch.bfloat16)
     check(TritonKernel.apply(st, x, kernel=kernel), x, w)
 
@@ -228,7 +228,7 @@ def test_split_k(kernel, m, cfg, mode):
         x = activations(m, torch.float16, k=600, seed=seed)
         bias = torch.randn(N).half()
         check(TritonKernel.apply(st, x, bias, kernel=kernel, config=cfg), x, w, bias)
-    assert int(st.counters[x.device].abs().sum()) == 0
+    assert int(st.tickets.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("group", [32, 64, 300])
@@ -261,10 +261,26 @@ def test_fp32_activations_and_shapes():
 
 
 def test_large_m_fallback():
-    """M > 16: the tensor-core kernel with BM = 64 tiles (a tiled GEMM)."""
+    """M > 16: the tensor-core kernel over 16-row M tiles (a tiled GEMM); no split-K there."""
     w, st = state_for(4, 0.05)
     x = activations(70, torch.bfloat16)
     check(TritonKernel.apply(st, x), x, w)
+    with pytest.raises(ValueError, match="SPLIT"):
+        TritonKernel.apply(st, x, config=dict(BN=64, SPLIT=2, BR=8))
+
+
+def test_state_flattens_for_the_plugin():
+    """The plugin keeps flatten(state) as buffers + static ints and rebuilds it per call."""
+    from vllm_latq.kernels import ops
+    for bits, rate, mode in ((3, 0.05, "csr"), (4, 0.0, None), (2, 0.01, "ell")):
+        w, st = state_for(bits, rate, mode)
+        tensors, ints = TritonKernel.flatten(st)
+        assert all(t is None or isinstance(t, torch.Tensor) for t in tensors) and all(type(i) is int for i in ints)
+        st2 = TritonKernel.unflatten(tensors, ints)
+        x = activations(3, torch.bfloat16)
+        assert torch.equal(TritonKernel.apply(st2, x), TritonKernel.apply(st, x))
+        y = ops.op_for(TritonKernel)(x, tensors, ints, None, N)
+        check(y, x, w)
 
 
 # ----------------------------------------------------------------------------- offline compilation

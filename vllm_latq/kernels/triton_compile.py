@@ -44,29 +44,26 @@ def source_hash() -> str:
 # ----------------------------------------------------------------------------- jobs
 
 def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
-    """Every (kernel, specialisation, config, target). ``quick``: per kernel and bits only
-    the heaviest config (largest BM·BN per warp, CSR outliers, split-K) — the default test."""
-    from . import triton_kernels as tk  # noqa: F401 (config tables only; no launch)
+    """Every (kernel, specialisation, config, target). ``quick``: per kernel and bit width the
+    heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
+    split-K — the default test; the full sweep is the slow test and the bench."""
+    from . import triton_kernels as tk
     jobs = []
-    for kernel, table, fits, bms in (("gemv", tk.GEMV_AMPERE, tk.gemv_fits, (1, 2, 4, 8)),
-                                     ("mma", tk.MMA_AMPERE, tk.mma_fits, (16, 64))):
-        tiles = []
-        for c in table:
-            t = {k: v for k, v in c.items() if k != "SPLIT"}
-            if t not in tiles:
-                tiles.append(t)
+    for kernel, tiles, splits in (("gemv", tk.GEMV_TILES, lambda bm: (1, 8)),
+                                  ("mma", tk.MMA_TILES, lambda bm: (1, max(tk.MMA_SPLITS[bm])))):
         for bits in (2, 3, 4):
-            for bm in bms:
-                fitting = [t for t in tiles if fits(dict(t, SPLIT=1), bm)]
-                if quick:
-                    fitting = [max(fitting, key=lambda t: (bm * t["BN"] * t.get("BR", 1) / t["num_warps"], t["BN"]))]
-                    variants = [(8, "csr")]
-                else:
-                    variants = [(sp, o) for sp in (1, 8) for o in ("none", "ell", "csr")]
-                for t in fitting:
+            for bm, tl_ in tiles.items():
+                if quick and bm != max(tiles):
+                    continue
+                for t in tl_:
+                    if quick and t != max(tl_, key=lambda t: (t[0] / t[1], t[0])):
+                        continue
+                    tile = dict(BN=t[0], num_warps=t[1], **({"BR": t[2]} if kernel == "mma" else {}))
+                    variants = [(max(splits(bm)), "csr")] if quick else \
+                        [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
                     for sp, outl in variants:
                         for cc in targets:
-                            jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, cc=cc, **t))
+                            jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, cc=cc, **tile))
     return jobs
 
 
@@ -146,6 +143,8 @@ def compile_job(j: dict) -> dict:
 
 
 def _worker(jobs_path: str, out_path: str) -> None:
+    # a private Triton cache: a cache hit would skip ptxas, and its log is what we read
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="latq_triton_")
     jobs = json.loads(Path(jobs_path).read_text())
     res = {}
     for j in jobs:

@@ -22,17 +22,20 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     entries per iteration, spread over the K splits), into the same accumulator.
 
 ``_mma_kernel`` — M ≥ 8 (tensor cores; 8 is padded to the 16-row MMA, 9..16 likewise)
-    Same tiles; slab j is a [16 × BN] B operand (``K = 16`` of one ``mma.m16n8k16``): the
-    integers z = u − 2^(b−1) are exact in fp16 and bf16, so ``tl.dot(x_slab, z_slab)``
-    multiplies exactly and accumulates in fp32; slabs of one scale group chain into one
-    accumulator that is scaled once per group (so the result is the fp32 reference up to
-    summation order — no fp16 rounding of z·s). Operands are fp16/bf16 on GPU (bf16 native);
-    in the interpreter (no bf16 arithmetic) both are cast to fp32 right after loading.
-    Outliers run on SIMT lanes after the K loop of the same program ([BM × BR × BN] gathers
-    of the activations, reduced over BR). The same kernel with BM = 32/64 is the **larger-M
-    fallback** (a plain tiled GEMM that re-dequantises each weight tile per M tile: for
-    prefill-sized M a dequantise-once + cuBLAS path would amortise better, but would round
-    z·s to bf16; not implemented, see the issue).
+    Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits
+    for registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
+    shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
+    order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
+    exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
+    in fp32, and the group's dot is scaled once (``acc += dot · s``): the result is the fp32
+    reference up to summation order — no fp16/bf16 rounding of z·s. Operands are fp16/bf16 on
+    GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
+    after loading. Outliers run on SIMT lanes after the K loop of the same program
+    ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
+    **Larger M** (> 16) is the documented fallback: the same kernel over 16-row M tiles, a
+    tiled GEMM that re-dequantises each weight tile per M tile (BM = 32/64 spill on sm_90 at
+    3 bits). For prefill-sized M a dequantise-once + cuBLAS path would amortise the dequant,
+    at the price of rounding z·s to bf16 (so not equal to the fp32 reference); not built.
 
 fp32 activations use the SIMT kernel for every M (tiles of 8 rows): exact, no TF32.
 Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
@@ -41,8 +44,9 @@ interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
 """
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -52,6 +56,8 @@ from . import triton_layout as tlay
 from .reference import LatqWeight
 from .selector import LatqKernel
 
+log = logging.getLogger(__name__)
+MAX_SPLIT = 8
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ENV_INTERPRET_OK = "LATQ_TRITON_INTERPRET_OK"   # =1: accept CPU tensors when TRITON_INTERPRET=1
 OUTL_NONE, OUTL_ELL, OUTL_CSR = 0, 1, 2
@@ -186,7 +192,8 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         wb2 = wb >> 16
         wh2 = wh >> 16
         k0 = s * STEP
-        part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+        if BM == 1:
+            part = tl.zeros([BM, 16, BN], dtype=tl.float32)
         for j in tl.static_range(SLABS):
             # position of slot j inside its 16-bit half word, and which half
             if BITS == 4:
@@ -212,12 +219,22 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
             z = f.to(tl.float32, bitcast=True) - (8388608.0 + OFF * (1 << P))    # (u − o)·2^P, exact
             kk = k0 + 16 * j + w3
             xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
-            part += z * (xs * (1.0 / (1 << P)))
-            if (j + 1) % SPG == 0:
-                gi = (k0 + 16 * (j + 1 - SPG)) // GROUP
-                sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
-                acc += part * sc
-                part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+            if BM == 1:
+                # one activation row: accumulate z·x per group, scale once per group (no FMUL
+                # per weight: LOP3 + FADD + FFMA)
+                part += z * (xs * (1.0 / (1 << P)))
+                if (j + 1) % SPG == 0:
+                    gi = (k0 + 16 * (j + 1 - SPG)) // GROUP
+                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
+                    acc += part * sc
+                    part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+            else:
+                # several rows: scale z once (FMUL amortised over the BM FFMAs) and keep a
+                # single accumulator (half the registers of part + acc)
+                if j % SPG == 0:
+                    gi = (k0 + 16 * j) // GROUP
+                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
+                acc += (z * (sc * (1.0 / (1 << P)))) * xs
 
     # ---- outliers of these rows (same accumulator; entries spread over the K splits)
     if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
@@ -293,7 +310,8 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
     # columns (Triton's MMAv2 operand path) instead of one per 16-column slab.
     SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
     STEP: tl.constexpr = 16 * SLABS
-    DS: tl.constexpr = SPG if SPG < 8 else 8                   # slabs per tl.dot (K ≤ 128)
+    DSMAX: tl.constexpr = 4 if BITS == 3 else 8                # 3 bits: K = 64 per dot (registers)
+    DS: tl.constexpr = SPG if SPG < DSMAX else DSMAX           # slabs per tl.dot
     ND: tl.constexpr = SLABS // DS                             # dots per step
     DPG: tl.constexpr = SPG // DS                              # dots per scale group
     if F32DOT:
@@ -401,135 +419,165 @@ def spg_of(bits: int, group: int) -> int:
     return spg
 
 
-# SIMT GEMV, Ampere (A100: 108 SMs, 164 KiB smem/SM; A10/A6000/RTX 30xx: 72–84 SMs, 100 KiB):
-# the kernel is register-only (no shared memory but the split-K ticket), so the knobs are the
-# row tile BN (bytes in flight per program: BN·64 B per plane per step, 2 steps with the
-# prefetch), warps, and SPLIT (programs per row tile, for when N/BN alone cannot fill
-# ~2 programs per SM: o/down projections at TP > 1, or K ≥ 8k). The accumulators are
-# 2·BM·16·BN fp32 per program; BM·BN ≤ 512 keeps them ≤ 128 registers/thread at 4 warps.
-GEMV_AMPERE = [dict(BN=bn, SPLIT=sp, num_warps=nw)
-               for bn, nw in ((32, 2), (64, 4), (128, 4), (128, 8))
-               for sp in (1, 2, 4, 8)]
-# Tensor-core kernel, BM = 16 (M = 8..16) and BM = 64 (larger M): BN × warps × SPLIT.
-MMA_AMPERE = [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw)
-              for bn, nw, br in ((32, 4, 8), (64, 4, 8), (128, 4, 4), (128, 8, 8))
-              for sp in (1, 2, 4)]
+# Autotune configs for Ampere (A100: 108 SMs, 164 KiB smem/SM, 64 K registers/SM;
+# A10/A6000/RTX 30xx: 72–84 SMs, 100 KiB). Tiles per activation-row tile BM, chosen from
+# offline compilation (ptxas registers; bench/kernels.py prints them): every listed tile
+# compiles without spills on sm_80/86/89/90, at ≤ ~128 registers where possible.
+#
+# SIMT GEMV (BN, warps): register-only (shared memory only for the final cross-warp sum),
+# so the knobs are the row tile BN (bytes in flight per program: BN·64 B per plane per step,
+# two steps with the prefetch), warps (registers: BM·16·BN fp32 accumulators over 32·warps
+# threads), and SPLIT: programs per row tile along K, for when N/BN alone cannot give
+# ~2 programs per SM (o/down projections at TP > 1, K ≥ 8k).
+GEMV_TILES = {1: [(32, 2), (64, 4), (128, 8)],
+              2: [(32, 2), (64, 4), (128, 8)],
+              4: [(32, 4), (64, 8)],
+              8: [(16, 4), (32, 4)]}
+GEMV_SPLITS = (1, 2, 4, 8)
+# Tensor-core kernel (BN, warps, BR = outlier slots per iteration), BM = 16: M = 8..16 in one
+# tile, larger M in 16-row tiles (the fallback: each M tile re-dequantises its weight tiles;
+# BM = 32 and 64 were measured to spill on sm_90 at 3 bits — the accumulator, the group
+# partial and a 128-column B tile do not fit next to each other).
+MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)]}
+MMA_SPLITS = {16: (1, 2, 4)}
 # The interpreter runs one config (autotuning needs a GPU); big tiles keep program counts low.
 GEMV_INTERP = dict(BN=64, SPLIT=1, num_warps=4)
 MMA_INTERP = dict(BN=64, SPLIT=1, BR=8, num_warps=4)
 
 
-def gemv_fits(cfg: dict, bm: int) -> bool:
-    return bm * cfg["BN"] <= 512 * cfg["num_warps"] // 4
+def gemv_configs(bm: int | None = None) -> list[dict]:
+    return [dict(BN=bn, SPLIT=sp, num_warps=nw) for b, tiles in GEMV_TILES.items() if bm in (None, b)
+            for bn, nw in tiles for sp in GEMV_SPLITS]
 
 
-def mma_fits(cfg: dict, bm: int) -> bool:
-    return bm * cfg["BN"] * cfg["BR"] <= 8192 * cfg["num_warps"] // 4 and (bm <= 16 or cfg["BN"] >= 64)
+def mma_configs(bm: int | None = None) -> list[dict]:
+    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw) for b, tiles in MMA_TILES.items() if bm in (None, b)
+            for bn, nw, br in tiles for sp in MMA_SPLITS[b]]
 
 
-def _prune(fits):
+def _uniq(cfgs):
+    out = []
+    for c in cfgs:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _prune(configs_for):
     def prune(configs, named_args, **kw):
         bm = named_args.get("BM", kw.get("BM"))
         nsteps = named_args.get("NSTEPS", kw.get("NSTEPS"))
-        keep = [c for c in configs if fits(dict(c.kwargs, num_warps=c.num_warps), bm)
+        allowed = configs_for(bm)
+        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps) in allowed
                 and c.kwargs["SPLIT"] <= max(1, nsteps)]
         return keep or configs[:1]
     return prune
 
 
-def _tconfigs(cfgs):
-    return [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"],
-                          num_stages=1) for c in cfgs]
+def _tuned(kernel, cfgs, configs_for):
+    return triton.autotune([triton.Config({k: v for k, v in c.items() if k != "num_warps"},
+                                          num_warps=c["num_warps"], num_stages=1) for c in _uniq(cfgs)],
+                           key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"],
+                           prune_configs_by={"early_config_prune": _prune(configs_for)})(kernel)
 
 
-_KEY = ["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"]
-_gemv_tuned = triton.autotune(_tconfigs(GEMV_AMPERE), key=_KEY,
-                              prune_configs_by={"early_config_prune": _prune(gemv_fits)})(_gemv_kernel)
-_mma_tuned = triton.autotune(_tconfigs(MMA_AMPERE), key=_KEY,
-                             prune_configs_by={"early_config_prune": _prune(mma_fits)})(_mma_kernel)
+# one M tile (decode): split-K allowed; several M tiles: SPLIT = 1 (tickets cover one tile row)
+_TUNED = {("gemv", True): _tuned(_gemv_kernel, gemv_configs(), gemv_configs),
+          ("gemv", False): _tuned(_gemv_kernel, [c for c in gemv_configs() if c["SPLIT"] == 1], gemv_configs),
+          ("mma", True): _tuned(_mma_kernel, mma_configs(), mma_configs),
+          ("mma", False): _tuned(_mma_kernel, [c for c in mma_configs() if c["SPLIT"] == 1], mma_configs)}
 
 
 # ============================================================================ host side
 
 @dataclass
 class TritonState:
-    layout: tlay.TritonLayout
+    """Prepared layer, flat (tensor and int fields only) so the vLLM plugin can keep it as
+    module buffers + static ints (selector ``flatten``/``unflatten``). See
+    :mod:`~vllm_latq.kernels.triton_layout` for the tensors' layout."""
+    plane_a: torch.Tensor                 # int32 word blocks: the b-bit plane (3 bits: the 2-bit plane)
+    plane_h: torch.Tensor | None          # int32 word blocks: 3 bits: the 1-bit plane
+    scales: torch.Tensor                  # fp16 [N_pad/16, ngroups_pad, 16]
+    o0: torch.Tensor | None               # ELL: off [G+1]          CSR: crow [N_pad+1]
+    o1: torch.Tensor | None               # ELL: col                CSR: row
+    o2: torch.Tensor | None               # ELL: val (fp32)         CSR: col
+    o3: torch.Tensor | None               #                         CSR: val (fp32)
+    tickets: torch.Tensor                 # int32 [N_pad/16] split-K tickets, always back to 0
+    bits: int
+    group: int
     spg: int
-    counters: dict = field(default_factory=dict)   # (device, m_tiles) → int32 zeros (split-K tickets)
+    n: int
+    k: int
+    n_pad: int
+    k_pad: int
+    outl: int                             # OUTL_NONE / OUTL_ELL / OUTL_CSR
+    nnz: int
 
-    @property
-    def out_features(self):
-        return self.layout.n
-
-    @property
-    def in_features(self):
-        return self.layout.k
-
-    def _counters(self, dev, n):
-        c = self.counters.get(dev)
-        if c is None or c.numel() < n:
-            c = torch.zeros(max(n, 64), dtype=torch.int32, device=dev)
-            self.counters[dev] = c
-        return c
+    @classmethod
+    def from_layout(cls, L: tlay.TritonLayout) -> "TritonState":
+        o = L.outliers
+        if L.outlier_mode == "ell":
+            oo = [o["off"], o["col"], o["val"], None]
+        elif L.outlier_mode == "csr":
+            oo = [o["crow"], o["row"], o["col"], o["val"]]
+        else:
+            oo = [None] * 4
+        tickets = torch.zeros(L.n_pad // 16, dtype=torch.int32, device=L.scales.device)
+        return cls(L.planes[0], L.planes[1] if len(L.planes) > 1 else None, L.scales, *oo, tickets,
+                   L.bits, L.group, spg_of(L.bits, L.group), L.n, L.k, L.n_pad, L.k_pad,
+                   OUTL_CODE[L.outlier_mode], L.nnz)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def launch(state: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
+def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
            config: dict | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma". ``config``: a fixed
-    config (dict as in GEMV_AMPERE / MMA_AMPERE, plus optional "BM"); default: the
-    interpreter's fixed config, or autotuning on a GPU."""
-    L = state.layout
+    config (a dict from gemv_configs() / mma_configs(), plus optional "BM"); default: the
+    interpreter's fixed config, or autotuning on a GPU. Split-K only for one M tile (the
+    tickets cover one row of tiles; for more M tiles there is parallelism enough)."""
     M, K = x2.shape
     dev = x2.device
-    y = torch.empty(M, L.n, dtype=x2.dtype, device=dev)
+    y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
     if M == 0:
         return y
     if kernel == "gemv":
         bm = min(8, _next_pow2(M))
     else:
-        bm = 16 if M <= 16 else 64
+        bm = 16
     if config is not None and "BM" in config:
         bm = config["BM"]
     m_tiles = triton.cdiv(M, bm)
-    o = L.outliers
-    if L.outlier_mode == "ell":
-        optr = [o["off"], o["col"], o["val"], o["val"]]
-    elif L.outlier_mode == "csr":
-        optr = [o["crow"], o["row"], o["col"], o["val"]]
-    else:
-        optr = [L.scales] * 4
-    planes = L.planes if len(L.planes) == 2 else [L.planes[0], L.planes[0]]
-    step = tlay.step_of(L.bits)
-    nch_a = L.k_pad // (256 if L.bits == 3 else step)
-    nch_h = L.k_pad // 512 if L.bits == 3 else 0
+    spare = st.scales                                   # any tensor for pointers a variant never reads
+    optr = [t if t is not None else spare for t in (st.o0, st.o1, st.o2, st.o3)]
+    step = tlay.step_of(st.bits)
+    nch_a = st.k_pad // (256 if st.bits == 3 else step)
+    nch_h = st.k_pad // 512 if st.bits == 3 else 0
     m_ws = m_tiles * bm
-    max_split = 8
-    ws = torch.empty(max_split * m_ws * L.n_pad, dtype=torch.float32, device=dev)
-    cnt = state._counters(dev, m_tiles * triton.cdiv(L.n_pad, 16))
+    ws = torch.empty(MAX_SPLIT * m_ws * st.n_pad if m_tiles == 1 else 1, dtype=torch.float32, device=dev)
     has_bias = bias is not None
-    args = [x2, y, bias if has_bias else y, planes[0], planes[1], L.scales, *optr, ws, cnt,
-            M, L.n, K, x2.stride(0), y.stride(0), L.n_pad, nch_a, nch_h, L.scales.shape[1],
-            L.k_pad // step, m_ws]
-    meta = dict(BITS=L.bits, GROUP=L.group, SPG=state.spg, BM=bm, OUTL=OUTL_CODE[L.outlier_mode],
+    args = [x2, y, bias if has_bias else y, st.plane_a, st.plane_h if st.plane_h is not None else st.plane_a,
+            st.scales, *optr, ws, st.tickets,
+            M, st.n, K, x2.stride(0), y.stride(0), st.n_pad, nch_a, nch_h, st.scales.shape[1],
+            st.k_pad // step, m_ws]
+    meta = dict(BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, OUTL=st.outl,
                 HAS_BIAS=has_bias, ASM=not INTERPRET)
     if kernel == "mma":
         meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
 
     def grid(META):
-        return (triton.cdiv(L.n_pad, META["BN"]), META["SPLIT"], m_tiles)
+        return (triton.cdiv(st.n_pad, META["BN"]), META["SPLIT"], m_tiles)
 
     if config is None and INTERPRET:
         config = dict(GEMV_INTERP if kernel == "gemv" else MMA_INTERP)
     if config is None:
-        (_gemv_tuned if kernel == "gemv" else _mma_tuned)[grid](*args, **meta)
+        _TUNED[kernel, m_tiles == 1][grid](*args, **meta)
     else:
         cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages")}
-        if cfg["SPLIT"] > max_split:
-            raise ValueError(f"SPLIT ≤ {max_split}")
+        if cfg["SPLIT"] > MAX_SPLIT or (cfg["SPLIT"] > 1 and m_tiles > 1):
+            raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 when M spans several tiles")
         fn = _gemv_kernel if kernel == "gemv" else _mma_kernel
         fn[grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
                       num_stages=config.get("num_stages", 1))
@@ -539,6 +587,7 @@ def launch(state: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kern
 class TritonKernel(LatqKernel):
     """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers."""
     name = "triton"
+    state_cls = TritonState
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
@@ -555,19 +604,21 @@ class TritonKernel(LatqKernel):
             return False, f"activation dtype {act_dtype}"
         if w.scales.shape[1] > 1 and w.group_size % 16:
             return False, f"group size {w.group_size} is not a multiple of 16"
-        if w.out_features * w.in_features >= 2**35 or w.nnz >= 2**31 - 1:
+        if w.out_features * w.in_features >= 2**35 or w.nnz >= 2**31 // 16:
             return False, "layer too large for int32 offsets"
         return True, None
 
     @classmethod
     def prepare(cls, w: LatqWeight, outlier_mode: str | None = None) -> TritonState:
         L = tlay.build(w, outlier_mode)
-        return TritonState(L, spg_of(L.bits, L.group))
+        log.debug("latq triton layout %dx%d %d-bit: outliers %s", w.out_features, w.in_features, w.bits,
+                  L.outlier_reason)
+        return TritonState.from_layout(L)
 
     @classmethod
     def apply(cls, state: TritonState, x: torch.Tensor, bias: torch.Tensor | None = None,
               kernel: str | None = None, config: dict | None = None) -> torch.Tensor:
-        K = state.layout.k
+        K = state.k
         if x.shape[-1] != K:
             raise ValueError(f"x has {x.shape[-1]} features, layer expects {K}")
         x2 = x.reshape(-1, K)
@@ -576,4 +627,4 @@ class TritonKernel(LatqKernel):
         if kernel is None:
             kernel = "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
         y = launch(state, x2, bias, kernel, config)
-        return y.reshape(*x.shape[:-1], state.layout.n)
+        return y.reshape(*x.shape[:-1], state.n)
