@@ -250,7 +250,7 @@ class SafetensorsFile:
         if name not in sums:
             raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
         if hashlib.sha256(self.raw(name)).hexdigest() != sums[name]:
-            raise self._err("sha256 mismatch: the tensor's bytes are corrupted")
+            raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
 
 
 # ============================================================================ models
@@ -505,7 +505,8 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     expected = dict(model.state_dict(keep_vars=True))
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
 
-    layers = ck.layers()
+    rank = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    layers = dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
     rows, covered = [], set()
     it = layers.items()
     if progress:
