@@ -125,14 +125,17 @@ class LatqConfig(QuantizationConfig):
             self.modules_not_converted = hf_to_vllm_mapper.apply_list(self.modules_not_converted)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
-        """Fingerprint the checkpoint's files into the HF config. vLLM keys its on-disk
-        torch.compile cache on the configs, and a latq graph carries static per-layer ints
-        (e.g. the inlier width chosen when an HPTQ layer is transcoded, which depends on the
-        data): re-quantizing into the same directory must not reuse a stale graph."""
+        """Fingerprint the checkpoint's files (and ``LATQ_KERNEL``) into the HF config. vLLM
+        keys its on-disk torch.compile cache on the configs, and a latq graph carries static
+        per-layer ints (e.g. the inlier width chosen when an HPTQ layer is transcoded, which
+        depends on the data) and the selected kernel's op: re-quantizing into the same
+        directory or forcing another kernel must not reuse a stale compiled graph."""
         qc = getattr(hf_config, "quantization_config", None)
         if not isinstance(qc, dict) or not os.path.isdir(model_name):
             return
         h = hashlib.sha256()
+        # the kernel choice decides which custom op the graph calls
+        h.update(f"LATQ_KERNEL={os.environ.get('LATQ_KERNEL', '')};".encode())
         for name in sorted(os.listdir(model_name)):
             if name.endswith((".safetensors", ".json")):
                 st = os.stat(os.path.join(model_name, name))

@@ -1,0 +1,215 @@
+"""End-to-end decode speed through vLLM: bf16 vs latq (each available kernel path),
+eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
+
+    python bench/decode.py                                  # SmolLM2-135M bf16 vs its SSQR checkpoint
+    python bench/decode.py --model gemma3-270m --ckpt DIR   # another pair
+    python bench/decode.py --kernels cpu --modes compiled --repeats 5
+
+Every engine of one mode runs in one fresh process (in-process engine, so start-up stays
+short), one after the other, so the ratios compare runs of the same minute; both modes run
+in turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores). A run times
+``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS ignored) after a
+warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill included).
+On a GPU machine the same script measures the Triton path (``--kernels auto`` = every
+kernel whose ``can_implement`` accepts the layers, plus the reference).
+
+The last line is ``HEADLINE ...`` with latq/bf16 tok/s ratios of the default kernel
+selection, batch 1 and 8, eager and compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
+           "The theory of relativity", "A recipe for bread:", "The largest ocean on Earth",
+           "Machine learning is", "The history of Rome"]
+
+
+# ----------------------------------------------------------------------------- worker
+
+def _measure(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model=job["model"], dtype=job["dtype"], enforce_eager=job["mode"] == "eager",
+              max_model_len=512, max_num_seqs=max(job["batches"]), seed=0,
+              kv_cache_memory_bytes=job["kv_bytes"])
+    load_s = time.time() - t0
+    log_kernels = job.get("kernel")
+    out = {"load_s": round(load_s, 1), "runs": {}}
+    for b in job["batches"]:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
+        sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        times = []
+        for _ in range(job["repeats"]):
+            t = time.perf_counter()
+            res = llm.generate(prompts, sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+            assert all(len(r.outputs[0].token_ids) == job["tokens"] for r in res)
+        med = statistics.median(times)
+        out["runs"][str(b)] = {"times": [round(x, 3) for x in times], "median_s": med,
+                               "tok_s": b * job["tokens"] / med, "ms_per_step": 1000 * med / job["tokens"]}
+    del llm, log_kernels
+    return out
+
+
+def worker(jobs_file: str, out_file: str) -> None:
+    jobs = json.load(open(jobs_file))
+    results = []
+    for job in jobs:
+        os.environ.pop("LATQ_KERNEL", None)
+        if job.get("kernel"):
+            os.environ["LATQ_KERNEL"] = job["kernel"]
+        try:
+            results.append({**job, **_measure(job)})
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            results.append({**job, "error": f"{type(e).__name__}: {e}"})
+        gc.collect()
+        from vllm.distributed import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+        import torch
+        torch._dynamo.reset()
+        print(f"[decode bench] {job['label']} {job['mode']} done", file=sys.stderr, flush=True)
+        json.dump(results, open(out_file, "w"))
+
+
+# ----------------------------------------------------------------------------- driver
+
+def available_kernels() -> list[str]:
+    """Kernels importable here whose device matches this machine (reference last)."""
+    import torch
+
+    from vllm_latq.kernels.selector import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    names = []
+    for k in kernels():
+        if k.name == "reference":
+            continue
+        if k.name == "triton" and dev != "cuda":
+            continue
+        if k.name == "cpu" and dev != "cpu":
+            continue
+        names.append(k.name)
+    return names + ["reference"]
+
+
+def default_ckpt(model: str, method: str) -> Path:
+    """The cached pipeline checkpoint of the plugin tests, else quantize one (slow, once)."""
+    from vllm_latq.data import cache_dir
+
+    for root in ("plugin_tests", "bench"):
+        d = cache_dir() / root / f"{model}-{method}"
+        if (d / "config.json").exists():
+            return d
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+
+    d = cache_dir() / "bench" / f"{model}-{method}"
+    print(f"quantizing {model} with {method} into {d} (once; small calibration)", file=sys.stderr)
+    return quantize_model(model, d, QuantizeOptions(method=method, nsamples=16, seqlen=256), overwrite=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="bf16 baseline: a reference model name or HF dir")
+    ap.add_argument("--ckpt", default=None, help="latq checkpoint (default: cached SSQR checkpoint of --model)")
+    ap.add_argument("--method", default="ssqr", help="method of the default checkpoint")
+    ap.add_argument("--kernels", default="auto", help="comma list (cpu,triton,reference) or auto")
+    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reference-repeats", type=int, default=1,
+                    help="repeats for the reference kernel (dequantizes every call: slow)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-bytes", type=int, default=256 << 20)
+    ap.add_argument("--json", default=None, help="also write all results here")
+    ap.add_argument("--worker", nargs=2, metavar=("JOBS", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(*a.worker)
+
+    from vllm_latq.data import MODELS, model_dir
+
+    base = str(model_dir(a.model)) if a.model in MODELS else a.model
+    ckpt = str(a.ckpt or default_ckpt(a.model, a.method))
+    kernels = available_kernels() if a.kernels == "auto" else a.kernels.split(",")
+    batches = [int(b) for b in a.batches.split(",")]
+    ncpu = os.cpu_count() or 1
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
+    print(f"decode bench: {base} (bf16) vs {ckpt}; kernels {kernels}; batches {batches}; {a.tokens} new "
+          f"tokens; median of {a.repeats}; threads {env['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
+    results = []
+    for mode in a.modes.split(","):
+        jobs = [{"label": "bf16", "model": base, "kernel": None}] + [
+            {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels]
+        for j in jobs:
+            j.update(mode=mode, dtype=a.dtype, batches=batches, tokens=a.tokens, kv_bytes=a.kv_bytes,
+                     repeats=a.reference_repeats if j["kernel"] == "reference" else a.repeats)
+        menv = dict(env)
+        if mode == "eager":
+            menv["TORCH_COMPILE_DISABLE"] = "1"
+        else:
+            menv.pop("TORCH_COMPILE_DISABLE", None)
+        with tempfile.TemporaryDirectory() as td:
+            jf, of = Path(td, "jobs.json"), Path(td, "out.json")
+            jf.write_text(json.dumps(jobs))
+            p = subprocess.run([sys.executable, __file__, "--worker", str(jf), str(of)], env=menv, cwd=ROOT,
+                               capture_output=True, text=True)
+            if not of.exists():
+                print(p.stdout[-3000:], p.stderr[-6000:], file=sys.stderr)
+                raise SystemExit(f"{mode} worker failed (exit {p.returncode})")
+            got = json.loads(of.read_text())
+            loaded = [line.split("] ", 1)[-1] for line in (p.stdout + p.stderr).splitlines()
+                      if "linears loaded" in line]
+        for r, line in zip([r for r in got if r["kernel"]], loaded):
+            r["load_line"] = line
+        results += got
+        if len(got) < len(jobs):
+            print(p.stderr[-6000:], file=sys.stderr)
+
+    # ------------------------------------------------------------------ report
+    def find(label, mode):
+        return next((r for r in results if r["label"] == label and r["mode"] == mode), None)
+
+    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'vs bf16':>8s}  load")
+    for r in results:
+        if "error" in r:
+            print(f"{r['mode']:9s} {r['label']:16s} ERROR {r['error'][:300]}")
+            continue
+        for b, run in r["runs"].items():
+            ref = find("bf16", r["mode"])
+            ratio = run["tok_s"] / ref["runs"][b]["tok_s"] if ref and "runs" in ref else float("nan")
+            print(f"{r['mode']:9s} {r['label']:16s} {b:>5s} {run['tok_s']:8.1f} {run['ms_per_step']:8.1f} "
+                  f"{ratio:7.2f}x  {r['load_s']:.0f}s")
+    for r in results:
+        if r.get("load_line"):
+            print(f"  {r['mode']} {r['label']}: {r['load_line']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    head = []
+    best = kernels[0]
+    for mode in a.modes.split(","):
+        q, ref = find(f"latq-{best}", mode), find("bf16", mode)
+        for b in batches:
+            if q and ref and "runs" in q and "runs" in ref:
+                head.append(f"{mode}_b{b}={q['runs'][str(b)]['tok_s'] / ref['runs'][str(b)]['tok_s']:.2f}x"
+                            f"({q['runs'][str(b)]['tok_s']:.1f}/{ref['runs'][str(b)]['tok_s']:.1f}tok/s)")
+    print(f"HEADLINE decode {Path(base).name} vs {Path(ckpt).name} kernel={best}: latq/bf16 " + " ".join(head))
+
+
+if __name__ == "__main__":
+    main()
