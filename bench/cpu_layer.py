@@ -88,7 +88,8 @@ def med(v) -> float:
 
 
 def table(a, results):
-    print(f"{'shape':14s} {'NxK':>10s} bits rate   M | bf16 µs  latq µs | speedup")
+    print(f"{'shape':14s} {'NxK':>10s} bits rate   M | bf16 µs  latq µs | speedup (median of paired "
+          f"ratios) | min/min")
     for name in a.shapes:
         N, K = SHAPES[name]
         for bits in a.bits:
@@ -103,7 +104,8 @@ def table(a, results):
                     r = ratio(ts, "bf16", "latq")
                     results[(name, bits, rate, M)] = (r, med(ts["bf16"]), med(ts["latq"]))
                     print(f"{name:14s} {N:>5d}x{K:<5d} {bits:4d} {rate:4.0%} {M:3d} | {med(ts['bf16']):7.1f} "
-                          f"{med(ts['latq']):8.1f} | {r:6.2f}x", flush=True)
+                          f"{med(ts['latq']):8.1f} | {r:6.2f}x | {min(ts['bf16']) / min(ts['latq']):6.2f}x",
+                          flush=True)
 
 
 def profile(a):
@@ -188,7 +190,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"capability {torch.backends.cpu.get_cpu_capability()}, LARGE_M={cpu.LARGE_M}")
+          f"capability {torch.backends.cpu.get_cpu_capability()}, LARGE_M={cpu.LARGE_M}, "
+          f"load average at start {open('/proc/loadavg').read().split()[0]} (other processes skew timings)")
     results = {}
     if "table" in a.sections:
         table(a, results)

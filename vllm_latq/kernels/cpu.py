@@ -47,9 +47,11 @@ from .selector import LatqKernel
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
 # bits > 4: weights off the 4-bit grid become fp32 outliers when they are at most this
-# fraction of the layer (one CSR entry costs ~25× one int4 weight: measured 1% outliers
-# = 43–75 µs vs the int4 op 470 µs on 4096×4096); otherwise a second int4 plane.
-SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.02"))
+# fraction of the layer, else a second int4 plane. Measured on 4096×4096, M=1, 1 thread:
+# the second plane adds ~850 µs (op on 2K: 1730 µs vs 875), MKL CSR mv costs ~0.85 ns per
+# entry (5%: 680–720 µs, 10%: 1500 µs) → time breaks even near 6%; memory too (8 B per CSR
+# entry vs 0.5 B/weight per plane: 6.25%).
+SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
 LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "64"))
 CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 20)))  # bf16 weight chunk
@@ -282,32 +284,31 @@ class CPUKernel(LatqKernel):
     @classmethod
     def apply(cls, state: CPUState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         N, K = state.out_features, state.in_features
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, K)
+        x2 = x if x.dim() == 2 else x.reshape(-1, K)
         M = x2.shape[0]
         dtype = x.dtype
         if M >= LARGE_M and state.layout_block:
             y = _large_m(state, x2)                                            # bf16 [M, N]
         else:
-            _, mm = _ops()
-            xb = x2.to(torch.bfloat16).contiguous()
+            xb = x2 if dtype == torch.bfloat16 and x2.is_contiguous() else x2.to(torch.bfloat16).contiguous()
             if state.planes == 2:
                 xb = torch.cat([xb, xb], 1)
-            y = mm(xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
+            y = _ops()[1](xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
         if state.crow is not None:
             csr = torch.sparse_csr_tensor(state.crow, state.col, state.val, (N, K), check_invariants=False)
             xf = x2.float()
-            if M == 1:
-                ys = torch.mv(csr, xf[0]).unsqueeze(0)
-            else:
-                ys = torch.sparse.mm(csr, xf.t()).t()
-            if dtype == torch.bfloat16 and bias is None and y.dtype == torch.bfloat16:
+            ys = torch.mv(csr, xf[0]) if M == 1 else torch.sparse.mm(csr, xf.t()).t()   # fp32
+            if dtype == torch.bfloat16 and bias is None:
                 y = y.add_(ys)            # fp32 math, one rounding to bf16
             else:
-                y = ys.add_(y)
+                y = torch.add(ys, y)      # fp32
         if bias is not None:
-            y = y.float().add_(bias) if y.dtype != torch.float32 else y.add_(bias)
-        return y.to(dtype).contiguous().reshape(*lead, N)
+            y = y.add_(bias) if y.dtype == torch.float32 else torch.add(y.float(), bias)
+        if y.dtype != dtype:
+            y = y.to(dtype)
+        if not y.is_contiguous():
+            y = y.contiguous()
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
 
 
 # ----------------------------------------------------------------------------- large M
