@@ -255,6 +255,19 @@ def test_chunked_prepare_and_large_m(monkeypatch):
         check(w, state, torch.randn(M, 256, generator=g).to(torch.bfloat16))
 
 
+def test_prefill_cache(monkeypatch):
+    """Opt-in cached bf16 weight for large M: the same bf16(z·s) weight as the per-call dequant."""
+    w, state = prepared((640, 2048, 4, 0.01, 128))
+    x = torch.randn(cpu.LARGE_M + 3, 2048, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    monkeypatch.setattr(cpu, "PREFILL_CACHE", True)
+    try:
+        check(w, state, x)
+        check(w, state, x)                       # second call: from the cache
+        assert len(cpu._CACHE) >= 1
+    finally:
+        cpu.clear_prefill_cache()
+
+
 # --------------------------------------------------------------------------- HPTQ / > 4 bits
 
 def hptq_like(out, cin, spread, seed):

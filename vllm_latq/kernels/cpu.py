@@ -34,7 +34,6 @@ measurements quoted in the report of issue 6):
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -53,8 +52,11 @@ MAX_BITS = 8
 # entry vs 0.5 B/weight per plane: 6.25%).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
-LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "64"))
+LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "128"))
 CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 20)))  # bf16 weight chunk
+# opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
+# +2 bytes/weight resident: more than the bf16 model itself)
+PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
 
 _PACK = None
@@ -83,17 +85,19 @@ _LAYOUT: tuple[int, bool] | None = None
 
 
 def _unpack_int4pack(packed: torch.Tensor, n_rows: int, k: int, layout: tuple[int, bool],
-                     r0: int = 0, r1: int | None = None) -> torch.Tensor:
+                     r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [r0, r1) of the op's packed weight → int8 ``[K, r1 - r0]`` of u − 8 (transposed:
     the layout stores K-major blocks of B rows). ``layout = (B, halves)``: full blocks of B
     rows; byte j of a (block, k) holds rows j and j + B/2 (``halves``, AVX512/AVX2 kernels) or
     rows 2j and 2j + 1 (the scalar kernel); a tail block (< B rows) always holds pairs.
-    r0, r1 must be block boundaries (or r1 = n_rows)."""
+    r0, r1 must be block boundaries (or r1 = n_rows). ``out``: a ``[K, r1 - r0]`` tensor of
+    any dtype to write into (the int8 → dtype conversion happens in the same pass)."""
     B, halves = layout
     r1 = n_rows if r1 is None else r1
     flat = packed.view(-1)
     q = (flat[r0 * k // 2: r1 * k // 2] ^ 0x88).view(torch.int8)   # nibble u ^ 8 = two's complement of u-8
-    out = torch.empty(k, r1 - r0, dtype=torch.int8)
+    if out is None:
+        out = torch.empty(k, r1 - r0, dtype=torch.int8)
     full_end = min(r1, n_rows // B * B)
     if full_end > r0:
         nblk = (full_end - r0) // B
@@ -324,27 +328,60 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return t[:numel]
 
 
-def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
-    """Dequantize row chunks of the packed weight into a reused bf16 buffer and multiply
-    with a bf16 GEMM; bf16 result [M, N]."""
+def _dequant_chunks(state: CPUState):
+    """Yield (r0, r1, W_chunkᵀ) over row chunks: bf16 ``[K, r1 - r0]`` = bf16(z·s), built in a
+    reused buffer from the op's own packed layout (valid until the next chunk)."""
     N, K, planes = state.out_features, state.in_features, state.planes
     Kp = K * planes
     B = state.layout_block
     layout = (B, bool(state.layout_halves))
-    M = x2.shape[0]
-    xbT = x2.to(torch.bfloat16).t().contiguous()                           # [K, M]
-    yT = torch.empty(N, M, dtype=torch.bfloat16)
     R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
     g = state.group_size
     sc = state.scales_zeros[..., 0]               # [Kp/g, N] bf16; the first K/g rows: s
     buf_all = _scratch("w", K * min(R, N), torch.bfloat16)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
-        z = _unpack_int4pack(state.packed, N, Kp, layout, r0, r1)          # int8 [Kp, R'] = u - 8
-        if planes == 2:   # z = (c-8) + 16(a-8) + 8, exact in int16 and in bf16 (|z| ≤ 128)
-            z = z[K:].to(torch.int16).mul_(16).add_(z[:K]).add_(8)
         buf = buf_all[: K * (r1 - r0)].view(K, r1 - r0)
-        buf.copy_(z)
-        buf.view(K // g, g, r1 - r0).mul_(sc[: K // g, None, r0:r1])      # one rounding: bf16(z·s)
+        if planes == 1:
+            _unpack_int4pack(state.packed, N, K, layout, r0, r1, out=buf)      # bf16(u - 8) = z
+        else:   # z = (c-8) + 16(a-8) + 8, exact in int16 and in bf16 (|z| ≤ 128)
+            z = _unpack_int4pack(state.packed, N, Kp, layout, r0, r1)         # int8 [2K, R']
+            buf.copy_(z[K:].to(torch.int16).mul_(16).add_(z[:K]).add_(8))
+        s_c = sc[: K // g, r0:r1].contiguous()   # unit inner stride: the broadcast mul vectorizes
+        buf.view(K // g, g, r1 - r0).mul_(s_c[:, None, :])                 # one rounding: bf16(z·s)
+        yield r0, r1, buf
+
+
+def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[M, N]``: a cached dequantized weight (``PREFILL_CACHE``) or per call: row chunks
+    dequantized into a reused, cache-sized bf16 buffer, each multiplied by a bf16 GEMM."""
+    xb = x2.to(torch.bfloat16)
+    if PREFILL_CACHE:
+        return xb @ _cached_weight_t(state)
+    xbT = xb.t().contiguous()                                                  # [K, M]
+    yT = torch.empty(state.out_features, x2.shape[0], dtype=torch.bfloat16)
+    for r0, r1, buf in _dequant_chunks(state):
         torch.mm(buf.t(), xbT, out=yT[r0:r1])
     return yT.t()
+
+
+_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _cached_weight_t(state: CPUState) -> torch.Tensor:
+    """bf16 ``[K, N]`` dequantized weight, built on first use (opt-in: +2 bytes/weight
+    resident). Keyed by the packed tensor's storage address; the entry holds that tensor, so
+    the address cannot be reused by another layer while cached (``clear_prefill_cache``)."""
+    p = state.packed
+    key = (p.data_ptr(), tuple(p.shape))
+    hit = _CACHE.get(key)
+    if hit is None:
+        wt = torch.empty(state.in_features, state.out_features, dtype=torch.bfloat16)
+        for r0, r1, buf in _dequant_chunks(state):
+            wt[:, r0:r1].copy_(buf)
+        hit = _CACHE[key] = (p, wt)
+    return hit[1]
+
+
+def clear_prefill_cache() -> None:
+    _CACHE.clear()
