@@ -119,11 +119,12 @@ def test_layout_outliers_rebuild_csr(mode):
             col = o["col"][a:b].reshape(-1, 16).long()
             val = o["val"][a:b].reshape(-1, 16)
             for r in range(16):
-                D[16 * g + r].index_put_((col[:, r],), val[:, r], accumulate=True)
+                D[16 * g + r].index_put_((col[:, r],), val[:, r].float(), accumulate=True)
         assert L.max_row_outliers == int((w.crow[1:] - w.crow[:-1]).max())
     else:
-        D[o["row"].long(), o["col"].long()] = o["val"]
+        D[o["row"].long(), o["col"].long()] = o["val"].float()
         assert o["crow"].numel() == L.n_pad + 1
+    assert o["col"].dtype == torch.int16 and o["val"].dtype == torch.float16     # compact: 4 B/entry
     assert torch.equal(D[:N], _dense_outliers(w))
 
 
@@ -210,6 +211,19 @@ def test_both_outlier_layouts(bits, mode, kernel, m):
     assert st.outl == tk.OUTL_CODE[mode]
     x = activations(m, torch.bfloat16)
     check(TritonKernel.apply(st, x, kernel=kernel), x, w)
+
+
+@pytest.mark.parametrize("mode,k", [("ell", 33000), ("csr", K)])
+def test_wide_outliers(mode, k):
+    """fp32 outlier values (not fp16-exact, as from an HPTQ transcode), and for ELL K > 32768
+    (int32 columns): the non-compact entry types."""
+    w = make_weight(n=16, k=k, bits=4, rate=0.002 if k > K else 0.05, seed=11)
+    w.val = w.val + 1e-4 * torch.rand(w.val.shape, generator=torch.Generator().manual_seed(1))
+    st = TritonKernel.prepare(w, outlier_mode=mode)
+    col, val = (st.o1, st.o2) if mode == "ell" else (st.o2, st.o3)
+    assert col.dtype == (torch.int32 if k > 32768 else torch.int16) and val.dtype == torch.float32
+    x = activations(1, torch.float16, k=k)
+    check(TritonKernel.apply(st, x), x, w)
 
 
 @pytest.mark.parametrize("kernel,m,cfg", [

@@ -8,6 +8,12 @@ Triton ships. The interpreter (``TRITON_INTERPRET=1``) cannot compile, so jobs r
 subprocesses with it unset; results are cached on disk, keyed by the kernel source and the
 Triton version, so the tests and ``bench/kernels.py`` share them.
 
+Columns: registers/thread, spill bytes (stores + loads), shared memory (bytes), SASS
+instructions (total; memory / fp32 / integer / convert / MMA classes), the K loop's length
+and its instructions per weight per thread (``i/w``: one trip = one K step (mma) or one
+16-bit half of a step (gemv) of BN rows;
+at M = 1 the ALU-issue ceiling is ~19.5 T lane-instructions/s on an A100 / i/w weights/s).
+
 Jobs: kernel × bits × BM × tile config (BN, warps, [BR]) × SPLIT ∈ {1, 8} (2 and 4 compile
 to the SPLIT=8 code with another constant) × outlier layout (none / ELL-16 / CSR) × target.
 Activations are bf16 for the static report (fp16 differs only in the convert opcodes).
@@ -33,10 +39,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def source_hash() -> str:
+    """Kernel source + Triton version (+ the job → signature code): what the binaries depend on."""
     import importlib.metadata as md
-    h = hashlib.sha256()
-    for f in ("triton_kernels.py", "triton_layout.py", "triton_compile.py"):
-        h.update((HERE / f).read_bytes())
+    import inspect
+    h = hashlib.sha256((HERE / "triton_kernels.py").read_bytes())
+    h.update(inspect.getsource(compile_job).encode())
     h.update(md.version("triton").encode())
     return h.hexdigest()[:16]
 
@@ -78,7 +85,9 @@ def _bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def sass_counts(cubin: bytes) -> dict:
+def sass_counts(cubin: bytes) -> tuple[dict, int, dict]:
+    """Opcode counts of the whole kernel, and the length and opcode counts of its K loop (a
+    backward branch to an earlier label; the loop richest in LOP3/HMMA)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
         path = f.name
@@ -87,11 +96,23 @@ def sass_counts(cubin: bytes) -> dict:
     finally:
         os.unlink(path)
     ops = Counter()
+    seq, labels, loops = [], {}, []
     for line in out.splitlines():
+        lab = re.match(r"^(\.L_x_\d+):", line)
+        if lab:
+            labels[lab.group(1)] = len(seq)
+            continue
         m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             ops[m.group(1)] += 1
-    return dict(ops)
+            seq.append(m.group(1))
+            br = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+            if br and br.group(1) in labels and labels[br.group(1)] < len(seq) - 1:
+                loops.append((labels[br.group(1)], len(seq)))
+    # the K loop: the loop with the most dequantisation (LOP3) and MMA instructions
+    best = max(loops, key=lambda ab: sum(1 for o in seq[ab[0]:ab[1]] if o in ("LOP3", "HMMA")), default=(0, 0))
+    loop = Counter(seq[best[0]:best[1]])
+    return dict(ops), best[1] - best[0], dict(loop)
 
 
 def compile_job(j: dict) -> dict:
@@ -104,8 +125,9 @@ def compile_job(j: dict) -> dict:
     assert not tk.INTERPRET, "compile jobs need TRITON_INTERPRET unset"
     fn = tk._gemv_kernel if j["kernel"] == "gemv" else tk._mma_kernel
     xdt = "bf16"
-    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i32", "*fp32", "*fp32"],
-            "csr": ["*i32", "*i32", "*i32", "*fp32"]}[j["outl"]]
+    # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
+    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],
+            "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
     ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*fp16", *optr, "*fp32", "*i32"]
     ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "M_WS"]
     names = fn.arg_names
@@ -130,13 +152,14 @@ def compile_job(j: dict) -> dict:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         c = triton.compile(src, target=GPUTarget("cuda", j["cc"], 32),
-                           options=dict(num_warps=j["num_warps"], num_stages=1))
+                           options=dict(num_warps=j["num_warps"], num_stages=1,
+                                        **({"maxnreg": j["maxnreg"]} if j.get("maxnreg") else {})))
     log = buf.getvalue()
     regs = re.search(r"Used (\d+) registers", log)
     st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
-    ops = sass_counts(c.asm["cubin"])
-    return dict(regs=int(regs.group(1)) if regs else None,
+    ops, loop_len, loop_ops = sass_counts(c.asm["cubin"])
+    return dict(loop_len=loop_len, loop_ops=loop_ops, regs=int(regs.group(1)) if regs else None,
                 spill_stores=int(st.group(1)) if st else None, spill_loads=int(st.group(2)) if st else None,
                 stack=int(stack.group(1)) if stack else None, smem=int(c.metadata.shared),
                 smem_limit=TARGETS[j["cc"]], sass=ops, sass_total=sum(ops.values()))
@@ -146,13 +169,14 @@ def _worker(jobs_path: str, out_path: str) -> None:
     # a private Triton cache: a cache hit would skip ptxas, and its log is what we read
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="latq_triton_")
     jobs = json.loads(Path(jobs_path).read_text())
-    res = {}
-    for j in jobs:
-        try:
-            res[job_key(j)] = compile_job(j)
-        except Exception as e:  # noqa: BLE001 — reported, never hidden
-            res[job_key(j)] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
-    Path(out_path).write_text(json.dumps(res))
+    with open(out_path, "a") as out:          # one JSON line per job: progress survives a kill
+        for j in jobs:
+            try:
+                r = compile_job(j)
+            except Exception as e:  # noqa: BLE001 — reported, never hidden
+                r = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+            out.write(json.dumps([job_key(j), r]) + "\n")
+            out.flush()
 
 
 # ----------------------------------------------------------------------------- driver
@@ -178,15 +202,29 @@ def run(jobs: list[dict], workers: int | None = None, cache: bool = True, log=No
                 procs.append((subprocess.Popen([sys.executable, "-m", "vllm_latq.kernels.triton_compile",
                                                 "--worker", str(jp), str(op)], env=env, cwd=root,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), op))
-            for p, op in procs:
-                _, err = p.communicate()
-                if p.returncode != 0:
-                    raise RuntimeError(f"compile worker failed: {err.decode()[-3000:]}")
-                done.update(json.loads(op.read_text()))
-        if cache:
-            cur = json.loads(cpath.read_text()) if cpath.exists() else {}
-            cur.update(done)
-            cpath.write_text(json.dumps(cur))
+            failed = []
+            try:
+                for p, op in procs:
+                    _, err = p.communicate()
+                    if p.returncode != 0:
+                        failed.append(err.decode()[-3000:])
+            finally:
+                for p, op in procs:
+                    if p.poll() is None:
+                        p.kill()
+                new = {}
+                for p, op in procs:
+                    if op.exists():
+                        for line in op.read_text().splitlines():
+                            k, r = json.loads(line)
+                            new[k] = r
+                done.update(new)
+                if cache and new:
+                    cur = json.loads(cpath.read_text()) if cpath.exists() else {}
+                    cur.update(new)
+                    cpath.write_text(json.dumps(cur))
+            if failed:
+                raise RuntimeError("compile worker failed: " + failed[0])
     return {job_key(j): done[job_key(j)] for j in jobs}
 
 
@@ -211,6 +249,14 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
                                           "sass_total")})
             for g, names in SASS_GROUPS.items():
                 row[g] = sum(v for k, v in r["sass"].items() if k.split(".")[0] in names)
+            # K-loop SASS instructions per weight per thread: one trip of the innermost K
+            # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns)
+            # of BN rows over 32·warps threads
+            from .triton_layout import step_of
+            cols = step_of(j["bits"]) if j["kernel"] == "mma" else 16 * (8 if j["bits"] == 3 else 16 // j["bits"])
+            wpt = cols * j["BN"] / (32 * j["num_warps"])
+            row["loop"] = r["loop_len"]
+            row["ipw"] = r["loop_len"] / wpt
         rows.append(row)
     return rows
 
@@ -218,7 +264,8 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
 def report(rows: list[dict]) -> str:
     """Human-readable table: one line per job."""
     hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'spl':>3} {'outl':4} {'sm':>3} "
-           f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4}")
+           f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4} "
+           f"{'loop':>5} {'i/w':>5}")
     lines = [hdr]
     for r in rows:
         head = (f"{r['kernel']:6} {r['bits']:>1} {r['BM']:>3} {r['BN']:>4} {r['num_warps']:>2} "
@@ -228,7 +275,7 @@ def report(rows: list[dict]) -> str:
             continue
         sp = (r["spill_stores"] or 0) + (r["spill_loads"] or 0)
         lines.append(head + f"{r['regs']:>4} {sp:>5} {r['smem']:>6} {r['sass_total']:>5} {r['mem']:>4} "
-                     f"{r['fp32']:>4} {r['int']:>4} {r['cvt']:>4} {r['mma']:>4}")
+                     f"{r['fp32']:>4} {r['int']:>4} {r['cvt']:>4} {r['mma']:>4} {r['loop']:>5} {r['ipw']:>5.2f}")
     return "\n".join(lines)
 
 

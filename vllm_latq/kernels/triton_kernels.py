@@ -8,10 +8,11 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     [16 words × BN rows] int32 tile per plane (16-byte vector loads of contiguous 1 KiB
     blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
     ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
-    ``(word & (2^b−1) << P) | 0x4B000000`` *is* the fp32 number 2^23 + u·2^P (P ≤ 14, the high
-    half of a word is shifted down once per step), so one FADD gives ``(u − 2^(b−1))·2^P``
-    exactly; the 2^−P is folded into the (tiny) activation slab. Per weight: 1 LOP3, 1 FADD,
-    and one FFMA per activation row (3-bit: + 1 SHF + 1 LOP3 to merge the 1-bit plane).
+    ``(word & (2^b−1) << P) | bits(2^(23−P))`` *is* the fp32 number 2^(23−P) + u (the
+    mantissa unit of 2^(23−P) is 2^−P; P ≤ 14, the high half of a word is shifted down once
+    per step), so one FADD gives z = u − 2^(b−1) exactly, and the mask + OR is one LOP3
+    (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA per activation row
+    (3-bit: + 1 SHF + 1 LOP3 to merge the 1-bit plane).
     Products accumulate per (row, slab lane) in fp32 over all slabs sharing a scale group and
     are scaled once per group (``acc += part · s``); the fp16 scales are loaded as fp16 and
     widened. The slab-lane axis is reduced once at the end, so the K loop has no cross-thread
@@ -80,29 +81,19 @@ def _and_or(a, MASK: tl.constexpr, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fbits(wa, wb, wh, J: tl.constexpr, BITS: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr):
-    """Slot J (= slab J) of the step's word tiles → int32 bits of the fp32 number
-    2^23 + u·2^P (u at bits [P, P+b), OR-ed into the bits of 2^23). ``wa``: the b-bit plane
-    (3 bits: the 2-bit plane, first 256 columns of the step), ``wb``: 3 bits: the 2-bit
-    plane, second 256 columns; ``wh``: 3 bits: the 1-bit plane. The caller passes the
-    high half-words (``w >> 16``) for slots that live there, so P + b ≤ 16."""
-    magic = tl.full(wa.shape, 0x4B000000, tl.int32)
+def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Slot at bit P of a 16-bit half of the plane-A word tile ``lo`` (3 bits: plus its bit
+    P/2 of the 1-bit tile ``hi``, pre-shifted by the caller) → int32 bits of the fp32 number
+    2^(23−P) + u: u sits at bits [P, P+b) of the word and is OR-ed, in place, into the bits
+    of 2^(23−P), whose mantissa unit is 2^−P — so no shift is needed for 2/4 bits."""
+    magic = tl.full(lo.shape, (150 - P) << 23, tl.int32)    # fp32 bits of 2^(23−P)
     if BITS == 4:
-        r = _and_or(wa, 15 << P, magic, ASM)
+        r = _and_or(lo, 15 << P, magic, ASM)
     elif BITS == 2:
-        r = _and_or(wa, 3 << P, magic, ASM)
+        r = _and_or(lo, 3 << P, magic, ASM)
     else:
-        I: tl.constexpr = J % 16
-        D: tl.constexpr = P + 2 - I          # move hi bit I (of the 16-bit half) to bit P + 2
-        if D >= 0:
-            hb = wh << D
-        else:
-            hb = wh >> (-D)
-        if J < 16:
-            lo = wa
-        else:
-            lo = wb
-        r = _and_or(lo, 3 << P, _and_or(hb, 4 << P, magic, ASM), ASM)
+        # hi bit P/2 → bit P + 2 (shift left by P/2 + 2), then both into the magic
+        r = _and_or(lo, 3 << P, _and_or(hi << (P // 2 + 2), 4 << P, magic, ASM), ASM)
     return r
 
 
@@ -147,6 +138,9 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
     # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.
     SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
     STEP: tl.constexpr = 16 * SLABS
+    SPH: tl.constexpr = 8 if BITS == 3 else 16 // BITS         # slabs per 16-bit half word
+    NH: tl.constexpr = SLABS // SPH                            # halves per step
+    FL: tl.constexpr = SPG if SPG < SPH else SPH               # slabs per scale application
     OFF: tl.constexpr = 1 << (BITS - 1)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -188,53 +182,43 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         if BITS == 3:
             wb_n = tl.load(ta + (s + 1) * CA + 256, mask=pm, other=0)
             wh_n = tl.load(th + (s + 1) * 256, mask=pm, other=0)
-        wa2 = wa >> 16
-        wb2 = wb >> 16
-        wh2 = wh >> 16
         k0 = s * STEP
-        if BM == 1:
-            part = tl.zeros([BM, 16, BN], dtype=tl.float32)
-        for j in tl.static_range(SLABS):
-            # position of slot j inside its 16-bit half word, and which half
-            if BITS == 4:
-                P = 4 * (j % 4)
-                HI = j >= 4
-            elif BITS == 2:
-                P = 2 * (j % 8)
-                HI = j >= 8
+        # Runtime loop over the 16-bit halves of the plane-A words (3 bits: 2 word tiles × 2
+        # halves), static over the SPH slots of a half: a quarter / half of the unrolled code
+        # of a whole step, so ptxas cannot hoist a whole step's activation loads (measured:
+        # fully unrolled 3-bit steps spill on sm_90 at any register cap).
+        for h in range(NH):
+            if BITS == 3:
+                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+                hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # 1-bit slot 16c + 8·hh + i at bit i
             else:
-                P = 2 * ((j % 16) % 8)
-                HI = (j % 16) >= 8
-            if HI:
-                src_a = wa2
-                src_b = wb2
-            else:
-                src_a = wa
-                src_b = wb
-            if j >= 16:
-                src_h = wh2
-            else:
-                src_h = wh
-            f = _fbits(src_a, src_b, src_h, j, BITS, P, ASM)
-            z = f.to(tl.float32, bitcast=True) - (8388608.0 + OFF * (1 << P))    # (u − o)·2^P, exact
-            kk = k0 + 16 * j + w3
-            xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
+                lo = wa >> (16 * h)
+                hi = lo
             if BM == 1:
-                # one activation row: accumulate z·x per group, scale once per group (no FMUL
-                # per weight: LOP3 + FADD + FFMA)
-                part += z * (xs * (1.0 / (1 << P)))
-                if (j + 1) % SPG == 0:
-                    gi = (k0 + 16 * (j + 1 - SPG)) // GROUP
-                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
-                    acc += part * sc
-                    part = tl.zeros([BM, 16, BN], dtype=tl.float32)
-            else:
-                # several rows: scale z once (FMUL amortised over the BM FFMAs) and keep a
-                # single accumulator (half the registers of part + acc)
-                if j % SPG == 0:
-                    gi = (k0 + 16 * j) // GROUP
-                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
-                acc += (z * (sc * (1.0 / (1 << P)))) * xs
+                part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+            for i in tl.static_range(SPH):
+                P = (2 if BITS == 3 else BITS) * i
+                f = _fbits(lo, hi, P, BITS, ASM)
+                z = f.to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)      # z = u − o, exact
+                j = h * SPH + i
+                kk = k0 + 16 * j + w3
+                xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
+                if BM == 1:
+                    # one activation row: accumulate z·x per group, scale once per group
+                    # (per weight: LOP3 + FADD + FFMA, no FMUL)
+                    part += z * xs
+                    if (i + 1) % FL == 0:
+                        gi = (k0 + 16 * (j + 1 - FL)) // GROUP
+                        sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
+                        acc += part * sc
+                        part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+                else:
+                    # several rows: scale z once (FMUL amortised over the BM FFMAs) and keep a
+                    # single accumulator (half the registers of part + acc)
+                    if i % FL == 0:
+                        gi = (k0 + 16 * j) // GROUP
+                        sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
+                    acc += (z * sc) * xs
 
     # ---- outliers of these rows (same accumulator; entries spread over the K splits)
     if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
@@ -432,8 +416,11 @@ def spg_of(bits: int, group: int) -> int:
 GEMV_TILES = {1: [(32, 2), (64, 4), (128, 8)],
               2: [(32, 2), (64, 4), (128, 8)],
               4: [(32, 4), (64, 8)],
-              8: [(16, 4), (32, 4)]}
+              8: [(16, 4)]}
 GEMV_SPLITS = (1, 2, 4, 8)
+# No register cap (.maxnreg): measured on sm_80/90, a cap of 128 makes ptxas spill at 3 bits
+# (it then fills the cap and hoists activation loads), and BM = 8 with (32, 8) spills with or
+# without one; ptxas' own choice is spill-free for the tiles above (bench/kernels.py).
 # Tensor-core kernel (BN, warps, BR = outlier slots per iteration), BM = 16: M = 8..16 in one
 # tile, larger M in 16-row tiles (the fallback: each M tile re-dequantises its weight tiles;
 # BM = 32 and 64 were measured to spill on sm_90 at 3 bits — the accumulator, the group
@@ -446,8 +433,8 @@ MMA_INTERP = dict(BN=64, SPLIT=1, BR=8, num_warps=4)
 
 
 def gemv_configs(bm: int | None = None) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, num_warps=nw) for b, tiles in GEMV_TILES.items() if bm in (None, b)
-            for bn, nw in tiles for sp in GEMV_SPLITS]
+    return [dict(BN=bn, SPLIT=sp, num_warps=nw) for b, tiles in GEMV_TILES.items()
+            if bm in (None, b) for bn, nw in tiles for sp in GEMV_SPLITS]
 
 
 def mma_configs(bm: int | None = None) -> list[dict]:
@@ -468,15 +455,17 @@ def _prune(configs_for):
         bm = named_args.get("BM", kw.get("BM"))
         nsteps = named_args.get("NSTEPS", kw.get("NSTEPS"))
         allowed = configs_for(bm)
-        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps) in allowed
+        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps,
+                                           **({"maxnreg": c.maxnreg} if c.maxnreg else {})) in allowed
                 and c.kwargs["SPLIT"] <= max(1, nsteps)]
         return keep or configs[:1]
     return prune
 
 
 def _tuned(kernel, cfgs, configs_for):
-    return triton.autotune([triton.Config({k: v for k, v in c.items() if k != "num_warps"},
-                                          num_warps=c["num_warps"], num_stages=1) for c in _uniq(cfgs)],
+    return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "maxnreg")},
+                                          num_warps=c["num_warps"], num_stages=1, maxnreg=c.get("maxnreg"))
+                            for c in _uniq(cfgs)],
                            key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"],
                            prune_configs_by={"early_config_prune": _prune(configs_for)})(kernel)
 
@@ -575,12 +564,13 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     if config is None:
         _TUNED[kernel, m_tiles == 1][grid](*args, **meta)
     else:
-        cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages")}
+        cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg")}
         if cfg["SPLIT"] > MAX_SPLIT or (cfg["SPLIT"] > 1 and m_tiles > 1):
             raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 when M spans several tiles")
         fn = _gemv_kernel if kernel == "gemv" else _mma_kernel
+        opts = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") and not INTERPRET else {}
         fn[grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
-                      num_stages=config.get("num_stages", 1))
+                      num_stages=config.get("num_stages", 1), **opts)
     return y
 
 

@@ -50,14 +50,18 @@ CSR (plain, as in the checkpoint, plus a COO row index per entry): a program's r
 contiguous entry range ``crow[n0] .. crow[n0+BN]``; each entry must be routed to its row inside
 the program by a one-hot compare over the BN rows (BN lanes of work per entry).
 
+Entries are compact: int16 columns when K ≤ 32768, fp16 values when all are fp16-exact
+(SSQR checkpoints store fp16; an HPTQ transcode may need fp32) — 4 bytes per entry.
+
 The model (:func:`outlier_model`) compares, per layer, the time of the outlier phase of one
 GEMV on an A100-class part ``max(bytes / 1.5 TB/s, lane-ops / 9.7 T/s)``:
-  ELL: 8 bytes and ``1 + M`` lane-ops per padded slot (``Σ_g 16·R_g`` slots);
-  CSR: 12 bytes per entry and ``BN·(2 + M)`` lane-ops per entry (one-hot routing).
-ELL wins whenever the padding ratio ``16·ΣR_g / nnz`` stays below ~1.5 in bytes and far
-beyond that in ALU time (random outliers at 1–5 % pad by 1.1–1.4×), so ELL is the default;
-CSR is kept for layers whose outliers crowd into a few rows (padding ratio ≫ 2), where ELL
-would stream mostly zeros.
+  ELL: e bytes (e = 4 compact) and ``1 + M`` lane-ops per padded slot (``Σ_g 16·R_g`` slots);
+  CSR: e + 4 bytes (the row index) per entry and ``BN·(2 + M)`` lane-ops per entry (one-hot
+  routing of each entry to its row among the program's BN rows).
+ELL wins whenever the padding ratio ``16·ΣR_g / nnz`` stays below ~2 in bytes and far
+beyond that in ALU time (random outliers at 0.5–5 % pad by 1.07–1.25× for 16 rows of 4096
+columns), so ELL is the default; CSR is kept for layers whose outliers crowd into a few
+rows (padding ratio ≫ 2), where ELL would stream mostly zeros.
 """
 from __future__ import annotations
 
@@ -96,7 +100,7 @@ class TritonLayout:
     outlier_mode: str              # "none" | "ell" | "csr"
     outlier_reason: str
     nnz: int
-    # ELL: off int32 [G+1], col int32 [S], val fp32 [S];  CSR: crow int32 [N_pad+1], row, col, val
+    # ELL: off int32 [G+1], col int16/32 [S], val fp16/32 [S];  CSR: crow int32 [N_pad+1], row, col, val
     outliers: dict[str, torch.Tensor] = field(default_factory=dict)
     max_row_outliers: int = 0
 
@@ -155,48 +159,60 @@ def _csr_rows(crow: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(n, device=crow.device), (crow[1:] - crow[:-1]).long())
 
 
-def build_ell(crow, col, val, n_pad):
+def compact_dtypes(k: int, val: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """Outlier column / value dtypes: int16 columns when K ≤ 32768, fp16 values when every
+    value is fp16-exact (SSQR checkpoints store fp16; HPTQ transcodes may need fp32)."""
+    cdt = torch.int16 if k <= 32768 else torch.int32
+    v = val.float()
+    vdt = torch.float16 if torch.equal(v.half().float(), v) else torch.float32
+    return cdt, vdt
+
+
+def build_ell(crow, col, val, n_pad, k):
     """CSR → ELL-16 (off [G+1], col, val; padding slots: col 0, val 0)."""
     dev = crow.device
     n = crow.numel() - 1
     G = n_pad // ROWS
+    cdt, vdt = compact_dtypes(k, val)
     counts = torch.zeros(n_pad, dtype=torch.int64, device=dev)
     counts[:n] = (crow[1:] - crow[:-1]).long()
     R = counts.reshape(G, ROWS).max(1).values
     off = torch.zeros(G + 1, dtype=torch.int64, device=dev)
     off[1:] = torch.cumsum(R * ROWS, 0)
     S = int(off[-1])
-    ecol = torch.zeros(S, dtype=torch.int32, device=dev)
-    evalv = torch.zeros(S, dtype=torch.float32, device=dev)
+    ecol = torch.zeros(S, dtype=cdt, device=dev)
+    evalv = torch.zeros(S, dtype=vdt, device=dev)
     if col.numel():
         rows = _csr_rows(crow)
         rank = torch.arange(col.numel(), device=dev) - crow.long()[rows]
         idx = off[rows // ROWS] + ROWS * rank + rows % ROWS
-        ecol[idx] = col.to(torch.int32)
-        evalv[idx] = val.float()
+        ecol[idx] = col.to(cdt)
+        evalv[idx] = val.to(vdt)
     return {"off": off.to(torch.int32), "col": ecol, "val": evalv}, int(R.max()) if G else 0
 
 
-def build_csr(crow, col, val, n_pad):
+def build_csr(crow, col, val, n_pad, k):
     dev = crow.device
     n = crow.numel() - 1
+    cdt, vdt = compact_dtypes(k, val)
     crow_p = torch.empty(n_pad + 1, dtype=torch.int32, device=dev)
     crow_p[: n + 1] = crow.to(torch.int32)
     crow_p[n + 1:] = crow[-1].to(torch.int32)
-    return {"crow": crow_p, "row": _csr_rows(crow).to(torch.int32), "col": col.to(torch.int32).contiguous(),
-            "val": val.float().contiguous()}
+    return {"crow": crow_p, "row": _csr_rows(crow).to(torch.int32), "col": col.to(cdt).contiguous(),
+            "val": val.to(vdt).contiguous()}
 
 
-def outlier_model(crow: torch.Tensor, n_pad: int, m: int = 1, bn: int = 64) -> dict:
+def outlier_model(crow: torch.Tensor, n_pad: int, m: int = 1, bn: int = 64, entry_bytes: int = 4) -> dict:
     """Model time (seconds, A100-class) of the outlier phase for ELL-16 and CSR; see the
-    module docstring. Returns the numbers and the choice with its reason."""
+    module docstring. ``entry_bytes``: column + value bytes (4: int16 + fp16, 8: int32 +
+    fp32). Returns the numbers and the choice with its reason."""
     n = crow.numel() - 1
     nnz = int(crow[-1])
     counts = torch.zeros(n_pad, dtype=torch.int64, device=crow.device)
     counts[:n] = (crow[1:] - crow[:-1]).long()
     slots = int(counts.reshape(-1, ROWS).max(1).values.sum()) * ROWS
-    ell_b, ell_ops = 8 * slots + 4 * (n_pad // ROWS + 1), slots * (1 + m)
-    csr_b, csr_ops = 12 * nnz + 4 * (n_pad + 1), nnz * bn * (2 + m)
+    ell_b, ell_ops = entry_bytes * slots + 4 * (n_pad // ROWS + 1), slots * (1 + m)
+    csr_b, csr_ops = (4 + entry_bytes) * nnz + 4 * (n_pad + 1), nnz * bn * (2 + m)
     t_ell = max(ell_b / BW_BYTES, ell_ops / LANE_OPS)
     t_csr = max(csr_b / BW_BYTES, csr_ops / LANE_OPS)
     mode = "ell" if t_ell <= t_csr else "csr"
@@ -241,13 +257,15 @@ def build(w, outlier_mode: str | None = None) -> TritonLayout:
     if nnz == 0:
         mode, reason, outl, rmax = "none", "no outliers", {}, 0
     else:
-        model = outlier_model(crow, n_pad)
+        cdt, vdt = compact_dtypes(K, w.val)
+        eb = torch.empty(0, dtype=cdt).element_size() + torch.empty(0, dtype=vdt).element_size()
+        model = outlier_model(crow, n_pad, entry_bytes=eb)
         mode = outlier_mode or model["mode"]
         reason = model["reason"] + ("" if outlier_mode is None else f" [forced {outlier_mode}]")
         if mode == "ell":
-            outl, rmax = build_ell(crow, w.col.to(dev), w.val.to(dev), n_pad)
+            outl, rmax = build_ell(crow, w.col.to(dev), w.val.to(dev), n_pad, K)
         elif mode == "csr":
-            outl = build_csr(crow, w.col.to(dev), w.val.to(dev), n_pad)
+            outl = build_csr(crow, w.col.to(dev), w.val.to(dev), n_pad, K)
             rmax = int((crow[1:] - crow[:-1]).max())
         else:
             raise ValueError(f"outlier_mode must be 'ell' or 'csr', got {outlier_mode!r}")
