@@ -174,16 +174,27 @@ MODEL_SHAPES = [(640, 2048, 128), (1536, 576, 128), (576, 1536, 128)]   # down/g
 SMALL_SHAPES = [(256, 640, 128), (80, 96, 32), (48, 576, 64)]           # k/v-style; tail-only blocks
 
 
+# every M with bf16, every dtype at M=1 and 8 (the float32/float16 → bf16 cast); M=64 once
+# through the int4 op and once through the large-M dequant path (LARGE_M lowered to 64)
+CASES = [(1, torch.bfloat16, None), (8, torch.bfloat16, None), (64, torch.bfloat16, 64),
+         (1, torch.float32, None), (8, torch.float32, None), (64, torch.float32, 1 << 30),
+         (1, torch.float16, None), (8, torch.float16, None)]
+
+
 def _exact(shape, bits, rate):
     N, K, gs = shape
     w, state = prepared((N, K, bits, rate, gs))
     assert state.planes == 1
     assert (state.crow is None) == (rate == 0.0)
     g = torch.Generator().manual_seed(3)
-    for M in (1, 8, 64):
-        for dt in (torch.bfloat16, torch.float32, torch.float16):
+    saved = cpu.LARGE_M
+    try:
+        for M, dt, large_m in CASES:
+            cpu.LARGE_M = saved if large_m is None else large_m
             x = (torch.randn(M, K, generator=g) * 2).to(dt)
             check(w, state, x)
+    finally:
+        cpu.LARGE_M = saved
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
