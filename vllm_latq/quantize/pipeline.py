@@ -113,10 +113,18 @@ def _source_label(calib: str) -> str:
 
 
 def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw):
-    """Run one solver (a name from ``format.METHODS``) → QuantResult."""
+    """Run one solver (a name from ``format.METHODS``) → QuantResult with CPU tensors."""
     from . import babai, gptq, hptq, hrtn, rtn, ssqr
     fn = {"ssqr": ssqr, "hptq": hptq, "gptq": gptq, "rtn": rtn, "hrtn": hrtn, "babai": babai}[method]
-    return fn(W, H, name=name, **kw)
+    res = fn(W, H, name=name, **kw)
+    for f in ("z", "q", "scales", "order", "bound"):
+        v = getattr(res, f)
+        if isinstance(v, torch.Tensor):
+            setattr(res, f, v.cpu())
+    if res.outliers is not None:
+        o = res.outliers
+        o.crow, o.col, o.val = o.crow.cpu(), o.col.cpu(), o.val.cpu()
+    return res
 
 
 # ============================================================================ the source model
@@ -481,7 +489,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 t = fmt.encode_layer(res, opts.kind)
                 for sfx, v in t.items():
                     shard[f"{name}.{sfx}"] = v
-                s = _layer_stats(name, W, H, res, t, opts.kind)
+                s = _layer_stats(name, W.cpu(), H.cpu(), res, t, opts.kind)
                 s["hessian_tokens"] = hs.of[name].n
                 stats.append(s)
                 log.info(_log_line(s))
@@ -491,7 +499,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 del H
             hs = None
             t2 = time.time()
-            for j in range(len(inps)):
+            for j in tqdm(range(len(inps)), desc=f"block {i}: outputs", unit="seq", disable=not progress,
+                          leave=False):
                 outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
             log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, nblocks, t1 - t0,
                      t2 - t1, time.time() - t2)
