@@ -155,6 +155,10 @@ CORRUPTIONS = {
                           [SHARD0, "model.layers.0.extra.weight", "unexpected tensor"]),
     "budget": (lambda d: _edit_config(d, lambda c: c["quantization_config"].update(outlier_rate=0.001)),
                [".outlier_col", "exceeds the budget 0.001"]),
+    "config value": (lambda d: _edit_config(d, lambda c: c.update(hidden_size="abc")),
+                     ["config.json", "transformers rejects the config"]),
+    "config dims": (lambda d: _edit_config(d, lambda c: c.update(hidden_size=-4)),
+                    ["config.json", "cannot build the model"]),
     "stats": (lambda d: _edit_json(d / ckpt.STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
               [ckpt.STATS_FILE, "disagree with the stored tensors"]),
 }

@@ -431,6 +431,14 @@ class Checkpoint:
     def hf_config(self):
         return hf_config(self.config)
 
+    def empty_model(self, dtype: torch.dtype = torch.float32):
+        """The model of ``config.json`` on the meta device (FormatError if it cannot be built)."""
+        config = self.hf_config()
+        try:
+            return empty_model(config, dtype)
+        except Exception as e:  # transformers/torch raise many kinds on a bad config
+            raise FormatError(f"cannot build the model: {type(e).__name__}: {e}", file=CONFIG_FILE) from None
+
     def stats(self) -> dict:
         f = self.path / STATS_FILE
         try:
@@ -447,7 +455,7 @@ class Checkpoint:
         """Yield ``(name, tensor)`` of the plain model: quantized layers as ``{module}.weight``
         dequantized by :func:`format.dequantize_layer`, the rest cast to ``dtype``."""
         spec = self.spec
-        model = empty_model(self.hf_config(), dtype)
+        model = self.empty_model(dtype)
         for module, names in self.layers().items():
             shape = _linear_shape(model, module, self.where[next(iter(names.values()))])
             t = {sfx: self.tensor(n) for sfx, n in names.items()}
@@ -471,7 +479,7 @@ def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.f
     """A plain transformers model whose quantized linears hold ``format.dequantize_layer``'s
     weights (independent of any kernel): what ``latq-eval`` measures."""
     ck = Checkpoint(path)
-    model = empty_model(ck.hf_config(), dtype)
+    model = ck.empty_model(dtype)
     expected = set(model.state_dict())
     for name, t in ck.dequantized_tensors(dtype):
         if name not in expected:
@@ -497,7 +505,7 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     ``config.json``, and the stats file."""
     ck = Checkpoint(path)
     spec = ck.spec
-    model = empty_model(ck.hf_config(), torch.float32)
+    model = ck.empty_model(torch.float32)
     try:
         decoder_layers(model)
     except UnsupportedModelError as e:
