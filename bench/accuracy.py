@@ -538,9 +538,18 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-checkpoints", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[study] %(message)s", stream=sys.stderr)
-    for noisy in ("vllm_latq.quantize", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    log.setLevel(logging.INFO)
+    quiet = {n: logging.getLogger(n).level for n in ("vllm_latq.quantize", "transformers")}
+    for n in quiet:  # the pipeline's per-layer lines would drown the progress bars
+        logging.getLogger(n).setLevel(logging.WARNING)
+    try:
+        return _run(a, argv)
+    finally:
+        for n, lvl in quiet.items():
+            logging.getLogger(n).setLevel(lvl)
 
+
+def _run(a, argv) -> int:
     if a.tiny:
         st = Settings(nsamples=4, seqlen=128, eval_seqlen=128, nwindows=2, ordering_blocks=(1,),
                       ordering_nsamples=4, ordering_seeds=2, peer_bits=(3,), max_blocks=2, tiny=True)
