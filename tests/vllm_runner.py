@@ -51,8 +51,10 @@ def main() -> None:
                     os.environ[k] = v
             gc.collect()
             if len(jobs) > 1:
+                import torch
                 from vllm.distributed import cleanup_dist_env_and_memory
                 cleanup_dist_env_and_memory()
+                torch._dynamo.reset()
         print(f"[vllm_runner] job {len(results)}/{len(jobs)} done", file=sys.stderr, flush=True)
     with open(sys.argv[2], "w") as f:
         json.dump(results, f)

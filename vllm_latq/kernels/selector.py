@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .reference import LatqWeight, latq_linear_ref
+from .reference import LatqWeight, dequantize, latq_linear_ref
 
 ENV_FORCE = "LATQ_KERNEL"
 
@@ -107,6 +107,38 @@ class ReferenceKernel(LatqKernel):
         return latq_linear_ref(x, state, bias)
 
 
+@dataclasses.dataclass
+class DequantState:
+    weight: torch.Tensor       # fp32 [out, in], dequantize(w)
+
+
+class DequantKernel(LatqKernel):
+    """Opt-in only (``LATQ_KERNEL=dequant``): the reference's numbers at dense speed.
+    Dequantizes once at load and keeps fp32 weights (4 bytes/weight, twice bf16), so it is
+    never selected automatically; it exists to check loading end to end on real models
+    (the reference re-dequantizes every call: seconds per decode step). Computes exactly
+    :func:`latq_linear_ref`: the same fp32 matmul on the same dequantized matrix."""
+    name = "dequant"
+    state_cls = DequantState
+
+    @classmethod
+    def can_implement(cls, w, device, act_dtype):
+        if os.environ.get(ENV_FORCE) != cls.name:
+            return False, f"opt-in only ({ENV_FORCE}={cls.name}): keeps fp32 weights"
+        return True, None
+
+    @classmethod
+    def prepare(cls, w):
+        return DequantState(dequantize(w).contiguous())
+
+    @classmethod
+    def apply(cls, state, x, bias=None):
+        y = x.float() @ state.weight.T
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
 def kernels() -> list[type[LatqKernel]]:
     """All kernels, fastest first. Optional ones register here when importable."""
     found: list[type[LatqKernel]] = []
@@ -120,7 +152,7 @@ def kernels() -> list[type[LatqKernel]]:
         found.append(CPUKernel)
     except ImportError:
         pass
-    return found + [ReferenceKernel]
+    return found + [ReferenceKernel, DequantKernel]
 
 
 def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> type[LatqKernel]:
