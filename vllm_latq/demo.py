@@ -77,7 +77,12 @@ def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fr
     from .quantize.evaluate import evaluate
 
     p = Path(target)
-    key_src = (p / "model.safetensors.index.json").read_bytes() if p.is_dir() else target.encode()
+    key_src = target.encode()
+    if p.is_dir():  # the shard headers carry every tensor's sha256: a content key
+        for f in sorted(p.glob("*.safetensors")):
+            with f.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                key_src += fh.read(min(n, 1 << 24))
     key = hashlib.sha256(key_src + f"|{nwindows}|{seqlen}".encode()).hexdigest()[:16]
     cache = root / f"eval-{_slug(label)}-{key}.json"
     if cache.is_file() and not fresh:
