@@ -12,7 +12,7 @@ Two comparisons per case:
   This bound is loose for catching indexing bugs (a single wrong weight moves y by ~S/K), so:
 * **emulated** — vs the same math done exactly (fp64) on what the kernel is specified to use:
   bf16(x), weights z·bf16(s) (op path: the op dequantizes in fp32, exact), fp32 outliers on
-  the unrounded activations. What remains is the op's bf16 output rounding (≤ u·|y_inliers|),
+  the unrounded activations; on the large-M path one bf16 weight bf16(z·s) / bf16(o). What remains is the op's bf16 output rounding (≤ u·|y_inliers|),
   the final rounding (≤ u_out·(|y| + u·|y_inliers|)) and fp32 accumulation (≤ K·2⁻²⁴·S):
   tight enough that one wrong weight fails (checked by ``test_emulation_catches_one_wrong_weight``).
 """
@@ -73,7 +73,8 @@ class Expected:
             z[off] = 0
         Wi = z * s                                        # op path: exact in the op's fp32
         self.Wi_t = Wi.T.contiguous()
-        self.Wi_large_t = Wi.to(torch.bfloat16).double().T.contiguous()   # large M: bf16(z·s)
+        # large M: one bf16 weight, bf16(z·s) with the outliers bf16(o) in (their z is 0)
+        self.Wi_large_t = (Wi + O).to(torch.bfloat16).double().T.contiguous()
         self.O_t = O.T.contiguous()
 
 
@@ -106,7 +107,7 @@ def check(w, state, x, bias=None):
     assert (err <= tol).all(), f"contract: max err/tol {(err / tol).max():.3g}"
     # emulated: only the output roundings and fp32 accumulation remain
     yin = xd.to(torch.bfloat16).double() @ (e.Wi_large_t if large else e.Wi_t)
-    ye = yin + xd @ e.O_t + b
+    ye = yin + b if large else yin + xd @ e.O_t + b
     tol_e = U_BF16 * yin.abs() + uo * (ye.abs() + U_BF16 * yin.abs()) + 2 * slack
     err_e = (yk - ye).abs()
     assert (err_e <= tol_e).all(), f"emulated: max err/tol {(err_e / tol_e).max():.3g}"
