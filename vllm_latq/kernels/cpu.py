@@ -52,7 +52,7 @@ MAX_BITS = 8
 # entry vs 0.5 B/weight per plane: 6.25%).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
-LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "128"))
+LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "96"))
 CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 20)))  # bf16 weight chunk
 # opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
 # +2 bytes/weight resident: more than the bf16 model itself)
@@ -365,7 +365,7 @@ def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
     dequantized into a reused, cache-sized bf16 buffer, each multiplied by a bf16 GEMM."""
     xb = x2.to(torch.bfloat16)
     if PREFILL_CACHE:
-        return xb @ _cached_weight_t(state)
+        return torch.nn.functional.linear(xb, _cached_weight(state))
     xbT = xb.t().contiguous()                                                  # [K, M]
     yT = torch.empty(state.out_features, x2.shape[0], dtype=torch.bfloat16)
     for r0, r1, buf in _dequant_chunks(state):
@@ -376,17 +376,17 @@ def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
 _CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _cached_weight_t(state: CPUState) -> torch.Tensor:
-    """bf16 ``[K, N]`` dequantized weight, built on first use (opt-in: +2 bytes/weight
+def _cached_weight(state: CPUState) -> torch.Tensor:
+    """bf16 ``[N, K]`` dequantized weight (outliers in), built on first use (opt-in: +2 bytes/weight
     resident). Keyed by the packed tensor's storage address; the entry holds that tensor, so
     the address cannot be reused by another layer while cached (``clear_prefill_cache``)."""
     p = state.packed
     key = (p.data_ptr(), tuple(p.shape))
     hit = _CACHE.get(key)
     if hit is None:
-        wt = torch.empty(state.in_features, state.out_features, dtype=torch.bfloat16)
+        wt = torch.empty(state.out_features, state.in_features, dtype=torch.bfloat16)
         for r0, r1, buf in _dequant_chunks(state):
-            wt[:, r0:r1].copy_(buf)
+            wt[r0:r1].copy_(buf.t())
         hit = _CACHE[key] = (p, wt)
     return hit[1]
 
