@@ -1,5 +1,6 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
-inliers, MKL CSR SpMV/SpMM in fp32 for the outliers.
+inliers, MKL CSR SpMV/SpMM in fp32 for the outliers; for prefill, a chunked dequantize +
+bf16 GEMM.
 
 The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
 ``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
@@ -8,29 +9,41 @@ takes int32 ``[N, K]`` with values u in 0..15 (N % 16 == 0, K even); the GEMM de
 ``[K/g, N, 2]`` (same dtype as the activations), g ∈ {32, 64, 128, 256}, K % g == 0, and
 accumulates in fp32. So a signed b-bit integer z (b ≤ 4) maps to u = z + 8 with zero = 0:
 exact, for any b ≤ 4. The scale is carried over in bf16 (the only dtype with a vectorized
-kernel; see below), a relative change ≤ 2⁻⁹ from the fp16 scale.
+kernel, see below): a relative change ≤ 2⁻⁸ from the fp16 scale.
 
-Decisions, each measured (2 threads, 4096×4096, this repo's ``bench/cpu_layer.py`` and the
-measurements quoted in the report of issue 6):
+Numerics (what the tests check, tightly): y = bf16(x)·(z·bf16(s))ᵀ accumulated in fp32 and
+rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 and rounded
+once to x.dtype; on the large-M path one bf16 weight bf16(z·s) / bf16(outlier) in a bf16
+GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·Σ|x||w| + 2⁻⁸·|y|.
 
-* Activations are cast to bf16 for the op: only the bf16 kernel is vectorized (AVX512/AVX2);
-  fp16 / fp32 activations take the scalar fallback, 22.6 ms / 15.0 ms vs 0.47 ms at M=1.
+Decisions, measured (4096×4096 unless said; 2 threads when the machine was quiet, else
+1 thread interleaved — see ``bench/cpu_layer.py``):
+
+* Activations are cast to bf16 for the op whatever the model dtype: only the bf16 kernel is
+  vectorized (AVX512/AVX2); fp16 / fp32 activations take the scalar fallback, 22.6 ms /
+  15.0 ms vs 0.47 ms at M=1. Cost for fp32/fp16 models: bf16-level error (bound above).
 * Op group size: the largest of 256/128/64/32 that divides both the latq group size and K
   (a latq group is re-expressed as several op groups sharing its scale; a per-row HPTQ scale
   is one group of K). Larger groups are slightly faster (g=32: 505 µs, 128: 469, 256: 461).
 * Outliers: ``torch.mv`` (M=1) / ``torch.sparse.mm`` (M>1) on an fp32 CSR with int32
-  indices (MKL). At 1% outliers on 4096×4096: mv 43–75 µs vs row-padded ELL gather 490 µs,
-  index_add 530 µs, segment_reduce 390 µs; at M=8 sparse.mm 164–190 µs vs ELL 3.4–4.4 ms,
-  index_add 3.4 ms. int64 indices are ~2× slower than int32. The CSR is rebuilt per call from
-  the dense crow/col/val (3–6 µs) because the custom-op state holds only dense tensors.
+  indices (MKL). At 1%, M=1: mv 43–75 µs (2 threads) vs row-padded ELL gather 490 µs,
+  index_add 530 µs, segment_reduce 390 µs; M=8: sparse.mm 164–190 µs vs ELL 3.4–4.4 ms,
+  index_add 3.4 ms. MKL also wins on small layers (1 thread, 192×576…2048×640 at 1–5%, M=1
+  and 8: 13–136 µs vs ≥ 13 µs for gather+index_add and 35 µs–22 ms at M=8). int64 indices
+  are ~1.5–2× slower than int32. The CSR is rebuilt per call from the dense crow/col/val
+  (3–6 µs) because the custom-op state holds only dense tensors.
 * Bits 5..8 (HPTQ transcodes): z = 16·(a − 8) + (c − 8) + 8 with nibbles a, c (v = z + 128 =
   16a + c). Two int4 planes concatenated along K ([c-plane | a-plane], activations duplicated):
   one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
-  If few weights leave the 4-bit grid, they go to the CSR instead (``SPLIT_MAX_EXTRA_RATE``).
+  If ≤ ``SPLIT_MAX_EXTRA_RATE`` of the weights leave the 4-bit grid, they go to the CSR instead.
 * Large M (prefill): the op re-dequantizes the weights once per 4 rows and is compute bound
-  (≈2.4× slower than bf16 ``F.linear`` at M ≥ 128). From ``LARGE_M`` rows on, the weights are
-  dequantized per call, in row chunks that stay in cache, from the op's own packed layout
-  into a reused bf16 buffer, and multiplied with a bf16 GEMM (no second copy of the weights).
+  (0.35–0.45× of bf16 ``F.linear`` at M ≥ 64). From ``LARGE_M`` rows on, the weights are
+  dequantized per call in ~1 MB row chunks (from the op's own packed layout, outliers
+  scattered in) into a reused bf16 buffer, each chunk multiplied by a bf16 GEMM: no second
+  copy of the weights. Dequant+GEMM / op: 0.74–0.92× at M=64, 1.16–1.27× at 128, 1.64× at
+  256, 1.87× at 512 → ``LARGE_M`` = 96. Still 0.45–0.65× of bf16 (the dequant passes cost
+  about one bf16 GEMM at M=256). ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
+  instead (1.0× of bf16 at large M, +2 bytes/weight resident; off by default).
 """
 from __future__ import annotations
 
