@@ -325,3 +325,19 @@ def test_offline_compile_heaviest_configs():
 def test_offline_compile_every_config():
     from vllm_latq.kernels import triton_compile as tc
     _check_static(tc.all_jobs())
+
+
+def test_bench_bytes_model():
+    """bench/kernels.py's memory-bound ceiling: fewer bits and fewer outliers → higher."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).parent.parent / "bench" / "kernels.py")
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    lines, ceil = bk.bytes_model(1)
+    assert ceil[4, 0.0] == pytest.approx(2 / (0.5 + 2 / 128), rel=0.01)      # bf16 / (b/8 + scales)
+    for r in bk.RATES:
+        assert ceil[2, r] > ceil[3, r] > ceil[4, r]
+    for b in bk.BITS:
+        assert all(ceil[b, r1] > ceil[b, r2] for r1, r2 in zip(bk.RATES, bk.RATES[1:]))
+    assert ceil[3, 0.01] > 3.5 and ceil[4, 0.01] > 3.0

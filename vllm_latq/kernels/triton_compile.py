@@ -38,12 +38,30 @@ CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq"))
 HERE = Path(__file__).resolve().parent
 
 
+def _code_fingerprint(src: str, jit_only: bool = False) -> str:
+    """The AST without docstrings (comments are not in the AST) — of the whole source, or of
+    its ``@triton.jit`` functions only (the device code: host-side tables such as the tile
+    lists are carried by the jobs themselves). Editing prose or host code does not
+    invalidate the cache; editing device code does."""
+    import ast
+    tree = ast.parse(src)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    if jit_only:
+        tree.body = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                     and any("jit" in ast.dump(d) for d in n.decorator_list)]
+    return ast.dump(tree, include_attributes=False)
+
+
 def source_hash() -> str:
-    """Kernel source + Triton version (+ the job → signature code): what the binaries depend on."""
+    """Device code + Triton version (+ the job → signature code): what the binaries depend on."""
     import importlib.metadata as md
     import inspect
-    h = hashlib.sha256((HERE / "triton_kernels.py").read_bytes())
-    h.update(inspect.getsource(compile_job).encode())
+    h = hashlib.sha256(_code_fingerprint((HERE / "triton_kernels.py").read_text(), jit_only=True).encode())
+    h.update(_code_fingerprint(inspect.getsource(compile_job)).encode())
     h.update(md.version("triton").encode())
     return h.hexdigest()[:16]
 
@@ -65,7 +83,8 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
                 for t in tl_:
                     if quick and t != max(tl_, key=lambda t: (t[0] / t[1], t[0])):
                         continue
-                    tile = dict(BN=t[0], num_warps=t[1], **({"BR": t[2]} if kernel == "mma" else {}))
+                    cap = (tk.MMA_MAXNREG if kernel == "mma" else tk.GEMV_MAXNREG)[bits]
+                    tile = dict(BN=t[0], num_warps=t[1], maxnreg=cap, **({"BR": t[2]} if kernel == "mma" else {}))
                     variants = [(max(splits(bm)), "csr")] if quick else \
                         [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
                     for sp, outl in variants:

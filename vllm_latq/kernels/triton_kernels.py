@@ -9,18 +9,19 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
     ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
     ``(word & (2^b−1) << P) | bits(2^(23−P))`` *is* the fp32 number 2^(23−P) + u (the
-    mantissa unit of 2^(23−P) is 2^−P; P ≤ 14, the high half of a word is shifted down once
-    per step), so one FADD gives z = u − 2^(b−1) exactly, and the mask + OR is one LOP3
-    (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA per activation row
-    (3-bit: + 1 SHF + 1 LOP3 to merge the 1-bit plane).
-    Products accumulate per (row, slab lane) in fp32 over all slabs sharing a scale group and
-    are scaled once per group (``acc += part · s``); the fp16 scales are loaded as fp16 and
-    widened. The slab-lane axis is reduced once at the end, so the K loop has no cross-thread
-    traffic. Split-K (``SPLIT`` programs per row tile, for long K / small N) writes fp32
-    partials; the last program of a tile (an acq_rel atomic ticket) sums them in fixed order,
-    adds the bias and stores — one launch, deterministic, counters self-reset.
-    Outliers of the program's rows are added by the same program (16 ELL slots or 16 CSR
-    entries per iteration, spread over the K splits), into the same accumulator.
+    mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
+    halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
+    mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
+    per activation row (3 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane). At M = 1 the
+    products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
+    once (``acc += part · s``, fp16 scales widened); at M > 1, z·s is formed once and
+    shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
+    cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
+    row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
+    acq_rel atomic ticket) sums them in fixed order, adds the bias and stores — one launch,
+    deterministic, tickets self-reset. Outliers of the program's rows are added by the same
+    program (16 ELL slots or 16 CSR entries per iteration, spread over the K splits), into
+    the same accumulator.
 
 ``_mma_kernel`` — M ≥ 8 (tensor cores; 8 is padded to the 16-row MMA, 9..16 likewise)
     Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits
@@ -418,28 +419,33 @@ GEMV_TILES = {1: [(32, 2), (64, 4), (128, 8)],
               4: [(32, 4), (64, 8)],
               8: [(16, 4)]}
 GEMV_SPLITS = (1, 2, 4, 8)
-# No register cap (.maxnreg): measured on sm_80/90, a cap of 128 makes ptxas spill at 3 bits
-# (it then fills the cap and hoists activation loads), and BM = 8 with (32, 8) spills with or
-# without one; ptxas' own choice is spill-free for the tiles above (bench/kernels.py).
 # Tensor-core kernel (BN, warps, BR = outlier slots per iteration), BM = 16: M = 8..16 in one
 # tile, larger M in 16-row tiles (the fallback: each M tile re-dequantises its weight tiles;
 # BM = 32 and 64 were measured to spill on sm_90 at 3 bits — the accumulator, the group
 # partial and a 128-column B tile do not fit next to each other).
 MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)]}
 MMA_SPLITS = {16: (1, 2, 4)}
+# Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
+# occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it
+# (measured: 17 of 864 config × target variants, 8–32 B each); with a cap it allocates up
+# to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
+# 3-bit GEMV (three word planes, prefetched) and the tensor-core kernel (accumulator, group
+# partial, B tile) take what they need (≤ 255).
+GEMV_MAXNREG = {2: 128, 3: 255, 4: 128}
+MMA_MAXNREG = {2: 255, 3: 255, 4: 255}
 # The interpreter runs one config (autotuning needs a GPU); big tiles keep program counts low.
 GEMV_INTERP = dict(BN=64, SPLIT=1, num_warps=4)
 MMA_INTERP = dict(BN=64, SPLIT=1, BR=8, num_warps=4)
 
 
-def gemv_configs(bm: int | None = None) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, num_warps=nw) for b, tiles in GEMV_TILES.items()
+def gemv_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
+    return [dict(BN=bn, SPLIT=sp, num_warps=nw, maxnreg=GEMV_MAXNREG[bits]) for b, tiles in GEMV_TILES.items()
             if bm in (None, b) for bn, nw in tiles for sp in GEMV_SPLITS]
 
 
-def mma_configs(bm: int | None = None) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw) for b, tiles in MMA_TILES.items() if bm in (None, b)
-            for bn, nw, br in tiles for sp in MMA_SPLITS[b]]
+def mma_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
+    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw, maxnreg=MMA_MAXNREG[bits]) for b, tiles in MMA_TILES.items()
+            if bm in (None, b) for bn, nw, br in tiles for sp in MMA_SPLITS[b]]
 
 
 def _uniq(cfgs):
@@ -450,31 +456,32 @@ def _uniq(cfgs):
     return out
 
 
-def _prune(configs_for):
+def _prune(configs_for, bits):
     def prune(configs, named_args, **kw):
         bm = named_args.get("BM", kw.get("BM"))
         nsteps = named_args.get("NSTEPS", kw.get("NSTEPS"))
-        allowed = configs_for(bm)
-        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps,
-                                           **({"maxnreg": c.maxnreg} if c.maxnreg else {})) in allowed
+        allowed = configs_for(bm, bits)
+        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps, maxnreg=c.maxnreg) in allowed
                 and c.kwargs["SPLIT"] <= max(1, nsteps)]
         return keep or configs[:1]
     return prune
 
 
-def _tuned(kernel, cfgs, configs_for):
+def _tuned(kernel, cfgs, configs_for, bits):
     return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "maxnreg")},
                                           num_warps=c["num_warps"], num_stages=1, maxnreg=c.get("maxnreg"))
                             for c in _uniq(cfgs)],
                            key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"],
-                           prune_configs_by={"early_config_prune": _prune(configs_for)})(kernel)
+                           prune_configs_by={"early_config_prune": _prune(configs_for, bits)})(kernel)
 
 
-# one M tile (decode): split-K allowed; several M tiles: SPLIT = 1 (tickets cover one tile row)
-_TUNED = {("gemv", True): _tuned(_gemv_kernel, gemv_configs(), gemv_configs),
-          ("gemv", False): _tuned(_gemv_kernel, [c for c in gemv_configs() if c["SPLIT"] == 1], gemv_configs),
-          ("mma", True): _tuned(_mma_kernel, mma_configs(), mma_configs),
-          ("mma", False): _tuned(_mma_kernel, [c for c in mma_configs() if c["SPLIT"] == 1], mma_configs)}
+# per bit width (register caps differ); one M tile (decode): split-K allowed; several M
+# tiles: SPLIT = 1 (the tickets cover one row of tiles)
+_CONFIGS = {"gemv": gemv_configs, "mma": mma_configs}
+_KERNELS = {"gemv": _gemv_kernel, "mma": _mma_kernel}
+_TUNED = {(k, one, bits): _tuned(_KERNELS[k], [c for c in _CONFIGS[k](None, bits) if one or c["SPLIT"] == 1],
+                                 _CONFIGS[k], bits)
+          for k in _KERNELS for one in (True, False) for bits in (2, 3, 4)}
 
 
 # ============================================================================ host side
@@ -562,13 +569,14 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     if config is None and INTERPRET:
         config = dict(GEMV_INTERP if kernel == "gemv" else MMA_INTERP)
     if config is None:
-        _TUNED[kernel, m_tiles == 1][grid](*args, **meta)
+        _TUNED[kernel, m_tiles == 1, st.bits][grid](*args, **meta)
     else:
         cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg")}
         if cfg["SPLIT"] > MAX_SPLIT or (cfg["SPLIT"] > 1 and m_tiles > 1):
             raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 when M spans several tiles")
         fn = _gemv_kernel if kernel == "gemv" else _mma_kernel
-        opts = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") and not INTERPRET else {}
+        cap = config.get("maxnreg", (GEMV_MAXNREG if kernel == "gemv" else MMA_MAXNREG)[st.bits])
+        opts = {"maxnreg": cap} if cap and not INTERPRET else {}
         fn[grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
                       num_stages=config.get("num_stages", 1), **opts)
     return y
