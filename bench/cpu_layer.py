@@ -11,7 +11,8 @@ speedup is the median over rounds of the per-round ratio bf16/latq, so load from
 processes, which drifts between rounds, hits both sides of each ratio alike.
 torch.set_num_threads(2). Sections:
   table     every shape × bits × rate × M (speedup, and both medians in µs)
-  profile   4096×4096 at M=1: the int4 op alone, the CSR part alone, the whole kernel
+  profile   M=1, 4096×4096 and two small shapes: the int4 op alone, the CSR mv alone, the
+            whole kernel (where the time goes)
   large     4096×4096 4-bit 1%: int4 op vs per-call chunked dequant + bf16 GEMM vs the
             opt-in cached bf16 weight vs bf16 F.linear, M = 8..512 (where LARGE_M should sit)
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
@@ -109,23 +110,26 @@ def table(a, results):
 
 
 def profile(a):
-    N, K = SHAPES["4096"]
-    print("\nprofile 4096x4096 4-bit, M=1 (median µs; ratio = kernel / int4-op alone)")
+    print("\nprofile, 4-bit, M=1 (median µs): the int4 op alone, the CSR mv alone, the whole kernel")
     _, mm = cpu._ops()
-    for rate in a.rates:
-        w = synthetic(N, K, 4, rate)
-        s = CPUKernel.prepare(w)
-        Wb = dequantize(w).to(torch.bfloat16)
-        x = torch.randn(1, K).to(torch.bfloat16)
-        xf = x.float()
-        fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
-               "kernel": lambda: CPUKernel.apply(s, x)}
-        if s.crow is not None:
-            csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K))
-            fns["csr_mv"] = lambda: torch.mv(csr, xf[0])
-        ts = side_by_side(fns, a.rounds, a.sample_us)
-        print(f"rate {rate:4.0%} nnz {w.nnz:7d}: " + "  ".join(f"{k}={med(v):.0f}" for k, v in ts.items())
-              + f"  | bf16/op={ratio(ts, 'bf16', 'op'):.2f}x bf16/kernel={ratio(ts, 'bf16', 'kernel'):.2f}x")
+    for name in ("4096", "gemma.gate_up", "smol.kv"):
+        N, K = SHAPES[name]
+        for rate in a.rates:
+            w = synthetic(N, K, 4, rate)
+            s = CPUKernel.prepare(w)
+            Wb = dequantize(w).to(torch.bfloat16)
+            x = torch.randn(1, K).to(torch.bfloat16)
+            xf = x.float()
+            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
+                   "kernel": lambda: CPUKernel.apply(s, x)}
+            if s.crow is not None:
+                csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K), check_invariants=False)
+                fns["csr_mv"] = lambda: torch.mv(csr, xf[0])
+            ts = side_by_side(fns, a.rounds, a.sample_us)
+            print(f"{name:14s} rate {rate:4.0%} nnz {w.nnz:7d}: "
+                  + "  ".join(f"{k}={med(v):.1f}" for k, v in ts.items())
+                  + f"  | bf16/op={ratio(ts, 'bf16', 'op'):.2f}x bf16/kernel={ratio(ts, 'bf16', 'kernel'):.2f}x",
+                  flush=True)
 
 
 def large(a):
