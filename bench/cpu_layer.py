@@ -15,6 +15,8 @@ torch.set_num_threads(2). Sections:
             whole kernel (where the time goes)
   large     4096×4096 4-bit 1%: int4 op vs per-call chunked dequant + bf16 GEMM vs the
             opt-in cached bf16 weight vs bf16 F.linear, M = 8..512 (where LARGE_M should sit)
+  wide      > 4-bit HPTQ-style transcodes (4096×4096, M=1): two int4 planes vs off-grid
+            weights moved to the CSR
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -162,6 +164,34 @@ def large(a):
         cpu.clear_prefill_cache()
 
 
+def wide(a, results):
+    """> 4-bit inliers (HPTQ transcodes): two int4 planes vs off-grid weights in the CSR."""
+    from vllm_latq.kernels.reference import transcode
+    N, K = SHAPES["4096"]
+    print("\n> 4-bit HPTQ-style transcodes, 4096x4096, M=1 (median µs; speedup vs bf16 F.linear)")
+    g = torch.Generator().manual_seed(0)
+    saved = cpu.SPLIT_MAX_EXTRA_RATE
+    try:
+        for spread in (6.0, 40.0):
+            z = torch.round(torch.distributions.Laplace(0.0, spread).sample((N, K))).int().clamp(-4000, 4000)
+            w = transcode(z, float(torch.tensor(0.0137).half()))
+            off = float(((cpu._unpack_rows(w, 0, N) < -8) | (cpu._unpack_rows(w, 0, N) > 7)).float().mean())
+            Wb = dequantize(w).to(torch.bfloat16)
+            x = torch.randn(1, K, generator=g).to(torch.bfloat16)
+            fns = {"bf16": lambda: F.linear(x, Wb)}
+            for label, rate in (("2 planes", 0.0), ("split to CSR", 1.0)):
+                cpu.SPLIT_MAX_EXTRA_RATE = rate
+                st_ = CPUKernel.prepare(w)
+                fns[label] = (lambda st_=st_: CPUKernel.apply(st_, x))
+            ts = side_by_side(fns, a.rounds, a.sample_us)
+            print(f"{w.bits}-bit, {w.nnz / N / K:.2%} outliers, {off:.1%} off the 4-bit grid: "
+                  + "  ".join(f"{k}={med(v):.0f}" for k, v in ts.items()) + " | "
+                  + "  ".join(f"{k} {ratio(ts, 'bf16', k):.2f}x" for k in fns if k != "bf16"), flush=True)
+            results[("wide", w.bits)] = ratio(ts, "bf16", "2 planes")
+    finally:
+        cpu.SPLIT_MAX_EXTRA_RATE = saved
+
+
 def geomean(xs):
     xs = list(xs)
     return float(torch.tensor(xs).log().mean().exp()) if xs else float("nan")
@@ -189,8 +219,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large"],
-                    choices=["table", "profile", "large"])
+    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide"],
+                    choices=["table", "profile", "large", "wide"])
     ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -204,6 +234,8 @@ def main(argv=None):
         profile(a)
     if "large" in a.sections:
         large(a)
+    if "wide" in a.sections:
+        wide(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
             "speedup_m8_4096_1pct": one("4096", 4, 0.01, 8),
