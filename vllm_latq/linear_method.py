@@ -50,7 +50,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from . import format as fmt
 from .kernels import ops, selector
-from .kernels.reference import LatqWeight
+from .kernels.reference import LatqWeight, transcode
 
 logger = init_logger("vllm.latq")
 
@@ -166,32 +166,8 @@ def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int) -
 
 
 def transcode_rows(z: torch.Tensor, row_scale: torch.Tensor, max_bits: int = 8) -> LatqWeight:
-    """Unclipped integers with one scale per row (HPTQ/HRTN; a fused layer's parts keep
-    their own per-matrix scale) → dense+CSR runtime form, inlier width b ∈ 2..max_bits
-    minimising runtime bytes; integers off the b-bit grid become fp32 outliers z·s (exact).
-    With one scale for all rows this is :func:`~vllm_latq.kernels.reference.transcode`."""
-    out, cin = z.shape
-    s = row_scale.float().reshape(out)
-    s16 = s.half()
-    if not torch.equal(s16.float(), s):
-        raise ValueError("a per-tensor scale (hscale) is not fp16-exact")
-    lo_v, hi_v = (int(z.min()), int(z.max())) if z.numel() else (0, 0)
-    best = None
-    for b in range(2, max_bits + 1):
-        lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
-        nnz = 0 if lo <= lo_v and hi_v <= hi else int(((z < lo) | (z > hi)).sum())
-        size = out * fmt.packed_words(cin, b) * 4 + out * 2 + nnz * 8 + (out + 1) * 4
-        if best is None or size < best[0]:
-            best = (size, b)
-    b = best[1]
-    lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
-    mask = (z < lo) | (z > hi)
-    rows, cols = mask.nonzero(as_tuple=True)
-    crow = torch.zeros(out + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = z[rows, cols].float() * s[rows]
-    inl = torch.where(mask, torch.zeros_like(z), z)
-    return LatqWeight(fmt.pack(inl, b), s16.reshape(out, 1).contiguous(), crow, cols.int(), val, b, cin, cin)
+    """Per-row-scale transcode (a fused layer's parts keep their own per-matrix scale)."""
+    return transcode(z, row_scale, max_bits)
 
 
 def _merge(parts: list[LatqWeight]) -> LatqWeight:

@@ -68,18 +68,21 @@ def from_dense_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, i
                       t["outlier_val"].float(), bits, group_size, in_features)
 
 
-def transcode(z: torch.Tensor, scale: float, max_bits: int = 8) -> LatqWeight:
-    """Unclipped integers under one scale (HPTQ/HRTN) → the dense+CSR runtime form with
-    the inlier width b ∈ 2..max_bits that minimises runtime bytes; integers off the b-bit
-    grid become fp32 outliers z·s (exact). One group per row carries the per-tensor scale."""
+def transcode(z: torch.Tensor, scale, max_bits: int = 8) -> LatqWeight:
+    """Unclipped integers under one scale per matrix (HPTQ/HRTN) — or one per row, for a
+    fused layer whose parts keep their own per-matrix scales — → the dense+CSR runtime form
+    with the inlier width b ∈ 2..max_bits that minimises runtime bytes; integers off the
+    b-bit grid become fp32 outliers z·s (exact). The row's scale is its single group."""
     out, cin = z.shape
-    s16 = torch.tensor(scale, dtype=torch.float32).half()
-    if s16.float().item() != scale:
-        raise ValueError(f"per-tensor scale {scale!r} is not fp16-exact")
+    s = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).expand(out).contiguous()
+    s16 = s.half()
+    if not torch.equal(s16.float(), s):
+        raise ValueError("a per-tensor scale (hscale) is not fp16-exact")
+    lo_v, hi_v = (int(z.min()), int(z.max())) if z.numel() else (0, 0)
     best = None
     for b in range(2, max_bits + 1):
         lo, hi = -(2 ** (b - 1)), 2 ** (b - 1) - 1
-        nnz = int(((z < lo) | (z > hi)).sum())
+        nnz = 0 if lo <= lo_v and hi_v <= hi else int(((z < lo) | (z > hi)).sum())
         size = out * fmt.packed_words(cin, b) * 4 + out * 2 + nnz * 8 + (out + 1) * 4
         if best is None or size < best[0]:
             best = (size, b)
@@ -89,10 +92,9 @@ def transcode(z: torch.Tensor, scale: float, max_bits: int = 8) -> LatqWeight:
     rows, cols = mask.nonzero(as_tuple=True)
     crow = torch.zeros(out + 1, dtype=torch.int32)
     crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = z[rows, cols].float() * scale
+    val = z[rows, cols].float() * s[rows]
     inl = torch.where(mask, torch.zeros_like(z), z)
-    return LatqWeight(fmt.pack(inl, b), s16.reshape(1, 1).expand(out, 1).contiguous(), crow,
-                      cols.int(), val, b, cin, cin)
+    return LatqWeight(fmt.pack(inl, b), s16.reshape(out, 1).contiguous(), crow, cols.int(), val, b, cin, cin)
 
 
 def from_tensors(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None,
