@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         print("latq-quantize: interrupted; rerun with --resume to continue from the last finished block",
               file=sys.stderr)
         return 130
-    except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, ModuleNotFoundError) as e:
+    except (UnsupportedModelError, OSError, ValueError, ModuleNotFoundError) as e:
         print(f"latq-quantize: error: {e}", file=sys.stderr)
         return 2
     return 0

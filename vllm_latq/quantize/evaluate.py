@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     except FormatError as e:
         print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
+    except (OSError, ValueError, ModuleNotFoundError) as e:
         print(f"latq-eval: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(r, indent=2)
