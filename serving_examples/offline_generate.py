@@ -27,13 +27,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="activation dtype: auto (the checkpoint's), bfloat16, float16, float32")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--eager", action="store_true", help="skip torch.compile (faster start, slower decode)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV-cache size; default on CPU 1 GiB (vLLM otherwise reserves 92%% of RAM and "
+                         "refuses to start when less is free), on GPU vLLM's own default")
     a = ap.parse_args()
 
+    import torch
     from vllm import LLM, SamplingParams
+
+    kv = a.kv_cache_gib if a.kv_cache_gib is not None else (None if torch.cuda.is_available() else 1.0)
 
     t0 = time.time()
     llm = LLM(model=a.model, tensor_parallel_size=a.tp, dtype=a.dtype, max_model_len=a.max_model_len,
-              enforce_eager=a.eager)
+              enforce_eager=a.eager, kv_cache_memory_bytes=int(kv * 2**30) if kv else None)
     print(f"loaded in {time.time() - t0:.1f} s")
     sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens)
     t0 = time.time()
