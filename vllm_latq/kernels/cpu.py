@@ -16,8 +16,9 @@ rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 an
 once to x.dtype; on the large-M path one bf16 weight bf16(z·s) / bf16(outlier) in a bf16
 GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·Σ|x||w| + 2⁻⁸·|y|.
 
-Decisions, measured (4096×4096 unless said; 2 threads when the machine was quiet, else
-1 thread interleaved — see ``bench/cpu_layer.py``):
+Decisions, measured (4096×4096 unless said; 2 threads, interleaved, medians — see
+``bench/cpu_layer.py``; the machine is shared, so the final numbers were taken at real-time
+priority and cross-checked at 1 thread):
 
 * Activations are cast to bf16 for the op whatever the model dtype: only the bf16 kernel is
   vectorized (AVX512/AVX2); fp16 / fp32 activations take the scalar fallback, 22.6 ms /
@@ -37,13 +38,14 @@ Decisions, measured (4096×4096 unless said; 2 threads when the machine was quie
   one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
   If ≤ ``SPLIT_MAX_EXTRA_RATE`` of the weights leave the 4-bit grid, they go to the CSR instead.
 * Large M (prefill): the op re-dequantizes the weights once per 4 rows and is compute bound
-  (0.35–0.45× of bf16 ``F.linear`` at M ≥ 64). From ``LARGE_M`` rows on, the weights are
-  dequantized per call in ~1 MB row chunks (from the op's own packed layout, outliers
+  (0.30–0.45× of bf16 ``F.linear`` at M ≥ 64). From ``LARGE_M`` rows on, the weights are
+  dequantized per call in 4 MB row chunks (from the op's own packed layout, outliers
   scattered in) into a reused bf16 buffer, each chunk multiplied by a bf16 GEMM: no second
-  copy of the weights. Dequant+GEMM / op: 0.74–0.92× at M=64, 1.16–1.27× at 128, 1.64× at
-  256, 1.87× at 512 → ``LARGE_M`` = 96. Still 0.45–0.65× of bf16 (the dequant passes cost
-  about one bf16 GEMM at M=256). ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
-  instead (1.0× of bf16 at large M, +2 bytes/weight resident; off by default).
+  copy of the weights. The dequant costs ~12 ms per 16M weights on 2 threads (chunks of
+  1 MB: 18 ms, 32 MB: 13 ms). Dequant+GEMM / op, 2 threads: 0.73× at M=64, ~1.0× at 96–128,
+  1.11× at 192, 1.64× at 256, 2.06× at 512 (1 thread: crossover near 100) → ``LARGE_M`` =
+  128; still 0.35–0.63× of bf16. ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
+  instead: 1.0× of bf16 at every large M, +2 bytes/weight resident (off by default).
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ MAX_BITS = 8
 # entry vs 0.5 B/weight per plane: 6.25%).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
-LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "96"))
-CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 20)))  # bf16 weight chunk
+LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "128"))
+CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 weight chunk
 # opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
 # +2 bytes/weight resident: more than the bf16 model itself)
 PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
