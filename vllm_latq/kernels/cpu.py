@@ -61,10 +61,10 @@ from .selector import LatqKernel
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
 # bits > 4: weights off the 4-bit grid become fp32 outliers when they are at most this
-# fraction of the layer, else a second int4 plane. Measured on 4096×4096, M=1, 1 thread:
-# the second plane adds ~850 µs (op on 2K: 1730 µs vs 875), MKL CSR mv costs ~0.85 ns per
-# entry (5%: 680–720 µs, 10%: 1500 µs) → time breaks even near 6%; memory too (8 B per CSR
-# entry vs 0.5 B/weight per plane: 6.25%).
+# fraction of the layer, else a second int4 plane. Measured on 4096×4096, M=1: the second
+# plane adds ~500 µs on 2 threads (op on 2K: 1000 µs vs 490; 1 thread: +850 µs), the MKL CSR
+# mv costs 180–200 µs at 5% and 400–470 µs at 10% (1 thread: 680–720 / 1500) → time breaks
+# even at 6–10%, memory at 6.25% (8 B per CSR entry vs 0.5 B/weight per plane).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
 LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "128"))
