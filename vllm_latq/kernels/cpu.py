@@ -42,9 +42,9 @@ priority and cross-checked at 1 thread):
   dequantized per call in 4 MB row chunks (from the op's own packed layout, outliers
   scattered in) into a reused bf16 buffer, each chunk multiplied by a bf16 GEMM: no second
   copy of the weights. The dequant costs ~12 ms per 16M weights on 2 threads (chunks of
-  1 MB: 18 ms, 32 MB: 13 ms). Dequant+GEMM / op, 2 threads: 0.73× at M=64, ~1.0× at 96–128,
-  1.11× at 192, 1.64× at 256, 2.06× at 512 (1 thread: crossover near 100) → ``LARGE_M`` =
-  128; still 0.35–0.63× of bf16. ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
+  1 MB: 18 ms, 32 MB: 13 ms). Dequant+GEMM / op, 2 threads (two runs): 0.68–0.73× at M=64,
+  0.99× at 96, 0.84–0.85× at 128, 1.11× at 192, 1.27–1.64× at 256, 1.79–2.06× at 512;
+  1 thread: crossover near 100 → ``LARGE_M`` = 128; still 0.3–0.6× of bf16. ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
   instead: 1.0× of bf16 at every large M, +2 bytes/weight resident (off by default).
 """
 from __future__ import annotations
