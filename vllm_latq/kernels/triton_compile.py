@@ -10,13 +10,15 @@ Triton version, so the tests and ``bench/kernels.py`` share them.
 
 Columns: registers/thread, spill bytes (stores + loads), shared memory (bytes), SASS
 instructions (total; memory / fp32 / integer / convert / MMA classes), the K loop's length
-and its instructions per weight per thread (``i/w``: one trip = one K step (mma) or one
-16-bit half of a step (gemv) of BN rows;
+and its instructions per weight per thread (``i/w``: one trip = one K step (mma 2/4 bits), a
+128-column quarter step (mma 3 bits) or one 16-bit half of a step (gemv), of BN rows;
 at M = 1 the ALU-issue ceiling is ~19.5 T lane-instructions/s on an A100 / i/w weights/s).
 
-Jobs: kernel × bits × BM × tile config (BN, warps, [BR]) × SPLIT ∈ {1, 8} (2 and 4 compile
-to the SPLIT=8 code with another constant) × outlier layout (none / ELL-16 / CSR) × target.
-Activations are bf16 for the static report (fp16 differs only in the convert opcodes).
+Jobs: kernel × bits × BM × tile config (BN, warps, [BR], register cap) × SPLIT ∈ {1, the
+largest} (other splits compile to the same code with another constant) × outlier layout
+(none / ELL-16 / CSR, compact int16/fp16 entries) × target. Activations are bf16 (fp16
+differs only in convert opcodes); sizes and pointers carry Triton's 16-divisibility
+specialisation, as for the Qwen3-8B shapes.
 """
 from __future__ import annotations
 
@@ -38,32 +40,49 @@ CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq"))
 HERE = Path(__file__).resolve().parent
 
 
-def _code_fingerprint(src: str, jit_only: bool = False) -> str:
-    """The AST without docstrings (comments are not in the AST) — of the whole source, or of
-    its ``@triton.jit`` functions only (the device code: host-side tables such as the tile
-    lists are carried by the jobs themselves). Editing prose or host code does not
-    invalidate the cache; editing device code does."""
+def _strip_docstrings(tree):
     import ast
-    tree = ast.parse(src)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
-    if jit_only:
-        tree.body = [n for n in tree.body if isinstance(n, ast.FunctionDef)
-                     and any("jit" in ast.dump(d) for d in n.decorator_list)]
-    return ast.dump(tree, include_attributes=False)
+    return tree
 
 
-def source_hash() -> str:
-    """Device code + Triton version (+ the job → signature code): what the binaries depend on."""
+def _code_fingerprint(src: str, kernel: str | None = None) -> str:
+    """The AST without docstrings (comments are not in the AST) — of the whole source, or,
+    with ``kernel``, of that ``@triton.jit`` function and the jit functions it calls
+    (transitively): the device code its binaries depend on. Host-side tables (tiles, caps)
+    are carried by the jobs themselves. Editing prose, host code or the other kernel does
+    not invalidate a kernel's cache; editing its device code does."""
+    import ast
+    tree = _strip_docstrings(ast.parse(src))
+    if kernel is None:
+        return ast.dump(tree, include_attributes=False)
+    jit = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)
+           and any("jit" in ast.dump(d) for d in n.decorator_list)}
+    seen, todo = [], [kernel]
+    while todo:
+        f = todo.pop()
+        if f in seen or f not in jit:
+            continue
+        seen.append(f)
+        todo += [n.id for n in ast.walk(jit[f]) if isinstance(n, ast.Name) and n.id in jit]
+    return "\n".join(ast.dump(jit[f], include_attributes=False) for f in sorted(seen))
+
+
+KERNEL_FN = {"gemv": "_gemv_kernel", "mma": "_mma_kernel"}
+
+
+def source_hash(kernel: str) -> str:
+    """One kernel's device code + Triton version (+ the job → signature code)."""
     import importlib.metadata as md
     import inspect
-    h = hashlib.sha256(_code_fingerprint((HERE / "triton_kernels.py").read_text(), jit_only=True).encode())
+    h = hashlib.sha256(_code_fingerprint((HERE / "triton_kernels.py").read_text(), KERNEL_FN[kernel]).encode())
     h.update(_code_fingerprint(inspect.getsource(compile_job)).encode())
     h.update(md.version("triton").encode())
-    return h.hexdigest()[:16]
+    return f"{kernel}-{h.hexdigest()[:16]}"
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -193,18 +212,23 @@ def _worker(jobs_path: str, out_path: str) -> None:
             try:
                 r = compile_job(j)
             except Exception as e:  # noqa: BLE001 — reported, never hidden
-                r = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+                import traceback
+                r = {"error": f"{type(e).__name__}: {str(e)[-1500:]}\n{traceback.format_exc()[-1500:]}"}
             out.write(json.dumps([job_key(j), r]) + "\n")
             out.flush()
 
 
 # ----------------------------------------------------------------------------- driver
 
-def run(jobs: list[dict], workers: int | None = None, cache: bool = True, log=None) -> dict:
-    """Compile ``jobs`` (cached) in worker subprocesses → {job_key: result}."""
+def run(jobs: list[dict], workers: int | None = None, cache: bool = True) -> dict:
+    """Compile ``jobs`` (cached per kernel) in worker subprocesses → {job_key: result}."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    cpath = CACHE / f"{source_hash()}.json"
-    done = json.loads(cpath.read_text()) if cache and cpath.exists() else {}
+    cpaths = {k: CACHE / f"{source_hash(k)}.json" for k in {j["kernel"] for j in jobs}}
+    done = {}
+    if cache:
+        for cp in cpaths.values():
+            if cp.exists():
+                done.update(json.loads(cp.read_text()))
     todo = [j for j in jobs if job_key(j) not in done]
     if todo:
         workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
@@ -239,9 +263,12 @@ def run(jobs: list[dict], workers: int | None = None, cache: bool = True, log=No
                             new[k] = r
                 done.update(new)
                 if cache and new:
-                    cur = json.loads(cpath.read_text()) if cpath.exists() else {}
-                    cur.update(new)
-                    cpath.write_text(json.dumps(cur))
+                    for kern, cp in cpaths.items():
+                        mine = {k: r for k, r in new.items() if json.loads(k)["kernel"] == kern}
+                        if mine:
+                            cur = json.loads(cp.read_text()) if cp.exists() else {}
+                            cur.update(mine)
+                            cp.write_text(json.dumps(cur))
             if failed:
                 raise RuntimeError("compile worker failed: " + failed[0])
     return {job_key(j): done[job_key(j)] for j in jobs}
@@ -272,7 +299,10 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns)
             # of BN rows over 32·warps threads
             from .triton_layout import step_of
-            cols = step_of(j["bits"]) if j["kernel"] == "mma" else 16 * (8 if j["bits"] == 3 else 16 // j["bits"])
+            if j["kernel"] == "mma":
+                cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
+            else:
+                cols = 16 * (8 if j["bits"] == 3 else 16 // j["bits"])
             wpt = cols * j["BN"] / (32 * j["num_warps"])
             row["loop"] = r["loop_len"]
             row["ipw"] = r["loop_len"] / wpt
@@ -282,13 +312,13 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     """Human-readable table: one line per job."""
-    hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'spl':>3} {'outl':4} {'sm':>3} "
+    hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'sm':>3} "
            f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4} "
            f"{'loop':>5} {'i/w':>5}")
     lines = [hdr]
     for r in rows:
         head = (f"{r['kernel']:6} {r['bits']:>1} {r['BM']:>3} {r['BN']:>4} {r['num_warps']:>2} "
-                f"{r.get('BR', '-'):>2} {r['SPLIT']:>3} {r['outl']:4} {r['cc']:>3} ")
+                f"{r.get('BR', '-'):>2} {r.get('maxnreg') or '-':>3} {r['SPLIT']:>3} {r['outl']:4} {r['cc']:>3} ")
         if "error" in r:
             lines.append(head + "ERROR " + r["error"].splitlines()[-1][:120])
             continue

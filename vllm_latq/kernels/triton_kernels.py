@@ -24,8 +24,9 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     the same accumulator.
 
 ``_mma_kernel`` — M ≥ 8 (tensor cores; 8 is padded to the 16-row MMA, 9..16 likewise)
-    Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits
-    for registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
+    Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
+    where the 512-column step runs as a runtime loop over its four 128-column quarters, for
+    registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
     shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
     order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
     exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
@@ -281,6 +282,17 @@ def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, A
 
 
 @triton.jit
+def _zslabs3(lo, hi, Q: tl.constexpr, DS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+    """3 bits: slots [Q·DS, Q·DS + DS) of a quarter step → exact z in DT, [DS, 16, BN]. ``lo``:
+    the 2-bit word tile shifted to this 16-bit half (slot i at bits 2i), ``hi``: the 1-bit
+    tile shifted so that slot i is at bit i."""
+    ii = Q * DS + tl.arange(0, DS)[:, None, None]
+    magic = tl.full([DS, 16, lo.shape[2]], 0x4B000000, tl.int32)
+    f = _and_or(lo >> (2 * ii), 3, _and_or((hi >> ii) << 2, 4, magic, ASM), ASM)
+    return (f.to(tl.float32, bitcast=True) - (8388608.0 + 4)).to(DT)
+
+
+@triton.jit
 def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
                 o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
@@ -342,17 +354,32 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
             wb_n = tl.load(ta + (s + 1) * CA + 256, mask=pm, other=0)
             wh_n = tl.load(th + (s + 1) * 256, mask=pm, other=0)
         k0 = s * STEP
-        part = tl.zeros([BM, BN], dtype=tl.float32)
-        for q in tl.static_range(ND):
-            z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
-            kk = k0 + q * (DS * 16) + kd
-            xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
-            part = tl.dot(xs, z, part)
-            if (q + 1) % DPG == 0:
-                gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
-                sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
-                acc += part * sc[None, :]
-                part = tl.zeros([BM, BN], dtype=tl.float32)
+        if BITS == 3:
+            # 3 bits: a runtime loop over the four 128-column quarters of the 512-column step
+            # (2-bit tile c × 16-bit half hh), as in the GEMV: unrolling all eight dots of a
+            # step made ptxas exceed 255 registers (measured spills on sm_86/89/90).
+            for h in range(4):
+                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+                hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # slot i of this quarter at bit i
+                for q in tl.static_range(8 // DS):
+                    z = tl.reshape(_zslabs3(lo, hi, q, DS, ASM, DT), [DS * 16, BN])
+                    c0 = k0 + 128 * h + q * (DS * 16)
+                    kk = c0 + kd
+                    xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+                    sc = tl.load(sp + (c0 // GROUP) * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                    acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
+        else:
+            part = tl.zeros([BM, BN], dtype=tl.float32)
+            for q in tl.static_range(ND):
+                z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
+                kk = k0 + q * (DS * 16) + kd
+                xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+                part = tl.dot(xs, z, part)
+                if (q + 1) % DPG == 0:
+                    gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
+                    sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                    acc += part * sc[None, :]
+                    part = tl.zeros([BM, BN], dtype=tl.float32)
 
     if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
         oacc = tl.zeros([BM, BN], dtype=tl.float32)
