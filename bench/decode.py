@@ -10,6 +10,7 @@ short), one after the other, so the ratios compare runs of the same minute; both
 in turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores). A run times
 ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS ignored) after a
 warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill included).
+The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every
 kernel whose ``can_implement`` accepts the layers, plus the reference).
 
@@ -132,6 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--reference-repeats", type=int, default=1,
                     help="repeats for the reference kernel (dequantizes every call: slow)")
+    ap.add_argument("--reference-tokens", type=int, default=16,
+                    help="new tokens for the reference kernel (seconds per step on CPU)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
     ap.add_argument("--json", default=None, help="also write all results here")
@@ -157,8 +160,10 @@ def main(argv=None) -> None:
         jobs = [{"label": "bf16", "model": base, "kernel": None}] + [
             {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels]
         for j in jobs:
-            j.update(mode=mode, dtype=a.dtype, batches=batches, tokens=a.tokens, kv_bytes=a.kv_bytes,
-                     repeats=a.reference_repeats if j["kernel"] == "reference" else a.repeats)
+            ref = j["kernel"] == "reference"
+            j.update(mode=mode, dtype=a.dtype, batches=batches, kv_bytes=a.kv_bytes,
+                     tokens=a.reference_tokens if ref else a.tokens,
+                     repeats=a.reference_repeats if ref else a.repeats)
         menv = dict(env)
         if mode == "eager":
             menv["TORCH_COMPILE_DISABLE"] = "1"
@@ -185,7 +190,8 @@ def main(argv=None) -> None:
     def find(label, mode):
         return next((r for r in results if r["label"] == label and r["mode"] == mode), None)
 
-    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'vs bf16':>8s}  load")
+    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'vs bf16':>8s}  load  "
+          "new tokens x repeats")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:9s} {r['label']:16s} ERROR {r['error'][:300]}")
@@ -194,7 +200,7 @@ def main(argv=None) -> None:
             ref = find("bf16", r["mode"])
             ratio = run["tok_s"] / ref["runs"][b]["tok_s"] if ref and "runs" in ref else float("nan")
             print(f"{r['mode']:9s} {r['label']:16s} {b:>5s} {run['tok_s']:8.1f} {run['ms_per_step']:8.1f} "
-                  f"{ratio:7.2f}x  {r['load_s']:.0f}s")
+                  f"{ratio:7.2f}x  {r['load_s']:4.0f}s  {r['tokens']} x {r['repeats']}")
     for r in results:
         if r.get("load_line"):
             print(f"  {r['mode']} {r['label']}: {r['load_line']}")

@@ -12,7 +12,8 @@ Everywhere (and only, without a GPU or with --static-only):
      shared memory vs the target's limit, SASS instruction counts by class;
   2. the bytes-moved model: bytes per weight of each format (inliers, fp16 scales, outliers
      in the layout the model picks for that rate: ELL-16 with its real padding for randomly
-     placed outliers, or CSR) and per layer with activations in/out, vs bf16 → the
+     placed outliers, or CSR; compact int16 + fp16 entries as for an SSQR checkpoint) and
+     per layer with activations in/out, vs bf16 → the
      memory-bound speedup ceiling (a GEMV at M = 1 moves the weights once: time ∝ bytes).
 Ends with ``HEADLINE … spills=<total over all kernel configs and targets>``.
 """
@@ -58,9 +59,10 @@ def layer_bytes(n: int, k: int, bits: int, rate: float, m: int = 1) -> dict:
     inl = n_pad * k_pad * bits / 8
     sc = n_pad * math.ceil(k_pad / GROUP) * 2
     nnz = int(crow[-1])
+    eb = 4 if k <= 32768 else 6                # compact entries: int16/int32 column + fp16 value (SSQR)
     if nnz:
-        mod = tlay.outlier_model(crow, n_pad, m=m)
-        out = (8 * mod["slots"] + 4 * (n_pad // 16 + 1)) if mod["mode"] == "ell" else 12 * nnz + 4 * (n_pad + 1)
+        mod = tlay.outlier_model(crow, n_pad, m=m, entry_bytes=eb)
+        out = (eb * mod["slots"] + 4 * (n_pad // 16 + 1)) if mod["mode"] == "ell" else (4 + eb) * nnz + 4 * (n_pad + 1)
         mode, pad = mod["mode"], mod["padding"]
     else:
         out, mode, pad = 0, "none", 1.0
@@ -91,7 +93,8 @@ def bytes_model(m: int = 1) -> tuple[list[str], dict]:
             lines.append(f"{bits:>4} {rate * 100:>5.1f}% {statistics.mean(pw):>8.4f} {mode:>5} {pad:>5.2f} " +
                          " ".join(f"{r:>7.2f}x" for r in row) + f" {tot16 / tot:>7.2f}x")
     lines.append(f"bf16: 2.0000 B/weight. Per-weight bytes: b/8 + 2/{GROUP} (fp16 scales) + outliers "
-                 f"(ELL-16: 8 B per padded slot; CSR: 12 B per entry).")
+                 f"(ELL-16: 4 B per padded slot, int16 column + fp16 value; CSR: 8 B per entry); "
+                 f"'pad' = ELL slots / outliers of the last layer (16 rows × K columns, random placement).")
     return lines, ceil
 
 
@@ -118,6 +121,18 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
     for (kern, cc), a in sorted(agg.items()):
         lines.append(f"  {kern:5} sm_{cc}: {a['n']:4} configs  max regs {a['regs']:3}  spills {a['spill']:5} B  "
                      f"smem {a['smem']:6} / {a['limit']} B  errors {a['err']}")
+    # ALU-issue model of the M = 1 GEMV K loop vs its memory roofline (A100 numbers)
+    issue = 108 * 4 * 32 * 1.41e9          # lane-instructions/s: 4 schedulers × 32 lanes per SM
+    lines.append("M=1 GEMV K loop (sm_80, median over configs): SASS instructions per weight → "
+                 "ALU-issue ceiling vs HBM ceiling (1.555 TB/s, weights at b/8 + 2/128 B)")
+    for bits in (2, 3, 4):
+        ipw = sorted(r["ipw"] for r in rows if "error" not in r and r["kernel"] == "gemv" and r["BM"] == 1
+                     and r["bits"] == bits and r["cc"] == 80)
+        if ipw:
+            med = ipw[len(ipw) // 2]
+            alu, mem = issue / med, 1.555e12 / (bits / 8 + 2 / 128)
+            lines.append(f"  {bits}-bit: {med:.2f} instr/weight → {alu / 1e12:.1f} T weights/s (ALU) vs "
+                         f"{mem / 1e12:.1f} T weights/s (memory): {'memory' if mem < alu else 'ALU'}-bound")
     totals = dict(configs=len(rows), spills=sum(a["spill"] for a in agg.values()),
                   errors=sum(a["err"] for a in agg.values()), max_regs=max(a["regs"] for a in agg.values()),
                   smem_over=sum(1 for r in rows if "error" not in r and r["smem"] > r["smem_limit"]))
