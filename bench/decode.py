@@ -212,9 +212,10 @@ def main(argv=None) -> None:
         q, ref = find(f"latq-{best}", mode), find("bf16", mode)
         for b in batches:
             if q and ref and "runs" in q and "runs" in ref:
-                head.append(f"{mode}_b{b}={q['runs'][str(b)]['tok_s'] / ref['runs'][str(b)]['tok_s']:.2f}x"
-                            f"({q['runs'][str(b)]['tok_s']:.1f}/{ref['runs'][str(b)]['tok_s']:.1f}tok/s)")
-    print(f"HEADLINE decode {Path(base).name} vs {Path(ckpt).name} kernel={best}: latq/bf16 " + " ".join(head))
+                qt, rt = q['runs'][str(b)]['tok_s'], ref['runs'][str(b)]['tok_s']
+                head += [f"{mode}_b{b}_speedup={qt / rt:.2f}", f"{mode}_b{b}_latq_tok_s={qt:.1f}",
+                         f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
+    print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))
 
 
 if __name__ == "__main__":

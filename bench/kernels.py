@@ -219,19 +219,22 @@ def main(argv=None):
         ceilings[m] = ceil
         print("\n".join(bl))
         print()
-    measured = ""
+    measured = False
     if torch.cuda.is_available() and not a.static_only:
         gl, best = gpu_bench(a.repeats)
         print("\n".join(gl))
         m1 = {b: max(v for (nm, m, bb, r), v in best.items() if m == 1 and bb == b and r <= 0.01) for b in BITS}
-        measured = " measured M=1 (≤1% outliers, best layer) " + " ".join(f"{b}-bit {m1[b]:.2f}x" for b in BITS) + ";"
+        measured = True
     else:
         print("no GPU timing (" + ("--static-only" if a.static_only else "no CUDA device") + ")")
     c = ceilings[1]
-    print(f"HEADLINE triton kernels: {totals['configs']} configs x sm_80/86/89/90 compiled, errors={totals['errors']} "
-          f"max_regs={totals['max_regs']} smem_over_limit={totals['smem_over']};{measured} bytes-model "
-          f"M=1 ceiling vs bf16 at 1% outliers (Qwen3-8B): " +
-          " ".join(f"{b}-bit {c[b, 0.01]:.2f}x" for b in BITS) + f"; spills={totals['spills']}")
+    head = dict(configs=totals["configs"], targets="sm_80,sm_86,sm_89,sm_90", errors=totals["errors"],
+                max_regs=totals["max_regs"], smem_over_limit=totals["smem_over"])
+    head.update({f"ceiling_m1_{b}bit_1pct": f"{c[b, 0.01]:.2f}" for b in BITS})   # bytes model vs bf16
+    if measured:
+        head.update({f"measured_m1_{b}bit": f"{m1[b]:.2f}" for b in BITS})
+    head["spills"] = totals["spills"]
+    print("HEADLINE " + " ".join(f"{k}={v}" for k, v in head.items()))
 
 
 if __name__ == "__main__":
