@@ -16,6 +16,8 @@ ORDERS = ("natural", "reverse", "act", "min-pivot")
 
 
 def check_finite(x: torch.Tensor, what: str, name: str | None) -> None:
+    if torch.isfinite(x.sum(dtype=torch.float64)):   # NaN/Inf propagate through a sum: one fast pass
+        return
     bad = (~torch.isfinite(x)).sum().item()
     if bad:
         raise ValueError(f"{_where(name)}{what} has {bad} non-finite (NaN/Inf) entries")
@@ -48,9 +50,9 @@ def damp_lambda(H: torch.Tensor, damp: float) -> float:
 
 def damped(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``H + λI`` (formed in fp64, returned in ``dtype``)."""
-    Hd = H.to(torch.float64).clone()
-    Hd.diagonal().add_(damp_lambda(H, damp))
-    return Hd.to(dtype)
+    Hd = H.to(dtype, copy=True)
+    Hd.diagonal().copy_(H.diagonal().to(torch.float64) + damp_lambda(H, damp))
+    return Hd
 
 
 def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
@@ -162,9 +164,27 @@ def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_siz
     return bound_from_d(D_col, expand(scales, group_size, (rows, H.shape[0])))
 
 
-def tri_inv_upper(R: torch.Tensor, leaf: int = 128) -> torch.Tensor:
-    """Inverse of an upper-triangular matrix by 2x2 block recursion, so almost all the
-    work is GEMM (≈2x faster than LAPACK's triangular solve against I here)."""
+def _upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int, left: bool) -> torch.Tensor:
+    """``A @ B`` (``left``) or ``B @ A`` for upper-triangular ``A``, by 2x2 block recursion
+    that skips A's zero block: half the FLOPs of a dense product, still GEMM-shaped."""
+    n = A.shape[0]
+    if n <= leaf:
+        return A @ B if left else B @ A
+    h = n // 2
+    A11, A12, A22 = A[:h, :h], A[:h, h:], A[h:, h:]
+    if left:                                   # [A11 B1 + A12 B2 ; A22 B2]
+        B1, B2 = B[:h], B[h:]
+        top = _upper_mm(A11, B1, leaf, True).addmm_(A12, B2)
+        return torch.cat([top, _upper_mm(A22, B2, leaf, True)], 0)
+    B1, B2 = B[:, :h], B[:, h:]                # [B1 A11 , B1 A12 + B2 A22]
+    right = _upper_mm(A22, B2, leaf, False).addmm_(B1, A12)
+    return torch.cat([_upper_mm(A11, B1, leaf, False), right], 1)
+
+
+def tri_inv_upper(R: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+    """Inverse of an upper-triangular matrix by 2x2 block recursion,
+    ``[[A⁻¹, −A⁻¹ B C⁻¹], [0, C⁻¹]]``, with triangle-aware products: ≈ n³/3 FLOPs, almost
+    all of them GEMM (LAPACK's triangular solve against I does n³ here)."""
     n = R.shape[0]
     if n <= leaf:
         return torch.linalg.solve_triangular(R, torch.eye(n, dtype=R.dtype, device=R.device), upper=True)
@@ -172,7 +192,7 @@ def tri_inv_upper(R: torch.Tensor, leaf: int = 128) -> torch.Tensor:
     A, C = tri_inv_upper(R[:h, :h], leaf), tri_inv_upper(R[h:, h:], leaf)
     out = torch.zeros_like(R)
     out[:h, :h], out[h:, h:] = A, C
-    out[:h, h:] = -(A @ R[:h, h:]) @ C
+    out[:h, h:] = _upper_mm(C, _upper_mm(A, R[:h, h:], leaf, True), leaf, False).neg_()
     return out
 
 

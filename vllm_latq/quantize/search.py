@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from .scales import expand, to_fp16_grid
+from .scales import to_fp16_grid
 
-Run = Callable[[torch.Tensor, torch.Tensor], object]      # (W rows, per-weight scales) → sweep
+Run = Callable[[torch.Tensor, torch.Tensor], object]      # (W rows, their scales: 0-dim, [rows, 1] or [rows, ngroups]) → sweep
 Metric = Callable[[object, int], list]                   # (sweep of k stacked copies, k) → k values
 
 
@@ -26,10 +26,12 @@ def scaled(S0: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def _rows(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return S0 if S0.dim() == 0 else S0[idx]
+    """The sample's scales, one row per sampled row (a scalar becomes ``[n, 1]``, so that
+    stacked copies can carry different multipliers)."""
+    return S0.expand(len(idx), 1) if S0.dim() == 0 else S0[idx]
 
 
-def scale_search(W: torch.Tensor, S0: torch.Tensor, group_size: int | None, run: Run, metric: Metric,
+def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
                  target: float, tol: float, *, sample_rows: int | None = None, grid: int = 12, rounds: int = 3,
                  span: float = 16.0, max_full: int = 10, seed: int = 0):
     """→ ``(alpha, metric_value, sweep, log)`` for the full matrix with metric ≤ target
@@ -43,7 +45,7 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, group_size: int | None, run:
     Ws = W[idx]
 
     def sampled(alphas):
-        S = torch.cat([expand(scaled(_rows(S0, idx), a), group_size, tuple(Ws.shape)) for a in alphas])
+        S = torch.cat([scaled(_rows(S0, idx), a) for a in alphas])
         vals = metric(run(Ws.repeat(len(alphas), 1), S), len(alphas))
         log.extend(("sample", a, v) for a, v in zip(alphas, vals))
         return vals
@@ -70,8 +72,7 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, group_size: int | None, run:
 
     # Stage 2: full-matrix runs from the sampled estimate: expand to a bracket, then bisect.
     def full(a):
-        S = expand(scaled(S0, a), group_size, tuple(W.shape))
-        sw = run(W, S)
+        sw = run(W, scaled(S0, a))
         v = metric(sw, 1)[0]
         log.append(("full", a, v))
         return v, sw

@@ -61,13 +61,29 @@ def _compute_dtype(W: torch.Tensor) -> torch.dtype:
     return torch.float64 if W.dtype == torch.float64 else torch.float32
 
 
+def _rows(X: torch.Tensor, order: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``[out, in]`` (possibly an expanded view) → contiguous ``[in, out]`` rows in ``order``:
+    transpose first, then gather whole rows (gathering a transposed view is ~10x slower)."""
+    return X.T.to(dt).contiguous().index_select(0, order.to(X.device))
+
+
+def _column_scales(scales: torch.Tensor, group_size: int | None, order: torch.Tensor, dt: torch.dtype):
+    """j → the scales of processed column j without materialising ``[in, out]``: ``scales``
+    is a scalar, ``[out, 1]`` (one per row) or ``[out, ngroups]`` (group g covers columns
+    ``[g·group_size, (g+1)·group_size)``); a column reads one row of the small transposed table."""
+    if scales.dim() == 0:
+        s = scales.to(dt)
+        return lambda j: s
+    sT = scales.T.to(dt).contiguous()               # [ngroups, out]
+    g = (order // group_size).tolist() if sT.shape[0] > 1 else [0] * len(order)
+    return lambda j: sT[g[j]]
+
+
 def _unpermute(xt: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | None:
     """``[in, out]`` rows in processing order → ``[out, in]`` in original column order."""
     if xt is None:
         return None
-    out = torch.empty_like(xt)
-    out[perm] = xt
-    return out.T.contiguous()
+    return xt.index_select(0, torch.argsort(perm).to(xt.device)).T.contiguous()
 
 
 # ----------------------------------------------------------------------------- GPTQ
@@ -76,11 +92,13 @@ def _unpermute(xt: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | No
 class GPTQLattice:
     """Everything GPTQ needs from H, computed once (SSQR/HPTQ reuse it for every search step).
     ``perm``: processing order; ``U``: upper factor with ``UᵀU = (H_d)_pp⁻¹``;
-    ``D_col``: LDL diagonal of the matching Babai order, indexed by original column."""
+    ``D_col``: LDL diagonal of the matching Babai order, indexed by original column;
+    ``Ud``: U with rows divided by their diagonal (what the sweep multiplies by)."""
     perm: torch.Tensor
     U: torch.Tensor
     D_col: torch.Tensor
     damp: float
+    Ud: torch.Tensor
 
 
 def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
@@ -93,10 +111,11 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     U = lattice.tri_inv_upper(Lrev.flip(0, 1).contiguous())
     D_col = torch.empty(len(p), dtype=torch.float64)
     D_col[p] = U.diagonal().double() ** -2
-    return GPTQLattice(p, U.to(H.device), D_col.to(H.device), damp_used)
+    U = U.to(H.device)
+    return GPTQLattice(p, U, D_col.to(H.device), damp_used, U / U.diagonal()[:, None])
 
 
-INNER = 16  # columns rounded between rank-k updates: keeps the rank-1 work in cache
+INNER = 16  # columns rounded between GEMM updates: the in-sub-block work stays in cache
 
 
 def _outputs(c, r, dt, rounder, keep_rho):
@@ -106,66 +125,75 @@ def _outputs(c, r, dt, rounder, keep_rho):
     return Zt, Qt, Ot, Rt
 
 
-def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, S: torch.Tensor, rounder: Grid,
-               block_size: int = 128, keep_rho: bool = False) -> Sweep:
-    """Paper Alg. 1 in GPTQ's lazy-batch form, two-level: the error of each column goes to
-    the rest of its 16-column sub-block at once (rank-1), to the rest of its block per
-    sub-block (rank-16 GEMM), and to all later columns per block (rank-``block_size``
-    GEMM). ``W``, ``S``: ``[out, in]`` weights and per-weight scales (``S`` may be a view)."""
-    p, U = lat.perm, lat.U
-    dt = U.dtype
-    Wt = W.T[p].to(dt).contiguous()                 # [in, out], processing order
-    St = S.T[p].to(dt)
+def _round_column(j, w, s, rounder, Zt, Qt, Ot, Rt, jq=None):
+    """Round column ``w`` into row ``j`` of the outputs (``jq``: its row in ``Qt``)."""
+    jq = j if jq is None else jq
+    if Rt is not None:
+        torch.div(w, s, out=Rt[j])
+    o = rounder(w, s, Zt[j], Qt[jq])
+    if o is not None:
+        Ot[j] = o
+
+
+def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
+               rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
+    """Paper Alg. 1 in GPTQ's lazy-batch form, two-level: inside a 16-column sub-block a
+    column first receives the errors of the sub-block's earlier columns (one GEMV:
+    left-looking, so a column costs a handful of vector ops), then each finished sub-block
+    updates the rest of its block (rank-16 GEMM) and each block all later columns (rank-
+    ``block_size`` GEMM). ``W``: ``[out, in]``; ``scales``: see :func:`_column_scales`. Errors are stored unscaled, against ``U`` with rows divided
+    by their diagonal (``U_jl / U_jj``: the same update as GPTQ's ``(w−q)/U_jj · U_jl``).
+    Outputs are written straight to their column's row (``p[j]``), so only a transpose is
+    left at the end."""
+    p, Ud = lat.perm, lat.Ud
+    dt = Ud.dtype
+    Wt = _rows(W, p, dt)                            # [in, out], processing order
+    s = _column_scales(scales, group_size, p, dt)
     c, r = Wt.shape
     Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
-    dinv = (1.0 / U.diagonal()).tolist()
-    E = torch.empty(c, r, dtype=dt)                  # scaled errors (w - q) / U_jj
+    pl = p.tolist()
+    Eb = torch.empty(block_size, r, dtype=dt)        # the block's errors w − q (reused: stays in cache)
+    w = torch.empty(r, dtype=dt)
     for i1 in range(0, c, block_size):
         i2 = min(i1 + block_size, c)
-        for k1 in range(i1, i2, INNER):
-            k2 = min(k1 + INNER, i2)
-            for j in range(k1, k2):
-                w = Wt[j]
-                if Rt is not None:
-                    torch.div(w, St[j], out=Rt[j])
-                o = rounder(w, St[j], Zt[j], Qt[j])
-                if o is not None:
-                    Ot[j] = o
-                torch.sub(w, Qt[j], out=E[j]).mul_(dinv[j])
-                Wt[j + 1:k2].addr_(U[j, j + 1:k2], E[j], alpha=-1)
-            Wt[k2:i2].addmm_(U[k1:k2, k2:i2].T, E[k1:k2], alpha=-1)
-        Wt[i2:].addmm_(U[i1:i2, i2:].T, E[i1:i2], alpha=-1)
-    return Sweep(_unpermute(Zt, p), _unpermute(Qt, p), _unpermute(Ot, p), _unpermute(Rt, p))
+        E = Eb[: i2 - i1]
+        for k1 in range(0, i2 - i1, INNER):
+            k2 = min(k1 + INNER, i2 - i1)
+            for k in range(k1, k2):
+                j = i1 + k
+                wj = Wt[j] if k == k1 else torch.addmv(Wt[j], E[k1:k].T, Ud[i1 + k1:j, j], alpha=-1, out=w)
+                _round_column(pl[j], wj, s(j), rounder, Zt, Qt, Ot, Rt)
+                torch.sub(wj, Qt[pl[j]], out=E[k])
+            Wt[i1 + k2:i2].addmm_(Ud[i1 + k1:i1 + k2, i1 + k2:i2].T, E[k1:k2], alpha=-1)
+        Wt[i2:].addmm_(Ud[i1:i2, i2:].T, E, alpha=-1)
+    return Sweep(*(None if x is None else x.T.contiguous() for x in (Zt, Qt, Ot, Rt)))
 
 
 # ----------------------------------------------------------------------------- Babai
 
-def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, S: torch.Tensor, rounder: Grid,
-                block_size: int = 128, keep_rho: bool = False) -> Sweep:
+def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch.Tensor,
+                group_size: int | None, rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
     """Paper v1 Alg. 3, blocked: ``Y = A Wᵀ``; for j = c..1: ``ω = Y_j / A_jj``, round,
-    ``Y -= A[:, j] ⊗ q``. A is upper, so a (sub-)block only updates rows above it: rank-1
-    inside 16-row sub-blocks, GEMMs for the rest of the block and for all rows above it."""
+    ``Y -= A[:, j] ⊗ q``. A is upper, so a (sub-)block only updates rows above it: inside a
+    16-row sub-block each ω gathers the sub-block's later q's (one GEMV, left-looking); GEMMs
+    update the rest of the block and all rows above it. A's rows are divided by their
+    diagonal once, so ``Y_j`` is ω itself."""
     dt = A.dtype
-    St = S.T[T].to(dt)
-    c, r = St.shape
-    Y = A @ W.T[T].to(dt)
+    Ad = A / A.diagonal()[:, None]
+    s = _column_scales(scales, group_size, T, dt)
+    Y = Ad @ _rows(W, T, dt)
+    c, r = Y.shape
     Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
-    ainv = (1.0 / A.diagonal()).tolist()
     omega = torch.empty(r, dtype=dt)
     for j1 in range(c, 0, -block_size):
         j0 = max(j1 - block_size, 0)
         for k2 in range(j1, j0, -INNER):
             k1 = max(k2 - INNER, j0)
             for j in range(k2 - 1, k1 - 1, -1):
-                torch.mul(Y[j], ainv[j], out=omega)
-                if Rt is not None:
-                    torch.div(omega, St[j], out=Rt[j])
-                o = rounder(omega, St[j], Zt[j], Qt[j])
-                if o is not None:
-                    Ot[j] = o
-                Y[k1:j].addr_(A[k1:j, j], Qt[j], alpha=-1)
-            Y[j0:k1].addmm_(A[j0:k1, k1:k2], Qt[k1:k2], alpha=-1)
-        Y[:j0].addmm_(A[:j0, j0:j1], Qt[j0:j1], alpha=-1)
+                om = Y[j] if j == k2 - 1 else torch.addmv(Y[j], Qt[j + 1:k2].T, Ad[j, j + 1:k2], alpha=-1, out=omega)
+                _round_column(j, om, s(j), rounder, Zt, Qt, Ot, Rt)
+            Y[j0:k1].addmm_(Ad[j0:k1, k1:k2], Qt[k1:k2], alpha=-1)
+        Y[:j0].addmm_(Ad[:j0, j0:j1], Qt[j0:j1], alpha=-1)
     return Sweep(_unpermute(Zt, T), _unpermute(Qt, T), _unpermute(Ot, T), _unpermute(Rt, T))
 
 
@@ -228,8 +256,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     lattice.check_inputs(W, H, name)
     scales, group_size = _scales_for(W, bits, group_size, scales)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
-    S = expand(scales, group_size, tuple(W.shape))
-    sw = gptq_sweep(lat, W, S, Grid.of(bits, clip), block_size, keep_rho)
+    sw = gptq_sweep(lat, W, scales, group_size, Grid.of(bits, clip), block_size, keep_rho)
     return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W)
 
 
@@ -248,8 +275,7 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     T = lattice.resolve_order(order, H, damp, babai=True)
     L, damp_used = lattice.cholesky(H.cpu(), damp, T, name, dtype=_compute_dtype(W))
     A = L.T.contiguous().to(W.device)
-    S = expand(scales, group_size, tuple(W.shape))
-    sw = babai_sweep(A, T, W, S, Grid.of(bits, clip), block_size, keep_rho)
+    sw = babai_sweep(A, T, W, scales, group_size, Grid.of(bits, clip), block_size, keep_rho)
     D_col = torch.empty(len(T), dtype=torch.float64)
     D_col[T] = L.diagonal().double() ** 2
     return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, D_col, W)

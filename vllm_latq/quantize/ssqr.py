@@ -39,12 +39,12 @@ def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     rounder = Grid.of(bits, clip=False, outliers=True)
 
     def run(Wr, S):
-        return gptq_sweep(lat, Wr, S, rounder, block_size)
+        return gptq_sweep(lat, Wr, S, group_size, rounder, block_size)
 
     def rates(sw, k):
         return sw.outlier.reshape(k, -1).float().mean(1).tolist()
 
-    alpha, rate, sw, log = scale_search(W, S0, group_size, run, rates, outlier_rate, tol)
+    alpha, rate, sw, log = scale_search(W, S0, run, rates, outlier_rate, tol)
     scales = (S0 * alpha).clamp(min=2.0**-14).half().float()
     S = expand(scales, group_size, tuple(W.shape))
     outliers = CSR.from_mask(sw.outlier, sw.q)
