@@ -164,7 +164,7 @@ def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_siz
     return bound_from_d(D_col, expand(scales, group_size, (rows, H.shape[0])))
 
 
-def _upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int, left: bool) -> torch.Tensor:
+def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = True) -> torch.Tensor:
     """``A @ B`` (``left``) or ``B @ A`` for upper-triangular ``A``, by 2x2 block recursion
     that skips A's zero block: half the FLOPs of a dense product, still GEMM-shaped."""
     n = A.shape[0]
@@ -174,11 +174,11 @@ def _upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int, left: bool) -> torch.
     A11, A12, A22 = A[:h, :h], A[:h, h:], A[h:, h:]
     if left:                                   # [A11 B1 + A12 B2 ; A22 B2]
         B1, B2 = B[:h], B[h:]
-        top = _upper_mm(A11, B1, leaf, True).addmm_(A12, B2)
-        return torch.cat([top, _upper_mm(A22, B2, leaf, True)], 0)
+        top = upper_mm(A11, B1, leaf, True).addmm_(A12, B2)
+        return torch.cat([top, upper_mm(A22, B2, leaf, True)], 0)
     B1, B2 = B[:, :h], B[:, h:]                # [B1 A11 , B1 A12 + B2 A22]
-    right = _upper_mm(A22, B2, leaf, False).addmm_(B1, A12)
-    return torch.cat([_upper_mm(A11, B1, leaf, False), right], 1)
+    right = upper_mm(A22, B2, leaf, False).addmm_(B1, A12)
+    return torch.cat([upper_mm(A11, B1, leaf, False), right], 1)
 
 
 def tri_inv_upper(R: torch.Tensor, leaf: int = 256) -> torch.Tensor:
@@ -192,7 +192,7 @@ def tri_inv_upper(R: torch.Tensor, leaf: int = 256) -> torch.Tensor:
     A, C = tri_inv_upper(R[:h, :h], leaf), tri_inv_upper(R[h:, h:], leaf)
     out = torch.zeros_like(R)
     out[:h, :h], out[h:, h:] = A, C
-    out[:h, h:] = _upper_mm(C, _upper_mm(A, R[:h, h:], leaf, True), leaf, False).neg_()
+    out[:h, h:] = upper_mm(C, upper_mm(A, R[:h, h:], leaf, True), leaf, False).neg_()
     return out
 
 

@@ -177,11 +177,11 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
     ``Y -= A[:, j] ⊗ q``. A is upper, so a (sub-)block only updates rows above it: inside a
     16-row sub-block each ω gathers the sub-block's later q's (one GEMV, left-looking); GEMMs
     update the rest of the block and all rows above it. A's rows are divided by their
-    diagonal once, so ``Y_j`` is ω itself."""
+    diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``)."""
     dt = A.dtype
     Ad = A / A.diagonal()[:, None]
     s = _column_scales(scales, group_size, T, dt)
-    Y = Ad @ _rows(W, T, dt)
+    Y = lattice.upper_mm(Ad, _rows(W, T, dt))
     c, r = Y.shape
     Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
     omega = torch.empty(r, dtype=dt)
@@ -274,7 +274,7 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     scales, group_size = _scales_for(W, bits, group_size, scales)
     T = lattice.resolve_order(order, H, damp, babai=True)
     L, damp_used = lattice.cholesky(H.cpu(), damp, T, name, dtype=_compute_dtype(W))
-    A = L.T.contiguous().to(W.device)
+    A = L.T.to(W.device)        # a view: the sweep reads it through strides
     sw = babai_sweep(A, T, W, scales, group_size, Grid.of(bits, clip), block_size, keep_rho)
     D_col = torch.empty(len(T), dtype=torch.float64)
     D_col[T] = L.diagonal().double() ** 2
