@@ -376,6 +376,23 @@ def test_tiny_end_to_end_in_process(tiny):
     assert "process_weights_after_loading" not in res[4]["traceback"]  # failed while reading weights
 
 
+def test_tiny_vllm_through_triton_interpreter(tiny):
+    """vLLM (in-process, eager, fp32) with every latq linear forced through the Triton
+    kernels, run by Triton's interpreter on CPU: the same greedy tokens as the torch
+    reference kernel, for SSQR (3-bit tiles + outliers) and transcoded HPTQ."""
+    from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK
+    ids = h.tokenize(tiny["ssqr"])
+    jobs = [{"prompt_ids": ids, "max_tokens": 16, "model": tiny[m], "env": {"LATQ_KERNEL": k}}
+            for m in ("ssqr", "hptq") for k in ("reference", "triton")]
+    res = h.run_vllm_jobs(jobs, tmp=tiny["dir"], extra_env={"TRITON_INTERPRET": "1", ENV_INTERPRET_OK: "1"})
+    for r in res:
+        assert "error" not in r, r.get("traceback")
+    loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]
+    assert len(loaded) == 4 and all("kernels {'triton': 8}" in line for line in loaded[1::2]), loaded
+    _check_equal(tiny["ssqr"], res[1]["tokens"], res[0]["tokens"])
+    _check_equal(tiny["hptq"], res[3]["tokens"], res[2]["tokens"])
+
+
 # ============================================================================ slow: real checkpoints
 
 REAL = [("smollm2-135m", "ssqr"), ("smollm2-135m", "hptq"), ("gemma3-270m", "ssqr"), ("gemma3-270m", "hptq")]
