@@ -79,11 +79,9 @@ def _column_scales(scales: torch.Tensor, group_size: int | None, order: torch.Te
     return lambda j: sT[g[j]]
 
 
-def _unpermute(xt: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | None:
-    """``[in, out]`` rows in processing order → ``[out, in]`` in original column order."""
-    if xt is None:
-        return None
-    return xt.index_select(0, torch.argsort(perm).to(xt.device)).T.contiguous()
+def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
+    """``[in, out]`` outputs already in original column order → ``[out, in]``."""
+    return Sweep(*(None if x is None else x.T.contiguous() for x in (Zt, Qt, Ot, Rt)))
 
 
 # ----------------------------------------------------------------------------- GPTQ
@@ -166,7 +164,7 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
                 torch.sub(wj, Qt[pl[j]], out=E[k])
             Wt[i1 + k2:i2].addmm_(Ud[i1 + k1:i1 + k2, i1 + k2:i2].T, E[k1:k2], alpha=-1)
         Wt[i2:].addmm_(Ud[i1:i2, i2:].T, E, alpha=-1)
-    return Sweep(*(None if x is None else x.T.contiguous() for x in (Zt, Qt, Ot, Rt)))
+    return _sweep_result(Zt, Qt, Ot, Rt)
 
 
 # ----------------------------------------------------------------------------- Babai
@@ -177,24 +175,30 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
     ``Y -= A[:, j] ⊗ q``. A is upper, so a (sub-)block only updates rows above it: inside a
     16-row sub-block each ω gathers the sub-block's later q's (one GEMV, left-looking); GEMMs
     update the rest of the block and all rows above it. A's rows are divided by their
-    diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``)."""
+    diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``).
+    Outputs go straight to their column's row ``T[j]`` (q through a block buffer)."""
     dt = A.dtype
     Ad = A / A.diagonal()[:, None]
     s = _column_scales(scales, group_size, T, dt)
     Y = lattice.upper_mm(Ad, _rows(W, T, dt))
     c, r = Y.shape
     Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
+    Tl = T.tolist()
+    Qb = torch.empty(block_size, r, dtype=dt)        # the block's q in processing order (in cache)
     omega = torch.empty(r, dtype=dt)
     for j1 in range(c, 0, -block_size):
         j0 = max(j1 - block_size, 0)
-        for k2 in range(j1, j0, -INNER):
-            k1 = max(k2 - INNER, j0)
-            for j in range(k2 - 1, k1 - 1, -1):
-                om = Y[j] if j == k2 - 1 else torch.addmv(Y[j], Qt[j + 1:k2].T, Ad[j, j + 1:k2], alpha=-1, out=omega)
-                _round_column(j, om, s(j), rounder, Zt, Qt, Ot, Rt)
-            Y[j0:k1].addmm_(Ad[j0:k1, k1:k2], Qt[k1:k2], alpha=-1)
-        Y[:j0].addmm_(Ad[:j0, j0:j1], Qt[j0:j1], alpha=-1)
-    return Sweep(_unpermute(Zt, T), _unpermute(Qt, T), _unpermute(Ot, T), _unpermute(Rt, T))
+        for k2 in range(j1 - j0, 0, -INNER):        # block-local indices
+            k1 = max(k2 - INNER, 0)
+            for k in range(k2 - 1, k1 - 1, -1):
+                j = j0 + k
+                om = Y[j] if k == k2 - 1 else torch.addmv(Y[j], Qb[k + 1:k2].T, Ad[j, j + 1:j0 + k2], alpha=-1,
+                                                          out=omega)
+                _round_column(Tl[j], om, s(j), rounder, Zt, Qb, Ot, Rt, jq=k)
+            Y[j0:j0 + k1].addmm_(Ad[j0:j0 + k1, j0 + k1:j0 + k2], Qb[k1:k2], alpha=-1)
+        Qt.index_copy_(0, T[j0:j1], Qb[: j1 - j0])
+        Y[:j0].addmm_(Ad[:j0, j0:j1], Qb[: j1 - j0], alpha=-1)
+    return _sweep_result(Zt, Qt, Ot, Rt)
 
 
 # ----------------------------------------------------------------------------- public API
