@@ -31,8 +31,9 @@ priority and cross-checked at 1 thread):
   index_add 530 µs, segment_reduce 390 µs; M=8: sparse.mm 164–190 µs vs ELL 3.4–4.4 ms,
   index_add 3.4 ms. MKL also wins on small layers (1 thread, 192×576…2048×640 at 1–5%, M=1
   and 8: 13–136 µs vs ≥ 13 µs for gather+index_add and 35 µs–22 ms at M=8). int64 indices
-  are ~1.5–2× slower than int32. The CSR is rebuilt per call from the dense crow/col/val
-  (3–6 µs) because the custom-op state holds only dense tensors.
+  are ~1.5–2× slower than int32. The custom-op state holds only dense crow/col/val; the
+  sparse tensor over them is built once per layer and cached (``_csr``; building it costs
+  2–6 µs a call, ×120 linears per SmolLM2 step).
 * Bits 5..8 (HPTQ transcodes): z = 16·(a − 8) + (c − 8) + 8 with nibbles a, c (v = z + 128 =
   16a + c). Two int4 planes concatenated along K ([c-plane | a-plane], activations duplicated):
   one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
@@ -315,7 +316,7 @@ class CPUKernel(LatqKernel):
                 xb = torch.cat([xb, xb], 1)
             y = _ops()[1](xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
         if state.crow is not None and not large:
-            csr = torch.sparse_csr_tensor(state.crow, state.col, state.val, (N, K), check_invariants=False)
+            csr = _csr(state)
             xf = x2.float()
             ys = torch.mv(csr, xf[0]) if M == 1 else torch.sparse.mm(csr, xf.t()).t()   # fp32
             if dtype == torch.bfloat16 and bias is None:
@@ -329,6 +330,23 @@ class CPUKernel(LatqKernel):
         if not y.is_contiguous():
             y = y.contiguous()
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
+
+
+_CSR: dict[tuple, tuple] = {}
+
+
+def _csr(state: CPUState) -> torch.Tensor:
+    """The layer's fp32 CSR as a torch sparse tensor, built on first use and kept (the op's
+    state holds only dense tensors). Keyed by the dense tensors' addresses; the entry holds
+    those tensors, so an address cannot be reused by another layer while cached."""
+    key = (state.crow.data_ptr(), state.col.data_ptr(), state.val.data_ptr(), state.out_features,
+           state.in_features)
+    hit = _CSR.get(key)
+    if hit is None:
+        csr = torch.sparse_csr_tensor(state.crow, state.col, state.val, (state.out_features, state.in_features),
+                                      check_invariants=False)
+        hit = _CSR[key] = (state.crow, state.col, state.val, csr)
+    return hit[3]
 
 
 # ----------------------------------------------------------------------------- large M
@@ -408,3 +426,4 @@ def _cached_weight(state: CPUState) -> torch.Tensor:
 
 def clear_prefill_cache() -> None:
     _CACHE.clear()
+    _CSR.clear()

@@ -12,6 +12,14 @@ any other kernel launch.
 
 Ops are registered lazily, once per process, when a layer first selects a kernel (vLLM
 loads weights, and so registers the ops, in every worker before it compiles).
+
+Registration goes through ``torch.library.Library`` (define + one
+``CompositeExplicitAutograd`` kernel + a fake), the way vLLM registers its own ops, not
+``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers
+(measured per call on a trivial op, 1 thread: 9.8 µs under ``inference_mode``, 16.6 µs under
+``no_grad`` vs 6.1–6.2 µs for the plain registration, 2.0 µs for the bare Python function)
+— at 120 latq linears per decode step of SmolLM2 that is 0.5–1.3 ms per step. The ops are
+inference-only (no autograd formula).
 """
 from __future__ import annotations
 
@@ -23,6 +31,8 @@ import torch
 from .selector import LatqKernel
 
 NAMESPACE = "latq"
+SCHEMA = "(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor"
+_LIB: "torch.library.Library | None" = None
 _OPS: dict[str, tuple[type[LatqKernel], "torch._ops.OpOverload"]] = {}
 
 
@@ -39,17 +49,22 @@ def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
             raise ValueError(f"two latq kernels map to op {NAMESPACE}::{name}: {registered} and {kernel}")
         return op
 
+    global _LIB
+    apply, unflatten = kernel.apply, kernel.unflatten
+
     def impl(x: torch.Tensor, tensors: list[Optional[torch.Tensor]], ints: list[int],
              bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-        return kernel.apply(kernel.unflatten(list(tensors), list(ints)), x, bias)
+        return apply(unflatten(tensors, ints), x, bias)
 
-    impl.__name__ = name
-    custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
-
-    @custom.register_fake
-    def _fake(x, tensors, ints, bias, out_features):
+    def fake(x, tensors, ints, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    impl.__name__ = name
+    if _LIB is None:
+        _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+    _LIB.define(name + SCHEMA)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
     _OPS[name] = (kernel, op)
     return op

@@ -53,7 +53,18 @@ def flatten_dataclass(state: Any) -> tuple[list[torch.Tensor | None], list[int]]
     return tensors, ints
 
 
+_POSITIONAL: dict[type, bool] = {}
+
+
 def unflatten_dataclass(cls: type, tensors, ints) -> Any:
+    """Inverse of :func:`flatten_dataclass`. Runs once per custom-op call: when every tensor
+    field precedes every int field (checked once per class) it is one positional call."""
+    pos = _POSITIONAL.get(cls)
+    if pos is None:
+        flags = [_is_tensor_field(f) for f in dataclasses.fields(cls)]
+        pos = _POSITIONAL[cls] = flags == sorted(flags, reverse=True)
+    if pos:
+        return cls(*tensors, *ints)
     kw, ti, ii = {}, iter(tensors), iter(ints)
     for f in dataclasses.fields(cls):
         kw[f.name] = next(ti) if _is_tensor_field(f) else next(ii)
