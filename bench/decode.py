@@ -14,6 +14,15 @@ The reference kernel (re-dequantizes every call) runs --reference-tokens (16) on
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every
 kernel whose ``can_implement`` accepts the layers, plus the reference).
 
+``--profile``: after the timed runs, each engine generates once more (batch 1, the same
+tokens) under ``torch.profiler`` and the step time is split into the linears of the decoder
+blocks (vLLM's bf16 GEMM ops ``_C::onednn_mm`` & co., the ``latq::*_linear`` custom ops in
+compiled mode, a ``latq::linear`` record around the eager latq call), the lm_head (a
+``bench::lm_head`` record around vLLM's ``LogitsProcessor._get_logits``) and everything
+else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
+``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
+adds per-op overhead, so the profiled step is printed next to the unprofiled one.
+
 The last line is ``HEADLINE ...`` with latq/bf16 tok/s ratios of the default kernel
 selection, batch 1 and 8, eager and compiled.
 """
@@ -61,8 +70,60 @@ def _measure(job: dict) -> dict:
         med = statistics.median(times)
         out["runs"][str(b)] = {"times": [round(x, 3) for x in times], "median_s": med,
                                "tok_s": b * job["tokens"] / med, "ms_per_step": 1000 * med / job["tokens"]}
+    if job.get("profile"):
+        out["profile"] = _profile(llm, job)
     del llm, log_kernels
     return out
+
+
+# names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
+LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::")
+
+
+def _profile(llm, job: dict) -> dict:
+    """One batch-1 generate under torch.profiler → ms per step in linears / lm_head / rest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from vllm import SamplingParams
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_latq import linear_method
+
+    sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
+    orig = LogitsProcessor._get_logits
+
+    def head(self, *a, **k):
+        with record_function("bench::lm_head"):
+            return orig(self, *a, **k)
+
+    LogitsProcessor._get_logits = head
+    linear_method.PROFILE_RECORD = True
+    try:
+        llm.generate([PROMPTS[0]], sp, use_tqdm=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            llm.generate([PROMPTS[0]], sp, use_tqdm=False)
+            wall = time.perf_counter() - t
+    finally:
+        LogitsProcessor._get_logits = orig
+        linear_method.PROFILE_RECORD = False
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    heads = [(e.time_range.start, e.time_range.end) for e in evs if e.name == "bench::lm_head"]
+    tid = next((e.thread for e in evs if e.name == "bench::lm_head"), None)
+    lin, head_us, last_end = 0.0, sum(b - a for a, b in heads), -1.0
+    for e in sorted((e for e in evs if e.thread == tid and any(k in e.name for k in LINEAR_OPS)),
+                    key=lambda e: e.time_range.start):
+        a, b = e.time_range.start, e.time_range.end
+        if a < last_end or any(h0 <= a and b <= h1 for h0, h1 in heads):
+            continue   # nested inside a counted linear, or part of the lm_head
+        lin += b - a
+        last_end = b
+    n = job["tokens"]
+    step = 1000 * wall / n
+    lin_ms, head_ms = lin / 1000 / n, head_us / 1000 / n
+    return {"step_ms": step, "linears_ms": lin_ms, "lm_head_ms": head_ms,
+            "other_ms": step - lin_ms - head_ms, "outside_linears_share": (step - lin_ms - head_ms) / step,
+            "head_calls": len(heads)}
 
 
 def worker(jobs_file: str, out_file: str) -> None:
@@ -137,6 +198,8 @@ def main(argv=None) -> None:
                     help="new tokens for the reference kernel (seconds per step on CPU)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
     ap.add_argument("--json", default=None, help="also write all results here")
     ap.add_argument("--worker", nargs=2, metavar=("JOBS", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -163,7 +226,7 @@ def main(argv=None) -> None:
             ref = j["kernel"] == "reference"
             j.update(mode=mode, dtype=a.dtype, batches=batches, kv_bytes=a.kv_bytes,
                      tokens=a.reference_tokens if ref else a.tokens,
-                     repeats=a.reference_repeats if ref else a.repeats)
+                     repeats=a.reference_repeats if ref else a.repeats, profile=a.profile)
         menv = dict(env)
         if mode == "eager":
             menv["TORCH_COMPILE_DISABLE"] = "1"
@@ -204,6 +267,13 @@ def main(argv=None) -> None:
     for r in results:
         if r.get("load_line"):
             print(f"  {r['mode']} {r['label']}: {r['load_line']}")
+    for r in results:
+        pr = r.get("profile")
+        if pr:
+            unprof = r["runs"].get("1", {}).get("ms_per_step", float("nan"))
+            print(f"PROFILE mode={r['mode']} weights={r['label']} batch=1 step_ms={pr['step_ms']:.2f} "
+                  f"(unprofiled {unprof:.2f}) linears_ms={pr['linears_ms']:.2f} lm_head_ms={pr['lm_head_ms']:.2f} "
+                  f"other_ms={pr['other_ms']:.2f} outside_linears_share={pr['outside_linears_share']:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     head = []

@@ -54,6 +54,10 @@ from .kernels.reference import LatqWeight, transcode
 
 logger = init_logger("vllm.latq")
 
+# bench/decode.py --profile: mark each eager latq linear call for torch.profiler (compiled
+# mode shows the custom op ``latq::<kernel>_linear`` by itself)
+PROFILE_RECORD = False
+
 _DTYPES = {"qweight": torch.int32, "scales": torch.float16, "outlier_crow": torch.int32,
            "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
            "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
@@ -313,6 +317,9 @@ class LatqLinearMethod(LinearMethodBase):
         if torch.compiler.is_compiling():
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)
+        if PROFILE_RECORD:
+            with torch.profiler.record_function("latq::linear"):
+                return layer.latq_kernel.apply(layer.latq_state, x, bias)
         return layer.latq_kernel.apply(layer.latq_state, x, bias)
 
 
