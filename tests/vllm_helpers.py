@@ -35,7 +35,7 @@ def smollm2_dir() -> Path:
 
 
 def make_tiny_llama(out: Path, *, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=160, layers=2,
-                    seed=0, tokenizer_dir: Path | None = None) -> Path:
+                    seed=0, tokenizer_dir: Path | None = None, vocab_size: int | None = None) -> Path:
     """A random-weight Llama (fp32 safetensors) using SmolLM2's tokenizer. Defaults make TP=2
     cut down_proj's input (160 → 80 per rank) off the 32-column tiles and off 32-groups, and
     replicate the single k/v head."""
@@ -43,7 +43,7 @@ def make_tiny_llama(out: Path, *, hidden=64, heads=2, kv_heads=1, head_dim=32, i
 
     tokenizer_dir = Path(tokenizer_dir or smollm2_dir())
     tok_cfg = json.loads((tokenizer_dir / "config.json").read_text())
-    cfg = LlamaConfig(vocab_size=tok_cfg["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
+    cfg = LlamaConfig(vocab_size=vocab_size or tok_cfg["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       head_dim=head_dim, max_position_embeddings=512, tie_word_embeddings=True,
                       bos_token_id=tok_cfg.get("bos_token_id"), eos_token_id=tok_cfg.get("eos_token_id"),

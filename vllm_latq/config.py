@@ -76,6 +76,8 @@ class LatqConfig(QuantizationConfig):
         self.bits: int | None = self.spec.bits
         self.group_size: int | None = self.spec.group_size
         self.modules_not_converted: list[str] = list(self.spec.modules_not_converted)
+        # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
+        self.lm_head_quantized: bool = quant_config.get("lm_head_quantized") is True
 
     def __repr__(self) -> str:
         return (f"LatqConfig(method={self.method}, kind={self.kind}, bits={self.bits}, "
@@ -112,9 +114,16 @@ class LatqConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        if isinstance(layer, ParallelLMHead) and self.lm_head_quantized:
+            if not self.is_converted(prefix):
+                raise ValueError(f"latq checkpoint: quantization_config.lm_head_quantized is true but {prefix} is "
+                                 f"listed in modules_not_converted")
+            from .linear_method import LatqLinearMethod
+            return LatqLinearMethod(self)   # LogitsProcessor calls lm_head.quant_method.apply
         if not isinstance(layer, LinearBase):
-            return None  # embeddings, lm_head: unquantized
+            return None  # embeddings, an unquantized lm_head
         if not self.is_converted(prefix):
             return UnquantizedLinearMethod()
         from .linear_method import LatqLinearMethod

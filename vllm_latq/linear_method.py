@@ -46,6 +46,7 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import format as fmt
@@ -80,6 +81,7 @@ class Geometry:
     in_features: int                       # checkpoint columns
     col0: int                              # this rank's first column
     ncols: int                             # this rank's column count
+    pad_rows: int | None = None            # lm_head: rows of this rank's padded vocab shard
 
 
 def geometry(layer, hf_names: list[str]) -> Geometry:
@@ -90,6 +92,16 @@ def geometry(layer, hf_names: list[str]) -> Geometry:
         ncols = layer.input_size_per_partition
         col0 = layer.tp_rank * ncols
     name = hf_names[0] if len(hf_names) == 1 else layer.prefix
+    if isinstance(layer, ParallelLMHead):
+        # vocab rows sharded over ranks; the shard is padded (padding_size) past the real vocab
+        if layer.num_added_embeddings:
+            raise NotImplementedError(f"latq: {layer.prefix}: a quantized lm_head with added (LoRA) vocabulary "
+                                      "is not supported")
+        si = layer.shard_indices
+        r0, r1 = si.org_vocab_start_index, si.org_vocab_end_index
+        geo = _split([layer.org_vocab_size], [(r0, r1 - r0)], hf_names, name, cin, 0, cin)
+        geo.pad_rows = layer.num_embeddings_per_partition
+        return geo
     if isinstance(layer, ReplicatedLinear):
         sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
         return _split(sizes, [(0, s) for s in sizes], hf_names, name, cin, col0, ncols)
@@ -174,6 +186,22 @@ def transcode_rows(z: torch.Tensor, row_scale: torch.Tensor, max_bits: int = 8) 
     return transcode(z, row_scale, max_bits)
 
 
+def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
+    """``w`` with zero rows appended up to ``rows`` (the padded vocabulary of an lm_head
+    shard): integers 0, scales 0, no outliers — the padded logits are exactly 0, as vLLM's
+    zero-filled padding rows give, and are cut off by the LogitsProcessor anyway."""
+    if rows is None or rows == w.out_features:
+        return w
+    extra = rows - w.out_features
+    if extra < 0:
+        raise ValueError(f"latq: {w.out_features} rows do not fit a shard of {rows}")
+    q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32), w.bits)
+    return LatqWeight(torch.cat([w.qweight, q.to(w.qweight.dtype)]),
+                      torch.cat([w.scales, w.scales.new_zeros(extra, w.scales.shape[1])]),
+                      torch.cat([w.crow, w.crow[-1:].expand(extra)]), w.col, w.val, w.bits, w.group_size,
+                      w.in_features)
+
+
 def _merge(parts: list[LatqWeight]) -> LatqWeight:
     if len(parts) == 1:
         return parts[0]
@@ -223,7 +251,7 @@ class LoadState:
         if len(self.stash[shard_id]) == len(self.names):
             self.parts[shard_id] = self._part(exp[shard_id], self.stash.pop(shard_id))
             if len(self.parts) == len(exp):
-                self.weight = self._finish([self.parts[k] for k in exp])
+                self.weight = pad_rows(self._finish([self.parts[k] for k in exp]), self.geo.pad_rows)
                 self.parts.clear()
 
     def _part(self, shard: Shard, t: dict):

@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--order", default=d.order, choices=("act", "min-pivot", "natural"),
                    help="column order (default act)")
     g.add_argument("--damp", type=float, default=d.damp, help="Hessian damping λ = damp·mean(diag H) (default 0.01)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="also quantize the output head (same method; Hessian from the final norm's outputs). "
+                        "A tied head is untied: the embedding stays in the model dtype")
     c = ap.add_argument_group("calibration")
     c.add_argument("--calib", default=d.calib,
                    help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
     try:
         opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size, outlier_rate=a.outlier_rate,
                                target_bits=a.target_bits, order=a.order, damp=a.damp, calib=a.calib,
-                               nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device)
+                               nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device,
+                               quantize_lm_head=a.quantize_lm_head)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except SimulatedInterruption as e:

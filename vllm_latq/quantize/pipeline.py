@@ -65,6 +65,9 @@ class QuantizeOptions:
     seqlen: int = 512
     seed: int = 0
     device: str = "cpu"
+    # also quantize the output head (lm_head) with the same method; a tied head is untied:
+    # the embedding stays in the model dtype, the quantized head is written as ``lm_head.*``
+    quantize_lm_head: bool = False
 
     def __post_init__(self):
         fmt.kind_of(self.method)  # FormatError for an unknown method
@@ -105,7 +108,8 @@ class QuantizeOptions:
             target_bits=self.target_bits, order=self.order, damp=self.damp,
             modules_not_converted=modules_not_converted,
             calibration={"source": _source_label(self.calib), "nsamples": self.nsamples,
-                         "seqlen": self.seqlen, "seed": self.seed})
+                         "seqlen": self.seqlen, "seed": self.seed},
+            **({"lm_head_quantized": True} if self.quantize_lm_head else {}))
 
 
 def _source_label(calib: str) -> str:
@@ -315,8 +319,10 @@ class SharedHessians:
 def _fingerprint(src: Path, opts: QuantizeOptions, sources: SourceWeights, config: dict) -> str:
     """What must not change between an interrupted run and its ``--resume``."""
     files = sorted((f, (src / f).stat().st_size) for f in sources.handles)
+    # quantize_lm_head=False is left out: runs interrupted before the option existed resume
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION,
-                       "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "device"},
+                       "options": {k: v for k, v in dataclasses.asdict(opts).items()
+                                   if k != "device" and not (k == "quantize_lm_head" and not v)},
                        "source": str(src.resolve()), "files": files, "config": config}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -397,6 +403,10 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     for i, layer in enumerate(layers):
         qlinears[i] = list(ckpt.block_linears(layer, f"{prefix}.{i}"))
     quantized = {n for names in qlinears.values() for n in names}
+    head_name = None
+    if opts.quantize_lm_head:
+        head_name, head_src, norm_name = _head_plan(net, head, tied, sources)
+        quantized.add(head_name)
     not_converted = sorted(n for n, m in net.named_modules()
                            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n not in quantized)
 
@@ -517,15 +527,23 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         if stop_after_block is not None and i == stop_after_block:
             raise SimulatedInterruption(f"simulated interruption after block {i}")
     bar.close()
+    head_tensors = {}
+    if head_name is not None:
+        head_tensors = _quantize_head(net, inps, sources, head_name, head_src, norm_name, opts, stats,
+                                      on_layer, device, progress)
     del inps
 
     # ---------------------------------------------------------------- the rest, metadata, rename
-    rest = {n: sources.get(n) for n in sources.names() if n not in block_of and n in expected}
+    rest = {n: sources.get(n) for n in sources.names() if n not in block_of and n in expected
+            and not (head_name is not None and n == f"{head_name}.weight")}
+    rest.update(head_tensors)
     ckpt.write_safetensors(tmp / ckpt.shard_name(nblocks, nshards), rest)
     shards = [ckpt.shard_name(i, nshards) for i in range(nshards)]
     ckpt.write_index(tmp, shards)
     cfg = dict(raw_cfg)
     cfg["quantization_config"] = opts.quantization_config(not_converted)
+    if head_name is not None and tied:
+        cfg["tie_word_embeddings"] = False   # the embedding stays, the head is stored quantized
     ckpt.write_json(tmp / ckpt.CONFIG_FILE, cfg)
     ckpt.copy_aux_files(src, tmp)
     ckpt.write_json(tmp / ckpt.STATS_FILE, _stats_file(stats, opts, src))
@@ -540,6 +558,59 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
              tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
     return out
+
+
+def _head_plan(net, head, tied: bool, sources: SourceWeights) -> tuple[str, str, str]:
+    """For ``--quantize-lm-head``: (head module name, source tensor holding its weight — the
+    embedding when tied —, final norm module name)."""
+    names = {m: n for n, m in net.named_modules()}
+    if not isinstance(head, torch.nn.Linear) or head not in names:
+        raise ckpt.UnsupportedModelError(f"{type(net).__name__}: the output head is not an nn.Linear; "
+                                         "cannot quantize it")
+    if head.bias is not None:
+        raise ckpt.UnsupportedModelError(f"{type(net).__name__}: quantizing an lm_head with a bias is not supported")
+    head_name = names[head]
+    src = f"{head_name}.weight"
+    if tied:
+        emb = net.get_input_embeddings()
+        src = f"{names[emb]}.weight"
+    if src not in sources.where:
+        raise ValueError(f"the head's weight {src} is not in the source safetensors")
+    norm = getattr(net.base_model, "norm", None)
+    if not isinstance(norm, torch.nn.Module) or norm not in names:
+        raise ckpt.UnsupportedModelError(f"{type(net).__name__}: no final norm at {type(net.base_model).__name__}"
+                                         ".norm: cannot compute the lm_head's input activations")
+    return head_name, src, names[norm]
+
+
+def _quantize_head(net, inps: torch.Tensor, sources: SourceWeights, head_name: str, head_src: str,
+                   norm_name: str, opts: QuantizeOptions, stats: list, on_layer, device, progress) -> dict:
+    """Quantize the output head like a block linear: its Hessian is ``XᵀX/n`` of its real inputs,
+    the final norm applied to the last (quantized) block's outputs over all calibration
+    tokens — the same sequential protocol as the blocks. Returns the head's tensors."""
+    from tqdm.auto import tqdm
+
+    norm = net.get_submodule(norm_name)
+    for n, p in list(norm.named_parameters()):
+        ckpt.set_tensor(norm, n, sources.get(f"{norm_name}.{n}").to(device=device, dtype=torch.float32))
+    W = sources.get(head_src).to(device=device, dtype=torch.float32)
+    t0 = time.time()
+    with torch.no_grad():
+        hs = BlockHessian(W.shape[1], device)
+        for j in tqdm(range(len(inps)), desc=f"{head_name}: Hessian", unit="seq", disable=not progress, leave=False):
+            hs.add(norm(inps[j:j + 1]))
+        H = hs.H
+        res = solve(opts.method, W, H, head_name, **opts.solver_kwargs())
+        t = fmt.encode_layer(res, opts.kind)
+        s = _layer_stats(head_name, W.cpu(), H.cpu(), res, t, opts.kind)
+    s["hessian_tokens"] = hs.n
+    stats.append(s)
+    log.info(_log_line(s))
+    log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", head_name, head_src, norm_name, time.time() - t0)
+    if on_layer is not None:
+        on_layer(head_name, W, H, res)
+    ckpt.to_meta(norm)
+    return {f"{head_name}.{sfx}": v for sfx, v in t.items()}
 
 
 def _stats_file(stats: list[dict], opts: QuantizeOptions, src: Path) -> dict:
