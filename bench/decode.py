@@ -186,6 +186,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="bf16 baseline: a reference model name or HF dir")
     ap.add_argument("--ckpt", default=None, help="latq checkpoint (default: cached SSQR checkpoint of --model)")
+    ap.add_argument("--extra-ckpt", action="append", default=[],
+                    help="another latq checkpoint measured in the same run with the first kernel, labelled by "
+                         "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
     ap.add_argument("--method", default="ssqr", help="method of the default checkpoint")
     ap.add_argument("--kernels", default="auto", help="comma list (cpu,triton,reference) or auto")
     ap.add_argument("--modes", default="eager,compiled")
@@ -221,7 +224,8 @@ def main(argv=None) -> None:
     results = []
     for mode in a.modes.split(","):
         jobs = [{"label": "bf16", "model": base, "kernel": None}] + [
-            {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels]
+            {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels] + [
+            {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0]} for e in a.extra_ckpt]
         for j in jobs:
             ref = j["kernel"] == "reference"
             j.update(mode=mode, dtype=a.dtype, batches=batches, kv_bytes=a.kv_bytes,
