@@ -4,6 +4,8 @@ eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
     python bench/decode.py                                  # SmolLM2-135M bf16 vs its SSQR checkpoint
     python bench/decode.py --model gemma3-270m --ckpt DIR   # another pair
     python bench/decode.py --kernels cpu --modes compiled --repeats 5
+    python bench/decode.py --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
+                                                           # --quantize-lm-head checkpoint side by side
 
 Every engine of one mode runs in one fresh process (in-process engine, so start-up stays
 short), one after the other, so the ratios compare runs of the same minute; both modes run
