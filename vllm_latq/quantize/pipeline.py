@@ -492,21 +492,10 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             shard: dict[str, torch.Tensor] = {}
             for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress,
                              leave=False):
-                mod = linears[name]
-                W = mod.weight.detach().float()
-                H = hs.of[name].H
-                res = solve(opts.method, W, H, name, **opts.solver_kwargs())
-                t = fmt.encode_layer(res, opts.kind)
-                for sfx, v in t.items():
-                    shard[f"{name}.{sfx}"] = v
-                s = _layer_stats(name, W.cpu(), H.cpu(), res, t, opts.kind)
-                s["hessian_tokens"] = hs.of[name].n
-                stats.append(s)
-                log.info(_log_line(s))
-                if on_layer is not None:
-                    on_layer(name, W, H, res)
+                W = linears[name].weight.detach().float()
+                res, t = _quantize_linear(name, W, hs.of[name], opts, stats, on_layer)
+                shard.update(t)
                 ckpt.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=torch.float32))
-                del H
             hs = None
             t2 = time.time()
             for j in tqdm(range(len(inps)), desc=f"block {i}: outputs", unit="seq", disable=not progress,
@@ -560,6 +549,22 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     return out
 
 
+def _quantize_linear(name: str, W: torch.Tensor, hs: Hessian, opts: QuantizeOptions, stats: list,
+                     on_layer) -> tuple:
+    """Solve one linear on its accumulated Hessian, log and record its stats → (result, its
+    checkpoint tensors named ``<name>.<suffix>``)."""
+    H = hs.H
+    res = solve(opts.method, W, H, name, **opts.solver_kwargs())
+    t = fmt.encode_layer(res, opts.kind)
+    s = _layer_stats(name, W.cpu(), H.cpu(), res, t, opts.kind)
+    s["hessian_tokens"] = hs.n
+    stats.append(s)
+    log.info(_log_line(s))
+    if on_layer is not None:
+        on_layer(name, W, H, res)
+    return res, {f"{name}.{sfx}": v for sfx, v in t.items()}
+
+
 def _head_plan(net, head, tied: bool, sources: SourceWeights) -> tuple[str, str, str]:
     """For ``--quantize-lm-head``: (head module name, source tensor holding its weight — the
     embedding when tied —, final norm module name)."""
@@ -599,18 +604,10 @@ def _quantize_head(net, inps: torch.Tensor, sources: SourceWeights, head_name: s
         hs = BlockHessian(W.shape[1], device)
         for j in tqdm(range(len(inps)), desc=f"{head_name}: Hessian", unit="seq", disable=not progress, leave=False):
             hs.add(norm(inps[j:j + 1]))
-        H = hs.H
-        res = solve(opts.method, W, H, head_name, **opts.solver_kwargs())
-        t = fmt.encode_layer(res, opts.kind)
-        s = _layer_stats(head_name, W.cpu(), H.cpu(), res, t, opts.kind)
-    s["hessian_tokens"] = hs.n
-    stats.append(s)
-    log.info(_log_line(s))
+        _, t = _quantize_linear(head_name, W, hs, opts, stats, on_layer)
     log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", head_name, head_src, norm_name, time.time() - t0)
-    if on_layer is not None:
-        on_layer(head_name, W, H, res)
     ckpt.to_meta(norm)
-    return {f"{head_name}.{sfx}": v for sfx, v in t.items()}
+    return t
 
 
 def _stats_file(stats: list[dict], opts: QuantizeOptions, src: Path) -> dict:
