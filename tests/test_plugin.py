@@ -243,19 +243,20 @@ def test_fused_on_disk_qkv_and_errors():
             st.add(name, x, None)
 
 
-def test_transcode_rows_matches_reference_transcode():
+def test_transcode_row_scales_match_scalar_scale():
+    """HPTQ transcode with one scale per row (fused layers) equals the per-matrix form."""
     z = torch.round(torch.randn(48, 100) * 3).int()
     z[3, 7] = 500
-    a = lm.transcode_rows(z, torch.full((48,), 0.03125))
+    a = transcode(z, torch.full((48,), 0.03125))
     b = transcode(z, 0.03125)
     for f in ("qweight", "scales", "crow", "col", "val"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert (a.bits, a.group_size, a.in_features) == (b.bits, b.group_size, b.in_features)
     s = (torch.rand(48) + 0.01).half().float()  # per-row scales (fused q/k/v)
-    w = lm.transcode_rows(z, s)
+    w = transcode(z, s)
     assert torch.equal(dequantize(w), z.float() * s[:, None])
     with pytest.raises(ValueError, match="fp16-exact"):
-        lm.transcode_rows(z, torch.full((48,), 0.1))
+        transcode(z, torch.full((48,), 0.1))
 
 
 def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):

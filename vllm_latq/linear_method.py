@@ -181,11 +181,6 @@ def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int) -
                       torch.cat(co).to(torch.int32), torch.cat(va), bits, g_eff, n)
 
 
-def transcode_rows(z: torch.Tensor, row_scale: torch.Tensor, max_bits: int = 8) -> LatqWeight:
-    """Per-row-scale transcode (a fused layer's parts keep their own per-matrix scale)."""
-    return transcode(z, row_scale, max_bits)
-
-
 def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
     """``w`` with zero rows appended up to ``rows`` (the padded vocabulary of an lm_head
     shard): integers 0, scales 0, no outliers — the padded logits are exactly 0, as vLLM's
@@ -279,7 +274,7 @@ class LoadState:
         z = torch.cat([p[0] for p in parts])
         s = torch.cat([p[1] for p in parts])
         try:
-            return transcode_rows(z, s)
+            return transcode(z, s)   # per-row scales: a fused layer's parts keep their own
         except ValueError as e:
             raise fmt.FormatError(f"latq checkpoint: layer {self.prefix}: {e}") from e
 

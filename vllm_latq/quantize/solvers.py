@@ -139,8 +139,9 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
     column first receives the errors of the sub-block's earlier columns (one GEMV:
     left-looking, so a column costs a handful of vector ops), then each finished sub-block
     updates the rest of its block (rank-16 GEMM) and each block all later columns (rank-
-    ``block_size`` GEMM). ``W``: ``[out, in]``; ``scales``: see :func:`_column_scales`. Errors are stored unscaled, against ``U`` with rows divided
-    by their diagonal (``U_jl / U_jj``: the same update as GPTQ's ``(w−q)/U_jj · U_jl``).
+    ``block_size`` GEMM). ``W``: ``[out, in]``; ``scales``: see :func:`_column_scales`.
+    Errors are stored unscaled, against ``U`` with rows divided by their diagonal
+    (``U_jl / U_jj``: the same update as GPTQ's ``(w−q)/U_jj · U_jl``).
     Outputs are written straight to their column's row (``p[j]``), so only a transpose is
     left at the end."""
     p, Ud = lat.perm, lat.Ud
