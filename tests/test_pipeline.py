@@ -209,10 +209,39 @@ def test_calibration_from_jsonl(tiny_llama, tmp_path):
     from vllm_latq import data
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join(json.dumps({"text": a}) for a in data.wiki_split()[0][:40]))
-    d = quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method="rtn", calib=str(calib), **TINY_OPTS),
+    d = quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method="gptq", calib=str(calib), **TINY_OPTS),
                        progress=False)
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
     assert qc["calibration"] == {"source": "calib.jsonl", "nsamples": 4, "seqlen": 64, "seed": 0}
+
+
+@pytest.mark.parametrize("method", ["rtn", "hrtn"])
+def test_uncalibrated_methods_skip_calibration(tiny_llama, tmp_path, monkeypatch, method):
+    """RTN/HRTN ignore H: no calibration text is read, no block is run, and the checkpoint says
+    so (no calibration record, no H-weighted error) — while the weights equal the solver's."""
+    from vllm_latq import data
+    from vllm_latq.quantize import pipeline
+
+    def boom(*a, **k):
+        raise AssertionError("calibration used by an uncalibrated method")
+    monkeypatch.setattr(data, "calibration_batches", boom)
+    monkeypatch.setattr(pipeline, "run_block", boom)
+    results, hessians = {}, []
+
+    def on_layer(n, W, H, r):
+        results[n] = r
+        hessians.append(H)
+    d = quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method=method, bits=3, target_bits=3.5,
+                                                                     **TINY_OPTS), progress=False, on_layer=on_layer)
+    assert hessians and all(H is None for H in hessians)
+    assert set(results) == set(ckpt.Checkpoint(d).layers())
+    assert_dequantized_equals(d, results)
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert qc.get("calibration") is None
+    stats = json.loads((d / "latq_stats.json").read_text())
+    assert all(s["rel_error"] is None and s["hessian_tokens"] == 0 for s in stats["layers"])
+    assert stats["totals"]["rel_error_mean"] is None
+    ckpt.validate_checkpoint(d)
 
 
 # ----------------------------------------------------------------------------- latq-eval

@@ -12,6 +12,9 @@ captured once; then for every block i
    block i+1,
 5. the block's shard is written (with the activations and progress, for ``--resume``).
 
+RTN and HRTN ignore activations, so for them steps 2 and 4 (and the calibration data) are
+skipped: they quantize at the speed of reading the weights.
+
 The keyword arguments a block receives from the model (position embeddings, attention masks:
 they differ per layer type in Gemma3) are captured from one real forward call per block, with
 the blocks replaced by catchers, and replayed. Everything is deterministic: the same source,
@@ -40,11 +43,12 @@ from .lattice import layer_error
 
 log = logging.getLogger("vllm_latq.quantize")
 
+UNCALIBRATED = ("rtn", "hrtn")  # solvers that ignore H
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
 TMP_SUFFIX = ".tmp-latq"
 PROGRESS_FILE = "latq_progress.json"
 ACTS_FILE = "latq_activations.safetensors"
-PIPELINE_VERSION = 2  # part of the resume fingerprint
+PIPELINE_VERSION = 3  # part of the resume fingerprint (3: RTN/HRTN run uncalibrated)
 
 
 class SimulatedInterruption(RuntimeError):
@@ -88,6 +92,11 @@ class QuantizeOptions:
     def kind(self) -> str:
         return fmt.kind_of(self.method)
 
+    @property
+    def calibrated(self) -> bool:
+        """RTN and HRTN never look at activations: their pipeline runs no calibration forwards."""
+        return self.method not in UNCALIBRATED
+
     def solver_kwargs(self) -> dict:
         m = self.method
         if m == "ssqr":
@@ -108,7 +117,7 @@ class QuantizeOptions:
             target_bits=self.target_bits, order=self.order, damp=self.damp,
             modules_not_converted=modules_not_converted,
             calibration={"source": _source_label(self.calib), "nsamples": self.nsamples,
-                         "seqlen": self.seqlen, "seed": self.seed},
+                         "seqlen": self.seqlen, "seed": self.seed} if self.calibrated else None,
             **({"lm_head_quantized": True} if self.quantize_lm_head else {}))
 
 
@@ -243,6 +252,15 @@ def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return y[0] if isinstance(y, (tuple, list)) else y
 
 
+def block_outputs(layer, inps: torch.Tensor, kw: dict, desc: str, progress: bool) -> torch.Tensor:
+    """The block's outputs for every calibration sequence, one sequence per call."""
+    from tqdm.auto import tqdm
+    outs = torch.empty_like(inps)
+    for j in tqdm(range(len(inps)), desc=f"{desc}: outputs", unit="seq", disable=not progress, leave=False):
+        outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
+    return outs
+
+
 # ============================================================================ Hessians
 
 PRODUCT_ROWS = 512  # rows per fp32 XᵀX product; products are summed in fp64
@@ -314,6 +332,19 @@ class SharedHessians:
             h.remove()
 
 
+def block_hessians(layer, linears: dict, inps: torch.Tensor, kw: dict, desc: str, progress: bool) -> SharedHessians:
+    """Run the (unquantized) block on every calibration sequence with Hessian hooks."""
+    from tqdm.auto import tqdm
+    hs = SharedHessians(linears)
+    try:
+        for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians", unit="seq", disable=not progress, leave=False):
+            run_block(layer, inps[j:j + 1], kw)
+            hs.end_forward()
+    finally:
+        hs.remove()
+    return hs
+
+
 # ============================================================================ the pipeline
 
 def _fingerprint(src: Path, opts: QuantizeOptions, sources: SourceWeights, config: dict) -> str:
@@ -328,9 +359,10 @@ def _fingerprint(src: Path, opts: QuantizeOptions, sources: SourceWeights, confi
 
 
 def _layer_stats(name, W, H, res, t, kind) -> dict:
-    """Per-layer record for latq_stats.json (deterministic: no timings)."""
-    num = layer_error(W, res.q, H).sum().item()
-    den = layer_error(W, torch.zeros_like(W), H).sum().item()
+    """Per-layer record for latq_stats.json (deterministic: no timings). Without a Hessian
+    (uncalibrated methods) there is no output error to report: ``rel_error`` is None."""
+    num = layer_error(W, res.q, H).sum().item() if H is not None else None
+    den = layer_error(W, torch.zeros_like(W), H).sum().item() if H is not None else None
     cert = None
     if res.bound is not None:
         err = res.error(W, H)
@@ -338,14 +370,15 @@ def _layer_stats(name, W, H, res, t, kind) -> dict:
     st = fmt.layer_stats(t, kind, tuple(W.shape))
     return {"name": name, "method": res.method, "shape": list(W.shape), "bits": st["bits"],
             "solver_bits": float(res.bits_per_weight), "outlier_rate": st["outlier_rate"],
-            "rel_error": num / den if den > 0 else 0.0, "cert": cert,
+            "rel_error": None if H is None else num / den if den > 0 else 0.0, "cert": cert,
             "damp": res.damp, "alpha": res.info.get("alpha")}
 
 
 def _log_line(s: dict) -> str:
     cert = f"{s['cert']:.3f}" if s["cert"] is not None else "—"
+    rel = f"{s['rel_error']:.3e}" if s["rel_error"] is not None else "—"
     return (f"{s['name']}: {s['method']} {s['bits']:.3f} bits/w, outliers {100 * s['outlier_rate']:.3f}%, "
-            f"rel.err {s['rel_error']:.3e}, cert {cert}")
+            f"rel.err {rel}, cert {cert}")
 
 
 def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: QuantizeOptions | None = None, *,
@@ -433,9 +466,13 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     stats: list[dict] = state["stats"] if state else []
     nshards = nblocks + 1
 
-    tok = AutoTokenizer.from_pretrained(src)
-    calib = data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
-                                     source=opts.calib)
+    calibrated = opts.calibrated
+    if not calibrated and str(opts.calib) != "wiki":
+        log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
+    if calibrated:
+        tok = AutoTokenizer.from_pretrained(src)
+        calib = data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
+                                         source=opts.calib)
 
     # ---------------------------------------------------------------- block-0 inputs, per-block kwargs
     outside = [n for n in expected if n not in block_of and not n.rpartition(".")[0] in head_names
@@ -446,8 +483,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = b.to(device)
+    inps = kwargs = None
     with torch.no_grad():
-        if start == 0:
+        if not calibrated:
+            pass
+        elif start == 0:
             inps = torch.empty(len(calib), opts.seqlen, config.hidden_size, dtype=torch.float32, device=device)
             kwargs = None
             for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
@@ -463,7 +503,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             inps = acts.get("hidden").to(device)
             log.info("resuming after block %d of %d", start - 1, nblocks)
     ckpt.to_meta(net)  # embeddings are not needed any more
-    if len(kwargs) != nblocks:
+    if calibrated and len(kwargs) != nblocks:
         raise ckpt.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {nblocks} decoder blocks")
 
     # ---------------------------------------------------------------- blocks
@@ -476,31 +516,23 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         for n in names:
             ckpt.set_tensor(net, n, sources.get(n).to(device=device, dtype=torch.float32))
         linears = ckpt.block_linears(layer, f"{prefix}.{i}")
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs[i].items()}
-        outs = torch.empty_like(inps)
         t0 = time.time()
         with torch.no_grad():
-            hs = SharedHessians(linears)
-            try:
-                for j in tqdm(range(len(inps)), desc=f"block {i}: Hessians", unit="seq", disable=not progress,
-                              leave=False):
-                    run_block(layer, inps[j:j + 1], kw)
-                    hs.end_forward()
-            finally:
-                hs.remove()
+            if calibrated:
+                kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs[i].items()}
+                hs = block_hessians(layer, linears, inps, kw, f"block {i}", progress)
             t1 = time.time()
             shard: dict[str, torch.Tensor] = {}
             for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress,
                              leave=False):
                 W = linears[name].weight.detach().float()
-                res, t = _quantize_linear(name, W, hs.of[name], opts, stats, on_layer)
+                res, t = _quantize_linear(name, W, hs.of[name] if calibrated else None, opts, stats, on_layer)
                 shard.update(t)
                 ckpt.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=torch.float32))
             hs = None
             t2 = time.time()
-            for j in tqdm(range(len(inps)), desc=f"block {i}: outputs", unit="seq", disable=not progress,
-                          leave=False):
-                outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
+            if calibrated:
+                inps = block_outputs(layer, inps, kw, f"block {i}", progress)
             log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, nblocks, t1 - t0,
                      t2 - t1, time.time() - t2)
         for n in names:  # the rest of the block in its original dtype and name
@@ -509,9 +541,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             shard[n] = sources.get(n)
         ckpt.write_safetensors(tmp / ckpt.shard_name(i, nshards), shard)
         ckpt.to_meta(layer)
-        inps = outs
-        del outs
-        ckpt.write_safetensors(tmp / ACTS_FILE, {"hidden": inps}, {"blocks_done": str(i + 1)})
+        if calibrated:
+            ckpt.write_safetensors(tmp / ACTS_FILE, {"hidden": inps}, {"blocks_done": str(i + 1)})
         ckpt.write_json(tmp / PROGRESS_FILE, {"fingerprint": fp, "blocks_done": i + 1, "stats": stats})
         if stop_after_block is not None and i == stop_after_block:
             raise SimulatedInterruption(f"simulated interruption after block {i}")
@@ -536,7 +567,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     ckpt.write_json(tmp / ckpt.CONFIG_FILE, cfg)
     ckpt.copy_aux_files(src, tmp)
     ckpt.write_json(tmp / ckpt.STATS_FILE, _stats_file(stats, opts, src))
-    (tmp / ACTS_FILE).unlink()
+    (tmp / ACTS_FILE).unlink(missing_ok=True)
     (tmp / PROGRESS_FILE).unlink()
     if validate:
         ckpt.validate_checkpoint(tmp, decode=True, verify_checksums=False)
@@ -553,11 +584,11 @@ def _quantize_linear(name: str, W: torch.Tensor, hs: Hessian, opts: QuantizeOpti
                      on_layer) -> tuple:
     """Solve one linear on its accumulated Hessian, log and record its stats → (result, its
     checkpoint tensors named ``<name>.<suffix>``)."""
-    H = hs.H
+    H = hs.H if hs is not None else None
     res = solve(opts.method, W, H, name, **opts.solver_kwargs())
     t = fmt.encode_layer(res, opts.kind)
-    s = _layer_stats(name, W.cpu(), H.cpu(), res, t, opts.kind)
-    s["hessian_tokens"] = hs.n
+    s = _layer_stats(name, W.cpu(), H.cpu() if H is not None else None, res, t, opts.kind)
+    s["hessian_tokens"] = hs.n if hs is not None else 0
     stats.append(s)
     log.info(_log_line(s))
     if on_layer is not None:
@@ -601,9 +632,12 @@ def _quantize_head(net, inps: torch.Tensor, sources: SourceWeights, head_name: s
     W = sources.get(head_src).to(device=device, dtype=torch.float32)
     t0 = time.time()
     with torch.no_grad():
-        hs = BlockHessian(W.shape[1], device)
-        for j in tqdm(range(len(inps)), desc=f"{head_name}: Hessian", unit="seq", disable=not progress, leave=False):
-            hs.add(norm(inps[j:j + 1]))
+        hs = None
+        if inps is not None:  # None: an uncalibrated method
+            hs = BlockHessian(W.shape[1], device)
+            for j in tqdm(range(len(inps)), desc=f"{head_name}: Hessian", unit="seq", disable=not progress,
+                          leave=False):
+                hs.add(norm(inps[j:j + 1]))
         _, t = _quantize_linear(head_name, W, hs, opts, stats, on_layer)
     log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", head_name, head_src, norm_name, time.time() - t0)
     ckpt.to_meta(norm)
@@ -614,8 +648,9 @@ def _stats_file(stats: list[dict], opts: QuantizeOptions, src: Path) -> dict:
     n = sum(s["shape"][0] * s["shape"][1] for s in stats)
     wavg = lambda k: sum(s[k] * s["shape"][0] * s["shape"][1] for s in stats) / n if n else 0.0  # noqa: E731
     certs = [s["cert"] for s in stats if s["cert"] is not None]
+    rels = [s["rel_error"] for s in stats if s["rel_error"] is not None]
     return {"format_version": fmt.FORMAT_VERSION, "method": opts.method, "source": src.name,
             "layers": stats,
             "totals": {"layers": len(stats), "quantized_params": n, "bits_per_weight": wavg("bits"),
-                       "outlier_rate": wavg("outlier_rate"), "rel_error_mean": sum(s["rel_error"] for s in stats)
-                       / max(1, len(stats)), "cert_max": max(certs) if certs else None}}
+                       "outlier_rate": wavg("outlier_rate"), "rel_error_mean": sum(rels) / len(rels)
+                       if rels else None, "cert_max": max(certs) if certs else None}}
