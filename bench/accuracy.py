@@ -109,6 +109,19 @@ def sweep_configs(model: str, group_size: int) -> list[Config]:
     return out
 
 
+def run_priority(cfg: Config, models) -> tuple:
+    """Run order, so that an unfinished study already answers the paper's main questions:
+    bf16 and the calibration-free baselines (seconds), then 3-bit (HPTQ vs GPTQ), 4-bit
+    (SSQR near-lossless), 2-bit, then the ordering ablation; models alternate in each round."""
+    if cfg.family == "bf16" or cfg.family in ("RTN", "HRTN"):
+        rnd = 0
+    elif cfg.tag:
+        rnd = 4
+    else:
+        rnd = {3: 1, 4: 2, 2: 3}[cfg.level]
+    return rnd, list(models).index(cfg.model)
+
+
 def tiny_configs(model: str, group_size: int) -> list[Config]:
     return [Config(model, "bf16", None),
             _cfg(model, "GPTQ", 3, method="gptq", bits=3, group_size=group_size),
@@ -205,10 +218,44 @@ def _cert_record(name: str, W, H, res) -> dict:
             "row_median": float(ratio.median())}
 
 
+def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict], float]:
+    """Quantize one configuration into ``ck`` → (certificate records, seconds). An interrupted
+    run continues from its last finished block; the records of the blocks done before the
+    interruption come from the journal ``<slug>.certs.jsonl`` written as layers finish."""
+    from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
+
+    opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
+    journal = ck.with_name(cfg.slug + ".certs.jsonl")
+    if not ck.with_name(ck.name + TMP_SUFFIX).exists():
+        journal.unlink(missing_ok=True)
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    def on_layer(name, W, H, res):
+        if res.bound is not None:
+            with journal.open("a") as f:
+                f.write(json.dumps(_cert_record(name, W, H, res)) + "\n")
+    try:
+        quantize_model(src, ck, opts, overwrite=True, resume=True, on_layer=on_layer)
+    except ValueError as e:
+        if "--resume" not in str(e):
+            raise
+        log.warning("%s: cannot resume (%s): starting over", cfg.label, e)
+        journal.unlink(missing_ok=True)
+        quantize_model(src, ck, opts, overwrite=True, on_layer=on_layer)
+    recs = {}
+    if journal.is_file():
+        for line in journal.read_text().splitlines():
+            if line.strip():
+                c = json.loads(line)
+                recs[c["name"]] = c  # a block redone after an interruption: its last record
+        journal.unlink()
+    return list(recs.values()), round(time.time() - t0, 1)
+
+
 def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
     """Quantize + evaluate one configuration, or return its cached result."""
     from vllm_latq.quantize.evaluate import evaluate
-    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
     path = root / "results" / cfg.model / f"{cfg.slug}.json"
     key = st.key()
@@ -225,15 +272,14 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
         target = str(src)
     else:
         ck = root / "checkpoints" / cfg.model / cfg.slug
-        opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
-
-        def on_layer(name, W, H, res):
-            if res.bound is not None:
-                certs.append(_cert_record(name, W, H, res))
-
-        quantize_model(src, ck, opts, overwrite=True, on_layer=on_layer)
-        tq = time.time() - t0
         target = str(ck)
+        done = ck.with_name(cfg.slug + ".quantized.json")  # an evaluation was interrupted: keep the checkpoint
+        q = _cached(done, key)
+        if q is not None and (ck / "latq_stats.json").is_file():
+            certs, tq = q["certificate"], q["quantize_seconds"]
+        else:
+            certs, tq = _quantize(cfg, st, src, ck)
+            _write_json(done, {"certificate": certs, "quantize_seconds": tq, "settings": key})
     ev = evaluate(target, seqlen=st.eval_seqlen, nwindows=st.nwindows)
     r = {"model": cfg.model, "label": cfg.label, "family": cfg.family, "level": cfg.level, "tag": cfg.tag,
          "options": cfg.kwargs, "bits": ev["bits"], "outlier_rate": ev.get("outlier_rate", 0.0),
@@ -246,6 +292,7 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
+        Path(target).with_name(cfg.slug + ".quantized.json").unlink(missing_ok=True)
     _write_json(path, r)
     log.info("done: %s %s: %.3f bits/w, ppl %.3f (%.0fs)", cfg.model, cfg.label, r["bits"], r["ppl"],
              time.time() - t0)
@@ -570,6 +617,7 @@ def _run(a, argv) -> int:
 
     from tqdm.auto import tqdm
     configs = [c for m in models for c in (tiny_configs if a.tiny else sweep_configs)(m, st.group_size)]
+    configs.sort(key=lambda c: run_priority(c, models))
     if a.only:
         configs = [c for c in configs if c.label in a.only]
     t0 = time.time()

@@ -100,3 +100,22 @@ def test_tiny_study(tmp_path, caplog):
     second = caplog.text
     assert "running:" not in second
     assert second.count("cached:") == 5  # 4 configurations + the ordering study
+
+
+def test_interrupted_configuration_resumes_with_every_certificate(tiny_llama, tmp_path, monkeypatch, caplog):
+    """A configuration interrupted after block 0 continues from block 1 on the next run, and
+    its certificate still lists every layer, equal to an uninterrupted run's."""
+    from vllm_latq.quantize.pipeline import STOP_ENV, SimulatedInterruption
+    study = _study()
+    st = study.Settings(nsamples=4, seqlen=64)
+    cfg = study._cfg("tiny", "SSQR-1%", 3, method="ssqr", bits=3, group_size=64, outlier_rate=0.01)
+    full, _ = study._quantize(cfg, st, tiny_llama, tmp_path / "a" / cfg.slug)
+    monkeypatch.setenv(STOP_ENV, "0")
+    with pytest.raises(SimulatedInterruption):
+        study._quantize(cfg, st, tiny_llama, tmp_path / "b" / cfg.slug)
+    monkeypatch.delenv(STOP_ENV)
+    with caplog.at_level(logging.INFO, logger="vllm_latq.quantize"):
+        resumed, _ = study._quantize(cfg, st, tiny_llama, tmp_path / "b" / cfg.slug)
+    assert "resuming after block 0" in caplog.text
+    assert len(full) == 14 and sorted(full, key=lambda c: c["name"]) == sorted(resumed, key=lambda c: c["name"])
+    assert not list((tmp_path / "b").glob("*.jsonl"))
