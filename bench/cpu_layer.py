@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_latq import format as fmt
-from vllm_latq.kernels import cpu
+from vllm_latq.kernels import cpu, cpu_native
 from vllm_latq.kernels.cpu import CPUKernel
 from vllm_latq.kernels.reference import LatqWeight, dequantize
 
@@ -111,10 +111,19 @@ def table(a, results):
                           flush=True)
 
 
+def _torch_path(state, x):
+    cpu.NATIVE = False
+    try:
+        return CPUKernel.apply(state, x)
+    finally:
+        cpu.NATIVE = True
+
+
 def profile(a):
-    print("\nprofile, 4-bit, M=1 (median µs): the int4 op alone, the CSR mv alone, the whole kernel")
+    print("\nprofile, 4-bit, M=1 (median µs): the int4 op alone, the CSR mv alone, the whole kernel "
+          "(C++ op), the whole kernel through its pure-torch path")
     _, mm = cpu._ops()
-    for name in ("4096", "gemma.gate_up", "smol.kv"):
+    for name in ("4096", "gemma.gate_up", "smol.q", "smol.kv"):
         N, K = SHAPES[name]
         for rate in a.rates:
             w = synthetic(N, K, 4, rate)
@@ -124,6 +133,8 @@ def profile(a):
             xf = x.float()
             fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
                    "kernel": lambda: CPUKernel.apply(s, x)}
+            if cpu.NATIVE and cpu_native.available():
+                fns["kernel_torch"] = lambda: _torch_path(s, x)
             if s.crow is not None:
                 csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K), check_invariants=False)
                 fns["csr_mv"] = lambda: torch.mv(csr, xf[0])

@@ -79,7 +79,8 @@ def _measure(job: dict) -> dict:
 
 
 # names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
-LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::")
+LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::",
+              "latq_cpu::")
 
 
 def _profile(llm, job: dict) -> dict:
@@ -134,7 +135,10 @@ def worker(jobs_file: str, out_file: str) -> None:
     for job in jobs:
         os.environ.pop("LATQ_KERNEL", None)
         if job.get("kernel"):
-            os.environ["LATQ_KERNEL"] = job["kernel"]
+            # "cpu-torch": the CPU kernel without its C++ op (the path taken without a compiler)
+            os.environ["LATQ_KERNEL"] = "cpu" if job["kernel"] == "cpu-torch" else job["kernel"]
+        from vllm_latq.kernels import cpu
+        cpu.NATIVE = job.get("kernel") != "cpu-torch"
         try:
             results.append({**job, **_measure(job)})
         except Exception as e:  # noqa: BLE001 - reported in the table
@@ -192,7 +196,8 @@ def main(argv=None) -> None:
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
     ap.add_argument("--method", default="ssqr", help="method of the default checkpoint")
-    ap.add_argument("--kernels", default="auto", help="comma list (cpu,triton,reference) or auto")
+    ap.add_argument("--kernels", default="auto", help="comma list (cpu,cpu-torch,triton,reference) or auto; "
+                    "cpu-torch = the CPU kernel without its C++ op")
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--tokens", type=int, default=128)
@@ -286,6 +291,10 @@ def main(argv=None) -> None:
     best = kernels[0]
     for mode in a.modes.split(","):
         q, ref = find(f"latq-{best}", mode), find("bf16", mode)
+        for e in a.extra_ckpt:   # e.g. a --quantize-lm-head checkpoint
+            x = find(f"latq-{best}:{Path(e).name}", mode)
+            if x and ref and "runs" in x and "runs" in ref and "1" in x["runs"]:
+                head.append(f"{mode}_b1_speedup_{Path(e).name}={x['runs']['1']['tok_s'] / ref['runs']['1']['tok_s']:.2f}")
         for b in batches:
             if q and ref and "runs" in q and "runs" in ref:
                 qt, rt = q['runs'][str(b)]['tok_s'], ref['runs'][str(b)]['tok_s']

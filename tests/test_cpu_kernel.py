@@ -36,6 +36,18 @@ U_BF16 = 2.0 ** -8
 U_OUT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 
 
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def small_m_path(request, monkeypatch):
+    """Every test twice: small M through the C++ op (``cpu_native``) and through the pure-torch
+    path it replaces (the fallback without a compiler); both must meet the same bounds."""
+    if request.param == "native":
+        from vllm_latq.kernels import cpu_native
+        if cpu_native.load() is not None:
+            pytest.skip(f"C++ op unavailable: {cpu_native.load()}")
+    monkeypatch.setattr(cpu, "NATIVE", request.param == "native")
+    return request.param
+
+
 def make_weight(out, cin, bits, rate, group=128, seed=0, heavy_rows=()):
     """Random b-bit inliers (0 at outliers) + CSR outliers at ``rate`` (+ rows mostly outliers)."""
     g = torch.Generator().manual_seed(seed)
@@ -377,3 +389,4 @@ def test_prepare_is_quick():
     t = time.perf_counter()
     CPUKernel.prepare(w)
     assert time.perf_counter() - t < 10.0   # ~0.2 s unloaded; generous for shared CI machines
+

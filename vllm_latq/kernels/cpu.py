@@ -1,6 +1,9 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
-inliers, MKL CSR SpMV/SpMM in fp32 for the outliers; for prefill, a chunked dequantize +
-bf16 GEMM.
+inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM.
+
+Small M runs as one C++ op (``cpu_native``, compiled on first use): the int4 GEMM, then one
+pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast.
+Without a compiler the same math runs as torch calls (MKL CSR mv/mm): ``NATIVE = False``.
 
 The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
 ``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
@@ -56,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import format as fmt
+from . import cpu_native
 from .reference import LatqWeight
 from .selector import LatqKernel
 
@@ -74,6 +78,8 @@ CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 
 # +2 bytes/weight resident: more than the bf16 model itself)
 PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
+# small M through the C++ op (cpu_native) when it builds; False: the pure-torch path below
+NATIVE = True
 
 _PACK = None
 _MM = None
@@ -218,6 +224,14 @@ class CPUKernel(LatqKernel):
                            f"latq group size")
         return True, None
 
+    @classmethod
+    def native_op(cls):
+        """``latq_cpu::linear`` (C++): small M in C++, large M back to ``latq::cpu_linear``."""
+        if not (NATIVE and cpu_native.available()):
+            return None
+        torch.ops.latq_cpu.set_large_m(LARGE_M)
+        return torch.ops.latq_cpu.linear.default
+
     # ------------------------------------------------------------------ prepare
     @classmethod
     def prepare(cls, w: LatqWeight) -> CPUState:
@@ -308,6 +322,10 @@ class CPUKernel(LatqKernel):
         M = x2.shape[0]
         dtype = x.dtype
         large = M >= LARGE_M and state.layout_block
+        if not large and NATIVE and cpu_native.available():   # the same math in one C++ call
+            y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
+                                                state.val, bias, state.group_size, state.planes)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
         if large:
             y = _large_m(state, x2)                              # bf16 [M, N], outliers included
         else:

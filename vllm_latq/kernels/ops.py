@@ -41,7 +41,14 @@ def op_name(kernel: type[LatqKernel]) -> str:
 
 
 def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
-    """The custom op running ``kernel`` (registered on first use)."""
+    """The op a layer calls for ``kernel``: its native op if it has one (which may call back
+    into the Python one), else the Python custom op (registered on first use)."""
+    op = python_op_for(kernel)
+    return kernel.native_op() or op
+
+
+def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
+    """``torch.ops.latq.<name>_linear``: ``kernel.apply`` behind the custom-op schema."""
     name = op_name(kernel)
     if name in _OPS:
         registered, op = _OPS[name]

@@ -89,6 +89,12 @@ class LatqKernel:
         raise NotImplementedError
 
     @classmethod
+    def native_op(cls):
+        """An op with the custom-op schema implemented natively (no Python per call), to use
+        instead of ``torch.ops.latq.<name>_linear``; None: use that one."""
+        return None
+
+    @classmethod
     def flatten(cls, state: Any) -> tuple[list[torch.Tensor | None], list[int]]:
         """State → (tensors, static ints) for the custom op; inverse of ``unflatten``."""
         if not isinstance(state, cls.state_cls):
