@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_latq import format as fmt
-from vllm_latq.kernels import cpu, cpu_native
+from vllm_latq import native
+from vllm_latq.kernels import cpu
 from vllm_latq.kernels.cpu import CPUKernel
 from vllm_latq.kernels.reference import LatqWeight, dequantize
 
@@ -133,7 +134,7 @@ def profile(a):
             xf = x.float()
             fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
                    "kernel": lambda: CPUKernel.apply(s, x)}
-            if cpu.NATIVE and cpu_native.available():
+            if cpu.NATIVE and native.available():
                 fns["kernel_torch"] = lambda: _torch_path(s, x)
             if s.crow is not None:
                 csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K), check_invariants=False)

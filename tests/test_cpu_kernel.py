@@ -38,12 +38,12 @@ U_OUT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def small_m_path(request, monkeypatch):
-    """Every test twice: small M through the C++ op (``cpu_native``) and through the pure-torch
+    """Every test twice: small M through the C++ op (``vllm_latq.native``) and through the pure-torch
     path it replaces (the fallback without a compiler); both must meet the same bounds."""
     if request.param == "native":
-        from vllm_latq.kernels import cpu_native
-        if cpu_native.load() is not None:
-            pytest.skip(f"C++ op unavailable: {cpu_native.load()}")
+        from vllm_latq import native
+        if native.load() is not None:
+            pytest.skip(f"C++ op unavailable: {native.load()}")
     monkeypatch.setattr(cpu, "NATIVE", request.param == "native")
     return request.param
 

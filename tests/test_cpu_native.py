@@ -1,4 +1,4 @@
-"""The CPU kernel's C++ op (``kernels/cpu_native.py``, ``csrc/latq_cpu.cpp``): the op a vLLM
+"""The CPU kernel's C++ op (``vllm_latq/native.py``, ``csrc/latq_cpu.cpp``): the op a vLLM
 layer calls, its two outlier paths, and the fallback when it cannot be built. (Every exactness
 test of ``test_cpu_kernel.py`` also runs through it.)"""
 from __future__ import annotations
@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from tests.test_cpu_kernel import check, prepared
-from vllm_latq.kernels import cpu, cpu_native
+from vllm_latq import native
+from vllm_latq.kernels import cpu
 from vllm_latq.kernels.cpu import CPUKernel
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
-              pytest.mark.skipif(not cpu_native.available(), reason=f"C++ op unavailable: {cpu_native.load()}")]
+              pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")]
 
 
 def test_native_op_is_the_layer_op_for_every_m(monkeypatch):
@@ -40,9 +41,9 @@ def test_native_op_is_the_layer_op_for_every_m(monkeypatch):
 
 
 def test_native_unavailable_falls_back(monkeypatch):
-    monkeypatch.setattr(cpu_native, "_STATUS", None)
-    monkeypatch.setenv(cpu_native.ENV, "0")
-    assert cpu_native.load() == "LATQ_CPU_NATIVE=0" and not cpu_native.available()
+    monkeypatch.setattr(native, "_STATUS", None)
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.load() == "LATQ_CPU_NATIVE=0" and not native.available()
     assert CPUKernel.native_op() is None
     w, state = prepared((640, 2048, 4, 0.01, 128))
     check(w, state, torch.randn(3, 2048).to(torch.bfloat16))
@@ -61,4 +62,4 @@ def test_native_outliers_by_loop_and_by_mkl(loop_max):
             check(w, state, torch.randn(M, 2048, generator=g).to(torch.bfloat16))
             check(w, state, torch.randn(M, 2048, generator=g), torch.randn(640, generator=g))
     finally:
-        torch.ops.latq_cpu.set_loop_max(cpu_native.LOOP_MAX)
+        torch.ops.latq_cpu.set_loop_max(native.LOOP_MAX)

@@ -1,7 +1,7 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
 inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM.
 
-Small M runs as one C++ op (``cpu_native``, compiled on first use): the int4 GEMM, then one
+Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast.
 Without a compiler the same math runs as torch calls (MKL CSR mv/mm): ``NATIVE = False``.
 
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import format as fmt
-from . import cpu_native
+from .. import native
 from .reference import LatqWeight
 from .selector import LatqKernel
 
@@ -78,7 +78,7 @@ CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 
 # +2 bytes/weight resident: more than the bf16 model itself)
 PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
-# small M through the C++ op (cpu_native) when it builds; False: the pure-torch path below
+# small M through the C++ op (vllm_latq.native) when it builds; False: the pure-torch path below
 NATIVE = True
 
 _PACK = None
@@ -227,7 +227,7 @@ class CPUKernel(LatqKernel):
     @classmethod
     def native_op(cls):
         """``latq_cpu::linear`` (C++): small M in C++, large M back to ``latq::cpu_linear``."""
-        if not (NATIVE and cpu_native.available()):
+        if not (NATIVE and native.available()):
             return None
         torch.ops.latq_cpu.set_large_m(LARGE_M)
         return torch.ops.latq_cpu.linear.default
@@ -322,7 +322,7 @@ class CPUKernel(LatqKernel):
         M = x2.shape[0]
         dtype = x.dtype
         large = M >= LARGE_M and state.layout_block
-        if not large and NATIVE and cpu_native.available():   # the same math in one C++ call
+        if not large and NATIVE and native.available():   # the same math in one C++ call
             y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
                                                 state.val, bias, state.group_size, state.planes)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)

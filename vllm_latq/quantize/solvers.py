@@ -67,16 +67,37 @@ def _rows(X: torch.Tensor, order: torch.Tensor, dt: torch.dtype) -> torch.Tensor
     return X.T.to(dt).contiguous().index_select(0, order.to(X.device))
 
 
-def _column_scales(scales: torch.Tensor, group_size: int | None, order: torch.Tensor, dt: torch.dtype):
-    """j → the scales of processed column j without materialising ``[in, out]``: ``scales``
+def _scale_table(scales: torch.Tensor, group_size: int | None, order: torch.Tensor, dt: torch.dtype):
+    """The scales of every processed column without materialising ``[in, out]``: ``scales``
     is a scalar, ``[out, 1]`` (one per row) or ``[out, ngroups]`` (group g covers columns
-    ``[g·group_size, (g+1)·group_size)``); a column reads one row of the small transposed table."""
+    ``[g·group_size, (g+1)·group_size)``) → (table ``[ngroups, out]`` or ``[1, 1]``, int64
+    ``[in]``: the table row of processed column j)."""
     if scales.dim() == 0:
-        s = scales.to(dt)
-        return lambda j: s
+        return scales.to(dt).reshape(1, 1), torch.zeros(len(order), dtype=torch.long)
     sT = scales.T.to(dt).contiguous()               # [ngroups, out]
-    g = (order // group_size).tolist() if sT.shape[0] > 1 else [0] * len(order)
-    return lambda j: sT[g[j]]
+    g = order // group_size if sT.shape[0] > 1 else torch.zeros(len(order), dtype=torch.long)
+    return sT, g.long().contiguous()
+
+
+def _column_scales(table: torch.Tensor, gidx: torch.Tensor):
+    """j → the scales of processed column j (a row of the table, or its scalar)."""
+    if table.shape[1] == 1:
+        s = table[0, 0]
+        return lambda j: s
+    g = gidx.tolist()
+    return lambda j: table[g[j]]
+
+
+def _native(dt: torch.dtype) -> bool:
+    """The C++ per-column step (``quantize/csrc/sweep.cpp``) for fp32 problems when built."""
+    from .. import native
+    return NATIVE and dt == torch.float32 and native.available()
+
+
+def _mode(rounder: "Grid") -> tuple[int, float, float]:
+    if rounder.qmin is None:
+        return 0, 0.0, 0.0
+    return (2 if rounder.outliers else 1), float(rounder.qmin), float(rounder.qmax)
 
 
 def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
@@ -89,14 +110,19 @@ def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
 @dataclass
 class GPTQLattice:
     """Everything GPTQ needs from H, computed once (SSQR/HPTQ reuse it for every search step).
-    ``perm``: processing order; ``U``: upper factor with ``UᵀU = (H_d)_pp⁻¹``;
-    ``D_col``: LDL diagonal of the matching Babai order, indexed by original column;
-    ``Ud``: U with rows divided by their diagonal (what the sweep multiplies by)."""
+    ``perm``: processing order; ``Ud``: the upper factor U (``UᵀU = (H_d)_pp⁻¹``) with rows
+    divided by their diagonal ``Udiag`` (what the sweep multiplies by; U itself is only kept
+    as this pair: one fewer c×c matrix); ``D_col``: LDL diagonal of the matching Babai order,
+    indexed by original column."""
     perm: torch.Tensor
-    U: torch.Tensor
+    Ud: torch.Tensor
+    Udiag: torch.Tensor
     D_col: torch.Tensor
     damp: float
-    Ud: torch.Tensor
+
+    @property
+    def U(self) -> torch.Tensor:
+        return self.Ud * self.Udiag[:, None]
 
 
 def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
@@ -106,18 +132,22 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     # H_pp = R Rᵀ (R upper), and (H_pp)⁻¹ = R⁻ᵀR⁻¹, so U = R⁻¹. This is Babai's factor of the
     # reversed order, inverted — the equivalence in one line.
     Lrev, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name, dtype=dtype)
-    U = lattice.tri_inv_upper(Lrev.flip(0, 1).contiguous())
+    Ud = lattice.tri_inv_upper(Lrev.flip(0, 1).contiguous())
+    d = Ud.diagonal().clone()
+    Ud.div_(d[:, None])                             # in place: no second c×c matrix
     D_col = torch.empty(len(p), dtype=torch.float64)
-    D_col[p] = U.diagonal().double() ** -2
-    U = U.to(H.device)
-    return GPTQLattice(p, U, D_col.to(H.device), damp_used, U / U.diagonal()[:, None])
+    D_col[p] = d.double() ** -2
+    return GPTQLattice(p, Ud.to(H.device), d.to(H.device), D_col.to(H.device), damp_used)
 
 
 INNER = 16  # columns rounded between GEMM updates: the in-sub-block work stays in cache
+NATIVE = True  # fp32 sweeps round through the C++ sub-block step when it builds (tests switch it)
 
 
-def _outputs(c, r, dt, rounder, keep_rho):
-    Zt, Qt = torch.empty(c, r, dtype=dt), torch.empty(c, r, dtype=dt)
+def _outputs(c, r, dt, rounder, keep_rho, zdt=None):
+    """Output tables ``[in, out]``; ``zdt``: the integers' dtype (int32 from the C++ step,
+    which saves a conversion pass; the torch step rounds into ``dt``)."""
+    Zt, Qt = torch.empty(c, r, dtype=zdt or dt), torch.empty(c, r, dtype=dt)
     Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
     Rt = torch.empty(c, r, dtype=dt) if keep_rho else None
     return Zt, Qt, Ot, Rt
@@ -139,7 +169,7 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
     column first receives the errors of the sub-block's earlier columns (one GEMV:
     left-looking, so a column costs a handful of vector ops), then each finished sub-block
     updates the rest of its block (rank-16 GEMM) and each block all later columns (rank-
-    ``block_size`` GEMM). ``W``: ``[out, in]``; ``scales``: see :func:`_column_scales`.
+    ``block_size`` GEMM). ``W``: ``[out, in]``; ``scales``: see :func:`_scale_table`.
     Errors are stored unscaled, against ``U`` with rows divided by their diagonal
     (``U_jl / U_jj``: the same update as GPTQ's ``(w−q)/U_jj · U_jl``).
     Outputs are written straight to their column's row (``p[j]``), so only a transpose is
@@ -147,18 +177,24 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
     p, Ud = lat.perm, lat.Ud
     dt = Ud.dtype
     Wt = _rows(W, p, dt)                            # [in, out], processing order
-    s = _column_scales(scales, group_size, p, dt)
+    table, gidx = _scale_table(scales, group_size, p, dt)
+    s = _column_scales(table, gidx)
     c, r = Wt.shape
-    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
+    fast = _native(dt) and Ud.device.type == "cpu"
+    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho, torch.int32 if fast else None)
     pl = p.tolist()
     Eb = torch.empty(block_size, r, dtype=dt)        # the block's errors w − q (reused: stays in cache)
     w = torch.empty(r, dtype=dt)
+    if fast:
+        rows, mode = p.long().contiguous(), _mode(rounder)
     for i1 in range(0, c, block_size):
         i2 = min(i1 + block_size, c)
         E = Eb[: i2 - i1]
         for k1 in range(0, i2 - i1, INNER):
             k2 = min(k1 + INNER, i2 - i1)
-            for k in range(k1, k2):
+            if fast:
+                torch.ops.latq_cpu.gptq_subblock(Wt, Eb, Ud, table, gidx, rows, Zt, Qt, Ot, Rt, i1, k1, k2, *mode)
+            for k in range(k1, k2) if not fast else ():
                 j = i1 + k
                 wj = Wt[j] if k == k1 else torch.addmv(Wt[j], E[k1:k].T, Ud[i1 + k1:j, j], alpha=-1, out=w)
                 _round_column(pl[j], wj, s(j), rounder, Zt, Qt, Ot, Rt)
@@ -180,18 +216,24 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
     Outputs go straight to their column's row ``T[j]`` (q through a block buffer)."""
     dt = A.dtype
     Ad = A / A.diagonal()[:, None]
-    s = _column_scales(scales, group_size, T, dt)
+    table, gidx = _scale_table(scales, group_size, T, dt)
+    s = _column_scales(table, gidx)
     Y = lattice.upper_mm(Ad, _rows(W, T, dt))
     c, r = Y.shape
-    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho)
+    fast = _native(dt) and Ad.device.type == "cpu"
+    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho, torch.int32 if fast else None)
     Tl = T.tolist()
     Qb = torch.empty(block_size, r, dtype=dt)        # the block's q in processing order (in cache)
     omega = torch.empty(r, dtype=dt)
+    if fast:
+        rows, mode = T.long().contiguous(), _mode(rounder)
     for j1 in range(c, 0, -block_size):
         j0 = max(j1 - block_size, 0)
         for k2 in range(j1 - j0, 0, -INNER):        # block-local indices
             k1 = max(k2 - INNER, 0)
-            for k in range(k2 - 1, k1 - 1, -1):
+            if fast:
+                torch.ops.latq_cpu.babai_subblock(Y, Qb, Ad, table, gidx, rows, Zt, Ot, Rt, j0, k1, k2, *mode)
+            for k in range(k2 - 1, k1 - 1, -1) if not fast else ():
                 j = j0 + k
                 om = Y[j] if k == k2 - 1 else torch.addmv(Y[j], Qb[k + 1:k2].T, Ad[j, j + 1:j0 + k2], alpha=-1,
                                                           out=omega)

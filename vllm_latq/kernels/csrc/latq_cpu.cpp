@@ -1,4 +1,4 @@
-// The CPU fast path's small-M call in C++ (built on first use by kernels/cpu_native.py):
+// The CPU fast path's small-M call in C++ (built on first use by vllm_latq/native.py):
 // torch's fused int4 GEMM for the inliers, then one pass over the output that adds the fp32
 // CSR outliers and the bias and casts — CPUKernel.apply's math (out = dtype(float(y_int4) +
 // Σ val·x[col] + bias)) without its half-dozen dispatched torch calls per layer and without
@@ -24,7 +24,7 @@ std::atomic<int64_t> g_large_m{128};
 // outliers up to which the loop sums them at M = 1; above, MKL's threaded CSR mv (~5 µs of
 // setup per call) is faster. Measured: the loop 0.7–1.5 ns per outlier on one thread; MKL's
 // mv 32 µs for 4096² at 1% (168k) on 2 threads; on SmolLM2's 1–9k-outlier layers the loop
-// saves 3–8 µs per layer. Set from cpu_native.LOOP_MAX.
+// saves 3–8 µs per layer. Set from vllm_latq.native.LOOP_MAX.
 std::atomic<int64_t> g_loop_max{16384};
 
 constexpr int64_t kMB = 16;  // activation rows per pass of the outlier loop (M ≤ kMB: loop)

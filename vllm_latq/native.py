@@ -1,14 +1,18 @@
-"""The CPU path's C++ part (``csrc/latq_cpu.cpp``), compiled on first use.
+"""The package's C++ ops (``kernels/csrc/latq_cpu.cpp``, ``quantize/csrc/sweep.cpp``),
+compiled on first use into one library, namespace ``latq_cpu``.
 
-At batch 1 a SmolLM2 linear costs ~20 µs in the int4 op, and the Python around it (dtype
-casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly its own setup —, the add, the
-custom-op hop into Python) cost as much again. The C++ op does the int4 call, then one pass
-adding outliers and bias with the cast: same math, one dispatch.
+* The CPU kernel's small-M call: at batch 1 a SmolLM2 linear costs ~20 µs in the int4 op,
+  and the Python around it (dtype casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly
+  its own setup —, the add, the custom-op hop into Python) cost as much again. The C++ op
+  does the int4 call, then one pass adding outliers and bias with the cast: same math, one
+  dispatch.
+* The solvers' per-column rounding inside a sub-block (fp32 problems): one call instead of
+  six or seven dispatched torch ops per column.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja: both already needed by vLLM's CPU
 compiled mode) into torch's extension cache, once per machine and source version; later
 processes only load the library. Without a compiler, or with ``LATQ_CPU_NATIVE=0``, the
-CPU kernel keeps its pure-torch path (same results) and says why once in the log.
+callers keep their pure-torch paths (same math) and the reason is logged once.
 """
 from __future__ import annotations
 
@@ -20,19 +24,21 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("vllm_latq.kernels")
+log = logging.getLogger("vllm_latq")
 
 ENV = "LATQ_CPU_NATIVE"
 # outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
-SOURCE = Path(__file__).with_name("csrc") / "latq_cpu.cpp"
+SOURCES = (Path(__file__).parent / "kernels" / "csrc" / "latq_cpu.cpp",
+           Path(__file__).parent / "quantize" / "csrc" / "sweep.cpp")
 _STATUS: tuple[bool, str | None] | None = None
 
 
 def _name() -> str:
     # -march=native code is only valid on this CPU: the build cache is keyed by it too
     cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}"
-    return "latq_cpu_" + hashlib.sha256((cpu + SOURCE.read_text()).encode()).hexdigest()[:12]
+    src = "".join(f.read_text() for f in SOURCES)
+    return "latq_cpu_" + hashlib.sha256((cpu + src).encode()).hexdigest()[:12]
 
 
 def load() -> str | None:
@@ -44,7 +50,7 @@ def load() -> str | None:
         else:
             try:
                 from torch.utils.cpp_extension import load as build
-                build(name=_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native"],
+                build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=["-O3", "-march=native"],
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
@@ -52,7 +58,7 @@ def load() -> str | None:
                 _STATUS = (True, None)
             except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
                 _STATUS = (False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
-                log.warning("latq CPU: the C++ op could not be built (%s); using the pure-torch path", _STATUS[1])
+                log.warning("latq: the C++ ops could not be built (%s); using the pure-torch paths", _STATUS[1])
     return _STATUS[1]
 
 
