@@ -164,18 +164,25 @@ def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_siz
     return bound_from_d(D_col, expand(scales, group_size, (rows, H.shape[0])))
 
 
-def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = True) -> torch.Tensor:
+def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = True,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """``A @ B`` (``left``) or ``B @ A`` for upper-triangular ``A``, by 2x2 block recursion
-    that skips A's zero block: half the FLOPs of a dense product, still GEMM-shaped."""
+    that skips A's zero block: half the FLOPs of a dense product, still GEMM-shaped. The left
+    product is written into ``out`` (row blocks of one buffer: no concatenation copies)."""
     n = A.shape[0]
+    if left:                                   # [A11 B1 + A12 B2 ; A22 B2]
+        if out is None:
+            out = torch.empty(n, B.shape[1], dtype=torch.promote_types(A.dtype, B.dtype), device=B.device)
+        if n <= leaf:
+            return torch.mm(A, B, out=out)
+        h = n // 2
+        upper_mm(A[:h, :h], B[:h], leaf, True, out[:h]).addmm_(A[:h, h:], B[h:])
+        upper_mm(A[h:, h:], B[h:], leaf, True, out[h:])
+        return out
     if n <= leaf:
-        return A @ B if left else B @ A
+        return B @ A
     h = n // 2
     A11, A12, A22 = A[:h, :h], A[:h, h:], A[h:, h:]
-    if left:                                   # [A11 B1 + A12 B2 ; A22 B2]
-        B1, B2 = B[:h], B[h:]
-        top = upper_mm(A11, B1, leaf, True).addmm_(A12, B2)
-        return torch.cat([top, upper_mm(A22, B2, leaf, True)], 0)
     B1, B2 = B[:, :h], B[:, h:]                # [B1 A11 , B1 A12 + B2 A22]
     right = upper_mm(A22, B2, leaf, False).addmm_(B1, A12)
     return torch.cat([upper_mm(A11, B1, leaf, False), right], 1)
