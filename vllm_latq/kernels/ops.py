@@ -13,6 +13,10 @@ any other kernel launch.
 Ops are registered lazily, once per process, when a layer first selects a kernel (vLLM
 loads weights, and so registers the ops, in every worker before it compiles).
 
+A kernel may also offer a ``native_op`` with the same schema implemented in C++ (the CPU
+kernel's ``latq_cpu::linear``): layers then call that one, which skips Python per call and
+may call back into the Python op for cases it leaves to it (the CPU kernel's large M).
+
 Registration goes through ``torch.library.Library`` (define + one
 ``CompositeExplicitAutograd`` kernel + a fake), the way vLLM registers its own ops, not
 ``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers
