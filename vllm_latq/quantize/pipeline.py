@@ -361,8 +361,11 @@ def _fingerprint(src: Path, opts: QuantizeOptions, sources: SourceWeights, confi
 def _layer_stats(name, W, H, res, t, kind) -> dict:
     """Per-layer record for latq_stats.json (deterministic: no timings). Without a Hessian
     (uncalibrated methods) there is no output error to report: ``rel_error`` is None."""
-    num = layer_error(W, res.q, H).sum().item() if H is not None else None
-    den = layer_error(W, torch.zeros_like(W), H).sum().item() if H is not None else None
+    rel = None
+    if H is not None:
+        num = layer_error(W, res.q, H).sum().item()
+        den = layer_error(W, torch.zeros_like(W), H).sum().item()
+        rel = num / den if den > 0 else 0.0
     cert = None
     if res.bound is not None:
         err = res.error(W, H)
@@ -370,7 +373,7 @@ def _layer_stats(name, W, H, res, t, kind) -> dict:
     st = fmt.layer_stats(t, kind, tuple(W.shape))
     return {"name": name, "method": res.method, "shape": list(W.shape), "bits": st["bits"],
             "solver_bits": float(res.bits_per_weight), "outlier_rate": st["outlier_rate"],
-            "rel_error": None if H is None else num / den if den > 0 else 0.0, "cert": cert,
+            "rel_error": rel, "cert": cert,
             "damp": res.damp, "alpha": res.info.get("alpha")}
 
 
@@ -485,9 +488,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 m._buffers[k] = b.to(device)
     inps = kwargs = None
     with torch.no_grad():
-        if not calibrated:
-            pass
-        elif start == 0:
+        if calibrated and start == 0:
             inps = torch.empty(len(calib), opts.seqlen, config.hidden_size, dtype=torch.float32, device=device)
             kwargs = None
             for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
@@ -495,7 +496,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 h, kw = capture(net, layers, calib[j:j + 1].to(device), all_kwargs=(j == 0))
                 inps[j] = h[0]
                 kwargs = kwargs or kw
-        else:
+        elif calibrated:
             _, kwargs = capture(net, layers, calib[:1].to(device), all_kwargs=True)
             acts = ckpt.SafetensorsFile(tmp / ACTS_FILE)
             if acts.metadata.get("blocks_done") != str(start):

@@ -194,11 +194,12 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
             k2 = min(k1 + INNER, i2 - i1)
             if fast:
                 torch.ops.latq_cpu.gptq_subblock(Wt, Eb, Ud, table, gidx, rows, Zt, Qt, Ot, Rt, i1, k1, k2, *mode)
-            for k in range(k1, k2) if not fast else ():
-                j = i1 + k
-                wj = Wt[j] if k == k1 else torch.addmv(Wt[j], E[k1:k].T, Ud[i1 + k1:j, j], alpha=-1, out=w)
-                _round_column(pl[j], wj, s(j), rounder, Zt, Qt, Ot, Rt)
-                torch.sub(wj, Qt[pl[j]], out=E[k])
+            else:
+                for k in range(k1, k2):
+                    j = i1 + k
+                    wj = Wt[j] if k == k1 else torch.addmv(Wt[j], E[k1:k].T, Ud[i1 + k1:j, j], alpha=-1, out=w)
+                    _round_column(pl[j], wj, s(j), rounder, Zt, Qt, Ot, Rt)
+                    torch.sub(wj, Qt[pl[j]], out=E[k])
             Wt[i1 + k2:i2].addmm_(Ud[i1 + k1:i1 + k2, i1 + k2:i2].T, E[k1:k2], alpha=-1)
         Wt[i2:].addmm_(Ud[i1:i2, i2:].T, E, alpha=-1)
     return _sweep_result(Zt, Qt, Ot, Rt)
@@ -233,11 +234,12 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
             k1 = max(k2 - INNER, 0)
             if fast:
                 torch.ops.latq_cpu.babai_subblock(Y, Qb, Ad, table, gidx, rows, Zt, Ot, Rt, j0, k1, k2, *mode)
-            for k in range(k2 - 1, k1 - 1, -1) if not fast else ():
-                j = j0 + k
-                om = Y[j] if k == k2 - 1 else torch.addmv(Y[j], Qb[k + 1:k2].T, Ad[j, j + 1:j0 + k2], alpha=-1,
-                                                          out=omega)
-                _round_column(Tl[j], om, s(j), rounder, Zt, Qb, Ot, Rt, jq=k)
+            else:
+                for k in range(k2 - 1, k1 - 1, -1):
+                    j = j0 + k
+                    om = Y[j] if k == k2 - 1 else torch.addmv(Y[j], Qb[k + 1:k2].T, Ad[j, j + 1:j0 + k2], alpha=-1,
+                                                              out=omega)
+                    _round_column(Tl[j], om, s(j), rounder, Zt, Qb, Ot, Rt, jq=k)
             Y[j0:j0 + k1].addmm_(Ad[j0:j0 + k1, j0 + k1:j0 + k2], Qb[k1:k2], alpha=-1)
         Qt.index_copy_(0, T[j0:j1], Qb[: j1 - j0])
         Y[:j0].addmm_(Ad[:j0, j0:j1], Qb[: j1 - j0], alpha=-1)
