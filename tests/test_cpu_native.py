@@ -41,7 +41,7 @@ def test_native_op_is_the_layer_op_for_every_m(monkeypatch):
 
 
 def test_native_unavailable_falls_back(monkeypatch):
-    monkeypatch.setattr(native, "_STATUS", None)
+    monkeypatch.setattr(native, "_STATUS", native._UNSET)
     monkeypatch.setenv(native.ENV, "0")
     assert native.load() == "LATQ_CPU_NATIVE=0" and not native.available()
     assert CPUKernel.native_op() is None

@@ -31,7 +31,8 @@ ENV = "LATQ_CPU_NATIVE"
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
 SOURCES = (Path(__file__).parent / "kernels" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "sweep.cpp")
-_STATUS: tuple[bool, str | None] | None = None
+_UNSET = object()
+_STATUS: "str | None | object" = _UNSET   # None: loaded; a string: why not
 
 
 def _name() -> str:
@@ -44,9 +45,9 @@ def _name() -> str:
 def load() -> str | None:
     """Build/load the extension once per process → None if loaded, else why not."""
     global _STATUS
-    if _STATUS is None:
+    if _STATUS is _UNSET:
         if os.environ.get(ENV, "1") in ("0", ""):
-            _STATUS = (False, f"{ENV}=0")
+            _STATUS = f"{ENV}=0"
         else:
             try:
                 from torch.utils.cpp_extension import load as build
@@ -55,11 +56,11 @@ def load() -> str | None:
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
                 torch.ops.latq_cpu.set_loop_max(LOOP_MAX)
-                _STATUS = (True, None)
+                _STATUS = None
             except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
-                _STATUS = (False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
-                log.warning("latq: the C++ ops could not be built (%s); using the pure-torch paths", _STATUS[1])
-    return _STATUS[1]
+                _STATUS = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                log.warning("latq: the C++ ops could not be built (%s); using the pure-torch paths", _STATUS)
+    return _STATUS
 
 
 def available() -> bool:
