@@ -268,12 +268,13 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
     certs: list[dict] = []
     tq = 0.0
     src = source_dir(cfg.model, st, root)
+    done = None  # quantized, not yet evaluated: an interrupted evaluation reuses the checkpoint
     if cfg.family == "bf16":
         target = str(src)
     else:
         ck = root / "checkpoints" / cfg.model / cfg.slug
         target = str(ck)
-        done = ck.with_name(cfg.slug + ".quantized.json")  # an evaluation was interrupted: keep the checkpoint
+        done = ck.with_name(cfg.slug + ".quantized.json")
         q = _cached(done, key)
         if q is not None and (ck / "latq_stats.json").is_file():
             certs, tq = q["certificate"], q["quantize_seconds"]
@@ -292,7 +293,7 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
-        Path(target).with_name(cfg.slug + ".quantized.json").unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
     _write_json(path, r)
     log.info("done: %s %s: %.3f bits/w, ppl %.3f (%.0fs)", cfg.model, cfg.label, r["bits"], r["ppl"],
              time.time() - t0)
