@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .scales import to_fp16_grid
+from .scales import FP16_MAX, to_fp16_grid
 
 Run = Callable[[torch.Tensor, torch.Tensor], object]      # (W rows, their scales: 0-dim, [rows, 1] or [rows, ngroups]) → sweep
 Metric = Callable[[object, int], list]                   # (sweep of k stacked copies, k) → k values
@@ -29,6 +29,34 @@ def _rows(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The sample's scales, one row per sampled row (a scalar becomes ``[n, 1]``, so that
     stacked copies can carry different multipliers)."""
     return S0.expand(len(idx), 1) if S0.dim() == 0 else S0[idx]
+
+
+def _unreachable(target: float, v: float, alpha: float):
+    raise ValueError(f"target {target} is unreachable: the metric stays at {v:.4g} even with "
+                     f"scales {alpha:.3g}x the reference")
+
+
+def _slope(points) -> float | None:
+    """−d(metric)/d(log α) between the first and last of ``(kind, α, value)`` points, if the
+    metric fell across them (it is a step function of α: flat spans carry no slope)."""
+    (_, a0, v0), (_, a1, v1) = points[0], points[-1]
+    if a0 == a1 or (v0 - v1) / (a1 - a0) <= 0:
+        return None
+    return (v0 - v1) / (math.log(a1) - math.log(a0))
+
+
+def _next_alpha(a: float, v: float, aim: float, slope: float | None, ok: float | None,
+                above: float | None) -> float:
+    """The secant step from (α, value) towards ``aim``, inside the bracket (``above``, ``ok``):
+    bisected (geometrically) when the step leaves it, widened ×1.02² per miss while one side
+    of the bracket is still unknown."""
+    nxt = a * math.exp((v - aim) / slope) if slope else None
+    lo, hi = above or 0.0, ok or math.inf
+    if nxt is not None and lo < nxt < hi:
+        return nxt
+    if ok is not None and above is not None:
+        return math.sqrt(ok * above)
+    return ok / 1.02**2 if ok is not None else above * 1.02**2
 
 
 def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
@@ -59,6 +87,8 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
         vals = sampled(alphas)
         ok = [i for i, v in enumerate(vals) if v <= aim]
         if not ok:
+            if S0.abs().max().item() * hi * span > FP16_MAX:
+                _unreachable(target, min(vals), hi)
             lo, hi = hi, hi * span
         elif ok[0] == 0:
             if lo < 1e-6:
@@ -70,17 +100,21 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
             if rounds == 0:
                 break
 
-    # Stage 2: full-matrix runs from the sampled estimate: expand to a bracket, then bisect.
+    # Stage 2: full-matrix runs from the sampled estimate. The full matrix's metric is the
+    # sample's plus sampling noise, with about the same slope in log α: each next α is a
+    # secant step (first on the final sampled round's slope, then through the last two full
+    # runs), kept inside the bracket found so far and bisected when it would leave it.
     def full(a):
         sw = run(W, scaled(S0, a))
         v = metric(sw, 1)[0]
         log.append(("full", a, v))
         return v, sw
 
+    slope = _slope(log[-len(alphas):])
     a = hi
     best = None    # (alpha, value, sweep): the smallest alpha seen with value ≤ target
     above = None   # the largest alpha seen with value > target
-    step = 1.02
+    prev = None
     for _ in range(max_full):
         v, sw = full(a)
         if v <= target:
@@ -90,11 +124,10 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
                 break
         else:
             above = a if above is None else max(above, a)
-        if best is not None and above is not None:
-            a = math.sqrt(best[0] * above)
-        else:
-            a = best[0] / step if best is not None else above * step
-            step *= step  # widen geometrically until the target is bracketed
+        if prev is not None:
+            slope = _slope([prev, ("full", a, v)]) or slope
+        prev = ("full", a, v)
+        a = _next_alpha(a, v, aim, slope, best[0] if best else None, above)
     for _ in range(40):  # never under target yet: grow α (the metric falls as z → 0)
         if best is not None:
             return best[0], best[1], best[2], log
@@ -102,5 +135,4 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
         v, sw = full(a)
         if v <= target:
             best = (a, v, sw)
-    raise ValueError(f"target {target} is unreachable: the metric stays at {v:.4g} even with "
-                     f"scales {a:.3g}x the reference")
+    _unreachable(target, v, a)

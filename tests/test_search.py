@@ -1,0 +1,56 @@
+"""The one-dimensional scale search shared by SSQR, HPTQ and HRTN (quantize/search.py)."""
+import math
+
+import pytest
+import torch
+
+from vllm_latq.quantize.search import _next_alpha, scale_search
+
+
+def _overflow_search(seed: int, target: float, tol: float = 5e-4):
+    """SSQR's metric without a solver: the share of weights whose rounded integer leaves the
+    4-bit grid under scales α·S0 (falls as α grows; a step function of α)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(512, 256, generator=g) / torch.rand(512, 256, generator=g).add(0.05).sqrt()
+    S0 = W.abs().amax(1, keepdim=True) / 7
+
+    def run(Wr, S):
+        return torch.round(Wr / S)
+
+    def rates(z, k):
+        return ((z < -8) | (z > 7)).reshape(k, -1).float().mean(1).tolist()
+
+    return W, S0, scale_search(W, S0, run, rates, target, tol)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("target", [0.01, 0.02, 0.05])
+def test_search_lands_in_band_with_few_full_runs(seed, target):
+    tol = 5e-4
+    W, S0, (alpha, v, z, log) = _overflow_search(seed, target, tol)
+    full = [e for e in log if e[0] == "full"]
+    assert target - tol <= v <= target
+    assert ((z < -8) | (z > 7)).float().mean().item() == pytest.approx(v)  # the sweep returned is the α's
+    # the secant steps from the sampled slope: one full run usually, three at most here
+    assert len(full) <= 3, full
+
+
+def test_search_zero_target_and_unreachable():
+    W, S0, (alpha, v, z, log) = _overflow_search(0, 0.0)
+    assert v == 0.0
+
+    def stuck(Wr, S):
+        return Wr
+
+    with pytest.raises(ValueError, match="unreachable"):
+        scale_search(torch.ones(4, 8), torch.ones(4, 1), stuck, lambda z, k: [1.0] * k, 0.1, 1e-3)
+
+
+def test_next_alpha_secant_inside_bracket_else_bisect():
+    # the metric is 0.02 above the aim with slope 0.1 per unit log α: step e^0.2
+    assert _next_alpha(1.0, 0.07, 0.05, 0.1, None, None) == pytest.approx(math.exp(0.2))
+    # the secant would leave the bracket (0.9, 1.1): geometric bisection
+    assert _next_alpha(1.0, 0.07, 0.05, 0.1, 1.1, 0.9) == pytest.approx(math.sqrt(1.1 * 0.9))
+    # no slope and one side unknown: widen ×1.02² towards the unknown side
+    assert _next_alpha(1.0, 0.07, 0.05, None, None, 1.0) == pytest.approx(1.02**2)
+    assert _next_alpha(1.0, 0.01, 0.05, None, 1.0, None) == pytest.approx(1.02**-2)
