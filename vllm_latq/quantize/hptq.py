@@ -60,7 +60,7 @@ def hptq(W: torch.Tensor, H: torch.Tensor, *, target_bits: float = 3.125, order=
     res = _huffman_search("hptq", W, target_bits, tol,
                           lambda Wr, S: gptq_sweep(lat, Wr, S, None, Grid(), block_size), name,
                           order=lat.perm, damp=lat.damp)
-    res.bound = lattice.bound_from_d(lat.D_col, res.scales.expand(W.shape))
+    res.bound = lattice.bound_from_d(lat.D_col, res.scales, None, W.shape[0])
     return res
 
 

@@ -142,10 +142,16 @@ def ldl_diag(H: torch.Tensor, order, damp: float = 0.01) -> torch.Tensor:
     return L.diagonal() ** 2
 
 
-def bound_from_d(D_col: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """¼ Σ_j D_j s_ij² per row, with ``D_col`` indexed by original column and ``S`` the
-    per-weight scales ``[out, in]``."""
-    return 0.25 * (S.double() ** 2 @ D_col.double())
+def bound_from_d(D_col: torch.Tensor, scales: torch.Tensor, group_size: int | None, rows: int) -> torch.Tensor:
+    """¼ Σ_j D_j s_ij² per row, with ``D_col`` indexed by original column and ``scales`` a
+    scalar or ``[out, ngroups]`` (a scale is constant over its group, so D is summed per
+    group first: no ``[out, in]`` scale matrix). → ``[rows]`` fp64."""
+    D = D_col.double()
+    if scales.dim() == 0:
+        return torch.full((rows,), 0.25 * scales.double().item() ** 2 * D.sum().item(), dtype=torch.float64)
+    G = scales.shape[1]
+    Dg = torch.nn.functional.pad(D, (0, G * (group_size or len(D)) - len(D))).reshape(G, -1).sum(1)
+    return 0.25 * (scales.double() ** 2 @ Dg)
 
 
 def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_size: int | None = None,
@@ -154,14 +160,11 @@ def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_siz
     Babai / back-to-front GPTQ, with ``H_d`` the damped Hessian and D from its LDLᵀ in
     Babai's order ``order`` (for ``gptq(order=p)`` pass ``p.flip(0)``; named heuristics
     match both). ``scales``: ``[out, ngroups]`` with ``group_size``, or a scalar. → ``[out]``."""
-    from .scales import expand
-
     T = resolve_order(order, H, damp, babai=True)
     D = ldl_diag(H, T, damp)
     D_col = torch.empty_like(D)
     D_col[T] = D
-    rows = 1 if scales.dim() == 0 else scales.shape[0]
-    return bound_from_d(D_col, expand(scales, group_size, (rows, H.shape[0])))
+    return bound_from_d(D_col, scales, group_size, 1 if scales.dim() == 0 else scales.shape[0])
 
 
 def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = True,

@@ -266,8 +266,7 @@ def _scales_for(W, bits, group_size, scales):
 
 
 def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col, W) -> QuantResult:
-    S = expand(scales, group_size, tuple(W.shape))
-    bound = None if clip or D_col is None else lattice.bound_from_d(D_col, S)
+    bound = None if clip or D_col is None else lattice.bound_from_d(D_col, scales, group_size, W.shape[0])
     n_scales = 1 if scales.dim() == 0 else scales.numel()
     res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
                       dense_bits(sw.z, bits, clip, group_size, n_scales), perm, damp, bound)

@@ -11,7 +11,7 @@ import torch
 
 from . import lattice
 from .result import CSR, QuantResult
-from .scales import expand, mse_scales
+from .scales import mse_scales
 from .search import scale_search
 from .solvers import Grid, _compute_dtype, gptq_lattice, gptq_sweep
 
@@ -46,10 +46,9 @@ def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
 
     alpha, rate, sw, log = scale_search(W, S0, run, rates, outlier_rate, tol)
     scales = (S0 * alpha).clamp(min=2.0**-14).half().float()
-    S = expand(scales, group_size, tuple(W.shape))
     outliers = CSR.from_mask(sw.outlier, sw.q)
     res = QuantResult("ssqr", sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
                       ssqr_bits(tuple(W.shape), bits, scales.numel(), outliers.nnz), lat.perm,
-                      lat.damp, lattice.bound_from_d(lat.D_col, S), outliers)
+                      lat.damp, lattice.bound_from_d(lat.D_col, scales, group_size, W.shape[0]), outliers)
     res.info.update(alpha=alpha, target_rate=outlier_rate, search=log)
     return res
