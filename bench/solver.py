@@ -30,7 +30,9 @@ def real_shaped(r: int, c: int, n: int, seed: int = 0):
     X += torch.randn(n, 32, generator=g) @ torch.randn(32, c, generator=g) * scale * 0.3
     X[:, torch.randperm(c, generator=g)[:4]] = 0
     H = (X.T.double() @ X.double()) / n
-    W = torch.distributions.StudentT(4.0).sample((r, c)) * 0.02
+    # Student-t with 4 degrees of freedom, z / sqrt(χ²₄/4), from the seeded generator
+    chi2 = (torch.randn(4, r, c, generator=g) ** 2).sum(0)
+    W = torch.randn(r, c, generator=g) / (chi2 / 4).sqrt() * 0.02
     return W, H
 
 
