@@ -200,7 +200,7 @@ def tri_inv_upper(R: torch.Tensor, leaf: int = 256) -> torch.Tensor:
         return torch.linalg.solve_triangular(R, torch.eye(n, dtype=R.dtype, device=R.device), upper=True)
     h = n // 2
     A, C = tri_inv_upper(R[:h, :h], leaf), tri_inv_upper(R[h:, h:], leaf)
-    out = torch.zeros_like(R)
+    out = torch.zeros(R.shape, dtype=R.dtype, device=R.device)  # row-major even for a transposed R
     out[:h, :h], out[h:, h:] = A, C
     out[:h, h:] = upper_mm(C, upper_mm(A, R[:h, h:], leaf, True), leaf, False).neg_()
     return out

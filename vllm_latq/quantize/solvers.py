@@ -105,40 +105,7 @@ def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
     return Sweep(*(None if x is None else x.T.contiguous() for x in (Zt, Qt, Ot, Rt)))
 
 
-# ----------------------------------------------------------------------------- GPTQ
-
-@dataclass
-class GPTQLattice:
-    """Everything GPTQ needs from H, computed once (SSQR/HPTQ reuse it for every search step).
-    ``perm``: processing order; ``Ud``: the upper factor U (``UᵀU = (H_d)_pp⁻¹``) with rows
-    divided by their diagonal ``Udiag`` (what the sweep multiplies by; U itself is only kept
-    as this pair: one fewer c×c matrix); ``D_col``: LDL diagonal of the matching Babai order,
-    indexed by original column."""
-    perm: torch.Tensor
-    Ud: torch.Tensor
-    Udiag: torch.Tensor
-    D_col: torch.Tensor
-    damp: float
-
-    @property
-    def U(self) -> torch.Tensor:
-        return self.Ud * self.Udiag[:, None]
-
-
-def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
-                 dtype: torch.dtype = torch.float32) -> GPTQLattice:
-    p = lattice.resolve_order(order, H, damp, babai=False)
-    # GPTQ's factor of H⁻¹ via one Cholesky: with J the reversal, chol(J H_pp J) = J R J where
-    # H_pp = R Rᵀ (R upper), and (H_pp)⁻¹ = R⁻ᵀR⁻¹, so U = R⁻¹. This is Babai's factor of the
-    # reversed order, inverted — the equivalence in one line.
-    Lrev, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name, dtype=dtype)
-    Ud = lattice.tri_inv_upper(Lrev.flip(0, 1).contiguous())
-    d = Ud.diagonal().clone()
-    Ud.div_(d[:, None])                             # in place: no second c×c matrix
-    D_col = torch.empty(len(p), dtype=torch.float64)
-    D_col[p] = d.double() ** -2
-    return GPTQLattice(p, Ud.to(H.device), d.to(H.device), D_col.to(H.device), damp_used)
-
+# ----------------------------------------------------------------------------- the sweep
 
 INNER = 16  # columns rounded between GEMM updates: the in-sub-block work stays in cache
 NATIVE = True  # fp32 sweeps round through the C++ sub-block step when it builds (tests switch it)
@@ -163,68 +130,24 @@ def _round_column(j, w, s, rounder, Zt, Qt, Ot, Rt, jq=None):
         Ot[j] = o
 
 
-def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
-               rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
-    """Paper Alg. 1 in GPTQ's lazy-batch form, two-level: inside a 16-column sub-block a
-    column first receives the errors of the sub-block's earlier columns (one GEMV:
-    left-looking, so a column costs a handful of vector ops), then each finished sub-block
-    updates the rest of its block (rank-16 GEMM) and each block all later columns (rank-
-    ``block_size`` GEMM). ``W``: ``[out, in]``; ``scales``: see :func:`_scale_table`.
-    Errors are stored unscaled, against ``U`` with rows divided by their diagonal
-    (``U_jl / U_jj``: the same update as GPTQ's ``(w−q)/U_jj · U_jl``).
-    Outputs are written straight to their column's row (``p[j]``), so only a transpose is
-    left at the end."""
-    p, Ud = lat.perm, lat.Ud
-    dt = Ud.dtype
-    Wt = _rows(W, p, dt)                            # [in, out], processing order
-    table, gidx = _scale_table(scales, group_size, p, dt)
-    s = _column_scales(table, gidx)
-    c, r = Wt.shape
-    fast = _native(dt) and Ud.device.type == "cpu"
-    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho, torch.int32 if fast else None)
-    pl = p.tolist()
-    Eb = torch.empty(block_size, r, dtype=dt)        # the block's errors w − q (reused: stays in cache)
-    w = torch.empty(r, dtype=dt)
-    if fast:
-        rows, mode = p.long().contiguous(), _mode(rounder)
-    for i1 in range(0, c, block_size):
-        i2 = min(i1 + block_size, c)
-        E = Eb[: i2 - i1]
-        for k1 in range(0, i2 - i1, INNER):
-            k2 = min(k1 + INNER, i2 - i1)
-            if fast:
-                torch.ops.latq_cpu.gptq_subblock(Wt, Eb, Ud, table, gidx, rows, Zt, Qt, Ot, Rt, i1, k1, k2, *mode)
-            else:
-                for k in range(k1, k2):
-                    j = i1 + k
-                    wj = Wt[j] if k == k1 else torch.addmv(Wt[j], E[k1:k].T, Ud[i1 + k1:j, j], alpha=-1, out=w)
-                    _round_column(pl[j], wj, s(j), rounder, Zt, Qt, Ot, Rt)
-                    torch.sub(wj, Qt[pl[j]], out=E[k])
-            Wt[i1 + k2:i2].addmm_(Ud[i1 + k1:i1 + k2, i1 + k2:i2].T, E[k1:k2], alpha=-1)
-        Wt[i2:].addmm_(Ud[i1:i2, i2:].T, E, alpha=-1)
-    return _sweep_result(Zt, Qt, Ot, Rt)
-
-
-# ----------------------------------------------------------------------------- Babai
-
-def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch.Tensor,
-                group_size: int | None, rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
-    """Paper v1 Alg. 3, blocked: ``Y = A Wᵀ``; for j = c..1: ``ω = Y_j / A_jj``, round,
-    ``Y -= A[:, j] ⊗ q``. A is upper, so a (sub-)block only updates rows above it: inside a
-    16-row sub-block each ω gathers the sub-block's later q's (one GEMV, left-looking); GEMMs
-    update the rest of the block and all rows above it. A's rows are divided by their
-    diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``).
-    Outputs go straight to their column's row ``T[j]`` (q through a block buffer)."""
-    dt = A.dtype
-    Ad = A / A.diagonal()[:, None]
+def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales: torch.Tensor,
+                      group_size: int | None, rounder: Grid, errors: bool, block_size: int = 128,
+                      keep_rho: bool = False) -> Sweep:
+    """The loop both GPTQ and Babai are: for j = c−1 … 0, ``ω_j = X_j − Σ_{l>j} M_jl b_l``,
+    round ``ω_j`` to ``q_j``, and propagate ``b_j`` = ``q_j`` (Babai: ``X = Y = A_d Wᵀ``,
+    ``M = A_d``) or ``ω_j − q_j`` (GPTQ: ``X = Wᵀ``, ``M`` = ``A⁻¹`` with columns over their
+    diagonal). ``M`` is upper-triangular, so a (sub-)block only updates rows above it: inside
+    a 16-row sub-block each ω gathers the sub-block's later b's (one GEMV, left-looking);
+    GEMMs update the rest of the block and all rows above it. ``X``: ``[in, out]`` rows in
+    processing order ``T``, overwritten. Outputs go straight to their column's row ``T[j]``."""
+    dt = M.dtype
     table, gidx = _scale_table(scales, group_size, T, dt)
     s = _column_scales(table, gidx)
-    Y = lattice.upper_mm(Ad, _rows(W, T, dt))
-    c, r = Y.shape
-    fast = _native(dt) and Ad.device.type == "cpu"
+    c, r = X.shape
+    fast = _native(dt) and M.device.type == "cpu"
     Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho, torch.int32 if fast else None)
     Tl = T.tolist()
-    Qb = torch.empty(block_size, r, dtype=dt)        # the block's q in processing order (in cache)
+    B = torch.empty(block_size, r, dtype=dt)         # the block's propagated rows (stays in cache)
     omega = torch.empty(r, dtype=dt)
     if fast:
         rows, mode = T.long().contiguous(), _mode(rounder)
@@ -233,17 +156,85 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
         for k2 in range(j1 - j0, 0, -INNER):        # block-local indices
             k1 = max(k2 - INNER, 0)
             if fast:
-                torch.ops.latq_cpu.babai_subblock(Y, Qb, Ad, table, gidx, rows, Zt, Ot, Rt, j0, k1, k2, *mode)
+                torch.ops.latq_cpu.back_substitution_subblock(X, B, M, table, gidx, rows, Zt, Qt if errors else None,
+                                                              Ot, Rt, j0, k1, k2, *mode)
             else:
                 for k in range(k2 - 1, k1 - 1, -1):
                     j = j0 + k
-                    om = Y[j] if k == k2 - 1 else torch.addmv(Y[j], Qb[k + 1:k2].T, Ad[j, j + 1:j0 + k2], alpha=-1,
+                    om = X[j] if k == k2 - 1 else torch.addmv(X[j], B[k + 1:k2].T, M[j, j + 1:j0 + k2], alpha=-1,
                                                               out=omega)
-                    _round_column(Tl[j], om, s(j), rounder, Zt, Qb, Ot, Rt, jq=k)
-            Y[j0:j0 + k1].addmm_(Ad[j0:j0 + k1, j0 + k1:j0 + k2], Qb[k1:k2], alpha=-1)
-        Qt.index_copy_(0, T[j0:j1], Qb[: j1 - j0])
-        Y[:j0].addmm_(Ad[:j0, j0:j1], Qb[: j1 - j0], alpha=-1)
+                    if errors:
+                        _round_column(Tl[j], om, s(j), rounder, Zt, Qt, Ot, Rt)
+                        torch.sub(om, Qt[Tl[j]], out=B[k])
+                    else:
+                        _round_column(Tl[j], om, s(j), rounder, Zt, B, Ot, Rt, jq=k)
+            X[j0:j0 + k1].addmm_(M[j0:j0 + k1, j0 + k1:j0 + k2], B[k1:k2], alpha=-1)
+        if not errors:
+            Qt.index_copy_(0, T[j0:j1], B[: j1 - j0])
+        X[:j0].addmm_(M[:j0, j0:j1], B[: j1 - j0], alpha=-1)
     return _sweep_result(Zt, Qt, Ot, Rt)
+
+
+# ----------------------------------------------------------------------------- GPTQ
+
+@dataclass
+class GPTQLattice:
+    """Everything GPTQ needs from H, computed once (SSQR/HPTQ reuse it for every search step).
+    ``perm``: GPTQ's processing order p; the sweep runs in Babai's frame ``T = p.flip(0)``
+    (back-to-front) on ``M`` = ``A⁻¹`` with columns divided by their diagonal ``diag``, where
+    ``AᵀA = (H_d)_TT`` (A upper). ``D_col``: the LDL diagonal of order T, by original column."""
+    perm: torch.Tensor
+    M: torch.Tensor
+    diag: torch.Tensor
+    D_col: torch.Tensor
+    damp: float
+
+    @property
+    def T(self) -> torch.Tensor:
+        return self.perm.flip(0)
+
+    @property
+    def U(self) -> torch.Tensor:
+        """GPTQ's factor in its own frame, ``UᵀU = (H_d)_pp⁻¹`` (upper): A⁻¹ reversed."""
+        return (self.M * self.diag).T.flip(0, 1)
+
+
+def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> GPTQLattice:
+    p = lattice.resolve_order(order, H, damp, babai=False)
+    # With T = p reversed and (H_d)_TT = AᵀA: (H_d)_pp⁻¹ = J A⁻¹ A⁻ᵀ J, so GPTQ's upper factor
+    # of H⁻¹ is U = J A⁻ᵀ J — Babai's factor inverted and reversed: the equivalence in one
+    # line. The sweep stays in Babai's frame, so nothing is flipped or copied.
+    L, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name, dtype=dtype)
+    M = lattice.tri_inv_upper(L.T)
+    d = M.diagonal().clone()
+    M.div_(d)                                       # in place: no second c×c matrix
+    D_col = torch.empty(len(p), dtype=torch.float64)
+    D_col[p.flip(0)] = L.diagonal().double() ** 2
+    return GPTQLattice(p, M.to(H.device), d.to(H.device), D_col.to(H.device), damp_used)
+
+
+def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
+               rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
+    """Paper Alg. 1 in GPTQ's lazy-batch form: each column's error ``(w − q)/U_jj · U_jl``
+    goes to the later columns — here :func:`back_substitution` on W in Babai's frame,
+    propagating errors through ``A⁻¹``. ``W``: ``[out, in]``; ``scales``: see
+    :func:`_scale_table`."""
+    T = lat.T
+    return back_substitution(lat.M, T, _rows(W, T, lat.M.dtype), scales, group_size, rounder, True,
+                             block_size, keep_rho)
+
+
+# ----------------------------------------------------------------------------- Babai
+
+def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch.Tensor,
+                group_size: int | None, rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
+    """Paper v1 Alg. 3: ``Y = A Wᵀ``; for j = c..1: ``ω = Y_j / A_jj``, round,
+    ``Y -= A[:, j] ⊗ q`` — :func:`back_substitution` propagating q. A's rows are divided
+    by their diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``)."""
+    Ad = A / A.diagonal()[:, None]
+    Y = lattice.upper_mm(Ad, _rows(W, T, Ad.dtype))
+    return back_substitution(Ad, T, Y, scales, group_size, rounder, False, block_size, keep_rho)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -329,5 +320,5 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, D_col, W)
 
 
-__all__ = ["Grid", "Sweep", "GPTQLattice", "gptq_lattice", "gptq_sweep", "babai_sweep",
+__all__ = ["Grid", "Sweep", "GPTQLattice", "gptq_lattice", "back_substitution", "gptq_sweep", "babai_sweep",
            "rtn", "gptq", "babai", "num_groups", "CSR"]

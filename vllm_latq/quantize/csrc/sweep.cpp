@@ -1,13 +1,12 @@
 // The solvers' per-column work in C++ (loaded by vllm_latq/native.py; used by solvers.py for
-// fp32 problems). Inside a 16-column sub-block each column is: gather the errors (GPTQ) or
-// rounded values (Babai) of the sub-block's earlier columns (a ≤15-term update), round on its
-// scales, write z (int32) / q / outlier / ω/s to its output row. In torch that is six or seven small
-// dispatched ops per column — a quarter of a 4096² GPTQ run; here one call per sub-block.
-// The GEMM updates between sub-blocks stay in torch. Rounding is torch's: ω/s in fp32,
-// round-half-even, outliers stored as fp16(ω).
+// fp32 problems). GPTQ and Babai are one back-substitution (solvers.back_substitution); inside a
+// 16-row sub-block each row is: gather the sub-block's later propagated rows (a ≤15-term update),
+// round on its scales, write z (int32) / q / outlier / ω/s to its output row. In torch that is six
+// or seven small dispatched ops per column — a quarter of a 4096² GPTQ run; here one call per
+// sub-block. The GEMM updates between sub-blocks stay in torch. Rounding is torch's: ω/s in
+// fp32, round-half-even, outliers stored as fp16(ω).
 //
-//   latq_cpu::gptq_subblock(Wt, E, Ud, S, gidx, rows, Zt, Qt, Ot?, Rt?, i1, k1, k2, mode, qmin, qmax)
-//   latq_cpu::babai_subblock(Y, Qb, Ad, S, gidx, rows, Zt, Ot?, Rt?, j0, k1, k2, mode, qmin, qmax)
+//   latq_cpu::back_substitution_subblock(X, B, M, S, gidx, rows, Zt, Qt?, Ot?, Rt?, j0, k1, k2, mode, qmin, qmax)
 // mode: 0 unclipped, 1 clipped to [qmin, qmax], 2 SSQR (off-grid → outlier, z = 0, q = fp16(ω))
 
 #include <ATen/ATen.h>
@@ -77,70 +76,49 @@ Rounder make_rounder(const at::Tensor& S, const at::Tensor& gidx, const at::Tens
                  has_o ? Ot->data_ptr<bool>() : nullptr, has_r ? Rt->data_ptr<float>() : nullptr, Zt.size(1)};
 }
 
-// GPTQ, processing columns i1+k1 .. i1+k2-1 in order; E[k] = w − q (the block's error rows)
-void gptq_subblock(const at::Tensor& Wt, const at::Tensor& E, const at::Tensor& Ud, const at::Tensor& S,
-                   const at::Tensor& gidx, const at::Tensor& rows, const at::Tensor& Zt, const at::Tensor& Qt,
-                   const std::optional<at::Tensor>& Ot, const std::optional<at::Tensor>& Rt, int64_t i1, int64_t k1,
-                   int64_t k2, int64_t mode, double qmin, double qmax) {
-  TORCH_CHECK(Wt.is_contiguous() && E.is_contiguous() && Qt.is_contiguous(), "gptq_subblock: contiguous rows");
-  const Rounder rnd = make_rounder(S, gidx, rows, Zt, Qt.data_ptr<float>(), Ot, Rt, mode, qmin, qmax);
-  const int64_t r = Wt.size(1);
-  const float* W = Wt.data_ptr<float>();
-  float* Ep = E.data_ptr<float>();
-  const float* U = Ud.data_ptr<float>();
-  const int64_t us0 = Ud.stride(0), us1 = Ud.stride(1);
+// Rows j0+k2-1 down to j0+k1 of the back-substitution both solvers are: ω = X[j] − Σ_t M[j, j0+t] B[t]
+// over the sub-block's later rows, round, then B[k] = q (Babai) or, given Qt, q → Qt and B[k] = ω − q
+// (GPTQ, propagating errors).
+void back_substitution_subblock(const at::Tensor& X, const at::Tensor& B, const at::Tensor& M, const at::Tensor& S,
+                                const at::Tensor& gidx, const at::Tensor& rows, const at::Tensor& Zt,
+                                const std::optional<at::Tensor>& Qt, const std::optional<at::Tensor>& Ot,
+                                const std::optional<at::Tensor>& Rt, int64_t j0, int64_t k1, int64_t k2, int64_t mode,
+                                double qmin, double qmax) {
+  TORCH_CHECK(X.is_contiguous() && B.is_contiguous(), "back_substitution_subblock: contiguous rows");
+  const bool errors = Qt.has_value() && Qt->defined();
+  TORCH_CHECK(!errors || Qt->is_contiguous(), "back_substitution_subblock: contiguous Qt");
+  const Rounder rnd = make_rounder(S, gidx, rows, Zt, errors ? Qt->data_ptr<float>() : nullptr, Ot, Rt, mode, qmin, qmax);
+  const int64_t r = X.size(1);
+  const float* Xp = X.data_ptr<float>();
+  float* Bp = B.data_ptr<float>();
+  const float* Mp = M.data_ptr<float>();
+  const int64_t ms0 = M.stride(0), ms1 = M.stride(1);
   std::vector<float> w(r), q(r);
-  for (int64_t k = k1; k < k2; ++k) {
-    const int64_t j = i1 + k;
-    const float* wj = W + j * r;
-    for (int64_t i = 0; i < r; ++i) w[i] = wj[i];
-    for (int64_t t = k1; t < k; ++t) {  // w −= E[t] · Ud[i1 + t, j]
-      const float u = U[(i1 + t) * us0 + j * us1];
-      const float* et = Ep + t * r;
-      for (int64_t i = 0; i < r; ++i) w[i] -= et[i] * u;
-    }
-    rnd(j, w.data(), q.data());
-    float* ek = Ep + k * r;
-    for (int64_t i = 0; i < r; ++i) ek[i] = w[i] - q[i];
-  }
-}
-
-// Babai, processing rows j0+k2-1 down to j0+k1; Qb[k] = q (the block's rounded rows)
-void babai_subblock(const at::Tensor& Y, const at::Tensor& Qb, const at::Tensor& Ad, const at::Tensor& S,
-                    const at::Tensor& gidx, const at::Tensor& rows, const at::Tensor& Zt,
-                    const std::optional<at::Tensor>& Ot, const std::optional<at::Tensor>& Rt, int64_t j0, int64_t k1,
-                    int64_t k2, int64_t mode, double qmin, double qmax) {
-  TORCH_CHECK(Y.is_contiguous() && Qb.is_contiguous(), "babai_subblock: contiguous rows");
-  const Rounder rnd = make_rounder(S, gidx, rows, Zt, nullptr, Ot, Rt, mode, qmin, qmax);
-  const int64_t r = Y.size(1);
-  const float* Yp = Y.data_ptr<float>();
-  float* Qp = Qb.data_ptr<float>();
-  const float* A = Ad.data_ptr<float>();
-  const int64_t as0 = Ad.stride(0), as1 = Ad.stride(1);
-  std::vector<float> w(r);
   for (int64_t k = k2 - 1; k >= k1; --k) {
     const int64_t j = j0 + k;
-    const float* yj = Yp + j * r;
-    for (int64_t i = 0; i < r; ++i) w[i] = yj[i];
-    for (int64_t t = k + 1; t < k2; ++t) {  // ω −= Qb[t] · Ad[j, j0 + t]
-      const float a = A[j * as0 + (j0 + t) * as1];
-      const float* qt = Qp + t * r;
-      for (int64_t i = 0; i < r; ++i) w[i] -= qt[i] * a;
+    const float* xj = Xp + j * r;
+    for (int64_t i = 0; i < r; ++i) w[i] = xj[i];
+    for (int64_t t = k + 1; t < k2; ++t) {  // ω −= B[t] · M[j, j0 + t]
+      const float m = Mp[j * ms0 + (j0 + t) * ms1];
+      const float* bt = Bp + t * r;
+      for (int64_t i = 0; i < r; ++i) w[i] -= bt[i] * m;
     }
-    rnd(j, w.data(), Qp + k * r);
+    float* bk = Bp + k * r;
+    if (errors) {
+      rnd(j, w.data(), q.data());
+      for (int64_t i = 0; i < r; ++i) bk[i] = w[i] - q[i];
+    } else {
+      rnd(j, w.data(), bk);
+    }
   }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
-  m.def("gptq_subblock(Tensor(a!) Wt, Tensor(b!) E, Tensor Ud, Tensor S, Tensor gidx, Tensor rows, Tensor(c!) Zt, "
-        "Tensor(d!) Qt, Tensor(e!)? Ot, Tensor(f!)? Rt, int i1, int k1, int k2, int mode, float qmin, float qmax) -> ()");
-  m.def("babai_subblock(Tensor Y, Tensor(a!) Qb, Tensor Ad, Tensor S, Tensor gidx, Tensor rows, Tensor(b!) Zt, "
-        "Tensor(c!)? Ot, Tensor(d!)? Rt, int j0, int k1, int k2, int mode, float qmin, float qmax) -> ()");
+  m.def("back_substitution_subblock(Tensor X, Tensor(a!) B, Tensor M, Tensor S, Tensor gidx, Tensor rows, "
+        "Tensor(b!) Zt, Tensor(c!)? Qt, Tensor(d!)? Ot, Tensor(e!)? Rt, int j0, int k1, int k2, int mode, float qmin, "
+        "float qmax) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
-  m.impl("gptq_subblock", &gptq_subblock);
-  m.impl("babai_subblock", &babai_subblock);
-}
+TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) { m.impl("back_substitution_subblock", &back_substitution_subblock); }
