@@ -322,3 +322,32 @@ def test_native_column_step_equals_torch_step(method, monkeypatch):
         assert all(torch.equal(getattr(a.outliers, f), getattr(b.outliers, f)) for f in ("crow", "col", "val"))
     if "rho" in a.info:
         assert torch.allclose(a.info["rho"], b.info["rho"], rtol=1e-5, atol=1e-5)
+
+
+def test_native_permuted_damped_hessian_equals_torch(monkeypatch):
+    """The C++ permute-and-damp gives bit-identical matrices to torch's copy + two gathers."""
+    from vllm_latq import native
+    from vllm_latq.quantize import lattice
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
+    W, H = random_problem(c=200, seed=3)
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.float64):
+        for h in (H, H.float()):
+            monkeypatch.setattr(lattice, "NATIVE", True)
+            a = lattice.damped(h, 0.01, dtype, perm)
+            monkeypatch.setattr(lattice, "NATIVE", False)
+            b = lattice.damped(h, 0.01, dtype, perm)
+            assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+
+
+def test_finite_check_survives_an_overflowing_sum():
+    """The one-pass check sums in the input dtype: a sum overflowing on finite values must
+    fall through to the exact count, not report a NaN that is not there."""
+    from vllm_latq.quantize.lattice import check_finite
+    x = torch.full((4, 64), 3e38)
+    assert not torch.isfinite(x.sum())
+    check_finite(x, "weight", "L")
+    x[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="layer L: weight has 1 non-finite"):
+        check_finite(x, "weight", "L")

@@ -16,8 +16,8 @@ ORDERS = ("natural", "reverse", "act", "min-pivot")
 
 
 def check_finite(x: torch.Tensor, what: str, name: str | None) -> None:
-    if torch.isfinite(x.sum(dtype=torch.float64)):   # NaN/Inf propagate through a sum: one fast pass
-        return
+    if torch.isfinite(x.sum()):   # NaN/Inf propagate through a sum: one fast pass (an overflowing
+        return                    # sum of finite values only sends us to the exact count below)
     bad = (~torch.isfinite(x)).sum().item()
     if bad:
         raise ValueError(f"{_where(name)}{what} has {bad} non-finite (NaN/Inf) entries")
@@ -48,11 +48,20 @@ def damp_lambda(H: torch.Tensor, damp: float) -> float:
     return damp * (mean if mean > 0 else 1.0)
 
 
-def damped(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``H + λI`` (formed in fp64, returned in ``dtype``)."""
+NATIVE = True  # the C++ permute-and-damp when it builds (tests switch it)
+
+
+def damped(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.float64,
+           perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``H + λI`` (formed in fp64, returned in ``dtype``), rows and columns in ``perm`` order."""
+    lam = damp_lambda(H, damp)
+    if perm is not None and NATIVE and H.device.type == "cpu" and dtype in (torch.float32, torch.float64):
+        from .. import native
+        if native.available():                    # the same values in one pass
+            return torch.ops.latq_cpu.permuted_damped(H, perm, lam, dtype)
     Hd = H.to(dtype, copy=True)
-    Hd.diagonal().copy_(H.diagonal().to(torch.float64) + damp_lambda(H, damp))
-    return Hd
+    Hd.diagonal().copy_(H.diagonal().to(torch.float64) + lam)
+    return Hd if perm is None else Hd[perm][:, perm]
 
 
 def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
@@ -65,10 +74,7 @@ def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
     fp64 for fp64 problems); a factor that is not finite counts as a failure."""
     d = damp
     for _ in range(max_tries):
-        Hd = damped(H, d, dtype)
-        if perm is not None:
-            Hd = Hd[perm][:, perm]
-        L, info = torch.linalg.cholesky_ex(Hd)
+        L, info = torch.linalg.cholesky_ex(damped(H, d, dtype, perm))
         if info.item() == 0 and torch.isfinite(L.diagonal()).all():
             if d != damp:
                 warnings.warn(f"{_where(name)}Hessian not positive definite with damp={damp}; "

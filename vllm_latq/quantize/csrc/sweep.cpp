@@ -10,9 +10,12 @@
 // mode: 0 unclipped, 1 clipped to [qmin, qmax], 2 SSQR (off-grid → outlier, z = 0, q = fp16(ω))
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -113,12 +116,43 @@ void back_substitution_subblock(const at::Tensor& X, const at::Tensor& B, const 
   }
 }
 
+// ---- the damped Hessian in a processing order: torch's two fancy-indexing gathers after an fp32 copy
+// take ≈120 ms at c = 4096 (a tenth of a GPTQ run); one pass here ≈35 ms.
+
+// (H + λI)[perm][:, perm] in `dtype` (fp32/fp64) in one pass over the fp64 Hessian: row perm[i] is read
+// whole and gathered in cache
+at::Tensor permuted_damped(const at::Tensor& H_, const at::Tensor& perm_, double lam, at::ScalarType dtype) {
+  TORCH_CHECK(H_.dim() == 2 && H_.size(0) == H_.size(1), "permuted_damped: square H");
+  const at::Tensor H = H_.to(at::kDouble).contiguous(), perm = perm_.to(at::kLong).contiguous();
+  const int64_t c = H.size(0);
+  TORCH_CHECK(perm.numel() == c, "permuted_damped: perm of length ", c);
+  at::Tensor out = at::empty({c, c}, H.options().dtype(dtype));
+  const double* h = H.data_ptr<double>();
+  const int64_t* p = perm.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(dtype, "permuted_damped", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, c, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const double* row = h + p[i] * c;
+        scalar_t* oi = o + i * c;
+        for (int64_t j = 0; j < c; ++j) oi[j] = static_cast<scalar_t>(row[p[j]]);
+        oi[i] = static_cast<scalar_t>(row[p[i]] + lam);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
   m.def("back_substitution_subblock(Tensor X, Tensor(a!) B, Tensor M, Tensor S, Tensor gidx, Tensor rows, "
         "Tensor(b!) Zt, Tensor(c!)? Qt, Tensor(d!)? Ot, Tensor(e!)? Rt, int j0, int k1, int k2, int mode, float qmin, "
         "float qmax) -> ()");
+  m.def("permuted_damped(Tensor H, Tensor perm, float lam, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) { m.impl("back_substitution_subblock", &back_substitution_subblock); }
+TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
+  m.impl("back_substitution_subblock", &back_substitution_subblock);
+  m.impl("permuted_damped", &permuted_damped);
+}
