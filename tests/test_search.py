@@ -54,3 +54,19 @@ def test_next_alpha_secant_inside_bracket_else_bisect():
     # no slope and one side unknown: widen ×1.02² towards the unknown side
     assert _next_alpha(1.0, 0.07, 0.05, None, None, 1.0) == pytest.approx(1.02**2)
     assert _next_alpha(1.0, 0.01, 0.05, None, 1.0, None) == pytest.approx(1.02**-2)
+
+
+def test_solver_bench_runs_small(capsys):
+    """bench/solver.py end to end on a small layer: every ratio printed, one HEADLINE line."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_solver", Path(__file__).parent.parent / "bench" / "solver.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--rows", "256", "--cols", "384", "--tokens", "768", "--repeats", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    head = [x for x in lines if x.startswith("HEADLINE")]
+    assert len(head) == 1 and lines[-1] == head[0]
+    vals = dict(kv.split("=") for kv in head[0].split()[1:])
+    assert set(vals) == {"gptq_vs_gemm", "babai_vs_gemm", "ssqr_vs_gptq", "hptq_vs_gptq"}
+    assert all(float(v) > 0 for v in vals.values())
