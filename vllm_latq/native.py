@@ -1,5 +1,5 @@
-"""The package's C++ ops (``kernels/csrc/latq_cpu.cpp``, ``quantize/csrc/sweep.cpp``),
-compiled on first use into one library, namespace ``latq_cpu``.
+"""The package's C++ ops (``kernels/csrc/latq_cpu.cpp``, ``quantize/csrc/sweep.cpp``,
+``quantize/csrc/scales.cpp``), compiled on first use into one library, namespace ``latq_cpu``.
 
 * The CPU kernel's small-M call: at batch 1 a SmolLM2 linear costs ~20 µs in the int4 op,
   and the Python around it (dtype casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly
@@ -8,6 +8,8 @@ compiled on first use into one library, namespace ``latq_cpu``.
   dispatch.
 * The solvers' per-column rounding inside a sub-block (fp32 problems): one call instead of
   six or seven dispatched torch ops per column.
+* The MSE scale search (``scales.mse_scales``): all candidate scales of a group while its
+  weights sit in L1, instead of six whole-matrix torch passes per candidate.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja: both already needed by vLLM's CPU
 compiled mode) into torch's extension cache, once per machine and source version; later
@@ -30,7 +32,8 @@ ENV = "LATQ_CPU_NATIVE"
 # outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
 SOURCES = (Path(__file__).parent / "kernels" / "csrc" / "latq_cpu.cpp",
-           Path(__file__).parent / "quantize" / "csrc" / "sweep.cpp")
+           Path(__file__).parent / "quantize" / "csrc" / "sweep.cpp",
+           Path(__file__).parent / "quantize" / "csrc" / "scales.cpp")
 _UNSET = object()
 _STATUS: "str | None | object" = _UNSET   # None: loaded; a string: why not
 
