@@ -34,6 +34,9 @@ LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
 SOURCES = (Path(__file__).parent / "kernels" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "scales.cpp")
+# -fopenmp: at::parallel_for (the solvers' whole-matrix helpers) is an OpenMP pragma in ATen's
+# headers, serial unless this build enables OpenMP
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _UNSET = object()
 _STATUS: "str | None | object" = _UNSET   # None: loaded; a string: why not
 
@@ -42,7 +45,7 @@ def _name() -> str:
     # -march=native code is only valid on this CPU: the build cache is keyed by it too
     cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}"
     src = "".join(f.read_text() for f in SOURCES)
-    return "latq_cpu_" + hashlib.sha256((cpu + src).encode()).hexdigest()[:12]
+    return "latq_cpu_" + hashlib.sha256((cpu + " ".join(CFLAGS) + src).encode()).hexdigest()[:12]
 
 
 def load() -> str | None:
@@ -54,7 +57,8 @@ def load() -> str | None:
         else:
             try:
                 from torch.utils.cpp_extension import load as build
-                build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=["-O3", "-march=native"],
+                build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
+                      extra_ldflags=["-fopenmp"],
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
