@@ -414,6 +414,11 @@ def _fmt_ppl(x: float) -> str:
     return f"{x:.3g}" if x >= 1e4 else f"{x:.2f}"
 
 
+def _fmt_delta(ratio: float) -> str:
+    """Perplexity change vs bf16: a percentage, or a factor once it is past ×10."""
+    return f"{100 * (ratio - 1):+.1f}%" if ratio < 10 else f"×{ratio:.3g}"
+
+
 def cert_summary(results: list[dict]) -> dict | None:
     recs = [c for r in results for c in r.get("certificate", [])]
     if not recs:
@@ -497,7 +502,7 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
               "| configuration | bits/w | outliers | ppl | Δ vs bf16 | windows × tokens | quantize s | eval s |",
               "|---|---|---|---|---|---|---|---|"]
         for r in res:
-            d = f"{100 * (r['ppl'] / bf['ppl'] - 1):+.1f}%" if bf and r is not bf else ""
+            d = _fmt_delta(r["ppl"] / bf["ppl"]) if bf and r is not bf else ""
             L.append(f"| {r['label']} | {r['bits']:.3f} | {100 * (r.get('outlier_rate') or 0):.2f}% | "
                      f"{_fmt_ppl(r['ppl'])} | {d} | {r['windows']} × {r['tokens']} | {r['quantize_seconds']} | "
                      f"{r['eval_seconds']} |")
