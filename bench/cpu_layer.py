@@ -17,6 +17,11 @@ torch.set_num_threads(2). Sections:
             opt-in cached bf16 weight vs bf16 F.linear, M = 8..512 (where LARGE_M should sit)
   wide      > 4-bit HPTQ-style transcodes (4096×4096, M=1): two int4 planes vs off-grid
             weights moved to the CSR
+  gemv      M=1: torch's int4 op vs the C++ int4 GEMV (``latq_cpu::gemv``, same state), raw
+            and inside ``latq_cpu::small_linear``; in situ = one pass over 30 SmolLM2 blocks
+            of vLLM's fused shapes (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536,
+            ~57 MB of int4 + scales: more than L3), passes interleaved; and 4096×4096 warm
+            (one matrix) / cold (cycling through 8 matrices, 64 MB)
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -204,6 +209,91 @@ def wide(a, results):
         cpu.SPLIT_MAX_EXTRA_RATE = saved
 
 
+SMOL_VLLM = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+
+
+def _int4_state(N, K, seed, latq_group=128):
+    """Random 4-bit weights in the op's state: (packed, scales_zeros, op group)."""
+    pack, _ = cpu._ops()
+    go = next(g for g in cpu.OP_GROUPS if K % g == 0 and latq_group % g == 0)
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
+    s = torch.rand(K // go, N, generator=gen) * 0.02 + 0.002
+    return pack(u, 1), torch.stack([s, torch.zeros_like(s)], -1).to(torch.bfloat16).contiguous(), go
+
+
+def _passes(fns: dict, rounds: int) -> dict:
+    """Each fn is one whole pass; interleaved rounds → {name: list of ms}."""
+    for f in fns.values():
+        f()
+    ts = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            ts[k].append((time.perf_counter() - t) * 1e3)
+    return ts
+
+
+def gemv(a, results):
+    if not (native.available() and torch.ops.latq_cpu.gemv_max_m() > 0):
+        print("\ngemv: the C++ GEMV is not available here (no build, LATQ_CPU_GEMV=0, or another layout)")
+        return
+    _, mm = cpu._ops()
+    sl = torch.ops.latq_cpu.small_linear
+    saved = torch.ops.latq_cpu.gemv_max_m()
+
+    def kernel(on):
+        def f(x, p, sz, g):
+            torch.ops.latq_cpu.set_gemv_max_m(1 if on else 0)
+            return sl(x, p, sz, None, None, None, None, g, 1)
+        return f
+
+    impls = {"op": lambda x, p, sz, g: mm(x, p, g, sz),
+             "gemv": lambda x, p, sz, g: torch.ops.latq_cpu.gemv(x, p, sz, g),
+             "kernel_op": kernel(False), "kernel_gemv": kernel(True)}
+    try:
+        print("\ngemv, M=1 (ms per pass: best / median over interleaved passes; ratio = median of "
+              "paired op/gemv)")
+        layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(30) for i, (_, N, K) in enumerate(SMOL_VLLM)]
+        mb = sum(p.numel() + 2 * sz.numel() for p, sz, _, _ in layers) / 1e6
+        xs = {K: torch.randn(1, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
+
+        def one_pass(impl):
+            return lambda: [impl(xs[K], p, sz, g) for p, sz, g, K in layers]
+
+        ts = _passes({k: one_pass(f) for k, f in impls.items()}, a.gemv_rounds)
+        print(f"smol in situ, 120 layers, {mb:.0f} MB: " + "  ".join(
+            f"{k}={min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
+            + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x kernel {ratio(ts, 'kernel_op', 'kernel_gemv'):.2f}x",
+            flush=True)
+        results["gemv_smol_insitu"] = ratio(ts, "op", "gemv")
+        results["gemv_smol_insitu_kernel"] = ratio(ts, "kernel_op", "kernel_gemv")
+        for name, N, K in SMOL_VLLM:   # one layer, warm (in L2/L3)
+            p, sz, g = _int4_state(N, K, 7)
+            x = xs[K]
+            ts = side_by_side({k: (lambda f=f: f(x, p, sz, g)) for k, f in impls.items()}, a.rounds, a.sample_us)
+            print(f"smol.{name:8s} {N}x{K} g{g} warm (µs median): " + "  ".join(
+                f"{k}={med(v):.1f}" for k, v in ts.items()) + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x",
+                flush=True)
+        del layers
+        big = [_int4_state(4096, 4096, 50 + i) for i in range(8)]
+        x = torch.randn(1, 4096).to(torch.bfloat16)
+        ts = _passes({k: (lambda f=f: [f(x, p, sz, g) for p, sz, g in big]) for k, f in impls.items()},
+                     a.gemv_rounds)
+        print("4096x4096 cold (ms per matrix, 8 matrices cycled): " + "  ".join(
+            f"{k}={min(v) / 8:.3f}/{med(v) / 8:.3f}" for k, v in ts.items())
+            + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x", flush=True)
+        results["gemv_4096_cold"] = ratio(ts, "op", "gemv")
+        p, sz, g = big[0]
+        ts = side_by_side({k: (lambda f=f: f(x, p, sz, g)) for k, f in impls.items()}, a.rounds, a.sample_us)
+        print("4096x4096 warm (µs median): " + "  ".join(f"{k}={med(v):.1f}" for k, v in ts.items())
+              + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x", flush=True)
+        results["gemv_4096_warm"] = ratio(ts, "op", "gemv")
+    finally:
+        torch.ops.latq_cpu.set_gemv_max_m(saved)
+
+
 def geomean(xs):
     xs = list(xs)
     return float(torch.tensor(xs).log().mean().exp()) if xs else float("nan")
@@ -231,8 +321,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide"],
-                    choices=["table", "profile", "large", "wide"])
+    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv"],
+                    choices=["table", "profile", "large", "wide", "gemv"])
+    ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv section)")
     ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -248,7 +339,10 @@ def main(argv=None):
         large(a)
     if "wide" in a.sections:
         wide(a, results)
+    if "gemv" in a.sections:
+        gemv(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
+    # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
             "speedup_m8_4096_1pct": one("4096", 4, 0.01, 8),
             "speedup_m1_4096_0pct": one("4096", 4, 0.0, 1),
@@ -256,7 +350,10 @@ def main(argv=None):
             "gemma_block_m1_1pct": block_speedup(results, "gemma", 4, 0.01, 1),
             "smol_block_m1_1pct": block_speedup(results, "smol", 4, 0.01, 1),
             "gemma_block_m8_1pct": block_speedup(results, "gemma", 4, 0.01, 8),
-            "smol_block_m8_1pct": block_speedup(results, "smol", 4, 0.01, 8)}
+            "smol_block_m8_1pct": block_speedup(results, "smol", 4, 0.01, 8),
+            "gemv_smol_insitu": results.get("gemv_smol_insitu"),
+            "gemv_smol_insitu_kernel": results.get("gemv_smol_insitu_kernel"),
+            "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm")}
     print("HEADLINE " + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 

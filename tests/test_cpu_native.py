@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_cpu_kernel import check, prepared
+from tests.test_cpu_kernel import check, expected, prepared
 from vllm_latq import native
 from vllm_latq.kernels import cpu
 from vllm_latq.kernels.cpu import CPUKernel
@@ -63,3 +63,84 @@ def test_native_outliers_by_loop_and_by_mkl(loop_max):
             check(w, state, torch.randn(M, 2048, generator=g), torch.randn(640, generator=g))
     finally:
         torch.ops.latq_cpu.set_loop_max(native.LOOP_MAX)
+
+
+# --------------------------------------------------------------------------- the M = 1 GEMV
+
+gemv_only = pytest.mark.skipif(not (native.available() and torch.ops.latq_cpu.gemv_max_m() > 0),
+                               reason="the C++ GEMV is not built here (no AVX-512 VBMI/BF16) or is off")
+
+
+def _op_state(N, K, g, seed, zeros=False):
+    pack, _ = cpu._ops()
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
+    s = (torch.rand(K // g, N, generator=gen) * 0.05 + 0.001).to(torch.bfloat16)
+    z = (torch.randn(K // g, N, generator=gen) * 0.02 if zeros else torch.zeros(K // g, N)).to(torch.bfloat16)
+    W = (u.double() - 8) * s.double().repeat_interleave(g, 0).T + z.double().repeat_interleave(g, 0).T
+    return pack(u, 1), torch.stack([s, z], -1).contiguous(), W
+
+
+@gemv_only
+@pytest.mark.parametrize("N,K,g", [(960, 576, 64), (576, 576, 64), (192, 576, 64), (3072, 576, 64),
+                                   (576, 1536, 128), (80, 256, 32), (112, 512, 256), (208, 384, 64),
+                                   (48, 64, 32), (16, 128, 128), (1024, 4096, 128), (64, 2048, 256)])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_gemv_matches_the_op(N, K, g, zeros):
+    """``latq_cpu::gemv`` on the op's own state: the op's math up to fp32 summation order. Both
+    are rounded to bf16, so: each within bf16 rounding + 1e-5·Σ|x||w| of the fp64 sum, and the
+    two within one bf16 ulp of each other (most equal). N % 64 ≠ 0 covers the pair-packed tail."""
+    _, mm = cpu._ops()
+    p, sz, W = _op_state(N, K, g, N + K + g, zeros)
+    gen = torch.Generator().manual_seed(K)
+    for _ in range(3):
+        x = (torch.randn(1, K, generator=gen) * torch.rand(1, K, generator=gen) * 4).to(torch.bfloat16)
+        y, yo = torch.ops.latq_cpu.gemv(x, p, sz, g).double(), mm(x, p, g, sz).double()
+        ref = x.double() @ W.T
+        S = x.double().abs() @ W.abs().T
+        assert ((y - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * S).all()
+        assert ((y - yo).abs() <= 2.0 ** -7 * torch.maximum(y.abs(), yo.abs()) + 1e-5 * S).all()
+        assert (y == yo).double().mean() > 0.9
+
+
+@gemv_only
+@pytest.mark.parametrize("key", [(960, 576, 4, 0.01, 128), (576, 1536, 4, 0.0, 128), (80, 256, 4, 0.02, 32),
+                                 (112, 512, 3, 0.01, 256), (208, 384, 4, 0.01, 64), (128, 256, 6, 0.0, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemv_in_small_linear(key, dtype):
+    """M = 1 through ``small_linear`` with the GEMV on: the kernel's tight bounds
+    (``test_cpu_kernel.check``) for bf16/fp16/fp32 activations, with and without outliers and
+    bias, incl. two int4 planes (6-bit) and a pair-packed tail; and within one bf16 ulp of the
+    inliers (+ fp32 summation) of the same call with torch's op (``set_gemv_max_m(0)``)."""
+    w, state = prepared(key)
+    N, K = key[0], key[1]
+    g = torch.Generator().manual_seed(23)
+    for b in (None, torch.randn(N, generator=g)):
+        x = torch.randn(1, K, generator=g).to(dtype)
+        bias = None if b is None else b.to(dtype)
+        try:
+            check(w, state, x, bias)
+            on = CPUKernel.apply(state, x, bias).double()
+            torch.ops.latq_cpu.set_gemv_max_m(0)
+            off = CPUKernel.apply(state, x, bias).double()
+        finally:
+            torch.ops.latq_cpu.set_gemv_max_m(1)
+        S = x.to(torch.bfloat16).double().abs() @ expected(w, state).Wi_t.abs()
+        tol = 2.0 ** -7 * (on.abs() + S * 2.0 ** -8) + 2.0 ** -7 * torch.maximum(on.abs(), off.abs()) + 1e-5 * S
+        assert ((on - off).abs() <= tol).all()
+
+
+def test_gemv_env_switch():
+    """``LATQ_CPU_GEMV=0`` (read once at load) keeps torch's op for every M."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom vllm_latq import native\nassert native.load() is None\n"
+            "print(torch.ops.latq_cpu.gemv_max_m())")
+    for env, want in (("0", "0"), ("1", None)):
+        out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "LATQ_CPU_GEMV": env},
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        if want is not None:
+            assert out.stdout.split()[-1] == want
+        else:
+            assert out.stdout.split()[-1] in ("0", "1")

@@ -5,7 +5,14 @@
 // Python between them. Small outlier sets are summed by a plain loop here (MKL's CSR call
 // costs ~5 µs of setup, as much as a small layer's whole int4 GEMM); large ones by MKL.
 //
+// At M = 1 the int4 GEMM is this file's own GEMV over the same state (gemv:: below; the op's
+// math up to fp32 summation order): torch's op is compute/latency bound when its weights come
+// from DRAM, the GEMV streams them at DRAM speed (bench/cpu_layer.py --sections gemv: 30
+// SmolLM2 blocks at M=1, 3.5 → 2.0 ms). LATQ_CPU_GEMV=0 (read once) keeps torch's op.
+//
 //   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, bias?, group, planes)
+//   latq_cpu::gemv(x [1, K] bf16, packed, scales_zeros, group)   the GEMV alone (bench, tests)
+//   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
 //       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM)
 //   latq_cpu::set_large_m(m), latq_cpu::set_loop_max(n)
@@ -14,9 +21,22 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <cmath>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LATQ_HAVE_GEMV 1
+#else
+#define LATQ_HAVE_GEMV 0
+#endif
 
 namespace {
 
@@ -90,6 +110,213 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// M = 1: an int4 GEMV over the op's own state (same packed weights, same bf16 scales_zeros),
+// the op's math up to fp32 summation order: y[n] = bf16(Σ_g s_gn·Σ_{k∈g} x_k·(u_nk − 8)
+// + z_gn·Σ_{k∈g} x_k), x in bf16, products exact, sums in fp32.
+//
+// The op's AVX-512 layout (checked at first use against _convert_weight_to_int4pack_for_cpu):
+// blocks of 64 rows, K-major; the 32 bytes of (block, k) hold row j (low nibble) and row j+32
+// (high nibble); a tail block of R < 64 rows holds R/2 bytes per k, rows 2j / 2j+1.
+// One 64-byte load = k and k+1 of a block. vpermb gathers byte j of k and of k+1 into the two
+// words of dword j (16 rows per zmm), vpermw maps each word's low nibble (after a shift: the
+// high nibble) to bf16(u − 8) from a 16-entry table (duplicated: vpermw reads 5 index bits),
+// and vdpbf16ps adds x_k·w_k + x_{k+1}·w_{k+1} (exact products, fp32 sums) into 16 rows.
+// Per 128 weights: 1 load, 2 vpermb, 2 shifts, 4 vpermw, 4 vdpbf16ps. Per group the 4×16 row
+// sums are folded: y += s·acc + z·Σx_g. Blocks are split across threads (one region a call).
+namespace gemv {
+
+std::atomic<int64_t> g_max_m{[] {
+  const char* e = std::getenv("LATQ_CPU_GEMV");  // read once: "0" → always torch's op
+  return (e && (e[0] == '0' || e[0] == 0)) ? int64_t{0} : int64_t{1};
+}()};
+
+// 1: the layout probe passed, 0: failed (torch's op only), -1: not probed yet
+std::atomic<int> g_layout{-1};
+
+bool layout_ok() {
+  int s = g_layout.load();
+  if (s >= 0) return s == 1;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (g_layout.load() < 0) {
+    const int64_t N = 80, K = 8;  // one full block + a 16-row tail
+    at::Tensor u = at::empty({N, K}, at::kInt);
+    int32_t* up = u.data_ptr<int32_t>();
+    for (int64_t i = 0; i < N * K; ++i) up[i] = static_cast<int32_t>((i * 7 + i / 5) % 16);
+    at::Tensor p = at::_convert_weight_to_int4pack_for_cpu(u, 1).contiguous();
+    bool ok = p.scalar_type() == at::kByte && p.numel() == N * K / 2;
+    if (ok) {
+      const uint8_t* b = p.data_ptr<uint8_t>();
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t j = 0; j < 32; ++j)
+          ok &= b[k * 32 + j] == (up[j * K + k] | (up[(j + 32) * K + k] << 4));
+        for (int64_t j = 0; j < 8; ++j)
+          ok &= b[64 * K / 2 + k * 8 + j] == (up[(64 + 2 * j) * K + k] | (up[(65 + 2 * j) * K + k] << 4));
+      }
+    }
+    g_layout.store(ok ? 1 : 0);
+  }
+  return g_layout.load() == 1;
+}
+
+#if LATQ_HAVE_GEMV
+inline __m512 dp(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+
+// full 64-row blocks [b0, b1): x bf16 [K] (as raw bits), xs fp32 [K/g] group sums,
+// sz the scales_zeros as one (s, z) bf16 pair per dword [K/g, N], y bf16 [N]
+void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N, int64_t K,
+            int64_t g, int64_t b0, int64_t b1, uint16_t* y) {
+  alignas(64) uint8_t i1[64], i2[64];
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 16; ++i) {
+    i1[4 * i] = i1[4 * i + 1] = i;
+    i1[4 * i + 2] = i1[4 * i + 3] = 32 + i;
+    i2[4 * i] = i2[4 * i + 1] = 16 + i;
+    i2[4 * i + 2] = i2[4 * i + 3] = 48 + i;
+  }
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>((i & 15) - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  const __m512i idx1 = _mm512_load_si512(i1), idx2 = _mm512_load_si512(i2), T = _mm512_load_si512(t);
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t G = K / g;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = P + b * K * 32;
+    const uint32_t* szb = sz + b * 64;
+    __m512 y0 = _mm512_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const uint8_t* p = wb + gi * g * 32;
+      const uint16_t* xg = x + gi * g;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+      for (int64_t k = 0; k < g; k += 4, p += 128) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + 2048 + 64), _MM_HINT_T0);
+        int32_t xa, xb;
+        std::memcpy(&xa, xg + k, 4);
+        std::memcpy(&xb, xg + k + 2, 4);
+        const __m512i va = _mm512_loadu_si512(p), vb = _mm512_loadu_si512(p + 64);
+        const __m512i xva = _mm512_set1_epi32(xa), xvb = _mm512_set1_epi32(xb);
+        const __m512i za1 = _mm512_permutexvar_epi8(idx1, va), za2 = _mm512_permutexvar_epi8(idx2, va);
+        const __m512i zb1 = _mm512_permutexvar_epi8(idx1, vb), zb2 = _mm512_permutexvar_epi8(idx2, vb);
+        a0 = dp(a0, _mm512_permutexvar_epi16(za1, T), xva);
+        a1 = dp(a1, _mm512_permutexvar_epi16(za2, T), xva);
+        a2 = dp(a2, _mm512_permutexvar_epi16(_mm512_srli_epi16(za1, 4), T), xva);
+        a3 = dp(a3, _mm512_permutexvar_epi16(_mm512_srli_epi16(za2, 4), T), xva);
+        c0 = dp(c0, _mm512_permutexvar_epi16(zb1, T), xvb);
+        c1 = dp(c1, _mm512_permutexvar_epi16(zb2, T), xvb);
+        c2 = dp(c2, _mm512_permutexvar_epi16(_mm512_srli_epi16(zb1, 4), T), xvb);
+        c3 = dp(c3, _mm512_permutexvar_epi16(_mm512_srli_epi16(zb2, 4), T), xvb);
+      }
+      const uint32_t* q = szb + gi * N;
+      const __m512 xsg = _mm512_set1_ps(xs[gi]);
+      auto fold = [&](__m512 yv, __m512 acc, int r) {
+        const __m512i v = _mm512_loadu_si512(q + r);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        return _mm512_fmadd_ps(xsg, z, _mm512_fmadd_ps(acc, s, yv));
+      };
+      y0 = fold(y0, _mm512_add_ps(a0, c0), 0);
+      y1 = fold(y1, _mm512_add_ps(a1, c1), 16);
+      y2 = fold(y2, _mm512_add_ps(a2, c2), 32);
+      y3 = fold(y3, _mm512_add_ps(a3, c3), 48);
+    }
+    uint16_t* yb = y + b * 64;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb), (__m256i)_mm512_cvtneps_pbh(y0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + 16), (__m256i)_mm512_cvtneps_pbh(y1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + 32), (__m256i)_mm512_cvtneps_pbh(y2));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + 48), (__m256i)_mm512_cvtneps_pbh(y3));
+  }
+}
+#endif
+
+inline float bf(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// the tail block: rows [r0, N) (N − r0 < 64, even), R/2 bytes per k, rows 2j (low) / 2j+1 (high)
+void tail(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N, int64_t K, int64_t g,
+          int64_t r0, uint16_t* y) {
+  const int64_t R = N - r0, H = R / 2;
+  const uint8_t* pt = P + r0 * K / 2;
+  float yv[64] = {}, acc[64];
+  for (int64_t gi = 0; gi < K / g; ++gi) {
+    std::fill(acc, acc + R, 0.f);
+    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+      const float xk = bf(x[k]);
+      const uint8_t* pk = pt + k * H;
+      for (int64_t j = 0; j < H; ++j) {
+        acc[2 * j] += xk * static_cast<float>((pk[j] & 15) - 8);
+        acc[2 * j + 1] += xk * static_cast<float>((pk[j] >> 4) - 8);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const uint32_t v = sz[gi * N + r0 + r];
+      yv[r] = std::fma(xs[gi], bf(v >> 16), std::fma(acc[r], bf(v & 0xFFFF), yv[r]));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const at::BFloat16 o(yv[r]);  // round to nearest even, as the op's output
+    y[r0 + r] = o.x;
+  }
+}
+
+// whether gemv() takes this call (M = 1, the op's AVX-512 layout, supported shapes)
+bool usable(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t K, int64_t group_size) {
+  if (!LATQ_HAVE_GEMV) return false;
+  const int64_t N = packed.size(0);
+  return packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+         packed.size(1) * 2 == K && scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+         group_size >= 4 && group_size % 4 == 0 && K % group_size == 0 && N % 2 == 0 &&
+         scales_zeros.numel() == K / group_size * N * 2 && layout_ok();
+}
+
+// y = the op at M = 1: x bf16 [1, K] (K = the packed width) → bf16 [1, N]
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t g) {
+  const int64_t N = packed.size(0), K = x.size(1), G = K / g;
+  at::Tensor xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<float> xs(G);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    float s = 0.f;
+    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) s += bf(xp[k]);
+    xs[gi] = s;
+  }
+  at::Tensor y = at::empty({1, N}, x.options().dtype(at::kBFloat16));
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
+  auto work = [&](int64_t u0, int64_t u1) {
+#if LATQ_HAVE_GEMV
+    blocks(xp, xs.data(), P, sz, N, K, g, u0, std::min(u1, nb), yp);
+#endif
+    if (u1 > nb) tail(xp, xs.data(), P, sz, N, K, g, nb * 64, yp);
+  };
+  at::parallel_for(0, units, 1, work);
+  return y;
+}
+
+}  // namespace gemv
+
+at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kBFloat16,
+              "latq_cpu::gemv: x must be bf16 [1, K], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(gemv::usable(packed, scales_zeros, x.size(1), group_size),
+              "latq_cpu::gemv: not available for this build/layout/shape");
+  return gemv::run(x, packed, scales_zeros, group_size);
+}
+
+void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
+// the M up to which small_linear takes the GEMV (0: off, or not built / not this layout)
+int64_t gemv_max_m() { return LATQ_HAVE_GEMV && gemv::layout_ok() ? gemv::g_max_m.load() : 0; }
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
                         const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& bias,
@@ -101,7 +328,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor xb = (dtype == at::kBFloat16 && x.is_contiguous()) ? x : x.to(at::kBFloat16).contiguous();
   if (planes == 2) xb = at::cat({xb, xb}, 1);
-  at::Tensor y = at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros);  // bf16 [M, N]
+  // bf16 [M, N]: the GEMV at M = 1 (LATQ_CPU_GEMV=0: off), else torch's op
+  at::Tensor y = M <= gemv::g_max_m.load() && gemv::usable(packed, scales_zeros, xb.size(1), group_size)
+                     ? gemv::run(xb, packed, scales_zeros, group_size)
+                     : at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros);
   const bool outl = crow.has_value() && crow->defined() && col->numel() > 0;
   const bool has_bias = bias.has_value() && bias->defined();
   if (!outl && !has_bias && dtype == at::kBFloat16) return y;
@@ -163,14 +393,20 @@ TORCH_LIBRARY(latq_cpu, m) {
   m.def("linear(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
+  m.def("gemv(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor");
+  m.def("set_gemv_max_m(int m) -> ()");
+  m.def("gemv_max_m() -> int");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("linear", &linear);
+  m.impl("gemv", &gemv_op);
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_large_m", &set_large_m);
   m.impl("set_loop_max", &set_loop_max);
+  m.impl("set_gemv_max_m", &set_gemv_max_m);
+  m.impl("gemv_max_m", &gemv_max_m);
 }
