@@ -47,6 +47,12 @@ std::atomic<int64_t> g_large_m{128};
 // saves 3–8 µs per layer. Set from vllm_latq.native.LOOP_MAX.
 std::atomic<int64_t> g_loop_max{16384};
 
+// outliers up to which the M = 1 GEMV sums them in its own threads (above: MKL, as without it)
+std::atomic<int64_t> g_fused_max{[] {
+  const char* e = std::getenv("LATQ_CPU_GEMV_FUSED_MAX");
+  return e ? static_cast<int64_t>(std::atoll(e)) : int64_t{1} << 40;
+}()};
+
 constexpr int64_t kMB = 16;  // activation rows per pass of the outlier loop (M ≤ kMB: loop)
 
 // acc[0..MB) = Σ_k val[k]·xT[col[k]·MB + m]: xT is [K, MB] fp32 (rows padded with zeros),
@@ -277,8 +283,43 @@ bool usable(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t K,
          scales_zeros.numel() == K / group_size * N * 2 && layout_ok();
 }
 
-// y = the op at M = 1: x bf16 [1, K] (K = the packed width) → bf16 [1, N]
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t g) {
+// the finishing pass fused into the GEMV's threads, row by row right after each block: out[r]
+// = T(float(y[r]) + Σ outliers + bias[r]), the same math as finish() (its M = 1 loop)
+struct Fin {
+  const int32_t* crow = nullptr;  // outliers (fp32 CSR) or null
+  const int32_t* col = nullptr;
+  const float* val = nullptr;
+  const float* xf = nullptr;      // fp32 of the unrounded activations [K]
+  const float* bias = nullptr;    // fp32 [N] or null
+  void* out = nullptr;            // [N] of dtype (may alias y when bf16)
+  at::ScalarType dtype = at::kBFloat16;
+};
+
+template <typename T>
+void fin_rows(const Fin& f, const uint16_t* y, int64_t r0, int64_t r1) {
+  T* out = static_cast<T*>(f.out);
+  for (int64_t r = r0; r < r1; ++r) {
+    float acc = 0.f;
+    if (f.crow) row_dot<1>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, &acc);
+    float o = bf(y[r]) + acc;
+    if (f.bias) o += f.bias[r];
+    out[r] = static_cast<T>(o);
+  }
+}
+
+void fin(const Fin* f, const uint16_t* y, int64_t r0, int64_t r1) {
+  if (!f) return;
+  switch (f->dtype) {
+    case at::kBFloat16: fin_rows<at::BFloat16>(*f, y, r0, r1); break;
+    case at::kHalf: fin_rows<at::Half>(*f, y, r0, r1); break;
+    default: fin_rows<float>(*f, y, r0, r1); break;
+  }
+}
+
+// y = the op at M = 1: x bf16 [1, K] (K = the packed width) → bf16 [1, N]; with f, each
+// thread also finishes its rows into f->out (y is then scratch, or f->out itself for bf16)
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t g,
+               const Fin* f = nullptr, at::Tensor y = at::Tensor()) {
   const int64_t N = packed.size(0), K = x.size(1), G = K / g;
   at::Tensor xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
@@ -288,16 +329,22 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     for (int64_t k = gi * g; k < (gi + 1) * g; ++k) s += bf(xp[k]);
     xs[gi] = s;
   }
-  at::Tensor y = at::empty({1, N}, x.options().dtype(at::kBFloat16));
+  if (!y.defined()) y = at::empty({1, N}, x.options().dtype(at::kBFloat16));
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
 #if LATQ_HAVE_GEMV
-    blocks(xp, xs.data(), P, sz, N, K, g, u0, std::min(u1, nb), yp);
+    for (int64_t b = u0; b < std::min(u1, nb); ++b) {
+      blocks(xp, xs.data(), P, sz, N, K, g, b, b + 1, yp);
+      fin(f, yp, b * 64, b * 64 + 64);
+    }
 #endif
-    if (u1 > nb) tail(xp, xs.data(), P, sz, N, K, g, nb * 64, yp);
+    if (u1 > nb) {
+      tail(xp, xs.data(), P, sz, N, K, g, nb * 64, yp);
+      fin(f, yp, nb * 64, N);
+    }
   };
   at::parallel_for(0, units, 1, work);
   return y;
@@ -314,6 +361,7 @@ at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }
 
 void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
+void set_gemv_fused_max(int64_t n) { g_fused_max.store(n); }
 // the M up to which small_linear takes the GEMV (0: off, or not built / not this layout)
 int64_t gemv_max_m() { return LATQ_HAVE_GEMV && gemv::layout_ok() ? gemv::g_max_m.load() : 0; }
 
@@ -328,12 +376,32 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor xb = (dtype == at::kBFloat16 && x.is_contiguous()) ? x : x.to(at::kBFloat16).contiguous();
   if (planes == 2) xb = at::cat({xb, xb}, 1);
-  // bf16 [M, N]: the GEMV at M = 1 (LATQ_CPU_GEMV=0: off), else torch's op
-  at::Tensor y = M <= gemv::g_max_m.load() && gemv::usable(packed, scales_zeros, xb.size(1), group_size)
-                     ? gemv::run(xb, packed, scales_zeros, group_size)
-                     : at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros);
   const bool outl = crow.has_value() && crow->defined() && col->numel() > 0;
   const bool has_bias = bias.has_value() && bias->defined();
+  const bool use_gemv = M <= gemv::g_max_m.load() && gemv::usable(packed, scales_zeros, xb.size(1), group_size);
+  if (use_gemv && (!outl || col->numel() <= g_fused_max.load())) {
+    // the GEMV, outliers + bias + cast fused into its threads (the same math as finish())
+    at::Tensor y = at::empty({1, packed.size(0)}, x.options().dtype(at::kBFloat16));
+    if (!outl && !has_bias && dtype == at::kBFloat16) return gemv::run(xb, packed, scales_zeros, group_size, nullptr, y);
+    at::Tensor xf = outl ? x.to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor out = dtype == at::kBFloat16 ? y : at::empty({1, packed.size(0)}, x.options());
+    gemv::Fin f;
+    if (outl) {
+      f.crow = crow->data_ptr<int32_t>();
+      f.col = col->data_ptr<int32_t>();
+      f.val = val->data_ptr<float>();
+      f.xf = xf.data_ptr<float>();
+    }
+    f.bias = has_bias ? bf.data_ptr<float>() : nullptr;
+    f.out = out.data_ptr();
+    f.dtype = dtype;
+    gemv::run(xb, packed, scales_zeros, group_size, &f, y);
+    return out;
+  }
+  // bf16 [M, N]: the GEMV (outliers for MKL below) or torch's op
+  at::Tensor y = use_gemv ? gemv::run(xb, packed, scales_zeros, group_size)
+                          : at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros);
   if (!outl && !has_bias && dtype == at::kBFloat16) return y;
   y = y.contiguous();
   const int64_t N = y.size(1);
@@ -396,6 +464,7 @@ TORCH_LIBRARY(latq_cpu, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor");
   m.def("set_gemv_max_m(int m) -> ()");
   m.def("gemv_max_m() -> int");
+  m.def("set_gemv_fused_max(int n) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
@@ -409,4 +478,5 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_loop_max", &set_loop_max);
   m.impl("set_gemv_max_m", &set_gemv_max_m);
   m.impl("gemv_max_m", &gemv_max_m);
+  m.impl("set_gemv_fused_max", &set_gemv_fused_max);
 }
