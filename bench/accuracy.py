@@ -58,6 +58,10 @@ LEVELS = (4, 3, 2)  # table columns: ≈4.125 / 3.125 / 2.125 bits (SSQR: 4/3/2-
 FAMILIES = ("RTN", "GPTQ", "HRTN", "HPTQ", "SSQR-1%", "SSQR-2%")
 LAYER_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ORDERS = ("natural", "reverse", "random", "act", "min-pivot")
+# configurations that change one option of a default one: (tag, report heading, column name)
+TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
+          ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
+                      "which SmolLM2 and Gemma3 tie to the embedding, so the checkpoint unties it):", "+ lm_head"))
 RESULT_VERSION = 1  # bump when a result's meaning changes: cached results are then recomputed
 
 
@@ -101,6 +105,9 @@ def sweep_configs(model: str, group_size: int) -> list[Config]:
         out.append(_cfg(model, "HPTQ", b, method="hptq", target_bits=b + 0.125))
         for rate, fam in ((0.01, "SSQR-1%"), (0.02, "SSQR-2%")):
             out.append(_cfg(model, fam, b, method="ssqr", bits=b, group_size=group_size, outlier_rate=rate))
+    # the output head quantized too (--quantize-lm-head, the CPU decode option): its perplexity cost
+    out.append(_cfg(model, "SSQR-1%", 4, "lm-head", method="ssqr", bits=4, group_size=group_size,
+                    outlier_rate=0.01, quantize_lm_head=True))
     # the ordering ablation: min-pivot instead of act-order (the pipeline's default) at 3 bits
     out.append(_cfg(model, "GPTQ", 3, "min-pivot", method="gptq", bits=3, group_size=group_size,
                     order="min-pivot"))
@@ -112,9 +119,12 @@ def sweep_configs(model: str, group_size: int) -> list[Config]:
 def run_priority(cfg: Config, models) -> tuple:
     """Run order, so that an unfinished study already answers the paper's main questions:
     bf16 and the calibration-free baselines (seconds), then 3-bit (HPTQ vs GPTQ), 4-bit
-    (SSQR near-lossless), 2-bit, then the ordering ablation; models alternate in each round."""
+    (SSQR near-lossless) and its quantized-head variant, 2-bit, then the ordering ablation;
+    models alternate in each round."""
     if cfg.family == "bf16" or cfg.family in ("RTN", "HRTN"):
         rnd = 0
+    elif cfg.tag == "lm-head":
+        rnd = 2.5    # right after its 4-bit default
     elif cfg.tag:
         rnd = 4
     else:
@@ -474,7 +484,8 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
          f"split (Gemma: BOS + {st.eval_seqlen - 1}), fp32 compute, checkpoints dequantized by the format's reference. "
          f"Group size {st.group_size} (SmolLM2: 576 = 4·128 + 64, a ragged last group). Bits = average "
          "stored bits per weight of the quantized linears from the checkpoint's accounting (scales, "
-         "outliers, Huffman codebooks included); embeddings and lm_head stay bf16."
+         "outliers, Huffman codebooks included); embeddings and lm_head stay bf16 unless a configuration "
+         "says otherwise."
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]
@@ -507,21 +518,18 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
                      f"{_fmt_ppl(r['ppl'])} | {d} | {r['windows']} × {r['tokens']} | {r['quantize_seconds']} | "
                      f"{r['eval_seconds']} |")
         L += ["", "</details>", ""]
-        # ordering: ppl effect
-        pairs = []
-        for r in res:
-            if r["tag"] == "min-pivot":
-                act = next((a for a in res if a["family"] == r["family"] and a["level"] == r["level"]
-                            and not a["tag"]), None)
-                if act:
-                    pairs.append((r, act))
-        if pairs:
-            L += ["Perplexity of min-pivot vs act-order (the pipeline's default):", "",
-                  "| method | act | min-pivot | Δ |", "|---|---|---|---|"]
-            for mp, act in pairs:
-                L.append(f"| {act['label']} | {_fmt_ppl(act['ppl'])} | {_fmt_ppl(mp['ppl'])} | "
-                         f"{100 * (mp['ppl'] / act['ppl'] - 1):+.2f}% |")
-            L.append("")
+        # variants (one option changed) next to their default configuration
+        for tag, title, col in TAGGED:
+            pairs = [(r, base) for r in res if r["tag"] == tag
+                     for base in [next((x for x in res if x["family"] == r["family"] and x["level"] == r["level"]
+                                        and not x["tag"]), None)] if base]
+            if pairs:
+                L += [title, "", f"| method | default | {col} | Δ ppl | bits/w (default → {col}) |",
+                      "|---|---|---|---|---|"]
+                for v, base in pairs:
+                    L.append(f"| {base['label']} | {_fmt_ppl(base['ppl'])} | {_fmt_ppl(v['ppl'])} | "
+                             f"{100 * (v['ppl'] / base['ppl'] - 1):+.2f}% | {base['bits']:.3f} → {v['bits']:.3f} |")
+                L.append("")
         # certificate
         cs = cert_summary(res)
         if cs:

@@ -49,8 +49,28 @@ def test_configurations_cover_the_issue():
         assert {f"{fam}-{b}b" for b in (2, 3, 4)} <= labels
     for fam in ("HRTN", "HPTQ"):
         assert {f"{fam}-{b}.125" for b in (2, 3, 4)} <= labels
-    assert {"bf16", "GPTQ-3b-min-pivot", "SSQR-1%-3b-min-pivot"} <= labels
+    assert {"bf16", "GPTQ-3b-min-pivot", "SSQR-1%-3b-min-pivot", "SSQR-1%-4b-lm-head"} <= labels
     assert len({c.slug for c in study.sweep_configs("gemma3-270m", 128)}) == len(labels)
+
+
+def test_report_tables_from_results(tmp_path):
+    """The report's tables from result records: the Table-3 grid keeps variants out, and each
+    variant (min-pivot, + lm_head) sits next to its default configuration."""
+    study = _study()
+
+    def rec(label, family, level, tag, ppl, bits):
+        return {"label": label, "family": family, "level": level, "tag": tag, "ppl": ppl, "bits": bits,
+                "outlier_rate": 0.01 if family.startswith("SSQR") else 0.0, "windows": 2, "tokens": 254,
+                "quantize_seconds": 1.0, "eval_seconds": 1.0, "certificate": []}
+    res = [rec("bf16", "bf16", None, "", 13.0, 16.0), rec("SSQR-1%-4b", "SSQR-1%", 4, "", 13.5, 4.45),
+           rec("SSQR-1%-4b-lm-head", "SSQR-1%", 4, "lm-head", 13.9, 4.46),
+           rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.18), rec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 19.0, 3.18)]
+    report = tmp_path / "R.md"
+    study.write_report({"m": res}, {}, study.Settings(), report, tmp_path / "p.png", "cmd")
+    text = report.read_text()
+    assert "| SSQR-1% | 13.50 (4.450) | — |" in text          # the variant is not in the grid
+    assert "| SSQR-1%-4b | 13.50 | 13.90 | +2.96% | 4.450 → 4.460 |" in text
+    assert "| GPTQ-3b | 20.00 | 19.00 | -5.00% | 3.180 → 3.180 |" in text
 
 
 @pytest.mark.slow
