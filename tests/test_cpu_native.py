@@ -105,13 +105,15 @@ def test_gemv_matches_the_op(N, K, g, zeros):
 
 @gemv_only
 @pytest.mark.parametrize("key", [(960, 576, 4, 0.01, 128), (576, 1536, 4, 0.0, 128), (80, 256, 4, 0.02, 32),
-                                 (112, 512, 3, 0.01, 256), (208, 384, 4, 0.01, 64), (128, 256, 6, 0.0, 128)])
+                                 (112, 512, 3, 0.01, 256), (208, 384, 4, 0.01, 64), (128, 256, 6, 0.0, 128),
+                                 (3072, 576, 4, 0.05, 64), (80, 4096, 4, 0.1, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fused_max", [1 << 40, 0])
 def test_gemv_in_small_linear(key, dtype, fused_max):
     """M = 1 through ``small_linear`` with the GEMV on: the kernel's tight bounds
     (``test_cpu_kernel.check``) for bf16/fp16/fp32 activations, with and without outliers and
-    bias, incl. two int4 planes (6-bit) and a pair-packed tail, the outliers summed in the
+    bias, incl. two int4 planes (6-bit), a pair-packed tail and rows of > 256 outliers (the
+    fused pass's masked row sums), the outliers summed in the
     GEMV's threads or (``set_gemv_fused_max(0)``) after it; and within one bf16 ulp of the
     inliers (+ fp32 summation) of the same call with torch's op (``set_gemv_max_m(0)``)."""
     torch.ops.latq_cpu.set_gemv_fused_max(fused_max)
