@@ -171,23 +171,36 @@ inline __m512 dp(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc
 
 // full 64-row blocks [b0, b1): x bf16 [K] (as raw bits), xs fp32 [K/g] group sums,
 // sz the scales_zeros as one (s, z) bf16 pair per dword [K/g, N], y bf16 [N]
-void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N, int64_t K,
-            int64_t g, int64_t b0, int64_t b1, uint16_t* y) {
+// the vpermb indices and the nibble → bf16(u − 8) table, built once (blocks() runs per 64-row block)
+struct Tables {
   alignas(64) uint8_t i1[64], i2[64];
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 16; ++i) {
-    i1[4 * i] = i1[4 * i + 1] = i;
-    i1[4 * i + 2] = i1[4 * i + 3] = 32 + i;
-    i2[4 * i] = i2[4 * i + 1] = 16 + i;
-    i2[4 * i + 2] = i2[4 * i + 3] = 48 + i;
-  }
-  for (int i = 0; i < 32; ++i) {
-    const float f = static_cast<float>((i & 15) - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  const __m512i idx1 = _mm512_load_si512(i1), idx2 = _mm512_load_si512(i2), T = _mm512_load_si512(t);
+};
+
+const Tables& tables() {
+  static const Tables tb = [] {
+    Tables x;
+    for (int i = 0; i < 16; ++i) {
+      x.i1[4 * i] = x.i1[4 * i + 1] = i;
+      x.i1[4 * i + 2] = x.i1[4 * i + 3] = 32 + i;
+      x.i2[4 * i] = x.i2[4 * i + 1] = 16 + i;
+      x.i2[4 * i + 2] = x.i2[4 * i + 3] = 48 + i;
+    }
+    for (int i = 0; i < 32; ++i) {
+      const float f = static_cast<float>((i & 15) - 8);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      x.t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+    }
+    return x;
+  }();
+  return tb;
+}
+
+void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N, int64_t K,
+            int64_t g, int64_t b0, int64_t b1, uint16_t* y) {
+  const Tables& tb = tables();
+  const __m512i idx1 = _mm512_load_si512(tb.i1), idx2 = _mm512_load_si512(tb.i2), T = _mm512_load_si512(tb.t);
   const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t G = K / g;
   for (int64_t b = b0; b < b1; ++b) {
