@@ -148,6 +148,14 @@ def ldl_diag(H: torch.Tensor, order, damp: float = 0.01) -> torch.Tensor:
     return L.diagonal() ** 2
 
 
+def d_by_column(L: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+    """The LDL diagonal ``D = diag(L)²`` of the Cholesky factor ``L`` of ``(H_d)_TT``,
+    indexed by original column (fp64, on L's device)."""
+    D_col = torch.empty(len(T), dtype=torch.float64, device=L.device)
+    D_col[T.to(L.device)] = L.diagonal().double() ** 2
+    return D_col
+
+
 def bound_from_d(D_col: torch.Tensor, scales: torch.Tensor, group_size: int | None, rows: int) -> torch.Tensor:
     """¼ Σ_j D_j s_ij² per row, with ``D_col`` indexed by original column and ``scales`` a
     scalar or ``[out, ngroups]`` (a scale is constant over its group, so D is summed per
@@ -167,10 +175,8 @@ def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_siz
     Babai's order ``order`` (for ``gptq(order=p)`` pass ``p.flip(0)``; named heuristics
     match both). ``scales``: ``[out, ngroups]`` with ``group_size``, or a scalar. → ``[out]``."""
     T = resolve_order(order, H, damp, babai=True)
-    D = ldl_diag(H, T, damp)
-    D_col = torch.empty_like(D)
-    D_col[T] = D
-    return bound_from_d(D_col, scales, group_size, 1 if scales.dim() == 0 else scales.shape[0])
+    L, _ = cholesky(H, damp, T)
+    return bound_from_d(d_by_column(L, T), scales, group_size, 1 if scales.dim() == 0 else scales.shape[0])
 
 
 def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = True,

@@ -209,8 +209,7 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     M = lattice.tri_inv_upper(L.T)
     d = M.diagonal().clone()
     M.div_(d)                                       # in place: no second c×c matrix
-    D_col = torch.empty(len(p), dtype=torch.float64)
-    D_col[p.flip(0)] = L.diagonal().double() ** 2
+    D_col = lattice.d_by_column(L, p.flip(0))
     return GPTQLattice(p, M.to(H.device), d.to(H.device), D_col.to(H.device), damp_used)
 
 
@@ -315,9 +314,7 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     L, damp_used = lattice.cholesky(H.cpu(), damp, T, name, dtype=_compute_dtype(W))
     A = L.T.to(W.device)        # a view: the sweep reads it through strides
     sw = babai_sweep(A, T, W, scales, group_size, Grid.of(bits, clip), block_size, keep_rho)
-    D_col = torch.empty(len(T), dtype=torch.float64)
-    D_col[T] = L.diagonal().double() ** 2
-    return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, D_col, W)
+    return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, lattice.d_by_column(L, T), W)
 
 
 __all__ = ["Grid", "Sweep", "GPTQLattice", "gptq_lattice", "back_substitution", "gptq_sweep", "babai_sweep",
