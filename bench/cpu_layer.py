@@ -13,12 +13,14 @@ torch.set_num_threads(2). Sections:
   table     every shape × bits × rate × M (speedup, and both medians in µs)
   profile   M=1, 4096×4096 and two small shapes: the int4 op alone, the CSR mv alone, the
             whole kernel (where the time goes)
-  large     4096×4096 4-bit 1%: int4 op vs per-call chunked dequant + bf16 GEMM vs the
-            opt-in cached bf16 weight vs bf16 F.linear, M = 8..512 (where LARGE_M should sit)
+  large     4096×4096 4-bit 1%: int4 op vs the C++ GEMV vs per-call chunked dequant + bf16
+            GEMM vs the opt-in cached bf16 weight vs bf16 F.linear, M = 8..512 (where the
+            GEMV's row limit and LARGE_M should sit)
   wide      > 4-bit HPTQ-style transcodes (4096×4096, M=1): two int4 planes vs off-grid
             weights moved to the CSR
-  gemv      M=1: torch's int4 op vs the C++ int4 GEMV (``latq_cpu::gemv``, same state), raw
-            and inside ``latq_cpu::small_linear`` (without / with 1% outliers); in situ = one pass over 30 SmolLM2 blocks
+  gemv      torch's int4 op vs the C++ int4 GEMV (``latq_cpu::gemv``, same state), raw
+            and inside ``latq_cpu::small_linear`` (without / with 1% outliers): M = 1 and 8 in
+            situ, M = 1 for the rest; in situ = one pass over 30 SmolLM2 blocks
             of vLLM's fused shapes (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536,
             ~57 MB of int4 + scales: more than L3), passes interleaved; and 4096×4096 warm
             (one matrix) / cold (cycling through 8 matrices, 64 MB)
@@ -158,26 +160,32 @@ def large(a):
     s = CPUKernel.prepare(w)
     Wb = dequantize(w).to(torch.bfloat16)
     saved = cpu.LARGE_M, cpu.PREFILL_CACHE
+    gemv_ok = native.available() and torch.ops.latq_cpu.gemv_max_m() > 0
+    saved_m = torch.ops.latq_cpu.gemv_max_m() if gemv_ok else 0
     try:
         for M in a.large_m:
             x = torch.randn(M, K).to(torch.bfloat16)
 
-            def path(large_m, cache):
+            def path(large_m, cache, gemv_m=0):
                 def f():
                     cpu.LARGE_M, cpu.PREFILL_CACHE = large_m, cache
+                    if gemv_ok:
+                        torch.ops.latq_cpu.set_gemv_max_m(gemv_m)
                     return CPUKernel.apply(s, x)
                 return f
 
-            ts = side_by_side({"bf16": lambda: F.linear(x, Wb), "op": path(1 << 30, False),
-                               "dequant": path(1, False), "cached": path(1, True)},
-                              max(5, a.rounds // 4), a.sample_us)
-            print(f"M={M:4d}: bf16={med(ts['bf16']) / 1e3:7.2f}  op={med(ts['op']) / 1e3:7.2f}  "
-                  f"dequant+gemm={med(ts['dequant']) / 1e3:7.2f}  cached={med(ts['cached']) / 1e3:7.2f} | "
-                  f"vs bf16: op {ratio(ts, 'bf16', 'op'):.2f}x dequant {ratio(ts, 'bf16', 'dequant'):.2f}x "
-                  f"cached {ratio(ts, 'bf16', 'cached'):.2f}x | dequant/op {ratio(ts, 'op', 'dequant'):.2f}x",
-                  flush=True)
+            fns = {"bf16": lambda: F.linear(x, Wb), "op": path(1 << 30, False),
+                   "dequant": path(1, False), "cached": path(1, True)}
+            if gemv_ok:
+                fns["gemv"] = path(1 << 30, False, 1 << 30)
+            ts = side_by_side(fns, max(5, a.rounds // 4), a.sample_us)
+            print(f"M={M:4d}: " + "  ".join(f"{k}={med(v) / 1e3:.2f}" for k, v in ts.items()) + " | vs bf16: "
+                  + " ".join(f"{k} {ratio(ts, 'bf16', k):.2f}x" for k in ts if k != "bf16")
+                  + f" | dequant/op {ratio(ts, 'op', 'dequant'):.2f}x", flush=True)
     finally:
         cpu.LARGE_M, cpu.PREFILL_CACHE = saved
+        if gemv_ok:
+            torch.ops.latq_cpu.set_gemv_max_m(saved_m)
         cpu.clear_prefill_cache()
 
 
@@ -258,7 +266,7 @@ def gemv(a, results):
 
     def kernel(on, outl=False):
         def f(x, p, sz, g):
-            torch.ops.latq_cpu.set_gemv_max_m(1 if on else 0)
+            torch.ops.latq_cpu.set_gemv_max_m(saved if on else 0)
             return sl(x, p, sz, *(csr(p) if outl else (None, None, None)), None, g, 1)
         return f
 
@@ -267,25 +275,28 @@ def gemv(a, results):
              "kernel_op": kernel(False), "kernel_gemv": kernel(True),
              "kernel_op_1pct": kernel(False, True), "kernel_gemv_1pct": kernel(True, True)}
     try:
-        print("\ngemv, M=1 (ms per pass: best / median over interleaved passes; ratio = median of "
-              "paired op/gemv)")
+        print(f"\ngemv (M ≤ {saved} rows; ms per pass: best / median over interleaved passes; ratio = "
+              "median of paired op/gemv)")
         layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(30) for i, (_, N, K) in enumerate(SMOL_VLLM)]
         for p, _, _, _ in layers:
             csr(p)
         mb = sum(p.numel() + 2 * sz.numel() for p, sz, _, _ in layers) / 1e6
+        for M in (1, 8):
+            xs = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
+
+            def one_pass(impl):
+                return lambda: [impl(xs[K], p, sz, g) for p, sz, g, K in layers]
+
+            ts = _passes({k: one_pass(f) for k, f in impls.items()}, a.gemv_rounds)
+            print(f"smol in situ M={M}, 120 layers, {mb:.0f} MB: " + "  ".join(
+                f"{k}={min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
+                + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x kernel {ratio(ts, 'kernel_op', 'kernel_gemv'):.2f}x"
+                f" kernel+1% outliers {ratio(ts, 'kernel_op_1pct', 'kernel_gemv_1pct'):.2f}x", flush=True)
+            sfx = "" if M == 1 else f"_m{M}"
+            results["gemv_smol_insitu" + sfx] = ratio(ts, "op", "gemv")
+            results["gemv_smol_insitu_kernel" + sfx] = ratio(ts, "kernel_op", "kernel_gemv")
+            results["gemv_smol_insitu_kernel_1pct" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
         xs = {K: torch.randn(1, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
-
-        def one_pass(impl):
-            return lambda: [impl(xs[K], p, sz, g) for p, sz, g, K in layers]
-
-        ts = _passes({k: one_pass(f) for k, f in impls.items()}, a.gemv_rounds)
-        print(f"smol in situ, 120 layers, {mb:.0f} MB: " + "  ".join(
-            f"{k}={min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
-            + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x kernel {ratio(ts, 'kernel_op', 'kernel_gemv'):.2f}x"
-            f" kernel+1% outliers {ratio(ts, 'kernel_op_1pct', 'kernel_gemv_1pct'):.2f}x", flush=True)
-        results["gemv_smol_insitu"] = ratio(ts, "op", "gemv")
-        results["gemv_smol_insitu_kernel"] = ratio(ts, "kernel_op", "kernel_gemv")
-        results["gemv_smol_insitu_kernel_1pct"] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
         for name, N, K in SMOL_VLLM:   # one layer, warm (in L2/L3)
             p, sz, g = _int4_state(N, K, 7)
             x = xs[K]

@@ -5,13 +5,16 @@
 // Python between them. Small outlier sets are summed by a plain loop here (MKL's CSR call
 // costs ~5 µs of setup, as much as a small layer's whole int4 GEMM); large ones by MKL.
 //
-// At M = 1 the int4 GEMM is this file's own GEMV over the same state (gemv:: below; the op's
-// math up to fp32 summation order): torch's op is compute/latency bound when its weights come
-// from DRAM, the GEMV streams them at DRAM speed (bench/cpu_layer.py --sections gemv: 30
-// SmolLM2 blocks at M=1, 3.5 → 2.0 ms). LATQ_CPU_GEMV=0 (read once) keeps torch's op.
+// On AVX-512 BF16 CPUs the int4 GEMM is this file's own GEMV over the same state (gemv::
+// below; the op's math up to fp32 summation order): torch's op is compute/latency bound when
+// its weights come from DRAM and re-dequantizes them every 4 rows; the GEMV streams them at
+// DRAM speed once per call and unpacks each weight once for up to 8 rows (bench/cpu_layer.py
+// --sections gemv / large: 30 SmolLM2 blocks at M=1 3.5 → 2.0 ms; 4096² at M=16/64/128
+// 4.0/15.8/31.3 → 2.0/8.6/17.0 ms, faster than the dequant + bf16 GEMM path below LARGE_M).
+// LATQ_CPU_GEMV=0 (read once) keeps torch's op.
 //
 //   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, bias?, group, planes)
-//   latq_cpu::gemv(x [1, K] bf16, packed, scales_zeros, group)   the GEMV alone (bench, tests)
+//   latq_cpu::gemv(x [M, K] bf16, packed, scales_zeros, group)   the GEMV alone (bench, tests)
 //   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
 //       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM)
@@ -117,7 +120,7 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
 }
 
 // ---------------------------------------------------------------------------------------------
-// M = 1: an int4 GEMV over the op's own state (same packed weights, same bf16 scales_zeros),
+// An int4 GEMV over the op's own state (same packed weights, same bf16 scales_zeros),
 // the op's math up to fp32 summation order: y[n] = bf16(Σ_g s_gn·Σ_{k∈g} x_k·(u_nk − 8)
 // + z_gn·Σ_{k∈g} x_k), x in bf16, products exact, sums in fp32.
 //
@@ -130,11 +133,15 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
 // and vdpbf16ps adds x_k·w_k + x_{k+1}·w_{k+1} (exact products, fp32 sums) into 16 rows.
 // Per 128 weights: 1 load, 2 vpermb, 2 shifts, 4 vpermw, 4 vdpbf16ps. Per group the 4×16 row
 // sums are folded: y += s·acc + z·Σx_g. Blocks are split across threads (one region a call).
+// M > 1: blocks_m below.
 namespace gemv {
 
+// rows up to which small_linear takes the GEMV: by default every M it is given (the large-M
+// path takes over from LARGE_M = 128 rows, where the GEMV is still 1.2× faster than the dequant
+// path, but the crossover is near 200 and both stay below bf16)
 std::atomic<int64_t> g_max_m{[] {
   const char* e = std::getenv("LATQ_CPU_GEMV");  // read once: "0" → always torch's op
-  return (e && (e[0] == '0' || e[0] == 0)) ? int64_t{0} : int64_t{1};
+  return (e && (e[0] == '0' || e[0] == 0)) ? int64_t{0} : int64_t{1} << 30;
 }()};
 
 // 1: the layout probe passed, 0: failed (torch's op only), -1: not probed yet
@@ -250,6 +257,86 @@ void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + 48), (__m256i)_mm512_cvtneps_pbh(y3));
   }
 }
+
+// MB = 2..8 activation rows: one unpack serves every row (per 128 weights: 2 vpermb, 2 shifts,
+// 4 vpermw, 4·MB vdpbf16ps). 4·MB accumulators would not fit in 32 registers, so a block is
+// done in two halves — vpermb with i1 gives rows 0–15 (low nibbles) and 32–47 (high), i2 rows
+// 16–31 and 48–63 — each with 2·MB accumulators; the second half re-reads the group's bytes
+// from L1. U = 2 interleaves two k-pairs at MB ≤ 4 so that ≥ 8 vdpbf16ps chains hide latency.
+template <int MB>
+void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N,
+              int64_t K, int64_t g, int64_t b, uint16_t* y, int64_t ldy) {
+  constexpr int U = MB <= 4 ? 2 : 1;
+  const Tables& tb = tables();
+  const __m512i T = _mm512_load_si512(tb.t), hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t G = K / g;
+  const uint8_t* wb = P + b * K * 32;
+  const uint32_t* szb = sz + b * 64;
+  alignas(64) float yv[MB][64] = {};
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const uint32_t* q = szb + gi * N;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i idx = _mm512_load_si512(h ? tb.i2 : tb.i1);
+      __m512 acc[U][MB][2];
+#pragma GCC unroll 16
+      for (int u = 0; u < U; ++u)
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_ps();
+      const uint8_t* p = wb + gi * g * 32;
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 2 * U, p += 64 * U) {
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
+        if (h == 0 && U == 2) _mm_prefetch(reinterpret_cast<const char*>(p + 2048 + 64), _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int u = 0; u < U; ++u) {
+          const __m512i z = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(p + 64 * u));
+          const __m512i wlo = _mm512_permutexvar_epi16(z, T), whi = _mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), T);
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; ++m) {
+            int32_t xv;
+            std::memcpy(&xv, x + m * ldx + k + 2 * u, 4);
+            const __m512i xb = _mm512_set1_epi32(xv);
+            acc[u][m][0] = dp(acc[u][m][0], wlo, xb);
+            acc[u][m][1] = dp(acc[u][m][1], whi, xb);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xsg = _mm512_set1_ps(xs[m * G + gi]);
+#pragma GCC unroll 2
+        for (int e = 0; e < 2; ++e) {
+          const int r = 32 * e + 16 * h;
+          __m512 a = acc[0][m][e];
+          if (U == 2) a = _mm512_add_ps(a, acc[U - 1][m][e]);
+          const __m512i v = _mm512_loadu_si512(q + r);
+          const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+          const __m512 zz = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+          _mm512_store_ps(yv[m] + r, _mm512_fmadd_ps(xsg, zz, _mm512_fmadd_ps(a, s, _mm512_load_ps(yv[m] + r))));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    uint16_t* yb = y + m * ldy + b * 64;
+    for (int r = 0; r < 64; r += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + r), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(yv[m] + r)));
+  }
+}
+
+// rows m0 .. m0 + mb of x (mb ≤ 8) through one 64-row block
+void block_rows(const uint16_t* x, int64_t K, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N,
+                int64_t g, int64_t b, uint16_t* y, int64_t mb) {
+  switch (mb) {
+    case 1: blocks(x, xs, P, sz, N, K, g, b, b + 1, y); break;
+    case 2: blocks_m<2>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    case 3: blocks_m<3>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    case 4: blocks_m<4>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    case 5: blocks_m<5>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    case 6: blocks_m<6>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    case 7: blocks_m<7>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    default: blocks_m<8>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+  }
+}
 #endif
 
 inline float bf(uint16_t v) {
@@ -286,7 +373,7 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* 
   }
 }
 
-// whether gemv() takes this call (M = 1, the op's AVX-512 layout, supported shapes)
+// whether gemv() takes this call (the op's AVX-512 layout, supported shapes)
 bool usable(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t K, int64_t group_size) {
   if (!LATQ_HAVE_GEMV) return false;
   const int64_t N = packed.size(0);
@@ -307,7 +394,8 @@ struct Fin {
   const int32_t* crow = nullptr;  // outliers (fp32 CSR) or null
   const int32_t* col = nullptr;
   const float* val = nullptr;
-  const float* xf = nullptr;      // fp32 of the unrounded activations [K]
+  const float* xf = nullptr;      // fp32 of the unrounded activations: [K] (M = 1) or [K, MB] (M > 1:
+  int64_t M = 1, MB = 1, N = 0;          // xT as in finish(), rows padded with zeros to MB ∈ {4, 8, 16})
   const float* bias = nullptr;    // fp32 [N] or null
   void* out = nullptr;            // [N] of dtype (may alias y when bf16)
   at::ScalarType dtype = at::kBFloat16;
@@ -321,6 +409,22 @@ template <typename T>
 void fin_rows(const Fin& f, const uint16_t* y, int64_t r0, int64_t r1) {
   T* out = static_cast<T*>(f.out);
   const int64_t R = r1 - r0;  // ≤ 64
+  if (f.M > 1) {  // y, out [M, N]; the outliers of a row for all M at once (finish()'s loop)
+    const int64_t N = f.N;
+    for (int64_t r = r0; r < r1; ++r) {
+      float acc[kMB] = {};
+      if (f.crow) {
+        switch (f.MB) {
+          case 4: row_dot<4>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, acc); break;
+          case 8: row_dot<8>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, acc); break;
+          default: row_dot<16>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, acc); break;
+        }
+      }
+      const float b = f.bias ? f.bias[r] : 0.f;
+      for (int64_t m = 0; m < f.M; ++m) out[m * N + r] = static_cast<T>(bf(y[m * N + r]) + acc[m] + b);
+    }
+    return;
+  }
   alignas(64) float acc[64] = {};
 #if LATQ_HAVE_GEMV
   if (f.crow) {
@@ -361,20 +465,22 @@ void fin(const Fin* f, const uint16_t* y, int64_t r0, int64_t r1) {
   }
 }
 
-// y = the op at M = 1: x bf16 [1, K] (K = the packed width) → bf16 [1, N]; with f, each
-// thread also finishes its rows into f->out (y is then scratch, or f->out itself for bf16)
+// y = the op: x bf16 [M, K] (K = the packed width) → bf16 [M, N]; with f, each thread also
+// finishes its rows into f->out (y is then scratch, or f->out itself for bf16). Each thread
+// takes whole 64-row blocks and runs all M rows through a block (8 at a time) while its bytes
+// are in L1/L2: the weights stream from memory once per call.
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t g,
                const Fin* f = nullptr, at::Tensor y = at::Tensor()) {
-  const int64_t N = packed.size(0), K = x.size(1), G = K / g;
+  const int64_t N = packed.size(0), M = x.size(0), K = x.size(1), G = K / g;
   at::Tensor xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  std::vector<float> xs(G);
-  for (int64_t gi = 0; gi < G; ++gi) {
+  std::vector<float> xs(M * G);  // [M, G] group sums of x
+  for (int64_t i = 0; i < M * G; ++i) {
     float s = 0.f;
-    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) s += bf(xp[k]);
-    xs[gi] = s;
+    for (int64_t k = i * g; k < (i + 1) * g; ++k) s += bf(xp[k]);
+    xs[i] = s;
   }
-  if (!y.defined()) y = at::empty({1, N}, x.options().dtype(at::kBFloat16));
+  if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
@@ -382,12 +488,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   auto work = [&](int64_t u0, int64_t u1) {
 #if LATQ_HAVE_GEMV
     for (int64_t b = u0; b < std::min(u1, nb); ++b) {
-      blocks(xp, xs.data(), P, sz, N, K, g, b, b + 1, yp);
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sz, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
       fin(f, yp, b * 64, b * 64 + 64);
     }
 #endif
     if (u1 > nb) {
-      tail(xp, xs.data(), P, sz, N, K, g, nb * 64, yp);
+      for (int64_t m = 0; m < M; ++m) tail(xp + m * K, xs.data() + m * G, P, sz, N, K, g, nb * 64, yp + m * N);
       fin(f, yp, nb * 64, N);
     }
   };
@@ -398,8 +505,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 }  // namespace gemv
 
 at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kBFloat16,
-              "latq_cpu::gemv: x must be bf16 [1, K], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
+              "latq_cpu::gemv: x must be bf16 [M, K], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(gemv::usable(packed, scales_zeros, x.size(1), group_size),
               "latq_cpu::gemv: not available for this build/layout/shape");
   return gemv::run(x, packed, scales_zeros, group_size);
@@ -424,22 +531,30 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const bool outl = crow.has_value() && crow->defined() && col->numel() > 0;
   const bool has_bias = bias.has_value() && bias->defined();
   const bool use_gemv = M <= gemv::g_max_m.load() && gemv::usable(packed, scales_zeros, xb.size(1), group_size);
-  if (use_gemv && (!outl || col->numel() <= g_fused_max.load())) {
+  if (use_gemv && M <= kMB && (!outl || col->numel() <= g_fused_max.load())) {
     // the GEMV, outliers + bias + cast fused into its threads (the same math as finish())
-    at::Tensor y = at::empty({1, packed.size(0)}, x.options().dtype(at::kBFloat16));
+    const int64_t N = packed.size(0);
+    at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
     if (!outl && !has_bias && dtype == at::kBFloat16) return gemv::run(xb, packed, scales_zeros, group_size, nullptr, y);
-    std::vector<float> xf;  // fp32 of the unrounded x, here rather than a dispatched x.to(float)
+    // fp32 of the unrounded x, here rather than a dispatched x.to(float): [K] at M = 1, else
+    // [K, MB] with zero-padded rows (finish()'s xT)
+    const int64_t MB = M == 1 ? 1 : M <= 4 ? 4 : M <= 8 ? 8 : 16;
+    std::vector<float> xf;
     if (outl) {
-      xf.resize(K);
+      xf.assign(K * MB, 0.f);
       at::Tensor xc = x.contiguous();
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "latq_cpu_xf", [&] {
         const scalar_t* xp = xc.data_ptr<scalar_t>();
-        for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xp[k]);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k) xf[k * MB + m] = static_cast<float>(xp[m * K + k]);
       });
     }
     at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    at::Tensor out = dtype == at::kBFloat16 ? y : at::empty({1, packed.size(0)}, x.options());
+    at::Tensor out = dtype == at::kBFloat16 ? y : at::empty({M, N}, x.options());
     gemv::Fin f;
+    f.M = M;
+    f.MB = MB;
+    f.N = N;
     if (outl) {
       f.crow = crow->data_ptr<int32_t>();
       f.col = col->data_ptr<int32_t>();
