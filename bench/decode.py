@@ -7,11 +7,16 @@ eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
     python bench/decode.py --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
                                                            # --quantize-lm-head checkpoint side by side
 
-Every engine of one mode runs in one fresh process (in-process engine, so start-up stays
-short), one after the other, so the ratios compare runs of the same minute; both modes run
-in turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores). A run times
-``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS ignored) after a
-warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill included).
+Every engine runs in its own process (in-process engine, so start-up stays short); all
+engines of one mode are loaded (one after the other), then their runs are interleaved —
+round r runs every engine once per batch size, in an order rotated each round — so each
+ratio pairs runs of the same few seconds: this 2-core VM's memory bandwidth drifts between
+minutes (separate back-to-back measurements gave 1.29–1.64× for the same pair). Reported:
+median tok/s per engine and the median over rounds of the paired ratio. Both modes run in
+turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores; idle engines wait
+on a pipe). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
+ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts'
+prefill included).
 The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every
 kernel whose ``can_implement`` accepts the layers, plus the reference).
@@ -31,7 +36,6 @@ selection, batch 1 and 8, eager and compiled.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -49,33 +53,137 @@ PROMPTS = ["The capital of France is", "Photosynthesis is the process by which",
 
 # ----------------------------------------------------------------------------- worker
 
-def _measure(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+MARK = "@@decode-bench "   # prefix of the worker's replies on stdout (vLLM logs there too)
 
-    t0 = time.time()
-    llm = LLM(model=job["model"], dtype=job["dtype"], enforce_eager=job["mode"] == "eager",
-              max_model_len=512, max_num_seqs=max(job["batches"]), seed=0,
-              kv_cache_memory_bytes=job["kv_bytes"])
-    load_s = time.time() - t0
-    log_kernels = job.get("kernel")
-    out = {"load_s": round(load_s, 1), "runs": {}}
-    for b in job["batches"]:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
-        sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        times = []
-        for _ in range(job["repeats"]):
+
+def serve(job: dict) -> None:
+    """Worker: load one engine, warm it up, then answer the driver's requests on stdin, one
+    JSON line each: {"op": "run", "batch": b} → seconds of one timed generate; {"op":
+    "profile"} → the step breakdown; {"op": "quit"}."""
+    os.environ.pop("LATQ_KERNEL", None)
+    if job.get("kernel"):
+        # "cpu-torch": the CPU kernel without its C++ op (the path taken without a compiler)
+        os.environ["LATQ_KERNEL"] = "cpu" if job["kernel"] == "cpu-torch" else job["kernel"]
+    from vllm_latq.kernels import cpu
+    cpu.NATIVE = job.get("kernel") != "cpu-torch"
+
+    def reply(obj):
+        print(MARK + json.dumps(obj), flush=True)
+
+    try:
+        from vllm import LLM, SamplingParams
+
+        t0 = time.time()
+        llm = LLM(model=job["model"], dtype=job["dtype"], enforce_eager=job["mode"] == "eager",
+                  max_model_len=512, max_num_seqs=max(job["batches"]), seed=0,
+                  kv_cache_memory_bytes=job["kv_bytes"])
+        load_s = time.time() - t0
+        warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for b in job["batches"]:
+            llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(b)], warm, use_tqdm=False)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        reply({"error": f"{type(e).__name__}: {e}"})
+        return
+    reply({"load_s": round(load_s, 1)})
+    sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "run":
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(req["batch"])]
             t = time.perf_counter()
             res = llm.generate(prompts, sp, use_tqdm=False)
-            times.append(time.perf_counter() - t)
+            dt = time.perf_counter() - t
             assert all(len(r.outputs[0].token_ids) == job["tokens"] for r in res)
-        med = statistics.median(times)
-        out["runs"][str(b)] = {"times": [round(x, 3) for x in times], "median_s": med,
-                               "tok_s": b * job["tokens"] / med, "ms_per_step": 1000 * med / job["tokens"]}
-    if job.get("profile"):
-        out["profile"] = _profile(llm, job)
-    del llm, log_kernels
-    return out
+            reply({"s": dt})
+        elif req["op"] == "profile":
+            reply(_profile(llm, job))
+        else:
+            break
+
+
+class Engine:
+    """The driver's handle on one worker process."""
+
+    def __init__(self, job: dict, env: dict, logdir: str):
+        self.job, self.lines = job, []
+        self.err = open(Path(logdir, f"engine{id(self)}.err"), "w+")
+        self.p = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(job)], env=env, cwd=ROOT,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
+
+    def read(self) -> dict:
+        for line in self.p.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+            self.lines.append(line.rstrip())
+        self.err.seek(0)
+        return {"error": f"worker exited ({self.p.wait()}): " + self.err.read()[-3000:]}
+
+    def call(self, **req) -> dict:
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.p.stdin.close()
+                self.p.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.p.kill()
+        self.err.seek(0)
+        self.lines += self.err.read().splitlines()
+        self.err.close()
+
+
+def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
+    """Load every engine, then interleaved rounds; per engine: runs (median) and, for all but
+    the first (bf16), the median over rounds of the paired ratio bf16 time / its time."""
+    results = []
+    with tempfile.TemporaryDirectory() as td:
+        engines = []
+        try:
+            for j in jobs:                      # one at a time: loading (compiling) is CPU-bound
+                e = Engine(j, env, td)
+                r = e.read()
+                engines.append(e)
+                results.append({**j, **r})
+                print(f"[decode bench] {j['label']} {j['mode']} loaded", file=sys.stderr, flush=True)
+            live = [(e, r) for e, r in zip(engines, results) if "error" not in r]
+            times = {id(r): {b: [] for b in jobs[0]["batches"]} for _, r in live}
+            for rnd in range(max(j["repeats"] for j in jobs)):
+                order = live[rnd % len(live):] + live[:rnd % len(live)] if live else []
+                for b in jobs[0]["batches"]:
+                    for e, r in order:
+                        if len(times[id(r)][b]) >= r["repeats"]:
+                            continue
+                        got = e.call(op="run", batch=b)
+                        if "error" in got:
+                            r["error"] = got["error"]
+                            continue
+                        times[id(r)][b].append(got["s"])
+                        time.sleep(0.3)         # let the other engine's OpenMP threads go idle
+            ref = id(results[0]) if "error" not in results[0] else None
+            for e, r in live:
+                if "error" in r:
+                    continue
+                r["runs"] = {}
+                for b, ts in times[id(r)].items():
+                    med = statistics.median(ts)
+                    run = {"times": [round(x, 3) for x in ts], "median_s": med,
+                           "tok_s": b * r["tokens"] / med, "ms_per_step": 1000 * med / r["tokens"]}
+                    if ref is not None and r["tokens"] == results[0]["tokens"]:
+                        pairs = list(zip(times[ref][b], ts))
+                        rs = [t0 / t1 for t0, t1 in pairs]
+                        run["paired_ratio"], run["paired_range"] = statistics.median(rs), (min(rs), max(rs))
+                    r["runs"][str(b)] = run
+                if r.get("profile"):
+                    r["profile"] = e.call(op="profile")
+        finally:
+            for e, r in zip(engines, results):
+                e.close()
+                r["load_line"] = next((ln.split("] ", 1)[-1] for ln in e.lines if "linears loaded" in ln), None)
+    return results
 
 
 # names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
@@ -127,29 +235,6 @@ def _profile(llm, job: dict) -> dict:
     return {"step_ms": step, "linears_ms": lin_ms, "lm_head_ms": head_ms,
             "other_ms": step - lin_ms - head_ms, "outside_linears_share": (step - lin_ms - head_ms) / step,
             "head_calls": len(heads)}
-
-
-def worker(jobs_file: str, out_file: str) -> None:
-    jobs = json.load(open(jobs_file))
-    results = []
-    for job in jobs:
-        os.environ.pop("LATQ_KERNEL", None)
-        if job.get("kernel"):
-            # "cpu-torch": the CPU kernel without its C++ op (the path taken without a compiler)
-            os.environ["LATQ_KERNEL"] = "cpu" if job["kernel"] == "cpu-torch" else job["kernel"]
-        from vllm_latq.kernels import cpu
-        cpu.NATIVE = job.get("kernel") != "cpu-torch"
-        try:
-            results.append({**job, **_measure(job)})
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            results.append({**job, "error": f"{type(e).__name__}: {e}"})
-        gc.collect()
-        from vllm.distributed import cleanup_dist_env_and_memory
-        cleanup_dist_env_and_memory()
-        import torch
-        torch._dynamo.reset()
-        print(f"[decode bench] {job['label']} {job['mode']} done", file=sys.stderr, flush=True)
-        json.dump(results, open(out_file, "w"))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -211,10 +296,10 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
     ap.add_argument("--json", default=None, help="also write all results here")
-    ap.add_argument("--worker", nargs=2, metavar=("JOBS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", metavar="JOB", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.worker:
-        return worker(*a.worker)
+    if a.serve:
+        return serve(json.loads(a.serve))
 
     from vllm_latq.data import MODELS, model_dir
 
@@ -243,38 +328,28 @@ def main(argv=None) -> None:
             menv["TORCH_COMPILE_DISABLE"] = "1"
         else:
             menv.pop("TORCH_COMPILE_DISABLE", None)
-        with tempfile.TemporaryDirectory() as td:
-            jf, of = Path(td, "jobs.json"), Path(td, "out.json")
-            jf.write_text(json.dumps(jobs))
-            p = subprocess.run([sys.executable, __file__, "--worker", str(jf), str(of)], env=menv, cwd=ROOT,
-                               capture_output=True, text=True)
-            if not of.exists():
-                print(p.stdout[-3000:], p.stderr[-6000:], file=sys.stderr)
-                raise SystemExit(f"{mode} worker failed (exit {p.returncode})")
-            got = json.loads(of.read_text())
-            loaded = [line.split("] ", 1)[-1] for line in (p.stdout + p.stderr).splitlines()
-                      if "linears loaded" in line]
-        for r, line in zip([r for r in got if r["kernel"]], loaded):
-            r["load_line"] = line
-        results += got
-        if len(got) < len(jobs):
-            print(p.stderr[-6000:], file=sys.stderr)
+        results += run_mode(jobs, menv, a.repeats)
 
     # ------------------------------------------------------------------ report
     def find(label, mode):
         return next((r for r in results if r["label"] == label and r["mode"] == mode), None)
 
+    def ratio(run, b, mode):   # the paired ratio; else (reference kernel: other tokens) of medians
+        ref = find("bf16", mode)
+        if "paired_ratio" in run:
+            return run["paired_ratio"]
+        return run["tok_s"] / ref["runs"][b]["tok_s"] if ref and "runs" in ref else float("nan")
+
     print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'vs bf16':>8s}  load  "
-          "new tokens x repeats")
+          "new tokens x repeats   (vs bf16: median of ratios paired by round)")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:9s} {r['label']:16s} ERROR {r['error'][:300]}")
             continue
         for b, run in r["runs"].items():
-            ref = find("bf16", r["mode"])
-            ratio = run["tok_s"] / ref["runs"][b]["tok_s"] if ref and "runs" in ref else float("nan")
             print(f"{r['mode']:9s} {r['label']:16s} {b:>5s} {run['tok_s']:8.1f} {run['ms_per_step']:8.1f} "
-                  f"{ratio:7.2f}x  {r['load_s']:4.0f}s  {r['tokens']} x {r['repeats']}")
+                  f"{ratio(run, b, r['mode']):7.2f}x  {r['load_s']:4.0f}s  {r['tokens']} x {len(run['times'])}"
+                  + ("   rounds {:.2f}–{:.2f}x".format(*run["paired_range"]) if "paired_range" in run else ""))
     for r in results:
         if r.get("load_line"):
             print(f"  {r['mode']} {r['label']}: {r['load_line']}")
@@ -294,11 +369,12 @@ def main(argv=None) -> None:
         for e in a.extra_ckpt:   # e.g. a --quantize-lm-head checkpoint
             x = find(f"latq-{best}:{Path(e).name}", mode)
             if x and ref and "runs" in x and "runs" in ref and "1" in x["runs"]:
-                head.append(f"{mode}_b1_speedup_{Path(e).name}={x['runs']['1']['tok_s'] / ref['runs']['1']['tok_s']:.2f}")
+                head.append(f"{mode}_b1_speedup_{Path(e).name}={ratio(x['runs']['1'], '1', mode):.2f}")
         for b in batches:
             if q and ref and "runs" in q and "runs" in ref:
                 qt, rt = q['runs'][str(b)]['tok_s'], ref['runs'][str(b)]['tok_s']
-                head += [f"{mode}_b{b}_speedup={qt / rt:.2f}", f"{mode}_b{b}_latq_tok_s={qt:.1f}",
+                head += [f"{mode}_b{b}_speedup={ratio(q['runs'][str(b)], str(b), mode):.2f}",
+                         f"{mode}_b{b}_latq_tok_s={qt:.1f}",
                          f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
     print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))
 
