@@ -264,10 +264,16 @@ def gemv(a, results):
             outliers[key] = (crow, m.nonzero()[:, 1].int().contiguous(), torch.randn(int(m.sum()), generator=gen) * 0.1)
         return outliers[key]
 
+    def tiles(p):   # the layout the kernel keeps them in (CPUKernel.prepare)
+        key = (p.data_ptr(), "tiles")
+        if key not in outliers:
+            outliers[key] = cpu.tiles_from_csr(*csr(p))
+        return outliers[key]
+
     def kernel(on, outl=False):
         def f(x, p, sz, g):
             torch.ops.latq_cpu.set_gemv_max_m(saved if on else 0)
-            return sl(x, p, sz, *(csr(p) if outl else (None, None, None)), None, g, 1)
+            return sl(x, p, sz, None, None, None, *(tiles(p) if outl else (None,) * 4), None, g, 1)
         return f
 
     impls = {"op": lambda x, p, sz, g: mm(x, p, g, sz),
@@ -279,7 +285,7 @@ def gemv(a, results):
               "median of paired op/gemv)")
         layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(30) for i, (_, N, K) in enumerate(SMOL_VLLM)]
         for p, _, _, _ in layers:
-            csr(p)
+            tiles(p)
         mb = sum(p.numel() + 2 * sz.numel() for p, sz, _, _ in layers) / 1e6
         for M in (1, 8):
             xs = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}

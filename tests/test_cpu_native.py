@@ -49,20 +49,72 @@ def test_native_unavailable_falls_back(monkeypatch):
     check(w, state, torch.randn(3, 2048).to(torch.bfloat16))
 
 
+_CSR_STATES = {}
+
+
+def csr_prepared(key):
+    """``prepared`` with the outliers kept as a CSR (what the op gets without the GEMV, or for
+    in_features ≥ 2¹⁵) instead of tiles."""
+    if key not in _CSR_STATES:
+        saved, cpu.TILES = cpu.TILES, False
+        try:
+            w = prepared(key)[0]
+            _CSR_STATES[key] = (w, CPUKernel.prepare(w))
+        finally:
+            cpu.TILES = saved
+    return _CSR_STATES[key]
+
+
+@pytest.mark.parametrize("gemv", [True, False])
 @pytest.mark.parametrize("loop_max", [0, 1 << 40])
-def test_native_outliers_by_loop_and_by_mkl(loop_max):
-    """The C++ op sums outliers with its own loop or MKL (M=1 by outlier count, M > 16 always
-    MKL): both exact to the emulation, for M=1 and every row-block width of the loop (4, 8,
-    16), and MKL at M=21."""
-    w, state = prepared((640, 2048, 4, 0.05, 128))
+def test_native_csr_outliers_by_loop_and_by_mkl(loop_max, gemv):
+    """Outliers as a CSR: the C++ op sums them with its own loop or MKL (M=1 by outlier count,
+    M > 16 always MKL), after the GEMV or torch's op: exact to the emulation, for M=1 and every
+    row-block width of the loop (4, 8, 16), and MKL at M=21."""
+    w, state = csr_prepared((640, 2048, 4, 0.05, 128))
+    assert state.crow is not None and state.tile_col is None
     g = torch.Generator().manual_seed(22)
+    saved = torch.ops.latq_cpu.gemv_max_m()
     torch.ops.latq_cpu.set_loop_max(loop_max)
+    torch.ops.latq_cpu.set_gemv_max_m(saved if gemv else 0)
     try:
         for M in (1, 3, 8, 16, 21):
             check(w, state, torch.randn(M, 2048, generator=g).to(torch.bfloat16))
             check(w, state, torch.randn(M, 2048, generator=g), torch.randn(640, generator=g))
     finally:
         torch.ops.latq_cpu.set_loop_max(native.LOOP_MAX)
+        torch.ops.latq_cpu.set_gemv_max_m(saved)
+
+
+def test_tiles_hold_the_csr():
+    """``tiles_from_csr``: every outlier once, in its row's lane, padding marked; each block's
+    rows are a permutation inside its 4 tiles, longest row first; ``_tile_entries`` of any
+    64-aligned row range gives back exactly that range's CSR entries."""
+    gen = torch.Generator().manual_seed(5)
+    N, K = 208, 300                                    # 3 full blocks + a 16-row tail
+    m = torch.rand(N, K, generator=gen) < torch.rand(N, 1, generator=gen) * 0.2
+    m[7] = False                                       # an empty row
+    crow = torch.zeros(N + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(m.sum(1), 0)
+    rr, cc = m.nonzero(as_tuple=True)
+    col, val = cc.int(), torch.randn(rr.numel(), generator=gen)
+    off, rows, tcol, tval = cpu.tiles_from_csr(crow, col, val)
+    T = rows.shape[0]
+    assert T == 13 and off.shape == (T + 1,) and tcol.shape == tval.shape == (int(off[-1]), 16)
+    assert ((tcol < 0) == (tval == 0)).all() and int((tcol >= 0).sum()) == col.numel()
+    for b in range(4):
+        r = rows[4 * b: 4 * b + 4].flatten()
+        real = r[r < 64]
+        assert sorted(real.tolist()) == list(range(min(64, N - 64 * b)))
+        assert (r[r >= 64] - 64 == torch.nonzero(r >= 64).flatten() % 16).all()
+        cnt = m[64 * b + real].sum(1)
+        assert (cnt[:-1] >= cnt[1:]).all()             # longest first
+    st = cpu.CPUState(None, None, None, None, None, off, rows, tcol, tval, N, K, 32, 1, 0, 0)
+    for r0, r1 in ((0, N), (64, 192), (192, N), (0, 64)):
+        r, c, v = cpu._tile_entries(st, r0, r1)
+        got = sorted(zip((r + r0).tolist(), c.tolist(), v.tolist()))
+        sel = (rr >= r0) & (rr < r1)
+        assert got == sorted(zip(rr[sel].tolist(), cc[sel].tolist(), val[sel].tolist()))
 
 
 # --------------------------------------------------------------------------- the M = 1 GEMV
@@ -110,23 +162,16 @@ def test_gemv_matches_the_op(N, K, g, zeros):
                                  (112, 512, 3, 0.01, 256), (208, 384, 4, 0.01, 64), (128, 256, 6, 0.0, 128),
                                  (3072, 576, 4, 0.05, 64), (80, 4096, 4, 0.1, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("fused_max", [1 << 40, 0])
-def test_gemv_in_small_linear(key, dtype, fused_max):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_gemv_in_small_linear(key, dtype, tiles):
     """M = 1, 3, 8, 16 through ``small_linear`` with the GEMV on: the kernel's tight bounds
     (``test_cpu_kernel.check``) for bf16/fp16/fp32 activations, with and without outliers and
-    bias, incl. two int4 planes (6-bit), a pair-packed tail and rows of > 256 outliers (the
-    fused pass's masked row sums), the outliers summed in the
-    GEMV's threads or (``set_gemv_fused_max(0)``) after it; and within one bf16 ulp of the
-    inliers (+ fp32 summation) of the same call with torch's op (``set_gemv_max_m(0)``)."""
-    torch.ops.latq_cpu.set_gemv_fused_max(fused_max)
-    try:
-        _gemv_in_small_linear(key, dtype)
-    finally:
-        torch.ops.latq_cpu.set_gemv_fused_max(1 << 40)
-
-
-def _gemv_in_small_linear(key, dtype):
-    w, state = prepared(key)
+    bias, incl. two int4 planes (6-bit), a pair-packed tail and rows of > 256 outliers (tiles of
+    that many slots), the outliers summed in the GEMV's threads from tiles or after it from a CSR; and within one bf16 ulp of the inliers (+
+    fp32 summation) of the same call with torch's op (``set_gemv_max_m(0)``; tiles then summed
+    in a pass of their own)."""
+    w, state = prepared(key) if tiles else csr_prepared(key)
+    assert (state.tile_col is not None) == (tiles and key[3] > 0)
     N, K = key[0], key[1]
     g = torch.Generator().manual_seed(23)
     saved = torch.ops.latq_cpu.gemv_max_m()

@@ -32,7 +32,12 @@ priority and cross-checked at 1 thread):
 * Op group size: the largest of 256/128/64/32 that divides both the latq group size and K
   (a latq group is re-expressed as several op groups sharing its scale; a per-row HPTQ scale
   is one group of K). Larger groups are slightly faster (g=32: 505 µs, 128: 469, 256: 461).
-* Outliers: ``torch.mv`` (M=1) / ``torch.sparse.mm`` (M>1) on an fp32 CSR with int32
+* Outliers, where the C++ GEMV runs: tiles (``tiles_from_csr``) summed per 64-row block in the
+  GEMV's threads — a 16-lane gather per slot at M = 1, one 8-wide FMA per outlier over xᵀ at
+  M > 1 — instead of a CSR (30 SmolLM2 blocks at 1%, in situ: +0.9 ms at M = 1 against +1.4
+  for the CSR row loop; warm 3072×576: 0.34 vs 1.16 ns per outlier at M = 1, 0.89 vs 4.8 at
+  M = 8; ``bench/cpu_layer.py --sections gemv``). Elsewhere, the CSR:
+* Outliers (CSR): ``torch.mv`` (M=1) / ``torch.sparse.mm`` (M>1) on an fp32 CSR with int32
   indices (MKL). At 1%, M=1: mv 43–75 µs (2 threads) vs row-padded ELL gather 490 µs,
   index_add 530 µs, segment_reduce 390 µs; M=8: sparse.mm 164–190 µs vs ELL 3.4–4.4 ms,
   index_add 3.4 ms. MKL also wins on small layers (1 thread, 192×576…2048×640 at 1–5%, M=1
@@ -83,6 +88,8 @@ PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
 # small M through the C++ op (vllm_latq.native) when it builds; False: the pure-torch path below
 NATIVE = True
+# outliers as the C++ op's tiles where its GEMV runs (tiles_from_csr); False: keep the CSR (tests)
+TILES = True
 
 _PACK = None
 _MM = None
@@ -162,9 +169,13 @@ def _detect_layout() -> tuple[int, bool] | None:
 class CPUState:
     packed: torch.Tensor          # uint8 [N, Kp/2]  the op's int4pack (Kp = K·planes)
     scales_zeros: torch.Tensor    # bf16  [Kp/g, N, 2]
-    crow: torch.Tensor | None     # int32 [N+1]  outliers (fp32 CSR), None: no outliers
+    crow: torch.Tensor | None     # int32 [N+1]  outliers as an fp32 CSR (None: none, or as tiles)
     col: torch.Tensor | None      # int32 [nnz]
     val: torch.Tensor | None      # fp32  [nnz]
+    tile_off: torch.Tensor | None   # int32 [T+1]    outliers as the C++ op's tiles (tiles_from_csr)
+    tile_rows: torch.Tensor | None  # int32 [T, 16]
+    tile_col: torch.Tensor | None   # int16 [S, 16]
+    tile_val: torch.Tensor | None   # fp32  [S, 16]
     out_features: int
     in_features: int
     group_size: int               # the op's group size g
@@ -289,12 +300,15 @@ class CPUKernel(LatqKernel):
             vals = torch.cat([vals, *extra_vals])
             order = torch.argsort(rows * K + cols)
             rows, cols, vals = rows[order], cols[order], vals[order]
+        crow = col = val = None
+        tiles = (None,) * 4
         if vals.numel():
             crow = torch.zeros(N + 1, dtype=torch.int32)
             crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
             crow, col, val = crow, cols.int().contiguous(), vals.contiguous()
-        else:
-            crow = col = val = None
+            if _tiles_here(K):   # the C++ op's layout replaces the CSR
+                tiles = tiles_from_csr(crow, col, val)
+                crow = col = val = None
         layout = _detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
             B = layout[0]
@@ -304,7 +318,7 @@ class CPUKernel(LatqKernel):
                 if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
                     layout = None
                     break
-        return CPUState(packed, sz, crow, col, val, N, K, go, planes,
+        return CPUState(packed, sz, crow, col, val, *tiles, N, K, go, planes,
                         layout[0] if layout else 0, int(layout[1]) if layout else 0)
 
     @staticmethod
@@ -327,7 +341,8 @@ class CPUKernel(LatqKernel):
         large = M >= LARGE_M and state.layout_block
         if not large and NATIVE and native.available():   # the same math in one C++ call
             y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
-                                                state.val, bias, state.group_size, state.planes)
+                                                state.val, state.tile_off, state.tile_rows, state.tile_col,
+                                                state.tile_val, bias, state.group_size, state.planes)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
         if large:
             y = _large_m(state, x2)                              # bf16 [M, N], outliers included
@@ -336,7 +351,7 @@ class CPUKernel(LatqKernel):
             if state.planes == 2:
                 xb = torch.cat([xb, xb], 1)
             y = _ops()[1](xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
-        if state.crow is not None and not large:
+        if _has_outliers(state) and not large:
             csr = _csr(state)
             xf = x2.float()
             ys = torch.mv(csr, xf[0]) if M == 1 else torch.sparse.mm(csr, xf.t()).t()   # fp32
@@ -353,21 +368,94 @@ class CPUKernel(LatqKernel):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
 
 
+# ----------------------------------------------------------------------------- outlier tiles
+
+TILE = 16        # rows per tile: one 16-lane fp32 vector
+TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
+
+
+def _tiles_here(in_features: int) -> bool:
+    """Whether prepare stores outliers as the C++ op's tiles: the op is built (and NATIVE) with
+    its AVX-512 GEMV (elsewhere the CSR loop / MKL is faster), columns fit int16."""
+    return (NATIVE and TILES and in_features < 2 ** 15 and native.available()
+            and bool(torch.ops.latq_cpu.has_gemv()))
+
+
+def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
+    """fp32 CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val fp32 [S, 16]),
+    the layout the C++ op sums outliers from (``latq_cpu.cpp``, ``Fin``). The rows of each
+    64-row block, sorted by outlier count (most first), are cut into tiles of 16 (T = ⌈N/16⌉;
+    tile t belongs to block t // 4); tile t holds slots off[t] .. off[t+1] (its longest row's
+    count), one row per lane: rows[t, l] = the lane's row within the block (≥ 64: no row), and
+    slot s of lane l that row's s-th outlier (col −1, val 0: padding). Sorting keeps the
+    padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR."""
+    N = crow.numel() - 1
+    cnt = (crow[1:] - crow[:-1]).long()
+    block = torch.arange(N) // TILE_BLOCK
+    order = torch.argsort(block * (int(cnt.max()) + 1) - cnt, stable=True)   # per block, longest first
+    T = -(-N // TILE)
+    rows = (TILE_BLOCK + torch.arange(TILE)).repeat(T)                         # lanes without a row
+    rows[:N] = order - block[order] * TILE_BLOCK
+    slots = torch.zeros(T, dtype=torch.long)
+    slots[:] = cnt[order][torch.arange(T) * TILE]                              # longest row of each tile
+    off = torch.zeros(T + 1, dtype=torch.long)
+    off[1:] = torch.cumsum(slots, 0)
+    pos = torch.empty(N, dtype=torch.long)
+    pos[order] = torch.arange(N)                                               # row → tile · 16 + lane
+    r = torch.repeat_interleave(torch.arange(N), cnt)                          # row of each outlier
+    rank = torch.arange(col.numel()) - crow.long()[r]                          # its index within the row
+    dest = (off[pos[r] // TILE] + rank) * TILE + pos[r] % TILE
+    S = int(off[-1])
+    tcol = torch.full((S * TILE,), -1, dtype=torch.int16)
+    tval = torch.zeros(S * TILE, dtype=torch.float32)
+    tcol[dest] = col.to(torch.int16)
+    tval[dest] = val.float()
+    return off.int(), rows.view(T, TILE).int(), tcol.view(S, TILE), tval.view(S, TILE)
+
+
+def _has_outliers(state: CPUState) -> bool:
+    return state.crow is not None or state.tile_col is not None
+
+
+def _tile_entries(state: CPUState, r0: int, r1: int):
+    """The outliers of rows [r0, r1) (multiples of 64, or r1 = N) from the tiles: (row − r0,
+    col, val), in slot order."""
+    T = state.tile_rows.shape[0]
+    t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
+    off = state.tile_off.long()
+    s0, s1 = int(off[t0]), int(off[t1])
+    tile = torch.repeat_interleave(torch.arange(t0, t1), off[t0 + 1:t1 + 1] - off[t0:t1])   # [S']
+    rows = (tile // 4 * TILE_BLOCK - r0)[:, None] + state.tile_rows[tile].long()
+    cols = state.tile_col[s0:s1].long()
+    keep = cols >= 0
+    return rows[keep], cols[keep], state.tile_val[s0:s1][keep]
+
+
 _CSR: dict[tuple, tuple] = {}
 
 
 def _csr(state: CPUState) -> torch.Tensor:
-    """The layer's fp32 CSR as a torch sparse tensor, built on first use and kept (the op's
-    state holds only dense tensors). Keyed by the dense tensors' addresses; the entry holds
-    those tensors, so an address cannot be reused by another layer while cached."""
-    key = (state.crow.data_ptr(), state.col.data_ptr(), state.val.data_ptr(), state.out_features,
-           state.in_features)
+    """The layer's fp32 CSR as a torch sparse tensor (from the tiles if the state holds those),
+    built on first use and kept (the op's state holds only dense tensors). Keyed by the dense
+    tensors' addresses; the entry holds those tensors, so an address cannot be reused by
+    another layer while cached."""
+    src = (state.crow, state.col, state.val) if state.crow is not None else (state.tile_off, state.tile_col,
+                                                                            state.tile_val)
+    key = (*(t.data_ptr() for t in src), state.out_features, state.in_features)
     hit = _CSR.get(key)
     if hit is None:
-        csr = torch.sparse_csr_tensor(state.crow, state.col, state.val, (state.out_features, state.in_features),
-                                      check_invariants=False)
-        hit = _CSR[key] = (state.crow, state.col, state.val, csr)
-    return hit[3]
+        N, K = state.out_features, state.in_features
+        if state.crow is not None:
+            crow, col, val = state.crow, state.col, state.val
+        else:
+            r, c, v = _tile_entries(state, 0, N)
+            order = torch.argsort(r * K + c)
+            crow = torch.zeros(N + 1, dtype=torch.int32)
+            crow[1:] = torch.cumsum(torch.bincount(r, minlength=N), 0)
+            col, val = c[order].int(), v[order].contiguous()
+        csr = torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
+        hit = _CSR[key] = (*src, csr)
+    return hit[-1]
 
 
 # ----------------------------------------------------------------------------- large M
@@ -411,6 +499,9 @@ def _dequant_chunks(state: CPUState):
             if b > a:
                 rows = torch.repeat_interleave(torch.arange(r1 - r0), (state.crow[r0 + 1:r1 + 1] - state.crow[r0:r1]).long())
                 buf.index_put_((state.col[a:b].long(), rows), state.val[a:b].to(torch.bfloat16))
+        elif state.tile_col is not None:
+            rows, cols, vals = _tile_entries(state, r0, r1)
+            buf.index_put_((cols, rows), vals.to(torch.bfloat16))
         yield r0, r1, buf
 
 

@@ -1,9 +1,10 @@
-// The CPU fast path's small-M call in C++ (built on first use by vllm_latq/native.py):
-// torch's fused int4 GEMM for the inliers, then one pass over the output that adds the fp32
-// CSR outliers and the bias and casts — CPUKernel.apply's math (out = dtype(float(y_int4) +
-// Σ val·x[col] + bias)) without its half-dozen dispatched torch calls per layer and without
-// Python between them. Small outlier sets are summed by a plain loop here (MKL's CSR call
-// costs ~5 µs of setup, as much as a small layer's whole int4 GEMM); large ones by MKL.
+// The CPU fast path's small-M call in C++ (built on first use by vllm_latq/native.py): an
+// int4 GEMM for the inliers, then one pass over the output that adds the fp32 outliers and the
+// bias and casts — CPUKernel.apply's math (out = dtype(float(y_int4) + Σ val·x[col] + bias))
+// without its half-dozen dispatched torch calls per layer and without Python between them.
+// Outliers come as the GEMV's tiles (Fin below; whenever the GEMV can run here) or as a CSR,
+// summed by a plain loop (MKL's CSR call costs ~5 µs of setup, as much as a small layer's
+// whole int4 GEMM) or, for large sets, by MKL.
 //
 // On AVX-512 BF16 CPUs the int4 GEMM is this file's own GEMV over the same state (gemv::
 // below; the op's math up to fp32 summation order): torch's op is compute/latency bound when
@@ -13,7 +14,8 @@
 // 4.0/15.8/31.3 → 2.0/8.6/17.0 ms, faster than the dequant + bf16 GEMM path below LARGE_M).
 // LATQ_CPU_GEMV=0 (read once) keeps torch's op.
 //
-//   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, bias?, group, planes)
+//   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, tile_off?, tile_rows?,
+//                          tile_col?, tile_val?, bias?, group, planes)
 //   latq_cpu::gemv(x [M, K] bf16, packed, scales_zeros, group)   the GEMV alone (bench, tests)
 //   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
@@ -32,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
@@ -49,12 +52,6 @@ std::atomic<int64_t> g_large_m{128};
 // mv 32 µs for 4096² at 1% (168k) on 2 threads; on SmolLM2's 1–9k-outlier layers the loop
 // saves 3–8 µs per layer. Set from vllm_latq.native.LOOP_MAX.
 std::atomic<int64_t> g_loop_max{16384};
-
-// outliers up to which the M = 1 GEMV sums them in its own threads (above: MKL, as without it)
-std::atomic<int64_t> g_fused_max{[] {
-  const char* e = std::getenv("LATQ_CPU_GEMV_FUSED_MAX");
-  return e ? static_cast<int64_t>(std::atoll(e)) : int64_t{1} << 40;
-}()};
 
 constexpr int64_t kMB = 16;  // activation rows per pass of the outlier loop (M ≤ kMB: loop)
 
@@ -383,76 +380,112 @@ bool usable(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t K,
          scales_zeros.numel() == K / group_size * N * 2 && layout_ok();
 }
 
-// the finishing pass fused into the GEMV's threads, right after each 64-row block: out[r] =
-// T(float(y[r]) + Σ outliers + bias[r]), the same math as finish() (its M = 1 loop) up to the
-// fp32 summation order. A row holds ~6 outliers at 1% and K = 576: a per-row scalar loop pays
-// its exit mispredict per row (1.06 ns per outlier on gate_up, warm, 1 thread). Here the block's
-// products go flat through 16-lane gathers into a scratch row, then each row is one or two
-// masked loads and a reduce (0.85 ns); a flat scatter into per-row sums with 4 or 8 chains was
-// slower (memory-ordering stalls on acc[row]).
+// The finishing pass, fused into the GEMV's threads right after each 64-row block (or run over
+// the blocks after torch's op): out[m, r] = T(float(y[m, r]) + Σ outliers + bias[r]), the math of
+// finish() up to the fp32 summation order. The outliers come as tiles (CPUKernel.prepare builds
+// them from the CSR, cpu.ell_from_csr): a 64-row block's rows, sorted by outlier count, are cut
+// into tiles of 16; tile t holds S_t slots (its longest row's count) of 16 lanes, one row per
+// lane: a slot is one 16-lane gather of x, one FMA — no per-row loop and no horizontal sum (a
+// CSR row holds ~6 outliers at 1% and K = 576; summing CSR rows cost 1.3 ns per outlier at
+// M = 1 and 5.2 at M = 8, in situ). Padding: 1.19 slots per outlier on SmolLM2's SSQR layers.
 struct Fin {
-  const int32_t* crow = nullptr;  // outliers (fp32 CSR) or null
-  const int32_t* col = nullptr;
-  const float* val = nullptr;
-  const float* xf = nullptr;      // fp32 of the unrounded activations: [K] (M = 1) or [K, MB] (M > 1:
-  int64_t M = 1, MB = 1, N = 0;          // xT as in finish(), rows padded with zeros to MB ∈ {4, 8, 16})
+  const int32_t* off = nullptr;   // [T + 1]: tile t's first slot; tiles 4b..4b+3 are block b's
+  const int32_t* rows = nullptr;  // [T, 16]: each lane's row within its block (≥ 64: no row)
+  const int16_t* col = nullptr;   // [S, 16]: column, -1 = padding (null: no outliers)
+  const float* val = nullptr;     // [S, 16]
+  const float* xf = nullptr;      // fp32 of the unrounded activations: M = 1: [K]; M > 1: ⌈M/8⌉ ×
+  int64_t M = 1, N = 0, K = 0, T = 0;  // [K + 1, 8] (xᵀ of 8 rows, zero-padded, row 0 zero: col + 1)
   const float* bias = nullptr;    // fp32 [N] or null
-  void* out = nullptr;            // [N] of dtype (may alias y when bf16)
+  void* out = nullptr;            // [M, N] of dtype (may alias y when bf16)
   at::ScalarType dtype = at::kBFloat16;
 };
 
+// acc[m][row in block] = Σ outliers of rows m0 + m (m < mb ≤ 8) of x, over tiles [t0, t1)
+// (one block's). M = 1: a slot is one 16-lane gather of x and one FMA. M > 1: a gather per row
+// would cost ~12 cycles each on Zen 4 (3 ns per outlier at M = 8, warm); instead each lane
+// reads the 8 rows of x at its column as one vector of xᵀ and does one 8-wide FMA.
+void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, float (*acc)[80]) {
 #if LATQ_HAVE_GEMV
-inline __mmask16 first(int32_t l) { return _bzhi_u32(0xFFFF, std::clamp(l, 0, 16)); }  // lanes < l
+  if (f.M == 1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 v = _mm512_setzero_ps();
+      for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
+        const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.col + 16 * s)));
+        const __mmask16 k = _mm512_cmpge_epi32_mask(c, _mm512_setzero_si512());
+        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), _mm512_loadu_ps(f.val + 16 * s), v);
+      }
+      _mm512_i32scatter_ps(acc[0], _mm512_loadu_si512(f.rows + 16 * t), v, 4);
+    }
+    return;
+  }
+  const float* xT = f.xf + (m0 / 8) * (f.K + 1) * 8;
+  for (int64_t t = t0; t < t1; ++t) {
+    __m256 v[16];
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) v[l] = _mm256_setzero_ps();
+    for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
+      const int16_t* c = f.col + 16 * s;
+      const float* w = f.val + 16 * s;
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; ++l)
+        v[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[l]), _mm256_loadu_ps(xT + 8 * (c[l] + 1)), v[l]);
+    }
+    alignas(32) float tmp[16][8];
+    for (int l = 0; l < 16; ++l) _mm256_store_ps(tmp[l], v[l]);
+    for (int l = 0; l < 16; ++l) {
+      const int32_t r = f.rows[16 * t + l];
+      for (int64_t m = 0; m < mb; ++m) acc[m][r] = tmp[l][m];
+    }
+  }
+#else
+  for (int64_t t = t0; t < t1; ++t) {
+    float v[8][16] = {};
+    for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s)
+      for (int l = 0; l < 16; ++l) {
+        const int32_t c = f.col[16 * s + l];
+        if (c < 0) continue;
+        const float* xc = f.M == 1 ? f.xf + c : f.xf + ((m0 / 8) * (f.K + 1) + c + 1) * 8;
+        for (int64_t m = 0; m < mb; ++m) v[m][l] += f.val[16 * s + l] * xc[m];
+      }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int l = 0; l < 16; ++l) acc[m][f.rows[16 * t + l]] = v[m][l];
+  }
 #endif
+}
 
 template <typename T>
 void fin_rows(const Fin& f, const uint16_t* y, int64_t r0, int64_t r1) {
   T* out = static_cast<T*>(f.out);
-  const int64_t R = r1 - r0;  // ≤ 64
-  if (f.M > 1) {  // y, out [M, N]; the outliers of a row for all M at once (finish()'s loop)
-    const int64_t N = f.N;
-    for (int64_t r = r0; r < r1; ++r) {
-      float acc[kMB] = {};
-      if (f.crow) {
-        switch (f.MB) {
-          case 4: row_dot<4>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, acc); break;
-          case 8: row_dot<8>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, acc); break;
-          default: row_dot<16>(f.col, f.val, f.crow[r], f.crow[r + 1], f.xf, acc); break;
+  const int64_t R = r1 - r0, N = f.N;  // R ≤ 64; r0 = 64·block
+  const int64_t t0 = r0 / 16, t1 = std::min(f.T, t0 + 4);
+  alignas(64) float acc[8][80];
+  for (int64_t m0 = 0; m0 < f.M; m0 += 8) {
+    const int64_t mb = std::min<int64_t>(8, f.M - m0);
+    if (f.col) {
+      tile_sums(f, t0, t1, m0, mb, acc);
+    } else {
+      for (int64_t m = 0; m < mb; ++m) std::fill(acc[m], acc[m] + R, 0.f);
+    }
+    for (int64_t m = 0; m < mb; ++m) {
+      const int64_t i0 = (m0 + m) * N + r0;
+      int64_t r = 0;
+#if LATQ_HAVE_GEMV
+      if constexpr (std::is_same_v<T, at::BFloat16>) {  // the usual case: 16 rows at a time
+        for (; r + 16 <= R; r += 16) {
+          const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + i0 + r));
+          __m512 o = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(yv), 16));
+          o = _mm512_add_ps(o, _mm512_load_ps(acc[m] + r));
+          if (f.bias) o = _mm512_add_ps(o, _mm512_loadu_ps(f.bias + r0 + r));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i0 + r), (__m256i)_mm512_cvtneps_pbh(o));
         }
       }
-      const float b = f.bias ? f.bias[r] : 0.f;
-      for (int64_t m = 0; m < f.M; ++m) out[m * N + r] = static_cast<T>(bf(y[m * N + r]) + acc[m] + b);
-    }
-    return;
-  }
-  alignas(64) float acc[64] = {};
-#if LATQ_HAVE_GEMV
-  if (f.crow) {
-    const int32_t* crow = f.crow + r0;
-    const int32_t a = crow[0], n = crow[R] - a;
-    thread_local std::vector<float> prod;  // val·x[col] of the block's outliers (+ 32: masked reads)
-    if (static_cast<int64_t>(prod.size()) < n + 32) prod.resize(n + 32);
-    float* pr = prod.data();
-    for (int32_t i = 0; i < n; i += 16) {
-      const __mmask16 m = first(n - i);
-      const __m512i c = _mm512_maskz_loadu_epi32(m, f.col + a + i);
-      const __m512 xg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, c, f.xf, 4);
-      _mm512_storeu_ps(pr + i, _mm512_mul_ps(xg, _mm512_maskz_loadu_ps(m, f.val + a + i)));
-    }
-    for (int64_t r = 0; r < R; ++r) {  // rows of ≤ 32 outliers (nearly all at 1%): no branch
-      const int32_t s = crow[r] - a, l = crow[r + 1] - crow[r];
-      __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(first(l), pr + s), _mm512_maskz_loadu_ps(first(l - 16), pr + s + 16));
-      for (int32_t o = 32; o < l; o += 16) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(first(l - o), pr + s + o));
-      acc[r] = _mm512_reduce_add_ps(v);
-    }
-  }
-#else
-  for (int64_t r = 0; f.crow && r < R; ++r) row_dot<1>(f.col, f.val, f.crow[r0 + r], f.crow[r0 + r + 1], f.xf, acc + r);
 #endif
-  for (int64_t r = 0; r < R; ++r) {
-    float o = bf(y[r0 + r]) + acc[r];
-    if (f.bias) o += f.bias[r0 + r];
-    out[r0 + r] = static_cast<T>(o);
+      for (; r < R; ++r) {
+        float o = bf(y[i0 + r]) + acc[m][r];
+        if (f.bias) o += f.bias[r0 + r];
+        out[i0 + r] = static_cast<T>(o);
+      }
+    }
   }
 }
 
@@ -513,66 +546,90 @@ at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }
 
 void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
-void set_gemv_fused_max(int64_t n) { g_fused_max.store(n); }
 // the M up to which small_linear takes the GEMV (0: off, or not built / not this layout)
 int64_t gemv_max_m() { return LATQ_HAVE_GEMV && gemv::layout_ok() ? gemv::g_max_m.load() : 0; }
+// whether this build has the GEMV and the op's layout matches (whatever set_gemv_max_m says)
+bool has_gemv() { return LATQ_HAVE_GEMV && gemv::layout_ok(); }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
-                        const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& tile_off,
+                        const std::optional<at::Tensor>& tile_rows, const std::optional<at::Tensor>& tile_col,
+                        const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& bias,
                         int64_t group_size, int64_t planes) {
   TORCH_CHECK(x.dim() == 2, "latq_cpu::small_linear: x must be 2-D, got ", x.sizes());
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kHalf,
               "latq_cpu::small_linear: activations must be bf16/fp16/fp32, got ", dtype);
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   at::Tensor xb = (dtype == at::kBFloat16 && x.is_contiguous()) ? x : x.to(at::kBFloat16).contiguous();
   if (planes == 2) xb = at::cat({xb, xb}, 1);
-  const bool outl = crow.has_value() && crow->defined() && col->numel() > 0;
+  const bool tiles = tile_col.has_value() && tile_col->defined();   // outliers as the GEMV's tiles
+  const bool outl = !tiles && crow.has_value() && crow->defined() && col->numel() > 0;   // as a CSR
   const bool has_bias = bias.has_value() && bias->defined();
   const bool use_gemv = M <= gemv::g_max_m.load() && gemv::usable(packed, scales_zeros, xb.size(1), group_size);
-  if (use_gemv && M <= kMB && (!outl || col->numel() <= g_fused_max.load())) {
-    // the GEMV, outliers + bias + cast fused into its threads (the same math as finish())
-    const int64_t N = packed.size(0);
+  if (tiles || (use_gemv && !outl)) {
+    // outliers (tiles) + bias + cast per 64-row block: in the GEMV's threads, or after torch's op
     at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-    if (!outl && !has_bias && dtype == at::kBFloat16) return gemv::run(xb, packed, scales_zeros, group_size, nullptr, y);
-    // fp32 of the unrounded x, here rather than a dispatched x.to(float): [K] at M = 1, else
-    // [K, MB] with zero-padded rows (finish()'s xT)
-    const int64_t MB = M == 1 ? 1 : M <= 4 ? 4 : M <= 8 ? 8 : 16;
-    std::vector<float> xf;
-    if (outl) {
-      xf.assign(K * MB, 0.f);
+    if (!tiles && !has_bias && dtype == at::kBFloat16) return gemv::run(xb, packed, scales_zeros, group_size, nullptr, y);
+    // fp32 of the unrounded x as Fin::xf wants it, and of the bias: converted here, into buffers
+    // kept per calling thread (dispatched x.to(float) + allocation cost ~4 µs a call, ×120 a step)
+    thread_local std::vector<float> xbuf, bbuf;
+    if (tiles) {
+      const bool t8 = M > 1;
+      xbuf.assign(t8 ? (M + 7) / 8 * (K + 1) * 8 : K, 0.f);
       at::Tensor xc = x.contiguous();
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "latq_cpu_xf", [&] {
         const scalar_t* xp = xc.data_ptr<scalar_t>();
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t k = 0; k < K; ++k) xf[k * MB + m] = static_cast<float>(xp[m * K + k]);
+        for (int64_t m = 0; m < M; ++m) {
+          float* d = t8 ? xbuf.data() + ((m / 8) * (K + 1) + 1) * 8 + m % 8 : xbuf.data();
+          const int64_t step = t8 ? 8 : 1;
+          const scalar_t* src = xp + m * K;
+          for (int64_t k = 0; k < K; ++k) d[step * k] = static_cast<float>(src[k]);
+        }
       });
     }
-    at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    if (has_bias) {
+      bbuf.resize(N);
+      at::Tensor bc = bias->contiguous();
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bc.scalar_type(), "latq_cpu_bias", [&] {
+        const scalar_t* bp = bc.data_ptr<scalar_t>();
+        for (int64_t r = 0; r < N; ++r) bbuf[r] = static_cast<float>(bp[r]);
+      });
+    }
     at::Tensor out = dtype == at::kBFloat16 ? y : at::empty({M, N}, x.options());
     gemv::Fin f;
-    f.M = M;
-    f.MB = MB;
-    f.N = N;
-    if (outl) {
-      f.crow = crow->data_ptr<int32_t>();
-      f.col = col->data_ptr<int32_t>();
-      f.val = val->data_ptr<float>();
-      f.xf = xf.data();
+    if (tiles) {
+      f.off = tile_off->data_ptr<int32_t>();
+      f.rows = tile_rows->data_ptr<int32_t>();
+      f.col = tile_col->data_ptr<int16_t>();
+      f.val = tile_val->data_ptr<float>();
+      f.xf = xbuf.data();
+      f.T = tile_rows->size(0);
     }
-    f.bias = has_bias ? bf.data_ptr<float>() : nullptr;
+    f.M = M;
+    f.N = N;
+    f.K = K;
+    f.bias = has_bias ? bbuf.data() : nullptr;
     f.out = out.data_ptr();
     f.dtype = dtype;
-    gemv::run(xb, packed, scales_zeros, group_size, &f, y);
+    if (use_gemv) {
+      gemv::run(xb, packed, scales_zeros, group_size, &f, y);
+    } else {
+      y = at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros).contiguous();
+      const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+      if (dtype == at::kBFloat16) f.out = y.data_ptr(), out = y;
+      at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) gemv::fin(&f, yp, b * 64, std::min(N, b * 64 + 64));
+      });
+    }
     return out;
   }
-  // bf16 [M, N]: the GEMV (outliers for MKL below) or torch's op
+  // bf16 [M, N]: the GEMV or torch's op; then the CSR outliers (loop or MKL), bias and cast
   at::Tensor y = use_gemv ? gemv::run(xb, packed, scales_zeros, group_size)
                           : at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros);
   if (!outl && !has_bias && dtype == at::kBFloat16) return y;
   y = y.contiguous();
-  const int64_t N = y.size(1);
   at::Tensor xc = x.contiguous();
   at::Tensor ys;  // fp32 [M, N] outliers from MKL when the loop would be slower
   // the loop's vector FMA over up to 16 rows beats MKL's SpMM at every M ≤ 16; at M = 1 MKL's
@@ -598,9 +655,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 
 at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints,
                   const std::optional<at::Tensor>& bias, int64_t out_features) {
-  // CPUState, flattened: tensors = (packed, scales_zeros, crow, col, val),
-  // ints = (out_features, in_features, group_size, planes, layout_block, layout_halves)
-  TORCH_CHECK(tensors.size() == 5 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
+  // CPUState, flattened: tensors = (packed, scales_zeros, crow, col, val, tile_off, tile_rows,
+  // tile_col, tile_val), ints = (out_features, in_features, group_size, planes, layout_block, layout_halves)
+  TORCH_CHECK(tensors.size() == 9 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   if (M >= g_large_m.load() && ints[4] != 0) {
@@ -613,8 +670,8 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor x2 = x.reshape({M, K});
-  const std::optional<at::Tensor> crow = tensors.get(2), col = tensors.get(3), val = tensors.get(4);
-  at::Tensor y = small_linear(x2, *tensors.get(0), *tensors.get(1), crow, col, val, bias, ints[2], ints[3]);
+  at::Tensor y = small_linear(x2, *tensors.get(0), *tensors.get(1), tensors.get(2), tensors.get(3), tensors.get(4),
+                              tensors.get(5), tensors.get(6), tensors.get(7), tensors.get(8), bias, ints[2], ints[3]);
   return y.reshape(shape);
 }
 
@@ -625,14 +682,15 @@ void set_loop_max(int64_t n) { g_loop_max.store(n); }
 
 TORCH_LIBRARY(latq_cpu, m) {
   m.def("small_linear(Tensor x, Tensor packed, Tensor scales_zeros, Tensor? crow, Tensor? col, Tensor? val, "
-        "Tensor? bias, int group_size, int planes) -> Tensor");
+        "Tensor? tile_off, Tensor? tile_rows, Tensor? tile_col, Tensor? tile_val, Tensor? bias, int group_size, "
+        "int planes) -> Tensor");
   m.def("linear(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
   m.def("gemv(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor");
   m.def("set_gemv_max_m(int m) -> ()");
   m.def("gemv_max_m() -> int");
-  m.def("set_gemv_fused_max(int n) -> ()");
+  m.def("has_gemv() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
@@ -646,5 +704,5 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_loop_max", &set_loop_max);
   m.impl("set_gemv_max_m", &set_gemv_max_m);
   m.impl("gemv_max_m", &gemv_max_m);
-  m.impl("set_gemv_fused_max", &set_gemv_fused_max);
+  m.impl("has_gemv", &has_gemv);
 }
