@@ -159,7 +159,7 @@ def large(a):
     w = synthetic(N, K, 4, 0.01)
     s = CPUKernel.prepare(w)
     Wb = dequantize(w).to(torch.bfloat16)
-    saved = cpu.LARGE_M, cpu.PREFILL_CACHE
+    saved = cpu.large_m(), cpu.PREFILL_CACHE
     gemv_ok = native.available() and torch.ops.latq_cpu.gemv_max_m() > 0
     saved_m = torch.ops.latq_cpu.gemv_max_m() if gemv_ok else 0
     try:
@@ -363,7 +363,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"capability {torch.backends.cpu.get_cpu_capability()}, LARGE_M={cpu.LARGE_M}, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}, LARGE_M={cpu.large_m()}, "
           f"load average at start {open('/proc/loadavg').read().split()[0]} (other processes skew timings)")
     results = {}
     if "table" in a.sections:

@@ -106,7 +106,7 @@ def check(w, state, x, bias=None):
     y = CPUKernel.apply(state, x, bias)
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.out_features)
     xd = x.reshape(-1, w.in_features).double()
-    large = xd.shape[0] >= cpu.LARGE_M and state.layout_block != 0
+    large = xd.shape[0] >= cpu.large_m() and state.layout_block != 0
     yk = y.reshape(-1, w.out_features).double()
     S = xd.abs() @ e.Wabs_t
     b = 0 if bias is None else bias.double()
@@ -200,7 +200,7 @@ def _exact(shape, bits, rate):
     assert state.planes == 1
     assert cpu._has_outliers(state) == (rate > 0.0)
     g = torch.Generator().manual_seed(3)
-    saved = cpu.LARGE_M
+    saved = cpu.large_m()
     try:
         for M, dt, large_m in CASES:
             cpu.LARGE_M = saved if large_m is None else large_m
@@ -260,7 +260,7 @@ def test_rows_with_many_outliers():
 def test_every_batch_size_and_leading_dims_and_bias():
     w, state = prepared((640, 2048, 4, 0.01, 128))
     g = torch.Generator().manual_seed(6)
-    for M in list(range(1, 17)) + [cpu.LARGE_M - 1, cpu.LARGE_M, 200]:
+    for M in list(range(1, 17)) + [cpu.large_m() - 1, cpu.large_m(), cpu.large_m() + 72]:
         check(w, state, torch.randn(M, 2048, generator=g).to(torch.bfloat16))
     for dt in (torch.bfloat16, torch.float32, torch.float16):
         bias = torch.randn(640, generator=g).to(dt)
@@ -275,14 +275,14 @@ def test_chunked_prepare_and_large_m(monkeypatch):
     w = make_weight(208, 256, 4, 0.02, group=64, seed=7)
     state = CPUKernel.prepare(w)
     g = torch.Generator().manual_seed(8)
-    for M in (1, 8, cpu.LARGE_M, 150):
+    for M in (1, 8, cpu.large_m(), cpu.large_m() + 22):
         check(w, state, torch.randn(M, 256, generator=g).to(torch.bfloat16))
 
 
 def test_prefill_cache(monkeypatch):
     """Opt-in cached bf16 weight for large M: the same bf16(z·s) weight as the per-call dequant."""
     w, state = prepared((640, 2048, 4, 0.01, 128))
-    x = torch.randn(cpu.LARGE_M + 3, 2048, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    x = torch.randn(cpu.large_m() + 3, 2048, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
     monkeypatch.setattr(cpu, "PREFILL_CACHE", True)
     try:
         check(w, state, x)

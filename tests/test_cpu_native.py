@@ -29,7 +29,7 @@ def test_native_op_is_the_layer_op_for_every_m(monkeypatch):
     tensors, ints = CPUKernel.flatten(state)
     g = torch.Generator().manual_seed(21)
     bias = torch.randn(640, generator=g).to(torch.bfloat16)
-    for shape in ((1, 2048), (8, 2048), (2, 3, 2048), (cpu.LARGE_M, 2048)):
+    for shape in ((1, 2048), (8, 2048), (2, 3, 2048), (cpu.large_m(), 2048)):
         x = torch.randn(*shape, generator=g).to(torch.bfloat16)
         for b in (None, bias):
             want = CPUKernel.apply(state, x, b)

@@ -5,7 +5,7 @@ Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the in
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
 AVX-512 BF16 CPUs the GEMM is the op's own GEMV over the same packed state, streaming the
 weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
-to 8 rows: 1.5–2× faster than torch's op at every M below ``LARGE_M`` (``kernels/csrc/latq_cpu.cpp``).
+to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/csrc/latq_cpu.cpp``).
 Without a compiler the same math runs as torch calls (MKL CSR mv/mm): ``NATIVE = False``.
 
 The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
@@ -56,7 +56,11 @@ priority and cross-checked at 1 thread):
   copy of the weights. The dequant costs ~12 ms per 16M weights on 2 threads (chunks of
   1 MB: 18 ms, 32 MB: 13 ms). Dequant+GEMM / op, 2 threads (two runs): 0.68–0.73× at M=64,
   0.99× at 96, 0.84–0.85× at 128, 1.11× at 192, 1.27–1.64× at 256, 1.79–2.06× at 512;
-  1 thread: crossover near 100 → ``LARGE_M`` = 128; still 0.3–0.6× of bf16. ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
+  1 thread: crossover near 100 → ``LARGE_M`` = 128 with torch's op; still 0.3–0.6× of bf16.
+  The C++ GEMV unpacks each weight once per 8 rows and beats dequant + GEMM up to M ≈ 700
+  (4096², 1%, 2 threads: 6.2 / 12.4 / 25.3 / 55.6 ms vs 18.1 / 23.9 / 36.3 / 60.8 at M = 64 /
+  128 / 256 / 512; bf16 6.1 / 10.8 / 20.2 / 39.3) → ``LARGE_M`` = 640 where it runs
+  (``large_m()``). ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
   instead: 1.0× of bf16 at every large M, +2 bytes/weight resident (off by default).
 """
 from __future__ import annotations
@@ -79,8 +83,8 @@ MAX_BITS = 8
 # mv costs 180–200 µs at 5% and 400–470 µs at 10% (1 thread: 680–720 / 1500) → time breaks
 # even at 6–10%, memory at 6.25% (8 B per CSR entry vs 0.5 B/weight per plane).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
-# rows (tokens) from which the dequantize + bf16 GEMM path replaces the int4 op
-LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "128"))
+# rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, large_m())
+LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "0"))
 CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 weight chunk
 # opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
 # +2 bytes/weight resident: more than the bf16 model itself)
@@ -243,7 +247,7 @@ class CPUKernel(LatqKernel):
         """``latq_cpu::linear`` (C++): small M in C++, large M back to ``latq::cpu_linear``."""
         if not (NATIVE and native.available()):
             return None
-        torch.ops.latq_cpu.set_large_m(LARGE_M)
+        torch.ops.latq_cpu.set_large_m(large_m())
         return torch.ops.latq_cpu.linear.default
 
     # ------------------------------------------------------------------ prepare
@@ -338,7 +342,7 @@ class CPUKernel(LatqKernel):
         x2 = x if x.dim() == 2 else x.reshape(-1, K)
         M = x2.shape[0]
         dtype = x.dtype
-        large = M >= LARGE_M and state.layout_block
+        large = M >= large_m() and state.layout_block
         if not large and NATIVE and native.available():   # the same math in one C++ call
             y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
                                                 state.val, state.tile_off, state.tile_rows, state.tile_col,
@@ -374,11 +378,24 @@ TILE = 16        # rows per tile: one 16-lane fp32 vector
 TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
 
 
+def _gemv_here() -> bool:
+    """The C++ op is built (and NATIVE) with its AVX-512 GEMV."""
+    return NATIVE and native.available() and bool(torch.ops.latq_cpu.has_gemv())
+
+
 def _tiles_here(in_features: int) -> bool:
-    """Whether prepare stores outliers as the C++ op's tiles: the op is built (and NATIVE) with
-    its AVX-512 GEMV (elsewhere the CSR loop / MKL is faster), columns fit int16."""
-    return (NATIVE and TILES and in_features < 2 ** 15 and native.available()
-            and bool(torch.ops.latq_cpu.has_gemv()))
+    """Whether prepare stores outliers as the C++ op's tiles: where its GEMV runs (elsewhere
+    the CSR loop / MKL is faster) and columns fit int16."""
+    return TILES and in_features < 2 ** 15 and _gemv_here()
+
+
+def large_m() -> int:
+    """``LARGE_M``, resolved on first use: from 640 rows with the C++ GEMV (it beats dequant +
+    GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512), else 128 (torch's op)."""
+    global LARGE_M
+    if not LARGE_M:
+        LARGE_M = 640 if _gemv_here() else 128
+    return LARGE_M
 
 
 def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
@@ -417,9 +434,10 @@ def _has_outliers(state: CPUState) -> bool:
     return state.crow is not None or state.tile_col is not None
 
 
-def _tile_entries(state: CPUState, r0: int, r1: int):
+def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
     """The outliers of rows [r0, r1) (multiples of 64, or r1 = N) from the tiles: (row − r0,
-    col, val), in slot order."""
+    col, val), in slot order. ``padding``: every lane of every slot, padding as col = K, val 0
+    (no boolean mask: ~10× faster, for a scatter into a buffer with a spare row K)."""
     T = state.tile_rows.shape[0]
     t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
     off = state.tile_off.long()
@@ -427,6 +445,9 @@ def _tile_entries(state: CPUState, r0: int, r1: int):
     tile = torch.repeat_interleave(torch.arange(t0, t1), off[t0 + 1:t1 + 1] - off[t0:t1])   # [S']
     rows = (tile // 4 * TILE_BLOCK - r0)[:, None] + state.tile_rows[tile].long()
     cols = state.tile_col[s0:s1].long()
+    if padding:   # lanes without a row (tail block) hold only padding: any in-range row will do
+        return (rows.view(-1).clamp_(max=min(r1, state.out_features) - r0 - 1),
+                cols.view(-1) % (state.in_features + 1), state.tile_val[s0:s1].reshape(-1))
     keep = cols >= 0
     return rows[keep], cols[keep], state.tile_val[s0:s1][keep]
 
@@ -483,7 +504,7 @@ def _dequant_chunks(state: CPUState):
     R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
     g = state.group_size
     sc = state.scales_zeros[..., 0]               # [Kp/g, N] bf16; the first K/g rows: s
-    buf_all = _scratch("w", K * min(R, N), torch.bfloat16)
+    buf_all = _scratch("w", (K + 1) * min(R, N), torch.bfloat16)   # + a spare row: tiles' padding
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
         buf = buf_all[: K * (r1 - r0)].view(K, r1 - r0)
@@ -500,8 +521,8 @@ def _dequant_chunks(state: CPUState):
                 rows = torch.repeat_interleave(torch.arange(r1 - r0), (state.crow[r0 + 1:r1 + 1] - state.crow[r0:r1]).long())
                 buf.index_put_((state.col[a:b].long(), rows), state.val[a:b].to(torch.bfloat16))
         elif state.tile_col is not None:
-            rows, cols, vals = _tile_entries(state, r0, r1)
-            buf.index_put_((cols, rows), vals.to(torch.bfloat16))
+            rows, cols, vals = _tile_entries(state, r0, r1, padding=True)
+            buf_all[: (K + 1) * (r1 - r0)].view(K + 1, r1 - r0).index_put_((cols, rows), vals.to(torch.bfloat16))
         yield r0, r1, buf
 
 
