@@ -11,7 +11,7 @@
 // its weights come from DRAM and re-dequantizes them every 4 rows; the GEMV streams them at
 // DRAM speed once per call and unpacks each weight once for up to 8 rows (bench/cpu_layer.py
 // --sections gemv / large: 30 SmolLM2 blocks at M=1 3.5 → 2.0 ms; 4096² at M=16/64/128
-// 4.0/15.8/31.3 → 2.0/8.6/17.0 ms, faster than the dequant + bf16 GEMM path below LARGE_M).
+// 4.0/15.8/31.3 → 2.0/8.6/17.0 ms; faster than the dequant + bf16 GEMM path up to M ≈ 700).
 // LATQ_CPU_GEMV=0 (read once) keeps torch's op.
 //
 //   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, tile_off?, tile_rows?,
@@ -134,8 +134,7 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
 namespace gemv {
 
 // rows up to which small_linear takes the GEMV: by default every M it is given (the large-M
-// path takes over from LARGE_M = 128 rows, where the GEMV is still 1.2× faster than the dequant
-// path, but the crossover is near 200 and both stay below bf16)
+// path takes over from cpu.large_m() = 640 rows, near where dequant + bf16 GEMM gets faster)
 std::atomic<int64_t> g_max_m{[] {
   const char* e = std::getenv("LATQ_CPU_GEMV");  // read once: "0" → always torch's op
   return (e && (e[0] == '0' || e[0] == 0)) ? int64_t{0} : int64_t{1} << 30;
