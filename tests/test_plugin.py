@@ -477,3 +477,23 @@ def test_default_multiprocess_path(tiny):
     r = h.run_vllm(ck, ids, 32, kernel="reference", quantization="latq", fast=False, extra_env=env,
                    tmp=tiny["dir"])
     _check_equal(ck, r["tokens"], want)
+
+
+@pytest.mark.slow
+def test_decode_bench_runs_interleaved(tiny):
+    """bench/decode.py end to end on the tiny model (eager, 4 tokens): both engines load side by
+    side, every round runs each once per batch size, the table carries the paired ratio and its
+    range, and the last line is the HEADLINE."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "decode.py"),
+                          "--model", str(tiny["src"]), "--ckpt", str(tiny["ssqr"]), "--kernels", "cpu",
+                          "--modes", "eager", "--batches", "1,2", "--tokens", "4", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    rows = [ln for ln in lines if ln.startswith("eager ")]
+    assert len(rows) == 4 and all("4 x 2" in r for r in rows), out.stdout
+    assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
+    assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup=" in lines[-1] and "eager_b2_speedup=" in lines[-1]
