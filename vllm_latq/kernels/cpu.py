@@ -302,14 +302,10 @@ class CPUKernel(LatqKernel):
             rows = torch.cat([rows, *extra_rows])
             cols = torch.cat([cols, *[c.long() for c in extra_cols]])
             vals = torch.cat([vals, *extra_vals])
-            order = torch.argsort(rows * K + cols)
-            rows, cols, vals = rows[order], cols[order], vals[order]
         crow = col = val = None
         tiles = (None,) * 4
         if vals.numel():
-            crow = torch.zeros(N + 1, dtype=torch.int32)
-            crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
-            crow, col, val = crow, cols.int().contiguous(), vals.contiguous()
+            crow, col, val = _coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
             if _tiles_here(K):   # the C++ op's layout replaces the CSR
                 tiles = tiles_from_csr(crow, col, val)
                 crow = col = val = None
@@ -413,8 +409,7 @@ def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
     T = -(-N // TILE)
     rows = (TILE_BLOCK + torch.arange(TILE)).repeat(T)                         # lanes without a row
     rows[:N] = order - block[order] * TILE_BLOCK
-    slots = torch.zeros(T, dtype=torch.long)
-    slots[:] = cnt[order][torch.arange(T) * TILE]                              # longest row of each tile
+    slots = cnt[order][torch.arange(T) * TILE]                                 # longest row of each tile
     off = torch.zeros(T + 1, dtype=torch.long)
     off[1:] = torch.cumsum(slots, 0)
     pos = torch.empty(N, dtype=torch.long)
@@ -430,6 +425,17 @@ def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
     return off.int(), rows.view(T, TILE).int(), tcol.view(S, TILE), tval.view(S, TILE)
 
 
+def _coo_to_csr(rows, cols, vals, N: int, K: int, sort: bool):
+    """(row, col, val) entries → the state's CSR (int32 crow/col, fp32 val); ``sort``: the
+    entries are not yet row-major sorted."""
+    if sort:
+        order = torch.argsort(rows * K + cols)
+        rows, cols, vals = rows[order], cols[order], vals[order]
+    crow = torch.zeros(N + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
+    return crow, cols.int().contiguous(), vals.float().contiguous()
+
+
 def _has_outliers(state: CPUState) -> bool:
     return state.crow is not None or state.tile_col is not None
 
@@ -443,7 +449,7 @@ def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
     off = state.tile_off.long()
     s0, s1 = int(off[t0]), int(off[t1])
     tile = torch.repeat_interleave(torch.arange(t0, t1), off[t0 + 1:t1 + 1] - off[t0:t1])   # [S']
-    rows = (tile // 4 * TILE_BLOCK - r0)[:, None] + state.tile_rows[tile].long()
+    rows = (tile // (TILE_BLOCK // TILE) * TILE_BLOCK - r0)[:, None] + state.tile_rows[tile].long()
     cols = state.tile_col[s0:s1].long()
     if padding:   # lanes without a row (tail block) hold only padding: any in-range row will do
         return (rows.view(-1).clamp_(max=min(r1, state.out_features) - r0 - 1),
@@ -469,11 +475,7 @@ def _csr(state: CPUState) -> torch.Tensor:
         if state.crow is not None:
             crow, col, val = state.crow, state.col, state.val
         else:
-            r, c, v = _tile_entries(state, 0, N)
-            order = torch.argsort(r * K + c)
-            crow = torch.zeros(N + 1, dtype=torch.int32)
-            crow[1:] = torch.cumsum(torch.bincount(r, minlength=N), 0)
-            col, val = c[order].int(), v[order].contiguous()
+            crow, col, val = _coo_to_csr(*_tile_entries(state, 0, N), N, K, sort=True)
         csr = torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
         hit = _CSR[key] = (*src, csr)
     return hit[-1]
