@@ -22,7 +22,9 @@ What it does, per model (Gemma3-270M, SmolLM2-135M):
 4. **Peer GPTQ**: our GPTQ vs the IST-DASLab reference algorithm (the plain column loop of
    ``gptq.py``: ``Hinv = chol(H⁻¹)ᵀ``, ``W[:, j:] −= err ⊗ Hinv[j, j:]``) at equal settings
    (same damped Hessian, act-order, static per-group scales, clipped signed grid) on the same
-   real layers: identical-integer fraction and error ratio. (llm-compressor pins
+   real layers: identical-integer fraction and error ratio; and the perplexity of whole models
+   (GPTQ-3b/4b, tag ``peer``) quantized by the same pipeline with that loop choosing every
+   integer (``peer_solver``), against ours: the issue's bar is ±1 %. (llm-compressor pins
    transformers<=5.17 and cannot be installed beside this project's transformers.)
 
 Everything lands in ``--out`` (default ``$LATQ_CACHE/study``): ``results/<model>/*.json`` and
@@ -33,6 +35,7 @@ plot beside it (needs matplotlib; without it the report says so).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -61,7 +64,10 @@ ORDERS = ("natural", "reverse", "random", "act", "min-pivot")
 # configurations that change one option of a default one: (tag, report heading, column name)
 TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
           ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
-                      "which SmolLM2 and Gemma3 tie to the embedding, so the checkpoint unties it):", "+ lm_head"))
+                      "which SmolLM2 and Gemma3 tie to the embedding, so the checkpoint unties it):", "+ lm_head"),
+          ("peer", "Peer GPTQ, whole model: every layer's integers from the IST-DASLab reference column loop "
+                   "(`reference_gptq`) instead of ours, all else equal (pipeline, Hessians, act-order, damping, "
+                   "scales); the bar is ±1 %:", "reference loop"))
 RESULT_VERSION = 1  # bump when a result's meaning changes: cached results are then recomputed
 
 
@@ -113,6 +119,9 @@ def sweep_configs(model: str, group_size: int) -> list[Config]:
                     order="min-pivot"))
     out.append(_cfg(model, "SSQR-1%", 3, "min-pivot", method="ssqr", bits=3, group_size=group_size,
                     outlier_rate=0.01, order="min-pivot"))
+    # the peer GPTQ at model level (the 4-bit one right after its default, see run_priority)
+    for b in (4, 3):
+        out.append(_cfg(model, "GPTQ", b, "peer", method="gptq", bits=b, group_size=group_size))
     return out
 
 
@@ -123,7 +132,7 @@ def run_priority(cfg: Config, models) -> tuple:
     models alternate in each round."""
     if cfg.family == "bf16" or cfg.family in ("RTN", "HRTN"):
         rnd = 0
-    elif cfg.tag == "lm-head":
+    elif cfg.tag == "lm-head" or (cfg.tag == "peer" and cfg.level == 4):
         rnd = 2.5    # right after its 4-bit default
     elif cfg.tag:
         rnd = 4
@@ -136,7 +145,8 @@ def tiny_configs(model: str, group_size: int) -> list[Config]:
     return [Config(model, "bf16", None),
             _cfg(model, "GPTQ", 3, method="gptq", bits=3, group_size=group_size),
             _cfg(model, "SSQR-1%", 3, method="ssqr", bits=3, group_size=group_size, outlier_rate=0.01),
-            _cfg(model, "GPTQ", 3, "min-pivot", method="gptq", bits=3, group_size=group_size, order="min-pivot")]
+            _cfg(model, "GPTQ", 3, "min-pivot", method="gptq", bits=3, group_size=group_size, order="min-pivot"),
+            _cfg(model, "GPTQ", 3, "peer", method="gptq", bits=3, group_size=group_size)]
 
 
 @dataclass
@@ -235,6 +245,7 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
+    solver = peer_solver() if cfg.tag == "peer" else contextlib.nullcontext()
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
         journal.unlink(missing_ok=True)
@@ -245,14 +256,15 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
         if res.bound is not None:
             with journal.open("a") as f:
                 f.write(json.dumps(_cert_record(name, W, H, res)) + "\n")
-    try:
-        quantize_model(src, ck, opts, overwrite=True, resume=True, on_layer=on_layer)
-    except ValueError as e:
-        if "--resume" not in str(e):
-            raise
-        log.warning("%s: cannot resume (%s): starting over", cfg.label, e)
-        journal.unlink(missing_ok=True)
-        quantize_model(src, ck, opts, overwrite=True, on_layer=on_layer)
+    with solver:
+        try:
+            quantize_model(src, ck, opts, overwrite=True, resume=True, on_layer=on_layer)
+        except ValueError as e:
+            if "--resume" not in str(e):
+                raise
+            log.warning("%s: cannot resume (%s): starting over", cfg.label, e)
+            journal.unlink(missing_ok=True)
+            quantize_model(src, ck, opts, overwrite=True, on_layer=on_layer)
     recs = {}
     if journal.is_file():
         for line in journal.read_text().splitlines():
@@ -370,6 +382,30 @@ def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torc
     out = torch.empty_like(Z)
     out[:, perm] = Z
     return out
+
+
+@contextlib.contextmanager
+def peer_solver():
+    """The pipeline's GPTQ with every integer chosen by :func:`reference_gptq` instead (same
+    scales, order and damping as ours: equal settings), for a whole-model peer perplexity."""
+    from vllm_latq.quantize import pipeline
+    from vllm_latq.quantize.scales import expand
+    ours = pipeline.solve
+
+    def solve(method, W, H, name, **kw):
+        res = ours(method, W, H, name, **kw)
+        if method != "gptq":
+            raise ValueError(f"the peer solver replaces GPTQ only, not {method} ({name})")
+        S = expand(res.scales, res.group_size, tuple(W.shape)).float()
+        z = reference_gptq(W.cpu().float(), H.cpu(), S, res.order, res.bits, res.damp)
+        res.z, res.q = z.to(res.z.dtype), (z.float() * S).to(res.q.dtype)
+        return res
+
+    pipeline.solve = solve
+    try:
+        yield
+    finally:
+        pipeline.solve = ours
 
 
 def peer_compare(W, H, bits: int, group_size: int) -> dict:

@@ -42,6 +42,37 @@ def test_reference_gptq_matches_ours():
         assert abs(p["err_ratio"] - 1) < 1e-3
 
 
+def test_peer_solver_quantizes_whole_models_through_the_pipeline(tiny_llama, tmp_path):
+    """The whole-model peer configuration: the pipeline runs with the reference loop choosing
+    every integer — the same layers, scales and bits as ours, (almost) the same integers, and
+    the pipeline's own GPTQ restored afterwards."""
+    from vllm_latq.checkpoint import load_dequantized_model
+    from vllm_latq.quantize import pipeline
+    study = _study()
+    st = study.Settings(nsamples=4, seqlen=64)
+    ours = study._cfg("tiny", "GPTQ", 3, method="gptq", bits=3, group_size=64)
+    peer = study._cfg("tiny", "GPTQ", 3, "peer", method="gptq", bits=3, group_size=64)
+    solve = pipeline.solve
+    calls = []
+    ref = study.reference_gptq
+
+    def counted(*a, **k):
+        calls.append(1)
+        return ref(*a, **k)
+    study.reference_gptq = counted
+    study._quantize(ours, st, tiny_llama, tmp_path / ours.slug)
+    assert not calls
+    study._quantize(peer, st, tiny_llama, tmp_path / peer.slug)
+    assert pipeline.solve is solve
+    wa = load_dequantized_model(tmp_path / ours.slug).state_dict()
+    wb = load_dequantized_model(tmp_path / peer.slug).state_dict()
+    lin = [k for k in wa if k.endswith("proj.weight")]
+    assert len(calls) == len(lin) == 2 * 7
+    same = sum(int((wa[k] == wb[k]).sum()) for k in lin) / sum(wa[k].numel() for k in lin)
+    assert same > 0.99
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if k not in lin)   # embeddings, norms, head
+
+
 def test_configurations_cover_the_issue():
     study = _study()
     labels = {c.label for c in study.sweep_configs("gemma3-270m", 128)}
@@ -49,7 +80,8 @@ def test_configurations_cover_the_issue():
         assert {f"{fam}-{b}b" for b in (2, 3, 4)} <= labels
     for fam in ("HRTN", "HPTQ"):
         assert {f"{fam}-{b}.125" for b in (2, 3, 4)} <= labels
-    assert {"bf16", "GPTQ-3b-min-pivot", "SSQR-1%-3b-min-pivot", "SSQR-1%-4b-lm-head"} <= labels
+    assert {"bf16", "GPTQ-3b-min-pivot", "SSQR-1%-3b-min-pivot", "SSQR-1%-4b-lm-head", "GPTQ-3b-peer",
+            "GPTQ-4b-peer"} <= labels
     assert len({c.slug for c in study.sweep_configs("gemma3-270m", 128)}) == len(labels)
 
 
@@ -89,7 +121,7 @@ def test_tiny_study(tmp_path, caplog):
 
     results = sorted((out / "results" / "smollm2-135m").glob("*.json"))
     res = {p.stem: json.loads(p.read_text()) for p in results}
-    assert {"bf16", "gptq-3b", "ssqr-1pct-3b", "gptq-3b-min-pivot", "ordering"} <= set(res)
+    assert {"bf16", "gptq-3b", "ssqr-1pct-3b", "gptq-3b-min-pivot", "gptq-3b-peer", "ordering"} <= set(res)
     for k, r in res.items():
         if k == "ordering":
             continue
@@ -119,7 +151,7 @@ def test_tiny_study(tmp_path, caplog):
         assert study.main(args) == 0
     second = caplog.text
     assert "running:" not in second
-    assert second.count("cached:") == 5  # 4 configurations + the ordering study
+    assert second.count("cached:") == 6  # 5 configurations + the ordering study
 
 
 def test_interrupted_configuration_resumes_with_every_certificate(tiny_llama, tmp_path, monkeypatch, caplog):
