@@ -86,8 +86,9 @@ def test_configurations_cover_the_issue():
 
 
 def test_report_tables_from_results(tmp_path):
-    """The report's tables from result records: the Table-3 grid keeps variants out, and each
-    variant (min-pivot, + lm_head) sits next to its default configuration."""
+    """The report's tables from result records: the Table-3 grid keeps variants out, each
+    variant (min-pivot, + lm_head) sits next to its default configuration, and the claims
+    table's verdicts follow the numbers."""
     study = _study()
 
     def rec(label, family, level, tag, ppl, bits):
@@ -103,6 +104,10 @@ def test_report_tables_from_results(tmp_path):
     assert "| SSQR-1% | 13.50 (4.450) | — |" in text          # the variant is not in the grid
     assert "| SSQR-1%-4b | 13.50 | 13.90 | +2.96% | 4.450 → 4.460 |" in text
     assert "| GPTQ-3b | 20.00 | 19.00 | -5.00% | 3.180 → 3.180 |" in text
+    # the claims table: verdicts computed from the same records, "not run" where there are none
+    assert "| GPTQ-3b: min-pivot lowers ppl vs act-order | not reported | -5.0% (19.00 vs 20.00) | holds |" in text
+    assert "| +3.8% (13.50 vs 13.00) | does not hold |" in text     # SSQR-1%-4b near-lossless: no
+    assert "| HPTQ-3.125 beats GPTQ-3b (ppl, lower wins) | 10.34 vs 12.77 | not run | — |" in text
 
 
 @pytest.mark.slow
