@@ -679,11 +679,13 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
                                            at::IntArrayRef, const std::optional<at::Tensor>&, int64_t)>();
     return op.call(x, tensors, ints, bias, out_features);
   }
+  const bool flat = x.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
+  at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
+                              tensors.get(3), tensors.get(4), tensors.get(5), tensors.get(6), tensors.get(7),
+                              tensors.get(8), bias, ints[2], ints[3]);
+  if (flat) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
-  at::Tensor x2 = x.reshape({M, K});
-  at::Tensor y = small_linear(x2, *tensors.get(0), *tensors.get(1), tensors.get(2), tensors.get(3), tensors.get(4),
-                              tensors.get(5), tensors.get(6), tensors.get(7), tensors.get(8), bias, ints[2], ints[3]);
   return y.reshape(shape);
 }
 
