@@ -643,6 +643,10 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]
+    total = sum(r["quantize_seconds"] + r["eval_seconds"] for res in by_model.values() for r in res) + sum(
+        o.get("seconds", 0) for o in ordering.values())
+    L += [f"Compute: {total / 3600:.1f} h of this machine's time for everything below (the sum of the "
+          "per-configuration times; a re-run skips cached configurations).", ""]
     L += claims_table(by_model, ordering)
     for model, res in by_model.items():
         bf = next((r for r in res if r["family"] == "bf16"), None)
