@@ -176,3 +176,19 @@ def test_interrupted_configuration_resumes_with_every_certificate(tiny_llama, tm
     assert "resuming after block 0" in caplog.text
     assert len(full) == 14 and sorted(full, key=lambda c: c["name"]) == sorted(resumed, key=lambda c: c["name"])
     assert not list((tmp_path / "b").glob("*.jsonl"))
+
+
+def test_readme_study_numbers_are_the_reports():
+    """The issue's acceptance: the README links docs/RESULTS.md and the plot, and every number in
+    its study section (between the ``study-numbers`` markers) is one the report prints."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    report = (ROOT / "docs" / "RESULTS.md").read_text()
+    assert "docs/RESULTS.md" in readme and "docs/pareto.png" in readme
+    assert (ROOT / "docs" / "pareto.png").stat().st_size > 10_000
+    assert "tiny CI configuration" not in report and "truncated" not in report.split("##")[0]
+    block = readme.split("<!-- study-numbers -->")[1].split("<!-- /study-numbers -->")[0]
+    numbers = re.findall(r"(?<![\w.])[+-]?\d+\.\d+%?", block)
+    assert len(numbers) >= 10
+    missing = [n for n in numbers if n not in report]
+    assert not missing, f"README numbers not in docs/RESULTS.md: {missing}"
