@@ -446,13 +446,18 @@ def peer_compare(W, H, bits: int, group_size: int) -> dict:
     return {"same_int": float((z_ref == ours.z).float().mean()), "err_ratio": e_ours / e_ref}
 
 
+def _default_blocks(model: str, st: Settings, root: Path) -> tuple:
+    """A quarter, half and three quarters of the depth."""
+    nblocks = json.loads((source_dir(model, st, root) / "config.json").read_text())["num_hidden_layers"]
+    return nblocks // 4, nblocks // 2, (3 * nblocks) // 4
+
+
 def ordering_study(model: str, st: Settings, root: Path) -> dict:
     from tqdm.auto import tqdm
 
     from vllm_latq.quantize import ldl_diag
     mdir = source_dir(model, st, root)
-    nblocks = json.loads((mdir / "config.json").read_text())["num_hidden_layers"]
-    blocks = tuple(st.ordering_blocks) or (nblocks // 4, nblocks // 2, (3 * nblocks) // 4)
+    blocks = tuple(st.ordering_blocks) or _default_blocks(model, st, root)
     path = root / "results" / model / "ordering.json"
     key = st.ordering_key(blocks)
     r = _cached(path, key)
@@ -672,7 +677,7 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
 
 
 def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st: Settings, report: Path,
-                 plot: Path, command: str) -> None:
+                 plot: Path, command: str, missing: list[str] = ()) -> None:
     why = pareto_plot(by_model, plot)
     L = [f"# Accuracy study{' (tiny CI configuration — not the paper-scale results)' if st.tiny else ''}",
          "",
@@ -694,6 +699,9 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
         o.get("seconds", 0) for o in ordering.values())
     L += [f"Compute: {total / 3600:.1f} h of this machine's time for everything below (the sum of the "
           "per-configuration times; a re-run skips cached configurations).", ""]
+    if missing:
+        L += ["**Not run yet** (this report was written from the cached results with `--report-only`): "
+              + ", ".join(missing) + ".", ""]
     L += claims_table(by_model, ordering)
     for model, res in by_model.items():
         bf = next((r for r in res if r["family"] == "bf16"), None)
@@ -803,6 +811,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="only these configuration labels (e.g. GPTQ-3b bf16)")
     ap.add_argument("--skip-ordering", action="store_true")
     ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="write the report from the cached results only "
+                    "(configurations not cached yet are listed as missing; nothing is computed)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[study] %(message)s", stream=sys.stderr)
     log.setLevel(logging.INFO)
@@ -842,15 +852,31 @@ def _run(a, argv) -> int:
         configs = [c for c in configs if c.label in a.only]
     t0 = time.time()
     by_model: dict[str, list[dict]] = {m: [] for m in models}
+    missing = []
     for cfg in tqdm(configs, desc="study configurations", unit="cfg"):
-        by_model[cfg.model].append(run_config(cfg, st, root, a.keep_checkpoints))
+        if a.report_only:
+            r = _cached(root / "results" / cfg.model / f"{cfg.slug}.json", st.key())
+            if r is None:
+                missing.append(f"{cfg.model} {cfg.label}")
+                continue
+            by_model[cfg.model].append(r)
+        else:
+            by_model[cfg.model].append(run_config(cfg, st, root, a.keep_checkpoints))
     ordering = {}
     if not a.skip_ordering:
         for m in models:
-            ordering[m] = ordering_study(m, st, root)
+            if a.report_only:
+                path = root / "results" / m / "ordering.json"
+                o = _cached(path, st.ordering_key(tuple(st.ordering_blocks) or _default_blocks(m, st, root)))
+                if o is None:
+                    missing.append(f"{m} ordering study")
+                    continue
+                ordering[m] = o
+            else:
+                ordering[m] = ordering_study(m, st, root)
     cmd = "python bench/accuracy.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:]) if
                                         (argv if argv is not None else sys.argv[1:]) else "")
-    write_report(by_model, ordering, st, report, plot, cmd)
+    write_report(by_model, ordering, st, report, plot, cmd, missing)
     log.info("wrote %s (%s) in %.0fs", report, plot, time.time() - t0)
     return 0
 
