@@ -516,18 +516,25 @@ def pareto_plot(by_model: dict[str, list[dict]], path: Path) -> str | None:
         return "matplotlib is not installed (pip install matplotlib), so no plot was made"
     fig, axes = plt.subplots(1, len(by_model), figsize=(6 * len(by_model), 4.5), squeeze=False)
     for ax, (model, res) in zip(axes[0], by_model.items()):
+        bf = [r for r in res if r["family"] == "bf16"]
+        # the top of the axis at 20× bf16: the 2-bit baselines (up to 1e11) would squash the rest;
+        # points above it are drawn on the edge as ▲
+        top = 20 * bf[0]["ppl"] if bf else math.inf
         for fam in FAMILIES:
             pts = sorted((r["bits"], r["ppl"]) for r in res if r["family"] == fam and not r["tag"]
                          and math.isfinite(r["ppl"]))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=fam)
-        bf = [r for r in res if r["family"] == "bf16"]
+                line, = ax.plot([b for b, _ in pts], [min(p, top) for _, p in pts], marker="o", label=fam)
+                off = [(b, top) for b, p in pts if p > top]
+                if off:
+                    ax.plot(*zip(*off), ls="none", marker="^", ms=9, color=line.get_color())
         if bf:
             ax.axhline(bf[0]["ppl"], color="k", ls="--", lw=1, label=f"bf16 ({bf[0]['ppl']:.2f})")
+            ax.set_ylim(0.9 * bf[0]["ppl"], top * 1.1)
         ax.set_yscale("log")
+        ax.set_title(model + (" (▲: off the chart, see the tables)" if bf else ""))
         ax.set_xlabel("average bits per weight (quantized linears)")
         ax.set_ylabel("Wikipedia perplexity")
-        ax.set_title(model)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

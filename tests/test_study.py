@@ -81,7 +81,7 @@ def test_configurations_cover_the_issue():
     for fam in ("HRTN", "HPTQ"):
         assert {f"{fam}-{b}.125" for b in (2, 3, 4)} <= labels
     assert {"bf16", "GPTQ-3b-min-pivot", "SSQR-1%-3b-min-pivot", "SSQR-1%-4b-lm-head", "GPTQ-3b-peer",
-            "GPTQ-4b-peer"} <= labels
+            "GPTQ-4b-peer", "GPTQ-3b-fp64"} <= labels
     assert len({c.slug for c in study.sweep_configs("gemma3-270m", 128)}) == len(labels)
 
 
@@ -157,6 +157,15 @@ def test_tiny_study(tmp_path, caplog):
     second = caplog.text
     assert "running:" not in second
     assert second.count("cached:") == 6  # 5 configurations + the ordering study
+
+    # --report-only: the same report from the cache, and what is not cached listed, not computed
+    (out / "results" / "smollm2-135m" / "gptq-3b-peer.json").unlink()
+    partial = tmp_path / "partial.md"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="latq.study"):
+        assert study.main(args[:-1] + [str(partial), "--report-only"]) == 0
+    assert "running:" not in caplog.text
+    assert "**Not run yet**" in partial.read_text() and "smollm2-135m GPTQ-3b-peer" in partial.read_text()
 
 
 def test_interrupted_configuration_resumes_with_every_certificate(tiny_llama, tmp_path, monkeypatch, caplog):
