@@ -24,8 +24,8 @@ What it does, per model (Gemma3-270M, SmolLM2-135M):
    (same damped Hessian, act-order, static per-group scales, clipped signed grid) on the same
    real layers: identical-integer fraction and error ratio; and the perplexity of whole models
    (GPTQ-3b/4b, tag ``peer``) quantized by the same pipeline with that loop choosing every
-   integer (``peer_solver``), against ours: the issue's bar is ±1 %; and, as the control that
-   sizes a gap, ours computed in fp64 (GPTQ-3b, tag ``fp64``, ``fp64_solver``). (llm-compressor pins
+   integer (``_peer_solve``), against ours: the issue's bar is ±1 %; and, as the control that
+   sizes a gap, ours computed in fp64 (GPTQ-3b, tag ``fp64``, ``_fp64_solve``). (llm-compressor pins
    transformers<=5.17 and cannot be installed beside this project's transformers.)
 
 Everything lands in ``--out`` (default ``$LATQ_CACHE/study``): ``results/<model>/*.json`` and
@@ -250,7 +250,7 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
-    solver = {"peer": peer_solver, "fp64": fp64_solver}.get(cfg.tag, contextlib.nullcontext)()
+    solver = _solve_replaced(SOLVERS[cfg.tag]) if cfg.tag in SOLVERS else contextlib.nullcontext()
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
         journal.unlink(missing_ok=True)
@@ -280,8 +280,9 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
     return list(recs.values()), round(time.time() - t0, 1)
 
 
-def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
-    """Quantize + evaluate one configuration, or return its cached result."""
+def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool = True) -> dict | None:
+    """Quantize + evaluate one configuration, or return its cached result (``compute=False``:
+    the cached result or None)."""
     from vllm_latq.quantize.evaluate import evaluate
 
     path = root / "results" / cfg.model / f"{cfg.slug}.json"
@@ -290,6 +291,8 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool) -> dict:
     if r is not None:
         log.info("cached: %s %s (%s)", cfg.model, cfg.label, path)
         return r
+    if not compute:
+        return None
     log.info("running: %s %s", cfg.model, cfg.label)
     t0 = time.time()
     certs: list[dict] = []
@@ -390,48 +393,43 @@ def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torc
 
 
 @contextlib.contextmanager
-def peer_solver():
-    """The pipeline's GPTQ with every integer chosen by :func:`reference_gptq` instead (same
-    scales, order and damping as ours: equal settings), for a whole-model peer perplexity."""
+def _solve_replaced(solve):
+    """The pipeline's per-layer ``solve`` replaced by ``solve(ours, method, W, H, name, **kw)``
+    for the duration (``ours``: the pipeline's own)."""
     from vllm_latq.quantize import pipeline
-    from vllm_latq.quantize.scales import expand
     ours = pipeline.solve
-
-    def solve(method, W, H, name, **kw):
-        res = ours(method, W, H, name, **kw)
-        if method != "gptq":
-            raise ValueError(f"the peer solver replaces GPTQ only, not {method} ({name})")
-        S = expand(res.scales, res.group_size, tuple(W.shape)).float()
-        z = reference_gptq(W.cpu().float(), H.cpu(), S, res.order, res.bits, res.damp)
-        res.z, res.q = z.to(res.z.dtype), (z.float() * S).to(res.q.dtype)
-        return res
-
-    pipeline.solve = solve
+    pipeline.solve = lambda method, W, H, name, **kw: solve(ours, method, W, H, name, **kw)
     try:
         yield
     finally:
         pipeline.solve = ours
 
 
-@contextlib.contextmanager
-def fp64_solver():
+def _peer_solve(ours, method, W, H, name, **kw):
+    """The pipeline's GPTQ with every integer chosen by :func:`reference_gptq` instead (same
+    scales, order and damping as ours: equal settings), for a whole-model peer perplexity."""
+    from vllm_latq.quantize.scales import expand
+    res = ours(method, W, H, name, **kw)
+    if method != "gptq":
+        raise ValueError(f"the peer solver replaces GPTQ only, not {method} ({name})")
+    S = expand(res.scales, res.group_size, tuple(W.shape)).float()
+    z = reference_gptq(W.cpu().float(), H.cpu(), S, res.order, res.bits, res.damp)
+    res.z, res.q = z.to(res.z.dtype), (z.float() * S).to(res.q.dtype)
+    return res
+
+
+def _fp64_solve(ours, method, W, H, name, **kw):
     """The control for the peer comparison: our GPTQ as usual, but computed in fp64 (the same
     scales, order, damping and algorithm; only the rounding of intermediate floats differs),
     so a few integers change — how far perplexity moves from that alone."""
-    from vllm_latq.quantize import pipeline
-    ours = pipeline.solve
+    if method != "gptq":
+        raise ValueError(f"the fp64 control is for GPTQ only, not {method} ({name})")
+    res32 = ours(method, W, H, name, **kw)
+    return ours(method, W.double(), H.double(), name, scales=res32.scales, **kw)
 
-    def solve(method, W, H, name, **kw):
-        if method != "gptq":
-            raise ValueError(f"the fp64 control is for GPTQ only, not {method} ({name})")
-        res32 = ours(method, W, H, name, **kw)
-        return ours(method, W.double(), H.double(), name, scales=res32.scales, **kw)
 
-    pipeline.solve = solve
-    try:
-        yield
-    finally:
-        pipeline.solve = ours
+# configuration tag → the solve that replaces the pipeline's for it
+SOLVERS = {"peer": _peer_solve, "fp64": _fp64_solve}
 
 
 def peer_compare(W, H, bits: int, group_size: int) -> dict:
@@ -446,24 +444,23 @@ def peer_compare(W, H, bits: int, group_size: int) -> dict:
     return {"same_int": float((z_ref == ours.z).float().mean()), "err_ratio": e_ours / e_ref}
 
 
-def _default_blocks(model: str, st: Settings, root: Path) -> tuple:
-    """A quarter, half and three quarters of the depth."""
-    nblocks = json.loads((source_dir(model, st, root) / "config.json").read_text())["num_hidden_layers"]
-    return nblocks // 4, nblocks // 2, (3 * nblocks) // 4
-
-
-def ordering_study(model: str, st: Settings, root: Path) -> dict:
+def ordering_study(model: str, st: Settings, root: Path, compute: bool = True) -> dict | None:
+    """tr(D) per order and the layer-level peer GPTQ, or the cached result (``compute=False``:
+    the cached result or None)."""
     from tqdm.auto import tqdm
 
     from vllm_latq.quantize import ldl_diag
     mdir = source_dir(model, st, root)
-    blocks = tuple(st.ordering_blocks) or _default_blocks(model, st, root)
+    nblocks = json.loads((mdir / "config.json").read_text())["num_hidden_layers"]
+    blocks = tuple(st.ordering_blocks) or (nblocks // 4, nblocks // 2, (3 * nblocks) // 4)
     path = root / "results" / model / "ordering.json"
     key = st.ordering_key(blocks)
     r = _cached(path, key)
     if r is not None:
         log.info("cached: %s ordering study (%s)", model, path)
         return r
+    if not compute:
+        return None
     log.info("running: %s ordering study on blocks %s", model, list(blocks))
     t0 = time.time()
     layers = block_hessians(model, mdir, blocks, st.ordering_nsamples, st.seqlen)
@@ -641,8 +638,9 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
                 f"- {m}: SSQR-1%-2b ({_fmt_ppl(s2['ppl'])} at {s2['bits']:.3f} b) is worse than GPTQ-2b "
                 f"({_fmt_ppl(g2['ppl'])} at {g2['bits']:.3f} b); its mean relative layer error is "
                 f"{s2['rel_error_mean']:.4f} against {g2['rel_error_mean']:.4f}. The likely cause (not measured "
-                "here): with 2-bit inliers the grid has four levels, and holding the overflow of the unclipped propagation to 1 % forces SSQR's one scale "
-                "multiplier up, which coarsens every inlier, while GPTQ clips at MSE-chosen scales"
+                "here): with 2-bit inliers the grid has four levels, and holding the overflow of the unclipped "
+                "propagation to 1 % forces SSQR's one scale multiplier up, which coarsens every inlier, while "
+                "GPTQ clips at MSE-chosen scales"
                 + (f"; at 2 % outliers SSQR gives {_fmt_ppl(s22['ppl'])}" if s22 else "")
                 + ". The paper reports SSQR at 3 and 4 bits only.")
         s4, h4, g4, bf = r.get("SSQR-1%-4b"), r.get("HPTQ-4.125"), r.get("GPTQ-4b"), r.get("bf16")
@@ -861,26 +859,18 @@ def _run(a, argv) -> int:
     by_model: dict[str, list[dict]] = {m: [] for m in models}
     missing = []
     for cfg in tqdm(configs, desc="study configurations", unit="cfg"):
-        if a.report_only:
-            r = _cached(root / "results" / cfg.model / f"{cfg.slug}.json", st.key())
-            if r is None:
-                missing.append(f"{cfg.model} {cfg.label}")
-                continue
-            by_model[cfg.model].append(r)
+        r = run_config(cfg, st, root, a.keep_checkpoints, compute=not a.report_only)
+        if r is None:
+            missing.append(f"{cfg.model} {cfg.label}")
         else:
-            by_model[cfg.model].append(run_config(cfg, st, root, a.keep_checkpoints))
+            by_model[cfg.model].append(r)
     ordering = {}
-    if not a.skip_ordering:
-        for m in models:
-            if a.report_only:
-                path = root / "results" / m / "ordering.json"
-                o = _cached(path, st.ordering_key(tuple(st.ordering_blocks) or _default_blocks(m, st, root)))
-                if o is None:
-                    missing.append(f"{m} ordering study")
-                    continue
-                ordering[m] = o
-            else:
-                ordering[m] = ordering_study(m, st, root)
+    for m in [] if a.skip_ordering else models:
+        o = ordering_study(m, st, root, compute=not a.report_only)
+        if o is None:
+            missing.append(f"{m} ordering study")
+        else:
+            ordering[m] = o
     cmd = "python bench/accuracy.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:]) if
                                         (argv if argv is not None else sys.argv[1:]) else "")
     write_report(by_model, ordering, st, report, plot, cmd, missing)
