@@ -58,6 +58,10 @@ def test_quantization_config_schema():
     h = fmt.quantization_config("hptq", target_bits=3.125, order="min-pivot", damp=0.01)
     assert h["bits"] is None and h["target_bits"] == 3.125 and "outlier_rate" not in h
     assert fmt.quantization_config("rtn", bits=3, group_size=64)["order"] is None
+    lb = fmt.quantization_config("ssqr", bits=4, group_size=128, outlier_rate=0.01, damp=0.01,
+                                 layer_bits={"lm_head": 8})
+    spec = fmt.parse_quantization_config(lb)
+    assert lb["layer_bits"] == {"lm_head": 8} and spec.bits_of("lm_head") == 8 and spec.bits_of("model.x") == 4
 
 
 @pytest.mark.parametrize("change,msg", [
@@ -68,6 +72,9 @@ def test_quantization_config_schema():
     ({"group_size": 0}, "group_size must be a positive integer"),
     ({"outlier_rate": "1%"}, "outlier_rate must be a finite number"),
     ({"order": "random"}, "order is 'random'"),
+    ({"layer_bits": {"lm_head": 9}}, r"layer_bits\['lm_head'\] must be an integer in 2..8"),
+    ({"layer_bits": ["lm_head", 8]}, "layer_bits must be an object"),
+    ({"method": "hptq", "target_bits": 3.0, "layer_bits": {"lm_head": 8}}, "layer_bits is for the dense methods"),
 ])
 def test_quantization_config_rejects(change, msg):
     qc = fmt.quantization_config("ssqr", bits=4, group_size=128, outlier_rate=0.01, order="act", damp=0.01)

@@ -28,7 +28,12 @@ def tiny_head(tmp_path_factory):
     out = quantize_model(src, d / "ssqr", QuantizeOptions(method="ssqr", bits=3, group_size=32, outlier_rate=0.02,
                                                           nsamples=4, seqlen=64, quantize_lm_head=True),
                          progress=False, on_layer=lambda n, W, H, res: seen.__setitem__(n, (W, H, res)))
-    return {"src": src, "ckpt": out, "seen": seen, "dir": d}
+    seen8 = {}
+    out8 = quantize_model(src, d / "ssqr-head8", QuantizeOptions(method="ssqr", bits=3, group_size=32, outlier_rate=0.02,
+                                                                 nsamples=4, seqlen=64, quantize_lm_head=True,
+                                                                 lm_head_bits=8),
+                          progress=False, on_layer=lambda n, W, H, res: seen8.__setitem__(n, (W, H, res)))
+    return {"src": src, "ckpt": out, "seen": seen, "dir": d, "ckpt8": out8, "seen8": seen8}
 
 
 def test_checkpoint_unties_and_stores_quantized_head(tiny_head):
@@ -56,6 +61,44 @@ def test_checkpoint_unties_and_stores_quantized_head(tiny_head):
     ckpt.validate_checkpoint(c)
 
 
+def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
+    """``lm_head_bits=8``: the head is solved with 8-bit inliers, every other layer as before;
+    ``layer_bits`` in the config tells readers, and the format's reader dequantizes it exactly."""
+    c = tiny_head["ckpt8"]
+    qc = json.loads((c / "config.json").read_text())["quantization_config"]
+    assert qc["bits"] == 3 and qc["layer_bits"] == {"lm_head": 8} and qc["lm_head_quantized"] is True
+    seen = tiny_head["seen8"]
+    assert seen["lm_head"][2].bits == 8 and {r.bits for n, (_, _, r) in seen.items() if n != "lm_head"} == {3}
+    # the same layers as the 3-bit head's run, the head's error far smaller
+    def stats(d):
+        return {x["name"]: x for x in json.loads((d / ckpt.STATS_FILE).read_text())["layers"]}
+    s3, s8 = stats(tiny_head["ckpt"]), stats(c)
+    assert s8["lm_head"]["rel_error"] < s3["lm_head"]["rel_error"] / 10
+    assert s8["model.layers.0.mlp.down_proj"] == s3["model.layers.0.mlp.down_proj"]
+    m = ckpt.load_dequantized_model(c)
+    assert torch.equal(m.lm_head.weight.detach(), seen["lm_head"][2].q.float())
+    report = ckpt.validate_checkpoint(c)
+    assert "lm_head 8-bit" in ckpt.format_report(report)
+    # a layer_bits entry naming no quantized layer is refused, naming the file
+    import shutil
+    bad = tiny_head["dir"] / "bad-layer-bits"
+    shutil.copytree(c, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["layer_bits"]["model.embed_tokens"] = 8
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ckpt.FormatError, match=r"config.json.*layer_bits names \['model.embed_tokens'\]"):
+        ckpt.validate_checkpoint(bad)
+
+
+def test_lm_head_bits_needs_the_head_and_a_dense_method():
+    with pytest.raises(ValueError, match="needs quantize_lm_head"):
+        QuantizeOptions(lm_head_bits=8)
+    with pytest.raises(ValueError, match="dense methods"):
+        QuantizeOptions(method="hptq", quantize_lm_head=True, lm_head_bits=8)
+    with pytest.raises(ValueError, match="2..8"):
+        QuantizeOptions(quantize_lm_head=True, lm_head_bits=9)
+
+
 def test_option_off_keeps_head_unquantized(tiny_head, tmp_path):
     out = quantize_model(tiny_head["src"], tmp_path / "rtn", QuantizeOptions(method="rtn", group_size=32, nsamples=2,
                                                                             seqlen=32), progress=False)
@@ -67,20 +110,25 @@ def test_option_off_keeps_head_unquantized(tiny_head, tmp_path):
 
 def test_vllm_quantized_head_equals_hf(tiny_head):
     """vLLM with the reference kernel (fp32): greedy tokens == HF on the dequantized
-    checkpoint; the default CPU kernel (bf16 compute) agrees up to near-ties."""
-    c = tiny_head["ckpt"]
+    checkpoint; the default CPU kernel (bf16 compute) agrees up to near-ties. Both for a head
+    with the model's 3 bits and one with ``lm_head_bits=8`` (the CPU kernel's 8-bit path)."""
     ids = h.tokenize(tiny_head["src"])
-    want = h.hf_greedy(ckpt.load_dequantized_model(c), ids, 24)
-    assert all(len(set(w)) > 6 for w in want), "the tiny model should not be degenerate"
-    job = {"prompt_ids": ids, "max_tokens": 24, "model": c}
-    res = h.run_vllm_jobs([{**job, "env": {"LATQ_KERNEL": "reference"}}, {**job, "env": {"LATQ_KERNEL": ""}}],
-                          tmp=tiny_head["dir"])
+    jobs = []
+    for c in (tiny_head["ckpt"], tiny_head["ckpt8"]):
+        job = {"prompt_ids": ids, "max_tokens": 24, "model": c}
+        jobs += [{**job, "env": {"LATQ_KERNEL": "reference"}}, {**job, "env": {"LATQ_KERNEL": ""}}]
+    res = h.run_vllm_jobs(jobs, tmp=tiny_head["dir"])
     for r in res:
         assert "error" not in r, r.get("traceback")
-    loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]
-    assert "latq: 9 linears loaded" in loaded[0] and "'reference': 9" in loaded[0], loaded
-    assert "'cpu': 9" in loaded[1], loaded
-    assert res[0]["tokens"] == want
-    if res[1]["tokens"] != want:   # bf16 compute may flip near-ties only
-        margins = h.greedy_margins(ckpt.load_dequantized_model(c), ids, res[1]["tokens"])
-        assert max(margins) < 0.1, margins
+    loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]   # one per job, in order
+    assert len(loaded) == 4, loaded
+    for i, (c, widths) in enumerate(((tiny_head["ckpt"], "{3: 9}"), (tiny_head["ckpt8"], "{3: 8, 8: 1}"))):
+        ref, cpu = res[2 * i:2 * i + 2]
+        want = h.hf_greedy(ckpt.load_dequantized_model(c), ids, 24)
+        assert all(len(set(w)) > 6 for w in want), "the tiny model should not be degenerate"
+        assert "latq: 9 linears loaded" in loaded[2 * i] and "'reference': 9" in loaded[2 * i], loaded
+        assert "'cpu': 9" in loaded[2 * i + 1] and f"inlier widths {widths}" in loaded[2 * i + 1], loaded
+        assert ref["tokens"] == want
+        if cpu["tokens"] != want:   # bf16 compute may flip near-ties only
+            margins = h.greedy_margins(ckpt.load_dequantized_model(c), ids, cpu["tokens"])
+            assert max(margins) < 0.1, margins

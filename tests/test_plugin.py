@@ -93,6 +93,18 @@ def test_modules_not_converted_and_fused_names():
         c2.is_converted("model.layers.0.self_attn.qkv_proj")
 
 
+def test_layer_bits_per_vllm_layer():
+    c = LatqConfig.from_config(_qc(layer_bits={"lm_head": 8, "model.layers.0.self_attn.q_proj": 6,
+                                               "model.layers.0.self_attn.k_proj": 6,
+                                               "model.layers.0.self_attn.v_proj": 6,
+                                               "model.layers.1.self_attn.q_proj": 8}))
+    c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert c.bits_of("lm_head") == 8 and c.bits_of("model.layers.0.self_attn.qkv_proj") == 6
+    assert c.bits_of("model.layers.0.mlp.gate_up_proj") == 4
+    with pytest.raises(ValueError, match="different bits"):   # one kernel runs a fused layer
+        c.bits_of("model.layers.1.self_attn.qkv_proj")
+
+
 # ============================================================================ loading (no engine)
 
 def _result(out, cin, kind, bits, g, rate, seed):
@@ -164,6 +176,9 @@ class _Cfg:
     def __init__(self, kind, bits, g):
         self.kind, self.bits, self.group_size = kind, bits, g
         self.method = "ssqr" if kind == "dense" else "hptq"
+
+    def bits_of(self, prefix):
+        return self.bits
 
 
 @pytest.mark.parametrize("kind,bits,g", [("dense", 4, 32), ("dense", 3, 64), ("dense", 2, 48), ("huffman", None, None)])

@@ -459,7 +459,7 @@ class Checkpoint:
         for module, names in self.layers().items():
             shape = _linear_shape(model, module, self.where[next(iter(names.values()))])
             t = {sfx: self.tensor(n) for sfx, n in names.items()}
-            yield f"{module}.weight", fmt.dequantize_layer(t, spec.kind, shape, spec.bits, spec.group_size).to(dtype)
+            yield f"{module}.weight", fmt.dequantize_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size).to(dtype)
         for name in self.plain_names():
             yield name, self.tensor(name).to(dtype)
 
@@ -535,10 +535,16 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             for n in names.values():
                 ck.shards[file].verify(n)
         t = {sfx: ck.tensor(n) for sfx, n in names.items()}
-        fmt.validate_layer(t, spec.kind, shape, spec.bits, spec.group_size, layer=module, file=file, decode=decode)
+        fmt.validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
+                           decode=decode)
         st = fmt.check_budget(t, spec, shape, layer=module, file=file)
         covered.add(f"{module}.weight")
         rows.append({"name": module, "kind": spec.kind, "shape": list(shape), **st})
+
+    stray = [m for m, _ in spec.layer_bits if m not in layers]
+    if stray:
+        raise FormatError(f"quantization_config.layer_bits names {stray}, which are not quantized layers of the "
+                          "checkpoint", file=CONFIG_FILE)
 
     for name in ck.plain_names():
         file = ck.where[name]
@@ -592,6 +598,7 @@ def format_report(report: dict) -> str:
     spec: fmt.QuantSpec = report["spec"]
     budget = (f"{spec.bits}-bit g{spec.group_size}" + (f", outlier rate ≤ {spec.outlier_rate:g}"
                                                         if spec.method == "ssqr" else "")
+              + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
               if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
     lines = [f"latq format v{fmt.FORMAT_VERSION} · method {spec.method} ({spec.kind}) · {budget}"
              f" · order {spec.order} · damp {spec.damp}",

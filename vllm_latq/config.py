@@ -76,6 +76,7 @@ class LatqConfig(QuantizationConfig):
         self.bits: int | None = self.spec.bits
         self.group_size: int | None = self.spec.group_size
         self.modules_not_converted: list[str] = list(self.spec.modules_not_converted)
+        self.layer_bits: dict[str, int] = dict(self.spec.layer_bits)   # module → inlier bits override
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = quant_config.get("lm_head_quantized") is True
 
@@ -132,6 +133,8 @@ class LatqConfig(QuantizationConfig):
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.modules_not_converted:
             self.modules_not_converted = hf_to_vllm_mapper.apply_list(self.modules_not_converted)
+        mapped = {hf_to_vllm_mapper.map_name(m): b for m, b in self.layer_bits.items()}
+        self.layer_bits = {m: b for m, b in mapped.items() if m is not None}
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Fingerprint the checkpoint's files (and ``LATQ_KERNEL``) into the HF config. vLLM
@@ -175,3 +178,12 @@ class LatqConfig(QuantizationConfig):
             raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} are not all quantized "
                              f"({flags}); vLLM needs one method per fused layer")
         return all(flags.values())
+
+    def bits_of(self, prefix: str) -> int | None:
+        """Inlier bits of the vLLM layer ``prefix`` (``quantization_config.layer_bits``, else
+        ``bits``); a fused layer's parts must agree (one kernel runs them)."""
+        bits = {n: self.layer_bits.get(n, self.bits) for n in self.hf_names(prefix)}
+        if len(set(bits.values())) > 1:
+            raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} have different bits {bits} "
+                             "(quantization_config.layer_bits); vLLM runs a fused layer as one")
+        return next(iter(bits.values()))

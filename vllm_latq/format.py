@@ -277,16 +277,21 @@ class QuantSpec:
     damp: float | None
     modules_not_converted: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
+    layer_bits: tuple[tuple[str, int], ...] = ()   # dense: (module, inlier bits) overriding ``bits``
 
     def is_converted(self, module: str) -> bool:
         """False for a module listed in ``modules_not_converted`` (or below one)."""
         return not any(module == m or module.startswith(m + ".") for m in self.modules_not_converted)
 
+    def bits_of(self, module: str) -> int | None:
+        """The inlier bits of ``module``: its ``layer_bits`` entry, else ``bits``."""
+        return dict(self.layer_bits).get(module, self.bits)
+
 
 def quantization_config(method: str, *, bits: int | None = None, group_size: int | None = None,
                         outlier_rate: float | None = None, target_bits: float | None = None,
                         order: str | None = None, damp: float | None = None,
-                        modules_not_converted=(), **extra) -> dict:
+                        modules_not_converted=(), layer_bits: dict | None = None, **extra) -> dict:
     """The ``quantization_config`` dict written to ``config.json`` (keys as in docs/FORMAT.md).
     Only the keys that apply to ``method`` are set; ``extra`` (e.g. ``calibration``) is
     informational and ignored by readers."""
@@ -302,6 +307,8 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
     qc["order"] = order if uses_h else None
     qc["damp"] = float(damp) if uses_h else None
     qc["modules_not_converted"] = sorted(modules_not_converted)
+    if layer_bits:
+        qc["layer_bits"] = {k: int(v) for k, v in sorted(layer_bits.items())}
     qc.update(extra)
     parse_quantization_config(qc)  # never write what we cannot read
     return qc
@@ -357,10 +364,19 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     mnc = qc.get("modules_not_converted", [])
     if not isinstance(mnc, list) or not all(isinstance(m, str) for m in mnc):
         raise FormatError("quantization_config.modules_not_converted must be a list of module names", file=file)
+    lb = qc.get("layer_bits", {})
+    if not isinstance(lb, dict) or not all(isinstance(k, str) for k in lb):
+        raise FormatError("quantization_config.layer_bits must be an object {module: bits}", file=file)
+    if lb and kind != "dense":
+        raise FormatError(f"quantization_config.layer_bits is for the dense methods, not {method}", file=file)
+    for m, b in lb.items():
+        if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 8:
+            raise FormatError(f"quantization_config.layer_bits[{m!r}] must be an integer in 2..8, got {b!r}",
+                              file=file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
-             "order", "damp", "modules_not_converted"}
+             "order", "damp", "modules_not_converted", "layer_bits"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
-                     {k: v for k, v in qc.items() if k not in known})
+                     {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())))
 
 
 BUDGET_SLACK = 1e-9

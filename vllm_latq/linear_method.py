@@ -220,6 +220,7 @@ class LoadState:
     def __init__(self, layer, config, geo: Geometry):
         self.prefix = layer.prefix
         self.config = config
+        self.bits = config.bits_of(layer.prefix)   # a layer_bits override (e.g. an 8-bit lm_head)
         self.geo = geo
         self.names = fmt.DENSE_TENSORS if config.kind == "dense" else fmt.HUFFMAN_TENSORS
         self.fused: bool | None = None if geo.fused is not None else False
@@ -254,12 +255,12 @@ class LoadState:
         shape = (shard.rows, self.geo.in_features)
         t = {k: v.detach().cpu() for k, v in t.items()}
         try:
-            fmt.validate_layer(t, c.kind, shape, c.bits, c.group_size, layer=shard.name, decode=False)
+            fmt.validate_layer(t, c.kind, shape, self.bits, c.group_size, layer=shard.name, decode=False)
         except fmt.FormatError as e:
             raise fmt.FormatError(f"latq checkpoint does not match layer {self.prefix} of the model: {e}") from e
         g = self.geo
         if c.kind == "dense":
-            return slice_dense(t, c.bits, c.group_size, g.in_features, shard.blocks, g.col0, g.ncols)
+            return slice_dense(t, self.bits, c.group_size, g.in_features, shard.blocks, g.col0, g.ncols)
         try:
             z = fmt.decode_integers(t, "huffman", shape, None)
         except ValueError as e:

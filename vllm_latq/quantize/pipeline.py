@@ -72,6 +72,9 @@ class QuantizeOptions:
     # also quantize the output head (lm_head) with the same method; a tied head is untied:
     # the embedding stays in the model dtype, the quantized head is written as ``lm_head.*``
     quantize_lm_head: bool = False
+    # with quantize_lm_head, a dense method: the head's inlier bits (e.g. 8: its error is then
+    # negligible while it streams half the bf16 bytes); None: ``bits`` like every other layer
+    lm_head_bits: int | None = None
 
     def __post_init__(self):
         fmt.kind_of(self.method)  # FormatError for an unknown method
@@ -87,6 +90,13 @@ class QuantizeOptions:
             raise ValueError(f"target bits must exceed 1, got {self.target_bits}")
         if self.damp < 0:
             raise ValueError(f"damp must be >= 0, got {self.damp}")
+        if self.lm_head_bits is not None:
+            if not self.quantize_lm_head:
+                raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
+            if self.kind != "dense":
+                raise ValueError(f"lm_head_bits is for the dense methods (ssqr/gptq/rtn/babai), not {self.method}")
+            if not 2 <= self.lm_head_bits <= 8:
+                raise ValueError(f"lm_head_bits must be in 2..8, got {self.lm_head_bits}")
 
     @property
     def kind(self) -> str:
@@ -111,14 +121,19 @@ class QuantizeOptions:
         # gptq and babai: the clipped baselines (babai = clipped Babai ≡ GPTQ in reversed order)
         return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True)
 
-    def quantization_config(self, modules_not_converted) -> dict:
+    def quantization_config(self, modules_not_converted, head_name: str | None = None) -> dict:
         return fmt.quantization_config(
             self.method, bits=self.bits, group_size=self.group_size, outlier_rate=self.outlier_rate,
             target_bits=self.target_bits, order=self.order, damp=self.damp,
             modules_not_converted=modules_not_converted,
+            layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             calibration={"source": _source_label(self.calib), "nsamples": self.nsamples,
                          "seqlen": self.seqlen, "seed": self.seed} if self.calibrated else None,
             **({"lm_head_quantized": True} if self.quantize_lm_head else {}))
+
+    def head_options(self) -> "QuantizeOptions":
+        """The options the output head is quantized with (``lm_head_bits`` as its ``bits``)."""
+        return self if self.lm_head_bits is None else dataclasses.replace(self, bits=self.lm_head_bits)
 
 
 def _source_label(calib: str) -> str:
@@ -350,10 +365,11 @@ def block_hessians(layer, linears: dict, inps: torch.Tensor, kw: dict, desc: str
 def _fingerprint(src: Path, opts: QuantizeOptions, sources: SourceWeights, config: dict) -> str:
     """What must not change between an interrupted run and its ``--resume``."""
     files = sorted((f, (src / f).stat().st_size) for f in sources.handles)
-    # quantize_lm_head=False is left out: runs interrupted before the option existed resume
+    # quantize_lm_head=False / lm_head_bits=None are left out: runs interrupted before the options
+    # existed resume
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION,
                        "options": {k: v for k, v in dataclasses.asdict(opts).items()
-                                   if k != "device" and not (k == "quantize_lm_head" and not v)},
+                                   if k != "device" and not (k in ("quantize_lm_head", "lm_head_bits") and not v)},
                        "source": str(src.resolve()), "files": files, "config": config}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -562,7 +578,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     shards = [ckpt.shard_name(i, nshards) for i in range(nshards)]
     ckpt.write_index(tmp, shards)
     cfg = dict(raw_cfg)
-    cfg["quantization_config"] = opts.quantization_config(not_converted)
+    cfg["quantization_config"] = opts.quantization_config(not_converted, head_name)
     if head_name is not None and tied:
         cfg["tie_word_embeddings"] = False   # the embedding stays, the head is stored quantized
     ckpt.write_json(tmp / ckpt.CONFIG_FILE, cfg)
@@ -639,7 +655,7 @@ def _quantize_head(net, inps: torch.Tensor, sources: SourceWeights, head_name: s
             for j in tqdm(range(len(inps)), desc=f"{head_name}: Hessian", unit="seq", disable=not progress,
                           leave=False):
                 hs.add(norm(inps[j:j + 1]))
-        _, t = _quantize_linear(head_name, W, hs, opts, stats, on_layer)
+        _, t = _quantize_linear(head_name, W, hs, opts.head_options(), stats, on_layer)
     log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", head_name, head_src, norm_name, time.time() - t0)
     ckpt.to_meta(norm)
     return t
