@@ -291,6 +291,29 @@ def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):
         assert torch.equal(k.apply(st, x, b), latq_linear_ref(x, w, b))
 
 
+def test_dense_fallback_when_no_compressed_kernel_fits(caplog):
+    """A layer no compressed kernel takes (8-bit inliers: not Triton's 2–4; 40 rows: not the
+    CPU layout's multiple of 16) runs dequantized to bf16, with one warning naming why —
+    never the reference's per-call dequantization."""
+    import logging
+
+    from vllm_latq.kernels import selector
+    from vllm_latq.kernels.reference import from_dense_tensors, latq_linear_ref
+
+    w = from_dense_tensors(fmt.encode_layer(_result(40, 256, "dense", 8, 32, 0.01, 2), "dense"), 8, 32, 256)
+    with caplog.at_level(logging.WARNING, logger="vllm.latq"):
+        k = selector.select(w, torch.device("cpu"), torch.bfloat16)
+        selector.select(w, torch.device("cpu"), torch.bfloat16)
+    assert k is selector.DenseFallbackKernel
+    warns = [r.getMessage() for r in caplog.records if "dequantized to bf16" in r.getMessage()]
+    assert len(warns) == 1 and "40x256 8-bit" in warns[0] and "cpu: out_features=40" in warns[0], warns
+    st = k.prepare(w)
+    assert st.weight.dtype == torch.bfloat16
+    for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):
+        y, ref = k.apply(st, x, None), latq_linear_ref(x.float(), w, None)
+        assert y.dtype == x.dtype and torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 def test_custom_op_compiles_fullgraph_with_dynamic_batch():
     """The reference kernel through its custom op under torch.compile(fullgraph, dynamic):
     no graph break, same result as the eager kernel for every batch size."""

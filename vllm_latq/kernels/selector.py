@@ -18,8 +18,9 @@ tracing. State tensors must be dense (no sparse layouts) and on the layer's devi
 """
 from __future__ import annotations
 
-import os
 import dataclasses
+import logging
+import os
 from typing import Any
 
 import torch
@@ -125,6 +126,36 @@ class ReferenceKernel(LatqKernel):
 
 
 @dataclasses.dataclass
+class DenseState:
+    weight: torch.Tensor       # bf16 [out, in], dequantize(w) rounded once
+
+
+class DenseFallbackKernel(LatqKernel):
+    """The fallback when no compressed kernel can run a layer (e.g. an 8-bit ``--lm-head-bits``
+    head on a GPU, where the Triton kernels cover 2–4 bits): dequantize once at load to bf16
+    and run ``F.linear`` — an unquantized layer's memory and speed, instead of the reference's
+    dequantization on every call (seconds per step on a large head). Selecting it logs a
+    warning with every faster kernel's reason. Equals the reference up to the bf16 rounding
+    of the weights (and of the activations)."""
+    name = "dense"
+    state_cls = DenseState
+
+    @classmethod
+    def can_implement(cls, w, device, act_dtype):
+        return True, None
+
+    @classmethod
+    def prepare(cls, w):
+        return DenseState(dequantize(w).to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def apply(cls, state, x, bias=None):
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), state.weight,
+                                       None if bias is None else bias.to(torch.bfloat16))
+        return y.to(x.dtype)
+
+
+@dataclasses.dataclass
 class DequantState:
     weight: torch.Tensor       # fp32 [out, in], dequantize(w)
 
@@ -169,7 +200,16 @@ def kernels() -> list[type[LatqKernel]]:
         found.append(CPUKernel)
     except ImportError:
         pass
-    return found + [ReferenceKernel, DequantKernel]
+    return found + [DenseFallbackKernel, ReferenceKernel, DequantKernel]
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger("vllm.latq").warning(msg)   # under vLLM's log config
 
 
 def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> type[LatqKernel]:
@@ -180,6 +220,9 @@ def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> type[
             continue
         ok, why = k.can_implement(w, device, act_dtype)
         if ok:
+            if k is DenseFallbackKernel and not forced:
+                _warn_once(f"latq: no compressed kernel runs {w.out_features}x{w.in_features} {w.bits}-bit layers "
+                           f"on {device} ({'; '.join(reasons)}): they run dequantized to bf16 (kernel 'dense')")
             return k
         reasons.append(f"{k.name}: {why}")
     names = [k.name for k in kernels()]
