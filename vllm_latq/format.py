@@ -67,6 +67,16 @@ def packed_words(in_features: int, bits: int) -> int:
     return math.ceil(in_features / PACK_TILE) * bits
 
 
+# rows per packing step: the bit-plane temporaries are int64 [rows, in, b]; whole-matrix steps
+# took 21 GB for Gemma3's 262144×640 head at 8 bits
+PACK_CHUNK_ELEMS = 1 << 22
+
+
+def _row_chunks(rows: int, per_row: int):
+    step = max(1, PACK_CHUNK_ELEMS // max(1, per_row))
+    return (slice(r, min(rows, r + step)) for r in range(0, rows, step))
+
+
 def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed b-bit integers ``[out, in]`` → int32 ``[out, ceil(in/32)·b]``.
 
@@ -76,25 +86,30 @@ def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
     word); for b = 3 no value is wasted (32 values in 3 words) — a kernel loads b words per
     32 columns for any b. Padding columns hold u = 0."""
     out, cin = z.shape
-    u = (z.to(torch.int64) + 2 ** (bits - 1))
-    if u.numel() and (u.min() < 0 or u.max() >= 2**bits):
+    if z.numel() and (z.min() < -2 ** (bits - 1) or z.max() >= 2 ** (bits - 1)):
         raise ValueError(f"integers outside the {bits}-bit grid cannot be packed")
     tiles = math.ceil(cin / PACK_TILE)
-    u = torch.nn.functional.pad(u, (0, tiles * PACK_TILE - cin)).reshape(out, tiles, PACK_TILE)
-    bitplanes = (u[..., None] >> torch.arange(bits)) & 1                    # [out, T, 32, b]
-    words = bitplanes.reshape(out, tiles, bits, 32) << torch.arange(32)      # bit i of word w
-    w = words.sum(-1)                                                        # [out, T, b] < 2^32
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).reshape(out, tiles * bits)
+    res = torch.empty(out, tiles * bits, dtype=torch.int32)
+    for rows in _row_chunks(out, tiles * PACK_TILE * bits):
+        u = torch.nn.functional.pad(z[rows].to(torch.int64) + 2 ** (bits - 1), (0, tiles * PACK_TILE - cin))
+        bitplanes = (u.reshape(-1, tiles, PACK_TILE)[..., None] >> torch.arange(bits)) & 1   # [R, T, 32, b]
+        words = bitplanes.reshape(-1, tiles, bits, 32) << torch.arange(32)                 # bit i of word w
+        w = words.sum(-1)                                                                   # [R, T, b] < 2^32
+        res[rows] = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).reshape(-1, tiles * bits)
+    return res
 
 
 def unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """Inverse of :func:`pack` → int32 ``[out, in]`` signed integers."""
     out = qweight.shape[0]
     tiles = qweight.shape[1] // bits
-    w = qweight.to(torch.int64).reshape(out, tiles, bits, 1) & 0xFFFFFFFF
-    bitplanes = ((w >> torch.arange(32)) & 1).reshape(out, tiles, PACK_TILE, bits)
-    u = (bitplanes << torch.arange(bits)).sum(-1).reshape(out, tiles * PACK_TILE)[:, :in_features]
-    return (u - 2 ** (bits - 1)).to(torch.int32)
+    res = torch.empty(out, in_features, dtype=torch.int32)
+    for rows in _row_chunks(out, tiles * PACK_TILE * bits):
+        w = qweight[rows].to(torch.int64).reshape(-1, tiles, bits, 1) & 0xFFFFFFFF
+        bitplanes = ((w >> torch.arange(32)) & 1).reshape(-1, tiles, PACK_TILE, bits)
+        u = (bitplanes << torch.arange(bits)).sum(-1).reshape(-1, tiles * PACK_TILE)[:, :in_features]
+        res[rows] = (u - 2 ** (bits - 1)).to(torch.int32)
+    return res
 
 
 # ----------------------------------------------------------------------------- one layer
