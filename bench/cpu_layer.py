@@ -51,6 +51,9 @@ SHAPES = {  # name: (out_features, in_features)
     "smol.q": (576, 576), "smol.kv": (192, 576), "smol.o": (576, 576),
     "smol.gate_up": (1536, 576), "smol.down": (576, 1536),
 }
+# the output heads (vocab × hidden; --shapes smol.head gemma.head, e.g. with --bits 8 for
+# --lm-head-bits 8): not in the default table, Gemma3's alone is 168M weights
+HEADS = {"smol.head": (49152, 576), "gemma.head": (262144, 640)}
 # per decoder block: how many of each shape (q, k, v, o, gate, up, down)
 BLOCK = {"q": 1, "kv": 2, "o": 1, "gate_up": 2, "down": 1}
 
@@ -102,7 +105,7 @@ def table(a, results):
     print(f"{'shape':14s} {'NxK':>10s} bits rate   M | bf16 µs  latq µs | speedup (median of paired "
           f"ratios) | min/min")
     for name in a.shapes:
-        N, K = SHAPES[name]
+        N, K = {**SHAPES, **HEADS}[name]
         for bits in a.bits:
             for rate in a.rates:
                 w = synthetic(N, K, bits, rate)
@@ -132,7 +135,7 @@ def profile(a):
           "(C++ op), the whole kernel through its pure-torch path")
     _, mm = cpu._ops()
     for name in ("4096", "gemma.gate_up", "smol.q", "smol.kv"):
-        N, K = SHAPES[name]
+        N, K = {**SHAPES, **HEADS}[name]
         for rate in a.rates:
             w = synthetic(N, K, 4, rate)
             s = CPUKernel.prepare(w)
@@ -349,7 +352,7 @@ def block_speedup(results, prefix, bits, rate, M):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES) + list(HEADS))
     ap.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     ap.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.01, 0.02])
     ap.add_argument("--m", nargs="+", type=int, default=[1, 8])
