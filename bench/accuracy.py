@@ -263,7 +263,7 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
-    solver = _solve_replaced(SOLVERS[cfg.tag]) if cfg.tag in SOLVERS else contextlib.nullcontext()
+    solver = _solve_replaced(cfg.tag) if cfg.tag in SOLVERS else contextlib.nullcontext()
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
         journal.unlink(missing_ok=True)
@@ -406,12 +406,17 @@ def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torc
 
 
 @contextlib.contextmanager
-def _solve_replaced(solve):
-    """The pipeline's per-layer ``solve`` replaced by ``solve(ours, method, W, H, name, **kw)``
-    for the duration (``ours``: the pipeline's own)."""
+def _solve_replaced(tag: str):
+    """The pipeline's per-layer ``solve`` replaced by ``SOLVERS[tag](ours, method, W, H, name,
+    **kw)`` for the duration (``ours``: the pipeline's own). Every replacement is of GPTQ."""
     from vllm_latq.quantize import pipeline
-    ours = pipeline.solve
-    pipeline.solve = lambda method, W, H, name, **kw: solve(ours, method, W, H, name, **kw)
+    ours, solve = pipeline.solve, SOLVERS[tag]
+
+    def replaced(method, W, H, name, **kw):
+        if method != "gptq":
+            raise ValueError(f"the {tag} solver replaces GPTQ only, not {method} ({name})")
+        return solve(ours, method, W, H, name, **kw)
+    pipeline.solve = replaced
     try:
         yield
     finally:
@@ -423,8 +428,6 @@ def _peer_solve(ours, method, W, H, name, **kw):
     scales, order and damping as ours: equal settings), for a whole-model peer perplexity."""
     from vllm_latq.quantize.scales import expand
     res = ours(method, W, H, name, **kw)
-    if method != "gptq":
-        raise ValueError(f"the peer solver replaces GPTQ only, not {method} ({name})")
     S = expand(res.scales, res.group_size, tuple(W.shape)).float()
     z = reference_gptq(W.cpu().float(), H.cpu(), S, res.order, res.bits, res.damp)
     res.z, res.q = z.to(res.z.dtype), (z.float() * S).to(res.q.dtype)
@@ -435,8 +438,6 @@ def _fp64_solve(ours, method, W, H, name, **kw):
     """The control for the peer comparison: our GPTQ as usual, but computed in fp64 (the same
     scales, order, damping and algorithm; only the rounding of intermediate floats differs),
     so a few integers change — how far perplexity moves from that alone."""
-    if method != "gptq":
-        raise ValueError(f"the fp64 control is for GPTQ only, not {method} ({name})")
     res32 = ours(method, W, H, name, **kw)
     return ours(method, W.double(), H.double(), name, scales=res32.scales, **kw)
 
@@ -445,8 +446,6 @@ def _damped_solve(factor: float):
     """A control: our GPTQ with the damping scaled by ``factor`` (1 ± 10⁻⁴ is no change of any
     meaning — the damping is a heuristic 1 % — but it flips a few integers in some layers)."""
     def solve(ours, method, W, H, name, **kw):
-        if method != "gptq":
-            raise ValueError(f"the damping control is for GPTQ only, not {method} ({name})")
         return ours(method, W, H, name, **{**kw, "damp": kw["damp"] * factor})
     return solve
 
