@@ -81,6 +81,10 @@ SPREAD_TAGS = ("fp64", "damp-up", "damp-down")   # harmless changes of our GPTQ-
 # decode head options; `--core` skips them
 EXTRA_TAGS = SPREAD_TAGS + ("lm-head", "lm-head8")
 RESULT_VERSION = 1  # bump when a result's meaning changes: cached results are then recomputed
+# bump when the calibrated pipeline's numerics change: only results that ran it are recomputed
+# (2: calibration forwards in the model's dtype, bf16, instead of fp32)
+PIPELINE_RESULTS = 2
+JOBS_ENV = "LATQ_STUDY_JOBS"  # set in the workers of a parallel study
 
 
 # ============================================================================ configurations
@@ -182,10 +186,15 @@ class Settings:
     tiny: bool = False
     extra: dict = field(default_factory=dict)
 
-    def key(self) -> dict:
-        """What a cached accuracy result must match to be reused."""
-        return {"v": RESULT_VERSION, "nsamples": self.nsamples, "seqlen": self.seqlen,
-                "eval_seqlen": self.eval_seqlen, "nwindows": self.nwindows, "max_blocks": self.max_blocks}
+    def key(self, cfg: Config | None = None) -> dict:
+        """What a cached accuracy result of ``cfg`` must match to be reused. bf16 and the
+        calibration-free RTN/HRTN never run the calibration forwards: their results stay valid
+        across ``PIPELINE_RESULTS``."""
+        k = {"v": RESULT_VERSION, "nsamples": self.nsamples, "seqlen": self.seqlen,
+             "eval_seqlen": self.eval_seqlen, "nwindows": self.nwindows, "max_blocks": self.max_blocks}
+        if cfg is not None and cfg.family not in ("bf16", "RTN", "HRTN"):
+            k["pipeline"] = PIPELINE_RESULTS
+        return k
 
     def ordering_key(self, blocks) -> dict:
         return {"v": RESULT_VERSION, "max_blocks": self.max_blocks, "blocks": list(blocks),
@@ -256,7 +265,7 @@ def _cert_record(name: str, W, H, res) -> dict:
             "row_median": float(ratio.median())}
 
 
-def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict], float]:
+def _quantize(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = True) -> tuple[list[dict], float]:
     """Quantize one configuration into ``ck`` → (certificate records, seconds). An interrupted
     run continues from its last finished block; the records of the blocks done before the
     interruption come from the journal ``<slug>.certs.jsonl`` written as layers finish."""
@@ -276,13 +285,13 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
                 f.write(json.dumps(_cert_record(name, W, H, res)) + "\n")
     with solver:
         try:
-            quantize_model(src, ck, opts, overwrite=True, resume=True, on_layer=on_layer)
+            quantize_model(src, ck, opts, overwrite=True, resume=True, on_layer=on_layer, progress=progress)
         except ValueError as e:
             if "--resume" not in str(e):
                 raise
             log.warning("%s: cannot resume (%s): starting over", cfg.label, e)
             journal.unlink(missing_ok=True)
-            quantize_model(src, ck, opts, overwrite=True, on_layer=on_layer)
+            quantize_model(src, ck, opts, overwrite=True, on_layer=on_layer, progress=progress)
     recs = {}
     if journal.is_file():
         for line in journal.read_text().splitlines():
@@ -293,13 +302,14 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path) -> tuple[list[dict
     return list(recs.values()), round(time.time() - t0, 1)
 
 
-def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool = True) -> dict | None:
+def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool = True,
+               progress: bool = True) -> dict | None:
     """Quantize + evaluate one configuration, or return its cached result (``compute=False``:
     the cached result or None)."""
     from vllm_latq.quantize.evaluate import evaluate
 
     path = root / "results" / cfg.model / f"{cfg.slug}.json"
-    key = st.key()
+    key = st.key(cfg)
     r = _cached(path, key)
     if r is not None:
         log.info("cached: %s %s (%s)", cfg.model, cfg.label, path)
@@ -322,13 +332,15 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
         if q is not None and (ck / "latq_stats.json").is_file():
             certs, tq = q["certificate"], q["quantize_seconds"]
         else:
-            certs, tq = _quantize(cfg, st, src, ck)
+            certs, tq = _quantize(cfg, st, src, ck, progress)
             _write_json(done, {"certificate": certs, "quantize_seconds": tq, "settings": key})
-    ev = evaluate(target, seqlen=st.eval_seqlen, nwindows=st.nwindows)
+    ev = evaluate(target, seqlen=st.eval_seqlen, nwindows=st.nwindows, progress=progress)
     r = {"model": cfg.model, "label": cfg.label, "family": cfg.family, "level": cfg.level, "tag": cfg.tag,
          "options": cfg.kwargs, "bits": ev["bits"], "outlier_rate": ev.get("outlier_rate", 0.0),
          "ppl": ev["ppl"], "nll": ev["nll"], "windows": ev["windows"], "tokens": ev["tokens"],
          "quantize_seconds": round(tq, 1), "eval_seconds": ev["seconds"], "certificate": certs,
+         "threads": torch.get_num_threads(),  # GEMM reductions, so the last bits, depend on it
+         "jobs": int(os.environ.get(JOBS_ENV, "1")),  # configurations running side by side
          "settings": key}
     if cfg.family != "bf16":
         stats = json.loads((Path(target) / "latq_stats.json").read_text())
@@ -347,6 +359,72 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
 
 class _Stop(Exception):
     pass
+
+
+def run_configs(configs: list[Config], st: Settings, root: Path, keep: bool, compute: bool = True,
+                jobs: int = 1, worker_argv: list[str] = ()) -> list[dict | None]:
+    """:func:`run_config` for every configuration, in order (cached ones first, at once). With
+    ``jobs > 1`` the uncached ones run in priority order in that many worker processes at a
+    time (this script with ``worker_argv + --worker --models M --only LABEL``, ``cores // jobs``
+    threads each, output in ``<root>/logs``); the bar counts finished configurations. A failed
+    configuration stops the study once the running ones finish (their results are cached)."""
+    import subprocess
+
+    from tqdm.auto import tqdm
+    results = [run_config(c, st, root, keep, compute=False) for c in configs]
+    todo = [i for i, r in enumerate(results) if r is None] if compute else []
+    bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="study configurations", unit="cfg")
+    if jobs <= 1 or len(todo) <= 1:
+        for i in todo:
+            results[i] = run_config(configs[i], st, root, keep)
+            bar.update()
+        bar.close()
+        return results
+    for m in dict.fromkeys(configs[i].model for i in todo):
+        source_dir(m, st, root)  # a truncated copy is written once, here, not by racing workers
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), JOBS_ENV: str(jobs)}
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log.info("%d configurations to run, %d at a time (%d threads each; logs in %s)", len(todo), jobs, threads, logs)
+    queue, running, failed = list(todo), {}, []
+    try:
+        while queue or running:
+            while queue and len(running) < jobs and not failed:
+                i = queue.pop(0)
+                c = configs[i]
+                out = (logs / f"{c.model}-{c.slug}.log").open("w")
+                cmd = [sys.executable, str(Path(__file__).resolve()), *worker_argv, "--worker", "--out", str(root),
+                       "--models", c.model, "--only", c.label]
+                running[i] = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), out)
+                log.info("running: %s %s", c.model, c.label)
+            if not running:
+                break
+            time.sleep(0.5)
+            for i, (proc, out) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                out.close()
+                del running[i]
+                c = configs[i]
+                results[i] = run_config(c, st, root, keep, compute=False)
+                if proc.returncode != 0 or results[i] is None:
+                    tail = "".join(Path(out.name).read_text().splitlines(True)[-15:])
+                    log.error("%s %s failed (exit %s); the end of %s:\n%s", c.model, c.label, proc.returncode,
+                              out.name, tail)
+                    failed.append(f"{c.model} {c.label}")
+                else:
+                    log.info("done: %s %s (ppl %.3f)", c.model, c.label, results[i]["ppl"])
+                    bar.update()
+    finally:
+        for proc, out in running.values():  # interrupted: stop the workers (their finished blocks are kept)
+            proc.terminate()
+            proc.wait()
+            out.close()
+    bar.close()
+    if failed:
+        raise RuntimeError(f"study configurations failed: {failed} (logs in {logs})")
+    return results
 
 
 def block_hessians(model_name: str, mdir: Path, blocks, nsamples: int, seqlen: int):
@@ -730,7 +808,8 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
          f"Protocol (`shared/data.md`): calibration {st.nsamples} × {st.seqlen} tokens of the Wikipedia "
          f"calibration split (seed 0, sequential block pipeline, damp 0.01, act-order unless noted); "
          f"perplexity on the first {st.nwindows} non-overlapping {st.eval_seqlen}-token windows of the eval "
-         f"split (Gemma: BOS + {st.eval_seqlen - 1}), fp32 compute, checkpoints dequantized by the format's reference. "
+         f"split (Gemma: BOS + {st.eval_seqlen - 1}), fp32 compute, checkpoints dequantized by the format's reference; "
+         "the pipeline's calibration forwards run in bf16, the models' dtype (Hessians summed in fp64). "
          f"Group size {st.group_size} (SmolLM2: 576 = 4·128 + 64, a ragged last group). Bits = average "
          "stored bits per weight of the quantized linears from the checkpoint's accounting (scales, "
          "outliers, Huffman codebooks included); embeddings and lm_head stay bf16 unless a configuration "
@@ -738,14 +817,15 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]
-    def secs(extra: bool) -> float:
-        return sum(r["quantize_seconds"] + r["eval_seconds"] for res in by_model.values() for r in res
-                   if (r["tag"] in EXTRA_TAGS) == extra)
+    def secs(extra: bool) -> float:  # elapsed: a configuration run beside others counts its share
+        return sum((r["quantize_seconds"] + r["eval_seconds"]) / r.get("jobs", 1) for res in by_model.values()
+                   for r in res if (r["tag"] in EXTRA_TAGS) == extra)
     core = secs(False) + sum(o.get("seconds", 0) for o in ordering.values())
-    L += [f"Compute: {(core + secs(True)) / 3600:.1f} h of this machine's time for everything below (the sum of "
-          f"the per-configuration wall times; a re-run skips cached configurations): {core / 3600:.1f} h for the "
-          f"study proper (`--core`: sweep, ordering, min-pivot, peer) and {secs(True) / 3600:.1f} h for the "
-          "extras (the peer gap's controls, the quantized-head variants).", ""]
+    L += [f"Compute: {(core + secs(True)) / 3600:.1f} h of this machine's time for everything below (the "
+          "per-configuration wall times, divided by the number of configurations that ran side by side; a "
+          f"re-run skips cached configurations): {core / 3600:.1f} h for the study proper (`--core`: sweep, "
+          f"ordering, min-pivot, peer) and {secs(True) / 3600:.1f} h for the extras (the peer gap's controls, "
+          "the quantized-head variants).", ""]
     if missing:
         L += ["**Not run yet** (this report was written from the cached results with `--report-only`): "
               + ", ".join(missing) + ".", ""]
@@ -858,6 +938,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="only these configuration labels (e.g. GPTQ-3b bf16)")
     ap.add_argument("--core", action="store_true", help="skip the extras (the peer gap's controls and the "
                     "quantized-head variants): the issue's study only")
+    ap.add_argument("--jobs", type=int, default=2, help="configurations run side by side, each on "
+                    "cores/jobs threads (default 2: on 2 cores ~1.2× the throughput of one 2-thread job, "
+                    "as the single-threaded parts overlap); 1: one at a time with nested progress bars")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # see run_configs
     ap.add_argument("--skip-ordering", action="store_true")
     ap.add_argument("--keep-checkpoints", action="store_true")
     ap.add_argument("--report-only", action="store_true", help="write the report from the cached results only "
@@ -873,6 +957,15 @@ def main(argv=None) -> int:
     finally:
         for n, lvl in quiet.items():
             logging.getLogger(n).setLevel(lvl)
+
+
+def _settings_argv(a) -> list[str]:
+    """The options of ``a`` that set the study's Settings, as a worker's command line."""
+    out = ["--tiny"] if a.tiny else []
+    for k in ("max_blocks", "nsamples", "seqlen", "nwindows", "eval_seqlen"):
+        if getattr(a, k) is not None:
+            out += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    return out + (["--keep-checkpoints"] if a.keep_checkpoints else [])
 
 
 def _run(a, argv) -> int:
@@ -894,7 +987,6 @@ def _run(a, argv) -> int:
     report = a.report or (root / "RESULTS_tiny.md" if a.tiny else ROOT / "docs" / "RESULTS.md")
     plot = a.plot or report.with_name("pareto_tiny.png" if a.tiny else "pareto.png")
 
-    from tqdm.auto import tqdm
     configs = [c for m in models for c in (tiny_configs if a.tiny else sweep_configs)(m, st.group_size)]
     configs.sort(key=lambda c: run_priority(c, models))
     if a.only:
@@ -902,10 +994,15 @@ def _run(a, argv) -> int:
     if a.core:
         configs = [c for c in configs if c.tag not in EXTRA_TAGS]
     t0 = time.time()
+    if a.worker:  # one configuration of a parallel study, run by run_configs: no report
+        for cfg in configs:
+            run_config(cfg, st, root, a.keep_checkpoints, progress=False)
+        return 0
+    results = run_configs(configs, st, root, a.keep_checkpoints, compute=not a.report_only, jobs=a.jobs,
+                          worker_argv=_settings_argv(a))
     by_model: dict[str, list[dict]] = {m: [] for m in models}
     missing = []
-    for cfg in tqdm(configs, desc="study configurations", unit="cfg"):
-        r = run_config(cfg, st, root, a.keep_checkpoints, compute=not a.report_only)
+    for cfg, r in zip(configs, results):
         if r is None:
             missing.append(f"{cfg.model} {cfg.label}")
         else:

@@ -212,7 +212,47 @@ def test_calibration_from_jsonl(tiny_llama, tmp_path):
     d = quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method="gptq", calib=str(calib), **TINY_OPTS),
                        progress=False)
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
-    assert qc["calibration"] == {"source": "calib.jsonl", "nsamples": 4, "seqlen": 64, "seed": 0}
+    assert qc["calibration"] == {"source": "calib.jsonl", "nsamples": 4, "seqlen": 64, "seed": 0,
+                                 "compute_dtype": "bfloat16"}  # the bf16 model's own dtype
+
+
+def test_compute_dtype(tiny_llama, tmp_path, monkeypatch):
+    """auto runs a bf16 model's calibration forwards in bf16 (float32 on request); the solver
+    sees the exact fp32 weights and an fp64 Hessian either way."""
+    seen = {}
+    real = pipeline.run_block
+
+    def spy(layer, x, kwargs):
+        seen.setdefault("x", x.dtype)
+        return real(layer, x, kwargs)
+    monkeypatch.setattr(pipeline, "run_block", spy)
+    for cd, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        seen.clear()
+        got = []
+        d = quantize_model(tiny_llama, tmp_path / cd, QuantizeOptions(method="gptq", compute_dtype=cd, **TINY_OPTS),
+                           progress=False, on_layer=lambda n, W, H, r: got.append((W.dtype, H.dtype)))
+        assert seen["x"] == want
+        assert set(got) == {(torch.float32, torch.float64)}
+        qc = json.loads((d / "config.json").read_text())["quantization_config"]
+        assert qc["calibration"]["compute_dtype"] == str(want).removeprefix("torch.")
+    with pytest.raises(ValueError, match="compute dtype"):
+        QuantizeOptions(compute_dtype="fp8")
+
+
+@pytest.mark.parametrize("width", [300, 512, 700, 1100])
+def test_block_hessian_upper_panels_match_fp64(width):
+    """BlockHessian sums only the upper block rows of XᵀX (PANEL columns at a time) from bf16
+    activations; its H is exactly symmetric and equals the all-fp64 Hessian to fp32 rounding."""
+    from vllm_latq.quantize.hessian import Hessian
+    x = torch.randn(3, 600, width, generator=torch.Generator().manual_seed(width)).bfloat16()
+    x[..., :7] *= 30  # a few large channels, as real activations have
+    a, ref = pipeline.BlockHessian(width), Hessian(width)
+    for part in x:
+        a.add(part)
+        ref.add(part)
+    H, Href = a.H, ref.H
+    assert a.n == ref.n == 1800 and torch.equal(H, H.T)
+    assert ((H - Href).abs().max() / Href.abs().max()).item() < 1e-6
 
 
 @pytest.mark.parametrize("method", ["rtn", "hrtn"])
