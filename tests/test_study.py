@@ -85,6 +85,21 @@ def test_configurations_cover_the_issue():
     assert len({c.slug for c in study.sweep_configs("gemma3-270m", 128)}) == len(labels)
 
 
+def test_parallel_study_reports_a_failed_worker(tmp_path, caplog):
+    """--jobs 2: each configuration is a worker process; one that ends without a result (here:
+    a label the worker does not know) stops the study with its log named, nothing cached."""
+    study = _study()
+    st = study.Settings()
+    cfgs = [study.Config("smollm2-135m", "GPTQ", 3, (("bits", 3), ("method", "gptq")), tag=f"nonexistent{i}")
+            for i in range(2)]
+    with caplog.at_level(logging.INFO, logger="latq.study"), pytest.raises(RuntimeError, match="failed"):
+        study.run_configs(cfgs, st, tmp_path, keep=False, jobs=2)
+    assert "running: smollm2-135m GPTQ-3b-nonexistent0" in caplog.text
+    assert "GPTQ-3b-nonexistent0 failed (exit 0)" in caplog.text
+    assert (tmp_path / "logs" / "smollm2-135m-gptq-3b-nonexistent0.log").is_file()
+    assert not (tmp_path / "results").exists()
+
+
 def test_report_tables_from_results(tmp_path):
     """The report's tables from result records: the Table-3 grid keeps variants out, each
     variant (min-pivot, + lm_head) sits next to its default configuration, and the claims
