@@ -239,6 +239,21 @@ def test_compute_dtype(tiny_llama, tmp_path, monkeypatch):
         QuantizeOptions(compute_dtype="fp8")
 
 
+def test_bf16_forwards_of_an_fp32_model_solve_its_exact_weights(tmp_path):
+    """compute_dtype=bfloat16 on an fp32 source: the forwards round, the solver's W does not."""
+    from safetensors import safe_open
+    d = make_tiny_model(tmp_path / "m", "llama", layers=2, dtype=torch.float32)
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        src = {k: f.get_tensor(k) for k in f.keys()}
+    seen = {}
+    quantize_model(d, tmp_path / "q", QuantizeOptions(method="gptq", compute_dtype="bfloat16", **TINY_OPTS),
+                   progress=False, on_layer=lambda n, W, H, r: seen.setdefault(n, W))
+    assert len(seen) == 14
+    for n, W in seen.items():
+        assert torch.equal(W, src[f"{n}.weight"]), n
+    assert any(not torch.equal(W, W.bfloat16().float()) for W in seen.values())  # fp32 weights, not bf16
+
+
 @pytest.mark.parametrize("width", [300, 512, 700, 1100])
 def test_block_hessian_upper_panels_match_fp64(width):
     """BlockHessian sums only the upper block rows of XᵀX (PANEL columns at a time) from bf16

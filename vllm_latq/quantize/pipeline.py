@@ -573,7 +573,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             shard: dict[str, torch.Tensor] = {}
             for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress,
                              leave=False):
-                W = linears[name].weight.detach().float()
+                # from the source: exact even when the forwards run in a narrower dtype than it
+                W = sources.get(f"{name}.weight").to(device=device, dtype=torch.float32)
                 res, t = _quantize_linear(name, W, hs.of[name] if calibrated else None, opts, stats, on_layer)
                 shard.update(t)
                 ckpt.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=cdtype))
