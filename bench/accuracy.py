@@ -29,7 +29,9 @@ What it does, per model (Gemma3-270M, SmolLM2-135M):
    transformers<=5.17 and cannot be installed beside this project's transformers.)
 
 Everything lands in ``--out`` (default ``$LATQ_CACHE/study``): ``results/<model>/*.json`` and
-checkpoints (deleted after evaluation unless ``--keep-checkpoints``). The report is written to
+checkpoints (deleted after evaluation unless ``--keep-checkpoints``). Two configurations run side
+by side (``--jobs 2``, one thread each: on 2 cores the calibration forwards gain ~1.2×, the fp32
+evaluations nothing), each in its own process logging to ``<out>/logs/<model>-<config>.log``. The report is written to
 ``--report`` (default docs/RESULTS.md; ``--tiny``: ``<out>/RESULTS_tiny.md``) with the Pareto
 plot beside it (needs matplotlib; without it the report says so).
 """
