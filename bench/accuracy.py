@@ -77,8 +77,12 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
                    "settings; only intermediate rounding differs, changing a few integers):", "ours in fp64"),
           ("damp-up", "Control: our GPTQ with the damping ×(1 + 10⁻⁴) (0.01 → 0.010001 of mean diag H: no change of "
                       "any meaning, but a few integers flip):", "damp +0.01 %"),
-          ("damp-down", "Control: the damping ×(1 − 10⁻⁴):", "damp −0.01 %"))
-SPREAD_TAGS = ("fp64", "damp-up", "damp-down")   # harmless changes of our GPTQ-3b: its run-to-run spread
+          ("damp-down", "Control: the damping ×(1 − 10⁻⁴):", "damp −0.01 %"),
+          ("fp32-forwards", "Control: the calibration forwards in fp32 instead of the models' bf16 (the "
+                            "pipeline before it ran in the model's dtype; activations differ in their last bits):",
+           "fp32 forwards"))
+SPREAD_TAGS = ("fp64", "damp-up", "damp-down", "fp32-forwards")   # harmless changes of our GPTQ-3b: its spread
+SPREAD_OPTS = {"fp32-forwards": {"compute_dtype": "float32"}}  # the spread controls that are an option
 # beyond the issue's study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
 # decode head options; `--core` skips them
 EXTRA_TAGS = SPREAD_TAGS + ("lm-head", "lm-head8")
@@ -143,9 +147,11 @@ def sweep_configs(model: str, group_size: int) -> list[Config]:
     for b in (4, 3):
         out.append(_cfg(model, "GPTQ", b, "peer", method="gptq", bits=b, group_size=group_size))
     # its controls: how far perplexity moves when harmless changes flip a few integers (float
-    # rounding; the damping moved by ±0.01 %): ours' own spread, against which a peer gap is read
+    # rounding; the damping moved by ±0.01 %; fp32 forwards): ours' own spread, against which a
+    # peer gap is read
     for tag in SPREAD_TAGS:
-        out.append(_cfg(model, "GPTQ", 3, tag, method="gptq", bits=3, group_size=group_size))
+        out.append(_cfg(model, "GPTQ", 3, tag, method="gptq", bits=3, group_size=group_size,
+                        **SPREAD_OPTS.get(tag, {})))
     return out
 
 
