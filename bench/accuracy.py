@@ -78,10 +78,13 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           ("damp-up", "Control: our GPTQ with the damping ×(1 + 10⁻⁴) (0.01 → 0.010001 of mean diag H: no change of "
                       "any meaning, but a few integers flip):", "damp +0.01 %"),
           ("damp-down", "Control: the damping ×(1 − 10⁻⁴):", "damp −0.01 %"),
+          ("damp-up2", "Control: the damping ×(1 + 10⁻³):", "damp +0.1 %"),
+          ("damp-down2", "Control: the damping ×(1 − 10⁻³):", "damp −0.1 %"),
           ("fp32-forwards", "Control: the calibration forwards in fp32 instead of the models' bf16 (the "
                             "pipeline before it ran in the model's dtype; activations differ in their last bits):",
            "fp32 forwards"))
-SPREAD_TAGS = ("fp64", "damp-up", "damp-down", "fp32-forwards")   # harmless changes of our GPTQ-3b: its spread
+# harmless changes of our GPTQ-3b, each flipping a few integers: its spread, the peer gap's yardstick
+SPREAD_TAGS = ("fp64", "damp-up", "damp-down", "damp-up2", "damp-down2", "fp32-forwards")
 SPREAD_OPTS = {"fp32-forwards": {"compute_dtype": "float32"}}  # the spread controls that are an option
 # beyond the issue's study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
 # decode head options; `--core` skips them
@@ -538,7 +541,8 @@ def _damped_solve(factor: float):
 
 # configuration tag → the solve that replaces the pipeline's for it
 SOLVERS = {"peer": _peer_solve, "fp64": _fp64_solve, "damp-up": _damped_solve(1 + 1e-4),
-           "damp-down": _damped_solve(1 - 1e-4)}
+           "damp-down": _damped_solve(1 - 1e-4), "damp-up2": _damped_solve(1 + 1e-3),
+           "damp-down2": _damped_solve(1 - 1e-3)}
 
 
 def peer_compare(W, H, bits: int, group_size: int) -> dict:
