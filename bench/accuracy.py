@@ -203,7 +203,9 @@ class Settings:
         across ``PIPELINE_RESULTS``."""
         k = {"v": RESULT_VERSION, "nsamples": self.nsamples, "seqlen": self.seqlen,
              "eval_seqlen": self.eval_seqlen, "nwindows": self.nwindows, "max_blocks": self.max_blocks}
-        if cfg is not None and cfg.family not in ("bf16", "RTN", "HRTN"):
+        from vllm_latq.quantize.pipeline import UNCALIBRATED
+        method = cfg.kwargs.get("method") if cfg is not None else None  # None: bf16
+        if method is not None and method not in UNCALIBRATED:
             k["pipeline"] = PIPELINE_RESULTS
         return k
 

@@ -274,6 +274,12 @@ def params_on_meta():
         torch.nn.Module.register_parameter = orig
 
 
+def model_dtype(config: dict) -> str:
+    """The dtype a ``config.json`` dict declares (``dtype``, or the older ``torch_dtype``;
+    "float32" when neither is set), e.g. "bfloat16"."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
 def config_dict(path: Path) -> dict:
     """``config.json`` of a model/checkpoint dir as a dict (FormatError if unreadable)."""
     f = Path(path) / CONFIG_FILE

@@ -48,7 +48,7 @@ def _rate(s: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .pipeline import QuantizeOptions
+    from .pipeline import COMPUTE_DTYPES, QuantizeOptions
     d = QuantizeOptions()
     ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=d.seed, help="calibration shuffle seed (default 0)")
     r = ap.add_argument_group("run")
     r.add_argument("--device", default=d.device, help="torch device for blocks and solvers (default cpu)")
-    r.add_argument("--compute-dtype", default=d.compute_dtype, choices=("auto", "bfloat16", "float32"),
+    r.add_argument("--compute-dtype", default=d.compute_dtype, choices=tuple(COMPUTE_DTYPES),
                    help="dtype of the calibration forwards (default auto: the model's, bf16 for a bf16 "
                         "model, as GPTQ runs; float32 is ~2x slower on CPUs with bf16 instructions)")
     r.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")

@@ -51,8 +51,7 @@ def load_for_eval(model: str, device: str = "cpu"):
                 "quantized_params": report["totals"]["quantized_params"]}
         return m, tok, info
     d = resolve_model(model)
-    cfg = json.loads((d / "config.json").read_text())
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    dtype = ckpt.model_dtype(ckpt.config_dict(d))
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
     tok = AutoTokenizer.from_pretrained(d)
     bits = {"bfloat16": 16, "float16": 16, "float32": 32}.get(dtype)

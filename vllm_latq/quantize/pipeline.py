@@ -123,8 +123,7 @@ class QuantizeOptions:
         """The calibration forwards' dtype for a source with config.json ``source_config``."""
         if self.compute_dtype != "auto":
             return COMPUTE_DTYPES[self.compute_dtype]
-        src = str(source_config.get("dtype") or source_config.get("torch_dtype") or "float32")
-        return torch.bfloat16 if src == "bfloat16" else torch.float32
+        return torch.bfloat16 if ckpt.model_dtype(source_config) == "bfloat16" else torch.float32
 
     def solver_kwargs(self) -> dict:
         m = self.method
