@@ -25,8 +25,13 @@ What it does, per model (Gemma3-270M, SmolLM2-135M):
    real layers: identical-integer fraction and error ratio; and the perplexity of whole models
    (GPTQ-3b/4b, tag ``peer``) quantized by the same pipeline with that loop choosing every
    integer (``_peer_solve``), against ours: the issue's bar is ±1 %; and, as the control that
-   sizes a gap, ours computed in fp64 (GPTQ-3b, tag ``fp64``, ``_fp64_solve``). (llm-compressor pins
-   transformers<=5.17 and cannot be installed beside this project's transformers.)
+   sizes a gap, ours computed in fp64 (GPTQ-3b, tag ``fp64``, ``_fp64_solve``), the damping moved
+   by ±0.01 % / ±0.1 % and fp32 calibration forwards. And a peer implementation proper:
+   llm-compressor's GPTQ (tag ``llmc``; its own pipeline, observer and solver) at our settings on the
+   same model and calibration sequences, at 3 and 4 bits, against ours at the same group size
+   (SmolLM2: 64, tag ``g64``, as llm-compressor refuses ragged groups). llmcompressor pins
+   transformers<=5.17, so ``bench/peer_llmcompressor.py`` builds it an environment of its own in
+   ``$LATQ_CACHE/peer-llmcompressor`` (once, about a minute from PyPI) and runs it there.
 
 Everything lands in ``--out`` (default ``$LATQ_CACHE/study``): ``results/<model>/*.json`` and
 checkpoints (deleted after evaluation unless ``--keep-checkpoints``). Two configurations run side
@@ -53,6 +58,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+PEER_SCRIPT = Path(__file__).resolve().with_name("peer_llmcompressor.py")
 sys.path.insert(0, str(ROOT))
 
 from vllm_latq import data  # noqa: E402
@@ -73,6 +79,13 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           ("peer", "Peer GPTQ, whole model: every layer's integers from the IST-DASLab reference column loop "
                    "(`reference_gptq`) instead of ours, all else equal (pipeline, Hessians, act-order, damping, "
                    "scales); the bar is ±1 %:", "reference loop"),
+          ("g64", "Our GPTQ at group size 64 (SmolLM2: the largest group size llm-compressor accepts for its 576 "
+                  "columns; the baseline of that comparison):", "group size 64"),
+          ("llmc", "Peer GPTQ, whole model: llm-compressor's own GPTQ (`GPTQModifier`, its sequential pipeline and "
+                   "`mse` scale observer, run in an environment of its own by `bench/peer_llmcompressor.py`) at our "
+                   "settings: the same bf16 model and calibration sequences, symmetric signed integers, static "
+                   "act-order, damping 0.01, blocks of 128 columns, its dequantized weights bf16(z·s) as it deploys "
+                   "them; compared with ours at the same group size; the bar is ±1 %:", "llm-compressor"),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
                    "settings; only intermediate rounding differs, changing a few integers):", "ours in fp64"),
           ("damp-up", "Control: our GPTQ with the damping ×(1 + 10⁻⁴) (0.01 → 0.010001 of mean diag H: no change of "
@@ -89,6 +102,7 @@ SPREAD_OPTS = {"fp32-forwards": {"compute_dtype": "float32"}}  # the spread cont
 # beyond the issue's study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
 # decode head options; `--core` skips them
 EXTRA_TAGS = SPREAD_TAGS + ("lm-head", "lm-head8")
+PEER_TAGS = ("peer", "llmc", "g64")  # the peer GPTQs and the group-size-64 baseline of llm-compressor's
 RESULT_VERSION = 1  # bump when a result's meaning changes: cached results are then recomputed
 # bump when the calibrated pipeline's numerics change: only results that ran it are recomputed
 # (2: calibration forwards in the model's dtype, bf16, instead of fp32)
@@ -105,6 +119,7 @@ class Config:
     level: int | None  # bit level (table column); None for bf16
     opts: tuple = ()  # QuantizeOptions keyword arguments, as sorted (key, value) pairs
     tag: str = ""  # e.g. "min-pivot" for the ordering ablation
+    base: str = ""  # the tag of the configuration this one is compared with ("": the default one)
 
     @property
     def label(self) -> str:
@@ -116,18 +131,49 @@ class Config:
 
     @property
     def slug(self) -> str:
-        return self.label.lower().replace("%", "pct").replace(".", "p")
+        return _slug(self.label)
 
     @property
     def kwargs(self) -> dict:
         return dict(self.opts)
 
 
-def _cfg(model, family, level, tag="", **opts) -> Config:
-    return Config(model, family, level, tuple(sorted(opts.items())), tag)
+def _slug(label: str) -> str:
+    """A configuration's file name in the cache: ``SSQR-1%-4b`` → ``ssqr-1pct-4b``."""
+    return label.lower().replace("%", "pct").replace(".", "p")
 
 
-def sweep_configs(model: str, group_size: int) -> list[Config]:
+def _cfg(model, family, level, tag="", *, base="", **opts) -> Config:
+    return Config(model, family, level, tuple(sorted(opts.items())), tag, base)
+
+
+def peer_group_size(model_config: dict, group_size: int) -> int:
+    """The largest group size ≤ ``group_size`` (halving) that divides every linear's input width:
+    llm-compressor's group quantization refuses ragged groups (SmolLM2's 576 columns: 64)."""
+    c = model_config
+    widths = {c["hidden_size"], c["intermediate_size"],
+              c["num_attention_heads"] * (c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])}
+    g = group_size
+    while g > 1 and any(w % g for w in widths):
+        g //= 2
+    return g
+
+
+def _llmc_configs(model: str, group_size: int, peer_group: int | None, levels) -> list[Config]:
+    """llm-compressor's GPTQ (tag ``llmc``) at ``levels``, each compared with ours at its group
+    size: the default configuration, or one at ``peer_group`` (tag ``g64``) where the model's
+    widths need it."""
+    pg = peer_group or group_size
+    base = "" if pg == group_size else f"g{pg}"
+    out = []
+    for b in levels:
+        if base:
+            out.append(_cfg(model, "GPTQ", b, base, method="gptq", bits=b, group_size=pg))
+        out.append(_cfg(model, "GPTQ", b, "llmc", base=base, method="gptq", bits=b, group_size=pg))
+    return out
+
+
+def sweep_configs(model: str, group_size: int, peer_group: int | None = None) -> list[Config]:
     out = [Config(model, "bf16", None)]
     for b in LEVELS:
         out.append(_cfg(model, "RTN", b, method="rtn", bits=b, group_size=group_size))
@@ -149,6 +195,7 @@ def sweep_configs(model: str, group_size: int) -> list[Config]:
     # the peer GPTQ at model level (the 4-bit one right after its default, see run_priority)
     for b in (4, 3):
         out.append(_cfg(model, "GPTQ", b, "peer", method="gptq", bits=b, group_size=group_size))
+    out += _llmc_configs(model, group_size, peer_group, (4, 3))
     # its controls: how far perplexity moves when harmless changes flip a few integers (float
     # rounding; the damping moved by ±0.01 %; fp32 forwards): ours' own spread, against which a
     # peer gap is read
@@ -165,7 +212,7 @@ def run_priority(cfg: Config, models) -> tuple:
     models alternate in each round."""
     if cfg.family == "bf16" or cfg.family in ("RTN", "HRTN"):
         rnd = 0
-    elif cfg.tag in ("lm-head", "lm-head8") or (cfg.tag == "peer" and cfg.level == 4):
+    elif cfg.tag in ("lm-head", "lm-head8") or (cfg.tag in PEER_TAGS and cfg.level == 4):
         rnd = 2.5    # right after its 4-bit default
     elif cfg.tag:
         rnd = 4
@@ -174,12 +221,13 @@ def run_priority(cfg: Config, models) -> tuple:
     return rnd, list(models).index(cfg.model)
 
 
-def tiny_configs(model: str, group_size: int) -> list[Config]:
+def tiny_configs(model: str, group_size: int, peer_group: int | None = None) -> list[Config]:
     return [Config(model, "bf16", None),
             _cfg(model, "GPTQ", 3, method="gptq", bits=3, group_size=group_size),
             _cfg(model, "SSQR-1%", 3, method="ssqr", bits=3, group_size=group_size, outlier_rate=0.01),
             _cfg(model, "GPTQ", 3, "min-pivot", method="gptq", bits=3, group_size=group_size, order="min-pivot"),
-            _cfg(model, "GPTQ", 3, "peer", method="gptq", bits=3, group_size=group_size)]
+            _cfg(model, "GPTQ", 3, "peer", method="gptq", bits=3, group_size=group_size),
+            *_llmc_configs(model, group_size, peer_group, (3,))]
 
 
 @dataclass
@@ -207,6 +255,8 @@ class Settings:
         method = cfg.kwargs.get("method") if cfg is not None else None  # None: bf16
         if method is not None and method not in UNCALIBRATED:
             k["pipeline"] = PIPELINE_RESULTS
+        if cfg is not None and cfg.tag == "llmc":
+            k["peer"] = list(_peer().PEER_PACKAGES)
         return k
 
     def ordering_key(self, blocks) -> dict:
@@ -315,6 +365,42 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = T
     return list(recs.values()), round(time.time() - t0, 1)
 
 
+def _peer():
+    """bench/peer_llmcompressor.py (llm-compressor's side; imported here for its environment)."""
+    import importlib.util
+    name = "latq_peer_llmcompressor"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, PEER_SCRIPT)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def _quantize_llmc(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = True) -> tuple[list[dict], float]:
+    """llm-compressor's GPTQ of ``cfg`` into ``ck`` (a plain HF directory of its dequantized
+    weights), in its own environment, on the calibration sequences our pipeline uses →
+    ([], seconds): clipped GPTQ has no certificate."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+    py = _peer().ensure_env(data.cache_dir(), log.info)
+    kw = cfg.kwargs
+    calib = ck.with_name(cfg.slug + ".calib.pt")
+    calib.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data.calibration_batches(AutoTokenizer.from_pretrained(src), nsamples=st.nsamples, seqlen=st.seqlen),
+               calib)
+    t0 = time.time()
+    cmd = [str(py), str(PEER_SCRIPT), str(src), str(calib), str(ck), "--bits", str(kw["bits"]),
+           "--group-size", str(kw["group_size"])]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    calib.unlink()
+    if p.returncode != 0:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:])
+        raise RuntimeError(f"llm-compressor failed on {cfg.model} {cfg.label} (exit {p.returncode}): "
+                           f"`{' '.join(cmd)}`; its last lines:\n{tail}")
+    return [], round(time.time() - t0, 1)
+
+
 def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool = True,
                progress: bool = True) -> dict | None:
     """Quantize + evaluate one configuration, or return its cached result (``compute=False``:
@@ -342,23 +428,27 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
         target = str(ck)
         done = ck.with_name(cfg.slug + ".quantized.json")
         q = _cached(done, key)
-        if q is not None and (ck / "latq_stats.json").is_file():
+        if q is not None and (ck / ("peer.json" if cfg.tag == "llmc" else "latq_stats.json")).is_file():
             certs, tq = q["certificate"], q["quantize_seconds"]
         else:
-            certs, tq = _quantize(cfg, st, src, ck, progress)
+            certs, tq = (_quantize_llmc if cfg.tag == "llmc" else _quantize)(cfg, st, src, ck, progress)
             _write_json(done, {"certificate": certs, "quantize_seconds": tq, "settings": key})
     ev = evaluate(target, seqlen=st.eval_seqlen, nwindows=st.nwindows, progress=progress)
     r = {"model": cfg.model, "label": cfg.label, "family": cfg.family, "level": cfg.level, "tag": cfg.tag,
-         "options": cfg.kwargs, "bits": ev["bits"], "outlier_rate": ev.get("outlier_rate", 0.0),
+         "base": cfg.base, "options": cfg.kwargs, "bits": ev["bits"], "outlier_rate": ev.get("outlier_rate", 0.0),
          "ppl": ev["ppl"], "nll": ev["nll"], "windows": ev["windows"], "tokens": ev["tokens"],
          "quantize_seconds": round(tq, 1), "eval_seconds": ev["seconds"], "certificate": certs,
          "threads": torch.get_num_threads(),  # GEMM reductions, so the last bits, depend on it
          "jobs": int(os.environ.get(JOBS_ENV, "1")),  # configurations running side by side
          "settings": key}
-    if cfg.family != "bf16":
+    if cfg.tag == "llmc":   # a plain HF directory: its bits come from llm-compressor's format
+        r["peer"] = json.loads((Path(target) / "peer.json").read_text())
+        r["bits"] = r["peer"]["bits_per_weight"]
+    elif cfg.family != "bf16":
         stats = json.loads((Path(target) / "latq_stats.json").read_text())
         r["stats_cert_max"] = stats["totals"].get("cert_max")
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
+    if cfg.family != "bf16":
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
         done.unlink(missing_ok=True)
@@ -386,6 +476,8 @@ def run_configs(configs: list[Config], st: Settings, root: Path, keep: bool, com
     from tqdm.auto import tqdm
     results = [run_config(c, st, root, keep, compute=False) for c in configs]
     todo = [i for i, r in enumerate(results) if r is None] if compute else []
+    if any(configs[i].tag == "llmc" for i in todo):
+        _peer().ensure_env(data.cache_dir(), log.info)  # once, here, not by racing workers
     bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="study configurations", unit="cfg")
     if jobs <= 1 or len(todo) <= 1:
         for i in todo:
@@ -662,6 +754,7 @@ PAPER = {"bf16": 9.73, "HPTQ-4.125": 9.81, "HPTQ-3.125": 10.34, "HPTQ-2.125": 13
 PAPER_SMALL = {"bf16": 20.96, "HPTQ-4.125": 22.72, "HPTQ-3.125": 31.43, "HPTQ-2.125": 156.45}   # Qwen3-0.6B
 NEAR_LOSSLESS = 0.03   # "near-lossless": within 3 % of bf16, the paper's own SSQR-1%-4b gap (+2.8 %)
 PEER_BAR = 0.01        # the issue's bar for our GPTQ against a peer implementation
+PEERS = {"peer": "the reference loop", "llmc": "llm-compressor"}   # peer GPTQ tag → its name in the report
 
 
 def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> list[str]:
@@ -675,6 +768,11 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
     def rel(model, label, base="bf16"):
         a, b = ppl(model, label), ppl(model, base)
         return None if a is None or b is None else a / b - 1
+
+    def base_of(model, label):   # the label of the configuration a variant is compared with
+        r = next((r for r in by_model[model] if r["label"] == label), None)
+        return None if r is None else r["label"].removesuffix("-" + r["tag"]) + (f"-{r['base']}" if r.get("base")
+                                                                                 else "")
 
     def pct(x):
         return f"{100 * x:+.1f}%" if abs(x) < 9 else f"×{1 + x:.3g}"
@@ -742,16 +840,20 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
     def spread(m, b):   # ours' GPTQ-b perplexity moves under harmless changes: {tag: Δ}
         return {t: d for t in SPREAD_TAGS if (d := rel(m, f"GPTQ-{b}b-{t}", f"GPTQ-{b}b")) is not None}
 
-    for b in (4, 3):
-        def peer(m, b=b):
-            d = rel(m, f"GPTQ-{b}b-peer", f"GPTQ-{b}b")
-            if d is None:
-                return None
-            sp = max(map(abs, spread(m, b).values()), default=0.0)
-            return (f"{100 * d:+.2f}%" + (f" (ours' own spread ±{100 * sp:.2f}%)" if spread(m, b) else ""),
-                    abs(d) <= max(PEER_BAR, sp))
-        row(f"our GPTQ-{b}b vs the reference loop: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
-            "spread under harmless changes where measured", "(the issue's bar)", peer)
+    for tag, who in PEERS.items():
+        for b in (4, 3):
+            def peer(m, b=b, tag=tag):
+                label = f"GPTQ-{b}b-{tag}"
+                d = rel(m, label, base_of(m, label))
+                if d is None:
+                    return None
+                sp = max(map(abs, spread(m, b).values()), default=0.0)
+                g = next(r["options"]["group_size"] for r in by_model[m] if r["label"] == label)
+                return (f"{100 * d:+.2f}%" + (f" at group size {g}" if base_of(m, label) != f"GPTQ-{b}b" else "")
+                        + (f" (ours' own spread ±{100 * sp:.2f}%)" if spread(m, b) else ""),
+                        abs(d) <= max(PEER_BAR, sp))
+            row(f"our GPTQ-{b}b vs {who}: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
+                "spread under harmless changes where measured", "(the issue's bar)", peer)
     notes = []
     for m in models:   # conditional notes: each explains a verdict the numbers above show
         r = {x["label"]: x for x in by_model[m]}
@@ -877,7 +979,7 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
         for tag, title, col in TAGGED:
             pairs = [(r, base) for r in res if r["tag"] == tag
                      for base in [next((x for x in res if x["family"] == r["family"] and x["level"] == r["level"]
-                                        and not x["tag"]), None)] if base]
+                                        and x["tag"] == r.get("base", "")), None)] if base]
             if pairs:
                 L += [title, "", f"| method | default | {col} | Δ ppl | bits/w (default → {col}) |",
                       "|---|---|---|---|---|"]
@@ -920,8 +1022,7 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
                 ps = [x["peer"][str(bits)] for x in o["rows"]]
                 L.append(f"| {bits} | {len(ps)} | {min(p['same_int'] for p in ps):.5f} | "
                          f"{min(p['err_ratio'] for p in ps):.5f} – {max(p['err_ratio'] for p in ps):.5f} |")
-            L += ["", "llm-compressor's GPTQ could not be run here: llmcompressor 0.14 pins "
-                  "transformers<=5.17, this project uses 5.19.", ""]
+            L.append("")
     L += ["## Pareto plot", ""]
     if why:
         L += [f"_{why}._", ""]
@@ -973,6 +1074,7 @@ def main(argv=None) -> int:
             logging.getLogger(n).setLevel(lvl)
 
 
+
 def _settings_argv(a) -> list[str]:
     """The options of ``a`` that set the study's Settings, as a worker's command line."""
     out = ["--tiny"] if a.tiny else []
@@ -1001,7 +1103,8 @@ def _run(a, argv) -> int:
     report = a.report or (root / "RESULTS_tiny.md" if a.tiny else ROOT / "docs" / "RESULTS.md")
     plot = a.plot or report.with_name("pareto_tiny.png" if a.tiny else "pareto.png")
 
-    configs = [c for m in models for c in (tiny_configs if a.tiny else sweep_configs)(m, st.group_size)]
+    configs = [c for m in models for c in (tiny_configs if a.tiny else sweep_configs)(
+        m, st.group_size, peer_group_size(json.loads((data.model_dir(m) / "config.json").read_text()), st.group_size))]
     configs.sort(key=lambda c: run_priority(c, models))
     if a.only:
         configs = [c for c in configs if c.label in a.only]

@@ -1,0 +1,167 @@
+"""llm-compressor's GPTQ, the accuracy study's peer implementation, in an environment of its own.
+
+llmcompressor 0.14 pins ``transformers<=5.17`` and this project runs 5.19, so the two cannot share
+a virtual environment. :func:`ensure_env` (called by ``bench/accuracy.py`` from the project's
+environment) builds ``$LATQ_CACHE/peer-llmcompressor`` once, with pinned versions and the same
+torch; the study then runs this file with that environment's interpreter:
+
+    PEER_PYTHON bench/peer_llmcompressor.py SRC CALIB.pt OUT --bits 3 --group-size 128
+
+SRC is the bf16 Hugging Face directory our pipeline quantizes, CALIB.pt the calibration token ids
+``[n, seqlen]`` our pipeline uses (the study writes them, so both see the same sequences). The
+settings are ours: symmetric signed ``bits``-bit integers, one scale per output row and group of
+``group-size`` input columns chosen by minimising the rounding error (llm-compressor's ``mse``
+observer), static act-order (scales fixed per natural group before the sweep), damping 0.01 of
+mean diag H, lazy batches of 128 columns, the sequential pipeline with error propagation (block by
+block, the next block's inputs from the quantized block), the output head untouched.
+
+OUT is a Hugging Face directory whose linears hold llm-compressor's dequantized weights exactly as
+its checkpoints deploy them (``bf16(z·s)``, stored in fp32), evaluated by the study through the same
+protocol as ours; ``OUT/peer.json`` records versions, settings, seconds, the bits per weight and a
+check that every quantized weight is an integer of the grid times its group's scale.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# the environment: llmcompressor with the transformers it accepts, and the project's torch (a CPU
+# build on this machine; a bare `torch` requirement would pull a multi-GB CUDA build)
+PEER_PACKAGES = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "transformers==5.17.0")
+ENV_NAME = "peer-llmcompressor"
+
+
+def env_dir(cache: Path) -> Path:
+    return cache / ENV_NAME
+
+
+def ensure_env(cache: Path, log=print) -> Path:
+    """The peer environment's python, building the environment first if it is missing or was
+    built for other packages. Raises RuntimeError naming the failed command and its output."""
+    d = env_dir(cache)
+    py = d / "bin" / "python"
+    stamp = d / "latq-packages.txt"
+    want = "\n".join(PEER_PACKAGES) + "\n"
+    if py.is_file() and stamp.is_file() and stamp.read_text() == want:
+        return py
+    log(f"building llm-compressor's environment in {d} ({', '.join(PEER_PACKAGES)}); once, about a minute")
+    shutil.rmtree(d, ignore_errors=True)
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    for cmd in ([base, "-m", "venv", str(d)],
+                [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PEER_PACKAGES]):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"could not build llm-compressor's environment: `{' '.join(cmd)}` exited with "
+                               f"{p.returncode}:\n{tail}")
+    stamp.write_text(want)
+    return py
+
+
+def bits_per_weight(shapes, bits: int, group_size: int) -> float:
+    """Stored bits per weight of llm-compressor's symmetric group format: the integers plus one
+    bf16 scale per row and group (no zero points; static act-order needs no group index)."""
+    total = sum(o * i for o, i in shapes)
+    scales = sum(o * -(-i // group_size) for o, i in shapes)
+    return (bits * total + 16 * scales) / total
+
+
+def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp: float = 0.01) -> dict:
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.load(calib)
+    if ids.ndim != 2:
+        raise ValueError(f"{calib}: calibration ids must be [n, seqlen], got {tuple(ids.shape)}")
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size, observer="mse",
+        actorder="static"))
+    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], block_size=128,
+                          dampening_frac=damp)
+    t0 = time.time()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=len(ids),
+            shuffle_calibration_samples=False, pipeline="sequential")
+    seconds = time.time() - t0
+
+    # the quantized linears' weights, each checked to be an integer of the grid times its scale
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    quantized, worst, outside = {}, 0.0, 0
+    for name, m in model.named_modules():
+        if not hasattr(m, "weight_scale"):
+            continue
+        W, S = m.weight.detach().float(), m.weight_scale.detach().float()
+        Sx = S.repeat_interleave(group_size, dim=1)[:, : W.shape[1]]
+        z = torch.round(W / Sx)
+        outside += int(((z < lo) | (z > hi)).sum())
+        # bf16(z·s) is z·s up to a bf16 rounding (2⁻⁸ relative); a wrong integer is off by ≥ 1/|z| ≥ 1/4
+        worst = max(worst, float(((W - z * Sx).abs() / (z * Sx).abs().clamp_min(1e-30)).max()))
+        quantized[name + ".weight"] = W.contiguous()
+    if not quantized:
+        raise RuntimeError("llm-compressor quantized no linear layer")
+    shapes = [tuple(W.shape) for W in quantized.values()]
+    if outside or worst > 2 ** -7:
+        raise RuntimeError(f"llm-compressor's weights are not on the {bits}-bit grid: {outside} integers outside "
+                           f"[{lo}, {hi}], largest relative deviation {worst:.3g}")
+
+    # a plain HF directory: the source's tensors, with the quantized linears' weights in fp32. Only
+    # the linears come from llm-compressor: it rewrites Gemma's norms (1 + w) during calibration and
+    # back, which need not return the source's bf16 values
+    tensors = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                tensors[k] = quantized.pop(k) if k in quantized else h.get_tensor(k)
+    if quantized:
+        raise RuntimeError(f"llm-compressor quantized linears the source does not have: {sorted(quantized)[:3]}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, tmp / f.name)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    import compressed_tensors
+    import llmcompressor
+    import transformers
+    info = {"implementation": "llm-compressor GPTQModifier", "llmcompressor": llmcompressor.__version__,
+            "compressed_tensors": compressed_tensors.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "bits": bits, "group_size": group_size, "damp": damp, "observer": "mse",
+            "actorder": "static", "block_size": 128, "pipeline": "sequential", "calibration": list(ids.shape),
+            "layers": len(shapes), "bits_per_weight": bits_per_weight(shapes, bits, group_size),
+            "grid_check": {"outside": outside, "max_rel_deviation": worst}, "quantize_seconds": round(seconds, 1)}
+    (tmp / "peer.json").write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path)
+    ap.add_argument("calib", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--bits", type=int, required=True)
+    ap.add_argument("--group-size", type=int, required=True)
+    ap.add_argument("--damp", type=float, default=0.01)
+    a = ap.parse_args(argv)
+    info = quantize(a.src, a.calib, a.out, a.bits, a.group_size, a.damp)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
