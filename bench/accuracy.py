@@ -49,8 +49,10 @@ import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1034,6 +1036,10 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
 
 # ============================================================================ main
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="results and checkpoints (default $LATQ_CACHE/study)")
@@ -1059,9 +1065,14 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # see run_configs
     ap.add_argument("--skip-ordering", action="store_true")
     ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--import-results", type=Path, default=None, metavar="RESULTS.json",
+                    help="seed the cache with the records of a report's JSON (e.g. docs/RESULTS.json from another "
+                    "machine): a study continues where that one stopped; records of other settings are ignored")
     ap.add_argument("--report-only", action="store_true", help="write the report from the cached results only "
                     "(configurations not cached yet are listed as missing; nothing is computed)")
     a = ap.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    term = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None  # `kill` stops the workers too
     logging.basicConfig(level=logging.INFO, format="[study] %(message)s", stream=sys.stderr)
     log.setLevel(logging.INFO)
     quiet = {n: logging.getLogger(n).level for n in ("vllm_latq.quantize", "transformers")}
@@ -1072,7 +1083,8 @@ def main(argv=None) -> int:
     finally:
         for n, lvl in quiet.items():
             logging.getLogger(n).setLevel(lvl)
-
+        if main_thread:
+            signal.signal(signal.SIGTERM, term)
 
 
 def _settings_argv(a) -> list[str]:
@@ -1082,6 +1094,25 @@ def _settings_argv(a) -> list[str]:
         if getattr(a, k) is not None:
             out += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     return out + (["--keep-checkpoints"] if a.keep_checkpoints else [])
+
+
+def import_results(path: Path, root: Path) -> int:
+    """Write the records of a report's JSON into the cache under ``root`` where it has none →
+    how many were written. Each keeps its settings key, so only matching ones are ever used."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        records = [(m, _slug(r["label"]), r) for m, rs in doc["results"].items() for r in rs]
+        records += [(m, "ordering", o) for m, o in doc.get("ordering", {}).items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"--import-results {path}: not a study report's JSON ({type(e).__name__}: {e})")
+    n = 0
+    for model, slug, rec in records:
+        dest = root / "results" / model / f"{slug}.json"
+        if not dest.exists():
+            _write_json(dest, rec)
+            n += 1
+    log.info("imported %d of %d records from %s into %s", n, len(records), path, root / "results")
+    return n
 
 
 def _run(a, argv) -> int:
@@ -1111,6 +1142,8 @@ def _run(a, argv) -> int:
     if a.core:
         configs = [c for c in configs if c.tag not in EXTRA_TAGS]
     t0 = time.time()
+    if a.import_results:
+        import_results(a.import_results, root)
     if a.worker:  # one configuration of a parallel study, run by run_configs: no report
         for cfg in configs:
             run_config(cfg, st, root, a.keep_checkpoints, progress=False)
@@ -1134,7 +1167,10 @@ def _run(a, argv) -> int:
     cmd = "python bench/accuracy.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:]) if
                                         (argv if argv is not None else sys.argv[1:]) else "")
     write_report(by_model, ordering, st, report, plot, cmd, missing)
-    log.info("wrote %s (%s) in %.0fs", report, plot, time.time() - t0)
+    # the report's numbers as data: every record as cached (settings, timings, certificates)
+    _write_json(report.with_suffix(".json"), {"command": cmd, "results": by_model, "ordering": ordering,
+                                              "missing": missing})
+    log.info("wrote %s (%s, %s) in %.0fs", report, report.with_suffix(".json").name, plot.name, time.time() - t0)
     return 0
 
 

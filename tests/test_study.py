@@ -201,6 +201,9 @@ def test_tiny_study(tmp_path, caplog):
         assert row["peer"]["3"]["same_int"] > 0.99
     text = report.read_text()
     assert "bf16 perplexity" in text and "tr(D)" in text and "Certificate" in text
+    doc = json.loads(report.with_suffix(".json").read_text())   # the report's numbers as data
+    assert {r["label"] for r in doc["results"]["smollm2-135m"]} == {r["label"] for k, r in res.items() if k != "ordering"}
+    assert doc["ordering"]["smollm2-135m"] == o and doc["missing"] == []
     assert "nan" not in text.lower()
 
     caplog.clear()
@@ -254,3 +257,25 @@ def test_readme_study_numbers_are_the_reports():
     missing = [n for n in numbers if n not in report]
     assert not missing, f"README numbers not in docs/RESULTS.md: {missing}"
 
+
+def test_import_results_seeds_the_cache(tmp_path):
+    """--import-results: a report's JSON (docs/RESULTS.json) seeds another machine's cache, so a
+    study continues there; records already cached are kept, a malformed file is a clear error."""
+    study = _study()
+    rec = {"label": "SSQR-1%-4b", "ppl": 15.2, "settings": {"v": 1}}
+    doc = {"command": "c", "results": {"m": [rec, {"label": "bf16", "ppl": 13.2, "settings": {"v": 1}}]},
+           "ordering": {"m": {"rows": [], "settings": {"v": 1}}}, "missing": []}
+    src = tmp_path / "RESULTS.json"
+    src.write_text(json.dumps(doc))
+    root = tmp_path / "study"
+    (root / "results" / "m").mkdir(parents=True)
+    (root / "results" / "m" / "bf16.json").write_text('{"mine": 1}')
+    assert study.import_results(src, root) == 2
+    assert json.loads((root / "results" / "m" / "ssqr-1pct-4b.json").read_text()) == rec
+    assert json.loads((root / "results" / "m" / "ordering.json").read_text())["rows"] == []
+    assert json.loads((root / "results" / "m" / "bf16.json").read_text()) == {"mine": 1}
+    assert study._cached(root / "results" / "m" / "ssqr-1pct-4b.json", {"v": 1}) == rec
+    assert study._cached(root / "results" / "m" / "ssqr-1pct-4b.json", {"v": 2}) is None
+    src.write_text('{"results": [1, 2]}')
+    with pytest.raises(SystemExit, match="not a study report's JSON"):
+        study.import_results(src, root)
