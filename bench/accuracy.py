@@ -264,7 +264,8 @@ class Settings:
     def ordering_key(self, blocks) -> dict:
         return {"v": RESULT_VERSION, "max_blocks": self.max_blocks, "blocks": list(blocks),
                 "nsamples": self.ordering_nsamples,
-                "seqlen": self.seqlen, "seeds": self.ordering_seeds, "peer_bits": list(self.peer_bits)}
+                "seqlen": self.seqlen, "seeds": self.ordering_seeds, "peer_bits": list(self.peer_bits),
+                "llmc": list(_peer().PEER_PACKAGES)}
 
 
 def _write_json(path: Path, obj) -> None:
@@ -653,6 +654,41 @@ def peer_compare(W, H, bits: int, group_size: int) -> dict:
     return {"same_int": float((z_ref == ours.z).float().mean()), "err_ratio": e_ours / e_ref}
 
 
+def llmc_compare(layers: dict, bits: int, group_size: int) -> dict:
+    """llm-compressor's GPTQ on the same layers as ours, in its environment (one call for all):
+    its solver given our scales (identical-integer fraction, error ratio) and its whole layer path
+    (its observer's scales, bf16 weights: error ratio, median scale ratio) → {key: {...}}."""
+    import subprocess
+    import tempfile
+
+    from vllm_latq.quantize import gptq
+    from vllm_latq.quantize.lattice import layer_error
+    from vllm_latq.quantize.scales import expand
+    ours = {k: gptq(W, H, bits=bits, group_size=group_size, order="act") for k, (W, H) in layers.items()}
+    py = _peer().ensure_env(data.cache_dir(), log.info)
+    with tempfile.TemporaryDirectory() as d:
+        inp, out = Path(d) / "layers.pt", Path(d) / "llmc.pt"
+        torch.save({"bits": bits, "group_size": group_size,
+                    "layers": {k: {"W": W.float(), "H": H.float(), "S": ours[k].scales.float(), "damp": ours[k].damp}
+                               for k, (W, H) in layers.items()}}, inp)
+        p = subprocess.run([str(py), str(PEER_SCRIPT), "layers", str(inp), str(out)], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"llm-compressor's layer comparison failed (exit {p.returncode}):\n"
+                               + "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:]))
+        theirs = torch.load(out)
+    r = {}
+    for k, (W, H) in layers.items():
+        o, t = ours[k], theirs[k]
+        S = expand(o.scales, o.group_size, tuple(W.shape)).float()
+        e = layer_error(W, o.q, H, o.damp).sum().item()
+        r[k] = {"same_int": float((torch.round(t["q_given"] / S) == o.z).float().mean()),
+                "err_ratio": layer_error(W, t["q_given"], H, o.damp).sum().item() / e,
+                "err_ratio_own": layer_error(W, t["q_own"], H, o.damp).sum().item() / e,
+                "scale_ratio": float((t["scales_own"] / o.scales.float()).median()),
+                "rtn_fallback": t["rtn_fallback"]}
+    return r
+
+
 def ordering_study(model: str, st: Settings, root: Path, compute: bool = True) -> dict | None:
     """tr(D) per order and the layer-level peer GPTQ, or the cached result (``compute=False``:
     the cached result or None)."""
@@ -683,6 +719,11 @@ def ordering_study(model: str, st: Settings, root: Path, compute: bool = True) -
         tr["random"] = statistics.fmean(rnd)
         peer = {str(bits): peer_compare(W, H, bits, st.group_size) for bits in st.peer_bits}
         rows.append({"block": b, "name": name, "type": name.split(".")[-1], "trD": tr, "peer": peer})
+    gs = peer_group_size(json.loads((mdir / "config.json").read_text()), st.group_size)
+    for bits in st.peer_bits:   # llm-compressor, at the group size it accepts
+        lc = llmc_compare({f"{b}.{n}": wh for (b, n), wh in layers.items()}, bits, gs)
+        for row in rows:
+            row.setdefault("llmc", {})[str(bits)] = {**lc[f"{row['block']}.{row['name']}"], "group_size": gs}
     r = {"model": model, "blocks": list(blocks), "rows": rows, "seconds": round(time.time() - t0, 1),
          "settings": key}
     _write_json(path, r)
@@ -1025,6 +1066,25 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
                 L.append(f"| {bits} | {len(ps)} | {min(p['same_int'] for p in ps):.5f} | "
                          f"{min(p['err_ratio'] for p in ps):.5f} – {max(p['err_ratio'] for p in ps):.5f} |")
             L.append("")
+            lcs = {b: [x["llmc"][str(b)] for x in o["rows"] if str(b) in x.get("llmc", {})] for b in st.peer_bits}
+            if any(lcs.values()):
+                L += ["llm-compressor's GPTQ on the same layers, to tell its solver from its scales: its solver "
+                      "(`quantize_weight`) given our scales, and its whole layer path as in its pipeline (its "
+                      "`mse` observer's scales of the bf16 weights); errors (q−w)ᵀH_d(q−w) relative to ours:", "",
+                      "| bits | group size | layers | identical integers, our scales (min) | error, our scales "
+                      "(min – max) | error, its scales (min – median – max) | its scale / ours (median) |",
+                      "|---|---|---|---|---|---|---|"]
+                for bits, ps in lcs.items():
+                    if not ps:
+                        continue
+                    own = sorted(p["err_ratio_own"] for p in ps)
+                    L.append(f"| {bits} | {ps[0]['group_size']} | {len(ps)} | {min(p['same_int'] for p in ps):.5f} | "
+                             f"{min(p['err_ratio'] for p in ps):.5f} – {max(p['err_ratio'] for p in ps):.5f} | "
+                             f"{own[0]:.3f} – {statistics.median(own):.3f} – {own[-1]:.3f} | "
+                             f"{statistics.median(p['scale_ratio'] for p in ps):.3f} |")
+                fb = sum(p["rtn_fallback"] for ps in lcs.values() for p in ps)
+                L += ["", *([f"llm-compressor fell back to RTN (Cholesky failure) on {fb} of these layers.", ""]
+                            if fb else [])]
     L += ["## Pareto plot", ""]
     if why:
         L += [f"_{why}._", ""]

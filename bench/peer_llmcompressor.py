@@ -72,9 +72,16 @@ def bits_per_weight(shapes, bits: int, group_size: int) -> float:
     return (bits * total + 16 * scales) / total
 
 
+def _weight_args(bits: int, group_size: int):
+    """llm-compressor's quantization arguments at our settings (module docstring)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size,
+                            observer="mse", actorder="static")
+
+
 def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp: float = 0.01) -> dict:
     import torch
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationScheme
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
@@ -87,14 +94,24 @@ def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp
         raise ValueError(f"{calib}: calibration ids must be [n, seqlen], got {tuple(ids.shape)}")
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size, observer="mse",
-        actorder="static"))
+    scheme = QuantizationScheme(targets=["Linear"], weights=_weight_args(bits, group_size))
     recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], block_size=128,
                           dampening_frac=damp)
+    # llm-compressor quantizes a layer whose damped Hessian fails Cholesky by RTN, with a warning:
+    # record which, as that is a difference from ours (which raises the damping instead)
+    fallback = []
+    summary = GPTQModifier._log_rtn_fallback_summary
+
+    def record(self):
+        fallback.extend(self._rtn_fallback_module_names)
+        return summary(self)
+    GPTQModifier._log_rtn_fallback_summary = record
     t0 = time.time()
-    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=len(ids),
-            shuffle_calibration_samples=False, pipeline="sequential")
+    try:
+        oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1],
+                num_calibration_samples=len(ids), shuffle_calibration_samples=False, pipeline="sequential")
+    finally:
+        GPTQModifier._log_rtn_fallback_summary = summary
     seconds = time.time() - t0
 
     # the quantized linears' weights, each checked to be an integer of the grid times its scale
@@ -142,14 +159,47 @@ def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp
             "torch": torch.__version__, "bits": bits, "group_size": group_size, "damp": damp, "observer": "mse",
             "actorder": "static", "block_size": 128, "pipeline": "sequential", "calibration": list(ids.shape),
             "layers": len(shapes), "bits_per_weight": bits_per_weight(shapes, bits, group_size),
-            "grid_check": {"outside": outside, "max_rel_deviation": worst}, "quantize_seconds": round(seconds, 1)}
+            "grid_check": {"outside": outside, "max_rel_deviation": worst}, "rtn_fallback": fallback,
+            "quantize_seconds": round(seconds, 1)}
     (tmp / "peer.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return info
 
 
+def compare_layers(inp: Path, out: Path) -> None:
+    """Layer mode, to tell llm-compressor's solver from its scales: ``inp`` holds ``{"bits",
+    "group_size", "layers": {name: {"W", "H", "S", "damp"}}}`` (fp32 weights, Hessian, our scales
+    and the damping our solver used); for each layer ``out`` gets llm-compressor's GPTQ solver (``quantize_weight``) run
+    with our scales (``q_given``, fp32), and its whole layer path as in its pipeline: its observer's
+    scales of the bf16 weights, the solver on bf16 weights (``q_own``, ``scales_own``)."""
+    import torch
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+    from llmcompressor.observers import Observer
+
+    d = torch.load(inp)
+    args = _weight_args(d["bits"], d["group_size"])
+    res = {}
+    for name, L in d["layers"].items():
+        W, H, S = L["W"].float(), L["H"].float(), L["S"].float()
+        zero = torch.zeros_like(S, dtype=torch.int8)
+        q_given, _, fb1 = quantize_weight(W[None].clone(), H[None].clone(), S[None], zero[None], None, args,
+                                          blocksize=128, percdamp=L["damp"])
+        obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args.model_copy(deep=True))
+        Wb = W.bfloat16()
+        qp = obs(Wb).get_qparams()
+        q_own, _, fb2 = quantize_weight(Wb[None].clone(), H[None].clone(), qp["scale"][None],
+                                        qp["zero_point"][None], None, args, blocksize=128, percdamp=L["damp"])
+        res[name] = {"q_given": q_given[0].float(), "q_own": q_own[0].float(), "scales_own": qp["scale"].float(),
+                     "rtn_fallback": bool(fb1.any() or fb2.any())}
+    torch.save(res, out)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["layers"]:   # PEER_PYTHON bench/peer_llmcompressor.py layers IN.pt OUT.pt
+        compare_layers(Path(argv[1]), Path(argv[2]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("calib", type=Path)

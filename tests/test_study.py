@@ -199,6 +199,10 @@ def test_tiny_study(tmp_path, caplog):
         assert all(_finite(v) and v > 0 for v in row["trD"].values())
         assert row["trD"]["min-pivot"] <= min(row["trD"].values()) * (1 + 1e-9)
         assert row["peer"]["3"]["same_int"] > 0.99
+        # llm-compressor's solver given our scales chooses (almost) our integers
+        lc = row["llmc"]["3"]
+        assert lc["group_size"] == 64 and lc["same_int"] > 0.99 and abs(lc["err_ratio"] - 1) < 0.01
+        assert _finite(lc["err_ratio_own"]) and _finite(lc["scale_ratio"]) and lc["rtn_fallback"] is False
     text = report.read_text()
     assert "bf16 perplexity" in text and "tr(D)" in text and "Certificate" in text
     doc = json.loads(report.with_suffix(".json").read_text())   # the report's numbers as data
