@@ -137,11 +137,13 @@ def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp
     # a plain HF directory: the source's tensors, with the quantized linears' weights in fp32. Only
     # the linears come from llm-compressor: it rewrites Gemma's norms (1 + w) during calibration and
     # back, which need not return the source's bf16 values
-    tensors = {}
+    tensors, theirs, moved = {}, model.state_dict(), []
     for f in sorted(Path(src).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():
                 tensors[k] = quantized.pop(k) if k in quantized else h.get_tensor(k)
+                if k in theirs and not torch.equal(theirs[k].float(), tensors[k].float()):
+                    moved.append(float((theirs[k].float() - tensors[k].float()).abs().max()))
     if quantized:
         raise RuntimeError(f"llm-compressor quantized linears the source does not have: {sorted(quantized)[:3]}")
     tmp = out.with_name(out.name + ".tmp")
@@ -160,6 +162,7 @@ def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp
             "actorder": "static", "block_size": 128, "pipeline": "sequential", "calibration": list(ids.shape),
             "layers": len(shapes), "bits_per_weight": bits_per_weight(shapes, bits, group_size),
             "grid_check": {"outside": outside, "max_rel_deviation": worst}, "rtn_fallback": fallback,
+            "other_tensors_it_changed": {"count": len(moved), "max_abs_change": max(moved, default=0.0)},
             "quantize_seconds": round(seconds, 1)}
     (tmp / "peer.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
