@@ -956,6 +956,39 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
             + rows + [""] + (["Notes:", "", *notes, ""] if notes else []))
 
 
+def compute_hours(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> tuple[float, float]:
+    """(study proper, extras) in hours of elapsed time: a configuration that ran beside others
+    counts its share of its wall time."""
+    def secs(extra: bool) -> float:
+        return sum((r["quantize_seconds"] + r["eval_seconds"]) / r.get("jobs", 1) for res in by_model.values()
+                   for r in res if (r["tag"] in EXTRA_TAGS) == extra)
+    return (secs(False) + sum(o.get("seconds", 0) for o in ordering.values())) / 3600, secs(True) / 3600
+
+
+def headline(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> str:
+    """The study's last line: per model the perplexities of the paper's headline configurations
+    and our GPTQ's gap to each peer (%), the certificate's largest per-row ratio, compute hours."""
+    out = []
+    for model, res in by_model.items():
+        r = {x["label"]: x for x in res}
+        short = model.split("-")[0]
+        for label in ("bf16", "HPTQ-3.125", "GPTQ-3b", "HPTQ-4.125", "SSQR-1%-4b", "GPTQ-4b"):
+            if label in r:
+                out.append(f"{short}_{_slug(label).replace('-', '_')}_ppl={r[label]['ppl']:.2f}")
+        for tag in PEERS:
+            for b in (3, 4):
+                v = r.get(f"GPTQ-{b}b-{tag}")
+                base = v and r.get(f"GPTQ-{b}b" + (f"-{v['base']}" if v.get("base") else ""))
+                if v and base:
+                    out.append(f"{short}_{tag}{b}_vs_ours_pct={100 * (v['ppl'] / base['ppl'] - 1):+.2f}")
+    cs = cert_summary([x for res in by_model.values() for x in res])
+    if cs:
+        out.append(f"cert_row_max={cs['row_max']:.3f} cert_median={cs['ratio_median']:.3f}")
+    core, extra = compute_hours(by_model, ordering)
+    out.append(f"hours_core={core:.2f} hours_all={core + extra:.2f}")
+    return "HEADLINE " + " ".join(out)
+
+
 def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st: Settings, report: Path,
                  plot: Path, command: str, missing: list[str] = ()) -> None:
     why = pareto_plot(by_model, plot)
@@ -976,14 +1009,11 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]
-    def secs(extra: bool) -> float:  # elapsed: a configuration run beside others counts its share
-        return sum((r["quantize_seconds"] + r["eval_seconds"]) / r.get("jobs", 1) for res in by_model.values()
-                   for r in res if (r["tag"] in EXTRA_TAGS) == extra)
-    core = secs(False) + sum(o.get("seconds", 0) for o in ordering.values())
-    L += [f"Compute: {(core + secs(True)) / 3600:.1f} h of this machine's time for everything below (the "
+    core, extra = compute_hours(by_model, ordering)
+    L += [f"Compute: {core + extra:.1f} h of this machine's time for everything below (the "
           "per-configuration wall times, divided by the number of configurations that ran side by side; a "
-          f"re-run skips cached configurations): {core / 3600:.1f} h for the study proper (`--core`: sweep, "
-          f"ordering, min-pivot, peer) and {secs(True) / 3600:.1f} h for the extras (the peer gap's controls, "
+          f"re-run skips cached configurations): {core:.1f} h for the study proper (`--core`: sweep, "
+          f"ordering, min-pivot, peers) and {extra:.1f} h for the extras (the peer gap's controls, "
           "the quantized-head variants).", ""]
     if missing:
         L += ["**Not run yet** (this report was written from the cached results with `--report-only`): "
@@ -1231,6 +1261,7 @@ def _run(a, argv) -> int:
     _write_json(report.with_suffix(".json"), {"command": cmd, "results": by_model, "ordering": ordering,
                                               "missing": missing})
     log.info("wrote %s (%s, %s) in %.0fs", report, report.with_suffix(".json").name, plot.name, time.time() - t0)
+    print(headline(by_model, ordering), flush=True)
     return 0
 
 

