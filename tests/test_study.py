@@ -153,6 +153,24 @@ def test_report_tables_from_results(tmp_path):
     assert "| GPTQ-3b | 20.00 | 18.00 | -10.00% | 3.180 → 3.250 |" in text      # the g64 baseline vs g128
     assert "| our GPTQ-3b vs llm-compressor: Δ ppl within ±1%, or within ours' own spread under harmless " \
            "changes where measured | (the issue's bar) | +0.50% at group size 64 | holds |" in text
+    # a peer gap beyond the bar gets a note: the layer-level comparison, then ours' own spread
+    res[-1] = {**res[-1], "ppl": 18.9}
+    lc = {"same_int": 0.999, "err_ratio": 1.0002, "err_ratio_own": 1.2, "scale_ratio": 1.04, "rtn_fallback": False}
+    ordering = {"m": {"blocks": [1], "rows": [{"block": 1, "name": "mlp.up_proj", "type": "up_proj",
+                                               "trD": {o: 1.0 for o in study.ORDERS},
+                                               "peer": {"3": {"same_int": 1.0, "err_ratio": 1.0}},
+                                               "llmc": {"3": {**lc, "group_size": 64}}}]}}
+    res.append(rec("GPTQ-3b-fp64", "GPTQ", 3, "fp64", 20.4, 3.18))
+    study.write_report({"m": res}, ordering, study.Settings(peer_bits=(3,)), report, tmp_path / "p.png", "cmd")
+    text = report.read_text()
+    assert ("- m: llm-compressor's GPTQ-3b is +5.00% from ours, outside the ±1% bar. On the same Hessians (1 layers "
+            "of the bf16 model, ordering section), given our scales, its solver and ours choose at least 0.9990 "
+            "identical integers and their errors differ by at most 0.02%: the solvers agree.") in text
+    assert "its layer errors are 1.20–1.20× ours (median 1.20): larger than ours, as its perplexity is" in text
+    assert "(ours in fp64: +2.00%) moves by up to 2.00%: the peer gap is beyond that spread (+5.00% vs ±2.00%)" in text
+    assert "| 3 | 64 | 1 | 0.99900 | 1.00020 – 1.00020 | 1.200 – 1.200 – 1.200 | 1.040 |" in text
+    res = res[:-1]
+    res[-1] = {**res[-1], "ppl": 18.09}
     line = study.headline({"m": res}, {})   # the script's last line
     assert line.startswith("HEADLINE m_bf16_ppl=13.00 m_gptq_3b_ppl=20.00 m_ssqr_1pct_4b_ppl=13.50 ")
     assert " m_llmc3_vs_ours_pct=+0.50 " in line and "peer3" not in line
