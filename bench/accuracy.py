@@ -478,7 +478,10 @@ def run_configs(configs: list[Config], st: Settings, root: Path, keep: bool, com
 
     from tqdm.auto import tqdm
     results = [run_config(c, st, root, keep, compute=False) for c in configs]
-    todo = [i for i, r in enumerate(results) if r is None] if compute else []
+    todo = [i for i, r in enumerate(results) if r is None]
+    if not compute:   # --report-only: what is cached, nothing more
+        log.info("%d of %d configurations cached", len(configs) - len(todo), len(configs))
+        return results
     if any(configs[i].tag == "llmc" for i in todo):
         _peer().ensure_env(data.cache_dir(), log.info)  # once, here, not by racing workers
     bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="study configurations", unit="cfg")
