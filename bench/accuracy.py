@@ -88,6 +88,10 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
                    "settings: the same bf16 model and calibration sequences, symmetric signed integers, static "
                    "act-order, damping 0.01, blocks of 128 columns, its dequantized weights bf16(z·s) as it deploys "
                    "them; compared with ours at the same group size; the bar is ±1 %:", "llm-compressor"),
+          ("llmc-scales", "Our GPTQ given llm-compressor's scales (its `mse` observer's, computed in its environment "
+                          "from the bf16 weights, as its GPTQ run chooses them), everything else ours (pipeline, "
+                          "solver, format), against llm-compressor's GPTQ: what is left of the gap once the scales "
+                          "are equal:", "ours, its scales"),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
                    "settings; only intermediate rounding differs, changing a few integers):", "ours in fp64"),
           ("damp-up", "Control: our GPTQ with the damping ×(1 + 10⁻⁴) (0.01 → 0.010001 of mean diag H: no change of "
@@ -104,7 +108,8 @@ SPREAD_OPTS = {"fp32-forwards": {"compute_dtype": "float32"}}  # the spread cont
 # beyond the issue's study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
 # decode head options; `--core` skips them
 EXTRA_TAGS = SPREAD_TAGS + ("lm-head", "lm-head8")
-PEER_TAGS = ("peer", "llmc", "g64")  # the peer GPTQs and the group-size-64 baseline of llm-compressor's
+# the peer GPTQs, the group-size-64 baseline of llm-compressor's, and ours given its scales
+PEER_TAGS = ("peer", "llmc", "g64", "llmc-scales")
 RESULT_VERSION = 1  # bump when a result's meaning changes: cached results are then recomputed
 # bump when the calibrated pipeline's numerics change: only results that ran it are recomputed
 # (2: calibration forwards in the model's dtype, bf16, instead of fp32)
@@ -164,7 +169,7 @@ def peer_group_size(model_config: dict, group_size: int) -> int:
 def _llmc_configs(model: str, group_size: int, peer_group: int | None, levels) -> list[Config]:
     """llm-compressor's GPTQ (tag ``llmc``) at ``levels``, each compared with ours at its group
     size: the default configuration, or one at ``peer_group`` (tag ``g64``) where the model's
-    widths need it."""
+    widths need it; and ours given its scales (tag ``llmc-scales``), compared with it."""
     pg = peer_group or group_size
     base = "" if pg == group_size else f"g{pg}"
     out = []
@@ -172,6 +177,7 @@ def _llmc_configs(model: str, group_size: int, peer_group: int | None, levels) -
         if base:
             out.append(_cfg(model, "GPTQ", b, base, method="gptq", bits=b, group_size=pg))
         out.append(_cfg(model, "GPTQ", b, "llmc", base=base, method="gptq", bits=b, group_size=pg))
+        out.append(_cfg(model, "GPTQ", b, "llmc-scales", base="llmc", method="gptq", bits=b, group_size=pg))
     return out
 
 
@@ -257,7 +263,7 @@ class Settings:
         method = cfg.kwargs.get("method") if cfg is not None else None  # None: bf16
         if method is not None and method not in UNCALIBRATED:
             k["pipeline"] = PIPELINE_RESULTS
-        if cfg is not None and cfg.tag == "llmc":
+        if cfg is not None and cfg.tag in ("llmc", "llmc-scales"):
             k["peer"] = list(_peer().PEER_PACKAGES)
         return k
 
@@ -339,6 +345,9 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = T
 
     opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
     solver = _solve_replaced(cfg.tag) if cfg.tag in SOLVERS else contextlib.nullcontext()
+    if cfg.tag == "llmc-scales":
+        solver = _solve_replaced(cfg.tag, _given_scales_solve(llmc_scales(src, cfg.kwargs["bits"],
+                                                                          cfg.kwargs["group_size"])))
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
         journal.unlink(missing_ok=True)
@@ -379,28 +388,42 @@ def _peer():
     return sys.modules[name]
 
 
+def _run_peer(args: list[str], what: str) -> None:
+    """Run bench/peer_llmcompressor.py with ``args`` in llm-compressor's environment (built on first
+    use); a failure raises naming ``what`` with the command's last lines."""
+    import subprocess
+    cmd = [str(_peer().ensure_env(data.cache_dir(), log.info)), str(PEER_SCRIPT), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:])
+        raise RuntimeError(f"llm-compressor failed on {what} (exit {p.returncode}): `{' '.join(cmd)}`; "
+                           f"its last lines:\n{tail}")
+
+
+def llmc_scales(src: Path, bits: int, group_size: int) -> dict:
+    """``{linear name: scale}`` as llm-compressor's GPTQ chooses them for the model in ``src``."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "scales.pt"
+        _run_peer(["scales", src, bits, group_size, out], f"the scales of {src.name}")
+        return torch.load(out)
+
+
 def _quantize_llmc(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = True) -> tuple[list[dict], float]:
     """llm-compressor's GPTQ of ``cfg`` into ``ck`` (a plain HF directory of its dequantized
     weights), in its own environment, on the calibration sequences our pipeline uses →
     ([], seconds): clipped GPTQ has no certificate."""
-    import subprocess
-
     from transformers import AutoTokenizer
-    py = _peer().ensure_env(data.cache_dir(), log.info)
     kw = cfg.kwargs
     calib = ck.with_name(cfg.slug + ".calib.pt")
     calib.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data.calibration_batches(AutoTokenizer.from_pretrained(src), nsamples=st.nsamples, seqlen=st.seqlen),
                calib)
     t0 = time.time()
-    cmd = [str(py), str(PEER_SCRIPT), str(src), str(calib), str(ck), "--bits", str(kw["bits"]),
-           "--group-size", str(kw["group_size"])]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    calib.unlink()
-    if p.returncode != 0:
-        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:])
-        raise RuntimeError(f"llm-compressor failed on {cfg.model} {cfg.label} (exit {p.returncode}): "
-                           f"`{' '.join(cmd)}`; its last lines:\n{tail}")
+    try:
+        _run_peer([src, calib, ck, "--bits", kw["bits"], "--group-size", kw["group_size"]], f"{cfg.model} {cfg.label}")
+    finally:
+        calib.unlink()
     return [], round(time.time() - t0, 1)
 
 
@@ -595,11 +618,12 @@ def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torc
 
 
 @contextlib.contextmanager
-def _solve_replaced(tag: str):
-    """The pipeline's per-layer ``solve`` replaced by ``SOLVERS[tag](ours, method, W, H, name,
-    **kw)`` for the duration (``ours``: the pipeline's own). Every replacement is of GPTQ."""
+def _solve_replaced(tag: str, solve=None):
+    """The pipeline's per-layer ``solve`` replaced by ``solve`` (default ``SOLVERS[tag]``) called as
+    ``solve(ours, method, W, H, name, **kw)`` for the duration (``ours``: the pipeline's own). Every
+    replacement is of GPTQ."""
     from vllm_latq.quantize import pipeline
-    ours, solve = pipeline.solve, SOLVERS[tag]
+    ours, solve = pipeline.solve, solve or SOLVERS[tag]
 
     def replaced(method, W, H, name, **kw):
         if method != "gptq":
@@ -639,6 +663,22 @@ def _damped_solve(factor: float):
     return solve
 
 
+def _given_scales_solve(scales: dict):
+    """Our GPTQ with each layer's scales given (``{layer name: [out, ngroups]}``, rounded to the
+    fp16 our checkpoints store: llm-compressor's bf16 scales are exact there), the rest ours."""
+    from vllm_latq.quantize.scales import to_fp16_grid
+
+    def solve(ours, method, W, H, name, **kw):
+        if name not in scales:
+            raise KeyError(f"no given scales for layer {name} (have {len(scales)} layers, e.g. {next(iter(scales))})")
+        S = scales[name]
+        want = (W.shape[0], -(-W.shape[1] // kw["group_size"]))
+        if tuple(S.shape) != want:
+            raise ValueError(f"{name}: given scales are {tuple(S.shape)}, group size {kw['group_size']} needs {want}")
+        return ours(method, W, H, name, **{**kw, "scales": to_fp16_grid(S.float(), f"{name} scale")})
+    return solve
+
+
 # configuration tag → the solve that replaces the pipeline's for it
 SOLVERS = {"peer": _peer_solve, "fp64": _fp64_solve, "damp-up": _damped_solve(1 + 1e-4),
            "damp-down": _damped_solve(1 - 1e-4), "damp-up2": _damped_solve(1 + 1e-3),
@@ -661,23 +701,18 @@ def llmc_compare(layers: dict, bits: int, group_size: int) -> dict:
     """llm-compressor's GPTQ on the same layers as ours, in its environment (one call for all):
     its solver given our scales (identical-integer fraction, error ratio) and its whole layer path
     (its observer's scales, bf16 weights: error ratio, median scale ratio) → {key: {...}}."""
-    import subprocess
     import tempfile
 
     from vllm_latq.quantize import gptq
     from vllm_latq.quantize.lattice import layer_error
     from vllm_latq.quantize.scales import expand
     ours = {k: gptq(W, H, bits=bits, group_size=group_size, order="act") for k, (W, H) in layers.items()}
-    py = _peer().ensure_env(data.cache_dir(), log.info)
     with tempfile.TemporaryDirectory() as d:
         inp, out = Path(d) / "layers.pt", Path(d) / "llmc.pt"
         torch.save({"bits": bits, "group_size": group_size,
                     "layers": {k: {"W": W.float(), "H": H.float(), "S": ours[k].scales.float(), "damp": ours[k].damp}
                                for k, (W, H) in layers.items()}}, inp)
-        p = subprocess.run([str(py), str(PEER_SCRIPT), "layers", str(inp), str(out)], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"llm-compressor's layer comparison failed (exit {p.returncode}):\n"
-                               + "\n".join((p.stdout + p.stderr).strip().splitlines()[-20:]))
+        _run_peer(["layers", inp, out], f"the layer comparison ({bits} bits)")
         theirs = torch.load(out)
     r = {}
     for k, (W, H) in layers.items():
@@ -900,6 +935,15 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
                         abs(d) <= max(PEER_BAR, sp))
             row(f"our GPTQ-{b}b vs {who}: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
                 "spread under harmless changes where measured", "(the issue's bar)", peer)
+    for b in (4, 3):
+        def same_scales(m, b=b):
+            d = rel(m, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
+            if d is None:
+                return None
+            sp = max(map(abs, spread(m, b).values()), default=0.0)
+            return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, sp)
+        row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(the issue's bar)",
+            same_scales)
     notes = []
     for m in models:   # conditional notes: each explains a verdict the numbers above show
         r = {x["label"]: x for x in by_model[m]}
@@ -934,7 +978,9 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
                 notes.append(" ".join([f"- {m}: {who}'s GPTQ-{b}b is {100 * d:+.2f}% from ours, outside the "
                                        f"±{100 * PEER_BAR:.0f}% bar."]
                                       + _peer_layers_note(tag, b, d, ordering.get(m))
-                                      + _spread_note(d, b, spread(m, b))))
+                                      + _spread_note(d, b, spread(m, b))
+                                      + (_given_scales_note(d, r.get(f"GPTQ-{b}b-llmc-scales"), r[label],
+                                                            spread(m, b)) if tag == "llmc" else [])))
     return (["## The paper's claims on these models", "",
              "Each verdict is computed from the numbers below by the rule in its row. Paper figures: "
              "Qwen3-8B (Table 3) unless noted; ours: the sections below.", "",
@@ -967,6 +1013,10 @@ def headline(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> str:
                 base = v and r.get(f"GPTQ-{b}b" + (f"-{v['base']}" if v.get("base") else ""))
                 if v and base:
                     out.append(f"{short}_{tag}{b}_vs_ours_pct={100 * (v['ppl'] / base['ppl'] - 1):+.2f}")
+        for b in (3, 4):   # ours given llm-compressor's scales, against it
+            v, peer = r.get(f"GPTQ-{b}b-llmc-scales"), r.get(f"GPTQ-{b}b-llmc")
+            if v and peer:
+                out.append(f"{short}_ours_llmc_scales{b}_vs_llmc_pct={100 * (v['ppl'] / peer['ppl'] - 1):+.2f}")
     cs = cert_summary([x for res in by_model.values() for x in res])
     if cs:
         out.append(f"cert_row_max={cs['row_max']:.3f} cert_median={cs['ratio_median']:.3f}")
@@ -999,6 +1049,21 @@ def _peer_layers_note(tag: str, b: int, d: float, ordering: dict | None) -> list
             "shrink factors 0.80–1.00 of absmax, bf16; ours: squared error over 0.2–1.0, fp16), which are "
             f"{statistics.median(p['scale_ratio'] for p in ps):.3f}× ours (median), its layer errors are "
             f"{own[0]:.2f}–{own[-1]:.2f}× ours (median {med:.2f}): {why}."]
+
+
+def _given_scales_note(d: float, mine: dict | None, theirs: dict, sp: dict) -> list[str]:
+    """What our GPTQ given llm-compressor's scales (``mine``) says of its whole-model gap ``d``."""
+    if mine is None:
+        return []
+    dd = mine["ppl"] / theirs["ppl"] - 1
+    tol = max([PEER_BAR, *map(abs, sp.values())])
+    share = 1 + math.log1p(dd) / math.log1p(d)   # of the gap in log ppl, what equal scales close
+    return [f"Whole model, our GPTQ given its scales (everything else ours) gives {_fmt_ppl(mine['ppl'])}, "
+            f"{100 * dd:+.2f}% from llm-compressor's {_fmt_ppl(theirs['ppl'])}: "
+            + (f"within ±{100 * tol:.2f}%, so the gap is the choice of scales, not the solver or the pipeline."
+               if abs(dd) <= tol else
+               f"beyond ±{100 * tol:.2f}%; the scales account for {100 * share:.0f}% of the gap (log ppl), "
+               "the rest is not explained here.")]
 
 
 def _spread_note(d: float, b: int, sp: dict) -> list[str]:
@@ -1083,7 +1148,7 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
                      for base in [next((x for x in res if x["family"] == r["family"] and x["level"] == r["level"]
                                         and x["tag"] == r.get("base", "")), None)] if base]
             if pairs:
-                L += [title, "", f"| method | default | {col} | Δ ppl | bits/w (default → {col}) |",
+                L += [title, "", f"| compared with | its ppl | {col} | Δ ppl | bits/w (its → {col}) |",
                       "|---|---|---|---|---|"]
                 for v, base in pairs:
                     L.append(f"| {base['label']} | {_fmt_ppl(base['ppl'])} | {_fmt_ppl(v['ppl'])} | "

@@ -198,10 +198,34 @@ def compare_layers(inp: Path, out: Path) -> None:
     torch.save(res, out)
 
 
+def model_scales(src: Path, bits: int, group_size: int, out: Path) -> None:
+    """Scales mode: ``out`` gets ``{linear name: scale [out, ngroups] fp32}`` for every linear but the
+    output head, chosen as llm-compressor's pipeline chooses them (its observer on the bf16 weights).
+    The weights never change before their layer is quantized (static act-order), so these are the
+    scales of its GPTQ run; the study hands them to our GPTQ to separate scale choice from the rest."""
+    import torch
+    from llmcompressor.observers import Observer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    args = _weight_args(bits, group_size)
+    res = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head":
+            obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args.model_copy(deep=True))
+            res[name] = obs(m.weight.detach()).get_qparams()["scale"].float()
+    if not res:
+        raise RuntimeError(f"{src}: no linear layer to choose scales for")
+    torch.save(res, out)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layers"]:   # PEER_PYTHON bench/peer_llmcompressor.py layers IN.pt OUT.pt
         compare_layers(Path(argv[1]), Path(argv[2]))
+        return 0
+    if argv[:1] == ["scales"]:   # PEER_PYTHON bench/peer_llmcompressor.py scales SRC BITS GROUP OUT.pt
+        model_scales(Path(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)

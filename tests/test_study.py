@@ -73,6 +73,41 @@ def test_peer_solver_quantizes_whole_models_through_the_pipeline(tiny_llama, tmp
     assert all(torch.equal(wa[k], wb[k]) for k in wa if k not in lin)   # embeddings, norms, head
 
 
+def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp_path):
+    """Ours given another implementation's scales (llm-compressor's, in the study): every layer's
+    checkpoint stores exactly the given scales (bf16 values are exact in fp16), the integers come
+    from our GPTQ on them, and a missing layer or a wrong shape is refused by name."""
+    from safetensors.torch import load_file
+    from safetensors import safe_open
+    from vllm_latq.quantize import pipeline
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    from vllm_latq.quantize.scales import mse_scales
+    study = _study()
+    with safe_open(str(tiny_llama / "model.safetensors"), framework="pt") as h:
+        W = {k.removesuffix(".weight"): h.get_tensor(k).float() for k in h.keys() if k.endswith("proj.weight")}
+    given = {k: (1.25 * mse_scales(w, 3, 64)).bfloat16().float() for k, w in W.items()}   # not ours: 1.25×
+    opts = QuantizeOptions(method="gptq", bits=3, group_size=64, nsamples=4, seqlen=64)
+    solve = pipeline.solve
+    with study._solve_replaced("llmc-scales", study._given_scales_solve(given)):
+        quantize_model(tiny_llama, tmp_path / "ck", opts, progress=False)
+    assert pipeline.solve is solve
+    t = {}
+    for f in (tmp_path / "ck").glob("*.safetensors"):
+        t.update(load_file(str(f)))
+    assert len(given) == 2 * 7
+    for k, S in given.items():
+        assert torch.equal(t[f"{k}.scales"].float(), S), k
+        z = t[f"{k}.qweight"]
+        assert z.numel() > 0
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.q_proj"):
+        with study._solve_replaced("llmc-scales", study._given_scales_solve({"other": given[next(iter(given))]})):
+            quantize_model(tiny_llama, tmp_path / "ck2", opts, progress=False)
+    bad = {k: S[:, :1] for k, S in given.items()}
+    with pytest.raises(ValueError, match=r"given scales are \(\d+, 1\), group size 64 needs"):
+        with study._solve_replaced("llmc-scales", study._given_scales_solve(bad)):
+            quantize_model(tiny_llama, tmp_path / "ck3", opts, progress=False)
+
+
 def test_configurations_cover_the_issue():
     study = _study()
     labels = {c.label for c in study.sweep_configs("gemma3-270m", 128)}
@@ -92,6 +127,10 @@ def test_configurations_cover_the_issue():
         assert smol[f"GPTQ-{b}b-llmc"].base == "g64" and smol[f"GPTQ-{b}b-llmc"].kwargs["group_size"] == 64
         assert smol[f"GPTQ-{b}b-g64"].kwargs == {"method": "gptq", "bits": b, "group_size": 64}
         assert smol[f"GPTQ-{b}b"].kwargs["group_size"] == 128
+        # ours given its scales, compared with it
+        assert smol[f"GPTQ-{b}b-llmc-scales"].base == "llmc"
+        assert smol[f"GPTQ-{b}b-llmc-scales"].kwargs == smol[f"GPTQ-{b}b-g64"].kwargs
+        assert gemma[f"GPTQ-{b}b-llmc-scales"].kwargs == gemma[f"GPTQ-{b}b"].kwargs
 
 
 def test_peer_group_size_divides_every_linear_width():
@@ -169,6 +208,23 @@ def test_report_tables_from_results(tmp_path):
     assert "its layer errors are 1.20–1.20× ours (median 1.20): larger than ours, as its perplexity is" in text
     assert "(ours in fp64: +2.00%) moves by up to 2.00%: the peer gap is beyond that spread (+5.00% vs ±2.00%)" in text
     assert "| 3 | 64 | 1 | 0.99900 | 1.00020 – 1.00020 | 1.200 – 1.200 – 1.200 | 1.040 |" in text
+    # ours given its scales: the table next to llm-compressor's run, the claims row, the note's last sentence
+    res.append({**rec("GPTQ-3b-llmc-scales", "GPTQ", 3, "llmc-scales", 18.9 * 1.015, 3.297), "base": "llmc"})
+    study.write_report({"m": res}, ordering, study.Settings(peer_bits=(3,)), report, tmp_path / "p.png", "cmd")
+    text = report.read_text()
+    assert "| GPTQ-3b-llmc | 18.90 | 19.18 | +1.50% | 3.250 → 3.297 |" in text
+    assert ("| our GPTQ-3b given llm-compressor's scales vs llm-compressor: same rule | (the issue's bar) | +1.50% "
+            "| holds |") in text
+    assert ("noise. Whole model, our GPTQ given its scales (everything else ours) gives 19.18, +1.50% from "
+            "llm-compressor's 18.90: within ±2.00%, so the gap is the choice of scales") in text
+    res[-1] = {**res[-1], "ppl": 18.0 * 1.01}   # back near ours: the scales close a fifth of the gap
+    study.write_report({"m": res}, ordering, study.Settings(peer_bits=(3,)), report, tmp_path / "p.png", "cmd")
+    text = report.read_text()
+    share = 1 + math.log(18.18 / 18.9) / math.log(18.9 / 18.0)
+    assert f"beyond ±2.00%; the scales account for {100 * share:.0f}% of the gap (log ppl)" in text
+    assert "does not hold |" in text.split("our GPTQ-3b given llm-compressor's scales vs llm-compressor")[1].splitlines()[0]
+    assert " m_ours_llmc_scales3_vs_llmc_pct=-3.81 " in study.headline({"m": res}, {})
+    res = res[:-1]
     res = res[:-1]
     res[-1] = {**res[-1], "ppl": 18.09}
     line = study.headline({"m": res}, {})   # the script's last line
@@ -196,7 +252,7 @@ def test_tiny_study(tmp_path, caplog, capsys):
     results = sorted((out / "results" / "smollm2-135m").glob("*.json"))
     res = {p.stem: json.loads(p.read_text()) for p in results}
     assert {"bf16", "gptq-3b", "ssqr-1pct-3b", "gptq-3b-min-pivot", "gptq-3b-peer", "gptq-3b-g64", "gptq-3b-llmc",
-            "ordering"} <= set(res)
+            "gptq-3b-llmc-scales", "ordering"} <= set(res)
     for k, r in res.items():
         if k == "ordering":
             continue
@@ -216,6 +272,10 @@ def test_tiny_study(tmp_path, caplog, capsys):
     assert llmc["bits"] == 3 + 16 / 64 and llmc["peer"]["layers"] == 2 * 7
     assert llmc["peer"]["llmcompressor"] == "0.14.0.1" and llmc["peer"]["grid_check"]["outside"] == 0
     assert llmc["ppl"] != res["gptq-3b-g64"]["ppl"]   # a different implementation, not ours again
+    # ours given its scales: our format at its group size, other scales than ours
+    mine = res["gptq-3b-llmc-scales"]
+    assert mine["base"] == "llmc" and mine["bits"] == res["gptq-3b-g64"]["bits"]
+    assert mine["ppl"] not in (llmc["ppl"], res["gptq-3b-g64"]["ppl"])
     # ordering study: min-pivot has the smallest tr(D) of the named orders, per layer
     o = res["ordering"]
     assert len(o["rows"]) == 7
@@ -239,7 +299,7 @@ def test_tiny_study(tmp_path, caplog, capsys):
         assert study.main(args) == 0
     second = caplog.text
     assert "running:" not in second
-    assert second.count("cached:") == 8  # 7 configurations + the ordering study
+    assert second.count("cached:") == 9  # 8 configurations + the ordering study
 
     # --report-only: the same report from the cache, and what is not cached listed, not computed
     (out / "results" / "smollm2-135m" / "gptq-3b-peer.json").unlink()
