@@ -29,7 +29,9 @@ What it does, per model (Gemma3-270M, SmolLM2-135M):
    by ±0.01 % / ±0.1 % and fp32 calibration forwards. And a peer implementation proper:
    llm-compressor's GPTQ (tag ``llmc``; its own pipeline, observer and solver) at our settings on the
    same model and calibration sequences, at 3 and 4 bits, against ours at the same group size
-   (SmolLM2: 64, tag ``g64``, as llm-compressor refuses ragged groups). llmcompressor pins
+   (SmolLM2: 64, tag ``g64``, as llm-compressor refuses ragged groups); and ours given its scales
+   (tag ``llmc-scales``: its observer's choice, everything else ours), which splits its gap into
+   the choice of scales and the rest. llmcompressor pins
    transformers<=5.17, so ``bench/peer_llmcompressor.py`` builds it an environment of its own in
    ``$LATQ_CACHE/peer-llmcompressor`` (once, about a minute from PyPI) and runs it there.
 
@@ -979,7 +981,7 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
                                        f"±{100 * PEER_BAR:.0f}% bar."]
                                       + _peer_layers_note(tag, b, d, ordering.get(m))
                                       + _spread_note(d, b, spread(m, b))
-                                      + (_given_scales_note(d, r.get(f"GPTQ-{b}b-llmc-scales"), r[label],
+                                      + (_given_scales_note(d, ppl(m, f"GPTQ-{b}b-llmc-scales"), ppl(m, label),
                                                             spread(m, b)) if tag == "llmc" else [])))
     return (["## The paper's claims on these models", "",
              "Each verdict is computed from the numbers below by the rule in its row. Paper figures: "
@@ -1043,7 +1045,7 @@ def _peer_layers_note(tag: str, b: int, d: float, ordering: dict | None) -> list
         why = f"{'larger' if med > 1 else 'smaller'} than ours, as its perplexity is: the gap follows its scales"
     else:
         why = (f"{'larger' if med > 1 else 'smaller'} than ours, yet its perplexity is {'lower' if d < 0 else 'higher'}: "
-               "layer error does not explain the gap")
+               "these layers' errors do not show why")
     return [f"On the same Hessians ({len(ps)} layers of the bf16 model, ordering section), given our scales, its "
             f"solver and ours {agree}: the solvers agree. With its own scales (its `mse` observer: |error|^2.4 over "
             "shrink factors 0.80–1.00 of absmax, bf16; ours: squared error over 0.2–1.0, fp16), which are "
@@ -1051,15 +1053,16 @@ def _peer_layers_note(tag: str, b: int, d: float, ordering: dict | None) -> list
             f"{own[0]:.2f}–{own[-1]:.2f}× ours (median {med:.2f}): {why}."]
 
 
-def _given_scales_note(d: float, mine: dict | None, theirs: dict, sp: dict) -> list[str]:
-    """What our GPTQ given llm-compressor's scales (``mine``) says of its whole-model gap ``d``."""
+def _given_scales_note(d: float, mine: float | None, theirs: float, sp: dict) -> list[str]:
+    """What our GPTQ given llm-compressor's scales (perplexity ``mine``; its own: ``theirs``) says
+    of its whole-model gap ``d``."""
     if mine is None:
         return []
-    dd = mine["ppl"] / theirs["ppl"] - 1
+    dd = mine / theirs - 1
     tol = max([PEER_BAR, *map(abs, sp.values())])
     share = 1 + math.log1p(dd) / math.log1p(d)   # of the gap in log ppl, what equal scales close
-    return [f"Whole model, our GPTQ given its scales (everything else ours) gives {_fmt_ppl(mine['ppl'])}, "
-            f"{100 * dd:+.2f}% from llm-compressor's {_fmt_ppl(theirs['ppl'])}: "
+    return [f"Whole model, our GPTQ given its scales (everything else ours) gives {_fmt_ppl(mine)}, "
+            f"{100 * dd:+.2f}% from llm-compressor's {_fmt_ppl(theirs)}: "
             + (f"within ±{100 * tol:.2f}%, so the gap is the choice of scales, not the solver or the pipeline."
                if abs(dd) <= tol else
                f"beyond ±{100 * tol:.2f}%; the scales account for {100 * share:.0f}% of the gap (log ppl), "

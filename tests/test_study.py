@@ -217,6 +217,12 @@ def test_report_tables_from_results(tmp_path):
             "| holds |") in text
     assert ("noise. Whole model, our GPTQ given its scales (everything else ours) gives 19.18, +1.50% from "
             "llm-compressor's 18.90: within ±2.00%, so the gap is the choice of scales") in text
+    # each model's note from its own records: a model without the given-scales run gets no such sentence
+    other = [r for r in res if r["tag"] != "llmc-scales"]
+    study.write_report({"z": other, "m": res}, ordering, study.Settings(peer_bits=(3,)), report, tmp_path / "p.png",
+                       "cmd")
+    z_note = next(x for x in report.read_text().splitlines() if x.startswith("- z: llm-compressor's"))
+    assert "Whole model" not in z_note
     res[-1] = {**res[-1], "ppl": 18.0 * 1.01}   # back near ours: the scales close a fifth of the gap
     study.write_report({"m": res}, ordering, study.Settings(peer_bits=(3,)), report, tmp_path / "p.png", "cmd")
     text = report.read_text()
