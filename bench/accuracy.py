@@ -346,10 +346,11 @@ def _quantize(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = T
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
-    solver = _solve_replaced(cfg.tag) if cfg.tag in SOLVERS else contextlib.nullcontext()
     if cfg.tag == "llmc-scales":
         solver = _solve_replaced(cfg.tag, _given_scales_solve(llmc_scales(src, cfg.kwargs["bits"],
                                                                           cfg.kwargs["group_size"])))
+    else:
+        solver = _solve_replaced(cfg.tag) if cfg.tag in SOLVERS else contextlib.nullcontext()
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
         journal.unlink(missing_ok=True)

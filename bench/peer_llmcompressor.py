@@ -6,6 +6,8 @@ environment) builds ``$LATQ_CACHE/peer-llmcompressor`` once, with pinned version
 torch; the study then runs this file with that environment's interpreter:
 
     PEER_PYTHON bench/peer_llmcompressor.py SRC CALIB.pt OUT --bits 3 --group-size 128
+    PEER_PYTHON bench/peer_llmcompressor.py layers IN.pt OUT.pt          # see compare_layers
+    PEER_PYTHON bench/peer_llmcompressor.py scales SRC BITS GROUP OUT.pt # see model_scales
 
 SRC is the bf16 Hugging Face directory our pipeline quantizes, CALIB.pt the calibration token ids
 ``[n, seqlen]`` our pipeline uses (the study writes them, so both see the same sequences). The
@@ -77,6 +79,13 @@ def _weight_args(bits: int, group_size: int):
     from compressed_tensors.quantization import QuantizationArgs
     return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size,
                             observer="mse", actorder="static")
+
+
+def _its_qparams(W, args) -> dict:
+    """The scale and zero point llm-compressor's pipeline chooses for weight ``W`` (its ``mse`` observer)."""
+    from llmcompressor.observers import Observer
+    obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args.model_copy(deep=True))
+    return obs(W).get_qparams()
 
 
 def quantize(src: Path, calib: Path, out: Path, bits: int, group_size: int, damp: float = 0.01) -> dict:
@@ -178,7 +187,6 @@ def compare_layers(inp: Path, out: Path) -> None:
     scales of the bf16 weights, the solver on bf16 weights (``q_own``, ``scales_own``)."""
     import torch
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
-    from llmcompressor.observers import Observer
 
     d = torch.load(inp)
     args = _weight_args(d["bits"], d["group_size"])
@@ -188,9 +196,8 @@ def compare_layers(inp: Path, out: Path) -> None:
         zero = torch.zeros_like(S, dtype=torch.int8)
         q_given, _, fb1 = quantize_weight(W[None].clone(), H[None].clone(), S[None], zero[None], None, args,
                                           blocksize=128, percdamp=L["damp"])
-        obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args.model_copy(deep=True))
         Wb = W.bfloat16()
-        qp = obs(Wb).get_qparams()
+        qp = _its_qparams(Wb, args)
         q_own, _, fb2 = quantize_weight(Wb[None].clone(), H[None].clone(), qp["scale"][None],
                                         qp["zero_point"][None], None, args, blocksize=128, percdamp=L["damp"])
         res[name] = {"q_given": q_given[0].float(), "q_own": q_own[0].float(), "scales_own": qp["scale"].float(),
@@ -204,16 +211,12 @@ def model_scales(src: Path, bits: int, group_size: int, out: Path) -> None:
     The weights never change before their layer is quantized (static act-order), so these are the
     scales of its GPTQ run; the study hands them to our GPTQ to separate scale choice from the rest."""
     import torch
-    from llmcompressor.observers import Observer
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     args = _weight_args(bits, group_size)
-    res = {}
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head":
-            obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args.model_copy(deep=True))
-            res[name] = obs(m.weight.detach()).get_qparams()["scale"].float()
+    res = {name: _its_qparams(m.weight.detach(), args)["scale"].float() for name, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head"}
     if not res:
         raise RuntimeError(f"{src}: no linear layer to choose scales for")
     torch.save(res, out)
