@@ -931,7 +931,7 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
                 d = rel(m, label, base_of(m, label))
                 if d is None:
                     return None
-                sp = max(map(abs, spread(m, b).values()), default=0.0)
+                sp = _spread_max(spread(m, b))
                 g = next(r["options"]["group_size"] for r in by_model[m] if r["label"] == label)
                 return (f"{100 * d:+.2f}%" + (f" at group size {g}" if base_of(m, label) != f"GPTQ-{b}b" else "")
                         + (f" (ours' own spread ±{100 * sp:.2f}%)" if spread(m, b) else ""),
@@ -943,8 +943,7 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
             d = rel(m, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
             if d is None:
                 return None
-            sp = max(map(abs, spread(m, b).values()), default=0.0)
-            return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, sp)
+            return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, _spread_max(spread(m, b)))
         row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(the issue's bar)",
             same_scales)
     notes = []
@@ -1054,13 +1053,18 @@ def _peer_layers_note(tag: str, b: int, d: float, ordering: dict | None) -> list
             f"{own[0]:.2f}–{own[-1]:.2f}× ours (median {med:.2f}): {why}."]
 
 
+def _spread_max(sp: dict) -> float:
+    """How far ours moved under the harmless changes ``sp`` ({tag: Δ}) at most (0 if none ran)."""
+    return max(map(abs, sp.values()), default=0.0)
+
+
 def _given_scales_note(d: float, mine: float | None, theirs: float, sp: dict) -> list[str]:
     """What our GPTQ given llm-compressor's scales (perplexity ``mine``; its own: ``theirs``) says
     of its whole-model gap ``d``."""
     if mine is None:
         return []
     dd = mine / theirs - 1
-    tol = max([PEER_BAR, *map(abs, sp.values())])
+    tol = max(PEER_BAR, _spread_max(sp))
     share = 1 + math.log1p(dd) / math.log1p(d)   # of the gap in log ppl, what equal scales close
     return [f"Whole model, our GPTQ given its scales (everything else ours) gives {_fmt_ppl(mine)}, "
             f"{100 * dd:+.2f}% from llm-compressor's {_fmt_ppl(theirs)}: "
@@ -1075,7 +1079,7 @@ def _spread_note(d: float, b: int, sp: dict) -> list[str]:
     if not sp:
         return []
     names = {t: col for t, _, col in TAGGED}
-    big = max(map(abs, sp.values()))
+    big = _spread_max(sp)
     return ["Calibration is sequential, so a few integers changed in one block change the Hessians of every later "
             "block. Ours under harmless changes that flip a few integers ("
             + ", ".join(f"{names[t]}: {100 * v:+.2f}%" for t, v in sp.items())

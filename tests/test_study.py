@@ -77,8 +77,9 @@ def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp
     """Ours given another implementation's scales (llm-compressor's, in the study): every layer's
     checkpoint stores exactly the given scales (bf16 values are exact in fp16), the integers come
     from our GPTQ on them, and a missing layer or a wrong shape is refused by name."""
-    from safetensors.torch import load_file
     from safetensors import safe_open
+    from safetensors.torch import load_file
+    from vllm_latq.checkpoint import load_dequantized_model
     from vllm_latq.quantize import pipeline
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
     from vllm_latq.quantize.scales import mse_scales
@@ -95,10 +96,12 @@ def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp
     for f in (tmp_path / "ck").glob("*.safetensors"):
         t.update(load_file(str(f)))
     assert len(given) == 2 * 7
+    deq = load_dequantized_model(tmp_path / "ck").state_dict()
     for k, S in given.items():
         assert torch.equal(t[f"{k}.scales"].float(), S), k
-        z = t[f"{k}.qweight"]
-        assert z.numel() > 0
+        # the weights are 3-bit integers times the given scales
+        z = deq[f"{k}.weight"].float() / S.repeat_interleave(64, dim=1)[:, : W[k].shape[1]]
+        assert torch.allclose(z, z.round(), atol=1e-3) and z.min() >= -4 and z.max() <= 3, k
     with pytest.raises(KeyError, match="model.layers.0.self_attn.q_proj"):
         with study._solve_replaced("llmc-scales", study._given_scales_solve({"other": given[next(iter(given))]})):
             quantize_model(tiny_llama, tmp_path / "ck2", opts, progress=False)
