@@ -18,6 +18,8 @@ callers keep their pure-torch paths (same math) and the reason is logged once.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -72,6 +74,26 @@ def load() -> str | None:
 
 def available() -> bool:
     return load() is None
+
+
+# Scoped, not a module flag: tests and benches compare the C++ and pure-torch paths of the same
+# call without leaking the switch into other tests or threads.
+_ENABLED = contextvars.ContextVar("latq_native_enabled", default=True)
+
+
+def usable() -> bool:
+    """The C++ ops are built and not switched off by :func:`disabled` in this context."""
+    return _ENABLED.get() and available()
+
+
+@contextlib.contextmanager
+def disabled(off: bool = True):
+    """Within the block (``off=True``) every caller takes its pure-torch path."""
+    token = _ENABLED.set(not off)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
 
 
 def _fake(x, tensors, ints, bias, out_features):
