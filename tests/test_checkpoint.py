@@ -12,9 +12,14 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from vllm_latq import checkpoint as ckpt
 from vllm_latq import format as fmt
 from vllm_latq.format import FormatError
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.format.cli import inspect_main
+from vllm_latq.format.files import INDEX_FILE, STATS_FILE
+from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
+from vllm_latq.format.validate import validate_checkpoint
+from vllm_latq.format.writer import write_index
 
 # ----------------------------------------------------------------------------- packing
 
@@ -88,10 +93,10 @@ def test_quantization_config_rejects(change, msg):
 def test_inspect_valid(tiny_checkpoints, capsys):
     for method in ("ssqr", "hptq"):
         d, results = tiny_checkpoints[method]
-        assert ckpt.inspect_main([str(d)]) == 0
+        assert inspect_main([str(d)]) == 0
         out = capsys.readouterr().out
         assert "model.layers.1.mlp.down_proj" in out and f"method {method}" in out and "OK:" in out
-        assert ckpt.inspect_main([str(d), "--json"]) == 0
+        assert inspect_main([str(d), "--json"]) == 0
         rep = json.loads(capsys.readouterr().out)
         assert rep["totals"]["layers"] == 14 and rep["quantization_config"]["method"] == method
         assert [r["name"] for r in rep["layers"]] == list(results)  # module order
@@ -105,15 +110,15 @@ def _copy(tiny_checkpoints, method, tmp_path) -> Path:
 
 def _rewrite(d: Path, name: str, fn):
     """Replace tensor ``name`` by ``fn(tensor)`` (checksums recomputed: structural tests)."""
-    shard = ckpt.Checkpoint(d).where[name]
-    f = ckpt.SafetensorsFile(d / shard)
+    shard = Checkpoint(d).where[name]
+    f = SafetensorsFile(d / shard)
     t = {n: f.get(n) for n in f.names()}
     t[name] = fn(t[name])
-    ckpt.write_safetensors(d / shard, t)
+    write_safetensors(d / shard, t)
 
 
 def _inspect_fails(d, capsys, *msgs, args=()):
-    assert ckpt.inspect_main([str(d), *args]) == 2
+    assert inspect_main([str(d), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     for m in msgs:
@@ -126,7 +131,7 @@ SHARD0 = "model-00001-of-00003.safetensors"
 
 
 def _flip_data_byte(d, name):
-    f = ckpt.SafetensorsFile(d / SHARD0)
+    f = SafetensorsFile(d / SHARD0)
     e = f.entries[name]
     raw = bytearray((d / SHARD0).read_bytes())
     raw[f.data_start + e.begin] ^= 0x40
@@ -141,7 +146,7 @@ CORRUPTIONS = {
                                                    + b"\x00" * 64), [SHARD0, "header is not valid JSON"]),
     "flipped byte": (lambda d: _flip_data_byte(d, f"{L0}.qweight"),
                      [SHARD0, f"tensor {L0}.qweight", "sha256 mismatch"]),
-    "missing shard": (lambda d: (d / SHARD0).unlink(), [ckpt.INDEX_FILE, SHARD0, "missing"]),
+    "missing shard": (lambda d: (d / SHARD0).unlink(), [INDEX_FILE, SHARD0, "missing"]),
     "format version": (lambda d: _edit_config(d, lambda c: c["quantization_config"].update(format_version=2)),
                        ["config.json", "unsupported latq format_version 2"]),
     "config shape": (lambda d: _edit_config(d, lambda c: c.update(intermediate_size=208)),
@@ -166,8 +171,8 @@ CORRUPTIONS = {
                      ["config.json", "transformers rejects the config"]),
     "config dims": (lambda d: _edit_config(d, lambda c: c.update(hidden_size=-4)),
                     ["config.json", "cannot build the model"]),
-    "stats": (lambda d: _edit_json(d / ckpt.STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
-              [ckpt.STATS_FILE, "disagree with the stored tensors"]),
+    "stats": (lambda d: _edit_json(d / STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
+              [STATS_FILE, "disagree with the stored tensors"]),
 }
 HUFFMAN_CORRUPTIONS = {
     "kraft": (lambda d: _rewrite(d, f"{L0}.hlengths", lambda x: torch.ones_like(x)),
@@ -192,18 +197,18 @@ def _edit_config(d, fn):
 
 
 def _drop(d, name):
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     shard = ck.where[name]
-    f = ckpt.SafetensorsFile(d / shard)
-    ckpt.write_safetensors(d / shard, {n: f.get(n) for n in f.names() if n != name})
-    ckpt.write_index(d, sorted(set(ck.where.values())))
+    f = SafetensorsFile(d / shard)
+    write_safetensors(d / shard, {n: f.get(n) for n in f.names() if n != name})
+    write_index(d, sorted(set(ck.where.values())))
 
 
 def _add(d, name):
-    ck = ckpt.Checkpoint(d)
-    f = ckpt.SafetensorsFile(d / SHARD0)
-    ckpt.write_safetensors(d / SHARD0, {**{n: f.get(n) for n in f.names()}, name: torch.zeros(3)})
-    ckpt.write_index(d, sorted(set(ck.where.values())))
+    ck = Checkpoint(d)
+    f = SafetensorsFile(d / SHARD0)
+    write_safetensors(d / SHARD0, {**{n: f.get(n) for n in f.names()}, name: torch.zeros(3)})
+    write_index(d, sorted(set(ck.where.values())))
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
@@ -228,7 +233,7 @@ def test_flipped_payload_byte_without_checksums(tiny_checkpoints, tmp_path, caps
     d = _copy(tiny_checkpoints, "hptq", tmp_path)
     _flip_data_byte(d, f"{L0}.hstream")
     _inspect_fails(d, capsys, f"{L0}.hstream", "sha256 mismatch")
-    rc = ckpt.inspect_main([str(d), "--no-checksums"])
+    rc = inspect_main([str(d), "--no-checksums"])
     err = capsys.readouterr().err
     assert rc == 0 or (rc == 2 and "stream does not decode" in err)
 
@@ -260,7 +265,7 @@ def fuzz_dirs(tiny_checkpoints, tmp_path_factory):
 
 def _validate_or_format_error(d, **kw):
     try:
-        ckpt.validate_checkpoint(d, **kw)
+        validate_checkpoint(d, **kw)
     except FormatError as e:
         event(f"FormatError: {str(e).split(': ', 1)[-1][:30]}")
         return False
@@ -333,7 +338,7 @@ def test_fuzz_layer_tensors(tiny_checkpoints, method, layer, muts):
     """Random shape / dtype / value mutations of a layer's tensors: validate_layer raises
     FormatError or accepts, and what it accepts dequantizes without error."""
     d, results = tiny_checkpoints[method]
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     t = ck.layer_tensors(layer)
     shape = tuple(results[layer].z.shape)
     names = sorted(t)
