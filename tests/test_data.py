@@ -227,6 +227,35 @@ def test_convert_is_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_convert_without_progress_is_silent(tmp_path, capfd):
+    """progress=False hides every bar of the conversion, including the GGUF de-quantization
+    bar transformers draws with tqdm directly, and leaves transformers' switch as it was."""
+    from transformers.utils import logging as hf_logging
+
+    gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    before = hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    data.convert_gguf(gguf_file, tmp_path / "quiet", dtype=torch.float32, progress=False)
+    err = capfd.readouterr().err
+    assert "GGUF tensors" not in err and "it/s]" not in err, err
+    assert hf_logging.is_progress_bar_enabled() == before
+    data.convert_gguf(gguf_file, tmp_path / "loud", dtype=torch.float32)
+    assert "Converting and de-quantizing GGUF tensors" in capfd.readouterr().err
+
+
+def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd):
+    """``latq-eval x.gguf --no-progress`` draws no progress bar, the conversion's included."""
+    from vllm_latq.quantize import evaluate
+
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    capfd.readouterr()
+    assert evaluate.main([str(gguf_file), "--nwindows", "1", "--seqlen", "16", "--no-progress"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["windows"] == 1
+    assert "it/s]" not in err and "GGUF tensors" not in err, err
+
+
 def test_model_dir_rebuilds_incomplete(tmp_path, monkeypatch):
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path))
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")

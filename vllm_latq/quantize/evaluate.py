@@ -67,7 +67,8 @@ def evaluate(model: str, *, seqlen: int = 512, nwindows: int = 64, batch_size: i
     from .. import data
 
     t0 = time.time()
-    m, tok, info = load_for_eval(model, device)
+    with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
+        m, tok, info = load_for_eval(model, device)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
     return {"model": str(model), **info, "ppl": r["ppl"], "nll": r["nll"], "windows": r["windows"],
