@@ -13,6 +13,7 @@ from .safetensors_file import SafetensorsFile
 
 
 def shard_name(i: int, n: int) -> str:
+    """File name of shard ``i`` (0-based) of ``n``, as Hugging Face names them."""
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
