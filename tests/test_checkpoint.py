@@ -12,9 +12,14 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from vllm_latq import checkpoint as ckpt
 from vllm_latq import format as fmt
 from vllm_latq.format import FormatError
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.format.cli import inspect_main
+from vllm_latq.format.files import INDEX_FILE, STATS_FILE
+from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
+from vllm_latq.format.validate import validate_checkpoint
+from vllm_latq.format.writer import write_index
 
 # ----------------------------------------------------------------------------- packing
 
@@ -43,6 +48,99 @@ def test_pack_3bit_layout():
 def test_pack_rejects_off_grid():
     with pytest.raises(ValueError, match="outside the 3-bit grid"):
         fmt.pack(torch.tensor([[4]], dtype=torch.int32), 3)
+
+
+def test_csr_helpers():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(7, 40, generator=g) < 0.1
+    mask[3] = False  # an empty row
+    values = torch.randn(7, 40, generator=g)
+    crow, col, val = fmt.csr_from_mask(mask, values)
+    assert crow.dtype == torch.int32 and col.dtype == torch.int64 and val.dtype == values.dtype
+    rows = fmt.csr_rows(crow)
+    assert rows.dtype == torch.int64 and torch.equal(fmt.csr_rows(crow, col.numel()), rows)
+    assert torch.equal(torch.stack([rows, col], 1), mask.nonzero())  # row-major order
+    assert torch.equal(val, values[rows, col])
+    e_crow, e_col, e_val = fmt.csr_from_mask(torch.zeros(2, 3, dtype=torch.bool), torch.ones(2, 3))
+    assert e_crow.tolist() == [0, 0, 0] and e_col.numel() == 0 and fmt.csr_rows(e_crow).numel() == 0
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 8])
+def test_unpack_at_matches_unpack(bits):
+    g = torch.Generator().manual_seed(bits)
+    z = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (5, 77), generator=g, dtype=torch.int32)
+    q = fmt.pack(z, bits)
+    rows, cols = torch.randint(0, 5, (50,), generator=g), torch.randint(0, 77, (50,), generator=g)
+    assert torch.equal(fmt.unpack_at(q, bits, rows, cols), z[rows, cols])
+
+
+def test_layer_math_stays_on_the_input_device():
+    """unpack, dequantize and csr_rows create every tensor on their inputs' device: on ``meta``
+    a tensor made on the CPU cannot be mixed with the inputs (as on CUDA), so this fails if
+    one is (the old unpack built its index tensors and its result on the CPU)."""
+    meta = torch.device("meta")
+    out, cin, bits, gs, nnz = 6, 70, 3, 32, 5
+    q = torch.empty(out, fmt.packed_words(cin, bits), dtype=torch.int32, device=meta)
+    scales = torch.empty(out, 3, dtype=torch.float16, device=meta)
+    crow = torch.empty(out + 1, dtype=torch.int32, device=meta)
+    col = torch.empty(nnz, dtype=torch.int16, device=meta)
+    val = torch.empty(nnz, dtype=torch.float16, device=meta)
+    z = fmt.unpack(q, bits, cin)
+    assert (z.device, z.shape, z.dtype) == (meta, (out, cin), torch.int32)
+    rows = fmt.csr_rows(crow, nnz)
+    assert (rows.device, rows.shape, rows.dtype) == (meta, (nnz,), torch.int64)
+    W = fmt.dequantize(q, scales, crow, col, val, bits, gs, cin)
+    assert (W.device, W.shape, W.dtype) == (meta, (out, cin), torch.float32)
+    t = {"qweight": q, "scales": scales, "outlier_crow": crow, "outlier_col": col, "outlier_val": val}
+    assert fmt.dequantize_layer(t, "dense", (out, cin), bits, gs).device == meta
+
+
+def _dense_layer(plant: bool):
+    """A valid dense layer with outliers; ``plant`` puts the integer 1 under one of them."""
+    g = torch.Generator().manual_seed(1)
+    out, cin, bits, gs = 9, 70, 3, 32
+    z = torch.randint(-4, 4, (out, cin), generator=g, dtype=torch.int32)
+    mask = torch.rand(out, cin, generator=g) < 0.05
+    z[mask] = 0
+    crow, col, val = fmt.csr_from_mask(mask, torch.randn(out, cin, generator=g).half() * 9)
+    if plant:
+        r, c = mask.nonzero()[2].tolist()
+        z[r, c] = 1
+    t = {"qweight": fmt.pack(z, bits), "scales": (torch.rand(out, 3, generator=g) + 0.5).half(),
+         "outlier_crow": crow, "outlier_col": col.to(fmt.col_dtype(cin)), "outlier_val": val}
+    return t, (out, cin), bits, gs, z, mask
+
+
+def test_dequantize_adds_outliers_to_the_grid_weights():
+    t, shape, bits, gs, z, mask = _dense_layer(plant=False)
+    fmt.validate_layer(t, "dense", shape, bits, gs, layer="L")
+    W = fmt.dequantize_layer(t, "dense", shape, bits, gs)
+    s = t["scales"].float().repeat_interleave(gs, 1)[:, : shape[1]]
+    want = z.float() * s
+    want[mask] = t["outlier_val"].float()
+    assert torch.equal(W, want)
+    from vllm_latq.kernels import reference  # the kernels' reference computes the same weights
+    w = reference.from_dense_tensors(t, bits, gs, shape[1])
+    assert torch.equal(reference.dequantize(w), W)
+
+
+def test_validator_rejects_integer_under_outlier():
+    """docs/FORMAT.md: the dense integer at an outlier position is 0 (readers add the outlier)."""
+    t, shape, bits, gs, _, mask = _dense_layer(plant=True)
+    r, c = mask.nonzero()[2].tolist()
+    with pytest.raises(FormatError, match=rf"file x, tensor L.qweight: integer 1 under the outlier at row {r}, "
+                                          rf"column {c} \(must be 0\)"):
+        fmt.validate_layer(t, "dense", shape, bits, gs, layer="L", file="x")
+
+
+def test_format_imports_no_solver_kernel_or_vllm():
+    """The loader reads checkpoints (Huffman streams included) without the solver package."""
+    import subprocess
+    import sys
+    code = ("import sys, vllm_latq.format.cli, vllm_latq.format.writer; "
+            "bad = [m for m in sys.modules if m.startswith(('vllm_latq.quantize', 'vllm_latq.kernels', 'vllm.'))"
+            " or m == 'vllm']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
 # ----------------------------------------------------------------------------- config schema
@@ -88,13 +186,23 @@ def test_quantization_config_rejects(change, msg):
 def test_inspect_valid(tiny_checkpoints, capsys):
     for method in ("ssqr", "hptq"):
         d, results = tiny_checkpoints[method]
-        assert ckpt.inspect_main([str(d)]) == 0
+        assert inspect_main([str(d)]) == 0
         out = capsys.readouterr().out
         assert "model.layers.1.mlp.down_proj" in out and f"method {method}" in out and "OK:" in out
-        assert ckpt.inspect_main([str(d), "--json"]) == 0
+        assert inspect_main([str(d), "--json"]) == 0
         rep = json.loads(capsys.readouterr().out)
         assert rep["totals"]["layers"] == 14 and rep["quantization_config"]["method"] == method
         assert [r["name"] for r in rep["layers"]] == list(results)  # module order
+
+
+def test_inspect_module_runs(tiny_checkpoints):
+    """``python -m vllm_latq.format.cli`` (what the latq-inspect entry point runs)."""
+    import subprocess
+    import sys
+    d = tiny_checkpoints["ssqr"][0]
+    r = subprocess.run([sys.executable, "-m", "vllm_latq.format.cli", str(d), "--no-decode"], capture_output=True,
+                       text=True, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0 and "OK:" in r.stdout, r.stderr
 
 
 def _copy(tiny_checkpoints, method, tmp_path) -> Path:
@@ -105,15 +213,15 @@ def _copy(tiny_checkpoints, method, tmp_path) -> Path:
 
 def _rewrite(d: Path, name: str, fn):
     """Replace tensor ``name`` by ``fn(tensor)`` (checksums recomputed: structural tests)."""
-    shard = ckpt.Checkpoint(d).where[name]
-    f = ckpt.SafetensorsFile(d / shard)
+    shard = Checkpoint(d).where[name]
+    f = SafetensorsFile(d / shard)
     t = {n: f.get(n) for n in f.names()}
     t[name] = fn(t[name])
-    ckpt.write_safetensors(d / shard, t)
+    write_safetensors(d / shard, t)
 
 
 def _inspect_fails(d, capsys, *msgs, args=()):
-    assert ckpt.inspect_main([str(d), *args]) == 2
+    assert inspect_main([str(d), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     for m in msgs:
@@ -126,7 +234,7 @@ SHARD0 = "model-00001-of-00003.safetensors"
 
 
 def _flip_data_byte(d, name):
-    f = ckpt.SafetensorsFile(d / SHARD0)
+    f = SafetensorsFile(d / SHARD0)
     e = f.entries[name]
     raw = bytearray((d / SHARD0).read_bytes())
     raw[f.data_start + e.begin] ^= 0x40
@@ -141,7 +249,7 @@ CORRUPTIONS = {
                                                    + b"\x00" * 64), [SHARD0, "header is not valid JSON"]),
     "flipped byte": (lambda d: _flip_data_byte(d, f"{L0}.qweight"),
                      [SHARD0, f"tensor {L0}.qweight", "sha256 mismatch"]),
-    "missing shard": (lambda d: (d / SHARD0).unlink(), [ckpt.INDEX_FILE, SHARD0, "missing"]),
+    "missing shard": (lambda d: (d / SHARD0).unlink(), [INDEX_FILE, SHARD0, "missing"]),
     "format version": (lambda d: _edit_config(d, lambda c: c["quantization_config"].update(format_version=2)),
                        ["config.json", "unsupported latq format_version 2"]),
     "config shape": (lambda d: _edit_config(d, lambda c: c.update(intermediate_size=208)),
@@ -155,6 +263,7 @@ CORRUPTIONS = {
                    [f"{L0}.outlier_col", "column index out of range [0, 80)"]),
     "csr rows": (lambda d: _rewrite(d, f"{L0}.outlier_crow", lambda x: x.flip(0)),
                  [f"{L0}.outlier_crow", "must start at 0 and end at nnz"]),
+    "outlier integer": (lambda d: _plant_outlier_integer(d), [".qweight", "under the outlier", "(must be 0)"]),
     "nan scale": (lambda d: _rewrite(d, f"{L0}.scales", lambda x: x.index_fill(1, torch.tensor([0]), float("nan"))),
                   [f"{L0}.scales", "NaN/Inf"]),
     "missing tensor": (lambda d: _drop(d, "model.norm.weight"), ["missing tensors ['model.norm.weight']"]),
@@ -166,8 +275,8 @@ CORRUPTIONS = {
                      ["config.json", "transformers rejects the config"]),
     "config dims": (lambda d: _edit_config(d, lambda c: c.update(hidden_size=-4)),
                     ["config.json", "cannot build the model"]),
-    "stats": (lambda d: _edit_json(d / ckpt.STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
-              [ckpt.STATS_FILE, "disagree with the stored tensors"]),
+    "stats": (lambda d: _edit_json(d / STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
+              [STATS_FILE, "disagree with the stored tensors"]),
 }
 HUFFMAN_CORRUPTIONS = {
     "kraft": (lambda d: _rewrite(d, f"{L0}.hlengths", lambda x: torch.ones_like(x)),
@@ -181,6 +290,23 @@ HUFFMAN_CORRUPTIONS = {
 }
 
 
+def _plant_outlier_integer(d):
+    """Put the integer 1 under the first outlier of the first layer that has one."""
+    ck = Checkpoint(d)
+    bits = ck.spec.bits
+    for module in ck.layers():
+        t = ck.layer_tensors(module)
+        if t["outlier_col"].numel():
+            break
+    else:
+        raise AssertionError("the tiny SSQR checkpoint has no outliers")
+    cin = int(t["qweight"].shape[1] // bits * fmt.PACK_TILE)
+    z = fmt.unpack(t["qweight"], bits, cin)
+    r = int(fmt.csr_rows(t["outlier_crow"])[0])
+    z[r, int(t["outlier_col"][0])] = 1
+    _rewrite(d, f"{module}.qweight", lambda x: fmt.pack(z, bits))
+
+
 def _edit_json(path, fn):
     obj = json.loads(path.read_text())
     fn(obj)
@@ -192,18 +318,18 @@ def _edit_config(d, fn):
 
 
 def _drop(d, name):
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     shard = ck.where[name]
-    f = ckpt.SafetensorsFile(d / shard)
-    ckpt.write_safetensors(d / shard, {n: f.get(n) for n in f.names() if n != name})
-    ckpt.write_index(d, sorted(set(ck.where.values())))
+    f = SafetensorsFile(d / shard)
+    write_safetensors(d / shard, {n: f.get(n) for n in f.names() if n != name})
+    write_index(d, sorted(set(ck.where.values())))
 
 
 def _add(d, name):
-    ck = ckpt.Checkpoint(d)
-    f = ckpt.SafetensorsFile(d / SHARD0)
-    ckpt.write_safetensors(d / SHARD0, {**{n: f.get(n) for n in f.names()}, name: torch.zeros(3)})
-    ckpt.write_index(d, sorted(set(ck.where.values())))
+    ck = Checkpoint(d)
+    f = SafetensorsFile(d / SHARD0)
+    write_safetensors(d / SHARD0, {**{n: f.get(n) for n in f.names()}, name: torch.zeros(3)})
+    write_index(d, sorted(set(ck.where.values())))
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
@@ -228,7 +354,7 @@ def test_flipped_payload_byte_without_checksums(tiny_checkpoints, tmp_path, caps
     d = _copy(tiny_checkpoints, "hptq", tmp_path)
     _flip_data_byte(d, f"{L0}.hstream")
     _inspect_fails(d, capsys, f"{L0}.hstream", "sha256 mismatch")
-    rc = ckpt.inspect_main([str(d), "--no-checksums"])
+    rc = inspect_main([str(d), "--no-checksums"])
     err = capsys.readouterr().err
     assert rc == 0 or (rc == 2 and "stream does not decode" in err)
 
@@ -260,7 +386,7 @@ def fuzz_dirs(tiny_checkpoints, tmp_path_factory):
 
 def _validate_or_format_error(d, **kw):
     try:
-        ckpt.validate_checkpoint(d, **kw)
+        validate_checkpoint(d, **kw)
     except FormatError as e:
         event(f"FormatError: {str(e).split(': ', 1)[-1][:30]}")
         return False
@@ -333,7 +459,7 @@ def test_fuzz_layer_tensors(tiny_checkpoints, method, layer, muts):
     """Random shape / dtype / value mutations of a layer's tensors: validate_layer raises
     FormatError or accepts, and what it accepts dequantizes without error."""
     d, results = tiny_checkpoints[method]
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     t = ck.layer_tensors(layer)
     shape = tuple(results[layer].z.shape)
     names = sorted(t)

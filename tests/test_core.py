@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
+from vllm_latq.format import huffman
 from vllm_latq.quantize import (babai, error_bound, gptq, hptq, hrtn, ldl_diag, min_pivot_order,
                                 rtn, ssqr)
-from vllm_latq.quantize import huffman
 from vllm_latq.quantize.lattice import damped
 from vllm_latq.quantize.scales import absmax_scales, expand, grid, mse_scales
 

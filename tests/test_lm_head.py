@@ -12,7 +12,10 @@ import json
 import pytest
 import torch
 
-from vllm_latq import checkpoint as ckpt
+from vllm_latq.format import FormatError
+from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
+from vllm_latq.format.files import STATS_FILE
+from vllm_latq.format.validate import format_report, validate_checkpoint
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
 from . import vllm_helpers as h
@@ -43,10 +46,10 @@ def test_checkpoint_unties_and_stores_quantized_head(tiny_head):
     assert cfg["tie_word_embeddings"] is False
     assert qc["lm_head_quantized"] is True
     assert "lm_head" not in qc["modules_not_converted"] and "model.embed_tokens" in qc["modules_not_converted"]
-    ck = ckpt.Checkpoint(c)
+    ck = Checkpoint(c)
     assert "lm_head" in ck.layers() and "lm_head.weight" not in ck.where
     assert "model.embed_tokens.weight" in ck.where
-    stats = {s["name"]: s for s in json.loads((c / ckpt.STATS_FILE).read_text())["layers"]}
+    stats = {s["name"]: s for s in json.loads((c / STATS_FILE).read_text())["layers"]}
     assert stats["lm_head"]["shape"] == [VOCAB, 64] and stats["lm_head"]["cert"] <= 1 + 1e-6
     # the head was solved on the embedding's weights with a real (non-identity) Hessian
     from safetensors.torch import load_file
@@ -55,10 +58,10 @@ def test_checkpoint_unties_and_stores_quantized_head(tiny_head):
     assert torch.equal(W.cpu(), emb)
     assert H.shape == (64, 64) and not torch.allclose(H, torch.diag(torch.diagonal(H)))
     # the format's own reader: the dequantized head is the solver's q, the embedding unchanged
-    m = ckpt.load_dequantized_model(c)
+    m = load_dequantized_model(c)
     assert torch.equal(m.lm_head.weight.detach(), res.q.float())
     assert torch.equal(m.model.embed_tokens.weight.detach(), emb)
-    ckpt.validate_checkpoint(c)
+    validate_checkpoint(c)
 
 
 def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
@@ -71,14 +74,14 @@ def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
     assert seen["lm_head"][2].bits == 8 and {r.bits for n, (_, _, r) in seen.items() if n != "lm_head"} == {3}
     # the same layers as the 3-bit head's run, the head's error far smaller
     def stats(d):
-        return {x["name"]: x for x in json.loads((d / ckpt.STATS_FILE).read_text())["layers"]}
+        return {x["name"]: x for x in json.loads((d / STATS_FILE).read_text())["layers"]}
     s3, s8 = stats(tiny_head["ckpt"]), stats(c)
     assert s8["lm_head"]["rel_error"] < s3["lm_head"]["rel_error"] / 10
     assert s8["model.layers.0.mlp.down_proj"] == s3["model.layers.0.mlp.down_proj"]
-    m = ckpt.load_dequantized_model(c)
+    m = load_dequantized_model(c)
     assert torch.equal(m.lm_head.weight.detach(), seen["lm_head"][2].q.float())
-    report = ckpt.validate_checkpoint(c)
-    assert "lm_head 8-bit" in ckpt.format_report(report)
+    report = validate_checkpoint(c)
+    assert "lm_head 8-bit" in format_report(report)
     # a layer_bits entry naming no quantized layer is refused, naming the file
     import shutil
     bad = tiny_head["dir"] / "bad-layer-bits"
@@ -86,8 +89,8 @@ def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"]["layer_bits"]["model.embed_tokens"] = 8
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ckpt.FormatError, match=r"config.json.*layer_bits names \['model.embed_tokens'\]"):
-        ckpt.validate_checkpoint(bad)
+    with pytest.raises(FormatError, match=r"config.json.*layer_bits names \['model.embed_tokens'\]"):
+        validate_checkpoint(bad)
 
 
 def test_lm_head_bits_needs_the_head_and_a_dense_method():
@@ -105,7 +108,7 @@ def test_option_off_keeps_head_unquantized(tiny_head, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and "lm_head_quantized" not in cfg["quantization_config"]
     assert "lm_head" in cfg["quantization_config"]["modules_not_converted"]
-    assert "lm_head" not in ckpt.Checkpoint(out).layers()
+    assert "lm_head" not in Checkpoint(out).layers()
 
 
 def test_vllm_quantized_head_equals_hf(tiny_head):
@@ -124,11 +127,11 @@ def test_vllm_quantized_head_equals_hf(tiny_head):
     assert len(loaded) == 4, loaded
     for i, (c, widths) in enumerate(((tiny_head["ckpt"], "{3: 9}"), (tiny_head["ckpt8"], "{3: 8, 8: 1}"))):
         ref, cpu = res[2 * i:2 * i + 2]
-        want = h.hf_greedy(ckpt.load_dequantized_model(c), ids, 24)
+        want = h.hf_greedy(load_dequantized_model(c), ids, 24)
         assert all(len(set(w)) > 6 for w in want), "the tiny model should not be degenerate"
         assert "latq: 9 linears loaded" in loaded[2 * i] and "'reference': 9" in loaded[2 * i], loaded
         assert "'cpu': 9" in loaded[2 * i + 1] and f"inlier widths {widths}" in loaded[2 * i + 1], loaded
         assert ref["tokens"] == want
         if cpu["tokens"] != want:   # bf16 compute may flip near-ties only
-            margins = h.greedy_margins(ckpt.load_dequantized_model(c), ids, cpu["tokens"])
+            margins = h.greedy_margins(load_dequantized_model(c), ids, cpu["tokens"])
             assert max(margins) < 0.1, margins

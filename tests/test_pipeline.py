@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from tests.conftest import TINY_OPTS, make_tiny_model
-from vllm_latq import checkpoint as ckpt
 from vllm_latq import format as fmt
+from vllm_latq import hf_model
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.quantize import pipeline
 from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 
@@ -27,7 +29,7 @@ def file_hashes(d):
 def assert_dequantized_equals(d, results):
     """Every quantized layer of checkpoint ``d``, dequantized by format.dequantize_layer,
     equals the solver's in-memory QuantResult.q bit for bit."""
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     deq = dict(ck.dequantized_tensors(torch.float32))
     assert set(ck.layers()) == set(results)
     for name, res in results.items():
@@ -50,7 +52,7 @@ def test_block_replay_reproduces_the_model(arch, tmp_path):
     ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = m(input_ids=ids, output_hidden_states=True).hidden_states
-        _, layers = ckpt.decoder_layers(m)
+        _, layers = hf_model.decoder_layers(m)
         x, kwargs = pipeline.capture(m, layers, ids, all_kwargs=True)
         assert torch.equal(x, ref[0])
         for i in range(len(layers) - 1):
@@ -68,7 +70,7 @@ def test_shared_hessians_group_qkv_and_gate_up(tiny_llama):
     from vllm_latq.quantize.hessian import hook_linears
     m = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     layer = m.model.layers[0]
-    lin = ckpt.block_linears(layer, "b")
+    lin = hf_model.block_linears(layer, "b")
     hs = pipeline.SharedHessians(lin)
     ref, handles = hook_linears({"o": lin["b.self_attn.o_proj"]})
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -93,7 +95,7 @@ def test_checkpoint_roundtrip_exact(tiny_checkpoints, tiny_llama, method):
     """written → validated → dequantized equals the in-memory result exactly; plain tensors
     are the source's bytes under their original names; config and stats as documented."""
     d, results = tiny_checkpoints[method]
-    report = ckpt.validate_checkpoint(d)
+    report = validate_checkpoint(d)
     assert report["totals"]["layers"] == 14 == len(results)
     assert_dequantized_equals(d, results)
 
@@ -112,7 +114,7 @@ def test_checkpoint_roundtrip_exact(tiny_checkpoints, tiny_llama, method):
 
     from safetensors import safe_open
     src = safe_open(str(tiny_llama / "model.safetensors"), "pt")
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     plain = ck.plain_names()
     assert "model.embed_tokens.weight" in plain and "model.norm.weight" in plain
     assert "model.layers.1.input_layernorm.weight" in plain
@@ -141,9 +143,9 @@ def test_architectures_and_baselines(arch, method, tmp_path):
     results = {}
     d = quantize_model(src, tmp_path / "out", QuantizeOptions(method=method, bits=3, target_bits=3.5, **TINY_OPTS),
                        progress=False, on_layer=lambda n, W, H, r: results.__setitem__(n, r))
-    ckpt.validate_checkpoint(d)
+    validate_checkpoint(d)
     assert_dequantized_equals(d, results)
-    ck = ckpt.Checkpoint(d)
+    ck = Checkpoint(d)
     if arch == "qwen2":
         assert ck.tensor("model.layers.0.self_attn.q_proj.bias").dtype == torch.bfloat16
     if method in ("gptq", "rtn", "babai"):
@@ -152,7 +154,7 @@ def test_architectures_and_baselines(arch, method, tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     src = make_tiny_model(tmp_path / "gpt2", "gpt2", layers=1)
-    with pytest.raises(ckpt.UnsupportedModelError, match=r"unsupported architecture GPT2LMHeadModel.*gemma3_text"):
+    with pytest.raises(hf_model.UnsupportedModelError, match=r"unsupported architecture GPT2LMHeadModel.*gemma3_text"):
         quantize_model(src, tmp_path / "out", QuantizeOptions(method="rtn", **TINY_OPTS), progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -289,14 +291,14 @@ def test_uncalibrated_methods_skip_calibration(tiny_llama, tmp_path, monkeypatch
     d = quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method=method, bits=3, target_bits=3.5,
                                                                      **TINY_OPTS), progress=False, on_layer=on_layer)
     assert hessians and all(H is None for H in hessians)
-    assert set(results) == set(ckpt.Checkpoint(d).layers())
+    assert set(results) == set(Checkpoint(d).layers())
     assert_dequantized_equals(d, results)
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
     assert qc.get("calibration") is None
     stats = json.loads((d / "latq_stats.json").read_text())
     assert all(s["rel_error"] is None and s["hessian_tokens"] == 0 for s in stats["layers"])
     assert stats["totals"]["rel_error_mean"] is None
-    ckpt.validate_checkpoint(d)
+    validate_checkpoint(d)
 
 
 # ----------------------------------------------------------------------------- latq-eval
@@ -342,7 +344,7 @@ def test_smollm2_ssqr_hptq_beat_rtn(tmp_path):
                            on_layer=(lambda n, W, H, r: results.__setitem__(n, r) if n in keep else None)
                            if name == "ssqr" else None)
         if name == "ssqr":
-            deq = dict(ckpt.Checkpoint(d).dequantized_tensors())
+            deq = dict(Checkpoint(d).dequantized_tensors())
             for n in keep:
                 assert torch.equal(deq[f"{n}.weight"], results[n].q)
         ppl[name] = _ppl(d)

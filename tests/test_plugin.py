@@ -443,7 +443,7 @@ def test_real_checkpoint_matches_hf(model, method, tmp_path):
     """SmolLM2 and Gemma3, SSQR and HPTQ from the pipeline: vLLM (fp32, eager) greedy 32
     tokens == HF transformers on the dequantized checkpoint (exact path: LATQ_KERNEL=dequant,
     bit-identical to the reference kernel); the default kernel is greedy up to near-ties."""
-    from vllm_latq.checkpoint import load_dequantized_model
+    from vllm_latq.format.checkpoint import load_dequantized_model
 
     ck = h.pipeline_checkpoint(model, method)
     ids = h.tokenize(ck)
@@ -487,7 +487,7 @@ def test_compiled_mode_matches_hf(tmp_path):
     the custom ops trace without graph breaks; the exact path (dequant kernel) gives the
     tokens of HF on the dequantized weights, the default (CPU, bf16) kernel is greedy up to
     near-ties."""
-    from vllm_latq.checkpoint import load_dequantized_model
+    from vllm_latq.format.checkpoint import load_dequantized_model
 
     ck = h.pipeline_checkpoint("smollm2-135m", "ssqr")
     ids = h.tokenize(ck)

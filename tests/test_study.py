@@ -46,7 +46,7 @@ def test_peer_solver_quantizes_whole_models_through_the_pipeline(tiny_llama, tmp
     """The whole-model peer configuration: the pipeline runs with the reference loop choosing
     every integer — the same layers, scales and bits as ours, (almost) the same integers, and
     the pipeline's own GPTQ restored afterwards."""
-    from vllm_latq.checkpoint import load_dequantized_model
+    from vllm_latq.format.checkpoint import load_dequantized_model
     from vllm_latq.quantize import pipeline
     study = _study()
     st = study.Settings(nsamples=4, seqlen=64)
@@ -79,7 +79,7 @@ def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp
     from our GPTQ on them, and a missing layer or a wrong shape is refused by name."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-    from vllm_latq.checkpoint import load_dequantized_model
+    from vllm_latq.format.checkpoint import load_dequantized_model
     from vllm_latq.quantize import pipeline
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
     from vllm_latq.quantize.scales import mse_scales

@@ -54,7 +54,7 @@ def _slug(label: str) -> str:
 
 def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool) -> Path:
     """The checkpoint of one job, quantized unless a finished one is cached."""
-    from .checkpoint import INDEX_FILE
+    from .format.files import INDEX_FILE
     from .quantize.pipeline import QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=nsamples, seqlen=seqlen, **kw)
@@ -95,7 +95,7 @@ def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fr
 
 
 def _ckpt_info(d: Path) -> dict:
-    from .checkpoint import Checkpoint
+    from .format.checkpoint import Checkpoint
     st = Checkpoint(d).stats()
     size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
     return {"size": size, "cert": st["totals"].get("cert_max"), "rel": st["totals"].get("rel_error_mean")}

@@ -46,12 +46,7 @@ class LatqWeight:
 
 def dequantize(w: LatqWeight) -> torch.Tensor:
     """fp32 ``[out, in]``: unpack(qweight) · scales (per group) + CSR(outliers)."""
-    z = fmt.unpack(w.qweight, w.bits, w.in_features).float()
-    W = z * w.scales.float().repeat_interleave(w.group_size, dim=1)[:, : w.in_features]
-    rows = torch.repeat_interleave(torch.arange(w.out_features, device=W.device),
-                                   (w.crow[1:] - w.crow[:-1]).long())
-    W[rows, w.col.long()] += w.val.float()   # the dense integer is 0 at every outlier
-    return W
+    return fmt.dequantize(w.qweight, w.scales, w.crow, w.col, w.val, w.bits, w.group_size, w.in_features)
 
 
 def latq_linear_ref(x: torch.Tensor, w: LatqWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ..checkpoint import UnsupportedModelError
+    from ..hf_model import UnsupportedModelError
     from .pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 
     a = parser().parse_args(argv)

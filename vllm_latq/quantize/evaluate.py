@@ -4,7 +4,7 @@ Protocol (docs/../shared data.md): the Wikipedia eval split (every 10th article)
 once, non-overlapping 512-token windows (BOS + 511 tokens for tokenizers that add BOS, e.g.
 Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens).
 
-A latq checkpoint is validated, then dequantized through ``format.dequantize_layer`` into a
+A latq checkpoint is validated, then dequantized through ``format.dequantize`` into a
 plain transformers model, so the number does not depend on any kernel. All models are
 evaluated with fp32 compute (a bf16 model's weights are exact in fp32).
 
@@ -37,13 +37,15 @@ def load_for_eval(model: str, device: str = "cpu"):
     """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import checkpoint as ckpt
+    from .. import hf_model
+    from ..format.checkpoint import load_dequantized_model
+    from ..format.validate import validate_checkpoint
     from .pipeline import resolve_model
 
     if is_latq_checkpoint(model):
-        report = ckpt.validate_checkpoint(model, decode=False)
+        report = validate_checkpoint(model, decode=False)
         spec = report["spec"]
-        m = ckpt.load_dequantized_model(model, torch.float32, device)
+        m = load_dequantized_model(model, torch.float32, device)
         tok = AutoTokenizer.from_pretrained(model)
         info = {"method": spec.method, "bits": report["totals"]["bits_per_weight"],
                 "outlier_rate": report["totals"]["outlier_rate"],
@@ -51,7 +53,7 @@ def load_for_eval(model: str, device: str = "cpu"):
                 "quantized_params": report["totals"]["quantized_params"]}
         return m, tok, info
     d = resolve_model(model)
-    dtype = ckpt.model_dtype(ckpt.config_dict(d))
+    dtype = hf_model.model_dtype(hf_model.config_dict(d))
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
     tok = AutoTokenizer.from_pretrained(d)
     bits = {"bfloat16": 16, "float16": 16, "float32": 32}.get(dtype)
@@ -65,7 +67,8 @@ def evaluate(model: str, *, seqlen: int = 512, nwindows: int = 64, batch_size: i
     from .. import data
 
     t0 = time.time()
-    m, tok, info = load_for_eval(model, device)
+    with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
+        m, tok, info = load_for_eval(model, device)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
     return {"model": str(model), **info, "ppl": r["ppl"], "nll": r["nll"], "windows": r["windows"],

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from . import huffman, lattice
+from ..format import huffman
+from . import lattice
 from .result import QuantResult
 from .scales import matrix_scale
 from .search import scale_search

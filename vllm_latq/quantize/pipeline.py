@@ -40,9 +40,13 @@ from typing import Callable
 
 import torch
 
-from .. import checkpoint as ckpt
 from .. import data
 from .. import format as fmt
+from .. import hf_model
+from ..format import writer
+from ..format.files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
+from ..format.safetensors_file import SafetensorsFile, write_safetensors
+from ..format.validate import validate_checkpoint
 from .hessian import Hessian
 from .lattice import layer_error
 
@@ -123,7 +127,7 @@ class QuantizeOptions:
         """The calibration forwards' dtype for a source with config.json ``source_config``."""
         if self.compute_dtype != "auto":
             return COMPUTE_DTYPES[self.compute_dtype]
-        return torch.bfloat16 if ckpt.model_dtype(source_config) == "bfloat16" else torch.float32
+        return torch.bfloat16 if hf_model.model_dtype(source_config) == "bfloat16" else torch.float32
 
     def solver_kwargs(self) -> dict:
         m = self.method
@@ -210,11 +214,11 @@ class SourceWeights:
 
     def __init__(self, d: Path):
         from safetensors import safe_open
-        idx = d / ckpt.INDEX_FILE
+        idx = d / INDEX_FILE
         if idx.is_file():
             files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        elif (d / ckpt.SINGLE_FILE).is_file():
-            files = [ckpt.SINGLE_FILE]
+        elif (d / SINGLE_FILE).is_file():
+            files = [SINGLE_FILE]
         else:
             raise FileNotFoundError(f"{d}: no safetensors weights (only safetensors sources are supported; "
                                     "convert .bin checkpoints with transformers first)")
@@ -250,7 +254,7 @@ class _Catcher(torch.nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         if args:
-            raise ckpt.UnsupportedModelError("decoder blocks called with extra positional arguments")
+            raise hf_model.UnsupportedModelError("decoder blocks called with extra positional arguments")
         self.store["hidden"].setdefault(self.i, hidden_states)
         kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
         self.store["kwargs"].setdefault(self.i, kw)
@@ -276,7 +280,7 @@ def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: b
         for i in range(n):
             layers[i] = orig[i]
     if 0 not in store["hidden"]:
-        raise ckpt.UnsupportedModelError(f"{type(model).__name__}: the forward pass never reached decoder block 0")
+        raise hf_model.UnsupportedModelError(f"{type(model).__name__}: the forward pass never reached decoder block 0")
     return store["hidden"][0], store["kwargs"]
 
 
@@ -449,19 +453,19 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
     src = resolve_model(model)
-    raw_cfg = ckpt.config_dict(src)
+    raw_cfg = hf_model.config_dict(src)
     if "quantization_config" in raw_cfg:
         qm = raw_cfg["quantization_config"].get("quant_method", "?") if isinstance(raw_cfg["quantization_config"],
                                                                                 dict) else "?"
         raise ValueError(f"{src} is already quantized (quant_method {qm!r}); start from a bf16/fp16/fp32 model")
-    config = ckpt.hf_config(raw_cfg)
-    ckpt.check_supported(config)
+    config = hf_model.hf_config(raw_cfg)
+    hf_model.check_supported(config)
     sources = SourceWeights(src)
     device = torch.device(opts.device)
 
     cdtype = opts.torch_compute_dtype(raw_cfg)
-    net = ckpt.empty_model(config, cdtype)
-    prefix, layers = ckpt.decoder_layers(net)
+    net = hf_model.empty_model(config, cdtype)
+    prefix, layers = hf_model.decoder_layers(net)
     nblocks = len(layers)
     expected = dict(net.state_dict())
     head = net.get_output_embeddings()
@@ -483,7 +487,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     # quantized = every linear inside a decoder block; the rest keeps its dtype
     qlinears = {}
     for i, layer in enumerate(layers):
-        qlinears[i] = list(ckpt.block_linears(layer, f"{prefix}.{i}"))
+        qlinears[i] = list(hf_model.block_linears(layer, f"{prefix}.{i}"))
     quantized = {n for names in qlinears.values() for n in names}
     head_name = None
     if opts.quantize_lm_head:
@@ -527,7 +531,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     outside = [n for n in expected if n not in block_of and not n.rpartition(".")[0] in head_names
                and n in dict(net.named_parameters())]
     for n in outside:
-        ckpt.set_tensor(net, n, sources.get(n).to(device=device, dtype=cdtype))
+        hf_model.set_tensor(net, n, sources.get(n).to(device=device, dtype=cdtype))
     for m in net.modules():  # the real buffers (rotary frequencies, ...) go to the device
         for k, b in m._buffers.items():
             if b is not None:
@@ -544,14 +548,14 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 kwargs = kwargs or kw
         elif calibrated:
             _, kwargs = capture(net, layers, calib[:1].to(device), all_kwargs=True)
-            acts = ckpt.SafetensorsFile(tmp / ACTS_FILE)
+            acts = SafetensorsFile(tmp / ACTS_FILE)
             if acts.metadata.get("blocks_done") != str(start):
                 raise ValueError(f"{tmp / ACTS_FILE} does not match {PROGRESS_FILE}; rerun without --resume")
             inps = acts.get("hidden").to(device)
             log.info("resuming after block %d of %d", start - 1, nblocks)
-    ckpt.to_meta(net)  # embeddings are not needed any more
+    hf_model.to_meta(net)  # embeddings are not needed any more
     if calibrated and len(kwargs) != nblocks:
-        raise ckpt.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {nblocks} decoder blocks")
+        raise hf_model.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {nblocks} decoder blocks")
 
     # ---------------------------------------------------------------- blocks
     bar = tqdm(range(start, nblocks), desc=f"{opts.method} blocks", unit="block", disable=not progress,
@@ -561,8 +565,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         bprefix = f"{prefix}.{i}."
         names = [n for n in sources.names() if block_of.get(n) == i]
         for n in names:
-            ckpt.set_tensor(net, n, sources.get(n).to(device=device, dtype=cdtype))
-        linears = ckpt.block_linears(layer, f"{prefix}.{i}")
+            hf_model.set_tensor(net, n, sources.get(n).to(device=device, dtype=cdtype))
+        linears = hf_model.block_linears(layer, f"{prefix}.{i}")
         t0 = time.time()
         with torch.no_grad():
             if calibrated:
@@ -576,7 +580,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 W = sources.get(f"{name}.weight").to(device=device, dtype=torch.float32)
                 res, t = _quantize_linear(name, W, hs.of[name] if calibrated else None, opts, stats, on_layer)
                 shard.update(t)
-                ckpt.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=cdtype))
+                hf_model.set_tensor(net, f"{name}.weight", res.q.to(device=device, dtype=cdtype))
             hs = None
             t2 = time.time()
             if calibrated:
@@ -587,11 +591,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             if n.rpartition(".")[0] in linears and n.endswith(".weight"):
                 continue
             shard[n] = sources.get(n)
-        ckpt.write_safetensors(tmp / ckpt.shard_name(i, nshards), shard)
-        ckpt.to_meta(layer)
+        write_safetensors(tmp / writer.shard_name(i, nshards), shard)
+        hf_model.to_meta(layer)
         if calibrated:
-            ckpt.write_safetensors(tmp / ACTS_FILE, {"hidden": inps}, {"blocks_done": str(i + 1)})
-        ckpt.write_json(tmp / PROGRESS_FILE, {"fingerprint": fp, "blocks_done": i + 1, "stats": stats})
+            write_safetensors(tmp / ACTS_FILE, {"hidden": inps}, {"blocks_done": str(i + 1)})
+        writer.write_json(tmp / PROGRESS_FILE, {"fingerprint": fp, "blocks_done": i + 1, "stats": stats})
         if stop_after_block is not None and i == stop_after_block:
             raise SimulatedInterruption(f"simulated interruption after block {i}")
     bar.close()
@@ -605,22 +609,22 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     rest = {n: sources.get(n) for n in sources.names() if n not in block_of and n in expected
             and not (head_name is not None and n == f"{head_name}.weight")}
     rest.update(head_tensors)
-    ckpt.write_safetensors(tmp / ckpt.shard_name(nblocks, nshards), rest)
-    shards = [ckpt.shard_name(i, nshards) for i in range(nshards)]
-    ckpt.write_index(tmp, shards)
+    write_safetensors(tmp / writer.shard_name(nblocks, nshards), rest)
+    shards = [writer.shard_name(i, nshards) for i in range(nshards)]
+    writer.write_index(tmp, shards)
     cfg = dict(raw_cfg)
     cfg["quantization_config"] = opts.quantization_config(not_converted, head_name)
     if calibrated:
         cfg["quantization_config"]["calibration"]["compute_dtype"] = str(cdtype).removeprefix("torch.")
     if head_name is not None and tied:
         cfg["tie_word_embeddings"] = False   # the embedding stays, the head is stored quantized
-    ckpt.write_json(tmp / ckpt.CONFIG_FILE, cfg)
-    ckpt.copy_aux_files(src, tmp)
-    ckpt.write_json(tmp / ckpt.STATS_FILE, _stats_file(stats, opts, src))
+    writer.write_json(tmp / CONFIG_FILE, cfg)
+    writer.copy_aux_files(src, tmp)
+    writer.write_json(tmp / STATS_FILE, _stats_file(stats, opts, src))
     (tmp / ACTS_FILE).unlink(missing_ok=True)
     (tmp / PROGRESS_FILE).unlink()
     if validate:
-        ckpt.validate_checkpoint(tmp, decode=True, verify_checksums=False)
+        validate_checkpoint(tmp, decode=True, verify_checksums=False)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -651,10 +655,11 @@ def _head_plan(net, head, tied: bool, sources: SourceWeights) -> tuple[str, str,
     embedding when tied —, final norm module name)."""
     names = {m: n for n, m in net.named_modules()}
     if not isinstance(head, torch.nn.Linear) or head not in names:
-        raise ckpt.UnsupportedModelError(f"{type(net).__name__}: the output head is not an nn.Linear; "
+        raise hf_model.UnsupportedModelError(f"{type(net).__name__}: the output head is not an nn.Linear; "
                                          "cannot quantize it")
     if head.bias is not None:
-        raise ckpt.UnsupportedModelError(f"{type(net).__name__}: quantizing an lm_head with a bias is not supported")
+        raise hf_model.UnsupportedModelError(
+            f"{type(net).__name__}: quantizing an lm_head with a bias is not supported")
     head_name = names[head]
     src = f"{head_name}.weight"
     if tied:
@@ -664,7 +669,7 @@ def _head_plan(net, head, tied: bool, sources: SourceWeights) -> tuple[str, str,
         raise ValueError(f"the head's weight {src} is not in the source safetensors")
     norm = getattr(net.base_model, "norm", None)
     if not isinstance(norm, torch.nn.Module) or norm not in names:
-        raise ckpt.UnsupportedModelError(f"{type(net).__name__}: no final norm at {type(net.base_model).__name__}"
+        raise hf_model.UnsupportedModelError(f"{type(net).__name__}: no final norm at {type(net.base_model).__name__}"
                                          ".norm: cannot compute the lm_head's input activations")
     return head_name, src, names[norm]
 
@@ -679,7 +684,7 @@ def _quantize_head(net, inps: torch.Tensor, sources: SourceWeights, head_name: s
     norm = net.get_submodule(norm_name)
     dtype = inps.dtype if inps is not None else torch.float32  # the calibration forwards' dtype
     for n, p in list(norm.named_parameters()):
-        ckpt.set_tensor(norm, n, sources.get(f"{norm_name}.{n}").to(device=device, dtype=dtype))
+        hf_model.set_tensor(norm, n, sources.get(f"{norm_name}.{n}").to(device=device, dtype=dtype))
     W = sources.get(head_src).to(device=device, dtype=torch.float32)
     t0 = time.time()
     with torch.no_grad():
@@ -691,7 +696,7 @@ def _quantize_head(net, inps: torch.Tensor, sources: SourceWeights, head_name: s
                 hs.add(norm(inps[j:j + 1]))
         _, t = _quantize_linear(head_name, W, hs, opts.head_options(), stats, on_layer)
     log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", head_name, head_src, norm_name, time.time() - t0)
-    ckpt.to_meta(norm)
+    hf_model.to_meta(norm)
     return t
 
 

@@ -1,0 +1,22 @@
+"""Where the data lives: the cache root and the folders of installed data packages (found
+without importing them: importing some has side effects or needs absent dependencies)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Root of the vllm_latq cache: ``$LATQ_CACHE`` or ``~/.cache/vllm_latq`` (created)."""
+    root = Path(os.environ.get("LATQ_CACHE") or Path.home() / ".cache" / "vllm_latq")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def package_dir(module: str, install_hint: str) -> Path:
+    """Folder of an installed package, found without importing it (imports have side effects)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {module!r} is not installed: {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0])

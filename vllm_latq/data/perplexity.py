@@ -1,0 +1,42 @@
+"""Perplexity of a causal LM over token windows: the protocol's one number."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True) -> dict:
+    """Perplexity of a causal LM over ``windows`` [n, seqlen] (e.g. from :func:`eval_windows`).
+
+    Every token but the first of each window is predicted from the ones before it (so a
+    leading BOS is context only). Log-softmax is taken in fp32, NLL summed in fp64.
+    Returns {"ppl": exp(nll), "nll": mean NLL per predicted token, "windows": n,
+    "tokens": n * (seqlen - 1)}.
+    """
+    from tqdm.auto import tqdm
+
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [n, seqlen >= 2], got {tuple(windows.shape)}")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    try:
+        with tqdm(total=len(windows), desc="perplexity", unit="win", disable=not progress) as bar:
+            for start in range(0, len(windows), batch_size):
+                batch = windows[start : start + batch_size].to(device)
+                logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
+                # One window at a time: fp32 logits of a 262k vocab are ~0.5 GB per window.
+                for row, ids in zip(logits, batch):
+                    nll = torch.nn.functional.cross_entropy(
+                        row[:-1].float(), ids[1:], reduction="sum"
+                    )
+                    total += float(nll.double())
+                    count += ids.numel() - 1
+                bar.update(len(batch))
+    finally:
+        model.train(was_training)
+    mean = total / count
+    return {"ppl": math.exp(mean), "nll": mean, "windows": len(windows), "tokens": count}

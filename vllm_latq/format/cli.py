@@ -1,0 +1,44 @@
+"""``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
+(``python -m vllm_latq.format.cli`` runs it too)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .checkpoint import Checkpoint
+from .errors import FormatError
+from .validate import format_report, validate_checkpoint
+
+
+def inspect_main(argv=None) -> int:
+    """``latq-inspect CKPT``: validate a checkpoint and print its per-layer table.
+    Exit code 0 if valid, 2 with one error line naming file and tensor otherwise."""
+    ap = argparse.ArgumentParser(prog="latq-inspect", description=inspect_main.__doc__)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--no-decode", action="store_true", help="skip decoding the Huffman streams (faster)")
+    ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 verification")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = ap.parse_args(argv)
+    try:
+        report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_checksums,
+                                     progress=sys.stderr.isatty())
+    except FormatError as e:
+        print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        out = {k: v for k, v in report.items() if k != "spec"}
+        out["quantization_config"] = Checkpoint(a.checkpoint).config["quantization_config"]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report))
+        print(f"OK: {a.checkpoint} is a valid latq checkpoint")
+    return 0
+
+
+def main():  # pragma: no cover - console script
+    sys.exit(inspect_main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,221 @@
+"""The tensors of one quantized linear ``P`` (an ``[out, in]`` weight): encode a solver's
+result, decode the integers, dequantize, expected shapes, validation and stored size.
+``docs/FORMAT.md`` is the prose version. Two kinds:
+
+dense  (SSQR, GPTQ, RTN, Babai — b-bit integers on the clipped grid + optional outliers)
+    P.qweight       int32  [out, ceil(in/32)·b]  packed offset-binary integers (packing.py)
+    P.scales        fp16   [out, ceil(in/g)]     group scales (static natural groups)
+    P.outlier_crow  int32  [out+1]               CSR row pointers (all zero: no outliers)
+    P.outlier_col   int16  [nnz]                 column indices (int32 when in > 32767)
+    P.outlier_val   fp16   [nnz]                 outlier weights (their dense integer is 0)
+    W = unpack(qweight)·scales (per group) + CSR(outliers)             see dequantize()
+
+huffman (HPTQ, HRTN — unclipped integers under one scale, one canonical Huffman code)
+    P.hscale        fp32   [1]
+    P.hsymbols      int32  [nsym]                canonical order (by code length, symbol)
+    P.hlengths      uint8  [nsym]                code lengths (≤ 16)
+    P.hstream       uint8  [nbytes]              MSB-first bit stream, row-major symbols
+    P.hchunk_bits   int16  [ceil(out·in/2048)]   bits of each 2048-symbol chunk (uint16 bits)
+    W = decode(stream) · hscale
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import huffman
+from .csr import csr_rows
+from .errors import FormatError
+from .packing import pack, packed_words, unpack, unpack_at
+
+DENSE_TENSORS = ("qweight", "scales", "outlier_crow", "outlier_col", "outlier_val")
+HUFFMAN_TENSORS = ("hscale", "hsymbols", "hlengths", "hstream", "hchunk_bits")
+LAYER_TENSORS = {"dense": DENSE_TENSORS, "huffman": HUFFMAN_TENSORS}
+
+
+def col_dtype(in_features: int) -> torch.dtype:
+    """The stored dtype of ``outlier_col``."""
+    return torch.int16 if in_features <= 32767 else torch.int32
+
+
+# ----------------------------------------------------------------------------- encode / decode
+
+def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
+    """A solver's :class:`~vllm_latq.quantize.result.QuantResult` → the layer's tensors
+    (suffixes only, e.g. ``"qweight"``)."""
+    if kind == "dense":
+        out, cin = result.z.shape
+        o = result.outliers
+        dev = result.z.device
+        crow = torch.zeros(out + 1, dtype=torch.int32, device=dev) if o is None else o.crow
+        col = torch.zeros(0, dtype=torch.int32, device=dev) if o is None else o.col
+        val = torch.zeros(0, dtype=torch.float16, device=dev) if o is None else o.val
+        return {"qweight": pack(result.z, result.bits),
+                "scales": result.scales.half().contiguous(),
+                "outlier_crow": crow.to(torch.int32).contiguous(),
+                "outlier_col": col.to(col_dtype(cin)).contiguous(),
+                "outlier_val": val.half().contiguous()}
+    s = huffman.encode(result.z)
+    return {"hscale": result.scales.float().reshape(1),
+            "hsymbols": torch.from_numpy(np.asarray(s.code.symbols, np.int32).copy()),
+            "hlengths": torch.from_numpy(np.asarray(s.code.lengths, np.uint8).copy()),
+            "hstream": torch.from_numpy(np.asarray(s.data, np.uint8).copy()),
+            "hchunk_bits": torch.from_numpy(np.asarray(s.chunk_bits, np.uint16).view(np.int16).copy())}
+
+
+def huffman_stream(t: dict[str, torch.Tensor], numel: int) -> huffman.HuffmanStream:
+    """The :class:`~vllm_latq.format.huffman.HuffmanStream` of a huffman-kind layer."""
+    code = huffman.HuffmanCode(t["hsymbols"].cpu().numpy().astype(np.int32),
+                               t["hlengths"].cpu().numpy().astype(np.uint8))
+    return huffman.HuffmanStream(code, t["hstream"].cpu().numpy(), t["hchunk_bits"].cpu().numpy().view(np.uint16),
+                                 numel)
+
+
+def decode_integers(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None) -> torch.Tensor:
+    """int32 ``[out, in]`` integers of a layer (dense: 0 at outliers), on the tensors' device
+    (a Huffman stream is decoded on the CPU)."""
+    if kind == "dense":
+        return unpack(t["qweight"], bits, shape[1])
+    z = huffman.decode(huffman_stream(t, shape[0] * shape[1])).astype(np.int32)
+    return torch.from_numpy(z).reshape(shape).to(t["hstream"].device)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, crow: torch.Tensor, col: torch.Tensor,
+               val: torch.Tensor, bits: int, group_size: int, in_features: int) -> torch.Tensor:
+    """fp32 ``[out, in]`` weights of the dense form: ``unpack(qweight) · scales`` (scale of
+    group ``j // group_size`` for column j) **plus** the CSR outliers ``(crow, col, val)``.
+    The one definition of the dense math: the checkpoint reader, ``latq-eval`` and the
+    kernels' reference all call it. The validator guarantees the integer under an outlier
+    is 0, so adding and overwriting agree on every valid file."""
+    z = unpack(qweight, bits, in_features).float()
+    W = z * scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    W[csr_rows(crow, col.numel()), col.long()] += val.float()
+    return W
+
+
+def dequantize_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None,
+                     group_size: int | None) -> torch.Tensor:
+    """fp32 ``[out, in]`` weights of a layer's tensors, exactly the solver's ``QuantResult.q``."""
+    if kind == "huffman":
+        return decode_integers(t, kind, shape, bits).float() * t["hscale"].float()
+    return dequantize(t["qweight"], t["scales"], t["outlier_crow"], t["outlier_col"], t["outlier_val"], bits,
+                      group_size, shape[1])
+
+
+# ----------------------------------------------------------------------------- validation
+
+def expected_shapes(kind: str, shape: tuple[int, int], bits: int | None, group_size: int | None):
+    """Fixed tensor shapes and dtypes of a layer (variable-length ones as ``None``)."""
+    out, cin = shape
+    if kind == "dense":
+        return {"qweight": ((out, packed_words(cin, bits)), torch.int32),
+                "scales": ((out, math.ceil(cin / group_size)), torch.float16),
+                "outlier_crow": ((out + 1,), torch.int32),
+                "outlier_col": (None, col_dtype(cin)),
+                "outlier_val": (None, torch.float16)}
+    return {"hscale": ((1,), torch.float32), "hsymbols": (None, torch.int32),
+            "hlengths": (None, torch.uint8), "hstream": (None, torch.uint8),
+            "hchunk_bits": ((math.ceil(out * cin / huffman.CHUNK),), torch.int16)}
+
+
+def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None,
+                   group_size: int | None, *, layer: str, file: str | None = None, decode: bool = True) -> None:
+    """Raise :class:`FormatError` naming the tensor on any inconsistency (names, shapes,
+    dtypes, CSR structure and zero integers under the outliers, Huffman code and chunk
+    table; ``decode`` also decodes the Huffman stream)."""
+    spec = expected_shapes(kind, shape, bits, group_size)
+    for suffix, (shp, dt) in spec.items():
+        name = f"{layer}.{suffix}"
+        if suffix not in t:
+            raise FormatError("missing", file=file, tensor=name)
+        x = t[suffix]
+        if x.dtype != dt:
+            raise FormatError(f"dtype {x.dtype}, expected {dt}", file=file, tensor=name)
+        if shp is not None and tuple(x.shape) != shp:
+            raise FormatError(f"shape {tuple(x.shape)}, expected {shp}", file=file, tensor=name)
+        if shp is None and x.dim() != 1:
+            raise FormatError(f"must be 1-D, got shape {tuple(x.shape)}", file=file, tensor=name)
+        if x.is_floating_point() and not torch.isfinite(x.float()).all():
+            raise FormatError("has NaN/Inf values", file=file, tensor=name)
+    extra = set(t) - set(spec)
+    if extra:
+        raise FormatError(f"unexpected tensors {sorted(extra)}", file=file, tensor=layer)
+    if kind == "dense":
+        _validate_csr(t, shape, bits, layer, file)
+    else:
+        _validate_huffman(t, shape, layer, file, decode)
+
+
+def _validate_csr(t, shape, bits, layer, file):
+    crow, col = t["outlier_crow"].long(), t["outlier_col"].long()
+    nnz = col.numel()
+    name = f"{layer}.outlier_crow"
+    if crow[0] != 0 or crow[-1] != nnz:
+        raise FormatError(f"must start at 0 and end at nnz={nnz} (got {crow[0]}..{crow[-1]})", file=file, tensor=name)
+    if (crow[1:] < crow[:-1]).any():
+        raise FormatError("row pointers are not monotone", file=file, tensor=name)
+    if t["outlier_val"].numel() != nnz:
+        raise FormatError(f"{t['outlier_val'].numel()} values for {nnz} column indices", file=file,
+                          tensor=f"{layer}.outlier_val")
+    if nnz and (col.min() < 0 or col.max() >= shape[1]):
+        raise FormatError(f"column index out of range [0, {shape[1]})", file=file, tensor=f"{layer}.outlier_col")
+    rows = csr_rows(crow, nnz)
+    key = rows * shape[1] + col
+    if nnz > 1 and (key[1:] <= key[:-1]).any():
+        raise FormatError("column indices not strictly increasing within a row", file=file,
+                          tensor=f"{layer}.outlier_col")
+    z = unpack_at(t["qweight"], bits, rows, col)
+    if nnz and (z != 0).any():
+        k = int((z != 0).nonzero()[0, 0])
+        raise FormatError(f"integer {int(z[k])} under the outlier at row {int(rows[k])}, column {int(col[k])} "
+                          "(must be 0)", file=file, tensor=f"{layer}.qweight")
+
+
+def _validate_huffman(t, shape, layer, file, decode):
+    lengths = t["hlengths"]
+    if t["hsymbols"].numel() != lengths.numel() or lengths.numel() == 0:
+        raise FormatError(f"{t['hsymbols'].numel()} symbols for {lengths.numel()} code lengths",
+                          file=file, tensor=f"{layer}.hlengths")
+    if lengths.min() < 1 or lengths.max() > huffman.MAX_CODE_LEN:
+        raise FormatError(f"code lengths must be in 1..{huffman.MAX_CODE_LEN}", file=file, tensor=f"{layer}.hlengths")
+    if float((2.0 ** -lengths.double()).sum()) > 1 + 1e-12:
+        raise FormatError("code lengths violate the Kraft inequality", file=file, tensor=f"{layer}.hlengths")
+    sym, ln = t["hsymbols"].long(), lengths.long()
+    key = ln * 2**33 + sym  # canonical order: by (length, symbol), symbols distinct
+    if key.numel() > 1 and (key[1:] <= key[:-1]).any():
+        raise FormatError("symbols not in canonical order (by code length, then symbol) or not distinct",
+                          file=file, tensor=f"{layer}.hsymbols")
+    bits = int(t["hchunk_bits"].cpu().numpy().view(np.uint16).astype(np.int64).sum())
+    if bits > 8 * t["hstream"].numel():
+        raise FormatError(f"chunk table needs {bits} bits, stream has {8 * t['hstream'].numel()}",
+                          file=file, tensor=f"{layer}.hstream")
+    if decode:
+        try:
+            huffman.decode(huffman_stream(t, shape[0] * shape[1]))
+        except ValueError as e:
+            raise FormatError(f"stream does not decode: {e}", file=file, tensor=f"{layer}.hstream") from e
+
+
+# ----------------------------------------------------------------------------- size
+
+def layer_bits(t: dict[str, torch.Tensor], numel: int) -> float:
+    """Stored bits/weight of one layer: the sum of its tensors' sizes."""
+    return sum(x.numel() * x.element_size() * 8 for x in t.values()) / numel
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``"model.layers.0.mlp.up_proj.qweight"`` → ``("model.layers.0.mlp.up_proj", "qweight")``;
+    ``None`` if the name is not a latq layer tensor."""
+    module, _, suffix = name.rpartition(".")
+    if module and suffix in DENSE_TENSORS + HUFFMAN_TENSORS:
+        return module, suffix
+    return None
+
+
+def layer_stats(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]) -> dict:
+    """Stored bits/weight and outlier rate of one layer, from its tensors alone."""
+    numel = shape[0] * shape[1]
+    nnz = t["outlier_col"].numel() if kind == "dense" else 0
+    return {"bits": layer_bits(t, numel), "outlier_rate": nnz / numel if numel else 0.0}

@@ -1,0 +1,75 @@
+"""Bit-packing of the dense kinds' b-bit integers (``P.qweight``): the one definition of the
+layout that the writer, the readers and every kernel share (docs/FORMAT.md, "Packing").
+
+Every tensor is created on the input's device, so these run unchanged on CUDA and ``meta``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+PACK_TILE = 32  # values per tile; a tile of b-bit values is exactly b int32 words
+
+# rows per packing step: the bit-plane temporaries are int64 [rows, in, b]; whole-matrix steps
+# took 21 GB for Gemma3's 262144×640 head at 8 bits
+PACK_CHUNK_ELEMS = 1 << 22
+
+
+def packed_words(in_features: int, bits: int) -> int:
+    """int32 words per row of ``qweight``."""
+    return math.ceil(in_features / PACK_TILE) * bits
+
+
+def _row_chunks(rows: int, per_row: int):
+    step = max(1, PACK_CHUNK_ELEMS // max(1, per_row))
+    return (slice(r, min(rows, r + step)) for r in range(0, rows, step))
+
+
+def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed b-bit integers ``[out, in]`` → int32 ``[out, ceil(in/32)·b]``.
+
+    Offset binary: ``u = z + 2^(b-1)`` in ``[0, 2^b)``. Each tile of 32 consecutive input
+    columns is one 32·b-bit little-endian integer, value k at bits ``[k·b, k·b + b)``, split
+    into b int32 words. For b = 2 and 4 this is plain little-endian packing (16 / 8 values per
+    word); for b = 3 no value is wasted (32 values in 3 words) — a kernel loads b words per
+    32 columns for any b. Padding columns hold u = 0."""
+    out, cin = z.shape
+    if z.numel() and (z.min() < -2 ** (bits - 1) or z.max() >= 2 ** (bits - 1)):
+        raise ValueError(f"integers outside the {bits}-bit grid cannot be packed")
+    tiles = math.ceil(cin / PACK_TILE)
+    dev = z.device
+    res = torch.empty(out, tiles * bits, dtype=torch.int32, device=dev)
+    for rows in _row_chunks(out, tiles * PACK_TILE * bits):
+        u = torch.nn.functional.pad(z[rows].to(torch.int64) + 2 ** (bits - 1), (0, tiles * PACK_TILE - cin))
+        bitplanes = (u.reshape(-1, tiles, PACK_TILE)[..., None] >> torch.arange(bits, device=dev)) & 1  # [R,T,32,b]
+        words = bitplanes.reshape(-1, tiles, bits, 32) << torch.arange(32, device=dev)   # bit i of word w
+        w = words.sum(-1)                                                                   # [R, T, b] < 2^32
+        res[rows] = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).reshape(-1, tiles * bits)
+    return res
+
+
+def unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack` → int32 ``[out, in]`` signed integers."""
+    out = qweight.shape[0]
+    tiles = qweight.shape[1] // bits
+    dev = qweight.device
+    res = torch.empty(out, in_features, dtype=torch.int32, device=dev)
+    for rows in _row_chunks(out, tiles * PACK_TILE * bits):
+        w = qweight[rows].to(torch.int64).reshape(-1, tiles, bits, 1) & 0xFFFFFFFF
+        bitplanes = ((w >> torch.arange(32, device=dev)) & 1).reshape(-1, tiles, PACK_TILE, bits)
+        u = (bitplanes << torch.arange(bits, device=dev)).sum(-1).reshape(-1, tiles * PACK_TILE)[:, :in_features]
+        res[rows] = (u - 2 ** (bits - 1)).to(torch.int32)
+    return res
+
+
+def unpack_at(qweight: torch.Tensor, bits: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The signed integers at positions ``(rows[k], cols[k])`` only, int32 ``[k]``: what
+    :func:`unpack` would give there, without unpacking the whole matrix. Value k of a tile
+    sits at bits ``[k·b, k·b + b)`` of its b words."""
+    rows, cols = rows.long(), cols.long()
+    bit = (cols % PACK_TILE)[:, None] * bits + torch.arange(bits, device=qweight.device)   # [k, b]
+    word = (cols // PACK_TILE)[:, None] * bits + bit // 32
+    w = qweight[rows[:, None], word].to(torch.int64) & 0xFFFFFFFF
+    u = (((w >> (bit % 32)) & 1) << torch.arange(bits, device=qweight.device)).sum(-1)
+    return (u - 2 ** (bits - 1)).to(torch.int32)

@@ -1,0 +1,214 @@
+"""Our strict reader and deterministic writer of ``.safetensors`` files, with a per-tensor
+sha256 table (``latq_sha256``) in the metadata.
+
+The reader (:class:`SafetensorsFile`) raises :class:`~vllm_latq.format.FormatError`, naming
+the file and tensor, on any inconsistency instead of the library's panics, so a corrupted
+file can never crash or hang a reader. The writer orders everything, so a file's bytes
+depend only on its tensors and metadata."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import FormatError
+
+CHECKSUM_KEY = "latq_sha256"
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is corrupt
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw little-endian bytes safetensors stores for ``t``."""
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
+    atomically (``path.part`` then rename).
+
+    Our own serializer, because the safetensors library orders the metadata keys by a
+    randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
+    out contiguously in name order and the header is space-padded to 8 bytes, so the bytes
+    depend only on the tensors and the metadata (and the library reads the file as usual)."""
+    path = Path(path)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
+    meta = {"format": "pt", **(metadata or {})}
+    meta[CHECKSUM_KEY] = json.dumps({k: sha256(v) for k, v in tensors.items()}, sort_keys=True,
+                                    separators=(",", ":"))
+    header: dict = {"__metadata__": dict(sorted(meta.items()))}
+    off = 0
+    for k, v in tensors.items():
+        if v.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{k}: dtype {v.dtype} cannot be stored")
+        n = v.numel() * v.element_size()
+        header[k] = {"dtype": _DTYPE_NAMES[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    part = path.with_name(path.name + ".part")
+    with part.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for v in tensors.values():
+            f.write(tensor_bytes(v))
+    os.replace(part, path)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """A strict reader of one ``.safetensors`` file. The header is parsed and checked at
+    construction (sizes, dtypes, shapes, offsets in range and non-overlapping); tensors are
+    read on demand. Every problem is a :class:`FormatError` naming the file (and tensor)."""
+
+    def __init__(self, path: str | os.PathLike, display: str | None = None):
+        self.path = Path(path)
+        self.name = display or self.path.name
+        try:
+            size = self.path.stat().st_size
+            with self.path.open("rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise self._err(f"truncated: {size} bytes, too short for a safetensors header")
+                (n,) = struct.unpack("<Q", head)
+                if n > min(MAX_HEADER, size - 8):
+                    raise self._err(f"header length {n} exceeds the file ({size} bytes): truncated or corrupt")
+                raw = f.read(n)
+        except OSError as e:
+            raise self._err(f"cannot read: {e}") from None
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise self._err(f"header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise self._err("header is not a JSON object")
+        self.data_start = 8 + n
+        self.data_len = size - self.data_start
+        meta = header.pop("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise self._err("__metadata__ must map strings to strings")
+        self.metadata: dict[str, str] = meta
+        self.entries: dict[str, _Entry] = {}
+        for name, e in header.items():
+            self.entries[name] = self._entry(name, e)
+        spans = sorted((e.begin, e.end, k) for k, e in self.entries.items() if e.end > e.begin)
+        for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise self._err(f"data of tensors {k0} and {k1} overlap", k1)
+        self._checksums: dict[str, str] | None = None
+
+    def _err(self, what: str, tensor: str | None = None) -> FormatError:
+        return FormatError(what, file=self.name, tensor=tensor)
+
+    def _entry(self, name: str, e) -> _Entry:
+        if not isinstance(e, dict):
+            raise self._err("header entry is not an object", name)
+        dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dtype not in _DTYPES:
+            raise self._err(f"unsupported dtype {dtype!r}", name)
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+            raise self._err(f"invalid shape {shape!r}", name)
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+            raise self._err(f"invalid data_offsets {offs!r}", name)
+        begin, end = offs
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        if not 0 <= begin <= end:
+            raise self._err(f"invalid data_offsets {offs!r}", name)
+        if end - begin != nbytes:
+            raise self._err(f"shape {tuple(shape)} {dtype} needs {nbytes} bytes, data_offsets span {end - begin}",
+                            name)
+        if end > self.data_len:
+            raise self._err(f"truncated: data ends at byte {end}, the file holds {self.data_len} data bytes", name)
+        return _Entry(dtype, tuple(shape), begin, end)
+
+    # ---------------------------------------------------------------- access
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self.entries[name].dtype]
+
+    def raw(self, name: str) -> bytes:
+        e = self.entries[name]
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.data_start + e.begin)
+                b = f.read(e.end - e.begin)
+        except OSError as err:
+            raise self._err(f"cannot read: {err}", name) from None
+        if len(b) != e.end - e.begin:
+            raise self._err("truncated while reading", name)
+        return b
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor (a fresh CPU tensor that owns its memory)."""
+        if name not in self.entries:
+            raise self._err("missing", name)
+        e = self.entries[name]
+        dtype = _DTYPES[e.dtype]
+        b = self.raw(name)
+        if not b:
+            return torch.empty(e.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(e.shape)
+
+    @property
+    def checksums(self) -> dict[str, str] | None:
+        """{tensor: sha256} from the metadata, or None when the file has none."""
+        if self._checksums is None and CHECKSUM_KEY in self.metadata:
+            try:
+                c = json.loads(self.metadata[CHECKSUM_KEY])
+            except ValueError:
+                c = None
+            if not isinstance(c, dict) or not all(isinstance(v, str) for v in c.values()):
+                raise self._err(f"metadata {CHECKSUM_KEY} is not a JSON object of hex digests")
+            self._checksums = c
+        return self._checksums
+
+    def verify(self, name: str) -> None:
+        """Raise unless the tensor's bytes match its recorded sha256 (no-op without checksums)."""
+        sums = self.checksums
+        if sums is None:
+            return
+        if name not in sums:
+            raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
+        if hashlib.sha256(self.raw(name)).hexdigest() != sums[name]:
+            raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)

@@ -1,0 +1,163 @@
+"""The ``quantization_config`` of a latq checkpoint (the object in ``config.json``): method
+names, the schema writer and the one validating parser (:class:`QuantSpec`), and the bit
+budget it promises. ``docs/FORMAT.md`` ("config.json") is the prose version."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import FormatError
+from .layer import layer_stats
+
+FORMAT_VERSION = 1
+QUANT_METHOD = "latq"
+DENSE_METHODS = ("ssqr", "gptq", "rtn", "babai")
+HUFFMAN_METHODS = ("hptq", "hrtn")
+METHODS = DENSE_METHODS + HUFFMAN_METHODS
+ORDERS = ("act", "min-pivot", "natural", "reverse")
+
+
+def kind_of(method: str) -> str:
+    """The layer kind (``"dense"`` or ``"huffman"``) a method writes."""
+    if method in DENSE_METHODS:
+        return "dense"
+    if method in HUFFMAN_METHODS:
+        return "huffman"
+    raise FormatError(f"unknown latq method {method!r}; expected one of {METHODS}")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The parsed ``quantization_config`` of a latq checkpoint (format version 1)."""
+    method: str
+    kind: str
+    bits: int | None                 # dense: inlier bits; huffman: None
+    group_size: int | None           # dense: group size; huffman: None
+    outlier_rate: float | None       # ssqr: the requested outlier-rate budget
+    target_bits: float | None        # hptq/hrtn: the requested bits/weight budget
+    order: str | None
+    damp: float | None
+    modules_not_converted: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False)
+    layer_bits: tuple[tuple[str, int], ...] = ()   # dense: (module, inlier bits) overriding ``bits``
+
+    def is_converted(self, module: str) -> bool:
+        """False for a module listed in ``modules_not_converted`` (or below one)."""
+        return not any(module == m or module.startswith(m + ".") for m in self.modules_not_converted)
+
+    def bits_of(self, module: str) -> int | None:
+        """The inlier bits of ``module``: its ``layer_bits`` entry, else ``bits``."""
+        return dict(self.layer_bits).get(module, self.bits)
+
+
+def quantization_config(method: str, *, bits: int | None = None, group_size: int | None = None,
+                        outlier_rate: float | None = None, target_bits: float | None = None,
+                        order: str | None = None, damp: float | None = None,
+                        modules_not_converted=(), layer_bits: dict | None = None, **extra) -> dict:
+    """The ``quantization_config`` dict written to ``config.json`` (keys as in docs/FORMAT.md).
+    Only the keys that apply to ``method`` are set; ``extra`` (e.g. ``calibration``) is
+    informational and ignored by readers."""
+    kind = kind_of(method)
+    qc = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
+          "bits": int(bits) if kind == "dense" else None,
+          "group_size": int(group_size) if kind == "dense" else None}
+    if method == "ssqr":
+        qc["outlier_rate"] = float(outlier_rate)
+    if kind == "huffman":
+        qc["target_bits"] = float(target_bits)
+    uses_h = method not in ("rtn", "hrtn")
+    qc["order"] = order if uses_h else None
+    qc["damp"] = float(damp) if uses_h else None
+    qc["modules_not_converted"] = sorted(modules_not_converted)
+    if layer_bits:
+        qc["layer_bits"] = {k: int(v) for k, v in sorted(layer_bits.items())}
+    qc.update(extra)
+    parse_quantization_config(qc)  # never write what we cannot read
+    return qc
+
+
+def _num(x, what, file, kinds=(int, float)) -> float:
+    if isinstance(x, bool) or not isinstance(x, kinds) or not math.isfinite(x):
+        raise FormatError(f"quantization_config.{what} must be a finite number, got {x!r}", file=file)
+    return x
+
+
+def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantSpec:
+    """Check a ``quantization_config`` dict and return its :class:`QuantSpec`.
+
+    Raises :class:`FormatError` for anything but a well-formed latq version-1 config: wrong
+    ``quant_method``, unknown ``format_version`` (newer writers bump it on incompatible
+    changes), unknown method, bits outside 2..8, non-positive group size, budgets out of range."""
+    if not isinstance(qc, dict):
+        raise FormatError(f"quantization_config must be an object, got {type(qc).__name__}", file=file)
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise FormatError(f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected "
+                          f"{QUANT_METHOD!r}", file=file)
+    version = qc.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise FormatError(f"unsupported latq format_version {version!r}: this reader knows version "
+                          f"{FORMAT_VERSION} (upgrade vllm-latq to read newer checkpoints)", file=file)
+    method = qc.get("method")
+    if method not in METHODS:
+        raise FormatError(f"quantization_config.method is {method!r}, expected one of {METHODS}", file=file)
+    kind = kind_of(method)
+    bits = group_size = outlier_rate = target_bits = None
+    if kind == "dense":
+        bits = qc.get("bits")
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise FormatError(f"quantization_config.bits must be an integer in 2..8, got {bits!r}", file=file)
+        group_size = qc.get("group_size")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise FormatError(f"quantization_config.group_size must be a positive integer, got {group_size!r}",
+                              file=file)
+    if method == "ssqr":
+        outlier_rate = _num(qc.get("outlier_rate"), "outlier_rate", file)
+        if not 0 <= outlier_rate < 1:
+            raise FormatError(f"quantization_config.outlier_rate must be in [0, 1), got {outlier_rate}", file=file)
+    if kind == "huffman":
+        target_bits = _num(qc.get("target_bits"), "target_bits", file)
+        if target_bits <= 1:
+            raise FormatError(f"quantization_config.target_bits must exceed 1, got {target_bits}", file=file)
+    order, damp = qc.get("order"), qc.get("damp")
+    if order is not None and order not in ORDERS:
+        raise FormatError(f"quantization_config.order is {order!r}, expected one of {ORDERS} or null", file=file)
+    if damp is not None:
+        damp = _num(damp, "damp", file)
+    mnc = qc.get("modules_not_converted", [])
+    if not isinstance(mnc, list) or not all(isinstance(m, str) for m in mnc):
+        raise FormatError("quantization_config.modules_not_converted must be a list of module names", file=file)
+    lb = qc.get("layer_bits", {})
+    if not isinstance(lb, dict) or not all(isinstance(k, str) for k in lb):
+        raise FormatError("quantization_config.layer_bits must be an object {module: bits}", file=file)
+    if lb and kind != "dense":
+        raise FormatError(f"quantization_config.layer_bits is for the dense methods, not {method}", file=file)
+    for m, b in lb.items():
+        if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 8:
+            raise FormatError(f"quantization_config.layer_bits[{m!r}] must be an integer in 2..8, got {b!r}",
+                              file=file)
+    known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
+             "order", "damp", "modules_not_converted", "layer_bits"}
+    return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
+                     {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())))
+
+
+BUDGET_SLACK = 1e-9
+
+
+def check_budget(t: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], *, layer: str,
+                 file: str | None = None) -> dict:
+    """The bit budget promised by ``quantization_config``: SSQR stores at most ``outlier_rate``
+    outliers, the other dense methods none; HPTQ/HRTN store at most ``target_bits`` bits/weight
+    (everything counted, as :func:`layer_bits`). Returns :func:`layer_stats`."""
+    st = layer_stats(t, spec.kind, shape)
+    if spec.kind == "dense":
+        limit = spec.outlier_rate if spec.method == "ssqr" else 0.0
+        if st["outlier_rate"] > limit + BUDGET_SLACK:
+            raise FormatError(f"outlier rate {st['outlier_rate']:.6f} exceeds the budget {limit} of method "
+                              f"{spec.method}", file=file, tensor=f"{layer}.outlier_col")
+    elif st["bits"] > spec.target_bits + BUDGET_SLACK:
+        raise FormatError(f"{st['bits']:.4f} bits/weight exceed target_bits {spec.target_bits}", file=file,
+                          tensor=f"{layer}.hstream")
+    return st

@@ -1,0 +1,138 @@
+"""Validating a whole checkpoint directory (:func:`validate_checkpoint`: config, index and
+shards, checksums, every layer, the bit budget, plain tensors against the model of
+``config.json``, the stats file) and the per-layer report ``latq-inspect`` prints."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..hf_model import UnsupportedModelError, decoder_layers
+from .checkpoint import Checkpoint, linear_shape
+from .errors import FormatError
+from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
+from .layer import validate_layer
+from .spec import FORMAT_VERSION, QuantSpec, check_budget
+
+
+def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_checksums: bool = True,
+                        progress: bool = False) -> dict:
+    """Check everything about a checkpoint and return its report ``{"layers": [...], "totals":
+    {...}, "spec": QuantSpec}``. Raises :class:`FormatError` naming file and tensor on the
+    first problem: config, index/shard consistency, safetensors headers, checksums, every
+    layer's tensors (:func:`~vllm_latq.format.layer.validate_layer`, with ``decode`` the Huffman streams are
+    decoded), the bit budget, plain tensors' shapes against a meta-device model built from
+    ``config.json``, and the stats file."""
+    ck = Checkpoint(path)
+    spec = ck.spec
+    model = ck.empty_model(torch.float32)
+    try:
+        decoder_layers(model)
+    except UnsupportedModelError as e:
+        raise FormatError(str(e), file=CONFIG_FILE) from None
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+
+    rank = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    layers = dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+    rows, covered = [], set()
+    it = layers.items()
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="validating", unit="layer", total=len(layers))
+    for module, names in it:
+        files = {ck.where[n] for n in names.values()}
+        file = sorted(files)[0]
+        if len(files) > 1:
+            raise FormatError(f"tensors of one layer are split over {sorted(files)}", file=file, tensor=module)
+        if f"{module}.weight" in ck.where:
+            raise FormatError("stored both quantized and as a plain weight", file=file, tensor=f"{module}.weight")
+        if not spec.is_converted(module):
+            raise FormatError("quantized, but listed in quantization_config.modules_not_converted", file=file,
+                              tensor=module)
+        shape = linear_shape(model, module, file)
+        if verify_checksums:
+            for n in names.values():
+                ck.shards[file].verify(n)
+        t = {sfx: ck.tensor(n) for sfx, n in names.items()}
+        validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
+                           decode=decode)
+        st = check_budget(t, spec, shape, layer=module, file=file)
+        covered.add(f"{module}.weight")
+        rows.append({"name": module, "kind": spec.kind, "shape": list(shape), **st})
+
+    stray = [m for m, _ in spec.layer_bits if m not in layers]
+    if stray:
+        raise FormatError(f"quantization_config.layer_bits names {stray}, which are not quantized layers of the "
+                          "checkpoint", file=CONFIG_FILE)
+
+    for name in ck.plain_names():
+        file = ck.where[name]
+        if name not in expected:
+            raise FormatError("unexpected tensor: not a parameter of the model in config.json", file=file, tensor=name)
+        want = expected[name]
+        f = ck.shards[file]
+        if f.shape(name) != tuple(want.shape):
+            raise FormatError(f"shape {f.shape(name)}, expected {tuple(want.shape)} from config.json", file=file,
+                              tensor=name)
+        if not f.dtype(name).is_floating_point:
+            raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
+        if verify_checksums:
+            f.verify(name)
+        covered.add(name)
+    persistent = {n for n in expected if n not in dict(model.named_buffers())}
+    missing = sorted(persistent - covered - tied)
+    if missing:
+        raise FormatError(f"missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} (neither stored "
+                          "nor quantized)", file=INDEX_FILE if (ck.path / INDEX_FILE).exists() else SINGLE_FILE)
+
+    stats = {s.get("name"): s for s in ck.stats()["layers"] if isinstance(s, dict)}
+    for r in rows:
+        s = stats.get(r["name"])
+        if s is None:
+            raise FormatError("no entry for this layer", file=STATS_FILE, tensor=r["name"])
+        if not isinstance(s.get("bits"), (int, float)) or abs(s["bits"] - r["bits"]) > 1e-6:
+            raise FormatError(f"bits {s.get('bits')!r} disagree with the stored tensors ({r['bits']:.6f})",
+                              file=STATS_FILE, tensor=r["name"])
+        r["rel_error"] = s.get("rel_error")
+        r["cert"] = s.get("cert")
+    if set(stats) - {r["name"] for r in rows}:
+        extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
+        raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
+    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec}
+
+
+def _totals(ck: Checkpoint, rows: list[dict], model) -> dict:
+    qparams = sum(r["shape"][0] * r["shape"][1] for r in rows)
+    qbits = sum(r["bits"] * r["shape"][0] * r["shape"][1] for r in rows)
+    nbytes = sum(ck.shards[ck.where[n]].entries[n].end - ck.shards[ck.where[n]].entries[n].begin for n in ck.where)
+    params = sum(p.numel() for p in model.parameters())
+    return {"layers": len(rows), "quantized_params": qparams,
+            "bits_per_weight": qbits / qparams if qparams else 0.0,
+            "outlier_rate": sum(r["outlier_rate"] * r["shape"][0] * r["shape"][1] for r in rows) / qparams
+            if qparams else 0.0,
+            "params": params, "tensor_bytes": nbytes, "bits_per_param_all": 8 * nbytes / params if params else 0.0}
+
+
+def format_report(report: dict) -> str:
+    spec: QuantSpec = report["spec"]
+    budget = (f"{spec.bits}-bit g{spec.group_size}" + (f", outlier rate ≤ {spec.outlier_rate:g}"
+                                                        if spec.method == "ssqr" else "")
+              + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
+              if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
+    lines = [f"latq format v{FORMAT_VERSION} · method {spec.method} ({spec.kind}) · {budget}"
+             f" · order {spec.order} · damp {spec.damp}",
+             f"{'layer':44s} {'shape':>11s} {'bits/w':>7s} {'outl%':>6s} {'rel.err':>9s} {'cert':>6s}"]
+
+    def f(x, spec_):
+        return format(x, spec_) if isinstance(x, (int, float)) else "—"
+    for r in report["layers"]:
+        shp = "x".join(map(str, r["shape"]))
+        lines.append(f"{r['name']:44s} {shp:>11s} {r['bits']:7.3f} {100 * r['outlier_rate']:6.3f} "
+                     f"{f(r['rel_error'], '9.2e'):>9s} {f(r['cert'], '6.3f'):>6s}")
+    t = report["totals"]
+    lines.append(f"total: {t['layers']} quantized layers, {t['quantized_params']:,} weights at "
+                 f"{t['bits_per_weight']:.4f} bits/weight (outliers {100 * t['outlier_rate']:.3f}%); "
+                 f"all tensors {t['tensor_bytes'] / 2**20:.1f} MiB = {t['bits_per_param_all']:.3f} bits/param "
+                 f"over {t['params']:,} params (embeddings etc. in the model dtype)")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""Writing a checkpoint directory's files other than the shards' contents: shard names, the
+index, deterministic JSON (config, stats, progress) and the files copied from the source
+model. Shards themselves are written by :func:`~vllm_latq.format.safetensors_file.write_safetensors`."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .files import AUX_PATTERNS, INDEX_FILE
+from .safetensors_file import SafetensorsFile
+
+
+def shard_name(i: int, n: int) -> str:
+    """File name of shard ``i`` (0-based) of ``n``, as Hugging Face names them."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_json(path: Path, obj) -> None:
+    """Deterministic JSON (sorted keys, 2-space indent), written atomically."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(part, path)
+
+
+def write_index(out: Path, shards: list[str]) -> None:
+    """``model.safetensors.index.json`` from the shard files' headers."""
+    wm, total = {}, 0
+    for s in shards:
+        f = SafetensorsFile(out / s)
+        for n in f.names():
+            wm[n] = s
+            e = f.entries[n]
+            total += e.end - e.begin
+    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))})
+
+
+def copy_aux_files(src: Path, out: Path) -> list[str]:
+    """Copy tokenizer / generation / chat-template files; returns their names."""
+    names = sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_file()})
+    for n in names:
+        shutil.copyfile(src / n, out / n)
+    return names
