@@ -73,9 +73,8 @@ def ordering_study(model: str, st: Settings, root: Path, compute: bool = True) -
     blocks = tuple(st.ordering_blocks) or (nblocks // 4, nblocks // 2, (3 * nblocks) // 4)
     path = root / "results" / model / "ordering.json"
     key = st.ordering_key(blocks)
-    r = read_cached(path, key)
+    r = read_cached(path, key, f"{model} ordering study")
     if r is not None:
-        log.info("cached: %s ordering study (%s)", model, path)
         return r
     if not compute:
         return None

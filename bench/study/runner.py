@@ -77,13 +77,18 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_cached(path: Path, key: dict) -> dict | None:
-    """The record at ``path`` if it was computed with the settings ``key``, else None."""
+def read_cached(path: Path, key: dict, what: str | None = None) -> dict | None:
+    """The record at ``path`` if it was computed with the settings ``key``, else None; a found
+    record of ``what`` (a study result) is logged as cached."""
     try:
         r = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return r if r.get("settings") == key else None
+    if r.get("settings") != key:
+        return None
+    if what is not None:
+        log.info("cached: %s (%s)", what, path)
+    return r
 
 
 def import_results(path: Path, root: Path) -> int:
@@ -197,9 +202,8 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
 
     path = root / "results" / cfg.model / f"{cfg.slug}.json"
     key = st.key(cfg)
-    r = read_cached(path, key)
+    r = read_cached(path, key, f"{cfg.model} {cfg.label}")
     if r is not None:
-        log.info("cached: %s %s (%s)", cfg.model, cfg.label, path)
         return r
     if not compute:
         return None
