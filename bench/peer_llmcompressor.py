@@ -57,13 +57,18 @@ def ensure_env(cache: Path, log=print) -> Path:
     base = getattr(sys, "_base_executable", None) or sys.executable
     for cmd in ([base, "-m", "venv", str(d)],
                 [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PEER_PACKAGES]):
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(f"could not build llm-compressor's environment: `{' '.join(cmd)}` exited with "
-                               f"{p.returncode}:\n{tail}")
+        run_checked(cmd, "building llm-compressor's environment", lines=15)
     stamp.write_text(want)
     return py
+
+
+def run_checked(cmd: list[str], what: str, lines: int = 20) -> None:
+    """Run ``cmd``; a failure raises RuntimeError naming ``what``, the command and its last ``lines``
+    lines of output."""
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-lines:])
+        raise RuntimeError(f"{what} failed (exit {p.returncode}): `{' '.join(cmd)}`; its last lines:\n{tail}")
 
 
 def bits_per_weight(shapes, bits: int, group_size: int) -> float:

@@ -1,0 +1,294 @@
+"""The paper's claims on our models: each with the paper's figure, ours per model and a verdict
+computed from the numbers by the rule in its row, plus the notes that explain a verdict."""
+from __future__ import annotations
+
+import math
+import statistics
+
+from .configs import SPREAD_TAGS, TAGGED
+from .ordering import LAYER_TYPES, ORDERS
+from .summary import cert_summary, fmt_ppl
+
+# the paper's figures the claims table sets ours against (shared/paper-notes.md; paper Tables 3 and 4)
+PAPER = {"bf16": 9.73, "HPTQ-4.125": 9.81, "HPTQ-3.125": 10.34, "HPTQ-2.125": 13.97, "GPTQ-4b": 10.10,
+         "GPTQ-3b": 12.77, "GPTQ-2b": 57.51, "SSQR-1%-4b": 10.00, "SSQR-1%-3b": 10.64, "SSQR-1%-2b": 22.30}
+PAPER_BITS = {"SSQR-1%-2b": 2.445}   # the paper's average bits where a claim names them
+PAPER_SMALL = {"bf16": 20.96, "HPTQ-4.125": 22.72, "HPTQ-3.125": 31.43, "HPTQ-2.125": 156.45}   # Qwen3-0.6B
+NEAR_LOSSLESS = 0.03   # "near-lossless": within 3 % of bf16, the paper's own SSQR-1%-4b gap (+2.8 %)
+PEER_BAR = 0.01        # the issue's bar for our GPTQ against a peer implementation
+PEERS = {"peer": "the reference loop", "llmc": "llm-compressor"}   # peer GPTQ tag → its name in the report
+
+
+# ============================================================================ one model's records
+
+def _rec(res: list[dict], label: str) -> dict | None:
+    return next((r for r in res if r["label"] == label), None)
+
+
+def _ppl(res: list[dict], label: str) -> float | None:
+    r = _rec(res, label)
+    return None if r is None else r["ppl"]
+
+
+def _rel(res: list[dict], label: str, base: str | None = "bf16") -> float | None:
+    a, b = _ppl(res, label), _ppl(res, base)
+    return None if a is None or b is None else a / b - 1
+
+
+def _base_of(res: list[dict], label: str) -> str | None:
+    """The label of the configuration the variant ``label`` is compared with."""
+    r = _rec(res, label)
+    return None if r is None else r["label"].removesuffix("-" + r["tag"]) + (f"-{r['base']}" if r.get("base") else "")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%" if abs(x) < 9 else f"×{1 + x:.3g}"
+
+
+def _spread(res: list[dict], b: int) -> dict:
+    """How far ours' GPTQ-b perplexity moves under the harmless changes: {tag: Δ}."""
+    return {t: d for t in SPREAD_TAGS if (d := _rel(res, f"GPTQ-{b}b-{t}", f"GPTQ-{b}b")) is not None}
+
+
+def spread_max(sp: dict) -> float:
+    """How far ours moved under the harmless changes ``sp`` ({tag: Δ}) at most (0 if none ran)."""
+    return max(map(abs, sp.values()), default=0.0)
+
+
+# ============================================================================ the table
+
+def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> list[str]:
+    """The claims section: a row per claim (a claim without data says so), then the notes."""
+    models = list(by_model)
+    rows = []
+
+    def row(claim, paper, cell):   # cell(records of a model, its ordering study) → (text, holds) or None
+        cells, verdicts = [], []
+        for m in models:
+            c = cell(by_model[m], ordering.get(m))
+            cells.append(c[0] if c else "not run")
+            if c:
+                verdicts.append(c[1])
+        v = "—" if not verdicts else "holds" if all(verdicts) else "does not hold" if not any(verdicts) else "mixed"
+        if verdicts and len(verdicts) < len(models):
+            v += f" ({len(verdicts)} of {len(models)} models run)"
+        rows.append(f"| {claim} | {paper} | " + " | ".join(cells) + f" | {v} |")
+
+    _method_claims(row)
+    _ordering_claims(row)
+    _certificate_claim(row)
+    _peer_claims(row)
+    notes = [n for m in models for n in _method_notes(m, by_model[m])]
+    notes += [n for m in models for n in _peer_notes(m, by_model[m], ordering.get(m))]
+    return (["## The paper's claims on these models", "",
+             "Each verdict is computed from the numbers below by the rule in its row. Paper figures: "
+             "Qwen3-8B (Table 3) unless noted; ours: the sections below.", "",
+             "| claim | paper | " + " | ".join(models) + " | verdict |", "|---|---|" + "---|" * len(models) + "---|"]
+            + rows + [""] + (["Notes:", "", *notes, ""] if notes else []))
+
+
+def _lower_wins(a_label: str, b_label: str):
+    """A cell: ``a_label``'s perplexity vs ``b_label``'s, holding where the first is lower."""
+    def cell(res, _):
+        a, b = _ppl(res, a_label), _ppl(res, b_label)
+        return None if a is None or b is None else (f"{fmt_ppl(a)} vs {fmt_ppl(b)}", a < b)
+    return cell
+
+
+def _near_lossless(label: str):
+    def cell(res, _):
+        d = _rel(res, label)
+        return None if d is None else (f"{_pct(d)} ({fmt_ppl(_ppl(res, label))} vs {fmt_ppl(_ppl(res, 'bf16'))})",
+                                       d <= NEAR_LOSSLESS)
+    return cell
+
+
+def _method_claims(row) -> None:
+    """HPTQ vs GPTQ, SSQR vs GPTQ, near-lossless at 4 bits (paper Tables 3 and 4)."""
+    for lvl in (3, 4, 2):
+        h, g = f"HPTQ-{lvl}.125", f"GPTQ-{lvl}b"
+        row(f"HPTQ-{lvl}.125 beats GPTQ-{lvl}b (ppl, lower wins)", f"{fmt_ppl(PAPER[h])} vs {fmt_ppl(PAPER[g])}",
+            _lower_wins(h, g))
+    for lvl in (4, 2):   # the paper's SSQR-1% at 2.445 b: Table 3
+        s, g = f"SSQR-1%-{lvl}b", f"GPTQ-{lvl}b"
+        row(f"{s} (≈{lvl}.45 b) beats {g} (≈{lvl}.13 b)", f"{fmt_ppl(PAPER[s])} vs {fmt_ppl(PAPER[g])}",
+            _lower_wins(s, g))
+    row(f"SSQR-1% at 4-bit inliers is near-lossless (Δ ppl vs bf16 ≤ {100 * NEAR_LOSSLESS:.0f}%)",
+        f"{_pct(PAPER['SSQR-1%-4b'] / PAPER['bf16'] - 1)} (Qwen3-8B)", _near_lossless("SSQR-1%-4b"))
+    row("SSQR-2% at 4-bit inliers, same rule", "—", _near_lossless("SSQR-2%-4b"))
+    row("HPTQ-4.125, same rule", f"{_pct(PAPER['HPTQ-4.125'] / PAPER['bf16'] - 1)} (8B), "
+        f"{_pct(PAPER_SMALL['HPTQ-4.125'] / PAPER_SMALL['bf16'] - 1)} (0.6B)", _near_lossless("HPTQ-4.125"))
+
+
+def _ordering_claims(row) -> None:
+    """min-pivot: the smallest tr(D) (paper Table 2) and perplexity gains over act-order (paper
+    §4.5 and App. C.3: "modest but consistent improvements", no figures)."""
+    def trd(res, o):
+        if not o:
+            return None
+        types = [t for t in LAYER_TYPES if any(x["type"] == t for x in o["rows"])]
+        wins = sum(statistics.fmean(x["trD"]["min-pivot"] for x in o["rows"] if x["type"] == t)
+                   <= min(statistics.fmean(x["trD"][od] for x in o["rows"] if x["type"] == t) for od in ORDERS)
+                   for t in types)
+        return f"smallest in {wins} of {len(types)} layer types", wins == len(types)
+    row("min-pivot has the smallest tr(D) of the orders, every layer type", "every type (Qwen3-8B block 18)", trd)
+    for base in ("GPTQ-3b", "SSQR-1%-3b"):
+        def mp(res, _, base=base):
+            d = _rel(res, f"{base}-min-pivot", base)
+            return None if d is None else (f"{_pct(d)} ({fmt_ppl(_ppl(res, base + '-min-pivot'))} vs "
+                                           f"{fmt_ppl(_ppl(res, base))})", d < 0)
+        row(f"{base}: min-pivot lowers ppl vs act-order", "gains, no figure (§4.5)", mp)
+
+    def every(res, _):   # every configuration run with min-pivot, against its act-order default
+        ds = [d for r in res if r["tag"] == "min-pivot" and (d := _rel(res, r["label"], _base_of(res, r["label"])))
+              is not None]
+        if not ds:
+            return None
+        wins = sum(d < 0 for d in ds)
+        return f"lower in {wins} of {len(ds)} configurations", wins == len(ds)
+    row("min-pivot lowers ppl vs act-order in every configuration run", "modest but consistent gains (§4.5, "
+        "App. C.3)", every)
+
+
+def _certificate_claim(row) -> None:
+    def cert(res, _):
+        cs = cert_summary(res)
+        return None if not cs else (f"median {cs['ratio_median']:.3f}, max row {cs['row_max']:.3f} "
+                                    f"({cs['layers']} layers)", cs["row_max"] <= 1)
+    row("certificate: measured / bound ≈ ⅓, never > 1", "≈ ⅓, ≤ 1", cert)
+
+
+def _peer_claims(row) -> None:
+    """Our GPTQ against each peer within the issue's bar, or within ours' own spread."""
+    for tag, who in PEERS.items():
+        for b in (4, 3):
+            def peer(res, _, b=b, tag=tag):
+                label = f"GPTQ-{b}b-{tag}"
+                d = _rel(res, label, _base_of(res, label))
+                if d is None:
+                    return None
+                sp = spread_max(_spread(res, b))
+                g = _rec(res, label)["options"]["group_size"]
+                return (f"{100 * d:+.2f}%" + (f" at group size {g}" if _base_of(res, label) != f"GPTQ-{b}b" else "")
+                        + (f" (ours' own spread ±{100 * sp:.2f}%)" if _spread(res, b) else ""),
+                        abs(d) <= max(PEER_BAR, sp))
+            row(f"our GPTQ-{b}b vs {who}: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
+                "spread under harmless changes where measured", "(the issue's bar)", peer)
+    for b in (4, 3):
+        def same_scales(res, _, b=b):
+            d = _rel(res, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
+            if d is None:
+                return None
+            return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, spread_max(_spread(res, b)))
+        row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(the issue's bar)",
+            same_scales)
+
+
+# ============================================================================ the notes
+
+def _method_notes(m: str, res: list[dict]) -> list[str]:
+    """Why SSQR-1%-2b loses to GPTQ-2b, and why nothing at 4 bits is near-lossless, where they do."""
+    notes = []
+    r = {x["label"]: x for x in res}
+    s2, g2, s22 = r.get("SSQR-1%-2b"), r.get("GPTQ-2b"), r.get("SSQR-2%-2b")
+    if s2 and g2 and s2["ppl"] > g2["ppl"] and s2.get("rel_error_mean") and g2.get("rel_error_mean"):
+        notes.append(
+            f"- {m}: SSQR-1%-2b ({fmt_ppl(s2['ppl'])} at {s2['bits']:.3f} b) is worse than GPTQ-2b "
+            f"({fmt_ppl(g2['ppl'])} at {g2['bits']:.3f} b); its mean relative layer error is "
+            f"{s2['rel_error_mean']:.4f} against {g2['rel_error_mean']:.4f}. The likely cause (not measured "
+            "here): with 2-bit inliers the grid has four levels, and holding the overflow of the unclipped "
+            "propagation to 1 % forces SSQR's one scale multiplier up, which coarsens every inlier, while "
+            "GPTQ clips at MSE-chosen scales"
+            + (f"; at 2 % outliers SSQR gives {fmt_ppl(s22['ppl'])}" if s22 else "")
+            + f". The paper finds the opposite on Qwen3-8B (Table 3: SSQR-1% at {PAPER_BITS['SSQR-1%-2b']} b "
+            f"{fmt_ppl(PAPER['SSQR-1%-2b'])} vs GPTQ-2b {fmt_ppl(PAPER['GPTQ-2b'])}).")
+    s4, h4, g4, bf = r.get("SSQR-1%-4b"), r.get("HPTQ-4.125"), r.get("GPTQ-4b"), r.get("bf16")
+    if s4 and h4 and g4 and bf and s4["ppl"] / bf["ppl"] - 1 > NEAR_LOSSLESS:
+        notes.append(
+            f"- {m}: no 4-bit method is near-lossless here (Δ vs bf16: HPTQ-4.125 "
+            f"{_pct(h4['ppl'] / bf['ppl'] - 1)}, SSQR-1%-4b {_pct(s4['ppl'] / bf['ppl'] - 1)}, GPTQ-4b "
+            f"{_pct(g4['ppl'] / bf['ppl'] - 1)}). Small models lose more at every bit width: the paper's own "
+            f"Qwen3-0.6B loses {_pct(PAPER_SMALL['HPTQ-4.125'] / PAPER_SMALL['bf16'] - 1)} with HPTQ-4.125 "
+            f"against {_pct(PAPER['HPTQ-4.125'] / PAPER['bf16'] - 1)} for Qwen3-8B. The paper's ordering at "
+            "≈4 bits, HPTQ < SSQR-1% < GPTQ, "
+            + ("holds." if h4["ppl"] < s4["ppl"] < g4["ppl"] else "does not hold."))
+    return notes
+
+
+def _peer_notes(m: str, res: list[dict], ordering: dict | None) -> list[str]:
+    """A peer gap beyond the bar: the layer-level comparison, ours' own spread, and (llm-compressor)
+    ours given its scales."""
+    notes = []
+    for tag, who in PEERS.items():
+        for b in (4, 3):
+            label = f"GPTQ-{b}b-{tag}"
+            d = _rel(res, label, _base_of(res, label))
+            if d is None or abs(d) <= PEER_BAR:
+                continue
+            sp = _spread(res, b)
+            notes.append(" ".join([f"- {m}: {who}'s GPTQ-{b}b is {100 * d:+.2f}% from ours, outside the "
+                                   f"±{100 * PEER_BAR:.0f}% bar."]
+                                  + _peer_layers_note(tag, b, d, ordering)
+                                  + _spread_note(d, b, sp)
+                                  + (_given_scales_note(d, _ppl(res, f"GPTQ-{b}b-llmc-scales"), _ppl(res, label), sp)
+                                     if tag == "llmc" else [])))
+    return notes
+
+
+def _peer_layers_note(tag: str, b: int, d: float, ordering: dict | None) -> list[str]:
+    """What the ordering section's layer-level comparison says of a peer's whole-model gap ``d``."""
+    ps = [x[tag][str(b)] for x in (ordering or {}).get("rows", []) if str(b) in x.get(tag, {})]
+    if not ps:
+        return []
+    agree = (f"choose at least {min(p['same_int'] for p in ps):.4f} identical integers and their errors differ by at "
+             f"most {max(abs(p['err_ratio'] - 1) for p in ps):.2%}")
+    if tag == "peer":
+        return [f"On the same Hessians ({len(ps)} layers of the bf16 model, ordering section) the two {agree}: the "
+                "solvers agree."]
+    own = sorted(p["err_ratio_own"] for p in ps)
+    med = statistics.median(own)
+    if abs(med - 1) <= 0.01:
+        why = "within 1 % of ours in the median, so layer error does not explain the gap"
+    elif (med > 1) == (d > 0):
+        why = f"{'larger' if med > 1 else 'smaller'} than ours, as its perplexity is: the gap follows its scales"
+    else:
+        why = (f"{'larger' if med > 1 else 'smaller'} than ours, yet its perplexity is {'lower' if d < 0 else 'higher'}: "
+               "these layers' errors do not show why")
+    return [f"On the same Hessians ({len(ps)} layers of the bf16 model, ordering section), given our scales, its "
+            f"solver and ours {agree}: the solvers agree. With its own scales (its `mse` observer: |error|^2.4 over "
+            "shrink factors 0.80–1.00 of absmax, bf16; ours: squared error over 0.2–1.0, fp16), which are "
+            f"{statistics.median(p['scale_ratio'] for p in ps):.3f}× ours (median), its layer errors are "
+            f"{own[0]:.2f}–{own[-1]:.2f}× ours (median {med:.2f}): {why}."]
+
+
+def _given_scales_note(d: float, mine: float | None, theirs: float, sp: dict) -> list[str]:
+    """What our GPTQ given llm-compressor's scales (perplexity ``mine``; its own: ``theirs``) says
+    of its whole-model gap ``d``."""
+    if mine is None:
+        return []
+    dd = mine / theirs - 1
+    tol = max(PEER_BAR, spread_max(sp))
+    share = 1 + math.log1p(dd) / math.log1p(d)   # of the gap in log ppl, what equal scales close
+    return [f"Whole model, our GPTQ given its scales (everything else ours) gives {fmt_ppl(mine)}, "
+            f"{100 * dd:+.2f}% from llm-compressor's {fmt_ppl(theirs)}: "
+            + (f"within ±{100 * tol:.2f}%, so the gap is the choice of scales, not the solver or the pipeline."
+               if abs(dd) <= tol else
+               f"beyond ±{100 * tol:.2f}%; the scales account for {100 * share:.0f}% of the gap (log ppl), "
+               "the rest is not explained here.")]
+
+
+def _spread_note(d: float, b: int, sp: dict) -> list[str]:
+    """A peer gap ``d`` read against ours' own spread ``sp`` ({tag: Δ}) under harmless changes."""
+    if not sp:
+        return []
+    names = {t: col for t, _, col in TAGGED}
+    big = spread_max(sp)
+    return ["Calibration is sequential, so a few integers changed in one block change the Hessians of every later "
+            "block. Ours under harmless changes that flip a few integers ("
+            + ", ".join(f"{names[t]}: {100 * v:+.2f}%" for t, v in sp.items())
+            + f") moves by up to {100 * big:.2f}%: "
+            + (f"the peer gap is within ours' own spread, so at {b} bits the ±{100 * PEER_BAR:.0f}% bar is below this "
+               "pipeline's noise and the two implementations are indistinguishable by perplexity."
+               if abs(d) <= big else
+               f"the peer gap is beyond that spread ({100 * d:+.2f}% vs ±{100 * big:.2f}%), so it is not explained by "
+               "noise.")]

@@ -1,0 +1,254 @@
+"""The study's report: docs/RESULTS.md (protocol, the claims table, per model the Table-3 grid,
+every configuration, variants beside their defaults, certificate, tr(D), layer-level peers), the
+Pareto plot beside it, and the ``HEADLINE`` line the script ends with."""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from pathlib import Path
+
+from .claims import PEERS, claims_table
+from .configs import EXTRA_TAGS, FAMILIES, TAGGED, slug
+from .ordering import LAYER_TYPES, ORDERS
+from .runner import Settings
+from .summary import cert_summary, fmt_delta, fmt_ppl
+
+
+def compute_hours(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> tuple[float, float]:
+    """(study proper, extras) in hours of elapsed time: a configuration that ran beside others
+    counts its share of its wall time."""
+    def secs(extra: bool) -> float:
+        return sum((r["quantize_seconds"] + r["eval_seconds"]) / r.get("jobs", 1) for res in by_model.values()
+                   for r in res if (r["tag"] in EXTRA_TAGS) == extra)
+    return (secs(False) + sum(o.get("seconds", 0) for o in ordering.values())) / 3600, secs(True) / 3600
+
+
+def headline(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> str:
+    """The study's last line: per model the perplexities of the paper's headline configurations
+    and our GPTQ's gap to each peer (%), the certificate's largest per-row ratio, compute hours."""
+    out = []
+    for model, res in by_model.items():
+        r = {x["label"]: x for x in res}
+        short = model.split("-")[0]
+        for label in ("bf16", "HPTQ-3.125", "GPTQ-3b", "HPTQ-4.125", "SSQR-1%-4b", "GPTQ-4b"):
+            if label in r:
+                out.append(f"{short}_{slug(label).replace('-', '_')}_ppl={r[label]['ppl']:.2f}")
+        for tag in PEERS:
+            for b in (3, 4):
+                v = r.get(f"GPTQ-{b}b-{tag}")
+                base = v and r.get(f"GPTQ-{b}b" + (f"-{v['base']}" if v.get("base") else ""))
+                if v and base:
+                    out.append(f"{short}_{tag}{b}_vs_ours_pct={100 * (v['ppl'] / base['ppl'] - 1):+.2f}")
+        for b in (3, 4):   # ours given llm-compressor's scales, against it
+            v, peer = r.get(f"GPTQ-{b}b-llmc-scales"), r.get(f"GPTQ-{b}b-llmc")
+            if v and peer:
+                out.append(f"{short}_ours_llmc_scales{b}_vs_llmc_pct={100 * (v['ppl'] / peer['ppl'] - 1):+.2f}")
+    cs = cert_summary([x for res in by_model.values() for x in res])
+    if cs:
+        out.append(f"cert_row_max={cs['row_max']:.3f} cert_median={cs['ratio_median']:.3f}")
+    core, extra = compute_hours(by_model, ordering)
+    out.append(f"hours_core={core:.2f} hours_all={core + extra:.2f}")
+    return "HEADLINE " + " ".join(out)
+
+
+def pareto_plot(by_model: dict[str, list[dict]], path: Path) -> str | None:
+    """Average bits vs perplexity, one line per method. → None, or why no plot was made."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib), so no plot was made"
+    fig, axes = plt.subplots(1, len(by_model), figsize=(6 * len(by_model), 4.5), squeeze=False)
+    for ax, (model, res) in zip(axes[0], by_model.items()):
+        bf = [r for r in res if r["family"] == "bf16"]
+        # the top of the axis at 20× bf16: the 2-bit baselines (up to 1e11) would squash the rest;
+        # points above it are drawn on the edge as ▲
+        top = 20 * bf[0]["ppl"] if bf else math.inf
+        for fam in FAMILIES:
+            pts = sorted((r["bits"], r["ppl"]) for r in res if r["family"] == fam and not r["tag"]
+                         and math.isfinite(r["ppl"]))
+            if pts:
+                line, = ax.plot([b for b, _ in pts], [min(p, top) for _, p in pts], marker="o", label=fam)
+                off = [(b, top) for b, p in pts if p > top]
+                if off:
+                    ax.plot(*zip(*off), ls="none", marker="^", ms=9, color=line.get_color())
+        if bf:
+            ax.axhline(bf[0]["ppl"], color="k", ls="--", lw=1, label=f"bf16 ({bf[0]['ppl']:.2f})")
+            ax.set_ylim(0.9 * bf[0]["ppl"], top * 1.1)
+        ax.set_yscale("log")
+        ax.set_title(model + (" (▲: off the chart, see the tables)" if bf else ""))
+        ax.set_xlabel("average bits per weight (quantized linears)")
+        ax.set_ylabel("Wikipedia perplexity")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ============================================================================ the markdown
+
+def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st: Settings, report: Path,
+                 plot: Path, command: str, missing: list[str] = ()) -> None:
+    """Write the report to ``report`` and its Pareto plot to ``plot``."""
+    why = pareto_plot(by_model, plot)
+    L = _preamble(by_model, ordering, st, command, missing)
+    L += claims_table(by_model, ordering)
+    for model, res in by_model.items():
+        L += _sweep_section(model, res)
+        L += _variants_section(res)
+        L += _certificate_section(res)
+        o = ordering.get(model)
+        if o:
+            L += _ordering_section(o, st)
+    L += ["## Pareto plot", ""]
+    if why:
+        L += [f"_{why}._", ""]
+    else:
+        L += [f"![average bits vs perplexity]({os.path.relpath(plot, report.parent)})", ""]
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(L))
+
+
+def _preamble(by_model, ordering, st: Settings, command: str, missing) -> list[str]:
+    """Title, command, protocol, compute hours and what is not run yet."""
+    L = [f"# Accuracy study{' (tiny CI configuration — not the paper-scale results)' if st.tiny else ''}",
+         "",
+         f"Generated by `{command}` — do not edit by hand; re-run the script (cached configurations are "
+         "skipped).",
+         "",
+         f"Protocol (`shared/data.md`): calibration {st.nsamples} × {st.seqlen} tokens of the Wikipedia "
+         f"calibration split (seed 0, sequential block pipeline, damp 0.01, act-order unless noted); "
+         f"perplexity on the first {st.nwindows} non-overlapping {st.eval_seqlen}-token windows of the eval "
+         f"split (Gemma: BOS + {st.eval_seqlen - 1}), fp32 compute, checkpoints dequantized by the format's reference; "
+         "the pipeline's calibration forwards run in bf16, the models' dtype (Hessians summed in fp64). "
+         f"Group size {st.group_size} (SmolLM2: 576 = 4·128 + 64, a ragged last group). Bits = average "
+         "stored bits per weight of the quantized linears from the checkpoint's accounting (scales, "
+         "outliers, Huffman codebooks included); embeddings and lm_head stay bf16 unless a configuration "
+         "says otherwise."
+         + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
+            "perplexities mean nothing)." if st.max_blocks else ""),
+         ""]
+    core, extra = compute_hours(by_model, ordering)
+    L += [f"Compute: {core + extra:.1f} h of this machine's time for everything below (the "
+          "per-configuration wall times, divided by the number of configurations that ran side by side; a "
+          f"re-run skips cached configurations): {core:.1f} h for the study proper (`--core`: sweep, "
+          f"ordering, min-pivot, peers) and {extra:.1f} h for the extras (the peer gap's controls, "
+          "the quantized-head variants).", ""]
+    if missing:
+        L += ["**Not run yet** (this report was written from the cached results with `--report-only`): "
+              + ", ".join(missing) + ".", ""]
+    return L
+
+
+def _sweep_section(model: str, res: list[dict]) -> list[str]:
+    """A model's heading, bf16 perplexity, the Table-3 grid and every configuration."""
+    bf = next((r for r in res if r["family"] == "bf16"), None)
+    L = [f"## {model}", ""]
+    if bf:
+        L += [f"bf16 perplexity **{bf['ppl']:.3f}** ({bf['windows']} windows, {bf['tokens']} predicted "
+              "tokens).", ""]
+    levels = sorted({r["level"] for r in res if r["level"]}, reverse=True)
+    L += ["Perplexity (average bits/weight) — rows like the paper's Table 3; the HPTQ row is Table 4's "
+          "layout.", "",
+          "| method | " + " | ".join(f"≈{b}.125 b (SSQR: {b}-bit inliers)" for b in levels) + " |",
+          "|---|" + "---|" * len(levels)]
+    if bf:
+        L.append(f"| bf16 (16 bits) | " + " | ".join(fmt_ppl(bf["ppl"]) for _ in levels) + " |")
+    for fam in FAMILIES:
+        cells = []
+        for b in levels:
+            r = next((r for r in res if r["family"] == fam and r["level"] == b and not r["tag"]), None)
+            cells.append(f"{fmt_ppl(r['ppl'])} ({r['bits']:.3f})" if r else "—")
+        if any(c != "—" for c in cells):
+            L.append(f"| {fam} | " + " | ".join(cells) + " |")
+    L += ["", "<details><summary>every configuration</summary>", "",
+          "| configuration | bits/w | outliers | ppl | Δ vs bf16 | windows × tokens | quantize s | eval s |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        d = fmt_delta(r["ppl"] / bf["ppl"]) if bf and r is not bf else ""
+        L.append(f"| {r['label']} | {r['bits']:.3f} | {100 * (r.get('outlier_rate') or 0):.2f}% | "
+                 f"{fmt_ppl(r['ppl'])} | {d} | {r['windows']} × {r['tokens']} | {r['quantize_seconds']} | "
+                 f"{r['eval_seconds']} |")
+    return L + ["", "</details>", ""]
+
+
+def _variants_section(res: list[dict]) -> list[str]:
+    """Variants (one option changed) next to their default configuration."""
+    L = []
+    for tag, title, col in TAGGED:
+        pairs = [(r, base) for r in res if r["tag"] == tag
+                 for base in [next((x for x in res if x["family"] == r["family"] and x["level"] == r["level"]
+                                    and x["tag"] == r.get("base", "")), None)] if base]
+        if pairs:
+            L += [title, "", f"| compared with | its ppl | {col} | Δ ppl | bits/w (its → {col}) |",
+                  "|---|---|---|---|---|"]
+            for v, base in pairs:
+                L.append(f"| {base['label']} | {fmt_ppl(base['ppl'])} | {fmt_ppl(v['ppl'])} | "
+                         f"{100 * (v['ppl'] / base['ppl'] - 1):+.2f}% | {base['bits']:.3f} → {v['bits']:.3f} |")
+            L.append("")
+    return L
+
+
+def _certificate_section(res: list[dict]) -> list[str]:
+    cs = cert_summary(res)
+    if not cs:
+        return []
+    return ["Certificate over every layer quantized without clipping (SSQR, HPTQ; all configurations "
+            "above): measured (q−w)ᵀH_d(q−w) / bound ¼ΣD s², H_d the damped Hessian the solver used.", "",
+            "| layers | Σerr/Σbound min | median | mean | max | largest per-row ratio |",
+            "|---|---|---|---|---|---|",
+            f"| {cs['layers']} | {cs['ratio_min']:.3f} | {cs['ratio_median']:.3f} | {cs['ratio_mean']:.3f} | "
+            f"{cs['ratio_max']:.3f} | {cs['row_max']:.3f} |", "",
+            "The theorem says every per-row ratio is ≤ 1; the paper predicts ≈ ⅓ on average.", ""]
+
+
+def _ordering_section(o: dict, st: Settings) -> list[str]:
+    """tr(D) per layer type and order, then the layer-level peer GPTQs (reference loop, llm-compressor)."""
+    L = [f"tr(D) of the damped Hessian's LDL per layer type (paper Table 2 layout), mean over blocks "
+         f"{o['blocks']} of the bf16 model ({st.ordering_nsamples} × {st.seqlen} calibration tokens); "
+         f"random = mean of {st.ordering_seeds} seeds; q/k/v (and gate/up) share one Hessian. "
+         "Smallest per row in bold.", "",
+         "| layer | " + " | ".join(ORDERS) + " |", "|---|" + "---|" * len(ORDERS)]
+    for t in LAYER_TYPES:
+        rows = [x for x in o["rows"] if x["type"] == t]
+        if not rows:
+            continue
+        v = {od: statistics.fmean(x["trD"][od] for x in rows) for od in ORDERS}
+        best = min(v.values())
+        L.append(f"| {t} | " + " | ".join(f"**{v[od]:.4g}**" if v[od] == best else f"{v[od]:.4g}"
+                                          for od in ORDERS) + " |")
+    L.append("")
+    L += ["Peer GPTQ: ours (lazy-batch, two-level blocked) vs the IST-DASLab reference column loop at "
+          "equal settings (same damped Hessian, act-order, static group scales, clipped grid), same "
+          "layers:", "", "| bits | layers | identical integers (min) | error ours / reference (min – max) |",
+          "|---|---|---|---|"]
+    for bits in st.peer_bits:
+        ps = [x["peer"][str(bits)] for x in o["rows"]]
+        L.append(f"| {bits} | {len(ps)} | {min(p['same_int'] for p in ps):.5f} | "
+                 f"{min(p['err_ratio'] for p in ps):.5f} – {max(p['err_ratio'] for p in ps):.5f} |")
+    L.append("")
+    lcs = {b: [x["llmc"][str(b)] for x in o["rows"] if str(b) in x.get("llmc", {})] for b in st.peer_bits}
+    if any(lcs.values()):
+        L += ["llm-compressor's GPTQ on the same layers, to tell its solver from its scales: its solver "
+              "(`quantize_weight`) given our scales, and its whole layer path as in its pipeline (its "
+              "`mse` observer's scales of the bf16 weights); errors (q−w)ᵀH_d(q−w) relative to ours:", "",
+              "| bits | group size | layers | identical integers, our scales (min) | error, our scales "
+              "(min – max) | error, its scales (min – median – max) | its scale / ours (median) |",
+              "|---|---|---|---|---|---|---|"]
+        for bits, ps in lcs.items():
+            if not ps:
+                continue
+            own = sorted(p["err_ratio_own"] for p in ps)
+            L.append(f"| {bits} | {ps[0]['group_size']} | {len(ps)} | {min(p['same_int'] for p in ps):.5f} | "
+                     f"{min(p['err_ratio'] for p in ps):.5f} – {max(p['err_ratio'] for p in ps):.5f} | "
+                     f"{own[0]:.3f} – {statistics.median(own):.3f} – {own[-1]:.3f} | "
+                     f"{statistics.median(p['scale_ratio'] for p in ps):.3f} |")
+        fb = sum(p["rtn_fallback"] for ps in lcs.values() for p in ps)
+        L += ["", *([f"llm-compressor fell back to RTN (Cholesky failure) on {fb} of these layers.", ""]
+                    if fb else [])]
+    return L
