@@ -12,9 +12,10 @@ import math
 
 import torch
 
+from .. import native
+
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # smallest normal fp16; a zero group gets this scale
-NATIVE = True  # mse_scales on CPU tensors runs the C++ op when it builds (tests switch it)
 
 
 def grid(bits: int) -> tuple[int, int]:
@@ -66,10 +67,9 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
     (``quantize/csrc/scales.cpp``; 4096², 4 bits: ~26 vs ~210 ms on 2 threads) runs the same
     arithmetic group by group, its errors summed in another order (a near-tie may pick the
     other, equally good scale)."""
-    from .. import native
     qmin, qmax = grid(bits)
     step = (1.0 - min_shrink) / (coarse - 1)
-    if NATIVE and W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.available():
+    if W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():
         S = torch.ops.latq_cpu.mse_scales(W.float().contiguous(), bits, group_size, coarse, fine, min_shrink)
         return to_fp16_grid(S)  # a group fp16 cannot hold comes back NaN: the same ValueError
     out = []
