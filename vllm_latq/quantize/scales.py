@@ -49,11 +49,14 @@ def to_fp16_grid(s: torch.Tensor, what: str = "scale") -> torch.Tensor:
     return s.clamp(min=FP16_TINY).half().float()
 
 
+def _absmax(Wg: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """``[..., group_size]`` groups → the smallest scale putting each on the clipped grid."""
+    return torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin)
+
+
 def absmax_scales(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Smallest per-group scale that puts every weight of the group on the clipped grid."""
-    qmin, qmax = grid(bits)
-    Wg = _grouped(W.float(), group_size)
-    return torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin)
+    return _absmax(_grouped(W.float(), group_size), *grid(bits))
 
 
 def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10, fine: int = 8,
@@ -75,7 +78,7 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
     out = []
     for Wc in W.float().split(row_chunk):  # small chunks: the temporaries stay in cache
         Wg = _grouped(Wc, group_size)
-        base = to_fp16_grid(torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin))
+        base = to_fp16_grid(_absmax(Wg, qmin, qmax))
         buf = torch.empty_like(Wg)
         best = None                          # (factor, scale, error) per group
 

@@ -36,7 +36,7 @@ def scaled(S0: torch.Tensor, alpha: float) -> torch.Tensor:
     return to_fp16_grid(S0 * alpha)
 
 
-def _rows(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _sample_scales(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The sample's scales, one row per sampled row (a scalar becomes ``[n, 1]``, so that
     stacked copies can carry different multipliers)."""
     return S0.expand(len(idx), 1) if S0.dim() == 0 else S0[idx]
@@ -84,7 +84,7 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     Ws = W[idx]
 
     def sampled(alphas):
-        S = torch.cat([scaled(_rows(S0, idx), a) for a in alphas])
+        S = torch.cat([scaled(_sample_scales(S0, idx), a) for a in alphas])
         vals = metric(run(Ws.repeat(len(alphas), 1), S), len(alphas))
         log.extend(("sample", a, v) for a, v in zip(alphas, vals))
         return vals
