@@ -183,14 +183,16 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     block k is persisted (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
     from tqdm.auto import tqdm
 
-    opts, solve, out, t_start = opts or QuantizeOptions(), solve or solving.solve, Path(out), time.time()
+    t_start = time.time()
+    opts, solve, out = opts or QuantizeOptions(), solve or solving.solve, Path(out)
     if stop_after_block is None and os.environ.get(STOP_ENV):
         stop_after_block = int(os.environ[STOP_ENV])
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
     src = open_source(model, opts.torch_compute_dtype)
     head = head_plan(src) if opts.quantize_lm_head else None
-    not_converted = _not_converted(src, head.name if head else None)
+    head_name = head.name if head else None
+    not_converted = src.modules_not_converted(head_name)
     run = RunDir.open(out, _fingerprint(src, opts), resume)
     device = torch.device(opts.device)
     inps, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, progress)
@@ -202,7 +204,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     for i in bar:
         layer = src.layers[i]
         src.load(src.block_tensors(i), device)
-        linears = ckpt.block_linears(layer, f"{src.prefix}.{i}")
+        linears = src.block_linears(i)
         kw = _to_device(kwargs[i], device) if opts.calibrated else None
         t0 = time.time()
         hessians = block_hessians(layer, linears, inps, kw, f"block {i}", progress) if opts.calibrated else None
@@ -224,17 +226,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     head_tensors = {} if head is None else quantize_head(src, head, inps, partial(
         solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
     del inps
-    qc = opts.quantization_config(not_converted, head.name if head else None, src.dtype)
-    tot = finalize(src, run, out, opts.method, qc, head.name if head else None, head_tensors, validate)
+    qc = opts.quantization_config(not_converted, head_name, src.dtype)
+    tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
     log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
              tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
     return out
-
-
-def _not_converted(src: Source, head_name: str | None) -> list[str]:
-    """``modules_not_converted``: all but every linear inside a decoder block (and the head if quantized)."""
-    quantized = {n for i, layer in enumerate(src.layers) for n in ckpt.block_linears(layer, f"{src.prefix}.{i}")}
-    return src.not_converted(quantized | ({head_name} if head_name else set()))
 
 
 def _fingerprint(src: Source, opts: QuantizeOptions) -> str:

@@ -119,8 +119,14 @@ class Source:
         return {n: self.weights.get(n) for n in self.block_tensors(i)
                 if not (n.rpartition(".")[0] in linears and n.endswith(".weight"))}
 
-    def not_converted(self, quantized: set[str]) -> list[str]:
-        """The linear and embedding modules that stay unquantized (``modules_not_converted``)."""
+    def block_linears(self, i: int) -> dict[str, torch.nn.Linear]:
+        """The linears of decoder block ``i`` by full name: what the pipeline quantizes."""
+        return ckpt.block_linears(self.layers[i], f"{self.prefix}.{i}")
+
+    def modules_not_converted(self, head_name: str | None) -> list[str]:
+        """The linear and embedding modules that stay unquantized: all but the blocks' linears
+        (and the head ``head_name`` when it is quantized)."""
+        quantized = {n for i in range(self.nblocks) for n in self.block_linears(i)} | {head_name}
         return sorted(n for n, m in self.net.named_modules()
                       if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n not in quantized)
 
