@@ -13,7 +13,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def real_hessians():
     """Real layer Hessians: SmolLM2-135M (real pretrained weights) on real Wikipedia
     calibration text, for layers of its first two decoder blocks. Cached on disk."""
-    from tests.real_data import real_layer_hessians
+    from tests.helpers import real_layer_hessians
     return real_layer_hessians()
 
 

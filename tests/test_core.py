@@ -10,7 +10,9 @@ import torch
 from vllm_latq.format import huffman
 from vllm_latq.quantize import (babai, error_bound, gptq, hptq, hrtn, ldl_diag, min_pivot_order,
                                 rtn, ssqr)
-from vllm_latq.quantize.lattice import damped
+from tests.helpers import reference_gptq
+from vllm_latq import native
+from vllm_latq.quantize.lattice import ORDERS, damped
 from vllm_latq.quantize.scales import absmax_scales, expand, grid, mse_scales
 
 TIE_EPS = 1e-3   # fp32: a rounding argument this close to k + ½ may round either way
@@ -28,7 +30,7 @@ def random_problem(r=48, c=160, n=1024, seed=0, dtype=torch.float64, correlated=
 
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("order", ["natural", "reverse", "act", "min-pivot", "random"])
+@pytest.mark.parametrize("order", [*ORDERS, "random"])
 def test_gptq_reversed_equals_babai_fp64(clip, bits, order):
     W, H = random_problem(seed=bits)
     if order == "random":
@@ -71,29 +73,17 @@ def test_gptq_reversed_equals_babai_real(real_hessians, clip):
 
 
 def test_gptq_factor_is_cholesky_of_inverse():
-    """The GPTQ factor U (from one Cholesky of the reversed matrix) is GPTQ's original
-    chol(H⁻¹, upper)."""
+    """The GPTQ factor of H⁻¹ is Babai's inverted and reversed: with AᵀA = (H_d)_TT (A upper,
+    T = p reversed), the sweep's ``M·diag`` is A⁻¹, and J A⁻ᵀ J is GPTQ's original
+    chol(H_pp⁻¹, upper) — from one Cholesky of the reversed matrix."""
     from vllm_latq.quantize.solvers import gptq_lattice
     W, H = random_problem(c=96)
     lat = gptq_lattice(H, "act", 0.01, dtype=torch.float64)
+    A_inv = lat.M * lat.diag
     Hp = damped(H, 0.01)[lat.perm][:, lat.perm]
     U_ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hp)), upper=True)
-    assert torch.allclose(lat.U, U_ref, rtol=1e-9, atol=1e-12)
-
-
-def plain_gptq(W, H, S, qmin, qmax, perm, damp=0.01):
-    """Textbook unblocked GPTQ: each column rounded, its error spread over all later columns."""
-    Hp = damped(H, damp)[perm][:, perm]
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hp)), upper=True)
-    Wp, Sp = W[:, perm].clone(), S[:, perm]
-    Z = torch.empty_like(Wp)
-    for j in range(Wp.shape[1]):
-        Z[:, j] = torch.round(Wp[:, j] / Sp[:, j]).clamp(qmin, qmax)
-        err = (Wp[:, j] - Z[:, j] * Sp[:, j]) / U[j, j]
-        Wp[:, j:] -= err[:, None] * U[j, j:][None, :]
-    out = torch.empty_like(Z)
-    out[:, perm] = Z
-    return out
+    assert torch.equal(A_inv, A_inv.triu())
+    assert torch.allclose(A_inv.T.flip(0, 1), U_ref, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 128])
@@ -101,7 +91,7 @@ def test_blocked_gptq_equals_unblocked_reference(block_size):
     W, H = random_problem(c=200, seed=3)
     res = gptq(W, H, bits=3, group_size=64, order="act", block_size=block_size)
     S = expand(res.scales, 64, tuple(W.shape))
-    assert torch.equal(res.z, plain_gptq(W, H, S, *grid(3), res.order).to(torch.int32))
+    assert torch.equal(res.z, reference_gptq(W, H, S, res.order, 3, 0.01))
 
 
 # ----------------------------------------------------------------- the certificate
@@ -172,12 +162,12 @@ def test_min_pivot_equals_textbook_greedy():
 def test_trace_d_min_pivot_le_act_real(real_hessians, capsys):
     rows = []
     for name, (_, H) in real_hessians.items():
-        tr = {o: ldl_diag(H, o).sum().item() for o in ("natural", "reverse", "act", "min-pivot")}
+        tr = {o: ldl_diag(H, o).sum().item() for o in ORDERS}
         rows.append((name, tr))
         assert tr["min-pivot"] <= tr["act"] * (1 + 1e-9), (name, tr)
     with capsys.disabled():
         print("\n tr(D) on real SmolLM2 Hessians (paper Table 2 layout)")
-        print(f" {'layer':40s} {'natural':>10s} {'reverse':>10s} {'act':>10s} {'min-pivot':>10s}")
+        print(f" {'layer':40s} " + " ".join(f"{o:>10s}" for o in ORDERS))
         for name, tr in rows:
             print(f" {name:40s} " + " ".join(f"{v:10.4g}" for v in tr.values()))
 
@@ -297,11 +287,9 @@ def test_indefinite_hessian_raises_damping_with_a_warning():
 
 
 @pytest.mark.parametrize("method", ["gptq", "gptq-unclipped", "babai", "babai-clipped", "ssqr", "hptq"])
-def test_native_column_step_equals_torch_step(method, monkeypatch):
+def test_native_column_step_equals_torch_step(method):
     """fp32 sweeps round through the C++ sub-block step (``quantize/csrc/sweep.cpp``) when it
     builds: the same integers, values and outliers as the torch step (ω/s to ~1 ulp)."""
-    from vllm_latq import native
-    from vllm_latq.quantize import solvers
     if not native.available():
         pytest.skip(f"C++ ops unavailable: {native.load()}")
     W, H = random_problem(r=96, c=200, seed=11, dtype=torch.float32)
@@ -311,10 +299,9 @@ def test_native_column_step_equals_torch_step(method, monkeypatch):
            "babai-clipped": lambda: babai(W, H, bits=2, group_size=64, clip=True),
            "ssqr": lambda: ssqr(W, H, bits=2, group_size=64, outlier_rate=0.02),
            "hptq": lambda: hptq(W, H, target_bits=3.125)}[method]
-    monkeypatch.setattr(solvers, "NATIVE", True)
     a = run()
-    monkeypatch.setattr(solvers, "NATIVE", False)
-    b = run()
+    with native.disabled():
+        b = run()
     assert a.z.dtype == b.z.dtype == torch.int32
     assert torch.equal(a.z, b.z) and torch.equal(a.q, b.q)
     if method == "ssqr":
@@ -324,9 +311,8 @@ def test_native_column_step_equals_torch_step(method, monkeypatch):
         assert torch.allclose(a.info["rho"], b.info["rho"], rtol=1e-5, atol=1e-5)
 
 
-def test_native_permuted_damped_hessian_equals_torch(monkeypatch):
+def test_native_permuted_damped_hessian_equals_torch():
     """The C++ permute-and-damp gives bit-identical matrices to torch's copy + two gathers."""
-    from vllm_latq import native
     from vllm_latq.quantize import lattice
     if not native.available():
         pytest.skip(f"C++ ops unavailable: {native.load()}")
@@ -334,10 +320,9 @@ def test_native_permuted_damped_hessian_equals_torch(monkeypatch):
     perm = torch.randperm(200, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.float64):
         for h in (H, H.float()):
-            monkeypatch.setattr(lattice, "NATIVE", True)
             a = lattice.damped(h, 0.01, dtype, perm)
-            monkeypatch.setattr(lattice, "NATIVE", False)
-            b = lattice.damped(h, 0.01, dtype, perm)
+            with native.disabled():
+                b = lattice.damped(h, 0.01, dtype, perm)
             assert a.dtype == b.dtype == dtype and torch.equal(a, b)
 
 

@@ -17,7 +17,7 @@ from vllm_latq import format as fmt
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.format.validate import validate_checkpoint
-from vllm_latq.quantize import pipeline
+from vllm_latq.quantize import calibrate, capture, pipeline
 from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 
 
@@ -53,13 +53,13 @@ def test_block_replay_reproduces_the_model(arch, tmp_path):
     with torch.no_grad():
         ref = m(input_ids=ids, output_hidden_states=True).hidden_states
         _, layers = hf_model.decoder_layers(m)
-        x, kwargs = pipeline.capture(m, layers, ids, all_kwargs=True)
+        x, kwargs = capture.capture(m, layers, ids, all_kwargs=True)
         assert torch.equal(x, ref[0])
         for i in range(len(layers) - 1):
-            x = pipeline.run_block(layers[i], x, kwargs[i])
+            x = capture.run_block(layers[i], x, kwargs[i])
             assert torch.equal(x, ref[i + 1]), f"block {i}"
         if arch == "gemma3":
-            y = pipeline.run_block(layers[1], ref[1], kwargs[0])
+            y = capture.run_block(layers[1], ref[1], kwargs[0])
             assert not torch.allclose(y, ref[2]), "block 0's kwargs should not fit a full-attention block"
 
 
@@ -71,7 +71,7 @@ def test_shared_hessians_group_qkv_and_gate_up(tiny_llama):
     m = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     layer = m.model.layers[0]
     lin = hf_model.block_linears(layer, "b")
-    hs = pipeline.SharedHessians(lin)
+    hs = calibrate.SharedHessians(lin)
     ref, handles = hook_linears({"o": lin["b.self_attn.o_proj"]})
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -222,12 +222,12 @@ def test_compute_dtype(tiny_llama, tmp_path, monkeypatch):
     """auto runs a bf16 model's calibration forwards in bf16 (float32 on request); the solver
     sees the exact fp32 weights and an fp64 Hessian either way."""
     seen = {}
-    real = pipeline.run_block
+    real = capture.run_block
 
     def spy(layer, x, kwargs):
         seen.setdefault("x", x.dtype)
         return real(layer, x, kwargs)
-    monkeypatch.setattr(pipeline, "run_block", spy)
+    monkeypatch.setattr(capture, "run_block", spy)
     for cd, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
         seen.clear()
         got = []
@@ -257,13 +257,13 @@ def test_bf16_forwards_of_an_fp32_model_solve_its_exact_weights(tmp_path):
 
 
 @pytest.mark.parametrize("width", [300, 512, 700, 1100])
-def test_block_hessian_upper_panels_match_fp64(width):
-    """BlockHessian sums only the upper block rows of XᵀX (PANEL columns at a time) from bf16
+def test_panel_hessian_upper_panels_match_fp64(width):
+    """PanelHessian sums only the upper block rows of XᵀX (PANEL columns at a time) from bf16
     activations; its H is exactly symmetric and equals the all-fp64 Hessian to fp32 rounding."""
-    from vllm_latq.quantize.hessian import Hessian
+    from vllm_latq.quantize.hessian import Hessian, PanelHessian
     x = torch.randn(3, 600, width, generator=torch.Generator().manual_seed(width)).bfloat16()
     x[..., :7] *= 30  # a few large channels, as real activations have
-    a, ref = pipeline.BlockHessian(width), Hessian(width)
+    a, ref = PanelHessian(width), Hessian(width)
     for part in x:
         a.add(part)
         ref.add(part)
@@ -277,12 +277,11 @@ def test_uncalibrated_methods_skip_calibration(tiny_llama, tmp_path, monkeypatch
     """RTN/HRTN ignore H: no calibration text is read, no block is run, and the checkpoint says
     so (no calibration record, no H-weighted error) — while the weights equal the solver's."""
     from vllm_latq import data
-    from vllm_latq.quantize import pipeline
 
     def boom(*a, **k):
         raise AssertionError("calibration used by an uncalibrated method")
     monkeypatch.setattr(data, "calibration_batches", boom)
-    monkeypatch.setattr(pipeline, "run_block", boom)
+    monkeypatch.setattr(capture, "run_block", boom)
     results, hessians = {}, []
 
     def on_layer(n, W, H, r):
@@ -354,3 +353,20 @@ def test_smollm2_ssqr_hptq_beat_rtn(tmp_path):
     assert ppl["hptq"]["bits"] <= 3.125 + 1e-9
     assert ppl["hptq"]["ppl"] < 0.8 * ppl["rtn"]["ppl"]
     assert ppl["ssqr"]["ppl"] < 0.8 * ppl["rtn-g32"]["ppl"] and ppl["ssqr"]["bits"] < ppl["rtn-g32"]["bits"]
+
+
+def test_solve_replaces_the_per_layer_solver(tiny_llama, tmp_path):
+    """``solve=`` is called for every linear instead of the module's ``solve``, with the method,
+    exact weight, Hessian (None: RTN is uncalibrated), name and the solver's options; passing the
+    default through changes nothing."""
+    calls = []
+
+    def recording(method, W, H, name, **kw):
+        calls.append((method, name, H, kw))
+        return pipeline.solve(method, W, H, name, **kw)
+    opts = QuantizeOptions(method="rtn", **TINY_OPTS)
+    a = quantize_model(tiny_llama, tmp_path / "a", opts, progress=False, solve=recording)
+    b = quantize_model(tiny_llama, tmp_path / "b", opts, progress=False)
+    assert file_hashes(a) == file_hashes(b)
+    assert len(calls) == 14 and {c[1] for c in calls} == set(Checkpoint(a).layers())
+    assert all(m == "rtn" and H is None and kw == opts.solver_kwargs() for m, _, H, kw in calls)

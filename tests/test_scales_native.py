@@ -14,10 +14,10 @@ from vllm_latq.quantize.scales import expand, grid, mse_scales
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")
 
 
-def _both(monkeypatch, W, bits, g, **kw):
-    monkeypatch.setattr(scales, "NATIVE", False)
-    ref = mse_scales(W, bits, g, **kw)
-    monkeypatch.setattr(scales, "NATIVE", True)
+def _both(W, bits, g, **kw):
+    """(the torch definition, the C++ op) of ``mse_scales``."""
+    with native.disabled():
+        ref = mse_scales(W, bits, g, **kw)
     return ref, mse_scales(W, bits, g, **kw)
 
 
@@ -44,9 +44,9 @@ def _heavy(r, c, seed):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("shape,g", [((256, 1024), 128), ((96, 200), 64)])  # 200 = 3·64 + 8: ragged
-def test_native_matches_torch(monkeypatch, bits, shape, g):
+def test_native_matches_torch(bits, shape, g):
     W = _heavy(*shape, seed=bits)
-    ref, got = _both(monkeypatch, W, bits, g)
+    ref, got = _both(W, bits, g)
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert torch.equal(got, got.half().float())                      # fp16-exact
     same = got == ref
@@ -58,26 +58,24 @@ def test_native_matches_torch(monkeypatch, bits, shape, g):
     assert got[0, 0] == scales.FP16_TINY                               # the zero group
 
 
-def test_native_options_and_layouts(monkeypatch):
+def test_native_options_and_layouts():
     """The dispatch; non-default search parameters, a non-contiguous fp16 input, a group wider than W."""
     W = _heavy(64, 300, seed=7)
-    monkeypatch.setattr(scales, "NATIVE", True)
     assert torch.equal(mse_scales(W, 4, 128), torch.ops.latq_cpu.mse_scales(W, 4, 128, 10, 8, 0.2))
     for kw in (dict(coarse=4, fine=3, min_shrink=0.5), dict(coarse=2, fine=0), dict(fine=9)):
-        ref, got = _both(monkeypatch, W, 4, 128, **kw)
+        ref, got = _both(W, 4, 128, **kw)
         assert (got == ref).float().mean() >= 0.99, kw
     Wh = W.half().t()                                                  # [300, 64], strided
-    ref, got = _both(monkeypatch, Wh, 3, 32)
+    ref, got = _both(Wh, 3, 32)
     assert (got == ref).float().mean() >= 0.99
-    ref, got = _both(monkeypatch, W, 4, 512)                          # one ragged group per row
+    ref, got = _both(W, 4, 512)                          # one ragged group per row
     assert got.shape == (64, 1) and (got == ref).float().mean() >= 0.99
 
 
 @pytest.mark.parametrize("bad", [1e6, float("inf"), float("nan")])
-def test_native_refuses_scales_beyond_fp16(monkeypatch, bad):
+def test_native_refuses_scales_beyond_fp16(bad):
     W = torch.randn(4, 256)
     W[2, 130] = bad                                     # 1e6 / 7 > 65504
-    for flag in (False, True):
-        monkeypatch.setattr(scales, "NATIVE", flag)
-        with pytest.raises(ValueError, match="exceeds the fp16 range"):
+    for off in (True, False):
+        with native.disabled(off), pytest.raises(ValueError, match="exceeds the fp16 range"):
             mse_scales(W, 4, 128)

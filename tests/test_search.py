@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from vllm_latq.quantize.scales import to_fp16_grid
 from vllm_latq.quantize.search import _next_alpha, scale_search
 
 
@@ -27,16 +28,17 @@ def _overflow_search(seed: int, target: float, tol: float = 5e-4):
 @pytest.mark.parametrize("target", [0.01, 0.02, 0.05])
 def test_search_lands_in_band_with_few_full_runs(seed, target):
     tol = 5e-4
-    W, S0, (alpha, v, z, log) = _overflow_search(seed, target, tol)
+    W, S0, (alpha, v, z, S, log) = _overflow_search(seed, target, tol)
     full = [e for e in log if e[0] == "full"]
     assert target - tol <= v <= target
     assert ((z < -8) | (z > 7)).float().mean().item() == pytest.approx(v)  # the sweep returned is the α's
+    assert torch.equal(S, to_fp16_grid(S0 * alpha))                        # and so are the scales
     # the secant steps from the sampled slope: one full run usually, three at most here
     assert len(full) <= 3, full
 
 
 def test_search_zero_target_and_unreachable():
-    W, S0, (alpha, v, z, log) = _overflow_search(0, 0.0)
+    W, S0, (alpha, v, z, S, log) = _overflow_search(0, 0.0)
     assert v == 0.0
 
     def stuck(Wr, S):

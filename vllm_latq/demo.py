@@ -139,24 +139,18 @@ def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh:
 
 def block_hessians(model_name: str, block: int, nsamples: int, seqlen: int):
     """{linear name: (W [out, in], H [in, in])} for one decoder block, real text."""
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .quantize.hessian import hook_linears
+    from .quantize.hessian import linear_hessians
     mdir = data.model_dir(model_name)
     tok = AutoTokenizer.from_pretrained(mdir)
     model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
     prefix = f"model.layers.{block}."
     mods = {n[len(prefix):]: m for n, m in model.named_modules()
             if n.startswith(prefix) and isinstance(m, torch.nn.Linear)}
-    hs, handles = hook_linears(mods)
     batches = data.calibration_batches(tok, nsamples=nsamples, seqlen=seqlen)
-    with torch.no_grad():
-        for seq in tqdm(batches, desc=f"calibrating block {block}", unit="seq"):
-            model(seq[None])
-    for h in handles:
-        h.remove()
-    return {n: (m.weight.detach().float(), hs[n].H) for n, m in mods.items()}
+    return linear_hessians(model, mods, batches, stop_after=model.model.layers[block],
+                           desc=f"calibrating block {block}")
 
 
 def layer_comparison(model_name: str, block: int, nsamples: int, seqlen: int) -> None:
@@ -165,6 +159,7 @@ def layer_comparison(model_name: str, block: int, nsamples: int, seqlen: int) ->
     from tqdm import tqdm
 
     from .quantize import gptq, hptq, hrtn, ldl_diag, rtn, ssqr
+    from .quantize.lattice import ORDERS
     methods = {
         "RTN-4.125": (rtn, dict(bits=4, group_size=128)), "GPTQ-4.125": (gptq, dict(bits=4, group_size=128)),
         "HRTN-4.125": (hrtn, dict(target_bits=4.125)), "HPTQ-4.125": (hptq, dict(target_bits=4.125)),
@@ -195,10 +190,9 @@ def layer_comparison(model_name: str, block: int, nsamples: int, seqlen: int) ->
               + (f" {cert:9.3f}" if cert is not None else f" {'—':>9s}"))
     print("cert max = largest measured/bound over rows (≤ 1 is the theorem; ≈ 1/3 is typical)")
     print("\ntr(D) of the damped Hessian's LDL per column order (paper Table 2 layout)")
-    orders = ("natural", "reverse", "act", "min-pivot")
-    print(f"{'layer':12s} " + " ".join(f"{o:>11s}" for o in orders))
+    print(f"{'layer':12s} " + " ".join(f"{o:>11s}" for o in ORDERS))
     for name, (_, H) in layers.items():
-        print(f"{name.split('.')[-1]:12s} " + " ".join(f"{ldl_diag(H, o).sum().item():11.4g}" for o in orders))
+        print(f"{name.split('.')[-1]:12s} " + " ".join(f"{ldl_diag(H, o).sum().item():11.4g}" for o in ORDERS))
     print(f"\ndone in {time.time() - t0:.0f}s")
 
 

@@ -48,7 +48,7 @@ def _rate(s: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .pipeline import COMPUTE_DTYPES, QuantizeOptions
+    from .pipeline import COMPUTE_DTYPES, ORDERS, QuantizeOptions
     d = QuantizeOptions()
     ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
                    help="ssqr outlier budget, e.g. 0.01 or 1%% (default 0.01)")
     g.add_argument("--target-bits", type=float, default=d.target_bits,
                    help="hptq/hrtn target bits/weight, everything counted (default 3.125)")
-    g.add_argument("--order", default=d.order, choices=("act", "min-pivot", "natural"),
+    g.add_argument("--order", default=d.order, choices=ORDERS,
                    help="column order (default act)")
     g.add_argument("--damp", type=float, default=d.damp, help="Hessian damping λ = damp·mean(diag H) (default 0.01)")
     g.add_argument("--quantize-lm-head", action="store_true",

@@ -1,7 +1,21 @@
-"""Layer Hessians ``H = XᵀX / n`` accumulated from calibration activations (fp64)."""
+"""Layer Hessians ``H = XᵀX / n`` accumulated from calibration activations (fp64 sums).
+
+:class:`Hessian` is the definition (every product in fp64); :class:`PanelHessian` the
+pipeline's faster accumulator (fp32 products of upper-triangular row panels, fp64 sums).
+:func:`hook_linears` attaches one Hessian to each linear of a model and
+:func:`linear_hessians` runs calibration text through a whole Hugging Face model with
+them: the one collector the tests, the demo and the study use. The sequential pipeline's
+per-block collector (shared Hessians of linears fed the same input) is in
+:mod:`.calibrate`.
+"""
 from __future__ import annotations
 
+from typing import Hashable, Iterable
+
 import torch
+
+PRODUCT_ROWS = 512  # rows per fp32 XᵀX product of PanelHessian; products are summed in fp64
+PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
 
 
 class Hessian:
@@ -25,6 +39,33 @@ class Hessian:
         return self.sum / self.n
 
 
+class PanelHessian(Hessian):
+    """``XᵀX / n`` with an fp64 accumulator, each product of ≤ ``PRODUCT_ROWS`` rows (one
+    calibration sequence) computed by an fp32 GEMM and added to the fp64 sum. A 512-term fp32
+    dot product is accurate to ~1e-7 relative (measured on Gemma3's real activations: max
+    entry error 1.3e-7 of the largest entry), far below the 1 % damping, while fp64 GEMMs cost
+    ~2× fp32 ones on CPUs — and more than the block's forward pass itself. The sum over
+    sequences, where fp32 would lose the small eigenvalues, is fp64.
+
+    Only the row panels of the upper triangle are computed and summed (``PANEL`` rows
+    each): for a 2048-wide input that halves both the GEMM and the fp64 additions, which
+    together cost as much as the block's bf16 forward. :attr:`H` mirrors the upper triangle."""
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self.sum.device)
+        n = x.shape[1]
+        for part in x.split(PRODUCT_ROWS):
+            part = part.float()
+            for c in range(0, n, PANEL):
+                self.sum[c:c + PANEL, c:].add_(part[:, c:c + PANEL].T @ part[:, c:])
+        self.n += x.shape[0]
+
+    @property
+    def H(self) -> torch.Tensor:
+        upper = super().H.triu()
+        return upper + upper.triu(1).T
+
+
 def hook_linears(modules: dict[str, torch.nn.Linear]) -> tuple[dict[str, Hessian], list]:
     """Attach forward pre-hooks that accumulate each linear's input Hessian.
     Returns ``(hessians, handles)``; call ``h.remove()`` on every handle when done."""
@@ -33,3 +74,35 @@ def hook_linears(modules: dict[str, torch.nn.Linear]) -> tuple[dict[str, Hessian
         hs = hessians[name] = Hessian(mod.in_features, mod.weight.device)
         handles.append(mod.register_forward_pre_hook(lambda m, args, hs=hs: hs.add(args[0].detach())))
     return hessians, handles
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def linear_hessians(model: torch.nn.Module, modules: dict[Hashable, torch.nn.Linear],
+                    batches: Iterable[torch.Tensor], *, stop_after: torch.nn.Module | None = None,
+                    desc: str | None = None) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+    """``{key: (W [out, in] fp32, H [in, in] fp64)}`` for ``modules`` (linears of ``model``, by
+    any key), ``model`` run on every token-id row of ``batches`` (one sequence per forward).
+    ``stop_after``: a module after which each forward stops (the later blocks are not needed).
+    ``desc``: show a progress bar with this label."""
+    hs, handles = hook_linears(modules)
+    if stop_after is not None:
+        def stop(*_):
+            raise _Stop
+        handles.append(stop_after.register_forward_hook(stop))
+    if desc is not None:
+        from tqdm.auto import tqdm
+        batches = tqdm(batches, desc=desc, unit="seq")
+    try:
+        for seq in batches:
+            try:
+                model(seq[None])
+            except _Stop:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: (m.weight.detach().float(), hs[k].H) for k, m in modules.items()}

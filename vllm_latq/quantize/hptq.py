@@ -10,7 +10,7 @@ from . import lattice
 from .result import QuantResult
 from .scales import matrix_scale
 from .search import scale_search
-from .solvers import Grid, Sweep, _compute_dtype, gptq_lattice, gptq_sweep
+from .solvers import Rounder, Sweep, _compute_dtype, gptq_lattice, gptq_sweep
 
 SCALE_BITS = 32  # the per-matrix scale is stored as fp32
 
@@ -41,8 +41,7 @@ def _huffman_search(method, W, target_bits, tol, run, name, **result_kw) -> Quan
         return [_estimated_bits(zk, numel) for zk in zs]
 
     s0 = matrix_scale(W, target_bits)
-    alpha, b, sw, log = scale_search(W, s0, run, bits, target_bits, tol)
-    scale = (s0 * alpha).half().float()
+    alpha, b, sw, scale, log = scale_search(W, s0, run, bits, target_bits, tol)
     res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scale, None, None, b, **result_kw)
     res.info.update(alpha=alpha, target_bits=target_bits, search=log,
                     code=huffman.HuffmanCode.fit(sw.z.to(torch.int32).numpy()))
@@ -59,7 +58,7 @@ def hptq(W: torch.Tensor, H: torch.Tensor, *, target_bits: float = 3.125, order=
     lattice.check_inputs(W, H, name)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
     res = _huffman_search("hptq", W, target_bits, tol,
-                          lambda Wr, S: gptq_sweep(lat, Wr, S, None, Grid(), block_size), name,
+                          lambda Wr, S: gptq_sweep(lat, Wr, S, None, Rounder(), block_size), name,
                           order=lat.perm, damp=lat.damp)
     res.bound = lattice.bound_from_d(lat.D_col, res.scales, None, W.shape[0])
     return res

@@ -12,7 +12,11 @@ import warnings
 
 import torch
 
-ORDERS = ("natural", "reverse", "act", "min-pivot")
+from .. import format as fmt
+from .. import native
+
+# The column orders by name: the format's list (a checkpoint records one of them), defined once there.
+ORDERS = fmt.ORDERS
 
 
 def check_finite(x: torch.Tensor, what: str, name: str | None) -> None:
@@ -48,17 +52,12 @@ def damp_lambda(H: torch.Tensor, damp: float) -> float:
     return damp * (mean if mean > 0 else 1.0)
 
 
-NATIVE = True  # the C++ permute-and-damp when it builds (tests switch it)
-
-
 def damped(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.float64,
            perm: torch.Tensor | None = None) -> torch.Tensor:
     """``H + λI`` (formed in fp64, returned in ``dtype``), rows and columns in ``perm`` order."""
     lam = damp_lambda(H, damp)
-    if perm is not None and NATIVE and H.device.type == "cpu" and dtype in (torch.float32, torch.float64):
-        from .. import native
-        if native.available():                    # the same values in one pass
-            return torch.ops.latq_cpu.permuted_damped(H, perm, lam, dtype)
+    if perm is not None and H.device.type == "cpu" and dtype in (torch.float32, torch.float64) and native.usable():
+        return torch.ops.latq_cpu.permuted_damped(H, perm, lam, dtype)  # the same values in one pass
     Hd = H.to(dtype, copy=True)
     Hd.diagonal().copy_(H.diagonal().to(torch.float64) + lam)
     return Hd if perm is None else Hd[perm][:, perm]

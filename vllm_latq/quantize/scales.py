@@ -12,9 +12,10 @@ import math
 
 import torch
 
+from .. import native
+
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # smallest normal fp16; a zero group gets this scale
-NATIVE = True  # mse_scales on CPU tensors runs the C++ op when it builds (tests switch it)
 
 
 def grid(bits: int) -> tuple[int, int]:
@@ -48,11 +49,14 @@ def to_fp16_grid(s: torch.Tensor, what: str = "scale") -> torch.Tensor:
     return s.clamp(min=FP16_TINY).half().float()
 
 
+def _absmax(Wg: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """``[..., group_size]`` groups → the smallest scale putting each on the clipped grid."""
+    return torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin)
+
+
 def absmax_scales(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Smallest per-group scale that puts every weight of the group on the clipped grid."""
-    qmin, qmax = grid(bits)
-    Wg = _grouped(W.float(), group_size)
-    return torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin)
+    return _absmax(_grouped(W.float(), group_size), *grid(bits))
 
 
 def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10, fine: int = 8,
@@ -66,16 +70,15 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
     (``quantize/csrc/scales.cpp``; 4096², 4 bits: ~26 vs ~210 ms on 2 threads) runs the same
     arithmetic group by group, its errors summed in another order (a near-tie may pick the
     other, equally good scale)."""
-    from .. import native
     qmin, qmax = grid(bits)
     step = (1.0 - min_shrink) / (coarse - 1)
-    if NATIVE and W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.available():
+    if W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():
         S = torch.ops.latq_cpu.mse_scales(W.float().contiguous(), bits, group_size, coarse, fine, min_shrink)
         return to_fp16_grid(S)  # a group fp16 cannot hold comes back NaN: the same ValueError
     out = []
     for Wc in W.float().split(row_chunk):  # small chunks: the temporaries stay in cache
         Wg = _grouped(Wc, group_size)
-        base = to_fp16_grid(torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin))
+        base = to_fp16_grid(_absmax(Wg, qmin, qmax))
         buf = torch.empty_like(Wg)
         best = None                          # (factor, scale, error) per group
 

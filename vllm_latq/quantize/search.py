@@ -11,7 +11,7 @@ runs then settle the exact target. Cost ≈ 1 full run of sampled rounds + 1-2 f
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -21,11 +21,22 @@ Run = Callable[[torch.Tensor, torch.Tensor], object]      # (W rows, their scale
 Metric = Callable[[object, int], list]                   # (sweep of k stacked copies, k) → k values
 
 
+class Searched(NamedTuple):
+    """The search's answer: the multiplier, its metric value, the full-matrix sweep run with
+    ``scales`` (= α·S0 on the fp16 grid, exactly the scales that sweep used) and the log of
+    every evaluation ``(kind, α, value)``."""
+    alpha: float
+    value: float
+    sweep: object
+    scales: torch.Tensor
+    log: list
+
+
 def scaled(S0: torch.Tensor, alpha: float) -> torch.Tensor:
     return to_fp16_grid(S0 * alpha)
 
 
-def _rows(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _sample_scales(S0: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The sample's scales, one row per sampled row (a scalar becomes ``[n, 1]``, so that
     stacked copies can carry different multipliers)."""
     return S0.expand(len(idx), 1) if S0.dim() == 0 else S0[idx]
@@ -61,9 +72,9 @@ def _next_alpha(a: float, v: float, aim: float, slope: float | None, ok: float |
 
 def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
                  target: float, tol: float, *, sample_rows: int | None = None, grid: int = 12, rounds: int = 3,
-                 span: float = 16.0, max_full: int = 10, seed: int = 0):
-    """→ ``(alpha, metric_value, sweep, log)`` for the full matrix with metric ≤ target
-    (if any α up to the search limit reaches it) and as close to it as found."""
+                 span: float = 16.0, max_full: int = 10, seed: int = 0) -> Searched:
+    """→ :class:`Searched` for the full matrix with metric ≤ target (if any α up to the search
+    limit reaches it) and as close to it as found."""
     r, c = W.shape
     log = []
     gen = torch.Generator().manual_seed(seed)
@@ -73,7 +84,7 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     Ws = W[idx]
 
     def sampled(alphas):
-        S = torch.cat([scaled(_rows(S0, idx), a) for a in alphas])
+        S = torch.cat([scaled(_sample_scales(S0, idx), a) for a in alphas])
         vals = metric(run(Ws.repeat(len(alphas), 1), S), len(alphas))
         log.extend(("sample", a, v) for a, v in zip(alphas, vals))
         return vals
@@ -105,21 +116,22 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     # secant step (first on the final sampled round's slope, then through the last two full
     # runs), kept inside the bracket found so far and bisected when it would leave it.
     def full(a):
-        sw = run(W, scaled(S0, a))
+        S = scaled(S0, a)
+        sw = run(W, S)
         v = metric(sw, 1)[0]
         log.append(("full", a, v))
-        return v, sw
+        return v, Searched(a, v, sw, S, log)
 
     slope = _slope(log[-len(alphas):])
     a = hi
-    best = None    # (alpha, value, sweep): the smallest alpha seen with value ≤ target
+    best = None    # Searched: the smallest alpha seen with value ≤ target
     above = None   # the largest alpha seen with value > target
     prev = None
     for _ in range(max_full):
-        v, sw = full(a)
+        v, found = full(a)
         if v <= target:
-            if best is None or a < best[0]:
-                best = (a, v, sw)
+            if best is None or a < best.alpha:
+                best = found
             if target - v <= tol:
                 break
         else:
@@ -127,12 +139,12 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
         if prev is not None:
             slope = _slope([prev, ("full", a, v)]) or slope
         prev = ("full", a, v)
-        a = _next_alpha(a, v, aim, slope, best[0] if best else None, above)
+        a = _next_alpha(a, v, aim, slope, best.alpha if best else None, above)
     for _ in range(40):  # never under target yet: grow α (the metric falls as z → 0)
         if best is not None:
-            return best[0], best[1], best[2], log
+            return best
         a *= 2
-        v, sw = full(a)
+        v, found = full(a)
         if v <= target:
-            best = (a, v, sw)
+            best = found
     _unreachable(target, v, a)

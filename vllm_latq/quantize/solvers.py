@@ -10,22 +10,24 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from . import lattice
 from .result import CSR, QuantResult
 from .scales import expand, grid, mse_scales, num_groups
 
 
 @dataclass(frozen=True)
-class Grid:
-    """The rounding step. ``qmin is None``: unclipped integers. ``outliers``: SSQR — an
-    integer off the b-bit grid becomes an outlier stored as the updated weight in fp16
-    (rounding error ≈ 0, so the certificate still holds) and 0 in the dense part."""
+class Rounder:
+    """The rounding step of a sweep: ω/s to an integer. ``qmin is None``: unclipped integers;
+    else clipped to ``[qmin, qmax]``, or with ``outliers`` (SSQR) an integer off that grid
+    becomes an outlier stored as the updated weight in fp16 (rounding error ≈ 0, so the
+    certificate still holds) and 0 in the dense part."""
     qmin: int | None = None
     qmax: int | None = None
     outliers: bool = False
 
     @classmethod
-    def of(cls, bits: int | None, clip: bool, outliers: bool = False) -> "Grid":
+    def of(cls, bits: int | None, clip: bool, outliers: bool = False) -> "Rounder":
         if bits is None or not (clip or outliers):
             return cls()
         return cls(*grid(bits), outliers)
@@ -90,11 +92,10 @@ def _column_scales(table: torch.Tensor, gidx: torch.Tensor):
 
 def _native(dt: torch.dtype) -> bool:
     """The C++ per-column step (``quantize/csrc/sweep.cpp``) for fp32 problems when built."""
-    from .. import native
-    return NATIVE and dt == torch.float32 and native.available()
+    return dt == torch.float32 and native.usable()
 
 
-def _mode(rounder: "Grid") -> tuple[int, float, float]:
+def _mode(rounder: Rounder) -> tuple[int, float, float]:
     if rounder.qmin is None:
         return 0, 0.0, 0.0
     return (2 if rounder.outliers else 1), float(rounder.qmin), float(rounder.qmax)
@@ -108,7 +109,6 @@ def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
 # ----------------------------------------------------------------------------- the sweep
 
 INNER = 16  # columns rounded between GEMM updates: the in-sub-block work stays in cache
-NATIVE = True  # fp32 sweeps round through the C++ sub-block step when it builds (tests switch it)
 
 
 def _outputs(c, r, dt, rounder, keep_rho, zdt=None):
@@ -131,7 +131,7 @@ def _round_column(j, w, s, rounder, Zt, Qt, Ot, Rt, jq=None):
 
 
 def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales: torch.Tensor,
-                      group_size: int | None, rounder: Grid, errors: bool, block_size: int = 128,
+                      group_size: int | None, rounder: Rounder, errors: bool, block_size: int = 128,
                       keep_rho: bool = False) -> Sweep:
     """The loop both GPTQ and Babai are: for j = c−1 … 0, ``ω_j = X_j − Σ_{l>j} M_jl b_l``,
     round ``ω_j`` to ``q_j``, and propagate ``b_j`` = ``q_j`` (Babai: ``X = Y = A_d Wᵀ``,
@@ -193,11 +193,6 @@ class GPTQLattice:
     def T(self) -> torch.Tensor:
         return self.perm.flip(0)
 
-    @property
-    def U(self) -> torch.Tensor:
-        """GPTQ's factor in its own frame, ``UᵀU = (H_d)_pp⁻¹`` (upper): A⁻¹ reversed."""
-        return (self.M * self.diag).T.flip(0, 1)
-
 
 def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
                  dtype: torch.dtype = torch.float32) -> GPTQLattice:
@@ -214,7 +209,7 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
 
 
 def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
-               rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
+               rounder: Rounder, block_size: int = 128, keep_rho: bool = False) -> Sweep:
     """Paper Alg. 1 in GPTQ's lazy-batch form: each column's error ``(w − q)/U_jj · U_jl``
     goes to the later columns — here :func:`back_substitution` on W in Babai's frame,
     propagating errors through ``A⁻¹``. ``W``: ``[out, in]``; ``scales``: see
@@ -227,7 +222,7 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
 # ----------------------------------------------------------------------------- Babai
 
 def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch.Tensor,
-                group_size: int | None, rounder: Grid, block_size: int = 128, keep_rho: bool = False) -> Sweep:
+                group_size: int | None, rounder: Rounder, block_size: int = 128, keep_rho: bool = False) -> Sweep:
     """Paper v1 Alg. 3: ``Y = A Wᵀ``; for j = c..1: ``ω = Y_j / A_jj``, round,
     ``Y -= A[:, j] ⊗ q`` — :func:`back_substitution` propagating q. A's rows are divided
     by their diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``)."""
@@ -274,7 +269,7 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     scales, group_size = _scales_for(W, bits, group_size, scales)
     S = expand(scales, group_size, tuple(W.shape))
     z, q = torch.empty(W.shape), torch.empty(W.shape)
-    Grid.of(bits, clip)(W.float(), S, z, q)
+    Rounder.of(bits, clip)(W.float(), S, z, q)
     return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W)
 
 
@@ -294,7 +289,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     lattice.check_inputs(W, H, name)
     scales, group_size = _scales_for(W, bits, group_size, scales)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
-    sw = gptq_sweep(lat, W, scales, group_size, Grid.of(bits, clip), block_size, keep_rho)
+    sw = gptq_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
     return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W)
 
 
@@ -313,9 +308,9 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     T = lattice.resolve_order(order, H, damp, babai=True)
     L, damp_used = lattice.cholesky(H.cpu(), damp, T, name, dtype=_compute_dtype(W))
     A = L.T.to(W.device)        # a view: the sweep reads it through strides
-    sw = babai_sweep(A, T, W, scales, group_size, Grid.of(bits, clip), block_size, keep_rho)
+    sw = babai_sweep(A, T, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
     return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, lattice.d_by_column(L, T), W)
 
 
-__all__ = ["Grid", "Sweep", "GPTQLattice", "gptq_lattice", "back_substitution", "gptq_sweep", "babai_sweep",
+__all__ = ["Rounder", "Sweep", "GPTQLattice", "gptq_lattice", "back_substitution", "gptq_sweep", "babai_sweep",
            "rtn", "gptq", "babai", "num_groups", "CSR"]

@@ -13,7 +13,7 @@ from . import lattice
 from .result import CSR, QuantResult
 from .scales import mse_scales
 from .search import scale_search
-from .solvers import Grid, _compute_dtype, gptq_lattice, gptq_sweep
+from .solvers import Rounder, _compute_dtype, gptq_lattice, gptq_sweep
 
 
 def ssqr_bits(shape: tuple[int, int], bits: int, n_scales: int, nnz: int) -> float:
@@ -28,7 +28,7 @@ def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
          outlier_rate: float = 0.01, order="act", damp: float = 0.01, block_size: int = 128,
          tol: float = 5e-4, name: str | None = None) -> QuantResult:
     """W ``[out, in]``, H ``[in, in]`` → inliers ``.z`` (0 at outliers), ``.scales``
-    ``[out, ngroups]`` = α·MSE scales, ``.outliers`` (CSR), ``.bound``.
+    ``[out, ngroups]`` = α·MSE scales (those the search ran with), ``.outliers`` (CSR), ``.bound``.
     The outlier rate achieved is ≤ ``outlier_rate`` and within ``tol`` of it when reachable;
     H is factorized once for the whole search."""
     lattice.check_inputs(W, H, name)
@@ -36,7 +36,7 @@ def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
         raise ValueError(f"outlier_rate must be in [0, 1), got {outlier_rate}")
     S0 = mse_scales(W, bits, group_size)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
-    rounder = Grid.of(bits, clip=False, outliers=True)
+    rounder = Rounder.of(bits, clip=False, outliers=True)
 
     def run(Wr, S):
         return gptq_sweep(lat, Wr, S, group_size, rounder, block_size)
@@ -44,8 +44,7 @@ def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     def rates(sw, k):
         return sw.outlier.reshape(k, -1).float().mean(1).tolist()
 
-    alpha, rate, sw, log = scale_search(W, S0, run, rates, outlier_rate, tol)
-    scales = (S0 * alpha).clamp(min=2.0**-14).half().float()
+    alpha, rate, sw, scales, log = scale_search(W, S0, run, rates, outlier_rate, tol)
     outliers = CSR.from_mask(sw.outlier, sw.q)
     res = QuantResult("ssqr", sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
                       ssqr_bits(tuple(W.shape), bits, scales.numel(), outliers.nnz), lat.perm,

@@ -1,0 +1,123 @@
+"""Block inputs: the hidden states entering decoder block 0 and the keyword arguments every
+block receives, captured from the model's own forward; and running one block on them.
+
+The keyword arguments (position embeddings, attention masks: they differ per layer type in
+Gemma3) come from one real forward call per block, with the blocks replaced by catchers,
+and are replayed for every calibration sequence. A block's outputs, computed by the block
+already quantized, are the next block's inputs (:func:`block_outputs`).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import hf_model
+from .resume import RunDir
+from .source import Source
+
+log = logging.getLogger("vllm_latq.quantize")
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Catcher(torch.nn.Module):
+    """Stands in for decoder block ``i`` during the capture pass: records its inputs and
+    keyword arguments, returns the hidden states unchanged (or stops the forward)."""
+
+    def __init__(self, layer, i: int, store: dict, stop: bool):
+        super().__init__()
+        self.layer, self.i, self.store, self.stop = layer, i, store, stop
+
+    def __getattr__(self, name):  # models may read attributes of their blocks (attention_type, ...)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            raise hf_model.UnsupportedModelError("decoder blocks called with extra positional arguments")
+        self.store["hidden"].setdefault(self.i, hidden_states)
+        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+        self.store["kwargs"].setdefault(self.i, kw)
+        if self.stop:
+            raise _Stop
+        return hidden_states
+
+
+@torch.no_grad()
+def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: bool):
+    """Run the model's own forward on ``ids`` [1, seqlen] with the blocks replaced by
+    catchers → (input of block 0, {block: kwargs}); ``all_kwargs=False`` stops at block 0."""
+    store = {"hidden": {}, "kwargs": {}}
+    n = len(layers)
+    orig = list(layers)
+    for i in range(n):
+        layers[i] = _Catcher(orig[i], i, store, stop=(i == n - 1) or not all_kwargs)
+    try:
+        model.base_model(input_ids=ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for i in range(n):
+            layers[i] = orig[i]
+    if 0 not in store["hidden"]:
+        raise hf_model.UnsupportedModelError(f"{type(model).__name__}: the forward pass never reached decoder block 0")
+    return store["hidden"][0], store["kwargs"]
+
+
+@torch.no_grad()
+def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, hidden_size: int, dtype, device,
+                   progress: bool) -> tuple[torch.Tensor, dict]:
+    """Block 0's inputs for every calibration sequence (rows of ``calib``) ``[n, seqlen,
+    hidden]`` in ``dtype``, and every block's keyword arguments (from the first sequence)."""
+    from tqdm.auto import tqdm
+    inps = torch.empty(len(calib), calib.shape[1], hidden_size, dtype=dtype, device=device)
+    kwargs = None
+    for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
+                  leave=False):
+        h, kw = capture(model, layers, calib[j:j + 1].to(device), all_kwargs=(j == 0))
+        inps[j] = h[0]
+        kwargs = kwargs or kw
+    return inps, kwargs
+
+
+@torch.no_grad()
+def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, progress: bool):
+    """→ (the inputs of the first block ``run`` has not done ``[n, seqlen, hidden]``, every
+    block's keyword arguments); (None, None) without calibration data. Loads the tensors
+    outside the blocks for the capture pass and drops them again."""
+    src.load(src.outside_tensors(), device)
+    for m in src.net.modules():  # the real buffers (rotary frequencies, ...) go to the device
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = b.to(device)
+    inps = kwargs = None
+    if calib is not None and run.blocks_done == 0:
+        inps, kwargs = capture_inputs(src.net, src.layers, calib, src.config.hidden_size, src.dtype, device, progress)
+    elif calib is not None:
+        kwargs = capture(src.net, src.layers, calib[:1].to(device), all_kwargs=True)[1]
+        inps = run.activations().to(device)
+        log.info("resuming after block %d of %d", run.blocks_done - 1, src.nblocks)
+    hf_model.to_meta(src.net)  # embeddings are not needed any more
+    if calib is not None and len(kwargs) != src.nblocks:
+        raise hf_model.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {src.nblocks} decoder blocks")
+    return inps, kwargs
+
+
+def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    y = layer(x, **kwargs)
+    return y[0] if isinstance(y, (tuple, list)) else y
+
+
+@torch.no_grad()
+def block_outputs(layer, inps: torch.Tensor, kw: dict, desc: str, progress: bool) -> torch.Tensor:
+    """The block's outputs for every calibration sequence, one sequence per call."""
+    from tqdm.auto import tqdm
+    outs = torch.empty_like(inps)
+    for j in tqdm(range(len(inps)), desc=f"{desc}: outputs", unit="seq", disable=not progress, leave=False):
+        outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
+    return outs

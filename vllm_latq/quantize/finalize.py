@@ -1,0 +1,57 @@
+"""Finishing a run: the last shard (everything outside the blocks, and a quantized head),
+the index, ``config.json`` with its ``quantization_config``, the tokenizer files and
+``latq_stats.json``; then validation and the atomic rename of the run directory to ``OUT``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..format.files import CONFIG_FILE, STATS_FILE
+from ..format.safetensors_file import write_safetensors
+from ..format.validate import validate_checkpoint
+from ..format import writer
+from .. import format as fmt
+from .resume import RunDir
+from .source import Source
+
+
+def stats_file(stats: list[dict], method: str, src: Path) -> dict:
+    """``latq_stats.json``: the per-layer records and their parameter-weighted totals."""
+    n = sum(s["shape"][0] * s["shape"][1] for s in stats)
+    wavg = lambda k: sum(s[k] * s["shape"][0] * s["shape"][1] for s in stats) / n if n else 0.0  # noqa: E731
+    certs = [s["cert"] for s in stats if s["cert"] is not None]
+    rels = [s["rel_error"] for s in stats if s["rel_error"] is not None]
+    return {"format_version": fmt.FORMAT_VERSION, "method": method, "source": src.name,
+            "layers": stats,
+            "totals": {"layers": len(stats), "quantized_params": n, "bits_per_weight": wavg("bits"),
+                       "outlier_rate": wavg("outlier_rate"), "rel_error_mean": sum(rels) / len(rels)
+                       if rels else None, "cert_max": max(certs) if certs else None}}
+
+
+def finalize(src: Source, run: RunDir, out: Path, method: str, quantization_config: dict,
+             head_name: str | None, head_tensors: dict, validate: bool) -> dict:
+    """Write the rest of the checkpoint into ``run``, validate it (unless not ``validate``)
+    and move it to ``out`` (replacing it) → the stats file's totals."""
+    nshards = src.nblocks + 1
+    rest = {n: src.weights.get(n) for n in src.weights.names() if n not in src.block_of and n in src.expected
+            and not (head_name is not None and n == f"{head_name}.weight")}
+    rest.update(head_tensors)
+    write_safetensors(run.path / writer.shard_name(src.nblocks, nshards), rest)
+    writer.write_index(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
+    cfg = dict(src.raw_config)
+    cfg["quantization_config"] = quantization_config
+    if head_name is not None and src.tied:
+        cfg["tie_word_embeddings"] = False   # the embedding stays, the head is stored quantized
+    writer.write_json(run.path / CONFIG_FILE, cfg)
+    writer.copy_aux_files(src.path, run.path)
+    stats = stats_file(run.stats, method, src.path)
+    writer.write_json(run.path / STATS_FILE, stats)
+    run.clear_progress()
+    if validate:
+        validate_checkpoint(run.path, decode=True, verify_checksums=False)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(run.path, out)
+    return stats["totals"]

@@ -1,0 +1,66 @@
+"""The output head (``--quantize-lm-head``): quantized like a block linear after the last
+block, its Hessian from the final norm's outputs — the same sequential protocol as the
+blocks. A tied head is solved on the embedding's weight and written untied as ``lm_head.*``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import hf_model
+from .calibrate import head_hessian
+from .source import Source
+
+log = logging.getLogger("vllm_latq.quantize")
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    name: str       # the head module's name (lm_head)
+    weight: str     # the source tensor holding its weight: the embedding's when tied
+    norm: str       # the final norm module's name
+
+
+def head_plan(src: Source) -> HeadPlan:
+    """Where the head, its weight and the final norm are; refuses heads it cannot quantize."""
+    net, head = src.net, src.head
+    names = {m: n for n, m in net.named_modules()}
+    if not isinstance(head, torch.nn.Linear) or head not in names:
+        raise hf_model.UnsupportedModelError(f"{type(net).__name__}: the output head is not an nn.Linear; "
+                                         "cannot quantize it")
+    if head.bias is not None:
+        raise hf_model.UnsupportedModelError(f"{type(net).__name__}: quantizing an lm_head with a bias is not supported")
+    head_name = names[head]
+    weight = f"{head_name}.weight"
+    if src.tied:
+        weight = f"{names[net.get_input_embeddings()]}.weight"
+    if weight not in src.weights.where:
+        raise ValueError(f"the head's weight {weight} is not in the source safetensors")
+    norm = getattr(net.base_model, "norm", None)
+    if not isinstance(norm, torch.nn.Module) or norm not in names:
+        raise hf_model.UnsupportedModelError(f"{type(net).__name__}: no final norm at {type(net.base_model).__name__}"
+                                         ".norm: cannot compute the lm_head's input activations")
+    return HeadPlan(head_name, weight, names[norm])
+
+
+@torch.no_grad()
+def quantize_head(src: Source, plan: HeadPlan, inps: torch.Tensor | None, quantize: Callable, device,
+                  progress: bool) -> dict:
+    """Quantize the head with ``quantize(name, W, hessian) -> (result, tensors)`` on the last block's outputs
+    ``inps`` (None: an uncalibrated method) → the head's checkpoint tensors."""
+    norm = src.net.get_submodule(plan.norm)
+    dtype = inps.dtype if inps is not None else torch.float32  # the calibration forwards' dtype
+    for n, p in list(norm.named_parameters()):
+        hf_model.set_tensor(norm, n, src.weights.get(f"{plan.norm}.{n}").to(device=device, dtype=dtype))
+    W = src.weights.get(plan.weight).to(device=device, dtype=torch.float32)
+    t0 = time.time()
+    hs = None if inps is None else head_hessian(norm, inps, W.shape[1], device, plan.name, progress)
+    _, t = quantize(plan.name, W, hs)
+    log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", plan.name, plan.weight, plan.norm,
+             time.time() - t0)
+    hf_model.to_meta(norm)
+    return t

@@ -1,0 +1,95 @@
+"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue.
+
+Every finished block leaves its shard, the next block's inputs (``latq_activations``) and
+the progress record (blocks done, per-layer stats, the run's fingerprint) in the run
+directory; ``--resume`` continues from there if the fingerprint — source files, config,
+options, pipeline and format versions — is the same, and a run without ``--resume`` starts
+over. The finished checkpoint is renamed into place only at the end (:mod:`.finalize`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..format import safetensors_file
+from ..format import writer
+from .. import format as fmt
+
+log = logging.getLogger("vllm_latq.quantize")
+
+TMP_SUFFIX = ".tmp-latq"
+PROGRESS_FILE = "latq_progress.json"
+ACTS_FILE = "latq_activations.safetensors"
+PIPELINE_VERSION = 4  # part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards)
+
+
+def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
+    """What must not change between an interrupted run and its ``--resume``: the source
+    (path, ``files`` and their sizes, ``config``) and the ``options`` that shape the output."""
+    sizes = sorted((f, (src / f).stat().st_size) for f in files)
+    blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION, "options": options,
+                       "source": str(src.resolve()), "files": sizes, "config": config}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass
+class RunDir:
+    """The run directory of output ``out`` and the state it resumes from."""
+    path: Path
+    fingerprint: str
+    blocks_done: int = 0
+    stats: list = field(default_factory=list)   # per-layer records of the blocks done
+
+    @classmethod
+    def open(cls, out: Path, fp: str, resume: bool) -> "RunDir":
+        """The run directory of ``out``, continued when ``resume`` and it holds an interrupted
+        run with fingerprint ``fp``, else (re)created empty; a resume of a run with another
+        fingerprint is refused."""
+        tmp = out.with_name(out.name + TMP_SUFFIX)
+        state = None
+        if tmp.exists():
+            try:
+                state = json.loads((tmp / PROGRESS_FILE).read_text())
+            except (OSError, ValueError):
+                state = None
+            if resume and state is not None and state.get("fingerprint") != fp:
+                raise ValueError(f"{tmp} holds an interrupted run of a different model or options; remove it or "
+                                 "rerun without --resume")
+            if not resume or state is None:
+                log.warning("removing stale partial output %s", tmp)
+                shutil.rmtree(tmp)
+                state = None
+        elif resume:
+            log.info("nothing to resume at %s: starting from block 0", tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        if state is None:
+            return cls(tmp, fp)
+        return cls(tmp, fp, state["blocks_done"], state["stats"])
+
+    def activations(self) -> torch.Tensor:
+        """The inputs of the first block not done, saved by the last finished one."""
+        acts = safetensors_file.SafetensorsFile(self.path / ACTS_FILE)
+        if acts.metadata.get("blocks_done") != str(self.blocks_done):
+            raise ValueError(f"{self.path / ACTS_FILE} does not match {PROGRESS_FILE}; rerun without --resume")
+        return acts.get("hidden")
+
+    def save_block(self, i: int, shard_name: str, shard: dict, inputs: torch.Tensor | None) -> None:
+        """Persist block ``i``: its shard, then the next block's ``inputs`` (None: an
+        uncalibrated run has none), then the progress record."""
+        safetensors_file.write_safetensors(self.path / shard_name, shard)
+        if inputs is not None:
+            safetensors_file.write_safetensors(self.path / ACTS_FILE, {"hidden": inputs}, {"blocks_done": str(i + 1)})
+        self.blocks_done = i + 1
+        writer.write_json(self.path / PROGRESS_FILE, {"fingerprint": self.fingerprint, "blocks_done": i + 1,
+                                                    "stats": self.stats})
+
+    def clear_progress(self) -> None:
+        """The run is complete: drop what only a resume needs."""
+        (self.path / ACTS_FILE).unlink(missing_ok=True)
+        (self.path / PROGRESS_FILE).unlink()
