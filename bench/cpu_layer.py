@@ -40,7 +40,7 @@ from vllm_latq import format as fmt
 from vllm_latq import native
 from vllm_latq.kernels import cpu
 from vllm_latq.kernels.cpu import CPUKernel
-from vllm_latq.kernels.reference import LatqWeight, dequantize
+from vllm_latq.kernels.reference import LatqWeight, dequantize, random_weight
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
@@ -59,16 +59,8 @@ BLOCK = {"q": 1, "kv": 2, "o": 1, "gate_up": 2, "down": 1}
 
 
 def synthetic(out: int, cin: int, bits: int, rate: float, group: int = 128, seed: int = 0) -> LatqWeight:
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
-    mask = torch.rand(out, cin, generator=g) < rate
-    z[mask] = 0
-    scales = (torch.rand(out, -(-cin // group), generator=g) * 0.02 + 0.002).half()
-    rows, cols = mask.nonzero(as_tuple=True)
-    crow = torch.zeros(out + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = torch.randn(rows.numel(), generator=g) * 0.1
-    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val, bits, group, cin)
+    return random_weight(out, cin, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02,
+                         val_std=0.1)
 
 
 def _sample(fn, inner: int) -> float:
@@ -123,11 +115,8 @@ def table(a, results):
 
 
 def _torch_path(state, x):
-    cpu.NATIVE = False
-    try:
+    with native.disabled():
         return CPUKernel.apply(state, x)
-    finally:
-        cpu.NATIVE = True
 
 
 def profile(a):
@@ -144,7 +133,7 @@ def profile(a):
             xf = x.float()
             fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
                    "kernel": lambda: CPUKernel.apply(s, x)}
-            if cpu.NATIVE and native.available():
+            if native.usable():
                 fns["kernel_torch"] = lambda: _torch_path(s, x)
             if s.crow is not None:
                 csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K), check_invariants=False)
@@ -162,7 +151,7 @@ def large(a):
     w = synthetic(N, K, 4, 0.01)
     s = CPUKernel.prepare(w)
     Wb = dequantize(w).to(torch.bfloat16)
-    saved = cpu.large_m(), cpu.PREFILL_CACHE
+    saved = cpu.LARGE_M, cpu.PREFILL_CACHE
     gemv_ok = native.available() and torch.ops.latq_cpu.gemv_max_m() > 0
     saved_m = torch.ops.latq_cpu.gemv_max_m() if gemv_ok else 0
     try:
@@ -203,7 +192,8 @@ def wide(a, results):
         for spread in (6.0, 40.0):
             z = torch.round(torch.distributions.Laplace(0.0, spread).sample((N, K))).int().clamp(-4000, 4000)
             w = transcode(z, float(torch.tensor(0.0137).half()))
-            off = float(((cpu._unpack_rows(w, 0, N) < -8) | (cpu._unpack_rows(w, 0, N) > 7)).float().mean())
+            zw = fmt.unpack(w.qweight, w.bits, K)
+            off = float(((zw < -8) | (zw > 7)).float().mean())
             Wb = dequantize(w).to(torch.bfloat16)
             x = torch.randn(1, K, generator=g).to(torch.bfloat16)
             fns = {"bf16": lambda: F.linear(x, Wb)}

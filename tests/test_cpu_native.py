@@ -15,14 +15,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in
               pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")]
 
 
-def test_native_op_is_the_layer_op_for_every_m(monkeypatch):
+def test_native_op_is_the_layer_op_for_every_m():
     """``latq_cpu::linear`` (what a vLLM layer calls with the C++ op built) against the Python
     custom op, over the flattened state: the same result at small M (C++) and at large M (it
     calls back into ``latq::cpu_linear``); also under torch.compile(fullgraph, dynamic)."""
     from vllm_latq.kernels import ops
-    monkeypatch.setattr(cpu, "NATIVE", False)
-    assert CPUKernel.native_op() is None
-    monkeypatch.setattr(cpu, "NATIVE", True)
+    with native.disabled():
+        assert CPUKernel.native_op() is None
     w, state = prepared((640, 2048, 4, 0.01, 128))
     op = ops.op_for(CPUKernel)
     assert op is torch.ops.latq_cpu.linear.default
@@ -56,12 +55,8 @@ def csr_prepared(key):
     """``prepared`` with the outliers kept as a CSR (what the op gets without the GEMV, or for
     in_features ≥ 2¹⁵) instead of tiles."""
     if key not in _CSR_STATES:
-        saved, cpu.TILES = cpu.TILES, False
-        try:
-            w = prepared(key)[0]
-            _CSR_STATES[key] = (w, CPUKernel.prepare(w))
-        finally:
-            cpu.TILES = saved
+        w = prepared(key)[0]
+        _CSR_STATES[key] = (w, CPUKernel.prepare(w, tiles=False))
     return _CSR_STATES[key]
 
 

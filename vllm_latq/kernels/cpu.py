@@ -6,7 +6,8 @@ pass adding outliers (its own loop for small sets, MKL's for large) and bias wit
 AVX-512 BF16 CPUs the GEMM is the op's own GEMV over the same packed state, streaming the
 weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
 to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/csrc/latq_cpu.cpp``).
-Without a compiler the same math runs as torch calls (MKL CSR mv/mm): ``NATIVE = False``.
+Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
+(MKL CSR mv/mm).
 
 The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
 ``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
@@ -43,8 +44,9 @@ priority and cross-checked at 1 thread):
   index_add 3.4 ms. MKL also wins on small layers (1 thread, 192×576…2048×640 at 1–5%, M=1
   and 8: 13–136 µs vs ≥ 13 µs for gather+index_add and 35 µs–22 ms at M=8). int64 indices
   are ~1.5–2× slower than int32. The custom-op state holds only dense crow/col/val; the
-  sparse tensor over them is built once per layer and cached (``_csr``; building it costs
-  2–6 µs a call, ×120 linears per SmolLM2 step).
+  sparse tensor over them is built once per layer and cached while the layer's tensors live
+  (``_csr``, :class:`_DerivedCache`; building it costs 2–6 µs a call, ×120 linears per
+  SmolLM2 step).
 * Bits 5..8 (HPTQ transcodes): z = 16·(a − 8) + (c − 8) + 8 with nibbles a, c (v = z + 128 =
   16a + c). Two int4 planes concatenated along K ([c-plane | a-plane], activations duplicated):
   one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
@@ -66,6 +68,7 @@ priority and cross-checked at 1 thread):
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +76,7 @@ import torch
 from .. import format as fmt
 from .. import native
 from .reference import LatqWeight
-from .selector import LatqKernel
+from .base import LatqKernel
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
@@ -90,10 +93,8 @@ CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 
 # +2 bytes/weight resident: more than the bf16 model itself)
 PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
-# small M through the C++ op (vllm_latq.native) when it builds; False: the pure-torch path below
-NATIVE = True
-# outliers as the C++ op's tiles where its GEMV runs (tiles_from_csr); False: keep the CSR (tests)
-TILES = True
+# Small M runs through the C++ op (vllm_latq.native) where ``native.usable()``: built, and not
+# switched off by ``with native.disabled():`` (tests and benches compare both paths).
 
 _PACK = None
 _MM = None
@@ -197,18 +198,9 @@ def _op_group(w: LatqWeight) -> int | None:
 
 
 def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
-    """Signed integers of rows [r0, r1) → int32 [r1 - r0, K]. ``format.pack``'s tile of 32
-    values is a little-endian 32·b-bit integer, value k at bits [k·b, k·b + b); so every b
-    consecutive bytes hold exactly 8 values: read them as one 64-bit integer (b ≤ 8)."""
-    b, K = w.bits, w.in_features
-    q = w.qweight[r0:r1].contiguous().view(torch.uint8)                      # [R, T·4b]
-    R = q.shape[0]
-    if 8 % b == 0:                                                           # byte-aligned values
-        u = (q.unsqueeze(-1) >> torch.arange(0, 8, b, dtype=torch.uint8)) & (2 ** b - 1)
-    else:
-        v = (q.view(R, -1, b).long() << (8 * torch.arange(b))).sum(-1)      # [R, T·4] 8 values each
-        u = (v.unsqueeze(-1) >> (b * torch.arange(8))) & (2 ** b - 1)
-    return u.reshape(R, -1)[:, :K].int() - 2 ** (b - 1)
+    """Signed integers of rows [r0, r1) → int32 [r1 - r0, K]: the format's unpacker on a row
+    range (prepare works in row chunks to bound its memory)."""
+    return fmt.unpack(w.qweight[r0:r1], w.bits, w.in_features)
 
 
 def _op_scales(w: LatqWeight, go: int, rows: slice) -> torch.Tensor:
@@ -245,14 +237,16 @@ class CPUKernel(LatqKernel):
     @classmethod
     def native_op(cls):
         """``latq_cpu::linear`` (C++): small M in C++, large M back to ``latq::cpu_linear``."""
-        if not (NATIVE and native.available()):
+        if not native.usable():
             return None
         torch.ops.latq_cpu.set_large_m(large_m())
         return torch.ops.latq_cpu.linear.default
 
     # ------------------------------------------------------------------ prepare
     @classmethod
-    def prepare(cls, w: LatqWeight) -> CPUState:
+    def prepare(cls, w: LatqWeight, tiles: bool = True) -> CPUState:
+        """``tiles``: store the outliers as the C++ op's tiles where its GEMV runs (False:
+        keep the CSR, as for a layer with in_features ≥ 2¹⁵ or without the GEMV)."""
         ok, why = cls.can_implement(w, torch.device("cpu"), torch.bfloat16)
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
@@ -303,11 +297,11 @@ class CPUKernel(LatqKernel):
             cols = torch.cat([cols, *[c.long() for c in extra_cols]])
             vals = torch.cat([vals, *extra_vals])
         crow = col = val = None
-        tiles = (None,) * 4
+        tile_fields = (None,) * 4
         if vals.numel():
             crow, col, val = _coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
-            if _tiles_here(K):   # the C++ op's layout replaces the CSR
-                tiles = tiles_from_csr(crow, col, val)
+            if tiles and _tiles_here(K):   # the C++ op's layout replaces the CSR
+                tile_fields = tiles_from_csr(crow, col, val)
                 crow = col = val = None
         layout = _detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
@@ -318,7 +312,7 @@ class CPUKernel(LatqKernel):
                 if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
                     layout = None
                     break
-        return CPUState(packed, sz, crow, col, val, *tiles, N, K, go, planes,
+        return CPUState(packed, sz, crow, col, val, *tile_fields, N, K, go, planes,
                         layout[0] if layout else 0, int(layout[1]) if layout else 0)
 
     @staticmethod
@@ -339,7 +333,7 @@ class CPUKernel(LatqKernel):
         M = x2.shape[0]
         dtype = x.dtype
         large = M >= large_m() and state.layout_block
-        if not large and NATIVE and native.available():   # the same math in one C++ call
+        if not large and native.usable():   # the same math in one C++ call
             y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
                                                 state.val, state.tile_off, state.tile_rows, state.tile_col,
                                                 state.tile_val, bias, state.group_size, state.planes)
@@ -374,24 +368,30 @@ TILE = 16        # rows per tile: one 16-lane fp32 vector
 TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
 
 
+_HAS_GEMV: bool | None = None
+
+
 def _gemv_here() -> bool:
-    """The C++ op is built (and NATIVE) with its AVX-512 GEMV."""
-    return NATIVE and native.available() and bool(torch.ops.latq_cpu.has_gemv())
+    """The C++ op is usable here (built, not disabled in this context) with its AVX-512 GEMV."""
+    global _HAS_GEMV
+    if not native.usable():
+        return False
+    if _HAS_GEMV is None:   # a property of the build and the CPU: ask once
+        _HAS_GEMV = bool(torch.ops.latq_cpu.has_gemv())
+    return _HAS_GEMV
 
 
 def _tiles_here(in_features: int) -> bool:
     """Whether prepare stores outliers as the C++ op's tiles: where its GEMV runs (elsewhere
     the CSR loop / MKL is faster) and columns fit int16."""
-    return TILES and in_features < 2 ** 15 and _gemv_here()
+    return in_features < 2 ** 15 and _gemv_here()
 
 
 def large_m() -> int:
-    """``LARGE_M``, resolved on first use: from 640 rows with the C++ GEMV (it beats dequant +
-    GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512), else 128 (torch's op)."""
-    global LARGE_M
-    if not LARGE_M:
-        LARGE_M = 640 if _gemv_here() else 128
-    return LARGE_M
+    """Rows from which the dequantize + GEMM path runs: ``LARGE_M`` if set, else 640 with the
+    C++ GEMV (it beats dequant + GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512),
+    else 128 (torch's op)."""
+    return LARGE_M or (640 if _gemv_here() else 128)
 
 
 def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
@@ -458,27 +458,49 @@ def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
     return rows[keep], cols[keep], state.tile_val[s0:s1][keep]
 
 
-_CSR: dict[tuple, tuple] = {}
+class _DerivedCache:
+    """Values derived from a layer's state tensors, built on first use and kept exactly as long
+    as the source tensor lives. The state a call gets is rebuilt per custom-op call
+    (``unflatten``), so the cache cannot live on it: entries are keyed by the source tensors'
+    addresses and shapes, and dropped (``weakref.finalize``) when the first source tensor is
+    freed — so dropping a layer frees them, and a freed address is never looked up again. An
+    entry must not hold the source tensors themselves (that would keep them alive): alias them
+    with ``detach()`` (a ``view`` keeps its base)."""
+
+    def __init__(self):
+        self.entries: dict[tuple, object] = {}
+
+    def get(self, sources: tuple[torch.Tensor, ...], build):
+        key = tuple((t.data_ptr(), tuple(t.shape)) for t in sources)
+        hit = self.entries.get(key)
+        if hit is None:
+            hit = self.entries[key] = build()
+            weakref.finalize(sources[0], self.entries.pop, key, None)
+        return hit
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_CSR = _DerivedCache()
 
 
 def _csr(state: CPUState) -> torch.Tensor:
     """The layer's fp32 CSR as a torch sparse tensor (from the tiles if the state holds those),
-    built on first use and kept (the op's state holds only dense tensors). Keyed by the dense
-    tensors' addresses; the entry holds those tensors, so an address cannot be reused by
-    another layer while cached."""
+    built on first use and kept while the layer's tensors live (the op's state holds only
+    dense tensors)."""
     src = (state.crow, state.col, state.val) if state.crow is not None else (state.tile_off, state.tile_col,
                                                                             state.tile_val)
-    key = (*(t.data_ptr() for t in src), state.out_features, state.in_features)
-    hit = _CSR.get(key)
-    if hit is None:
+
+    def build():
         N, K = state.out_features, state.in_features
-        if state.crow is not None:
-            crow, col, val = state.crow, state.col, state.val
+        if state.crow is not None:   # aliases without a view's _base: must not own the state's tensors
+            crow, col, val = state.crow.detach(), state.col.detach(), state.val.detach()
         else:
             crow, col, val = _coo_to_csr(*_tile_entries(state, 0, N), N, K, sort=True)
-        csr = torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
-        hit = _CSR[key] = (*src, csr)
-    return hit[-1]
+        return torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
+
+    return _CSR.get(src, build)
 
 
 # ----------------------------------------------------------------------------- large M
@@ -541,24 +563,21 @@ def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
     return yT.t()
 
 
-_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_PREFILL = _DerivedCache()
 
 
 def _cached_weight(state: CPUState) -> torch.Tensor:
-    """bf16 ``[N, K]`` dequantized weight (outliers in), built on first use (opt-in: +2 bytes/weight
-    resident). Keyed by the packed tensor's storage address; the entry holds that tensor, so
-    the address cannot be reused by another layer while cached (``clear_prefill_cache``)."""
-    p = state.packed
-    key = (p.data_ptr(), tuple(p.shape))
-    hit = _CACHE.get(key)
-    if hit is None:
+    """bf16 ``[N, K]`` dequantized weight (outliers in), built on first use and kept while the
+    layer's packed weights live (opt-in: +2 bytes/weight resident)."""
+    def build():
         wt = torch.empty(state.out_features, state.in_features, dtype=torch.bfloat16)
         for r0, r1, buf in _dequant_chunks(state):
             wt[r0:r1].copy_(buf.t())
-        hit = _CACHE[key] = (p, wt)
-    return hit[1]
+        return wt
+
+    return _PREFILL.get((state.packed,), build)
 
 
 def clear_prefill_cache() -> None:
-    _CACHE.clear()
+    _PREFILL.clear()
     _CSR.clear()
