@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu
+from vllm_latq.kernels import cpu, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
 from vllm_latq.kernels.reference import LatqWeight, dequantize, random_weight
 
@@ -122,7 +122,7 @@ def _torch_path(state, x):
 def profile(a):
     print("\nprofile, 4-bit, M=1 (median µs): the int4 op alone, the CSR mv alone, the whole kernel "
           "(C++ op), the whole kernel through its pure-torch path")
-    _, mm = cpu._ops()
+    _, mm = cpu_layouts.int4_ops()
     for name in ("4096", "gemma.gate_up", "smol.q", "smol.kv"):
         N, K = {**SHAPES, **HEADS}[name]
         for rate in a.rates:
@@ -215,7 +215,7 @@ SMOL_VLLM = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down"
 
 def _int4_state(N, K, seed, latq_group=128):
     """Random 4-bit weights in the op's state: (packed, scales_zeros, op group)."""
-    pack, _ = cpu._ops()
+    pack, _ = cpu_layouts.int4_ops()
     go = next(g for g in cpu.OP_GROUPS if K % g == 0 and latq_group % g == 0)
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
@@ -240,7 +240,7 @@ def gemv(a, results):
     if not (native.available() and torch.ops.latq_cpu.gemv_max_m() > 0):
         print("\ngemv: the C++ GEMV is not available here (no build, LATQ_CPU_GEMV=0, or another layout)")
         return
-    _, mm = cpu._ops()
+    _, mm = cpu_layouts.int4_ops()
     sl = torch.ops.latq_cpu.small_linear
     saved = torch.ops.latq_cpu.gemv_max_m()
 
@@ -260,7 +260,7 @@ def gemv(a, results):
     def tiles(p):   # the layout the kernel keeps them in (CPUKernel.prepare)
         key = (p.data_ptr(), "tiles")
         if key not in outliers:
-            outliers[key] = cpu.tiles_from_csr(*csr(p))
+            outliers[key] = cpu_layouts.tiles_from_csr(*csr(p))
         return outliers[key]
 
     def kernel(on, outl=False):

@@ -26,7 +26,7 @@ import torch
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu
+from vllm_latq.kernels import cpu, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
 from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, random_weight, transcode
 
@@ -129,7 +129,7 @@ def prepared(key, **kw):
 
 def test_op_convention():
     """``_weight_int4pack_mm_for_cpu`` dequantizes (u − 8)·scale + zero, accumulates in fp32."""
-    pack, mm = cpu._ops()
+    pack, mm = cpu_layouts.int4_ops()
     g = torch.Generator().manual_seed(0)
     N, K, gs = 80, 256, 64                              # one full 64-row block + a 16-row tail
     u = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -144,19 +144,19 @@ def test_op_convention():
 
 
 def test_packed_layout_inverse():
-    layout = cpu._detect_layout()
+    layout = cpu_layouts.detect_layout()
     if layout is None:
         pytest.skip(f"unknown int4pack layout on {torch.backends.cpu.get_cpu_capability()}: large M uses the op")
-    pack, _ = cpu._ops()
+    pack, _ = cpu_layouts.int4_ops()
     g = torch.Generator().manual_seed(2)
     for N in (16, 48, 64, 80, 208):
         u = torch.randint(0, 16, (N, 64), generator=g, dtype=torch.int32)
         p = pack(u, 1)
-        assert torch.equal(cpu._unpack_int4pack(p, N, 64, layout).T.int() + 8, u)
+        assert torch.equal(cpu_layouts.unpack_int4pack(p, N, 64, layout).T.int() + 8, u)
         B = layout[0]
         for r0 in range(0, N, B):
             r1 = min(N, r0 + B)
-            assert torch.equal(cpu._unpack_int4pack(p, N, 64, layout, r0, r1).T.int() + 8, u[r0:r1])
+            assert torch.equal(cpu_layouts.unpack_int4pack(p, N, 64, layout, r0, r1).T.int() + 8, u[r0:r1])
 
 
 # --------------------------------------------------------------------------- exactness
