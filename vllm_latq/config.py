@@ -9,6 +9,7 @@ its config, before any weight is read, with a message naming both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from typing import Any
@@ -41,8 +42,13 @@ class LatqConfig(QuantizationConfig):
         self.group_size: int | None = self.spec.group_size
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
-        from .linear_method import LoadReport
-        self.load_report = LoadReport(self.method)   # one per model load: the summary log line
+
+    @functools.cached_property
+    def load_report(self):
+        """The layers of this model load (one config per load): handed to each linear method,
+        it logs the summary line when the last one is processed."""
+        from .linear_method import LoadReport   # vLLM's layers: imported only when layers are built
+        return LoadReport(self.method)
 
     @property
     def modules_not_converted(self) -> list[str]:
