@@ -77,10 +77,10 @@ import torch
 
 from .. import format as fmt
 from .. import native
-from .reference import LatqWeight
 from .base import LatqKernel
 from .cpu_layouts import (detect_layout, has_int4_op, int4_ops, tile_entries, tiles_from_csr,
                           unpack_int4pack)
+from .reference import LatqWeight
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
