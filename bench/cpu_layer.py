@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu
+from vllm_latq.kernels import cpu, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
-from vllm_latq.kernels.reference import LatqWeight, dequantize
+from vllm_latq.kernels.reference import LatqWeight, dequantize, random_weight
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
@@ -59,16 +59,8 @@ BLOCK = {"q": 1, "kv": 2, "o": 1, "gate_up": 2, "down": 1}
 
 
 def synthetic(out: int, cin: int, bits: int, rate: float, group: int = 128, seed: int = 0) -> LatqWeight:
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
-    mask = torch.rand(out, cin, generator=g) < rate
-    z[mask] = 0
-    scales = (torch.rand(out, -(-cin // group), generator=g) * 0.02 + 0.002).half()
-    rows, cols = mask.nonzero(as_tuple=True)
-    crow = torch.zeros(out + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = torch.randn(rows.numel(), generator=g) * 0.1
-    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val, bits, group, cin)
+    return random_weight(out, cin, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02,
+                         val_std=0.1)
 
 
 def _sample(fn, inner: int) -> float:
@@ -123,17 +115,14 @@ def table(a, results):
 
 
 def _torch_path(state, x):
-    cpu.NATIVE = False
-    try:
+    with native.disabled():
         return CPUKernel.apply(state, x)
-    finally:
-        cpu.NATIVE = True
 
 
 def profile(a):
     print("\nprofile, 4-bit, M=1 (median µs): the int4 op alone, the CSR mv alone, the whole kernel "
           "(C++ op), the whole kernel through its pure-torch path")
-    _, mm = cpu._ops()
+    _, mm = cpu_layouts.int4_ops()
     for name in ("4096", "gemma.gate_up", "smol.q", "smol.kv"):
         N, K = {**SHAPES, **HEADS}[name]
         for rate in a.rates:
@@ -144,7 +133,7 @@ def profile(a):
             xf = x.float()
             fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
                    "kernel": lambda: CPUKernel.apply(s, x)}
-            if cpu.NATIVE and native.available():
+            if native.usable():
                 fns["kernel_torch"] = lambda: _torch_path(s, x)
             if s.crow is not None:
                 csr = torch.sparse_csr_tensor(s.crow, s.col, s.val, (N, K), check_invariants=False)
@@ -162,7 +151,7 @@ def large(a):
     w = synthetic(N, K, 4, 0.01)
     s = CPUKernel.prepare(w)
     Wb = dequantize(w).to(torch.bfloat16)
-    saved = cpu.large_m(), cpu.PREFILL_CACHE
+    saved = cpu.LARGE_M, cpu.PREFILL_CACHE
     gemv_ok = native.available() and torch.ops.latq_cpu.gemv_max_m() > 0
     saved_m = torch.ops.latq_cpu.gemv_max_m() if gemv_ok else 0
     try:
@@ -203,7 +192,8 @@ def wide(a, results):
         for spread in (6.0, 40.0):
             z = torch.round(torch.distributions.Laplace(0.0, spread).sample((N, K))).int().clamp(-4000, 4000)
             w = transcode(z, float(torch.tensor(0.0137).half()))
-            off = float(((cpu._unpack_rows(w, 0, N) < -8) | (cpu._unpack_rows(w, 0, N) > 7)).float().mean())
+            zw = fmt.unpack(w.qweight, w.bits, K)
+            off = float(((zw < -8) | (zw > 7)).float().mean())
             Wb = dequantize(w).to(torch.bfloat16)
             x = torch.randn(1, K, generator=g).to(torch.bfloat16)
             fns = {"bf16": lambda: F.linear(x, Wb)}
@@ -225,7 +215,7 @@ SMOL_VLLM = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down"
 
 def _int4_state(N, K, seed, latq_group=128):
     """Random 4-bit weights in the op's state: (packed, scales_zeros, op group)."""
-    pack, _ = cpu._ops()
+    pack, _ = cpu_layouts.int4_ops()
     go = next(g for g in cpu.OP_GROUPS if K % g == 0 and latq_group % g == 0)
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
@@ -250,7 +240,7 @@ def gemv(a, results):
     if not (native.available() and torch.ops.latq_cpu.gemv_max_m() > 0):
         print("\ngemv: the C++ GEMV is not available here (no build, LATQ_CPU_GEMV=0, or another layout)")
         return
-    _, mm = cpu._ops()
+    _, mm = cpu_layouts.int4_ops()
     sl = torch.ops.latq_cpu.small_linear
     saved = torch.ops.latq_cpu.gemv_max_m()
 
@@ -270,7 +260,7 @@ def gemv(a, results):
     def tiles(p):   # the layout the kernel keeps them in (CPUKernel.prepare)
         key = (p.data_ptr(), "tiles")
         if key not in outliers:
-            outliers[key] = cpu.tiles_from_csr(*csr(p))
+            outliers[key] = cpu_layouts.tiles_from_csr(*csr(p))
         return outliers[key]
 
     def kernel(on, outl=False):

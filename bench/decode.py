@@ -24,7 +24,7 @@ kernel whose ``can_implement`` accepts the layers, plus the reference).
 ``--profile``: after the timed runs, each engine generates once more (batch 1, the same
 tokens) under ``torch.profiler`` and the step time is split into the linears of the decoder
 blocks (vLLM's bf16 GEMM ops ``_C::onednn_mm`` & co., the ``latq::*_linear`` custom ops in
-compiled mode, a ``latq::linear`` record around the eager latq call), the lm_head (a
+compiled mode, the ``latq::linear`` record the eager latq call makes under a profiler), the lm_head (a
 ``bench::lm_head`` record around vLLM's ``LogitsProcessor._get_logits``) and everything
 else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
 ``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
@@ -64,8 +64,9 @@ def serve(job: dict) -> None:
     if job.get("kernel"):
         # "cpu-torch": the CPU kernel without its C++ op (the path taken without a compiler)
         os.environ["LATQ_KERNEL"] = "cpu" if job["kernel"] == "cpu-torch" else job["kernel"]
-    from vllm_latq.kernels import cpu
-    cpu.NATIVE = job.get("kernel") != "cpu-torch"
+    if job.get("kernel") == "cpu-torch":   # this worker process never loads the C++ ops
+        from vllm_latq import native
+        os.environ[native.ENV] = "0"
 
     def reply(obj):
         print(MARK + json.dumps(obj), flush=True)
@@ -198,8 +199,6 @@ def _profile(llm, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_latq import linear_method
-
     sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     orig = LogitsProcessor._get_logits
 
@@ -208,7 +207,6 @@ def _profile(llm, job: dict) -> dict:
             return orig(self, *a, **k)
 
     LogitsProcessor._get_logits = head
-    linear_method.PROFILE_RECORD = True
     try:
         llm.generate([PROMPTS[0]], sp, use_tqdm=False)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -217,7 +215,6 @@ def _profile(llm, job: dict) -> dict:
             wall = time.perf_counter() - t
     finally:
         LogitsProcessor._get_logits = orig
-        linear_method.PROFILE_RECORD = False
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     heads = [(e.time_range.start, e.time_range.end) for e in evs if e.name == "bench::lm_head"]
     tid = next((e.thread for e in evs if e.name == "bench::lm_head"), None)

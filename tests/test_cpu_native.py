@@ -8,21 +8,20 @@ import torch
 
 from tests.test_cpu_kernel import check, expected, prepared
 from vllm_latq import native
-from vllm_latq.kernels import cpu
+from vllm_latq.kernels import cpu, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
               pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")]
 
 
-def test_native_op_is_the_layer_op_for_every_m(monkeypatch):
+def test_native_op_is_the_layer_op_for_every_m():
     """``latq_cpu::linear`` (what a vLLM layer calls with the C++ op built) against the Python
     custom op, over the flattened state: the same result at small M (C++) and at large M (it
     calls back into ``latq::cpu_linear``); also under torch.compile(fullgraph, dynamic)."""
     from vllm_latq.kernels import ops
-    monkeypatch.setattr(cpu, "NATIVE", False)
-    assert CPUKernel.native_op() is None
-    monkeypatch.setattr(cpu, "NATIVE", True)
+    with native.disabled():
+        assert CPUKernel.native_op() is None
     w, state = prepared((640, 2048, 4, 0.01, 128))
     op = ops.op_for(CPUKernel)
     assert op is torch.ops.latq_cpu.linear.default
@@ -56,12 +55,8 @@ def csr_prepared(key):
     """``prepared`` with the outliers kept as a CSR (what the op gets without the GEMV, or for
     in_features ≥ 2¹⁵) instead of tiles."""
     if key not in _CSR_STATES:
-        saved, cpu.TILES = cpu.TILES, False
-        try:
-            w = prepared(key)[0]
-            _CSR_STATES[key] = (w, CPUKernel.prepare(w))
-        finally:
-            cpu.TILES = saved
+        w = prepared(key)[0]
+        _CSR_STATES[key] = (w, CPUKernel.prepare(w, tiles=False))
     return _CSR_STATES[key]
 
 
@@ -98,7 +93,7 @@ def test_tiles_hold_the_csr():
     crow[1:] = torch.cumsum(m.sum(1), 0)
     rr, cc = m.nonzero(as_tuple=True)
     col, val = cc.int(), torch.randn(rr.numel(), generator=gen)
-    off, rows, tcol, tval = cpu.tiles_from_csr(crow, col, val)
+    off, rows, tcol, tval = cpu_layouts.tiles_from_csr(crow, col, val)
     T = rows.shape[0]
     assert T == 13 and off.shape == (T + 1,) and tcol.shape == tval.shape == (int(off[-1]), 16)
     assert ((tcol < 0) == (tval == 0)).all() and int((tcol >= 0).sum()) == col.numel()
@@ -124,7 +119,7 @@ gemv_only = pytest.mark.skipif(not (native.available() and torch.ops.latq_cpu.ge
 
 
 def _op_state(N, K, g, seed, zeros=False):
-    pack, _ = cpu._ops()
+    pack, _ = cpu_layouts.int4_ops()
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
     s = (torch.rand(K // g, N, generator=gen) * 0.05 + 0.001).to(torch.bfloat16)
@@ -144,7 +139,7 @@ def test_gemv_matches_the_op(N, K, g, zeros):
     two within one bf16 ulp of each other (most equal). N % 64 ≠ 0 covers the pair-packed tail;
     M covers the one-row kernel, the M-row kernel with (M ≤ 4) and without interleaved k-pairs,
     and M > 8 (two passes over a block)."""
-    _, mm = cpu._ops()
+    _, mm = cpu_layouts.int4_ops()
     p, sz, W = _op_state(N, K, g, N + K + g, zeros)
     gen = torch.Generator().manual_seed(K)
     for M in (1, 2, 3, 5, 8, 13, 16):

@@ -278,33 +278,35 @@ def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):
     """LATQ_KERNEL=dequant (opt-in, used by the real-model tests): bit-identical to the
     reference; never chosen without being forced."""
     from vllm_latq.kernels import selector
+    from vllm_latq.kernels.dequantized import DequantizedFp32Kernel
     from vllm_latq.kernels.reference import from_dense_tensors, latq_linear_ref
 
     w = from_dense_tensors(fmt.encode_layer(_result(64, 100, "dense", 3, 32, 0.05, 1), "dense"), 3, 32, 100)
     assert selector.select(w, torch.device("cpu"), torch.float32).name != "dequant"
     monkeypatch.setenv("LATQ_KERNEL", "dequant")
     k = selector.select(w, torch.device("cpu"), torch.float32)
-    assert k is selector.DequantKernel
+    assert k is DequantizedFp32Kernel
     st = k.prepare(w)
     b = torch.randn(64)
     for x in (torch.randn(5, 100), torch.randn(1, 100).bfloat16()):
         assert torch.equal(k.apply(st, x, b), latq_linear_ref(x, w, b))
 
 
-def test_dense_fallback_when_no_compressed_kernel_fits(caplog):
+def test_bf16_fallback_when_no_compressed_kernel_fits(caplog, monkeypatch):
     """A layer no compressed kernel takes (8-bit inliers: not Triton's 2–4; 40 rows: not the
     CPU layout's multiple of 16) runs dequantized to bf16, with one warning naming why —
     never the reference's per-call dequantization."""
     import logging
 
     from vllm_latq.kernels import selector
+    from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
     from vllm_latq.kernels.reference import from_dense_tensors, latq_linear_ref
 
     w = from_dense_tensors(fmt.encode_layer(_result(40, 256, "dense", 8, 32, 0.01, 2), "dense"), 8, 32, 256)
     with caplog.at_level(logging.WARNING, logger="vllm.latq"):
         k = selector.select(w, torch.device("cpu"), torch.bfloat16)
         selector.select(w, torch.device("cpu"), torch.bfloat16)
-    assert k is selector.DenseFallbackKernel
+    assert k is DequantizedBf16Kernel
     warns = [r.getMessage() for r in caplog.records if "dequantized to bf16" in r.getMessage()]
     assert len(warns) == 1 and "40x256 8-bit" in warns[0] and "cpu: out_features=40" in warns[0], warns
     st = k.prepare(w)
@@ -312,18 +314,21 @@ def test_dense_fallback_when_no_compressed_kernel_fits(caplog):
     for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):
         y, ref = k.apply(st, x, None), latq_linear_ref(x.float(), w, None)
         assert y.dtype == x.dtype and torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    for value in ("bf16", "dense"):   # its name, and its old name (an alias)
+        monkeypatch.setenv("LATQ_KERNEL", value)
+        assert selector.select(w, torch.device("cpu"), torch.bfloat16) is DequantizedBf16Kernel
 
 
 def test_custom_op_compiles_fullgraph_with_dynamic_batch():
     """The reference kernel through its custom op under torch.compile(fullgraph, dynamic):
     no graph break, same result as the eager kernel for every batch size."""
-    from vllm_latq.kernels import ops, selector
-
+    from vllm_latq.kernels import ops
     from vllm_latq.kernels.reference import from_dense_tensors
+    from vllm_latq.kernels.reference_kernel import ReferenceKernel
 
     t = fmt.encode_layer(_result(40, 70, "dense", 3, 32, 0.05, 3), "dense")
     w = from_dense_tensors(t, 3, 32, 70)
-    k = selector.ReferenceKernel
+    k = ReferenceKernel
     state = k.prepare(w)
     tensors, ints = k.flatten(state)
     op = ops.op_for(k)

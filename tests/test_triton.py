@@ -146,9 +146,24 @@ def test_spg():
 
 
 def test_lop3_lut():
-    """0xEA is (a & b) | c in PTX's lop3 truth-table encoding (a=0xF0, b=0xCC, c=0xAA)."""
-    a, b, c = 0xF0, 0xCC, 0xAA
-    assert (a & b) | c == 0xEA
+    """The LUT in ``_and_or``'s ``lop3.b32`` (GPU branch) is the function its interpreter branch
+    computes, ``(a & b) | c``: PTX's truth-table encoding, built bit by bit — bit
+    ``4a + 2b + c`` of the LUT is f(a, b, c) — and read from the kernel's own source."""
+    import inspect
+    import re
+
+    from vllm_latq.kernels import triton_device
+
+    src = inspect.getsource(triton_device._and_or.fn)
+    luts = re.findall(r"lop3\.b32 \$0, \$1, \$2, \$3, (0x[0-9a-fA-F]+);", src)
+    assert len(luts) == 1, src
+    assert "return (a & MASK) | c" in src            # the interpreter's (and the docstring's) function
+
+    def f(a, b, c):
+        return (a & b) | c
+
+    lut = sum(f(i >> 2 & 1, i >> 1 & 1, i & 1) << i for i in range(8))
+    assert int(luts[0], 16) == lut
 
 
 # ----------------------------------------------------------------------------- selector contract

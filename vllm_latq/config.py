@@ -8,8 +8,9 @@ its config, before any weight is read, with a message naming both.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
-import logging
 import os
 from typing import Any
 
@@ -18,44 +19,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from . import format as fmt
 
-logger = logging.getLogger("vllm_latq")
-
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
-
-def parse(qc: Any) -> "fmt.QuantSpec | Any":
-    """The checkpoint's ``quantization_config`` → spec (``method, kind, bits, group_size,
-    modules_not_converted, ...``); :class:`~vllm_latq.format.FormatError` when malformed."""
-    parser = getattr(fmt, "parse_quantization_config", None)
-    if parser is not None:
-        return parser(qc)
-    return _parse_v1(qc)
-
-
-def _parse_v1(qc: Any):
-    """Minimal reader of the version-1 schema (used when ``format`` has no parser)."""
-    from types import SimpleNamespace
-
-    if not isinstance(qc, dict):
-        raise fmt.FormatError(f"quantization_config must be an object, got {type(qc).__name__}", file="config.json")
-    if str(qc.get("quant_method", "")).lower() != fmt.QUANT_METHOD:
-        raise fmt.FormatError(f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'latq'",
-                              file="config.json")
-    if qc.get("format_version") != fmt.FORMAT_VERSION:
-        raise fmt.FormatError(f"unsupported latq format_version {qc.get('format_version')!r}: this reader knows "
-                              f"version {fmt.FORMAT_VERSION} (upgrade vllm-latq to read newer checkpoints)",
-                              file="config.json")
-    method = qc.get("method")
-    kind = fmt.kind_of(method)
-    bits, g = qc.get("bits"), qc.get("group_size")
-    if kind == "dense" and not (isinstance(bits, int) and 2 <= bits <= 8 and isinstance(g, int) and g > 0):
-        raise fmt.FormatError(f"quantization_config needs integer bits in 2..8 and a positive group_size, got "
-                              f"bits={bits!r}, group_size={g!r}", file="config.json")
-    return SimpleNamespace(method=method, kind=kind, bits=bits if kind == "dense" else None,
-                           group_size=g if kind == "dense" else None, outlier_rate=qc.get("outlier_rate"),
-                           target_bits=qc.get("target_bits"), order=qc.get("order"), damp=qc.get("damp"),
-                           modules_not_converted=tuple(qc.get("modules_not_converted") or ()))
 
 
 class LatqConfig(QuantizationConfig):
@@ -69,16 +34,30 @@ class LatqConfig(QuantizationConfig):
             raise ValueError(
                 "--quantization latq needs a latq checkpoint: the model's config.json has no "
                 "quantization_config with quant_method 'latq'. Make one with `latq-quantize MODEL OUT`.")
-        self.raw = dict(quant_config)
-        self.spec = parse(quant_config)
+        # the format validates; module names in it become vLLM's in apply_vllm_mapper
+        self.spec: fmt.QuantSpec = fmt.parse_quantization_config(quant_config)
         self.method: str = self.spec.method
         self.kind: str = self.spec.kind
         self.bits: int | None = self.spec.bits
         self.group_size: int | None = self.spec.group_size
-        self.modules_not_converted: list[str] = list(self.spec.modules_not_converted)
-        self.layer_bits: dict[str, int] = dict(self.spec.layer_bits)   # module → inlier bits override
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
-        self.lm_head_quantized: bool = quant_config.get("lm_head_quantized") is True
+        self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
+
+    @functools.cached_property
+    def load_report(self):
+        """The layers of this model load (one config per load): handed to each linear method,
+        it logs the summary line when the last one is processed."""
+        from .linear_method import LoadReport   # vLLM's layers: imported only when layers are built
+        return LoadReport(self.method)
+
+    @property
+    def modules_not_converted(self) -> list[str]:
+        return list(self.spec.modules_not_converted)
+
+    @property
+    def layer_bits(self) -> dict[str, int]:
+        """module → inlier bits overriding ``bits``."""
+        return dict(self.spec.layer_bits)
 
     def __repr__(self) -> str:
         return (f"LatqConfig(method={self.method}, kind={self.kind}, bits={self.bits}, "
@@ -122,19 +101,20 @@ class LatqConfig(QuantizationConfig):
                 raise ValueError(f"latq checkpoint: quantization_config.lm_head_quantized is true but {prefix} is "
                                  f"listed in modules_not_converted")
             from .linear_method import LatqLinearMethod
-            return LatqLinearMethod(self)   # LogitsProcessor calls lm_head.quant_method.apply
+            return LatqLinearMethod(self, self.load_report)   # LogitsProcessor calls lm_head.quant_method.apply
         if not isinstance(layer, LinearBase):
             return None  # embeddings, an unquantized lm_head
         if not self.is_converted(prefix):
             return UnquantizedLinearMethod()
         from .linear_method import LatqLinearMethod
-        return LatqLinearMethod(self)
+        return LatqLinearMethod(self, self.load_report)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        if self.modules_not_converted:
-            self.modules_not_converted = hf_to_vllm_mapper.apply_list(self.modules_not_converted)
-        mapped = {hf_to_vllm_mapper.map_name(m): b for m, b in self.layer_bits.items()}
-        self.layer_bits = {m: b for m, b in mapped.items() if m is not None}
+        """The spec's module names (HF) → vLLM's, so that lookups take vLLM prefixes."""
+        mnc = hf_to_vllm_mapper.apply_list(self.modules_not_converted) if self.modules_not_converted else []
+        mapped = {hf_to_vllm_mapper.map_name(m): b for m, b in self.spec.layer_bits}
+        self.spec = dataclasses.replace(self.spec, modules_not_converted=tuple(mnc),
+                                        layer_bits=tuple(sorted((m, b) for m, b in mapped.items() if m is not None)))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Fingerprint the checkpoint's files (and ``LATQ_KERNEL``) into the HF config. vLLM
@@ -168,12 +148,9 @@ class LatqConfig(QuantizationConfig):
     def is_converted(self, prefix: str) -> bool:
         """Whether the vLLM layer ``prefix`` is latq-quantized in the checkpoint. A fused
         layer whose parts disagree is an error (vLLM needs one method per layer)."""
-        def conv(name: str) -> bool:
-            return not any(name == m or name.startswith(m + ".") for m in self.modules_not_converted)
-
-        if not conv(prefix):
+        if not self.spec.is_converted(prefix):
             return False
-        flags = {n: conv(n) for n in self.hf_names(prefix)}
+        flags = {n: self.spec.is_converted(n) for n in self.hf_names(prefix)}
         if len(set(flags.values())) > 1:
             raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} are not all quantized "
                              f"({flags}); vLLM needs one method per fused layer")
@@ -182,7 +159,7 @@ class LatqConfig(QuantizationConfig):
     def bits_of(self, prefix: str) -> int | None:
         """Inlier bits of the vLLM layer ``prefix`` (``quantization_config.layer_bits``, else
         ``bits``); a fused layer's parts must agree (one kernel runs them)."""
-        bits = {n: self.layer_bits.get(n, self.bits) for n in self.hf_names(prefix)}
+        bits = {n: self.spec.bits_of(n) for n in self.hf_names(prefix)}
         if len(set(bits.values())) > 1:
             raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} have different bits {bits} "
                              "(quantization_config.layer_bits); vLLM runs a fused layer as one")

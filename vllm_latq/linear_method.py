@@ -55,10 +55,6 @@ from .kernels.reference import LatqWeight, transcode
 
 logger = init_logger("vllm.latq")
 
-# bench/decode.py --profile: mark each eager latq linear call for torch.profiler (compiled
-# mode shows the custom op ``latq::<kernel>_linear`` by itself)
-PROFILE_RECORD = False
-
 _DTYPES = {"qweight": torch.int32, "scales": torch.float16, "outlier_crow": torch.int32,
            "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
            "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
@@ -173,12 +169,17 @@ def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int) -
         g_eff = math.gcd(g, c0)
         sc = [s.repeat_interleave(g // g_eff, dim=1) for s in sc]
     sc = [s[:, c0 // g_eff: -(-(c0 + n) // g_eff)] for s in sc]
-    crow, off = [cr[0]], int(cr[0][-1])
-    for c in cr[1:]:
-        crow.append(c[1:] + off)
-        off += int(c[-1])
-    return LatqWeight(torch.cat(qw).contiguous(), torch.cat(sc).contiguous(), torch.cat(crow).to(torch.int32),
+    return LatqWeight(torch.cat(qw).contiguous(), torch.cat(sc).contiguous(), _stack_crows(cr).to(torch.int32),
                       torch.cat(co).to(torch.int32), torch.cat(va), bits, g_eff, n)
+
+
+def _stack_crows(crows: list[torch.Tensor]) -> torch.Tensor:
+    """Row pointers of CSR blocks stacked row-wise → the row pointers of the stacked matrix."""
+    out, off = [crows[0]], int(crows[0][-1])
+    for c in crows[1:]:
+        out.append(c[1:] + off)
+        off += int(c[-1])
+    return torch.cat(out)
 
 
 def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
@@ -203,12 +204,9 @@ def _merge(parts: list[LatqWeight]) -> LatqWeight:
     p0 = parts[0]
     if any((p.bits, p.group_size, p.in_features) != (p0.bits, p0.group_size, p0.in_features) for p in parts):
         raise ValueError("latq: parts of a fused layer differ in bits/group size")
-    crow, off = [parts[0].crow], int(parts[0].crow[-1])
-    for p in parts[1:]:
-        crow.append(p.crow[1:] + off)
-        off += int(p.crow[-1])
     return LatqWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                      torch.cat(crow), torch.cat([p.col for p in parts]), torch.cat([p.val for p in parts]),
+                      _stack_crows([p.crow for p in parts]), torch.cat([p.col for p in parts]),
+                      torch.cat([p.val for p in parts]),
                       p0.bits, p0.group_size, p0.in_features)
 
 
@@ -295,8 +293,9 @@ class LoadState:
 class LatqLinearMethod(LinearMethodBase):
     """A latq-quantized linear: loads the checkpoint tensors, runs the selected kernel."""
 
-    def __init__(self, config):
+    def __init__(self, config, report: "LoadReport"):
         self.config = config
+        self.report = report
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
@@ -308,7 +307,7 @@ class LatqLinearMethod(LinearMethodBase):
             p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
             set_weight_attrs(p, {"weight_loader": _Loader(layer, name)})
             layer.register_parameter(name, p)
-        self.config._latq_created = getattr(self.config, "_latq_created", 0) + 1
+        self.report.expect()
 
     def process_weights_after_loading(self, layer) -> None:
         st: LoadState | None = getattr(layer, "_latq_load", None)
@@ -335,13 +334,15 @@ class LatqLinearMethod(LinearMethodBase):
         layer.latq_ntensors = len(tensors)
         layer.latq_ints = list(ints)
         layer.latq_out = w.out_features
-        _record(self.config, layer.prefix, w, kernel)
+        self.report.add(layer.prefix, w, kernel)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)
-        if PROFILE_RECORD:
+        if torch.autograd.profiler._is_profiler_enabled:
+            # eager calls are plain Python: name them for a running torch.profiler
+            # (bench/decode.py --profile); compiled mode shows the custom op by itself
             with torch.profiler.record_function("latq::linear"):
                 return layer.latq_kernel.apply(layer.latq_state, x, bias)
         return layer.latq_kernel.apply(layer.latq_state, x, bias)
@@ -358,23 +359,37 @@ class _Loader:
         st.add(self.name, loaded_weight, shard_id)
 
 
-def _record(config, prefix: str, w: LatqWeight, kernel) -> None:
-    """Per-layer debug line; one info summary when the last latq layer is processed."""
-    n = w.out_features * w.in_features
-    bpw = w.bits_per_weight()
-    logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, runtime %.3f bits/weight, "
-                 "kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size, 100 * w.nnz / n,
-                 bpw, kernel.name)
-    stats = config.__dict__.setdefault("_latq_stats", [])
-    stats.append((n, bpw, w.bits, w.nnz, kernel.name))
-    if len(stats) == getattr(config, "_latq_created", -1):
-        total = sum(s[0] for s in stats)
+class LoadReport:
+    """What the latq layers of one model load were loaded as: a debug line per layer, and one
+    info summary when the last layer that ``create_weights`` announced is processed. Owned by
+    the :class:`~vllm_latq.config.LatqConfig` of that load and handed to each method."""
+
+    def __init__(self, method: str):
+        self.method = method
+        self.expected = 0
+        self.layers: list[tuple[int, float, int, int, str]] = []   # (weights, bits/weight, bits, nnz, kernel)
+
+    def expect(self) -> None:
+        self.expected += 1
+
+    def add(self, prefix: str, w: LatqWeight, kernel) -> None:
+        n = w.out_features * w.in_features
+        bpw = w.bits_per_weight()
+        logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, runtime %.3f bits/weight, "
+                     "kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size, 100 * w.nnz / n,
+                     bpw, kernel.name)
+        self.layers.append((n, bpw, w.bits, w.nnz, kernel.name))
+        if len(self.layers) == self.expected:
+            logger.info("latq: %s", self.summary())
+
+    def summary(self) -> str:
+        total = sum(s[0] for s in self.layers)
         widths: dict = {}
         kernels: dict = {}
-        for s in stats:
+        for s in self.layers:
             widths[s[2]] = widths.get(s[2], 0) + 1
             kernels[s[4]] = kernels.get(s[4], 0) + 1
-        logger.info("latq: %d linears loaded (%s checkpoint): runtime %.3f bits/weight, inlier widths %s, "
-                    "%.3f%% outliers, kernels %s", len(stats), config.method,
-                    sum(s[0] * s[1] for s in stats) / total, dict(sorted(widths.items())),
-                    100 * sum(s[3] for s in stats) / total, kernels)
+        return (f"{len(self.layers)} linears loaded ({self.method} checkpoint): runtime "
+                f"{sum(s[0] * s[1] for s in self.layers) / total:.3f} bits/weight, inlier widths "
+                f"{dict(sorted(widths.items()))}, {100 * sum(s[3] for s in self.layers) / total:.3f}% outliers, "
+                f"kernels {kernels}")

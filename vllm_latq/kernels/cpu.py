@@ -1,12 +1,15 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
-inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM.
+inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM. (The native
+layouts it uses are in :mod:`~vllm_latq.kernels.cpu_layouts`; this module is a little over
+450 lines because the measurements behind each decision are kept next to it, below.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
 AVX-512 BF16 CPUs the GEMM is the op's own GEMV over the same packed state, streaming the
 weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
 to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/csrc/latq_cpu.cpp``).
-Without a compiler the same math runs as torch calls (MKL CSR mv/mm): ``NATIVE = False``.
+Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
+(MKL CSR mv/mm).
 
 The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
 ``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
@@ -43,8 +46,9 @@ priority and cross-checked at 1 thread):
   index_add 3.4 ms. MKL also wins on small layers (1 thread, 192×576…2048×640 at 1–5%, M=1
   and 8: 13–136 µs vs ≥ 13 µs for gather+index_add and 35 µs–22 ms at M=8). int64 indices
   are ~1.5–2× slower than int32. The custom-op state holds only dense crow/col/val; the
-  sparse tensor over them is built once per layer and cached (``_csr``; building it costs
-  2–6 µs a call, ×120 linears per SmolLM2 step).
+  sparse tensor over them is built once per layer and cached while the layer's tensors live
+  (``_csr``, :class:`_DerivedCache`; building it costs 2–6 µs a call, ×120 linears per
+  SmolLM2 step).
 * Bits 5..8 (HPTQ transcodes): z = 16·(a − 8) + (c − 8) + 8 with nibbles a, c (v = z + 128 =
   16a + c). Two int4 planes concatenated along K ([c-plane | a-plane], activations duplicated):
   one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
@@ -66,14 +70,17 @@ priority and cross-checked at 1 thread):
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .. import format as fmt
 from .. import native
+from .base import LatqKernel
+from .cpu_layouts import (detect_layout, has_int4_op, int4_ops, tile_entries, tiles_from_csr,
+                          unpack_int4pack)
 from .reference import LatqWeight
-from .selector import LatqKernel
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
@@ -90,82 +97,8 @@ CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 
 # +2 bytes/weight resident: more than the bf16 model itself)
 PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
-# small M through the C++ op (vllm_latq.native) when it builds; False: the pure-torch path below
-NATIVE = True
-# outliers as the C++ op's tiles where its GEMV runs (tiles_from_csr); False: keep the CSR (tests)
-TILES = True
-
-_PACK = None
-_MM = None
-
-
-def _ops():
-    global _PACK, _MM
-    if _MM is None:
-        _PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu.default
-        _MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-    return _PACK, _MM
-
-
-def _has_op() -> bool:
-    try:
-        _ops()
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# ----------------------------------------------------------------------------- layout
-
-_LAYOUT: tuple[int, bool] | None = None
-
-
-def _unpack_int4pack(packed: torch.Tensor, n_rows: int, k: int, layout: tuple[int, bool],
-                     r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [r0, r1) of the op's packed weight → int8 ``[K, r1 - r0]`` of u − 8 (transposed:
-    the layout stores K-major blocks of B rows). ``layout = (B, halves)``: full blocks of B
-    rows; byte j of a (block, k) holds rows j and j + B/2 (``halves``, AVX512/AVX2 kernels) or
-    rows 2j and 2j + 1 (the scalar kernel); a tail block (< B rows) always holds pairs.
-    r0, r1 must be block boundaries (or r1 = n_rows). ``out``: a ``[K, r1 - r0]`` tensor of
-    any dtype to write into (the int8 → dtype conversion happens in the same pass)."""
-    B, halves = layout
-    r1 = n_rows if r1 is None else r1
-    flat = packed.view(-1)
-    q = (flat[r0 * k // 2: r1 * k // 2] ^ 0x88).view(torch.int8)   # nibble u ^ 8 = two's complement of u-8
-    if out is None:
-        out = torch.empty(k, r1 - r0, dtype=torch.int8)
-    full_end = min(r1, n_rows // B * B)
-    if full_end > r0:
-        nblk = (full_end - r0) // B
-        qb = q[: nblk * k * B // 2].view(nblk, k, B // 2)
-        ob = out[:, : nblk * B].view(k, nblk, B).permute(1, 0, 2)
-        lo, hi = (ob[..., : B // 2], ob[..., B // 2:]) if halves else (ob[..., 0::2], ob[..., 1::2])
-        lo.copy_(torch.bitwise_left_shift(qb, 4).bitwise_right_shift_(4))
-        hi.copy_(torch.bitwise_right_shift(qb, 4))
-    if r1 > full_end:
-        t0 = max(r0, full_end)
-        qt = q[(t0 - r0) * k // 2:].view(k, (r1 - t0) // 2)
-        ot = out[:, t0 - r0:]
-        ot[:, 0::2].copy_(torch.bitwise_left_shift(qt, 4).bitwise_right_shift_(4))
-        ot[:, 1::2].copy_(torch.bitwise_right_shift(qt, 4))
-    return out
-
-
-def _detect_layout() -> tuple[int, bool] | None:
-    """Which of the op's known packed layouts this torch build uses (probe once)."""
-    global _LAYOUT
-    if _LAYOUT is None:
-        pack, _ = _ops()
-        g = torch.Generator().manual_seed(0)
-        u = torch.randint(0, 16, (64 + 64 + 16, 6), generator=g, dtype=torch.int32)
-        p = pack(u, 1)
-        _LAYOUT = (0, False)
-        for cand in ((64, True), (32, True), (32, False), (64, False), (16, False)):
-            if torch.equal(_unpack_int4pack(p, u.shape[0], u.shape[1], cand).T.int() + 8, u):
-                _LAYOUT = cand
-                break
-    return _LAYOUT if _LAYOUT[0] else None
-
+# Small M runs through the C++ op (vllm_latq.native) where ``native.usable()``: built, and not
+# switched off by ``with native.disabled():`` (tests and benches compare both paths).
 
 # ----------------------------------------------------------------------------- state
 
@@ -197,18 +130,9 @@ def _op_group(w: LatqWeight) -> int | None:
 
 
 def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
-    """Signed integers of rows [r0, r1) → int32 [r1 - r0, K]. ``format.pack``'s tile of 32
-    values is a little-endian 32·b-bit integer, value k at bits [k·b, k·b + b); so every b
-    consecutive bytes hold exactly 8 values: read them as one 64-bit integer (b ≤ 8)."""
-    b, K = w.bits, w.in_features
-    q = w.qweight[r0:r1].contiguous().view(torch.uint8)                      # [R, T·4b]
-    R = q.shape[0]
-    if 8 % b == 0:                                                           # byte-aligned values
-        u = (q.unsqueeze(-1) >> torch.arange(0, 8, b, dtype=torch.uint8)) & (2 ** b - 1)
-    else:
-        v = (q.view(R, -1, b).long() << (8 * torch.arange(b))).sum(-1)      # [R, T·4] 8 values each
-        u = (v.unsqueeze(-1) >> (b * torch.arange(8))) & (2 ** b - 1)
-    return u.reshape(R, -1)[:, :K].int() - 2 ** (b - 1)
+    """Signed integers of rows [r0, r1) → int32 [r1 - r0, K]: the format's unpacker on a row
+    range (prepare works in row chunks to bound its memory)."""
+    return fmt.unpack(w.qweight[r0:r1], w.bits, w.in_features)
 
 
 def _op_scales(w: LatqWeight, go: int, rows: slice) -> torch.Tensor:
@@ -230,7 +154,7 @@ class CPUKernel(LatqKernel):
             return False, f"device {device} is not a CPU"
         if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False, f"activation dtype {act_dtype} unsupported (bf16/fp16/fp32)"
-        if not _has_op():
+        if not has_int4_op():
             return False, f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu"
         if w.bits > MAX_BITS or w.bits < 1:
             return False, f"{w.bits}-bit inliers: the CPU path takes 1..{MAX_BITS} bits"
@@ -245,18 +169,20 @@ class CPUKernel(LatqKernel):
     @classmethod
     def native_op(cls):
         """``latq_cpu::linear`` (C++): small M in C++, large M back to ``latq::cpu_linear``."""
-        if not (NATIVE and native.available()):
+        if not native.usable():
             return None
         torch.ops.latq_cpu.set_large_m(large_m())
         return torch.ops.latq_cpu.linear.default
 
     # ------------------------------------------------------------------ prepare
     @classmethod
-    def prepare(cls, w: LatqWeight) -> CPUState:
+    def prepare(cls, w: LatqWeight, tiles: bool = True) -> CPUState:
+        """``tiles``: store the outliers as the C++ op's tiles where its GEMV runs (False:
+        keep the CSR, as for a layer with in_features ≥ 2¹⁵ or without the GEMV)."""
         ok, why = cls.can_implement(w, torch.device("cpu"), torch.bfloat16)
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
-        pack, _ = _ops()
+        pack, _ = int4_ops()
         N, K, go = w.out_features, w.in_features, _op_group(w)
         planes = 1
         extra_rows, extra_cols, extra_vals = [], [], []
@@ -303,22 +229,22 @@ class CPUKernel(LatqKernel):
             cols = torch.cat([cols, *[c.long() for c in extra_cols]])
             vals = torch.cat([vals, *extra_vals])
         crow = col = val = None
-        tiles = (None,) * 4
+        tile_fields = (None,) * 4
         if vals.numel():
             crow, col, val = _coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
-            if _tiles_here(K):   # the C++ op's layout replaces the CSR
-                tiles = tiles_from_csr(crow, col, val)
+            if tiles and _tiles_here(K):   # the C++ op's layout replaces the CSR
+                tile_fields = tiles_from_csr(crow, col, val)
                 crow = col = val = None
-        layout = _detect_layout()
+        layout = detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
             B = layout[0]
             last = (N - 1) // B * B
             for r0, r1 in ((0, min(N, B)), (last, N)):
-                got = _unpack_int4pack(packed, N, K * planes, layout, r0, r1).T.int() + 8
+                got = unpack_int4pack(packed, N, K * planes, layout, r0, r1).T.int() + 8
                 if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
                     layout = None
                     break
-        return CPUState(packed, sz, crow, col, val, *tiles, N, K, go, planes,
+        return CPUState(packed, sz, crow, col, val, *tile_fields, N, K, go, planes,
                         layout[0] if layout else 0, int(layout[1]) if layout else 0)
 
     @staticmethod
@@ -339,7 +265,7 @@ class CPUKernel(LatqKernel):
         M = x2.shape[0]
         dtype = x.dtype
         large = M >= large_m() and state.layout_block
-        if not large and NATIVE and native.available():   # the same math in one C++ call
+        if not large and native.usable():   # the same math in one C++ call
             y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
                                                 state.val, state.tile_off, state.tile_rows, state.tile_col,
                                                 state.tile_val, bias, state.group_size, state.planes)
@@ -350,7 +276,7 @@ class CPUKernel(LatqKernel):
             xb = x2 if dtype == torch.bfloat16 and x2.is_contiguous() else x2.to(torch.bfloat16).contiguous()
             if state.planes == 2:
                 xb = torch.cat([xb, xb], 1)
-            y = _ops()[1](xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
+            y = int4_ops()[1](xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
         if _has_outliers(state) and not large:
             csr = _csr(state)
             xf = x2.float()
@@ -370,59 +296,30 @@ class CPUKernel(LatqKernel):
 
 # ----------------------------------------------------------------------------- outlier tiles
 
-TILE = 16        # rows per tile: one 16-lane fp32 vector
-TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
+_HAS_GEMV: bool | None = None
 
 
 def _gemv_here() -> bool:
-    """The C++ op is built (and NATIVE) with its AVX-512 GEMV."""
-    return NATIVE and native.available() and bool(torch.ops.latq_cpu.has_gemv())
+    """The C++ op is usable here (built, not disabled in this context) with its AVX-512 GEMV."""
+    global _HAS_GEMV
+    if not native.usable():
+        return False
+    if _HAS_GEMV is None:   # a property of the build and the CPU: ask once
+        _HAS_GEMV = bool(torch.ops.latq_cpu.has_gemv())
+    return _HAS_GEMV
 
 
 def _tiles_here(in_features: int) -> bool:
     """Whether prepare stores outliers as the C++ op's tiles: where its GEMV runs (elsewhere
     the CSR loop / MKL is faster) and columns fit int16."""
-    return TILES and in_features < 2 ** 15 and _gemv_here()
+    return in_features < 2 ** 15 and _gemv_here()
 
 
 def large_m() -> int:
-    """``LARGE_M``, resolved on first use: from 640 rows with the C++ GEMV (it beats dequant +
-    GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512), else 128 (torch's op)."""
-    global LARGE_M
-    if not LARGE_M:
-        LARGE_M = 640 if _gemv_here() else 128
-    return LARGE_M
-
-
-def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
-    """fp32 CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val fp32 [S, 16]),
-    the layout the C++ op sums outliers from (``latq_cpu.cpp``, ``Fin``). The rows of each
-    64-row block, sorted by outlier count (most first), are cut into tiles of 16 (T = ⌈N/16⌉;
-    tile t belongs to block t // 4); tile t holds slots off[t] .. off[t+1] (its longest row's
-    count), one row per lane: rows[t, l] = the lane's row within the block (≥ 64: no row), and
-    slot s of lane l that row's s-th outlier (col −1, val 0: padding). Sorting keeps the
-    padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR."""
-    N = crow.numel() - 1
-    cnt = (crow[1:] - crow[:-1]).long()
-    block = torch.arange(N) // TILE_BLOCK
-    order = torch.argsort(block * (int(cnt.max()) + 1) - cnt, stable=True)   # per block, longest first
-    T = -(-N // TILE)
-    rows = (TILE_BLOCK + torch.arange(TILE)).repeat(T)                         # lanes without a row
-    rows[:N] = order - block[order] * TILE_BLOCK
-    slots = cnt[order][torch.arange(T) * TILE]                                 # longest row of each tile
-    off = torch.zeros(T + 1, dtype=torch.long)
-    off[1:] = torch.cumsum(slots, 0)
-    pos = torch.empty(N, dtype=torch.long)
-    pos[order] = torch.arange(N)                                               # row → tile · 16 + lane
-    r = torch.repeat_interleave(torch.arange(N), cnt)                          # row of each outlier
-    rank = torch.arange(col.numel()) - crow.long()[r]                          # its index within the row
-    dest = (off[pos[r] // TILE] + rank) * TILE + pos[r] % TILE
-    S = int(off[-1])
-    tcol = torch.full((S * TILE,), -1, dtype=torch.int16)
-    tval = torch.zeros(S * TILE, dtype=torch.float32)
-    tcol[dest] = col.to(torch.int16)
-    tval[dest] = val.float()
-    return off.int(), rows.view(T, TILE).int(), tcol.view(S, TILE), tval.view(S, TILE)
+    """Rows from which the dequantize + GEMM path runs: ``LARGE_M`` if set, else 640 with the
+    C++ GEMV (it beats dequant + GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512),
+    else 128 (torch's op)."""
+    return LARGE_M or (640 if _gemv_here() else 128)
 
 
 def _coo_to_csr(rows, cols, vals, N: int, K: int, sort: bool):
@@ -441,44 +338,54 @@ def _has_outliers(state: CPUState) -> bool:
 
 
 def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
-    """The outliers of rows [r0, r1) (multiples of 64, or r1 = N) from the tiles: (row − r0,
-    col, val), in slot order. ``padding``: every lane of every slot, padding as col = K, val 0
-    (no boolean mask: ~10× faster, for a scatter into a buffer with a spare row K)."""
-    T = state.tile_rows.shape[0]
-    t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
-    off = state.tile_off.long()
-    s0, s1 = int(off[t0]), int(off[t1])
-    tile = torch.repeat_interleave(torch.arange(t0, t1), off[t0 + 1:t1 + 1] - off[t0:t1])   # [S']
-    rows = (tile // (TILE_BLOCK // TILE) * TILE_BLOCK - r0)[:, None] + state.tile_rows[tile].long()
-    cols = state.tile_col[s0:s1].long()
-    if padding:   # lanes without a row (tail block) hold only padding: any in-range row will do
-        return (rows.view(-1).clamp_(max=min(r1, state.out_features) - r0 - 1),
-                cols.view(-1) % (state.in_features + 1), state.tile_val[s0:s1].reshape(-1))
-    keep = cols >= 0
-    return rows[keep], cols[keep], state.tile_val[s0:s1][keep]
+    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles."""
+    return tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val, state.out_features,
+                        state.in_features, r0, r1, padding)
 
 
-_CSR: dict[tuple, tuple] = {}
+class _DerivedCache:
+    """Values derived from a layer's state tensors, built on first use and kept exactly as long
+    as the source tensor lives. The state a call gets is rebuilt per custom-op call
+    (``unflatten``), so the cache cannot live on it: entries are keyed by the source tensors'
+    addresses and shapes, and dropped (``weakref.finalize``) when the first source tensor is
+    freed — so dropping a layer frees them, and a freed address is never looked up again. An
+    entry must not hold the source tensors themselves (that would keep them alive): alias them
+    with ``detach()`` (a ``view`` keeps its base)."""
+
+    def __init__(self):
+        self.entries: dict[tuple, object] = {}
+
+    def get(self, sources: tuple[torch.Tensor, ...], build):
+        key = tuple((t.data_ptr(), tuple(t.shape)) for t in sources)
+        hit = self.entries.get(key)
+        if hit is None:
+            hit = self.entries[key] = build()
+            weakref.finalize(sources[0], self.entries.pop, key, None)
+        return hit
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_CSR = _DerivedCache()
 
 
 def _csr(state: CPUState) -> torch.Tensor:
     """The layer's fp32 CSR as a torch sparse tensor (from the tiles if the state holds those),
-    built on first use and kept (the op's state holds only dense tensors). Keyed by the dense
-    tensors' addresses; the entry holds those tensors, so an address cannot be reused by
-    another layer while cached."""
+    built on first use and kept while the layer's tensors live (the op's state holds only
+    dense tensors)."""
     src = (state.crow, state.col, state.val) if state.crow is not None else (state.tile_off, state.tile_col,
                                                                             state.tile_val)
-    key = (*(t.data_ptr() for t in src), state.out_features, state.in_features)
-    hit = _CSR.get(key)
-    if hit is None:
+
+    def build():
         N, K = state.out_features, state.in_features
-        if state.crow is not None:
-            crow, col, val = state.crow, state.col, state.val
+        if state.crow is not None:   # aliases without a view's _base: must not own the state's tensors
+            crow, col, val = state.crow.detach(), state.col.detach(), state.val.detach()
         else:
             crow, col, val = _coo_to_csr(*_tile_entries(state, 0, N), N, K, sort=True)
-        csr = torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
-        hit = _CSR[key] = (*src, csr)
-    return hit[-1]
+        return torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
+
+    return _CSR.get(src, build)
 
 
 # ----------------------------------------------------------------------------- large M
@@ -511,9 +418,9 @@ def _dequant_chunks(state: CPUState):
         r1 = min(N, r0 + R)
         buf = buf_all[: K * (r1 - r0)].view(K, r1 - r0)
         if planes == 1:
-            _unpack_int4pack(state.packed, N, K, layout, r0, r1, out=buf)      # bf16(u - 8) = z
+            unpack_int4pack(state.packed, N, K, layout, r0, r1, out=buf)      # bf16(u - 8) = z
         else:   # z = (c-8) + 16(a-8) + 8, exact in int16 and in bf16 (|z| ≤ 128)
-            z = _unpack_int4pack(state.packed, N, Kp, layout, r0, r1)         # int8 [2K, R']
+            z = unpack_int4pack(state.packed, N, Kp, layout, r0, r1)         # int8 [2K, R']
             buf.copy_(z[K:].to(torch.int16).mul_(16).add_(z[:K]).add_(8))
         s_c = sc[: K // g, r0:r1].contiguous()   # unit inner stride: the broadcast mul vectorizes
         buf.view(K // g, g, r1 - r0).mul_(s_c[:, None, :])                 # one rounding: bf16(z·s)
@@ -541,24 +448,21 @@ def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
     return yT.t()
 
 
-_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_PREFILL = _DerivedCache()
 
 
 def _cached_weight(state: CPUState) -> torch.Tensor:
-    """bf16 ``[N, K]`` dequantized weight (outliers in), built on first use (opt-in: +2 bytes/weight
-    resident). Keyed by the packed tensor's storage address; the entry holds that tensor, so
-    the address cannot be reused by another layer while cached (``clear_prefill_cache``)."""
-    p = state.packed
-    key = (p.data_ptr(), tuple(p.shape))
-    hit = _CACHE.get(key)
-    if hit is None:
+    """bf16 ``[N, K]`` dequantized weight (outliers in), built on first use and kept while the
+    layer's packed weights live (opt-in: +2 bytes/weight resident)."""
+    def build():
         wt = torch.empty(state.out_features, state.in_features, dtype=torch.bfloat16)
         for r0, r1, buf in _dequant_chunks(state):
             wt[r0:r1].copy_(buf.t())
-        hit = _CACHE[key] = (p, wt)
-    return hit[1]
+        return wt
+
+    return _PREFILL.get((state.packed,), build)
 
 
 def clear_prefill_cache() -> None:
-    _CACHE.clear()
+    _PREFILL.clear()
     _CSR.clear()

@@ -2,7 +2,7 @@
 ``torch.ops.latq.<kernel>_linear(x, tensors, ints, bias, out_features) -> y``.
 
 ``tensors``/``ints`` are the kernel's prepared state flattened by
-:meth:`~vllm_latq.kernels.selector.LatqKernel.flatten` (the layer keeps the tensors as
+:meth:`~vllm_latq.kernels.base.LatqKernel.flatten` (the layer keeps the tensors as
 buffers and the ints as static Python ints). The op is opaque to torch.compile: Dynamo and
 Inductor see one node with a fake implementation (output ``[..., out_features]`` in
 ``x.dtype``, any leading dimension, dimension 0 dynamic), so a kernel may branch on the
@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .selector import LatqKernel
+from .base import LatqKernel
 
 NAMESPACE = "latq"
 SCHEMA = "(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor"
@@ -80,7 +80,3 @@ def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
     _OPS[name] = (kernel, op)
     return op
 
-
-def run(kernel: type[LatqKernel], state, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Eager call without the op's dispatch overhead (same math)."""
-    return kernel.apply(state, x, bias)

@@ -92,10 +92,22 @@ def transcode(z: torch.Tensor, scale, max_bits: int = 8) -> LatqWeight:
     return LatqWeight(fmt.pack(inl, b), s16.reshape(out, 1).contiguous(), crow, cols.int(), val, b, cin, cin)
 
 
-def from_tensors(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None,
-                 group_size: int | None) -> LatqWeight:
-    """Any checkpoint layer (format kind ``dense`` or ``huffman``) → runtime form."""
-    if kind == "dense":
-        return from_dense_tensors(t, bits, group_size, shape[1])
-    z = fmt.decode_integers(t, kind, shape, None)
-    return transcode(z, float(t["hscale"].item()))
+def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 128, seed: int = 0,
+                  scale_lo: float = 0.001, scale_span: float = 0.05, val_std: float = 0.3,
+                  rows: tuple[tuple[int, float], ...] = ()) -> LatqWeight:
+    """A random layer in the runtime form (tests, benches): uniform b-bit inliers, fp16 group
+    scales uniform in [scale_lo, scale_lo + scale_span), outliers at uniform positions with
+    probability ``rate`` (``rows``: (row, probability) pairs overriding it for some rows) and
+    N(0, val_std²) fp32 values; the inlier at an outlier is 0."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
+    mask = torch.rand(out, cin, generator=g) < rate
+    for r, p in rows:
+        mask[r] = torch.rand(cin, generator=g) < p
+    z[mask] = 0
+    scales = (torch.rand(out, -(-cin // group), generator=g) * scale_span + scale_lo).half()
+    nz_rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(out + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = torch.randn(nz_rows.numel(), generator=g) * val_std
+    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin)

@@ -79,7 +79,7 @@ def source_hash(kernel: str) -> str:
     """One kernel's device code + Triton version (+ the job → signature code)."""
     import importlib.metadata as md
     import inspect
-    h = hashlib.sha256(_code_fingerprint((HERE / "triton_kernels.py").read_text(), KERNEL_FN[kernel]).encode())
+    h = hashlib.sha256(_code_fingerprint((HERE / "triton_device.py").read_text(), KERNEL_FN[kernel]).encode())
     h.update(_code_fingerprint(inspect.getsource(compile_job)).encode())
     h.update(md.version("triton").encode())
     return f"{kernel}-{h.hexdigest()[:16]}"
@@ -159,9 +159,10 @@ def compile_job(j: dict) -> dict:
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from . import triton_device as td
     from . import triton_kernels as tk
     assert not tk.INTERPRET, "compile jobs need TRITON_INTERPRET unset"
-    fn = tk._gemv_kernel if j["kernel"] == "gemv" else tk._mma_kernel
+    fn = td._gemv_kernel if j["kernel"] == "gemv" else td._mma_kernel
     xdt = "bf16"
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
     optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],

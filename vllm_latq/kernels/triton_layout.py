@@ -70,10 +70,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import format as fmt
+
 ROWS = 16            # row group: tensor-core N tile, ELL group, word-block height
 WORDS = 16           # words per row per chunk (a slab = 16 columns = one MMA K step)
 BW_BYTES = 1.555e12  # A100-40GB HBM2e (model constants; the ratio is what matters)
 LANE_OPS = 108 * 64 * 1.41e9
+UNPACK_ROWS = 1024   # rows of the checkpoint's packing unpacked at a time at load
 
 
 def step_of(bits: int) -> int:
@@ -111,22 +114,6 @@ class TritonLayout:
 
 
 # ----------------------------------------------------------------------------- inliers
-
-def unpack_u(qweight: torch.Tensor, bits: int, in_features: int, row_block: int = 256) -> torch.Tensor:
-    """Checkpoint packing (``format.pack``) → offset-binary values u ∈ [0, 2^b), uint8
-    ``[out, in]``, on qweight's device, in row blocks (bounded temporary memory)."""
-    out = qweight.shape[0]
-    tiles = qweight.shape[1] // bits
-    dev = qweight.device
-    u = torch.empty(out, tiles * 32, dtype=torch.uint8, device=dev)
-    shifts = torch.arange(32, device=dev)
-    weights = 1 << torch.arange(bits, device=dev)
-    for r0 in range(0, out, row_block):
-        w = qweight[r0:r0 + row_block].to(torch.int64).reshape(-1, tiles, bits, 1) & 0xFFFFFFFF
-        bitplanes = ((w >> shifts) & 1).reshape(-1, tiles, 32, bits)   # bit k·b+i of the tile
-        u[r0:r0 + row_block] = (bitplanes * weights).sum(-1).reshape(-1, tiles * 32).to(torch.uint8)
-    return u[:, :in_features]
-
 
 def pack_plane(v: torch.Tensor, pbits: int) -> torch.Tensor:
     """p-bit values ``[N_pad, K_pad]`` (uint8, N_pad % 16 == 0, K_pad % (16·32/p) == 0) →
@@ -235,8 +222,10 @@ def build(w, outlier_mode: str | None = None) -> TritonLayout:
     n_pad = math.ceil(N / ROWS) * ROWS
     k_pad = max(step, math.ceil(K / step) * step)
     dev = w.qweight.device
-    u = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)
-    u[:N, :K] = unpack_u(w.qweight, bits, K)
+    u = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)   # offset binary u = z + 2^(b-1)
+    for r0 in range(0, N, UNPACK_ROWS):   # format.unpack takes CPU tensors: row blocks bound the copy
+        z = fmt.unpack(w.qweight[r0:r0 + UNPACK_ROWS].cpu(), bits, K)
+        u[r0:r0 + z.shape[0], :K] = (z + 2 ** (bits - 1)).to(device=dev, dtype=torch.uint8)
     planes = []
     shift = 0
     for pb in planes_of(bits):

@@ -1,0 +1,108 @@
+"""The kernel interface: what every latq kernel implements, and the flatten contract that
+lets a vLLM layer keep a kernel's prepared state as buffers + static ints.
+
+A kernel turns the runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`) into its
+own layout once at load (``prepare``) and computes ``y = x @ Wᵀ (+ bias)`` per call
+(``apply``), matching :func:`~vllm_latq.kernels.reference.latq_linear_ref`.
+``can_implement`` says whether it can run a layer and, if not, why (the selector,
+:mod:`~vllm_latq.kernels.selector`, lists those reasons when nothing fits).
+
+Custom-op contract (vLLM's compiled mode, CUDA graphs): the vLLM layer does not keep the
+state object; it keeps ``flatten(state)`` = (tensors, ints) — the tensors as module buffers,
+the ints as static Python ints — and ``kernels/ops.py`` runs one ``torch.library`` custom op
+per kernel (``torch.ops.latq.<name>_linear``) that calls ``apply(unflatten(tensors, ints),
+x, bias)``. The defaults below handle a state that is a dataclass of ``state_cls`` whose
+fields are tensors (annotation mentions ``Tensor``; ``None`` allowed) or ints; a kernel with
+another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goes (batch-size
+branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
+tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .reference import LatqWeight
+
+
+def _is_tensor_field(f: dataclasses.Field) -> bool:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return "Tensor" in str(t)
+
+
+def flatten_dataclass(state: Any) -> tuple[list[torch.Tensor | None], list[int]]:
+    """A dataclass state → (tensor fields, int fields), each in field order."""
+    if not dataclasses.is_dataclass(state):
+        raise TypeError(f"kernel state {type(state).__name__} is not a dataclass: override flatten/unflatten")
+    tensors, ints = [], []
+    for f in dataclasses.fields(state):
+        v = getattr(state, f.name)
+        if _is_tensor_field(f):
+            if v is not None and not isinstance(v, torch.Tensor):
+                raise TypeError(f"{type(state).__name__}.{f.name} must be a tensor or None, got {type(v).__name__}")
+            tensors.append(v)
+        elif isinstance(v, (bool, int)):
+            ints.append(int(v))
+        else:
+            raise TypeError(f"{type(state).__name__}.{f.name}: state fields must be tensors or ints, "
+                            f"got {type(v).__name__}")
+    return tensors, ints
+
+
+_POSITIONAL: dict[type, bool] = {}
+
+
+def unflatten_dataclass(cls: type, tensors, ints) -> Any:
+    """Inverse of :func:`flatten_dataclass`. Runs once per custom-op call: when every tensor
+    field precedes every int field (checked once per class) it is one positional call."""
+    pos = _POSITIONAL.get(cls)
+    if pos is None:
+        flags = [_is_tensor_field(f) for f in dataclasses.fields(cls)]
+        pos = _POSITIONAL[cls] = flags == sorted(flags, reverse=True)
+    if pos:
+        return cls(*tensors, *ints)
+    kw, ti, ii = {}, iter(tensors), iter(ints)
+    for f in dataclasses.fields(cls):
+        kw[f.name] = next(ti) if _is_tensor_field(f) else next(ii)
+    return cls(**kw)
+
+
+class LatqKernel:
+    """Base class of the latq kernels (classmethods only: a kernel has no instance state)."""
+    name = "base"
+    state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)
+    auto_select = True            # False: only when forced by name (``LATQ_KERNEL``)
+
+    @classmethod
+    def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[bool, str | None]:
+        """(True, None), or (False, why not) for this layer, device and activation dtype."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare(cls, w: LatqWeight) -> Any:
+        """Repack once at load; the result is what ``apply`` receives."""
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, state: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def native_op(cls):
+        """An op with the custom-op schema implemented natively (no Python per call), to use
+        instead of ``torch.ops.latq.<name>_linear``; None: use that one."""
+        return None
+
+    @classmethod
+    def flatten(cls, state: Any) -> tuple[list[torch.Tensor | None], list[int]]:
+        """State → (tensors, static ints) for the custom op; inverse of ``unflatten``."""
+        if not isinstance(state, cls.state_cls):
+            raise TypeError(f"kernel {cls.name}: prepare() returned {type(state).__name__}, "
+                            f"state_cls is {cls.state_cls.__name__}")
+        return flatten_dataclass(state)
+
+    @classmethod
+    def unflatten(cls, tensors: list[torch.Tensor | None], ints: list[int]) -> Any:
+        return unflatten_dataclass(cls.state_cls, tensors, ints)

@@ -1,0 +1,133 @@
+"""The CPU kernel's two native layouts, as pure torch: torch's int4pack (its ops, the packed
+layout's unpacker for the large-M dequant, and a probe for which layout this torch build
+uses), and the outlier tiles the C++ op sums from (built from a CSR, read back as entries).
+Split from :mod:`~vllm_latq.kernels.cpu`, which prepares and runs a layer with them."""
+from __future__ import annotations
+
+import torch
+
+_PACK = None
+_MM = None
+
+
+def int4_ops():
+    """torch's int4pack ops (pack, GEMM), looked up on first use."""
+    global _PACK, _MM
+    if _MM is None:
+        _PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu.default
+        _MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    return _PACK, _MM
+
+
+def has_int4_op() -> bool:
+    try:
+        int4_ops()
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_LAYOUT: tuple[int, bool] | None = None
+
+
+def unpack_int4pack(packed: torch.Tensor, n_rows: int, k: int, layout: tuple[int, bool],
+                     r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [r0, r1) of the op's packed weight → int8 ``[K, r1 - r0]`` of u − 8 (transposed:
+    the layout stores K-major blocks of B rows). ``layout = (B, halves)``: full blocks of B
+    rows; byte j of a (block, k) holds rows j and j + B/2 (``halves``, AVX512/AVX2 kernels) or
+    rows 2j and 2j + 1 (the scalar kernel); a tail block (< B rows) always holds pairs.
+    r0, r1 must be block boundaries (or r1 = n_rows). ``out``: a ``[K, r1 - r0]`` tensor of
+    any dtype to write into (the int8 → dtype conversion happens in the same pass)."""
+    B, halves = layout
+    r1 = n_rows if r1 is None else r1
+    flat = packed.view(-1)
+    q = (flat[r0 * k // 2: r1 * k // 2] ^ 0x88).view(torch.int8)   # nibble u ^ 8 = two's complement of u-8
+    if out is None:
+        out = torch.empty(k, r1 - r0, dtype=torch.int8)
+    full_end = min(r1, n_rows // B * B)
+    if full_end > r0:
+        nblk = (full_end - r0) // B
+        qb = q[: nblk * k * B // 2].view(nblk, k, B // 2)
+        ob = out[:, : nblk * B].view(k, nblk, B).permute(1, 0, 2)
+        lo, hi = (ob[..., : B // 2], ob[..., B // 2:]) if halves else (ob[..., 0::2], ob[..., 1::2])
+        lo.copy_(torch.bitwise_left_shift(qb, 4).bitwise_right_shift_(4))
+        hi.copy_(torch.bitwise_right_shift(qb, 4))
+    if r1 > full_end:
+        t0 = max(r0, full_end)
+        qt = q[(t0 - r0) * k // 2:].view(k, (r1 - t0) // 2)
+        ot = out[:, t0 - r0:]
+        ot[:, 0::2].copy_(torch.bitwise_left_shift(qt, 4).bitwise_right_shift_(4))
+        ot[:, 1::2].copy_(torch.bitwise_right_shift(qt, 4))
+    return out
+
+
+def detect_layout() -> tuple[int, bool] | None:
+    """Which of the op's known packed layouts this torch build uses (probe once)."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        pack, _ = int4_ops()
+        g = torch.Generator().manual_seed(0)
+        u = torch.randint(0, 16, (64 + 64 + 16, 6), generator=g, dtype=torch.int32)
+        p = pack(u, 1)
+        _LAYOUT = (0, False)
+        for cand in ((64, True), (32, True), (32, False), (64, False), (16, False)):
+            if torch.equal(unpack_int4pack(p, u.shape[0], u.shape[1], cand).T.int() + 8, u):
+                _LAYOUT = cand
+                break
+    return _LAYOUT if _LAYOUT[0] else None
+
+
+# ----------------------------------------------------------------------------- outlier tiles
+
+TILE = 16        # rows per tile: one 16-lane fp32 vector
+TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
+
+
+def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
+    """fp32 CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val fp32 [S, 16]),
+    the layout the C++ op sums outliers from (``latq_cpu.cpp``, ``Fin``). The rows of each
+    64-row block, sorted by outlier count (most first), are cut into tiles of 16 (T = ⌈N/16⌉;
+    tile t belongs to block t // 4); tile t holds slots off[t] .. off[t+1] (its longest row's
+    count), one row per lane: rows[t, l] = the lane's row within the block (≥ 64: no row), and
+    slot s of lane l that row's s-th outlier (col −1, val 0: padding). Sorting keeps the
+    padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR."""
+    N = crow.numel() - 1
+    cnt = (crow[1:] - crow[:-1]).long()
+    block = torch.arange(N) // TILE_BLOCK
+    order = torch.argsort(block * (int(cnt.max()) + 1) - cnt, stable=True)   # per block, longest first
+    T = -(-N // TILE)
+    rows = (TILE_BLOCK + torch.arange(TILE)).repeat(T)                         # lanes without a row
+    rows[:N] = order - block[order] * TILE_BLOCK
+    slots = cnt[order][torch.arange(T) * TILE]                                 # longest row of each tile
+    off = torch.zeros(T + 1, dtype=torch.long)
+    off[1:] = torch.cumsum(slots, 0)
+    pos = torch.empty(N, dtype=torch.long)
+    pos[order] = torch.arange(N)                                               # row → tile · 16 + lane
+    r = torch.repeat_interleave(torch.arange(N), cnt)                          # row of each outlier
+    rank = torch.arange(col.numel()) - crow.long()[r]                          # its index within the row
+    dest = (off[pos[r] // TILE] + rank) * TILE + pos[r] % TILE
+    S = int(off[-1])
+    tcol = torch.full((S * TILE,), -1, dtype=torch.int16)
+    tval = torch.zeros(S * TILE, dtype=torch.float32)
+    tcol[dest] = col.to(torch.int16)
+    tval[dest] = val.float()
+    return off.int(), rows.view(T, TILE).int(), tcol.view(S, TILE), tval.view(S, TILE)
+
+
+def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,
+                 n_rows: int, n_cols: int, r0: int, r1: int, padding: bool = False):
+    """The outliers of rows [r0, r1) (multiples of 64, or r1 = n_rows) from the tiles: (row − r0,
+    col, val), in slot order. ``padding``: every lane of every slot, padding as col = n_cols, val 0
+    (no boolean mask: ~10× faster, for a scatter into a buffer with a spare row n_cols)."""
+    T = tile_rows.shape[0]
+    t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
+    off = tile_off.long()
+    s0, s1 = int(off[t0]), int(off[t1])
+    tile = torch.repeat_interleave(torch.arange(t0, t1), off[t0 + 1:t1 + 1] - off[t0:t1])   # [S']
+    rows = (tile // (TILE_BLOCK // TILE) * TILE_BLOCK - r0)[:, None] + tile_rows[tile].long()
+    cols = tile_col[s0:s1].long()
+    if padding:   # lanes without a row (tail block) hold only padding: any in-range row will do
+        return (rows.view(-1).clamp_(max=min(r1, n_rows) - r0 - 1),
+                cols.view(-1) % (n_cols + 1), tile_val[s0:s1].reshape(-1))
+    keep = cols >= 0
+    return rows[keep], cols[keep], tile_val[s0:s1][keep]

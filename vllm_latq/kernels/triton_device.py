@@ -1,0 +1,403 @@
+"""Device code of the Triton kernels (``@triton.jit`` functions only; the host side —
+configs, autotuning, launch, the kernel class — is :mod:`~vllm_latq.kernels.triton_kernels`).
+Kept apart because :mod:`~vllm_latq.kernels.triton_compile` fingerprints exactly this code
+(a kernel's offline-compiled binaries depend on it and on nothing host-side), and because both
+kernels share the helpers (``_and_or``, ``_fbits``, ``_epilogue``).
+
+Two kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton_layout`: 16×16
+word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
+
+``_gemv_kernel`` — M = 1..7 (SIMT, no tensor cores)
+    One program per BN output rows (× a K split × an M tile). Per K step it loads one
+    [16 words × BN rows] int32 tile per plane (16-byte vector loads of contiguous 1 KiB
+    blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
+    ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
+    ``(word & (2^b−1) << P) | bits(2^(23−P))`` *is* the fp32 number 2^(23−P) + u (the
+    mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
+    halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
+    mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
+    per activation row (3 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane). At M = 1 the
+    products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
+    once (``acc += part · s``, fp16 scales widened); at M > 1, z·s is formed once and
+    shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
+    cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
+    row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
+    acq_rel atomic ticket) sums them in fixed order, adds the bias and stores — one launch,
+    deterministic, tickets self-reset. Outliers of the program's rows are added by the same
+    program (16 ELL slots or 16 CSR entries per iteration, spread over the K splits), into
+    the same accumulator.
+
+``_mma_kernel`` — M ≥ 8 (tensor cores; 8 is padded to the 16-row MMA, 9..16 likewise)
+    Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
+    where the 512-column step runs as a runtime loop over its four 128-column quarters, for
+    registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
+    shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
+    order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
+    exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
+    in fp32, and the group's dot is scaled once (``acc += dot · s``): the result is the fp32
+    reference up to summation order — no fp16/bf16 rounding of z·s. Operands are fp16/bf16 on
+    GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
+    after loading. Outliers run on SIMT lanes after the K loop of the same program
+    ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
+    **Larger M** (> 16) is the documented fallback: the same kernel over 16-row M tiles, a
+    tiled GEMM that re-dequantises each weight tile per M tile (BM = 32/64 spill on sm_90 at
+    3 bits). For prefill-sized M a dequantise-once + cuBLAS path would amortise the dequant,
+    at the price of rounding z·s to bf16 (so not equal to the fp32 reference); not built.
+
+fp32 activations use the SIMT kernel for every M (tiles of 8 rows): exact, no TF32.
+Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
+interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
+(:mod:`~vllm_latq.kernels.triton_compile`, ``bench/kernels.py``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# ============================================================================ device code
+
+@triton.jit
+def _and_or(a, MASK: tl.constexpr, c, ASM: tl.constexpr):
+    """``(a & MASK) | c``. On GPU one ``lop3.b32`` (LUT 0xEA = (a & b) | c): written as two
+    PTX ops, ptxas keeps two LOP3s because it cannot encode two constants in one. In the
+    interpreter (no inline asm) plain integer ops."""
+    if ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [a, tl.full(a.shape, MASK, tl.int32), c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (a & MASK) | c
+
+
+@triton.jit
+def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Slot at bit P of a 16-bit half of the plane-A word tile ``lo`` (3 bits: plus its bit
+    P/2 of the 1-bit tile ``hi``, pre-shifted by the caller) → int32 bits of the fp32 number
+    2^(23−P) + u: u sits at bits [P, P+b) of the word and is OR-ed, in place, into the bits
+    of 2^(23−P), whose mantissa unit is 2^−P — so no shift is needed for 2/4 bits."""
+    magic = tl.full(lo.shape, (150 - P) << 23, tl.int32)    # fp32 bits of 2^(23−P)
+    if BITS == 4:
+        r = _and_or(lo, 15 << P, magic, ASM)
+    elif BITS == 2:
+        r = _and_or(lo, 3 << P, magic, ASM)
+    else:
+        # hi bit P/2 → bit P + 2 (shift left by P/2 + 2), then both into the magic
+        r = _and_or(lo, 3 << P, _and_or(hi << (P // 2 + 2), 4 << P, magic, ASM), ASM)
+    return r
+
+
+@triton.jit
+def _finish(acc, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k, tile,
+              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """fp32 ``acc`` [BM, BN] → y (+ bias). SPLIT > 1: partials to the workspace, and the last
+    of the SPLIT programs of this tile (acq_rel ticket) reduces them in fixed order."""
+    if SPLIT == 1:
+        _finish(acc, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    else:
+        wmask = (rm < M_WS)[:, None] & (rn < N_PAD)[None, :]
+        wsp = ws_ptr + rm[:, None] * N_PAD + rn[None, :]
+        tl.store(wsp + pid_k * M_WS * N_PAD, acc, mask=wmask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            tot = tl.load(wsp, mask=wmask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                tot += tl.load(wsp + s * M_WS * N_PAD, mask=wmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _finish(tot, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _word_tiles(ta, th, s, s_end, rn3, w3, N_PAD, BITS: tl.constexpr):
+    """The [1, 16, BN] word tiles of K step ``s`` (zeros when ``s ≥ s_end``): plane A, its
+    second 256-word half (3 bits), the 1-bit plane (3 bits); 2/4 bits: plane A three times."""
+    CA: tl.constexpr = 512 if BITS == 3 else 256                   # plane-A words per step per row group
+    # (a scalar bool & a bool tensor is int in the interpreter: fold conditions into limits)
+    pm = (rn3 < tl.where(s < s_end, N_PAD, 0)) & (w3 < 16)
+    wa = tl.load(ta + s * CA, mask=pm, other=0)
+    wb = wa
+    wh = wa
+    if BITS == 3:
+        wb = tl.load(ta + s * CA + 256, mask=pm, other=0)
+        wh = tl.load(th + s * 256, mask=pm, other=0)
+    return wa, wb, wh
+
+
+@triton.jit
+def _ell_rows(o0_ptr, rn, N_PAD):
+    """ELL-16 outliers of rows ``rn``: first slot of each row's 16-row group, the group's slot
+    count per row (``R_g``), and its maximum over the rows."""
+    g16 = rn // 16
+    gm = rn < N_PAD
+    e0 = tl.load(o0_ptr + g16, mask=gm, other=0)
+    cnt = (tl.load(o0_ptr + g16 + 1, mask=gm, other=0) - e0) // 16
+    return e0, cnt, tl.max(cnt, axis=0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
+                 o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+    # Every tensor of the K loop is 3-D [BM rows of x, 16 slab lanes, BN output rows] (or a
+    # broadcastable slice of it), so the word tiles' coalesced layout (16-byte vectors along
+    # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.
+    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
+    STEP: tl.constexpr = 16 * SLABS
+    SPH: tl.constexpr = 8 if BITS == 3 else 16 // BITS         # slabs per 16-bit half word
+    NH: tl.constexpr = SLABS // SPH                            # halves per step
+    FL: tl.constexpr = SPG if SPG < SPH else SPH               # slabs per scale application
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    w16 = tl.arange(0, 16)
+    g16 = rn // 16
+    r16 = rn % 16
+    rn3 = rn[None, None, :]                                        # [1, 1, BN]
+    w3 = w16[None, :, None]                                        # [1, 16, 1]
+    rm3 = rm[:, None, None]                                        # [BM, 1, 1]
+    xrow = x_ptr + rm3 * stride_xm
+    mmask = rm3 < M
+    # word-tile pointers of chunk 0: ((g·NCH + c)·16 + w)·16 + r
+    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
+    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    sp = s_ptr + (g16 * (NGP * 16) + r16)[None, None, :]           # scales of group 0
+
+    SPS = tl.cdiv(NSTEPS, SPLIT)                                  # K steps per split
+    s_beg = pid_k * SPS
+    s_end = tl.minimum(s_beg + SPS, NSTEPS)
+    wa_n, wb_n, wh_n = _word_tiles(ta, th, s_beg, s_end, rn3, w3, N_PAD, BITS)
+    acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
+    for s in range(s_beg, s_end):
+        wa = wa_n
+        wb = wb_n
+        wh = wh_n
+        wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
+        k0 = s * STEP
+        # Runtime loop over the 16-bit halves of the plane-A words (3 bits: 2 word tiles × 2
+        # halves), static over the SPH slots of a half: a quarter / half of the unrolled code
+        # of a whole step, so ptxas cannot hoist a whole step's activation loads (measured:
+        # fully unrolled 3-bit steps spill on sm_90 at any register cap).
+        for h in range(NH):
+            if BITS == 3:
+                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+                hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # 1-bit slot 16c + 8·hh + i at bit i
+            else:
+                lo = wa >> (16 * h)
+                hi = lo
+            if BM == 1:
+                part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+            for i in tl.static_range(SPH):
+                P = (2 if BITS == 3 else BITS) * i
+                f = _fbits(lo, hi, P, BITS, ASM)
+                z = f.to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)      # z = u − o, exact
+                j = h * SPH + i
+                kk = k0 + 16 * j + w3
+                xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
+                if BM == 1:
+                    # one activation row: accumulate z·x per group, scale once per group
+                    # (per weight: LOP3 + FADD + FFMA, no FMUL)
+                    part += z * xs
+                    if (i + 1) % FL == 0:
+                        gi = (k0 + 16 * (j + 1 - FL)) // GROUP
+                        sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
+                        acc += part * sc
+                        part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+                else:
+                    # several rows: scale z once (FMUL amortised over the BM FFMAs) and keep a
+                    # single accumulator (half the registers of part + acc)
+                    if i % FL == 0:
+                        gi = (k0 + 16 * j) // GROUP
+                        sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
+                    acc += (z * sc) * xs
+
+    # ---- outliers of these rows (same accumulator; entries spread over the K splits)
+    if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
+        e0, cnt, rmax = _ell_rows(o0_ptr, rn, N_PAD)
+        e03 = (e0 + r16)[None, None, :]
+        cnt3 = cnt[None, None, :]
+        for r0 in range(pid_k * 16, rmax, SPLIT * 16):
+            rr = r0 + w3                                                        # [1, 16, 1]
+            em = rr < cnt3                                                      # [1, 16, BN]
+            idx = e03 + rr * 16
+            col = tl.load(o1_ptr + idx, mask=em, other=0)
+            val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+            xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, BN]
+            acc += val * xg
+    elif OUTL == 2:    # CSR: o0 = crow [N_PAD+1], o1 = row, o2 = col, o3 = val
+        n0 = pid_n * BN
+        e0 = tl.load(o0_ptr + n0)
+        e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+        for e in range(e0 + pid_k * 16, e1, SPLIT * 16):
+            ee = e + w3                                                         # [1, 16, 1]
+            em = ee < e1
+            row = tl.load(o1_ptr + ee, mask=em, other=-1)
+            col = tl.load(o2_ptr + ee, mask=em, other=0)
+            val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+            xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, 1]
+            acc += tl.where(row == rn3, xg * val, 0.0)                          # one-hot routing
+
+    out = tl.sum(acc, axis=1)
+    _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
+              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+            DT: tl.constexpr):
+    """Slabs [Q·DS, Q·DS + DS) of a step, dequantised to exact integers z = u − 2^(b−1) in
+    DT: [DS, 16, BN] from the [1, 16, BN] word tiles (per-slab shift amounts broadcast along
+    the first axis). u is OR-ed into the bits of 2^23 (one LOP3) and 2^23 + 2^(b−1)
+    subtracted (one FADD): no integer → float conversion."""
+    jj = Q * DS + tl.arange(0, DS)[:, None, None]                # slab index j
+    magic = tl.full([DS, 16, wa.shape[2]], 0x4B000000, tl.int32)
+    if BITS == 4:
+        f = _and_or(wa >> (4 * jj), 15, magic, ASM)
+    elif BITS == 2:
+        f = _and_or(wa >> (2 * jj), 3, magic, ASM)
+    else:
+        i = jj % 16
+        if Q * DS < 16:                                         # DS divides 16: one lo tile
+            lo = wa
+        else:
+            lo = wb
+        hb = ((wh >> (16 * (jj // 16) + i)) << 2)
+        f = _and_or(lo >> (2 * i), 3, _and_or(hb, 4, magic, ASM), ASM)
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    return (f.to(tl.float32, bitcast=True) - (8388608.0 + OFF)).to(DT)
+
+
+@triton.jit
+def _zslabs3(lo, hi, Q: tl.constexpr, DS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+    """3 bits: slots [Q·DS, Q·DS + DS) of a quarter step → exact z in DT, [DS, 16, BN]. ``lo``:
+    the 2-bit word tile shifted to this 16-bit half (slot i at bits 2i), ``hi``: the 1-bit
+    tile shifted so that slot i is at bit i."""
+    ii = Q * DS + tl.arange(0, DS)[:, None, None]
+    magic = tl.full([DS, 16, lo.shape[2]], 0x4B000000, tl.int32)
+    f = _and_or(lo >> (2 * ii), 3, _and_or((hi >> ii) << 2, 4, magic, ASM), ASM)
+    return (f.to(tl.float32, bitcast=True) - (8388608.0 + 4)).to(DT)
+
+
+@triton.jit
+def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
+                o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
+                BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
+                ASM: tl.constexpr):
+    # Per K step and per DS slabs (≤ 128 columns, one scale group): the [DS·16, BN] B tile is
+    # built in registers from the step's word tiles by broadcasting per-slab shifts
+    # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot
+    # with the contiguous [BM, DS·16] activation tile: one shared-memory staging per 128
+    # columns (Triton's MMAv2 operand path) instead of one per 16-column slab.
+    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
+    STEP: tl.constexpr = 16 * SLABS
+    DSMAX: tl.constexpr = 4 if BITS == 3 else 8                # 3 bits: K = 64 per dot (registers)
+    DS: tl.constexpr = SPG if SPG < DSMAX else DSMAX           # slabs per tl.dot
+    ND: tl.constexpr = SLABS // DS                             # dots per step
+    DPG: tl.constexpr = SPG // DS                              # dots per scale group
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    w16 = tl.arange(0, 16)
+    kd = tl.arange(0, DS * 16)
+    g16 = rn // 16
+    r16 = rn % 16
+    rn3 = rn[None, None, :]
+    w3 = w16[None, :, None]
+    xrow = x_ptr + rm[:, None] * stride_xm
+    mmask = (rm < M)[:, None]
+    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
+    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    sp = s_ptr + g16 * (NGP * 16) + r16
+
+    SPS = tl.cdiv(NSTEPS, SPLIT)
+    s_beg = pid_k * SPS
+    s_end = tl.minimum(s_beg + SPS, NSTEPS)
+    wa_n, wb_n, wh_n = _word_tiles(ta, th, s_beg, s_end, rn3, w3, N_PAD, BITS)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in range(s_beg, s_end):
+        wa = wa_n
+        wb = wb_n
+        wh = wh_n
+        wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
+        k0 = s * STEP
+        if BITS == 3:
+            # 3 bits: a runtime loop over the four 128-column quarters of the 512-column step
+            # (2-bit tile c × 16-bit half hh), as in the GEMV: unrolling all eight dots of a
+            # step made ptxas exceed 255 registers (measured spills on sm_86/89/90).
+            for h in range(4):
+                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+                hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # slot i of this quarter at bit i
+                for q in tl.static_range(8 // DS):
+                    z = tl.reshape(_zslabs3(lo, hi, q, DS, ASM, DT), [DS * 16, BN])
+                    c0 = k0 + 128 * h + q * (DS * 16)
+                    kk = c0 + kd
+                    xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+                    sc = tl.load(sp + (c0 // GROUP) * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                    acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
+        else:
+            part = tl.zeros([BM, BN], dtype=tl.float32)
+            for q in tl.static_range(ND):
+                z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
+                kk = k0 + q * (DS * 16) + kd
+                xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+                part = tl.dot(xs, z, part)
+                if (q + 1) % DPG == 0:
+                    gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
+                    sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                    acc += part * sc[None, :]
+                    part = tl.zeros([BM, BN], dtype=tl.float32)
+
+    if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
+        oacc = tl.zeros([BM, BN], dtype=tl.float32)
+        rb = tl.arange(0, BR)
+        if OUTL == 1:
+            e0, cnt, rmax = _ell_rows(o0_ptr, rn, N_PAD)
+            for r0 in range(pid_k * BR, rmax, SPLIT * BR):
+                rr = r0 + rb
+                em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
+                idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
+                col = tl.load(o1_ptr + idx, mask=em, other=0)
+                val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+                xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
+                             other=0.0).to(tl.float32)                          # [BM, BR, BN]
+                oacc += tl.sum(val[None, :, :] * xg, axis=1)
+        else:
+            n0 = pid_n * BN
+            e0 = tl.load(o0_ptr + n0)
+            e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+            for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
+                ee = e + rb
+                em = ee < e1
+                row = tl.load(o1_ptr + ee, mask=em, other=-1)
+                col = tl.load(o2_ptr + ee, mask=em, other=0)
+                val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+                xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
+                hit = row[:, None] == rn[None, :]                               # [BR, BN]
+                oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
+        acc += oacc
+
+    _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
+              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
