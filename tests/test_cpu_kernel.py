@@ -65,7 +65,7 @@ class Expected:
         s16 = w.scales.double().repeat_interleave(w.group_size, 1)[:, : w.in_features]
         s = w.scales.float().to(torch.bfloat16).double().repeat_interleave(w.group_size, 1)[:, : w.in_features]
         O = torch.zeros(w.out_features, w.in_features, dtype=torch.float64)
-        rows = torch.repeat_interleave(torch.arange(w.out_features), (w.crow[1:] - w.crow[:-1]).long())
+        rows = fmt.csr_rows(w.crow, w.nnz)
         O[rows, w.col.long()] = w.val.double()
         if w.bits > 4 and state.planes == 1:
             off = (z < -8) | (z > 7)

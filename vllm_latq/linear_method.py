@@ -140,7 +140,7 @@ def _rows_csr(crow, col, val, r0, n):
 
 
 def _cols_csr(crow, col, val, c0, n):
-    rows = torch.repeat_interleave(torch.arange(crow.numel() - 1), (crow[1:] - crow[:-1]).long())
+    rows = fmt.csr_rows(crow, col.numel())
     keep = (col >= c0) & (col < c0 + n)
     new = torch.zeros_like(crow)
     new[1:] = torch.cumsum(torch.bincount(rows[keep], minlength=crow.numel() - 1), 0)

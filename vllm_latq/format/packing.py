@@ -50,16 +50,27 @@ def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """Inverse of :func:`pack` → int32 ``[out, in]`` signed integers."""
+    """Inverse of :func:`pack` → int32 ``[out, in]`` signed integers.
+
+    Read byte-wise: a tile is a little-endian 32·b-bit integer, so every b consecutive bytes
+    hold exactly 8 values — for b ∈ {1, 2, 4, 8} each byte holds whole values, otherwise the b
+    bytes are read as one int64. (Viewing int32 words as bytes assumes a little-endian device,
+    as x86, Arm and CUDA are.)"""
     out = qweight.shape[0]
-    tiles = qweight.shape[1] // bits
     dev = qweight.device
     res = torch.empty(out, in_features, dtype=torch.int32, device=dev)
-    for rows in _row_chunks(out, tiles * PACK_TILE * bits):
-        w = qweight[rows].to(torch.int64).reshape(-1, tiles, bits, 1) & 0xFFFFFFFF
-        bitplanes = ((w >> torch.arange(32, device=dev)) & 1).reshape(-1, tiles, PACK_TILE, bits)
-        u = (bitplanes << torch.arange(bits, device=dev)).sum(-1).reshape(-1, tiles * PACK_TILE)[:, :in_features]
-        res[rows] = (u - 2 ** (bits - 1)).to(torch.int32)
+    if out == 0:
+        return res
+    mask = 2 ** bits - 1
+    for rows in _row_chunks(out, qweight.shape[1] * PACK_TILE):
+        q = qweight[rows].contiguous().view(torch.uint8)                       # [R, 4·words]
+        R = q.shape[0]
+        if 8 % bits == 0:
+            u = (q.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8, device=dev)) & mask
+        else:
+            v = (q.view(R, -1, bits).long() << (8 * torch.arange(bits, device=dev))).sum(-1)   # 8 values each
+            u = (v.unsqueeze(-1) >> (bits * torch.arange(8, device=dev))) & mask
+        res[rows] = u.reshape(R, -1)[:, :in_features].int() - 2 ** (bits - 1)
     return res
 
 

@@ -222,7 +222,7 @@ class CPUKernel(LatqKernel):
             # the layout packs blocks of rows independently, but check the concatenation anyway
             assert packed.shape == (N, K * planes // 2)
         # outliers: merge the layer's CSR with the split-off ones (row-major, sorted)
-        rows = torch.repeat_interleave(torch.arange(N), (w.crow[1:] - w.crow[:-1]).long())
+        rows = fmt.csr_rows(w.crow, w.nnz)
         cols, vals = w.col.long(), w.val.float()
         if extra_rows:
             rows = torch.cat([rows, *extra_rows])
@@ -427,7 +427,7 @@ def _dequant_chunks(state: CPUState):
         if state.crow is not None:   # outliers into the chunk (their inlier is 0): bf16(o)
             a, b = int(state.crow[r0]), int(state.crow[r1])
             if b > a:
-                rows = torch.repeat_interleave(torch.arange(r1 - r0), (state.crow[r0 + 1:r1 + 1] - state.crow[r0:r1]).long())
+                rows = fmt.csr_rows(state.crow[r0:r1 + 1], b - a)
                 buf.index_put_((state.col[a:b].long(), rows), state.val[a:b].to(torch.bfloat16))
         elif state.tile_col is not None:
             rows, cols, vals = _tile_entries(state, r0, r1, padding=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..format.csr import csr_rows
+
 _PACK = None
 _MM = None
 
@@ -103,7 +105,7 @@ def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
     off[1:] = torch.cumsum(slots, 0)
     pos = torch.empty(N, dtype=torch.long)
     pos[order] = torch.arange(N)                                               # row → tile · 16 + lane
-    r = torch.repeat_interleave(torch.arange(N), cnt)                          # row of each outlier
+    r = csr_rows(crow, col.numel())                                            # row of each outlier
     rank = torch.arange(col.numel()) - crow.long()[r]                          # its index within the row
     dest = (off[pos[r] // TILE] + rank) * TILE + pos[r] % TILE
     S = int(off[-1])
@@ -123,7 +125,7 @@ def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torc
     t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
     off = tile_off.long()
     s0, s1 = int(off[t0]), int(off[t1])
-    tile = torch.repeat_interleave(torch.arange(t0, t1), off[t0 + 1:t1 + 1] - off[t0:t1])   # [S']
+    tile = csr_rows(off[t0:t1 + 1], s1 - s0) + t0                             # [S']
     rows = (tile // (TILE_BLOCK // TILE) * TILE_BLOCK - r0)[:, None] + tile_rows[tile].long()
     cols = tile_col[s0:s1].long()
     if padding:   # lanes without a row (tail block) hold only padding: any in-range row will do

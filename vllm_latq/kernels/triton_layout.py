@@ -141,10 +141,6 @@ def unpack_plane(words: torch.Tensor, pbits: int, n_pad: int, k_pad: int) -> tor
 
 # ----------------------------------------------------------------------------- outliers
 
-def _csr_rows(crow: torch.Tensor) -> torch.Tensor:
-    n = crow.numel() - 1
-    return torch.repeat_interleave(torch.arange(n, device=crow.device), (crow[1:] - crow[:-1]).long())
-
 
 def compact_dtypes(k: int, val: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
     """Outlier column / value dtypes: int16 columns when K ≤ 32768, fp16 values when every
@@ -170,7 +166,7 @@ def build_ell(crow, col, val, n_pad, k):
     ecol = torch.zeros(S, dtype=cdt, device=dev)
     evalv = torch.zeros(S, dtype=vdt, device=dev)
     if col.numel():
-        rows = _csr_rows(crow)
+        rows = fmt.csr_rows(crow)
         rank = torch.arange(col.numel(), device=dev) - crow.long()[rows]
         idx = off[rows // ROWS] + ROWS * rank + rows % ROWS
         ecol[idx] = col.to(cdt)
@@ -185,7 +181,7 @@ def build_csr(crow, col, val, n_pad, k):
     crow_p = torch.empty(n_pad + 1, dtype=torch.int32, device=dev)
     crow_p[: n + 1] = crow.to(torch.int32)
     crow_p[n + 1:] = crow[-1].to(torch.int32)
-    return {"crow": crow_p, "row": _csr_rows(crow).to(torch.int32), "col": col.to(cdt).contiguous(),
+    return {"crow": crow_p, "row": fmt.csr_rows(crow).to(torch.int32), "col": col.to(cdt).contiguous(),
             "val": val.to(vdt).contiguous()}
 
 
@@ -223,9 +219,9 @@ def build(w, outlier_mode: str | None = None) -> TritonLayout:
     k_pad = max(step, math.ceil(K / step) * step)
     dev = w.qweight.device
     u = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)   # offset binary u = z + 2^(b-1)
-    for r0 in range(0, N, UNPACK_ROWS):   # format.unpack takes CPU tensors: row blocks bound the copy
-        z = fmt.unpack(w.qweight[r0:r0 + UNPACK_ROWS].cpu(), bits, K)
-        u[r0:r0 + z.shape[0], :K] = (z + 2 ** (bits - 1)).to(device=dev, dtype=torch.uint8)
+    for r0 in range(0, N, UNPACK_ROWS):   # row blocks bound the int32 temporary
+        z = fmt.unpack(w.qweight[r0:r0 + UNPACK_ROWS], bits, K)
+        u[r0:r0 + z.shape[0], :K] = (z + 2 ** (bits - 1)).to(torch.uint8)
     planes = []
     shift = 0
     for pb in planes_of(bits):

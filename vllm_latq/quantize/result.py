@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..format.csr import csr_rows
+
 
 @dataclass
 class CSR:
@@ -30,7 +32,7 @@ class CSR:
     def to_dense(self) -> torch.Tensor:
         """fp32 ``[out, in]`` with the outlier values, zeros elsewhere."""
         out = torch.zeros(self.shape)
-        rows = torch.repeat_interleave(torch.arange(self.shape[0]), (self.crow[1:] - self.crow[:-1]).long())
+        rows = csr_rows(self.crow, self.nnz)
         out[rows, self.col.long()] = self.val.float()
         return out
 
