@@ -26,40 +26,19 @@ ORDERS = tuple(sorted((*PACKAGE_ORDERS, "random"),
                       key=lambda o: _COLUMNS.index(o) if o in _COLUMNS else len(_COLUMNS)))
 
 
-class _Stop(Exception):
-    pass
-
-
 def block_hessians(model_name: str, mdir: Path, blocks, nsamples: int, seqlen: int):
     """{(block, linear name): (W, H)} of the bf16 model on Wikipedia calibration text; the
     forward stops after the last requested block."""
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_latq.quantize.hessian import hook_linears
+    from vllm_latq.quantize.hessian import linear_hessians
     tok = AutoTokenizer.from_pretrained(mdir)
     model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
     layers = model.model.layers
-    mods = {}
-    for b in blocks:
-        for n, m in layers[b].named_modules():
-            if isinstance(m, torch.nn.Linear):
-                mods[(b, n)] = m
-    hs, handles = hook_linears(mods)
-
-    def stop(*_):
-        raise _Stop
-    handles.append(layers[max(blocks)].register_forward_hook(stop))
+    mods = {(b, n): m for b in blocks for n, m in layers[b].named_modules() if isinstance(m, torch.nn.Linear)}
     batches = data.calibration_batches(tok, nsamples=nsamples, seqlen=seqlen)
-    with torch.no_grad():
-        for seq in tqdm(batches, desc=f"{model_name}: Hessians of blocks {list(blocks)}", unit="seq"):
-            try:
-                model(seq[None])
-            except _Stop:
-                pass
-    for h in handles:
-        h.remove()
-    return {k: (m.weight.detach().float(), hs[k].H) for k, m in mods.items()}
+    return linear_hessians(model, mods, batches, stop_after=layers[max(blocks)],
+                           desc=f"{model_name}: Hessians of blocks {list(blocks)}")
 
 
 def ordering_study(model: str, st: Settings, root: Path, compute: bool = True) -> dict | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from bench import peer_llmcompressor
+from tests.helpers import reference_gptq   # the readable reference loop lives with the tests
 from vllm_latq import data
 
 log = logging.getLogger("latq.study")
@@ -19,30 +20,6 @@ PEER_SCRIPT = Path(peer_llmcompressor.__file__).resolve()
 
 
 # ============================================================================ our pipeline, another solver
-
-def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torch.Tensor, bits: int,
-                   damp: float) -> torch.Tensor:
-    """IST-DASLab GPTQ (``fasterquant`` without lazy batches), written independently: damped H,
-    ``Hinv = cholesky(H⁻¹, upper)``, columns in ``perm``, each rounded to the clipped signed grid
-    with its fixed scale and its error spread over the later columns. → integers ``[out, in]``."""
-    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    Hd = H.double().clone()
-    Hd.diagonal().add_(damp * Hd.diagonal().mean())
-    Hd = Hd[perm][:, perm]
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hd)), upper=True).float()
-    Wp = W[:, perm].float().clone()
-    Sp = S[:, perm].float()
-    Z = torch.empty_like(Wp, dtype=torch.int32)
-    for j in range(Wp.shape[1]):
-        w = Wp[:, j]
-        z = torch.clamp(torch.round(w / Sp[:, j]), lo, hi)
-        Z[:, j] = z.int()
-        e = (w - z * Sp[:, j]) / Hinv[j, j]
-        Wp[:, j:].sub_(e[:, None] * Hinv[j, j:][None, :])
-    out = torch.empty_like(Z)
-    out[:, perm] = Z
-    return out
-
 
 def gptq_replaced(tag: str, solve):
     """A ``solve=`` for ``quantize_model``: the pipeline's per-layer solver with its GPTQ replaced
