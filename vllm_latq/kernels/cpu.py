@@ -1,7 +1,6 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
 inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM. (The native
-layouts it uses are in :mod:`~vllm_latq.kernels.cpu_layouts`; this module is a little over
-450 lines because the measurements behind each decision are kept next to it, below.)
+layouts it uses are in :mod:`~vllm_latq.kernels.cpu_layouts`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
@@ -25,47 +24,13 @@ rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 an
 once to x.dtype; on the large-M path one bf16 weight bf16(z·s) / bf16(outlier) in a bf16
 GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·Σ|x||w| + 2⁻⁸·|y|.
 
-Decisions, measured (4096×4096 unless said; 2 threads, interleaved, medians — see
-``bench/cpu_layer.py``; the machine is shared, so the final numbers were taken at real-time
-priority and cross-checked at 1 thread):
-
-* Activations are cast to bf16 for the op whatever the model dtype: only the bf16 kernel is
-  vectorized (AVX512/AVX2); fp16 / fp32 activations take the scalar fallback, 22.6 ms /
-  15.0 ms vs 0.47 ms at M=1. Cost for fp32/fp16 models: bf16-level error (bound above).
-* Op group size: the largest of 256/128/64/32 that divides both the latq group size and K
-  (a latq group is re-expressed as several op groups sharing its scale; a per-row HPTQ scale
-  is one group of K). Larger groups are slightly faster (g=32: 505 µs, 128: 469, 256: 461).
-* Outliers, where the C++ GEMV runs: tiles (``tiles_from_csr``) summed per 64-row block in the
-  GEMV's threads — a 16-lane gather per slot at M = 1, one 8-wide FMA per outlier over xᵀ at
-  M > 1 — instead of a CSR (30 SmolLM2 blocks at 1%, in situ: +0.9 ms at M = 1 against +1.4
-  for the CSR row loop; warm 3072×576: 0.34 vs 1.16 ns per outlier at M = 1, 0.89 vs 4.8 at
-  M = 8; ``bench/cpu_layer.py --sections gemv``). Elsewhere, the CSR:
-* Outliers (CSR): ``torch.mv`` (M=1) / ``torch.sparse.mm`` (M>1) on an fp32 CSR with int32
-  indices (MKL). At 1%, M=1: mv 43–75 µs (2 threads) vs row-padded ELL gather 490 µs,
-  index_add 530 µs, segment_reduce 390 µs; M=8: sparse.mm 164–190 µs vs ELL 3.4–4.4 ms,
-  index_add 3.4 ms. MKL also wins on small layers (1 thread, 192×576…2048×640 at 1–5%, M=1
-  and 8: 13–136 µs vs ≥ 13 µs for gather+index_add and 35 µs–22 ms at M=8). int64 indices
-  are ~1.5–2× slower than int32. The custom-op state holds only dense crow/col/val; the
-  sparse tensor over them is built once per layer and cached while the layer's tensors live
-  (``_csr``, :class:`_DerivedCache`; building it costs 2–6 µs a call, ×120 linears per
-  SmolLM2 step).
-* Bits 5..8 (HPTQ transcodes): z = 16·(a − 8) + (c − 8) + 8 with nibbles a, c (v = z + 128 =
-  16a + c). Two int4 planes concatenated along K ([c-plane | a-plane], activations duplicated):
-  one op call at twice the cost, scales s and 16s, zero 8s on the c-plane — exact in fp32.
-  If ≤ ``SPLIT_MAX_EXTRA_RATE`` of the weights leave the 4-bit grid, they go to the CSR instead.
-* Large M (prefill): the op re-dequantizes the weights once per 4 rows and is compute bound
-  (0.30–0.45× of bf16 ``F.linear`` at M ≥ 64). From ``LARGE_M`` rows on, the weights are
-  dequantized per call in 4 MB row chunks (from the op's own packed layout, outliers
-  scattered in) into a reused bf16 buffer, each chunk multiplied by a bf16 GEMM: no second
-  copy of the weights. The dequant costs ~12 ms per 16M weights on 2 threads (chunks of
-  1 MB: 18 ms, 32 MB: 13 ms). Dequant+GEMM / op, 2 threads (two runs): 0.68–0.73× at M=64,
-  0.99× at 96, 0.84–0.85× at 128, 1.11× at 192, 1.27–1.64× at 256, 1.79–2.06× at 512;
-  1 thread: crossover near 100 → ``LARGE_M`` = 128 with torch's op; still 0.3–0.6× of bf16.
-  The C++ GEMV unpacks each weight once per 8 rows and beats dequant + GEMM up to M ≈ 700
-  (4096², 1%, 2 threads: 6.2 / 12.4 / 25.3 / 55.6 ms vs 18.1 / 23.9 / 36.3 / 60.8 at M = 64 /
-  128 / 256 / 512; bf16 6.1 / 10.8 / 20.2 / 39.3) → ``LARGE_M`` = 640 where it runs
-  (``large_m()``). ``LATQ_CPU_PREFILL_CACHE=1`` keeps the dequantized weight
-  instead: 1.0× of bf16 at every large M, +2 bytes/weight resident (off by default).
+Decisions (each measured; the numbers are in docs/BENCHMARKS.md, "CPU kernel decisions"):
+activations go to the op in bf16 (its only vectorized kernel); the op group size is the largest
+of 256/128/64/32 dividing both the latq group and K; outliers are tiles summed in the GEMV's
+threads where the C++ GEMV runs, else an MKL fp32 CSR (int32 indices) built once per layer;
+5–8-bit HPTQ transcodes run as two int4 planes, or as 4 bits plus outliers when at most
+``SPLIT_MAX_EXTRA_RATE`` leave the grid; from ``large_m()`` rows on the weights are
+dequantized per call in row chunks into a reused bf16 buffer for a bf16 GEMM.
 """
 from __future__ import annotations
 
