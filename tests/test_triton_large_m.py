@@ -148,16 +148,41 @@ def test_workspace_is_shared_and_grows():
     torch.testing.assert_close(y, td.apply_large_m(big, x))                         # temporary scratch
 
 
-def test_reasons():
-    st = TritonKernel.prepare(make_weight(rate=0.0))
-    why = td.large_m_reason(st, torch.float32)
+@interp
+def test_row_chunks():
+    """A capped workspace: row chunks (multiples of 16) dequantised from row0 and one GEMM
+    each — the same scratch rows, the same outputs as one GEMM."""
+    w = make_weight(n=72, bits=3, rate=0.05, seed=4)
+    for mode in ("ell", "csr"):
+        st = TritonKernel.prepare(w, outlier_mode=mode)
+        ref = dequantize(w).to(torch.bfloat16)
+        assert torch.equal(td.dequantize_into(st, torch.empty(24, K, dtype=torch.bfloat16), 48), ref[48:])
+        ws = td.DequantWorkspace(max_bytes=40 * K * 2)
+        assert ws.rows(72, K, torch.bfloat16) == 32 and td.DequantWorkspace(max_bytes=1).rows(72, K, torch.float16) == 16
+        x = activations(20, torch.bfloat16)
+        bias = torch.randn(72).to(torch.bfloat16)
+        y = td.apply_large_m(st, x, bias, ws)
+        assert ws.nbytes() == 32 * K * 2
+        torch.testing.assert_close(y, td.apply_large_m(st, x, bias), rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        td.dequantize_into(st, torch.empty(16, K, dtype=torch.bfloat16), 8)          # row0 % 16
+
+
+def test_reasons_and_choice():
+    w = make_weight(rate=0.0)
+    st = TritonKernel.prepare(w)
+    why = td.large_m_reason(torch.float32)
     assert why and "SIMT" in why
-    assert td.large_m_reason(st, torch.bfloat16) is None
-    capped = td.DequantWorkspace(max_bytes=N * K * 2 - 1)
-    assert "cap" in td.large_m_reason(st, torch.bfloat16, capped)
-    assert td.large_m_reason(st, torch.float16, td.DequantWorkspace(max_bytes=N * K * 2)) is None
+    assert td.large_m_reason(torch.bfloat16) is None and td.large_m_reason(torch.float16) is None
     with pytest.raises(ValueError, match="SIMT"):
         td.apply_large_m(st, activations(20, torch.float32))
+    # TritonKernel.apply's choice (CPU: the A100 model): this small layer switches at M = 257
+    big = TritonKernel.prepare(make_weight(n=4096, k=128, bits=4, rate=0.0))
+    th = td.threshold_for(big, torch.bfloat16, torch.device("cpu"))
+    assert th == td.large_m_threshold(4096, 128, 4, 0, torch.bfloat16, None, 128) == 257
+    assert not td.use_large_m(big, torch.empty(th - 1, 128, dtype=torch.bfloat16))
+    assert td.use_large_m(big, torch.empty(th, 128, dtype=torch.bfloat16))
+    assert not td.use_large_m(big, torch.empty(th, 128, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------- crossover model
@@ -225,12 +250,14 @@ quick = sys.argv[1] == "quick"
 jobs = []
 for dt in (("bf16",) if quick else ("bf16", "fp16")):
     for bits in ((3,) if quick else (2, 3, 4)):
-        sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", N="i32", K="i32", stride_wn="i32",
+        sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", ROW0="i32", ROW1="i32", K="i32",
+                   stride_wn="i32",
                    N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
         const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"])
         jobs.append((f"dequant {dt} {bits}-bit", td._dequant_kernel, sig, const, td.DEQUANT_CONFIG["num_warps"]))
 for outl, o in ((1, ["*i32", "*i16", "*fp16", "*fp16"]), (2, ["*i32", "*i32", "*i16", "*fp16"])):
-    sig = dict(w_ptr="*bf16", o0_ptr=o[0], o1_ptr=o[1], o2_ptr=o[2], o3_ptr=o[3], N="i32", stride_wn="i32")
+    sig = dict(w_ptr="*bf16", o0_ptr=o[0], o1_ptr=o[1], o2_ptr=o[2], o3_ptr=o[3], ROW0="i32", ROW1="i32",
+               stride_wn="i32")
     jobs.append((f"outliers {'ell' if outl == 1 else 'csr'}", td._outlier_kernel, sig,
                  dict(OUTL=outl, BE=td.OUTLIER_CONFIG["BE"]), td.OUTLIER_CONFIG["num_warps"]))
 for cc in map(int, sys.argv[2:]):

@@ -24,7 +24,8 @@ bf16/fp16 per weight) — the price the MMA kernel's docstring anticipated. fp32
 never take this path (they use the exact SIMT kernel; see :func:`large_m_reason`).
 
 The scratch is a :class:`DequantWorkspace`: one buffer per (device, dtype), sized to the
-largest layer seen and grown on demand, shared by every layer (layers run in stream order).
+largest layer seen and grown on demand, shared by every layer (layers run in stream order);
+with a byte cap, larger layers (a vocabulary head: 2·N·K can be ~1 GB) run in row chunks.
 
 Crossover — :func:`large_m_threshold` (a bytes/FLOPs/issue model; per layer)
 ------------------------------------------------------------------------------
@@ -97,19 +98,20 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, N, K, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
+def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr):
     # One program: BN rows × one K step (128 / 256 / 512 columns at 4 / 2 / 3 bits). The
     # step's word tiles ([1, 16 words, BN rows] per plane) are loaded once; slab j of every
     # word is the 16 columns k0 + 16j + [0, 16), so DS slabs at a time are expanded by
     # broadcasting per-slab shifts ([DS, 16, BN] → reshape: column order k0 + 16j + w).
+    # Rows ROW0 .. ROW1 − 1 of the layer go to rows 0 .. of w (a row chunk of the scratch).
     SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     STEP: tl.constexpr = 16 * SLABS
     OFF: tl.constexpr = 1 << (BITS - 1)
     CA: tl.constexpr = 512 if BITS == 3 else 256               # plane-A words per step per row group
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rn = ROW0 + pid_n * BN + tl.arange(0, BN)
     g16 = rn // 16
     r16 = rn % 16
     w3 = tl.arange(0, 16)[None, :, None]
@@ -124,8 +126,8 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, N, K, stride_wn, N_PAD, NCH_A,
     sp = s_ptr + (g16 * (NGP * 16) + r16)[None, None, :]
     k0 = s * STEP
     kd = tl.arange(0, DS * 16)
-    wrow = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
-    nmask = (rn < N)[None, :]
+    wrow = w_ptr + (rn - ROW0).to(tl.int64)[None, :] * stride_wn
+    nmask = (rn < ROW1)[None, :]
     for q in range(SLABS // DS):                                      # runtime loop: registers
         j = q * DS + tl.arange(0, DS)[:, None, None]                  # [DS, 1, 1] slab index
         if BITS == 4:
@@ -143,11 +145,13 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, N, K, stride_wn, N_PAD, NCH_A,
 
 
 @triton.jit
-def _outlier_kernel(w_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, N, stride_wn, OUTL: tl.constexpr, BE: tl.constexpr):
-    # One program per 16-row group: W[row, col] = val (the inlier there is 0). ELL: o0 = off
-    # [G+1], entry off[g] + 16·rank + r is row 16g + r (off[g] % 16 == 0), o1 = col, o2 = val;
-    # CSR: o0 = crow [N_pad+1], o1 = row, o2 = col, o3 = val.
-    g = tl.program_id(0)
+def _outlier_kernel(w_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, ROW0, ROW1, stride_wn,
+                    OUTL: tl.constexpr, BE: tl.constexpr):
+    # One program per 16-row group from row ROW0 (% 16 == 0): W[row − ROW0, col] = val (the
+    # inlier there is 0). ELL: o0 = off [G+1], entry off[g] + 16·rank + r is row 16g + r
+    # (off[g] % 16 == 0), o1 = col, o2 = val; CSR: o0 = crow [N_pad+1], o1 = row, o2 = col,
+    # o3 = val.
+    g = ROW0 // 16 + tl.program_id(0)
     if OUTL == 1:
         e0 = tl.load(o0_ptr + g)
         e1 = tl.load(o0_ptr + g + 1)
@@ -165,8 +169,8 @@ def _outlier_kernel(w_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, N, stride_wn, OUTL: t
             row = tl.load(o1_ptr + ee, mask=em, other=0)
             col = tl.load(o2_ptr + ee, mask=em, other=0)
             val = tl.load(o3_ptr + ee, mask=em, other=0.0)
-        keep = em & (val != 0) & (row < N)                            # ELL padding: value 0
-        ptr = w_ptr + row.to(tl.int64) * stride_wn + col.to(tl.int64)
+        keep = em & (val != 0) & (row < ROW1)                         # ELL padding: value 0
+        ptr = w_ptr + (row - ROW0).to(tl.int64) * stride_wn + col.to(tl.int64)
         tl.store(ptr, _round(val.to(tl.float32), w_ptr.dtype.element_ty), mask=keep)
 
 
@@ -179,27 +183,33 @@ OUTLIER_CONFIG = dict(BE=128, num_warps=4)
 class DequantWorkspace:
     """Scratch for dequantised weights: one flat buffer per (device, dtype), sized to the
     largest layer seen and grown on demand; every layer reuses it (layers run in stream
-    order, so one buffer per stream suffices). ``max_bytes`` caps a buffer: a layer that
-    would need more stays on the MMA kernel (:func:`large_m_reason`). Under CUDA graphs,
-    :meth:`reserve` the largest layer before capture so no capture allocates."""
+    order, so one buffer per stream suffices). ``max_bytes`` caps a buffer: a larger layer
+    is dequantised and multiplied in row chunks that fit (at least 16 rows). Growing frees
+    the old buffer, so under CUDA graphs :meth:`reserve` every layer at load time: growing
+    while a graph is being captured raises instead of leaving a freed buffer in a graph."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
         self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def fits(self, n: int, k: int, dtype: torch.dtype) -> bool:
-        return self.max_bytes is None or n * k * torch.empty(0, dtype=dtype).element_size() <= self.max_bytes
+    def rows(self, n: int, k: int, dtype: torch.dtype) -> int:
+        """Rows per chunk for an n × k layer: n, or the most that fit the cap (a multiple of 16)."""
+        row_bytes = k * torch.empty(0, dtype=dtype).element_size()
+        if self.max_bytes is None or n * row_bytes <= self.max_bytes:
+            return n
+        return max(16, self.max_bytes // row_bytes // 16 * 16)
 
     def reserve(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.matrix(n, k, dtype, device)
+        self.matrix(self.rows(n, k, dtype), k, dtype, device)
 
     def matrix(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous ``[n, k]`` view of the buffer for (device, dtype)."""
-        if not self.fits(n, k, dtype):
-            raise ValueError(f"{n}x{k} {dtype} exceeds the workspace cap of {self.max_bytes} bytes")
         key = (torch.device(device), dtype)
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n * k:
+            if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"latq dequant workspace must grow to {n}x{k} during CUDA graph capture: "
+                                   "reserve() every layer before capturing")
             self._bufs.pop(key, None)                  # free the old buffer before growing
             buf = self._bufs[key] = torch.empty(n * k, dtype=dtype, device=device)
         return buf[: n * k].view(n, k)
@@ -208,45 +218,64 @@ class DequantWorkspace:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
-def large_m_reason(state, act_dtype: torch.dtype, workspace: DequantWorkspace | None = None) -> str | None:
-    """Why the dequantise-once path cannot serve this layer (None: it can)."""
+def large_m_reason(act_dtype: torch.dtype) -> str | None:
+    """Why the dequantise-once path cannot serve activations of ``act_dtype`` (None: it can)."""
     if act_dtype not in (torch.float16, torch.bfloat16):
         return f"{act_dtype} activations use the SIMT kernel (exact fp32, no TF32)"
-    if workspace is not None and not workspace.fits(state.n, state.k, act_dtype):
-        return f"a {state.n}x{state.k} scratch exceeds the workspace cap ({workspace.max_bytes} bytes)"
     return None
 
 
-def dequantize_into(st, out: torch.Tensor) -> torch.Tensor:
-    """Prepared layer → ``out`` [N, K] (fp16/bf16, unit column stride): z·s rounded once,
-    outliers stored over their (zero) inliers. Equals ``reference.dequantize(w).to(dtype)``."""
-    if out.shape != (st.n, st.k) or out.stride(1) != 1 or out.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"out must be a [{st.n}, {st.k}] fp16/bf16 matrix with unit column stride")
+def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """Rows ``row0 .. row0 + R`` of a prepared layer → ``out`` [R, K] (fp16/bf16, unit column
+    stride; row0 % 16 == 0): z·s rounded once, outliers stored over their (zero) inliers.
+    Equals ``reference.dequantize(w)[row0:row0 + R].to(dtype)``."""
+    rows = out.shape[0]
+    if (out.dim() != 2 or out.shape[1] != st.k or out.stride(1) != 1 or row0 % 16 or row0 + rows > st.n
+            or out.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"out must be an [R, {st.k}] fp16/bf16 matrix with unit column stride for rows "
+                         f"row0 .. row0 + R ≤ {st.n}, row0 % 16 == 0 (got {tuple(out.shape)}, row0={row0})")
+    if rows == 0:
+        return out
     step = step_of(st.bits)
     nch_a = st.k_pad // (256 if st.bits == 3 else step)
     nch_h = st.k_pad // 512 if st.bits == 3 else 0
     cfg = DEQUANT_CONFIG
-    grid = (triton.cdiv(st.n_pad, cfg["BN"]), st.k_pad // step)
+    grid = (triton.cdiv(rows, cfg["BN"]), st.k_pad // step)
     _dequant_kernel[grid](out, st.plane_a, st.plane_h if st.plane_h is not None else st.plane_a, st.scales,
-                          st.n, st.k, out.stride(0), st.n_pad, nch_a, nch_h, st.scales.shape[1],
+                          row0, row0 + rows, st.k, out.stride(0), st.n_pad, nch_a, nch_h, st.scales.shape[1],
                           BITS=st.bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], num_warps=cfg["num_warps"])
     if st.outl and st.nnz:
         o = [t if t is not None else st.o0 for t in (st.o0, st.o1, st.o2, st.o3)]
-        _outlier_kernel[(st.n_pad // 16,)](out, *o, st.n, out.stride(0), OUTL=st.outl,
-                                           BE=OUTLIER_CONFIG["BE"], num_warps=OUTLIER_CONFIG["num_warps"])
+        _outlier_kernel[(triton.cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,
+                                                  BE=OUTLIER_CONFIG["BE"], num_warps=OUTLIER_CONFIG["num_warps"])
     return out
 
 
 def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
                   workspace: DequantWorkspace | None = None) -> torch.Tensor:
     """``y = x2 @ Wᵀ (+ bias)`` with W dequantised once into ``workspace`` (a temporary
-    buffer when None) and one ``F.linear`` (cuBLAS). x2: [M, K] fp16/bf16."""
-    why = large_m_reason(st, x2.dtype, workspace)
+    buffer when None) and ``F.linear`` (cuBLAS): one GEMM, or one per row chunk when the
+    workspace is capped. x2: [M, K] fp16/bf16."""
+    why = large_m_reason(x2.dtype)
     if why:
         raise ValueError(why)
-    W = (workspace or DequantWorkspace()).matrix(st.n, st.k, x2.dtype, x2.device)
-    dequantize_into(st, W)
-    return torch.nn.functional.linear(x2, W, bias)
+    ws = workspace or DequantWorkspace()
+    rows = ws.rows(st.n, st.k, x2.dtype)
+    if rows >= st.n:
+        return torch.nn.functional.linear(x2, dequantize_into(st, ws.matrix(st.n, st.k, x2.dtype, x2.device)), bias)
+    y = torch.empty(x2.shape[0], st.n, dtype=x2.dtype, device=x2.device)
+    for n0 in range(0, st.n, rows):
+        r = min(rows, st.n - n0)
+        W = dequantize_into(st, ws.matrix(r, st.k, x2.dtype, x2.device), n0)
+        y[:, n0:n0 + r] = torch.nn.functional.linear(x2, W, None if bias is None else bias[n0:n0 + r])
+    return y
+
+
+def use_large_m(st, x2: torch.Tensor) -> bool:
+    """Whether ``TritonKernel.apply`` should take this path for x2 [M, K]: fp16/bf16 and M at
+    or above the layer's model threshold on x2's device."""
+    return (x2.shape[0] > 16 and large_m_reason(x2.dtype) is None
+            and x2.shape[0] >= threshold_for(st, x2.dtype, x2.device))
 
 
 # ============================================================================ crossover model
