@@ -52,7 +52,8 @@ tile: the MMA kernel's own case); t_mma is a staircase in T, so thresholds are 1
 Defaults (``DEVICES``): A100 (2.0 TB/s, 40 MB L2, 312 TFLOP/s bf16, 108 SMs at 1.41 GHz)
 for sm_8x and H100 SXM (3.35 TB/s, 50 MB L2, 990 TFLOP/s, 132 SMs at 1.98 GHz) for sm_9x+;
 on CUDA the SM count and L2 size come from ``torch.cuda.get_device_properties`` (per-SM
-rates scaled by the SM count). The model is optimistic for the MMA kernel (it assumes
+rates scaled by the SM count; HBM bandwidth, which the properties do not give, stays the
+default's). The model is optimistic for the MMA kernel (it assumes
 the full tensor-core peak for 16-row ``mma.sync`` tiles, which on Hopper reach well under
 wgmma's peak), so the switch comes no earlier than it should. Model thresholds (bf16,
 g = 128, no outliers), the same on the A100 and the H100 defaults and for 4096 × 4096,
@@ -176,6 +177,9 @@ def _outlier_kernel(w_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, ROW0, ROW1, stride_wn
 
 # ============================================================================ host side
 
+# Suggested workspace cap: holds a fused 8B-class MLP projection (28672 × 4096 bf16 = 224 MiB)
+# in one piece; a vocabulary head (128k × 4096 bf16 ≈ 1 GiB) runs in 4 row chunks.
+DEFAULT_MAX_BYTES = 256 << 20
 DEQUANT_CONFIG = dict(BN=64, DS=4, num_warps=4)      # [64 columns × 64 rows] per store: 32 fp32/thread
 OUTLIER_CONFIG = dict(BE=128, num_warps=4)
 
@@ -365,5 +369,4 @@ def threshold_for(st, dtype: torch.dtype, device: torch.device) -> int:
     """:func:`large_m_threshold` for a prepared layer on ``device`` (cached per shape)."""
     device = torch.device(device)
     idx = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
-    group = st.group if st.scales.shape[1] > 1 else st.k_pad
-    return _threshold_cached(st.n, st.k, st.bits, st.nnz, dtype, idx, group)
+    return _threshold_cached(st.n, st.k, st.bits, st.nnz, dtype, idx, st.group)   # one group: st.group = K_pad
