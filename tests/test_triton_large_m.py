@@ -6,9 +6,11 @@
 * ``apply_large_m`` equals ``x @ W_dtypeᵀ (+ bias)`` computed in fp32, to the output's
   rounding, for M ∈ {17, 64}; it differs from the fp32 reference only through the one
   rounding of z·s (checked to be that and nothing more).
-* The workspace: one buffer per (device, dtype), grown to the largest layer, reused.
+* The workspace: one buffer per (device, dtype), grown to the largest layer, reused; under
+  a byte cap, row chunks give the same scratch rows and outputs. ``use_large_m`` (the
+  choice ``TritonKernel.apply`` makes) follows the layer's threshold and refuses fp32.
 * The crossover model: pure, ≥ 17, monotone in layer size, the documented numbers.
-* Offline compilation of the two kernels for sm_80/sm_90: no spills.
+* Offline compilation of the two kernels for sm_80/sm_90 (real ptxas): no spills.
 """
 import math
 
