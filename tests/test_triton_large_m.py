@@ -1,0 +1,310 @@
+"""Large-M path (issue 19): dequantise once into a scratch + one GEMM, in Triton's interpreter.
+
+* The dequantised scratch equals ``reference.dequantize(w).to(dtype)`` bit for bit: bits
+  {2, 3, 4} × outlier rates {0, 1 %, 5 %} × fp16/bf16 on N = 40, K = 300 (rows padded to 16,
+  K to the step, a ragged last group); group sizes 32/64/128/one per tensor; ELL and CSR.
+* ``apply_large_m`` equals ``x @ W_dtypeᵀ (+ bias)`` computed in fp32, to the output's
+  rounding, for M ∈ {17, 64}; it differs from the fp32 reference only through the one
+  rounding of z·s (checked to be that and nothing more).
+* The workspace: one buffer per (device, dtype), grown to the largest layer, reused; under
+  a byte cap, row chunks give the same scratch rows and outputs. ``use_large_m`` (the
+  choice ``TritonKernel.apply`` makes) follows the layer's threshold and refuses fp32.
+* The crossover model: pure, ≥ 17, monotone in layer size, the documented numbers.
+* Offline compilation of the two kernels for sm_80/sm_90 (real ptxas): no spills.
+"""
+import math
+
+import pytest
+import torch
+
+from vllm_latq import format as fmt
+from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref
+
+triton = pytest.importorskip("triton")
+from vllm_latq.kernels import triton_dequant as td  # noqa: E402
+from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
+from vllm_latq.kernels.triton_kernels import TritonKernel  # noqa: E402
+
+interp = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton's interpreter")
+
+N, K = 40, 300
+
+
+def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0) -> LatqWeight:
+    """Random b-bit inliers (0 at every outlier), fp16 scales, fp16-exact CSR outliers at
+    ``rate``; with outliers, row 1 holds half its columns as outliers, rows 3..5 none, and
+    one outlier sits at column 0 (ELL padding slots also point at column 0)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    z = torch.randint(lo, hi + 1, (n, k), generator=g)
+    mask = torch.rand(n, k, generator=g) < rate
+    if rate > 0:
+        mask[1] = torch.rand(k, generator=g) < 0.5
+        mask[3:6] = False
+        mask[7, 0] = True
+    z[mask] = 0
+    scales = (torch.rand(n, math.ceil(k / group), generator=g) * 0.02 + 0.002).half()
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(n + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
+    return LatqWeight(fmt.pack(z.int(), bits), scales, crow, cols.int(), val, bits, group, k)
+
+
+def activations(m, dtype, k=K, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def dequantized(st, dtype):
+    out = torch.full((st.n, st.k), float("nan"), dtype=dtype)        # every element must be written
+    return td.dequantize_into(st, out)
+
+
+# ----------------------------------------------------------------------------- exactness (interpreter)
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantize_is_exact(bits, rate, dtype):
+    w = make_weight(bits=bits, rate=rate, seed=bits)
+    st = TritonKernel.prepare(w)
+    assert torch.equal(dequantized(st, dtype), dequantize(w).to(dtype))
+
+
+@interp
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantize_both_outlier_layouts(bits, mode):
+    w = make_weight(bits=bits, rate=0.05, seed=10 + bits)
+    st = TritonKernel.prepare(w, outlier_mode=mode)
+    assert st.outl == tk.OUTL_CODE[mode]
+    assert torch.equal(dequantized(st, torch.bfloat16), dequantize(w).to(torch.bfloat16))
+
+
+@interp
+@pytest.mark.parametrize("group", [32, 64, 300])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantize_group_sizes(bits, group):
+    """32/64: several groups per K step; 300 = K: one group per row (transcoded form)."""
+    w = make_weight(bits=bits, group=group, rate=0.01, seed=20 + bits)
+    st = TritonKernel.prepare(w)
+    assert torch.equal(dequantized(st, torch.float16), dequantize(w).to(torch.float16))
+
+
+@interp
+def test_dequantize_fp32_outlier_values_and_strided_out():
+    """Non-fp16-exact outlier values (stored fp32) are rounded once; ``out`` may be a row
+    slice of a wider matrix (row stride ≠ K)."""
+    w = make_weight(bits=3, rate=0.05, seed=5)
+    w.val = w.val + 1e-4 * torch.rand(w.val.shape, generator=torch.Generator().manual_seed(1))
+    st = TritonKernel.prepare(w, outlier_mode="csr")
+    assert st.o3.dtype == torch.float32
+    wide = torch.zeros(N, K + 20, dtype=torch.bfloat16)
+    td.dequantize_into(st, wide[:, :K])
+    assert torch.equal(wide[:, :K], dequantize(w).to(torch.bfloat16)) and not wide[:, K:].any()
+    with pytest.raises(ValueError):
+        td.dequantize_into(st, torch.zeros(N, K, dtype=torch.float32))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [17, 64])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_apply_large_m(bits, m, dtype):
+    w = make_weight(bits=bits, rate=0.01, seed=30 + bits)
+    st = TritonKernel.prepare(w)
+    x = activations(m, dtype, seed=m)
+    W = dequantize(w).to(dtype).float()
+    eps = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    ws = td.DequantWorkspace()
+    for bias in (None, torch.randn(N, generator=torch.Generator().manual_seed(5)).to(dtype)):
+        y = td.apply_large_m(st, x, bias, ws)
+        assert y.dtype == dtype and y.shape == (m, N)
+        ref = x.float() @ W.T + (0 if bias is None else bias.float())
+        # the output is rounded to dtype after an fp32 sum in another order
+        torch.testing.assert_close(y.float(), ref, rtol=eps, atol=ref.abs().max().item() * 2e-6 + 1e-6)
+        # vs the fp32 reference: only the rounding of z·s to dtype (≤ ½ ulp per weight) more
+        ref32 = latq_linear_ref(x.float(), w, None if bias is None else bias.float())
+        bound = (x.float().abs() @ (W - dequantize(w)).abs().T).max().item()
+        assert (y.float() - ref32).abs().max().item() <= bound + eps * ref32.abs().max().item()
+    if dtype == torch.bfloat16:                  # the rounding is real (fp16 holds 2-bit z·s exactly)
+        assert not torch.equal(W, dequantize(w))
+
+
+@interp
+def test_workspace_is_shared_and_grows():
+    ws = td.DequantWorkspace()
+    small = TritonKernel.prepare(make_weight(n=24, k=100, bits=4, rate=0.0))
+    big = TritonKernel.prepare(make_weight(bits=2, rate=0.05, seed=2))
+    x = activations(20, torch.bfloat16)
+    td.apply_large_m(big, x, None, ws)
+    buf = ws._bufs[torch.device("cpu"), torch.bfloat16]
+    td.apply_large_m(small, activations(20, torch.bfloat16, k=100), None, ws)      # reuses the big buffer
+    assert ws._bufs[torch.device("cpu"), torch.bfloat16] is buf and ws.nbytes() == N * K * 2
+    td.apply_large_m(big, x.half(), None, ws)                                       # one more per dtype
+    assert len(ws._bufs) == 2
+    ws.reserve(64, 400, torch.bfloat16, torch.device("cpu"))                        # grows on demand
+    assert ws._bufs[torch.device("cpu"), torch.bfloat16].numel() == 64 * 400
+    y = td.apply_large_m(big, x, None, ws)
+    torch.testing.assert_close(y, td.apply_large_m(big, x))                         # temporary scratch
+
+
+@interp
+def test_row_chunks():
+    """A capped workspace: row chunks (multiples of 16) dequantised from row0 and one GEMM
+    each — the same scratch rows, the same outputs as one GEMM."""
+    w = make_weight(n=72, bits=3, rate=0.05, seed=4)
+    for mode in ("ell", "csr"):
+        st = TritonKernel.prepare(w, outlier_mode=mode)
+        ref = dequantize(w).to(torch.bfloat16)
+        assert torch.equal(td.dequantize_into(st, torch.empty(24, K, dtype=torch.bfloat16), 48), ref[48:])
+        ws = td.DequantWorkspace(max_bytes=40 * K * 2)
+        assert ws.rows(72, K, torch.bfloat16) == 32 and td.DequantWorkspace(max_bytes=1).rows(72, K, torch.float16) == 16
+        x = activations(20, torch.bfloat16)
+        bias = torch.randn(72).to(torch.bfloat16)
+        y = td.apply_large_m(st, x, bias, ws)
+        assert ws.nbytes() == 32 * K * 2
+        torch.testing.assert_close(y, td.apply_large_m(st, x, bias), rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        td.dequantize_into(st, torch.empty(16, K, dtype=torch.bfloat16), 8)          # row0 % 16
+
+
+def test_reasons_and_choice():
+    w = make_weight(rate=0.0)
+    st = TritonKernel.prepare(w)
+    why = td.large_m_reason(torch.float32)
+    assert why and "SIMT" in why
+    assert td.large_m_reason(torch.bfloat16) is None and td.large_m_reason(torch.float16) is None
+    with pytest.raises(ValueError, match="SIMT"):
+        td.apply_large_m(st, activations(20, torch.float32))
+    # TritonKernel.apply's choice (CPU: the A100 model): this small layer switches at M = 257
+    big = TritonKernel.prepare(make_weight(n=4096, k=128, bits=4, rate=0.0))
+    th = td.threshold_for(big, torch.bfloat16, torch.device("cpu"))
+    assert th == td.large_m_threshold(4096, 128, 4, 0, torch.bfloat16, None, 128) == 257
+    assert not td.use_large_m(big, torch.empty(th - 1, 128, dtype=torch.bfloat16))
+    assert td.use_large_m(big, torch.empty(th, 128, dtype=torch.bfloat16))
+    assert not td.use_large_m(big, torch.empty(th, 128, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- crossover model
+
+def test_threshold_documented_numbers():
+    """The module docstring's table (bf16, g = 128, no outliers)."""
+    table = {"a100": {2: 129, 3: 81, 4: 129}, "h100": {2: 129, 3: 81, 4: 129}}
+    for dev, by_bits in table.items():
+        for bits, m in by_bits.items():
+            for n, k in ((4096, 4096), (4096, 14336), (14336, 4096)):
+                assert td.large_m_threshold(n, k, bits, 0, torch.bfloat16, dev) == m, (dev, bits, n, k)
+    assert td.large_m_threshold(4096, 14336, 4, 0) == 129                  # A100 is the default
+    assert td.large_m_threshold(256, 256, 4, 0) == 241
+
+
+def test_threshold_is_where_the_model_crosses():
+    for dev in ("a100", "h100"):
+        m = td.large_m_threshold(4096, 14336, 4, 0, torch.bfloat16, dev)
+        t_mma, t_deq = td.model_times(m - 1, 4096, 14336, 4, 0, torch.bfloat16, dev)
+        assert t_deq >= t_mma
+        for mm in (m, m + 7, m + 15, 2 * m, 8192):
+            t_mma, t_deq = td.model_times(mm, 4096, 14336, 4, 0, torch.bfloat16, dev)
+            assert t_deq < t_mma, (dev, mm)
+
+
+@pytest.mark.parametrize("dev", ["a100", "h100"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_threshold_monotone_and_never_small(bits, dev):
+    sizes = [(16, 16), (64, 64), (256, 256), (512, 1024), (1024, 1024), (2048, 2048), (4096, 4096),
+             (4096, 14336), (8192, 8192), (8192, 28672), (16384, 32768), (32768, 65536)]
+    ths = [td.large_m_threshold(n, k, bits, 0, torch.bfloat16, dev) for n, k in sizes]
+    assert all(t >= 17 for t in ths)
+    assert all(a >= b for a, b in zip(ths, ths[1:])), ths                 # larger layer: no later
+    # outliers add packed bytes read per M tile: never a later switch either
+    assert td.large_m_threshold(4096, 4096, bits, 4096 * 41, torch.bfloat16, dev) <= ths[6]
+
+
+def test_device_model_from_properties():
+    class Props:                              # what torch.cuda.get_device_properties returns
+        name, major, minor, multi_processor_count, L2_cache_size = "NVIDIA H100 PCIe", 9, 0, 114, 50 * 2**20
+    d = td.device_model(Props())
+    h = td.DEVICES["h100"]
+    assert d.sms == 114 and d.l2_bytes == 50 * 2**20
+    assert d.tc_flops == pytest.approx(h.tc_flops * 114 / 132) and d.issue == pytest.approx(h.issue * 114 / 132)
+    Props.major, Props.multi_processor_count = 8, 108
+    assert td.device_model(Props()).tc_flops == td.DEVICES["a100"].tc_flops
+    assert td.large_m_threshold(4096, 4096, 4, 0, torch.bfloat16, Props()) == 129
+
+
+# ----------------------------------------------------------------------------- offline compilation
+
+# Runs in a subprocess without TRITON_INTERPRET (the interpreter cannot compile): real
+# ptxas for each (kernel variant, target); prints one JSON row per job.
+_COMPILE = r"""
+import contextlib, io, json, os, re, sys, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="latq_deq_")   # a cache hit would skip ptxas
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_latq.kernels import triton_dequant as td
+knobs.nvidia.dump_ptxas_log = True
+div16 = [["tt.divisibility", 16]]
+quick = sys.argv[1] == "quick"
+jobs = []
+for dt in (("bf16",) if quick else ("bf16", "fp16")):
+    for bits in ((3,) if quick else (2, 3, 4)):
+        sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", ROW0="i32", ROW1="i32", K="i32",
+                   stride_wn="i32",
+                   N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
+        const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"])
+        jobs.append((f"dequant {dt} {bits}-bit", td._dequant_kernel, sig, const, td.DEQUANT_CONFIG["num_warps"]))
+for outl, o in ((1, ["*i32", "*i16", "*fp16", "*fp16"]), (2, ["*i32", "*i32", "*i16", "*fp16"])):
+    sig = dict(w_ptr="*bf16", o0_ptr=o[0], o1_ptr=o[1], o2_ptr=o[2], o3_ptr=o[3], ROW0="i32", ROW1="i32",
+               stride_wn="i32")
+    jobs.append((f"outliers {'ell' if outl == 1 else 'csr'}", td._outlier_kernel, sig,
+                 dict(OUTL=outl, BE=td.OUTLIER_CONFIG["BE"]), td.OUTLIER_CONFIG["num_warps"]))
+for cc in map(int, sys.argv[2:]):
+    for name, fn, sig, const, nw in jobs:
+        names = fn.arg_names
+        attrs = {(names.index(n),): div16 for n, t in sig.items() if t.startswith("*") or n in ("K", "stride_wn", "N_PAD")}
+        src = ASTSource(fn, {**sig, **{c: "constexpr" for c in const}}, const, attrs)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=nw, num_stages=1))
+        log = buf.getvalue()
+        regs = re.search(r"Used (\d+) registers", log)
+        sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        st = re.search(r"(\d+) bytes stack frame", log)
+        print(json.dumps(dict(name=name, cc=cc, regs=int(regs.group(1)), spill=int(sp.group(1)) + int(sp.group(2)),
+                              stack=int(st.group(1)))))
+"""
+
+
+def _compile(quick):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-c", _COMPILE, "quick" if quick else "all", "80", "90"], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * ((1 if quick else 6) + 2) and {r["cc"] for r in rows} == {80, 90}
+    bad = [r for r in rows if r["spill"] or r["stack"] or r["regs"] > 255]
+    assert not bad, bad
+
+
+def test_offline_compile_no_spills():
+    """The heaviest dequant variant (3 bits, bf16: three word planes and the integer RNE)
+    and both outlier layouts, real ptxas for sm_80 and sm_90: no spills, no stack frame."""
+    _compile(quick=True)
+
+
+@pytest.mark.slow
+def test_offline_compile_every_variant():
+    """Dequant at 2/3/4 bits × bf16/fp16 and both outlier layouts, sm_80 and sm_90."""
+    _compile(quick=False)
