@@ -187,6 +187,25 @@ def test_reasons_and_choice():
     assert not td.use_large_m(big, torch.empty(th, 128, dtype=torch.float32))
 
 
+
+@interp
+def test_kernel_apply_routes_large_m(monkeypatch):
+    """TritonKernel.apply takes the dequantize-once path exactly from the layer's threshold on
+    (the MMA kernel below it), and reserve() sizes the shared scratch at load."""
+    w = make_weight(rate=0.01)
+    st = TritonKernel.prepare(w)
+    calls = []
+    real = td.apply_large_m
+    monkeypatch.setattr(tk, "apply_large_m", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(tk, "use_large_m", lambda st_, x2: x2.shape[0] >= 17)
+    TritonKernel.reserve(st, torch.bfloat16)
+    x = activations(17, torch.bfloat16)
+    y = TritonKernel.apply(st, x)
+    assert calls == [1]
+    assert torch.equal(y, real(st, x, None, TritonKernel.workspace))
+    TritonKernel.apply(st, activations(16, torch.bfloat16))
+    assert calls == [1]
+
 # ----------------------------------------------------------------------------- crossover model
 
 def test_threshold_documented_numbers():

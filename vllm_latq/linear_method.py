@@ -325,6 +325,7 @@ class LatqLinearMethod(LinearMethodBase):
                        w.bits, w.group_size, w.in_features)
         kernel = selector.select(w, device, layer._latq_act_dtype)
         state = kernel.prepare(w)
+        kernel.reserve(state, layer._latq_act_dtype)
         tensors, ints = kernel.flatten(state)
         for i, t in enumerate(tensors):
             layer.register_buffer(f"latq_t{i}", t, persistent=False)

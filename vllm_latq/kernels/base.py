@@ -90,6 +90,11 @@ class LatqKernel:
         raise NotImplementedError
 
     @classmethod
+    def reserve(cls, state: Any, act_dtype: torch.dtype) -> None:
+        """Allocate at load what ``apply`` would otherwise allocate on a first large call (a
+        buffer grown during CUDA-graph capture would be freed under the captured graph)."""
+
+    @classmethod
     def native_op(cls):
         """An op with the custom-op schema implemented natively (no Python per call), to use
         instead of ``torch.ops.latq.<name>_linear``; None: use that one."""

@@ -39,10 +39,10 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
     after loading. Outliers run on SIMT lanes after the K loop of the same program
     ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
-    **Larger M** (> 16) is the documented fallback: the same kernel over 16-row M tiles, a
-    tiled GEMM that re-dequantises each weight tile per M tile (BM = 32/64 spill on sm_90 at
-    3 bits). For prefill-sized M a dequantise-once + cuBLAS path would amortise the dequant,
-    at the price of rounding z·s to bf16 (so not equal to the fp32 reference); not built.
+    **Larger M** (> 16): the same kernel over 16-row M tiles re-dequantises each weight tile
+    per M tile (BM = 32/64 spill on sm_90 at 3 bits); from the crossover of the bytes/FLOPs
+    model on, :mod:`~vllm_latq.kernels.triton_dequant` dequantises once into a scratch and
+    calls cuBLAS, at the price of rounding z·s once to bf16/fp16.
 
 fp32 activations use the SIMT kernel for every M (tiles of 8 rows): exact, no TF32.
 Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the

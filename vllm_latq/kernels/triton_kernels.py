@@ -20,6 +20,7 @@ import triton
 from . import triton_layout as tlay
 from .base import LatqKernel
 from .reference import LatqWeight
+from .triton_dequant import DEFAULT_MAX_BYTES, DequantWorkspace, apply_large_m, large_m_reason, use_large_m
 from .triton_device import _gemv_kernel, _mma_kernel
 
 log = logging.getLogger(__name__)
@@ -223,9 +224,16 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
 
 
 class TritonKernel(LatqKernel):
-    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers."""
+    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers; from
+    the crossover of :func:`~.triton_dequant.large_m_threshold` on, dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
+    workspace = DequantWorkspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
+
+    @classmethod
+    def reserve(cls, state: TritonState, act_dtype: torch.dtype) -> None:
+        if large_m_reason(act_dtype) is None:
+            cls.workspace.reserve(state.n, state.k, act_dtype, state.scales.device)
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
@@ -263,6 +271,12 @@ class TritonKernel(LatqKernel):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if kernel is None:
-            kernel = "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
-        y = launch(state, x2, bias, kernel, config)
+            if use_large_m(state, x2):
+                kernel = "dequant"
+            else:
+                kernel = "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
+        if kernel == "dequant":
+            y = apply_large_m(state, x2, bias, cls.workspace)
+        else:
+            y = launch(state, x2, bias, kernel, config)
         return y.reshape(*x.shape[:-1], state.n)
