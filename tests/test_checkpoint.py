@@ -332,18 +332,13 @@ def _add(d, name):
     write_index(d, sorted(set(ck.where.values())))
 
 
-@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
-def test_corrupted_dense_checkpoint(case, tiny_checkpoints, tmp_path, capsys):
-    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
-    mutate, msgs = CORRUPTIONS[case]
-    mutate(d)
-    _inspect_fails(d, capsys, *msgs)
+CORRUPTIONS_OF = {"ssqr": CORRUPTIONS, "hptq": HUFFMAN_CORRUPTIONS}   # a dense and a huffman checkpoint
 
 
-@pytest.mark.parametrize("case", sorted(HUFFMAN_CORRUPTIONS))
-def test_corrupted_huffman_checkpoint(case, tiny_checkpoints, tmp_path, capsys):
-    d = _copy(tiny_checkpoints, "hptq", tmp_path)
-    mutate, msgs = HUFFMAN_CORRUPTIONS[case]
+@pytest.mark.parametrize("method,case", [(m, c) for m, t in CORRUPTIONS_OF.items() for c in sorted(t)])
+def test_corrupted_checkpoint(method, case, tiny_checkpoints, tmp_path, capsys):
+    d = _copy(tiny_checkpoints, method, tmp_path)
+    mutate, msgs = CORRUPTIONS_OF[method][case]
     mutate(d)
     _inspect_fails(d, capsys, *msgs)
 

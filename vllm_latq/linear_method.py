@@ -55,10 +55,6 @@ from .kernels.reference import LatqWeight, transcode
 
 logger = init_logger("vllm.latq")
 
-_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "outlier_crow": torch.int32,
-           "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
-           "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
-
 
 # ----------------------------------------------------------------------------- geometry
 
@@ -303,7 +299,7 @@ class LatqLinearMethod(LinearMethodBase):
         layer._latq_load = LoadState(layer, self.config, geometry(layer, self.config.hf_names(layer.prefix)))
         layer._latq_act_dtype = params_dtype
         for name in names:
-            dtype = fmt.col_dtype(input_size) if name == "outlier_col" else _DTYPES[name]
+            dtype = fmt.tensor_dtype(name, input_size)
             p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
             set_weight_attrs(p, {"weight_loader": _Loader(layer, name)})
             layer.register_parameter(name, p)

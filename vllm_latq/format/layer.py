@@ -40,6 +40,16 @@ def col_dtype(in_features: int) -> torch.dtype:
     return torch.int16 if in_features <= 32767 else torch.int32
 
 
+_TENSOR_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "outlier_crow": torch.int32,
+                  "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
+                  "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
+
+
+def tensor_dtype(suffix: str, in_features: int) -> torch.dtype:
+    """The stored dtype of a layer tensor (``"qweight"``, ``"hstream"``, ...)."""
+    return col_dtype(in_features) if suffix == "outlier_col" else _TENSOR_DTYPES[suffix]
+
+
 # ----------------------------------------------------------------------------- encode / decode
 
 def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
@@ -110,14 +120,12 @@ def expected_shapes(kind: str, shape: tuple[int, int], bits: int | None, group_s
     """Fixed tensor shapes and dtypes of a layer (variable-length ones as ``None``)."""
     out, cin = shape
     if kind == "dense":
-        return {"qweight": ((out, packed_words(cin, bits)), torch.int32),
-                "scales": ((out, math.ceil(cin / group_size)), torch.float16),
-                "outlier_crow": ((out + 1,), torch.int32),
-                "outlier_col": (None, col_dtype(cin)),
-                "outlier_val": (None, torch.float16)}
-    return {"hscale": ((1,), torch.float32), "hsymbols": (None, torch.int32),
-            "hlengths": (None, torch.uint8), "hstream": (None, torch.uint8),
-            "hchunk_bits": ((math.ceil(out * cin / huffman.CHUNK),), torch.int16)}
+        shapes = {"qweight": (out, packed_words(cin, bits)), "scales": (out, math.ceil(cin / group_size)),
+                  "outlier_crow": (out + 1,), "outlier_col": None, "outlier_val": None}
+    else:
+        shapes = {"hscale": (1,), "hsymbols": None, "hlengths": None, "hstream": None,
+                  "hchunk_bits": (math.ceil(out * cin / huffman.CHUNK),)}
+    return {k: (shp, tensor_dtype(k, cin)) for k, shp in shapes.items()}
 
 
 def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int], bits: int | None,
