@@ -256,6 +256,19 @@ def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd)
     assert "it/s]" not in err and "GGUF tensors" not in err, err
 
 
+
+def test_quantize_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd):
+    """``latq-quantize x.gguf OUT --no-progress`` draws no progress bar, the conversion's included."""
+    from vllm_latq.quantize import cli
+
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    capfd.readouterr()
+    cli.main([str(gguf_file), str(tmp_path / "ckpt"), "--method", "rtn", "--group-size", "32", "--no-progress"])
+    err = capfd.readouterr().err
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+    assert "it/s]" not in err and "GGUF tensors" not in err, err
+
 def test_model_dir_rebuilds_incomplete(tmp_path, monkeypatch):
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path))
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
