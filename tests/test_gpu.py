@@ -157,11 +157,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def fixed_config(m: int, bits: int) -> tuple[str, dict]:
-    """The kernel the launcher picks for M and the first production tile for its row tile,
-    SPLIT = 1 (tests/test_triton.py's configs come from the same tables)."""
+def fixed_config(m: int, bits: int, dtype=torch.bfloat16) -> tuple[str, dict]:
+    """The kernel the launcher picks for M and dtype, with the first production tile of its row
+    tile and SPLIT = 1 (the tables tests/test_triton.py and the bench use): one compile per
+    variant instead of an autotuning sweep."""
     tk = triton_module()
-    if m < 8:
+    if m < 8 or dtype == torch.float32:
         return "gemv", next(c for c in tk.gemv_configs(min(8, _next_pow2(m)), bits) if c["SPLIT"] == 1)
     return "mma", next(c for c in tk.mma_configs(16, bits) if c["SPLIT"] == 1)
 
@@ -200,17 +201,36 @@ def test_triton_8b_shapes(bits, shape, m):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_triton_fp32_activations_and_group_sizes(bits):
-    """fp32 activations (SIMT for every M, tiles of 8), group sizes 32/64/one per row, forced
-    outlier layouts."""
+    """Group sizes 32/64/one per row (several scale groups per dot / per slab run; the HPTQ
+    transcode form), each with one forced outlier layout; fp32 activations (SIMT for every M,
+    tiles of 8) and the tensor-core kernel."""
     tk_kernel = kernel("triton")
     n, k = RAGGED
-    for group in (32, 64, k):
+    for group, mode in ((32, "ell"), (64, "csr"), (k, "ell")):
         w = weight(n, k, bits, 0.01, group=group)
-        for mode in ("ell", "csr"):
-            st = triton_state(w, mode)
-            for m, dtype in ((1, torch.float32), (20, torch.float32), (9, torch.bfloat16)):
-                x = activations(m, k, dtype, seed=m)
-                assert_matches_reference(tk_kernel.apply(st, x), x, w, what=f"group {group} {mode} M={m} {dtype}")
+        st = triton_state(w, mode)
+        for m, dtype in ((1, torch.float32), (20, torch.float32), (9, torch.bfloat16)):
+            x = activations(m, k, dtype, seed=m)
+            kind, cfg = fixed_config(m, bits, dtype)
+            y = tk_kernel.apply(st, x, kernel=kind, config=cfg)
+            assert_matches_reference(y, x, w, what=f"group {group} {mode} M={m} {dtype}")
+
+
+@pytest.mark.parametrize("m", [1, 64], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("bits", BITS)
+def test_triton_through_op(bits, m, monkeypatch):
+    """Selected on CUDA, prepared from CUDA tensors, called through ``torch.ops.latq`` with the
+    flattened state (autotuned), as the vLLM layer does."""
+    n, k = RAGGED
+    w = weight(n, k, bits, 0.01)
+    triton_k = kernel("triton")
+    monkeypatch.delenv(selector.ENV_FORCE, raising=False)
+    assert selector.select(w, DEV, torch.bfloat16) is triton_k
+    tensors, ints = triton_k.flatten(triton_k.prepare(w))
+    assert all(t is None or t.device.type == DEV.type for t in tensors)
+    x = activations(m, k, torch.bfloat16, seed=m)
+    bias = bias_for(n, torch.bfloat16)
+    assert_matches_reference(ops.op_for(triton_k)(x, tensors, ints, bias, n), x, w, bias)
 
 
 def _splitk_cases():
@@ -250,10 +270,11 @@ def test_splitk(bits, kind, m, cfg, mode, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 64], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "cpu"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("cpu", "triton")])
 def test_family_through_op(name, bits, m, dtype, monkeypatch):
-    """Every kernel family that runs on CUDA, forced (``LATQ_KERNEL``), prepared from CUDA
-    tensors and called through its custom op — what the vLLM layer does at load and per step."""
+    """Every other kernel family that runs on CUDA (the Triton one: above), forced
+    (``LATQ_KERNEL``), prepared from CUDA tensors and called through its custom op — what the
+    vLLM layer does at load and per step."""
     n, k = RAGGED
     w = weight(n, k, bits, 0.01)
     K_ = kernel(name)
@@ -458,8 +479,8 @@ def test_sweep_cuda_matches_cpu(grid, layer_wh):
         lat = solvers.gptq_lattice(H.to(dev), "act", 0.01)
         return lat.perm, solvers.gptq_sweep(lat, W.to(dev), S.to(dev), group, rounder, keep_rho=True)
 
+    _, b = sweep(DEV)                      # the device first: if it fails, no CPU time is spent
     order, a = sweep("cpu")
-    _, b = sweep(DEV)
     assert b.z.device.type == DEV.type, "the sweep's outputs left the device"
     assert_same_up_to_ties(a.z, b.z, a.rho, b.rho, order, 0.999, grid)
     if a.outlier is not None:
@@ -471,7 +492,8 @@ def test_mse_scales_cuda_matches_cpu(layer_wh):
     from vllm_latq.quantize.scales import _grouped, grid, mse_scales
     W, _ = layer_wh
     for bits, group in ((4, 128), (3, 64)):
-        a, b = mse_scales(W, bits, group), mse_scales(W.to(DEV), bits, group).cpu()
+        b = mse_scales(W.to(DEV), bits, group).cpu()
+        a = mse_scales(W, bits, group)
         diff = a != b
         assert diff.double().mean().item() <= 1e-3, f"{bits}-bit g{group}: {int(diff.sum())} scales differ"
         if diff.any():
@@ -497,8 +519,8 @@ def test_solver_cuda_matches_cpu(method, layer_wh):
     from vllm_latq.quantize.lattice import layer_error
     W, H = layer_wh
     fn = getattr(quantize, method)
+    b = fn(W.to(DEV), H.to(DEV))          # the device first: if it fails, no CPU time is spent
     a = fn(W, H)
-    b = fn(W.to(DEV), H.to(DEV))
     zb, qb = b.z.cpu(), b.q.cpu()
     same = (a.z == zb).double().mean().item()
     ea = layer_error(W, a.q, H, a.damp).sum().item()
@@ -547,24 +569,26 @@ def _tiny_model(root):
     return model_dir, root / "calib.txt"
 
 
-@needs_cuda
 def test_quantize_device_cuda_matches_cpu(tmp_path, capsys):
-    """``latq-quantize --device cuda`` (fp32 forwards, GPTQ: no scale search) writes the CPU
-    run's checkpoint up to ties: the same tensors, the unquantized ones identical, ≥ 98 % of
-    every layer's integers and scales identical (≥ 99.5 % overall; a tie in block 0 moves
-    block 1's inputs), the same layer errors within 2 %."""
+    """``latq-quantize --device cuda`` (fp32 forwards; GPTQ: no scale search) against the CPU
+    run: the same tensors, the unquantized ones and the scales (a function of W alone)
+    identical, block 0's integers (same inputs on both devices) equal up to ties (≥ 99.9 %).
+    Block 1's inputs are computed by each device's quantized block 0, so its Hessians differ by
+    more than rounding: there ≥ 90 % identical per layer, ≥ 97 % over the model, layer errors
+    within 2 % (calibration: two CPU runs at 1 and 2 threads gave 94–99.97 % per layer, all
+    scales identical, errors within 0.4 %)."""
     from vllm_latq.checkpoint import Checkpoint
     from vllm_latq.quantize import cli
     model, calib = _tiny_model(tmp_path)
     out = {}
-    for dev in ("cpu", DEV.type):
-        out[dev] = tmp_path / f"ckpt-{dev}"
-        args = [str(model), str(out[dev]), "--method", "gptq", "--bits", "4", "--group-size", "64", "--calib",
+    for run, dev in (("ref", "cpu"), ("dev", DEV.type)):
+        out[run] = tmp_path / f"ckpt-{run}"
+        args = [str(model), str(out[run]), "--method", "gptq", "--bits", "4", "--group-size", "64", "--calib",
                 str(calib), "--nsamples", "8", "--seqlen", "128", "--compute-dtype", "float32", "--device", dev,
                 "--no-progress", "-q"]
         rc = cli.main(args)
         assert rc == 0, f"latq-quantize --device {dev} exited {rc}: {capsys.readouterr().err[-2000:]}"
-    a, b = Checkpoint(out["cpu"]), Checkpoint(out[DEV.type])
+    a, b = Checkpoint(out["ref"]), Checkpoint(out["dev"])
     assert a.layers() == b.layers() and sorted(a.plain_names()) == sorted(b.plain_names())
     for name in a.plain_names():
         assert torch.equal(a.tensor(name), b.tensor(name)), name
@@ -580,6 +604,8 @@ def test_quantize_device_cuda_matches_cpu(tmp_path, capsys):
         total, same_total = total + za.numel(), same_total + same
         s_same = (ta["scales"] == tb["scales"]).double().mean().item()
         ra, rb = stats_a[layer]["rel_error"], stats_b[layer]["rel_error"]
-        msg = f"{layer}: integers {same / za.numel():.4f}, scales {s_same:.4f} identical; rel.err {ra:.5g} vs {rb:.5g}"
-        assert same >= 0.98 * za.numel() and s_same >= 0.98 and abs(ra - rb) <= 0.02 * ra, msg
-    assert same_total >= 0.995 * total, f"{same_total / total:.5f} of all integers identical"
+        msg = f"{layer}: integers {same / za.numel():.5f}, scales {s_same:.5f} identical; rel.err {ra:.5g} vs {rb:.5g}"
+        first_block = ".layers.0." in layer
+        assert same >= (0.999 if first_block else 0.90) * za.numel(), msg
+        assert s_same >= 0.999 and abs(ra - rb) <= 0.02 * ra, msg
+    assert same_total >= 0.97 * total, f"{same_total / total:.5f} of all integers identical"
