@@ -10,6 +10,7 @@ the C++ ops build. CPU cases run in the default suite; CUDA cases are marked ``g
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -58,7 +59,7 @@ def _skip_unrunnable(name, device, w, dtype, monkeypatch):
     if name == "triton" and device == "cpu":
         if not INTERPRET:
             pytest.skip("the Triton op runs on CPU only in Triton's interpreter")
-        from vllm_latq.kernels import triton_kernels as tk
+        tk = importlib.import_module(kernel("triton").__module__)
         monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
     monkeypatch.setenv(selector.ENV_FORCE, name)       # the opt-in kernel (dequant) too
     ok, why = kernel(name).can_implement(w, torch.device(device), dtype)
@@ -85,14 +86,13 @@ def _native_cpu():
     why = native.load()
     if why is not None:
         pytest.skip(f"C++ ops unavailable: {why}")
-    from vllm_latq.kernels.cpu import CPUKernel
-    return CPUKernel
+    return kernel("cpu")
 
 
 def test_native_linear():
     """``latq_cpu::linear`` (C++), small M in C++ and large M calling back into Python."""
     cpu_kernel = _native_cpu()
-    from vllm_latq.kernels import cpu
+    cpu = importlib.import_module(cpu_kernel.__module__)
     w = make_weight("cpu")
     tensors, ints = cpu_kernel.flatten(cpu_kernel.prepare(w))
     op = cpu_kernel.native_op()
