@@ -112,6 +112,7 @@ if [ "$bench_rc" = 2 ] && grep -q "unrecognized arguments" "$out/bench.log"; the
   bench_rc=$?
 fi
 note=""; [ "$bench_rc" = 124 ] && note=" (timed out after ${bench_s}s)"
-echo "bench exit $bench_rc$note: $(grep -m1 '^HEADLINE' "$out/bench.log" || tail -n 1 "$out/bench.log")" | tee -a "$out/summary.txt"
+head=$(grep -m1 '^HEADLINE' "$out/bench.log" || tail -n 1 "$out/bench.log")
+echo "bench exit $bench_rc$note: $head" | tee -a "$out/summary.txt"
 echo "total: $(($(date +%s) - t0))s; logs in $out" | tee -a "$out/summary.txt"
 exit $tests_rc

@@ -532,7 +532,8 @@ def test_solver_cuda_matches_cpu(method, layer_wh):
     if method == "hptq":
         assert b.bits_per_weight <= 3.125
     alpha_a, alpha_b = a.info.get("alpha", 1.0), b.info.get("alpha", 1.0)
-    msg = f"{method}: identical {same:.5f}, α cpu {alpha_a} {DEV.type} {alpha_b}, error cpu {ea:.6g} {DEV.type} {eb:.6g}"
+    msg = (f"{method}: identical {same:.5f}, α cpu {alpha_a} {DEV.type} {alpha_b}, "
+           f"error cpu {ea:.6g} {DEV.type} {eb:.6g}")
     if alpha_a == alpha_b:
         assert same >= 0.995, msg
     else:
