@@ -13,7 +13,8 @@
 #
 # The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/splitk/ragged ids): most of
 # their time is Triton compiling kernel variants, one CPU core each. Knobs (environment):
-# PYTHON (python3), GPU_CHECK_TEST_S (390: wall limit of the test phase), GPU_CHECK_BENCH_S (150),
+# PYTHON (python3), GPU_CHECK_TOTAL_S (570: the whole run, under a 10-minute slot), GPU_CHECK_TEST_S
+# (390: wall limit of the test phase; the bench gets what is left of the total),
 # LATQ_CPU_NATIVE (0: the CPU halves of the CUDA-vs-CPU tests run the pure-torch paths, the same
 # math, instead of building the C++ ops first, which takes minutes).
 set -uo pipefail
@@ -21,8 +22,8 @@ set -uo pipefail
 out=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
+total_s=${GPU_CHECK_TOTAL_S:-570}
 test_s=${GPU_CHECK_TEST_S:-390}
-bench_s=${GPU_CHECK_BENCH_S:-150}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0                      # tests/conftest.py only sets it when unset
@@ -102,13 +103,17 @@ echo "test phase: $((t1 - t0))s" | tee -a "$out/summary.txt"
 
 # ---------------------------------------------------------------------------- bench
 bench=(bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256)
-(cd "$repo" && timeout -k 15 "$bench_s" "$py" "${bench[@]}") > "$out/bench.log" 2>&1
+bench_s=$((total_s - (t1 - t0) - 20))
+[ "$bench_s" -ge 30 ] || bench_s=30
+echo "bench: ${bench[*]} (limit ${bench_s}s)" > "$out/bench.log"
+(cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$bench_s" "$py" "${bench[@]}") >> "$out/bench.log" 2>&1
 bench_rc=$?
 if [ "$bench_rc" = 2 ] && grep -q "unrecognized arguments" "$out/bench.log"; then
   # a bench without --no-static/--m: its quick static report, then its default GPU timing
   echo "(bench without --no-static/--m: rerun as bench/kernels.py --quick)" >> "$out/bench.log"
   left=$((bench_s - ($(date +%s) - t1)))
-  (cd "$repo" && timeout -k 15 "$left" "$py" bench/kernels.py --quick) >> "$out/bench.log" 2>&1
+  [ "$left" -ge 10 ] || left=10
+  (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$left" "$py" bench/kernels.py --quick) >> "$out/bench.log" 2>&1
   bench_rc=$?
 fi
 note=""; [ "$bench_rc" = 124 ] && note=" (timed out after ${bench_s}s)"
