@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU check (issue 19 item 6): on a bare CUDA machine (python3 with torch, triton,
+# transformers, safetensors, pytest; no vLLM, no network) run the GPU tests, then the GPU bench,
+# in under 10 minutes, and leave their logs in OUTDIR.
+#
+#   bash scripts/gpu_check.sh OUTDIR
+#
+# OUTDIR/env.txt          nvidia-smi, python and package versions, compilers
+# OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml
+# OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
+# OUTDIR/summary.txt      what is printed at the end
+# Exit status: non-zero when a test failed or timed out (the bench runs anyway).
+#
+# The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/splitk/ragged ids): most of
+# their time is Triton compiling kernel variants, one CPU core each. Knobs (environment):
+# PYTHON (python3), GPU_CHECK_TOTAL_S (570: the whole run, under a 10-minute slot), GPU_CHECK_TEST_S
+# (390: wall limit of the test phase; the bench gets what is left of the total),
+# LATQ_CPU_NATIVE (0: the CPU halves of the CUDA-vs-CPU tests run the pure-torch paths, the same
+# math, instead of building the C++ ops first, which takes minutes).
+set -uo pipefail
+
+out=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+total_s=${GPU_CHECK_TOTAL_S:-570}
+test_s=${GPU_CHECK_TEST_S:-390}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_INTERPRET=0                      # tests/conftest.py only sets it when unset
+export LATQ_CPU_NATIVE=${LATQ_CPU_NATIVE:-0}
+export PYTHONDONTWRITEBYTECODE=1
+t0=$(date +%s)
+
+# ---------------------------------------------------------------------------- environment
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "repo: $repo @ $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+  nvidia-smi || echo "nvidia-smi: not available"
+  "$py" - <<'EOF'
+import platform, sys
+print("python", sys.version.split()[0], platform.platform())
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+for m in ("triton", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest_timeout"):
+    try:
+        print(m, getattr(__import__(m), "__version__", "?"))
+    except Exception as e:
+        print(m, "missing:", type(e).__name__)
+try:
+    import vllm
+    print("vllm", vllm.__version__, "(installed; the GPU tests do not use it)")
+except Exception:
+    print("vllm absent")
+EOF
+  for tool in g++ ninja nvcc ptxas; do echo "$tool: $(command -v $tool || echo absent)"; done
+  echo "cpus: $(nproc)"
+} > "$out/env.txt" 2>&1
+
+# ---------------------------------------------------------------------------- tests (shards)
+shards=()
+for b in 2bit 3bit 4bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
+shards+=("not 2bit and not 3bit and not 4bit and (solver or sweep or mse or quantize)"
+        "not 2bit and not 3bit and not 4bit and not (solver or sweep or mse or quantize)")
+per_test=()
+"$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=300)
+echo "gpu_check: ${#shards[@]} test shards in parallel, limit ${test_s}s" | tee "$out/summary.txt"
+for i in "${!shards[@]}"; do
+  (
+    cd "$repo" && OMP_NUM_THREADS=2 timeout -k 15 "$test_s" "$py" -m pytest -m gpu \
+      tests/test_gpu.py tests/test_opcheck.py -k "${shards[$i]}" -q -rfEs --durations=15 --maxfail=100 \
+      -p no:cacheprovider "${per_test[@]}" --junitxml="$out/junit-$i.xml" > "$out/tests-$i.log" 2>&1
+    echo $? > "$out/rc-$i"
+  ) &
+done
+wait
+tests_rc=0
+: > "$out/tests.log"
+for i in "${!shards[@]}"; do
+  rc=$(cat "$out/rc-$i" 2>/dev/null || echo 99)
+  rm -f "$out/rc-$i"
+  [ "$rc" = 0 ] || tests_rc=1
+  note=""; [ "$rc" = 124 ] && note=" (timed out after ${test_s}s)"
+  { echo "===== shard $i: -k \"${shards[$i]}\" -> exit $rc$note"; cat "$out/tests-$i.log"; echo; } >> "$out/tests.log"
+  echo "shard $i exit $rc$note: $(tail -n 1 "$out/tests-$i.log")" | tee -a "$out/summary.txt"
+done
+"$py" - "$out" <<'EOF' | tee -a "$out/summary.txt"
+import glob, sys
+import xml.etree.ElementTree as ET
+tot = dict(tests=0, failures=0, errors=0, skipped=0)
+for f in glob.glob(f"{sys.argv[1]}/junit-*.xml"):
+    try:
+        for s in ET.parse(f).getroot().iter("testsuite"):
+            for k in tot:
+                tot[k] += int(s.get(k, 0))
+    except ET.ParseError:
+        print(f"unreadable {f} (a shard was killed?)")
+print("tests: " + " ".join(f"{k} {v}" for k, v in tot.items()))
+EOF
+t1=$(date +%s)
+echo "test phase: $((t1 - t0))s" | tee -a "$out/summary.txt"
+
+# ---------------------------------------------------------------------------- bench
+bench=(bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256)
+bench_s=$((total_s - (t1 - t0) - 20))
+[ "$bench_s" -ge 30 ] || bench_s=30
+echo "bench: ${bench[*]} (limit ${bench_s}s)" > "$out/bench.log"
+(cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$bench_s" "$py" "${bench[@]}") >> "$out/bench.log" 2>&1
+bench_rc=$?
+if [ "$bench_rc" = 2 ] && grep -q "unrecognized arguments" "$out/bench.log"; then
+  # a bench without --no-static/--m: its quick static report, then its default GPU timing
+  echo "(bench without --no-static/--m: rerun as bench/kernels.py --quick)" >> "$out/bench.log"
+  left=$((bench_s - ($(date +%s) - t1)))
+  [ "$left" -ge 10 ] || left=10
+  (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$left" "$py" bench/kernels.py --quick) >> "$out/bench.log" 2>&1
+  bench_rc=$?
+fi
+note=""; [ "$bench_rc" = 124 ] && note=" (timed out after ${bench_s}s)"
+head=$(grep -m1 '^HEADLINE' "$out/bench.log" || tail -n 1 "$out/bench.log")
+echo "bench exit $bench_rc$note: $head" | tee -a "$out/summary.txt"
+echo "total: $(($(date +%s) - t0))s; logs in $out" | tee -a "$out/summary.txt"
+exit $tests_rc

@@ -1,0 +1,112 @@
+"""``torch.library.opcheck`` on every latq custom op: schema (no input mutated or aliased),
+autograd registration, the fake implementation against the real one (shape, dtype, strides,
+device) and AOT dispatch with dynamic shapes — what torch.compile and vLLM's compiled mode rely
+on (``kernels/ops.py``).
+
+Ops: ``latq::<kernel>_linear`` for every kernel in ``selector.kernels()`` (the Triton one in
+its interpreter on CPU), the CPU kernel's native ``latq_cpu::linear`` / ``small_linear`` when
+the C++ ops build. CPU cases run in the default suite; CUDA cases are marked ``gpu`` and run by
+``scripts/gpu_check.sh``.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+from vllm_latq import format as fmt
+from vllm_latq.kernels import ops, selector
+from vllm_latq.kernels.reference import LatqWeight
+
+N, K, GROUP, M = 32, 256, 128, 3          # CPU kernel: N % 16 == 0, its op groups divide K
+NAMES = [k.name for k in selector.kernels()]
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+GPU = pytest.mark.gpu
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                             reason="CUDA cases: need a GPU with TRITON_INTERPRET=0 (scripts/gpu_check.sh)")
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[GPU, NO_CUDA])]
+
+
+def kernel(name: str):
+    return next(k for k in selector.kernels() if k.name == name)
+
+
+def make_weight(device, bits=4, rate=0.03, seed=0) -> LatqWeight:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (N, K), generator=g, dtype=torch.int32)
+    mask = torch.rand(N, K, generator=g) < rate
+    z[mask] = 0
+    scales = (torch.rand(N, math.ceil(K / GROUP), generator=g) * 0.02 + 0.002).half()
+    rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(N + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
+    w = LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val, bits, GROUP, K)
+    return LatqWeight(*(t.to(device) for t in (w.qweight, w.scales, w.crow, w.col, w.val)), bits, GROUP, K)
+
+
+def op_args(device, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    bias = torch.randn(N, generator=g).to(dtype).to(device)
+    return x, bias
+
+
+def _skip_unrunnable(name, device, w, dtype, monkeypatch):
+    if name == "triton" and device == "cpu":
+        if not INTERPRET:
+            pytest.skip("the Triton op runs on CPU only in Triton's interpreter")
+        tk = importlib.import_module(kernel("triton").__module__)
+        monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    monkeypatch.setenv(selector.ENV_FORCE, name)       # the opt-in kernel (dequant) too
+    ok, why = kernel(name).can_implement(w, torch.device(device), dtype)
+    if not ok:
+        pytest.skip(f"{name} cannot run on {device}: {why}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", NAMES)
+def test_python_op(name, device, monkeypatch):
+    """``latq::<name>_linear``: the op every layer calls (or a native op calls back into)."""
+    w = make_weight(device)
+    x, bias = op_args(device)
+    _skip_unrunnable(name, device, w, x.dtype, monkeypatch)
+    K_ = kernel(name)
+    tensors, ints = K_.flatten(K_.prepare(w))
+    op = ops.python_op_for(K_)
+    torch.library.opcheck(op, (x, tensors, ints, bias, N))
+    torch.library.opcheck(op, (x[:1], tensors, ints, None, N))
+
+
+def _native_cpu():
+    from vllm_latq import native
+    why = native.load()
+    if why is not None:
+        pytest.skip(f"C++ ops unavailable: {why}")
+    return kernel("cpu")
+
+
+def test_native_linear():
+    """``latq_cpu::linear`` (C++), small M in C++ and large M calling back into Python."""
+    cpu_kernel = _native_cpu()
+    cpu = importlib.import_module(cpu_kernel.__module__)
+    w = make_weight("cpu")
+    tensors, ints = cpu_kernel.flatten(cpu_kernel.prepare(w))
+    op = cpu_kernel.native_op()
+    assert op is not None
+    x, bias = op_args("cpu")
+    torch.library.opcheck(op, (x, tensors, ints, bias, N))
+    big = torch.randn(cpu.large_m() + 1, K).bfloat16()   # the Python op behind the C++ one
+    torch.library.opcheck(op, (big, tensors, ints, None, N))
+
+
+def test_native_small_linear():
+    cpu_kernel = _native_cpu()
+    st = cpu_kernel.prepare(make_weight("cpu"))
+    x, bias = op_args("cpu")
+    args = (x, st.packed, st.scales_zeros, st.crow, st.col, st.val, st.tile_off, st.tile_rows, st.tile_col,
+            st.tile_val, bias, st.group_size, st.planes)
+    torch.library.opcheck(torch.ops.latq_cpu.small_linear.default, args)
