@@ -115,11 +115,12 @@ def test_crossovers_and_gpu_headline():
                seconds=151.2)
     lines, head = bk.gpu_summary(res)
     assert "  8b.down          4-bit  1.0%: slower than dense from M=64" in lines
-    assert any("M=1 ≥ 2.5× dense: worst 2.50× (met); ≥ 1× at every M ≤ 256: worst 0.75× (NOT met)" in s
+    assert any("M=1 ≥ 2.5× dense: worst 3.00× (met); ≥ 1× at every M ≤ 256: worst 0.75× (NOT met)" in s
                for s in lines)
-    assert head == {"gpu": "NVIDIA_H100_80GB_HBM3", "m1_4b_1pct_ratio": "2.50", "min_4b_1pct_ratio_m_le_256": "0.75",
-                    "first_loss_m_4b_1pct": 64, "m1_4b_1pct_pct_of_copy": "80.0", "copy_gbps": "2987",
-                    "points": 11, "wrong": 1, "skipped": 1, "gpu_s": "151"}
+    # target keys: 4-bit 1 % on layers ≥ 4096×14336 weights (8b.down here, not 8b.o), M ≤ 256
+    assert head == {"gpu": "NVIDIA_H100_80GB_HBM3", "m1_4b_1pct_ratio": "3.00", "min_4b_1pct_ratio_m_le_256": "0.75",
+                    "first_loss_m_4b_1pct": 64, "m1_4b_1pct_pct_of_copy": "80.0", "m1_4b_1pct_ratio_all": "2.50",
+                    "copy_gbps": "2987", "points": 11, "wrong": 1, "skipped": 1, "gpu_s": "151"}
     line = bk.headline({"spills": 0, "configs": 864, "errors": 0, "max_regs": 255, "smem_over": 0},
                        {(b, 0.01): 3.5 for b in bk.BITS}, head)
     kv = dict(t.split("=") for t in line.split()[1:])
@@ -127,6 +128,8 @@ def test_crossovers_and_gpu_headline():
     assert kv["ceiling_m1_4bit_1pct"] == "3.50" and kv["first_loss_m_4b_1pct"] == "64"
     none = bk.gpu_summary(dict(res, points=[], skipped=[]))[1]
     assert none["m1_4b_1pct_ratio"] == "na" and none["first_loss_m_4b_1pct"] == "na"
+    failed = bk.gpu_summary(dict(res, points=[_pt(latq=math.nan, err=math.inf), _pt(m=8)]))[1]
+    assert failed["m1_4b_1pct_ratio"] == "0.00" and failed["first_loss_m_4b_1pct"] == 1     # a failure is a loss
 
 
 def test_main_without_cuda_says_so_and_exits_0(monkeypatch, capsys):
