@@ -357,14 +357,23 @@ def _time_or_nan(timer, calls, what: str, log) -> float:
         return math.nan
 
 
+def bench_weight(n: int, k: int, bits: int, rate: float):
+    """The layer timed (on the CPU): ``reference.random_weight`` with fp16-exact outlier
+    values, as SSQR checkpoints store them, so the layout keeps compact 4-byte entries
+    (int16 column + fp16 value) as in production rather than fp32 values."""
+    from vllm_latq.kernels.reference import random_weight
+    w = random_weight(n, k, bits, rate, group=GROUP, seed=0)
+    return dataclasses.replace(w, val=w.val.half().float())
+
+
 def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dense_cache, log) -> list[Point]:
     """All points of one (shape, bits, rate): weights, warm-up + check, then per M the
     picked kernel, the forced ones, the dense baseline (cached per shape × M) and the copy."""
-    from vllm_latq.kernels.reference import LatqWeight, random_weight
+    from vllm_latq.kernels.reference import LatqWeight
     from vllm_latq.kernels.triton_kernels import TritonKernel
     name, n, k = spec
     t0 = time.perf_counter()
-    w = random_weight(n, k, bits, rate, group=GROUP, seed=0)
+    w = bench_weight(n, k, bits, rate)
     w = LatqWeight(*(t.to(dev) for t in (w.qweight, w.scales, w.crow, w.col, w.val)), bits, GROUP, k)
     ok, why = TritonKernel.can_implement(w, dev, dtype)
     if not ok:
