@@ -445,20 +445,24 @@ def cuda_timer(rep_ms: float):
 
 
 def gpu_bench(a, log=print) -> dict:
-    """The GPU part on cuda:0 → {device, l2, copy_gbps, points, skipped, seconds}."""
+    """The GPU part on cuda:0 (see :func:`sweep`)."""
     os.environ.pop("TRITON_INTERPRET", None)                 # before triton_kernels is imported
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # as the offline report compiles
-    from vllm_latq.kernels.triton_kernels import TritonKernel
-    t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)
     l2 = getattr(props, "L2_cache_size", 0) or (50 << 20)
+    log(f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB)")
+    return sweep(a, dev, props.name, l2, cuda_timer(a.rep_ms), log)
+
+
+def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> dict:
+    """The copy bandwidth (``big`` bytes read + written), then every shape × bits × rate of
+    ``a`` (no new one after ``a.budget_s`` seconds) → {device, l2, copy_gbps, points,
+    skipped, seconds}."""
+    t0 = time.perf_counter()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
-    timer = cuda_timer(a.rep_ms)
-    big = 1 << 30
     copy_gbps = 2 * big / _time_copy(2 * big, dev, l2, timer) / 1e3
-    log(f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB): "
-        f"device-to-device copy of 1 GiB: {copy_gbps:.0f} GB/s (read + write)")
+    log(f"device-to-device copy of {big >> 20} MiB: {copy_gbps:.0f} GB/s (read + write)")
     log(f"latq = TritonKernel.apply (picked kernel), {a.dtype} = F.linear; µs per call, medians of CUDA-graph "
         f"replays; ratio = {a.dtype} / latq; GB/s and % of copy over latq's served bytes")
     log(table_header(a.dtype))
@@ -468,11 +472,12 @@ def gpu_bench(a, log=print) -> dict:
             for rate in a.rates:
                 if time.perf_counter() - t0 > a.budget_s:
                     skipped.append((spec[0], bits, rate))
-                    log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:.0f} spent")
+                    log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:g} spent")
                     continue
                 points += bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache, log)
-                torch.cuda.empty_cache()
-    return dict(device=props.name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
                 seconds=time.perf_counter() - t0)
 
 

@@ -210,3 +210,42 @@ def test_a_failing_kernel_costs_its_numbers_not_the_run(monkeypatch):
     assert math.isnan(pts[1].latq_us) and math.isfinite(pts[1].kernels_us["gemv"])
     assert bk.first_losses(pts) == {("t", 4, 0.0): 8}
     assert sum("FAILED" in s and "no mma today" in s for s in log) == 3   # M=8 picked, M=1 and 8 forced
+
+
+def test_sweep_with_budget_and_summary(monkeypatch):
+    """The GPU driver's loop on the CPU: one tiny layer measured, then the budget spent."""
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    a = bk.parse_args(["--no-static", "--shapes", "32x256", "--bits", "4", "--rates", "0,0.01", "--m", "1",
+                       "--breakdown", "none", "--budget-s", "0"])
+    log, timer = [], FakeTimer()
+    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, timer, log.append, big=1 << 12)
+    assert res["points"] == [] and res["skipped"] == [("32x256", 4, 0.0), ("32x256", 4, 0.01)]
+    assert res["copy_gbps"] == 2 * 4096 / 1.0 / 1e3 and timer.n == 1
+    a.budget_s = 1e9
+    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
+    assert [(p.shape, p.rate, p.m, p.kernel) for p in res["points"]] == [("32x256", 0.0, 1, "gemv"),
+                                                                        ("32x256", 0.01, 1, "gemv")]
+    head = bk.gpu_summary(res)[1]
+    assert head["gpu"] == "Fake_GPU" and head["m1_4b_1pct_ratio"] == "na"        # 32x256: not target-class
+    assert head["m1_4b_1pct_ratio_all"] != "na" and head["points"] == 2 and head["skipped"] == 0
+    assert sum(s.startswith("SKIPPED") for s in log) == 2 and bk.table_header() in log
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_cuda_timer_reads_the_median_in_us(monkeypatch, new_api):
+    import triton.testing
+    seen = {}
+    if new_api:
+        def fake(fn, rep=20, grad_to_none=None, quantiles=None, return_mode="mean"):
+            seen.update(rep=rep, mode=return_mode)
+            fn()
+            return 0.0125
+    else:
+        def fake(fn, rep=20, grad_to_none=None, quantiles=None):
+            seen.update(rep=rep, q=quantiles)
+            fn()
+            return [0.0125]
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake)
+    ran = []
+    assert bk.cuda_timer(3.0)(lambda: ran.append(1)) == 12.5 and ran == [1]
+    assert seen == ({"rep": 3.0, "mode": "median"} if new_api else {"rep": 3.0, "q": [0.5]})
