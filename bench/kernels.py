@@ -446,7 +446,6 @@ def cuda_timer(rep_ms: float):
 
 def gpu_bench(a, log=print) -> dict:
     """The GPU part on cuda:0 (see :func:`sweep`)."""
-    os.environ.pop("TRITON_INTERPRET", None)                 # before triton_kernels is imported
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # as the offline report compiles
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)
@@ -458,7 +457,7 @@ def gpu_bench(a, log=print) -> dict:
 def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> dict:
     """The copy bandwidth (``big`` bytes read + written), then every shape × bits × rate of
     ``a`` (no new one after ``a.budget_s`` seconds) → {device, l2, copy_gbps, points,
-    skipped, seconds}."""
+    skipped: the configurations not measured (budget spent, unsupported, or failed), seconds}."""
     t0 = time.perf_counter()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     copy_gbps = 2 * big / _time_copy(2 * big, dev, l2, timer) / 1e3
@@ -474,7 +473,14 @@ def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> 
                     skipped.append((spec[0], bits, rate))
                     log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:g} spent")
                     continue
-                points += bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache, log)
+                try:
+                    got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache, log)
+                except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
+                    log(f"FAILED {spec[0]} {bits}-bit {rate * 100:g}%: {type(e).__name__}: {str(e).strip()[:300]}")
+                    got = []
+                points += got
+                if not got:
+                    skipped.append((spec[0], bits, rate))
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
@@ -574,6 +580,9 @@ def headline(static: dict | None, ceilings: dict | None, gpu: dict | str) -> str
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    gpu_part = torch.cuda.is_available() and not a.static_only
+    if gpu_part:       # real kernels: before anything (the static part too) imports triton_kernels
+        os.environ.pop("TRITON_INTERPRET", None)
     static = ceilings = None
     if not a.no_static:
         lines, static = static_report(a.quick)
@@ -585,7 +594,7 @@ def main(argv=None) -> int:
     if a.static_only:
         print("no GPU timing (--static-only)")
         gpu = "skipped"
-    elif not torch.cuda.is_available():
+    elif not gpu_part:
         print("no GPU timing: no CUDA device on this machine (torch.cuda.is_available() is False)")
         gpu = "none"
     else:

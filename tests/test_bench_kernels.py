@@ -249,3 +249,18 @@ def test_cuda_timer_reads_the_median_in_us(monkeypatch, new_api):
     ran = []
     assert bk.cuda_timer(3.0)(lambda: ran.append(1)) == 12.5 and ran == [1]
     assert seen == ({"rep": 3.0, "mode": "median"} if new_api else {"rep": 3.0, "q": [0.5]})
+
+
+def test_sweep_survives_a_failing_configuration(monkeypatch):
+    a = bk.parse_args(["--no-static", "--shapes", "32x256,16x128", "--m", "1"])
+
+    def bench_layer(spec, *args):
+        if spec[1] == 32:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return [bk.Point(spec[0], spec[1], spec[2], 4, 0.01, 1, "gemv", 1.0, 2.0, 1.0, 100, 10, {}, 0.0)]
+    monkeypatch.setattr(bk, "bench_layer", bench_layer)
+    log = []
+    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
+    assert [p.shape for p in res["points"]] == ["16x128"]
+    assert res["skipped"] == [("32x256", 4, 0.01)]
+    assert any(s.startswith("FAILED 32x256 4-bit 1%: RuntimeError: CUDA error") for s in log)
