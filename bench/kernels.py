@@ -475,14 +475,14 @@ def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> 
                     continue
                 try:
                     got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache, log)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
                 except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
                     log(f"FAILED {spec[0]} {bits}-bit {rate * 100:g}%: {type(e).__name__}: {str(e).strip()[:300]}")
                     got = []
                 points += got
                 if not got:
                     skipped.append((spec[0], bits, rate))
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
     return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
                 seconds=time.perf_counter() - t0)
 
