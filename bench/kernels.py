@@ -1,29 +1,44 @@
-"""latq Triton kernels: layer time vs torch bf16 matmul on a GPU; static report everywhere.
+"""latq Triton kernels: layer time vs dense bf16 ``F.linear`` on a GPU; static report everywhere.
 
-On a CUDA GPU (unless --static-only): for the Qwen3-8B linear shapes (qkv 6144×4096,
-o 4096×4096, gate_up 24576×4096, down 4096×12288), M ∈ {1, 8}, inliers 2/3/4-bit and
-outlier rates 0–5 % (the paper's Figure 5 setup; its claim: up to 4× at M = 1 below 1 %
-outliers), the time of ``TritonKernel.apply`` (autotuned) / the time of ``x @ W.T`` with a
-bf16 ``W``, both measured in this run (CUDA events, median of --repeats).
+GPU part (a CUDA device, unless --static-only) — per layer shape × inlier bits × outlier
+rate × M (rows of activations), all measured in one run:
 
-Everywhere (and only, without a GPU or with --static-only):
-  1. the static report: every kernel config compiled offline for sm_80/86/89/90 (real
-     ptxas; :mod:`vllm_latq.kernels.triton_compile`, cached): registers, spill bytes,
-     shared memory vs the target's limit, SASS instruction counts by class;
-  2. the bytes-moved model: bytes per weight of each format (inliers, fp16 scales, outliers
-     in the layout the model picks for that rate: ELL-16 with its real padding for randomly
-     placed outliers, or CSR; compact int16 + fp16 entries as for an SSQR checkpoint) and
-     per layer with activations in/out, vs bf16 → the
-     memory-bound speedup ceiling (a GEMV at M = 1 moves the weights once: time ∝ bytes).
-Ends with ``HEADLINE … spills=<total over all kernel configs and targets>``.
+* **latq**: ``TritonKernel.apply`` with the kernel it picks (gemv / mma / dequant), and each
+  other kernel forced (``--breakdown``);
+* **dense**: ``torch.nn.functional.linear`` with a bf16 (``--dtype``) weight of the same shape;
+* **copy**: a device-to-device copy moving the same bytes as latq's *served* bytes (the
+  prepared state's weight tensors + activations in + output), half read, half written.
+
+Every time is the median of ``triton.testing.do_bench_cudagraph`` (calls captured in a CUDA
+graph: no Python in the timed loop). Each timed function cycles through enough copies of its
+operands (weights, copy buffers) that they cannot stay in L2 between calls, as in a real
+decode step where every layer's weights come from HBM. Autotuning runs in a warm-up pass
+(every M, the picked kernel first) before any capture; the warm-up outputs are checked
+against the fp32 reference. Reported: µs latq, µs dense, ratio = dense / latq, served
+bits/weight, GB/s = served bytes / latq time, % of copy = copy time / latq time, and per
+layer the first M at which latq is slower than dense.
+
+Static part (everywhere, unless --no-static):
+  1. every kernel config compiled offline for sm_80/86/89/90 (real ptxas;
+     :mod:`vllm_latq.kernels.triton_compile`, cached): registers, spill bytes, shared
+     memory vs the target's limit, SASS instruction counts by class;
+  2. the bytes-moved model: bytes per weight of each format and per layer vs bf16 → the
+     memory-bound speedup ceiling.
+
+Ends with ``HEADLINE key=value …`` (docs/BENCHMARKS.md lists the keys): ``spills=`` and the
+other static totals when the static part ran; ``gpu=<name>`` and the measured ratios when
+the GPU part ran, ``gpu=none`` without a CUDA device.
 """
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: tests/test_triton.py loads this file unregistered
+# (spec_from_file_location), where a dataclass with string annotations cannot resolve itself
 import argparse
+import dataclasses
 import math
 import os
+import re
 import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,10 +48,89 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_latq.kernels import triton_layout as tlay  # noqa: E402
 
-QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-RATES = (0.0, 0.005, 0.01, 0.02, 0.05)
+# (out features N, in features K). Llama-3-8B: hidden 4096, 32 query + 8 KV heads of 128,
+# MLP 14336 — vLLM's fused qkv and gate_up; the issue's 4096×14336 target layer first (the
+# --budget-s guard skips from the end). Qwen3-8B (MLP 12288): the paper's Figure 5 setup.
+SHAPES = {"8b.down": (4096, 14336), "8b.gate_up": (28672, 4096), "8b.qkv": (6144, 4096), "8b.o": (4096, 4096),
+          "qwen3-8b.down": (4096, 12288), "qwen3-8b.gate_up": (24576, 4096), "qwen3-8b.qkv": (6144, 4096),
+          "qwen3-8b.o": (4096, 4096)}
+RATES = (0.0, 0.005, 0.01, 0.02, 0.05)       # the bytes model's rates
 BITS = (2, 3, 4)
 GROUP = 128
+KERNELS = ("gemv", "mma", "dequant")
+# GPU subsets. Default: the issue-19 target's configuration (4-bit, 1 % outliers) on the four
+# Llama-3-8B shapes; --quick: two shapes, five M (with the quick static report ≤ 3 minutes).
+DEFAULT = dict(shapes="8b", bits="4", rates="0.01", m="1,2,4,8,16,32,64,128,256")
+QUICK = dict(shapes="8b.down,8b.o", bits="4", rates="0.01", m="1,4,16,64,256")
+TARGET_WEIGHTS = 4096 * 14336   # issue 19's target: "4096×14336-class layers" (8b.down, 8b.gate_up)
+ROTATE_L2 = 4          # timed operands span ≥ this many L2 sizes (copies cycled per call)
+MAX_COPIES = 64
+ERR_TOL = 3e-2         # max |y − ref| / max |ref| above this: wrong (bf16 rounding ≤ 2^-7 with the dequant path)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_shapes(spec: str) -> list[tuple[str, int, int]]:
+    """``8b.o,8b.down,4096x14336,8b`` → [(name, N, K)]: table names, ``NxK`` literals, or a
+    table prefix (``8b`` = every ``8b.*``), duplicates dropped, order kept."""
+    out = []
+    for tok in (t.strip() for t in spec.split(",") if t.strip()):
+        lit = re.fullmatch(r"(\d+)[xX×](\d+)", tok)
+        if tok in SHAPES:
+            names = [tok]
+        elif lit:
+            out.append((f"{int(lit[1])}x{int(lit[2])}", int(lit[1]), int(lit[2])))
+            continue
+        else:
+            names = [s for s in SHAPES if s.startswith(tok + ".")]
+            if not names:
+                raise ValueError(f"unknown shape {tok!r}: use NxK or one of {', '.join(SHAPES)} "
+                                 f"(or a prefix: {', '.join(sorted({s.split('.')[0] for s in SHAPES}))})")
+        out += [(s, *SHAPES[s]) for s in names]
+    if not out:
+        raise ValueError("no shapes given")
+    return list(dict.fromkeys(out))
+
+
+def _list(spec: str, conv, ok, what: str) -> list:
+    vals = [conv(t) for t in spec.split(",") if t.strip()]
+    bad = [v for v in vals if not ok(v)]
+    if not vals or bad:
+        raise ValueError(f"{what}: {spec!r}")
+    return list(dict.fromkeys(vals))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    part = ap.add_mutually_exclusive_group()
+    part.add_argument("--static-only", action="store_true", help="no GPU timing even if a GPU is present")
+    part.add_argument("--no-static", action="store_true", help="skip the offline-compile report and bytes model")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"static report of the heaviest configs only; GPU subset {QUICK} (≤ 3 min)")
+    ap.add_argument("--shapes", help=f"NxK literals or names ({', '.join(SHAPES)}) or a prefix (8b); "
+                                     f"default {DEFAULT['shapes']}")
+    ap.add_argument("--bits", help=f"inlier bits, of 2,3,4; default {DEFAULT['bits']}")
+    ap.add_argument("--rates", help=f"outlier rates (fractions); default {DEFAULT['rates']}")
+    ap.add_argument("--m", help=f"activation rows M; default {DEFAULT['m']}")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                    help="activations and the dense baseline's weight")
+    ap.add_argument("--breakdown", default=",".join(KERNELS),
+                    help="kernels also timed forced (gemv,mma,dequant or none)")
+    ap.add_argument("--rep-ms", type=float, default=5.0, help="do_bench_cudagraph rep (ms per measurement)")
+    ap.add_argument("--budget-s", type=float, default=210.0,
+                    help="start no new layer configuration after this many seconds of the GPU part")
+    a = ap.parse_args(argv)
+    base = QUICK if a.quick else DEFAULT
+    try:
+        a.shapes = parse_shapes(a.shapes or base["shapes"])
+        a.bits = _list(a.bits or base["bits"], int, lambda b: b in BITS, "bits must be of 2,3,4")
+        a.rates = _list(a.rates or base["rates"], float, lambda r: 0 <= r < 0.5, "rates must be in [0, 0.5)")
+        a.m = sorted(_list(a.m or base["m"], int, lambda m: m >= 1, "M must be ≥ 1"))
+        a.breakdown = [] if a.breakdown == "none" else \
+            _list(a.breakdown, str.strip, lambda k: k in KERNELS, f"breakdown kernels must be of {KERNELS}")
+    except ValueError as e:
+        ap.error(str(e))
+    return a
 
 
 # ----------------------------------------------------------------------------- bytes model
@@ -72,17 +166,19 @@ def layer_bytes(n: int, k: int, bits: int, rate: float, m: int = 1) -> dict:
                 bf16_total=2 * n * k + act)
 
 
-def bytes_model(m: int = 1) -> tuple[list[str], dict]:
+def bytes_model(m: int = 1, shapes=None) -> tuple[list[str], dict]:
+    """The memory-bound ceiling bf16 bytes / latq bytes over ``shapes`` (default: 8b.*)."""
+    shapes = shapes or parse_shapes("8b")
     lines = [f"bytes-moved model, M={m} (weights in the Triton layout + bf16 activations in/out), "
              f"group {GROUP}; ceiling = bf16 bytes / latq bytes (memory-bound)",
              f"{'bits':>4} {'rate':>6} {'B/weight':>8} {'outl':>5} {'pad':>5} " +
-             " ".join(f"{name:>8}" for name in QWEN3_8B) + f" {'all':>8}"]
+             " ".join(f"{name[-10:]:>10}" for name, _, _ in shapes) + f" {'all':>8}"]
     ceil = {}
     for bits in BITS:
         for rate in RATES:
             tot, tot16, row = 0.0, 0.0, []
             pw, mode, pad = [], "", 1.0
-            for name, (n, k) in QWEN3_8B.items():
+            for _, n, k in shapes:
                 b = layer_bytes(n, k, bits, rate, m)
                 row.append(b["bf16_total"] / b["total"])
                 tot += b["total"]
@@ -91,7 +187,7 @@ def bytes_model(m: int = 1) -> tuple[list[str], dict]:
                 mode, pad = b["mode"], b["padding"]
             ceil[bits, rate] = tot16 / tot
             lines.append(f"{bits:>4} {rate * 100:>5.1f}% {statistics.mean(pw):>8.4f} {mode:>5} {pad:>5.2f} " +
-                         " ".join(f"{r:>7.2f}x" for r in row) + f" {tot16 / tot:>7.2f}x")
+                         " ".join(f"{r:>9.2f}x" for r in row) + f" {tot16 / tot:>7.2f}x")
     lines.append(f"bf16: 2.0000 B/weight. Per-weight bytes: b/8 + 2/{GROUP} (fp16 scales) + outliers "
                  f"(ELL-16: 4 B per padded slot, int16 column + fp16 value; CSR: 8 B per entry); "
                  f"'pad' = ELL slots / outliers of the last layer (16 rows × K columns, random placement).")
@@ -139,103 +235,375 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
     return lines, totals
 
 
-# ----------------------------------------------------------------------------- GPU timing
+# ----------------------------------------------------------------------------- served bytes
 
-def random_weight(n, k, bits, rate, device, seed=0):
-    from vllm_latq import format as fmt
-    from vllm_latq.kernels.reference import LatqWeight
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (n, k), generator=g, dtype=torch.int32)
-    counts = outlier_counts(n, k, rate, seed)
-    crow = torch.zeros(n + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(counts, 0)
-    cols = torch.cat([torch.randperm(k, generator=g)[:c].sort().values for c in counts.tolist()]) \
-        if rate else torch.zeros(0, dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(n), counts)
-    z[rows, cols] = 0
-    scales = (torch.rand(n, math.ceil(k / GROUP), generator=g) * 0.01 + 1e-3).half()
-    val = torch.randn(cols.numel(), generator=g) * 0.05
-    w = LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val, bits, GROUP, k)
-    return LatqWeight(*(t.to(device) for t in (w.qweight, w.scales, w.crow, w.col, w.val)), bits, GROUP, k)
-
-
-def cuda_time(fn, repeats):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 10 * 1e3)
-    return statistics.median(ts)   # µs
-
-
-def gpu_bench(repeats: int, ms=(1, 8)) -> tuple[list[str], dict]:
-    from vllm_latq.kernels.reference import latq_linear_ref
+def weight_bytes(st) -> int:
+    """Bytes of a prepared Triton state's weight tensors (what every call streams): inlier
+    planes, scales, outlier arrays with their ELL padding — all tensors of the state except
+    the split-K tickets (a counter per 16 rows, scratch, not weights)."""
     from vllm_latq.kernels.triton_kernels import TritonKernel
-    dev = torch.device("cuda")
-    lines = [f"GPU {torch.cuda.get_device_name(dev)}: latq Triton time / torch bf16 matmul (µs), "
-             f"speedup = bf16 / latq"]
-    best = {}
-    for name, (n, k) in QWEN3_8B.items():
-        Wb = (torch.randn(n, k, device=dev) * 0.02).bfloat16()
+    tensors, _ = TritonKernel.flatten(st)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and t is not st.tickets)
+
+
+def act_bytes(m: int, n: int, k: int, elem: int) -> int:
+    """Activations in (M×K) + output (M×N) at ``elem`` bytes per value."""
+    return m * (k + n) * elem
+
+
+def copies(footprint: int, l2_bytes: int) -> int:
+    """How many copies of a ``footprint``-byte operand set a timed function cycles through so
+    that together they span ROTATE_L2 L2 sizes (1 when one already does)."""
+    return max(1, min(MAX_COPIES, math.ceil(ROTATE_L2 * l2_bytes / max(1, footprint))))
+
+
+# ----------------------------------------------------------------------------- measurements
+
+@dataclasses.dataclass
+class Point:
+    """One measured (layer, bits, rate, M); times in µs (nan: failed or not run)."""
+    shape: str
+    n: int
+    k: int
+    bits: int
+    rate: float
+    m: int
+    kernel: str                 # the kernel TritonKernel.apply picks
+    latq_us: float
+    dense_us: float
+    copy_us: float
+    weight_bytes: int
+    act_bytes: int
+    kernels_us: dict            # kernel → µs, the picked one and the --breakdown ones
+    err: float                  # worst max|y − ref| / max|ref| over the kernels run
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_us / self.latq_us
+
+    @property
+    def served_bytes(self) -> int:
+        return self.weight_bytes + self.act_bytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.weight_bytes / (self.n * self.k)
+
+    @property
+    def gbps(self) -> float:
+        return self.served_bytes / self.latq_us / 1e3
+
+    @property
+    def pct_copy(self) -> float:
+        return 100 * self.copy_us / self.latq_us
+
+    @property
+    def bad(self) -> bool:
+        return not (self.err <= ERR_TOL)            # nan / inf count as wrong
+
+
+def picked_kernel(st, x2: torch.Tensor) -> str:
+    """The kernel ``TritonKernel.apply(st, x2)`` runs (mirrors its routing; tested against it)."""
+    from vllm_latq.kernels.triton_dequant import use_large_m
+    if use_large_m(st, x2):
+        return "dequant"
+    return "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y − ref| / max |ref| (inf when y has a nan or inf)."""
+    e = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    return e if math.isfinite(e) else math.inf
+
+
+def _clone_state(st):
+    from vllm_latq.kernels.triton_kernels import TritonKernel
+    tensors, ints = TritonKernel.flatten(st)
+    return TritonKernel.unflatten([t.clone() if t is not None else None for t in tensors], ints)
+
+
+def time_cycled(timer, calls) -> float:
+    """µs per call of ``calls`` (one per operand copy), timed as one function."""
+    return timer(lambda: [c() for c in calls]) / len(calls)
+
+
+def _warm_up(states, w, ms, kernels, dtype, dev, log) -> dict:
+    """Every M with the picked kernel (apply's routing), then every M with each forced
+    kernel, once — so the autotuners see the M the selector sends them first, and never run
+    inside a capture — each output checked against the fp32 reference → {(m, kernel or
+    None): rel error} (inf: the call failed)."""
+    from vllm_latq.kernels.reference import dequantize
+    from vllm_latq.kernels.triton_kernels import TritonKernel
+    w_ref = dequantize(w)
+    xs = {m: torch.randn(m, w.in_features, device=dev).to(dtype) for m in ms}
+    refs = {m: xs[m].float() @ w_ref.T for m in ms}
+    del w_ref
+    errs = {}
+    for kernel in (None, *kernels):
         for m in ms:
-            x = torch.randn(m, k, device=dev).bfloat16()
-            t16 = cuda_time(lambda: x @ Wb.T, repeats)
-            for bits in BITS:
-                for rate in RATES:
-                    w = random_weight(n, k, bits, rate, dev)
-                    st = TritonKernel.prepare(w)
-                    y = TritonKernel.apply(st, x)
-                    ref = latq_linear_ref(x, w)
-                    err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                    t = cuda_time(lambda: TritonKernel.apply(st, x), repeats)
-                    sp = t16 / t
-                    best[name, m, bits, rate] = sp
-                    lines.append(f"{name:8} M={m} {bits}-bit {rate * 100:4.1f}%: latq {t:8.1f}  bf16 {t16:8.1f}  "
-                                 f"speedup {sp:5.2f}x  max rel err {err:.1e}")
-            del x
-    return lines, best
+            try:
+                errs[m, kernel] = rel_err(TritonKernel.apply(states[0], xs[m], kernel=kernel), refs[m])
+            except Exception as e:  # noqa: BLE001 — reported and counted, the run goes on
+                log(f"  FAILED M={m} {kernel or 'picked'}: {type(e).__name__}: {str(e).strip()[:200]}")
+                errs[m, kernel] = math.inf
+    return errs
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--static-only", action="store_true", help="no GPU timing even if a GPU is present")
-    ap.add_argument("--quick", action="store_true", help="static report of the heaviest configs only")
-    ap.add_argument("--repeats", type=int, default=20)
-    a = ap.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)
+def _time_or_nan(timer, calls, what: str, log) -> float:
+    try:
+        return time_cycled(timer, calls)
+    except Exception as e:  # noqa: BLE001 — a failed capture costs one number, not the run
+        log(f"  FAILED timing {what}: {type(e).__name__}: {str(e).strip()[:200]}")
+        return math.nan
 
-    lines, totals = static_report(a.quick)
-    print("\n".join(lines))
-    print()
-    ceilings = {}
-    for m in (1, 8):
-        bl, ceil = bytes_model(m)
-        ceilings[m] = ceil
-        print("\n".join(bl))
-        print()
-    measured = False
-    if torch.cuda.is_available() and not a.static_only:
-        gl, best = gpu_bench(a.repeats)
-        print("\n".join(gl))
-        m1 = {b: max(v for (nm, m, bb, r), v in best.items() if m == 1 and bb == b and r <= 0.01) for b in BITS}
-        measured = True
+
+def bench_weight(n: int, k: int, bits: int, rate: float):
+    """The layer timed (on the CPU): ``reference.random_weight`` with fp16-exact outlier
+    values, as SSQR checkpoints store them, so the layout keeps compact 4-byte entries
+    (int16 column + fp16 value) as in production rather than fp32 values."""
+    from vllm_latq.kernels.reference import random_weight
+    w = random_weight(n, k, bits, rate, group=GROUP, seed=0)
+    return dataclasses.replace(w, val=w.val.half().float())
+
+
+def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dense_cache, log) -> list[Point]:
+    """All points of one (shape, bits, rate): weights, warm-up + check, then per M the
+    picked kernel, the forced ones, the dense baseline (cached per shape × M) and the copy."""
+    from vllm_latq.kernels.reference import LatqWeight
+    from vllm_latq.kernels.triton_kernels import TritonKernel
+    name, n, k = spec
+    t0 = time.perf_counter()
+    w = bench_weight(n, k, bits, rate)
+    w = LatqWeight(*(t.to(dev) for t in (w.qweight, w.scales, w.crow, w.col, w.val)), bits, GROUP, k)
+    ok, why = TritonKernel.can_implement(w, dev, dtype)
+    if not ok:
+        log(f"SKIPPED {name} {bits}-bit {rate * 100:g}%: {why}")
+        return []
+    st = TritonKernel.prepare(w)
+    TritonKernel.reserve(st, dtype)
+    wb = weight_bytes(st)
+    states = [st] + [_clone_state(st) for _ in range(copies(wb, l2_bytes) - 1)]
+    t1 = time.perf_counter()
+    errs = _warm_up(states, w, ms, kernels, dtype, dev, log)
+    del w
+    t2 = time.perf_counter()
+    elem = torch.empty(0, dtype=dtype).element_size()
+    points = []
+    for m in ms:
+        x = torch.randn(m, k, device=dev).to(dtype)
+        pick = picked_kernel(st, x)
+        us = {}
+        for kern in dict.fromkeys((pick, *kernels)):
+            kk = None if kern == pick else kern             # the picked one through apply's routing
+            calls = [lambda s=s, kk=kk: TritonKernel.apply(s, x, kernel=kk) for s in states]
+            us[kern] = _time_or_nan(timer, calls, f"{name} M={m} {kern}", log) \
+                if math.isfinite(errs[m, kk]) else math.nan
+        if (n, k, m) not in dense_cache:
+            dense_cache[n, k, m] = _time_dense(n, k, x, l2_bytes, timer)
+        ab = act_bytes(m, n, k, elem)
+        points.append(Point(name, n, k, bits, rate, m, pick, us[pick], dense_cache[n, k, m],
+                            _time_copy(wb + ab, dev, l2_bytes, timer), wb, ab, us,
+                            max([errs[m, None]] + [errs[m, kk] for kk in kernels])))
+        log(format_point(points[-1]))
+    log(f"  ({name} {bits}-bit {rate * 100:g}%: weights + prepare {t1 - t0:.1f} s, warm-up/autotune/check "
+        f"{t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s; {len(states)} weight copies cycled)")
+    return points
+
+
+def _time_dense(n, k, x, l2_bytes, timer) -> float:
+    """``F.linear`` with a dense weight of x's dtype (copies cycled past L2)."""
+    ws = [torch.randn(n, k, device=x.device).to(x.dtype) for _ in range(copies(2 * n * k, l2_bytes))]
+    t = time_cycled(timer, [lambda W=W: torch.nn.functional.linear(x, W) for W in ws])
+    del ws
+    return t
+
+
+def _time_copy(nbytes: int, dev, l2_bytes, timer) -> float:
+    """A device-to-device copy moving ``nbytes`` in all: nbytes/2 read, nbytes/2 written."""
+    half = max(256, math.ceil(nbytes / 2 / 256) * 256)
+    r = copies(2 * half, l2_bytes)
+    src = torch.zeros(r, half, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return time_cycled(timer, [lambda i=i: dst[i].copy_(src[i]) for i in range(r)])
+
+
+# ----------------------------------------------------------------------------- GPU driver
+
+def cuda_timer(rep_ms: float):
+    """µs per call of fn: the median of ``triton.testing.do_bench_cudagraph`` (fn captured
+    in a CUDA graph, replayed). Older Tritons take ``quantiles`` instead of ``return_mode``."""
+    import inspect
+
+    from triton.testing import do_bench_cudagraph
+    params = inspect.signature(do_bench_cudagraph).parameters
+    kw = {"return_mode": "median"} if "return_mode" in params else {"quantiles": [0.5]}
+
+    def timer(fn) -> float:
+        ms = do_bench_cudagraph(fn, rep=rep_ms, **kw)
+        return (ms[0] if isinstance(ms, (list, tuple)) else ms) * 1e3
+    return timer
+
+
+def gpu_bench(a, log=print) -> dict:
+    """The GPU part on cuda:0 (see :func:`sweep`)."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # as the offline report compiles
+    dev = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 0) or (50 << 20)
+    log(f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB)")
+    return sweep(a, dev, props.name, l2, cuda_timer(a.rep_ms), log)
+
+
+def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> dict:
+    """The copy bandwidth (``big`` bytes read + written), then every shape × bits × rate of
+    ``a`` (no new one after ``a.budget_s`` seconds) → {device, l2, copy_gbps, points,
+    skipped: the configurations not measured (budget spent, unsupported, or failed), seconds}."""
+    t0 = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    copy_gbps = 2 * big / _time_copy(2 * big, dev, l2, timer) / 1e3
+    log(f"device-to-device copy of {big >> 20} MiB: {copy_gbps:.0f} GB/s (read + write)")
+    log(f"latq = TritonKernel.apply (picked kernel), {a.dtype} = F.linear; µs per call, medians of CUDA-graph "
+        f"replays; ratio = {a.dtype} / latq; GB/s and % of copy over latq's served bytes")
+    log(table_header(a.dtype))
+    points, skipped, dense_cache = [], [], {}
+    for spec in a.shapes:
+        for bits in a.bits:
+            for rate in a.rates:
+                if time.perf_counter() - t0 > a.budget_s:
+                    skipped.append((spec[0], bits, rate))
+                    log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:g} spent")
+                    continue
+                try:
+                    got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache, log)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
+                    log(f"FAILED {spec[0]} {bits}-bit {rate * 100:g}%: {type(e).__name__}: {str(e).strip()[:300]}")
+                    got = []
+                points += got
+                if not got:
+                    skipped.append((spec[0], bits, rate))
+    return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
+                seconds=time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- report
+
+def _f(v: float, fmt: str, width: int) -> str:
+    return f"{v:{width}{fmt}}" if math.isfinite(v) else f"{'-':>{width}}"
+
+
+def table_header(dense: str = "bf16") -> str:
+    return (f"{'shape':16} {'N×K':>11} {'bits':>4} {'rate':>5} {'M':>4} {'kernel':>7} {'latq_us':>8} "
+            f"{dense + '_us':>8} {'ratio':>6} {'gemv_us':>8} {'mma_us':>8} {'deq_us':>8} {'bits/w':>6} "
+            f"{'GB/s':>6} {'%copy':>6} {'err':>8}")
+
+
+def format_point(p: Point) -> str:
+    ks = " ".join(_f(p.kernels_us.get(k, math.nan), ".1f", 8) for k in KERNELS)
+    return (f"{p.shape:16} {f'{p.n}x{p.k}':>11} {p.bits:>4} {p.rate * 100:>4.1f}% {p.m:>4} {p.kernel:>7} "
+            f"{_f(p.latq_us, '.1f', 8)} {_f(p.dense_us, '.1f', 8)} {_f(p.ratio, '.2f', 5)}x {ks} "
+            f"{p.bits_per_weight:>6.2f} {_f(p.gbps, '.0f', 6)} {_f(p.pct_copy, '.1f', 5)}% {p.err:>8.1e}"
+            + ("  WRONG" if p.bad else ""))
+
+
+def first_losses(points: list[Point]) -> dict:
+    """{(shape, bits, rate): the smallest measured M with latq slower than dense, or None}."""
+    out = {}
+    for p in sorted(points, key=lambda p: p.m):
+        key = (p.shape, p.bits, p.rate)
+        out.setdefault(key, None)
+        if out[key] is None and not p.ratio >= 1:    # nan (failed) counts as a loss
+            out[key] = p.m
+    return out
+
+
+def crossover_lines(points: list[Point]) -> list[str]:
+    lines = []
+    for (shape, bits, rate), m in first_losses(points).items():
+        top = max(p.m for p in points if (p.shape, p.bits, p.rate) == (shape, bits, rate))
+        lines.append(f"  {shape:16} {bits}-bit {rate * 100:4.1f}%: " +
+                     (f"slower than dense from M={m}" if m else f"faster than dense at every M ≤ {top}"))
+    return lines
+
+
+def _target(points, m=None, all_shapes=False) -> list[Point]:
+    """The issue-19 target's points: 4-bit, 1 % outliers, M ≤ 256 (or M = ``m``), on layers
+    of ≥ 4096×14336 weights (8b.down, 8b.gate_up; ``all_shapes``: every layer)."""
+    return [p for p in points if p.bits == 4 and p.rate == 0.01 and p.m <= 256 and m in (None, p.m)
+            and (all_shapes or p.n * p.k >= TARGET_WEIGHTS)]
+
+
+def _worst(values) -> float:
+    """Minimum, a failed (nan) value counting as 0; nan when there is none."""
+    vals = [v if math.isfinite(v) else 0.0 for v in values]
+    return min(vals) if vals else math.nan
+
+
+def gpu_summary(res: dict) -> tuple[list[str], dict]:
+    """Crossover and target lines, and the GPU HEADLINE keys: the worst over the target's
+    points (``_target``), ``na`` where none was measured."""
+    pts = res["points"]
+    m1, upto = _target(pts, m=1), _target(pts)
+    worst_m1, worst = _worst(p.ratio for p in m1), _worst(p.ratio for p in upto)
+    losses = [m for m in first_losses(upto).values() if m is not None]
+    lines = ["first M where latq is slower than dense, per layer configuration:"] + crossover_lines(pts)
+    if upto:
+        lines.append(f"target (issue 19; 4-bit 1 %, layers ≥ 4096×14336 weights): M=1 ≥ 2.5× dense: worst "
+                     f"{worst_m1:.2f}× ({'met' if worst_m1 >= 2.5 else 'NOT met'}); ≥ 1× at every M ≤ 256: worst "
+                     f"{worst:.2f}× ({'met' if worst >= 1 else 'NOT met'})")
+    na = lambda v, f: f"{v:{f}}" if math.isfinite(v) else "na"  # noqa: E731
+    head = {"gpu": re.sub(r"\s+", "_", res["device"].strip()),
+            "m1_4b_1pct_ratio": na(worst_m1, ".2f"),
+            "min_4b_1pct_ratio_m_le_256": na(worst, ".2f"),
+            "first_loss_m_4b_1pct": (min(losses) if losses else "none") if upto else "na",
+            "m1_4b_1pct_pct_of_copy": na(_worst(p.pct_copy for p in m1), ".1f"),
+            "m1_4b_1pct_ratio_all": na(_worst(p.ratio for p in _target(pts, m=1, all_shapes=True)), ".2f"),
+            "copy_gbps": f"{res['copy_gbps']:.0f}",
+            "points": len(pts), "wrong": sum(p.bad for p in pts), "skipped": len(res["skipped"]),
+            "gpu_s": f"{res['seconds']:.0f}"}
+    return lines, head
+
+
+def headline(static: dict | None, ceilings: dict | None, gpu: dict | str) -> str:
+    """``HEADLINE spills=… <static totals> <bytes-model ceilings> gpu=… <GPU keys>``; ``gpu``
+    is gpu_summary's keys or a word (none / skipped) when no GPU part ran."""
+    head = {}
+    if static is not None:
+        head = dict(spills=static["spills"], configs=static["configs"], targets="sm_80,sm_86,sm_89,sm_90",
+                    errors=static["errors"], max_regs=static["max_regs"], smem_over_limit=static["smem_over"])
+    if ceilings is not None:
+        head.update({f"ceiling_m1_{b}bit_1pct": f"{ceilings[b, 0.01]:.2f}" for b in BITS})
+    head.update(gpu if isinstance(gpu, dict) else {"gpu": gpu})
+    return "HEADLINE " + " ".join(f"{k}={v}" for k, v in head.items())
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    gpu_part = torch.cuda.is_available() and not a.static_only
+    if gpu_part:       # real kernels: before anything (the static part too) imports triton_kernels
+        os.environ.pop("TRITON_INTERPRET", None)
+    static = ceilings = None
+    if not a.no_static:
+        lines, static = static_report(a.quick)
+        print("\n".join(lines) + "\n")
+        for m in (1, 8):
+            bl, ceil = bytes_model(m, a.shapes)
+            ceilings = ceilings or ceil
+            print("\n".join(bl) + "\n")
+    if a.static_only:
+        print("no GPU timing (--static-only)")
+        gpu = "skipped"
+    elif not gpu_part:
+        print("no GPU timing: no CUDA device on this machine (torch.cuda.is_available() is False)")
+        gpu = "none"
     else:
-        print("no GPU timing (" + ("--static-only" if a.static_only else "no CUDA device") + ")")
-    c = ceilings[1]
-    head = dict(configs=totals["configs"], targets="sm_80,sm_86,sm_89,sm_90", errors=totals["errors"],
-                max_regs=totals["max_regs"], smem_over_limit=totals["smem_over"])
-    head.update({f"ceiling_m1_{b}bit_1pct": f"{c[b, 0.01]:.2f}" for b in BITS})   # bytes model vs bf16
-    if measured:
-        head.update({f"measured_m1_{b}bit": f"{m1[b]:.2f}" for b in BITS})
-    head["spills"] = totals["spills"]
-    print("HEADLINE " + " ".join(f"{k}={v}" for k, v in head.items()))
+        res = gpu_bench(a, log=lambda s: print(s, flush=True))
+        lines, gpu = gpu_summary(res)
+        print("\n".join(lines))
+    print(headline(static, ceilings, gpu), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
