@@ -37,3 +37,67 @@ def test_format_paths(bits):
         fmt.csr_rows(w.crow, w.nnz)
         fmt.csr_from_mask(mask, z)
         fmt.unpack_at(w.qweight, bits, fmt.csr_rows(w.crow, w.nnz), w.col)
+
+
+# ----------------------------------------------------------------------------- allow-list
+# Sites that make CPU tensors on purpose, each with why (substrings of "file:function").
+HUFFMAN_NUMPY = ("format/layer.py:encode_layer",      # the Huffman codec is numpy: the writer's tensors are CPU
+                 "format/layer.py:decode_integers")   # numpy decode, then .to(the stream's device)
+# transcode is being made device-clean on its own branch (issue 19, kernels/reference.py); drop on merge
+TRANSCODE = ("kernels/reference.py:transcode",)
+
+
+# ----------------------------------------------------------------------------- kernels' prepare/apply
+
+@pytest.mark.parametrize("bits,rate", [(4, 0.02), (3, 0.0), (8, 0.05)])
+def test_dequantized_and_reference_kernels(bits, rate):
+    from vllm_latq.kernels.dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
+    from vllm_latq.kernels.reference_kernel import ReferenceKernel
+    w = random_weight(40, 144, bits, rate, group=64, seed=bits)
+    x, bias = torch.randn(3, 144), torch.randn(40)
+    with factories_follow_inputs():
+        for kernel in (DequantizedBf16Kernel, DequantizedFp32Kernel, ReferenceKernel):
+            st = kernel.prepare(w)
+            kernel.apply(kernel.unflatten(*kernel.flatten(st)), x, bias)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("mode", [None, "ell", "csr"])
+def test_triton_layout_and_prepare(bits, mode):
+    """The Triton kernels' load-time repacking is pure torch: it runs here on CPU tensors."""
+    pytest.importorskip("triton")
+    from vllm_latq.kernels import triton_layout
+    from vllm_latq.kernels.triton_kernels import TritonKernel
+    w = random_weight(40, 300, bits, 0.03, group=32, seed=bits)
+    scalar = random_weight(24, 200, bits, 0.0, group=200, seed=bits)   # one group: a per-tensor scale
+    with factories_follow_inputs():
+        triton_layout.build(w, mode)
+        TritonKernel.prepare(w, mode)
+        TritonKernel.prepare(scalar)
+
+
+# ----------------------------------------------------------------------------- the vLLM loader's slicing
+
+@pytest.mark.parametrize("kind,bits,g", [("dense", 4, 32), ("dense", 3, 48), ("huffman", None, None)])
+def test_loader_slices_and_merges(kind, bits, g):
+    """Every TP rank's shards of qkv, gate_up, column- and row-parallel layers (splits off the
+    tiles and groups), assembled by ``LoadState``; and the padded rows of an lm_head shard."""
+    pytest.importorskip("vllm")
+    from tests.test_plugin import _Cfg, _layers, _result
+    from vllm_latq import linear_method as lm
+    cfg, seed, tp = _Cfg(kind, bits, g), 0, 4
+    for r in range(tp):
+        layers, full = _layers(tp, r)
+        for layer in layers:
+            tensors = {}
+            for sid, rows in full[layer.prefix].items():
+                seed += 1
+                tensors[sid] = fmt.encode_layer(_result(rows, layer.input_size, kind, bits, g, 0.05, seed), kind)
+            names = [f"{layer.prefix}.{s}" for s in full[layer.prefix]]
+            with factories_follow_inputs(allow=HUFFMAN_NUMPY + TRANSCODE):
+                st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
+                for sid, t in tensors.items():
+                    for name, x in t.items():
+                        st.add(name, x, sid)
+                assert st.weight is not None, st.missing()
+                lm.pad_rows(st.weight, st.weight.out_features + 5)

@@ -187,7 +187,7 @@ def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
     extra = rows - w.out_features
     if extra < 0:
         raise ValueError(f"latq: {w.out_features} rows do not fit a shard of {rows}")
-    q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32), w.bits)
+    q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32, device=w.qweight.device), w.bits)
     return LatqWeight(torch.cat([w.qweight, q.to(w.qweight.dtype)]),
                       torch.cat([w.scales, w.scales.new_zeros(extra, w.scales.shape[1])]),
                       torch.cat([w.crow, w.crow[-1:].expand(extra)]), w.col, w.val, w.bits, w.group_size,
