@@ -101,3 +101,48 @@ def test_loader_slices_and_merges(kind, bits, g):
                         st.add(name, x, sid)
                 assert st.weight is not None, st.missing()
                 lm.pad_rows(st.weight, st.weight.out_features + 5)
+
+
+# ----------------------------------------------------------------------------- the solvers
+
+@pytest.fixture(scope="module")
+def problem():
+    """A small layer: W [24, 80] (80 columns: a ragged 32-group), H = XᵀX of correlated inputs."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 80, generator=g, dtype=torch.float64) @ (torch.eye(80, dtype=torch.float64)
+                                                                   + 0.3 * torch.randn(80, 80, generator=g,
+                                                                                       dtype=torch.float64))
+    return torch.randn(24, 80, generator=g) * 0.05, X.T @ X / 300
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "torch"])
+def test_solvers(problem, native_on):
+    """Every solver, order and rounding mode; ``torch``: the pure-torch path a CUDA tensor takes."""
+    from vllm_latq import native
+    from vllm_latq.quantize import lattice, solvers
+    from vllm_latq.quantize.hptq import hptq, hrtn
+    from vllm_latq.quantize.ssqr import ssqr
+    W, H = problem
+    perm = torch.randperm(80, generator=torch.Generator().manual_seed(1))
+    s = torch.tensor(0.01)
+    with native.disabled(not native_on), factories_follow_inputs(allow=HUFFMAN_NUMPY):
+        on_grid = [solvers.rtn(W, bits=4, group_size=32),
+                   solvers.gptq(W, H, bits=4, group_size=32, clip=True, block_size=32, keep_rho=True),
+                   solvers.gptq(W, H, bits=3, group_size=32, order=perm),
+                   solvers.babai(W, H, bits=4, group_size=32, clip=True, order="reverse"),
+                   ssqr(W, H, bits=3, group_size=32, outlier_rate=0.05, block_size=32),
+                   hptq(W, H, target_bits=3.5, block_size=32),
+                   hrtn(W, target_bits=3.5)]
+        unclipped = [solvers.rtn(W, bits=3, group_size=32, clip=False, scales=s),
+                     solvers.gptq(W, H, bits=4, group_size=32, clip=False, order="min-pivot", block_size=32),
+                     solvers.babai(W, H, bits=4, group_size=32, order="natural", block_size=32)]
+        for r in on_grid + unclipped:
+            r.error(W, H)
+        for r in on_grid:   # the checkpoint tensors (unclipped integers have no dense encoding)
+            fmt.encode_layer(r, fmt.kind_of(r.method))
+            if r.outliers is not None:
+                r.outliers.to_dense()
+        lattice.min_pivot_order(H)
+        lattice.ldl_diag(H, "act")
+        lattice.error_bound(H, unclipped[1].scales, "min-pivot", group_size=32)
+        lattice.error_bound(H, s, perm)

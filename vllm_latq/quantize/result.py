@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.csr import csr_rows
+from ..format.csr import csr_from_mask, csr_rows
 
 
 @dataclass
@@ -20,10 +20,8 @@ class CSR:
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor, values: torch.Tensor) -> "CSR":
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major: already CSR order
-        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
-        crow[1:] = torch.cumsum(mask.sum(1), 0)
-        return cls(crow, cols.int(), values[rows, cols].half(), tuple(mask.shape))
+        crow, col, val = csr_from_mask(mask, values)
+        return cls(crow, col.int(), val.half(), tuple(mask.shape))
 
     @property
     def nnz(self) -> int:
@@ -31,7 +29,7 @@ class CSR:
 
     def to_dense(self) -> torch.Tensor:
         """fp32 ``[out, in]`` with the outlier values, zeros elsewhere."""
-        out = torch.zeros(self.shape)
+        out = torch.zeros(self.shape, device=self.val.device)
         rows = csr_rows(self.crow, self.nnz)
         out[rows, self.col.long()] = self.val.float()
         return out
