@@ -557,7 +557,8 @@ def test_moe_layer_refused_unless_not_converted():
                          moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16)
     experts = _module(RoutedExperts, moe_config=moe)
     c = LatqConfig.from_config(_qc(modules_not_converted=["model.layers.1.mlp.experts"]))
-    with pytest.raises(NotImplementedError, match=r"mixture-of-experts layer model\.layers\.0\.mlp\.experts .*issue 20"):
+    with pytest.raises(NotImplementedError,
+                       match=r"mixture-of-experts layer model\.layers\.0\.mlp\.experts .*issue 20"):
         c.get_quant_method(experts, "model.layers.0.mlp.experts")
     with set_current_vllm_config(VllmConfig()):
         assert isinstance(c.get_quant_method(experts, "model.layers.1.mlp.experts"), UnquantizedFusedMoEMethod)
