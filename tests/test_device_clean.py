@@ -1,6 +1,10 @@
-"""Issue 19: no CPU-only tensor on the way to a CUDA device. Every load, prepare, dequantize,
-transcode and CSR path runs under :func:`tests.device_guard.factories_follow_inputs`, which
-fails at the first tensor factory that names no device (the crash a CUDA load would hit)."""
+"""Issue 19: no CPU-only tensor on the way to a CUDA device. The format, the kernels' prepare
+and apply, the vLLM loader's TP slicing, the solvers and ``latq-quantize`` run under
+:func:`tests.device_guard.factories_follow_inputs`, which fails at the first tensor factory that
+names no device (the crash a CUDA run would hit); the allow-list below names the sites that
+make CPU tensors on purpose, and why. The C++ helpers are CPU-only by their gates
+(``t.device.type == "cpu"`` and ``native.usable()``): the solvers also run with them off, the
+pure-torch path a CUDA tensor takes."""
 from __future__ import annotations
 
 import pytest
@@ -41,10 +45,16 @@ def test_format_paths(bits):
 
 # ----------------------------------------------------------------------------- allow-list
 # Sites that make CPU tensors on purpose, each with why (substrings of "file:function").
-HUFFMAN_NUMPY = ("format/layer.py:encode_layer",      # the Huffman codec is numpy: the writer's tensors are CPU
-                 "format/layer.py:decode_integers")   # numpy decode, then .to(the stream's device)
+# the Huffman codec is numpy: encode and decode make CPU tensors (from_numpy), then move them to
+# z's / the stream's device
+HUFFMAN_NUMPY = ("format/layer.py:encode_layer", "format/layer.py:decode_integers")
 # transcode is being made device-clean on its own branch (issue 19, kernels/reference.py); drop on merge
 TRANSCODE = ("kernels/reference.py:transcode",)
+# transformers' and torch.nn's own code: modules built under hf_model's meta-device context take
+# their device from it, not from an argument; the guard is over the package's code
+THIRD_PARTY = ("site-packages/transformers/", "site-packages/torch/nn/")
+# the calibration token ids are host data (from Python lists); capture moves each sequence to the device
+TOKEN_IDS = ("data/text.py:_windows",)
 
 
 # ----------------------------------------------------------------------------- kernels' prepare/apply
@@ -146,3 +156,16 @@ def test_solvers(problem, native_on):
         lattice.ldl_diag(H, "act")
         lattice.error_bound(H, unclipped[1].scales, "min-pivot", group_size=32)
         lattice.error_bound(H, s, perm)
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+@pytest.mark.parametrize("method,head", [("ssqr", True), ("hrtn", False)])
+def test_quantize_model(tiny_llama, tmp_path, method, head):
+    """``latq-quantize`` end to end (``device="cpu"``, the proxy for ``--device cuda``): source,
+    capture, Hessians, solvers, the head, writing, validation."""
+    from tests.conftest import TINY_OPTS
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    opts = QuantizeOptions(method=method, quantize_lm_head=head, device="cpu", **TINY_OPTS)
+    with factories_follow_inputs(allow=THIRD_PARTY + TOKEN_IDS + HUFFMAN_NUMPY):
+        quantize_model(tiny_llama, tmp_path / "out", opts, progress=False)

@@ -247,6 +247,7 @@ class LoadState:
     def _part(self, shard: Shard, t: dict):
         c = self.config
         shape = (shard.rows, self.geo.in_features)
+        # cut on the CPU: only this rank's runtime form goes to the layer's device (process_weights_after_loading)
         t = {k: v.detach().cpu() for k, v in t.items()}
         try:
             fmt.validate_layer(t, c.kind, shape, self.bits, c.group_size, layer=shard.name, decode=False)

@@ -65,6 +65,7 @@ class QuantResult:
         return 0.0 if self.outliers is None else self.outliers.nnz / self.z.numel()
 
     def error(self, W: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-        """Measured per-row ``(q_i - w_i)ᵀ H_d (q_i - w_i)`` with the damping this result used."""
+        """Measured per-row ``(q_i - w_i)ᵀ H_d (q_i - w_i)`` with the damping this result used,
+        on W's device."""
         from .lattice import layer_error
-        return layer_error(W, self.q, H, self.damp or 0.0)
+        return layer_error(W, self.q.to(W.device), H, self.damp or 0.0)
