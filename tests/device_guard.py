@@ -34,7 +34,7 @@ class _Guard(TorchFunctionMode):
         if func in FACTORIES and kwargs.get("device") is None and not self._follows_data(func, args):
             where = traceback.extract_stack(limit=2)[0]   # the caller of the factory
             site = f"{where.filename}:{where.lineno}"
-            if not any(a in site for a in self.allow):
+            if not any(a in site or a in f"{where.filename}:{where.name}" for a in self.allow):
                 name = getattr(func, "__name__", str(func))
                 raise DeviceUnspecified(f"torch.{name} without device= at {site}: {where.line}")
         return func(*args, **kwargs)
@@ -49,7 +49,8 @@ class _Guard(TorchFunctionMode):
 @contextlib.contextmanager
 def factories_follow_inputs(allow: tuple[str, ...] = ()):
     """Within the block, a tensor factory called without ``device=`` raises
-    :class:`DeviceUnspecified` naming the file and line; ``allow``: substrings of
-    ``file:line`` sites that are CPU-only by design (e.g. the Huffman codec's numpy side)."""
+    :class:`DeviceUnspecified` naming the file and line; ``allow``: substrings of the sites
+    (``file:line`` or ``file:function``, e.g. ``"format/layer.py:encode_layer"``) that are
+    CPU-only by design (e.g. the Huffman codec's numpy side)."""
     with _Guard(allow):
         yield

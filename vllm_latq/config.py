@@ -23,6 +23,15 @@ from . import format as fmt
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
+@functools.cache
+def _moe_layer_types() -> tuple[type, ...]:
+    """vLLM's layer classes that ask for a mixture-of-experts method: ``RoutedExperts`` (vLLM ≥
+    0.32), ``FusedMoE`` (earlier releases)."""
+    from vllm.model_executor.layers import fused_moe
+    return tuple(c for c in (getattr(fused_moe, n, None) for n in ("RoutedExperts", "FusedMoE"))
+                 if isinstance(c, type))
+
+
 class LatqConfig(QuantizationConfig):
     """Weight-only latq (SSQR/GPTQ/RTN/Babai dense + CSR, HPTQ/HRTN Huffman) linears."""
 
@@ -96,6 +105,14 @@ class LatqConfig(QuantizationConfig):
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        if isinstance(layer, _moe_layer_types()):
+            if not self.is_converted(prefix):
+                from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            raise NotImplementedError(
+                f"latq: mixture-of-experts layer {prefix} ({type(layer).__name__}): not supported yet (issue 20); "
+                f"the latq kernels serve dense linears only, and the checkpoint does not list {prefix} in "
+                "quantization_config.modules_not_converted (experts stored unquantized must be listed there)")
         if isinstance(layer, ParallelLMHead) and self.lm_head_quantized:
             if not self.is_converted(prefix):
                 raise ValueError(f"latq checkpoint: quantization_config.lm_head_quantized is true but {prefix} is "

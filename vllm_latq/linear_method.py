@@ -187,7 +187,7 @@ def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
     extra = rows - w.out_features
     if extra < 0:
         raise ValueError(f"latq: {w.out_features} rows do not fit a shard of {rows}")
-    q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32), w.bits)
+    q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32, device=w.qweight.device), w.bits)
     return LatqWeight(torch.cat([w.qweight, q.to(w.qweight.dtype)]),
                       torch.cat([w.scales, w.scales.new_zeros(extra, w.scales.shape[1])]),
                       torch.cat([w.crow, w.crow[-1:].expand(extra)]), w.col, w.val, w.bits, w.group_size,
@@ -247,6 +247,7 @@ class LoadState:
     def _part(self, shard: Shard, t: dict):
         c = self.config
         shape = (shard.rows, self.geo.in_features)
+        # cut on the CPU: only this rank's runtime form goes to the layer's device (process_weights_after_loading)
         t = {k: v.detach().cpu() for k, v in t.items()}
         try:
             fmt.validate_layer(t, c.kind, shape, self.bits, c.group_size, layer=shard.name, decode=False)

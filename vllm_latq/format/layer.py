@@ -54,11 +54,12 @@ def tensor_dtype(suffix: str, in_features: int) -> torch.dtype:
 
 def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
     """A solver's :class:`~vllm_latq.quantize.result.QuantResult` → the layer's tensors
-    (suffixes only, e.g. ``"qweight"``)."""
+    (suffixes only, e.g. ``"qweight"``), on the device of ``result.z`` (the Huffman codec is
+    numpy: its tensors are made on the CPU and moved there)."""
+    dev = result.z.device
     if kind == "dense":
         out, cin = result.z.shape
         o = result.outliers
-        dev = result.z.device
         crow = torch.zeros(out + 1, dtype=torch.int32, device=dev) if o is None else o.crow
         col = torch.zeros(0, dtype=torch.int32, device=dev) if o is None else o.col
         val = torch.zeros(0, dtype=torch.float16, device=dev) if o is None else o.val
@@ -68,11 +69,11 @@ def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
                 "outlier_col": col.to(col_dtype(cin)).contiguous(),
                 "outlier_val": val.half().contiguous()}
     s = huffman.encode(result.z)
-    return {"hscale": result.scales.float().reshape(1),
-            "hsymbols": torch.from_numpy(np.asarray(s.code.symbols, np.int32).copy()),
-            "hlengths": torch.from_numpy(np.asarray(s.code.lengths, np.uint8).copy()),
-            "hstream": torch.from_numpy(np.asarray(s.data, np.uint8).copy()),
-            "hchunk_bits": torch.from_numpy(np.asarray(s.chunk_bits, np.uint16).view(np.int16).copy())}
+    return {"hscale": result.scales.float().reshape(1).to(dev),
+            "hsymbols": torch.from_numpy(np.asarray(s.code.symbols, np.int32).copy()).to(dev),
+            "hlengths": torch.from_numpy(np.asarray(s.code.lengths, np.uint8).copy()).to(dev),
+            "hstream": torch.from_numpy(np.asarray(s.data, np.uint8).copy()).to(dev),
+            "hchunk_bits": torch.from_numpy(np.asarray(s.chunk_bits, np.uint16).view(np.int16).copy()).to(dev)}
 
 
 def huffman_stream(t: dict[str, torch.Tensor], numel: int) -> huffman.HuffmanStream:

@@ -243,7 +243,7 @@ def build(w, outlier_mode: str | None = None) -> TritonLayout:
         mode, reason, outl, rmax = "none", "no outliers", {}, 0
     else:
         cdt, vdt = compact_dtypes(K, w.val)
-        eb = torch.empty(0, dtype=cdt).element_size() + torch.empty(0, dtype=vdt).element_size()
+        eb = cdt.itemsize + vdt.itemsize
         model = outlier_model(crow, n_pad, entry_bytes=eb)
         mode = outlier_mode or model["mode"]
         reason = model["reason"] + ("" if outlier_mode is None else f" [forced {outlier_mode}]")

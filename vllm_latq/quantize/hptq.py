@@ -16,14 +16,14 @@ SCALE_BITS = 32  # the per-matrix scale is stored as fp32
 
 
 def hptq_bits(z: torch.Tensor) -> float:
-    """Exact stored bits/weight of a Huffman-coded integer matrix."""
-    return (huffman.coded_bits(z.to(torch.int32).numpy()) + SCALE_BITS) / z.numel()
+    """Exact stored bits/weight of a Huffman-coded integer matrix (the codec is numpy: on the CPU)."""
+    return (huffman.coded_bits(z.to(torch.int32).cpu().numpy()) + SCALE_BITS) / z.numel()
 
 
 def _estimated_bits(z_sample: torch.Tensor, numel: int) -> float:
     """Bits/weight of the full matrix, estimated from a row sample's histogram."""
     _, counts = torch.unique(z_sample, return_counts=True)
-    counts = counts.numpy()
+    counts = counts.cpu().numpy()
     payload = (counts * huffman.code_lengths(counts)).sum() * numel / z_sample.numel()
     return (huffman.stored_bits(int(payload), len(counts), numel) + SCALE_BITS) / numel
 
@@ -44,7 +44,7 @@ def _huffman_search(method, W, target_bits, tol, run, name, **result_kw) -> Quan
     alpha, b, sw, scale, log = scale_search(W, s0, run, bits, target_bits, tol)
     res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scale, None, None, b, **result_kw)
     res.info.update(alpha=alpha, target_bits=target_bits, search=log,
-                    code=huffman.HuffmanCode.fit(sw.z.to(torch.int32).numpy()))
+                    code=huffman.HuffmanCode.fit(sw.z.to(torch.int32).cpu().numpy()))
     return res
 
 

@@ -93,11 +93,11 @@ def min_pivot_order(H: torch.Tensor, damp: float = 0.01, block: int = 64) -> tor
     A = damped(H, damp, H.dtype if H.dtype.is_floating_point else torch.float64)
     c = A.shape[0]
     diag = A.diagonal().clone()
-    taken = torch.zeros(c, dtype=torch.bool)
-    T = torch.empty(c, dtype=torch.long)
+    taken = torch.zeros(c, dtype=torch.bool, device=A.device)
+    T = torch.empty(c, dtype=torch.long, device=A.device)
     for k0 in range(0, c, block):
         nb = min(block, c - k0)
-        Lp = torch.zeros(c, nb, dtype=A.dtype)
+        Lp = torch.zeros(c, nb, dtype=A.dtype, device=A.device)
         for k in range(nb):
             j = int(torch.where(taken, torch.inf, diag).argmin())
             col = A[:, j] - Lp[:, :k] @ Lp[j, :k]
@@ -114,26 +114,27 @@ def min_pivot_order(H: torch.Tensor, damp: float = 0.01, block: int = 64) -> tor
 
 def is_permutation(p: torch.Tensor, n: int) -> bool:
     return (p.dim() == 1 and p.numel() == n
-            and torch.equal(torch.sort(p.long()).values, torch.arange(n)))
+            and torch.equal(torch.sort(p.long()).values, torch.arange(n, device=p.device)))
 
 
 def resolve_order(order, H: torch.Tensor, damp: float, *, babai: bool) -> torch.Tensor:
-    """A name or explicit permutation → the permutation in the solver's own frame."""
+    """A name or explicit permutation → the permutation in the solver's own frame (int64, on
+    H's device)."""
     c = H.shape[0]
     if isinstance(order, torch.Tensor):
         if not is_permutation(order, c):
             raise ValueError(f"order must be a permutation of range({c}), got a tensor of shape "
                              f"{tuple(order.shape)} that is not one")
-        return order.long().cpu()
+        return order.long().to(H.device)
     if order == "natural":
-        return torch.arange(c)
+        return torch.arange(c, device=H.device)
     if order == "reverse":
-        return torch.arange(c).flip(0)
+        return torch.arange(c, device=H.device).flip(0)
     if order == "act":  # GPTQ: descending diag H first; Babai: its reverse
-        p = torch.argsort(H.diagonal().cpu(), descending=True, stable=True)
+        p = torch.argsort(H.diagonal(), descending=True, stable=True)
         return p.flip(0) if babai else p
     if order == "min-pivot":
-        T = min_pivot_order(H.cpu(), damp)
+        T = min_pivot_order(H, damp)
         return T if babai else T.flip(0)
     raise ValueError(f"unknown order {order!r}: use one of {ORDERS} or a permutation tensor")
 
@@ -161,7 +162,8 @@ def bound_from_d(D_col: torch.Tensor, scales: torch.Tensor, group_size: int | No
     group first: no ``[out, in]`` scale matrix). → ``[rows]`` fp64."""
     D = D_col.double()
     if scales.dim() == 0:
-        return torch.full((rows,), 0.25 * scales.double().item() ** 2 * D.sum().item(), dtype=torch.float64)
+        return torch.full((rows,), 0.25 * scales.double().item() ** 2 * D.sum().item(), dtype=torch.float64,
+                          device=D.device)
     G = scales.shape[1]
     Dg = torch.nn.functional.pad(D, (0, G * (group_size or len(D)) - len(D))).reshape(G, -1).sum(1)
     return 0.25 * (scales.double() ** 2 @ Dg)

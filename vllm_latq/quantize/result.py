@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.csr import csr_rows
+from ..format.csr import csr_from_mask, csr_rows
 
 
 @dataclass
@@ -20,10 +20,8 @@ class CSR:
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor, values: torch.Tensor) -> "CSR":
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major: already CSR order
-        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
-        crow[1:] = torch.cumsum(mask.sum(1), 0)
-        return cls(crow, cols.int(), values[rows, cols].half(), tuple(mask.shape))
+        crow, col, val = csr_from_mask(mask, values)
+        return cls(crow, col.int(), val.half(), tuple(mask.shape))
 
     @property
     def nnz(self) -> int:
@@ -31,7 +29,7 @@ class CSR:
 
     def to_dense(self) -> torch.Tensor:
         """fp32 ``[out, in]`` with the outlier values, zeros elsewhere."""
-        out = torch.zeros(self.shape)
+        out = torch.zeros(self.shape, device=self.val.device)
         rows = csr_rows(self.crow, self.nnz)
         out[rows, self.col.long()] = self.val.float()
         return out
@@ -67,6 +65,7 @@ class QuantResult:
         return 0.0 if self.outliers is None else self.outliers.nnz / self.z.numel()
 
     def error(self, W: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-        """Measured per-row ``(q_i - w_i)ᵀ H_d (q_i - w_i)`` with the damping this result used."""
+        """Measured per-row ``(q_i - w_i)ᵀ H_d (q_i - w_i)`` with the damping this result used,
+        on W's device."""
         from .lattice import layer_error
-        return layer_error(W, self.q, H, self.damp or 0.0)
+        return layer_error(W, self.q.to(W.device), H, self.damp or 0.0)

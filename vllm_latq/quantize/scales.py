@@ -86,7 +86,7 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
             s = to_fp16_grid(base * f)
             torch.div(Wg, s[..., None], out=buf).round_().clamp_(qmin, qmax).mul_(s[..., None]).sub_(Wg)
             err = torch.linalg.vecdot(buf, buf)
-            f = torch.as_tensor(f).expand_as(s)
+            f = torch.as_tensor(f, device=s.device).expand_as(s)   # a float (coarse) or a tensor (fine)
             if best is None:
                 return f, s, err
             better = err < best[2]

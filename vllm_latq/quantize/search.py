@@ -80,7 +80,8 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     gen = torch.Generator().manual_seed(seed)
     # ~1/32 of the rows (≥ 16, ≤ 128): a round of `grid` copies costs ≈ 1/3 of a full run.
     n = sample_rows or min(128, max(16, r // 32))
-    idx = torch.randperm(r, generator=gen)[: min(r, n)].sort().values
+    # drawn on the CPU (its generator), so every device samples the same rows
+    idx = torch.randperm(r, generator=gen, device="cpu")[: min(r, n)].sort().values.to(W.device)
     Ws = W[idx]
 
     def sampled(alphas):

@@ -51,7 +51,7 @@ def quantize_linear(name: str, W: torch.Tensor, hessian: Hessian | None, *, meth
     res = solve(method, W, H, name, **solver_kwargs)
     kind = fmt.kind_of(method)
     t = fmt.encode_layer(res, kind)
-    s = layer_stats(name, W.cpu(), H.cpu() if H is not None else None, res, t, kind)
+    s = layer_stats(name, W, H, res, t, kind)
     s["hessian_tokens"] = hessian.n if hessian is not None else 0
     stats.append(s)
     log.info(log_line(s))
@@ -78,17 +78,18 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
 
 
 def layer_stats(name, W, H, res, t, kind) -> dict:
-    """Per-layer record for latq_stats.json (deterministic: no timings). Without a Hessian
-    (uncalibrated methods) there is no output error to report: ``rel_error`` is None."""
+    """Per-layer record for latq_stats.json (deterministic: no timings), computed where ``W``
+    and ``H`` are (``res`` holds CPU tensors). Without a Hessian (uncalibrated methods) there
+    is no output error to report: ``rel_error`` is None."""
     rel = None
     if H is not None:
-        num = layer_error(W, res.q, H).sum().item()
+        num = layer_error(W, res.q.to(W.device), H).sum().item()
         den = layer_error(W, torch.zeros_like(W), H).sum().item()
         rel = num / den if den > 0 else 0.0
     cert = None
     if res.bound is not None:
         err = res.error(W, H)
-        cert = (err / res.bound.clamp_min(1e-300)).max().item()
+        cert = (err / res.bound.to(err.device).clamp_min(1e-300)).max().item()
     st = fmt.layer_stats(t, kind, tuple(W.shape))
     return {"name": name, "method": res.method, "shape": list(W.shape), "bits": st["bits"],
             "solver_bits": float(res.bits_per_weight), "outlier_rate": st["outlier_rate"],

@@ -75,9 +75,9 @@ def _scale_table(scales: torch.Tensor, group_size: int | None, order: torch.Tens
     ``[g·group_size, (g+1)·group_size)``) → (table ``[ngroups, out]`` or ``[1, 1]``, int64
     ``[in]``: the table row of processed column j)."""
     if scales.dim() == 0:
-        return scales.to(dt).reshape(1, 1), torch.zeros(len(order), dtype=torch.long)
+        return scales.to(dt).reshape(1, 1), torch.zeros(len(order), dtype=torch.long, device=order.device)
     sT = scales.T.to(dt).contiguous()               # [ngroups, out]
-    g = order // group_size if sT.shape[0] > 1 else torch.zeros(len(order), dtype=torch.long)
+    g = order // group_size if sT.shape[0] > 1 else torch.zeros(len(order), dtype=torch.long, device=order.device)
     return sT, g.long().contiguous()
 
 
@@ -111,12 +111,12 @@ def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
 INNER = 16  # columns rounded between GEMM updates: the in-sub-block work stays in cache
 
 
-def _outputs(c, r, dt, rounder, keep_rho, zdt=None):
-    """Output tables ``[in, out]``; ``zdt``: the integers' dtype (int32 from the C++ step,
-    which saves a conversion pass; the torch step rounds into ``dt``)."""
-    Zt, Qt = torch.empty(c, r, dtype=zdt or dt), torch.empty(c, r, dtype=dt)
-    Ot = torch.zeros(c, r, dtype=torch.bool) if rounder.outliers else None
-    Rt = torch.empty(c, r, dtype=dt) if keep_rho else None
+def _outputs(c, r, dt, device, rounder, keep_rho, zdt=None):
+    """Output tables ``[in, out]`` on ``device``; ``zdt``: the integers' dtype (int32 from the
+    C++ step, which saves a conversion pass; the torch step rounds into ``dt``)."""
+    Zt, Qt = torch.empty(c, r, dtype=zdt or dt, device=device), torch.empty(c, r, dtype=dt, device=device)
+    Ot = torch.zeros(c, r, dtype=torch.bool, device=device) if rounder.outliers else None
+    Rt = torch.empty(c, r, dtype=dt, device=device) if keep_rho else None
     return Zt, Qt, Ot, Rt
 
 
@@ -144,11 +144,12 @@ def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales:
     table, gidx = _scale_table(scales, group_size, T, dt)
     s = _column_scales(table, gidx)
     c, r = X.shape
-    fast = _native(dt) and M.device.type == "cpu"
-    Zt, Qt, Ot, Rt = _outputs(c, r, dt, rounder, keep_rho, torch.int32 if fast else None)
+    dev = X.device
+    fast = _native(dt) and all(t.device.type == "cpu" for t in (M, X, table))   # the C++ step: CPU only
+    Zt, Qt, Ot, Rt = _outputs(c, r, dt, dev, rounder, keep_rho, torch.int32 if fast else None)
     Tl = T.tolist()
-    B = torch.empty(block_size, r, dtype=dt)         # the block's propagated rows (stays in cache)
-    omega = torch.empty(r, dtype=dt)
+    B = torch.empty(block_size, r, dtype=dt, device=dev)   # the block's propagated rows (stays in cache)
+    omega = torch.empty(r, dtype=dt, device=dev)
     if fast:
         rows, mode = T.long().contiguous(), _mode(rounder)
     for j1 in range(c, 0, -block_size):
@@ -200,12 +201,12 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     # With T = p reversed and (H_d)_TT = AᵀA: (H_d)_pp⁻¹ = J A⁻¹ A⁻ᵀ J, so GPTQ's upper factor
     # of H⁻¹ is U = J A⁻ᵀ J — Babai's factor inverted and reversed: the equivalence in one
     # line. The sweep stays in Babai's frame, so nothing is flipped or copied.
-    L, damp_used = lattice.cholesky(H.cpu(), damp, p.flip(0), name, dtype=dtype)
+    L, damp_used = lattice.cholesky(H, damp, p.flip(0), name, dtype=dtype)
     M = lattice.tri_inv_upper(L.T)
     d = M.diagonal().clone()
     M.div_(d)                                       # in place: no second c×c matrix
     D_col = lattice.d_by_column(L, p.flip(0))
-    return GPTQLattice(p, M.to(H.device), d.to(H.device), D_col.to(H.device), damp_used)
+    return GPTQLattice(p, M, d, D_col, damp_used)
 
 
 def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
@@ -268,7 +269,7 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     lattice.check_inputs(W, H, name)
     scales, group_size = _scales_for(W, bits, group_size, scales)
     S = expand(scales, group_size, tuple(W.shape))
-    z, q = torch.empty(W.shape), torch.empty(W.shape)
+    z, q = torch.empty(W.shape, device=W.device), torch.empty(W.shape, device=W.device)
     Rounder.of(bits, clip)(W.float(), S, z, q)
     return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W)
 
@@ -306,7 +307,7 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     lattice.check_inputs(W, H, name)
     scales, group_size = _scales_for(W, bits, group_size, scales)
     T = lattice.resolve_order(order, H, damp, babai=True)
-    L, damp_used = lattice.cholesky(H.cpu(), damp, T, name, dtype=_compute_dtype(W))
+    L, damp_used = lattice.cholesky(H, damp, T, name, dtype=_compute_dtype(W))
     A = L.T.to(W.device)        # a view: the sweep reads it through strides
     sw = babai_sweep(A, T, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
     return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, lattice.d_by_column(L, T), W)
