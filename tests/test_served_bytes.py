@@ -141,3 +141,36 @@ def test_family_for_device(monkeypatch):
     assert selector.family_for(torch.device("cuda")) is ReferenceKernel
     monkeypatch.setenv("LATQ_KERNEL", "bf16")
     assert selector.family_for(torch.device("cpu")) is None
+
+
+def test_inspect_served_is_what_prepare_builds(tiny_checkpoints):
+    """``latq-inspect``'s served bytes per layer and family (cost models, no prepare) equal the
+    served bytes of the state that family's prepare builds from the layer as the loader forms
+    it (dense as stored; HPTQ transcoded for that family)."""
+    from vllm_latq import format as fmt
+    from vllm_latq.format.checkpoint import Checkpoint
+    from vllm_latq.format.validate import validate_checkpoint
+    from vllm_latq.kernels.reference import from_dense_tensors
+    from vllm_latq.kernels.served import checkpoint_served, families
+
+    for method in ("ssqr", "hptq"):
+        d, _ = tiny_checkpoints[method]
+        rows = validate_checkpoint(d)["layers"]
+        totals = checkpoint_served(d, rows)
+        ck = Checkpoint(d)
+        for r in rows:
+            t, (n, k) = ck.layer_tensors(r["name"]), r["shape"]
+            for fam in families():
+                got = r["served"][fam.name]
+                if ck.spec.kind == "dense":
+                    w = from_dense_tensors(t, ck.spec.bits_of(r["name"]), ck.spec.group_size, k)
+                else:
+                    z = fmt.decode_integers(t, "huffman", (n, k), None)
+                    w = transcode(z, t["hscale"].float().expand(n), family=fam)
+                assert got["bits"] == w.bits
+                if got["kernel"] == fam.name:
+                    assert got["bytes"] == sum(fam.served_bytes(fam.prepare(w)).values()), (r["name"], fam.name)
+                else:   # the bf16 fallback: dequantized once, 2 bytes/weight
+                    assert got["bytes"] == 2 * n * k
+        weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+        assert totals == {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights for f in families()}

@@ -270,8 +270,8 @@ class TritonKernel(LatqKernel):
         """:meth:`served_bytes` of ``triton_layout.build``'s layout from its shapes (padding
         to 16 rows and to the K step) and its outlier choice (``outlier_model`` on the row
         counts; entry dtypes as ``compact_dtypes``)."""
-        if bits not in cls.widths:
-            raise ValueError(f"{bits}-bit inliers (kernels exist for {cls.widths})")
+        if bits not in cls.widths or (-(-k // group) > 1 and group % 16):
+            raise ValueError(f"{bits}-bit inliers, group {group} (kernels: {cls.widths} bits, groups of 16s)")
         step = tlay.step_of(bits)
         n_pad = -(-n // tlay.ROWS) * tlay.ROWS
         k_pad = max(step, -(-k // step) * step)
