@@ -101,11 +101,11 @@ class GridStats:
         row_need = z.new_zeros(n * nb, dtype=torch.int64)
         inexact = z.new_zeros(nb, dtype=torch.int64)
         for r0 in range(0, n, rows):
-            zc = z[r0:r0 + rows].to(torch.int64)
+            zc = z[r0:r0 + rows]
             need = _grid_need(zc)
-            sc = s[r0:r0 + rows]
-            v = zc.double() * (sc[:, None] if sc.dim() == 1 else sc).double()
-            exact = v.float().half().double() == v
+            sc = s[r0:r0 + rows].float()
+            v = zc.float() * (sc[:, None] if sc.dim() == 1 else sc)     # the fp32 value an outlier stores
+            exact = v.half().float() == v
             row0 = torch.arange(r0, r0 + zc.shape[0], device=z.device)[:, None] * nb
             row_need += torch.bincount((row0 + need).reshape(-1), minlength=n * nb)
             inexact += torch.bincount(need[~exact], minlength=nb)
@@ -127,9 +127,11 @@ class GridStats:
 
 
 def _grid_need(z: torch.Tensor) -> torch.Tensor:
-    """The smallest b with z on the signed b-bit grid [-2^(b-1), 2^(b-1)) (≥ 1, ≤ NEED_MAX - 1)."""
-    v = torch.where(z < 0, -z - 1, z)                              # b = bit length of v, plus one
-    return (torch.frexp(v.double()).exponent.long() + 1).clamp_(1, NEED_MAX - 1)
+    """int64: the smallest b with z on the signed b-bit grid [-2^(b-1), 2^(b-1)), at most
+    NEED_MAX - 1 (exact for |z| < 2^24, where fp32 holds v exactly; beyond, ±1 — no kernel
+    width comes near)."""
+    v = torch.bitwise_xor(z, z >> 31) if z.dtype == torch.int32 else torch.where(z < 0, -z - 1, z)
+    return (torch.frexp(v.float()).exponent.to(torch.int64) + 1).clamp_(1, NEED_MAX - 1)   # bit length + 1
 
 
 def runtime_bytes(n: int, k: int, bits: int, group: int, stats: GridStats) -> dict[str, int]:
