@@ -189,10 +189,19 @@ def test_inspect_valid(tiny_checkpoints, capsys):
         assert inspect_main([str(d)]) == 0
         out = capsys.readouterr().out
         assert "model.layers.1.mlp.down_proj" in out and f"method {method}" in out and "OK:" in out
+        assert "served cpu" in out and "served triton" in out and "served (what a decode step streams" in out
         assert inspect_main([str(d), "--json"]) == 0
         rep = json.loads(capsys.readouterr().out)
         assert rep["totals"]["layers"] == 14 and rep["quantization_config"]["method"] == method
         assert [r["name"] for r in rep["layers"]] == list(results)  # module order
+        served = rep["totals"]["served_bits_per_weight"]
+        assert set(served) == {"cpu", "triton"} and all(r["served"]["triton"]["kernel"] == "triton"
+                                                         for r in rep["layers"])
+        # K = 80 is no multiple of the int4 op's groups: on CPU every layer is the bf16 fallback
+        assert served["cpu"] == 16.0 and rep["totals"]["bits_per_weight"] < served["triton"] < 16.0
+    d = tiny_checkpoints["ssqr"][0]
+    assert inspect_main([str(d), "--no-served"]) == 0
+    assert "served" not in capsys.readouterr().out
 
 
 def test_inspect_module_runs(tiny_checkpoints):

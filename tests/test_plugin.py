@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,33 @@ def test_transcode_row_scales_match_scalar_scale():
         transcode(z, torch.full((48,), 0.1))
 
 
+def test_load_report_says_stored_and_served_bits(caplog):
+    """The load log's summary: stored bits/weight (the checkpoint's tensors) and served
+    bits/weight, each layer by the kernel chosen for it (``served_bytes`` of its state)."""
+    import logging
+
+    from vllm_latq.kernels.cpu import CPUKernel
+    from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
+    from vllm_latq.kernels.reference import random_weight
+
+    rep = lm.LoadReport("ssqr")
+    layers = [(random_weight(64, 256, 4, 0.01, group=64, seed=1), CPUKernel, 4.5),
+              (random_weight(40, 256, 8, 0.0, group=64, seed=2), DequantizedBf16Kernel, 8.3)]
+    served = 0
+    with caplog.at_level(logging.INFO, logger="vllm.latq"):
+        for w, k, stored in layers:
+            rep.expect()
+        for w, k, stored in layers:
+            st = k.prepare(w)
+            served += 8 * sum(k.served_bytes(st).values())
+            rep.add("m", w, k, st, stored)
+    n = [w.out_features * w.in_features for w, _, _ in layers]
+    assert rep.served_bits() == pytest.approx(served / sum(n))
+    stored = (4.5 * n[0] + 8.3 * n[1]) / sum(n)
+    line = [r.getMessage() for r in caplog.records if "linears loaded" in r.getMessage()]
+    assert len(line) == 1 and f"stored {stored:.3f} bits/weight, served {served / sum(n):.3f} bits/weight" in line[0]
+
+
 def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):
     """LATQ_KERNEL=dequant (opt-in, used by the real-model tests): bit-identical to the
     reference; never chosen without being forced."""
@@ -433,6 +461,9 @@ def test_tiny_vllm_through_triton_interpreter(tiny):
         assert "error" not in r, r.get("traceback")
     loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]
     assert len(loaded) == 4 and all("kernels {'triton': 8}" in line for line in loaded[1::2]), loaded
+    served = [re.search(r"stored (\S+) bits/weight, served (\S+) bits/weight with the kernel chosen", line)
+              for line in loaded]
+    assert all(served) and all(float(m[2]) > float(m[1]) for m in served), loaded   # padding: K = 80
     _check_equal(tiny["ssqr"], res[1]["tokens"], res[0]["tokens"])
     _check_equal(tiny["hptq"], res[3]["tokens"], res[2]["tokens"])
 

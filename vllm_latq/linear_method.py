@@ -27,8 +27,10 @@ Per rank (r = tp_rank; rows = output dim, cols = input dim):
   (off a group boundary the runtime group size becomes gcd(g, r·k) with scales repeated —
   exact), CSR outliers filtered to the column range and their columns re-based to 0.
 - HPTQ/HRTN: the Huffman stream is decoded once (whole matrix), cut like the dense case,
-  and transcoded to dense+CSR with the inlier width that minimises bytes for this rank's
-  matrix (one fp16 scale per row: q, k, v keep their own per-matrix scales).
+  and transcoded to dense+CSR with the inlier width, among those the device's kernel family
+  takes (CUDA: Triton's 2–4 bits; CPU: 2–8), that minimises that family's served bytes for
+  this rank's matrix (``selector.family_for``; one fp16 scale per row: q, k, v keep their
+  own per-matrix scales).
 """
 from __future__ import annotations
 
@@ -221,6 +223,8 @@ class LoadState:
         self.stash: dict = {}
         self.parts: dict = {}     # shard id → (z, row scales) for huffman, LatqWeight for dense
         self.weight: LatqWeight | None = None
+        self.family = None        # the kernel family whose served bytes choose HPTQ widths (the method sets it)
+        self.stored_bytes = 0     # checkpoint bytes of this layer's tensors (the load report's stored bits)
 
     def expected(self) -> dict:
         return {None: self.geo.fused} if self.fused else self.geo.shards
@@ -270,7 +274,7 @@ class LoadState:
         z = torch.cat([p[0] for p in parts])
         s = torch.cat([p[1] for p in parts])
         try:
-            return transcode(z, s)   # per-row scales: a fused layer's parts keep their own
+            return transcode(z, s, family=self.family)   # per-row scales: a fused layer's parts keep their own
         except ValueError as e:
             raise fmt.FormatError(f"latq checkpoint: layer {self.prefix}: {e}") from e
 
@@ -297,13 +301,16 @@ class LatqLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
-        layer._latq_load = LoadState(layer, self.config, geometry(layer, self.config.hf_names(layer.prefix)))
+        st = layer._latq_load = LoadState(layer, self.config, geometry(layer, self.config.hf_names(layer.prefix)))
         layer._latq_act_dtype = params_dtype
         for name in names:
             dtype = fmt.tensor_dtype(name, input_size)
             p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
             set_weight_attrs(p, {"weight_loader": _Loader(layer, name)})
             layer.register_parameter(name, p)
+        # the placeholders are made on the device the model is built on: its kernel family's
+        # widths and served bytes choose the inlier width of a transcoded (HPTQ) layer
+        st.family = selector.family_for(p.device)
         self.report.expect()
 
     def process_weights_after_loading(self, layer) -> None:
@@ -317,6 +324,8 @@ class LatqLinearMethod(LinearMethodBase):
         for name in names:
             delattr(layer, name)
         w = st.weight
+        shards = [st.geo.fused] if st.fused else list(st.geo.shards.values())
+        stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
         del layer._latq_load
         w = LatqWeight(*(getattr(w, f).to(device) for f in ("qweight", "scales", "crow", "col", "val")),
                        w.bits, w.group_size, w.in_features)
@@ -332,7 +341,7 @@ class LatqLinearMethod(LinearMethodBase):
         layer.latq_ntensors = len(tensors)
         layer.latq_ints = list(ints)
         layer.latq_out = w.out_features
-        self.report.add(layer.prefix, w, kernel)
+        self.report.add(layer.prefix, w, kernel, state, stored_bits)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -354,40 +363,52 @@ class _Loader:
 
     def __call__(self, param, loaded_weight: torch.Tensor, shard_id=None) -> None:
         st: LoadState = self.layer._latq_load
+        st.stored_bytes += loaded_weight.numel() * loaded_weight.element_size()
         st.add(self.name, loaded_weight, shard_id)
 
 
 class LoadReport:
     """What the latq layers of one model load were loaded as: a debug line per layer, and one
-    info summary when the last layer that ``create_weights`` announced is processed. Owned by
-    the :class:`~vllm_latq.config.LatqConfig` of that load and handed to each method."""
+    info summary when the last layer that ``create_weights`` announced is processed — stored
+    bits/weight (the checkpoint's tensors) and served bits/weight (what the kernel chosen per
+    layer streams each decode step, ``LatqKernel.served_bytes``). Owned by the
+    :class:`~vllm_latq.config.LatqConfig` of that load and handed to each method."""
 
     def __init__(self, method: str):
         self.method = method
         self.expected = 0
-        self.layers: list[tuple[int, float, int, int, str]] = []   # (weights, bits/weight, bits, nnz, kernel)
+        # (weights, stored bits/weight, served bits/weight, bits, nnz, kernel)
+        self.layers: list[tuple[int, float, float, int, int, str]] = []
 
     def expect(self) -> None:
         self.expected += 1
 
-    def add(self, prefix: str, w: LatqWeight, kernel) -> None:
+    def add(self, prefix: str, w: LatqWeight, kernel, state, stored_bits: float) -> None:
         n = w.out_features * w.in_features
-        bpw = w.bits_per_weight()
-        logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, runtime %.3f bits/weight, "
-                     "kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size, 100 * w.nnz / n,
-                     bpw, kernel.name)
-        self.layers.append((n, bpw, w.bits, w.nnz, kernel.name))
+        served = kernel.served_bytes(state)
+        bpw = 8 * sum(served.values()) / n
+        logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, stored %.3f bits/weight, served "
+                     "%.3f bits/weight (%s), kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size,
+                     100 * w.nnz / n, stored_bits, bpw, ", ".join(f"{k} {v} B" for k, v in served.items()),
+                     kernel.name)
+        self.layers.append((n, stored_bits, bpw, w.bits, w.nnz, kernel.name))
         if len(self.layers) == self.expected:
             logger.info("latq: %s", self.summary())
+
+    def served_bits(self) -> float:
+        """Served bits/weight of the model's latq layers, each with its chosen kernel."""
+        total = sum(s[0] for s in self.layers)
+        return sum(s[0] * s[2] for s in self.layers) / total
 
     def summary(self) -> str:
         total = sum(s[0] for s in self.layers)
         widths: dict = {}
         kernels: dict = {}
         for s in self.layers:
-            widths[s[2]] = widths.get(s[2], 0) + 1
-            kernels[s[4]] = kernels.get(s[4], 0) + 1
-        return (f"{len(self.layers)} linears loaded ({self.method} checkpoint): runtime "
-                f"{sum(s[0] * s[1] for s in self.layers) / total:.3f} bits/weight, inlier widths "
-                f"{dict(sorted(widths.items()))}, {100 * sum(s[3] for s in self.layers) / total:.3f}% outliers, "
+            widths[s[3]] = widths.get(s[3], 0) + 1
+            kernels[s[5]] = kernels.get(s[5], 0) + 1
+        return (f"{len(self.layers)} linears loaded ({self.method} checkpoint): stored "
+                f"{sum(s[0] * s[1] for s in self.layers) / total:.3f} bits/weight, served "
+                f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer, inlier widths "
+                f"{dict(sorted(widths.items()))}, {100 * sum(s[4] for s in self.layers) / total:.3f}% outliers, "
                 f"kernels {kernels}")

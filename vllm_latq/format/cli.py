@@ -1,5 +1,6 @@
 """``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
-(``python -m vllm_latq.format.cli`` runs it too)."""
+(``python -m vllm_latq.format.cli`` runs it too), plus each layer's served bits/weight per
+kernel family (:mod:`vllm_latq.kernels.served`, imported only when run)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,8 @@ def inspect_main(argv=None) -> int:
     ap.add_argument("--no-decode", action="store_true", help="skip decoding the Huffman streams (faster)")
     ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 verification")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--no-served", action="store_true",
+                    help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
     a = ap.parse_args(argv)
     try:
         report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_checksums,
@@ -26,6 +29,11 @@ def inspect_main(argv=None) -> int:
     except FormatError as e:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
         return 2
+    if not a.no_served:
+        # the one reach above the format: the kernels' cost models (imported here only, so
+        # reading and validating a checkpoint never loads them)
+        from ..kernels.served import checkpoint_served
+        report["totals"]["served_bits_per_weight"] = checkpoint_served(a.checkpoint, report["layers"])
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}
         out["quantization_config"] = Checkpoint(a.checkpoint).config["quantization_config"]

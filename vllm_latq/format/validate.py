@@ -115,24 +115,38 @@ def _totals(ck: Checkpoint, rows: list[dict], model) -> dict:
 
 
 def format_report(report: dict) -> str:
+    """The per-layer table; with ``served`` in the rows (``latq-inspect`` adds it from the
+    kernels' cost models) a stored and a served bits/weight column per kernel family."""
     spec: QuantSpec = report["spec"]
     budget = (f"{spec.bits}-bit g{spec.group_size}" + (f", outlier rate ≤ {spec.outlier_rate:g}"
                                                         if spec.method == "ssqr" else "")
               + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
               if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
+    fams = list(report["layers"][0].get("served", {})) if report["layers"] else []
     lines = [f"latq format v{FORMAT_VERSION} · method {spec.method} ({spec.kind}) · {budget}"
              f" · order {spec.order} · damp {spec.damp}",
-             f"{'layer':44s} {'shape':>11s} {'bits/w':>7s} {'outl%':>6s} {'rel.err':>9s} {'cert':>6s}"]
+             f"{'layer':44s} {'shape':>11s} {'bits/w':>7s} {'outl%':>6s} {'rel.err':>9s} {'cert':>6s}"
+             + "".join(f" {'served ' + f:>16s}" for f in fams)]
 
     def f(x, spec_):
         return format(x, spec_) if isinstance(x, (int, float)) else "—"
     for r in report["layers"]:
         shp = "x".join(map(str, r["shape"]))
+        served = "".join(f" {_served_cell(r['served'][fam]):>16s}" for fam in fams)
         lines.append(f"{r['name']:44s} {shp:>11s} {r['bits']:7.3f} {100 * r['outlier_rate']:6.3f} "
-                     f"{f(r['rel_error'], '9.2e'):>9s} {f(r['cert'], '6.3f'):>6s}")
+                     f"{f(r['rel_error'], '9.2e'):>9s} {f(r['cert'], '6.3f'):>6s}{served}")
     t = report["totals"]
     lines.append(f"total: {t['layers']} quantized layers, {t['quantized_params']:,} weights at "
                  f"{t['bits_per_weight']:.4f} bits/weight (outliers {100 * t['outlier_rate']:.3f}%); "
                  f"all tensors {t['tensor_bytes'] / 2**20:.1f} MiB = {t['bits_per_param_all']:.3f} bits/param "
                  f"over {t['params']:,} params (embeddings etc. in the model dtype)")
+    if "served_bits_per_weight" in t:
+        lines.append("served (what a decode step streams, per kernel family): " + ", ".join(
+            f"{fam} {b:.4f}" for fam, b in t["served_bits_per_weight"].items())
+            + f" bits/weight vs stored {t['bits_per_weight']:.4f}")
     return "\n".join(lines)
+
+
+def _served_cell(s: dict) -> str:
+    """``4.812 (4b triton)``: served bits/weight, the inlier width, the kernel that serves it."""
+    return f"{s['bits_per_weight']:.3f} ({s['bits']}b {s['kernel']})"

@@ -16,6 +16,14 @@ fields are tensors (annotation mentions ``Tensor``; ``None`` allowed) or ints; a
 another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goes (batch-size
 branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
 tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
+
+Served bytes (issue 21: decode speed is set by the bytes each step streams, so a layer's
+cost is its *served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
+prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
+index and padding); ``layout_bytes(n, k, bits, group, stats)`` is the same number from the
+layer's :class:`~vllm_latq.kernels.reference.GridStats` without preparing it — the cost model
+:func:`~vllm_latq.kernels.reference.transcode` chooses HPTQ widths by (among ``widths``, the
+inlier widths the kernel takes) and ``latq-inspect`` reports. Tests tie the two per kernel.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .reference import LatqWeight
+from .reference import RUNTIME_WIDTHS, GridStats, LatqWeight
 
 
 def _is_tensor_field(f: dataclasses.Field) -> bool:
@@ -74,6 +82,7 @@ class LatqKernel:
     name = "base"
     state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)
     auto_select = True            # False: only when forced by name (``LATQ_KERNEL``)
+    widths: tuple[int, ...] = RUNTIME_WIDTHS   # inlier widths the kernel takes
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[bool, str | None]:
@@ -93,6 +102,22 @@ class LatqKernel:
     def reserve(cls, state: Any, act_dtype: torch.dtype) -> None:
         """Allocate at load what ``apply`` would otherwise allocate on a first large call (a
         buffer grown during CUDA-graph capture would be freed under the captured graph)."""
+
+    @classmethod
+    def served_bytes(cls, state: Any) -> dict[str, int]:
+        """Bytes of the prepared state one decode step streams, by part (``numel ·
+        element_size`` of the tensors ``apply`` reads). Default: every state tensor, as
+        ``other``; kernels split them into inliers / scales / outliers and say what they leave
+        out."""
+        tensors, _ = cls.flatten(state)
+        return {"other": sum(t.numel() * t.element_size() for t in tensors if t is not None)}
+
+    @classmethod
+    def layout_bytes(cls, n: int, k: int, bits: int, group: int, stats: GridStats) -> dict[str, int]:
+        """``served_bytes`` of the state ``prepare`` would build for an ``n``×``k`` layer with
+        ``bits``-bit inliers, ``group`` columns per scale and the integers of ``stats``;
+        ValueError if the kernel cannot lay it out."""
+        raise NotImplementedError
 
     @classmethod
     def native_op(cls):

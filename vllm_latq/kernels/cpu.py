@@ -43,7 +43,7 @@ import torch
 from .. import format as fmt
 from .. import native
 from .base import LatqKernel
-from .cpu_layouts import (detect_layout, has_int4_op, int4_ops, tile_entries, tiles_from_csr,
+from .cpu_layouts import (detect_layout, has_int4_op, int4_ops, nbytes, state_bytes, tile_entries, tiles_from_csr,
                           unpack_int4pack)
 from .reference import LatqWeight
 
@@ -86,8 +86,7 @@ class CPUState:
     layout_halves: int
 
 
-def _op_group(w: LatqWeight) -> int | None:
-    K, g = w.in_features, w.group_size
+def _op_group(K: int, g: int) -> int | None:
     for go in OP_GROUPS:
         if K % go == 0 and (g % go == 0 or g >= K):
             return go
@@ -111,6 +110,7 @@ class CPUKernel(LatqKernel):
     """torch's int4pack GEMM + MKL CSR outliers; bf16 compute, output in x.dtype."""
     name = "cpu"
     state_cls = CPUState
+    widths = tuple(range(2, MAX_BITS + 1))
 
     @classmethod
     def can_implement(cls, w, device, act_dtype):
@@ -125,11 +125,28 @@ class CPUKernel(LatqKernel):
             return False, f"{w.bits}-bit inliers: the CPU path takes 1..{MAX_BITS} bits"
         if w.out_features % 16:
             return False, f"out_features={w.out_features} is not a multiple of 16 (int4pack layout)"
-        if _op_group(w) is None:
+        if _op_group(w.in_features, w.group_size) is None:
             return False, (f"in_features={w.in_features} with group size {w.group_size}: the int4 op "
                            f"needs a group size in {OP_GROUPS} dividing both in_features and the "
                            f"latq group size")
         return True, None
+
+    @classmethod
+    def served_bytes(cls, state: CPUState) -> dict[str, int]:
+        """Every state tensor (``scales_and_zeros`` with its zeros: the op reads them)."""
+        t = [getattr(state, f) for f in ("crow", "col", "val", "tile_off", "tile_rows", "tile_col", "tile_val")]
+        return {"inliers": nbytes(state.packed), "scales": nbytes(state.scales_zeros), "outliers": nbytes(*t)}
+
+    @classmethod
+    def layout_bytes(cls, n, k, bits, group, stats):
+        """:meth:`served_bytes` from :meth:`prepare`'s decisions: op group, two planes or 4 bits
+        + outliers past 4 bits (``SPLIT_MAX_EXTRA_RATE``), tiles or CSR (``_tiles_here``)."""
+        go = _op_group(k, group)
+        if not 1 <= bits <= MAX_BITS or n % 16 or go is None:
+            raise ValueError(f"the CPU kernel cannot lay out a {n}x{k} {bits}-bit layer with group {group}")
+        planes = 2 if bits > 4 and stats.off_grid(4) - stats.off_grid(bits) > SPLIT_MAX_EXTRA_RATE * n * k else 1
+        counts = stats.row_outliers(4 if bits > 4 and planes == 1 else bits)
+        return state_bytes(n, k, planes, go, counts, _tiles_here(k))
 
     @classmethod
     def native_op(cls):
@@ -148,7 +165,7 @@ class CPUKernel(LatqKernel):
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
         pack, _ = int4_ops()
-        N, K, go = w.out_features, w.in_features, _op_group(w)
+        N, K, go = w.out_features, w.in_features, _op_group(w.in_features, w.group_size)
         planes = 1
         extra_rows, extra_cols, extra_vals = [], [], []
         if w.bits > 4:

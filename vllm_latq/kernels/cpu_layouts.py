@@ -95,12 +95,10 @@ def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
     padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR."""
     N = crow.numel() - 1
     cnt = (crow[1:] - crow[:-1]).long()
-    block = torch.arange(N) // TILE_BLOCK
-    order = torch.argsort(block * (int(cnt.max()) + 1) - cnt, stable=True)   # per block, longest first
+    block, order, slots = _tile_order(cnt)
     T = -(-N // TILE)
     rows = (TILE_BLOCK + torch.arange(TILE)).repeat(T)                         # lanes without a row
     rows[:N] = order - block[order] * TILE_BLOCK
-    slots = cnt[order][torch.arange(T) * TILE]                                 # longest row of each tile
     off = torch.zeros(T + 1, dtype=torch.long)
     off[1:] = torch.cumsum(slots, 0)
     pos = torch.empty(N, dtype=torch.long)
@@ -114,6 +112,36 @@ def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
     tcol[dest] = col.to(torch.int16)
     tval[dest] = val.float()
     return off.int(), rows.view(T, TILE).int(), tcol.view(S, TILE), tval.view(S, TILE)
+
+
+def _tile_order(cnt: torch.Tensor):
+    """Outliers per row → (each row's 64-row block, the rows in tile order, each tile's slots)."""
+    N = cnt.numel()
+    block = torch.arange(N, device=cnt.device) // TILE_BLOCK
+    order = torch.argsort(block * (int(cnt.max()) + 1) - cnt, stable=True)   # per block, longest first
+    slots = cnt[order][torch.arange(-(-N // TILE), device=cnt.device) * TILE]  # longest row of each tile
+    return block, order, slots
+
+
+def tile_bytes(cnt: torch.Tensor) -> int:
+    """Bytes of :func:`tiles_from_csr`'s four arrays for a layer with ``cnt[r]`` outliers in
+    row r (the padding slots included)."""
+    T = -(-cnt.numel() // TILE)
+    S = int(_tile_order(cnt.long())[2].sum())
+    return 4 * (T + 1) + 4 * T * TILE + (2 + 4) * S * TILE
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def state_bytes(n: int, k: int, planes: int, go: int, counts: torch.Tensor, tiles: bool) -> dict[str, int]:
+    """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16
+    ``scales_and_zeros`` [K·planes/go, N, 2], the outliers (``counts[r]`` in row r) as tiles or
+    as an fp32 CSR (int32 crow/col)."""
+    nnz = int(counts.sum())
+    outl = 0 if not nnz else tile_bytes(counts) if tiles else 4 * (n + 1) + 8 * nnz
+    return {"inliers": n * k * planes // 2, "scales": k * planes // go * n * 4, "outliers": outl}
 
 
 def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,

@@ -5,7 +5,7 @@ dequantize-once kernels (:mod:`~vllm_latq.kernels.dequantized`) cover every laye
 from __future__ import annotations
 
 from .base import LatqKernel
-from .reference import latq_linear_ref
+from .reference import latq_linear_ref, runtime_bytes, weight_bytes
 
 
 class ReferenceKernel(LatqKernel):
@@ -23,3 +23,11 @@ class ReferenceKernel(LatqKernel):
     @classmethod
     def apply(cls, state, x, bias=None):
         return latq_linear_ref(x, state, bias)
+
+    @classmethod
+    def served_bytes(cls, state):
+        return weight_bytes(state)
+
+    @classmethod
+    def layout_bytes(cls, n, k, bits, group, stats):
+        return runtime_bytes(n, k, bits, group, stats)

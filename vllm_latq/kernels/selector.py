@@ -52,6 +52,21 @@ def forced_kernel() -> str | None:
     return ALIASES.get(forced, forced) or None
 
 
+FAMILY_OF_DEVICE = {"cuda": "triton", "cpu": "cpu"}   # the compressed kernel family per device type
+
+
+def family_for(device: torch.device) -> type[LatqKernel] | None:
+    """The compressed kernel family that serves layers on ``device`` (``LATQ_KERNEL`` when it
+    forces one): its ``widths`` and ``layout_bytes`` choose an HPTQ layer's inlier width at
+    load (:func:`~vllm_latq.kernels.reference.transcode`). None: none is available here (the
+    runtime form's own bytes choose)."""
+    name = forced_kernel() or FAMILY_OF_DEVICE.get(torch.device(device).type)
+    for k in kernels():
+        if k.name == name and "layout_bytes" in vars(k):
+            return k
+    return None
+
+
 _WARNED: set[str] = set()
 
 

@@ -228,6 +228,7 @@ class TritonKernel(LatqKernel):
     the crossover of :func:`~.triton_dequant.large_m_threshold` on, dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
+    widths = (2, 3, 4)
     workspace = DequantWorkspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
 
     @classmethod
@@ -253,6 +254,39 @@ class TritonKernel(LatqKernel):
         if w.out_features * w.in_features >= 2**35 or w.nnz >= 2**31 // 16:
             return False, "layer too large for int32 offsets"
         return True, None
+
+    @classmethod
+    def served_bytes(cls, state: TritonState) -> dict[str, int]:
+        """The planes, the fp16 scales and the ELL/CSR outlier arrays (with the ELL padding
+        slots and the int16/fp16 compaction), as laid out. Left out: ``tickets`` (split-K
+        counters, not weights: 4 bytes per 16 rows, touched only when SPLIT > 1)."""
+        def nb(*ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return {"inliers": nb(state.plane_a, state.plane_h), "scales": nb(state.scales),
+                "outliers": nb(state.o0, state.o1, state.o2, state.o3)}
+
+    @classmethod
+    def layout_bytes(cls, n, k, bits, group, stats):
+        """:meth:`served_bytes` of ``triton_layout.build``'s layout from its shapes (padding
+        to 16 rows and to the K step) and its outlier choice (``outlier_model`` on the row
+        counts; entry dtypes as ``compact_dtypes``)."""
+        if bits not in cls.widths or (-(-k // group) > 1 and group % 16):
+            raise ValueError(f"{bits}-bit inliers, group {group} (kernels: {cls.widths} bits, groups of 16s)")
+        step = tlay.step_of(bits)
+        n_pad = -(-n // tlay.ROWS) * tlay.ROWS
+        k_pad = max(step, -(-k // step) * step)
+        g = k_pad if -(-k // group) == 1 else group
+        out = {"inliers": n_pad * k_pad * bits // 8, "scales": n_pad * -(-k_pad // g) * 2, "outliers": 0}
+        counts = stats.row_outliers(bits)
+        nnz = int(counts.sum())
+        if nnz:
+            eb = (2 if k <= 32768 else 4) + (2 if stats.fp16_values(bits) else 4)
+            crow = torch.zeros(n + 1, dtype=torch.int64, device=counts.device)
+            crow[1:] = torch.cumsum(counts, 0)
+            model = tlay.outlier_model(crow, n_pad, entry_bytes=eb)
+            out["outliers"] = (model["slots"] * eb + 4 * (n_pad // tlay.ROWS + 1) if model["mode"] == "ell"
+                               else nnz * (4 + eb) + 4 * (n_pad + 1))
+        return out
 
     @classmethod
     def prepare(cls, w: LatqWeight, outlier_mode: str | None = None) -> TritonState:

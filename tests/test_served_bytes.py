@@ -1,0 +1,176 @@
+"""Issue 21: served bytes per kernel family, and the device-aware HPTQ transcode they drive.
+
+Per family, ``served_bytes(prepare(w))`` is the sum of ``numel · element_size`` of the
+state's tensors that ``apply`` reads (Triton leaves out its split-K tickets: counters, not
+weights), and the cost model ``layout_bytes`` (what transcode and ``latq-inspect`` use,
+without preparing) gives the same numbers. ``transcode(z, s, family=K)`` stays exact and
+takes the width with K's fewest served bytes among K's widths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.device_guard import factories_follow_inputs
+from vllm_latq.kernels import cpu, selector
+from vllm_latq.kernels.cpu import CPUKernel
+from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
+from vllm_latq.kernels.reference import (FALLBACK_BYTES, GridStats, _grid_need, dequantize, latq_linear_ref,
+                                         random_weight, runtime_bytes, transcode)
+from vllm_latq.kernels.reference_kernel import ReferenceKernel
+from vllm_latq.kernels.triton_kernels import TritonKernel
+
+S = float(torch.tensor(0.0137).half())   # an fp16-exact per-matrix scale
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _model(K, w):
+    return K.layout_bytes(w.out_features, w.in_features, w.bits, w.group_size, GridStats.from_weight(w))
+
+
+def hptq(out, cin, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(out, cin, generator=g).clamp(1e-6, 1 - 1e-6) - 0.5   # Laplace by inversion
+    return torch.round(-spread * u.sign() * torch.log1p(-2 * u.abs())).int().clamp(-3000, 3000)
+
+
+def test_grid_need_is_the_smallest_grid():
+    z = torch.arange(-70000, 70000, 7, dtype=torch.int32)
+    need = _grid_need(z)
+    for b in range(1, 20):
+        on = (z >= -(2 ** (b - 1))) & (z < 2 ** (b - 1))
+        assert torch.equal(on, need <= b), b
+
+
+@pytest.mark.parametrize("bits,rate,shape,group", [(4, 0.01, (160, 320), 64), (3, 0.05, (100, 640), 128),
+                                                   (2, 0.0, (48, 256), 32), (4, 0.3, (32, 96), 96),
+                                                   (2, 0.02, (64, 40000), 128)])
+def test_triton_served_bytes(bits, rate, shape, group):
+    """Planes (padded to 16 rows and the K step), fp16 scales, ELL/CSR entries with padding and
+    int16/fp16 compaction (int32 columns past K = 32768); ``rows``: a crowded row makes CSR win."""
+    w = random_weight(*shape, bits, rate, group=group, seed=bits, rows=((3, 0.9),) if rate > 0.2 else ())
+    st = TritonKernel.prepare(w)
+    got = TritonKernel.served_bytes(st)
+    tensors, _ = TritonKernel.flatten(st)
+    assert sum(got.values()) == _nbytes(tensors) - _nbytes([st.tickets])
+    assert got == _model(TritonKernel, w)
+    assert (got["outliers"] > 0) == (rate > 0)
+    for mode in ("ell", "csr") if rate else ():   # both outlier forms are counted as laid out
+        st = TritonKernel.prepare(w, outlier_mode=mode)
+        assert sum(TritonKernel.served_bytes(st).values()) == _nbytes(TritonKernel.flatten(st)[0]) - _nbytes([st.tickets])
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("bits,rate,split", [(4, 0.01, 0.05), (3, 0.0, 0.05), (6, 0.01, 0.0), (6, 0.01, 1.0),
+                                             (8, 0.02, 0.05)])
+def test_cpu_served_bytes(monkeypatch, tiles, bits, rate, split):
+    """int4pack bytes (two planes for 5–8 bits, or 4 bits + outliers), bf16 scales_and_zeros,
+    the fp32 CSR or the C++ op's tiles with their padding."""
+    monkeypatch.setattr(cpu, "_tiles_here", lambda k: tiles)
+    monkeypatch.setattr(cpu, "SPLIT_MAX_EXTRA_RATE", split)
+    w = random_weight(192, 576, bits, rate, group=64, seed=bits)
+    st = CPUKernel.prepare(w)
+    got = CPUKernel.served_bytes(st)
+    assert sum(got.values()) == _nbytes(CPUKernel.flatten(st)[0])
+    assert got == _model(CPUKernel, w)
+    assert (st.tile_col is not None) == (tiles and got["outliers"] > 0)
+
+
+def test_fallback_and_reference_served_bytes():
+    w = random_weight(40, 256, 8, 0.01, group=32, seed=2)
+    assert DequantizedBf16Kernel.served_bytes(DequantizedBf16Kernel.prepare(w)) == {"other": 2 * 40 * 256}
+    got = ReferenceKernel.served_bytes(ReferenceKernel.prepare(w))
+    assert sum(got.values()) == _nbytes([w.qweight, w.scales, w.crow, w.col, w.val])
+    assert got == _model(ReferenceKernel, w) == runtime_bytes(40, 256, 8, 32, GridStats.from_weight(w))
+    with pytest.raises(ValueError):
+        CPUKernel.layout_bytes(40, 256, 8, 32, GridStats.from_weight(w))   # 40 rows: not the int4pack's 16s
+    with pytest.raises(ValueError):
+        TritonKernel.layout_bytes(40, 256, 8, 32, GridStats.from_weight(w))
+
+
+@pytest.mark.parametrize("family", [None, CPUKernel, TritonKernel])
+@pytest.mark.parametrize("shape,spread", [((256, 640), 1.5), ((128, 1024), 6.0), ((64, 576), 40.0)])
+def test_transcode_picks_the_familys_cheapest_width(family, shape, spread):
+    """Exact against z·s; the width is the family's cheapest by its own served bytes, or — when
+    even that costs more than the bf16 fallback — one the family does not take."""
+    z = hptq(*shape, spread, seed=shape[0])
+    n, k = shape
+    w = transcode(z, S, family=family)
+    assert torch.equal(dequantize(w), z.float() * S)
+    x = torch.randn(3, k)
+    assert torch.equal(latq_linear_ref(x, w), x @ (z.float() * S).T)
+    stats = GridStats.from_integers(z, torch.full((n,), S))
+    if family is None:
+        costs = {b: sum(runtime_bytes(n, k, b, k, stats).values()) for b in range(2, 9)}
+        assert costs[w.bits] == min(costs.values())
+        return
+    costs = {b: sum(family.layout_bytes(n, k, b, k, stats).values()) for b in family.widths}
+    if min(costs.values()) <= FALLBACK_BYTES * n * k:
+        assert w.bits in family.widths and costs[w.bits] == min(costs.values())
+        assert sum(family.served_bytes(family.prepare(w)).values()) == costs[w.bits]
+    else:
+        assert w.bits not in family.widths
+
+
+def test_transcode_for_triton_caps_at_four_bits():
+    """A layer the runtime form would serve at 5 bits goes to Triton at ≤ 4 bits (more outliers),
+    so it runs compressed instead of on the bf16 fallback."""
+    z = hptq(256, 1024, 4.0, seed=3)
+    assert transcode(z, S).bits >= 5
+    w = transcode(z, S, family=TritonKernel)
+    assert w.bits in (2, 3, 4) and w.nnz > 0
+    assert TritonKernel.served_bytes(TritonKernel.prepare(w))["outliers"] > 0
+
+
+def test_transcode_is_device_clean():
+    z, rows = hptq(64, 576, 6.0, seed=5), torch.full((64,), S)
+    with factories_follow_inputs():
+        for family in (None, CPUKernel, TritonKernel):
+            transcode(z, S, family=family)
+            transcode(z, rows, family=family)
+
+
+def test_family_for_device(monkeypatch):
+    monkeypatch.delenv("LATQ_KERNEL", raising=False)
+    assert selector.family_for(torch.device("cuda")) is TritonKernel
+    assert selector.family_for(torch.device("cpu")) is CPUKernel
+    monkeypatch.setenv("LATQ_KERNEL", "reference")
+    assert selector.family_for(torch.device("cuda")) is ReferenceKernel
+    monkeypatch.setenv("LATQ_KERNEL", "bf16")
+    assert selector.family_for(torch.device("cpu")) is None
+
+
+def test_inspect_served_is_what_prepare_builds(tiny_checkpoints):
+    """``latq-inspect``'s served bytes per layer and family (cost models, no prepare) equal the
+    served bytes of the state that family's prepare builds from the layer as the loader forms
+    it (dense as stored; HPTQ transcoded for that family)."""
+    from vllm_latq import format as fmt
+    from vllm_latq.format.checkpoint import Checkpoint
+    from vllm_latq.format.validate import validate_checkpoint
+    from vllm_latq.kernels.reference import from_dense_tensors
+    from vllm_latq.kernels.served import checkpoint_served, families
+
+    for method in ("ssqr", "hptq"):
+        d, _ = tiny_checkpoints[method]
+        rows = validate_checkpoint(d)["layers"]
+        totals = checkpoint_served(d, rows)
+        ck = Checkpoint(d)
+        for r in rows:
+            t, (n, k) = ck.layer_tensors(r["name"]), r["shape"]
+            for fam in families():
+                got = r["served"][fam.name]
+                if ck.spec.kind == "dense":
+                    w = from_dense_tensors(t, ck.spec.bits_of(r["name"]), ck.spec.group_size, k)
+                else:
+                    z = fmt.decode_integers(t, "huffman", (n, k), None)
+                    w = transcode(z, t["hscale"].float().expand(n), family=fam)
+                assert got["bits"] == w.bits
+                if got["kernel"] == fam.name:
+                    assert got["bytes"] == sum(fam.served_bytes(fam.prepare(w)).values()), (r["name"], fam.name)
+                else:   # the bf16 fallback: dequantized once, 2 bytes/weight
+                    assert got["bytes"] == 2 * n * k
+        weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+        assert totals == {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights for f in families()}

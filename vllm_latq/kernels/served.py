@@ -1,0 +1,69 @@
+"""Served bits/weight of a checkpoint's layers per kernel family, for ``latq-inspect``.
+
+Stored bits/weight are what the checkpoint holds; *served* bits/weight are what one decode
+step streams for the layer in a kernel family's prepared form (inliers, scales, outliers with
+their index and padding; ``LatqKernel.served_bytes``). Computed without preparing, from each
+family's cost model (``layout_bytes`` on the layer's :class:`~.reference.GridStats`, the
+model ``prepare`` follows and the tests tie to it); HPTQ layers get the width
+:func:`~.reference.transcode` would give them for that family (``choose_width``). A layer a
+family cannot lay out is counted as the bf16 fallback serves it (2 bytes/weight). The CPU
+numbers are for this host's build (outlier tiles where the C++ GEMV runs, else a CSR).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import format as fmt
+from ..format.checkpoint import Checkpoint
+from .reference import FALLBACK_BYTES, GridStats, choose_width, from_dense_tensors
+
+
+def families() -> list:
+    """The compressed kernel families to report (those importable here), CPU first."""
+    found = []
+    from .cpu import CPUKernel
+    found.append(CPUKernel)
+    try:
+        from .triton_kernels import TritonKernel
+        found.append(TritonKernel)
+    except ImportError:
+        pass
+    return found
+
+
+def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams) -> dict[str, dict]:
+    """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}}."""
+    n, k = shape
+    if kind == "dense":
+        stats = GridStats.from_weight(from_dense_tensors(t, bits, group, k))
+    else:
+        z = fmt.decode_integers(t, "huffman", tuple(shape), None)
+        stats = GridStats.from_integers(z, t["hscale"].float().expand(n))
+        group = k
+    out = {}
+    for fam in fams:
+        b = bits if kind == "dense" else choose_width(n, k, stats, fam)
+        try:
+            parts, kernel = fam.layout_bytes(n, k, b, group, stats), fam.name
+        except ValueError:
+            parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"
+        total = sum(parts.values())
+        out[fam.name] = {"bits": b, "kernel": kernel, "bytes": total, "parts": parts,
+                         "bits_per_weight": 8 * total / (n * k)}
+    return out
+
+
+def checkpoint_served(path: str | os.PathLike, rows: list[dict]) -> dict[str, float]:
+    """Adds ``served`` (:func:`layer_served`) to each layer row of a
+    :func:`~vllm_latq.format.validate.validate_checkpoint` report; returns each family's
+    served bits/weight over all those layers."""
+    ck = Checkpoint(path)
+    spec, fams = ck.spec, families()
+    for r in rows:
+        t = ck.layer_tensors(r["name"])
+        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams)
+    weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+    return {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights if weights else 0.0
+            for f in fams}
