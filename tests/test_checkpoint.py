@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vllm_latq import format as fmt
 from vllm_latq.format import FormatError
 from vllm_latq.format.checkpoint import Checkpoint
-from vllm_latq.format.cli import inspect_main
+from vllm_latq.inspect import inspect_main
 from vllm_latq.format.files import INDEX_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
@@ -137,7 +137,8 @@ def test_format_imports_no_solver_kernel_or_vllm():
     """The loader reads checkpoints (Huffman streams included) without the solver package."""
     import subprocess
     import sys
-    code = ("import sys, vllm_latq.format.cli, vllm_latq.format.writer; "
+    code = ("import sys, vllm_latq.format, vllm_latq.format.checkpoint, vllm_latq.format.validate, "
+            "vllm_latq.format.writer, vllm_latq.inspect; "
             "bad = [m for m in sys.modules if m.startswith(('vllm_latq.quantize', 'vllm_latq.kernels', 'vllm.'))"
             " or m == 'vllm']; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
@@ -205,11 +206,11 @@ def test_inspect_valid(tiny_checkpoints, capsys):
 
 
 def test_inspect_module_runs(tiny_checkpoints):
-    """``python -m vllm_latq.format.cli`` (what the latq-inspect entry point runs)."""
+    """``python -m vllm_latq.inspect`` (what the latq-inspect entry point runs)."""
     import subprocess
     import sys
     d = tiny_checkpoints["ssqr"][0]
-    r = subprocess.run([sys.executable, "-m", "vllm_latq.format.cli", str(d), "--no-decode"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "vllm_latq.inspect", str(d), "--no-decode"], capture_output=True,
                        text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and "OK:" in r.stdout, r.stderr
 

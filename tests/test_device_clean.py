@@ -48,8 +48,6 @@ def test_format_paths(bits):
 # the Huffman codec is numpy: encode and decode make CPU tensors (from_numpy), then move them to
 # z's / the stream's device
 HUFFMAN_NUMPY = ("format/layer.py:encode_layer", "format/layer.py:decode_integers")
-# transcode is being made device-clean on its own branch (issue 19, kernels/reference.py); drop on merge
-TRANSCODE = ("kernels/reference.py:transcode",)
 # transformers' and torch.nn's own code: modules built under hf_model's meta-device context take
 # their device from it, not from an argument; the guard is over the package's code
 THIRD_PARTY = ("site-packages/transformers/", "site-packages/torch/nn/")
@@ -104,7 +102,7 @@ def test_loader_slices_and_merges(kind, bits, g):
                 seed += 1
                 tensors[sid] = fmt.encode_layer(_result(rows, layer.input_size, kind, bits, g, 0.05, seed), kind)
             names = [f"{layer.prefix}.{s}" for s in full[layer.prefix]]
-            with factories_follow_inputs(allow=HUFFMAN_NUMPY + TRANSCODE):
+            with factories_follow_inputs(allow=HUFFMAN_NUMPY):
                 st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
                 for sid, t in tensors.items():
                     for name, x in t.items():

@@ -17,8 +17,7 @@ Per directory (import the module, e.g. ``from vllm_latq.format import checkpoint
     safetensors_file.py  strict safetensors reader / deterministic writer with checksums
     writer.py            shard names, index, JSON and copied tokenizer files
     checkpoint.py        Checkpoint (reading) and load_dequantized_model
-    validate.py          validate_checkpoint and its report
-    cli.py               latq-inspect
+    validate.py          validate_checkpoint and its report (``latq-inspect`` is vllm_latq/inspect.py)
 
 Nothing here imports ``vllm_latq.quantize``, ``vllm_latq.kernels`` or vLLM.
 """

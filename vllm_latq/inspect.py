@@ -1,5 +1,5 @@
 """``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
-(``python -m vllm_latq.format.cli`` runs it too), plus each layer's served bits/weight per
+(``python -m vllm_latq.inspect`` runs it too), plus each layer's served bits/weight per
 kernel family (:mod:`vllm_latq.kernels.served`, imported only when run)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 import json
 import sys
 
-from .checkpoint import Checkpoint
-from .errors import FormatError
-from .validate import format_report, validate_checkpoint
+from .format.checkpoint import Checkpoint
+from .format.errors import FormatError
+from .format.validate import format_report, validate_checkpoint
 
 
 def inspect_main(argv=None) -> int:
@@ -30,9 +30,8 @@ def inspect_main(argv=None) -> int:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
         return 2
     if not a.no_served:
-        # the one reach above the format: the kernels' cost models (imported here only, so
-        # reading and validating a checkpoint never loads them)
-        from ..kernels.served import checkpoint_served
+        # the kernels' cost models: imported only when asked for, so validating needs no kernels
+        from .kernels.served import checkpoint_served
         report["totals"]["served_bits_per_weight"] = checkpoint_served(a.checkpoint, report["layers"])
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}
