@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import torch
 
+# kernel tests' outlier pattern (reference.random_weight rows=): row 1 has half its columns as outliers
+# (a crowded row), rows 3..5 none
+CROWDED = ((1, 0.5), (3, 0.0), (4, 0.0), (5, 0.0))
+
 REAL_NSEQ, REAL_SEQLEN = 8, 512
 REAL_LAYERS = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
                "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.up_proj")

@@ -36,9 +36,10 @@ import os
 import pytest
 import torch
 
+from tests.helpers import CROWDED
 from vllm_latq import format as fmt
 from vllm_latq.kernels import ops, selector
-from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref
+from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, random_weight
 
 DEV = torch.device(os.environ.get("LATQ_GPU_TESTS_DEVICE", "cuda"))
 CUDA = DEV.type == "cuda"
@@ -81,25 +82,11 @@ def triton_module():
 # ----------------------------------------------------------------------------- weights, reference
 
 def make_weight(n, k, bits, rate, group=128, seed=0, crowded=True) -> LatqWeight:
-    """On DEV: random b-bit inliers (0 at outliers), fp16 scales, CSR outliers at ``rate``
-    (fp16-exact values); with ``crowded``, row 1 has half its columns as outliers and rows
-    3..5 none (as tests/test_triton.py)."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    with torch.device(DEV):
-        z = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int32)
-        mask = torch.rand(n, k, generator=g) < rate
-        if crowded and rate > 0 and n > 6:
-            mask[1] = torch.rand(k, generator=g) < 0.5
-            mask[3:6] = False
-        z[mask] = 0
-        scales = (torch.rand(n, math.ceil(k / group), generator=g) * 0.02 + 0.002).half()
-        rows, cols = mask.nonzero(as_tuple=True)
-        crow = torch.zeros(n + 1, dtype=torch.int32)
-        crow[1:] = torch.cumsum(mask.sum(1), 0)
-        val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
-        qweight = fmt.pack(z, bits)
-    return LatqWeight(qweight, scales, crow, cols.int(), val, bits, group, k)
+    """On DEV: test_triton's weights (random b-bit inliers, 0 at outliers, fp16 scales,
+    fp16-exact outliers at ``rate``; with ``crowded``, row 1 half outliers, rows 3..5 none)."""
+    crowd = CROWDED if crowded and rate > 0 and n > 6 else ()
+    return random_weight(n, k, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02, val_std=0.2,
+                         fp16_values=True, rows=crowd).to(DEV)
 
 
 _WEIGHTS: dict = {}

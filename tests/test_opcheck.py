@@ -11,15 +11,13 @@ the C++ ops build. CPU cases run in the default suite; CUDA cases are marked ``g
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 import pytest
 import torch
 
-from vllm_latq import format as fmt
 from vllm_latq.kernels import ops, selector
-from vllm_latq.kernels.reference import LatqWeight
+from vllm_latq.kernels.reference import LatqWeight, random_weight
 
 N, K, GROUP, M = 32, 256, 128, 3          # CPU kernel: N % 16 == 0, its op groups divide K
 NAMES = [k.name for k in selector.kernels()]
@@ -35,17 +33,8 @@ def kernel(name: str):
 
 
 def make_weight(device, bits=4, rate=0.03, seed=0) -> LatqWeight:
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (N, K), generator=g, dtype=torch.int32)
-    mask = torch.rand(N, K, generator=g) < rate
-    z[mask] = 0
-    scales = (torch.rand(N, math.ceil(K / GROUP), generator=g) * 0.02 + 0.002).half()
-    rows, cols = mask.nonzero(as_tuple=True)
-    crow = torch.zeros(N + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
-    w = LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val, bits, GROUP, K)
-    return LatqWeight(*(t.to(device) for t in (w.qweight, w.scales, w.crow, w.col, w.val)), bits, GROUP, K)
+    return random_weight(N, K, bits, rate, group=GROUP, seed=seed, scale_lo=0.002, scale_span=0.02,
+                         val_std=0.2, fp16_values=True).to(device)
 
 
 def op_args(device, dtype=torch.bfloat16):

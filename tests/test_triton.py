@@ -13,15 +13,14 @@
   within the target's limit (heaviest config per kernel and bit width here; every config
   in the slow test and in ``bench/kernels.py``).
 """
-import math
-import os
 
 import pytest
 import torch
 
+from tests.helpers import CROWDED
 from vllm_latq import format as fmt
 from vllm_latq.kernels import triton_layout as tlay
-from vllm_latq.kernels.reference import LatqWeight, latq_linear_ref
+from vllm_latq.kernels.reference import LatqWeight, latq_linear_ref, random_weight
 
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
@@ -33,23 +32,10 @@ N, K = 40, 300
 
 
 def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0, crowded=True) -> LatqWeight:
-    """Random b-bit inliers, fp16 scales, CSR outliers at ``rate``; with ``crowded``, row 1
-    has half its columns as outliers and rows 3..5 none."""
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    z = torch.randint(lo, hi + 1, (n, k), generator=g)
-    mask = torch.rand(n, k, generator=g) < rate
-    if crowded and rate > 0:
-        mask[1] = torch.rand(k, generator=g) < 0.5
-        mask[3:6] = False
-    z[mask] = 0
-    ng = math.ceil(k / group)
-    scales = (torch.rand(n, ng, generator=g) * 0.02 + 0.002).half()
-    rows, cols = mask.nonzero(as_tuple=True)
-    crow = torch.zeros(n + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
-    return LatqWeight(fmt.pack(z.int(), bits), scales, crow, cols.int(), val, bits, group, k)
+    """Random b-bit inliers, fp16 scales, fp16-exact CSR outliers at ``rate``; with ``crowded``,
+    row 1 has half its columns as outliers and rows 3..5 none."""
+    return random_weight(n, k, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02, val_std=0.2,
+                         fp16_values=True, rows=CROWDED if crowded and rate > 0 else ())
 
 
 def check(y, x, w, bias=None):

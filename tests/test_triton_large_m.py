@@ -12,13 +12,12 @@
 * The crossover model: pure, ≥ 17, monotone in layer size, the documented numbers.
 * Offline compilation of the two kernels for sm_80/sm_90 (real ptxas): no spills.
 """
-import math
 
 import pytest
 import torch
 
-from vllm_latq import format as fmt
-from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref
+from tests.helpers import CROWDED
+from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, random_weight
 
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels import triton_dequant as td  # noqa: E402
@@ -31,24 +30,10 @@ N, K = 40, 300
 
 
 def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0) -> LatqWeight:
-    """Random b-bit inliers (0 at every outlier), fp16 scales, fp16-exact CSR outliers at
-    ``rate``; with outliers, row 1 holds half its columns as outliers, rows 3..5 none, and
-    one outlier sits at column 0 (ELL padding slots also point at column 0)."""
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    z = torch.randint(lo, hi + 1, (n, k), generator=g)
-    mask = torch.rand(n, k, generator=g) < rate
-    if rate > 0:
-        mask[1] = torch.rand(k, generator=g) < 0.5
-        mask[3:6] = False
-        mask[7, 0] = True
-    z[mask] = 0
-    scales = (torch.rand(n, math.ceil(k / group), generator=g) * 0.02 + 0.002).half()
-    rows, cols = mask.nonzero(as_tuple=True)
-    crow = torch.zeros(n + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(mask.sum(1), 0)
-    val = (torch.randn(rows.numel(), generator=g) * 0.2).half().float()
-    return LatqWeight(fmt.pack(z.int(), bits), scales, crow, cols.int(), val, bits, group, k)
+    """test_triton's weights, plus one outlier at column 0 (ELL padding slots also point at
+    column 0)."""
+    return random_weight(n, k, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02, val_std=0.2,
+                         fp16_values=True, rows=CROWDED if rate > 0 else (), cells=((7, 0),) if rate > 0 else ())
 
 
 def activations(m, dtype, k=K, seed=1):

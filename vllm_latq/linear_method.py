@@ -327,8 +327,7 @@ class LatqLinearMethod(LinearMethodBase):
         shards = [st.geo.fused] if st.fused else list(st.geo.shards.values())
         stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
         del layer._latq_load
-        w = LatqWeight(*(getattr(w, f).to(device) for f in ("qweight", "scales", "crow", "col", "val")),
-                       w.bits, w.group_size, w.in_features)
+        w = w.to(device)
         kernel = selector.select(w, device, layer._latq_act_dtype)
         state = kernel.prepare(w)
         kernel.reserve(state, layer._latq_act_dtype)

@@ -37,6 +37,10 @@ class LatqWeight:
     def nnz(self) -> int:
         return self.col.numel()
 
+    def to(self, device) -> "LatqWeight":
+        return LatqWeight(self.qweight.to(device), self.scales.to(device), self.crow.to(device),
+                          self.col.to(device), self.val.to(device), self.bits, self.group_size, self.in_features)
+
     def bits_per_weight(self) -> float:
         """The runtime form's bytes → bits/weight (the reference kernel's served bits; each
         kernel's own: ``LatqKernel.served_bytes``)."""
@@ -201,20 +205,27 @@ def transcode(z: torch.Tensor, scale, *, family=None, stats: GridStats | None = 
 
 def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 128, seed: int = 0,
                   scale_lo: float = 0.001, scale_span: float = 0.05, val_std: float = 0.3,
-                  rows: tuple[tuple[int, float], ...] = ()) -> LatqWeight:
+                  rows: tuple[tuple[int, float], ...] = (), cells: tuple[tuple[int, int], ...] = (),
+                  fp16_values: bool = False) -> LatqWeight:
     """A random layer in the runtime form (tests, benches): uniform b-bit inliers, fp16 group
     scales uniform in [scale_lo, scale_lo + scale_span), outliers at uniform positions with
-    probability ``rate`` (``rows``: (row, probability) pairs overriding it for some rows) and
-    N(0, val_std²) fp32 values; the inlier at an outlier is 0."""
+    probability ``rate`` (``rows``: (row, probability) pairs overriding it for some rows;
+    ``cells``: (row, col) positions that are outliers too) and N(0, val_std²) fp32 values
+    (``fp16_values``: rounded to fp16, as SSQR checkpoints store them); the inlier at an
+    outlier is 0."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
     mask = torch.rand(out, cin, generator=g) < rate
     for r, p in rows:
         mask[r] = torch.rand(cin, generator=g) < p
+    for r, c in cells:
+        mask[r, c] = True
     z[mask] = 0
     scales = (torch.rand(out, -(-cin // group), generator=g) * scale_span + scale_lo).half()
     nz_rows, cols = mask.nonzero(as_tuple=True)
     crow = torch.zeros(out + 1, dtype=torch.int32)
     crow[1:] = torch.cumsum(mask.sum(1), 0)
     val = torch.randn(nz_rows.numel(), generator=g) * val_std
+    if fp16_values:
+        val = val.half()
     return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin)
