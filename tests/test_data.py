@@ -367,6 +367,9 @@ def test_source_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a")
     with pytest.raises(ValueError, match=r"'wiki', a \.txt or a \.jsonl.*x\.csv"):
         data.calibration_batches(tok, 1, 4, source=tmp_path / "x.csv")
+    (tmp_path / "blank.txt").write_text("\n \n")
+    with pytest.raises(ValueError, match=r"blank\.txt: empty text"):
+        data.calibration_batches(tok, 1, 4, source=tmp_path / "blank.txt")
 
 
 def test_too_short_text(tmp_path):
