@@ -3,8 +3,9 @@
 Protocol (docs/../shared data.md): the Wikipedia eval split (every 10th article), tokenized
 once, non-overlapping 512-token windows (BOS + 511 tokens for tokenizers that add BOS, e.g.
 Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens). ``--text FILE``
-evaluates a .txt (one document) or .jsonl file (a "text" field per line, documents joined
-with "\n\n") instead, read as ``latq-quantize --calib`` reads it, cut by the same windows.
+evaluates a .txt (one document) or .jsonl file (a "text" field per line, the documents
+joined by a blank line) instead, read as ``latq-quantize --calib`` reads it, cut into the
+same windows.
 
 A latq checkpoint is validated, then dequantized through ``format.dequantize`` into a
 plain transformers model, so the number does not depend on any kernel. All models are
