@@ -110,18 +110,26 @@ def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
 
 
 def final_norm(model, prefix: str) -> str:
-    """The final norm's module name: the one child of the blocks' parent registered after the
-    blocks that holds parameters, all of them 1-D (``model.norm``, ``transformer.ln_f``, ...)."""
+    """The final norm's module name: the child of the blocks' parent whose parameters are all
+    1-D (``model.norm``, ``transformer.ln_f``, ``model.decoder.final_layer_norm``, ...); of
+    several, the one registered after the blocks (Bloom's embedding norm comes before)."""
     parent_name, _, attr = prefix.rpartition(".")
     parent = model.get_submodule(parent_name)
-    names = list(parent._modules)
-    after = [(n, m) for n in names[names.index(attr) + 1:] if (m := parent._modules[n]) is not None
-             and any(True for _ in m.parameters())]
-    if len(after) != 1 or any(p.dim() != 1 for p in after[0][1].parameters()):
+    kids = [(n, m) for n, m in parent.named_children() if n != attr]
+    if any(isinstance(m, torch.nn.Linear) for _, m in kids):
         raise UnsupportedModelError(
-            f"{type(model).__name__}: after the decoder blocks {parent_name or type(model).__name__} has "
-            f"{[n for n, _ in after]}, not one norm: cannot compute the output head's input activations")
-    return f"{parent_name}.{after[0][0]}" if parent_name else after[0][0]
+            f"{type(model).__name__}: {parent_name or type(model).__name__} has a linear outside its blocks "
+            f"({[n for n, m in kids if isinstance(m, torch.nn.Linear)]}): the output head's input is not the "
+            "final norm's output")
+    norms = [n for n, m in kids if (ps := list(m.parameters())) and all(p.dim() == 1 for p in ps)]
+    order = [n for n, _ in parent.named_children()]
+    if len(norms) > 1:
+        norms = [n for n in norms if order.index(n) > order.index(attr)]
+    if len(norms) != 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {parent_name or type(model).__name__} has {len(norms) or 'no'} norm-like "
+            f"children {norms} beside its blocks: cannot tell the final norm, the output head's input")
+    return f"{parent_name}.{norms[0]}" if parent_name else norms[0]
 
 
 def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
@@ -136,23 +144,23 @@ def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
         raise UnsupportedModelError(f"{name} (model_type {mt!r}) is not a decoder-only *ForCausalLM with an output "
                                     f"head{hint}")
     prefix, layers = decoder_layers(model)
-    for i, block in enumerate(layers):
+    for i, block in enumerate(layers):  # mixture-of-experts first: its router is not a linear either
         for n, m in block.named_modules():
             where = f"{prefix}.{i}.{n}" if n else f"{prefix}.{i}"
             if isinstance(m, torch.nn.ModuleList) and any(isinstance(x, torch.nn.Linear) for x in m.modules()):
                 raise UnsupportedModelError(f"{where} ({type(m).__name__} of {len(m)} {type(m[0]).__name__}): a list of "
                                             "experts in a decoder block; mixture-of-experts is issue 20's next step")
-            if isinstance(m, torch.nn.Linear):
-                continue
             for pn, p in m.named_parameters(recurse=False):
                 if p.dim() >= 3:
                     raise UnsupportedModelError(
                         f"{where}.{pn} ({type(m).__name__}, shape {list(p.shape)}): 3-D expert weights in a decoder "
                         "block; mixture-of-experts is issue 20's next step")
-                if p.dim() == 2:
+        for n, m in block.named_modules():
+            for pn, p in m.named_parameters(recurse=False):
+                if p.dim() == 2 and not isinstance(m, torch.nn.Linear):
                     raise UnsupportedModelError(
-                        f"{where} is a {type(m).__name__} with a 2-D weight {pn} {list(p.shape)}, not an nn.Linear: "
-                        "the pipeline quantizes nn.Linear only and would silently keep it")
+                        f"{prefix}.{i}.{n} is a {type(m).__name__} with a 2-D weight {pn} {list(p.shape)}, not an "
+                        "nn.Linear: the pipeline quantizes nn.Linear only and would silently keep it")
     return prefix, layers
 
 
