@@ -4,7 +4,8 @@ dequantization; mixture-of-experts and non-``nn.Linear`` weights are refused at 
 
 ``ARCHS`` is the README's "tested architectures" table: every type there is one that both
 transformers and vLLM (0.32) know. The default suite runs SSQR on ``FAST`` and HPTQ on
-``FAST_HPTQ`` (one block each); ``-m slow`` runs the rest (two blocks)."""
+``FAST_HPTQ`` (one block each); ``-m slow`` runs the rest (two blocks) and vLLM's greedy
+tokens against transformers' on ``VLLM_ARCHS``."""
 from __future__ import annotations
 
 import pytest
@@ -135,7 +136,11 @@ def test_refused_at_the_start(arch, tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
-VLLM_ARCHS = ["phi3", "olmo2", "gpt_neox"]  # fused qkv/gate_up on disk; q/k norms; vLLM's Transformers backend
+VLLM_ARCHS = ["phi3", "olmo2", "gemma2", "starcoder2",  # fused qkv/gate_up on disk; q/k norms; sliding; biases
+              pytest.param("falcon", marks=pytest.mark.xfail(strict=True, reason=(
+                  "vLLM's Falcon loader regroups the rows of every query_key_value tensor with an output_dim "
+                  "([kv, q_per_kv + 2, head_dim] -> q, k, v); latq's layer tensors do not survive that regrouping"))),
+              "gpt_neox"]  # vLLM serves GPTNeoX with its Transformers backend
 
 
 @pytest.mark.slow
