@@ -59,8 +59,8 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
     if arch in ("gemma2", "gemma3", "olmo3", "exaone4"):
         extra["layer_types"] = (["sliding_attention", "full_attention"] * layers)[:layers]
     config = AutoConfig.for_model("gemma3_text" if arch == "gemma3" else arch, **{**common, **extra})
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.manual_seed(seed)  # after construction: the init's draws do not matter
     with torch.no_grad():
         for name, p in model.named_parameters():  # deterministic, well-scaled random weights
             norm = p.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
