@@ -1,6 +1,7 @@
 """The Hugging Face model helpers the pipeline, the readers and the validator share: read
 ``config.json``, build a model on the meta device, walk its decoder blocks and linears, and
-swap tensors in and out. The architecture allow-list lives here, next to the walk it gates."""
+swap tensors in and out. The walk is structural (no list of model types or module names):
+:func:`check_supported` refuses, before any calibration, what it cannot handle."""
 from __future__ import annotations
 
 import contextlib
@@ -12,16 +13,9 @@ import torch
 from .format.errors import FormatError
 from .format.files import CONFIG_FILE
 
-SUPPORTED_MODEL_TYPES = {
-    "llama": "Llama-style (LlamaForCausalLM: SmolLM2, Llama 2/3)",
-    "qwen2": "Qwen2 (Qwen2ForCausalLM)",
-    "qwen3": "Qwen3 (Qwen3ForCausalLM)",
-    "gemma3_text": "Gemma3 text-only (Gemma3ForCausalLM)",
-}
-
-
 class UnsupportedModelError(ValueError):
-    """The model's architecture is not one the pipeline knows how to walk block by block."""
+    """The model has a construct the pipeline cannot walk block by block (the message names
+the module and why)."""
 
 
 @contextlib.contextmanager
@@ -77,16 +71,6 @@ def hf_config(cfg: dict, *, file: str = CONFIG_FILE):
         raise FormatError(f"transformers rejects the config: {type(e).__name__}: {e}", file=file) from None
 
 
-def check_supported(config) -> None:
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        hint = " (the multimodal Gemma3 is not supported; use a text-only Gemma3ForCausalLM)" if mt == "gemma3" else ""
-        arch = ", ".join(getattr(config, "architectures", None) or []) or "?"
-        raise UnsupportedModelError(
-            f"unsupported architecture {arch} (model_type {mt!r}){hint}; latq supports: "
-            + "; ".join(f"{k} = {v}" for k, v in SUPPORTED_MODEL_TYPES.items()))
-
-
 def empty_model(config, dtype: torch.dtype = torch.float32):
     """The causal LM of ``config`` with every parameter on the meta device."""
     from transformers import AutoModelForCausalLM
@@ -96,13 +80,87 @@ def empty_model(config, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
+def _num_layers(config) -> int | None:
+    n = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "num_hidden_layers", None)
+    return n if isinstance(n, int) else None
+
+
+def _block_lists(model) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The outermost ``nn.ModuleList``s of ``num_hidden_layers`` modules of one class."""
+    n = _num_layers(model.config)
+    found = []
+    for name, m in model.named_modules():
+        if (isinstance(m, torch.nn.ModuleList) and len(m) == n and len({type(b) for b in m}) == 1
+                and not any(name.startswith(f + ".") for f, _ in found)):
+            found.append((name, m))
+    return found
+
+
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
-    """(prefix, layers) of the decoder blocks, e.g. ``("model.layers", ModuleList)``."""
-    check_supported(model.config)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise UnsupportedModelError(f"{type(model).__name__}: no decoder block list at model.layers")
-    return "model.layers", layers
+    """(prefix, layers) of the decoder blocks, found structurally: the outermost
+    ``nn.ModuleList`` of ``config.num_hidden_layers`` modules of one class, e.g.
+    ``("model.layers", ...)``, ``("transformer.h", ...)``, ``("gpt_neox.layers", ...)``."""
+    found = _block_lists(model)
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {what} nn.ModuleList of {_num_layers(model.config)} blocks of one class "
+            "(config.num_hidden_layers): cannot find the decoder blocks")
+    return found[0]
+
+
+def final_norm(model, prefix: str) -> str:
+    """The final norm's module name: the child of the blocks' parent whose parameters are all
+    1-D (``model.norm``, ``transformer.ln_f``, ``model.decoder.final_layer_norm``, ...); of
+    several, the one registered after the blocks (Bloom's embedding norm comes before)."""
+    parent_name, _, attr = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    kids = [(n, m) for n, m in parent.named_children() if n != attr]
+    if any(isinstance(m, torch.nn.Linear) for _, m in kids):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {parent_name or type(model).__name__} has a linear outside its blocks "
+            f"({[n for n, m in kids if isinstance(m, torch.nn.Linear)]}): the output head's input is not the "
+            "final norm's output")
+    norms = [n for n, m in kids if (ps := list(m.parameters())) and all(p.dim() == 1 for p in ps)]
+    order = [n for n, _ in parent.named_children()]
+    if len(norms) > 1:
+        norms = [n for n in norms if order.index(n) > order.index(attr)]
+    if len(norms) != 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {parent_name or type(model).__name__} has {len(norms) or 'no'} norm-like "
+            f"children {norms} beside its blocks: cannot tell the final norm, the output head's input")
+    return f"{parent_name}.{norms[0]}" if parent_name else norms[0]
+
+
+def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
+    """The early structural check (before any tensor is read): a causal LM whose decoder blocks
+    are found and hold only ``nn.Linear`` weights (quantized) and 1-D parameters (kept).
+    Raises :class:`UnsupportedModelError` naming the module and why → (prefix, layers)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    mt = getattr(model.config, "model_type", None)
+    name = type(model).__name__
+    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt) != name or model.get_output_embeddings() is None:
+        raise UnsupportedModelError(f"{name} (model_type {mt!r}) is not the causal LM of its model type, with an "
+                                    "output head")
+    prefix, layers = decoder_layers(model)
+    for i, block in enumerate(layers):  # mixture-of-experts first: its router is not a linear either
+        for n, m in block.named_modules():
+            where = f"{prefix}.{i}.{n}" if n else f"{prefix}.{i}"
+            if isinstance(m, torch.nn.ModuleList) and any(isinstance(x, torch.nn.Linear) for x in m.modules()):
+                raise UnsupportedModelError(f"{where} ({type(m).__name__} of {len(m)} {type(m[0]).__name__}): a list of "
+                                            "experts in a decoder block; mixture-of-experts is issue 20's next step")
+            for pn, p in m.named_parameters(recurse=False):
+                if p.dim() >= 3:
+                    raise UnsupportedModelError(
+                        f"{where}.{pn} ({type(m).__name__}, shape {list(p.shape)}): 3-D expert weights in a decoder "
+                        "block; mixture-of-experts is issue 20's next step")
+        for n, m in block.named_modules():
+            for pn, p in m.named_parameters(recurse=False):
+                if p.dim() == 2 and not isinstance(m, torch.nn.Linear):
+                    raise UnsupportedModelError(
+                        f"{prefix}.{i}.{n} is a {type(m).__name__} with a 2-D weight {pn} {list(p.shape)}, not an "
+                        "nn.Linear: the pipeline quantizes nn.Linear only and would silently keep it")
+    return prefix, layers
 
 
 def block_linears(layer: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:

@@ -31,7 +31,9 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     except UnsupportedModelError as e:
         raise FormatError(str(e), file=CONFIG_FILE) from None
     expected = dict(model.state_dict(keep_vars=True))
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    head = model.get_output_embeddings()
+    tied = ({f"{n}.weight" for n, m in model.named_modules() if m is head}
+            if getattr(model.config, "tie_word_embeddings", False) else set())
 
     rank = {n: i for i, (n, _) in enumerate(model.named_modules())}
     layers = dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))

@@ -38,14 +38,28 @@ class _Catcher(torch.nn.Module):
             return getattr(self._modules["layer"], name)
 
     def forward(self, hidden_states, *args, **kwargs):
-        if args:
-            raise hf_model.UnsupportedModelError("decoder blocks called with extra positional arguments")
+        if args:  # (GPTBigCode passes the mask positionally): replayed by keyword
+            kwargs = {**_by_keyword(self._modules["layer"], hidden_states, args), **kwargs}
         self.store["hidden"].setdefault(self.i, hidden_states)
         kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
         self.store["kwargs"].setdefault(self.i, kw)
         if self.stop:
             raise _Stop
         return hidden_states
+
+
+def _by_keyword(layer, hidden_states, args) -> dict:
+    """The block's positional arguments after the hidden states, by their parameter names."""
+    import inspect
+    try:
+        bound = inspect.signature(layer.forward).bind_partial(hidden_states, *args)
+    except TypeError as e:
+        raise hf_model.UnsupportedModelError(f"{type(layer).__name__}: called with positional arguments its forward "
+                                             f"does not name ({e})") from None
+    names = list(bound.arguments)
+    if any(inspect.signature(layer.forward).parameters[n].kind is inspect.Parameter.VAR_POSITIONAL for n in names):
+        raise hf_model.UnsupportedModelError(f"{type(layer).__name__}: blocks take *args; cannot replay them by name")
+    return {n: bound.arguments[n] for n in names[1:]}
 
 
 @torch.no_grad()

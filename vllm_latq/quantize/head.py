@@ -22,7 +22,7 @@ log = logging.getLogger("vllm_latq.quantize")
 class HeadPlan:
     name: str       # the head module's name (lm_head)
     weight: str     # the source tensor holding its weight: the embedding's when tied
-    norm: str       # the final norm module's name
+    norm: str       # the final norm module's name (hf_model.final_norm)
 
 
 def head_plan(src: Source) -> HeadPlan:
@@ -40,11 +40,7 @@ def head_plan(src: Source) -> HeadPlan:
         weight = f"{names[net.get_input_embeddings()]}.weight"
     if weight not in src.weights.where:
         raise ValueError(f"the head's weight {weight} is not in the source safetensors")
-    norm = getattr(net.base_model, "norm", None)
-    if not isinstance(norm, torch.nn.Module) or norm not in names:
-        raise hf_model.UnsupportedModelError(f"{type(net).__name__}: no final norm at {type(net.base_model).__name__}"
-                                         ".norm: cannot compute the lm_head's input activations")
-    return HeadPlan(head_name, weight, names[norm])
+    return HeadPlan(head_name, weight, hf_model.final_norm(net, src.prefix))
 
 
 @torch.no_grad()

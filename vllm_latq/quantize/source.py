@@ -85,7 +85,7 @@ class Source:
     config: object              # the transformers config
     weights: SourceWeights
     net: torch.nn.Module        # on the meta device until a part of it is loaded
-    prefix: str                 # the decoder blocks' module name, e.g. "model.layers"
+    prefix: str                 # the decoder blocks' module name, e.g. "model.layers", "transformer.h"
     layers: torch.nn.ModuleList
     block_of: dict[str, int]    # source tensor name -> its decoder block
     expected: dict              # the model's state-dict names (keys; in the model's order)
@@ -143,11 +143,13 @@ def open_source(model: str | os.PathLike, compute_dtype) -> Source:
                                                                                 dict) else "?"
         raise ValueError(f"{src} is already quantized (quant_method {qm!r}); start from a bf16/fp16/fp32 model")
     config = hf_model.hf_config(raw_cfg)
-    hf_model.check_supported(config)
-    sources = SourceWeights(src)
     cdtype = compute_dtype(raw_cfg)
-    net = hf_model.empty_model(config, cdtype)
-    prefix, layers = hf_model.decoder_layers(net)
+    try:
+        net = hf_model.empty_model(config, cdtype)
+    except ValueError as e:  # transformers has no causal LM class for this config
+        raise hf_model.UnsupportedModelError(f"{type(config).__name__}: no *ForCausalLM ({e})") from None
+    prefix, layers = hf_model.check_supported(net)
+    sources = SourceWeights(src)
     expected = dict(net.state_dict())
     head = net.get_output_embeddings()
     head_names = {n for n, m in net.named_modules() if m is head}
