@@ -67,3 +67,24 @@ def real_layer_hessians() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         tmp.replace(path)
     t = load_file(str(path))
     return {n: (t[n + ".W"], t[n + ".H"]) for n in REAL_LAYERS}
+
+
+def replay_blocks(model_dir, ntokens: int):
+    """Load the HF model at ``model_dir`` (fp32), capture block 0's inputs and every block's
+    keyword arguments, and replay the blocks one by one, asserting that each reproduces the
+    model's own hidden states exactly. → (blocks, per-block kwargs, the model's hidden states)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_latq import hf_model
+    from vllm_latq.quantize import capture
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (1, ntokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m(input_ids=ids, output_hidden_states=True).hidden_states
+        _, layers = hf_model.decoder_layers(m)
+        x, kwargs = capture.capture(m, layers, ids, all_kwargs=True)
+        assert torch.equal(x, ref[0])
+        for i in range(len(layers) - 1):
+            x = capture.run_block(layers[i], x, kwargs[i])
+            assert torch.equal(x, ref[i + 1]), f"block {i}"
+    return layers, kwargs, ref

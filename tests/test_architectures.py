@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.conftest import TINY_OPTS, make_tiny_model
+from tests.helpers import replay_blocks
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
 from vllm_latq.format.validate import validate_checkpoint
-from vllm_latq.quantize import capture
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo", "olmo2", "olmo3",
@@ -61,18 +61,7 @@ def test_walk_finds_blocks_and_final_norm(arch, prefix, norm):
 def test_block_replay_reproduces_the_model(arch, tmp_path):
     """Captured block-0 inputs + per-block keyword arguments (positional ones by name:
     GPTBigCode), replayed block by block, give exactly the model's own hidden states."""
-    from transformers import AutoModelForCausalLM
-    d = make_tiny_model(tmp_path / arch, arch, layers=3, dtype=torch.float32)
-    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = m(input_ids=ids, output_hidden_states=True).hidden_states
-        _, layers = hf_model.decoder_layers(m)
-        x, kwargs = capture.capture(m, layers, ids, all_kwargs=True)
-        assert torch.equal(x, ref[0])
-        for i in range(len(layers) - 1):
-            x = capture.run_block(layers[i], x, kwargs[i])
-            assert torch.equal(x, ref[i + 1]), f"block {i}"
+    replay_blocks(make_tiny_model(tmp_path / arch, arch, layers=3, dtype=torch.float32), 24)
 
 
 def test_walk_refuses_what_it_cannot_find():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_OPTS, make_tiny_model
+from tests.helpers import replay_blocks
 from vllm_latq import format as fmt
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint
@@ -46,19 +47,9 @@ def test_block_replay_reproduces_the_model(arch, tmp_path):
     """Captured block-0 inputs + per-block kwargs, replayed block by block, give exactly the
     model's own hidden states (Gemma3: sliding and full attention layers get different masks
     and rotary embeddings, so replaying block 0's kwargs everywhere would be wrong)."""
-    from transformers import AutoModelForCausalLM
-    d = make_tiny_model(tmp_path / arch, arch, layers=4, dtype=torch.float32)
-    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = m(input_ids=ids, output_hidden_states=True).hidden_states
-        _, layers = hf_model.decoder_layers(m)
-        x, kwargs = capture.capture(m, layers, ids, all_kwargs=True)
-        assert torch.equal(x, ref[0])
-        for i in range(len(layers) - 1):
-            x = capture.run_block(layers[i], x, kwargs[i])
-            assert torch.equal(x, ref[i + 1]), f"block {i}"
-        if arch == "gemma3":
+    layers, kwargs, ref = replay_blocks(make_tiny_model(tmp_path / arch, arch, layers=4, dtype=torch.float32), 48)
+    if arch == "gemma3":
+        with torch.no_grad():
             y = capture.run_block(layers[1], ref[1], kwargs[0])
             assert not torch.allclose(y, ref[2]), "block 0's kwargs should not fit a full-attention block"
 
