@@ -45,6 +45,8 @@ def make_moe_model(out: Path, arch: str, *, layers: int = 2, hidden: int = 64, s
             if p.dim() == 1:
                 continue   # norms keep 1
             std = 0.5 if cfg.vocab_size in p.shape else 2.0 / p.shape[-1] ** 0.5
+            if name.endswith(".mlp.gate.weight"):   # the router (transformers' names, all three types)
+                std *= 4   # decisive routing, as trained routers have: fewer near-ties for bf16 to flip
             p.copy_(torch.randn(p.shape, generator=g) * std)
     model.save_pretrained(out)   # per-expert tensors on disk (transformers splits its fused 3-D experts)
     tok.save_pretrained(out)

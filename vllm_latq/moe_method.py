@@ -71,6 +71,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
                 p = Parameter(torch.empty(0, dtype=fmt.tensor_dtype(name, in_features[stem])), requires_grad=False)
                 set_weight_attrs(p, {"weight_loader": _ExpertLoader(self, layer, stem, name)})
                 layer.register_parameter(f"{stem}_{name}", p)
+        # the device the model is built on: the kernels' (and an HPTQ transcode's width family's)
+        layer._latq_device = p.device
         layer._latq_family = selector.family_for(p.device)
         for _ in range(num_experts * len(STEMS)):
             self.report.expect()
@@ -107,7 +109,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
         loads = getattr(layer, "_latq_moe_load", None)
         if loads is None:
             return  # already processed
-        device = layer.w13_qweight.device if hasattr(layer, "w13_qweight") else torch.device("cpu")
+        device = layer._latq_device
         experts = []
         for local in range(layer.local_num_experts):
             pair = []
