@@ -78,8 +78,8 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         return out.to(x.dtype)
     ids = topk_ids.reshape(-1).long()
     order = torch.argsort(ids, stable=True)                # (token, slot) pairs grouped by expert
-    skipped, *counts = torch.bincount(ids + 1, minlength=len(experts) + 1).tolist()   # one host sync
-    start = skipped                                        # the −1 pairs sort first
+    # pairs per expert (one host sync); the −1 pairs sort first and are skipped
+    start, *counts = torch.bincount(ids + 1, minlength=len(experts) + 1).tolist()
     p_all = topk_weights.reshape(-1)
     for e, n in enumerate(counts):
         if n == 0:
