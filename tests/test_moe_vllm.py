@@ -211,6 +211,19 @@ def test_expert_loader_cuts_ranks_and_ranks_sum_to_the_layer(kind, monkeypatch):
     assert (total - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_apply_compiles_fullgraph_with_dynamic_batch(monkeypatch):
+    """The method's apply under torch.compile (fullgraph, dynamic batch): the experts run as
+    the opaque latq::moe_experts op — no graph break — with the eager result at every batch size."""
+    monkeypatch.setenv("LATQ_KERNEL", "reference")
+    method, layer = _load("dense", 1, 0, 64, _expert_tensors("dense", 64))
+    method.process_weights_after_loading(layer)
+    f = torch.compile(lambda x, w, ids: method.apply(layer, x, w, ids, None, None), fullgraph=True, dynamic=True,
+                      backend="eager")
+    for T in (1, 4, 11):
+        x, w, ids = _routing(T, T)
+        assert torch.allclose(f(x, w, ids), method.apply(layer, x, w, ids, None, None), atol=1e-6, rtol=1e-5)
+
+
 def test_missing_expert_and_partial_listing_fail_clearly():
     from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
     from vllm.config import VllmConfig, set_current_vllm_config
