@@ -37,6 +37,7 @@ TINY_CONFIGS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=20),
     "gpt2": dict(n_embd=80, n_head=4),  # Conv1D linears: refused
+    "gpt_oss": dict(num_local_experts=4, head_dim=20),  # transposed experts with biases: refused
 }
 GEMMA_NORMS = ("gemma", "gemma2", "gemma3")  # their norms scale by 1 + w
 
