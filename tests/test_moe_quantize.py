@@ -136,16 +136,16 @@ def _check_checkpoint(arch, src, d, results, layers):
     return json.loads((d / "latq_stats.json").read_text())["layers"]
 
 
-def _check_routing(stats, layers, top_k, min_tokens, fallback="blend"):
+def _check_routing(stats, layers, top_k, min_tokens, fallback="blend", certified=True):
     """Per expert: tokens routed, summing to tokens × top_k per block; the fallback exactly
-    where fewer than min_tokens were routed."""
+    where fewer than min_tokens were routed; an error, and a certificate ≤ 1 (unclipped methods)."""
     tokens = TINY_OPTS["nsamples"] * TINY_OPTS["seqlen"]
     for i in range(layers):
         per_expert = {s["expert"]: s for s in stats if s["name"].startswith(f"model.layers.{i}.") and "expert" in s}
         assert sum(s["expert_tokens"] for s in per_expert.values()) == tokens * top_k
         for s in per_expert.values():
             assert s["moe_fallback"] == (fallback if s["expert_tokens"] < min_tokens else None), s
-            assert s["cert"] <= 1 and s["rel_error"] is not None
+            assert s["rel_error"] is not None and (s["cert"] <= 1 if certified else s["cert"] is None)
 
 
 def test_qwen3_moe_ssqr(qwen3_ssqr):
@@ -220,7 +220,7 @@ def test_route_all_and_fused_source(tmp_path):
     assert all(s["moe_fallback"] == "all-tokens" for s in stats if "expert" in s)
     w1 = [hessians[f"model.layers.0.block_sparse_moe.experts.{e}.w1"] for e in range(4)]
     assert all(torch.equal(h, w1[0]) for h in w1)
-    _check_routing(stats, 1, top_k=2, min_tokens=10 ** 9, fallback="all-tokens")
+    _check_routing(stats, 1, top_k=2, min_tokens=10 ** 9, fallback="all-tokens", certified=False)
 
     fused = tmp_path / "fused"
     fused.mkdir()

@@ -293,12 +293,16 @@ def checkpoint_names(model) -> CheckpointNames:
         except Exception as e:  # transformers raises many kinds on a mapping it cannot revert
             raise UnsupportedModelError(f"{type(model).__name__}: transformers cannot revert its conversion mapping "
                                         f"to the original checkpoint names ({type(e).__name__}: {e})") from None
-        starts = sorted((b, k) for k, (b, _) in codes.items())
+        owners = list(codes)   # in increasing code order
+        bases = [codes[k][0] for k in owners]
         for name, t in out.items():
             v = t.reshape(-1)
-            k = starts[bisect.bisect_right(starts, (int(v[0]), chr(0x10FFFF))) - 1][1]
+            k = owners[bisect.bisect_right(bases, int(v[0])) - 1]
             b, nrows = codes[k]
             if k not in fused:
+                if v.numel() != 1 or k in names.original:
+                    raise UnsupportedModelError(f"{k}: transformers' conversion mapping for model type "
+                                                f"{model.config.model_type!r} transforms it beyond a rename")
                 names.original[k] = name
                 continue
             e, r = divmod(int(v[0]) - b, nrows)
