@@ -36,6 +36,9 @@ TINY_CONFIGS = {
     "opt": dict(ffn_dim=144, word_embed_proj_dim=80), "bloom": dict(n_head=4), "gptj": dict(n_embd=80, rotary_dim=10),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=20),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                      shared_expert_intermediate_size=48),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=48),
     "gpt2": dict(n_embd=80, n_head=4),  # Conv1D linears: refused
     "gpt_oss": dict(num_local_experts=4, head_dim=20),  # transposed experts with biases: refused
 }

@@ -20,6 +20,8 @@ from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
 NAMES = {  # model type: (its mixture's checkpoint prefix, its expert linears: gate, up, down)
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 
@@ -38,9 +40,7 @@ def test_experts_found_and_named_as_the_original_checkpoint(arch):
     """Experts, routers and a shared expert are found structurally; each expert's linear is
     named as in the model's original per-expert layout (transformers' conversion mapping), its
     rows in the fused gate_up_proj / down_proj exactly covered."""
-    extra = {"qwen2_moe": dict(num_experts=4, moe_intermediate_size=40, shared_expert_intermediate_size=48),
-             "olmoe": dict(num_experts=4)}.get(arch, {})
-    m = _meta(arch, **extra)
+    m = _meta(arch)
     prefix, layers = hf_model.check_supported(m)
     E, two_i = m.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape[:2]
     gates = hf_model.moe_gates(layers[0])
@@ -50,7 +50,7 @@ def test_experts_found_and_named_as_the_original_checkpoint(arch):
     if arch == "qwen2_moe":
         assert {f"model.layers.0.mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")} <= linears
     names = hf_model.checkpoint_names(m)
-    moe, (gate, up, down) = NAMES.get(arch, ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    moe, (gate, up, down) = NAMES[arch]
     fused = "model.layers.1.mlp.experts."
     for e in range(E):
         got = {n: names.experts[f"model.layers.1.{moe}.experts.{e}.{n}"] for n in (gate, up, down)}
@@ -118,11 +118,15 @@ def _check_checkpoint(arch, src, d, results, layers):
     E = cfg.get("num_experts") or cfg["num_local_experts"]
     moe, projs = NAMES[arch]
     experts = {f"model.layers.{i}.{moe}.experts.{e}.{p}" for i in range(layers) for e in range(E) for p in projs}
-    attention = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkvo"}
-    assert set(ck.layers()) == set(results) == experts | attention
-    assert report["totals"]["layers"] == len(experts | attention)
+    dense = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkvo"}
+    if arch == "qwen2_moe":   # its shared expert is a plain MLP
+        dense |= {f"model.layers.{i}.mlp.shared_expert.{p}" for i in range(layers) for p in projs}
+    assert set(ck.layers()) == set(results) == experts | dense
+    assert report["totals"]["layers"] == len(experts | dense)
     qc = cfg["quantization_config"]
-    assert {f"model.layers.{i}.{moe}.gate" for i in range(layers)} <= set(qc["modules_not_converted"])
+    gates = {f"model.layers.{i}.{moe}.{g}" for i in range(layers)
+             for g in (("gate", "shared_expert_gate") if arch == "qwen2_moe" else ("gate",))}
+    assert gates <= set(qc["modules_not_converted"])
     model = load_dequantized_model(d)
     names = hf_model.checkpoint_names(model)
     for name, res in results.items():
@@ -248,10 +252,24 @@ def test_route_all_and_fused_source(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,method", [("qwen3_moe", "hptq"), ("mixtral", "ssqr")])
+@pytest.mark.parametrize("arch,method", [("qwen3_moe", "hptq"), ("mixtral", "ssqr"), ("qwen2_moe", "ssqr"),
+                                         ("olmoe", "hptq")])
 def test_two_blocks(arch, method, tmp_path):
-    """Two blocks: the second calibrated on the quantized first's outputs."""
+    """Two blocks, the second calibrated on the quantized first's outputs (Qwen2-MoE: a shared
+    expert quantized like a dense MLP, its gate kept)."""
     src = make_tiny_model(tmp_path / arch, arch, layers=2)
     d, results, _ = _quantize(src, tmp_path / "out", method)
     stats = _check_checkpoint(arch, src, d, results, layers=2)
     _check_routing(stats, 2, top_k=2, min_tokens=QuantizeOptions().moe_min_tokens)
+
+
+def test_no_cpu_only_tensor_on_the_way(tmp_path):
+    """The MoE steps under issue 19's device guard (``device="cpu"``, the proxy for ``--device
+    cuda``): every tensor factory names its device, but the integer probes through which
+    transformers' conversion mapping names the experts (host data, on purpose)."""
+    from tests.device_guard import factories_follow_inputs
+    from tests.test_device_clean import HUFFMAN_NUMPY, THIRD_PARTY, TOKEN_IDS
+    src = make_tiny_model(tmp_path / "mixtral", "mixtral", layers=1)
+    opts = QuantizeOptions(method="gptq", device="cpu", moe_min_tokens=140, **TINY_OPTS)
+    with factories_follow_inputs(allow=THIRD_PARTY + TOKEN_IDS + HUFFMAN_NUMPY + ("hf_model.py:checkpoint_names",)):
+        quantize_model(src, tmp_path / "out", opts, progress=False)

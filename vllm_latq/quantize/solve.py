@@ -93,9 +93,8 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
     each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
     source weight, its dequantized weight written into its slice of the fused parameter."""
     from tqdm.auto import tqdm
-    params = {p: src.net.get_parameter(p) for p in sorted({x.param for x in parts.values()},
-                                                          key=lambda p: hf_model.EXPERT_PARAMS.index(p.rpartition(".")[2]))}
-    num_experts = next(iter(params.values())).shape[0]
+    role = lambda x: hf_model.EXPERT_PARAMS.index(x.param.rpartition(".")[2])  # noqa: E731  (0: gate/up, 1: down)
+    num_experts = src.net.get_submodule(module).gate_up_proj.shape[0]
     if inputs is not None:
         counts = inputs.routed_tokens()
         starved = [e for e, n in enumerate(counts) if n < min_tokens]
@@ -103,18 +102,17 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
                  sum(counts) // max(inputs.num_tokens, 1), min(counts), max(counts),
                  "every token through every expert (route_all)" if route_all else
                  f"{len(starved)} experts below {min_tokens} tokens blended with all tokens: {starved}")
-    order = sorted(parts.items(), key=lambda kv: (kv[1].expert, list(params).index(kv[1].param), kv[1].rows.start))
+    order = sorted(parts.items(), key=lambda kv: (kv[1].expert, role(kv[1]), kv[1].rows.start))
     shard: dict[str, torch.Tensor] = {}
     for e in tqdm(range(num_experts), desc=f"{module}: experts", unit="expert", disable=not progress, leave=False):
         hs = inputs.expert_hessians(e, min_tokens, route_all) if inputs is not None else None
         for name, x in (kv for kv in order if kv[1].expert == e):
             W = src.expert_weight(name).to(device=device, dtype=torch.float32)
-            H = None if hs is None else hs.inp if x.param.rpartition(".")[2] == hf_model.EXPERT_PARAMS[0] else hs.mid
             extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
                                                       "moe_fallback": hs.fallback}
-            res, t = quantize(name, W, H, extra=extra)
+            res, t = quantize(name, W, None if hs is None else (hs.inp, hs.mid)[role(x)], extra=extra)
             shard.update(t)
-            params[x.param].data[x.expert, x.rows] = res.q.to(device=device, dtype=src.dtype)
+            src.net.get_parameter(x.param).data[x.expert, x.rows] = res.q.to(device=device, dtype=src.dtype)
     return shard
 
 
