@@ -99,7 +99,7 @@ def _quantize(src, out, method, **opts):
 
 @pytest.fixture(scope="module")
 def qwen3_ssqr(tmp_path_factory):
-    """A one-block Qwen3-MoE (8 experts, top-2, expert 0 never routed) quantized with SSQR,
+    """A one-block Qwen3-MoE (6 experts, top-2, expert 0 never routed) quantized with SSQR,
     fp32 forwards (for the Hessian comparison)."""
     root = tmp_path_factory.mktemp("moe")
     src = make_tiny_model(root / "qwen3_moe", "qwen3_moe", layers=1)
@@ -270,6 +270,6 @@ def test_no_cpu_only_tensor_on_the_way(tmp_path):
     from tests.device_guard import factories_follow_inputs
     from tests.test_device_clean import HUFFMAN_NUMPY, THIRD_PARTY, TOKEN_IDS
     src = make_tiny_model(tmp_path / "mixtral", "mixtral", layers=1)
-    opts = QuantizeOptions(method="gptq", device="cpu", moe_min_tokens=140, **TINY_OPTS)
+    opts = QuantizeOptions(method="ssqr", device="cpu", moe_min_tokens=140, **TINY_OPTS)
     with factories_follow_inputs(allow=THIRD_PARTY + TOKEN_IDS + HUFFMAN_NUMPY + ("hf_model.py:checkpoint_names",)):
         quantize_model(src, tmp_path / "out", opts, progress=False)
