@@ -34,8 +34,13 @@ TINY_CONFIGS = {
     "gpt_neox": dict(rotary_pct=0.5), "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
     "phi": dict(partial_rotary_factor=0.5), "gpt_bigcode": dict(n_embd=80, n_layer=None, n_head=4),
     "opt": dict(ffn_dim=144, word_embed_proj_dim=80), "bloom": dict(n_head=4), "gptj": dict(n_embd=80, rotary_dim=10),
-    "mixtral": dict(num_local_experts=2, num_experts_per_tok=1), "qwen3_moe": dict(num_experts=2, moe_intermediate_size=32),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=20),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                      shared_expert_intermediate_size=48),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=48),
     "gpt2": dict(n_embd=80, n_head=4),  # Conv1D linears: refused
+    "gpt_oss": dict(num_local_experts=4, head_dim=20),  # transposed experts with biases: refused
 }
 GEMMA_NORMS = ("gemma", "gemma2", "gemma3")  # their norms scale by 1 + w
 

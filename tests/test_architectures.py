@@ -1,6 +1,7 @@
 """Any dense decoder (issue 20): tiny random models of many model types, built here from
 their configs, go through the structural walk, SSQR and HPTQ, validation and exact
-dequantization; mixture-of-experts and non-``nn.Linear`` weights are refused at the start.
+dequantization; non-``nn.Linear`` weights and experts it cannot split are refused at the start
+(mixture-of-experts models: ``tests/test_moe_quantize.py``).
 
 ``ARCHS`` is the README's "tested architectures" table: every type there is one that both
 transformers and vLLM (0.32) know. The default suite runs SSQR on ``FAST`` and HPTQ on
@@ -26,8 +27,8 @@ FAST = ["mistral", "gemma2", "phi3", "olmo2", "granite", "stablelm", "starcoder2
 FAST_HPTQ = ["phi3", "gpt_neox", "gemma2"]
 REFUSED = {  # model type: what the early check says
     "gpt2": r"transformer\.h\.0\.attn\.c_attn is a Conv1D with a 2-D weight .* not an nn\.Linear",
-    "mixtral": r"model\.layers\.0\.mlp\.experts\.gate_up_proj \(MixtralExperts.*mixture-of-experts is issue 20's next",
-    "qwen3_moe": r"model\.layers\.0\.mlp\.experts\.gate_up_proj \(Qwen3MoeExperts.*mixture-of-experts is issue 20",
+    # experts it cannot split; mixture-of-experts models that work: tests/test_moe_quantize.py
+    "gpt_oss": r"model\.layers\.0\.mlp\.experts \(GptOssExperts.*experts layout .*without biases",
 }
 
 
@@ -118,7 +119,8 @@ def test_head_found_structurally(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))
 def test_refused_at_the_start(arch, tmp_path):
-    """MoE and non-Linear weights fail before any tensor is read, naming the module and why."""
+    """Experts the pipeline cannot split (transposed, with biases) and non-Linear weights fail
+    before any tensor is read, naming the module and why."""
     src = make_tiny_model(tmp_path / arch, arch, layers=1)
     with pytest.raises(hf_model.UnsupportedModelError, match=REFUSED[arch]):
         quantize_model(src, tmp_path / "out", QuantizeOptions(method="ssqr", **TINY_OPTS), progress=False)

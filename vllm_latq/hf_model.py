@@ -1,11 +1,15 @@
 """The Hugging Face model helpers the pipeline, the readers and the validator share: read
 ``config.json``, build a model on the meta device, walk its decoder blocks and linears, and
 swap tensors in and out. The walk is structural (no list of model types or module names):
-:func:`check_supported` refuses, before any calibration, what it cannot handle."""
+:func:`check_supported` refuses, before any calibration, what it cannot handle. Mixture-of-experts
+blocks keep their experts as fused 3-D parameters; :func:`checkpoint_names` names each expert's
+linear as the model's original per-expert checkpoint does."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -134,7 +138,8 @@ def final_norm(model, prefix: str) -> str:
 
 def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
     """The early structural check (before any tensor is read): a causal LM whose decoder blocks
-    are found and hold only ``nn.Linear`` weights (quantized) and 1-D parameters (kept).
+    are found and hold only ``nn.Linear`` weights (quantized), fused 3-D experts of transformers'
+    experts interface (quantized per expert) with their routers (kept) and 1-D parameters (kept).
     Raises :class:`UnsupportedModelError` naming the module and why → (prefix, layers)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     mt = getattr(model.config, "model_type", None)
@@ -143,29 +148,178 @@ def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
         raise UnsupportedModelError(f"{name} (model_type {mt!r}) is not the causal LM of its model type, with an "
                                     "output head")
     prefix, layers = decoder_layers(model)
-    for i, block in enumerate(layers):  # mixture-of-experts first: its router is not a linear either
-        for n, m in block.named_modules():
-            where = f"{prefix}.{i}.{n}" if n else f"{prefix}.{i}"
+    for i, block in enumerate(layers):
+        where = lambda n: f"{prefix}.{i}.{n}" if n else f"{prefix}.{i}"  # noqa: E731
+        for n, m in block.named_modules():  # mixture-of-experts first: its router is not a linear either
             if isinstance(m, torch.nn.ModuleList) and any(isinstance(x, torch.nn.Linear) for x in m.modules()):
-                raise UnsupportedModelError(f"{where} ({type(m).__name__} of {len(m)} {type(m[0]).__name__}): a list of "
-                                            "experts in a decoder block; mixture-of-experts is issue 20's next step")
-            for pn, p in m.named_parameters(recurse=False):
-                if p.dim() >= 3:
-                    raise UnsupportedModelError(
-                        f"{where}.{pn} ({type(m).__name__}, shape {list(p.shape)}): 3-D expert weights in a decoder "
-                        "block; mixture-of-experts is issue 20's next step")
+                raise UnsupportedModelError(
+                    f"{where(n)} ({type(m).__name__} of {len(m)} {type(m[0]).__name__}): a list of expert modules in a "
+                    "decoder block (a remote-code layout); the pipeline takes transformers' fused 3-D experts")
+        for n, m in expert_modules(block).items():
+            check_experts(m, where(n))
+        gates = moe_gates(block)
         for n, m in block.named_modules():
             for pn, p in m.named_parameters(recurse=False):
-                if p.dim() == 2 and not isinstance(m, torch.nn.Linear):
+                if p.dim() == 2 and not isinstance(m, torch.nn.Linear) and n not in gates:
                     raise UnsupportedModelError(
-                        f"{prefix}.{i}.{n} is a {type(m).__name__} with a 2-D weight {pn} {list(p.shape)}, not an "
+                        f"{where(n)} is a {type(m).__name__} with a 2-D weight {pn} {list(p.shape)}, not an "
                         "nn.Linear: the pipeline quantizes nn.Linear only and would silently keep it")
     return prefix, layers
 
 
 def block_linears(layer: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
-    """Every ``nn.Linear`` inside one decoder block, full names, in module order."""
-    return {f"{prefix}.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    """Every ``nn.Linear`` inside one decoder block but the routers' gates, full names, in
+    module order."""
+    gates = moe_gates(layer)
+    return {f"{prefix}.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and n not in gates}
+
+
+# ---------------------------------------------------------------- mixture-of-experts
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the weights transformers' experts interface reads (integrations/moe.py)
+
+
+def expert_modules(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The experts modules of a decoder block by name within it: the modules that hold 3-D
+    parameters (transformers 5 keeps a mixture's experts as ``[experts, out, in]`` tensors)."""
+    return {n: m for n, m in block.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))}
+
+
+def check_experts(m: torch.nn.Module, where: str) -> None:
+    """Refuse an experts module that is not split into per-expert linears as ``gate_up_proj
+    [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, without biases, that
+    transformers' experts interface dispatches as ``forward(hidden_states, top_k_index, ...)``."""
+    import inspect
+    shapes = {pn: list(p.shape) for pn, p in m.named_parameters(recurse=False)}
+    what = f"{where} ({type(m).__name__}, parameters {shapes})"
+    layout = {a: getattr(m, a, None) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")}
+    why = None
+    if None in layout.values():
+        why = "3-D weights outside transformers' experts interface (no has_gate/is_transposed/...): unknown dispatch"
+    elif layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}:
+        why = f"experts layout {layout}; the pipeline takes gated, concatenated, untransposed experts without biases"
+    elif set(shapes) != set(EXPERT_PARAMS) or any(len(s) != 3 for s in shapes.values()):
+        why = f"expected exactly the 3-D parameters {list(EXPERT_PARAMS)}"
+    else:
+        (e, two_i, h), (e2, h2, i) = shapes["gate_up_proj"], shapes["down_proj"]
+        if (e, h, 2 * i) != (e2, h2, two_i) or getattr(m, "num_experts", e) != e:
+            why = "gate_up_proj [E, 2I, H] and down_proj [E, H, I] do not agree"
+        elif not {"hidden_states", "top_k_index"} <= set(inspect.signature(m.forward).parameters):
+            why = "its forward does not take (hidden_states, top_k_index, ...): the routed tokens cannot be seen"
+    if why:
+        raise UnsupportedModelError(f"{what}: {why}")
+
+
+def moe_gates(block: torch.nn.Module) -> set[str]:
+    """The routing gates of a block's mixtures, by name within it: beside each experts module,
+    the sibling modules that hold a 2-D weight themselves (the router, Qwen2-MoE's
+    ``shared_expert_gate``); a sibling MLP of linears (a shared expert) is no gate."""
+    gates = set()
+    for n in expert_modules(block):
+        parent, _, leaf = n.rpartition(".")
+        for c, m in block.get_submodule(parent).named_children():
+            if c != leaf and any(p.dim() == 2 for p in m.parameters(recurse=False)):
+                gates.add(f"{parent}.{c}" if parent else c)
+    return gates
+
+
+@dataclass(frozen=True)
+class ExpertLinear:
+    """One expert's linear inside a fused 3-D parameter: ``param[expert, rows]`` is its weight
+    ``[out, in]`` (e.g. rows ``[0, I)`` of ``gate_up_proj[e]`` are expert e's gate projection)."""
+    param: str          # the model's parameter, e.g. "model.layers.0.mlp.experts.gate_up_proj"
+    expert: int
+    rows: slice
+
+    @property
+    def experts_module(self) -> str:
+        return self.param.rpartition(".")[0]
+
+
+@dataclass
+class CheckpointNames:
+    """How a model's state dict is named in a checkpoint: the model's original per-expert layout
+    (what vLLM's loaders read), from transformers' own conversion mapping, reverted as
+    ``save_pretrained`` reverts it. Identity for a model without experts."""
+    original: dict[str, str]                # model key -> checkpoint name (fused expert params excluded)
+    experts: dict[str, ExpertLinear]        # checkpoint module of one expert's linear -> where it lives
+    _index: dict = field(default_factory=dict, repr=False)   # lookups built once, after construction
+
+    def module(self, name: str) -> str:
+        """The checkpoint name of module ``name`` of the model (its weight's name less ``.weight``)."""
+        return self.original.get(f"{name}.weight", f"{name}.weight").removesuffix(".weight")
+
+    def model_key(self, name: str) -> str:
+        """The model key of checkpoint tensor ``name`` (itself where nothing is renamed)."""
+        if "inverse" not in self._index:
+            self._index["inverse"] = {v: k for k, v in self.original.items()}
+        return self._index["inverse"].get(name, name)
+
+    def of_param(self, param: str) -> dict[str, ExpertLinear]:
+        """The expert linears stored in fused parameter ``param`` (none for any other key)."""
+        if "params" not in self._index:
+            for n, x in self.experts.items():
+                self._index.setdefault("params", {}).setdefault(x.param, {})[n] = x
+        return self._index.get("params", {}).get(param, {})
+
+
+def checkpoint_names(model) -> CheckpointNames:
+    """:class:`CheckpointNames` of ``model``. The fused expert parameters are probed with
+    integer codes (row r of expert e of a parameter → a unique number) through transformers'
+    ``revert_weight_conversion``, so whatever its converters do (split per expert, chunk gate
+    from up, rename ``mlp`` to ``block_sparse_moe``), each per-expert tensor's codes name the
+    expert and rows it came from. One block at a time (bounded memory)."""
+    keys = list(model.state_dict(keep_vars=True).items())
+    fused = {k for k, t in keys if t.dim() == 3}
+    if not fused:
+        return CheckpointNames({k: k for k, _ in keys}, {})
+    from transformers.core_model_loading import revert_weight_conversion
+    prefix, layers = decoder_layers(model)
+    groups: dict[int, list] = {}
+    for k, t in keys:
+        rest = k[len(prefix) + 1:] if k.startswith(prefix + ".") else None
+        groups.setdefault(int(rest.split(".")[0]) if rest else -1, []).append((k, t))
+    names = CheckpointNames({}, {})
+    for group in groups.values():
+        codes, probe, base = {}, {}, 0
+        for k, t in group:
+            rows = t.shape[0] * t.shape[1] if k in fused else 1
+            codes[k] = (base, t.shape[1] if k in fused else 1)
+            probe[k] = torch.arange(base, base + rows).reshape(t.shape[0], t.shape[1], 1) if k in fused \
+                else torch.tensor([base])
+            base += rows
+        try:
+            out = revert_weight_conversion(model, probe)
+        except Exception as e:  # transformers raises many kinds on a mapping it cannot revert
+            raise UnsupportedModelError(f"{type(model).__name__}: transformers cannot revert its conversion mapping "
+                                        f"to the original checkpoint names ({type(e).__name__}: {e})") from None
+        owners = list(codes)   # in increasing code order
+        bases = [codes[k][0] for k in owners]
+        for name, t in out.items():
+            v = t.reshape(-1)
+            k = owners[bisect.bisect_right(bases, int(v[0])) - 1]
+            b, nrows = codes[k]
+            if k not in fused:
+                if v.numel() != 1 or k in names.original:
+                    raise UnsupportedModelError(f"{k}: transformers' conversion mapping for model type "
+                                                f"{model.config.model_type!r} transforms it beyond a rename")
+                names.original[k] = name
+                continue
+            e, r = divmod(int(v[0]) - b, nrows)
+            if not name.endswith(".weight") or not torch.equal(v, torch.arange(int(v[0]), int(v[0]) + len(v))) \
+                    or r + len(v) > nrows:
+                raise UnsupportedModelError(
+                    f"{k} {list(dict(group)[k].shape)}: transformers' conversion mapping for model type "
+                    f"{model.config.model_type!r} gives no per-expert checkpoint layout ({name} {list(t.shape)}); "
+                    "the experts cannot be stored under the names vLLM loads")
+            names.experts[name.removesuffix(".weight")] = ExpertLinear(k, e, slice(r, r + len(v)))
+    for k in fused:  # every row of every expert in exactly one per-expert tensor
+        cover = torch.zeros(model.get_parameter(k).shape[:2], dtype=torch.int32)
+        for x in names.of_param(k).values():
+            cover[x.expert, x.rows] += 1
+        if not bool((cover == 1).all()):
+            raise UnsupportedModelError(f"{k}: the per-expert checkpoint tensors do not cover it row by row")
+    return names
 
 
 def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:

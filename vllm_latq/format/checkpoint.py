@@ -112,13 +112,23 @@ class Checkpoint:
             raise FormatError('must be an object with a "layers" list', file=STATS_FILE)
         return st
 
+    def checkpoint_names(self, model) -> hf_model.CheckpointNames:
+        """How ``model`` (of this checkpoint's config) is named here: per-expert layers of its
+        fused experts, renamed tensors (FormatError if transformers cannot say)."""
+        try:
+            return hf_model.checkpoint_names(model)
+        except hf_model.UnsupportedModelError as e:
+            raise FormatError(str(e), file=CONFIG_FILE) from None
+
     def dequantized_tensors(self, dtype: torch.dtype = torch.float32):
-        """Yield ``(name, tensor)`` of the plain model: quantized layers as ``{module}.weight``
-        dequantized by :func:`~vllm_latq.format.layer.dequantize_layer`, the rest cast to ``dtype``."""
+        """Yield ``(name, tensor)`` by checkpoint name: quantized layers as ``{module}.weight``
+        dequantized by :func:`~vllm_latq.format.layer.dequantize_layer` (one expert's linear
+        each, for a mixture), the rest cast to ``dtype``."""
         spec = self.spec
         model = self.empty_model(dtype)
+        ck_names = self.checkpoint_names(model)
         for module, names in self.layers().items():
-            shape = linear_shape(model, module, self.where[next(iter(names.values()))])
+            shape = linear_shape(model, module, self.where[next(iter(names.values()))], ck_names)
             t = {sfx: self.tensor(n) for sfx, n in names.items()}
             W = dequantize_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size)
             yield f"{module}.weight", W.to(dtype)
@@ -126,10 +136,14 @@ class Checkpoint:
             yield name, self.tensor(name).to(dtype)
 
 
-def linear_shape(model, module: str, file: str) -> tuple[int, int]:
-    """``(out, in)`` of the linear ``module`` of ``model`` (FormatError naming ``file`` if it is none)."""
+def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames) -> tuple[int, int]:
+    """``(out, in)`` of the linear stored as ``module`` (a checkpoint name: a linear of ``model``
+    or one expert's linear of a fused experts parameter; FormatError naming ``file`` if it is none)."""
+    x = names.experts.get(module)
+    if x is not None:
+        return x.rows.stop - x.rows.start, model.get_parameter(x.param).shape[2]
     try:
-        m = model.get_submodule(module)
+        m = model.get_submodule(names.model_key(f"{module}.weight").removesuffix(".weight"))
     except AttributeError:
         m = None
     if not isinstance(m, torch.nn.Linear):
@@ -140,14 +154,29 @@ def linear_shape(model, module: str, file: str) -> tuple[int, int]:
 
 def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu"):
     """A plain transformers model whose quantized linears hold :func:`~vllm_latq.format.layer.dequantize_layer`'s
-    weights (independent of any kernel): what ``latq-eval`` measures."""
+    weights (independent of any kernel): what ``latq-eval`` measures. A mixture's fused 3-D
+    expert parameters are filled expert by expert from their per-expert layers."""
     ck = Checkpoint(path)
     model = ck.empty_model(dtype)
+    names = ck.checkpoint_names(model)
     expected = set(model.state_dict())
+    filled: dict[str, int] = {}
     for name, t in ck.dequantized_tensors(dtype):
-        if name not in expected:
+        x = names.experts.get(name.removesuffix(".weight"))
+        if x is not None:
+            if model.get_parameter(x.param).device.type == "meta":
+                hf_model.set_tensor(model, x.param, torch.empty(model.get_parameter(x.param).shape, dtype=dtype,
+                                                                device=device))
+            model.get_parameter(x.param).data[x.expert, x.rows] = t.to(device)
+            filled[x.param] = filled.get(x.param, 0) + 1
+            continue
+        key = names.model_key(name)
+        if key not in expected:
             raise FormatError("not a parameter of the model", file=ck.where.get(name), tensor=name)
-        hf_model.set_tensor(model, name, t.to(device))
+        hf_model.set_tensor(model, key, t.to(device))
+    partial = sorted(p for p, n in filled.items() if n != len(names.of_param(p)))
+    if partial:
+        raise FormatError(f"experts parameters with some experts' layers missing: {partial[:3]}", file=str(path))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

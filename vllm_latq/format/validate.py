@@ -30,14 +30,17 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         decoder_layers(model)
     except UnsupportedModelError as e:
         raise FormatError(str(e), file=CONFIG_FILE) from None
+    ck_names = ck.checkpoint_names(model)
     expected = dict(model.state_dict(keep_vars=True))
     head = model.get_output_embeddings()
     tied = ({f"{n}.weight" for n, m in model.named_modules() if m is head}
             if getattr(model.config, "tie_word_embeddings", False) else set())
 
     rank = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    layers = dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
-    rows, covered = [], set()
+    where = lambda m: (ck_names.experts[m].experts_module if m in ck_names.experts  # noqa: E731
+                       else ck_names.model_key(f"{m}.weight").removesuffix(".weight"))
+    layers = dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(where(kv[0]), len(rank)), kv[0])))
+    rows, covered, experts_done = [], set(), {}
     it = layers.items()
     if progress:
         from tqdm.auto import tqdm
@@ -52,7 +55,7 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         if not spec.is_converted(module):
             raise FormatError("quantized, but listed in quantization_config.modules_not_converted", file=file,
                               tensor=module)
-        shape = linear_shape(model, module, file)
+        shape = linear_shape(model, module, file, ck_names)
         if verify_checksums:
             for n in names.values():
                 ck.shards[file].verify(n)
@@ -60,7 +63,13 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
                            decode=decode)
         st = check_budget(t, spec, shape, layer=module, file=file)
-        covered.add(f"{module}.weight")
+        if module in ck_names.experts:  # a fused parameter is covered once each of its per-expert layers is
+            p = ck_names.experts[module].param
+            experts_done[p] = experts_done.get(p, 0) + 1
+            if experts_done[p] == len(ck_names.of_param(p)):
+                covered.add(p)
+        else:
+            covered.add(ck_names.model_key(f"{module}.weight"))
         rows.append({"name": module, "kind": spec.kind, "shape": list(shape), **st})
 
     stray = [m for m, _ in spec.layer_bits if m not in layers]
@@ -70,9 +79,9 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
 
     for name in ck.plain_names():
         file = ck.where[name]
-        if name not in expected:
+        if ck_names.model_key(name) not in expected:
             raise FormatError("unexpected tensor: not a parameter of the model in config.json", file=file, tensor=name)
-        want = expected[name]
+        want = expected[ck_names.model_key(name)]
         f = ck.shards[file]
         if f.shape(name) != tuple(want.shape):
             raise FormatError(f"shape {f.shape(name)}, expected {tuple(want.shape)} from config.json", file=file,
@@ -81,7 +90,7 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
         if verify_checksums:
             f.verify(name)
-        covered.add(name)
+        covered.add(ck_names.model_key(name))
     persistent = {n for n in expected if n not in dict(model.named_buffers())}
     missing = sorted(persistent - covered - tied)
     if missing:

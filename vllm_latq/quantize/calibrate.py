@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import torch
 
+from .. import hf_model
 from . import capture
 from .hessian import Hessian, PanelHessian
+from .moe import MoeInputs
 
 
 class SharedHessians:
     """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64. During the first
     forward, linears that receive the very same input tensor (q/k/v, gate/up) are grouped and
-    share one Hessian; afterwards only each group's first member accumulates."""
+    share one Hessian; afterwards only each group's first member accumulates. ``moe``: the
+    inputs of each experts module of ``block`` (by name within it)."""
 
-    def __init__(self, linears: dict[str, torch.nn.Linear]):
+    def __init__(self, linears: dict[str, torch.nn.Linear], block: torch.nn.Module | None = None):
         self.linears = linears
+        self.moe = {n: MoeInputs(m) for n, m in hf_model.expert_modules(block).items()} if block is not None else {}
         self.of: dict[str, Hessian] = {}
         self.leader: dict[str, bool] = {}
         self._call: list = []  # (input tensor, Hessian) seen in the current forward (keeps refs)
@@ -59,13 +63,15 @@ class SharedHessians:
     def remove(self):
         for h in self.handles:
             h.remove()
+        for m in self.moe.values():
+            m.remove()
 
 
 @torch.no_grad()
 def block_hessians(layer, linears: dict, inps: torch.Tensor, kw: dict, desc: str, progress: bool) -> SharedHessians:
     """Run the (unquantized) block on every calibration sequence with Hessian hooks."""
     from tqdm.auto import tqdm
-    hs = SharedHessians(linears)
+    hs = SharedHessians(linears, layer)
     try:
         for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians", unit="seq", disable=not progress, leave=False):
             capture.run_block(layer, inps[j:j + 1], kw)

@@ -80,6 +80,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--nsamples", type=int, default=d.nsamples, help="calibration sequences (default 128)")
     c.add_argument("--seqlen", type=int, default=d.seqlen, help="tokens per sequence (default 512)")
     c.add_argument("--seed", type=int, default=d.seed, help="calibration shuffle seed (default 0)")
+    c.add_argument("--moe-min-tokens", type=int, default=d.moe_min_tokens, metavar="N",
+                   help="mixture-of-experts: an expert routed fewer calibration tokens gets its Hessians blended with "
+                        f"all the block's tokens (default {d.moe_min_tokens})")
+    c.add_argument("--moe-route-all", action="store_true",
+                   help="mixture-of-experts: calibrate every expert on every token, not only those routed to it")
     r = ap.add_argument_group("run")
     r.add_argument("--device", default=d.device, help="torch device for blocks and solvers (default cpu)")
     r.add_argument("--compute-dtype", default=d.compute_dtype, choices=tuple(COMPUTE_DTYPES),
@@ -105,7 +110,8 @@ def main(argv=None) -> int:
                                nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device,
                                compute_dtype=a.compute_dtype,
                                quantize_lm_head=a.quantize_lm_head or a.lm_head_bits is not None,
-                               lm_head_bits=a.lm_head_bits)
+                               lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
+                               moe_route_all=a.moe_route_all)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except SimulatedInterruption as e:

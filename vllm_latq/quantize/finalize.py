@@ -35,8 +35,7 @@ def finalize(src: Source, run: RunDir, out: Path, method: str, quantization_conf
     """Write the rest of the checkpoint into ``run``, validate it (unless not ``validate``)
     and move it to ``out`` (replacing it) → the stats file's totals."""
     nshards = src.nblocks + 1
-    rest = {n: src.weights.get(n) for n in src.weights.names() if n not in src.block_of and n in src.expected
-            and not (head_name is not None and n == f"{head_name}.weight")}
+    rest = src.outside_kept_tensors(head_name)
     rest.update(head_tensors)
     write_safetensors(run.path / writer.shard_name(src.nblocks, nshards), rest)
     writer.write_index(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])

@@ -92,6 +92,10 @@ class QuantizeOptions:
     # with quantize_lm_head, a dense method: the head's inlier bits (e.g. 8: its error is then
     # negligible while it streams half the bf16 bytes); None: ``bits`` like every other layer
     lm_head_bits: int | None = None
+    # mixture-of-experts: an expert routed fewer calibration tokens than this gets its Hessians
+    # blended with all the block's tokens (quantize/moe.py); route_all: every token through every expert
+    moe_min_tokens: int = 128
+    moe_route_all: bool = False
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -102,6 +106,8 @@ class QuantizeOptions:
             raise ValueError(f"damp must be >= 0, got {self.damp}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
+        if self.moe_min_tokens < 1:
+            raise ValueError(f"moe_min_tokens must be >= 1, got {self.moe_min_tokens}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -139,15 +145,17 @@ class QuantizeOptions:
         return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True)
 
     def quantization_config(self, modules_not_converted, head_name: str | None = None,
-                            compute_dtype: torch.dtype | None = None) -> dict:
+                            compute_dtype: torch.dtype | None = None, moe: bool = False) -> dict:
         """The checkpoint's ``quantization_config`` (``compute_dtype``: the forwards' dtype, recorded
-        with the calibration)."""
+        with the calibration, as the experts' calibration options for a mixture-of-experts model)."""
         calibration = None
         if self.calibrated:
             calibration = {"source": _source_label(self.calib), "nsamples": self.nsamples, "seqlen": self.seqlen,
                            "seed": self.seed}
             if compute_dtype is not None:
                 calibration["compute_dtype"] = str(compute_dtype).removeprefix("torch.")
+            if moe:
+                calibration.update(moe_min_tokens=self.moe_min_tokens, moe_route_all=self.moe_route_all)
         return fmt.quantization_config(
             self.method, bits=self.bits, group_size=self.group_size, outlier_rate=self.outlier_rate,
             target_bits=self.target_bits, order=self.order, damp=self.damp,
@@ -211,7 +219,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         t0 = time.time()
         hessians = block_hessians(layer, linears, inps, kw, f"block {i}", progress) if opts.calibrated else None
         t1 = time.time()
-        shard = solving.solve_block(src, i, linears, hessians, quantize, device, progress)
+        shard = solving.solve_block(src, i, linears, hessians, quantize, device, progress, opts.moe_min_tokens,
+                                    opts.moe_route_all)
         hessians = None
         t2 = time.time()
         if opts.calibrated:
@@ -228,7 +237,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     head_tensors = {} if head is None else quantize_head(src, head, inps, partial(
         solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
     del inps
-    qc = opts.quantization_config(not_converted, head_name, src.dtype)
+    qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
     tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
     log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
              tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)

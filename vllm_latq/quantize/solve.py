@@ -18,6 +18,7 @@ from .calibrate import SharedHessians
 from .hessian import Hessian
 from .hptq import hptq, hrtn
 from .lattice import layer_error
+from .moe import MoeInputs
 from .result import QuantResult
 from .solvers import babai, gptq, rtn
 from .source import Source
@@ -43,16 +44,19 @@ def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw) -> Qua
 
 
 def quantize_linear(name: str, W: torch.Tensor, hessian: Hessian | None, *, method: str, solver_kwargs: dict,
-                    solve: Solve, stats: list, on_layer: Callable | None) -> tuple[QuantResult, dict]:
+                    solve: Solve, stats: list, on_layer: Callable | None,
+                    extra: dict | None = None) -> tuple[QuantResult, dict]:
     """Solve linear ``name`` (weight ``W``, its accumulated ``hessian``, None for uncalibrated
-    methods), append its stats record to ``stats`` and log it, call ``on_layer(name, W, H,
-    result)`` → (result, its checkpoint tensors named ``<name>.<suffix>``)."""
+    methods), append its stats record (with ``extra``: an expert's routing) to ``stats`` and
+    log it, call ``on_layer(name, W, H, result)`` → (result, its checkpoint tensors named
+    ``<name>.<suffix>``)."""
     H = hessian.H if hessian is not None else None
     res = solve(method, W, H, name, **solver_kwargs)
     kind = fmt.kind_of(method)
     t = fmt.encode_layer(res, kind)
     s = layer_stats(name, W, H, res, t, kind)
     s["hessian_tokens"] = hessian.n if hessian is not None else 0
+    s.update(extra or {})
     stats.append(s)
     log.info(log_line(s))
     if on_layer is not None:
@@ -62,18 +66,53 @@ def quantize_linear(name: str, W: torch.Tensor, hessian: Hessian | None, *, meth
 
 @torch.no_grad()
 def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
-                progress: bool) -> dict[str, torch.Tensor]:
+                progress: bool, moe_min_tokens: int = 128, moe_route_all: bool = False) -> dict[str, torch.Tensor]:
     """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
-    exact source weight (fp32, even when the forwards run in a narrower dtype), and put the
-    dequantized weights into the block, so its outputs are the quantized block's → the
-    block's quantized tensors."""
+    exact source weight (fp32, even when the forwards run in a narrower dtype), then its experts
+    (:func:`solve_experts`), and put the dequantized weights into the block, so its outputs are
+    the quantized block's → the block's quantized tensors, by checkpoint name."""
     from tqdm.auto import tqdm
     shard: dict[str, torch.Tensor] = {}
     for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
-        W = src.weights.get(f"{name}.weight").to(device=device, dtype=torch.float32)
-        res, t = quantize(name, W, hessians.of[name] if hessians is not None else None)
+        W = src.weights.get(src.on_disk(f"{name}.weight")).to(device=device, dtype=torch.float32)
+        res, t = quantize(src.names.module(name), W, hessians.of[name] if hessians is not None else None)
         shard.update(t)
         hf_model.set_tensor(src.net, f"{name}.weight", res.q.to(device=device, dtype=src.dtype))
+    for module, parts in src.block_experts(i).items():
+        inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
+        shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,
+                                   progress))
+    return shard
+
+
+@torch.no_grad()
+def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLinear], inputs: MoeInputs | None,
+                  quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool) -> dict:
+    """Quantize the experts of experts module ``module`` one at a time: expert e's Hessians
+    (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
+    each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
+    source weight, its dequantized weight written into its slice of the fused parameter."""
+    from tqdm.auto import tqdm
+    role = lambda x: hf_model.EXPERT_PARAMS.index(x.param.rpartition(".")[2])  # noqa: E731  (0: gate/up, 1: down)
+    num_experts = src.net.get_submodule(module).gate_up_proj.shape[0]
+    if inputs is not None:
+        counts = inputs.routed_tokens()
+        starved = [e for e, n in enumerate(counts) if n < min_tokens]
+        log.info("%s: %d tokens × top-%d routed, per expert %d..%d; %s", module, inputs.num_tokens,
+                 sum(counts) // max(inputs.num_tokens, 1), min(counts), max(counts),
+                 "every token through every expert (route_all)" if route_all else
+                 f"{len(starved)} experts below {min_tokens} tokens blended with all tokens: {starved}")
+    order = sorted(parts.items(), key=lambda kv: (kv[1].expert, role(kv[1]), kv[1].rows.start))
+    shard: dict[str, torch.Tensor] = {}
+    for e in tqdm(range(num_experts), desc=f"{module}: experts", unit="expert", disable=not progress, leave=False):
+        hs = inputs.expert_hessians(e, min_tokens, route_all) if inputs is not None else None
+        for name, x in (kv for kv in order if kv[1].expert == e):
+            W = src.expert_weight(name).to(device=device, dtype=torch.float32)
+            extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
+                                                      "moe_fallback": hs.fallback}
+            res, t = quantize(name, W, None if hs is None else (hs.inp, hs.mid)[role(x)], extra=extra)
+            shard.update(t)
+            src.net.get_parameter(x.param).data[x.expert, x.rows] = res.q.to(device=device, dtype=src.dtype)
     return shard
 
 
@@ -100,5 +139,7 @@ def layer_stats(name, W, H, res, t, kind) -> dict:
 def log_line(s: dict) -> str:
     cert = f"{s['cert']:.3f}" if s["cert"] is not None else "—"
     rel = f"{s['rel_error']:.3e}" if s["rel_error"] is not None else "—"
+    routed = "" if s.get("expert_tokens") is None else f", {s['expert_tokens']} routed tokens" + (
+        f" ({s['moe_fallback']})" if s["moe_fallback"] else "")
     return (f"{s['name']}: {s['method']} {s['bits']:.3f} bits/w, outliers {100 * s['outlier_rate']:.3f}%, "
-            f"rel.err {rel}, cert {cert}")
+            f"rel.err {rel}, cert {cert}{routed}")

@@ -75,11 +75,18 @@ class SourceWeights:
     def get(self, name: str) -> torch.Tensor:
         return self.handles[self.where[name]].get_tensor(name)
 
+    def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
+        """``tensor[index, rows]`` of a 3-D tensor, read without the rest of it."""
+        return self.handles[self.where[name]].get_slice(name)[index, rows.start:rows.stop]
+
 
 @dataclass
 class Source:
     """A source model opened for quantization: its directory and config, its tensors, and
-    the model built on the meta device in the calibration forwards' dtype."""
+    the model built on the meta device in the calibration forwards' dtype. Tensors are named
+    by the model's state dict (``expected``); ``names`` gives each its checkpoint name, and a
+    fused 3-D expert parameter is read from the per-expert tensors of the original layout or
+    from a fused tensor, whichever the source holds."""
     path: Path
     raw_config: dict            # config.json as written
     config: object              # the transformers config
@@ -87,20 +94,32 @@ class Source:
     net: torch.nn.Module        # on the meta device until a part of it is loaded
     prefix: str                 # the decoder blocks' module name, e.g. "model.layers", "transformer.h"
     layers: torch.nn.ModuleList
-    block_of: dict[str, int]    # source tensor name -> its decoder block
+    block_of: dict[str, int]    # model key -> its decoder block
     expected: dict              # the model's state-dict names (keys; in the model's order)
     head: torch.nn.Module       # the output head (lm_head)
     head_names: set[str]        # module names of the head
     tied: bool                  # the head shares the input embedding's weight
     dtype: torch.dtype          # of the calibration forwards
+    names: hf_model.CheckpointNames
 
     @property
     def nblocks(self) -> int:
         return len(self.layers)
 
+    def on_disk(self, key: str) -> str | None:
+        """The source tensor holding model key ``key`` whole (its own or its checkpoint name)."""
+        for n in (key, self.names.original.get(key)):
+            if n in self.weights.where:
+                return n
+        return None
+
+    def available(self, key: str) -> bool:
+        return self.on_disk(key) is not None or (
+            (parts := self.names.of_param(key)) != {} and all(f"{n}.weight" in self.weights.where for n in parts))
+
     def block_tensors(self, i: int) -> list[str]:
-        """The source tensors of decoder block ``i``."""
-        return [n for n in self.weights.names() if self.block_of.get(n) == i]
+        """The model keys of decoder block ``i`` the source holds."""
+        return [n for n in self.expected if self.block_of.get(n) == i and self.available(n)]
 
     def outside_tensors(self) -> list[str]:
         """The parameters outside the blocks and the head (embeddings, final norm), which the
@@ -110,26 +129,63 @@ class Source:
                 and not n.rpartition(".")[0] in self.head_names and n in params]
 
     def load(self, names, device) -> None:
-        """Load source tensors ``names`` into the model, on ``device`` in the forwards' dtype."""
+        """Load model keys ``names`` into the model, on ``device`` in the forwards' dtype (a
+        fused expert parameter filled expert by expert from per-expert source tensors)."""
         for n in names:
-            hf_model.set_tensor(self.net, n, self.weights.get(n).to(device=device, dtype=self.dtype))
+            if self.on_disk(n) is not None:
+                t = self.weights.get(self.on_disk(n)).to(device=device, dtype=self.dtype)
+            else:
+                t = torch.empty(self.net.get_parameter(n).shape, device=device, dtype=self.dtype)
+                for name, x in self.names.of_param(n).items():
+                    t[x.expert, x.rows] = self.weights.get(f"{name}.weight").to(device=device, dtype=self.dtype)
+            hf_model.set_tensor(self.net, n, t)
+
+    def expert_weight(self, name: str) -> torch.Tensor:
+        """The source weight ``[out, in]`` of expert linear ``name`` (a checkpoint module name
+        of ``names.experts``), read alone from a per-expert or a fused source tensor."""
+        if f"{name}.weight" in self.weights.where:
+            return self.weights.get(f"{name}.weight")
+        x = self.names.experts[name]
+        return self.weights.get_rows(self.on_disk(x.param), x.expert, x.rows)
+
+    def kept_tensors(self, keys, linears=(), head_name: str | None = None) -> dict[str, torch.Tensor]:
+        """Model keys ``keys`` other than the weights of the quantized ``linears`` and
+        ``head_name`` and the fused experts, in their original dtype, by checkpoint name."""
+        quantized = set(linears) | {head_name}
+        fused = {x.param for x in self.names.experts.values()}
+        return {self.names.original[n]: self.weights.get(self.on_disk(n)) for n in keys
+                if n not in fused and not (n.rpartition(".")[0] in quantized and n.endswith(".weight"))}
+
+    def outside_kept_tensors(self, head_name: str | None) -> dict[str, torch.Tensor]:
+        """The tensors outside the blocks (embeddings, final norm, an unquantized head) by checkpoint name."""
+        return self.kept_tensors([n for n in self.expected if n not in self.block_of and self.available(n)],
+                                 head_name=head_name)
 
     def kept_block_tensors(self, i: int, linears) -> dict[str, torch.Tensor]:
-        """Block ``i``'s tensors other than its quantized ``linears``' weights (norms, biases),
-        in their original dtype and name."""
-        return {n: self.weights.get(n) for n in self.block_tensors(i)
-                if not (n.rpartition(".")[0] in linears and n.endswith(".weight"))}
+        """Block ``i``'s tensors other than its quantized ``linears``' weights and experts
+        (norms, biases, routers), in their original dtype, by checkpoint name."""
+        return self.kept_tensors(self.block_tensors(i), linears)
 
     def block_linears(self, i: int) -> dict[str, torch.nn.Linear]:
         """The linears of decoder block ``i`` by full name: what the pipeline quantizes."""
         return hf_model.block_linears(self.layers[i], f"{self.prefix}.{i}")
 
+    def block_experts(self, i: int) -> dict[str, dict[str, hf_model.ExpertLinear]]:
+        """{experts module (model name): {expert linear (checkpoint name): where it lives}} of block ``i``."""
+        out: dict[str, dict] = {}
+        for name, x in self.names.experts.items():
+            if self.block_of.get(x.param) == i:
+                out.setdefault(x.experts_module, {})[name] = x
+        return out
+
     def modules_not_converted(self, head_name: str | None) -> list[str]:
-        """The linear and embedding modules that stay unquantized: all but the blocks' linears
-        (and the head ``head_name`` when it is quantized)."""
+        """The modules that stay unquantized, by checkpoint name: the linear and embedding
+        modules but the blocks' linears (and the head ``head_name`` when it is quantized), and the
+        mixtures' routing gates."""
         quantized = {n for i in range(self.nblocks) for n in self.block_linears(i)} | {head_name}
-        return sorted(n for n, m in self.net.named_modules()
-                      if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n not in quantized)
+        gates = {f"{self.prefix}.{i}.{g}" for i in range(self.nblocks) for g in hf_model.moe_gates(self.layers[i])}
+        return sorted(self.names.module(n) for n, m in self.net.named_modules()
+                      if (isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n not in quantized) or n in gates)
 
 
 def open_source(model: str | os.PathLike, compute_dtype) -> Source:
@@ -149,22 +205,20 @@ def open_source(model: str | os.PathLike, compute_dtype) -> Source:
     except ValueError as e:  # transformers has no causal LM class for this config
         raise hf_model.UnsupportedModelError(f"{type(config).__name__}: no *ForCausalLM ({e})") from None
     prefix, layers = hf_model.check_supported(net)
-    sources = SourceWeights(src)
+    names = hf_model.checkpoint_names(net)
     expected = dict(net.state_dict())
     head = net.get_output_embeddings()
     head_names = {n for n, m in net.named_modules() if m is head}
     tied = getattr(config, "tie_word_embeddings", False)
-    missing = [n for n in expected
-               if n not in sources.where and not (tied and n.rpartition(".")[0] in head_names)
+    block_of = {n: int(n[len(prefix) + 1:].split(".")[0]) for n in expected if n.startswith(prefix + ".")}
+    source = Source(src, raw_cfg, config, SourceWeights(src), net, prefix, layers, block_of, dict.fromkeys(expected),
+                    head, head_names, tied, cdtype, names)
+    missing = [n for n in expected if not source.available(n) and not (tied and n.rpartition(".")[0] in head_names)
                and n in dict(net.named_parameters())]
     if missing:
         raise ValueError(f"{src}: tensors of the model are missing from its safetensors files: {missing[:4]}")
-    block_of = {}
-    for n in sources.names():
-        if n.startswith(prefix + "."):
-            block_of[n] = int(n[len(prefix) + 1:].split(".")[0])
-    ignored = sorted(n for n in sources.names() if n not in expected)
+    used = set(expected) | set(names.original.values()) | {f"{n}.weight" for n in names.experts}
+    ignored = sorted(n for n in source.weights.names() if n not in used)
     if ignored:
         log.warning("ignoring %d source tensors the model does not use: %s", len(ignored), ignored[:4])
-    return Source(src, raw_cfg, config, sources, net, prefix, layers, block_of, dict.fromkeys(expected), head,
-                  head_names, tied, cdtype)
+    return source

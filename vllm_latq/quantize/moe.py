@@ -1,0 +1,112 @@
+"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it.
+
+During the block's one Hessian forward (:mod:`.calibrate`) a pre-hook on every experts module
+keeps what enters it: the hidden states ``[tokens, H]`` and the router's choice ``top_k_index
+[tokens, k]``. Then, one expert at a time (:meth:`MoeInputs.expert_hessians`), expert e's
+Hessians are summed over the tokens routed to it: the input of its gate and up projections is
+those hidden states, the input of its down projection the intermediate activations
+``act(gate)·up`` of those tokens, computed with the expert's own (still unquantized) gate/up
+slice and the model's own gating function. The whole costs about one more pass of the gate/up
+projections over the routed tokens: no forward per expert.
+
+An expert routed fewer than ``min_tokens`` tokens still gets a well-posed problem: its sums are
+blended with those of every token of the block entering the mixture (for the down projection:
+every token run through this expert), counted as if ``t − n_e`` of them had been routed to it:
+``H = (S_e + (t − n_e)/N · S_all) / t`` (t = ``min_tokens``, n_e routed tokens, N all tokens).
+``route_all`` calibrates every expert on every token.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .hessian import PanelHessian
+
+BLEND, ALL_TOKENS = "blend", "all-tokens"   # the fallbacks recorded per expert
+
+
+@dataclass
+class ExpertHessians:
+    """Expert e's two Hessians (the gate/up projections' input, the down projection's input),
+    the tokens its router sent it and the fallback used (None, ``"blend"``, ``"all-tokens"``)."""
+    inp: PanelHessian
+    mid: PanelHessian
+    tokens: int
+    fallback: str | None
+
+
+def blend(routed: PanelHessian, everything: PanelHessian, min_tokens: int) -> PanelHessian:
+    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens with the
+    all-token Hessian (convex in H_e and H_all, weights n_e/t and 1 − n_e/t)."""
+    out = PanelHessian(routed.sum.shape[0], routed.sum.device)
+    out.sum = routed.sum + everything.sum * ((min_tokens - routed.n) / everything.n)
+    out.n = min_tokens
+    return out
+
+
+class MoeInputs:
+    """A pre-hook on one experts module keeping its inputs and routing over the calibration
+    forwards (call :meth:`remove` after them), and the per-expert Hessians computed from them."""
+
+    def __init__(self, experts: torch.nn.Module):
+        self.experts = experts
+        self.hidden: list[torch.Tensor] = []   # [tokens, H] per forward
+        self.index: list[torch.Tensor] = []    # [tokens, k] per forward
+        self._signature = inspect.signature(experts.forward)
+        self._all_inp: PanelHessian | None = None
+        self.handle = experts.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, mod, args, kwargs):
+        a = self._signature.bind(*args, **kwargs).arguments
+        self.hidden.append(a["hidden_states"].detach().reshape(-1, a["hidden_states"].shape[-1]))
+        self.index.append(a["top_k_index"].detach().reshape(len(self.hidden[-1]), -1))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(x) for x in self.hidden)
+
+    def routed_tokens(self) -> list[int]:
+        """Tokens routed to each expert (they sum to tokens × top_k)."""
+        counts = sum(torch.bincount(i.reshape(-1).cpu(), minlength=self.experts.num_experts) for i in self.index)
+        return [int(c) for c in counts[:self.experts.num_experts]]
+
+    def _all_inputs(self) -> PanelHessian:
+        if self._all_inp is None:
+            self._all_inp = PanelHessian(self.hidden[0].shape[1], self.hidden[0].device)
+            for x in self.hidden:
+                self._all_inp.add(x)
+        return self._all_inp
+
+    @torch.no_grad()
+    def expert_hessians(self, e: int, min_tokens: int, route_all: bool) -> ExpertHessians:
+        """Expert ``e``'s Hessians, before its weights are replaced by quantized ones."""
+        if min_tokens < 1:
+            raise ValueError(f"moe_min_tokens must be >= 1, got {min_tokens}")
+        W = self.experts.gate_up_proj[e]   # [2I, H]
+        columns, device = W.shape[1], W.device
+        inp, mid = PanelHessian(columns, device), PanelHessian(W.shape[0] // 2, device)
+        tokens = sum(int((i == e).any(-1).sum()) for i in self.index)
+        fallback = ALL_TOKENS if route_all else BLEND if tokens < min_tokens else None
+        all_mid = PanelHessian(W.shape[0] // 2, device) if fallback else None
+        for x, i in zip(self.hidden, self.index):
+            routed = (i == e).any(-1)
+            if fallback:
+                act = self.experts._apply_gate(torch.nn.functional.linear(x, W))
+                all_mid.add(act)
+                act = act[routed]
+            else:
+                act = self.experts._apply_gate(torch.nn.functional.linear(x[routed], W))
+            if len(act):
+                inp.add(x[routed])
+                mid.add(act)
+        if fallback == ALL_TOKENS:
+            return ExpertHessians(self._all_inputs(), all_mid, tokens, fallback)
+        if fallback == BLEND:
+            return ExpertHessians(blend(inp, self._all_inputs(), min_tokens), blend(mid, all_mid, min_tokens), tokens,
+                                  fallback)
+        return ExpertHessians(inp, mid, tokens, None)
