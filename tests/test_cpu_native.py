@@ -104,7 +104,7 @@ def test_tiles_hold_the_csr():
         assert (r[r >= 64] - 64 == torch.nonzero(r >= 64).flatten() % 16).all()
         cnt = m[64 * b + real].sum(1)
         assert (cnt[:-1] >= cnt[1:]).all()             # longest first
-    st = cpu.CPUState(None, None, None, None, None, off, rows, tcol, tval, N, K, 32, 1, 0, 0)
+    st = cpu.CPUState(None, None, None, None, None, off, rows, tcol, tval, None, N, K, 32, 1, 0, 0)
     for r0, r1 in ((0, N), (64, 192), (192, N), (0, 64)):
         r, c, v = cpu._tile_entries(st, r0, r1)
         got = sorted(zip((r + r0).tolist(), c.tolist(), v.tolist()))

@@ -97,5 +97,5 @@ def test_native_small_linear():
     st = cpu_kernel.prepare(make_weight("cpu"))
     x, bias = op_args("cpu")
     args = (x, st.packed, st.scales_zeros, st.crow, st.col, st.val, st.tile_off, st.tile_rows, st.tile_col,
-            st.tile_val, bias, st.group_size, st.planes)
+            st.tile_val, st.row_scale, bias, st.group_size, st.planes)
     torch.library.opcheck(torch.ops.latq_cpu.small_linear.default, args)

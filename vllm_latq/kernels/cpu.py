@@ -1,5 +1,5 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
-inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM. (The native
+inliers, outliers as 16-row tiles (or an fp32 CSR); for prefill, a chunked dequantize + bf16 GEMM. (The native
 layouts it uses are in :mod:`~vllm_latq.kernels.cpu_layouts`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
@@ -27,7 +27,10 @@ GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·
 Decisions (each measured; the numbers are in docs/BENCHMARKS.md, "CPU kernel decisions"):
 activations go to the op in bf16 (its only vectorized kernel); the op group size is the largest
 of 256/128/64/32 dividing both the latq group and K; outliers are tiles summed in the GEMV's
-threads where the C++ GEMV runs, else an MKL fp32 CSR (int32 indices) built once per layer;
+threads where the C++ GEMV runs, else an MKL fp32 CSR (int32 indices) built once per layer; a
+tile slot is an int16 column and a value coded exactly in 16 bits where the layer allows it
+(``cpu_layouts.code_values``: fp16 when every value is fp16-exact, as SSQR stores them; int16
+z times the row's fp32 scale in a one-scale HPTQ layer, whose outliers are z·s), else fp32;
 5–8-bit HPTQ transcodes run as two int4 planes, or as 4 bits plus outliers when at most
 ``SPLIT_MAX_EXTRA_RATE`` leave the grid; from ``large_m()`` rows on the weights are
 dequantized per call in row chunks into a reused bf16 buffer for a bf16 GEMM.
@@ -43,8 +46,8 @@ import torch
 from .. import format as fmt
 from .. import native
 from .base import LatqKernel
-from .cpu_layouts import (detect_layout, has_int4_op, int4_ops, nbytes, state_bytes, tile_entries, tiles_from_csr,
-                          unpack_int4pack)
+from .cpu_layouts import (code_values, detect_layout, has_int4_op, int4_ops, nbytes, state_bytes, tile_entries,
+                          tiles_from_csr, unpack_int4pack, value_bytes)
 from .reference import LatqWeight
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
@@ -77,7 +80,8 @@ class CPUState:
     tile_off: torch.Tensor | None   # int32 [T+1]    outliers as the C++ op's tiles (tiles_from_csr)
     tile_rows: torch.Tensor | None  # int32 [T, 16]
     tile_col: torch.Tensor | None   # int16 [S, 16]
-    tile_val: torch.Tensor | None   # fp32  [S, 16]
+    tile_val: torch.Tensor | None   # [S, 16] fp16, int16 (× row_scale) or fp32: cpu_layouts.code_values
+    row_scale: torch.Tensor | None  # fp32  [N]  each row's fp16 scale, for int16 tile values (else None)
     out_features: int
     in_features: int
     group_size: int               # the op's group size g
@@ -134,7 +138,8 @@ class CPUKernel(LatqKernel):
     @classmethod
     def served_bytes(cls, state: CPUState) -> dict[str, int]:
         """Every state tensor (``scales_and_zeros`` with its zeros: the op reads them)."""
-        t = [getattr(state, f) for f in ("crow", "col", "val", "tile_off", "tile_rows", "tile_col", "tile_val")]
+        t = [getattr(state, f) for f in ("crow", "col", "val", "tile_off", "tile_rows", "tile_col", "tile_val",
+                                         "row_scale")]
         return {"inliers": nbytes(state.packed), "scales": nbytes(state.scales_zeros), "outliers": nbytes(*t)}
 
     @classmethod
@@ -145,8 +150,9 @@ class CPUKernel(LatqKernel):
         if not 1 <= bits <= MAX_BITS or n % 16 or go is None:
             raise ValueError(f"the CPU kernel cannot lay out a {n}x{k} {bits}-bit layer with group {group}")
         planes = 2 if bits > 4 and stats.off_grid(4) - stats.off_grid(bits) > SPLIT_MAX_EXTRA_RATE * n * k else 1
-        counts = stats.row_outliers(4 if bits > 4 and planes == 1 else bits)
-        return state_bytes(n, k, planes, go, counts, _tiles_here(k))
+        width = 4 if bits > 4 and planes == 1 else bits            # the outliers are those off this grid
+        return state_bytes(n, k, planes, go, stats.row_outliers(width), _tiles_here(k),
+                           value_bytes(stats, width, one_scale=group >= k))
 
     @classmethod
     def native_op(cls):
@@ -210,12 +216,15 @@ class CPUKernel(LatqKernel):
             rows = torch.cat([rows, *extra_rows])
             cols = torch.cat([cols, *[c.long() for c in extra_cols]])
             vals = torch.cat([vals, *extra_vals])
-        crow = col = val = None
+        crow = col = val = row_scale = None
         tile_fields = (None,) * 4
         if vals.numel():
             crow, col, val = _coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
             if tiles and _tiles_here(K):   # the C++ op's layout replaces the CSR
-                tile_fields = tiles_from_csr(crow, col, val)
+                s_row = w.scales[:, 0].float() if w.group_size >= K else None   # one scale per row
+                coded = code_values(val, None if s_row is None else s_row[fmt.csr_rows(crow, val.numel())])
+                row_scale = s_row.contiguous() if coded.dtype == torch.int16 else None
+                tile_fields = tiles_from_csr(crow, col, coded)
                 crow = col = val = None
         layout = detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
@@ -226,7 +235,7 @@ class CPUKernel(LatqKernel):
                 if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
                     layout = None
                     break
-        return CPUState(packed, sz, crow, col, val, *tile_fields, N, K, go, planes,
+        return CPUState(packed, sz, crow, col, val, *tile_fields, row_scale, N, K, go, planes,
                         layout[0] if layout else 0, int(layout[1]) if layout else 0)
 
     @staticmethod
@@ -250,7 +259,8 @@ class CPUKernel(LatqKernel):
         if not large and native.usable():   # the same math in one C++ call
             y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
                                                 state.val, state.tile_off, state.tile_rows, state.tile_col,
-                                                state.tile_val, bias, state.group_size, state.planes)
+                                                state.tile_val, state.row_scale, bias, state.group_size,
+                                                state.planes)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
         if large:
             y = _large_m(state, x2)                              # bf16 [M, N], outliers included
@@ -320,9 +330,12 @@ def _has_outliers(state: CPUState) -> bool:
 
 
 def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
-    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles."""
-    return tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val, state.out_features,
-                        state.in_features, r0, r1, padding)
+    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles, values in fp32
+    (int16 ones times their row's scale: the fp32 value z·s the runtime form holds)."""
+    rows, cols, vals = tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val,
+                                    state.out_features, state.in_features, r0, r1, padding)
+    vals = vals.float() if state.row_scale is None else vals.float() * state.row_scale[r0 + rows]
+    return rows, cols, vals
 
 
 class _DerivedCache:

@@ -15,7 +15,7 @@
 // LATQ_CPU_GEMV=0 (read once) keeps torch's op.
 //
 //   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, tile_off?, tile_rows?,
-//                          tile_col?, tile_val?, bias?, group, planes)
+//                          tile_col?, tile_val?, row_scale?, bias?, group, planes)
 //   latq_cpu::gemv(x [M, K] bf16, packed, scales_zeros, group)   the GEMV alone (bench, tests)
 //   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
@@ -382,16 +382,21 @@ bool usable(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t K,
 // The finishing pass, fused into the GEMV's threads right after each 64-row block (or run over
 // the blocks after torch's op): out[m, r] = T(float(y[m, r]) + Σ outliers + bias[r]), the math of
 // finish() up to the fp32 summation order. The outliers come as tiles (CPUKernel.prepare builds
-// them from the CSR, cpu.ell_from_csr): a 64-row block's rows, sorted by outlier count, are cut
+// them from the CSR, cpu_layouts.tiles_from_csr): a 64-row block's rows, sorted by outlier count, are cut
 // into tiles of 16; tile t holds S_t slots (its longest row's count) of 16 lanes, one row per
 // lane: a slot is one 16-lane gather of x, one FMA — no per-row loop and no horizontal sum (a
 // CSR row holds ~6 outliers at 1% and K = 576; summing CSR rows cost 1.3 ns per outlier at
 // M = 1 and 5.2 at M = 8, in situ). Padding: 1.19 slots per outlier on SmolLM2's SSQR layers.
+// A slot is an int16 column and a value: fp16 (a layer whose values are all fp16-exact, as SSQR
+// stores them), int16 z (a one-scale layer, HPTQ: the value is z·s, s the row's fp16 scale, the
+// sum scaled once per row: exact to fp32 rounding) — 32 bits an outlier — or fp32 (else).
 struct Fin {
   const int32_t* off = nullptr;   // [T + 1]: tile t's first slot; tiles 4b..4b+3 are block b's
   const int32_t* rows = nullptr;  // [T, 16]: each lane's row within its block (≥ 64: no row)
   const int16_t* col = nullptr;   // [S, 16]: column, -1 = padding (null: no outliers)
-  const float* val = nullptr;     // [S, 16]
+  const void* val = nullptr;      // [S, 16]: fp16, int16 (multiples of row_scale) or fp32
+  at::ScalarType vtype = at::kFloat;
+  const float* row_scale = nullptr;  // [N]: int16 values are z, the outlier z·row_scale[row] (else null)
   const float* xf = nullptr;      // fp32 of the unrounded activations: M = 1: [K]; M > 1: ⌈M/8⌉ ×
   int64_t M = 1, N = 0, K = 0, T = 0;  // [K + 1, 8] (xᵀ of 8 rows, zero-padded, row 0 zero: col + 1)
   const float* bias = nullptr;    // fp32 [N] or null
@@ -403,7 +408,22 @@ struct Fin {
 // (one block's). M = 1: a slot is one 16-lane gather of x and one FMA. M > 1: a gather per row
 // would cost ~12 cycles each on Zen 4 (3 ns per outlier at M = 8, warm); instead each lane
 // reads the 8 rows of x at its column as one vector of xᵀ and does one 8-wide FMA.
+inline float val_at(const float* v, int64_t i) { return v[i]; }
+inline float val_at(const at::Half* v, int64_t i) { return static_cast<float>(v[i]); }
+inline float val_at(const int16_t* v, int64_t i) { return static_cast<float>(v[i]); }
+#if LATQ_HAVE_GEMV
+inline __m512 val16_at(const float* v) { return _mm512_loadu_ps(v); }
+inline __m512 val16_at(const at::Half* v) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));   // exact: fp16 ⊂ fp32
+}
+inline __m512 val16_at(const int16_t* v) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))));
+}
+#endif
+
+template <typename V>
 void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, float (*acc)[80]) {
+  const V* val = static_cast<const V*>(f.val);
 #if LATQ_HAVE_GEMV
   if (f.M == 1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -411,7 +431,7 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
       for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
         const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.col + 16 * s)));
         const __mmask16 k = _mm512_cmpge_epi32_mask(c, _mm512_setzero_si512());
-        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), _mm512_loadu_ps(f.val + 16 * s), v);
+        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), val16_at(val + 16 * s), v);
       }
       _mm512_i32scatter_ps(acc[0], _mm512_loadu_si512(f.rows + 16 * t), v, 4);
     }
@@ -424,10 +444,10 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
     for (int l = 0; l < 16; ++l) v[l] = _mm256_setzero_ps();
     for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
       const int16_t* c = f.col + 16 * s;
-      const float* w = f.val + 16 * s;
+      const V* w = val + 16 * s;
 #pragma GCC unroll 16
       for (int l = 0; l < 16; ++l)
-        v[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[l]), _mm256_loadu_ps(xT + 8 * (c[l] + 1)), v[l]);
+        v[l] = _mm256_fmadd_ps(_mm256_set1_ps(val_at(w, l)), _mm256_loadu_ps(xT + 8 * (c[l] + 1)), v[l]);
     }
     alignas(32) float tmp[16][8];
     for (int l = 0; l < 16; ++l) _mm256_store_ps(tmp[l], v[l]);
@@ -444,7 +464,7 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
         const int32_t c = f.col[16 * s + l];
         if (c < 0) continue;
         const float* xc = f.M == 1 ? f.xf + c : f.xf + ((m0 / 8) * (f.K + 1) + c + 1) * 8;
-        for (int64_t m = 0; m < mb; ++m) v[m][l] += f.val[16 * s + l] * xc[m];
+        for (int64_t m = 0; m < mb; ++m) v[m][l] += val_at(val, 16 * s + l) * xc[m];
       }
     for (int64_t m = 0; m < mb; ++m)
       for (int l = 0; l < 16; ++l) acc[m][f.rows[16 * t + l]] = v[m][l];
@@ -461,7 +481,14 @@ void fin_rows(const Fin& f, const uint16_t* y, int64_t r0, int64_t r1) {
   for (int64_t m0 = 0; m0 < f.M; m0 += 8) {
     const int64_t mb = std::min<int64_t>(8, f.M - m0);
     if (f.col) {
-      tile_sums(f, t0, t1, m0, mb, acc);
+      switch (f.vtype) {
+        case at::kHalf: tile_sums<at::Half>(f, t0, t1, m0, mb, acc); break;
+        case at::kShort: tile_sums<int16_t>(f, t0, t1, m0, mb, acc); break;
+        default: tile_sums<float>(f, t0, t1, m0, mb, acc); break;
+      }
+      if (f.row_scale)   // int16 values: Σ z·x per row, times the row's scale
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < R; ++r) acc[m][r] *= f.row_scale[r0 + r];
     } else {
       for (int64_t m = 0; m < mb; ++m) std::fill(acc[m], acc[m] + R, 0.f);
     }
@@ -494,9 +521,10 @@ void prefetch_tiles(const Fin& f, int64_t t0, int64_t t1) {
 #if LATQ_HAVE_GEMV
   const int32_t s0 = f.off[t0], s1 = f.off[t1];
   const char* c = reinterpret_cast<const char*>(f.col + 16 * s0);
-  const char* v = reinterpret_cast<const char*>(f.val + 16 * s0);
+  const int64_t vb = f.vtype == at::kFloat ? 64 : 32;   // value bytes per slot
+  const char* v = static_cast<const char*>(f.val) + vb * s0;
   for (int64_t i = 0; i < 32 * (s1 - s0); i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
-  for (int64_t i = 0; i < 64 * (s1 - s0); i += 64) _mm_prefetch(v + i, _MM_HINT_T1);
+  for (int64_t i = 0; i < vb * (s1 - s0); i += 64) _mm_prefetch(v + i, _MM_HINT_T1);
 #endif
 }
 
@@ -567,7 +595,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
                         const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& tile_off,
                         const std::optional<at::Tensor>& tile_rows, const std::optional<at::Tensor>& tile_col,
-                        const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& row_scale,
+                        const std::optional<at::Tensor>& bias,
                         int64_t group_size, int64_t planes) {
   TORCH_CHECK(x.dim() == 2, "latq_cpu::small_linear: x must be 2-D, got ", x.sizes());
   const auto dtype = x.scalar_type();
@@ -615,7 +644,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
       f.off = tile_off->data_ptr<int32_t>();
       f.rows = tile_rows->data_ptr<int32_t>();
       f.col = tile_col->data_ptr<int16_t>();
-      f.val = tile_val->data_ptr<float>();
+      f.vtype = tile_val->scalar_type();
+      const bool scaled = row_scale.has_value() && row_scale->defined();
+      TORCH_CHECK(f.vtype == at::kHalf || f.vtype == at::kFloat || (f.vtype == at::kShort && scaled),
+                  "latq_cpu::small_linear: tile_val must be fp16, fp32 or int16 with row_scale, got ", f.vtype);
+      TORCH_CHECK(!scaled || (row_scale->scalar_type() == at::kFloat && row_scale->numel() == N),
+                  "latq_cpu::small_linear: row_scale must be fp32 [N]");
+      f.val = tile_val->data_ptr();
+      f.row_scale = scaled ? row_scale->data_ptr<float>() : nullptr;
       f.xf = xbuf.data();
       f.T = tile_rows->size(0);
     }
@@ -668,8 +704,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints,
                   const std::optional<at::Tensor>& bias, int64_t out_features) {
   // CPUState, flattened: tensors = (packed, scales_zeros, crow, col, val, tile_off, tile_rows,
-  // tile_col, tile_val), ints = (out_features, in_features, group_size, planes, layout_block, layout_halves)
-  TORCH_CHECK(tensors.size() == 9 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
+  // tile_col, tile_val, row_scale), ints = (out_features, in_features, group_size, planes, layout_block,
+  // layout_halves)
+  TORCH_CHECK(tensors.size() == 10 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   if (M >= g_large_m.load() && ints[4] != 0) {
@@ -682,7 +719,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   const bool flat = x.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
   at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
                               tensors.get(3), tensors.get(4), tensors.get(5), tensors.get(6), tensors.get(7),
-                              tensors.get(8), bias, ints[2], ints[3]);
+                              tensors.get(8), tensors.get(9), bias, ints[2], ints[3]);
   if (flat) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
@@ -696,8 +733,8 @@ void set_loop_max(int64_t n) { g_loop_max.store(n); }
 
 TORCH_LIBRARY(latq_cpu, m) {
   m.def("small_linear(Tensor x, Tensor packed, Tensor scales_zeros, Tensor? crow, Tensor? col, Tensor? val, "
-        "Tensor? tile_off, Tensor? tile_rows, Tensor? tile_col, Tensor? tile_val, Tensor? bias, int group_size, "
-        "int planes) -> Tensor");
+        "Tensor? tile_off, Tensor? tile_rows, Tensor? tile_col, Tensor? tile_val, Tensor? row_scale, Tensor? bias, "
+        "int group_size, int planes) -> Tensor");
   m.def("linear(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
