@@ -23,7 +23,8 @@ torch.set_num_threads(2). Sections:
             situ, M = 1 for the rest; in situ = one pass over 30 SmolLM2 blocks
             of vLLM's fused shapes (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536,
             ~57 MB of int4 + scales: more than L3), passes interleaved; and 4096×4096 warm
-            (one matrix) / cold (cycling through 8 matrices, 64 MB)
+            (one matrix) / cold (cycling through 8 matrices, 64 MB); gemv_s: the GEMV on the
+            scales alone (no zeros: the kernel's layout where the GEMV runs)
   outliers  the C++ op over those 30 blocks with 1% outliers as tiles in each value coding
             (fp32, fp16, int16 × row scale): time per pass next to the bytes each streams
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
@@ -133,7 +134,8 @@ def profile(a):
             Wb = dequantize(w).to(torch.bfloat16)
             x = torch.randn(1, K).to(torch.bfloat16)
             xf = x.float()
-            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
+            sz, go = cpu._op_scales_zeros(s)
+            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, go, sz),
                    "kernel": lambda: CPUKernel.apply(s, x)}
             if native.usable():
                 fns["kernel_torch"] = lambda: _torch_path(s, x)
@@ -271,8 +273,17 @@ def gemv(a, results):
             return sl(x, p, sz, None, None, None, *(tiles(p) if outl else (None,) * 4), None, None, g, 1)
         return f
 
+    scales_alone = {}
+
+    def gemv_scales_alone(x, p, sz, g):   # the kernel's layout where the GEMV runs: no zeros streamed
+        key = (sz.data_ptr(), tuple(sz.shape))
+        if key not in scales_alone:
+            scales_alone[key] = sz[..., 0].contiguous()
+        return torch.ops.latq_cpu.gemv(x, p, scales_alone[key], g)
+
     impls = {"op": lambda x, p, sz, g: mm(x, p, g, sz),
              "gemv": lambda x, p, sz, g: torch.ops.latq_cpu.gemv(x, p, sz, g),
+             "gemv_s": gemv_scales_alone,
              "kernel_op": kernel(False), "kernel_gemv": kernel(True),
              "kernel_op_1pct": kernel(False, True), "kernel_gemv_1pct": kernel(True, True)}
     try:
@@ -297,6 +308,7 @@ def gemv(a, results):
             results["gemv_smol_insitu" + sfx] = ratio(ts, "op", "gemv")
             results["gemv_smol_insitu_kernel" + sfx] = ratio(ts, "kernel_op", "kernel_gemv")
             results["gemv_smol_insitu_kernel_1pct" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
+            results["gemv_scales_alone_vs_pairs" + sfx] = ratio(ts, "gemv", "gemv_s")
         xs = {K: torch.randn(1, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
         for name, N, K in SMOL_VLLM:   # one layer, warm (in L2/L3)
             p, sz, g = _int4_state(N, K, 7)
@@ -307,6 +319,7 @@ def gemv(a, results):
                 flush=True)
         del layers
         outliers.clear()
+        scales_alone.clear()
         big = [_int4_state(4096, 4096, 50 + i) for i in range(8)]
         x = torch.randn(1, 4096).to(torch.bfloat16)
         ts = _passes({k: (lambda f=f: [f(x, p, sz, g) for p, sz, g in big]) for k, f in impls.items()},
@@ -430,7 +443,7 @@ def main(argv=None):
             "gemv_smol_insitu_kernel": results.get("gemv_smol_insitu_kernel"),
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
-            **{k: v for k, v in results.items() if isinstance(k, str) and k.startswith("outliers_")}}
+            **{k: v for k, v in results.items() if isinstance(k, str) and k.startswith(("outliers_", "gemv_scales"))}}
     print("HEADLINE " + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 

@@ -25,6 +25,7 @@ Ends with ``HEADLINE``. ``nice -n 5 python -m bench.outlier_codings`` (~5 min on
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 from unittest import mock
 
@@ -35,8 +36,9 @@ from vllm_latq import native
 from vllm_latq.format.csr import csr_rows
 from vllm_latq.kernels.cpu_layouts import TILE, tile_slots
 from vllm_latq.quantize import lattice
-from vllm_latq.quantize import ssqr as ssqr_module
 from vllm_latq.quantize.solvers import Rounder
+
+ssqr_module = importlib.import_module("vllm_latq.quantize.ssqr")   # the module (the package exports the function)
 
 BITS, GROUP, BASE_RATE = 4, 128, 0.01
 SCALE_BITS = 32 / 128        # the CPU kernel's bf16 scale + zero per op group of 128

@@ -68,7 +68,8 @@ def test_triton_served_bytes(bits, rate, shape, group):
 @pytest.mark.parametrize("bits,rate,split", [(4, 0.01, 0.05), (3, 0.0, 0.05), (6, 0.01, 0.0), (6, 0.01, 1.0),
                                              (8, 0.02, 0.05)])
 def test_cpu_served_bytes(monkeypatch, tiles, fp16_values, bits, rate, split):
-    """int4pack bytes (two planes for 5–8 bits, or 4 bits + outliers), bf16 scales_and_zeros,
+    """int4pack bytes (two planes for 5–8 bits, or 4 bits + outliers), bf16 scales (alone where
+    the C++ GEMV runs, else with their zeros),
     the fp32 CSR or the C++ op's tiles with their padding: 32 bits an outlier where every value
     is fp16-exact (as SSQR stores them; a split-off z·s rarely is), 48 else."""
     monkeypatch.setattr(cpu, "_tiles_here", lambda k: tiles)
@@ -101,6 +102,8 @@ def test_cpu_one_scale_outliers_are_int16(monkeypatch, spread, split):
     got = CPUKernel.served_bytes(st)
     assert sum(got.values()) == _nbytes(CPUKernel.flatten(st)[0])
     assert got == CPUKernel.layout_bytes(n, k, w.bits, k, GridStats.from_integers(z, s))
+    if cpu._gemv_here():   # the GEMV's layout: one bf16 scale per row and plane
+        assert st.scales.shape == (st.planes, n) and st.group_size == k
     if got["outliers"]:
         int16 = spread < 20
         assert st.tile_val.dtype == (torch.int16 if int16 else torch.float32)

@@ -124,6 +124,17 @@ def _tile_order(cnt: torch.Tensor):
     return block, order, slots
 
 
+def coo_to_csr(rows, cols, vals, N: int, K: int, sort: bool):
+    """(row, col, val) entries → the state's CSR (int32 crow/col, fp32 val); ``sort``: the
+    entries are not yet row-major sorted."""
+    if sort:
+        order = torch.argsort(rows * K + cols)
+        rows, cols, vals = rows[order], cols[order], vals[order]
+    crow = torch.zeros(N + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
+    return crow, cols.int().contiguous(), vals.float().contiguous()
+
+
 Z_MAX = 2 ** 15   # |z| below this: an int16 multiple of the row scale
 
 
@@ -171,16 +182,29 @@ def nbytes(*tensors) -> int:
 
 
 def state_bytes(n: int, k: int, planes: int, go: int, counts: torch.Tensor, tiles: bool,
-                coding: tuple[int, bool]) -> dict[str, int]:
-    """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16
-    ``scales_and_zeros`` [K·planes/go, N, 2], the outliers (``counts[r]`` in row r) as tiles
-    with ``coding`` (:func:`value_bytes`: bytes per value; int16 multiples of an fp32 row scale
-    [N]) or as an fp32 CSR (int32 crow/col)."""
+                coding: tuple[int, bool], pairs: bool) -> dict[str, int]:
+    """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16 scales
+    [K·planes/go, N] (``pairs``: with their zeros, torch's op's ``scales_and_zeros``), the
+    outliers (``counts[r]`` in row r) as tiles with ``coding`` (:func:`value_bytes`: bytes per
+    value; int16 multiples of an fp32 row scale [N]) or as an fp32 CSR (int32 crow/col)."""
     nnz = int(counts.sum())
     vb, scaled = coding
     outl = (0 if not nnz else tile_bytes(counts, vb) + 4 * n * scaled if tiles
             else 4 * (n + 1) + 8 * nnz)
-    return {"inliers": n * k * planes // 2, "scales": k * planes // go * n * 4, "outliers": outl}
+    return {"inliers": n * k * planes // 2, "scales": k * planes // go * n * (4 if pairs else 2), "outliers": outl}
+
+
+def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_groups) -> tuple[torch.Tensor, int]:
+    """Scales alone (bf16 [Kp/g, N], the C++ GEMV's layout) → torch's op's (s, z) pairs
+    [Kp/go, N, 2] and go, the largest of ``op_groups`` dividing Kp and g; z = 8·s on a
+    two-plane layer's low plane (the first half of the groups), else 0. (The C++ op builds the
+    same where torch's op replaces its GEMV.)"""
+    go = next(c for c in op_groups if Kp % c == 0 and g % c == 0)
+    s = scales.repeat_interleave(g // go, 0)
+    z = torch.zeros_like(s)
+    if planes == 2:
+        z[: s.shape[0] // 2] = s[: s.shape[0] // 2] * 8
+    return torch.stack([s, z], -1).contiguous(), go
 
 
 def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,
