@@ -135,7 +135,8 @@ def coo_to_csr(rows, cols, vals, N: int, K: int, sort: bool):
     return crow, cols.int().contiguous(), vals.float().contiguous()
 
 
-Z_MAX = 2 ** 15   # |z| below this: an int16 multiple of the row scale
+Z_BITS = 16                  # an int16 multiple of the row scale: z on the signed 16-bit grid
+Z_MAX = 2 ** (Z_BITS - 1)
 
 
 def code_values(val: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -156,11 +157,12 @@ def code_values(val: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 def value_bytes(stats, width: int, one_scale: bool) -> tuple[int, bool]:
     """:func:`code_values`' choice from a layer's :class:`~.reference.GridStats` at inlier
     width ``width`` → (bytes per value, whether int16 multiples of the row scale). The int16
-    coding needs every outlier to come from an integer below ``Z_MAX`` (need ≤ 16 bits; not a
-    stored value): stats from a layer's integers (transcode, ``latq-inspect``)."""
+    coding needs every outlier to come from an integer on the ``Z_BITS`` grid (not a stored
+    value): stats from a layer's integers (transcode, ``latq-inspect``); stats of a runtime form
+    (``GridStats.from_weight``) see its outliers as stored, so count them fp32 (an upper bound)."""
     if stats.fp16_values(width):
         return 2, False
-    if one_scale and int(stats.row_need[:, 17:].sum()) == 0:
+    if one_scale and stats.off_grid(Z_BITS) == 0:
         return 2, True
     return 4, False
 
