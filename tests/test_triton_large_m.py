@@ -102,7 +102,7 @@ def test_apply_large_m(bits, m, dtype):
     x = activations(m, dtype, seed=m)
     W = dequantize(w).to(dtype).float()
     eps = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
-    ws = td.DequantWorkspace()
+    ws = td.Workspace()
     for bias in (None, torch.randn(N, generator=torch.Generator().manual_seed(5)).to(dtype)):
         y = td.apply_large_m(st, x, bias, ws)
         assert y.dtype == dtype and y.shape == (m, N)
@@ -119,7 +119,7 @@ def test_apply_large_m(bits, m, dtype):
 
 @interp
 def test_workspace_is_shared_and_grows():
-    ws = td.DequantWorkspace()
+    ws = td.Workspace()
     small = TritonKernel.prepare(make_weight(n=24, k=100, bits=4, rate=0.0))
     big = TritonKernel.prepare(make_weight(bits=2, rate=0.05, seed=2))
     x = activations(20, torch.bfloat16)
@@ -144,8 +144,8 @@ def test_row_chunks():
         st = TritonKernel.prepare(w, outlier_mode=mode)
         ref = dequantize(w).to(torch.bfloat16)
         assert torch.equal(td.dequantize_into(st, torch.empty(24, K, dtype=torch.bfloat16), 48), ref[48:])
-        ws = td.DequantWorkspace(max_bytes=40 * K * 2)
-        assert ws.rows(72, K, torch.bfloat16) == 32 and td.DequantWorkspace(max_bytes=1).rows(72, K, torch.float16) == 16
+        ws = td.Workspace(max_bytes=40 * K * 2)
+        assert ws.rows(72, K, torch.bfloat16) == 32 and td.Workspace(max_bytes=1).rows(72, K, torch.float16) == 16
         x = activations(20, torch.bfloat16)
         bias = torch.randn(72).to(torch.bfloat16)
         y = td.apply_large_m(st, x, bias, ws)

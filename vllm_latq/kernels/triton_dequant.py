@@ -23,7 +23,7 @@ and MMA kernels match up to summation order) by that one rounding of z·s (≤ �
 bf16/fp16 per weight) — the price the MMA kernel's docstring anticipated. fp32 activations
 never take this path (they use the exact SIMT kernel; see :func:`large_m_reason`).
 
-The scratch is a :class:`DequantWorkspace`: one buffer per (device, dtype), sized to the
+The scratch is a :class:`Workspace`: one buffer per (device, dtype), sized to the
 largest layer seen and grown on demand, shared by every layer (layers run in stream order);
 with a byte cap, larger layers (a vocabulary head: 2·N·K can be ~1 GB) run in row chunks.
 
@@ -184,13 +184,15 @@ DEQUANT_CONFIG = dict(BN=64, DS=4, num_warps=4)      # [64 columns × 64 rows] p
 OUTLIER_CONFIG = dict(BE=128, num_warps=4)
 
 
-class DequantWorkspace:
-    """Scratch for dequantised weights: one flat buffer per (device, dtype), sized to the
-    largest layer seen and grown on demand; every layer reuses it (layers run in stream
-    order, so one buffer per stream suffices). ``max_bytes`` caps a buffer: a larger layer
-    is dequantised and multiplied in row chunks that fit (at least 16 rows). Growing frees
-    the old buffer, so under CUDA graphs :meth:`reserve` every layer at load time: growing
-    while a graph is being captured raises instead of leaving a freed buffer in a graph."""
+class Workspace:
+    """Scratch shared by every layer: one flat buffer per (device, dtype), sized to the
+    largest request seen and grown on demand (layers run in stream order, so one buffer per
+    stream suffices). Used for the large-M path's dequantised weights and the split-K fp32
+    partials. ``max_bytes`` caps a dequantisation buffer: a larger layer is dequantised and
+    multiplied in row chunks that fit (at least 16 rows). Growing frees the old buffer, so
+    under CUDA graphs every layer is reserved at load time (``TritonKernel.reserve``):
+    growing while a graph is being captured raises instead of leaving a freed buffer in a
+    graph."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
@@ -206,17 +208,21 @@ class DequantWorkspace:
     def reserve(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
         self.matrix(self.rows(n, k, dtype), k, dtype, device)
 
-    def matrix(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A contiguous ``[n, k]`` view of the buffer for (device, dtype)."""
+    def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``numel`` elements of the buffer for (device, dtype)."""
         key = (torch.device(device), dtype)
         buf = self._bufs.get(key)
-        if buf is None or buf.numel() < n * k:
+        if buf is None or buf.numel() < numel:
             if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"latq dequant workspace must grow to {n}x{k} during CUDA graph capture: "
-                                   "reserve() every layer before capturing")
+                raise RuntimeError(f"latq workspace ({dtype}) must grow to {numel} elements during CUDA graph "
+                                   "capture: reserve() every layer before capturing")
             self._bufs.pop(key, None)                  # free the old buffer before growing
-            buf = self._bufs[key] = torch.empty(n * k, dtype=dtype, device=device)
-        return buf[: n * k].view(n, k)
+            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def matrix(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous ``[n, k]`` view of the buffer for (device, dtype)."""
+        return self.flat(n * k, dtype, device).view(n, k)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
@@ -256,14 +262,14 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
 
 
 def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: DequantWorkspace | None = None) -> torch.Tensor:
+                  workspace: Workspace | None = None) -> torch.Tensor:
     """``y = x2 @ Wᵀ (+ bias)`` with W dequantised once into ``workspace`` (a temporary
     buffer when None) and ``F.linear`` (cuBLAS): one GEMM, or one per row chunk when the
     workspace is capped. x2: [M, K] fp16/bf16."""
     why = large_m_reason(x2.dtype)
     if why:
         raise ValueError(why)
-    ws = workspace or DequantWorkspace()
+    ws = workspace or Workspace()
     rows = ws.rows(st.n, st.k, x2.dtype)
     if rows >= st.n:
         return torch.nn.functional.linear(x2, dequantize_into(st, ws.matrix(st.n, st.k, x2.dtype, x2.device)), bias)

@@ -159,9 +159,9 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
     NH: tl.constexpr = SLABS // SPH                            # halves per step
     FL: tl.constexpr = SPG if SPG < SPH else SPH               # slabs per scale application
     OFF: tl.constexpr = 1 << (BITS - 1)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)            # M fastest: the M tiles of a weight tile run side by side
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     w16 = tl.arange(0, 16)
@@ -253,7 +253,7 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
 
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
-              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -315,9 +315,9 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         DT: tl.constexpr = tl.float32
     else:
         DT: tl.constexpr = x_ptr.dtype.element_ty
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)            # M fastest: the M tiles of a weight tile run side by side
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     w16 = tl.arange(0, 16)
@@ -400,4 +400,4 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         acc += oacc
 
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
-              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
