@@ -3,7 +3,9 @@ autotuning, the prepared state, the launch, and :class:`TritonKernel` (the kerne
 
 Two kernels (device code: :mod:`~vllm_latq.kernels.triton_device`) read one load-time layout
 (:mod:`~vllm_latq.kernels.triton_layout`): ``_gemv_kernel`` (SIMT) for M = 1..7 and for fp32
-activations, ``_mma_kernel`` (tensor cores) for M ≥ 8, larger M as 16-row tiles of it.
+activations, ``_mma_kernel`` (tensor cores) for M ≥ 8 in 16-, 32- or 64-row tiles, then
+dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton_dequant`) from the cost model's
+crossover (:mod:`~vllm_latq.kernels.triton_model`).
 Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
 interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
 (:mod:`~vllm_latq.kernels.triton_compile`, ``bench/kernels.py``).
@@ -24,6 +26,7 @@ from .base import LatqKernel
 from .reference import LatqWeight
 from .triton_dequant import DEFAULT_MAX_BYTES, Workspace, apply_large_m, large_m_reason, use_large_m
 from .triton_device import _gemv_kernel, _mma_kernel
+from .triton_model import MMA_BMS, mma_bm
 
 log = logging.getLogger(__name__)
 MAX_SPLIT = 8
@@ -72,10 +75,11 @@ GEMV_SPLITS = (1, 2, 4, 8)
 # (one tl.dot), so a batch of M rows re-dequantises each weight ⌈M/BM⌉ times; the grid runs
 # M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
 # once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
-# sm_90 at 2/3/4 bits (docs/BENCHMARKS.md, "Offline compile report").
+# sm_90 at 2/3/4 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
 MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
              32: [(32, 4, 8), (64, 8, 8), (128, 8, 8)],
              64: [(32, 4, 8), (64, 8, 8), (128, 8, 8)]}
+assert tuple(MMA_TILES) == MMA_BMS
 MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 # Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
 # occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it
@@ -103,11 +107,6 @@ M_BUCKET_CAP = 256
 
 def m_bucket(m: int) -> int:
     return min(_next_pow2(m), M_BUCKET_CAP)
-
-
-def mma_bm(m: int) -> int:
-    """Activation rows per tensor-core program: the smallest tile ≥ M, else the largest."""
-    return next((bm for bm in sorted(MMA_TILES) if bm >= m), max(MMA_TILES))
 
 
 def gemv_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
@@ -262,7 +261,7 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
 
 class TritonKernel(LatqKernel):
     """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers; from
-    the crossover of :func:`~.triton_dequant.large_m_threshold` on, dequantize once + cuBLAS."""
+    the crossover of :func:`~.triton_model.large_m_threshold` on, dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
     widths = (2, 3, 4)
