@@ -87,8 +87,8 @@ MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 # to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
 # 3-bit GEMV (three word planes, prefetched) and the tensor-core kernel (accumulator, group
 # partial, B tile) take what they need (≤ 255). ``Config(maxnreg=)`` and the launch option
-# exist from Triton 3.1 on: with an older Triton (``MAXNREG_OK`` False) the caps are left
-# out and ptxas chooses.
+# are feature-detected (``MAXNREG_OK``; Triton 3.0.0, the gpu extra's floor, has both): a
+# Triton without them gets no caps, and ptxas chooses (a few bytes of spills, see above).
 GEMV_MAXNREG = {2: 128, 3: 255, 4: 128}
 MMA_MAXNREG = {2: 255, 3: 255, 4: 255}
 MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
