@@ -276,16 +276,29 @@ def test_fp32_activations_and_shapes():
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.05])
-@pytest.mark.parametrize("m", [17, 33, 64, 100, 130])
+@pytest.mark.parametrize("m", [17, 40, 100])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_mma_large_m_tiles(bits, m, rate):
     """M > 16 on the tensor-core kernel: 32-row tiles (M ≤ 32), else 64-row tiles, the M
-    tiles fastest in the grid (100, 130: a ragged last tile); no split-K there."""
+    tiles fastest in the grid (100: a ragged last tile); no split-K there."""
     w, st = state_for(bits, rate)
     assert tk.mma_bm(m) == (32 if m <= 32 else 64)
     x = activations(m, torch.bfloat16, seed=m)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     check(TritonKernel.apply(st, x, bias, kernel="mma"), x, w, bias)
+
+
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mma_large_tile_configs(bits, mode):
+    """The production configs of the 32- and 64-row tiles (their smaller outlier slot
+    counts BR), both outlier layouts, one tile and two (the last ragged)."""
+    w, st = state_for(bits, 0.05, mode)
+    for bm, m in ((32, 20), (64, 70)):
+        cfg = tk.mma_configs(bm, bits)[0]
+        assert cfg["BR"] * bm == 128
+        x = activations(m, torch.float16, seed=m)
+        check(TritonKernel.apply(st, x, kernel="mma", config=dict(cfg, BM=bm)), x, w)
 
 
 def test_large_m_split_refused():
