@@ -77,10 +77,12 @@ GEMV_SPLITS = (1, 2, 4, 8)
 # once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
 # sm_90 at 2/3/4 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
 # BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
-# BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has.
+# BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
+# only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some
+# variants; BN 32 × 8 warps is clean but issues 10–40 % more per weight).
 MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
              32: [(32, 4, 4), (64, 8, 4), (128, 8, 4)],
-             64: [(32, 4, 2), (64, 4, 2), (128, 8, 2)]}
+             64: [(32, 4, 2)]}
 assert tuple(MMA_TILES) == MMA_BMS
 MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 # Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
