@@ -378,3 +378,16 @@ def test_bench_bytes_model():
     for b in bk.BITS:
         assert all(ceil[b, r1] > ceil[b, r2] for r1, r2 in zip(bk.RATES, bk.RATES[1:]))
     assert ceil[3, 0.01] > 3.5 and ceil[4, 0.01] > 3.0
+
+
+def test_launch_allocates_on_the_input_device():
+    """The output, the shared split-K scratch (reserved at load) and the large-M scratch are
+    made on the activations' / layer's device: no tensor factory without ``device=``."""
+    from tests.device_guard import factories_follow_inputs
+    w, st = state_for(4, 0.05)
+    split = dict(BN=32, SPLIT=4, num_warps=2)
+    xs = {m: activations(m, torch.bfloat16, seed=m) for m in (1, 20)}
+    with factories_follow_inputs():
+        TritonKernel.reserve(st, torch.bfloat16)
+        for m, kind, cfg in ((1, "gemv", split), (20, "mma", None), (20, "dequant", None)):
+            TritonKernel.apply(st, xs[m], kernel=kind, config=cfg)

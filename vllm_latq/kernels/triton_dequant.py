@@ -158,7 +158,7 @@ class Workspace:
 
     def rows(self, n: int, k: int, dtype: torch.dtype) -> int:
         """Rows per chunk for an n × k layer: n, or the most that fit the cap (a multiple of 16)."""
-        row_bytes = k * torch.empty(0, dtype=dtype).element_size()
+        row_bytes = k * dtype.itemsize
         if self.max_bytes is None or n * row_bytes <= self.max_bytes:
             return n
         return max(16, self.max_bytes // row_bytes // 16 * 16)

@@ -110,7 +110,7 @@ def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype 
     """Seconds for one layer at M rows (module docstring): ``mma``, ``deq`` (dequantise
     once + GEMM) and ``dense`` (bf16/fp16 ``F.linear`` of the unquantised weight)."""
     d = device_model(device_props)
-    e = torch.empty(0, dtype=dtype).element_size()
+    e = dtype.itemsize
     wq = packed_bytes(n, k, bits, nnz, group)
     w16, act = e * n * k, e * m * (k + n)
     bm = mma_bm(m)
