@@ -23,7 +23,10 @@ torch.set_num_threads(2). Sections:
             situ, M = 1 for the rest; in situ = one pass over 30 SmolLM2 blocks
             of vLLM's fused shapes (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536,
             ~57 MB of int4 + scales: more than L3), passes interleaved; and 4096×4096 warm
-            (one matrix) / cold (cycling through 8 matrices, 64 MB)
+            (one matrix) / cold (cycling through 8 matrices, 64 MB); gemv_s: the GEMV on the
+            scales alone (no zeros: the kernel's layout where the GEMV runs)
+  outliers  the C++ op over those 30 blocks with 1% outliers as tiles in each value coding
+            (fp32, fp16, int16 × row scale): time per pass next to the bytes each streams
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -131,7 +134,8 @@ def profile(a):
             Wb = dequantize(w).to(torch.bfloat16)
             x = torch.randn(1, K).to(torch.bfloat16)
             xf = x.float()
-            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, s.group_size, s.scales_zeros),
+            sz, go = cpu._op_scales_zeros(s)
+            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, go, sz),
                    "kernel": lambda: CPUKernel.apply(s, x)}
             if native.usable():
                 fns["kernel_torch"] = lambda: _torch_path(s, x)
@@ -266,11 +270,20 @@ def gemv(a, results):
     def kernel(on, outl=False):
         def f(x, p, sz, g):
             torch.ops.latq_cpu.set_gemv_max_m(saved if on else 0)
-            return sl(x, p, sz, None, None, None, *(tiles(p) if outl else (None,) * 4), None, g, 1)
+            return sl(x, p, sz, None, None, None, *(tiles(p) if outl else (None,) * 4), None, None, g, 1)
         return f
+
+    scales_alone = {}
+
+    def gemv_scales_alone(x, p, sz, g):   # the kernel's layout where the GEMV runs: no zeros streamed
+        key = (sz.data_ptr(), tuple(sz.shape))
+        if key not in scales_alone:
+            scales_alone[key] = sz[..., 0].contiguous()
+        return torch.ops.latq_cpu.gemv(x, p, scales_alone[key], g)
 
     impls = {"op": lambda x, p, sz, g: mm(x, p, g, sz),
              "gemv": lambda x, p, sz, g: torch.ops.latq_cpu.gemv(x, p, sz, g),
+             "gemv_s": gemv_scales_alone,
              "kernel_op": kernel(False), "kernel_gemv": kernel(True),
              "kernel_op_1pct": kernel(False, True), "kernel_gemv_1pct": kernel(True, True)}
     try:
@@ -295,6 +308,7 @@ def gemv(a, results):
             results["gemv_smol_insitu" + sfx] = ratio(ts, "op", "gemv")
             results["gemv_smol_insitu_kernel" + sfx] = ratio(ts, "kernel_op", "kernel_gemv")
             results["gemv_smol_insitu_kernel_1pct" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
+            results["gemv_scales_alone_vs_pairs" + sfx] = ratio(ts, "gemv", "gemv_s")
         xs = {K: torch.randn(1, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
         for name, N, K in SMOL_VLLM:   # one layer, warm (in L2/L3)
             p, sz, g = _int4_state(N, K, 7)
@@ -305,6 +319,7 @@ def gemv(a, results):
                 flush=True)
         del layers
         outliers.clear()
+        scales_alone.clear()
         big = [_int4_state(4096, 4096, 50 + i) for i in range(8)]
         x = torch.randn(1, 4096).to(torch.bfloat16)
         ts = _passes({k: (lambda f=f: [f(x, p, sz, g) for p, sz, g in big]) for k, f in impls.items()},
@@ -320,6 +335,49 @@ def gemv(a, results):
         results["gemv_4096_warm"] = ratio(ts, "op", "gemv")
     finally:
         torch.ops.latq_cpu.set_gemv_max_m(saved)
+
+
+def outlier_codings(a, results):
+    """The C++ op (GEMV + tiles) over 30 SmolLM2 blocks in situ with 1 % outliers in each tile
+    value coding (``cpu_layouts.code_values``): fp32, fp16, int16 × row scale; ms per pass and
+    the outlier bytes each streams."""
+    if not (native.available() and torch.ops.latq_cpu.gemv_max_m() > 0):
+        print("\noutliers: the C++ GEMV is not available here")
+        return
+    sl = torch.ops.latq_cpu.small_linear
+    layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(30) for i, (_, N, K) in enumerate(SMOL_VLLM)]
+    codings = {}
+    for p, _, _, K in layers:
+        N = p.shape[0]
+        gen = torch.Generator().manual_seed(N + K)
+        m = torch.rand(N, K, generator=gen) < 0.01
+        crow = torch.zeros(N + 1, dtype=torch.int32)
+        crow[1:] = torch.cumsum(m.sum(1), 0)
+        col = m.nonzero()[:, 1].int().contiguous()
+        s_row = (torch.rand(N, generator=gen) * 0.02 + 0.002).half().float()
+        z = torch.randint(8, 40, (col.numel(),), generator=gen) * (1 - 2 * torch.randint(0, 2, (col.numel(),),
+                                                                                             generator=gen))
+        zs = z.float() * s_row[fmt.csr_rows(crow, col.numel())]
+        codings.setdefault("fp32", []).append((*cpu_layouts.tiles_from_csr(crow, col, zs), None))
+        codings.setdefault("fp16", []).append((*cpu_layouts.tiles_from_csr(crow, col, zs.half()), None))
+        codings.setdefault("int16", []).append((*cpu_layouts.tiles_from_csr(crow, col, z.to(torch.int16)), s_row))
+    mb = {k: sum(cpu_layouts.nbytes(*t) for t in v) / 1e6 for k, v in codings.items()}
+    weights_mb = sum(p.numel() + 2 * sz.numel() for p, sz, _, _ in layers) / 1e6
+    print(f"\noutliers: 30 SmolLM2 blocks in situ, 1% outliers as tiles, GEMV ({weights_mb:.0f} MB of int4 + scales); "
+          "ms per pass best/median; outlier MB")
+    for M in (1, 8):
+        x = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
+
+        def one_pass(tiles):
+            return lambda: [sl(x[K], p, sz, None, None, None, *t, None, g, 1)
+                            for (p, sz, g, K), t in zip(layers, tiles)]
+
+        ts = _passes({k: one_pass(v) for k, v in codings.items()}, a.gemv_rounds)
+        print(f"M={M}: " + "  ".join(f"{k}={min(v):.2f}/{med(v):.2f} ms ({mb[k]:.2f} MB)" for k, v in ts.items()),
+              flush=True)
+        sfx = "" if M == 1 else f"_m{M}"
+        results["outliers_fp16_vs_fp32" + sfx] = ratio(ts, "fp32", "fp16")
+        results["outliers_int16_vs_fp32" + sfx] = ratio(ts, "fp32", "int16")
 
 
 def geomean(xs):
@@ -349,8 +407,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv"],
-                    choices=["table", "profile", "large", "wide", "gemv"])
+    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers"],
+                    choices=["table", "profile", "large", "wide", "gemv", "outliers"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv section)")
     ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
     a = ap.parse_args(argv)
@@ -369,6 +427,8 @@ def main(argv=None):
         wide(a, results)
     if "gemv" in a.sections:
         gemv(a, results)
+    if "outliers" in a.sections:
+        outlier_codings(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -382,7 +442,8 @@ def main(argv=None):
             "gemv_smol_insitu": results.get("gemv_smol_insitu"),
             "gemv_smol_insitu_kernel": results.get("gemv_smol_insitu_kernel"),
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
-            "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm")}
+            "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
+            **{k: v for k, v in results.items() if isinstance(k, str) and k.startswith(("outliers_", "gemv_scales"))}}
     print("HEADLINE " + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 

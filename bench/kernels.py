@@ -25,6 +25,10 @@ Static part (everywhere, unless --no-static):
   2. the bytes-moved model: bytes per weight of each format and per layer vs bf16 → the
      memory-bound speedup ceiling.
 
+Cost model (always; pure): :mod:`vllm_latq.kernels.triton_model`'s µs for the MMA kernel,
+dequantise-once + GEMM and dense ``F.linear`` per shape × bits × rate × M ≥ 8, on the A100
+and H100 models and on the GPU present — the prediction the GPU part then measures.
+
 Ends with ``HEADLINE key=value …`` (docs/BENCHMARKS.md lists the keys): ``spills=`` and the
 other static totals when the static part ran; ``gpu=<name>`` and the measured ratios when
 the GPU part ran, ``gpu=none`` without a CUDA device.
@@ -229,10 +233,67 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
             alu, mem = issue / med, 1.555e12 / (bits / 8 + 2 / 128)
             lines.append(f"  {bits}-bit: {med:.2f} instr/weight → {alu / 1e12:.1f} T weights/s (ALU) vs "
                          f"{mem / 1e12:.1f} T weights/s (memory): {'memory' if mem < alu else 'ALU'}-bound")
+    lines += mma_ipw_lines(rows)
     totals = dict(configs=len(rows), spills=sum(a["spill"] for a in agg.values()),
                   errors=sum(a["err"] for a in agg.values()), max_regs=max(a["regs"] for a in agg.values()),
                   smem_over=sum(1 for r in rows if "error" not in r and r["smem"] > r["smem_limit"]))
     return lines, totals
+
+
+def mma_ipw_lines(rows: list[dict]) -> list[str]:
+    """The tensor-core K loop's instructions per weight per program, median over each BM's
+    configs, next to the cost model's constants (``triton_model.MMA_IPW``, sm_80)."""
+    from vllm_latq.kernels.triton_model import MMA_IPW
+    lines = ["MMA K loop, SASS instructions per weight per BM-row program (median over configs) "
+             "vs the cost model's constant:"]
+    for (bits, bm), model in sorted(MMA_IPW.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        med = {cc: statistics.median(r["ipw"] for r in rows if "error" not in r and r["kernel"] == "mma"
+                                     and (r["bits"], r["BM"], r["cc"]) == (bits, bm, cc))
+               for cc in (80, 90) if any(r["kernel"] == "mma" and (r["bits"], r["BM"], r["cc"]) == (bits, bm, cc)
+                                          and "error" not in r for r in rows)}
+        got = "  ".join(f"sm_{cc} {v:5.2f}" for cc, v in med.items()) or "not compiled"
+        lines.append(f"  {bits}-bit BM={bm:>2}: {got}   model {model:5.2f} ({model * 16 / bm:.2f} per 16 rows)")
+    return lines
+
+
+# ----------------------------------------------------------------------------- cost model
+
+MODEL_DEVICES = ("a100", "h100")
+
+
+def cost_model(a, props=None) -> tuple[list[str], dict]:
+    """The cost model's (``triton_model``) prediction for each shape × bits × rate × M of
+    ``a``: µs of the MMA kernel, of dequantise-once + GEMM and of dense ``F.linear``, the
+    path ``TritonKernel.apply`` takes (gemv below M = 8 is not modelled: its M = 1 ceiling
+    is the bytes model's) and dense / latq. On the A100 and H100 models, and on ``props``
+    (a GPU's properties) when given. HEADLINE keys: the worst predicted 4-bit 1 % ratio at
+    8 ≤ M ≤ 256 over the target layers, per model."""
+    from vllm_latq.kernels.triton_model import large_m_threshold, model_times
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    devs = list(MODEL_DEVICES) + ([props] if props is not None else [])
+    lines = [f"cost model (kernels/triton_model.py), {a.dtype}: µs per call; path = the one TritonKernel.apply "
+             f"takes for M ≥ 8; ratio = dense / path", f"{'device':8} {'shape':16} {'bits':>4} {'rate':>5} {'M':>4} "
+             f"{'mma_us':>8} {'deq_us':>8} {'dense_us':>8} {'path':>7} {'ratio':>6}"]
+    head = {}
+    for dev in devs:
+        name = dev if isinstance(dev, str) else "gpu"
+        worst = math.inf
+        for label, n, k in a.shapes:
+            for bits in a.bits:
+                for rate in a.rates:
+                    nnz = int(outlier_counts(n, k, rate).sum())
+                    th = large_m_threshold(n, k, bits, nnz, dtype, dev, GROUP)
+                    for m in (m for m in a.m if m >= 8):
+                        t = model_times(m, n, k, bits, nnz, dtype, dev, GROUP)
+                        path = "dequant" if m >= th else "mma"
+                        ratio = t["dense"] / t["mma" if path == "mma" else "deq"]
+                        lines.append(f"{name:8} {label:16} {bits:>4} {rate * 100:>4.1f}% {m:>4} {t['mma'] * 1e6:>8.1f} "
+                                     f"{t['deq'] * 1e6:>8.1f} {t['dense'] * 1e6:>8.1f} {path:>7} {ratio:>5.2f}x")
+                        if bits == 4 and rate == 0.01 and m <= 256 and n * k >= TARGET_WEIGHTS:
+                            worst = min(worst, ratio)
+        if math.isfinite(worst):
+            head[f"model_min_4b_1pct_ratio_m_le_256_{name}"] = f"{worst:.2f}"
+    return lines, head
 
 
 # ----------------------------------------------------------------------------- served bytes
@@ -565,15 +626,16 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
     return lines, head
 
 
-def headline(static: dict | None, ceilings: dict | None, gpu: dict | str) -> str:
-    """``HEADLINE spills=… <static totals> <bytes-model ceilings> gpu=… <GPU keys>``; ``gpu``
-    is gpu_summary's keys or a word (none / skipped) when no GPU part ran."""
+def headline(static: dict | None, ceilings: dict | None, gpu: dict | str, model: dict | None = None) -> str:
+    """``HEADLINE spills=… <static totals> <bytes-model ceilings> <cost-model ratios> gpu=…
+    <GPU keys>``; ``gpu`` is gpu_summary's keys or a word (none / skipped) when no GPU part ran."""
     head = {}
     if static is not None:
         head = dict(spills=static["spills"], configs=static["configs"], targets="sm_80,sm_86,sm_89,sm_90",
                     errors=static["errors"], max_regs=static["max_regs"], smem_over_limit=static["smem_over"])
     if ceilings is not None:
         head.update({f"ceiling_m1_{b}bit_1pct": f"{ceilings[b, 0.01]:.2f}" for b in BITS})
+    head.update(model or {})
     head.update(gpu if isinstance(gpu, dict) else {"gpu": gpu})
     return "HEADLINE " + " ".join(f"{k}={v}" for k, v in head.items())
 
@@ -591,6 +653,9 @@ def main(argv=None) -> int:
             bl, ceil = bytes_model(m, a.shapes)
             ceilings = ceilings or ceil
             print("\n".join(bl) + "\n")
+    props = torch.cuda.get_device_properties(0) if gpu_part else None
+    lines, model_head = cost_model(a, props)
+    print("\n".join(lines) + "\n")
     if a.static_only:
         print("no GPU timing (--static-only)")
         gpu = "skipped"
@@ -601,7 +666,7 @@ def main(argv=None) -> int:
         res = gpu_bench(a, log=lambda s: print(s, flush=True))
         lines, gpu = gpu_summary(res)
         print("\n".join(lines))
-    print(headline(static, ceilings, gpu), flush=True)
+    print(headline(static, ceilings, gpu, model_head), flush=True)
     return 0
 
 

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
-# OUTDIR/env.txt          nvidia-smi, python and package versions, compilers
+# OUTDIR/env.txt          nvidia-smi, python and package versions, compilers, the cost model's device constants
 # OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml
 # OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
 # OUTDIR/summary.txt      what is printed at the end
@@ -43,6 +43,14 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+    p = torch.cuda.get_device_properties(0)
+    print("properties: SMs", p.multi_processor_count, "SM clock kHz", getattr(p, "clock_rate", "?"),
+          "memory clock kHz", getattr(p, "memory_clock_rate", "?"), "bus bits", getattr(p, "memory_bus_width", "?"))
+    try:   # the cost model's constants for this GPU (kernels/triton_model.py: HBM from clock x bus width)
+        from vllm_latq.kernels.triton_model import device_model
+        print("cost model:", device_model(p))
+    except Exception as e:
+        print("cost model: unavailable:", type(e).__name__, e)
 for m in ("triton", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest_timeout"):
     try:
         print(m, getattr(__import__(m), "__version__", "?"))

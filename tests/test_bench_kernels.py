@@ -136,7 +136,9 @@ def test_main_without_cuda_says_so_and_exits_0(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bk.main(["--no-static"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert "no CUDA device" in out[0] and out[-1] == "HEADLINE gpu=none"
+    assert out[0].startswith("cost model") and any("no CUDA device" in line for line in out)
+    assert out[-1] == ("HEADLINE model_min_4b_1pct_ratio_m_le_256_a100=0.88 "
+                       "model_min_4b_1pct_ratio_m_le_256_h100=0.59 gpu=none")
     assert tk.INTERPRET and __import__("os").environ.get("TRITON_INTERPRET") == "1"   # env left alone
 
 
@@ -145,16 +147,16 @@ def test_main_without_cuda_says_so_and_exits_0(monkeypatch, capsys):
 def test_picked_kernel_is_apply_routing(monkeypatch):
     """bench's picked_kernel names the kernel TritonKernel.apply runs (its launch or the
     large-M path), for gemv (M < 8, fp32), mma (8 ≤ M < threshold) and dequant."""
-    st = TritonKernel.prepare(random_weight(256, 256, 4, 0.01))
+    st = TritonKernel.prepare(random_weight(1024, 1024, 3, 0.01))      # 3 bits: dequant from M = 257 (A100)
     ran = []
-    monkeypatch.setattr(tk, "launch", lambda st, x2, bias, kernel, config: ran.append(kernel) or x2)
+    monkeypatch.setattr(tk, "launch", lambda st, x2, bias, kernel, config, scratch: ran.append(kernel) or x2)
     monkeypatch.setattr(tk, "apply_large_m", lambda st, x2, bias, ws: ran.append("dequant") or x2)
     seen = set()
     for m, dt in ((1, torch.bfloat16), (7, torch.float16), (8, torch.bfloat16), (300, torch.float32),
                   (240, torch.bfloat16), (300, torch.bfloat16)):
-        x = torch.zeros(m, 256, dtype=dt)
+        x = torch.zeros(m, 1024, dtype=dt)
         ran.clear()
-        TritonKernel.apply(st, x)                 # the fakes return x2: [M, 256] is [M, N] here
+        TritonKernel.apply(st, x)                 # the fakes return x2: [M, K] is [M, N] here
         assert ran == [bk.picked_kernel(st, x)]
         seen.add(ran[0])
     assert seen == {"gemv", "mma", "dequant"}
@@ -197,10 +199,10 @@ def test_a_failing_kernel_costs_its_numbers_not_the_run(monkeypatch):
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
     real = tk.launch
 
-    def launch(st, x2, bias, kernel, config=None):
+    def launch(st, x2, bias, kernel, config=None, scratch=None):
         if kernel == "mma":
             raise RuntimeError("no mma today")
-        return real(st, x2, bias, kernel, config)
+        return real(st, x2, bias, kernel, config, scratch)
     monkeypatch.setattr(tk, "launch", launch)
     log = []
     pts = bk.bench_layer(("t", 32, 256), 4, 0.0, [1, 8], ["gemv", "mma"], torch.bfloat16, torch.device("cpu"),

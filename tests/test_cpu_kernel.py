@@ -47,9 +47,10 @@ def small_m_path(request):
         yield request.param
 
 
-def make_weight(out, cin, bits, rate, group=128, seed=0, heavy_rows=()):
-    """Random b-bit inliers (0 at outliers) + CSR outliers at ``rate`` (+ rows mostly outliers)."""
-    return random_weight(out, cin, bits, rate, group=group, seed=seed, rows=heavy_rows)
+def make_weight(out, cin, bits, rate, group=128, seed=0, heavy_rows=(), fp16_values=False):
+    """Random b-bit inliers (0 at outliers) + CSR outliers at ``rate`` (+ rows mostly outliers),
+    fp32 values (``fp16_values``: fp16-exact, as SSQR stores them)."""
+    return random_weight(out, cin, bits, rate, group=group, seed=seed, rows=heavy_rows, fp16_values=fp16_values)
 
 
 class Expected:
@@ -233,6 +234,28 @@ def test_rows_with_many_outliers():
         check(w, state, torch.randn(M, 640, generator=g))
 
 
+@pytest.mark.parametrize("coding", [torch.float16, torch.int16, torch.float32])
+def test_outlier_codings(coding, monkeypatch):
+    """Each exact coding of the outlier values (``cpu_layouts.code_values``: fp16 where every
+    value is fp16-exact, int16 z × the row's fp32 scale for a one-scale layer, else fp32) meets
+    the tight bounds at every path's M, with bias, incl. the large-M dequant."""
+    if coding == torch.int16:
+        w = hptq_like(192, 576, 3.0, seed=4)
+        assert w.nnz > 0 and w.group_size == 576
+    else:
+        w = make_weight(192, 576, 4, 0.05, group=64, seed=15, heavy_rows=((3, 0.5),),
+                        fp16_values=coding == torch.float16)
+    state = CPUKernel.prepare(w)
+    if state.tile_col is not None:   # the tiles (where the C++ GEMV runs); else an fp32 CSR
+        assert state.tile_val.dtype == coding and (state.row_scale is not None) == (coding == torch.int16)
+    g = torch.Generator().manual_seed(16)
+    monkeypatch.setattr(cpu, "LARGE_M", 64)
+    for M in (1, 3, 8, 16, 64):
+        bias = torch.randn(192, generator=g).to(torch.bfloat16)
+        check(w, state, torch.randn(M, 576, generator=g).to(torch.bfloat16), bias)
+        check(w, state, torch.randn(M, 576, generator=g))
+
+
 def test_every_batch_size_and_leading_dims_and_bias():
     w, state = prepared((640, 2048, 4, 0.01, 128))
     g = torch.Generator().manual_seed(6)
@@ -320,7 +343,10 @@ def test_hptq_low_bits_use_whole_row_group():
     w = hptq_like(128, 576, 1.0, seed=1)
     assert w.bits <= 4
     state = CPUKernel.prepare(w)
-    assert state.group_size == 64          # 576 = 9·64: the largest op group dividing K
+    if cpu._gemv_here():                   # the GEMV's scales alone: one per row
+        assert state.group_size == 576 and state.scales.shape == (1, 128)
+    else:
+        assert state.group_size == 64      # 576 = 9·64: the largest op group dividing K
     check(w, state, torch.randn(4, 576).to(torch.bfloat16))
 
 

@@ -104,7 +104,7 @@ def test_tiles_hold_the_csr():
         assert (r[r >= 64] - 64 == torch.nonzero(r >= 64).flatten() % 16).all()
         cnt = m[64 * b + real].sum(1)
         assert (cnt[:-1] >= cnt[1:]).all()             # longest first
-    st = cpu.CPUState(None, None, None, None, None, off, rows, tcol, tval, N, K, 32, 1, 0, 0)
+    st = cpu.CPUState(None, None, None, None, None, off, rows, tcol, tval, None, N, K, 32, 1, 0, 0)
     for r0, r1 in ((0, N), (64, 192), (192, N), (0, 64)):
         r, c, v = cpu._tile_entries(st, r0, r1)
         got = sorted(zip((r + r0).tolist(), c.tolist(), v.tolist()))
@@ -138,7 +138,7 @@ def test_gemv_matches_the_op(N, K, g, zeros):
     are rounded to bf16, so: each within bf16 rounding + 1e-5·Σ|x||w| of the fp64 sum, and the
     two within one bf16 ulp of each other (most equal). N % 64 ≠ 0 covers the pair-packed tail;
     M covers the one-row kernel, the M-row kernel with (M ≤ 4) and without interleaved k-pairs,
-    and M > 8 (two passes over a block)."""
+    and M > 8 (two passes over a block). Without zeros, the GEMV on the scales alone equals it."""
     _, mm = cpu_layouts.int4_ops()
     p, sz, W = _op_state(N, K, g, N + K + g, zeros)
     gen = torch.Generator().manual_seed(K)
@@ -150,6 +150,8 @@ def test_gemv_matches_the_op(N, K, g, zeros):
         assert ((y - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * S).all()
         assert ((y - yo).abs() <= 2.0 ** -7 * torch.maximum(y.abs(), yo.abs()) + 1e-5 * S).all()
         assert (y == yo).double().mean() > 0.9
+        if not zeros:   # the scales alone (the kernel's layout here): the same sums, the zero term 0
+            assert torch.equal(torch.ops.latq_cpu.gemv(x, p, sz[..., 0].contiguous(), g).double(), y)
 
 
 @gemv_only

@@ -2,11 +2,13 @@
 ``TRITON_INTERPRET=0``; skipped everywhere else (tests/conftest.py turns the interpreter on).
 
 * Kernels against :func:`latq_linear_ref`: the Triton kernels for bits {2, 3, 4} × M {1, 2, 3,
-  4, 7, 8, 9, 16, 17, 64, 256} × outliers {0, 1 %, 5 %} × fp16/bf16 on a ragged shape (each
+  4, 7, 8, 9, 16, 17, 33, 64, 100, 256} × outliers {0, 1 %, 5 %} × fp16/bf16 on a ragged shape (each
   case with the production tile the autotuner would pick from, SPLIT = 1: one compile per
   variant), the Qwen3-8B linear shapes at M {1, 16, 64} (autotuned, as served), and every
   other kernel family of ``selector.kernels()`` that runs on CUDA, through its custom op.
-* Split-K: every config with SPLIT > 1, three calls bit-identical, the tickets back to 0.
+* Every tensor-core config of the 32/64-row tiles (large M below the crossover).
+* Split-K: every config with SPLIT > 1, three calls bit-identical, the tickets back to 0; the
+  partials' scratch reserved at load, shared by layers, never reallocated (graphs too).
 * CUDA graphs (capture, replay on new inputs) and ``torch.compile(fullgraph=True)`` through
   the custom op (``torch.library.opcheck`` on CUDA: tests/test_opcheck.py).
 * The bf16 fallback and the reference on CUDA tensors.
@@ -57,7 +59,7 @@ U_OUT = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-
 BITS = [pytest.param(b, id=f"{b}bit") for b in (2, 3, 4)]      # ids: gpu_check.sh shards on them
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 RATES = [pytest.param(0.0, id="r0"), pytest.param(0.01, id="r1pct"), pytest.param(0.05, id="r5pct")]
-MS = [1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 256]
+MS = [1, 2, 3, 4, 7, 8, 9, 16, 17, 33, 64, 100, 256]
 RAGGED = (184, 1000)     # N % 16 = 8; K: a 104-column last scale group, not a multiple of 32
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
@@ -152,7 +154,7 @@ def fixed_config(m: int, bits: int, dtype=torch.bfloat16) -> tuple[str, dict]:
     tk = triton_module()
     if m < 8 or dtype == torch.float32:
         return "gemv", next(c for c in tk.gemv_configs(min(8, _next_pow2(m)), bits) if c["SPLIT"] == 1)
-    return "mma", next(c for c in tk.mma_configs(16, bits) if c["SPLIT"] == 1)
+    return "mma", next(c for c in tk.mma_configs(tk.mma_bm(m), bits) if c["SPLIT"] == 1)
 
 
 # ----------------------------------------------------------------------------- Triton vs reference
@@ -162,8 +164,9 @@ def fixed_config(m: int, bits: int, dtype=torch.bfloat16) -> tuple[str, dict]:
 @pytest.mark.parametrize("m", MS, ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("bits", BITS)
 def test_triton_ragged(bits, m, rate, dtype):
-    """Every M bucket of both kernels (SIMT GEMV row tiles 1/2/4/8, tensor-core 16-row tiles,
-    several M tiles), on a shape that is a multiple of nothing; a bias at 1 % outliers."""
+    """Every M bucket of both kernels (SIMT GEMV row tiles 1/2/4/8, tensor-core 16/32/64-row
+    tiles, several 64-row tiles with a ragged last one), on a shape that is a multiple of
+    nothing; a bias at 1 % outliers."""
     n, k = RAGGED
     w = weight(n, k, bits, rate)
     st = triton_state(w)
@@ -225,6 +228,33 @@ def test_triton_through_op(bits, m, monkeypatch):
     assert_matches_reference(ops.op_for(triton_k)(x, tensors, ints, bias, n), x, w, bias)
 
 
+def _large_tile_cases():
+    if "triton" not in NAMES:
+        return []
+    tk = importlib.import_module(next(k for k in selector.kernels() if k.name == "triton").__module__)
+    cases = []
+    for b in (2, 3, 4):
+        for bm in (bm for bm in tk.MMA_TILES if bm > 16):
+            for i, c in enumerate(tk.mma_configs(bm, b)):
+                m = bm if i % 2 == 0 else 3 * bm - 5                  # one tile; three, the last ragged
+                cases.append(pytest.param(b, bm, m, c, id=f"{b}bit-BM{bm}-m{m}-BN{c['BN']}-w{c['num_warps']}"))
+    return cases
+
+
+@pytest.mark.parametrize("bits,bm,m,cfg", _large_tile_cases())
+def test_mma_large_tiles_every_config(bits, bm, m, cfg):
+    """Every tensor-core config of the 32- and 64-row tiles (the large-M path below the
+    crossover), ragged shape, 1 % outliers, fp16 and bf16."""
+    n, k = RAGGED
+    w = weight(n, k, bits, 0.01)
+    st = triton_state(w)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = activations(m, k, dtype, seed=m)
+        bias = bias_for(n, dtype)
+        y = kernel("triton").apply(st, x, bias, kernel="mma", config=dict(cfg, BM=bm))
+        assert_matches_reference(y, x, w, bias, what=f"mma BM={bm} {cfg} {dtype}")
+
+
 def _splitk_cases():
     if "triton" not in NAMES:
         return []
@@ -255,6 +285,31 @@ def test_splitk(bits, kind, m, cfg, mode, dtype):
     assert all(torch.equal(ys[0], y) for y in ys[1:]), "split-K results differ between identical calls"
     assert int(st.tickets.abs().sum()) == 0, "split-K tickets not reset"
     assert_matches_reference(ys[0], x, w, bias, what=f"{kind} {cfg}")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_splitk_scratch_is_reserved_and_shared(bits):
+    """The split-K partials live in one fp32 buffer per device, sized at load (reserve) to
+    the largest layer: calls never allocate it again, two layers share it, and interleaving
+    them changes no bit of either's output."""
+    tk = triton_module()
+    triton_k = kernel("triton")
+    cfg = next(c for c in tk.gemv_configs(1, bits) if c["SPLIT"] == 8)
+    states = [triton_state(weight(n, 4000, bits, 0.03, seed=3)) for n in (184, 1000)]
+    for st in states:
+        triton_k.reserve(st, torch.bfloat16)
+    buf = triton_k.splitk_workspace.flat(1, torch.float32, DEV)
+    need = max(tk.splitk_floats(st.n_pad) for st in states)
+    key = (torch.device(DEV), torch.float32)
+    assert triton_k.splitk_workspace._bufs[key].numel() >= need
+    ptr = buf.data_ptr()
+    x = activations(1, 4000, torch.bfloat16)
+    ys = []
+    for st in (states[0], states[1], states[0], states[1], states[0]):
+        ys.append(triton_k.apply(st, x, kernel="gemv", config=cfg))
+        assert triton_k.splitk_workspace.flat(1, torch.float32, DEV).data_ptr() == ptr, "split-K scratch reallocated"
+    assert torch.equal(ys[0], ys[2]) and torch.equal(ys[0], ys[4]) and torch.equal(ys[1], ys[3])
+    assert all(int(st.tickets.abs().sum()) == 0 for st in states)
 
 
 # ----------------------------------------------------------------------------- every family, the op
@@ -326,7 +381,7 @@ def test_reference_on_cuda():
 
 def _graph_cases():
     return [pytest.param(1, None, id="m1-op"), pytest.param(16, None, id="m16-op"),
-            pytest.param(64, None, id="m64-op"),
+            pytest.param(64, None, id="m64-op"), pytest.param(100, None, id="m100-op"),
             pytest.param(1, dict(BN=32, SPLIT=4, num_warps=2), id="m1-splitk4"),
             pytest.param(12, dict(BN=64, SPLIT=2, BR=8, num_warps=4), id="m12-mma-splitk2")]
 
@@ -350,6 +405,8 @@ def test_cuda_graph_capture_and_replay(m, cfg):
             return op(x, tensors, ints, bias, n)
         return triton_k.apply(st, x, bias, kernel="gemv" if m < 8 else "mma", config=cfg)
 
+    triton_k.reserve(st, torch.bfloat16)                         # as the loader does: scratches sized
+    scratch = triton_k.splitk_workspace.flat(1, torch.float32, DEV).data_ptr()
     inputs = [activations(m, k, torch.bfloat16, seed=s) for s in range(3)]
     x.copy_(inputs[0])
     side = torch.cuda.Stream()
@@ -368,6 +425,7 @@ def test_cuda_graph_capture_and_replay(m, cfg):
         assert int(st.tickets.abs().sum()) == 0
         assert torch.equal(y, call()), "graph replay differs from an eager call"
         assert_matches_reference(y, x, w, bias, what=f"graph M={m} {cfg}")
+    assert triton_k.splitk_workspace.flat(1, torch.float32, DEV).data_ptr() == scratch
 
 
 class _Layer(torch.nn.Module):

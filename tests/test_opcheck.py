@@ -96,6 +96,6 @@ def test_native_small_linear():
     cpu_kernel = _native_cpu()
     st = cpu_kernel.prepare(make_weight("cpu"))
     x, bias = op_args("cpu")
-    args = (x, st.packed, st.scales_zeros, st.crow, st.col, st.val, st.tile_off, st.tile_rows, st.tile_col,
-            st.tile_val, bias, st.group_size, st.planes)
+    args = (x, st.packed, st.scales, st.crow, st.col, st.val, st.tile_off, st.tile_rows, st.tile_col,
+            st.tile_val, st.row_scale, bias, st.group_size, st.planes)
     torch.library.opcheck(torch.ops.latq_cpu.small_linear.default, args)

@@ -64,19 +64,52 @@ def test_triton_served_bytes(bits, rate, shape, group):
 
 
 @pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("fp16_values", [True, False])
 @pytest.mark.parametrize("bits,rate,split", [(4, 0.01, 0.05), (3, 0.0, 0.05), (6, 0.01, 0.0), (6, 0.01, 1.0),
                                              (8, 0.02, 0.05)])
-def test_cpu_served_bytes(monkeypatch, tiles, bits, rate, split):
-    """int4pack bytes (two planes for 5–8 bits, or 4 bits + outliers), bf16 scales_and_zeros,
-    the fp32 CSR or the C++ op's tiles with their padding."""
+def test_cpu_served_bytes(monkeypatch, tiles, fp16_values, bits, rate, split):
+    """int4pack bytes (two planes for 5–8 bits, or 4 bits + outliers), bf16 scales (alone where
+    the C++ GEMV runs, else with their zeros),
+    the fp32 CSR or the C++ op's tiles with their padding: 32 bits an outlier where every value
+    is fp16-exact (as SSQR stores them; a split-off z·s rarely is), 48 else."""
     monkeypatch.setattr(cpu, "_tiles_here", lambda k: tiles)
     monkeypatch.setattr(cpu, "SPLIT_MAX_EXTRA_RATE", split)
-    w = random_weight(192, 576, bits, rate, group=64, seed=bits)
+    w = random_weight(192, 576, bits, rate, group=64, seed=bits, fp16_values=fp16_values)
     st = CPUKernel.prepare(w)
     got = CPUKernel.served_bytes(st)
     assert sum(got.values()) == _nbytes(CPUKernel.flatten(st)[0])
     assert got == _model(CPUKernel, w)
     assert (st.tile_col is not None) == (tiles and got["outliers"] > 0)
+    if st.tile_col is not None:
+        assert st.row_scale is None   # several scales per row: no int16 coding
+        assert st.tile_val.dtype == (torch.float16 if fp16_values and st.planes * 4 >= bits else torch.float32)
+
+
+@pytest.mark.parametrize("spread,split", [(1.5, 0.05), (6.0, 0.05), (6.0, 1.0), (40.0, 0.05)])
+def test_cpu_one_scale_outliers_are_int16(monkeypatch, spread, split):
+    """A one-scale (HPTQ) layer's outliers z·s, not fp16-exact, are served as int16 z times the
+    row's fp32 scale: 32 bits an outlier + 4 bytes a row, exactly what the cost model counts from
+    the layer's integers (as transcode and ``latq-inspect`` see it); |z| ≥ 2¹⁵ keeps fp32."""
+    monkeypatch.setattr(cpu, "_tiles_here", lambda k: True)
+    monkeypatch.setattr(cpu, "SPLIT_MAX_EXTRA_RATE", split)
+    z = hptq(192, 576, spread, seed=7)
+    if spread > 20:
+        z[5, 7] = 40000                      # past int16: the layer keeps fp32 values
+    n, k = z.shape
+    s = torch.full((n,), S)
+    w = transcode(z, S, family=CPUKernel)
+    st = CPUKernel.prepare(w)
+    got = CPUKernel.served_bytes(st)
+    assert sum(got.values()) == _nbytes(CPUKernel.flatten(st)[0])
+    assert got == CPUKernel.layout_bytes(n, k, w.bits, k, GridStats.from_integers(z, s))
+    if cpu._gemv_here():   # the GEMV's layout: one bf16 scale per row and plane
+        assert st.scales.shape == (st.planes, n) and st.group_size == k
+    if got["outliers"]:
+        int16 = spread < 20
+        assert st.tile_val.dtype == (torch.int16 if int16 else torch.float32)
+        assert (st.row_scale is not None) == int16
+        if int16:
+            assert torch.equal(st.row_scale, s)
 
 
 def test_fallback_and_reference_served_bytes():

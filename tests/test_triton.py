@@ -275,13 +275,49 @@ def test_fp32_activations_and_shapes():
         TritonKernel.apply(st, torch.zeros(1, K + 1))
 
 
-def test_large_m_fallback():
-    """M > 16: the tensor-core kernel over 16-row M tiles (a tiled GEMM); no split-K there."""
+@pytest.mark.parametrize("rate", [0.0, 0.05])
+@pytest.mark.parametrize("m", [17, 40, 100])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mma_large_m_tiles(bits, m, rate):
+    """M > 16 on the tensor-core kernel: 32-row tiles (M ≤ 32), else 64-row tiles, the M
+    tiles fastest in the grid (100: a ragged last tile); no split-K there."""
+    w, st = state_for(bits, rate)
+    assert tk.mma_bm(m) == (32 if m <= 32 else 64)
+    x = activations(m, torch.bfloat16, seed=m)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    check(TritonKernel.apply(st, x, bias, kernel="mma"), x, w, bias)
+
+
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mma_large_tile_configs(bits, mode):
+    """The production configs of the 32- and 64-row tiles (their smaller outlier slot
+    counts BR), both outlier layouts, one tile and two (the last ragged)."""
+    w, st = state_for(bits, 0.05, mode)
+    for bm, m in ((32, 20), (64, 70)):
+        cfg = tk.mma_configs(bm, bits)[0]
+        assert cfg["BR"] * bm == 128
+        x = activations(m, torch.float16, seed=m)
+        check(TritonKernel.apply(st, x, kernel="mma", config=dict(cfg, BM=bm)), x, w)
+
+
+def test_large_m_split_refused():
     w, st = state_for(4, 0.05)
     x = activations(70, torch.bfloat16)
-    check(TritonKernel.apply(st, x), x, w)
     with pytest.raises(ValueError, match="SPLIT"):
-        TritonKernel.apply(st, x, config=dict(BN=64, SPLIT=2, BR=8))
+        TritonKernel.apply(st, x, kernel="mma", config=dict(BN=64, SPLIT=2, BR=8))
+    with pytest.raises(ValueError, match="SPLIT"):                 # one tile, but of 32 rows
+        TritonKernel.apply(st, x[:20], kernel="mma", config=dict(BN=64, SPLIT=2, BR=8))
+
+
+def test_m_buckets_and_tiles():
+    """Autotuning per M bucket: batch 1 and batch 64 never share a tuned config."""
+    assert [tk.m_bucket(m) for m in (1, 2, 3, 8, 9, 64, 65, 256, 4096)] == [1, 2, 4, 8, 16, 64, 128, 256, 256]
+    assert [tk.mma_bm(m) for m in (1, 8, 16, 17, 32, 33, 64, 65, 1000)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+    assert tk.tuned("mma", 4, 1) is not tk.tuned("mma", 4, 64) and tk.tuned("mma", 4, 64) is tk.tuned("mma", 4, 64)
+    splits = {c.kwargs["SPLIT"] for c in tk.tuned("mma", 4, 16).configs}
+    assert splits == {1, 2, 4} and {c.kwargs["SPLIT"] for c in tk.tuned("mma", 4, 64).configs} == {1}
+    assert all((getattr(c, "maxnreg", None) is not None) == tk.MAXNREG_OK for c in tk.tuned("gemv", 2, 1).configs)
 
 
 def test_state_flattens_for_the_plugin():
@@ -342,3 +378,16 @@ def test_bench_bytes_model():
     for b in bk.BITS:
         assert all(ceil[b, r1] > ceil[b, r2] for r1, r2 in zip(bk.RATES, bk.RATES[1:]))
     assert ceil[3, 0.01] > 3.5 and ceil[4, 0.01] > 3.0
+
+
+def test_launch_allocates_on_the_input_device():
+    """The output, the shared split-K scratch (reserved at load) and the large-M scratch are
+    made on the activations' / layer's device: no tensor factory without ``device=``."""
+    from tests.device_guard import factories_follow_inputs
+    w, st = state_for(4, 0.05)
+    split = dict(BN=32, SPLIT=4, num_warps=2)
+    xs = {m: activations(m, torch.bfloat16, seed=m) for m in (1, 20)}
+    with factories_follow_inputs():
+        TritonKernel.reserve(st, torch.bfloat16)
+        for m, kind, cfg in ((1, "gemv", split), (20, "mma", None), (20, "dequant", None)):
+            TritonKernel.apply(st, xs[m], kernel=kind, config=cfg)

@@ -9,8 +9,9 @@
 * The workspace: one buffer per (device, dtype), grown to the largest layer, reused; under
   a byte cap, row chunks give the same scratch rows and outputs. ``use_large_m`` (the
   choice ``TritonKernel.apply`` makes) follows the layer's threshold and refuses fp32.
-* The crossover model: pure, ≥ 17, monotone in layer size, the documented numbers.
-* Offline compilation of the two kernels for sm_80/sm_90 (real ptxas): no spills.
+* Offline compilation of the two kernels for sm_80/sm_90 (real ptxas): no spills, and the
+  scratch written in 16-byte vectors along K.
+The crossover model is tests/test_triton_model.py.
 """
 
 import pytest
@@ -22,6 +23,7 @@ from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref,
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels import triton_dequant as td  # noqa: E402
 from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
+from vllm_latq.kernels import triton_model as tm  # noqa: E402
 from vllm_latq.kernels.triton_kernels import TritonKernel  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton's interpreter")
@@ -102,7 +104,7 @@ def test_apply_large_m(bits, m, dtype):
     x = activations(m, dtype, seed=m)
     W = dequantize(w).to(dtype).float()
     eps = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
-    ws = td.DequantWorkspace()
+    ws = td.Workspace()
     for bias in (None, torch.randn(N, generator=torch.Generator().manual_seed(5)).to(dtype)):
         y = td.apply_large_m(st, x, bias, ws)
         assert y.dtype == dtype and y.shape == (m, N)
@@ -119,7 +121,7 @@ def test_apply_large_m(bits, m, dtype):
 
 @interp
 def test_workspace_is_shared_and_grows():
-    ws = td.DequantWorkspace()
+    ws = td.Workspace()
     small = TritonKernel.prepare(make_weight(n=24, k=100, bits=4, rate=0.0))
     big = TritonKernel.prepare(make_weight(bits=2, rate=0.05, seed=2))
     x = activations(20, torch.bfloat16)
@@ -144,8 +146,8 @@ def test_row_chunks():
         st = TritonKernel.prepare(w, outlier_mode=mode)
         ref = dequantize(w).to(torch.bfloat16)
         assert torch.equal(td.dequantize_into(st, torch.empty(24, K, dtype=torch.bfloat16), 48), ref[48:])
-        ws = td.DequantWorkspace(max_bytes=40 * K * 2)
-        assert ws.rows(72, K, torch.bfloat16) == 32 and td.DequantWorkspace(max_bytes=1).rows(72, K, torch.float16) == 16
+        ws = td.Workspace(max_bytes=40 * K * 2)
+        assert ws.rows(72, K, torch.bfloat16) == 32 and td.Workspace(max_bytes=1).rows(72, K, torch.float16) == 16
         x = activations(20, torch.bfloat16)
         bias = torch.randn(72).to(torch.bfloat16)
         y = td.apply_large_m(st, x, bias, ws)
@@ -163,13 +165,13 @@ def test_reasons_and_choice():
     assert td.large_m_reason(torch.bfloat16) is None and td.large_m_reason(torch.float16) is None
     with pytest.raises(ValueError, match="SIMT"):
         td.apply_large_m(st, activations(20, torch.float32))
-    # TritonKernel.apply's choice (CPU: the A100 model): this small layer switches at M = 257
-    big = TritonKernel.prepare(make_weight(n=4096, k=128, bits=4, rate=0.0))
+    # TritonKernel.apply's choice (CPU: the A100 model): this 3-bit layer switches at M = 257
+    big = TritonKernel.prepare(make_weight(n=1024, k=1024, bits=3, rate=0.0))
     th = td.threshold_for(big, torch.bfloat16, torch.device("cpu"))
-    assert th == td.large_m_threshold(4096, 128, 4, 0, torch.bfloat16, None, 128) == 257
-    assert not td.use_large_m(big, torch.empty(th - 1, 128, dtype=torch.bfloat16))
-    assert td.use_large_m(big, torch.empty(th, 128, dtype=torch.bfloat16))
-    assert not td.use_large_m(big, torch.empty(th, 128, dtype=torch.float32))
+    assert th == tm.large_m_threshold(1024, 1024, 3, 0, torch.bfloat16, None, 128) == 257
+    assert not td.use_large_m(big, torch.empty(th - 1, 1024, dtype=torch.bfloat16))
+    assert td.use_large_m(big, torch.empty(th, 1024, dtype=torch.bfloat16))
+    assert not td.use_large_m(big, torch.empty(th, 1024, dtype=torch.float32))
 
 
 
@@ -191,64 +193,18 @@ def test_kernel_apply_routes_large_m(monkeypatch):
     TritonKernel.apply(st, activations(16, torch.bfloat16))
     assert calls == [1]
 
-# ----------------------------------------------------------------------------- crossover model
-
-def test_threshold_documented_numbers():
-    """The module docstring's table (bf16, g = 128, no outliers)."""
-    table = {"a100": {2: 129, 3: 81, 4: 129}, "h100": {2: 129, 3: 81, 4: 129}}
-    for dev, by_bits in table.items():
-        for bits, m in by_bits.items():
-            for n, k in ((4096, 4096), (4096, 14336), (14336, 4096)):
-                assert td.large_m_threshold(n, k, bits, 0, torch.bfloat16, dev) == m, (dev, bits, n, k)
-    assert td.large_m_threshold(4096, 14336, 4, 0) == 129                  # A100 is the default
-    assert td.large_m_threshold(256, 256, 4, 0) == 241
-
-
-def test_threshold_is_where_the_model_crosses():
-    for dev in ("a100", "h100"):
-        m = td.large_m_threshold(4096, 14336, 4, 0, torch.bfloat16, dev)
-        t_mma, t_deq = td.model_times(m - 1, 4096, 14336, 4, 0, torch.bfloat16, dev)
-        assert t_deq >= t_mma
-        for mm in (m, m + 7, m + 15, 2 * m, 8192):
-            t_mma, t_deq = td.model_times(mm, 4096, 14336, 4, 0, torch.bfloat16, dev)
-            assert t_deq < t_mma, (dev, mm)
-
-
-@pytest.mark.parametrize("dev", ["a100", "h100"])
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_threshold_monotone_and_never_small(bits, dev):
-    sizes = [(16, 16), (64, 64), (256, 256), (512, 1024), (1024, 1024), (2048, 2048), (4096, 4096),
-             (4096, 14336), (8192, 8192), (8192, 28672), (16384, 32768), (32768, 65536)]
-    ths = [td.large_m_threshold(n, k, bits, 0, torch.bfloat16, dev) for n, k in sizes]
-    assert all(t >= 17 for t in ths)
-    assert all(a >= b for a, b in zip(ths, ths[1:])), ths                 # larger layer: no later
-    # outliers add packed bytes read per M tile: never a later switch either
-    assert td.large_m_threshold(4096, 4096, bits, 4096 * 41, torch.bfloat16, dev) <= ths[6]
-
-
-def test_device_model_from_properties():
-    class Props:                              # what torch.cuda.get_device_properties returns
-        name, major, minor, multi_processor_count, L2_cache_size = "NVIDIA H100 PCIe", 9, 0, 114, 50 * 2**20
-    d = td.device_model(Props())
-    h = td.DEVICES["h100"]
-    assert d.sms == 114 and d.l2_bytes == 50 * 2**20
-    assert d.tc_flops == pytest.approx(h.tc_flops * 114 / 132) and d.issue == pytest.approx(h.issue * 114 / 132)
-    Props.major, Props.multi_processor_count = 8, 108
-    assert td.device_model(Props()).tc_flops == td.DEVICES["a100"].tc_flops
-    assert td.large_m_threshold(4096, 4096, 4, 0, torch.bfloat16, Props()) == 129
-
-
 # ----------------------------------------------------------------------------- offline compilation
 
 # Runs in a subprocess without TRITON_INTERPRET (the interpreter cannot compile): real
 # ptxas for each (kernel variant, target); prints one JSON row per job.
 _COMPILE = r"""
-import contextlib, io, json, os, re, sys, tempfile
+import contextlib, io, json, os, re, subprocess, sys, tempfile
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="latq_deq_")   # a cache hit would skip ptxas
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from vllm_latq.kernels import triton_compile as tc
 from vllm_latq.kernels import triton_dequant as td
 knobs.nvidia.dump_ptxas_log = True
 div16 = [["tt.divisibility", 16]]
@@ -273,13 +229,18 @@ for cc in map(int, sys.argv[2:]):
         src = ASTSource(fn, {**sig, **{c: "constexpr" for c in const}}, const, attrs)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=nw, num_stages=1))
+            c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=nw, num_stages=1))
         log = buf.getvalue()
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(c.asm["cubin"])
+        sass = subprocess.run([tc._bin("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        os.unlink(f.name)
+        stores = sorted(set(re.findall(r"\b(STG\.[A-Z0-9.]+)", sass)))
         regs = re.search(r"Used (\d+) registers", log)
         sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         st = re.search(r"(\d+) bytes stack frame", log)
         print(json.dumps(dict(name=name, cc=cc, regs=int(regs.group(1)), spill=int(sp.group(1)) + int(sp.group(2)),
-                              stack=int(st.group(1)))))
+                              stack=int(st.group(1)), stores=stores)))
 """
 
 
@@ -300,11 +261,15 @@ def _compile(quick):
     assert len(rows) == 2 * ((1 if quick else 6) + 2) and {r["cc"] for r in rows} == {80, 90}
     bad = [r for r in rows if r["spill"] or r["stack"] or r["regs"] > 255]
     assert not bad, bad
+    # the scratch is written in 16-byte vectors along K only (coalesced: W's fastest dim)
+    narrow = [r for r in rows if r["name"].startswith("dequant") and r["stores"] != ["STG.E.128"]]
+    assert not narrow, narrow
 
 
 def test_offline_compile_no_spills():
     """The heaviest dequant variant (3 bits, bf16: three word planes and the integer RNE)
-    and both outlier layouts, real ptxas for sm_80 and sm_90: no spills, no stack frame."""
+    and both outlier layouts, real ptxas for sm_80 and sm_90: no spills, no stack frame,
+    and the dequantised tile stored as 16-byte vectors along K (STG.E.128 only)."""
     _compile(quick=True)
 
 

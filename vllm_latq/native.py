@@ -100,6 +100,6 @@ def _fake(x, tensors, ints, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _fake_small(x, packed, scales_zeros, crow, col, val, tile_off, tile_rows, tile_col, tile_val, bias,
+def _fake_small(x, packed, scales_zeros, crow, col, val, tile_off, tile_rows, tile_col, tile_val, row_scale, bias,
                 group_size, planes):
     return x.new_empty((x.shape[0], packed.shape[0]))

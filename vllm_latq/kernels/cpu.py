@@ -1,6 +1,6 @@
-"""CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the
-inliers, fp32 CSR outliers; for prefill, a chunked dequantize + bf16 GEMM. (The native
-layouts it uses are in :mod:`~vllm_latq.kernels.cpu_layouts`.)
+"""CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the inliers,
+outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GEMM. (Layouts:
+:mod:`~vllm_latq.kernels.cpu_layouts`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
@@ -17,7 +17,8 @@ takes int32 ``[N, K]`` with values u in 0..15 (N % 16 == 0, K even); the GEMM de
 ``[K/g, N, 2]`` (same dtype as the activations), g ∈ {32, 64, 128, 256}, K % g == 0, and
 accumulates in fp32. So a signed b-bit integer z (b ≤ 4) maps to u = z + 8 with zero = 0:
 exact, for any b ≤ 4. The scale is carried over in bf16 (the only dtype with a vectorized
-kernel, see below): a relative change ≤ 2⁻⁸ from the fp16 scale.
+kernel, see below): a relative change ≤ 2⁻⁸ from the fp16 scale. Where the C++ GEMV runs, the
+state holds the scales alone (zeros follow from them), per row and plane for a one-scale layer.
 
 Numerics (what the tests check, tightly): y = bf16(x)·(z·bf16(s))ᵀ accumulated in fp32 and
 rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 and rounded
@@ -27,7 +28,8 @@ GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·
 Decisions (each measured; the numbers are in docs/BENCHMARKS.md, "CPU kernel decisions"):
 activations go to the op in bf16 (its only vectorized kernel); the op group size is the largest
 of 256/128/64/32 dividing both the latq group and K; outliers are tiles summed in the GEMV's
-threads where the C++ GEMV runs, else an MKL fp32 CSR (int32 indices) built once per layer;
+threads where the C++ GEMV runs (int16 column + a value in 16 bits where exact:
+``cpu_layouts.code_values``), else an MKL fp32 CSR (int32 indices) built once per layer;
 5–8-bit HPTQ transcodes run as two int4 planes, or as 4 bits plus outliers when at most
 ``SPLIT_MAX_EXTRA_RATE`` leave the grid; from ``large_m()`` rows on the weights are
 dequantized per call in row chunks into a reused bf16 buffer for a bf16 GEMM.
@@ -35,7 +37,6 @@ dequantized per call in row chunks into a reused bf16 buffer for a bf16 GEMM.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,9 @@ import torch
 from .. import format as fmt
 from .. import native
 from .base import LatqKernel
-from .cpu_layouts import (detect_layout, has_int4_op, int4_ops, nbytes, state_bytes, tile_entries, tiles_from_csr,
-                          unpack_int4pack)
+from .cpu_layouts import (code_values, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes, op_scales_zeros,
+                          state_bytes, tile_entries, tiles_from_csr, unpack_int4pack, value_bytes)
+from .derived_cache import DerivedCache
 from .reference import LatqWeight
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
@@ -70,17 +72,19 @@ PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its me
 @dataclass
 class CPUState:
     packed: torch.Tensor          # uint8 [N, Kp/2]  the op's int4pack (Kp = K·planes)
-    scales_zeros: torch.Tensor    # bf16  [Kp/g, N, 2]
+    scales: torch.Tensor          # bf16  [Kp/g, N]: scales alone where the C++ GEMV runs (zero 0, or 8·s on a
+                                  #       two-plane layer's low plane); else [Kp/g, N, 2] torch's op's (s, z)
     crow: torch.Tensor | None     # int32 [N+1]  outliers as an fp32 CSR (None: none, or as tiles)
     col: torch.Tensor | None      # int32 [nnz]
     val: torch.Tensor | None      # fp32  [nnz]
     tile_off: torch.Tensor | None   # int32 [T+1]    outliers as the C++ op's tiles (tiles_from_csr)
     tile_rows: torch.Tensor | None  # int32 [T, 16]
     tile_col: torch.Tensor | None   # int16 [S, 16]
-    tile_val: torch.Tensor | None   # fp32  [S, 16]
+    tile_val: torch.Tensor | None   # [S, 16] fp16, int16 (× row_scale) or fp32: cpu_layouts.code_values
+    row_scale: torch.Tensor | None  # fp32  [N]  each row's fp16 scale, for int16 tile values (else None)
     out_features: int
     in_features: int
-    group_size: int               # the op's group size g
+    group_size: int               # g: the scales' group (scales alone: K for a one-scale layer)
     planes: int                   # 1: bits ≤ 4 (or split), 2: two nibble planes along K
     layout_block: int             # packed layout for the large-M dequant (0: unknown → op)
     layout_halves: int
@@ -97,6 +101,12 @@ def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
     """Signed integers of rows [r0, r1) → int32 [r1 - r0, K]: the format's unpacker on a row
     range (prepare works in row chunks to bound its memory)."""
     return fmt.unpack(w.qweight[r0:r1], w.bits, w.in_features)
+
+
+def _scale_group(K: int, g: int) -> int | None:
+    """The state's scale group: the op group (``_op_group``), or K for a one-scale layer where
+    the C++ GEMV reads the scales alone (any group dividing K)."""
+    return K if g >= K and _gemv_here() else _op_group(K, g)
 
 
 def _op_scales(w: LatqWeight, go: int, rows: slice) -> torch.Tensor:
@@ -134,19 +144,21 @@ class CPUKernel(LatqKernel):
     @classmethod
     def served_bytes(cls, state: CPUState) -> dict[str, int]:
         """Every state tensor (``scales_and_zeros`` with its zeros: the op reads them)."""
-        t = [getattr(state, f) for f in ("crow", "col", "val", "tile_off", "tile_rows", "tile_col", "tile_val")]
-        return {"inliers": nbytes(state.packed), "scales": nbytes(state.scales_zeros), "outliers": nbytes(*t)}
+        t = [getattr(state, f) for f in ("crow", "col", "val", "tile_off", "tile_rows", "tile_col", "tile_val",
+                                         "row_scale")]
+        return {"inliers": nbytes(state.packed), "scales": nbytes(state.scales), "outliers": nbytes(*t)}
 
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats):
         """:meth:`served_bytes` from :meth:`prepare`'s decisions: op group, two planes or 4 bits
         + outliers past 4 bits (``SPLIT_MAX_EXTRA_RATE``), tiles or CSR (``_tiles_here``)."""
-        go = _op_group(k, group)
-        if not 1 <= bits <= MAX_BITS or n % 16 or go is None:
+        go = _scale_group(k, group)
+        if not 1 <= bits <= MAX_BITS or n % 16 or _op_group(k, group) is None:   # can_implement's checks
             raise ValueError(f"the CPU kernel cannot lay out a {n}x{k} {bits}-bit layer with group {group}")
         planes = 2 if bits > 4 and stats.off_grid(4) - stats.off_grid(bits) > SPLIT_MAX_EXTRA_RATE * n * k else 1
-        counts = stats.row_outliers(4 if bits > 4 and planes == 1 else bits)
-        return state_bytes(n, k, planes, go, counts, _tiles_here(k))
+        width = 4 if bits > 4 and planes == 1 else bits            # the outliers are those off this grid
+        return state_bytes(n, k, planes, go, stats.row_outliers(width), _tiles_here(k),
+                           value_bytes(stats, width, one_scale=group >= k), pairs=not _gemv_here())
 
     @classmethod
     def native_op(cls):
@@ -165,7 +177,7 @@ class CPUKernel(LatqKernel):
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
         pack, _ = int4_ops()
-        N, K, go = w.out_features, w.in_features, _op_group(w.in_features, w.group_size)
+        N, K, go = w.out_features, w.in_features, _scale_group(w.in_features, w.group_size)
         planes = 1
         extra_rows, extra_cols, extra_vals = [], [], []
         if w.bits > 4:
@@ -199,7 +211,9 @@ class CPUKernel(LatqKernel):
             packed_parts.append(pack(u.int().contiguous(), 1))
             sz_parts.append(szs)
         packed = torch.cat(packed_parts, 0) if len(packed_parts) > 1 else packed_parts[0]
-        sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16).contiguous()   # [Kp/go, N, 2]
+        sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16)                # [Kp/go, N, 2]
+        # where the GEMV runs, the scales alone: it derives the zeros (torch's op gets pairs built from them)
+        sz = (sz[..., 0] if _gemv_here() else sz).contiguous()
         if len(packed_parts) > 1:
             # the layout packs blocks of rows independently, but check the concatenation anyway
             assert packed.shape == (N, K * planes // 2)
@@ -210,12 +224,15 @@ class CPUKernel(LatqKernel):
             rows = torch.cat([rows, *extra_rows])
             cols = torch.cat([cols, *[c.long() for c in extra_cols]])
             vals = torch.cat([vals, *extra_vals])
-        crow = col = val = None
+        crow = col = val = row_scale = None
         tile_fields = (None,) * 4
         if vals.numel():
-            crow, col, val = _coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
+            crow, col, val = coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
             if tiles and _tiles_here(K):   # the C++ op's layout replaces the CSR
-                tile_fields = tiles_from_csr(crow, col, val)
+                s_row = w.scales[:, 0].float() if w.group_size >= K else None   # one scale per row
+                coded = code_values(val, None if s_row is None else s_row[fmt.csr_rows(crow, val.numel())])
+                row_scale = s_row.contiguous() if coded.dtype == torch.int16 else None
+                tile_fields = tiles_from_csr(crow, col, coded)
                 crow = col = val = None
         layout = detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
@@ -226,7 +243,7 @@ class CPUKernel(LatqKernel):
                 if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
                     layout = None
                     break
-        return CPUState(packed, sz, crow, col, val, *tile_fields, N, K, go, planes,
+        return CPUState(packed, sz, crow, col, val, *tile_fields, row_scale, N, K, go, planes,
                         layout[0] if layout else 0, int(layout[1]) if layout else 0)
 
     @staticmethod
@@ -248,9 +265,10 @@ class CPUKernel(LatqKernel):
         dtype = x.dtype
         large = M >= large_m() and state.layout_block
         if not large and native.usable():   # the same math in one C++ call
-            y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales_zeros, state.crow, state.col,
+            y = torch.ops.latq_cpu.small_linear(x2, state.packed, state.scales, state.crow, state.col,
                                                 state.val, state.tile_off, state.tile_rows, state.tile_col,
-                                                state.tile_val, bias, state.group_size, state.planes)
+                                                state.tile_val, state.row_scale, bias, state.group_size,
+                                                state.planes)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
         if large:
             y = _large_m(state, x2)                              # bf16 [M, N], outliers included
@@ -258,7 +276,8 @@ class CPUKernel(LatqKernel):
             xb = x2 if dtype == torch.bfloat16 and x2.is_contiguous() else x2.to(torch.bfloat16).contiguous()
             if state.planes == 2:
                 xb = torch.cat([xb, xb], 1)
-            y = int4_ops()[1](xb, state.packed, state.group_size, state.scales_zeros)   # bf16 [M, N]
+            sz, go = _op_scales_zeros(state)
+            y = int4_ops()[1](xb, state.packed, go, sz)                   # bf16 [M, N]
         if _has_outliers(state) and not large:
             csr = _csr(state)
             xf = x2.float()
@@ -304,52 +323,30 @@ def large_m() -> int:
     return LARGE_M or (640 if _gemv_here() else 128)
 
 
-def _coo_to_csr(rows, cols, vals, N: int, K: int, sort: bool):
-    """(row, col, val) entries → the state's CSR (int32 crow/col, fp32 val); ``sort``: the
-    entries are not yet row-major sorted."""
-    if sort:
-        order = torch.argsort(rows * K + cols)
-        rows, cols, vals = rows[order], cols[order], vals[order]
-    crow = torch.zeros(N + 1, dtype=torch.int32)
-    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
-    return crow, cols.int().contiguous(), vals.float().contiguous()
-
-
 def _has_outliers(state: CPUState) -> bool:
     return state.crow is not None or state.tile_col is not None
 
 
 def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
-    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles."""
-    return tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val, state.out_features,
-                        state.in_features, r0, r1, padding)
+    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles, values in fp32
+    (int16 ones times their row's scale: the fp32 value z·s the runtime form holds)."""
+    rows, cols, vals = tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val,
+                                    state.out_features, state.in_features, r0, r1, padding)
+    vals = vals.float() if state.row_scale is None else vals.float() * state.row_scale[r0 + rows]
+    return rows, cols, vals
 
 
-class _DerivedCache:
-    """Values derived from a layer's state tensors, built on first use and kept exactly as long
-    as the source tensor lives. The state a call gets is rebuilt per custom-op call
-    (``unflatten``), so the cache cannot live on it: entries are keyed by the source tensors'
-    addresses and shapes, and dropped (``weakref.finalize``) when the first source tensor is
-    freed — so dropping a layer frees them, and a freed address is never looked up again. An
-    entry must not hold the source tensors themselves (that would keep them alive): alias them
-    with ``detach()`` (a ``view`` keeps its base)."""
-
-    def __init__(self):
-        self.entries: dict[tuple, object] = {}
-
-    def get(self, sources: tuple[torch.Tensor, ...], build):
-        key = tuple((t.data_ptr(), tuple(t.shape)) for t in sources)
-        hit = self.entries.get(key)
-        if hit is None:
-            hit = self.entries[key] = build()
-            weakref.finalize(sources[0], self.entries.pop, key, None)
-        return hit
-
-    def clear(self) -> None:
-        self.entries.clear()
+_CSR = DerivedCache()
+_OP_SCALES = DerivedCache()
 
 
-_CSR = _DerivedCache()
+def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
+    """torch's op's (s, z) pairs and op group for the state's scales (built once per layer
+    when the state holds the scales alone: the pure-torch path on a GEMV host)."""
+    if state.scales.dim() == 3:
+        return state.scales, state.group_size
+    return _OP_SCALES.get((state.scales,), lambda: op_scales_zeros(
+        state.scales.detach(), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
 
 
 def _csr(state: CPUState) -> torch.Tensor:
@@ -364,7 +361,7 @@ def _csr(state: CPUState) -> torch.Tensor:
         if state.crow is not None:   # aliases without a view's _base: must not own the state's tensors
             crow, col, val = state.crow.detach(), state.col.detach(), state.val.detach()
         else:
-            crow, col, val = _coo_to_csr(*_tile_entries(state, 0, N), N, K, sort=True)
+            crow, col, val = coo_to_csr(*_tile_entries(state, 0, N), N, K, sort=True)
         return torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
 
     return _CSR.get(src, build)
@@ -394,7 +391,7 @@ def _dequant_chunks(state: CPUState):
     layout = (B, bool(state.layout_halves))
     R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
     g = state.group_size
-    sc = state.scales_zeros[..., 0]               # [Kp/g, N] bf16; the first K/g rows: s
+    sc = state.scales if state.scales.dim() == 2 else state.scales[..., 0]   # [Kp/g, N] bf16; first K/g: s
     buf_all = _scratch("w", (K + 1) * min(R, N), torch.bfloat16)   # + a spare row: tiles' padding
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
@@ -430,7 +427,7 @@ def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
     return yT.t()
 
 
-_PREFILL = _DerivedCache()
+_PREFILL = DerivedCache()
 
 
 def _cached_weight(state: CPUState) -> torch.Tensor:
@@ -448,3 +445,4 @@ def _cached_weight(state: CPUState) -> torch.Tensor:
 def clear_prefill_cache() -> None:
     _PREFILL.clear()
     _CSR.clear()
+    _OP_SCALES.clear()

@@ -86,13 +86,14 @@ TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
 
 
 def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
-    """fp32 CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val fp32 [S, 16]),
+    """CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val [S, 16] in val's dtype),
     the layout the C++ op sums outliers from (``latq_cpu.cpp``, ``Fin``). The rows of each
     64-row block, sorted by outlier count (most first), are cut into tiles of 16 (T = ⌈N/16⌉;
     tile t belongs to block t // 4); tile t holds slots off[t] .. off[t+1] (its longest row's
     count), one row per lane: rows[t, l] = the lane's row within the block (≥ 64: no row), and
     slot s of lane l that row's s-th outlier (col −1, val 0: padding). Sorting keeps the
-    padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR."""
+    padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR. The
+    values come coded by :func:`code_values`."""
     N = crow.numel() - 1
     cnt = (crow[1:] - crow[:-1]).long()
     block, order, slots = _tile_order(cnt)
@@ -108,9 +109,9 @@ def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
     dest = (off[pos[r] // TILE] + rank) * TILE + pos[r] % TILE
     S = int(off[-1])
     tcol = torch.full((S * TILE,), -1, dtype=torch.int16)
-    tval = torch.zeros(S * TILE, dtype=torch.float32)
+    tval = torch.zeros(S * TILE, dtype=val.dtype)
     tcol[dest] = col.to(torch.int16)
-    tval[dest] = val.float()
+    tval[dest] = val
     return off.int(), rows.view(T, TILE).int(), tcol.view(S, TILE), tval.view(S, TILE)
 
 
@@ -123,25 +124,89 @@ def _tile_order(cnt: torch.Tensor):
     return block, order, slots
 
 
-def tile_bytes(cnt: torch.Tensor) -> int:
+def coo_to_csr(rows, cols, vals, N: int, K: int, sort: bool):
+    """(row, col, val) entries → the state's CSR (int32 crow/col, fp32 val); ``sort``: the
+    entries are not yet row-major sorted."""
+    if sort:
+        order = torch.argsort(rows * K + cols)
+        rows, cols, vals = rows[order], cols[order], vals[order]
+    crow = torch.zeros(N + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=N), 0).int()
+    return crow, cols.int().contiguous(), vals.float().contiguous()
+
+
+Z_BITS = 16                  # an int16 multiple of the row scale: z on the signed 16-bit grid
+Z_MAX = 2 ** (Z_BITS - 1)
+
+
+def code_values(val: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 outlier values → their exact coding: fp16 when every value is fp16-exact (SSQR
+    stores them so); else, given the fp32 scale of each value's row (``scale``: a one-scale
+    layer, an HPTQ transcode whose outliers are z·s), int16 z with fp32(z)·s == value for
+    every one; else fp32 as given."""
+    v = val.float()
+    if torch.equal(v.half().float(), v):
+        return v.half()
+    if scale is not None:
+        z = torch.round(v / scale)
+        if bool(((z >= -Z_MAX) & (z < Z_MAX)).all()) and torch.equal(z * scale, v):
+            return z.to(torch.int16)
+    return v
+
+
+def value_bytes(stats, width: int, one_scale: bool) -> tuple[int, bool]:
+    """:func:`code_values`' choice from a layer's :class:`~.reference.GridStats` at inlier
+    width ``width`` → (bytes per value, whether int16 multiples of the row scale). The int16
+    coding needs every outlier to come from an integer on the ``Z_BITS`` grid (not a stored
+    value): stats from a layer's integers (transcode, ``latq-inspect``); stats of a runtime form
+    (``GridStats.from_weight``) see its outliers as stored, so count them fp32 (an upper bound)."""
+    if stats.fp16_values(width):
+        return 2, False
+    if one_scale and stats.off_grid(Z_BITS) == 0:
+        return 2, True
+    return 4, False
+
+
+def tile_bytes(cnt: torch.Tensor, value_bytes: int) -> int:
     """Bytes of :func:`tiles_from_csr`'s four arrays for a layer with ``cnt[r]`` outliers in
-    row r (the padding slots included)."""
+    row r (the padding slots included) and ``value_bytes`` per value (2: fp16, 4: fp32)."""
     T = -(-cnt.numel() // TILE)
-    S = int(_tile_order(cnt.long())[2].sum())
-    return 4 * (T + 1) + 4 * T * TILE + (2 + 4) * S * TILE
+    return 4 * (T + 1) + 4 * T * TILE + (2 + value_bytes) * tile_slots(cnt) * TILE
+
+
+def tile_slots(cnt: torch.Tensor) -> int:
+    """Slots S of :func:`tiles_from_csr`'s tiles (each 16 lanes) for ``cnt[r]`` outliers in row r."""
+    return int(_tile_order(cnt.long())[2].sum())
 
 
 def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def state_bytes(n: int, k: int, planes: int, go: int, counts: torch.Tensor, tiles: bool) -> dict[str, int]:
-    """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16
-    ``scales_and_zeros`` [K·planes/go, N, 2], the outliers (``counts[r]`` in row r) as tiles or
-    as an fp32 CSR (int32 crow/col)."""
+def state_bytes(n: int, k: int, planes: int, go: int, counts: torch.Tensor, tiles: bool,
+                coding: tuple[int, bool], pairs: bool) -> dict[str, int]:
+    """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16 scales
+    [K·planes/go, N] (``pairs``: with their zeros, torch's op's ``scales_and_zeros``), the
+    outliers (``counts[r]`` in row r) as tiles with ``coding`` (:func:`value_bytes`: bytes per
+    value; int16 multiples of an fp32 row scale [N]) or as an fp32 CSR (int32 crow/col)."""
     nnz = int(counts.sum())
-    outl = 0 if not nnz else tile_bytes(counts) if tiles else 4 * (n + 1) + 8 * nnz
-    return {"inliers": n * k * planes // 2, "scales": k * planes // go * n * 4, "outliers": outl}
+    vb, scaled = coding
+    outl = (0 if not nnz else tile_bytes(counts, vb) + 4 * n * scaled if tiles
+            else 4 * (n + 1) + 8 * nnz)
+    return {"inliers": n * k * planes // 2, "scales": k * planes // go * n * (4 if pairs else 2), "outliers": outl}
+
+
+def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_groups) -> tuple[torch.Tensor, int]:
+    """Scales alone (bf16 [Kp/g, N], the C++ GEMV's layout) → torch's op's (s, z) pairs
+    [Kp/go, N, 2] and go, the largest of ``op_groups`` dividing Kp and g; z = 8·s on a
+    two-plane layer's low plane (the first half of the groups), else 0. (The C++ op builds the
+    same where torch's op replaces its GEMV.)"""
+    go = next(c for c in op_groups if Kp % c == 0 and g % c == 0)
+    s = scales.repeat_interleave(g // go, 0)
+    z = torch.zeros_like(s)
+    if planes == 2:
+        z[: s.shape[0] // 2] = s[: s.shape[0] // 2] * 8
+    return torch.stack([s, z], -1).contiguous(), go
 
 
 def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,

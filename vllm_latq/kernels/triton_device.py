@@ -27,7 +27,7 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     program (16 ELL slots or 16 CSR entries per iteration, spread over the K splits), into
     the same accumulator.
 
-``_mma_kernel`` — M ≥ 8 (tensor cores; 8 is padded to the 16-row MMA, 9..16 likewise)
+``_mma_kernel`` — M ≥ 8 (tensor cores; 8..16 padded to a 16-row tile, then 32 / 64)
     Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
     where the 512-column step runs as a runtime loop over its four 128-column quarters, for
     registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
@@ -39,10 +39,12 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
     after loading. Outliers run on SIMT lanes after the K loop of the same program
     ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
-    **Larger M** (> 16): the same kernel over 16-row M tiles re-dequantises each weight tile
-    per M tile (BM = 32/64 spill on sm_90 at 3 bits); from the crossover of the bytes/FLOPs
-    model on, :mod:`~vllm_latq.kernels.triton_dequant` dequantises once into a scratch and
-    calls cuBLAS, at the price of rounding z·s once to bf16/fp16.
+    **Larger M** (> 16): BM = 32 or 64 rows per program (``triton_model.mma_bm``), so a
+    weight tile is dequantised once per 64 activation rows, and the grid runs M fastest:
+    the programs of one weight tile are launched together and share its HBM reads in L2.
+    128-row tiles spill. From the crossover of the cost model on (prefill-sized M),
+    :mod:`~vllm_latq.kernels.triton_dequant` dequantises once into a scratch and calls
+    cuBLAS, at the price of rounding z·s once to bf16/fp16.
 
 fp32 activations use the SIMT kernel for every M (tiles of 8 rows): exact, no TF32.
 Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
@@ -159,9 +161,9 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
     NH: tl.constexpr = SLABS // SPH                            # halves per step
     FL: tl.constexpr = SPG if SPG < SPH else SPH               # slabs per scale application
     OFF: tl.constexpr = 1 << (BITS - 1)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)            # M fastest: the M tiles of a weight tile run side by side
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     w16 = tl.arange(0, 16)
@@ -253,7 +255,7 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
 
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
-              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -315,9 +317,9 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         DT: tl.constexpr = tl.float32
     else:
         DT: tl.constexpr = x_ptr.dtype.element_ty
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)            # M fastest: the M tiles of a weight tile run side by side
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     w16 = tl.arange(0, 16)
@@ -400,4 +402,4 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         acc += oacc
 
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
-              pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS)
+              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)

@@ -3,13 +3,17 @@ autotuning, the prepared state, the launch, and :class:`TritonKernel` (the kerne
 
 Two kernels (device code: :mod:`~vllm_latq.kernels.triton_device`) read one load-time layout
 (:mod:`~vllm_latq.kernels.triton_layout`): ``_gemv_kernel`` (SIMT) for M = 1..7 and for fp32
-activations, ``_mma_kernel`` (tensor cores) for M ≥ 8, larger M as 16-row tiles of it.
+activations, ``_mma_kernel`` (tensor cores) for M ≥ 8 in 16-, 32- or 64-row tiles, then
+dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton_dequant`) from the cost model's
+crossover (:mod:`~vllm_latq.kernels.triton_model`).
 Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
 interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
 (:mod:`~vllm_latq.kernels.triton_compile`, ``bench/kernels.py``).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -20,11 +24,13 @@ import triton
 from . import triton_layout as tlay
 from .base import LatqKernel
 from .reference import LatqWeight
-from .triton_dequant import DEFAULT_MAX_BYTES, DequantWorkspace, apply_large_m, large_m_reason, use_large_m
+from .triton_dequant import DEFAULT_MAX_BYTES, Workspace, apply_large_m, large_m_reason, use_large_m
 from .triton_device import _gemv_kernel, _mma_kernel
+from .triton_model import MMA_BMS, mma_bm
 
 log = logging.getLogger(__name__)
 MAX_SPLIT = 8
+SPLITK_SCRATCH = Workspace()        # fp32 split-K partials, one buffer per device, shared by all layers
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ENV_INTERPRET_OK = "LATQ_TRITON_INTERPRET_OK"   # =1: accept CPU tensors when TRITON_INTERPRET=1
 OUTL_NONE, OUTL_ELL, OUTL_CSR = 0, 1, 2
@@ -32,6 +38,10 @@ OUTL_CODE = {"none": OUTL_NONE, "ell": OUTL_ELL, "csr": OUTL_CSR}
 
 
 # ============================================================================ configs
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
 
 def spg_of(bits: int, group: int) -> int:
     """Slabs per scale application: the largest power of two dividing group/16, at most the
@@ -60,23 +70,47 @@ GEMV_TILES = {1: [(32, 2), (64, 4), (128, 8)],
               4: [(32, 4), (64, 8)],
               8: [(16, 4)]}
 GEMV_SPLITS = (1, 2, 4, 8)
-# Tensor-core kernel (BN, warps, BR = outlier slots per iteration), BM = 16: M = 8..16 in one
-# tile, larger M in 16-row tiles (the fallback: each M tile re-dequantises its weight tiles;
-# BM = 32 and 64 were measured to spill on sm_90 at 3 bits — the accumulator, the group
-# partial and a 128-column B tile do not fit next to each other).
-MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)]}
-MMA_SPLITS = {16: (1, 2, 4)}
+# Tensor-core kernel (BN, warps, BR = outlier slots per iteration) per activation-row tile BM:
+# a program dequantises its weight tile once per K step and multiplies it with all BM rows
+# (one tl.dot), so a batch of M rows re-dequantises each weight ⌈M/BM⌉ times; the grid runs
+# M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
+# once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
+# sm_90 at 2/3/4 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
+# BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
+# BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
+# only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some
+# variants; BN 32 × 8 warps is clean but issues 10–40 % more per weight).
+MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
+             32: [(32, 4, 4), (64, 8, 4), (128, 8, 4)],
+             64: [(32, 4, 2)]}
+assert tuple(MMA_TILES) == MMA_BMS
+MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 # Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
 # occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it
 # (measured: 17 of 864 config × target variants, 8–32 B each); with a cap it allocates up
 # to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
 # 3-bit GEMV (three word planes, prefetched) and the tensor-core kernel (accumulator, group
-# partial, B tile) take what they need (≤ 255).
+# partial, B tile) take what they need (≤ 255). ``Config(maxnreg=)`` and the launch option
+# are feature-detected (``MAXNREG_OK``; Triton 3.0.0, the gpu extra's floor, has both): a
+# Triton without them gets no caps, and ptxas chooses (a few bytes of spills, see above).
 GEMV_MAXNREG = {2: 128, 3: 255, 4: 128}
 MMA_MAXNREG = {2: 255, 3: 255, 4: 255}
+MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
 # The interpreter runs one config (autotuning needs a GPU); big tiles keep program counts low.
 GEMV_INTERP = dict(BN=64, SPLIT=1, num_warps=4)
 MMA_INTERP = dict(BN=64, SPLIT=1, BR=8, num_warps=4)
+# Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
+# rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
+# never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).
+SPLITK_BM = 16
+SPLITK_MAX_N = 16384
+# Autotuning is per M bucket (next power of two of M, capped): batch 1 and batch 64 of one
+# layer tune separately; every M above the cap shares the last bucket.
+M_BUCKET_CAP = 256
+
+
+def m_bucket(m: int) -> int:
+    return min(_next_pow2(m), M_BUCKET_CAP)
 
 
 def gemv_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
@@ -101,28 +135,35 @@ def _prune(configs_for, bits):
     def prune(configs, named_args, **kw):
         bm = named_args.get("BM", kw.get("BM"))
         nsteps = named_args.get("NSTEPS", kw.get("NSTEPS"))
-        allowed = configs_for(bm, bits)
-        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps, maxnreg=c.maxnreg) in allowed
-                and c.kwargs["SPLIT"] <= max(1, nsteps)]
+        n_pad = named_args.get("N_PAD", kw.get("N_PAD"))
+        max_split = max(1, nsteps) if n_pad <= SPLITK_MAX_N else 1
+        allowed = [{k: v for k, v in c.items() if k != "maxnreg"} for c in configs_for(bm, bits)]
+        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps) in allowed
+                and c.kwargs["SPLIT"] <= max_split]
         return keep or configs[:1]
     return prune
 
 
-def _tuned(kernel, cfgs, configs_for, bits):
-    return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "maxnreg")},
-                                          num_warps=c["num_warps"], num_stages=1, maxnreg=c.get("maxnreg"))
-                            for c in _uniq(cfgs)],
-                           key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"],
-                           prune_configs_by={"early_config_prune": _prune(configs_for, bits)})(kernel)
+def _config(c: dict) -> triton.Config:
+    opts = {"maxnreg": c.get("maxnreg")} if MAXNREG_OK else {}
+    return triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "maxnreg")},
+                         num_warps=c["num_warps"], num_stages=1, **opts)
 
 
-# per bit width (register caps differ); one M tile (decode): split-K allowed; several M
-# tiles: SPLIT = 1 (the tickets cover one row of tiles)
+@functools.lru_cache(maxsize=None)
+def tuned(kernel: str, bits: int, bucket: int):
+    """The autotuner of one kernel, bit width (register caps differ) and M bucket: its own
+    cache of tuned configs, the compiled binaries shared through the kernel. A bucket within
+    one M tile may split K; several M tiles run with SPLIT = 1 (the tickets cover one row
+    of tiles)."""
+    one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
+    cfgs = [c for c in _CONFIGS[kernel](None, bits) if one_tile or c["SPLIT"] == 1]
+    return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"],
+                           prune_configs_by={"early_config_prune": _prune(_CONFIGS[kernel], bits)})(_KERNELS[kernel])
+
+
 _CONFIGS = {"gemv": gemv_configs, "mma": mma_configs}
 _KERNELS = {"gemv": _gemv_kernel, "mma": _mma_kernel}
-_TUNED = {(k, one, bits): _tuned(_KERNELS[k], [c for c in _CONFIGS[k](None, bits) if one or c["SPLIT"] == 1],
-                                 _CONFIGS[k], bits)
-          for k in _KERNELS for one in (True, False) for bits in (2, 3, 4)}
 
 
 # ============================================================================ host side
@@ -165,25 +206,24 @@ class TritonState:
                    OUTL_CODE[L.outlier_mode], L.nnz)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def splitk_floats(n_pad: int) -> int:
+    """fp32 split-K partials a layer of ``n_pad`` rows may need (0: it never splits)."""
+    return MAX_SPLIT * SPLITK_BM * n_pad if n_pad <= SPLITK_MAX_N else 0
 
 
 def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
-           config: dict | None = None) -> torch.Tensor:
+           config: dict | None = None, scratch: Workspace | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma". ``config``: a fixed
     config (a dict from gemv_configs() / mma_configs(), plus optional "BM"); default: the
-    interpreter's fixed config, or autotuning on a GPU. Split-K only for one M tile (the
-    tickets cover one row of tiles; for more M tiles there is parallelism enough)."""
+    interpreter's fixed config, or the autotuner of M's bucket on a GPU. Split-K only for one
+    M tile of ≤ SPLITK_BM rows (the tickets cover one row of tiles); its fp32 partials live
+    in ``scratch`` (default: the shared ``SPLITK_SCRATCH``), reserved at load."""
     M, K = x2.shape
     dev = x2.device
     y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
     if M == 0:
         return y
-    if kernel == "gemv":
-        bm = min(8, _next_pow2(M))
-    else:
-        bm = 16
+    bm = min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M)
     if config is not None and "BM" in config:
         bm = config["BM"]
     m_tiles = triton.cdiv(M, bm)
@@ -192,49 +232,54 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     step = tlay.step_of(st.bits)
     nch_a = st.k_pad // (256 if st.bits == 3 else step)
     nch_h = st.k_pad // 512 if st.bits == 3 else 0
-    m_ws = m_tiles * bm
-    ws = torch.empty(MAX_SPLIT * m_ws * st.n_pad if m_tiles == 1 else 1, dtype=torch.float32, device=dev)
+    can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
+    ws = (scratch or SPLITK_SCRATCH).flat(splitk_floats(st.n_pad) if can_split else 1, torch.float32, dev)
     has_bias = bias is not None
     args = [x2, y, bias if has_bias else y, st.plane_a, st.plane_h if st.plane_h is not None else st.plane_a,
             st.scales, *optr, ws, st.tickets,
             M, st.n, K, x2.stride(0), y.stride(0), st.n_pad, nch_a, nch_h, st.scales.shape[1],
-            st.k_pad // step, m_ws]
+            st.k_pad // step, bm]
     meta = dict(BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, OUTL=st.outl,
                 HAS_BIAS=has_bias, ASM=not INTERPRET)
     if kernel == "mma":
         meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
 
     def grid(META):
-        return (triton.cdiv(st.n_pad, META["BN"]), META["SPLIT"], m_tiles)
+        return (m_tiles, triton.cdiv(st.n_pad, META["BN"]), META["SPLIT"])
 
     if config is None and INTERPRET:
         config = dict(GEMV_INTERP if kernel == "gemv" else MMA_INTERP)
     if config is None:
-        _TUNED[kernel, m_tiles == 1, st.bits][grid](*args, **meta)
+        tuned(kernel, st.bits, m_bucket(M))[grid](*args, **meta)
     else:
         cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg")}
-        if cfg["SPLIT"] > MAX_SPLIT or (cfg["SPLIT"] > 1 and m_tiles > 1):
-            raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 when M spans several tiles")
-        fn = _gemv_kernel if kernel == "gemv" else _mma_kernel
+        if cfg["SPLIT"] > MAX_SPLIT or (cfg["SPLIT"] > 1 and not can_split):
+            raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 unless M is one tile of ≤ {SPLITK_BM} rows "
+                             f"of a layer of ≤ {SPLITK_MAX_N} rows")
         cap = config.get("maxnreg", (GEMV_MAXNREG if kernel == "gemv" else MMA_MAXNREG)[st.bits])
-        opts = {"maxnreg": cap} if cap and not INTERPRET else {}
-        fn[grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
-                      num_stages=config.get("num_stages", 1), **opts)
+        opts = {"maxnreg": cap} if cap and MAXNREG_OK and not INTERPRET else {}
+        _KERNELS[kernel][grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
+                                    num_stages=config.get("num_stages", 1), **opts)
     return y
 
 
 class TritonKernel(LatqKernel):
     """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers; from
-    the crossover of :func:`~.triton_dequant.large_m_threshold` on, dequantize once + cuBLAS."""
+    the crossover of :func:`~.triton_model.large_m_threshold` on, dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
     widths = (2, 3, 4)
-    workspace = DequantWorkspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
+    workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
+    splitk_workspace = SPLITK_SCRATCH                    # split-K partials, shared by all layers
 
     @classmethod
     def reserve(cls, state: TritonState, act_dtype: torch.dtype) -> None:
+        """Size both shared scratches for this layer at load: they never grow during a CUDA
+        graph capture, so their addresses stay those the graphs recorded."""
+        dev = state.scales.device
+        cls.splitk_workspace.flat(max(1, splitk_floats(state.n_pad)), torch.float32, dev)
         if large_m_reason(act_dtype) is None:
-            cls.workspace.reserve(state.n, state.k, act_dtype, state.scales.device)
+            cls.workspace.reserve(state.n, state.k, act_dtype, dev)
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
@@ -312,5 +357,5 @@ class TritonKernel(LatqKernel):
         if kernel == "dequant":
             y = apply_large_m(state, x2, bias, cls.workspace)
         else:
-            y = launch(state, x2, bias, kernel, config)
+            y = launch(state, x2, bias, kernel, config, cls.splitk_workspace)
         return y.reshape(*x.shape[:-1], state.n)

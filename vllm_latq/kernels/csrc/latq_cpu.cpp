@@ -14,9 +14,9 @@
 // 4.0/15.8/31.3 → 2.0/8.6/17.0 ms; faster than the dequant + bf16 GEMM path up to M ≈ 700).
 // LATQ_CPU_GEMV=0 (read once) keeps torch's op.
 //
-//   latq_cpu::small_linear(x2d, packed, scales_zeros, crow?, col?, val?, tile_off?, tile_rows?,
-//                          tile_col?, tile_val?, bias?, group, planes)
-//   latq_cpu::gemv(x [M, K] bf16, packed, scales_zeros, group)   the GEMV alone (bench, tests)
+//   latq_cpu::small_linear(x2d, packed, scales, crow?, col?, val?, tile_off?, tile_rows?,
+//                          tile_col?, tile_val?, row_scale?, bias?, group, planes)
+//   latq_cpu::gemv(x [M, K] bf16, packed, scales, group)   the GEMV alone (bench, tests; one plane)
 //   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
 //       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM)
@@ -131,7 +131,50 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
 // Per 128 weights: 1 load, 2 vpermb, 2 shifts, 4 vpermw, 4 vdpbf16ps. Per group the 4×16 row
 // sums are folded: y += s·acc + z·Σx_g. Blocks are split across threads (one region a call).
 // M > 1: blocks_m below.
+//
+// Scales: the op's (s, z) bf16 pairs, or — the CPU kernel's layout wherever this GEMV runs —
+// bf16 scales alone, half the bytes: the zero of an int4pack group is 0, or 8·s on the low plane
+// of a two-plane (5–8-bit) layer, so it need not be streamed; a one-scale (HPTQ) layer then has
+// one group per plane (g = K): 2 bytes a row instead of 4 per 32–256 weights.
 namespace gemv {
+
+inline float bf(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Scales {
+  const uint32_t* sz = nullptr;  // [G, N] (s, z) pairs, or null:
+  const uint16_t* s = nullptr;   // [G, N] scales; z = 8·s in groups < zlow, else 0
+  int64_t zlow = 0;
+};
+
+// scales [G, N, 2] (pairs) or [G, N] (alone, ``planes`` planes along K: the first half of the
+// groups is the low plane)
+inline Scales scales_of(const at::Tensor& t, int64_t planes) {
+  Scales sc;
+  if (t.dim() == 3) {
+    sc.sz = reinterpret_cast<const uint32_t*>(t.data_ptr<at::BFloat16>());
+  } else {
+    sc.s = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+    sc.zlow = planes == 2 ? t.size(0) / 2 : 0;
+  }
+  return sc;
+}
+
+// s, z of group gi, row r
+inline void scale_zero(const Scales& sc, int64_t gi, int64_t N, int64_t r, float& s, float& z) {
+  if (sc.sz) {
+    const uint32_t v = sc.sz[gi * N + r];
+    s = bf(v & 0xFFFF);
+    z = bf(v >> 16);
+  } else {
+    s = bf(sc.s[gi * N + r]);
+    z = gi < sc.zlow ? 8.f * s : 0.f;
+  }
+}
 
 // rows up to which small_linear takes the GEMV: by default every M it is given (the large-M
 // path takes over from cpu.large_m() = 640 rows, near where dequant + bf16 GEMM gets faster)
@@ -172,8 +215,21 @@ bool layout_ok() {
 #if LATQ_HAVE_GEMV
 inline __m512 dp(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 
+// s, z of group gi, rows r .. r + 15
+inline void scale_zero16(const Scales& sc, int64_t gi, int64_t N, int64_t r, __m512& s, __m512& z) {
+  if (sc.sz) {
+    const __m512i v = _mm512_loadu_si512(sc.sz + gi * N + r);
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.s + gi * N + r));
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    z = gi < sc.zlow ? _mm512_mul_ps(s, _mm512_set1_ps(8.f)) : _mm512_setzero_ps();   // exact
+  }
+}
+
 // full 64-row blocks [b0, b1): x bf16 [K] (as raw bits), xs fp32 [K/g] group sums,
-// sz the scales_zeros as one (s, z) bf16 pair per dword [K/g, N], y bf16 [N]
+// sc the scales [K/g, N], y bf16 [N]
 // the vpermb indices and the nibble → bf16(u − 8) table, built once (blocks() runs per 64-row block)
 struct Tables {
   alignas(64) uint8_t i1[64], i2[64];
@@ -200,15 +256,13 @@ const Tables& tables() {
   return tb;
 }
 
-void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N, int64_t K,
+void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc, int64_t N, int64_t K,
             int64_t g, int64_t b0, int64_t b1, uint16_t* y) {
   const Tables& tb = tables();
   const __m512i idx1 = _mm512_load_si512(tb.i1), idx2 = _mm512_load_si512(tb.i2), T = _mm512_load_si512(tb.t);
-  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t G = K / g;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = P + b * K * 32;
-    const uint32_t* szb = sz + b * 64;
     __m512 y0 = _mm512_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
     for (int64_t gi = 0; gi < G; ++gi) {
       const uint8_t* p = wb + gi * g * 32;
@@ -233,12 +287,10 @@ void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t
         c2 = dp(c2, _mm512_permutexvar_epi16(_mm512_srli_epi16(zb1, 4), T), xvb);
         c3 = dp(c3, _mm512_permutexvar_epi16(_mm512_srli_epi16(zb2, 4), T), xvb);
       }
-      const uint32_t* q = szb + gi * N;
       const __m512 xsg = _mm512_set1_ps(xs[gi]);
       auto fold = [&](__m512 yv, __m512 acc, int r) {
-        const __m512i v = _mm512_loadu_si512(q + r);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        __m512 s, z;
+        scale_zero16(sc, gi, N, b * 64 + r, s, z);
         return _mm512_fmadd_ps(xsg, z, _mm512_fmadd_ps(acc, s, yv));
       };
       y0 = fold(y0, _mm512_add_ps(a0, c0), 0);
@@ -260,17 +312,15 @@ void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t
 // 16–31 and 48–63 — each with 2·MB accumulators; the second half re-reads the group's bytes
 // from L1. U = 2 interleaves two k-pairs at MB ≤ 4 so that ≥ 8 vdpbf16ps chains hide latency.
 template <int MB>
-void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N,
+void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P, const Scales& sc, int64_t N,
               int64_t K, int64_t g, int64_t b, uint16_t* y, int64_t ldy) {
   constexpr int U = MB <= 4 ? 2 : 1;
   const Tables& tb = tables();
-  const __m512i T = _mm512_load_si512(tb.t), hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i T = _mm512_load_si512(tb.t);
   const int64_t G = K / g;
   const uint8_t* wb = P + b * K * 32;
-  const uint32_t* szb = sz + b * 64;
   alignas(64) float yv[MB][64] = {};
   for (int64_t gi = 0; gi < G; ++gi) {
-    const uint32_t* q = szb + gi * N;
     for (int h = 0; h < 2; ++h) {
       const __m512i idx = _mm512_load_si512(h ? tb.i2 : tb.i1);
       __m512 acc[U][MB][2];
@@ -304,9 +354,8 @@ void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P,
           const int r = 32 * e + 16 * h;
           __m512 a = acc[0][m][e];
           if (U == 2) a = _mm512_add_ps(a, acc[U - 1][m][e]);
-          const __m512i v = _mm512_loadu_si512(q + r);
-          const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-          const __m512 zz = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+          __m512 s, zz;
+          scale_zero16(sc, gi, N, b * 64 + r, s, zz);
           _mm512_store_ps(yv[m] + r, _mm512_fmadd_ps(xsg, zz, _mm512_fmadd_ps(a, s, _mm512_load_ps(yv[m] + r))));
         }
       }
@@ -320,30 +369,23 @@ void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P,
 }
 
 // rows m0 .. m0 + mb of x (mb ≤ 8) through one 64-row block
-void block_rows(const uint16_t* x, int64_t K, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N,
+void block_rows(const uint16_t* x, int64_t K, const float* xs, const uint8_t* P, const Scales& sc, int64_t N,
                 int64_t g, int64_t b, uint16_t* y, int64_t mb) {
   switch (mb) {
-    case 1: blocks(x, xs, P, sz, N, K, g, b, b + 1, y); break;
-    case 2: blocks_m<2>(x, K, xs, P, sz, N, K, g, b, y, N); break;
-    case 3: blocks_m<3>(x, K, xs, P, sz, N, K, g, b, y, N); break;
-    case 4: blocks_m<4>(x, K, xs, P, sz, N, K, g, b, y, N); break;
-    case 5: blocks_m<5>(x, K, xs, P, sz, N, K, g, b, y, N); break;
-    case 6: blocks_m<6>(x, K, xs, P, sz, N, K, g, b, y, N); break;
-    case 7: blocks_m<7>(x, K, xs, P, sz, N, K, g, b, y, N); break;
-    default: blocks_m<8>(x, K, xs, P, sz, N, K, g, b, y, N); break;
+    case 1: blocks(x, xs, P, sc, N, K, g, b, b + 1, y); break;
+    case 2: blocks_m<2>(x, K, xs, P, sc, N, K, g, b, y, N); break;
+    case 3: blocks_m<3>(x, K, xs, P, sc, N, K, g, b, y, N); break;
+    case 4: blocks_m<4>(x, K, xs, P, sc, N, K, g, b, y, N); break;
+    case 5: blocks_m<5>(x, K, xs, P, sc, N, K, g, b, y, N); break;
+    case 6: blocks_m<6>(x, K, xs, P, sc, N, K, g, b, y, N); break;
+    case 7: blocks_m<7>(x, K, xs, P, sc, N, K, g, b, y, N); break;
+    default: blocks_m<8>(x, K, xs, P, sc, N, K, g, b, y, N); break;
   }
 }
 #endif
 
-inline float bf(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // the tail block: rows [r0, N) (N − r0 < 64, even), R/2 bytes per k, rows 2j (low) / 2j+1 (high)
-void tail(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* sz, int64_t N, int64_t K, int64_t g,
+void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc, int64_t N, int64_t K, int64_t g,
           int64_t r0, uint16_t* y) {
   const int64_t R = N - r0, H = R / 2;
   const uint8_t* pt = P + r0 * K / 2;
@@ -359,8 +401,9 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* 
       }
     }
     for (int64_t r = 0; r < R; ++r) {
-      const uint32_t v = sz[gi * N + r0 + r];
-      yv[r] = std::fma(xs[gi], bf(v >> 16), std::fma(acc[r], bf(v & 0xFFFF), yv[r]));
+      float s, z;
+      scale_zero(sc, gi, N, r0 + r, s, z);
+      yv[r] = std::fma(xs[gi], z, std::fma(acc[r], s, yv[r]));
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -370,28 +413,33 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const uint32_t* 
 }
 
 // whether gemv() takes this call (the op's AVX-512 layout, supported shapes)
-bool usable(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t K, int64_t group_size) {
+bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64_t group_size) {
   if (!LATQ_HAVE_GEMV) return false;
   const int64_t N = packed.size(0);
   return packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-         packed.size(1) * 2 == K && scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+         packed.size(1) * 2 == K && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
          group_size >= 4 && group_size % 4 == 0 && K % group_size == 0 && N % 2 == 0 &&
-         scales_zeros.numel() == K / group_size * N * 2 && layout_ok();
+         scales.numel() == K / group_size * N * (scales.dim() == 3 ? 2 : 1) && layout_ok();
 }
 
 // The finishing pass, fused into the GEMV's threads right after each 64-row block (or run over
 // the blocks after torch's op): out[m, r] = T(float(y[m, r]) + Σ outliers + bias[r]), the math of
 // finish() up to the fp32 summation order. The outliers come as tiles (CPUKernel.prepare builds
-// them from the CSR, cpu.ell_from_csr): a 64-row block's rows, sorted by outlier count, are cut
+// them from the CSR, cpu_layouts.tiles_from_csr): a 64-row block's rows, sorted by outlier count, are cut
 // into tiles of 16; tile t holds S_t slots (its longest row's count) of 16 lanes, one row per
 // lane: a slot is one 16-lane gather of x, one FMA — no per-row loop and no horizontal sum (a
 // CSR row holds ~6 outliers at 1% and K = 576; summing CSR rows cost 1.3 ns per outlier at
 // M = 1 and 5.2 at M = 8, in situ). Padding: 1.19 slots per outlier on SmolLM2's SSQR layers.
+// A slot is an int16 column and a value: fp16 (a layer whose values are all fp16-exact, as SSQR
+// stores them), int16 z (a one-scale layer, HPTQ: the value is z·s, s the row's fp16 scale, the
+// sum scaled once per row: exact to fp32 rounding) — 32 bits an outlier — or fp32 (else).
 struct Fin {
   const int32_t* off = nullptr;   // [T + 1]: tile t's first slot; tiles 4b..4b+3 are block b's
   const int32_t* rows = nullptr;  // [T, 16]: each lane's row within its block (≥ 64: no row)
   const int16_t* col = nullptr;   // [S, 16]: column, -1 = padding (null: no outliers)
-  const float* val = nullptr;     // [S, 16]
+  const void* val = nullptr;      // [S, 16]: fp16, int16 (multiples of row_scale) or fp32
+  at::ScalarType vtype = at::kFloat;
+  const float* row_scale = nullptr;  // [N]: int16 values are z, the outlier z·row_scale[row] (else null)
   const float* xf = nullptr;      // fp32 of the unrounded activations: M = 1: [K]; M > 1: ⌈M/8⌉ ×
   int64_t M = 1, N = 0, K = 0, T = 0;  // [K + 1, 8] (xᵀ of 8 rows, zero-padded, row 0 zero: col + 1)
   const float* bias = nullptr;    // fp32 [N] or null
@@ -403,7 +451,22 @@ struct Fin {
 // (one block's). M = 1: a slot is one 16-lane gather of x and one FMA. M > 1: a gather per row
 // would cost ~12 cycles each on Zen 4 (3 ns per outlier at M = 8, warm); instead each lane
 // reads the 8 rows of x at its column as one vector of xᵀ and does one 8-wide FMA.
+inline float val_at(const float* v, int64_t i) { return v[i]; }
+inline float val_at(const at::Half* v, int64_t i) { return static_cast<float>(v[i]); }
+inline float val_at(const int16_t* v, int64_t i) { return static_cast<float>(v[i]); }
+#if LATQ_HAVE_GEMV
+inline __m512 val16_at(const float* v) { return _mm512_loadu_ps(v); }
+inline __m512 val16_at(const at::Half* v) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));   // exact: fp16 ⊂ fp32
+}
+inline __m512 val16_at(const int16_t* v) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))));
+}
+#endif
+
+template <typename V>
 void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, float (*acc)[80]) {
+  const V* val = static_cast<const V*>(f.val);
 #if LATQ_HAVE_GEMV
   if (f.M == 1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -411,7 +474,7 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
       for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
         const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.col + 16 * s)));
         const __mmask16 k = _mm512_cmpge_epi32_mask(c, _mm512_setzero_si512());
-        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), _mm512_loadu_ps(f.val + 16 * s), v);
+        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), val16_at(val + 16 * s), v);
       }
       _mm512_i32scatter_ps(acc[0], _mm512_loadu_si512(f.rows + 16 * t), v, 4);
     }
@@ -424,10 +487,10 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
     for (int l = 0; l < 16; ++l) v[l] = _mm256_setzero_ps();
     for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
       const int16_t* c = f.col + 16 * s;
-      const float* w = f.val + 16 * s;
+      const V* w = val + 16 * s;
 #pragma GCC unroll 16
       for (int l = 0; l < 16; ++l)
-        v[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[l]), _mm256_loadu_ps(xT + 8 * (c[l] + 1)), v[l]);
+        v[l] = _mm256_fmadd_ps(_mm256_set1_ps(val_at(w, l)), _mm256_loadu_ps(xT + 8 * (c[l] + 1)), v[l]);
     }
     alignas(32) float tmp[16][8];
     for (int l = 0; l < 16; ++l) _mm256_store_ps(tmp[l], v[l]);
@@ -444,7 +507,7 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
         const int32_t c = f.col[16 * s + l];
         if (c < 0) continue;
         const float* xc = f.M == 1 ? f.xf + c : f.xf + ((m0 / 8) * (f.K + 1) + c + 1) * 8;
-        for (int64_t m = 0; m < mb; ++m) v[m][l] += f.val[16 * s + l] * xc[m];
+        for (int64_t m = 0; m < mb; ++m) v[m][l] += val_at(val, 16 * s + l) * xc[m];
       }
     for (int64_t m = 0; m < mb; ++m)
       for (int l = 0; l < 16; ++l) acc[m][f.rows[16 * t + l]] = v[m][l];
@@ -461,7 +524,14 @@ void fin_rows(const Fin& f, const uint16_t* y, int64_t r0, int64_t r1) {
   for (int64_t m0 = 0; m0 < f.M; m0 += 8) {
     const int64_t mb = std::min<int64_t>(8, f.M - m0);
     if (f.col) {
-      tile_sums(f, t0, t1, m0, mb, acc);
+      switch (f.vtype) {
+        case at::kHalf: tile_sums<at::Half>(f, t0, t1, m0, mb, acc); break;
+        case at::kShort: tile_sums<int16_t>(f, t0, t1, m0, mb, acc); break;
+        default: tile_sums<float>(f, t0, t1, m0, mb, acc); break;
+      }
+      if (f.row_scale)   // int16 values: Σ z·x per row, times the row's scale
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < R; ++r) acc[m][r] *= f.row_scale[r0 + r];
     } else {
       for (int64_t m = 0; m < mb; ++m) std::fill(acc[m], acc[m] + R, 0.f);
     }
@@ -494,9 +564,10 @@ void prefetch_tiles(const Fin& f, int64_t t0, int64_t t1) {
 #if LATQ_HAVE_GEMV
   const int32_t s0 = f.off[t0], s1 = f.off[t1];
   const char* c = reinterpret_cast<const char*>(f.col + 16 * s0);
-  const char* v = reinterpret_cast<const char*>(f.val + 16 * s0);
+  const int64_t vb = f.vtype == at::kFloat ? 64 : 32;   // value bytes per slot
+  const char* v = static_cast<const char*>(f.val) + vb * s0;
   for (int64_t i = 0; i < 32 * (s1 - s0); i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
-  for (int64_t i = 0; i < 64 * (s1 - s0); i += 64) _mm_prefetch(v + i, _MM_HINT_T1);
+  for (int64_t i = 0; i < vb * (s1 - s0); i += 64) _mm_prefetch(v + i, _MM_HINT_T1);
 #endif
 }
 
@@ -513,7 +584,7 @@ void fin(const Fin* f, const uint16_t* y, int64_t r0, int64_t r1) {
 // finishes its rows into f->out (y is then scratch, or f->out itself for bf16). Each thread
 // takes whole 64-row blocks and runs all M rows through a block (8 at a time) while its bytes
 // are in L1/L2: the weights stream from memory once per call.
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t g,
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t g, int64_t planes,
                const Fin* f = nullptr, at::Tensor y = at::Tensor()) {
   const int64_t N = packed.size(0), M = x.size(0), K = x.size(1), G = K / g;
   at::Tensor xc = x.contiguous();
@@ -527,19 +598,19 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
-  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const Scales sc = scales_of(scales, planes);
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
 #if LATQ_HAVE_GEMV
     for (int64_t b = u0; b < std::min(u1, nb); ++b) {
       if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));   // in flight during the GEMV
       for (int64_t m0 = 0; m0 < M; m0 += 8)
-        block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sz, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
+        block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
       fin(f, yp, b * 64, b * 64 + 64);
     }
 #endif
     if (u1 > nb) {
-      for (int64_t m = 0; m < M; ++m) tail(xp + m * K, xs.data() + m * G, P, sz, N, K, g, nb * 64, yp + m * N);
+      for (int64_t m = 0; m < M; ++m) tail(xp + m * K, xs.data() + m * G, P, sc, N, K, g, nb * 64, yp + m * N);
       fin(f, yp, nb * 64, N);
     }
   };
@@ -549,12 +620,34 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 
 }  // namespace gemv
 
-at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group_size) {
+// torch's op takes (s, z) pairs per op group of 256/128/64/32: scales alone (at group g, along a
+// packed width Kp of `planes` planes) → those, built per call (only where torch's op replaces the GEMV)
+std::pair<at::Tensor, int64_t> op_scales_zeros(const at::Tensor& scales, int64_t g, int64_t planes, int64_t Kp) {
+  if (scales.dim() == 3) return {scales, g};
+  int64_t go = 0;
+  for (int64_t c : {256, 128, 64, 32})
+    if (Kp % c == 0 && g % c == 0) {
+      go = c;
+      break;
+    }
+  TORCH_CHECK(go > 0, "latq_cpu: no op group divides the scale group ", g);
+  at::Tensor s = scales.repeat_interleave(g / go, 0);   // [Kp/go, N]
+  at::Tensor z = at::zeros_like(s);
+  if (planes == 2) z.narrow(0, 0, s.size(0) / 2).copy_(s.narrow(0, 0, s.size(0) / 2) * 8);
+  return {at::stack({s, z}, -1).contiguous(), go};
+}
+
+at::Tensor int4_op(const at::Tensor& xb, const at::Tensor& packed, const at::Tensor& scales, int64_t g, int64_t planes) {
+  auto [sz, go] = op_scales_zeros(scales, g, planes, xb.size(1));
+  return at::_weight_int4pack_mm_for_cpu(xb, packed, go, sz);
+}
+
+at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
               "latq_cpu::gemv: x must be bf16 [M, K], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(gemv::usable(packed, scales_zeros, x.size(1), group_size),
+  TORCH_CHECK(gemv::usable(packed, scales, x.size(1), group_size),
               "latq_cpu::gemv: not available for this build/layout/shape");
-  return gemv::run(x, packed, scales_zeros, group_size);
+  return gemv::run(x, packed, scales, group_size, 1);
 }
 
 void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
@@ -563,11 +656,12 @@ int64_t gemv_max_m() { return LATQ_HAVE_GEMV && gemv::layout_ok() ? gemv::g_max_
 // whether this build has the GEMV and the op's layout matches (whatever set_gemv_max_m says)
 bool has_gemv() { return LATQ_HAVE_GEMV && gemv::layout_ok(); }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
                         const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& tile_off,
                         const std::optional<at::Tensor>& tile_rows, const std::optional<at::Tensor>& tile_col,
-                        const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& row_scale,
+                        const std::optional<at::Tensor>& bias,
                         int64_t group_size, int64_t planes) {
   TORCH_CHECK(x.dim() == 2, "latq_cpu::small_linear: x must be 2-D, got ", x.sizes());
   const auto dtype = x.scalar_type();
@@ -579,11 +673,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const bool tiles = tile_col.has_value() && tile_col->defined();   // outliers as the GEMV's tiles
   const bool outl = !tiles && crow.has_value() && crow->defined() && col->numel() > 0;   // as a CSR
   const bool has_bias = bias.has_value() && bias->defined();
-  const bool use_gemv = M <= gemv::g_max_m.load() && gemv::usable(packed, scales_zeros, xb.size(1), group_size);
+  const bool use_gemv = M <= gemv::g_max_m.load() && gemv::usable(packed, scales, xb.size(1), group_size);
   if (tiles || (use_gemv && !outl)) {
     // outliers (tiles) + bias + cast per 64-row block: in the GEMV's threads, or after torch's op
     at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-    if (!tiles && !has_bias && dtype == at::kBFloat16) return gemv::run(xb, packed, scales_zeros, group_size, nullptr, y);
+    if (!tiles && !has_bias && dtype == at::kBFloat16)
+      return gemv::run(xb, packed, scales, group_size, planes, nullptr, y);
     // fp32 of the unrounded x as Fin::xf wants it, and of the bias: converted here, into buffers
     // kept per calling thread (dispatched x.to(float) + allocation cost ~4 µs a call, ×120 a step)
     thread_local std::vector<float> xbuf, bbuf;
@@ -615,7 +710,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
       f.off = tile_off->data_ptr<int32_t>();
       f.rows = tile_rows->data_ptr<int32_t>();
       f.col = tile_col->data_ptr<int16_t>();
-      f.val = tile_val->data_ptr<float>();
+      f.vtype = tile_val->scalar_type();
+      const bool scaled = row_scale.has_value() && row_scale->defined();
+      TORCH_CHECK(f.vtype == at::kHalf || f.vtype == at::kFloat || (f.vtype == at::kShort && scaled),
+                  "latq_cpu::small_linear: tile_val must be fp16, fp32 or int16 with row_scale, got ", f.vtype);
+      TORCH_CHECK(!scaled || (row_scale->scalar_type() == at::kFloat && row_scale->numel() == N),
+                  "latq_cpu::small_linear: row_scale must be fp32 [N]");
+      f.val = tile_val->data_ptr();
+      f.row_scale = scaled ? row_scale->data_ptr<float>() : nullptr;
       f.xf = xbuf.data();
       f.T = tile_rows->size(0);
     }
@@ -626,9 +728,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     f.out = out.data_ptr();
     f.dtype = dtype;
     if (use_gemv) {
-      gemv::run(xb, packed, scales_zeros, group_size, &f, y);
+      gemv::run(xb, packed, scales, group_size, planes, &f, y);
     } else {
-      y = at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros).contiguous();
+      y = int4_op(xb, packed, scales, group_size, planes).contiguous();
       const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
       if (dtype == at::kBFloat16) f.out = y.data_ptr(), out = y;
       at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b0, int64_t b1) {
@@ -638,8 +740,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     return out;
   }
   // bf16 [M, N]: the GEMV or torch's op; then the CSR outliers (loop or MKL), bias and cast
-  at::Tensor y = use_gemv ? gemv::run(xb, packed, scales_zeros, group_size)
-                          : at::_weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_zeros);
+  at::Tensor y = use_gemv ? gemv::run(xb, packed, scales, group_size, planes)
+                          : int4_op(xb, packed, scales, group_size, planes);
   if (!outl && !has_bias && dtype == at::kBFloat16) return y;
   y = y.contiguous();
   at::Tensor xc = x.contiguous();
@@ -667,9 +769,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 
 at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints,
                   const std::optional<at::Tensor>& bias, int64_t out_features) {
-  // CPUState, flattened: tensors = (packed, scales_zeros, crow, col, val, tile_off, tile_rows,
-  // tile_col, tile_val), ints = (out_features, in_features, group_size, planes, layout_block, layout_halves)
-  TORCH_CHECK(tensors.size() == 9 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
+  // CPUState, flattened: tensors = (packed, scales, crow, col, val, tile_off, tile_rows,
+  // tile_col, tile_val, row_scale), ints = (out_features, in_features, group_size, planes, layout_block,
+  // layout_halves)
+  TORCH_CHECK(tensors.size() == 10 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   if (M >= g_large_m.load() && ints[4] != 0) {
@@ -682,7 +785,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   const bool flat = x.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
   at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
                               tensors.get(3), tensors.get(4), tensors.get(5), tensors.get(6), tensors.get(7),
-                              tensors.get(8), bias, ints[2], ints[3]);
+                              tensors.get(8), tensors.get(9), bias, ints[2], ints[3]);
   if (flat) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
@@ -695,13 +798,13 @@ void set_loop_max(int64_t n) { g_loop_max.store(n); }
 }  // namespace
 
 TORCH_LIBRARY(latq_cpu, m) {
-  m.def("small_linear(Tensor x, Tensor packed, Tensor scales_zeros, Tensor? crow, Tensor? col, Tensor? val, "
-        "Tensor? tile_off, Tensor? tile_rows, Tensor? tile_col, Tensor? tile_val, Tensor? bias, int group_size, "
-        "int planes) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor packed, Tensor scales, Tensor? crow, Tensor? col, Tensor? val, "
+        "Tensor? tile_off, Tensor? tile_rows, Tensor? tile_col, Tensor? tile_val, Tensor? row_scale, Tensor? bias, "
+        "int group_size, int planes) -> Tensor");
   m.def("linear(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
-  m.def("gemv(Tensor x, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor");
+  m.def("gemv(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor");
   m.def("set_gemv_max_m(int m) -> ()");
   m.def("gemv_max_m() -> int");
   m.def("has_gemv() -> bool");

@@ -1,0 +1,148 @@
+"""The Triton kernels' cost model (issue 19): when the tensor-core kernel gives way to
+dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton_dequant`), and what either costs
+against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel`.
+
+With ``Wq`` the packed bytes (``N·K·b/8`` + fp16 scales ``2·N·⌈K/g⌉`` + ``4·nnz`` compact
+outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the activations in and out (``e`` = 2
+bytes), ``W16 = e·N·K`` a dense weight, ``BM = mma_bm(M)`` the tensor-core kernel's row
+tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's HBM bandwidth ``BW``, dense
+tensor-core peak ``TC`` and SASS issue rate ``ISSUE`` (SMs × 4 schedulers × 32 lanes ×
+clock)::
+
+    t_mma(M)   = max( (Wq + X + Y) / BW,                     weights read once (M-fastest grid)
+                      T · (N·K·ipw[b, BM] + (1 + BM)·nnz) / ISSUE,   dequantisation per M tile
+                      2 · BM·T · N·K / TC )                  MMAs on BM-row padded tiles
+    t_deq(M)   = (Wq + W16) / BW + max( (W16 + X + Y) / BW, 2·M·N·K / TC )
+    t_dense(M) = max( (W16 + X + Y) / BW, 2·M·N·K / TC )    bf16 F.linear
+
+``ipw[b, BM]`` is the MMA kernel's K loop in SASS lane-instructions per weight per program
+(``triton_compile``'s "i/w", median over the BM's tile configs, sm_80; docs/BENCHMARKS.md);
+an outlier costs one gather + one FMA per activation row per tile. The grid runs M fastest:
+the T programs of one weight tile are launched together and read it from HBM about once,
+so ``Wq`` is not multiplied by T even for a layer larger than L2. The threshold is the
+smallest M ≥ 17 from which on ``t_deq < t_mma`` for every larger M (M ≤ 16 is one tile).
+
+Device constants (:func:`device_model`): on CUDA, from ``torch.cuda.get_device_properties``:
+**HBM bandwidth = 2 × memory clock × bus width** (the DDR peak the vendor quotes: A100-80GB
+1593 MHz × 5120 bit = 2.04 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s — so H100 PCIe, H200,
+A10 or L40S each get their own), the SM count (the per-SM tensor-core rate of the family
+× SMs) and the SM clock (issue rate). A property torch does not report (older torch: no
+memory clock) falls back to the family default: A100 (sm_8x) or H100 SXM (sm_9x+). A
+measured copy bandwidth was rejected: it would allocate and time at the first large-M call,
+which can be inside a CUDA graph capture. The model is optimistic for the MMA kernel (full
+tensor-core peak for Triton's tiles), so the switch comes no earlier than it should.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+# tensor-core kernel row tiles (triton_kernels.MMA_TILES is keyed by these)
+MMA_BMS = (16, 32, 64)
+
+
+def mma_bm(m: int) -> int:
+    """Activation rows per tensor-core program: the smallest tile ≥ M, else the largest
+    (128-row tiles spill on sm_80 and sm_90: docs/BENCHMARKS.md)."""
+    return next((bm for bm in MMA_BMS if bm >= m), MMA_BMS[-1])
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    hbm_bw: float          # bytes/s
+    l2_bytes: int
+    tc_flops: float        # dense fp16/bf16 tensor-core FLOP/s
+    issue: float           # SASS lane-instructions/s (SMs × 4 schedulers × 32 lanes × clock)
+    sms: int
+
+
+DEVICES = {
+    "a100": DeviceModel("A100", 2.0e12, 40 * 2**20, 312e12, 108 * 128 * 1.41e9, 108),
+    "h100": DeviceModel("H100", 3.35e12, 50 * 2**20, 990e12, 132 * 128 * 1.98e9, 132),
+}
+# MMA kernel K loop: SASS lane-instructions per weight per program of BM rows (triton_compile
+# "i/w", median over the tile configs of that BM, sm_80; docs/BENCHMARKS.md)
+MMA_IPW = {(2, 16): 5.00, (3, 16): 8.50, (4, 16): 5.12,
+           (2, 32): 6.20, (3, 32): 10.22, (4, 32): 6.41,
+           (2, 64): 8.70, (3, 64): 13.22, (4, 64): 8.47}
+NEVER = 2**31 - 1          # threshold when the MMA kernel wins for every M searched
+M_SEARCH = 1 << 16
+
+
+def hbm_bandwidth(props) -> float | None:
+    """Peak DRAM bandwidth (bytes/s) from device properties: 2 × memory clock (kHz) × bus
+    width (bits) / 8; None when torch does not report them."""
+    clock_khz = getattr(props, "memory_clock_rate", 0) or 0
+    bus_bits = getattr(props, "memory_bus_width", 0) or 0
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def device_model(device_props=None) -> DeviceModel:
+    """``device_props``: None (A100 defaults), a :class:`DeviceModel`, a key of ``DEVICES``,
+    or ``torch.cuda.get_device_properties(...)`` — the family's model (A100 for sm_8x, H100
+    for sm_9x+) with that part's HBM bandwidth, SM count, SM clock and L2 size."""
+    if device_props is None:
+        return DEVICES["a100"]
+    if isinstance(device_props, DeviceModel):
+        return device_props
+    if isinstance(device_props, str):
+        return DEVICES[device_props.lower()]
+    base = DEVICES["h100" if device_props.major >= 9 else "a100"]
+    sms = device_props.multi_processor_count
+    clock_khz = getattr(device_props, "clock_rate", 0) or 0
+    issue = sms * 128 * clock_khz * 1e3 if clock_khz else base.issue * sms / base.sms
+    l2 = getattr(device_props, "L2_cache_size", 0) or base.l2_bytes
+    return DeviceModel(device_props.name, hbm_bandwidth(device_props) or base.hbm_bw, l2,
+                       base.tc_flops * sms / base.sms, issue, sms)
+
+
+def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128) -> int:
+    """Bytes the kernels stream for one layer: b-bit inliers, fp16 scales, 4-byte outliers."""
+    return n * k * bits // 8 + 2 * n * math.ceil(k / group) + 4 * nnz
+
+
+def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
+                device_props=None, group: int = 128) -> dict[str, float]:
+    """Seconds for one layer at M rows (module docstring): ``mma``, ``deq`` (dequantise
+    once + GEMM) and ``dense`` (bf16/fp16 ``F.linear`` of the unquantised weight)."""
+    d = device_model(device_props)
+    e = dtype.itemsize
+    wq = packed_bytes(n, k, bits, nnz, group)
+    w16, act = e * n * k, e * m * (k + n)
+    bm = mma_bm(m)
+    t = math.ceil(m / bm)
+    issue = t * (n * k * MMA_IPW[bits, bm] + (1 + bm) * nnz) / d.issue
+    dense = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_flops)
+    return {"mma": max((wq + act) / d.hbm_bw, issue, 2 * bm * t * n * k / d.tc_flops),
+            "deq": (wq + w16) / d.hbm_bw + dense, "dense": dense}
+
+
+def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
+                      device_props=None, group: int = 128) -> int:
+    """Smallest M ≥ 17 from which on dequantise-once + GEMM is predicted faster than the MMA
+    kernel for every larger M (``NEVER`` if it loses at M = 65536). t_mma is constant over a
+    BM-row tile and t_deq grows with M, so a tile is won iff its last row is: scanning the
+    tile ends down from M_SEARCH, the answer is one past the last end lost."""
+    ends = sorted({mma_bm(m) * math.ceil(m / mma_bm(m)) for m in range(17, M_SEARCH + 1, 16)}, reverse=True)
+    for i, m in enumerate(ends):
+        times = model_times(m, n, k, bits, nnz, dtype, device_props, group)
+        if times["deq"] >= times["mma"]:
+            return NEVER if i == 0 else m + 1
+    return 17
+
+
+@functools.lru_cache(maxsize=4096)
+def _threshold_cached(n, k, bits, nnz, dtype, device_index, group):
+    props = torch.cuda.get_device_properties(device_index) if device_index is not None else None
+    return large_m_threshold(n, k, bits, nnz, dtype, props, group)
+
+
+def threshold_for(st, dtype: torch.dtype, device: torch.device) -> int:
+    """:func:`large_m_threshold` for a prepared layer on ``device`` (cached per shape)."""
+    device = torch.device(device)
+    idx = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
+    return _threshold_cached(st.n, st.k, st.bits, st.nnz, dtype, idx, st.group)   # one group: st.group = K_pad
