@@ -6,6 +6,13 @@ eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
     python bench/decode.py --kernels cpu --modes compiled --repeats 5
     python bench/decode.py --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
                                                            # --quantize-lm-head checkpoint side by side
+    python bench/decode.py --moe --kernels cpu             # a mixture-of-experts pair (below)
+
+``--moe``: a random Qwen3-MoE (``MOE_SIZES``: 8 experts, top-2, 4 blocks, hidden 512; SmolLM2's
+tokenizer, untied bf16 head) vs its checkpoint with SSQR-format experts and attention
+(``tests/moe_helpers.py``: RTN integers + forced outliers; speed does not depend on how the
+integers were found), both built once under the cache. The ratio covers the whole step: the
+bf16 embedding and head (25 M parameters each) stream in both engines.
 
 Every engine runs in its own process (in-process engine, so start-up stays short); all
 engines of one mode are loaded (one after the other), then their runs are interleaved —
@@ -270,6 +277,24 @@ def default_ckpt(model: str, method: str) -> Path:
     return quantize_model(model, d, QuantizeOptions(method=method, nsamples=16, seqlen=256), overwrite=True)
 
 
+MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
+
+
+def moe_pair() -> tuple[Path, Path]:
+    """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache."""
+    sys.path.insert(0, str(ROOT))   # run as a script: the repository's tests/ package
+    from tests.moe_helpers import make_moe_checkpoint, make_moe_model
+    from vllm_latq.data import cache_dir
+
+    src = cache_dir() / "bench" / "qwen3_moe-random-e8"
+    ckpt = src.with_name(src.name + "-ssqr")
+    if not (ckpt / "config.json").exists():
+        print(f"building {src} and {ckpt} (once)", file=sys.stderr)
+        make_moe_model(src, "qwen3_moe", **MOE_SIZES)
+        make_moe_checkpoint(src, ckpt, "ssqr", group=128)
+    return src, ckpt
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="bf16 baseline: a reference model name or HF dir")
@@ -292,6 +317,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts pair (see above) instead of "
+                    "--model/--ckpt")
     ap.add_argument("--json", default=None, help="also write all results here")
     ap.add_argument("--serve", metavar="JOB", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -300,8 +327,11 @@ def main(argv=None) -> None:
 
     from vllm_latq.data import MODELS, model_dir
 
-    base = str(model_dir(a.model)) if a.model in MODELS else a.model
-    ckpt = str(a.ckpt or default_ckpt(a.model, a.method))
+    if a.moe:
+        base, ckpt = map(str, moe_pair())
+    else:
+        base = str(model_dir(a.model)) if a.model in MODELS else a.model
+        ckpt = str(a.ckpt or default_ckpt(a.model, a.method))
     kernels = available_kernels() if a.kernels == "auto" else a.kernels.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     ncpu = os.cpu_count() or 1

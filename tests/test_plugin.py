@@ -571,25 +571,3 @@ def test_decode_bench_runs_interleaved(tiny):
     assert len(rows) == 4 and all("4 x 2" in r for r in rows), out.stdout
     assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
     assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup=" in lines[-1] and "eager_b2_speedup=" in lines[-1]
-
-
-def test_moe_layer_refused_unless_not_converted():
-    """A converted mixture-of-experts layer fails at model build, naming the layer, instead of
-    silently getting vLLM's unquantized method and failing deep inside its loader; one listed
-    in modules_not_converted keeps the unquantized method."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
-                                                             RoutingMethodType)
-    moe = FusedMoEConfig(num_experts=4, experts_per_token=2, hidden_dim=64, intermediate_size=128,
-                         num_local_experts=4, num_logical_experts=4, activation=MoEActivation.SILU, device="cpu",
-                         routing_method=RoutingMethodType.Renormalize,
-                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16)
-    experts = _module(RoutedExperts, moe_config=moe)
-    c = LatqConfig.from_config(_qc(modules_not_converted=["model.layers.1.mlp.experts"]))
-    with pytest.raises(NotImplementedError,
-                       match=r"mixture-of-experts layer model\.layers\.0\.mlp\.experts .*issue 20"):
-        c.get_quant_method(experts, "model.layers.0.mlp.experts")
-    with set_current_vllm_config(VllmConfig()):
-        assert isinstance(c.get_quant_method(experts, "model.layers.1.mlp.experts"), UnquantizedFusedMoEMethod)

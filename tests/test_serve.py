@@ -116,3 +116,38 @@ def test_offline_example_runs(tmp_path):
                         "The capital of France is"], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     assert "16 tokens in" in p.stdout
+
+
+@pytest.mark.slow
+def test_served_moe_checkpoint_answers(tmp_path):
+    """A quantized tiny mixture-of-experts (Qwen3-MoE, SSQR experts) through `latq-serve` on
+    127.0.0.1: /v1/completions and /v1/chat/completions requests answered in full, the experts
+    loaded by the latq MoE method."""
+    from .moe_helpers import make_moe_checkpoint, make_moe_model
+
+    ck, _ = make_moe_checkpoint(make_moe_model(tmp_path / "src", "qwen3_moe"), tmp_path / "ssqr", "ssqr")
+    port = _free_port()
+    log = tmp_path / "server.log"
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "vllm_latq.serve", str(ck), "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "256", "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(64 << 20),
+           "--enforce-eager", "--served-model-name", "moe-latq"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(proc, port, log)
+        p = subprocess.run([sys.executable, str(ROOT / "serving_examples" / "client.py"), "--base-url",
+                            f"http://127.0.0.1:{port}/v1", "--requests", "2", "--concurrency", "1",
+                            "--max-tokens", "8", "--check", "--json"], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr + log.read_text()[-4000:]
+        summary = json.loads(p.stdout.strip().splitlines()[-1])
+        assert summary["model"] == "moe-latq" and summary["complete"] == 2
+        assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
+        assert "linears loaded (ssqr checkpoint)" in log.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # the group this test started
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -109,10 +109,13 @@ class LatqConfig(QuantizationConfig):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            raise NotImplementedError(
-                f"latq: mixture-of-experts layer {prefix} ({type(layer).__name__}): not supported yet (issue 20); "
-                f"the latq kernels serve dense linears only, and the checkpoint does not list {prefix} in "
-                "quantization_config.modules_not_converted (experts stored unquantized must be listed there)")
+            partial = [m for m in self.modules_not_converted if m.startswith(prefix + ".")]
+            if partial:
+                raise ValueError(f"latq checkpoint: some experts of mixture-of-experts layer {prefix} are listed in "
+                                 f"modules_not_converted ({partial[:4]}); vLLM runs a layer's experts with one "
+                                 "method: quantize all of them or list the whole layer")
+            from .moe_method import LatqMoEMethod
+            return LatqMoEMethod(self, layer.moe_config, self.load_report, prefix)
         if isinstance(layer, ParallelLMHead) and self.lm_head_quantized:
             if not self.is_converted(prefix):
                 raise ValueError(f"latq checkpoint: quantization_config.lm_head_quantized is true but {prefix} is "

@@ -213,10 +213,12 @@ def _merge(parts: list[LatqWeight]) -> LatqWeight:
 class LoadState:
     """Collects one layer's checkpoint tensors and builds its runtime form."""
 
-    def __init__(self, layer, config, geo: Geometry):
-        self.prefix = layer.prefix
+    def __init__(self, layer, config, geo: Geometry, bits: int | None = None):
+        # layer: the vLLM layer, or a name (one expert matrix of a MoE layer, moe_method.py)
+        self.prefix = layer if isinstance(layer, str) else layer.prefix
         self.config = config
-        self.bits = config.bits_of(layer.prefix)   # a layer_bits override (e.g. an 8-bit lm_head)
+        # a layer_bits override (e.g. an 8-bit lm_head)
+        self.bits = config.bits_of(self.prefix) if bits is None else bits
         self.geo = geo
         self.names = fmt.DENSE_TENSORS if config.kind == "dense" else fmt.HUFFMAN_TENSORS
         self.fused: bool | None = None if geo.fused is not None else False

@@ -10,6 +10,10 @@ batch size, call ``.item()`` or build sparse tensors inside ``apply`` without a 
 and without baking a Python branch into the graph. Under CUDA graphs the op is captured like
 any other kernel launch.
 
+A mixture-of-experts layer runs as one op, ``torch.ops.latq.moe_experts`` (:func:`moe_op`):
+its experts' states flattened together (:mod:`~vllm_latq.kernels.moe`), the routing as
+tensors, the activation by name.
+
 Ops are registered lazily, once per process, when a layer first selects a kernel (vLLM
 loads weights, and so registers the ops, in every worker before it compiles).
 
@@ -32,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from . import moe
 from .base import LatqKernel
 
 NAMESPACE = "latq"
@@ -60,7 +65,6 @@ def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
             raise ValueError(f"two latq kernels map to op {NAMESPACE}::{name}: {registered} and {kernel}")
         return op
 
-    global _LIB
     apply, unflatten = kernel.apply, kernel.unflatten
 
     def impl(x: torch.Tensor, tensors: list[Optional[torch.Tensor]], ints: list[int],
@@ -70,13 +74,42 @@ def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
     def fake(x, tensors, ints, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    op = _register(name, SCHEMA, impl, fake)
+    _OPS[name] = (kernel, op)
+    return op
+
+
+def _register(name: str, schema: str, impl, fake) -> "torch._ops.OpOverload":
+    global _LIB
     impl.__name__ = name
     if _LIB is None:
         _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-    _LIB.define(name + SCHEMA)
+    _LIB.define(name + schema)
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    op = getattr(getattr(torch.ops, NAMESPACE), name).default
-    _OPS[name] = (kernel, op)
-    return op
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+MOE_NAME = "moe_experts"
+MOE_SCHEMA = ("(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor?[] tensors, int[] ints, str activation, "
+              "bool weights_on_input) -> Tensor")
+_MOE_OP: "torch._ops.OpOverload | None" = None
+
+
+def moe_op() -> "torch._ops.OpOverload":
+    """``torch.ops.latq.moe_experts``: a layer's routed experts (:func:`~vllm_latq.kernels.moe.experts_forward`
+    over the states :func:`~vllm_latq.kernels.moe.flatten` made), output ``[T, hidden]`` in
+    ``x.dtype``; registered on first use. Opaque to torch.compile like the linear ops: the
+    grouping by expert reads token counts on the host inside it."""
+    global _MOE_OP
+    if _MOE_OP is None:
+        def impl(x, topk_weights, topk_ids, tensors, ints, activation, weights_on_input):
+            return moe.experts_forward(x, topk_weights, topk_ids, moe.unflatten(tensors, ints), activation,
+                                       weights_on_input=weights_on_input)
+
+        def fake(x, topk_weights, topk_ids, tensors, ints, activation, weights_on_input):
+            return torch.empty_like(x)
+
+        _MOE_OP = _register(MOE_NAME, MOE_SCHEMA, impl, fake)
+    return _MOE_OP
 

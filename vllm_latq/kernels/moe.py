@@ -1,0 +1,125 @@
+"""Routed experts through the latq kernels: the mixture-of-experts forward of one layer whose
+experts are latq linears (``w13`` = gate and up stacked, ``w2`` = down), each prepared by
+its own kernel (:mod:`~vllm_latq.kernels.selector`).
+
+    y_t = Σ_k  p_tk · W2_e (act(W13_e x_t))      e = topk_ids[t, k],  p = topk_weights
+
+:func:`experts_forward` sorts the (token, slot) pairs by expert and runs each expert that
+received tokens once, on all of them (one GEMM per expert and projection, never a loop per
+token); the experts' outputs are weighted and summed back per token. While a CUDA graph is
+being captured the token counts cannot be read on the host, so every local expert runs on
+all tokens and the routing weights (zero where a token did not pick it) select — correct,
+and E/k times the work, for the captured decode batches only.
+
+:func:`flatten` / :func:`unflatten` turn the experts' prepared states into the flat tensor
+list + ints of the custom op ``latq::moe_experts`` (:func:`~vllm_latq.kernels.ops.moe_op`),
+each state by its kernel's own ``flatten``; a kernel is named by its index in
+``selector.kernels()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import selector
+from .base import LatqKernel
+
+GATED = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+UNGATED = {"silu_no_mul": F.silu, "gelu_no_mul": F.gelu,
+           "gelu_tanh_no_mul": lambda u: F.gelu(u, approximate="tanh"), "relu2_no_mul": lambda u: F.relu(u).square()}
+ACTIVATIONS = (*GATED, *UNGATED)   # vLLM's MoEActivation values served here
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) · up`` on ``h = [gate | up]`` (gated, vLLM's ``*_and_mul``), else ``act(h)``."""
+    if activation in GATED:
+        gate, up = h.chunk(2, dim=-1)
+        return GATED[activation](gate) * up
+    if activation in UNGATED:
+        return UNGATED[activation](h)
+    raise ValueError(f"latq: MoE activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})")
+
+
+@dataclass
+class Expert:
+    """One expert's two prepared latq linears."""
+    w13: tuple[type[LatqKernel], Any]    # (kernel, state): [hidden] → [2·I] (gated) or [I]
+    w2: tuple[type[LatqKernel], Any]     # (kernel, state): [I] → [hidden]
+
+
+def _run(linear: tuple[type[LatqKernel], Any], x: torch.Tensor) -> torch.Tensor:
+    kernel, state = linear
+    return kernel.apply(state, x)
+
+
+def expert_mlp(e: Expert, x: torch.Tensor, activation: str) -> torch.Tensor:
+    return _run(e.w2, activate(_run(e.w13, x), activation))
+
+
+def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: list[Expert],
+                    activation: str, *, weights_on_input: bool = False, grouped: bool | None = None) -> torch.Tensor:
+    """``x`` [T, hidden]; ``topk_ids`` [T, k] local expert indices (−1: an expert not on this
+    rank, skipped); ``topk_weights`` [T, k]. → [T, hidden] in x.dtype, summed in fp32.
+    ``weights_on_input``: the routing weight scales the expert's input instead of its output
+    (vLLM's ``apply_router_weight_on_input``, top-1 models). ``grouped`` None: grouped unless a
+    CUDA graph is being captured (module doc)."""
+    if grouped is None:
+        grouped = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    T, k = topk_ids.shape
+    out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+    if not grouped:
+        for e, ex in enumerate(experts):
+            p = (topk_weights * (topk_ids == e)).sum(1, keepdim=True).float()    # [T, 1], 0 where not routed
+            y = expert_mlp(ex, x * p.to(x.dtype) if weights_on_input else x, activation).float()
+            out += y if weights_on_input else p * y
+        return out.to(x.dtype)
+    ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(ids, stable=True)                # (token, slot) pairs grouped by expert
+    # pairs per expert (one host sync); the −1 pairs sort first and are skipped
+    start, *counts = torch.bincount(ids + 1, minlength=len(experts) + 1).tolist()
+    p_all = topk_weights.reshape(-1)
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        t = pairs // k                                     # their tokens
+        p = p_all[pairs, None]
+        xe = x[t]
+        if weights_on_input:
+            y = expert_mlp(experts[e], xe * p.to(x.dtype), activation).float()
+        else:
+            y = p.float() * expert_mlp(experts[e], xe, activation).float()
+        out.index_add_(0, t, y)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- custom-op state
+
+def flatten(experts: list[Expert]) -> tuple[list[torch.Tensor | None], list[int]]:
+    """Experts → (tensors, ints): ints = [E, then per expert and projection: kernel index,
+    tensor count, int count, the kernel's ints]."""
+    index = {k: i for i, k in enumerate(selector.kernels())}
+    tensors, ints = [], [len(experts)]
+    for ex in experts:
+        for kernel, state in (ex.w13, ex.w2):
+            t, i = kernel.flatten(state)
+            tensors += t
+            ints += [index[kernel], len(t), len(i), *i]
+    return tensors, ints
+
+
+def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> list[Expert]:
+    kernels = selector.kernels()
+    experts, ti, ii = [], 0, 1
+    for _ in range(ints[0]):
+        pair = []
+        for _ in range(2):
+            kernel, nt, ni = kernels[ints[ii]], ints[ii + 1], ints[ii + 2]
+            pair.append((kernel, kernel.unflatten(tensors[ti:ti + nt], ints[ii + 3:ii + 3 + ni])))
+            ti, ii = ti + nt, ii + 3 + ni
+        experts.append(Expert(*pair))
+    return experts

@@ -1,0 +1,174 @@
+"""``LatqMoEMethod``: loads the latq experts of a vLLM mixture-of-experts layer
+(``RoutedExperts``) and runs them through the latq kernels.
+
+Checkpoint (docs/FORMAT.md): one latq layer per expert and projection under the model's own
+per-expert names (``…experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
+``w1`` / ``w3`` / ``w2``). vLLM's expert mapping renames ``…experts.{e}.gate_proj.qweight``
+to this layer's ``w13_qweight`` with shard ``w1`` and expert id e (``up_proj`` → ``w3``,
+``down_proj`` → ``w2_*`` / ``w2``), so ``create_weights`` registers one placeholder per
+projection and tensor name (``w13_qweight``, …, ``w2_outlier_val`` or the Huffman tensors)
+whose loader hands the tensor to the expert's :class:`~vllm_latq.linear_method.LoadState` —
+the linear loader's own stash, validation, TP cut and HPTQ transcode, on geometries that say
+which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
+``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
+ranks' partial outputs after the layer).
+
+After loading, each expert's w13 and w2 are prepared by the kernel the selector picks (CPU:
+the latq CPU kernel; CUDA: Triton, or the bf16 fallback with its warning). ``apply`` runs
+:func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
+the layer's router) — directly in eager mode, as the custom op ``latq::moe_experts`` while
+torch.compile traces.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+from vllm.model_executor.utils import set_weight_attrs
+
+from . import format as fmt
+from .kernels import moe, ops, selector
+from .linear_method import Geometry, LoadState, Shard
+
+STEMS = ("w13", "w2")
+
+
+class LatqMoEMethod(FusedMoEMethodBase):
+    """latq experts of one ``RoutedExperts`` layer (``prefix``)."""
+
+    def __init__(self, config, moe_config, report, prefix: str):
+        super().__init__(moe_config)
+        self.config, self.report, self.prefix = config, report, prefix
+        activation = moe_config.activation.value
+        if activation not in moe.ACTIVATIONS:
+            raise NotImplementedError(f"latq: mixture-of-experts layer {prefix}: activation {activation!r} is not "
+                                      f"supported by the latq experts (supported: {list(moe.ACTIVATIONS)})")
+        if moe_config.has_bias:
+            raise NotImplementedError(f"latq: mixture-of-experts layer {prefix}: expert biases are not supported")
+
+    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+        return hidden_size, intermediate_size_per_partition   # latq layers keep their exact shapes
+
+    def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
+        return FusedMoEQuantConfig.make()   # weights and scales live in the latq kernels' states
+
+    # ------------------------------------------------------------------ loading
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        m = self.moe
+        if m.intermediate_size % m.tp_size:
+            raise ValueError(f"latq: {self.prefix}: intermediate size {m.intermediate_size} does not split over "
+                             f"{m.tp_size} ranks")
+        names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
+        layer._latq_moe_load = {}    # (local expert, stem) → LoadState, made when its first tensor arrives
+        layer._latq_moe_names = names
+        layer._latq_act_dtype = params_dtype
+        in_features = {"w13": m.hidden_dim, "w2": m.intermediate_size}
+        for stem in STEMS:
+            for name in names:
+                p = Parameter(torch.empty(0, dtype=fmt.tensor_dtype(name, in_features[stem])), requires_grad=False)
+                set_weight_attrs(p, {"weight_loader": _ExpertLoader(self, layer, stem, name)})
+                layer.register_parameter(f"{stem}_{name}", p)
+        # the device the model is built on: the kernels' (and an HPTQ transcode's width family's)
+        layer._latq_device = p.device
+        layer._latq_family = selector.family_for(p.device)
+        for _ in range(num_experts * len(STEMS)):
+            self.report.expect()
+
+    def checkpoint_names(self, layer, expert: int) -> dict[str, str]:
+        """shard id → checkpoint module of ``expert`` (w3 absent for a non-gated layer)."""
+        base = f"{self.prefix}.{expert}"
+        names = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
+        return {sid: f"{base}.{n}" for sid, n in names.items() if n is not None}
+
+    def load_state(self, layer, stem: str, local: int, expert: int) -> LoadState:
+        key = (local, stem)
+        if key not in layer._latq_moe_load:
+            m = self.moe
+            n_full, n = m.intermediate_size, m.intermediate_size_per_partition
+            rows = (m.tp_rank * n, n)                          # this rank's intermediate range
+            ckpt = self.checkpoint_names(layer, expert)
+            if stem == "w13":
+                shards = {sid: Shard(ckpt[sid], n_full, [rows]) for sid in ("w1", "w3") if sid in ckpt}
+                geo = Geometry(shards, None, m.hidden_dim, 0, m.hidden_dim)
+            else:
+                geo = Geometry({"w2": Shard(ckpt["w2"], m.hidden_dim, [(0, m.hidden_dim)])}, None, n_full,
+                               rows[0], n)
+            bits = {self.config.spec.bits_of(s.name) for s in geo.shards.values()}
+            if len(bits) > 1:
+                raise ValueError(f"latq checkpoint: {[s.name for s in geo.shards.values()]} have different bits "
+                                 f"{bits} (quantization_config.layer_bits); vLLM runs them as one matrix")
+            st = LoadState(f"{self.prefix}.{expert}.{stem}", self.config, geo, bits=bits.pop())
+            st.family = layer._latq_family
+            layer._latq_moe_load[key] = st
+        return layer._latq_moe_load[key]
+
+    def process_weights_after_loading(self, layer) -> None:
+        loads = getattr(layer, "_latq_moe_load", None)
+        if loads is None:
+            return  # already processed
+        device = layer._latq_device
+        experts = []
+        for local in range(layer.local_num_experts):
+            pair = []
+            for stem in STEMS:
+                st = loads.get((local, stem))
+                if st is None or st.weight is None:
+                    what = st.missing() if st is not None else "all tensors"
+                    raise ValueError(f"latq checkpoint is missing tensors for {self.prefix}, local expert {local} "
+                                     f"{stem}: {what}")
+                w = st.weight.to(device)
+                kernel = selector.select(w, device, layer._latq_act_dtype)
+                state = kernel.prepare(w)
+                kernel.reserve(state, layer._latq_act_dtype)
+                stored_rows = sum(s.rows for s in st.geo.shards.values())
+                stored_bits = 8 * st.stored_bytes / (stored_rows * st.geo.in_features)
+                self.report.add(st.prefix, w, kernel, state, stored_bits)
+                pair.append((kernel, state))
+            experts.append(moe.Expert(*pair))
+        for stem in STEMS:
+            for name in layer._latq_moe_names:
+                delattr(layer, f"{stem}_{name}")
+        del layer._latq_moe_load
+        tensors, ints = moe.flatten(experts)
+        for i, t in enumerate(tensors):
+            layer.register_buffer(f"latq_t{i}", t, persistent=False)
+        layer.latq_experts = experts
+        layer.latq_ntensors, layer.latq_ints = len(tensors), ints
+        layer.latq_moe_op = ops.moe_op()
+
+    # ------------------------------------------------------------------ forward
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        expert_map = layer.expert_map
+        ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]   # global → local (−1: elsewhere)
+        activation = layer.activation.value
+        on_input = bool(layer.apply_router_weight_on_input)
+        if torch.compiler.is_compiling():
+            tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
+            return layer.latq_moe_op(x, topk_weights, ids, tensors, layer.latq_ints, activation, on_input)
+        return moe.experts_forward(x, topk_weights, ids, layer.latq_experts, activation, weights_on_input=on_input)
+
+
+class _ExpertLoader:
+    """The weight loader of one placeholder (``w13_qweight`` …): vLLM's expert mapping calls it
+    with the expert id and shard (``w1``/``w3``/``w2``) of each per-expert checkpoint tensor."""
+
+    def __init__(self, method: LatqMoEMethod, layer, stem: str, name: str):
+        self.method, self.layer, self.stem, self.name = method, layer, stem, name
+
+    def __call__(self, param, loaded_weight: torch.Tensor, weight_name: str = "", shard_id: str | None = None,
+                 expert_id: int | None = None, return_success: bool = False):
+        if expert_id is None or shard_id not in ("w1", "w3", "w2"):
+            raise ValueError(f"latq: {self.method.prefix}: tensor {weight_name} is not a per-expert tensor "
+                             f"(shard {shard_id!r}, expert {expert_id!r}); latq checkpoints store each expert's "
+                             "projections separately (docs/FORMAT.md)")
+        local = self.layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local == -1:
+            return False if return_success else None       # another rank's expert
+        st = self.method.load_state(self.layer, self.stem, local, expert_id)
+        st.stored_bytes += loaded_weight.numel() * loaded_weight.element_size()
+        st.add(self.name, loaded_weight, shard_id)
+        return True if return_success else None
