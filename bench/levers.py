@@ -140,6 +140,7 @@ def codings(layers, bits) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- (b) target correction
 
+@torch.no_grad()
 def block_streams(block: int, bits: int, nseq: int, seqlen: int):
     """SmolLM2's block ``block`` run on the inputs of the full-precision prefix (X) and of the
     prefix quantized by GPTQ-``bits`` g128 (X̃, the pipeline's way: Hessians from the unquantized
@@ -165,7 +166,7 @@ def block_streams(block: int, bits: int, nseq: int, seqlen: int):
         lin = hf_model.block_linears(qlayer, f"{prefix}.{i}")
         hs = block_hessians(qlayer, lin, x_q, kw, "", False)
         for n, m in lin.items():
-            m.weight.copy_(gptq(m.weight.detach(), hs.of[n].H, bits=bits).q)
+            hf_model.set_tensor(m, "weight", gptq(m.weight.detach(), hs.of[n].H, bits=bits).q)
         x_q = capture.block_outputs(qlayer, x_q, kw, "", False)
     lin = hf_model.block_linears(layers[block], f"{prefix}.{block}")
     rows = {n: [] for n in lin}
