@@ -137,3 +137,17 @@ def test_checkpoint_computes_the_model_and_keeps_the_certificate(arch, tmp_path)
     quantize_model(src, tmp_path / "hptq", QuantizeOptions(method="hptq", column_scales="norm", **TINY_OPTS),
                    progress=False, on_layer=lambda n, W, H, r: certs.__setitem__(n, (r.error(W, H) / r.bound).max()))
     assert len(certs) == 14 and max(certs.values()) <= 1.0
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_folded_norm_weight_is_exact_and_keeps_dead_channels(unit_offset):
+    """γ′ = γ/c up to the dtype's rounding, and the returned scales are the ones γ′ really
+    applies (γ/γ′); a channel with γ = 0 (Gemma3-270M has some) is kept, with c = 1."""
+    one = 1.0 if unit_offset else 0.0
+    w = torch.tensor([-one, 0.7, 1.3, 0.02], dtype=torch.bfloat16)
+    c = torch.tensor([3.0, 1.7, 0.4, 2.5])
+    new, c_eff = cs.folded_norm_weight(w, c, unit_offset)
+    assert new.dtype == torch.bfloat16 and new[0] == w[0] and c_eff[0] == 1.0
+    g, g_new = w.float() + one, new.float() + one
+    assert torch.allclose(g_new * c_eff, g, rtol=1e-6)
+    assert torch.allclose(c_eff[1:], c[1:], rtol=1e-2)

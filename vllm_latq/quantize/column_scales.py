@@ -120,11 +120,12 @@ def folded_norm_weight(weight: torch.Tensor, c: torch.Tensor, unit_offset: bool)
     applies (``γ/γ'`` in fp32): fold those into W, and the pair is exact up to fp32 rounding."""
     one = 1.0 if unit_offset else 0.0
     g = weight.float() + one
-    new = (g / c - one).to(weight.dtype)
+    dead = g == 0          # γ_j = 0 (Gemma3-270M has such channels): input j is always 0, any c_j fits
+    new = torch.where(dead, weight.float(), g / c - one).to(weight.dtype)
     g_new = new.float() + one
-    if (g_new == 0).any() or (g == 0).any():
-        raise ValueError("a norm channel has weight γ = 0: its column scale is undefined")
-    return new, g / g_new
+    if (g_new[~dead] == 0).any():
+        raise ValueError("a folded norm weight rounds to γ′ = 0: column scale out of the weight dtype's range")
+    return new, torch.where(dead, torch.ones_like(g), g / torch.where(dead, torch.ones_like(g_new), g_new))
 
 
 @dataclass
