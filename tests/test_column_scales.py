@@ -133,10 +133,15 @@ def test_checkpoint_computes_the_model_and_keeps_the_certificate(arch, tmp_path)
     norm = "model.layers.0.input_layernorm.weight"
     assert not torch.equal(ck.tensor(norm), Checkpoint(tmp_path / "g8-none").tensor(norm))
 
-    certs = {}
+    certs, hess = {}, {}
+
+    def on_layer(n, W, H, r):
+        certs[n], hess[n] = (r.error(W, H) / r.bound).max(), H
+
     quantize_model(src, tmp_path / "hptq", QuantizeOptions(method="hptq", column_scales="norm", **TINY_OPTS),
-                   progress=False, on_layer=lambda n, W, H, r: certs.__setitem__(n, (r.error(W, H) / r.bound).max()))
+                   progress=False, on_layer=on_layer)
     assert len(certs) == 14 and max(certs.values()) <= 1.0
+    assert all(torch.allclose(H, H.T, rtol=1e-12) for H in hess.values())   # the folded Hessians are whole, symmetric matrices
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
@@ -151,3 +156,14 @@ def test_folded_norm_weight_is_exact_and_keeps_dead_channels(unit_offset):
     g, g_new = w.float() + one, new.float() + one
     assert torch.allclose(g_new * c_eff, g, rtol=1e-6)
     assert torch.allclose(c_eff[1:], c[1:], rtol=1e-2)
+
+
+def test_folded_hessian_of_a_wide_panel_hessian_is_whole():
+    """A PanelHessian wider than one panel sums only its upper triangle: the folded Hessian
+    must be built from the symmetric ``.H`` (on Gemma3's 640-wide inputs it was not)."""
+    from vllm_latq.quantize.hessian import PANEL, PanelHessian
+    h = PanelHessian(PANEL + 88)
+    h.add(torch.randn(700, PANEL + 88))
+    c = torch.rand(PANEL + 88) + 0.5
+    got = cs._scaled_hessian(h, c).H
+    assert torch.allclose(got, cs.fold_hessian(h.H, c), rtol=1e-12) and torch.allclose(got, got.T, rtol=1e-12)

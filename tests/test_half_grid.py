@@ -10,14 +10,14 @@ from vllm_latq.quantize.solvers import gptq
 from vllm_latq.quantize.ssqr import ssqr
 
 
-def _on_half_grid(res, bits):
+def _on_grid(res, bits, offset=0.5):
     S = expand(res.scales, res.group_size, tuple(res.q.shape))
     inl = torch.ones_like(res.q, dtype=torch.bool)
     if res.outliers is not None:
         inl &= res.outliers.to_dense() == 0
     qmin, qmax = grid(bits)
     assert res.z.min() >= qmin and res.z.max() <= qmax
-    assert torch.allclose(res.q[inl], ((res.z.float() + 0.5) * S)[inl], rtol=1e-6, atol=0)
+    assert torch.allclose(res.q[inl], ((res.z.float() + offset) * S)[inl], rtol=1e-6, atol=0)
 
 
 def test_half_grid_scales_and_gptq(real_hessians):
@@ -25,7 +25,7 @@ def test_half_grid_scales_and_gptq(real_hessians):
     S = mse_scales(W, 2, 128, offset=0.5)
     assert not torch.equal(S, mse_scales(W, 2, 128))
     res = gptq(W, H.float(), bits=2, offset=0.5)
-    _on_half_grid(res, 2)
+    _on_grid(res, 2)
     free = gptq(W, H.float(), bits=2, offset=0.5, clip=False)   # unclipped: the certificate, on the shifted lattice
     assert (free.error(W, H) <= free.bound * (1 + 1e-4)).all()
 
@@ -36,7 +36,7 @@ def test_ssqr_half_grid_overflows_both_ways(real_hessians):
     for offset in (0.0, 0.5):
         res = ssqr(W, H.float(), bits=2, outlier_rate=0.01, offset=offset)
         assert res.outliers.nnz <= 0.01 * W.numel()
-        _on_half_grid(res, 2)
+        _on_grid(res, 2, offset)
         side[offset] = (res.outliers.val.float() > 0).float().mean().item()
     assert max(side[0.0], 1 - side[0.0]) > 0.85          # the lopsided {−2..1} grid: one side
     assert 0.25 < side[0.5] < 0.75, side

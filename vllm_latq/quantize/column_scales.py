@@ -147,8 +147,10 @@ class BlockFolding:
 
 
 def _scaled_hessian(h: Hessian, c: torch.Tensor) -> Hessian:
+    """The folded linear's Hessian, from ``h.H`` (a :class:`PanelHessian` sums only its upper
+    triangle: ``.H`` is the symmetric matrix)."""
     out = Hessian(h.sum.shape[0], h.sum.device)
-    out.sum, out.n = fold_hessian(h.sum, c), h.n
+    out.sum, out.n = fold_hessian(h.H, c) * h.n, h.n
     return out
 
 
