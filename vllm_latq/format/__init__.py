@@ -27,11 +27,11 @@ from .layer import (DENSE_TENSORS, HUFFMAN_TENSORS, LAYER_TENSORS, col_dtype, de
                     dequantize_layer, encode_layer, expected_shapes, huffman_stream, layer_bits, layer_stats,
                     split_name, tensor_dtype, validate_layer)
 from .packing import PACK_CHUNK_ELEMS, PACK_TILE, pack, packed_words, unpack, unpack_at
-from .spec import (BUDGET_SLACK, DENSE_METHODS, FORMAT_VERSION, HUFFMAN_METHODS, METHODS, ORDERS, QUANT_METHOD,
+from .spec import (BUDGET_SLACK, COLUMN_SCALE_FOLDS, DENSE_METHODS, FORMAT_VERSION, HUFFMAN_METHODS, METHODS, ORDERS, QUANT_METHOD,
                    QuantSpec, check_budget, kind_of, parse_quantization_config, quantization_config)
 
 __all__ = [
-    "BUDGET_SLACK", "DENSE_METHODS", "DENSE_TENSORS", "FORMAT_VERSION", "FormatError", "HUFFMAN_METHODS",
+    "BUDGET_SLACK", "COLUMN_SCALE_FOLDS", "DENSE_METHODS", "DENSE_TENSORS", "FORMAT_VERSION", "FormatError", "HUFFMAN_METHODS",
     "HUFFMAN_TENSORS", "LAYER_TENSORS", "METHODS", "ORDERS", "PACK_CHUNK_ELEMS", "PACK_TILE", "QUANT_METHOD",
     "QuantSpec", "check_budget", "col_dtype", "csr_from_mask", "csr_rows", "decode_integers", "dequantize",
     "dequantize_layer", "encode_layer", "expected_shapes", "tensor_dtype", "huffman_stream", "kind_of", "layer_bits",

@@ -17,6 +17,9 @@ DENSE_METHODS = ("ssqr", "gptq", "rtn", "babai")
 HUFFMAN_METHODS = ("hptq", "hrtn")
 METHODS = DENSE_METHODS + HUFFMAN_METHODS
 ORDERS = ("act", "min-pivot", "natural", "reverse")
+# where per-input-column scales were folded (quantize/column_scales.py): "norm" = into the norm
+# feeding q/k/v and gate/up; the checkpoint's tensors already carry them, readers need nothing
+COLUMN_SCALE_FOLDS = ("norm",)
 
 
 def kind_of(method: str) -> str:
@@ -42,6 +45,8 @@ class QuantSpec:
     modules_not_converted: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
     layer_bits: tuple[tuple[str, int], ...] = ()   # dense: (module, inlier bits) overriding ``bits``
+    column_scale_fold: str | None = None          # "norm": column scales folded into norms; None: none
+    column_scale_power: float | None = None       # their exponent p in c ∝ D^p
 
     def is_converted(self, module: str) -> bool:
         """False for a module listed in ``modules_not_converted`` (or below one)."""
@@ -55,10 +60,12 @@ class QuantSpec:
 def quantization_config(method: str, *, bits: int | None = None, group_size: int | None = None,
                         outlier_rate: float | None = None, target_bits: float | None = None,
                         order: str | None = None, damp: float | None = None,
-                        modules_not_converted=(), layer_bits: dict | None = None, **extra) -> dict:
+                        modules_not_converted=(), layer_bits: dict | None = None,
+                        column_scales: dict | None = None, **extra) -> dict:
     """The ``quantization_config`` dict written to ``config.json`` (keys as in docs/FORMAT.md).
-    Only the keys that apply to ``method`` are set; ``extra`` (e.g. ``calibration``) is
-    informational and ignored by readers."""
+    Only the keys that apply to ``method`` are set (``column_scales`` ``{"fold", "power"}``
+    only when used, so checkpoints without it are unchanged); ``extra`` (e.g. ``calibration``)
+    is informational and ignored by readers."""
     kind = kind_of(method)
     qc = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
           "bits": int(bits) if kind == "dense" else None,
@@ -73,6 +80,8 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
     qc["modules_not_converted"] = sorted(modules_not_converted)
     if layer_bits:
         qc["layer_bits"] = {k: int(v) for k, v in sorted(layer_bits.items())}
+    if column_scales:
+        qc["column_scales"] = dict(column_scales)
     qc.update(extra)
     parse_quantization_config(qc)  # never write what we cannot read
     return qc
@@ -137,10 +146,31 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 8:
             raise FormatError(f"quantization_config.layer_bits[{m!r}] must be an integer in 2..8, got {b!r}",
                               file=file)
+    fold, power = _column_scales(qc.get("column_scales"), method, file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
-             "order", "damp", "modules_not_converted", "layer_bits"}
+             "order", "damp", "modules_not_converted", "layer_bits", "column_scales"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
-                     {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())))
+                     {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())), fold, power)
+
+
+def _column_scales(cs, method: str, file) -> tuple[str | None, float | None]:
+    """``quantization_config.column_scales``: absent/null, or ``{"fold": "norm", "power": p ≥ 0}``
+    for a method that has a Hessian (the scales are computed from it)."""
+    if cs is None:
+        return None, None
+    if not isinstance(cs, dict) or set(cs) != {"fold", "power"}:
+        raise FormatError(f"quantization_config.column_scales must be null or {{\"fold\", \"power\"}}, got {cs!r}",
+                          file=file)
+    if cs["fold"] not in COLUMN_SCALE_FOLDS:
+        raise FormatError(f"quantization_config.column_scales.fold is {cs['fold']!r}, expected one of "
+                          f"{COLUMN_SCALE_FOLDS}", file=file)
+    power = _num(cs["power"], "column_scales.power", file)
+    if power < 0:
+        raise FormatError(f"quantization_config.column_scales.power must be >= 0, got {power}", file=file)
+    if method in ("rtn", "hrtn"):
+        raise FormatError(f"quantization_config.column_scales needs a calibrated method (computed from the Hessian), "
+                          f"not {method}", file=file)
+    return cs["fold"], float(power)
 
 
 BUDGET_SLACK = 1e-9

@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lm-head-bits", type=int, default=None, metavar="N",
                    help="quantize the output head with N-bit inliers (implies --quantize-lm-head; dense methods). "
                         "8 keeps its error negligible while halving the bytes it streams per token")
+    g.add_argument("--column-scales", default=d.column_scales, choices=("none",) + fmt.COLUMN_SCALE_FOLDS,
+                   help="norm: per-input-column scales c ∝ sqrt(D) folded into the norms feeding q/k/v and "
+                        "gate/up (free at serving time; needs a calibrated method). Default none")
     c = ap.add_argument_group("calibration")
     c.add_argument("--calib", default=d.calib,
                    help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
                                compute_dtype=a.compute_dtype,
                                quantize_lm_head=a.quantize_lm_head or a.lm_head_bits is not None,
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
-                               moe_route_all=a.moe_route_all)
+                               moe_route_all=a.moe_route_all, column_scales=a.column_scales)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except SimulatedInterruption as e:

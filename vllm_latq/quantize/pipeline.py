@@ -43,6 +43,7 @@ from .. import format as fmt
 from . import lattice
 from .calibrate import block_hessians
 from .capture import block_inputs, block_outputs
+from .column_scales import fold_block
 from .finalize import finalize
 from .head import head_plan, quantize_head
 from . import solve as solving
@@ -96,6 +97,10 @@ class QuantizeOptions:
     # blended with all the block's tokens (quantize/moe.py); route_all: every token through every expert
     moe_min_tokens: int = 128
     moe_route_all: bool = False
+    # per-input-column scales c ∝ D^power folded into the norms feeding q/k/v and gate/up
+    # ("norm", quantize/column_scales.py; free at serving time) or "none"
+    column_scales: str = "none"
+    column_scale_power: float = 0.5
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -108,6 +113,9 @@ class QuantizeOptions:
             raise ValueError(f"compute dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if self.moe_min_tokens < 1:
             raise ValueError(f"moe_min_tokens must be >= 1, got {self.moe_min_tokens}")
+        if self.column_scales not in ("none",) + fmt.COLUMN_SCALE_FOLDS:
+            raise ValueError(f"column_scales must be one of none, {', '.join(fmt.COLUMN_SCALE_FOLDS)}, "
+                             f"got {self.column_scales!r}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -161,6 +169,8 @@ class QuantizeOptions:
             target_bits=self.target_bits, order=self.order, damp=self.damp,
             modules_not_converted=modules_not_converted,
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
+            column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
+                                                                     "power": self.column_scale_power},
             calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}))
 
     def head_options(self) -> "QuantizeOptions":
@@ -219,8 +229,13 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         t0 = time.time()
         hessians = block_hessians(layer, linears, inps, kw, f"block {i}", progress) if opts.calibrated else None
         t1 = time.time()
-        shard = solving.solve_block(src, i, linears, hessians, quantize, device, progress, opts.moe_min_tokens,
-                                    opts.moe_route_all)
+        folding = None
+        if opts.column_scales != "none":
+            folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, inps[:1], kw,
+                                 power=opts.column_scale_power, order=opts.order, damp=opts.damp,
+                                 stored=src.weights.get)
+        shard = solving.solve_block(src, i, linears, hessians, quantize if folding is None else folding.wrap(quantize),
+                                    device, progress, opts.moe_min_tokens, opts.moe_route_all)
         hessians = None
         t2 = time.time()
         if opts.calibrated:
@@ -228,6 +243,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
                  t2 - t1, time.time() - t2)
         shard.update(src.kept_block_tensors(i, linears))
+        shard.update(folding.norm_tensors if folding else {})
         run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, inps)
         hf_model.to_meta(layer)
         if stop_after_block is not None and i == stop_after_block:

@@ -49,8 +49,9 @@ def to_fp16_grid(s: torch.Tensor, what: str = "scale") -> torch.Tensor:
     return s.clamp(min=FP16_TINY).half().float()
 
 
-def _absmax(Wg: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """``[..., group_size]`` groups → the smallest scale putting each on the clipped grid."""
+def _absmax(Wg: torch.Tensor, qmin: float, qmax: float) -> torch.Tensor:
+    """``[..., group_size]`` groups → the smallest scale putting each on the clipped grid
+    ``[qmin, qmax]`` (grid points ``(z + offset)`` are passed already shifted)."""
     return torch.maximum(Wg.amax(-1) / qmax, Wg.amin(-1) / qmin)
 
 
@@ -60,7 +61,7 @@ def absmax_scales(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 
 def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10, fine: int = 8,
-               min_shrink: float = 0.2, row_chunk: int = 128) -> torch.Tensor:
+               min_shrink: float = 0.2, row_chunk: int = 128, offset: float = 0.0) -> torch.Tensor:
     """Per-group scales minimising the clipped-RTN squared error: absmax shrunk by the best
     factor in ``[min_shrink, 1]``, searched per group coarse-to-fine (``coarse`` evenly
     spaced factors, then ``fine`` factors between the best one's neighbours: the resolution
@@ -69,22 +70,26 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
     The code below is the definition; on CPU tensors the C++ op ``latq_cpu::mse_scales``
     (``quantize/csrc/scales.cpp``; 4096², 4 bits: ~26 vs ~210 ms on 2 threads) runs the same
     arithmetic group by group, its errors summed in another order (a near-tie may pick the
-    other, equally good scale)."""
+    other, equally good scale).
+
+    ``offset``: the grid is ``s·(z + offset)`` (½: the symmetric half-integer grid, screened in
+    ``bench/levers.py``; only the code below runs it)."""
     qmin, qmax = grid(bits)
     step = (1.0 - min_shrink) / (coarse - 1)
-    if W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():
+    if not offset and W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():
         S = torch.ops.latq_cpu.mse_scales(W.float().contiguous(), bits, group_size, coarse, fine, min_shrink)
         return to_fp16_grid(S)  # a group fp16 cannot hold comes back NaN: the same ValueError
     out = []
     for Wc in W.float().split(row_chunk):  # small chunks: the temporaries stay in cache
         Wg = _grouped(Wc, group_size)
-        base = to_fp16_grid(_absmax(Wg, qmin, qmax))
+        base = to_fp16_grid(_absmax(Wg, qmin + offset, qmax + offset))
         buf = torch.empty_like(Wg)
         best = None                          # (factor, scale, error) per group
 
         def consider(f, best):
             s = to_fp16_grid(base * f)
-            torch.div(Wg, s[..., None], out=buf).round_().clamp_(qmin, qmax).mul_(s[..., None]).sub_(Wg)
+            torch.div(Wg, s[..., None], out=buf).sub_(offset).round_().clamp_(qmin, qmax).add_(offset)
+            buf.mul_(s[..., None]).sub_(Wg)
             err = torch.linalg.vecdot(buf, buf)
             f = torch.as_tensor(f, device=s.device).expand_as(s)   # a float (coarse) or a tensor (fine)
             if best is None:

@@ -210,14 +210,24 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
 
 
 def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
-               rounder: Rounder, block_size: int = 128, keep_rho: bool = False) -> Sweep:
+               rounder: Rounder, block_size: int = 128, keep_rho: bool = False, offset: float = 0.0) -> Sweep:
     """Paper Alg. 1 in GPTQ's lazy-batch form: each column's error ``(w − q)/U_jj · U_jl``
     goes to the later columns — here :func:`back_substitution` on W in Babai's frame,
     propagating errors through ``A⁻¹``. ``W``: ``[out, in]``; ``scales``: see
-    :func:`_scale_table`."""
+    :func:`_scale_table`.
+
+    ``offset`` (e.g. ½): the grid is ``s·(z + offset)``, a shifted lattice. Rounding W on it is
+    rounding ``W − offset·s`` on the integers and shifting back (the error, hence the
+    certificate, is unchanged); outliers are re-rounded to fp16 after the shift."""
     T = lat.T
-    return back_substitution(lat.M, T, _rows(W, T, lat.M.dtype), scales, group_size, rounder, True,
-                             block_size, keep_rho)
+    shift = offset * expand(scales.to(W.device).float(), group_size, tuple(W.shape)) if offset else None
+    sw = back_substitution(lat.M, T, _rows(W if shift is None else W - shift, T, lat.M.dtype), scales, group_size,
+                           rounder, True, block_size, keep_rho)
+    if shift is not None:
+        sw.q += shift
+        if sw.outlier is not None:
+            sw.q[sw.outlier] = sw.q[sw.outlier].half().to(sw.q.dtype)
+    return sw
 
 
 # ----------------------------------------------------------------------------- Babai
@@ -245,10 +255,10 @@ def dense_bits(z: torch.Tensor, bits: int | None, clip: bool, group_size: int | 
     return width + 16 * n_scales / z.numel()
 
 
-def _scales_for(W, bits, group_size, scales):
+def _scales_for(W, bits, group_size, scales, offset: float = 0.0):
     if scales is not None:
         return scales.float(), (None if scales.dim() == 0 else group_size)
-    return mse_scales(W, bits, group_size), group_size
+    return mse_scales(W, bits, group_size, offset=offset), group_size
 
 
 def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col, W) -> QuantResult:
@@ -277,7 +287,8 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
 @torch.no_grad()
 def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
          damp: float = 0.01, clip: bool = True, scales: torch.Tensor | None = None,
-         block_size: int = 128, keep_rho: bool = False, name: str | None = None) -> QuantResult:
+         block_size: int = 128, keep_rho: bool = False, offset: float = 0.0,
+         name: str | None = None) -> QuantResult:
     """GPTQ (paper Alg. 1): columns processed first-to-last in ``order`` (a name from
     ``lattice.ORDERS`` or a permutation), each rounded and its error spread over the
     unprocessed columns through the Cholesky factor of ``H⁻¹``.
@@ -285,12 +296,13 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     W ``[out, in]``; H ``[in, in]`` (= XᵀX, undamped; λ = damp·mean diag H is added).
     ``clip=False`` rounds to unbounded integers and fills ``.bound`` (the certificate).
     ``scales`` (``[out, ngroups]`` or a scalar) overrides the MSE group scales.
-    ``keep_rho`` keeps the rounded arguments ω/s in ``info["rho"]``.
+    ``keep_rho`` keeps the rounded arguments ω/s in ``info["rho"]``. ``offset``: the grid
+    ``s·(z + offset)`` (:func:`gptq_sweep`; the checkpoint format has no offset yet).
     """
     lattice.check_inputs(W, H, name)
-    scales, group_size = _scales_for(W, bits, group_size, scales)
+    scales, group_size = _scales_for(W, bits, group_size, scales, offset)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
-    sw = gptq_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
+    sw = gptq_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho, offset)
     return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W)
 
 

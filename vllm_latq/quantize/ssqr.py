@@ -26,20 +26,21 @@ def ssqr_bits(shape: tuple[int, int], bits: int, n_scales: int, nnz: int) -> flo
 @torch.no_grad()
 def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128,
          outlier_rate: float = 0.01, order="act", damp: float = 0.01, block_size: int = 128,
-         tol: float = 5e-4, name: str | None = None) -> QuantResult:
+         tol: float = 5e-4, offset: float = 0.0, name: str | None = None) -> QuantResult:
     """W ``[out, in]``, H ``[in, in]`` → inliers ``.z`` (0 at outliers), ``.scales``
     ``[out, ngroups]`` = α·MSE scales (those the search ran with), ``.outliers`` (CSR), ``.bound``.
     The outlier rate achieved is ≤ ``outlier_rate`` and within ``tol`` of it when reachable;
-    H is factorized once for the whole search."""
+    H is factorized once for the whole search. ``offset`` (½: the symmetric half-integer grid
+    ``s·(z + ½)``, screened in ``bench/levers.py``) shifts the grid (:func:`.solvers.gptq_sweep`)."""
     lattice.check_inputs(W, H, name)
     if not 0 <= outlier_rate < 1:
         raise ValueError(f"outlier_rate must be in [0, 1), got {outlier_rate}")
-    S0 = mse_scales(W, bits, group_size)
+    S0 = mse_scales(W, bits, group_size, offset=offset)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
     rounder = Rounder.of(bits, clip=False, outliers=True)
 
     def run(Wr, S):
-        return gptq_sweep(lat, Wr, S, group_size, rounder, block_size)
+        return gptq_sweep(lat, Wr, S, group_size, rounder, block_size, offset=offset)
 
     def rates(sw, k):
         return sw.outlier.reshape(k, -1).float().mean(1).tolist()

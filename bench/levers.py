@@ -1,0 +1,290 @@
+"""Screen of the accuracy levers of issue #21 §3 on real SmolLM2-135M layers.
+
+Per lever, at 2/3/4 bits, against the same method without it: the H-weighted layer error
+``‖X(q−w)‖²/‖Xw‖²`` (summed over the four cached real layers of ``tests/helpers.REAL_LAYERS``),
+stored bits/weight and served bits/weight (the CPU family's cost model,
+``kernels/served.layer_served``; for a lever that changes the runtime form, the form it would
+need). Levers:
+
+(a) half   symmetric half-integer grid ``s·(z+½)`` (GPTQ and SSQR-1 %)
+(b) target target correction: solve against ``W′ = (X̃ᵀX̃+λI)⁻¹X̃ᵀX W`` on one real block whose
+           prefix was quantized (GPTQ at the same bits); error against the full-precision XWᵀ
+(c) cols   per-input-column scales ``c ∝ D^p`` folded into the norm (q_proj, up_proj) or an
+           activation multiply (o_proj, down_proj: +16/n bits served)
+(d) s3     second-level 3-bit scales (SpQR-style: blocks of 16 scales, fp16 min and step each)
+(e) group  SSQR and GPTQ at group sizes 64 and 32
+(f) code   HPTQ's integers under a compact codebook (lengths over the symbol range) and an
+           ideal entropy coder (ANS's bound)
+
+    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import numpy as np
+import torch
+
+from tests.helpers import real_layer_hessians
+from vllm_latq import format as fmt
+from vllm_latq.format import huffman
+from vllm_latq.kernels.served import families, layer_served
+from vllm_latq.quantize import column_scales as cs
+from vllm_latq.quantize.hptq import SCALE_BITS, hptq
+from vllm_latq.quantize.lattice import layer_error
+from vllm_latq.quantize.scales import mse_scales, to_fp16_grid
+from vllm_latq.quantize.solvers import gptq
+from vllm_latq.quantize.ssqr import ssqr
+
+NORM_FED = ("q_proj", "up_proj")   # of REAL_LAYERS: the ones a norm feeds (their scales fold for free)
+
+
+def served_bits(res, W) -> float:
+    """Bits/weight the first (CPU) kernel family streams for ``res``'s runtime form."""
+    kind = "huffman" if res.group_size is None and res.bits is None else "dense"
+    t = fmt.encode_layer(res, kind)
+    fam = families()[0]
+    return layer_served(t, kind, tuple(W.shape), res.bits, res.group_size, [fam])[fam.name]["bits_per_weight"]
+
+
+class Tally:
+    """Summed layer error over layers, and numel-weighted bits."""
+
+    def __init__(self):
+        self.err = self.norm = self.numel = self.stored = self.served = 0.0
+
+    def add(self, W, H, Q, stored: float, served: float):
+        self.err += layer_error(W, Q, H).sum().item()
+        self.norm += layer_error(W, torch.zeros_like(W), H).sum().item()
+        n = W.numel()
+        self.numel += n
+        self.stored += stored * n
+        self.served += served * n
+
+    def row(self):
+        return self.err / self.norm, self.stored / self.numel, self.served / self.numel
+
+
+def run_layers(layers, solve) -> tuple[float, float, float]:
+    """``solve(name, W, H) -> (Q, stored, served)`` over every layer → (rel. error, stored, served)."""
+    t = Tally()
+    for name, (W, H) in layers.items():
+        Q, stored, served = solve(name, W, H)
+        t.add(W, H, Q, stored, served)
+    return t.row()
+
+
+def plain(method, **kw):
+    def solve(name, W, H):
+        r = method(W, H, **kw)
+        return r.q, r.bits_per_weight, served_bits(r, W)
+    solve.key = (method.__name__, tuple(sorted(kw.items())))   # baselines are run once per key
+    return solve
+
+
+def column_scaled(method, power, **kw):
+    """The method on ``W·diag(c)`` against ``diag(1/c)H diag(1/c)``; o_proj/down_proj pay a
+    served fp16 activation-scale vector (16/n bits/weight)."""
+    def solve(name, W, H):
+        c = cs.column_scales(H, power=power)
+        r = method(cs.fold_weight(W, c), cs.fold_hessian(H, c), **kw)
+        extra = 0.0 if name.endswith(NORM_FED) else 16 / W.shape[0]
+        return cs.unfold(r.q, c), r.bits_per_weight + extra, served_bits(r, W) + extra
+    return solve
+
+
+def quantize_scales(S: torch.Tensor, bits: int = 3, block: int = 16) -> torch.Tensor:
+    """SpQR-style second-level scales: each run of ``block`` consecutive rows of a group's
+    scales on a ``bits``-bit min/step grid (min and step in fp16) → fp16-exact scales."""
+    r, G = S.shape
+    pad = (-r) % block
+    Sb = torch.nn.functional.pad(S.T, (0, pad), value=float("nan")).reshape(G, -1, block)
+    lo = to_fp16_grid(torch.nan_to_num(Sb, nan=math.inf).amin(-1, keepdim=True))
+    step = to_fp16_grid((torch.nan_to_num(Sb, nan=-math.inf).amax(-1, keepdim=True) - lo) / (2 ** bits - 1))
+    q = lo + torch.round((Sb - lo) / step).clamp(0, 2 ** bits - 1) * step
+    return to_fp16_grid(q.reshape(G, -1)[:, :r].T.contiguous())
+
+
+def scales3(bits, group_size):
+    """GPTQ on 3-bit second-level scales: 3 bits + 32/16 bits of (min, step) per scale."""
+    def solve(name, W, H):
+        r = gptq(W, H, bits=bits, group_size=group_size, scales=quantize_scales(mse_scales(W, bits, group_size)))
+        saved = 11 * r.scales.numel() / W.numel()   # 16 → 5 bits per scale, stored and (with a kernel change) served
+        return r.q, r.bits_per_weight - saved, served_bits(r, W) - saved
+    return solve
+
+
+def codings(layers, bits) -> dict[str, float]:
+    """HPTQ at ``bits``: stored bits/weight today, with a compact codebook (5-bit code lengths
+    over [zmin, zmax] + two int32 bounds instead of 40 bits/symbol), and at the empirical
+    entropy (+ the same codebook and chunk table: what ANS approaches)."""
+    tot = {"huffman": 0.0, "compact": 0.0, "entropy": 0.0}
+    numel = 0
+    for W, H in layers.values():
+        z = hptq(W, H, target_bits=bits).z.numpy().ravel()
+        n = z.size
+        _, counts = np.unique(z, return_counts=True)
+        lengths = huffman.code_lengths(counts)
+        payload = int((counts * lengths).sum())
+        chunks = 16 * (-(-n // huffman.CHUNK))
+        compact_book = 64 + 5 * int(z.max() - z.min() + 1)
+        p = counts / n
+        tot["huffman"] += huffman.stored_bits(payload, len(counts), n) + SCALE_BITS
+        tot["compact"] += 8 * (-(-payload // 8)) + compact_book + chunks + SCALE_BITS
+        tot["entropy"] += float(-(counts * np.log2(p)).sum()) + compact_book + chunks + SCALE_BITS
+        numel += n
+    return {k: v / numel for k, v in tot.items()}
+
+
+# ----------------------------------------------------------------------------- (b) target correction
+
+@torch.no_grad()
+def block_streams(block: int, bits: int, nseq: int, seqlen: int):
+    """SmolLM2's block ``block`` run on the inputs of the full-precision prefix (X) and of the
+    prefix quantized by GPTQ-``bits`` g128 (X̃, the pipeline's way: Hessians from the unquantized
+    block on the quantized prefix's outputs) → {linear: (W, X̃ rows, X rows)}."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_latq import data, hf_model
+    from vllm_latq.quantize import capture
+    from vllm_latq.quantize.calibrate import block_hessians
+
+    mdir = data.model_dir("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
+    ids = data.calibration_batches(AutoTokenizer.from_pretrained(mdir), nsamples=nseq, seqlen=seqlen)
+    prefix, layers = hf_model.decoder_layers(model)
+    x, kwargs = capture.capture_inputs(model, layers, ids, model.config.hidden_size, torch.float32, "cpu", False)
+    kw = kwargs[0]
+    x_fp, x_q = x, x.clone()
+    for i in range(block):
+        x_fp = capture.block_outputs(layers[i], x_fp, kw, "", False)
+        qlayer = copy.deepcopy(layers[i])
+        lin = hf_model.block_linears(qlayer, f"{prefix}.{i}")
+        hs = block_hessians(qlayer, lin, x_q, kw, "", False)
+        for n, m in lin.items():
+            hf_model.set_tensor(m, "weight", gptq(m.weight.detach(), hs.of[n].H, bits=bits).q)
+        x_q = capture.block_outputs(qlayer, x_q, kw, "", False)
+    lin = hf_model.block_linears(layers[block], f"{prefix}.{block}")
+    rows = {n: [] for n in lin}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: rows[n].append(a[0].reshape(-1, a[0].shape[-1])))
+             for n, m in lin.items()]
+    with torch.no_grad():
+        for xs in (x_q, x_fp):
+            capture.block_outputs(layers[block], xs, kw, "", False)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for n, m in lin.items():
+        r = torch.cat(rows[n])
+        out[n] = (m.weight.detach().float(), r[: len(r) // 2].double(), r[len(r) // 2:].double())
+    return out
+
+
+def corrected_target(W, Xq, X, damp=0.01) -> torch.Tensor:
+    """``W′ = W·(X̃ᵀX)ᵀ(X̃ᵀX̃ + λI)⁻¹``: the least-squares weight mapping X̃ to XWᵀ."""
+    Hq = Xq.T @ Xq
+    Hq.diagonal().add_(damp * Hq.diagonal().mean())
+    C = Xq.T @ X
+    return torch.linalg.solve(Hq, C @ W.double().T).T.float()
+
+
+def target_rows(streams, bits) -> list[tuple]:
+    rows = []
+    for label, method, kw in (("gptq g128", gptq, dict(bits=bits)), ("ssqr-1% g128", ssqr, dict(bits=bits))):
+        err = {False: 0.0, True: 0.0}
+        norm = 0.0
+        for W, Xq, X in streams.values():
+            Y = X @ W.double().T
+            H = Xq.T @ Xq
+            norm += Y.square().sum().item()
+            for corr in (False, True):
+                Wt = corrected_target(W, Xq, X) if corr else W
+                Q = method(Wt, H, **kw).q.double()
+                err[corr] += (Xq @ Q.T - Y).square().sum().item()
+        rows.append(("b target", label, bits, err[False] / norm, err[True] / norm, None, None, None, None))
+    return rows
+
+
+# ----------------------------------------------------------------------------- the screen
+
+def screen(bits_list, block, skip_target, nseq, seqlen, powers, only):
+    layers = {k: (W, H.float()) for k, (W, H) in real_layer_hessians().items()}
+    rows = []   # (lever, method, bits, err base, err lever, stored base, stored lever, served base, served lever)
+
+    done = {}
+
+    def pair(lever, label, b, base, new):
+        if base.key not in done:
+            done[base.key] = run_layers(layers, base)
+        e0, s0, v0 = done[base.key]
+        e1, s1, v1 = run_layers(layers, new)
+        add((lever, label, b, e0, e1, s0, s1, v0, v1))
+
+    def add(row):
+        rows.append(row)
+        print_row(row)
+
+    for b in [] if only else bits_list:
+        pair("a half", "gptq g128", b, plain(gptq, bits=b), plain(gptq, bits=b, offset=0.5))
+        pair("a half", "ssqr-1% g128", b, plain(ssqr, bits=b), plain(ssqr, bits=b, offset=0.5))
+        for p in powers:
+            pair(f"c cols p={p}", "hptq", b, plain(hptq, target_bits=b), column_scaled(hptq, p, target_bits=b))
+            pair(f"c cols p={p}", "gptq g128", b, plain(gptq, bits=b), column_scaled(gptq, p, bits=b))
+            pair(f"c cols p={p}", "ssqr-1% g128", b, plain(ssqr, bits=b), column_scaled(ssqr, p, bits=b))
+        pair("d s3", "gptq g128 → g64+s3", b, plain(gptq, bits=b), scales3(b, 64))
+        pair("d s3", "gptq g64 → g64+s3", b, plain(gptq, bits=b, group_size=64), scales3(b, 64))
+        for g in (64, 32):
+            pair("e group", f"ssqr-1% g128 → g{g}", b, plain(ssqr, bits=b), plain(ssqr, bits=b, group_size=g))
+            pair("e group", f"gptq g128 → g{g}", b, plain(gptq, bits=b), plain(gptq, bits=b, group_size=g))
+        c = codings(layers, b)
+        add(("f code", "hptq compact book", b, None, None, c["huffman"], c["compact"], None, None))
+        add(("f code", "hptq entropy (ANS)", b, None, None, c["huffman"], c["entropy"], None, None))
+    if not skip_target:
+        for b in bits_list:
+            for row in target_rows(block_streams(block, b, nseq, seqlen), b):
+                add(row)
+    return rows
+
+
+def _f(x, fmt_="{:.4f}"):
+    return "—" if x is None else fmt_.format(x)
+
+
+def print_row(row):
+    lever, label, b, e0, e1, s0, s1, v0, v1 = row
+    ratio = e1 / e0 if e0 else None
+    print(f"| {lever} | {label} | {b} | {_f(e0, '{:.4g}')} → {_f(e1, '{:.4g}')} | {_f(ratio, '{:.3f}')} | "
+          f"{_f(s0)} → {_f(s1)} | {_f(v0)} → {_f(v1)} |", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--block", type=int, default=3, help="(b): the SmolLM2 block whose prefix is quantized")
+    ap.add_argument("--nseq", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--skip-target", action="store_true", help="skip (b) (loads the model)")
+    ap.add_argument("--only-target", dest="only", action="store_true", help="only (b)")
+    ap.add_argument("--powers", type=float, nargs="+", default=[0.5], help="(c): exponents p of c ∝ D^p")
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    t0 = time.time()
+    print("| lever | method | bits | rel. error base → lever | ratio | stored b/w base → lever | "
+          "served b/w (CPU) base → lever |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    rows = screen(a.bits, a.block, a.skip_target, a.nseq, a.seqlen, a.powers, a.only)
+    best = {}
+    for lever, label, b, e0, e1, *_ in rows:
+        if e0:
+            key = lever.split()[0]
+            best[key] = min(best.get(key, math.inf), e1 / e0)
+    head = " ".join(f"best_err_ratio_{k}={v:.3f}" for k, v in sorted(best.items()))
+    print(f"HEADLINE {head} seconds={time.time() - t0:.0f}")
+
+
+if __name__ == "__main__":
+    main()
