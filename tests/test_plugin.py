@@ -300,7 +300,7 @@ def test_falcon_qkv_in_vllm_loader_order(kind, tp):
                       input_size_per_partition=cin, total_num_heads=heads, total_num_kv_heads=kv, head_size=hd,
                       v_head_size=hd, num_heads=heads // tp, num_kv_heads=nkv, num_kv_head_replicas=rep, tp_rank=r,
                       tp_size=tp, output_sizes=[heads * hd, nkv * hd * tp, nkv * hd * tp])
-        sources = loader_rows.checkpoint_rows(hf, qkv.prefix, rows)
+        sources = loader_rows.checkpoint_rows("FalconForCausalLM", hf, qkv.prefix, rows)
         st = lm.LoadState(qkv, cfg, lm.in_loader_order(lm.geometry(qkv, [qkv.prefix]), sources))
         for name, x in t.items():
             st.add(name, x, None)
@@ -322,9 +322,9 @@ def test_bloom_qkv_refused_before_loading():
         list(BloomModel._repack_qkv(_LoaderModel(hf, (1,)), [("h.0.self_attention.query_key_value.outlier_crow",
                                                                   crow)]))
     assert re.search(r"h\.0\.self_attention\.query_key_value: vLLM's BloomModel\._repack_qkv reshapes",
-                     loader_rows.refusal(hf, "h.0.self_attention.query_key_value"))
-    assert loader_rows.refusal(hf, "h.0.mlp.dense_h_to_4h") is None
-    assert loader_rows.checkpoint_rows(hf, "h.0.self_attention.query_key_value", 384) is None
+                     loader_rows.refusal("BloomForCausalLM", "h.0.self_attention.query_key_value"))
+    assert loader_rows.refusal("BloomForCausalLM", "h.0.mlp.dense_h_to_4h") is None
+    assert loader_rows.checkpoint_rows("BloomForCausalLM", hf, "h.0.self_attention.query_key_value", 384) is None
 
 
 def test_transcode_row_scales_match_scalar_scale():

@@ -317,13 +317,13 @@ class LatqLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
-        hf_config = loader_rows.loading_hf_config()
-        refusal = loader_rows.refusal(hf_config, layer.prefix)
+        arch, hf_config = loader_rows.loading_model()
+        refusal = loader_rows.refusal(arch, layer.prefix)
         if refusal:
             raise NotImplementedError(refusal)
         geo = geometry(layer, self.config.hf_names(layer.prefix))
         if geo.fused is not None:
-            geo = in_loader_order(geo, loader_rows.checkpoint_rows(hf_config, layer.prefix, geo.fused.rows))
+            geo = in_loader_order(geo, loader_rows.checkpoint_rows(arch, hf_config, layer.prefix, geo.fused.rows))
         st = layer._latq_load = LoadState(layer, self.config, geo)
         layer._latq_act_dtype = params_dtype
         for name in names:

@@ -28,38 +28,38 @@ def _falcon_qkv(hf_config, rows: int) -> torch.Tensor:
     return torch.cat([grouped[:, :-2].reshape(-1), grouped[:, -2].reshape(-1), grouped[:, -1].reshape(-1)])
 
 
-# (HF model_type, layer name) → checkpoint row of each of vLLM's rows
-REGROUPED = {("falcon", "query_key_value"): _falcon_qkv}
-REPACKS_EVERY_TENSOR = {("bloom", "query_key_value"): "BloomModel._repack_qkv"}
+# (vLLM model class, layer name) → checkpoint row of each of vLLM's rows (vLLM's registry
+# serves RWForCausalLM, the original Falcon checkpoints, with FalconForCausalLM's loader)
+REGROUPED = {("FalconForCausalLM", "query_key_value"): _falcon_qkv,
+             ("RWForCausalLM", "query_key_value"): _falcon_qkv}
+REPACKS_EVERY_TENSOR = {("BloomForCausalLM", "query_key_value"): "BloomModel._repack_qkv"}
 
 
-def loading_hf_config():
-    """The HF config of the model vLLM is building (None for a layer built outside a model
-    load, as in unit tests: no loader regroups it)."""
+def loading_model() -> tuple[str | None, object]:
+    """The architecture vLLM is building (its model class's registry name) and its HF config;
+    (None, None) for a layer built outside a model load, as in unit tests."""
     from vllm.config import get_current_vllm_config_or_none
     model_config = getattr(get_current_vllm_config_or_none(), "model_config", None)
-    return getattr(model_config, "hf_config", None)
+    if model_config is None:
+        return None, None
+    return model_config.architecture, model_config.hf_config
 
 
-def _key(hf_config, prefix: str) -> tuple[str | None, str]:
-    return getattr(hf_config, "model_type", None), prefix.rpartition(".")[2]
-
-
-def checkpoint_rows(hf_config, prefix: str, rows: int) -> torch.Tensor | None:
-    """For the fused layer ``prefix`` (``rows`` output rows) of a model with ``hf_config``:
-    the checkpoint row that becomes each of vLLM's rows, int64 ``[rows]``; None when the
-    model's loader keeps the checkpoint's order."""
-    fn = REGROUPED.get(_key(hf_config, prefix))
+def checkpoint_rows(architecture: str | None, hf_config, prefix: str, rows: int) -> torch.Tensor | None:
+    """For the fused layer ``prefix`` (``rows`` output rows) of a model vLLM builds as
+    ``architecture``: the checkpoint row that becomes each of vLLM's rows, int64 ``[rows]``;
+    None when the model's loader keeps the checkpoint's order."""
+    fn = REGROUPED.get((architecture, prefix.rpartition(".")[2]))
     return None if fn is None else fn(hf_config, rows)
 
 
-def refusal(hf_config, prefix: str) -> str | None:
-    """Why the model's vLLM loader cannot load latq layer ``prefix``, or None."""
-    key = _key(hf_config, prefix)
-    where = REPACKS_EVERY_TENSOR.get(key)
+def refusal(architecture: str | None, prefix: str) -> str | None:
+    """Why vLLM's loader of ``architecture`` cannot load latq layer ``prefix``, or None."""
+    leaf = prefix.rpartition(".")[2]
+    where = REPACKS_EVERY_TENSOR.get((architecture, leaf))
     if where is None:
         return None
-    return (f"latq: {prefix}: vLLM's {where} reshapes every checkpoint tensor of {key[1]} to [heads, 3, -1], "
+    return (f"latq: {prefix}: vLLM's {where} reshapes every checkpoint tensor of {leaf} to [heads, 3, -1], "
             "which latq's CSR outliers and Huffman streams are not; a latq checkpoint of this model runs in "
             "transformers (latq-eval) only")
 
