@@ -158,8 +158,8 @@ class QuantizeOptions:
         with the calibration, as the experts' calibration options for a mixture-of-experts model)."""
         calibration = None
         if self.calibrated:
-            calibration = {"source": _source_label(self.calib), "nsamples": self.nsamples, "seqlen": self.seqlen,
-                           "seed": self.seed}
+            calibration = {**data.source_record(self.calib, "calibration"), "nsamples": self.nsamples,
+                           "seqlen": self.seqlen, "seed": self.seed}
             if compute_dtype is not None:
                 calibration["compute_dtype"] = str(compute_dtype).removeprefix("torch.")
             if moe:
@@ -176,10 +176,6 @@ class QuantizeOptions:
     def head_options(self) -> "QuantizeOptions":
         """The options the output head is quantized with (``lm_head_bits`` as its ``bits``)."""
         return self if self.lm_head_bits is None else dataclasses.replace(self, bits=self.lm_head_bits)
-
-
-def _source_label(calib: str) -> str:
-    return "wiki" if str(calib) == "wiki" else Path(calib).name
 
 
 def _in_option_names(msg: str) -> str:
