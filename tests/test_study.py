@@ -115,7 +115,12 @@ def test_configurations_cover_the_issue():
     # llm-compressor's GPTQ, compared with ours at the group size it accepts
     gemma = {c.label: c for c in configs.sweep_configs("gemma3-270m", 128, peer_group=128)}
     assert gemma["GPTQ-3b-llmc"].base == "" and gemma["GPTQ-3b-llmc"].kwargs["group_size"] == 128
-    assert not any(c.tag == "g64" for c in gemma.values())
+    # GPTQ at every group size (the served-bits Pareto's baselines) and the 4-bit noise floor's seeds
+    for g in (32, 64):
+        for b in (2, 3, 4):
+            assert gemma[f"GPTQ-{b}b-g{g}"].kwargs == {"method": "gptq", "bits": b, "group_size": g}
+    assert [gemma[f"GPTQ-4b-seed{s}"].kwargs["seed"] for s in (1, 2)] == [1, 2]
+    assert gemma["GPTQ-4b-seed1"].kwargs["group_size"] == 128
     smol = {c.label: c for c in configs.sweep_configs("smollm2-135m", 128, peer_group=64)}
     for b in (3, 4):
         assert smol[f"GPTQ-{b}b-llmc"].base == "g64" and smol[f"GPTQ-{b}b-llmc"].kwargs["group_size"] == 64
