@@ -59,7 +59,7 @@ def noise_floor(res: list[dict]) -> tuple[float, str] | None:
     if seeds:
         return spread_max(seeds), f"GPTQ-4b over {len(seeds) + 1} calibration draws"
     sp = _spread(res, 3)
-    return (spread_max(sp), "GPTQ-3b under the harmless controls (4-bit seeds not run)") if sp else None
+    return (spread_max(sp), "GPTQ-3b under the harmless controls; the 4-bit seeds not run") if sp else None
 
 
 def gptq_curve(res: list[dict], family: str) -> list:

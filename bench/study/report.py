@@ -154,7 +154,8 @@ def _preamble(by_model, ordering, st: Settings, command: str, missing) -> list[s
          f"Group size {st.group_size} (SmolLM2: 576 = 4·128 + 64, a ragged last group). Bits = average "
          "stored bits per weight of the quantized linears from the checkpoint's accounting (scales, "
          "outliers, Huffman codebooks included); embeddings and lm_head stay bf16 unless a configuration "
-         "says otherwise."
+         "says otherwise. Served bits = the bytes/weight one decode step streams for the same linears in a kernel "
+         "family's prepared form (Triton: the GPU kernels; CPU: the int4-op path), see the served-bits table."
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]

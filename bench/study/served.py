@@ -11,6 +11,8 @@ runs that kept none get theirs that way; the others are re-quantized (``runner.b
 """
 from __future__ import annotations
 
+import copy
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -57,6 +59,11 @@ def _outlier_free_tensors(n: int, k: int, bits: int, group: int) -> dict[str, to
 def outlier_free_served(shapes, bits: int, group: int) -> dict:
     """The served record of a dense layout without outliers at ``bits`` and ``group`` over layers
     of ``shapes`` (each ``(out, in)``): exact, as its bytes depend on nothing else."""
+    return copy.deepcopy(_outlier_free_served(tuple(map(tuple, shapes)), bits, group))
+
+
+@functools.lru_cache(maxsize=None)
+def _outlier_free_served(shapes: tuple, bits: int, group: int) -> dict:
     fams = families()
     per_shape = {s: layer_served(_outlier_free_tensors(*s, bits, group), "dense", s, bits, group, fams)
                  for s in set(map(tuple, shapes))}
