@@ -496,7 +496,14 @@ def test_curves_interpolate_in_log_ppl_and_never_extrapolate():
     h = _srec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 3.25)
     c = curves.compare(h, curve, "triton")
     assert c["gap"] == pytest.approx(math.log(30 / 40)) and c["base_ppl"] == pytest.approx(40.0)
-    assert curves.compare(_srec("HPTQ-2.125", "HPTQ", 2, "", 30.0, 2.2), curve, "triton")["no_data"]
+    assert curves.compare(_srec("HPTQ-2.125", "HPTQ", 2, "", 150.0, 2.2), curve, "triton")["no_data"]
+    assert curves.compare(_srec("HPTQ-4.125", "HPTQ", 4, "", 14.0, 4.8), curve, "triton")["no_data"]
+    # outside the curve only dominance: fewer bits and better than its first point, or more bits
+    # and worse than its last
+    c = curves.compare(_srec("HPTQ-2.125", "HPTQ", 2, "", 30.0, 2.2), curve, "triton")
+    assert (c["between"], c["end"], c["gap"]) == ("GPTQ-2b", 2.5, pytest.approx(math.log(0.3)))
+    c = curves.compare(_srec("HPTQ-4.125", "HPTQ", 4, "", 16.0, 4.8), curve, "triton")
+    assert (c["between"], c["end"], c["gap"]) == ("GPTQ-4b-g64", 4.5, pytest.approx(math.log(16 / 15)))
     assert curves.compare(rec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 3.1), curve, "triton") is None
 
 
@@ -516,8 +523,11 @@ def test_claims_at_equal_served_bits():
             "(GPTQ GPTQ-2b–GPTQ-4b) | holds |") in text
     assert "| 40.00 vs 40.00 at 3.25 b (GPTQ GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
     assert "| 39.90 vs 40.00 at 3.25 b (GPTQ GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
-    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 16.00 at 4.50 b: no data (GPTQ's "
-            "curve: 2.50–4.00 b) | — |") in text
+    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 16.00 at 4.50 b: dominated by "
+            "GPTQ GPTQ-4b (16.00 at 4.00 b) — within noise | does not hold |") in text
+    res[-2] = _srec("SSQR-1%-4b", "SSQR-1%", 4, "", 15.0, 4.5)
+    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 15.00 at 4.50 b: no data (GPTQ's "
+            "curve: 2.50–4.00 b) | — |") in "\n".join(claims.claims_table({"m": res}, {}))
     assert "| HPTQ-2.125 beats our GPTQ at equal served bits (Triton kernels) | — | not run | — |" in text
 
 

@@ -104,8 +104,9 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
              "Qwen3-8B (Table 3) unless noted; ours: the sections below. \"At equal served bits\": the "
              "configuration's perplexity against our GPTQ's curve (every group size run; its non-dominated "
              "points, piecewise linear in log ppl) at the bits/weight the configuration streams per decode step in "
-             "that kernel family; \"no data\" where the curve does not reach those bits (never extrapolated); it "
-             "holds only by more than the noise floor (its row).", "",
+             "that kernel family; where the curve does not reach those bits only dominance is read (a GPTQ point "
+             "with fewer bits and lower ppl, or more bits and higher ppl), else \"no data\" (never extrapolated); "
+             "it holds only by more than the noise floor (its row).", "",
              "| claim | paper | " + " | ".join(models) + " | verdict |", "|---|---|" + "---|" * len(models) + "---|"]
             + rows + [""] + (["Notes:", "", *notes, ""] if notes else []))
 
@@ -173,8 +174,13 @@ def _served_wins(label: str, family: str):
             return f"{fmt_ppl(c['ppl'])} at {c['bits']:.2f} b: no data (GPTQ's curve: {reach})", None
         nf = (noise_floor(res) or (0.0, ""))[0]
         within = abs(c["gap"]) <= math.log1p(nf)
-        return (f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.2f} b (GPTQ {c['between']})"
-                + (" — within noise" if within else ""), c["gap"] < 0 and not within)
+        if "end" in c:   # outside GPTQ's curve, one side dominates the other
+            who = (f"dominated by GPTQ {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.2f} b)" if c["gap"] >= 0
+                   else f"dominates GPTQ {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.2f} b)")
+            text = f"{fmt_ppl(c['ppl'])} at {c['bits']:.2f} b: {who}"
+        else:
+            text = f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.2f} b (GPTQ {c['between']})"
+        return text + (" — within noise" if within else ""), c["gap"] < 0 and not within
     return cell
 
 

@@ -65,12 +65,20 @@ def ppl_at(curve: list[tuple[float, float, str]], bits: float) -> tuple[float, s
 
 def compare(r: dict, baseline: list[tuple[float, float, str]], family: str) -> dict | None:
     """The result ``r`` against the ``baseline`` curve at r's served bits in ``family``:
-    {"bits", "ppl", "base_ppl", "between", "gap"} (gap: log ppl, negative where r wins), or
-    {"bits", "ppl", "no_data": True} where its bits are outside the curve; None without served bits."""
+    {"bits", "ppl", "base_ppl", "between", "gap"} (gap: log ppl, negative where r wins). Outside
+    the curve's range only dominance is read, never an extrapolation: past its last point, r
+    loses if that point (fewer bits) already predicts better; before its first, r wins if it
+    predicts better than that point (more bits) — ``"end"`` then names that point; else
+    {"bits", "ppl", "no_data": True}. None without served bits."""
     b = served_bits(r, family)
     if b is None:
         return None
+    p = r["ppl"]
     at = ppl_at(baseline, b)
-    if at is None:
-        return {"bits": b, "ppl": r["ppl"], "no_data": True}
-    return {"bits": b, "ppl": r["ppl"], "base_ppl": at[0], "between": at[1], "gap": math.log(r["ppl"] / at[0])}
+    if at is not None:
+        return {"bits": b, "ppl": p, "base_ppl": at[0], "between": at[1], "gap": math.log(p / at[0])}
+    ends = [e for e in baseline[-1:] if b > e[0] and p >= e[1]] + [e for e in baseline[:1] if b < e[0] and p <= e[1]]
+    if not ends:
+        return {"bits": b, "ppl": p, "no_data": True}
+    eb, ep, label = ends[0]
+    return {"bits": b, "ppl": p, "base_ppl": ep, "between": label, "end": eb, "gap": math.log(p / ep)}
