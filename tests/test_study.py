@@ -519,15 +519,15 @@ def test_claims_at_equal_served_bits():
     text = "\n".join(claims.claims_table({"m": res}, {}))
     assert ("| noise floor: largest Δ ppl of our GPTQ-4b g128 under other calibration draws (seeds) | — | ±1.00% "
             "(GPTQ-4b over 3 calibration draws: 16.00, 16.16, 15.92) | — |") in text
-    assert ("| HPTQ-3.125 beats our GPTQ at equal served bits (Triton kernels) | — | 30.00 vs 40.00 at 3.25 b "
-            "(GPTQ GPTQ-2b–GPTQ-4b) | holds |") in text
-    assert "| 40.00 vs 40.00 at 3.25 b (GPTQ GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
-    assert "| 39.90 vs 40.00 at 3.25 b (GPTQ GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
-    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 16.00 at 4.50 b: dominated by "
-            "GPTQ GPTQ-4b (16.00 at 4.00 b) — within noise | does not hold |") in text
+    assert ("| HPTQ-3.125 beats our GPTQ at equal served bits (Triton kernels) | — | 30.00 vs 40.00 at 3.250 b "
+            "(GPTQ: GPTQ-2b–GPTQ-4b) | holds |") in text
+    assert "| 40.00 vs 40.00 at 3.250 b (GPTQ: GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
+    assert "| 39.90 vs 40.00 at 3.250 b (GPTQ: GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
+    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 16.00 at 4.500 b: dominated by "
+            "GPTQ-4b (16.00 at 4.000 b) — within noise | does not hold |") in text
     res[-2] = _srec("SSQR-1%-4b", "SSQR-1%", 4, "", 15.0, 4.5)
-    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 15.00 at 4.50 b: no data (GPTQ's "
-            "curve: 2.50–4.00 b) | — |") in "\n".join(claims.claims_table({"m": res}, {}))
+    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 15.00 at 4.500 b: no data (GPTQ's "
+            "curve: 2.500–4.000 b) | — |") in "\n".join(claims.claims_table({"m": res}, {}))
     assert "| HPTQ-2.125 beats our GPTQ at equal served bits (Triton kernels) | — | not run | — |" in text
 
 

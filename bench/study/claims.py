@@ -170,16 +170,16 @@ def _served_wins(label: str, family: str):
         if c is None:
             return "served bits not computed", None
         if c.get("no_data"):
-            reach = f"{curve[0][0]:.2f}–{curve[-1][0]:.2f} b" if curve else "no points"
-            return f"{fmt_ppl(c['ppl'])} at {c['bits']:.2f} b: no data (GPTQ's curve: {reach})", None
+            reach = f"{curve[0][0]:.3f}–{curve[-1][0]:.3f} b" if curve else "no points"
+            return f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: no data (GPTQ's curve: {reach})", None
         nf = (noise_floor(res) or (0.0, ""))[0]
         within = abs(c["gap"]) <= math.log1p(nf)
         if "end" in c:   # outside GPTQ's curve, one side dominates the other
-            who = (f"dominated by GPTQ {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.2f} b)" if c["gap"] >= 0
-                   else f"dominates GPTQ {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.2f} b)")
-            text = f"{fmt_ppl(c['ppl'])} at {c['bits']:.2f} b: {who}"
+            who = (f"dominated by {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)" if c["gap"] >= 0
+                   else f"dominates {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)")
+            text = f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: {who}"
         else:
-            text = f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.2f} b (GPTQ {c['between']})"
+            text = f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.3f} b (GPTQ: {c['between']})"
         return text + (" — within noise" if within else ""), c["gap"] < 0 and not within
     return cell
 

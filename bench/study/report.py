@@ -222,7 +222,8 @@ def _served_section(res: list[dict]) -> list[str]:
          "(`layout_bytes`) on the layers the run produced; HPTQ/HRTN layers at the width `transcode` gives them for "
          "that family. Source: `checkpoint` (computed when the run finished), `re-quantized` (a result from before "
          "served bits were recorded: its configuration quantized again with the same settings, perplexity "
-         "carried), `layout` (no outliers: exact from the shapes, bits and group size). Sorted by Triton served "
+         "carried; the stored bits of that checkpoint beside it, equal to the evaluated one's up to the few "
+         "integers a different thread count flips), `layout` (no outliers: exact from the shapes, bits and group size). Sorted by Triton served "
          "bits; ★ = on its series' non-dominated curve.", "",
          "| configuration | series | stored b | served T | served C | Triton layers | CPU layers | ppl | source |",
          "|---|---|---|---|---|---|---|---|---|"]
@@ -232,7 +233,8 @@ def _served_section(res: list[dict]) -> list[str]:
         star = " ★" if r["label"] in front[series_of(r)] else ""
         kern = [", ".join(f"{k}: {n}" for k, n in sorted(sv["kernels"][f].items())) for f in ("triton", "cpu")]
         L.append(f"| {r['label']}{star} | {series_of(r)} | {r['bits']:.3f} | {t:.3f} | "
-                 f"{served_bits(r, 'cpu'):.3f} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | {sv['source']} |")
+                 f"{served_bits(r, 'cpu'):.3f} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | {sv['source']}"
+                 + (f" (stores {sv['stored_bits']:.5f})" if "stored_bits" in sv else "") + " |")
     return L + [""]
 
 
