@@ -289,6 +289,11 @@ def test_tiny_study(tmp_path, caplog, capsys):
         assert _finite(r["ppl"]) and r["ppl"] > 1 and _finite(r["bits"]), k
         assert r["windows"] == 2 and r["tokens"] == 2 * 127
     assert res["bf16"]["bits"] == 16
+    # served bits per kernel family, recorded as each configuration finished (issue 21)
+    for k, r in res.items():
+        if k not in ("ordering", "bf16"):
+            assert set(r["served"]["bits_per_weight"]) == {"cpu", "triton"}, k
+            assert r["served"]["source"] == ("layout" if k == "gptq-3b-llmc" else "checkpoint"), k
     assert 3.0 < res["gptq-3b"]["bits"] < 3.3
     assert 3.1 < res["ssqr-1pct-3b"]["bits"] < 3.6
     # the certificate: every unclipped (SSQR) layer, all 7 linears of both (truncated) blocks

@@ -104,7 +104,7 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
              "Qwen3-8B (Table 3) unless noted; ours: the sections below. \"At equal served bits\": the "
              "configuration's perplexity against our GPTQ's curve (every group size run; its non-dominated "
              "points, piecewise linear in log ppl) at the bits/weight the configuration streams per decode step in "
-             "that kernel family; where the curve does not reach those bits only dominance is read (a GPTQ point "
+             "that kernel family; where the curve does not reach those bits it is read only where one side dominates (a GPTQ point "
              "with fewer bits and lower ppl, or more bits and higher ppl), else \"no data\" (never extrapolated); "
              "it holds only by more than the noise floor (its row).", "",
              "| claim | paper | " + " | ".join(models) + " | verdict |", "|---|---|" + "---|" * len(models) + "---|"]
