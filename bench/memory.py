@@ -36,10 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 SHARD_BYTES = 2 * GiB  # source shards of at most this size (HF writes ~5 GB ones)
 POOL = 1 << 24  # random values the weights are tiled from
-SHAPES = {  # Llama configs: the 8B's and a small one whose block still dwarfs the run's noise
+SHAPES = {  # Llama configs: the 8B's, a tiny one (tests) and a small one whose block dwarfs the RSS noise
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
                rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
@@ -135,6 +137,8 @@ def child(spec: dict) -> dict:
         nonlocal peak_blocks
         blocks.append(seconds)
         peak_blocks = vm_hwm()
+        print(f"{spec['method']}: block {i} in {seconds:.1f}s, peak RSS so far {peak_blocks / GiB:.2f} GiB",
+              file=sys.stderr, flush=True)
 
     opts = QuantizeOptions(method=spec["method"], nsamples=spec["nsamples"], seqlen=spec["seqlen"],
                            max_activation_memory=spec["max_activation_memory"])
