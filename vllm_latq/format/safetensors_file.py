@@ -30,12 +30,13 @@ _DTYPES = {
 _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _DTYPES.items()}
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes safetensors stores for ``t``."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes safetensors stores for ``t``: a view of its memory, not a
+    copy (the writer hashes and writes GB-sized embeddings)."""
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def sha256(t: torch.Tensor) -> str:

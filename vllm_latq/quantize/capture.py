@@ -108,23 +108,23 @@ def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, m
     arguments); (None, None) without calibration data. The activations are kept in memory
     up to ``max_memory`` bytes (None: :func:`.activations.default_budget`), else on disk.
     Loads the tensors outside the blocks for the capture pass and drops them again."""
+    if calib is None:  # an uncalibrated method: no forwards, the embeddings are not read
+        return None, None
     src.load(src.outside_tensors(), device)
     for m in src.net.modules():  # the real buffers (rotary frequencies, ...) go to the device
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = b.to(device)
-    acts = kwargs = None
-    if calib is not None:
-        shape = (len(calib), calib.shape[1], src.config.hidden_size)
-    if calib is not None and run.blocks_done == 0:
+    shape = (len(calib), calib.shape[1], src.config.hidden_size)
+    if run.blocks_done == 0:
         acts = Activations.create(run.path, shape, src.dtype, device, max_memory)
         kwargs = capture_inputs(src.net, src.layers, calib, acts, progress)
-    elif calib is not None:
+    else:
         kwargs = capture(src.net, src.layers, calib[:1].to(device), all_kwargs=True)[1]
         acts = Activations.resume(run.path, shape, src.dtype, device, max_memory, run.blocks_done)
         log.info("resuming after block %d of %d", run.blocks_done - 1, src.nblocks)
     hf_model.to_meta(src.net)  # embeddings are not needed any more
-    if calib is not None and len(kwargs) != src.nblocks:
+    if len(kwargs) != src.nblocks:
         raise hf_model.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {src.nblocks} decoder blocks")
     return acts, kwargs
 
