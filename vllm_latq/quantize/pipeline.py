@@ -24,6 +24,7 @@ weights, the Hessians are summed in fp64.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -53,6 +54,7 @@ from .source import Source, open_source, resolve_model
 log = logging.getLogger("vllm_latq.quantize")
 
 UNCALIBRATED = ("rtn", "hrtn")  # solvers that ignore H
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # The column orders offered: the format's, without "reverse" — the solvers' frame-literal flip
@@ -191,6 +193,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     from tqdm.auto import tqdm
 
     t_start = time.time()
+    _return_freed_memory()
     opts, solve, out = opts or QuantizeOptions(), solve or solving.solve, Path(out)
     if stop_after_block is None and os.environ.get(STOP_ENV):
         stop_after_block = int(os.environ[STOP_ENV])
@@ -242,6 +245,19 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
              tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
     return out
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of 1 MiB or more by its own mmap, returned to the OS
+    when freed. Its default threshold adapts upwards after the first such free, and from then
+    on block-sized tensors come from the heap, where the freed ones fragment and the peak RSS
+    creeps up block after block (by about one block's weights per block on a small Llama:
+    ``tests/test_bench_memory.py``). Elsewhere (no glibc) nothing changes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
