@@ -24,6 +24,7 @@ weights, the Hessians are summed in fp64.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -54,6 +55,7 @@ from .source import Source, open_source, resolve_model
 log = logging.getLogger("vllm_latq.quantize")
 
 UNCALIBRATED = ("rtn", "hrtn")  # solvers that ignore H
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # The column orders offered: the format's, without "reverse" — the solvers' frame-literal flip
@@ -101,6 +103,9 @@ class QuantizeOptions:
     # ("norm", quantize/column_scales.py; free at serving time) or "none"
     column_scales: str = "none"
     column_scale_power: float = 0.5
+    # bytes of calibration activations kept in memory; more are spilled to the run directory
+    # (None: half the memory available at the start). Does not change the checkpoint.
+    max_activation_memory: int | None = None
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -109,6 +114,8 @@ class QuantizeOptions:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.damp < 0:
             raise ValueError(f"damp must be >= 0, got {self.damp}")
+        if self.max_activation_memory is not None and self.max_activation_memory < 0:
+            raise ValueError(f"max_activation_memory must be >= 0 bytes, got {self.max_activation_memory}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if self.moe_min_tokens < 1:
@@ -189,16 +196,18 @@ def _in_option_names(msg: str) -> str:
 def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: QuantizeOptions | None = None, *,
                    solve: Solve | None = None, resume: bool = False, overwrite: bool = False,
                    progress: bool = True, on_layer: Callable | None = None, stop_after_block: int | None = None,
-                   validate: bool = True) -> Path:
+                   on_block: Callable[[int, float], None] | None = None, validate: bool = True) -> Path:
     """Quantize ``model`` (see :func:`resolve_model`) into the checkpoint directory ``out``.
 
     ``solve(method, W, H, name, **kw) -> QuantResult`` replaces the per-layer solver call
     (default: :func:`.solve.solve`). ``on_layer(name, W, H, result)`` is called for every
-    quantized linear (tests). ``stop_after_block=k`` raises :class:`SimulatedInterruption` once
-    block k is persisted (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
+    quantized linear (tests), ``on_block(i, seconds)`` once block i is persisted (benches).
+    ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is persisted
+    (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
     from tqdm.auto import tqdm
 
     t_start = time.time()
+    _return_freed_memory()
     opts, solve, out = opts or QuantizeOptions(), solve or solving.solve, Path(out)
     if stop_after_block is None and os.environ.get(STOP_ENV):
         stop_after_block = int(os.environ[STOP_ENV])
@@ -211,7 +220,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     not_converted = src.modules_not_converted(head_name)
     run = RunDir.open(out, _fingerprint(src, opts), resume)
     device = torch.device(opts.device)
-    inps, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, progress)
+    acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
     per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
     quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
 
@@ -223,11 +232,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         linears = src.block_linears(i)
         kw = _to_device(kwargs[i], device) if opts.calibrated else None
         t0 = time.time()
-        hessians = block_hessians(layer, linears, inps, kw, f"block {i}", progress) if opts.calibrated else None
+        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
         t1 = time.time()
         folding = None
         if opts.column_scales != "none":
-            folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, inps[:1], kw,
+            folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
                                  power=opts.column_scale_power, order=opts.order, damp=opts.damp,
                                  stored=src.weights.get)
         shard = solving.solve_block(src, i, linears, hessians, quantize if folding is None else folding.wrap(quantize),
@@ -235,20 +244,23 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         hessians = None
         t2 = time.time()
         if opts.calibrated:
-            inps = block_outputs(layer, inps, kw, f"block {i}", progress)
+            block_outputs(layer, acts, kw, f"block {i}", progress)
         log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
                  t2 - t1, time.time() - t2)
         shard.update(src.kept_block_tensors(i, linears))
         shard.update(folding.norm_tensors if folding else {})
-        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, inps)
+        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts)
+        shard = None   # written: the next block's tensors replace it
         hf_model.to_meta(layer)
+        if on_block is not None:
+            on_block(i, time.time() - t0)
         if stop_after_block is not None and i == stop_after_block:
             raise SimulatedInterruption(f"simulated interruption after block {i}")
     bar.close()
 
-    head_tensors = {} if head is None else quantize_head(src, head, inps, partial(
+    head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
         solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
-    del inps
+    del acts
     qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
     tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
     log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
@@ -256,9 +268,23 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     return out
 
 
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of 1 MiB or more by its own mmap, returned to the OS
+    when freed. Its default threshold adapts upwards after the first such free, and from then
+    on block-sized tensors come from the heap, where the freed ones fragment and the peak RSS
+    creeps up block after block (by about one block's weights per block on a small Llama:
+    ``tests/test_bench_memory.py``). Elsewhere (no glibc) nothing changes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
 def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
-    """The resume fingerprint: the source and every option but the device."""
-    options = {k: v for k, v in dataclasses.asdict(opts).items() if k != "device"}
+    """The resume fingerprint: the source and every option but where the run happens (the
+    device, the activations' memory budget)."""
+    options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("device", "max_activation_memory")}
     return fingerprint(src.path, options, list(src.weights.handles), src.raw_config)
 
 
