@@ -185,7 +185,7 @@ class SafetensorsFile:
         if name not in self.entries:
             raise self._err("missing", name)
         e = self.entries[name]
-        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)  # read straight into it: one copy of the data
+        buf = torch.empty(e.end - e.begin, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
         try:
             with self.path.open("rb") as f:
                 f.seek(self.data_start + e.begin)

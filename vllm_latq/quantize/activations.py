@@ -64,7 +64,7 @@ class Activations:
                  on_disk: bool):
         self.run_dir, self.shape, self.dtype, self.device = run_dir, tuple(shape), dtype, torch.device(device)
         self.block, self.on_disk = block, on_disk
-        self.row_bytes = math.prod(self.shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+        self.row_bytes = _nbytes(self.shape[1:], dtype)
         self.nbytes = self.shape[0] * self.row_bytes
         self.ram = None if on_disk else torch.empty(self.shape, dtype=dtype, device=self.device)
         self._out = None   # on disk: the next block's file being written (a file descriptor)
@@ -155,7 +155,7 @@ class Activations:
         return inputs_file(self.run_dir, block).with_suffix(".bin" + PART)
 
     def _read(self, path: Path, j: int) -> torch.Tensor:
-        buf = torch.empty(self.row_bytes, dtype=torch.uint8)
+        buf = torch.empty(self.row_bytes, dtype=torch.uint8, device="cpu")  # a file read lands on the host
         with open(path, "rb", buffering=0) as f:
             f.seek(j * self.row_bytes)
             got = f.readinto(buf.numpy())
@@ -165,7 +165,7 @@ class Activations:
 
 
 def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _write_at(fd: int, t: torch.Tensor, offset: int) -> None:
