@@ -182,19 +182,37 @@ class SafetensorsFile:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor (a fresh CPU tensor that owns its memory)."""
+        e = self._entry_of(name)
+        return self._read(name, e.begin, e.end - e.begin).view(_DTYPES[e.dtype]).reshape(e.shape)
+
+    def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
+        """``tensor[index, rows]`` of a 3-D tensor (one expert's rows of a fused expert tensor),
+        read alone: those rows are contiguous in the file."""
+        e = self._entry_of(name)
+        if len(e.shape) != 3 or not 0 <= index < e.shape[0] or not 0 <= rows.start <= rows.stop <= e.shape[1]:
+            raise self._err(f"no rows [{index}, {rows.start}:{rows.stop}] in a tensor of shape {tuple(e.shape)}", name)
+        dtype = _DTYPES[e.dtype]
+        row = e.shape[2] * dtype.itemsize
+        start = e.begin + (index * e.shape[1] + rows.start) * row
+        return self._read(name, start, (rows.stop - rows.start) * row).view(dtype).reshape(
+            rows.stop - rows.start, e.shape[2])
+
+    def _entry_of(self, name: str) -> _Entry:
         if name not in self.entries:
             raise self._err("missing", name)
-        e = self.entries[name]
-        buf = torch.empty(e.end - e.begin, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
+        return self.entries[name]
+
+    def _read(self, name: str, begin: int, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
         try:
             with self.path.open("rb") as f:
-                f.seek(self.data_start + e.begin)
+                f.seek(self.data_start + begin)
                 got = f.readinto(buf.numpy())
         except OSError as err:
             raise self._err(f"cannot read: {err}", name) from None
-        if got != len(buf):
+        if got != nbytes:
             raise self._err("truncated while reading", name)
-        return buf.view(_DTYPES[e.dtype]).reshape(e.shape)
+        return buf
 
     @property
     def checksums(self) -> dict[str, str] | None:

@@ -79,7 +79,7 @@ class SourceWeights:
 
     def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
         """``tensor[index, rows]`` of a 3-D tensor, read without the rest of it."""
-        return self.handles[self.where[name]].get_slice(name)[index, rows.start:rows.stop]
+        return self.handles[self.where[name]].get_rows(name, index, rows)
 
 
 @dataclass
