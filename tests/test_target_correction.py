@@ -1,0 +1,114 @@
+"""Target correction (issue #21 seed 004): each linear solved against ``W′ = (X̃ᵀX̃+λI)⁻¹X̃ᵀX·W``,
+X its inputs with the full-precision prefix, X̃ with the quantized one (``--target-correction``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY_OPTS, make_tiny_model
+from vllm_latq import format as fmt
+from vllm_latq import hf_model
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.quantize import capture
+from vllm_latq.quantize.calibrate import block_hessians
+from vllm_latq.quantize.hessian import qronos_target
+from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+
+
+def _block0(model_dir, nseq=3, seqlen=32):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prefix, layers = hf_model.decoder_layers(m)
+    ids = torch.randint(0, 1000, (nseq, seqlen), generator=torch.Generator().manual_seed(0))
+    x, kwargs = capture.capture_inputs(m, layers, ids, m.config.hidden_size, torch.float32, "cpu", False)
+    return layers[0], hf_model.block_linears(layers[0], f"{prefix}.0"), x, kwargs[0]
+
+
+def test_same_streams_give_cross_equal_hessian_and_w_prime_near_w(tiny_llama):
+    """At block 0 X̃ = X: C = H̃ (up to fp32 rounding of the products), so W′ = W."""
+    layer, linears, x, kw = _block0(tiny_llama)
+    hs = block_hessians(layer, linears, x, kw, "", False, targets=x.clone())
+    assert torch.allclose(hs.target_outputs, capture.block_outputs(layer, x, kw, "", False))
+    for n, m in linears.items():
+        H, C, W = hs.of[n].H, hs.cross_of[n].C, m.weight.detach().float()
+        assert hs.cross_of[n].n == hs.of[n].n
+        torch.testing.assert_close(C, H, rtol=1e-5, atol=1e-7 * H.abs().max().item())
+        assert torch.equal(qronos_target(W, H, H, 0.01), W)
+        torch.testing.assert_close(qronos_target(W, H, C, 0.01), W, rtol=1e-4, atol=1e-6)
+
+
+def test_cross_covariance_matches_hooked_inputs(tiny_llama):
+    """With distinct streams, each linear's C equals X̃ᵀX/n of its inputs recorded by plain hooks,
+    q/k/v and gate/up sharing one (like their Hessians)."""
+    layer, linears, x, kw = _block0(tiny_llama)
+    x_tilde = x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    rows = {n: {"tilde": [], "full": []} for n in linears}
+    stream = ["full"]
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: rows[n][stream[0]].append(a[0].reshape(-1, a[0].shape[-1])))
+             for n, m in linears.items()]
+    with torch.no_grad():
+        for s, xs in (("full", x), ("tilde", x_tilde)):
+            stream[0] = s
+            capture.block_outputs(layer, xs, kw, "", False)
+    for h in hooks:
+        h.remove()
+    hs = block_hessians(layer, linears, x_tilde, kw, "", False, targets=x)
+    for n in linears:
+        Xt, X = torch.cat(rows[n]["tilde"]).double(), torch.cat(rows[n]["full"]).double()
+        torch.testing.assert_close(hs.cross_of[n].C, Xt.T @ X / len(X), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(hs.of[n].H, Xt.T @ Xt / len(X), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(hs.cross_of[n].C, hs.of[n].H)
+    assert hs.cross_of["model.layers.0.self_attn.k_proj"] is hs.cross_of["model.layers.0.self_attn.q_proj"]
+
+
+def _final_hidden_error(model_dir, ckpt, ids) -> float:
+    """‖h − h_fp‖² / ‖h_fp‖² of the last hidden states, the checkpoint's dequantized weights vs the source's."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = m.model(input_ids=ids).last_hidden_state
+        for name, w in Checkpoint(ckpt).dequantized_tensors(torch.float32):
+            if name.endswith(".weight") and name.startswith("model.layers."):
+                hf_model.set_tensor(m, name, w)
+        got = m.model(input_ids=ids).last_hidden_state
+    return ((got - ref).square().sum() / ref.square().sum()).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_target_correction_lowers_the_models_output_error(tmp_path, bits):
+    """A 4-block model quantized by GPTQ: with target correction the last hidden states on the
+    calibration text are closer to the full-precision model's."""
+    src = make_tiny_model(tmp_path / "m", "llama", layers=4, dtype=torch.float32)
+    opts = dict(method="gptq", bits=bits, **TINY_OPTS)
+    err = {}
+    for tc in (False, True):
+        d = quantize_model(src, tmp_path / f"q{tc}", QuantizeOptions(target_correction=tc, **opts), progress=False)
+        assert Checkpoint(d).spec.extra.get("target_correction") is (True if tc else None)
+        from transformers import AutoTokenizer
+        from vllm_latq import data
+        o = QuantizeOptions(**opts)
+        ids = data.calibration_batches(AutoTokenizer.from_pretrained(src), nsamples=o.nsamples, seqlen=o.seqlen,
+                                       seed=o.seed)
+        err[tc] = _final_hidden_error(src, d, ids)
+    assert err[True] < 0.95 * err[False], err
+
+
+def test_option_round_trips_and_is_checked():
+    on = QuantizeOptions(method="ssqr", target_correction=True).quantization_config([])
+    assert on["target_correction"] is True
+    assert fmt.parse_quantization_config(on).extra["target_correction"] is True
+    assert "target_correction" not in QuantizeOptions(method="ssqr").quantization_config([])
+    with pytest.raises(fmt.FormatError, match="target_correction must be true or absent"):
+        fmt.parse_quantization_config({**on, "target_correction": "yes"})
+    rtn = QuantizeOptions(method="rtn").quantization_config([])
+    with pytest.raises(fmt.FormatError, match="target_correction needs a calibrated method"):
+        fmt.parse_quantization_config({**rtn, "target_correction": True})
+    for method in ("rtn", "hrtn"):
+        with pytest.raises(ValueError, match="target_correction needs a calibrated method"):
+            QuantizeOptions(method=method, target_correction=True)
+
+
+def test_resume_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="--resume is not supported with --target-correction"):
+        quantize_model(tiny_llama, tmp_path / "q", QuantizeOptions(target_correction=True, **TINY_OPTS),
+                       resume=True, progress=False)
