@@ -74,23 +74,45 @@ def _final_hidden_error(model_dir, ckpt, ids) -> float:
     return ((got - ref).square().sum() / ref.square().sum()).item()
 
 
+def _calibration_ids(src, opts: QuantizeOptions) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    from vllm_latq import data
+    return data.calibration_batches(AutoTokenizer.from_pretrained(src), nsamples=opts.nsamples, seqlen=opts.seqlen,
+                                    seed=opts.seed)
+
+
+def test_pipeline_with_target_correction(tiny_llama, tmp_path):
+    """The option runs end to end, is recorded, and changes the second block's layers only
+    through their targets (the first block's streams agree: its layers are unchanged)."""
+    opts = dict(method="gptq", bits=3, **TINY_OPTS)
+    res = {False: {}, True: {}}
+    for tc in (False, True):
+        d = quantize_model(tiny_llama, tmp_path / f"q{tc}", QuantizeOptions(target_correction=tc, **opts),
+                           progress=False, on_layer=lambda n, W, H, r, tc=tc: res[tc].__setitem__(n, (W, r)))
+        assert Checkpoint(d).spec.extra.get("target_correction") is (True if tc else None)
+    for n, (W, r) in res[True].items():
+        W0, r0 = res[False][n]
+        if ".layers.0." in n:
+            torch.testing.assert_close(W, W0, rtol=1e-4, atol=1e-6)
+        else:
+            assert not torch.allclose(W, W0), n
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [2, 3])
 def test_target_correction_lowers_the_models_output_error(tmp_path, bits):
-    """A 4-block model quantized by GPTQ: with target correction the last hidden states on the
-    calibration text are closer to the full-precision model's."""
+    """A 4-block model quantized by GPTQ (16 × 64 calibration tokens: with 4 × 64 the corrected
+    targets of the 144-wide down projections overfit at 3 bits): with target correction the last
+    hidden states on the calibration text are closer to the full-precision model's
+    (measured ×0.74 at 2 bits, ×0.84 at 3)."""
     src = make_tiny_model(tmp_path / "m", "llama", layers=4, dtype=torch.float32)
-    opts = dict(method="gptq", bits=bits, **TINY_OPTS)
     err = {}
     for tc in (False, True):
-        d = quantize_model(src, tmp_path / f"q{tc}", QuantizeOptions(target_correction=tc, **opts), progress=False)
-        assert Checkpoint(d).spec.extra.get("target_correction") is (True if tc else None)
-        from transformers import AutoTokenizer
-        from vllm_latq import data
-        o = QuantizeOptions(**opts)
-        ids = data.calibration_batches(AutoTokenizer.from_pretrained(src), nsamples=o.nsamples, seqlen=o.seqlen,
-                                       seed=o.seed)
-        err[tc] = _final_hidden_error(src, d, ids)
-    assert err[True] < 0.95 * err[False], err
+        opts = QuantizeOptions(method="gptq", bits=bits, group_size=64, nsamples=16, seqlen=64, target_correction=tc)
+        d = quantize_model(src, tmp_path / f"q{tc}", opts, progress=False)
+        err[tc] = _final_hidden_error(src, d, _calibration_ids(src, opts))
+    assert err[True] < 0.92 * err[False], err
 
 
 def test_option_round_trips_and_is_checked():

@@ -100,3 +100,45 @@ def qronos_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float
     Wt = W.double().T
     correction = torch.linalg.solve(damped(H, damp), (C.double() - H.double()) @ Wt)
     return (Wt + correction).T.to(W.dtype).contiguous()
+
+
+def hook_linears(modules: dict[str, torch.nn.Linear]) -> tuple[dict[str, Hessian], list]:
+    """Attach forward pre-hooks that accumulate each linear's input Hessian.
+    Returns ``(hessians, handles)``; call ``h.remove()`` on every handle when done."""
+    hessians, handles = {}, []
+    for name, mod in modules.items():
+        hs = hessians[name] = Hessian(mod.in_features, mod.weight.device)
+        handles.append(mod.register_forward_pre_hook(lambda m, args, hs=hs: hs.add(args[0].detach())))
+    return hessians, handles
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def linear_hessians(model: torch.nn.Module, modules: dict[Hashable, torch.nn.Linear],
+                    batches: Iterable[torch.Tensor], *, stop_after: torch.nn.Module | None = None,
+                    desc: str | None = None) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+    """``{key: (W [out, in] fp32, H [in, in] fp64)}`` for ``modules`` (linears of ``model``, by
+    any key), ``model`` run on every token-id row of ``batches`` (one sequence per forward).
+    ``stop_after``: a module after which each forward stops (the later blocks are not needed).
+    ``desc``: show a progress bar with this label."""
+    hs, handles = hook_linears(modules)
+    if stop_after is not None:
+        def stop(*_):
+            raise _Stop
+        handles.append(stop_after.register_forward_hook(stop))
+    if desc is not None:
+        from tqdm.auto import tqdm
+        batches = tqdm(batches, desc=desc, unit="seq")
+    try:
+        for seq in batches:
+            try:
+                model(seq[None])
+            except _Stop:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: (m.weight.detach().float(), hs[k].H) for k, m in modules.items()}
