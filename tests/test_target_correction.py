@@ -134,3 +134,21 @@ def test_resume_is_refused(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="--resume is not supported with --target-correction"):
         quantize_model(tiny_llama, tmp_path / "q", QuantizeOptions(target_correction=True, **TINY_OPTS),
                        resume=True, progress=False)
+
+
+@pytest.mark.parametrize("arch, column_scales", [("olmoe", "none"), ("llama", "norm")])
+def test_with_experts_and_column_scales(tmp_path, arch, column_scales):
+    """Experts keep their own W and see only the quantized stream's tokens (the X pass is not
+    recorded as routed inputs); column scales fold W′ like W."""
+    import json
+    src = make_tiny_model(tmp_path / arch, arch, layers=2, dtype=torch.float32)
+    stats = {}
+    for tc in (False, True):
+        opts = QuantizeOptions(method="gptq", bits=3, column_scales=column_scales, target_correction=tc, **TINY_OPTS)
+        d = quantize_model(src, tmp_path / f"q{tc}", opts, progress=False)
+        stats[tc] = {s["name"]: s for s in json.loads((d / "latq_stats.json").read_text())["layers"]}
+    assert stats[True].keys() == stats[False].keys()
+    for n, s in stats[True].items():
+        assert s["hessian_tokens"] == stats[False][n]["hessian_tokens"], n
+        if "expert" in s:
+            assert s["expert_tokens"] == stats[False][n]["expert_tokens"], n
