@@ -49,8 +49,8 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
     """A tiny random-weight causal LM of model type ``arch`` (a key of ``TINY_CONFIGS``) saved
     as an HF dir with SmolLM2's tokenizer. hidden 80 / intermediate 144: with group size 64
     both end in a ragged group, and neither is a multiple of the 32-column packing tile
-    (padding is exercised). ``sizes`` override the common config entries (vLLM's CPU
-    attention wants head_dim 32: ``hidden_size=64, num_attention_heads=2``)."""
+    (padding is exercised). ``sizes`` override the common and the type's config entries
+    (vLLM's CPU attention wants head_dim 32: ``hidden_size=64, num_attention_heads=2``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from vllm_latq import data
@@ -63,7 +63,7 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
         extra["n_layer"] = layers
     if arch in ("gemma2", "gemma3", "olmo3", "exaone4"):
         extra["layer_types"] = (["sliding_attention", "full_attention"] * layers)[:layers]
-    config = AutoConfig.for_model("gemma3_text" if arch == "gemma3" else arch, **{**common, **extra})
+    config = AutoConfig.for_model("gemma3_text" if arch == "gemma3" else arch, **{**common, **extra, **sizes})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     torch.manual_seed(seed)  # after construction: the init's draws do not matter
     with torch.no_grad():

@@ -139,7 +139,8 @@ def test_eval_text_errors_name_the_file(tiny_llama, tmp_path, capfd):
 
 
 def test_quantize_calib_file_recorded_and_used(tiny_llama, tmp_path, capfd):
-    """--calib a.txt / b.jsonl: the checkpoint records the file as its calibration source, and
+    """--calib a.txt / b.jsonl: the checkpoint records the file (path and sha256, as latq-eval
+    records its --text) as its calibration source, and
     GPTQ calibrated on each text (and on the wiki) ends with different integers somewhere."""
     evals = data.wiki_split()[1]
     txt, _ = write_txt_and_jsonl(tmp_path, evals[:12], "a")
@@ -150,8 +151,9 @@ def test_quantize_calib_file_recorded_and_used(tiny_llama, tmp_path, capfd):
         out = tmp_path / f"ckpt-{getattr(calib, 'suffix', 'wiki')}"
         assert cli.main([str(tiny_llama), str(out), "--calib", str(calib), *opts]) == 0
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
-        assert qc["calibration"] == {"source": getattr(calib, "name", "wiki"), "nsamples": 2, "seqlen": 32,
-                                     "seed": 0, "compute_dtype": "bfloat16"}
+        source = {"source": "wiki", "split": "calibration"} if calib == "wiki" else {
+            "path": str(calib), "sha256": hashlib.sha256(calib.read_bytes()).hexdigest()}
+        assert qc["calibration"] == {**source, "nsamples": 2, "seqlen": 32, "seed": 0, "compute_dtype": "bfloat16"}
         ck = Checkpoint(out)
         qweights[calib] = {m: ck.layer_tensors(m)["qweight"] for m in ck.layers()}  # the packed integers
     for a, b in (("wiki", txt), ("wiki", jsonl), (txt, jsonl)):

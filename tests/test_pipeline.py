@@ -205,7 +205,8 @@ def test_calibration_from_jsonl(tiny_llama, tmp_path):
     d = quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method="gptq", calib=str(calib), **TINY_OPTS),
                        progress=False)
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
-    assert qc["calibration"] == {"source": "calib.jsonl", "nsamples": 4, "seqlen": 64, "seed": 0,
+    assert qc["calibration"] == {"path": str(calib), "sha256": hashlib.sha256(calib.read_bytes()).hexdigest(),
+                                 "nsamples": 4, "seqlen": 64, "seed": 0,
                                  "compute_dtype": "bfloat16"}  # the bf16 model's own dtype
 
 

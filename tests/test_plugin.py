@@ -259,6 +259,74 @@ def test_fused_on_disk_qkv_and_errors():
             st.add(name, x, None)
 
 
+class _LoaderModel(torch.nn.Module):
+    """The ``self`` a vLLM model loader runs on: its HF config and one fused weight whose
+    weight_loader keeps what the loader hands it."""
+
+    def __init__(self, config, shape):
+        super().__init__()
+        self.config = config
+        self.query_key_value = torch.nn.Module()
+        w = self.query_key_value.weight = torch.nn.Parameter(torch.zeros(shape), requires_grad=False)
+        self.loaded = []
+        w.output_dim = 0
+        w.weight_loader = lambda p, x: self.loaded.append(x)
+
+
+@pytest.mark.parametrize("kind", ["dense", "huffman"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_falcon_qkv_in_vllm_loader_order(kind, tp):
+    """vLLM's Falcon loader regroups a fused query_key_value weight's rows ([kv group, q heads
+    per group + 2, head_dim] → q, k, v) before the layer cuts it; latq's tensors arrive as
+    stored: each rank's runtime form == vLLM's own regrouping (FalconModel.load_weights, run
+    on the dequantized matrix) cut by vLLM's QKV loader."""
+    from transformers import FalconConfig
+    from vllm.model_executor.models.falcon import FalconModel
+
+    from vllm_latq import loader_rows
+    heads, kv, hd, cin = 4, 2, 32, 96
+    hf = FalconConfig(num_attention_heads=heads, num_kv_heads=kv, new_decoder_architecture=True)
+    rows = (heads + 2 * kv) * hd
+    cfg = _Cfg(kind, 4 if kind == "dense" else None, 32 if kind == "dense" else None)
+    t = fmt.encode_layer(_result(rows, cin, kind, cfg.bits, cfg.group_size, 0.05, 3), kind)
+    W = fmt.dequantize_layer(t, kind, (rows, cin), cfg.bits, cfg.group_size)
+    model = _LoaderModel(hf, (rows, cin))
+    FalconModel.load_weights(model, [("query_key_value.weight", W)])
+    regrouped = model.loaded[0]
+    assert not torch.equal(regrouped, W)  # the tiny config is one the loader does reorder
+    for r in range(tp):
+        nkv, rep = (1, tp // kv) if tp >= kv else (kv // tp, 1)
+        qkv = _module(QKVParallelLinear, prefix="h.0.self_attention.query_key_value", input_size=cin,
+                      input_size_per_partition=cin, total_num_heads=heads, total_num_kv_heads=kv, head_size=hd,
+                      v_head_size=hd, num_heads=heads // tp, num_kv_heads=nkv, num_kv_head_replicas=rep, tp_rank=r,
+                      tp_size=tp, output_sizes=[heads * hd, nkv * hd * tp, nkv * hd * tp])
+        sources = loader_rows.checkpoint_rows("FalconForCausalLM", hf, qkv.prefix, rows)
+        st = lm.LoadState(qkv, cfg, lm.in_loader_order(lm.geometry(qkv, [qkv.prefix]), sources))
+        for name, x in t.items():
+            st.add(name, x, None)
+        want = _vllm_oracle(qkv, dict(zip("qkv", regrouped.split([heads * hd, kv * hd, kv * hd]))))
+        assert torch.equal(dequantize(st.weight), want), (tp, r)
+
+
+def test_bloom_qkv_refused_before_loading():
+    """vLLM's Bloom loader reshapes every query_key_value tensor to [heads, 3, -1]: latq's CSR
+    row pointers (rows + 1 of them) cannot take that shape, so the layer is refused by name
+    when it is built, not with a reshape error halfway through loading."""
+    from transformers import BloomConfig
+    from vllm.model_executor.models.bloom import BloomModel
+
+    from vllm_latq import loader_rows
+    hf = BloomConfig(n_head=4)
+    crow = fmt.encode_layer(_result(4 * 3 * 32, 96, "dense", 4, 32, 0.05, 4), "dense")["outlier_crow"]
+    with pytest.raises(RuntimeError):
+        list(BloomModel._repack_qkv(_LoaderModel(hf, (1,)), [("h.0.self_attention.query_key_value.outlier_crow",
+                                                                  crow)]))
+    assert re.search(r"h\.0\.self_attention\.query_key_value: vLLM's BloomModel\._repack_qkv reshapes",
+                     loader_rows.refusal("BloomForCausalLM", "h.0.self_attention.query_key_value"))
+    assert loader_rows.refusal("BloomForCausalLM", "h.0.mlp.dense_h_to_4h") is None
+    assert loader_rows.checkpoint_rows("BloomForCausalLM", hf, "h.0.self_attention.query_key_value", 384) is None
+
+
 def test_transcode_row_scales_match_scalar_scale():
     """HPTQ transcode with one scale per row (fused layers) equals the per-matrix form."""
     z = torch.round(torch.randn(48, 100) * 3).int()

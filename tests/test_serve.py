@@ -71,33 +71,27 @@ def _wait_healthy(proc, port: int, log: Path, timeout: float = 900) -> None:
     raise TimeoutError(f"server not healthy after {timeout} s:\n{log.read_text()[-6000:]}")
 
 
-@pytest.mark.slow
-def test_served_checkpoint_survives_burst(tmp_path):
-    """`latq-serve CKPT` (vLLM's default multiprocess engine, compiled mode off for start-up
-    time) on 127.0.0.1: 16 requests, 4 in flight, alternating /v1/completions and
-    /v1/chat/completions through serving_examples/client.py — every answer complete."""
-    ck = h.pipeline_checkpoint("smollm2-135m", "ssqr")
+def _serve_and_ask(ck, tmp_path, name: str, server_args: list[str], requests: int, concurrency: int,
+                   max_tokens: int) -> tuple[dict, str, bool]:
+    """Start `latq-serve CKPT` on 127.0.0.1 (vLLM's default multiprocess engine, eager), send
+    ``requests`` through serving_examples/client.py and return its JSON summary, the server log
+    and whether the server was still alive after them; the server is stopped on return."""
     port = _free_port()
     log = tmp_path / "server.log"
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "vllm_latq.serve", str(ck), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(256 << 20),
-           "--enforce-eager", "--served-model-name", "smollm2-latq"]
+           *server_args, "--enforce-eager", "--served-model-name", name]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         _wait_healthy(proc, port, log)
         p = subprocess.run([sys.executable, str(ROOT / "serving_examples" / "client.py"), "--base-url",
-                            f"http://127.0.0.1:{port}/v1", "--requests", "16", "--concurrency", "4",
-                            "--max-tokens", "24", "--check", "--json"], capture_output=True, text=True,
-                           timeout=900)
+                            f"http://127.0.0.1:{port}/v1", "--requests", str(requests), "--concurrency",
+                            str(concurrency), "--max-tokens", str(max_tokens), "--check", "--json"],
+                           capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stdout + p.stderr + log.read_text()[-4000:]
-        summary = json.loads(p.stdout.strip().splitlines()[-1])
-        assert summary["model"] == "smollm2-latq" and summary["complete"] == 16
-        assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
-        assert proc.poll() is None, "the server died"
-        text = log.read_text()
-        assert "linears loaded (ssqr checkpoint)" in text
+        alive = proc.poll() is None
+        return json.loads(p.stdout.strip().splitlines()[-1]), log.read_text(), alive
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # the group this test started
         try:
@@ -105,6 +99,21 @@ def test_served_checkpoint_survives_burst(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+@pytest.mark.slow
+def test_served_checkpoint_survives_burst(tmp_path):
+    """`latq-serve CKPT` (vLLM's default multiprocess engine, compiled mode off for start-up
+    time) on 127.0.0.1: 16 requests, 4 in flight, alternating /v1/completions and
+    /v1/chat/completions through serving_examples/client.py — every answer complete."""
+    ck = h.pipeline_checkpoint("smollm2-135m", "ssqr")
+    summary, log, alive = _serve_and_ask(
+        ck, tmp_path, "smollm2-latq", ["--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
+                                       str(256 << 20)], requests=16, concurrency=4, max_tokens=24)
+    assert summary["model"] == "smollm2-latq" and summary["complete"] == 16
+    assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
+    assert alive, "the server died"
+    assert "linears loaded (ssqr checkpoint)" in log
 
 
 @pytest.mark.slow
@@ -126,28 +135,9 @@ def test_served_moe_checkpoint_answers(tmp_path):
     from .moe_helpers import make_moe_checkpoint, make_moe_model
 
     ck, _ = make_moe_checkpoint(make_moe_model(tmp_path / "src", "qwen3_moe"), tmp_path / "ssqr", "ssqr")
-    port = _free_port()
-    log = tmp_path / "server.log"
-    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "vllm_latq.serve", str(ck), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "256", "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(64 << 20),
-           "--enforce-eager", "--served-model-name", "moe-latq"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        _wait_healthy(proc, port, log)
-        p = subprocess.run([sys.executable, str(ROOT / "serving_examples" / "client.py"), "--base-url",
-                            f"http://127.0.0.1:{port}/v1", "--requests", "2", "--concurrency", "1",
-                            "--max-tokens", "8", "--check", "--json"], capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout + p.stderr + log.read_text()[-4000:]
-        summary = json.loads(p.stdout.strip().splitlines()[-1])
-        assert summary["model"] == "moe-latq" and summary["complete"] == 2
-        assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
-        assert "linears loaded (ssqr checkpoint)" in log.read_text()
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # the group this test started
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    summary, log, _ = _serve_and_ask(
+        ck, tmp_path, "moe-latq", ["--max-model-len", "256", "--max-num-seqs", "2", "--kv-cache-memory-bytes",
+                                   str(64 << 20)], requests=2, concurrency=1, max_tokens=8)
+    assert summary["model"] == "moe-latq" and summary["complete"] == 2
+    assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
+    assert "linears loaded (ssqr checkpoint)" in log

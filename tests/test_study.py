@@ -115,7 +115,12 @@ def test_configurations_cover_the_issue():
     # llm-compressor's GPTQ, compared with ours at the group size it accepts
     gemma = {c.label: c for c in configs.sweep_configs("gemma3-270m", 128, peer_group=128)}
     assert gemma["GPTQ-3b-llmc"].base == "" and gemma["GPTQ-3b-llmc"].kwargs["group_size"] == 128
-    assert not any(c.tag == "g64" for c in gemma.values())
+    # GPTQ at every group size (the served-bits Pareto's baselines) and the 4-bit noise floor's seeds
+    for g in (32, 64):
+        for b in (2, 3, 4):
+            assert gemma[f"GPTQ-{b}b-g{g}"].kwargs == {"method": "gptq", "bits": b, "group_size": g}
+    assert [gemma[f"GPTQ-4b-seed{s}"].kwargs["seed"] for s in (1, 2)] == [1, 2]
+    assert gemma["GPTQ-4b-seed1"].kwargs["group_size"] == 128
     smol = {c.label: c for c in configs.sweep_configs("smollm2-135m", 128, peer_group=64)}
     for b in (3, 4):
         assert smol[f"GPTQ-{b}b-llmc"].base == "g64" and smol[f"GPTQ-{b}b-llmc"].kwargs["group_size"] == 64
@@ -284,6 +289,11 @@ def test_tiny_study(tmp_path, caplog, capsys):
         assert _finite(r["ppl"]) and r["ppl"] > 1 and _finite(r["bits"]), k
         assert r["windows"] == 2 and r["tokens"] == 2 * 127
     assert res["bf16"]["bits"] == 16
+    # served bits per kernel family, recorded as each configuration finished (issue 21)
+    for k, r in res.items():
+        if k not in ("ordering", "bf16"):
+            assert set(r["served"]["bits_per_weight"]) == {"cpu", "triton"}, k
+            assert r["served"]["source"] == ("layout" if k == "gptq-3b-llmc" else "checkpoint"), k
     assert 3.0 < res["gptq-3b"]["bits"] < 3.3
     assert 3.1 < res["ssqr-1pct-3b"]["bits"] < 3.6
     # the certificate: every unclipped (SSQR) layer, all 7 linears of both (truncated) blocks
@@ -390,3 +400,152 @@ def test_import_results_seeds_the_cache(tmp_path):
     src.write_text('{"results": [1, 2]}')
     with pytest.raises(SystemExit, match="not a study report's JSON"):
         runner.import_results(src, root)
+
+
+# ============================================================================ served bits (issue 21)
+
+def _prepared_bits(ck) -> dict[str, float]:
+    """Served bits/weight of a checkpoint measured on the prepared kernel states: each layer as
+    the loader forms it (dense as stored; HPTQ transcoded for the family), prepared by each
+    family, ``served_bytes`` summed (the bf16 fallback: 2 bytes/weight)."""
+    from vllm_latq import format as fmt
+    from vllm_latq.format.checkpoint import Checkpoint
+    from vllm_latq.kernels.reference import from_dense_tensors, transcode
+    from vllm_latq.kernels.served import families
+    c = Checkpoint(ck)
+    shapes = {r["name"]: r["shape"] for r in c.stats()["layers"]}
+    total = {}
+    for fam in families():
+        nbytes = 0
+        for name, (n, k) in shapes.items():
+            t = c.layer_tensors(name)
+            if c.spec.kind == "dense":
+                w = from_dense_tensors(t, c.spec.bits_of(name), c.spec.group_size, k)
+            else:
+                w = transcode(fmt.decode_integers(t, "huffman", (n, k), None), t["hscale"].float().expand(n),
+                              family=fam)
+            ok = fam.can_implement(w, torch.device("cpu"), torch.bfloat16)[0] or fam.name == "triton"
+            try:
+                nbytes += sum(fam.served_bytes(fam.prepare(w)).values()) if ok else 2 * n * k
+            except ValueError:
+                nbytes += 2 * n * k
+        total[fam.name] = 8 * nbytes / sum(n * k for n, k in shapes.values())
+    return total
+
+
+def test_served_bits_are_the_prepared_states(tiny_llama, tiny_checkpoints, tmp_path):
+    """A configuration's served bits/weight per kernel family (what the runner records) equal the
+    served bytes of the kernel states prepared from its layers: SSQR, HPTQ (transcoded per family)
+    and GPTQ, whose outlier-free layout gives the same number from the model's shapes alone."""
+    from bench.study import served
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    for method in ("ssqr", "hptq"):
+        d, _ = tiny_checkpoints[method]
+        rec = served.checkpoint_record(d)
+        assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(d), rel=1e-12)
+        assert sum(rec["kernels"]["triton"].values()) == 14
+    ck = quantize_model(tiny_llama, tmp_path / "gptq", QuantizeOptions(method="gptq", bits=3, group_size=64,
+                                                                       nsamples=4, seqlen=64), progress=False)
+    rec = served.checkpoint_record(ck)
+    assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(ck), rel=1e-12)
+    shapes = served.linear_shapes(tiny_llama)
+    assert len(shapes) == 14
+    assert served.outlier_free_served(shapes, 3, 64)["bits_per_weight"] == rec["bits_per_weight"]
+
+
+def test_backfill_served_of_older_results(tiny_llama, tmp_path, monkeypatch):
+    """Results cached before served bits were recorded: GPTQ's come from its layout (exact, nothing
+    quantized), SSQR's from re-quantizing with its settings (stored bits must match the result's);
+    without ``requantize`` an SSQR result stays as it was."""
+    from bench.study import served
+    monkeypatch.setattr(runner, "source_dir", lambda model, st, root: tiny_llama)
+    st = runner.Settings(nsamples=4, seqlen=64)
+    g = configs.make_config("tiny", "GPTQ", 3, method="gptq", bits=3, group_size=64)
+    r = runner.backfill_served(g, st, tmp_path, rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.25, options=g.kwargs),
+                               keep=False, requantize=False)
+    assert r["served"] == served.outlier_free_served(served.linear_shapes(tiny_llama), 3, 64)
+    assert json.loads((tmp_path / "results" / "tiny" / "gptq-3b.json").read_text())["served"] == r["served"]
+    s = configs.make_config("tiny", "SSQR-1%", 3, method="ssqr", bits=3, group_size=64, outlier_rate=0.01)
+    old = rec("SSQR-1%-3b", "SSQR-1%", 3, "", 18.0, 0.0, options=s.kwargs)
+    assert "served" not in runner.backfill_served(s, st, tmp_path, dict(old), keep=False, requantize=False)
+    ck = tmp_path / "ref"
+    runner.quantize_config(s, st, tiny_llama, ck, progress=False)
+    old["bits"] = json.loads((ck / "latq_stats.json").read_text())["totals"]["bits_per_weight"]
+    r = runner.backfill_served(s, st, tmp_path, dict(old), keep=False, requantize=True)
+    assert r["served"]["source"] == "re-quantized" and r["served"]["stored_bits"] == old["bits"]
+    assert r["served"]["bits_per_weight"] == served.checkpoint_record(ck)["bits_per_weight"]
+    assert not (tmp_path / "checkpoints" / "tiny" / s.slug).exists()   # not kept
+
+
+def _srec(label, family, level, tag, ppl, triton, group=128):
+    """A result record with served bits (Triton and CPU equal, for brevity)."""
+    return {**rec(label, family, level, tag, ppl, triton, options={"group_size": group}),
+            "served": {"bits_per_weight": {"triton": triton, "cpu": triton}, "kernels": {}, "source": "layout"}}
+
+
+def test_curves_interpolate_in_log_ppl_and_never_extrapolate():
+    """A series' curve keeps its non-dominated points; between two it is linear in log ppl; outside
+    its range there is no data."""
+    from bench.study import curves
+    res = [_srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.0), _srec("GPTQ-3b", "GPTQ", 3, "", 25.0, 4.3),   # 3b dominated
+           _srec("GPTQ-2b", "GPTQ", 2, "", 100.0, 2.5), _srec("GPTQ-4b-g64", "GPTQ", 4, "g64", 15.0, 4.5, 64),
+           _srec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 1.0, 3.0)]                            # a variant
+    assert [curves.series_of(r) for r in res] == ["GPTQ g128"] * 3 + ["GPTQ g64", None]
+    curve = curves.frontier(curves.points(res, {"GPTQ g128", "GPTQ g64"}, "triton"))
+    assert [p[2] for p in curve] == ["GPTQ-2b", "GPTQ-4b", "GPTQ-4b-g64"]
+    ppl, between = curves.ppl_at(curve, 3.25)
+    assert ppl == pytest.approx(40.0) and between == "GPTQ-2b–GPTQ-4b"     # √(100·16): halfway in log ppl
+    assert curves.ppl_at(curve, 4.5) == (15.0, "GPTQ-4b-g64")
+    assert curves.ppl_at(curve, 2.4) is None and curves.ppl_at(curve, 4.6) is None
+    assert curves.points(res, "GPTQ g128", None)[0] == (2.5, 100.0, "GPTQ-2b")   # stored bits: no family
+    h = _srec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 3.25)
+    c = curves.compare(h, curve, "triton")
+    assert c["gap"] == pytest.approx(math.log(30 / 40)) and c["base_ppl"] == pytest.approx(40.0)
+    assert curves.compare(_srec("HPTQ-2.125", "HPTQ", 2, "", 150.0, 2.2), curve, "triton")["no_data"]
+    assert curves.compare(_srec("HPTQ-4.125", "HPTQ", 4, "", 14.0, 4.8), curve, "triton")["no_data"]
+    # outside the curve only dominance: fewer bits and better than its first point, or more bits
+    # and worse than its last
+    c = curves.compare(_srec("HPTQ-2.125", "HPTQ", 2, "", 30.0, 2.2), curve, "triton")
+    assert (c["between"], c["end"], c["gap"]) == ("GPTQ-2b", 2.5, pytest.approx(math.log(0.3)))
+    c = curves.compare(_srec("HPTQ-4.125", "HPTQ", 4, "", 16.0, 4.8), curve, "triton")
+    assert (c["between"], c["end"], c["gap"]) == ("GPTQ-4b-g64", 4.5, pytest.approx(math.log(16 / 15)))
+    assert curves.compare(rec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 3.1), curve, "triton") is None
+
+
+def test_claims_at_equal_served_bits():
+    """The served-bits rows: a win beyond the noise floor holds, one within it does not, a
+    configuration outside GPTQ's curve says "no data" and gets no verdict; the noise-floor row
+    lists the seeds' perplexities."""
+    res = [_srec("bf16", "bf16", None, "", 13.0, 16.0), _srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.0),
+           _srec("GPTQ-2b", "GPTQ", 2, "", 100.0, 2.5), _srec("GPTQ-4b-seed1", "GPTQ", 4, "seed1", 16.16, 4.0),
+           _srec("GPTQ-4b-seed2", "GPTQ", 4, "seed2", 15.92, 4.0),
+           _srec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 3.25), _srec("HPTQ-4.125", "HPTQ", 4, "", 40.0, 3.25),
+           _srec("SSQR-1%-4b", "SSQR-1%", 4, "", 16.0, 4.5), _srec("SSQR-1%-2b", "SSQR-1%", 2, "", 39.9, 3.25)]
+    text = "\n".join(claims.claims_table({"m": res}, {}))
+    assert ("| noise floor: largest Δ ppl of our GPTQ-4b g128 under other calibration draws (seeds) | — | ±1.00% "
+            "(GPTQ-4b over 3 calibration draws: 16.00, 16.16, 15.92) | — |") in text
+    assert ("| HPTQ-3.125 beats our GPTQ at equal served bits (Triton kernels) | — | 30.00 vs 40.00 at 3.250 b "
+            "(GPTQ: GPTQ-2b–GPTQ-4b) | holds |") in text
+    assert "| 40.00 vs 40.00 at 3.250 b (GPTQ: GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
+    assert "| 39.90 vs 40.00 at 3.250 b (GPTQ: GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
+    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 16.00 at 4.500 b: dominated by "
+            "GPTQ-4b (16.00 at 4.000 b) — within noise | does not hold |") in text
+    res[-2] = _srec("SSQR-1%-4b", "SSQR-1%", 4, "", 15.0, 4.5)
+    assert ("| SSQR-1%-4b beats our GPTQ at equal served bits (CPU kernels) | — | 15.00 at 4.500 b: no data (GPTQ's "
+            "curve: 2.500–4.000 b) | — |") in "\n".join(claims.claims_table({"m": res}, {}))
+    assert "| HPTQ-2.125 beats our GPTQ at equal served bits (Triton kernels) | — | not run | — |" in text
+
+
+def test_pareto_plot_has_served_and_stored_panels(tmp_path):
+    """The plot: per model a served-bits panel first, then a stored-bits one, both with the series."""
+    pytest.importorskip("matplotlib")
+    res = [_srec("bf16", "bf16", None, "", 13.0, 16.0), _srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.2),
+           _srec("GPTQ-3b", "GPTQ", 3, "", 25.0, 4.4), _srec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 4.3)]
+    fig = report.pareto_figure({"m": res, "z": res})
+    labels = [ax.get_xlabel() for ax in fig.axes]
+    assert len(labels) == 4 and labels[0].startswith("served bits") and labels[1].startswith("stored bits")
+    assert labels[2:] == labels[:2]
+    served_lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    assert list(served_lines["GPTQ g128"].get_xdata()) == [4.2]         # 3b dominated: hollow, not joined
+    assert list(served_lines["HPTQ"].get_xdata()) == [4.3]
+    assert report.pareto_plot({"m": res}, tmp_path / "p.png") is None and (tmp_path / "p.png").stat().st_size > 10_000

@@ -10,25 +10,44 @@ from vllm_latq import format as fmt
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.quantize import capture
+from vllm_latq.quantize.activations import Activations
 from vllm_latq.quantize.calibrate import block_hessians
 from vllm_latq.quantize.hessian import qronos_target
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
 
+def _stream(run_dir, x: torch.Tensor) -> Activations:
+    """The sequences ``x`` [n, seqlen, hidden] as an in-memory activations stream in ``run_dir``."""
+    run_dir.mkdir(exist_ok=True)
+    acts = Activations.create(run_dir, x.shape, x.dtype, "cpu", None)
+    for j in range(len(x)):
+        acts.write(j, x[j])
+    acts.advance()
+    return acts
+
+
 def _block0(model_dir, nseq=3, seqlen=32):
+    """Block 0 of the model at ``model_dir`` (fp32), its linears, its inputs ``[nseq, seqlen, hidden]``
+    on random token ids and its keyword arguments."""
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prefix, layers = hf_model.decoder_layers(m)
     ids = torch.randint(0, 1000, (nseq, seqlen), generator=torch.Generator().manual_seed(0))
-    x, kwargs = capture.capture_inputs(m, layers, ids, m.config.hidden_size, torch.float32, "cpu", False)
-    return layers[0], hf_model.block_linears(layers[0], f"{prefix}.0"), x, kwargs[0]
+    x, kwargs = [], None
+    for j in range(nseq):
+        h, kw = capture.capture(m, layers, ids[j:j + 1], all_kwargs=True)
+        x.append(h[0])
+        kwargs = kwargs or kw
+    return layers[0], hf_model.block_linears(layers[0], f"{prefix}.0"), torch.stack(x), kwargs[0]
 
 
-def test_same_streams_give_cross_equal_hessian_and_w_prime_near_w(tiny_llama):
+def test_same_streams_give_cross_equal_hessian_and_w_prime_near_w(tiny_llama, tmp_path):
     """At block 0 X̃ = X: C = H̃ (up to fp32 rounding of the products), so W′ = W."""
     layer, linears, x, kw = _block0(tiny_llama)
-    hs = block_hessians(layer, linears, x, kw, "", False, targets=x.clone())
-    assert torch.allclose(hs.target_outputs, capture.block_outputs(layer, x, kw, "", False))
+    targets = _stream(tmp_path / "x", x)
+    hs = block_hessians(layer, linears, x, kw, "", False, targets=targets)
+    for j in range(len(x)):  # the stream moved on to the block's outputs
+        torch.testing.assert_close(targets[j:j + 1], capture.run_block(layer, x[j:j + 1], kw))
     for n, m in linears.items():
         H, C, W = hs.of[n].H, hs.cross_of[n].C, m.weight.detach().float()
         assert hs.cross_of[n].n == hs.of[n].n
@@ -37,7 +56,7 @@ def test_same_streams_give_cross_equal_hessian_and_w_prime_near_w(tiny_llama):
         torch.testing.assert_close(qronos_target(W, H, C, 0.01), W, rtol=1e-4, atol=1e-6)
 
 
-def test_cross_covariance_matches_hooked_inputs(tiny_llama):
+def test_cross_covariance_matches_hooked_inputs(tiny_llama, tmp_path):
     """With distinct streams, each linear's C equals X̃ᵀX/n of its inputs recorded by plain hooks,
     q/k/v and gate/up sharing one (like their Hessians)."""
     layer, linears, x, kw = _block0(tiny_llama)
@@ -49,10 +68,11 @@ def test_cross_covariance_matches_hooked_inputs(tiny_llama):
     with torch.no_grad():
         for s, xs in (("full", x), ("tilde", x_tilde)):
             stream[0] = s
-            capture.block_outputs(layer, xs, kw, "", False)
+            for j in range(len(xs)):
+                capture.run_block(layer, xs[j:j + 1], kw)
     for h in hooks:
         h.remove()
-    hs = block_hessians(layer, linears, x_tilde, kw, "", False, targets=x)
+    hs = block_hessians(layer, linears, x_tilde, kw, "", False, targets=_stream(tmp_path / "x", x))
     for n in linears:
         Xt, X = torch.cat(rows[n]["tilde"]).double(), torch.cat(rows[n]["full"]).double()
         torch.testing.assert_close(hs.cross_of[n].C, Xt.T @ X / len(X), rtol=1e-5, atol=1e-6)
@@ -152,3 +172,16 @@ def test_with_experts_and_column_scales(tmp_path, arch, column_scales):
         assert s["hessian_tokens"] == stats[False][n]["hessian_tokens"], n
         if "expert" in s:
             assert s["expert_tokens"] == stats[False][n]["expert_tokens"], n
+
+
+def test_spilled_streams_give_the_same_checkpoint(tiny_llama, tmp_path):
+    """Both streams on disk (a zero memory budget) write the in-memory run's checkpoint, and the
+    second stream's directory is gone from it."""
+    import hashlib
+    hashes = {}
+    for budget in (None, 0):
+        opts = QuantizeOptions(method="gptq", bits=3, target_correction=True, max_activation_memory=budget, **TINY_OPTS)
+        d = quantize_model(tiny_llama, tmp_path / f"q{budget}", opts, progress=False)
+        hashes[budget] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+    assert hashes[0] == hashes[None]
+    assert not any("target_stream" in n or "activations" in n for n in hashes[0])

@@ -31,11 +31,13 @@ Per rank (r = tp_rank; rows = output dim, cols = input dim):
   takes (CUDA: Triton's 2–4 bits; CPU: 2–8), that minimises that family's served bytes for
   this rank's matrix (``selector.family_for``; one fp16 scale per row: q, k, v keep their
   own per-matrix scales).
+- a fused matrix whose rows the model's loader regroups (Falcon's ``query_key_value``):
+  the same blocks, taken in the loader's row order (:mod:`~vllm_latq.loader_rows`).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn import Parameter
@@ -52,6 +54,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import format as fmt
+from . import loader_rows
 from .kernels import ops, selector
 from .kernels.reference import LatqWeight, transcode
 
@@ -128,6 +131,19 @@ def _split(full, blocks, hf_names, name, cin, col0, ncols, ids=None) -> Geometry
     offs = [sum(full[:i]) for i in range(len(full))]
     fused = Shard(name, sum(full), [(o + s0, n) for o, (s0, n) in zip(offs, blocks)])
     return Geometry(shards, fused, cin, col0, ncols)
+
+
+def in_loader_order(geo: Geometry, sources: torch.Tensor | None) -> Geometry:
+    """``geo`` for a fused matrix whose rows the model's loader regroups (``sources[i]``: the
+    checkpoint row of vLLM's row i, :mod:`~vllm_latq.loader_rows`): the fused shard's blocks
+    become blocks of checkpoint rows, so every row-wise tensor is cut in vLLM's order."""
+    if sources is None:
+        return geo
+    if sources.numel() != geo.fused.rows:
+        raise ValueError(f"latq: {geo.fused.name}: a row regrouping of {sources.numel()} rows for "
+                         f"{geo.fused.rows} rows")
+    blocks = [b for r0, n in geo.fused.blocks for b in loader_rows.runs(sources[r0:r0 + n])]
+    return replace(geo, fused=replace(geo.fused, blocks=blocks))
 
 
 # ----------------------------------------------------------------------------- slicing
@@ -303,7 +319,14 @@ class LatqLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
-        st = layer._latq_load = LoadState(layer, self.config, geometry(layer, self.config.hf_names(layer.prefix)))
+        arch, hf_config = loader_rows.loading_model()
+        refusal = loader_rows.refusal(arch, layer.prefix)
+        if refusal:
+            raise NotImplementedError(refusal)
+        geo = geometry(layer, self.config.hf_names(layer.prefix))
+        if geo.fused is not None:
+            geo = in_loader_order(geo, loader_rows.checkpoint_rows(arch, hf_config, layer.prefix, geo.fused.rows))
+        st = layer._latq_load = LoadState(layer, self.config, geo)
         layer._latq_act_dtype = params_dtype
         for name in names:
             dtype = fmt.tensor_dtype(name, input_size)

@@ -12,6 +12,14 @@ What it does, per model (Gemma3-270M, SmolLM2-135M):
    Every configuration is quantized by the sequential pipeline (``quantize_model``), evaluated
    by the shared protocol through the format's reference dequantization (``latq-eval``), and
    its result cached as JSON: re-running skips finished configurations.
+   Each result records its **served bits/weight** per kernel family (CPU, Triton): what one
+   decode step streams for the quantized linears (``served``: the kernels' cost models on the
+   layers the run produced, HPTQ/HRTN transcoded per family); results from before that get them
+   from their layout where they have no outliers, else by quantizing again without evaluating
+   (``--requantize-served``). Baselines of the served-bits Pareto: GPTQ at group sizes 32/64/128
+   (tags ``g32``/``g64``), and the noise floor of every comparison: GPTQ-4b on other calibration
+   draws (tags ``seed1``/``seed2``). Claims "A beats GPTQ" are judged at equal served bits against
+   GPTQ's curve (``curves``), with "no data" outside it.
 2. **Certificate**: for every layer quantized without clipping (SSQR, HPTQ) the measured
    ``(q−w)ᵀH_d(q−w)`` against the bound ``¼ΣD s²`` (damped Hessian, the damping the solver
    used), per layer as Σerr/Σbound and as the largest per-row ratio; min/median/max.
@@ -44,6 +52,8 @@ plot beside it (needs matplotlib; without it the report says so).
 
 Where each part lives: ``configs`` (what runs), ``runner`` (settings, cache, running
 configurations), ``solvers`` (the peer and control solvers, llm-compressor), ``ordering`` (the
-ordering study), ``claims`` (the paper's claims and their verdicts), ``report`` (the report, plot
-and headline), ``summary`` (formatting shared by the last two), ``cli`` (the command line).
+ordering study), ``served`` (served bits of a configuration), ``curves`` (perplexity against
+served bits, comparisons at equal served bits), ``claims`` (the paper's claims and their
+verdicts), ``report`` (the report, plot and headline), ``summary`` (formatting shared by the last
+two), ``cli`` (the command line).
 """

@@ -17,7 +17,7 @@ from . import __doc__ as STUDY_DOC
 from .configs import EXTRA_TAGS, MODELS, peer_group_size, run_priority, sweep_configs, tiny_configs
 from .ordering import ordering_study
 from .report import headline, write_report
-from .runner import ROOT, Settings, import_results, run_config, run_configs, write_json
+from .runner import ROOT, Settings, backfill_served, import_results, run_config, run_configs, write_json
 
 log = logging.getLogger("latq.study")
 
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--import-results", type=Path, default=None, metavar="RESULTS.json",
                     help="seed the cache with the records of a report's JSON (e.g. docs/RESULTS.json from another "
                     "machine): a study continues where that one stopped; records of other settings are ignored")
+    ap.add_argument("--requantize-served", action="store_true", help="quantize again (no evaluation) the "
+                    "cached configurations whose results predate served bits and have neither an outlier-free "
+                    "layout nor a kept checkpoint, to add their served bits")
     ap.add_argument("--report-only", action="store_true", help="write the report from the cached results only "
                     "(configurations not cached yet are listed as missing; nothing is computed)")
     return ap
@@ -123,10 +126,14 @@ def _run(a, argv) -> int:
         import_results(a.import_results, root)
     if a.worker:  # one configuration of a parallel study, run by run_configs: no report
         for cfg in configs:
-            run_config(cfg, st, root, a.keep_checkpoints, progress=False)
+            r = run_config(cfg, st, root, a.keep_checkpoints, progress=False)
+            backfill_served(cfg, st, root, r, a.keep_checkpoints, a.requantize_served)
         return 0
     results = run_configs(configs, st, root, a.keep_checkpoints, compute=not a.report_only, jobs=a.jobs,
                           worker_argv=_settings_argv(a))
+    # results from before the study recorded served bits: what can be had without evaluating
+    results = [r and backfill_served(c, st, root, r, a.keep_checkpoints, a.requantize_served and not a.report_only)
+               for c, r in zip(configs, results)]
     by_model: dict[str, list[dict]] = {m: [] for m in models}
     missing = []
     for cfg, r in zip(configs, results):

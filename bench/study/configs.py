@@ -7,6 +7,12 @@ from dataclasses import dataclass
 MODELS = ("gemma3-270m", "smollm2-135m")
 LEVELS = (4, 3, 2)  # table columns: ≈4.125 / 3.125 / 2.125 bits (SSQR: 4/3/2-bit inliers)
 FAMILIES = ("RTN", "GPTQ", "HRTN", "HPTQ", "SSQR-1%", "SSQR-2%")
+# GPTQ's group sizes besides the default 128: the baselines of the served-bits Pareto (issue 21)
+GROUP_SIZES = (32, 64)
+# the noise floor at 4 bits: our GPTQ-4b calibrated on other seeded draws of the calibration text
+# (which articles, in which order): a harmless change whose perplexity spread sizes every verdict
+NOISE_SEEDS = (1, 2)
+NOISE_TAGS = tuple(f"seed{s}" for s in NOISE_SEEDS)
 # configurations that change one option of a default one: (tag, report heading, column name)
 TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
           ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
@@ -16,8 +22,9 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           ("peer", "Peer GPTQ, whole model: every layer's integers from the IST-DASLab reference column loop "
                    "(`reference_gptq`) instead of ours, all else equal (pipeline, Hessians, act-order, damping, "
                    "scales); the bar is ±1 %:", "reference loop"),
-          ("g64", "Our GPTQ at group size 64 (SmolLM2: the largest group size llm-compressor accepts for its 576 "
-                  "columns; the baseline of that comparison):", "group size 64"),
+          ("g64", "Our GPTQ at group size 64 (a baseline of the served-bits Pareto; SmolLM2: also the largest "
+                  "group size llm-compressor accepts for its 576 columns, the baseline of that comparison):",
+           "group size 64"),
           ("llmc", "Peer GPTQ, whole model: llm-compressor's own GPTQ (`GPTQModifier`, its sequential pipeline and "
                    "`mse` scale observer, run in an environment of its own by `bench/peer_llmcompressor.py`) at our "
                    "settings: the same bf16 model and calibration sequences, symmetric signed integers, static "
@@ -27,6 +34,10 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
                           "from the bf16 weights, as its GPTQ run chooses them), everything else ours (pipeline, "
                           "solver, format), against llm-compressor's GPTQ: what is left of the gap once the scales "
                           "are equal:", "ours, its scales"),
+          *((f"g{g}", f"Our GPTQ at group size {g} (a baseline of the served-bits Pareto):", f"group size {g}")
+            for g in GROUP_SIZES if g != 64),
+          *((t, f"Noise floor: our GPTQ-4b calibrated on the seeded draw {t} of the calibration text instead of "
+                "seed 0 (other articles, another order):", t) for t in NOISE_TAGS),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
                    "settings; only intermediate rounding differs, changing a few integers):", "ours in fp64"),
           ("damp-up", "Control: our GPTQ with the damping ×(1 + 10⁻⁴) (0.01 → 0.010001 of mean diag H: no change of "
@@ -134,13 +145,20 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
     for b in (4, 3):
         out.append(make_config(model, "GPTQ", b, "peer", method="gptq", bits=b, group_size=group_size))
     out += _llmc_configs(model, group_size, peer_group, (4, 3))
+    # GPTQ at the other group sizes: the served-bits Pareto's baselines
+    for g in GROUP_SIZES:
+        for b in LEVELS:
+            out.append(make_config(model, "GPTQ", b, f"g{g}", method="gptq", bits=b, group_size=g))
+    # the noise floor at 4 bits: other calibration draws
+    for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
+        out.append(make_config(model, "GPTQ", 4, tag, method="gptq", bits=4, group_size=group_size, seed=s))
     # its controls: how far perplexity moves when harmless changes flip a few integers (float
     # rounding; the damping moved by ±0.01 %; fp32 forwards): ours' own spread, against which a
     # peer gap is read
     for tag in SPREAD_TAGS:
         out.append(make_config(model, "GPTQ", 3, tag, method="gptq", bits=3, group_size=group_size,
                                **SPREAD_OPTS.get(tag, {})))
-    return out
+    return list(dict.fromkeys(out))   # SmolLM2's g64 baselines are both llm-compressor's and the Pareto's
 
 
 def tiny_configs(model: str, group_size: int, peer_group: int | None = None) -> list[Config]:

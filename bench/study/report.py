@@ -10,6 +10,8 @@ from pathlib import Path
 
 from .claims import PEERS, claims_table
 from .configs import EXTRA_TAGS, FAMILIES, TAGGED, slug
+from .curves import frontier, points, series_of
+from .served import served_bits
 from .ordering import LAYER_TYPES, ORDERS
 from .runner import Settings
 from .summary import cert_summary, fmt_delta, fmt_ppl
@@ -34,6 +36,8 @@ def headline(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> str:
         for label in ("bf16", "HPTQ-3.125", "GPTQ-3b", "HPTQ-4.125", "SSQR-1%-4b", "GPTQ-4b"):
             if label in r:
                 out.append(f"{short}_{slug(label).replace('-', '_')}_ppl={r[label]['ppl']:.2f}")
+                if label != "bf16" and (t := served_bits(r[label], "triton")) is not None:
+                    out.append(f"{short}_{slug(label).replace('-', '_')}_served_triton={t:.3f}")
         for tag in PEERS:
             for b in (3, 4):
                 v = r.get(f"GPTQ-{b}b-{tag}")
@@ -52,40 +56,59 @@ def headline(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> str:
     return "HEADLINE " + " ".join(out)
 
 
-def pareto_plot(by_model: dict[str, list[dict]], path: Path) -> str | None:
-    """Average bits vs perplexity, one line per method. → None, or why no plot was made."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib), so no plot was made"
-    fig, axes = plt.subplots(1, len(by_model), figsize=(6 * len(by_model), 4.5), squeeze=False)
-    for ax, (model, res) in zip(axes[0], by_model.items()):
+def pareto_figure(by_model: dict[str, list[dict]]):
+    """Per model two panels: perplexity against served bits/weight (Triton kernels: what a GPU
+    decode step streams), then against stored bits/weight. Each series' non-dominated points are
+    joined, its dominated ones drawn hollow. → the matplotlib figure (ImportError without it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(by_model), 2, figsize=(13, 4.8 * len(by_model)), squeeze=False)
+    for (served_ax, stored_ax), (model, res) in zip(axes, by_model.items()):
         bf = [r for r in res if r["family"] == "bf16"]
         # the top of the axis at 20× bf16: the 2-bit baselines (up to 1e11) would squash the rest;
         # points above it are drawn on the edge as ▲
         top = 20 * bf[0]["ppl"] if bf else math.inf
-        for fam in FAMILIES:
-            pts = sorted((r["bits"], r["ppl"]) for r in res if r["family"] == fam and not r["tag"]
-                         and math.isfinite(r["ppl"]))
-            if pts:
-                line, = ax.plot([b for b, _ in pts], [min(p, top) for _, p in pts], marker="o", label=fam)
-                off = [(b, top) for b, p in pts if p > top]
+        series = list(dict.fromkeys(s for r in res if (s := series_of(r))))
+        for ax, fam, what in ((served_ax, "triton", "served bits per weight, Triton kernels (what a decode step "
+                                                   "streams)"),
+                              (stored_ax, None, "stored bits per weight (the checkpoint's accounting)")):
+            for i, name in enumerate(series):
+                pts = points(res, name, fam)
+                if not pts:
+                    continue
+                front = frontier(pts)
+                color = f"C{i % 10}"
+                ax.plot([b for b, _, _ in front], [min(p, top) for _, p, _ in front], marker="o", color=color,
+                        label=name)
+                rest = [(b, min(p, top)) for b, p, label in pts if (b, p, label) not in front]
+                if rest:
+                    ax.plot(*zip(*rest), ls="none", marker="o", mfc="none", color=color)
+                off = [(b, top) for b, p, _ in pts if p > top]
                 if off:
-                    ax.plot(*zip(*off), ls="none", marker="^", ms=9, color=line.get_color())
-        if bf:
-            ax.axhline(bf[0]["ppl"], color="k", ls="--", lw=1, label=f"bf16 ({bf[0]['ppl']:.2f})")
-            ax.set_ylim(0.9 * bf[0]["ppl"], top * 1.1)
-        ax.set_yscale("log")
-        ax.set_title(model + (" (▲: off the chart, see the tables)" if bf else ""))
-        ax.set_xlabel("average bits per weight (quantized linears)")
-        ax.set_ylabel("Wikipedia perplexity")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+                    ax.plot(*zip(*off), ls="none", marker="^", ms=9, color=color)
+            if bf:
+                ax.axhline(bf[0]["ppl"], color="k", ls="--", lw=1, label=f"bf16 ({bf[0]['ppl']:.2f})")
+                ax.set_ylim(0.9 * bf[0]["ppl"], top * 1.1)
+            ax.set_yscale("log")
+            ax.set_title(f"{model}: {'served' if fam else 'stored'} bits" + (" (▲: off the chart)" if bf else ""))
+            ax.set_xlabel(what)
+            ax.set_ylabel("Wikipedia perplexity")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def pareto_plot(by_model: dict[str, list[dict]], path: Path) -> str | None:
+    """:func:`pareto_figure` saved to ``path``. → None, or why no plot was made."""
+    try:
+        fig = pareto_figure(by_model)
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib), so no plot was made"
+    import matplotlib.pyplot as plt
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
 
@@ -109,7 +132,9 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
     if why:
         L += [f"_{why}._", ""]
     else:
-        L += [f"![average bits vs perplexity]({os.path.relpath(plot, report.parent)})", ""]
+        L += ["Left: perplexity against served bits/weight (Triton kernels); right: against stored bits/weight. "
+              "Each series' non-dominated points are joined; hollow: dominated by another point of its series.", "",
+              f"![served and stored bits vs perplexity]({os.path.relpath(plot, report.parent)})", ""]
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(L))
 
@@ -129,7 +154,8 @@ def _preamble(by_model, ordering, st: Settings, command: str, missing) -> list[s
          f"Group size {st.group_size} (SmolLM2: 576 = 4·128 + 64, a ragged last group). Bits = average "
          "stored bits per weight of the quantized linears from the checkpoint's accounting (scales, "
          "outliers, Huffman codebooks included); embeddings and lm_head stay bf16 unless a configuration "
-         "says otherwise."
+         "says otherwise. Served bits = the bytes/weight one decode step streams for the same linears in a kernel "
+         "family's prepared form (Triton: the GPU kernels; CPU: the int4-op path), see the served-bits table."
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]
@@ -153,8 +179,8 @@ def _sweep_section(model: str, res: list[dict]) -> list[str]:
         L += [f"bf16 perplexity **{bf['ppl']:.3f}** ({bf['windows']} windows, {bf['tokens']} predicted "
               "tokens).", ""]
     levels = sorted({r["level"] for r in res if r["level"]}, reverse=True)
-    L += ["Perplexity (average bits/weight) — rows like the paper's Table 3; the HPTQ row is Table 4's "
-          "layout.", "",
+    L += ["Perplexity (average stored bits/weight; served bits/weight in the Triton (T) and CPU (C) kernels "
+          "where computed) — rows like the paper's Table 3; the HPTQ row is Table 4's layout.", "",
           "| method | " + " | ".join(f"≈{b}.125 b (SSQR: {b}-bit inliers)" for b in levels) + " |",
           "|---|" + "---|" * len(levels)]
     if bf:
@@ -163,18 +189,53 @@ def _sweep_section(model: str, res: list[dict]) -> list[str]:
         cells = []
         for b in levels:
             r = next((r for r in res if r["family"] == fam and r["level"] == b and not r["tag"]), None)
-            cells.append(f"{fmt_ppl(r['ppl'])} ({r['bits']:.3f})" if r else "—")
+            cells.append(f"{fmt_ppl(r['ppl'])} ({r['bits']:.3f}{_served_cell(r)})" if r else "—")
         if any(c != "—" for c in cells):
             L.append(f"| {fam} | " + " | ".join(cells) + " |")
     L += ["", "<details><summary>every configuration</summary>", "",
-          "| configuration | bits/w | outliers | ppl | Δ vs bf16 | windows × tokens | quantize s | eval s |",
-          "|---|---|---|---|---|---|---|---|"]
+          "| configuration | bits/w | served T | served C | outliers | ppl | Δ vs bf16 | windows × tokens | "
+          "quantize s | eval s |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         d = fmt_delta(r["ppl"] / bf["ppl"]) if bf and r is not bf else ""
-        L.append(f"| {r['label']} | {r['bits']:.3f} | {100 * (r.get('outlier_rate') or 0):.2f}% | "
+        sv = [f"{b:.3f}" if (b := served_bits(r, f)) is not None else "—" for f in ("triton", "cpu")]
+        L.append(f"| {r['label']} | {r['bits']:.3f} | {' | '.join(sv)} | {100 * (r.get('outlier_rate') or 0):.2f}% | "
                  f"{fmt_ppl(r['ppl'])} | {d} | {r['windows']} × {r['tokens']} | {r['quantize_seconds']} | "
                  f"{r['eval_seconds']} |")
-    return L + ["", "</details>", ""]
+    return L + ["", "</details>", ""] + _served_section(res)
+
+
+def _served_cell(r: dict) -> str:
+    """``; T 4.30, C 5.11``: a grid cell's served bits, where computed."""
+    t, c = served_bits(r, "triton"), served_bits(r, "cpu")
+    return "" if t is None or c is None else f"; T {t:.2f}, C {c:.2f}"
+
+
+def _served_section(res: list[dict]) -> list[str]:
+    """Every method's operating points by served bits (Triton), with where each layer is served."""
+    rows = sorted(((served_bits(r, "triton"), r) for r in res if series_of(r) and served_bits(r, "triton")),
+                  key=lambda x: x[0])
+    if not rows:
+        return []
+    L = ["Served bits/weight: what one decode step streams for the quantized linears in each kernel family's "
+         "prepared form (inliers, scales, outliers with their index and padding), from the kernels' cost models "
+         "(`layout_bytes`) on the layers the run produced; HPTQ/HRTN layers at the width `transcode` gives them for "
+         "that family. Source: `checkpoint` (computed when the run finished), `re-quantized` (a result from before "
+         "served bits were recorded: its configuration quantized again with the same settings, perplexity "
+         "carried; the stored bits of that checkpoint beside it, equal to the evaluated one's up to the few "
+         "integers a different thread count flips), `layout` (no outliers: exact from the shapes, bits and group size). Sorted by Triton served "
+         "bits; ★ = on its series' non-dominated curve.", "",
+         "| configuration | series | stored b | served T | served C | Triton layers | CPU layers | ppl | source |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    front = {s: {p[2] for p in frontier(points(res, s, "triton"))} for s in {series_of(r) for _, r in rows}}
+    for t, r in rows:
+        sv = r["served"]
+        star = " ★" if r["label"] in front[series_of(r)] else ""
+        kern = [", ".join(f"{k}: {n}" for k, n in sorted(sv["kernels"][f].items())) for f in ("triton", "cpu")]
+        L.append(f"| {r['label']}{star} | {series_of(r)} | {r['bits']:.3f} | {t:.3f} | "
+                 f"{served_bits(r, 'cpu'):.3f} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | {sv['source']}"
+                 + (f" (stores {sv['stored_bits']:.5f})" if "stored_bits" in sv else "") + " |")
+    return L + [""]
 
 
 def _variants_section(res: list[dict]) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from bench import peer_llmcompressor
 from vllm_latq import data
 
-from . import solvers
+from . import served, solvers
 from .configs import Config, slug
 
 log = logging.getLogger("latq.study")
@@ -236,10 +236,13 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
     if cfg.tag == "llmc":   # a plain HF directory: its bits come from llm-compressor's format
         r["peer"] = json.loads((Path(target) / "peer.json").read_text())
         r["bits"] = r["peer"]["bits_per_weight"]
+        r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"],
+                                                 cfg.kwargs["group_size"])
     elif cfg.family != "bf16":
         stats = json.loads((Path(target) / "latq_stats.json").read_text())
         r["stats_cert_max"] = stats["totals"].get("cert_max")
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
+        r["served"] = served.checkpoint_record(Path(target))
     if cfg.family != "bf16":
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
@@ -247,6 +250,41 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
     write_json(path, r)
     log.info("done: %s %s: %.3f bits/w, ppl %.3f (%.0fs)", cfg.model, cfg.label, r["bits"], r["ppl"],
              time.time() - t0)
+    return r
+
+
+# ============================================================================ served bits of older results
+
+def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, requantize: bool) -> dict:
+    """A cached result of ``cfg`` without served bits (run before the study recorded them) → with
+    them: from the layout for one without outliers (exact), else from its kept checkpoint, else
+    (``requantize``) from the checkpoint quantized again with its settings (no evaluation: the
+    perplexity stays the result's; the record keeps that checkpoint's stored bits, which must be
+    the result's). Without a way, the result is returned as it is."""
+    if "served" in r or cfg.family == "bf16":
+        return r
+    src = source_dir(cfg.model, st, root)
+    ck = root / "checkpoints" / cfg.model / cfg.slug
+    if served.is_outlier_free(r):
+        r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"], cfg.kwargs["group_size"])
+    elif (ck / "latq_stats.json").is_file() or requantize:
+        fresh = not (ck / "latq_stats.json").is_file()
+        if fresh:
+            log.info("re-quantizing for served bits: %s %s", cfg.model, cfg.label)
+            quantize_config(cfg, st, src, ck, progress=False)
+        r["served"] = served.checkpoint_record(ck)
+        stored = json.loads((ck / "latq_stats.json").read_text())["totals"]["bits_per_weight"]
+        r["served"].update(source="re-quantized" if fresh else "kept checkpoint", stored_bits=stored)
+        if abs(stored - r["bits"]) > 1e-3:
+            log.warning("%s %s: the checkpoint re-quantized for served bits stores %.4f bits/w, the result %.4f",
+                        cfg.model, cfg.label, stored, r["bits"])
+        if fresh and not keep:
+            shutil.rmtree(ck, ignore_errors=True)
+    else:
+        return r
+    write_json(root / "results" / cfg.model / f"{cfg.slug}.json", r)
+    log.info("served bits of %s %s (%s): %s", cfg.model, cfg.label, r["served"]["source"],
+             ", ".join(f"{f} {b:.3f}" for f, b in r["served"]["bits_per_weight"].items()))
     return r
 
 

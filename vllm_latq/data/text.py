@@ -11,6 +11,7 @@ non-overlapping 512-token windows of the eval text (BOS + 511 tokens for Gemma).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import random
@@ -79,6 +80,14 @@ def _windows(ids: list[int], seqlen: int, n: int | None, bos: int | None) -> tor
     if bos is None:
         return body
     return torch.cat([torch.full((n, 1), bos, dtype=torch.long), body], dim=1)
+
+
+def source_record(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -> dict:
+    """What a result records as its text (:func:`read_documents`' arguments): the wiki's split,
+    or a file's path and sha256."""
+    if str(source) == "wiki":
+        return {"source": "wiki", "split": wiki_part}
+    return {"path": str(source), "sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest()}
 
 
 class Documents(NamedTuple):

@@ -30,12 +30,13 @@ _DTYPES = {
 _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _DTYPES.items()}
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes safetensors stores for ``t``."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes safetensors stores for ``t``: a view of its memory, not a
+    copy (the writer hashes and writes GB-sized embeddings)."""
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def sha256(t: torch.Tensor) -> str:
@@ -184,11 +185,16 @@ class SafetensorsFile:
         if name not in self.entries:
             raise self._err("missing", name)
         e = self.entries[name]
-        dtype = _DTYPES[e.dtype]
-        b = self.raw(name)
-        if not b:
-            return torch.empty(e.shape, dtype=dtype)
-        return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(e.shape)
+        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)  # read straight into it: one copy of the data
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.data_start + e.begin)
+                got = f.readinto(buf.numpy())
+        except OSError as err:
+            raise self._err(f"cannot read: {err}", name) from None
+        if got != len(buf):
+            raise self._err("truncated while reading", name)
+        return buf.view(_DTYPES[e.dtype]).reshape(e.shape)
 
     @property
     def checksums(self) -> dict[str, str] | None:

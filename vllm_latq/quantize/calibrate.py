@@ -12,10 +12,13 @@ Experts of a mixture-of-experts block get no cross term: they are solved against
 """
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from .. import hf_model
 from . import capture
+from .activations import Activations
 from .hessian import CrossCovariance, Hessian, PanelHessian
 from .moe import MoeInputs
 
@@ -39,7 +42,6 @@ class SharedHessians:
         self.cross_of: dict[str, CrossCovariance] = {}
         self.targets: dict[str, torch.Tensor] | None = None   # each linear's X for the current sequence
         self._recording = False
-        self.target_outputs: torch.Tensor | None = None   # block_hessians: the block's outputs on X
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in linears.items()]
 
     def _hook(self, name):
@@ -110,24 +112,44 @@ class SharedHessians:
 
 
 @torch.no_grad()
-def block_hessians(layer, linears: dict, inps: torch.Tensor, kw: dict, desc: str, progress: bool,
-                   targets: torch.Tensor | None = None) -> SharedHessians:
+def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bool,
+                   targets: Activations | None = None) -> SharedHessians:
     """Run the (unquantized) block on every calibration sequence with Hessian hooks. With
-    ``targets`` (the full-precision stream, row-aligned with ``inps``) also the cross terms, and
-    ``hs.target_outputs``: the block's outputs on ``targets``."""
+    ``targets`` (the full-precision stream, row-aligned with ``inps``) also the cross terms; the
+    block's outputs on ``targets`` become its next inputs."""
     from tqdm.auto import tqdm
     hs = SharedHessians(linears, layer)
-    if targets is not None:
-        hs.target_outputs = torch.empty_like(targets)
     try:
         for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians", unit="seq", disable=not progress, leave=False):
             if targets is not None:
-                hs.target_outputs[j] = hs.record_targets(layer, targets[j:j + 1], kw)[0]
+                targets.write(j, hs.record_targets(layer, targets[j:j + 1], kw)[0])
             capture.run_block(layer, inps[j:j + 1], kw)
             hs.end_forward()
     finally:
         hs.remove()
+    if targets is not None:
+        targets.advance()
+        targets.remove_older()
     return hs
+
+
+TARGET_STREAM_DIR = "latq_target_stream"  # in the run directory, when the stream spills to disk
+
+
+def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
+    """Target correction's second stream, starting as a copy of block 0's inputs ``acts``, kept
+    in memory up to ``budget`` bytes (None: half the memory then available) like the first."""
+    run_dir = acts.run_dir / TARGET_STREAM_DIR
+    run_dir.mkdir(exist_ok=True)
+    targets = Activations.create(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block - 1)
+    for j in range(len(acts)):
+        targets.write(j, acts[j:j + 1][0])
+    targets.advance()
+    return targets
+
+
+def drop_stream(targets: Activations) -> None:
+    shutil.rmtree(targets.run_dir, ignore_errors=True)
 
 
 @torch.no_grad()

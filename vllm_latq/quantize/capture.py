@@ -4,7 +4,8 @@ block receives, captured from the model's own forward; and running one block on 
 The keyword arguments (position embeddings, attention masks: they differ per layer type in
 Gemma3) come from one real forward call per block, with the blocks replaced by catchers,
 and are replayed for every calibration sequence. A block's outputs, computed by the block
-already quantized, are the next block's inputs (:func:`block_outputs`).
+already quantized, are the next block's inputs (:func:`block_outputs`); all of them are held
+by :class:`~.activations.Activations`, in memory or on disk.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import torch
 
 from .. import hf_model
+from .activations import Activations
 from .resume import RunDir
 from .source import Source
 
@@ -84,42 +86,47 @@ def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: b
 
 
 @torch.no_grad()
-def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, hidden_size: int, dtype, device,
-                   progress: bool) -> tuple[torch.Tensor, dict]:
-    """Block 0's inputs for every calibration sequence (rows of ``calib``) ``[n, seqlen,
-    hidden]`` in ``dtype``, and every block's keyword arguments (from the first sequence)."""
+def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, acts: Activations,
+                   progress: bool) -> dict:
+    """Write block 0's inputs for every calibration sequence (rows of ``calib``) into
+    ``acts`` → every block's keyword arguments (from the first sequence)."""
     from tqdm.auto import tqdm
-    inps = torch.empty(len(calib), calib.shape[1], hidden_size, dtype=dtype, device=device)
     kwargs = None
     for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
                   leave=False):
-        h, kw = capture(model, layers, calib[j:j + 1].to(device), all_kwargs=(j == 0))
-        inps[j] = h[0]
+        h, kw = capture(model, layers, calib[j:j + 1].to(acts.device), all_kwargs=(j == 0))
+        acts.write(j, h[0])
         kwargs = kwargs or kw
-    return inps, kwargs
+    acts.advance()
+    return kwargs
 
 
 @torch.no_grad()
-def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, progress: bool):
-    """→ (the inputs of the first block ``run`` has not done ``[n, seqlen, hidden]``, every
-    block's keyword arguments); (None, None) without calibration data. Loads the tensors
-    outside the blocks for the capture pass and drops them again."""
+def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, max_memory: int | None,
+                 progress: bool) -> tuple[Activations | None, dict | None]:
+    """→ (the inputs of the first block ``run`` has not done, every block's keyword
+    arguments); (None, None) without calibration data. The activations are kept in memory
+    up to ``max_memory`` bytes (None: :func:`.activations.default_budget`), else on disk.
+    Loads the tensors outside the blocks for the capture pass and drops them again."""
+    if calib is None:  # an uncalibrated method: no forwards, the embeddings are not read
+        return None, None
     src.load(src.outside_tensors(), device)
     for m in src.net.modules():  # the real buffers (rotary frequencies, ...) go to the device
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = b.to(device)
-    inps = kwargs = None
-    if calib is not None and run.blocks_done == 0:
-        inps, kwargs = capture_inputs(src.net, src.layers, calib, src.config.hidden_size, src.dtype, device, progress)
-    elif calib is not None:
+    shape = (len(calib), calib.shape[1], src.config.hidden_size)
+    if run.blocks_done == 0:
+        acts = Activations.create(run.path, shape, src.dtype, device, max_memory)
+        kwargs = capture_inputs(src.net, src.layers, calib, acts, progress)
+    else:
         kwargs = capture(src.net, src.layers, calib[:1].to(device), all_kwargs=True)[1]
-        inps = run.activations().to(device)
+        acts = Activations.resume(run.path, shape, src.dtype, device, max_memory, run.blocks_done)
         log.info("resuming after block %d of %d", run.blocks_done - 1, src.nblocks)
     hf_model.to_meta(src.net)  # embeddings are not needed any more
-    if calib is not None and len(kwargs) != src.nblocks:
+    if len(kwargs) != src.nblocks:
         raise hf_model.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {src.nblocks} decoder blocks")
-    return inps, kwargs
+    return acts, kwargs
 
 
 def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -128,10 +135,10 @@ def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def block_outputs(layer, inps: torch.Tensor, kw: dict, desc: str, progress: bool) -> torch.Tensor:
-    """The block's outputs for every calibration sequence, one sequence per call."""
+def block_outputs(layer, acts: Activations, kw: dict, desc: str, progress: bool) -> None:
+    """Run the block on every calibration sequence, one per call: its outputs become the
+    inputs ``acts`` holds (:meth:`~.activations.Activations.advance`)."""
     from tqdm.auto import tqdm
-    outs = torch.empty_like(inps)
-    for j in tqdm(range(len(inps)), desc=f"{desc}: outputs", unit="seq", disable=not progress, leave=False):
-        outs[j] = run_block(layer, inps[j:j + 1], kw)[0]
-    return outs
+    for j in tqdm(range(len(acts)), desc=f"{desc}: outputs", unit="seq", disable=not progress, leave=False):
+        acts.write(j, run_block(layer, acts[j:j + 1], kw)[0])
+    acts.advance()

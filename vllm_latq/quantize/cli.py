@@ -47,6 +47,24 @@ def _rate(s: str) -> float:
     return float(s[:-1]) / 100 if s.endswith("%") else float(s)
 
 
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _size(s: str) -> int | None:
+    """Bytes: ``8G``, ``512M``, ``8GiB``, ``1.5g``, ``0``; ``auto``: None."""
+    t = s.strip().lower().removesuffix("ib").removesuffix("b")
+    if t == "auto":
+        return None
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    try:
+        n = float(t[:len(t) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 8G, 512M, 0, auto)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
+    return int(n)
+
+
 def parser() -> argparse.ArgumentParser:
     from .pipeline import COMPUTE_DTYPES, ORDERS, QuantizeOptions
     d = QuantizeOptions()
@@ -97,6 +115,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--compute-dtype", default=d.compute_dtype, choices=tuple(COMPUTE_DTYPES),
                    help="dtype of the calibration forwards (default auto: the model's, bf16 for a bf16 "
                         "model, as GPTQ runs; float32 is ~2x slower on CPUs with bf16 instructions)")
+    r.add_argument("--max-activation-memory", type=_size, default=d.max_activation_memory, metavar="SIZE",
+                   help="memory for the calibration activations (nsamples x seqlen x hidden in the forwards' "
+                        "dtype), e.g. 8G; beyond it they are spilled to OUT.tmp-latq and read one sequence at a "
+                        "time (default auto: half the memory available at the start; 0: always spill)")
     r.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
     r.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     r.add_argument("--no-validate", action="store_true", help="skip the final validation of the checkpoint")
@@ -115,7 +137,7 @@ def main(argv=None) -> int:
         opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size, outlier_rate=a.outlier_rate,
                                target_bits=a.target_bits, order=a.order, damp=a.damp, calib=a.calib,
                                nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device,
-                               compute_dtype=a.compute_dtype,
+                               compute_dtype=a.compute_dtype, max_activation_memory=a.max_activation_memory,
                                quantize_lm_head=a.quantize_lm_head or a.lm_head_bits is not None,
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
                                moe_route_all=a.moe_route_all, column_scales=a.column_scales,

@@ -18,7 +18,6 @@ evaluated with fp32 compute (a bf16 model's weights are exact in fp32).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -66,13 +65,6 @@ def load_for_eval(model: str, device: str = "cpu"):
                     "bits": bits}
 
 
-def text_record(text) -> dict:
-    """What the result says was evaluated: the wiki eval split, or a file's path and sha256."""
-    if str(text) == "wiki":
-        return {"source": "wiki", "split": "eval"}
-    return {"path": str(text), "sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest()}
-
-
 def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int = 64, batch_size: int = 4,
              device: str = "cpu", progress: bool = True) -> dict:
     """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
@@ -81,7 +73,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
     t0 = time.time()
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
-    source = text_record(text)
+    source = data.source_record(text, "eval")
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
         m, tok, info = load_for_eval(model, device)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)

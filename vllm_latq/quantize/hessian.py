@@ -65,8 +65,15 @@ class PanelHessian(Hessian):
 
     @property
     def H(self) -> torch.Tensor:
-        upper = super().H.triu()
-        return upper + upper.triu(1).T
+        """``XᵀX / n``, the upper triangle mirrored panel by panel into one new matrix (whole-
+        matrix ``triu`` temporaries were 4 copies: 6.6 GB for a 14336-wide input)."""
+        H = super().H
+        n = H.shape[0]
+        for c in range(0, n, PANEL):
+            d = H[c:c + PANEL, c:c + PANEL]
+            d.copy_(d.triu() + d.triu(1).T)
+            H[c + PANEL:, c:c + PANEL] = H[c:c + PANEL, c + PANEL:].T
+        return H
 
 
 class CrossCovariance(Hessian):

@@ -27,6 +27,7 @@ weights, the Hessians are summed in fp64.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -44,7 +45,7 @@ from ..format import writer
 from .. import data
 from .. import format as fmt
 from . import lattice
-from .calibrate import block_hessians
+from .calibrate import block_hessians, drop_stream, full_precision_stream
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
 from .finalize import finalize
@@ -57,6 +58,7 @@ from .source import Source, open_source, resolve_model
 log = logging.getLogger("vllm_latq.quantize")
 
 UNCALIBRATED = ("rtn", "hrtn")  # solvers that ignore H
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # The column orders offered: the format's, without "reverse" — the solvers' frame-literal flip
@@ -104,8 +106,11 @@ class QuantizeOptions:
     # ("norm", quantize/column_scales.py; free at serving time) or "none"
     column_scales: str = "none"
     column_scale_power: float = 0.5
-    # target correction (issue #21 seed 004): solve each block linear against W′ = (X̃ᵀX̃+λI)⁻¹X̃ᵀX·W,
-    # X its inputs with the full-precision prefix (a second activation stream, one more forward)
+    # bytes of calibration activations kept in memory; more are spilled to the run directory
+    # (None: half the memory available at the start). Does not change the checkpoint.
+    max_activation_memory: int | None = None
+    # target correction (issue #21 seed 004): solve each block linear against W′ fitting the full-precision
+    # outputs (hessian.qronos_target); a second activation stream (its own memory budget), one more forward
     target_correction: bool = False
 
     def __post_init__(self):
@@ -115,6 +120,8 @@ class QuantizeOptions:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.damp < 0:
             raise ValueError(f"damp must be >= 0, got {self.damp}")
+        if self.max_activation_memory is not None and self.max_activation_memory < 0:
+            raise ValueError(f"max_activation_memory must be >= 0 bytes, got {self.max_activation_memory}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if self.moe_min_tokens < 1:
@@ -166,8 +173,8 @@ class QuantizeOptions:
         with the calibration, as the experts' calibration options for a mixture-of-experts model)."""
         calibration = None
         if self.calibrated:
-            calibration = {"source": _source_label(self.calib), "nsamples": self.nsamples, "seqlen": self.seqlen,
-                           "seed": self.seed}
+            calibration = {**data.source_record(self.calib, "calibration"), "nsamples": self.nsamples,
+                           "seqlen": self.seqlen, "seed": self.seed}
             if compute_dtype is not None:
                 calibration["compute_dtype"] = str(compute_dtype).removeprefix("torch.")
             if moe:
@@ -187,10 +194,6 @@ class QuantizeOptions:
         return self if self.lm_head_bits is None else dataclasses.replace(self, bits=self.lm_head_bits)
 
 
-def _source_label(calib: str) -> str:
-    return "wiki" if str(calib) == "wiki" else Path(calib).name
-
-
 def _in_option_names(msg: str) -> str:
     """The format's complaint about the ``quantization_config`` these options would write, in
     the options' names (``quantization_config.bits`` → ``bits``, its ``layer_bits`` → ``lm_head_bits``)."""
@@ -202,16 +205,18 @@ def _in_option_names(msg: str) -> str:
 def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: QuantizeOptions | None = None, *,
                    solve: Solve | None = None, resume: bool = False, overwrite: bool = False,
                    progress: bool = True, on_layer: Callable | None = None, stop_after_block: int | None = None,
-                   validate: bool = True) -> Path:
+                   on_block: Callable[[int, float], None] | None = None, validate: bool = True) -> Path:
     """Quantize ``model`` (see :func:`resolve_model`) into the checkpoint directory ``out``.
 
     ``solve(method, W, H, name, **kw) -> QuantResult`` replaces the per-layer solver call
     (default: :func:`.solve.solve`). ``on_layer(name, W, H, result)`` is called for every
-    quantized linear (tests). ``stop_after_block=k`` raises :class:`SimulatedInterruption` once
-    block k is persisted (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
+    quantized linear (tests), ``on_block(i, seconds)`` once block i is persisted (benches).
+    ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is persisted
+    (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
     from tqdm.auto import tqdm
 
     t_start = time.time()
+    _return_freed_memory()
     opts, solve, out = opts or QuantizeOptions(), solve or solving.solve, Path(out)
     if stop_after_block is None and os.environ.get(STOP_ENV):
         stop_after_block = int(os.environ[STOP_ENV])
@@ -226,8 +231,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         raise ValueError("--resume is not supported with --target-correction; rerun without --resume")
     run = RunDir.open(out, _fingerprint(src, opts), resume)
     device = torch.device(opts.device)
-    inps, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, progress)
-    targets = inps.clone() if opts.target_correction else None  # the full-precision stream X
+    acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
+    targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
     per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
     quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
 
@@ -239,17 +244,16 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         linears = src.block_linears(i)
         kw = _to_device(kwargs[i], device) if opts.calibrated else None
         t0 = time.time()
-        hessians = block_hessians(layer, linears, inps, kw, f"block {i}", progress,
+        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress,
                                   targets) if opts.calibrated else None
         t1 = time.time()
         folding = None
         if opts.column_scales != "none":
-            folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, inps[:1], kw,
+            folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
                                  power=opts.column_scale_power, order=opts.order, damp=opts.damp,
                                  stored=src.weights.get)
         quantize_block = quantize if folding is None else folding.wrap(quantize)
         if targets is not None:
-            targets = hessians.target_outputs
             quantize_block = solving.target_corrected(quantize_block, {src.names.module(n): c for n, c in
                                                                        hessians.cross_of.items()}, opts.damp)
         shard = solving.solve_block(src, i, linears, hessians, quantize_block,
@@ -257,23 +261,27 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         hessians = None
         t2 = time.time()
         if opts.calibrated:
-            inps = block_outputs(layer, inps, kw, f"block {i}", progress)
+            block_outputs(layer, acts, kw, f"block {i}", progress)
         log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
                  t2 - t1, time.time() - t2)
         shard.update(src.kept_block_tensors(i, linears))
         shard.update(folding.norm_tensors if folding else {})
-        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, inps)
+        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts)
+        shard = None   # written: the next block's tensors replace it
         hf_model.to_meta(layer)
+        if on_block is not None:
+            on_block(i, time.time() - t0)
         if stop_after_block is not None and i == stop_after_block:
             raise SimulatedInterruption(f"simulated interruption after block {i}")
     bar.close()
 
-    if head is not None and targets is not None:
-        log.info("target correction: the output head is solved against its own weight")
-    del targets
-    head_tensors = {} if head is None else quantize_head(src, head, inps, partial(
+    if targets is not None:
+        drop_stream(targets)
+        if head is not None:
+            log.info("target correction: the output head is solved against its own weight")
+    head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
         solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
-    del inps
+    del acts
     qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
     tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
     log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
@@ -281,9 +289,23 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     return out
 
 
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of 1 MiB or more by its own mmap, returned to the OS
+    when freed. Its default threshold adapts upwards after the first such free, and from then
+    on block-sized tensors come from the heap, where the freed ones fragment and the peak RSS
+    creeps up block after block (by about one block's weights per block on a small Llama:
+    ``tests/test_bench_memory.py``). Elsewhere (no glibc) nothing changes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
 def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
-    """The resume fingerprint: the source and every option but the device."""
-    options = {k: v for k, v in dataclasses.asdict(opts).items() if k != "device"}
+    """The resume fingerprint: the source and every option but where the run happens (the
+    device, the activations' memory budget)."""
+    options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("device", "max_activation_memory")}
     return fingerprint(src.path, options, list(src.weights.handles), src.raw_config)
 
 

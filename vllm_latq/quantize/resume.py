@@ -1,7 +1,7 @@
 """The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue.
 
-Every finished block leaves its shard, the next block's inputs (``latq_activations``) and
-the progress record (blocks done, per-layer stats, the run's fingerprint) in the run
+Every finished block leaves its shard, the next block's inputs (``latq_activations.<block>.bin``,
+:mod:`.activations`) and the progress record (blocks done, per-layer stats, the run's fingerprint) in the run
 directory; ``--resume`` continues from there if the fingerprint — source files, config,
 options, pipeline and format versions — is the same, and a run without ``--resume`` starts
 over. The finished checkpoint is renamed into place only at the end (:mod:`.finalize`).
@@ -15,18 +15,18 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..format import safetensors_file
 from ..format import writer
 from .. import format as fmt
+from . import activations
+from .activations import Activations
 
 log = logging.getLogger("vllm_latq.quantize")
 
 TMP_SUFFIX = ".tmp-latq"
 PROGRESS_FILE = "latq_progress.json"
-ACTS_FILE = "latq_activations.safetensors"
-PIPELINE_VERSION = 4  # part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards)
+# part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards; 5: activations saved per block)
+PIPELINE_VERSION = 5
 
 
 def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
@@ -72,24 +72,21 @@ class RunDir:
             return cls(tmp, fp)
         return cls(tmp, fp, state["blocks_done"], state["stats"])
 
-    def activations(self) -> torch.Tensor:
-        """The inputs of the first block not done, saved by the last finished one."""
-        acts = safetensors_file.SafetensorsFile(self.path / ACTS_FILE)
-        if acts.metadata.get("blocks_done") != str(self.blocks_done):
-            raise ValueError(f"{self.path / ACTS_FILE} does not match {PROGRESS_FILE}; rerun without --resume")
-        return acts.get("hidden")
-
-    def save_block(self, i: int, shard_name: str, shard: dict, inputs: torch.Tensor | None) -> None:
-        """Persist block ``i``: its shard, then the next block's ``inputs`` (None: an
-        uncalibrated run has none), then the progress record."""
+    def save_block(self, i: int, shard_name: str, shard: dict, inputs: Activations | None) -> None:
+        """Persist block ``i``: its shard, the next block's ``inputs`` (None: an uncalibrated
+        run has none), the progress record; then drop the inputs saved for block ``i``."""
         safetensors_file.write_safetensors(self.path / shard_name, shard)
         if inputs is not None:
-            safetensors_file.write_safetensors(self.path / ACTS_FILE, {"hidden": inputs}, {"blocks_done": str(i + 1)})
+            if inputs.block != i + 1:
+                raise RuntimeError(f"block {i} is saved with the inputs of block {inputs.block}")
+            inputs.save()
         self.blocks_done = i + 1
         writer.write_json(self.path / PROGRESS_FILE, {"fingerprint": self.fingerprint, "blocks_done": i + 1,
                                                     "stats": self.stats})
+        if inputs is not None:
+            inputs.remove_older()
 
     def clear_progress(self) -> None:
         """The run is complete: drop what only a resume needs."""
-        (self.path / ACTS_FILE).unlink(missing_ok=True)
+        activations.remove_all(self.path)
         (self.path / PROGRESS_FILE).unlink()

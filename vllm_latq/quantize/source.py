@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..format.files import INDEX_FILE, SINGLE_FILE
+from ..format.safetensors_file import SafetensorsFile
 from .. import hf_model
 from .. import data
 
@@ -54,10 +55,11 @@ def resolve_model(spec: str | os.PathLike) -> Path:
 
 
 class SourceWeights:
-    """Tensors of a safetensors HF directory, read one at a time (memory-mapped)."""
+    """Tensors of a safetensors HF directory, read one at a time into memory the caller owns.
+    Not memory-mapped: pages of a mapped file stay in the process's resident set until the
+    file is closed, so reading a model block by block through maps grows RSS to the model's size."""
 
     def __init__(self, d: Path):
-        from safetensors import safe_open
         idx = d / INDEX_FILE
         if idx.is_file():
             files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
@@ -66,14 +68,14 @@ class SourceWeights:
         else:
             raise FileNotFoundError(f"{d}: no safetensors weights (only safetensors sources are supported; "
                                     "convert .bin checkpoints with transformers first)")
-        self.handles = {f: safe_open(str(d / f), framework="pt") for f in files}
-        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}
+        self.handles = {f: SafetensorsFile(d / f) for f in files}
+        self.where = {k: f for f, h in self.handles.items() for k in h.names()}
 
     def names(self) -> list[str]:
         return list(self.where)
 
     def get(self, name: str) -> torch.Tensor:
-        return self.handles[self.where[name]].get_tensor(name)
+        return self.handles[self.where[name]].get(name)
 
     def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
         """``tensor[index, rows]`` of a 3-D tensor, read without the rest of it."""

@@ -1,0 +1,228 @@
+"""Peak memory and time of ``latq-quantize`` at the size people run: a synthetic model with
+Llama-3-8B shapes (hidden 4096, intermediate 14336, 32 layers, 32 query / 8 KV heads, vocab
+128256, bf16, random weights) quantized with RTN end to end and with SSQR for its first
+blocks (``stop_after_block``).
+
+    python bench/memory.py                                   # the 8B shapes (writes ~16 GB once)
+    python bench/memory.py --nsamples 16 --seqlen 2048 --ssqr-blocks 2
+    python bench/memory.py --shape small --layers 4          # a quick run (seconds)
+    python bench/memory.py --max-activation-memory 0         # calibration activations spilled to disk
+
+The model is written once as sharded bf16 safetensors (HF layout, config.json, SmolLM2's
+tokenizer: its ids fit the larger vocabulary) under ``cache_dir()/bench`` (``--model-dir``
+elsewhere) and reused. Each quantization runs in its own process, which reports its peak
+RSS (``VmHWM`` of ``/proc/self/status``: resident memory, memory-mapped file pages
+included) after the last block and at the end (the tail writes embeddings and head and
+validates the checkpoint), and the seconds of every block. Printed next to them: the model's
+size and one block's working set — its bf16 weights, its fp64 Hessians (one per distinct
+linear input: q/k/v and gate/up share theirs) and the calibration activations (nsamples ×
+seqlen × hidden, bf16) — and the target: twice the block's weights and Hessians, plus the
+activations held in memory. The last line is ``HEADLINE key=value ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+SHARD_BYTES = 2 * GiB  # source shards of at most this size (HF writes ~5 GB ones)
+POOL = 1 << 24  # random values the weights are tiled from
+SHAPES = {  # Llama configs: the 8B's, a tiny one (tests) and a small one whose block dwarfs the RSS noise
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+               rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
+}
+COMPLETE = "latq_bench_model.json"  # written last: the directory is complete
+
+
+def model_config(shape: str, layers: int | None) -> dict:
+    cfg = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
+               tie_word_embeddings=False, hidden_act="silu")
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def write_model(out: Path, cfg: dict) -> Path:
+    """Random bf16 weights for config ``cfg`` as an HF directory (reused when complete):
+    matrices tiled from one pool of N(0, 0.02²) values at a random offset each (drawing 8·10⁹
+    fresh normals would take this 2-core machine longer than quantizing them; the values do
+    not matter to memory and time), norms at one."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_latq import data, hf_model
+    from vllm_latq.format import writer
+
+    if (out / COMPLETE).is_file() and json.loads((out / COMPLETE).read_text()) == cfg:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tok_dir = data.model_dir("smollm2-135m")
+    tok = json.loads((tok_dir / "config.json").read_text())
+    writer.write_json(out / "config.json", dict(cfg, bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"]))
+    writer.copy_aux_files(tok_dir, out)
+    shapes = {n: t.shape for n, t in hf_model.empty_model(hf_model.hf_config(cfg), torch.bfloat16).state_dict().items()}
+    groups, size = [[]], 0
+    for n, s in shapes.items():
+        if groups[-1] and size + 2 * s.numel() > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += 2 * s.numel()
+    names = [writer.shard_name(i, len(groups)) for i in range(len(groups))]
+    g = torch.Generator().manual_seed(0)
+    pool = torch.empty(POOL, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    t0 = time.time()
+    for name, group in zip(names, groups):
+        tensors = {}
+        for n in group:
+            if len(shapes[n]) == 1:
+                tensors[n] = torch.ones(shapes[n], dtype=torch.bfloat16)
+                continue
+            flat = pool.roll(int(torch.randint(POOL, (1,), generator=g))).repeat(-(-shapes[n].numel() // POOL))
+            tensors[n] = flat[:shapes[n].numel()].reshape(shapes[n])
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        print(f"wrote {out / name} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    writer.write_index(out, names)
+    writer.write_json(out / COMPLETE, cfg)
+    return out
+
+
+def sizes(cfg: dict, nsamples: int, seqlen: int) -> dict:
+    """Bytes of the model, of one block's weights (bf16) and Hessians (fp64; q/k/v and
+    gate/up share one), and of the calibration activations (bf16)."""
+    h, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * (h // cfg["num_attention_heads"])
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    block = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+    return {"model": 2 * (L * block + 2 * V * h + h), "block_weights": 2 * block,
+            "block_hessians": 8 * (2 * h * h + q * q + f * f), "activations": 2 * nsamples * seqlen * h}
+
+
+def vm_hwm() -> int:
+    """Peak resident set of this process (bytes)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def child(spec: dict) -> dict:
+    """One quantization (in a fresh process) → its peak RSS and seconds per block."""
+    from vllm_latq.quantize.cli import setup_logging
+    from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+
+    if spec["verbose"]:
+        setup_logging()
+    spill = _SpillSeen()
+    logging.getLogger("vllm_latq").addHandler(spill)
+    logging.getLogger("vllm_latq").setLevel(logging.INFO)
+    blocks, peak_blocks = [], 0
+
+    def on_block(i, seconds):
+        nonlocal peak_blocks
+        blocks.append(seconds)
+        peak_blocks = vm_hwm()
+        print(f"{spec['method']}: block {i} in {seconds:.1f}s, peak RSS so far {peak_blocks / GiB:.2f} GiB",
+              file=sys.stderr, flush=True)
+
+    opts = QuantizeOptions(method=spec["method"], nsamples=spec["nsamples"], seqlen=spec["seqlen"],
+                           max_activation_memory=spec["max_activation_memory"])
+    t0 = time.time()
+    try:
+        quantize_model(spec["model"], spec["out"], opts, progress=False, on_block=on_block,
+                       stop_after_block=spec["stop_after_block"])
+    except SimulatedInterruption:
+        pass
+    return {"peak_rss": vm_hwm(), "peak_rss_blocks": peak_blocks, "block_seconds": blocks,
+            "seconds": time.time() - t0, "spilled": spill.seen}
+
+
+class _SpillSeen(logging.Handler):
+    """Notes the pipeline's log line that says the activations are spilled to disk."""
+    seen = False
+
+    def emit(self, record):
+        self.seen = self.seen or "spilling" in record.getMessage()
+
+
+def run(spec: dict) -> dict:
+    """:func:`child` in a subprocess (its own peak RSS)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "bench.memory", "--child", json.dumps(spec)], cwd=ROOT, env=env,
+                       stdout=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{spec['method']} run failed (exit {p.returncode})")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the shape's)")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--ssqr-blocks", type=int, default=2, help="SSQR stops after this many blocks (0: no SSQR run)")
+    ap.add_argument("--no-rtn", action="store_true", help="skip the RTN run")
+    ap.add_argument("--max-activation-memory", default="auto", help="as latq-quantize's (e.g. 0: always spill)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="where the synthetic model is (written once)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="the pipeline's log")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(json.loads(a.child))))
+        return 0
+    from vllm_latq import data
+    from vllm_latq.quantize.cli import _size
+
+    cfg = model_config(a.shape, a.layers)
+    L = cfg["num_hidden_layers"]
+    model = write_model(a.model_dir or data.cache_dir() / "bench" / f"llama-{a.shape}-{L}L", cfg)
+    sz = sizes(cfg, a.nsamples, a.seqlen)
+    budget = _size(a.max_activation_memory)
+    print(f"model {model}: {L} blocks, {sz['model'] / GiB:.2f} GiB; one block: weights "
+          f"{sz['block_weights'] / GiB:.3f} GiB, Hessians {sz['block_hessians'] / GiB:.3f} GiB, activations "
+          f"{a.nsamples}x{a.seqlen} {sz['activations'] / GiB:.3f} GiB")
+    head = {"shape": a.shape, "layers": L, "model_gib": sz["model"] / GiB,
+            "block_ws_gib": (sz["block_weights"] + sz["block_hessians"] + sz["activations"]) / GiB,
+            "acts_gib": sz["activations"] / GiB, "nsamples": a.nsamples, "seqlen": a.seqlen}
+    runs = [("rtn", None)] * (not a.no_rtn) + [("ssqr", a.ssqr_blocks - 1)] * (a.ssqr_blocks > 0)
+    with tempfile.TemporaryDirectory(dir=model.parent, prefix="out-") as tmp:
+        for method, stop in runs:
+            spec = {"model": str(model), "out": f"{tmp}/{method}", "method": method, "nsamples": a.nsamples,
+                    "seqlen": a.seqlen, "max_activation_memory": budget, "stop_after_block": stop,
+                    "verbose": a.verbose}
+            r = run(spec)
+            shutil.rmtree(spec["out"], ignore_errors=True)
+            shutil.rmtree(spec["out"] + ".tmp-latq", ignore_errors=True)
+            acts_in_ram = sz["activations"] if method != "rtn" and not r["spilled"] else 0
+            target = 2 * (sz["block_weights"] + sz["block_hessians"] * (method != "rtn")) + acts_in_ram
+            per_block = sorted(r["block_seconds"])[len(r["block_seconds"]) // 2]
+            print(f"{method}: {len(r['block_seconds'])} blocks, {per_block:.1f} s/block (median), peak RSS "
+                  f"{r['peak_rss'] / GiB:.2f} GiB ({r['peak_rss_blocks'] / GiB:.2f} GiB up to the last block), "
+                  f"target {target / GiB:.2f} GiB, activations {'on disk' if r['spilled'] else 'in memory'}, "
+                  f"{r['seconds']:.0f} s in all")
+            head.update({f"{method}_peak_rss_gib": r["peak_rss"] / GiB,
+                         f"{method}_peak_rss_blocks_gib": r["peak_rss_blocks"] / GiB,
+                         f"{method}_s_per_block": per_block, f"{method}_blocks": len(r["block_seconds"]),
+                         f"{method}_target_gib": target / GiB, f"{method}_spilled": int(r["spilled"])})
+    print("HEADLINE " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in head.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

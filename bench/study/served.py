@@ -1,0 +1,88 @@
+"""Served bits/weight of a study configuration (issue 21): the bytes one decode step streams for
+its quantized linears in each kernel family's prepared form (CPU, Triton), the cost a user buys.
+
+Computed from the layers the run produced with the kernels' own cost models
+(:func:`vllm_latq.kernels.served.checkpoint_served`: ``layout_bytes`` on each layer's integer
+statistics, HPTQ/HRTN layers at the width :func:`~vllm_latq.kernels.reference.transcode` gives
+them for that family). A dense layout without outliers (RTN, GPTQ, llm-compressor's GPTQ) streams
+bytes set by its shapes, bits and group size alone, so its served bits are computed exactly from
+the model's linear shapes (:func:`outlier_free_served`), without its checkpoint: the results of
+runs that kept none get theirs that way; the others are re-quantized (``runner.backfill_served``).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from vllm_latq import format as fmt
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.kernels.served import checkpoint_served, families, layer_served
+
+
+def _record(totals: dict[str, float], rows: list[dict], source: str) -> dict:
+    """The result's ``served`` entry: bits/weight per family, and per family how many layers each
+    kernel serves at each inlier width (``"cpu 4b": 122``)."""
+    kernels = {f: dict(Counter(f"{r['served'][f]['kernel']} {r['served'][f]['bits']}b" for r in rows))
+               for f in totals}
+    return {"bits_per_weight": totals, "kernels": kernels, "source": source}
+
+
+def checkpoint_record(ck: Path) -> dict:
+    """A latq checkpoint's served record, over the layers its stats list (those its stored bits count)."""
+    rows = [{"name": r["name"], "shape": r["shape"]} for r in Checkpoint(ck).stats()["layers"]]
+    return _record(checkpoint_served(ck, rows), rows, "checkpoint")
+
+
+def linear_shapes(src: Path) -> list[tuple[int, int]]:
+    """``(out, in)`` of every linear of the decoder blocks of the HF model at ``src`` (what the
+    pipeline quantizes unless the head is quantized too), from its config on the meta device."""
+    from vllm_latq import hf_model
+    m = hf_model.empty_model(hf_model.hf_config(hf_model.config_dict(Path(src))))
+    prefix, layers = hf_model.decoder_layers(m)
+    return [(lin.out_features, lin.in_features) for i, block in enumerate(layers)
+            for lin in hf_model.block_linears(block, f"{prefix}.{i}").values()]
+
+
+def _outlier_free_tensors(n: int, k: int, bits: int, group: int) -> dict[str, torch.Tensor]:
+    """A dense-kind layer's checkpoint tensors with no outliers (zero integers: the bytes a
+    kernel streams do not depend on their values)."""
+    return {"qweight": fmt.pack(torch.zeros(n, k, dtype=torch.int32), bits),
+            "scales": torch.ones(n, -(-k // group), dtype=torch.float16),
+            "outlier_crow": torch.zeros(n + 1, dtype=torch.int32),
+            "outlier_col": torch.zeros(0, dtype=torch.int32), "outlier_val": torch.zeros(0, dtype=torch.float16)}
+
+
+def outlier_free_served(shapes, bits: int, group: int) -> dict:
+    """The served record of a dense layout without outliers at ``bits`` and ``group`` over layers
+    of ``shapes`` (each ``(out, in)``): exact, as its bytes depend on nothing else."""
+    return copy.deepcopy(_outlier_free_served(tuple(map(tuple, shapes)), bits, group))
+
+
+@functools.lru_cache(maxsize=None)
+def _outlier_free_served(shapes: tuple, bits: int, group: int) -> dict:
+    fams = families()
+    per_shape = {s: layer_served(_outlier_free_tensors(*s, bits, group), "dense", s, bits, group, fams)
+                 for s in set(map(tuple, shapes))}
+    rows = [{"shape": s, "served": per_shape[tuple(s)]} for s in shapes]
+    weights = sum(n * k for n, k in shapes)
+    totals = {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights for f in fams}
+    return _record(totals, rows, "layout")
+
+
+def is_outlier_free(r: dict) -> bool:
+    """Whether a result is a dense layout without outliers over the decoder blocks' linears only
+    (RTN, GPTQ, llm-compressor's GPTQ; not a variant that quantizes the head too)."""
+    o = r.get("options", {})
+    return o.get("method") in ("rtn", "gptq") and not o.get("quantize_lm_head")
+
+
+def served_bits(r: dict, family: str) -> float | None:
+    """A result's served bits/weight in ``family`` (bf16: its 16 bits, the dequantized kernel's;
+    None where it was not computed)."""
+    if r["family"] == "bf16":
+        return r["bits"]
+    return (r.get("served") or {}).get("bits_per_weight", {}).get(family)

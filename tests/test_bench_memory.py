@@ -1,0 +1,51 @@
+"""bench/memory.py on small shapes: its report and HEADLINE, and peak RSS that does not grow
+with the model's depth."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args) -> tuple[str, dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "bench/memory.py", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("HEADLINE "), p.stdout
+    return p.stdout, dict(kv.split("=", 1) for kv in last.split()[1:])
+
+
+def test_bench_reports_rtn_and_spilled_ssqr(tmp_path):
+    out, head = bench("--shape", "tiny", "--layers", "2", "--nsamples", "2", "--seqlen", "32", "--ssqr-blocks", "1",
+                      "--max-activation-memory", "0", "--model-dir", str(tmp_path / "tiny"))
+    assert "rtn: 2 blocks" in out and "ssqr: 1 blocks" in out and "activations on disk" in out
+    assert head["layers"] == "2" and head["rtn_blocks"] == "2" and head["ssqr_blocks"] == "1"
+    assert head["ssqr_spilled"] == "1" and head["rtn_spilled"] == "0"
+    for k in ("model_gib", "block_ws_gib", "rtn_peak_rss_gib", "ssqr_peak_rss_gib", "rtn_s_per_block",
+              "ssqr_s_per_block", "ssqr_target_gib"):
+        assert float(head[k]) > 0, k
+    assert float(head["ssqr_peak_rss_gib"]) >= float(head["ssqr_peak_rss_blocks_gib"]) > 0
+    assert not list(tmp_path.glob("out-*")), "the bench leaves its checkpoints behind"
+
+
+@pytest.mark.slow
+def test_peak_rss_does_not_grow_with_depth(tmp_path):
+    """A model twice as deep peaks within a fraction of one block's weights of the shallower
+    one (holding the blocks read, e.g. through memory maps, would add one block per block)."""
+    peaks = {}
+    for layers in (4, 8):
+        _, head = bench("--shape", "small", "--layers", str(layers), "--ssqr-blocks", "0",
+                        "--model-dir", str(tmp_path / f"small{layers}"))
+        peaks[layers] = float(head["rtn_peak_rss_blocks_gib"])
+        block = float(head["block_ws_gib"]) - float(head["acts_gib"])
+    from bench.memory import SHAPES, model_config, sizes
+    block_weights = sizes(model_config("small", 4), 1, 1)["block_weights"] / 2**30
+    assert SHAPES["small"]["num_hidden_layers"] == 4 and block > block_weights
+    assert peaks[8] - peaks[4] < 1.5 * block_weights, (peaks, block_weights)

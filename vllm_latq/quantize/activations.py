@@ -1,0 +1,175 @@
+"""Calibration activations: the hidden states entering the current decoder block, one
+``[seqlen, hidden]`` row per calibration sequence — in memory, or in files of the run
+directory when they would not fit the memory budget (``--max-activation-memory``).
+
+They are the pipeline's largest buffer (nsamples × seqlen × hidden in the forwards' dtype:
+2 GiB for 128 × 2048 tokens of a 4096-wide bf16 model) and the only one that does not
+depend on the block, so they alone are budgeted. In memory there is one buffer: a block's
+output for a sequence replaces that sequence's input, which no later step reads. On disk
+the inputs of block ``b`` are ``latq_activations.<b>.bin`` (raw rows, sequence-major) and
+the outputs go to the next block's file; rows are read and written one sequence at a time
+with positional file I/O, not memory maps, whose pages would count against the process
+until unmapped. Either way the inputs of the next block are on disk after every block,
+named by that block, so ``--resume`` (:mod:`.resume`) restarts from the last finished one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("vllm_latq.quantize")
+
+FILE_PREFIX = "latq_activations."
+PART = ".part"  # a file being written: renamed once complete
+
+
+def inputs_file(run_dir: Path, block: int) -> Path:
+    """The saved inputs of decoder block ``block``."""
+    return run_dir / f"{FILE_PREFIX}{block}.bin"
+
+
+def remove_all(run_dir: Path) -> None:
+    for p in run_dir.glob(FILE_PREFIX + "*"):
+        p.unlink()
+
+
+def default_budget(device: torch.device) -> int:
+    """Half the memory available now (host RAM, or free memory of a CUDA ``device``): the
+    rest is left to one block's weights, Hessians and solver."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // 2
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class Activations:
+    """The inputs of decoder block :attr:`block` for every calibration sequence: ``x[j:j+1]``
+    is sequence ``j`` ``[1, seqlen, hidden]`` on the device, ``len(x)`` the sequence count.
+    :meth:`write` stores a block's output for a sequence, :meth:`advance` makes the outputs
+    the next block's inputs."""
+
+    def __init__(self, run_dir: Path, shape: tuple[int, int, int], dtype: torch.dtype, device, block: int,
+                 on_disk: bool):
+        self.run_dir, self.shape, self.dtype, self.device = run_dir, tuple(shape), dtype, torch.device(device)
+        self.block, self.on_disk = block, on_disk
+        self.row_bytes = math.prod(self.shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+        self.nbytes = self.shape[0] * self.row_bytes
+        self.ram = None if on_disk else torch.empty(self.shape, dtype=dtype, device=self.device)
+        self._out = None   # on disk: the next block's file being written (a file descriptor)
+
+    @classmethod
+    def create(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int = -1) -> "Activations":
+        """Empty activations (the caller writes block ``block + 1``'s inputs: the capture pass
+        writes block 0's), on disk when they exceed ``budget`` bytes (None: :func:`default_budget`)."""
+        device = torch.device(device)
+        budget = default_budget(device) if budget is None else budget
+        acts = cls(run_dir, shape, dtype, device, block, on_disk=_nbytes(shape, dtype) > budget)
+        if acts.on_disk:
+            log.info("calibration activations %s (%d x %d x %d %s) exceed the memory budget %s: spilling them to "
+                     "%s, read and written one sequence at a time", _gib(acts.nbytes), *acts.shape,
+                     str(dtype).removeprefix("torch."), _gib(budget), run_dir)
+        else:
+            log.info("calibration activations: %s in memory (budget %s)", _gib(acts.nbytes), _gib(budget))
+        return acts
+
+    @classmethod
+    def resume(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int) -> "Activations":
+        """The inputs of ``block`` saved by an interrupted run (see :meth:`save`)."""
+        acts = cls.create(run_dir, shape, dtype, device, budget, block)
+        path = inputs_file(run_dir, block)
+        size = path.stat().st_size if path.is_file() else None
+        if size != acts.nbytes:
+            raise ValueError(f"{path}: {'missing' if size is None else f'{size} bytes'}, expected the {acts.nbytes} "
+                             f"bytes of block {block}'s inputs; rerun without --resume")
+        if acts.ram is not None:
+            for j in range(len(acts)):
+                acts.ram[j] = acts._read(path, j)
+        return acts
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        j, stop, step = rows.indices(len(self))
+        if stop - j != 1 or step != 1:
+            raise IndexError(f"activations are read one sequence at a time (x[j:j+1]), got {rows}")
+        if self.ram is not None:
+            return self.ram[j:j + 1]
+        return self._read(inputs_file(self.run_dir, self.block), j)[None].to(self.device)
+
+    def write(self, j: int, y: torch.Tensor) -> None:
+        """Sequence ``j``'s output of block :attr:`block` (``[seqlen, hidden]``): in memory it
+        replaces the sequence's input, which is not read again."""
+        if tuple(y.shape) != self.shape[1:]:
+            raise ValueError(f"activation row of shape {tuple(y.shape)}, expected {self.shape[1:]}")
+        if self.ram is not None:
+            self.ram[j] = y
+            return
+        if self._out is None:
+            self._out = os.open(self._part(self.block + 1), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _write_at(self._out, y, j * self.row_bytes)
+
+    def advance(self) -> None:
+        """Every sequence's output is written: they are the inputs of the next block."""
+        self.block += 1
+        if self.on_disk:
+            if self._out is None:
+                raise RuntimeError(f"no outputs were written for block {self.block}")
+            os.close(self._out)
+            self._out = None
+            os.replace(self._part(self.block), inputs_file(self.run_dir, self.block))
+
+    def save(self) -> None:
+        """Make sure the current inputs are in :func:`inputs_file` (on disk they already are)."""
+        if self.on_disk:
+            return
+        part = self._part(self.block)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for j in range(len(self)):
+                _write_at(fd, self.ram[j], j * self.row_bytes)
+        finally:
+            os.close(fd)
+        os.replace(part, inputs_file(self.run_dir, self.block))
+
+    def remove_older(self) -> None:
+        """Drop the saved inputs of earlier blocks (after the progress record moved past them)."""
+        for p in self.run_dir.glob(FILE_PREFIX + "*.bin"):
+            b = p.name[len(FILE_PREFIX):-len(".bin")]
+            if b.isdigit() and int(b) < self.block:
+                p.unlink()
+
+    def _part(self, block: int) -> Path:
+        return inputs_file(self.run_dir, block).with_suffix(".bin" + PART)
+
+    def _read(self, path: Path, j: int) -> torch.Tensor:
+        buf = torch.empty(self.row_bytes, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(j * self.row_bytes)
+            got = f.readinto(buf.numpy())
+        if got != self.row_bytes:
+            raise ValueError(f"{path}: truncated at sequence {j}")
+        return buf.view(self.dtype).reshape(self.shape[1:])
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _write_at(fd: int, t: torch.Tensor, offset: int) -> None:
+    data = memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
