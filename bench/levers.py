@@ -7,7 +7,7 @@ stored bits/weight and served bits/weight (the CPU family's cost model,
 need). Levers:
 
 (a) half   symmetric half-integer grid ``s·(z+½)`` (GPTQ and SSQR-1 %)
-(b) target target correction: solve against ``W′ = (X̃ᵀX̃+λI)⁻¹X̃ᵀX W`` on one real block whose
+(b) target target correction: solve against ``W′ᵀ = Wᵀ + (X̃ᵀX̃+λI)⁻¹(X̃ᵀX − X̃ᵀX̃)Wᵀ`` on one real block whose
            prefix was quantized (GPTQ at the same bits); error against the full-precision XWᵀ
 (c) cols   per-input-column scales ``c ∝ D^p`` folded into the norm (q_proj, up_proj) or an
            activation multiply (o_proj, down_proj: +16/n bits served)
@@ -32,6 +32,7 @@ from vllm_latq import format as fmt
 from vllm_latq.format import huffman
 from vllm_latq.kernels.served import families, layer_served
 from vllm_latq.quantize import column_scales as cs
+from vllm_latq.quantize.hessian import qronos_target
 from vllm_latq.quantize.hptq import SCALE_BITS, hptq
 from vllm_latq.quantize.lattice import layer_error
 from vllm_latq.quantize.scales import mse_scales, to_fp16_grid
@@ -185,11 +186,10 @@ def block_streams(block: int, bits: int, nseq: int, seqlen: int):
 
 
 def corrected_target(W, Xq, X, damp=0.01) -> torch.Tensor:
-    """``W′ = W·(X̃ᵀX)ᵀ(X̃ᵀX̃ + λI)⁻¹``: the least-squares weight mapping X̃ to XWᵀ."""
-    Hq = Xq.T @ Xq
-    Hq.diagonal().add_(damp * Hq.diagonal().mean())
-    C = Xq.T @ X
-    return torch.linalg.solve(Hq, C @ W.double().T).T.float()
+    """The pipeline's ``--target-correction`` weight (:func:`~vllm_latq.quantize.hessian.qronos_target`)
+    from the rows of both streams."""
+    n = len(X)
+    return qronos_target(W, Xq.T @ Xq / n, Xq.T @ X / n, damp)
 
 
 def target_rows(streams, bits) -> list[tuple]:

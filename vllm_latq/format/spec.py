@@ -147,6 +147,11 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
             raise FormatError(f"quantization_config.layer_bits[{m!r}] must be an integer in 2..8, got {b!r}",
                               file=file)
     fold, power = _column_scales(qc.get("column_scales"), method, file)
+    tc = qc.get("target_correction")
+    if tc is not None and tc is not True:
+        raise FormatError(f"quantization_config.target_correction must be true or absent, got {tc!r}", file=file)
+    if tc and method in ("rtn", "hrtn"):
+        raise FormatError(f"quantization_config.target_correction needs a calibrated method, not {method}", file=file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
              "order", "damp", "modules_not_converted", "layer_bits", "column_scales"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),

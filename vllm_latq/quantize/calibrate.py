@@ -3,14 +3,23 @@ calibration sequence, and of the output head.
 
 Linears fed the very same tensor (q/k/v, gate/up) share one Hessian; products are fp32 GEMMs
 summed in fp64 (:class:`~.hessian.PanelHessian`).
+
+With target correction (``targets``: the block's full-precision inputs X, a second stream), each
+sequence first runs through the block on X, keeping every linear's input, then on X̃ (the
+quantized prefix's outputs): the Hessian hooks add ``X̃ᵀX`` (:class:`~.hessian.CrossCovariance`)
+beside ``X̃ᵀX̃``, same tokens on both streams. The X pass's outputs are the next block's X.
+Experts of a mixture-of-experts block get no cross term: they are solved against their own W.
 """
 from __future__ import annotations
+
+import shutil
 
 import torch
 
 from .. import hf_model
 from . import capture
-from .hessian import Hessian, PanelHessian
+from .activations import Activations
+from .hessian import CrossCovariance, Hessian, PanelHessian
 from .moe import MoeInputs
 
 
@@ -18,7 +27,9 @@ class SharedHessians:
     """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64. During the first
     forward, linears that receive the very same input tensor (q/k/v, gate/up) are grouped and
     share one Hessian; afterwards only each group's first member accumulates. ``moe``: the
-    inputs of each experts module of ``block`` (by name within it)."""
+    inputs of each experts module of ``block`` (by name within it). ``cross_of``: with target
+    correction, each linear's ``X̃ᵀX`` (shared like the Hessians), against the inputs
+    :meth:`record_targets` kept."""
 
     def __init__(self, linears: dict[str, torch.nn.Linear], block: torch.nn.Module | None = None):
         self.linears = linears
@@ -26,25 +37,57 @@ class SharedHessians:
         self.of: dict[str, Hessian] = {}
         self.leader: dict[str, bool] = {}
         self._call: list = []  # (input tensor, Hessian) seen in the current forward (keeps refs)
+        self._leader_of: dict[int, str] = {}  # id(Hessian) → its group's first linear
         self.frozen = False
+        self.cross_of: dict[str, CrossCovariance] = {}
+        self.targets: dict[str, torch.Tensor] | None = None   # each linear's X for the current sequence
+        self._recording = False
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in linears.items()]
 
     def _hook(self, name):
         def hook(mod, args):
             x = args[0]
+            if self._recording:
+                self.targets[name] = x.detach()
+                return
             if self.frozen:
                 if self.leader[name]:
                     self.of[name].add(x.detach())
+                    self._add_cross(name, x)
                 return
             for seen, hs in self._call:
                 if seen is x:  # the very same tensor object (kept alive in _call: ids cannot be reused)
                     self.of[name], self.leader[name] = hs, False
+                    if self.targets is not None:
+                        self.cross_of[name] = self.cross_of[self._leader_of[id(hs)]]
                     return
             hs = PanelHessian(mod.in_features, mod.weight.device)
             hs.add(x.detach())
             self.of[name], self.leader[name] = hs, True
+            self._leader_of[id(hs)] = name
+            if self.targets is not None:
+                self.cross_of[name] = CrossCovariance(mod.in_features, mod.weight.device)
+                self._add_cross(name, x)
             self._call.append((x, hs))
         return hook
+
+    def _add_cross(self, name: str, x: torch.Tensor) -> None:
+        if self.targets is not None:
+            self.cross_of[name].add(x.detach(), self.targets[name])
+
+    @torch.no_grad()
+    def record_targets(self, layer, x: torch.Tensor, kw: dict) -> torch.Tensor:
+        """Run ``layer`` on the full-precision inputs ``x`` keeping each linear's input (the
+        X of the next :meth:`add` forward's cross terms; no Hessian is touched) → its outputs."""
+        moe_seen = {m: len(m.hidden) for m in self.moe.values()}
+        self.targets, self._recording = {}, True
+        try:
+            y = capture.run_block(layer, x, kw)
+        finally:
+            self._recording = False
+            for m, n in moe_seen.items():  # the experts keep only the X̃ stream's inputs
+                del m.hidden[n:], m.index[n:]
+        return y
 
     def end_forward(self):
         if not self.frozen:
@@ -53,6 +96,7 @@ class SharedHessians:
                 raise RuntimeError(f"linears never called in a forward pass: {sorted(missing)}")
             self.frozen = True
             self._call = []
+        self.targets = None
 
     def groups(self) -> list[list[str]]:
         out: dict[int, list[str]] = {}
@@ -68,17 +112,44 @@ class SharedHessians:
 
 
 @torch.no_grad()
-def block_hessians(layer, linears: dict, inps: torch.Tensor, kw: dict, desc: str, progress: bool) -> SharedHessians:
-    """Run the (unquantized) block on every calibration sequence with Hessian hooks."""
+def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bool,
+                   targets: Activations | None = None) -> SharedHessians:
+    """Run the (unquantized) block on every calibration sequence with Hessian hooks. With
+    ``targets`` (the full-precision stream, row-aligned with ``inps``) also the cross terms; the
+    block's outputs on ``targets`` become its next inputs."""
     from tqdm.auto import tqdm
     hs = SharedHessians(linears, layer)
     try:
         for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians", unit="seq", disable=not progress, leave=False):
+            if targets is not None:
+                targets.write(j, hs.record_targets(layer, targets[j:j + 1], kw)[0])
             capture.run_block(layer, inps[j:j + 1], kw)
             hs.end_forward()
     finally:
         hs.remove()
+    if targets is not None:
+        targets.advance()
+        targets.remove_older()
     return hs
+
+
+TARGET_STREAM_DIR = "latq_target_stream"  # in the run directory, when the stream spills to disk
+
+
+def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
+    """Target correction's second stream, starting as a copy of block 0's inputs ``acts``, kept
+    in memory up to ``budget`` bytes (None: half the memory then available) like the first."""
+    run_dir = acts.run_dir / TARGET_STREAM_DIR
+    run_dir.mkdir(exist_ok=True)
+    targets = Activations.create(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block - 1)
+    for j in range(len(acts)):
+        targets.write(j, acts[j:j + 1][0])
+    targets.advance()
+    return targets
+
+
+def drop_stream(targets: Activations) -> None:
+    shutil.rmtree(targets.run_dir, ignore_errors=True)
 
 
 @torch.no_grad()

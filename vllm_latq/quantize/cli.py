@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
                    help="hptq/hrtn target bits/weight, everything counted (default 3.125)")
     g.add_argument("--order", default=d.order, choices=ORDERS,
                    help="column order (default act)")
+    g.add_argument("--target-correction", action="store_true",
+                   help="solve each block linear against W' = W + (X~'X~ + λI)^-1 (X~'X - X~'X~) W, which maps "
+                        "its inputs X~ (quantized prefix) to the full-precision outputs XW (a second activation "
+                        "stream, one more forward per sequence; calibrated methods; not with --resume)")
     g.add_argument("--damp", type=float, default=d.damp, help="Hessian damping λ = damp·mean(diag H) (default 0.01)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="also quantize the output head (same method; Hessian from the final norm's outputs). "
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
                                compute_dtype=a.compute_dtype, max_activation_memory=a.max_activation_memory,
                                quantize_lm_head=a.quantize_lm_head or a.lm_head_bits is not None,
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
-                               moe_route_all=a.moe_route_all, column_scales=a.column_scales)
+                               moe_route_all=a.moe_route_all, column_scales=a.column_scales,
+                               target_correction=a.target_correction)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except SimulatedInterruption as e:

@@ -6,13 +6,16 @@ pipeline's faster accumulator (fp32 products of upper-triangular row panels, fp6
 :func:`linear_hessians` runs calibration text through a whole Hugging Face model with
 them: the one collector the tests, the demo and the study use. The sequential pipeline's
 per-block collector (shared Hessians of linears fed the same input) is in
-:mod:`.calibrate`.
+:mod:`.calibrate`. :class:`CrossCovariance` and :func:`qronos_target` are target correction's
+cross term ``X̃ᵀX`` and its corrected weight.
 """
 from __future__ import annotations
 
 from typing import Hashable, Iterable
 
 import torch
+
+from .lattice import damped
 
 PRODUCT_ROWS = 512  # rows per fp32 XᵀX product of PanelHessian; products are summed in fp64
 PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
@@ -71,6 +74,39 @@ class PanelHessian(Hessian):
             d.copy_(d.triu() + d.triu(1).T)
             H[c + PANEL:, c:c + PANEL] = H[c:c + PANEL, c + PANEL:].T
         return H
+
+
+class CrossCovariance(Hessian):
+    """Running ``X̃ᵀX / n`` (fp64 sums of fp32 products, as :class:`PanelHessian`) over row-aligned
+    pairs: ``x_tilde`` the linear's inputs with the quantized prefix, ``x`` the same tokens'
+    inputs with the full-precision prefix. Not symmetric: the whole product is summed."""
+
+    def add(self, x_tilde: torch.Tensor, x: torch.Tensor) -> None:  # type: ignore[override]
+        x_tilde = x_tilde.reshape(-1, x_tilde.shape[-1]).to(self.sum.device)
+        x = x.reshape(-1, x.shape[-1]).to(self.sum.device)
+        if x_tilde.shape != x.shape:
+            raise ValueError(f"the two activation streams disagree: {tuple(x_tilde.shape)} vs {tuple(x.shape)}")
+        for xt, xf in zip(x_tilde.split(PRODUCT_ROWS), x.split(PRODUCT_ROWS)):
+            self.sum.add_(xt.float().T @ xf.float())
+        self.n += x.shape[0]
+
+    @property
+    def C(self) -> torch.Tensor:
+        return self.H
+
+
+def qronos_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
+    """Target correction (issue #21 seed 004, after Qronos): the weight ``W′`` whose outputs on
+    the quantized prefix's inputs X̃ best match the full-precision outputs XWᵀ, damped toward W:
+    ``argmin ‖X̃W′ᵀ − XWᵀ‖² + λn‖W′ − W‖²``, i.e. ``W′ᵀ = Wᵀ + (H + λI)⁻¹(C − H)Wᵀ`` (``H =
+    X̃ᵀX̃/n``, ``C = X̃ᵀX/n``, λ the solvers' damping). Damping toward W rather than 0 keeps
+    ``W′ = W`` exactly when the streams agree (C = H, block 0) instead of shrinking W.
+    Solving the layer against ``W′`` and ``H`` then minimizes ‖X̃Qᵀ − XWᵀ‖ up to the damping."""
+    if C.shape != H.shape:
+        raise ValueError(f"cross-covariance {tuple(C.shape)} and Hessian {tuple(H.shape)} differ")
+    Wt = W.double().T
+    correction = torch.linalg.solve(damped(H, damp), (C.double() - H.double()) @ Wt)
+    return (Wt + correction).T.to(W.dtype).contiguous()
 
 
 def hook_linears(modules: dict[str, torch.nn.Linear]) -> tuple[dict[str, Hessian], list]:

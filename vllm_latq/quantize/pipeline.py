@@ -12,6 +12,9 @@ decoder block 0 are captured once (:mod:`.capture`); then for every block i
 5. the block's shard is written with the activations and progress, for ``--resume`` (:mod:`.resume`).
 
 Then the output head, if asked (:mod:`.head`), and the rest of the checkpoint (:mod:`.finalize`).
+With ``target_correction`` a second stream, the full-precision inputs, runs through the unquantized
+blocks beside the first: step 2 also sums each linear's ``X̃ᵀX`` and step 3 solves it against
+:func:`~.hessian.qronos_target` (experts and the head against their own W).
 RTN and HRTN ignore activations, so for them steps 2 and 4 (and the calibration data) are
 skipped: they quantize at the speed of reading the weights.
 
@@ -42,7 +45,7 @@ from ..format import writer
 from .. import data
 from .. import format as fmt
 from . import lattice
-from .calibrate import block_hessians
+from .calibrate import block_hessians, drop_stream, full_precision_stream
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
 from .finalize import finalize
@@ -106,6 +109,9 @@ class QuantizeOptions:
     # bytes of calibration activations kept in memory; more are spilled to the run directory
     # (None: half the memory available at the start). Does not change the checkpoint.
     max_activation_memory: int | None = None
+    # target correction (issue #21 seed 004): solve each block linear against W′ fitting the full-precision
+    # outputs (hessian.qronos_target); a second activation stream (its own memory budget), one more forward
+    target_correction: bool = False
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -123,6 +129,8 @@ class QuantizeOptions:
         if self.column_scales not in ("none",) + fmt.COLUMN_SCALE_FOLDS:
             raise ValueError(f"column_scales must be one of none, {', '.join(fmt.COLUMN_SCALE_FOLDS)}, "
                              f"got {self.column_scales!r}")
+        if self.target_correction and not self.calibrated:
+            raise ValueError(f"target_correction needs a calibrated method (a Hessian), not {self.method}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -178,7 +186,8 @@ class QuantizeOptions:
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
-            calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}))
+            calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
+            **({"target_correction": True} if self.target_correction else {}))
 
     def head_options(self) -> "QuantizeOptions":
         """The options the output head is quantized with (``lm_head_bits`` as its ``bits``)."""
@@ -218,9 +227,12 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     head = head_plan(src) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
+    if resume and opts.target_correction:  # the resume state holds only the quantized stream
+        raise ValueError("--resume is not supported with --target-correction; rerun without --resume")
     run = RunDir.open(out, _fingerprint(src, opts), resume)
     device = torch.device(opts.device)
     acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
+    targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
     per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
     quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
 
@@ -232,14 +244,19 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         linears = src.block_linears(i)
         kw = _to_device(kwargs[i], device) if opts.calibrated else None
         t0 = time.time()
-        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
+        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress,
+                                  targets) if opts.calibrated else None
         t1 = time.time()
         folding = None
         if opts.column_scales != "none":
             folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
                                  power=opts.column_scale_power, order=opts.order, damp=opts.damp,
                                  stored=src.weights.get)
-        shard = solving.solve_block(src, i, linears, hessians, quantize if folding is None else folding.wrap(quantize),
+        quantize_block = quantize if folding is None else folding.wrap(quantize)
+        if targets is not None:
+            quantize_block = solving.target_corrected(quantize_block, {src.names.module(n): c for n, c in
+                                                                       hessians.cross_of.items()}, opts.damp)
+        shard = solving.solve_block(src, i, linears, hessians, quantize_block,
                                     device, progress, opts.moe_min_tokens, opts.moe_route_all)
         hessians = None
         t2 = time.time()
@@ -258,6 +275,10 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             raise SimulatedInterruption(f"simulated interruption after block {i}")
     bar.close()
 
+    if targets is not None:
+        drop_stream(targets)
+        if head is not None:
+            log.info("target correction: the output head is solved against its own weight")
     head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
         solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
     del acts

@@ -15,7 +15,7 @@ import torch
 from .. import hf_model
 from .. import format as fmt
 from .calibrate import SharedHessians
-from .hessian import Hessian
+from .hessian import CrossCovariance, Hessian, qronos_target
 from .hptq import hptq, hrtn
 from .lattice import layer_error
 from .moe import MoeInputs
@@ -62,6 +62,17 @@ def quantize_linear(name: str, W: torch.Tensor, hessian: Hessian | None, *, meth
     if on_layer is not None:
         on_layer(name, W, H, res)
     return res, {f"{name}.{sfx}": v for sfx, v in t.items()}
+
+
+def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp: float) -> Callable:
+    """``quantize(name, W, hessian)`` solving each linear named in ``cross`` against its corrected
+    target ``W′`` (:func:`~.hessian.qronos_target`) instead of ``W``; its stats (``rel_error``,
+    ``cert``) are then those of the problem against ``W′``: ‖X̃(Q − W′)ᵀ‖. Others (experts) unchanged."""
+    def corrected(name, W, hessian, **kw):
+        if name not in cross:
+            return quantize(name, W, hessian, **kw)
+        return quantize(name, qronos_target(W, hessian.H, cross[name].C, damp), hessian, **kw)
+    return corrected
 
 
 @torch.no_grad()
