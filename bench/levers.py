@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -152,32 +154,37 @@ def block_streams(block: int, bits: int, nseq: int, seqlen: int):
 
     from vllm_latq import data, hf_model
     from vllm_latq.quantize import capture
+    from vllm_latq.quantize.activations import Activations
     from vllm_latq.quantize.calibrate import block_hessians
 
     mdir = data.model_dir("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
     ids = data.calibration_batches(AutoTokenizer.from_pretrained(mdir), nsamples=nseq, seqlen=seqlen)
     prefix, layers = hf_model.decoder_layers(model)
-    x, kwargs = capture.capture_inputs(model, layers, ids, model.config.hidden_size, torch.float32, "cpu", False)
-    kw = kwargs[0]
-    x_fp, x_q = x, x.clone()
-    for i in range(block):
-        x_fp = capture.block_outputs(layers[i], x_fp, kw, "", False)
-        qlayer = copy.deepcopy(layers[i])
-        lin = hf_model.block_linears(qlayer, f"{prefix}.{i}")
-        hs = block_hessians(qlayer, lin, x_q, kw, "", False)
-        for n, m in lin.items():
-            hf_model.set_tensor(m, "weight", gptq(m.weight.detach(), hs.of[n].H, bits=bits).q)
-        x_q = capture.block_outputs(qlayer, x_q, kw, "", False)
-    lin = hf_model.block_linears(layers[block], f"{prefix}.{block}")
-    rows = {n: [] for n in lin}
-    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: rows[n].append(a[0].reshape(-1, a[0].shape[-1])))
-             for n, m in lin.items()]
-    with torch.no_grad():
+    shape = (len(ids), ids.shape[1], model.config.hidden_size)
+    with tempfile.TemporaryDirectory() as d_fp, tempfile.TemporaryDirectory() as d_q:
+        # the pipeline's activation buffers, one per stream (each in its own directory if spilled)
+        x_fp = Activations.create(Path(d_fp), shape, torch.float32, "cpu", None)
+        x_q = Activations.create(Path(d_q), shape, torch.float32, "cpu", None)
+        kw = capture.capture_inputs(model, layers, ids, x_fp, False)[0]
+        capture.capture_inputs(model, layers, ids, x_q, False)
+        for i in range(block):
+            capture.block_outputs(layers[i], x_fp, kw, "", False)
+            qlayer = copy.deepcopy(layers[i])
+            lin = hf_model.block_linears(qlayer, f"{prefix}.{i}")
+            hs = block_hessians(qlayer, lin, x_q, kw, "", False)
+            for n, m in lin.items():
+                hf_model.set_tensor(m, "weight", gptq(m.weight.detach(), hs.of[n].H, bits=bits).q)
+            capture.block_outputs(qlayer, x_q, kw, "", False)
+        lin = hf_model.block_linears(layers[block], f"{prefix}.{block}")
+        rows = {n: [] for n in lin}
+        hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: rows[n].append(a[0].reshape(-1, a[0].shape[-1])))
+                 for n, m in lin.items()]
         for xs in (x_q, x_fp):
-            capture.block_outputs(layers[block], xs, kw, "", False)
-    for h in hooks:
-        h.remove()
+            for j in range(len(xs)):
+                capture.run_block(layers[block], xs[j:j + 1], kw)
+        for h in hooks:
+            h.remove()
     out = {}
     for n, m in lin.items():
         r = torch.cat(rows[n])
