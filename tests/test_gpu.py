@@ -228,10 +228,15 @@ def test_triton_through_op(bits, m, monkeypatch):
     assert_matches_reference(ops.op_for(triton_k)(x, tensors, ints, bias, n), x, w, bias)
 
 
+def _triton_module():
+    """The module of the selector's Triton kernel (its tile lists and config generators)."""
+    return importlib.import_module(next(k for k in selector.kernels() if k.name == "triton").__module__)
+
+
 def _large_tile_cases():
     if "triton" not in NAMES:
         return []
-    tk = importlib.import_module(next(k for k in selector.kernels() if k.name == "triton").__module__)
+    tk = _triton_module()
     cases = []
     for b in (2, 3, 4):
         for bm in (bm for bm in tk.MMA_TILES if bm > 16):
@@ -258,7 +263,7 @@ def test_mma_large_tiles_every_config(bits, bm, m, cfg):
 def _splitk_cases():
     if "triton" not in NAMES:
         return []
-    tk = importlib.import_module(next(k for k in selector.kernels() if k.name == "triton").__module__)
+    tk = _triton_module()
     cases = []
     for b in (2, 3, 4):
         found = [("gemv", bm, c) for bm in tk.GEMV_TILES for c in tk.gemv_configs(bm, b)]
