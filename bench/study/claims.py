@@ -64,7 +64,7 @@ def noise_floor(res: list[dict]) -> tuple[float, str] | None:
 
 def gptq_curve(res: list[dict], family: str) -> list:
     """Our GPTQ's curve in ``family``: the non-dominated points over every group size run."""
-    names = {s for r in res if r["family"] == "GPTQ" and (s := series_of(r)) and not s.startswith("llm")}
+    names = {s for r in res if r["family"] == "GPTQ" and (s := series_of(r)) and s.startswith("GPTQ g")}
     return frontier(points(res, names, family))
 
 

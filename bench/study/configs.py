@@ -13,6 +13,9 @@ GROUP_SIZES = (32, 64)
 # (which articles, in which order): a harmless change whose perplexity spread sizes every verdict
 NOISE_SEEDS = (1, 2)
 NOISE_TAGS = tuple(f"seed{s}" for s in NOISE_SEEDS)
+# the target-correction lever (Qronos, seed 004; issue 21's screen winner): our GPTQ solved against
+# the full-precision outputs, at each group size of the baselines — same served bits as plain GPTQ
+TC_TAGS = {"tc": 128, **{f"tc-g{g}": g for g in GROUP_SIZES}}
 # configurations that change one option of a default one: (tag, report heading, column name)
 TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
           ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
@@ -36,6 +39,9 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
                           "are equal:", "ours, its scales"),
           *((f"g{g}", f"Our GPTQ at group size {g} (a baseline of the served-bits Pareto):", f"group size {g}")
             for g in GROUP_SIZES if g != 64),
+          *((t, f"Target correction (`--target-correction`: every block linear solved against the "
+                f"full-precision outputs, seed 004) at group size {g}, against our GPTQ at the same group size "
+                f"(same served bits):", "target correction") for t, g in TC_TAGS.items()),
           *((t, f"Noise floor: our GPTQ-4b calibrated on the seeded draw {t} of the calibration text instead of "
                 "seed 0 (other articles, another order):", t) for t in NOISE_TAGS),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
@@ -149,6 +155,11 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
     for g in GROUP_SIZES:
         for b in LEVELS:
             out.append(make_config(model, "GPTQ", b, f"g{g}", method="gptq", bits=b, group_size=g))
+    # the target-correction lever at each group size (4 and 3 bits: the goal's operating points)
+    for tag, g in TC_TAGS.items():
+        for b in (4, 3):
+            out.append(make_config(model, "GPTQ", b, tag, base="" if g == group_size else f"g{g}", method="gptq",
+                                   bits=b, group_size=g, target_correction=True))
     # the noise floor at 4 bits: other calibration draws
     for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
         out.append(make_config(model, "GPTQ", 4, tag, method="gptq", bits=4, group_size=group_size, seed=s))

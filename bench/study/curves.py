@@ -15,7 +15,7 @@ import math
 from .served import served_bits
 
 # the configurations that are a method's operating points (variants and controls are not)
-SERIES_TAGS = {"": None, "g32": 32, "g64": 64, "llmc": None}
+SERIES_TAGS = {"": None, "g32": 32, "g64": 64, "llmc": None, "tc": None, "tc-g32": 32, "tc-g64": 64}
 
 
 def series_of(r: dict) -> str | None:
@@ -24,7 +24,7 @@ def series_of(r: dict) -> str | None:
     if r["family"] == "bf16" or r["tag"] not in SERIES_TAGS:
         return None
     g = (r.get("options") or {}).get("group_size")
-    name = ("llm-compressor " if r["tag"] == "llmc" else "") + r["family"]
+    name = ("llm-compressor " if r["tag"] == "llmc" else "") + r["family"] + ("+TC" if r["tag"].startswith("tc") else "")
     return f"{name} g{g}" if r["family"] in ("RTN", "GPTQ") and g else name
 
 
