@@ -465,9 +465,15 @@ def test_backfill_served_of_older_results(tiny_llama, tmp_path, monkeypatch):
                                keep=False, requantize=False)
     assert r["served"] == served.outlier_free_served(served.linear_shapes(tiny_llama), 3, 64)
     assert json.loads((tmp_path / "results" / "tiny" / "gptq-3b.json").read_text())["served"] == r["served"]
+    # served bits made under other kernel cost models (a layout changed since) are recomputed, never reported
+    stale = {**r, "served": {**r["served"], "bits_per_weight": {"triton": 9.0, "cpu": 9.0}, "cost_model": "old"}}
+    assert served.is_stale(stale) and not served.is_stale(r)
+    assert runner.backfill_served(g, st, tmp_path, stale, keep=False, requantize=False)["served"] == r["served"]
     s = configs.make_config("tiny", "SSQR-1%", 3, method="ssqr", bits=3, group_size=64, outlier_rate=0.01)
     old = rec("SSQR-1%-3b", "SSQR-1%", 3, "", 18.0, 0.0, options=s.kwargs)
     assert "served" not in runner.backfill_served(s, st, tmp_path, dict(old), keep=False, requantize=False)
+    stale = {**old, "served": {"bits_per_weight": {"triton": 9.0, "cpu": 9.0}, "cost_model": "old"}}
+    assert "served" not in runner.backfill_served(s, st, tmp_path, stale, keep=False, requantize=False)
     ck = tmp_path / "ref"
     runner.quantize_config(s, st, tiny_llama, ck, progress=False)
     old["bits"] = json.loads((ck / "latq_stats.json").read_text())["totals"]["bits_per_weight"]

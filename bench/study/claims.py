@@ -7,6 +7,7 @@ import statistics
 
 from .configs import NOISE_TAGS, SPREAD_TAGS, TAGGED
 from .curves import compare, frontier, points, series_of
+from .served import served_bits
 from .ordering import LAYER_TYPES, ORDERS
 from .summary import cert_summary, fmt_ppl
 
@@ -154,9 +155,13 @@ def _served_claims(row) -> None:
         seeds = [fmt_ppl(p) for t in ("", *(f"-{t}" for t in NOISE_TAGS)) if (p := _ppl(res, f"GPTQ-4b{t}"))]
         return f"±{100 * nf[0]:.2f}% ({nf[1]}" + (f": {', '.join(seeds)}" if len(seeds) > 1 else "") + ")", None
     row("noise floor: largest Δ ppl of our GPTQ-4b g128 under other calibration draws (seeds)", "—", noise)
-    for label in ("HPTQ-3.125", "HPTQ-4.125", "HPTQ-2.125", "SSQR-1%-4b", "SSQR-1%-2b"):
+    for label in ("HPTQ-3.125", "HPTQ-4.125", "HPTQ-2.125", "SSQR-1%-4b", "SSQR-1%-2b", "GPTQ-4b-tc", "GPTQ-3b-tc"):
         for fam, name in SERVED_FAMILIES.items():
             row(f"{label} beats our GPTQ at equal served bits ({name} kernels)", "—", _served_wins(label, fam))
+    for fam, name in SERVED_FAMILIES.items():
+        row(f"goal: every GPTQ point at ≈3 and ≈4 bits (ours and llm-compressor's, every group size) is dominated "
+            f"by a latq configuration: lower ppl by more than the noise floor at ≤ its served bits ({name} kernels)",
+            "—", _goal(fam))
 
 
 def _served_wins(label: str, family: str):
@@ -181,6 +186,31 @@ def _served_wins(label: str, family: str):
         else:
             text = f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.3f} b (GPTQ: {c['between']})"
         return text + (" — within noise" if within else ""), c["gap"] < 0 and not within
+    return cell
+
+
+def _goal(family: str):
+    """A cell: of the plain GPTQ points at 3 and 4 bits (every group size, ours and llm-compressor's),
+    how many a latq configuration (another method, or GPTQ with a lever) dominates in ``family``."""
+    def cell(res, _):
+        nf = (noise_floor(res) or (0.0, ""))[0]
+        plain = [r for r in res if r["level"] in (3, 4) and (s := series_of(r)) and s.startswith(("GPTQ g", "llm-"))]
+        ours = [r for r in res if series_of(r) and r not in plain and served_bits(r, family) is not None]
+        base = [r for r in plain if served_bits(r, family) is not None]
+        if not base or not ours:
+            return None
+
+        def dominator(p):
+            return min((r for r in ours if served_bits(r, family) <= served_bits(p, family)
+                        and r["ppl"] < p["ppl"] / (1 + nf)), key=lambda r: r["ppl"], default=None)
+        won = {p["label"]: d for p in base if (d := dominator(p))}
+        text = f"{len(won)} of {len(base)}"
+        if won:
+            text += " (" + "; ".join(f"{p} by {d['label']} {fmt_ppl(d['ppl'])}" for p, d in won.items()) + ")"
+        lost = [f"{p['label']} {fmt_ppl(p['ppl'])} at {served_bits(p, family):.3f} b" for p in base if p["label"] not in won]
+        if lost:
+            text += "; not dominated: " + ", ".join(lost)
+        return text, len(won) == len(base)
     return cell
 
 

@@ -256,13 +256,17 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
 # ============================================================================ served bits of older results
 
 def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, requantize: bool) -> dict:
-    """A cached result of ``cfg`` without served bits (run before the study recorded them) → with
-    them: from the layout for one without outliers (exact), else from its kept checkpoint, else
-    (``requantize``) from the checkpoint quantized again with its settings (no evaluation: the
-    perplexity stays the result's; the record keeps that checkpoint's stored bits, which must be
-    the result's). Without a way, the result is returned as it is."""
-    if "served" in r or cfg.family == "bf16":
+    """A cached result of ``cfg`` without served bits (run before the study recorded them), or with
+    stale ones (computed under kernel cost models that changed since) → with today's: from the
+    layout for one without outliers (exact), else from its kept checkpoint, else (``requantize``)
+    from the checkpoint quantized again with its settings (no evaluation: the perplexity stays the
+    result's; the record keeps that checkpoint's stored bits, which must be the result's). Without
+    a way, the result is returned without served bits (stale ones are never reported)."""
+    if cfg.family == "bf16" or ("served" in r and not served.is_stale(r)):
         return r
+    if "served" in r:
+        log.info("served bits of %s %s predate a kernel layout change: recomputing", cfg.model, cfg.label)
+        r = {k: v for k, v in r.items() if k != "served"}
     src = source_dir(cfg.model, st, root)
     ck = root / "checkpoints" / cfg.model / cfg.slug
     if served.is_outlier_free(r):

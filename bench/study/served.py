@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 from collections import Counter
 from pathlib import Path
 
@@ -20,15 +21,44 @@ import torch
 
 from vllm_latq import format as fmt
 from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.kernels.reference import GridStats
 from vllm_latq.kernels.served import checkpoint_served, families, layer_served
+
+# layers whose served bytes fingerprint the kernels' cost models: ragged and round widths, every
+# width the runtime form takes, integers spread past the narrow grids (outliers at 2–5 bits)
+_PROBE_SHAPES = ((64, 576), (48, 640), (32, 2048))
+_PROBE_GROUPS = (32, 128, None)   # None: one group per row (HPTQ)
+
+
+@functools.lru_cache(maxsize=None)
+def cost_model_fingerprint() -> str:
+    """A digest of every kernel family's served bytes on fixed probe layers: a served record made
+    under other cost models (a kernel's layout changed since) is stale (:func:`is_stale`)."""
+    out = []
+    for n, k in _PROBE_SHAPES:
+        z = (torch.arange(n * k).reshape(n, k) * 7919 % 61 - 30).to(torch.int32)   # spread over ±30
+        stats = GridStats.from_integers(z, torch.ones(n))
+        for fam in families():
+            for b in range(2, 9):
+                for g in _PROBE_GROUPS:
+                    try:
+                        out.append(f"{fam.name}:{n}x{k}:{b}:{g}:{sorted(fam.layout_bytes(n, k, b, g or k, stats).items())}")
+                    except ValueError:
+                        out.append(f"{fam.name}:{n}x{k}:{b}:{g}:-")
+    return hashlib.sha1("\n".join(out).encode()).hexdigest()[:12]
+
+
+def is_stale(r: dict) -> bool:
+    """Whether a result's served record was computed under other kernel cost models than today's."""
+    return "served" in r and r["served"].get("cost_model") != cost_model_fingerprint()
 
 
 def _record(totals: dict[str, float], rows: list[dict], source: str) -> dict:
     """The result's ``served`` entry: bits/weight per family, and per family how many layers each
-    kernel serves at each inlier width (``"cpu 4b": 122``)."""
+    kernel serves at each inlier width (``"cpu 4b": 122``), under today's cost models."""
     kernels = {f: dict(Counter(f"{r['served'][f]['kernel']} {r['served'][f]['bits']}b" for r in rows))
                for f in totals}
-    return {"bits_per_weight": totals, "kernels": kernels, "source": source}
+    return {"bits_per_weight": totals, "kernels": kernels, "source": source, "cost_model": cost_model_fingerprint()}
 
 
 def checkpoint_record(ck: Path) -> dict:
