@@ -21,6 +21,10 @@ ARCHS = {   # model type → (config entries, expert projections, router module)
                 ("w1", "w3", "w2"), "block_sparse_moe.gate"),
     "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64), ("gate_proj", "up_proj", "down_proj"),
               "mlp.gate"),
+    # a shared expert (a plain MLP, quantized) beside the routed ones, scaled by its own sigmoid gate (kept)
+    "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, norm_topk_prob=False), ("gate_proj", "up_proj", "down_proj"),
+                  "mlp.gate"),
 }
 DENSE = ("q_proj", "k_proj", "v_proj", "o_proj")
 
