@@ -10,14 +10,16 @@ Three paths compute it (:func:`experts_forward`):
   experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton_moe`) and one
   launch per projection runs the routed (token, slot) pairs, reading each block's expert from
   a device tensor: no host sync, so it is the path while a CUDA graph is captured (vLLM's
-  decode), and in eager mode whenever ``triton_moe.grouped_wins`` predicts it faster (small
-  batches: it saves a sync and a handful of launches per routed expert);
+  decode) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
+  batches: it saves a sync and a handful of launches per routed expert; in a graph, E/k
+  times the masked path's work);
 * ``host`` — sort the pairs by expert, read the counts on the host and run each expert that
   received tokens once, on all of them (one GEMM per expert and projection): eager, larger
   batches, and every kernel family;
 * ``masked`` — every local expert on all tokens, the routing weights (zero where a token did
   not pick it) selecting: capturable with any kernel, E/k times the work; the captured path
-  of layers that cannot be stacked (CPU kernel, bf16 fallback, 5-bit inliers …).
+  of layers that cannot be stacked (CPU kernel, bf16 fallback, 5-bit inliers …), or where the
+  model predicts it faster (a few huge experts at a large batch).
 
 :func:`flatten` / :func:`unflatten` turn the experts' prepared states (and the stacks) into the
 flat tensor list + ints of the custom op ``latq::moe_experts``
@@ -95,14 +97,17 @@ def stack_experts(experts: list[Expert]) -> tuple[Stacked | None, str | None]:
 
 
 def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
-    """``stacked`` while a CUDA graph is captured (else ``masked``: counts cannot be read on
-    the host); in eager mode ``stacked`` where the cost model predicts it faster, else ``host``."""
+    """While a CUDA graph is captured the counts cannot be read on the host: ``stacked`` or
+    ``masked``; in eager mode ``stacked`` or ``host`` — whichever ``triton_moe.path_times``
+    predicts faster (``stacked`` wins decode-sized batches: it saves the host path's sync and
+    per-expert launches, and the masked path's E/k times the work)."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if stacked is not None:
-        from . import triton_moe
-        if capturing or triton_moe.grouped_wins(x.shape[0], topk, stacked.w13, stacked.w2, x.device):
-            return "stacked"
-    return "masked" if capturing else "host"
+    other = "masked" if capturing else "host"
+    if stacked is None:
+        return other
+    from . import triton_moe
+    t = triton_moe.path_times(x.shape[0], topk, stacked.w13, stacked.w2, x.device)
+    return "stacked" if t["stacked"] <= t[other] else other
 
 
 def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: list[Expert],

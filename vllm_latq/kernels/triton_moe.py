@@ -328,37 +328,45 @@ def grouped_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 # ============================================================================ when it runs
 
 LAUNCH_S = 5e-6     # one torch op from Python on the host path (launch + dispatch)
+REPLAY_S = 2e-6     # one kernel of a replayed CUDA graph (device-side launch gap)
 SYNC_S = 20e-6      # the host path's count read (device → host sync, the stream drained)
 
 
-def grouped_wins(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
-                 device: torch.device | None = None) -> bool:
-    """Eager: the grouped kernel vs the host path (one Triton pair per routed expert), by the
-    cost model of :mod:`~vllm_latq.kernels.triton_model` (cached per batch size and shapes).
-    Both read the routed experts' bytes about once; the host path adds a sync and ~6 torch ops
-    per routed expert (a decode-sized batch routes to ~P distinct experts: launch-bound), while
-    the grouped kernel runs on SIMT lanes (LOP3 + FADD + FMUL per weight and one FFMA per row,
-    for every block of ≤ BM rows) where the host path has tensor cores from 8 rows — so it
-    loses once its issue time exceeds the launches it saves."""
+def path_times(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
+               device: torch.device | None = None) -> dict[str, float]:
+    """Model seconds of one layer's experts on each path (:mod:`~vllm_latq.kernels.moe`),
+    from :mod:`~vllm_latq.kernels.triton_model`'s device model; cached per batch size and
+    shapes. Every path streams the routed experts' bytes about once; the differences:
+
+    * ``stacked``: SIMT issue (LOP3 + FADD + FMUL per weight and one FFMA per row, for every
+      block of ≤ BM rows: ~P/BM + routed blocks) against tensor cores elsewhere; ~10 ops;
+    * ``host``: a sync and ~6 torch ops from Python per routed expert — a decode batch routes
+      to ~P distinct experts, so it is launch-bound there; tensor cores from 8 rows;
+    * ``masked`` (captured): every expert's weights on every token, E/k times the work, ~6
+      kernels per expert replayed without host cost.
+    """
     idx = None
     if device is not None and torch.device(device).type == "cuda":
         idx = torch.device(device).index
         idx = torch.cuda.current_device() if idx is None else idx
     shapes = tuple((s.n, s.k, s.bits, s.group) for s in (w13, w2))
-    return _grouped_wins(tokens * topk, w13.experts, shapes, idx)
+    return _path_times(tokens, topk, w13.experts, shapes, idx)
 
 
 @functools.lru_cache(maxsize=4096)
-def _grouped_wins(P: int, E: int, shapes: tuple, device_index: int | None) -> bool:
+def _path_times(T: int, topk: int, E: int, shapes: tuple, device_index: int | None) -> dict[str, float]:
     props = torch.cuda.get_device_properties(device_index) if device_index is not None else None
     d = triton_model.device_model(props)
+    P = T * topk
     routed = E * (1 - (1 - 1 / E) ** P)                          # expected distinct experts (uniform routing)
     bm = row_block(P, E)
     blocks = min(max_blocks(P, E, bm), P / bm + routed)
     issue = blocks * sum(n * k for n, k, _, _ in shapes) * (3 + bm) / d.issue
-    rows = max(1, round(P / routed))
-    per_expert = sum(triton_model.model_times(rows, n, k, b, 0, group=g, device_props=props)["mma"]
-                     for n, k, b, g in shapes)
-    t_host = SYNC_S + routed * (6 * LAUNCH_S + per_expert)
-    t_grouped = 10 * LAUNCH_S + max(routed * per_expert, issue)
-    return t_grouped < t_host
+
+    def expert(rows):
+        return sum(triton_model.model_times(rows, n, k, b, 0, group=g, device_props=props)["mma"]
+                   for n, k, b, g in shapes)
+    per_routed = expert(max(1, round(P / routed)))
+    return {"stacked": 10 * LAUNCH_S + max(routed * per_routed, issue),
+            "host": SYNC_S + routed * (6 * LAUNCH_S + per_routed),
+            "masked": E * (6 * REPLAY_S + expert(T))}
