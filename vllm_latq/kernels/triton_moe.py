@@ -40,10 +40,20 @@ from .base import flatten_dataclass, unflatten_dataclass
 from .triton_device import _ell_rows, _fbits, _word_tiles
 from .triton_kernels import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
-# Rows per program → (BN, warps): GEMV_TILES entries (offline compile: bench/kernels.py --static-only).
-# Fixed, not autotuned: the first call may be inside a CUDA-graph capture.
-MOE_TILES = {1: (64, 4), 2: (64, 4), 4: (32, 4), 8: (16, 4)}
+# Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
+# capture. Chosen by the offline compile (bench/kernels.py --static-only): the fewest K-loop
+# instructions per weight among spill-free tiles. Register caps: the GEMV's up to 2 rows; at 4
+# and 8 rows its 128 cap of 2/4 bits spilled 16–184 B on sm_90 with ELL outliers: uncapped (255).
+MOE_TILES = {1: (64, 4), 2: (64, 4), 4: (64, 4), 8: (32, 4)}
+
+
+def moe_maxnreg(bits: int, bm: int) -> int:
+    return GEMV_MAXNREG[bits] if bm <= 2 else 255
 MOE_INTERP = dict(BN=64, num_warps=4)
+# The K loop's SASS lane-instructions per weight per program of BM rows (triton_compile "i/w",
+# sm_80, these tiles, no outliers): the cost model's issue term. docs/BENCHMARKS.md.
+MOE_IPW = {(2, 1): 5.75, (3, 1): 8.17, (4, 1): 6.31, (2, 2): 8.03, (3, 2): 10.20, (4, 2): 8.91,
+           (2, 4): 11.97, (3, 4): 14.02, (4, 4): 13.03, (2, 8): 17.25, (3, 8): 19.16, (4, 8): 19.19}
 MAX_BM = max(MOE_TILES)
 
 
@@ -297,7 +307,7 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
     if config is None:
         bn, nw = MOE_TILES[bm] if not INTERPRET else (MOE_INTERP["BN"], MOE_INTERP["num_warps"])
         config = dict(BN=bn, num_warps=nw)
-    opts = {"maxnreg": GEMV_MAXNREG[st.bits]} if MAXNREG_OK and not INTERPRET else {}
+    opts = {"maxnreg": moe_maxnreg(st.bits, bm)} if MAXNREG_OK and not INTERPRET else {}
     grid = (blocks.shape[0], triton.cdiv(st.n_pad, config["BN"]))
     _moe_gemv_kernel[grid](*args, BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, BN=config["BN"],
                            OUTL=st.outl, ASM=not INTERPRET, num_warps=config["num_warps"], num_stages=1, **opts)
@@ -338,8 +348,8 @@ def path_times(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
     from :mod:`~vllm_latq.kernels.triton_model`'s device model; cached per batch size and
     shapes. Every path streams the routed experts' bytes about once; the differences:
 
-    * ``stacked``: SIMT issue (LOP3 + FADD + FMUL per weight and one FFMA per row, for every
-      block of ≤ BM rows: ~P/BM + routed blocks) against tensor cores elsewhere; ~10 ops;
+    * ``stacked``: SIMT issue (``MOE_IPW`` per weight for every block of ≤ BM rows: ~P/BM +
+      routed blocks, each re-dequantising its expert) against tensor cores elsewhere; ~10 ops;
     * ``host``: a sync and ~6 torch ops from Python per routed expert — a decode batch routes
       to ~P distinct experts, so it is launch-bound there; tensor cores from 8 rows;
     * ``masked`` (captured): every expert's weights on every token, E/k times the work, ~6
@@ -361,7 +371,7 @@ def _path_times(T: int, topk: int, E: int, shapes: tuple, device_index: int | No
     routed = E * (1 - (1 - 1 / E) ** P)                          # expected distinct experts (uniform routing)
     bm = row_block(P, E)
     blocks = min(max_blocks(P, E, bm), P / bm + routed)
-    issue = blocks * sum(n * k for n, k, _, _ in shapes) * (3 + bm) / d.issue
+    issue = blocks * sum(n * k * MOE_IPW[b, bm] for n, k, b, _ in shapes) / d.issue
 
     def expert(rows):
         return sum(triton_model.model_times(rows, n, k, b, 0, group=g, device_props=props)["mma"]
