@@ -99,6 +99,10 @@ def test_grouped_fp16_weights_on_input_and_through_the_op():
     want = moe_reference(x, w, ids, dense)
     y = ops.moe_op()(x.half(), w, ids, tensors, ints, "silu", False)   # eager choice: stacked at 3 tokens
     assert (y.float() - want).abs().max() <= 1e-2 * want.abs().max()
+    torch.library.opcheck(ops.moe_op(), (x.half(), w, ids, tensors, ints, "silu", False),
+                          test_utils=("test_schema", "test_faketensor"))
+    empty = moe.experts_forward(x[:0], w[:0], ids[:0], experts, "silu", stacked=stacked, path="stacked")
+    assert empty.shape == (0, H)
 
 
 @pytest.mark.parametrize("P,bm", [(1, 1), (8, 1), (14, 4), (32, 8), (200, 8)])

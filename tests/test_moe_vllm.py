@@ -209,6 +209,31 @@ def test_apply_compiles_fullgraph_with_dynamic_batch(monkeypatch):
         assert torch.allclose(f(x, w, ids), method.apply(layer, x, w, ids, None, None), atol=1e-6, rtol=1e-5)
 
 
+def test_triton_experts_load_stacked_and_apply_in_the_interpreter(monkeypatch):
+    """With the Triton kernel (interpreter) the loader stacks each projection's experts and the
+    experts' states become views of the stacks; apply (eager choice and the stacked path) and
+    the custom op on the flattened state equal the token-by-token definition."""
+    from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK, INTERPRET
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest)")
+    monkeypatch.setenv(ENV_INTERPRET_OK, "1")
+    monkeypatch.setenv("LATQ_KERNEL", "triton")
+    tensors = _expert_tensors("dense", 64)
+    dense = [(torch.cat([tensors[e, "w1"][1], tensors[e, "w3"][1]]), tensors[e, "w2"][1]) for e in range(E)]
+    method, layer = _load("dense", 1, 0, 64, tensors)
+    method.process_weights_after_loading(layer)
+    st = layer.latq_stacked
+    assert st is not None and st.w13.experts == E and st.w2.plane_a.shape[0] == E
+    assert layer.latq_experts[1].w13[1].plane_a.data_ptr() == st.w13.plane_a[1].data_ptr()
+    x, w, ids = _routing(3, 5)
+    want = moe_reference(x, w, ids, dense)
+    y = method.apply(layer, x, w, ids, None, None)
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    buffers = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
+    y_op = layer.latq_moe_op(x, w, ids, buffers, layer.latq_ints, "silu", False)
+    assert torch.equal(y_op, y)
+
+
 def test_missing_expert_and_partial_listing_fail_clearly():
     from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
     from vllm.config import VllmConfig, set_current_vllm_config

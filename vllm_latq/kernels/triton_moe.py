@@ -332,7 +332,7 @@ def grouped_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     y = torch.where(ids[order][:, None] >= 0, y if weights_on_input else p * y, 0.0)
     out = torch.empty_like(y)
     out[order] = y                       # back to (token, slot) order
-    return out.view(T, k, -1).sum(1).to(x.dtype)
+    return out.view(T, k, w2.n).sum(1).to(x.dtype)
 
 
 # ============================================================================ when it runs
@@ -368,7 +368,7 @@ def _path_times(T: int, topk: int, E: int, shapes: tuple, device_index: int | No
     props = torch.cuda.get_device_properties(device_index) if device_index is not None else None
     d = triton_model.device_model(props)
     P = T * topk
-    routed = E * (1 - (1 - 1 / E) ** P)                          # expected distinct experts (uniform routing)
+    routed = max(1.0, E * (1 - (1 - 1 / E) ** P))               # expected distinct experts (uniform routing)
     bm = row_block(P, E)
     blocks = min(max_blocks(P, E, bm), P / bm + routed)
     issue = blocks * sum(n * k * MOE_IPW[b, bm] for n, k, b, _ in shapes) / d.issue
