@@ -164,6 +164,15 @@ def test_stack_declines_with_a_reason():
         triton_moe.stack([longer])
 
 
+def test_stack_declines_a_layout_with_unknown_parts(monkeypatch):
+    """A field added to TritonState (another layout part) must be taught to the grouped kernel
+    before experts are stacked: until then they keep the per-expert and masked paths."""
+    experts, _ = experts_of(4, 0.0)
+    monkeypatch.setattr(triton_moe, "READ_FIELDS", triton_moe.READ_FIELDS - {"nnz"})
+    stacked, why = moe.stack_experts(experts)
+    assert stacked is None and "does not read: ['nnz']" in why
+
+
 def _meta_stack(n, k, experts):
     return triton_moe.StackedTriton(*(torch.empty(0),) * 6, experts, 4, 128, 8, n, k, n, k, 0)
 

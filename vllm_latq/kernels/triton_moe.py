@@ -45,16 +45,16 @@ from .triton_kernels import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_
 # instructions per weight among spill-free tiles. Register caps: the GEMV's up to 2 rows; at 4
 # and 8 rows its 128 cap of 2/4 bits spilled 16–184 B on sm_90 with ELL outliers: uncapped (255).
 MOE_TILES = {1: (64, 4), 2: (64, 4), 4: (64, 4), 8: (32, 4)}
-
-
-def moe_maxnreg(bits: int, bm: int) -> int:
-    return GEMV_MAXNREG[bits] if bm <= 2 else 255
 MOE_INTERP = dict(BN=64, num_warps=4)
+MAX_BM = max(MOE_TILES)
 # The K loop's SASS lane-instructions per weight per program of BM rows (triton_compile "i/w",
 # sm_80, these tiles, no outliers): the cost model's issue term. docs/BENCHMARKS.md.
 MOE_IPW = {(2, 1): 5.75, (3, 1): 8.17, (4, 1): 6.31, (2, 2): 8.03, (3, 2): 10.20, (4, 2): 8.91,
            (2, 4): 11.97, (3, 4): 14.02, (4, 4): 13.03, (2, 8): 17.25, (3, 8): 19.16, (4, 8): 19.19}
-MAX_BM = max(MOE_TILES)
+
+
+def moe_maxnreg(bits: int, bm: int) -> int:
+    return GEMV_MAXNREG[bits] if bm <= 2 else 255
 
 
 # ============================================================================ device code
@@ -172,6 +172,12 @@ class StackedTriton:
         return unflatten_dataclass(cls, tensors, ints)
 
 
+# TritonState's fields this module reads or rebuilds (a field added to the layout must be
+# taught here before experts with it are stacked)
+READ_FIELDS = {"plane_a", "plane_h", "scales", "o0", "o1", "o2", "o3", "tickets", "bits", "group", "spg", "n", "k",
+               "n_pad", "k_pad", "outl", "nnz"}
+
+
 def plane_words(bits: int, n_pad: int, k_pad: int) -> list[int]:
     """int32 words of each plane of an ``n_pad``×``k_pad`` layer, as the kernel reads them."""
     return [n_pad * k_pad * pb // 32 for pb in tlay.planes_of(bits)]
@@ -190,15 +196,17 @@ def stack_reason(states: list) -> str | None:
     shape = (s0.bits, s0.group, s0.spg, s0.n, s0.k, s0.n_pad, s0.k_pad)
     if any((s.bits, s.group, s.spg, s.n, s.k, s.n_pad, s.k_pad) != shape for s in states):
         return "experts differ in shape, bits or scale group"
+    unknown = {f.name for f in dataclasses.fields(TritonState)} - READ_FIELDS
+    if unknown:
+        return f"the Triton layout has parts the grouped kernel does not read: {sorted(unknown)}"
     words = plane_words(s0.bits, s0.n_pad, s0.k_pad)
-    have = [s0.plane_a.numel()] + ([s0.plane_h.numel()] if s0.plane_h is not None else [])
-    if have != words:
-        return (f"{s0.bits}-bit planes of {have} words, the grouped kernel reads the chunked planes of "
-                f"{words} words")
+    for s in states:
+        have = [s.plane_a.numel()] + ([s.plane_h.numel()] if s.plane_h is not None else [])
+        if have != words:
+            return (f"{s.bits}-bit planes of {have} words, the grouped kernel reads the chunked planes of "
+                    f"{words} words")
     if any(s.outl not in (OUTL_NONE, OUTL_ELL, OUTL_CSR) for s in states):
         return "unknown outlier layout"
-    if sum(s.plane_a.numel() for s in states) >= 2**40:
-        return "experts too large"
     return None
 
 
@@ -212,8 +220,8 @@ def _ell_of(st: TritonState) -> dict[str, torch.Tensor] | None:
 
 
 def stack(states: list[TritonState]) -> tuple[StackedTriton, list[TritonState]]:
-    """One projection's per-expert states → (the stack, the experts' states as views of it).
-    The callers' states are released so the weights stay stored once."""
+    """One projection's per-expert states → (the stack, the experts' states as views of it):
+    a caller that replaces its states by the views keeps the weights stored once."""
     why = stack_reason(states)
     if why is not None:
         raise ValueError(f"latq: cannot stack these experts: {why}")
