@@ -195,3 +195,16 @@ def test_path_choice_by_cost_model():
     assert t["masked"] < t["stacked"] and t["host"] < t["stacked"]
     x = torch.zeros(1, 2048)
     assert moe.choose_path(x, 8, moe.Stacked(*qwen)) == "stacked" and moe.choose_path(x, 8, None) == "host"
+
+
+def test_idle_blocks_and_the_load_time_compile():
+    """A block of expert −1 runs nothing and leaves the blocks after it right (the load-time
+    compile launches every row block's kernel over one such block)."""
+    experts, dense = experts_of(4, 0.02)
+    stacked, _ = moe.stack_experts(experts)
+    moe.compile_stacked(stacked, torch.float32)
+    xs = torch.randn(3, INTER, generator=torch.Generator().manual_seed(3))
+    blocks = torch.tensor([[-1, 0, 0], [4, 1, 3]], dtype=torch.int32)
+    y = triton_moe.launch(stacked.w2, xs, blocks, 2)
+    want = xs[1:] @ dense[4][1].T
+    assert (y[1:] - want).abs().max() <= 1e-5 * want.abs().max()

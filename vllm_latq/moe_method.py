@@ -141,6 +141,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
         stacked, why = moe.stack_experts(experts)
         if stacked is None and device.type == "cuda":
             log.info("latq: %s: experts run per expert, and all of them under CUDA graphs (%s)", self.prefix, why)
+        elif stacked is not None and device.type == "cuda":
+            moe.compile_stacked(stacked, layer._latq_act_dtype)
         tensors, ints = moe.flatten(experts, stacked)
         for i, t in enumerate(tensors):
             layer.register_buffer(f"latq_t{i}", t, persistent=False)

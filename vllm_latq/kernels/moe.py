@@ -96,6 +96,13 @@ def stack_experts(experts: list[Expert]) -> tuple[Stacked | None, str | None]:
     return Stacked(*stacks), None
 
 
+def compile_stacked(stacked: Stacked, act_dtype: torch.dtype) -> None:
+    """Compile the grouped kernel of both stacks for every row block (``triton_moe.compile_all``)."""
+    from . import triton_moe
+    for st in (stacked.w13, stacked.w2):
+        triton_moe.compile_all(st, act_dtype)
+
+
 def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
     """While a CUDA graph is captured the counts cannot be read on the host: ``stacked`` or
     ``masked``; in eager mode ``stacked`` or ``host`` — whichever ``triton_moe.path_times``

@@ -322,6 +322,16 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
     return y
 
 
+def compile_all(st: StackedTriton, act_dtype: torch.dtype) -> None:
+    """Compile the kernel for every row block at load, by launches over one unused block: a
+    batch size first seen inside a CUDA-graph capture must not compile (load a module) there."""
+    dev = st.plane_a.device
+    xs = torch.zeros(1, st.k, dtype=act_dtype, device=dev)
+    idle = torch.tensor([[-1, 0, 0]], dtype=torch.int32, device=dev)
+    for bm in MOE_TILES:
+        launch(st, xs, idle, bm)
+
+
 def grouped_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: StackedTriton,
                     w2: StackedTriton, act, weights_on_input: bool = False) -> torch.Tensor:
     """The experts' forward of :func:`~vllm_latq.kernels.moe.experts_forward` on the stacks:
@@ -338,8 +348,7 @@ def grouped_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         xs = xs * p.to(x.dtype)
     y = launch(w2, act(launch(w13, xs, blocks, bm)), blocks, bm).float()
     y = torch.where(ids[order][:, None] >= 0, y if weights_on_input else p * y, 0.0)
-    out = torch.empty_like(y)
-    out[order] = y                       # back to (token, slot) order
+    out = torch.empty_like(y).index_copy_(0, order, y)      # back to (token, slot) order
     return out.view(T, k, w2.n).sum(1).to(x.dtype)
 
 
