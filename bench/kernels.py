@@ -19,7 +19,8 @@ bits/weight, GB/s = served bytes / latq time, % of copy = copy time / latq time,
 layer the first M at which latq is slower than dense.
 
 Static part (everywhere, unless --no-static):
-  1. every kernel config compiled offline for sm_80/86/89/90 (real ptxas;
+  1. every kernel config (SIMT GEMV, tensor-core, the grouped MoE kernel of
+     :mod:`vllm_latq.kernels.triton_moe`) compiled offline for sm_80/86/89/90 (real ptxas;
      :mod:`vllm_latq.kernels.triton_compile`, cached): registers, spill bytes, shared
      memory vs the target's limit, SASS instruction counts by class;
   2. the bytes-moved model: bytes per weight of each format and per layer vs bf16 → the

@@ -110,6 +110,23 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
     return out, out.with_name(out.name + "-deq")
 
 
+def moe_reference(x, topk_weights, topk_ids, dense, activation="silu", on_input=False) -> torch.Tensor:
+    """The MoE forward token by token, slot by slot, in fp32 (the definition): ``dense`` the
+    experts' fp32 (w13 [2I, H], w2 [H, I]); expert −1 skipped."""
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation]
+    out = torch.zeros(x.shape[0], dense[0][1].shape[0])
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            if e < 0:
+                continue
+            p = float(topk_weights[t, k])
+            xt = x[t].float() * (p if on_input else 1.0)
+            g, u = (dense[e][0] @ xt).chunk(2)
+            out[t] += (1.0 if on_input else p) * (dense[e][1] @ (act(g) * u))
+    return out
+
+
 def hf_reference(deq_dir: Path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()

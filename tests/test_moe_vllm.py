@@ -11,7 +11,7 @@ from vllm_latq.kernels import moe, ops
 from vllm_latq.kernels.reference import dequantize, random_weight
 
 from . import vllm_helpers as h
-from .moe_helpers import ARCHS, ssqr_like, hf_reference, make_moe_checkpoint, make_moe_model
+from .moe_helpers import ARCHS, hf_reference, make_moe_checkpoint, make_moe_model, moe_reference, ssqr_like
 
 # ============================================================================ the experts' forward (no engine)
 
@@ -29,22 +29,6 @@ def _experts(kernel_name: str, seed: int = 0) -> tuple[list[moe.Expert], list[tu
         experts.append(moe.Expert((kernel, kernel.prepare(w13)), (kernel, kernel.prepare(w2))))
         dense.append((dequantize(w13), dequantize(w2)))
     return experts, dense
-
-
-def _reference(x, topk_weights, topk_ids, dense, activation="silu", on_input=False):
-    """The MoE forward token by token, slot by slot, in fp32 (the definition)."""
-    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation]
-    out = torch.zeros(x.shape[0], H)
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            if e < 0:
-                continue
-            p = float(topk_weights[t, k])
-            xt = x[t].float() * (p if on_input else 1.0)
-            g, u = (dense[e][0] @ xt).chunk(2)
-            out[t] += (1.0 if on_input else p) * (dense[e][1] @ (act(g) * u))
-    return out
 
 
 def _routing(T: int, seed: int):
@@ -65,17 +49,17 @@ def test_experts_forward_equals_reference(kernel, dtype, tol, T):
     experts, dense = _experts(kernel)
     x, w, ids = _routing(T, T)
     ids[0, 1] = -1
-    want = _reference(x, w, ids, dense)
+    want = moe_reference(x, w, ids, dense)
     xd = x.to(dtype)
     scale = want.abs().max()
     got = [moe.experts_forward(xd, w, ids, experts, "silu"),
-           moe.experts_forward(xd, w, ids, experts, "silu", grouped=False),
+           moe.experts_forward(xd, w, ids, experts, "silu", path="masked"),
            ops.moe_op()(xd, w, ids, *moe.flatten(experts), "silu", False)]
     for y in got:
         assert y.dtype == dtype and y.shape == (T, H)
         assert (y.float() - want).abs().max() <= tol * scale
     top1 = ids[:, :1].clone()
-    want1 = _reference(x, w[:, :1], top1, dense, "gelu", on_input=True)
+    want1 = moe_reference(x, w[:, :1], top1, dense, "gelu", on_input=True)
     got1 = moe.experts_forward(xd, w[:, :1].contiguous(), top1, experts, "gelu", weights_on_input=True)
     assert (got1.float() - want1).abs().max() <= tol * want1.abs().max()
 
@@ -90,7 +74,7 @@ def test_experts_forward_through_triton_interpreter(T, monkeypatch):
     monkeypatch.setenv(ENV_INTERPRET_OK, "1")
     experts, dense = _experts("triton")
     x, w, ids = _routing(T, 7)
-    want = _reference(x, w, ids, dense)
+    want = moe_reference(x, w, ids, dense)
     y = moe.experts_forward(x.half(), w, ids, experts, "silu")
     assert (y.float() - want).abs().max() <= 1e-2 * want.abs().max()
 
@@ -100,7 +84,8 @@ def test_moe_op_opcheck_and_flatten_roundtrip():
     keeps every expert's kernel and state."""
     experts, _ = _experts("cpu")
     tensors, ints = moe.flatten(experts)
-    back = moe.unflatten(tensors, ints)
+    back, stacked = moe.unflatten(tensors, ints)
+    assert stacked is None                   # CPU kernel experts: not stacked
     assert [(a.w13[0], a.w2[0]) for a in back] == [(a.w13[0], a.w2[0]) for a in experts]
     assert all(torch.equal(a.w13[1].packed, b.w13[1].packed) for a, b in zip(back, experts))
     x, w, ids = _routing(6, 1)
@@ -194,7 +179,7 @@ def test_expert_loader_cuts_ranks_and_ranks_sum_to_the_layer(kind, monkeypatch):
     tensors = _expert_tensors(kind, inter)
     dense = [(torch.cat([tensors[e, "w1"][1], tensors[e, "w3"][1]]), tensors[e, "w2"][1]) for e in range(E)]
     x, w, ids = _routing(7, 3)
-    want = _reference(x, w, ids, dense)
+    want = moe_reference(x, w, ids, dense)
     total = 0
     for rank in range(2):
         method, layer = _load(kind, 2, rank, inter, tensors)
@@ -222,6 +207,31 @@ def test_apply_compiles_fullgraph_with_dynamic_batch(monkeypatch):
     for T in (1, 4, 11):
         x, w, ids = _routing(T, T)
         assert torch.allclose(f(x, w, ids), method.apply(layer, x, w, ids, None, None), atol=1e-6, rtol=1e-5)
+
+
+def test_triton_experts_load_stacked_and_apply_in_the_interpreter(monkeypatch):
+    """With the Triton kernel (interpreter) the loader stacks each projection's experts and the
+    experts' states become views of the stacks; apply (eager choice and the stacked path) and
+    the custom op on the flattened state equal the token-by-token definition."""
+    from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK, INTERPRET
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest)")
+    monkeypatch.setenv(ENV_INTERPRET_OK, "1")
+    monkeypatch.setenv("LATQ_KERNEL", "triton")
+    tensors = _expert_tensors("dense", 64)
+    dense = [(torch.cat([tensors[e, "w1"][1], tensors[e, "w3"][1]]), tensors[e, "w2"][1]) for e in range(E)]
+    method, layer = _load("dense", 1, 0, 64, tensors)
+    method.process_weights_after_loading(layer)
+    st = layer.latq_stacked
+    assert st is not None and st.w13.experts == E and st.w2.plane_a.shape[0] == E
+    assert layer.latq_experts[1].w13[1].plane_a.data_ptr() == st.w13.plane_a[1].data_ptr()
+    x, w, ids = _routing(3, 5)
+    want = moe_reference(x, w, ids, dense)
+    y = method.apply(layer, x, w, ids, None, None)
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    buffers = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
+    y_op = layer.latq_moe_op(x, w, ids, buffers, layer.latq_ints, "silu", False)
+    assert torch.equal(y_op, y)
 
 
 def test_missing_expert_and_partial_listing_fail_clearly():

@@ -14,12 +14,16 @@ which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
 ranks' partial outputs after the layer).
 
 After loading, each expert's w13 and w2 are prepared by the kernel the selector picks (CPU:
-the latq CPU kernel; CUDA: Triton, or the bf16 fallback with its warning). ``apply`` runs
+the latq CPU kernel; CUDA: Triton, or the bf16 fallback with its warning); Triton experts are
+then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
+grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
 :func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
 the layer's router) — directly in eager mode, as the custom op ``latq::moe_experts`` while
 torch.compile traces.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch.nn import Parameter
@@ -32,6 +36,7 @@ from .kernels import moe, ops, selector
 from .linear_method import Geometry, LoadState, Shard
 
 STEMS = ("w13", "w2")
+log = logging.getLogger("vllm.latq")
 
 
 class LatqMoEMethod(FusedMoEMethodBase):
@@ -132,10 +137,16 @@ class LatqMoEMethod(FusedMoEMethodBase):
             for name in layer._latq_moe_names:
                 delattr(layer, f"{stem}_{name}")
         del layer._latq_moe_load
-        tensors, ints = moe.flatten(experts)
+        # stacked for the grouped kernel (captured decode), the experts' states becoming views
+        stacked, why = moe.stack_experts(experts)
+        if stacked is None and device.type == "cuda":
+            log.info("latq: %s: experts run per expert, and all of them under CUDA graphs (%s)", self.prefix, why)
+        elif stacked is not None and device.type == "cuda":
+            moe.compile_stacked(stacked, layer._latq_act_dtype)
+        tensors, ints = moe.flatten(experts, stacked)
         for i, t in enumerate(tensors):
             layer.register_buffer(f"latq_t{i}", t, persistent=False)
-        layer.latq_experts = experts
+        layer.latq_experts, layer.latq_stacked = experts, stacked
         layer.latq_ntensors, layer.latq_ints = len(tensors), ints
         layer.latq_moe_op = ops.moe_op()
 
@@ -149,7 +160,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
         if torch.compiler.is_compiling():
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_moe_op(x, topk_weights, ids, tensors, layer.latq_ints, activation, on_input)
-        return moe.experts_forward(x, topk_weights, ids, layer.latq_experts, activation, weights_on_input=on_input)
+        return moe.experts_forward(x, topk_weights, ids, layer.latq_experts, activation, weights_on_input=on_input,
+                                   stacked=layer.latq_stacked)
 
 
 class _ExpertLoader:

@@ -4,17 +4,27 @@ its own kernel (:mod:`~vllm_latq.kernels.selector`).
 
     y_t = Σ_k  p_tk · W2_e (act(W13_e x_t))      e = topk_ids[t, k],  p = topk_weights
 
-:func:`experts_forward` sorts the (token, slot) pairs by expert and runs each expert that
-received tokens once, on all of them (one GEMM per expert and projection, never a loop per
-token); the experts' outputs are weighted and summed back per token. While a CUDA graph is
-being captured the token counts cannot be read on the host, so every local expert runs on
-all tokens and the routing weights (zero where a token did not pick it) select — correct,
-and E/k times the work, for the captured decode batches only.
+Three paths compute it (:func:`experts_forward`):
 
-:func:`flatten` / :func:`unflatten` turn the experts' prepared states into the flat tensor
-list + ints of the custom op ``latq::moe_experts`` (:func:`~vllm_latq.kernels.ops.moe_op`),
-each state by its kernel's own ``flatten``; a kernel is named by its index in
-``selector.kernels()``.
+* ``stacked`` — when every expert runs the Triton kernel, :func:`stack_experts` stacks the
+  experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton_moe`) and one
+  launch per projection runs the routed (token, slot) pairs, reading each block's expert from
+  a device tensor: no host sync, so it is the path while a CUDA graph is captured (vLLM's
+  decode) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
+  batches: it saves a sync and a handful of launches per routed expert; in a graph, E/k
+  times the masked path's work);
+* ``host`` — sort the pairs by expert, read the counts on the host and run each expert that
+  received tokens once, on all of them (one GEMM per expert and projection): eager, larger
+  batches, and every kernel family;
+* ``masked`` — every local expert on all tokens, the routing weights (zero where a token did
+  not pick it) selecting: capturable with any kernel, E/k times the work; the captured path
+  of layers that cannot be stacked (CPU kernel, bf16 fallback, 5-bit inliers …), or where the
+  model predicts it faster (a few huge experts at a large batch).
+
+:func:`flatten` / :func:`unflatten` turn the experts' prepared states (and the stacks) into the
+flat tensor list + ints of the custom op ``latq::moe_experts``
+(:func:`~vllm_latq.kernels.ops.moe_op`), each state by its kernel's own ``flatten``; a kernel
+is named by its index in ``selector.kernels()``.
 """
 from __future__ import annotations
 
@@ -59,23 +69,79 @@ def expert_mlp(e: Expert, x: torch.Tensor, activation: str) -> torch.Tensor:
     return _run(e.w2, activate(_run(e.w13, x), activation))
 
 
+@dataclass
+class Stacked:
+    """The experts' projections stacked for the grouped kernel (``triton_moe.StackedTriton``)."""
+    w13: Any
+    w2: Any
+
+
+def stack_experts(experts: list[Expert]) -> tuple[Stacked | None, str | None]:
+    """(stacks, None) and the experts' states rebound to views of them (weights stored once),
+    or (None, why the stacked path cannot run these experts)."""
+    try:
+        from . import triton_moe
+    except ImportError as e:
+        return None, f"Triton is not importable ({e})"
+    for stem in ("w13", "w2"):
+        why = triton_moe.stack_reason([getattr(ex, stem)[1] for ex in experts])
+        if why is not None:
+            return None, f"{stem}: {why}"
+    stacks = []
+    for stem in ("w13", "w2"):
+        st, views = triton_moe.stack([getattr(ex, stem)[1] for ex in experts])
+        for ex, v in zip(experts, views):
+            setattr(ex, stem, (getattr(ex, stem)[0], v))
+        stacks.append(st)
+    return Stacked(*stacks), None
+
+
+def compile_stacked(stacked: Stacked, act_dtype: torch.dtype) -> None:
+    """Compile the grouped kernel of both stacks for every row block (``triton_moe.compile_all``)."""
+    from . import triton_moe
+    for st in (stacked.w13, stacked.w2):
+        triton_moe.compile_all(st, act_dtype)
+
+
+def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
+    """While a CUDA graph is captured the counts cannot be read on the host: ``stacked`` or
+    ``masked``; in eager mode ``stacked`` or ``host`` — whichever ``triton_moe.path_times``
+    predicts faster (``stacked`` wins decode-sized batches: it saves the host path's sync and
+    per-expert launches, and the masked path's E/k times the work)."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    other = "masked" if capturing else "host"
+    if stacked is None:
+        return other
+    from . import triton_moe
+    t = triton_moe.path_times(x.shape[0], topk, stacked.w13, stacked.w2, x.device)
+    return "stacked" if t["stacked"] <= t[other] else other
+
+
 def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: list[Expert],
-                    activation: str, *, weights_on_input: bool = False, grouped: bool | None = None) -> torch.Tensor:
+                    activation: str, *, weights_on_input: bool = False, stacked: Stacked | None = None,
+                    path: str | None = None) -> torch.Tensor:
     """``x`` [T, hidden]; ``topk_ids`` [T, k] local expert indices (−1: an expert not on this
     rank, skipped); ``topk_weights`` [T, k]. → [T, hidden] in x.dtype, summed in fp32.
     ``weights_on_input``: the routing weight scales the expert's input instead of its output
-    (vLLM's ``apply_router_weight_on_input``, top-1 models). ``grouped`` None: grouped unless a
-    CUDA graph is being captured (module doc)."""
-    if grouped is None:
-        grouped = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    (vLLM's ``apply_router_weight_on_input``, top-1 models). ``path``: ``stacked`` (needs
+    ``stacked``), ``host`` or ``masked`` (module doc); None: :func:`choose_path`."""
     T, k = topk_ids.shape
+    path = path or choose_path(x, k, stacked)
+    if path == "stacked":
+        if stacked is None:
+            raise ValueError("latq: the stacked MoE path needs the experts' stacks (stack_experts)")
+        from . import triton_moe
+        return triton_moe.grouped_forward(x, topk_weights, topk_ids, stacked.w13, stacked.w2,
+                                          lambda h: activate(h, activation), weights_on_input)
     out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-    if not grouped:
+    if path == "masked":
         for e, ex in enumerate(experts):
             p = (topk_weights * (topk_ids == e)).sum(1, keepdim=True).float()    # [T, 1], 0 where not routed
             y = expert_mlp(ex, x * p.to(x.dtype) if weights_on_input else x, activation).float()
             out += y if weights_on_input else p * y
         return out.to(x.dtype)
+    if path != "host":
+        raise ValueError(f"latq: MoE path {path!r} (one of stacked, host, masked)")
     ids = topk_ids.reshape(-1).long()
     order = torch.argsort(ids, stable=True)                # (token, slot) pairs grouped by expert
     # pairs per expert (one host sync); the −1 pairs sort first and are skipped
@@ -99,9 +165,10 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 
 # ----------------------------------------------------------------------------- custom-op state
 
-def flatten(experts: list[Expert]) -> tuple[list[torch.Tensor | None], list[int]]:
-    """Experts → (tensors, ints): ints = [E, then per expert and projection: kernel index,
-    tensor count, int count, the kernel's ints]."""
+def flatten(experts: list[Expert], stacked: Stacked | None = None) -> tuple[list[torch.Tensor | None], list[int]]:
+    """Experts (+ stacks) → (tensors, ints): ints = [E, then per expert and projection: kernel
+    index, tensor count, int count, the kernel's ints; then 1 and per stack its tensor count,
+    int count and ints, or 0 without stacks]."""
     index = {k: i for i, k in enumerate(selector.kernels())}
     tensors, ints = [], [len(experts)]
     for ex in experts:
@@ -109,10 +176,16 @@ def flatten(experts: list[Expert]) -> tuple[list[torch.Tensor | None], list[int]
             t, i = kernel.flatten(state)
             tensors += t
             ints += [index[kernel], len(t), len(i), *i]
+    ints.append(int(stacked is not None))
+    if stacked is not None:
+        for st in (stacked.w13, stacked.w2):
+            t, i = st.flatten()
+            tensors += t
+            ints += [len(t), len(i), *i]
     return tensors, ints
 
 
-def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> list[Expert]:
+def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> tuple[list[Expert], Stacked | None]:
     kernels = selector.kernels()
     experts, ti, ii = [], 0, 1
     for _ in range(ints[0]):
@@ -122,4 +195,13 @@ def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> list[Exper
             pair.append((kernel, kernel.unflatten(tensors[ti:ti + nt], ints[ii + 3:ii + 3 + ni])))
             ti, ii = ti + nt, ii + 3 + ni
         experts.append(Expert(*pair))
-    return experts
+    if not ints[ii]:
+        return experts, None
+    from .triton_moe import StackedTriton
+    ii += 1
+    stacks = []
+    for _ in range(2):
+        nt, ni = ints[ii], ints[ii + 1]
+        stacks.append(StackedTriton.unflatten(tensors[ti:ti + nt], ints[ii + 2:ii + 2 + ni]))
+        ti, ii = ti + nt, ii + 2 + ni
+    return experts, Stacked(*stacks)

@@ -100,12 +100,13 @@ def moe_op() -> "torch._ops.OpOverload":
     """``torch.ops.latq.moe_experts``: a layer's routed experts (:func:`~vllm_latq.kernels.moe.experts_forward`
     over the states :func:`~vllm_latq.kernels.moe.flatten` made), output ``[T, hidden]`` in
     ``x.dtype``; registered on first use. Opaque to torch.compile like the linear ops: the
-    grouping by expert reads token counts on the host inside it."""
+    host path reads token counts on the host inside it (the stacked path does not: CUDA graphs)."""
     global _MOE_OP
     if _MOE_OP is None:
         def impl(x, topk_weights, topk_ids, tensors, ints, activation, weights_on_input):
-            return moe.experts_forward(x, topk_weights, topk_ids, moe.unflatten(tensors, ints), activation,
-                                       weights_on_input=weights_on_input)
+            experts, stacked = moe.unflatten(tensors, ints)
+            return moe.experts_forward(x, topk_weights, topk_ids, experts, activation,
+                                       weights_on_input=weights_on_input, stacked=stacked)
 
         def fake(x, topk_weights, topk_ids, tensors, ints, activation, weights_on_input):
             return torch.empty_like(x)

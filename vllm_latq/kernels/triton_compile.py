@@ -72,15 +72,20 @@ def _code_fingerprint(src: str, kernel: str | None = None) -> str:
     return "\n".join(ast.dump(jit[f], include_attributes=False) for f in sorted(seen))
 
 
-KERNEL_FN = {"gemv": "_gemv_kernel", "mma": "_mma_kernel"}
+KERNEL_FN = {"gemv": "_gemv_kernel", "mma": "_mma_kernel", "moe": "_moe_gemv_kernel"}
+KERNEL_FILE = {"gemv": "triton_device.py", "mma": "triton_device.py", "moe": "triton_moe.py"}
 
 
 def source_hash(kernel: str) -> str:
-    """One kernel's device code + Triton version (+ the job → signature code)."""
+    """One kernel's device code + Triton version (+ the job → signature code). The grouped
+    MoE kernel calls triton_device's helpers: all of that file's device code counts for it."""
     import importlib.metadata as md
     import inspect
-    h = hashlib.sha256(_code_fingerprint((HERE / "triton_device.py").read_text(), KERNEL_FN[kernel]).encode())
-    h.update(_code_fingerprint(inspect.getsource(compile_job)).encode())
+    h = hashlib.sha256(_code_fingerprint((HERE / KERNEL_FILE[kernel]).read_text(), KERNEL_FN[kernel]).encode())
+    if KERNEL_FILE[kernel] != "triton_device.py":
+        h.update(_code_fingerprint((HERE / "triton_device.py").read_text()).encode())
+    for f in (compile_job, _moe_source, _compile):
+        h.update(_code_fingerprint(inspect.getsource(f)).encode())
     h.update(md.version("triton").encode())
     return f"{kernel}-{h.hexdigest()[:16]}"
 
@@ -109,6 +114,15 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
                     for sp, outl in variants:
                         for cc in targets:
                             jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, cc=cc, **tile))
+    from . import triton_moe as tm
+    for bits in (2, 3, 4):                    # the grouped MoE kernel: one fixed tile per BM, ELL or none
+        for bm, (bn, nw) in tm.MOE_TILES.items():
+            if quick and bm != max(tm.MOE_TILES):
+                continue
+            for outl in ("ell",) if quick else ("none", "ell"):
+                for cc in targets:
+                    jobs.append(dict(kernel="moe", bits=bits, BM=bm, SPLIT=1, outl=outl, cc=cc, BN=bn, num_warps=nw,
+                                     maxnreg=tm.moe_maxnreg(bits, bm)))
     return jobs
 
 
@@ -155,13 +169,12 @@ def sass_counts(cubin: bytes) -> tuple[dict, int, dict]:
 
 def compile_job(j: dict) -> dict:
     """Compile one job (TRITON_INTERPRET must be unset in this process)."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from . import triton_device as td
     from . import triton_kernels as tk
     assert not tk.INTERPRET, "compile jobs need TRITON_INTERPRET unset"
+    if j["kernel"] == "moe":
+        return _compile(_moe_source(j), j)
     fn = td._gemv_kernel if j["kernel"] == "gemv" else td._mma_kernel
     xdt = "bf16"
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
@@ -186,7 +199,32 @@ def compile_job(j: dict) -> dict:
     # (Qwen3-8B shapes); M is not.
     div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn, sig, const, attrs)
+    return _compile(ASTSource(fn, sig, const, attrs), j)
+
+
+def _moe_source(j: dict):
+    """The grouped MoE kernel's job: bf16 activations, compact ELL outliers (int16 / fp16)."""
+    from triton.compiler import ASTSource
+    from . import triton_kernels as tk
+    from .triton_moe import _moe_gemv_kernel as fn
+    optr = ["*i32", "*i16", "*fp16"] if j["outl"] == "ell" else ["*fp16"] * 3
+    ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*fp16", *optr, "*i32"]
+    names = fn.arg_names
+    sig = dict(zip(names, ptrs))
+    ints = ["N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS",
+            "EXP_A", "EXP_H", "EXP_S", "EXP_O"]
+    sig.update({n: "i32" for n in ints})
+    const = dict(BITS=j["bits"], GROUP=128, SPG=tk.spg_of(j["bits"], 128), BM=j["BM"], BN=j["BN"],
+                 OUTL=tk.OUTL_CODE[j["outl"]], ASM=True)
+    sig.update({n: "constexpr" for n in const})
+    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "EXP_A", "EXP_S"}
+    return ASTSource(fn, sig, const, {(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+
+
+def _compile(src, j: dict) -> dict:
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
     knobs.nvidia.dump_ptxas_log = True
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -302,7 +340,7 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             from .triton_layout import step_of
             if j["kernel"] == "mma":
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
-            else:
+            else:                                                           # gemv, moe
                 cols = 16 * (8 if j["bits"] == 3 else 16 // j["bits"])
             wpt = cols * j["BN"] / (32 * j["num_warps"])
             row["loop"] = r["loop_len"]
