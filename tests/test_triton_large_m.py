@@ -211,9 +211,9 @@ div16 = [["tt.divisibility", 16]]
 quick = sys.argv[1] == "quick"
 jobs = []
 for dt in (("bf16",) if quick else ("bf16", "fp16")):
-    for bits in ((3,) if quick else (2, 3, 4)):
+    for bits in ((3, 5) if quick else (2, 3, 4, 5)):
         sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", ROW0="i32", ROW1="i32", K="i32",
-                   stride_wn="i32",
+                   K0="i32", stride_wn="i32",
                    N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
         const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"])
         jobs.append((f"dequant {dt} {bits}-bit", td._dequant_kernel, sig, const, td.DEQUANT_CONFIG["num_warps"]))
