@@ -2,10 +2,17 @@
 configs, autotuning, launch, the kernel class — is :mod:`~vllm_latq.kernels.triton_kernels`).
 Kept apart because :mod:`~vllm_latq.kernels.triton_compile` fingerprints exactly this code
 (a kernel's offline-compiled binaries depend on it and on nothing host-side), and because both
-kernels share the helpers (``_and_or``, ``_fbits``, ``_epilogue``).
+kernels share the helpers (``_and_or``, ``_fbits``, ``_word_tiles``, ``_gemv_step``,
+``_mma_step``, ``_epilogue``). Size: one file because that fingerprint covers this module's
+jit functions only — a helper moved elsewhere would drop out of it and leave stale compile
+reports.
 
 Two kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton_layout`: 16×16
-word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
+word blocks; 3 bits as a 2-bit + 1-bit plane over whole 512-column chunks plus a 4-bit tail
+of < 512 columns, 5 bits as a 4-bit + 1-bit plane; outliers as ELL-16 or CSR). A K step is
+one call of ``_gemv_step`` / ``_mma_step``; a 3-bit layer runs its main steps at BITS = 3
+and then its tail's 128-column steps at BITS = 4, dealt to the K splits from the last split
+(which got the fewest main steps):
 
 ``_gemv_kernel`` — M = 1..7 (SIMT, no tensor cores)
     One program per BN output rows (× a K split × an M tile). Per K step it loads one
@@ -16,7 +23,9 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
     halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
     mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
-    per activation row (3 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane). At M = 1 the
+    per activation row (3 / 5 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane; at 5 bits
+    a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
+    the chunk's four steps, from L1/L2 after the first). At M = 1 the
     products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
     once (``acc += part · s``, fp16 scales widened); at M > 1, z·s is formed once and
     shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
@@ -30,7 +39,8 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
 ``_mma_kernel`` — M ≥ 8 (tensor cores; 8..16 padded to a 16-row tile, then 32 / 64)
     Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
     where the 512-column step runs as a runtime loop over its four 128-column quarters, for
-    registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
+    registers; 5 bits: 128-column steps as at 4 bits, plus the 1-bit merge) the [DS·16 × BN]
+    B operand is built in registers by broadcasting per-slab
     shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
     order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
     exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates

@@ -21,8 +21,8 @@ one shift/mask of a word tile yields a dense [16 × BN] slab of W^T, which is ex
 ``K = 16`` B-operand of one tensor-core MMA (``tl.dot``) and a 16-column slab of the SIMT GEMV.
 No reshape/transposition is ever needed in the kernel; slabs of one word tile share its load.
 
-3-bit inliers — two planes (2 + 1 bits)
---------------------------------------
+3-bit inliers — two planes (2 + 1 bits) and a 4-bit tail
+---------------------------------------------------------
 3 bits are stored as a 2-bit plane (``u & 3``, the 2-bit layout above, chunks of 256) plus a
 1-bit plane (``u >> 2``, V = 32, chunks of 512): still exactly 32 values in 3 words, no wasted
 bit, so 3-bit weights stream 3/32 bytes per weight like the checkpoint. Alternatives rejected:
@@ -32,8 +32,29 @@ values per word a non-power of two, which Triton tiles cannot express; the check
 With planes, a 3-bit value is one shift of the 1-bit word plus two LOP3s: ``(lo & 3<<s) |
 (hi' & 4<<s) | magic`` (see the kernel). The kernel's K step is 512 columns at 3 bits.
 
-Rows are padded to a multiple of 16 (zero words, zero scales) and columns to a multiple of
-the K step (zero words; the activations are masked there, and their scales are zero).
+Padding K to that step cost up to 511 columns × 3 bits per row (Gemma3-270M's 640-column
+layers were served at 5 bits/weight, SmolLM2's 576-column ones at 5.6). So the planes cover
+only the whole 512-column chunks, ``K_main = 512·⌊K_pad/512⌋`` with K_pad = K rounded up to
+128, and the rest (the *tail*: 128, 256 or 384 columns) is stored as a 4-bit layer stores the
+same integers (``z + 8`` in the 4-bit layout, chunks of 128): after its main steps the kernel
+runs the tail's 128-column steps with its 4-bit code. Cost: one bit more per tail column, at
+most 384 bits per row — one 128-column step at 3 bits. A narrower 3-bit last chunk was
+rejected: its 2-bit words would be half used (a chunk is 16 words of 16 values), and a third
+word shape would need its own code; padding the tail to 512 instead costs as much only when
+the tail is 384 columns.
+
+5-bit inliers — two planes (4 + 1 bits)
+---------------------------------------
+A 4-bit plane (``u & 15``, the 4-bit layout) plus a 1-bit plane (``u >> 4``, chunks of 512,
+padded to whole chunks: at most 384 padding bits per row): 5/32 bytes per weight. The K step
+is the 4-bit plane's 128 columns; step s takes bits 8·(s mod 4) + [0, 8) of the 1-bit tile of
+chunk ⌊s/4⌋, so the four steps of a chunk load its 1-bit tile four times (from L1/L2 after
+the first, expected; not yet measured on a GPU) instead of holding a 512-column step's five
+word tiles in registers. A value is ``(lo & 15<<s) | (hi' & 16<<s) | magic``, as at 3 bits.
+
+Rows are padded to a multiple of 16 (zero words, zero scales) and columns to the K step
+(2/4 bits) or to 128 (3/5 bits); the activations are masked there, and their scales are
+zero. :func:`plane_columns` lists each plane's bits and columns.
 
 Scales — fp16, ``[ngroups_padded, 16]`` per 16-row group (row fastest, so the BN scales of a
 group are contiguous), ``ngroups_padded = ceil(K_pad / g)``; one group for a per-tensor scale.
