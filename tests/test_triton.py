@@ -364,6 +364,25 @@ def test_m_buckets_and_tiles():
     assert all((getattr(c, "maxnreg", None) is not None) == tk.MAXNREG_OK for c in tk.tuned("gemv", 2, 1).configs)
 
 
+def test_plane_pointers_are_int32(monkeypatch):
+    """Every plane pointer the kernels get is int32, also for a plane the layer lacks (3 bits
+    without a tail or without a whole chunk, the 1-bit plane at 2/4 bits): Triton types a
+    kernel by its pointers, and the word-tile code behind a zero-trip loop must compile."""
+    seen = []
+
+    class Record:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append(args[3:6])
+
+    for kind in ("gemv", "mma"):
+        monkeypatch.setitem(tk._KERNELS, kind, Record())
+    for bits, k in ((3, 1024), (3, K), (2, K), (5, K)):
+        w, st = state_for(bits, 0.0, k=k)
+        for kind, m in (("gemv", 1), ("mma", 8)):
+            TritonKernel.apply(st, activations(m, torch.float16, k=k), kernel=kind)
+    assert len(seen) == 8 and all(t.dtype == torch.int32 for planes in seen for t in planes)
+
+
 def test_state_flattens_for_the_plugin():
     """The plugin keeps flatten(state) as buffers + static ints and rebuilds it per call."""
     from vllm_latq.kernels import ops

@@ -231,7 +231,10 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     m_tiles = triton.cdiv(M, bm)
     spare = st.scales                                   # any tensor for pointers a variant never reads
     optr = [t if t is not None else spare for t in (st.o0, st.o1, st.o2, st.o3)]
-    planes = [t if t is not None and t.numel() else spare for t in (st.plane_a, st.plane_h, st.plane_t)]
+    # a plane the layer lacks (2/4 bits: the 1-bit plane; 3 bits: no tail, or no whole chunk)
+    # gets an int32 stand-in: Triton types the kernel by its pointers, and the word-tile code
+    # behind a zero-trip loop must still compile on int32 words
+    planes = [t if t is not None and t.numel() else st.tickets for t in (st.plane_a, st.plane_h, st.plane_t)]
     ks = tlay.k_steps(st.bits, st.k_pad)
     can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
     ws = (scratch or SPLITK_SCRATCH).flat(splitk_floats(st.n_pad) if can_split else 1, torch.float32, dev)
