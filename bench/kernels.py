@@ -60,7 +60,7 @@ SHAPES = {"8b.down": (4096, 14336), "8b.gate_up": (28672, 4096), "8b.qkv": (6144
           "qwen3-8b.down": (4096, 12288), "qwen3-8b.gate_up": (24576, 4096), "qwen3-8b.qkv": (6144, 4096),
           "qwen3-8b.o": (4096, 4096)}
 RATES = (0.0, 0.005, 0.01, 0.02, 0.05)       # the bytes model's rates
-BITS = (2, 3, 4)
+BITS = tlay.WIDTHS
 GROUP = 128
 KERNELS = ("gemv", "mma", "dequant")
 # GPU subsets. Default: the issue-19 target's configuration (4-bit, 1 % outliers) on the four
@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"static report of the heaviest configs only; GPU subset {QUICK} (≤ 3 min)")
     ap.add_argument("--shapes", help=f"NxK literals or names ({', '.join(SHAPES)}) or a prefix (8b); "
                                      f"default {DEFAULT['shapes']}")
-    ap.add_argument("--bits", help=f"inlier bits, of 2,3,4; default {DEFAULT['bits']}")
+    ap.add_argument("--bits", help=f"inlier bits, of 2,3,4,5; default {DEFAULT['bits']}")
     ap.add_argument("--rates", help=f"outlier rates (fractions); default {DEFAULT['rates']}")
     ap.add_argument("--m", help=f"activation rows M; default {DEFAULT['m']}")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     base = QUICK if a.quick else DEFAULT
     try:
         a.shapes = parse_shapes(a.shapes or base["shapes"])
-        a.bits = _list(a.bits or base["bits"], int, lambda b: b in BITS, "bits must be of 2,3,4")
+        a.bits = _list(a.bits or base["bits"], int, lambda b: b in BITS, "bits must be of 2,3,4,5")
         a.rates = _list(a.rates or base["rates"], float, lambda r: 0 <= r < 0.5, "rates must be in [0, 0.5)")
         a.m = sorted(_list(a.m or base["m"], int, lambda m: m >= 1, "M must be ≥ 1"))
         a.breakdown = [] if a.breakdown == "none" else \
@@ -154,8 +154,8 @@ def layer_bytes(n: int, k: int, bits: int, rate: float, m: int = 1) -> dict:
     crow = torch.zeros(n + 1, dtype=torch.int64)
     crow[1:] = torch.cumsum(counts, 0)
     n_pad = math.ceil(n / 16) * 16
-    k_pad = math.ceil(k / tlay.step_of(bits)) * tlay.step_of(bits)
-    inl = n_pad * k_pad * bits / 8
+    k_pad = tlay.pad_k(k, bits)
+    inl = tlay.inlier_bytes(n_pad, bits, k_pad)
     sc = n_pad * math.ceil(k_pad / GROUP) * 2
     nnz = int(crow[-1])
     eb = 4 if k <= 32768 else 6                # compact entries: int16/int32 column + fp16 value (SSQR)
@@ -226,7 +226,7 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
     issue = 108 * 4 * 32 * 1.41e9          # lane-instructions/s: 4 schedulers × 32 lanes per SM
     lines.append("M=1 GEMV K loop (sm_80, median over configs): SASS instructions per weight → "
                  "ALU-issue ceiling vs HBM ceiling (1.555 TB/s, weights at b/8 + 2/128 B)")
-    for bits in (2, 3, 4):
+    for bits in BITS:
         ipw = sorted(r["ipw"] for r in rows if "error" not in r and r["kernel"] == "gemv" and r["BM"] == 1
                      and r["bits"] == bits and r["cc"] == 80)
         if ipw:

@@ -11,7 +11,7 @@
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a test failed or timed out (the bench runs anyway).
 #
-# The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/splitk/ragged ids): most of
+# The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/5bit/splitk/ragged ids): most of
 # their time is Triton compiling kernel variants, one CPU core each. Knobs (environment):
 # PYTHON (python3), GPU_CHECK_TOTAL_S (570: the whole run, under a 10-minute slot), GPU_CHECK_TEST_S
 # (390: wall limit of the test phase; the bench gets what is left of the total),
@@ -68,9 +68,9 @@ EOF
 
 # ---------------------------------------------------------------------------- tests (shards)
 shards=()
-for b in 2bit 3bit 4bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
-shards+=("not 2bit and not 3bit and not 4bit and (solver or sweep or mse or quantize)"
-        "not 2bit and not 3bit and not 4bit and not (solver or sweep or mse or quantize)")
+for b in 2bit 3bit 4bit 5bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
+nobits="not 2bit and not 3bit and not 4bit and not 5bit"
+shards+=("$nobits and (solver or sweep or mse or quantize)" "$nobits and not (solver or sweep or mse or quantize)")
 per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=300)
 echo "gpu_check: ${#shards[@]} test shards in parallel, limit ${test_s}s" | tee "$out/summary.txt"

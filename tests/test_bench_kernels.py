@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from bench import kernels as bk
-from vllm_latq.kernels import triton_layout as tlay
 from vllm_latq.kernels.reference import random_weight
 
 triton = pytest.importorskip("triton")
@@ -42,7 +41,7 @@ def test_arguments_defaults_quick_and_overrides():
         ([1, 8], [2, 3], [0.0, 0.05], [], [("1024x512", 1024, 512)], "fp16")
 
 
-@pytest.mark.parametrize("argv", [["--bits", "5"], ["--rates", "0.6"], ["--m", "0"], ["--breakdown", "cpu"],
+@pytest.mark.parametrize("argv", [["--bits", "6"], ["--rates", "0.6"], ["--m", "0"], ["--breakdown", "cpu"],
                                   ["--shapes", "70b.o"], ["--no-static", "--static-only"]])
 def test_arguments_rejected(argv, capsys):
     with pytest.raises(SystemExit):
@@ -58,17 +57,22 @@ def _ell_slots(crow, n_pad):
     return int(counts.reshape(-1, 16).max(1).values.sum()) * 16
 
 
-@pytest.mark.parametrize("bits,mode", [(3, "ell"), (4, "csr"), (2, None)])
-def test_weight_bytes_are_the_served_layout(bits, mode):
-    """Inlier planes at b/8 B per padded weight, fp16 scales per 16-row group and padded
-    group, outliers as stored (ELL with its padding slots, or CSR with row indices); the
-    split-K tickets are not weights."""
-    n, k, rate = 40, 300, 0.0 if mode is None else 0.05
+@pytest.mark.parametrize("bits,mode,k", [(3, "ell", 300), (4, "csr", 300), (2, None, 300), (3, None, 640),
+                                         (5, "csr", 576)])
+def test_weight_bytes_are_the_served_layout(bits, mode, k):
+    """Inlier planes at b/8 B per padded weight (3 bits: whole 512-column chunks, then 4 bits
+    per tail column; 5 bits: the 1-bit plane padded to 512 columns), fp16 scales per 16-row
+    group and padded group, outliers as stored (ELL with its padding slots, or CSR with row
+    indices); the split-K tickets are not weights."""
+    n, rate = 40, 0.0 if mode is None else 0.05
     w = random_weight(n, k, bits, rate, seed=1)
     st = TritonKernel.prepare(w, mode)
-    n_pad, step = 48, tlay.step_of(bits)
-    k_pad = math.ceil(k / step) * step
-    expect = n_pad * k_pad * bits // 8 + n_pad * math.ceil(k_pad / 128) * 2
+    n_pad, k_pad = 48, math.ceil(k / 128) * 128
+    if bits == 2:
+        k_pad = math.ceil(k / 256) * 256
+    main = k_pad // 512 * 512 if bits == 3 else k_pad
+    bits_per_row = {3: 3 * main + 4 * (k_pad - main), 5: 4 * k_pad + math.ceil(k_pad / 512) * 512}.get(bits, bits * k_pad)
+    expect = n_pad * bits_per_row // 8 + n_pad * math.ceil(k_pad / 128) * 2
     entry = 2 + 4                           # int16 column (K ≤ 32768) + fp32 value (randn: not fp16-exact)
     if mode == "ell":
         expect += 4 * (n_pad // 16 + 1) + entry * _ell_slots(w.crow, n_pad)

@@ -69,7 +69,7 @@ def test_dequantized_and_reference_kernels(bits, rate):
             kernel.apply(kernel.unflatten(*kernel.flatten(st)), x, bias)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("mode", [None, "ell", "csr"])
 def test_triton_layout_and_prepare(bits, mode):
     """The Triton kernels' load-time repacking is pure torch: it runs here on CPU tensors."""

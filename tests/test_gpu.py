@@ -1,11 +1,13 @@
 """GPU tests (issue 19 item 4), run by ``scripts/gpu_check.sh`` on a CUDA machine with
 ``TRITON_INTERPRET=0``; skipped everywhere else (tests/conftest.py turns the interpreter on).
 
-* Kernels against :func:`latq_linear_ref`: the Triton kernels for bits {2, 3, 4} × M {1, 2, 3,
+* Kernels against :func:`latq_linear_ref`: the Triton kernels for bits {2, 3, 4, 5} × M {1, 2, 3,
   4, 7, 8, 9, 16, 17, 33, 64, 100, 256} × outliers {0, 1 %, 5 %} × fp16/bf16 on a ragged shape (each
   case with the production tile the autotuner would pick from, SPLIT = 1: one compile per
   variant), the Qwen3-8B linear shapes at M {1, 16, 64} (autotuned, as served), and every
   other kernel family of ``selector.kernels()`` that runs on CUDA, through its custom op.
+  3 and 5 bits on K that is no multiple of 512 (Gemma3's 640, SmolLM2's 576, Qwen2.5's 896,
+  4864, 8960): whole 512-column chunks plus the 4-bit tail.
 * Every tensor-core config of the 32/64-row tiles (large M below the crossover).
 * Split-K: every config with SPLIT > 1, three calls bit-identical, the tickets back to 0; the
   partials' scratch reserved at load, shared by layers, never reallocated (graphs too).
@@ -58,11 +60,13 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA only (not in the interpre
 NAMES = [k.name for k in selector.kernels()]
 EXACT = ("triton", "reference", "dequant")          # the reference's fp32 math
 U_OUT = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}   # one ulp
-BITS = [pytest.param(b, id=f"{b}bit") for b in (2, 3, 4)]      # ids: gpu_check.sh shards on them
+BITS = [pytest.param(b, id=f"{b}bit") for b in (2, 3, 4, 5)]   # ids: gpu_check.sh shards on them
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 RATES = [pytest.param(0.0, id="r0"), pytest.param(0.01, id="r1pct"), pytest.param(0.05, id="r5pct")]
 MS = [1, 2, 3, 4, 7, 8, 9, 16, 17, 33, 64, 100, 256]
 RAGGED = (184, 1000)     # N % 16 = 8; K: a 104-column last scale group, not a multiple of 32
+K_TAILS = {"gemma-q": (1024, 640), "smollm2-up": (1536, 576), "qwen-0.5b-q": (896, 896),
+           "qwen-0.5b-down": (896, 4864), "qwen-1.5b-down": (1536, 8960)}     # K mod 512 = 128..384
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
@@ -196,6 +200,28 @@ def test_triton_8b_shapes(bits, shape, m):
     assert_matches_reference(y, x, w, exact=not use_large_m(st, x), what=f"{shape} {n}x{k}")
 
 
+@pytest.mark.parametrize("m", [1, 3, 9, 33, 256], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("shape", list(K_TAILS))
+@pytest.mark.parametrize("bits", [pytest.param(b, id=f"{b}bit") for b in (3, 5)])
+def test_triton_ragged_k_tails(bits, shape, m):
+    """K no multiple of 512 at 1 % outliers, bf16, with a bias: 3 bits' main steps then its
+    4-bit tail, 5 bits' last 1-bit chunk part padding; the production tile of M's row tile
+    (SPLIT = 1), and the autotuned default path (split-K over main and tail steps, or from
+    the crossover on, dequantize once + cuBLAS)."""
+    from vllm_latq.kernels.triton_dequant import use_large_m
+
+    n, k = K_TAILS[shape]
+    w = weight(n, k, bits, 0.01)
+    st = triton_state(w)
+    x = activations(m, k, torch.bfloat16, seed=m)
+    bias = bias_for(n, torch.bfloat16)
+    kind, cfg = fixed_config(m, bits)
+    assert_matches_reference(kernel("triton").apply(st, x, bias, kernel=kind, config=cfg), x, w, bias,
+                             what=f"{shape} {kind} {cfg}")
+    y = kernel("triton").apply(st, x, bias)
+    assert_matches_reference(y, x, w, bias, exact=not use_large_m(st, x), what=f"{shape} autotuned")
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_triton_fp32_activations_and_group_sizes(bits):
     """Group sizes 32/64/one per row (several scale groups per dot / per slab run; the HPTQ
@@ -240,7 +266,7 @@ def _large_tile_cases():
         return []
     tk = _triton_module()
     cases = []
-    for b in (2, 3, 4):
+    for b in (2, 3, 4, 5):
         for bm in (bm for bm in tk.MMA_TILES if bm > 16):
             for i, c in enumerate(tk.mma_configs(bm, b)):
                 m = bm if i % 2 == 0 else 3 * bm - 5                  # one tile; three, the last ragged
@@ -267,7 +293,7 @@ def _splitk_cases():
         return []
     tk = _triton_module()
     cases = []
-    for b in (2, 3, 4):
+    for b in (2, 3, 4, 5):
         found = [("gemv", bm, c) for bm in tk.GEMV_TILES for c in tk.gemv_configs(bm, b)]
         found += [("mma", bm, c) for bm in tk.MMA_TILES for c in tk.mma_configs(bm, b)]
         for i, (kind, bm, c) in enumerate(x for x in found if x[2]["SPLIT"] > 1):
@@ -281,9 +307,10 @@ def _splitk_cases():
 
 @pytest.mark.parametrize("bits,kind,m,cfg,mode,dtype", _splitk_cases())
 def test_splitk(bits, kind, m, cfg, mode, dtype):
-    """Every config with SPLIT > 1 (K = 4000: unequal step counts per split, some none at
-    3 bits): three calls bit-identical (the fixed-order reduction), right, tickets back to 0."""
-    n, k = 184, 4000
+    """Every config with SPLIT > 1 (K = 4200: unequal step counts per split, some none at
+    3 bits, whose 4-bit tail step goes to the last split): three calls bit-identical (the
+    fixed-order reduction), right, tickets back to 0."""
+    n, k = 184, 4200
     w = weight(n, k, bits, 0.03, seed=3)
     st = triton_state(w, mode)
     x = activations(m, k, dtype, seed=m)

@@ -47,10 +47,14 @@ def test_grid_need_is_the_smallest_grid():
 
 @pytest.mark.parametrize("bits,rate,shape,group", [(4, 0.01, (160, 320), 64), (3, 0.05, (100, 640), 128),
                                                    (2, 0.0, (48, 256), 32), (4, 0.3, (32, 96), 96),
-                                                   (2, 0.02, (64, 40000), 128)])
+                                                   (2, 0.02, (64, 40000), 128), (3, 0.0, (64, 576), 64),
+                                                   (3, 0.01, (32, 1024), 128), (3, 0.0, (16, 300), 300),
+                                                   (5, 0.01, (48, 640), 128), (5, 0.0, (40, 896), 896)])
 def test_triton_served_bytes(bits, rate, shape, group):
-    """Planes (padded to 16 rows and the K step), fp16 scales, ELL/CSR entries with padding and
-    int16/fp16 compaction (int32 columns past K = 32768); ``rows``: a crowded row makes CSR win."""
+    """Planes (padded to 16 rows and the K step; 3 bits: whole 512-column chunks + a 4-bit
+    tail, 5 bits: the 1-bit plane to 512 columns), fp16 scales, ELL/CSR entries with padding
+    and int16/fp16 compaction (int32 columns past K = 32768); ``rows``: a crowded row makes
+    CSR win."""
     w = random_weight(*shape, bits, rate, group=group, seed=bits, rows=((3, 0.9),) if rate > 0.2 else ())
     st = TritonKernel.prepare(w)
     got = TritonKernel.served_bytes(st)
@@ -148,13 +152,13 @@ def test_transcode_picks_the_familys_cheapest_width(family, shape, spread):
         assert w.bits not in family.widths
 
 
-def test_transcode_for_triton_caps_at_four_bits():
-    """A layer the runtime form would serve at 5 bits goes to Triton at ≤ 4 bits (more outliers),
-    so it runs compressed instead of on the bf16 fallback."""
+def test_transcode_for_triton_caps_at_five_bits():
+    """A layer the runtime form would serve at 6 bits goes to Triton at 5, its widest (the
+    integers beyond 5 bits as outliers), so it runs compressed instead of on the bf16 fallback."""
     z = hptq(256, 1024, 4.0, seed=3)
-    assert transcode(z, S).bits >= 5
+    assert transcode(z, S).bits == 6
     w = transcode(z, S, family=TritonKernel)
-    assert w.bits in (2, 3, 4) and w.nnz > 0
+    assert w.bits == 5 and w.nnz > 0
     assert TritonKernel.served_bytes(TritonKernel.prepare(w))["outliers"] > 0
 
 

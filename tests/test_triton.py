@@ -4,11 +4,13 @@
   rebuild the checkpoint's CSR, the outlier-layout model picks ELL for spread outliers and
   CSR for crowded ones.
 * The kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest) against
-  ``latq_linear_ref``: bits {2, 3, 4} × M {1, 2, 4, 7, 8, 16} × outlier rates {0, 1 %, 5 %}
+  ``latq_linear_ref``: bits {2, 3, 4, 5} × M {1, 2, 4, 7, 8, 16} × outlier rates {0, 1 %, 5 %}
   × fp16/bf16, on shapes that are multiples of nothing (N = 40, K = 300: ragged scale group,
-  ragged 32-column tile, rows padded to 16, K padded to the step), with a row holding half
-  the columns as outliers and rows holding none; split-K, bias, fp32 activations, the
-  larger-M fallback, group sizes 32/64/one group per tensor, both outlier layouts.
+  ragged 32-column tile, rows padded to 16, K padded to the step; at 3 bits all of it is
+  the 4-bit tail), with a row holding half the columns as outliers and rows holding none;
+  split-K, bias, fp32 activations, the larger-M fallback, group sizes 32/64/one group per
+  tensor, both outlier layouts. 3 and 5 bits also on K that is not a multiple of 512 (576,
+  640, 896, 1280: whole 512-column chunks plus a tail), with split-K over main and tail steps.
 * Offline compilation for sm_80/86/89/90 (real ptxas): no register spills, shared memory
   within the target's limit (heaviest config per kernel and bit width here; every config
   in the slow test and in ``bench/kernels.py``).
@@ -71,19 +73,44 @@ def test_plane_word_holds_slab_columns():
     assert words[0, 0, 7, 5].item() == 3 << (2 * 11) and words.count_nonzero() == 1
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_layout_inliers_round_trip(bits):
-    w = make_weight(bits=bits, rate=0.0)
+@pytest.mark.parametrize("k", [K, 640, 1280])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_layout_inliers_round_trip(bits, k):
+    """The planes hold z: bit planes of the main columns (3 bits: 2 + 1, 5 bits: 4 + 1, the
+    1-bit plane of 5 bits padded to 512 columns), then at 3 bits the tail's z + 8 in the
+    4-bit layout."""
+    w = make_weight(bits=bits, k=k, rate=0.0)
     L = tlay.build(w)
-    u = torch.zeros(L.n_pad, L.k_pad, dtype=torch.int64)
+    spans = tlay.plane_columns(bits, L.k_pad)
+    km = tlay.main_columns(bits, L.k_pad)
+    z = torch.zeros(L.n_pad, L.k_pad, dtype=torch.int64)
     shift = 0
-    for pb, plane in zip(tlay.planes_of(bits), L.planes):
-        u |= tlay.unpack_plane(plane, pb, L.n_pad, L.k_pad).long() << shift
-        shift += pb
-    z = fmt.unpack(w.qweight, bits, K)
-    assert torch.equal(u[:N, :K] - 2 ** (bits - 1), z.long())
-    assert L.k_pad % tlay.step_of(bits) == 0 and L.n_pad % 16 == 0
-    assert L.nbytes()["inliers"] == L.n_pad * L.k_pad * bits // 8     # 3 bits: 32 values in 3 words
+    for (pb, cols), plane in zip(spans, L.planes):
+        v = tlay.unpack_plane(plane, pb, L.n_pad, cols).long()
+        if shift < bits:
+            z[:, :km] |= v[:, :km] << shift
+            shift += pb
+        else:
+            z[:, km:] = v - 8
+    z[:, :km] -= 2 ** (bits - 1)
+    assert torch.equal(z[:N, :k], fmt.unpack(w.qweight, bits, k).long())
+    assert L.n_pad % 16 == 0 and len(L.planes) == len(spans)
+    assert L.nbytes()["inliers"] == tlay.inlier_bytes(L.n_pad, bits, L.k_pad)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_k_padding_is_at_most_one_128_column_step(bits):
+    """K is padded by < 128 columns (2 bits: < 256, its step), and beyond b bits per padded
+    column a 3/5-bit row stores at most 384 bits more (one 128-column step at 3 bits): at 3
+    bits one more bit per tail column (the tail is < 512 columns, a multiple of 128), at 5
+    bits the 1-bit plane's padding to 512 columns."""
+    for k in range(16, 5000, 16):
+        k_pad = tlay.pad_k(k, bits)
+        extra = tlay.inlier_bytes(16, bits, k_pad) * 8 // 16 - bits * k_pad
+        assert k_pad - k < (256 if bits == 2 else 128), k
+        assert 0 <= extra <= (384 if bits in (3, 5) else 0), (k, extra)
+    assert tlay.inlier_bytes(16, 3, 640) == 16 * (512 * 3 + 128 * 4) // 8     # Gemma3-270m's hidden size
+    assert tlay.inlier_bytes(16, 3, 1024) == 16 * 1024 * 3 // 8               # whole chunks: no tail
 
 
 def _dense_outliers(w):
@@ -161,9 +188,9 @@ def test_can_implement(monkeypatch):
     assert not ok and "CUDA" in why and tk.ENV_INTERPRET_OK in why
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
     assert TritonKernel.can_implement(w, torch.device("cpu"), torch.bfloat16) == (True, None)
-    w5 = LatqWeight(w.qweight, w.scales, w.crow, w.col, w.val, 5, 128, K)
-    ok, why = TritonKernel.can_implement(w5, torch.device("cpu"), torch.bfloat16)
-    assert not ok and "5-bit" in why
+    w6 = LatqWeight(w.qweight, w.scales, w.crow, w.col, w.val, 6, 128, K)
+    ok, why = TritonKernel.can_implement(w6, torch.device("cpu"), torch.bfloat16)
+    assert not ok and "6-bit" in why
     w24 = make_weight(group=24)
     ok, why = TritonKernel.can_implement(w24, torch.device("cpu"), torch.bfloat16)
     assert not ok and "24" in why
@@ -184,10 +211,10 @@ def test_selector_picks_triton_in_interpreter(monkeypatch):
 _STATES = {}
 
 
-def state_for(bits, rate, mode=None, group=128):
-    key = (bits, rate, mode, group)
+def state_for(bits, rate, mode=None, group=128, k=K):
+    key = (bits, rate, mode, group, k)
     if key not in _STATES:
-        w = make_weight(bits=bits, rate=rate, group=group, seed=bits)
+        w = make_weight(bits=bits, k=k, rate=rate, group=group, seed=bits)
         _STATES[key] = (w, TritonKernel.prepare(w, outlier_mode=mode))
     return _STATES[key]
 
@@ -195,7 +222,7 @@ def state_for(bits, rate, mode=None, group=128):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 8, 16])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_kernel_matches_reference(bits, m, rate, dtype):
     w, st = state_for(bits, rate)
     x = activations(m, dtype, seed=m)
@@ -204,9 +231,24 @@ def test_kernel_matches_reference(bits, m, rate, dtype):
     check(y, x, w, bias)
 
 
+@pytest.mark.parametrize("kernel,m", [("gemv", 1), ("gemv", 3), ("mma", 8), ("mma", 20)])
+@pytest.mark.parametrize("k", [576, 640, 896, 1280])
+@pytest.mark.parametrize("bits", [3, 5])
+def test_k_tails(bits, k, kernel, m):
+    """K not a multiple of 512 (SmolLM2's 576, Gemma3's 640, Qwen2.5's 896, 1280 ~ 4864 =
+    9·512 + 256): 3 bits run whole 512-column chunks and then the 4-bit tail (1, 1, 3, 2
+    steps); 5 bits 128-column steps, the last 1-bit chunk part padding. Outliers on, bias."""
+    w, st = state_for(bits, 0.02, k=k)
+    if bits == 3:
+        assert st.plane_t.numel() == st.n_pad * (st.k_pad % 512) // 8 and st.k_pad == -(-k // 128) * 128
+    x = activations(m, torch.bfloat16, k=k, seed=m)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    check(TritonKernel.apply(st, x, bias, kernel=kernel), x, w, bias)
+
+
 @pytest.mark.parametrize("kernel,m", [("gemv", 3), ("mma", 8)])
 @pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_both_outlier_layouts(bits, mode, kernel, m):
     w, st = state_for(bits, 0.05, mode)
     assert st.outl == tk.OUTL_CODE[mode]
@@ -234,27 +276,29 @@ def test_wide_outliers(mode, k):
     ("mma", 16, dict(BN=16, SPLIT=4, BR=16, num_warps=4)),
 ])
 @pytest.mark.parametrize("mode", ["ell", "csr"])
-def test_split_k(kernel, m, cfg, mode):
-    """K = 600 (5 steps at 4 bits): splits get unequal step counts, one may get none;
-    the ticket counters are reset, so a second call is right too."""
-    w = make_weight(k=600, bits=4, rate=0.03, seed=3)
+@pytest.mark.parametrize("bits,k", [(4, 600), (5, 600), (3, 1280)])
+def test_split_k(bits, k, kernel, m, cfg, mode):
+    """K = 600 (5 steps at 4/5 bits; 1280 at 3 bits: 2 main steps + 2 tail steps, dealt to
+    the splits from the last): splits get unequal step counts, one may get none; the ticket
+    counters are reset, so a second call is right too."""
+    w = make_weight(k=k, bits=bits, rate=0.03, seed=3)
     st = TritonKernel.prepare(w, outlier_mode=mode)
     for seed in (1, 2):
-        x = activations(m, torch.float16, k=600, seed=seed)
+        x = activations(m, torch.float16, k=k, seed=seed)
         bias = torch.randn(N).half()
         check(TritonKernel.apply(st, x, bias, kernel=kernel, config=cfg), x, w, bias)
     assert int(st.tickets.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("group", [32, 64, 300])
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_group_sizes(bits, group):
-    """32/64: several scale groups per dot / per slab run; 300 = K: one group per row
-    (HPTQ transcode form)."""
-    w = make_weight(bits=bits, group=group, rate=0.01, seed=7)
+@pytest.mark.parametrize("group", [32, 64, None])
+@pytest.mark.parametrize("bits,k", [(2, K), (3, K), (3, 640), (4, K), (5, K)])
+def test_group_sizes(bits, k, group):
+    """32/64: several scale groups per dot / per slab run; None = K: one group per row
+    (HPTQ transcode form); 3 bits at K = 640: the main step's groups, then the tail's."""
+    w = make_weight(bits=bits, k=k, group=group or k, rate=0.01, seed=7)
     st = TritonKernel.prepare(w)
     for m in (1, 8):
-        x = activations(m, torch.bfloat16)
+        x = activations(m, torch.bfloat16, k=k)
         check(TritonKernel.apply(st, x), x, w)
 
 
@@ -277,7 +321,7 @@ def test_fp32_activations_and_shapes():
 
 @pytest.mark.parametrize("rate", [0.0, 0.05])
 @pytest.mark.parametrize("m", [17, 40, 100])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_mma_large_m_tiles(bits, m, rate):
     """M > 16 on the tensor-core kernel: 32-row tiles (M ≤ 32), else 64-row tiles, the M
     tiles fastest in the grid (100: a ragged last tile); no split-K there."""
@@ -289,7 +333,7 @@ def test_mma_large_m_tiles(bits, m, rate):
 
 
 @pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_mma_large_tile_configs(bits, mode):
     """The production configs of the 32- and 64-row tiles (their smaller outlier slot
     counts BR), both outlier layouts, one tile and two (the last ragged)."""
@@ -320,15 +364,35 @@ def test_m_buckets_and_tiles():
     assert all((getattr(c, "maxnreg", None) is not None) == tk.MAXNREG_OK for c in tk.tuned("gemv", 2, 1).configs)
 
 
+def test_plane_pointers_are_int32(monkeypatch):
+    """Every plane pointer the kernels get is int32, also for a plane the layer lacks (3 bits
+    without a tail or without a whole chunk, the 1-bit plane at 2/4 bits): Triton types a
+    kernel by its pointers, and the word-tile code behind a zero-trip loop must compile."""
+    seen = []
+
+    class Record:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append(args[3:6])
+
+    for kind in ("gemv", "mma"):
+        monkeypatch.setitem(tk._KERNELS, kind, Record())
+    for bits, k in ((3, 1024), (3, K), (2, K), (5, K)):
+        w, st = state_for(bits, 0.0, k=k)
+        for kind, m in (("gemv", 1), ("mma", 8)):
+            TritonKernel.apply(st, activations(m, torch.float16, k=k), kernel=kind)
+    assert len(seen) == 8 and all(t.dtype == torch.int32 for planes in seen for t in planes)
+
+
 def test_state_flattens_for_the_plugin():
     """The plugin keeps flatten(state) as buffers + static ints and rebuilds it per call."""
     from vllm_latq.kernels import ops
-    for bits, rate, mode in ((3, 0.05, "csr"), (4, 0.0, None), (2, 0.01, "ell")):
-        w, st = state_for(bits, rate, mode)
+    for bits, rate, mode, k in ((3, 0.05, "csr", K), (4, 0.0, None, K), (2, 0.01, "ell", K), (3, 0.02, None, 640),
+                                (5, 0.0, None, K)):
+        w, st = state_for(bits, rate, mode, k=k)
         tensors, ints = TritonKernel.flatten(st)
         assert all(t is None or isinstance(t, torch.Tensor) for t in tensors) and all(type(i) is int for i in ints)
         st2 = TritonKernel.unflatten(tensors, ints)
-        x = activations(3, torch.bfloat16)
+        x = activations(3, torch.bfloat16, k=k)
         assert torch.equal(TritonKernel.apply(st2, x), TritonKernel.apply(st, x))
         y = ops.op_for(TritonKernel)(x, tensors, ints, None, N)
         check(y, x, w)

@@ -1,8 +1,9 @@
 """Large-M path (issue 19): dequantise once into a scratch + one GEMM, in Triton's interpreter.
 
 * The dequantised scratch equals ``reference.dequantize(w).to(dtype)`` bit for bit: bits
-  {2, 3, 4} × outlier rates {0, 1 %, 5 %} × fp16/bf16 on N = 40, K = 300 (rows padded to 16,
-  K to the step, a ragged last group); group sizes 32/64/128/one per tensor; ELL and CSR.
+  {2, 3, 4, 5} × outlier rates {0, 1 %, 5 %} × fp16/bf16 on N = 40, K = 300 (rows padded to
+  16, K to the step, a ragged last group); group sizes 32/64/128/one per tensor; ELL and
+  CSR; 3 and 5 bits on K = 576/640/896/1280 (whole 512-column chunks + the 4-bit tail).
 * ``apply_large_m`` equals ``x @ W_dtypeᵀ (+ bias)`` computed in fp32, to the output's
   rounding, for M ∈ {17, 64}; it differs from the fp32 reference only through the one
   rounding of z·s (checked to be that and nothing more).
@@ -52,7 +53,7 @@ def dequantized(st, dtype):
 @interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_dequantize_is_exact(bits, rate, dtype):
     w = make_weight(bits=bits, rate=rate, seed=bits)
     st = TritonKernel.prepare(w)
@@ -60,8 +61,20 @@ def test_dequantize_is_exact(bits, rate, dtype):
 
 
 @interp
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("k", [576, 640, 896, 1280])
+@pytest.mark.parametrize("bits", [3, 5])
+def test_dequantize_k_tails(bits, k, group):
+    """K not a multiple of 512: 3 bits as whole 512-column chunks (one launch) and the 4-bit
+    tail (a second launch from column 512·⌊K_pad/512⌋); 5 bits' last 1-bit chunk part padding."""
+    w = make_weight(k=k, bits=bits, group=group, rate=0.02, seed=k)
+    st = TritonKernel.prepare(w)
+    assert torch.equal(dequantized(st, torch.bfloat16), dequantize(w).to(torch.bfloat16))
+
+
+@interp
 @pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_dequantize_both_outlier_layouts(bits, mode):
     w = make_weight(bits=bits, rate=0.05, seed=10 + bits)
     st = TritonKernel.prepare(w, outlier_mode=mode)
@@ -71,7 +84,7 @@ def test_dequantize_both_outlier_layouts(bits, mode):
 
 @interp
 @pytest.mark.parametrize("group", [32, 64, 300])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_dequantize_group_sizes(bits, group):
     """32/64: several groups per K step; 300 = K: one group per row (transcoded form)."""
     w = make_weight(bits=bits, group=group, rate=0.01, seed=20 + bits)
@@ -97,7 +110,7 @@ def test_dequantize_fp32_outlier_values_and_strided_out():
 @interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [17, 64])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_apply_large_m(bits, m, dtype):
     w = make_weight(bits=bits, rate=0.01, seed=30 + bits)
     st = TritonKernel.prepare(w)
@@ -211,9 +224,9 @@ div16 = [["tt.divisibility", 16]]
 quick = sys.argv[1] == "quick"
 jobs = []
 for dt in (("bf16",) if quick else ("bf16", "fp16")):
-    for bits in ((3,) if quick else (2, 3, 4)):
+    for bits in ((3, 5) if quick else (2, 3, 4, 5)):
         sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", ROW0="i32", ROW1="i32", K="i32",
-                   stride_wn="i32",
+                   K0="i32", stride_wn="i32",
                    N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
         const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"])
         jobs.append((f"dequant {dt} {bits}-bit", td._dequant_kernel, sig, const, td.DEQUANT_CONFIG["num_warps"]))
@@ -225,7 +238,8 @@ for outl, o in ((1, ["*i32", "*i16", "*fp16", "*fp16"]), (2, ["*i32", "*i32", "*
 for cc in map(int, sys.argv[2:]):
     for name, fn, sig, const, nw in jobs:
         names = fn.arg_names
-        attrs = {(names.index(n),): div16 for n, t in sig.items() if t.startswith("*") or n in ("K", "stride_wn", "N_PAD")}
+        # K0 (0, or the first tail column: a multiple of 512) is 16-divisible in production too
+        attrs = {(names.index(n),): div16 for n, t in sig.items() if t.startswith("*") or n in ("K", "K0", "stride_wn", "N_PAD")}
         src = ASTSource(fn, {**sig, **{c: "constexpr" for c in const}}, const, attrs)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
@@ -258,7 +272,7 @@ def _compile(quick):
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 * ((1 if quick else 6) + 2) and {r["cc"] for r in rows} == {80, 90}
+    assert len(rows) == 2 * ((2 if quick else 8) + 2) and {r["cc"] for r in rows} == {80, 90}
     bad = [r for r in rows if r["spill"] or r["stack"] or r["regs"] > 255]
     assert not bad, bad
     # the scratch is written in 16-byte vectors along K only (coalesced: W's fastest dim)
@@ -267,13 +281,13 @@ def _compile(quick):
 
 
 def test_offline_compile_no_spills():
-    """The heaviest dequant variant (3 bits, bf16: three word planes and the integer RNE)
-    and both outlier layouts, real ptxas for sm_80 and sm_90: no spills, no stack frame,
-    and the dequantised tile stored as 16-byte vectors along K (STG.E.128 only)."""
+    """The heaviest dequant variants (3 and 5 bits, bf16: two or three word planes and the
+    integer RNE) and both outlier layouts, real ptxas for sm_80 and sm_90: no spills, no
+    stack frame, and the dequantised tile stored as 16-byte vectors along K (STG.E.128 only)."""
     _compile(quick=True)
 
 
 @pytest.mark.slow
 def test_offline_compile_every_variant():
-    """Dequant at 2/3/4 bits × bf16/fp16 and both outlier layouts, sm_80 and sm_90."""
+    """Dequant at 2/3/4/5 bits × bf16/fp16 and both outlier layouts, sm_80 and sm_90."""
     _compile(quick=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_latq.kernels import triton_model as tm
+from vllm_latq.kernels.triton_layout import WIDTHS
 
 NEVER = tm.NEVER
 SHAPES_8B = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -19,7 +20,7 @@ SHAPES_8B = ((4096, 4096), (4096, 14336), (14336, 4096))
 
 def test_mma_row_tiles():
     assert [tm.mma_bm(m) for m in (1, 16, 17, 32, 33, 64, 65, 4096)] == [16, 16, 32, 32, 64, 64, 64, 64]
-    assert set(tm.MMA_IPW) == {(b, bm) for b in (2, 3, 4) for bm in tm.MMA_BMS}
+    assert set(tm.MMA_IPW) == {(b, bm) for b in WIDTHS for bm in tm.MMA_BMS}     # every width the kernels take
 
 
 def test_threshold_documented_numbers():
@@ -44,7 +45,7 @@ def test_threshold_is_where_the_model_crosses(dev):
 
 
 @pytest.mark.parametrize("dev", ["a100", "h100"])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_threshold_monotone_and_never_small(bits, dev):
     sizes = [(16, 16), (64, 64), (256, 256), (512, 1024), (1024, 1024), (2048, 2048), (4096, 4096),
              (4096, 14336), (8192, 8192), (8192, 28672), (16384, 32768), (32768, 65536)]

@@ -28,7 +28,7 @@ Per rank (r = tp_rank; rows = output dim, cols = input dim):
   exact), CSR outliers filtered to the column range and their columns re-based to 0.
 - HPTQ/HRTN: the Huffman stream is decoded once (whole matrix), cut like the dense case,
   and transcoded to dense+CSR with the inlier width, among those the device's kernel family
-  takes (CUDA: Triton's 2–4 bits; CPU: 2–8), that minimises that family's served bytes for
+  takes (CUDA: Triton's 2–5 bits; CPU: 2–8), that minimises that family's served bytes for
   this rank's matrix (``selector.family_for``; one fp16 scale per row: q, k, v keep their
   own per-matrix scales).
 - a fused matrix whose rows the model's loader regroups (Falcon's ``query_key_value``):

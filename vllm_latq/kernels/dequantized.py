@@ -3,7 +3,7 @@ and every call is a dense matmul — an unquantized layer's memory and speed, in
 reference's dequantization on every call (seconds per step on a large head).
 
 * :class:`DequantizedBf16Kernel` (``bf16``): the fallback when no compressed kernel can run a
-  layer (e.g. an 8-bit ``--lm-head-bits`` head on a GPU, where the Triton kernels cover 2–4
+  layer (e.g. an 8-bit ``--lm-head-bits`` head on a GPU, where the Triton kernels cover 2–5
   bits). Selecting it logs a warning with every faster kernel's reason. Equals the reference
   up to the bf16 rounding of the weights (and of the activations).
 * :class:`DequantizedFp32Kernel` (``dequant``): opt-in only — keeps fp32 weights (4

@@ -5,7 +5,7 @@ first whose ``can_implement`` accepts a layer — and says why the others did no
 kernel's reason. Accepted values (kernel ``name``, in selection order):
 
 * ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton_kernels`), CUDA ≥ sm_80,
-  2–4-bit inliers;
+  2–5-bit inliers;
 * ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);
 * ``bf16`` — dequantized once to bf16 (:mod:`~vllm_latq.kernels.dequantized`): the fallback,
   selected with a warning naming every faster kernel's reason; ``dense`` is its old name and

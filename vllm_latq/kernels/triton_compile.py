@@ -97,10 +97,11 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
     heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
     split-K — the default test; the full sweep is the slow test and the bench."""
     from . import triton_kernels as tk
+    from .triton_layout import WIDTHS
     jobs = []
     for kernel, tiles, splits in (("gemv", tk.GEMV_TILES, lambda bm: (1, 8)),
                                   ("mma", tk.MMA_TILES, lambda bm: (1, max(tk.MMA_SPLITS[bm])))):
-        for bits in (2, 3, 4):
+        for bits in WIDTHS:
             for bm, tl_ in tiles.items():
                 if quick and bm != max(tiles):
                     continue
@@ -180,8 +181,8 @@ def compile_job(j: dict) -> dict:
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
     optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],
             "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
-    ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*fp16", *optr, "*fp32", "*i32"]
-    ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "M_WS"]
+    ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*i32", "*fp16", *optr, "*fp32", "*i32"]
+    ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS", "M_WS"]
     names = fn.arg_names
     sig = {}
     for i, n in enumerate(names[:len(ptrs)]):
@@ -335,13 +336,13 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             for g, names in SASS_GROUPS.items():
                 row[g] = sum(v for k, v in r["sass"].items() if k.split(".")[0] in names)
             # K-loop SASS instructions per weight per thread: one trip of the innermost K
-            # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns)
-            # of BN rows over 32·warps threads
+            # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns,
+            # SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
             from .triton_layout import step_of
             if j["kernel"] == "mma":
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
             else:                                                           # gemv, moe
-                cols = 16 * (8 if j["bits"] == 3 else 16 // j["bits"])
+                cols = 16 * (16 // {3: 2, 5: 4}.get(j["bits"], j["bits"]))
             wpt = cols * j["BN"] / (32 * j["num_warps"])
             row["loop"] = r["loop_len"]
             row["ipw"] = r["loop_len"] / wpt

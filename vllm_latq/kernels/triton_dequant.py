@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_layout import step_of
+from .triton_layout import k_steps
 from .triton_model import threshold_for
 
 # ============================================================================ device code
@@ -54,14 +54,15 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
+def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr):
-    # One program: BN rows × one K step (128 / 256 / 512 columns at 4 / 2 / 3 bits). The
-    # step's word tiles ([1, 16 words, BN rows] per plane) are loaded once; slab j of every
-    # word is the 16 columns k0 + 16j + [0, 16), so DS slabs at a time are expanded by
-    # broadcasting per-slab shifts ([DS, 16, BN] → reshape: column order k0 + 16j + w).
+    # One program: BN rows × one K step (128 / 256 / 512 / 128 columns at 4 / 2 / 3 / 5 bits)
+    # from column K0 (a 3-bit layer's 4-bit tail is a second launch at BITS = 4). The step's
+    # word tiles ([1, 16 words, BN rows] per plane) are loaded once; slab j of every word is
+    # the 16 columns k0 + 16j + [0, 16), so DS slabs at a time are expanded by broadcasting
+    # per-slab shifts ([DS, 16, BN] → reshape: column order k0 + 16j + w).
     # Rows ROW0 .. ROW1 − 1 of the layer go to rows 0 .. of w (a row chunk of the scratch).
-    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS
+    SLABS: tl.constexpr = 32 if BITS == 3 else (8 if BITS == 5 else 32 // BITS)
     STEP: tl.constexpr = 16 * SLABS
     OFF: tl.constexpr = 1 << (BITS - 1)
     CA: tl.constexpr = 512 if BITS == 3 else 256               # plane-A words per step per row group
@@ -79,8 +80,11 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, stride_wn, N_PA
         wb = tl.load(pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16 + s * CA + 256,
                      mask=pm, other=0)
         wh = tl.load(ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16 + s * 256, mask=pm, other=0)
+    elif BITS == 5:                                                   # the 512-column 1-bit chunk of step s
+        wh = tl.load(ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16 + (s // 4) * 256,
+                     mask=pm, other=0) >> (8 * (s % 4))
     sp = s_ptr + (g16 * (NGP * 16) + r16)[None, None, :]
-    k0 = s * STEP
+    k0 = K0 + s * STEP
     kd = tl.arange(0, DS * 16)
     wrow = w_ptr + (rn - ROW0).to(tl.int64)[:, None] * stride_wn
     nmask = (rn < ROW1)[:, None]
@@ -90,6 +94,8 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, stride_wn, N_PA
             u = (wa >> (4 * j)) & 15
         elif BITS == 2:
             u = (wa >> (2 * j)) & 3
+        elif BITS == 5:                                               # 4-bit slot j + 1-bit bit j
+            u = ((wa >> (4 * j)) & 15) | (((wh >> j) & 1) << 4)
         else:                                                         # 2-bit tile j // 16 + 1-bit bit j
             lo = tl.where(j < 16, wa, wb)
             u = ((lo >> (2 * (j % 16))) & 3) | (((wh >> j) & 1) << 2)
@@ -204,14 +210,16 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
                          f"row0 .. row0 + R ≤ {st.n}, row0 % 16 == 0 (got {tuple(out.shape)}, row0={row0})")
     if rows == 0:
         return out
-    step = step_of(st.bits)
-    nch_a = st.k_pad // (256 if st.bits == 3 else step)
-    nch_h = st.k_pad // 512 if st.bits == 3 else 0
+    ks = k_steps(st.bits, st.k_pad)
     cfg = DEQUANT_CONFIG
-    grid = (triton.cdiv(rows, cfg["BN"]), st.k_pad // step)
-    _dequant_kernel[grid](out, st.plane_a, st.plane_h if st.plane_h is not None else st.plane_a, st.scales,
-                          row0, row0 + rows, st.k, out.stride(0), st.n_pad, nch_a, nch_h, st.scales.shape[1],
-                          BITS=st.bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], num_warps=cfg["num_warps"])
+    launches = [(ks["nsteps"], st.plane_a, st.plane_h, 0, st.bits, ks["nch_a"]),     # main steps
+                (ks["tsteps"], st.plane_t, None, ks["k_main"], 4, ks["tsteps"])]     # 3 bits: the 4-bit tail
+    for steps, pa, ph, k0, bits, nch_a in launches:
+        if steps:
+            _dequant_kernel[(triton.cdiv(rows, cfg["BN"]), steps)](
+                out, pa, ph if ph is not None else pa, st.scales, row0, row0 + rows, st.k, k0, out.stride(0),
+                st.n_pad, nch_a, ks["nch_h"], st.scales.shape[1],
+                BITS=bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], num_warps=cfg["num_warps"])
     if st.outl and st.nnz:
         o = [t if t is not None else st.o0 for t in (st.o0, st.o1, st.o2, st.o3)]
         _outlier_kernel[(triton.cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,

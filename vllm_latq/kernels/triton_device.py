@@ -2,10 +2,17 @@
 configs, autotuning, launch, the kernel class — is :mod:`~vllm_latq.kernels.triton_kernels`).
 Kept apart because :mod:`~vllm_latq.kernels.triton_compile` fingerprints exactly this code
 (a kernel's offline-compiled binaries depend on it and on nothing host-side), and because both
-kernels share the helpers (``_and_or``, ``_fbits``, ``_epilogue``).
+kernels share the helpers (``_and_or``, ``_fbits``, ``_word_tiles``, ``_gemv_step``,
+``_mma_step``, ``_epilogue``). Size: one file because that fingerprint covers this module's
+jit functions only — a helper moved elsewhere would drop out of it and leave stale compile
+reports.
 
 Two kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton_layout`: 16×16
-word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
+word blocks; 3 bits as a 2-bit + 1-bit plane over whole 512-column chunks plus a 4-bit tail
+of < 512 columns, 5 bits as a 4-bit + 1-bit plane; outliers as ELL-16 or CSR). A K step is
+one call of ``_gemv_step`` / ``_mma_step``; a 3-bit layer runs its main steps at BITS = 3
+and then its tail's 128-column steps at BITS = 4, dealt to the K splits from the last split
+(which got the fewest main steps):
 
 ``_gemv_kernel`` — M = 1..7 (SIMT, no tensor cores)
     One program per BN output rows (× a K split × an M tile). Per K step it loads one
@@ -16,7 +23,9 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
     mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
     halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
     mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
-    per activation row (3 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane). At M = 1 the
+    per activation row (3 / 5 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane; at 5 bits
+    a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
+    the chunk's four steps, from L1/L2 after the first). At M = 1 the
     products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
     once (``acc += part · s``, fp16 scales widened); at M > 1, z·s is formed once and
     shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
@@ -30,7 +39,8 @@ word blocks, 3 bits as a 2-bit + 1-bit plane, outliers as ELL-16 or CSR):
 ``_mma_kernel`` — M ≥ 8 (tensor cores; 8..16 padded to a 16-row tile, then 32 / 64)
     Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
     where the 512-column step runs as a runtime loop over its four 128-column quarters, for
-    registers) the [DS·16 × BN] B operand is built in registers by broadcasting per-slab
+    registers; 5 bits: 128-column steps as at 4 bits, plus the 1-bit merge) the [DS·16 × BN]
+    B operand is built in registers by broadcasting per-slab
     shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
     order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
     exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
@@ -74,8 +84,8 @@ def _and_or(a, MASK: tl.constexpr, c, ASM: tl.constexpr):
 
 @triton.jit
 def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Slot at bit P of a 16-bit half of the plane-A word tile ``lo`` (3 bits: plus its bit
-    P/2 of the 1-bit tile ``hi``, pre-shifted by the caller) → int32 bits of the fp32 number
+    """Slot at bit P of a 16-bit half of the plane-A word tile ``lo`` (3 / 5 bits: plus its bit
+    P/2 / P/4 of the 1-bit tile ``hi``, pre-shifted by the caller) → int32 bits of the fp32 number
     2^(23−P) + u: u sits at bits [P, P+b) of the word and is OR-ed, in place, into the bits
     of 2^(23−P), whose mantissa unit is 2^−P — so no shift is needed for 2/4 bits."""
     magic = tl.full(lo.shape, (150 - P) << 23, tl.int32)    # fp32 bits of 2^(23−P)
@@ -83,6 +93,9 @@ def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
         r = _and_or(lo, 15 << P, magic, ASM)
     elif BITS == 2:
         r = _and_or(lo, 3 << P, magic, ASM)
+    elif BITS == 5:
+        # hi bit P/4 → bit P + 4 (shift left by 3P/4 + 4), then both into the magic
+        r = _and_or(lo, 15 << P, _and_or(hi << (3 * P // 4 + 4), 16 << P, magic, ASM), ASM)
     else:
         # hi bit P/2 → bit P + 2 (shift left by P/2 + 2), then both into the magic
         r = _and_or(lo, 3 << P, _and_or(hi << (P // 2 + 2), 4 << P, magic, ASM), ASM)
@@ -121,7 +134,9 @@ def _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD
 @triton.jit
 def _word_tiles(ta, th, s, s_end, rn3, w3, N_PAD, BITS: tl.constexpr):
     """The [1, 16, BN] word tiles of K step ``s`` (zeros when ``s ≥ s_end``): plane A, its
-    second 256-word half (3 bits), the 1-bit plane (3 bits); 2/4 bits: plane A three times."""
+    second 256-word half (3 bits), the 1-bit plane (3 bits; 5 bits: the tile of the 512-column
+    chunk holding the step, shifted so that the step's slab j is bit j); 2/4 bits: plane A
+    three times."""
     CA: tl.constexpr = 512 if BITS == 3 else 256                   # plane-A words per step per row group
     # (a scalar bool & a bool tensor is int in the interpreter: fold conditions into limits)
     pm = (rn3 < tl.where(s < s_end, N_PAD, 0)) & (w3 < 16)
@@ -131,6 +146,8 @@ def _word_tiles(ta, th, s, s_end, rn3, w3, N_PAD, BITS: tl.constexpr):
     if BITS == 3:
         wb = tl.load(ta + s * CA + 256, mask=pm, other=0)
         wh = tl.load(th + s * 256, mask=pm, other=0)
+    elif BITS == 5:
+        wh = tl.load(th + (s // 4) * 256, mask=pm, other=0) >> (8 * (s % 4))
     return wa, wb, wh
 
 
@@ -146,21 +163,70 @@ def _ell_rows(o0_ptr, rn, N_PAD):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
+def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn3, w3, N_PAD,
+               BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr):
+    """One K step of the GEMV (columns ``k0 + [0, STEP)``, word tiles from :func:`_word_tiles`)
+    added to ``acc`` [BM, 16, BN]. A 3-bit layer's main loop runs it at BITS = 3 and its
+    4-bit tail at BITS = 4 (``SPG`` is capped at the step's slabs here)."""
+    SLABS: tl.constexpr = 32 if BITS == 3 else (8 if BITS == 5 else 32 // BITS)   # 16-column slabs
+    PB: tl.constexpr = 2 if BITS == 3 else (4 if BITS == 5 else BITS)             # plane-A slot bits
+    SPH: tl.constexpr = 16 // PB                               # slabs per 16-bit half word
+    NH: tl.constexpr = SLABS // SPH                            # halves per step
+    FL: tl.constexpr = SPG if SPG < SPH else SPH               # slabs per scale application
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    # Runtime loop over the 16-bit halves of the plane-A words (3 bits: 2 word tiles × 2
+    # halves), static over the SPH slots of a half: a quarter / half of the unrolled code
+    # of a whole step, so ptxas cannot hoist a whole step's activation loads (measured:
+    # fully unrolled 3-bit steps spill on sm_90 at any register cap).
+    for h in range(NH):
+        if BITS == 3:
+            lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+            hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # 1-bit slot 16c + 8·hh + i at bit i
+        elif BITS == 5:
+            lo = wa >> (16 * h)
+            hi = wh >> (4 * h)                            # 1-bit slot 4h + i of the step at bit i
+        else:
+            lo = wa >> (16 * h)
+            hi = lo
+        if BM == 1:
+            part = tl.zeros(acc.shape, dtype=tl.float32)
+        for i in tl.static_range(SPH):
+            P = PB * i
+            f = _fbits(lo, hi, P, BITS, ASM)
+            z = f.to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)      # z = u − o, exact
+            j = h * SPH + i
+            kk = k0 + 16 * j + w3
+            xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
+            if BM == 1:
+                # one activation row: accumulate z·x per group, scale once per group
+                # (per weight: LOP3 + FADD + FFMA, no FMUL)
+                part += z * xs
+                if (i + 1) % FL == 0:
+                    gi = (k0 + 16 * (j + 1 - FL)) // GROUP
+                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
+                    acc += part * sc
+                    part = tl.zeros(acc.shape, dtype=tl.float32)
+            else:
+                # several rows: scale z once (FMUL amortised over the BM FFMAs) and keep a
+                # single accumulator (half the registers of part + acc)
+                if i % FL == 0:
+                    gi = (k0 + 16 * j) // GROUP
+                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
+                acc += (z * sc) * xs
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                  o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
-                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
+                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                  OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
     # Every tensor of the K loop is 3-D [BM rows of x, 16 slab lanes, BN output rows] (or a
     # broadcastable slice of it), so the word tiles' coalesced layout (16-byte vectors along
     # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.
-    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
-    STEP: tl.constexpr = 16 * SLABS
-    SPH: tl.constexpr = 8 if BITS == 3 else 16 // BITS         # slabs per 16-bit half word
-    NH: tl.constexpr = SLABS // SPH                            # halves per step
-    FL: tl.constexpr = SPG if SPG < SPH else SPH               # slabs per scale application
-    OFF: tl.constexpr = 1 << (BITS - 1)
+    STEP: tl.constexpr = 512 if BITS == 3 else (128 if BITS == 5 else 512 // BITS)
     pid_m = tl.program_id(0)            # M fastest: the M tiles of a weight tile run side by side
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -189,43 +255,15 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
-        k0 = s * STEP
-        # Runtime loop over the 16-bit halves of the plane-A words (3 bits: 2 word tiles × 2
-        # halves), static over the SPH slots of a half: a quarter / half of the unrolled code
-        # of a whole step, so ptxas cannot hoist a whole step's activation loads (measured:
-        # fully unrolled 3-bit steps spill on sm_90 at any register cap).
-        for h in range(NH):
-            if BITS == 3:
-                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
-                hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # 1-bit slot 16c + 8·hh + i at bit i
-            else:
-                lo = wa >> (16 * h)
-                hi = lo
-            if BM == 1:
-                part = tl.zeros([BM, 16, BN], dtype=tl.float32)
-            for i in tl.static_range(SPH):
-                P = (2 if BITS == 3 else BITS) * i
-                f = _fbits(lo, hi, P, BITS, ASM)
-                z = f.to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)      # z = u − o, exact
-                j = h * SPH + i
-                kk = k0 + 16 * j + w3
-                xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
-                if BM == 1:
-                    # one activation row: accumulate z·x per group, scale once per group
-                    # (per weight: LOP3 + FADD + FFMA, no FMUL)
-                    part += z * xs
-                    if (i + 1) % FL == 0:
-                        gi = (k0 + 16 * (j + 1 - FL)) // GROUP
-                        sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
-                        acc += part * sc
-                        part = tl.zeros([BM, 16, BN], dtype=tl.float32)
-                else:
-                    # several rows: scale z once (FMUL amortised over the BM FFMAs) and keep a
-                    # single accumulator (half the registers of part + acc)
-                    if i % FL == 0:
-                        gi = (k0 + 16 * j) // GROUP
-                        sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
-                    acc += (z * sc) * xs
+        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rn3, w3, N_PAD, BITS, GROUP, SPG, BM, ASM)
+    if BITS == 3:
+        # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
+        # the splits from the last one, which got the fewest main steps
+        tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
+            w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
+            acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rn3, w3, N_PAD,
+                             4, GROUP, SPG, BM, ASM)
 
     # ---- outliers of these rows (same accumulator; entries spread over the K splits)
     if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
@@ -271,6 +309,8 @@ def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, A
         f = _and_or(wa >> (4 * jj), 15, magic, ASM)
     elif BITS == 2:
         f = _and_or(wa >> (2 * jj), 3, magic, ASM)
+    elif BITS == 5:                                             # wh: slab j at bit j
+        f = _and_or(wa >> (4 * jj), 15, _and_or((wh >> jj) << 4, 16, magic, ASM), ASM)
     else:
         i = jj % 16
         if Q * DS < 16:                                         # DS divides 16: one lo tile
@@ -295,9 +335,52 @@ def _zslabs3(lo, hi, Q: tl.constexpr, DS: tl.constexpr, ASM: tl.constexpr, DT: t
 
 
 @triton.jit
-def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
+def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn, N_PAD,
+              BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BN: tl.constexpr,
+              ASM: tl.constexpr, DT: tl.constexpr):
+    """One K step of the tensor-core kernel (columns ``k0 + [0, STEP)``) added to ``acc``
+    [BM, BN]. A 3-bit layer's main loop runs it at BITS = 3 and its 4-bit tail at BITS = 4
+    (``SPG`` is capped at the step's slabs here)."""
+    SLABS: tl.constexpr = 32 if BITS == 3 else (8 if BITS == 5 else 32 // BITS)   # 16-column slabs
+    SG: tl.constexpr = SPG if SPG < SLABS else SLABS           # slabs per scale group within a step
+    DSMAX: tl.constexpr = 4 if BITS == 3 else 8                # 3 bits: K = 64 per dot (registers)
+    DS: tl.constexpr = SG if SG < DSMAX else DSMAX             # slabs per tl.dot
+    ND: tl.constexpr = SLABS // DS                             # dots per step
+    DPG: tl.constexpr = SG // DS                               # dots per scale group
+    kd = tl.arange(0, DS * 16)
+    if BITS == 3:
+        # 3 bits: a runtime loop over the four 128-column quarters of the 512-column step
+        # (2-bit tile c × 16-bit half hh), as in the GEMV: unrolling all eight dots of a
+        # step made ptxas exceed 255 registers (measured spills on sm_86/89/90).
+        for h in range(4):
+            lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+            hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # slot i of this quarter at bit i
+            for q in tl.static_range(8 // DS):
+                z = tl.reshape(_zslabs3(lo, hi, q, DS, ASM, DT), [DS * 16, BN])
+                c0 = k0 + 128 * h + q * (DS * 16)
+                kk = c0 + kd
+                xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+                sc = tl.load(sp + (c0 // GROUP) * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
+    else:
+        part = tl.zeros(acc.shape, dtype=tl.float32)
+        for q in tl.static_range(ND):
+            z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
+            kk = k0 + q * (DS * 16) + kd
+            xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+            part = tl.dot(xs, z, part)
+            if (q + 1) % DPG == 0:
+                gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
+                sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                acc += part * sc[None, :]
+                part = tl.zeros(acc.shape, dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, M_WS,
+                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
                 BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
@@ -307,12 +390,7 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
     # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot
     # with the contiguous [BM, DS·16] activation tile: one shared-memory staging per 128
     # columns (Triton's MMAv2 operand path) instead of one per 16-column slab.
-    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS     # 16-column slabs per K step
-    STEP: tl.constexpr = 16 * SLABS
-    DSMAX: tl.constexpr = 4 if BITS == 3 else 8                # 3 bits: K = 64 per dot (registers)
-    DS: tl.constexpr = SPG if SPG < DSMAX else DSMAX           # slabs per tl.dot
-    ND: tl.constexpr = SLABS // DS                             # dots per step
-    DPG: tl.constexpr = SPG // DS                              # dots per scale group
+    STEP: tl.constexpr = 512 if BITS == 3 else (128 if BITS == 5 else 512 // BITS)
     if F32DOT:
         DT: tl.constexpr = tl.float32
     else:
@@ -323,7 +401,6 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     w16 = tl.arange(0, 16)
-    kd = tl.arange(0, DS * 16)
     g16 = rn // 16
     r16 = rn % 16
     rn3 = rn[None, None, :]
@@ -344,33 +421,15 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, s_ptr,
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
-        k0 = s * STEP
-        if BITS == 3:
-            # 3 bits: a runtime loop over the four 128-column quarters of the 512-column step
-            # (2-bit tile c × 16-bit half hh), as in the GEMV: unrolling all eight dots of a
-            # step made ptxas exceed 255 registers (measured spills on sm_86/89/90).
-            for h in range(4):
-                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
-                hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # slot i of this quarter at bit i
-                for q in tl.static_range(8 // DS):
-                    z = tl.reshape(_zslabs3(lo, hi, q, DS, ASM, DT), [DS * 16, BN])
-                    c0 = k0 + 128 * h + q * (DS * 16)
-                    kk = c0 + kd
-                    xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
-                    sc = tl.load(sp + (c0 // GROUP) * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
-                    acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
-        else:
-            part = tl.zeros([BM, BN], dtype=tl.float32)
-            for q in tl.static_range(ND):
-                z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
-                kk = k0 + q * (DS * 16) + kd
-                xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
-                part = tl.dot(xs, z, part)
-                if (q + 1) % DPG == 0:
-                    gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
-                    sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
-                    acc += part * sc[None, :]
-                    part = tl.zeros([BM, BN], dtype=tl.float32)
+        acc = _mma_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rn, N_PAD, BITS, GROUP, SPG, BN, ASM, DT)
+    if BITS == 3:
+        # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
+        # the splits from the last one, which got the fewest main steps
+        tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
+            w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
+            acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rn, N_PAD,
+                            4, GROUP, SPG, BN, ASM, DT)
 
     if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
         oacc = tl.zeros([BM, BN], dtype=tl.float32)

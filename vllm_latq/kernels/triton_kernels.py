@@ -75,7 +75,7 @@ GEMV_SPLITS = (1, 2, 4, 8)
 # (one tl.dot), so a batch of M rows re-dequantises each weight ⌈M/BM⌉ times; the grid runs
 # M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
 # once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
-# sm_90 at 2/3/4 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
+# sm_90 at 2/3/4/5 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
 # BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
 # BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
 # only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some
@@ -93,8 +93,8 @@ MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 # partial, B tile) take what they need (≤ 255). ``Config(maxnreg=)`` and the launch option
 # are feature-detected (``MAXNREG_OK``; Triton 3.0.0, the gpu extra's floor, has both): a
 # Triton without them gets no caps, and ptxas chooses (a few bytes of spills, see above).
-GEMV_MAXNREG = {2: 128, 3: 255, 4: 128}
-MMA_MAXNREG = {2: 255, 3: 255, 4: 255}
+GEMV_MAXNREG = {2: 128, 3: 255, 4: 128, 5: 128}
+MMA_MAXNREG = {2: 255, 3: 255, 4: 255, 5: 255}
 MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
 # The interpreter runs one config (autotuning needs a GPU); big tiles keep program counts low.
 GEMV_INTERP = dict(BN=64, SPLIT=1, num_warps=4)
@@ -134,7 +134,7 @@ def _uniq(cfgs):
 def _prune(configs_for, bits):
     def prune(configs, named_args, **kw):
         bm = named_args.get("BM", kw.get("BM"))
-        nsteps = named_args.get("NSTEPS", kw.get("NSTEPS"))
+        nsteps = named_args.get("NSTEPS", kw.get("NSTEPS")) + named_args.get("TSTEPS", kw.get("TSTEPS"))
         n_pad = named_args.get("N_PAD", kw.get("N_PAD"))
         max_split = max(1, nsteps) if n_pad <= SPLITK_MAX_N else 1
         allowed = [{k: v for k, v in c.items() if k != "maxnreg"} for c in configs_for(bm, bits)]
@@ -173,8 +173,9 @@ class TritonState:
     """Prepared layer, flat (tensor and int fields only) so the vLLM plugin can keep it as
     module buffers + static ints (``LatqKernel.flatten``/``unflatten``). See
     :mod:`~vllm_latq.kernels.triton_layout` for the tensors' layout."""
-    plane_a: torch.Tensor                 # int32 word blocks: the b-bit plane (3 bits: the 2-bit plane)
-    plane_h: torch.Tensor | None          # int32 word blocks: 3 bits: the 1-bit plane
+    plane_a: torch.Tensor                 # int32 word blocks: the b-bit plane (3 / 5 bits: the 2- / 4-bit plane)
+    plane_h: torch.Tensor | None          # int32 word blocks: 3 / 5 bits: the 1-bit plane
+    plane_t: torch.Tensor | None          # int32 word blocks: 3 bits: the 4-bit tail (< 512 columns)
     scales: torch.Tensor                  # fp16 [N_pad/16, ngroups_pad, 16]
     o0: torch.Tensor | None               # ELL: off [G+1]          CSR: crow [N_pad+1]
     o1: torch.Tensor | None               # ELL: col                CSR: row
@@ -201,7 +202,8 @@ class TritonState:
         else:
             oo = [None] * 4
         tickets = torch.zeros(L.n_pad // 16, dtype=torch.int32, device=L.scales.device)
-        return cls(L.planes[0], L.planes[1] if len(L.planes) > 1 else None, L.scales, *oo, tickets,
+        planes = L.planes + [None] * (3 - len(L.planes))
+        return cls(*planes, L.scales, *oo, tickets,
                    L.bits, L.group, spg_of(L.bits, L.group), L.n, L.k, L.n_pad, L.k_pad,
                    OUTL_CODE[L.outlier_mode], L.nnz)
 
@@ -229,16 +231,17 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     m_tiles = triton.cdiv(M, bm)
     spare = st.scales                                   # any tensor for pointers a variant never reads
     optr = [t if t is not None else spare for t in (st.o0, st.o1, st.o2, st.o3)]
-    step = tlay.step_of(st.bits)
-    nch_a = st.k_pad // (256 if st.bits == 3 else step)
-    nch_h = st.k_pad // 512 if st.bits == 3 else 0
+    # a plane the layer lacks (2/4 bits: the 1-bit plane; 3 bits: no tail, or no whole chunk)
+    # gets an int32 stand-in: Triton types the kernel by its pointers, and the word-tile code
+    # behind a zero-trip loop must still compile on int32 words
+    planes = [t if t is not None and t.numel() else st.tickets for t in (st.plane_a, st.plane_h, st.plane_t)]
+    ks = tlay.k_steps(st.bits, st.k_pad)
     can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
     ws = (scratch or SPLITK_SCRATCH).flat(splitk_floats(st.n_pad) if can_split else 1, torch.float32, dev)
     has_bias = bias is not None
-    args = [x2, y, bias if has_bias else y, st.plane_a, st.plane_h if st.plane_h is not None else st.plane_a,
-            st.scales, *optr, ws, st.tickets,
-            M, st.n, K, x2.stride(0), y.stride(0), st.n_pad, nch_a, nch_h, st.scales.shape[1],
-            st.k_pad // step, bm]
+    args = [x2, y, bias if has_bias else y, *planes, st.scales, *optr, ws, st.tickets,
+            M, st.n, K, x2.stride(0), y.stride(0), st.n_pad, ks["nch_a"], ks["nch_h"], st.scales.shape[1],
+            ks["nsteps"], ks["tsteps"], bm]
     meta = dict(BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, OUTL=st.outl,
                 HAS_BIAS=has_bias, ASM=not INTERPRET)
     if kernel == "mma":
@@ -268,7 +271,7 @@ class TritonKernel(LatqKernel):
     the crossover of :func:`~.triton_model.large_m_threshold` on, dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
-    widths = (2, 3, 4)
+    widths = tlay.WIDTHS
     workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
     splitk_workspace = SPLITK_SCRATCH                    # split-K partials, shared by all layers
 
@@ -290,8 +293,8 @@ class TritonKernel(LatqKernel):
                                f"TRITON_INTERPRET=1 and {ENV_INTERPRET_OK}=1 (Triton interpreter)")
         elif torch.cuda.get_device_capability(device) < (8, 0):
             return False, f"needs compute capability ≥ 8.0 (got {torch.cuda.get_device_capability(device)})"
-        if w.bits not in (2, 3, 4):
-            return False, f"{w.bits}-bit inliers (kernels exist for 2, 3, 4)"
+        if w.bits not in cls.widths:
+            return False, f"{w.bits}-bit inliers (kernels exist for {', '.join(map(str, cls.widths))})"
         if act_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return False, f"activation dtype {act_dtype}"
         if w.scales.shape[1] > 1 and w.group_size % 16:
@@ -307,21 +310,20 @@ class TritonKernel(LatqKernel):
         counters, not weights: 4 bytes per 16 rows, touched only when SPLIT > 1)."""
         def nb(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
-        return {"inliers": nb(state.plane_a, state.plane_h), "scales": nb(state.scales),
+        return {"inliers": nb(state.plane_a, state.plane_h, state.plane_t), "scales": nb(state.scales),
                 "outliers": nb(state.o0, state.o1, state.o2, state.o3)}
 
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats):
         """:meth:`served_bytes` of ``triton_layout.build``'s layout from its shapes (padding
-        to 16 rows and to the K step) and its outlier choice (``outlier_model`` on the row
-        counts; entry dtypes as ``compact_dtypes``)."""
+        to 16 rows and to the K step / 128 columns, the planes of ``plane_columns``) and its
+        outlier choice (``outlier_model`` on the row counts; entry dtypes as ``compact_dtypes``)."""
         if bits not in cls.widths or (-(-k // group) > 1 and group % 16):
             raise ValueError(f"{bits}-bit inliers, group {group} (kernels: {cls.widths} bits, groups of 16s)")
-        step = tlay.step_of(bits)
         n_pad = -(-n // tlay.ROWS) * tlay.ROWS
-        k_pad = max(step, -(-k // step) * step)
+        k_pad = tlay.pad_k(k, bits)
         g = k_pad if -(-k // group) == 1 else group
-        out = {"inliers": n_pad * k_pad * bits // 8, "scales": n_pad * -(-k_pad // g) * 2, "outliers": 0}
+        out = {"inliers": tlay.inlier_bytes(n_pad, bits, k_pad), "scales": n_pad * -(-k_pad // g) * 2, "outliers": 0}
         counts = stats.row_outliers(bits)
         nnz = int(counts.sum())
         if nnz:

@@ -21,8 +21,8 @@ one shift/mask of a word tile yields a dense [16 × BN] slab of W^T, which is ex
 ``K = 16`` B-operand of one tensor-core MMA (``tl.dot``) and a 16-column slab of the SIMT GEMV.
 No reshape/transposition is ever needed in the kernel; slabs of one word tile share its load.
 
-3-bit inliers — two planes (2 + 1 bits)
---------------------------------------
+3-bit inliers — two planes (2 + 1 bits) and a 4-bit tail
+---------------------------------------------------------
 3 bits are stored as a 2-bit plane (``u & 3``, the 2-bit layout above, chunks of 256) plus a
 1-bit plane (``u >> 2``, V = 32, chunks of 512): still exactly 32 values in 3 words, no wasted
 bit, so 3-bit weights stream 3/32 bytes per weight like the checkpoint. Alternatives rejected:
@@ -32,8 +32,29 @@ values per word a non-power of two, which Triton tiles cannot express; the check
 With planes, a 3-bit value is one shift of the 1-bit word plus two LOP3s: ``(lo & 3<<s) |
 (hi' & 4<<s) | magic`` (see the kernel). The kernel's K step is 512 columns at 3 bits.
 
-Rows are padded to a multiple of 16 (zero words, zero scales) and columns to a multiple of
-the K step (zero words; the activations are masked there, and their scales are zero).
+Padding K to that step cost up to 511 columns × 3 bits per row (Gemma3-270M's 640-column
+layers were served at 5 bits/weight, SmolLM2's 576-column ones at 5.6). So the planes cover
+only the whole 512-column chunks, ``K_main = 512·⌊K_pad/512⌋`` with K_pad = K rounded up to
+128, and the rest (the *tail*: 128, 256 or 384 columns) is stored as a 4-bit layer stores the
+same integers (``z + 8`` in the 4-bit layout, chunks of 128): after its main steps the kernel
+runs the tail's 128-column steps with its 4-bit code. Cost: one bit more per tail column, at
+most 384 bits per row — one 128-column step at 3 bits. A narrower 3-bit last chunk was
+rejected: its 2-bit words would be half used (a chunk is 16 words of 16 values), and a third
+word shape would need its own code; padding the tail to 512 instead costs as much only when
+the tail is 384 columns.
+
+5-bit inliers — two planes (4 + 1 bits)
+---------------------------------------
+A 4-bit plane (``u & 15``, the 4-bit layout) plus a 1-bit plane (``u >> 4``, chunks of 512,
+padded to whole chunks: at most 384 padding bits per row): 5/32 bytes per weight. The K step
+is the 4-bit plane's 128 columns; step s takes bits 8·(s mod 4) + [0, 8) of the 1-bit tile of
+chunk ⌊s/4⌋, so the four steps of a chunk load its 1-bit tile four times (from L1/L2 after
+the first, expected; not yet measured on a GPU) instead of holding a 512-column step's five
+word tiles in registers. A value is ``(lo & 15<<s) | (hi' & 16<<s) | magic``, as at 3 bits.
+
+Rows are padded to a multiple of 16 (zero words, zero scales) and columns to the K step
+(2/4 bits) or to 128 (3/5 bits); the activations are masked there, and their scales are
+zero. :func:`plane_columns` lists each plane's bits and columns.
 
 Scales — fp16, ``[ngroups_padded, 16]`` per 16-row group (row fastest, so the BN scales of a
 group are contiguous), ``ngroups_padded = ceil(K_pad / g)``; one group for a per-tensor scale.
@@ -79,20 +100,67 @@ LANE_OPS = 108 * 64 * 1.41e9
 UNPACK_ROWS = 1024   # rows of the checkpoint's packing unpacked at a time at load
 
 
+WIDTHS = (2, 3, 4, 5)
+CHUNK = 128          # K granularity of 3/5-bit layers (one 4-bit chunk); 2/4 bits: the step
+H_CHUNK = 512        # columns of one 1-bit-plane chunk (16 words × 32 values)
+
+
 def step_of(bits: int) -> int:
-    """Columns per kernel K step: 16 words × values per word (3 bits: the 1-bit plane's)."""
-    return {2: 256, 3: 512, 4: 128}[bits]
+    """Columns per K step of the main loop: 16 words × values per word of the plane that sets
+    it (3 bits: the 1-bit plane's 512; 5 bits: the 4-bit plane's 128, the 1-bit tile of a
+    512-column chunk serving four steps)."""
+    return {2: 256, 3: H_CHUNK, 4: 128, 5: 128}[bits]
 
 
 def planes_of(bits: int) -> list[int]:
-    """Bit widths of the stored planes, low bits first."""
-    return {2: [2], 3: [2, 1], 4: [4]}[bits]
+    """Bit widths of the stored main planes, low bits first (3 bits: plus the 4-bit tail)."""
+    return {2: [2], 3: [2, 1], 4: [4], 5: [4, 1]}[bits]
+
+
+def pad_k(k: int, bits: int) -> int:
+    """K as laid out: a multiple of the step (2/4 bits), of 128 columns (3/5 bits)."""
+    unit = CHUNK if bits in (3, 5) else step_of(bits)
+    return max(unit, -(-k // unit) * unit)
+
+
+def main_columns(bits: int, k_pad: int) -> int:
+    """Columns in whole main K steps: 3 bits: the full 512-column chunks (the rest, < 512
+    columns, is the 4-bit tail); other widths: all of K_pad."""
+    return k_pad // H_CHUNK * H_CHUNK if bits == 3 else k_pad
+
+
+def plane_columns(bits: int, k_pad: int) -> list[tuple[int, int]]:
+    """(plane bits, columns) of each stored plane in :class:`TritonLayout` order — main planes,
+    then (3 bits) the tail. 5 bits: the 1-bit plane is padded to whole 512-column chunks."""
+    km = main_columns(bits, k_pad)
+    if bits == 3:
+        return [(2, km), (1, km), (4, k_pad - km)]
+    if bits == 5:
+        return [(4, k_pad), (1, -(-k_pad // H_CHUNK) * H_CHUNK)]
+    return [(bits, k_pad)]
+
+
+def inlier_bytes(n_pad: int, bits: int, k_pad: int) -> int:
+    """Bytes of the planes of an ``n_pad``-row layer (what :func:`build` allocates)."""
+    return sum(n_pad * pb * cols // 8 for pb, cols in plane_columns(bits, k_pad))
+
+
+def k_steps(bits: int, k_pad: int) -> dict[str, int]:
+    """What the kernels index: word chunks per row group of plane A and of the 1-bit plane
+    (``nch_a``, ``nch_h``), main K steps (``nsteps``), 4-bit tail steps of 128 columns
+    (``tsteps``: 3 bits only; also the tail plane's chunks per row group) and the first tail
+    column (``k_main``)."""
+    planes = plane_columns(bits, k_pad)
+    nch = [cols // (WORDS * 32 // pb) for pb, cols in planes]
+    km = main_columns(bits, k_pad)
+    return {"nch_a": nch[0], "nch_h": nch[1] if len(nch) > 1 else 0, "nsteps": km // step_of(bits),
+            "tsteps": (k_pad - km) // CHUNK, "k_main": km}
 
 
 @dataclass
 class TritonLayout:
     """Everything the kernels read, on the weight's device."""
-    planes: list[torch.Tensor]     # int32 [N_pad/16 · nchunks_p · 16 · 16] per plane
+    planes: list[torch.Tensor]     # int32 [N_pad/16 · nchunks_p · 16 · 16] per plane_columns() entry
     scales: torch.Tensor           # fp16 [N_pad/16, ngroups_pad, 16]
     bits: int
     group: int                     # scale group as the kernel sees it (≥ K_pad: one group)
@@ -122,6 +190,8 @@ def pack_plane(v: torch.Tensor, pbits: int) -> torch.Tensor:
     n_pad, k_pad = v.shape
     G, C = n_pad // ROWS, k_pad // (WORDS * V)
     out = torch.empty(G, C, WORDS, ROWS, dtype=torch.int32, device=v.device)
+    if out.numel() == 0:                  # a 3-bit layer of < 512 columns: all of it is tail
+        return out.reshape(-1)
     sh = (pbits * torch.arange(V, device=v.device, dtype=torch.int64))
     for g0 in range(0, G, 64):
         blk = v[g0 * ROWS:(g0 + 64) * ROWS].to(torch.int64).reshape(-1, ROWS, C, V, WORDS)
@@ -212,21 +282,23 @@ def build(w, outlier_mode: str | None = None) -> TritonLayout:
     """Runtime form :class:`LatqWeight` → :class:`TritonLayout` (``outlier_mode``: force
     ``"ell"``/``"csr"``; default: the model's choice)."""
     bits, K, N = w.bits, w.in_features, w.out_features
-    if bits not in (2, 3, 4):
-        raise ValueError(f"Triton kernels support 2/3/4-bit inliers, got {bits}")
-    step = step_of(bits)
+    if bits not in WIDTHS:
+        raise ValueError(f"Triton kernels support {'/'.join(map(str, WIDTHS))}-bit inliers, got {bits}")
     n_pad = math.ceil(N / ROWS) * ROWS
-    k_pad = max(step, math.ceil(K / step) * step)
+    k_pad = pad_k(K, bits)
+    spans = plane_columns(bits, k_pad)
     dev = w.qweight.device
-    u = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)   # offset binary u = z + 2^(b-1)
+    u = torch.zeros(n_pad, max([k_pad] + [c for _, c in spans]), dtype=torch.uint8, device=dev)   # z + 2^(b-1)
     for r0 in range(0, N, UNPACK_ROWS):   # row blocks bound the int32 temporary
         z = fmt.unpack(w.qweight[r0:r0 + UNPACK_ROWS], bits, K)
         u[r0:r0 + z.shape[0], :K] = (z + 2 ** (bits - 1)).to(torch.uint8)
     planes = []
     shift = 0
-    for pb in planes_of(bits):
-        planes.append(pack_plane((u >> shift) & ((1 << pb) - 1), pb))
+    for pb, cols in spans[:len(planes_of(bits))]:          # bit planes of the main columns
+        planes.append(pack_plane((u[:, :cols] >> shift) & ((1 << pb) - 1), pb))
         shift += pb
+    if bits == 3:       # the tail: the same integers z, as a 4-bit layer stores them (u + 2^3 − 2^2)
+        planes.append(pack_plane(u[:, main_columns(bits, k_pad):k_pad] + 4, 4))
     del u
     ng = w.scales.shape[1]
     group = w.group_size

@@ -66,9 +66,9 @@ DEVICES = {
 }
 # MMA kernel K loop: SASS lane-instructions per weight per program of BM rows (triton_compile
 # "i/w", median over the tile configs of that BM, sm_80; docs/BENCHMARKS.md)
-MMA_IPW = {(2, 16): 5.00, (3, 16): 8.50, (4, 16): 5.12,
-           (2, 32): 6.20, (3, 32): 10.22, (4, 32): 6.41,
-           (2, 64): 8.70, (3, 64): 13.22, (4, 64): 8.47}
+MMA_IPW = {(2, 16): 5.00, (3, 16): 8.50, (4, 16): 5.12, (5, 16): 8.12,
+           (2, 32): 6.20, (3, 32): 10.22, (4, 32): 6.41, (5, 32): 9.69,
+           (2, 64): 8.70, (3, 64): 13.22, (4, 64): 8.47, (5, 64): 11.78}
 NEVER = 2**31 - 1          # threshold when the MMA kernel wins for every M searched
 M_SEARCH = 1 << 16
 

@@ -196,9 +196,11 @@ def stack_reason(states: list) -> str | None:
     shape = (s0.bits, s0.group, s0.spg, s0.n, s0.k, s0.n_pad, s0.k_pad)
     if any((s.bits, s.group, s.spg, s.n, s.k, s.n_pad, s.k_pad) != shape for s in states):
         return "experts differ in shape, bits or scale group"
-    unknown = {f.name for f in dataclasses.fields(TritonState)} - READ_FIELDS
+    unknown = {f.name for f in dataclasses.fields(TritonState)} - READ_FIELDS - {"plane_t"}
     if unknown:
         return f"the Triton layout has parts the grouped kernel does not read: {sorted(unknown)}"
+    if any(s.plane_t is not None and s.plane_t.numel() for s in states):   # K not whole 512-column chunks
+        return "a 3-bit layout with a 4-bit tail (the grouped kernel reads whole chunks only)"
     words = plane_words(s0.bits, s0.n_pad, s0.k_pad)
     for s in states:
         have = [s.plane_a.numel()] + ([s.plane_h.numel()] if s.plane_h is not None else [])
