@@ -69,9 +69,14 @@ def _grid():
 def test_grouped_equals_token_by_token(T, bits, rate):
     experts, dense = experts_of(bits, rate, seed=bits)
     stacked, why = moe.stack_experts(experts)
-    assert why is None and stacked.w13.outl == (1 if rate else 0)
     x, w, ids = routing(T, T + bits)
     want = moe_reference(x, w, ids, dense)
+    if bits == 3:   # K of 64 / 48: all of it the 4-bit tail, which the grouped kernel does not read yet
+        assert stacked is None and "tail" in why, why
+        host = moe.experts_forward(x, w, ids, experts, "silu", path="host")   # the path it falls back to
+        assert (host - want).abs().max() <= 1e-5 * want.abs().max()
+        return
+    assert why is None and stacked.w13.outl == (1 if rate else 0)
     y = moe.experts_forward(x, w, ids, experts, "silu", stacked=stacked, path="stacked")
     assert y.dtype == x.dtype and y.shape == (T, H)
     assert (y - want).abs().max() <= 1e-5 * want.abs().max()
@@ -129,7 +134,7 @@ def test_route_blocks_cover_each_routed_pair_once(P, bm):
 def test_stacked_bytes_and_views():
     """The stack holds each byte once: its bytes by part are the sum of the experts' served
     bytes (the experts' states are views of it, outliers as ELL), and the bulk is not copied."""
-    experts, _ = experts_of(3, 0.03)
+    experts, _ = experts_of(2, 0.03)   # 3 bits at these widths are all tail (not stacked)
     before = [[TritonKernel.served_bytes(getattr(ex, s)[1]) for ex in experts] for s in ("w13", "w2")]
     stacked, _ = moe.stack_experts(experts)
     for i, (stem, st) in enumerate((("w13", stacked.w13), ("w2", stacked.w2))):
