@@ -11,7 +11,7 @@ from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.quantize import capture
 from vllm_latq.quantize.activations import Activations
-from vllm_latq.quantize.calibrate import block_hessians
+from vllm_latq.quantize.calibrate import target_corrected_stages
 from vllm_latq.quantize.hessian import qronos_target
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
@@ -41,16 +41,44 @@ def _block0(model_dir, nseq=3, seqlen=32):
     return layers[0], hf_model.block_linears(layers[0], f"{prefix}.0"), torch.stack(x), kwargs[0]
 
 
+def _stages(layer, linears, x_tilde, kw, targets):
+    """Every stage of :func:`target_corrected_stages` with nothing quantized in between → ({linear:
+    its stage's Hessians}, the group names in stage order)."""
+    of, groups = {}, []
+    for names, hs, _ in target_corrected_stages(layer, linears, _as_stream(x_tilde), targets, kw, "", False):
+        groups.append(names)
+        of.update({n: hs for n in names})
+    return of, groups
+
+
+def _as_stream(x):
+    return x if isinstance(x, Activations) else _RowStream(x)
+
+
+class _RowStream:
+    """A tensor read one sequence at a time, as :class:`Activations` are."""
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, rows):
+        return self.x[rows]
+
+
 def test_same_streams_give_cross_equal_hessian_and_w_prime_near_w(tiny_llama, tmp_path):
-    """At block 0 X̃ = X: C = H̃ (up to fp32 rounding of the products), so W′ = W."""
+    """At block 0 X̃ = X: C = H̃ (up to fp32 rounding of the products), so W′ = W; the groups come
+    in forward order and the stream moves on to the block's outputs."""
     layer, linears, x, kw = _block0(tiny_llama)
     targets = _stream(tmp_path / "x", x)
-    hs = block_hessians(layer, linears, x, kw, "", False, targets=targets)
-    for j in range(len(x)):  # the stream moved on to the block's outputs
+    of, groups = _stages(layer, linears, x, kw, targets)
+    assert [g[0].rsplit(".", 1)[-1] for g in groups] == ["q_proj", "o_proj", "gate_proj", "down_proj"]
+    for j in range(len(x)):
         torch.testing.assert_close(targets[j:j + 1], capture.run_block(layer, x[j:j + 1], kw))
     for n, m in linears.items():
-        H, C, W = hs.of[n].H, hs.cross_of[n].C, m.weight.detach().float()
-        assert hs.cross_of[n].n == hs.of[n].n
+        H, C, W = of[n].of[n].H, of[n].cross_of[n].C, m.weight.detach().float()
+        assert of[n].cross_of[n].n == of[n].of[n].n
         torch.testing.assert_close(C, H, rtol=1e-5, atol=1e-7 * H.abs().max().item())
         assert torch.equal(qronos_target(W, H, H, 0.01), W)
         torch.testing.assert_close(qronos_target(W, H, C, 0.01), W, rtol=1e-4, atol=1e-6)
@@ -72,13 +100,30 @@ def test_cross_covariance_matches_hooked_inputs(tiny_llama, tmp_path):
                 capture.run_block(layer, xs[j:j + 1], kw)
     for h in hooks:
         h.remove()
-    hs = block_hessians(layer, linears, x_tilde, kw, "", False, targets=_stream(tmp_path / "x", x))
+    of, _ = _stages(layer, linears, x_tilde, kw, _stream(tmp_path / "x", x))
     for n in linears:
         Xt, X = torch.cat(rows[n]["tilde"]).double(), torch.cat(rows[n]["full"]).double()
-        torch.testing.assert_close(hs.cross_of[n].C, Xt.T @ X / len(X), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(hs.of[n].H, Xt.T @ Xt / len(X), rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(hs.cross_of[n].C, hs.of[n].H)
-    assert hs.cross_of["model.layers.0.self_attn.k_proj"] is hs.cross_of["model.layers.0.self_attn.q_proj"]
+        torch.testing.assert_close(of[n].cross_of[n].C, Xt.T @ X / len(X), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(of[n].of[n].H, Xt.T @ Xt / len(X), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(of[n].cross_of[n].C, of[n].of[n].H)
+    q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
+    assert of[k].cross_of[k] is of[q].cross_of[q]
+
+
+def test_later_groups_see_the_earlier_groups_quantized(tiny_llama, tmp_path):
+    """True-sequential: a group's X̃ comes from the block with the earlier groups as quantized
+    between the stages (here: o_proj's inputs once q/k/v are zeroed), its X from the unquantized copy."""
+    layer, linears, x, kw = _block0(tiny_llama)
+    o = "model.layers.0.self_attn.o_proj"
+    for names, hs, _ in target_corrected_stages(layer, linears, _as_stream(x), _stream(tmp_path / "x", x), kw, "",
+                                                False):
+        if o in names:
+            assert hs.of[o].H.abs().max() == 0              # v = 0: the attention output is 0
+            assert hs.cross_of[o].C.abs().max() == 0
+            assert hs.cross_of[o].n == hs.of[o].n > 0
+            break
+        for n in names:   # "quantize" the group
+            linears[n].weight.data.zero_()
 
 
 def _final_hidden_error(model_dir, ckpt, ids) -> float:
@@ -103,8 +148,9 @@ def _calibration_ids(src, opts: QuantizeOptions) -> torch.Tensor:
 
 
 def test_pipeline_with_target_correction(tiny_llama, tmp_path):
-    """The option runs end to end, is recorded, and changes the second block's layers only
-    through their targets (the first block's streams agree: its layers are unchanged)."""
+    """The option runs end to end, is recorded, and changes every layer's target except the first
+    group's (q/k/v of block 0, where both streams agree; from o_proj on X̃ carries the block's
+    already quantized groups)."""
     opts = dict(method="gptq", bits=3, **TINY_OPTS)
     res = {False: {}, True: {}}
     for tc in (False, True):
@@ -113,7 +159,7 @@ def test_pipeline_with_target_correction(tiny_llama, tmp_path):
         assert Checkpoint(d).spec.extra.get("target_correction") is (True if tc else None)
     for n, (W, r) in res[True].items():
         W0, r0 = res[False][n]
-        if ".layers.0." in n:
+        if ".layers.0.self_attn." in n and not n.endswith("o_proj"):   # the first group: both streams agree
             torch.testing.assert_close(W, W0, rtol=1e-4, atol=1e-6)
         else:
             assert not torch.allclose(W, W0), n
@@ -156,22 +202,31 @@ def test_resume_is_refused(tiny_llama, tmp_path):
                        resume=True, progress=False)
 
 
-@pytest.mark.parametrize("arch, column_scales", [("olmoe", "none"), ("llama", "norm")])
-def test_with_experts_and_column_scales(tmp_path, arch, column_scales):
+def test_with_experts(tmp_path):
     """Experts keep their own W and see only the quantized stream's tokens (the X pass is not
-    recorded as routed inputs); column scales fold W′ like W."""
+    recorded as routed inputs: each block routes its tokens × top-k slots, as without the option)."""
     import json
-    src = make_tiny_model(tmp_path / arch, arch, layers=2, dtype=torch.float32)
+    src = make_tiny_model(tmp_path / "olmoe", "olmoe", layers=2, dtype=torch.float32)
     stats = {}
     for tc in (False, True):
-        opts = QuantizeOptions(method="gptq", bits=3, column_scales=column_scales, target_correction=tc, **TINY_OPTS)
+        opts = QuantizeOptions(method="gptq", bits=3, target_correction=tc, **TINY_OPTS)
         d = quantize_model(src, tmp_path / f"q{tc}", opts, progress=False)
         stats[tc] = {s["name"]: s for s in json.loads((d / "latq_stats.json").read_text())["layers"]}
     assert stats[True].keys() == stats[False].keys()
-    for n, s in stats[True].items():
-        assert s["hessian_tokens"] == stats[False][n]["hessian_tokens"], n
-        if "expert" in s:
-            assert s["expert_tokens"] == stats[False][n]["expert_tokens"], n
+    routed = {tc: {} for tc in stats}
+    for tc, layers in stats.items():
+        for n, s in layers.items():
+            if n.endswith("gate_proj") and "expert" in s:
+                block = n.split(".experts.")[0]
+                routed[tc][block] = routed[tc].get(block, 0) + s["expert_tokens"]
+            elif "expert" not in s:
+                assert s["hessian_tokens"] == stats[False][n]["hessian_tokens"], n
+    assert routed[True] == routed[False] and routed[True], routed
+
+
+def test_column_scales_are_refused():
+    with pytest.raises(ValueError, match="cannot be combined"):
+        QuantizeOptions(method="gptq", column_scales="norm", target_correction=True)
 
 
 def test_spilled_streams_give_the_same_checkpoint(tiny_llama, tmp_path):

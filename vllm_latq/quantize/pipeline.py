@@ -45,7 +45,7 @@ from ..format import writer
 from .. import data
 from .. import format as fmt
 from . import lattice
-from .calibrate import block_hessians, drop_stream, full_precision_stream
+from .calibrate import block_hessians, drop_stream, full_precision_stream, target_corrected_stages
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
 from .finalize import finalize
@@ -131,6 +131,8 @@ class QuantizeOptions:
                              f"got {self.column_scales!r}")
         if self.target_correction and not self.calibrated:
             raise ValueError(f"target_correction needs a calibrated method (a Hessian), not {self.method}")
+        if self.target_correction and self.column_scales != "none":   # folds need the whole block's Hessians at once
+            raise ValueError("target_correction and column_scales cannot be combined (yet)")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -244,20 +246,27 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         linears = src.block_linears(i)
         kw = _to_device(kwargs[i], device) if opts.calibrated else None
         t0 = time.time()
-        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress,
-                                  targets) if opts.calibrated else None
-        t1 = time.time()
         folding = None
-        if opts.column_scales != "none":
-            folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
-                                 power=opts.column_scale_power, order=opts.order, damp=opts.damp,
-                                 stored=src.weights.get)
-        quantize_block = quantize if folding is None else folding.wrap(quantize)
-        if targets is not None:
-            quantize_block = solving.target_corrected(quantize_block, {src.names.module(n): c for n, c in
-                                                                       hessians.cross_of.items()}, opts.damp)
-        shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                    device, progress, opts.moe_min_tokens, opts.moe_route_all)
+        if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
+            shard = {}
+            for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
+                                                                 progress):
+                quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
+                                                                     hessians.cross_of.items()}, opts.damp)
+                shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
+                                                 device, progress, opts.moe_min_tokens, opts.moe_route_all,
+                                                 experts=last))
+            t1 = t0
+        else:
+            hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
+            t1 = time.time()
+            if opts.column_scales != "none":
+                folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
+                                     power=opts.column_scale_power, order=opts.order, damp=opts.damp,
+                                     stored=src.weights.get)
+            quantize_block = quantize if folding is None else folding.wrap(quantize)
+            shard = solving.solve_block(src, i, linears, hessians, quantize_block,
+                                        device, progress, opts.moe_min_tokens, opts.moe_route_all)
         hessians = None
         t2 = time.time()
         if opts.calibrated:

@@ -77,11 +77,12 @@ def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp
 
 @torch.no_grad()
 def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
-                progress: bool, moe_min_tokens: int = 128, moe_route_all: bool = False) -> dict[str, torch.Tensor]:
+                progress: bool, moe_min_tokens: int = 128, moe_route_all: bool = False,
+                experts: bool = True) -> dict[str, torch.Tensor]:
     """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
     exact source weight (fp32, even when the forwards run in a narrower dtype), then its experts
-    (:func:`solve_experts`), and put the dequantized weights into the block, so its outputs are
-    the quantized block's → the block's quantized tensors, by checkpoint name."""
+    (:func:`solve_experts`; ``experts=False``: not yet), and put the dequantized weights into the
+    block, so its outputs are the quantized block's → the block's quantized tensors, by name."""
     from tqdm.auto import tqdm
     shard: dict[str, torch.Tensor] = {}
     for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
@@ -89,7 +90,7 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
         res, t = quantize(src.names.module(name), W, hessians.of[name] if hessians is not None else None)
         shard.update(t)
         hf_model.set_tensor(src.net, f"{name}.weight", res.q.to(device=device, dtype=src.dtype))
-    for module, parts in src.block_experts(i).items():
+    for module, parts in (src.block_experts(i) if experts else {}).items():
         inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
         shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,
                                    progress))
