@@ -13,7 +13,8 @@ decoder block 0 are captured once (:mod:`.capture`); then for every block i
 
 Then the output head, if asked (:mod:`.head`), and the rest of the checkpoint (:mod:`.finalize`).
 With ``target_correction`` a second stream, the full-precision inputs, runs through the unquantized
-blocks beside the first: step 2 also sums each linear's ``X̃ᵀX`` and step 3 solves it against
+blocks beside the first: steps 2 and 3 alternate group by group (:func:`~.calibrate.target_corrected_stages`:
+each group's ``X̃ᵀX̃`` and ``X̃ᵀX`` with the block's earlier groups quantized), each linear solved against
 :func:`~.hessian.qronos_target` (experts and the head against their own W).
 RTN and HRTN ignore activations, so for them steps 2 and 4 (and the calibration data) are
 skipped: they quantize at the speed of reading the weights.
