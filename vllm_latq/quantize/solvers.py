@@ -202,10 +202,10 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     # of H⁻¹ is U = J A⁻ᵀ J — Babai's factor inverted and reversed: the equivalence in one
     # line. The sweep stays in Babai's frame, so nothing is flipped or copied.
     L, damp_used = lattice.cholesky(H, damp, p.flip(0), name, dtype=dtype)
-    M = lattice.tri_inv_upper(L.T)
+    D_col = lattice.d_by_column(L, p.flip(0))
+    M = lattice.tri_inv_upper(L.T, overwrite=True)  # in L's memory: L is not read again
     d = M.diagonal().clone()
     M.div_(d)                                       # in place: no second c×c matrix
-    D_col = lattice.d_by_column(L, p.flip(0))
     return GPTQLattice(p, M, d, D_col, damp_used)
 
 
