@@ -101,9 +101,14 @@ def _mode(rounder: Rounder) -> tuple[int, float, float]:
     return (2 if rounder.outliers else 1), float(rounder.qmin), float(rounder.qmax)
 
 
-def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
-    """``[in, out]`` outputs already in original column order → ``[out, in]``."""
-    return Sweep(*(None if x is None else x.T.contiguous() for x in (Zt, Qt, Ot, Rt)))
+def _sweep_result(tables: list) -> Sweep:
+    """``[in, out]`` outputs ``[Zt, Qt, Ot, Rt]`` already in original column order → ``[out,
+    in]``, each table freed once transposed (``tables`` holds the only references)."""
+    out = []
+    while tables:
+        x = tables.pop(0)
+        out.append(None if x is None else x.T.contiguous())
+    return Sweep(*out)
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -173,7 +178,9 @@ def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales:
         if not errors:
             Qt.index_copy_(0, T[j0:j1], B[: j1 - j0])
         X[:j0].addmm_(M[:j0, j0:j1], B[: j1 - j0], alpha=-1)
-    return _sweep_result(Zt, Qt, Ot, Rt)
+    tables = [Zt, Qt, Ot, Rt]
+    del Zt, Qt, Ot, Rt
+    return _sweep_result(tables)
 
 
 # ----------------------------------------------------------------------------- GPTQ
