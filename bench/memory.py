@@ -1,23 +1,29 @@
 """Peak memory and time of ``latq-quantize`` at the size people run: a synthetic model with
 Llama-3-8B shapes (hidden 4096, intermediate 14336, 32 layers, 32 query / 8 KV heads, vocab
 128256, bf16, random weights) quantized with RTN end to end and with SSQR for its first
-blocks (``stop_after_block``).
+blocks (``stop_after_block``); ``--shape moe``: mixture-of-experts blocks with Qwen3-30B-A3B's
+shapes (hidden 2048, 128 experts × intermediate 768, top-8, 32 query / 4 KV heads of 128,
+vocab 151936), two of them by default.
 
     python bench/memory.py                                   # the 8B shapes (writes ~16 GB once)
     python bench/memory.py --nsamples 16 --seqlen 2048 --ssqr-blocks 2
+    python bench/memory.py --shape moe --nsamples 8 --seqlen 2048 --ssqr-blocks 1
     python bench/memory.py --shape small --layers 4          # a quick run (seconds)
     python bench/memory.py --max-activation-memory 0         # calibration activations spilled to disk
 
-The model is written once as sharded bf16 safetensors (HF layout, config.json, SmolLM2's
-tokenizer: its ids fit the larger vocabulary) under ``cache_dir()/bench`` (``--model-dir``
-elsewhere) and reused. Each quantization runs in its own process, which reports its peak
-RSS (``VmHWM`` of ``/proc/self/status``: resident memory, memory-mapped file pages
-included) after the last block and at the end (the tail writes embeddings and head and
-validates the checkpoint), and the seconds of every block. Printed next to them: the model's
-size and one block's working set — its bf16 weights, its fp64 Hessians (one per distinct
-linear input: q/k/v and gate/up share theirs) and the calibration activations (nsamples ×
-seqlen × hidden, bf16) — and the target: twice the block's weights and Hessians, plus the
-activations held in memory. The last line is ``HEADLINE key=value ...``.
+The model is written once as sharded bf16 safetensors (HF layout — experts one tensor per
+expert and projection, as the hub's MoE checkpoints —, config.json, SmolLM2's tokenizer: its
+ids fit the larger vocabulary) under ``cache_dir()/bench`` (``--model-dir`` elsewhere) and
+reused. Each quantization runs in its own process, which reports its peak RSS (``VmHWM`` of
+``/proc/self/status``: resident memory, memory-mapped file pages included) after the last
+block and at the end (the tail writes embeddings and head and validates the checkpoint), and
+the seconds of every block. Printed next to them: the model's size and one block's working
+set — its bf16 weights, its fp64 Hessians (one per distinct linear input: q/k/v and gate/up
+share theirs; of a mixture only one expert's at a time, with the all-token ones a starved
+expert's blend reads) and the calibration activations (nsamples × seqlen × hidden, bf16; a
+mixture keeps its experts' inputs too, a second such copy) — and the target: twice the
+block's weights and Hessians, plus the activations held in memory. The last line is
+``HEADLINE key=value ...``.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 SHARD_BYTES = 2 * GiB  # source shards of at most this size (HF writes ~5 GB ones)
 POOL = 1 << 24  # random values the weights are tiled from
-SHAPES = {  # Llama configs: the 8B's, a tiny one (tests) and a small one whose block dwarfs the RSS noise
+SHAPES = {  # the 8B's, a tiny one (tests), a small one whose block dwarfs the RSS noise, and a Qwen3-30B-A3B-like MoE
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
                rms_norm_eps=1e-5),
@@ -44,16 +50,44 @@ SHAPES = {  # Llama configs: the 8B's, a tiny one (tests) and a small one whose 
                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "moe": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=2,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                     num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152,
+                     max_position_embeddings=4096, rms_norm_eps=1e-6),
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 COMPLETE = "latq_bench_model.json"  # written last: the directory is complete
 
 
 def model_config(shape: str, layers: int | None) -> dict:
-    cfg = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
-               tie_word_embeddings=False, hidden_act="silu")
+    cfg = dict(SHAPES[shape], torch_dtype="bfloat16", tie_word_embeddings=False, hidden_act="silu")
+    cfg.setdefault("model_type", "llama")
+    cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
     if layers is not None:
         cfg["num_hidden_layers"] = layers
     return cfg
+
+
+def checkpoint_shapes(cfg: dict) -> dict:
+    """Tensor name → shape as a Hugging Face checkpoint of config ``cfg`` stores it, in the
+    model's order: where the model fuses its experts, one tensor per expert and projection."""
+    import torch
+
+    from vllm_latq import hf_model
+    model = hf_model.empty_model(hf_model.hf_config(cfg), torch.bfloat16)
+    names = hf_model.checkpoint_names(model)
+    shapes = {}
+    for n, t in model.state_dict().items():
+        experts = names.of_param(n)
+        if not experts:
+            shapes[names.original.get(n, n)] = t.shape
+        for name, x in sorted(experts.items(), key=lambda kv: (kv[1].expert, kv[1].rows.start)):
+            shapes[f"{name}.weight"] = torch.Size([x.rows.stop - x.rows.start, t.shape[2]])
+    return shapes
 
 
 def write_model(out: Path, cfg: dict) -> Path:
@@ -64,7 +98,7 @@ def write_model(out: Path, cfg: dict) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from vllm_latq import data, hf_model
+    from vllm_latq import data
     from vllm_latq.format import writer
 
     if (out / COMPLETE).is_file() and json.loads((out / COMPLETE).read_text()) == cfg:
@@ -75,7 +109,7 @@ def write_model(out: Path, cfg: dict) -> Path:
     tok = json.loads((tok_dir / "config.json").read_text())
     writer.write_json(out / "config.json", dict(cfg, bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"]))
     writer.copy_aux_files(tok_dir, out)
-    shapes = {n: t.shape for n, t in hf_model.empty_model(hf_model.hf_config(cfg), torch.bfloat16).state_dict().items()}
+    shapes = checkpoint_shapes(cfg)
     groups, size = [[]], 0
     for n, s in shapes.items():
         if groups[-1] and size + 2 * s.numel() > SHARD_BYTES:
@@ -103,14 +137,22 @@ def write_model(out: Path, cfg: dict) -> Path:
 
 
 def sizes(cfg: dict, nsamples: int, seqlen: int) -> dict:
-    """Bytes of the model, of one block's weights (bf16) and Hessians (fp64; q/k/v and
-    gate/up share one), and of the calibration activations (bf16)."""
-    h, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    q = cfg["num_attention_heads"] * (h // cfg["num_attention_heads"])
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    block = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
-    return {"model": 2 * (L * block + 2 * V * h + h), "block_weights": 2 * block,
-            "block_hessians": 8 * (2 * h * h + q * q + f * f), "activations": 2 * nsamples * seqlen * h}
+    """Bytes of the model and of one block's weights (bf16), of its Hessians (fp64; q/k/v and
+    gate/up share one; of a mixture, one expert's two and the all-token two a blend reads,
+    experts being solved one at a time) and of the calibration activations (bf16; a mixture
+    also keeps its experts' inputs: two copies)."""
+    shapes = checkpoint_shapes(cfg)
+    block0 = sum(s.numel() for n, s in shapes.items() if ".layers.0." in n)
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    q = heads * cfg.get("head_dim", h // heads)
+    mlp = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    hessians = 2 * h * h + q * q + mlp * mlp
+    copies = 1
+    if cfg.get("num_experts"):
+        hessians += h * h + mlp * mlp
+        copies = 2
+    return {"model": 2 * sum(s.numel() for s in shapes.values()), "block_weights": 2 * block0,
+            "block_hessians": 8 * hessians, "activations": 2 * copies * nsamples * seqlen * h}
 
 
 def vm_hwm() -> int:
@@ -191,7 +233,7 @@ def main(argv=None) -> int:
 
     cfg = model_config(a.shape, a.layers)
     L = cfg["num_hidden_layers"]
-    model = write_model(a.model_dir or data.cache_dir() / "bench" / f"llama-{a.shape}-{L}L", cfg)
+    model = write_model(a.model_dir or data.cache_dir() / "bench" / f"{cfg['model_type']}-{a.shape}-{L}L", cfg)
     sz = sizes(cfg, a.nsamples, a.seqlen)
     budget = _size(a.max_activation_memory)
     print(f"model {model}: {L} blocks, {sz['model'] / GiB:.2f} GiB; one block: weights "

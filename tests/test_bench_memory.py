@@ -49,3 +49,23 @@ def test_peak_rss_does_not_grow_with_depth(tmp_path):
     block_weights = sizes(model_config("small", 4), 1, 1)["block_weights"] / 2**30
     assert SHAPES["small"]["num_hidden_layers"] == 4 and block > block_weights
     assert peaks[8] - peaks[4] < 1.5 * block_weights, (peaks, block_weights)
+
+
+@pytest.mark.slow
+def test_bench_moe_shape_per_expert_checkpoint(tmp_path):
+    """``--shape tiny-moe``: a mixture written with one tensor per expert and projection (as the
+    hub's checkpoints), quantized with RTN and SSQR; its Hessians count one expert's at a time."""
+    import json
+
+    from bench.memory import model_config, sizes
+    out, head = bench("--shape", "tiny-moe", "--nsamples", "2", "--seqlen", "32", "--ssqr-blocks", "1",
+                      "--model-dir", str(tmp_path / "moe"))
+    assert "rtn: 2 blocks" in out and "ssqr: 1 blocks" in out and head["shape"] == "tiny-moe"
+    names = set(json.loads((tmp_path / "moe" / "model.safetensors.index.json").read_text())["weight_map"])
+    assert {f"model.layers.1.mlp.experts.15.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    cfg = model_config("tiny-moe", None)
+    h, mi, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    sz = sizes(cfg, 2, 32)
+    assert sz["block_hessians"] == 8 * (3 * h * h + (4 * 32) ** 2 + 2 * mi * mi)
+    assert sz["block_weights"] > 2 * 3 * E * h * mi and sz["activations"] == 2 * 2 * 2 * 32 * h

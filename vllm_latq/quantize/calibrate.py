@@ -112,6 +112,14 @@ class SharedHessians:
             self._call = []
         self.targets = None
 
+    def release(self, name: str) -> None:
+        """Drop the Hessian (and cross term) of ``name`` and of every linear sharing it: called
+        once the last of them is solved, so that a block holds one c×c matrix at a time."""
+        h = self.of[name]
+        for n in [n for n, x in self.of.items() if x is h]:
+            del self.of[n]
+            self.cross_of.pop(n, None)
+
     def groups(self) -> list[list[str]]:
         out: dict[int, list[str]] = {}
         for n in self.linears:

@@ -149,9 +149,7 @@ class BlockFolding:
 def _scaled_hessian(h: Hessian, c: torch.Tensor) -> Hessian:
     """The folded linear's Hessian, from ``h.H`` (a :class:`PanelHessian` sums only its upper
     triangle: ``.H`` is the symmetric matrix)."""
-    out = Hessian(h.sum.shape[0], h.sum.device)
-    out.sum, out.n = fold_hessian(h.H, c) * h.n, h.n
-    return out
+    return Hessian.from_sum(fold_hessian(h.H, c) * h.n, h.n)
 
 
 @torch.no_grad()
@@ -181,7 +179,7 @@ def fold_block(layer: torch.nn.Module, prefix: str, linears: dict, hessians: dic
         # new tensors, never in place: a loaded parameter may share memory with the source's tensor
         hf_model.set_tensor(norm, "weight", new_w.to(norm.weight.dtype))
         out.norm_tensors[f"{f.norm}.weight"] = new_w.cpu()
-        hs = _scaled_hessian(h, c.to(h.sum.device))
+        hs = _scaled_hessian(h, c.to(h.H.device))
         for n in f.linears:
             lin = linears[n]
             hf_model.set_tensor(lin, "weight", fold_weight(lin.weight.float(), c).to(lin.weight.dtype))

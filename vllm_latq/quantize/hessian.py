@@ -24,22 +24,48 @@ PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
 class Hessian:
     """Running ``XᵀX / n`` over the rows of every input fed to :meth:`add` (``[..., in]``).
     fp64 accumulation: a Hessian summed over 10⁵ tokens in fp32 loses the small
-    eigenvalues that decide GPTQ's error propagation."""
+    eigenvalues that decide GPTQ's error propagation.
+
+    :attr:`H` is formed once, in place of the sum: a second c×c fp64 matrix would be the
+    largest allocation of a block (1.6 GB for a 14336-wide input). From then on ``sum`` is
+    None and :meth:`add` refuses."""
 
     def __init__(self, columns: int, device="cpu"):
-        self.sum = torch.zeros(columns, columns, dtype=torch.float64, device=device)
+        self.sum: torch.Tensor | None = torch.zeros(columns, columns, dtype=torch.float64, device=device)
         self.n = 0
+        self._H: torch.Tensor | None = None
+
+    @classmethod
+    def from_sum(cls, sum_: torch.Tensor, n: int) -> "Hessian":
+        """A Hessian whose rows were summed elsewhere: ``sum_`` (fp64, taken over) over ``n`` rows."""
+        out = cls.__new__(cls)
+        out.sum, out.n, out._H = sum_, n, None
+        return out
+
+    def _open_sum(self) -> torch.Tensor:
+        if self.sum is None:
+            raise RuntimeError("rows added to a Hessian whose H was already formed from its sum")
+        return self.sum
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(self.sum.device, torch.float64)
-        self.sum.addmm_(x.T, x)
+        S = self._open_sum()
+        x = x.reshape(-1, x.shape[-1]).to(S.device, torch.float64)
+        S.addmm_(x.T, x)
         self.n += x.shape[0]
 
     @property
     def H(self) -> torch.Tensor:
-        if self.n == 0:
-            raise ValueError("no calibration rows were seen for this layer")
-        return self.sum / self.n
+        """``sum / n`` (the very values of a fresh division), formed in place on first use;
+        later reads return the same tensor: callers must not modify it."""
+        if self._H is None:
+            if self.n == 0:
+                raise ValueError("no calibration rows were seen for this layer")
+            self._H = self._symmetric(self._open_sum().div_(self.n))
+            self.sum = None
+        return self._H
+
+    def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
+        return H
 
 
 class PanelHessian(Hessian):
@@ -55,19 +81,18 @@ class PanelHessian(Hessian):
     together cost as much as the block's bf16 forward. :attr:`H` mirrors the upper triangle."""
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(self.sum.device)
+        S = self._open_sum()
+        x = x.reshape(-1, x.shape[-1]).to(S.device)
         n = x.shape[1]
         for part in x.split(PRODUCT_ROWS):
             part = part.float()
             for c in range(0, n, PANEL):
-                self.sum[c:c + PANEL, c:].add_(part[:, c:c + PANEL].T @ part[:, c:])
+                S[c:c + PANEL, c:].add_(part[:, c:c + PANEL].T @ part[:, c:])
         self.n += x.shape[0]
 
-    @property
-    def H(self) -> torch.Tensor:
-        """``XᵀX / n``, the upper triangle mirrored panel by panel into one new matrix (whole-
-        matrix ``triu`` temporaries were 4 copies: 6.6 GB for a 14336-wide input)."""
-        H = super().H
+    def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
+        """The upper triangle mirrored panel by panel, in place (whole-matrix ``triu``
+        temporaries were 4 copies: 6.6 GB for a 14336-wide input)."""
         n = H.shape[0]
         for c in range(0, n, PANEL):
             d = H[c:c + PANEL, c:c + PANEL]
@@ -82,12 +107,13 @@ class CrossCovariance(Hessian):
     inputs with the full-precision prefix. Not symmetric: the whole product is summed."""
 
     def add(self, x_tilde: torch.Tensor, x: torch.Tensor) -> None:  # type: ignore[override]
-        x_tilde = x_tilde.reshape(-1, x_tilde.shape[-1]).to(self.sum.device)
-        x = x.reshape(-1, x.shape[-1]).to(self.sum.device)
+        S = self._open_sum()
+        x_tilde = x_tilde.reshape(-1, x_tilde.shape[-1]).to(S.device)
+        x = x.reshape(-1, x.shape[-1]).to(S.device)
         if x_tilde.shape != x.shape:
             raise ValueError(f"the two activation streams disagree: {tuple(x_tilde.shape)} vs {tuple(x.shape)}")
         for xt, xf in zip(x_tilde.split(PRODUCT_ROWS), x.split(PRODUCT_ROWS)):
-            self.sum.add_(xt.float().T @ xf.float())
+            S.add_(xt.float().T @ xf.float())
         self.n += x.shape[0]
 
     @property

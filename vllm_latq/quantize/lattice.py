@@ -9,6 +9,7 @@ processing sequence* in both frames for the heuristics ``act`` and ``min-pivot``
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -59,8 +60,27 @@ def damped(H: torch.Tensor, damp: float, dtype: torch.dtype = torch.float64,
     if perm is not None and H.device.type == "cpu" and dtype in (torch.float32, torch.float64) and native.usable():
         return torch.ops.latq_cpu.permuted_damped(H, perm, lam, dtype)  # the same values in one pass
     Hd = H.to(dtype, copy=True)
-    Hd.diagonal().copy_(H.diagonal().to(torch.float64) + lam)
+    Hd.diagonal().copy_(_damped_diagonal(H, lam))
     return Hd if perm is None else Hd[perm][:, perm]
+
+
+def _damped_diagonal(H: torch.Tensor, lam: float) -> torch.Tensor:
+    return H.diagonal().to(torch.float64) + lam
+
+
+@contextmanager
+def damped_in_place(H: torch.Tensor, damp: float):
+    """``damped(H, damp)`` of an fp64 ``H`` (the same values) formed in H itself for the
+    ``with`` body, its diagonal restored after: no second c×c matrix. Nothing else may read H
+    meanwhile."""
+    if H.dtype != torch.float64:
+        raise ValueError(f"damped_in_place needs an fp64 Hessian, got {H.dtype}")
+    diag = H.diagonal().clone()
+    H.diagonal().copy_(_damped_diagonal(H, damp_lambda(H, damp)))
+    try:
+        yield H
+    finally:
+        H.diagonal().copy_(diag)
 
 
 def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
@@ -204,23 +224,36 @@ def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = Tru
     return torch.cat([upper_mm(A11, B1, leaf, False), right], 1)
 
 
-def tri_inv_upper(R: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+def tri_inv_upper(R: torch.Tensor, leaf: int = 256, overwrite: bool = False) -> torch.Tensor:
     """Inverse of an upper-triangular matrix by 2x2 block recursion,
     ``[[A⁻¹, −A⁻¹ B C⁻¹], [0, C⁻¹]]``, with triangle-aware products: ≈ n³/3 FLOPs, almost
-    all of them GEMM (LAPACK's triangular solve against I does n³ here)."""
+    all of them GEMM (LAPACK's triangular solve against I does n³ here). Returned row-major
+    even for a transposed R. ``overwrite``: R is garbage afterwards and, where its storage is
+    one n×n matrix (a Cholesky factor's transpose), the inverse is written there once R's
+    blocks are no longer read: one n×n matrix less at the peak, the same values."""
     n = R.shape[0]
     if n <= leaf:
         return torch.linalg.solve_triangular(R, torch.eye(n, dtype=R.dtype, device=R.device), upper=True)
     h = n // 2
     A, C = tri_inv_upper(R[:h, :h], leaf), tri_inv_upper(R[h:, h:], leaf)
-    out = torch.zeros(R.shape, dtype=R.dtype, device=R.device)  # row-major even for a transposed R
+    AB = upper_mm(A, R[:h, h:], leaf, True)
+    if overwrite and R.storage_offset() == 0 and R.untyped_storage().nbytes() == n * n * R.element_size():
+        out = R.as_strided((n, n), (n, 1))   # R is not read from here on
+        out[h:, :h] = 0
+    else:
+        out = torch.zeros(R.shape, dtype=R.dtype, device=R.device)
     out[:h, :h], out[h:, h:] = A, C
-    out[:h, h:] = upper_mm(C, upper_mm(A, R[:h, h:], leaf, True), leaf, False).neg_()
+    out[:h, h:] = upper_mm(C, AB, leaf, False).neg_()
     return out
 
 
 def layer_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, damp: float = 0.0) -> torch.Tensor:
-    """Per-row ``(q_i - w_i)ᵀ (H + λI) (q_i - w_i)`` with λ = damp · mean diag H → ``[out]``."""
-    E = (Q.double() - W.double())
-    Hd = damped(H, damp) if damp else H.double()
-    return ((E @ Hd) * E).sum(1)
+    """Per-row ``(q_i - w_i)ᵀ (H + λI) (q_i - w_i)`` with λ = damp · mean diag H → ``[out]``.
+    Two ``[out, in]`` fp64 temporaries, and an fp64 H damped in place rather than copied."""
+    E = Q.to(torch.float64, copy=True).sub_(W)
+    if damp and H.dtype == torch.float64:
+        with damped_in_place(H, damp) as Hd:
+            EH = E @ Hd
+    else:
+        EH = E @ (damped(H, damp) if damp else H.double())
+    return EH.mul_(E).sum(1)

@@ -40,10 +40,7 @@ class ExpertHessians:
 def blend(routed: PanelHessian, everything: PanelHessian, min_tokens: int) -> PanelHessian:
     """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens with the
     all-token Hessian (convex in H_e and H_all, weights n_e/t and 1 − n_e/t)."""
-    out = PanelHessian(routed.sum.shape[0], routed.sum.device)
-    out.sum = routed.sum + everything.sum * ((min_tokens - routed.n) / everything.n)
-    out.n = min_tokens
-    return out
+    return PanelHessian.from_sum(routed.sum + everything.sum * ((min_tokens - routed.n) / everything.n), min_tokens)
 
 
 class MoeInputs:

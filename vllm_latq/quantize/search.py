@@ -141,6 +141,7 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
             slope = _slope([prev, ("full", a, v)]) or slope
         prev = ("full", a, v)
         a = _next_alpha(a, v, aim, slope, best.alpha if best else None, above)
+        found = None   # a full sweep is several [out, in] matrices: keep only the best one through the next
     for _ in range(40):  # never under target yet: grow α (the metric falls as z → 0)
         if best is not None:
             return best

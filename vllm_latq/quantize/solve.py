@@ -82,14 +82,18 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
     """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
     exact source weight (fp32, even when the forwards run in a narrower dtype), then its experts
     (:func:`solve_experts`; ``experts=False``: not yet), and put the dequantized weights into the
-    block, so its outputs are the quantized block's → the block's quantized tensors, by name."""
+    block, so its outputs are the quantized block's → the block's quantized tensors, by name. Each
+    Hessian is released as soon as the last linear sharing it is solved."""
     from tqdm.auto import tqdm
     shard: dict[str, torch.Tensor] = {}
+    last_user = {id(hessians.of[n]): n for n in linears} if hessians is not None else {}
     for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
         W = src.weights.get(src.on_disk(f"{name}.weight")).to(device=device, dtype=torch.float32)
         res, t = quantize(src.names.module(name), W, hessians.of[name] if hessians is not None else None)
         shard.update(t)
         hf_model.set_tensor(src.net, f"{name}.weight", res.q.to(device=device, dtype=src.dtype))
+        if hessians is not None and last_user[id(hessians.of[name])] == name:
+            hessians.release(name)
     for module, parts in (src.block_experts(i) if experts else {}).items():
         inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
         shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,

@@ -101,9 +101,15 @@ def _mode(rounder: Rounder) -> tuple[int, float, float]:
     return (2 if rounder.outliers else 1), float(rounder.qmin), float(rounder.qmax)
 
 
-def _sweep_result(Zt, Qt, Ot, Rt) -> Sweep:
-    """``[in, out]`` outputs already in original column order → ``[out, in]``."""
-    return Sweep(*(None if x is None else x.T.contiguous() for x in (Zt, Qt, Ot, Rt)))
+def _sweep_result(tables: list) -> Sweep:
+    """:func:`back_substitution`'s ``[in, out]`` outputs ``[Zt, Qt, Ot, Rt]`` (in original
+    column order) → ``[out, in]``, each table freed once transposed (``tables`` holds the
+    only references)."""
+    out = []
+    while tables:
+        x = tables.pop(0)
+        out.append(None if x is None else x.T.contiguous())
+    return Sweep(*out)
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -132,14 +138,16 @@ def _round_column(j, w, s, rounder, Zt, Qt, Ot, Rt, jq=None):
 
 def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales: torch.Tensor,
                       group_size: int | None, rounder: Rounder, errors: bool, block_size: int = 128,
-                      keep_rho: bool = False) -> Sweep:
+                      keep_rho: bool = False) -> list:
     """The loop both GPTQ and Babai are: for j = c−1 … 0, ``ω_j = X_j − Σ_{l>j} M_jl b_l``,
     round ``ω_j`` to ``q_j``, and propagate ``b_j`` = ``q_j`` (Babai: ``X = Y = A_d Wᵀ``,
     ``M = A_d``) or ``ω_j − q_j`` (GPTQ: ``X = Wᵀ``, ``M`` = ``A⁻¹`` with columns over their
     diagonal). ``M`` is upper-triangular, so a (sub-)block only updates rows above it: inside
     a 16-row sub-block each ω gathers the sub-block's later b's (one GEMV, left-looking);
     GEMMs update the rest of the block and all rows above it. ``X``: ``[in, out]`` rows in
-    processing order ``T``, overwritten. Outputs go straight to their column's row ``T[j]``."""
+    processing order ``T``, overwritten. Outputs go straight to their column's row ``T[j]``:
+    ``[in, out]`` tables ``[Z, Q, outlier, rho]`` (:func:`_sweep_result` makes the Sweep, once
+    the caller's X is freed)."""
     dt = M.dtype
     table, gidx = _scale_table(scales, group_size, T, dt)
     s = _column_scales(table, gidx)
@@ -173,7 +181,7 @@ def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales:
         if not errors:
             Qt.index_copy_(0, T[j0:j1], B[: j1 - j0])
         X[:j0].addmm_(M[:j0, j0:j1], B[: j1 - j0], alpha=-1)
-    return _sweep_result(Zt, Qt, Ot, Rt)
+    return [Zt, Qt, Ot, Rt]
 
 
 # ----------------------------------------------------------------------------- GPTQ
@@ -202,10 +210,10 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
     # of H⁻¹ is U = J A⁻ᵀ J — Babai's factor inverted and reversed: the equivalence in one
     # line. The sweep stays in Babai's frame, so nothing is flipped or copied.
     L, damp_used = lattice.cholesky(H, damp, p.flip(0), name, dtype=dtype)
-    M = lattice.tri_inv_upper(L.T)
+    D_col = lattice.d_by_column(L, p.flip(0))
+    M = lattice.tri_inv_upper(L.T, overwrite=True)  # in L's memory: L is not read again
     d = M.diagonal().clone()
     M.div_(d)                                       # in place: no second c×c matrix
-    D_col = lattice.d_by_column(L, p.flip(0))
     return GPTQLattice(p, M, d, D_col, damp_used)
 
 
@@ -221,8 +229,8 @@ def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_si
     certificate, is unchanged); outliers are re-rounded to fp16 after the shift."""
     T = lat.T
     shift = offset * expand(scales.to(W.device).float(), group_size, tuple(W.shape)) if offset else None
-    sw = back_substitution(lat.M, T, _rows(W if shift is None else W - shift, T, lat.M.dtype), scales, group_size,
-                           rounder, True, block_size, keep_rho)
+    sw = _sweep_result(back_substitution(lat.M, T, _rows(W if shift is None else W - shift, T, lat.M.dtype), scales,
+                                         group_size, rounder, True, block_size, keep_rho))
     if shift is not None:
         sw.q += shift
         if sw.outlier is not None:
@@ -238,8 +246,8 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
     ``Y -= A[:, j] ⊗ q`` — :func:`back_substitution` propagating q. A's rows are divided
     by their diagonal once, so ``Y_j`` is ω itself. ``A`` may be a strided view (e.g. ``Lᵀ``)."""
     Ad = A / A.diagonal()[:, None]
-    Y = lattice.upper_mm(Ad, _rows(W, T, Ad.dtype))
-    return back_substitution(Ad, T, Y, scales, group_size, rounder, False, block_size, keep_rho)
+    return _sweep_result(back_substitution(Ad, T, lattice.upper_mm(Ad, _rows(W, T, Ad.dtype)), scales, group_size,
+                                           rounder, False, block_size, keep_rho))
 
 
 # ----------------------------------------------------------------------------- public API

@@ -1,0 +1,95 @@
+"""What keeps one block's solve within about twice its weights and Hessians (bench/memory.py):
+H formed in place of its fp64 sum, each Hessian released once its last linear is solved, the
+damped H of the error stats and the triangular inverse formed without a second c×c matrix —
+each giving exactly the values of the copying form."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY_OPTS
+from vllm_latq.quantize import calibrate, pipeline
+from vllm_latq.quantize.hessian import Hessian, PanelHessian
+from vllm_latq.quantize.lattice import damped, damped_in_place, layer_error, tri_inv_upper
+from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+from vllm_latq.quantize.solve import solve as default_solve
+
+
+@pytest.mark.parametrize("kind", [Hessian, PanelHessian])
+def test_h_is_formed_in_place_of_the_sum_with_the_division_values(kind):
+    x = torch.randn(2, 700, 600, generator=torch.Generator().manual_seed(0)).bfloat16()
+    h = kind(600)
+    for part in x:
+        h.add(part)
+    S = h.sum
+    expected = S.clone() / h.n
+    if kind is PanelHessian:  # only its upper panels are summed: H is their mirror
+        expected = expected.triu() + expected.triu(1).T
+    H = h.H
+    assert torch.equal(H, expected) and H.data_ptr() == S.data_ptr()
+    assert h.H is H and h.sum is None and h.n == 1400
+    with pytest.raises(RuntimeError, match="already formed"):
+        h.add(x[0])
+    with pytest.raises(ValueError, match="no calibration rows"):
+        kind(4).H
+
+
+def test_layer_error_damps_h_in_place_and_restores_it():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(300, 200, generator=g, dtype=torch.float64)
+    H = X.T @ X / 300
+    W, Q = torch.randn(50, 200, generator=g), torch.randn(50, 200, generator=g)
+    H0 = H.clone()
+    E = Q.double() - W.double()
+    for Hx in (H, H.float()):   # fp32: damped into a copy, as before
+        for damp in (0.0, 0.01):
+            expected = ((E @ (damped(Hx, damp) if damp else Hx.double())) * E).sum(1)
+            assert torch.equal(layer_error(W, Q, Hx, damp), expected)
+    assert torch.equal(H, H0)
+    with pytest.raises(KeyError):
+        with damped_in_place(H, 0.01) as Hd:
+            assert torch.equal(Hd, damped(H0, 0.01))
+            raise KeyError("interrupted")
+    assert torch.equal(H, H0)
+    with pytest.raises(ValueError, match="fp64"):
+        with damped_in_place(H.float(), 0.01):
+            pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [200, 1100])
+def test_triangular_inverse_in_the_factors_memory(n, dtype):
+    X = torch.randn(n + 50, n, generator=torch.Generator().manual_seed(n), dtype=dtype)
+    L = torch.linalg.cholesky_ex(X.T @ X / n + 0.01 * torch.eye(n, dtype=dtype))[0]
+    fresh = tri_inv_upper(L.T)
+    ptr = L.data_ptr()
+    inv = tri_inv_upper(L.T, overwrite=True)
+    assert torch.equal(inv, fresh)
+    assert (inv.data_ptr() == ptr) == (n > 256)   # a leaf-sized matrix is solved directly
+    torch.testing.assert_close(inv @ L.T if n <= 256 else inv @ torch.linalg.cholesky_ex(
+        X.T @ X / n + 0.01 * torch.eye(n, dtype=dtype))[0].T, torch.eye(n, dtype=dtype),
+        atol=1e-3 if dtype == torch.float32 else 1e-9, rtol=0)
+
+
+def test_each_hessian_released_once_its_last_linear_is_solved(tiny_llama, tmp_path, monkeypatch):
+    """q/k/v share one Hessian, kept until v_proj is solved; gate/up theirs until up_proj; at
+    every solve only the Hessians of linears still to be solved are held."""
+    spies, seen = [], []
+
+    def spy(*a, **k):
+        spies.append(calibrate.block_hessians(*a, **k))
+        return spies[-1]
+
+    def solve(method, W, H, name, **kw):
+        seen.append((name, {n.rsplit(".", 2)[-1] for n in spies[-1].of}))
+        return default_solve(method, W, H, name, **kw)
+
+    monkeypatch.setattr(pipeline, "block_hessians", spy)
+    quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method="ssqr", **TINY_OPTS), progress=False,
+                   solve=solve)
+    attn, mlp = {"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}
+    held = {name.rsplit(".", 1)[-1]: of for name, of in seen if ".layers.1." in name}
+    assert held == {"q_proj": attn | {"o_proj"} | mlp | {"down_proj"}, "k_proj": attn | {"o_proj"} | mlp | {"down_proj"},
+                    "v_proj": attn | {"o_proj"} | mlp | {"down_proj"}, "o_proj": {"o_proj"} | mlp | {"down_proj"},
+                    "gate_proj": mlp | {"down_proj"}, "up_proj": mlp | {"down_proj"}, "down_proj": {"down_proj"}}
+    assert len(spies) == 2 and all(not s.of for s in spies)
