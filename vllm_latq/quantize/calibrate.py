@@ -179,6 +179,8 @@ def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Ac
             hs.remove()
         if groups is None:   # the first pass found the groups (the order their inputs were seen)
             groups = [[n for n in linears if id(hs.of[n]) == h] for h in dict.fromkeys(id(v) for v in hs.of.values())]
+            for g in groups[1:]:   # their statistics come from later stages: one block's worth less held
+                hs.release(g[0])
             last = len(groups) == 1 and not has_experts
             if last:   # a single group: its outputs were not written; nothing is quantized yet
                 for j in range(len(inps)):
