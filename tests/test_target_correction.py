@@ -240,3 +240,33 @@ def test_spilled_streams_give_the_same_checkpoint(tiny_llama, tmp_path):
         hashes[budget] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
     assert hashes[0] == hashes[None]
     assert not any("target_stream" in n or "activations" in n for n in hashes[0])
+
+
+def test_stages_stop_their_forwards_without_changing_the_checkpoint(tiny_llama, tmp_path, monkeypatch):
+    """Each stage's forwards end once its group has seen its input (the rest of the block cannot
+    change its statistics): the checkpoint is byte-identical to forwards run to the end, and
+    forwards did stop (both streams, every stage but the outputs' and the first sequence)."""
+    import hashlib
+    from vllm_latq.quantize.calibrate import InputsSeen, SharedHessians
+    note_seen, stops = SharedHessians._note_seen, []
+
+    def counting(self, name):
+        try:
+            note_seen(self, name)
+        except InputsSeen:
+            stops.append(name)
+            raise
+
+    hashes = {}
+    for early in (True, False):
+        monkeypatch.setattr(SharedHessians, "_note_seen", counting if early else lambda self, name: None)
+        opts = QuantizeOptions(method="gptq", bits=3, target_correction=True, **TINY_OPTS)
+        d = quantize_model(tiny_llama, tmp_path / f"q{early}", opts, progress=False)
+        hashes[early] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+    assert hashes[True] == hashes[False]
+    import json
+    blocks = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
+    n = TINY_OPTS["nsamples"]
+    # per block: q/k/v on both streams but the first sequence's, o and gate/up on both, down on X̃
+    assert len(stops) == blocks * (2 * (n - 1) + 2 * n + 2 * n + n)
+    assert sum(s.endswith("down_proj") for s in stops) == blocks * n

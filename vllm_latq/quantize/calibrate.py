@@ -14,6 +14,9 @@ because a corrected earlier group already moves its outputs toward the full-prec
 inputs of the unquantized block a later group would correct the same drift a second time (measured:
 SmolLM2, 6 blocks, GPTQ-4b: the final hidden error ×2.1 of plain GPTQ's with one shared pass).
 Experts of a mixture-of-experts block get no cross term: they are solved against their own W.
+A stage's forwards stop once its group has seen its input (:class:`InputsSeen`): the rest of the
+block is not needed until the last stage, whose unquantized outputs are the next block's X — on a
+Llama block ~2.9× fewer forward FLOPs than running both streams through the block at every stage.
 """
 from __future__ import annotations
 
@@ -30,13 +33,19 @@ from .hessian import CrossCovariance, Hessian, PanelHessian
 from .moe import MoeInputs
 
 
+class InputsSeen(Exception):
+    """Raised by a hook once every linear of :attr:`SharedHessians.stop_after` has seen its input
+    in the current forward: what follows in the block would not change the statistics."""
+
+
 class SharedHessians:
     """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64. During the first
     forward, linears that receive the very same input tensor (q/k/v, gate/up) are grouped and
     share one Hessian; afterwards only each group's first member accumulates. ``moe``: the
     inputs of each experts module of ``block`` (by name within it). ``cross_of``: with target
     correction, each linear's ``X̃ᵀX`` (shared like the Hessians), against the inputs
-    :meth:`record_targets` kept."""
+    :meth:`record_targets` kept. ``stop_after``: linears whose inputs end a forward
+    (:meth:`forward`) once all of them have been seen; empty: forwards run to the end."""
 
     def __init__(self, linears: dict[str, torch.nn.Linear], block: torch.nn.Module | None = None,
                  target_linears: dict[str, torch.nn.Linear] | None = None):
@@ -50,6 +59,9 @@ class SharedHessians:
         self.cross_of: dict[str, CrossCovariance] = {}
         self.targets: dict[str, torch.Tensor] | None = None   # each linear's X for the current sequence
         self._recording = False
+        self.stop_after: frozenset[str] = frozenset()
+        self._seen: set[str] = set()
+        self._stopping = False
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in linears.items()]
         # the same linears in another module (the unquantized block) record X when it runs
         self.handles += [m.register_forward_pre_hook(self._record_hook(n)) for n, m in (target_linears or {}).items()]
@@ -58,11 +70,27 @@ class SharedHessians:
         def hook(mod, args):
             if self._recording:
                 self.targets[name] = args[0].detach()
+                self._note_seen(name)
         return hook
 
+    def _note_seen(self, name: str) -> None:
+        if self._stopping and name in self.stop_after:
+            self._seen.add(name)
+            if self._seen >= self.stop_after:
+                raise InputsSeen
+
+    def forward(self, layer, x: torch.Tensor, kw: dict, stop: bool = True) -> torch.Tensor | None:
+        """``layer``'s outputs on ``x``, or None when ``stop`` and :attr:`stop_after` ended it early."""
+        self._seen, self._stopping = set(), stop
+        try:
+            return capture.run_block(layer, x, kw)
+        except InputsSeen:
+            return None
+        finally:
+            self._stopping = False
+
     def _hook(self, name):
-        def hook(mod, args):
-            x = args[0]
+        def record(mod, x):
             if self.frozen:
                 if self.leader[name]:
                     self.of[name].add(x.detach())
@@ -82,6 +110,10 @@ class SharedHessians:
                 self.cross_of[name] = CrossCovariance(mod.in_features, mod.weight.device)
                 self._add_cross(name, x)
             self._call.append((x, hs))
+
+        def hook(mod, args):
+            record(mod, args[0])
+            self._note_seen(name)
         return hook
 
     def _add_cross(self, name: str, x: torch.Tensor) -> None:
@@ -89,14 +121,14 @@ class SharedHessians:
             self.cross_of[name].add(x.detach(), self.targets[name])
 
     @torch.no_grad()
-    def record_targets(self, layer, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    def record_targets(self, layer, x: torch.Tensor, kw: dict, stop: bool) -> torch.Tensor | None:
         """Run ``layer`` (the unquantized copy whose linears were given as ``target_linears``) on
         the full-precision inputs ``x`` keeping each linear's input (the X of the next forward's
-        cross terms; no Hessian is touched) → its outputs."""
+        cross terms; no Hessian is touched) → its outputs (None: ``stop`` ended it early)."""
         moe_seen = {m: len(m.hidden) for m in self.moe.values()}
         self.targets, self._recording = {}, True
         try:
-            y = capture.run_block(layer, x, kw)
+            y = self.forward(layer, x, kw, stop)
         finally:
             self._recording = False
             for m, n in moe_seen.items():  # the experts keep only the X̃ stream's inputs
@@ -121,10 +153,8 @@ class SharedHessians:
             self.cross_of.pop(n, None)
 
     def groups(self) -> list[list[str]]:
-        out: dict[int, list[str]] = {}
-        for n in self.linears:
-            out.setdefault(id(self.of[n]), []).append(n)
-        return list(out.values())
+        """The groups in the order their inputs were first seen (after the first forward)."""
+        return [[n for n in self.linears if id(self.of[n]) == h] for h in dict.fromkeys(id(v) for v in self.of.values())]
 
     def remove(self):
         for h in self.handles:
@@ -170,15 +200,17 @@ def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Ac
         try:
             for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians {stage + 1}", unit="seq", disable=not progress,
                           leave=False):
-                y = hs.record_targets(original, targets[j:j + 1], kw)[0]
-                capture.run_block(layer, inps[j:j + 1], kw)
+                if groups is not None or j > 0:   # the first forward of the block finds the groups
+                    hs.stop_after = frozenset(hs.groups()[0] if groups is None else names)
+                y = hs.record_targets(original, targets[j:j + 1], kw, stop=not last)
+                hs.forward(layer, inps[j:j + 1], kw)
                 hs.end_forward()
                 if last:
-                    targets.write(j, y)   # the sequence's X is not read again in this block
+                    targets.write(j, y[0])   # the sequence's X is not read again in this block
         finally:
             hs.remove()
         if groups is None:   # the first pass found the groups (the order their inputs were seen)
-            groups = [[n for n in linears if id(hs.of[n]) == h] for h in dict.fromkeys(id(v) for v in hs.of.values())]
+            groups = hs.groups()
             for g in groups[1:]:   # their statistics come from later stages: one block's worth less held
                 hs.release(g[0])
             last = len(groups) == 1 and not has_experts
