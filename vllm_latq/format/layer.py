@@ -9,6 +9,8 @@ dense  (SSQR, GPTQ, RTN, Babai — b-bit integers on the clipped grid + optional
     P.outlier_col   int16  [nnz]                 column indices (int32 when in > 32767)
     P.outlier_val   fp16   [nnz]                 outlier weights (their dense integer is 0)
     W = unpack(qweight)·scales (per group) + CSR(outliers)             see dequantize()
+    with second-level scales (``scale_bits``, scale_codes.py) P.scales is replaced by
+    P.scale_codes uint8 [ceil(out/2), G], P.scale_min / P.scale_step fp16 [ceil(out/16), G]
 
 huffman (HPTQ, HRTN — unclipped integers under one scale, one canonical Huffman code)
     P.hscale        fp32   [1]
@@ -25,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from . import huffman
+from . import huffman, scale_codes
 from .csr import csr_rows
 from .errors import FormatError
 from .packing import pack, packed_words, unpack, unpack_at
@@ -33,6 +35,23 @@ from .packing import pack, packed_words, unpack, unpack_at
 DENSE_TENSORS = ("qweight", "scales", "outlier_crow", "outlier_col", "outlier_val")
 HUFFMAN_TENSORS = ("hscale", "hsymbols", "hlengths", "hstream", "hchunk_bits")
 LAYER_TENSORS = {"dense": DENSE_TENSORS, "huffman": HUFFMAN_TENSORS}
+ALL_TENSORS = DENSE_TENSORS + scale_codes.TENSORS + HUFFMAN_TENSORS
+
+
+def dense_tensors(coded: bool) -> tuple[str, ...]:
+    """A dense layer's tensor suffixes: with fp16 scales or with coded ones (scale_codes.py)."""
+    return DENSE_TENSORS if not coded else ("qweight", *scale_codes.TENSORS) + DENSE_TENSORS[2:]
+
+
+def has_coded_scales(t: dict) -> bool:
+    return "scale_codes" in t
+
+
+def dense_scales(t: dict[str, torch.Tensor], out: int) -> torch.Tensor:
+    """fp16 ``[out, G]`` group scales of a dense layer, stored or decoded from their codes."""
+    if has_coded_scales(t):
+        return scale_codes.decode(t, out).decode().half()
+    return t["scales"]
 
 
 def col_dtype(in_features: int) -> torch.dtype:
@@ -40,7 +59,8 @@ def col_dtype(in_features: int) -> torch.dtype:
     return torch.int16 if in_features <= 32767 else torch.int32
 
 
-_TENSOR_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "outlier_crow": torch.int32,
+_TENSOR_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "scale_codes": torch.uint8,
+                  "scale_min": torch.float16, "scale_step": torch.float16, "outlier_crow": torch.int32,
                   "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
                   "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
 
@@ -63,8 +83,9 @@ def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
         crow = torch.zeros(out + 1, dtype=torch.int32, device=dev) if o is None else o.crow
         col = torch.zeros(0, dtype=torch.int32, device=dev) if o is None else o.col
         val = torch.zeros(0, dtype=torch.float16, device=dev) if o is None else o.val
-        return {"qweight": pack(result.z, result.bits),
-                "scales": result.scales.half().contiguous(),
+        coded = getattr(result, "coded_scales", None)
+        scales = {"scales": result.scales.half().contiguous()} if coded is None else scale_codes.encode(coded)
+        return {"qweight": pack(result.z, result.bits), **scales,
                 "outlier_crow": crow.to(torch.int32).contiguous(),
                 "outlier_col": col.to(col_dtype(cin)).contiguous(),
                 "outlier_val": val.half().contiguous()}
@@ -111,17 +132,21 @@ def dequantize_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, in
     """fp32 ``[out, in]`` weights of a layer's tensors, exactly the solver's ``QuantResult.q``."""
     if kind == "huffman":
         return decode_integers(t, kind, shape, bits).float() * t["hscale"].float()
-    return dequantize(t["qweight"], t["scales"], t["outlier_crow"], t["outlier_col"], t["outlier_val"], bits,
-                      group_size, shape[1])
+    return dequantize(t["qweight"], dense_scales(t, shape[0]), t["outlier_crow"], t["outlier_col"], t["outlier_val"],
+                      bits, group_size, shape[1])
 
 
 # ----------------------------------------------------------------------------- validation
 
-def expected_shapes(kind: str, shape: tuple[int, int], bits: int | None, group_size: int | None):
-    """Fixed tensor shapes and dtypes of a layer (variable-length ones as ``None``)."""
+def expected_shapes(kind: str, shape: tuple[int, int], bits: int | None, group_size: int | None,
+                    coded: bool = False):
+    """Fixed tensor shapes and dtypes of a layer (variable-length ones as ``None``); ``coded``:
+    a dense layer with coded scales (scale_codes.py)."""
     out, cin = shape
     if kind == "dense":
-        shapes = {"qweight": (out, packed_words(cin, bits)), "scales": (out, math.ceil(cin / group_size)),
+        ng = math.ceil(cin / group_size)
+        scales = {"scales": (out, ng)} if not coded else {k: s for k, (s, _) in scale_codes.shapes(out, ng).items()}
+        shapes = {"qweight": (out, packed_words(cin, bits)), **scales,
                   "outlier_crow": (out + 1,), "outlier_col": None, "outlier_val": None}
     else:
         shapes = {"hscale": (1,), "hsymbols": None, "hlengths": None, "hstream": None,
@@ -134,7 +159,7 @@ def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]
     """Raise :class:`FormatError` naming the tensor on any inconsistency (names, shapes,
     dtypes, CSR structure and zero integers under the outliers, Huffman code and chunk
     table; ``decode`` also decodes the Huffman stream)."""
-    spec = expected_shapes(kind, shape, bits, group_size)
+    spec = expected_shapes(kind, shape, bits, group_size, coded=kind == "dense" and has_coded_scales(t))
     for suffix, (shp, dt) in spec.items():
         name = f"{layer}.{suffix}"
         if suffix not in t:
@@ -153,6 +178,8 @@ def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]
         raise FormatError(f"unexpected tensors {sorted(extra)}", file=file, tensor=layer)
     if kind == "dense":
         _validate_csr(t, shape, bits, layer, file)
+        if has_coded_scales(t):
+            _validate_scale_codes(t, shape, layer, file)
     else:
         _validate_huffman(t, shape, layer, file, decode)
 
@@ -180,6 +207,18 @@ def _validate_csr(t, shape, bits, layer, file):
         k = int((z != 0).nonzero()[0, 0])
         raise FormatError(f"integer {int(z[k])} under the outlier at row {int(rows[k])}, column {int(col[k])} "
                           "(must be 0)", file=file, tensor=f"{layer}.qweight")
+
+
+def _validate_scale_codes(t, shape, layer, file):
+    if (t["scale_min"].float() <= 0).any():
+        raise FormatError("must be > 0 (the smallest decoded scale)", file=file, tensor=f"{layer}.scale_min")
+    if (t["scale_step"].float() < 0).any():
+        raise FormatError("must be >= 0", file=file, tensor=f"{layer}.scale_step")
+    if shape[0] % 2 and (t["scale_codes"][-1] >> 4).any():
+        raise FormatError(f"the high nibbles of the last byte row must be 0 ({shape[0]} rows: no row {shape[0]})",
+                          file=file, tensor=f"{layer}.scale_codes")
+    if not torch.isfinite(dense_scales(t, shape[0]).float()).all():
+        raise FormatError("decoded scales exceed the fp16 range", file=file, tensor=f"{layer}.scale_step")
 
 
 def _validate_huffman(t, shape, layer, file, decode):
@@ -218,7 +257,7 @@ def split_name(name: str) -> tuple[str, str] | None:
     """``"model.layers.0.mlp.up_proj.qweight"`` → ``("model.layers.0.mlp.up_proj", "qweight")``;
     ``None`` if the name is not a latq layer tensor."""
     module, _, suffix = name.rpartition(".")
-    if module and suffix in DENSE_TENSORS + HUFFMAN_TENSORS:
+    if module and suffix in ALL_TENSORS:
         return module, suffix
     return None
 

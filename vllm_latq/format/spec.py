@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import scale_codes
 from .errors import FormatError
 from .layer import layer_stats
 
@@ -47,6 +48,7 @@ class QuantSpec:
     layer_bits: tuple[tuple[str, int], ...] = ()   # dense: (module, inlier bits) overriding ``bits``
     column_scale_fold: str | None = None          # "norm": column scales folded into norms; None: none
     column_scale_power: float | None = None       # their exponent p in c ∝ D^p
+    scale_bits: int | None = None                 # dense: group scales coded in this many bits (scale_codes.py)
 
     def is_converted(self, module: str) -> bool:
         """False for a module listed in ``modules_not_converted`` (or below one)."""
@@ -61,10 +63,10 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
                         outlier_rate: float | None = None, target_bits: float | None = None,
                         order: str | None = None, damp: float | None = None,
                         modules_not_converted=(), layer_bits: dict | None = None,
-                        column_scales: dict | None = None, **extra) -> dict:
+                        column_scales: dict | None = None, scale_bits: int | None = None, **extra) -> dict:
     """The ``quantization_config`` dict written to ``config.json`` (keys as in docs/FORMAT.md).
     Only the keys that apply to ``method`` are set (``column_scales`` ``{"fold", "power"}``
-    only when used, so checkpoints without it are unchanged); ``extra`` (e.g. ``calibration``)
+    only when used, so checkpoints without it are unchanged; ``scale_bits`` likewise); ``extra`` (e.g. ``calibration``)
     is informational and ignored by readers."""
     kind = kind_of(method)
     qc = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
@@ -82,6 +84,8 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
         qc["layer_bits"] = {k: int(v) for k, v in sorted(layer_bits.items())}
     if column_scales:
         qc["column_scales"] = dict(column_scales)
+    if scale_bits is not None:
+        qc["scale_bits"] = int(scale_bits)
     qc.update(extra)
     parse_quantization_config(qc)  # never write what we cannot read
     return qc
@@ -152,10 +156,16 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         raise FormatError(f"quantization_config.target_correction must be true or absent, got {tc!r}", file=file)
     if tc and method in ("rtn", "hrtn"):
         raise FormatError(f"quantization_config.target_correction needs a calibrated method, not {method}", file=file)
+    scale_bits = qc.get("scale_bits")
+    if scale_bits is not None and (kind != "dense" or scale_bits not in scale_codes.CODE_BITS
+                                   or isinstance(scale_bits, bool)):
+        raise FormatError(f"quantization_config.scale_bits must be absent or one of {scale_codes.CODE_BITS} "
+                          f"for a dense method, got {scale_bits!r} ({method})", file=file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
-             "order", "damp", "modules_not_converted", "layer_bits", "column_scales"}
+             "order", "damp", "modules_not_converted", "layer_bits", "column_scales", "scale_bits"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
-                     {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())), fold, power)
+                     {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())), fold, power,
+                     scale_bits)
 
 
 def _column_scales(cs, method: str, file) -> tuple[str | None, float | None]:

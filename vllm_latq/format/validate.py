@@ -11,7 +11,7 @@ from ..hf_model import UnsupportedModelError, decoder_layers
 from .checkpoint import Checkpoint, linear_shape
 from .errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
-from .layer import validate_layer
+from .layer import has_coded_scales, validate_layer
 from .spec import FORMAT_VERSION, QuantSpec, check_budget
 
 
@@ -60,6 +60,11 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             for n in names.values():
                 ck.shards[file].verify(n)
         t = {sfx: ck.tensor(n) for sfx, n in names.items()}
+        if spec.kind == "dense" and has_coded_scales(t) != (spec.scale_bits is not None):
+            raise FormatError("scales stored " + ("as codes, but quantization_config has no scale_bits"
+                                                  if has_coded_scales(t) else
+                                                  f"in fp16, but quantization_config.scale_bits is {spec.scale_bits}"),
+                              file=file, tensor=module)
         validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
                            decode=decode)
         st = check_budget(t, spec, shape, layer=module, file=file)

@@ -28,6 +28,9 @@ class LatqWeight:
     bits: int
     group_size: int
     in_features: int
+    # the scales as stored codes (format/scale_codes.py), for kernels that read them; ``scales``
+    # is always their fp16 decode, so a kernel that takes fp16 scales ignores this
+    coded: fmt.scale_codes.CodedScales | None = None
 
     @property
     def out_features(self) -> int:
@@ -39,7 +42,8 @@ class LatqWeight:
 
     def to(self, device) -> "LatqWeight":
         return LatqWeight(self.qweight.to(device), self.scales.to(device), self.crow.to(device),
-                          self.col.to(device), self.val.to(device), self.bits, self.group_size, self.in_features)
+                          self.col.to(device), self.val.to(device), self.bits, self.group_size, self.in_features,
+                          None if self.coded is None else self.coded.to(device))
 
     def bits_per_weight(self) -> float:
         """The runtime form's bytes → bits/weight (the reference kernel's served bits; each
@@ -61,9 +65,11 @@ def latq_linear_ref(x: torch.Tensor, w: LatqWeight, bias: torch.Tensor | None = 
 
 
 def from_dense_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, in_features: int) -> LatqWeight:
-    """A dense-kind checkpoint layer → runtime form."""
-    return LatqWeight(t["qweight"], t["scales"], t["outlier_crow"].int(), t["outlier_col"].int(),
-                      t["outlier_val"].float(), bits, group_size, in_features)
+    """A dense-kind checkpoint layer → runtime form (coded scales decoded, their codes kept)."""
+    out = t["qweight"].shape[0]
+    coded = fmt.scale_codes.decode(t, out) if fmt.has_coded_scales(t) else None
+    return LatqWeight(t["qweight"], fmt.dense_scales(t, out), t["outlier_crow"].int(), t["outlier_col"].int(),
+                      t["outlier_val"].float(), bits, group_size, in_features, coded)
 
 
 # ----------------------------------------------------------------------------- served bytes

@@ -99,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--column-scales", default=d.column_scales, choices=("none",) + fmt.COLUMN_SCALE_FOLDS,
                    help="norm: per-input-column scales c ∝ sqrt(D) folded into the norms feeding q/k/v and "
                         "gate/up (free at serving time; needs a calibrated method). Default none")
+    g.add_argument("--scale-bits", type=int, default=None, choices=(4,),
+                   help="gptq/rtn/babai: store (and serve) the group scales as 4-bit codes on a grid per 16 rows "
+                        "(6 bits per scale instead of 16: group 64 then costs fewer bits than fp16 group 128)")
     c = ap.add_argument_group("calibration")
     c.add_argument("--calib", default=d.calib,
                    help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
                                quantize_lm_head=a.quantize_lm_head or a.lm_head_bits is not None,
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
                                moe_route_all=a.moe_route_all, column_scales=a.column_scales,
-                               target_correction=a.target_correction)
+                               target_correction=a.target_correction, scale_bits=a.scale_bits)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except SimulatedInterruption as e:

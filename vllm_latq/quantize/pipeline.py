@@ -113,6 +113,9 @@ class QuantizeOptions:
     # target correction (issue #21 seed 004): solve each block linear against W′ fitting the full-precision
     # outputs (hessian.qronos_target); a second activation stream (its own memory budget), one more forward
     target_correction: bool = False
+    # second-level scales (issue #21 §3, format/scale_codes.py): dense group scales stored and served
+    # as codes of this many bits on 16-row grids (6 bits per scale instead of 16); None: fp16 scales
+    scale_bits: int | None = None
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -134,6 +137,8 @@ class QuantizeOptions:
             raise ValueError(f"target_correction needs a calibrated method (a Hessian), not {self.method}")
         if self.target_correction and self.column_scales != "none":   # folds need the whole block's Hessians at once
             raise ValueError("target_correction and column_scales cannot be combined (yet)")
+        if self.scale_bits is not None and self.method not in ("gptq", "rtn", "babai"):
+            raise ValueError(f"scale_bits is for gptq, rtn and babai (their group scales), not {self.method}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -165,10 +170,11 @@ class QuantizeOptions:
             return dict(target_bits=self.target_bits, order=self.order, damp=self.damp)
         if m == "hrtn":
             return dict(target_bits=self.target_bits)
+        coded = {} if self.scale_bits is None else {"scale_bits": self.scale_bits}
         if m == "rtn":
-            return dict(bits=self.bits, group_size=self.group_size)
+            return dict(bits=self.bits, group_size=self.group_size, **coded)
         # gptq and babai: the clipped baselines (babai = clipped Babai ≡ GPTQ in reversed order)
-        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True)
+        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True, **coded)
 
     def quantization_config(self, modules_not_converted, head_name: str | None = None,
                             compute_dtype: torch.dtype | None = None, moe: bool = False) -> dict:
@@ -189,7 +195,7 @@ class QuantizeOptions:
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
-            calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
+            scale_bits=self.scale_bits, calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
             **({"target_correction": True} if self.target_correction else {}))
 
     def head_options(self) -> "QuantizeOptions":

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..format.csr import csr_from_mask, csr_rows
+from ..format.scale_codes import CodedScales
 
 
 @dataclass
@@ -44,6 +45,7 @@ class QuantResult:
        loader reconstructs.
     scales: ``[out, ngroups]`` group scales (fp16-exact) or a 0-d per-matrix scale.
     order: the processing sequence actually used (GPTQ frame: ``order[0]`` processed first).
+    coded_scales: with ``scale_bits``, ``scales`` as codes on second-level grids (decoded: ``scales``).
     bound: per-row certificate ¼ Σ D s² (unclipped solvers only), against the Hessian damped
        with ``damp``; ``error(W, H)`` gives the measured left-hand side.
     """
@@ -59,6 +61,7 @@ class QuantResult:
     bound: torch.Tensor | None = None
     outliers: CSR | None = None
     info: dict = field(default_factory=dict)
+    coded_scales: CodedScales | None = None   # the scales as stored codes (format/scale_codes.py)
 
     @property
     def outlier_rate(self) -> float:

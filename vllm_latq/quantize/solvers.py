@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import native
+from ..format import scale_codes
 from . import lattice
 from .result import CSR, QuantResult
 from .scales import expand, grid, mse_scales, num_groups
@@ -252,28 +253,40 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
 
 # ----------------------------------------------------------------------------- public API
 
-def dense_bits(z: torch.Tensor, bits: int | None, clip: bool, group_size: int | None, n_scales: int) -> float:
-    """Storage cost of fixed-width integers + fp16 scales. Unclipped integers need
-    ``ceil(log2(range))`` bits to be stored at a fixed width, whatever ``bits`` was asked."""
+def dense_bits(z: torch.Tensor, bits: int | None, clip: bool, group_size: int | None, n_scales: int,
+               scale_storage: float | None = None) -> float:
+    """Storage cost of fixed-width integers + fp16 scales (``scale_storage``: the scales' bits
+    when coded). Unclipped integers need ``ceil(log2(range))`` bits to be stored at a fixed
+    width, whatever ``bits`` was asked."""
     if clip and bits is not None:
         width = bits
     else:
         span = int(z.max().item() - z.min().item()) + 1 if z.numel() else 1
         width = max(1, math.ceil(math.log2(span)))
-    return width + 16 * n_scales / z.numel()
+    return width + (16 * n_scales if scale_storage is None else scale_storage) / z.numel()
 
 
-def _scales_for(W, bits, group_size, scales, offset: float = 0.0):
-    if scales is not None:
-        return scales.float(), (None if scales.dim() == 0 else group_size)
-    return mse_scales(W, bits, group_size, offset=offset), group_size
+def _scales_for(W, bits, group_size, scales, offset: float = 0.0, scale_bits: int | None = None):
+    """The group scales a solver quantizes against (given, or MSE), with ``scale_bits`` their
+    coded form (scale_codes.py): the solver sees the decoded scales, so z is chosen for them."""
+    if scales is None:
+        scales = mse_scales(W, bits, group_size, offset=offset)
+    elif scales.dim() == 0:
+        return scales.float(), None, None
+    if scale_bits is None:
+        return scales.float(), group_size, None
+    coded = scale_codes.code_scales(scales, scale_bits)
+    return coded.decode(), group_size, coded
 
 
-def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col, W) -> QuantResult:
+def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col, W, coded=None) -> QuantResult:
     bound = None if clip or D_col is None else lattice.bound_from_d(D_col, scales, group_size, W.shape[0])
     n_scales = 1 if scales.dim() == 0 else scales.numel()
+    storage = None if coded is None else sum(8 * x.numel() * x.element_size()
+                                             for x in scale_codes.encode(coded).values())
     res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
-                      dense_bits(sw.z, bits, clip, group_size, n_scales), perm, damp, bound)
+                      dense_bits(sw.z, bits, clip, group_size, n_scales, storage), perm, damp, bound,
+                      coded_scales=coded)
     if sw.rho is not None:
         res.info["rho"] = sw.rho
     return res
@@ -281,21 +294,22 @@ def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col
 
 @torch.no_grad()
 def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_size: int = 128,
-        clip: bool = True, scales: torch.Tensor | None = None, name: str | None = None) -> QuantResult:
-    """Round-to-nearest with MSE group scales. ``H`` is accepted for a uniform signature and
-    only validated: RTN ignores it. ``W`` ``[out, in]``."""
+        clip: bool = True, scales: torch.Tensor | None = None, scale_bits: int | None = None,
+        name: str | None = None) -> QuantResult:
+    """Round-to-nearest with MSE group scales (``scale_bits``: coded, :func:`gptq`). ``H`` is
+    accepted for a uniform signature and only validated: RTN ignores it. ``W`` ``[out, in]``."""
     lattice.check_inputs(W, H, name)
-    scales, group_size = _scales_for(W, bits, group_size, scales)
+    scales, group_size, coded = _scales_for(W, bits, group_size, scales, scale_bits=scale_bits)
     S = expand(scales, group_size, tuple(W.shape))
     z, q = torch.empty(W.shape, device=W.device), torch.empty(W.shape, device=W.device)
     Rounder.of(bits, clip)(W.float(), S, z, q)
-    return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W)
+    return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W, coded)
 
 
 @torch.no_grad()
 def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
          damp: float = 0.01, clip: bool = True, scales: torch.Tensor | None = None,
-         block_size: int = 128, keep_rho: bool = False, offset: float = 0.0,
+         block_size: int = 128, keep_rho: bool = False, offset: float = 0.0, scale_bits: int | None = None,
          name: str | None = None) -> QuantResult:
     """GPTQ (paper Alg. 1): columns processed first-to-last in ``order`` (a name from
     ``lattice.ORDERS`` or a permutation), each rounded and its error spread over the
@@ -306,18 +320,21 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     ``scales`` (``[out, ngroups]`` or a scalar) overrides the MSE group scales.
     ``keep_rho`` keeps the rounded arguments ω/s in ``info["rho"]``. ``offset``: the grid
     ``s·(z + offset)`` (:func:`gptq_sweep`; the checkpoint format has no offset yet).
+    ``scale_bits``: the group scales coded on second-level grids (format/scale_codes.py), the
+    integers solved against the decoded scales; ``.coded_scales`` carries the codes.
     """
     lattice.check_inputs(W, H, name)
-    scales, group_size = _scales_for(W, bits, group_size, scales, offset)
+    scales, group_size, coded = _scales_for(W, bits, group_size, scales, offset, scale_bits)
     lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
     sw = gptq_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho, offset)
-    return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W)
+    return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W, coded)
 
 
 @torch.no_grad()
 def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
           damp: float = 0.01, clip: bool = False, scales: torch.Tensor | None = None,
-          block_size: int = 128, keep_rho: bool = False, name: str | None = None) -> QuantResult:
+          block_size: int = 128, keep_rho: bool = False, scale_bits: int | None = None,
+          name: str | None = None) -> QuantResult:
     """Babai's nearest plane (paper v1 Alg. 3), batched over output rows: back-to-front on
     the upper Cholesky factor A of the damped, permuted Hessian (AᵀA = TᵀH_dT).
 
@@ -325,12 +342,13 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     flip(0))`` returns the same integers as ``gptq(order=p)``. Unclipped by default, which
     is where the certificate ``.bound`` holds. Other arguments as in :func:`gptq`."""
     lattice.check_inputs(W, H, name)
-    scales, group_size = _scales_for(W, bits, group_size, scales)
+    scales, group_size, coded = _scales_for(W, bits, group_size, scales, scale_bits=scale_bits)
     T = lattice.resolve_order(order, H, damp, babai=True)
     L, damp_used = lattice.cholesky(H, damp, T, name, dtype=_compute_dtype(W))
     A = L.T.to(W.device)        # a view: the sweep reads it through strides
     sw = babai_sweep(A, T, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
-    return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, lattice.d_by_column(L, T), W)
+    return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, lattice.d_by_column(L, T), W,
+                   coded)
 
 
 __all__ = ["Rounder", "Sweep", "GPTQLattice", "gptq_lattice", "back_substitution", "gptq_sweep", "babai_sweep",
