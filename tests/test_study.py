@@ -451,6 +451,12 @@ def test_served_bits_are_the_prepared_states(tiny_llama, tiny_checkpoints, tmp_p
     shapes = served.linear_shapes(tiny_llama)
     assert len(shapes) == 14
     assert served.outlier_free_served(shapes, 3, 64)["bits_per_weight"] == rec["bits_per_weight"]
+    # coded scales (--scale-bits 4): the layout of a real run, from the shapes alone too
+    ck = quantize_model(tiny_llama, tmp_path / "s4", QuantizeOptions(method="gptq", bits=3, group_size=64, scale_bits=4,
+                                                                     nsamples=4, seqlen=64), progress=False)
+    rec = served.checkpoint_record(ck)
+    assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(ck), rel=1e-12)
+    assert served.outlier_free_served(shapes, 3, 64, 4)["bits_per_weight"] == rec["bits_per_weight"]
 
 
 def test_backfill_served_of_older_results(tiny_llama, tmp_path, monkeypatch):

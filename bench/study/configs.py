@@ -16,6 +16,10 @@ NOISE_TAGS = tuple(f"seed{s}" for s in NOISE_SEEDS)
 # the target-correction lever (Qronos, seed 004; issue 21's screen winner): our GPTQ solved against
 # the full-precision outputs, at each group size of the baselines — same served bits as plain GPTQ
 TC_TAGS = {"tc": 128, **{f"tc-g{g}": g for g in GROUP_SIZES}}
+# second-level scales (issue 21 §3, --scale-bits 4): our GPTQ with 4-bit coded group scales at half
+# and a quarter of the default group size, which serve about as many bits as the next larger
+# fp16-scaled group: the lever that could put a smaller group's error at a larger group's cost
+S4_TAGS = {f"s4-g{g}": g for g in (64, 32, 16)}
 # configurations that change one option of a default one: (tag, report heading, column name)
 TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
           ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
@@ -42,6 +46,9 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           *((t, f"Target correction (`--target-correction`: every block linear solved against the "
                 f"full-precision outputs, seed 004) at group size {g}, against our GPTQ at the same group size "
                 f"(same served bits):", "target correction") for t, g in TC_TAGS.items()),
+          *((t, f"Second-level scales (`--scale-bits 4`: group scales as 4-bit codes on a grid per 16 rows, "
+                f"6 bits per scale instead of 16) at group size {g}, against our GPTQ at group size {2 * g} "
+                f"(about the served bits):", "coded scales") for t, g in S4_TAGS.items()),
           *((t, f"Noise floor: our GPTQ-4b calibrated on the seeded draw {t} of the calibration text instead of "
                 "seed 0 (other articles, another order):", t) for t in NOISE_TAGS),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
@@ -160,6 +167,12 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
         for b in (4, 3):
             out.append(make_config(model, "GPTQ", b, tag, base="" if g == group_size else f"g{g}", method="gptq",
                                    bits=b, group_size=g, target_correction=True))
+    # second-level scales at 4 and 3 bits
+    for tag, g in S4_TAGS.items():
+        for b in (4, 3):
+            twice = "" if 2 * g == group_size else f"g{2 * g}"   # the fp16-scaled group it is read against
+            out.append(make_config(model, "GPTQ", b, tag, base=twice, method="gptq", bits=b, group_size=g,
+                                   scale_bits=4))
     # the noise floor at 4 bits: other calibration draws
     for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
         out.append(make_config(model, "GPTQ", 4, tag, method="gptq", bits=4, group_size=group_size, seed=s))

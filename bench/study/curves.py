@@ -15,7 +15,8 @@ import math
 from .served import served_bits
 
 # the configurations that are a method's operating points (variants and controls are not)
-SERIES_TAGS = {"": None, "g32": 32, "g64": 64, "llmc": None, "tc": None, "tc-g32": 32, "tc-g64": 64}
+SERIES_TAGS = {"": None, "g32": 32, "g64": 64, "llmc": None, "tc": None, "tc-g32": 32, "tc-g64": 64,
+               "s4-g64": 64, "s4-g32": 32, "s4-g16": 16}
 
 
 def series_of(r: dict) -> str | None:
@@ -24,7 +25,8 @@ def series_of(r: dict) -> str | None:
     if r["family"] == "bf16" or r["tag"] not in SERIES_TAGS:
         return None
     g = (r.get("options") or {}).get("group_size")
-    name = ("llm-compressor " if r["tag"] == "llmc" else "") + r["family"] + ("+TC" if r["tag"].startswith("tc") else "")
+    lever = "+TC" if r["tag"].startswith("tc") else "+s4" if r["tag"].startswith("s4") else ""
+    name = ("llm-compressor " if r["tag"] == "llmc" else "") + r["family"] + lever
     return f"{name} g{g}" if r["family"] in ("RTN", "GPTQ") and g else name
 
 

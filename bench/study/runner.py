@@ -270,7 +270,8 @@ def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, 
     src = source_dir(cfg.model, st, root)
     ck = root / "checkpoints" / cfg.model / cfg.slug
     if served.is_outlier_free(r):
-        r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"], cfg.kwargs["group_size"])
+        r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"], cfg.kwargs["group_size"],
+                                                 cfg.kwargs.get("scale_bits"))
     elif (ck / "latq_stats.json").is_file() or requantize:
         fresh = not (ck / "latq_stats.json").is_file()
         if fresh:

@@ -77,25 +77,28 @@ def linear_shapes(src: Path) -> list[tuple[int, int]]:
             for lin in hf_model.block_linears(block, f"{prefix}.{i}").values()]
 
 
-def _outlier_free_tensors(n: int, k: int, bits: int, group: int) -> dict[str, torch.Tensor]:
+def _outlier_free_tensors(n: int, k: int, bits: int, group: int, scale_bits: int | None) -> dict[str, torch.Tensor]:
     """A dense-kind layer's checkpoint tensors with no outliers (zero integers: the bytes a
-    kernel streams do not depend on their values)."""
+    kernel streams do not depend on their values), its scales coded with ``scale_bits``."""
+    scales = torch.ones(n, -(-k // group))
     return {"qweight": fmt.pack(torch.zeros(n, k, dtype=torch.int32), bits),
-            "scales": torch.ones(n, -(-k // group), dtype=torch.float16),
+            **({"scales": scales.half()} if scale_bits is None else
+               fmt.scale_codes.encode(fmt.scale_codes.code_scales(scales, scale_bits))),
             "outlier_crow": torch.zeros(n + 1, dtype=torch.int32),
             "outlier_col": torch.zeros(0, dtype=torch.int32), "outlier_val": torch.zeros(0, dtype=torch.float16)}
 
 
-def outlier_free_served(shapes, bits: int, group: int) -> dict:
-    """The served record of a dense layout without outliers at ``bits`` and ``group`` over layers
-    of ``shapes`` (each ``(out, in)``): exact, as its bytes depend on nothing else."""
-    return copy.deepcopy(_outlier_free_served(tuple(map(tuple, shapes)), bits, group))
+def outlier_free_served(shapes, bits: int, group: int, scale_bits: int | None = None) -> dict:
+    """The served record of a dense layout without outliers at ``bits`` and ``group`` (scales
+    coded with ``scale_bits``) over layers of ``shapes`` (each ``(out, in)``): exact, as its bytes
+    depend on nothing else."""
+    return copy.deepcopy(_outlier_free_served(tuple(map(tuple, shapes)), bits, group, scale_bits))
 
 
 @functools.lru_cache(maxsize=None)
-def _outlier_free_served(shapes: tuple, bits: int, group: int) -> dict:
+def _outlier_free_served(shapes: tuple, bits: int, group: int, scale_bits: int | None) -> dict:
     fams = families()
-    per_shape = {s: layer_served(_outlier_free_tensors(*s, bits, group), "dense", s, bits, group, fams)
+    per_shape = {s: layer_served(_outlier_free_tensors(*s, bits, group, scale_bits), "dense", s, bits, group, fams)
                  for s in set(map(tuple, shapes))}
     rows = [{"shape": s, "served": per_shape[tuple(s)]} for s in shapes]
     weights = sum(n * k for n, k in shapes)
