@@ -11,12 +11,14 @@ need). Levers:
            prefix was quantized (GPTQ at the same bits); error against the full-precision XWᵀ
 (c) cols   per-input-column scales ``c ∝ D^p`` folded into the norm (q_proj, up_proj) or an
            activation multiply (o_proj, down_proj: +16/n bits served)
-(d) s3     second-level 3-bit scales (SpQR-style: blocks of 16 scales, fp16 min and step each)
+(d) s4     second-level scales (``--scale-bits 4``, format/scale_codes.py: 4-bit codes on a grid
+           per 16 rows of a group, fp16 min and step each); served bits in the CPU family, which
+           decodes them to fp16 (the Triton kernels read the codes)
 (e) group  SSQR and GPTQ at group sizes 64 and 32
 (f) code   HPTQ's integers under a compact codebook (lengths over the symbol range) and an
            ideal entropy coder (ANS's bound)
 
-    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target]
+    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target] [--levers acdef]
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ from vllm_latq.quantize import column_scales as cs
 from vllm_latq.quantize.hessian import qronos_target
 from vllm_latq.quantize.hptq import SCALE_BITS, hptq
 from vllm_latq.quantize.lattice import layer_error
-from vllm_latq.quantize.scales import mse_scales, to_fp16_grid
 from vllm_latq.quantize.solvers import gptq
 from vllm_latq.quantize.ssqr import ssqr
 
@@ -95,27 +96,6 @@ def column_scaled(method, power, **kw):
         r = method(cs.fold_weight(W, c), cs.fold_hessian(H, c), **kw)
         extra = 0.0 if name.endswith(NORM_FED) else 16 / W.shape[0]
         return cs.unfold(r.q, c), r.bits_per_weight + extra, served_bits(r, W) + extra
-    return solve
-
-
-def quantize_scales(S: torch.Tensor, bits: int = 3, block: int = 16) -> torch.Tensor:
-    """SpQR-style second-level scales: each run of ``block`` consecutive rows of a group's
-    scales on a ``bits``-bit min/step grid (min and step in fp16) → fp16-exact scales."""
-    r, G = S.shape
-    pad = (-r) % block
-    Sb = torch.nn.functional.pad(S.T, (0, pad), value=float("nan")).reshape(G, -1, block)
-    lo = to_fp16_grid(torch.nan_to_num(Sb, nan=math.inf).amin(-1, keepdim=True))
-    step = to_fp16_grid((torch.nan_to_num(Sb, nan=-math.inf).amax(-1, keepdim=True) - lo) / (2 ** bits - 1))
-    q = lo + torch.round((Sb - lo) / step).clamp(0, 2 ** bits - 1) * step
-    return to_fp16_grid(q.reshape(G, -1)[:, :r].T.contiguous())
-
-
-def scales3(bits, group_size):
-    """GPTQ on 3-bit second-level scales: 3 bits + 32/16 bits of (min, step) per scale."""
-    def solve(name, W, H):
-        r = gptq(W, H, bits=bits, group_size=group_size, scales=quantize_scales(mse_scales(W, bits, group_size)))
-        saved = 11 * r.scales.numel() / W.numel()   # 16 → 5 bits per scale, stored and (with a kernel change) served
-        return r.q, r.bits_per_weight - saved, served_bits(r, W) - saved
     return solve
 
 
@@ -218,7 +198,7 @@ def target_rows(streams, bits) -> list[tuple]:
 
 # ----------------------------------------------------------------------------- the screen
 
-def screen(bits_list, block, skip_target, nseq, seqlen, powers, only):
+def screen(bits_list, block, skip_target, nseq, seqlen, powers, only, levers="acdef"):
     layers = {k: (W, H.float()) for k, (W, H) in real_layer_hessians().items()}
     rows = []   # (lever, method, bits, err base, err lever, stored base, stored lever, served base, served lever)
 
@@ -236,20 +216,25 @@ def screen(bits_list, block, skip_target, nseq, seqlen, powers, only):
         print_row(row)
 
     for b in [] if only else bits_list:
-        pair("a half", "gptq g128", b, plain(gptq, bits=b), plain(gptq, bits=b, offset=0.5))
-        pair("a half", "ssqr-1% g128", b, plain(ssqr, bits=b), plain(ssqr, bits=b, offset=0.5))
-        for p in powers:
+        if "a" in levers:
+            pair("a half", "gptq g128", b, plain(gptq, bits=b), plain(gptq, bits=b, offset=0.5))
+            pair("a half", "ssqr-1% g128", b, plain(ssqr, bits=b), plain(ssqr, bits=b, offset=0.5))
+        for p in powers if "c" in levers else ():
             pair(f"c cols p={p}", "hptq", b, plain(hptq, target_bits=b), column_scaled(hptq, p, target_bits=b))
             pair(f"c cols p={p}", "gptq g128", b, plain(gptq, bits=b), column_scaled(gptq, p, bits=b))
             pair(f"c cols p={p}", "ssqr-1% g128", b, plain(ssqr, bits=b), column_scaled(ssqr, p, bits=b))
-        pair("d s3", "gptq g128 → g64+s3", b, plain(gptq, bits=b), scales3(b, 64))
-        pair("d s3", "gptq g64 → g64+s3", b, plain(gptq, bits=b, group_size=64), scales3(b, 64))
-        for g in (64, 32):
+        for g in (64, 32) if "d" in levers else ():   # coded scales (--scale-bits 4) at g: fp16 at 2g and at g
+            pair("d s4", f"gptq g{2 * g} → g{g}+s4", b, plain(gptq, bits=b, group_size=2 * g),
+                 plain(gptq, bits=b, group_size=g, scale_bits=4))
+            pair("d s4", f"gptq g{g} → g{g}+s4", b, plain(gptq, bits=b, group_size=g),
+                 plain(gptq, bits=b, group_size=g, scale_bits=4))
+        for g in (64, 32) if "e" in levers else ():
             pair("e group", f"ssqr-1% g128 → g{g}", b, plain(ssqr, bits=b), plain(ssqr, bits=b, group_size=g))
             pair("e group", f"gptq g128 → g{g}", b, plain(gptq, bits=b), plain(gptq, bits=b, group_size=g))
-        c = codings(layers, b)
-        add(("f code", "hptq compact book", b, None, None, c["huffman"], c["compact"], None, None))
-        add(("f code", "hptq entropy (ANS)", b, None, None, c["huffman"], c["entropy"], None, None))
+        if "f" in levers:
+            c = codings(layers, b)
+            add(("f code", "hptq compact book", b, None, None, c["huffman"], c["compact"], None, None))
+            add(("f code", "hptq entropy (ANS)", b, None, None, c["huffman"], c["entropy"], None, None))
     if not skip_target:
         for b in bits_list:
             for row in target_rows(block_streams(block, b, nseq, seqlen), b):
@@ -277,13 +262,14 @@ def main(argv=None):
     ap.add_argument("--skip-target", action="store_true", help="skip (b) (loads the model)")
     ap.add_argument("--only-target", dest="only", action="store_true", help="only (b)")
     ap.add_argument("--powers", type=float, nargs="+", default=[0.5], help="(c): exponents p of c ∝ D^p")
+    ap.add_argument("--levers", default="acdef", help="the per-layer levers to screen (letters; default all)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.time()
     print("| lever | method | bits | rel. error base → lever | ratio | stored b/w base → lever | "
           "served b/w (CPU) base → lever |")
     print("|---|---|---|---|---|---|---|", flush=True)
-    rows = screen(a.bits, a.block, a.skip_target, a.nseq, a.seqlen, a.powers, a.only)
+    rows = screen(a.bits, a.block, a.skip_target, a.nseq, a.seqlen, a.powers, a.only, a.levers)
     best = {}
     for lever, label, b, e0, e1, *_ in rows:
         if e0:
