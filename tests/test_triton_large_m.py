@@ -238,11 +238,14 @@ quick = sys.argv[1] == "quick"
 jobs = []
 for dt in (("bf16",) if quick else ("bf16", "fp16")):
     for bits in ((3, 5) if quick else (2, 3, 4, 5)):
-        sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", ROW0="i32", ROW1="i32", K="i32",
-                   K0="i32", stride_wn="i32",
-                   N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
-        const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"])
-        jobs.append((f"dequant {dt} {bits}-bit", td._dequant_kernel, sig, const, td.DEQUANT_CONFIG["num_warps"]))
+        for scales in tc.SCALES:
+            sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr=tc.S_PTR[scales], ROW0="i32", ROW1="i32",
+                       K="i32", K0="i32", stride_wn="i32",
+                       N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
+            const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"],
+                         CODED=scales == "coded")
+            jobs.append((f"dequant {dt} {bits}-bit {scales}", td._dequant_kernel, sig, const,
+                         td.DEQUANT_CONFIG["num_warps"]))
 for outl, o in ((1, ["*i32", "*i16", "*fp16", "*fp16"]), (2, ["*i32", "*i32", "*i16", "*fp16"])):
     sig = dict(w_ptr="*bf16", o0_ptr=o[0], o1_ptr=o[1], o2_ptr=o[2], o3_ptr=o[3], ROW0="i32", ROW1="i32",
                stride_wn="i32")
@@ -285,7 +288,7 @@ def _compile(quick):
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 * ((2 if quick else 8) + 2) and {r["cc"] for r in rows} == {80, 90}
+    assert len(rows) == 2 * (2 * (2 if quick else 8) + 2) and {r["cc"] for r in rows} == {80, 90}
     bad = [r for r in rows if r["spill"] or r["stack"] or r["regs"] > 255]
     assert not bad, bad
     # the scratch is written in 16-byte vectors along K only (coalesced: W's fastest dim)
