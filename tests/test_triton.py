@@ -11,6 +11,9 @@
   split-K, bias, fp32 activations, the larger-M fallback, group sizes 32/64/one group per
   tensor, both outlier layouts. 3 and 5 bits also on K that is not a multiple of 512 (576,
   640, 896, 1280: whole 512-column chunks plus a tail), with split-K over main and tail steps.
+* Coded scales (format/scale_codes.py): the laid-out words hold the format's codes and grids,
+  the kernels' decode is the format's bit for bit, and both kernels match the reference on
+  coded layers (bits {2, 3, 4} × M {1, 4, 9, 17, 64} × outliers {0, 2 %}).
 * Offline compilation for sm_80/86/89/90 (real ptxas): no register spills, shared memory
   within the target's limit (heaviest config per kernel and bit width here; every config
   in the slow test and in ``bench/kernels.py``).

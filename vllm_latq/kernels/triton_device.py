@@ -3,7 +3,8 @@ configs, autotuning, launch, the kernel class — is :mod:`~vllm_latq.kernels.tr
 Kept apart because :mod:`~vllm_latq.kernels.triton_compile` fingerprints exactly this code
 (a kernel's offline-compiled binaries depend on it and on nothing host-side), and because both
 kernels share the helpers (``_and_or``, ``_fbits``, ``_word_tiles``, ``_gemv_step``,
-``_mma_step``, ``_epilogue``). Size: one file because that fingerprint covers this module's
+``_mma_step``, ``_epilogue``, and ``_scale_base`` / ``_group_scale``: the group scales, fp16 or
+coded, which the dequantize and grouped-MoE kernels read through them too). Size: one file because that fingerprint covers this module's
 jit functions only — a helper moved elsewhere would drop out of it and leave stale compile
 reports.
 
@@ -27,7 +28,8 @@ and then its tail's 128-column steps at BITS = 4, dealt to the K splits from the
     a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
     the chunk's four steps, from L1/L2 after the first). At M = 1 the
     products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
-    once (``acc += part · s``, fp16 scales widened); at M > 1, z·s is formed once and
+    once (``acc += part · s``, fp16 scales widened, or coded ones decoded by
+    ``_group_scale`` under ``CODED``); at M > 1, z·s is formed once and
     shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
     cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
     row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
@@ -158,7 +160,7 @@ def _scale_base(s_ptr, g16, r16, NGP, CODED: tl.constexpr):
     if CODED:
         return s_ptr + g16 * (NGP * 3)
     else:
-        return s_ptr + (g16 * (NGP * 16) + r16)
+        return s_ptr + g16 * (NGP * 16) + r16
 
 
 @triton.jit
