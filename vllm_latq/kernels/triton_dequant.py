@@ -103,7 +103,7 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, 
             lo = tl.where(j < 16, wa, wb)
             u = ((lo >> (2 * (j % 16))) & 3) | (((wh >> j) & 1) << 2)
         z = (u - OFF).to(tl.float32)                                  # exact integer
-        sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, pm, CODED)      # [DS, 16, BN]
+        sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, pm, CODED, False)      # [DS, 16, BN]
         # fp32 z·s, one rounding; stored as W is laid out, [BN rows, DS·16 columns] with the
         # columns fastest: 16-byte vector stores along K (the word tiles run along rows, so
         # the tile is transposed on chip, through shared memory)

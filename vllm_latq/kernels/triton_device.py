@@ -164,16 +164,18 @@ def _scale_base(s_ptr, g16, r16, NGP, CODED: tl.constexpr):
 
 
 @triton.jit
-def _group_scale(sp, gi, r16, mask, CODED: tl.constexpr):
+def _group_scale(sp, gi, r16, mask, CODED: tl.constexpr, ASM: tl.constexpr):
     """fp32 scale of group ``gi`` of the rows of ``sp`` (:func:`_scale_base`; ``r16``: their
     row in the slab, same shape), 0 where ``mask`` is off. Coded: the format's
     ``fp16(fp32(min) + code · fp32(step))`` (the product is exact, so a fused FMA rounds
-    the same), the fp16 bits of min and step widened to fp32 right after the load."""
+    the same), the fp16 bits of min and step widened to fp32 right after the load; the code
+    becomes a float as the weights do (OR-ed into 2^23, one FADD: no int → float convert)."""
     if CODED:
         words = sp + gi * 3
         cw = tl.load(words + (r16 >> 3), mask=mask, other=0)
         gw = tl.load(words + 2, mask=mask, other=0)
-        code = ((cw >> (4 * (r16 & 7))) & 15).to(tl.float32)
+        magic = tl.full(cw.shape, 0x4B000000, tl.int32)                  # fp32 bits of 2^23
+        code = _and_or(cw >> (4 * (r16 & 7)), 15, magic, ASM).to(tl.float32, bitcast=True) - 8388608.0
         smin = (gw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         step = (gw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         return (smin + code * step).to(tl.float16).to(tl.float32)
@@ -234,7 +236,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
                 part += z * xs
                 if (i + 1) % FL == 0:
                     gi = (k0 + 16 * (j + 1 - FL)) // GROUP
-                    sc = _group_scale(sp, gi, rs3, rn3 < N_PAD, CODED)                        # [1, 1, BN]
+                    sc = _group_scale(sp, gi, rs3, rn3 < N_PAD, CODED, ASM)                        # [1, 1, BN]
                     acc += part * sc
                     part = tl.zeros(acc.shape, dtype=tl.float32)
             else:
@@ -242,7 +244,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
                 # single accumulator (half the registers of part + acc)
                 if i % FL == 0:
                     gi = (k0 + 16 * j) // GROUP
-                    sc = _group_scale(sp, gi, rs3, rn3 < N_PAD, CODED)
+                    sc = _group_scale(sp, gi, rs3, rn3 < N_PAD, CODED, ASM)
                 acc += (z * sc) * xs
     return acc
 
@@ -393,7 +395,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
                 c0 = k0 + 128 * h + q * (DS * 16)
                 kk = c0 + kd
                 xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
-                sc = _group_scale(sp, c0 // GROUP, r16, rn < N_PAD, CODED)
+                sc = _group_scale(sp, c0 // GROUP, r16, rn < N_PAD, CODED, ASM)
                 acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
     else:
         part = tl.zeros(acc.shape, dtype=tl.float32)
@@ -404,7 +406,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
             part = tl.dot(xs, z, part)
             if (q + 1) % DPG == 0:
                 gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
-                sc = _group_scale(sp, gi, r16, rn < N_PAD, CODED)
+                sc = _group_scale(sp, gi, r16, rn < N_PAD, CODED, ASM)
                 acc += part * sc[None, :]
                 part = tl.zeros(acc.shape, dtype=tl.float32)
     return acc

@@ -118,7 +118,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr
                 kk = k0 + 16 * j + w3
                 xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)
                 if i % FL == 0:
-                    sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, rn3 < N_PAD, CODED)
+                    sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, rn3 < N_PAD, CODED, ASM)
                 acc += (z * sc) * xs
 
     if OUTL == 1:       # ELL-16, offsets absolute into the concatenated entries
