@@ -298,6 +298,23 @@ def test_coded_scales_are_decoded_bit_exactly(kernel):
     assert torch.equal(y.T, fmt.scale_codes.decode_scales(coded.codes, coded.min, coded.step))
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_solver_coded_scales_through_the_stored_form(bits):
+    """A layer quantized with coded scales (``rtn(..., scale_bits=4)``), written as stored
+    tensors and read back as the loader does: the Triton state lays out its codes and both
+    kernels match the reference (the codes' fp16 decode)."""
+    from vllm_latq.kernels.reference import from_dense_tensors
+    from vllm_latq.quantize.solvers import rtn
+    W = torch.randn(N, 640, generator=torch.Generator().manual_seed(bits)) * 0.02
+    t = fmt.encode_layer(rtn(W, bits=bits, group_size=64, scale_bits=4), "dense")
+    w = from_dense_tensors(t, bits, 64, 640)
+    st = TritonKernel.prepare(w)
+    assert w.coded is not None and st.coded_scales
+    for m in (1, 9):
+        x = activations(m, torch.bfloat16, k=640, seed=m)
+        check(TritonKernel.apply(st, x, kernel="gemv" if m < 8 else "mma"), x, w)
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.02])
 @pytest.mark.parametrize("m", [1, 4, 9, 17, 64])
 @pytest.mark.parametrize("bits", [2, 3, 4])
