@@ -8,6 +8,9 @@
   other kernel family of ``selector.kernels()`` that runs on CUDA, through its custom op.
   3 and 5 bits on K that is no multiple of 512 (Gemma3's 640, SmolLM2's 576, Qwen2.5's 896,
   4864, 8960): whole 512-column chunks plus the 4-bit tail.
+* Coded scales (format/scale_codes.py, group 64): both kernels by M and the dequantize-once
+  path against the reference, the device's decode bit-identical to ``decode_scales``, a
+  Qwen3-8B projection autotuned, and the grouped MoE kernel on coded experts.
 * Every tensor-core config of the 32/64-row tiles (large M below the crossover).
 * Split-K: every config with SPLIT > 1, three calls bit-identical, the tickets back to 0; the
   partials' scratch reserved at load, shared by layers, never reallocated (graphs too).
