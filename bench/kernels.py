@@ -228,7 +228,7 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
                  "ALU-issue ceiling vs HBM ceiling (1.555 TB/s, weights at b/8 + 2/128 B)")
     for bits in BITS:
         ipw = sorted(r["ipw"] for r in rows if "error" not in r and r["kernel"] == "gemv" and r["BM"] == 1
-                     and r["bits"] == bits and r["cc"] == 80)
+                     and r["bits"] == bits and r["cc"] == 80 and r["scales"] == "fp16")
         if ipw:
             med = ipw[len(ipw) // 2]
             alu, mem = issue / med, 1.555e12 / (bits / 8 + 2 / 128)
@@ -243,7 +243,8 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
 
 def mma_ipw_lines(rows: list[dict]) -> list[str]:
     """The tensor-core K loop's instructions per weight per program, median over each BM's
-    configs, next to the cost model's constants (``triton_model.MMA_IPW``, sm_80)."""
+    configs with fp16 scales, next to the cost model's constants (``triton_model.MMA_IPW``, sm_80)."""
+    rows = [r for r in rows if r["scales"] == "fp16"]
     from vllm_latq.kernels.triton_model import MMA_IPW
     lines = ["MMA K loop, SASS instructions per weight per BM-row program (median over configs) "
              "vs the cost model's constant:"]

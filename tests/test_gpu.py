@@ -8,6 +8,9 @@
   other kernel family of ``selector.kernels()`` that runs on CUDA, through its custom op.
   3 and 5 bits on K that is no multiple of 512 (Gemma3's 640, SmolLM2's 576, Qwen2.5's 896,
   4864, 8960): whole 512-column chunks plus the 4-bit tail.
+* Coded scales (format/scale_codes.py, group 64): both kernels by M and the dequantize-once
+  path against the reference, the device's decode bit-identical to ``decode_scales``, a
+  Qwen3-8B projection autotuned, and the grouped MoE kernel on coded experts.
 * Every tensor-core config of the 32/64-row tiles (large M below the crossover).
 * Split-K: every config with SPLIT > 1, three calls bit-identical, the tickets back to 0; the
   partials' scratch reserved at load, shared by layers, never reallocated (graphs too).
@@ -89,22 +92,24 @@ def triton_module():
 
 # ----------------------------------------------------------------------------- weights, reference
 
-def make_weight(n, k, bits, rate, group=128, seed=0, crowded=True) -> LatqWeight:
-    """On DEV: test_triton's weights (random b-bit inliers, 0 at outliers, fp16 scales,
-    fp16-exact outliers at ``rate``; with ``crowded``, row 1 half outliers, rows 3..5 none)."""
+def make_weight(n, k, bits, rate, group=128, seed=0, crowded=True, scale_bits=None) -> LatqWeight:
+    """On DEV: test_triton's weights (random b-bit inliers, 0 at outliers, fp16 scales —
+    ``scale_bits``: coded —, fp16-exact outliers at ``rate``; with ``crowded``, row 1 half
+    outliers, rows 3..5 none)."""
     crowd = CROWDED if crowded and rate > 0 and n > 6 else ()
     return random_weight(n, k, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02, val_std=0.2,
-                         fp16_values=True, rows=crowd).to(DEV)
+                         fp16_values=True, rows=crowd, scale_bits=scale_bits).to(DEV)
 
 
 _WEIGHTS: dict = {}
 _STATES: dict = {}
 
 
-def weight(n, k, bits, rate, group=128, seed=None) -> LatqWeight:
-    key = (n, k, bits, rate, group, seed)
+def weight(n, k, bits, rate, group=128, seed=None, scale_bits=None) -> LatqWeight:
+    key = (n, k, bits, rate, group, seed, scale_bits)
     if key not in _WEIGHTS:
-        _WEIGHTS[key] = make_weight(n, k, bits, rate, group, seed=bits if seed is None else seed)
+        _WEIGHTS[key] = make_weight(n, k, bits, rate, group, seed=bits if seed is None else seed,
+                                    scale_bits=scale_bits)
     return _WEIGHTS[key]
 
 
@@ -181,6 +186,63 @@ def test_triton_ragged(bits, m, rate, dtype):
     kind, cfg = fixed_config(m, bits)
     y = kernel("triton").apply(st, x, bias, kernel=kind, config=cfg)
     assert_matches_reference(y, x, w, bias, what=f"{kind} {cfg}")
+
+
+@pytest.mark.parametrize("rate", RATES[:2])
+@pytest.mark.parametrize("m", [1, 4, 9, 17, 64, 256], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("bits", BITS)
+def test_triton_coded_scales(bits, m, rate):
+    """Coded scales (format/scale_codes.py, group 64) on the ragged shape: the kernel of M with
+    its first production tile, and from 17 rows the dequantize-once path too (z·s rounded to
+    bf16 once)."""
+    n, k = RAGGED
+    w = weight(n, k, bits, rate, group=64, scale_bits=4)
+    st = triton_state(w)
+    assert st.coded_scales
+    x = activations(m, k, torch.bfloat16, seed=m)
+    kind, cfg = fixed_config(m, bits)
+    assert_matches_reference(kernel("triton").apply(st, x, kernel=kind, config=cfg), x, w, what=f"coded {kind} {cfg}")
+    if m >= 17:
+        y = kernel("triton").apply(st, x, kernel="dequant")
+        assert_matches_reference(y, x, w, exact=False, what="coded dequant")
+
+
+@pytest.mark.parametrize("kind", ["gemv", "mma", "dequant"])
+def test_triton_coded_scales_bit_exact(kind):
+    """z = 1 everywhere and one-hot fp32 activations (exact sums; fp16 W for the dequantize
+    path): each output is one decoded scale, which must equal ``scale_codes.decode_scales``
+    bit for bit on the device (its FMA and fp16 rounding), scales from fp16 subnormals to ~100."""
+    from vllm_latq.kernels import triton_dequant
+    n, k, groups = 48, 320, 5
+    g = torch.Generator().manual_seed(3)
+    S = (torch.randn(n, groups, generator=g) * 4).exp().mul(1e-3).clamp(2.0**-24, 100.0)
+    coded = fmt.scale_codes.code_scales(S)
+    want = fmt.scale_codes.decode_scales(coded.codes, coded.min, coded.step)
+    w = LatqWeight(fmt.pack(torch.ones(n, k, dtype=torch.int32), 4), want.half(), torch.zeros(n + 1, dtype=torch.int32),
+                   torch.zeros(0, dtype=torch.int32), torch.zeros(0), 4, 64, k, coded).to(DEV)
+    st = kernel("triton").prepare(w)
+    if kind == "dequant":
+        out = torch.empty(n, k, dtype=torch.float16, device=DEV)
+        got = triton_dequant.dequantize_into(st, out)[:, ::64].float().cpu()
+    else:
+        x = torch.zeros(groups, k, device=DEV)
+        x[torch.arange(groups), 64 * torch.arange(groups)] = 1.0
+        got = kernel("triton").apply(st, x, kernel=kind).T.cpu()
+    assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 64], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("bits", [pytest.param(b, id=f"{b}bit") for b in (3, 4)])
+def test_triton_8b_shapes_coded_scales(bits, m):
+    """A Qwen3-8B projection with coded scales at group 64, autotuned (as served)."""
+    from vllm_latq.kernels.triton_dequant import use_large_m
+    n, k = QWEN3_8B[next(iter(QWEN3_8B))]
+    w = weight(n, k, bits, 0.01, group=64, seed=0, scale_bits=4)
+    x = activations(m, k, torch.bfloat16, seed=m)
+    st = triton_state(w)
+    y = kernel("triton").apply(st, x)
+    assert_matches_reference(y, x, w, exact=not use_large_m(st, x), what=f"coded {n}x{k}")
 
 
 @needs_cuda
@@ -506,14 +568,16 @@ def test_torch_compile_fullgraph():
 MOE_E, MOE_H, MOE_I, MOE_TOPK = 16, 512, 256, 4
 
 
-def moe_experts(bits: int, rate: float):
+def moe_experts(bits: int, rate: float, scale_bits: int | None = None):
     """MOE_E Triton experts on DEV (crowded outlier rows: some experts' outliers are CSR, which
-    the stack converts), stacked, and their fp32 dequantized weights on the CPU."""
+    the stack converts; ``scale_bits``: coded scales at group 64), stacked, and their fp32
+    dequantized weights on the CPU."""
     from vllm_latq.kernels import moe
     tk = kernel("triton")
     experts, dense = [], []
     for e in range(MOE_E):
-        w13, w2 = (make_weight(n, k, bits, rate, seed=100 * bits + 2 * e + i)
+        w13, w2 = (make_weight(n, k, bits, rate, seed=100 * bits + 2 * e + i, group=128 if scale_bits is None else 64,
+                               scale_bits=scale_bits)
                    for i, (n, k) in enumerate(((2 * MOE_I, MOE_H), (MOE_H, MOE_I))))
         experts.append(moe.Expert((tk, tk.prepare(w13)), (tk, tk.prepare(w2))))
         with torch.device(DEV):
@@ -556,6 +620,18 @@ def test_moe_grouped_vs_reference(bits, m):
         y = moe.experts_forward(x, w, ids, experts, "silu", stacked=stacked, path=path)
         assert y.dtype == torch.bfloat16 and y.device == x.device
         assert_moe_close(y, x, w, ids, dense, f"{path} M={m}")
+
+
+@pytest.mark.parametrize("m", [1, 16, 64], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("bits", [pytest.param(b, id=f"{b}bit") for b in (2, 4)])   # 3 bits: K = 256 is tail
+def test_moe_grouped_coded_scales(bits, m):
+    """Experts with coded scales: the grouped kernel decodes the stacked codes."""
+    from vllm_latq.kernels import moe
+    experts, stacked, dense = moe_experts(bits, 0.01, scale_bits=4)
+    assert stacked.w13.coded_scales
+    x, w, ids = moe_routing(m, m)
+    y = moe.experts_forward(x, w, ids, experts, "silu", stacked=stacked, path="stacked")
+    assert_moe_close(y, x, w, ids, dense, f"coded stacked M={m}")
 
 
 @needs_cuda

@@ -29,14 +29,14 @@ def _interpreter_ok(monkeypatch):
     monkeypatch.setenv(ENV_INTERPRET_OK, "1")
 
 
-def experts_of(bits: int, rate: float, seed: int = 0):
-    """Triton experts (expert 1 without outliers, expert 2's outliers laid out as CSR) and
-    their fp32 dequantized weights."""
+def experts_of(bits: int, rate: float, seed: int = 0, scale_bits: int | None = None):
+    """Triton experts (expert 1 without outliers, expert 2's outliers laid out as CSR; with
+    ``scale_bits``, coded scales) and their fp32 dequantized weights."""
     experts, dense = [], []
     for e in range(E):
         r = 0.0 if e == 1 else rate
-        w13 = random_weight(2 * INTER, H, bits, r, group=32, seed=seed + 2 * e, fp16_values=True)
-        w2 = random_weight(H, INTER, bits, r, group=32, seed=seed + 2 * e + 1, fp16_values=True)
+        w13 = random_weight(2 * INTER, H, bits, r, group=32, seed=seed + 2 * e, fp16_values=True, scale_bits=scale_bits)
+        w2 = random_weight(H, INTER, bits, r, group=32, seed=seed + 2 * e + 1, fp16_values=True, scale_bits=scale_bits)
         mode = "csr" if e == 2 and r else None
         experts.append(moe.Expert((TritonKernel, TritonKernel.prepare(w13, outlier_mode=mode)),
                                   (TritonKernel, TritonKernel.prepare(w2))))
@@ -83,6 +83,22 @@ def test_grouped_equals_token_by_token(T, bits, rate):
     if T == 7:   # the experts' own states are views of the stack now: the per-expert path still agrees
         host = moe.experts_forward(x, w, ids, experts, "silu", path="host")
         assert (host - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("T,bits,rate", [(1, 2, 0.03), (4, 4, 0.0), (9, 4, 0.03), (17, 2, 0.0)])
+def test_grouped_coded_scales_equal_token_by_token(T, bits, rate):
+    """Experts with coded scales: the stack keeps the codes (12 bytes per 16 scales) and the
+    grouped kernel decodes them; a stack of fp16 and coded experts is refused."""
+    experts, dense = experts_of(bits, rate, seed=bits, scale_bits=4)
+    stacked, why = moe.stack_experts(experts)
+    assert why is None and stacked.w13.coded_scales and stacked.w2.coded_scales
+    assert stacked.w2.nbytes()["scales"] == E * (H // 16) * -(-stacked.w2.k_pad // 32) * 12
+    x, w, ids = routing(T, T + bits)
+    want = moe_reference(x, w, ids, dense)
+    y = moe.experts_forward(x, w, ids, experts, "silu", stacked=stacked, path="stacked")
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    fp16 = experts_of(bits, rate, seed=bits)[0]
+    assert "scales' form" in triton_moe.stack_reason([fp16[0].w2[1], experts[1].w2[1]])
 
 
 def test_grouped_fp16_weights_on_input_and_through_the_op():

@@ -8,6 +8,8 @@ takes the width with K's fewest served bytes among K's widths.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,6 +67,46 @@ def test_triton_served_bytes(bits, rate, shape, group):
     for mode in ("ell", "csr") if rate else ():   # both outlier forms are counted as laid out
         st = TritonKernel.prepare(w, outlier_mode=mode)
         assert sum(TritonKernel.served_bytes(st).values()) == _nbytes(TritonKernel.flatten(st)[0]) - _nbytes([st.tickets])
+
+
+@pytest.mark.parametrize("bits,rate,shape,group", [(4, 0.01, (160, 320), 64), (3, 0.0, (40, 640), 64),
+                                                   (2, 0.02, (192, 576), 32), (5, 0.0, (48, 300), 300)])
+def test_coded_scales_served_bytes(bits, rate, shape, group):
+    """Coded scales (``format.scale_codes``): the Triton layout streams 12 bytes per 16 scales —
+    its served bytes are its tensors', what the cost model counts with ``scale_bits`` and what
+    ``latq-inspect`` reports for the stored layer, and fewer than the same layer's with fp16
+    scales; the CPU family decodes the codes at prepare and serves (and counts) fp16 scales."""
+    from vllm_latq import format as fmt
+    from vllm_latq.kernels.served import layer_served
+    w = random_weight(*shape, bits, rate, group=group, seed=bits, scale_bits=4)
+    fp16 = dataclasses.replace(w, coded=None)
+    stats = GridStats.from_weight(w)
+    st = TritonKernel.prepare(w)
+    got = TritonKernel.served_bytes(st)
+    assert sum(got.values()) == _nbytes(TritonKernel.flatten(st)[0]) - _nbytes([st.tickets])
+    assert got == TritonKernel.layout_bytes(*shape, bits, group, stats, scale_bits=4)
+    f16 = TritonKernel.served_bytes(TritonKernel.prepare(fp16))
+    assert got["scales"] * 32 == f16["scales"] * 12 and sum(got.values()) < sum(f16.values())
+    t = {"qweight": w.qweight, "outlier_crow": w.crow, "outlier_col": w.col, "outlier_val": w.val,
+         **fmt.scale_codes.encode(w.coded)}
+    fams = [TritonKernel] + ([CPUKernel] if CPUKernel.can_implement(w, torch.device("cpu"), torch.bfloat16)[0] else [])
+    inspected = layer_served(t, "dense", shape, bits, group, fams)
+    assert inspected["triton"]["bytes"] == sum(got.values())
+    if CPUKernel in fams:
+        cpu_got = CPUKernel.served_bytes(CPUKernel.prepare(w))
+        assert cpu_got == CPUKernel.served_bytes(CPUKernel.prepare(fp16)) == _model(CPUKernel, w)
+        assert inspected["cpu"]["bytes"] == sum(cpu_got.values())
+
+
+def test_coded_group_64_serves_fewer_bits_than_fp16_group_128():
+    """Issue 21's point: coded scales at group 64 serve 6/64 bits a weight, fp16 at 128 16/128."""
+    n, k = 256, 4096
+    stats = GridStats.from_integers(torch.zeros(n, k, dtype=torch.int32), torch.ones(n))
+    coded = TritonKernel.layout_bytes(n, k, 4, 64, stats, scale_bits=4)["scales"]
+    fp16 = TritonKernel.layout_bytes(n, k, 4, 128, stats)["scales"]
+    assert (8 * coded / (n * k), 8 * fp16 / (n * k)) == (6 / 64, 16 / 128)
+    with pytest.raises(ValueError, match="scale codes"):
+        TritonKernel.layout_bytes(n, k, 4, 64, stats, scale_bits=3)
 
 
 @pytest.mark.parametrize("tiles", [True, False])

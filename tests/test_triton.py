@@ -11,6 +11,9 @@
   split-K, bias, fp32 activations, the larger-M fallback, group sizes 32/64/one group per
   tensor, both outlier layouts. 3 and 5 bits also on K that is not a multiple of 512 (576,
   640, 896, 1280: whole 512-column chunks plus a tail), with split-K over main and tail steps.
+* Coded scales (format/scale_codes.py): the laid-out words hold the format's codes and grids,
+  the kernels' decode is the format's bit for bit, and both kernels match the reference on
+  coded layers (bits {2, 3, 4} × M {1, 4, 9, 17, 64} × outliers {0, 2 %}).
 * Offline compilation for sm_80/86/89/90 (real ptxas): no register spills, shared memory
   within the target's limit (heaviest config per kernel and bit width here; every config
   in the slow test and in ``bench/kernels.py``).
@@ -33,11 +36,11 @@ pytestmark = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Tr
 N, K = 40, 300
 
 
-def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0, crowded=True) -> LatqWeight:
-    """Random b-bit inliers, fp16 scales, fp16-exact CSR outliers at ``rate``; with ``crowded``,
-    row 1 has half its columns as outliers and rows 3..5 none."""
+def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0, crowded=True, scale_bits=None) -> LatqWeight:
+    """Random b-bit inliers, fp16 scales (``scale_bits``: coded), fp16-exact CSR outliers at
+    ``rate``; with ``crowded``, row 1 has half its columns as outliers and rows 3..5 none."""
     return random_weight(n, k, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02, val_std=0.2,
-                         fp16_values=True, rows=CROWDED if crowded and rate > 0 else ())
+                         fp16_values=True, rows=CROWDED if crowded and rate > 0 else (), scale_bits=scale_bits)
 
 
 def check(y, x, w, bias=None):
@@ -211,10 +214,10 @@ def test_selector_picks_triton_in_interpreter(monkeypatch):
 _STATES = {}
 
 
-def state_for(bits, rate, mode=None, group=128, k=K):
-    key = (bits, rate, mode, group, k)
+def state_for(bits, rate, mode=None, group=128, k=K, scale_bits=None):
+    key = (bits, rate, mode, group, k, scale_bits)
     if key not in _STATES:
-        w = make_weight(bits=bits, k=k, rate=rate, group=group, seed=bits)
+        w = make_weight(bits=bits, k=k, rate=rate, group=group, seed=bits, scale_bits=scale_bits)
         _STATES[key] = (w, TritonKernel.prepare(w, outlier_mode=mode))
     return _STATES[key]
 
@@ -254,6 +257,73 @@ def test_both_outlier_layouts(bits, mode, kernel, m):
     assert st.outl == tk.OUTL_CODE[mode]
     x = activations(m, torch.bfloat16)
     check(TritonKernel.apply(st, x, kernel=kernel), x, w)
+
+
+# coded scales (format/scale_codes.py): the kernels decode 4-bit codes on 16-row grids
+
+def test_coded_scale_words_decode_to_the_formats_scales():
+    """The laid-out words (codes of rows 0–7, 8–15, min | step) hold each scale's code and its
+    slab's grid; padding groups are zero words."""
+    w = make_weight(group=64, scale_bits=4)
+    L = tlay.build(w)
+    words = L.scales.long() & 0xFFFFFFFF                                  # [slabs, groups, 3]
+    ngp = -(-L.k_pad // 64)                                                # 6: one padding group
+    assert L.scales.dtype == torch.int32 and words.shape == (L.n_pad // 16, ngp, tlay.CODED_WORDS)
+    r = torch.arange(L.n_pad)
+    codes = (words[r // 16, :, (r % 16) // 8] >> (4 * (r % 8))[:, None]) & 15       # [n_pad, groups]
+    smin, step = (((words[..., 2] >> sh) & 0xFFFF).short().view(torch.float16) for sh in (0, 16))
+    S = fmt.scale_codes.decode_scales(codes[:N, :5], smin[:, :5], step[:, :5])
+    assert torch.equal(S, w.coded.decode()) and torch.equal(S.half(), w.scales)
+    assert torch.equal(codes[:N, :5], w.coded.codes.long()) and not words[:, 5:].any()
+    fp16 = tlay.build(make_weight(group=64))
+    assert L.nbytes()["scales"] * 32 == fp16.nbytes()["scales"] * 12 == tlay.scale_bytes(L.n_pad, ngp, True) * 32
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "mma"])
+def test_coded_scales_are_decoded_bit_exactly(kernel):
+    """With z = 1 everywhere and one-hot fp32 activations (exact sums), ``y[i, n]`` is the
+    decoded scale of row n, group i: the kernels' decode equals ``scale_codes.decode_scales``
+    bit for bit, over scales from fp16 subnormals to ~100 (codes' rounding at every magnitude)."""
+    g = torch.Generator().manual_seed(3)
+    S = (torch.randn(N, 5, generator=g) * 4).exp().mul(1e-3).clamp(2.0**-24, 100.0)
+    S[16:32] = 0.25                                                    # one slab with step 0
+    coded = fmt.scale_codes.code_scales(S)
+    bits = 4
+    w = LatqWeight(fmt.pack(torch.ones(N, K, dtype=torch.int32), bits), coded.decode().half(),
+                   torch.zeros(N + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0),
+                   bits, 64, K, coded)
+    x = torch.zeros(5, K)
+    x[torch.arange(5), 64 * torch.arange(5)] = 1.0
+    y = TritonKernel.apply(TritonKernel.prepare(w), x, kernel=kernel)
+    assert torch.equal(y.T, fmt.scale_codes.decode_scales(coded.codes, coded.min, coded.step))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_solver_coded_scales_through_the_stored_form(bits):
+    """A layer quantized with coded scales (``rtn(..., scale_bits=4)``), written as stored
+    tensors and read back as the loader does: the Triton state lays out its codes and both
+    kernels match the reference (the codes' fp16 decode)."""
+    from vllm_latq.kernels.reference import from_dense_tensors
+    from vllm_latq.quantize.solvers import rtn
+    W = torch.randn(N, 640, generator=torch.Generator().manual_seed(bits)) * 0.02
+    t = fmt.encode_layer(rtn(W, bits=bits, group_size=64, scale_bits=4), "dense")
+    w = from_dense_tensors(t, bits, 64, 640)
+    st = TritonKernel.prepare(w)
+    assert w.coded is not None and st.coded_scales
+    for m in (1, 9):
+        x = activations(m, torch.bfloat16, k=640, seed=m)
+        check(TritonKernel.apply(st, x, kernel="gemv" if m < 8 else "mma"), x, w)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.02])
+@pytest.mark.parametrize("m", [1, 4, 9, 17, 64])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_kernel_coded_scales_match_reference(bits, m, rate):
+    """Coded scales at group 64 (several groups per K step), both kernels by M."""
+    w, st = state_for(bits, rate, group=64, scale_bits=4)
+    assert st.coded_scales
+    x = activations(m, torch.bfloat16, seed=m)
+    check(TritonKernel.apply(st, x, kernel="gemv" if m < 8 else "mma"), x, w)
 
 
 @pytest.mark.parametrize("mode,k", [("ell", 33000), ("csr", K)])

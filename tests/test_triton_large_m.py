@@ -32,11 +32,12 @@ interp = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton
 N, K = 40, 300
 
 
-def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0) -> LatqWeight:
+def make_weight(n=N, k=K, bits=4, group=128, rate=0.01, seed=0, scale_bits=None) -> LatqWeight:
     """test_triton's weights, plus one outlier at column 0 (ELL padding slots also point at
-    column 0)."""
+    column 0); ``scale_bits``: the scales coded."""
     return random_weight(n, k, bits, rate, group=group, seed=seed, scale_lo=0.002, scale_span=0.02, val_std=0.2,
-                         fp16_values=True, rows=CROWDED if rate > 0 else (), cells=((7, 0),) if rate > 0 else ())
+                         fp16_values=True, rows=CROWDED if rate > 0 else (), cells=((7, 0),) if rate > 0 else (),
+                         scale_bits=scale_bits)
 
 
 def activations(m, dtype, k=K, seed=1):
@@ -93,6 +94,18 @@ def test_dequantize_group_sizes(bits, group):
 
 
 @interp
+@pytest.mark.parametrize("rate", [0.0, 0.02])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantize_coded_scales_is_exact(bits, rate):
+    """Coded scales (group 64, 3 bits: K = 640, main chunk and tail) decode to the format's fp16
+    scales: z·s rounded to fp16 equals the reference's, bit for bit."""
+    w = make_weight(k=640, bits=bits, group=64, rate=rate, seed=40 + bits, scale_bits=4)
+    st = TritonKernel.prepare(w)
+    assert st.coded_scales
+    assert torch.equal(dequantized(st, torch.float16), dequantize(w).to(torch.float16))
+
+
+@interp
 def test_dequantize_fp32_outlier_values_and_strided_out():
     """Non-fp16-exact outlier values (stored fp32) are rounded once; ``out`` may be a row
     slice of a wider matrix (row stride ≠ K)."""
@@ -110,9 +123,9 @@ def test_dequantize_fp32_outlier_values_and_strided_out():
 @interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [17, 64])
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
-def test_apply_large_m(bits, m, dtype):
-    w = make_weight(bits=bits, rate=0.01, seed=30 + bits)
+@pytest.mark.parametrize("bits,scale_bits", [(2, None), (3, None), (4, None), (5, None), (3, 4), (4, 4)])
+def test_apply_large_m(bits, scale_bits, m, dtype):
+    w = make_weight(bits=bits, rate=0.01, seed=30 + bits, scale_bits=scale_bits)
     st = TritonKernel.prepare(w)
     x = activations(m, dtype, seed=m)
     W = dequantize(w).to(dtype).float()
@@ -225,11 +238,14 @@ quick = sys.argv[1] == "quick"
 jobs = []
 for dt in (("bf16",) if quick else ("bf16", "fp16")):
     for bits in ((3, 5) if quick else (2, 3, 4, 5)):
-        sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr="*fp16", ROW0="i32", ROW1="i32", K="i32",
-                   K0="i32", stride_wn="i32",
-                   N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
-        const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"])
-        jobs.append((f"dequant {dt} {bits}-bit", td._dequant_kernel, sig, const, td.DEQUANT_CONFIG["num_warps"]))
+        for scales in tc.SCALES:
+            sig = dict(w_ptr="*" + dt, pa_ptr="*i32", ph_ptr="*i32", s_ptr=tc.S_PTR[scales], ROW0="i32", ROW1="i32",
+                       K="i32", K0="i32", stride_wn="i32",
+                       N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
+            const = dict(BITS=bits, GROUP=128, BN=td.DEQUANT_CONFIG["BN"], DS=td.DEQUANT_CONFIG["DS"],
+                         CODED=scales == "coded")
+            jobs.append((f"dequant {dt} {bits}-bit {scales}", td._dequant_kernel, sig, const,
+                         td.DEQUANT_CONFIG["num_warps"]))
 for outl, o in ((1, ["*i32", "*i16", "*fp16", "*fp16"]), (2, ["*i32", "*i32", "*i16", "*fp16"])):
     sig = dict(w_ptr="*bf16", o0_ptr=o[0], o1_ptr=o[1], o2_ptr=o[2], o3_ptr=o[3], ROW0="i32", ROW1="i32",
                stride_wn="i32")
@@ -272,7 +288,7 @@ def _compile(quick):
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 * ((2 if quick else 8) + 2) and {r["cc"] for r in rows} == {80, 90}
+    assert len(rows) == 2 * (2 * (2 if quick else 8) + 2) and {r["cc"] for r in rows} == {80, 90}
     bad = [r for r in rows if r["spill"] or r["stack"] or r["regs"] > 255]
     assert not bad, bad
     # the scratch is written in 16-byte vectors along K only (coalesced: W's fastest dim)

@@ -20,8 +20,9 @@ tracing. State tensors must be dense (no sparse layouts) and on the layer's devi
 Served bytes (issue 21: decode speed is set by the bytes each step streams, so a layer's
 cost is its *served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
 prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
-index and padding); ``layout_bytes(n, k, bits, group, stats)`` is the same number from the
-layer's :class:`~vllm_latq.kernels.reference.GridStats` without preparing it — the cost model
+index and padding); ``layout_bytes(n, k, bits, group, stats, scale_bits)`` is the same number
+from the layer's :class:`~vllm_latq.kernels.reference.GridStats` without preparing it (and
+``scale_bits``: its scales coded, ``format.scale_codes``; None: fp16) — the cost model
 :func:`~vllm_latq.kernels.reference.transcode` chooses HPTQ widths by (among ``widths``, the
 inlier widths the kernel takes) and ``latq-inspect`` reports. Tests tie the two per kernel.
 """
@@ -113,10 +114,12 @@ class LatqKernel:
         return {"other": sum(t.numel() * t.element_size() for t in tensors if t is not None)}
 
     @classmethod
-    def layout_bytes(cls, n: int, k: int, bits: int, group: int, stats: GridStats) -> dict[str, int]:
+    def layout_bytes(cls, n: int, k: int, bits: int, group: int, stats: GridStats,
+                     scale_bits: int | None = None) -> dict[str, int]:
         """``served_bytes`` of the state ``prepare`` would build for an ``n``×``k`` layer with
-        ``bits``-bit inliers, ``group`` columns per scale and the integers of ``stats``;
-        ValueError if the kernel cannot lay it out."""
+        ``bits``-bit inliers, ``group`` columns per scale, the integers of ``stats`` and scales
+        coded with ``scale_bits`` (None: fp16; a kernel that decodes codes at prepare counts
+        fp16 either way); ValueError if the kernel cannot lay it out."""
         raise NotImplementedError
 
     @classmethod

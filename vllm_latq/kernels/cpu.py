@@ -149,9 +149,10 @@ class CPUKernel(LatqKernel):
         return {"inliers": nbytes(state.packed), "scales": nbytes(state.scales), "outliers": nbytes(*t)}
 
     @classmethod
-    def layout_bytes(cls, n, k, bits, group, stats):
+    def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
         """:meth:`served_bytes` from :meth:`prepare`'s decisions: op group, two planes or 4 bits
-        + outliers past 4 bits (``SPLIT_MAX_EXTRA_RATE``), tiles or CSR (``_tiles_here``)."""
+        + outliers past 4 bits (``SPLIT_MAX_EXTRA_RATE``), tiles or CSR (``_tiles_here``).
+        Coded scales (``scale_bits``) are decoded at prepare: fp16 scales either way."""
         go = _scale_group(k, group)
         if not 1 <= bits <= MAX_BITS or n % 16 or _op_group(k, group) is None:   # can_implement's checks
             raise ValueError(f"the CPU kernel cannot lay out a {n}x{k} {bits}-bit layer with group {group}")

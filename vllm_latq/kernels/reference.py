@@ -212,13 +212,14 @@ def transcode(z: torch.Tensor, scale, *, family=None, stats: GridStats | None = 
 def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 128, seed: int = 0,
                   scale_lo: float = 0.001, scale_span: float = 0.05, val_std: float = 0.3,
                   rows: tuple[tuple[int, float], ...] = (), cells: tuple[tuple[int, int], ...] = (),
-                  fp16_values: bool = False) -> LatqWeight:
+                  fp16_values: bool = False, scale_bits: int | None = None) -> LatqWeight:
     """A random layer in the runtime form (tests, benches): uniform b-bit inliers, fp16 group
     scales uniform in [scale_lo, scale_lo + scale_span), outliers at uniform positions with
     probability ``rate`` (``rows``: (row, probability) pairs overriding it for some rows;
     ``cells``: (row, col) positions that are outliers too) and N(0, val_std²) fp32 values
     (``fp16_values``: rounded to fp16, as SSQR checkpoints store them); the inlier at an
-    outlier is 0."""
+    outlier is 0. ``scale_bits``: the scales coded (``format.scale_codes``), ``scales`` their
+    decode."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
     mask = torch.rand(out, cin, generator=g) < rate
@@ -234,4 +235,7 @@ def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 12
     val = torch.randn(nz_rows.numel(), generator=g) * val_std
     if fp16_values:
         val = val.half()
-    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin)
+    coded = None if scale_bits is None else fmt.scale_codes.code_scales(scales, scale_bits)
+    if coded is not None:
+        scales = coded.decode().half()
+    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin, coded)

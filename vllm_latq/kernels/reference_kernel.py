@@ -29,5 +29,5 @@ class ReferenceKernel(LatqKernel):
         return weight_bytes(state)
 
     @classmethod
-    def layout_bytes(cls, n, k, bits, group, stats):
-        return runtime_bytes(n, k, bits, group, stats)
+    def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
+        return runtime_bytes(n, k, bits, group, stats)     # reads the fp16 decode of coded scales

@@ -36,8 +36,11 @@ def families() -> list:
 def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams) -> dict[str, dict]:
     """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}}."""
     n, k = shape
+    scale_bits = None
     if kind == "dense":
-        stats = GridStats.from_weight(from_dense_tensors(t, bits, group, k))
+        w = from_dense_tensors(t, bits, group, k)
+        stats = GridStats.from_weight(w)
+        scale_bits = None if w.coded is None else w.coded.bits
     else:
         z = fmt.decode_integers(t, "huffman", tuple(shape), None)
         stats = GridStats.from_integers(z, t["hscale"].float().expand(n))
@@ -46,7 +49,7 @@ def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group:
     for fam in fams:
         b = bits if kind == "dense" else choose_width(n, k, stats, fam)
         try:
-            parts, kernel = fam.layout_bytes(n, k, b, group, stats), fam.name
+            parts, kernel = fam.layout_bytes(n, k, b, group, stats, scale_bits), fam.name
         except ValueError:
             parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"
         total = sum(parts.values())

@@ -16,7 +16,7 @@ at M = 1 the ALU-issue ceiling is ~19.5 T lane-instructions/s on an A100 / i/w w
 
 Jobs: kernel × bits × BM × tile config (BN, warps, [BR], register cap) × SPLIT ∈ {1, the
 largest} (other splits compile to the same code with another constant) × outlier layout
-(none / ELL-16 / CSR, compact int16/fp16 entries) × target. Activations are bf16 (fp16
+(none / ELL-16 / CSR, compact int16/fp16 entries) × scales (fp16 / coded: ``CODED``) × target. Activations are bf16 (fp16
 differs only in convert opcodes); sizes and pointers carry Triton's 16-divisibility
 specialisation, as for the Qwen3-8B shapes.
 """
@@ -72,6 +72,8 @@ def _code_fingerprint(src: str, kernel: str | None = None) -> str:
     return "\n".join(ast.dump(jit[f], include_attributes=False) for f in sorted(seen))
 
 
+SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
+S_PTR = {"fp16": "*fp16", "coded": "*i32"}
 KERNEL_FN = {"gemv": "_gemv_kernel", "mma": "_mma_kernel", "moe": "_moe_gemv_kernel"}
 KERNEL_FILE = {"gemv": "triton_device.py", "mma": "triton_device.py", "moe": "triton_moe.py"}
 
@@ -113,17 +115,20 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
                     variants = [(max(splits(bm)), "csr")] if quick else \
                         [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
                     for sp, outl in variants:
-                        for cc in targets:
-                            jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, cc=cc, **tile))
+                        for scales in SCALES:
+                            for cc in targets:
+                                jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales,
+                                                 cc=cc, **tile))
     from . import triton_moe as tm
     for bits in (2, 3, 4):                    # the grouped MoE kernel: one fixed tile per BM, ELL or none
         for bm, (bn, nw) in tm.MOE_TILES.items():
             if quick and bm != max(tm.MOE_TILES):
                 continue
             for outl in ("ell",) if quick else ("none", "ell"):
-                for cc in targets:
-                    jobs.append(dict(kernel="moe", bits=bits, BM=bm, SPLIT=1, outl=outl, cc=cc, BN=bn, num_warps=nw,
-                                     maxnreg=tm.moe_maxnreg(bits, bm)))
+                for scales in SCALES:
+                    for cc in targets:
+                        jobs.append(dict(kernel="moe", bits=bits, BM=bm, SPLIT=1, outl=outl, scales=scales, cc=cc,
+                                         BN=bn, num_warps=nw, maxnreg=tm.moe_maxnreg(bits, bm)))
     return jobs
 
 
@@ -181,7 +186,7 @@ def compile_job(j: dict) -> dict:
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
     optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],
             "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
-    ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*i32", "*fp16", *optr, "*fp32", "*i32"]
+    ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*fp32", "*i32"]
     ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS", "M_WS"]
     names = fn.arg_names
     sig = {}
@@ -191,7 +196,7 @@ def compile_job(j: dict) -> dict:
         sig[n] = "i32"
     group = 128
     const = dict(BITS=j["bits"], GROUP=group, SPG=tk.spg_of(j["bits"], group), BM=j["BM"], BN=j["BN"],
-                 SPLIT=j["SPLIT"], OUTL=tk.OUTL_CODE[j["outl"]], HAS_BIAS=True, ASM=True)
+                 SPLIT=j["SPLIT"], OUTL=tk.OUTL_CODE[j["outl"]], HAS_BIAS=True, ASM=True, CODED=j["scales"] == "coded")
     if j["kernel"] == "mma":
         const.update(BR=j["BR"], F32DOT=False)
     for n in const:
@@ -209,14 +214,14 @@ def _moe_source(j: dict):
     from . import triton_kernels as tk
     from .triton_moe import _moe_gemv_kernel as fn
     optr = ["*i32", "*i16", "*fp16"] if j["outl"] == "ell" else ["*fp16"] * 3
-    ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*fp16", *optr, "*i32"]
+    ptrs = ["*bf16", "*bf16", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*i32"]
     names = fn.arg_names
     sig = dict(zip(names, ptrs))
     ints = ["N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS",
             "EXP_A", "EXP_H", "EXP_S", "EXP_O"]
     sig.update({n: "i32" for n in ints})
     const = dict(BITS=j["bits"], GROUP=128, SPG=tk.spg_of(j["bits"], 128), BM=j["BM"], BN=j["BN"],
-                 OUTL=tk.OUTL_CODE[j["outl"]], ASM=True)
+                 OUTL=tk.OUTL_CODE[j["outl"]], ASM=True, CODED=j["scales"] == "coded")
     sig.update({n: "constexpr" for n in const})
     div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "EXP_A", "EXP_S"}
     return ASTSource(fn, sig, const, {(names.index(n),): [["tt.divisibility", 16]] for n in div16})
@@ -352,13 +357,14 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     """Human-readable table: one line per job."""
-    hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'sm':>3} "
+    hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'scal':5} {'sm':>3} "
            f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4} "
            f"{'loop':>5} {'i/w':>5}")
     lines = [hdr]
     for r in rows:
         head = (f"{r['kernel']:6} {r['bits']:>1} {r['BM']:>3} {r['BN']:>4} {r['num_warps']:>2} "
-                f"{r.get('BR', '-'):>2} {r.get('maxnreg') or '-':>3} {r['SPLIT']:>3} {r['outl']:4} {r['cc']:>3} ")
+                f"{r.get('BR', '-'):>2} {r.get('maxnreg') or '-':>3} {r['SPLIT']:>3} {r['outl']:4} {r['scales']:5} "
+                f"{r['cc']:>3} ")
         if "error" in r:
             lines.append(head + "ERROR " + r["error"].splitlines()[-1][:120])
             continue

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_device import _group_scale, _scale_base
 from .triton_layout import k_steps
 from .triton_model import threshold_for
 
@@ -55,7 +56,8 @@ def _round(v, DT: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr):
+                    BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr,
+                    CODED: tl.constexpr):
     # One program: BN rows × one K step (128 / 256 / 512 / 128 columns at 4 / 2 / 3 / 5 bits)
     # from column K0 (a 3-bit layer's 4-bit tail is a second launch at BITS = 4). The step's
     # word tiles ([1, 16 words, BN rows] per plane) are loaded once; slab j of every word is
@@ -83,7 +85,8 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, 
     elif BITS == 5:                                                   # the 512-column 1-bit chunk of step s
         wh = tl.load(ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16 + (s // 4) * 256,
                      mask=pm, other=0) >> (8 * (s % 4))
-    sp = s_ptr + (g16 * (NGP * 16) + r16)[None, None, :]
+    sp = _scale_base(s_ptr, g16, r16, NGP, CODED)[None, None, :]
+    rs3 = r16[None, None, :]
     k0 = K0 + s * STEP
     kd = tl.arange(0, DS * 16)
     wrow = w_ptr + (rn - ROW0).to(tl.int64)[:, None] * stride_wn
@@ -100,7 +103,7 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, 
             lo = tl.where(j < 16, wa, wb)
             u = ((lo >> (2 * (j % 16))) & 3) | (((wh >> j) & 1) << 2)
         z = (u - OFF).to(tl.float32)                                  # exact integer
-        sc = tl.load(sp + ((k0 + 16 * j) // GROUP) * 16, mask=pm, other=0.0).to(tl.float32)   # [DS, 1, BN]
+        sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, pm, CODED, False)      # [DS, 16, BN]
         # fp32 z·s, one rounding; stored as W is laid out, [BN rows, DS·16 columns] with the
         # columns fastest: 16-byte vector stores along K (the word tiles run along rows, so
         # the tile is transposed on chip, through shared memory)
@@ -219,7 +222,8 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
             _dequant_kernel[(triton.cdiv(rows, cfg["BN"]), steps)](
                 out, pa, ph if ph is not None else pa, st.scales, row0, row0 + rows, st.k, k0, out.stride(0),
                 st.n_pad, nch_a, ks["nch_h"], st.scales.shape[1],
-                BITS=bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], num_warps=cfg["num_warps"])
+                BITS=bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], CODED=st.coded_scales,
+                num_warps=cfg["num_warps"])
     if st.outl and st.nnz:
         o = [t if t is not None else st.o0 for t in (st.o0, st.o1, st.o2, st.o3)]
         _outlier_kernel[(triton.cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,

@@ -3,7 +3,8 @@ configs, autotuning, launch, the kernel class — is :mod:`~vllm_latq.kernels.tr
 Kept apart because :mod:`~vllm_latq.kernels.triton_compile` fingerprints exactly this code
 (a kernel's offline-compiled binaries depend on it and on nothing host-side), and because both
 kernels share the helpers (``_and_or``, ``_fbits``, ``_word_tiles``, ``_gemv_step``,
-``_mma_step``, ``_epilogue``). Size: one file because that fingerprint covers this module's
+``_mma_step``, ``_epilogue``, and ``_scale_base`` / ``_group_scale``: the group scales, fp16 or
+coded, which the dequantize and grouped-MoE kernels read through them too). Size: one file because that fingerprint covers this module's
 jit functions only — a helper moved elsewhere would drop out of it and leave stale compile
 reports.
 
@@ -27,7 +28,8 @@ and then its tail's 128-column steps at BITS = 4, dealt to the K splits from the
     a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
     the chunk's four steps, from L1/L2 after the first). At M = 1 the
     products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
-    once (``acc += part · s``, fp16 scales widened); at M > 1, z·s is formed once and
+    once (``acc += part · s``, fp16 scales widened, or coded ones decoded by
+    ``_group_scale`` under ``CODED``); at M > 1, z·s is formed once and
     shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
     cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
     row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
@@ -152,6 +154,36 @@ def _word_tiles(ta, th, s, s_end, rn3, w3, N_PAD, BITS: tl.constexpr):
 
 
 @triton.jit
+def _scale_base(s_ptr, g16, r16, NGP, CODED: tl.constexpr):
+    """Where the scales of rows ``16·g16 + r16`` start (group 0): fp16, the row's own scale;
+    coded, its slab's three words (``triton_layout``: codes of rows 0–7, 8–15, min | step)."""
+    if CODED:
+        return s_ptr + g16 * (NGP * 3)
+    else:
+        return s_ptr + g16 * (NGP * 16) + r16
+
+
+@triton.jit
+def _group_scale(sp, gi, r16, mask, CODED: tl.constexpr, ASM: tl.constexpr):
+    """fp32 scale of group ``gi`` of the rows of ``sp`` (:func:`_scale_base`; ``r16``: their
+    row in the slab, same shape), 0 where ``mask`` is off. Coded: the format's
+    ``fp16(fp32(min) + code · fp32(step))`` (the product is exact, so a fused FMA rounds
+    the same), the fp16 bits of min and step widened to fp32 right after the load; the code
+    becomes a float as the weights do (OR-ed into 2^23, one FADD: no int → float convert)."""
+    if CODED:
+        words = sp + gi * 3
+        cw = tl.load(words + (r16 >> 3), mask=mask, other=0)
+        gw = tl.load(words + 2, mask=mask, other=0)
+        magic = tl.full(cw.shape, 0x4B000000, tl.int32)                  # fp32 bits of 2^23
+        code = _and_or(cw >> (4 * (r16 & 7)), 15, magic, ASM).to(tl.float32, bitcast=True) - 8388608.0
+        smin = (gw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        step = (gw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return (smin + code * step).to(tl.float16).to(tl.float32)
+    else:
+        return tl.load(sp + gi * 16, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _ell_rows(o0_ptr, rn, N_PAD):
     """ELL-16 outliers of rows ``rn``: first slot of each row's 16-row group, the group's slot
     count per row (``R_g``), and its maximum over the rows."""
@@ -163,8 +195,9 @@ def _ell_rows(o0_ptr, rn, N_PAD):
 
 
 @triton.jit
-def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn3, w3, N_PAD,
-               BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr):
+def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
+               BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr,
+               CODED: tl.constexpr):
     """One K step of the GEMV (columns ``k0 + [0, STEP)``, word tiles from :func:`_word_tiles`)
     added to ``acc`` [BM, 16, BN]. A 3-bit layer's main loop runs it at BITS = 3 and its
     4-bit tail at BITS = 4 (``SPG`` is capped at the step's slabs here)."""
@@ -203,7 +236,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn3, w3, N_PAD,
                 part += z * xs
                 if (i + 1) % FL == 0:
                     gi = (k0 + 16 * (j + 1 - FL)) // GROUP
-                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)   # [1, 1, BN]
+                    sc = _group_scale(sp, gi, rs3, rn3 < N_PAD, CODED, ASM)                        # [1, 1, BN]
                     acc += part * sc
                     part = tl.zeros(acc.shape, dtype=tl.float32)
             else:
@@ -211,7 +244,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn3, w3, N_PAD,
                 # single accumulator (half the registers of part + acc)
                 if i % FL == 0:
                     gi = (k0 + 16 * j) // GROUP
-                    sc = tl.load(sp + gi * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
+                    sc = _group_scale(sp, gi, rs3, rn3 < N_PAD, CODED, ASM)
                 acc += (z * sc) * xs
     return acc
 
@@ -222,7 +255,7 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                  M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CODED: tl.constexpr):
     # Every tensor of the K loop is 3-D [BM rows of x, 16 slab lanes, BN output rows] (or a
     # broadcastable slice of it), so the word tiles' coalesced layout (16-byte vectors along
     # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.
@@ -243,7 +276,8 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     # word-tile pointers of chunk 0: ((g·NCH + c)·16 + w)·16 + r
     ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
-    sp = s_ptr + (g16 * (NGP * 16) + r16)[None, None, :]           # scales of group 0
+    sp = _scale_base(s_ptr, g16, r16, NGP, CODED)[None, None, :]   # scales of group 0
+    rs3 = r16[None, None, :]
 
     SPS = tl.cdiv(NSTEPS, SPLIT)                                  # K steps per split
     s_beg = pid_k * SPS
@@ -255,15 +289,16 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
-        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rn3, w3, N_PAD, BITS, GROUP, SPG, BM, ASM)
+        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD, BITS, GROUP, SPG, BM,
+                         ASM, CODED)
     if BITS == 3:
         # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
         # the splits from the last one, which got the fewest main steps
         tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
         for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
             w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
-            acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rn3, w3, N_PAD,
-                             4, GROUP, SPG, BM, ASM)
+            acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
+                             4, GROUP, SPG, BM, ASM, CODED)
 
     # ---- outliers of these rows (same accumulator; entries spread over the K splits)
     if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
@@ -335,9 +370,9 @@ def _zslabs3(lo, hi, Q: tl.constexpr, DS: tl.constexpr, ASM: tl.constexpr, DT: t
 
 
 @triton.jit
-def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn, N_PAD,
+def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
               BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BN: tl.constexpr,
-              ASM: tl.constexpr, DT: tl.constexpr):
+              ASM: tl.constexpr, DT: tl.constexpr, CODED: tl.constexpr):
     """One K step of the tensor-core kernel (columns ``k0 + [0, STEP)``) added to ``acc``
     [BM, BN]. A 3-bit layer's main loop runs it at BITS = 3 and its 4-bit tail at BITS = 4
     (``SPG`` is capped at the step's slabs here)."""
@@ -360,7 +395,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn, N_PAD,
                 c0 = k0 + 128 * h + q * (DS * 16)
                 kk = c0 + kd
                 xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
-                sc = tl.load(sp + (c0 // GROUP) * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                sc = _group_scale(sp, c0 // GROUP, r16, rn < N_PAD, CODED, ASM)
                 acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
     else:
         part = tl.zeros(acc.shape, dtype=tl.float32)
@@ -371,7 +406,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rn, N_PAD,
             part = tl.dot(xs, z, part)
             if (q + 1) % DPG == 0:
                 gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
-                sc = tl.load(sp + gi * 16, mask=rn < N_PAD, other=0.0).to(tl.float32)
+                sc = _group_scale(sp, gi, r16, rn < N_PAD, CODED, ASM)
                 acc += part * sc[None, :]
                 part = tl.zeros(acc.shape, dtype=tl.float32)
     return acc
@@ -384,7 +419,7 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, CODED: tl.constexpr):
     # Per K step and per DS slabs (≤ 128 columns, one scale group): the [DS·16, BN] B tile is
     # built in registers from the step's word tiles by broadcasting per-slab shifts
     # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot
@@ -409,7 +444,7 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     mmask = (rm < M)[:, None]
     ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
-    sp = s_ptr + g16 * (NGP * 16) + r16
+    sp = _scale_base(s_ptr, g16, r16, NGP, CODED)
 
     SPS = tl.cdiv(NSTEPS, SPLIT)
     s_beg = pid_k * SPS
@@ -421,15 +456,16 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
-        acc = _mma_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rn, N_PAD, BITS, GROUP, SPG, BN, ASM, DT)
+        acc = _mma_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, r16, rn, N_PAD, BITS, GROUP, SPG, BN, ASM, DT,
+                        CODED)
     if BITS == 3:
         # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
         # the splits from the last one, which got the fewest main steps
         tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
         for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
             w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
-            acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rn, N_PAD,
-                            4, GROUP, SPG, BN, ASM, DT)
+            acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, r16, rn, N_PAD,
+                            4, GROUP, SPG, BN, ASM, DT, CODED)
 
     if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
         oacc = tl.zeros([BM, BN], dtype=tl.float32)

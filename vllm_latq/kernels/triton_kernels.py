@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .. import format as fmt
 from . import triton_layout as tlay
 from .base import LatqKernel
 from .reference import LatqWeight
@@ -158,7 +159,7 @@ def tuned(kernel: str, bits: int, bucket: int):
     of tiles)."""
     one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
     cfgs = [c for c in _CONFIGS[kernel](None, bits) if one_tile or c["SPLIT"] == 1]
-    return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP"],
+    return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
                            prune_configs_by={"early_config_prune": _prune(_CONFIGS[kernel], bits)})(_KERNELS[kernel])
 
 
@@ -176,7 +177,7 @@ class TritonState:
     plane_a: torch.Tensor                 # int32 word blocks: the b-bit plane (3 / 5 bits: the 2- / 4-bit plane)
     plane_h: torch.Tensor | None          # int32 word blocks: 3 / 5 bits: the 1-bit plane
     plane_t: torch.Tensor | None          # int32 word blocks: 3 bits: the 4-bit tail (< 512 columns)
-    scales: torch.Tensor                  # fp16 [N_pad/16, ngroups_pad, 16]
+    scales: torch.Tensor                  # fp16 [N_pad/16, ngroups_pad, 16], or coded: int32 [N_pad/16, ngroups_pad, 3]
     o0: torch.Tensor | None               # ELL: off [G+1]          CSR: crow [N_pad+1]
     o1: torch.Tensor | None               # ELL: col                CSR: row
     o2: torch.Tensor | None               # ELL: val (fp32)         CSR: col
@@ -191,6 +192,11 @@ class TritonState:
     k_pad: int
     outl: int                             # OUTL_NONE / OUTL_ELL / OUTL_CSR
     nnz: int
+
+    @property
+    def coded_scales(self) -> bool:
+        """The scales are laid out as codes (``triton_layout``), not fp16."""
+        return self.scales.dtype == torch.int32
 
     @classmethod
     def from_layout(cls, L: tlay.TritonLayout) -> "TritonState":
@@ -243,7 +249,7 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
             M, st.n, K, x2.stride(0), y.stride(0), st.n_pad, ks["nch_a"], ks["nch_h"], st.scales.shape[1],
             ks["nsteps"], ks["tsteps"], bm]
     meta = dict(BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, OUTL=st.outl,
-                HAS_BIAS=has_bias, ASM=not INTERPRET)
+                HAS_BIAS=has_bias, ASM=not INTERPRET, CODED=st.coded_scales)
     if kernel == "mma":
         meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
 
@@ -305,7 +311,7 @@ class TritonKernel(LatqKernel):
 
     @classmethod
     def served_bytes(cls, state: TritonState) -> dict[str, int]:
-        """The planes, the fp16 scales and the ELL/CSR outlier arrays (with the ELL padding
+        """The planes, the scales (fp16 or coded) and the ELL/CSR outlier arrays (with the ELL padding
         slots and the int16/fp16 compaction), as laid out. Left out: ``tickets`` (split-K
         counters, not weights: 4 bytes per 16 rows, touched only when SPLIT > 1)."""
         def nb(*ts):
@@ -314,16 +320,21 @@ class TritonKernel(LatqKernel):
                 "outliers": nb(state.o0, state.o1, state.o2, state.o3)}
 
     @classmethod
-    def layout_bytes(cls, n, k, bits, group, stats):
+    def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
         """:meth:`served_bytes` of ``triton_layout.build``'s layout from its shapes (padding
-        to 16 rows and to the K step / 128 columns, the planes of ``plane_columns``) and its
-        outlier choice (``outlier_model`` on the row counts; entry dtypes as ``compact_dtypes``)."""
+        to 16 rows and to the K step / 128 columns, the planes of ``plane_columns``, the
+        scales fp16 or coded: ``scale_bytes``) and its outlier choice (``outlier_model`` on
+        the row counts; entry dtypes as ``compact_dtypes``)."""
         if bits not in cls.widths or (-(-k // group) > 1 and group % 16):
             raise ValueError(f"{bits}-bit inliers, group {group} (kernels: {cls.widths} bits, groups of 16s)")
+        if scale_bits not in (None, *fmt.scale_codes.CODE_BITS):
+            raise ValueError(f"{scale_bits}-bit scale codes (kernels: {fmt.scale_codes.CODE_BITS})")
         n_pad = -(-n // tlay.ROWS) * tlay.ROWS
         k_pad = tlay.pad_k(k, bits)
         g = k_pad if -(-k // group) == 1 else group
-        out = {"inliers": tlay.inlier_bytes(n_pad, bits, k_pad), "scales": n_pad * -(-k_pad // g) * 2, "outliers": 0}
+        out = {"inliers": tlay.inlier_bytes(n_pad, bits, k_pad), "scales": tlay.scale_bytes(n_pad, -(-k_pad // g),
+                                                                                              scale_bits is not None),
+               "outliers": 0}
         counts = stats.row_outliers(bits)
         nnz = int(counts.sum())
         if nnz:

@@ -59,6 +59,24 @@ zero. :func:`plane_columns` lists each plane's bits and columns.
 Scales — fp16, ``[ngroups_padded, 16]`` per 16-row group (row fastest, so the BN scales of a
 group are contiguous), ``ngroups_padded = ceil(K_pad / g)``; one group for a per-tensor scale.
 
+Coded scales (``w.coded``, :mod:`~vllm_latq.format.scale_codes`: 4-bit codes on a min/step
+grid per 16 rows of a group) are laid out instead of the fp16 ones: the format's 16-row blocks
+are the slabs here (both start at row 0), so per (slab g, group) three int32 words,
+``[N_pad/16, ngroups_padded, 3]``::
+
+    word 0: codes of rows 16g + 0..7   (row 16g + r at bits 4r)
+    word 1: codes of rows 16g + 8..15  (row 16g + 8 + r at bits 4r)
+    word 2: fp16 bits of min | fp16 bits of step << 16
+
+12 bytes per 16 scales (6 bits a scale, the format's own cost; fp16: 32 bytes). A kernel lane
+of row r loads word ``r >> 3`` and word 2 (a broadcast within the slab) and decodes with the
+format's arithmetic, ``fp16(fp32(min) + code · fp32(step))`` (``triton_device._group_scale``),
+the same fp16 values as :func:`~vllm_latq.format.scale_codes.decode_scales`. Padding groups
+have zero words (scale 0); padding rows of the last slab decode to its min, harmlessly: their
+outputs are never stored (fp16 padding rows are 0, equally unused). Three words, not four
+(16-byte aligned): the fourth would cost 2 bits per scale for loads that are already
+per-lane gathers.
+
 Outliers — ELL-16 (the paper's layout) or CSR, chosen per layer by :func:`outlier_model`
 -------------------------------------------------------------------------------------------
 ELL-16: rows grouped by 16 (the tensor-core N tile), column-major within the group (entry r of
@@ -161,7 +179,7 @@ def k_steps(bits: int, k_pad: int) -> dict[str, int]:
 class TritonLayout:
     """Everything the kernels read, on the weight's device."""
     planes: list[torch.Tensor]     # int32 [N_pad/16 · nchunks_p · 16 · 16] per plane_columns() entry
-    scales: torch.Tensor           # fp16 [N_pad/16, ngroups_pad, 16]
+    scales: torch.Tensor           # fp16 [N_pad/16, ngroups_pad, 16], or coded: int32 [N_pad/16, ngroups_pad, 3]
     bits: int
     group: int                     # scale group as the kernel sees it (≥ K_pad: one group)
     n: int
@@ -176,7 +194,7 @@ class TritonLayout:
     max_row_outliers: int = 0
 
     def nbytes(self) -> dict[str, int]:
-        b = {"inliers": sum(p.numel() * 4 for p in self.planes), "scales": self.scales.numel() * 2}
+        b = {"inliers": sum(p.numel() * 4 for p in self.planes), "scales": self.scales.numel() * self.scales.element_size()}
         b["outliers"] = sum(t.numel() * t.element_size() for t in self.outliers.values())
         return b
 
@@ -207,6 +225,41 @@ def unpack_plane(words: torch.Tensor, pbits: int, n_pad: int, k_pad: int) -> tor
     w = words.to(torch.int64).reshape(G, C, WORDS, ROWS, 1) & 0xFFFFFFFF
     vals = (w >> (pbits * torch.arange(V, device=words.device))) & ((1 << pbits) - 1)   # [G,C,w,r,j]
     return vals.permute(0, 3, 1, 4, 2).reshape(n_pad, k_pad).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- scales
+
+CODED_WORDS = 3      # int32 words per (16-row slab, group) of coded scales
+
+
+def scale_bytes(n_pad: int, ngroups_pad: int, coded: bool) -> int:
+    """Bytes of the laid-out scales (fp16, or coded: 12 per 16 scales)."""
+    return n_pad // ROWS * ngroups_pad * (4 * CODED_WORDS if coded else 2 * ROWS)
+
+
+def fp16_scales(S: torch.Tensor, n_pad: int, ngroups_pad: int) -> torch.Tensor:
+    """fp16 scales ``[N, G]`` → ``[N_pad/16, ngroups_pad, 16]`` (padding: 0)."""
+    sc = torch.zeros(n_pad, ngroups_pad, dtype=torch.float16, device=S.device)
+    sc[:S.shape[0], :S.shape[1]] = S.half()
+    return sc.reshape(n_pad // ROWS, ROWS, ngroups_pad).transpose(1, 2).contiguous()
+
+
+def coded_scales(cs: fmt.scale_codes.CodedScales, n_pad: int, ngroups_pad: int) -> torch.Tensor:
+    """Coded scales → int32 ``[N_pad/16, ngroups_pad, 3]`` (module docstring; padding: 0)."""
+    n, G = cs.codes.shape
+    if cs.bits != 4 or cs.min.shape != (-(-n // ROWS), G) or cs.step.shape != cs.min.shape:
+        raise ValueError(f"coded scales: {cs.bits}-bit codes {tuple(cs.codes.shape)} with grids "
+                         f"{tuple(cs.min.shape)}/{tuple(cs.step.shape)} (expected 4-bit codes, one grid per 16 rows)")
+    dev = cs.codes.device
+    codes = torch.zeros(n_pad, ngroups_pad, dtype=torch.int64, device=dev)
+    codes[:n, :G] = cs.codes.long()
+    halves = codes.reshape(n_pad // ROWS, 2, ROWS // 2, ngroups_pad)          # [slab, half, row, group]
+    shifts = 4 * torch.arange(ROWS // 2, device=dev)[:, None]
+    grid = torch.zeros(n_pad // ROWS, ngroups_pad, dtype=torch.int64, device=dev)
+    bits16 = [t.half().view(torch.int16).long() & 0xFFFF for t in (cs.min, cs.step)]
+    grid[:cs.min.shape[0], :G] = bits16[0] | (bits16[1] << 16)
+    words = torch.stack([(halves[:, 0] << shifts).sum(1), (halves[:, 1] << shifts).sum(1), grid], -1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
 # ----------------------------------------------------------------------------- outliers
@@ -305,9 +358,12 @@ def build(w, outlier_mode: str | None = None) -> TritonLayout:
     if ng == 1:
         group = k_pad                      # one group: the kernel's group index is always 0
     ngp = math.ceil(k_pad / group)
-    sc = torch.zeros(n_pad, ngp, dtype=torch.float16, device=dev)
-    sc[:N, :ng] = w.scales.half()
-    scales = sc.reshape(n_pad // ROWS, ROWS, ngp).transpose(1, 2).contiguous()
+    if w.coded is None:
+        scales = fp16_scales(w.scales, n_pad, ngp)
+    else:
+        if tuple(w.coded.codes.shape) != tuple(w.scales.shape):
+            raise ValueError(f"coded scales of shape {tuple(w.coded.codes.shape)} for scales {tuple(w.scales.shape)}")
+        scales = coded_scales(w.coded.to(dev), n_pad, ngp)
 
     nnz = w.nnz
     crow = w.crow.to(dev)

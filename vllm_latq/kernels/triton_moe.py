@@ -37,7 +37,7 @@ import triton.language as tl
 from . import triton_layout as tlay
 from . import triton_model
 from .base import flatten_dataclass, unflatten_dataclass
-from .triton_device import _ell_rows, _fbits, _word_tiles
+from .triton_device import _ell_rows, _fbits, _group_scale, _scale_base, _word_tiles
 from .triton_kernels import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -64,7 +64,8 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr
                      N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS,
                      EXP_A, EXP_H, EXP_S, EXP_O,
                      BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, OUTL: tl.constexpr, ASM: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, OUTL: tl.constexpr, ASM: tl.constexpr,
+                     CODED: tl.constexpr):
     # the loop of triton_device._gemv_kernel (one K split, z·s formed once per slab and shared
     # by the BM rows), on the rows [r0, r1) of one expert's block
     SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS
@@ -91,7 +92,8 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr
     mmask = rm3 < r1
     ta = pa_ptr + eo * EXP_A + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + eo * EXP_H + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
-    sp = s_ptr + eo * EXP_S + (g16 * (NGP * 16) + r16)[None, None, :]
+    sp = _scale_base(s_ptr + eo * EXP_S, g16, r16, NGP, CODED)[None, None, :]
+    rs3 = r16[None, None, :]
 
     s_end = tl.where(e >= 0, NSTEPS, 0)                          # an unused block runs no step
     wa_n, wb_n, wh_n = _word_tiles(ta, th, 0, s_end, rn3, w3, N_PAD, BITS)
@@ -116,7 +118,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr
                 kk = k0 + 16 * j + w3
                 xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)
                 if i % FL == 0:
-                    sc = tl.load(sp + ((k0 + 16 * j) // GROUP) * 16, mask=rn3 < N_PAD, other=0.0).to(tl.float32)
+                    sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, rn3 < N_PAD, CODED, ASM)
                 acc += (z * sc) * xs
 
     if OUTL == 1:       # ELL-16, offsets absolute into the concatenated entries
@@ -144,7 +146,7 @@ class StackedTriton:
     """The Triton layouts of one projection of E experts, stacked (module docstring)."""
     plane_a: torch.Tensor                 # int32 [E, words]
     plane_h: torch.Tensor | None          # int32 [E, words] (3 bits)
-    scales: torch.Tensor                  # fp16 [E, N_pad/16, ngroups_pad, 16]
+    scales: torch.Tensor                  # fp16 [E, N_pad/16, ngroups_pad, 16], or coded: int32 [..., 3]
     off: torch.Tensor | None              # int32 [E, N_pad/16 + 1] ELL offsets, absolute
     col: torch.Tensor | None              # int16/32 [Σ slots]
     val: torch.Tensor | None              # fp16/32 [Σ slots]
@@ -157,6 +159,10 @@ class StackedTriton:
     n_pad: int
     k_pad: int
     outl: int                             # OUTL_NONE / OUTL_ELL
+
+    @property
+    def coded_scales(self) -> bool:
+        return self.scales.dtype == torch.int32
 
     def nbytes(self) -> dict[str, int]:
         def nb(*ts):
@@ -196,6 +202,8 @@ def stack_reason(states: list) -> str | None:
     shape = (s0.bits, s0.group, s0.spg, s0.n, s0.k, s0.n_pad, s0.k_pad)
     if any((s.bits, s.group, s.spg, s.n, s.k, s.n_pad, s.k_pad) != shape for s in states):
         return "experts differ in shape, bits or scale group"
+    if any(s.scales.shape != s0.scales.shape or s.scales.dtype != s0.scales.dtype for s in states):
+        return "experts differ in their scales' form (fp16 or coded)"
     unknown = {f.name for f in dataclasses.fields(TritonState)} - READ_FIELDS - {"plane_t"}
     if unknown:
         return f"the Triton layout has parts the grouped kernel does not read: {sorted(unknown)}"
@@ -320,7 +328,8 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
     opts = {"maxnreg": moe_maxnreg(st.bits, bm)} if MAXNREG_OK and not INTERPRET else {}
     grid = (blocks.shape[0], triton.cdiv(st.n_pad, config["BN"]))
     _moe_gemv_kernel[grid](*args, BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, BN=config["BN"],
-                           OUTL=st.outl, ASM=not INTERPRET, num_warps=config["num_warps"], num_stages=1, **opts)
+                           OUTL=st.outl, ASM=not INTERPRET, CODED=st.coded_scales, num_warps=config["num_warps"],
+                           num_stages=1, **opts)
     return y
 
 
