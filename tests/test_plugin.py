@@ -108,8 +108,9 @@ def test_layer_bits_per_vllm_layer():
 
 # ============================================================================ loading (no engine)
 
-def _result(out, cin, kind, bits, g, rate, seed):
-    """A random quantized layer as a QuantResult (what the solvers return)."""
+def _result(out, cin, kind, bits, g, rate, seed, scale_bits=None):
+    """A random quantized layer as a QuantResult (what the solvers return); ``scale_bits``: its
+    group scales coded (format/scale_codes.py), ``scales`` their decode."""
     gen = torch.Generator().manual_seed(seed)
     if kind == "dense":
         lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -120,8 +121,9 @@ def _result(out, cin, kind, bits, g, rate, seed):
         z[mask] = 0
         vals = (torch.randn(out, cin, generator=gen) * 3).half().float()
         scales = (torch.rand(out, math.ceil(cin / g), generator=gen) * 0.1 + 0.01).half().float()
-        return QuantResult("ssqr", z, torch.zeros(out, cin), scales, g, bits, 0.0,
-                           outliers=CSR.from_mask(mask, vals))
+        coded = None if scale_bits is None else fmt.scale_codes.code_scales(scales, scale_bits)
+        return QuantResult("ssqr", z, torch.zeros(out, cin), scales if coded is None else coded.decode(), g, bits, 0.0,
+                           outliers=CSR.from_mask(mask, vals), coded_scales=coded)
     z = torch.round(torch.randn(out, cin, generator=gen) * 2.5).int()
     z[0, :3] = torch.tensor([40, -75, 300], dtype=torch.int32)  # far outliers after transcoding
     return QuantResult("hptq", z, torch.zeros(out, cin), torch.tensor(0.0125).half().float(), None, None, 0.0)
@@ -174,43 +176,94 @@ def _vllm_oracle(layer, full_weights: dict) -> torch.Tensor:
 
 
 class _Cfg:
-    def __init__(self, kind, bits, g):
-        self.kind, self.bits, self.group_size = kind, bits, g
+    def __init__(self, kind, bits, g, scale_bits=None):
+        self.kind, self.bits, self.group_size, self.scale_bits = kind, bits, g, scale_bits
         self.method = "ssqr" if kind == "dense" else "hptq"
 
     def bits_of(self, prefix):
         return self.bits
 
 
-@pytest.mark.parametrize("kind,bits,g", [("dense", 4, 32), ("dense", 3, 64), ("dense", 2, 48), ("huffman", None, None)])
+@pytest.mark.parametrize("kind,bits,g,scale_bits", [("dense", 4, 32, None), ("dense", 3, 64, None),
+                                                   ("dense", 2, 48, None), ("huffman", None, None, None),
+                                                   ("dense", 4, 32, 4), ("dense", 3, 48, 4)])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_rank_slices_match_vllm_loader(kind, bits, g, tp):
+def test_rank_slices_match_vllm_loader(kind, bits, g, scale_bits, tp):
     """Every rank's runtime form == vLLM's own cut of the dequantized matrices, for qkv
     (k/v replicated at tp ≥ 2), gate_up, column, and row-parallel layers whose split falls
-    off the 32-column tiles and off the groups (160/tp columns, g = 32/48/64)."""
-    cfg = _Cfg(kind, bits, g)
+    off the 32-column tiles and off the groups (160/tp columns, g = 32/48/64). Coded scales:
+    the runtime form keeps the codes, cut alike (their decode is its fp16 scales), wherever this
+    rank's rows keep whole 16-row grids — all layers at tp = 2; at tp = 4 not gate_up (40 rows of
+    gate, then up) nor the column-parallel layer on ranks whose rows start at 40 or 120."""
+    cfg = _Cfg(kind, bits, g, scale_bits)
     seed = 0
     for r in range(tp):
         layers, full = _layers(tp, r)
         for layer in layers:
-            cin = layer.input_size
-            tensors, deq = {}, {}
-            for sid, rows in full[layer.prefix].items():
-                seed += 1
-                res = _result(rows, cin, kind, bits, g, 0.05, seed)
-                tensors[sid] = fmt.encode_layer(res, kind)
-                deq[sid] = fmt.dequantize_layer(tensors[sid], kind, (rows, cin), bits, g)
-            names = [f"{layer.prefix}.{s}" for s in full[layer.prefix]]
-            st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
-            order = list(tensors.items())[::-1]  # shards may arrive in any order
-            for sid, t in order:
-                for name, x in t.items():
-                    st.add(name, x, sid)
-            assert st.weight is not None, st.missing()
+            seed += 10
+            st, deq = _load_layer(layer, full[layer.prefix], cfg, seed)
             got = dequantize(st.weight)
             want = _vllm_oracle(layer, deq)
             assert got.shape == want.shape, (layer.prefix, tp, r)
             assert torch.equal(got, want), (layer.prefix, tp, r, (got - want).abs().max())
+            coded = st.weight.coded
+            off_grid = tp == 4 and (layer.prefix == "m.gate_up_proj" or (layer.prefix == "m.col" and r % 2))
+            assert (coded is not None) == (scale_bits is not None and not off_grid), (layer.prefix, tp, r)
+            if coded is not None:
+                assert torch.equal(coded.decode().half(), st.weight.scales), (layer.prefix, tp, r)
+                assert coded.min.shape == (-(-st.weight.out_features // 16), st.weight.scales.shape[1])
+
+
+def _load_layer(layer, full_rows: dict, cfg, seed: int):
+    """``layer`` loaded by ``LoadState`` from random checkpoint tensors of its matrices (shard id →
+    rows), the shards arriving in reverse order; returns the state and the dequantized matrices."""
+    cin = layer.input_size
+    tensors, deq = {}, {}
+    for i, (sid, rows) in enumerate(full_rows.items()):
+        res = _result(rows, cin, cfg.kind, cfg.bits, cfg.group_size, 0.05, seed + i, cfg.scale_bits)
+        tensors[sid] = fmt.encode_layer(res, cfg.kind)
+        deq[sid] = fmt.dequantize_layer(tensors[sid], cfg.kind, (rows, cin), cfg.bits, cfg.group_size)
+    names = [f"{layer.prefix}.{s}" for s in full_rows]
+    st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
+    for sid, t in list(tensors.items())[::-1]:  # shards may arrive in any order
+        for name, x in t.items():
+            st.add(name, x, sid)
+    assert st.weight is not None, st.missing()
+    return st, deq
+
+
+def test_coded_scales_off_grid_rows_fall_back_and_say_why(caplog):
+    """Coded scales where this rank's rows do not keep whole 16-row grids: a column-parallel
+    rank starting at row 40, gate_up's gate rows starting at 40 (tp = 4, rank 1) — the runtime form
+    serves the fp16 decode (``coded`` None) and the load log says so once per layer, naming it
+    and why; qkv and the row-parallel layers keep their codes. An lm_head shard padded to the
+    vocabulary keeps them when its rows are whole grids (the padding decodes to scale 0)."""
+    import logging
+
+    from vllm_latq.kernels.reference import from_dense_tensors
+    cfg = _Cfg("dense", 4, 32, scale_bits=4)
+    layers, full = _layers(4, 1)
+    with caplog.at_level(logging.INFO, logger="vllm.latq"):
+        kept = {layer.prefix: _load_layer(layer, full[layer.prefix], cfg, 3)[0].weight.coded is not None
+                for layer in layers}
+    assert kept == {"m.qkv_proj": True, "m.gate_up_proj": False, "m.col": False, "m.down_proj": True,
+                    "m.o_proj": True}
+    said = [r.getMessage() for r in caplog.records if "fp16 scales served" in r.getMessage()]
+    assert said == [
+        "latq m.gate_up_proj: fp16 scales served, not the stored scale codes: this rank's rows of m.gate_up_proj.0 "
+        "start at row 40, inside a block of 16 rows sharing a grid",
+        "latq m.col: fp16 scales served, not the stored scale codes: this rank's rows of m.col start at row 40, "
+        "inside a block of 16 rows sharing a grid"], said
+
+    w = from_dense_tensors(fmt.encode_layer(_result(64, 96, "dense", 4, 32, 0.05, 1, 4), "dense"), 4, 32, 96)
+    padded = lm.pad_rows(w, 80)
+    assert padded.coded.codes.shape == (80, 3) and padded.coded.min.shape == (5, 3)
+    assert torch.equal(padded.coded.decode().half(), padded.scales) and not padded.scales[64:].any()
+    assert lm.codes_refusal([("q", 0, 40), ("k", 0, 32)]) == ("40 rows of q (not a multiple of 16) are followed "
+                                                              "by more rows")
+    assert lm.codes_refusal([("q", 0, 32), ("k", 0, 40)]) is None
+    assert lm.codes_refusal([("lm_head", 0, 40)], pad_to=64).startswith("the vocabulary padding after 40 rows")
+    assert lm.codes_refusal([("lm_head", 0, 48)], pad_to=64) is None
 
 
 def test_fused_on_disk_qkv_and_errors():
