@@ -503,11 +503,12 @@ def test_custom_op_compiles_fullgraph_with_dynamic_batch():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random Llama and latq checkpoints of it: SSQR 3-bit g32 (outliers, 3-bit
-    tiles) and HPTQ (transcoded at load)."""
+    tiles), HPTQ (transcoded at load) and RTN 4-bit g32 with 4-bit scale codes."""
     d = tmp_path_factory.mktemp("tiny")
     src = h.make_tiny_llama(d / "model")
     return {"src": src, "ssqr": h.quantize_dir(src, d / "ssqr", "ssqr", bits=3, group_size=32, outlier_rate=0.02),
-            "hptq": h.quantize_dir(src, d / "hptq", "hptq", target_bits=3.25), "dir": d}
+            "hptq": h.quantize_dir(src, d / "hptq", "hptq", target_bits=3.25),
+            "coded": h.quantize_dir(src, d / "coded", "rtn", bits=4, group_size=32, scale_bits=4), "dir": d}
 
 
 def _check_equal(ckpt: Path, got: list[list[int]], want: list[list[int]]):
@@ -532,14 +533,15 @@ def _corrupt(src: Path, out: Path, name: str) -> Path:
 
 def test_tiny_end_to_end_in_process(tiny):
     """The default suite's vLLM run (in-process engines, eager, fp32, one process):
-    - SSQR and HPTQ checkpoints, auto-detected (no --quantization), reference kernel:
-      greedy 32 tokens == HF transformers on the dequantized weights;
+    - SSQR, HPTQ and coded-scale RTN checkpoints, auto-detected (no --quantization), reference
+      kernel: greedy 32 tokens == HF transformers on the dequantized weights (every coded layer's
+      runtime form keeping its codes);
     - SSQR with the default selection (the CPU kernel: bf16 compute): every token is greedy
       under HF up to a near-tie;
     - a wrong --quantization and a corrupted checkpoint fail while loading, with messages
       naming the methods / the tensor — never inside a kernel."""
     ids = h.tokenize(tiny["ssqr"])
-    want = {m: h.hf_greedy(h.hf_dequantized_model(tiny[m]), ids, 32) for m in ("ssqr", "hptq")}
+    want = {m: h.hf_greedy(h.hf_dequantized_model(tiny[m]), ids, 32) for m in ("ssqr", "hptq", "coded")}
     assert all(len(set(w)) > 8 for w in want["ssqr"]), "the tiny model should not be degenerate"
     bad_name = "model.layers.1.mlp.down_proj.outlier_crow"
     bad = _corrupt(tiny["ssqr"], tiny["dir"] / "corrupt", bad_name)
@@ -550,14 +552,17 @@ def test_tiny_end_to_end_in_process(tiny):
         {**job, "model": tiny["ssqr"], "env": {"LATQ_KERNEL": ""}},
         {**job, "model": tiny["ssqr"], "quantization": "gptq", "max_tokens": 2},
         {**job, "model": bad, "max_tokens": 2},
+        {**job, "model": tiny["coded"], "env": {"LATQ_KERNEL": "reference"}},
     ], tmp=tiny["dir"])
-    for r in res[:3]:
+    for r in res[:3] + res[5:]:
         assert "error" not in r, r.get("traceback")
     log = res[0]["log"]
     assert "latq: 8 linears loaded (ssqr checkpoint)" in log and "kernels {'reference': 8}" in log
     assert "latq: 8 linears loaded (hptq checkpoint)" in log
     _check_equal(tiny["ssqr"], res[0]["tokens"], want["ssqr"])
     _check_equal(tiny["hptq"], res[1]["tokens"], want["hptq"])
+    _check_equal(tiny["coded"], res[5]["tokens"], want["coded"])
+    assert "8 linears loaded (rtn checkpoint, 4-bit scale codes: kept in 8 of 8 layers' runtime forms)" in log
     default_kernels = [line for line in log.splitlines() if "linears loaded" in line][2]
     if res[2]["tokens"] != want["ssqr"]:  # a bf16 kernel may flip near-ties only
         margins = h.greedy_margins(h.hf_dequantized_model(tiny["ssqr"]), ids, res[2]["tokens"])

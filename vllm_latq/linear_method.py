@@ -380,8 +380,8 @@ class LoadReport:
             widths[s[3]] = widths.get(s[3], 0) + 1
             kernels[s[5]] = kernels.get(s[5], 0) + 1
         codes = "" if self.scale_bits is None else (
-            f", {self.scale_bits}-bit scale codes, kept in {sum(s[6] for s in self.layers)} of {len(self.layers)} "
-            "runtime forms (the others serve their fp16 decode)")
+            f", {self.scale_bits}-bit scale codes: kept in {sum(s[6] for s in self.layers)} of {len(self.layers)} "
+            "layers' runtime forms")
         return (f"{len(self.layers)} linears loaded ({self.method} checkpoint{codes}): stored "
                 f"{sum(s[0] * s[1] for s in self.layers) / total:.3f} bits/weight, served "
                 f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer, inlier widths "
