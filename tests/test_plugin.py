@@ -326,13 +326,14 @@ class _LoaderModel(torch.nn.Module):
         w.weight_loader = lambda p, x: self.loaded.append(x)
 
 
-@pytest.mark.parametrize("kind", ["dense", "huffman"])
+@pytest.mark.parametrize("kind,scale_bits", [("dense", None), ("dense", 4), ("huffman", None)])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_falcon_qkv_in_vllm_loader_order(kind, tp):
+def test_falcon_qkv_in_vllm_loader_order(kind, scale_bits, tp):
     """vLLM's Falcon loader regroups a fused query_key_value weight's rows ([kv group, q heads
     per group + 2, head_dim] → q, k, v) before the layer cuts it; latq's tensors arrive as
     stored: each rank's runtime form == vLLM's own regrouping (FalconModel.load_weights, run
-    on the dequantized matrix) cut by vLLM's QKV loader."""
+    on the dequantized matrix) cut by vLLM's QKV loader. Coded scales follow the regrouped rows
+    (runs of head_dim = 32 rows: whole 16-row grids)."""
     from transformers import FalconConfig
     from vllm.model_executor.models.falcon import FalconModel
 
@@ -340,8 +341,8 @@ def test_falcon_qkv_in_vllm_loader_order(kind, tp):
     heads, kv, hd, cin = 4, 2, 32, 96
     hf = FalconConfig(num_attention_heads=heads, num_kv_heads=kv, new_decoder_architecture=True)
     rows = (heads + 2 * kv) * hd
-    cfg = _Cfg(kind, 4 if kind == "dense" else None, 32 if kind == "dense" else None)
-    t = fmt.encode_layer(_result(rows, cin, kind, cfg.bits, cfg.group_size, 0.05, 3), kind)
+    cfg = _Cfg(kind, 4 if kind == "dense" else None, 32 if kind == "dense" else None, scale_bits)
+    t = fmt.encode_layer(_result(rows, cin, kind, cfg.bits, cfg.group_size, 0.05, 3, scale_bits), kind)
     W = fmt.dequantize_layer(t, kind, (rows, cin), cfg.bits, cfg.group_size)
     model = _LoaderModel(hf, (rows, cin))
     FalconModel.load_weights(model, [("query_key_value.weight", W)])
@@ -359,6 +360,8 @@ def test_falcon_qkv_in_vllm_loader_order(kind, tp):
             st.add(name, x, None)
         want = _vllm_oracle(qkv, dict(zip("qkv", regrouped.split([heads * hd, kv * hd, kv * hd]))))
         assert torch.equal(dequantize(st.weight), want), (tp, r)
+        assert (st.weight.coded is not None) == (scale_bits is not None)
+        assert st.weight.coded is None or torch.equal(st.weight.coded.decode().half(), st.weight.scales)
 
 
 def test_bloom_qkv_refused_before_loading():
