@@ -4,13 +4,12 @@ kernel selector.
 Loading (any linear: column-, row-parallel, replicated, merged ``gate_up``, ``qkv``; any TP
 size; both checkpoint kinds). ``create_weights`` registers one empty placeholder parameter
 per checkpoint tensor (``P.qweight``, ``P.scales`` or the coded ``P.scale_codes/min/step``,
-``P.outlier_*``, or ``P.h*``) with the
-checkpoint dtype and a weight loader that *stashes* the whole tensor it is given, per
-shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up, none otherwise). As soon as all
-tensors of one logical matrix (one shard) have arrived, the matrix is validated as a whole
-with the checkpoint format's own validator (shapes, dtypes, CSR structure, Huffman code),
-cut to this rank's rows/columns, and the full tensors are dropped — so at most one layer's
-full tensors are held at a time. When all shards are in, they are concatenated into the
+``P.outlier_*``, or ``P.h*``) with the checkpoint dtype and a weight loader that *stashes*
+the whole tensor it is given, per shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up,
+none otherwise). As soon as all tensors of one logical matrix (one shard) have arrived, the
+matrix is validated as a whole with the checkpoint format's own validator (shapes, dtypes,
+CSR structure, Huffman code), cut to this rank's rows/columns, and the full tensors are
+dropped — so at most one layer's full tensors are held at a time. When all shards are in, they are concatenated into the
 runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`).
 ``process_weights_after_loading`` then checks nothing is missing, deletes the
 placeholders, selects a kernel, and keeps its prepared state as buffers.
