@@ -138,23 +138,26 @@ def _Experts(moe_config, names=("gate_proj", "down_proj", "up_proj")):
 
 
 def _expert_tensors(kind: str, inter: int):
-    """Per expert and shard id: (the layer's checkpoint tensors, its dequantized matrix)."""
-    from vllm_latq.quantize import hrtn
+    """Per expert and shard id: (the layer's checkpoint tensors, its dequantized matrix); kind
+    ``coded``: dense with coded group scales (RTN, ``scale_bits=4``)."""
+    from vllm_latq.quantize import hrtn, rtn
     out = {}
     for e in range(E):
         for i, (sid, shape) in enumerate((("w1", (inter, H)), ("w3", (inter, H)), ("w2", (H, inter)))):
             W = torch.randn(shape, generator=torch.Generator().manual_seed(10 * e + i)) * 0.1
-            res = ssqr_like(W, 4, 32, 10 * e + i) if kind == "dense" else hrtn(W, target_bits=3.5)
-            t = fmt.encode_layer(res, kind)
-            out[e, sid] = (t, fmt.dequantize_layer(t, kind, shape, 4, 32))
+            res = {"dense": lambda: ssqr_like(W, 4, 32, 10 * e + i), "huffman": lambda: hrtn(W, target_bits=3.5),
+                   "coded": lambda: rtn(W, bits=4, group_size=32, scale_bits=4)}[kind]()
+            t = fmt.encode_layer(res, "huffman" if kind == "huffman" else "dense")
+            out[e, sid] = (t, fmt.dequantize_layer(t, "huffman" if kind == "huffman" else "dense", shape, 4, 32))
     return out
 
 
 def _load(kind: str, tp: int, rank: int, inter: int, tensors):
     from vllm_latq.config import LatqConfig
     from vllm_latq.moe_method import LatqMoEMethod
-    qc = _qc() if kind == "dense" else _qc(method="hrtn", bits=None, group_size=None, outlier_rate=None,
-                                            target_bits=3.5, order=None, damp=None)
+    qc = {"dense": _qc(), "coded": _qc(method="rtn", outlier_rate=None, order=None, damp=None, scale_bits=4),
+          "huffman": _qc(method="hrtn", bits=None, group_size=None, outlier_rate=None, target_bits=3.5, order=None,
+                         damp=None)}[kind]
     cfg = LatqConfig.from_config(qc)
     mc = _moe_config(tp, rank, inter)
     layer = _Experts(mc)
@@ -170,10 +173,11 @@ def _load(kind: str, tp: int, rank: int, inter: int, tensors):
     return method, layer
 
 
-@pytest.mark.parametrize("kind", ["dense", "huffman"])
+@pytest.mark.parametrize("kind", ["dense", "coded", "huffman"])
 def test_expert_loader_cuts_ranks_and_ranks_sum_to_the_layer(kind, monkeypatch):
     """Each rank's w13 = its intermediate rows of gate and up, its w2 = those input columns of
-    down, exactly (HPTQ transcoded); the ranks' partial outputs sum to the layer's output."""
+    down, exactly (HPTQ transcoded; coded scales kept beside their decode: 64 rows per rank of
+    gate and up are whole 16-row grids); the ranks' partial outputs sum to the layer's output."""
     monkeypatch.setenv("LATQ_KERNEL", "reference")
     inter = 128
     tensors = _expert_tensors(kind, inter)
@@ -190,8 +194,13 @@ def test_expert_loader_cuts_ranks_and_ranks_sum_to_the_layer(kind, monkeypatch):
             w2 = dequantize(layer._latq_moe_load[e, "w2"].weight)
             assert torch.equal(w13, torch.cat([tensors[e, "w1"][1][rows], tensors[e, "w3"][1][rows]]))
             assert torch.equal(w2, tensors[e, "w2"][1][:, rows])
+            for stem in ("w13", "w2"):
+                runtime = layer._latq_moe_load[e, stem].weight
+                assert (runtime.coded is not None) == (kind == "coded")
+                assert runtime.coded is None or torch.equal(runtime.coded.decode().half(), runtime.scales)
         method.process_weights_after_loading(layer)
-        assert not hasattr(layer, "w13_qweight" if kind == "dense" else "w13_hstream")
+        assert not hasattr(layer, "w13_hstream" if kind == "huffman" else "w13_qweight")
+        assert not hasattr(layer, "w13_scale_codes")
         total = total + method.apply(layer, x, w, ids, None, None)
     assert (total - want).abs().max() <= 1e-5 * want.abs().max()
 

@@ -108,8 +108,9 @@ def test_layer_bits_per_vllm_layer():
 
 # ============================================================================ loading (no engine)
 
-def _result(out, cin, kind, bits, g, rate, seed):
-    """A random quantized layer as a QuantResult (what the solvers return)."""
+def _result(out, cin, kind, bits, g, rate, seed, scale_bits=None):
+    """A random quantized layer as a QuantResult (what the solvers return); ``scale_bits``: its
+    group scales coded (format/scale_codes.py), ``scales`` their decode."""
     gen = torch.Generator().manual_seed(seed)
     if kind == "dense":
         lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -120,8 +121,9 @@ def _result(out, cin, kind, bits, g, rate, seed):
         z[mask] = 0
         vals = (torch.randn(out, cin, generator=gen) * 3).half().float()
         scales = (torch.rand(out, math.ceil(cin / g), generator=gen) * 0.1 + 0.01).half().float()
-        return QuantResult("ssqr", z, torch.zeros(out, cin), scales, g, bits, 0.0,
-                           outliers=CSR.from_mask(mask, vals))
+        coded = None if scale_bits is None else fmt.scale_codes.code_scales(scales, scale_bits)
+        return QuantResult("ssqr", z, torch.zeros(out, cin), scales if coded is None else coded.decode(), g, bits, 0.0,
+                           outliers=CSR.from_mask(mask, vals), coded_scales=coded)
     z = torch.round(torch.randn(out, cin, generator=gen) * 2.5).int()
     z[0, :3] = torch.tensor([40, -75, 300], dtype=torch.int32)  # far outliers after transcoding
     return QuantResult("hptq", z, torch.zeros(out, cin), torch.tensor(0.0125).half().float(), None, None, 0.0)
@@ -174,43 +176,94 @@ def _vllm_oracle(layer, full_weights: dict) -> torch.Tensor:
 
 
 class _Cfg:
-    def __init__(self, kind, bits, g):
-        self.kind, self.bits, self.group_size = kind, bits, g
+    def __init__(self, kind, bits, g, scale_bits=None):
+        self.kind, self.bits, self.group_size, self.scale_bits = kind, bits, g, scale_bits
         self.method = "ssqr" if kind == "dense" else "hptq"
 
     def bits_of(self, prefix):
         return self.bits
 
 
-@pytest.mark.parametrize("kind,bits,g", [("dense", 4, 32), ("dense", 3, 64), ("dense", 2, 48), ("huffman", None, None)])
+@pytest.mark.parametrize("kind,bits,g,scale_bits", [("dense", 4, 32, None), ("dense", 3, 64, None),
+                                                   ("dense", 2, 48, None), ("huffman", None, None, None),
+                                                   ("dense", 4, 32, 4), ("dense", 3, 48, 4)])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_rank_slices_match_vllm_loader(kind, bits, g, tp):
+def test_rank_slices_match_vllm_loader(kind, bits, g, scale_bits, tp):
     """Every rank's runtime form == vLLM's own cut of the dequantized matrices, for qkv
     (k/v replicated at tp ≥ 2), gate_up, column, and row-parallel layers whose split falls
-    off the 32-column tiles and off the groups (160/tp columns, g = 32/48/64)."""
-    cfg = _Cfg(kind, bits, g)
+    off the 32-column tiles and off the groups (160/tp columns, g = 32/48/64). Coded scales:
+    the runtime form keeps the codes, cut alike (their decode is its fp16 scales), wherever this
+    rank's rows keep whole 16-row grids — all layers at tp = 2; at tp = 4 not gate_up (40 rows of
+    gate, then up) nor the column-parallel layer on ranks whose rows start at 40 or 120."""
+    cfg = _Cfg(kind, bits, g, scale_bits)
     seed = 0
     for r in range(tp):
         layers, full = _layers(tp, r)
         for layer in layers:
-            cin = layer.input_size
-            tensors, deq = {}, {}
-            for sid, rows in full[layer.prefix].items():
-                seed += 1
-                res = _result(rows, cin, kind, bits, g, 0.05, seed)
-                tensors[sid] = fmt.encode_layer(res, kind)
-                deq[sid] = fmt.dequantize_layer(tensors[sid], kind, (rows, cin), bits, g)
-            names = [f"{layer.prefix}.{s}" for s in full[layer.prefix]]
-            st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
-            order = list(tensors.items())[::-1]  # shards may arrive in any order
-            for sid, t in order:
-                for name, x in t.items():
-                    st.add(name, x, sid)
-            assert st.weight is not None, st.missing()
+            seed += 10
+            st, deq = _load_layer(layer, full[layer.prefix], cfg, seed)
             got = dequantize(st.weight)
             want = _vllm_oracle(layer, deq)
             assert got.shape == want.shape, (layer.prefix, tp, r)
             assert torch.equal(got, want), (layer.prefix, tp, r, (got - want).abs().max())
+            coded = st.weight.coded
+            off_grid = tp == 4 and (layer.prefix == "m.gate_up_proj" or (layer.prefix == "m.col" and r % 2))
+            assert (coded is not None) == (scale_bits is not None and not off_grid), (layer.prefix, tp, r)
+            if coded is not None:
+                assert torch.equal(coded.decode().half(), st.weight.scales), (layer.prefix, tp, r)
+                assert coded.min.shape == (-(-st.weight.out_features // 16), st.weight.scales.shape[1])
+
+
+def _load_layer(layer, full_rows: dict, cfg, seed: int):
+    """``layer`` loaded by ``LoadState`` from random checkpoint tensors of its matrices (shard id →
+    rows), the shards arriving in reverse order; returns the state and the dequantized matrices."""
+    cin = layer.input_size
+    tensors, deq = {}, {}
+    for i, (sid, rows) in enumerate(full_rows.items()):
+        res = _result(rows, cin, cfg.kind, cfg.bits, cfg.group_size, 0.05, seed + i, cfg.scale_bits)
+        tensors[sid] = fmt.encode_layer(res, cfg.kind)
+        deq[sid] = fmt.dequantize_layer(tensors[sid], cfg.kind, (rows, cin), cfg.bits, cfg.group_size)
+    names = [f"{layer.prefix}.{s}" for s in full_rows]
+    st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
+    for sid, t in list(tensors.items())[::-1]:  # shards may arrive in any order
+        for name, x in t.items():
+            st.add(name, x, sid)
+    assert st.weight is not None, st.missing()
+    return st, deq
+
+
+def test_coded_scales_off_grid_rows_fall_back_and_say_why(caplog):
+    """Coded scales where this rank's rows do not keep whole 16-row grids: a column-parallel
+    rank starting at row 40, gate_up's gate rows starting at 40 (tp = 4, rank 1) — the runtime form
+    serves the fp16 decode (``coded`` None) and the load log says so once per layer, naming it
+    and why; qkv and the row-parallel layers keep their codes. An lm_head shard padded to the
+    vocabulary keeps them when its rows are whole grids (the padding decodes to scale 0)."""
+    import logging
+
+    from vllm_latq.kernels.reference import from_dense_tensors
+    cfg = _Cfg("dense", 4, 32, scale_bits=4)
+    layers, full = _layers(4, 1)
+    with caplog.at_level(logging.INFO, logger="vllm.latq"):
+        kept = {layer.prefix: _load_layer(layer, full[layer.prefix], cfg, 3)[0].weight.coded is not None
+                for layer in layers}
+    assert kept == {"m.qkv_proj": True, "m.gate_up_proj": False, "m.col": False, "m.down_proj": True,
+                    "m.o_proj": True}
+    said = [r.getMessage() for r in caplog.records if "fp16 scales served" in r.getMessage()]
+    assert said == [
+        "latq m.gate_up_proj: fp16 scales served, not the stored scale codes: this rank's rows of m.gate_up_proj.0 "
+        "start at row 40, inside a block of 16 rows sharing a grid",
+        "latq m.col: fp16 scales served, not the stored scale codes: this rank's rows of m.col start at row 40, "
+        "inside a block of 16 rows sharing a grid"], said
+
+    w = from_dense_tensors(fmt.encode_layer(_result(64, 96, "dense", 4, 32, 0.05, 1, 4), "dense"), 4, 32, 96)
+    padded = lm.pad_rows(w, 80)
+    assert padded.coded.codes.shape == (80, 3) and padded.coded.min.shape == (5, 3)
+    assert torch.equal(padded.coded.decode().half(), padded.scales) and not padded.scales[64:].any()
+    assert lm.codes_refusal([("q", 0, 40), ("k", 0, 32)]) == ("40 rows of q (not a multiple of 16) are followed "
+                                                              "by more rows")
+    assert lm.codes_refusal([("q", 0, 32), ("k", 0, 40)]) is None
+    assert lm.codes_refusal([("lm_head", 0, 40)], pad_to=64).startswith("the vocabulary padding after 40 rows")
+    assert lm.codes_refusal([("lm_head", 0, 48)], pad_to=64) is None
 
 
 def test_fused_on_disk_qkv_and_errors():
@@ -273,13 +326,14 @@ class _LoaderModel(torch.nn.Module):
         w.weight_loader = lambda p, x: self.loaded.append(x)
 
 
-@pytest.mark.parametrize("kind", ["dense", "huffman"])
+@pytest.mark.parametrize("kind,scale_bits", [("dense", None), ("dense", 4), ("huffman", None)])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_falcon_qkv_in_vllm_loader_order(kind, tp):
+def test_falcon_qkv_in_vllm_loader_order(kind, scale_bits, tp):
     """vLLM's Falcon loader regroups a fused query_key_value weight's rows ([kv group, q heads
     per group + 2, head_dim] → q, k, v) before the layer cuts it; latq's tensors arrive as
     stored: each rank's runtime form == vLLM's own regrouping (FalconModel.load_weights, run
-    on the dequantized matrix) cut by vLLM's QKV loader."""
+    on the dequantized matrix) cut by vLLM's QKV loader. Coded scales follow the regrouped rows
+    (runs of head_dim = 32 rows: whole 16-row grids)."""
     from transformers import FalconConfig
     from vllm.model_executor.models.falcon import FalconModel
 
@@ -287,8 +341,8 @@ def test_falcon_qkv_in_vllm_loader_order(kind, tp):
     heads, kv, hd, cin = 4, 2, 32, 96
     hf = FalconConfig(num_attention_heads=heads, num_kv_heads=kv, new_decoder_architecture=True)
     rows = (heads + 2 * kv) * hd
-    cfg = _Cfg(kind, 4 if kind == "dense" else None, 32 if kind == "dense" else None)
-    t = fmt.encode_layer(_result(rows, cin, kind, cfg.bits, cfg.group_size, 0.05, 3), kind)
+    cfg = _Cfg(kind, 4 if kind == "dense" else None, 32 if kind == "dense" else None, scale_bits)
+    t = fmt.encode_layer(_result(rows, cin, kind, cfg.bits, cfg.group_size, 0.05, 3, scale_bits), kind)
     W = fmt.dequantize_layer(t, kind, (rows, cin), cfg.bits, cfg.group_size)
     model = _LoaderModel(hf, (rows, cin))
     FalconModel.load_weights(model, [("query_key_value.weight", W)])
@@ -306,6 +360,8 @@ def test_falcon_qkv_in_vllm_loader_order(kind, tp):
             st.add(name, x, None)
         want = _vllm_oracle(qkv, dict(zip("qkv", regrouped.split([heads * hd, kv * hd, kv * hd]))))
         assert torch.equal(dequantize(st.weight), want), (tp, r)
+        assert (st.weight.coded is not None) == (scale_bits is not None)
+        assert st.weight.coded is None or torch.equal(st.weight.coded.decode().half(), st.weight.scales)
 
 
 def test_bloom_qkv_refused_before_loading():
@@ -450,11 +506,12 @@ def test_custom_op_compiles_fullgraph_with_dynamic_batch():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random Llama and latq checkpoints of it: SSQR 3-bit g32 (outliers, 3-bit
-    tiles) and HPTQ (transcoded at load)."""
+    tiles), HPTQ (transcoded at load) and RTN 4-bit g32 with 4-bit scale codes."""
     d = tmp_path_factory.mktemp("tiny")
     src = h.make_tiny_llama(d / "model")
     return {"src": src, "ssqr": h.quantize_dir(src, d / "ssqr", "ssqr", bits=3, group_size=32, outlier_rate=0.02),
-            "hptq": h.quantize_dir(src, d / "hptq", "hptq", target_bits=3.25), "dir": d}
+            "hptq": h.quantize_dir(src, d / "hptq", "hptq", target_bits=3.25),
+            "coded": h.quantize_dir(src, d / "coded", "rtn", bits=4, group_size=32, scale_bits=4), "dir": d}
 
 
 def _check_equal(ckpt: Path, got: list[list[int]], want: list[list[int]]):
@@ -479,14 +536,15 @@ def _corrupt(src: Path, out: Path, name: str) -> Path:
 
 def test_tiny_end_to_end_in_process(tiny):
     """The default suite's vLLM run (in-process engines, eager, fp32, one process):
-    - SSQR and HPTQ checkpoints, auto-detected (no --quantization), reference kernel:
-      greedy 32 tokens == HF transformers on the dequantized weights;
+    - SSQR, HPTQ and coded-scale RTN checkpoints, auto-detected (no --quantization), reference
+      kernel: greedy 32 tokens == HF transformers on the dequantized weights (every coded layer's
+      runtime form keeping its codes);
     - SSQR with the default selection (the CPU kernel: bf16 compute): every token is greedy
       under HF up to a near-tie;
     - a wrong --quantization and a corrupted checkpoint fail while loading, with messages
       naming the methods / the tensor — never inside a kernel."""
     ids = h.tokenize(tiny["ssqr"])
-    want = {m: h.hf_greedy(h.hf_dequantized_model(tiny[m]), ids, 32) for m in ("ssqr", "hptq")}
+    want = {m: h.hf_greedy(h.hf_dequantized_model(tiny[m]), ids, 32) for m in ("ssqr", "hptq", "coded")}
     assert all(len(set(w)) > 8 for w in want["ssqr"]), "the tiny model should not be degenerate"
     bad_name = "model.layers.1.mlp.down_proj.outlier_crow"
     bad = _corrupt(tiny["ssqr"], tiny["dir"] / "corrupt", bad_name)
@@ -497,14 +555,17 @@ def test_tiny_end_to_end_in_process(tiny):
         {**job, "model": tiny["ssqr"], "env": {"LATQ_KERNEL": ""}},
         {**job, "model": tiny["ssqr"], "quantization": "gptq", "max_tokens": 2},
         {**job, "model": bad, "max_tokens": 2},
+        {**job, "model": tiny["coded"], "env": {"LATQ_KERNEL": "reference"}},
     ], tmp=tiny["dir"])
-    for r in res[:3]:
+    for r in res[:3] + res[5:]:
         assert "error" not in r, r.get("traceback")
     log = res[0]["log"]
     assert "latq: 8 linears loaded (ssqr checkpoint)" in log and "kernels {'reference': 8}" in log
     assert "latq: 8 linears loaded (hptq checkpoint)" in log
     _check_equal(tiny["ssqr"], res[0]["tokens"], want["ssqr"])
     _check_equal(tiny["hptq"], res[1]["tokens"], want["hptq"])
+    _check_equal(tiny["coded"], res[5]["tokens"], want["coded"])
+    assert "8 linears loaded (rtn checkpoint, 4-bit scale codes: kept in 8 of 8 layers' runtime forms)" in log
     default_kernels = [line for line in log.splitlines() if "linears loaded" in line][2]
     if res[2]["tokens"] != want["ssqr"]:  # a bf16 kernel may flip near-ties only
         margins = h.greedy_margins(h.hf_dequantized_model(tiny["ssqr"]), ids, res[2]["tokens"])

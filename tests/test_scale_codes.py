@@ -147,10 +147,12 @@ def test_quantization_config_scale_bits():
             QuantizeOptions(method=method, scale_bits=4)
 
 
-def test_pipeline_writes_coded_scales_that_every_reader_decodes(tiny_llama, tmp_path):
+def test_pipeline_writes_coded_scales_that_every_reader_decodes(tiny_llama, tmp_path, capsys):
     """``--scale-bits 4`` end to end: recorded in the config, every layer coded, the checkpoint
-    valid, the dequantized model holding exactly the solver's weights; a config that does not
-    say so is refused."""
+    valid (``latq-inspect`` saying so in its header, with served bits per family), the
+    dequantized model holding exactly the solver's weights; a config that does not say so is
+    refused."""
+    from vllm_latq.inspect import inspect_main
     solved = {}
     d = quantize_model(tiny_llama, tmp_path / "q", QuantizeOptions(method="gptq", bits=3, scale_bits=4, **TINY_OPTS),
                        progress=False, on_layer=lambda n, W, H, r: solved.__setitem__(n, r.q))
@@ -158,6 +160,10 @@ def test_pipeline_writes_coded_scales_that_every_reader_decodes(tiny_llama, tmp_
     assert ck.spec.scale_bits == 4
     assert all(fmt.has_coded_scales({s: None for s in names}) for names in ck.layers().values())
     validate_checkpoint(d)
+    assert inspect_main([str(d), "--no-checksums"]) == 0
+    printed = capsys.readouterr().out
+    assert "method gptq (dense) · 3-bit g64, scales as 4-bit codes on 16-row grids" in printed, printed
+    assert "served (what a decode step streams, per kernel family): cpu" in printed
     model = load_dequantized_model(d)
     for n, q in solved.items():
         assert torch.equal(model.get_submodule(n).weight.float(), q), n

@@ -73,10 +73,11 @@ def _hessian(W_in: int, mode: str, seed: int) -> torch.Tensor:
 
 def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, group_size: int = 32,
                  outlier_rate: float = 0.01, target_bits: float = 3.25, hessian: str = "random",
-                 skip: tuple[str, ...] = ()) -> Path:
+                 skip: tuple[str, ...] = (), scale_bits: int | None = None) -> Path:
     """Quantize every decoder linear of an HF model directory (one safetensors file) and
     write a latq checkpoint (format version 1). ``hessian``: ``random`` (a synthetic
-    full-rank Hessian, exercises error propagation and outliers) or ``identity``."""
+    full-rank Hessian, exercises error propagation and outliers) or ``identity``;
+    ``scale_bits``: rtn's group scales coded (format/scale_codes.py)."""
     from vllm_latq.quantize import hptq, hrtn, rtn, ssqr
 
     files = sorted(src.glob("*.safetensors"))
@@ -94,7 +95,7 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
             if method == "ssqr":
                 res = ssqr(W, H, bits=bits, group_size=group_size, outlier_rate=outlier_rate, name=module)
             elif method == "rtn":
-                res = rtn(W, bits=bits, group_size=group_size)
+                res = rtn(W, bits=bits, group_size=group_size, scale_bits=scale_bits)
             elif method == "hptq":
                 res = hptq(W, H, target_bits=target_bits, name=module)
             elif method == "hrtn":
@@ -114,6 +115,8 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
         qc["outlier_rate"] = outlier_rate
     if kind == "huffman":
         qc["target_bits"] = target_bits
+    if scale_bits is not None:
+        qc["scale_bits"] = scale_bits
     cfg["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in TOKENIZER_FILES:
@@ -130,7 +133,7 @@ def dequantized_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         sd.update(load_file(f))
-    names = fmt.DENSE_TENSORS if kind == "dense" else fmt.HUFFMAN_TENSORS
+    names = fmt.dense_tensors(qc.get("scale_bits") is not None) if kind == "dense" else fmt.HUFFMAN_TENSORS
     modules = {k.rsplit(".", 1)[0] for k in sd if k.rsplit(".", 1)[1] == names[0]}
     out = {k: v for k, v in sd.items() if k.rsplit(".", 1)[0] not in modules}
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]

@@ -49,6 +49,7 @@ class LatqConfig(QuantizationConfig):
         self.kind: str = self.spec.kind
         self.bits: int | None = self.spec.bits
         self.group_size: int | None = self.spec.group_size
+        self.scale_bits: int | None = self.spec.scale_bits   # dense: group scales stored as codes
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
 
@@ -57,7 +58,7 @@ class LatqConfig(QuantizationConfig):
         """The layers of this model load (one config per load): handed to each linear method,
         it logs the summary line when the last one is processed."""
         from .linear_method import LoadReport   # vLLM's layers: imported only when layers are built
-        return LoadReport(self.method)
+        return LoadReport(self.method, self.scale_bits)
 
     @property
     def modules_not_converted(self) -> list[str]:
@@ -70,7 +71,7 @@ class LatqConfig(QuantizationConfig):
 
     def __repr__(self) -> str:
         return (f"LatqConfig(method={self.method}, kind={self.kind}, bits={self.bits}, "
-                f"group_size={self.group_size}, modules_not_converted={self.modules_not_converted})")
+                f"group_size={self.group_size}, scale_bits={self.scale_bits}, modules_not_converted={self.modules_not_converted})")
 
     # ------------------------------------------------------------------ vLLM interface
 

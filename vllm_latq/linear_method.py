@@ -3,13 +3,13 @@ kernel selector.
 
 Loading (any linear: column-, row-parallel, replicated, merged ``gate_up``, ``qkv``; any TP
 size; both checkpoint kinds). ``create_weights`` registers one empty placeholder parameter
-per checkpoint tensor (``P.qweight``, ``P.scales``, ``P.outlier_*`` or ``P.h*``) with the
-checkpoint dtype and a weight loader that *stashes* the whole tensor it is given, per
-shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up, none otherwise). As soon as all
-tensors of one logical matrix (one shard) have arrived, the matrix is validated as a whole
-with the checkpoint format's own validator (shapes, dtypes, CSR structure, Huffman code),
-cut to this rank's rows/columns, and the full tensors are dropped — so at most one layer's
-full tensors are held at a time. When all shards are in, they are concatenated into the
+per checkpoint tensor (``P.qweight``, ``P.scales`` or the coded ``P.scale_codes/min/step``,
+``P.outlier_*``, or ``P.h*``) with the checkpoint dtype and a weight loader that *stashes*
+the whole tensor it is given, per shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up,
+none otherwise). As soon as all tensors of one logical matrix (one shard) have arrived, the
+matrix is validated as a whole with the checkpoint format's own validator (shapes, dtypes,
+CSR structure, Huffman code), cut to this rank's rows/columns, and the full tensors are
+dropped — so at most one layer's full tensors are held at a time. When all shards are in, they are concatenated into the
 runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`).
 ``process_weights_after_loading`` then checks nothing is missing, deletes the
 placeholders, selects a kernel, and keeps its prepared state as buffers.
@@ -25,7 +25,12 @@ Per rank (r = tp_rank; rows = output dim, cols = input dim):
 - row-parallel: all rows, columns ``[r·k, (r+1)·k)``: packed words sliced on 32-column
   tiles (unpacked and repacked only when the split is not on a tile), group scales sliced
   (off a group boundary the runtime group size becomes gcd(g, r·k) with scales repeated —
-  exact), CSR outliers filtered to the column range and their columns re-based to 0.
+  exact), CSR outliers filtered to the column range and their columns re-based to 0
+  (the cutting itself: :mod:`~vllm_latq.slicing`).
+- coded scales (``quantization_config.scale_bits``): the runtime form's ``scales`` are their
+  fp16 decode, and its ``coded`` the codes cut alike where this rank's row blocks keep whole
+  16-row grids; else (e.g. a rank's rows starting inside a grid) ``coded`` is None, with one
+  log line naming the layer and why (``slicing.codes_refusal``).
 - HPTQ/HRTN: the Huffman stream is decoded once (whole matrix), cut like the dense case,
   and transcoded to dense+CSR with the inlier width, among those the device's kernel family
   takes (CUDA: Triton's 2–5 bits; CPU: 2–8), that minimises that family's served bytes for
@@ -36,7 +41,6 @@ Per rank (r = tp_rank; rows = output dim, cols = input dim):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,6 +61,7 @@ from . import format as fmt
 from . import loader_rows
 from .kernels import ops, selector
 from .kernels.reference import LatqWeight, transcode
+from .slicing import codes_refusal, merge, pad_rows, slice_dense
 
 logger = init_logger("vllm.latq")
 
@@ -146,85 +151,14 @@ def in_loader_order(geo: Geometry, sources: torch.Tensor | None) -> Geometry:
     return replace(geo, fused=replace(geo.fused, blocks=blocks))
 
 
-# ----------------------------------------------------------------------------- slicing
-
-def _rows_csr(crow, col, val, r0, n):
-    a, b = int(crow[r0]), int(crow[r0 + n])
-    return crow[r0:r0 + n + 1] - a, col[a:b], val[a:b]
-
-
-def _cols_csr(crow, col, val, c0, n):
-    rows = fmt.csr_rows(crow, col.numel())
-    keep = (col >= c0) & (col < c0 + n)
-    new = torch.zeros_like(crow)
-    new[1:] = torch.cumsum(torch.bincount(rows[keep], minlength=crow.numel() - 1), 0)
-    return new, col[keep] - c0, val[keep]
-
-
-def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int) -> LatqWeight:
-    """Rows ``blocks`` and columns ``[c0, c0+n)`` of a dense-kind layer → runtime form."""
-    qw, sc, cr, co, va = [], [], [], [], []
-    crow_all = t["outlier_crow"].to(torch.int64)
-    col_all, val_all = t["outlier_col"].to(torch.int64), t["outlier_val"].float()
-    for r0, nr in blocks:
-        q = t["qweight"][r0:r0 + nr]
-        s = t["scales"][r0:r0 + nr]
-        crow, col, val = _rows_csr(crow_all, col_all, val_all, r0, nr)
-        if (c0, n) != (0, cin):
-            crow, col, val = _cols_csr(crow, col, val, c0, n)
-            t0, t1 = c0 // fmt.PACK_TILE, -(-(c0 + n) // fmt.PACK_TILE)
-            q = q[:, t0 * bits:t1 * bits]
-            if c0 % fmt.PACK_TILE or (n % fmt.PACK_TILE and c0 + n != cin):  # not on tiles: repack
-                z = fmt.unpack(q, bits, (t1 - t0) * fmt.PACK_TILE)[:, c0 - t0 * fmt.PACK_TILE:][:, :n]
-                q = fmt.pack(z, bits)
-        qw.append(q), sc.append(s), cr.append(crow), co.append(col), va.append(val)
-    g_eff = g
-    if c0 % g:
-        g_eff = math.gcd(g, c0)
-        sc = [s.repeat_interleave(g // g_eff, dim=1) for s in sc]
-    sc = [s[:, c0 // g_eff: -(-(c0 + n) // g_eff)] for s in sc]
-    return LatqWeight(torch.cat(qw).contiguous(), torch.cat(sc).contiguous(), _stack_crows(cr).to(torch.int32),
-                      torch.cat(co).to(torch.int32), torch.cat(va), bits, g_eff, n)
-
-
-def _stack_crows(crows: list[torch.Tensor]) -> torch.Tensor:
-    """Row pointers of CSR blocks stacked row-wise → the row pointers of the stacked matrix."""
-    out, off = [crows[0]], int(crows[0][-1])
-    for c in crows[1:]:
-        out.append(c[1:] + off)
-        off += int(c[-1])
-    return torch.cat(out)
-
-
-def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
-    """``w`` with zero rows appended up to ``rows`` (the padded vocabulary of an lm_head
-    shard): integers 0, scales 0, no outliers — the padded logits are exactly 0, as vLLM's
-    zero-filled padding rows give, and are cut off by the LogitsProcessor anyway."""
-    if rows is None or rows == w.out_features:
-        return w
-    extra = rows - w.out_features
-    if extra < 0:
-        raise ValueError(f"latq: {w.out_features} rows do not fit a shard of {rows}")
-    q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32, device=w.qweight.device), w.bits)
-    return LatqWeight(torch.cat([w.qweight, q.to(w.qweight.dtype)]),
-                      torch.cat([w.scales, w.scales.new_zeros(extra, w.scales.shape[1])]),
-                      torch.cat([w.crow, w.crow[-1:].expand(extra)]), w.col, w.val, w.bits, w.group_size,
-                      w.in_features)
-
-
-def _merge(parts: list[LatqWeight]) -> LatqWeight:
-    if len(parts) == 1:
-        return parts[0]
-    p0 = parts[0]
-    if any((p.bits, p.group_size, p.in_features) != (p0.bits, p0.group_size, p0.in_features) for p in parts):
-        raise ValueError("latq: parts of a fused layer differ in bits/group size")
-    return LatqWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                      _stack_crows([p.crow for p in parts]), torch.cat([p.col for p in parts]),
-                      torch.cat([p.val for p in parts]),
-                      p0.bits, p0.group_size, p0.in_features)
-
-
 # ----------------------------------------------------------------------------- loading
+
+def tensor_names(config) -> tuple[str, ...]:
+    """The checkpoint tensors (suffixes) of each of ``config``'s layers."""
+    if config.kind == "huffman":
+        return fmt.HUFFMAN_TENSORS
+    return fmt.dense_tensors(config.scale_bits is not None)
+
 
 class LoadState:
     """Collects one layer's checkpoint tensors and builds its runtime form."""
@@ -236,7 +170,8 @@ class LoadState:
         # a layer_bits override (e.g. an 8-bit lm_head)
         self.bits = config.bits_of(self.prefix) if bits is None else bits
         self.geo = geo
-        self.names = fmt.DENSE_TENSORS if config.kind == "dense" else fmt.HUFFMAN_TENSORS
+        self.names = tensor_names(config)
+        self.keep_codes: bool | None = None   # coded scales: whether this rank's rows keep their codes
         self.fused: bool | None = None if geo.fused is not None else False
         self.stash: dict = {}
         self.parts: dict = {}     # shard id → (z, row scales) for huffman, LatqWeight for dense
@@ -277,7 +212,8 @@ class LoadState:
             raise fmt.FormatError(f"latq checkpoint does not match layer {self.prefix} of the model: {e}") from e
         g = self.geo
         if c.kind == "dense":
-            return slice_dense(t, self.bits, c.group_size, g.in_features, shard.blocks, g.col0, g.ncols)
+            return slice_dense(t, self.bits, c.group_size, g.in_features, shard.blocks, g.col0, g.ncols,
+                               coded=self._keeps_codes())
         try:
             z = fmt.decode_integers(t, "huffman", shape, None)
         except ValueError as e:
@@ -286,9 +222,20 @@ class LoadState:
         z = torch.cat([z[r0:r0 + n, g.col0:g.col0 + g.ncols] for r0, n in shard.blocks])
         return z, t["hscale"].float().expand(z.shape[0])
 
+    def _keeps_codes(self) -> bool:
+        """Whether the layer's runtime form keeps its scale codes (decided, and a refusal logged,
+        when its first shard is cut: then the layer's shards are known)."""
+        if self.keep_codes is None:
+            why = None if self.config.scale_bits is None else codes_refusal(
+                [(sh.name, r0, n) for sh in self.expected().values() for r0, n in sh.blocks], self.geo.pad_rows)
+            if why is not None:
+                logger.info("latq %s: fp16 scales served, not the stored scale codes: %s", self.prefix, why)
+            self.keep_codes = self.config.scale_bits is not None and why is None
+        return self.keep_codes
+
     def _finish(self, parts) -> LatqWeight:
         if self.config.kind == "dense":
-            return _merge(parts)
+            return merge(parts)
         z = torch.cat([p[0] for p in parts])
         s = torch.cat([p[1] for p in parts])
         try:
@@ -318,7 +265,6 @@ class LatqLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
-        names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
         arch, hf_config = loader_rows.loading_model()
         refusal = loader_rows.refusal(arch, layer.prefix)
         if refusal:
@@ -328,7 +274,7 @@ class LatqLinearMethod(LinearMethodBase):
             geo = in_loader_order(geo, loader_rows.checkpoint_rows(arch, hf_config, layer.prefix, geo.fused.rows))
         st = layer._latq_load = LoadState(layer, self.config, geo)
         layer._latq_act_dtype = params_dtype
-        for name in names:
+        for name in st.names:
             dtype = fmt.tensor_dtype(name, input_size)
             p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
             set_weight_attrs(p, {"weight_loader": _Loader(layer, name)})
@@ -395,14 +341,15 @@ class LoadReport:
     """What the latq layers of one model load were loaded as: a debug line per layer, and one
     info summary when the last layer that ``create_weights`` announced is processed — stored
     bits/weight (the checkpoint's tensors) and served bits/weight (what the kernel chosen per
-    layer streams each decode step, ``LatqKernel.served_bytes``). Owned by the
+    layer streams each decode step, ``LatqKernel.served_bytes``), and for a checkpoint with coded
+    scales how many layers' runtime forms keep the codes. Owned by the
     :class:`~vllm_latq.config.LatqConfig` of that load and handed to each method."""
 
-    def __init__(self, method: str):
-        self.method = method
+    def __init__(self, method: str, scale_bits: int | None = None):
+        self.method, self.scale_bits = method, scale_bits
         self.expected = 0
-        # (weights, stored bits/weight, served bits/weight, bits, nnz, kernel)
-        self.layers: list[tuple[int, float, float, int, int, str]] = []
+        # (weights, stored bits/weight, served bits/weight, bits, nnz, kernel, scale codes kept)
+        self.layers: list[tuple[int, float, float, int, int, str, bool]] = []
 
     def expect(self) -> None:
         self.expected += 1
@@ -415,7 +362,7 @@ class LoadReport:
                      "%.3f bits/weight (%s), kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size,
                      100 * w.nnz / n, stored_bits, bpw, ", ".join(f"{k} {v} B" for k, v in served.items()),
                      kernel.name)
-        self.layers.append((n, stored_bits, bpw, w.bits, w.nnz, kernel.name))
+        self.layers.append((n, stored_bits, bpw, w.bits, w.nnz, kernel.name, w.coded is not None))
         if len(self.layers) == self.expected:
             logger.info("latq: %s", self.summary())
 
@@ -431,7 +378,10 @@ class LoadReport:
         for s in self.layers:
             widths[s[3]] = widths.get(s[3], 0) + 1
             kernels[s[5]] = kernels.get(s[5], 0) + 1
-        return (f"{len(self.layers)} linears loaded ({self.method} checkpoint): stored "
+        codes = "" if self.scale_bits is None else (
+            f", {self.scale_bits}-bit scale codes: kept in {sum(s[6] for s in self.layers)} of {len(self.layers)} "
+            "layers' runtime forms")
+        return (f"{len(self.layers)} linears loaded ({self.method} checkpoint{codes}): stored "
                 f"{sum(s[0] * s[1] for s in self.layers) / total:.3f} bits/weight, served "
                 f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer, inlier widths "
                 f"{dict(sorted(widths.items()))}, {100 * sum(s[4] for s in self.layers) / total:.3f}% outliers, "

@@ -33,7 +33,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from . import format as fmt
 from .kernels import moe, ops, selector
-from .linear_method import Geometry, LoadState, Shard
+from .linear_method import Geometry, LoadState, Shard, tensor_names
 
 STEMS = ("w13", "w2")
 log = logging.getLogger("vllm.latq")
@@ -66,7 +66,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
         if m.intermediate_size % m.tp_size:
             raise ValueError(f"latq: {self.prefix}: intermediate size {m.intermediate_size} does not split over "
                              f"{m.tp_size} ranks")
-        names = fmt.DENSE_TENSORS if self.config.kind == "dense" else fmt.HUFFMAN_TENSORS
+        names = tensor_names(self.config)
         layer._latq_moe_load = {}    # (local expert, stem) → LoadState, made when its first tensor arrives
         layer._latq_moe_names = names
         layer._latq_act_dtype = params_dtype

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..hf_model import UnsupportedModelError, decoder_layers
+from . import scale_codes
 from .checkpoint import Checkpoint, linear_shape
 from .errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
@@ -136,6 +137,7 @@ def format_report(report: dict) -> str:
     spec: QuantSpec = report["spec"]
     budget = (f"{spec.bits}-bit g{spec.group_size}" + (f", outlier rate ≤ {spec.outlier_rate:g}"
                                                         if spec.method == "ssqr" else "")
+              + (f", scales as {spec.scale_bits}-bit codes on {scale_codes.ROWS}-row grids" if spec.scale_bits else "")
               + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
               if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
     fams = list(report["layers"][0].get("served", {})) if report["layers"] else []

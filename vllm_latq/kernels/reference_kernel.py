@@ -4,12 +4,14 @@ runs anywhere; selected only when forced (``LATQ_KERNEL=reference``), because th
 dequantize-once kernels (:mod:`~vllm_latq.kernels.dequantized`) cover every layer faster."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .base import LatqKernel
-from .reference import latq_linear_ref, runtime_bytes, weight_bytes
+from .reference import LatqWeight, latq_linear_ref, runtime_bytes, weight_bytes
 
 
 class ReferenceKernel(LatqKernel):
-    """Dequantize + matmul in fp32 per call; its state is the runtime form itself."""
+    """Dequantize + matmul in fp32 per call; its state is the runtime form itself (fp16 scales)."""
     name = "reference"
 
     @classmethod
@@ -18,7 +20,17 @@ class ReferenceKernel(LatqKernel):
 
     @classmethod
     def prepare(cls, w):
-        return w
+        return replace(w, coded=None)   # it reads the fp16 scales (coded ones are their decode)
+
+    @classmethod
+    def flatten(cls, state):
+        # the runtime form's tensors and ints: its ``coded`` (no tensor) is None here
+        return [state.qweight, state.scales, state.crow, state.col, state.val], [state.bits, state.group_size,
+                                                                                state.in_features]
+
+    @classmethod
+    def unflatten(cls, tensors, ints):
+        return LatqWeight(*tensors, *ints)
 
     @classmethod
     def apply(cls, state, x, bias=None):
