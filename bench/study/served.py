@@ -41,10 +41,12 @@ def cost_model_fingerprint() -> str:
         for fam in families():
             for b in range(2, 9):
                 for g in _PROBE_GROUPS:
-                    try:
-                        out.append(f"{fam.name}:{n}x{k}:{b}:{g}:{sorted(fam.layout_bytes(n, k, b, g or k, stats).items())}")
-                    except ValueError:
-                        out.append(f"{fam.name}:{n}x{k}:{b}:{g}:-")
+                    for sb in (None, 4) if g else (None,):   # fp16 and coded group scales
+                        key = f"{fam.name}:{n}x{k}:{b}:{g}:{sb}"
+                        try:
+                            out.append(f"{key}:{sorted(fam.layout_bytes(n, k, b, g or k, stats, sb).items())}")
+                        except ValueError:
+                            out.append(f"{key}:-")
     return hashlib.sha1("\n".join(out).encode()).hexdigest()[:12]
 
 
