@@ -28,11 +28,6 @@ CODE_BITS = (4,)     # the code widths the format accepts
 FP16_TINY = 2.0 ** -24
 
 
-def bits_per_scale(code_bits: int) -> float:
-    """Stored (and, for a kernel reading codes, served) bits per group scale."""
-    return code_bits + 2 * 16 / ROWS
-
-
 @dataclass
 class CodedScales:
     """Scales ``[out, G]`` as codes (uint8, unpacked, one per scale) on per-block grids."""
@@ -122,6 +117,11 @@ def shapes(out: int, ngroups: int) -> dict[str, tuple[tuple[int, int], torch.dty
     blocks = -(-out // ROWS)
     return {"scale_codes": ((-(-out // 2), ngroups), torch.uint8), "scale_min": ((blocks, ngroups), torch.float16),
             "scale_step": ((blocks, ngroups), torch.float16)}
+
+
+def stored_bits(out: int, ngroups: int) -> int:
+    """Bits of the stored tensors of ``[out, ngroups]`` coded scales (from :func:`shapes`)."""
+    return sum(8 * math.prod(shp) * dt.itemsize for shp, dt in shapes(out, ngroups).values())
 
 
 TENSORS = ("scale_codes", "scale_min", "scale_step")

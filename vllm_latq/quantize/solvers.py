@@ -282,8 +282,7 @@ def _scales_for(W, bits, group_size, scales, offset: float = 0.0, scale_bits: in
 def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col, W, coded=None) -> QuantResult:
     bound = None if clip or D_col is None else lattice.bound_from_d(D_col, scales, group_size, W.shape[0])
     n_scales = 1 if scales.dim() == 0 else scales.numel()
-    storage = None if coded is None else sum(8 * x.numel() * x.element_size()
-                                             for x in scale_codes.encode(coded).values())
+    storage = None if coded is None else scale_codes.stored_bits(*coded.codes.shape)
     res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
                       dense_bits(sw.z, bits, clip, group_size, n_scales, storage), perm, damp, bound,
                       coded_scales=coded)
