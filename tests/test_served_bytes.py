@@ -88,7 +88,7 @@ def test_coded_scales_served_bytes(bits, rate, shape, group):
     f16 = TritonKernel.served_bytes(TritonKernel.prepare(fp16))
     assert got["scales"] * 32 == f16["scales"] * 12 and sum(got.values()) < sum(f16.values())
     t = {"qweight": w.qweight, "outlier_crow": w.crow, "outlier_col": w.col, "outlier_val": w.val,
-         **fmt.scale_codes.encode(w.coded)}
+         **fmt.scale_codes.to_tensors(w.coded)}
     fams = [TritonKernel] + ([CPUKernel] if CPUKernel.can_implement(w, torch.device("cpu"), torch.bfloat16)[0] else [])
     inspected = layer_served(t, "dense", shape, bits, group, fams)
     assert inspected["triton"]["bytes"] == sum(got.values())

@@ -95,3 +95,24 @@ def test_predicted_ratio_vs_bf16():
         assert max(ratio(m, dev) for m in range(129, 257)) < 1
     assert [round(ratio(m, "a100"), 2) for m in (64, 128, 129, 256)] == [2.18, 1.11, 0.74, 0.88]
     assert [round(ratio(m, "h100"), 2) for m in (64, 128, 129, 256)] == [2.23, 1.14, 0.76, 0.59]
+
+
+def test_coded_scales_in_the_model():
+    """Coded group scales (``--scale-bits 4``): 12 bytes per 16 scales streamed (g64: 0.094 b/w
+    of scales, fp16 g128: 0.125), a costlier K loop (the decode), so the MMA kernel's issue
+    term grows and the switch to dequantise-once comes no later; the layer's own form is used."""
+    n = k = 4096
+    bpw = {(g, c): 8 * tm.packed_bytes(n, k, 4, 0, g, c) / (n * k) - 4 for g in (64, 128) for c in (False, True)}
+    assert bpw == {(64, False): 0.25, (128, False): 0.125, (64, True): 0.09375, (128, True): 0.046875}
+    assert set(tm.MMA_IPW_CODED) == set(tm.MMA_IPW)
+    assert all(tm.MMA_IPW_CODED[key] >= tm.MMA_IPW[key] for key in tm.MMA_IPW)
+    for dev in ("a100", "h100"):
+        for bits in WIDTHS:
+            assert (tm.large_m_threshold(n, 14336, bits, 0, torch.bfloat16, dev, 64, coded=True)
+                    <= tm.large_m_threshold(n, 14336, bits, 0, torch.bfloat16, dev, 64))
+        t16, tc = (tm.model_times(1, n, 14336, 4, 0, torch.bfloat16, dev, 64, coded=c) for c in (False, True))
+        assert tc["deq"] < t16["deq"]                       # fewer bytes where the issue term does not bind
+
+    class State:                                         # the fields threshold_for reads of a prepared layer
+        n, k, bits, nnz, group, coded_scales = 4096, 14336, 3, 0, 64, True
+    assert tm.threshold_for(State, torch.bfloat16, "cpu") == tm.large_m_threshold(4096, 14336, 3, 0, group=64, coded=True)

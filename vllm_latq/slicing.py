@@ -37,7 +37,7 @@ def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int, c
     stored scale codes beside them, cut alike (the blocks on 16-row grids: :func:`codes_refusal`)."""
     rows = t["qweight"].shape[0]
     scales = fmt.dense_scales(t, rows)
-    codes = fmt.scale_codes.decode(t, rows) if coded else None
+    codes = fmt.scale_codes.from_tensors(t, rows) if coded else None
     qw, sc, cs, cr, co, va = [], [], [], [], [], []
     crow_all = t["outlier_crow"].to(torch.int64)
     col_all, val_all = t["outlier_col"].to(torch.int64), t["outlier_val"].float()

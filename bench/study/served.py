@@ -85,7 +85,7 @@ def _outlier_free_tensors(n: int, k: int, bits: int, group: int, scale_bits: int
     scales = torch.ones(n, -(-k // group))
     return {"qweight": fmt.pack(torch.zeros(n, k, dtype=torch.int32), bits),
             **({"scales": scales.half()} if scale_bits is None else
-               fmt.scale_codes.encode(fmt.scale_codes.code_scales(scales, scale_bits))),
+               fmt.scale_codes.to_tensors(fmt.scale_codes.code_scales(scales, scale_bits))),
             "outlier_crow": torch.zeros(n + 1, dtype=torch.int32),
             "outlier_col": torch.zeros(0, dtype=torch.int32), "outlier_val": torch.zeros(0, dtype=torch.float16)}
 

@@ -50,7 +50,7 @@ def has_coded_scales(t: dict) -> bool:
 def dense_scales(t: dict[str, torch.Tensor], out: int) -> torch.Tensor:
     """fp16 ``[out, G]`` group scales of a dense layer, stored or decoded from their codes."""
     if has_coded_scales(t):
-        return scale_codes.decode(t, out).decode().half()
+        return scale_codes.from_tensors(t, out).decode().half()
     return t["scales"]
 
 
@@ -84,7 +84,7 @@ def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
         col = torch.zeros(0, dtype=torch.int32, device=dev) if o is None else o.col
         val = torch.zeros(0, dtype=torch.float16, device=dev) if o is None else o.val
         coded = getattr(result, "coded_scales", None)
-        scales = {"scales": result.scales.half().contiguous()} if coded is None else scale_codes.encode(coded)
+        scales = {"scales": result.scales.half().contiguous()} if coded is None else scale_codes.to_tensors(coded)
         return {"qweight": pack(result.z, result.bits), **scales,
                 "outlier_crow": crow.to(torch.int32).contiguous(),
                 "outlier_col": col.to(col_dtype(cin)).contiguous(),

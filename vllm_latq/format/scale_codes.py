@@ -101,13 +101,13 @@ def unpack_codes(packed: torch.Tensor, out: int) -> torch.Tensor:
     return torch.stack([p & 15, p >> 4], 1).reshape(-1, p.shape[1])[:out].contiguous()
 
 
-def encode(cs: CodedScales) -> dict[str, torch.Tensor]:
+def to_tensors(cs: CodedScales) -> dict[str, torch.Tensor]:
     """The stored tensors (suffixes) of coded scales."""
     return {"scale_codes": pack_codes(cs.codes), "scale_min": cs.min.half().contiguous(),
             "scale_step": cs.step.half().contiguous()}
 
 
-def decode(t: dict[str, torch.Tensor], out: int, bits: int = 4) -> CodedScales:
+def from_tensors(t: dict[str, torch.Tensor], out: int, bits: int = 4) -> CodedScales:
     """The :class:`CodedScales` of a layer's stored tensors."""
     return CodedScales(unpack_codes(t["scale_codes"], out), t["scale_min"], t["scale_step"], bits)
 

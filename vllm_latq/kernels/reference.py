@@ -67,7 +67,7 @@ def latq_linear_ref(x: torch.Tensor, w: LatqWeight, bias: torch.Tensor | None = 
 def from_dense_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, in_features: int) -> LatqWeight:
     """A dense-kind checkpoint layer → runtime form (coded scales decoded, their codes kept)."""
     out = t["qweight"].shape[0]
-    coded = fmt.scale_codes.decode(t, out) if fmt.has_coded_scales(t) else None
+    coded = fmt.scale_codes.from_tensors(t, out) if fmt.has_coded_scales(t) else None
     return LatqWeight(t["qweight"], fmt.dense_scales(t, out), t["outlier_crow"].int(), t["outlier_col"].int(),
                       t["outlier_val"].float(), bits, group_size, in_features, coded)
 

@@ -2,8 +2,8 @@
 dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton_dequant`), and what either costs
 against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel`.
 
-With ``Wq`` the packed bytes (``N·K·b/8`` + fp16 scales ``2·N·⌈K/g⌉`` + ``4·nnz`` compact
-outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the activations in and out (``e`` = 2
+With ``Wq`` the packed bytes (``N·K·b/8`` + scales — fp16 ``2·N·⌈K/g⌉``, coded ``0.75·N·⌈K/g⌉``
+— + ``4·nnz`` compact outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the activations in and out (``e`` = 2
 bytes), ``W16 = e·N·K`` a dense weight, ``BM = mma_bm(M)`` the tensor-core kernel's row
 tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's HBM bandwidth ``BW``, dense
 tensor-core peak ``TC`` and SASS issue rate ``ISSUE`` (SMs × 4 schedulers × 32 lanes ×
@@ -16,7 +16,8 @@ clock)::
     t_dense(M) = max( (W16 + X + Y) / BW, 2·M·N·K / TC )    bf16 F.linear
 
 ``ipw[b, BM]`` is the MMA kernel's K loop in SASS lane-instructions per weight per program
-(``triton_compile``'s "i/w", median over the BM's tile configs, sm_80; docs/BENCHMARKS.md);
+(``triton_compile``'s "i/w", median over the BM's tile configs, sm_80, per scale form: coded
+scales' decode adds 0.5–3 to it; docs/BENCHMARKS.md);
 an outlier costs one gather + one FMA per activation row per tile. The grid runs M fastest:
 the T programs of one weight tile are launched together and read it from HBM about once,
 so ``Wq`` is not multiplied by T even for a layer larger than L2. The threshold is the
@@ -39,6 +40,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .triton_layout import scale_bytes
 
 # tensor-core kernel row tiles (triton_kernels.MMA_TILES is keyed by these)
 MMA_BMS = (16, 32, 64)
@@ -69,6 +72,9 @@ DEVICES = {
 MMA_IPW = {(2, 16): 5.00, (3, 16): 8.50, (4, 16): 5.12, (5, 16): 8.12,
            (2, 32): 6.20, (3, 32): 10.22, (4, 32): 6.41, (5, 32): 9.69,
            (2, 64): 8.70, (3, 64): 13.22, (4, 64): 8.47, (5, 64): 11.78}
+MMA_IPW_CODED = {(2, 16): 5.53, (3, 16): 9.52, (4, 16): 5.63, (5, 16): 8.65,   # the same, coded scales
+                 (2, 32): 6.78, (3, 32): 11.22, (4, 32): 7.41, (5, 32): 10.72,
+                 (2, 64): 10.30, (3, 64): 16.44, (4, 64): 9.56, (5, 64): 12.84}
 NEVER = 2**31 - 1          # threshold when the MMA kernel wins for every M searched
 M_SEARCH = 1 << 16
 
@@ -100,49 +106,52 @@ def device_model(device_props=None) -> DeviceModel:
                        base.tc_flops * sms / base.sms, issue, sms)
 
 
-def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128) -> int:
-    """Bytes the kernels stream for one layer: b-bit inliers, fp16 scales, 4-byte outliers."""
-    return n * k * bits // 8 + 2 * n * math.ceil(k / group) + 4 * nnz
+def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128, coded: bool = False) -> int:
+    """Bytes the kernels stream for one layer: b-bit inliers, scales (fp16, or coded: 12 bytes
+    per 16, ``triton_layout.scale_bytes``), 4-byte outliers."""
+    return n * k * bits // 8 + scale_bytes(16 * math.ceil(n / 16), math.ceil(k / group), coded) + 4 * nnz
 
 
 def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
-                device_props=None, group: int = 128) -> dict[str, float]:
+                device_props=None, group: int = 128, coded: bool = False) -> dict[str, float]:
     """Seconds for one layer at M rows (module docstring): ``mma``, ``deq`` (dequantise
-    once + GEMM) and ``dense`` (bf16/fp16 ``F.linear`` of the unquantised weight)."""
+    once + GEMM) and ``dense`` (bf16/fp16 ``F.linear`` of the unquantised weight). ``coded``:
+    the layer's group scales are codes (``--scale-bits 4``)."""
     d = device_model(device_props)
     e = dtype.itemsize
-    wq = packed_bytes(n, k, bits, nnz, group)
+    wq = packed_bytes(n, k, bits, nnz, group, coded)
     w16, act = e * n * k, e * m * (k + n)
     bm = mma_bm(m)
     t = math.ceil(m / bm)
-    issue = t * (n * k * MMA_IPW[bits, bm] + (1 + bm) * nnz) / d.issue
+    issue = t * (n * k * (MMA_IPW_CODED if coded else MMA_IPW)[bits, bm] + (1 + bm) * nnz) / d.issue
     dense = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_flops)
     return {"mma": max((wq + act) / d.hbm_bw, issue, 2 * bm * t * n * k / d.tc_flops),
             "deq": (wq + w16) / d.hbm_bw + dense, "dense": dense}
 
 
 def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
-                      device_props=None, group: int = 128) -> int:
+                      device_props=None, group: int = 128, coded: bool = False) -> int:
     """Smallest M ≥ 17 from which on dequantise-once + GEMM is predicted faster than the MMA
     kernel for every larger M (``NEVER`` if it loses at M = 65536). t_mma is constant over a
     BM-row tile and t_deq grows with M, so a tile is won iff its last row is: scanning the
     tile ends down from M_SEARCH, the answer is one past the last end lost."""
     ends = sorted({mma_bm(m) * math.ceil(m / mma_bm(m)) for m in range(17, M_SEARCH + 1, 16)}, reverse=True)
     for i, m in enumerate(ends):
-        times = model_times(m, n, k, bits, nnz, dtype, device_props, group)
+        times = model_times(m, n, k, bits, nnz, dtype, device_props, group, coded)
         if times["deq"] >= times["mma"]:
             return NEVER if i == 0 else m + 1
     return 17
 
 
 @functools.lru_cache(maxsize=4096)
-def _threshold_cached(n, k, bits, nnz, dtype, device_index, group):
+def _threshold_cached(n, k, bits, nnz, dtype, device_index, group, coded):
     props = torch.cuda.get_device_properties(device_index) if device_index is not None else None
-    return large_m_threshold(n, k, bits, nnz, dtype, props, group)
+    return large_m_threshold(n, k, bits, nnz, dtype, props, group, coded)
 
 
 def threshold_for(st, dtype: torch.dtype, device: torch.device) -> int:
     """:func:`large_m_threshold` for a prepared layer on ``device`` (cached per shape)."""
     device = torch.device(device)
     idx = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
-    return _threshold_cached(st.n, st.k, st.bits, st.nnz, dtype, idx, st.group)   # one group: st.group = K_pad
+    return _threshold_cached(st.n, st.k, st.bits, st.nnz, dtype, idx, st.group,    # one group: st.group = K_pad
+                             st.coded_scales)

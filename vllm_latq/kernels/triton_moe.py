@@ -51,6 +51,8 @@ MAX_BM = max(MOE_TILES)
 # sm_80, these tiles, no outliers): the cost model's issue term. docs/BENCHMARKS.md.
 MOE_IPW = {(2, 1): 5.75, (3, 1): 8.17, (4, 1): 6.31, (2, 2): 8.03, (3, 2): 10.20, (4, 2): 8.91,
            (2, 4): 11.97, (3, 4): 14.02, (4, 4): 13.03, (2, 8): 17.25, (3, 8): 19.16, (4, 8): 19.19}
+MOE_IPW_CODED = {(2, 1): 6.26, (3, 1): 8.70, (4, 1): 7.33, (2, 2): 8.55, (3, 2): 10.73, (4, 2): 9.89,  # coded scales
+                 (2, 4): 12.48, (3, 4): 14.54, (4, 4): 14.05, (2, 8): 18.25, (3, 8): 20.19, (4, 8): 21.12}
 
 
 def moe_maxnreg(bits: int, bm: int) -> int:
@@ -387,7 +389,7 @@ def path_times(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
     if device is not None and torch.device(device).type == "cuda":
         idx = torch.device(device).index
         idx = torch.cuda.current_device() if idx is None else idx
-    shapes = tuple((s.n, s.k, s.bits, s.group) for s in (w13, w2))
+    shapes = tuple((s.n, s.k, s.bits, s.group, s.coded_scales) for s in (w13, w2))
     return _path_times(tokens, topk, w13.experts, shapes, idx)
 
 
@@ -399,11 +401,11 @@ def _path_times(T: int, topk: int, E: int, shapes: tuple, device_index: int | No
     routed = max(1.0, E * (1 - (1 - 1 / E) ** P))               # expected distinct experts (uniform routing)
     bm = row_block(P, E)
     blocks = min(max_blocks(P, E, bm), P / bm + routed)
-    issue = blocks * sum(n * k * MOE_IPW[b, bm] for n, k, b, _ in shapes) / d.issue
+    issue = blocks * sum(n * k * (MOE_IPW_CODED if c else MOE_IPW)[b, bm] for n, k, b, _, c in shapes) / d.issue
 
     def expert(rows):
-        return sum(triton_model.model_times(rows, n, k, b, 0, group=g, device_props=props)["mma"]
-                   for n, k, b, g in shapes)
+        return sum(triton_model.model_times(rows, n, k, b, 0, group=g, device_props=props, coded=c)["mma"]
+                   for n, k, b, g, c in shapes)
     per_routed = expert(max(1, round(P / routed)))
     return {"stacked": 10 * LAUNCH_S + max(routed * per_routed, issue),
             "host": SYNC_S + routed * (6 * LAUNCH_S + per_routed),
