@@ -165,8 +165,8 @@ def test_deterministic_and_resume_after_interruption(tiny_checkpoints, tiny_llam
     (simulated through the CLI's environment variable) + --resume → the same bytes."""
     from vllm_latq.quantize import cli
     ref, _ = tiny_checkpoints["ssqr"]
-    args = [str(tiny_llama), str(tmp_path / "ckpt"), "--group-size", "64", "--nsamples", "4", "--seqlen", "64",
-            "--no-progress", "-q"]
+    args = [str(tiny_llama), str(tmp_path / "ckpt"), "--method", "ssqr", "--group-size", "64", "--nsamples", "4",
+            "--seqlen", "64", "--no-progress", "-q"]
     monkeypatch.setenv(pipeline.STOP_ENV, "0")
     assert cli.main(args) == 3
     tmp = tmp_path / ("ckpt" + pipeline.TMP_SUFFIX)
@@ -362,3 +362,17 @@ def test_solve_replaces_the_per_layer_solver(tiny_llama, tmp_path):
     assert file_hashes(a) == file_hashes(b)
     assert len(calls) == 14 and {c[1] for c in calls} == set(Checkpoint(a).layers())
     assert all(m == "rtn" and H is None and kw == opts.solver_kwargs() for m, _, H, kw in calls)
+
+
+def test_defaults_are_the_studys_choice():
+    """``latq-quantize MODEL OUT`` = GPTQ 4-bit at group 64 (the study's pick per served bit); a
+    method chosen without ``--group-size`` gets its own default group (SSQR/HPTQ/HRTN: 128)."""
+    from vllm_latq.quantize import cli
+    a = cli.parser().parse_args(["m", "out"])
+    opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size)
+    assert (opts.method, opts.bits, opts.group_size, opts.scale_bits) == ("gptq", 4, 64, None)
+    assert QuantizeOptions().group_size == 64 and QuantizeOptions(method="rtn").group_size == 64
+    for method in ("ssqr", "hptq", "hrtn"):
+        assert QuantizeOptions(method=method).group_size == 128
+    assert QuantizeOptions(method="ssqr", group_size=32).group_size == 32
+    assert QuantizeOptions().quantization_config([])["group_size"] == 64

@@ -254,7 +254,7 @@ PIPELINE_CALIB = dict(nsamples=16, seqlen=256)  # small calibration: these test 
 
 def pipeline_checkpoint(model: str, method: str) -> Path:
     """A real checkpoint of a reference model made by the offline pipeline
-    (``latq-quantize`` defaults: SSQR 4-bit g128 1 %, HPTQ 3.125 bits), cached under
+    (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 %, 3.125 bits), cached under
     ``cache_dir()/plugin_tests`` (built once, ~20-40 min on 2 cores; file-locked)."""
     from filelock import FileLock
 

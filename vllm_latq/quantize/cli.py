@@ -6,9 +6,11 @@ format is described in docs/FORMAT.md; ``latq-inspect OUT`` validates it, ``latq
 measures its perplexity.
 
 examples:
-  latq-quantize gemma3-270m ckpt/gemma-ssqr                      # SSQR, 4-bit g128, 1% outliers
+  latq-quantize gemma3-270m ckpt/gemma-w4                        # GPTQ 4-bit, group 64 (the default)
+  latq-quantize gemma3-270m ckpt/gemma-w4s --scale-bits 4        # its group scales coded: fewer served bits
+  latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
   latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
-  latq-quantize ./my-llama ckpt/w3 --method gptq --bits 3 --group-size 64 --nsamples 64
+  latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _size(s: str) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .pipeline import COMPUTE_DTYPES, ORDERS, QuantizeOptions
+    from .pipeline import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
     d = QuantizeOptions()
     ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,11 +76,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("out", help="output checkpoint directory (written as OUT.tmp-latq, then renamed)")
     g = ap.add_argument_group("method")
     g.add_argument("--method", default=d.method, choices=fmt.METHODS,
-                   help="ssqr (default: b-bit groups + CSR outliers), hptq (Huffman, one scale), baselines "
-                        "gptq (clipped), rtn, hrtn, babai (clipped Babai ≡ GPTQ reversed)")
+                   help="gptq (the default: clipped b-bit groups, the best perplexity per served bit in "
+                        "the study), ssqr (b-bit groups + CSR outliers, unclipped: the no-clipping certificate), "
+                        "hptq (Huffman, one scale, certified), baselines rtn, hrtn, babai (clipped Babai ≡ GPTQ "
+                        "reversed)")
     g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4)")
-    g.add_argument("--group-size", type=int, default=d.group_size,
-                   help="group size along the input dimension (default 128; a ragged last group is allowed)")
+    g.add_argument("--group-size", type=int, default=None,
+                   help="group size along the input dimension (default "
+                        f"{', '.join(sorted(DEFAULT_GROUP_SIZE))}: {d.group_size}, the others {default_group_size('')}; a ragged last "
+                        "group is allowed)")
     g.add_argument("--outlier-rate", type=_rate, default=d.outlier_rate,
                    help="ssqr outlier budget, e.g. 0.01 or 1%% (default 0.01)")
     g.add_argument("--target-bits", type=float, default=d.target_bits,

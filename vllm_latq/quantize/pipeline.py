@@ -67,7 +67,7 @@ COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bflo
 # "natural")), not a column-order heuristic of its own.
 ORDERS = tuple(o for o in lattice.ORDERS if o != "reverse")
 
-__all__ = ["quantize_model", "QuantizeOptions", "resolve_model", "solve", "SimulatedInterruption", "ORDERS",
+__all__ = ["quantize_model", "QuantizeOptions", "DEFAULT_METHOD", "default_group_size", "resolve_model", "solve", "SimulatedInterruption", "ORDERS",
            "COMPUTE_DTYPES", "UNCALIBRATED", "STOP_ENV", "TMP_SUFFIX", "PROGRESS_FILE"]
 
 
@@ -75,11 +75,23 @@ class SimulatedInterruption(RuntimeError):
     """Raised after block k when ``stop_after_block=k`` (or ``$LATQ_STOP_AFTER_BLOCK=k``)."""
 
 
+# The defaults the study chose (docs/RESULTS.md, issue 21): GPTQ 4-bit at group 64 serves fewer
+# bits than SSQR-1 % at group 128 with a lower perplexity on both reference models and both
+# kernel families; the methods with outliers or one scale keep group 128, where a smaller
+# group does not pay (docs/BENCHMARKS.md, lever e).
+DEFAULT_METHOD = "gptq"
+DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64}   # other methods: 128
+
+
+def default_group_size(method: str) -> int:
+    return DEFAULT_GROUP_SIZE.get(method, 128)
+
+
 @dataclass
 class QuantizeOptions:
-    method: str = "ssqr"
+    method: str = DEFAULT_METHOD
     bits: int = 4
-    group_size: int = 128
+    group_size: int | None = None   # None: the method's default (default_group_size)
     outlier_rate: float = 0.01
     target_bits: float = 3.125
     order: str = "act"
@@ -120,6 +132,8 @@ class QuantizeOptions:
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
         bits, group size, budgets, lm_head_bits as a layer's bits) is checked by the format, now."""
+        if self.group_size is None:
+            self.group_size = default_group_size(self.method)
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.damp < 0:
