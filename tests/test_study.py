@@ -561,3 +561,27 @@ def test_pareto_plot_has_served_and_stored_panels(tmp_path):
     assert list(served_lines["GPTQ g128"].get_xdata()) == [4.2]         # 3b dominated: hollow, not joined
     assert list(served_lines["HPTQ"].get_xdata()) == [4.3]
     assert report.pareto_plot({"m": res}, tmp_path / "p.png") is None and (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_goal_row_counts_dominated_gptq_points():
+    """The goal row: each plain GPTQ point at 3 and 4 bits (ours at every group size, llm-compressor's)
+    is dominated when a latq configuration has ≤ its served bits and a perplexity lower by more than
+    the noise floor — at 3 bits by more than ours' 3-bit spread too; a point without a dominator is
+    named, and the verdict holds only when every point is dominated."""
+    base = [_srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.125), _srec("GPTQ-4b-seed1", "GPTQ", 4, "seed1", 16.16, 4.125),
+            _srec("GPTQ-3b", "GPTQ", 3, "", 24.0, 3.25), _srec("GPTQ-3b-fp64", "GPTQ", 3, "fp64", 24.72, 3.25),
+            _srec("GPTQ-3b-llmc", "GPTQ", 3, "llmc", 25.0, 3.25)]
+    levers = [_srec("GPTQ-4b-s4-g64", "GPTQ", 4, "s4-g64", 15.0, 4.09, 64),
+              _srec("GPTQ-3b-s4-g64", "GPTQ", 3, "s4-g64", 23.5, 3.22, 64)]   # −2.1 %: beyond 1 %, within 3 %
+
+    def goal(res):
+        row = next(r for r in claims.claims_table({"m": res}, {}) if r.startswith("| goal") and "(Triton" in r)
+        return row.split(" | ")[-2:]
+    cell, verdict = goal(base + levers)
+    assert cell.startswith("2 of 3 (GPTQ-4b by GPTQ-4b-s4-g64 15.00; GPTQ-3b-llmc by GPTQ-3b-s4-g64 23.50)")
+    assert "not dominated: GPTQ-3b 24.00 at 3.250 b" in cell and verdict == "does not hold |"
+    levers[1] = _srec("GPTQ-3b-s4-g64", "GPTQ", 3, "s4-g64", 23.0, 3.22, 64)          # −4.2 %: beyond both
+    cell, verdict = goal(base + levers)
+    assert cell.startswith("3 of 3") and verdict == "holds |"
+    levers[1] = _srec("GPTQ-3b-s4-g64", "GPTQ", 3, "s4-g64", 20.0, 3.3, 64)           # more served bits
+    assert goal(base + levers)[0].startswith("1 of 3")
