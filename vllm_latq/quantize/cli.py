@@ -82,9 +82,8 @@ def parser() -> argparse.ArgumentParser:
                         "reversed)")
     g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4)")
     g.add_argument("--group-size", type=int, default=None,
-                   help="group size along the input dimension (default "
-                        f"{', '.join(sorted(DEFAULT_GROUP_SIZE))}: {d.group_size}, the others {default_group_size('')}; a ragged last "
-                        "group is allowed)")
+                   help=f"group size along the input dimension (default {', '.join(sorted(DEFAULT_GROUP_SIZE))}: "
+                        f"{d.group_size}, the others {default_group_size('')}; a ragged last group is allowed)")
     g.add_argument("--outlier-rate", type=_rate, default=d.outlier_rate,
                    help="ssqr outlier budget, e.g. 0.01 or 1%% (default 0.01)")
     g.add_argument("--target-bits", type=float, default=d.target_bits,
