@@ -115,4 +115,5 @@ def test_coded_scales_in_the_model():
 
     class State:                                         # the fields threshold_for reads of a prepared layer
         n, k, bits, nnz, group, coded_scales = 4096, 14336, 3, 0, 64, True
-    assert tm.threshold_for(State, torch.bfloat16, "cpu") == tm.large_m_threshold(4096, 14336, 3, 0, group=64, coded=True)
+    want = tm.large_m_threshold(4096, 14336, 3, 0, group=64, coded=True)
+    assert tm.threshold_for(State, torch.bfloat16, "cpu") == want

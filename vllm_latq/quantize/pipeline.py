@@ -67,7 +67,8 @@ COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bflo
 # "natural")), not a column-order heuristic of its own.
 ORDERS = tuple(o for o in lattice.ORDERS if o != "reverse")
 
-__all__ = ["quantize_model", "QuantizeOptions", "DEFAULT_METHOD", "default_group_size", "resolve_model", "solve", "SimulatedInterruption", "ORDERS",
+__all__ = ["quantize_model", "QuantizeOptions", "DEFAULT_METHOD", "default_group_size", "resolve_model", "solve",
+           "SimulatedInterruption", "ORDERS",
            "COMPUTE_DTYPES", "UNCALIBRATED", "STOP_ENV", "TMP_SUFFIX", "PROGRESS_FILE"]
 
 
