@@ -21,8 +21,9 @@ def packed_words(in_features: int, bits: int) -> int:
     return math.ceil(in_features / PACK_TILE) * bits
 
 
-def _row_chunks(rows: int, per_row: int):
-    step = max(1, PACK_CHUNK_ELEMS // max(1, per_row))
+def row_chunks(rows: int, per_row: int, elems: int = PACK_CHUNK_ELEMS):
+    """Row slices of ``rows`` whose temporaries (``per_row`` elements a row) hold about ``elems``."""
+    step = max(1, elems // max(1, per_row))
     return (slice(r, min(rows, r + step)) for r in range(0, rows, step))
 
 
@@ -40,7 +41,7 @@ def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
     tiles = math.ceil(cin / PACK_TILE)
     dev = z.device
     res = torch.empty(out, tiles * bits, dtype=torch.int32, device=dev)
-    for rows in _row_chunks(out, tiles * PACK_TILE * bits):
+    for rows in row_chunks(out, tiles * PACK_TILE * bits):
         u = torch.nn.functional.pad(z[rows].to(torch.int64) + 2 ** (bits - 1), (0, tiles * PACK_TILE - cin))
         bitplanes = (u.reshape(-1, tiles, PACK_TILE)[..., None] >> torch.arange(bits, device=dev)) & 1  # [R,T,32,b]
         words = bitplanes.reshape(-1, tiles, bits, 32) << torch.arange(32, device=dev)   # bit i of word w
@@ -62,7 +63,7 @@ def unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     if out == 0:
         return res
     mask = 2 ** bits - 1
-    for rows in _row_chunks(out, qweight.shape[1] * PACK_TILE):
+    for rows in row_chunks(out, qweight.shape[1] * PACK_TILE):
         q = qweight[rows].contiguous().view(torch.uint8)                       # [R, 4·words]
         R = q.shape[0]
         if 8 % bits == 0:

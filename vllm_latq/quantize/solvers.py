@@ -12,6 +12,7 @@ import torch
 
 from .. import native
 from ..format import scale_codes
+from ..format.packing import row_chunks
 from . import lattice
 from .result import CSR, QuantResult
 from .scales import expand, grid, mse_scales, num_groups
@@ -299,9 +300,15 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     accepted for a uniform signature and only validated: RTN ignores it. ``W`` ``[out, in]``."""
     lattice.check_inputs(W, H, name)
     scales, group_size, coded = _scales_for(W, bits, group_size, scales, scale_bits=scale_bits)
-    S = expand(scales, group_size, tuple(W.shape))
-    z, q = torch.empty(W.shape, device=W.device), torch.empty(W.shape, device=W.device)
-    Rounder.of(bits, clip)(W.float(), S, z, q)
+    z = torch.empty(W.shape, dtype=torch.int32, device=W.device)
+    q = torch.empty(W.shape, device=W.device)
+    round_ = Rounder.of(bits, clip)
+    for rows in row_chunks(*W.shape):   # fp32 temporaries of a few MiB, not of the matrix
+        w = W[rows].float()
+        S = expand(scales if scales.dim() == 0 else scales[rows], group_size, tuple(w.shape))
+        zf = torch.empty_like(w)
+        round_(w, S, zf, q[rows])
+        z[rows] = zf.to(torch.int32)
     return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W, coded)
 
 
