@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_OPTS
+from vllm_latq.format.safetensors_file import SafetensorsFile
 from vllm_latq.quantize import calibrate, pipeline
 from vllm_latq.quantize.hessian import Hessian, PanelHessian
 from vllm_latq.quantize.lattice import damped, damped_in_place, layer_error, tri_inv_upper
@@ -128,3 +129,21 @@ def test_rtn_rounds_row_chunks_as_the_whole_matrix():
     assert torch.equal(res.z, z.to(torch.int32)) and torch.equal(res.q, z * S)
     assert torch.equal(rtn(W, bits=3, clip=False, scales=res.scales[0, 0]).z,
                        (W.float() / res.scales[0, 0]).round().to(torch.int32))
+
+
+def test_an_uncalibrated_run_never_loads_a_block(tiny_llama, tmp_path, monkeypatch):
+    """RTN runs no forwards: each linear is read alone for its solve, the block's bf16 weights
+    (0.41 GiB at Llama-3-8B shapes) are never loaded into the model, and the checkpoint is the
+    one a run that loads them writes."""
+    from vllm_latq.quantize.source import Source
+    loaded, load = [], Source.load
+    monkeypatch.setattr(Source, "load", lambda self, names, device: (loaded.extend(names), load(self, names, device)))
+    ref = quantize_model(tiny_llama, tmp_path / "calibrated-style", QuantizeOptions(method="rtn", **TINY_OPTS),
+                         progress=False)
+    assert loaded == []
+    monkeypatch.setattr(QuantizeOptions, "calibrated", property(lambda self: True))   # the loading path
+    out = quantize_model(tiny_llama, tmp_path / "loading", QuantizeOptions(method="rtn", **TINY_OPTS), progress=False)
+    assert any(".layers.0." in n for n in loaded)
+    for f in sorted(p.name for p in ref.glob("*.safetensors")):
+        a, b = SafetensorsFile(ref / f), SafetensorsFile(out / f)
+        assert a.names() == b.names() and all(torch.equal(a.get(k), b.get(k)) for k in a.names()), f

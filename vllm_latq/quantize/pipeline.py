@@ -264,7 +264,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                disable=not progress, initial=run.blocks_done, total=src.nblocks)
     for i in bar:
         layer = src.layers[i]
-        src.load(src.block_tensors(i), device)
+        if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
+            src.load(src.block_tensors(i), device)
         linears = src.block_linears(i)
         kw = _to_device(kwargs[i], device) if opts.calibrated else None
         t0 = time.time()
@@ -288,7 +289,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                                      stored=src.weights.get)
             quantize_block = quantize if folding is None else folding.wrap(quantize)
             shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                        device, progress, opts.moe_min_tokens, opts.moe_route_all)
+                                        device, progress, opts.moe_min_tokens, opts.moe_route_all,
+                                        write_back=opts.calibrated)
         hessians = None
         t2 = time.time()
         if opts.calibrated:

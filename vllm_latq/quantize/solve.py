@@ -78,12 +78,13 @@ def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp
 @torch.no_grad()
 def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
                 progress: bool, moe_min_tokens: int = 128, moe_route_all: bool = False,
-                experts: bool = True) -> dict[str, torch.Tensor]:
+                experts: bool = True, write_back: bool = True) -> dict[str, torch.Tensor]:
     """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
     exact source weight (fp32, even when the forwards run in a narrower dtype), then its experts
     (:func:`solve_experts`; ``experts=False``: not yet), and put the dequantized weights into the
-    block, so its outputs are the quantized block's → the block's quantized tensors, by name. Each
-    Hessian is released as soon as the last linear sharing it is solved."""
+    block, so its outputs are the quantized block's (``write_back=False``: no forwards follow, the
+    block stays unloaded) → the block's quantized tensors, by name. Each Hessian is released as
+    soon as the last linear sharing it is solved."""
     from tqdm.auto import tqdm
     shard: dict[str, torch.Tensor] = {}
     last_user = {id(hessians.of[n]): n for n in linears} if hessians is not None else {}
@@ -91,20 +92,22 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
         W = src.weights.get(src.on_disk(f"{name}.weight")).to(device=device, dtype=torch.float32)
         res, t = quantize(src.names.module(name), W, hessians.of[name] if hessians is not None else None)
         shard.update(t)
-        hf_model.set_tensor(src.net, f"{name}.weight", res.q.to(device=device, dtype=src.dtype))
+        if write_back:
+            hf_model.set_tensor(src.net, f"{name}.weight", res.q.to(device=device, dtype=src.dtype))
         if hessians is not None and last_user[id(hessians.of[name])] == name:
             hessians.release(name)
         del W, res, t   # else up_proj's fp32 weight and solution (~0.7 GiB at 8B) live through down_proj's solve
     for module, parts in (src.block_experts(i) if experts else {}).items():
         inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
         shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,
-                                   progress))
+                                   progress, write_back))
     return shard
 
 
 @torch.no_grad()
 def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLinear], inputs: MoeInputs | None,
-                  quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool) -> dict:
+                  quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool,
+                  write_back: bool = True) -> dict:
     """Quantize the experts of experts module ``module`` one at a time: expert e's Hessians
     (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
     each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
@@ -129,7 +132,8 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
                                                       "moe_fallback": hs.fallback}
             res, t = quantize(name, W, None if hs is None else (hs.inp, hs.mid)[role(x)], extra=extra)
             shard.update(t)
-            src.net.get_parameter(x.param).data[x.expert, x.rows] = res.q.to(device=device, dtype=src.dtype)
+            if write_back:
+                src.net.get_parameter(x.param).data[x.expert, x.rows] = res.q.to(device=device, dtype=src.dtype)
             del W, res, t
     return shard
 
