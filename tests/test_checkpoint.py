@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,33 @@ def test_csr_helpers():
     assert torch.equal(val, values[rows, col])
     e_crow, e_col, e_val = fmt.csr_from_mask(torch.zeros(2, 3, dtype=torch.bool), torch.ones(2, 3))
     assert e_crow.tolist() == [0, 0, 0] and e_col.numel() == 0 and fmt.csr_rows(e_crow).numel() == 0
+
+
+def test_safetensors_lazy_values_write_the_same_bytes_one_at_a_time(tmp_path):
+    """A value given as a function (a model's embedding and head at the end of a run) is read
+    for its checksum, dropped, and read again for its bytes: the file is byte for byte the one
+    of the tensors themselves, and no two lazily read tensors are alive together."""
+    g = torch.Generator().manual_seed(0)
+    t = {"embed": torch.randn(300, 64, generator=g).bfloat16(), "head": torch.randn(300, 64, generator=g).half(),
+         "norm": torch.ones(64)}
+    alive = []
+
+    def reader(name):
+        def read():
+            assert all(r() is None for r in alive), f"{name}: another lazily read tensor is still held"
+            v = t[name].clone()
+            alive.append(weakref.ref(v))
+            return v
+        return read
+
+    write_safetensors(tmp_path / "eager.safetensors", t)
+    write_safetensors(tmp_path / "lazy.safetensors", {"embed": reader("embed"), "head": reader("head"),
+                                                      "norm": t["norm"]})
+    assert (tmp_path / "eager.safetensors").read_bytes() == (tmp_path / "lazy.safetensors").read_bytes()
+    assert len(alive) == 4
+    f = SafetensorsFile(tmp_path / "lazy.safetensors")
+    assert all(torch.equal(f.get(k), v) for k, v in t.items())
+    f.verify("embed")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 5, 8])

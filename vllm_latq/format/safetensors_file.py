@@ -14,6 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -46,37 +47,51 @@ def sha256(t: torch.Tensor) -> str:
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | Callable[[], torch.Tensor]],
                       metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
-    atomically (``path.part`` then rename).
+    atomically (``path.part`` then rename). A value may be a function returning the tensor: it
+    is then read twice (checksum, then bytes) and never held with the others — a model's GB-sized
+    embedding and head are written one at a time.
 
     Our own serializer, because the safetensors library orders the metadata keys by a
     randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
     out contiguously in name order and the header is space-padded to 8 bytes, so the bytes
     depend only on the tensors and the metadata (and the library reads the file as usual)."""
     path = Path(path)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
+    load = {k: (v if callable(v) else _held(v.detach().cpu().contiguous())) for k, v in sorted(tensors.items())}
     meta = {"format": "pt", **(metadata or {})}
-    meta[CHECKSUM_KEY] = json.dumps({k: sha256(v) for k, v in tensors.items()}, sort_keys=True,
-                                    separators=(",", ":"))
-    header: dict = {"__metadata__": dict(sorted(meta.items()))}
+    header: dict = {}
+    sums = {}
     off = 0
-    for k, v in tensors.items():
+    for k, get in load.items():
+        v = get()
         if v.dtype not in _DTYPE_NAMES:
             raise TypeError(f"{k}: dtype {v.dtype} cannot be stored")
         n = v.numel() * v.element_size()
         header[k] = {"dtype": _DTYPE_NAMES[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + n]}
+        sums[k] = sha256(v)
         off += n
+        del v
+    meta[CHECKSUM_KEY] = json.dumps(sums, sort_keys=True, separators=(",", ":"))
+    header = {"__metadata__": dict(sorted(meta.items())), **header}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     part = path.with_name(path.name + ".part")
     with part.open("wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for v in tensors.values():
-            f.write(tensor_bytes(v))
+        for k, get in load.items():
+            b = tensor_bytes(get())
+            if len(b) != header[k]["data_offsets"][1] - header[k]["data_offsets"][0]:
+                raise RuntimeError(f"{k}: read {len(b)} bytes the second time, not the {header[k]} of the first")
+            f.write(b)
+            del b
     os.replace(part, path)
+
+
+def _held(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
 
 
 @dataclass(frozen=True)
