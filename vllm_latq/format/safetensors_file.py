@@ -83,8 +83,9 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
         f.write(raw)
         for k, get in load.items():
             b = tensor_bytes(get())
-            if len(b) != header[k]["data_offsets"][1] - header[k]["data_offsets"][0]:
-                raise RuntimeError(f"{k}: read {len(b)} bytes the second time, not the {header[k]} of the first")
+            begin, end = header[k]["data_offsets"]
+            if len(b) != end - begin:
+                raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {len(b)} bytes")
             f.write(b)
             del b
     os.replace(part, path)
