@@ -183,7 +183,8 @@ def child(spec: dict) -> dict:
               file=sys.stderr, flush=True)
 
     opts = QuantizeOptions(method=spec["method"], nsamples=spec["nsamples"], seqlen=spec["seqlen"],
-                           max_activation_memory=spec["max_activation_memory"])
+                           max_activation_memory=spec["max_activation_memory"],
+                           target_correction=spec.get("target_correction", False))
     t0 = time.time()
     try:
         quantize_model(spec["model"], spec["out"], opts, progress=False, on_block=on_block,
@@ -220,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--ssqr-blocks", type=int, default=2, help="SSQR stops after this many blocks (0: no SSQR run)")
     ap.add_argument("--no-rtn", action="store_true", help="skip the RTN run")
+    ap.add_argument("--target-correction", action="store_true",
+                    help="the SSQR run with --target-correction (a full-precision activation stream and a "
+                         "cross-covariance per Hessian besides: both count twice in its target)")
     ap.add_argument("--max-activation-memory", default="auto", help="as latq-quantize's (e.g. 0: always spill)")
     ap.add_argument("--model-dir", type=Path, default=None, help="where the synthetic model is (written once)")
     ap.add_argument("-v", "--verbose", action="store_true", help="the pipeline's log")
@@ -239,7 +243,7 @@ def main(argv=None) -> int:
     print(f"model {model}: {L} blocks, {sz['model'] / GiB:.2f} GiB; one block: weights "
           f"{sz['block_weights'] / GiB:.3f} GiB, Hessians {sz['block_hessians'] / GiB:.3f} GiB, activations "
           f"{a.nsamples}x{a.seqlen} {sz['activations'] / GiB:.3f} GiB")
-    head = {"shape": a.shape, "layers": L, "model_gib": sz["model"] / GiB,
+    head = {"shape": a.shape, "layers": L, "target_correction": int(a.target_correction), "model_gib": sz["model"] / GiB,
             "block_ws_gib": (sz["block_weights"] + sz["block_hessians"] + sz["activations"]) / GiB,
             "acts_gib": sz["activations"] / GiB, "nsamples": a.nsamples, "seqlen": a.seqlen}
     runs = [("rtn", None)] * (not a.no_rtn) + [("ssqr", a.ssqr_blocks - 1)] * (a.ssqr_blocks > 0)
@@ -247,12 +251,13 @@ def main(argv=None) -> int:
         for method, stop in runs:
             spec = {"model": str(model), "out": f"{tmp}/{method}", "method": method, "nsamples": a.nsamples,
                     "seqlen": a.seqlen, "max_activation_memory": budget, "stop_after_block": stop,
-                    "verbose": a.verbose}
+                    "verbose": a.verbose, "target_correction": a.target_correction and method != "rtn"}
             r = run(spec)
             shutil.rmtree(spec["out"], ignore_errors=True)
             shutil.rmtree(spec["out"] + ".tmp-latq", ignore_errors=True)
-            acts_in_ram = sz["activations"] if method != "rtn" and not r["spilled"] else 0
-            target = 2 * (sz["block_weights"] + sz["block_hessians"] * (method != "rtn")) + acts_in_ram
+            streams = 1 + spec["target_correction"]   # target correction: X̃ and X, H̃ and X̃ᵀX
+            acts_in_ram = streams * sz["activations"] if method != "rtn" and not r["spilled"] else 0
+            target = 2 * (sz["block_weights"] + streams * sz["block_hessians"] * (method != "rtn")) + acts_in_ram
             per_block = sorted(r["block_seconds"])[len(r["block_seconds"]) // 2]
             print(f"{method}: {len(r['block_seconds'])} blocks, {per_block:.1f} s/block (median), peak RSS "
                   f"{r['peak_rss'] / GiB:.2f} GiB ({r['peak_rss_blocks'] / GiB:.2f} GiB up to the last block), "

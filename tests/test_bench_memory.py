@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.memory import GiB, model_config, sizes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,6 +36,19 @@ def test_bench_reports_rtn_and_spilled_ssqr(tmp_path):
     assert float(head["ssqr_peak_rss_gib"]) >= float(head["ssqr_peak_rss_blocks_gib"]) > 0
     assert not list(tmp_path.glob("out-*")), "the bench leaves its checkpoints behind"
 
+
+
+def test_bench_target_correction_counts_its_second_stream(tmp_path):
+    """--target-correction runs SSQR with it; its target counts the Hessians and the activations
+    twice (the cross-covariances, the full-precision stream)."""
+    args = ("--shape", "tiny", "--layers", "2", "--nsamples", "2", "--seqlen", "32", "--ssqr-blocks", "1", "--no-rtn",
+            "--model-dir", str(tmp_path / "tiny"))
+    _, plain = bench(*args)
+    out, tc = bench(*args, "--target-correction")
+    assert tc["target_correction"] == "1" and plain["target_correction"] == "0" and "ssqr: 1 blocks" in out
+    sz = sizes(model_config("tiny", 2), 2, 32)
+    extra = (2 * sz["block_hessians"] + sz["activations"]) / GiB
+    assert abs(float(tc["ssqr_target_gib"]) - float(plain["ssqr_target_gib"]) - extra) < 2e-3
 
 @pytest.mark.slow
 def test_peak_rss_does_not_grow_with_depth(tmp_path):
