@@ -71,11 +71,6 @@ def test_grouped_equals_token_by_token(T, bits, rate):
     stacked, why = moe.stack_experts(experts)
     x, w, ids = routing(T, T + bits)
     want = moe_reference(x, w, ids, dense)
-    if bits == 3:   # K of 64 / 48: all of it the 4-bit tail, which the grouped kernel does not read yet
-        assert stacked is None and "tail" in why, why
-        host = moe.experts_forward(x, w, ids, experts, "silu", path="host")   # the path it falls back to
-        assert (host - want).abs().max() <= 1e-5 * want.abs().max()
-        return
     assert why is None and stacked.w13.outl == (1 if rate else 0)
     y = moe.experts_forward(x, w, ids, experts, "silu", stacked=stacked, path="stacked")
     assert y.dtype == x.dtype and y.shape == (T, H)
@@ -84,6 +79,28 @@ def test_grouped_equals_token_by_token(T, bits, rate):
         host = moe.experts_forward(x, w, ids, experts, "silu", path="host")
         assert (host - want).abs().max() <= 1e-5 * want.abs().max()
 
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_grouped_3bit_whole_chunks_and_a_tail(T):
+    """3-bit experts whose K is one 512-column chunk plus a 128-column 4-bit tail (Qwen3-30B-A3B's
+    w2 has K 768: one chunk and a 256-column tail): stacked, main steps and tail steps both run."""
+    inter = 640
+    experts, dense = [], []
+    for e in range(3):
+        w13 = random_weight(2 * inter, H, 3, 0.02, group=64, seed=40 + 2 * e, fp16_values=True)
+        w2 = random_weight(H, inter, 3, 0.02, group=64, seed=41 + 2 * e, fp16_values=True)
+        experts.append(moe.Expert((TritonKernel, TritonKernel.prepare(w13)), (TritonKernel, TritonKernel.prepare(w2))))
+        dense.append((dequantize(w13), dequantize(w2)))
+    stacked, why = moe.stack_experts(experts)
+    assert why is None and stacked.w2.plane_a.shape[1] and stacked.w2.plane_t.shape[1]
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g)
+    w, ids = torch.randn(T, 3, generator=g).softmax(-1).topk(TOPK, -1)
+    want = moe_reference(x, w / w.sum(-1, keepdim=True), ids.int(), dense)
+    y = moe.experts_forward(x, w / w.sum(-1, keepdim=True), ids.int(), experts, "silu", stacked=stacked,
+                            path="stacked")
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
 
 @pytest.mark.parametrize("T,bits,rate", [(1, 2, 0.03), (4, 4, 0.0), (9, 4, 0.03), (17, 2, 0.0)])
 def test_grouped_coded_scales_equal_token_by_token(T, bits, rate):
@@ -150,7 +167,7 @@ def test_route_blocks_cover_each_routed_pair_once(P, bm):
 def test_stacked_bytes_and_views():
     """The stack holds each byte once: its bytes by part are the sum of the experts' served
     bytes (the experts' states are views of it, outliers as ELL), and the bulk is not copied."""
-    experts, _ = experts_of(2, 0.03)   # 3 bits at these widths are all tail (not stacked)
+    experts, _ = experts_of(3, 0.03)   # 3 bits at these widths: all of K the 4-bit tail
     before = [[TritonKernel.served_bytes(getattr(ex, s)[1]) for ex in experts] for s in ("w13", "w2")]
     stacked, _ = moe.stack_experts(experts)
     for i, (stem, st) in enumerate((("w13", stacked.w13), ("w2", stacked.w2))):
@@ -164,7 +181,7 @@ def test_stacked_bytes_and_views():
                       for v in views if v.o1 is not None)
         assert got["outliers"] == entries + st.off.numel() * 4
         for e, v in enumerate(views):
-            assert v.plane_a.data_ptr() == st.plane_a[e].data_ptr()
+            assert v.plane_t.data_ptr() == st.plane_t[e].data_ptr() and v.plane_t.numel()
             assert v.scales.untyped_storage().data_ptr() == st.scales.untyped_storage().data_ptr()
             if v.o1 is not None:
                 assert v.o1.untyped_storage().data_ptr() == st.col.untyped_storage().data_ptr()
@@ -195,7 +212,7 @@ def test_stack_declines_a_layout_with_unknown_parts(monkeypatch):
 
 
 def _meta_stack(n, k, experts):
-    return triton_moe.StackedTriton(*(torch.empty(0),) * 6, experts, 4, 128, 8, n, k, n, k, 0)
+    return triton_moe.StackedTriton(*(torch.empty(0),) * 7, experts, 4, 128, 8, n, k, n, k, 0)
 
 
 def test_path_choice_by_cost_model():

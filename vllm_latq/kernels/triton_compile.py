@@ -214,11 +214,11 @@ def _moe_source(j: dict):
     from . import triton_kernels as tk
     from .triton_moe import _moe_gemv_kernel as fn
     optr = ["*i32", "*i16", "*fp16"] if j["outl"] == "ell" else ["*fp16"] * 3
-    ptrs = ["*bf16", "*bf16", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*i32"]
+    ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*i32"]
     names = fn.arg_names
     sig = dict(zip(names, ptrs))
-    ints = ["N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS",
-            "EXP_A", "EXP_H", "EXP_S", "EXP_O"]
+    ints = ["N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS",
+            "EXP_A", "EXP_H", "EXP_T", "EXP_S", "EXP_O"]
     sig.update({n: "i32" for n in ints})
     const = dict(BITS=j["bits"], GROUP=128, SPG=tk.spg_of(j["bits"], 128), BM=j["BM"], BN=j["BN"],
                  OUTL=tk.OUTL_CODE[j["outl"]], ASM=True, CODED=j["scales"] == "coded")

@@ -37,7 +37,7 @@ import triton.language as tl
 from . import triton_layout as tlay
 from . import triton_model
 from .base import flatten_dataclass, unflatten_dataclass
-from .triton_device import _ell_rows, _fbits, _group_scale, _scale_base, _word_tiles
+from .triton_device import _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
 from .triton_kernels import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -62,9 +62,9 @@ def moe_maxnreg(bits: int, bm: int) -> int:
 # ============================================================================ device code
 
 @triton.jit
-def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr, blk_ptr,
-                     N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS,
-                     EXP_A, EXP_H, EXP_S, EXP_O,
+def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr, blk_ptr,
+                     N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS,
+                     EXP_A, EXP_H, EXP_T, EXP_S, EXP_O,
                      BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, OUTL: tl.constexpr, ASM: tl.constexpr,
                      CODED: tl.constexpr):
@@ -97,9 +97,18 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr
     sp = _scale_base(s_ptr + eo * EXP_S, g16, r16, NGP, CODED)[None, None, :]
     rs3 = r16[None, None, :]
 
+    acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
+    if BITS == 3:       # the 4-bit tail (< 512 columns from NSTEPS·512), as the dense GEMV runs it;
+        # before the main steps, whose prefetched tiles would otherwise be live across it
+        tt = pt_ptr + eo * EXP_T + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        t_end = tl.where(e >= 0, TSTEPS, 0)
+        for t in range(0, t_end):
+            w4, _, _ = _word_tiles(tt, tt, t, t_end, rn3, w3, N_PAD, 4)
+            acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
+                             4, GROUP, SPG, BM, ASM, CODED)
+
     s_end = tl.where(e >= 0, NSTEPS, 0)                          # an unused block runs no step
     wa_n, wb_n, wh_n = _word_tiles(ta, th, 0, s_end, rn3, w3, N_PAD, BITS)
-    acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
     for s in range(0, s_end):
         wa = wa_n
         wb = wb_n
@@ -148,6 +157,7 @@ class StackedTriton:
     """The Triton layouts of one projection of E experts, stacked (module docstring)."""
     plane_a: torch.Tensor                 # int32 [E, words]
     plane_h: torch.Tensor | None          # int32 [E, words] (3 bits)
+    plane_t: torch.Tensor | None          # int32 [E, words] (3 bits: the 4-bit tail, maybe 0 words)
     scales: torch.Tensor                  # fp16 [E, N_pad/16, ngroups_pad, 16], or coded: int32 [..., 3]
     off: torch.Tensor | None              # int32 [E, N_pad/16 + 1] ELL offsets, absolute
     col: torch.Tensor | None              # int16/32 [Σ slots]
@@ -169,7 +179,7 @@ class StackedTriton:
     def nbytes(self) -> dict[str, int]:
         def nb(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
-        return {"inliers": nb(self.plane_a, self.plane_h), "scales": nb(self.scales),
+        return {"inliers": nb(self.plane_a, self.plane_h, self.plane_t), "scales": nb(self.scales),
                 "outliers": nb(self.off, self.col, self.val)}
 
     def flatten(self):
@@ -182,13 +192,13 @@ class StackedTriton:
 
 # TritonState's fields this module reads or rebuilds (a field added to the layout must be
 # taught here before experts with it are stacked)
-READ_FIELDS = {"plane_a", "plane_h", "scales", "o0", "o1", "o2", "o3", "tickets", "bits", "group", "spg", "n", "k",
+READ_FIELDS = {"plane_a", "plane_h", "plane_t", "scales", "o0", "o1", "o2", "o3", "tickets", "bits", "group", "spg", "n", "k",
                "n_pad", "k_pad", "outl", "nnz"}
 
 
 def plane_words(bits: int, n_pad: int, k_pad: int) -> list[int]:
     """int32 words of each plane of an ``n_pad``×``k_pad`` layer, as the kernel reads them."""
-    return [n_pad * k_pad * pb // 32 for pb in tlay.planes_of(bits)]
+    return [n_pad * cols * pb // 32 for pb, cols in tlay.plane_columns(bits, k_pad)]
 
 
 def stack_reason(states: list) -> str | None:
@@ -206,14 +216,12 @@ def stack_reason(states: list) -> str | None:
         return "experts differ in shape, bits or scale group"
     if any(s.scales.shape != s0.scales.shape or s.scales.dtype != s0.scales.dtype for s in states):
         return "experts differ in their scales' form (fp16 or coded)"
-    unknown = {f.name for f in dataclasses.fields(TritonState)} - READ_FIELDS - {"plane_t"}
+    unknown = {f.name for f in dataclasses.fields(TritonState)} - READ_FIELDS
     if unknown:
         return f"the Triton layout has parts the grouped kernel does not read: {sorted(unknown)}"
-    if any(s.plane_t is not None and s.plane_t.numel() for s in states):   # K not whole 512-column chunks
-        return "a 3-bit layout with a 4-bit tail (the grouped kernel reads whole chunks only)"
     words = plane_words(s0.bits, s0.n_pad, s0.k_pad)
     for s in states:
-        have = [s.plane_a.numel()] + ([s.plane_h.numel()] if s.plane_h is not None else [])
+        have = [p.numel() for p in (s.plane_a, s.plane_h, s.plane_t) if p is not None]
         if have != words:
             return (f"{s.bits}-bit planes of {have} words, the grouped kernel reads the chunked planes of "
                     f"{words} words")
@@ -259,11 +267,13 @@ def stack(states: list[TritonState]) -> tuple[StackedTriton, list[TritonState]]:
         val = torch.cat([o["val"].to(vdt) for o in ells])
     st = StackedTriton(torch.stack([s.plane_a for s in states]),
                        torch.stack([s.plane_h for s in states]) if s0.plane_h is not None else None,
+                       torch.stack([s.plane_t for s in states]) if s0.plane_t is not None else None,
                        torch.stack([s.scales for s in states]), off, col, val,
                        E, s0.bits, s0.group, s0.spg, s0.n, s0.k, s0.n_pad, s0.k_pad, outl)
     views = []
     for e, s in enumerate(states):
-        v = dict(plane_a=st.plane_a[e], plane_h=None if st.plane_h is None else st.plane_h[e], scales=st.scales[e])
+        v = dict(plane_a=st.plane_a[e], plane_h=None if st.plane_h is None else st.plane_h[e],
+                 plane_t=None if st.plane_t is None else st.plane_t[e], scales=st.scales[e])
         if outl == OUTL_ELL and s.outl != OUTL_NONE:
             b, n_e = int(base[e]), int(sizes[e])
             v.update(o0=(off[e] - b).to(torch.int32), o1=col[b:b + n_e], o2=val[b:b + n_e], o3=None, outl=OUTL_ELL)
@@ -317,13 +327,16 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
     y = torch.empty(P, st.n, dtype=xs.dtype, device=xs.device)
     if P == 0:
         return y
-    step = tlay.step_of(st.bits)
     spare = st.scales
-    ph = st.plane_h if st.plane_h is not None else st.plane_a
-    args = [xs, y, st.plane_a, ph, st.scales, *(t if t is not None else spare for t in (st.off, st.col, st.val)),
-            blocks, st.n, K, xs.stride(0), y.stride(0), st.n_pad, st.k_pad // (256 if st.bits == 3 else step),
-            st.k_pad // 512 if st.bits == 3 else 0, st.scales.shape[2], st.k_pad // step,
-            st.plane_a.stride(0), ph.stride(0), st.scales.stride(0), st.off.stride(0) if st.off is not None else 0]
+    # a plane the experts lack (2/4 bits: the 1-bit plane and the tail; 3 bits: no tail, or no
+    # whole chunk) gets an int32 stand-in of stride 0, as the dense launch does: behind a
+    # zero-trip loop, never read
+    planes = [p if p is not None and p.numel() else blocks for p in (st.plane_a, st.plane_h, st.plane_t)]
+    strides = [p.stride(0) if p is not blocks else 0 for p in planes]
+    ks = tlay.k_steps(st.bits, st.k_pad)
+    args = [xs, y, *planes, st.scales, *(t if t is not None else spare for t in (st.off, st.col, st.val)),
+            blocks, st.n, K, xs.stride(0), y.stride(0), st.n_pad, ks["nch_a"], ks["nch_h"], st.scales.shape[2],
+            ks["nsteps"], ks["tsteps"], *strides, st.scales.stride(0), st.off.stride(0) if st.off is not None else 0]
     if config is None:
         bn, nw = MOE_TILES[bm] if not INTERPRET else (MOE_INTERP["BN"], MOE_INTERP["num_warps"])
         config = dict(BN=bn, num_warps=nw)
