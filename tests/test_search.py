@@ -48,6 +48,25 @@ def test_search_zero_target_and_unreachable():
         scale_search(torch.ones(4, 8), torch.ones(4, 1), stuck, lambda z, k: [1.0] * k, 0.1, 1e-3)
 
 
+def test_search_takes_a_minimum_between_the_aim_and_the_target():
+    """A metric that is not monotone in α (SSQR on the half-integer grid: large scales err by
+    s/2 everywhere, and the propagated error makes outliers again) whose lowest value lies above
+    the aim but under the target: the search returns an α there instead of "unreachable"."""
+    target, tol = 0.01, 5e-4
+
+    def run(Wr, S):
+        return S[:, :1].expand(Wr.shape[0], 1)
+
+    def u_shaped(S, k):   # lowest, 0.0099 (over the aim 0.00975), at α = 2
+        return [0.0099 + 0.01 * math.log(a / 2) ** 2 for a in S.reshape(k, -1)[:, 0].tolist()]
+
+    W, S0 = torch.ones(64, 8), torch.ones(64, 1)
+    alpha, v, _, S, log = scale_search(W, S0, run, u_shaped, target, tol)
+    assert v <= target and 1.5 < alpha < 2.7 and torch.equal(S, to_fp16_grid(S0 * alpha))
+    with pytest.raises(ValueError, match="unreachable"):   # its lowest value over the target
+        scale_search(W, S0, run, lambda S, k: [x + 0.001 for x in u_shaped(S, k)], target, tol)
+
+
 def test_next_alpha_secant_inside_bracket_else_bisect():
     # the metric is 0.02 above the aim with slope 0.1 per unit log α: step e^0.2
     assert _next_alpha(1.0, 0.07, 0.05, 0.1, None, None) == pytest.approx(math.exp(0.2))

@@ -100,7 +100,13 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
         ok = [i for i, v in enumerate(vals) if v <= aim]
         if not ok:
             if S0.abs().max().item() * hi * span > FP16_MAX:
-                _unreachable(target, min(vals), hi)
+                # the metric need not fall with α (the half-integer grid cannot hold a zero: large
+                # scales err by s/2 everywhere): the lowest sampled value of every round may be
+                # under the target but not under the aim, so the full runs start from there
+                v, hi = min((v, a) for kind, a, v in log)
+                if v > target:
+                    _unreachable(target, v, hi)
+                break
             lo, hi = hi, hi * span
         elif ok[0] == 0:
             if lo < 1e-6:
