@@ -66,6 +66,12 @@ def test_search_takes_a_minimum_between_the_aim_and_the_target():
     with pytest.raises(ValueError, match="unreachable"):   # its lowest value over the target
         scale_search(W, S0, run, lambda S, k: [x + 0.001 for x in u_shaped(S, k)], target, tol)
 
+    def full_runs_higher(S, k):   # the row sample touches the target, the whole matrix never does
+        return [x + 0.001 * (S.shape[0] == 64 * k) for x in u_shaped(S, k)]
+
+    with pytest.raises(ValueError, match="unreachable"):   # said so, before a scale leaves fp16's range
+        scale_search(W, S0, run, full_runs_higher, target, tol)
+
 
 def test_next_alpha_secant_inside_bracket_else_bisect():
     # the metric is 0.02 above the aim with slope 0.1 per unit log α: step e^0.2

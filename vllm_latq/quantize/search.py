@@ -134,7 +134,10 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     best = None    # Searched: the smallest alpha seen with value ≤ target
     above = None   # the largest alpha seen with value > target
     prev = None
+    smax = S0.abs().max().item()
     for _ in range(max_full):
+        if smax * a > FP16_MAX:   # a metric that does not fall with α can walk the secant past fp16
+            break
         v, found = full(a)
         if v <= target:
             if best is None or a < best.alpha:
@@ -151,8 +154,12 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     for _ in range(40):  # never under target yet: grow α (the metric falls as z → 0)
         if best is not None:
             return best
+        if smax * a * 2 > FP16_MAX:
+            break
         a *= 2
         v, found = full(a)
         if v <= target:
             best = found
-    _unreachable(target, v, a)
+    if best is not None:
+        return best
+    _unreachable(target, min(v for _, _, v in log), a)
