@@ -93,17 +93,18 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     # Stage 1: k-ary bracketing on the row sample; aim half a tolerance below the target so
     # the full matrix usually lands inside [target - tol, target] at the first full run.
     aim = target - tol / 2 if target > tol else target  # a zero target must stay reachable
+    smax = S0.abs().max().item()   # scales beyond FP16_MAX / smax cannot be stored
     lo, hi = 1.0 / span, span
     for _ in range(rounds + 8):  # extra rounds only when the bracket must move
         alphas = torch.logspace(math.log10(lo), math.log10(hi), grid).tolist()
         vals = sampled(alphas)
         ok = [i for i, v in enumerate(vals) if v <= aim]
         if not ok:
-            if S0.abs().max().item() * hi * span > FP16_MAX:
+            if smax * hi * span > FP16_MAX:
                 # the metric need not fall with α (the half-integer grid cannot hold a zero: large
                 # scales err by s/2 everywhere): the lowest sampled value of every round may be
                 # under the target but not under the aim, so the full runs start from there
-                v, hi = min((v, a) for kind, a, v in log)
+                v, hi = min((v, a) for _, a, v in log)
                 if v > target:
                     _unreachable(target, v, hi)
                 break
@@ -134,7 +135,6 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
     best = None    # Searched: the smallest alpha seen with value ≤ target
     above = None   # the largest alpha seen with value > target
     prev = None
-    smax = S0.abs().max().item()
     for _ in range(max_full):
         if smax * a > FP16_MAX:   # a metric that does not fall with α can walk the secant past fp16
             break
