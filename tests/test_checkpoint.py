@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import weakref
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from vllm_latq.format import FormatError
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.inspect import inspect_main
 from vllm_latq.format.files import INDEX_FILE, STATS_FILE
-from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
+from vllm_latq.format.safetensors_file import SafetensorsFile, StoredTensor, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.format.writer import write_index
 
@@ -66,31 +65,32 @@ def test_csr_helpers():
     assert e_crow.tolist() == [0, 0, 0] and e_col.numel() == 0 and fmt.csr_rows(e_crow).numel() == 0
 
 
-def test_safetensors_lazy_values_write_the_same_bytes_one_at_a_time(tmp_path):
-    """A value given as a function (a model's embedding and head at the end of a run) is read
-    for its checksum, dropped, and read again for its bytes: the file is byte for byte the one
-    of the tensors themselves, and no two lazily read tensors are alive together."""
+def test_stored_tensors_are_copied_by_pieces_into_the_same_bytes(tmp_path):
+    """A tensor given as stored in another file (a model's embedding and head at the end of a
+    run) is copied by pieces, twice (checksum, then bytes), never read whole: the file is byte
+    for byte the one written from the tensors themselves."""
     g = torch.Generator().manual_seed(0)
     t = {"embed": torch.randn(300, 64, generator=g).bfloat16(), "head": torch.randn(300, 64, generator=g).half(),
          "norm": torch.ones(64)}
-    alive = []
-
-    def reader(name):
-        def read():
-            assert all(r() is None for r in alive), f"{name}: another lazily read tensor is still held"
-            v = t[name].clone()
-            alive.append(weakref.ref(v))
-            return v
-        return read
-
     write_safetensors(tmp_path / "eager.safetensors", t)
-    write_safetensors(tmp_path / "lazy.safetensors", {"embed": reader("embed"), "head": reader("head"),
-                                                      "norm": t["norm"]})
-    assert (tmp_path / "eager.safetensors").read_bytes() == (tmp_path / "lazy.safetensors").read_bytes()
-    assert len(alive) == 4
-    f = SafetensorsFile(tmp_path / "lazy.safetensors")
+    src = SafetensorsFile(tmp_path / "eager.safetensors")
+    seen = []
+
+    class Piecewise(StoredTensor):
+        def pieces(self, size=1000):
+            for b in super().pieces(size):
+                seen.append(len(b))
+                yield b
+
+    write_safetensors(tmp_path / "copied.safetensors", {"embed": Piecewise(src, "embed"),
+                                                        "head": Piecewise(src, "head"), "norm": t["norm"]})
+    assert (tmp_path / "eager.safetensors").read_bytes() == (tmp_path / "copied.safetensors").read_bytes()
+    assert max(seen) == 1000 and sum(seen) == 2 * 2 * 300 * 64 * 2   # two tensors, two passes, 2 bytes each
+    f = SafetensorsFile(tmp_path / "copied.safetensors")
     assert all(torch.equal(f.get(k), v) for k, v in t.items())
     f.verify("embed")
+    with pytest.raises(FormatError, match="missing"):
+        src.stored("lm_head")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 5, 8])

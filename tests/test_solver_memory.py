@@ -100,15 +100,18 @@ def test_each_hessian_released_once_its_last_linear_is_solved(tiny_llama, tmp_pa
 
 @pytest.mark.parametrize("method", ["rtn", "ssqr"])
 def test_a_linears_weight_and_solution_are_freed_before_the_next_solve(tiny_llama, tmp_path, method):
-    """solve_block drops a linear's fp32 weight and solution once it is written into the block:
-    held through the next solve, up_proj's cost ~0.7 GiB at down_proj's at Llama-3-8B shapes."""
+    """solve_block drops a linear's weight and solution once it is written into the block:
+    held through the next solve, up_proj's cost ~0.7 GiB at down_proj's at Llama-3-8B shapes.
+    A calibrated solve gets the fp32 weight; RTN its stored bf16 one, and stores no fp32 ``q``."""
     alive, checked = [], 0
 
     def solve(method, W, H, name, **kw):
         nonlocal checked
-        assert [n for n, w, q in alive if w() is not None or q() is not None] == [], name
+        assert [n for n, *refs in alive if any(r() is not None for r in refs)] == [], name
+        assert W.dtype == (torch.bfloat16 if method == "rtn" else torch.float32), (name, W.dtype)
         res = default_solve(method, W, H, name, **kw)
-        alive.append((name, weakref.ref(W), weakref.ref(res.q)))
+        assert (res.stored_q is None) == (method == "rtn")
+        alive.append((name, *(weakref.ref(t) for t in (W, res.z, res.stored_q) if t is not None)))
         checked += 1
         return res
 
@@ -127,8 +130,18 @@ def test_rtn_rounds_row_chunks_as_the_whole_matrix():
     S = expand(res.scales, 64, tuple(W.shape))
     z = (W.float() / S).round().clamp(*grid(3))
     assert torch.equal(res.z, z.to(torch.int32)) and torch.equal(res.q, z * S)
+    assert res.z.dtype == torch.int8 and res.stored_q is None   # one byte a weight held, q computed when read
     assert torch.equal(rtn(W, bits=3, clip=False, scales=res.scales[0, 0]).z,
                        (W.float() / res.scales[0, 0]).round().to(torch.int32))
+
+
+def test_mse_scales_of_row_chunks_and_of_a_narrow_weight_are_the_whole_matrix_ones():
+    """MSE scales are searched a few MiB of fp32 rows at a time, from the stored bf16 weight:
+    the scales of one search over the whole fp32 matrix (a ragged last chunk included)."""
+    from vllm_latq.quantize.scales import mse_scales
+    W = torch.randn(1100, 8192, generator=torch.Generator().manual_seed(4)).bfloat16()   # chunks of 512 rows
+    whole = mse_scales(W.float(), 4, 128, row_chunk=W.shape[0])
+    assert torch.equal(mse_scales(W, 4, 128), whole)
 
 
 def test_an_uncalibrated_run_never_loads_a_block(tiny_llama, tmp_path, monkeypatch):

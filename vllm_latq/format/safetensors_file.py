@@ -14,7 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import torch
 
@@ -47,32 +47,46 @@ def sha256(t: torch.Tensor) -> str:
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | Callable[[], torch.Tensor]],
+PIECE_BYTES = 16 << 20  # a stored tensor is copied in pieces of this size
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Tensor ``name`` of a safetensors ``file``, for :func:`write_safetensors` to copy by pieces:
+    a model's GB-sized embedding and head pass from the source into the checkpoint through a few
+    MiB of memory (read with ``read``, not mapped: no page of them joins the resident set)."""
+    file: "SafetensorsFile"
+    name: str
+
+    def pieces(self, size: int = PIECE_BYTES) -> Iterator[memoryview]:
+        return self.file.pieces(self.name, size)
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | StoredTensor],
                       metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
-    atomically (``path.part`` then rename). A value may be a function returning the tensor: it
-    is then read twice (checksum, then bytes) and never held with the others — a model's GB-sized
-    embedding and head are written one at a time.
+    atomically (``path.part`` then rename). A :class:`StoredTensor` value is read twice by pieces
+    (checksum, then bytes) and never held whole.
 
     Our own serializer, because the safetensors library orders the metadata keys by a
     randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
     out contiguously in name order and the header is space-padded to 8 bytes, so the bytes
     depend only on the tensors and the metadata (and the library reads the file as usual)."""
     path = Path(path)
-    load = {k: (v if callable(v) else _held(v.detach().cpu().contiguous())) for k, v in sorted(tensors.items())}
+    values = {k: v if isinstance(v, StoredTensor) else v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
     meta = {"format": "pt", **(metadata or {})}
     header: dict = {}
     sums = {}
     off = 0
-    for k, get in load.items():
-        v = get()
-        if v.dtype not in _DTYPE_NAMES:
-            raise TypeError(f"{k}: dtype {v.dtype} cannot be stored")
-        n = v.numel() * v.element_size()
-        header[k] = {"dtype": _DTYPE_NAMES[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + n]}
-        sums[k] = sha256(v)
+    for k, v in values.items():
+        dtype, shape = _layout(k, v)
+        h, n = hashlib.sha256(), 0
+        for b in _pieces(v):
+            h.update(b)
+            n += len(b)
+        header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
+        sums[k] = h.hexdigest()
         off += n
-        del v
     meta[CHECKSUM_KEY] = json.dumps(sums, sort_keys=True, separators=(",", ":"))
     header = {"__metadata__": dict(sorted(meta.items())), **header}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -81,18 +95,24 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
     with part.open("wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for k, get in load.items():
-            b = tensor_bytes(get())
+        for k, v in values.items():
+            n = sum(f.write(b) for b in _pieces(v))
             begin, end = header[k]["data_offsets"]
-            if len(b) != end - begin:
-                raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {len(b)} bytes")
-            f.write(b)
-            del b
+            if n != end - begin:
+                raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
     os.replace(part, path)
 
 
-def _held(t: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: t
+def _layout(name: str, v: torch.Tensor | StoredTensor) -> tuple[str, list[int]]:
+    if isinstance(v, StoredTensor):
+        return _DTYPE_NAMES[v.file.dtype(v.name)], list(v.file.shape(v.name))
+    if v.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"{name}: dtype {v.dtype} cannot be stored")
+    return _DTYPE_NAMES[v.dtype], list(v.shape)
+
+
+def _pieces(v: torch.Tensor | StoredTensor):
+    return v.pieces() if isinstance(v, StoredTensor) else (tensor_bytes(v),)
 
 
 @dataclass(frozen=True)
@@ -200,6 +220,28 @@ class SafetensorsFile:
         """The tensor (a fresh CPU tensor that owns its memory)."""
         e = self._entry_of(name)
         return self._read(name, e.begin, e.end - e.begin).view(_DTYPES[e.dtype]).reshape(e.shape)
+
+    def stored(self, name: str) -> StoredTensor:
+        """The tensor as a :class:`StoredTensor`: copied into another file by pieces."""
+        self._entry_of(name)
+        return StoredTensor(self, name)
+
+    def pieces(self, name: str, size: int = PIECE_BYTES) -> Iterator[memoryview]:
+        """The tensor's bytes in pieces of at most ``size`` bytes, one buffer reused."""
+        e = self._entry_of(name)
+        buf = memoryview(bytearray(min(size, e.end - e.begin)))
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.data_start + e.begin)
+                left = e.end - e.begin
+                while left:
+                    got = f.readinto(buf[:min(size, left)])
+                    if not got:
+                        raise self._err("truncated while reading", name)
+                    left -= got
+                    yield buf[:got]
+        except OSError as err:
+            raise self._err(f"cannot read: {err}", name) from None
 
     def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
         """``tensor[index, rows]`` of a 3-D tensor (one expert's rows of a fused expert tensor),

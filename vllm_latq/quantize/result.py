@@ -7,6 +7,7 @@ import torch
 
 from ..format.csr import csr_from_mask, csr_rows
 from ..format.scale_codes import CodedScales
+from .scales import expand
 
 
 @dataclass
@@ -40,9 +41,11 @@ class CSR:
 class QuantResult:
     """A quantized ``[out, in]`` matrix.
 
-    z: int32 ``[out, in]`` integers (for SSQR 0 where a weight is an outlier).
+    z: int32 ``[out, in]`` integers (for SSQR 0 where a weight is an outlier); int8 from RTN on a
+       clipped grid, which must not hold four bytes a weight of an 8B model's largest matrix.
     q: fp32 ``[out, in]`` dequantized weights = z·s (+ outliers), exactly what a checkpoint
-       loader reconstructs.
+       loader reconstructs: ``stored_q``, or where a solver stores none (RTN) computed on each
+       read from ``z`` and the scales — the same products the solver rounded with.
     scales: ``[out, ngroups]`` group scales (fp16-exact) or a 0-d per-matrix scale.
     order: the processing sequence actually used (GPTQ frame: ``order[0]`` processed first).
     coded_scales: with ``scale_bits``, ``scales`` as codes on second-level grids (decoded: ``scales``).
@@ -51,7 +54,7 @@ class QuantResult:
     """
     method: str
     z: torch.Tensor
-    q: torch.Tensor
+    stored_q: torch.Tensor | None
     scales: torch.Tensor
     group_size: int | None
     bits: int | None
@@ -62,6 +65,17 @@ class QuantResult:
     outliers: CSR | None = None
     info: dict = field(default_factory=dict)
     coded_scales: CodedScales | None = None   # the scales as stored codes (format/scale_codes.py)
+
+    @property
+    def q(self) -> torch.Tensor:
+        if self.stored_q is not None:
+            return self.stored_q
+        q = self.z.float() * expand(self.scales.float(), self.group_size, tuple(self.z.shape))
+        return q if self.outliers is None else q + self.outliers.to_dense().to(q.device)
+
+    @q.setter
+    def q(self, value: torch.Tensor) -> None:
+        self.stored_q = value
 
     @property
     def outlier_rate(self) -> float:

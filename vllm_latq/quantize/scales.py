@@ -13,6 +13,7 @@ import math
 import torch
 
 from .. import native
+from ..format.packing import row_chunks
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # smallest normal fp16; a zero group gets this scale
@@ -77,11 +78,13 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
     qmin, qmax = grid(bits)
     step = (1.0 - min_shrink) / (coarse - 1)
     if not offset and W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():
-        S = torch.ops.latq_cpu.mse_scales(W.float().contiguous(), bits, group_size, coarse, fine, min_shrink)
+        # rows are independent: a few MiB of fp32 at a time, never a copy of a bf16 matrix
+        S = torch.cat([torch.ops.latq_cpu.mse_scales(W[rows].float().contiguous(), bits, group_size, coarse, fine,
+                                                     min_shrink) for rows in list(row_chunks(*W.shape)) or [slice(0, 0)]])
         return to_fp16_grid(S)  # a group fp16 cannot hold comes back NaN: the same ValueError
     out = []
-    for Wc in W.float().split(row_chunk):  # small chunks: the temporaries stay in cache
-        Wg = _grouped(Wc, group_size)
+    for Wc in W.split(row_chunk):  # small chunks: the temporaries stay in cache
+        Wg = _grouped(Wc.float(), group_size)
         base = to_fp16_grid(_absmax(Wg, qmin + offset, qmax + offset))
         buf = torch.empty_like(Wg)
         best = None                          # (factor, scale, error) per group

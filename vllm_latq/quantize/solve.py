@@ -28,12 +28,15 @@ log = logging.getLogger("vllm_latq.quantize")
 
 Solve = Callable[..., QuantResult]   # solve(method, W, H, name, **kw) -> QuantResult
 SOLVERS = {"ssqr": ssqr, "hptq": hptq, "gptq": gptq, "rtn": rtn, "hrtn": hrtn, "babai": babai}
+# solvers that read the weight a few rows at a time in fp32: given it in its stored dtype, so an
+# uncalibrated run never holds an fp32 copy of a matrix (the others get one)
+ROW_READERS = {"rtn"}
 
 
 def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw) -> QuantResult:
     """Run one solver (a name from ``format.METHODS``) → QuantResult with CPU tensors."""
-    res = SOLVERS[method](W, H, name=name, **kw)
-    for f in ("z", "q", "scales", "order", "bound"):
+    res = SOLVERS[method](W if method in ROW_READERS else W.float(), H, name=name, **kw)
+    for f in ("z", "stored_q", "scales", "order", "bound"):
         v = getattr(res, f)
         if isinstance(v, torch.Tensor):
             setattr(res, f, v.cpu())
@@ -75,12 +78,18 @@ def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp
     return corrected
 
 
+def _exact(W: torch.Tensor, device, calibrated: bool) -> torch.Tensor:
+    """A source weight on ``device``: in fp32 for a calibrated solve (its error statistics and
+    target correction compute on it), else as stored (:func:`solve` gives each solver its dtype)."""
+    return W.to(device=device, dtype=torch.float32 if calibrated else W.dtype)
+
+
 @torch.no_grad()
 def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
                 progress: bool, moe_min_tokens: int = 128, moe_route_all: bool = False,
                 experts: bool = True, write_back: bool = True) -> dict[str, torch.Tensor]:
     """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
-    exact source weight (fp32, even when the forwards run in a narrower dtype), then its experts
+    exact source weight (fp32 when calibrated, even when the forwards run in a narrower dtype), then its experts
     (:func:`solve_experts`; ``experts=False``: not yet), and put the dequantized weights into the
     block, so its outputs are the quantized block's (``write_back=False``: no forwards follow, the
     block stays unloaded) → the block's quantized tensors, by name. Each Hessian is released as
@@ -89,7 +98,7 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
     shard: dict[str, torch.Tensor] = {}
     last_user = {id(hessians.of[n]): n for n in linears} if hessians is not None else {}
     for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
-        W = src.weights.get(src.on_disk(f"{name}.weight")).to(device=device, dtype=torch.float32)
+        W = _exact(src.weights.get(src.on_disk(f"{name}.weight")), device, hessians is not None)
         res, t = quantize(src.names.module(name), W, hessians.of[name] if hessians is not None else None)
         shard.update(t)
         if write_back:
@@ -127,7 +136,7 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
     for e in tqdm(range(num_experts), desc=f"{module}: experts", unit="expert", disable=not progress, leave=False):
         hs = inputs.expert_hessians(e, min_tokens, route_all) if inputs is not None else None
         for name, x in (kv for kv in order if kv[1].expert == e):
-            W = src.expert_weight(name).to(device=device, dtype=torch.float32)
+            W = _exact(src.expert_weight(name), device, inputs is not None)
             extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
                                                       "moe_fallback": hs.fallback}
             res, t = quantize(name, W, None if hs is None else (hs.inp, hs.mid)[role(x)], extra=extra)

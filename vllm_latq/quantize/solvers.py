@@ -56,7 +56,7 @@ class Rounder:
 class Sweep:
     """Sweep output in original column order, ``[out, in]``."""
     z: torch.Tensor
-    q: torch.Tensor
+    q: torch.Tensor | None    # None: the result computes z·s when read (RTN)
     outlier: torch.Tensor | None
     rho: torch.Tensor | None  # the rounded argument ω/s, for tie analysis
 
@@ -284,7 +284,8 @@ def _finish(method, sw: Sweep, scales, group_size, bits, clip, perm, damp, D_col
     bound = None if clip or D_col is None else lattice.bound_from_d(D_col, scales, group_size, W.shape[0])
     n_scales = 1 if scales.dim() == 0 else scales.numel()
     storage = None if coded is None else scale_codes.stored_bits(*coded.codes.shape)
-    res = QuantResult(method, sw.z.to(torch.int32), sw.q.float(), scales, group_size, bits,
+    z = sw.z if sw.z.dtype == torch.int8 else sw.z.to(torch.int32)
+    res = QuantResult(method, z, None if sw.q is None else sw.q.float(), scales, group_size, bits,
                       dense_bits(sw.z, bits, clip, group_size, n_scales, storage), perm, damp, bound,
                       coded_scales=coded)
     if sw.rho is not None:
@@ -297,19 +298,21 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
         clip: bool = True, scales: torch.Tensor | None = None, scale_bits: int | None = None,
         name: str | None = None) -> QuantResult:
     """Round-to-nearest with MSE group scales (``scale_bits``: coded, :func:`gptq`). ``H`` is
-    accepted for a uniform signature and only validated: RTN ignores it. ``W`` ``[out, in]``."""
+    accepted for a uniform signature and only validated: RTN ignores it. ``W`` ``[out, in]`` in
+    any float dtype: it is read a few rows at a time in fp32, and the result stores only the
+    integers (int8 on a clipped grid; ``q`` is computed when read), so quantizing an 8B model's
+    largest matrix holds about its bf16 weight and one byte a weight besides."""
     lattice.check_inputs(W, H, name)
     scales, group_size, coded = _scales_for(W, bits, group_size, scales, scale_bits=scale_bits)
-    z = torch.empty(W.shape, dtype=torch.int32, device=W.device)
-    q = torch.empty(W.shape, device=W.device)
+    z = torch.empty(W.shape, dtype=torch.int8 if clip and bits is not None and bits <= 8 else torch.int32, device=W.device)
     round_ = Rounder.of(bits, clip)
     for rows in row_chunks(*W.shape):   # fp32 temporaries of a few MiB, not of the matrix
         w = W[rows].float()
         S = expand(scales if scales.dim() == 0 else scales[rows], group_size, tuple(w.shape))
-        zf = torch.empty_like(w)
-        round_(w, S, zf, q[rows])
-        z[rows] = zf.to(torch.int32)
-    return _finish("rtn", Sweep(z, q, None, None), scales, group_size, bits, clip, None, None, None, W, coded)
+        zf, qf = torch.empty_like(w), torch.empty_like(w)
+        round_(w, S, zf, qf)
+        z[rows] = zf.to(z.dtype)
+    return _finish("rtn", Sweep(z, None, None, None), scales, group_size, bits, clip, None, None, None, W, coded)
 
 
 @torch.no_grad()

@@ -12,13 +12,12 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..format.files import INDEX_FILE, SINGLE_FILE
-from ..format.safetensors_file import SafetensorsFile
+from ..format.safetensors_file import SafetensorsFile, StoredTensor
 from .. import hf_model
 from .. import data
 
@@ -77,6 +76,10 @@ class SourceWeights:
 
     def get(self, name: str) -> torch.Tensor:
         return self.handles[self.where[name]].get(name)
+
+    def stored(self, name: str) -> StoredTensor:
+        """The tensor as stored, to be copied into a checkpoint by pieces."""
+        return self.handles[self.where[name]].stored(name)
 
     def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
         """``tensor[index, rows]`` of a 3-D tensor, read without the rest of it."""
@@ -151,22 +154,22 @@ class Source:
         x = self.names.experts[name]
         return self.weights.get_rows(self.on_disk(x.param), x.expert, x.rows)
 
-    def kept_tensors(self, keys, linears=(), head_name: str | None = None, lazy: bool = False) -> dict:
+    def kept_tensors(self, keys, linears=(), head_name: str | None = None, stored: bool = False) -> dict:
         """Model keys ``keys`` other than the weights of the quantized ``linears`` and
         ``head_name`` and the fused experts, in their original dtype, by checkpoint name
-        (``lazy``: as functions reading them, for :func:`~..format.safetensors_file.write_safetensors`)."""
+        (``stored``: as :class:`~..format.safetensors_file.StoredTensor`, copied by pieces)."""
         quantized = set(linears) | {head_name}
         fused = {x.param for x in self.names.experts.values()}
         keep = [n for n in keys if n not in fused and not (n.rpartition(".")[0] in quantized and n.endswith(".weight"))]
-        if lazy:
-            return {self.names.original[n]: partial(self.weights.get, self.on_disk(n)) for n in keep}
+        if stored:
+            return {self.names.original[n]: self.weights.stored(self.on_disk(n)) for n in keep}
         return {self.names.original[n]: self.weights.get(self.on_disk(n)) for n in keep}
 
     def outside_kept_tensors(self, head_name: str | None) -> dict:
         """The tensors outside the blocks (embeddings, final norm, an unquantized head) by
-        checkpoint name, as functions reading them (each GB-sized at 8B: written one at a time)."""
+        checkpoint name, as stored (each GB-sized at 8B: copied by pieces)."""
         return self.kept_tensors([n for n in self.expected if n not in self.block_of and self.available(n)],
-                                 head_name=head_name, lazy=True)
+                                 head_name=head_name, stored=True)
 
     def kept_block_tensors(self, i: int, linears) -> dict[str, torch.Tensor]:
         """Block ``i``'s tensors other than its quantized ``linears``' weights and experts
