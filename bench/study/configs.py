@@ -162,9 +162,10 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
     for g in GROUP_SIZES:
         for b in LEVELS:
             out.append(make_config(model, "GPTQ", b, f"g{g}", method="gptq", bits=b, group_size=g))
-    # the target-correction lever at each group size (4 and 3 bits: the goal's operating points)
+    # the target-correction lever at each group size at 4 and 3 bits (the goal's operating points),
+    # at the default group size at 2 bits too (where error propagation is largest)
     for tag, g in TC_TAGS.items():
-        for b in (4, 3):
+        for b in LEVELS if g == group_size else (4, 3):
             out.append(make_config(model, "GPTQ", b, tag, base="" if g == group_size else f"g{g}", method="gptq",
                                    bits=b, group_size=g, target_correction=True))
     # second-level scales at 4 and 3 bits
