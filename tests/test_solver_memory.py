@@ -135,6 +135,19 @@ def test_rtn_rounds_row_chunks_as_the_whole_matrix():
                        (W.float() / res.scales[0, 0]).round().to(torch.int32))
 
 
+def test_a_result_without_stored_q_computes_the_solvers_q():
+    """``q`` computed from the integers, the scales and the outliers (as RTN's results hold it)
+    is the dequantized matrix a solver stores: checked on SSQR, whose q has outliers."""
+    import dataclasses
+    from vllm_latq.quantize.ssqr import ssqr
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(400, 96, generator=g)
+    W = torch.randn(40, 96, generator=g) * torch.linspace(0.2, 3, 96)
+    res = ssqr(W, X.T @ X, bits=3, group_size=32, outlier_rate=0.05)
+    assert res.outliers is not None and res.outliers.nnz > 0
+    assert torch.equal(dataclasses.replace(res, stored_q=None).q, res.q)
+
+
 def test_mse_scales_of_row_chunks_and_of_a_narrow_weight_are_the_whole_matrix_ones():
     """MSE scales are searched a few MiB of fp32 rows at a time, from the stored bf16 weight:
     the scales of one search over the whole fp32 matrix (a ragged last chunk included)."""
