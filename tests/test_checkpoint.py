@@ -35,6 +35,15 @@ def test_pack_roundtrip(bits, cin):
     assert torch.equal(fmt.unpack(q, bits, cin), z)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_whole_value_words_are_the_bit_plane_words(bits):
+    """Packing's fast path (b divides 32) writes the words of its definition for any b."""
+    from vllm_latq.format.packing import _bit_plane_words, _whole_value_words
+    u = torch.randint(0, 2 ** bits, (3, 5, 32), generator=torch.Generator().manual_seed(bits))
+    u[0, 0] = 2 ** bits - 1   # every bit set: the top word bit too
+    assert torch.equal(_whole_value_words(u, bits), _bit_plane_words(u, bits))
+
+
 def test_pack_3bit_layout():
     """Documented layout (docs/FORMAT.md): a tile of 32 values is one 96-bit little-endian
     integer, value k (offset binary u = z + 4) at bits [3k, 3k+3), split into 3 int32 words."""
