@@ -13,7 +13,7 @@ PACK_TILE = 32  # values per tile; a tile of b-bit values is exactly b int32 wor
 
 # rows per packing step: the bit-plane temporaries are int64 [rows, in, b]; whole-matrix steps
 # took 21 GB for Gemma3's 262144×640 head at 8 bits. Steps of 8 MiB temporaries keep them in cache
-# and off an 8B RTN run's peak (a 4096×14336 pack: 0.57 → 0.46 GiB peak, 6.9 → 6.4 s, vs 1 << 22)
+# and off an 8B RTN run's peak (docs/BENCHMARKS.md, peak memory)
 PACK_CHUNK_ELEMS = 1 << 20
 
 
@@ -60,7 +60,7 @@ def _bit_plane_words(u: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _whole_value_words(u: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`_bit_plane_words` where b divides 32 and no value straddles two words: value k is
-    bits [(k mod 32/b)·b, …) of word k div (32/b) — 1/b of the work (an 8B RTN run packs 3× faster)."""
+    bits [(k mod 32/b)·b, …) of word k div (32/b) — 1/b of the work."""
     per = 32 // bits
     return (u.reshape(*u.shape[:2], bits, per) << (bits * torch.arange(per, device=u.device))).sum(-1)
 

@@ -40,10 +40,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(tensor_bytes(t)).hexdigest()
-
-
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
