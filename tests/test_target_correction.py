@@ -196,10 +196,26 @@ def test_option_round_trips_and_is_checked():
             QuantizeOptions(method=method, target_correction=True)
 
 
-def test_resume_is_refused(tiny_llama, tmp_path):
-    with pytest.raises(ValueError, match="--resume is not supported with --target-correction"):
-        quantize_model(tiny_llama, tmp_path / "q", QuantizeOptions(target_correction=True, **TINY_OPTS),
-                       resume=True, progress=False)
+def test_resume_after_interruption(tiny_llama, tmp_path):
+    """Interrupted after block 0, --resume continues both streams from what block 0 saved: the
+    same bytes as an uninterrupted run, whether the streams were in memory or on disk (and
+    moved between the two)."""
+    from tests.test_pipeline import file_hashes
+    from vllm_latq.quantize.activations import inputs_file
+    from vllm_latq.quantize.calibrate import TARGET_STREAM_DIR
+    from vllm_latq.quantize.pipeline import SimulatedInterruption
+    opts = dict(method="gptq", bits=3, target_correction=True, **TINY_OPTS)
+    ref = quantize_model(tiny_llama, tmp_path / "ref", QuantizeOptions(**opts), progress=False)
+    for first, then in ((None, 0), (0, None)):
+        out = tmp_path / f"ckpt-{first}"
+        with pytest.raises(SimulatedInterruption):
+            quantize_model(tiny_llama, out, QuantizeOptions(max_activation_memory=first, **opts), progress=False,
+                           stop_after_block=0)
+        stream_dir = out.with_name(out.name + ".tmp-latq") / TARGET_STREAM_DIR
+        assert [p.name for p in stream_dir.glob("latq_activations.*")] == [inputs_file(stream_dir, 1).name]
+        quantize_model(tiny_llama, out, QuantizeOptions(max_activation_memory=then, **opts), progress=False,
+                       resume=True)
+        assert file_hashes(out) == file_hashes(ref)
 
 
 def test_with_experts(tmp_path):

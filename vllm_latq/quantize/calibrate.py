@@ -221,17 +221,19 @@ def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Ac
         else:
             yield names, hs, last
         stage += 1
-    targets.advance()
-    targets.remove_older()
+    targets.advance()   # its older inputs go once the block is saved (RunDir.save_block), as the first stream's
 
 
 TARGET_STREAM_DIR = "latq_target_stream"  # in the run directory, when the stream spills to disk
 
 
 def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
-    """Target correction's second stream, starting as a copy of block 0's inputs ``acts``, kept
-    in memory up to ``budget`` bytes (None: half the memory then available) like the first."""
+    """Target correction's second stream for the block ``acts`` enters, kept in memory up to
+    ``budget`` bytes (None: half the memory then available) like the first: a copy of block 0's
+    inputs, or, resuming, the stream saved with the last finished block (``RunDir.save_block``)."""
     run_dir = acts.run_dir / TARGET_STREAM_DIR
+    if acts.block > 0:
+        return Activations.resume(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block)
     run_dir.mkdir(exist_ok=True)
     targets = Activations.create(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block - 1)
     for j in range(len(acts)):

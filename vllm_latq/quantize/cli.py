@@ -93,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--target-correction", action="store_true",
                    help="solve each block linear against W' = W + (X~'X~ + λI)^-1 (X~'X - X~'X~) W, which maps "
                         "its inputs X~ (quantized prefix) to the full-precision outputs XW (a second activation "
-                        "stream, one more forward per sequence; calibrated methods; not with --resume)")
+                        "stream, one more forward per sequence; calibrated methods)")
     g.add_argument("--damp", type=float, default=d.damp, help="Hessian damping λ = damp·mean(diag H) (default 0.01)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="also quantize the output head (same method; Hessian from the final norm's outputs). "

@@ -251,8 +251,6 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     head = head_plan(src) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
-    if resume and opts.target_correction:  # the resume state holds only the quantized stream
-        raise ValueError("--resume is not supported with --target-correction; rerun without --resume")
     run = RunDir.open(out, _fingerprint(src, opts), resume)
     device = torch.device(opts.device)
     acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
@@ -299,7 +297,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                  t2 - t1, time.time() - t2)
         shard.update(src.kept_block_tensors(i, linears))
         shard.update(folding.norm_tensors if folding else {})
-        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts)
+        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
         shard = None   # written: the next block's tensors replace it
         hf_model.to_meta(layer)
         if on_block is not None:

@@ -72,19 +72,21 @@ class RunDir:
             return cls(tmp, fp)
         return cls(tmp, fp, state["blocks_done"], state["stats"])
 
-    def save_block(self, i: int, shard_name: str, shard: dict, inputs: Activations | None) -> None:
-        """Persist block ``i``: its shard, the next block's ``inputs`` (None: an uncalibrated
-        run has none), the progress record; then drop the inputs saved for block ``i``."""
+    def save_block(self, i: int, shard_name: str, shard: dict, *streams: Activations | None) -> None:
+        """Persist block ``i``: its shard, the next block's inputs in each of ``streams`` (the
+        calibration activations; target correction's full-precision ones; None: an
+        uncalibrated run has none), the progress record; then drop the inputs saved for block ``i``."""
+        streams = [s for s in streams if s is not None]
         safetensors_file.write_safetensors(self.path / shard_name, shard)
-        if inputs is not None:
-            if inputs.block != i + 1:
-                raise RuntimeError(f"block {i} is saved with the inputs of block {inputs.block}")
-            inputs.save()
+        for s in streams:
+            if s.block != i + 1:
+                raise RuntimeError(f"block {i} is saved with the inputs of block {s.block} ({s.run_dir})")
+            s.save()
         self.blocks_done = i + 1
         writer.write_json(self.path / PROGRESS_FILE, {"fingerprint": self.fingerprint, "blocks_done": i + 1,
                                                     "stats": self.stats})
-        if inputs is not None:
-            inputs.remove_older()
+        for s in streams:
+            s.remove_older()
 
     def clear_progress(self) -> None:
         """The run is complete: drop what only a resume needs."""
