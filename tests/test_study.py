@@ -474,6 +474,11 @@ def test_backfill_served_of_older_results(tiny_llama, tmp_path, monkeypatch):
     # served bits made under other kernel cost models (a layout changed since) are recomputed, never reported
     stale = {**r, "served": {**r["served"], "bits_per_weight": {"triton": 9.0, "cpu": 9.0}, "cost_model": "old"}}
     assert served.is_stale(stale) and not served.is_stale(r)
+    # only the cost models a record depends on: a changed coded-scale form stales coded records alone
+    other = {**served.cost_model_fingerprints(), "cpu+coded": "old"}
+    plain = {**r, "served": {**r["served"], "cost_model": other}}
+    coded = {**plain, "options": {**plain["options"], "scale_bits": 4}}
+    assert not served.is_stale(plain) and served.is_stale(coded)
     assert runner.backfill_served(g, st, tmp_path, stale, keep=False, requantize=False)["served"] == r["served"]
     s = configs.make_config("tiny", "SSQR-1%", 3, method="ssqr", bits=3, group_size=64, outlier_rate=0.01)
     old = rec("SSQR-1%-3b", "SSQR-1%", 3, "", 18.0, 0.0, options=s.kwargs)

@@ -168,9 +168,9 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
         for b in LEVELS if g == group_size else (4, 3):
             out.append(make_config(model, "GPTQ", b, tag, base="" if g == group_size else f"g{g}", method="gptq",
                                    bits=b, group_size=g, target_correction=True))
-    # second-level scales at 4 and 3 bits
+    # second-level scales at every level (the issue measures each lever at 2/3/4 bits)
     for tag, g in S4_TAGS.items():
-        for b in (4, 3):
+        for b in LEVELS:
             twice = "" if 2 * g == group_size else f"g{2 * g}"   # the fp16-scaled group it is read against
             out.append(make_config(model, "GPTQ", b, tag, base=twice, method="gptq", bits=b, group_size=g,
                                    scale_bits=4))

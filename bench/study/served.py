@@ -31,28 +31,41 @@ _PROBE_GROUPS = (32, 128, None)   # None: one group per row (HPTQ)
 
 
 @functools.lru_cache(maxsize=None)
-def cost_model_fingerprint() -> str:
-    """A digest of every kernel family's served bytes on fixed probe layers: a served record made
-    under other cost models (a kernel's layout changed since) is stale (:func:`is_stale`)."""
-    out = []
-    for n, k in _PROBE_SHAPES:
-        z = (torch.arange(n * k).reshape(n, k) * 7919 % 61 - 30).to(torch.int32)   # spread over ±30
-        stats = GridStats.from_integers(z, torch.ones(n))
-        for fam in families():
-            for b in range(2, 9):
-                for g in _PROBE_GROUPS:
-                    for sb in (None, 4) if g else (None,):   # fp16 and coded group scales
-                        key = f"{fam.name}:{n}x{k}:{b}:{g}:{sb}"
+def cost_model_fingerprints() -> dict[str, str]:
+    """A digest per cost model — each kernel family's, and its coded-scale form's (``cpu+coded``)
+    — of its served bytes on fixed probe layers: a served record made under other cost models than
+    the ones it depends on (a kernel's layout changed since) is stale (:func:`is_stale`)."""
+    out = {}
+    for fam in families():
+        for sb in (None, 4):   # fp16 and coded group scales
+            lines = []
+            for n, k in _PROBE_SHAPES:
+                z = (torch.arange(n * k).reshape(n, k) * 7919 % 61 - 30).to(torch.int32)   # spread over ±30
+                stats = GridStats.from_integers(z, torch.ones(n))
+                for b in range(2, 9):
+                    for g in _PROBE_GROUPS if sb is None else [g for g in _PROBE_GROUPS if g]:
                         try:
-                            out.append(f"{key}:{sorted(fam.layout_bytes(n, k, b, g or k, stats, sb).items())}")
+                            cost = sorted(fam.layout_bytes(n, k, b, g or k, stats, sb).items())
                         except ValueError:
-                            out.append(f"{key}:-")
-    return hashlib.sha1("\n".join(out).encode()).hexdigest()[:12]
+                            cost = "-"
+                        lines.append(f"{n}x{k}:{b}:{g}:{cost}")
+            out[_part(fam.name, sb)] = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
+    return out
+
+
+def _part(family: str, scale_bits: int | None) -> str:
+    return family if scale_bits is None else f"{family}+coded"
 
 
 def is_stale(r: dict) -> bool:
-    """Whether a result's served record was computed under other kernel cost models than today's."""
-    return "served" in r and r["served"].get("cost_model") != cost_model_fingerprint()
+    """Whether a result's served record was computed under other cost models than today's, of
+    those it depends on (its families; their coded-scale forms if its scales are coded)."""
+    if "served" not in r:
+        return False
+    made, now = r["served"].get("cost_model"), cost_model_fingerprints()
+    sb = r.get("options", {}).get("scale_bits")
+    return not isinstance(made, dict) or any(made.get(_part(f, sb)) != now[_part(f, sb)]
+                                             for f in r["served"]["bits_per_weight"])
 
 
 def _record(totals: dict[str, float], rows: list[dict], source: str) -> dict:
@@ -60,7 +73,7 @@ def _record(totals: dict[str, float], rows: list[dict], source: str) -> dict:
     kernel serves at each inlier width (``"cpu 4b": 122``), under today's cost models."""
     kernels = {f: dict(Counter(f"{r['served'][f]['kernel']} {r['served'][f]['bits']}b" for r in rows))
                for f in totals}
-    return {"bits_per_weight": totals, "kernels": kernels, "source": source, "cost_model": cost_model_fingerprint()}
+    return {"bits_per_weight": totals, "kernels": kernels, "source": source, "cost_model": cost_model_fingerprints()}
 
 
 def checkpoint_record(ck: Path) -> dict:
