@@ -27,6 +27,9 @@ torch.set_num_threads(2). Sections:
             scales alone (no zeros: the kernel's layout where the GEMV runs)
   outliers  the C++ op over those 30 blocks with 1% outliers as tiles in each value coding
             (fp32, fp16, int16 × row scale): time per pass next to the bytes each streams
+  coded     the kernel over those 30 blocks, 4-bit, with coded group scales (--scale-bits 4)
+            at g64/g32/g16 against fp16 scales at twice the group (the served bits they
+            compete at) and at the same group: ms per pass next to the bits/weight each streams
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import statistics as st
 import time
 import warnings
+from dataclasses import replace as dataclass_replace
 
 import torch
 import torch.nn.functional as F
@@ -289,7 +293,8 @@ def gemv(a, results):
     try:
         print(f"\ngemv (M ≤ {saved} rows; ms per pass: best / median over interleaved passes; ratio = "
               "median of paired op/gemv)")
-        layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(30) for i, (_, N, K) in enumerate(SMOL_VLLM)]
+        layers = [(*_int4_state(N, K, 100 * b + i), K)
+                  for b in range(a.blocks) for i, (_, N, K) in enumerate(SMOL_VLLM)]
         for p, _, _, _ in layers:
             tiles(p)
         mb = sum(p.numel() + 2 * sz.numel() for p, sz, _, _ in layers) / 1e6
@@ -300,7 +305,7 @@ def gemv(a, results):
                 return lambda: [impl(xs[K], p, sz, g) for p, sz, g, K in layers]
 
             ts = _passes({k: one_pass(f) for k, f in impls.items()}, a.gemv_rounds)
-            print(f"smol in situ M={M}, 120 layers, {mb:.0f} MB: " + "  ".join(
+            print(f"smol in situ M={M}, {len(layers)} layers, {mb:.0f} MB: " + "  ".join(
                 f"{k}={min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
                 + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x kernel {ratio(ts, 'kernel_op', 'kernel_gemv'):.2f}x"
                 f" kernel+1% outliers {ratio(ts, 'kernel_op_1pct', 'kernel_gemv_1pct'):.2f}x", flush=True)
@@ -345,7 +350,8 @@ def outlier_codings(a, results):
         print("\noutliers: the C++ GEMV is not available here")
         return
     sl = torch.ops.latq_cpu.small_linear
-    layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(30) for i, (_, N, K) in enumerate(SMOL_VLLM)]
+    layers = [(*_int4_state(N, K, 100 * b + i), K) for b in range(a.blocks)
+              for i, (_, N, K) in enumerate(SMOL_VLLM)]
     codings = {}
     for p, _, _, K in layers:
         N = p.shape[0]
@@ -363,7 +369,8 @@ def outlier_codings(a, results):
         codings.setdefault("int16", []).append((*cpu_layouts.tiles_from_csr(crow, col, z.to(torch.int16)), s_row))
     mb = {k: sum(cpu_layouts.nbytes(*t) for t in v) / 1e6 for k, v in codings.items()}
     weights_mb = sum(p.numel() + 2 * sz.numel() for p, sz, _, _ in layers) / 1e6
-    print(f"\noutliers: 30 SmolLM2 blocks in situ, 1% outliers as tiles, GEMV ({weights_mb:.0f} MB of int4 + scales); "
+    print(f"\noutliers: {a.blocks} SmolLM2 blocks in situ, 1% outliers as tiles, GEMV ({weights_mb:.0f} MB of int4 "
+          "+ scales); "
           "ms per pass best/median; outlier MB")
     for M in (1, 8):
         x = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
@@ -378,6 +385,48 @@ def outlier_codings(a, results):
         sfx = "" if M == 1 else f"_m{M}"
         results["outliers_fp16_vs_fp32" + sfx] = ratio(ts, "fp32", "fp16")
         results["outliers_int16_vs_fp32" + sfx] = ratio(ts, "fp32", "int16")
+
+
+def coded_scales(a, results):
+    """The kernel (``CPUKernel.apply``) over 30 SmolLM2 blocks in situ, 4-bit, no outliers: coded
+    group scales at g (read as codes by the GEMV) against fp16 scales at 2g, the served-bits
+    neighbour they replace, and at g (same integers, the scales decoded): ms per pass, streamed
+    bits/weight."""
+    if not (native.available() and cpu._gemv_here()):
+        print("\ncoded: the C++ GEMV is not available here")
+        return
+
+    def states(g, coded):
+        out = []
+        for b in range(a.blocks):
+            for i, (_, N, K) in enumerate(SMOL_VLLM):
+                w = random_weight(N, K, 4, 0.0, group=g, seed=1000 * b + i, scale_bits=4 if coded else None)
+                out.append((CPUKernel.prepare(w), K))
+        return out
+
+    def bits(layers):
+        return 8 * sum(sum(CPUKernel.served_bytes(s).values()) for s, _ in layers) / sum(
+            s.out_features * s.in_features for s, _ in layers)
+
+    print(f"\ncoded: {a.blocks} SmolLM2 blocks in situ, 4-bit, no outliers; ms per pass best/median "
+          "(bits/weight streamed)")
+    for g in (64, 32, 16):
+        cands = {f"s4-g{g}": states(g, True), f"fp16-g{2 * g}": states(2 * g, False)}
+        if g != 16:   # group 16 runs only with codes (no op group): its decoded twin does not exist
+            plain = [(dataclass_replace(s, scales=cpu._scales_alone(s).contiguous()), K) for s, K in cands[f"s4-g{g}"]]
+            cands[f"fp16-g{g}"] = plain
+        b = {k: bits(v) for k, v in cands.items()}
+        for M in (1, 8):
+            x = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
+            ts = _passes({k: (lambda v=v: [CPUKernel.apply(s, x[K]) for s, K in v]) for k, v in cands.items()},
+                         a.gemv_rounds)
+            print(f"g{g} M={M}: " + "  ".join(f"{k}={min(v):.2f}/{med(v):.2f} ms ({b[k]:.3f} b/w)"
+                                              for k, v in ts.items()), flush=True)
+            sfx = "" if M == 1 else f"_m{M}"
+            results[f"coded_g{g}_vs_fp16_g{2 * g}" + sfx] = ratio(ts, f"fp16-g{2 * g}", f"s4-g{g}")
+            if g != 16:
+                results[f"coded_g{g}_vs_fp16_g{g}" + sfx] = ratio(ts, f"fp16-g{g}", f"s4-g{g}")
+        del cands
 
 
 def geomean(xs):
@@ -407,9 +456,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers"],
-                    choices=["table", "profile", "large", "wide", "gemv", "outliers"])
-    ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv section)")
+    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded"],
+                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded"])
+    ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
+    ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
+                    "coded): 30, ~57 MB of int4, more than L3")
     ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -429,6 +480,8 @@ def main(argv=None):
         gemv(a, results)
     if "outliers" in a.sections:
         outlier_codings(a, results)
+    if "coded" in a.sections:
+        coded_scales(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -443,7 +496,8 @@ def main(argv=None):
             "gemv_smol_insitu_kernel": results.get("gemv_smol_insitu_kernel"),
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
-            **{k: v for k, v in results.items() if isinstance(k, str) and k.startswith(("outliers_", "gemv_scales"))}}
+            **{k: v for k, v in results.items() if isinstance(k, str)
+               and k.startswith(("outliers_", "gemv_scales", "coded_"))}}
     print("HEADLINE " + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 

@@ -28,7 +28,8 @@ from vllm_latq import format as fmt
 from vllm_latq import native
 from vllm_latq.kernels import cpu, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
-from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, random_weight, transcode
+from vllm_latq.kernels.reference import (GridStats, LatqWeight, dequantize, latq_linear_ref, random_weight,
+                                        transcode)
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
@@ -158,6 +159,48 @@ def test_packed_layout_inverse():
         for r0 in range(0, N, B):
             r1 = min(N, r0 + B)
             assert torch.equal(cpu_layouts.unpack_int4pack(p, N, 64, layout, r0, r1).T.int() + 8, u[r0:r1])
+
+
+
+# --------------------------------------------------------------------------- coded group scales
+
+# (N, K, group): group 64; ragged K (576 = 4.5 groups of 128: op group 64 repeats each code);
+# a tail block of 16 rows (80 = 64 + 16); group 16, which no op group divides
+CODED_SHAPES = [(192, 576, 64), (128, 576, 128), (80, 256, 32), (640, 2048, 16)]
+
+
+@pytest.mark.parametrize("shape", CODED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_coded_scales(shape, small_m_path, monkeypatch):
+    """Coded group scales (``--scale-bits 4``) stay codes where the C++ GEMV runs — 12 bytes per 16
+    scales, the checkpoint's 6 bits, as ``layout_bytes`` counts — and compute, bit for bit, what
+    the same layer with decoded scales computes, at every path's M (the large-M dequant and
+    the pure-torch path decode them); group 16, which no op group divides, runs only there."""
+    N, K, g = shape
+    w = random_weight(N, K, 4, 0.0, group=g, seed=21, scale_bits=4)
+    plain = LatqWeight(w.qweight, w.scales, w.crow, w.col, w.val, w.bits, g, K)   # the same scales, decoded
+    codes = small_m_path == "native" and cpu._gemv_here()
+    ok, why = CPUKernel.can_implement(w, "cpu", torch.bfloat16)
+    if g == 16 and not codes:
+        assert not ok and "coded scales" in why
+        return
+    state = CPUKernel.prepare(w)
+    assert (state.scales.dtype == torch.int32) == codes
+    stats = GridStats.from_integers(fmt.unpack(w.qweight, 4, K), torch.ones(N))
+    assert CPUKernel.served_bytes(state) == CPUKernel.layout_bytes(N, K, 4, g, stats, scale_bits=4)
+    if codes:
+        assert CPUKernel.served_bytes(state)["scales"] == K // state.group_size * N // 16 * 12
+    ref_state = CPUKernel.prepare(plain) if g != 16 else None
+    gen = torch.Generator().manual_seed(22)
+    for M, large in ((1, 1 << 30), (3, 1 << 30), (8, 1 << 30), (64, 1 << 30), (64, 64)):
+        monkeypatch.setattr(cpu, "LARGE_M", large)
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        check(w, state, x)
+        if ref_state is not None:
+            assert torch.equal(CPUKernel.apply(state, x), CPUKernel.apply(ref_state, x))
+    if codes:   # the words are the format's codes: decoded, the layer's fp16 scales' bf16
+        idx = torch.arange(K // state.group_size) * state.group_size // g
+        torch.testing.assert_close(cpu_layouts.decode_scale_words(state.scales), w.scales.float()[:, idx].T,
+                                   rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- exactness

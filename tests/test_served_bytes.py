@@ -30,7 +30,8 @@ def _nbytes(tensors) -> int:
 
 
 def _model(K, w):
-    return K.layout_bytes(w.out_features, w.in_features, w.bits, w.group_size, GridStats.from_weight(w))
+    return K.layout_bytes(w.out_features, w.in_features, w.bits, w.group_size, GridStats.from_weight(w),
+                          None if w.coded is None else w.coded.bits)
 
 
 def hptq(out, cin, spread, seed):
@@ -75,7 +76,8 @@ def test_coded_scales_served_bytes(bits, rate, shape, group):
     """Coded scales (``format.scale_codes``): the Triton layout streams 12 bytes per 16 scales —
     its served bytes are its tensors', what the cost model counts with ``scale_bits`` and what
     ``latq-inspect`` reports for the stored layer, and fewer than the same layer's with fp16
-    scales; the CPU family decodes the codes at prepare and serves (and counts) fp16 scales."""
+    scales; the CPU family streams them as codes too where its C++ GEMV runs (≤ 4 bits), else
+    decodes them at prepare and serves (and counts) fp16 scales."""
     from vllm_latq import format as fmt
     from vllm_latq.kernels.served import layer_served
     w = random_weight(*shape, bits, rate, group=group, seed=bits, scale_bits=4)
@@ -93,9 +95,11 @@ def test_coded_scales_served_bytes(bits, rate, shape, group):
     inspected = layer_served(t, "dense", shape, bits, group, fams)
     assert inspected["triton"]["bytes"] == sum(got.values())
     if CPUKernel in fams:
-        cpu_got = CPUKernel.served_bytes(CPUKernel.prepare(w))
-        assert cpu_got == CPUKernel.served_bytes(CPUKernel.prepare(fp16)) == _model(CPUKernel, w)
-        assert inspected["cpu"]["bytes"] == sum(cpu_got.values())
+        cpu_got, cpu_f16 = (CPUKernel.served_bytes(CPUKernel.prepare(v)) for v in (w, fp16))
+        assert cpu_got == _model(CPUKernel, w) and inspected["cpu"]["bytes"] == sum(cpu_got.values())
+        codes = cpu._codes_here(bits, True)
+        assert cpu_got["scales"] * (32 if codes else 1) == cpu_f16["scales"] * (12 if codes else 1)
+        assert {k: v for k, v in cpu_got.items() if k != "scales"} == {k: v for k, v in cpu_f16.items() if k != "scales"}
 
 
 def test_coded_group_64_serves_fewer_bits_than_fp16_group_128():

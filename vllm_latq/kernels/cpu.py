@@ -18,7 +18,9 @@ takes int32 ``[N, K]`` with values u in 0..15 (N % 16 == 0, K even); the GEMM de
 accumulates in fp32. So a signed b-bit integer z (b ≤ 4) maps to u = z + 8 with zero = 0:
 exact, for any b ≤ 4. The scale is carried over in bf16 (the only dtype with a vectorized
 kernel, see below): a relative change ≤ 2⁻⁸ from the fp16 scale. Where the C++ GEMV runs, the
-state holds the scales alone (zeros follow from them), per row and plane for a one-scale layer.
+state holds the scales alone (zeros follow from them), per row and plane for a one-scale layer;
+coded scales (``--scale-bits 4``, ≤ 4 bits) stay codes there, 6 bits a scale as stored, decoded
+by the GEMV to the same bf16 values (elsewhere decoded at prepare).
 
 Numerics (what the tests check, tightly): y = bf16(x)·(z·bf16(s))ᵀ accumulated in fp32 and
 rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 and rounded
@@ -44,8 +46,9 @@ import torch
 from .. import format as fmt
 from .. import native
 from .base import LatqKernel
-from .cpu_layouts import (code_values, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes, op_scales_zeros,
-                          state_bytes, tile_entries, tiles_from_csr, unpack_int4pack, value_bytes)
+from .cpu_layouts import (code_values, coded_scale_words, coo_to_csr, decode_scale_words, detect_layout, has_int4_op,
+                          int4_ops, nbytes, op_scales_zeros, state_bytes, tile_entries, tiles_from_csr, unpack_int4pack,
+                          value_bytes)
 from .derived_cache import DerivedCache
 from .reference import LatqWeight
 
@@ -73,7 +76,9 @@ PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its me
 class CPUState:
     packed: torch.Tensor          # uint8 [N, Kp/2]  the op's int4pack (Kp = K·planes)
     scales: torch.Tensor          # bf16  [Kp/g, N]: scales alone where the C++ GEMV runs (zero 0, or 8·s on a
-                                  #       two-plane layer's low plane); else [Kp/g, N, 2] torch's op's (s, z)
+                                  #       two-plane layer's low plane); else [Kp/g, N, 2] torch's op's (s, z);
+                                  #       or coded (int32 [K/g, N/16, 3], cpu_layouts.coded_scale_words), read
+                                  #       by the C++ GEMV only: a checkpoint's coded scales where it runs
     crow: torch.Tensor | None     # int32 [N+1]  outliers as an fp32 CSR (None: none, or as tiles)
     col: torch.Tensor | None      # int32 [nnz]
     val: torch.Tensor | None      # fp32  [nnz]
@@ -103,10 +108,21 @@ def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
     return fmt.unpack(w.qweight[r0:r1], w.bits, w.in_features)
 
 
-def _scale_group(K: int, g: int) -> int | None:
-    """The state's scale group: the op group (``_op_group``), or K for a one-scale layer where
-    the C++ GEMV reads the scales alone (any group dividing K)."""
-    return K if g >= K and _gemv_here() else _op_group(K, g)
+def _scale_group(K: int, g: int, codes: bool = False) -> int | None:
+    """The state's scale group, None where the kernel cannot lay the layer out: the op group
+    (``_op_group``; K instead for a one-scale layer where the C++ GEMV reads the scales alone),
+    or, where no op group divides g, g itself for scales kept as ``codes`` (only the GEMV reads
+    those, and it takes any group of 4k dividing K: group 16)."""
+    go = _op_group(K, g)
+    if go is None:
+        return g if codes and K % g == 0 and g % 4 == 0 else None
+    return K if g >= K and _gemv_here() else go
+
+
+def _codes_here(bits: int, coded: bool) -> bool:
+    """Whether the state keeps a layer's coded scales as codes: where the C++ GEMV runs, on a
+    one-plane layer (≤ 4 bits); else they are decoded at prepare."""
+    return coded and bits <= 4 and _gemv_here()
 
 
 def _op_scales(w: LatqWeight, go: int, rows: slice) -> torch.Tensor:
@@ -135,10 +151,10 @@ class CPUKernel(LatqKernel):
             return False, f"{w.bits}-bit inliers: the CPU path takes 1..{MAX_BITS} bits"
         if w.out_features % 16:
             return False, f"out_features={w.out_features} is not a multiple of 16 (int4pack layout)"
-        if _op_group(w.in_features, w.group_size) is None:
+        if _scale_group(w.in_features, w.group_size, _codes_here(w.bits, w.coded is not None)) is None:
             return False, (f"in_features={w.in_features} with group size {w.group_size}: the int4 op "
                            f"needs a group size in {OP_GROUPS} dividing both in_features and the "
-                           f"latq group size")
+                           f"latq group size (the C++ GEMV reads coded scales at any group of 4k dividing it)")
         return True, None
 
     @classmethod
@@ -151,15 +167,16 @@ class CPUKernel(LatqKernel):
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
         """:meth:`served_bytes` from :meth:`prepare`'s decisions: op group, two planes or 4 bits
-        + outliers past 4 bits (``SPLIT_MAX_EXTRA_RATE``), tiles or CSR (``_tiles_here``).
-        Coded scales (``scale_bits``) are decoded at prepare: fp16 scales either way."""
-        go = _scale_group(k, group)
-        if not 1 <= bits <= MAX_BITS or n % 16 or _op_group(k, group) is None:   # can_implement's checks
+        + outliers past 4 bits (``SPLIT_MAX_EXTRA_RATE``), tiles or CSR (``_tiles_here``), coded
+        scales (``scale_bits``) kept as codes or decoded (``_codes_here``)."""
+        coded = _codes_here(bits, scale_bits is not None)
+        go = _scale_group(k, group, coded)
+        if not 1 <= bits <= MAX_BITS or n % 16 or go is None:   # can_implement's checks
             raise ValueError(f"the CPU kernel cannot lay out a {n}x{k} {bits}-bit layer with group {group}")
         planes = 2 if bits > 4 and stats.off_grid(4) - stats.off_grid(bits) > SPLIT_MAX_EXTRA_RATE * n * k else 1
         width = 4 if bits > 4 and planes == 1 else bits            # the outliers are those off this grid
         return state_bytes(n, k, planes, go, stats.row_outliers(width), _tiles_here(k),
-                           value_bytes(stats, width, one_scale=group >= k), pairs=not _gemv_here())
+                           value_bytes(stats, width, one_scale=group >= k), pairs=not _gemv_here(), coded=coded)
 
     @classmethod
     def native_op(cls):
@@ -178,7 +195,8 @@ class CPUKernel(LatqKernel):
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
         pack, _ = int4_ops()
-        N, K, go = w.out_features, w.in_features, _scale_group(w.in_features, w.group_size)
+        coded = _codes_here(w.bits, w.coded is not None)
+        N, K, go = w.out_features, w.in_features, _scale_group(w.in_features, w.group_size, coded)
         planes = 1
         extra_rows, extra_cols, extra_vals = [], [], []
         if w.bits > 4:
@@ -215,6 +233,10 @@ class CPUKernel(LatqKernel):
         sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16)                # [Kp/go, N, 2]
         # where the GEMV runs, the scales alone: it derives the zeros (torch's op gets pairs built from them)
         sz = (sz[..., 0] if _gemv_here() else sz).contiguous()
+        if coded:   # the codes of each scale group (op groups inside one latq group repeat them)
+            idx = torch.arange(K // go) * go // w.group_size
+            c = w.coded
+            sz = coded_scale_words(fmt.scale_codes.CodedScales(c.codes[:, idx], c.min[:, idx], c.step[:, idx]))
         if len(packed_parts) > 1:
             # the layout packs blocks of rows independently, but check the concatenation anyway
             assert packed.shape == (N, K * planes // 2)
@@ -343,11 +365,23 @@ _OP_SCALES = DerivedCache()
 
 def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
     """torch's op's (s, z) pairs and op group for the state's scales (built once per layer
-    when the state holds the scales alone: the pure-torch path on a GEMV host)."""
-    if state.scales.dim() == 3:
+    when the state holds the scales alone or coded: the pure-torch path on a GEMV host)."""
+    if state.scales.dim() == 3 and not _is_coded(state):
         return state.scales, state.group_size
     return _OP_SCALES.get((state.scales,), lambda: op_scales_zeros(
-        state.scales.detach(), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
+        _scales_alone(state), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
+
+
+def _is_coded(state: CPUState) -> bool:
+    return state.scales.dtype == torch.int32
+
+
+def _scales_alone(state: CPUState) -> torch.Tensor:
+    """bf16 ``[Kp/g, N]``: the state's scales without zeros, coded ones decoded (to the bf16 of
+    their fp16 values, as the GEMV decodes them) for the paths that are not the GEMV."""
+    if _is_coded(state):
+        return decode_scale_words(state.scales.detach()).to(torch.bfloat16)
+    return state.scales.detach() if state.scales.dim() == 2 else state.scales.detach()[..., 0]
 
 
 def _csr(state: CPUState) -> torch.Tensor:
@@ -392,7 +426,7 @@ def _dequant_chunks(state: CPUState):
     layout = (B, bool(state.layout_halves))
     R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
     g = state.group_size
-    sc = state.scales if state.scales.dim() == 2 else state.scales[..., 0]   # [Kp/g, N] bf16; first K/g: s
+    sc = _scales_alone(state)                                        # [Kp/g, N] bf16; first K/g: s
     buf_all = _scratch("w", (K + 1) * min(R, N), torch.bfloat16)   # + a spare row: tiles' padding
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)

@@ -1,11 +1,13 @@
-"""The CPU kernel's two native layouts, as pure torch: torch's int4pack (its ops, the packed
+"""The CPU kernel's native layouts, as pure torch: torch's int4pack (its ops, the packed
 layout's unpacker for the large-M dequant, and a probe for which layout this torch build
-uses), and the outlier tiles the C++ op sums from (built from a CSR, read back as entries).
+uses), the outlier tiles the C++ op sums from (built from a CSR, read back as entries), and
+the coded group scales its GEMV decodes (words from the format's codes, and back).
 Split from :mod:`~vllm_latq.kernels.cpu`, which prepares and runs a layer with them."""
 from __future__ import annotations
 
 import torch
 
+from ..format import scale_codes
 from ..format.csr import csr_rows
 
 _PACK = None
@@ -184,16 +186,38 @@ def nbytes(*tensors) -> int:
 
 
 def state_bytes(n: int, k: int, planes: int, go: int, counts: torch.Tensor, tiles: bool,
-                coding: tuple[int, bool], pairs: bool) -> dict[str, int]:
+                coding: tuple[int, bool], pairs: bool, coded: bool = False) -> dict[str, int]:
     """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16 scales
-    [K·planes/go, N] (``pairs``: with their zeros, torch's op's ``scales_and_zeros``), the
-    outliers (``counts[r]`` in row r) as tiles with ``coding`` (:func:`value_bytes`: bytes per
-    value; int16 multiples of an fp32 row scale [N]) or as an fp32 CSR (int32 crow/col)."""
+    [K·planes/go, N] (``pairs``: with their zeros, torch's op's ``scales_and_zeros``; ``coded``:
+    :func:`coded_scale_words`, 12 bytes per 16), the outliers (``counts[r]`` in row r) as tiles
+    with ``coding`` (:func:`value_bytes`: bytes per value; int16 multiples of an fp32 row scale
+    [N]) or as an fp32 CSR (int32 crow/col)."""
     nnz = int(counts.sum())
     vb, scaled = coding
     outl = (0 if not nnz else tile_bytes(counts, vb) + 4 * n * scaled if tiles
             else 4 * (n + 1) + 8 * nnz)
-    return {"inliers": n * k * planes // 2, "scales": k * planes // go * n * (4 if pairs else 2), "outliers": outl}
+    scales = k * planes // go * (n // scale_codes.ROWS * 12 if coded else n * (4 if pairs else 2))
+    return {"inliers": n * k * planes // 2, "scales": scales, "outliers": outl}
+
+
+def coded_scale_words(cs: "scale_codes.CodedScales") -> torch.Tensor:
+    """Coded scales ``[N, G]`` (N a multiple of 16) → the C++ GEMV's int32 ``[G, N/16, 3]``: per
+    group and 16-row block, fp16 min | fp16 step << 16, then the 16 codes as the format packs
+    them (row 2j in the low nibble of byte j): the stored 6 bits per scale."""
+    N, G = cs.codes.shape
+    T = N // scale_codes.ROWS
+    codes = scale_codes.pack_codes(cs.codes).T.reshape(G, T, 8)                     # uint8
+    grid = torch.stack([cs.min.half().T, cs.step.half().T], -1).contiguous()        # fp16 [G, T, 2]
+    return torch.cat([grid.view(torch.uint8).reshape(G, T, 4), codes], -1).contiguous().view(torch.int32)
+
+
+def decode_scale_words(words: torch.Tensor) -> torch.Tensor:
+    """:func:`coded_scale_words` → the fp32 scales ``[G, N]`` (``scale_codes.decode_scales``)."""
+    G, T, _ = words.shape
+    b = words.contiguous().view(torch.uint8).reshape(G, T, 12)
+    grid = b[..., :4].contiguous().view(torch.float16)                              # [G, T, 2]
+    codes = scale_codes.unpack_codes(b[..., 4:].reshape(G, T * 8).T, T * scale_codes.ROWS)
+    return scale_codes.decode_scales(codes, grid[..., 0].T, grid[..., 1].T).T
 
 
 def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_groups) -> tuple[torch.Tensor, int]:

@@ -135,7 +135,11 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
 // Scales: the op's (s, z) bf16 pairs, or — the CPU kernel's layout wherever this GEMV runs —
 // bf16 scales alone, half the bytes: the zero of an int4pack group is 0, or 8·s on the low plane
 // of a two-plane (5–8-bit) layer, so it need not be streamed; a one-scale (HPTQ) layer then has
-// one group per plane (g = K): 2 bytes a row instead of 4 per 32–256 weights.
+// one group per plane (g = K): 2 bytes a row instead of 4 per 32–256 weights. Or coded, as the
+// checkpoint stores them (format/scale_codes.py; CPUKernel.prepare's words, one-plane layers):
+// per group and 16 rows, fp16 min and step and 16 4-bit codes, 12 bytes instead of 32; decoded
+// where they are read to bf16(fp16(min + code·step)), the bf16 of the format's fp16 scale, so
+// a coded state computes exactly what the same layer's decoded scales compute.
 namespace gemv {
 
 inline float bf(uint16_t v) {
@@ -149,13 +153,31 @@ struct Scales {
   const uint32_t* sz = nullptr;  // [G, N] (s, z) pairs, or null:
   const uint16_t* s = nullptr;   // [G, N] scales; z = 8·s in groups < zlow, else 0
   int64_t zlow = 0;
+  const int32_t* coded = nullptr;  // or [G, N/16, 3]: fp16 min | fp16 step << 16, then the 16 rows'
+                                   // codes (row 2j: low nibble of byte j, 2j+1: high); z = 0
 };
 
-// scales [G, N, 2] (pairs) or [G, N] (alone, ``planes`` planes along K: the first half of the
-// groups is the low plane)
+inline bool is_coded(const at::Tensor& scales) { return scales.scalar_type() == at::kInt; }
+
+inline float half_bits(uint32_t h) { return static_cast<float>(c10::Half(static_cast<uint16_t>(h), c10::Half::from_bits())); }
+
+// the scale of row j (< 16) of one 16-row block's words w: bf16(fp16(min + code·step)), the
+// product exact in fp32 (11-bit mantissa × 4-bit code), so the sum is the format's one rounding
+inline float coded_scale(const int32_t* w, int64_t j) {
+  const uint32_t ms = static_cast<uint32_t>(w[0]);
+  const int c = (reinterpret_cast<const uint8_t*>(w + 1)[j / 2] >> (4 * (j % 2))) & 15;
+  const float s16 = static_cast<float>(c10::Half(half_bits(ms & 0xFFFF) + static_cast<float>(c) * half_bits(ms >> 16)));
+  return static_cast<float>(c10::BFloat16(s16));
+}
+
+// scales [G, N, 2] (pairs), [G, N] (alone, ``planes`` planes along K: the first half of the
+// groups is the low plane) or int32 [G, N/16, 3] (coded, one plane)
 inline Scales scales_of(const at::Tensor& t, int64_t planes) {
   Scales sc;
-  if (t.dim() == 3) {
+  if (is_coded(t)) {
+    TORCH_CHECK(planes == 1, "latq_cpu: coded scales on a ", planes, "-plane layer");
+    sc.coded = t.data_ptr<int32_t>();
+  } else if (t.dim() == 3) {
     sc.sz = reinterpret_cast<const uint32_t*>(t.data_ptr<at::BFloat16>());
   } else {
     sc.s = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -166,7 +188,10 @@ inline Scales scales_of(const at::Tensor& t, int64_t planes) {
 
 // s, z of group gi, row r
 inline void scale_zero(const Scales& sc, int64_t gi, int64_t N, int64_t r, float& s, float& z) {
-  if (sc.sz) {
+  if (sc.coded) {
+    s = coded_scale(sc.coded + (gi * (N / 16) + r / 16) * 3, r % 16);
+    z = 0.f;
+  } else if (sc.sz) {
     const uint32_t v = sc.sz[gi * N + r];
     s = bf(v & 0xFFFF);
     z = bf(v >> 16);
@@ -217,7 +242,19 @@ inline __m512 dp(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc
 
 // s, z of group gi, rows r .. r + 15
 inline void scale_zero16(const Scales& sc, int64_t gi, int64_t N, int64_t r, __m512& s, __m512& z) {
-  if (sc.sz) {
+  if (sc.coded) {   // r is a multiple of 16: one block's words, coded_scale for 16 rows at once
+    const int32_t* w = sc.coded + (gi * (N / 16) + r / 16) * 3;
+    int64_t c8;
+    std::memcpy(&c8, w + 1, 8);
+    const __m128i b = _mm_cvtsi64_si128(c8), m4 = _mm_set1_epi8(15);
+    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));   // row j: byte j
+    const __m128 grid = _mm_cvtph_ps(_mm_cvtsi32_si128(w[0]));   // min, step
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)),
+                                     _mm512_broadcastss_ps(_mm_movehdup_ps(grid)), _mm512_broadcastss_ps(grid));
+    const __m512 s16 = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s16)), 16));
+    z = _mm512_setzero_ps();
+  } else if (sc.sz) {
     const __m512i v = _mm512_loadu_si512(sc.sz + gi * N + r);
     s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
@@ -346,6 +383,9 @@ void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P,
           }
         }
       }
+      __m512 s[2], zz[2];   // once for the MB rows (coded scales are decoded here)
+      scale_zero16(sc, gi, N, b * 64 + 16 * h, s[0], zz[0]);
+      scale_zero16(sc, gi, N, b * 64 + 32 + 16 * h, s[1], zz[1]);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const __m512 xsg = _mm512_set1_ps(xs[m * G + gi]);
@@ -354,9 +394,7 @@ void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P,
           const int r = 32 * e + 16 * h;
           __m512 a = acc[0][m][e];
           if (U == 2) a = _mm512_add_ps(a, acc[U - 1][m][e]);
-          __m512 s, zz;
-          scale_zero16(sc, gi, N, b * 64 + r, s, zz);
-          _mm512_store_ps(yv[m] + r, _mm512_fmadd_ps(xsg, zz, _mm512_fmadd_ps(a, s, _mm512_load_ps(yv[m] + r))));
+          _mm512_store_ps(yv[m] + r, _mm512_fmadd_ps(xsg, zz[e], _mm512_fmadd_ps(a, s[e], _mm512_load_ps(yv[m] + r))));
         }
       }
     }
@@ -416,10 +454,13 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc
 bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64_t group_size) {
   if (!LATQ_HAVE_GEMV) return false;
   const int64_t N = packed.size(0);
+  const bool scales_ok = is_coded(scales) ? scales.dim() == 3 && scales.size(2) == 3 && N % 16 == 0 &&
+                                                scales.numel() == K / group_size * (N / 16) * 3
+                                          : scales.scalar_type() == at::kBFloat16 &&
+                                                scales.numel() == K / group_size * N * (scales.dim() == 3 ? 2 : 1);
   return packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-         packed.size(1) * 2 == K && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
-         group_size >= 4 && group_size % 4 == 0 && K % group_size == 0 && N % 2 == 0 &&
-         scales.numel() == K / group_size * N * (scales.dim() == 3 ? 2 : 1) && layout_ok();
+         packed.size(1) * 2 == K && scales_ok && scales.is_contiguous() &&
+         group_size >= 4 && group_size % 4 == 0 && K % group_size == 0 && N % 2 == 0 && layout_ok();
 }
 
 // The finishing pass, fused into the GEMV's threads right after each 64-row block (or run over
@@ -623,6 +664,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 // torch's op takes (s, z) pairs per op group of 256/128/64/32: scales alone (at group g, along a
 // packed width Kp of `planes` planes) → those, built per call (only where torch's op replaces the GEMV)
 std::pair<at::Tensor, int64_t> op_scales_zeros(const at::Tensor& scales, int64_t g, int64_t planes, int64_t Kp) {
+  TORCH_CHECK(!gemv::is_coded(scales), "latq_cpu: coded scales are read by the GEMV only");
   if (scales.dim() == 3) return {scales, g};
   int64_t go = 0;
   for (int64_t c : {256, 128, 64, 32})
@@ -673,7 +715,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const bool tiles = tile_col.has_value() && tile_col->defined();   // outliers as the GEMV's tiles
   const bool outl = !tiles && crow.has_value() && crow->defined() && col->numel() > 0;   // as a CSR
   const bool has_bias = bias.has_value() && bias->defined();
-  const bool use_gemv = M <= gemv::g_max_m.load() && gemv::usable(packed, scales, xb.size(1), group_size);
+  // coded scales: always the GEMV (CPUKernel.prepare codes them only where it runs; torch's op
+  // cannot read them, and group 16 has no op group)
+  const bool use_gemv = (M <= gemv::g_max_m.load() || gemv::is_coded(scales)) &&
+                        gemv::usable(packed, scales, xb.size(1), group_size);
   if (tiles || (use_gemv && !outl)) {
     // outliers (tiles) + bias + cast per 64-row block: in the GEMV's threads, or after torch's op
     at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
