@@ -9,6 +9,11 @@ rate × M (rows of activations), all measured in one run:
 * **copy**: a device-to-device copy moving the same bytes as latq's *served* bytes (the
   prepared state's weight tensors + activations in + output), half read, half written.
 
+``--scales fp16-g128,s4-g64,…`` times each layer in each group-scale form, one after the other
+(fp16 scales, or ``s4``: ``--scale-bits 4`` codes, decoded in the kernels), and reports each
+form's latq time against the first's at the same shape, bits, rate and M, next to the bits/weight
+each streams (issue 21: whether the coded decode keeps the kernels at the memory ceiling).
+
 Every time is the median of ``triton.testing.do_bench_cudagraph`` (calls captured in a CUDA
 graph: no Python in the timed loop). Each timed function cycles through enough copies of its
 operands (weights, copy buffers) that they cannot stay in L2 between calls, as in a real
@@ -68,6 +73,7 @@ KERNELS = ("gemv", "mma", "dequant")
 DEFAULT = dict(shapes="8b", bits="4", rates="0.01", m="1,2,4,8,16,32,64,128,256")
 QUICK = dict(shapes="8b.down,8b.o", bits="4", rates="0.01", m="1,4,16,64,256")
 TARGET_WEIGHTS = 4096 * 14336   # issue 19's target: "4096×14336-class layers" (8b.down, 8b.gate_up)
+SCALES = f"fp16-g{GROUP}"       # the group-scale form timed by default (--scales)
 ROTATE_L2 = 4          # timed operands span ≥ this many L2 sizes (copies cycled per call)
 MAX_COPIES = 64
 ERR_TOL = 3e-2         # max |y − ref| / max |ref| above this: wrong (bf16 rounding ≤ 2^-7 with the dequant path)
@@ -121,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="activations and the dense baseline's weight")
     ap.add_argument("--breakdown", default=",".join(KERNELS),
                     help="kernels also timed forced (gemv,mma,dequant or none)")
+    ap.add_argument("--scales", default=SCALES, help="group-scale forms timed, the first the baseline of the others: "
+                    "fp16-gG (fp16 scales, group G) or s4-gG (4-bit coded scales, --scale-bits 4); "
+                    f"default {SCALES}")
     ap.add_argument("--rep-ms", type=float, default=5.0, help="do_bench_cudagraph rep (ms per measurement)")
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="start no new layer configuration after this many seconds of the GPU part")
@@ -133,6 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.m = sorted(_list(a.m or base["m"], int, lambda m: m >= 1, "M must be ≥ 1"))
         a.breakdown = [] if a.breakdown == "none" else \
             _list(a.breakdown, str.strip, lambda k: k in KERNELS, f"breakdown kernels must be of {KERNELS}")
+        a.scales = list(dict.fromkeys(_list(a.scales, str.strip, lambda f: re.fullmatch(r"(fp16|s4)-g\d+", f),
+                                            "scale forms must be fp16-gG or s4-gG")))
     except ValueError as e:
         ap.error(str(e))
     return a
@@ -339,6 +350,7 @@ class Point:
     act_bytes: int
     kernels_us: dict            # kernel → µs, the picked one and the --breakdown ones
     err: float                  # worst max|y − ref| / max|ref| over the kernels run
+    scales: str = SCALES        # the group-scale form (--scales)
 
     @property
     def ratio(self) -> float:
@@ -420,27 +432,35 @@ def _time_or_nan(timer, calls, what: str, log) -> float:
         return math.nan
 
 
-def bench_weight(n: int, k: int, bits: int, rate: float):
-    """The layer timed (on the CPU): ``reference.random_weight`` with fp16-exact outlier
-    values, as SSQR checkpoints store them, so the layout keeps compact 4-byte entries
-    (int16 column + fp16 value) as in production rather than fp32 values."""
+def scale_form(form: str) -> tuple[int, int | None]:
+    """``fp16-g128`` → (128, None), ``s4-g64`` → (64, 4): the group and the scale code bits."""
+    kind, g = form.split("-g")
+    return int(g), (4 if kind == "s4" else None)
+
+
+def bench_weight(n: int, k: int, bits: int, rate: float, scales: str = SCALES):
+    """The layer timed (on the CPU): ``reference.random_weight`` in the group-scale form
+    ``scales``, with fp16-exact outlier values, as SSQR checkpoints store them, so the layout
+    keeps compact 4-byte entries (int16 column + fp16 value) as in production rather than fp32
+    values."""
     from vllm_latq.kernels.reference import random_weight
-    w = random_weight(n, k, bits, rate, group=GROUP, seed=0)
+    group, scale_bits = scale_form(scales)
+    w = random_weight(n, k, bits, rate, group=group, seed=0, scale_bits=scale_bits)
     return dataclasses.replace(w, val=w.val.half().float())
 
 
-def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dense_cache, log) -> list[Point]:
-    """All points of one (shape, bits, rate): weights, warm-up + check, then per M the
-    picked kernel, the forced ones, the dense baseline (cached per shape × M) and the copy."""
-    from vllm_latq.kernels.reference import LatqWeight
+def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dense_cache, log,
+                scales: str = SCALES) -> list[Point]:
+    """All points of one (shape, bits, rate) in the group-scale form ``scales``: weights, warm-up
+    + check, then per M the picked kernel, the forced ones, the dense baseline (cached per shape
+    × M) and the copy."""
     from vllm_latq.kernels.triton_kernels import TritonKernel
     name, n, k = spec
     t0 = time.perf_counter()
-    w = bench_weight(n, k, bits, rate)
-    w = LatqWeight(*(t.to(dev) for t in (w.qweight, w.scales, w.crow, w.col, w.val)), bits, GROUP, k)
+    w = bench_weight(n, k, bits, rate, scales).to(dev)
     ok, why = TritonKernel.can_implement(w, dev, dtype)
     if not ok:
-        log(f"SKIPPED {name} {bits}-bit {rate * 100:g}%: {why}")
+        log(f"SKIPPED {name} {bits}-bit {rate * 100:g}% {scales}: {why}")
         return []
     st = TritonKernel.prepare(w)
     TritonKernel.reserve(st, dtype)
@@ -466,9 +486,9 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
         ab = act_bytes(m, n, k, elem)
         points.append(Point(name, n, k, bits, rate, m, pick, us[pick], dense_cache[n, k, m],
                             _time_copy(wb + ab, dev, l2_bytes, timer), wb, ab, us,
-                            max([errs[m, None]] + [errs[m, kk] for kk in kernels])))
+                            max([errs[m, None]] + [errs[m, kk] for kk in kernels]), scales))
         log(format_point(points[-1]))
-    log(f"  ({name} {bits}-bit {rate * 100:g}%: weights + prepare {t1 - t0:.1f} s, warm-up/autotune/check "
+    log(f"  ({name} {bits}-bit {rate * 100:g}% {scales}: weights + prepare {t1 - t0:.1f} s, warm-up/autotune/check "
         f"{t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s; {len(states)} weight copies cycled)")
     return points
 
@@ -532,20 +552,23 @@ def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> 
     for spec in a.shapes:
         for bits in a.bits:
             for rate in a.rates:
-                if time.perf_counter() - t0 > a.budget_s:
-                    skipped.append((spec[0], bits, rate))
-                    log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:g} spent")
-                    continue
-                try:
-                    got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache, log)
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-                except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
-                    log(f"FAILED {spec[0]} {bits}-bit {rate * 100:g}%: {type(e).__name__}: {str(e).strip()[:300]}")
-                    got = []
-                points += got
-                if not got:
-                    skipped.append((spec[0], bits, rate))
+                for form in a.scales:   # side by side: a layer's forms one after the other
+                    what = f"{spec[0]} {bits}-bit {rate * 100:g}% {form}"
+                    if time.perf_counter() - t0 > a.budget_s:
+                        skipped.append((spec[0], bits, rate, form))
+                        log(f"SKIPPED {what}: --budget-s {a.budget_s:g} spent")
+                        continue
+                    try:
+                        got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache,
+                                          log, form)
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                    except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
+                        log(f"FAILED {what}: {type(e).__name__}: {str(e).strip()[:300]}")
+                        got = []
+                    points += got
+                    if not got:
+                        skipped.append((spec[0], bits, rate, form))
     return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
                 seconds=time.perf_counter() - t0)
 
@@ -557,24 +580,24 @@ def _f(v: float, fmt: str, width: int) -> str:
 
 
 def table_header(dense: str = "bf16") -> str:
-    return (f"{'shape':16} {'N×K':>11} {'bits':>4} {'rate':>5} {'M':>4} {'kernel':>7} {'latq_us':>8} "
+    return (f"{'shape':16} {'N×K':>11} {'bits':>4} {'rate':>5} {'scales':>9} {'M':>4} {'kernel':>7} {'latq_us':>8} "
             f"{dense + '_us':>8} {'ratio':>6} {'gemv_us':>8} {'mma_us':>8} {'deq_us':>8} {'bits/w':>6} "
             f"{'GB/s':>6} {'%copy':>6} {'err':>8}")
 
 
 def format_point(p: Point) -> str:
     ks = " ".join(_f(p.kernels_us.get(k, math.nan), ".1f", 8) for k in KERNELS)
-    return (f"{p.shape:16} {f'{p.n}x{p.k}':>11} {p.bits:>4} {p.rate * 100:>4.1f}% {p.m:>4} {p.kernel:>7} "
+    return (f"{p.shape:16} {f'{p.n}x{p.k}':>11} {p.bits:>4} {p.rate * 100:>4.1f}% {p.scales:>9} {p.m:>4} {p.kernel:>7} "
             f"{_f(p.latq_us, '.1f', 8)} {_f(p.dense_us, '.1f', 8)} {_f(p.ratio, '.2f', 5)}x {ks} "
             f"{p.bits_per_weight:>6.2f} {_f(p.gbps, '.0f', 6)} {_f(p.pct_copy, '.1f', 5)}% {p.err:>8.1e}"
             + ("  WRONG" if p.bad else ""))
 
 
 def first_losses(points: list[Point]) -> dict:
-    """{(shape, bits, rate): the smallest measured M with latq slower than dense, or None}."""
+    """{(shape, bits, rate, scales): the smallest measured M with latq slower than dense, or None}."""
     out = {}
     for p in sorted(points, key=lambda p: p.m):
-        key = (p.shape, p.bits, p.rate)
+        key = (p.shape, p.bits, p.rate, p.scales)
         out.setdefault(key, None)
         if out[key] is None and not p.ratio >= 1:    # nan (failed) counts as a loss
             out[key] = p.m
@@ -583,18 +606,40 @@ def first_losses(points: list[Point]) -> dict:
 
 def crossover_lines(points: list[Point]) -> list[str]:
     lines = []
-    for (shape, bits, rate), m in first_losses(points).items():
-        top = max(p.m for p in points if (p.shape, p.bits, p.rate) == (shape, bits, rate))
-        lines.append(f"  {shape:16} {bits}-bit {rate * 100:4.1f}%: " +
+    for (shape, bits, rate, scales), m in first_losses(points).items():
+        top = max(p.m for p in points if (p.shape, p.bits, p.rate, p.scales) == (shape, bits, rate, scales))
+        lines.append(f"  {shape:16} {bits}-bit {rate * 100:4.1f}% {scales}: " +
                      (f"slower than dense from M={m}" if m else f"faster than dense at every M ≤ {top}"))
     return lines
 
 
 def _target(points, m=None, all_shapes=False) -> list[Point]:
-    """The issue-19 target's points: 4-bit, 1 % outliers, M ≤ 256 (or M = ``m``), on layers
-    of ≥ 4096×14336 weights (8b.down, 8b.gate_up; ``all_shapes``: every layer)."""
-    return [p for p in points if p.bits == 4 and p.rate == 0.01 and p.m <= 256 and m in (None, p.m)
-            and (all_shapes or p.n * p.k >= TARGET_WEIGHTS)]
+    """The issue-19 target's points: 4-bit, 1 % outliers, fp16 scales at group 128, M ≤ 256 (or
+    M = ``m``), on layers of ≥ 4096×14336 weights (8b.down, 8b.gate_up; ``all_shapes``: every layer)."""
+    return [p for p in points if p.bits == 4 and p.rate == 0.01 and p.scales == SCALES and p.m <= 256
+            and m in (None, p.m) and (all_shapes or p.n * p.k >= TARGET_WEIGHTS)]
+
+
+def scale_form_lines(points: list[Point]) -> tuple[list[str], dict]:
+    """Each group-scale form's latq time against the first form's (the baseline, ``--scales``)
+    at the same shape, bits, rate and M, with both forms' streamed bits/weight; HEADLINE keys
+    ``<form>_vs_<base>_m<M>``: the worst (lowest) base/form time ratio over the layers."""
+    forms = list(dict.fromkeys(p.scales for p in points))
+    if len(forms) < 2:
+        return [], {}
+    base = {(p.shape, p.bits, p.rate, p.m): p for p in points if p.scales == forms[0]}
+    lines = [f"group-scale forms against {forms[0]} (latq time ratio {forms[0]} / form; bits/weight streamed):"]
+    ratios = {}
+    for p in points:
+        b = base.get((p.shape, p.bits, p.rate, p.m))
+        if p.scales == forms[0] or b is None:
+            continue
+        r = b.latq_us / p.latq_us
+        ratios.setdefault((p.scales, p.m), []).append(r)
+        lines.append(f"  {p.shape:16} {p.bits}-bit {p.rate * 100:4.1f}% M={p.m:<4} {p.scales} {_f(r, '.3f', 6)}x "
+                     f"({p.bits_per_weight:.3f} vs {b.bits_per_weight:.3f} b/w)")
+    key = lambda f: re.sub(r"\W", "_", f)  # noqa: E731
+    return lines, {f"{key(f)}_vs_{key(forms[0])}_m{m}": f"{_worst(v):.3f}" for (f, m), v in ratios.items()}
 
 
 def _worst(values) -> float:
@@ -611,6 +656,8 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
     worst_m1, worst = _worst(p.ratio for p in m1), _worst(p.ratio for p in upto)
     losses = [m for m in first_losses(upto).values() if m is not None]
     lines = ["first M where latq is slower than dense, per layer configuration:"] + crossover_lines(pts)
+    form_lines, form_head = scale_form_lines(pts)
+    lines += form_lines
     if upto:
         lines.append(f"target (issue 19; 4-bit 1 %, layers ≥ 4096×14336 weights): M=1 ≥ 2.5× dense: worst "
                      f"{worst_m1:.2f}× ({'met' if worst_m1 >= 2.5 else 'NOT met'}); ≥ 1× at every M ≤ 256: worst "
@@ -623,6 +670,7 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
             "m1_4b_1pct_pct_of_copy": na(_worst(p.pct_copy for p in m1), ".1f"),
             "m1_4b_1pct_ratio_all": na(_worst(p.ratio for p in _target(pts, m=1, all_shapes=True)), ".2f"),
             "copy_gbps": f"{res['copy_gbps']:.0f}",
+            **form_head,
             "points": len(pts), "wrong": sum(p.bad for p in pts), "skipped": len(res["skipped"]),
             "gpu_s": f"{res['seconds']:.0f}"}
     return lines, head

@@ -12,8 +12,8 @@ need). Levers:
 (c) cols   per-input-column scales ``c ∝ D^p`` folded into the norm (q_proj, up_proj) or an
            activation multiply (o_proj, down_proj: +16/n bits served)
 (d) s4     second-level scales (``--scale-bits 4``, format/scale_codes.py: 4-bit codes on a grid
-           per 16 rows of a group, fp16 min and step each); served bits in the CPU family, which
-           decodes them to fp16 (the Triton kernels read the codes)
+           per 16 rows of a group, fp16 min and step each); served bits in the CPU family (the
+           codes where its C++ GEMV runs, else their fp16 decode; the Triton kernels read the codes)
 (e) group  SSQR and GPTQ at group sizes 64 and 32
 (f) code   HPTQ's integers under a compact codebook (lengths over the symbol range) and an
            ideal entropy coder (ANS's bound)

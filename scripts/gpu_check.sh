@@ -8,6 +8,9 @@
 # OUTDIR/env.txt          nvidia-smi, python and package versions, compilers, the cost model's device constants
 # OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml
 # OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
+# OUTDIR/bench_scales.log the same kernels with coded group scales (--scale-bits 4) against fp16 ones:
+#                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (issue 21: the timing
+#                         the --scale-bits 4 default waits for)
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a test failed or timed out (the bench runs anyway).
 #
@@ -111,7 +114,8 @@ echo "test phase: $((t1 - t0))s" | tee -a "$out/summary.txt"
 
 # ---------------------------------------------------------------------------- bench
 bench=(bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256)
-bench_s=$((total_s - (t1 - t0) - 20))
+scales_s=75   # the scale-form bench's share, after the main bench
+bench_s=$((total_s - (t1 - t0) - 20 - scales_s))
 [ "$bench_s" -ge 30 ] || bench_s=30
 echo "bench: ${bench[*]} (limit ${bench_s}s)" > "$out/bench.log"
 (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$bench_s" "$py" "${bench[@]}") >> "$out/bench.log" 2>&1
@@ -127,5 +131,12 @@ fi
 note=""; [ "$bench_rc" = 124 ] && note=" (timed out after ${bench_s}s)"
 head=$(grep -m1 '^HEADLINE' "$out/bench.log" || tail -n 1 "$out/bench.log")
 echo "bench exit $bench_rc$note: $head" | tee -a "$out/summary.txt"
+scales=(bench/kernels.py --no-static --shapes 8b.down,8b.o --rates 0 --m 1,8,64 --breakdown none
+        --scales fp16-g128,s4-g64,fp16-g64,s4-g32 --budget-s $((scales_s - 25)))
+echo "bench: ${scales[*]} (limit ${scales_s}s)" > "$out/bench_scales.log"
+(cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$scales_s" "$py" "${scales[@]}") >> "$out/bench_scales.log" 2>&1
+scales_rc=$?
+head=$(grep -m1 '^HEADLINE' "$out/bench_scales.log" || tail -n 1 "$out/bench_scales.log")
+echo "scale-form bench exit $scales_rc: $head" | tee -a "$out/summary.txt"
 echo "total: $(($(date +%s) - t0))s; logs in $out" | tee -a "$out/summary.txt"
 exit $tests_rc

@@ -101,11 +101,12 @@ def test_point_numbers_and_row():
     assert (p.ratio, p.served_bytes, p.pct_copy) == (3.0, 9_016_384, 80.0)
     assert p.gbps == pytest.approx(901.6384) and p.bits_per_weight == pytest.approx(8 * 9e6 / (4096 * 14336))
     row = bk.format_point(p)
-    assert row.split() == ["8b.down", "4096x14336", "4", "1.0%", "1", "gemv", "10.0", "30.0", "3.00x", "10.0",
+    assert row.split() == ["8b.down", "4096x14336", "4", "1.0%", "fp16-g128", "1", "gemv", "10.0", "30.0", "3.00x",
+                           "10.0",
                            "-", "40.0", "1.23", "902", "80.0%", "1.0e-03"]
     assert len(row) == len(bk.table_header())
     bad = bk.format_point(_pt(latq=math.nan, err=math.inf))
-    assert bad.split()[6] == "-" and bad.split()[8] == "-x" and bad.endswith("WRONG")
+    assert bad.split()[7] == "-" and bad.split()[9] == "-x" and bad.endswith("WRONG")
 
 
 def test_crossovers_and_gpu_headline():
@@ -113,12 +114,13 @@ def test_crossovers_and_gpu_headline():
     pts += [_pt("8b.o", m, 10.0, 25.0, n=4096, k=4096) for m in (1, 8, 64, 256)]      # ratio 2.5 everywhere
     pts += [_pt("8b.o", 1, 50.0, 25.0, bits=3), _pt("8b.o", 512, 50.0, 25.0)]        # not 4-bit / M > 256
     pts += [_pt("8b.o", 2, math.nan, 25.0, rate=0.0, err=math.inf)]                   # a failed kernel
-    assert bk.first_losses(pts) == {("8b.down", 4, 0.01): 64, ("8b.o", 4, 0.01): 512,
-                                    ("8b.o", 3, 0.01): 1, ("8b.o", 4, 0.0): 2}
+    f = "fp16-g128"
+    assert bk.first_losses(pts) == {("8b.down", 4, 0.01, f): 64, ("8b.o", 4, 0.01, f): 512,
+                                    ("8b.o", 3, 0.01, f): 1, ("8b.o", 4, 0.0, f): 2}
     res = dict(device="NVIDIA H100 80GB HBM3", copy_gbps=2987.4, points=pts, skipped=[("8b.qkv", 4, 0.01)],
                seconds=151.2)
     lines, head = bk.gpu_summary(res)
-    assert "  8b.down          4-bit  1.0%: slower than dense from M=64" in lines
+    assert "  8b.down          4-bit  1.0% fp16-g128: slower than dense from M=64" in lines
     assert any("M=1 ≥ 2.5× dense: worst 3.00× (met); ≥ 1× at every M ≤ 256: worst 0.75× (NOT met)" in s
                for s in lines)
     # target keys: 4-bit 1 % on layers ≥ 4096×14336 weights (8b.down here, not 8b.o), M ≤ 256
@@ -214,7 +216,7 @@ def test_a_failing_kernel_costs_its_numbers_not_the_run(monkeypatch):
     assert [p.bad for p in pts] == [True, True]          # the mma check failed at both M
     assert math.isnan(pts[0].kernels_us["mma"]) and pts[0].latq_us == 1.0
     assert math.isnan(pts[1].latq_us) and math.isfinite(pts[1].kernels_us["gemv"])
-    assert bk.first_losses(pts) == {("t", 4, 0.0): 8}
+    assert bk.first_losses(pts) == {("t", 4, 0.0, "fp16-g128"): 8}
     assert sum("FAILED" in s and "no mma today" in s for s in log) == 3   # M=8 picked, M=1 and 8 forced
 
 
@@ -225,7 +227,7 @@ def test_sweep_with_budget_and_summary(monkeypatch):
                        "--breakdown", "none", "--budget-s", "0"])
     log, timer = [], FakeTimer()
     res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, timer, log.append, big=1 << 12)
-    assert res["points"] == [] and res["skipped"] == [("32x256", 4, 0.0), ("32x256", 4, 0.01)]
+    assert res["points"] == [] and res["skipped"] == [("32x256", 4, 0.0, "fp16-g128"), ("32x256", 4, 0.01, "fp16-g128")]
     assert res["copy_gbps"] == 2 * 4096 / 1.0 / 1e3 and timer.n == 1
     a.budget_s = 1e9
     res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
@@ -268,5 +270,25 @@ def test_sweep_survives_a_failing_configuration(monkeypatch):
     log = []
     res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
     assert [p.shape for p in res["points"]] == ["16x128"]
-    assert res["skipped"] == [("32x256", 4, 0.01)]
-    assert any(s.startswith("FAILED 32x256 4-bit 1%: RuntimeError: CUDA error") for s in log)
+    assert res["skipped"] == [("32x256", 4, 0.01, "fp16-g128")]
+    assert any(s.startswith("FAILED 32x256 4-bit 1% fp16-g128: RuntimeError: CUDA error") for s in log)
+
+
+def test_sweep_times_each_group_scale_form_against_the_first(monkeypatch):
+    """--scales: each layer in each form (coded scales through the kernels' decode, checked
+    against the reference in the warm-up), one after the other; the summary reads each form's
+    time against the first's at the same point, next to the bits/weight each streams."""
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    a = bk.parse_args(["--no-static", "--shapes", "32x256", "--bits", "4", "--rates", "0", "--m", "1",
+                       "--breakdown", "none", "--scales", "fp16-g128,s4-g64"])
+    assert a.scales == ["fp16-g128", "s4-g64"] and bk.scale_form("s4-g64") == (64, 4)
+    log = []
+    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
+    fp16, s4 = res["points"]
+    assert (fp16.scales, s4.scales) == ("fp16-g128", "s4-g64") and not fp16.bad and not s4.bad
+    assert s4.bits_per_weight < fp16.bits_per_weight + 0.05   # 6 bits per 64 weights vs 16 per 128 (+ padding)
+    lines, head = bk.gpu_summary(res)
+    assert head["s4_g64_vs_fp16_g128_m1"] == f"{fp16.latq_us / s4.latq_us:.3f}"
+    assert any("s4-g64" in line and "b/w" in line for line in lines)
+    with pytest.raises(SystemExit):
+        bk.parse_args(["--scales", "int8-g64"])
