@@ -156,7 +156,7 @@ def _served_claims(row) -> None:
         return f"±{100 * nf[0]:.2f}% ({nf[1]}" + (f": {', '.join(seeds)}" if len(seeds) > 1 else "") + ")", None
     row("noise floor: largest Δ ppl of our GPTQ-4b g128 under other calibration draws (seeds)", "—", noise)
     for label in ("HPTQ-3.125", "HPTQ-4.125", "HPTQ-2.125", "SSQR-1%-4b", "SSQR-1%-2b", "GPTQ-4b-tc", "GPTQ-3b-tc",
-                  "GPTQ-2b-tc", "GPTQ-4b-s4-g64", "GPTQ-3b-s4-g64", "GPTQ-2b-s4-g64", "GPTQ-4b-s4-g32",
+                  "GPTQ-2b-tc", "GPTQ-4b-tc-g64", "GPTQ-4b-tc-g32", "GPTQ-4b-s4-g64", "GPTQ-3b-s4-g64", "GPTQ-2b-s4-g64", "GPTQ-4b-s4-g32",
                   "GPTQ-3b-s4-g32", "GPTQ-2b-s4-g32"):
         for fam, name in SERVED_FAMILIES.items():
             row(f"{label} beats our GPTQ at equal served bits ({name} kernels)", "—", _served_wins(label, fam))
