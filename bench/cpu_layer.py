@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu, cpu_layouts
+from vllm_latq.kernels import cpu, cpu_dequant, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
 from vllm_latq.kernels.reference import LatqWeight, dequantize, random_weight
 
@@ -159,7 +159,7 @@ def large(a):
     w = synthetic(N, K, 4, 0.01)
     s = CPUKernel.prepare(w)
     Wb = dequantize(w).to(torch.bfloat16)
-    saved = cpu.LARGE_M, cpu.PREFILL_CACHE
+    saved = cpu.LARGE_M, cpu_dequant.PREFILL_CACHE
     gemv_ok = native.available() and torch.ops.latq_cpu.gemv_max_m() > 0
     saved_m = torch.ops.latq_cpu.gemv_max_m() if gemv_ok else 0
     try:
@@ -168,7 +168,7 @@ def large(a):
 
             def path(large_m, cache, gemv_m=0):
                 def f():
-                    cpu.LARGE_M, cpu.PREFILL_CACHE = large_m, cache
+                    cpu.LARGE_M, cpu_dequant.PREFILL_CACHE = large_m, cache
                     if gemv_ok:
                         torch.ops.latq_cpu.set_gemv_max_m(gemv_m)
                     return CPUKernel.apply(s, x)
@@ -183,7 +183,7 @@ def large(a):
                   + " ".join(f"{k} {ratio(ts, 'bf16', k):.2f}x" for k in ts if k != "bf16")
                   + f" | dequant/op {ratio(ts, 'op', 'dequant'):.2f}x", flush=True)
     finally:
-        cpu.LARGE_M, cpu.PREFILL_CACHE = saved
+        cpu.LARGE_M, cpu_dequant.PREFILL_CACHE = saved
         if gemv_ok:
             torch.ops.latq_cpu.set_gemv_max_m(saved_m)
         cpu.clear_prefill_cache()
@@ -413,7 +413,7 @@ def coded_scales(a, results):
     for g in (64, 32, 16):
         cands = {f"s4-g{g}": states(g, True), f"fp16-g{2 * g}": states(2 * g, False)}
         if g != 16:   # group 16 runs only with codes (no op group): its decoded twin does not exist
-            plain = [(dataclass_replace(s, scales=cpu._scales_alone(s).contiguous()), K) for s, K in cands[f"s4-g{g}"]]
+            plain = [(dataclass_replace(s, scales=cpu_dequant.scales_alone(s).contiguous()), K) for s, K in cands[f"s4-g{g}"]]
             cands[f"fp16-g{g}"] = plain
         b = {k: bits(v) for k, v in cands.items()}
         for M in (1, 8):

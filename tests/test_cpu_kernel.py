@@ -26,7 +26,7 @@ import torch
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu, cpu_layouts
+from vllm_latq.kernels import cpu, cpu_dequant, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
 from vllm_latq.kernels.reference import (GridStats, LatqWeight, dequantize, latq_linear_ref, random_weight,
                                         transcode)
@@ -313,7 +313,7 @@ def test_every_batch_size_and_leading_dims_and_bias():
 def test_chunked_prepare_and_large_m(monkeypatch):
     """Several prepare chunks and several large-M dequant chunks (with a 16-row tail)."""
     monkeypatch.setattr(cpu, "PREPARE_CHUNK", 64 * 256)
-    monkeypatch.setattr(cpu, "CHUNK_BYTES", 2 * 256 * 64)
+    monkeypatch.setattr(cpu_dequant, "CHUNK_BYTES", 2 * 256 * 64)
     w = make_weight(208, 256, 4, 0.02, group=64, seed=7)
     state = CPUKernel.prepare(w)
     g = torch.Generator().manual_seed(8)
@@ -325,11 +325,11 @@ def test_prefill_cache(monkeypatch):
     """Opt-in cached bf16 weight for large M: the same bf16(z·s) weight as the per-call dequant."""
     w, state = prepared((640, 2048, 4, 0.01, 128))
     x = torch.randn(cpu.large_m() + 3, 2048, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
-    monkeypatch.setattr(cpu, "PREFILL_CACHE", True)
+    monkeypatch.setattr(cpu_dequant, "PREFILL_CACHE", True)
     try:
         check(w, state, x)
         check(w, state, x)                       # second call: from the cache
-        assert len(cpu._PREFILL.entries) >= 1
+        assert len(cpu_dequant._PREFILL.entries) >= 1
     finally:
         cpu.clear_prefill_cache()
 
@@ -338,7 +338,7 @@ def test_dropping_a_layer_frees_its_caches(monkeypatch):
     """The sparse CSR (pure-torch small-M path) and the opt-in prefill weight are kept while the
     layer's tensors live, and freed with them — also for a state rebuilt by ``unflatten`` per
     custom-op call (the cache is keyed by the tensors, not by the state object)."""
-    monkeypatch.setattr(cpu, "PREFILL_CACHE", True)
+    monkeypatch.setattr(cpu_dequant, "PREFILL_CACHE", True)
     cpu.clear_prefill_cache()
     w = make_weight(64, 256, 4, 0.05, group=64, seed=14)
     state = CPUKernel.prepare(w, tiles=False)
@@ -349,10 +349,10 @@ def test_dropping_a_layer_frees_its_caches(monkeypatch):
         assert torch.equal(CPUKernel.apply(CPUKernel.unflatten(tensors, ints), x1), y)
     CPUKernel.apply(CPUKernel.unflatten(tensors, ints), xl)
     CPUKernel.apply(state, xl)
-    assert len(cpu._CSR.entries) == 1 and len(cpu._PREFILL.entries) == (1 if state.layout_block else 0)
+    assert len(cpu._CSR.entries) == 1 and len(cpu_dequant._PREFILL.entries) == (1 if state.layout_block else 0)
     del state, tensors
     gc.collect()
-    assert not cpu._CSR.entries and not cpu._PREFILL.entries
+    assert not cpu._CSR.entries and not cpu_dequant._PREFILL.entries
 
 
 # --------------------------------------------------------------------------- HPTQ / > 4 bits

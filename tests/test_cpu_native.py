@@ -8,7 +8,7 @@ import torch
 
 from tests.test_cpu_kernel import check, expected, prepared
 from vllm_latq import native
-from vllm_latq.kernels import cpu, cpu_layouts
+from vllm_latq.kernels import cpu, cpu_dequant, cpu_layouts
 from vllm_latq.kernels.cpu import CPUKernel
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
@@ -83,7 +83,7 @@ def test_native_csr_outliers_by_loop_and_by_mkl(loop_max, gemv):
 
 def test_tiles_hold_the_csr():
     """``tiles_from_csr``: every outlier once, in its row's lane, padding marked; each block's
-    rows are a permutation inside its 4 tiles, longest row first; ``_tile_entries`` of any
+    rows are a permutation inside its 4 tiles, longest row first; ``cpu_dequant.tile_entries_of`` of any
     64-aligned row range gives back exactly that range's CSR entries."""
     gen = torch.Generator().manual_seed(5)
     N, K = 208, 300                                    # 3 full blocks + a 16-row tail
@@ -106,7 +106,7 @@ def test_tiles_hold_the_csr():
         assert (cnt[:-1] >= cnt[1:]).all()             # longest first
     st = cpu.CPUState(None, None, None, None, None, off, rows, tcol, tval, None, N, K, 32, 1, 0, 0)
     for r0, r1 in ((0, N), (64, 192), (192, N), (0, 64)):
-        r, c, v = cpu._tile_entries(st, r0, r1)
+        r, c, v = cpu_dequant.tile_entries_of(st, r0, r1)
         got = sorted(zip((r + r0).tolist(), c.tolist(), v.tolist()))
         sel = (rr >= r0) & (rr < r1)
         assert got == sorted(zip(rr[sel].tolist(), cc[sel].tolist(), val[sel].tolist()))

@@ -1,6 +1,7 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the inliers,
 outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GEMM. (Layouts:
-:mod:`~vllm_latq.kernels.cpu_layouts`.)
+:mod:`~vllm_latq.kernels.cpu_layouts`; the state read back as weights and the large-M path:
+:mod:`~vllm_latq.kernels.cpu_dequant`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
@@ -45,10 +46,10 @@ import torch
 
 from .. import format as fmt
 from .. import native
+from . import cpu_dequant
 from .base import LatqKernel
-from .cpu_layouts import (code_values, coded_scale_words, coo_to_csr, decode_scale_words, detect_layout, has_int4_op,
-                          int4_ops, nbytes, op_scales_zeros, state_bytes, tile_entries, tiles_from_csr, unpack_int4pack,
-                          value_bytes)
+from .cpu_layouts import (code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes,
+                          op_scales_zeros, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
 from .derived_cache import DerivedCache
 from .reference import LatqWeight
 
@@ -62,10 +63,6 @@ MAX_BITS = 8
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, large_m())
 LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "0"))
-CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 weight chunk
-# opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
-# +2 bytes/weight resident: more than the bf16 model itself)
-PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
 # Small M runs through the C++ op (vllm_latq.native) where ``native.usable()``: built, and not
 # switched off by ``with native.disabled():`` (tests and benches compare both paths).
@@ -294,7 +291,7 @@ class CPUKernel(LatqKernel):
                                                 state.planes)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
         if large:
-            y = _large_m(state, x2)                              # bf16 [M, N], outliers included
+            y = cpu_dequant.large_m_linear(state, x2)                              # bf16 [M, N], outliers included
         else:
             xb = x2 if dtype == torch.bfloat16 and x2.is_contiguous() else x2.to(torch.bfloat16).contiguous()
             if state.planes == 2:
@@ -350,15 +347,6 @@ def _has_outliers(state: CPUState) -> bool:
     return state.crow is not None or state.tile_col is not None
 
 
-def _tile_entries(state: CPUState, r0: int, r1: int, padding: bool = False):
-    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles, values in fp32
-    (int16 ones times their row's scale: the fp32 value z·s the runtime form holds)."""
-    rows, cols, vals = tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val,
-                                    state.out_features, state.in_features, r0, r1, padding)
-    vals = vals.float() if state.row_scale is None else vals.float() * state.row_scale[r0 + rows]
-    return rows, cols, vals
-
-
 _CSR = DerivedCache()
 _OP_SCALES = DerivedCache()
 
@@ -366,22 +354,10 @@ _OP_SCALES = DerivedCache()
 def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
     """torch's op's (s, z) pairs and op group for the state's scales (built once per layer
     when the state holds the scales alone or coded: the pure-torch path on a GEMV host)."""
-    if state.scales.dim() == 3 and not _is_coded(state):
+    if state.scales.dim() == 3 and not cpu_dequant.is_coded(state):
         return state.scales, state.group_size
     return _OP_SCALES.get((state.scales,), lambda: op_scales_zeros(
-        _scales_alone(state), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
-
-
-def _is_coded(state: CPUState) -> bool:
-    return state.scales.dtype == torch.int32
-
-
-def _scales_alone(state: CPUState) -> torch.Tensor:
-    """bf16 ``[Kp/g, N]``: the state's scales without zeros, coded ones decoded (to the bf16 of
-    their fp16 values, as the GEMV decodes them) for the paths that are not the GEMV."""
-    if _is_coded(state):
-        return decode_scale_words(state.scales.detach()).to(torch.bfloat16)
-    return state.scales.detach() if state.scales.dim() == 2 else state.scales.detach()[..., 0]
+        cpu_dequant.scales_alone(state), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
 
 
 def _csr(state: CPUState) -> torch.Tensor:
@@ -396,88 +372,13 @@ def _csr(state: CPUState) -> torch.Tensor:
         if state.crow is not None:   # aliases without a view's _base: must not own the state's tensors
             crow, col, val = state.crow.detach(), state.col.detach(), state.val.detach()
         else:
-            crow, col, val = coo_to_csr(*_tile_entries(state, 0, N), N, K, sort=True)
+            crow, col, val = coo_to_csr(*cpu_dequant.tile_entries_of(state, 0, N), N, K, sort=True)
         return torch.sparse_csr_tensor(crow, col, val, (N, K), check_invariants=False)
 
     return _CSR.get(src, build)
 
 
-# ----------------------------------------------------------------------------- large M
-
-_SCRATCH: dict[str, torch.Tensor] = {}
-
-
-def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    t = _SCRATCH.get(name)
-    if t is None or t.numel() < numel or t.dtype != dtype:
-        t = torch.empty(numel, dtype=dtype)
-        _SCRATCH[name] = t
-    return t[:numel]
-
-
-def _dequant_chunks(state: CPUState):
-    """Yield (r0, r1, W_chunkᵀ) over row chunks: bf16 ``[K, r1 - r0]`` = bf16(z·s) with the
-    outliers bf16(o) scattered in, built in a reused buffer from the op's own packed layout
-    (valid until the next chunk). Folding the outliers in costs one small scatter per chunk and
-    replaces the CSR SpMM, which at M=512 costs about half a bf16 GEMM."""
-    N, K, planes = state.out_features, state.in_features, state.planes
-    Kp = K * planes
-    B = state.layout_block
-    layout = (B, bool(state.layout_halves))
-    R = max(B, CHUNK_BYTES // (2 * Kp) // B * B)
-    g = state.group_size
-    sc = _scales_alone(state)                                        # [Kp/g, N] bf16; first K/g: s
-    buf_all = _scratch("w", (K + 1) * min(R, N), torch.bfloat16)   # + a spare row: tiles' padding
-    for r0 in range(0, N, R):
-        r1 = min(N, r0 + R)
-        buf = buf_all[: K * (r1 - r0)].view(K, r1 - r0)
-        if planes == 1:
-            unpack_int4pack(state.packed, N, K, layout, r0, r1, out=buf)      # bf16(u - 8) = z
-        else:   # z = (c-8) + 16(a-8) + 8, exact in int16 and in bf16 (|z| ≤ 128)
-            z = unpack_int4pack(state.packed, N, Kp, layout, r0, r1)         # int8 [2K, R']
-            buf.copy_(z[K:].to(torch.int16).mul_(16).add_(z[:K]).add_(8))
-        s_c = sc[: K // g, r0:r1].contiguous()   # unit inner stride: the broadcast mul vectorizes
-        buf.view(K // g, g, r1 - r0).mul_(s_c[:, None, :])                 # one rounding: bf16(z·s)
-        if state.crow is not None:   # outliers into the chunk (their inlier is 0): bf16(o)
-            a, b = int(state.crow[r0]), int(state.crow[r1])
-            if b > a:
-                rows = fmt.csr_rows(state.crow[r0:r1 + 1], b - a)
-                buf.index_put_((state.col[a:b].long(), rows), state.val[a:b].to(torch.bfloat16))
-        elif state.tile_col is not None:
-            rows, cols, vals = _tile_entries(state, r0, r1, padding=True)
-            buf_all[: (K + 1) * (r1 - r0)].view(K + 1, r1 - r0).index_put_((cols, rows), vals.to(torch.bfloat16))
-        yield r0, r1, buf
-
-
-def _large_m(state: CPUState, x2: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[M, N]``: a cached dequantized weight (``PREFILL_CACHE``) or per call: row chunks
-    dequantized into a reused, cache-sized bf16 buffer, each multiplied by a bf16 GEMM."""
-    xb = x2.to(torch.bfloat16)
-    if PREFILL_CACHE:
-        return torch.nn.functional.linear(xb, _cached_weight(state))
-    xbT = xb.t().contiguous()                                                  # [K, M]
-    yT = torch.empty(state.out_features, x2.shape[0], dtype=torch.bfloat16)
-    for r0, r1, buf in _dequant_chunks(state):
-        torch.mm(buf.t(), xbT, out=yT[r0:r1])
-    return yT.t()
-
-
-_PREFILL = DerivedCache()
-
-
-def _cached_weight(state: CPUState) -> torch.Tensor:
-    """bf16 ``[N, K]`` dequantized weight (outliers in), built on first use and kept while the
-    layer's packed weights live (opt-in: +2 bytes/weight resident)."""
-    def build():
-        wt = torch.empty(state.out_features, state.in_features, dtype=torch.bfloat16)
-        for r0, r1, buf in _dequant_chunks(state):
-            wt[r0:r1].copy_(buf.t())
-        return wt
-
-    return _PREFILL.get((state.packed,), build)
-
-
 def clear_prefill_cache() -> None:
-    _PREFILL.clear()
+    cpu_dequant.clear()
     _CSR.clear()
     _OP_SCALES.clear()
