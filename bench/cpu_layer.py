@@ -413,7 +413,8 @@ def coded_scales(a, results):
     for g in (64, 32, 16):
         cands = {f"s4-g{g}": states(g, True), f"fp16-g{2 * g}": states(2 * g, False)}
         if g != 16:   # group 16 runs only with codes (no op group): its decoded twin does not exist
-            plain = [(dataclass_replace(s, scales=cpu_dequant.scales_alone(s).contiguous()), K) for s, K in cands[f"s4-g{g}"]]
+            plain = [(dataclass_replace(s, scales=cpu_dequant.scales_alone(s).contiguous()), K)
+                     for s, K in cands[f"s4-g{g}"]]
             cands[f"fp16-g{g}"] = plain
         b = {k: bits(v) for k, v in cands.items()}
         for M in (1, 8):

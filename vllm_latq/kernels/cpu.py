@@ -227,13 +227,14 @@ class CPUKernel(LatqKernel):
             packed_parts.append(pack(u.int().contiguous(), 1))
             sz_parts.append(szs)
         packed = torch.cat(packed_parts, 0) if len(packed_parts) > 1 else packed_parts[0]
-        sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16)                # [Kp/go, N, 2]
-        # where the GEMV runs, the scales alone: it derives the zeros (torch's op gets pairs built from them)
-        sz = (sz[..., 0] if _gemv_here() else sz).contiguous()
         if coded:   # the codes of each scale group (op groups inside one latq group repeat them)
             idx = torch.arange(K // go) * go // w.group_size
             c = w.coded
             sz = coded_scale_words(fmt.scale_codes.CodedScales(c.codes[:, idx], c.min[:, idx], c.step[:, idx]))
+        else:
+            sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16)            # [Kp/go, N, 2]
+            # where the GEMV runs, the scales alone: it derives the zeros (torch's op gets pairs built from them)
+            sz = (sz[..., 0] if _gemv_here() else sz).contiguous()
         if len(packed_parts) > 1:
             # the layout packs blocks of rows independently, but check the concatenation anyway
             assert packed.shape == (N, K * planes // 2)
