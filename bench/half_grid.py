@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def quantized_weights(model: str, opts, offset: float) -> dict[str, torch.Tensor]:
+def quantized_weights(model: str, opts, offset: float, results: dict | None = None) -> dict[str, torch.Tensor]:
     """{linear's module name: its dequantized weight} of a pipeline run whose solvers put the
-    inliers on ``s·(z + offset)``."""
+    inliers on ``s·(z + offset)``; ``results`` (if given) receives each solver's result."""
     from vllm_latq.quantize.pipeline import quantize_model
     from vllm_latq.quantize.solve import solve as default_solve
 
@@ -36,6 +36,8 @@ def quantized_weights(model: str, opts, offset: float) -> dict[str, torch.Tensor
     def solve(method, W, H, name, **kw):
         res = default_solve(method, W, H, name, offset=offset, **kw)
         weights[name] = res.q.clone()
+        if results is not None:
+            results[name] = res
         return res
 
     with tempfile.TemporaryDirectory() as tmp:
