@@ -45,9 +45,10 @@ import torch.nn.functional as F
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu, cpu_dequant, cpu_layouts
-from vllm_latq.kernels.cpu import CPUKernel
-from vllm_latq.kernels.reference import LatqWeight, dequantize, random_weight
+from vllm_latq.kernels.cpu import kernel as cpu, dequant as cpu_dequant, layouts as cpu_layouts
+from vllm_latq.kernels.cpu.kernel import CPUKernel
+from vllm_latq.kernels.weight import LatqWeight, dequantize
+from vllm_latq.testing.weights import random_weight
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
@@ -191,7 +192,7 @@ def large(a):
 
 def wide(a, results):
     """> 4-bit inliers (HPTQ transcodes): two int4 planes vs off-grid weights in the CSR."""
-    from vllm_latq.kernels.reference import transcode
+    from vllm_latq.kernels.transcode import transcode
     N, K = SHAPES["4096"]
     print("\n> 4-bit HPTQ-style transcodes, 4096x4096, M=1 (median µs; speedup vs bf16 F.linear)")
     g = torch.Generator().manual_seed(0)

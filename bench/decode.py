@@ -1,16 +1,16 @@
 """End-to-end decode speed through vLLM: bf16 vs latq (each available kernel path),
 eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
 
-    python bench/decode.py                                  # SmolLM2-135M bf16 vs its SSQR checkpoint
-    python bench/decode.py --model gemma3-270m --ckpt DIR   # another pair
-    python bench/decode.py --kernels cpu --modes compiled --repeats 5
-    python bench/decode.py --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
+    python -m bench.decode                                  # SmolLM2-135M bf16 vs its SSQR checkpoint
+    python -m bench.decode --model gemma3-270m --ckpt DIR   # another pair
+    python -m bench.decode --kernels cpu --modes compiled --repeats 5
+    python -m bench.decode --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
                                                            # --quantize-lm-head checkpoint side by side
-    python bench/decode.py --moe --kernels cpu             # a mixture-of-experts pair (below)
+    python -m bench.decode --moe --kernels cpu             # a mixture-of-experts pair (below)
 
 ``--moe``: a random Qwen3-MoE (``MOE_SIZES``: 8 experts, top-2, 4 blocks, hidden 512; SmolLM2's
 tokenizer, untied bf16 head) vs its checkpoint with SSQR-format experts and attention
-(``tests/moe_helpers.py``: RTN integers + forced outliers; speed does not depend on how the
+(``vllm_latq/testing/moe_models.py``: RTN integers + forced outliers; speed does not depend on how the
 integers were found), both built once under the cache. The ratio covers the whole step: the
 bf16 embedding and head (25 M parameters each) stream in both engines.
 
@@ -115,7 +115,7 @@ class Engine:
     def __init__(self, job: dict, env: dict, logdir: str):
         self.job, self.lines = job, []
         self.err = open(Path(logdir, f"engine{id(self)}.err"), "w+")
-        self.p = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(job)], env=env, cwd=ROOT,
+        self.p = subprocess.Popen([sys.executable, "-m", "bench.decode", "--serve", json.dumps(job)], env=env, cwd=ROOT,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
 
     def read(self) -> dict:
@@ -282,8 +282,7 @@ MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe
 
 def moe_pair() -> tuple[Path, Path]:
     """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache."""
-    sys.path.insert(0, str(ROOT))   # run as a script: the repository's tests/ package
-    from tests.moe_helpers import make_moe_checkpoint, make_moe_model
+    from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
     from vllm_latq.data import cache_dir
 
     src = cache_dir() / "bench" / "qwen3_moe-random-e8"

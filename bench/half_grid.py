@@ -5,8 +5,8 @@ outliers exact) are written into the model that is then evaluated by the study's
 (``latq-eval``'s windows). The checkpoint the run writes lacks the offset and is discarded:
 ``--offset 0`` is the control, the perplexity of that checkpoint (``tests/test_bench_half_grid.py``).
 
-    python bench/half_grid.py smollm2-135m --method ssqr --bits 2 --offset 0.5
-    python bench/half_grid.py gemma3-270m --method gptq --bits 2 --offset 0 0.5
+    python -m bench.half_grid smollm2-135m --method ssqr --bits 2 --offset 0.5
+    python -m bench.half_grid gemma3-270m --method gptq --bits 2 --offset 0 0.5
 
 The last line is ``HEADLINE key=value ...`` (one ``ppl_offset<o>`` per offset).
 """
@@ -21,15 +21,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def quantized_weights(model: str, opts, offset: float, results: dict | None = None) -> dict[str, torch.Tensor]:
     """{linear's module name: its dequantized weight} of a pipeline run whose solvers put the
     inliers on ``s·(z + offset)``; ``results`` (if given) receives each solver's result."""
     from vllm_latq.quantize.pipeline import quantize_model
-    from vllm_latq.quantize.solve import solve as default_solve
+    from vllm_latq.quantize.solve_layers import solve as default_solve
 
     weights = {}
 
@@ -48,7 +46,7 @@ def quantized_weights(model: str, opts, offset: float, results: dict | None = No
 def perplexity(model: str, weights: dict[str, torch.Tensor], seqlen: int, nwindows: int) -> dict:
     """The study's perplexity (fp32 compute, the eval windows) of ``model`` with ``weights`` in place."""
     from vllm_latq import data
-    from vllm_latq.quantize.evaluate import load_for_eval
+    from vllm_latq.evaluate import load_for_eval
 
     m, tok, _ = load_for_eval(model)
     for name, q in weights.items():

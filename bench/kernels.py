@@ -25,13 +25,13 @@ layer the first M at which latq is slower than dense.
 
 Static part (everywhere, unless --no-static):
   1. every kernel config (SIMT GEMV, tensor-core, the grouped MoE kernel of
-     :mod:`vllm_latq.kernels.triton_moe`) compiled offline for sm_80/86/89/90 (real ptxas;
-     :mod:`vllm_latq.kernels.triton_compile`, cached): registers, spill bytes, shared
+     :mod:`vllm_latq.kernels.triton.grouped_moe`) compiled offline for sm_80/86/89/90 (real ptxas;
+     :mod:`tools.triton_compile`, cached): registers, spill bytes, shared
      memory vs the target's limit, SASS instruction counts by class;
   2. the bytes-moved model: bytes per weight of each format and per layer vs bf16 → the
      memory-bound speedup ceiling.
 
-Cost model (always; pure): :mod:`vllm_latq.kernels.triton_model`'s µs for the MMA kernel,
+Cost model (always; pure): :mod:`vllm_latq.kernels.triton.cost_model`'s µs for the MMA kernel,
 dequantise-once + GEMM and dense ``F.linear`` per shape × bits × rate × M ≥ 8, on the A100
 and H100 models and on the GPU present — the prediction the GPU part then measures.
 
@@ -39,8 +39,8 @@ Ends with ``HEADLINE key=value …`` (docs/BENCHMARKS.md lists the keys): ``spil
 other static totals when the static part ran; ``gpu=<name>`` and the measured ratios when
 the GPU part ran, ``gpu=none`` without a CUDA device.
 """
-# no ``from __future__ import annotations``: tests/test_triton.py loads this file unregistered
-# (spec_from_file_location), where a dataclass with string annotations cannot resolve itself
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import math
@@ -54,9 +54,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_latq.kernels import triton_layout as tlay  # noqa: E402
+from vllm_latq.kernels.triton import layout as tlay  # noqa: E402
 
 # (out features N, in features K). Llama-3-8B: hidden 4096, 32 query + 8 KV heads of 128,
 # MLP 14336 — vLLM's fused qkv and gate_up; the issue's 4096×14336 target layer first (the
@@ -213,7 +212,7 @@ def bytes_model(m: int = 1, shapes=None) -> tuple[list[str], dict]:
 # ----------------------------------------------------------------------------- static report
 
 def static_report(quick: bool = False) -> tuple[list[str], dict]:
-    from vllm_latq.kernels import triton_compile as tc
+    from tools import triton_compile as tc
     jobs = tc.all_jobs(quick=quick)
     rows = tc.summarize(jobs, tc.run(jobs))
     lines = ["static report: every kernel config compiled offline (triton.compile → ptxas; "
@@ -256,7 +255,7 @@ def mma_ipw_lines(rows: list[dict]) -> list[str]:
     """The tensor-core K loop's instructions per weight per program, median over each BM's
     configs with fp16 scales, next to the cost model's constants (``triton_model.MMA_IPW``, sm_80)."""
     rows = [r for r in rows if r["scales"] == "fp16"]
-    from vllm_latq.kernels.triton_model import MMA_IPW
+    from vllm_latq.kernels.triton.cost_model import MMA_IPW
     lines = ["MMA K loop, SASS instructions per weight per BM-row program (median over configs) "
              "vs the cost model's constant:"]
     for (bits, bm), model in sorted(MMA_IPW.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -281,10 +280,10 @@ def cost_model(a, props=None) -> tuple[list[str], dict]:
     is the bytes model's) and dense / latq. On the A100 and H100 models, and on ``props``
     (a GPU's properties) when given. HEADLINE keys: the worst predicted 4-bit 1 % ratio at
     8 ≤ M ≤ 256 over the target layers, per model."""
-    from vllm_latq.kernels.triton_model import large_m_threshold, model_times
+    from vllm_latq.kernels.triton.cost_model import large_m_threshold, model_times
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     devs = list(MODEL_DEVICES) + ([props] if props is not None else [])
-    lines = [f"cost model (kernels/triton_model.py), {a.dtype}: µs per call; path = the one TritonKernel.apply "
+    lines = [f"cost model (kernels/triton/cost_model.py), {a.dtype}: µs per call; path = the one TritonKernel.apply "
              f"takes for M ≥ 8; ratio = dense / path", f"{'device':8} {'shape':16} {'bits':>4} {'rate':>5} {'M':>4} "
              f"{'mma_us':>8} {'deq_us':>8} {'dense_us':>8} {'path':>7} {'ratio':>6}"]
     head = {}
@@ -315,7 +314,7 @@ def weight_bytes(st) -> int:
     """Bytes of a prepared Triton state's weight tensors (what every call streams): inlier
     planes, scales, outlier arrays with their ELL padding — all tensors of the state except
     the split-K tickets (a counter per 16 rows, scratch, not weights)."""
-    from vllm_latq.kernels.triton_kernels import TritonKernel
+    from vllm_latq.kernels.triton.kernel import TritonKernel
     tensors, _ = TritonKernel.flatten(st)
     return sum(t.numel() * t.element_size() for t in tensors if t is not None and t is not st.tickets)
 
@@ -379,7 +378,7 @@ class Point:
 
 def picked_kernel(st, x2: torch.Tensor) -> str:
     """The kernel ``TritonKernel.apply(st, x2)`` runs (mirrors its routing; tested against it)."""
-    from vllm_latq.kernels.triton_dequant import use_large_m
+    from vllm_latq.kernels.triton.dequant import use_large_m
     if use_large_m(st, x2):
         return "dequant"
     return "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
@@ -392,7 +391,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _clone_state(st):
-    from vllm_latq.kernels.triton_kernels import TritonKernel
+    from vllm_latq.kernels.triton.kernel import TritonKernel
     tensors, ints = TritonKernel.flatten(st)
     return TritonKernel.unflatten([t.clone() if t is not None else None for t in tensors], ints)
 
@@ -407,8 +406,8 @@ def _warm_up(states, w, ms, kernels, dtype, dev, log) -> dict:
     kernel, once — so the autotuners see the M the selector sends them first, and never run
     inside a capture — each output checked against the fp32 reference → {(m, kernel or
     None): rel error} (inf: the call failed)."""
-    from vllm_latq.kernels.reference import dequantize
-    from vllm_latq.kernels.triton_kernels import TritonKernel
+    from vllm_latq.kernels.weight import dequantize
+    from vllm_latq.kernels.triton.kernel import TritonKernel
     w_ref = dequantize(w)
     xs = {m: torch.randn(m, w.in_features, device=dev).to(dtype) for m in ms}
     refs = {m: xs[m].float() @ w_ref.T for m in ms}
@@ -439,11 +438,11 @@ def scale_form(form: str) -> tuple[int, int | None]:
 
 
 def bench_weight(n: int, k: int, bits: int, rate: float, scales: str = SCALES):
-    """The layer timed (on the CPU): ``reference.random_weight`` in the group-scale form
+    """The layer timed (on the CPU): ``random_weight`` in the group-scale form
     ``scales``, with fp16-exact outlier values, as SSQR checkpoints store them, so the layout
     keeps compact 4-byte entries (int16 column + fp16 value) as in production rather than fp32
     values."""
-    from vllm_latq.kernels.reference import random_weight
+    from vllm_latq.testing.weights import random_weight
     group, scale_bits = scale_form(scales)
     w = random_weight(n, k, bits, rate, group=group, seed=0, scale_bits=scale_bits)
     return dataclasses.replace(w, val=w.val.half().float())
@@ -454,7 +453,7 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
     """All points of one (shape, bits, rate) in the group-scale form ``scales``: weights, warm-up
     + check, then per M the picked kernel, the forced ones, the dense baseline (cached per shape
     × M) and the copy."""
-    from vllm_latq.kernels.triton_kernels import TritonKernel
+    from vllm_latq.kernels.triton.kernel import TritonKernel
     name, n, k = spec
     t0 = time.perf_counter()
     w = bench_weight(n, k, bits, rate, scales).to(dev)

@@ -1,7 +1,7 @@
 """Screen of the accuracy levers of issue #21 §3 on real SmolLM2-135M layers.
 
 Per lever, at 2/3/4 bits, against the same method without it: the H-weighted layer error
-``‖X(q−w)‖²/‖Xw‖²`` (summed over the four cached real layers of ``tests/helpers.REAL_LAYERS``),
+``‖X(q−w)‖²/‖Xw‖²`` (summed over the four cached real layers of ``vllm_latq.testing.hessians.REAL_LAYERS``),
 stored bits/weight and served bits/weight (the CPU family's cost model,
 ``kernels/served.layer_served``; for a lever that changes the runtime form, the form it would
 need). Levers:
@@ -31,16 +31,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.helpers import real_layer_hessians
+from vllm_latq.testing.hessians import real_layer_hessians
 from vllm_latq import format as fmt
 from vllm_latq.format import huffman
-from vllm_latq.kernels.served import families, layer_served
+from vllm_latq.kernels.served_report import families, layer_served
 from vllm_latq.quantize import column_scales as cs
 from vllm_latq.quantize.hessian import qronos_target
-from vllm_latq.quantize.hptq import SCALE_BITS, hptq
-from vllm_latq.quantize.lattice import layer_error
-from vllm_latq.quantize.solvers import gptq
-from vllm_latq.quantize.ssqr import ssqr
+from vllm_latq.algorithms.hptq import SCALE_BITS, hptq
+from vllm_latq.algorithms.lattice import layer_error
+from vllm_latq.algorithms.solvers import gptq
+from vllm_latq.algorithms.ssqr import ssqr
 
 NORM_FED = ("q_proj", "up_proj")   # of REAL_LAYERS: the ones a norm feeds (their scales fold for free)
 

@@ -5,11 +5,11 @@ blocks (``stop_after_block``); ``--shape moe``: mixture-of-experts blocks with Q
 shapes (hidden 2048, 128 experts × intermediate 768, top-8, 32 query / 4 KV heads of 128,
 vocab 151936), two of them by default.
 
-    python bench/memory.py                                   # the 8B shapes (writes ~16 GB once)
-    python bench/memory.py --nsamples 16 --seqlen 2048 --ssqr-blocks 2
-    python bench/memory.py --shape moe --nsamples 8 --seqlen 2048 --ssqr-blocks 1
-    python bench/memory.py --shape small --layers 4          # a quick run (seconds)
-    python bench/memory.py --max-activation-memory 0         # calibration activations spilled to disk
+    python -m bench.memory                                   # the 8B shapes (writes ~16 GB once)
+    python -m bench.memory --nsamples 16 --seqlen 2048 --ssqr-blocks 2
+    python -m bench.memory --shape moe --nsamples 8 --seqlen 2048 --ssqr-blocks 1
+    python -m bench.memory --shape small --layers 4          # a quick run (seconds)
+    python -m bench.memory --max-activation-memory 0         # calibration activations spilled to disk
 
 The model is written once as sharded bf16 safetensors (HF layout — experts one tensor per
 expert and projection, as the hub's MoE checkpoints —, config.json, SmolLM2's tokenizer: its

@@ -1,5 +1,5 @@
 """Cheaper outlier codings at equal served bits (issue 21 §2): SSQR (4-bit, g128) on the real
-SmolLM2 layers of ``tests.helpers.real_layer_hessians``, each outlier coding priced in the
+SmolLM2 layers of ``vllm_latq.testing.hessians.real_layer_hessians``, each outlier coding priced in the
 CPU kernel's 16-row tiles (padding slots counted, ``cpu_layouts.tile_slots``) and solved at
 the outlier rate that spends the same outlier bits as fp16 values at 1 %.
 
@@ -31,14 +31,14 @@ from unittest import mock
 
 import torch
 
-from tests.helpers import real_layer_hessians
+from vllm_latq.testing.hessians import real_layer_hessians
 from vllm_latq import native
 from vllm_latq.format.csr import csr_rows
-from vllm_latq.kernels.cpu_layouts import TILE, tile_slots
-from vllm_latq.quantize import lattice
-from vllm_latq.quantize.solvers import Rounder
+from vllm_latq.kernels.cpu.layouts import TILE, tile_slots
+from vllm_latq.algorithms import lattice
+from vllm_latq.algorithms.solvers import Rounder
 
-ssqr_module = importlib.import_module("vllm_latq.quantize.ssqr")   # the module (the package exports the function)
+ssqr_module = importlib.import_module("vllm_latq.algorithms.ssqr")   # the module (the package exports the function)
 
 BITS, GROUP, BASE_RATE = 4, 128, 0.01
 SCALE_BITS = 32 / 128        # the CPU kernel's bf16 scale + zero per op group of 128
@@ -125,7 +125,7 @@ def post_int8(res, W) -> torch.Tensor:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", nargs="*", help="names among tests.helpers.REAL_LAYERS (default: all)")
+    ap.add_argument("--layers", nargs="*", help="names among vllm_latq.testing.hessians.REAL_LAYERS (default: all)")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     layers = real_layer_hessians()

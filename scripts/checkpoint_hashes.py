@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))   # tests.conftest; PYTHONPATH's vllm_latq first
 
 RUNS = {  # name: (model, options)
     "ssqr": ("llama", dict(method="ssqr")), "hptq": ("llama", dict(method="hptq")),
@@ -34,7 +33,7 @@ RUNS = {  # name: (model, options)
 
 
 def main(out: str) -> None:
-    from tests.conftest import TINY_OPTS, make_tiny_model
+    from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
     import vllm_latq
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 

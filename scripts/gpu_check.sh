@@ -49,8 +49,8 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("properties: SMs", p.multi_processor_count, "SM clock kHz", getattr(p, "clock_rate", "?"),
           "memory clock kHz", getattr(p, "memory_clock_rate", "?"), "bus bits", getattr(p, "memory_bus_width", "?"))
-    try:   # the cost model's constants for this GPU (kernels/triton_model.py: HBM from clock x bus width)
-        from vllm_latq.kernels.triton_model import device_model
+    try:   # the cost model's constants for this GPU (kernels/triton/cost_model.py: HBM from clock x bus width)
+        from vllm_latq.kernels.triton.cost_model import device_model
         print("cost model:", device_model(p))
     except Exception as e:
         print("cost model: unavailable:", type(e).__name__, e)
@@ -113,7 +113,7 @@ t1=$(date +%s)
 echo "test phase: $((t1 - t0))s" | tee -a "$out/summary.txt"
 
 # ---------------------------------------------------------------------------- bench
-bench=(bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256)
+bench=(-m bench.kernels --no-static --m 1,2,4,8,16,32,64,128,256)
 scales_s=75   # the scale-form bench's share, after the main bench
 bench_s=$((total_s - (t1 - t0) - 20 - scales_s))
 [ "$bench_s" -ge 30 ] || bench_s=30
@@ -125,13 +125,13 @@ if [ "$bench_rc" = 2 ] && grep -q "unrecognized arguments" "$out/bench.log"; the
   echo "(bench without --no-static/--m: rerun as bench/kernels.py --quick)" >> "$out/bench.log"
   left=$((bench_s - ($(date +%s) - t1)))
   [ "$left" -ge 10 ] || left=10
-  (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$left" "$py" bench/kernels.py --quick) >> "$out/bench.log" 2>&1
+  (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$left" "$py" -m bench.kernels --quick) >> "$out/bench.log" 2>&1
   bench_rc=$?
 fi
 note=""; [ "$bench_rc" = 124 ] && note=" (timed out after ${bench_s}s)"
 head=$(grep -m1 '^HEADLINE' "$out/bench.log" || tail -n 1 "$out/bench.log")
 echo "bench exit $bench_rc$note: $head" | tee -a "$out/summary.txt"
-scales=(bench/kernels.py --no-static --shapes 8b.down,8b.o --rates 0 --m 1,8,64 --breakdown none
+scales=(-m bench.kernels --no-static --shapes 8b.down,8b.o --rates 0 --m 1,8,64 --breakdown none
         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 --budget-s $((scales_s - 25)))
 echo "bench: ${scales[*]} (limit ${scales_s}s)" > "$out/bench_scales.log"
 (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 15 "$scales_s" "$py" "${scales[@]}") >> "$out/bench_scales.log" 2>&1

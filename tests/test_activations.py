@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS
+from vllm_latq.testing.tiny_models import TINY_OPTS
 from tests.test_pipeline import file_hashes
 from vllm_latq.quantize import cli
 from vllm_latq.quantize.activations import Activations, inputs_file

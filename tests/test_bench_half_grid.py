@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from bench import half_grid
-from tests.conftest import TINY_OPTS
-from vllm_latq.quantize.evaluate import evaluate
+from vllm_latq.testing.tiny_models import TINY_OPTS
+from vllm_latq.evaluate import evaluate
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
-from vllm_latq.quantize.scales import expand
+from vllm_latq.algorithms.scales import expand
 
 
 def test_control_is_the_checkpoints_perplexity(tiny_llama, tmp_path, capsys):

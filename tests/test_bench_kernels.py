@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from bench import kernels as bk
-from vllm_latq.kernels.reference import random_weight
+from vllm_latq.testing.weights import random_weight
 
 triton = pytest.importorskip("triton")
-from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
-from vllm_latq.kernels.triton_kernels import TritonKernel  # noqa: E402
+from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
+from vllm_latq.kernels.triton.kernel import TritonKernel  # noqa: E402
 
 L2 = 50 << 20
 

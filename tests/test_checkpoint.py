@@ -157,8 +157,8 @@ def test_dequantize_adds_outliers_to_the_grid_weights():
     want[mask] = t["outlier_val"].float()
     assert torch.equal(W, want)
     from vllm_latq.kernels import reference  # the kernels' reference computes the same weights
-    w = reference.from_dense_tensors(t, bits, gs, shape[1])
-    assert torch.equal(reference.dequantize(w), W)
+    w = weight.from_dense_tensors(t, bits, gs, shape[1])
+    assert torch.equal(weight.dequantize(w), W)
 
 
 def test_validator_rejects_integer_under_outlier():
@@ -402,7 +402,7 @@ def test_flipped_payload_byte_without_checksums(tiny_checkpoints, tmp_path, caps
 
 
 def test_eval_rejects_corrupted_checkpoint(tiny_checkpoints, tmp_path, capsys):
-    from vllm_latq.quantize import evaluate
+    from vllm_latq import evaluate
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     (d / SHARD0).write_bytes((d / SHARD0).read_bytes()[:1000])
     assert evaluate.main([str(d), "--nwindows", "1", "--seqlen", "32"]) == 2

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS, make_tiny_model
+from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
 from tests.helpers import replay_blocks
 from vllm_latq import format as fmt
 from vllm_latq import hf_model
@@ -33,7 +33,7 @@ def test_column_scales_equalise_d_s2():
     H = X.T @ X
     c = cs.column_scales(H, max_ratio=1e6)
     T = torch.argsort(H.diagonal(), descending=True).flip(0)
-    from vllm_latq.quantize import lattice
+    from vllm_latq.algorithms import lattice
     L, _ = lattice.cholesky(H, 0.01, T)
     D = lattice.d_by_column(L, T)
     per_col = D / c.double() ** 2

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from vllm_latq.format import huffman
-from vllm_latq.quantize import (babai, error_bound, gptq, hptq, hrtn, ldl_diag, min_pivot_order,
-                                rtn, ssqr)
-from tests.helpers import reference_gptq
+from vllm_latq.algorithms import babai, error_bound, gptq, hptq, hrtn, ldl_diag, min_pivot_order, rtn, ssqr
+from vllm_latq.testing.gptq_loop import reference_gptq
 from vllm_latq import native
-from vllm_latq.quantize.lattice import ORDERS, damped
-from vllm_latq.quantize.scales import absmax_scales, expand, grid, mse_scales
+from vllm_latq.algorithms.lattice import ORDERS, damped
+from vllm_latq.algorithms.scales import absmax_scales, expand, grid, mse_scales
 
 TIE_EPS = 1e-3   # fp32: a rounding argument this close to k + ½ may round either way
 
@@ -76,7 +75,7 @@ def test_gptq_factor_is_cholesky_of_inverse():
     """The GPTQ factor of H⁻¹ is Babai's inverted and reversed: with AᵀA = (H_d)_TT (A upper,
     T = p reversed), the sweep's ``M·diag`` is A⁻¹, and J A⁻ᵀ J is GPTQ's original
     chol(H_pp⁻¹, upper) — from one Cholesky of the reversed matrix."""
-    from vllm_latq.quantize.solvers import gptq_lattice
+    from vllm_latq.algorithms.solvers import gptq_lattice
     W, H = random_problem(c=96)
     lat = gptq_lattice(H, "act", 0.01, dtype=torch.float64)
     A_inv = lat.M * lat.diag
@@ -288,7 +287,7 @@ def test_indefinite_hessian_raises_damping_with_a_warning():
 
 @pytest.mark.parametrize("method", ["gptq", "gptq-unclipped", "babai", "babai-clipped", "ssqr", "hptq"])
 def test_native_column_step_equals_torch_step(method):
-    """fp32 sweeps round through the C++ sub-block step (``quantize/csrc/sweep.cpp``) when it
+    """fp32 sweeps round through the C++ sub-block step (``algorithms/csrc/sweep.cpp``) when it
     builds: the same integers, values and outliers as the torch step (ω/s to ~1 ulp)."""
     if not native.available():
         pytest.skip(f"C++ ops unavailable: {native.load()}")
@@ -313,7 +312,7 @@ def test_native_column_step_equals_torch_step(method):
 
 def test_native_permuted_damped_hessian_equals_torch():
     """The C++ permute-and-damp gives bit-identical matrices to torch's copy + two gathers."""
-    from vllm_latq.quantize import lattice
+    from vllm_latq.algorithms import lattice
     if not native.available():
         pytest.skip(f"C++ ops unavailable: {native.load()}")
     W, H = random_problem(c=200, seed=3)
@@ -329,7 +328,7 @@ def test_native_permuted_damped_hessian_equals_torch():
 def test_finite_check_survives_an_overflowing_sum():
     """The one-pass check sums in the input dtype: a sum overflowing on finite values must
     fall through to the exact count, not report a NaN that is not there."""
-    from vllm_latq.quantize.lattice import check_finite
+    from vllm_latq.algorithms.lattice import check_finite
     x = torch.full((4, 64), 3e38)
     assert not torch.isfinite(x.sum())
     check_finite(x, "weight", "L")

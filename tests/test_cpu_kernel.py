@@ -1,4 +1,4 @@
-"""The CPU fast path (``kernels/cpu.py``) against the torch reference.
+"""The CPU fast path (``kernels/cpu/kernel.py``) against the torch reference.
 
 Two comparisons per case:
 
@@ -26,10 +26,13 @@ import torch
 
 from vllm_latq import format as fmt
 from vllm_latq import native
-from vllm_latq.kernels import cpu, cpu_dequant, cpu_layouts
-from vllm_latq.kernels.cpu import CPUKernel
-from vllm_latq.kernels.reference import (GridStats, LatqWeight, dequantize, latq_linear_ref, random_weight,
-                                        transcode)
+from vllm_latq.kernels.cpu import kernel as cpu, dequant as cpu_dequant, layouts as cpu_layouts
+from vllm_latq.kernels.cpu.kernel import CPUKernel
+from vllm_latq.kernels.served_bytes import GridStats
+from vllm_latq.kernels.weight import LatqWeight, dequantize
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.testing.weights import random_weight
+from vllm_latq.kernels.transcode import transcode
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")

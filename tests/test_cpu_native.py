@@ -8,8 +8,8 @@ import torch
 
 from tests.test_cpu_kernel import check, expected, prepared
 from vllm_latq import native
-from vllm_latq.kernels import cpu, cpu_dequant, cpu_layouts
-from vllm_latq.kernels.cpu import CPUKernel
+from vllm_latq.kernels.cpu import kernel as cpu, dequant as cpu_dequant, layouts as cpu_layouts
+from vllm_latq.kernels.cpu.kernel import CPUKernel
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
               pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")]

@@ -12,7 +12,7 @@ import torch
 
 from tests.device_guard import DeviceUnspecified, factories_follow_inputs
 from vllm_latq import format as fmt
-from vllm_latq.kernels.reference import random_weight
+from vllm_latq.testing.weights import random_weight
 
 
 def test_guard_catches_the_old_unpack():
@@ -60,7 +60,7 @@ TOKEN_IDS = ("data/text.py:_windows",)
 @pytest.mark.parametrize("bits,rate", [(4, 0.02), (3, 0.0), (8, 0.05)])
 def test_dequantized_and_reference_kernels(bits, rate):
     from vllm_latq.kernels.dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
-    from vllm_latq.kernels.reference_kernel import ReferenceKernel
+    from vllm_latq.kernels.reference import ReferenceKernel
     w = random_weight(40, 144, bits, rate, group=64, seed=bits)
     x, bias = torch.randn(3, 144), torch.randn(40)
     with factories_follow_inputs():
@@ -74,8 +74,8 @@ def test_dequantized_and_reference_kernels(bits, rate):
 def test_triton_layout_and_prepare(bits, mode):
     """The Triton kernels' load-time repacking is pure torch: it runs here on CPU tensors."""
     pytest.importorskip("triton")
-    from vllm_latq.kernels import triton_layout
-    from vllm_latq.kernels.triton_kernels import TritonKernel
+    from vllm_latq.kernels.triton import layout as triton_layout
+    from vllm_latq.kernels.triton.kernel import TritonKernel
     w = random_weight(40, 300, bits, 0.03, group=32, seed=bits)
     scalar = random_weight(24, 200, bits, 0.0, group=200, seed=bits)   # one group: a per-tensor scale
     with factories_follow_inputs():
@@ -132,9 +132,9 @@ def problem():
 def test_solvers(problem, native_on):
     """Every solver, order and rounding mode; ``torch``: the pure-torch path a CUDA tensor takes."""
     from vllm_latq import native
-    from vllm_latq.quantize import lattice, solvers
-    from vllm_latq.quantize.hptq import hptq, hrtn
-    from vllm_latq.quantize.ssqr import ssqr
+    from vllm_latq.algorithms import lattice, solvers
+    from vllm_latq.algorithms.hptq import hptq, hrtn
+    from vllm_latq.algorithms.ssqr import ssqr
     W, H = problem
     perm = torch.randperm(80, generator=torch.Generator().manual_seed(1))
     s = torch.tensor(0.01)
@@ -167,7 +167,7 @@ def test_solvers(problem, native_on):
 def test_quantize_model(tiny_llama, tmp_path, method, head):
     """``latq-quantize`` end to end (``device="cpu"``, the proxy for ``--device cuda``): source,
     capture, Hessians, solvers, the head, writing, validation."""
-    from tests.conftest import TINY_OPTS
+    from vllm_latq.testing.tiny_models import TINY_OPTS
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
     opts = QuantizeOptions(method=method, quantize_lm_head=head, device="cpu", **TINY_OPTS)
     with factories_follow_inputs(allow=THIRD_PARTY + TOKEN_IDS + HUFFMAN_NUMPY):

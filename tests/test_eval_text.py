@@ -16,7 +16,8 @@ import torch
 from tests.test_data import char_ids, char_tokenizer
 from vllm_latq import data
 from vllm_latq.format.checkpoint import Checkpoint
-from vllm_latq.quantize import cli, evaluate
+from vllm_latq.quantize import cli
+from vllm_latq import evaluate
 
 
 def write_txt_and_jsonl(tmp_path, docs: list[str], stem: str = "mine"):

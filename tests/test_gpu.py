@@ -48,7 +48,9 @@ import torch
 from tests.helpers import CROWDED
 from vllm_latq import format as fmt
 from vllm_latq.kernels import ops, selector
-from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, random_weight
+from vllm_latq.kernels.weight import LatqWeight, dequantize
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.testing.weights import random_weight
 
 DEV = torch.device(os.environ.get("LATQ_GPU_TESTS_DEVICE", "cuda"))
 CUDA = DEV.type == "cuda"
@@ -212,7 +214,7 @@ def test_triton_coded_scales_bit_exact(kind):
     """z = 1 everywhere and one-hot fp32 activations (exact sums; fp16 W for the dequantize
     path): each output is one decoded scale, which must equal ``scale_codes.decode_scales``
     bit for bit on the device (its FMA and fp16 rounding), scales from fp16 subnormals to ~100."""
-    from vllm_latq.kernels import triton_dequant
+    from vllm_latq.kernels.triton import dequant as triton_dequant
     n, k, groups = 48, 320, 5
     g = torch.Generator().manual_seed(3)
     S = (torch.randn(n, groups, generator=g) * 4).exp().mul(1e-3).clamp(2.0**-24, 100.0)
@@ -236,7 +238,7 @@ def test_triton_coded_scales_bit_exact(kind):
 @pytest.mark.parametrize("bits", [pytest.param(b, id=f"{b}bit") for b in (3, 4)])
 def test_triton_8b_shapes_coded_scales(bits, m):
     """A Qwen3-8B projection with coded scales at group 64, autotuned (as served)."""
-    from vllm_latq.kernels.triton_dequant import use_large_m
+    from vllm_latq.kernels.triton.dequant import use_large_m
     n, k = QWEN3_8B[next(iter(QWEN3_8B))]
     w = weight(n, k, bits, 0.01, group=64, seed=0, scale_bits=4)
     x = activations(m, k, torch.bfloat16, seed=m)
@@ -252,7 +254,7 @@ def test_triton_8b_shapes_coded_scales(bits, m):
 def test_triton_8b_shapes(bits, shape, m):
     """The Qwen3-8B linears at 1 % outliers, bf16, the autotuned default path (as served; from
     the large-M crossover on, dequantize once + cuBLAS: weights rounded once to bf16)."""
-    from vllm_latq.kernels.triton_dequant import use_large_m
+    from vllm_latq.kernels.triton.dequant import use_large_m
 
     n, k = QWEN3_8B[shape]
     w = weight(n, k, bits, 0.01, seed=0)
@@ -270,7 +272,7 @@ def test_triton_ragged_k_tails(bits, shape, m):
     4-bit tail, 5 bits' last 1-bit chunk part padding; the production tile of M's row tile
     (SPLIT = 1), and the autotuned default path (split-K over main and tail steps, or from
     the crossover on, dequantize once + cuBLAS)."""
-    from vllm_latq.kernels.triton_dequant import use_large_m
+    from vllm_latq.kernels.triton.dequant import use_large_m
 
     n, k = K_TAILS[shape]
     w = weight(n, k, bits, 0.01)
@@ -601,7 +603,7 @@ def moe_routing(t: int, seed: int):
 
 
 def assert_moe_close(y, x, w, ids, dense, what):
-    from tests.moe_helpers import moe_reference
+    from vllm_latq.testing.moe_models import moe_reference
     want = moe_reference(x.float().cpu(), w.cpu(), ids.cpu(), dense)
     err = (y.float().cpu() - want).abs().max().item()
     # bf16: the intermediate activations and the output are rounded once each
@@ -736,8 +738,8 @@ def assert_same_up_to_ties(z_cpu, z_dev, rho_cpu, rho_dev, order, min_same, what
 @pytest.mark.parametrize("grid", ["gptq-clipped", "ssqr-outliers", "hptq-unclipped"])
 def test_sweep_cuda_matches_cpu(grid, layer_wh):
     """The GPTQ sweep (what SSQR/HPTQ/GPTQ run) with the same scales on both devices."""
-    from vllm_latq.quantize import solvers
-    from vllm_latq.quantize.scales import matrix_scale, mse_scales
+    from vllm_latq.algorithms import solvers
+    from vllm_latq.algorithms.scales import matrix_scale, mse_scales
     W, H = layer_wh
     if grid == "hptq-unclipped":
         S, group, rounder = matrix_scale(W, 3.125) * 0.7, None, solvers.Rounder()
@@ -758,7 +760,7 @@ def test_sweep_cuda_matches_cpu(grid, layer_wh):
 
 def test_mse_scales_cuda_matches_cpu(layer_wh):
     """Group scales on both devices: equal except near-ties (both scales' errors within 1e-4)."""
-    from vllm_latq.quantize.scales import _grouped, grid, mse_scales
+    from vllm_latq.algorithms.scales import _grouped, grid, mse_scales
     W, _ = layer_wh
     for bits, group in ((4, 128), (3, 64)):
         b = mse_scales(W.to(DEV), bits, group).cpu()
@@ -785,7 +787,7 @@ def test_solver_cuda_matches_cpu(method, layer_wh):
     scales: with the same α ≥ 99.5 % identical integers, else α within 1e-3 and the same
     layer error within 1 %."""
     from vllm_latq import quantize
-    from vllm_latq.quantize.lattice import layer_error
+    from vllm_latq.algorithms.lattice import layer_error
     W, H = layer_wh
     fn = getattr(quantize, method)
     b = fn(W.to(DEV), H.to(DEV))          # the device first: if it fails, no CPU time is spent

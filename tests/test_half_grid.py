@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_latq.quantize.scales import expand, grid, mse_scales
-from vllm_latq.quantize.solvers import gptq
-from vllm_latq.quantize.ssqr import ssqr
+from vllm_latq.algorithms.scales import expand, grid, mse_scales
+from vllm_latq.algorithms.solvers import gptq
+from vllm_latq.algorithms.ssqr import ssqr
 
 
 def _on_grid(res, bits, offset=0.5):

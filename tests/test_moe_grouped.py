@@ -1,6 +1,6 @@
-"""The grouped MoE path (kernels/triton_moe.py): experts stacked into one Triton layout and one
+"""The grouped MoE path (kernels/triton/grouped_moe.py): experts stacked into one Triton layout and one
 launch per projection over the routed (token, slot) pairs, run by Triton's interpreter on CPU
-tensors against the token-by-token fp32 definition (tests/moe_helpers.py); the routing blocks,
+tensors against the token-by-token fp32 definition (vllm_latq/testing/moe_models.py); the routing blocks,
 the stacked bytes and views, the reasons it declines, and the eager cost-model choice.
 GPU-only cases (CUDA-graph capture + replay with changing routing): tests/test_gpu.py."""
 from __future__ import annotations
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from vllm_latq.kernels import moe, ops
-from vllm_latq.kernels.reference import dequantize, random_weight
+from vllm_latq.kernels.weight import dequantize
+from vllm_latq.testing.weights import random_weight
 
-from .moe_helpers import moe_reference
+from vllm_latq.testing.moe_models import moe_reference
 
-triton_moe = pytest.importorskip("vllm_latq.kernels.triton_moe")
-from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK, INTERPRET, TritonKernel  # noqa: E402
+triton_moe = pytest.importorskip("vllm_latq.kernels.triton.grouped_moe")
+from vllm_latq.kernels.triton.kernel import ENV_INTERPRET_OK, INTERPRET, TritonKernel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set by conftest)")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import TINY_OPTS, make_tiny_model
+from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
 from vllm_latq.format.validate import validate_checkpoint
@@ -28,7 +28,7 @@ NAMES = {  # model type: (its mixture's checkpoint prefix, its expert linears: g
 
 def _meta(arch, **extra):
     from transformers import AutoConfig
-    from tests.conftest import TINY_CONFIGS
+    from vllm_latq.testing.tiny_models import TINY_CONFIGS
     common = dict(vocab_size=256, hidden_size=80, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2)
     cfg = AutoConfig.for_model(arch, **{**common, **TINY_CONFIGS.get(arch, {}), **extra})

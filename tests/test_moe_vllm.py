@@ -1,5 +1,5 @@
 """Mixture-of-experts in vLLM (issue 20): the latq experts method, its custom op and loader, and
-vLLM end to end on tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints (tests/moe_helpers.py)
+vLLM end to end on tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints (vllm_latq/testing/moe_models.py)
 against transformers on the same model's dequantized weights."""
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import torch
 
 from vllm_latq import format as fmt
 from vllm_latq.kernels import moe, ops
-from vllm_latq.kernels.reference import dequantize, random_weight
+from vllm_latq.kernels.weight import dequantize
+from vllm_latq.testing.weights import random_weight
 
 from . import vllm_helpers as h
-from .moe_helpers import ARCHS, hf_reference, make_moe_checkpoint, make_moe_model, moe_reference, ssqr_like
+from vllm_latq.testing.moe_models import (ARCHS, hf_reference, make_moe_checkpoint, make_moe_model, moe_reference, ssqr_like)
 
 # ============================================================================ the experts' forward (no engine)
 
@@ -68,7 +69,7 @@ def test_experts_forward_equals_reference(kernel, dtype, tol, T):
 def test_experts_forward_through_triton_interpreter(T, monkeypatch):
     """The CUDA path's kernels (Triton: SIMT GEMV below 8 rows, tensor-core from 8), run by
     Triton's interpreter on CPU, inside the experts' forward."""
-    from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK, INTERPRET
+    from vllm_latq.kernels.triton.kernel import ENV_INTERPRET_OK, INTERPRET
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest)")
     monkeypatch.setenv(ENV_INTERPRET_OK, "1")
@@ -140,7 +141,7 @@ def _Experts(moe_config, names=("gate_proj", "down_proj", "up_proj")):
 def _expert_tensors(kind: str, inter: int):
     """Per expert and shard id: (the layer's checkpoint tensors, its dequantized matrix); kind
     ``coded``: dense with coded group scales (RTN, ``scale_bits=4``)."""
-    from vllm_latq.quantize import hrtn, rtn
+    from vllm_latq.algorithms import hrtn, rtn
     out = {}
     for e in range(E):
         for i, (sid, shape) in enumerate((("w1", (inter, H)), ("w3", (inter, H)), ("w2", (H, inter)))):
@@ -222,7 +223,7 @@ def test_triton_experts_load_stacked_and_apply_in_the_interpreter(monkeypatch):
     """With the Triton kernel (interpreter) the loader stacks each projection's experts and the
     experts' states become views of the stacks; apply (eager choice and the stacked path) and
     the custom op on the flattened state equal the token-by-token definition."""
-    from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK, INTERPRET
+    from vllm_latq.kernels.triton.kernel import ENV_INTERPRET_OK, INTERPRET
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest)")
     monkeypatch.setenv(ENV_INTERPRET_OK, "1")
@@ -293,7 +294,7 @@ def test_vllm_greedy_equals_transformers(arch, tmp_path):
     a tiny MoE: with the reference kernel the same greedy tokens as transformers on latq-eval's
     dequantized model; with the default kernel (the CPU kernel: bf16 compute) at least 7 in 8
     tokens greedy under transformers (a router near-tie flipped by bf16 changes a whole expert)."""
-    from tests.conftest import TINY_OPTS
+    from vllm_latq.testing.tiny_models import TINY_OPTS
     from vllm_latq.format.checkpoint import load_dequantized_model
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from vllm_latq.kernels import ops, selector
-from vllm_latq.kernels.reference import LatqWeight, random_weight
+from vllm_latq.kernels.weight import LatqWeight
+from vllm_latq.testing.weights import random_weight
 
 N, K, GROUP, M = 32, 256, 128, 3          # CPU kernel: N % 16 == 0, its op groups divide K
 NAMES = [k.name for k in selector.kernels()]

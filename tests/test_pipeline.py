@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS, make_tiny_model
+from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
 from tests.helpers import replay_blocks
 from vllm_latq import format as fmt
 from vllm_latq import hf_model
@@ -295,7 +295,7 @@ def test_uncalibrated_methods_skip_calibration(tiny_llama, tmp_path, monkeypatch
 # ----------------------------------------------------------------------------- latq-eval
 
 def test_eval_checkpoint_and_source(tiny_checkpoints, tiny_llama, capsys):
-    from vllm_latq.quantize import evaluate
+    from vllm_latq import evaluate
     d, _ = tiny_checkpoints["hptq"]
     assert evaluate.main([str(d), "--nwindows", "2", "--seqlen", "64", "--no-progress"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -308,7 +308,7 @@ def test_eval_checkpoint_and_source(tiny_checkpoints, tiny_llama, capsys):
 # ----------------------------------------------------------------------------- real models (slow)
 
 def _ppl(d):
-    from vllm_latq.quantize.evaluate import evaluate
+    from vllm_latq.evaluate import evaluate
     return evaluate(str(d), progress=False)
 
 

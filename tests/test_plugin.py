@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from vllm_latq import format as fmt
-from vllm_latq.kernels.reference import dequantize, transcode
-from vllm_latq.quantize.result import CSR, QuantResult
+from vllm_latq.kernels.weight import dequantize
+from vllm_latq.kernels.transcode import transcode
+from vllm_latq.algorithms.result import CSR, QuantResult
 
 from . import vllm_helpers as h
 
@@ -240,7 +241,7 @@ def test_coded_scales_off_grid_rows_fall_back_and_say_why(caplog):
     vocabulary keeps them when its rows are whole grids (the padding decodes to scale 0)."""
     import logging
 
-    from vllm_latq.kernels.reference import from_dense_tensors
+    from vllm_latq.kernels.weight import from_dense_tensors
     cfg = _Cfg("dense", 4, 32, scale_bits=4)
     layers, full = _layers(4, 1)
     with caplog.at_level(logging.INFO, logger="vllm.latq"):
@@ -404,9 +405,9 @@ def test_load_report_says_stored_and_served_bits(caplog):
     bits/weight, each layer by the kernel chosen for it (``served_bytes`` of its state)."""
     import logging
 
-    from vllm_latq.kernels.cpu import CPUKernel
+    from vllm_latq.kernels.cpu.kernel import CPUKernel
     from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
-    from vllm_latq.kernels.reference import random_weight
+    from vllm_latq.testing.weights import random_weight
 
     rep = lm.LoadReport("ssqr")
     layers = [(random_weight(64, 256, 4, 0.01, group=64, seed=1), CPUKernel, 4.5),
@@ -431,7 +432,8 @@ def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):
     reference; never chosen without being forced."""
     from vllm_latq.kernels import selector
     from vllm_latq.kernels.dequantized import DequantizedFp32Kernel
-    from vllm_latq.kernels.reference import from_dense_tensors, latq_linear_ref
+    from vllm_latq.kernels.weight import from_dense_tensors
+    from vllm_latq.kernels.reference import latq_linear_ref
 
     w = from_dense_tensors(fmt.encode_layer(_result(64, 100, "dense", 3, 32, 0.05, 1), "dense"), 3, 32, 100)
     assert selector.select(w, torch.device("cpu"), torch.float32).name != "dequant"
@@ -452,7 +454,8 @@ def test_bf16_fallback_when_no_compressed_kernel_fits(caplog, monkeypatch):
 
     from vllm_latq.kernels import selector
     from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
-    from vllm_latq.kernels.reference import from_dense_tensors, latq_linear_ref
+    from vllm_latq.kernels.weight import from_dense_tensors
+    from vllm_latq.kernels.reference import latq_linear_ref
 
     w = from_dense_tensors(fmt.encode_layer(_result(40, 256, "dense", 8, 32, 0.01, 2), "dense"), 8, 32, 256)
     with caplog.at_level(logging.WARNING, logger="vllm.latq"):
@@ -475,8 +478,8 @@ def test_custom_op_compiles_fullgraph_with_dynamic_batch():
     """The reference kernel through its custom op under torch.compile(fullgraph, dynamic):
     no graph break, same result as the eager kernel for every batch size."""
     from vllm_latq.kernels import ops
-    from vllm_latq.kernels.reference import from_dense_tensors
-    from vllm_latq.kernels.reference_kernel import ReferenceKernel
+    from vllm_latq.kernels.weight import from_dense_tensors
+    from vllm_latq.kernels.reference import ReferenceKernel
 
     t = fmt.encode_layer(_result(40, 70, "dense", 3, 32, 0.05, 3), "dense")
     w = from_dense_tensors(t, 3, 32, 70)
@@ -581,7 +584,7 @@ def test_tiny_vllm_through_triton_interpreter(tiny):
     """vLLM (in-process, eager, fp32) with every latq linear forced through the Triton
     kernels, run by Triton's interpreter on CPU: the same greedy tokens as the torch
     reference kernel, for SSQR (3-bit tiles + outliers) and transcoded HPTQ."""
-    from vllm_latq.kernels.triton_kernels import ENV_INTERPRET_OK
+    from vllm_latq.kernels.triton.kernel import ENV_INTERPRET_OK
     ids = h.tokenize(tiny["ssqr"])
     jobs = [{"prompt_ids": ids, "max_tokens": 16, "model": tiny[m], "env": {"LATQ_KERNEL": k}}
             for m in ("ssqr", "hptq") for k in ("reference", "triton")]

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS
+from vllm_latq.testing.tiny_models import TINY_OPTS
 from vllm_latq import format as fmt
 from vllm_latq.format import scale_codes as sc
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
-from vllm_latq.quantize.scales import mse_scales
-from vllm_latq.quantize.solvers import babai, gptq, rtn
+from vllm_latq.algorithms.scales import mse_scales
+from vllm_latq.algorithms.solvers import babai, gptq, rtn
 
 
 def _scales(out=37, groups=5, seed=0):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS
+from vllm_latq.testing.tiny_models import TINY_OPTS
 
 from . import vllm_helpers as h
 

@@ -1,4 +1,4 @@
-"""The MSE scale search's C++ op (``quantize/csrc/scales.cpp``) against its definition, the
+"""The MSE scale search's C++ op (``algorithms/csrc/scales.cpp``) against its definition, the
 torch code of ``scales.mse_scales``: same arithmetic, only the error sums' order differs, so
 the scales agree on (nearly) every group and, where a near-tie went the other way, both are
 minimisers of the group's clipped-RTN error up to float rounding."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_latq import native
-from vllm_latq.quantize import scales
-from vllm_latq.quantize.scales import expand, grid, mse_scales
+from vllm_latq.algorithms import scales
+from vllm_latq.algorithms.scales import expand, grid, mse_scales
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")
 

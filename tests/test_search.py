@@ -1,11 +1,11 @@
-"""The one-dimensional scale search shared by SSQR, HPTQ and HRTN (quantize/search.py)."""
+"""The one-dimensional scale search shared by SSQR, HPTQ and HRTN (algorithms/search.py)."""
 import math
 
 import pytest
 import torch
 
-from vllm_latq.quantize.scales import to_fp16_grid
-from vllm_latq.quantize.search import _next_alpha, scale_search
+from vllm_latq.algorithms.scales import to_fp16_grid
+from vllm_latq.algorithms.search import _next_alpha, scale_search
 
 
 def _overflow_search(seed: int, target: float, tol: float = 5e-4):
@@ -84,12 +84,8 @@ def test_next_alpha_secant_inside_bracket_else_bisect():
 
 
 def test_solver_bench_runs_small(capsys):
-    """bench/solver.py end to end on a small layer: every ratio printed, one HEADLINE line."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("bench_solver", Path(__file__).parent.parent / "bench" / "solver.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """bench/solver_speed.py end to end on a small layer: every ratio printed, one HEADLINE line."""
+    from bench import solver_speed as mod
     mod.main(["--rows", "256", "--cols", "384", "--tokens", "768", "--repeats", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
     head = [x for x in lines if x.startswith("HEADLINE")]

@@ -132,7 +132,7 @@ def test_served_moe_checkpoint_answers(tmp_path):
     """A quantized tiny mixture-of-experts (Qwen3-MoE, SSQR experts) through `latq-serve` on
     127.0.0.1: /v1/completions and /v1/chat/completions requests answered in full, the experts
     loaded by the latq MoE method."""
-    from .moe_helpers import make_moe_checkpoint, make_moe_model
+    from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
 
     ck, _ = make_moe_checkpoint(make_moe_model(tmp_path / "src", "qwen3_moe"), tmp_path / "ssqr", "ssqr")
     summary, log, _ = _serve_and_ask(

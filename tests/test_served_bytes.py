@@ -14,13 +14,17 @@ import pytest
 import torch
 
 from tests.device_guard import factories_follow_inputs
-from vllm_latq.kernels import cpu, selector
-from vllm_latq.kernels.cpu import CPUKernel
+from vllm_latq.kernels.cpu import kernel as cpu
+from vllm_latq.kernels import selector
+from vllm_latq.kernels.cpu.kernel import CPUKernel
 from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
-from vllm_latq.kernels.reference import (FALLBACK_BYTES, GridStats, _grid_need, dequantize, latq_linear_ref,
-                                         random_weight, runtime_bytes, transcode)
-from vllm_latq.kernels.reference_kernel import ReferenceKernel
-from vllm_latq.kernels.triton_kernels import TritonKernel
+from vllm_latq.kernels.served_bytes import FALLBACK_BYTES, GridStats, _grid_need, runtime_bytes
+from vllm_latq.kernels.weight import dequantize
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.testing.weights import random_weight
+from vllm_latq.kernels.transcode import transcode
+from vllm_latq.kernels.reference import ReferenceKernel
+from vllm_latq.kernels.triton.kernel import TritonKernel
 
 S = float(torch.tensor(0.0137).half())   # an fp16-exact per-matrix scale
 
@@ -79,7 +83,7 @@ def test_coded_scales_served_bytes(bits, rate, shape, group):
     scales; the CPU family streams them as codes too where its C++ GEMV runs (≤ 4 bits), else
     decodes them at prepare and serves (and counts) fp16 scales."""
     from vllm_latq import format as fmt
-    from vllm_latq.kernels.served import layer_served
+    from vllm_latq.kernels.served_report import layer_served
     w = random_weight(*shape, bits, rate, group=group, seed=bits, scale_bits=4)
     fp16 = dataclasses.replace(w, coded=None)
     stats = GridStats.from_weight(w)
@@ -233,8 +237,8 @@ def test_inspect_served_is_what_prepare_builds(tiny_checkpoints):
     from vllm_latq import format as fmt
     from vllm_latq.format.checkpoint import Checkpoint
     from vllm_latq.format.validate import validate_checkpoint
-    from vllm_latq.kernels.reference import from_dense_tensors
-    from vllm_latq.kernels.served import checkpoint_served, families
+    from vllm_latq.kernels.weight import from_dense_tensors
+    from vllm_latq.kernels.served_report import checkpoint_served, families
 
     for method in ("ssqr", "hptq"):
         d, _ = tiny_checkpoints[method]

@@ -9,13 +9,13 @@ import weakref
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS
+from vllm_latq.testing.tiny_models import TINY_OPTS
 from vllm_latq.format.safetensors_file import SafetensorsFile
 from vllm_latq.quantize import calibrate, pipeline
 from vllm_latq.quantize.hessian import Hessian, PanelHessian
-from vllm_latq.quantize.lattice import damped, damped_in_place, layer_error, tri_inv_upper
+from vllm_latq.algorithms.lattice import damped, damped_in_place, layer_error, tri_inv_upper
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
-from vllm_latq.quantize.solve import solve as default_solve
+from vllm_latq.quantize.solve_layers import solve as default_solve
 
 
 @pytest.mark.parametrize("kind", [Hessian, PanelHessian])
@@ -123,8 +123,8 @@ def test_a_linears_weight_and_solution_are_freed_before_the_next_solve(tiny_llam
 def test_rtn_rounds_row_chunks_as_the_whole_matrix():
     """RTN rounds a few MiB of rows at a time (no fp32 copies of the whole matrix): the integers
     and dequantized weights of one whole-matrix rounding, a ragged last chunk included."""
-    from vllm_latq.quantize.scales import expand, grid
-    from vllm_latq.quantize.solvers import rtn
+    from vllm_latq.algorithms.scales import expand, grid
+    from vllm_latq.algorithms.solvers import rtn
     W = torch.randn(2053, 2100, generator=torch.Generator().manual_seed(3)).bfloat16()   # 3 chunks of 1997 rows
     res = rtn(W, bits=3, group_size=64)
     S = expand(res.scales, 64, tuple(W.shape))
@@ -139,7 +139,7 @@ def test_a_result_without_stored_q_computes_the_solvers_q():
     """``q`` computed from the integers, the scales and the outliers (as RTN's results hold it)
     is the dequantized matrix a solver stores: checked on SSQR, whose q has outliers."""
     import dataclasses
-    from vllm_latq.quantize.ssqr import ssqr
+    from vllm_latq.algorithms.ssqr import ssqr
     g = torch.Generator().manual_seed(5)
     X = torch.randn(400, 96, generator=g)
     W = torch.randn(40, 96, generator=g) * torch.linspace(0.2, 3, 96)
@@ -151,7 +151,7 @@ def test_a_result_without_stored_q_computes_the_solvers_q():
 def test_mse_scales_of_row_chunks_and_of_a_narrow_weight_are_the_whole_matrix_ones():
     """MSE scales are searched a few MiB of fp32 rows at a time, from the stored bf16 weight:
     the scales of one search over the whole fp32 matrix (a ragged last chunk included)."""
-    from vllm_latq.quantize.scales import mse_scales
+    from vllm_latq.algorithms.scales import mse_scales
     W = torch.randn(1100, 8192, generator=torch.Generator().manual_seed(4)).bfloat16()   # chunks of 512 rows
     whole = mse_scales(W.float(), 4, 128, row_chunk=W.shape[0])
     assert torch.equal(mse_scales(W, 4, 128), whole)

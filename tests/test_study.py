@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import peer_llmcompressor
-from bench.study import claims, cli, configs, ordering, report, runner, solvers
+from bench.study import claims, cli, configs, ordering, report, runner, peers as solvers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp
     from safetensors.torch import load_file
     from vllm_latq.format.checkpoint import load_dequantized_model
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
-    from vllm_latq.quantize.scales import mse_scales
+    from vllm_latq.algorithms.scales import mse_scales
     with safe_open(str(tiny_llama / "model.safetensors"), framework="pt") as h:
         W = {k.removesuffix(".weight"): h.get_tensor(k).float() for k in h.keys() if k.endswith("proj.weight")}
     given = {k: (1.25 * mse_scales(w, 3, 64)).bfloat16().float() for k, w in W.items()}   # not ours: 1.25×
@@ -410,8 +410,9 @@ def _prepared_bits(ck) -> dict[str, float]:
     family, ``served_bytes`` summed (the bf16 fallback: 2 bytes/weight)."""
     from vllm_latq import format as fmt
     from vllm_latq.format.checkpoint import Checkpoint
-    from vllm_latq.kernels.reference import from_dense_tensors, transcode
-    from vllm_latq.kernels.served import families
+    from vllm_latq.kernels.weight import from_dense_tensors
+    from vllm_latq.kernels.transcode import transcode
+    from vllm_latq.kernels.served_report import families
     c = Checkpoint(ck)
     shapes = {r["name"]: r["shape"] for r in c.stats()["layers"]}
     total = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS, make_tiny_model
+from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
 from vllm_latq import format as fmt
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint

@@ -24,12 +24,14 @@ import torch
 
 from tests.helpers import CROWDED
 from vllm_latq import format as fmt
-from vllm_latq.kernels import triton_layout as tlay
-from vllm_latq.kernels.reference import LatqWeight, latq_linear_ref, random_weight
+from vllm_latq.kernels.triton import layout as tlay
+from vllm_latq.kernels.weight import LatqWeight
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.testing.weights import random_weight
 
 triton = pytest.importorskip("triton")
-from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
-from vllm_latq.kernels.triton_kernels import TritonKernel  # noqa: E402
+from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
+from vllm_latq.kernels.triton.kernel import TritonKernel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton's interpreter")
 
@@ -168,7 +170,7 @@ def test_lop3_lut():
     import inspect
     import re
 
-    from vllm_latq.kernels import triton_device
+    from vllm_latq.kernels.triton import device as triton_device
 
     src = inspect.getsource(triton_device._and_or.fn)
     luts = re.findall(r"lop3\.b32 \$0, \$1, \$2, \$3, (0x[0-9a-fA-F]+);", src)
@@ -303,8 +305,8 @@ def test_solver_coded_scales_through_the_stored_form(bits):
     """A layer quantized with coded scales (``rtn(..., scale_bits=4)``), written as stored
     tensors and read back as the loader does: the Triton state lays out its codes and both
     kernels match the reference (the codes' fp16 decode)."""
-    from vllm_latq.kernels.reference import from_dense_tensors
-    from vllm_latq.quantize.solvers import rtn
+    from vllm_latq.kernels.weight import from_dense_tensors
+    from vllm_latq.algorithms.solvers import rtn
     W = torch.randn(N, 640, generator=torch.Generator().manual_seed(bits)) * 0.02
     t = fmt.encode_layer(rtn(W, bits=bits, group_size=64, scale_bits=4), "dense")
     w = from_dense_tensors(t, bits, 64, 640)
@@ -471,7 +473,7 @@ def test_state_flattens_for_the_plugin():
 # ----------------------------------------------------------------------------- offline compilation
 
 def _check_static(jobs):
-    from vllm_latq.kernels import triton_compile as tc
+    from tools import triton_compile as tc
     rows = tc.summarize(jobs, tc.run(jobs))
     bad = [r for r in rows if "error" in r]
     assert not bad, tc.report(bad)
@@ -484,7 +486,7 @@ def _check_static(jobs):
 
 
 def test_offline_compile_heaviest_configs():
-    from vllm_latq.kernels import triton_compile as tc
+    from tools import triton_compile as tc
     jobs = tc.all_jobs(quick=True)
     assert {j["cc"] for j in jobs} == {80, 86, 89, 90} and {j["kernel"] for j in jobs} == {"gemv", "mma", "moe"}
     rows = _check_static(jobs)
@@ -494,17 +496,13 @@ def test_offline_compile_heaviest_configs():
 
 @pytest.mark.slow
 def test_offline_compile_every_config():
-    from vllm_latq.kernels import triton_compile as tc
+    from tools import triton_compile as tc
     _check_static(tc.all_jobs())
 
 
 def test_bench_bytes_model():
     """bench/kernels.py's memory-bound ceiling: fewer bits and fewer outliers → higher."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).parent.parent / "bench" / "kernels.py")
-    bk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bk)
+    from bench import kernels as bk
     lines, ceil = bk.bytes_model(1)
     assert ceil[4, 0.0] == pytest.approx(2 / (0.5 + 2 / 128), rel=0.01)      # bf16 / (b/8 + scales)
     for r in bk.RATES:

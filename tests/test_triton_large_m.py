@@ -1,6 +1,6 @@
 """Large-M path (issue 19): dequantise once into a scratch + one GEMM, in Triton's interpreter.
 
-* The dequantised scratch equals ``reference.dequantize(w).to(dtype)`` bit for bit: bits
+* The dequantised scratch equals ``weight.dequantize(w).to(dtype)`` bit for bit: bits
   {2, 3, 4, 5} × outlier rates {0, 1 %, 5 %} × fp16/bf16 on N = 40, K = 300 (rows padded to
   16, K to the step, a ragged last group); group sizes 32/64/128/one per tensor; ELL and
   CSR; 3 and 5 bits on K = 576/640/896/1280 (whole 512-column chunks + the 4-bit tail).
@@ -19,13 +19,15 @@ import pytest
 import torch
 
 from tests.helpers import CROWDED
-from vllm_latq.kernels.reference import LatqWeight, dequantize, latq_linear_ref, random_weight
+from vllm_latq.kernels.weight import LatqWeight, dequantize
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.testing.weights import random_weight
 
 triton = pytest.importorskip("triton")
-from vllm_latq.kernels import triton_dequant as td  # noqa: E402
-from vllm_latq.kernels import triton_kernels as tk  # noqa: E402
-from vllm_latq.kernels import triton_model as tm  # noqa: E402
-from vllm_latq.kernels.triton_kernels import TritonKernel  # noqa: E402
+from vllm_latq.kernels.triton import dequant as td  # noqa: E402
+from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
+from vllm_latq.kernels.triton import cost_model as tm  # noqa: E402
+from vllm_latq.kernels.triton.kernel import TritonKernel  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton's interpreter")
 

@@ -1,4 +1,4 @@
-"""The Triton kernels' cost model (``kernels/triton_model.py``), pure functions, no GPU:
+"""The Triton kernels' cost model (``kernels/triton/cost_model.py``), pure functions, no GPU:
 
 * the crossover thresholds (the numbers docs/BENCHMARKS.md quotes), where the model crosses,
   monotone in layer size, never below 17;
@@ -11,8 +11,8 @@
 import pytest
 import torch
 
-from vllm_latq.kernels import triton_model as tm
-from vllm_latq.kernels.triton_layout import WIDTHS
+from vllm_latq.kernels.triton import cost_model as tm
+from vllm_latq.kernels.triton.layout import WIDTHS
 
 NEVER = tm.NEVER
 SHAPES_8B = ((4096, 4096), (4096, 14336), (14336, 4096))

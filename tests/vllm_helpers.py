@@ -78,7 +78,7 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
     write a latq checkpoint (format version 1). ``hessian``: ``random`` (a synthetic
     full-rank Hessian, exercises error propagation and outliers) or ``identity``;
     ``scale_bits``: rtn's group scales coded (format/scale_codes.py)."""
-    from vllm_latq.quantize import hptq, hrtn, rtn, ssqr
+    from vllm_latq.algorithms import hptq, hrtn, rtn, ssqr
 
     files = sorted(src.glob("*.safetensors"))
     sd: dict[str, torch.Tensor] = {}

@@ -75,7 +75,7 @@ def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, f
 
 def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fresh: bool) -> dict:
     """latq-eval of a checkpoint or the bf16 model, cached by the checkpoint's content."""
-    from .quantize.evaluate import evaluate
+    from .evaluate import evaluate
 
     p = Path(target)
     key_src = target.encode()
@@ -159,8 +159,8 @@ def layer_comparison(model_name: str, block: int, nsamples: int, seqlen: int) ->
     HPTQ / SSQR at matched budgets, the certificate, and tr(D) per column order."""
     from tqdm import tqdm
 
-    from .quantize import gptq, hptq, hrtn, ldl_diag, rtn, ssqr
-    from .quantize.lattice import ORDERS
+    from .algorithms import gptq, hptq, hrtn, ldl_diag, rtn, ssqr
+    from .algorithms.lattice import ORDERS
     methods = {
         "RTN-4.125": (rtn, dict(bits=4, group_size=128)), "GPTQ-4.125": (gptq, dict(bits=4, group_size=128)),
         "HRTN-4.125": (hrtn, dict(target_bits=4.125)), "HPTQ-4.125": (hptq, dict(target_bits=4.125)),

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .format.errors import FormatError
-from .format.files import CONFIG_FILE
+from .errors import FormatError
+
+CONFIG_FILE = "config.json"   # a Hugging Face model's (and so a checkpoint's) config
 
 class UnsupportedModelError(ValueError):
     """The model has a construct the pipeline cannot walk block by block (the message names

@@ -1,6 +1,6 @@
 """``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
 (``python -m vllm_latq.inspect`` runs it too), plus each layer's served bits/weight per
-kernel family (:mod:`vllm_latq.kernels.served`, imported only when run)."""
+kernel family (:mod:`vllm_latq.kernels.served_report`, imported only when run)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import json
 import sys
 
 from .format.checkpoint import Checkpoint
-from .format.errors import FormatError
+from .errors import FormatError
 from .format.validate import format_report, validate_checkpoint
 
 
@@ -31,7 +31,7 @@ def inspect_main(argv=None) -> int:
         return 2
     if not a.no_served:
         # the kernels' cost models: imported only when asked for, so validating needs no kernels
-        from .kernels.served import checkpoint_served
+        from .kernels.served_report import checkpoint_served
         report["totals"]["served_bits_per_weight"] = checkpoint_served(a.checkpoint, report["layers"])
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}

@@ -10,7 +10,7 @@ none otherwise). As soon as all tensors of one logical matrix (one shard) have a
 matrix is validated as a whole with the checkpoint format's own validator (shapes, dtypes,
 CSR structure, Huffman code), cut to this rank's rows/columns, and the full tensors are
 dropped — so at most one layer's full tensors are held at a time. When all shards are in, they are concatenated into the
-runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`).
+runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`).
 ``process_weights_after_loading`` then checks nothing is missing, deletes the
 placeholders, selects a kernel, and keeps its prepared state as buffers.
 
@@ -60,7 +60,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from . import format as fmt
 from . import loader_rows
 from .kernels import ops, selector
-from .kernels.reference import LatqWeight, transcode
+from .kernels.weight import LatqWeight
+from .kernels.transcode import transcode
 from .slicing import codes_refusal, merge, pad_rows, slice_dense
 
 logger = init_logger("vllm.latq")

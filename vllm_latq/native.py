@@ -1,5 +1,5 @@
-"""The package's C++ ops (``kernels/csrc/latq_cpu.cpp``, ``quantize/csrc/sweep.cpp``,
-``quantize/csrc/scales.cpp``), compiled on first use into one library, namespace ``latq_cpu``.
+"""The package's C++ ops (``kernels/cpu/csrc/latq_cpu.cpp``, ``algorithms/csrc/sweep.cpp``,
+``algorithms/csrc/scales.cpp``), compiled on first use into one library, namespace ``latq_cpu``.
 
 * The CPU kernel's small-M call: at batch 1 a SmolLM2 linear costs ~20 µs in the int4 op,
   and the Python around it (dtype casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly
@@ -33,9 +33,9 @@ log = logging.getLogger("vllm_latq")
 ENV = "LATQ_CPU_NATIVE"
 # outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
-SOURCES = (Path(__file__).parent / "kernels" / "csrc" / "latq_cpu.cpp",
-           Path(__file__).parent / "quantize" / "csrc" / "sweep.cpp",
-           Path(__file__).parent / "quantize" / "csrc" / "scales.cpp")
+SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
+           Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
+           Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp")
 # -fopenmp: at::parallel_for (the solvers' whole-matrix helpers) is an OpenMP pragma in ATen's
 # headers, serial unless this build enables OpenMP
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -1,4 +1,4 @@
-"""One TP rank's runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`) of a dense-kind
+"""One TP rank's runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) of a dense-kind
 layer, cut from its checkpoint tensors: row blocks (a column-parallel rank's rows, the parts of
 a fused q/k/v or gate/up, a loader's row regrouping), a column range (a row-parallel rank's
 inputs: packed words on 32-column tiles, repacked off them; group scales, split to
@@ -15,7 +15,7 @@ import torch
 
 from . import format as fmt
 from .format.scale_codes import CodedScales
-from .kernels.reference import LatqWeight
+from .kernels.weight import LatqWeight
 
 
 def _rows_csr(crow, col, val, r0, n):

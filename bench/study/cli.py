@@ -1,4 +1,4 @@
-"""The study's command line (``python bench/accuracy.py [options]``): options → settings and
+"""The study's command line (``python -m bench.accuracy [options]``): options → settings and
 configurations, run them (or only read the cache), the ordering study, the report."""
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def _run(a, argv) -> int:
         else:
             ordering[m] = o
     args = argv if argv is not None else sys.argv[1:]
-    cmd = "python bench/accuracy.py" + (" " + " ".join(args) if args else "")
+    cmd = "python -m bench.accuracy" + (" " + " ".join(args) if args else "")
     write_report(by_model, ordering, st, report, plot, cmd, missing)
     # the report's numbers as data: every record as cached (settings, timings, certificates)
     write_json(report.with_suffix(".json"), {"command": cmd, "results": by_model, "ordering": ordering,

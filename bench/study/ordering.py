@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from vllm_latq import data
-from vllm_latq.quantize.lattice import ORDERS as PACKAGE_ORDERS
+from vllm_latq.algorithms.lattice import ORDERS as PACKAGE_ORDERS
 
 from .configs import peer_group_size
 from .runner import Settings, read_cached, source_dir, write_json
-from .solvers import llmc_compare, peer_compare
+from bench.study.peers import llmc_compare, peer_compare
 
 log = logging.getLogger("latq.study")
 
@@ -46,7 +46,7 @@ def ordering_study(model: str, st: Settings, root: Path, compute: bool = True) -
     the cached result or None)."""
     from tqdm.auto import tqdm
 
-    from vllm_latq.quantize import ldl_diag
+    from vllm_latq.algorithms import ldl_diag
     mdir = source_dir(model, st, root)
     nblocks = json.loads((mdir / "config.json").read_text())["num_hidden_layers"]
     blocks = tuple(st.ordering_blocks) or (nblocks // 4, nblocks // 2, (3 * nblocks) // 4)

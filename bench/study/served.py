@@ -2,8 +2,8 @@
 its quantized linears in each kernel family's prepared form (CPU, Triton), the cost a user buys.
 
 Computed from the layers the run produced with the kernels' own cost models
-(:func:`vllm_latq.kernels.served.checkpoint_served`: ``layout_bytes`` on each layer's integer
-statistics, HPTQ/HRTN layers at the width :func:`~vllm_latq.kernels.reference.transcode` gives
+(:func:`vllm_latq.kernels.served_report.checkpoint_served`: ``layout_bytes`` on each layer's integer
+statistics, HPTQ/HRTN layers at the width :func:`~vllm_latq.kernels.transcode.transcode` gives
 them for that family). A dense layout without outliers (RTN, GPTQ, llm-compressor's GPTQ) streams
 bytes set by its shapes, bits and group size alone, so its served bits are computed exactly from
 the model's linear shapes (:func:`outlier_free_served`), without its checkpoint: the results of
@@ -21,8 +21,8 @@ import torch
 
 from vllm_latq import format as fmt
 from vllm_latq.format.checkpoint import Checkpoint
-from vllm_latq.kernels.reference import GridStats
-from vllm_latq.kernels.served import checkpoint_served, families, layer_served
+from vllm_latq.kernels.served_bytes import GridStats
+from vllm_latq.kernels.served_report import checkpoint_served, families, layer_served
 
 # layers whose served bytes fingerprint the kernels' cost models: ragged and round widths, every
 # width the runtime form takes, integers spread past the narrow grids (outliers at 2–5 bits)

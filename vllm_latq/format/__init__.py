@@ -24,7 +24,7 @@ Nothing here imports ``vllm_latq.quantize``, ``vllm_latq.kernels`` or vLLM.
 """
 from . import scale_codes
 from .csr import csr_from_mask, csr_rows
-from .errors import FormatError
+from ..errors import FormatError
 from .layer import (ALL_TENSORS, DENSE_TENSORS, HUFFMAN_TENSORS, LAYER_TENSORS, col_dtype, decode_integers,
                     dense_scales, dense_tensors, dequantize, dequantize_layer, has_coded_scales, encode_layer, expected_shapes, huffman_stream, layer_bits, layer_stats,
                     split_name, tensor_dtype, validate_layer)

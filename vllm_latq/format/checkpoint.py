@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import hf_model
-from .errors import FormatError
+from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from .layer import dequantize_layer, split_name
 from .safetensors_file import SafetensorsFile

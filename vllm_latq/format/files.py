@@ -9,10 +9,11 @@ the reader and the validator all refer to them through these constants.
 """
 from __future__ import annotations
 
+from ..hf_model import CONFIG_FILE
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 STATS_FILE = "latq_stats.json"
-CONFIG_FILE = "config.json"
 # Files copied verbatim from the source model (tokenizer, chat template, generation defaults).
 AUX_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                 "chat_template*", "generation_config.json")

@@ -29,7 +29,7 @@ import torch
 
 from . import huffman, scale_codes
 from .csr import csr_rows
-from .errors import FormatError
+from ..errors import FormatError
 from .packing import pack, packed_words, unpack, unpack_at
 
 DENSE_TENSORS = ("qweight", "scales", "outlier_crow", "outlier_col", "outlier_val")
@@ -73,7 +73,7 @@ def tensor_dtype(suffix: str, in_features: int) -> torch.dtype:
 # ----------------------------------------------------------------------------- encode / decode
 
 def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
-    """A solver's :class:`~vllm_latq.quantize.result.QuantResult` → the layer's tensors
+    """A solver's :class:`~vllm_latq.algorithms.result.QuantResult` → the layer's tensors
     (suffixes only, e.g. ``"qweight"``), on the device of ``result.z`` (the Huffman codec is
     numpy: its tensors are made on the CPU and moved there)."""
     dev = result.z.device

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import FormatError
+from ..errors import FormatError
 
 CHECKSUM_KEY = "latq_sha256"
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is corrupt

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import scale_codes
-from .errors import FormatError
+from ..errors import FormatError
 from .layer import layer_stats
 
 FORMAT_VERSION = 1

@@ -10,7 +10,7 @@ import torch
 from ..hf_model import UnsupportedModelError, decoder_layers
 from . import scale_codes
 from .checkpoint import Checkpoint, linear_shape
-from .errors import FormatError
+from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from .layer import has_coded_scales, validate_layer
 from .spec import FORMAT_VERSION, QuantSpec, check_budget

@@ -1,7 +1,7 @@
 """The kernel interface: what every latq kernel implements, and the flatten contract that
 lets a vLLM layer keep a kernel's prepared state as buffers + static ints.
 
-A kernel turns the runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`) into its
+A kernel turns the runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) into its
 own layout once at load (``prepare``) and computes ``y = x @ Wᵀ (+ bias)`` per call
 (``apply``), matching :func:`~vllm_latq.kernels.reference.latq_linear_ref`.
 ``can_implement`` says whether it can run a layer and, if not, why (the selector,
@@ -21,9 +21,9 @@ Served bytes (issue 21: decode speed is set by the bytes each step streams, so a
 cost is its *served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
 prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
 index and padding); ``layout_bytes(n, k, bits, group, stats, scale_bits)`` is the same number
-from the layer's :class:`~vllm_latq.kernels.reference.GridStats` without preparing it (and
+from the layer's :class:`~vllm_latq.kernels.served_bytes.GridStats` without preparing it (and
 ``scale_bits``: its scales coded, ``format.scale_codes``; None: fp16) — the cost model
-:func:`~vllm_latq.kernels.reference.transcode` chooses HPTQ widths by (among ``widths``, the
+:func:`~vllm_latq.kernels.transcode.transcode` chooses HPTQ widths by (among ``widths``, the
 inlier widths the kernel takes) and ``latq-inspect`` reports. Tests tie the two per kernel.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .reference import RUNTIME_WIDTHS, GridStats, LatqWeight
+from .served_bytes import RUNTIME_WIDTHS, GridStats
+from .weight import LatqWeight
 
 
 def _is_tensor_field(f: dataclasses.Field) -> bool:

@@ -1,4 +1,4 @@
-"""Dequantize-once kernels: the weights are dequantized at load (``reference.dequantize``)
+"""Dequantize-once kernels: the weights are dequantized at load (``weight.dequantize``)
 and every call is a dense matmul — an unquantized layer's memory and speed, instead of the
 reference's dequantization on every call (seconds per step on a large head).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import LatqKernel
-from .reference import dequantize
+from .weight import dequantize
 
 
 @dataclass

@@ -7,7 +7,7 @@ its own kernel (:mod:`~vllm_latq.kernels.selector`).
 Three paths compute it (:func:`experts_forward`):
 
 * ``stacked`` — when every expert runs the Triton kernel, :func:`stack_experts` stacks the
-  experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton_moe`) and one
+  experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton.grouped_moe`) and one
   launch per projection runs the routed (token, slot) pairs, reading each block's expert from
   a device tensor: no host sync, so it is the path while a CUDA graph is captured (vLLM's
   decode) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
@@ -80,7 +80,7 @@ def stack_experts(experts: list[Expert]) -> tuple[Stacked | None, str | None]:
     """(stacks, None) and the experts' states rebound to views of them (weights stored once),
     or (None, why the stacked path cannot run these experts)."""
     try:
-        from . import triton_moe
+        from .triton import grouped_moe as triton_moe
     except ImportError as e:
         return None, f"Triton is not importable ({e})"
     for stem in ("w13", "w2"):
@@ -98,7 +98,7 @@ def stack_experts(experts: list[Expert]) -> tuple[Stacked | None, str | None]:
 
 def compile_stacked(stacked: Stacked, act_dtype: torch.dtype) -> None:
     """Compile the grouped kernel of both stacks for every row block (``triton_moe.compile_all``)."""
-    from . import triton_moe
+    from .triton import grouped_moe as triton_moe
     for st in (stacked.w13, stacked.w2):
         triton_moe.compile_all(st, act_dtype)
 
@@ -112,7 +112,7 @@ def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
     other = "masked" if capturing else "host"
     if stacked is None:
         return other
-    from . import triton_moe
+    from .triton import grouped_moe as triton_moe
     t = triton_moe.path_times(x.shape[0], topk, stacked.w13, stacked.w2, x.device)
     return "stacked" if t["stacked"] <= t[other] else other
 
@@ -130,7 +130,7 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     if path == "stacked":
         if stacked is None:
             raise ValueError("latq: the stacked MoE path needs the experts' stacks (stack_experts)")
-        from . import triton_moe
+        from .triton import grouped_moe as triton_moe
         return triton_moe.grouped_forward(x, topk_weights, topk_ids, stacked.w13, stacked.w2,
                                           lambda h: activate(h, activation), weights_on_input)
     out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
@@ -197,7 +197,7 @@ def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> tuple[list
         experts.append(Expert(*pair))
     if not ints[ii]:
         return experts, None
-    from .triton_moe import StackedTriton
+    from .triton.grouped_moe import StackedTriton
     ii += 1
     stacks = []
     for _ in range(2):

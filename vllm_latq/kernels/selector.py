@@ -4,13 +4,13 @@ first whose ``can_implement`` accepts a layer — and says why the others did no
 ``LATQ_KERNEL=<name>`` forces one kernel; an impossible forced choice raises with that
 kernel's reason. Accepted values (kernel ``name``, in selection order):
 
-* ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton_kernels`), CUDA ≥ sm_80,
+* ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton.kernel`), CUDA ≥ sm_80,
   2–5-bit inliers;
 * ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);
 * ``bf16`` — dequantized once to bf16 (:mod:`~vllm_latq.kernels.dequantized`): the fallback,
   selected with a warning naming every faster kernel's reason; ``dense`` is its old name and
   still accepted;
-* ``reference`` — fp32 dequantize + matmul per call (:mod:`~vllm_latq.kernels.reference_kernel`);
+* ``reference`` — fp32 dequantize + matmul per call (:mod:`~vllm_latq.kernels.reference`);
 * ``dequant`` — dequantized once to fp32, exactly the reference's numbers; opt-in only.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from .base import LatqKernel
 from .dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
-from .reference import LatqWeight
-from .reference_kernel import ReferenceKernel
+from .weight import LatqWeight
+from .reference import ReferenceKernel
 
 ENV_FORCE = "LATQ_KERNEL"
 ALIASES = {"dense": DequantizedBf16Kernel.name}   # old LATQ_KERNEL values → kernel names
@@ -34,12 +34,12 @@ def kernels() -> list[type[LatqKernel]]:
     wrappers) are listed when importable."""
     found: list[type[LatqKernel]] = []
     try:
-        from .triton_kernels import TritonKernel
+        from .triton.kernel import TritonKernel
         found.append(TritonKernel)
     except ImportError:
         pass
     try:
-        from .cpu import CPUKernel
+        from .cpu.kernel import CPUKernel
         found.append(CPUKernel)
     except ImportError:
         pass
@@ -58,7 +58,7 @@ FAMILY_OF_DEVICE = {"cuda": "triton", "cpu": "cpu"}   # the compressed kernel fa
 def family_for(device: torch.device) -> type[LatqKernel] | None:
     """The compressed kernel family that serves layers on ``device`` (``LATQ_KERNEL`` when it
     forces one): its ``widths`` and ``layout_bytes`` choose an HPTQ layer's inlier width at
-    load (:func:`~vllm_latq.kernels.reference.transcode`). None: none is available here (the
+    load (:func:`~vllm_latq.kernels.transcode.transcode`). None: none is available here (the
     runtime form's own bytes choose)."""
     name = forced_kernel() or FAMILY_OF_DEVICE.get(torch.device(device).type)
     for k in kernels():

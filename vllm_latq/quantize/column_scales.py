@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .. import hf_model
-from . import lattice
+from ..algorithms import lattice
 from .hessian import Hessian
 
 MAX_RATIO = 16.0   # c is clamped to [1/16, 16] around its geometric mean: dead columns (D = λ) stay finite

@@ -15,7 +15,7 @@ from typing import Hashable, Iterable
 
 import torch
 
-from .lattice import damped
+from ..algorithms.lattice import damped
 
 PRODUCT_ROWS = 512  # rows per fp32 XᵀX product of PanelHessian; products are summed in fp64
 PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product

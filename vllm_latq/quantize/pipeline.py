@@ -45,15 +45,15 @@ from .. import hf_model
 from ..format import writer
 from .. import data
 from .. import format as fmt
-from . import lattice
+from ..algorithms import lattice
 from .calibrate import block_hessians, drop_stream, full_precision_stream, target_corrected_stages
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
 from .finalize import finalize
 from .head import head_plan, quantize_head
-from . import solve as solving
+from . import solve_layers as solving
 from .resume import PROGRESS_FILE, TMP_SUFFIX, RunDir, fingerprint
-from .solve import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
+from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
 from .source import Source, open_source, resolve_model
 
 log = logging.getLogger("vllm_latq.quantize")

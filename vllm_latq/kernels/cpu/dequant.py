@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from .. import format as fmt
-from .cpu_layouts import decode_scale_words, tile_entries, unpack_int4pack
-from .derived_cache import DerivedCache
+from ... import format as fmt
+from .layouts import decode_scale_words, tile_entries, unpack_int4pack
+from ..derived_cache import DerivedCache
 
 CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 weight chunk
 # opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
@@ -32,7 +32,7 @@ def scales_alone(state) -> torch.Tensor:
 
 
 def tile_entries_of(state, r0: int, r1: int, padding: bool = False):
-    """:func:`~vllm_latq.kernels.cpu_layouts.tile_entries` of the state's tiles, values in fp32
+    """:func:`~vllm_latq.kernels.cpu.layouts.tile_entries` of the state's tiles, values in fp32
     (int16 ones times their row's scale: the fp32 value z·s the runtime form holds)."""
     rows, cols, vals = tile_entries(state.tile_off, state.tile_rows, state.tile_col, state.tile_val,
                                     state.out_features, state.in_features, r0, r1, padding)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from vllm_latq.quantize import babai, gptq, hptq, ssqr
+from vllm_latq.algorithms import babai, gptq, hptq, ssqr
 
 
 def real_shaped(r: int, c: int, n: int, seed: int = 0):

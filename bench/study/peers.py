@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bench import peer_llmcompressor
-from tests.helpers import reference_gptq   # the readable reference loop lives with the tests
+from vllm_latq.testing.gptq_loop import reference_gptq   # the readable reference loop lives with the tests
 from vllm_latq import data
 
 log = logging.getLogger("latq.study")
@@ -37,7 +37,7 @@ def gptq_replaced(tag: str, solve):
 def peer_solve(ours, method, W, H, name, **kw):
     """The pipeline's GPTQ with every integer chosen by :func:`reference_gptq` instead (same
     scales, order and damping as ours: equal settings), for a whole-model peer perplexity."""
-    from vllm_latq.quantize.scales import expand
+    from vllm_latq.algorithms.scales import expand
     res = ours(method, W, H, name, **kw)
     S = expand(res.scales, res.group_size, tuple(W.shape)).float()
     z = reference_gptq(W.cpu().float(), H.cpu(), S, res.order, res.bits, res.damp)
@@ -64,7 +64,7 @@ def damped_solve(factor: float):
 def given_scales_solve(scales: dict):
     """Our GPTQ with each layer's scales given (``{layer name: [out, ngroups]}``, rounded to the
     fp16 our checkpoints store: llm-compressor's bf16 scales are exact there), the rest ours."""
-    from vllm_latq.quantize.scales import to_fp16_grid
+    from vllm_latq.algorithms.scales import to_fp16_grid
 
     def solve(ours, method, W, H, name, **kw):
         if name not in scales:
@@ -95,9 +95,9 @@ def solve_for(cfg, src: Path):
 def peer_compare(W, H, bits: int, group_size: int) -> dict:
     """Our GPTQ vs :func:`reference_gptq` on one layer at equal settings → identical-integer
     fraction and error ratio (ours / reference)."""
-    from vllm_latq.quantize import gptq
-    from vllm_latq.quantize.lattice import layer_error
-    from vllm_latq.quantize.scales import expand
+    from vllm_latq.algorithms import gptq
+    from vllm_latq.algorithms.lattice import layer_error
+    from vllm_latq.algorithms.scales import expand
     ours = gptq(W, H, bits=bits, group_size=group_size, order="act")
     S = expand(ours.scales, ours.group_size, tuple(W.shape)).float()
     z_ref = reference_gptq(W, H, S, ours.order, bits, ours.damp)
@@ -145,9 +145,9 @@ def llmc_compare(layers: dict, bits: int, group_size: int) -> dict:
     """llm-compressor's GPTQ on the same layers as ours, in its environment (one call for all):
     its solver given our scales (identical-integer fraction, error ratio) and its whole layer path
     (its observer's scales, bf16 weights: error ratio, median scale ratio) → {key: {...}}."""
-    from vllm_latq.quantize import gptq
-    from vllm_latq.quantize.lattice import layer_error
-    from vllm_latq.quantize.scales import expand
+    from vllm_latq.algorithms import gptq
+    from vllm_latq.algorithms.lattice import layer_error
+    from vllm_latq.algorithms.scales import expand
     ours = {k: gptq(W, H, bits=bits, group_size=group_size, order="act") for k, (W, H) in layers.items()}
     with tempfile.TemporaryDirectory() as d:
         inp, out = Path(d) / "layers.pt", Path(d) / "llmc.pt"

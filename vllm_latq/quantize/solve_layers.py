@@ -16,13 +16,13 @@ from .. import hf_model
 from .. import format as fmt
 from .calibrate import SharedHessians
 from .hessian import CrossCovariance, Hessian, qronos_target
-from .hptq import hptq, hrtn
-from .lattice import layer_error
+from ..algorithms.hptq import hptq, hrtn
+from ..algorithms.lattice import layer_error
 from .moe import MoeInputs
-from .result import QuantResult
-from .solvers import babai, gptq, rtn
+from ..algorithms.result import QuantResult
+from ..algorithms.solvers import babai, gptq, rtn
 from .source import Source
-from .ssqr import ssqr
+from ..algorithms.ssqr import ssqr
 
 log = logging.getLogger("vllm_latq.quantize")
 

@@ -1,5 +1,5 @@
 """The Triton kernels' cost model (issue 19): when the tensor-core kernel gives way to
-dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton_dequant`), and what either costs
+dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`), and what either costs
 against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel`.
 
 With ``Wq`` the packed bytes (``N·K·b/8`` + scales — fp16 ``2·N·⌈K/g⌉``, coded ``0.75·N·⌈K/g⌉``
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_layout import scale_bytes
+from .layout import scale_bytes
 
 # tensor-core kernel row tiles (triton_kernels.MMA_TILES is keyed by these)
 MMA_BMS = (16, 32, 64)

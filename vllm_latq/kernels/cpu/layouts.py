@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..format import scale_codes
-from ..format.csr import csr_rows
+from ...format import scale_codes
+from ...format.csr import csr_rows
 
 _PACK = None
 _MM = None
@@ -157,7 +157,7 @@ def code_values(val: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def value_bytes(stats, width: int, one_scale: bool) -> tuple[int, bool]:
-    """:func:`code_values`' choice from a layer's :class:`~.reference.GridStats` at inlier
+    """:func:`code_values`' choice from a layer's :class:`~.served_bytes.GridStats` at inlier
     width ``width`` → (bytes per value, whether int16 multiples of the row scale). The int16
     coding needs every outlier to come from an integer on the ``Z_BITS`` grid (not a stored
     value): stats from a layer's integers (transcode, ``latq-inspect``); stats of a runtime form

@@ -1,14 +1,14 @@
 """Triton GPU kernels for latq dense + outlier linears: the host side — configs and
 autotuning, the prepared state, the launch, and :class:`TritonKernel` (the kernel interface).
 
-Two kernels (device code: :mod:`~vllm_latq.kernels.triton_device`) read one load-time layout
-(:mod:`~vllm_latq.kernels.triton_layout`): ``_gemv_kernel`` (SIMT) for M = 1..7 and for fp32
+Two kernels (device code: :mod:`~vllm_latq.kernels.triton.device`) read one load-time layout
+(:mod:`~vllm_latq.kernels.triton.layout`): ``_gemv_kernel`` (SIMT) for M = 1..7 and for fp32
 activations, ``_mma_kernel`` (tensor cores) for M ≥ 8 in 16-, 32- or 64-row tiles, then
-dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton_dequant`) from the cost model's
-crossover (:mod:`~vllm_latq.kernels.triton_model`).
+dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`) from the cost model's
+crossover (:mod:`~vllm_latq.kernels.triton.cost_model`).
 Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
 interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
-(:mod:`~vllm_latq.kernels.triton_compile`, ``bench/kernels.py``).
+(:mod:`~tools.triton_compile`, ``bench/kernels.py``).
 """
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .. import format as fmt
-from . import triton_layout as tlay
-from .base import LatqKernel
-from .reference import LatqWeight
-from .triton_dequant import DEFAULT_MAX_BYTES, Workspace, apply_large_m, large_m_reason, use_large_m
-from .triton_device import _gemv_kernel, _mma_kernel
-from .triton_model import MMA_BMS, mma_bm
+from ... import format as fmt
+from . import layout as tlay
+from ..base import LatqKernel
+from ..weight import LatqWeight
+from .dequant import DEFAULT_MAX_BYTES, Workspace, apply_large_m, large_m_reason, use_large_m
+from .device import _gemv_kernel
+from .mma import _mma_kernel
+from .cost_model import MMA_BMS, mma_bm
 
 log = logging.getLogger(__name__)
 MAX_SPLIT = 8
@@ -173,7 +174,7 @@ _KERNELS = {"gemv": _gemv_kernel, "mma": _mma_kernel}
 class TritonState:
     """Prepared layer, flat (tensor and int fields only) so the vLLM plugin can keep it as
     module buffers + static ints (``LatqKernel.flatten``/``unflatten``). See
-    :mod:`~vllm_latq.kernels.triton_layout` for the tensors' layout."""
+    :mod:`~vllm_latq.kernels.triton.layout` for the tensors' layout."""
     plane_a: torch.Tensor                 # int32 word blocks: the b-bit plane (3 / 5 bits: the 2- / 4-bit plane)
     plane_h: torch.Tensor | None          # int32 word blocks: 3 / 5 bits: the 1-bit plane
     plane_t: torch.Tensor | None          # int32 word blocks: 3 bits: the 4-bit tail (< 512 columns)

@@ -1,13 +1,13 @@
 """CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the inliers,
 outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GEMM. (Layouts:
-:mod:`~vllm_latq.kernels.cpu_layouts`; the state read back as weights and the large-M path:
-:mod:`~vllm_latq.kernels.cpu_dequant`.)
+:mod:`~vllm_latq.kernels.cpu.layouts`; the state read back as weights and the large-M path:
+:mod:`~vllm_latq.kernels.cpu.dequant`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
 AVX-512 BF16 CPUs the GEMM is the op's own GEMV over the same packed state, streaming the
 weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
-to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/csrc/latq_cpu.cpp``).
+to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/cpu/csrc/latq_cpu.cpp``).
 Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
 (MKL CSR mv/mm).
 
@@ -44,14 +44,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import format as fmt
-from .. import native
-from . import cpu_dequant
-from .base import LatqKernel
-from .cpu_layouts import (code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes,
-                          op_scales_zeros, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
-from .derived_cache import DerivedCache
-from .reference import LatqWeight
+from ... import format as fmt
+from ... import native
+from . import dequant as cpu_dequant
+from ..base import LatqKernel
+from .layouts import (code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes, op_scales_zeros, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
+from ..derived_cache import DerivedCache
+from ..weight import LatqWeight
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8

@@ -61,8 +61,8 @@ def ssqr_like(W: torch.Tensor, bits: int, group: int, seed: int):
     """RTN integers with ~0.5 % forced outliers (exact weights, fp16) as a dense-kind result."""
     import dataclasses
 
-    from vllm_latq.quantize import rtn
-    from vllm_latq.quantize.result import CSR
+    from vllm_latq.algorithms import rtn
+    from vllm_latq.algorithms.result import CSR
     res = rtn(W, bits=bits, group_size=group)
     g = torch.Generator().manual_seed(seed)
     mask = torch.zeros(W.numel(), dtype=torch.bool)
@@ -78,7 +78,7 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
     huffman kind), routers listed in ``modules_not_converted``."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_latq.quantize import hrtn
+    from vllm_latq.algorithms import hrtn
     cfg = json.loads((src / "config.json").read_text())
     _, projections, router = ARCHS[cfg["model_type"]]
     kind = fmt.kind_of(method)

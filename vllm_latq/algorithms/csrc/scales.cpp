@@ -1,4 +1,4 @@
-// The MSE scale search of quantize/scales.py::mse_scales in C++ (loaded by vllm_latq/native.py).
+// The MSE scale search of algorithms/scales.py::mse_scales in C++ (loaded by vllm_latq/native.py).
 // In torch each of the 18 candidate scales is five elementwise passes and a reduction over the
 // whole matrix (~0.15 s at 4096², paid by every GPTQ/Babai/SSQR/HPTQ run); here one group at a
 // time, all its candidates while its weights sit in L1, rows in parallel (at::parallel_for: an

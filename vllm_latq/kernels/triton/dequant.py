@@ -14,7 +14,7 @@ layout (:class:`TritonState`; weights are never stored twice) and:
    ELL padding slots (value 0) are skipped; a real outlier of value 0 leaves ``0·s = 0``;
 3. ``torch.nn.functional.linear(x, W, bias)``: cuBLAS on a GPU.
 
-Exactness: the scratch equals ``reference.dequantize(w).to(dtype)`` bit for bit, so ``y``
+Exactness: the scratch equals ``weight.dequantize(w).to(dtype)`` bit for bit, so ``y``
 is the exact GEMM of the activations with the **dtype-rounded weights**. It differs from
 the fp32 reference (:func:`~vllm_latq.kernels.reference.latq_linear_ref`, which the GEMV
 and MMA kernels match up to summation order) by that one rounding of z·s (≤ ½ ulp of
@@ -26,7 +26,7 @@ largest layer seen and grown on demand, shared by every layer (layers run in str
 with a byte cap, larger layers (a vocabulary head: 2·N·K can be ~1 GB) run in row chunks.
 
 When ``TritonKernel.apply`` takes this path instead of the tensor-core kernel's 64-row tiles
-is the crossover of the cost model, :func:`~vllm_latq.kernels.triton_model.large_m_threshold`.
+is the crossover of the cost model, :func:`~vllm_latq.kernels.triton.cost_model.large_m_threshold`.
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_device import _group_scale, _scale_base
-from .triton_layout import k_steps
-from .triton_model import threshold_for
+from .device import _group_scale, _scale_base
+from .layout import k_steps
+from .cost_model import threshold_for
 
 # ============================================================================ device code
 
@@ -205,7 +205,7 @@ def large_m_reason(act_dtype: torch.dtype) -> str | None:
 def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
     """Rows ``row0 .. row0 + R`` of a prepared layer → ``out`` [R, K] (fp16/bf16, unit column
     stride; row0 % 16 == 0): z·s rounded once, outliers stored over their (zero) inliers.
-    Equals ``reference.dequantize(w)[row0:row0 + R].to(dtype)``."""
+    Equals ``weight.dequantize(w)[row0:row0 + R].to(dtype)``."""
     rows = out.shape[0]
     if (out.dim() != 2 or out.shape[1] != st.k or out.stride(1) != 1 or row0 % 16 or row0 + rows > st.n
             or out.dtype not in (torch.float16, torch.bfloat16)):

@@ -3,9 +3,9 @@
 Stored bits/weight are what the checkpoint holds; *served* bits/weight are what one decode
 step streams for the layer in a kernel family's prepared form (inliers, scales, outliers with
 their index and padding; ``LatqKernel.served_bytes``). Computed without preparing, from each
-family's cost model (``layout_bytes`` on the layer's :class:`~.reference.GridStats`, the
+family's cost model (``layout_bytes`` on the layer's :class:`~.served_bytes.GridStats`, the
 model ``prepare`` follows and the tests tie to it); HPTQ layers get the width
-:func:`~.reference.transcode` would give them for that family (``choose_width``). A layer a
+:func:`~.transcode.transcode` would give them for that family (``choose_width``). A layer a
 family cannot lay out is counted as the bf16 fallback serves it (2 bytes/weight). The CPU
 numbers are for this host's build (outlier tiles where the C++ GEMV runs, else a CSR).
 """
@@ -17,16 +17,17 @@ import torch
 
 from .. import format as fmt
 from ..format.checkpoint import Checkpoint
-from .reference import FALLBACK_BYTES, GridStats, choose_width, from_dense_tensors
+from .served_bytes import FALLBACK_BYTES, GridStats, choose_width
+from .weight import from_dense_tensors
 
 
 def families() -> list:
     """The compressed kernel families to report (those importable here), CPU first."""
     found = []
-    from .cpu import CPUKernel
+    from .cpu.kernel import CPUKernel
     found.append(CPUKernel)
     try:
-        from .triton_kernels import TritonKernel
+        from .triton.kernel import TritonKernel
         found.append(TritonKernel)
     except ImportError:
         pass

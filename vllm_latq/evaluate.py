@@ -41,10 +41,10 @@ def load_for_eval(model: str, device: str = "cpu"):
     """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import hf_model
-    from ..format.checkpoint import load_dequantized_model
-    from ..format.validate import validate_checkpoint
-    from .pipeline import resolve_model
+    from . import hf_model
+    from .format.checkpoint import load_dequantized_model
+    from .format.validate import validate_checkpoint
+    from .quantize.pipeline import resolve_model
 
     if is_latq_checkpoint(model):
         report = validate_checkpoint(model, decode=False)
@@ -69,7 +69,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
              device: str = "cpu", progress: bool = True) -> dict:
     """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
     or a .txt / .jsonl file) → result dict."""
-    from .. import data
+    from . import data
 
     t0 = time.time()
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
@@ -84,7 +84,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
 
 def main(argv=None) -> int:
-    from ..format import FormatError
+    from .format import FormatError
 
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

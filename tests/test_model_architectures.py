@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIGS, TINY_OPTS, make_tiny_model
+from vllm_latq.testing.tiny_models import TINY_CONFIGS, TINY_OPTS, make_tiny_model
 from tests.helpers import replay_blocks
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model

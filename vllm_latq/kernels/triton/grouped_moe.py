@@ -4,7 +4,7 @@ with no host sync and launch parameters that depend on the batch size only, so i
 captured in CUDA graphs (vLLM's decode) and replays with any routing.
 
 Stacked layout (:func:`stack`): the experts of one projection (w13 or w2) have the same shape,
-bits and group, so their :mod:`~vllm_latq.kernels.triton_layout` planes and scales have the
+bits and group, so their :mod:`~vllm_latq.kernels.triton.layout` planes and scales have the
 same sizes and are stacked along a leading expert axis (expert e at ``e · size``). Outliers
 are ELL-16 for every expert (a CSR expert is converted by ``triton_layout.build_ell``): the
 experts' column/value arrays concatenated, the offsets ``off[e, g]`` absolute into them. The
@@ -34,14 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_layout as tlay
-from . import triton_model
-from .base import flatten_dataclass, unflatten_dataclass
-from .triton_device import _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
-from .triton_kernels import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
+from . import layout as tlay
+from . import cost_model as triton_model
+from ..base import flatten_dataclass, unflatten_dataclass
+from .device import _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
+from .kernel import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
-# capture. Chosen by the offline compile (bench/kernels.py --static-only): the fewest K-loop
+# capture. Chosen by the offline compile (-m bench.kernels --static-only): the fewest K-loop
 # instructions per weight among spill-free tiles. Register caps: the GEMV's up to 2 rows; at 4
 # and 8 rows its 128 cap of 2/4 bits spilled 16–184 B on sm_90 with ELL outliers: uncapped (255).
 MOE_TILES = {1: (64, 4), 2: (64, 4), 4: (64, 4), 8: (32, 4)}
@@ -388,7 +388,7 @@ SYNC_S = 20e-6      # the host path's count read (device → host sync, the stre
 def path_times(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
                device: torch.device | None = None) -> dict[str, float]:
     """Model seconds of one layer's experts on each path (:mod:`~vllm_latq.kernels.moe`),
-    from :mod:`~vllm_latq.kernels.triton_model`'s device model; cached per batch size and
+    from :mod:`~vllm_latq.kernels.triton.cost_model`'s device model; cached per batch size and
     shapes. Every path streams the routed experts' bytes about once; the differences:
 
     * ``stacked``: SIMT issue (``MOE_IPW`` per weight for every block of ≤ BM rows: ~P/BM +

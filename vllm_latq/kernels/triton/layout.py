@@ -1,6 +1,6 @@
 """Load-time layout of the Triton kernels (pure torch: no Triton needed, runs on any device).
 
-The checkpoint / runtime form (:class:`~vllm_latq.kernels.reference.LatqWeight`) stores b-bit
+The checkpoint / runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) stores b-bit
 offset-binary integers row-major, each tile of 32 columns as one 32·b-bit little-endian number.
 Both Triton kernels (SIMT GEMV for M ≤ 7, tensor-core GEMM for M ≥ 8) read ONE repacked copy
 of the weights, built once here (weights are never stored twice).
@@ -109,7 +109,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import format as fmt
+from ... import format as fmt
 
 ROWS = 16            # row group: tensor-core N tile, ELL group, word-block height
 WORDS = 16           # words per row per chunk (a slab = 16 columns = one MMA K step)

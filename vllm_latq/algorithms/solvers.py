@@ -93,7 +93,7 @@ def _column_scales(table: torch.Tensor, gidx: torch.Tensor):
 
 
 def _native(dt: torch.dtype) -> bool:
-    """The C++ per-column step (``quantize/csrc/sweep.cpp``) for fp32 problems when built."""
+    """The C++ per-column step (``algorithms/csrc/sweep.cpp``) for fp32 problems when built."""
     return dt == torch.float32 and native.usable()
 
 

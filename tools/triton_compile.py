@@ -37,7 +37,8 @@ from pathlib import Path
 
 TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynamic smem per block (bytes)
 CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq")) / "triton_static"
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
 
 
 def _strip_docstrings(tree):
@@ -75,17 +76,17 @@ def _code_fingerprint(src: str, kernel: str | None = None) -> str:
 SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
 S_PTR = {"fp16": "*fp16", "coded": "*i32"}
 KERNEL_FN = {"gemv": "_gemv_kernel", "mma": "_mma_kernel", "moe": "_moe_gemv_kernel"}
-KERNEL_FILE = {"gemv": "triton_device.py", "mma": "triton_device.py", "moe": "triton_moe.py"}
+KERNEL_FILE = {"gemv": "device.py", "mma": "mma.py", "moe": "grouped_moe.py"}
 
 
 def source_hash(kernel: str) -> str:
     """One kernel's device code + Triton version (+ the job → signature code). The grouped
-    MoE kernel calls triton_device's helpers: all of that file's device code counts for it."""
+    MoE and tensor-core kernels call device.py's helpers: all of that file's device code counts for it."""
     import importlib.metadata as md
     import inspect
-    h = hashlib.sha256(_code_fingerprint((HERE / KERNEL_FILE[kernel]).read_text(), KERNEL_FN[kernel]).encode())
-    if KERNEL_FILE[kernel] != "triton_device.py":
-        h.update(_code_fingerprint((HERE / "triton_device.py").read_text()).encode())
+    h = hashlib.sha256(_code_fingerprint((KERNELS / KERNEL_FILE[kernel]).read_text(), KERNEL_FN[kernel]).encode())
+    if KERNEL_FILE[kernel] != "device.py":
+        h.update(_code_fingerprint((KERNELS / "device.py").read_text()).encode())
     for f in (compile_job, _moe_source, _compile):
         h.update(_code_fingerprint(inspect.getsource(f)).encode())
     h.update(md.version("triton").encode())
@@ -98,8 +99,8 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
     """Every (kernel, specialisation, config, target). ``quick``: per kernel and bit width the
     heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
     split-K — the default test; the full sweep is the slow test and the bench."""
-    from . import triton_kernels as tk
-    from .triton_layout import WIDTHS
+    from vllm_latq.kernels.triton import kernel as tk
+    from vllm_latq.kernels.triton.layout import WIDTHS
     jobs = []
     for kernel, tiles, splits in (("gemv", tk.GEMV_TILES, lambda bm: (1, 8)),
                                   ("mma", tk.MMA_TILES, lambda bm: (1, max(tk.MMA_SPLITS[bm])))):
@@ -119,7 +120,7 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
                             for cc in targets:
                                 jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales,
                                                  cc=cc, **tile))
-    from . import triton_moe as tm
+    from vllm_latq.kernels.triton import grouped_moe as tm
     for bits in (2, 3, 4):                    # the grouped MoE kernel: one fixed tile per BM, ELL or none
         for bm, (bn, nw) in tm.MOE_TILES.items():
             if quick and bm != max(tm.MOE_TILES):
@@ -176,12 +177,13 @@ def sass_counts(cubin: bytes) -> tuple[dict, int, dict]:
 def compile_job(j: dict) -> dict:
     """Compile one job (TRITON_INTERPRET must be unset in this process)."""
     from triton.compiler import ASTSource
-    from . import triton_device as td
-    from . import triton_kernels as tk
+    from vllm_latq.kernels.triton import device as td
+    from vllm_latq.kernels.triton import mma as tmma
+    from vllm_latq.kernels.triton import kernel as tk
     assert not tk.INTERPRET, "compile jobs need TRITON_INTERPRET unset"
     if j["kernel"] == "moe":
         return _compile(_moe_source(j), j)
-    fn = td._gemv_kernel if j["kernel"] == "gemv" else td._mma_kernel
+    fn = td._gemv_kernel if j["kernel"] == "gemv" else tmma._mma_kernel
     xdt = "bf16"
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
     optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],
@@ -211,8 +213,8 @@ def compile_job(j: dict) -> dict:
 def _moe_source(j: dict):
     """The grouped MoE kernel's job: bf16 activations, compact ELL outliers (int16 / fp16)."""
     from triton.compiler import ASTSource
-    from . import triton_kernels as tk
-    from .triton_moe import _moe_gemv_kernel as fn
+    from vllm_latq.kernels.triton import kernel as tk
+    from vllm_latq.kernels.triton.grouped_moe import _moe_gemv_kernel as fn
     optr = ["*i32", "*i16", "*fp16"] if j["outl"] == "ell" else ["*fp16"] * 3
     ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*i32"]
     names = fn.arg_names
@@ -279,7 +281,7 @@ def run(jobs: list[dict], workers: int | None = None, cache: bool = True) -> dic
         workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        root = str(HERE.parent.parent)
+        root = str(REPO)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         with tempfile.TemporaryDirectory() as td:
             procs = []
@@ -287,7 +289,7 @@ def run(jobs: list[dict], workers: int | None = None, cache: bool = True) -> dic
                 part = todo[w::workers]
                 jp, op = Path(td) / f"jobs{w}.json", Path(td) / f"out{w}.json"
                 jp.write_text(json.dumps(part))
-                procs.append((subprocess.Popen([sys.executable, "-m", "vllm_latq.kernels.triton_compile",
+                procs.append((subprocess.Popen([sys.executable, "-m", "tools.triton_compile",
                                                 "--worker", str(jp), str(op)], env=env, cwd=root,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), op))
             failed = []
@@ -343,7 +345,7 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             # K-loop SASS instructions per weight per thread: one trip of the innermost K
             # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns,
             # SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
-            from .triton_layout import step_of
+            from vllm_latq.kernels.triton.layout import step_of
             if j["kernel"] == "mma":
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
             else:                                                           # gemv, moe

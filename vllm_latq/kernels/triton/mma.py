@@ -1,0 +1,198 @@
+"""The tensor-core kernel (``@triton.jit`` device code; its host side is
+:mod:`~vllm_latq.kernels.triton.kernel`, its shared helpers :mod:`~vllm_latq.kernels.triton.device`).
+
+``_mma_kernel`` — M ≥ 8 (tensor cores; 8..16 padded to a 16-row tile, then 32 / 64)
+    Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
+    where the 512-column step runs as a runtime loop over its four 128-column quarters, for
+    registers; 5 bits: 128-column steps as at 4 bits, plus the 1-bit merge) the [DS·16 × BN]
+    B operand is built in registers by broadcasting per-slab
+    shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
+    order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
+    exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
+    in fp32, and the group's dot is scaled once (``acc += dot · s``): the result is the fp32
+    reference up to summation order — no fp16/bf16 rounding of z·s. Operands are fp16/bf16 on
+    GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
+    after loading. Outliers run on SIMT lanes after the K loop of the same program
+    ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
+    **Larger M** (> 16): BM = 32 or 64 rows per program (``triton_model.mma_bm``), so a
+    weight tile is dequantised once per 64 activation rows, and the grid runs M fastest:
+    the programs of one weight tile are launched together and share its HBM reads in L2.
+    128-row tiles spill. From the crossover of the cost model on (prefill-sized M),
+    :mod:`~vllm_latq.kernels.triton.dequant` dequantises once into a scratch and calls
+    cuBLAS, at the price of rounding z·s once to bf16/fp16.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .device import _and_or, _ell_rows, _epilogue, _group_scale, _scale_base, _word_tiles
+
+
+@triton.jit
+def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+            DT: tl.constexpr):
+    """Slabs [Q·DS, Q·DS + DS) of a step, dequantised to exact integers z = u − 2^(b−1) in
+    DT: [DS, 16, BN] from the [1, 16, BN] word tiles (per-slab shift amounts broadcast along
+    the first axis). u is OR-ed into the bits of 2^23 (one LOP3) and 2^23 + 2^(b−1)
+    subtracted (one FADD): no integer → float conversion."""
+    jj = Q * DS + tl.arange(0, DS)[:, None, None]                # slab index j
+    magic = tl.full([DS, 16, wa.shape[2]], 0x4B000000, tl.int32)
+    if BITS == 4:
+        f = _and_or(wa >> (4 * jj), 15, magic, ASM)
+    elif BITS == 2:
+        f = _and_or(wa >> (2 * jj), 3, magic, ASM)
+    elif BITS == 5:                                             # wh: slab j at bit j
+        f = _and_or(wa >> (4 * jj), 15, _and_or((wh >> jj) << 4, 16, magic, ASM), ASM)
+    else:
+        i = jj % 16
+        if Q * DS < 16:                                         # DS divides 16: one lo tile
+            lo = wa
+        else:
+            lo = wb
+        hb = ((wh >> (16 * (jj // 16) + i)) << 2)
+        f = _and_or(lo >> (2 * i), 3, _and_or(hb, 4, magic, ASM), ASM)
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    return (f.to(tl.float32, bitcast=True) - (8388608.0 + OFF)).to(DT)
+
+
+@triton.jit
+def _zslabs3(lo, hi, Q: tl.constexpr, DS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+    """3 bits: slots [Q·DS, Q·DS + DS) of a quarter step → exact z in DT, [DS, 16, BN]. ``lo``:
+    the 2-bit word tile shifted to this 16-bit half (slot i at bits 2i), ``hi``: the 1-bit
+    tile shifted so that slot i is at bit i."""
+    ii = Q * DS + tl.arange(0, DS)[:, None, None]
+    magic = tl.full([DS, 16, lo.shape[2]], 0x4B000000, tl.int32)
+    f = _and_or(lo >> (2 * ii), 3, _and_or((hi >> ii) << 2, 4, magic, ASM), ASM)
+    return (f.to(tl.float32, bitcast=True) - (8388608.0 + 4)).to(DT)
+
+
+@triton.jit
+def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
+              BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BN: tl.constexpr,
+              ASM: tl.constexpr, DT: tl.constexpr, CODED: tl.constexpr):
+    """One K step of the tensor-core kernel (columns ``k0 + [0, STEP)``) added to ``acc``
+    [BM, BN]. A 3-bit layer's main loop runs it at BITS = 3 and its 4-bit tail at BITS = 4
+    (``SPG`` is capped at the step's slabs here)."""
+    SLABS: tl.constexpr = 32 if BITS == 3 else (8 if BITS == 5 else 32 // BITS)   # 16-column slabs
+    SG: tl.constexpr = SPG if SPG < SLABS else SLABS           # slabs per scale group within a step
+    DSMAX: tl.constexpr = 4 if BITS == 3 else 8                # 3 bits: K = 64 per dot (registers)
+    DS: tl.constexpr = SG if SG < DSMAX else DSMAX             # slabs per tl.dot
+    ND: tl.constexpr = SLABS // DS                             # dots per step
+    DPG: tl.constexpr = SG // DS                               # dots per scale group
+    kd = tl.arange(0, DS * 16)
+    if BITS == 3:
+        # 3 bits: a runtime loop over the four 128-column quarters of the 512-column step
+        # (2-bit tile c × 16-bit half hh), as in the GEMV: unrolling all eight dots of a
+        # step made ptxas exceed 255 registers (measured spills on sm_86/89/90).
+        for h in range(4):
+            lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
+            hi = wh >> (16 * (h // 2) + 8 * (h % 2))     # slot i of this quarter at bit i
+            for q in tl.static_range(8 // DS):
+                z = tl.reshape(_zslabs3(lo, hi, q, DS, ASM, DT), [DS * 16, BN])
+                c0 = k0 + 128 * h + q * (DS * 16)
+                kk = c0 + kd
+                xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+                sc = _group_scale(sp, c0 // GROUP, r16, rn < N_PAD, CODED, ASM)
+                acc += tl.dot(xs, z) * sc[None, :]          # DS·16 columns: one scale group
+    else:
+        part = tl.zeros(acc.shape, dtype=tl.float32)
+        for q in tl.static_range(ND):
+            z = tl.reshape(_zslabs(wa, wb, wh, q, DS, BITS, ASM, DT), [DS * 16, BN])
+            kk = k0 + q * (DS * 16) + kd
+            xs = tl.load(xrow + kk[None, :], mask=mmask & (kk < K)[None, :], other=0.0).to(DT)
+            part = tl.dot(xs, z, part)
+            if (q + 1) % DPG == 0:
+                gi = (k0 + (q + 1 - DPG) * (DS * 16)) // GROUP
+                sc = _group_scale(sp, gi, r16, rn < N_PAD, CODED, ASM)
+                acc += part * sc[None, :]
+                part = tl.zeros(acc.shape, dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
+                o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
+                BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
+                ASM: tl.constexpr, CODED: tl.constexpr):
+    # Per K step and per DS slabs (≤ 128 columns, one scale group): the [DS·16, BN] B tile is
+    # built in registers from the step's word tiles by broadcasting per-slab shifts
+    # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot
+    # with the contiguous [BM, DS·16] activation tile: one shared-memory staging per 128
+    # columns (Triton's MMAv2 operand path) instead of one per 16-column slab.
+    STEP: tl.constexpr = 512 if BITS == 3 else (128 if BITS == 5 else 512 // BITS)
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)            # M fastest: the M tiles of a weight tile run side by side
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    w16 = tl.arange(0, 16)
+    g16 = rn // 16
+    r16 = rn % 16
+    rn3 = rn[None, None, :]
+    w3 = w16[None, :, None]
+    xrow = x_ptr + rm[:, None] * stride_xm
+    mmask = (rm < M)[:, None]
+    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
+    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    sp = _scale_base(s_ptr, g16, r16, NGP, CODED)
+
+    SPS = tl.cdiv(NSTEPS, SPLIT)
+    s_beg = pid_k * SPS
+    s_end = tl.minimum(s_beg + SPS, NSTEPS)
+    wa_n, wb_n, wh_n = _word_tiles(ta, th, s_beg, s_end, rn3, w3, N_PAD, BITS)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in range(s_beg, s_end):
+        wa = wa_n
+        wb = wb_n
+        wh = wh_n
+        wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
+        acc = _mma_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, r16, rn, N_PAD, BITS, GROUP, SPG, BN, ASM, DT,
+                        CODED)
+    if BITS == 3:
+        # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
+        # the splits from the last one, which got the fewest main steps
+        tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
+            w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
+            acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, r16, rn, N_PAD,
+                            4, GROUP, SPG, BN, ASM, DT, CODED)
+
+    if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
+        oacc = tl.zeros([BM, BN], dtype=tl.float32)
+        rb = tl.arange(0, BR)
+        if OUTL == 1:
+            e0, cnt, rmax = _ell_rows(o0_ptr, rn, N_PAD)
+            for r0 in range(pid_k * BR, rmax, SPLIT * BR):
+                rr = r0 + rb
+                em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
+                idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
+                col = tl.load(o1_ptr + idx, mask=em, other=0)
+                val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+                xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
+                             other=0.0).to(tl.float32)                          # [BM, BR, BN]
+                oacc += tl.sum(val[None, :, :] * xg, axis=1)
+        else:
+            n0 = pid_n * BN
+            e0 = tl.load(o0_ptr + n0)
+            e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+            for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
+                ee = e + rb
+                em = ee < e1
+                row = tl.load(o1_ptr + ee, mask=em, other=-1)
+                col = tl.load(o2_ptr + ee, mask=em, other=0)
+                val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+                xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
+                hit = row[:, None] == rn[None, :]                               # [BR, BN]
+                oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
+        acc += oacc
+
+    _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
+              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)

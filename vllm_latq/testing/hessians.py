@@ -1,0 +1,38 @@
+"""Real SmolLM2-135M layers with Hessians of real calibration text (cached on disk): the real
+data solver tests and benches share."""
+from __future__ import annotations
+
+import torch
+
+REAL_NSEQ, REAL_SEQLEN = 8, 512
+
+
+REAL_LAYERS = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
+               "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.up_proj")
+
+
+def real_layer_hessians() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name → (W [out, in] fp32, H [in, in] fp64) for ``REAL_LAYERS`` of SmolLM2-135M on
+    ``REAL_NSEQ`` × ``REAL_SEQLEN`` tokens of Wikipedia calibration text (cached on disk)."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_latq import data
+    from vllm_latq.quantize.hessian import linear_hessians
+
+    path = data.cache_dir() / f"test_hessians_smollm2_{REAL_NSEQ}x{REAL_SEQLEN}.safetensors"
+    if not path.exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        mdir = data.model_dir("smollm2-135m")
+        tok = AutoTokenizer.from_pretrained(mdir)
+        model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
+        mods = {n: m for n, m in model.named_modules() if n in REAL_LAYERS}
+        layers = linear_hessians(model, mods, data.calibration_batches(tok, nsamples=REAL_NSEQ, seqlen=REAL_SEQLEN))
+        tensors = {}
+        for n in REAL_LAYERS:
+            W, H = layers[n]
+            tensors[n + ".W"], tensors[n + ".H"] = W.contiguous(), H.contiguous()
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(path)
+    t = load_file(str(path))
+    return {n: (t[n + ".W"], t[n + ".H"]) for n in REAL_LAYERS}

@@ -1,0 +1,39 @@
+"""Random layers in the runtime form, for tests and kernel benches."""
+from __future__ import annotations
+
+import torch
+
+from .. import format as fmt
+from ..kernels.weight import LatqWeight
+
+
+def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 128, seed: int = 0,
+                  scale_lo: float = 0.001, scale_span: float = 0.05, val_std: float = 0.3,
+                  rows: tuple[tuple[int, float], ...] = (), cells: tuple[tuple[int, int], ...] = (),
+                  fp16_values: bool = False, scale_bits: int | None = None) -> LatqWeight:
+    """A random layer in the runtime form (tests, benches): uniform b-bit inliers, fp16 group
+    scales uniform in [scale_lo, scale_lo + scale_span), outliers at uniform positions with
+    probability ``rate`` (``rows``: (row, probability) pairs overriding it for some rows;
+    ``cells``: (row, col) positions that are outliers too) and N(0, val_std²) fp32 values
+    (``fp16_values``: rounded to fp16, as SSQR checkpoints store them); the inlier at an
+    outlier is 0. ``scale_bits``: the scales coded (``format.scale_codes``), ``scales`` their
+    decode."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
+    mask = torch.rand(out, cin, generator=g) < rate
+    for r, p in rows:
+        mask[r] = torch.rand(cin, generator=g) < p
+    for r, c in cells:
+        mask[r, c] = True
+    z[mask] = 0
+    scales = (torch.rand(out, -(-cin // group), generator=g) * scale_span + scale_lo).half()
+    nz_rows, cols = mask.nonzero(as_tuple=True)
+    crow = torch.zeros(out + 1, dtype=torch.int32)
+    crow[1:] = torch.cumsum(mask.sum(1), 0)
+    val = torch.randn(nz_rows.numel(), generator=g) * val_std
+    if fp16_values:
+        val = val.half()
+    coded = None if scale_bits is None else fmt.scale_codes.code_scales(scales, scale_bits)
+    if coded is not None:
+        scales = coded.decode().half()
+    return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin, coded)
