@@ -35,10 +35,16 @@
 #include <cstring>
 #include <mutex>
 #include <type_traits>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define LATQ_HAVE_AVX2 1   // compiled per function (target attribute), taken at run time by cpuid
+#else
+#define LATQ_HAVE_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
 #define LATQ_HAVE_GEMV 1
 #else
 #define LATQ_HAVE_GEMV 0
@@ -422,6 +428,75 @@ void block_rows(const uint16_t* x, int64_t K, const float* xs, const uint8_t* P,
 }
 #endif
 
+
+// The same GEMV for CPUs with AVX2 + FMA but no AVX-512 BF16: one 64-row block, mb ≤ 8 rows of
+// x. Per k, the block's 32 bytes unpack to 64 weights u − 8 in fp32 (exact), each FMA'd with
+// the row's bf16 activation widened by a shift; a group's sums fold into y with its scales as
+// blocks() does (the products are exact in fp32 either way: the same math up to summation order).
+#if LATQ_HAVE_AVX2
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint16_t* x, int64_t K, const float* xs,
+                                                               const uint8_t* P, const Scales& sc, int64_t N,
+                                                               int64_t g, int64_t b, uint16_t* y, int64_t mb) {
+  const int64_t G = K / g;
+  const uint8_t* wb = P + b * K * 32;
+  alignas(32) float yv[8][64] = {};
+  alignas(32) float acc[8][64];
+  alignas(32) float s[64], z[64];
+  const __m256i m4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi32(8);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    for (int64_t m = 0; m < mb; ++m) std::fill(acc[m], acc[m] + 64, 0.f);
+    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+      const uint8_t* p = wb + k * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      __m256 w[8];   // rows 0..31: low nibbles of bytes 0..31; rows 32..63: high nibbles
+      const __m128i l0 = _mm256_castsi256_si128(lo), l1 = _mm256_extracti128_si256(lo, 1);
+      const __m128i h0 = _mm256_castsi256_si128(hi), h1 = _mm256_extracti128_si256(hi, 1);
+      const __m128i parts[4] = {l0, l1, h0, h1};
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        w[2 * q] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[q]), eight));
+        w[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[q], 8)), eight));
+      }
+      for (int64_t m = 0; m < mb; ++m) {
+        const __m256 xk = _mm256_set1_ps(bf(x[m * K + k]));
+#pragma GCC unroll 8
+        for (int e = 0; e < 8; ++e)
+          _mm256_store_ps(acc[m] + 8 * e, _mm256_fmadd_ps(xk, w[e], _mm256_load_ps(acc[m] + 8 * e)));
+      }
+    }
+    for (int r = 0; r < 64; ++r) scale_zero(sc, gi, N, b * 64 + r, s[r], z[r]);
+    for (int64_t m = 0; m < mb; ++m) {
+      const __m256 xsg = _mm256_set1_ps(xs[m * G + gi]);
+#pragma GCC unroll 8
+      for (int e = 0; e < 8; ++e) {
+        const __m256 a = _mm256_load_ps(acc[m] + 8 * e);
+        const __m256 r = _mm256_fmadd_ps(a, _mm256_load_ps(s + 8 * e), _mm256_load_ps(yv[m] + 8 * e));
+        _mm256_store_ps(yv[m] + 8 * e, _mm256_fmadd_ps(xsg, _mm256_load_ps(z + 8 * e), r));
+      }
+    }
+  }
+  for (int64_t m = 0; m < mb; ++m)
+    for (int r = 0; r < 64; ++r) y[m * N + b * 64 + r] = at::BFloat16(yv[m][r]).x;   // nearest even
+}
+#endif
+
+// the instruction set the GEMV runs on here: 2 AVX-512 BF16 (this build and this CPU), 1 AVX2 +
+// FMA + F16C, 0 none. LATQ_CPU_ISA=avx2 (read once) forces AVX2 where both run (tests, bench).
+int isa_detect() {
+  const char* e = std::getenv("LATQ_CPU_ISA");
+  const bool force2 = e && std::strcmp(e, "avx2") == 0;
+#if LATQ_HAVE_GEMV
+  if (!force2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")) return 2;
+#endif
+#if LATQ_HAVE_AVX2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+#endif
+  return 0;
+}
+const int g_isa = isa_detect();
+
 // the tail block: rows [r0, N) (N − r0 < 64, even), R/2 bytes per k, rows 2j (low) / 2j+1 (high)
 void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc, int64_t N, int64_t K, int64_t g,
           int64_t r0, uint16_t* y) {
@@ -452,7 +527,7 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc
 
 // whether gemv() takes this call (the op's AVX-512 layout, supported shapes)
 bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64_t group_size) {
-  if (!LATQ_HAVE_GEMV) return false;
+  if (g_isa == 0) return false;
   const int64_t N = packed.size(0);
   const bool scales_ok = is_coded(scales) ? scales.dim() == 3 && scales.size(2) == 3 && N % 16 == 0 &&
                                                 scales.numel() == K / group_size * (N / 16) * 3
@@ -642,8 +717,16 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const Scales sc = scales_of(scales, planes);
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
+#if LATQ_HAVE_AVX2
+    if (g_isa == 1)
+      for (int64_t b = u0; b < std::min(u1, nb); ++b) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8)
+          block_rows_avx2(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
+        fin(f, yp, b * 64, b * 64 + 64);
+      }
+#endif
 #if LATQ_HAVE_GEMV
-    for (int64_t b = u0; b < std::min(u1, nb); ++b) {
+    for (int64_t b = u0; g_isa == 2 && b < std::min(u1, nb); ++b) {
       if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));   // in flight during the GEMV
       for (int64_t m0 = 0; m0 < M; m0 += 8)
         block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
@@ -694,9 +777,11 @@ at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
 // the M up to which small_linear takes the GEMV (0: off, or not built / not this layout)
-int64_t gemv_max_m() { return LATQ_HAVE_GEMV && gemv::layout_ok() ? gemv::g_max_m.load() : 0; }
+int64_t gemv_max_m() { return gemv::g_isa > 0 && gemv::layout_ok() ? gemv::g_max_m.load() : 0; }
 // whether this build has the GEMV and the op's layout matches (whatever set_gemv_max_m says)
-bool has_gemv() { return LATQ_HAVE_GEMV && gemv::layout_ok(); }
+bool has_gemv() { return gemv::g_isa > 0 && gemv::layout_ok(); }
+// the instruction set the GEMV takes: "avx512", "avx2" or "" (none)
+std::string gemv_isa() { return gemv::g_isa == 2 ? "avx512" : gemv::g_isa == 1 ? "avx2" : ""; }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
@@ -853,6 +938,7 @@ TORCH_LIBRARY(latq_cpu, m) {
   m.def("set_gemv_max_m(int m) -> ()");
   m.def("gemv_max_m() -> int");
   m.def("has_gemv() -> bool");
+  m.def("gemv_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
@@ -867,4 +953,5 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_gemv_max_m", &set_gemv_max_m);
   m.impl("gemv_max_m", &gemv_max_m);
   m.impl("has_gemv", &has_gemv);
+  m.impl("gemv_isa", &gemv_isa);
 }
