@@ -36,3 +36,22 @@ def tiny_checkpoints(tiny_llama, tmp_path_factory):
                            on_layer=lambda name, W, H, res, r=results: r.__setitem__(name, res))
         out[method] = (d, results)
     return out
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def gemv_isa(request):
+    """Each instruction set the C++ GEMV can run on here, set for the test (AVX2 runs on an
+    AVX-512 CPU too); skipped where this CPU or build lacks it; nothing to set without the op."""
+    from vllm_latq import native
+    if not native.available():
+        yield None
+        return
+    saved = torch.ops.latq_cpu.gemv_isa()
+    try:
+        torch.ops.latq_cpu.set_gemv_isa(request.param)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        yield request.param
+    finally:
+        torch.ops.latq_cpu.set_gemv_isa(saved)

@@ -173,7 +173,7 @@ CODED_SHAPES = [(192, 576, 64), (128, 576, 128), (80, 256, 32), (640, 2048, 16)]
 
 
 @pytest.mark.parametrize("shape", CODED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
-def test_coded_scales(shape, small_m_path, monkeypatch):
+def test_coded_scales(shape, small_m_path, gemv_isa, monkeypatch):
     """Coded group scales (``--scale-bits 4``) stay codes where the C++ GEMV runs — 12 bytes per 16
     scales, the checkpoint's 6 bits, as ``layout_bytes`` counts — and compute, bit for bit, what
     the same layer with decoded scales computes, at every path's M (the large-M dequant and

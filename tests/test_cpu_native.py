@@ -133,7 +133,7 @@ def _op_state(N, K, g, seed, zeros=False):
                                    (576, 1536, 128), (80, 256, 32), (112, 512, 256), (208, 384, 64),
                                    (48, 64, 32), (16, 128, 128), (1024, 4096, 128), (64, 2048, 256)])
 @pytest.mark.parametrize("zeros", [False, True])
-def test_gemv_matches_the_op(N, K, g, zeros):
+def test_gemv_matches_the_op(N, K, g, zeros, gemv_isa):
     """``latq_cpu::gemv`` on the op's own state: the op's math up to fp32 summation order. Both
     are rounded to bf16, so: each within bf16 rounding + 1e-5·Σ|x||w| of the fp64 sum, and the
     two within one bf16 ulp of each other (most equal). N % 64 ≠ 0 covers the pair-packed tail;
@@ -160,7 +160,7 @@ def test_gemv_matches_the_op(N, K, g, zeros):
                                  (3072, 576, 4, 0.05, 64), (80, 4096, 4, 0.1, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tiles", [True, False])
-def test_gemv_in_small_linear(key, dtype, tiles):
+def test_gemv_in_small_linear(key, dtype, tiles, gemv_isa):
     """M = 1, 3, 8, 16 through ``small_linear`` with the GEMV on: the kernel's tight bounds
     (``test_cpu_kernel.check``) for bf16/fp16/fp32 activations, with and without outliers and
     bias, incl. two int4 planes (6-bit), a pair-packed tail and rows of > 256 outliers (tiles of
@@ -205,3 +205,23 @@ def test_gemv_env_switch():
             assert out.stdout.split()[-1] == want
         else:
             assert int(out.stdout.split()[-1]) in (0, 1 << 30)
+
+
+def test_gemv_dispatch_takes_avx2_without_avx512():
+    """With AVX-512 masked off (``LATQ_CPU_ISA=avx2``, read at load) the GEMV runs on AVX2 where
+    the CPU has it, and the kernel still serves the GEMV's layout (scales alone, not torch's op's
+    pairs); an unknown instruction set is refused by name."""
+    import os
+    import subprocess
+    import sys
+    if not torch.ops.latq_cpu.has_gemv():
+        pytest.skip("no GEMV on this CPU")
+    code = ("import torch\nfrom vllm_latq import native\nassert native.load() is None\n"
+            "from vllm_latq.kernels.cpu import kernel\n"
+            "print(torch.ops.latq_cpu.gemv_isa(), kernel.gemv_isa(), torch.ops.latq_cpu.gemv_max_m() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LATQ_CPU_ISA": "avx2"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["avx2", "avx2", "True"]
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
+        torch.ops.latq_cpu.set_gemv_isa("sse9")

@@ -5,7 +5,8 @@ outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GE
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
-AVX-512 BF16 CPUs the GEMM is the op's own GEMV over the same packed state, streaming the
+AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched at run time) the GEMM is the op's own GEMV over
+the same packed state and scales (the same bits/weight on both), streaming the
 weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
 to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/cpu/csrc/latq_cpu.cpp``).
 Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
@@ -321,13 +322,19 @@ _HAS_GEMV: bool | None = None
 
 
 def _gemv_here() -> bool:
-    """The C++ op is usable here (built, not disabled in this context) with its AVX-512 GEMV."""
+    """The C++ op is usable here (built, not disabled in this context) with its GEMV (AVX-512
+    BF16 or AVX2, the same state and bits either way)."""
     global _HAS_GEMV
     if not native.usable():
         return False
     if _HAS_GEMV is None:   # a property of the build and the CPU: ask once
         _HAS_GEMV = bool(torch.ops.latq_cpu.has_gemv())
     return _HAS_GEMV
+
+
+def gemv_isa() -> str:
+    """The instruction set the C++ GEMV runs on here: "avx512", "avx2", or "" (torch's op)."""
+    return str(torch.ops.latq_cpu.gemv_isa()) if _gemv_here() else ""
 
 
 def _tiles_here(in_features: int) -> bool:

@@ -6,7 +6,8 @@
 // summed by a plain loop (MKL's CSR call costs ~5 µs of setup, as much as a small layer's
 // whole int4 GEMM) or, for large sets, by MKL.
 //
-// On AVX-512 BF16 CPUs the int4 GEMM is this file's own GEMV over the same state (gemv::
+// On AVX-512 BF16 CPUs, and AVX2 + FMA + F16C ones (block_rows_avx2, chosen at run time), the
+// int4 GEMM is this file's own GEMV over the same state (gemv::
 // below; the op's math up to fp32 summation order): torch's op is compute/latency bound when
 // its weights come from DRAM and re-dequantizes them every 4 rows; the GEMV streams them at
 // DRAM speed once per call and unpacks each weight once for up to 8 rows (bench/cpu_layer.py
@@ -482,20 +483,27 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint16_t* x,
 }
 #endif
 
-// the instruction set the GEMV runs on here: 2 AVX-512 BF16 (this build and this CPU), 1 AVX2 +
-// FMA + F16C, 0 none. LATQ_CPU_ISA=avx2 (read once) forces AVX2 where both run (tests, bench).
-int isa_detect() {
-  const char* e = std::getenv("LATQ_CPU_ISA");
-  const bool force2 = e && std::strcmp(e, "avx2") == 0;
+// the instruction sets the GEMV can run on here: 2 AVX-512 BF16 (this build and this CPU), 1
+// AVX2 + FMA + F16C; the best one runs unless LATQ_CPU_ISA=avx2 (read once) or set_gemv_isa
+// picks AVX2 where both run (tests, bench)
+bool isa_runs(int isa) {
 #if LATQ_HAVE_GEMV
-  if (!force2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")) return 2;
+  if (isa == 2) return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
 #endif
 #if LATQ_HAVE_AVX2
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+  if (isa == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
+  return isa == 0;
+}
+
+int isa_detect() {
+  const char* e = std::getenv("LATQ_CPU_ISA");
+  const int top = e && std::strcmp(e, "avx2") == 0 ? 1 : 2;
+  for (int isa = top; isa > 0; --isa)
+    if (isa_runs(isa)) return isa;
   return 0;
 }
-const int g_isa = isa_detect();
+std::atomic<int> g_isa{isa_detect()};
 
 // the tail block: rows [r0, N) (N − r0 < 64, even), R/2 bytes per k, rows 2j (low) / 2j+1 (high)
 void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc, int64_t N, int64_t K, int64_t g,
@@ -527,7 +535,7 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc
 
 // whether gemv() takes this call (the op's AVX-512 layout, supported shapes)
 bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64_t group_size) {
-  if (g_isa == 0) return false;
+  if (g_isa.load() == 0) return false;
   const int64_t N = packed.size(0);
   const bool scales_ok = is_coded(scales) ? scales.dim() == 3 && scales.size(2) == 3 && N % 16 == 0 &&
                                                 scales.numel() == K / group_size * (N / 16) * 3
@@ -718,7 +726,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
 #if LATQ_HAVE_AVX2
-    if (g_isa == 1)
+    const int isa = g_isa.load();
+    if (isa == 1)
       for (int64_t b = u0; b < std::min(u1, nb); ++b) {
         for (int64_t m0 = 0; m0 < M; m0 += 8)
           block_rows_avx2(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
@@ -726,7 +735,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
       }
 #endif
 #if LATQ_HAVE_GEMV
-    for (int64_t b = u0; g_isa == 2 && b < std::min(u1, nb); ++b) {
+    for (int64_t b = u0; isa == 2 && b < std::min(u1, nb); ++b) {
       if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));   // in flight during the GEMV
       for (int64_t m0 = 0; m0 < M; m0 += 8)
         block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
@@ -782,6 +791,12 @@ int64_t gemv_max_m() { return gemv::g_isa > 0 && gemv::layout_ok() ? gemv::g_max
 bool has_gemv() { return gemv::g_isa > 0 && gemv::layout_ok(); }
 // the instruction set the GEMV takes: "avx512", "avx2" or "" (none)
 std::string gemv_isa() { return gemv::g_isa == 2 ? "avx512" : gemv::g_isa == 1 ? "avx2" : ""; }
+void set_gemv_isa(const std::string& name) {
+  const int isa = name == "avx512" ? 2 : name == "avx2" ? 1 : name.empty() ? 0 : -1;
+  TORCH_CHECK(isa >= 0, "latq_cpu::set_gemv_isa: unknown instruction set '", name, "' (avx512, avx2 or '')");
+  TORCH_CHECK(gemv::isa_runs(isa), "latq_cpu::set_gemv_isa: the GEMV cannot run on ", name, " here");
+  gemv::g_isa.store(isa);
+}
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
@@ -939,6 +954,7 @@ TORCH_LIBRARY(latq_cpu, m) {
   m.def("gemv_max_m() -> int");
   m.def("has_gemv() -> bool");
   m.def("gemv_isa() -> str");
+  m.def("set_gemv_isa(str name) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
@@ -954,4 +970,5 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("gemv_max_m", &gemv_max_m);
   m.impl("has_gemv", &has_gemv);
   m.impl("gemv_isa", &gemv_isa);
+  m.impl("set_gemv_isa", &set_gemv_isa);
 }
