@@ -286,11 +286,23 @@ def gemv(a, results):
             scales_alone[key] = sz[..., 0].contiguous()
         return torch.ops.latq_cpu.gemv(x, p, scales_alone[key], g)
 
+    best = torch.ops.latq_cpu.gemv_isa()
+
+    def on_isa(isa, f):   # the GEMV on one instruction set (AVX2 runs on AVX-512 CPUs too)
+        def run(*args):
+            torch.ops.latq_cpu.set_gemv_isa(isa)
+            return f(*args)
+        return run
+
     impls = {"op": lambda x, p, sz, g: mm(x, p, g, sz),
              "gemv": lambda x, p, sz, g: torch.ops.latq_cpu.gemv(x, p, sz, g),
              "gemv_s": gemv_scales_alone,
              "kernel_op": kernel(False), "kernel_gemv": kernel(True),
              "kernel_op_1pct": kernel(False, True), "kernel_gemv_1pct": kernel(True, True)}
+    impls = {k: on_isa(best, f) for k, f in impls.items()}
+    if best != "avx2":   # side by side: the same calls forced onto AVX2
+        impls |= {"gemv_avx2": on_isa("avx2", impls["gemv"]),
+                  "kernel_gemv_avx2_1pct": on_isa("avx2", kernel(True, True))}
     try:
         print(f"\ngemv (M ≤ {saved} rows; ms per pass: best / median over interleaved passes; ratio = "
               "median of paired op/gemv)")
@@ -315,6 +327,12 @@ def gemv(a, results):
             results["gemv_smol_insitu_kernel" + sfx] = ratio(ts, "kernel_op", "kernel_gemv")
             results["gemv_smol_insitu_kernel_1pct" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
             results["gemv_scales_alone_vs_pairs" + sfx] = ratio(ts, "gemv", "gemv_s")
+            if "gemv_avx2" in ts:   # per instruction set: op/AVX2 GEMV, and AVX2 time / best ISA's
+                results["gemv_isa_avx2_vs_op" + sfx] = ratio(ts, "op", "gemv_avx2")
+                results["gemv_isa_avx2_kernel_1pct_vs_op" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_avx2_1pct")
+                results[f"gemv_isa_{best}_vs_avx2" + sfx] = ratio(ts, "gemv_avx2", "gemv")
+                print(f"  per ISA ({best} vs forced avx2): op/gemv_avx2 {results['gemv_isa_avx2_vs_op' + sfx]:.2f}x "
+                      f"gemv_avx2/gemv_{best} {results[f'gemv_isa_{best}_vs_avx2' + sfx]:.2f}x", flush=True)
         xs = {K: torch.randn(1, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
         for name, N, K in SMOL_VLLM:   # one layer, warm (in L2/L3)
             p, sz, g = _int4_state(N, K, 7)
@@ -341,6 +359,7 @@ def gemv(a, results):
         results["gemv_4096_warm"] = ratio(ts, "op", "gemv")
     finally:
         torch.ops.latq_cpu.set_gemv_max_m(saved)
+        torch.ops.latq_cpu.set_gemv_isa(best)
 
 
 def outlier_codings(a, results):
@@ -499,8 +518,10 @@ def main(argv=None):
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
-               and k.startswith(("outliers_", "gemv_scales", "coded_"))}}
-    print("HEADLINE " + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
+               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_"))}}
+    isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
+    print(f"HEADLINE cpu={torch.backends.cpu.get_cpu_capability()} gemv_isa={isa or 'none'} "
+          + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 
 if __name__ == "__main__":
