@@ -402,7 +402,10 @@ def main(argv=None) -> None:
                 head += [f"{mode}_b{b}_speedup={ratio(q['runs'][str(b)], str(b), mode):.2f}",
                          f"{mode}_b{b}_latq_tok_s={qt:.1f}",
                          f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
-    print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))
+    import torch
+    isa = os.environ.get("LATQ_CPU_ISA", "best")   # the CPU GEMV's instruction set, as forced for the workers
+    print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} "
+          f"cpu={torch.backends.cpu.get_cpu_capability()} gemv_isa={isa} dtype={a.dtype} " + " ".join(head))
 
 
 if __name__ == "__main__":
