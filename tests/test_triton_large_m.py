@@ -232,8 +232,8 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_latq.kernels import triton_compile as tc
-from vllm_latq.kernels import triton_dequant as td
+from tools import triton_compile as tc
+from vllm_latq.kernels.triton import dequant as td
 knobs.nvidia.dump_ptxas_log = True
 div16 = [["tt.divisibility", 16]]
 quick = sys.argv[1] == "quick"
