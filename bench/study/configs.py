@@ -9,8 +9,9 @@ LEVELS = (4, 3, 2)  # table columns: ≈4.125 / 3.125 / 2.125 bits (SSQR: 4/3/2-
 FAMILIES = ("RTN", "GPTQ", "HRTN", "HPTQ", "SSQR-1%", "SSQR-2%")
 # GPTQ's group sizes besides the default 128: the baselines of the served-bits Pareto (issue 21)
 GROUP_SIZES = (32, 64)
-# the noise floor at 4 bits: our GPTQ-4b calibrated on other seeded draws of the calibration text
-# (which articles, in which order): a harmless change whose perplexity spread sizes every verdict
+# the noise floor at each bit width: our GPTQ calibrated on other seeded draws of the calibration
+# text (which articles, in which order): a harmless change whose perplexity spread sizes every verdict
+# at that width (fewer bits, more noise: a 4-bit floor would understate a 2-bit one)
 NOISE_SEEDS = (1, 2)
 NOISE_TAGS = tuple(f"seed{s}" for s in NOISE_SEEDS)
 # the target-correction lever (Qronos, seed 004; issue 21's screen winner): our GPTQ solved against
@@ -49,7 +50,7 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           *((t, f"Second-level scales (`--scale-bits 4`: group scales as 4-bit codes on a grid per 16 rows, "
                 f"6 bits per scale instead of 16) at group size {g}, against our GPTQ at group size {2 * g} "
                 f"(about the served bits):", "coded scales") for t, g in S4_TAGS.items()),
-          *((t, f"Noise floor: our GPTQ-4b calibrated on the seeded draw {t} of the calibration text instead of "
+          *((t, f"Noise floor: our GPTQ calibrated on the seeded draw {t} of the calibration text instead of "
                 "seed 0 (other articles, another order):", t) for t in NOISE_TAGS),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
                    "settings; only intermediate rounding differs, changing a few integers):", "ours in fp64"),
@@ -175,9 +176,10 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
             twice = "" if 2 * g == group_size else f"g{2 * g}"   # the fp16-scaled group it is read against
             out.append(make_config(model, "GPTQ", b, tag, base=twice, method="gptq", bits=b, group_size=g,
                                    scale_bits=4))
-    # the noise floor at 4 bits: other calibration draws
-    for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
-        out.append(make_config(model, "GPTQ", 4, tag, method="gptq", bits=4, group_size=group_size, seed=s))
+    # the noise floor at each level: other calibration draws
+    for b in LEVELS:
+        for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
+            out.append(make_config(model, "GPTQ", b, tag, method="gptq", bits=b, group_size=group_size, seed=s))
     # its controls: how far perplexity moves when harmless changes flip a few integers (float
     # rounding; the damping moved by ±0.01 %; fp32 forwards): ours' own spread, against which a
     # peer gap is read
