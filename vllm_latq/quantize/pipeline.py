@@ -52,7 +52,8 @@ from .column_scales import fold_block
 from .finalize import finalize
 from .head import head_plan, quantize_head
 from . import solve_layers as solving
-from .resume import PROGRESS_FILE, TMP_SUFFIX, RunDir, fingerprint
+from .output import check_output
+from .resume import PROGRESS_FILE, TMP_SUFFIX, fingerprint, run_directory
 from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
 from .source import Source, open_source, resolve_model
 
@@ -86,6 +87,10 @@ DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64}   # other methods: 128
 
 def default_group_size(method: str) -> int:
     return DEFAULT_GROUP_SIZE.get(method, 128)
+
+
+# HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
+MAX_TARGET_BITS = 8.0
 
 
 @dataclass
@@ -154,6 +159,9 @@ class QuantizeOptions:
             raise ValueError("target_correction and column_scales cannot be combined (yet)")
         if self.scale_bits is not None and self.method not in ("gptq", "rtn", "babai"):
             raise ValueError(f"scale_bits is for gptq, rtn and babai (their group scales), not {self.method}")
+        if self.kind == "huffman" and not 1.0 < self.target_bits <= MAX_TARGET_BITS:
+            raise ValueError(f"target_bits must be in (1, {MAX_TARGET_BITS:g}] bits/weight for {self.method}, got "
+                             f"{self.target_bits:g}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -251,72 +259,73 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     head = head_plan(src) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
-    run = RunDir.open(out, _fingerprint(src, opts), resume)
-    device = torch.device(opts.device)
-    acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
-    targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
-    per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
-    quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
+    check_output(out, src.path, overwrite)
+    with run_directory(out, _fingerprint(src, opts), resume) as run:
+        device = torch.device(opts.device)
+        acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
+        targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
+        per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
+        quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
 
-    bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
-               disable=not progress, initial=run.blocks_done, total=src.nblocks)
-    for i in bar:
-        layer = src.layers[i]
-        if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
-            src.load(src.block_tensors(i), device)
-        linears = src.block_linears(i)
-        kw = _to_device(kwargs[i], device) if opts.calibrated else None
-        t0 = time.time()
-        folding = None
-        if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
-            shard = {}
-            for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
-                                                                 progress):
-                quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
-                                                                     hessians.cross_of.items()}, opts.damp)
-                shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
-                                                 device, progress, opts.moe_min_tokens, opts.moe_route_all,
-                                                 experts=last))
-            t1 = t0
-        else:
-            hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
-            t1 = time.time()
-            if opts.column_scales != "none":
-                folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
-                                     power=opts.column_scale_power, order=opts.order, damp=opts.damp,
-                                     stored=src.weights.get)
-            quantize_block = quantize if folding is None else folding.wrap(quantize)
-            shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                        device, progress, opts.moe_min_tokens, opts.moe_route_all,
-                                        write_back=opts.calibrated)
-        hessians = None
-        t2 = time.time()
-        if opts.calibrated:
-            block_outputs(layer, acts, kw, f"block {i}", progress)
-        log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
-                 t2 - t1, time.time() - t2)
-        shard.update(src.kept_block_tensors(i, linears))
-        shard.update(folding.norm_tensors if folding else {})
-        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
-        shard = None   # written: the next block's tensors replace it
-        hf_model.to_meta(layer)
-        if on_block is not None:
-            on_block(i, time.time() - t0)
-        if stop_after_block is not None and i == stop_after_block:
-            raise SimulatedInterruption(f"simulated interruption after block {i}")
-    bar.close()
+        bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
+                   disable=not progress, initial=run.blocks_done, total=src.nblocks)
+        for i in bar:
+            layer = src.layers[i]
+            if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
+                src.load(src.block_tensors(i), device)
+            linears = src.block_linears(i)
+            kw = _to_device(kwargs[i], device) if opts.calibrated else None
+            t0 = time.time()
+            folding = None
+            if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
+                shard = {}
+                for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
+                                                                     progress):
+                    quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
+                                                                         hessians.cross_of.items()}, opts.damp)
+                    shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
+                                                     device, progress, opts.moe_min_tokens, opts.moe_route_all,
+                                                     experts=last))
+                t1 = t0
+            else:
+                hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
+                t1 = time.time()
+                if opts.column_scales != "none":
+                    folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
+                                         power=opts.column_scale_power, order=opts.order, damp=opts.damp,
+                                         stored=src.weights.get)
+                quantize_block = quantize if folding is None else folding.wrap(quantize)
+                shard = solving.solve_block(src, i, linears, hessians, quantize_block,
+                                            device, progress, opts.moe_min_tokens, opts.moe_route_all,
+                                            write_back=opts.calibrated)
+            hessians = None
+            t2 = time.time()
+            if opts.calibrated:
+                block_outputs(layer, acts, kw, f"block {i}", progress)
+            log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
+                     t2 - t1, time.time() - t2)
+            shard.update(src.kept_block_tensors(i, linears))
+            shard.update(folding.norm_tensors if folding else {})
+            run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
+            shard = None   # written: the next block's tensors replace it
+            hf_model.to_meta(layer)
+            if on_block is not None:
+                on_block(i, time.time() - t0)
+            if stop_after_block is not None and i == stop_after_block:
+                raise SimulatedInterruption(f"simulated interruption after block {i}")
+        bar.close()
 
-    if targets is not None:
-        drop_stream(targets)
-        if head is not None:
-            log.info("target correction: the output head is solved against its own weight")
-    head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
-        solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
-    del acts
-    qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
-    tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
-    log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
-             tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
+        if targets is not None:
+            drop_stream(targets)
+            if head is not None:
+                log.info("target correction: the output head is solved against its own weight")
+        head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
+            solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
+        del acts
+        qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
+        tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
+        log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
+                 tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
     return out
 
 
