@@ -636,3 +636,22 @@ def test_verdict_says_why_a_model_is_not_judged():
     assert claims.verdict([("a", False), None]) == "does not hold (judged on 1 of 2 models; 1 not run)"
     assert claims.verdict([("a", True), ("b", False)]) == "mixed"
     assert claims.verdict([None, ("b", None)]) == "—"
+
+
+def test_readme_which_method_table_is_generated_from_the_results():
+    """The README's "which method" table is exactly what the study's results give
+    (``python -m bench.study.which_method`` prints it): every row on a served-bits front."""
+    from bench.study import which_method
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- which-method -->")[1].split("<!-- /which-method -->")[0].strip().splitlines()
+    assert block == which_method.table(which_method.load())
+    assert len(block) >= 6 and all("★" in row for row in block[3:])
+
+
+def test_which_method_options_reproduce_the_configuration():
+    from bench.study import which_method
+    rec = {"options": {"bits": 3, "group_size": 32, "method": "gptq", "scale_bits": 4}}
+    assert which_method.options(rec) == "`--bits 3 --group-size 32 --scale-bits 4`"
+    assert which_method.options({"options": {"method": "ssqr", "bits": 4, "outlier_rate": 0.01}}) == \
+        "`--method ssqr --group-size 128 --outlier-rate 0.01`"
+    assert which_method.options({"options": {"method": "gptq", "bits": 4, "group_size": 64}}) == "(defaults)"
