@@ -195,3 +195,16 @@ def test_no_long_modules(module):
     path = _modules()[module]
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(REPO)} has {lines} lines (> {MAX_LINES}): split it by job"
+
+
+def test_architecture_page_states_these_layers():
+    """docs/ARCHITECTURE.md's layer table is LAYERS, top layer first: the rule the page states is
+    the rule this file enforces."""
+    page = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    table = page.split("<!-- layers -->")[1].split("<!-- /layers -->")[0].strip().strip("`").strip()
+    stated = []
+    for line in table.splitlines():
+        number, names = re.match(r"(\d+)\s+(.*?)(?:\s{2,}.*)?$", line).groups()
+        stated.append((int(number), {("vllm_latq" if n == "vllm_latq" else f"vllm_latq.{n}")
+                                     for n in re.split(r",\s*|\s*\|\s*", names)}))
+    assert stated == [(i + 1, set(entries)) for i, entries in reversed(list(enumerate(LAYERS)))]
