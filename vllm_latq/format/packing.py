@@ -11,9 +11,8 @@ import torch
 
 PACK_TILE = 32  # values per tile; a tile of b-bit values is exactly b int32 words
 
-# rows per packing step: the bit-plane temporaries are int64 [rows, in, b]; whole-matrix steps
-# took 21 GB for Gemma3's 262144×640 head at 8 bits. Steps of 8 MiB temporaries keep them in cache
-# and off an 8B RTN run's peak (docs/BENCHMARKS.md, peak memory)
+# rows per packing step: the bit-plane temporaries are int64 [rows, in, b], which over a whole
+# embedding-sized matrix would be tens of GB; 8 MiB steps keep them in cache and off a run's peak
 PACK_CHUNK_ELEMS = 1 << 20
 
 
