@@ -93,6 +93,14 @@ def test_benchmarks_is_no_diary(pattern, what):
     assert not hits, f"docs/BENCHMARKS.md has {what}: {hits[:3]}"
 
 
+def test_kernels_reference_has_no_dates_or_issue_numbers():
+    """docs/KERNELS.md is present-tense reference: the history lives in git."""
+    text = (REPO / "docs" / "KERNELS.md").read_text()
+    for pattern in (r"\b20\d\d-\d\d-\d\d\b", r"\bissue \d+", r"(?<![\w&])#\d+"):
+        hits = re.findall(pattern, text, re.I)
+        assert not hits, f"docs/KERNELS.md has {hits[:3]}"
+
+
 def test_checks_catch_a_diary():
     """The patterns above do fire on what they are meant to reject."""
     diary = "## Measured on the VM (2026-11-22)\nsee issue 19 and #21\n"
