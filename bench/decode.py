@@ -19,7 +19,8 @@ engines of one mode are loaded (one after the other), then their runs are interl
 round r runs every engine once per batch size, in an order rotated each round — so each
 ratio pairs runs of the same few seconds: this 2-core VM's memory bandwidth drifts between
 minutes (separate back-to-back measurements gave 1.29–1.64× for the same pair). Reported:
-median tok/s per engine and the median over rounds of the paired ratio. Both modes run in
+median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
+and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which. Both modes run in
 turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores; idle engines wait
 on a pipe). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
 ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts'
@@ -37,8 +38,8 @@ else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
 ``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
 adds per-op overhead, so the profiled step is printed next to the unprofiled one.
 
-The last line is ``HEADLINE ...`` with latq/bf16 tok/s ratios of the default kernel
-selection, batch 1 and 8, eager and compiled.
+The last line is ``HEADLINE ...`` with both latq/bf16 ratios of the default kernel selection
+and the tok/s they come from, batch 1 and 8, eager and compiled.
 """
 from __future__ import annotations
 
@@ -192,6 +193,15 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
                 e.close()
                 r["load_line"] = next((ln.split("] ", 1)[-1] for ln in e.lines if "linears loaded" in ln), None)
     return results
+
+
+def speedups(run: dict, ref: dict | None) -> tuple[float, float]:
+    """(median over rounds of the per-round ratio bf16 time / this time, ratio of the two median
+    tok/s) of one engine's ``run`` against bf16's ``ref`` at the same batch. The two differ: a round
+    pairs runs of the same seconds, so its ratio is immune to the bandwidth drift that moves the
+    medians. Without pairs (other tokens) the first is nan; without ``ref`` both are."""
+    nan = float("nan")
+    return run.get("paired_ratio", nan), run["tok_s"] / ref["tok_s"] if ref else nan
 
 
 # names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
@@ -360,21 +370,23 @@ def main(argv=None) -> None:
     def find(label, mode):
         return next((r for r in results if r["label"] == label and r["mode"] == mode), None)
 
-    def ratio(run, b, mode):   # the paired ratio; else (reference kernel: other tokens) of medians
-        ref = find("bf16", mode)
-        if "paired_ratio" in run:
-            return run["paired_ratio"]
-        return run["tok_s"] / ref["runs"][b]["tok_s"] if ref and "runs" in ref else float("nan")
+    def ratio(run, b, mode):   # the median of per-round ratios; else (reference kernel: other tokens) nan
+        return speedups(run, ((find("bf16", mode) or {}).get("runs") or {}).get(b))[0]
 
-    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'vs bf16':>8s}  load  "
-          "new tokens x repeats   (vs bf16: median of ratios paired by round)")
+    def tok_s_ratio(run, b, mode):
+        return speedups(run, ((find("bf16", mode) or {}).get("runs") or {}).get(b))[1]
+
+    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'paired':>8s} {'tok/s':>7s}  "
+          "load  new tokens x repeats   (vs bf16 — paired: median over rounds of the per-round time ratio; "
+          "tok/s: ratio of the median tok/s)")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:9s} {r['label']:16s} ERROR {r['error'][:300]}")
             continue
         for b, run in r["runs"].items():
             print(f"{r['mode']:9s} {r['label']:16s} {b:>5s} {run['tok_s']:8.1f} {run['ms_per_step']:8.1f} "
-                  f"{ratio(run, b, r['mode']):7.2f}x  {r['load_s']:4.0f}s  {r['tokens']} x {len(run['times'])}"
+                  f"{ratio(run, b, r['mode']):7.2f}x {tok_s_ratio(run, b, r['mode']):6.2f}x  {r['load_s']:4.0f}s  "
+                  f"{r['tokens']} x {len(run['times'])}"
                   + ("   rounds {:.2f}–{:.2f}x".format(*run["paired_range"]) if "paired_range" in run else ""))
     for r in results:
         if r.get("load_line"):
@@ -395,11 +407,12 @@ def main(argv=None) -> None:
         for e in a.extra_ckpt:   # e.g. a --quantize-lm-head checkpoint
             x = find(f"latq-{best}:{Path(e).name}", mode)
             if x and ref and "runs" in x and "runs" in ref and "1" in x["runs"]:
-                head.append(f"{mode}_b1_speedup_{Path(e).name}={ratio(x['runs']['1'], '1', mode):.2f}")
+                head.append(f"{mode}_b1_speedup_median_of_rounds_{Path(e).name}={ratio(x['runs']['1'], '1', mode):.2f}")
         for b in batches:
             if q and ref and "runs" in q and "runs" in ref:
                 qt, rt = q['runs'][str(b)]['tok_s'], ref['runs'][str(b)]['tok_s']
-                head += [f"{mode}_b{b}_speedup={ratio(q['runs'][str(b)], str(b), mode):.2f}",
+                head += [f"{mode}_b{b}_speedup_median_of_rounds={ratio(q['runs'][str(b)], str(b), mode):.2f}",
+                         f"{mode}_b{b}_speedup_tok_s={tok_s_ratio(q['runs'][str(b)], str(b), mode):.2f}",
                          f"{mode}_b{b}_latq_tok_s={qt:.1f}",
                          f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
     print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))

@@ -702,4 +702,5 @@ def test_decode_bench_runs_interleaved(tiny):
     rows = [ln for ln in lines if ln.startswith("eager ")]
     assert len(rows) == 4 and all("4 x 2" in r for r in rows), out.stdout
     assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
-    assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup=" in lines[-1] and "eager_b2_speedup=" in lines[-1]
+    assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup_median_of_rounds=" in lines[-1] \
+        and "eager_b2_speedup_tok_s=" in lines[-1]
