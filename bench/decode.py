@@ -17,8 +17,8 @@ bf16 embedding and head (25 M parameters each) stream in both engines.
 Every engine runs in its own process (in-process engine, so start-up stays short); all
 engines of one mode are loaded (one after the other), then their runs are interleaved —
 round r runs every engine once per batch size, in an order rotated each round — so each
-ratio pairs runs of the same few seconds: this 2-core VM's memory bandwidth drifts between
-minutes (separate back-to-back measurements gave 1.29–1.64× for the same pair). Reported:
+ratio pairs runs of the same few seconds: a shared machine's memory bandwidth drifts between
+minutes, which separate back-to-back measurements would read as a speed difference. Reported:
 median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
 and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which. Both modes run in
 turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores; idle engines wait

@@ -189,7 +189,7 @@ def test_report_tables_from_results(tmp_path):
     assert "| GPTQ-3b-g64 | 18.00 | 18.09 | +0.50% | 3.250 → 3.250 |" in text
     assert "| GPTQ-3b | 20.00 | 18.00 | -10.00% | 3.180 → 3.250 |" in text      # the g64 baseline vs g128
     assert "| our GPTQ-3b vs llm-compressor: Δ ppl within ±1%, or within ours' own spread under harmless " \
-           "changes where measured | (the issue's bar) | +0.50% at group size 64 | holds |" in text
+           "changes where measured | (our bar) | +0.50% at group size 64 | holds |" in text
     # a peer gap beyond the bar gets a note: the layer-level comparison, then ours' own spread
     res[-1] = {**res[-1], "ppl": 18.9}
     lc = {"same_int": 0.999, "err_ratio": 1.0002, "err_ratio_own": 1.2, "scale_ratio": 1.04, "rtn_fallback": False}
@@ -211,7 +211,7 @@ def test_report_tables_from_results(tmp_path):
     report.write_report({"m": res}, orders, runner.Settings(peer_bits=(3,)), out, tmp_path / "p.png", "cmd")
     text = out.read_text()
     assert "| GPTQ-3b-llmc | 18.90 | 19.18 | +1.50% | 3.250 → 3.297 |" in text
-    assert ("| our GPTQ-3b given llm-compressor's scales vs llm-compressor: same rule | (the issue's bar) | +1.50% "
+    assert ("| our GPTQ-3b given llm-compressor's scales vs llm-compressor: same rule | (our bar) | +1.50% "
             "| holds |") in text
     assert ("noise. Whole model, our GPTQ given its scales (everything else ours) gives 19.18, +1.50% from "
             "llm-compressor's 18.90: within ±2.00%, so the gap is the choice of scales") in text

@@ -304,14 +304,14 @@ def _peer_claims(row) -> None:
                         + (f" (ours' own spread ±{100 * sp:.2f}%)" if _spread(res, b) else ""),
                         abs(d) <= max(PEER_BAR, sp))
             row(f"our GPTQ-{b}b vs {who}: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
-                "spread under harmless changes where measured", "(the issue's bar)", peer)
+                "spread under harmless changes where measured", "(our bar)", peer)
     for b in (4, 3):
         def same_scales(res, _, b=b):
             d = _rel(res, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
             if d is None:
                 return None
             return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, spread_max(_spread(res, b)))
-        row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(the issue's bar)",
+        row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(our bar)",
             same_scales)
 
 
