@@ -17,7 +17,7 @@ PAPER = {"bf16": 9.73, "HPTQ-4.125": 9.81, "HPTQ-3.125": 10.34, "HPTQ-2.125": 13
 PAPER_BITS = {"SSQR-1%-2b": 2.445}   # the paper's average bits where a claim names them
 PAPER_SMALL = {"bf16": 20.96, "HPTQ-4.125": 22.72, "HPTQ-3.125": 31.43, "HPTQ-2.125": 156.45}   # Qwen3-0.6B
 NEAR_LOSSLESS = 0.03   # "near-lossless": within 3 % of bf16, the paper's own SSQR-1%-4b gap (+2.8 %)
-PEER_BAR = 0.01        # the issue's bar for our GPTQ against a peer implementation
+PEER_BAR = 0.01        # the bar for our GPTQ against a peer implementation
 PEERS = {"peer": "the reference loop", "llmc": "llm-compressor"}   # peer GPTQ tag → its name in the report
 SERVED_FAMILIES = {"triton": "Triton", "cpu": "CPU"}   # kernel family → its name in the report
 
@@ -290,7 +290,7 @@ def _certificate_claim(row) -> None:
 
 
 def _peer_claims(row) -> None:
-    """Our GPTQ against each peer within the issue's bar, or within ours' own spread."""
+    """Our GPTQ against each peer within the bar, or within ours' own spread."""
     for tag, who in PEERS.items():
         for b in (4, 3):
             def peer(res, _, b=b, tag=tag):
