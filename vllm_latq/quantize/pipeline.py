@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from .. import hf_model
+from .. import cpu_features, hf_model
 from ..format import writer
 from .. import data
 from .. import format as fmt
@@ -108,8 +108,9 @@ class QuantizeOptions:
     seed: int = 0
     device: str = "cpu"
     # dtype of the calibration forwards: "auto" = the source model's (bf16 for a bf16 model, the
-    # dtype GPTQ implementations run in; bf16 GEMMs are ~3x fp32 ones on CPUs with AVX512-BF16),
-    # fp32 for fp16/fp32 sources. Weights are solved in fp32 and Hessians summed in fp64 either way.
+    # dtype GPTQ implementations run in, faster than fp32 where bf16 is native) — but fp32 on a
+    # CPU that only emulates bf16 — and fp32 for fp16/fp32 sources. Weights are solved in fp32
+    # and Hessians summed in fp64 either way.
     compute_dtype: str = "auto"
     # also quantize the output head (lm_head) with the same method; a tied head is untied:
     # the embedding stays in the model dtype, the quantized head is written as ``lm_head.*``
@@ -182,7 +183,12 @@ class QuantizeOptions:
         """The calibration forwards' dtype for a source with config.json ``source_config``."""
         if self.compute_dtype != "auto":
             return COMPUTE_DTYPES[self.compute_dtype]
-        return torch.bfloat16 if hf_model.model_dtype(source_config) == "bfloat16" else torch.float32
+        model = torch.bfloat16 if hf_model.model_dtype(source_config) == "bfloat16" else torch.float32
+        chosen = model if torch.device(self.device).type != "cpu" else cpu_features.fastest_float(model)
+        if chosen != model:
+            log.info("calibration forwards in fp32: this CPU (%s) emulates bf16 (--compute-dtype bfloat16 "
+                     "to force it)", cpu_features.capability())
+        return chosen
 
     def solver_kwargs(self) -> dict:
         m = self.method
@@ -346,6 +352,7 @@ def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
     """The resume fingerprint: the source and every option but where the run happens (the
     device, the activations' memory budget)."""
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("device", "max_activation_memory")}
+    options["forward_dtype"] = str(src.dtype)   # "auto" resolves per machine: a resume must not mix them
     return fingerprint(src.path, options, list(src.weights.handles), src.raw_config)
 
 
