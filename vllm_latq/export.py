@@ -6,7 +6,7 @@ The dense kind at 4 and 8 bits with static natural groups and no outliers *is* c
 (u = z + 2^(b-1)) little-endian along K, 32/b to an int32 word, padding u = 0. A latq row pads to
 whole 32-column tiles, one of compressed-tensors to whole words, so its ``weight_packed`` is the
 first ``ceil(K·b/32)`` words of latq's ``qweight``: the integers pass through untouched. Group
-scales (stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]``.
+scales (stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]`` (fp32, exact).
 
 What does not map is refused, naming the layer and why: other bit widths (no vLLM kernel takes
 them), CSR outliers, a group size that does not divide K (vLLM's kernels refuse ragged groups),
@@ -42,6 +42,7 @@ FORMATS = ("compressed-tensors",)
 MAPPED_BITS = (4, 8)        # W4A16 / W8A16: the widths vLLM's kernels (Marlin, Machete, CPU) take
 TMP_SUFFIX = ".tmp-latq-export"
 UNMAPPED_BITS = 16          # a layer written as bf16
+SCALE_BITS = 32             # weight_scale's fp32
 
 
 class ExportRefused(ValueError):
@@ -94,12 +95,14 @@ def refusal_message(layers: list[Layer]) -> str:
 # ----------------------------------------------------------------------------- tensors
 
 def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
-    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer."""
+    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer. The fp16
+    scales are stored as fp32 (exactly): transformers dequantizes fused experts in the scale's
+    dtype, where fp16 would round every product; vLLM casts them to its own dtype on load."""
     n, k = layer.shape
     t = ck.layer_tensors(layer.module)
     words = math.ceil(k * layer.bits / 32)   # compressed-tensors' words: latq's, less the tile padding
     return {f"{layer.module}.weight_packed": t["qweight"][:, :words].contiguous(),
-            f"{layer.module}.weight_scale": dense_scales(t, n).half().contiguous(),
+            f"{layer.module}.weight_scale": dense_scales(t, n).float().contiguous(),
             f"{layer.module}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
 
 
@@ -111,11 +114,11 @@ def dequantized_tensor(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
 
 
 def layer_bits(layer: Layer, group_size: int | None) -> float:
-    """Bits/weight the exported layer stores (int32 words, fp16 scales; or bf16)."""
+    """Bits/weight the exported layer stores (int32 words, fp32 scales; or bf16)."""
     if layer.refusal:
         return UNMAPPED_BITS
     n, k = layer.shape
-    return (math.ceil(k * layer.bits / 32) * 32 + (k // group_size) * 16) / k
+    return (math.ceil(k * layer.bits / 32) * 32 + (k // group_size) * SCALE_BITS) / k
 
 
 # ----------------------------------------------------------------------------- config
