@@ -71,6 +71,20 @@ def test_export_loads_in_transformers_with_latq_weights(form, tiny_src, tmp_path
     assert cfg["latq_export"]["source_quantization_config"] == Checkpoint(ck).config["quantization_config"]
 
 
+def test_mixed_bits_export_one_config_group_per_width(tiny_src, tmp_path):
+    """A 4-bit body with an 8-bit head: two config groups naming their layers, nothing ignored,
+    logits still exactly latq's."""
+    ck = quantized(tiny_src, tmp_path / "ck", method="gptq", bits=4, group_size=16, quantize_lm_head=True,
+                   lm_head_bits=8)
+    out = tmp_path / "ex"
+    export.export_checkpoint(ck, out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = {g["weights"]["num_bits"]: g["targets"] for g in qc["config_groups"].values()}
+    assert groups[8] == [r"re:^lm_head$"] and len(groups[4]) == 14 and qc["ignore"] == []
+    ids = token_ids()
+    assert torch.equal(hf_logits(out, ids), hf_logits(load_dequantized_model(ck), ids))
+
+
 def test_weight_packed_is_compressed_tensors_packing(tiny_src, tmp_path):
     """Each ``weight_packed`` is what compressed-tensors' own ``pack_to_int32`` makes of the
     integers latq's ``unpack`` reads, and its ``unpack_from_int32`` gives them back."""

@@ -216,16 +216,16 @@ def _write(ck: Checkpoint, layers: list[Layer], tmp: Path) -> None:
 
 
 def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
-    """Layers written packed and as bf16, and the bits/weight of the exported layers."""
-    numel = lambda xs: sum(x.shape[0] * x.shape[1] for x in xs)  # noqa: E731
-    n = numel(layers)
-    bits = sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in layers) / n if n else 0.0
+    """Layers written packed and as bf16, and the bits/weight the exported layers store: all of
+    them, and the packed ones alone."""
+    def mean_bits(xs):
+        n = sum(x.shape[0] * x.shape[1] for x in xs)
+        return sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in xs) / n if n else None
     unmapped = [x for x in layers if x.refusal]
     return {"layers": len(layers), "packed": len(layers) - len(unmapped), "bf16": len(unmapped),
-            "bf16_params": numel(unmapped), "bits_per_weight": bits,
-            "packed_bits_per_weight": (sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1]
-                                           for x in layers if not x.refusal) / (n - numel(unmapped))
-                                       if n > numel(unmapped) else None)}
+            "bf16_params": sum(x.shape[0] * x.shape[1] for x in unmapped), "bits_per_weight": mean_bits(layers),
+            "packed_bits_per_weight": mean_bits([x for x in layers if not x.refusal]),
+            "source_bits_per_weight": latq_record(ck, layers)["source_bits_per_weight"]}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -260,9 +260,10 @@ def main(argv=None) -> int:
     print(f"latq-export: {a.out}: {s['packed']} layers pack-quantized, {s['bf16']} as bf16; "
           f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers")
     if s["bf16"]:
+        src = s["source_bits_per_weight"]
         print(f"latq-export: the {s['bf16']} bf16 layers ({s['bf16_params']} weights) cost {UNMAPPED_BITS} bits/weight "
-              f"each: {s['bits_per_weight']:.3f} bits/weight overall against "
-              f"{s['packed_bits_per_weight'] or 0:.3f} for the packed layers alone")
+              f"each: the quantized layers store {s['bits_per_weight']:.3f} bits/weight, "
+              + (f"{s['bits_per_weight'] - src:+.3f} against the source's {src:.3f}" if src else "(source: no stats)"))
     return 0
 
 
