@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -59,15 +60,16 @@ class Layer:
     refusal: str | None
 
 
-def plan_layers(ck: Checkpoint) -> list[Layer]:
-    """Every quantized layer of ``ck`` with its refusal reason, from the headers alone."""
-    model = ck.empty_model()
+def plan_layers(ck: Checkpoint, model) -> list[Layer]:
+    """Every quantized layer of ``ck`` (``model``: its empty model) with its refusal reason,
+    from the headers alone."""
     names = ck.checkpoint_names(model)
     return [_plan_layer(ck, m, linear_shape(model, m, ck.layer_file(m), names), t)
             for m, t in ck.layers().items()]
 
 
 def _plan_layer(ck: Checkpoint, module: str, shape: tuple[int, int], tensors: dict[str, str]) -> Layer:
+    """One layer's :class:`Layer`: the first reason it has no pack-quantized form, if any."""
     spec = ck.spec
     if spec.kind == "huffman":
         return Layer(module, shape, None, f"{spec.method}: entropy-coded integers under one fp32 scale, no fixed "
@@ -123,9 +125,8 @@ def layer_bits(layer: Layer, group_size: int | None) -> float:
 
 # ----------------------------------------------------------------------------- config
 
-def linear_modules(ck: Checkpoint) -> list[str]:
-    """Checkpoint names of the model's ``nn.Linear`` modules (fused experts are not ones)."""
-    model = ck.empty_model()
+def linear_modules(ck: Checkpoint, model) -> list[str]:
+    """Checkpoint names of ``model``'s ``nn.Linear`` modules (fused experts are not ones)."""
     names = ck.checkpoint_names(model)
     return [names.module(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
@@ -137,7 +138,7 @@ def compressed_tensors_config(layers: list[Layer], group_size: int, linears: lis
     widths = sorted({x.bits for x in mapped})
     groups = {}
     for i, b in enumerate(widths):
-        targets = ["Linear"] if len(widths) == 1 else [f"re:^{_re(x.module)}$" for x in mapped if x.bits == b]
+        targets = ["Linear"] if len(widths) == 1 else [f"re:^{re.escape(x.module)}$" for x in mapped if x.bits == b]
         groups[f"group_{i}"] = {
             "targets": targets, "format": "pack-quantized", "input_activations": None, "output_activations": None,
             "weights": {"num_bits": b, "type": "int", "symmetric": True, "strategy": "group",
@@ -146,10 +147,6 @@ def compressed_tensors_config(layers: list[Layer], group_size: int, linears: lis
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": groups, "ignore": sorted(m for m in linears if m not in kept),
             "kv_cache_scheme": None}
-
-
-def _re(name: str) -> str:
-    return name.replace(".", r"\.")
 
 
 def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
@@ -175,7 +172,8 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (--overwrite replaces it)")
-    layers = plan_layers(ck)
+    model = ck.empty_model()
+    layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:
         raise ExportRefused(refusal_message(layers))
     tmp = out.with_name(out.name + TMP_SUFFIX)
@@ -183,7 +181,7 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        _write(ck, layers, tmp)
+        _write(ck, layers, linear_modules(ck, model), tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -193,21 +191,22 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     return summary(ck, layers)
 
 
-def _write(ck: Checkpoint, layers: list[Layer], tmp: Path) -> None:
-    by_file: dict[str, dict] = {f: {} for f in ck.shards}
-    for x in layers:
-        by_file[ck.layer_file(x.module)].update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
-    for name in ck.plain_names():
-        by_file[ck.where[name]][name] = ck.shards[ck.where[name]].stored(name)
+def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -> None:
+    """Every file of the export into ``tmp``: one shard per source shard, built and written one
+    at a time (an 8B model's packed layers are never all in memory), then index and JSON."""
     meta = {"latq_method": ck.spec.method}
-    for f, tensors in by_file.items():
+    for f in ck.shards:
+        tensors: dict = {}
+        for x in layers:
+            if ck.layer_file(x.module) == f:
+                tensors.update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
+        tensors.update({n: ck.shards[f].stored(n) for n in ck.plain_names() if ck.where[n] == f})
         write_safetensors(tmp / f, tensors, meta)
     if (ck.path / INDEX_FILE).is_file():
-        writer.write_index(tmp, sorted(by_file))
+        writer.write_index(tmp, sorted(ck.shards))
     cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
-    mapped = [x for x in layers if not x.refusal]
-    if mapped:
-        cfg["quantization_config"] = compressed_tensors_config(layers, ck.spec.group_size, linear_modules(ck))
+    if any(not x.refusal for x in layers):
+        cfg["quantization_config"] = compressed_tensors_config(layers, ck.spec.group_size, linears)
     cfg["latq_export"] = latq_record(ck, layers)
     writer.write_json(tmp / CONFIG_FILE, cfg)
     writer.copy_aux_files(ck.path, tmp)
