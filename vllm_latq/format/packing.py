@@ -36,7 +36,8 @@ def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
     word); for b = 3 no value is wasted (32 values in 3 words) — a kernel loads b words per
     32 columns for any b. Padding columns hold u = 0."""
     out, cin = z.shape
-    if z.numel() and (z.min() < -2 ** (bits - 1) or z.max() >= 2 ** (bits - 1)):
+    # compared as int: 2^7 does not fit an int8 tensor's dtype (RTN's clipped integers are int8)
+    if z.numel() and (int(z.min()) < -2 ** (bits - 1) or int(z.max()) >= 2 ** (bits - 1)):
         raise ValueError(f"integers outside the {bits}-bit grid cannot be packed")
     tiles = math.ceil(cin / PACK_TILE)
     dev = z.device
