@@ -38,8 +38,12 @@ else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
 ``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
 adds per-op overhead, so the profiled step is printed next to the unprofiled one.
 
-The last line is ``HEADLINE ...`` with both latq/bf16 ratios of the default kernel selection
-and the tok/s they come from, batch 1 and 8, eager and compiled.
+Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``): where a CPU emulates bf16
+(AVX2-only), fp32 is often the faster one, and latq is compared with the fastest.
+
+The last line is ``HEADLINE cpu=<capability> ...`` with both latq/bf16 ratios of the default
+kernel selection and the tok/s they come from, batch 1 and 8, eager and compiled, and the ratio
+against the fastest baseline (``speedup_vs_fastest``, median of per-round ratios).
 """
 from __future__ import annotations
 
@@ -53,7 +57,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_latq import cpu_features
+
 ROOT = Path(__file__).resolve().parents[1]
+BASELINE_LABELS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
            "The theory of relativity", "A recipe for bread:", "The largest ocean on Earth",
            "Machine learning is", "The history of Rome"]
@@ -204,6 +211,12 @@ def speedups(run: dict, ref: dict | None) -> tuple[float, float]:
     return run.get("paired_ratio", nan), run["tok_s"] / ref["tok_s"] if ref else nan
 
 
+def paired_ratio(run: dict, ref: dict) -> float:
+    """The median over rounds of ``ref``'s time / ``run``'s (both engines ran once per round)."""
+    pairs = list(zip(ref["times"], run["times"]))
+    return statistics.median(t0 / t1 for t0, t1 in pairs) if pairs else float("nan")
+
+
 # names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
 LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::",
               "latq_cpu::")
@@ -322,7 +335,10 @@ def main(argv=None) -> None:
                     help="repeats for the reference kernel (dequantizes every call: slow)")
     ap.add_argument("--reference-tokens", type=int, default=16,
                     help="new tokens for the reference kernel (seconds per step on CPU)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="the latq engines' activation dtype")
+    ap.add_argument("--baseline-dtypes", default="bfloat16,float32",
+                    help="unquantized baselines, one engine per dtype: latq is also compared with the fastest "
+                         "(on a CPU without native bf16, fp32 may be)")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
@@ -351,12 +367,13 @@ def main(argv=None) -> None:
           f"tokens; median of {a.repeats}; threads {env['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
     results = []
     for mode in a.modes.split(","):
-        jobs = [{"label": "bf16", "model": base, "kernel": None}] + [
+        jobs = [{"label": BASELINE_LABELS.get(d, d), "model": base, "kernel": None, "baseline_dtype": d}
+                for d in a.baseline_dtypes.split(",")] + [
             {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels] + [
             {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0]} for e in a.extra_ckpt]
         for j in jobs:
             ref = j["kernel"] == "reference"
-            j.update(mode=mode, dtype=a.dtype, batches=batches, kv_bytes=a.kv_bytes,
+            j.update(mode=mode, dtype=j.pop("baseline_dtype", a.dtype), batches=batches, kv_bytes=a.kv_bytes,
                      tokens=a.reference_tokens if ref else a.tokens,
                      repeats=a.reference_repeats if ref else a.repeats, profile=a.profile)
         menv = dict(env)
@@ -415,7 +432,16 @@ def main(argv=None) -> None:
                          f"{mode}_b{b}_speedup_tok_s={tok_s_ratio(q['runs'][str(b)], str(b), mode):.2f}",
                          f"{mode}_b{b}_latq_tok_s={qt:.1f}",
                          f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
-    print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))
+    for mode in a.modes.split(","):   # against the fastest unquantized engine of this CPU, per batch
+        q = find(f"latq-{best}", mode)
+        bases = [r for r in results if r["mode"] == mode and r["kernel"] is None and "runs" in r]
+        for b in batches:
+            if q and "runs" in q and bases:
+                fast = max(bases, key=lambda r: r["runs"][str(b)]["tok_s"])
+                head += [f"{mode}_b{b}_fastest_baseline={fast['label']}",
+                         f"{mode}_b{b}_speedup_vs_fastest={paired_ratio(q['runs'][str(b)], fast['runs'][str(b)]):.2f}"]
+    print(f"HEADLINE cpu={cpu_features.capability()} model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} "
+          + " ".join(head))
 
 
 if __name__ == "__main__":
