@@ -204,9 +204,12 @@ class VllmMPKernel(LatqKernel):
     @classmethod
     def flatten(cls, state: VllmState):
         """The kernel's tensors (kept as the vLLM layer's buffers) and the state's slot: vLLM's
-        kernel reads its own layer object, which the slot finds again."""
-        if not isinstance(state, VllmState) or state.kernel is None:
-            raise TypeError("latq: flatten a vLLM-kernel state after reserve() built it")
+        kernel reads its own layer object, which the slot finds again. Not yet built by
+        ``reserve``: built for fp16 activations (the scales' own dtype)."""
+        if not isinstance(state, VllmState):
+            raise TypeError(f"kernel {cls.name}: prepare() returned {type(state).__name__}")
+        if state.kernel is None:
+            cls.build(state, state.w.scales.dtype)
         tensors = [t for _, t in list(state.layer.named_parameters()) + list(state.layer.named_buffers())]
         return tensors, [state.slot]
 
