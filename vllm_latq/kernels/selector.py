@@ -95,16 +95,18 @@ def in_preference(found: list[type[LatqKernel]], device: torch.device) -> list[t
     return rest[:at] + late + rest[at:]
 
 
-def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> type[LatqKernel]:
-    return select_with_reasons(w, device, act_dtype)[0]
+def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype,
+           skip: tuple[str, ...] = ()) -> type[LatqKernel]:
+    return select_with_reasons(w, device, act_dtype, skip)[0]
 
 
-def select_with_reasons(w: LatqWeight, device: torch.device,
-                        act_dtype: torch.dtype) -> tuple[type[LatqKernel], list[str]]:
-    """The kernel :func:`select` picks and why each kernel asked before it refused."""
+def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dtype,
+                        skip: tuple[str, ...] = ()) -> tuple[type[LatqKernel], list[str]]:
+    """The kernel :func:`select` picks — never one named in ``skip`` — and why each kernel
+    asked before it refused."""
     forced = forced_kernel()
     reasons = []
-    for k in in_preference(kernels(), device):
+    for k in in_preference([k for k in kernels() if k.name not in skip], device):
         if forced and k.name != forced:
             continue
         if not forced and not k.auto_select:
