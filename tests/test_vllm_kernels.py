@@ -144,13 +144,14 @@ def test_cpu_prefers_latq_then_probes_vllm_op(monkeypatch):
     order = [k.name for k in selector.in_preference(selector.kernels(), cpu)]
     assert order.index("cpu") + 1 == order.index("vllm")
     assert selector.select(w, cpu, torch.bfloat16).name == "cpu"
+    ok, why = vllm_mp.VllmMPKernel.can_implement(w, cpu, torch.bfloat16)
+    assert not ok and "opt-in" in why
+    monkeypatch.setenv(selector.ENV_FORCE, "vllm")
     # the op vLLM's CPU kernel calls, missing from this build: refused with its name, and a
     # forced choice raises with that reason instead of failing at the first call
     monkeypatch.setitem(vllm_mp.PROBED_OPS, "CPUWNA16LinearKernel", "latq_no_such_op")
     ok, why = vllm_mp.VllmMPKernel.can_implement(w, cpu, torch.bfloat16)
     assert not ok and "torch.ops._C.latq_no_such_op" in why
-    assert selector.select(w, cpu, torch.bfloat16).name == "cpu"
-    monkeypatch.setenv(selector.ENV_FORCE, "vllm")
     with pytest.raises(ValueError, match="latq_no_such_op"):
         selector.select(w, cpu, torch.bfloat16)
 
