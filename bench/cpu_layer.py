@@ -435,10 +435,7 @@ def coded_scales(a, results):
 
 
 def vllm_cpu(a, results):
-    import os
-    from vllm_latq.kernels.selector import ENV_FORCE
     from vllm_latq.kernels.vllm_mp import VllmMPKernel, op_available
-    os.environ[ENV_FORCE] = VllmMPKernel.name      # vLLM's CPU kernel is opt-in on CPU
     if not op_available("cpu_gemm_wna16"):
         print("\nvllm: this vLLM build has no cpu_gemm_wna16 (vLLM's CPU kernel cannot run here)")
         return

