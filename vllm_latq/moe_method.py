@@ -125,7 +125,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
                     raise ValueError(f"latq checkpoint is missing tensors for {self.prefix}, local expert {local} "
                                      f"{stem}: {what}")
                 w = st.weight.to(device)
-                kernel = selector.select(w, device, layer._latq_act_dtype)
+                # an expert runs in latq's per-expert/grouped paths: vLLM's dense linears serve no experts
+                kernel = selector.select(w, device, layer._latq_act_dtype, skip=("vllm",))
                 state = kernel.prepare(w)
                 kernel.reserve(state, layer._latq_act_dtype)
                 stored_rows = sum(s.rows for s in st.geo.shards.values())

@@ -124,6 +124,11 @@ class LatqKernel:
         raise NotImplementedError
 
     @classmethod
+    def label(cls, state: Any) -> str:
+        """The kernel's name in the load report (a family that delegates names its pick)."""
+        return cls.name
+
+    @classmethod
     def native_op(cls):
         """An op with the custom-op schema implemented natively (no Python per call), to use
         instead of ``torch.ops.latq.<name>_linear``; None: use that one."""
