@@ -154,13 +154,13 @@ def test_workspace_is_shared_and_grows():
     big = TritonKernel.prepare(make_weight(bits=2, rate=0.05, seed=2))
     x = activations(20, torch.bfloat16)
     td.apply_large_m(big, x, None, ws)
-    buf = ws._bufs[torch.device("cpu"), torch.bfloat16]
+    buf = ws.current(torch.bfloat16, "cpu")
     td.apply_large_m(small, activations(20, torch.bfloat16, k=100), None, ws)      # reuses the big buffer
-    assert ws._bufs[torch.device("cpu"), torch.bfloat16] is buf and ws.nbytes() == N * K * 2
+    assert ws.current(torch.bfloat16, "cpu") is buf and ws.nbytes() == N * K * 2
     td.apply_large_m(big, x.half(), None, ws)                                       # one more per dtype
     assert len(ws._bufs) == 2
     ws.reserve(64, 400, torch.bfloat16, torch.device("cpu"))                        # grows on demand
-    assert ws._bufs[torch.device("cpu"), torch.bfloat16].numel() == 64 * 400
+    assert ws.current(torch.bfloat16, "cpu").numel() == 64 * 400
     y = td.apply_large_m(big, x, None, ws)
     torch.testing.assert_close(y, td.apply_large_m(big, x))                         # temporary scratch
 

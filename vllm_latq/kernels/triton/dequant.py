@@ -21,8 +21,8 @@ and MMA kernels match up to summation order) by that one rounding of z·s (≤ �
 bf16/fp16 per weight) — the price the MMA kernel's docstring anticipated. fp32 activations
 never take this path (they use the exact SIMT kernel; see :func:`large_m_reason`).
 
-The scratch is a :class:`Workspace`: one buffer per (device, dtype), sized to the
-largest layer seen and grown on demand, shared by every layer (layers run in stream order);
+The scratch is a :class:`Workspace`: one buffer per (device, dtype, stream), sized to the
+largest layer seen and grown on demand, shared by the layers of a stream;
 with a byte cap, larger layers (a vocabulary head: 2·N·K can be ~1 GB) run in row chunks.
 
 When ``TritonKernel.apply`` takes this path instead of the tensor-core kernel's 64-row tiles
@@ -151,19 +151,32 @@ DEQUANT_CONFIG = dict(BN=64, DS=4, num_warps=4)      # [64 columns × 64 rows] p
 OUTLIER_CONFIG = dict(BE=128, num_warps=4)
 
 
+def stream_key(device: torch.device) -> int:
+    """Identity of the current stream on ``device`` (the device type's ``current_stream``)."""
+    get = getattr(torch.cuda if device.type == "cuda" else getattr(torch, device.type, None), "current_stream", None)
+    if get is None:
+        return 0
+    s = get(device) if device.type == "cuda" else get()
+    sid = getattr(s, "stream_id", None)
+    return id(s) if sid is None else sid
+
+
 class Workspace:
-    """Scratch shared by every layer: one flat buffer per (device, dtype), sized to the
-    largest request seen and grown on demand (layers run in stream order, so one buffer per
-    stream suffices). Used for the large-M path's dequantised weights and the split-K fp32
-    partials. ``max_bytes`` caps a dequantisation buffer: a larger layer is dequantised and
-    multiplied in row chunks that fit (at least 16 rows). Growing frees the old buffer, so
-    under CUDA graphs every layer is reserved at load time (``TritonKernel.reserve``):
-    growing while a graph is being captured raises instead of leaving a freed buffer in a
-    graph."""
+    """Scratch shared by the layers of one stream: one flat buffer per (device, dtype, stream),
+    sized to the largest request seen and grown on demand. Layers on one stream run in order,
+    so they can share; two streams (vLLM's MoE shared experts run on a second one) each get
+    their own, or they would overwrite each other's partials. Used for the large-M path's
+    dequantised weights and the split-K fp32 partials. ``max_bytes`` caps a dequantisation
+    buffer: a larger layer is dequantised and multiplied in row chunks that fit (at least 16
+    rows). Growing frees the old buffer, so under CUDA graphs every layer is reserved at load
+    time (``TritonKernel.reserve``) and a stream first seen later (the capture stream) gets
+    the reserved size at its first use: growing while a graph is being captured raises
+    instead of leaving a freed buffer in a graph."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
-        self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._bufs: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+        self._reserved: dict[tuple[torch.device, torch.dtype], int] = {}
 
     def rows(self, n: int, k: int, dtype: torch.dtype) -> int:
         """Rows per chunk for an n × k layer: n, or the most that fit the cap (a multiple of 16)."""
@@ -173,23 +186,36 @@ class Workspace:
         return max(16, self.max_bytes // row_bytes // 16 * 16)
 
     def reserve(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.matrix(self.rows(n, k, dtype), k, dtype, device)
+        self.reserve_flat(self.rows(n, k, dtype) * k, dtype, device)
+
+    def reserve_flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Size every stream's buffer for (device, dtype) to at least ``numel`` elements."""
+        key = (torch.device(device), dtype)
+        self._reserved[key] = max(self._reserved.get(key, 0), numel)
+        self.flat(numel, dtype, device)
 
     def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The first ``numel`` elements of the buffer for (device, dtype)."""
-        key = (torch.device(device), dtype)
+        """The first ``numel`` elements of the current stream's buffer for (device, dtype)."""
+        device = torch.device(device)
+        key = (device, dtype, stream_key(device))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
-            if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"latq workspace ({dtype}) must grow to {numel} elements during CUDA graph "
-                                   "capture: reserve() every layer before capturing")
+                                   "capture: reserve() every layer and warm up on the capture stream first")
             self._bufs.pop(key, None)                  # free the old buffer before growing
-            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+            size = max(numel, self._reserved.get((device, dtype), 0))
+            buf = self._bufs[key] = torch.empty(size, dtype=dtype, device=device)
         return buf[:numel]
 
     def matrix(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A contiguous ``[n, k]`` view of the buffer for (device, dtype)."""
+        """A contiguous ``[n, k]`` view of the current stream's buffer for (device, dtype)."""
         return self.flat(n * k, dtype, device).view(n, k)
+
+    def current(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The current stream's whole buffer for (device, dtype), None before its first use."""
+        device = torch.device(device)
+        return self._bufs.get((device, dtype, stream_key(device)))
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())

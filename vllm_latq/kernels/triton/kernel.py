@@ -34,7 +34,7 @@ from .configs import (GEMV_MAXNREG, GEMV_SPLITS, GEMV_TILES, MAX_SPLIT, MAXNREG_
                       mma_configs)
 
 log = logging.getLogger(__name__)
-SPLITK_SCRATCH = Workspace()        # fp32 split-K partials, one buffer per device, shared by all layers
+SPLITK_SCRATCH = Workspace()        # fp32 split-K partials, one buffer per device and stream
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ENV_INTERPRET_OK = "LATQ_TRITON_INTERPRET_OK"   # =1: accept CPU tensors when TRITON_INTERPRET=1
 OUTL_NONE, OUTL_ELL, OUTL_CSR = 0, 1, 2
@@ -229,15 +229,15 @@ class TritonKernel(LatqKernel):
     name = "triton"
     state_cls = TritonState
     widths = tlay.WIDTHS
-    workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
-    splitk_workspace = SPLITK_SCRATCH                    # split-K partials, shared by all layers
+    workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, one per device and stream
+    splitk_workspace = SPLITK_SCRATCH                    # split-K partials, one per device and stream
 
     @classmethod
     def reserve(cls, state: TritonState, act_dtype: torch.dtype) -> None:
-        """Size both shared scratches for this layer at load: they never grow during a CUDA
-        graph capture, so their addresses stay those the graphs recorded."""
+        """Size both scratches for this layer at load, for every stream: they never grow during
+        a CUDA graph capture, so their addresses stay those the graphs recorded."""
         dev = state.scales.device
-        cls.splitk_workspace.flat(max(1, splitk_floats(state.n_pad)), torch.float32, dev)
+        cls.splitk_workspace.reserve_flat(max(1, splitk_floats(state.n_pad)), torch.float32, dev)
         if large_m_reason(act_dtype) is None:
             cls.workspace.reserve(state.n, state.k, act_dtype, dev)
 
