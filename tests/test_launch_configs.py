@@ -9,7 +9,9 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 from vllm_latq.kernels.triton import configs as cfg  # noqa: E402
+from vllm_latq.kernels.triton.device import _row_offset  # noqa: E402
 from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
 from vllm_latq.kernels.triton import layout as tlay  # noqa: E402
 from vllm_latq.kernels.triton.kernel import TritonKernel  # noqa: E402
@@ -165,3 +167,42 @@ def test_packaged_table():
             cands = cfg.candidates(kernel, bits, bm, n_pad, ks["nsteps"] + ks["tsteps"], bm <= cfg.SPLITK_BM)
             assert {k: v for k, v in entry.items() if k != "num_stages"} in \
                 [{k: v for k, v in c.items() if k != "maxnreg"} for c in cands], (fam, key)
+
+
+def word_limit_rows(k, bits):
+    """Most rows (a multiple of 16) whose planes stay under 2³¹ int32 words at K = k."""
+    return (2**31 * 32 - 1) // (k * bits) // 16 * 16
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_word_index_limit(bits, monkeypatch):
+    """``can_implement`` refuses a layer whose planes reach 2³¹ int32 words (N·K·b/32) and
+    accepts the one just below, at every bit width (no tensors of that size are made)."""
+    from types import SimpleNamespace
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    k = 8192
+    n = word_limit_rows(k, bits)
+    for rows, ok in ((n, True), (n + 16, False)):
+        w = SimpleNamespace(out_features=rows, in_features=k, bits=bits, nnz=0, group_size=128,
+                            scales=torch.empty(1, 64))
+        got, why = TritonKernel.can_implement(w, "cpu", torch.float16)
+        assert got is ok, (rows, why)
+        assert ok or "2³¹" in why
+    w = SimpleNamespace(out_features=16, in_features=k, bits=bits, nnz=2**31 // 16, group_size=128,
+                        scales=torch.empty(1, 64))
+    assert TritonKernel.can_implement(w, "cpu", torch.float16)[0] is False
+
+
+def test_row_offsets_are_int64():
+    """The kernels' row address ``rows · stride`` does not wrap at 2³¹ (a 16k-token prefill into a
+    128k-row head): the device helper computed in a kernel, for offsets around the boundary."""
+    @triton.jit
+    def offsets(out_ptr, stride, R: tl.constexpr):
+        rows = tl.arange(0, R) + 16376
+        tl.store(out_ptr + tl.arange(0, R), _row_offset(rows, stride))
+
+    out = torch.zeros(16, dtype=torch.int64)
+    stride = 131072
+    offsets[(1,)](out, stride, R=16)
+    want = (torch.arange(16, dtype=torch.int64) + 16376) * stride
+    assert want.max() > 2**31 and torch.equal(out, want)

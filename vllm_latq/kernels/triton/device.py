@@ -83,11 +83,18 @@ def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _row_offset(rows, stride):
+    """``rows · stride`` in int64: M·K or M·N passes 2³¹ in a long prefill (a 128k-row
+    vocabulary head at 16k tokens), where int32 would wrap to a wrong address."""
+    return rows.to(tl.int64) * stride
+
+
+@triton.jit
 def _finish(acc, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     omask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+    tl.store(y_ptr + _row_offset(rm[:, None], stride_ym) + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -249,7 +256,7 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     rn3 = rn[None, None, :]                                        # [1, 1, BN]
     w3 = w16[None, :, None]                                        # [1, 16, 1]
     rm3 = rm[:, None, None]                                        # [BM, 1, 1]
-    xrow = x_ptr + rm3 * stride_xm
+    xrow = x_ptr + _row_offset(rm3, stride_xm)
     mmask = rm3 < M
     # word-tile pointers of chunk 0: ((g·NCH + c)·16 + w)·16 + r
     ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16

@@ -37,7 +37,7 @@ import triton.language as tl
 from . import layout as tlay
 from . import cost_model as triton_model
 from ..base import flatten_dataclass, unflatten_dataclass
-from .device import _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
+from .device import _ell_rows, _fbits, _gemv_step, _group_scale, _row_offset, _scale_base, _word_tiles
 from .kernel import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -90,7 +90,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, o0_ptr, o1_ptr
     rn3 = rn[None, None, :]
     w3 = w16[None, :, None]
     rm3 = rm[:, None, None]
-    xrow = x_ptr + rm3 * stride_xm
+    xrow = x_ptr + _row_offset(rm3, stride_xm)
     mmask = rm3 < r1
     ta = pa_ptr + eo * EXP_A + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + eo * EXP_H + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
@@ -147,7 +147,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, o0_ptr, o1_ptr
     out = tl.sum(acc, axis=1)
     rm2 = rm[:, None]
     omask = (rm2 < r1) & (rn < N)[None, :]
-    tl.store(y_ptr + rm2 * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=omask)
+    tl.store(y_ptr + _row_offset(rm2, stride_ym) + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 # ============================================================================ stacked layout
@@ -227,6 +227,8 @@ def stack_reason(states: list) -> str | None:
                     f"{words} words")
     if any(s.outl not in (OUTL_NONE, OUTL_ELL, OUTL_CSR) for s in states):
         return "unknown outlier layout"
+    if sum(words) * len(states) >= 2**31:
+        return f"{len(states)} experts of {sum(words)} words: the stack's int32 word index would pass 2³¹"
     return None
 
 

@@ -146,6 +146,21 @@ class TritonState:
                    OUTL_CODE[L.outlier_mode], L.nnz)
 
 
+INDEX_LIMIT = 2**31        # the kernels index planes and outlier entries with int32
+
+
+def size_reason(n: int, k: int, bits: int, nnz: int) -> str | None:
+    """Why an n × k layer at ``bits`` is too large for the kernels' int32 indices (None: it fits):
+    its planes must hold fewer than 2³¹ int32 words (N·K·b/32, as padded) and its outlier
+    slots (ELL pads up to 16 per entry) fewer than 2³¹."""
+    words = tlay.inlier_bytes(-(-n // tlay.ROWS) * tlay.ROWS, bits, tlay.pad_k(k, bits)) // 4
+    if words >= INDEX_LIMIT:
+        return f"{n}×{k} at {bits} bits is {words} int32 words of planes; the kernels index < 2³¹"
+    if nnz >= INDEX_LIMIT // 16:
+        return f"{nnz} outliers; the kernels index < 2³¹ / 16 (ELL slots)"
+    return None
+
+
 def splitk_floats(n_pad: int) -> int:
     """fp32 split-K partials a layer of ``n_pad`` rows may need (0: it never splits)."""
     return MAX_SPLIT * SPLITK_BM * n_pad if n_pad <= SPLITK_MAX_N else 0
@@ -256,9 +271,8 @@ class TritonKernel(LatqKernel):
             return False, f"activation dtype {act_dtype}"
         if w.scales.shape[1] > 1 and w.group_size % 16:
             return False, f"group size {w.group_size} is not a multiple of 16"
-        if w.out_features * w.in_features >= 2**35 or w.nnz >= 2**31 // 16:
-            return False, "layer too large for int32 offsets"
-        return True, None
+        why = size_reason(w.out_features, w.in_features, w.bits, w.nnz)
+        return why is None, why
 
     @classmethod
     def served_bytes(cls, state: TritonState) -> dict[str, int]:

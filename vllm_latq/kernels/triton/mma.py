@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import _and_or, _ell_rows, _epilogue, _group_scale, _scale_base, _word_tiles
+from .device import _and_or, _ell_rows, _epilogue, _group_scale, _row_offset, _scale_base, _word_tiles
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     r16 = rn % 16
     rn3 = rn[None, None, :]
     w3 = w16[None, :, None]
-    xrow = x_ptr + rm[:, None] * stride_xm
+    xrow = x_ptr + _row_offset(rm[:, None], stride_xm)
     mmask = (rm < M)[:, None]
     ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
