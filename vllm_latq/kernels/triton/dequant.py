@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import graphs
 from .device import _group_scale, _scale_base
 from .layout import k_steps
 from .cost_model import threshold_for
@@ -200,7 +201,7 @@ class Workspace:
         key = (device, dtype, stream_key(device))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if graphs.capturing(device):
                 raise RuntimeError(f"latq workspace ({dtype}) must grow to {numel} elements during CUDA graph "
                                    "capture: reserve() every layer and warm up on the capture stream first")
             self._bufs.pop(key, None)                  # free the old buffer before growing
