@@ -186,7 +186,7 @@ def compile_job(j: dict) -> dict:
     fn = td._gemv_kernel if j["kernel"] == "gemv" else tmma._mma_kernel
     xdt = "bf16"
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
-    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],
+    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*fp16", "*i16", "*fp16"],
             "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
     ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*fp32", "*i32"]
     ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS", "M_WS"]

@@ -114,30 +114,29 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, 
 
 
 @triton.jit
-def _outlier_kernel(w_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, ROW0, ROW1, stride_wn,
+def _outlier_kernel(w_ptr, start_ptr, row_ptr, col_ptr, val_ptr, ROW0, ROW1, stride_wn,
                     OUTL: tl.constexpr, BE: tl.constexpr):
     # One program per 16-row group from row ROW0 (% 16 == 0): W[row − ROW0, col] = val (the
-    # inlier there is 0). ELL: o0 = off [G+1], entry off[g] + 16·rank + r is row 16g + r
-    # (off[g] % 16 == 0), o1 = col, o2 = val; CSR: o0 = crow [N_pad+1], o1 = row, o2 = col,
-    # o3 = val.
+    # inlier there is 0). ELL: start = off [G+1], entry off[g] + 16·rank + r is row 16g + r
+    # (off[g] % 16 == 0), no row array; CSR: start = crow [N_pad+1].
     g = ROW0 // 16 + tl.program_id(0)
     if OUTL == 1:
-        e0 = tl.load(o0_ptr + g)
-        e1 = tl.load(o0_ptr + g + 1)
+        e0 = tl.load(start_ptr + g)
+        e1 = tl.load(start_ptr + g + 1)
     else:
-        e0 = tl.load(o0_ptr + 16 * g)
-        e1 = tl.load(o0_ptr + 16 * g + 16)
+        e0 = tl.load(start_ptr + 16 * g)
+        e1 = tl.load(start_ptr + 16 * g + 16)
     for e in range(e0, e1, BE):
         ee = e + tl.arange(0, BE)
         em = ee < e1
         if OUTL == 1:
             row = 16 * g + ee % 16
-            col = tl.load(o1_ptr + ee, mask=em, other=0)
-            val = tl.load(o2_ptr + ee, mask=em, other=0.0)
+            col = tl.load(col_ptr + ee, mask=em, other=0)
+            val = tl.load(val_ptr + ee, mask=em, other=0.0)
         else:
-            row = tl.load(o1_ptr + ee, mask=em, other=0)
-            col = tl.load(o2_ptr + ee, mask=em, other=0)
-            val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+            row = tl.load(row_ptr + ee, mask=em, other=0)
+            col = tl.load(col_ptr + ee, mask=em, other=0)
+            val = tl.load(val_ptr + ee, mask=em, other=0.0)
         keep = em & (val != 0) & (row < ROW1)                         # ELL padding: value 0
         ptr = w_ptr + (row - ROW0).to(tl.int64) * stride_wn + col.to(tl.int64)
         tl.store(ptr, _round(val.to(tl.float32), w_ptr.dtype.element_ty), mask=keep)
@@ -252,7 +251,7 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
                 BITS=bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], CODED=st.coded_scales,
                 num_warps=cfg["num_warps"])
     if st.outl and st.nnz:
-        o = [t if t is not None else st.o0 for t in (st.o0, st.o1, st.o2, st.o3)]
+        o = [t if t is not None else st.outl_start for t in st.outlier_arrays]
         _outlier_kernel[(triton.cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,
                                                   BE=OUTLIER_CONFIG["BE"], num_warps=OUTLIER_CONFIG["num_warps"])
     return out

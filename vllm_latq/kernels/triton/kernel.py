@@ -110,10 +110,10 @@ class TritonState:
     plane_h: torch.Tensor | None          # int32 word blocks: 3 / 5 bits: the 1-bit plane
     plane_t: torch.Tensor | None          # int32 word blocks: 3 bits: the 4-bit tail (< 512 columns)
     scales: torch.Tensor                  # fp16 [N_pad/16, ngroups_pad, 16], or coded: int32 [N_pad/16, ngroups_pad, 3]
-    o0: torch.Tensor | None               # ELL: off [G+1]          CSR: crow [N_pad+1]
-    o1: torch.Tensor | None               # ELL: col                CSR: row
-    o2: torch.Tensor | None               # ELL: val (fp32)         CSR: col
-    o3: torch.Tensor | None               #                         CSR: val (fp32)
+    outl_start: torch.Tensor | None       # where entries start: ELL off [G+1] per 16-row group, CSR crow [N_pad+1]
+    outl_row: torch.Tensor | None         # CSR: each entry's row (ELL: None, the row is the slot)
+    outl_col: torch.Tensor | None         # each entry's column
+    outl_val: torch.Tensor | None         # each entry's value
     tickets: torch.Tensor                 # int32 [N_pad/16] split-K tickets, always back to 0
     bits: int
     group: int
@@ -130,11 +130,16 @@ class TritonState:
         """The scales are laid out as codes (``triton_layout``), not fp16."""
         return self.scales.dtype == torch.int32
 
+    @property
+    def outlier_arrays(self) -> tuple:
+        """The outlier arrays in the kernels' argument order (start, row, col, val)."""
+        return self.outl_start, self.outl_row, self.outl_col, self.outl_val
+
     @classmethod
     def from_layout(cls, L: tlay.TritonLayout) -> "TritonState":
         o = L.outliers
         if L.outlier_mode == "ell":
-            oo = [o["off"], o["col"], o["val"], None]
+            oo = [o["off"], None, o["col"], o["val"]]
         elif L.outlier_mode == "csr":
             oo = [o["crow"], o["row"], o["col"], o["val"]]
         else:
@@ -205,7 +210,7 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     bm = c["BM"]
     m_tiles = triton.cdiv(M, bm)
     spare = st.scales                                   # any tensor for pointers a variant never reads
-    optr = [t if t is not None else spare for t in (st.o0, st.o1, st.o2, st.o3)]
+    optr = [t if t is not None else spare for t in st.outlier_arrays]
     # a plane the layer lacks (2/4 bits: the 1-bit plane; 3 bits: no tail, or no whole chunk)
     # gets an int32 stand-in: Triton types the kernel by its pointers, and the word-tile code
     # behind a zero-trip loop must still compile on int32 words
@@ -282,7 +287,7 @@ class TritonKernel(LatqKernel):
         def nb(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         return {"inliers": nb(state.plane_a, state.plane_h, state.plane_t), "scales": nb(state.scales),
-                "outliers": nb(state.o0, state.o1, state.o2, state.o3)}
+                "outliers": nb(*state.outlier_arrays)}
 
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
