@@ -28,6 +28,12 @@ def _spec(v):
     return ("int", v == 1, v % 16 == 0)
 
 
+def compile_key(name, args, kwargs) -> tuple:
+    """A launch's compile key: the positional (runtime) arguments as Triton specialises them,
+    the keywords (constexprs, launch options) by value."""
+    return name, tuple(_spec(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+
+
 class CaptureWatch:
     """Records compile keys always and violations while ``capturing`` is on."""
 
@@ -38,7 +44,7 @@ class CaptureWatch:
         self._in_kernel = 0
 
     def _launched(self, name, args, kwargs):
-        key = (name, tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+        key = compile_key(name, args, kwargs)
         if self.capturing and key not in self.keys:
             self.violations.append(f"new compile key in capture: {name} {dict(kwargs)}")
         self.keys.add(key)
