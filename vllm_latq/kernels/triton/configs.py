@@ -79,6 +79,11 @@ MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 GEMV_MAXNREG = {2: 128, 3: 255, 4: 128, 5: 128}
 MMA_MAXNREG = {2: 255, 3: 255, 4: 255, 5: 255}
 MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
+# Software-pipeline stages per kernel: the tensor-core kernel's K loop prefetches its next
+# word tiles through shared memory at 2 stages, which the offline compile report shows
+# spill-free on sm_80/86/90 for every tile (tools/triton_compile.py; smem ≤ 43 KB); the SIMT
+# kernel prefetches by hand in registers and keeps 1.
+STAGES = {"gemv": 1, "mma": 2}
 # Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
 # rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
 # never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).
@@ -190,8 +195,8 @@ def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int,
     if entry is not None:
         for c in cands:
             if _strip(c) == _strip(entry):
-                return dict(c, num_stages=entry.get("num_stages", 1))
-    return dict(rule(cands, n_pad, m_tiles, sms), num_stages=1)
+                return dict(c, num_stages=entry.get("num_stages", STAGES[kernel]))
+    return dict(rule(cands, n_pad, m_tiles, sms), num_stages=STAGES[kernel])
 
 
 def record(capability: tuple[int, int], key: str, config: dict) -> None:

@@ -92,7 +92,7 @@ def tuned(kernel: str, bits: int, bucket: int):
     of tiles)."""
     one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
     cfgs = [c for c in cfg.configs_for(kernel, None, bits) if one_tile or c["SPLIT"] == 1]
-    return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
+    return triton.autotune([_config(dict(c, num_stages=cfg.STAGES[kernel])) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
                            prune_configs_by={"early_config_prune": _prune(kernel, bits)})(_KERNELS[kernel])
 
 
