@@ -37,7 +37,7 @@ import triton.language as tl
 from . import layout as tlay
 from . import cost_model as triton_model
 from ..base import flatten_dataclass, unflatten_dataclass
-from .device import _ell_rows, _fbits, _gemv_step, _group_scale, _row_offset, _scale_base, _word_tiles
+from .device import _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
 from .kernel import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -90,7 +90,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
     rn3 = rn[None, None, :]
     w3 = w16[None, :, None]
     rm3 = rm[:, None, None]
-    xrow = x_ptr + _row_offset(rm3, stride_xm)
+    xrow = x_ptr + rm3 * stride_xm
     mmask = rm3 < r1
     ta = pa_ptr + eo * EXP_A + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + eo * EXP_H + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
@@ -147,7 +147,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
     out = tl.sum(acc, axis=1)
     rm2 = rm[:, None]
     omask = (rm2 < r1) & (rn < N)[None, :]
-    tl.store(y_ptr + _row_offset(rm2, stride_ym) + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=omask)
+    tl.store(y_ptr + rm2 * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 # ============================================================================ stacked layout
@@ -330,6 +330,10 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
     y = torch.empty(P, st.n, dtype=xs.dtype, device=xs.device)
     if P == 0:
         return y
+    if P * max(xs.stride(0), y.stride(0)) >= 2**31:
+        # the kernel's row addresses are int32 (int64 ones cost the 3-bit coded variant spills)
+        raise ValueError(f"latq grouped MoE: {P} routed rows × {max(xs.stride(0), y.stride(0))} columns pass "
+                         "the kernel's int32 row addresses (2³¹); run the host path")
     spare = st.scales
     # a plane the experts lack (2/4 bits: the 1-bit plane and the tail; 3 bits: no tail, or no
     # whole chunk) gets an int32 stand-in of stride 0, as the dense launch does: behind a
