@@ -80,7 +80,7 @@ class SimulatedInterruption(RuntimeError):
 # The defaults the study chose (docs/RESULTS.md, issue 21): GPTQ 4-bit at group 64 serves fewer
 # bits than SSQR-1 % at group 128 with a lower perplexity on both reference models and both
 # kernel families; the methods with outliers or one scale keep group 128, where a smaller
-# group does not pay (docs/BENCHMARKS.md, lever e).
+# group does not pay (docs/KERNELS.md, accuracy levers: e).
 DEFAULT_METHOD = "gptq"
 DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64}   # other methods: 128
 

@@ -58,7 +58,7 @@ GEMV_SPLITS = (1, 2, 4, 8)
 # (one tl.dot), so a batch of M rows re-dequantises each weight ⌈M/BM⌉ times; the grid runs
 # M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
 # once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
-# sm_90 at 2/3/4/5 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
+# sm_90 at 2/3/4/5 bits (docs/KERNELS.md, "Triton tiles and the offline compile"); 128-row tiles spill.
 # BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
 # BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
 # only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some

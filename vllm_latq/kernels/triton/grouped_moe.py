@@ -48,7 +48,7 @@ MOE_TILES = {1: (64, 4), 2: (64, 4), 4: (64, 4), 8: (32, 4)}
 MOE_INTERP = dict(BN=64, num_warps=4)
 MAX_BM = max(MOE_TILES)
 # The K loop's SASS lane-instructions per weight per program of BM rows (triton_compile "i/w",
-# sm_80, these tiles, no outliers): the cost model's issue term. docs/BENCHMARKS.md.
+# sm_80, these tiles, no outliers): the cost model's issue term (docs/KERNELS.md).
 MOE_IPW = {(2, 1): 5.75, (3, 1): 8.17, (4, 1): 6.31, (2, 2): 8.03, (3, 2): 10.20, (4, 2): 8.91,
            (2, 4): 11.97, (3, 4): 14.02, (4, 4): 13.03, (2, 8): 17.25, (3, 8): 19.16, (4, 8): 19.19}
 MOE_IPW_CODED = {(2, 1): 6.26, (3, 1): 8.70, (4, 1): 7.33, (2, 2): 8.55, (3, 2): 10.73, (4, 2): 9.89,  # coded scales
