@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 19 item 6): on a bare CUDA machine (python3 with torch, triton,
+# The GPU check: on a bare CUDA machine (python3 with torch, triton,
 # transformers, safetensors, pytest; no vLLM, no network) run the GPU tests, then the GPU bench,
 # in under 10 minutes, and leave their logs in OUTDIR.
 #
@@ -10,7 +10,7 @@
 #                         tests/test_gpu_capture.py is vLLM's warm-up + CUDA-graph capture
 # OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
 # OUTDIR/bench_scales.log the same kernels with coded group scales (--scale-bits 4) against fp16 ones:
-#                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (issue 21: the timing
+#                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (the timing
 #                         the --scale-bits 4 default waits for)
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a test failed or timed out (the bench runs anyway).

@@ -77,7 +77,7 @@ class SimulatedInterruption(RuntimeError):
     """Raised after block k when ``stop_after_block=k`` (or ``$LATQ_STOP_AFTER_BLOCK=k``)."""
 
 
-# The defaults the study chose (docs/RESULTS.md, issue 21): GPTQ 4-bit at group 64 serves fewer
+# The defaults the study chose (docs/RESULTS.md): GPTQ 4-bit at group 64 serves fewer
 # bits than SSQR-1 % at group 128 with a lower perplexity on both reference models and both
 # kernel families; the methods with outliers or one scale keep group 128, where a smaller
 # group does not pay (docs/KERNELS.md, accuracy levers: e).
@@ -129,10 +129,10 @@ class QuantizeOptions:
     # bytes of calibration activations kept in memory; more are spilled to the run directory
     # (None: half the memory available at the start). Does not change the checkpoint.
     max_activation_memory: int | None = None
-    # target correction (issue #21 seed 004): solve each block linear against W′ fitting the full-precision
+    # target correction (after Qronos): solve each block linear against W′ fitting the full-precision
     # outputs (hessian.qronos_target); a second activation stream (its own memory budget), one more forward
     target_correction: bool = False
-    # second-level scales (issue #21 §3, format/scale_codes.py): dense group scales stored and served
+    # second-level scales (format/scale_codes.py): dense group scales stored and served
     # as codes of this many bits on 16-row grids (6 bits per scale instead of 16); None: fp16 scales
     scale_bits: int | None = None
 

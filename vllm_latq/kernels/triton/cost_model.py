@@ -1,4 +1,4 @@
-"""The Triton kernels' cost model (issue 19): when the tensor-core kernel gives way to
+"""The Triton kernels' cost model: when the tensor-core kernel gives way to
 dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`), and what either costs
 against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel`.
 

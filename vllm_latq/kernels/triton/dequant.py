@@ -1,4 +1,4 @@
-"""Large-M path (issue 19): dequantise once into a bf16/fp16 scratch, then one cuBLAS GEMM.
+"""Large-M path: dequantise once into a bf16/fp16 scratch, then one cuBLAS GEMM.
 
 The tensor-core kernel (``_mma_kernel``) re-dequantises every weight once per 64-row M
 tile (~8–13 SASS lane-instructions per weight per tile), so for large M (prefill) the
