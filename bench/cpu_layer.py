@@ -30,6 +30,9 @@ torch.set_num_threads(2). Sections:
   coded     the kernel over those 30 blocks, 4-bit, with coded group scales (--scale-bits 4)
             at g64/g32/g16 against fp16 scales at twice the group (the served bits they
             compete at) and at the same group: ms per pass next to the bits/weight each streams
+  vllm      the default form (4-bit, g64, fp16 scales, no outliers): latq's CPU kernel vs vLLM's
+            CPU kernel (CPUWNA16 through ``kernels/vllm_mp``, where the build has its op) vs
+            bf16 F.linear, M = 1 and 8: t_vllm / t_latq and the bits/weight each streams
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -450,6 +453,33 @@ def coded_scales(a, results):
         del cands
 
 
+def vllm_cpu(a, results):
+    from vllm_latq.kernels.vllm_mp import VllmMPKernel, op_available
+    if not op_available("cpu_gemm_wna16"):
+        print("\nvllm: this vLLM build has no cpu_gemm_wna16 (vLLM's CPU kernel cannot run here)")
+        return
+    print("\nvllm: latq CPU kernel vs vLLM's CPU kernel, 4-bit g64 fp16 scales, no outliers, bf16 activations")
+    for name in ("4096", "smol.gate_up", "smol.down"):
+        N, K = SHAPES[name]
+        w = synthetic(N, K, 4, 0.0, group=64)
+        ls, vs = CPUKernel.prepare(w), VllmMPKernel.prepare(w)
+        CPUKernel.reserve(ls, torch.bfloat16)
+        VllmMPKernel.reserve(vs, torch.bfloat16)
+        bpw = {k: 8 * sum(K_.served_bytes(s_).values()) / (N * K)
+               for k, K_, s_ in (("latq", CPUKernel, ls), ("vllm", VllmMPKernel, vs))}
+        wb = dequantize(w).bfloat16()
+        for M in a.m:
+            x = torch.randn(M, K).bfloat16()
+            ts = side_by_side({"latq": lambda: CPUKernel.apply(ls, x), "vllm": lambda: VllmMPKernel.apply(vs, x),
+                               "bf16": lambda: F.linear(x, wb)}, a.rounds, a.sample_us)
+            r = ratio(ts, "vllm", "latq")
+            results[f"vllm_over_latq_{name}_m{M}"] = r
+            print(f"  {name:13s} M={M:3d}: latq {med(ts['latq']):8.1f} µs ({bpw['latq']:.3f} b/w), "
+                  f"{VllmMPKernel.label(vs)} {med(ts['vllm']):8.1f} µs ({bpw['vllm']:.3f} b/w, w4a8 "
+                  f"{bool(getattr(vs.layer, 'use_w4a8', False))}), bf16 {med(ts['bf16']):8.1f} µs; "
+                  f"t_vllm/t_latq {r:.2f}")
+
+
 def geomean(xs):
     xs = list(xs)
     return float(torch.tensor(xs).log().mean().exp()) if xs else float("nan")
@@ -477,8 +507,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded"],
-                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded"])
+    ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded",
+                                                      "vllm"],
+                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
     ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
                     "coded): 30, ~57 MB of int4, more than L3")
@@ -503,6 +534,8 @@ def main(argv=None):
         outlier_codings(a, results)
     if "coded" in a.sections:
         coded_scales(a, results)
+    if "vllm" in a.sections:
+        vllm_cpu(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -518,7 +551,7 @@ def main(argv=None):
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
-               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_"))}}
+               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
     print(f"HEADLINE cpu={torch.backends.cpu.get_cpu_capability()} gemv_isa={isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))

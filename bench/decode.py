@@ -17,9 +17,10 @@ bf16 embedding and head (25 M parameters each) stream in both engines.
 Every engine runs in its own process (in-process engine, so start-up stays short); all
 engines of one mode are loaded (one after the other), then their runs are interleaved —
 round r runs every engine once per batch size, in an order rotated each round — so each
-ratio pairs runs of the same few seconds: this 2-core VM's memory bandwidth drifts between
-minutes (separate back-to-back measurements gave 1.29–1.64× for the same pair). Reported:
-median tok/s per engine and the median over rounds of the paired ratio. Both modes run in
+ratio pairs runs of the same few seconds: a shared machine's memory bandwidth drifts between
+minutes, which separate back-to-back measurements would read as a speed difference. Reported:
+median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
+and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which. Both modes run in
 turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores; idle engines wait
 on a pipe). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
 ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts'
@@ -37,8 +38,12 @@ else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
 ``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
 adds per-op overhead, so the profiled step is printed next to the unprofiled one.
 
-The last line is ``HEADLINE ...`` with latq/bf16 tok/s ratios of the default kernel
-selection, batch 1 and 8, eager and compiled.
+Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``): where a CPU emulates bf16
+(AVX2-only), fp32 is often the faster one, and latq is compared with the fastest.
+
+The last line is ``HEADLINE cpu=<capability> ...`` with both latq/bf16 ratios of the default
+kernel selection and the tok/s they come from, batch 1 and 8, eager and compiled, and the ratio
+against the fastest baseline (``speedup_vs_fastest``, median of per-round ratios).
 """
 from __future__ import annotations
 
@@ -52,7 +57,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_latq import cpu_features
+
 ROOT = Path(__file__).resolve().parents[1]
+BASELINE_LABELS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
            "The theory of relativity", "A recipe for bread:", "The largest ocean on Earth",
            "Machine learning is", "The history of Rome"]
@@ -194,6 +202,21 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
     return results
 
 
+def speedups(run: dict, ref: dict | None) -> tuple[float, float]:
+    """(median over rounds of the per-round ratio bf16 time / this time, ratio of the two median
+    tok/s) of one engine's ``run`` against bf16's ``ref`` at the same batch. The two differ: a round
+    pairs runs of the same seconds, so its ratio is immune to the bandwidth drift that moves the
+    medians. Without pairs (other tokens) the first is nan; without ``ref`` both are."""
+    nan = float("nan")
+    return run.get("paired_ratio", nan), run["tok_s"] / ref["tok_s"] if ref else nan
+
+
+def paired_ratio(run: dict, ref: dict) -> float:
+    """The median over rounds of ``ref``'s time / ``run``'s (both engines ran once per round)."""
+    pairs = list(zip(ref["times"], run["times"]))
+    return statistics.median(t0 / t1 for t0, t1 in pairs) if pairs else float("nan")
+
+
 # names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
 LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::",
               "latq_cpu::")
@@ -312,7 +335,10 @@ def main(argv=None) -> None:
                     help="repeats for the reference kernel (dequantizes every call: slow)")
     ap.add_argument("--reference-tokens", type=int, default=16,
                     help="new tokens for the reference kernel (seconds per step on CPU)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="the latq engines' activation dtype")
+    ap.add_argument("--baseline-dtypes", default="bfloat16,float32",
+                    help="unquantized baselines, one engine per dtype: latq is also compared with the fastest "
+                         "(on a CPU without native bf16, fp32 may be)")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
@@ -341,12 +367,13 @@ def main(argv=None) -> None:
           f"tokens; median of {a.repeats}; threads {env['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
     results = []
     for mode in a.modes.split(","):
-        jobs = [{"label": "bf16", "model": base, "kernel": None}] + [
+        jobs = [{"label": BASELINE_LABELS.get(d, d), "model": base, "kernel": None, "baseline_dtype": d}
+                for d in a.baseline_dtypes.split(",")] + [
             {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels] + [
             {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0]} for e in a.extra_ckpt]
         for j in jobs:
             ref = j["kernel"] == "reference"
-            j.update(mode=mode, dtype=a.dtype, batches=batches, kv_bytes=a.kv_bytes,
+            j.update(mode=mode, dtype=j.pop("baseline_dtype", a.dtype), batches=batches, kv_bytes=a.kv_bytes,
                      tokens=a.reference_tokens if ref else a.tokens,
                      repeats=a.reference_repeats if ref else a.repeats, profile=a.profile)
         menv = dict(env)
@@ -360,21 +387,23 @@ def main(argv=None) -> None:
     def find(label, mode):
         return next((r for r in results if r["label"] == label and r["mode"] == mode), None)
 
-    def ratio(run, b, mode):   # the paired ratio; else (reference kernel: other tokens) of medians
-        ref = find("bf16", mode)
-        if "paired_ratio" in run:
-            return run["paired_ratio"]
-        return run["tok_s"] / ref["runs"][b]["tok_s"] if ref and "runs" in ref else float("nan")
+    def ratio(run, b, mode):   # the median of per-round ratios; else (reference kernel: other tokens) nan
+        return speedups(run, ((find("bf16", mode) or {}).get("runs") or {}).get(b))[0]
 
-    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'vs bf16':>8s}  load  "
-          "new tokens x repeats   (vs bf16: median of ratios paired by round)")
+    def tok_s_ratio(run, b, mode):
+        return speedups(run, ((find("bf16", mode) or {}).get("runs") or {}).get(b))[1]
+
+    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'paired':>8s} {'tok/s':>7s}  "
+          "load  new tokens x repeats   (vs bf16 — paired: median over rounds of the per-round time ratio; "
+          "tok/s: ratio of the median tok/s)")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:9s} {r['label']:16s} ERROR {r['error'][:300]}")
             continue
         for b, run in r["runs"].items():
             print(f"{r['mode']:9s} {r['label']:16s} {b:>5s} {run['tok_s']:8.1f} {run['ms_per_step']:8.1f} "
-                  f"{ratio(run, b, r['mode']):7.2f}x  {r['load_s']:4.0f}s  {r['tokens']} x {len(run['times'])}"
+                  f"{ratio(run, b, r['mode']):7.2f}x {tok_s_ratio(run, b, r['mode']):6.2f}x  {r['load_s']:4.0f}s  "
+                  f"{r['tokens']} x {len(run['times'])}"
                   + ("   rounds {:.2f}–{:.2f}x".format(*run["paired_range"]) if "paired_range" in run else ""))
     for r in results:
         if r.get("load_line"):
@@ -395,17 +424,25 @@ def main(argv=None) -> None:
         for e in a.extra_ckpt:   # e.g. a --quantize-lm-head checkpoint
             x = find(f"latq-{best}:{Path(e).name}", mode)
             if x and ref and "runs" in x and "runs" in ref and "1" in x["runs"]:
-                head.append(f"{mode}_b1_speedup_{Path(e).name}={ratio(x['runs']['1'], '1', mode):.2f}")
+                head.append(f"{mode}_b1_speedup_median_of_rounds_{Path(e).name}={ratio(x['runs']['1'], '1', mode):.2f}")
         for b in batches:
             if q and ref and "runs" in q and "runs" in ref:
                 qt, rt = q['runs'][str(b)]['tok_s'], ref['runs'][str(b)]['tok_s']
-                head += [f"{mode}_b{b}_speedup={ratio(q['runs'][str(b)], str(b), mode):.2f}",
+                head += [f"{mode}_b{b}_speedup_median_of_rounds={ratio(q['runs'][str(b)], str(b), mode):.2f}",
+                         f"{mode}_b{b}_speedup_tok_s={tok_s_ratio(q['runs'][str(b)], str(b), mode):.2f}",
                          f"{mode}_b{b}_latq_tok_s={qt:.1f}",
                          f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
-    import torch
+    for mode in a.modes.split(","):   # against the fastest unquantized engine of this CPU, per batch
+        q = find(f"latq-{best}", mode)
+        bases = [r for r in results if r["mode"] == mode and r["kernel"] is None and "runs" in r]
+        for b in batches:
+            if q and "runs" in q and bases:
+                fast = max(bases, key=lambda r: r["runs"][str(b)]["tok_s"])
+                head += [f"{mode}_b{b}_fastest_baseline={fast['label']}",
+                         f"{mode}_b{b}_speedup_vs_fastest={paired_ratio(q['runs'][str(b)], fast['runs'][str(b)]):.2f}"]
     isa = os.environ.get("LATQ_CPU_ISA", "best")   # the CPU GEMV's instruction set, as forced for the workers
-    print(f"HEADLINE model={Path(base).name} ckpt={Path(ckpt).name} kernel={best} "
-          f"cpu={torch.backends.cpu.get_cpu_capability()} gemv_isa={isa} dtype={a.dtype} " + " ".join(head))
+    print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa} dtype={a.dtype} model={Path(base).name} "
+          f"ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))
 
 
 if __name__ == "__main__":

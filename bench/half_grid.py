@@ -1,4 +1,4 @@
-"""Whole-model perplexity of the half-integer grid ``s·(z + ½)`` (issue #21 §3a), a lever the
+"""Whole-model perplexity of the half-integer grid ``s·(z + ½)``, a lever the
 format does not store: the pipeline runs as the study runs it (same calibration, same forwards),
 every solver gets ``offset``, and its dequantized weights ``q`` (inliers on the shifted grid,
 outliers exact) are written into the model that is then evaluated by the study's protocol

@@ -12,7 +12,7 @@ rate × M (rows of activations), all measured in one run:
 ``--scales fp16-g128,s4-g64,…`` times each layer in each group-scale form, one after the other
 (fp16 scales, or ``s4``: ``--scale-bits 4`` codes, decoded in the kernels), and reports each
 form's latq time against the first's at the same shape, bits, rate and M, next to the bits/weight
-each streams (issue 21: whether the coded decode keeps the kernels at the memory ceiling).
+each streams (whether the coded decode keeps the kernels at the memory ceiling).
 
 Every time is the median of ``triton.testing.do_bench_cudagraph`` (calls captured in a CUDA
 graph: no Python in the timed loop). Each timed function cycles through enough copies of its
@@ -58,7 +58,7 @@ import torch
 from vllm_latq.kernels.triton import layout as tlay  # noqa: E402
 
 # (out features N, in features K). Llama-3-8B: hidden 4096, 32 query + 8 KV heads of 128,
-# MLP 14336 — vLLM's fused qkv and gate_up; the issue's 4096×14336 target layer first (the
+# MLP 14336 — vLLM's fused qkv and gate_up; the 4096×14336 target layer first (the
 # --budget-s guard skips from the end). Qwen3-8B (MLP 12288): the paper's Figure 5 setup.
 SHAPES = {"8b.down": (4096, 14336), "8b.gate_up": (28672, 4096), "8b.qkv": (6144, 4096), "8b.o": (4096, 4096),
           "qwen3-8b.down": (4096, 12288), "qwen3-8b.gate_up": (24576, 4096), "qwen3-8b.qkv": (6144, 4096),
@@ -67,11 +67,11 @@ RATES = (0.0, 0.005, 0.01, 0.02, 0.05)       # the bytes model's rates
 BITS = tlay.WIDTHS
 GROUP = 128
 KERNELS = ("gemv", "mma", "dequant")
-# GPU subsets. Default: the issue-19 target's configuration (4-bit, 1 % outliers) on the four
+# GPU subsets. Default: the target's configuration (4-bit, 1 % outliers) on the four
 # Llama-3-8B shapes; --quick: two shapes, five M (with the quick static report ≤ 3 minutes).
 DEFAULT = dict(shapes="8b", bits="4", rates="0.01", m="1,2,4,8,16,32,64,128,256")
 QUICK = dict(shapes="8b.down,8b.o", bits="4", rates="0.01", m="1,4,16,64,256")
-TARGET_WEIGHTS = 4096 * 14336   # issue 19's target: "4096×14336-class layers" (8b.down, 8b.gate_up)
+TARGET_WEIGHTS = 4096 * 14336   # the target: 4096×14336-class layers (8b.down, 8b.gate_up)
 SCALES = f"fp16-g{GROUP}"       # the group-scale form timed by default (--scales)
 ROTATE_L2 = 4          # timed operands span ≥ this many L2 sizes (copies cycled per call)
 MAX_COPIES = 64
@@ -613,7 +613,7 @@ def crossover_lines(points: list[Point]) -> list[str]:
 
 
 def _target(points, m=None, all_shapes=False) -> list[Point]:
-    """The issue-19 target's points: 4-bit, 1 % outliers, fp16 scales at group 128, M ≤ 256 (or
+    """The target's points: 4-bit, 1 % outliers, fp16 scales at group 128, M ≤ 256 (or
     M = ``m``), on layers of ≥ 4096×14336 weights (8b.down, 8b.gate_up; ``all_shapes``: every layer)."""
     return [p for p in points if p.bits == 4 and p.rate == 0.01 and p.scales == SCALES and p.m <= 256
             and m in (None, p.m) and (all_shapes or p.n * p.k >= TARGET_WEIGHTS)]
@@ -658,7 +658,7 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
     form_lines, form_head = scale_form_lines(pts)
     lines += form_lines
     if upto:
-        lines.append(f"target (issue 19; 4-bit 1 %, layers ≥ 4096×14336 weights): M=1 ≥ 2.5× dense: worst "
+        lines.append(f"target (4-bit 1 %, layers ≥ 4096×14336 weights): M=1 ≥ 2.5× dense: worst "
                      f"{worst_m1:.2f}× ({'met' if worst_m1 >= 2.5 else 'NOT met'}); ≥ 1× at every M ≤ 256: worst "
                      f"{worst:.2f}× ({'met' if worst >= 1 else 'NOT met'})")
     na = lambda v, f: f"{v:{f}}" if math.isfinite(v) else "na"  # noqa: E731

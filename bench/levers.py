@@ -1,4 +1,4 @@
-"""Screen of the accuracy levers of issue #21 §3 on real SmolLM2-135M layers.
+"""Screen of accuracy levers on real SmolLM2-135M layers: which are worth a whole-model run.
 
 Per lever, at 2/3/4 bits, against the same method without it: the H-weighted layer error
 ``‖X(q−w)‖²/‖Xw‖²`` (summed over the four cached real layers of ``vllm_latq.testing.hessians.REAL_LAYERS``),

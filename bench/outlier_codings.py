@@ -1,4 +1,4 @@
-"""Cheaper outlier codings at equal served bits (issue 21 §2): SSQR (4-bit, g128) on the real
+"""Cheaper outlier codings at equal served bits: SSQR (4-bit, g128) on the real
 SmolLM2 layers of ``vllm_latq.testing.hessians.real_layer_hessians``, each outlier coding priced in the
 CPU kernel's 16-row tiles (padding slots counted, ``cpu_layouts.tile_slots``) and solved at
 the outlier rate that spends the same outlier bits as fp16 values at 1 %.
@@ -20,7 +20,7 @@ Certificate: an int8 outlier is round(ω/s) on the same lattice s·ℤ as the in
 a wider clip window, so its error is ≤ s/2 — the per-coordinate bound the certificate
 ¼ Σ D s² already assumes — and the bound holds as stated (an fp16 outlier's error ≈ 0 only
 makes the actual error smaller than the bound).
-Ends with ``HEADLINE``. ``nice -n 5 python -m bench.outlier_codings`` (~5 min on 2 cores).
+Ends with ``HEADLINE``. ``nice -n 5 python -m bench.outlier_codings``.
 """
 from __future__ import annotations
 

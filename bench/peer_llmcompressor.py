@@ -1,7 +1,7 @@
 """llm-compressor's GPTQ, the accuracy study's peer implementation, in an environment of its own.
 
-llmcompressor 0.14 pins ``transformers<=5.17`` and this project runs 5.19, so the two cannot share
-a virtual environment. :func:`ensure_env` (called by ``bench/accuracy.py`` from the project's
+llmcompressor pins an older transformers than this project runs, so the two cannot share a
+virtual environment. :func:`ensure_env` (called by ``bench/accuracy.py`` from the project's
 environment) builds ``$LATQ_CACHE/peer-llmcompressor`` once, with pinned versions and the same
 torch; the study then runs this file with that environment's interpreter:
 

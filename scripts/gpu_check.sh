@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check (issue 19 item 6): on a bare CUDA machine (python3 with torch, triton,
+# The GPU check: on a bare CUDA machine (python3 with torch, triton,
 # transformers, safetensors, pytest; no vLLM, no network) run the GPU tests, then the GPU bench,
 # in under 10 minutes, and leave their logs in OUTDIR.
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
 # OUTDIR/env.txt          nvidia-smi, python and package versions, compilers, the cost model's device constants
-# OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml
+# OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml;
+#                         tests/test_gpu_capture.py is vLLM's warm-up + CUDA-graph capture
 # OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
 # OUTDIR/bench_scales.log the same kernels with coded group scales (--scale-bits 4) against fp16 ones:
-#                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (issue 21: the timing
+#                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (the timing
 #                         the --scale-bits 4 default waits for)
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a test failed or timed out (the bench runs anyway).
@@ -80,7 +81,7 @@ echo "gpu_check: ${#shards[@]} test shards in parallel, limit ${test_s}s" | tee 
 for i in "${!shards[@]}"; do
   (
     cd "$repo" && OMP_NUM_THREADS=2 timeout -k 15 "$test_s" "$py" -m pytest -m gpu \
-      tests/test_gpu.py tests/test_opcheck.py -k "${shards[$i]}" -q -rfEs --durations=15 --maxfail=100 \
+      tests/test_gpu.py tests/test_opcheck.py tests/test_gpu_capture.py -k "${shards[$i]}" -q -rfEs --durations=15 --maxfail=100 \
       -p no:cacheprovider "${per_test[@]}" --junitxml="$out/junit-$i.xml" > "$out/tests-$i.log" 2>&1
     echo $? > "$out/rc-$i"
   ) &

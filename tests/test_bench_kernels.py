@@ -191,7 +191,7 @@ def test_one_layer_in_the_interpreter(monkeypatch):
     assert all(p.err < bk.ERR_TOL and not p.bad for p in pts)
     w = bk.bench_weight(32, 256, 4, 0.02)
     st = TritonKernel.prepare(w)
-    assert st.o2.dtype == torch.float16 and w.nnz > 0           # compact entries, as an SSQR checkpoint's
+    assert st.outl_val.dtype == torch.float16 and w.nnz > 0           # compact entries, as an SSQR checkpoint's
     assert all(p.weight_bytes == bk.weight_bytes(st) and p.act_bytes == p.m * (32 + 256) * 2 for p in pts)
     # per M: picked, the other forced kernel, dense, copy — in that order
     assert (pts[0].latq_us, pts[0].kernels_us["mma"], pts[0].dense_us, pts[0].copy_us) == (1.0, 2.0, 3.0, 4.0)

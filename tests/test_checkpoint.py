@@ -54,6 +54,12 @@ def test_pack_3bit_layout():
     assert fmt.pack(z, 3).tolist() == [words]
 
 
+def test_pack_takes_int8_integers_at_8_bits():
+    """RTN's clipped integers are int8: the full 8-bit grid packs (2^7 is not an int8)."""
+    z = torch.tensor([[-128, 127, 0, -1]], dtype=torch.int8)
+    assert torch.equal(fmt.unpack(fmt.pack(z, 8), 8, 4), z.int())
+
+
 def test_pack_rejects_off_grid():
     with pytest.raises(ValueError, match="outside the 3-bit grid"):
         fmt.pack(torch.tensor([[4]], dtype=torch.int32), 3)
@@ -156,7 +162,7 @@ def test_dequantize_adds_outliers_to_the_grid_weights():
     want = z.float() * s
     want[mask] = t["outlier_val"].float()
     assert torch.equal(W, want)
-    from vllm_latq.kernels import reference  # the kernels' reference computes the same weights
+    from vllm_latq.kernels import weight  # the kernels' runtime form computes the same weights
     w = weight.from_dense_tensors(t, bits, gs, shape[1])
     assert torch.equal(weight.dequantize(w), W)
 

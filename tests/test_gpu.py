@@ -398,8 +398,7 @@ def test_splitk_scratch_is_reserved_and_shared(bits):
         triton_k.reserve(st, torch.bfloat16)
     buf = triton_k.splitk_workspace.flat(1, torch.float32, DEV)
     need = max(tk.splitk_floats(st.n_pad) for st in states)
-    key = (torch.device(DEV), torch.float32)
-    assert triton_k.splitk_workspace._bufs[key].numel() >= need
+    assert triton_k.splitk_workspace.current(torch.float32, DEV).numel() >= need
     ptr = buf.data_ptr()
     x = activations(1, 4000, torch.bfloat16)
     ys = []
@@ -514,7 +513,7 @@ def test_cuda_graph_capture_and_replay(m, cfg):
             call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):          # vLLM captures on its warm-up stream
         y = call()
     for inp in inputs:
         x.copy_(inp)
@@ -675,7 +674,7 @@ def test_moe_cuda_graph_capture_and_replay(m, warm):
             moe.experts_forward(x, w, ids, experts, "silu", stacked=stacked, path=warm)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):          # vLLM captures on its warm-up stream
         y = call()
     assert paths[-1] == "stacked"
     for seed in (1, 2, 3):

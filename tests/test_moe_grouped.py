@@ -178,14 +178,14 @@ def test_stacked_bytes_and_views():
             assert got[part] == sum(b[part] for b in before[i])
             assert got[part] == sum(TritonKernel.served_bytes(v)[part] for v in views)
         # outliers: the views' (ELL) entries are the stack's slices; the offsets are per expert
-        entries = sum(v.o1.numel() * v.o1.element_size() + v.o2.numel() * v.o2.element_size()
-                      for v in views if v.o1 is not None)
+        entries = sum(v.outl_col.numel() * v.outl_col.element_size() + v.outl_val.numel() * v.outl_val.element_size()
+                      for v in views if v.outl_col is not None)
         assert got["outliers"] == entries + st.off.numel() * 4
         for e, v in enumerate(views):
             assert v.plane_t.data_ptr() == st.plane_t[e].data_ptr() and v.plane_t.numel()
             assert v.scales.untyped_storage().data_ptr() == st.scales.untyped_storage().data_ptr()
-            if v.o1 is not None:
-                assert v.o1.untyped_storage().data_ptr() == st.col.untyped_storage().data_ptr()
+            if v.outl_col is not None:
+                assert v.outl_col.untyped_storage().data_ptr() == st.col.untyped_storage().data_ptr()
 
 
 def test_stack_declines_with_a_reason():

@@ -17,7 +17,7 @@ MAX_LINES = 450
 # The layers, lowest first: a module imports its own layer or lower ones. Within layer 3 the
 # kernels and the algorithms are siblings that do not import each other.
 LAYERS = (
-    ("vllm_latq.errors", "vllm_latq.native", "vllm_latq.data"),
+    ("vllm_latq.errors", "vllm_latq.native", "vllm_latq.cpu_features", "vllm_latq.data"),
     ("vllm_latq.hf_model",),
     ("vllm_latq.format",),
     ("vllm_latq.kernels", "vllm_latq.algorithms"),
@@ -195,3 +195,16 @@ def test_no_long_modules(module):
     path = _modules()[module]
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(REPO)} has {lines} lines (> {MAX_LINES}): split it by job"
+
+
+def test_architecture_page_states_these_layers():
+    """docs/ARCHITECTURE.md's layer table is LAYERS, top layer first: the rule the page states is
+    the rule this file enforces."""
+    page = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    table = page.split("<!-- layers -->")[1].split("<!-- /layers -->")[0].strip().strip("`").strip()
+    stated = []
+    for line in table.splitlines():
+        number, names = re.match(r"(\d+)\s+(.*?)(?:\s{2,}.*)?$", line).groups()
+        stated.append((int(number), {("vllm_latq" if n == "vllm_latq" else f"vllm_latq.{n}")
+                                     for n in re.split(r",\s*|\s*\|\s*", names)}))
+    assert stated == [(i + 1, set(entries)) for i, entries in reversed(list(enumerate(LAYERS)))]

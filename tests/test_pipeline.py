@@ -14,12 +14,16 @@ import torch
 
 from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
 from tests.helpers import replay_blocks
+from vllm_latq import cpu_features
 from vllm_latq import format as fmt
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.quantize import calibrate, capture, pipeline
 from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+
+# what "auto" gives a bf16 model's calibration forwards on this CPU
+AUTO_FORWARDS = "bfloat16" if cpu_features.native_bf16() else "float32"
 
 
 def file_hashes(d):
@@ -207,12 +211,14 @@ def test_calibration_from_jsonl(tiny_llama, tmp_path):
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
     assert qc["calibration"] == {"path": str(calib), "sha256": hashlib.sha256(calib.read_bytes()).hexdigest(),
                                  "nsamples": 4, "seqlen": 64, "seed": 0,
-                                 "compute_dtype": "bfloat16"}  # the bf16 model's own dtype
+                                 "compute_dtype": AUTO_FORWARDS}  # the bf16 model's own, where this CPU has bf16
 
 
 def test_compute_dtype(tiny_llama, tmp_path, monkeypatch):
-    """auto runs a bf16 model's calibration forwards in bf16 (float32 on request); the solver
-    sees the exact fp32 weights and an fp64 Hessian either way."""
+    """auto runs a bf16 model's calibration forwards in bf16 on a CPU with native bf16 and in fp32
+    on one that emulates it (both forced here); float32 on request; the solver sees the exact fp32
+    weights and an fp64 Hessian either way."""
+    from vllm_latq import cpu_features
     seen = {}
     real = capture.run_block
 
@@ -220,10 +226,13 @@ def test_compute_dtype(tiny_llama, tmp_path, monkeypatch):
         seen.setdefault("x", x.dtype)
         return real(layer, x, kwargs)
     monkeypatch.setattr(capture, "run_block", spy)
-    for cd, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+    for cd, native, want in (("auto", "1", torch.bfloat16), ("auto", "0", torch.float32),
+                             ("float32", "1", torch.float32)):
+        monkeypatch.setenv(cpu_features.ENV_BF16, native)
         seen.clear()
         got = []
-        d = quantize_model(tiny_llama, tmp_path / cd, QuantizeOptions(method="gptq", compute_dtype=cd, **TINY_OPTS),
+        d = quantize_model(tiny_llama, tmp_path / f"{cd}-{native}", QuantizeOptions(method="gptq", compute_dtype=cd,
+                                                                                 **TINY_OPTS),
                            progress=False, on_layer=lambda n, W, H, r: got.append((W.dtype, H.dtype)))
         assert seen["x"] == want
         assert set(got) == {(torch.float32, torch.float64)}

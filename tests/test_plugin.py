@@ -693,13 +693,16 @@ def test_decode_bench_runs_interleaved(tiny):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "decode.py"),
+    out = subprocess.run([sys.executable, "-m", "bench.decode",
                           "--model", str(tiny["src"]), "--ckpt", str(tiny["ssqr"]), "--kernels", "cpu",
                           "--modes", "eager", "--batches", "1,2", "--tokens", "4", "--repeats", "2"],
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=1800, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     rows = [ln for ln in lines if ln.startswith("eager ")]
-    assert len(rows) == 4 and all("4 x 2" in r for r in rows), out.stdout
+    assert len(rows) == 6 and all("4 x 2" in r for r in rows), out.stdout   # bf16, fp32, latq × 2 batches
+    assert "eager_b1_fastest_baseline=" in lines[-1] and "eager_b2_speedup_vs_fastest=" in lines[-1]
+    assert lines[-1].startswith("HEADLINE cpu=")
     assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
-    assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup=" in lines[-1] and "eager_b2_speedup=" in lines[-1]
+    assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup_median_of_rounds=" in lines[-1] \
+        and "eager_b2_speedup_tok_s=" in lines[-1]

@@ -143,16 +143,17 @@ def test_served_moe_checkpoint_answers(tmp_path):
     assert "linears loaded (ssqr checkpoint)" in log
 
 
-def test_cpu_dtype_advice_per_capability(monkeypatch):
-    """fp32 is recommended, in one line, only where bf16 is emulated (a stubbed AVX2 capability),
-    never on AVX-512 or over the user's own --dtype."""
+def test_dtype_advice_on_cpus_that_emulate_bf16(monkeypatch):
+    """Where bf16 is emulated and no --dtype is given, latq-serve names fp32 in one line; where bf16
+    is native, or the user chose, it says nothing."""
     import torch
-    from vllm_latq import serve as serve_mod
+
+    from vllm_latq import cpu_features
+    from vllm_latq.serve import dtype_advice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    line = serve_mod.cpu_dtype_advice(["ckpt"])
-    assert "AVX2" in line and "--dtype float32" in line and "\n" not in line
-    assert serve_mod.cpu_dtype_advice(["ckpt", "--dtype", "bfloat16"]) is None
-    assert serve_mod.cpu_dtype_advice(["ckpt", "--dtype=bfloat16"]) is None
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert serve_mod.cpu_dtype_advice(["ckpt"]) is None
+    monkeypatch.setenv(cpu_features.ENV_BF16, "0")
+    advice = dtype_advice(["ckpt"])
+    assert advice and "--dtype float32" in advice and "emulates bf16" in advice and "\n" not in advice
+    assert dtype_advice(["ckpt", "--dtype", "bfloat16"]) is None and dtype_advice(["ckpt", "--dtype=auto"]) is None
+    monkeypatch.setenv(cpu_features.ENV_BF16, "1")
+    assert dtype_advice(["ckpt"]) is None

@@ -189,7 +189,7 @@ def test_report_tables_from_results(tmp_path):
     assert "| GPTQ-3b-g64 | 18.00 | 18.09 | +0.50% | 3.250 → 3.250 |" in text
     assert "| GPTQ-3b | 20.00 | 18.00 | -10.00% | 3.180 → 3.250 |" in text      # the g64 baseline vs g128
     assert "| our GPTQ-3b vs llm-compressor: Δ ppl within ±1%, or within ours' own spread under harmless " \
-           "changes where measured | (the issue's bar) | +0.50% at group size 64 | holds |" in text
+           "changes where measured | (our bar) | +0.50% at group size 64 | holds |" in text
     # a peer gap beyond the bar gets a note: the layer-level comparison, then ours' own spread
     res[-1] = {**res[-1], "ppl": 18.9}
     lc = {"same_int": 0.999, "err_ratio": 1.0002, "err_ratio_own": 1.2, "scale_ratio": 1.04, "rtn_fallback": False}
@@ -211,7 +211,7 @@ def test_report_tables_from_results(tmp_path):
     report.write_report({"m": res}, orders, runner.Settings(peer_bits=(3,)), out, tmp_path / "p.png", "cmd")
     text = out.read_text()
     assert "| GPTQ-3b-llmc | 18.90 | 19.18 | +1.50% | 3.250 → 3.297 |" in text
-    assert ("| our GPTQ-3b given llm-compressor's scales vs llm-compressor: same rule | (the issue's bar) | +1.50% "
+    assert ("| our GPTQ-3b given llm-compressor's scales vs llm-compressor: same rule | (our bar) | +1.50% "
             "| holds |") in text
     assert ("noise. Whole model, our GPTQ given its scales (everything else ours) gives 19.18, +1.50% from "
             "llm-compressor's 18.90: within ±2.00%, so the gap is the choice of scales") in text
@@ -241,28 +241,37 @@ def test_report_tables_from_results(tmp_path):
 def test_claims_ssqr_2bit_and_min_pivot_gains():
     """The paper's SSQR-1%-2b vs GPTQ-2b (its Table 3: 22.30 at 2.445 b vs 57.51) and its claim of
     modest but consistent min-pivot gains (§4.5, App. C.3) get rows whose verdicts follow our
-    numbers; the 2-bit note cites the paper's figures instead of saying it has none."""
+    numbers, judged against the noise floor at 2 bits (its seeds: ±4 %); the 2-bit note cites the
+    paper's figures instead of saying it has none."""
     res = [rec("bf16", "bf16", None, "", 13.0, 16.0),
            rec("GPTQ-2b", "GPTQ", 2, "", 25.0, 2.17, rel_error_mean=0.04),
+           rec("GPTQ-2b-seed1", "GPTQ", 2, "seed1", 26.0, 2.17),
            rec("SSQR-1%-2b", "SSQR-1%", 2, "", 30.0, 2.48, rel_error_mean=0.08),
            rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.17), rec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 19.0, 3.17),
            rec("SSQR-1%-3b", "SSQR-1%", 3, "", 18.0, 3.48),
            rec("SSQR-1%-3b-min-pivot", "SSQR-1%", 3, "min-pivot", 18.5, 3.48)]
     lines = claims.claims_table({"m": res}, {})
     text = "\n".join(lines)
-    assert "| SSQR-1%-2b (≈2.45 b) beats GPTQ-2b (≈2.13 b) | 22.30 vs 57.51 | 30.00 vs 25.00 | does not hold |" in text
+    assert ("| SSQR-1%-2b (≈2.45 b) beats GPTQ-2b (≈2.13 b) | 22.30 vs 57.51 | 30.00 vs 25.00 (+20.0%) "
+            "| does not hold |") in text
     assert ("| min-pivot lowers ppl vs act-order in every configuration run | modest but consistent gains (§4.5, "
             "App. C.3) | lower in 1 of 2 configurations | does not hold |") in text
     assert "The paper finds the opposite on Qwen3-8B (Table 3: SSQR-1% at 2.445 b 22.30 vs GPTQ-2b 57.51)." in text
     assert "3 and 4 bits only" not in text
     # SSQR ahead at 2 bits and min-pivot lower everywhere: both hold, and no 2-bit note
-    res[2] = {**res[2], "ppl": 24.0}
+    res[3] = {**res[3], "ppl": 24.5}
     res[-1] = {**res[-1], "ppl": 17.5}
     other = {**res[0], "label": "bf16"}
     text = "\n".join(claims.claims_table({"m": res, "z": [other]}, {}))
-    assert "| 24.00 vs 25.00 | not run | holds (1 of 2 models run) |" in text
-    assert "| lower in 2 of 2 configurations | not run | holds (1 of 2 models run) |" in text
+    assert "| 24.50 vs 25.00 (-2.0%) — within noise | not run | does not hold (judged on 1 of 2 models; 1 not run) |" in text
+    assert ("| lower in 2 of 2 configurations | not run | holds (judged on 1 of 2 models; 1 not run) |") in text
     assert "Table 3: SSQR-1% at" not in text
+    res[3] = {**res[3], "ppl": 23.0}   # beyond the 2-bit floor
+    assert "| 23.00 vs 25.00 (-8.0%) | holds |" in "\n".join(claims.claims_table({"m": res}, {}))
+    # without seeds at 2 bits there is no floor there, so no verdict — the 4-bit floor would understate it
+    del res[2]
+    text = "\n".join(claims.claims_table({"m": res}, {}))
+    assert "| 23.00 vs 25.00 (-8.0%): no noise floor at this width | — |" in text
 
 
 @pytest.mark.slow
@@ -364,20 +373,22 @@ def test_interrupted_configuration_resumes_with_every_certificate(tiny_llama, tm
     assert not list((tmp_path / "b").glob("*.jsonl"))
 
 
-def test_readme_study_numbers_are_the_reports():
-    """The issue's acceptance: the README links docs/RESULTS.md and the plot, and every number in
-    its study section (between the ``study-numbers`` markers) is one the report prints."""
+def test_readme_numbers_come_from_the_results_and_benches():
+    """Every number with a decimal point in the README's prose and tables is one the study's
+    report or a bench record prints (docs/RESULTS.md, docs/BENCHMARKS.md); the README links the
+    report and its plot, and holds no dates."""
     import re
     readme = (ROOT / "README.md").read_text()
-    report = (ROOT / "docs" / "RESULTS.md").read_text()
+    sources = (ROOT / "docs" / "RESULTS.md").read_text() + (ROOT / "docs" / "BENCHMARKS.md").read_text()
     assert "docs/RESULTS.md" in readme and "docs/pareto.png" in readme
     assert (ROOT / "docs" / "pareto.png").stat().st_size > 10_000
-    assert "tiny CI configuration" not in report and "truncated" not in report.split("##")[0]
-    block = readme.split("<!-- study-numbers -->")[1].split("<!-- /study-numbers -->")[0]
-    numbers = re.findall(r"(?<![\w.])[+-]?\d+\.\d+%?", block)
-    assert len(numbers) >= 10
-    missing = [n for n in numbers if n not in report]
-    assert not missing, f"README numbers not in docs/RESULTS.md: {missing}"
+    prose = re.sub(r"```.*?```", "", readme, flags=re.S)
+    numbers = re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", prose)
+    assert len(numbers) >= 20
+    missing = sorted({n for n in numbers if n not in sources})
+    assert not missing, f"README numbers found in neither docs/RESULTS.md nor docs/BENCHMARKS.md: {missing}"
+    assert not re.search(r"20\d\d-\d\d-\d\d", readme) and not re.search(r"\bissue \d+|#\d{2}\b", readme)
+    assert len(readme.splitlines()) <= 200
 
 
 def test_import_results_seeds_the_cache(tmp_path):
@@ -533,15 +544,19 @@ def test_curves_interpolate_in_log_ppl_and_never_extrapolate():
 def test_claims_at_equal_served_bits():
     """The served-bits rows: a win beyond the noise floor holds, one within it does not, a
     configuration outside GPTQ's curve says "no data" and gets no verdict; the noise-floor row
-    lists the seeds' perplexities."""
+    lists the seeds' perplexities. Each width is judged by its own floor (here 1 % at 3 and 2 bits)."""
     res = [_srec("bf16", "bf16", None, "", 13.0, 16.0), _srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.0),
            _srec("GPTQ-2b", "GPTQ", 2, "", 100.0, 2.5), _srec("GPTQ-4b-seed1", "GPTQ", 4, "seed1", 16.16, 4.0),
            _srec("GPTQ-4b-seed2", "GPTQ", 4, "seed2", 15.92, 4.0),
+           _srec("GPTQ-3b", "GPTQ", 3, "", 25.0, 4.3), _srec("GPTQ-3b-seed1", "GPTQ", 3, "seed1", 25.25, 4.3),
+           _srec("GPTQ-2b-seed1", "GPTQ", 2, "seed1", 101.0, 2.5),
            _srec("HPTQ-3.125", "HPTQ", 3, "", 30.0, 3.25), _srec("HPTQ-4.125", "HPTQ", 4, "", 40.0, 3.25),
            _srec("SSQR-1%-4b", "SSQR-1%", 4, "", 16.0, 4.5), _srec("SSQR-1%-2b", "SSQR-1%", 2, "", 39.9, 3.25)]
     text = "\n".join(claims.claims_table({"m": res}, {}))
-    assert ("| noise floor: largest Δ ppl of our GPTQ-4b g128 under other calibration draws (seeds) | — | ±1.00% "
-            "(GPTQ-4b over 3 calibration draws: 16.00, 16.16, 15.92) | — |") in text
+    assert ("| noise floor at 4 bits: largest ppl ratio between two runs of our GPTQ-4b g128 under other calibration "
+            "draws (seeds) and harmless controls | — | ±1.51% (GPTQ-4b over 3 calibration draws: 16.00, 16.16, "
+            "15.92) | — |") in text
+    assert "±1.00% (GPTQ-2b over 2 calibration draws: 100.00, 101.00) | — |" in text
     assert ("| HPTQ-3.125 beats our GPTQ at equal served bits (Triton kernels) | — | 30.00 vs 40.00 at 3.250 b "
             "(GPTQ: GPTQ-2b–GPTQ-4b) | holds |") in text
     assert "| 40.00 vs 40.00 at 3.250 b (GPTQ: GPTQ-2b–GPTQ-4b) — within noise | does not hold |" in text
@@ -591,3 +606,54 @@ def test_goal_row_counts_dominated_gptq_points():
     assert cell.startswith("3 of 3") and verdict == "holds |"
     levers[1] = _srec("GPTQ-3b-s4-g64", "GPTQ", 3, "s4-g64", 20.0, 3.3, 64)           # more served bits
     assert goal(base + levers)[0].startswith("1 of 3")
+
+
+def test_star_marks_the_global_front_of_each_family():
+    """★T/★C in the served-bits table: on the front of every method's points in that kernel family —
+    a point on its own series' curve that another method beats at fewer bits gets no star."""
+    res = [_srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.0), _srec("GPTQ-3b", "GPTQ", 3, "", 25.0, 3.2),
+           _srec("HPTQ-3.125", "HPTQ", 3, "", 20.0, 3.1), _srec("HPTQ-4.125", "HPTQ", 4, "", 15.0, 5.0)]
+    from bench.study import curves
+    assert curves.global_front(res, "triton") == {"HPTQ-3.125", "GPTQ-4b", "HPTQ-4.125"}   # GPTQ-3b: beaten
+    for r in res:
+        r["served"]["kernels"] = {"triton": {"triton 4b": 1}, "cpu": {"cpu 4b": 1}}
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in report._served_section(res) if r.startswith("| ")}
+    assert rows["GPTQ-3b"].split(" | ")[0] == "| GPTQ-3b"
+    assert rows["HPTQ-3.125 ★T ★C"] and rows["GPTQ-4b ★T ★C"]
+
+
+def test_series_styles_are_distinct():
+    """Every series of the plot has a colour and marker pair of its own, and the first 20 a colour
+    of their own."""
+    names = [f"s{i}" for i in range(45)]
+    st = report.series_styles(names)
+    assert len(set(st.values())) == len(names)
+    assert len({c for c, _ in list(st.values())[:20]}) == 20
+
+
+def test_verdict_says_why_a_model_is_not_judged():
+    """A verdict over fewer models than the row has says whether the rest did not run or ran
+    without a verdict (no data in range, no floor)."""
+    assert claims.verdict([("a", True), ("b", None)]) == "holds (judged on 1 of 2 models; 1 without a verdict)"
+    assert claims.verdict([("a", False), None]) == "does not hold (judged on 1 of 2 models; 1 not run)"
+    assert claims.verdict([("a", True), ("b", False)]) == "mixed"
+    assert claims.verdict([None, ("b", None)]) == "—"
+
+
+def test_readme_which_method_table_is_generated_from_the_results():
+    """The README's "which method" table is exactly what the study's results give
+    (``python -m bench.study.which_method`` prints it): every row on a served-bits front."""
+    from bench.study import which_method
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- which-method -->")[1].split("<!-- /which-method -->")[0].strip().splitlines()
+    assert block == which_method.table(which_method.load())
+    assert len(block) >= 6 and all("★" in row for row in block[3:])
+
+
+def test_which_method_options_reproduce_the_configuration():
+    from bench.study import which_method
+    rec = {"options": {"bits": 3, "group_size": 32, "method": "gptq", "scale_bits": 4}}
+    assert which_method.options(rec) == "`--bits 3 --group-size 32 --scale-bits 4`"
+    assert which_method.options({"options": {"method": "ssqr", "bits": 4, "outlier_rate": 0.01}}) == \
+        "`--method ssqr --group-size 128 --outlier-rate 0.01`"
+    assert which_method.options({"options": {"method": "gptq", "bits": 4, "group_size": 64}}) == "(defaults)"

@@ -335,7 +335,7 @@ def test_wide_outliers(mode, k):
     w = make_weight(n=16, k=k, bits=4, rate=0.002 if k > K else 0.05, seed=11)
     w.val = w.val + 1e-4 * torch.rand(w.val.shape, generator=torch.Generator().manual_seed(1))
     st = TritonKernel.prepare(w, outlier_mode=mode)
-    col, val = (st.o1, st.o2) if mode == "ell" else (st.o2, st.o3)
+    col, val = st.outl_col, st.outl_val
     assert col.dtype == (torch.int32 if k > 32768 else torch.int16) and val.dtype == torch.float32
     x = activations(1, torch.float16, k=k)
     check(TritonKernel.apply(st, x), x, w)

@@ -114,7 +114,7 @@ def test_dequantize_fp32_outlier_values_and_strided_out():
     w = make_weight(bits=3, rate=0.05, seed=5)
     w.val = w.val + 1e-4 * torch.rand(w.val.shape, generator=torch.Generator().manual_seed(1))
     st = TritonKernel.prepare(w, outlier_mode="csr")
-    assert st.o3.dtype == torch.float32
+    assert st.outl_val.dtype == torch.float32
     wide = torch.zeros(N, K + 20, dtype=torch.bfloat16)
     td.dequantize_into(st, wide[:, :K])
     assert torch.equal(wide[:, :K], dequantize(w).to(torch.bfloat16)) and not wide[:, K:].any()
@@ -154,13 +154,13 @@ def test_workspace_is_shared_and_grows():
     big = TritonKernel.prepare(make_weight(bits=2, rate=0.05, seed=2))
     x = activations(20, torch.bfloat16)
     td.apply_large_m(big, x, None, ws)
-    buf = ws._bufs[torch.device("cpu"), torch.bfloat16]
+    buf = ws.current(torch.bfloat16, "cpu")
     td.apply_large_m(small, activations(20, torch.bfloat16, k=100), None, ws)      # reuses the big buffer
-    assert ws._bufs[torch.device("cpu"), torch.bfloat16] is buf and ws.nbytes() == N * K * 2
+    assert ws.current(torch.bfloat16, "cpu") is buf and ws.nbytes() == N * K * 2
     td.apply_large_m(big, x.half(), None, ws)                                       # one more per dtype
     assert len(ws._bufs) == 2
     ws.reserve(64, 400, torch.bfloat16, torch.device("cpu"))                        # grows on demand
-    assert ws._bufs[torch.device("cpu"), torch.bfloat16].numel() == 64 * 400
+    assert ws.current(torch.bfloat16, "cpu").numel() == 64 * 400
     y = td.apply_large_m(big, x, None, ws)
     torch.testing.assert_close(y, td.apply_large_m(big, x))                         # temporary scratch
 
@@ -232,8 +232,8 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_latq.kernels import triton_compile as tc
-from vllm_latq.kernels import triton_dequant as td
+from tools import triton_compile as tc
+from vllm_latq.kernels.triton import dequant as td
 knobs.nvidia.dump_ptxas_log = True
 div16 = [["tt.divisibility", 16]]
 quick = sys.argv[1] == "quick"
@@ -248,8 +248,8 @@ for dt in (("bf16",) if quick else ("bf16", "fp16")):
                          CODED=scales == "coded")
             jobs.append((f"dequant {dt} {bits}-bit {scales}", td._dequant_kernel, sig, const,
                          td.DEQUANT_CONFIG["num_warps"]))
-for outl, o in ((1, ["*i32", "*i16", "*fp16", "*fp16"]), (2, ["*i32", "*i32", "*i16", "*fp16"])):
-    sig = dict(w_ptr="*bf16", o0_ptr=o[0], o1_ptr=o[1], o2_ptr=o[2], o3_ptr=o[3], ROW0="i32", ROW1="i32",
+for outl, o in ((1, ["*i32", "*fp16", "*i16", "*fp16"]), (2, ["*i32", "*i32", "*i16", "*fp16"])):
+    sig = dict(w_ptr="*bf16", start_ptr=o[0], row_ptr=o[1], col_ptr=o[2], val_ptr=o[3], ROW0="i32", ROW1="i32",
                stride_wn="i32")
     jobs.append((f"outliers {'ell' if outl == 1 else 'csr'}", td._outlier_kernel, sig,
                  dict(OUTL=outl, BE=td.OUTLIER_CONFIG["BE"]), td.OUTLIER_CONFIG["num_warps"]))

@@ -1,6 +1,6 @@
 """The Triton kernels' cost model (``kernels/triton/cost_model.py``), pure functions, no GPU:
 
-* the crossover thresholds (the numbers docs/BENCHMARKS.md quotes), where the model crosses,
+* the crossover thresholds (the numbers docs/KERNELS.md quotes), where the model crosses,
   monotone in layer size, never below 17;
 * the tensor-core row tile per M;
 * the device constants from ``torch.cuda.get_device_properties``: HBM bandwidth = 2 ×
@@ -24,7 +24,7 @@ def test_mma_row_tiles():
 
 
 def test_threshold_documented_numbers():
-    """docs/BENCHMARKS.md's table (bf16, g = 128, no outliers), the same for the three
+    """docs/KERNELS.md's table (bf16, g = 128, no outliers), the same for the three
     8B-class shapes: the 64-row MMA tiles beat dequantise-once up to M = 192..3264."""
     table = {"a100": {2: 1985, 3: 257, 4: 3265}, "h100": {2: 321, 3: 193, 4: 385}}
     for dev, by_bits in table.items():
@@ -84,7 +84,7 @@ def test_device_model_from_properties():
 def test_predicted_ratio_vs_bf16():
     """4096 × 14336 at 4 bits, 1 % outliers: the best latq path over bf16 ``F.linear`` (the
     issue's target: ≥ 1 at every M ≤ 256). Predicted ≥ 1.09 up to M = 128 on both models,
-    below 1 from M = 129 (three 64-row tiles) to 256 (docs/BENCHMARKS.md)."""
+    below 1 from M = 129 (three 64-row tiles) to 256 (docs/KERNELS.md)."""
     nnz = int(0.01 * 4096 * 14336)
 
     def ratio(m, dev):

@@ -99,6 +99,7 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
     """Every (kernel, specialisation, config, target). ``quick``: per kernel and bit width the
     heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
     split-K — the default test; the full sweep is the slow test and the bench."""
+    from vllm_latq.kernels.triton import configs as cfg
     from vllm_latq.kernels.triton import kernel as tk
     from vllm_latq.kernels.triton.layout import WIDTHS
     jobs = []
@@ -113,13 +114,15 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
                         continue
                     cap = (tk.MMA_MAXNREG if kernel == "mma" else tk.GEMV_MAXNREG)[bits]
                     tile = dict(BN=t[0], num_warps=t[1], maxnreg=cap, **({"BR": t[2]} if kernel == "mma" else {}))
+                    # pipeline stages as served (1 is the compiler's single-buffered default)
+                    stages = {"num_stages": cfg.STAGES[kernel]} if cfg.STAGES[kernel] > 1 else {}
                     variants = [(max(splits(bm)), "csr")] if quick else \
                         [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
                     for sp, outl in variants:
                         for scales in SCALES:
                             for cc in targets:
                                 jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales,
-                                                 cc=cc, **tile))
+                                                 cc=cc, **tile, **stages))
     from vllm_latq.kernels.triton import grouped_moe as tm
     for bits in (2, 3, 4):                    # the grouped MoE kernel: one fixed tile per BM, ELL or none
         for bm, (bn, nw) in tm.MOE_TILES.items():
@@ -186,7 +189,7 @@ def compile_job(j: dict) -> dict:
     fn = td._gemv_kernel if j["kernel"] == "gemv" else tmma._mma_kernel
     xdt = "bf16"
     # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
-    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*i16", "*fp16", "*fp16"],
+    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*fp16", "*i16", "*fp16"],
             "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
     ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*fp32", "*i32"]
     ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS", "M_WS"]
@@ -237,7 +240,7 @@ def _compile(src, j: dict) -> dict:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         c = triton.compile(src, target=GPUTarget("cuda", j["cc"], 32),
-                           options=dict(num_warps=j["num_warps"], num_stages=1,
+                           options=dict(num_warps=j["num_warps"], num_stages=j.get("num_stages", 1),
                                         **({"maxnreg": j["maxnreg"]} if j.get("maxnreg") else {})))
     log = buf.getvalue()
     regs = re.search(r"Used (\d+) registers", log)

@@ -58,7 +58,13 @@ def load_for_eval(model: str, device: str = "cpu"):
         return m, tok, info
     d = resolve_model(model)
     dtype = hf_model.model_dtype(hf_model.config_dict(d))
-    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
+    m, loading = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    missing = [k for k in loading["missing_keys"] if k not in m._tied_weights_keys] if isinstance(
+        getattr(m, "_tied_weights_keys", None), (list, set, dict)) else list(loading["missing_keys"])
+    if missing:   # transformers would initialise them at random: a perplexity of nothing
+        raise ValueError(f"{d}: {len(missing)} weights of the model are not in its files ({missing[:3]}...); a latq "
+                         "checkpoint needs its config.json quantization_config")
+    m = m.to(device).eval()
     tok = AutoTokenizer.from_pretrained(d)
     bits = {"bfloat16": 16, "float16": 16, "float32": 32}.get(dtype)
     return m, tok, {"method": {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype),

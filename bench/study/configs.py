@@ -7,16 +7,17 @@ from dataclasses import dataclass
 MODELS = ("gemma3-270m", "smollm2-135m")
 LEVELS = (4, 3, 2)  # table columns: ≈4.125 / 3.125 / 2.125 bits (SSQR: 4/3/2-bit inliers)
 FAMILIES = ("RTN", "GPTQ", "HRTN", "HPTQ", "SSQR-1%", "SSQR-2%")
-# GPTQ's group sizes besides the default 128: the baselines of the served-bits Pareto (issue 21)
+# GPTQ's group sizes besides the default 128: the baselines of the served-bits Pareto
 GROUP_SIZES = (32, 64)
-# the noise floor at 4 bits: our GPTQ-4b calibrated on other seeded draws of the calibration text
-# (which articles, in which order): a harmless change whose perplexity spread sizes every verdict
+# the noise floor at each bit width: our GPTQ calibrated on other seeded draws of the calibration
+# text (which articles, in which order): a harmless change whose perplexity spread sizes every verdict
+# at that width (fewer bits, more noise: a 4-bit floor would understate a 2-bit one)
 NOISE_SEEDS = (1, 2)
 NOISE_TAGS = tuple(f"seed{s}" for s in NOISE_SEEDS)
-# the target-correction lever (Qronos, seed 004; issue 21's screen winner): our GPTQ solved against
+# the target-correction lever (Qronos): our GPTQ solved against
 # the full-precision outputs, at each group size of the baselines — same served bits as plain GPTQ
 TC_TAGS = {"tc": 128, **{f"tc-g{g}": g for g in GROUP_SIZES}}
-# second-level scales (issue 21 §3, --scale-bits 4): our GPTQ with 4-bit coded group scales at half
+# second-level scales (--scale-bits 4): our GPTQ with 4-bit coded group scales at half
 # and a quarter of the default group size, which serve about as many bits as the next larger
 # fp16-scaled group: the lever that could put a smaller group's error at a larger group's cost
 S4_TAGS = {f"s4-g{g}": g for g in (64, 32, 16)}
@@ -44,12 +45,12 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           *((f"g{g}", f"Our GPTQ at group size {g} (a baseline of the served-bits Pareto):", f"group size {g}")
             for g in GROUP_SIZES if g != 64),
           *((t, f"Target correction (`--target-correction`: every block linear solved against the "
-                f"full-precision outputs, seed 004) at group size {g}, against our GPTQ at the same group size "
+                f"full-precision outputs) at group size {g}, against our GPTQ at the same group size "
                 f"(same served bits):", "target correction") for t, g in TC_TAGS.items()),
           *((t, f"Second-level scales (`--scale-bits 4`: group scales as 4-bit codes on a grid per 16 rows, "
                 f"6 bits per scale instead of 16) at group size {g}, against our GPTQ at group size {2 * g} "
                 f"(about the served bits):", "coded scales") for t, g in S4_TAGS.items()),
-          *((t, f"Noise floor: our GPTQ-4b calibrated on the seeded draw {t} of the calibration text instead of "
+          *((t, f"Noise floor: our GPTQ calibrated on the seeded draw {t} of the calibration text instead of "
                 "seed 0 (other articles, another order):", t) for t in NOISE_TAGS),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
                    "settings; only intermediate rounding differs, changing a few integers):", "ours in fp64"),
@@ -58,13 +59,13 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           ("damp-down", "Control: the damping ×(1 − 10⁻⁴):", "damp −0.01 %"),
           ("damp-up2", "Control: the damping ×(1 + 10⁻³):", "damp +0.1 %"),
           ("damp-down2", "Control: the damping ×(1 − 10⁻³):", "damp −0.1 %"),
-          ("fp32-forwards", "Control: the calibration forwards in fp32 instead of the models' bf16 (the "
-                            "pipeline before it ran in the model's dtype; activations differ in their last bits):",
+          ("fp32-forwards", "Control: the calibration forwards in fp32 instead of the models' bf16 (activations "
+                            "differ in their last bits):",
            "fp32 forwards"))
 # harmless changes of our GPTQ-3b, each flipping a few integers: its spread, the peer gap's yardstick
 SPREAD_TAGS = ("fp64", "damp-up", "damp-down", "damp-up2", "damp-down2", "fp32-forwards")
 SPREAD_OPTS = {"fp32-forwards": {"compute_dtype": "float32"}}  # the spread controls that are an option
-# beyond the issue's study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
+# beyond the core study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
 # decode head options; `--core` skips them
 EXTRA_TAGS = SPREAD_TAGS + ("lm-head", "lm-head8")
 # the peer GPTQs, the group-size-64 baseline of llm-compressor's, and ours given its scales
@@ -169,15 +170,16 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
         for b in LEVELS if g == group_size else (4,):
             out.append(make_config(model, "GPTQ", b, tag, base="" if g == group_size else f"g{g}", method="gptq",
                                    bits=b, group_size=g, target_correction=True))
-    # second-level scales at every level (the issue measures each lever at 2/3/4 bits)
+    # second-level scales at every level: a lever is measured at each width
     for tag, g in S4_TAGS.items():
         for b in LEVELS:
             twice = "" if 2 * g == group_size else f"g{2 * g}"   # the fp16-scaled group it is read against
             out.append(make_config(model, "GPTQ", b, tag, base=twice, method="gptq", bits=b, group_size=g,
                                    scale_bits=4))
-    # the noise floor at 4 bits: other calibration draws
-    for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
-        out.append(make_config(model, "GPTQ", 4, tag, method="gptq", bits=4, group_size=group_size, seed=s))
+    # the noise floor at each level: other calibration draws
+    for b in LEVELS:
+        for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
+            out.append(make_config(model, "GPTQ", b, tag, method="gptq", bits=b, group_size=group_size, seed=s))
     # its controls: how far perplexity moves when harmless changes flip a few integers (float
     # rounding; the damping moved by ±0.01 %; fp32 forwards): ours' own spread, against which a
     # peer gap is read

@@ -1,4 +1,4 @@
-"""Perplexity against served bits (issue 21): each method's curve, and a comparison at equal served
+"""Perplexity against served bits: each method's curve, and a comparison at equal served
 bits instead of nominal widths.
 
 A method's *series* are its configurations that differ only in width (``GPTQ g64``: GPTQ-2b/3b/4b
@@ -50,6 +50,13 @@ def frontier(pts: list[tuple[float, float, str]]) -> list[tuple[float, float, st
         if not out or p < out[-1][1]:
             out.append((b, p, label))
     return out
+
+
+def global_front(results: list[dict], family: str | None) -> set[str]:
+    """The labels on the front of every operating point of every series in ``family``: no other
+    configuration streams at most as many bits with a lower perplexity."""
+    names = {s for r in results if (s := series_of(r))}
+    return {label for _, _, label in frontier(points(results, names, family))}
 
 
 def ppl_at(curve: list[tuple[float, float, str]], bits: float) -> tuple[float, str] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .claims import PEERS, claims_table
 from .configs import EXTRA_TAGS, FAMILIES, TAGGED, slug
-from .curves import frontier, points, series_of
+from .curves import frontier, global_front, points, series_of
 from .served import served_bits
 from .ordering import LAYER_TYPES, ORDERS
 from .runner import Settings
@@ -56,6 +56,20 @@ def headline(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> str:
     return "HEADLINE " + " ".join(out)
 
 
+# 20 colours told apart at a glance (matplotlib's tab10, then tab20's lighter tints), and markers
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+           "#dbdb8d", "#9edae5")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+
+
+def series_styles(names: list[str]) -> dict[str, tuple[str, str]]:
+    """{series: (colour, marker)}: a colour of its own for each of the first 20 series and a marker
+    that also differs from its colour neighbours', so no two series share both."""
+    return {n: (COLOURS[i % len(COLOURS)], MARKERS[(i + i // len(COLOURS)) % len(MARKERS)])
+            for i, n in enumerate(names)}
+
+
 def pareto_figure(by_model: dict[str, list[dict]]):
     """Per model two panels: perplexity against served bits/weight (Triton kernels: what a GPU
     decode step streams), then against stored bits/weight. Each series' non-dominated points are
@@ -64,12 +78,14 @@ def pareto_figure(by_model: dict[str, list[dict]]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(by_model), 2, figsize=(13, 4.8 * len(by_model)), squeeze=False)
+    # one style per series across every panel, so a series reads the same in each
+    styles = series_styles(list(dict.fromkeys(s for res in by_model.values() for r in res if (s := series_of(r)))))
     for (served_ax, stored_ax), (model, res) in zip(axes, by_model.items()):
         bf = [r for r in res if r["family"] == "bf16"]
         # the top of the axis at 20× bf16: the 2-bit baselines (up to 1e11) would squash the rest;
         # points above it are drawn on the edge as ▲
         top = 20 * bf[0]["ppl"] if bf else math.inf
-        series = list(dict.fromkeys(s for r in res if (s := series_of(r))))
+        series = [s for s in styles if any(series_of(r) == s for r in res)]
         for ax, fam, what in ((served_ax, "triton", "served bits per weight, Triton kernels (what a decode step "
                                                    "streams)"),
                               (stored_ax, None, "stored bits per weight (the checkpoint's accounting)")):
@@ -78,12 +94,12 @@ def pareto_figure(by_model: dict[str, list[dict]]):
                 if not pts:
                     continue
                 front = frontier(pts)
-                color = f"C{i % 10}"
-                ax.plot([b for b, _, _ in front], [min(p, top) for _, p, _ in front], marker="o", color=color,
+                color, marker = styles[name]
+                ax.plot([b for b, _, _ in front], [min(p, top) for _, p, _ in front], marker=marker, color=color,
                         label=name)
                 rest = [(b, min(p, top)) for b, p, label in pts if (b, p, label) not in front]
                 if rest:
-                    ax.plot(*zip(*rest), ls="none", marker="o", mfc="none", color=color)
+                    ax.plot(*zip(*rest), ls="none", marker=marker, mfc="none", color=color)
                 off = [(b, top) for b, p, _ in pts if p > top]
                 if off:
                     ax.plot(*zip(*off), ls="none", marker="^", ms=9, color=color)
@@ -224,13 +240,14 @@ def _served_section(res: list[dict]) -> list[str]:
          "served bits were recorded: its configuration quantized again with the same settings, perplexity "
          "carried; the stored bits of that checkpoint beside it, equal to the evaluated one's up to the few "
          "integers a different thread count flips), `layout` (no outliers: exact from the shapes, bits and group size). Sorted by Triton served "
-         "bits; ★ = on its series' non-dominated curve.", "",
+         "bits; ★T / ★C = on the front of that kernel family: no configuration of any method serves at most as "
+         "many bits there with a lower perplexity.", "",
          "| configuration | series | stored b | served T | served C | Triton layers | CPU layers | ppl | source |",
          "|---|---|---|---|---|---|---|---|---|"]
-    front = {s: {p[2] for p in frontier(points(res, s, "triton"))} for s in {series_of(r) for _, r in rows}}
+    front = {f: global_front(res, f) for f in ("triton", "cpu")}
     for t, r in rows:
         sv = r["served"]
-        star = " ★" if r["label"] in front[series_of(r)] else ""
+        star = "".join(f" ★{f[0].upper()}" for f in ("triton", "cpu") if r["label"] in front[f])
         kern = [", ".join(f"{k}: {n}" for k, n in sorted(sv["kernels"][f].items())) for f in ("triton", "cpu")]
         L.append(f"| {r['label']}{star} | {series_of(r)} | {r['bits']:.3f} | {t:.3f} | "
                  f"{served_bits(r, 'cpu'):.3f} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | {sv['source']}"

@@ -23,7 +23,7 @@ from .configs import Config, slug
 log = logging.getLogger("latq.study")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "accuracy.py"   # the study's command; a worker runs it with --worker
+WORKER = ("-m", "bench.accuracy")   # the study's command, from the repo root; a worker runs it with --worker
 RESULT_VERSION = 1  # bump when a result's meaning changes: cached results are then recomputed
 # bump when the calibrated pipeline's numerics change: only results that ran it are recomputed
 # (2: calibration forwards in the model's dtype, bf16, instead of fp32)
@@ -320,7 +320,8 @@ def run_configs(configs: list[Config], st: Settings, root: Path, keep: bool, com
     for m in dict.fromkeys(configs[i].model for i in todo):
         source_dir(m, st, root)  # a truncated copy is written once, here, not by racing workers
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), JOBS_ENV: str(jobs)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+           "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), JOBS_ENV: str(jobs)}
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log.info("%d configurations to run, %d at a time (%d threads each; logs in %s)", len(todo), jobs, threads, logs)
@@ -331,7 +332,7 @@ def run_configs(configs: list[Config], st: Settings, root: Path, keep: bool, com
                 i = queue.pop(0)
                 c = configs[i]
                 out = (logs / f"{c.model}-{c.slug}.log").open("w")
-                cmd = [sys.executable, str(SCRIPT), *worker_argv, "--worker", "--out", str(root),
+                cmd = [sys.executable, *WORKER, *worker_argv, "--worker", "--out", str(root),
                        "--models", c.model, "--only", c.label]
                 running[i] = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), out)
                 log.info("running: %s %s", c.model, c.label)

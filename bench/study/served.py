@@ -1,4 +1,4 @@
-"""Served bits/weight of a study configuration (issue 21): the bytes one decode step streams for
+"""Served bits/weight of a study configuration: the bytes one decode step streams for
 its quantized linears in each kernel family's prepared form (CPU, Triton), the cost a user buys.
 
 Computed from the layers the run produced with the kernels' own cost models

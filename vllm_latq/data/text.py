@@ -106,12 +106,13 @@ def read_documents(source: str | os.PathLike = "wiki", wiki_part: str = "eval") 
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
-    if path.suffix == ".txt":
-        texts = [path.read_text(encoding="utf-8")]
-    elif path.suffix == ".jsonl":
-        texts = _read_jsonl(path)
-    else:
+    if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"text source must be 'wiki', a .txt or a .jsonl file: {path}")
+    try:
+        texts = [path.read_text(encoding="utf-8")] if path.suffix == ".txt" else _read_jsonl(path)
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     if not any(t.strip() for t in texts):
         raise ValueError(f"{path}: empty text" + (f" ({len(texts)} records)" if path.suffix == ".jsonl" else ""))
     return Documents(texts, str(path))

@@ -180,8 +180,26 @@ def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]
         _validate_csr(t, shape, bits, layer, file)
         if has_coded_scales(t):
             _validate_scale_codes(t, shape, layer, file)
+        else:
+            _validate_scale_range(t["scales"].float(), bits, layer, "scales", file)
     else:
+        _validate_scale_range(t["hscale"].float(), None, layer, "hscale", file)
         _validate_huffman(t, shape, layer, file, decode)
+
+
+# the largest weight a layer may dequantize to: fp16's largest value (every kernel computes
+# weights in fp16 or bf16, and no real model comes near it)
+MAX_WEIGHT = 65504.0
+
+
+def _validate_scale_range(s: torch.Tensor, bits: int | None, layer: str, sfx: str, file) -> None:
+    """Scales > 0, and — for b-bit groups — small enough that the grid's largest integer times
+    the scale stays a finite fp16 weight."""
+    if (s <= 0).any():
+        raise FormatError(f"must be > 0 (found {float(s.min()):g})", file=file, tensor=f"{layer}.{sfx}")
+    if bits is not None and float(s.max()) * 2 ** (bits - 1) > MAX_WEIGHT:
+        raise FormatError(f"scale {float(s.max()):g} times the {bits}-bit grid's {2 ** (bits - 1)} exceeds "
+                          f"{MAX_WEIGHT:g}", file=file, tensor=f"{layer}.{sfx}")
 
 
 def _validate_csr(t, shape, bits, layer, file):
@@ -235,6 +253,10 @@ def _validate_huffman(t, shape, layer, file, decode):
     if key.numel() > 1 and (key[1:] <= key[:-1]).any():
         raise FormatError("symbols not in canonical order (by code length, then symbol) or not distinct",
                           file=file, tensor=f"{layer}.hsymbols")
+    top = float(t["hsymbols"].abs().max()) * float(t["hscale"].float().max())
+    if top > MAX_WEIGHT:
+        raise FormatError(f"a symbol of {int(t['hsymbols'].abs().max())} under the scale gives a weight of {top:g}, "
+                          f"beyond {MAX_WEIGHT:g}", file=file, tensor=f"{layer}.hsymbols")
     bits = int(t["hchunk_bits"].cpu().numpy().view(np.uint16).astype(np.int64).sum())
     if bits > 8 * t["hstream"].numel():
         raise FormatError(f"chunk table needs {bits} bits, stream has {8 * t['hstream'].numel()}",

@@ -11,9 +11,8 @@ import torch
 
 PACK_TILE = 32  # values per tile; a tile of b-bit values is exactly b int32 words
 
-# rows per packing step: the bit-plane temporaries are int64 [rows, in, b]; whole-matrix steps
-# took 21 GB for Gemma3's 262144×640 head at 8 bits. Steps of 8 MiB temporaries keep them in cache
-# and off an 8B RTN run's peak (docs/BENCHMARKS.md, peak memory)
+# rows per packing step: the bit-plane temporaries are int64 [rows, in, b], which over a whole
+# embedding-sized matrix would be tens of GB; 8 MiB steps keep them in cache and off a run's peak
 PACK_CHUNK_ELEMS = 1 << 20
 
 
@@ -37,7 +36,8 @@ def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
     word); for b = 3 no value is wasted (32 values in 3 words) — a kernel loads b words per
     32 columns for any b. Padding columns hold u = 0."""
     out, cin = z.shape
-    if z.numel() and (z.min() < -2 ** (bits - 1) or z.max() >= 2 ** (bits - 1)):
+    # compared as int: 2^7 does not fit an int8 tensor's dtype (RTN's clipped integers are int8)
+    if z.numel() and (int(z.min()) < -2 ** (bits - 1) or int(z.max()) >= 2 ** (bits - 1)):
         raise ValueError(f"integers outside the {bits}-bit grid cannot be packed")
     tiles = math.ceil(cin / PACK_TILE)
     dev = z.device

@@ -21,6 +21,9 @@ import torch
 from ..errors import FormatError
 
 CHECKSUM_KEY = "latq_sha256"
+# each tensor's dtype and shape as written, so an edit of the header alone (the bytes untouched,
+# their meaning changed) is refused like an edit of the bytes; absent in files written before it
+LAYOUT_KEY = "latq_layouts"
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is corrupt
 
 _DTYPES = {
@@ -84,6 +87,8 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
         sums[k] = h.hexdigest()
         off += n
     meta[CHECKSUM_KEY] = json.dumps(sums, sort_keys=True, separators=(",", ":"))
+    meta[LAYOUT_KEY] = json.dumps({k: _layout_text(e["dtype"], e["shape"]) for k, e in header.items()},
+                                  sort_keys=True, separators=(",", ":"))
     header = {"__metadata__": dict(sorted(meta.items())), **header}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -97,6 +102,10 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
             if n != end - begin:
                 raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
     os.replace(part, path)
+
+
+def _layout_text(dtype: str, shape) -> str:
+    return f"{dtype}{list(shape)}".replace(" ", "")
 
 
 def _layout(name: str, v: torch.Tensor | StoredTensor) -> tuple[str, list[int]]:
@@ -282,11 +291,35 @@ class SafetensorsFile:
         return self._checksums
 
     def verify(self, name: str) -> None:
-        """Raise unless the tensor's bytes match its recorded sha256 (no-op without checksums)."""
+        """Raise unless the tensor's header entry is the one written (dtype, shape) and its bytes
+        match the recorded sha256, read by pieces. A file without a checksum table is refused:
+        nothing would catch an edit of it (``--no-verify`` skips this on purpose)."""
         sums = self.checksums
         if sums is None:
-            return
+            raise self._err(f"no {CHECKSUM_KEY} checksum table in the metadata: not written by latq, or "
+                            "edited (--no-verify reads it unchecked)")
         if name not in sums:
             raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
-        if hashlib.sha256(self.raw(name)).hexdigest() != sums[name]:
+        written = self.layouts.get(name) if self.layouts is not None else None
+        e = self.entries[name]
+        if written is not None and written != _layout_text(e.dtype, e.shape):
+            raise self._err(f"header says {_layout_text(e.dtype, e.shape)}, the tensor was written as {written}: "
+                            "the header was edited", name)
+        h = hashlib.sha256()
+        for piece in self.pieces(name):
+            h.update(piece)
+        if h.hexdigest() != sums[name]:
             raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
+
+    @property
+    def layouts(self) -> dict[str, str] | None:
+        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files."""
+        if LAYOUT_KEY not in self.metadata:
+            return None
+        try:
+            v = json.loads(self.metadata[LAYOUT_KEY])
+        except ValueError:
+            v = None
+        if not isinstance(v, dict):
+            raise self._err(f"metadata {LAYOUT_KEY} is not a JSON object")
+        return v

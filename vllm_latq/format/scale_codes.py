@@ -1,4 +1,4 @@
-"""Second-level scale quantization (SpQR's idea; issue 21 §3): a dense layer's group scales
+"""Second-level scale quantization (SpQR's idea): a dense layer's group scales
 stored as 4-bit codes on an affine grid shared by 16 consecutive rows of a group, instead of
 one fp16 per scale — 4 + 2·16/16 = 6 bits per scale instead of 16, so group 64 costs fewer
 served bits than fp16 group 128 (0.094 vs 0.125 bits/weight). The one definition of the coded

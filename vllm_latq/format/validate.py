@@ -12,7 +12,8 @@ from . import scale_codes
 from .checkpoint import Checkpoint, linear_shape
 from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
-from .layer import has_coded_scales, validate_layer
+from . import huffman
+from .layer import expected_shapes, has_coded_scales, validate_layer
 from .spec import FORMAT_VERSION, QuantSpec, check_budget
 
 
@@ -57,6 +58,8 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             raise FormatError("quantized, but listed in quantization_config.modules_not_converted", file=file,
                               tensor=module)
         shape = linear_shape(model, module, file, ck_names)
+        check_declared_shapes(ck.shards[file], names, spec.kind, shape, spec.bits_of(module), spec.group_size,
+                              layer=module, file=file)
         if verify_checksums:
             for n in names.values():
                 ck.shards[file].verify(n)
@@ -117,6 +120,26 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
         raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
     return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec}
+
+
+def check_declared_shapes(f, names: dict[str, str], kind: str, shape, bits, group_size, *, layer: str,
+                          file: str) -> None:
+    """A layer's header shapes against what its linear's shape implies, before any byte is read:
+    a tensor declaring more than that (a memory bomb) is refused naming it."""
+    coded = kind == "dense" and "scale_codes" in names
+    out, cin = shape
+    bound = {"outlier_col": out * cin, "outlier_val": out * cin, "hsymbols": out * cin, "hlengths": out * cin,
+             "hstream": out * cin * huffman.MAX_CODE_LEN // 8 + 8}
+    for sfx, (want, _) in expected_shapes(kind, shape, bits, group_size, coded=coded).items():
+        name = names.get(sfx)
+        if name is None:
+            continue   # missing: validate_layer names it
+        got = f.shape(name)
+        if want is not None and got != tuple(want):
+            raise FormatError(f"shape {got}, expected {tuple(want)}", file=file, tensor=name)
+        if want is None and (len(got) != 1 or got[0] > bound[sfx]):
+            raise FormatError(f"shape {got}: more than the {bound[sfx]} entries a {out}x{cin} layer can have",
+                              file=file, tensor=name)
 
 
 def _totals(ck: Checkpoint, rows: list[dict], model) -> dict:

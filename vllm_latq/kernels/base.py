@@ -17,8 +17,8 @@ another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goe
 branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
 tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
 
-Served bytes (issue 21: decode speed is set by the bytes each step streams, so a layer's
-cost is its *served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
+Served bytes (decode speed is set by the bytes each step streams, so a layer's cost is its
+*served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
 prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
 index and padding); ``layout_bytes(n, k, bits, group, stats, scale_bits)`` is the same number
 from the layer's :class:`~vllm_latq.kernels.served_bytes.GridStats` without preparing it (and
@@ -122,6 +122,11 @@ class LatqKernel:
         coded with ``scale_bits`` (None: fp16; a kernel that decodes codes at prepare counts
         fp16 either way); ValueError if the kernel cannot lay it out."""
         raise NotImplementedError
+
+    @classmethod
+    def label(cls, state: Any) -> str:
+        """The kernel's name in the load report (a family that delegates names its pick)."""
+        return cls.name
 
     @classmethod
     def native_op(cls):

@@ -9,8 +9,8 @@ Three paths compute it (:func:`experts_forward`):
 * ``stacked`` — when every expert runs the Triton kernel, :func:`stack_experts` stacks the
   experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton.grouped_moe`) and one
   launch per projection runs the routed (token, slot) pairs, reading each block's expert from
-  a device tensor: no host sync, so it is the path while a CUDA graph is captured (vLLM's
-  decode) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
+  a device tensor: no host sync, so it is a path for batches vLLM captures (and their
+  warm-ups) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
   batches: it saves a sync and a handful of launches per routed expert; in a graph, E/k
   times the masked path's work);
 * ``host`` — sort the pairs by expert, read the counts on the host and run each expert that
@@ -18,8 +18,8 @@ Three paths compute it (:func:`experts_forward`):
   batches, and every kernel family;
 * ``masked`` — every local expert on all tokens, the routing weights (zero where a token did
   not pick it) selecting: capturable with any kernel, E/k times the work; the captured path
-  of layers that cannot be stacked (CPU kernel, bf16 fallback, 5-bit inliers …), or where the
-  model predicts it faster (a few huge experts at a large batch).
+  of layers that cannot be stacked (bf16 fallback, 5-bit inliers …) at capture sizes, or where
+  the model predicts it faster (a few huge experts at a large batch).
 
 :func:`flatten` / :func:`unflatten` turn the experts' prepared states (and the stacks) into the
 flat tensor list + ints of the custom op ``latq::moe_experts``
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import selector
+from . import graphs, selector
 from .base import LatqKernel
 
 GATED = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
@@ -104,12 +104,13 @@ def compile_stacked(stacked: Stacked, act_dtype: torch.dtype) -> None:
 
 
 def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
-    """While a CUDA graph is captured the counts cannot be read on the host: ``stacked`` or
-    ``masked``; in eager mode ``stacked`` or ``host`` — whichever ``triton_moe.path_times``
-    predicts faster (``stacked`` wins decode-sized batches: it saves the host path's sync and
-    per-expert launches, and the masked path's E/k times the work)."""
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    other = "masked" if capturing else "host"
+    """``stacked``, or the other path by ``triton_moe.path_times``: a batch vLLM may capture
+    (``graphs.may_be_captured``: being captured, or of a capture size on a GPU) cannot read the
+    counts on the host, so its other path is ``masked`` — in the eager warm-up as in the
+    capture, so that the capture runs only kernels and scratch the warm-up prepared; a larger
+    eager batch's is ``host``. (``stacked`` wins decode-sized batches: it saves the host path's
+    sync and per-expert launches, and the masked path's E/k times the work.)"""
+    other = "masked" if graphs.may_be_captured(x.device, x.shape[0]) else "host"
     if stacked is None:
         return other
     from .triton import grouped_moe as triton_moe

@@ -23,11 +23,9 @@ may call back into the Python op for cases it leaves to it (the CPU kernel's lar
 
 Registration goes through ``torch.library.Library`` (define + one
 ``CompositeExplicitAutograd`` kernel + a fake), the way vLLM registers its own ops, not
-``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers
-(measured per call on a trivial op, 1 thread: 9.8 µs under ``inference_mode``, 16.6 µs under
-``no_grad`` vs 6.1–6.2 µs for the plain registration, 2.0 µs for the bare Python function)
-— at 120 latq linears per decode step of SmolLM2 that is 0.5–1.3 ms per step. The ops are
-inference-only (no autograd formula).
+``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers,
+a cost that a decode step pays once per linear. The ops are inference-only (no autograd
+formula).
 """
 from __future__ import annotations
 

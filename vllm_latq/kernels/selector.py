@@ -4,6 +4,9 @@ first whose ``can_implement`` accepts a layer — and says why the others did no
 ``LATQ_KERNEL=<name>`` forces one kernel; an impossible forced choice raises with that
 kernel's reason. Accepted values (kernel ``name``, in selection order):
 
+* ``vllm`` — vLLM's own mixed-precision kernels (Marlin, Machete, …; CPUWNA16 where its op
+  exists) for standard forms: 4/8-bit, no outliers (:mod:`~vllm_latq.kernels.vllm_mp`); on
+  CPU opt-in only, asked after ``cpu``;
 * ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton.kernel`), CUDA ≥ sm_80,
   2–5-bit inliers;
 * ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);
@@ -33,6 +36,11 @@ def kernels() -> list[type[LatqKernel]]:
     """All kernels, fastest first. Optional ones (they import Triton / torch's CPU op
     wrappers) are listed when importable."""
     found: list[type[LatqKernel]] = []
+    try:
+        from .vllm_mp import VllmMPKernel
+        found.append(VllmMPKernel)
+    except ImportError:
+        pass
     try:
         from .triton.kernel import TritonKernel
         found.append(TritonKernel)
@@ -76,21 +84,41 @@ def _warn_once(msg: str) -> None:
         logging.getLogger("vllm.latq").warning(msg)   # under vLLM's log config
 
 
-def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> type[LatqKernel]:
+def in_preference(found: list[type[LatqKernel]], device: torch.device) -> list[type[LatqKernel]]:
+    """``found`` in the order asked on ``device``: on CPU the kernels marked ``cpu_opt_in``
+    come right after latq's own CPU kernel."""
+    if torch.device(device).type != "cpu":
+        return found
+    late = [k for k in found if getattr(k, "cpu_opt_in", False)]
+    rest = [k for k in found if k not in late]
+    at = next((i + 1 for i, k in enumerate(rest) if k.name == FAMILY_OF_DEVICE["cpu"]), 0)
+    return rest[:at] + late + rest[at:]
+
+
+def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype,
+           skip: tuple[str, ...] = ()) -> type[LatqKernel]:
+    return select_with_reasons(w, device, act_dtype, skip)[0]
+
+
+def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dtype,
+                        skip: tuple[str, ...] = ()) -> tuple[type[LatqKernel], list[str]]:
+    """The kernel :func:`select` picks — never one named in ``skip`` — and why each kernel
+    asked before it refused."""
     forced = forced_kernel()
     reasons = []
-    for k in kernels():
+    for k in in_preference([k for k in kernels() if k.name not in skip], device):
         if forced and k.name != forced:
             continue
-        if not forced and not k.auto_select:
-            reasons.append(f"{k.name}: opt-in only ({ENV_FORCE}={k.name})")
+        if not forced and (not k.auto_select or (getattr(k, "cpu_opt_in", False)
+                                                 and torch.device(device).type == "cpu")):
+            reasons.append(f"{k.name}: opt-in only{' on CPU' if k.auto_select else ''} ({ENV_FORCE}={k.name})")
             continue
         ok, why = k.can_implement(w, device, act_dtype)
         if ok:
             if k is DequantizedBf16Kernel and not forced:
                 _warn_once(f"latq: no compressed kernel runs {w.out_features}x{w.in_features} {w.bits}-bit layers "
                            f"on {device} ({'; '.join(reasons)}): they run dequantized to bf16 (kernel '{k.name}')")
-            return k
+            return k, reasons
         reasons.append(f"{k.name}: {why}")
     names = [k.name for k in kernels()]
     if forced and forced not in names:

@@ -1,4 +1,4 @@
-"""Per-input-column scales folded into the norm that feeds a linear (issue #21 §3 c).
+"""Per-input-column scales folded into the norm that feeds a linear.
 
 A linear fed by a norm with a per-channel weight, ``y = (n(x)·γ) Wᵀ``, computes the same
 function as ``y = (n(x)·γ/c) (W·diag(c))ᵀ`` for any positive ``c``: the checkpoint stores the

@@ -13,6 +13,7 @@ from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
 from ..format import writer
 from .. import format as fmt
+from .output import check_output
 from .resume import RunDir
 from .source import Source
 
@@ -51,6 +52,7 @@ def finalize(src: Source, run: RunDir, out: Path, method: str, quantization_conf
     if validate:
         validate_checkpoint(run.path, decode=True, verify_checksums=False)
     if out.exists():
+        check_output(out, src.path, overwrite=True)   # what it holds now, hours after the run began
         shutil.rmtree(out)
     os.replace(run.path, out)
     return stats["totals"]

@@ -122,7 +122,7 @@ class CrossCovariance(Hessian):
 
 
 def qronos_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
-    """Target correction (issue #21 seed 004, after Qronos): the weight ``W′`` whose outputs on
+    """Target correction (after Qronos): the weight ``W′`` whose outputs on
     the quantized prefix's inputs X̃ best match the full-precision outputs XWᵀ, damped toward W:
     ``argmin ‖X̃W′ᵀ − XWᵀ‖² + λn‖W′ − W‖²``, i.e. ``W′ᵀ = Wᵀ + (H + λI)⁻¹(C − H)Wᵀ`` (``H =
     X̃ᵀX̃/n``, ``C = X̃ᵀX/n``, λ the solvers' damping). Damping toward W rather than 0 keeps

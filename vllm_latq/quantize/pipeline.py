@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from .. import hf_model
+from .. import cpu_features, hf_model
 from ..format import writer
 from .. import data
 from .. import format as fmt
@@ -52,7 +52,8 @@ from .column_scales import fold_block
 from .finalize import finalize
 from .head import head_plan, quantize_head
 from . import solve_layers as solving
-from .resume import PROGRESS_FILE, TMP_SUFFIX, RunDir, fingerprint
+from .output import check_output
+from .resume import PROGRESS_FILE, TMP_SUFFIX, fingerprint, run_directory
 from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
 from .source import Source, open_source, resolve_model
 
@@ -76,16 +77,20 @@ class SimulatedInterruption(RuntimeError):
     """Raised after block k when ``stop_after_block=k`` (or ``$LATQ_STOP_AFTER_BLOCK=k``)."""
 
 
-# The defaults the study chose (docs/RESULTS.md, issue 21): GPTQ 4-bit at group 64 serves fewer
+# The defaults the study chose (docs/RESULTS.md): GPTQ 4-bit at group 64 serves fewer
 # bits than SSQR-1 % at group 128 with a lower perplexity on both reference models and both
 # kernel families; the methods with outliers or one scale keep group 128, where a smaller
-# group does not pay (docs/BENCHMARKS.md, lever e).
+# group does not pay (docs/KERNELS.md, accuracy levers: e).
 DEFAULT_METHOD = "gptq"
 DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64}   # other methods: 128
 
 
 def default_group_size(method: str) -> int:
     return DEFAULT_GROUP_SIZE.get(method, 128)
+
+
+# HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
+MAX_TARGET_BITS = 8.0
 
 
 @dataclass
@@ -103,8 +108,9 @@ class QuantizeOptions:
     seed: int = 0
     device: str = "cpu"
     # dtype of the calibration forwards: "auto" = the source model's (bf16 for a bf16 model, the
-    # dtype GPTQ implementations run in; bf16 GEMMs are ~3x fp32 ones on CPUs with AVX512-BF16),
-    # fp32 for fp16/fp32 sources. Weights are solved in fp32 and Hessians summed in fp64 either way.
+    # dtype GPTQ implementations run in, faster than fp32 where bf16 is native) — but fp32 on a
+    # CPU that only emulates bf16 — and fp32 for fp16/fp32 sources. Weights are solved in fp32
+    # and Hessians summed in fp64 either way.
     compute_dtype: str = "auto"
     # also quantize the output head (lm_head) with the same method; a tied head is untied:
     # the embedding stays in the model dtype, the quantized head is written as ``lm_head.*``
@@ -123,10 +129,10 @@ class QuantizeOptions:
     # bytes of calibration activations kept in memory; more are spilled to the run directory
     # (None: half the memory available at the start). Does not change the checkpoint.
     max_activation_memory: int | None = None
-    # target correction (issue #21 seed 004): solve each block linear against W′ fitting the full-precision
+    # target correction (after Qronos): solve each block linear against W′ fitting the full-precision
     # outputs (hessian.qronos_target); a second activation stream (its own memory budget), one more forward
     target_correction: bool = False
-    # second-level scales (issue #21 §3, format/scale_codes.py): dense group scales stored and served
+    # second-level scales (format/scale_codes.py): dense group scales stored and served
     # as codes of this many bits on 16-row grids (6 bits per scale instead of 16); None: fp16 scales
     scale_bits: int | None = None
 
@@ -154,6 +160,9 @@ class QuantizeOptions:
             raise ValueError("target_correction and column_scales cannot be combined (yet)")
         if self.scale_bits is not None and self.method not in ("gptq", "rtn", "babai"):
             raise ValueError(f"scale_bits is for gptq, rtn and babai (their group scales), not {self.method}")
+        if self.kind == "huffman" and not 1.0 < self.target_bits <= MAX_TARGET_BITS:
+            raise ValueError(f"target_bits must be in (1, {MAX_TARGET_BITS:g}] bits/weight for {self.method}, got "
+                             f"{self.target_bits:g}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -174,7 +183,12 @@ class QuantizeOptions:
         """The calibration forwards' dtype for a source with config.json ``source_config``."""
         if self.compute_dtype != "auto":
             return COMPUTE_DTYPES[self.compute_dtype]
-        return torch.bfloat16 if hf_model.model_dtype(source_config) == "bfloat16" else torch.float32
+        model = torch.bfloat16 if hf_model.model_dtype(source_config) == "bfloat16" else torch.float32
+        chosen = model if torch.device(self.device).type != "cpu" else cpu_features.fastest_float(model)
+        if chosen != model:
+            log.info("calibration forwards in fp32: this CPU (%s) emulates bf16 (--compute-dtype bfloat16 "
+                     "to force it)", cpu_features.capability())
+        return chosen
 
     def solver_kwargs(self) -> dict:
         m = self.method
@@ -251,72 +265,73 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     head = head_plan(src) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
-    run = RunDir.open(out, _fingerprint(src, opts), resume)
-    device = torch.device(opts.device)
-    acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
-    targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
-    per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
-    quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
+    check_output(out, src.path, overwrite)
+    with run_directory(out, _fingerprint(src, opts), resume) as run:
+        device = torch.device(opts.device)
+        acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
+        targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
+        per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
+        quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
 
-    bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
-               disable=not progress, initial=run.blocks_done, total=src.nblocks)
-    for i in bar:
-        layer = src.layers[i]
-        if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
-            src.load(src.block_tensors(i), device)
-        linears = src.block_linears(i)
-        kw = _to_device(kwargs[i], device) if opts.calibrated else None
-        t0 = time.time()
-        folding = None
-        if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
-            shard = {}
-            for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
-                                                                 progress):
-                quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
-                                                                     hessians.cross_of.items()}, opts.damp)
-                shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
-                                                 device, progress, opts.moe_min_tokens, opts.moe_route_all,
-                                                 experts=last))
-            t1 = t0
-        else:
-            hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
-            t1 = time.time()
-            if opts.column_scales != "none":
-                folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
-                                     power=opts.column_scale_power, order=opts.order, damp=opts.damp,
-                                     stored=src.weights.get)
-            quantize_block = quantize if folding is None else folding.wrap(quantize)
-            shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                        device, progress, opts.moe_min_tokens, opts.moe_route_all,
-                                        write_back=opts.calibrated)
-        hessians = None
-        t2 = time.time()
-        if opts.calibrated:
-            block_outputs(layer, acts, kw, f"block {i}", progress)
-        log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
-                 t2 - t1, time.time() - t2)
-        shard.update(src.kept_block_tensors(i, linears))
-        shard.update(folding.norm_tensors if folding else {})
-        run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
-        shard = None   # written: the next block's tensors replace it
-        hf_model.to_meta(layer)
-        if on_block is not None:
-            on_block(i, time.time() - t0)
-        if stop_after_block is not None and i == stop_after_block:
-            raise SimulatedInterruption(f"simulated interruption after block {i}")
-    bar.close()
+        bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
+                   disable=not progress, initial=run.blocks_done, total=src.nblocks)
+        for i in bar:
+            layer = src.layers[i]
+            if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
+                src.load(src.block_tensors(i), device)
+            linears = src.block_linears(i)
+            kw = _to_device(kwargs[i], device) if opts.calibrated else None
+            t0 = time.time()
+            folding = None
+            if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
+                shard = {}
+                for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
+                                                                     progress):
+                    quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
+                                                                         hessians.cross_of.items()}, opts.damp)
+                    shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
+                                                     device, progress, opts.moe_min_tokens, opts.moe_route_all,
+                                                     experts=last))
+                t1 = t0
+            else:
+                hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
+                t1 = time.time()
+                if opts.column_scales != "none":
+                    folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
+                                         power=opts.column_scale_power, order=opts.order, damp=opts.damp,
+                                         stored=src.weights.get)
+                quantize_block = quantize if folding is None else folding.wrap(quantize)
+                shard = solving.solve_block(src, i, linears, hessians, quantize_block,
+                                            device, progress, opts.moe_min_tokens, opts.moe_route_all,
+                                            write_back=opts.calibrated)
+            hessians = None
+            t2 = time.time()
+            if opts.calibrated:
+                block_outputs(layer, acts, kw, f"block {i}", progress)
+            log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
+                     t2 - t1, time.time() - t2)
+            shard.update(src.kept_block_tensors(i, linears))
+            shard.update(folding.norm_tensors if folding else {})
+            run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
+            shard = None   # written: the next block's tensors replace it
+            hf_model.to_meta(layer)
+            if on_block is not None:
+                on_block(i, time.time() - t0)
+            if stop_after_block is not None and i == stop_after_block:
+                raise SimulatedInterruption(f"simulated interruption after block {i}")
+        bar.close()
 
-    if targets is not None:
-        drop_stream(targets)
-        if head is not None:
-            log.info("target correction: the output head is solved against its own weight")
-    head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
-        solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
-    del acts
-    qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
-    tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
-    log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
-             tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
+        if targets is not None:
+            drop_stream(targets)
+            if head is not None:
+                log.info("target correction: the output head is solved against its own weight")
+        head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
+            solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
+        del acts
+        qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
+        tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
+        log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
+                 tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
     return out
 
 
@@ -337,6 +352,7 @@ def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
     """The resume fingerprint: the source and every option but where the run happens (the
     device, the activations' memory budget)."""
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("device", "max_activation_memory")}
+    options["forward_dtype"] = str(src.dtype)   # "auto" resolves per machine: a resume must not mix them
     return fingerprint(src.path, options, list(src.weights.handles), src.raw_config)
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ..format import writer
 from .. import format as fmt
 from . import activations
 from .activations import Activations
+from .output import OWNER_FILE, exclusive, record_owner
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -92,3 +94,19 @@ class RunDir:
         """The run is complete: drop what only a resume needs."""
         activations.remove_all(self.path)
         (self.path / PROGRESS_FILE).unlink()
+        (self.path / OWNER_FILE).unlink(missing_ok=True)
+
+
+@contextmanager
+def run_directory(out: Path, fp: str, resume: bool):
+    """:meth:`RunDir.open` under ``out``'s lock, held until the body (the run) ends. A run that
+    ends before its first block is saved leaves nothing behind: a resume could use none of it."""
+    with exclusive(out, out.with_name(out.name + TMP_SUFFIX)):
+        run = RunDir.open(out, fp, resume)
+        record_owner(run.path)
+        try:
+            yield run
+        except BaseException:
+            if run.blocks_done == 0 and run.path.exists():
+                shutil.rmtree(run.path)
+            raise

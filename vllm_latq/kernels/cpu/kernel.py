@@ -8,7 +8,7 @@ pass adding outliers (its own loop for small sets, MKL's for large) and bias wit
 AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched at run time) the GEMM is the op's own GEMV over
 the same packed state and scales (the same bits/weight on both), streaming the
 weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
-to 8 rows: 1.5–2× faster than torch's op at every M below ``large_m()`` (``kernels/cpu/csrc/latq_cpu.cpp``).
+to 8 rows, at every M below ``large_m()`` (``kernels/cpu/csrc/latq_cpu.cpp``).
 Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
 (MKL CSR mv/mm).
 
@@ -29,7 +29,7 @@ rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 an
 once to x.dtype; on the large-M path one bf16 weight bf16(z·s) / bf16(outlier) in a bf16
 GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·Σ|x||w| + 2⁻⁸·|y|.
 
-Decisions (each measured; the numbers are in docs/BENCHMARKS.md, "CPU kernel decisions"):
+Decisions (each measured; the numbers are in docs/KERNELS.md, "CPU kernel"):
 activations go to the op in bf16 (its only vectorized kernel); the op group size is the largest
 of 256/128/64/32 dividing both the latq group and K; outliers are tiles summed in the GEMV's
 threads where the C++ GEMV runs (int16 column + a value in 16 bits where exact:

@@ -1,4 +1,4 @@
-"""The Triton kernels' cost model (issue 19): when the tensor-core kernel gives way to
+"""The Triton kernels' cost model: when the tensor-core kernel gives way to
 dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`), and what either costs
 against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel`.
 
@@ -17,7 +17,7 @@ clock)::
 
 ``ipw[b, BM]`` is the MMA kernel's K loop in SASS lane-instructions per weight per program
 (``triton_compile``'s "i/w", median over the BM's tile configs, sm_80, per scale form: coded
-scales' decode adds 0.5–3 to it; docs/BENCHMARKS.md);
+scales' decode adds 0.5–3 to it; docs/KERNELS.md);
 an outlier costs one gather + one FMA per activation row per tile. The grid runs M fastest:
 the T programs of one weight tile are launched together and read it from HBM about once,
 so ``Wq`` is not multiplied by T even for a layer larger than L2. The threshold is the
@@ -49,7 +49,7 @@ MMA_BMS = (16, 32, 64)
 
 def mma_bm(m: int) -> int:
     """Activation rows per tensor-core program: the smallest tile ≥ M, else the largest
-    (128-row tiles spill on sm_80 and sm_90: docs/BENCHMARKS.md)."""
+    (128-row tiles spill on sm_80 and sm_90: docs/KERNELS.md)."""
     return next((bm for bm in MMA_BMS if bm >= m), MMA_BMS[-1])
 
 
@@ -68,7 +68,7 @@ DEVICES = {
     "h100": DeviceModel("H100", 3.35e12, 50 * 2**20, 990e12, 132 * 128 * 1.98e9, 132),
 }
 # MMA kernel K loop: SASS lane-instructions per weight per program of BM rows (triton_compile
-# "i/w", median over the tile configs of that BM, sm_80; docs/BENCHMARKS.md)
+# "i/w", median over the tile configs of that BM, sm_80; docs/KERNELS.md)
 MMA_IPW = {(2, 16): 5.00, (3, 16): 8.50, (4, 16): 5.12, (5, 16): 8.12,
            (2, 32): 6.20, (3, 32): 10.22, (4, 32): 6.41, (5, 32): 9.69,
            (2, 64): 8.70, (3, 64): 13.22, (4, 64): 8.47, (5, 64): 11.78}

@@ -1,4 +1,4 @@
-"""Large-M path (issue 19): dequantise once into a bf16/fp16 scratch, then one cuBLAS GEMM.
+"""Large-M path: dequantise once into a bf16/fp16 scratch, then one cuBLAS GEMM.
 
 The tensor-core kernel (``_mma_kernel``) re-dequantises every weight once per 64-row M
 tile (~8–13 SASS lane-instructions per weight per tile), so for large M (prefill) the
@@ -21,8 +21,8 @@ and MMA kernels match up to summation order) by that one rounding of z·s (≤ �
 bf16/fp16 per weight) — the price the MMA kernel's docstring anticipated. fp32 activations
 never take this path (they use the exact SIMT kernel; see :func:`large_m_reason`).
 
-The scratch is a :class:`Workspace`: one buffer per (device, dtype), sized to the
-largest layer seen and grown on demand, shared by every layer (layers run in stream order);
+The scratch is a :class:`Workspace`: one buffer per (device, dtype, stream), sized to the
+largest layer seen and grown on demand, shared by the layers of a stream;
 with a byte cap, larger layers (a vocabulary head: 2·N·K can be ~1 GB) run in row chunks.
 
 When ``TritonKernel.apply`` takes this path instead of the tensor-core kernel's 64-row tiles
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import graphs
 from .device import _group_scale, _scale_base
 from .layout import k_steps
 from .cost_model import threshold_for
@@ -113,30 +114,29 @@ def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, 
 
 
 @triton.jit
-def _outlier_kernel(w_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, ROW0, ROW1, stride_wn,
+def _outlier_kernel(w_ptr, start_ptr, row_ptr, col_ptr, val_ptr, ROW0, ROW1, stride_wn,
                     OUTL: tl.constexpr, BE: tl.constexpr):
     # One program per 16-row group from row ROW0 (% 16 == 0): W[row − ROW0, col] = val (the
-    # inlier there is 0). ELL: o0 = off [G+1], entry off[g] + 16·rank + r is row 16g + r
-    # (off[g] % 16 == 0), o1 = col, o2 = val; CSR: o0 = crow [N_pad+1], o1 = row, o2 = col,
-    # o3 = val.
+    # inlier there is 0). ELL: start = off [G+1], entry off[g] + 16·rank + r is row 16g + r
+    # (off[g] % 16 == 0), no row array; CSR: start = crow [N_pad+1].
     g = ROW0 // 16 + tl.program_id(0)
     if OUTL == 1:
-        e0 = tl.load(o0_ptr + g)
-        e1 = tl.load(o0_ptr + g + 1)
+        e0 = tl.load(start_ptr + g)
+        e1 = tl.load(start_ptr + g + 1)
     else:
-        e0 = tl.load(o0_ptr + 16 * g)
-        e1 = tl.load(o0_ptr + 16 * g + 16)
+        e0 = tl.load(start_ptr + 16 * g)
+        e1 = tl.load(start_ptr + 16 * g + 16)
     for e in range(e0, e1, BE):
         ee = e + tl.arange(0, BE)
         em = ee < e1
         if OUTL == 1:
             row = 16 * g + ee % 16
-            col = tl.load(o1_ptr + ee, mask=em, other=0)
-            val = tl.load(o2_ptr + ee, mask=em, other=0.0)
+            col = tl.load(col_ptr + ee, mask=em, other=0)
+            val = tl.load(val_ptr + ee, mask=em, other=0.0)
         else:
-            row = tl.load(o1_ptr + ee, mask=em, other=0)
-            col = tl.load(o2_ptr + ee, mask=em, other=0)
-            val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+            row = tl.load(row_ptr + ee, mask=em, other=0)
+            col = tl.load(col_ptr + ee, mask=em, other=0)
+            val = tl.load(val_ptr + ee, mask=em, other=0.0)
         keep = em & (val != 0) & (row < ROW1)                         # ELL padding: value 0
         ptr = w_ptr + (row - ROW0).to(tl.int64) * stride_wn + col.to(tl.int64)
         tl.store(ptr, _round(val.to(tl.float32), w_ptr.dtype.element_ty), mask=keep)
@@ -151,19 +151,32 @@ DEQUANT_CONFIG = dict(BN=64, DS=4, num_warps=4)      # [64 columns × 64 rows] p
 OUTLIER_CONFIG = dict(BE=128, num_warps=4)
 
 
+def stream_key(device: torch.device) -> int:
+    """Identity of the current stream on ``device`` (the device type's ``current_stream``)."""
+    get = getattr(torch.cuda if device.type == "cuda" else getattr(torch, device.type, None), "current_stream", None)
+    if get is None:
+        return 0
+    s = get(device) if device.type == "cuda" else get()
+    sid = getattr(s, "stream_id", None)
+    return id(s) if sid is None else sid
+
+
 class Workspace:
-    """Scratch shared by every layer: one flat buffer per (device, dtype), sized to the
-    largest request seen and grown on demand (layers run in stream order, so one buffer per
-    stream suffices). Used for the large-M path's dequantised weights and the split-K fp32
-    partials. ``max_bytes`` caps a dequantisation buffer: a larger layer is dequantised and
-    multiplied in row chunks that fit (at least 16 rows). Growing frees the old buffer, so
-    under CUDA graphs every layer is reserved at load time (``TritonKernel.reserve``):
-    growing while a graph is being captured raises instead of leaving a freed buffer in a
-    graph."""
+    """Scratch shared by the layers of one stream: one flat buffer per (device, dtype, stream),
+    sized to the largest request seen and grown on demand. Layers on one stream run in order,
+    so they can share; two streams (vLLM's MoE shared experts run on a second one) each get
+    their own, or they would overwrite each other's partials. Used for the large-M path's
+    dequantised weights and the split-K fp32 partials. ``max_bytes`` caps a dequantisation
+    buffer: a larger layer is dequantised and multiplied in row chunks that fit (at least 16
+    rows). Growing frees the old buffer, so under CUDA graphs every layer is reserved at load
+    time (``TritonKernel.reserve``) and a stream first seen later (the capture stream) gets
+    the reserved size at its first use: growing while a graph is being captured raises
+    instead of leaving a freed buffer in a graph."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
-        self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._bufs: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+        self._reserved: dict[tuple[torch.device, torch.dtype], int] = {}
 
     def rows(self, n: int, k: int, dtype: torch.dtype) -> int:
         """Rows per chunk for an n × k layer: n, or the most that fit the cap (a multiple of 16)."""
@@ -173,23 +186,36 @@ class Workspace:
         return max(16, self.max_bytes // row_bytes // 16 * 16)
 
     def reserve(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.matrix(self.rows(n, k, dtype), k, dtype, device)
+        self.reserve_flat(self.rows(n, k, dtype) * k, dtype, device)
+
+    def reserve_flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Size every stream's buffer for (device, dtype) to at least ``numel`` elements."""
+        key = (torch.device(device), dtype)
+        self._reserved[key] = max(self._reserved.get(key, 0), numel)
+        self.flat(numel, dtype, device)
 
     def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The first ``numel`` elements of the buffer for (device, dtype)."""
-        key = (torch.device(device), dtype)
+        """The first ``numel`` elements of the current stream's buffer for (device, dtype)."""
+        device = torch.device(device)
+        key = (device, dtype, stream_key(device))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
-            if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if graphs.capturing(device):
                 raise RuntimeError(f"latq workspace ({dtype}) must grow to {numel} elements during CUDA graph "
-                                   "capture: reserve() every layer before capturing")
+                                   "capture: reserve() every layer and warm up on the capture stream first")
             self._bufs.pop(key, None)                  # free the old buffer before growing
-            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+            size = max(numel, self._reserved.get((device, dtype), 0))
+            buf = self._bufs[key] = torch.empty(size, dtype=dtype, device=device)
         return buf[:numel]
 
     def matrix(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A contiguous ``[n, k]`` view of the buffer for (device, dtype)."""
+        """A contiguous ``[n, k]`` view of the current stream's buffer for (device, dtype)."""
         return self.flat(n * k, dtype, device).view(n, k)
+
+    def current(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The current stream's whole buffer for (device, dtype), None before its first use."""
+        device = torch.device(device)
+        return self._bufs.get((device, dtype, stream_key(device)))
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
@@ -225,7 +251,7 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
                 BITS=bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], CODED=st.coded_scales,
                 num_warps=cfg["num_warps"])
     if st.outl and st.nnz:
-        o = [t if t is not None else st.o0 for t in (st.o0, st.o1, st.o2, st.o3)]
+        o = [t if t is not None else st.outl_start for t in st.outlier_arrays]
         _outlier_kernel[(triton.cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,
                                                   BE=OUTLIER_CONFIG["BE"], num_warps=OUTLIER_CONFIG["num_warps"])
     return out

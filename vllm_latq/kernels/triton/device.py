@@ -83,11 +83,18 @@ def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _row_offset(rows, stride):
+    """``rows · stride`` in int64: M·K or M·N passes 2³¹ in a long prefill (a 128k-row
+    vocabulary head at 16k tokens), where int32 would wrap to a wrong address."""
+    return rows.to(tl.int64) * stride
+
+
+@triton.jit
 def _finish(acc, y_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     omask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+    tl.store(y_ptr + _row_offset(rm[:, None], stride_ym) + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -162,13 +169,13 @@ def _group_scale(sp, gi, r16, mask, CODED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _ell_rows(o0_ptr, rn, N_PAD):
+def _ell_rows(start_ptr, rn, N_PAD):
     """ELL-16 outliers of rows ``rn``: first slot of each row's 16-row group, the group's slot
     count per row (``R_g``), and its maximum over the rows."""
     g16 = rn // 16
     gm = rn < N_PAD
-    e0 = tl.load(o0_ptr + g16, mask=gm, other=0)
-    cnt = (tl.load(o0_ptr + g16 + 1, mask=gm, other=0) - e0) // 16
+    e0 = tl.load(start_ptr + g16, mask=gm, other=0)
+    cnt = (tl.load(start_ptr + g16 + 1, mask=gm, other=0) - e0) // 16
     return e0, cnt, tl.max(cnt, axis=0)
 
 
@@ -229,7 +236,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
 
 @triton.jit
 def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
-                 o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                 start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
                  M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
@@ -249,7 +256,7 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     rn3 = rn[None, None, :]                                        # [1, 1, BN]
     w3 = w16[None, :, None]                                        # [1, 16, 1]
     rm3 = rm[:, None, None]                                        # [BM, 1, 1]
-    xrow = x_ptr + rm3 * stride_xm
+    xrow = x_ptr + _row_offset(rm3, stride_xm)
     mmask = rm3 < M
     # word-tile pointers of chunk 0: ((g·NCH + c)·16 + w)·16 + r
     ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
@@ -279,28 +286,28 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                              4, GROUP, SPG, BM, ASM, CODED)
 
     # ---- outliers of these rows (same accumulator; entries spread over the K splits)
-    if OUTL == 1:      # ELL-16: o0 = off [G+1], o1 = col, o2 = val
-        e0, cnt, rmax = _ell_rows(o0_ptr, rn, N_PAD)
+    if OUTL == 1:      # ELL-16: start = off [G+1]
+        e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
         e03 = (e0 + r16)[None, None, :]
         cnt3 = cnt[None, None, :]
         for r0 in range(pid_k * 16, rmax, SPLIT * 16):
             rr = r0 + w3                                                        # [1, 16, 1]
             em = rr < cnt3                                                      # [1, 16, BN]
             idx = e03 + rr * 16
-            col = tl.load(o1_ptr + idx, mask=em, other=0)
-            val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+            col = tl.load(col_ptr + idx, mask=em, other=0)
+            val = tl.load(val_ptr + idx, mask=em, other=0.0)
             xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, BN]
             acc += val * xg
-    elif OUTL == 2:    # CSR: o0 = crow [N_PAD+1], o1 = row, o2 = col, o3 = val
+    elif OUTL == 2:    # CSR: start = crow [N_PAD+1]
         n0 = pid_n * BN
-        e0 = tl.load(o0_ptr + n0)
-        e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+        e0 = tl.load(start_ptr + n0)
+        e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
         for e in range(e0 + pid_k * 16, e1, SPLIT * 16):
             ee = e + w3                                                         # [1, 16, 1]
             em = ee < e1
-            row = tl.load(o1_ptr + ee, mask=em, other=-1)
-            col = tl.load(o2_ptr + ee, mask=em, other=0)
-            val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+            row = tl.load(row_ptr + ee, mask=em, other=-1)
+            col = tl.load(col_ptr + ee, mask=em, other=0)
+            val = tl.load(val_ptr + ee, mask=em, other=0.0)
             xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, 1]
             acc += tl.where(row == rn3, xg * val, 0.0)                          # one-hot routing
 

@@ -48,7 +48,7 @@ MOE_TILES = {1: (64, 4), 2: (64, 4), 4: (64, 4), 8: (32, 4)}
 MOE_INTERP = dict(BN=64, num_warps=4)
 MAX_BM = max(MOE_TILES)
 # The K loop's SASS lane-instructions per weight per program of BM rows (triton_compile "i/w",
-# sm_80, these tiles, no outliers): the cost model's issue term. docs/BENCHMARKS.md.
+# sm_80, these tiles, no outliers): the cost model's issue term (docs/KERNELS.md).
 MOE_IPW = {(2, 1): 5.75, (3, 1): 8.17, (4, 1): 6.31, (2, 2): 8.03, (3, 2): 10.20, (4, 2): 8.91,
            (2, 4): 11.97, (3, 4): 14.02, (4, 4): 13.03, (2, 8): 17.25, (3, 8): 19.16, (4, 8): 19.19}
 MOE_IPW_CODED = {(2, 1): 6.26, (3, 1): 8.70, (4, 1): 7.33, (2, 2): 8.55, (3, 2): 10.73, (4, 2): 9.89,  # coded scales
@@ -62,7 +62,7 @@ def moe_maxnreg(bits: int, bm: int) -> int:
 # ============================================================================ device code
 
 @triton.jit
-def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, o0_ptr, o1_ptr, o2_ptr, blk_ptr,
+def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col_ptr, val_ptr, blk_ptr,
                      N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS,
                      EXP_A, EXP_H, EXP_T, EXP_S, EXP_O,
                      BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
@@ -133,15 +133,15 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, o0_ptr, o1_ptr
                 acc += (z * sc) * xs
 
     if OUTL == 1:       # ELL-16, offsets absolute into the concatenated entries
-        e0, cnt, rmax = _ell_rows(o0_ptr + eo * EXP_O, rn, N_PAD)
+        e0, cnt, rmax = _ell_rows(start_ptr + eo * EXP_O, rn, N_PAD)
         e03 = (e0 + r16)[None, None, :]
         cnt3 = cnt[None, None, :]
         for q0 in range(0, tl.where(e >= 0, rmax, 0), 16):
             rr = q0 + w3
             em = rr < cnt3
             idx = e03 + rr * 16
-            col = tl.load(o1_ptr + idx, mask=em, other=0)
-            val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+            col = tl.load(col_ptr + idx, mask=em, other=0)
+            val = tl.load(val_ptr + idx, mask=em, other=0.0)
             acc += val * tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)
 
     out = tl.sum(acc, axis=1)
@@ -192,7 +192,7 @@ class StackedTriton:
 
 # TritonState's fields this module reads or rebuilds (a field added to the layout must be
 # taught here before experts with it are stacked)
-READ_FIELDS = {"plane_a", "plane_h", "plane_t", "scales", "o0", "o1", "o2", "o3", "tickets", "bits", "group", "spg", "n", "k",
+READ_FIELDS = {"plane_a", "plane_h", "plane_t", "scales", "outl_start", "outl_row", "outl_col", "outl_val", "tickets", "bits", "group", "spg", "n", "k",
                "n_pad", "k_pad", "outl", "nnz"}
 
 
@@ -227,15 +227,17 @@ def stack_reason(states: list) -> str | None:
                     f"{words} words")
     if any(s.outl not in (OUTL_NONE, OUTL_ELL, OUTL_CSR) for s in states):
         return "unknown outlier layout"
+    if sum(words) * len(states) >= 2**31:
+        return f"{len(states)} experts of {sum(words)} words: the stack's int32 word index would pass 2³¹"
     return None
 
 
 def _ell_of(st: TritonState) -> dict[str, torch.Tensor] | None:
     """The expert's outliers as ELL-16 (off, col, val), None without outliers."""
     if st.outl == OUTL_ELL:
-        return {"off": st.o0, "col": st.o1, "val": st.o2}
+        return {"off": st.outl_start, "col": st.outl_col, "val": st.outl_val}
     if st.outl == OUTL_CSR:
-        return tlay.build_ell(st.o0, st.o2, st.o3, st.n_pad, st.k)[0]
+        return tlay.build_ell(st.outl_start, st.outl_col, st.outl_val, st.n_pad, st.k)[0]
     return None
 
 
@@ -276,7 +278,8 @@ def stack(states: list[TritonState]) -> tuple[StackedTriton, list[TritonState]]:
                  plane_t=None if st.plane_t is None else st.plane_t[e], scales=st.scales[e])
         if outl == OUTL_ELL and s.outl != OUTL_NONE:
             b, n_e = int(base[e]), int(sizes[e])
-            v.update(o0=(off[e] - b).to(torch.int32), o1=col[b:b + n_e], o2=val[b:b + n_e], o3=None, outl=OUTL_ELL)
+            v.update(outl_start=(off[e] - b).to(torch.int32), outl_row=None, outl_col=col[b:b + n_e],
+                     outl_val=val[b:b + n_e], outl=OUTL_ELL)
         views.append(dataclasses.replace(s, **v))
     return st, views
 
@@ -327,6 +330,10 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
     y = torch.empty(P, st.n, dtype=xs.dtype, device=xs.device)
     if P == 0:
         return y
+    if P * max(xs.stride(0), y.stride(0)) >= 2**31:
+        # the kernel's row addresses are int32 (int64 ones cost the 3-bit coded variant spills)
+        raise ValueError(f"latq grouped MoE: {P} routed rows × {max(xs.stride(0), y.stride(0))} columns pass "
+                         "the kernel's int32 row addresses (2³¹); run the host path")
     spare = st.scales
     # a plane the experts lack (2/4 bits: the 1-bit plane and the tail; 3 bits: no tail, or no
     # whole chunk) gets an int32 stand-in of stride 0, as the dense launch does: behind a

@@ -13,7 +13,6 @@ interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -28,11 +27,14 @@ from ..weight import LatqWeight
 from .dequant import DEFAULT_MAX_BYTES, Workspace, apply_large_m, large_m_reason, use_large_m
 from .device import _gemv_kernel
 from .mma import _mma_kernel
-from .cost_model import MMA_BMS, mma_bm
+from .cost_model import mma_bm
+from . import configs as cfg
+from .configs import (GEMV_MAXNREG, GEMV_SPLITS, GEMV_TILES, MAX_SPLIT, MAXNREG_OK, MMA_MAXNREG,  # noqa: F401
+                      MMA_SPLITS, MMA_TILES, SPLITK_BM, SPLITK_MAX_N, _next_pow2, gemv_configs, m_bucket,
+                      mma_configs)
 
 log = logging.getLogger(__name__)
-MAX_SPLIT = 8
-SPLITK_SCRATCH = Workspace()        # fp32 split-K partials, one buffer per device, shared by all layers
+SPLITK_SCRATCH = Workspace()        # fp32 split-K partials, one buffer per device and stream
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ENV_INTERPRET_OK = "LATQ_TRITON_INTERPRET_OK"   # =1: accept CPU tensors when TRITON_INTERPRET=1
 OUTL_NONE, OUTL_ELL, OUTL_CSR = 0, 1, 2
@@ -40,10 +42,6 @@ OUTL_CODE = {"none": OUTL_NONE, "ell": OUTL_ELL, "csr": OUTL_CSR}
 
 
 # ============================================================================ configs
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
 
 def spg_of(bits: int, group: int) -> int:
     """Slabs per scale application: the largest power of two dividing group/16, at most the
@@ -57,74 +55,6 @@ def spg_of(bits: int, group: int) -> int:
     return spg
 
 
-# Autotune configs for Ampere (A100: 108 SMs, 164 KiB smem/SM, 64 K registers/SM;
-# A10/A6000/RTX 30xx: 72–84 SMs, 100 KiB). Tiles per activation-row tile BM, chosen from
-# offline compilation (ptxas registers; bench/kernels.py prints them): every listed tile
-# compiles without spills on sm_80/86/89/90, at ≤ ~128 registers where possible.
-#
-# SIMT GEMV (BN, warps): register-only (shared memory only for the final cross-warp sum),
-# so the knobs are the row tile BN (bytes in flight per program: BN·64 B per plane per step,
-# two steps with the prefetch), warps (registers: BM·16·BN fp32 accumulators over 32·warps
-# threads), and SPLIT: programs per row tile along K, for when N/BN alone cannot give
-# ~2 programs per SM (o/down projections at TP > 1, K ≥ 8k).
-GEMV_TILES = {1: [(32, 2), (64, 4), (128, 8)],
-              2: [(32, 2), (64, 4), (128, 8)],
-              4: [(32, 4), (64, 8)],
-              8: [(16, 4)]}
-GEMV_SPLITS = (1, 2, 4, 8)
-# Tensor-core kernel (BN, warps, BR = outlier slots per iteration) per activation-row tile BM:
-# a program dequantises its weight tile once per K step and multiplies it with all BM rows
-# (one tl.dot), so a batch of M rows re-dequantises each weight ⌈M/BM⌉ times; the grid runs
-# M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
-# once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
-# sm_90 at 2/3/4/5 bits (docs/BENCHMARKS.md, "Offline compile report"); 128-row tiles spill.
-# BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
-# BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
-# only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some
-# variants; BN 32 × 8 warps is clean but issues 10–40 % more per weight).
-MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
-             32: [(32, 4, 4), (64, 8, 4), (128, 8, 4)],
-             64: [(32, 4, 2)]}
-assert tuple(MMA_TILES) == MMA_BMS
-MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
-# Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
-# occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it
-# (measured: 17 of 864 config × target variants, 8–32 B each); with a cap it allocates up
-# to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
-# 3-bit GEMV (three word planes, prefetched) and the tensor-core kernel (accumulator, group
-# partial, B tile) take what they need (≤ 255). ``Config(maxnreg=)`` and the launch option
-# are feature-detected (``MAXNREG_OK``; Triton 3.0.0, the gpu extra's floor, has both): a
-# Triton without them gets no caps, and ptxas chooses (a few bytes of spills, see above).
-GEMV_MAXNREG = {2: 128, 3: 255, 4: 128, 5: 128}
-MMA_MAXNREG = {2: 255, 3: 255, 4: 255, 5: 255}
-MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
-# The interpreter runs one config (autotuning needs a GPU); big tiles keep program counts low.
-GEMV_INTERP = dict(BN=64, SPLIT=1, num_warps=4)
-MMA_INTERP = dict(BN=64, SPLIT=1, BR=8, num_warps=4)
-# Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
-# rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
-# never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).
-SPLITK_BM = 16
-SPLITK_MAX_N = 16384
-# Autotuning is per M bucket (next power of two of M, capped): batch 1 and batch 64 of one
-# layer tune separately; every M above the cap shares the last bucket.
-M_BUCKET_CAP = 256
-
-
-def m_bucket(m: int) -> int:
-    return min(_next_pow2(m), M_BUCKET_CAP)
-
-
-def gemv_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, num_warps=nw, maxnreg=GEMV_MAXNREG[bits]) for b, tiles in GEMV_TILES.items()
-            if bm in (None, b) for bn, nw in tiles for sp in GEMV_SPLITS]
-
-
-def mma_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw, maxnreg=MMA_MAXNREG[bits]) for b, tiles in MMA_TILES.items()
-            if bm in (None, b) for bn, nw, br in tiles for sp in MMA_SPLITS[b]]
-
-
 def _uniq(cfgs):
     out = []
     for c in cfgs:
@@ -133,23 +63,25 @@ def _uniq(cfgs):
     return out
 
 
-def _prune(configs_for, bits):
+def _prune(kernel, bits):
+    """The autotuner's pruning: the shape's :func:`~.configs.candidates` (the same ones the
+    table and the rule choose from)."""
     def prune(configs, named_args, **kw):
-        bm = named_args.get("BM", kw.get("BM"))
-        nsteps = named_args.get("NSTEPS", kw.get("NSTEPS")) + named_args.get("TSTEPS", kw.get("TSTEPS"))
-        n_pad = named_args.get("N_PAD", kw.get("N_PAD"))
-        max_split = max(1, nsteps) if n_pad <= SPLITK_MAX_N else 1
-        allowed = [{k: v for k, v in c.items() if k != "maxnreg"} for c in configs_for(bm, bits)]
-        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps) in allowed
-                and c.kwargs["SPLIT"] <= max_split]
+        def arg(name):
+            return named_args.get(name, kw.get(name))
+        bm, m_tiles = arg("BM"), triton.cdiv(arg("M"), arg("BM"))
+        can_split = m_tiles == 1 and bm <= SPLITK_BM
+        allowed = [{k: v for k, v in c.items() if k != "maxnreg"}
+                   for c in cfg.candidates(kernel, bits, bm, arg("N_PAD"), arg("NSTEPS") + arg("TSTEPS"), can_split)]
+        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps) in allowed]
         return keep or configs[:1]
     return prune
 
 
 def _config(c: dict) -> triton.Config:
     opts = {"maxnreg": c.get("maxnreg")} if MAXNREG_OK else {}
-    return triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "maxnreg")},
-                         num_warps=c["num_warps"], num_stages=1, **opts)
+    return triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "maxnreg", "num_stages")},
+                         num_warps=c["num_warps"], num_stages=c.get("num_stages", 1), **opts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,12 +91,11 @@ def tuned(kernel: str, bits: int, bucket: int):
     one M tile may split K; several M tiles run with SPLIT = 1 (the tickets cover one row
     of tiles)."""
     one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
-    cfgs = [c for c in _CONFIGS[kernel](None, bits) if one_tile or c["SPLIT"] == 1]
-    return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
-                           prune_configs_by={"early_config_prune": _prune(_CONFIGS[kernel], bits)})(_KERNELS[kernel])
+    cfgs = [c for c in cfg.configs_for(kernel, None, bits) if one_tile or c["SPLIT"] == 1]
+    return triton.autotune([_config(dict(c, num_stages=cfg.STAGES[kernel])) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
+                           prune_configs_by={"early_config_prune": _prune(kernel, bits)})(_KERNELS[kernel])
 
 
-_CONFIGS = {"gemv": gemv_configs, "mma": mma_configs}
 _KERNELS = {"gemv": _gemv_kernel, "mma": _mma_kernel}
 
 
@@ -179,10 +110,10 @@ class TritonState:
     plane_h: torch.Tensor | None          # int32 word blocks: 3 / 5 bits: the 1-bit plane
     plane_t: torch.Tensor | None          # int32 word blocks: 3 bits: the 4-bit tail (< 512 columns)
     scales: torch.Tensor                  # fp16 [N_pad/16, ngroups_pad, 16], or coded: int32 [N_pad/16, ngroups_pad, 3]
-    o0: torch.Tensor | None               # ELL: off [G+1]          CSR: crow [N_pad+1]
-    o1: torch.Tensor | None               # ELL: col                CSR: row
-    o2: torch.Tensor | None               # ELL: val (fp32)         CSR: col
-    o3: torch.Tensor | None               #                         CSR: val (fp32)
+    outl_start: torch.Tensor | None       # where entries start: ELL off [G+1] per 16-row group, CSR crow [N_pad+1]
+    outl_row: torch.Tensor | None         # CSR: each entry's row (ELL: None, the row is the slot)
+    outl_col: torch.Tensor | None         # each entry's column
+    outl_val: torch.Tensor | None         # each entry's value
     tickets: torch.Tensor                 # int32 [N_pad/16] split-K tickets, always back to 0
     bits: int
     group: int
@@ -199,11 +130,16 @@ class TritonState:
         """The scales are laid out as codes (``triton_layout``), not fp16."""
         return self.scales.dtype == torch.int32
 
+    @property
+    def outlier_arrays(self) -> tuple:
+        """The outlier arrays in the kernels' argument order (start, row, col, val)."""
+        return self.outl_start, self.outl_row, self.outl_col, self.outl_val
+
     @classmethod
     def from_layout(cls, L: tlay.TritonLayout) -> "TritonState":
         o = L.outliers
         if L.outlier_mode == "ell":
-            oo = [o["off"], o["col"], o["val"], None]
+            oo = [o["off"], None, o["col"], o["val"]]
         elif L.outlier_mode == "csr":
             oo = [o["crow"], o["row"], o["col"], o["val"]]
         else:
@@ -215,29 +151,66 @@ class TritonState:
                    OUTL_CODE[L.outlier_mode], L.nnz)
 
 
+INDEX_LIMIT = 2**31        # the kernels index planes and outlier entries with int32
+
+
+def size_reason(n: int, k: int, bits: int, nnz: int) -> str | None:
+    """Why an n × k layer at ``bits`` is too large for the kernels' int32 indices (None: it fits):
+    its planes must hold fewer than 2³¹ int32 words (N·K·b/32, as padded) and its outlier
+    slots (ELL pads up to 16 per entry) fewer than 2³¹."""
+    words = tlay.inlier_bytes(-(-n // tlay.ROWS) * tlay.ROWS, bits, tlay.pad_k(k, bits)) // 4
+    if words >= INDEX_LIMIT:
+        return f"{n}×{k} at {bits} bits is {words} int32 words of planes; the kernels index < 2³¹"
+    if nnz >= INDEX_LIMIT // 16:
+        return f"{nnz} outliers; the kernels index < 2³¹ / 16 (ELL slots)"
+    return None
+
+
 def splitk_floats(n_pad: int) -> int:
     """fp32 split-K partials a layer of ``n_pad`` rows may need (0: it never splits)."""
     return MAX_SPLIT * SPLITK_BM * n_pad if n_pad <= SPLITK_MAX_N else 0
 
 
+def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, config: dict | None = None) -> dict:
+    """The config one launch runs (tile, SPLIT, warps, stages, register cap and the row tile
+    "BM"), the same on a GPU and in the interpreter: ``config`` as given, else the table's /
+    the rule's choice for ``device``'s family (:func:`~.configs.choose`)."""
+    bm = min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M)
+    if config is not None and "BM" in config:
+        bm = config["BM"]
+    m_tiles = triton.cdiv(M, bm)
+    can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
+    if config is None:
+        ks = tlay.k_steps(st.bits, st.k_pad)
+        config = cfg.choose(kernel, st.bits, bm, st.n_pad, st.k_pad, ks["nsteps"] + ks["tsteps"], m_tiles, can_split,
+                            *cfg.device_info(device))
+    if config["SPLIT"] > MAX_SPLIT or (config["SPLIT"] > 1 and not can_split):
+        raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 unless M is one tile of ≤ {SPLITK_BM} rows "
+                         f"of a layer of ≤ {SPLITK_MAX_N} rows")
+    cap = config.get("maxnreg", (GEMV_MAXNREG if kernel == "gemv" else MMA_MAXNREG)[st.bits])
+    return dict(config, BM=bm, maxnreg=cap, num_warps=config.get("num_warps", 4),
+                num_stages=config.get("num_stages", 1))
+
+
 def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
            config: dict | None = None, scratch: Workspace | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma". ``config``: a fixed
-    config (a dict from gemv_configs() / mma_configs(), plus optional "BM"); default: the
-    interpreter's fixed config, or the autotuner of M's bucket on a GPU. Split-K only for one
-    M tile of ≤ SPLITK_BM rows (the tickets cover one row of tiles); its fp32 partials live
-    in ``scratch`` (default: the shared ``SPLITK_SCRATCH``), reserved at load."""
+    config (a dict from gemv_configs() / mma_configs(), plus optional "BM"); default:
+    :func:`launch_config` (the autotuner of M's bucket only with ``LATQ_AUTOTUNE=1`` on a
+    GPU). Split-K only for one M tile of ≤ SPLITK_BM rows (the tickets cover one row of
+    tiles); its fp32 partials live in ``scratch`` (default: the shared ``SPLITK_SCRATCH``,
+    one buffer per stream), reserved at load."""
     M, K = x2.shape
     dev = x2.device
     y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
     if M == 0:
         return y
-    bm = min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M)
-    if config is not None and "BM" in config:
-        bm = config["BM"]
+    autotune = config is None and cfg.autotune_enabled() and not INTERPRET
+    c = launch_config(st, M, kernel, dev, config if config is not None or not autotune else dict(SPLIT=1))
+    bm = c["BM"]
     m_tiles = triton.cdiv(M, bm)
     spare = st.scales                                   # any tensor for pointers a variant never reads
-    optr = [t if t is not None else spare for t in (st.o0, st.o1, st.o2, st.o3)]
+    optr = [t if t is not None else spare for t in st.outlier_arrays]
     # a plane the layer lacks (2/4 bits: the 1-bit plane; 3 bits: no tail, or no whole chunk)
     # gets an int32 stand-in: Triton types the kernel by its pointers, and the word-tile code
     # behind a zero-trip loop must still compile on int32 words
@@ -257,19 +230,16 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     def grid(META):
         return (m_tiles, triton.cdiv(st.n_pad, META["BN"]), META["SPLIT"])
 
-    if config is None and INTERPRET:
-        config = dict(GEMV_INTERP if kernel == "gemv" else MMA_INTERP)
-    if config is None:
-        tuned(kernel, st.bits, m_bucket(M))[grid](*args, **meta)
-    else:
-        cfg = {k: v for k, v in config.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg")}
-        if cfg["SPLIT"] > MAX_SPLIT or (cfg["SPLIT"] > 1 and not can_split):
-            raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 unless M is one tile of ≤ {SPLITK_BM} rows "
-                             f"of a layer of ≤ {SPLITK_MAX_N} rows")
-        cap = config.get("maxnreg", (GEMV_MAXNREG if kernel == "gemv" else MMA_MAXNREG)[st.bits])
-        opts = {"maxnreg": cap} if cap and MAXNREG_OK and not INTERPRET else {}
-        _KERNELS[kernel][grid(cfg)](*args, **meta, **cfg, num_warps=config.get("num_warps", 4),
-                                    num_stages=config.get("num_stages", 1), **opts)
+    if autotune:
+        tuner = tuned(kernel, st.bits, m_bucket(M))
+        tuner[grid](*args, **meta)
+        best = tuner.best_config
+        cfg.record(cfg.device_info(dev)[0], cfg.shape_class(kernel, st.bits, bm, st.n_pad, st.k_pad),
+                   dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages))
+        return y
+    kw = {k: v for k, v in c.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg")}
+    opts = {"maxnreg": c["maxnreg"]} if c["maxnreg"] and MAXNREG_OK and not INTERPRET else {}
+    _KERNELS[kernel][grid(kw)](*args, **meta, **kw, num_warps=c["num_warps"], num_stages=c["num_stages"], **opts)
     return y
 
 
@@ -279,15 +249,15 @@ class TritonKernel(LatqKernel):
     name = "triton"
     state_cls = TritonState
     widths = tlay.WIDTHS
-    workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, shared by all layers
-    splitk_workspace = SPLITK_SCRATCH                    # split-K partials, shared by all layers
+    workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, one per device and stream
+    splitk_workspace = SPLITK_SCRATCH                    # split-K partials, one per device and stream
 
     @classmethod
     def reserve(cls, state: TritonState, act_dtype: torch.dtype) -> None:
-        """Size both shared scratches for this layer at load: they never grow during a CUDA
-        graph capture, so their addresses stay those the graphs recorded."""
+        """Size both scratches for this layer at load, for every stream: they never grow during
+        a CUDA graph capture, so their addresses stay those the graphs recorded."""
         dev = state.scales.device
-        cls.splitk_workspace.flat(max(1, splitk_floats(state.n_pad)), torch.float32, dev)
+        cls.splitk_workspace.reserve_flat(max(1, splitk_floats(state.n_pad)), torch.float32, dev)
         if large_m_reason(act_dtype) is None:
             cls.workspace.reserve(state.n, state.k, act_dtype, dev)
 
@@ -306,9 +276,8 @@ class TritonKernel(LatqKernel):
             return False, f"activation dtype {act_dtype}"
         if w.scales.shape[1] > 1 and w.group_size % 16:
             return False, f"group size {w.group_size} is not a multiple of 16"
-        if w.out_features * w.in_features >= 2**35 or w.nnz >= 2**31 // 16:
-            return False, "layer too large for int32 offsets"
-        return True, None
+        why = size_reason(w.out_features, w.in_features, w.bits, w.nnz)
+        return why is None, why
 
     @classmethod
     def served_bytes(cls, state: TritonState) -> dict[str, int]:
@@ -318,7 +287,7 @@ class TritonKernel(LatqKernel):
         def nb(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         return {"inliers": nb(state.plane_a, state.plane_h, state.plane_t), "scales": nb(state.scales),
-                "outliers": nb(state.o0, state.o1, state.o2, state.o3)}
+                "outliers": nb(*state.outlier_arrays)}
 
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):

@@ -1,107 +1,11 @@
 """Load-time layout of the Triton kernels (pure torch: no Triton needed, runs on any device).
 
-The checkpoint / runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) stores b-bit
-offset-binary integers row-major, each tile of 32 columns as one 32·b-bit little-endian number.
-Both Triton kernels (SIMT GEMV for M ≤ 7, tensor-core GEMM for M ≥ 8) read ONE repacked copy
-of the weights, built once here (weights are never stored twice).
-
-Inliers — "16×16 word blocks"
------------------------------
-A *plane* holds p-bit values (p ∈ {1, 2, 4}), ``V = 32/p`` per int32 word. Rows are grouped by
-16; columns by chunks of ``16·V`` (the kernel's K step: 128 columns at 4 bits, 256 at 2 bits).
-Within one (16-row group, chunk) the 16 rows × 16 words form one contiguous 1 KiB block,
-stored word-major with the row fastest::
-
-    word(g, c, w, r) = Σ_j  value(row 16g + r, column c·16V + 16j + w) << (p·j)
-    address          = ((g · nchunks + c) · 16 + w) · 16 + r                  (int32 units)
-
-so a [16 words × BN rows] tile is BN/16 contiguous 1 KiB runs (perfectly coalesced 16-byte
-vector loads), and *slot j of all 16 words is 16 consecutive columns* ``c·16V + 16j + [0, 16)``:
-one shift/mask of a word tile yields a dense [16 × BN] slab of W^T, which is exactly the
-``K = 16`` B-operand of one tensor-core MMA (``tl.dot``) and a 16-column slab of the SIMT GEMV.
-No reshape/transposition is ever needed in the kernel; slabs of one word tile share its load.
-
-3-bit inliers — two planes (2 + 1 bits) and a 4-bit tail
----------------------------------------------------------
-3 bits are stored as a 2-bit plane (``u & 3``, the 2-bit layout above, chunks of 256) plus a
-1-bit plane (``u >> 2``, V = 32, chunks of 512): still exactly 32 values in 3 words, no wasted
-bit, so 3-bit weights stream 3/32 bytes per weight like the checkpoint. Alternatives rejected:
-10 values per int32 wastes 2 bits in 32 (+6.7 % bytes on a memory-bound kernel) and makes the
-values per word a non-power of two, which Triton tiles cannot express; the checkpoint's own
-96-bit tiles make values 10 and 21 straddle two words (a funnel shift + word select per value).
-With planes, a 3-bit value is one shift of the 1-bit word plus two LOP3s: ``(lo & 3<<s) |
-(hi' & 4<<s) | magic`` (see the kernel). The kernel's K step is 512 columns at 3 bits.
-
-Padding K to that step cost up to 511 columns × 3 bits per row (Gemma3-270M's 640-column
-layers were served at 5 bits/weight, SmolLM2's 576-column ones at 5.6). So the planes cover
-only the whole 512-column chunks, ``K_main = 512·⌊K_pad/512⌋`` with K_pad = K rounded up to
-128, and the rest (the *tail*: 128, 256 or 384 columns) is stored as a 4-bit layer stores the
-same integers (``z + 8`` in the 4-bit layout, chunks of 128): after its main steps the kernel
-runs the tail's 128-column steps with its 4-bit code. Cost: one bit more per tail column, at
-most 384 bits per row — one 128-column step at 3 bits. A narrower 3-bit last chunk was
-rejected: its 2-bit words would be half used (a chunk is 16 words of 16 values), and a third
-word shape would need its own code; padding the tail to 512 instead costs as much only when
-the tail is 384 columns.
-
-5-bit inliers — two planes (4 + 1 bits)
----------------------------------------
-A 4-bit plane (``u & 15``, the 4-bit layout) plus a 1-bit plane (``u >> 4``, chunks of 512,
-padded to whole chunks: at most 384 padding bits per row): 5/32 bytes per weight. The K step
-is the 4-bit plane's 128 columns; step s takes bits 8·(s mod 4) + [0, 8) of the 1-bit tile of
-chunk ⌊s/4⌋, so the four steps of a chunk load its 1-bit tile four times (from L1/L2 after
-the first, expected; not yet measured on a GPU) instead of holding a 512-column step's five
-word tiles in registers. A value is ``(lo & 15<<s) | (hi' & 16<<s) | magic``, as at 3 bits.
-
-Rows are padded to a multiple of 16 (zero words, zero scales) and columns to the K step
-(2/4 bits) or to 128 (3/5 bits); the activations are masked there, and their scales are
-zero. :func:`plane_columns` lists each plane's bits and columns.
-
-Scales — fp16, ``[ngroups_padded, 16]`` per 16-row group (row fastest, so the BN scales of a
-group are contiguous), ``ngroups_padded = ceil(K_pad / g)``; one group for a per-tensor scale.
-
-Coded scales (``w.coded``, :mod:`~vllm_latq.format.scale_codes`: 4-bit codes on a min/step
-grid per 16 rows of a group) are laid out instead of the fp16 ones: the format's 16-row blocks
-are the slabs here (both start at row 0), so per (slab g, group) three int32 words,
-``[N_pad/16, ngroups_padded, 3]``::
-
-    word 0: codes of rows 16g + 0..7   (row 16g + r at bits 4r)
-    word 1: codes of rows 16g + 8..15  (row 16g + 8 + r at bits 4r)
-    word 2: fp16 bits of min | fp16 bits of step << 16
-
-12 bytes per 16 scales (6 bits a scale, the format's own cost; fp16: 32 bytes). A kernel lane
-of row r loads word ``r >> 3`` and word 2 (a broadcast within the slab) and decodes with the
-format's arithmetic, ``fp16(fp32(min) + code · fp32(step))`` (``triton_device._group_scale``),
-the same fp16 values as :func:`~vllm_latq.format.scale_codes.decode_scales`. Padding groups
-have zero words (scale 0); padding rows of the last slab decode to its min, harmlessly: their
-outputs are never stored (fp16 padding rows are 0, equally unused). Three words, not four
-(16-byte aligned): the fourth would cost 2 bits per scale for loads that are already
-per-lane gathers.
-
-Outliers — ELL-16 (the paper's layout) or CSR, chosen per layer by :func:`outlier_model`
--------------------------------------------------------------------------------------------
-ELL-16: rows grouped by 16 (the tensor-core N tile), column-major within the group (entry r of
-the 16 rows is 16 consecutive slots), padded to the group's largest row count ``R_g``;
-``off[g] = 16·Σ_{h<g} R_h``. A program reads a [BR × BN] tile per step with unit-stride
-16-lane runs and adds ``val · x[:, col]`` straight into its own output rows — no scatter, no
-row lookup, no per-entry control flow.
-
-CSR (plain, as in the checkpoint, plus a COO row index per entry): a program's rows own the
-contiguous entry range ``crow[n0] .. crow[n0+BN]``; each entry must be routed to its row inside
-the program by a one-hot compare over the BN rows (BN lanes of work per entry).
-
-Entries are compact: int16 columns when K ≤ 32768, fp16 values when all are fp16-exact
-(SSQR checkpoints store fp16; an HPTQ transcode may need fp32) — 4 bytes per entry.
-
-The model (:func:`outlier_model`) compares, per layer, the time of the outlier phase of one
-GEMV on an A100-class part ``max(bytes / 1.5 TB/s, lane-ops / 9.7 T/s)``:
-  ELL: e bytes (e = 4 compact) and ``1 + M`` lane-ops per padded slot (``Σ_g 16·R_g`` slots);
-  CSR: e + 4 bytes (the row index) per entry and ``BN·(2 + M)`` lane-ops per entry (one-hot
-  routing of each entry to its row among the program's BN rows).
-ELL wins whenever the padding ratio ``16·ΣR_g / nnz`` stays below ~2 in bytes and far
-beyond that in ALU time (random outliers at 0.5–5 % pad by 1.07–1.25× for 16 rows of 4096
-columns), so ELL is the default; CSR is kept for layers whose outliers crowd into a few
-rows (padding ratio ≫ 2), where ELL would stream mostly zeros.
-"""
+Both Triton kernels (the SIMT GEMV for small M, the tensor-core GEMM above it) read one copy of
+the weights, repacked here once from the checkpoint's form: 16×16-word blocks whose word slots
+are 16-column slabs of Wᵀ (the K = 16 operand of one MMA, with no reshape in the kernel),
+3- and 5-bit values as two planes, coded scales as three words per 16-row slab and group, and
+outliers as ELL-16 or CSR by :func:`outlier_model`. The layout is specified in docs/KERNELS.md
+("Triton layout reference")."""
 from __future__ import annotations
 
 import math

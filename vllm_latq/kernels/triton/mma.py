@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import _and_or, _ell_rows, _epilogue, _group_scale, _scale_base, _word_tiles
+from .device import _and_or, _ell_rows, _epilogue, _group_scale, _row_offset, _scale_base, _word_tiles
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
 
 @triton.jit
 def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
-                o0_ptr, o1_ptr, o2_ptr, o3_ptr, ws_ptr, cnt_ptr,
+                start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
                 BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
@@ -138,7 +138,7 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     r16 = rn % 16
     rn3 = rn[None, None, :]
     w3 = w16[None, :, None]
-    xrow = x_ptr + rm[:, None] * stride_xm
+    xrow = x_ptr + _row_offset(rm[:, None], stride_xm)
     mmask = (rm < M)[:, None]
     ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
     th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
@@ -169,26 +169,26 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
         oacc = tl.zeros([BM, BN], dtype=tl.float32)
         rb = tl.arange(0, BR)
         if OUTL == 1:
-            e0, cnt, rmax = _ell_rows(o0_ptr, rn, N_PAD)
+            e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
             for r0 in range(pid_k * BR, rmax, SPLIT * BR):
                 rr = r0 + rb
                 em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
                 idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
-                col = tl.load(o1_ptr + idx, mask=em, other=0)
-                val = tl.load(o2_ptr + idx, mask=em, other=0.0)
+                col = tl.load(col_ptr + idx, mask=em, other=0)
+                val = tl.load(val_ptr + idx, mask=em, other=0.0)
                 xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
                              other=0.0).to(tl.float32)                          # [BM, BR, BN]
                 oacc += tl.sum(val[None, :, :] * xg, axis=1)
         else:
             n0 = pid_n * BN
-            e0 = tl.load(o0_ptr + n0)
-            e1 = tl.load(o0_ptr + tl.minimum(n0 + BN, N_PAD))
+            e0 = tl.load(start_ptr + n0)
+            e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
             for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
                 ee = e + rb
                 em = ee < e1
-                row = tl.load(o1_ptr + ee, mask=em, other=-1)
-                col = tl.load(o2_ptr + ee, mask=em, other=0)
-                val = tl.load(o3_ptr + ee, mask=em, other=0.0)
+                row = tl.load(row_ptr + ee, mask=em, other=-1)
+                col = tl.load(col_ptr + ee, mask=em, other=0)
+                val = tl.load(val_ptr + ee, mask=em, other=0.0)
                 xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
                 hit = row[:, None] == rn[None, :]                               # [BR, BN]
                 oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)

@@ -1,0 +1,36 @@
+"""Choices by the CPU's capability: bf16 where this CPU computes it natively, fp32 where it only
+emulates it (AVX2-only CPUs) — both paths forced here whatever the machine."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_latq import cpu_features
+from vllm_latq.quantize.pipeline import QuantizeOptions
+
+BF16_SOURCE = {"torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("native, want", [("1", torch.bfloat16), ("0", torch.float32)])
+def test_calibration_forwards_take_the_fastest_dtype_of_the_cpu(monkeypatch, caplog, native, want):
+    monkeypatch.setenv(cpu_features.ENV_BF16, native)
+    with caplog.at_level(logging.INFO, logger="vllm_latq.quantize"):
+        assert QuantizeOptions().torch_compute_dtype(BF16_SOURCE) == want
+    assert ("emulates bf16" in caplog.text) == (want == torch.float32)
+    assert cpu_features.capability().endswith("+bf16") == (native == "1")
+    # an explicit choice, a GPU run and an fp32 source are left as they are
+    assert QuantizeOptions(compute_dtype="bfloat16").torch_compute_dtype(BF16_SOURCE) == torch.bfloat16
+    assert QuantizeOptions(device="cuda").torch_compute_dtype(BF16_SOURCE) == torch.bfloat16
+    assert QuantizeOptions().torch_compute_dtype({"torch_dtype": "float32"}) == torch.float32
+
+
+def test_detection_follows_torch(monkeypatch):
+    monkeypatch.delenv(cpu_features.ENV_BF16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not cpu_features.native_bf16() and cpu_features.fastest_float(torch.bfloat16) == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert cpu_features.native_bf16() and cpu_features.fastest_float(torch.bfloat16) == torch.bfloat16
+    assert cpu_features.fastest_float(torch.float16) == torch.float16

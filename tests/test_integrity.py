@@ -1,0 +1,130 @@
+"""A checkpoint is what it says or it is refused, with file and tensor named: a header edit that
+keeps the bytes (dtype BF16→F16), a shard without checksums, scales that are 0, negative or too
+large, a Huffman symbol past any real weight, a tensor declaring a memory bomb's shape, and a
+directory whose quantization_config was removed (latq-eval would otherwise measure random
+linears)."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from vllm_latq.evaluate import main as eval_main
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.format.safetensors_file import CHECKSUM_KEY, SafetensorsFile, write_safetensors
+from vllm_latq.format.validate import validate_checkpoint
+from vllm_latq.errors import FormatError
+from vllm_latq.inspect import inspect_main
+
+NORM = "model.norm.weight"
+L0 = "model.layers.0.self_attn.q_proj"
+
+
+def _copy(tiny_checkpoints, method, tmp_path):
+    d = tmp_path / method
+    shutil.copytree(tiny_checkpoints[method][0], d)
+    return d
+
+
+def _edit_header(path, fn):
+    """Apply ``fn`` to the parsed JSON header of a shard, bytes untouched (padded to its length)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    fn(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+
+
+def _rewrite(d, name, fn):
+    """Replace tensor ``name`` by ``fn(tensor)``, checksums recomputed (a value that verifies)."""
+    shard = Checkpoint(d).where[name]
+    f = SafetensorsFile(d / shard)
+    t = {n: f.get(n) for n in f.names()}
+    t[name] = fn(t[name])
+    write_safetensors(d / shard, t)
+
+
+def _refused(d, capsys, *fragments):
+    assert inspect_main([str(d)]) == 2
+    err = capsys.readouterr().err
+    for f in fragments:
+        assert f in err, err
+    return err
+
+
+def test_header_dtype_edit_is_refused(tiny_checkpoints, tmp_path, capsys):
+    """BF16 → F16 on a norm, bytes untouched: the same size, another meaning."""
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    shard = Checkpoint(d).where[NORM]
+    assert SafetensorsFile(d / shard).entries[NORM].dtype == "BF16"
+    _edit_header(d / shard, lambda h: h[NORM].update(dtype="F16"))
+    _refused(d, capsys, shard, NORM, "the header was edited")
+
+
+def test_shard_without_checksums_is_refused(tiny_checkpoints, tmp_path, capsys):
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    shard = Checkpoint(d).where[f"{L0}.qweight"]
+    _edit_header(d / shard, lambda h: h["__metadata__"].pop(CHECKSUM_KEY))
+    _refused(d, capsys, shard, f"no {CHECKSUM_KEY} checksum table")
+    assert inspect_main([str(d), "--no-checksums"]) == 0   # on purpose: says what it skips
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("value, why", [(0.0, "must be > 0"), (-0.01, "must be > 0"), (65504.0, "exceeds 65504")])
+def test_group_scales_out_of_range_are_refused(tiny_checkpoints, tmp_path, capsys, value, why):
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    _rewrite(d, f"{L0}.scales", lambda s: s.index_fill(1, torch.tensor([0]), value))
+    _refused(d, capsys, f"{L0}.scales", why)
+
+
+@pytest.mark.parametrize("edit, tensor, why", [
+    (lambda t: t * 0, "hscale", "must be > 0"),
+    (lambda t: -t, "hscale", "must be > 0"),
+    (lambda t: t.index_fill(0, torch.tensor([t.numel() - 1]), 2**30), "hsymbols", "beyond 65504")])
+def test_huffman_values_out_of_range_are_refused(tiny_checkpoints, tmp_path, capsys, edit, tensor, why):
+    d = _copy(tiny_checkpoints, "hptq", tmp_path)
+    _rewrite(d, f"{L0}.{tensor}", edit)
+    _refused(d, capsys, f"{L0}.{tensor}", why)
+
+
+def test_memory_bomb_is_refused_before_any_byte_is_read(tiny_checkpoints, tmp_path, monkeypatch):
+    """A tensor declaring 2^34 entries in a sparse file of that size: refused from its header,
+    in seconds, without reading it."""
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    name = f"{L0}.outlier_col"
+    shard = d / Checkpoint(d).where[name]
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    huge = 2**34
+    header[name] = {"dtype": "I32", "shape": [huge], "data_offsets": [end, end + 4 * huge]}
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (-len(new) % 8)
+    with shard.open("wb") as f:
+        f.write(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+        f.truncate(8 + len(new) + end + 4 * huge)   # sparse: no disk, 64 GiB declared
+
+    def no_read(*a, **k):
+        raise AssertionError("a byte of the bomb was read")
+    monkeypatch.setattr(SafetensorsFile, "pieces", no_read)
+    monkeypatch.setattr(SafetensorsFile, "get", no_read)
+    t0 = time.time()
+    with pytest.raises(FormatError, match=rf"{shard.name}.*{name}.*more than the"):
+        validate_checkpoint(d)
+    assert time.time() - t0 < 30
+
+
+def test_eval_refuses_a_checkpoint_stripped_of_its_quantization_config(tiny_checkpoints, tmp_path, capsys):
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert eval_main([str(d), "--nwindows", "1", "--seqlen", "16", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "weights of the model are not in its files" in err and "quantization_config" in err

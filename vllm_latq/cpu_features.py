@@ -1,0 +1,31 @@
+"""What this CPU computes natively, for the choices that depend on it: a bf16 matmul runs in
+hardware only with AVX-512 BF16 (or AMX); elsewhere (AVX2-only CPUs) torch emulates it several
+times slower than fp32, so work in fp32 there. ``LATQ_CPU_BF16=0|1`` overrides the detection
+(tests force both paths on any machine)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV_BF16 = "LATQ_CPU_BF16"
+
+
+def native_bf16() -> bool:
+    """Whether bf16 matmuls run natively on this CPU (``LATQ_CPU_BF16`` overrides)."""
+    forced = os.environ.get(ENV_BF16)
+    if forced in ("0", "1"):
+        return forced == "1"
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+
+
+def capability() -> str:
+    """The CPU capability to print next to every CPU figure: torch's ISA level and whether bf16
+    is native, e.g. ``AVX512+bf16`` or ``AVX2``."""
+    return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "")
+
+
+def fastest_float(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` for CPU matmuls, or fp32 where a bf16 ``dtype`` would be emulated."""
+    return torch.float32 if dtype == torch.bfloat16 and not native_bf16() else dtype

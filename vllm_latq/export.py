@@ -1,0 +1,270 @@
+"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard
+checkpoint that stock vLLM, SGLang and transformers read (the ``compressed-tensors`` package).
+
+The dense kind at 4 and 8 bits with static natural groups and no outliers *is* compressed-tensors'
+``pack-quantized`` form (symmetric int, strategy ``group``): both store offset-binary integers
+(u = z + 2^(b-1)) little-endian along K, 32/b to an int32 word, padding u = 0. A latq row pads to
+whole 32-column tiles, one of compressed-tensors to whole words, so its ``weight_packed`` is the
+first ``ceil(K·b/32)`` words of latq's ``qweight``: the integers pass through untouched. Group
+scales (stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]`` (fp32, exact).
+
+What does not map is refused, naming the layer and why: other bit widths (no vLLM kernel takes
+them), CSR outliers, a group size that does not divide K (vLLM's kernels refuse ragged groups),
+and the huffman kind (HPTQ/HRTN: entropy-coded integers under one fp32 scale, with no fixed bit
+width). ``--dequantize-unmapped`` writes such layers as bf16 weights instead, listed in
+``ignore``, and reports the bits/weight that costs.
+
+examples:
+  latq-export ckpt/gemma-w4 export/gemma-w4 --format compressed-tensors
+  latq-export ckpt/gemma-ssqr export/gemma-ssqr --dequantize-unmapped
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import hf_model
+from .errors import FormatError
+from .format import writer
+from .format.checkpoint import Checkpoint, linear_shape
+from .format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
+from .format.layer import dense_scales, dequantize_layer
+from .format.safetensors_file import write_safetensors
+
+FORMATS = ("compressed-tensors",)
+MAPPED_BITS = (4, 8)        # W4A16 / W8A16: the widths vLLM's kernels (Marlin, Machete, CPU) take
+TMP_SUFFIX = ".tmp-latq-export"
+UNMAPPED_BITS = 16          # a layer written as bf16
+SCALE_BITS = 32             # weight_scale's fp32
+
+
+class ExportRefused(ValueError):
+    """A layer of the checkpoint has no form in the target format (message: every such layer)."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A quantized layer of the source: its checkpoint name, shape, bits and why it does not
+    map (``None`` when it does)."""
+    module: str
+    shape: tuple[int, int]
+    bits: int | None
+    refusal: str | None
+
+
+def plan_layers(ck: Checkpoint, model) -> list[Layer]:
+    """Every quantized layer of ``ck`` (``model``: its empty model) with its refusal reason,
+    from the headers alone."""
+    names = ck.checkpoint_names(model)
+    return [_plan_layer(ck, m, linear_shape(model, m, ck.layer_file(m), names), t)
+            for m, t in ck.layers().items()]
+
+
+def _plan_layer(ck: Checkpoint, module: str, shape: tuple[int, int], tensors: dict[str, str]) -> Layer:
+    """One layer's :class:`Layer`: the first reason it has no pack-quantized form, if any."""
+    spec = ck.spec
+    if spec.kind == "huffman":
+        return Layer(module, shape, None, f"{spec.method}: entropy-coded integers under one fp32 scale, no fixed "
+                                          "bit width or group scales (pack-quantized holds 4/8-bit groups)")
+    bits, g, k = spec.bits_of(module), spec.group_size, shape[1]
+    nnz = ck.shards[ck.where[tensors["outlier_col"]]].shape(tensors["outlier_col"])[0]
+    why = None
+    if bits not in MAPPED_BITS:
+        why = f"{bits}-bit integers (pack-quantized kernels in vLLM take {' and '.join(map(str, MAPPED_BITS))} bits)"
+    elif nnz:
+        why = f"{nnz} CSR outliers beside the integers ({spec.method}); the target format has none"
+    elif k % g:
+        why = f"group size {g} does not divide its {k} input columns (vLLM's kernels refuse a ragged last group)"
+    return Layer(module, shape, bits, why)
+
+
+def refusal_message(layers: list[Layer]) -> str:
+    bad = [x for x in layers if x.refusal]
+    lines = [f"  {x.module}: {x.refusal}" for x in bad[:20]] + ([f"  ... and {len(bad) - 20} more"] if len(bad) > 20
+                                                              else [])
+    return (f"{len(bad)} of {len(layers)} quantized layers do not map to compressed-tensors pack-quantized:\n"
+            + "\n".join(lines) + "\n(--dequantize-unmapped writes them as bf16 weights)")
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
+    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer. The fp16
+    scales are stored as fp32 (exactly): transformers dequantizes fused experts in the scale's
+    dtype, where fp16 would round every product; vLLM casts them to its own dtype on load."""
+    n, k = layer.shape
+    t = ck.layer_tensors(layer.module)
+    words = math.ceil(k * layer.bits / 32)   # compressed-tensors' words: latq's, less the tile padding
+    return {f"{layer.module}.weight_packed": t["qweight"][:, :words].contiguous(),
+            f"{layer.module}.weight_scale": dense_scales(t, n).float().contiguous(),
+            f"{layer.module}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
+def dequantized_tensor(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
+    """An unmapped layer as its bf16 ``weight`` (format's one dequantization, then rounded)."""
+    t = ck.layer_tensors(layer.module)
+    W = dequantize_layer(t, ck.spec.kind, layer.shape, layer.bits, ck.spec.group_size)
+    return {f"{layer.module}.weight": W.to(torch.bfloat16)}
+
+
+def layer_bits(layer: Layer, group_size: int | None) -> float:
+    """Bits/weight the exported layer stores (int32 words, fp32 scales; or bf16)."""
+    if layer.refusal:
+        return UNMAPPED_BITS
+    n, k = layer.shape
+    return (math.ceil(k * layer.bits / 32) * 32 + (k // group_size) * SCALE_BITS) / k
+
+
+# ----------------------------------------------------------------------------- config
+
+def linear_modules(ck: Checkpoint, model) -> list[str]:
+    """Checkpoint names of ``model``'s ``nn.Linear`` modules (fused experts are not ones)."""
+    names = ck.checkpoint_names(model)
+    return [names.module(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def compressed_tensors_config(layers: list[Layer], group_size: int, linears: list[str]) -> dict:
+    """The ``quantization_config`` of the export: one config group per bit width, targeting
+    ``Linear`` when all share one width, else the layers by name; every other linear ignored."""
+    mapped = [x for x in layers if not x.refusal]
+    widths = sorted({x.bits for x in mapped})
+    groups = {}
+    for i, b in enumerate(widths):
+        targets = ["Linear"] if len(widths) == 1 else [f"re:^{re.escape(x.module)}$" for x in mapped if x.bits == b]
+        groups[f"group_{i}"] = {
+            "targets": targets, "format": "pack-quantized", "input_activations": None, "output_activations": None,
+            "weights": {"num_bits": b, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": group_size, "dynamic": False, "actorder": None, "observer": None}}
+    kept = {x.module for x in mapped}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": groups, "ignore": sorted(m for m in linears if m not in kept),
+            "kv_cache_scheme": None}
+
+
+def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
+    """What the export came from: latq's method, its quantization_config and certificate."""
+    try:
+        totals = ck.stats().get("totals", {})
+    except FormatError:
+        totals = {}
+    return {"source_quantization_config": ck.config["quantization_config"], "method": ck.spec.method,
+            "cert_max": totals.get("cert_max"), "source_bits_per_weight": totals.get("bits_per_weight"),
+            "dequantized_to_bf16": sorted(x.module for x in layers if x.refusal)}
+
+
+# ----------------------------------------------------------------------------- writing
+
+def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_unmapped: bool = False,
+                      overwrite: bool = False) -> dict:
+    """Write the export of latq checkpoint ``ckpt`` to ``out`` (via ``OUT.tmp-latq-export``, renamed
+    at the end: a failure leaves nothing at ``out``) → a summary (layers, bits/weight)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    ck = Checkpoint(ckpt)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (--overwrite replaces it)")
+    model = ck.empty_model()
+    layers = plan_layers(ck, model)
+    if any(x.refusal for x in layers) and not dequantize_unmapped:
+        raise ExportRefused(refusal_message(layers))
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        _write(ck, layers, linear_modules(ck, model), tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return summary(ck, layers)
+
+
+def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -> None:
+    """Every file of the export into ``tmp``: one shard per source shard, built and written one
+    at a time (an 8B model's packed layers are never all in memory), then index and JSON."""
+    meta = {"latq_method": ck.spec.method}
+    for f in ck.shards:
+        tensors: dict = {}
+        for x in layers:
+            if ck.layer_file(x.module) == f:
+                tensors.update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
+        tensors.update({n: ck.shards[f].stored(n) for n in ck.plain_names() if ck.where[n] == f})
+        write_safetensors(tmp / f, tensors, meta)
+    if (ck.path / INDEX_FILE).is_file():
+        writer.write_index(tmp, sorted(ck.shards))
+    cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+    if any(not x.refusal for x in layers):
+        cfg["quantization_config"] = compressed_tensors_config(layers, ck.spec.group_size, linears)
+    cfg["latq_export"] = latq_record(ck, layers)
+    writer.write_json(tmp / CONFIG_FILE, cfg)
+    writer.copy_aux_files(ck.path, tmp)
+    if (ck.path / STATS_FILE).is_file():
+        shutil.copyfile(ck.path / STATS_FILE, tmp / STATS_FILE)
+
+
+def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
+    """Layers written packed and as bf16, and the bits/weight the exported layers store: all of
+    them, and the packed ones alone."""
+    def mean_bits(xs):
+        n = sum(x.shape[0] * x.shape[1] for x in xs)
+        return sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in xs) / n if n else None
+    unmapped = [x for x in layers if x.refusal]
+    return {"layers": len(layers), "packed": len(layers) - len(unmapped), "bf16": len(unmapped),
+            "bf16_params": sum(x.shape[0] * x.shape[1] for x in unmapped), "bits_per_weight": mean_bits(layers),
+            "packed_bits_per_weight": mean_bits([x for x in layers if not x.refusal]),
+            "source_bits_per_weight": latq_record(ck, layers)["source_bits_per_weight"]}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="latq-export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt", help="latq checkpoint directory")
+    ap.add_argument("out", help="output directory (written as OUT.tmp-latq-export, then renamed)")
+    ap.add_argument("--format", default="compressed-tensors", choices=FORMATS, dest="fmt",
+                    help="target format (default compressed-tensors: pack-quantized W4A16/W8A16)")
+    ap.add_argument("--dequantize-unmapped", action="store_true",
+                    help="write layers that have no form in the target format as bf16 weights instead of refusing")
+    ap.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
+                              overwrite=a.overwrite)
+    except ExportRefused as e:
+        print(f"latq-export: refused: {e}", file=sys.stderr)
+        return 2
+    except FormatError as e:
+        print(f"latq-export: invalid checkpoint {a.ckpt}: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, hf_model.UnsupportedModelError) as e:
+        print(f"latq-export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"latq-export: {a.out}: {s['packed']} layers pack-quantized, {s['bf16']} as bf16; "
+          f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers")
+    if s["bf16"]:
+        src = s["source_bits_per_weight"]
+        print(f"latq-export: the {s['bf16']} bf16 layers ({s['bf16_params']} weights) cost {UNMAPPED_BITS} bits/weight "
+              f"each: the quantized layers store {s['bits_per_weight']:.3f} bits/weight, "
+              + (f"{s['bits_per_weight'] - src:+.3f} against the source's {src:.3f}" if src else "(source: no stats)"))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

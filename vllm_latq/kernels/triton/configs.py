@@ -1,0 +1,225 @@
+"""Launch configurations of the Triton kernels, fixed per GPU family and shape class so that
+serving never autotunes: vLLM's warm-up and CUDA-graph capture must neither benchmark nor
+compile a variant the warm-up did not. The table (``launch_configs.json``, package data,
+written by ``tools/launch_table.py`` from the offline compile report and the cost model)
+names one config per (family, kernel, bits, row tile, N class, K class); a shape it lacks
+gets :func:`rule`'s deterministic choice among the same pruned candidates the autotuner
+would try. ``LATQ_AUTOTUNE=1`` turns autotuning back on; ``LATQ_LAUNCH_CONFIGS=FILE`` names
+a table that overrides the packaged one, and the autotuner writes its choices there.
+
+:func:`choose` is the one function that computes a launch's config on a GPU and in the
+interpreter (which stands in for ``INTERPRETER_DEVICE``), so the interpreter tests run it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from .cost_model import MMA_BMS
+
+MAX_SPLIT = 8
+ENV_AUTOTUNE = "LATQ_AUTOTUNE"
+ENV_TABLE = "LATQ_LAUNCH_CONFIGS"
+TABLE_FILE = Path(__file__).with_name("launch_configs.json")
+# GPU families the table covers, and the SM count of the part the offline choice plans for
+# (A100, A10/A6000 class, L40S, H100 SXM)
+FAMILY_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 142, "sm_90": 132}
+# what the interpreter pretends to run on: (compute capability, SMs)
+INTERPRETER_DEVICE = ((8, 0), 108)
+CLASS_MIN, CLASS_MAX = 256, 1 << 17          # N and K classes: powers of two, clamped
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+# Tile candidates for Ampere (A100: 108 SMs, 164 KiB smem/SM, 64 K registers/SM;
+# A10/A6000/RTX 30xx: 72–84 SMs, 100 KiB). Tiles per activation-row tile BM, chosen from
+# offline compilation (ptxas registers; bench/kernels.py prints them): every listed tile
+# compiles without spills on sm_80/86/89/90, at ≤ ~128 registers where possible.
+#
+# SIMT GEMV (BN, warps): register-only (shared memory only for the final cross-warp sum),
+# so the knobs are the row tile BN (bytes in flight per program: BN·64 B per plane per step,
+# two steps with the prefetch), warps (registers: BM·16·BN fp32 accumulators over 32·warps
+# threads), and SPLIT: programs per row tile along K, for when N/BN alone cannot give
+# ~2 programs per SM (o/down projections at TP > 1, K ≥ 8k).
+GEMV_TILES = {1: [(32, 2), (64, 4), (128, 8)],
+              2: [(32, 2), (64, 4), (128, 8)],
+              4: [(32, 4), (64, 8)],
+              8: [(16, 4)]}
+GEMV_SPLITS = (1, 2, 4, 8)
+# Tensor-core kernel (BN, warps, BR = outlier slots per iteration) per activation-row tile BM:
+# a program dequantises its weight tile once per K step and multiplies it with all BM rows
+# (one tl.dot), so a batch of M rows re-dequantises each weight ⌈M/BM⌉ times; the grid runs
+# M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
+# once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
+# sm_90 at 2/3/4/5 bits (docs/KERNELS.md, "Triton tiles and the offline compile"); 128-row tiles spill.
+# BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
+# BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
+# only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some
+# variants; BN 32 × 8 warps is clean but issues 10–40 % more per weight).
+MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
+             32: [(32, 4, 4), (64, 8, 4), (128, 8, 4)],
+             64: [(32, 4, 2)]}
+assert tuple(MMA_TILES) == MMA_BMS
+MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
+# Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
+# occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it
+# (measured: 17 of 864 config × target variants, 8–32 B each); with a cap it allocates up
+# to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
+# 3-bit GEMV (three word planes, prefetched) and the tensor-core kernel (accumulator, group
+# partial, B tile) take what they need (≤ 255). ``Config(maxnreg=)`` and the launch option
+# are feature-detected (``MAXNREG_OK``; Triton 3.0.0, the gpu extra's floor, has both): a
+# Triton without them gets no caps, and ptxas chooses (a few bytes of spills, see above).
+GEMV_MAXNREG = {2: 128, 3: 255, 4: 128, 5: 128}
+MMA_MAXNREG = {2: 255, 3: 255, 4: 255, 5: 255}
+MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
+# Software-pipeline stages per kernel: the tensor-core kernel's K loop prefetches its next
+# word tiles through shared memory at 2 stages, which the offline compile report shows
+# spill-free on sm_80/86/90 for every tile (tools/triton_compile.py; smem ≤ 43 KB); the SIMT
+# kernel prefetches by hand in registers and keeps 1.
+STAGES = {"gemv": 1, "mma": 2}
+# Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
+# rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
+# never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).
+SPLITK_BM = 16
+SPLITK_MAX_N = 16384
+# Autotuning is per M bucket (next power of two of M, capped): batch 1 and batch 64 of one
+# layer tune separately; every M above the cap shares the last bucket.
+M_BUCKET_CAP = 256
+
+
+def m_bucket(m: int) -> int:
+    return min(_next_pow2(m), M_BUCKET_CAP)
+
+
+def gemv_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
+    return [dict(BN=bn, SPLIT=sp, num_warps=nw, maxnreg=GEMV_MAXNREG[bits]) for b, tiles in GEMV_TILES.items()
+            if bm in (None, b) for bn, nw in tiles for sp in GEMV_SPLITS]
+
+
+def mma_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
+    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw, maxnreg=MMA_MAXNREG[bits]) for b, tiles in MMA_TILES.items()
+            if bm in (None, b) for bn, nw, br in tiles for sp in MMA_SPLITS[b]]
+
+
+
+def configs_for(kernel: str, bm: int | None = None, bits: int = 4) -> list[dict]:
+    return (gemv_configs if kernel == "gemv" else mma_configs)(bm, bits)
+
+
+def max_split(n_pad: int, ksteps: int) -> int:
+    """Most K splits a layer may use: one per K step, none above ``SPLITK_MAX_N`` rows."""
+    return max(1, ksteps) if n_pad <= SPLITK_MAX_N else 1
+
+
+def candidates(kernel: str, bits: int, bm: int, n_pad: int, ksteps: int, can_split: bool) -> list[dict]:
+    """The configs a launch of this shape may take (the autotuner's pruning, and the table's
+    and :func:`rule`'s choices): the row tile's tiles, SPLIT ≤ the K steps, and SPLIT = 1
+    unless M is one tile that may split (``can_split``)."""
+    top = max_split(n_pad, ksteps) if can_split else 1
+    return [c for c in configs_for(kernel, bm, bits) if c["SPLIT"] <= top]
+
+
+def rule(cands: list[dict], n_pad: int, m_tiles: int, sms: int) -> dict:
+    """Deterministic choice for a shape the table lacks: the fewest K splits that give every
+    SM two programs, then the widest row tile (activations re-read least), then the fewest
+    warps; if no candidate fills the GPU, the one with the most programs (fewest splits on a tie)."""
+    def programs(c):
+        return m_tiles * triton.cdiv(n_pad, c["BN"]) * c["SPLIT"]
+
+    full = [c for c in cands if programs(c) >= 2 * sms]
+    if full:
+        return min(full, key=lambda c: (c["SPLIT"], -c["BN"], c["num_warps"]))
+    return max(cands, key=lambda c: (programs(c), -c["SPLIT"], -c["num_warps"]))
+
+
+def family(capability: tuple[int, int]) -> str:
+    """The table's GPU family of a compute capability (newer parts use the newest family)."""
+    major, minor = capability
+    if major < 8:
+        raise ValueError(f"latq Triton kernels need compute capability ≥ 8.0 (got {major}.{minor})")
+    if major >= 9:
+        return "sm_90"
+    return {0: "sm_80", 9: "sm_89"}.get(minor, "sm_86")
+
+
+def shape_class(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int) -> str:
+    def cls(v):
+        return min(max(_next_pow2(v), CLASS_MIN), CLASS_MAX)
+    return f"{kernel}/b{bits}/bm{bm}/n{cls(n_pad)}/k{cls(k_pad)}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())["families"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"latq launch-config table {path}: unreadable ({e}); expected {{'families': "
+                         "{family: {shape class: config}}}") from e
+
+
+@functools.lru_cache(maxsize=None)
+def _table(override: str | None) -> dict:
+    table = {f: dict(v) for f, v in _read(TABLE_FILE).items()}
+    if override and Path(override).exists():
+        for f, v in _read(Path(override)).items():
+            table.setdefault(f, {}).update(v)
+    return table
+
+
+def table() -> dict:
+    """The packaged table with the override file (``LATQ_LAUNCH_CONFIGS``) on top."""
+    return _table(os.environ.get(ENV_TABLE))
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(ENV_AUTOTUNE, "0") == "1"
+
+
+def _strip(c: dict) -> dict:
+    return {k: v for k, v in c.items() if k not in ("maxnreg", "num_stages")}
+
+
+def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int, m_tiles: int,
+           can_split: bool, capability: tuple[int, int], sms: int) -> dict:
+    """The launch config (tile, SPLIT, warps, stages, register cap) of one launch: the table's
+    entry for the family and shape class when it is one of the shape's candidates, else
+    :func:`rule`'s."""
+    cands = candidates(kernel, bits, bm, n_pad, ksteps, can_split)
+    entry = table().get(family(capability), {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
+    if entry is not None:
+        for c in cands:
+            if _strip(c) == _strip(entry):
+                return dict(c, num_stages=entry.get("num_stages", STAGES[kernel]))
+    return dict(rule(cands, n_pad, m_tiles, sms), num_stages=STAGES[kernel])
+
+
+def record(capability: tuple[int, int], key: str, config: dict) -> None:
+    """Write one autotuned choice into the override table (``LATQ_LAUNCH_CONFIGS``), which
+    later processes read instead of tuning again."""
+    path = os.environ.get(ENV_TABLE)
+    if not path:
+        return
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.exists() else {"families": {}}
+    data["families"].setdefault(family(capability), {})[key] = _strip(config) | {
+        "num_stages": config.get("num_stages", 1)}
+    p.write_text(json.dumps(data, indent=1, sort_keys=True))
+    _table.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_info(index: int) -> tuple[tuple[int, int], int]:
+    return torch.cuda.get_device_capability(index), torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_info(device: torch.device) -> tuple[tuple[int, int], int]:
+    """(compute capability, SMs) of ``device``; the interpreter's stand-in for a CPU tensor."""
+    if device.type != "cuda":
+        return INTERPRETER_DEVICE
+    return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())

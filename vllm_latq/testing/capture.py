@@ -1,0 +1,133 @@
+"""vLLM's CUDA-graph start-up order — an eager warm-up at each capture size, then the capture
+— with watchers that record what must not happen inside a capture: a kernel variant (compile
+key) the warm-ups did not launch, an autotuner run, a host read of a tensor (``.item()``,
+``.tolist()``, ``.cpu()``) or a latq scratch buffer allocated. In Triton's interpreter the
+"capture" is patched on (``torch.cuda.is_current_stream_capturing``, and the CPU stands in
+for a CUDA device in :mod:`~vllm_latq.kernels.graphs`); on a GPU the same watchers wrap a
+real ``torch.cuda.graph`` capture."""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+from ..kernels import graphs
+from ..kernels.triton import dequant
+
+SYNCS = ("item", "tolist", "cpu")
+
+
+def _spec(v):
+    """What of an argument Triton's compile key sees: a tensor's dtype and 16-byte alignment,
+    an int's value 1 / divisibility by 16, any other value itself."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", str(v.dtype), v.data_ptr() % 16 == 0)
+    if isinstance(v, bool) or not isinstance(v, int):
+        return repr(v)
+    return ("int", v == 1, v % 16 == 0)
+
+
+def compile_key(name, args, kwargs) -> tuple:
+    """A launch's compile key: the positional (runtime) arguments as Triton specialises them,
+    the keywords (constexprs, launch options) by value."""
+    return name, tuple(_spec(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+
+
+class CaptureWatch:
+    """Records compile keys always and violations while ``capturing`` is on."""
+
+    def __init__(self):
+        self.capturing = False
+        self.keys: set = set()
+        self.violations: list[str] = []
+        self._in_kernel = 0
+
+    def _launched(self, name, args, kwargs):
+        key = compile_key(name, args, kwargs)
+        if self.capturing and key not in self.keys:
+            self.violations.append(f"new compile key in capture: {name} {dict(kwargs)}")
+        self.keys.add(key)
+
+    def _wrap_run(self, cls):
+        watch, orig = self, cls.run
+
+        def run(fn, *args, **kwargs):
+            watch._launched(getattr(fn, "__name__", repr(fn)), args,
+                            {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})
+            watch._in_kernel += 1
+            try:
+                return orig(fn, *args, **kwargs)
+            finally:
+                watch._in_kernel -= 1
+        return mock.patch.object(cls, "run", run)
+
+    def _wrap_sync(self, name):
+        watch, orig = self, getattr(torch.Tensor, name)
+
+        def sync(t, *a, **k):
+            if watch.capturing and not watch._in_kernel:
+                watch.violations.append(f"host sync in capture: Tensor.{name}()")
+            return orig(t, *a, **k)
+        return mock.patch.object(torch.Tensor, name, sync)
+
+    def _wrap_autotune(self):
+        from triton.runtime.autotuner import Autotuner
+        watch, orig = self, Autotuner.run
+
+        def run(tuner, *a, **k):
+            if watch.capturing:
+                watch.violations.append("autotuner ran in capture")
+            return orig(tuner, *a, **k)
+        return mock.patch.object(Autotuner, "run", run)
+
+    def _wrap_alloc(self):
+        watch, orig = self, dequant.Workspace.flat
+
+        def flat(ws, numel, dtype, device):
+            before = dict(ws._bufs)
+            out = orig(ws, numel, dtype, device)
+            if watch.capturing and (set(ws._bufs) != set(before) or any(ws._bufs[k] is not b for k, b in
+                                                                         before.items())):
+                watch.violations.append(f"latq scratch allocated in capture ({dtype}, {numel})")
+            return out
+        return mock.patch.object(dequant.Workspace, "flat", flat)
+
+    @contextlib.contextmanager
+    def installed(self, interpreted: bool):
+        """Watch every launch (the interpreter's or the JIT's), host sync, autotune and scratch
+        allocation; ``interpreted``: also stand the CPU in for a CUDA device being captured."""
+        import triton.runtime.jit as jit
+        with contextlib.ExitStack() as stack:
+            if interpreted:
+                from triton.runtime.interpreter import InterpretedFunction
+                stack.enter_context(self._wrap_run(InterpretedFunction))
+                stack.enter_context(mock.patch.object(graphs, "graph_device", lambda device: True))
+                stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing",
+                                                      lambda: self.capturing))
+            else:
+                stack.enter_context(self._wrap_run(jit.JITFunction))
+            for name in SYNCS:
+                stack.enter_context(self._wrap_sync(name))
+            stack.enter_context(self._wrap_autotune())
+            stack.enter_context(self._wrap_alloc())
+            yield self
+
+    @contextlib.contextmanager
+    def capture(self):
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+
+def warmup_then_capture(watch: CaptureWatch, sizes, run, graph=None) -> None:
+    """vLLM's order: for each capture size (largest first) one eager call, then the capture
+    of the same call. ``run(size, phase)``: the forward at that size (phase "warmup" or
+    "capture", so a caller can draw new routing); ``graph``: on a GPU, a function returning
+    the context that captures a CUDA graph (else the capture is only patched on)."""
+    for size in sorted(sizes, reverse=True):
+        run(size, "warmup")
+        with watch.capture(), (graph() if graph else contextlib.nullcontext()):
+            run(size, "capture")
