@@ -128,3 +128,19 @@ def test_eval_refuses_a_checkpoint_stripped_of_its_quantization_config(tiny_chec
     assert eval_main([str(d), "--nwindows", "1", "--seqlen", "16", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "weights of the model are not in its files" in err and "quantization_config" in err
+
+
+def test_nan_in_a_norm_is_refused(tiny_checkpoints, tmp_path, capsys):
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    _rewrite(d, NORM, lambda t: t.index_fill(0, torch.tensor([3]), float("nan")))
+    _refused(d, capsys, NORM, "NaN/Inf")
+
+
+def test_outliers_in_a_method_that_stores_none_are_refused(tiny_checkpoints, tmp_path, capsys):
+    """An SSQR checkpoint relabelled gptq: its layers carry outliers GPTQ never writes."""
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["method"] = "gptq"
+    cfg["quantization_config"].pop("outlier_rate", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    _refused(d, capsys, "outliers, but method gptq stores none")

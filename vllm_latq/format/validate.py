@@ -71,6 +71,9 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
                               file=file, tensor=module)
         validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
                            decode=decode)
+        if spec.kind == "dense" and spec.method != "ssqr" and t["outlier_col"].numel():
+            raise FormatError(f"{t['outlier_col'].numel()} outliers, but method {spec.method} stores none",
+                              file=file, tensor=f"{module}.outlier_col")
         st = check_budget(t, spec, shape, layer=module, file=file)
         if module in ck_names.experts:  # a fused parameter is covered once each of its per-expert layers is
             p = ck_names.experts[module].param
@@ -99,6 +102,8 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
         if verify_checksums:
             f.verify(name)
+        if len(want.shape) == 1 and not torch.isfinite(f.get(name).float()).all():   # norms, biases: small
+            raise FormatError("has NaN/Inf values", file=file, tensor=name)
         covered.add(ck_names.model_key(name))
     persistent = {n for n in expected if n not in dict(model.named_buffers())}
     missing = sorted(persistent - covered - tied)
