@@ -111,7 +111,9 @@ def peer_compare(W, H, bits: int, group_size: int) -> dict:
 def run_peer(args: list, what: str) -> None:
     """Run bench/peer_llmcompressor.py with ``args`` in llm-compressor's environment (built on first
     use); a failure raises naming ``what`` with the command's last lines."""
-    cmd = [str(peer_llmcompressor.ensure_env(data.cache_dir(), log.info)), str(PEER_SCRIPT), *map(str, args)]
+    # -P: the script's folder (bench/, whose kernels.py transformers would take for the `kernels`
+    # package) stays off the peer environment's import path
+    cmd = [str(peer_llmcompressor.ensure_env(data.cache_dir(), log.info)), "-P", str(PEER_SCRIPT), *map(str, args)]
     peer_llmcompressor.run_checked(cmd, f"llm-compressor on {what}")
 
 
