@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_latq import format as fmt
-from vllm_latq import native
+from vllm_latq import cpu_features, native
 from vllm_latq.kernels.cpu import kernel as cpu, dequant as cpu_dequant, layouts as cpu_layouts
 from vllm_latq.kernels.cpu.kernel import CPUKernel
 from vllm_latq.kernels.weight import LatqWeight, dequantize
@@ -517,7 +517,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"capability {torch.backends.cpu.get_cpu_capability()}, LARGE_M={cpu.large_m()}, "
+          f"capability {cpu_features.capability()}, LARGE_M={cpu.large_m()}, "
           f"load average at start {open('/proc/loadavg').read().split()[0]} (other processes skew timings)")
     results = {}
     if "table" in a.sections:
@@ -553,7 +553,7 @@ def main(argv=None):
             **{k: v for k, v in results.items() if isinstance(k, str)
                and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
-    print(f"HEADLINE cpu={torch.backends.cpu.get_cpu_capability()} gemv_isa={isa or 'none'} "
+    print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 

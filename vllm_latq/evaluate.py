@@ -59,8 +59,8 @@ def load_for_eval(model: str, device: str = "cpu"):
     d = resolve_model(model)
     dtype = hf_model.model_dtype(hf_model.config_dict(d))
     m, loading = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
-    missing = [k for k in loading["missing_keys"] if k not in m._tied_weights_keys] if isinstance(
-        getattr(m, "_tied_weights_keys", None), (list, set, dict)) else list(loading["missing_keys"])
+    tied = getattr(m, "_tied_weights_keys", None) or ()   # a tied head is filled from the embedding
+    missing = [k for k in loading["missing_keys"] if k not in tied]
     if missing:   # transformers would initialise them at random: a perplexity of nothing
         raise ValueError(f"{d}: {len(missing)} weights of the model are not in its files ({missing[:3]}...); a latq "
                          "checkpoint needs its config.json quantization_config")
