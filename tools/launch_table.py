@@ -99,7 +99,7 @@ def build(report: dict) -> dict:
                         n_pad = -(-n // tlay.ROWS) * tlay.ROWS
                         key = cfg.shape_class(kernel, bits, bm, n_pad, tlay.pad_k(k, bits))
                         c = choose(kernel, bits, bm, n, k, fam, report)
-                        entries[key] = {kk: v for kk, v in c.items() if kk != "maxnreg"} | {"num_stages": cfg.STAGES[kernel]}
+                        entries[key] = {kk: v for kk, v in c.items() if kk != "maxnreg"}
         fams[fam] = dict(sorted(entries.items()))
     return {"families": fams}
 

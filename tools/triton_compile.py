@@ -115,7 +115,8 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
                     cap = (tk.MMA_MAXNREG if kernel == "mma" else tk.GEMV_MAXNREG)[bits]
                     tile = dict(BN=t[0], num_warps=t[1], maxnreg=cap, **({"BR": t[2]} if kernel == "mma" else {}))
                     # pipeline stages as served (1 is the compiler's single-buffered default)
-                    stages = {"num_stages": cfg.STAGES[kernel]} if cfg.STAGES[kernel] > 1 else {}
+                    n_st = cfg.stages(kernel, bits, bm, t[0], t[1])
+                    stages = {"num_stages": n_st} if n_st > 1 else {}
                     variants = [(max(splits(bm)), "csr")] if quick else \
                         [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
                     for sp, outl in variants:

@@ -79,11 +79,19 @@ MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 GEMV_MAXNREG = {2: 128, 3: 255, 4: 128, 5: 128}
 MMA_MAXNREG = {2: 255, 3: 255, 4: 255, 5: 255}
 MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
-# Software-pipeline stages per kernel: the tensor-core kernel's K loop prefetches its next
-# word tiles through shared memory at 2 stages, which the offline compile report shows
-# spill-free on sm_80/86/90 for every tile (tools/triton_compile.py; smem ≤ 43 KB); the SIMT
-# kernel prefetches by hand in registers and keeps 1.
-STAGES = {"gemv": 1, "mma": 2}
+# Software-pipeline stages: the tensor-core kernel's K loop prefetches its next word tiles
+# through shared memory at 2 stages (smem ≤ 43 KB); the SIMT kernel prefetches by hand in
+# registers and keeps 1. The 2-bit 32-row tile BN = 32 × 4 warps spills 40–60 B on sm_90 at
+# 2 stages and none at 1, so it stays single-buffered; the offline compile sweep
+# (tools/triton_compile.py, the slow test) checks every tile at the stages it is served with.
+MMA_STAGES = 2
+MMA_SINGLE_STAGE = {(2, 32, 32, 4)}       # (bits, BM, BN, warps)
+
+
+def stages(kernel: str, bits: int, bm: int, bn: int, num_warps: int) -> int:
+    if kernel != "mma" or (bits, bm, bn, num_warps) in MMA_SINGLE_STAGE:
+        return 1
+    return MMA_STAGES
 # Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
 # rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
 # never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).
@@ -99,12 +107,13 @@ def m_bucket(m: int) -> int:
 
 
 def gemv_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, num_warps=nw, maxnreg=GEMV_MAXNREG[bits]) for b, tiles in GEMV_TILES.items()
+    return [dict(BN=bn, SPLIT=sp, num_warps=nw, maxnreg=GEMV_MAXNREG[bits], num_stages=1) for b, tiles in GEMV_TILES.items()
             if bm in (None, b) for bn, nw in tiles for sp in GEMV_SPLITS]
 
 
 def mma_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
-    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw, maxnreg=MMA_MAXNREG[bits]) for b, tiles in MMA_TILES.items()
+    return [dict(BN=bn, SPLIT=sp, BR=br, num_warps=nw, maxnreg=MMA_MAXNREG[bits],
+                 num_stages=stages("mma", bits, b, bn, nw)) for b, tiles in MMA_TILES.items()
             if bm in (None, b) for bn, nw, br in tiles for sp in MMA_SPLITS[b]]
 
 
@@ -189,14 +198,15 @@ def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int,
            can_split: bool, capability: tuple[int, int], sms: int) -> dict:
     """The launch config (tile, SPLIT, warps, stages, register cap) of one launch: the table's
     entry for the family and shape class when it is one of the shape's candidates, else
-    :func:`rule`'s."""
+    :func:`rule`'s. Stages and register cap are always the candidate's (the ones the offline
+    compile checked), whatever a table says."""
     cands = candidates(kernel, bits, bm, n_pad, ksteps, can_split)
     entry = table().get(family(capability), {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
     if entry is not None:
         for c in cands:
             if _strip(c) == _strip(entry):
-                return dict(c, num_stages=entry.get("num_stages", STAGES[kernel]))
-    return dict(rule(cands, n_pad, m_tiles, sms), num_stages=STAGES[kernel])
+                return dict(c)
+    return dict(rule(cands, n_pad, m_tiles, sms))
 
 
 def record(capability: tuple[int, int], key: str, config: dict) -> None:

@@ -73,7 +73,7 @@ def _prune(kernel, bits):
         can_split = m_tiles == 1 and bm <= SPLITK_BM
         allowed = [{k: v for k, v in c.items() if k != "maxnreg"}
                    for c in cfg.candidates(kernel, bits, bm, arg("N_PAD"), arg("NSTEPS") + arg("TSTEPS"), can_split)]
-        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps) in allowed]
+        keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) in allowed]
         return keep or configs[:1]
     return prune
 
@@ -92,7 +92,7 @@ def tuned(kernel: str, bits: int, bucket: int):
     of tiles)."""
     one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
     cfgs = [c for c in cfg.configs_for(kernel, None, bits) if one_tile or c["SPLIT"] == 1]
-    return triton.autotune([_config(dict(c, num_stages=cfg.STAGES[kernel])) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
+    return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
                            prune_configs_by={"early_config_prune": _prune(kernel, bits)})(_KERNELS[kernel])
 
 
