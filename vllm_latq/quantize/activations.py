@@ -11,6 +11,10 @@ the outputs go to the next block's file; rows are read and written one sequence 
 with positional file I/O, not memory maps, whose pages would count against the process
 until unmapped. Either way the inputs of the next block are on disk after every block,
 named by that block, so ``--resume`` (:mod:`.resume`) restarts from the last finished one.
+
+With several ranks (:mod:`.ranks`) each holds only its own ``rows`` of the sequences; the
+files keep every sequence at its place, each rank writing its rows, so a run stopped with N
+ranks resumes with M.
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ import os
 from pathlib import Path
 
 import torch
+
+from . import ranks
+from .ranks import SINGLE, World
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -55,27 +62,31 @@ def _gib(n: int) -> str:
 
 
 class Activations:
-    """The inputs of decoder block :attr:`block` for every calibration sequence: ``x[j:j+1]``
-    is sequence ``j`` ``[1, seqlen, hidden]`` on the device, ``len(x)`` the sequence count.
-    :meth:`write` stores a block's output for a sequence, :meth:`advance` makes the outputs
-    the next block's inputs."""
+    """The inputs of decoder block :attr:`block` for this rank's calibration sequences
+    (:attr:`rows` of the ``shape[0]`` of the run): ``x[j:j+1]`` is its ``j``-th sequence
+    ``[1, seqlen, hidden]`` on the device, ``len(x)`` its sequence count. :meth:`write` stores
+    a block's output for a sequence, :meth:`advance` makes the outputs the next block's inputs."""
 
     def __init__(self, run_dir: Path, shape: tuple[int, int, int], dtype: torch.dtype, device, block: int,
-                 on_disk: bool):
+                 on_disk: bool, rows: range | None = None, world: World = SINGLE):
         self.run_dir, self.shape, self.dtype, self.device = run_dir, tuple(shape), dtype, torch.device(device)
-        self.block, self.on_disk = block, on_disk
+        self.block, self.on_disk, self.world = block, on_disk, world
+        self.rows = range(self.shape[0]) if rows is None else rows
         self.row_bytes = _nbytes(self.shape[1:], dtype)
-        self.nbytes = self.shape[0] * self.row_bytes
-        self.ram = None if on_disk else torch.empty(self.shape, dtype=dtype, device=self.device)
+        self.nbytes = self.shape[0] * self.row_bytes   # the file: every rank's rows
+        self.ram = None if on_disk else torch.empty((len(self.rows), *self.shape[1:]), dtype=dtype, device=self.device)
         self._out = None   # on disk: the next block's file being written (a file descriptor)
 
     @classmethod
-    def create(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int = -1) -> "Activations":
+    def create(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int = -1,
+               rows: range | None = None, world: World = SINGLE) -> "Activations":
         """Empty activations (the caller writes block ``block + 1``'s inputs: the capture pass
-        writes block 0's), on disk when they exceed ``budget`` bytes (None: :func:`default_budget`)."""
+        writes block 0's) of ``rows`` (default all), on disk when they exceed ``budget`` bytes
+        (None: :func:`default_budget`)."""
         device = torch.device(device)
         budget = default_budget(device) if budget is None else budget
-        acts = cls(run_dir, shape, dtype, device, block, on_disk=_nbytes(shape, dtype) > budget)
+        held = (shape[0] if rows is None else len(rows)) * _nbytes(shape[1:], dtype)
+        acts = cls(run_dir, shape, dtype, device, block, on_disk=held > budget, rows=rows, world=world)
         if acts.on_disk:
             log.info("calibration activations %s (%d x %d x %d %s) exceed the memory budget %s: spilling them to "
                      "%s, read and written one sequence at a time", _gib(acts.nbytes), *acts.shape,
@@ -85,9 +96,10 @@ class Activations:
         return acts
 
     @classmethod
-    def resume(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int) -> "Activations":
-        """The inputs of ``block`` saved by an interrupted run (see :meth:`save`)."""
-        acts = cls.create(run_dir, shape, dtype, device, budget, block)
+    def resume(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int,
+               rows: range | None = None, world: World = SINGLE) -> "Activations":
+        """The inputs of ``block`` saved by an interrupted run (see :meth:`save`), at any world size."""
+        acts = cls.create(run_dir, shape, dtype, device, budget, block, rows, world)
         path = inputs_file(run_dir, block)
         size = path.stat().st_size if path.is_file() else None
         if size != acts.nbytes:
@@ -99,7 +111,7 @@ class Activations:
         return acts
 
     def __len__(self) -> int:
-        return self.shape[0]
+        return len(self.rows)
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         j, stop, step = rows.indices(len(self))
@@ -117,35 +129,51 @@ class Activations:
         if self.ram is not None:
             self.ram[j] = y
             return
-        if self._out is None:
-            self._out = os.open(self._part(self.block + 1), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _write_at(self._out, y, j * self.row_bytes)
+        if self._out is None:   # every rank writes its rows into the one file: none truncates it
+            self._out = os.open(self._part(self.block + 1), os.O_WRONLY | os.O_CREAT, 0o644)
+        _write_at(self._out, y, self._offset(j))
 
     def advance(self) -> None:
         """Every sequence's output is written: they are the inputs of the next block."""
         self.block += 1
         if self.on_disk:
-            if self._out is None:
+            if self._out is None and len(self):
                 raise RuntimeError(f"no outputs were written for block {self.block}")
-            os.close(self._out)
+            if self._out is not None:
+                os.close(self._out)
             self._out = None
-            os.replace(self._part(self.block), inputs_file(self.run_dir, self.block))
+            self._publish()
 
     def save(self) -> None:
         """Make sure the current inputs are in :func:`inputs_file` (on disk they already are)."""
         if self.on_disk:
             return
-        part = self._part(self.block)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(self._part(self.block), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             for j in range(len(self)):
-                _write_at(fd, self.ram[j], j * self.row_bytes)
+                _write_at(fd, self.ram[j], self._offset(j))
         finally:
             os.close(fd)
-        os.replace(part, inputs_file(self.run_dir, self.block))
+        self._publish()
+
+    def _publish(self) -> None:
+        """Once every rank has written its rows: the part file, cut to its size (a stale longer
+        one may have been there), becomes the block's inputs."""
+        ranks.barrier(self.world)
+        if self.world.writes:
+            part = self._part(self.block)
+            part.touch()
+            os.truncate(part, self.nbytes)
+            os.replace(part, inputs_file(self.run_dir, self.block))
+        ranks.barrier(self.world)
+
+    def _offset(self, j: int) -> int:
+        return (self.rows.start + j) * self.row_bytes
 
     def remove_older(self) -> None:
         """Drop the saved inputs of earlier blocks (after the progress record moved past them)."""
+        if not self.world.writes:
+            return
         for p in self.run_dir.glob(FILE_PREFIX + "*.bin"):
             b = p.name[len(FILE_PREFIX):-len(".bin")]
             if b.isdigit() and int(b) < self.block:
@@ -157,7 +185,7 @@ class Activations:
     def _read(self, path: Path, j: int) -> torch.Tensor:
         buf = torch.empty(self.row_bytes, dtype=torch.uint8, device="cpu")  # a file read lands on the host
         with open(path, "rb", buffering=0) as f:
-            f.seek(j * self.row_bytes)
+            f.seek(self._offset(j))
             got = f.readinto(buf.numpy())
         if got != self.row_bytes:
             raise ValueError(f"{path}: truncated at sequence {j}")

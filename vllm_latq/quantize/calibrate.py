@@ -31,6 +31,8 @@ from . import capture
 from .activations import Activations
 from .hessian import CrossCovariance, Hessian, PanelHessian
 from .moe import MoeInputs
+from . import ranks
+from .ranks import World
 
 
 class InputsSeen(Exception):
@@ -163,6 +165,20 @@ class SharedHessians:
             m.remove()
 
 
+def sum_over_ranks(hs: SharedHessians, world: World) -> None:
+    """Every Hessian (and cross term) of ``hs``, accumulated over this rank's sequences, made
+    the sum over every rank's — in the linears' order, the same on every rank."""
+    seen = set()
+    for name in hs.linears:
+        h = hs.of.get(name)
+        if h is None or id(h) in seen:
+            continue
+        seen.add(id(h))
+        ranks.sum_hessian(h, world)
+        if name in hs.cross_of:
+            ranks.sum_hessian(hs.cross_of[name], world)
+
+
 @torch.no_grad()
 def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bool) -> SharedHessians:
     """Run the (unquantized) block on every calibration sequence with Hessian hooks."""
@@ -233,9 +249,10 @@ def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
     inputs, or, resuming, the stream saved with the last finished block (``RunDir.save_block``)."""
     run_dir = acts.run_dir / TARGET_STREAM_DIR
     if acts.block > 0:
-        return Activations.resume(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block)
+        return Activations.resume(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block, acts.rows, acts.world)
     run_dir.mkdir(exist_ok=True)
-    targets = Activations.create(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block - 1)
+    targets = Activations.create(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block - 1, acts.rows,
+                                 acts.world)
     for j in range(len(acts)):
         targets.write(j, acts[j:j + 1][0])
     targets.advance()
@@ -243,7 +260,9 @@ def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
 
 
 def drop_stream(targets: Activations) -> None:
-    shutil.rmtree(targets.run_dir, ignore_errors=True)
+    ranks.barrier(targets.world)
+    if targets.world.writes:
+        shutil.rmtree(targets.run_dir, ignore_errors=True)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 
 from .. import hf_model
 from .activations import Activations
+from .ranks import SINGLE, World
 from .resume import RunDir
 from .source import Source
 
@@ -103,10 +104,12 @@ def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, acts
 
 @torch.no_grad()
 def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, max_memory: int | None,
-                 progress: bool) -> tuple[Activations | None, dict | None]:
+                 progress: bool, rows: range | None = None,
+                 world: World = SINGLE) -> tuple[Activations | None, dict | None]:
     """→ (the inputs of the first block ``run`` has not done, every block's keyword
     arguments); (None, None) without calibration data. The activations are kept in memory
     up to ``max_memory`` bytes (None: :func:`.activations.default_budget`), else on disk.
+    ``rows``: the sequences of ``calib`` this rank forwards (default all).
     Loads the tensors outside the blocks for the capture pass and drops them again."""
     if calib is None:  # an uncalibrated method: no forwards, the embeddings are not read
         return None, None
@@ -116,12 +119,14 @@ def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, m
             if b is not None:
                 m._buffers[k] = b.to(device)
     shape = (len(calib), calib.shape[1], src.config.hidden_size)
+    rows = range(len(calib)) if rows is None else rows
+    mine = calib[rows.start:rows.stop]
     if run.blocks_done == 0:
-        acts = Activations.create(run.path, shape, src.dtype, device, max_memory)
-        kwargs = capture_inputs(src.net, src.layers, calib, acts, progress)
+        acts = Activations.create(run.path, shape, src.dtype, device, max_memory, rows=rows, world=world)
+        kwargs = capture_inputs(src.net, src.layers, mine, acts, progress)
     else:
-        kwargs = capture(src.net, src.layers, calib[:1].to(device), all_kwargs=True)[1]
-        acts = Activations.resume(run.path, shape, src.dtype, device, max_memory, run.blocks_done)
+        kwargs = capture(src.net, src.layers, mine[:1].to(device), all_kwargs=True)[1]
+        acts = Activations.resume(run.path, shape, src.dtype, device, max_memory, run.blocks_done, rows, world)
         log.info("resuming after block %d of %d", run.blocks_done - 1, src.nblocks)
     hf_model.to_meta(src.net)  # embeddings are not needed any more
     if len(kwargs) != src.nblocks:

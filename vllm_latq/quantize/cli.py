@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .. import format as fmt
@@ -41,6 +42,9 @@ def setup_logging(quiet: bool = False) -> None:
         log.addHandler(h)
         log.propagate = False
     log.setLevel(logging.WARNING if quiet else logging.INFO)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # under torchrun: whose line is whose
+        for h in log.handlers:
+            h.setFormatter(logging.Formatter(f"[rank {os.environ.get('RANK', '?')}] %(message)s"))
 
 
 def _rate(s: str) -> float:
@@ -138,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from ..hf_model import UnsupportedModelError
     from .pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+    from .ranks import RankFailed
 
     a = parser().parse_args(argv)
     setup_logging(a.quiet)
@@ -152,6 +157,11 @@ def main(argv=None) -> int:
                                target_correction=a.target_correction, scale_bits=a.scale_bits)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
+    except RankFailed as e:
+        if os.environ.get("RANK", "0") == "0":   # every rank knows; one says it
+            print(f"latq-quantize: {e}; the finished blocks are kept: rerun with --resume (any number of ranks)",
+                  file=sys.stderr)
+        return 1
     except SimulatedInterruption as e:
         print(f"latq-quantize: {e}; rerun with --resume to continue", file=sys.stderr)
         return 3

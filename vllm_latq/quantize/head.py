@@ -12,7 +12,9 @@ from typing import Callable
 import torch
 
 from .. import hf_model
+from . import ranks
 from .calibrate import head_hessian
+from .ranks import SINGLE, World
 from .source import Source
 
 log = logging.getLogger("vllm_latq.quantize")
@@ -45,17 +47,25 @@ def head_plan(src: Source) -> HeadPlan:
 
 @torch.no_grad()
 def quantize_head(src: Source, plan: HeadPlan, inps: torch.Tensor | None, quantize: Callable, device,
-                  progress: bool) -> dict:
+                  progress: bool, world: World = SINGLE) -> dict:
     """Quantize the head with ``quantize(name, W, hessian) -> (result, tensors)`` on the last block's outputs
-    ``inps`` (None: an uncalibrated method) → the head's checkpoint tensors."""
+    ``inps`` (None: an uncalibrated method) → the head's checkpoint tensors. With several ranks
+    the Hessian is summed over them and rank 0 solves (it alone writes; the others get {})."""
     norm = src.net.get_submodule(plan.norm)
     dtype = inps.dtype if inps is not None else torch.float32  # the calibration forwards' dtype
     for n, p in list(norm.named_parameters()):
         hf_model.set_tensor(norm, n, src.weights.get(f"{plan.norm}.{n}").to(device=device, dtype=dtype))
     W = src.weights.get(plan.weight).to(device=device, dtype=torch.float32)
     t0 = time.time()
-    hs = None if inps is None else head_hessian(norm, inps, W.shape[1], device, plan.name, progress)
-    _, t = quantize(plan.name, W, hs)
+    hs = None
+    if inps is not None:
+        with ranks.together(f"{plan.name}: Hessian", world):
+            hs = head_hessian(norm, inps, W.shape[1], device, plan.name, progress)
+        ranks.sum_hessian(hs, world)
+    t = {}
+    with ranks.together(plan.name, world):
+        if world.writes:
+            _, t = quantize(plan.name, W, hs)
     log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", plan.name, plan.weight, plan.norm,
              time.time() - t0)
     hf_model.to_meta(norm)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ranks
 from .hessian import PanelHessian
+from .ranks import SINGLE, World
 
 BLEND, ALL_TOKENS = "blend", "all-tokens"   # the fallbacks recorded per expert
 
@@ -67,27 +69,29 @@ class MoeInputs:
     def num_tokens(self) -> int:
         return sum(len(x) for x in self.hidden)
 
-    def routed_tokens(self) -> list[int]:
-        """Tokens routed to each expert (they sum to tokens × top_k)."""
+    def routed_tokens(self, world: World = SINGLE) -> list[int]:
+        """Tokens routed to each expert (they sum to tokens × top_k), over every rank's."""
         counts = sum(torch.bincount(i.reshape(-1).cpu(), minlength=self.experts.num_experts) for i in self.index)
-        return [int(c) for c in counts[:self.experts.num_experts]]
+        return ranks.sum_counts([int(c) for c in counts[:self.experts.num_experts]], world)
 
-    def _all_inputs(self) -> PanelHessian:
+    def _all_inputs(self, world: World) -> PanelHessian:
         if self._all_inp is None:
             self._all_inp = PanelHessian(self.hidden[0].shape[1], self.hidden[0].device)
             for x in self.hidden:
                 self._all_inp.add(x)
+            ranks.sum_hessian(self._all_inp, world)
         return self._all_inp
 
     @torch.no_grad()
-    def expert_hessians(self, e: int, min_tokens: int, route_all: bool) -> ExpertHessians:
-        """Expert ``e``'s Hessians, before its weights are replaced by quantized ones."""
+    def expert_hessians(self, e: int, min_tokens: int, route_all: bool, world: World = SINGLE) -> ExpertHessians:
+        """Expert ``e``'s Hessians, before its weights are replaced by quantized ones: over
+        every rank's tokens (a collective: every rank calls it for every expert)."""
         if min_tokens < 1:
             raise ValueError(f"moe_min_tokens must be >= 1, got {min_tokens}")
         W = self.experts.gate_up_proj[e]   # [2I, H]
         columns, device = W.shape[1], W.device
         inp, mid = PanelHessian(columns, device), PanelHessian(W.shape[0] // 2, device)
-        tokens = sum(int((i == e).any(-1).sum()) for i in self.index)
+        tokens = ranks.sum_counts([sum(int((i == e).any(-1).sum()) for i in self.index)], world)[0]
         fallback = ALL_TOKENS if route_all else BLEND if tokens < min_tokens else None
         all_mid = PanelHessian(W.shape[0] // 2, device) if fallback else None
         for x, i in zip(self.hidden, self.index):
@@ -101,9 +105,11 @@ class MoeInputs:
             if len(act):
                 inp.add(x[routed])
                 mid.add(act)
+        for h in (inp, mid) + ((all_mid,) if fallback else ()):
+            ranks.sum_hessian(h, world)
         if fallback == ALL_TOKENS:
-            return ExpertHessians(self._all_inputs(), all_mid, tokens, fallback)
+            return ExpertHessians(self._all_inputs(world), all_mid, tokens, fallback)
         if fallback == BLEND:
-            return ExpertHessians(blend(inp, self._all_inputs(), min_tokens), blend(mid, all_mid, min_tokens), tokens,
-                                  fallback)
+            return ExpertHessians(blend(inp, self._all_inputs(world), min_tokens), blend(mid, all_mid, min_tokens),
+                                  tokens, fallback)
         return ExpertHessians(inp, mid, tokens, None)

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -46,7 +47,8 @@ from ..format import writer
 from .. import data
 from .. import format as fmt
 from ..algorithms import lattice
-from .calibrate import block_hessians, drop_stream, full_precision_stream, target_corrected_stages
+from . import ranks
+from .calibrate import block_hessians, drop_stream, full_precision_stream, sum_over_ranks, target_corrected_stages
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
 from .finalize import finalize
@@ -62,6 +64,7 @@ log = logging.getLogger("vllm_latq.quantize")
 UNCALIBRATED = ("rtn", "hrtn")  # solvers that ignore H
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
+FAULT_ENV = "LATQ_FAULT"  # testing: "RANK:LAYER_SUBSTRING:raise|kill" fails that rank at that layer's solve
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # The column orders offered: the format's, without "reverse" — the solvers' frame-literal flip
 # of "natural" that states the GPTQ ≡ Babai identity (gptq(order="reverse") ≡ babai(order=
@@ -250,27 +253,55 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     (default: :func:`.solve.solve`). ``on_layer(name, W, H, result)`` is called for every
     quantized linear (tests), ``on_block(i, seconds)`` once block i is persisted (benches).
     ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is persisted
-    (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``."""
+    (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``.
+
+    Started by ``torchrun`` with several ranks (:mod:`.ranks`), every rank runs this with the
+    same arguments: each forwards its share of the calibration sequences, the statistics are
+    summed over ranks, each solve runs on one rank and is shared, rank 0 writes."""
+    opts, out = opts or QuantizeOptions(), Path(out)
+    world = ranks.init(opts.device)
+    try:
+        ranks.check_same_command({"model": str(model), "out": str(out.absolute()), "options": dataclasses.asdict(opts),
+                                  "resume": resume, "overwrite": overwrite, "validate": validate}, world)
+        return _quantize(model, out, opts, solve or solving.solve, resume, overwrite, progress and world.writes,
+                         on_layer, stop_after_block, on_block, validate, world)
+    except Exception as e:
+        lost = ranks.lost_rank(e) if world.distributed else None
+        if lost is not None:
+            raise lost from e
+        raise
+    finally:
+        ranks.shutdown(world)
+
+
+def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: bool, overwrite: bool, progress: bool,
+              on_layer, stop_after_block, on_block, validate: bool, world: ranks.World) -> Path:
     from tqdm.auto import tqdm
 
     t_start = time.time()
     _return_freed_memory()
-    opts, solve, out = opts or QuantizeOptions(), solve or solving.solve, Path(out)
     if stop_after_block is None and os.environ.get(STOP_ENV):
         stop_after_block = int(os.environ[STOP_ENV])
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
+    if opts.calibrated and opts.nsamples < world.size:
+        raise ValueError(f"nsamples ({opts.nsamples}) is below the number of ranks ({world.size}): each rank "
+                         "forwards at least one calibration sequence")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
     head = head_plan(src) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
-    check_output(out, src.path, overwrite)
-    with run_directory(out, _fingerprint(src, opts), resume) as run:
+    with ranks.together("checking the output directory", world):
+        if world.writes:
+            check_output(out, src.path, overwrite)
+    with run_directory(out, _fingerprint(src, opts), resume, world) as run:
         device = torch.device(opts.device)
-        acts, kwargs = block_inputs(src, _calibration_text(src, opts), run, device, opts.max_activation_memory, progress)
+        calib = _calibration_text(src, opts)
+        acts, kwargs = block_inputs(src, calib, run, device, opts.max_activation_memory, progress,
+                                    ranks.own_rows(len(calib), world) if calib is not None else None, world)
         targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
-        per_layer = dict(method=opts.method, solve=solve, stats=run.stats, on_layer=on_layer)
+        per_layer = dict(method=opts.method, solve=_with_fault(solve, world), stats=run.stats, on_layer=on_layer)
         quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
 
         bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
@@ -287,14 +318,19 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 shard = {}
                 for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
                                                                      progress):
+                    sum_over_ranks(hessians, world)
                     quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
                                                                          hessians.cross_of.items()}, opts.damp)
                     shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
-                                                     device, progress, opts.moe_min_tokens, opts.moe_route_all,
-                                                     experts=last))
+                                                     device, progress, run.stats, opts.moe_min_tokens,
+                                                     opts.moe_route_all, experts=last, world=world))
                 t1 = t0
             else:
-                hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress) if opts.calibrated else None
+                hessians = None
+                if opts.calibrated:
+                    with ranks.together(f"block {i}: Hessians", world):
+                        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress)
+                    sum_over_ranks(hessians, world)
                 t1 = time.time()
                 if opts.column_scales != "none":
                     folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
@@ -302,12 +338,13 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                                          stored=src.weights.get)
                 quantize_block = quantize if folding is None else folding.wrap(quantize)
                 shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                            device, progress, opts.moe_min_tokens, opts.moe_route_all,
-                                            write_back=opts.calibrated)
+                                            device, progress, run.stats, opts.moe_min_tokens, opts.moe_route_all,
+                                            write_back=opts.calibrated, world=world)
             hessians = None
             t2 = time.time()
             if opts.calibrated:
-                block_outputs(layer, acts, kw, f"block {i}", progress)
+                with ranks.together(f"block {i}: outputs", world):
+                    block_outputs(layer, acts, kw, f"block {i}", progress)
             log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
                      t2 - t1, time.time() - t2)
             shard.update(src.kept_block_tensors(i, linears))
@@ -326,13 +363,33 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             if head is not None:
                 log.info("target correction: the output head is solved against its own weight")
         head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
-            solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress)
+            solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress,
+            world)
         del acts
         qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
-        tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
-        log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs", out, tot["layers"],
-                 tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start)
+        with ranks.together("writing the checkpoint", world):
+            if world.writes:
+                tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
+                log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs%s", out, tot["layers"],
+                         tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start,
+                         f" ({world.size} ranks)" if world.distributed else "")
     return out
+
+
+def _with_fault(solve: Solve, world: ranks.World) -> Solve:
+    """``solve``, failing as ``$LATQ_FAULT`` asks (tests of what the other ranks do then)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return solve
+    rank, where, how = spec.split(":")
+
+    def faulty(method, W, H, name, **kw):
+        if int(rank) == world.rank and where in name:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"fault injected by ${FAULT_ENV}")
+        return solve(method, W, H, name, **kw)
+    return faulty
 
 
 def _return_freed_memory() -> None:

@@ -12,16 +12,17 @@ import hashlib
 import json
 import logging
 import shutil
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format import safetensors_file
 from ..format import writer
 from .. import format as fmt
-from . import activations
+from . import activations, ranks
 from .activations import Activations
 from .output import OWNER_FILE, exclusive, record_owner
+from .ranks import SINGLE, World
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -47,6 +48,7 @@ class RunDir:
     fingerprint: str
     blocks_done: int = 0
     stats: list = field(default_factory=list)   # per-layer records of the blocks done
+    world: World = SINGLE
 
     @classmethod
     def open(cls, out: Path, fp: str, resume: bool) -> "RunDir":
@@ -74,19 +76,35 @@ class RunDir:
             return cls(tmp, fp)
         return cls(tmp, fp, state["blocks_done"], state["stats"])
 
+    @classmethod
+    def attach(cls, out: Path, fp: str, world: World) -> "RunDir":
+        """The run directory rank 0 has just opened (:meth:`open`), seen from another rank."""
+        tmp = out.with_name(out.name + TMP_SUFFIX)
+        progress = tmp / PROGRESS_FILE
+        state = json.loads(progress.read_text()) if progress.exists() else None
+        if state is not None and state.get("fingerprint") != fp:
+            raise ValueError(f"{tmp}: rank {world.rank} computes another fingerprint than rank 0 (a different "
+                             "source or options on this node)")
+        if state is None:
+            return cls(tmp, fp, world=world)
+        return cls(tmp, fp, state["blocks_done"], state["stats"], world)
+
     def save_block(self, i: int, shard_name: str, shard: dict, *streams: Activations | None) -> None:
         """Persist block ``i``: its shard, the next block's inputs in each of ``streams`` (the
         calibration activations; target correction's full-precision ones; None: an
         uncalibrated run has none), the progress record; then drop the inputs saved for block ``i``."""
         streams = [s for s in streams if s is not None]
-        safetensors_file.write_safetensors(self.path / shard_name, shard)
+        if self.world.writes:
+            safetensors_file.write_safetensors(self.path / shard_name, shard)
         for s in streams:
             if s.block != i + 1:
                 raise RuntimeError(f"block {i} is saved with the inputs of block {s.block} ({s.run_dir})")
-            s.save()
+            s.save()   # every rank's rows: they meet there
         self.blocks_done = i + 1
-        writer.write_json(self.path / PROGRESS_FILE, {"fingerprint": self.fingerprint, "blocks_done": i + 1,
-                                                    "stats": self.stats})
+        if self.world.writes:
+            writer.write_json(self.path / PROGRESS_FILE, {"fingerprint": self.fingerprint, "blocks_done": i + 1,
+                                                        "stats": self.stats})
+        ranks.barrier(self.world)   # no rank reads the older inputs any more
         for s in streams:
             s.remove_older()
 
@@ -98,12 +116,24 @@ class RunDir:
 
 
 @contextmanager
-def run_directory(out: Path, fp: str, resume: bool):
+def run_directory(out: Path, fp: str, resume: bool, world: World = SINGLE):
     """:meth:`RunDir.open` under ``out``'s lock, held until the body (the run) ends. A run that
-    ends before its first block is saved leaves nothing behind: a resume could use none of it."""
-    with exclusive(out, out.with_name(out.name + TMP_SUFFIX)):
-        run = RunDir.open(out, fp, resume)
-        record_owner(run.path)
+    ends before its first block is saved leaves nothing behind: a resume could use none of it.
+    With several ranks rank 0 opens and locks it; the others attach once it has."""
+    if not world.writes:
+        ranks.agree_or_raise(None, "opening the run directory", world)
+        yield RunDir.attach(out, fp, world)
+        return
+    with ExitStack() as held:
+        error = None
+        try:
+            held.enter_context(exclusive(out, out.with_name(out.name + TMP_SUFFIX)))
+            run = RunDir.open(out, fp, resume)
+            run.world = world
+            record_owner(run.path)
+        except Exception as e:   # noqa: BLE001  (every rank raises it)
+            error = e
+        ranks.agree_or_raise(error, "opening the run directory", world)
         try:
             yield run
         except BaseException:

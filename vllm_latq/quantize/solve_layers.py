@@ -22,6 +22,8 @@ from .moe import MoeInputs
 from ..algorithms.result import QuantResult
 from ..algorithms.solvers import babai, gptq, rtn
 from .source import Source
+from . import ranks
+from .ranks import SINGLE, World
 from ..algorithms.ssqr import ssqr
 
 log = logging.getLogger("vllm_latq.quantize")
@@ -84,66 +86,132 @@ def _exact(W: torch.Tensor, device, calibrated: bool) -> torch.Tensor:
     return W.to(device=device, dtype=torch.float32 if calibrated else W.dtype)
 
 
+def _owners(linears: dict, world: World) -> dict[str, int]:
+    """Which rank solves each linear: balanced by solve cost; rank 0 alone without ranks."""
+    if not world.distributed:
+        return {n: 0 for n in linears}
+    costs = {n: ranks.solve_cost(*m.weight.shape) for n, m in linears.items()}
+    return {n: r for n, r in sorted(ranks.assign_by_cost(costs, world).items(), key=lambda kv: list(linears).index(kv[0]))}
+
+
+def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: World, **kw):
+    """``quantize`` on this rank → (result, tensors, the stats records it appended, taken
+    out of ``stats``: they are put back in the linears' order once every rank's are shared)."""
+    n0 = len(stats)
+    try:
+        res, t = quantize(name, W, hessian, **kw)
+    except Exception as e:
+        if not world.distributed:
+            raise
+        raise RuntimeError(f"layer {name}: {type(e).__name__}: {e}") from e
+    records = stats[n0:]
+    del stats[n0:]
+    return res, t, records
+
+
 @torch.no_grad()
 def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
-                progress: bool, moe_min_tokens: int = 128, moe_route_all: bool = False,
-                experts: bool = True, write_back: bool = True) -> dict[str, torch.Tensor]:
+                progress: bool, stats: list, moe_min_tokens: int = 128, moe_route_all: bool = False,
+                experts: bool = True, write_back: bool = True, world: World = SINGLE) -> dict[str, torch.Tensor]:
     """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
     exact source weight (fp32 when calibrated, even when the forwards run in a narrower dtype), then its experts
     (:func:`solve_experts`; ``experts=False``: not yet), and put the dequantized weights into the
     block, so its outputs are the quantized block's (``write_back=False``: no forwards follow, the
     block stays unloaded) → the block's quantized tensors, by name. Each Hessian is released as
-    soon as the last linear sharing it is solved."""
+    soon as the last linear sharing it is solved. With several ranks each linear is solved on
+    one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in order."""
     from tqdm.auto import tqdm
+    owner = _owners(linears, world)
+    mine: dict[str, tuple] = {}
+    last_user = {id(hessians.of[n]): n for n in linears if owner[n] == world.rank} if hessians is not None else {}
+    if hessians is not None:   # the Hessians only other ranks use
+        for name in linears:
+            if name in hessians.of and id(hessians.of[name]) not in last_user:
+                hessians.release(name)
+    with ranks.together(f"block {i}", world):
+        for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
+            if owner[name] != world.rank:
+                continue
+            W = _exact(src.weights.get(src.on_disk(f"{name}.weight")), device, hessians is not None)
+            res, t, records = _solve_here(quantize, src.names.module(name), W,
+                                          hessians.of[name] if hessians is not None else None, stats, world)
+            q = res.q.to(device=device, dtype=src.dtype) if write_back else None
+            if q is not None:
+                hf_model.set_tensor(src.net, f"{name}.weight", q)
+            mine[name] = (q.cpu() if q is not None and world.distributed else None, t, records)
+            if hessians is not None and last_user[id(hessians.of[name])] == name:
+                hessians.release(name)
+            del W, res, t, q   # else up_proj's fp32 weight and solution (~0.7 GiB at 8B) live through down_proj's solve
     shard: dict[str, torch.Tensor] = {}
-    last_user = {id(hessians.of[n]): n for n in linears} if hessians is not None else {}
-    for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
-        W = _exact(src.weights.get(src.on_disk(f"{name}.weight")), device, hessians is not None)
-        res, t = quantize(src.names.module(name), W, hessians.of[name] if hessians is not None else None)
+    for name, (q, t, records) in ranks.share(mine, owner, world).items():
+        if owner[name] != world.rank and q is not None:
+            hf_model.set_tensor(src.net, f"{name}.weight", q.to(device))
         shard.update(t)
-        if write_back:
-            hf_model.set_tensor(src.net, f"{name}.weight", res.q.to(device=device, dtype=src.dtype))
-        if hessians is not None and last_user[id(hessians.of[name])] == name:
-            hessians.release(name)
-        del W, res, t   # else up_proj's fp32 weight and solution (~0.7 GiB at 8B) live through down_proj's solve
+        stats.extend(records)
     for module, parts in (src.block_experts(i) if experts else {}).items():
         inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
         shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,
-                                   progress, write_back))
+                                   progress, stats, write_back, world))
     return shard
 
 
 @torch.no_grad()
 def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLinear], inputs: MoeInputs | None,
-                  quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool,
-                  write_back: bool = True) -> dict:
-    """Quantize the experts of experts module ``module`` one at a time: expert e's Hessians
+                  quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool, stats: list,
+                  write_back: bool = True, world: World = SINGLE) -> dict:
+    """Quantize the experts of experts module ``module``: expert e's Hessians
     (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
     each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
-    source weight, its dequantized weight written into its slice of the fused parameter."""
+    source weight, its dequantized weight written into its slice of the fused parameter. Experts
+    go in rounds of one per rank: the round's Hessians summed over every rank's tokens, each
+    rank solving one expert, the results shared."""
     from tqdm.auto import tqdm
     role = lambda x: hf_model.EXPERT_PARAMS.index(x.param.rpartition(".")[2])  # noqa: E731  (0: gate/up, 1: down)
     num_experts = src.net.get_submodule(module).gate_up_proj.shape[0]
     if inputs is not None:
-        counts = inputs.routed_tokens()
+        counts = inputs.routed_tokens(world)
         starved = [e for e, n in enumerate(counts) if n < min_tokens]
-        log.info("%s: %d tokens × top-%d routed, per expert %d..%d; %s", module, inputs.num_tokens,
-                 sum(counts) // max(inputs.num_tokens, 1), min(counts), max(counts),
+        tokens = ranks.sum_counts([inputs.num_tokens], world)[0]
+        log.info("%s: %d tokens × top-%d routed, per expert %d..%d; %s", module, tokens,
+                 sum(counts) // max(tokens, 1), min(counts), max(counts),
                  "every token through every expert (route_all)" if route_all else
                  f"{len(starved)} experts below {min_tokens} tokens blended with all tokens: {starved}")
     order = sorted(parts.items(), key=lambda kv: (kv[1].expert, role(kv[1]), kv[1].rows.start))
     shard: dict[str, torch.Tensor] = {}
-    for e in tqdm(range(num_experts), desc=f"{module}: experts", unit="expert", disable=not progress, leave=False):
-        hs = inputs.expert_hessians(e, min_tokens, route_all) if inputs is not None else None
-        for name, x in (kv for kv in order if kv[1].expert == e):
-            W = _exact(src.expert_weight(name), device, inputs is not None)
-            extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
-                                                      "moe_fallback": hs.fallback}
-            res, t = quantize(name, W, None if hs is None else (hs.inp, hs.mid)[role(x)], extra=extra)
-            shard.update(t)
-            if write_back:
-                src.net.get_parameter(x.param).data[x.expert, x.rows] = res.q.to(device=device, dtype=src.dtype)
-            del W, res, t
+    bar = tqdm(total=num_experts, desc=f"{module}: experts", unit="expert", disable=not progress, leave=False)
+    for first in range(0, num_experts, world.size):
+        owner = {e: e - first for e in range(first, min(first + world.size, num_experts))}
+        hessians = {}
+        for e in owner:   # collective: every rank sums every expert's Hessians of the round
+            hs = inputs.expert_hessians(e, min_tokens, route_all, world) if inputs is not None else None
+            if owner[e] == world.rank:
+                hessians[e] = hs
+        mine = {}
+        with ranks.together(f"{module}, experts {first}..{first + len(owner) - 1}", world):
+            for e, hs in hessians.items():
+                solved, records = [], []
+                for name, x in (kv for kv in order if kv[1].expert == e):
+                    W = _exact(src.expert_weight(name), device, inputs is not None)
+                    extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
+                                                              "moe_fallback": hs.fallback}
+                    res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
+                                               stats, world, extra=extra)
+                    q = res.q.to(device=device, dtype=src.dtype) if write_back else None
+                    if q is not None:
+                        src.net.get_parameter(x.param).data[x.expert, x.rows] = q
+                    solved.append((x, q.cpu() if q is not None and world.distributed else None, t))
+                    records += recs
+                    del W, res, t, q
+                mine[e] = (solved, records)
+        hessians = None
+        for e, (solved, records) in ranks.share(mine, owner, world).items():
+            for x, q, t in solved:
+                if owner[e] != world.rank and q is not None:
+                    src.net.get_parameter(x.param).data[x.expert, x.rows] = q.to(device)
+                shard.update(t)
+            stats.extend(records)
+        bar.update(len(owner))
+    bar.close()
     return shard
 
 

@@ -1,0 +1,192 @@
+"""The ranks of a quantization run started by ``torchrun``: where they split and where they meet.
+
+Every collective the pipeline needs is here, on ``torch.distributed`` (gloo on CPU, NCCL on CUDA
+with one GPU per rank by ``LOCAL_RANK``). Without torchrun (``WORLD_SIZE`` unset or 1),
+:func:`init` returns :data:`SINGLE` and every function below does nothing or returns its input:
+the single process runs the code it always ran.
+
+Each rank forwards its own contiguous slice of the calibration sequences (:func:`own_rows`);
+partial statistics are summed in rank order on every rank (:func:`sum_in_rank_order`), so all
+ranks hold the very same bits; each solve runs on one rank (:func:`assign_by_cost`) and its
+result is broadcast from there (:func:`share`). Solves are deterministic given their inputs,
+so which rank runs one does not change it.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+TIMEOUT_ENV = "LATQ_DIST_TIMEOUT"  # seconds a collective waits for a silent rank (default 300)
+
+
+class RankFailed(RuntimeError):
+    """A rank failed; raised on every rank, naming the first failed rank and where."""
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def writes(self) -> bool:
+        """Rank 0 alone writes the checkpoint, the progress record and the log's per-layer lines."""
+        return self.rank == 0
+
+
+SINGLE = World()
+
+
+def init(device: str = "cpu") -> World:
+    """Join the process group torchrun describes in the environment, or :data:`SINGLE`."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return SINGLE
+    import torch.distributed as dist
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return World(dist.get_rank(), dist.get_world_size(), local)
+
+
+def shutdown(world: World) -> None:
+    if world.distributed and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def own_rows(n: int, world: World) -> range:
+    """This rank's contiguous share of ``n`` calibration sequences (sizes differ by at most one)."""
+    return range(world.rank * n // world.size, (world.rank + 1) * n // world.size)
+
+
+def sum_in_rank_order(partial: torch.Tensor, world: World) -> torch.Tensor:
+    """Σ over ranks of each rank's ``partial``, added in rank order (0, 1, …) on every rank:
+    every rank gets the same bits, run after run, at a given world size."""
+    if not world.distributed:
+        return partial
+    total = None
+    for r in range(world.size):
+        part = partial if r == world.rank else torch.empty_like(partial)
+        torch.distributed.broadcast(part, src=r)
+        total = part.clone() if total is None else total.add_(part)
+    return total
+
+
+def sum_counts(counts: list[int], world: World) -> list[int]:
+    if not world.distributed:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64)
+    torch.distributed.all_reduce(t)
+    return [int(c) for c in t]
+
+
+def solve_cost(rows: int, columns: int) -> int:
+    """A solve's cost: the c³ factorisation of H plus the rows·c² error propagation."""
+    return columns * columns * (columns + rows)
+
+
+def assign_by_cost(costs: dict[str, int], world: World) -> dict[str, int]:
+    """Each job → a rank: costliest first to the least loaded rank (ties: the lowest rank).
+    The same on every rank: it depends only on the costs and names."""
+    load = [0] * world.size
+    out = {}
+    for name in sorted(costs, key=lambda n: (-costs[n], n)):
+        r = min(range(world.size), key=lambda k: (load[k], k))
+        out[name] = r
+        load[r] += costs[name]
+    return out
+
+
+def share(results: dict, owner: dict[str, int], world: World) -> dict:
+    """Every job's result on every rank, broadcast by its owner, in the order of ``owner``."""
+    if not world.distributed:
+        return results
+    out = {}
+    for name, r in owner.items():
+        box = [results.get(name) if r == world.rank else None]
+        torch.distributed.broadcast_object_list(box, src=r)
+        out[name] = box[0]
+    return out
+
+
+def check_same_command(options: dict, world: World) -> None:
+    """Refuse, on every rank, a run whose ranks were given different models, outputs or options."""
+    if not world.distributed:
+        return
+    digests = [None] * world.size
+    mine = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
+    torch.distributed.all_gather_object(digests, mine)
+    odd = [r for r, h in enumerate(digests) if h != digests[0]]
+    if odd:
+        raise ValueError(f"ranks {odd} were given a model, output or options that differ from rank 0's: every rank "
+                         "must run the same command")
+
+
+def agree_or_raise(error: BaseException | None, where: str, world: World) -> None:
+    """Meet the other ranks: if any failed, every rank raises one :class:`RankFailed` naming
+    the first failed rank and ``where``, instead of waiting for it in the next collective."""
+    if not world.distributed:
+        if error is not None:
+            raise error
+        return
+    msgs = [None] * world.size
+    torch.distributed.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise RankFailed(f"rank {r} of {world.size} failed at {where}: {m}") from error
+
+
+_step = ["the start"]   # the last step entered (:func:`together`): where a lost rank is reported
+
+
+def lost_rank(error: BaseException) -> RankFailed | None:
+    """A collective's failure because another rank died (gloo: its connection closed; NCCL: a
+    backend error) as a :class:`RankFailed` naming the step; None for any other error."""
+    lost = isinstance(error, torch.distributed.DistError) or (
+        isinstance(error, RuntimeError) and "gloo" in str(error) and "by peer" in str(error))
+    return RankFailed(f"another rank stopped answering (it died or was killed: see its log) during "
+                      f"{_step[0]}: {error}") if lost else None
+
+
+@contextmanager
+def together(where: str, world: World):
+    """Run the body on every rank, then meet: an exception on any rank is raised on all of
+    them (:func:`agree_or_raise`). Single process: the body's exception as it is."""
+    _step[0] = where
+    error = None
+    try:
+        yield
+    except Exception as e:   # noqa: BLE001  (reported to every rank, then raised)
+        if not world.distributed:
+            raise
+        error = e
+    agree_or_raise(error, where, world)
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        torch.distributed.barrier()
+
+
+def sum_hessian(h, world: World) -> None:
+    """Make a :class:`~.hessian.Hessian` accumulated over this rank's rows the one over every
+    rank's: its fp64 sum and row count summed in rank order."""
+    if world.distributed:
+        h.sum = sum_in_rank_order(h.sum, world)
+        h.n = sum_counts([h.n], world)[0]
