@@ -4,6 +4,7 @@
 # in under 10 minutes, and leave their logs in OUTDIR.
 #
 #   bash scripts/gpu_check.sh OUTDIR
+#   bash scripts/gpu_check.sh --list-shards   # the test files and shard expressions, nothing run
 #
 # OUTDIR/env.txt          nvidia-smi, python and package versions, compilers, the cost model's device constants
 # OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml;
@@ -22,6 +23,19 @@
 # LATQ_CPU_NATIVE (0: the CPU halves of the CUDA-vs-CPU tests run the pure-torch paths, the same
 # math, instead of building the C++ ops first, which takes minutes).
 set -uo pipefail
+
+# the GPU tests (test_gpu_capture.py: vLLM's eager warm-up at each capture size, then the real
+# capture) and their shards; tests/test_gpu_check.py checks every GPU test falls in a shard
+test_files=(tests/test_gpu.py tests/test_opcheck.py tests/test_gpu_capture.py)
+shards=()
+for b in 2bit 3bit 4bit 5bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
+nobits="not 2bit and not 3bit and not 4bit and not 5bit"
+shards+=("$nobits and (solver or sweep or mse or quantize)" "$nobits and not (solver or sweep or mse or quantize)")
+if [ "${1:-}" = "--list-shards" ]; then
+  echo "files: ${test_files[*]}"
+  printf 'shard: %s\n' "${shards[@]}"
+  exit 0
+fi
 
 out=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -71,17 +85,13 @@ EOF
 } > "$out/env.txt" 2>&1
 
 # ---------------------------------------------------------------------------- tests (shards)
-shards=()
-for b in 2bit 3bit 4bit 5bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
-nobits="not 2bit and not 3bit and not 4bit and not 5bit"
-shards+=("$nobits and (solver or sweep or mse or quantize)" "$nobits and not (solver or sweep or mse or quantize)")
 per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=300)
 echo "gpu_check: ${#shards[@]} test shards in parallel, limit ${test_s}s" | tee "$out/summary.txt"
 for i in "${!shards[@]}"; do
   (
     cd "$repo" && OMP_NUM_THREADS=2 timeout -k 15 "$test_s" "$py" -m pytest -m gpu \
-      tests/test_gpu.py tests/test_opcheck.py tests/test_gpu_capture.py -k "${shards[$i]}" -q -rfEs --durations=15 --maxfail=100 \
+      "${test_files[@]}" -k "${shards[$i]}" -q -rfEs --durations=15 --maxfail=100 \
       -p no:cacheprovider "${per_test[@]}" --junitxml="$out/junit-$i.xml" > "$out/tests-$i.log" 2>&1
     echo $? > "$out/rc-$i"
   ) &

@@ -193,10 +193,10 @@ def test_reasons_and_choice():
     assert td.large_m_reason(torch.bfloat16) is None and td.large_m_reason(torch.float16) is None
     with pytest.raises(ValueError, match="SIMT"):
         td.apply_large_m(st, activations(20, torch.float32))
-    # TritonKernel.apply's choice (CPU: the A100 model): this 3-bit layer switches at M = 257
+    # TritonKernel.apply's choice (CPU: the A100 model): this 3-bit layer switches at M = 129
     big = TritonKernel.prepare(make_weight(n=1024, k=1024, bits=3, rate=0.0))
     th = td.threshold_for(big, torch.bfloat16, torch.device("cpu"))
-    assert th == tm.large_m_threshold(1024, 1024, 3, 0, torch.bfloat16, None, 128) == 257
+    assert th == tm.large_m_threshold(1024, 1024, 3, 0, torch.bfloat16, None, 128) == 129
     assert not td.use_large_m(big, torch.empty(th - 1, 1024, dtype=torch.bfloat16))
     assert td.use_large_m(big, torch.empty(th, 1024, dtype=torch.bfloat16))
     assert not td.use_large_m(big, torch.empty(th, 1024, dtype=torch.float32))

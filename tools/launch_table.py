@@ -3,15 +3,22 @@ one config per GPU family × shape class of the shapes served most (8B-class pro
 TP 1 and 2), chosen offline so that serving never autotunes.
 
 Per shape class the candidates are the kernel's own (:func:`~vllm_latq.kernels.triton.configs.candidates`,
-the autotuner's pruning); a candidate the offline compile report (:mod:`tools.triton_compile`)
-shows spilling on the family's target is dropped; the rest are ranked by the cost model's
-device constants (:mod:`~vllm_latq.kernels.triton.cost_model`) with the report's registers
-(resident programs per SM → wave quantisation) and K-loop instructions per weight, plus the
-split-K partials' traffic. A candidate the report does not cover is ranked by
-:func:`~vllm_latq.kernels.triton.configs.rule` alone (the serving fallback), behind those it
-covers. ``--compile`` compiles the missing report entries first (minutes per family).
+the autotuner's pruning) that every shape of the class takes (one entry serves them all); a
+candidate the offline compile report (:mod:`tools.triton_compile`) shows spilling on the
+family's target is dropped; the rest are ranked by the cost model's device constants
+(:mod:`~vllm_latq.kernels.triton.cost_model`) with the report's registers (resident programs
+per SM → wave quantisation) and K-loop instructions per weight, plus the split-K partials'
+traffic, summed over the class's shapes. Candidates within ``TIE`` of the fastest are ranked by
+:func:`~vllm_latq.kernels.triton.configs.preference` (the serving rule's order), so the
+order the candidates are listed in never decides.
 
-    python -m tools.launch_table [--compile] [--out PATH]
+The table is built from the report's summary (spills, registers, i/w per tile and target),
+committed beside this file (``launch_report.json``): ``tests/test_launch_table.py`` rebuilds
+the packaged table from it. A report that lacks a candidate is refused (exit 2, the missing
+tiles named) rather than filled in by the rule. ``--compile`` compiles the missing report
+entries first (minutes per family); ``--from-summary`` rebuilds from the committed summary alone.
+
+    python -m tools.launch_table [--compile | --from-summary] [--out PATH]
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
+from pathlib import Path
 
 import triton
 
@@ -31,6 +40,9 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
           (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
 ROW_TILES = {"gemv": (1, 2, 4, 8), "mma": cm.MMA_BMS}
 WARPS_PER_SM = {"sm_80": 64, "sm_86": 48, "sm_89": 48, "sm_90": 64}
+REPORT_FILE = Path(__file__).with_name("launch_report.json")
+REPORT_FIELDS = ("kernel", "bits", "BM", "BN", "num_warps", "BR", "cc")
+TIE = 0.02       # modelled times this close are the model's noise, not a ranking
 
 
 def family_model(fam: str) -> cm.DeviceModel:
@@ -74,34 +86,87 @@ def modelled_time(c: dict, kernel: str, bits: int, bm: int, n: int, k: int, n_pa
     return body * stretch + (2 * c["SPLIT"] * bm * n_pad * 4 if c["SPLIT"] > 1 else 0) / d.hbm_bw
 
 
-def choose(kernel: str, bits: int, bm: int, n: int, k: int, fam: str, report: dict) -> dict:
-    n_pad = -(-n // tlay.ROWS) * tlay.ROWS
-    k_pad = tlay.pad_k(k, bits)
-    ks = tlay.k_steps(bits, k_pad)
-    can_split = bm <= cfg.SPLITK_BM and n_pad <= cfg.SPLITK_MAX_N
-    cands = cfg.candidates(kernel, bits, bm, n_pad, ks["nsteps"] + ks["tsteps"], can_split)
-    cc = int(fam[3:])
-    reps = {id(c): report.get((kernel, bits, bm, c["BN"], c["num_warps"], c.get("BR"), cc)) for c in cands}
-    clean = [c for c in cands if reps[id(c)] is None or reps[id(c)][0] == 0] or cands
-    if all(reps[id(c)] is not None for c in clean):
-        return min(clean, key=lambda c: modelled_time(c, kernel, bits, bm, n, k, n_pad, fam, reps[id(c)]))
-    return cfg.rule(clean, n_pad, 1, cfg.FAMILY_SMS[fam])
+def report_key(kernel: str, bits: int, bm: int, c: dict, fam: str) -> tuple:
+    return kernel, bits, bm, c["BN"], c["num_warps"], c.get("BR"), int(fam[3:])
+
+
+def classes() -> dict[tuple, list[tuple[int, int]]]:
+    """{(kernel, bits, BM, shape class): the SHAPES in it}, in a fixed order."""
+    out: dict = {}
+    for kernel, bms in ROW_TILES.items():
+        for bits in tlay.WIDTHS:
+            for bm in bms:
+                for n, k in SHAPES:
+                    key = cfg.shape_class(kernel, bits, bm, _n_pad(n), tlay.pad_k(k, bits))
+                    out.setdefault((kernel, bits, bm, key), []).append((n, k))
+    return out
+
+
+def _n_pad(n: int) -> int:
+    return -(-n // tlay.ROWS) * tlay.ROWS
+
+
+def shape_candidates(kernel: str, bits: int, bm: int, n: int, k: int) -> list[dict]:
+    ks = tlay.k_steps(bits, tlay.pad_k(k, bits))
+    can_split = bm <= cfg.SPLITK_BM and _n_pad(n) <= cfg.SPLITK_MAX_N
+    return cfg.candidates(kernel, bits, bm, _n_pad(n), ks["nsteps"] + ks["tsteps"], can_split)
+
+
+def class_candidates(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]]) -> list[dict]:
+    """The candidates every shape of a class takes (``configs.choose`` serves an entry only
+    to a shape it is a candidate of)."""
+    per_shape = [shape_candidates(kernel, bits, bm, n, k) for n, k in shapes]
+    return [c for c in per_shape[0] if all(c in other for other in per_shape[1:])]
+
+
+def missing(report: dict) -> list[tuple]:
+    """Report keys some candidate of the table needs and the report lacks."""
+    need = {report_key(kernel, bits, bm, c, fam) for fam in cfg.FAMILY_SMS
+            for (kernel, bits, bm, _), shapes in classes().items()
+            for c in class_candidates(kernel, bits, bm, shapes)}
+    return sorted(need - set(report), key=str)
+
+
+def choose(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: str, report: dict) -> dict:
+    """The class's config: the spill-free candidate of least modelled time summed over its
+    shapes; within ``TIE`` of it, :func:`configs.preference` decides."""
+    cands = class_candidates(kernel, bits, bm, shapes)
+    reps = [report[report_key(kernel, bits, bm, c, fam)] for c in cands]
+    clean = [(c, r) for c, r in zip(cands, reps) if r[0] == 0] or list(zip(cands, reps))
+    times = [sum(modelled_time(c, kernel, bits, bm, n, k, _n_pad(n), fam, r) for n, k in shapes) for c, r in clean]
+    near = [c for (c, _), t in zip(clean, times) if t <= min(times) * (1 + TIE)]
+    return min(near, key=cfg.preference)
 
 
 def build(report: dict) -> dict:
+    """The table from a complete report (:func:`missing` empty, else ValueError naming the gaps)."""
+    gaps = missing(report)
+    if gaps:
+        raise ValueError(f"the compile report lacks {len(gaps)} tile(s) the table's candidates need "
+                         f"({', '.join(map(str, gaps[:6]))}{', …' if len(gaps) > 6 else ''}): run "
+                         "python -m tools.launch_table --compile")
     fams = {}
     for fam in cfg.FAMILY_SMS:
-        entries = {}
-        for kernel, bms in ROW_TILES.items():
-            for bits in tlay.WIDTHS:
-                for bm in bms:
-                    for n, k in SHAPES:
-                        n_pad = -(-n // tlay.ROWS) * tlay.ROWS
-                        key = cfg.shape_class(kernel, bits, bm, n_pad, tlay.pad_k(k, bits))
-                        c = choose(kernel, bits, bm, n, k, fam, report)
-                        entries[key] = {kk: v for kk, v in c.items() if kk != "maxnreg"}
+        entries = {key: {kk: v for kk, v in choose(kernel, bits, bm, shapes, fam, report).items() if kk != "maxnreg"}
+                   for (kernel, bits, bm, key), shapes in classes().items()}
         fams[fam] = dict(sorted(entries.items()))
     return {"families": fams}
+
+
+def dumps_report(report: dict) -> str:
+    """The report's summary as JSON, one tile per line, sorted (the file the table is built from)."""
+    rows = [dict(zip(REPORT_FIELDS, key), spill=s, regs=g, ipw=round(i, 4))
+            for key, (s, g, i) in sorted(report.items(), key=lambda kv: str(kv[0]))]
+    return "[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n"
+
+
+def read_report(path: Path = REPORT_FILE) -> dict:
+    try:
+        rows = json.loads(Path(path).read_text())
+        return {tuple(r[f] for f in REPORT_FIELDS): (r["spill"], r["regs"], r["ipw"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"launch report {path}: unreadable ({e}); expected a JSON list of "
+                         f"{{{', '.join(REPORT_FIELDS)}, spill, regs, ipw}}") from e
 
 
 def dumps(table: dict) -> str:
@@ -111,18 +176,28 @@ def dumps(table: dict) -> str:
     return '{"families": {\n' + ",\n".join(fams) + "}}\n"
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compile", action="store_true", help="compile the report entries the cache lacks first")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--compile", action="store_true", help="compile the report entries the cache lacks first")
+    src.add_argument("--from-summary", action="store_true", help=f"build from the committed {REPORT_FILE.name} alone")
     ap.add_argument("--out", default=str(cfg.TABLE_FILE))
+    ap.add_argument("--report-out", default=str(REPORT_FILE), help="where the report's summary is written")
     a = ap.parse_args(argv)
-    report = load_report(a.compile)
-    table = build(report)
+    try:
+        report = read_report() if a.from_summary else load_report(a.compile)
+        table = build(report)
+    except ValueError as e:
+        print(f"launch_table: {e}", file=sys.stderr)
+        return 2
     with open(a.out, "w") as f:
         f.write(dumps(table))
+    if not a.from_summary:
+        Path(a.report_out).write_text(dumps_report(report))
     n = sum(len(v) for v in table["families"].values())
     print(f"HEADLINE entries={n} families={len(table['families'])} report_configs={len(report)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -135,16 +135,22 @@ def candidates(kernel: str, bits: int, bm: int, n_pad: int, ksteps: int, can_spl
     return [c for c in configs_for(kernel, bm, bits) if c["SPLIT"] <= top]
 
 
+def preference(c: dict) -> tuple:
+    """Order among equally good configs: the fewest K splits (partials written and re-read),
+    then the widest row tile (activations re-read least), then the fewest warps."""
+    return c["SPLIT"], -c["BN"], c["num_warps"]
+
+
 def rule(cands: list[dict], n_pad: int, m_tiles: int, sms: int) -> dict:
-    """Deterministic choice for a shape the table lacks: the fewest K splits that give every
-    SM two programs, then the widest row tile (activations re-read least), then the fewest
-    warps; if no candidate fills the GPU, the one with the most programs (fewest splits on a tie)."""
+    """Deterministic choice for a shape the table lacks: of the candidates that give every SM
+    two programs, the first by :func:`preference`; if none fills the GPU, the one with the
+    most programs (fewest splits on a tie)."""
     def programs(c):
         return m_tiles * triton.cdiv(n_pad, c["BN"]) * c["SPLIT"]
 
     full = [c for c in cands if programs(c) >= 2 * sms]
     if full:
-        return min(full, key=lambda c: (c["SPLIT"], -c["BN"], c["num_warps"]))
+        return min(full, key=preference)
     return max(cands, key=lambda c: (programs(c), -c["SPLIT"], -c["num_warps"]))
 
 

@@ -5,13 +5,13 @@ against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`Dev
 With ``Wq`` the packed bytes (``N·K·b/8`` + scales — fp16 ``2·N·⌈K/g⌉``, coded ``0.75·N·⌈K/g⌉``
 — + ``4·nnz`` compact outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the activations in and out (``e`` = 2
 bytes), ``W16 = e·N·K`` a dense weight, ``BM = mma_bm(M)`` the tensor-core kernel's row
-tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's HBM bandwidth ``BW``, dense
-tensor-core peak ``TC`` and SASS issue rate ``ISSUE`` (SMs × 4 schedulers × 32 lanes ×
-clock)::
+tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's HBM bandwidth ``BW``, *achievable*
+dense tensor-core rate ``TC = η · peak`` and SASS issue rate ``ISSUE`` (SMs × 4 schedulers
+× 32 lanes × clock)::
 
     t_mma(M)   = max( (Wq + X + Y) / BW,                     weights read once (M-fastest grid)
-                      T · (N·K·ipw[b, BM] + (1 + BM)·nnz) / ISSUE,   dequantisation per M tile
-                      2 · BM·T · N·K / TC )                  MMAs on BM-row padded tiles
+                      T · (N·K·ipw[b, BM] + (1 + BM)·nnz) / ISSUE     dequantisation per M tile
+                      + 2 · BM·T · N·K / TC )                then the MMAs on BM-row padded tiles
     t_deq(M)   = (Wq + W16) / BW + max( (W16 + X + Y) / BW, 2·M·N·K / TC )
     t_dense(M) = max( (W16 + X + Y) / BW, 2·M·N·K / TC )    bf16 F.linear
 
@@ -23,15 +23,27 @@ the T programs of one weight tile are launched together and read it from HBM abo
 so ``Wq`` is not multiplied by T even for a layer larger than L2. The threshold is the
 smallest M ≥ 17 from which on ``t_deq < t_mma`` for every larger M (M ≤ 16 is one tile).
 
+**Tensor-core efficiency η** (``DeviceModel.tc_eff``): the fraction of the datasheet bf16
+peak a GEMM reaches in practice — the "maximum achievable matmul FLOPS" of S. Bekman's
+*ML Engineering* (github.com/stas00/ml-engineering, compute/accelerator, MAMF table, bf16,
+cuBLAS through torch 2.6/2.7): A100 SXM 271.2 of 312 TFLOP/s (86.9 %), H100 SXM 794.5 of
+989 (80.3 %). No kernel beats it, so it caps cuBLAS and the MMA kernel alike. The MMA
+kernel's dequantisation and its MMAs are *added*, not overlapped: each warp's ``tl.dot``
+waits for the tile that warp just decoded, and at 168–255 registers a thread (the compile
+report, BM ≥ 32) one or two programs share an SM — one or two warps per scheduler, too few
+to hide one behind the other. Both choices lean
+towards cuBLAS where the model is unsure (the library is the path measured everywhere); the
+switch lands near vLLM's own for AWQ, which dequantises and calls the GEMM from 256 tokens
+(``auto_awq.py``, ``FP16_MATMUL_HEURISTIC_CONDITION``).
+
 Device constants (:func:`device_model`): on CUDA, from ``torch.cuda.get_device_properties``:
 **HBM bandwidth = 2 × memory clock × bus width** (the DDR peak the vendor quotes: A100-80GB
 1593 MHz × 5120 bit = 2.04 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s — so H100 PCIe, H200,
 A10 or L40S each get their own), the SM count (the per-SM tensor-core rate of the family
-× SMs) and the SM clock (issue rate). A property torch does not report (older torch: no
-memory clock) falls back to the family default: A100 (sm_8x) or H100 SXM (sm_9x+). A
-measured copy bandwidth was rejected: it would allocate and time at the first large-M call,
-which can be inside a CUDA graph capture. The model is optimistic for the MMA kernel (full
-tensor-core peak for Triton's tiles), so the switch comes no earlier than it should.
+× SMs) and the SM clock (issue rate); η is the family's. A property torch does not report
+(older torch: no memory clock) falls back to the family default: A100 (sm_8x) or H100 SXM
+(sm_9x+). A measured copy bandwidth was rejected: it would allocate and time at the first
+large-M call, which can be inside a CUDA graph capture.
 """
 from __future__ import annotations
 
@@ -58,14 +70,22 @@ class DeviceModel:
     name: str
     hbm_bw: float          # bytes/s
     l2_bytes: int
-    tc_flops: float        # dense fp16/bf16 tensor-core FLOP/s
+    tc_flops: float        # dense fp16/bf16 tensor-core FLOP/s, the datasheet peak
     issue: float           # SASS lane-instructions/s (SMs × 4 schedulers × 32 lanes × clock)
     sms: int
+    tc_eff: float = 1.0    # achievable fraction of tc_flops (module docstring: η)
+
+    @property
+    def tc_achievable(self) -> float:
+        return self.tc_flops * self.tc_eff
 
 
+# η: MAMF / peak, bf16 (module docstring): A100 SXM 271.2 / 312, H100 SXM 794.5 / 989
+A100_TC_EFF = 271.2 / 312
+H100_TC_EFF = 794.5 / 989
 DEVICES = {
-    "a100": DeviceModel("A100", 2.0e12, 40 * 2**20, 312e12, 108 * 128 * 1.41e9, 108),
-    "h100": DeviceModel("H100", 3.35e12, 50 * 2**20, 990e12, 132 * 128 * 1.98e9, 132),
+    "a100": DeviceModel("A100", 2.0e12, 40 * 2**20, 312e12, 108 * 128 * 1.41e9, 108, A100_TC_EFF),
+    "h100": DeviceModel("H100", 3.35e12, 50 * 2**20, 990e12, 132 * 128 * 1.98e9, 132, H100_TC_EFF),
 }
 # MMA kernel K loop: SASS lane-instructions per weight per program of BM rows (triton_compile
 # "i/w", median over the tile configs of that BM, sm_80; docs/KERNELS.md)
@@ -103,7 +123,7 @@ def device_model(device_props=None) -> DeviceModel:
     issue = sms * 128 * clock_khz * 1e3 if clock_khz else base.issue * sms / base.sms
     l2 = getattr(device_props, "L2_cache_size", 0) or base.l2_bytes
     return DeviceModel(device_props.name, hbm_bandwidth(device_props) or base.hbm_bw, l2,
-                       base.tc_flops * sms / base.sms, issue, sms)
+                       base.tc_flops * sms / base.sms, issue, sms, base.tc_eff)
 
 
 def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128, coded: bool = False) -> int:
@@ -124,8 +144,8 @@ def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype 
     bm = mma_bm(m)
     t = math.ceil(m / bm)
     issue = t * (n * k * (MMA_IPW_CODED if coded else MMA_IPW)[bits, bm] + (1 + bm) * nnz) / d.issue
-    dense = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_flops)
-    return {"mma": max((wq + act) / d.hbm_bw, issue, 2 * bm * t * n * k / d.tc_flops),
+    dense = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_achievable)
+    return {"mma": max((wq + act) / d.hbm_bw, issue + 2 * bm * t * n * k / d.tc_achievable),
             "deq": (wq + w16) / d.hbm_bw + dense, "dense": dense}
 
 
