@@ -1,0 +1,166 @@
+"""Quantization with several ranks (``torchrun -m vllm_latq.quantize``, gloo on CPU): the
+checkpoint at any world size, after a resume at another world size, and what every rank does
+when one fails, dies or was given other options."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_latq import cpu_features
+from vllm_latq.quantize import ranks
+from vllm_latq.testing.tiny_models import make_tiny_model
+
+ARGS = ["--nsamples", "6", "--seqlen", "64", "--no-progress", "-q"]
+
+
+def quantize(src, out, world: int, *extra, env=None, args=ARGS) -> subprocess.CompletedProcess:
+    """``latq-quantize`` as a user runs it: plain for one rank, under torchrun for several."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
+        if world > 1 else [sys.executable]
+    return subprocess.run([*launcher, "-m", "vllm_latq.quantize", str(src), str(out), *args, *extra],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True,
+                          timeout=600)
+
+
+def ok(p: subprocess.CompletedProcess) -> None:
+    assert p.returncode == 0, "\n".join(line for line in p.stderr.splitlines() if "model.layers" not in line)[-6000:]
+
+
+def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.glob("*.safetensors")) + ["latq_stats.json", "config.json"]
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+def agreement(a: Path, b: Path) -> float:
+    """The share of stored quantized values (packed integer words, scales, outliers) that agree."""
+    ta, tb = tensors(a), tensors(b)
+    assert ta.keys() == tb.keys()
+    equal = total = 0
+    for k in ta:
+        if ta[k].dtype in (torch.int32, torch.int16, torch.uint8, torch.int8, torch.float16):
+            equal += int((ta[k] == tb[k]).sum())
+            total += ta[k].numel()
+    return equal / total
+
+
+def perplexity(ckpt: Path) -> float:
+    from vllm_latq.format.checkpoint import load_dequantized_model
+    model = load_dequantized_model(ckpt)
+    ids = torch.arange(2, 66).remainder(model.config.vocab_size)[None]
+    with torch.no_grad():
+        return float(torch.exp(model(ids, labels=ids).loss))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """The tiny Llama quantized by 1, 2 and 3 ranks."""
+    root = tmp_path_factory.mktemp("dist")
+    src = make_tiny_model(root / "src", "llama")
+    for w in (1, 2, 3):
+        ok(quantize(src, root / f"w{w}", w))
+    return src, root
+
+
+def test_same_checkpoint_at_any_world_size(dense):
+    """Every rank's partial Hessians are summed in rank order, so 2 and 3 ranks may differ from
+    one in the last bits of H only: the integers agree (here all of them) and so do the models."""
+    src, root = dense
+    for w in (2, 3):
+        assert agreement(root / "w1", root / f"w{w}") >= 0.9999
+        assert perplexity(root / f"w{w}") == pytest.approx(perplexity(root / "w1"), rel=1e-3)
+        layers = [s["name"] for s in json.loads((root / f"w{w}" / "latq_stats.json").read_text())["layers"]]
+        assert layers == [s["name"] for s in json.loads((root / "w1" / "latq_stats.json").read_text())["layers"]]
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_and_byte_identical_at_one(dense):
+    """Stopped after block 0 with 2 ranks: resumed with 2 it is the uninterrupted 2-rank
+    checkpoint byte for byte; resumed with 3 it agrees with it as any two world sizes do."""
+    src, root = dense
+    for resume_world in (2, 3):
+        out = root / f"resumed{resume_world}"
+        p = quantize(src, out, 2, env={"LATQ_STOP_AFTER_BLOCK": "0"})
+        assert p.returncode != 0 and "simulated interruption after block 0" in p.stderr and not out.exists()
+        saved = out.parent / (out.name + ".tmp-latq") / "latq_activations.1.bin"   # every rank's rows, in place
+        assert saved.stat().st_size == 6 * 64 * 80 * cpu_features.fastest_float(torch.bfloat16).itemsize
+        ok(quantize(src, out, resume_world, "--resume"))
+        if resume_world == 2:
+            assert same_bytes(out, root / "w2")
+        assert agreement(out, root / "w2") >= 0.9999
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_every_rank_and_keeps_the_finished_blocks(dense):
+    src, root = dense
+    out = root / "killed"
+    t0 = time.time()
+    p = quantize(src, out, 2, env={"LATQ_FAULT": "1:layers.1.mlp:kill"})
+    assert p.returncode != 0 and time.time() - t0 < 120
+    assert "another rank stopped answering" in p.stderr and "block 1" in p.stderr
+    run = out.parent / (out.name + ".tmp-latq")
+    assert not out.exists() and json.loads((run / "latq_progress.json").read_text())["blocks_done"] == 1
+    ok(quantize(src, out, 3, "--resume"))
+    assert agreement(out, root / "w1") >= 0.9999
+
+
+def test_options_that_differ_between_ranks_are_refused(tmp_path):
+    """Each rank is given another ``--bits`` (through a launcher that edits its argv): every
+    rank refuses before anything is written."""
+    src = make_tiny_model(tmp_path / "src", "llama", layers=1)
+    launcher = tmp_path / "launch.py"
+    launcher.write_text("import os, sys\nfrom vllm_latq.quantize.cli import main\n"
+                        "sys.exit(main(sys.argv[1:] + ['--bits', str(4 - int(os.environ['RANK']))]))\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(launcher), str(src), str(tmp_path / "out"), *ARGS],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "ranks [1] were given a model, output or options that differ" in p.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-latq").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_rank_names_itself_the_block_and_the_layer(dense):
+    src, root = dense
+    p = quantize(src, root / "raised", 3, env={"LATQ_FAULT": "2:layers.1.:raise"})   # its first solve in block 1
+    assert p.returncode == 1
+    assert "rank 2 of 3 failed at block 1: RuntimeError: layer model.layers.1." in p.stderr
+    assert "fault injected" in p.stderr and p.stderr.count("latq-quantize: rank 2 of 3 failed") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "ssqr"])
+def test_moe_at_any_world_size(tmp_path, method):
+    """Experts go in rounds of one per rank, their Hessians summed over every rank's tokens."""
+    src = make_tiny_model(tmp_path / "src", "mixtral", layers=1)
+    for w in (1, 2, 3):
+        ok(quantize(src, tmp_path / f"w{w}", w, "--method", method))
+    for w in (2, 3):
+        assert agreement(tmp_path / "w1", tmp_path / f"w{w}") >= 0.9999
+    stats = json.loads((tmp_path / "w3" / "latq_stats.json").read_text())["layers"]
+    assert [s["name"] for s in stats] == [s["name"] for s in
+                                          json.loads((tmp_path / "w1" / "latq_stats.json").read_text())["layers"]]
+
+
+def test_rank_arithmetic():
+    """The pieces the ranks agree on without talking: shares of the sequences, owners by cost."""
+    for size in (1, 2, 3, 5):
+        rows = [ranks.own_rows(7, ranks.World(r, size)) for r in range(size)]
+        assert [i for r in rows for i in r] == list(range(7)) and max(map(len, rows)) - min(map(len, rows)) <= 1
+    costs = {"q": 9, "o": 4, "up": 6, "down": 7}
+    owner = ranks.assign_by_cost(costs, ranks.World(0, 2))
+    assert owner == ranks.assign_by_cost(dict(reversed(costs.items())), ranks.World(1, 2))
+    load = [sum(c for n, c in costs.items() if owner[n] == r) for r in range(2)]
+    assert sorted(load) == [13, 13]
+    assert ranks.sum_in_rank_order(torch.ones(3), ranks.SINGLE).tolist() == [1.0, 1.0, 1.0]
