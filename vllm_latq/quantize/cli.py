@@ -12,6 +12,7 @@ examples:
   latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
+  torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
 """
 from __future__ import annotations
 
