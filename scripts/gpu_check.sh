@@ -26,7 +26,7 @@ set -uo pipefail
 
 # the GPU tests (test_gpu_capture.py: vLLM's eager warm-up at each capture size, then the real
 # capture) and their shards; tests/test_gpu_check.py checks every GPU test falls in a shard
-test_files=(tests/test_gpu.py tests/test_opcheck.py tests/test_gpu_capture.py)
+test_files=(tests/test_gpu.py tests/test_opcheck.py tests/test_gpu_capture.py tests/test_distributed.py)
 shards=()
 for b in 2bit 3bit 4bit 5bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
 nobits="not 2bit and not 3bit and not 4bit and not 5bit"

@@ -164,3 +164,18 @@ def test_rank_arithmetic():
     load = [sum(c for n, c in costs.items() if owner[n] == r) for r in range(2)]
     assert sorted(load) == [13, 13]
     assert ranks.sum_in_rank_order(torch.ones(3), ranks.SINGLE).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it on a lent GPU)")
+def test_quantize_on_cuda_ranks_equals_one(tmp_path):
+    """``--device cuda``: one rank per GPU over NCCL (two where two exist), the same code path
+    as gloo; its checkpoint agrees with one rank's."""
+    src = make_tiny_model(tmp_path / "src", "llama")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"word{i} and its neighbour{i * 7 % 13}." for i in range(4000)))
+    args = [*ARGS, "--device", "cuda", "--calib", str(calib)]
+    world = min(2, torch.cuda.device_count())
+    ok(quantize(src, tmp_path / "one", 1, args=args))
+    ok(quantize(src, tmp_path / "ranks", world, args=args))
+    assert agreement(tmp_path / "one", tmp_path / "ranks") >= 0.9999

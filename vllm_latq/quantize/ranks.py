@@ -84,15 +84,22 @@ def sum_in_rank_order(partial: torch.Tensor, world: World) -> torch.Tensor:
         part = partial if r == world.rank else torch.empty_like(partial)
         torch.distributed.broadcast(part, src=r)
         total = part.clone() if total is None else total.add_(part)
-    return total
+    return total.to(partial.device)
 
 
 def sum_counts(counts: list[int], world: World) -> list[int]:
     if not world.distributed:
         return counts
-    t = torch.tensor(counts, dtype=torch.int64)
+    t = torch.tensor(counts, dtype=torch.int64, device=_collective_device())
     torch.distributed.all_reduce(t)
-    return [int(c) for c in t]
+    return [int(c) for c in t.cpu()]
+
+
+def _collective_device() -> torch.device:
+    """NCCL moves only CUDA tensors (this rank's GPU); gloo, host ones."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def solve_cost(rows: int, columns: int) -> int:
