@@ -142,6 +142,9 @@ class LatqMoEMethod(FusedMoEMethodBase):
                 delattr(layer, f"{stem}_{name}")
         del layer._latq_moe_load
         self.vllm_method, why = vllm_moe.choose(weights, self.moe, layer._latq_device, self.prefix)
+        if self.vllm_method is None and selector.forced_kernel() == vllm_moe.NAME:
+            raise ValueError(f"latq: {self.prefix}: {selector.ENV_FORCE}={vllm_moe.NAME}, but vLLM's MoE kernels "
+                             f"cannot serve its experts: {why}")
         if self.vllm_method is not None:
             self.serve_with_vllm(layer, weights, loads)
         else:

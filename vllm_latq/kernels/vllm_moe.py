@@ -39,10 +39,10 @@ REFUSED_BACKENDS = {"EMULATION": "vLLM's only backend is EMULATION (experts dequ
 def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
     """Why the experts ``{(local expert, stem): weight}`` are not one compressed-tensors WNA16
     MoE layer, or None."""
-    for (e, stem), w in sorted(weights.items()):
+    for w in weights.values():
         why = vllm_mp.form_refusal(w)
         if why:
-            return f"expert {e} {stem}: {why}"
+            return f"experts: {why}"
     widths = {w.bits for w in weights.values()}
     if len(widths) > 1:
         return f"experts mix {sorted(widths)}-bit projections (vLLM's MoE kernels take one width per layer)"
@@ -78,7 +78,7 @@ def _policy_refusal(device: torch.device) -> str | None:
 
 def choose(weights: dict[tuple[int, str], LatqWeight], moe_config, device: torch.device, prefix: str):
     """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not)."""
-    why = _policy_refusal(device) or form_refusal(weights)
+    why = form_refusal(weights) or _policy_refusal(device)
     if why:
         return None, why
     try:
