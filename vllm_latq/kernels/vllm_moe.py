@@ -49,13 +49,13 @@ def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
     return None
 
 
-def moe_group(weights: dict[tuple[int, str], LatqWeight]) -> int:
-    """The one group size vLLM is told: -1 (channelwise) when every projection has one scale
-    per row, else the gcd of every projection's group and input size."""
+def moe_groups(weights: dict[tuple[int, str], LatqWeight]) -> list[int]:
+    """The group sizes vLLM may be told, in the order asked: the gcd of every projection's group
+    and input size (one scale per row counting as a group of the whole row); then -1
+    (channelwise), the same numbers, where every projection has one scale per row."""
     groups = [vllm_mp.vllm_group(w) for w in weights.values()]
-    if all(g == -1 for g in groups):
-        return -1
-    return math.gcd(*(w.in_features if g == -1 else g for g, w in zip(groups, weights.values())))
+    g = math.gcd(*(w.in_features if g == -1 else g for g, w in zip(groups, weights.values())))
+    return [g, -1] if all(g == -1 for g in groups) else [g]
 
 
 def quant_args(bits: int, group: int):
@@ -90,11 +90,14 @@ def choose(weights: dict[tuple[int, str], LatqWeight], moe_config, device: torch
     if current_platform.device_type != torch.device(device).type:
         return None, f"layer on {torch.device(device).type}, vLLM's platform is {current_platform.device_type!r}"
     bits = next(iter(weights.values())).bits
-    try:
-        method = CompressedTensorsWNA16MoEMethod(quant_args(bits, moe_group(weights)), None, moe_config,
-                                                 layer_name=prefix)
-    except (ValueError, NotImplementedError, AssertionError) as e:   # vLLM's refusals (an assert for channelwise)
-        return None, f"vLLM has no WNA16 MoE backend: {str(e) or type(e).__name__}"
+    for group in moe_groups(weights):
+        try:
+            method = CompressedTensorsWNA16MoEMethod(quant_args(bits, group), None, moe_config, layer_name=prefix)
+            break
+        except (ValueError, NotImplementedError, AssertionError) as e:   # vLLM's refusals (an assert for channelwise)
+            why = why or f"vLLM has no WNA16 MoE backend for {bits}-bit group {group}: {str(e) or type(e).__name__}"
+    else:
+        return None, why
     backend, experts = method.wna16_backend.value, method.experts_cls.__name__
     if backend in REFUSED_BACKENDS:
         return None, REFUSED_BACKENDS[backend]
