@@ -21,6 +21,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_qua
 from vllm_latq.kernels import selector, vllm_moe, vllm_mp  # noqa: E402
 from vllm_latq.kernels.transcode import transcode  # noqa: E402
 from vllm_latq.kernels.weight import dequantize  # noqa: E402
+from vllm_latq.testing.vllm_experts import fused_moe_config  # noqa: E402
 from vllm_latq.testing.weights import random_weight  # noqa: E402
 
 from .test_vllm_kernels import CCS, cuda_platform  # noqa: E402,F401  (the CUDA platform stub, a fixture)
@@ -29,15 +30,7 @@ E, TOPK = 4, 2
 
 
 def _moe_config(hidden: int, inter: int, device: str = "cuda", dtype=torch.bfloat16):
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
-                                                             RoutingMethodType)
-    par = FusedMoEParallelConfig(tp_size=1, tp_rank=0, pcp_size=1, pcp_rank=0, dp_size=1, dp_rank=0, ep_size=1,
-                                 ep_rank=0, sp_size=1, use_ep=False, all2all_backend="allgather_reducescatter",
-                                 enable_eplb=False)
-    return FusedMoEConfig(num_experts=E, experts_per_token=TOPK, hidden_dim=hidden, intermediate_size=inter,
-                          num_local_experts=E, num_logical_experts=E, activation=MoEActivation.SILU, device=device,
-                          routing_method=RoutingMethodType.Renormalize, moe_parallel_config=par, in_dtype=dtype)
+    return fused_moe_config(E, TOPK, hidden, inter, device, dtype)
 
 
 def _hptq(out: int, cin: int, seed: int, tail: float):
