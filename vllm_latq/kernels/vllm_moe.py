@@ -17,8 +17,11 @@ runs on GPUs. A backend whose ops a build may lack is taken only where they exis
 builds without AMX kernels have no ``fused_experts_cpu``). vLLM's emulation backend (experts
 dequantized to bf16) is refused: latq's own experts stream fewer bytes.
 
-As with the dense family, on CPU this is opt-in (``LATQ_KERNEL=vllm``), and ``LATQ_KERNEL``
-naming a latq kernel keeps latq's experts.
+On CPU this is opt-in (``LATQ_KERNEL=vllm``, as the dense family): vLLM's CPU int4 experts
+quantize the activations to int8 (W4A8), not the W4A16 arithmetic the checkpoint's form
+describes (``bench/cpu_moe.py`` measures their speed beside their error). ``LATQ_KERNEL``
+naming a latq kernel keeps latq's experts; forcing ``vllm`` on a layer vLLM cannot take fails
+at load with the reason.
 """
 from __future__ import annotations
 
