@@ -13,8 +13,12 @@ which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
 ``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
 ranks' partial outputs after the layer).
 
-After loading, each expert's w13 and w2 are prepared by the kernel the selector picks (CPU:
-the latq CPU kernel; CUDA: Triton, or the bf16 fallback with its warning); Triton experts are
+After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
+vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.kernels.vllm_moe`: Marlin
+MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), which repacks and runs them. Otherwise
+each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
+kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
+table; Triton experts are
 then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
 grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
 :func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
@@ -32,7 +36,8 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import format as fmt
-from .kernels import graphs, moe, ops, selector
+from .kernels import graphs, moe, ops, selector, vllm_moe
+from .kernels.weight import LatqWeight
 from .linear_method import Geometry, LoadState, Shard, tensor_names
 
 STEMS = ("w13", "w2")
@@ -59,6 +64,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
     def __init__(self, config, moe_config, report, prefix: str):
         super().__init__(moe_config)
         self.config, self.report, self.prefix = config, report, prefix
+        self.vllm_method = None     # vLLM's WNA16 MoE method, where it serves this layer (kernels/vllm_moe.py)
         activation = moe_config.activation.value
         if activation not in moe.ACTIVATIONS:
             raise NotImplementedError(f"latq: mixture-of-experts layer {prefix}: activation {activation!r} is not "
@@ -70,7 +76,13 @@ class LatqMoEMethod(FusedMoEMethodBase):
         return hidden_size, intermediate_size_per_partition   # latq layers keep their exact shapes
 
     def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
+        if self.vllm_method is not None:
+            return self.vllm_method.get_fused_moe_quant_config(layer)
         return FusedMoEQuantConfig.make()   # weights and scales live in the latq kernels' states
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None) -> torch.Tensor:
+        """vLLM's monolithic experts (they route themselves), where its backend is one."""
+        return self.vllm_method.apply_monolithic(layer, x, router_logits, input_ids)
 
     # ------------------------------------------------------------------ loading
 
@@ -128,31 +140,65 @@ class LatqMoEMethod(FusedMoEMethodBase):
         loads = getattr(layer, "_latq_moe_load", None)
         if loads is None:
             return  # already processed
-        graphs.GRAPH_TOKENS = graph_tokens()
-        device = layer._latq_device
-        experts = []
+        weights = self.loaded_weights(layer, loads)
+        for stem in STEMS:
+            for name in layer._latq_moe_names:
+                delattr(layer, f"{stem}_{name}")
+        del layer._latq_moe_load
+        self.vllm_method, why = vllm_moe.choose(weights, self.moe, layer._latq_device, self.prefix)
+        if self.vllm_method is None and selector.forced_kernel() == vllm_moe.NAME:
+            raise ValueError(f"latq: {self.prefix}: {selector.ENV_FORCE}={vllm_moe.NAME}, but vLLM's MoE kernels "
+                             f"cannot serve its experts: {why}")
+        if self.vllm_method is not None:
+            self.serve_with_vllm(layer, weights, loads)
+        else:
+            self.serve_with_latq(layer, weights, loads, f"{vllm_moe.NAME}: {why}")
+
+    def loaded_weights(self, layer, loads) -> dict[tuple[int, str], LatqWeight]:
+        """(local expert, stem) → its runtime form on the layer's device; every one present."""
+        weights = {}
         for local in range(layer.local_num_experts):
-            pair = []
             for stem in STEMS:
                 st = loads.get((local, stem))
                 if st is None or st.weight is None:
                     what = st.missing() if st is not None else "all tensors"
                     raise ValueError(f"latq checkpoint is missing tensors for {self.prefix}, local expert {local} "
                                      f"{stem}: {what}")
-                w = st.weight.to(device)
+                weights[local, stem] = st.weight.to(layer._latq_device)
+        return weights
+
+    def serve_with_vllm(self, layer, weights, loads) -> None:
+        """vLLM's WNA16 MoE method (``kernels/vllm_moe.py``) repacks and runs the experts."""
+        per_expert = vllm_moe.install(self.vllm_method, layer, weights, layer._latq_act_dtype)
+        self.moe_kernel, self.moe_quant_config = self.vllm_method.moe_kernel, self.vllm_method.moe_quant_config
+        experts_cls = self.vllm_method.experts_cls.__name__
+        for (local, stem), w in weights.items():
+            self.report.add(loads[local, stem].prefix, w, vllm_moe.ServedExpert, (experts_cls, per_expert[stem]),
+                            _stored_bits(loads[local, stem]))
+        log.info("latq: %s: %d experts → %s:%s (%s backend, %.3f bits/weight served)", self.prefix, len(weights) // 2,
+                 vllm_moe.NAME, experts_cls, self.vllm_method.wna16_backend.value,
+                 8 * sum(per_expert.values()) / sum(w.out_features * w.in_features
+                                                    for (e, _), w in weights.items() if e == 0))
+
+    def serve_with_latq(self, layer, weights, loads, vllm_refusal: str) -> None:
+        """latq's kernels per expert (stacked for the grouped kernel where they are Triton's)."""
+        graphs.GRAPH_TOKENS = graph_tokens()
+        device = layer._latq_device
+        experts = []
+        for local in range(layer.local_num_experts):
+            pair = []
+            for stem in STEMS:
+                w, st = weights[local, stem], loads[local, stem]
                 # an expert runs in latq's per-expert/grouped paths: vLLM's dense linears serve no experts
-                kernel = selector.select(w, device, layer._latq_act_dtype, skip=("vllm",))
+                kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype,
+                                                               skip=(vllm_moe.NAME,))
                 state = kernel.prepare(w)
                 kernel.reserve(state, layer._latq_act_dtype)
-                stored_rows = sum(s.rows for s in st.geo.shards.values())
-                stored_bits = 8 * st.stored_bytes / (stored_rows * st.geo.in_features)
-                self.report.add(st.prefix, w, kernel, state, stored_bits)
+                self.report.add(st.prefix, w, kernel, state, _stored_bits(st), [vllm_refusal] + refused)
                 pair.append((kernel, state))
             experts.append(moe.Expert(*pair))
-        for stem in STEMS:
-            for name in layer._latq_moe_names:
-                delattr(layer, f"{stem}_{name}")
-        del layer._latq_moe_load
+        log.info("latq: %s: %d experts → latq's %s kernel; refused by %s", self.prefix, len(experts),
+                 experts[0].w13[0].name, vllm_refusal)
         # stacked for the grouped kernel (captured decode), the experts' states becoming views
         stacked, why = moe.stack_experts(experts)
         if stacked is None and device.type == "cuda":
@@ -169,6 +215,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
     # ------------------------------------------------------------------ forward
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        if self.vllm_method is not None:
+            return self.vllm_method.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
         expert_map = layer.expert_map
         ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]   # global → local (−1: elsewhere)
         activation = layer.activation.value
@@ -178,6 +226,12 @@ class LatqMoEMethod(FusedMoEMethodBase):
             return layer.latq_moe_op(x, topk_weights, ids, tensors, layer.latq_ints, activation, on_input)
         return moe.experts_forward(x, topk_weights, ids, layer.latq_experts, activation, weights_on_input=on_input,
                                    stacked=layer.latq_stacked)
+
+
+def _stored_bits(st: LoadState) -> float:
+    """The checkpoint's bits/weight of one expert projection as this rank loaded it."""
+    rows = sum(s.rows for s in st.geo.shards.values())
+    return 8 * st.stored_bytes / (rows * st.geo.in_features)
 
 
 class _ExpertLoader:

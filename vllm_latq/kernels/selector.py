@@ -5,8 +5,9 @@ first whose ``can_implement`` accepts a layer — and says why the others did no
 kernel's reason. Accepted values (kernel ``name``, in selection order):
 
 * ``vllm`` — vLLM's own mixed-precision kernels (Marlin, Machete, …; CPUWNA16 where its op
-  exists) for standard forms: 4/8-bit, no outliers (:mod:`~vllm_latq.kernels.vllm_mp`); on
-  CPU opt-in only, asked after ``cpu``;
+  exists) for standard forms: 4/8-bit, no outliers (:mod:`~vllm_latq.kernels.vllm_mp`; a MoE
+  layer's experts through vLLM's MoE kernels, :mod:`~vllm_latq.kernels.vllm_moe`); on CPU
+  opt-in only, asked after ``cpu``;
 * ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton.kernel`), CUDA ≥ sm_80,
   2–5-bit inliers;
 * ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);

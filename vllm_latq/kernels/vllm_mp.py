@@ -82,13 +82,25 @@ def layer_config(w: LatqWeight, act_dtype: torch.dtype):
                                group_size=vllm_group(w), zero_points=False)
 
 
+def packed_words(w: LatqWeight) -> torch.Tensor:
+    """int32 ``[N, K·b/32]``: latq's ``qweight`` less its tile padding (the N-first packing
+    compressed-tensors calls ``weight_packed``)."""
+    return w.qweight[:, :w.in_features * w.bits // 32]
+
+
+def group_scales(w: LatqWeight, group: int) -> torch.Tensor:
+    """``w``'s scales ``[N, K/group]`` at ``group`` (-1: ``w``'s one scale per row), a divisor of
+    its group size: each part keeps its group's scale."""
+    if group == -1:
+        return w.scales
+    return w.scales.repeat_interleave(w.group_size // group, 1)[:, :w.in_features // group]
+
+
 def gptq_tensors(w: LatqWeight, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 ``[K·b/32, N]`` packed along K, scales ``[G, N]`` in ``act_dtype``): the GPTQ form
     vLLM's kernels load, the same integers and scales as ``w``."""
-    q = w.qweight[:, :w.in_features * w.bits // 32].t().contiguous()
-    g = vllm_group(w)
-    s = w.scales if g == -1 else w.scales.repeat_interleave(w.group_size // g, 1)[:, :w.in_features // g]
-    return q, s.t().to(act_dtype).contiguous()
+    q = packed_words(w).t().contiguous()
+    return q, group_scales(w, vllm_group(w)).t().to(act_dtype).contiguous()
 
 
 def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype):

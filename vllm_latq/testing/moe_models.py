@@ -74,11 +74,12 @@ def ssqr_like(W: torch.Tensor, bits: int, group: int, seed: int):
 def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, group: int = 32,
                         target_bits: float = 3.25) -> tuple[Path, Path]:
     """(latq checkpoint, HF dir of its dequantized weights) of the tiny MoE ``src``: every expert
-    projection and attention linear quantized (``method``: ``ssqr`` → dense kind, ``hptq`` →
-    huffman kind), routers listed in ``modules_not_converted``."""
+    projection and attention linear quantized (``method``: ``ssqr`` → dense kind with outliers,
+    ``rtn`` → dense kind without, ``hptq`` → huffman kind), routers listed in
+    ``modules_not_converted``."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_latq.algorithms import hrtn
+    from vllm_latq.algorithms import hrtn, rtn
     cfg = json.loads((src / "config.json").read_text())
     _, projections, router = ARCHS[cfg["model_type"]]
     kind = fmt.kind_of(method)
@@ -89,7 +90,8 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
         if module.endswith("." + router):
             routers.append(module)
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in (*projections, *DENSE):
-            res = ssqr_like(t, bits, group, i) if kind == "dense" else hrtn(t, target_bits=target_bits)
+            res = (hrtn(t, target_bits=target_bits) if kind == "huffman" else
+                   rtn(t, bits=bits, group_size=group) if method == "rtn" else ssqr_like(t, bits, group, i))
             layer = fmt.encode_layer(res, kind)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in layer.items()})
             deq[name] = fmt.dequantize_layer(layer, kind, tuple(t.shape), bits, group)
