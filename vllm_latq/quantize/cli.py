@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=d.device, help="torch device for blocks and solvers (default cpu)")
     r.add_argument("--compute-dtype", default=d.compute_dtype, choices=tuple(COMPUTE_DTYPES),
                    help="dtype of the calibration forwards (default auto: the model's, bf16 for a bf16 "
-                        "model, as GPTQ runs; float32 is ~2x slower on CPUs with bf16 instructions)")
+                        "model, as GPTQ runs, or float32 on a CPU that only emulates bf16)")
     r.add_argument("--max-activation-memory", type=_size, default=d.max_activation_memory, metavar="SIZE",
                    help="memory for the calibration activations (nsamples x seqlen x hidden in the forwards' "
                         "dtype), e.g. 8G; beyond it they are spilled to OUT.tmp-latq and read one sequence at a "

@@ -17,14 +17,14 @@ blocks beside the first: steps 2 and 3 alternate group by group (:func:`~.calibr
 each group's ``X̃ᵀX̃`` and ``X̃ᵀX`` with the block's earlier groups quantized), each linear solved against
 :func:`~.hessian.qronos_target` (experts and the head against their own W).
 RTN and HRTN ignore activations, so for them steps 2 and 4 (and the calibration data) are
-skipped: they quantize at the speed of reading the weights.
+skipped: they quantize at the speed of reading the weights. Under ``torchrun`` the ranks split
+steps 2–4 (:mod:`.ranks`).
 
 Everything is deterministic: the same source, options and seed give a byte-identical
-checkpoint, with or without an interruption, at the same torch thread count (BLAS reductions,
-hence the last bits of activations, depend on it). The calibration forwards run in the model's
-dtype (``compute_dtype``: bf16 for a bf16 model, as GPTQ runs in its model's half precision;
-~2× faster than fp32 on CPUs with bf16 instructions); the solvers work in fp32 on the exact
-weights, the Hessians are summed in fp64.
+checkpoint, with or without an interruption, at the same torch thread count and number of
+ranks (the last bits of activations and sums depend on both). The calibration forwards run in
+the model's dtype (bf16 for a bf16 model, as GPTQ runs), or fp32 on a CPU that only emulates
+bf16; the solvers work in fp32 on the exact weights, the Hessians are summed in fp64.
 """
 from __future__ import annotations
 
