@@ -327,7 +327,7 @@ CORRUPTIONS = {
     "config value": (lambda d: _edit_config(d, lambda c: c.update(hidden_size="abc")),
                      ["config.json", "transformers rejects the config"]),
     "config dims": (lambda d: _edit_config(d, lambda c: c.update(hidden_size=-4)),
-                    ["config.json", "cannot build the model"]),
+                    ["config.json", "hidden_size is -4, expected an integer in [1, "]),
     "stats": (lambda d: _edit_json(d / STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
               [STATS_FILE, "disagree with the stored tensors"]),
 }
