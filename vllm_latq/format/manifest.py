@@ -29,7 +29,7 @@ SKIPPED = (f"the sha256 checks of the tensors (latq_sha256), the shard headers, 
            f"({MANIFEST_FILE}) are skipped: an edited checkpoint is read as it is")
 _PARTS = {"quantization_config": "its quantization_config",
           "model": "the model's fields (everything but quantization_config)"}
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
 
 def json_sha256(obj) -> str:
