@@ -27,8 +27,8 @@ from .writer import write_json
 NO_VERIFY_ENV = "LATQ_NO_VERIFY"
 SKIPPED = (f"the sha256 checks of the tensors (latq_sha256), the shard headers, {CONFIG_FILE} and {STATS_FILE} "
            f"({MANIFEST_FILE}) are skipped: an edited checkpoint is read as it is")
-_PARTS = {"quantization_config": "its quantization_config",
-          "model": "the model's fields (everything but quantization_config)"}
+_PARTS = {"quantization_config": "its quantization_config differs",
+          "model": "the model's fields (everything but quantization_config) differ"}
 logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
 
@@ -97,7 +97,7 @@ def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, Saf
     got = config_digests(config)
     for part, what in _PARTS.items():
         if got[part] != m[CONFIG_FILE][part]:
-            raise FormatError(f"{what} differs from what was written (sha256 in {MANIFEST_FILE}): edited after "
+            raise FormatError(f"{what} from what was written (sha256 in {MANIFEST_FILE}): edited after "
                               "quantization (--no-verify reads it unchecked)", file=CONFIG_FILE)
     stats = _stats(path)
     if (stats is None) != (m[STATS_FILE] is None):
