@@ -19,6 +19,7 @@ from vllm_latq.format.files import MANIFEST_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.inspect import inspect_main
+from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
 
 L0 = "model.layers.0.self_attn.q_proj"
 EVAL = ["--nwindows", "1", "--seqlen", "16", "--no-progress"]
@@ -106,12 +107,10 @@ def test_stripped_shard_layouts_are_refused(tiny_checkpoints, tmp_path, capsys):
     shard = Checkpoint(d).where["model.norm.weight"]
     path = d / shard
     raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header, n = read_header(raw)
     del header["__metadata__"][LAYOUT_KEY]
-    header["model.norm.weight"]["dtype"] = "F16"
-    new = json.dumps(header, separators=(",", ":")).encode()
-    path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+    edit_entry(header, "model.norm.weight", "dtype", dtype="F16")
+    path.write_bytes(with_header(raw, n, header))
     assert inspect_main([str(d), "--no-served"]) == 2
     err = capsys.readouterr().err
     assert shard in err and "header" in err, err

@@ -22,6 +22,7 @@ from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.format.files import STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
+from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
 from vllm_latq.testing.tiny_models import TINY_OPTS
 
 METHODS = ("ssqr", "hptq", "rtn")
@@ -94,29 +95,6 @@ def _restoring(path: Path):
         path.write_bytes(orig)
 
 
-def _header(raw: bytes) -> tuple[dict, int]:
-    n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + n]), n
-
-
-def _with_header(raw: bytes, n: int, header: dict) -> bytes:
-    new = json.dumps(header, separators=(",", ":")).encode()
-    return len(new).to_bytes(8, "little") + new + raw[8 + n:]
-
-
-def _edit_entry(header: dict, name: str, field: str, dtype: str, dims: list[int], delta: int) -> None:
-    e = header[name]
-    if field == "dtype":
-        e["dtype"] = dtype
-    elif field == "shape":
-        e["shape"] = dims
-    elif field == "end":
-        e["data_offsets"] = [e["data_offsets"][0], e["data_offsets"][1] + delta]
-    else:   # "shift": the same span elsewhere
-        b, f = e["data_offsets"]
-        e["data_offsets"] = [max(0, b + delta), max(0, f + delta)]
-
-
 def _edit_metadata(header: dict, key_index: int, value: str | None) -> str:
     meta = header.setdefault("__metadata__", {})
     key = sorted(meta)[key_index % len(meta)] if meta else "format"
@@ -135,16 +113,15 @@ def test_header_edits_are_refused_or_change_nothing(refs, method, data):
     shard = data.draw(st.sampled_from(ref.shards))
     path = ref.dir / shard
     with _restoring(path) as orig:
-        header, n = _header(orig)
+        header, n = read_header(orig)
         if data.draw(st.booleans()):
             name = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
             field = data.draw(st.sampled_from(["dtype", "shape", "end", "shift"]))
-            _edit_entry(header, name, field, data.draw(st.sampled_from(DTYPES)),
-                        data.draw(st.lists(st.integers(0, 300), max_size=3)), data.draw(st.integers(-64, 64)))
-            path.write_bytes(_with_header(orig, n, header))
+            edit_entry(header, name, field, dtype=data.draw(st.sampled_from(DTYPES)),
+                       dims=data.draw(st.lists(st.integers(0, 300), max_size=3)), delta=data.draw(st.integers(-64, 64)))
         else:
             _edit_metadata(header, data.draw(st.integers(0, 10)), data.draw(st.one_of(st.none(), st.text(max_size=8))))
-            path.write_bytes(_with_header(orig, n, header))
+        path.write_bytes(with_header(orig, n, header))
         _check(ref, shard)
 
 
