@@ -105,11 +105,7 @@ def _edit_metadata(header: dict, key_index: int, value: str | None) -> str:
     return key
 
 
-@pytest.mark.timeout(300)
-@_settings(40)
-@given(method=st.sampled_from(METHODS), data=st.data())
-def test_header_edits_are_refused_or_change_nothing(refs, method, data):
-    ref = refs[method]
+def header_edit(ref: Reference, data) -> None:
     shard = data.draw(st.sampled_from(ref.shards))
     path = ref.dir / shard
     with _restoring(path) as orig:
@@ -134,11 +130,7 @@ def _json_edit(obj: dict, data, keys) -> None:
         obj[key] = value
 
 
-@pytest.mark.timeout(300)
-@_settings(40)
-@given(method=st.sampled_from(METHODS), data=st.data())
-def test_config_edits_are_refused_or_change_nothing(refs, method, data):
-    ref = refs[method]
+def config_edit(ref: Reference, data) -> None:
     path = ref.dir / "config.json"
     with _restoring(path):
         cfg = json.loads(path.read_text())
@@ -148,11 +140,7 @@ def test_config_edits_are_refused_or_change_nothing(refs, method, data):
         _check(ref, "config.json")
 
 
-@pytest.mark.timeout(300)
-@_settings(20)
-@given(method=st.sampled_from(METHODS), data=st.data())
-def test_stats_edits_are_refused_or_change_nothing(refs, method, data):
-    ref = refs[method]
+def stats_edit(ref: Reference, data) -> None:
     path = ref.dir / STATS_FILE
     with _restoring(path):
         stats = json.loads(path.read_text())
@@ -163,13 +151,9 @@ def test_stats_edits_are_refused_or_change_nothing(refs, method, data):
         _check(ref, STATS_FILE)
 
 
-@pytest.mark.timeout(300)
-@_settings(40)
-@given(method=st.sampled_from(METHODS), data=st.data())
-def test_value_edits_are_refused_or_change_nothing(refs, method, data):
+def value_edit(ref: Reference, data) -> None:
     """A tensor's bytes changed in place (its checksum now wrong: the tensor is named), or the
     tensor replaced with its checksum recomputed, as a re-save writes it (the shard is named)."""
-    ref = refs[method]
     name = data.draw(st.sampled_from(sorted(ref.where)))
     shard = ref.where[name]
     path = ref.dir / shard
@@ -191,3 +175,28 @@ def test_value_edits_are_refused_or_change_nothing(refs, method, data):
             b[pos - e.begin] ^= flip
             write_safetensors(path, t, {k: v for k, v in f.metadata.items() if not k.startswith("latq_")})
             _check(ref, shard)
+
+
+EDITS = {"header": header_edit, "config": config_edit, "stats": stats_edit, "value": value_edit}
+EXAMPLES = {"header": 40, "config": 40, "stats": 20, "value": 40}   # ~25 s in all on the default suite
+
+
+def _fuzz(refs, edit: str, examples: int) -> None:
+    @_settings(examples)
+    @given(method=st.sampled_from(METHODS), data=st.data())
+    def prop(method, data):
+        EDITS[edit](refs[method], data)
+    prop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edits_are_refused_or_change_nothing(refs, edit):
+    _fuzz(refs, edit, EXAMPLES[edit])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edits_are_refused_or_change_nothing_long(refs, edit):
+    _fuzz(refs, edit, 20 * EXAMPLES[edit])
