@@ -192,7 +192,7 @@ def tiny_checkpoint(root: Path) -> Path:
     """A tiny random Llama (head_dim 32, as vLLM's CPU attention wants) quantized with SSQR."""
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
     from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
-    src = make_tiny_model(root / "tiny-llama", "llama", hidden_size=64, num_attention_heads=2)
+    src = make_tiny_model(root / "tiny-llama", "llama", hidden_size=64, num_attention_heads=2, head_dim=32)
     return quantize_model(src, root / "tiny-ssqr", QuantizeOptions(method="ssqr", **TINY_OPTS), progress=False)
 
 
@@ -225,12 +225,14 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--server-log", type=Path, help="keep the server's log here (default: its tail is printed "
+                                                    "when a request was lost or got a 5xx)")
     a = ap.parse_args(argv)
     if a.requests < 4 or a.concurrency < 1:
         ap.error("--requests must be at least 4 and --concurrency at least 1")
     with tempfile.TemporaryDirectory(prefix="latq-soak-") as tmp:
         ckpt = a.ckpt or tiny_checkpoint(Path(tmp))
-        port, log = free_port(), Path(tmp) / "server.log"
+        port, log = free_port(), a.server_log or Path(tmp) / "server.log"
         proc = start_server(ckpt, port, a.concurrency, log)
         try:
             wait_healthy(proc, port, log, a.start_timeout)
@@ -241,11 +243,13 @@ def main(argv=None) -> int:
             alive = proc.poll() is None
         finally:
             stop_server(proc)
-    s = summary(results, after and alive, seconds)
+        s = summary(results, after and alive, seconds)
+        if s["lost"] or s["status_5xx"]:
+            print(f"--- the server's log, last lines ---\n{log.read_text()[-6000:]}\n---")
     for kind in MALFORMED:
         outs = [(o, m) for r, o, m in results if r.kind == kind]
         for o, m in outs[:1]:
-            print(f"{kind:22s} {o:14s} {m[:110]}")
+            print(f"{kind:22s} {o:14s} {' '.join(m.split())[:110]}")
     print(json.dumps(s))
     print("HEADLINE " + " ".join(f"{k}={v}" for k, v in s.items()) + f" ckpt={ckpt.name}")
     return 0
