@@ -153,6 +153,17 @@ def test_config_sizes_are_bounded_before_any_tensor_is_read(tiny_checkpoints, tm
         validate_checkpoint(d, verify_checksums=False)
 
 
+def test_source_config_sizes_are_bounded_before_quantizing(tiny_llama, tmp_path, capsys):
+    from vllm_latq.quantize.cli import main as quantize_main
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    _edit(src / "config.json", lambda c: c.update(num_hidden_layers=100000))
+    assert quantize_main([str(src), str(tmp_path / "out"), "--method", "rtn"]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / 'config.json'}: num_hidden_layers is 100000, expected an integer in [1, 1024]" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- symbolic links
 
 @pytest.mark.parametrize("which", ["shard", "config.json"])
