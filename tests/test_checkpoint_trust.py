@@ -42,7 +42,7 @@ def _qc(fn):
 
 
 CONFIG_EDITS = {   # each keeps every shape consistent: only a checksum can tell
-    "group_size 64→65": _qc(lambda q: q.update(group_size=65)),   # same group counts for in 80 and 144
+    "group_size_64_to_65": _qc(lambda q: q.update(group_size=65)),   # same group counts for in 80 and 144
     "damp": _qc(lambda q: q.update(damp=0.02)),
     "order": _qc(lambda q: q.update(order="natural")),
     "rms_norm_eps": lambda c: c.update(rms_norm_eps=0.5),
@@ -122,7 +122,7 @@ def test_vllm_loader_refuses_an_edited_config(tiny_checkpoints, tmp_path, monkey
     from vllm_latq.format.manifest import verify_for_serving
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     verify_for_serving(d)
-    _edit(d / "config.json", CONFIG_EDITS["group_size 64→65"])
+    _edit(d / "config.json", CONFIG_EDITS["group_size_64_to_65"])
     with pytest.raises(FormatError, match=r"config.json.*quantization_config.*edited"):
         verify_for_serving(d)
     monkeypatch.setenv("LATQ_NO_VERIFY", "1")
