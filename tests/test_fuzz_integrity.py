@@ -63,8 +63,10 @@ def refs(tiny_checkpoints, tiny_llama, tmp_path_factory):
     return out
 
 
-def _check(ref: Reference, edited_file: str, tensor: str | None = None) -> None:
-    """The property, after one edit of ``edited_file`` (restored by the caller)."""
+def _check(ref: Reference, edited_file: str, tensor: str | None = None, names_a_tensor: bool = False) -> None:
+    """The property, after one edit of ``edited_file`` (restored by the caller): a refusal names a
+    file of the checkpoint (the edited shard, for a shard), ``tensor`` if given, some tensor if
+    ``names_a_tensor``; an acceptance means the checkpoint still means what it meant."""
     try:
         validate_checkpoint(ref.dir)
     except FormatError as e:
@@ -75,6 +77,7 @@ def _check(ref: Reference, edited_file: str, tensor: str | None = None) -> None:
             assert f"file {edited_file}" in msg, msg
         if tensor is not None:
             assert f"tensor {tensor}" in msg, msg
+        assert not names_a_tensor or ", tensor " in msg, msg
         return
     event("accepted")
     ck = Checkpoint(ref.dir)
@@ -110,15 +113,21 @@ def header_edit(ref: Reference, data) -> None:
     path = ref.dir / shard
     with _restoring(path) as orig:
         header, n = read_header(orig)
-        if data.draw(st.booleans()):
+        entry = data.draw(st.booleans())
+        if entry:
             name = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
             field = data.draw(st.sampled_from(["dtype", "shape", "end", "shift"]))
+            before = json.loads(json.dumps(header[name]))
             edit_entry(header, name, field, dtype=data.draw(st.sampled_from(DTYPES)),
                        dims=data.draw(st.lists(st.integers(0, 300), max_size=3)), delta=data.draw(st.integers(-64, 64)))
+            # an unchanged entry, or an empty tensor moved elsewhere (it reads the same nothing):
+            # only the header's hash sees the rewrite, and names the file
+            begin, end = before["data_offsets"]
+            entry = header[name] != before and not (field == "shift" and begin == end)
         else:
             _edit_metadata(header, data.draw(st.integers(0, 10)), data.draw(st.one_of(st.none(), st.text(max_size=8))))
         path.write_bytes(with_header(orig, n, header))
-        _check(ref, shard)
+        _check(ref, shard, names_a_tensor=entry)
 
 
 def _json_edit(obj: dict, data, keys) -> None:
