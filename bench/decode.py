@@ -289,9 +289,11 @@ def default_ckpt(model: str, method: str) -> Path:
     """The cached pipeline checkpoint of the plugin tests, else quantize one (slow, once)."""
     from vllm_latq.data import cache_dir
 
+    from vllm_latq.format.files import MANIFEST_FILE
+
     for root in ("plugin_tests", "bench"):
         d = cache_dir() / root / f"{model}-{method}"
-        if (d / "config.json").exists():
+        if (d / MANIFEST_FILE).exists():   # one made before manifests is refused by the loader: made again
             return d
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 

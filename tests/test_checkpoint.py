@@ -18,6 +18,7 @@ from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.inspect import inspect_main
 from vllm_latq.format.files import INDEX_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, StoredTensor, write_safetensors
+from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.format.writer import write_index
 
@@ -327,7 +328,7 @@ CORRUPTIONS = {
     "config value": (lambda d: _edit_config(d, lambda c: c.update(hidden_size="abc")),
                      ["config.json", "transformers rejects the config"]),
     "config dims": (lambda d: _edit_config(d, lambda c: c.update(hidden_size=-4)),
-                    ["config.json", "cannot build the model"]),
+                    ["config.json", "hidden_size is -4, expected an integer in [1, "]),
     "stats": (lambda d: _edit_json(d / STATS_FILE, lambda s: s["layers"][0].update(bits=9.0)),
               [STATS_FILE, "disagree with the stored tensors"]),
 }
@@ -538,24 +539,12 @@ def test_fuzz_header_entries(fuzz_dirs, method, which, field, dtype, dims, delta
     d = fuzz_dirs[method]
     path = d / SHARD0
     orig = path.read_bytes()
-    n = int.from_bytes(orig[:8], "little")
-    header = json.loads(orig[8:8 + n])
+    header, n = read_header(orig)
     names = sorted(k for k in header if k != "__metadata__")
-    name = names[which % len(names)]
-    e = header[name]
-    if field == "dtype":
-        e["dtype"] = dtype
-    elif field == "shape":
-        e["shape"] = dims
-    elif field == "offsets":
-        e["data_offsets"] = [e["data_offsets"][0], e["data_offsets"][1] + delta]
-    elif field == "drop":
-        del header[name]
-    else:
-        header[name + "x"] = header.pop(name)
-    raw = json.dumps(header).encode()
+    edit_entry(header, names[which % len(names)], "end" if field == "offsets" else field, dtype=dtype, dims=dims,
+               delta=delta)
     try:
-        path.write_bytes(len(raw).to_bytes(8, "little") + raw + orig[8 + n:])
+        path.write_bytes(with_header(orig, n, header))
         _validate_or_format_error(d, verify_checksums=checksums)
     finally:
         path.write_bytes(orig)

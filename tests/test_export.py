@@ -238,3 +238,20 @@ def test_stock_vllm_serves_the_export_as_the_plugin_serves_the_source(tmp_path):
     assert max(greedy_margins(hf, ids, stock["tokens"])) < 0.1
     assert max(greedy_margins(hf, ids, latq["tokens"])) < 0.1
     assert [t[:8] for t in stock["tokens"]] == [t[:8] for t in latq["tokens"]]
+
+
+def test_an_edited_checkpoint_is_not_exported(tiny_src, tmp_path, capsys):
+    """A group_size edit that keeps every group count would export other weights: refused by the
+    manifest, naming config.json; --no-verify exports it on purpose and says what it skips."""
+    import json
+    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=4, group_size=64)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 65
+    (ck / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "ex"
+    assert export.main([str(ck), str(out), "--dequantize-unmapped"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: its quantization_config differs from what was written" in err, err
+    assert not out.exists()
+    assert export.main([str(ck), str(out), "--dequantize-unmapped", "--no-verify"]) == 0
+    assert capsys.readouterr().err.count("--no-verify") == 1

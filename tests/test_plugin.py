@@ -545,7 +545,8 @@ def test_tiny_end_to_end_in_process(tiny):
     - SSQR with the default selection (the CPU kernel: bf16 compute): every token is greedy
       under HF up to a near-tie;
     - a wrong --quantization and a corrupted checkpoint fail while loading, with messages
-      naming the methods / the tensor — never inside a kernel."""
+      naming the methods / the tensor — never inside a kernel: its rewritten shard is refused by
+      the manifest, and with LATQ_NO_VERIFY=1 the tensor by the loader's validation."""
     ids = h.tokenize(tiny["ssqr"])
     want = {m: h.hf_greedy(h.hf_dequantized_model(tiny[m]), ids, 32) for m in ("ssqr", "hptq", "coded")}
     assert all(len(set(w)) > 8 for w in want["ssqr"]), "the tiny model should not be degenerate"
@@ -557,10 +558,11 @@ def test_tiny_end_to_end_in_process(tiny):
         {**job, "model": tiny["hptq"], "env": {"LATQ_KERNEL": "reference"}},
         {**job, "model": tiny["ssqr"], "env": {"LATQ_KERNEL": ""}},
         {**job, "model": tiny["ssqr"], "quantization": "gptq", "max_tokens": 2},
-        {**job, "model": bad, "max_tokens": 2},
+        {**job, "model": bad, "max_tokens": 2, "env": {"LATQ_NO_VERIFY": "1"}},
         {**job, "model": tiny["coded"], "env": {"LATQ_KERNEL": "reference"}},
+        {**job, "model": bad, "max_tokens": 2},
     ], tmp=tiny["dir"])
-    for r in res[:3] + res[5:]:
+    for r in res[:3] + res[5:6]:
         assert "error" not in r, r.get("traceback")
     log = res[0]["log"]
     assert "latq: 8 linears loaded (ssqr checkpoint)" in log and "kernels {'reference': 8}" in log
@@ -578,6 +580,9 @@ def test_tiny_end_to_end_in_process(tiny):
     assert "FormatError" in res[4]["error"] and bad_name in res[4]["error"], err
     assert "latq checkpoint does not match layer model.layers.1.mlp.down_proj" in res[4]["error"]
     assert "process_weights_after_loading" not in res[4]["traceback"]  # failed while reading weights
+    assert "LATQ_NO_VERIFY=1: not checking config.json" in res[4]["log"]
+    # verified (the default): the rewritten shard's header is not the one written, refused before any weight
+    assert "file model.safetensors: the header" in res[6]["error"] and "edited" in res[6]["error"], res[6]
 
 
 def test_tiny_vllm_through_triton_interpreter(tiny):

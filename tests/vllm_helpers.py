@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_latq import format as fmt
+from vllm_latq.format.files import MANIFEST_FILE
+from vllm_latq.format.manifest import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -122,6 +124,7 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
     for f in TOKENIZER_FILES:
         if (src / f).exists():
             shutil.copy(src / f, out / f)
+    write_manifest(out)
     return out
 
 
@@ -268,6 +271,10 @@ def pipeline_checkpoint(model: str, method: str) -> Path:
         if not (out / "config.json").exists():
             quantize_model(model, out, QuantizeOptions(method=method, **PIPELINE_CALIB), overwrite=True,
                            progress=False)
+        elif not (out / MANIFEST_FILE).exists():
+            # a cache made before checkpoints carried their manifest: these test serving, not
+            # integrity, and recording it takes a second where re-quantizing takes half an hour
+            write_manifest(out)
     return out
 
 

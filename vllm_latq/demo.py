@@ -55,20 +55,21 @@ def _slug(label: str) -> str:
 
 def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool) -> Path:
     """The checkpoint of one job, quantized unless a finished one is cached."""
-    from .format.files import INDEX_FILE
+    from .format.files import INDEX_FILE, MANIFEST_FILE
     from .quantize.pipeline import QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=nsamples, seqlen=seqlen, **kw)
     out = root / f"{MODEL}-{_slug(label)}-n{nsamples}x{seqlen}"
     if fresh and out.exists():
         shutil.rmtree(out)
-    if (out / INDEX_FILE).is_file():
+    if (out / MANIFEST_FILE).is_file():
         _say(f"[demo] {label}: using the cached checkpoint {out}")
         return out
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
     _say(f"[demo] {label}: latq-quantize {MODEL} {out} {flags} --nsamples {nsamples} --seqlen {seqlen}")
     t0 = time.time()
-    quantize_model(MODEL, out, opts, resume=True, overwrite=False)
+    # a checkpoint cached before checkpoints carried their manifest is refused by the readers: replaced
+    quantize_model(MODEL, out, opts, resume=True, overwrite=(out / INDEX_FILE).is_file())
     _say(f"[demo] {label}: quantized in {time.time() - t0:.0f}s")
     return out
 

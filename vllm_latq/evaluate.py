@@ -37,8 +37,9 @@ def is_latq_checkpoint(path) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == "latq"
 
 
-def load_for_eval(model: str, device: str = "cpu"):
-    """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes."""
+def load_for_eval(model: str, device: str = "cpu", verify: bool = True):
+    """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes; a
+    checkpoint's checksums are checked unless not ``verify``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import hf_model
@@ -47,7 +48,7 @@ def load_for_eval(model: str, device: str = "cpu"):
     from .quantize.pipeline import resolve_model
 
     if is_latq_checkpoint(model):
-        report = validate_checkpoint(model, decode=False)
+        report = validate_checkpoint(model, decode=False, verify_checksums=verify)
         spec = report["spec"]
         m = load_dequantized_model(model, torch.float32, device)
         tok = AutoTokenizer.from_pretrained(model)
@@ -72,7 +73,7 @@ def load_for_eval(model: str, device: str = "cpu"):
 
 
 def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int = 64, batch_size: int = 4,
-             device: str = "cpu", progress: bool = True) -> dict:
+             device: str = "cpu", progress: bool = True, verify: bool = True) -> dict:
     """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
     or a .txt / .jsonl file) → result dict."""
     from . import data
@@ -81,7 +82,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
     source = data.source_record(text, "eval")
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
-        m, tok, info = load_for_eval(model, device)
+        m, tok, info = load_for_eval(model, device, verify)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
     return {"model": str(model), **info, "text": source, "ppl": r["ppl"], "nll": r["nll"],
@@ -103,10 +104,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--output", help="also write the JSON here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="skip a latq checkpoint's sha256 checks (tensors, shard headers, config.json, "
+                         "latq_stats.json): for a checkpoint edited on purpose")
     a = ap.parse_args(argv)
+    if a.no_verify:
+        from .format.manifest import SKIPPED
+        print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
         r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
-                     device=a.device, progress=not a.no_progress)
+                     device=a.device, progress=not a.no_progress, verify=not a.no_verify)
     except FormatError as e:
         print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
         return 2

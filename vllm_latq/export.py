@@ -35,7 +35,8 @@ from . import hf_model
 from .errors import FormatError
 from .format import writer
 from .format.checkpoint import Checkpoint, linear_shape
-from .format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
+from .format.files import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, STATS_FILE
+from .format.manifest import verify_manifest
 from .format.layer import dense_scales, dequantize_layer
 from .format.safetensors_file import write_safetensors
 
@@ -163,12 +164,15 @@ def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_unmapped: bool = False,
-                      overwrite: bool = False) -> dict:
+                      overwrite: bool = False, verify: bool = True) -> dict:
     """Write the export of latq checkpoint ``ckpt`` to ``out`` (via ``OUT.tmp-latq-export``, renamed
-    at the end: a failure leaves nothing at ``out``) → a summary (layers, bits/weight)."""
+    at the end: a failure leaves nothing at ``out``) → a summary (layers, bits/weight). Unless not
+    ``verify``, ``ckpt``'s config, stats and shard headers must be the ones its manifest records."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     ck = Checkpoint(ckpt)
+    if verify:
+        verify_manifest(ck.path, ck.config, ck.shards)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (--overwrite replaces it)")
@@ -239,14 +243,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dequantize-unmapped", action="store_true",
                     help="write layers that have no form in the target format as bf16 weights instead of refusing")
     ap.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="export a checkpoint edited on purpose: skip its latq_manifest.json check")
     return ap
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.no_verify:
+        print(f"latq-export: --no-verify: {CONFIG_FILE}, {STATS_FILE} and the shard headers are not checked against "
+              f"{MANIFEST_FILE}: an edited checkpoint is exported as it is", file=sys.stderr)
     try:
         s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
-                              overwrite=a.overwrite)
+                              overwrite=a.overwrite, verify=not a.no_verify)
     except ExportRefused as e:
         print(f"latq-export: refused: {e}", file=sys.stderr)
         return 2

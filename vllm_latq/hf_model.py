@@ -62,6 +62,33 @@ def config_dict(path: Path) -> dict:
     return d
 
 
+# The sizes a config.json may declare, (lowest, highest): generous for any real model (a 405B
+# model has 126 layers, 16384 hidden, 128256 vocabulary), small enough that building its model on
+# the meta device (real rotary buffers, per-layer modules) and checking shapes stay cheap.
+SIZE_LIMITS = {
+    **dict.fromkeys(("num_hidden_layers", "n_layer"), (1, 1024)),
+    **dict.fromkeys(("hidden_size", "n_embd"), (1, 1 << 17)),
+    **dict.fromkeys(("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"), (1, 1 << 20)),
+    "vocab_size": (1, 1 << 22),
+    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "n_head"), (1, 1024)),
+    "head_dim": (1, 1 << 12),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"), (0, 1 << 12)),
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), (1, 1 << 24)),
+}
+
+
+def check_config_sizes(cfg: dict, *, file: str = CONFIG_FILE, prefix: str = "") -> None:
+    """Refuse an integer size of ``cfg`` (or of a nested ``*_config``, e.g. ``text_config``) outside
+    :data:`SIZE_LIMITS`, naming the field, before anything is built from it or read against it."""
+    for k, v in cfg.items():
+        if isinstance(v, dict) and k.endswith("_config") and k != "quantization_config":
+            check_config_sizes(v, file=file, prefix=f"{prefix}{k}.")
+        elif k in SIZE_LIMITS and isinstance(v, int) and not isinstance(v, bool):
+            lo, hi = SIZE_LIMITS[k]
+            if not lo <= v <= hi:
+                raise FormatError(f"{prefix}{k} is {v}, expected an integer in [{lo}, {hi}]", file=file)
+
+
 def hf_config(cfg: dict, *, file: str = CONFIG_FILE):
     """A transformers config from a config dict, with any ``quantization_config`` dropped."""
     from transformers import CONFIG_MAPPING

@@ -9,6 +9,7 @@ import sys
 
 from .format.checkpoint import Checkpoint
 from .errors import FormatError
+from .format.manifest import SKIPPED
 from .format.validate import format_report, validate_checkpoint
 
 
@@ -18,13 +19,17 @@ def inspect_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="latq-inspect", description=inspect_main.__doc__)
     ap.add_argument("checkpoint")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding the Huffman streams (faster)")
-    ap.add_argument("--no-checksums", action="store_true", help="skip the sha256 verification")
+    ap.add_argument("--no-verify", "--no-checksums", dest="no_verify", action="store_true",
+                    help="skip the sha256 checks (tensors, shard headers, config.json, latq_stats.json): "
+                         "for a checkpoint edited on purpose")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--no-served", action="store_true",
                     help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
     a = ap.parse_args(argv)
+    if a.no_verify:
+        print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
-        report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_checksums,
+        report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
                                      progress=sys.stderr.isatty())
     except FormatError as e:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ import torch
 
 from .. import hf_model
 from ..errors import FormatError
-from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
+from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .layer import dequantize_layer, split_name
 from .safetensors_file import SafetensorsFile
 from .spec import parse_quantization_config
@@ -25,7 +25,9 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise FormatError("not a directory", file=str(self.path))
+        check_no_links_out(self.path)
         self.config = hf_model.config_dict(self.path)
+        hf_model.check_config_sizes(self.config)
         if "quantization_config" not in self.config:
             raise FormatError("no quantization_config: not a latq checkpoint", file=CONFIG_FILE)
         self.spec = parse_quantization_config(self.config["quantization_config"], file=CONFIG_FILE)
@@ -130,7 +132,11 @@ class Checkpoint:
         for module, names in self.layers().items():
             shape = linear_shape(model, module, self.where[next(iter(names.values()))], ck_names)
             t = {sfx: self.tensor(n) for sfx, n in names.items()}
-            W = dequantize_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size)
+            try:
+                W = dequantize_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size)
+            except ValueError as e:   # e.g. a Huffman chunk table that does not fit its stream
+                raise FormatError(f"does not decode: {e}", file=self.where[next(iter(names.values()))],
+                                  tensor=names.get("hstream" if spec.kind == "huffman" else "qweight", module)) from e
             yield f"{module}.weight", W.to(dtype)
         for name in self.plain_names():
             yield name, self.tensor(name).to(dtype)

@@ -154,6 +154,7 @@ class SafetensorsFile:
             raise self._err(f"header is not valid JSON ({e})") from None
         if not isinstance(header, dict):
             raise self._err("header is not a JSON object")
+        self.header_sha256 = hashlib.sha256(head + raw).hexdigest()   # what latq_manifest.json records
         self.data_start = 8 + n
         self.data_len = size - self.data_start
         meta = header.pop("__metadata__", {})

@@ -14,6 +14,7 @@ from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from . import huffman
 from .layer import expected_shapes, has_coded_scales, validate_layer
+from .manifest import verify_manifest
 from .spec import FORMAT_VERSION, QuantSpec, check_budget
 
 
@@ -24,7 +25,8 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     first problem: config, index/shard consistency, safetensors headers, checksums, every
     layer's tensors (:func:`~vllm_latq.format.layer.validate_layer`, with ``decode`` the Huffman streams are
     decoded), the bit budget, plain tensors' shapes against a meta-device model built from
-    ``config.json``, and the stats file."""
+    ``config.json``, the stats file, and (with ``verify_checksums``) ``latq_manifest.json``'s
+    checksums of the config, the stats and the shard headers."""
     ck = Checkpoint(path)
     spec = ck.spec
     model = ck.empty_model(torch.float32)
@@ -124,6 +126,8 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if set(stats) - {r["name"] for r in rows}:
         extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
         raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
+    if verify_checksums:   # last, so that a structural problem is named as such first
+        verify_manifest(ck.path, ck.config, ck.shards)
     return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec}
 
 

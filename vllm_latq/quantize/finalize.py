@@ -1,6 +1,7 @@
 """Finishing a run: the last shard (everything outside the blocks, and a quantized head),
-the index, ``config.json`` with its ``quantization_config``, the tokenizer files and
-``latq_stats.json``; then validation and the atomic rename of the run directory to ``OUT``.
+the index, ``config.json`` with its ``quantization_config``, the tokenizer files,
+``latq_stats.json`` and ``latq_manifest.json`` (their checksums, last); then validation and
+the atomic rename of the run directory to ``OUT``.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from ..format.files import CONFIG_FILE, STATS_FILE
+from ..format.manifest import write_manifest
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
 from ..format import writer
@@ -48,6 +50,7 @@ def finalize(src: Source, run: RunDir, out: Path, method: str, quantization_conf
     writer.copy_aux_files(src.path, run.path)
     stats = stats_file(run.stats, method, src.path)
     writer.write_json(run.path / STATS_FILE, stats)
+    write_manifest(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
     run.clear_progress()
     if validate:
         validate_checkpoint(run.path, decode=True, verify_checksums=False)

@@ -204,6 +204,7 @@ def open_source(model: str | os.PathLike, compute_dtype) -> Source:
     the model does not use, refuse a source missing some it does."""
     src = resolve_model(model)
     raw_cfg = hf_model.config_dict(src)
+    hf_model.check_config_sizes(raw_cfg, file=str(Path(src) / hf_model.CONFIG_FILE))   # before building anything
     if "quantization_config" in raw_cfg:
         qm = raw_cfg["quantization_config"].get("quant_method", "?") if isinstance(raw_cfg["quantization_config"],
                                                                                 dict) else "?"

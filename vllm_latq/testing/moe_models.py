@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from vllm_latq import format as fmt
+from vllm_latq.format.manifest import write_manifest
 
 ARCHS = {   # model type → (config entries, expert projections, router module)
     "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
@@ -109,6 +110,7 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
         for f in src.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
                 shutil.copy(f, d / f.name)
+    write_manifest(out)
     return out, out.with_name(out.name + "-deq")
 
 

@@ -1,0 +1,211 @@
+"""Property: an edited checkpoint is refused, naming the file (and the tensor where a tensor was
+edited), or it means exactly what it meant — never a silent change. Hypothesis edits real tiny
+checkpoints (SSQR and RTN: dense; HPTQ: Huffman) in four ways: a shard header's entry (dtype,
+shape, offsets) or metadata, a config.json value (the model's or quantization_config's), a
+latq_stats.json figure, and a tensor's bytes (with its checksum left, or recomputed as a re-save
+would). "Means the same" is checked in full: the config and stats as values, every dequantized
+weight bitwise."""
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from vllm_latq.errors import FormatError
+from vllm_latq.format.checkpoint import Checkpoint
+from vllm_latq.format.files import STATS_FILE
+from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
+from vllm_latq.format.validate import validate_checkpoint
+from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
+from vllm_latq.testing.tiny_models import TINY_OPTS
+
+METHODS = ("ssqr", "hptq", "rtn")
+DTYPES = ["F32", "F16", "BF16", "I32", "I16", "U8", "I64", "I8"]
+DELETE = object()   # a config or stats key removed
+VALUES = st.one_of(st.integers(-3, 300), st.sampled_from([0.5, 1e-6, -1.0, 1e30, 64, 65, 128, 2**31]),
+                   st.booleans(), st.none(), st.text(max_size=3), st.just(DELETE))
+
+
+def _settings(n: int):
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+class Reference:
+    """A working copy of a checkpoint and what it means: config, stats, dequantized weights."""
+
+    def __init__(self, d: Path):
+        self.dir = d
+        ck = Checkpoint(d)
+        self.config, self.stats = ck.config, ck.stats()
+        self.weights = dict(ck.dequantized_tensors(torch.float32))
+        self.shards = sorted(ck.shards)
+        self.where = dict(ck.where)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_checkpoints, tiny_llama, tmp_path_factory):
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    root = tmp_path_factory.mktemp("fuzz-integrity")
+    dirs = {m: tiny_checkpoints[m][0] for m in ("ssqr", "hptq")}
+    dirs["rtn"] = quantize_model(tiny_llama, root / "rtn-src", QuantizeOptions(method="rtn", **TINY_OPTS),
+                                 progress=False)
+    out = {}
+    for m, d in dirs.items():
+        shutil.copytree(d, root / m)
+        out[m] = Reference(root / m)
+    return out
+
+
+def _check(ref: Reference, edited_file: str, tensor: str | None = None, names_a_tensor: bool = False) -> None:
+    """The property, after one edit of ``edited_file`` (restored by the caller): a refusal names a
+    file of the checkpoint (the edited shard, for a shard), ``tensor`` if given, some tensor if
+    ``names_a_tensor``; an acceptance means the checkpoint still means what it meant."""
+    try:
+        validate_checkpoint(ref.dir)
+    except FormatError as e:
+        msg = str(e)
+        event(f"refused: {msg.split(': ', 1)[-1][:28]}")
+        assert msg.startswith("file ") and (ref.dir / msg[5:].split(",")[0].split(":")[0]).exists(), msg
+        if edited_file.endswith(".safetensors"):
+            assert f"file {edited_file}" in msg, msg
+        if tensor is not None:
+            assert f"tensor {tensor}" in msg, msg
+        assert not names_a_tensor or ", tensor " in msg, msg
+        return
+    event("accepted")
+    ck = Checkpoint(ref.dir)
+    assert ck.config == ref.config and ck.stats() == ref.stats
+    got = dict(ck.dequantized_tensors(torch.float32))
+    assert got.keys() == ref.weights.keys()
+    for k, w in ref.weights.items():
+        assert torch.equal(got[k], w), f"{k} changed silently after an edit of {edited_file}"
+
+
+@contextmanager
+def _restoring(path: Path):
+    """The file's bytes, put back after the example whatever it did."""
+    orig = path.read_bytes()
+    try:
+        yield orig
+    finally:
+        path.write_bytes(orig)
+
+
+def _edit_metadata(header: dict, key_index: int, value: str | None) -> str:
+    meta = header.setdefault("__metadata__", {})
+    key = sorted(meta)[key_index % len(meta)] if meta else "format"
+    if value is None:
+        meta.pop(key, None)
+    else:
+        meta[key] = value
+    return key
+
+
+def header_edit(ref: Reference, data) -> None:
+    shard = data.draw(st.sampled_from(ref.shards))
+    path = ref.dir / shard
+    with _restoring(path) as orig:
+        header, n = read_header(orig)
+        entry = data.draw(st.booleans())
+        if entry:
+            name = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
+            field = data.draw(st.sampled_from(["dtype", "shape", "end", "shift"]))
+            before = json.loads(json.dumps(header[name]))
+            edit_entry(header, name, field, dtype=data.draw(st.sampled_from(DTYPES)),
+                       dims=data.draw(st.lists(st.integers(0, 300), max_size=3)), delta=data.draw(st.integers(-64, 64)))
+            # an unchanged entry, or an empty tensor moved elsewhere (it reads the same nothing):
+            # only the header's hash sees the rewrite, and names the file
+            begin, end = before["data_offsets"]
+            entry = header[name] != before and not (field == "shift" and begin == end)
+        else:
+            _edit_metadata(header, data.draw(st.integers(0, 10)), data.draw(st.one_of(st.none(), st.text(max_size=8))))
+        path.write_bytes(with_header(orig, n, header))
+        _check(ref, shard, names_a_tensor=entry)
+
+
+def _json_edit(obj: dict, data, keys) -> None:
+    key = data.draw(st.sampled_from(sorted(keys)))
+    value = data.draw(VALUES)
+    if value is DELETE:
+        obj.pop(key, None)
+    else:
+        obj[key] = value
+
+
+def config_edit(ref: Reference, data) -> None:
+    path = ref.dir / "config.json"
+    with _restoring(path):
+        cfg = json.loads(path.read_text())
+        target = cfg["quantization_config"] if data.draw(st.booleans()) else cfg
+        _json_edit(target, data, [k for k in target if k != "quantization_config"])
+        path.write_text(json.dumps(cfg))
+        _check(ref, "config.json")
+
+
+def stats_edit(ref: Reference, data) -> None:
+    path = ref.dir / STATS_FILE
+    with _restoring(path):
+        stats = json.loads(path.read_text())
+        layer = stats["layers"][data.draw(st.integers(0, len(stats["layers"]) - 1))]
+        target = layer if data.draw(st.booleans()) else stats["totals"]
+        _json_edit(target, data, target)
+        path.write_text(json.dumps(stats))
+        _check(ref, STATS_FILE)
+
+
+def value_edit(ref: Reference, data) -> None:
+    """A tensor's bytes changed in place (its checksum now wrong: the tensor is named), or the
+    tensor replaced with its checksum recomputed, as a re-save writes it (the shard is named)."""
+    name = data.draw(st.sampled_from(sorted(ref.where)))
+    shard = ref.where[name]
+    path = ref.dir / shard
+    with _restoring(path) as orig:
+        f = SafetensorsFile(path)
+        e = f.entries[name]
+        if e.end == e.begin:
+            return
+        pos = data.draw(st.integers(e.begin, e.end - 1))
+        flip = data.draw(st.integers(1, 255))
+        if data.draw(st.booleans()):
+            raw = bytearray(orig)
+            raw[f.data_start + pos] ^= flip
+            path.write_bytes(bytes(raw))
+            _check(ref, shard, tensor=name)
+        else:
+            t = {k: f.get(k) for k in f.names()}
+            b = t[name].reshape(-1).view(torch.uint8)
+            b[pos - e.begin] ^= flip
+            write_safetensors(path, t, {k: v for k, v in f.metadata.items() if not k.startswith("latq_")})
+            _check(ref, shard)
+
+
+EDITS = {"header": header_edit, "config": config_edit, "stats": stats_edit, "value": value_edit}
+EXAMPLES = {"header": 40, "config": 40, "stats": 20, "value": 40}   # ~25 s in all on the default suite
+
+
+def _fuzz(refs, edit: str, examples: int) -> None:
+    @_settings(examples)
+    @given(method=st.sampled_from(METHODS), data=st.data())
+    def prop(method, data):
+        EDITS[edit](refs[method], data)
+    prop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edits_are_refused_or_change_nothing(refs, edit):
+    _fuzz(refs, edit, EXAMPLES[edit])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edits_are_refused_or_change_nothing_long(refs, edit):
+    _fuzz(refs, edit, 20 * EXAMPLES[edit])
