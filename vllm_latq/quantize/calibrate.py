@@ -247,7 +247,8 @@ def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
     inputs, or, resuming, the stream saved with the last finished block (``RunDir.save_block``)."""
     run_dir = acts.run_dir / TARGET_STREAM_DIR
     if acts.block > 0:
-        return Activations.resume(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block, acts.rows, acts.world)
+        return Activations.resume(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block, acts.rows,
+                                  acts.world)
     run_dir.mkdir(exist_ok=True)
     targets = Activations.create(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block - 1, acts.rows,
                                  acts.world)

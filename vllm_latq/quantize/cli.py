@@ -159,7 +159,8 @@ def main(argv=None) -> int:
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except RankFailed as e:
-        if os.environ.get("RANK", "0") == "0":   # every rank knows; one says it
+        # one rank says it; rank 0 may be the lost one
+        if os.environ.get("RANK", "0") == "0" or "stopped answering" in str(e):
             print(f"latq-quantize: {e}; the finished blocks are kept: rerun with --resume (any number of ranks)",
                   file=sys.stderr)
         return 1

@@ -91,7 +91,8 @@ def _owners(linears: dict, world: World) -> dict[str, int]:
     if not world.distributed:
         return {n: 0 for n in linears}
     costs = {n: ranks.solve_cost(*m.weight.shape) for n, m in linears.items()}
-    return {n: r for n, r in sorted(ranks.assign_by_cost(costs, world).items(), key=lambda kv: list(linears).index(kv[0]))}
+    owner = ranks.assign_by_cost(costs, world)
+    return {n: owner[n] for n in linears}
 
 
 def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: World, **kw):
