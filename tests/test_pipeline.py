@@ -257,13 +257,31 @@ def test_bf16_forwards_of_an_fp32_model_solve_its_exact_weights(tmp_path):
     assert any(not torch.equal(W, W.bfloat16().float()) for W in seen.values())  # fp32 weights, not bf16
 
 
+@pytest.fixture(params=["bf16-gemm", "fp32-gemm"])
+def products(request):
+    """The two ways a Hessian's products are computed from bf16 activations: the CPU's bf16
+    GEMM (skipped where MKL's is not in the process) and fp32 GEMMs of the upcast rows."""
+    from vllm_latq import native
+    from vllm_latq.quantize import hessian
+    if request.param == "fp32-gemm":
+        with native.disabled():
+            assert not hessian.bf16_products()
+            yield request.param
+        return
+    if not hessian.bf16_products():
+        pytest.skip("no bf16 GEMM here (C++ ops not built, or MKL's cblas_gemm_bf16bf16f32 absent)")
+    yield request.param
+
+
 @pytest.mark.parametrize("width", [300, 512, 700, 1100])
-def test_panel_hessian_upper_panels_match_fp64(width):
+def test_panel_hessian_upper_panels_match_fp64(width, products):
     """PanelHessian sums only the upper block rows of XᵀX (PANEL columns at a time) from bf16
-    activations; its H is exactly symmetric and equals the all-fp64 Hessian to fp32 rounding."""
-    from vllm_latq.quantize.hessian import Hessian, PanelHessian
+    activations; its H is exactly symmetric and equals the all-fp64 Hessian to fp32 rounding,
+    whichever GEMM computes its products."""
+    from vllm_latq.quantize.hessian import Hessian, PanelHessian, product_operand
     x = torch.randn(3, 600, width, generator=torch.Generator().manual_seed(width)).bfloat16()
     x[..., :7] *= 30  # a few large channels, as real activations have
+    assert product_operand(x[0]).dtype == (torch.bfloat16 if products == "bf16-gemm" else torch.float32)
     a, ref = PanelHessian(width), Hessian(width)
     for part in x:
         a.add(part)
@@ -271,6 +289,30 @@ def test_panel_hessian_upper_panels_match_fp64(width):
     H, Href = a.H, ref.H
     assert a.n == ref.n == 1800 and torch.equal(H, H.T)
     assert ((H - Href).abs().max() / Href.abs().max()).item() < 1e-6
+
+
+def test_cross_covariance_matches_fp64(products):
+    """Target correction's X̃ᵀX (not symmetric: every entry summed) from bf16 streams, either GEMM."""
+    from vllm_latq.quantize.hessian import CrossCovariance
+    g = torch.Generator().manual_seed(3)
+    xt, x = (torch.randn(2, 700, 600, generator=g).bfloat16() for _ in range(2))
+    c = CrossCovariance(600)
+    for a, b in zip(xt, x):
+        c.add(a, b)
+    ref = xt.reshape(-1, 600).double().T @ x.reshape(-1, 600).double() / 1400
+    assert ((c.C - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+def test_bf16_products_refuse_what_they_cannot_sum():
+    """The C++ op checks its operands: a wrong dtype or shape is an error naming it, not a wrong sum."""
+    from vllm_latq.quantize import hessian
+    if not hessian.bf16_products():
+        pytest.skip("no bf16 GEMM here")
+    a = torch.randn(8, 4).bfloat16()
+    with pytest.raises(RuntimeError, match="b must be a CPU 2-d BFloat16"):
+        torch.ops.latq_cpu.bf16_tn_add(a, a.float(), torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="do not make"):
+        torch.ops.latq_cpu.bf16_tn_add(a, a, torch.zeros(4, 5, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("method", ["rtn", "hrtn"])

@@ -1,5 +1,6 @@
 """The package's C++ ops (``kernels/cpu/csrc/latq_cpu.cpp``, ``algorithms/csrc/sweep.cpp``,
-``algorithms/csrc/scales.cpp``), compiled on first use into one library, namespace ``latq_cpu``.
+``algorithms/csrc/scales.cpp``, ``quantize/csrc/gram.cpp``), compiled on first use into one
+library, namespace ``latq_cpu``.
 
 * The CPU kernel's small-M call: at batch 1 a SmolLM2 linear costs ~20 µs in the int4 op,
   and the Python around it (dtype casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly
@@ -35,7 +36,8 @@ ENV = "LATQ_CPU_NATIVE"
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
 SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
-           Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp")
+           Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
+           Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
 # -fopenmp: at::parallel_for (the solvers' whole-matrix helpers) is an OpenMP pragma in ATen's
 # headers, serial unless this build enables OpenMP
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -15,6 +15,7 @@ from typing import Hashable, Iterable
 
 import torch
 
+from .. import native
 from ..algorithms.lattice import damped
 
 PRODUCT_ROWS = 512  # rows per fp32 XᵀX product of PanelHessian; products are summed in fp64
@@ -68,6 +69,28 @@ class Hessian:
         return H
 
 
+def bf16_products() -> bool:
+    """bf16 activations' products summed by the CPU's bf16 GEMM (``quantize/csrc/gram.cpp``)."""
+    return native.usable() and torch.ops.latq_cpu.has_bf16_gemm()
+
+
+def product_operand(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an operand of :func:`tn_add`: bf16 kept where the bf16 GEMM runs, else fp32."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_products():
+        return x if x.stride(-1) == 1 else x.contiguous()
+    return x.float()
+
+
+def tn_add(a: torch.Tensor, b: torch.Tensor, S: torch.Tensor) -> None:
+    """``S += aᵀb`` (``S`` fp64): one product of ≤ ``PRODUCT_ROWS`` rows in fp32, added in fp64.
+    bf16 operands go to the CPU's bf16 GEMM: their products are exact in fp32 and summed in fp32,
+    the values an fp32 GEMM of the upcast operands computes, up to the order of the sum."""
+    if a.dtype == torch.bfloat16:
+        torch.ops.latq_cpu.bf16_tn_add(a, b, S)
+    else:
+        S.add_(a.T @ b)
+
+
 class PanelHessian(Hessian):
     """``XᵀX / n`` with an fp64 accumulator, each product of ≤ ``PRODUCT_ROWS`` rows (one
     calibration sequence) computed by an fp32 GEMM and added to the fp64 sum: a 512-term fp32
@@ -84,9 +107,9 @@ class PanelHessian(Hessian):
         x = x.reshape(-1, x.shape[-1]).to(S.device)
         n = x.shape[1]
         for part in x.split(PRODUCT_ROWS):
-            part = part.float()
+            part = product_operand(part)
             for c in range(0, n, PANEL):
-                S[c:c + PANEL, c:].add_(part[:, c:c + PANEL].T @ part[:, c:])
+                tn_add(part[:, c:c + PANEL], part[:, c:], S[c:c + PANEL, c:])
         self.n += x.shape[0]
 
     def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
@@ -112,7 +135,9 @@ class CrossCovariance(Hessian):
         if x_tilde.shape != x.shape:
             raise ValueError(f"the two activation streams disagree: {tuple(x_tilde.shape)} vs {tuple(x.shape)}")
         for xt, xf in zip(x_tilde.split(PRODUCT_ROWS), x.split(PRODUCT_ROWS)):
-            S.add_(xt.float().T @ xf.float())
+            if xt.dtype != xf.dtype:
+                xt, xf = xt.float(), xf.float()
+            tn_add(product_operand(xt), product_operand(xf), S)
         self.n += x.shape[0]
 
     @property
