@@ -51,13 +51,13 @@ from . import ranks
 from .calibrate import block_hessians, drop_stream, full_precision_stream, sum_over_ranks, target_corrected_stages
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
-from .finalize import finalize
+from .finalize import checkpoint_config, finalize
 from .head import head_plan, quantize_head
 from . import solve_layers as solving
 from .output import check_output
 from .resume import PROGRESS_FILE, TMP_SUFFIX, fingerprint, run_directory
 from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
-from .source import Source, open_source, resolve_model
+from .source import open_source, resolve_model
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -289,25 +289,32 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
                          "forwards at least one calibration sequence")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    head = head_plan(src) if opts.quantize_lm_head else None
+    head = head_plan(src.net, src.prefix, src.tied, src.weights) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
     with ranks.together("checking the output directory", world):
         if world.writes:
             check_output(out, src.path, overwrite)
-    with run_directory(out, _fingerprint(src, opts), resume, world) as run:
+    run_key = _fingerprint(opts, src.path, list(src.weights.handles), src.raw_config, src.dtype)
+    with run_directory(out, run_key, resume, world) as run:
         device = torch.device(opts.device)
-        calib = _calibration_text(src, opts)
-        acts, kwargs = block_inputs(src, calib, run, device, opts.max_activation_memory, progress,
+        calib = _calibration_text(src.path, opts)
+        if calib is not None:   # the capture pass runs the embeddings (block_inputs drops them)
+            src.load(src.outside_tensors(), device)
+        acts, kwargs = block_inputs(src.net, src.layers, src.config.hidden_size, src.dtype, calib, run, device,
+                                    opts.max_activation_memory, progress,
                                     ranks.own_rows(len(calib), world) if calib is not None else None, world)
         targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
         per_layer = dict(method=opts.method, solve=_with_fault(solve, world), stats=run.stats, on_layer=on_layer)
         quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
+        solve_block = partial(solving.solve_block, weight=src.linear_weight, expert_weight=src.expert_weight,
+                              names=src.names, dtype=src.dtype, device=device, progress=progress, stats=run.stats,
+                              moe_min_tokens=opts.moe_min_tokens, moe_route_all=opts.moe_route_all, world=world)
 
         bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
                    disable=not progress, initial=run.blocks_done, total=src.nblocks)
         for i in bar:
-            layer = src.layers[i]
+            layer, block_name, desc = src.layers[i], f"{src.prefix}.{i}", f"block {i}"
             if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
                 src.load(src.block_tensors(i), device)
             linears = src.block_linears(i)
@@ -316,35 +323,32 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             folding = None
             if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
                 shard = {}
-                for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
-                                                                     progress):
+                for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, desc, progress):
                     sum_over_ranks(hessians, world)
                     quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
                                                                          hessians.cross_of.items()}, opts.damp)
-                    shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
-                                                     device, progress, run.stats, opts.moe_min_tokens,
-                                                     opts.moe_route_all, experts=last, world=world))
+                    shard.update(solve_block(layer, block_name, desc, {n: linears[n] for n in names},
+                                             src.block_experts(i) if last else {}, hessians, quantize_group))
                 t1 = t0
             else:
                 hessians = None
                 if opts.calibrated:
-                    with ranks.together(f"block {i}: Hessians", world):
-                        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress)
+                    with ranks.together(f"{desc}: Hessians", world):
+                        hessians = block_hessians(layer, linears, acts, kw, desc, progress)
                     sum_over_ranks(hessians, world)
                 t1 = time.time()
                 if opts.column_scales != "none":
-                    folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
+                    folding = fold_block(layer, block_name, linears, hessians.of, acts[:1], kw,
                                          power=opts.column_scale_power, order=opts.order, damp=opts.damp,
                                          stored=src.weights.get)
                 quantize_block = quantize if folding is None else folding.wrap(quantize)
-                shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                            device, progress, run.stats, opts.moe_min_tokens, opts.moe_route_all,
-                                            write_back=opts.calibrated, world=world)
+                shard = solve_block(layer, block_name, desc, linears, src.block_experts(i), hessians, quantize_block,
+                                    write_back=opts.calibrated)
             hessians = None
             t2 = time.time()
             if opts.calibrated:
-                with ranks.together(f"block {i}: outputs", world):
-                    block_outputs(layer, acts, kw, f"block {i}", progress)
+                with ranks.together(f"{desc}: outputs", world):
+                    block_outputs(layer, acts, kw, desc, progress)
             log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
                      t2 - t1, time.time() - t2)
             shard.update(src.kept_block_tensors(i, linears))
@@ -362,14 +366,16 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             drop_stream(targets)
             if head is not None:
                 log.info("target correction: the output head is solved against its own weight")
-        head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
+        head_tensors = {} if head is None else quantize_head(src.net, src.weights, head, acts, partial(
             solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress,
             world)
         del acts
         qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
         with ranks.together("writing the checkpoint", world):
             if world.writes:
-                tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
+                config = checkpoint_config(src.raw_config, qc, untie_head=head is not None and src.tied)
+                rest = {**src.outside_kept_tensors(head_name), **head_tensors}
+                tot = finalize(run, out, src.path, src.nblocks, rest, config, opts.method, validate)
                 log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs%s", out, tot["layers"],
                          tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start,
                          f" ({world.size} ranks)" if world.distributed else "")
@@ -405,22 +411,24 @@ def _return_freed_memory() -> None:
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
-def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
-    """The resume fingerprint: the source and every option but where the run happens (the
-    device, the activations' memory budget)."""
+def _fingerprint(opts: QuantizeOptions, source: Path, files: list[str], config: dict, forward_dtype) -> str:
+    """The resume fingerprint: the source (its directory, weight ``files`` and ``config``), the
+    forwards' dtype and every option but where the run happens (the device, the activations'
+    memory budget)."""
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("device", "max_activation_memory")}
-    options["forward_dtype"] = str(src.dtype)   # "auto" resolves per machine: a resume must not mix them
-    return fingerprint(src.path, options, list(src.weights.handles), src.raw_config)
+    options["forward_dtype"] = str(forward_dtype)   # "auto" resolves per machine: a resume must not mix them
+    return fingerprint(source, options, files, config)
 
 
-def _calibration_text(src: Source, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]``; None for a method that uses none."""
+def _calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor | None:
+    """The calibration token ids ``[nsamples, seqlen]`` (the tokenizer of ``tokenizer_dir``);
+    None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(src.path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
                                     source=opts.calib)
 
