@@ -1,4 +1,4 @@
-"""GPU tests (issue 19 item 4), run by ``scripts/gpu_check.sh`` on a CUDA machine with
+"""GPU tests, run by ``scripts/gpu_check.sh`` on a CUDA machine with
 ``TRITON_INTERPRET=0``; skipped everywhere else (tests/conftest.py turns the interpreter on).
 
 * Kernels against :func:`latq_linear_ref`: the Triton kernels for bits {2, 3, 4, 5} × M {1, 2, 3,

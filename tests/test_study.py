@@ -298,7 +298,7 @@ def test_tiny_study(tmp_path, caplog, capsys):
         assert _finite(r["ppl"]) and r["ppl"] > 1 and _finite(r["bits"]), k
         assert r["windows"] == 2 and r["tokens"] == 2 * 127
     assert res["bf16"]["bits"] == 16
-    # served bits per kernel family, recorded as each configuration finished (issue 21)
+    # served bits per kernel family, recorded as each configuration finished
     for k, r in res.items():
         if k not in ("ordering", "bf16"):
             assert set(r["served"]["bits_per_weight"]) == {"cpu", "triton"}, k
@@ -413,7 +413,7 @@ def test_import_results_seeds_the_cache(tmp_path):
         runner.import_results(src, root)
 
 
-# ============================================================================ served bits (issue 21)
+# ============================================================================ served bits
 
 def _prepared_bits(ck) -> dict[str, float]:
     """Served bits/weight of a checkpoint measured on the prepared kernel states: each layer as

@@ -258,7 +258,7 @@ PIPELINE_CALIB = dict(nsamples=16, seqlen=256)  # small calibration: these test 
 def pipeline_checkpoint(model: str, method: str) -> Path:
     """A real checkpoint of a reference model made by the offline pipeline
     (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 %, 3.125 bits), cached under
-    ``cache_dir()/plugin_tests`` (built once, ~20-40 min on 2 cores; file-locked)."""
+    ``cache_dir()/plugin_tests`` (built once, file-locked: quantizing a real model is slow)."""
     from filelock import FileLock
 
     from vllm_latq.data import cache_dir
@@ -272,8 +272,8 @@ def pipeline_checkpoint(model: str, method: str) -> Path:
             quantize_model(model, out, QuantizeOptions(method=method, **PIPELINE_CALIB), overwrite=True,
                            progress=False)
         elif not (out / MANIFEST_FILE).exists():
-            # a cache made before checkpoints carried their manifest: these test serving, not
-            # integrity, and recording it takes a second where re-quantizing takes half an hour
+            # a cached checkpoint without its manifest: these test serving, not integrity, and
+            # recording the manifest is far cheaper than quantizing again
             write_manifest(out)
     return out
 

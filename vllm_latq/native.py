@@ -1,11 +1,10 @@
 """The package's C++ ops (``kernels/cpu/csrc/latq_cpu.cpp``, ``algorithms/csrc/sweep.cpp``,
 ``algorithms/csrc/scales.cpp``), compiled on first use into one library, namespace ``latq_cpu``.
 
-* The CPU kernel's small-M call: at batch 1 a SmolLM2 linear costs ~20 µs in the int4 op,
-  and the Python around it (dtype casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly
-  its own setup —, the add, the custom-op hop into Python) cost as much again. The C++ op
-  does the int4 call, then one pass adding outliers and bias with the cast: same math, one
-  dispatch.
+* The CPU kernel's small-M call: at batch 1 the Python around the int4 op (dtype casts, the
+  MKL CSR ``mv``, the add, the custom-op hop) costs as much as the op itself (docs/KERNELS.md,
+  "CPU kernel"). The C++ op does the int4 call, then one pass adding outliers and bias with
+  the cast: same math, one dispatch.
 * The solvers' per-column rounding inside a sub-block (fp32 problems): one call instead of
   six or seven dispatched torch ops per column.
 * The MSE scale search (``scales.mse_scales``): all candidate scales of a group while its

@@ -6,8 +6,8 @@ apart), ``latq_stats.json`` and each shard's header (dtypes, shapes, offsets and
 The JSON files are hashed by value (canonical JSON: sorted keys, no whitespace), so reformatting
 one is not an edit, while any changed value is. The writer records it last
 (:func:`write_manifest`); :func:`verify_manifest` is the validator's last check and
-:func:`verify_for_serving` the vLLM loader's. A checkpoint without one (written before manifests,
-or stripped) is refused: re-quantize it, or read it unchecked with ``--no-verify``
+:func:`verify_for_serving` the vLLM loader's. A checkpoint without one (unfinished, or
+stripped) is refused: re-quantize it, or read it unchecked with ``--no-verify``
 (``LATQ_NO_VERIFY=1`` for vLLM)."""
 from __future__ import annotations
 

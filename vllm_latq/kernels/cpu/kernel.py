@@ -56,10 +56,8 @@ from ..weight import LatqWeight
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
 # bits > 4: weights off the 4-bit grid become fp32 outliers when they are at most this
-# fraction of the layer, else a second int4 plane. Measured on 4096×4096, M=1: the second
-# plane adds ~500 µs on 2 threads (op on 2K: 1000 µs vs 490; 1 thread: +850 µs), the MKL CSR
-# mv costs 180–200 µs at 5% and 400–470 µs at 10% (1 thread: 680–720 / 1500) → time breaks
-# even at 6–10%, memory at 6.25% (8 B per CSR entry vs 0.5 B/weight per plane).
+# fraction of the layer, else a second int4 plane: below where the two cost the same time and
+# memory (docs/KERNELS.md, "CPU kernel", 5- to 8-bit inliers).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, large_m())
 LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "0"))
@@ -345,8 +343,7 @@ def _tiles_here(in_features: int) -> bool:
 
 def large_m() -> int:
     """Rows from which the dequantize + GEMM path runs: ``LARGE_M`` if set, else 640 with the
-    C++ GEMV (it beats dequant + GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512),
-    else 128 (torch's op)."""
+    C++ GEMV, 128 with torch's op: below each crossover (docs/KERNELS.md, "CPU kernel", Large M)."""
     return LARGE_M or (640 if _gemv_here() else 128)
 
 

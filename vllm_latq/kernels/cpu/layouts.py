@@ -236,8 +236,9 @@ def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_group
 def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,
                  n_rows: int, n_cols: int, r0: int, r1: int, padding: bool = False):
     """The outliers of rows [r0, r1) (multiples of 64, or r1 = n_rows) from the tiles: (row − r0,
-    col, val), in slot order. ``padding``: every lane of every slot, padding as col = n_cols, val 0
-    (no boolean mask: ~10× faster, for a scatter into a buffer with a spare row n_cols)."""
+    col, val), in slot order. ``padding``: every lane of every slot, padding as col = n_cols, val 0,
+    for a scatter into a buffer with a spare row n_cols (no boolean mask: masking costs more than
+    the scatter)."""
     T = tile_rows.shape[0]
     t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
     off = tile_off.long()
