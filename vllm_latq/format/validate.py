@@ -1,8 +1,10 @@
 """Validating a whole checkpoint directory (:func:`validate_checkpoint`: config, index and
 shards, checksums, every layer, the bit budget, plain tensors against the model of
-``config.json``, the stats file) and the per-layer report ``latq-inspect`` prints."""
+``config.json``, the stats file), the vLLM plugin's call of it (:func:`verify_for_serving`) and
+the per-layer report ``latq-inspect`` prints."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -14,8 +16,10 @@ from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from . import huffman
 from .layer import expected_shapes, has_coded_scales, validate_layer
-from .manifest import verify_manifest
+from .manifest import NO_VERIFY_ENV, SKIPPED, no_verify_requested, verify_manifest
 from .spec import FORMAT_VERSION, QuantSpec, check_budget
+
+logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
 
 def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_checksums: bool = True,
@@ -129,6 +133,21 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if verify_checksums:   # last, so that a structural problem is named as such first
         verify_manifest(ck.path, ck.config, ck.shards)
     return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec}
+
+
+def verify_for_serving(path: str | os.PathLike) -> dict:
+    """The vLLM plugin's check of a checkpoint directory before vLLM reads a tensor: the checks
+    ``latq-eval`` runs (:func:`validate_checkpoint` without decoding the Huffman streams, which
+    the loader decodes): shapes before bytes, every tensor's sha256 streamed by pieces, value
+    bounds, the manifest. ``LATQ_NO_VERIFY=1`` skips the sha256 checks as ``--no-verify`` does,
+    with one warning saying so. Returns the report."""
+    skip = no_verify_requested()
+    if skip:
+        logger.warning("latq: %s=1: %s", NO_VERIFY_ENV, SKIPPED)
+    report = validate_checkpoint(path, decode=False, verify_checksums=not skip)
+    logger.info("latq: %s checked before serving: %s", path, "shapes, dtypes and value bounds (no sha256)" if skip
+                else "every tensor's sha256, the manifest, shapes, dtypes and value bounds")
+    return report
 
 
 def check_declared_shapes(f, names: dict[str, str], kind: str, shape, bits, group_size, *, layer: str,
