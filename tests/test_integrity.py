@@ -144,3 +144,69 @@ def test_outliers_in_a_method_that_stores_none_are_refused(tiny_checkpoints, tmp
     cfg["quantization_config"].pop("outlier_rate", None)
     (d / "config.json").write_text(json.dumps(cfg))
     _refused(d, capsys, "outliers, but method gptq stores none")
+
+
+# ----------------------------------------------------------------------------- plain tensors' dtype and values
+
+def test_plain_dtype_edit_is_refused_without_checksums_too(tiny_checkpoints, tmp_path, capsys):
+    """--no-verify skips the sha256 checks, not the rule that a plain tensor keeps the dtype
+    recorded for it when the checkpoint was written; a shard re-saved without that record is
+    held to the config's dtype."""
+    from vllm_latq.format.safetensors_file import LAYOUT_KEY
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    shard = Checkpoint(d).where[NORM]
+    _edit_header(d / shard, lambda h: h[NORM].update(dtype="F16"))
+    assert inspect_main([str(d), "--no-served", "--no-verify"]) == 2
+    err = capsys.readouterr().err
+    assert f"file {shard}, tensor {NORM}: header says F16[80], the tensor was written as BF16[80]" in err, err
+    _edit_header(d / shard, lambda h: h["__metadata__"].pop(LAYOUT_KEY))
+    assert inspect_main([str(d), "--no-served", "--no-verify"]) == 2
+    err = capsys.readouterr().err
+    assert f"file {shard}, tensor {NORM}: dtype torch.float16, expected torch.bfloat16 from config.json" in err, err
+
+
+def test_a_plain_tensor_written_in_fp32_is_valid(tiny_checkpoints, tmp_path, capsys):
+    """Sources keep some plain tensors in fp32 in a bf16 model; written so, they are valid."""
+    from vllm_latq.format.manifest import write_manifest
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    _rewrite(d, NORM, lambda t: t.float())
+    write_manifest(d)
+    assert inspect_main([str(d), "--no-served"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+
+def _with_attention_biases(d, fill: float):
+    """The checkpoint ``d`` made a Llama with attention biases (all ``fill``, but the first
+    entry of the last one NaN), written and signed as the quantizer would."""
+    from vllm_latq.format.manifest import write_manifest
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    ck = Checkpoint(d)
+    shard = ck.where[NORM]
+    f = SafetensorsFile(d / shard)
+    t = {n: f.get(n) for n in f.names()}
+    biases = {k: torch.full(v.shape, fill, dtype=torch.bfloat16) for k, v in ck.empty_model().state_dict().items()
+              if k.endswith("_proj.bias")}
+    last = sorted(biases)[-1]
+    biases[last][0] = float("nan")
+    write_safetensors(d / shard, {**t, **biases})
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update({k: shard for k in biases})
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    write_manifest(d)
+    return shard, last
+
+
+def test_nan_in_a_bias_is_refused(tiny_checkpoints, tmp_path, capsys):
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    shard, name = _with_attention_biases(d, 0.01)
+    assert name.startswith("model.layers.1.self_attn.") and name.endswith("_proj.bias")
+    assert inspect_main([str(d), "--no-served"]) == 2
+    err = capsys.readouterr().err
+    assert f"file {shard}, tensor {name}: has NaN/Inf values" in err, err
+    _rewrite(d, name, lambda b: torch.nan_to_num(b))   # the control: finite biases are valid
+    from vllm_latq.format.manifest import write_manifest
+    write_manifest(d)
+    assert inspect_main([str(d), "--no-served"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
