@@ -82,13 +82,22 @@ def test_group_scales_out_of_range_are_refused(tiny_checkpoints, tmp_path, capsy
     _refused(d, capsys, f"{L0}.scales", why)
 
 
-@pytest.mark.parametrize("edit, tensor, why", [
-    (lambda t: t * 0, "hscale", "must be > 0"),
-    (lambda t: -t, "hscale", "must be > 0"),
-    (lambda t: t.index_fill(0, torch.tensor([t.numel() - 1]), 2**30), "hsymbols", "beyond 65504")])
-def test_huffman_values_out_of_range_are_refused(tiny_checkpoints, tmp_path, capsys, edit, tensor, why):
+def _set(i, v):
+    return lambda t: t.index_fill(0, torch.tensor([t.numel() - 1 if i < 0 else i]), v)
+
+
+@pytest.mark.parametrize("edits, tensor, why", [
+    ({"hscale": lambda t: t * 0}, "hscale", "must be > 0"),
+    ({"hscale": lambda t: -t}, "hscale", "must be > 0"),
+    ({"hscale": lambda t: t + 1e-6}, "hscale", "not fp16-exact"),   # the runtime form keeps it in fp16
+    ({"hsymbols": _set(-1, 2**22)}, "hsymbols", "beyond 65504"),     # 2^22 x hscale (~0.027): past fp16
+    # the scale small enough for fp16 (2^25 x 2^-12 = 8192), the symbol past fp32's exact integers
+    ({"hscale": lambda t: torch.full_like(t, 2.0**-12), "hsymbols": _set(-1, 2**25)}, "hsymbols", "exceeds 2^24"),
+    ({"hsymbols": _set(0, -2**31)}, "hsymbols", "exceeds 2^24")])   # |-2^31| overflows int32
+def test_huffman_values_out_of_range_are_refused(tiny_checkpoints, tmp_path, capsys, edits, tensor, why):
     d = _copy(tiny_checkpoints, "hptq", tmp_path)
-    _rewrite(d, f"{L0}.{tensor}", edit)
+    for sfx, edit in edits.items():
+        _rewrite(d, f"{L0}.{sfx}", edit)
     _refused(d, capsys, f"{L0}.{tensor}", why)
 
 
