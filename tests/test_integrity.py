@@ -6,8 +6,13 @@ linears)."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +23,9 @@ from vllm_latq.format.safetensors_file import CHECKSUM_KEY, SafetensorsFile, wri
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.errors import FormatError
 from vllm_latq.inspect import inspect_main
+from vllm_latq.testing.header_edits import read_header, with_header
 
+ROOT = Path(__file__).resolve().parents[1]
 NORM = "model.norm.weight"
 L0 = "model.layers.0.self_attn.q_proj"
 
@@ -101,23 +108,27 @@ def test_huffman_values_out_of_range_are_refused(tiny_checkpoints, tmp_path, cap
     _refused(d, capsys, f"{L0}.{tensor}", why)
 
 
+def _declare_bomb(shard, name: str, nbytes: int) -> None:
+    """Make ``shard``'s header declare ``name`` as ``nbytes`` of data past the others' (its own
+    dtype), the file extended to hold them sparsely: no disk, the size declared."""
+    raw = shard.read_bytes()
+    header, n = read_header(raw)
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    item = {"I16": 2, "I32": 4}[header[name]["dtype"]]
+    header[name] = {**header[name], "shape": [nbytes // item], "data_offsets": [end, end + nbytes]}
+    new = with_header(raw, n, header)
+    with shard.open("wb") as f:
+        f.write(new)
+        f.truncate(len(new) - len(raw) + 8 + n + end + nbytes)
+
+
 def test_memory_bomb_is_refused_before_any_byte_is_read(tiny_checkpoints, tmp_path, monkeypatch):
-    """A tensor declaring 2^34 entries in a sparse file of that size: refused from its header,
-    in seconds, without reading it."""
+    """A tensor declaring 64 GiB in a sparse file of that size: refused from its header, in
+    seconds, without reading it."""
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     name = f"{L0}.outlier_col"
     shard = d / Checkpoint(d).where[name]
-    raw = shard.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
-    huge = 2**34
-    header[name] = {"dtype": "I32", "shape": [huge], "data_offsets": [end, end + 4 * huge]}
-    new = json.dumps(header, separators=(",", ":")).encode()
-    new += b" " * (-len(new) % 8)
-    with shard.open("wb") as f:
-        f.write(len(new).to_bytes(8, "little") + new + raw[8 + n:])
-        f.truncate(8 + len(new) + end + 4 * huge)   # sparse: no disk, 64 GiB declared
+    _declare_bomb(shard, name, 64 << 30)
 
     def no_read(*a, **k):
         raise AssertionError("a byte of the bomb was read")
@@ -127,6 +138,37 @@ def test_memory_bomb_is_refused_before_any_byte_is_read(tiny_checkpoints, tmp_pa
     with pytest.raises(FormatError, match=rf"{shard.name}.*{name}.*more than the"):
         validate_checkpoint(d)
     assert time.time() - t0 < 30
+
+
+def test_memory_bomb_is_refused_under_a_memory_limit(tiny_checkpoints, tmp_path):
+    """latq-inspect (--no-verify: no checksum or written layout to fall back on) and latq-eval as
+    processes limited to 3 GiB of address space, on a shard whose header declares a 100 GiB
+    tensor (a sparse file): each exits 2 naming file and tensor, in seconds (reading the tensor
+    whole would end in a MemoryError)."""
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    name = f"{L0}.outlier_col"
+    shard = d / Checkpoint(d).where[name]
+    _declare_bomb(shard, name, 100 << 30)
+    text = tmp_path / "text.txt"
+    text.write_text("The tiny model reads this. " * 40)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    cmds = {"latq-inspect": ["-m", "vllm_latq.inspect", str(d), "--no-served", "--no-verify"],
+            "latq-eval": ["-m", "vllm_latq.evaluate", str(d), "--text", str(text), "--nwindows", "1", "--seqlen",
+                          "16", "--no-progress"]}
+    t0 = time.time()
+    try:
+        procs = {k: subprocess.Popen([sys.executable, *c], env=env, preexec_fn=limit, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for k, c in cmds.items()}
+        for k, p in procs.items():   # both at once: most of their time is Python's imports
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 2, (k, err[-3000:])
+            assert f"file {shard.name}, tensor {name}: shape (53687091200,): more than the" in err, (k, err[-3000:])
+        assert time.time() - t0 < 120
+    finally:
+        shard.unlink()   # no 100 GiB file left to a tool that reads sizes
 
 
 def test_eval_refuses_a_checkpoint_stripped_of_its_quantization_config(tiny_checkpoints, tmp_path, capsys):
