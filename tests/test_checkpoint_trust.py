@@ -100,8 +100,9 @@ def test_missing_manifest_is_refused_and_no_verify_says_what_it_skips(tiny_check
 
 
 def test_stripped_shard_layouts_are_refused(tiny_checkpoints, tmp_path, capsys):
-    """A header edit that also drops the written layouts (so the dtype check has nothing to
-    compare with) is caught by the manifest's checksum of the shard's header."""
+    """A shard stripped of its written layouts (the dtypes then held to config.json's) is caught
+    by the manifest's checksum of the shard's header; a dtype edit with it, by the dtype rule
+    first, naming the tensor."""
     from vllm_latq.format.safetensors_file import LAYOUT_KEY
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     shard = Checkpoint(d).where["model.norm.weight"]
@@ -109,11 +110,15 @@ def test_stripped_shard_layouts_are_refused(tiny_checkpoints, tmp_path, capsys):
     raw = path.read_bytes()
     header, n = read_header(raw)
     del header["__metadata__"][LAYOUT_KEY]
+    path.write_bytes(with_header(raw, n, header))
+    assert inspect_main([str(d), "--no-served"]) == 2
+    err = capsys.readouterr().err
+    assert f"file {shard}: the header" in err and "edited" in err, err
     edit_entry(header, "model.norm.weight", "dtype", dtype="F16")
     path.write_bytes(with_header(raw, n, header))
     assert inspect_main([str(d), "--no-served"]) == 2
     err = capsys.readouterr().err
-    assert shard in err and "header" in err, err
+    assert f"file {shard}, tensor model.norm.weight: dtype torch.float16, expected torch.bfloat16" in err, err
 
 
 def _capture_latq_log():
