@@ -674,12 +674,15 @@ def test_tp2_equals_tp1_gemma3(tmp_path):
 @pytest.mark.parametrize("method", ["ssqr", "hptq"])
 def test_tp2_equals_tp1_tiny_off_tile_splits(tiny, method):
     """Tiny model at TP=2: down_proj's 160 inputs split 80/80 (off the 32-column tiles and
-    the 32-groups), one k/v head replicated; HPTQ decoded whole and cut per rank."""
+    the 32-groups), one k/v head replicated; HPTQ decoded whole and cut per rank; the checkpoint
+    validated once, not once per rank."""
     ck = tiny[method]
     ids = h.tokenize(ck)
     one = h.run_vllm(ck, ids, 32, kernel="reference", tmp=tiny["dir"])
     two = h.run_vllm(ck, ids, 32, kernel="reference", tp=2, tmp=tiny["dir"], timeout=1200)
     _check_equal(ck, two["tokens"], one["tokens"])
+    # the checkpoint is validated once per load, where vLLM builds its config, not once per rank
+    assert two["log"].count("checked before serving") == 1, two["log"][-4000:]
 
 
 @pytest.mark.slow
