@@ -78,7 +78,8 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
                  outlier_rate: float = 0.01, target_bits: float = 3.25, hessian: str = "random",
                  skip: tuple[str, ...] = (), scale_bits: int | None = None) -> Path:
     """Quantize every decoder linear of an HF model directory (one safetensors file) and
-    write a latq checkpoint (format version 1) as the pipeline does (checksums, stats, manifest). ``hessian``: ``random`` (a synthetic
+    write a latq checkpoint (format version 1) as the pipeline does (checksums, stats,
+    manifest). ``hessian``: ``random`` (a synthetic
     full-rank Hessian, exercises error propagation and outliers) or ``identity``;
     ``scale_bits``: rtn's group scales coded (format/scale_codes.py)."""
     from vllm_latq.algorithms import hptq, hrtn, rtn, ssqr
