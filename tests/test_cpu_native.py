@@ -39,6 +39,26 @@ def test_native_op_is_the_layer_op_for_every_m():
         assert torch.equal(f(x), CPUKernel.apply(state, x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_op_in_the_engines_dtype(dtype, gemv_isa):
+    """An engine in fp32 activations (latq-serve's advice where bf16 is emulated) calls
+    ``latq_cpu::linear`` with fp32 x and bias: an fp32 result, exact to the reference's bounds
+    (``check``) on each GEMV instruction set, with and without outlier tiles, at M = 1, 3, 8, 16
+    and the large-M path."""
+    from vllm_latq.kernels import ops
+    op = ops.op_for(CPUKernel)
+    g = torch.Generator().manual_seed(24)
+    for key in ((640, 2048, 4, 0.01, 128), (192, 576, 4, 0.0, 64)):
+        w, state = prepared(key)
+        N, K = key[0], key[1]
+        tensors, ints = CPUKernel.flatten(state)
+        for M in (1, 3, 8, 16, cpu.large_m()):
+            x, b = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+            y = op(x, tensors, ints, b, N)
+            assert y.dtype == dtype and torch.equal(y, CPUKernel.apply(state, x, b))
+            check(w, state, x, b)
+
+
 def test_native_unavailable_falls_back(monkeypatch):
     monkeypatch.setattr(native, "_STATUS", native._UNSET)
     monkeypatch.setenv(native.ENV, "0")

@@ -1,8 +1,8 @@
 """The CPU kernel's native layouts, as pure torch: torch's int4pack (its ops, the packed
 layout's unpacker for the large-M dequant, and a probe for which layout this torch build
-uses), the C++ GEMV's packed layout (the same on every CPU), the outlier tiles the C++ op sums from (built from a CSR, read back as entries), and
-the coded group scales its GEMV decodes (words from the format's codes, and back).
-Split from :mod:`~vllm_latq.kernels.cpu`, which prepares and runs a layer with them."""
+uses), the C++ GEMV's packed layout (the same on every CPU), the outlier tiles the C++ op
+sums from (built from a CSR, read back as entries), and the coded group scales its GEMV
+decodes (words from the format's codes, and back). Split from :mod:`~vllm_latq.kernels.cpu`, which prepares and runs a layer with them."""
 from __future__ import annotations
 
 import torch
