@@ -2,7 +2,8 @@
 layout's unpacker for the large-M dequant, and a probe for which layout this torch build
 uses), the C++ GEMV's packed layout (the same on every CPU), the outlier tiles the C++ op
 sums from (built from a CSR, read back as entries), and the coded group scales its GEMV
-decodes (words from the format's codes, and back). Split from :mod:`~vllm_latq.kernels.cpu`, which prepares and runs a layer with them."""
+decodes (words from the format's codes, and back). Split from :mod:`~vllm_latq.kernels.cpu`,
+which prepares and runs a layer with them."""
 from __future__ import annotations
 
 import torch
