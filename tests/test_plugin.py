@@ -723,9 +723,11 @@ def test_default_multiprocess_path(tiny):
 
 @pytest.mark.slow
 def test_decode_bench_runs_interleaved(tiny):
-    """bench/decode.py end to end on the tiny model (eager, 4 tokens): both engines load side by
-    side, every round runs each once per batch size, the table carries the paired ratio and its
-    range, and the last line is the HEADLINE."""
+    """bench/decode.py end to end on the tiny model (eager, 4 tokens): the engines (bf16 and fp32
+    baselines, latq in bf16 and fp32 activations) load side by side, every round runs each once
+    per batch size, the table carries the paired ratio and its range, and the last line is the
+    HEADLINE, naming the instruction set the latq engines' GEMV ran on."""
+    from vllm_latq.kernels.cpu import kernel
     import subprocess
     import sys
 
@@ -736,9 +738,13 @@ def test_decode_bench_runs_interleaved(tiny):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     rows = [ln for ln in lines if ln.startswith("eager ")]
-    assert len(rows) == 6 and all("4 x 2" in r for r in rows), out.stdout   # bf16, fp32, latq × 2 batches
+    # bf16, fp32, latq, latq in fp32 × 2 batches
+    assert len(rows) == 8 and all("4 x 2" in r for r in rows), out.stdout
+    assert sum(r.split()[1] == "latq-cpu-fp32" for r in rows) == 2
     assert "eager_b1_fastest_baseline=" in lines[-1] and "eager_b2_speedup_vs_fastest=" in lines[-1]
+    assert "eager_b1_fastest_latq_dtype=" in lines[-1] and "eager_b2_latq_fp32_vs_fastest=" in lines[-1]
     assert lines[-1].startswith("HEADLINE cpu=")
+    assert f" gemv_isa={kernel.gemv_isa() or 'none'} " in lines[-1]   # this machine's dispatch, as the engines
     assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
     assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup_median_of_rounds=" in lines[-1] \
         and "eager_b2_speedup_tok_s=" in lines[-1]

@@ -5,8 +5,9 @@ outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GE
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
 pass adding outliers and bias with the cast. On AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched
-at run time) the GEMM is the op's own GEMV over the same packed state and scales, streaming the
-weights at DRAM speed where torch's op is compute-bound, at every M below ``large_m()``
+at run time) the GEMM is the op's own GEMV over one packed state and scales (``layouts.pack_gemv``:
+the same bytes on both, whatever layout torch's packer uses there), streaming the weights at DRAM
+speed where torch's op is compute-bound, at every M below ``large_m()``
 (``kernels/cpu/csrc/latq_cpu.cpp``). Without a compiler (or inside ``with native.disabled():``)
 the same math runs as torch calls (MKL CSR mv/mm).
 
@@ -25,7 +26,8 @@ from ... import format as fmt
 from ... import native
 from . import dequant as cpu_dequant
 from ..base import LatqKernel
-from .layouts import (code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes, op_scales_zeros, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
+from .layouts import (GEMV_LAYOUT, code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops,
+                      nbytes, op_scales_zeros, pack_gemv, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
 from ..derived_cache import DerivedCache
 from ..weight import LatqWeight
 
@@ -165,7 +167,10 @@ class CPUKernel(LatqKernel):
         ok, why = cls.can_implement(w, torch.device("cpu"), torch.bfloat16)
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
-        pack, _ = int4_ops()
+        # where the GEMV runs, its own layout on every CPU (one state whatever the instruction set;
+        # torch's AVX2 kernel would pack other blocks); else torch's op's
+        gemv = _gemv_here()
+        pack = (lambda u, _inner: pack_gemv(u)) if gemv else int4_ops()[0]
         coded = _codes_here(w.bits, w.coded is not None)
         N, K, go = w.out_features, w.in_features, _scale_group(w.in_features, w.group_size, coded)
         planes = 1
@@ -229,7 +234,7 @@ class CPUKernel(LatqKernel):
                 row_scale = s_row.contiguous() if coded.dtype == torch.int16 else None
                 tile_fields = tiles_from_csr(crow, col, coded)
                 crow = col = val = None
-        layout = detect_layout()
+        layout = GEMV_LAYOUT if gemv else detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
             B = layout[0]
             last = (N - 1) // B * B
@@ -272,7 +277,7 @@ class CPUKernel(LatqKernel):
             if state.planes == 2:
                 xb = torch.cat([xb, xb], 1)
             sz, go = _op_scales_zeros(state)
-            y = int4_ops()[1](xb, state.packed, go, sz)                   # bf16 [M, N]
+            y = int4_ops()[1](xb, _op_packed(state), go, sz)              # bf16 [M, N]
         if _has_outliers(state) and not large:
             csr = _csr(state)
             xf = x2.float()
@@ -329,6 +334,7 @@ def _has_outliers(state: CPUState) -> bool:
 
 _CSR = DerivedCache()
 _OP_SCALES = DerivedCache()
+_OP_PACKED = DerivedCache()
 
 
 def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
@@ -338,6 +344,18 @@ def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
         return state.scales, state.group_size
     return _OP_SCALES.get((state.scales,), lambda: op_scales_zeros(
         cpu_dequant.scales_alone(state), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
+
+
+def _op_packed(state: CPUState) -> torch.Tensor:
+    """The state's packed weights as torch's op reads them here: the state's own, or (a GEMV
+    state on a CPU whose torch packs other blocks, run by the pure-torch path) repacked once per
+    layer."""
+    layout = (state.layout_block, bool(state.layout_halves))
+    if not state.layout_block or layout == detect_layout():
+        return state.packed
+    N, Kp = state.out_features, state.in_features * state.planes
+    return _OP_PACKED.get((state.packed,), lambda: int4_ops()[0](
+        (unpack_int4pack(state.packed.detach(), N, Kp, layout).T.int() + 8).contiguous(), 1))
 
 
 def _csr(state: CPUState) -> torch.Tensor:
@@ -362,3 +380,4 @@ def clear_prefill_cache() -> None:
     cpu_dequant.clear()
     _CSR.clear()
     _OP_SCALES.clear()
+    _OP_PACKED.clear()
