@@ -24,7 +24,8 @@ torch.set_num_threads(2). Sections:
             of vLLM's fused shapes (qkv 960×576, o 576×576, gate_up 3072×576, down 576×1536,
             ~57 MB of int4 + scales: more than L3), passes interleaved; and 4096×4096 warm
             (one matrix) / cold (cycling through 8 matrices, 64 MB); gemv_s: the GEMV on the
-            scales alone (no zeros: the kernel's layout where the GEMV runs)
+            scales alone (no zeros: the kernel's layout where the GEMV runs); where the best
+            GEMV is not AVX2, gemv_avx2 / kernel_gemv_avx2_1pct: the same forced onto AVX2
   outliers  the C++ op over those 30 blocks with 1% outliers as tiles in each value coding
             (fp32, fp16, int16 × row scale): time per pass next to the bytes each streams
   coded     the kernel over those 30 blocks, 4-bit, with coded group scales (--scale-bits 4)
@@ -143,7 +144,7 @@ def profile(a):
             x = torch.randn(1, K).to(torch.bfloat16)
             xf = x.float()
             sz, go = cpu._op_scales_zeros(s)
-            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, s.packed, go, sz),
+            fns = {"bf16": lambda: F.linear(x, Wb), "op": lambda: mm(x, cpu._op_packed(s), go, sz),
                    "kernel": lambda: CPUKernel.apply(s, x)}
             if native.usable():
                 fns["kernel_torch"] = lambda: _torch_path(s, x)
@@ -182,10 +183,12 @@ def large(a):
                    "dequant": path(1, False), "cached": path(1, True)}
             if gemv_ok:
                 fns["gemv"] = path(1 << 30, False, 1 << 30)
+                if not op_reads_gemv_layout():   # "op" would run the GEMV: small M never goes to torch's op here
+                    del fns["op"]
             ts = side_by_side(fns, max(5, a.rounds // 4), a.sample_us)
             print(f"M={M:4d}: " + "  ".join(f"{k}={med(v) / 1e3:.2f}" for k, v in ts.items()) + " | vs bf16: "
                   + " ".join(f"{k} {ratio(ts, 'bf16', k):.2f}x" for k in ts if k != "bf16")
-                  + f" | dequant/op {ratio(ts, 'op', 'dequant'):.2f}x", flush=True)
+                  + (f" | dequant/op {ratio(ts, 'op', 'dequant'):.2f}x" if "op" in ts else ""), flush=True)
     finally:
         cpu.LARGE_M, cpu_dequant.PREFILL_CACHE = saved
         if gemv_ok:
@@ -226,13 +229,67 @@ SMOL_VLLM = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down"
 
 
 def _int4_state(N, K, seed, latq_group=128):
-    """Random 4-bit weights in the op's state: (packed, scales_zeros, op group)."""
-    pack, _ = cpu_layouts.int4_ops()
+    """Random 4-bit weights in the GEMV's state: (packed, scales_zeros, op group); torch's op
+    reads them through :func:`op_packed`."""
     go = next(g for g in cpu.OP_GROUPS if K % g == 0 and latq_group % g == 0)
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
     s = torch.rand(K // go, N, generator=gen) * 0.02 + 0.002
-    return pack(u, 1), torch.stack([s, torch.zeros_like(s)], -1).to(torch.bfloat16).contiguous(), go
+    return cpu_layouts.pack_gemv(u), torch.stack([s, torch.zeros_like(s)], -1).to(torch.bfloat16).contiguous(), go
+
+
+def op_reads_gemv_layout() -> bool:
+    """torch's int4 op reads the GEMV's packed layout here (AVX-512 torch; its AVX2 kernel packs
+    other blocks, and the C++ op then never hands small M to torch's op)."""
+    return not native.available() or bool(torch.ops.latq_cpu.op_reads_gemv_layout())
+
+
+_OP_PACKED: dict = {}
+
+
+def op_packed(p: torch.Tensor) -> torch.Tensor:
+    """The GEMV's packed weights ``p`` as torch's op here reads them (repacked once where its
+    layout differs)."""
+    if op_reads_gemv_layout():
+        return p
+    key = (p.data_ptr(), tuple(p.shape))
+    if key not in _OP_PACKED:
+        N, K = p.shape[0], p.shape[1] * 2
+        u = cpu_layouts.unpack_int4pack(p, N, K, cpu_layouts.GEMV_LAYOUT).T.int() + 8
+        _OP_PACKED[key] = cpu_layouts.int4_ops()[0](u.contiguous(), 1)
+    return _OP_PACKED[key]
+
+
+def isa_impls(impls: dict, best: str, set_isa) -> dict:
+    """``impls`` (name → f(x, p, sz, g)) each run on the best instruction set ``best``, plus,
+    where that is not AVX2, "gemv_avx2" and "kernel_gemv_avx2_1pct": "gemv" and
+    "kernel_gemv_1pct" forced onto AVX2 side by side. Each wrapper sets its instruction set
+    (``set_isa``) right before the raw call: wrapping an already wrapped impl would set ``best``
+    back before the call and time the best ISA under AVX2's name."""
+    def on(isa, f):
+        def run(*args):
+            set_isa(isa)
+            return f(*args)
+        return run
+
+    out = {k: on(best, f) for k, f in impls.items()}
+    if best != "avx2":
+        out |= {"gemv_avx2": on("avx2", impls["gemv"]), "kernel_gemv_avx2_1pct": on("avx2", impls["kernel_gemv_1pct"])}
+    return out
+
+
+def isa_keys(ts: dict, best: str, sfx: str = "") -> dict:
+    """The per-ISA keys from one interleaved timing ``ts`` of :func:`isa_impls`' impls (each a
+    median of paired ratios, t_base / t_other): torch's op / the AVX2 GEMV, raw and in the
+    kernel with 1 % outliers (where torch's op reads the GEMV's layout), and the AVX2 GEMV / the
+    best ISA's (> 1: the best is faster). Empty where no AVX2 twin ran."""
+    if "gemv_avx2" not in ts:
+        return {}
+    out = {"gemv_isa_avx2_vs_op" + sfx: ratio(ts, "op", "gemv_avx2"),
+           f"gemv_isa_{best}_vs_avx2" + sfx: ratio(ts, "gemv_avx2", "gemv")}
+    if "kernel_op_1pct" in ts:
+        out["gemv_isa_avx2_kernel_1pct_vs_op" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_avx2_1pct")
+    return out
 
 
 def _passes(fns: dict, rounds: int) -> dict:
@@ -290,22 +347,14 @@ def gemv(a, results):
         return torch.ops.latq_cpu.gemv(x, p, scales_alone[key], g)
 
     best = torch.ops.latq_cpu.gemv_isa()
-
-    def on_isa(isa, f):   # the GEMV on one instruction set (AVX2 runs on AVX-512 CPUs too)
-        def run(*args):
-            torch.ops.latq_cpu.set_gemv_isa(isa)
-            return f(*args)
-        return run
-
-    impls = {"op": lambda x, p, sz, g: mm(x, p, g, sz),
+    impls = {"op": lambda x, p, sz, g: mm(x, op_packed(p), g, sz),
              "gemv": lambda x, p, sz, g: torch.ops.latq_cpu.gemv(x, p, sz, g),
              "gemv_s": gemv_scales_alone,
              "kernel_op": kernel(False), "kernel_gemv": kernel(True),
              "kernel_op_1pct": kernel(False, True), "kernel_gemv_1pct": kernel(True, True)}
-    impls = {k: on_isa(best, f) for k, f in impls.items()}
-    if best != "avx2":   # side by side: the same calls forced onto AVX2
-        impls |= {"gemv_avx2": on_isa("avx2", impls["gemv"]),
-                  "kernel_gemv_avx2_1pct": on_isa("avx2", kernel(True, True))}
+    if not op_reads_gemv_layout():   # small_linear never hands small M to torch's op here
+        del impls["kernel_op"], impls["kernel_op_1pct"]
+    impls = isa_impls(impls, best, torch.ops.latq_cpu.set_gemv_isa)
     try:
         print(f"\ngemv (M ≤ {saved} rows; ms per pass: best / median over interleaved passes; ratio = "
               "median of paired op/gemv)")
@@ -321,21 +370,25 @@ def gemv(a, results):
                 return lambda: [impl(xs[K], p, sz, g) for p, sz, g, K in layers]
 
             ts = _passes({k: one_pass(f) for k, f in impls.items()}, a.gemv_rounds)
+            kern = "kernel_op" in ts
             print(f"smol in situ M={M}, {len(layers)} layers, {mb:.0f} MB: " + "  ".join(
                 f"{k}={min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
-                + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x kernel {ratio(ts, 'kernel_op', 'kernel_gemv'):.2f}x"
-                f" kernel+1% outliers {ratio(ts, 'kernel_op_1pct', 'kernel_gemv_1pct'):.2f}x", flush=True)
+                + f" | op/gemv {ratio(ts, 'op', 'gemv'):.2f}x"
+                + (f" kernel {ratio(ts, 'kernel_op', 'kernel_gemv'):.2f}x kernel+1% outliers "
+                   f"{ratio(ts, 'kernel_op_1pct', 'kernel_gemv_1pct'):.2f}x" if kern else ""), flush=True)
             sfx = "" if M == 1 else f"_m{M}"
             results["gemv_smol_insitu" + sfx] = ratio(ts, "op", "gemv")
-            results["gemv_smol_insitu_kernel" + sfx] = ratio(ts, "kernel_op", "kernel_gemv")
-            results["gemv_smol_insitu_kernel_1pct" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
+            if kern:
+                results["gemv_smol_insitu_kernel" + sfx] = ratio(ts, "kernel_op", "kernel_gemv")
+                results["gemv_smol_insitu_kernel_1pct" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_1pct")
             results["gemv_scales_alone_vs_pairs" + sfx] = ratio(ts, "gemv", "gemv_s")
-            if "gemv_avx2" in ts:   # per instruction set: op/AVX2 GEMV, and AVX2 time / best ISA's
-                results["gemv_isa_avx2_vs_op" + sfx] = ratio(ts, "op", "gemv_avx2")
-                results["gemv_isa_avx2_kernel_1pct_vs_op" + sfx] = ratio(ts, "kernel_op_1pct", "kernel_gemv_avx2_1pct")
-                results[f"gemv_isa_{best}_vs_avx2" + sfx] = ratio(ts, "gemv_avx2", "gemv")
-                print(f"  per ISA ({best} vs forced avx2): op/gemv_avx2 {results['gemv_isa_avx2_vs_op' + sfx]:.2f}x "
-                      f"gemv_avx2/gemv_{best} {results[f'gemv_isa_{best}_vs_avx2' + sfx]:.2f}x", flush=True)
+            per_isa = isa_keys(ts, best, sfx)
+            results.update(per_isa)
+            if per_isa:   # best times beside the paired medians: min/min of the same passes
+                print(f"  per ISA ({best} vs forced avx2, median of paired ratios; min/min): op/gemv_avx2 "
+                      f"{per_isa['gemv_isa_avx2_vs_op' + sfx]:.2f}x; {min(ts['op']) / min(ts['gemv_avx2']):.2f}x  "
+                      f"gemv_avx2/gemv_{best} {per_isa[f'gemv_isa_{best}_vs_avx2' + sfx]:.2f}x; "
+                      f"{min(ts['gemv_avx2']) / min(ts['gemv']):.2f}x", flush=True)
         xs = {K: torch.randn(1, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
         for name, N, K in SMOL_VLLM:   # one layer, warm (in L2/L3)
             p, sz, g = _int4_state(N, K, 7)

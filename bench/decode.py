@@ -1,7 +1,8 @@
 """End-to-end decode speed through vLLM: bf16 vs latq (each available kernel path),
 eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
 
-    python -m bench.decode                                  # SmolLM2-135M bf16 vs its SSQR checkpoint
+    python -m bench.decode                                  # SmolLM2-135M vs its default checkpoint (GPTQ 4-bit g64)
+    python -m bench.decode --method ssqr                    # … vs its SSQR checkpoint (4-bit g128, 1 % outliers)
     python -m bench.decode --model gemma3-270m --ckpt DIR   # another pair
     python -m bench.decode --kernels cpu --modes compiled --repeats 5
     python -m bench.decode --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
@@ -38,12 +39,16 @@ else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
 ``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
 adds per-op overhead, so the profiled step is printed next to the unprofiled one.
 
-Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``): where a CPU emulates bf16
-(AVX2-only), fp32 is often the faster one, and latq is compared with the fastest.
+Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``), and so does latq's first
+kernel (``--latq-dtypes``; its other kernels run in the first of them): where a CPU emulates
+bf16 (AVX2-only), fp32 is often the faster one for both, and the fastest latq dtype is compared
+with the fastest baseline — what ``latq-serve --dtype`` should be on this CPU.
 
-The last line is ``HEADLINE cpu=<capability> ...`` with both latq/bf16 ratios of the default
-kernel selection and the tok/s they come from, batch 1 and 8, eager and compiled, and the ratio
-against the fastest baseline (``speedup_vs_fastest``, median of per-round ratios).
+The last line is ``HEADLINE cpu=<capability> gemv_isa=<what the latq engines' C++ GEMV ran on>
+...`` (``bench/decode_report.py``) with both latq/bf16 ratios of the first kernel in the first
+latq dtype and the tok/s they come from, batch 1 and 8, eager and compiled, and the ratio of
+the fastest latq dtype against the fastest baseline (``speedup_vs_fastest``, median of
+per-round ratios).
 """
 from __future__ import annotations
 
@@ -57,10 +62,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.decode_report import dtype_label, headline, latq_label, table
 from vllm_latq import cpu_features
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINE_LABELS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
            "The theory of relativity", "A recipe for bread:", "The largest ocean on Earth",
            "Machine learning is", "The history of Rome"]
@@ -100,7 +105,7 @@ def serve(job: dict) -> None:
     except Exception as e:  # noqa: BLE001 - reported in the table
         reply({"error": f"{type(e).__name__}: {e}"})
         return
-    reply({"load_s": round(load_s, 1)})
+    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job)})
     sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -115,6 +120,15 @@ def serve(job: dict) -> None:
             reply(_profile(llm, job))
         else:
             break
+
+
+def _gemv_isa(job: dict) -> str:
+    """The instruction set the C++ GEMV dispatches to in this engine process ("" for none: a
+    baseline, another kernel, or no GEMV here)."""
+    if job.get("kernel") != "cpu":
+        return ""
+    from vllm_latq.kernels.cpu import kernel
+    return kernel.gemv_isa()
 
 
 class Engine:
@@ -202,21 +216,6 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
     return results
 
 
-def speedups(run: dict, ref: dict | None) -> tuple[float, float]:
-    """(median over rounds of the per-round ratio bf16 time / this time, ratio of the two median
-    tok/s) of one engine's ``run`` against bf16's ``ref`` at the same batch. The two differ: a round
-    pairs runs of the same seconds, so its ratio is immune to the bandwidth drift that moves the
-    medians. Without pairs (other tokens) the first is nan; without ``ref`` both are."""
-    nan = float("nan")
-    return run.get("paired_ratio", nan), run["tok_s"] / ref["tok_s"] if ref else nan
-
-
-def paired_ratio(run: dict, ref: dict) -> float:
-    """The median over rounds of ``ref``'s time / ``run``'s (both engines ran once per round)."""
-    pairs = list(zip(ref["times"], run["times"]))
-    return statistics.median(t0 / t1 for t0, t1 in pairs) if pairs else float("nan")
-
-
 # names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
 LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::",
               "latq_cpu::")
@@ -302,6 +301,18 @@ def default_ckpt(model: str, method: str) -> Path:
     return quantize_model(model, d, QuantizeOptions(method=method, nsamples=16, seqlen=256), overwrite=True)
 
 
+def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[str], latq_dtypes: list[str],
+                extra_ckpts: list[str]) -> list[dict]:
+    """The engines of one mode: the unquantized baselines (the first is the reference of the
+    paired ratios), the first latq kernel in every latq dtype, the other kernels and the extra
+    checkpoints in the first."""
+    return [{"label": dtype_label(d), "model": base, "kernel": None, "dtype": d} for d in baseline_dtypes] + [
+        {"label": latq_label(k, d, latq_dtypes[0]), "model": ckpt, "kernel": k, "dtype": d}
+        for k in kernels for d in (latq_dtypes if k == kernels[0] else latq_dtypes[:1])] + [
+        {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0], "dtype": latq_dtypes[0]}
+        for e in extra_ckpts]
+
+
 MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
 
 
@@ -326,7 +337,8 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
-    ap.add_argument("--method", default="ssqr", help="method of the default checkpoint")
+    ap.add_argument("--method", default=None, help="method of the default checkpoint (default: latq-quantize's, "
+                    "GPTQ 4-bit g64; e.g. ssqr)")
     ap.add_argument("--kernels", default="auto", help="comma list (cpu,cpu-torch,triton,reference) or auto; "
                     "cpu-torch = the CPU kernel without its C++ op")
     ap.add_argument("--modes", default="eager,compiled")
@@ -337,7 +349,9 @@ def main(argv=None) -> None:
                     help="repeats for the reference kernel (dequantizes every call: slow)")
     ap.add_argument("--reference-tokens", type=int, default=16,
                     help="new tokens for the reference kernel (seconds per step on CPU)")
-    ap.add_argument("--dtype", default="bfloat16", help="the latq engines' activation dtype")
+    ap.add_argument("--latq-dtypes", default="bfloat16,float32",
+                    help="activation dtypes of the first latq kernel, one engine each (the others run in the first): "
+                         "the fastest is compared with the fastest baseline")
     ap.add_argument("--baseline-dtypes", default="bfloat16,float32",
                     help="unquantized baselines, one engine per dtype: latq is also compared with the fastest "
                          "(on a CPU without native bf16, fp32 may be)")
@@ -353,12 +367,14 @@ def main(argv=None) -> None:
         return serve(json.loads(a.serve))
 
     from vllm_latq.data import MODELS, model_dir
+    from vllm_latq.quantize.pipeline import DEFAULT_METHOD
 
     if a.moe:
         base, ckpt = map(str, moe_pair())
     else:
         base = str(model_dir(a.model)) if a.model in MODELS else a.model
-        ckpt = str(a.ckpt or default_ckpt(a.model, a.method))
+        ckpt = str(a.ckpt or default_ckpt(a.model, a.method or DEFAULT_METHOD))
+    latq_dtypes = a.latq_dtypes.split(",")
     kernels = available_kernels() if a.kernels == "auto" else a.kernels.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     ncpu = os.cpu_count() or 1
@@ -369,13 +385,10 @@ def main(argv=None) -> None:
           f"tokens; median of {a.repeats}; threads {env['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
     results = []
     for mode in a.modes.split(","):
-        jobs = [{"label": BASELINE_LABELS.get(d, d), "model": base, "kernel": None, "baseline_dtype": d}
-                for d in a.baseline_dtypes.split(",")] + [
-            {"label": f"latq-{k}", "model": ckpt, "kernel": k} for k in kernels] + [
-            {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0]} for e in a.extra_ckpt]
+        jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt)
         for j in jobs:
             ref = j["kernel"] == "reference"
-            j.update(mode=mode, dtype=j.pop("baseline_dtype", a.dtype), batches=batches, kv_bytes=a.kv_bytes,
+            j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes,
                      tokens=a.reference_tokens if ref else a.tokens,
                      repeats=a.reference_repeats if ref else a.repeats, profile=a.profile)
         menv = dict(env)
@@ -386,65 +399,14 @@ def main(argv=None) -> None:
         results += run_mode(jobs, menv, a.repeats)
 
     # ------------------------------------------------------------------ report
-    def find(label, mode):
-        return next((r for r in results if r["label"] == label and r["mode"] == mode), None)
-
-    def ratio(run, b, mode):   # the median of per-round ratios; else (reference kernel: other tokens) nan
-        return speedups(run, ((find("bf16", mode) or {}).get("runs") or {}).get(b))[0]
-
-    def tok_s_ratio(run, b, mode):
-        return speedups(run, ((find("bf16", mode) or {}).get("runs") or {}).get(b))[1]
-
-    print(f"\n{'mode':9s} {'weights':16s} {'batch':>5s} {'tok/s':>8s} {'ms/step':>8s} {'paired':>8s} {'tok/s':>7s}  "
-          "load  new tokens x repeats   (vs bf16 — paired: median over rounds of the per-round time ratio; "
-          "tok/s: ratio of the median tok/s)")
-    for r in results:
-        if "error" in r:
-            print(f"{r['mode']:9s} {r['label']:16s} ERROR {r['error'][:300]}")
-            continue
-        for b, run in r["runs"].items():
-            print(f"{r['mode']:9s} {r['label']:16s} {b:>5s} {run['tok_s']:8.1f} {run['ms_per_step']:8.1f} "
-                  f"{ratio(run, b, r['mode']):7.2f}x {tok_s_ratio(run, b, r['mode']):6.2f}x  {r['load_s']:4.0f}s  "
-                  f"{r['tokens']} x {len(run['times'])}"
-                  + ("   rounds {:.2f}–{:.2f}x".format(*run["paired_range"]) if "paired_range" in run else ""))
-    for r in results:
-        if r.get("load_line"):
-            print(f"  {r['mode']} {r['label']}: {r['load_line']}")
-    for r in results:
-        pr = r.get("profile")
-        if pr:
-            unprof = r["runs"].get("1", {}).get("ms_per_step", float("nan"))
-            print(f"PROFILE mode={r['mode']} weights={r['label']} batch=1 step_ms={pr['step_ms']:.2f} "
-                  f"(unprofiled {unprof:.2f}) linears_ms={pr['linears_ms']:.2f} lm_head_ms={pr['lm_head_ms']:.2f} "
-                  f"other_ms={pr['other_ms']:.2f} outside_linears_share={pr['outside_linears_share']:.2f}")
+    print()
+    print("\n".join(table(results)))
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
-    head = []
-    best = kernels[0]
-    for mode in a.modes.split(","):
-        q, ref = find(f"latq-{best}", mode), find("bf16", mode)
-        for e in a.extra_ckpt:   # e.g. a --quantize-lm-head checkpoint
-            x = find(f"latq-{best}:{Path(e).name}", mode)
-            if x and ref and "runs" in x and "runs" in ref and "1" in x["runs"]:
-                head.append(f"{mode}_b1_speedup_median_of_rounds_{Path(e).name}={ratio(x['runs']['1'], '1', mode):.2f}")
-        for b in batches:
-            if q and ref and "runs" in q and "runs" in ref:
-                qt, rt = q['runs'][str(b)]['tok_s'], ref['runs'][str(b)]['tok_s']
-                head += [f"{mode}_b{b}_speedup_median_of_rounds={ratio(q['runs'][str(b)], str(b), mode):.2f}",
-                         f"{mode}_b{b}_speedup_tok_s={tok_s_ratio(q['runs'][str(b)], str(b), mode):.2f}",
-                         f"{mode}_b{b}_latq_tok_s={qt:.1f}",
-                         f"{mode}_b{b}_bf16_tok_s={rt:.1f}"]
-    for mode in a.modes.split(","):   # against the fastest unquantized engine of this CPU, per batch
-        q = find(f"latq-{best}", mode)
-        bases = [r for r in results if r["mode"] == mode and r["kernel"] is None and "runs" in r]
-        for b in batches:
-            if q and "runs" in q and bases:
-                fast = max(bases, key=lambda r: r["runs"][str(b)]["tok_s"])
-                head += [f"{mode}_b{b}_fastest_baseline={fast['label']}",
-                         f"{mode}_b{b}_speedup_vs_fastest={paired_ratio(q['runs'][str(b)], fast['runs'][str(b)]):.2f}"]
-    isa = os.environ.get("LATQ_CPU_ISA", "best")   # the CPU GEMV's instruction set, as forced for the workers
-    print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa} dtype={a.dtype} model={Path(base).name} "
-          f"ckpt={Path(ckpt).name} kernel={best} " + " ".join(head))
+    print("HEADLINE " + headline(results, modes=a.modes.split(","), batches=batches, kernel=kernels[0],
+                                 latq_dtypes=latq_dtypes,
+                                 extra_ckpts=a.extra_ckpt, cpu=cpu_features.capability(), model=Path(base).name,
+                                 ckpt=Path(ckpt).name))
 
 
 if __name__ == "__main__":

@@ -11,19 +11,11 @@ vocab 151936), two of them by default.
     python -m bench.memory --shape small --layers 4          # a quick run (seconds)
     python -m bench.memory --max-activation-memory 0         # calibration activations spilled to disk
 
-The model is written once as sharded bf16 safetensors (HF layout — experts one tensor per
-expert and projection, as the hub's MoE checkpoints —, config.json, SmolLM2's tokenizer: its
-ids fit the larger vocabulary) under ``cache_dir()/bench`` (``--model-dir`` elsewhere) and
-reused. Each quantization runs in its own process, which reports its peak RSS (``VmHWM`` of
-``/proc/self/status``: resident memory, memory-mapped file pages included) after the last
-block and at the end (the tail writes embeddings and head and validates the checkpoint), and
-the seconds of every block. Printed next to them: the model's size and one block's working
-set — its bf16 weights, its fp64 Hessians (one per distinct linear input: q/k/v and gate/up
-share theirs; of a mixture only one expert's at a time, with the all-token ones a starved
-expert's blend reads) and the calibration activations (nsamples × seqlen × hidden, bf16; a
-mixture keeps its experts' inputs too, a second such copy) — and the target: twice the
-block's weights and Hessians, plus the activations held in memory. The last line is
-``HEADLINE key=value ...``.
+The model is written once under ``cache_dir()/bench`` (``--model-dir`` elsewhere) and reused
+(:func:`write_model`); each quantization runs in its own process, which reports its peak RSS
+(``VmHWM``) after the last block and at the end, and the seconds of every block (:func:`child`).
+Printed next to them: the model's size, one block's working set and the target (:func:`sizes`).
+The last line is ``HEADLINE key=value ...``.
 """
 from __future__ import annotations
 
@@ -94,7 +86,11 @@ def write_model(out: Path, cfg: dict) -> Path:
     """Random bf16 weights for config ``cfg`` as an HF directory (reused when complete):
     matrices tiled from one pool of N(0, 0.02²) values at a random offset each (drawing 8·10⁹
     fresh normals would take this 2-core machine longer than quantizing them; the values do
-    not matter to memory and time), norms at one."""
+    not matter to memory and time), norms at one.
+
+    Written as sharded bf16 safetensors (HF layout — experts one tensor per expert and
+    projection, as the hub's MoE checkpoints —, config.json, SmolLM2's tokenizer: its ids fit
+    the larger vocabulary)."""
     import torch
     from safetensors.torch import save_file
 
@@ -140,7 +136,10 @@ def sizes(cfg: dict, nsamples: int, seqlen: int) -> dict:
     """Bytes of the model and of one block's weights (bf16), of its Hessians (fp64; q/k/v and
     gate/up share one; of a mixture, one expert's two and the all-token two a blend reads,
     experts being solved one at a time) and of the calibration activations (bf16; a mixture
-    also keeps its experts' inputs: two copies)."""
+    also keeps its experts' inputs: two copies).
+
+    The target printed beside the measurements: twice the block's weights and Hessians, plus
+    the activations held in memory."""
     shapes = checkpoint_shapes(cfg)
     block0 = sum(s.numel() for n, s in shapes.items() if ".layers.0." in n)
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -164,7 +163,11 @@ def vm_hwm() -> int:
 
 
 def child(spec: dict) -> dict:
-    """One quantization (in a fresh process) → its peak RSS and seconds per block."""
+    """One quantization (in a fresh process) → its peak RSS and seconds per block.
+
+    The peak RSS is ``VmHWM`` of ``/proc/self/status`` (resident memory, memory-mapped file
+    pages included), read after the last block and at the end (the tail writes embeddings and
+    head and validates the checkpoint)."""
     from vllm_latq.quantize.cli import setup_logging
     from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 

@@ -9,18 +9,12 @@ torch; the study then runs this file with that environment's interpreter:
     PEER_PYTHON bench/peer_llmcompressor.py layers IN.pt OUT.pt          # see compare_layers
     PEER_PYTHON bench/peer_llmcompressor.py scales SRC BITS GROUP OUT.pt # see model_scales
 
-SRC is the bf16 Hugging Face directory our pipeline quantizes, CALIB.pt the calibration token ids
-``[n, seqlen]`` our pipeline uses (the study writes them, so both see the same sequences). The
-settings are ours: symmetric signed ``bits``-bit integers, one scale per output row and group of
-``group-size`` input columns chosen by minimising the rounding error (llm-compressor's ``mse``
-observer), static act-order (scales fixed per natural group before the sweep), damping 0.01 of
-mean diag H, lazy batches of 128 columns, the sequential pipeline with error propagation (block by
-block, the next block's inputs from the quantized block), the output head untouched.
-
-OUT is a Hugging Face directory whose linears hold llm-compressor's dequantized weights exactly as
-its checkpoints deploy them (``bf16(z·s)``, stored in fp32), evaluated by the study through the same
-protocol as ours; ``OUT/peer.json`` records versions, settings, seconds, the bits per weight and a
-check that every quantized weight is an integer of the grid times its group's scale.
+SRC is the bf16 Hugging Face directory our pipeline quantizes, CALIB.pt the calibration token
+ids our pipeline uses (both see the same sequences), the settings ours (:func:`_weight_args`).
+OUT is a Hugging Face directory whose linears hold llm-compressor's dequantized weights exactly
+as its checkpoints deploy them (``bf16(z·s)``, stored in fp32), evaluated by the study through
+the same protocol as ours; ``OUT/peer.json`` records versions, settings, seconds, the bits per
+weight and a check that every weight is an integer of the grid times its group's scale.
 """
 from __future__ import annotations
 
@@ -80,7 +74,12 @@ def bits_per_weight(shapes, bits: int, group_size: int) -> float:
 
 
 def _weight_args(bits: int, group_size: int):
-    """llm-compressor's quantization arguments at our settings (module docstring)."""
+    """llm-compressor's quantization arguments at our settings: symmetric signed ``bits``-bit
+    integers, one scale per output row and group of ``group_size`` input columns chosen by
+    minimising the rounding error (llm-compressor's ``mse`` observer), static act-order (scales
+    fixed per natural group before the sweep); the run around them keeps our damping (0.01 of
+    mean diag H), lazy batches of 128 columns, the sequential pipeline with error propagation
+    (the next block's inputs from the quantized block) and the output head untouched."""
     from compressed_tensors.quantization import QuantizationArgs
     return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size,
                             observer="mse", actorder="static")

@@ -6,6 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.helpers import gemv_isa_set  # noqa: E402
 from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -40,18 +41,6 @@ def tiny_checkpoints(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(params=["avx512", "avx2"])
 def gemv_isa(request):
-    """Each instruction set the C++ GEMV can run on here, set for the test (AVX2 runs on an
-    AVX-512 CPU too); skipped where this CPU or build lacks it; nothing to set without the op."""
-    from vllm_latq import native
-    if not native.available():
-        yield None
-        return
-    saved = torch.ops.latq_cpu.gemv_isa()
-    try:
-        torch.ops.latq_cpu.set_gemv_isa(request.param)
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    try:
-        yield request.param
-    finally:
-        torch.ops.latq_cpu.set_gemv_isa(saved)
+    """Each instruction set the C++ GEMV can run on here, set for the test (:func:`gemv_isa_set`)."""
+    with gemv_isa_set(request.param) as isa:
+        yield isa

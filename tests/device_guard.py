@@ -1,8 +1,7 @@
 """A guard that proves, without a GPU, that code makes its tensors on its inputs' device.
 
 On a CPU machine a tensor made without ``device=`` lands on the CPU like the inputs, so a
-missing ``device=`` goes unnoticed until the code first meets a CUDA tensor (the ``unpack``
-crash of issue 19). :func:`factories_follow_inputs` fails at the first call of a tensor
+missing ``device=`` goes unnoticed until the code first meets a CUDA tensor and crashes. :func:`factories_follow_inputs` fails at the first call of a tensor
 factory (``torch.arange``, ``zeros``, ``full``, ``tensor`` …) that names no device; ``*_like``,
 ``Tensor.new_*`` and ops on existing tensors follow their inputs by construction and pass.
 ``torch.tensor`` / ``as_tensor`` of a tensor keep its device and pass too.

@@ -2,6 +2,9 @@
 (What tests and benches share lives in ``vllm_latq.testing``.)"""
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 
 # kernel tests' outlier pattern (random_weight rows=): row 1 has half its columns as outliers
@@ -28,3 +31,22 @@ def replay_blocks(model_dir, ntokens: int):
             x = capture.run_block(layers[i], x, kwargs[i])
             assert torch.equal(x, ref[i + 1]), f"block {i}"
     return layers, kwargs, ref
+
+
+@contextlib.contextmanager
+def gemv_isa_set(name: str):
+    """The C++ GEMV on instruction set ``name`` within the block (AVX2 runs on an AVX-512 CPU
+    too); skips the test where this CPU or build lacks it; nothing to set without the op."""
+    from vllm_latq import native
+    if not native.available():
+        yield None
+        return
+    saved = torch.ops.latq_cpu.gemv_isa()
+    try:
+        torch.ops.latq_cpu.set_gemv_isa(name)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        yield name
+    finally:
+        torch.ops.latq_cpu.set_gemv_isa(saved)

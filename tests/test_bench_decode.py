@@ -1,8 +1,12 @@
-"""bench/decode.py's two latq/bf16 ratios: the median of per-round ratios and the ratio of the median
-tok/s are different numbers, computed each from what it names."""
+"""bench/decode.py: its two latq/bf16 ratios (the median of per-round ratios and the ratio of the median
+tok/s are different numbers, computed each from what it names), the engines it starts, the default
+checkpoint it measures, and the HEADLINE's keys from the engines' results (nothing timed)."""
 import math
 
-from bench.decode import speedups
+import pytest
+
+from bench import decode
+from bench.decode_report import headline, paired_ratio, speedups
 
 
 def test_speedups_name_what_they_compute():
@@ -18,8 +22,70 @@ def test_speedups_name_what_they_compute():
 def test_paired_ratio_against_any_baseline():
     """latq against whichever baseline was fastest: the median of per-round time ratios, each
     round pairing the two engines' runs of that round."""
-    from bench.decode import paired_ratio
     fp32 = {"times": [1.0, 1.2, 0.9]}
     latq = {"times": [0.5, 1.0, 0.45]}
     assert paired_ratio(latq, fp32) == 2.0          # rounds 2.0, 1.2, 2.0
     assert math.isnan(paired_ratio({"times": []}, fp32))
+
+
+def test_engines_time_latqs_first_kernel_in_every_latq_dtype():
+    jobs = decode.engine_jobs("B", "C", ["cpu", "reference"], ["bfloat16", "float32"], ["bfloat16", "float32"],
+                              ["X/head8"])
+    assert [(j["label"], j["kernel"], j["dtype"]) for j in jobs] == [
+        ("bf16", None, "bfloat16"), ("fp32", None, "float32"),
+        ("latq-cpu", "cpu", "bfloat16"), ("latq-cpu-fp32", "cpu", "float32"),
+        ("latq-reference", "reference", "bfloat16"), ("latq-cpu:head8", "cpu", "bfloat16")]
+
+
+def test_default_checkpoint_is_latq_quantizes_default(monkeypatch):
+    """Without --ckpt the bench measures the checkpoint ``latq-quantize`` makes by default (GPTQ
+    4-bit g64); --method picks another."""
+    from vllm_latq import data
+    from vllm_latq.quantize.pipeline import DEFAULT_METHOD, default_group_size
+    assert (DEFAULT_METHOD, default_group_size(DEFAULT_METHOD)) == ("gptq", 64)
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_ckpt(model, method):
+        asked.append(method)
+        raise Stop
+    monkeypatch.setattr(decode, "default_ckpt", fake_ckpt)
+    monkeypatch.setattr(data, "model_dir", lambda name: f"/models/{name}")
+    for argv, want in (([], DEFAULT_METHOD), (["--method", "ssqr"], "ssqr")):
+        with pytest.raises(Stop):
+            decode.main(["--kernels", "cpu", *argv])
+        assert asked[-1] == want
+
+
+def _engine(label, mode, kernel, dtype, times, isa=""):
+    runs = {b: {"times": t, "tok_s": int(b) * 4 / sorted(t)[len(t) // 2]} for b, t in times.items()}
+    for b, run in runs.items():
+        if label != "bf16":
+            run["paired_ratio"] = 1.0
+    return {"label": label, "mode": mode, "kernel": kernel, "dtype": dtype, "tokens": 4, "load_s": 1.0,
+            "gemv_isa": isa, "runs": runs}
+
+
+def test_headline_names_the_gemv_isa_that_ran_and_the_fastest_latq_dtype():
+    """``gemv_isa`` is what the latq engines' GEMV dispatched to (their reply), not an environment
+    value; ``speedup_vs_fastest`` pairs the fastest latq dtype with the fastest baseline, and each
+    latq dtype gets its own ratio against that baseline."""
+    res = [_engine("bf16", "eager", None, "bfloat16", {"1": [4.0, 4.0, 4.0]}),
+           _engine("fp32", "eager", None, "float32", {"1": [2.0, 2.2, 1.8]}),
+           _engine("latq-cpu", "eager", "cpu", "bfloat16", {"1": [2.0, 2.0, 2.0]}, "avx2"),
+           _engine("latq-cpu-fp32", "eager", "cpu", "float32", {"1": [1.0, 1.0, 1.2]}, "avx2")]
+    line = headline(res, modes=["eager"], batches=[1], kernel="cpu", latq_dtypes=["bfloat16", "float32"],
+                    extra_ckpts=[], cpu="AVX2", model="m", ckpt="c")
+    keys = dict(kv.split("=", 1) for kv in line.split())
+    assert keys["cpu"] == "AVX2" and keys["gemv_isa"] == "avx2" and keys["latq_dtypes"] == "bf16,fp32"
+    assert keys["eager_b1_fastest_baseline"] == "fp32" and keys["eager_b1_fastest_latq_dtype"] == "fp32"
+    assert keys["eager_b1_speedup_vs_fastest"] == "2.00"        # rounds 2.0, 2.2, 1.5
+    assert keys["eager_b1_latq_bf16_vs_fastest"] == "1.00" and keys["eager_b1_latq_fp32_vs_fastest"] == "2.00"
+    assert keys["eager_b1_latq_tok_s"] == "2.0" and keys["eager_b1_bf16_tok_s"] == "1.0"
+    for r in res[2:]:
+        r["gemv_isa"] = ""          # no GEMV in the engines (torch's op, or another kernel)
+    assert " gemv_isa=none " in " " + headline(res, modes=["eager"], batches=[1], kernel="cpu",
+                                         latq_dtypes=["bfloat16", "float32"], extra_ckpts=[], cpu="AVX2",
+                                         model="m", ckpt="c")

@@ -1,4 +1,4 @@
-"""bench/kernels.py without a GPU: the command line, the shape table, the served-bytes model,
+"""bench/kernels.py and its timing harness without a GPU: the command line, the shape table, the served-bytes model,
 the table / crossover / HEADLINE formatting from fake measurements, the CPU exit path, and
 one layer's whole measurement pipeline in Triton's interpreter with a fake timer."""
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from bench import kernels as bk
+from bench import kernel_timing as kt, kernels as bk
 from vllm_latq.testing.weights import random_weight
 
 triton = pytest.importorskip("triton")
@@ -79,20 +79,20 @@ def test_weight_bytes_are_the_served_layout(bits, mode, k):
     elif mode == "csr":
         expect += 4 * (n_pad + 1) + (4 + entry) * w.nnz
     assert w.nnz > 0 or mode is None
-    assert bk.weight_bytes(st) == expect
-    assert bk.act_bytes(8, n, k, 2) == 8 * (k + n) * 2
+    assert kt.weight_bytes(st) == expect
+    assert kt.act_bytes(8, n, k, 2) == 8 * (k + n) * 2
 
 
 def test_copies_span_several_l2_sizes():
-    assert bk.copies(10_000_000, L2) == math.ceil(4 * L2 / 10_000_000) == 21
-    assert bk.copies(4 * L2, L2) == 1 and bk.copies(10**12, L2) == 1
-    assert bk.copies(1000, L2) == bk.MAX_COPIES
+    assert kt.copies(10_000_000, L2) == math.ceil(4 * L2 / 10_000_000) == 21
+    assert kt.copies(4 * L2, L2) == 1 and kt.copies(10**12, L2) == 1
+    assert kt.copies(1000, L2) == kt.MAX_COPIES
 
 
 # ----------------------------------------------------------------------------- report formatting
 
 def _pt(shape="8b.down", m=1, latq=10.0, dense=30.0, bits=4, rate=0.01, err=1e-3, n=4096, k=14336):
-    return bk.Point(shape, n, k, bits, rate, m, "gemv" if m < 8 else "mma", latq, dense, 8.0, 9_000_000,
+    return kt.Point(shape, n, k, bits, rate, m, "gemv" if m < 8 else "mma", latq, dense, 8.0, 9_000_000,
                     16384, {"gemv": latq, "dequant": 40.0}, err)
 
 
@@ -100,12 +100,12 @@ def test_point_numbers_and_row():
     p = _pt()
     assert (p.ratio, p.served_bytes, p.pct_copy) == (3.0, 9_016_384, 80.0)
     assert p.gbps == pytest.approx(901.6384) and p.bits_per_weight == pytest.approx(8 * 9e6 / (4096 * 14336))
-    row = bk.format_point(p)
+    row = kt.format_point(p)
     assert row.split() == ["8b.down", "4096x14336", "4", "1.0%", "fp16-g128", "1", "gemv", "10.0", "30.0", "3.00x",
                            "10.0",
                            "-", "40.0", "1.23", "902", "80.0%", "1.0e-03"]
-    assert len(row) == len(bk.table_header())
-    bad = bk.format_point(_pt(latq=math.nan, err=math.inf))
+    assert len(row) == len(kt.table_header())
+    bad = kt.format_point(_pt(latq=math.nan, err=math.inf))
     assert bad.split()[7] == "-" and bad.split()[9] == "-x" and bad.endswith("WRONG")
 
 
@@ -163,7 +163,7 @@ def test_picked_kernel_is_apply_routing(monkeypatch):
         x = torch.zeros(m, 1024, dtype=dt)
         ran.clear()
         TritonKernel.apply(st, x)                 # the fakes return x2: [M, K] is [M, N] here
-        assert ran == [bk.picked_kernel(st, x)]
+        assert ran == [kt.picked_kernel(st, x)]
         seen.add(ran[0])
     assert seen == {"gemv", "mma", "dequant"}
 
@@ -184,19 +184,19 @@ def test_one_layer_in_the_interpreter(monkeypatch):
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
     timer, cache, log = FakeTimer(), {}, []
     cpu = torch.device("cpu")
-    pts = bk.bench_layer(("t", 32, 256), 4, 0.02, [1, 8], ["gemv", "mma"], torch.bfloat16, cpu, 1, timer, cache,
+    pts = kt.bench_layer(("t", 32, 256), 4, 0.02, [1, 8], ["gemv", "mma"], torch.bfloat16, cpu, 1, timer, cache,
                          log.append)
     assert [(p.m, p.kernel, sorted(p.kernels_us)) for p in pts] == [(1, "gemv", ["gemv", "mma"]),
                                                                    (8, "mma", ["gemv", "mma"])]
-    assert all(p.err < bk.ERR_TOL and not p.bad for p in pts)
-    w = bk.bench_weight(32, 256, 4, 0.02)
+    assert all(p.err < kt.ERR_TOL and not p.bad for p in pts)
+    w = kt.bench_weight(32, 256, 4, 0.02)
     st = TritonKernel.prepare(w)
     assert st.outl_val.dtype == torch.float16 and w.nnz > 0           # compact entries, as an SSQR checkpoint's
-    assert all(p.weight_bytes == bk.weight_bytes(st) and p.act_bytes == p.m * (32 + 256) * 2 for p in pts)
+    assert all(p.weight_bytes == kt.weight_bytes(st) and p.act_bytes == p.m * (32 + 256) * 2 for p in pts)
     # per M: picked, the other forced kernel, dense, copy — in that order
     assert (pts[0].latq_us, pts[0].kernels_us["mma"], pts[0].dense_us, pts[0].copy_us) == (1.0, 2.0, 3.0, 4.0)
     assert timer.n == 8 and set(cache) == {(32, 256, 1), (32, 256, 8)}
-    again = bk.bench_layer(("t", 32, 256), 4, 0.0, [1], [], torch.bfloat16, cpu, 1, timer, cache, log.append)
+    again = kt.bench_layer(("t", 32, 256), 4, 0.0, [1], [], torch.bfloat16, cpu, 1, timer, cache, log.append)
     assert timer.n == 10 and again[0].dense_us == 3.0          # dense reused per shape × M
     assert "FAILED" not in "\n".join(log)
 
@@ -211,7 +211,7 @@ def test_a_failing_kernel_costs_its_numbers_not_the_run(monkeypatch):
         return real(st, x2, bias, kernel, config, scratch)
     monkeypatch.setattr(tk, "launch", launch)
     log = []
-    pts = bk.bench_layer(("t", 32, 256), 4, 0.0, [1, 8], ["gemv", "mma"], torch.bfloat16, torch.device("cpu"),
+    pts = kt.bench_layer(("t", 32, 256), 4, 0.0, [1, 8], ["gemv", "mma"], torch.bfloat16, torch.device("cpu"),
                          1, FakeTimer(), {}, log.append)
     assert [p.bad for p in pts] == [True, True]          # the mma check failed at both M
     assert math.isnan(pts[0].kernels_us["mma"]) and pts[0].latq_us == 1.0
@@ -226,17 +226,17 @@ def test_sweep_with_budget_and_summary(monkeypatch):
     a = bk.parse_args(["--no-static", "--shapes", "32x256", "--bits", "4", "--rates", "0,0.01", "--m", "1",
                        "--breakdown", "none", "--budget-s", "0"])
     log, timer = [], FakeTimer()
-    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, timer, log.append, big=1 << 12)
+    res = kt.sweep(a, torch.device("cpu"), "Fake GPU", 1, timer, log.append, big=1 << 12)
     assert res["points"] == [] and res["skipped"] == [("32x256", 4, 0.0, "fp16-g128"), ("32x256", 4, 0.01, "fp16-g128")]
     assert res["copy_gbps"] == 2 * 4096 / 1.0 / 1e3 and timer.n == 1
     a.budget_s = 1e9
-    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
+    res = kt.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
     assert [(p.shape, p.rate, p.m, p.kernel) for p in res["points"]] == [("32x256", 0.0, 1, "gemv"),
                                                                         ("32x256", 0.01, 1, "gemv")]
     head = bk.gpu_summary(res)[1]
     assert head["gpu"] == "Fake_GPU" and head["m1_4b_1pct_ratio"] == "na"        # 32x256: not target-class
     assert head["m1_4b_1pct_ratio_all"] != "na" and head["points"] == 2 and head["skipped"] == 0
-    assert sum(s.startswith("SKIPPED") for s in log) == 2 and bk.table_header() in log
+    assert sum(s.startswith("SKIPPED") for s in log) == 2 and kt.table_header() in log
 
 
 @pytest.mark.parametrize("new_api", [True, False])
@@ -255,7 +255,7 @@ def test_cuda_timer_reads_the_median_in_us(monkeypatch, new_api):
             return [0.0125]
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake)
     ran = []
-    assert bk.cuda_timer(3.0)(lambda: ran.append(1)) == 12.5 and ran == [1]
+    assert kt.cuda_timer(3.0)(lambda: ran.append(1)) == 12.5 and ran == [1]
     assert seen == ({"rep": 3.0, "mode": "median"} if new_api else {"rep": 3.0, "q": [0.5]})
 
 
@@ -265,10 +265,10 @@ def test_sweep_survives_a_failing_configuration(monkeypatch):
     def bench_layer(spec, *args):
         if spec[1] == 32:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return [bk.Point(spec[0], spec[1], spec[2], 4, 0.01, 1, "gemv", 1.0, 2.0, 1.0, 100, 10, {}, 0.0)]
-    monkeypatch.setattr(bk, "bench_layer", bench_layer)
+        return [kt.Point(spec[0], spec[1], spec[2], 4, 0.01, 1, "gemv", 1.0, 2.0, 1.0, 100, 10, {}, 0.0)]
+    monkeypatch.setattr(kt, "bench_layer", bench_layer)
     log = []
-    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
+    res = kt.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
     assert [p.shape for p in res["points"]] == ["16x128"]
     assert res["skipped"] == [("32x256", 4, 0.01, "fp16-g128")]
     assert any(s.startswith("FAILED 32x256 4-bit 1% fp16-g128: RuntimeError: CUDA error") for s in log)
@@ -281,9 +281,9 @@ def test_sweep_times_each_group_scale_form_against_the_first(monkeypatch):
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
     a = bk.parse_args(["--no-static", "--shapes", "32x256", "--bits", "4", "--rates", "0", "--m", "1",
                        "--breakdown", "none", "--scales", "fp16-g128,s4-g64"])
-    assert a.scales == ["fp16-g128", "s4-g64"] and bk.scale_form("s4-g64") == (64, 4)
+    assert a.scales == ["fp16-g128", "s4-g64"] and kt.scale_form("s4-g64") == (64, 4)
     log = []
-    res = bk.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
+    res = kt.sweep(a, torch.device("cpu"), "Fake GPU", 1, FakeTimer(), log.append, big=1 << 12)
     fp16, s4 = res["points"]
     assert (fp16.scales, s4.scales) == ("fp16-g128", "s4-g64") and not fp16.bad and not s4.bad
     assert s4.bits_per_weight < fp16.bits_per_weight + 0.05   # 6 bits per 64 weights vs 16 per 128 (+ padding)

@@ -19,7 +19,7 @@ from vllm_latq.format.files import MANIFEST_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.inspect import inspect_main
-from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
+from vllm_latq.testing.header_edits import edit_bytes_in_place, edit_entry, read_header, with_header
 
 L0 = "model.layers.0.self_attn.q_proj"
 EVAL = ["--nwindows", "1", "--seqlen", "16", "--no-progress"]
@@ -100,8 +100,9 @@ def test_missing_manifest_is_refused_and_no_verify_says_what_it_skips(tiny_check
 
 
 def test_stripped_shard_layouts_are_refused(tiny_checkpoints, tmp_path, capsys):
-    """A header edit that also drops the written layouts (so the dtype check has nothing to
-    compare with) is caught by the manifest's checksum of the shard's header."""
+    """A shard stripped of its written layouts (the dtypes then held to config.json's) is caught
+    by the manifest's checksum of the shard's header; a dtype edit with it, by the dtype rule
+    first, naming the tensor."""
     from vllm_latq.format.safetensors_file import LAYOUT_KEY
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     shard = Checkpoint(d).where["model.norm.weight"]
@@ -109,32 +110,76 @@ def test_stripped_shard_layouts_are_refused(tiny_checkpoints, tmp_path, capsys):
     raw = path.read_bytes()
     header, n = read_header(raw)
     del header["__metadata__"][LAYOUT_KEY]
+    path.write_bytes(with_header(raw, n, header))
+    assert inspect_main([str(d), "--no-served"]) == 2
+    err = capsys.readouterr().err
+    assert f"file {shard}: the header" in err and "edited" in err, err
     edit_entry(header, "model.norm.weight", "dtype", dtype="F16")
     path.write_bytes(with_header(raw, n, header))
     assert inspect_main([str(d), "--no-served"]) == 2
     err = capsys.readouterr().err
-    assert shard in err and "header" in err, err
+    assert f"file {shard}, tensor model.norm.weight: dtype torch.float16, expected torch.bfloat16" in err, err
+
+
+def _capture_latq_log():
+    """(records, detach): the plugin logger's records (vLLM's configuration may stop it propagating)."""
+    records, log = [], logging.getLogger("vllm.latq")
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    return records, lambda: log.removeHandler(handler)
 
 
 def test_vllm_loader_refuses_an_edited_config(tiny_checkpoints, tmp_path, monkeypatch):
-    """The plugin's check, run where vLLM hands it the model directory; LATQ_NO_VERIFY=1 skips it
-    with one log line saying what."""
-    from vllm_latq.format.manifest import verify_for_serving
+    """The plugin's check, run where vLLM hands it the model directory; LATQ_NO_VERIFY=1 skips
+    the checksums with one log line saying what."""
+    from vllm_latq.format.validate import verify_for_serving
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     verify_for_serving(d)
     _edit(d / "config.json", CONFIG_EDITS["group_size_64_to_65"])
     with pytest.raises(FormatError, match=r"config.json.*quantization_config.*edited"):
         verify_for_serving(d)
     monkeypatch.setenv("LATQ_NO_VERIFY", "1")
-    records, log = [], logging.getLogger("vllm.latq")   # vLLM's configuration may stop it propagating
-    handler = logging.Handler()
-    handler.emit = records.append
-    log.addHandler(handler)
+    records, detach = _capture_latq_log()
     try:
         verify_for_serving(d)
     finally:
-        log.removeHandler(handler)
-    assert sum("LATQ_NO_VERIFY=1: not checking config.json" in r.getMessage() for r in records) == 1
+        detach()
+    assert sum("LATQ_NO_VERIFY=1: the sha256 checks" in r.getMessage() for r in records) == 1
+
+
+def _with_outliers(d) -> str:
+    ck = Checkpoint(d)
+    return next(n for n in ck.where if n.endswith(".outlier_val") and ck.shards[ck.where[n]].shape(n)[0] > 0)
+
+
+IN_PLACE = {   # (tensor, edit, what the value check says when LATQ_NO_VERIFY=1 skips the sha256; None: in bounds)
+    "outliers_x100": (_with_outliers, lambda t: t * 100, None),
+    "nan_in_a_norm": (lambda d: "model.norm.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("nan")),
+                      "NaN/Inf"),
+    "a_scale_set_to_0": (lambda d: f"{L0}.scales", lambda t: t.index_fill(1, torch.tensor([0]), 0.0), "must be > 0"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(IN_PLACE))
+def test_serving_check_reads_bytes_and_bounds(tiny_checkpoints, tmp_path, monkeypatch, edit):
+    """An in-place byte edit, its header and checksum table left as written: the plugin's check
+    refuses it by the tensor's sha256, naming file and tensor; with LATQ_NO_VERIFY=1 (sha256
+    skipped) the value bounds still refuse what is out of them."""
+    from vllm_latq.format.validate import verify_for_serving
+    d = _copy(tiny_checkpoints, "ssqr", tmp_path)
+    pick, fn, bound = IN_PLACE[edit]
+    name = pick(d)
+    shard = Checkpoint(d).where[name]
+    edit_bytes_in_place(d / shard, name, fn)
+    with pytest.raises(FormatError, match=rf"file {shard}, tensor {name}: sha256 mismatch"):
+        verify_for_serving(d)
+    monkeypatch.setenv("LATQ_NO_VERIFY", "1")
+    if bound is None:
+        verify_for_serving(d)
+    else:
+        with pytest.raises(FormatError, match=rf"file {shard}, tensor {name}: .*{bound}"):
+            verify_for_serving(d)
 
 
 # ----------------------------------------------------------------------------- config sizes

@@ -24,6 +24,7 @@ import warnings
 import pytest
 import torch
 
+from tests.helpers import gemv_isa_set
 from vllm_latq import format as fmt
 from vllm_latq import native
 from vllm_latq.kernels.cpu import kernel as cpu, dequant as cpu_dequant, layouts as cpu_layouts
@@ -41,12 +42,22 @@ U_BF16 = 2.0 ** -8
 U_OUT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
+@pytest.fixture(autouse=True, params=["native", "native-avx2", "torch"])
 def small_m_path(request):
-    """Every test twice: small M through the C++ op (``vllm_latq.native``) and through the pure-torch
-    path it replaces (the fallback without a compiler); both must meet the same bounds."""
-    if request.param == "native" and native.load() is not None:
+    """Every test through each small-M path: the C++ op (``vllm_latq.native``) as dispatched here
+    (its best GEMV, or torch's op without one), the C++ op with its GEMV forced to AVX2 where
+    the best is another instruction set (AVX-512: so both GEMVs pass every exactness test), and
+    the pure-torch path it replaces (the fallback without a compiler); all meet the same bounds.
+    Returns "native" or "torch"."""
+    if request.param.startswith("native") and native.load() is not None:
         pytest.skip(f"C++ op unavailable: {native.load()}")
+    if request.param == "native-avx2":
+        if torch.ops.latq_cpu.gemv_isa() in ("avx2", "") or not cpu._gemv_here():
+            pytest.skip("the GEMV's best instruction set here is AVX2 or none: the 'native' case runs it")
+        with gemv_isa_set("avx2"):
+            assert cpu.gemv_isa() == "avx2"
+            yield "native"
+        return
     with native.disabled(request.param == "torch"):
         yield request.param
 
@@ -173,7 +184,7 @@ CODED_SHAPES = [(192, 576, 64), (128, 576, 128), (80, 256, 32), (640, 2048, 16)]
 
 
 @pytest.mark.parametrize("shape", CODED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
-def test_coded_scales(shape, small_m_path, gemv_isa, monkeypatch):
+def test_coded_scales(shape, small_m_path, monkeypatch):
     """Coded group scales (``--scale-bits 4``) stay codes where the C++ GEMV runs — 12 bytes per 16
     scales, the checkpoint's 6 bits, as ``layout_bytes`` counts — and compute, bit for bit, what
     the same layer with decoded scales computes, at every path's M (the large-M dequant and

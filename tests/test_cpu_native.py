@@ -39,6 +39,26 @@ def test_native_op_is_the_layer_op_for_every_m():
         assert torch.equal(f(x), CPUKernel.apply(state, x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_op_in_the_engines_dtype(dtype, gemv_isa):
+    """An engine in fp32 activations (latq-serve's advice where bf16 is emulated) calls
+    ``latq_cpu::linear`` with fp32 x and bias: an fp32 result, exact to the reference's bounds
+    (``check``) on each GEMV instruction set, with and without outlier tiles, at M = 1, 3, 8, 16
+    and the large-M path."""
+    from vllm_latq.kernels import ops
+    op = ops.op_for(CPUKernel)
+    g = torch.Generator().manual_seed(24)
+    for key in ((640, 2048, 4, 0.01, 128), (192, 576, 4, 0.0, 64)):
+        w, state = prepared(key)
+        N, K = key[0], key[1]
+        tensors, ints = CPUKernel.flatten(state)
+        for M in (1, 3, 8, 16, cpu.large_m()):
+            x, b = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+            y = op(x, tensors, ints, b, N)
+            assert y.dtype == dtype and torch.equal(y, CPUKernel.apply(state, x, b))
+            check(w, state, x, b)
+
+
 def test_native_unavailable_falls_back(monkeypatch):
     monkeypatch.setattr(native, "_STATUS", native._UNSET)
     monkeypatch.setenv(native.ENV, "0")
@@ -119,13 +139,15 @@ gemv_only = pytest.mark.skipif(not (native.available() and torch.ops.latq_cpu.ge
 
 
 def _op_state(N, K, g, seed, zeros=False):
+    """→ (the GEMV's packed weights, torch's op's, (s, z) pairs, the fp64 weight): the two packings
+    differ where torch packs for its AVX2 kernel."""
     pack, _ = cpu_layouts.int4_ops()
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
     s = (torch.rand(K // g, N, generator=gen) * 0.05 + 0.001).to(torch.bfloat16)
     z = (torch.randn(K // g, N, generator=gen) * 0.02 if zeros else torch.zeros(K // g, N)).to(torch.bfloat16)
     W = (u.double() - 8) * s.double().repeat_interleave(g, 0).T + z.double().repeat_interleave(g, 0).T
-    return pack(u, 1), torch.stack([s, z], -1).contiguous(), W
+    return cpu_layouts.pack_gemv(u), pack(u, 1), torch.stack([s, z], -1).contiguous(), W
 
 
 @gemv_only
@@ -140,11 +162,11 @@ def test_gemv_matches_the_op(N, K, g, zeros, gemv_isa):
     M covers the one-row kernel, the M-row kernel with (M ≤ 4) and without interleaved k-pairs,
     and M > 8 (two passes over a block). Without zeros, the GEMV on the scales alone equals it."""
     _, mm = cpu_layouts.int4_ops()
-    p, sz, W = _op_state(N, K, g, N + K + g, zeros)
+    p, po, sz, W = _op_state(N, K, g, N + K + g, zeros)
     gen = torch.Generator().manual_seed(K)
     for M in (1, 2, 3, 5, 8, 13, 16):
         x = (torch.randn(M, K, generator=gen) * torch.rand(M, K, generator=gen) * 4).to(torch.bfloat16)
-        y, yo = torch.ops.latq_cpu.gemv(x, p, sz, g).double(), mm(x, p, g, sz).double()
+        y, yo = torch.ops.latq_cpu.gemv(x, p, sz, g).double(), mm(x, po, g, sz).double()
         ref = x.double() @ W.T
         S = x.double().abs() @ W.abs().T
         assert ((y - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * S).all()
@@ -166,7 +188,8 @@ def test_gemv_in_small_linear(key, dtype, tiles, gemv_isa):
     bias, incl. two int4 planes (6-bit), a pair-packed tail and rows of > 256 outliers (tiles of
     that many slots), the outliers summed in the GEMV's threads from tiles or after it from a CSR; and within one bf16 ulp of the inliers (+
     fp32 summation) of the same call with torch's op (``set_gemv_max_m(0)``; tiles then summed
-    in a pass of their own)."""
+    in a pass of their own; where torch's op cannot read the GEMV's layout, the pure-torch path's
+    call of it on the repacked weights)."""
     w, state = prepared(key) if tiles else csr_prepared(key)
     assert (state.tile_col is not None) == (tiles and key[3] > 0)
     N, K = key[0], key[1]
@@ -181,7 +204,8 @@ def test_gemv_in_small_linear(key, dtype, tiles, gemv_isa):
             check(w, state, x, bias)
             on = CPUKernel.apply(state, x, bias).double()
             torch.ops.latq_cpu.set_gemv_max_m(0)
-            off = CPUKernel.apply(state, x, bias).double()
+            with native.disabled(not torch.ops.latq_cpu.op_reads_gemv_layout()):
+                off = CPUKernel.apply(state, x, bias).double()
         finally:
             torch.ops.latq_cpu.set_gemv_max_m(saved)
         S = x.to(torch.bfloat16).double().abs() @ expected(w, state).Wi_t.abs()
@@ -225,3 +249,32 @@ def test_gemv_dispatch_takes_avx2_without_avx512():
     assert out.stdout.split() == ["avx2", "avx2", "True"]
     with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
         torch.ops.latq_cpu.set_gemv_isa("sse9")
+
+
+@gemv_only
+def test_gemv_state_is_one_layout_on_every_isa(gemv_isa, monkeypatch):
+    """The GEMV's state does not depend on the instruction set or on torch's packer (which
+    packs 32-row blocks for its AVX2 kernel): ``prepare`` packs ``pack_gemv``'s layout itself —
+    torch's own bytes where its op reads that layout — so AVX2 and AVX-512 serve the same bits,
+    4.25 a weight for a 4-bit g64 layer, coded scales (``--scale-bits 4``) 12 bytes per 16.
+    (tests/test_cpu_avx2_build.py compares the bytes with an AVX2-only build's, slow.)"""
+    from vllm_latq import format as fmt
+    from vllm_latq.testing.weights import random_weight
+    N, K = 192, 576
+    w = random_weight(N, K, 4, 0.0, group=64, seed=41)
+    u = (fmt.unpack(w.qweight, 4, K) + 8).int()
+    if torch.ops.latq_cpu.op_reads_gemv_layout():
+        assert torch.equal(cpu_layouts.pack_gemv(u), cpu_layouts.int4_ops()[0](u, 1))
+
+    def other_packer(*a):
+        raise AssertionError("prepare used torch's packer where the GEMV runs")
+    monkeypatch.setattr(cpu_layouts, "_PACK", other_packer)
+    monkeypatch.setattr(cpu_layouts, "_MM", cpu_layouts.int4_ops()[1])
+    st = CPUKernel.prepare(w)
+    assert torch.equal(st.packed, cpu_layouts.pack_gemv(u))
+    assert (st.layout_block, bool(st.layout_halves)) == cpu_layouts.GEMV_LAYOUT
+    assert sum(CPUKernel.served_bytes(st).values()) * 8 == 4.25 * N * K
+    coded = CPUKernel.prepare(random_weight(N, K, 4, 0.0, group=64, seed=41, scale_bits=4))
+    assert coded.scales.dtype == torch.int32 and CPUKernel.served_bytes(coded)["scales"] == K // 64 * N // 16 * 12
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16)
+    check(w, st, x)

@@ -1,8 +1,8 @@
 """Tests of the vllm_latq.data package: reference models, Wikipedia text, calibration and perplexity.
 
 Fast tests use a character-level tokenizer, a tiny random Llama and a tiny GGUF written
-here. Real-model tests convert SmolLM2-135M / Gemma3-270M once into cache_dir()
-(~50 s / ~100-180 s the first time, instant afterwards) through session fixtures.
+here. Real-model tests convert SmolLM2-135M / Gemma3-270M once into cache_dir() through
+session fixtures (slow the first time, instant afterwards).
 """
 
 from __future__ import annotations
@@ -481,10 +481,7 @@ def test_smollm2_perplexity_4_windows(smollm2_dir, smollm2_tok):
     [("smollm2-135m", 13.284), ("gemma3-270m", 13.237)],  # measured, bf16, 64 x 512
 )
 def test_protocol_perplexity(name, expected):
-    """The reference bf16 numbers of the protocol: first 64 eval windows of 512 tokens.
-
-    About 5-8 minutes per model on the 2-core CPU machine.
-    """
+    """The reference bf16 numbers of the protocol: first 64 eval windows of 512 tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = data.model_dir(name)

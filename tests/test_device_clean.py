@@ -1,4 +1,4 @@
-"""Issue 19: no CPU-only tensor on the way to a CUDA device. The format, the kernels' prepare
+"""No CPU-only tensor on the way to a CUDA device. The format, the kernels' prepare
 and apply, the vLLM loader's TP slicing, the solvers and ``latq-quantize`` run under
 :func:`tests.device_guard.factories_follow_inputs`, which fails at the first tensor factory that
 names no device (the crash a CUDA run would hit); the allow-list below names the sites that

@@ -8,6 +8,7 @@ weight bitwise."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -187,7 +188,7 @@ def value_edit(ref: Reference, data) -> None:
 
 
 EDITS = {"header": header_edit, "config": config_edit, "stats": stats_edit, "value": value_edit}
-EXAMPLES = {"header": 40, "config": 40, "stats": 20, "value": 40}   # ~25 s in all on the default suite
+EXAMPLES = {"header": 40, "config": 40, "stats": 20, "value": 40}   # kept small: the default suite runs them
 
 
 def _fuzz(refs, edit: str, examples: int) -> None:
@@ -196,6 +197,43 @@ def _fuzz(refs, edit: str, examples: int) -> None:
     def prop(method, data):
         EDITS[edit](refs[method], data)
     prop()
+
+
+L0 = "model.layers.0.self_attn.q_proj"
+CLI_EDITS = {   # the fuzzer's kinds of edit, one each, through latq-inspect's own process: (method, tensor, edit)
+    "header_dtype": ("ssqr", "model.norm.weight", dict(field="dtype", dtype="F16")),
+    "header_shape": ("hptq", f"{L0}.hsymbols", dict(field="shape", dims=[3, 5])),
+    "header_end": ("rtn", f"{L0}.scales", dict(field="end", delta=-2)),
+    "value_byte": ("rtn", f"{L0}.qweight", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_EDITS))
+def test_cli_exits_2_naming_file_and_tensor(refs, case):
+    """What the property asserts of validate_checkpoint holds for the command: exit code 2, and
+    its stderr names the edited shard and tensor."""
+    import subprocess
+    import sys
+    method, name, edit = CLI_EDITS[case]
+    ref = refs[method]
+    shard = ref.where[name]
+    path = ref.dir / shard
+    with _restoring(path) as orig:
+        if edit is None:   # a byte of the tensor flipped in place
+            f = SafetensorsFile(path)
+            raw = bytearray(orig)
+            raw[f.data_start + f.entries[name].begin] ^= 0x5A
+            path.write_bytes(bytes(raw))
+        else:
+            header, n = read_header(orig)
+            edit_entry(header, name, **edit)
+            path.write_bytes(with_header(orig, n, header))
+        root = Path(__file__).resolve().parents[1]
+        p = subprocess.run([sys.executable, "-m", "vllm_latq.inspect", str(ref.dir), "--no-served"],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"file {shard}, tensor {name}: " in p.stderr, p.stderr[-2000:]
 
 
 @pytest.mark.timeout(300)

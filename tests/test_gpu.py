@@ -1,39 +1,15 @@
-"""GPU tests (issue 19 item 4), run by ``scripts/gpu_check.sh`` on a CUDA machine with
-``TRITON_INTERPRET=0``; skipped everywhere else (tests/conftest.py turns the interpreter on).
+"""GPU tests, run by ``scripts/gpu_check.sh`` on a CUDA machine with ``TRITON_INTERPRET=0``;
+skipped everywhere else (tests/conftest.py turns the interpreter on). Against
+:func:`latq_linear_ref` (bounds: :func:`assert_matches_reference`): the Triton kernels over bits ×
+M × outlier rate × dtype (ragged shapes, K off the 512-column chunk, the Qwen3-8B shapes
+autotuned as served) and every other kernel family that runs on CUDA; coded scales; every
+tensor-core tile and split-K config (bit-identical calls, scratch never reallocated); CUDA
+graphs and ``torch.compile`` through the custom ops; the grouped MoE kernel and
+``latq::moe_experts`` in a graph; the bf16 fallback; the solvers and a small model quantized on
+CUDA against the CPU. ``format.pack``/``unpack`` allocate without a device, so the helpers run
+under ``torch.device(...)``; test_reference_on_cuda checks the package without that help.
 
-* Kernels against :func:`latq_linear_ref`: the Triton kernels for bits {2, 3, 4, 5} × M {1, 2, 3,
-  4, 7, 8, 9, 16, 17, 33, 64, 100, 256} × outliers {0, 1 %, 5 %} × fp16/bf16 on a ragged shape (each
-  case with the production tile the autotuner would pick from, SPLIT = 1: one compile per
-  variant), the Qwen3-8B linear shapes at M {1, 16, 64} (autotuned, as served), and every
-  other kernel family of ``selector.kernels()`` that runs on CUDA, through its custom op.
-  3 and 5 bits on K that is no multiple of 512 (Gemma3's 640, SmolLM2's 576, Qwen2.5's 896,
-  4864, 8960): whole 512-column chunks plus the 4-bit tail.
-* Coded scales (format/scale_codes.py, group 64): both kernels by M and the dequantize-once
-  path against the reference, the device's decode bit-identical to ``decode_scales``, a
-  Qwen3-8B projection autotuned, and the grouped MoE kernel on coded experts.
-* Every tensor-core config of the 32/64-row tiles (large M below the crossover).
-* Split-K: every config with SPLIT > 1, three calls bit-identical, the tickets back to 0; the
-  partials' scratch reserved at load, shared by layers, never reallocated (graphs too).
-* CUDA graphs (capture, replay on new inputs) and ``torch.compile(fullgraph=True)`` through
-  the custom op (``torch.library.opcheck`` on CUDA: tests/test_opcheck.py).
-* Mixture-of-experts: the stacked experts' grouped kernel vs the token-by-token reference, and
-  ``latq::moe_experts`` captured in a CUDA graph and replayed with changing routing.
-* The bf16 fallback and the reference on CUDA tensors.
-* The solvers on CUDA vs CPU on a real-shaped layer, and a small model quantized with
-  ``--device cuda`` vs ``--device cpu``: the same integers up to rounding ties.
-
-Tolerances. Kernels that compute the reference's fp32 math (Triton, reference, dequant) differ
-from it by summation order and the output rounding: |y − ref| ≤ ulp(dtype)·|ref| +
-16·√K·2⁻²⁴·S, with S = |x|·|W|ᵀ the sum of absolute products (√K: another fp32 order; the
-factor leaves room for tensor-core accumulation). Families on bf16 weights (the dense fallback,
-any dequantize-to-bf16 path): + 3·2⁻⁸·S. A failure prints the worst error in units of
-√K·2⁻²⁴·S, to recalibrate from the first GPU log.
-
-``format.pack``/``unpack`` allocate without a device, so the helpers that build or
-dequantize weights on the GPU run under ``torch.device(...)``; test_reference_on_cuda checks
-the package without that help.
-
-Dry run of this file's logic without a GPU, in Triton's interpreter (slow; select with -k):
+Dry run without a GPU, in Triton's interpreter (slow; select with -k):
 ``LATQ_GPU_TESTS_DEVICE=cpu pytest tests/test_gpu.py -p no:cacheprovider -k "m1 and r1pct"``.
 """
 from __future__ import annotations
@@ -132,7 +108,14 @@ def bias_for(n, dtype, seed=5):
 
 
 def assert_matches_reference(y, x, w, bias=None, exact=True, what=""):
-    """``y`` against ``latq_linear_ref`` in fp32 (see the module docstring for the bound)."""
+    """``y`` against ``latq_linear_ref`` in fp32.
+
+    Kernels that compute the reference's fp32 math (Triton, reference, dequant) differ
+    from it by summation order and the output rounding: |y − ref| ≤ ulp(dtype)·|ref| +
+    16·√K·2⁻²⁴·S, with S = |x|·|W|ᵀ the sum of absolute products (√K: another fp32 order; the
+    factor leaves room for tensor-core accumulation). Families on bf16 weights (the dense fallback,
+    any dequantize-to-bf16 path): + 3·2⁻⁸·S. A failure prints the worst error in units of
+    √K·2⁻²⁴·S, to recalibrate from the first GPU log."""
     K = w.in_features
     assert not (CUDA and torch.backends.cuda.matmul.allow_tf32), "TF32 on: the fp32 reference would not be fp32"
     with torch.device(w.qweight.device):

@@ -1,4 +1,4 @@
-"""The half-integer grid ``s·(z + ½)`` of the lever screen (issue #21 §3a): solvers put every
+"""The half-integer grid ``s·(z + ½)`` of the lever screen (docs/KERNELS.md, accuracy levers): solvers put every
 inlier on it, the certificate holds on the shifted lattice, and SSQR's 2-bit overflows are no
 longer one-sided."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Any dense decoder (issue 20): tiny random models of many model types, built here from
+"""Any dense decoder: tiny random models of many model types, built here from
 their configs, go through the structural walk, SSQR and HPTQ, validation and exact
 dequantization; non-``nn.Linear`` weights and experts it cannot split are refused at the start
 (mixture-of-experts models: ``tests/test_moe_quantize.py``).

@@ -1,4 +1,4 @@
-"""Mixture-of-experts in ``latq-quantize`` (issue 20): tiny random Qwen3-MoE and Mixtral built
+"""Mixture-of-experts in ``latq-quantize``: tiny random Qwen3-MoE and Mixtral built
 here from their configs, quantized per expert (SSQR, HPTQ), stored under the original per-expert
 checkpoint names, validated, dequantized exactly; per-expert Hessians checked against an
 independent computation from the model's own router; an expert no token reaches still
@@ -264,7 +264,7 @@ def test_two_blocks(arch, method, tmp_path):
 
 
 def test_no_cpu_only_tensor_on_the_way(tmp_path):
-    """The MoE steps under issue 19's device guard (``device="cpu"``, the proxy for ``--device
+    """The MoE steps under the device guard (``device="cpu"``, the proxy for ``--device
     cuda``): every tensor factory names its device, but the integer probes through which
     transformers' conversion mapping names the experts (host data, on purpose)."""
     from tests.device_guard import factories_follow_inputs

@@ -1,4 +1,4 @@
-"""Mixture-of-experts in vLLM (issue 20): the latq experts method, its custom op and loader, and
+"""Mixture-of-experts in vLLM: the latq experts method, its custom op and loader, and
 vLLM end to end on tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints (vllm_latq/testing/moe_models.py)
 against transformers on the same model's dequantized weights."""
 from __future__ import annotations

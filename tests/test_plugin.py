@@ -82,6 +82,32 @@ def test_config_detection_and_errors():
         LatqConfig()  # what vLLM does for --quantization latq on a model without quantization_config
 
 
+def test_load_hook_refuses_an_in_place_byte_edit(tiny_checkpoints, tmp_path, monkeypatch):
+    """maybe_update_config, which vLLM calls once per load before any weight is read, runs the
+    validator: a NaN written into a norm's bytes (header and checksum table untouched) is refused
+    naming file and tensor, by its sha256 or, with LATQ_NO_VERIFY=1, by the norm's bounds."""
+    import shutil
+    from types import SimpleNamespace
+
+    from vllm_latq.format.checkpoint import Checkpoint
+    from vllm_latq.testing.header_edits import edit_bytes_in_place
+    d = tmp_path / "ssqr"
+    shutil.copytree(tiny_checkpoints["ssqr"][0], d)
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    c = LatqConfig.from_config(qc)
+    hf = SimpleNamespace(quantization_config=dict(qc))
+    c.maybe_update_config(str(d), hf_config=hf)
+    assert "_latq_fingerprint" in hf.quantization_config
+    norm = "model.norm.weight"
+    shard = Checkpoint(d).where[norm]
+    edit_bytes_in_place(d / shard, norm, lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
+    with pytest.raises(fmt.FormatError, match=rf"file {shard}, tensor {norm}: sha256 mismatch"):
+        c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
+    monkeypatch.setenv("LATQ_NO_VERIFY", "1")
+    with pytest.raises(fmt.FormatError, match=rf"file {shard}, tensor {norm}: has NaN/Inf"):
+        c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
+
+
 def test_modules_not_converted_and_fused_names():
     c = LatqConfig.from_config(_qc(modules_not_converted=["model.layers.1.mlp.down_proj", "model.layers.2"]))
     c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -524,7 +550,8 @@ def _check_equal(ckpt: Path, got: list[list[int]], want: list[list[int]]):
 
 
 def _corrupt(src: Path, out: Path, name: str) -> Path:
-    """A copy of checkpoint ``src`` whose tensor ``name`` (CSR row pointers) is out of order."""
+    """A copy of checkpoint ``src`` whose tensor ``name`` (CSR row pointers) is out of order,
+    re-saved by the safetensors library (which drops latq's checksum and layout tables)."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir()
@@ -545,8 +572,9 @@ def test_tiny_end_to_end_in_process(tiny):
     - SSQR with the default selection (the CPU kernel: bf16 compute): every token is greedy
       under HF up to a near-tie;
     - a wrong --quantization and a corrupted checkpoint fail while loading, with messages
-      naming the methods / the tensor — never inside a kernel: its rewritten shard is refused by
-      the manifest, and with LATQ_NO_VERIFY=1 the tensor by the loader's validation."""
+      naming the methods / the file or tensor — never inside a kernel: its shard, re-saved by
+      another tool, has no checksums and is refused naming it; with LATQ_NO_VERIFY=1 the tensor
+      is named by the plugin's validation, before any weight is read."""
     ids = h.tokenize(tiny["ssqr"])
     want = {m: h.hf_greedy(h.hf_dequantized_model(tiny[m]), ids, 32) for m in ("ssqr", "hptq", "coded")}
     assert all(len(set(w)) > 8 for w in want["ssqr"]), "the tiny model should not be degenerate"
@@ -577,12 +605,12 @@ def test_tiny_end_to_end_in_process(tiny):
         assert max(margins) < 0.1, (default_kernels, margins)
     assert "does not match the quantization method specified" in res[3]["error"]
     err = res[4]["error"] + res[4]["traceback"]
-    assert "FormatError" in res[4]["error"] and bad_name in res[4]["error"], err
-    assert "latq checkpoint does not match layer model.layers.1.mlp.down_proj" in res[4]["error"]
-    assert "process_weights_after_loading" not in res[4]["traceback"]  # failed while reading weights
-    assert "LATQ_NO_VERIFY=1: not checking config.json" in res[4]["log"]
-    # verified (the default): the rewritten shard's header is not the one written, refused before any weight
-    assert "file model.safetensors: the header" in res[6]["error"] and "edited" in res[6]["error"], res[6]
+    # refused while vLLM builds its config (pydantic wraps the FormatError), before any weight is read
+    assert "VllmConfig" in res[4]["error"] and f"file model.safetensors, tensor {bad_name}: must start at 0" in err, err
+    assert "load_weights" not in res[4]["traceback"], err
+    assert "LATQ_NO_VERIFY=1: the sha256 checks" in res[4]["log"]
+    # verified (the default): the re-saved shard lost its checksum table, refused before any weight
+    assert "file model.safetensors: no latq_sha256 checksum table" in res[6]["error"], res[6]
 
 
 def test_tiny_vllm_through_triton_interpreter(tiny):
@@ -646,12 +674,15 @@ def test_tp2_equals_tp1_gemma3(tmp_path):
 @pytest.mark.parametrize("method", ["ssqr", "hptq"])
 def test_tp2_equals_tp1_tiny_off_tile_splits(tiny, method):
     """Tiny model at TP=2: down_proj's 160 inputs split 80/80 (off the 32-column tiles and
-    the 32-groups), one k/v head replicated; HPTQ decoded whole and cut per rank."""
+    the 32-groups), one k/v head replicated; HPTQ decoded whole and cut per rank; the checkpoint
+    validated once, not once per rank."""
     ck = tiny[method]
     ids = h.tokenize(ck)
     one = h.run_vllm(ck, ids, 32, kernel="reference", tmp=tiny["dir"])
     two = h.run_vllm(ck, ids, 32, kernel="reference", tp=2, tmp=tiny["dir"], timeout=1200)
     _check_equal(ck, two["tokens"], one["tokens"])
+    # the checkpoint is validated once per load, where vLLM builds its config, not once per rank
+    assert two["log"].count("checked before serving") == 1, two["log"][-4000:]
 
 
 @pytest.mark.slow
@@ -692,9 +723,11 @@ def test_default_multiprocess_path(tiny):
 
 @pytest.mark.slow
 def test_decode_bench_runs_interleaved(tiny):
-    """bench/decode.py end to end on the tiny model (eager, 4 tokens): both engines load side by
-    side, every round runs each once per batch size, the table carries the paired ratio and its
-    range, and the last line is the HEADLINE."""
+    """bench/decode.py end to end on the tiny model (eager, 4 tokens): the engines (bf16 and fp32
+    baselines, latq in bf16 and fp32 activations) load side by side, every round runs each once
+    per batch size, the table carries the paired ratio and its range, and the last line is the
+    HEADLINE, naming the instruction set the latq engines' GEMV ran on."""
+    from vllm_latq.kernels.cpu import kernel
     import subprocess
     import sys
 
@@ -705,9 +738,13 @@ def test_decode_bench_runs_interleaved(tiny):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     rows = [ln for ln in lines if ln.startswith("eager ")]
-    assert len(rows) == 6 and all("4 x 2" in r for r in rows), out.stdout   # bf16, fp32, latq × 2 batches
+    # bf16, fp32, latq, latq in fp32 × 2 batches
+    assert len(rows) == 8 and all("4 x 2" in r for r in rows), out.stdout
+    assert sum(r.split()[1] == "latq-cpu-fp32" for r in rows) == 2
     assert "eager_b1_fastest_baseline=" in lines[-1] and "eager_b2_speedup_vs_fastest=" in lines[-1]
+    assert "eager_b1_fastest_latq_dtype=" in lines[-1] and "eager_b2_latq_fp32_vs_fastest=" in lines[-1]
     assert lines[-1].startswith("HEADLINE cpu=")
+    assert f" gemv_isa={kernel.gemv_isa() or 'none'} " in lines[-1]   # this machine's dispatch, as the engines
     assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
     assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup_median_of_rounds=" in lines[-1] \
         and "eager_b2_speedup_tok_s=" in lines[-1]

@@ -1,4 +1,4 @@
-"""Second-level scales (issue #21 §3, ``format/scale_codes.py``): group scales as 4-bit codes on a
+"""Second-level scales (``format/scale_codes.py``): group scales as 4-bit codes on a
 grid per 16 rows of a group — the codec, the solvers quantizing against the decoded scales, the
 stored tensors, their validation and the pipeline option."""
 from __future__ import annotations

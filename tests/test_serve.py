@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from fastapi import Body, FastAPI, Request
 
 from vllm_latq import serve
 
@@ -30,14 +31,15 @@ def test_plan_hands_over_to_vllm(monkeypatch):
         has_vllm_dist = True
     except md.PackageNotFoundError:
         has_vllm_dist = False
+    mw = ["--middleware", serve.MIDDLEWARE]
     how, cmd = serve.plan(["ckpt", "--port", "8001"])
     if has_vllm_dist:
-        assert how == "exec" and cmd[1:] == ["serve", "ckpt", "--port", "8001"]
+        assert how == "exec" and cmd[1:] == ["serve", "ckpt", "--port", "8001", *mw]
     else:
-        assert (how, cmd) == ("in-process", ["serve", "ckpt", "--port", "8001"])
+        assert (how, cmd) == ("in-process", ["serve", "ckpt", "--port", "8001", *mw])
     monkeypatch.setattr(serve, "vllm_cli", lambda: "/opt/venv/bin/vllm")
     assert serve.plan(["serve", "ckpt", "--tensor-parallel-size", "2"]) == (
-        "exec", ["/opt/venv/bin/vllm", "serve", "ckpt", "--tensor-parallel-size", "2"])
+        "exec", ["/opt/venv/bin/vllm", "serve", "ckpt", "--tensor-parallel-size", "2", *mw])
 
 
 def test_print_command_and_version():
@@ -48,6 +50,69 @@ def test_print_command_and_version():
     p = subprocess.run([sys.executable, "-m", "vllm_latq.serve", "--version"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == 0 and "vllm-latq" in p.stdout
+
+
+def _json_app():
+    """A FastAPI app that parses a JSON body into a model as vLLM's routes do, behind the
+    middleware latq-serve adds."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(prompt: str = Body(..., embed=True)):
+        return {"prompt": prompt}
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcribe(request: Request):
+        return {"bytes": len(await request.body())}
+    app.add_middleware(serve.Utf8JsonBody)
+    return app
+
+
+@pytest.mark.parametrize("body, offset, ctype", [
+    (b'\xff\xfe{"model": "soak", "prompt": "\xe9t\xe9"}', 0, "application/json"),   # the soak bench's
+    ('{"prompt": "ét'.encode() + b'\xe9"}', 15, "application/json; charset=utf-8"),
+    (b'{"prompt": "\xc3"}', 12, None)])   # no content type: vLLM reads JSON all the same
+def test_non_utf8_json_body_is_refused_naming_the_byte(body, offset, ctype):
+    from starlette.testclient import TestClient
+    c = TestClient(_json_app())
+    r = c.post("/v1/completions", content=body, headers={"content-type": ctype} if ctype else {})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["message"] == (f"request body is not valid UTF-8: byte 0x{body[offset]:02x} "
+                                                     f"at offset {offset}"), err
+
+
+def test_utf8_and_non_json_bodies_pass_the_middleware_unchanged():
+    from starlette.testclient import TestClient
+    c = TestClient(_json_app())
+    r = c.post("/v1/completions", content='{"prompt": "été"}'.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json() == {"prompt": "été"}
+    chunks = iter([b'{"prompt": "\xc3', b'\xa9t\xc3\xa9"}'])   # a body in pieces, a character split across them
+    r = c.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json() == {"prompt": "été"}
+    r = c.post("/v1/audio/transcriptions", content=b"RIFF\xff\xfe\x00\x80", headers={"content-type": "audio/wav"})
+    assert r.status_code == 200 and r.json() == {"bytes": 8}
+    r = c.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 422   # bad JSON: the app's own answer, as before
+
+
+@pytest.mark.slow
+def test_vllm_app_built_from_the_plan_answers_non_utf8(tmp_path):
+    """vLLM's own app (no engine: the middleware answers before any route), built from the
+    arguments latq-serve hands over."""
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    _, cmd = serve.plan(["ckpt", "--port", "8001"])
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *cmd[cmd.index("serve") + 1:]])
+    assert args.middleware == [serve.MIDDLEWARE]
+    c = TestClient(build_app(args, ("generate",)), raise_server_exceptions=False)
+    body = b'{"model": "ckpt", "prompt": "\xff"}'
+    r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == ("request body is not valid UTF-8: byte 0xff "
+                                                                     f"at offset {body.index(0xff)}"), r.text
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""Issue 21: served bytes per kernel family, and the device-aware HPTQ transcode they drive.
+"""Served bytes per kernel family, and the device-aware HPTQ transcode they drive.
 
 Per family, ``served_bytes(prepare(w))`` is the sum of ``numel · element_size`` of the
 state's tensors that ``apply`` reads (Triton leaves out its split-K tickets: counters, not
@@ -107,7 +107,7 @@ def test_coded_scales_served_bytes(bits, rate, shape, group):
 
 
 def test_coded_group_64_serves_fewer_bits_than_fp16_group_128():
-    """Issue 21's point: coded scales at group 64 serve 6/64 bits a weight, fp16 at 128 16/128."""
+    """Why coded scales exist: at group 64 they serve 6/64 bits a weight, fp16 at 128 16/128."""
     n, k = 256, 4096
     stats = GridStats.from_integers(torch.zeros(n, k, dtype=torch.int32), torch.ones(n))
     coded = TritonKernel.layout_bytes(n, k, 4, 64, stats, scale_bits=4)["scales"]

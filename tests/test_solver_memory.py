@@ -44,7 +44,7 @@ def test_layer_error_damps_h_in_place_and_restores_it():
     W, Q = torch.randn(50, 200, generator=g), torch.randn(50, 200, generator=g)
     H0 = H.clone()
     E = Q.double() - W.double()
-    for Hx in (H, H.float()):   # fp32: damped into a copy, as before
+    for Hx in (H, H.float()):   # fp32: damped into a copy, H untouched
         for damp in (0.0, 0.01):
             expected = ((E @ (damped(Hx, damp) if damp else Hx.double())) * E).sum(1)
             assert torch.equal(layer_error(W, Q, Hx, damp), expected)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import peer_llmcompressor
-from bench.study import claims, cli, configs, ordering, report, runner, peers as solvers
+from bench.study import claims, cli, configs, ordering, peers, report, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_reference_gptq_matches_ours():
     H = X.T @ X / X.shape[0]
     W = torch.randn(48, 192, generator=g)
     for bits in (2, 3, 4):
-        p = solvers.peer_compare(W, H, bits, group_size=64)
+        p = peers.peer_compare(W, H, bits, group_size=64)
         assert p["same_int"] > 0.999
         assert abs(p["err_ratio"] - 1) < 1e-3
 
@@ -46,12 +46,12 @@ def test_peer_solver_quantizes_whole_models_through_the_pipeline(tiny_llama, tmp
     peer = configs.make_config("tiny", "GPTQ", 3, "peer", method="gptq", bits=3, group_size=64)
     solve = pipeline.solve
     calls = []
-    ref = solvers.reference_gptq
+    ref = peers.reference_gptq
 
     def counted(*a, **k):
         calls.append(1)
         return ref(*a, **k)
-    monkeypatch.setattr(solvers, "reference_gptq", counted)
+    monkeypatch.setattr(peers, "reference_gptq", counted)
     runner.quantize_config(ours, st, tiny_llama, tmp_path / ours.slug)
     assert not calls
     runner.quantize_config(peer, st, tiny_llama, tmp_path / peer.slug)
@@ -65,7 +65,7 @@ def test_peer_solver_quantizes_whole_models_through_the_pipeline(tiny_llama, tmp
     assert all(torch.equal(wa[k], wb[k]) for k in wa if k not in lin)   # embeddings, norms, head
     # a replacement is of GPTQ only: another method is refused by name
     with pytest.raises(ValueError, match="the peer solver replaces GPTQ only, not rtn"):
-        solvers.gptq_replaced("peer", solvers.peer_solve)("rtn", wa[lin[0]], None, lin[0], bits=3)
+        peers.gptq_replaced("peer", peers.peer_solve)("rtn", wa[lin[0]], None, lin[0], bits=3)
 
 
 def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp_path):
@@ -83,7 +83,7 @@ def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp
     opts = QuantizeOptions(method="gptq", bits=3, group_size=64, nsamples=4, seqlen=64)
 
     def given_scales(scales):
-        return solvers.gptq_replaced("llmc-scales", solvers.given_scales_solve(scales))
+        return peers.gptq_replaced("llmc-scales", peers.given_scales_solve(scales))
     quantize_model(tiny_llama, tmp_path / "ck", opts, progress=False, solve=given_scales(given))
     t = {}
     for f in (tmp_path / "ck").glob("*.safetensors"):
@@ -298,7 +298,7 @@ def test_tiny_study(tmp_path, caplog, capsys):
         assert _finite(r["ppl"]) and r["ppl"] > 1 and _finite(r["bits"]), k
         assert r["windows"] == 2 and r["tokens"] == 2 * 127
     assert res["bf16"]["bits"] == 16
-    # served bits per kernel family, recorded as each configuration finished (issue 21)
+    # served bits per kernel family, recorded as each configuration finished
     for k, r in res.items():
         if k not in ("ordering", "bf16"):
             assert set(r["served"]["bits_per_weight"]) == {"cpu", "triton"}, k
@@ -413,7 +413,7 @@ def test_import_results_seeds_the_cache(tmp_path):
         runner.import_results(src, root)
 
 
-# ============================================================================ served bits (issue 21)
+# ============================================================================ served bits
 
 def _prepared_bits(ck) -> dict[str, float]:
     """Served bits/weight of a checkpoint measured on the prepared kernel states: each layer as

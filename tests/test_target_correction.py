@@ -1,4 +1,4 @@
-"""Target correction (issue #21 seed 004): each linear solved against ``W′ = (X̃ᵀX̃+λI)⁻¹X̃ᵀX·W``,
+"""Target correction (after Qronos): each linear solved against ``W′ = (X̃ᵀX̃+λI)⁻¹X̃ᵀX·W``,
 X its inputs with the full-precision prefix, X̃ with the quantized one (``--target-correction``)."""
 from __future__ import annotations
 

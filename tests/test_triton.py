@@ -1,4 +1,4 @@
-"""Triton kernels (issue 5), proven without a GPU.
+"""Triton kernels, proven without a GPU.
 
 * The load-time layout (pure torch): plane packing round trips, ELL-16 / CSR outliers
   rebuild the checkpoint's CSR, the outlier-layout model picks ELL for spread outliers and

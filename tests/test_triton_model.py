@@ -102,7 +102,7 @@ def test_predicted_ratio_vs_bf16():
 
 def test_tensor_cores_at_achievable_efficiency():
     """η = the maximum achievable matmul FLOPS over the datasheet peak (bf16, the published
-    MAMF table the module docstring cites): every tensor-core term runs at η · peak."""
+    MAMF table docs/KERNELS.md cites): every tensor-core term runs at η · peak."""
     a, h = tm.DEVICES["a100"], tm.DEVICES["h100"]
     assert a.tc_achievable == pytest.approx(271.2e12) and h.tc_achievable == pytest.approx(794.5e12 * 990 / 989)
     assert 0.8 < h.tc_eff < a.tc_eff < 0.9

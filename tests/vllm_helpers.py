@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from vllm_latq import format as fmt
 from vllm_latq.format.files import MANIFEST_FILE
 from vllm_latq.format.manifest import write_manifest
+from vllm_latq.testing.checkpoints import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -77,7 +78,8 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
                  outlier_rate: float = 0.01, target_bits: float = 3.25, hessian: str = "random",
                  skip: tuple[str, ...] = (), scale_bits: int | None = None) -> Path:
     """Quantize every decoder linear of an HF model directory (one safetensors file) and
-    write a latq checkpoint (format version 1). ``hessian``: ``random`` (a synthetic
+    write a latq checkpoint (format version 1) as the pipeline does (checksums, stats,
+    manifest). ``hessian``: ``random`` (a synthetic
     full-rank Hessian, exercises error propagation and outliers) or ``identity``;
     ``scale_bits``: rtn's group scales coded (format/scale_codes.py)."""
     from vllm_latq.algorithms import hptq, hrtn, rtn, ssqr
@@ -88,6 +90,7 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
         sd.update(load_file(f))
     out.mkdir(parents=True, exist_ok=True)
     new: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, int]] = {}
     kind = fmt.kind_of(method)
     for i, (name, t) in enumerate(sorted(sd.items())):
         module = name[: -len(".weight")]
@@ -106,9 +109,9 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
                 raise ValueError(method)
             for k, v in fmt.encode_layer(res, kind).items():
                 new[f"{module}.{k}"] = v.contiguous()
+            shapes[module] = tuple(W.shape)
         else:
             new[name] = t.contiguous()
-    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     qc = {"quant_method": "latq", "format_version": 1, "method": method,
           "bits": bits if kind == "dense" else None, "group_size": group_size if kind == "dense" else None,
@@ -120,11 +123,10 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
     if scale_bits is not None:
         qc["scale_bits"] = scale_bits
     cfg["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_checkpoint(out, new, cfg, shapes, source=src.name)
     for f in TOKENIZER_FILES:
         if (src / f).exists():
             shutil.copy(src / f, out / f)
-    write_manifest(out)
     return out
 
 
@@ -258,7 +260,7 @@ PIPELINE_CALIB = dict(nsamples=16, seqlen=256)  # small calibration: these test 
 def pipeline_checkpoint(model: str, method: str) -> Path:
     """A real checkpoint of a reference model made by the offline pipeline
     (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 %, 3.125 bits), cached under
-    ``cache_dir()/plugin_tests`` (built once, ~20-40 min on 2 cores; file-locked)."""
+    ``cache_dir()/plugin_tests`` (built once, file-locked: quantizing a real model is slow)."""
     from filelock import FileLock
 
     from vllm_latq.data import cache_dir
@@ -272,8 +274,8 @@ def pipeline_checkpoint(model: str, method: str) -> Path:
             quantize_model(model, out, QuantizeOptions(method=method, **PIPELINE_CALIB), overwrite=True,
                            progress=False)
         elif not (out / MANIFEST_FILE).exists():
-            # a cache made before checkpoints carried their manifest: these test serving, not
-            # integrity, and recording it takes a second where re-quantizing takes half an hour
+            # a cached checkpoint without its manifest: these test serving, not integrity, and
+            # recording the manifest is far cheaper than quantizing again
             write_manifest(out)
     return out
 

@@ -3,7 +3,7 @@ tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
 "env"}; jobs run one after the other in this process (each engine is torn down before the
-next: saves the ~10 s vLLM import per run). A job that raises records
+next: vLLM is imported once for all of them). A job that raises records
 {"error": "Type: message", "traceback": ...} instead of tokens.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from . import format as fmt
-from .format.manifest import verify_for_serving
+from .format.validate import verify_for_serving
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -139,8 +139,9 @@ class LatqConfig(QuantizationConfig):
                                         layer_bits=tuple(sorted((m, b) for m, b in mapped.items() if m is not None)))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
-        """Check the checkpoint directory against its ``latq_manifest.json`` (refused if edited),
-        then fingerprint its files (and ``LATQ_KERNEL``) into the HF config. vLLM
+        """Validate the checkpoint directory as ``latq-eval`` does (checksums, shapes, dtypes,
+        value bounds, the manifest: refused if edited or out of bounds), then fingerprint its
+        files (and ``LATQ_KERNEL``) into the HF config. vLLM
         keys its on-disk torch.compile cache on the configs, and a latq graph carries static
         per-layer ints (e.g. the inlier width chosen when an HPTQ layer is transcoded, which
         depends on the data) and the selected kernel's op: re-quantizing into the same
@@ -148,7 +149,8 @@ class LatqConfig(QuantizationConfig):
         qc = getattr(hf_config, "quantization_config", None)
         if not isinstance(qc, dict) or not os.path.isdir(model_name):
             return
-        # before vLLM reads a tensor: config, stats and shard headers as written (LATQ_NO_VERIFY=1 skips)
+        # before vLLM reads a tensor, once per load (workers get this config pickled);
+        # LATQ_NO_VERIFY=1 skips the sha256 checks only
         verify_for_serving(model_name)
         h = hashlib.sha256()
         # the kernel choice decides which custom op the graph calls

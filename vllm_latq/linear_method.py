@@ -1,43 +1,14 @@
 """``LatqLinearMethod``: loads latq layers into vLLM linears and runs them through the
 kernel selector.
 
-Loading (any linear: column-, row-parallel, replicated, merged ``gate_up``, ``qkv``; any TP
-size; both checkpoint kinds). ``create_weights`` registers one empty placeholder parameter
-per checkpoint tensor (``P.qweight``, ``P.scales`` or the coded ``P.scale_codes/min/step``,
-``P.outlier_*``, or ``P.h*``) with the checkpoint dtype and a weight loader that *stashes*
-the whole tensor it is given, per shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up,
-none otherwise). As soon as all tensors of one logical matrix (one shard) have arrived, the
-matrix is validated as a whole with the checkpoint format's own validator (shapes, dtypes,
-CSR structure, Huffman code), cut to this rank's rows/columns, and the full tensors are
-dropped — so at most one layer's full tensors are held at a time. When all shards are in, they are concatenated into the
-runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`).
-``process_weights_after_loading`` then checks nothing is missing, deletes the
-placeholders, selects a kernel, and keeps its prepared state as buffers.
-
-Why not vLLM's Packed/GroupQuant parameter classes: 3-bit tiles (32 values in 3 int32
-words) have no integer pack factor, a row-parallel split need not fall on a tile or group
+Any linear (column-, row-parallel, replicated, merged ``gate_up``, ``qkv``), any TP size, both
+checkpoint kinds: each checkpoint tensor is stashed whole as it arrives, each logical matrix
+validated by the format's own validator and cut to this rank's rows and columns once all its
+tensors are in (:class:`LoadState`), so at most one layer's full tensors are held at a time.
+vLLM's Packed/GroupQuant parameter classes cannot do this: 3-bit tiles have no integer pack
+factor (32 values in 3 int32 words), a row-parallel split need not fall on a tile or group
 boundary (SmolLM2: 576 = 4.5 groups of 128), and CSR outliers and Huffman streams have a
 variable length — one stash-and-slice path handles all of it, exactly.
-
-Per rank (r = tp_rank; rows = output dim, cols = input dim):
-- column-parallel: rows ``[r·n, (r+1)·n)`` of each logical matrix (n = its partition size);
-  QKV's k/v use source rank ``r // num_kv_head_replicas``; all columns.
-- row-parallel: all rows, columns ``[r·k, (r+1)·k)``: packed words sliced on 32-column
-  tiles (unpacked and repacked only when the split is not on a tile), group scales sliced
-  (off a group boundary the runtime group size becomes gcd(g, r·k) with scales repeated —
-  exact), CSR outliers filtered to the column range and their columns re-based to 0
-  (the cutting itself: :mod:`~vllm_latq.slicing`).
-- coded scales (``quantization_config.scale_bits``): the runtime form's ``scales`` are their
-  fp16 decode, and its ``coded`` the codes cut alike where this rank's row blocks keep whole
-  16-row grids; else (e.g. a rank's rows starting inside a grid) ``coded`` is None, with one
-  log line naming the layer and why (``slicing.codes_refusal``).
-- HPTQ/HRTN: the Huffman stream is decoded once (whole matrix), cut like the dense case,
-  and transcoded to dense+CSR with the inlier width, among those the device's kernel family
-  takes (CUDA: Triton's 2–5 bits; CPU: 2–8), that minimises that family's served bytes for
-  this rank's matrix (``selector.family_for``; one fp16 scale per row: q, k, v keep their
-  own per-matrix scales).
-- a fused matrix whose rows the model's loader regroups (Falcon's ``query_key_value``):
-  the same blocks, taken in the loader's row order (:mod:`~vllm_latq.loader_rows`).
 """
 from __future__ import annotations
 
@@ -162,7 +133,40 @@ def tensor_names(config) -> tuple[str, ...]:
 
 
 class LoadState:
-    """Collects one layer's checkpoint tensors and builds its runtime form."""
+    """Collects one layer's checkpoint tensors and builds its runtime form.
+
+    Loading (any linear: column-, row-parallel, replicated, merged ``gate_up``, ``qkv``; any TP
+    size; both checkpoint kinds). ``create_weights`` registers one empty placeholder parameter
+    per checkpoint tensor (``P.qweight``, ``P.scales`` or the coded ``P.scale_codes/min/step``,
+    ``P.outlier_*``, or ``P.h*``) with the checkpoint dtype and a weight loader that *stashes*
+    the whole tensor it is given, per shard id (``'q'/'k'/'v'`` for QKV, ``0/1`` for gate_up,
+    none otherwise). As soon as all tensors of one logical matrix (one shard) have arrived, the
+    matrix is validated as a whole with the checkpoint format's own validator (shapes, dtypes,
+    CSR structure, Huffman code), cut to this rank's rows/columns, and the full tensors are
+    dropped — so at most one layer's full tensors are held at a time. When all shards are in,
+    they are concatenated into the runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`).
+    ``process_weights_after_loading`` then checks nothing is missing, deletes the
+    placeholders, selects a kernel, and keeps its prepared state as buffers.
+
+    Per rank (r = tp_rank; rows = output dim, cols = input dim):
+    - column-parallel: rows ``[r·n, (r+1)·n)`` of each logical matrix (n = its partition size);
+      QKV's k/v use source rank ``r // num_kv_head_replicas``; all columns.
+    - row-parallel: all rows, columns ``[r·k, (r+1)·k)``: packed words sliced on 32-column
+      tiles (unpacked and repacked only when the split is not on a tile), group scales sliced
+      (off a group boundary the runtime group size becomes gcd(g, r·k) with scales repeated —
+      exact), CSR outliers filtered to the column range and their columns re-based to 0
+      (the cutting itself: :mod:`~vllm_latq.slicing`).
+    - coded scales (``quantization_config.scale_bits``): the runtime form's ``scales`` are their
+      fp16 decode, and its ``coded`` the codes cut alike where this rank's row blocks keep whole
+      16-row grids; else (e.g. a rank's rows starting inside a grid) ``coded`` is None, with one
+      log line naming the layer and why (``slicing.codes_refusal``).
+    - HPTQ/HRTN: the Huffman stream is decoded once (whole matrix), cut like the dense case,
+      and transcoded to dense+CSR with the inlier width, among those the device's kernel family
+      takes (CUDA: Triton's 2–5 bits; CPU: 2–8), that minimises that family's served bytes for
+      this rank's matrix (``selector.family_for``; one fp16 scale per row: q, k, v keep their
+      own per-matrix scales).
+    - a fused matrix whose rows the model's loader regroups (Falcon's ``query_key_value``):
+      the same blocks, taken in the loader's row order (:mod:`~vllm_latq.loader_rows`)."""
 
     def __init__(self, layer, config, geo: Geometry, bits: int | None = None):
         # layer: the vLLM layer, or a name (one expert matrix of a MoE layer, moe_method.py)
@@ -327,7 +331,7 @@ class LatqLinearMethod(LinearMethodBase):
 
 
 class _Loader:
-    """The weight loader of one placeholder: stashes the whole tensor (see module doc)."""
+    """The weight loader of one placeholder: stashes the whole tensor (see :class:`LoadState`)."""
 
     def __init__(self, layer, name):
         self.layer, self.name = layer, name

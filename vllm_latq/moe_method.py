@@ -1,29 +1,12 @@
 """``LatqMoEMethod``: loads the latq experts of a vLLM mixture-of-experts layer
 (``RoutedExperts``) and runs them through the latq kernels.
 
-Checkpoint (docs/FORMAT.md): one latq layer per expert and projection under the model's own
-per-expert names (``…experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
-``w1`` / ``w3`` / ``w2``). vLLM's expert mapping renames ``…experts.{e}.gate_proj.qweight``
-to this layer's ``w13_qweight`` with shard ``w1`` and expert id e (``up_proj`` → ``w3``,
-``down_proj`` → ``w2_*`` / ``w2``), so ``create_weights`` registers one placeholder per
-projection and tensor name (``w13_qweight``, …, ``w2_outlier_val`` or the Huffman tensors)
-whose loader hands the tensor to the expert's :class:`~vllm_latq.linear_method.LoadState` —
-the linear loader's own stash, validation, TP cut and HPTQ transcode, on geometries that say
-which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
-``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
-ranks' partial outputs after the layer).
-
-After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
-vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.kernels.vllm_moe`: Marlin
-MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), which repacks and runs them. Otherwise
-each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
-kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
-table; Triton experts are
-then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
-grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
-:func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
-the layer's router) — directly in eager mode, as the custom op ``latq::moe_experts`` while
-torch.compile traces.
+Each expert's projections are latq layers under the model's own per-expert names
+(docs/FORMAT.md), loaded by the linear loader's own stash, validation, TP cut and HPTQ
+transcode (:class:`~vllm_latq.linear_method.LoadState`). After loading, experts of a standard
+form go to vLLM's own WNA16 MoE method where it takes them; the others run on the kernel the
+selector picks, Triton experts stacked for the grouped kernel of captured decode
+(:mod:`~vllm_latq.kernels.moe`).
 """
 from __future__ import annotations
 
@@ -59,7 +42,31 @@ def graph_tokens() -> int:
 
 
 class LatqMoEMethod(FusedMoEMethodBase):
-    """latq experts of one ``RoutedExperts`` layer (``prefix``)."""
+    """latq experts of one ``RoutedExperts`` layer (``prefix``).
+
+    Checkpoint (docs/FORMAT.md): one latq layer per expert and projection under the model's own
+    per-expert names (``…experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
+    ``w1`` / ``w3`` / ``w2``). vLLM's expert mapping renames ``…experts.{e}.gate_proj.qweight``
+    to this layer's ``w13_qweight`` with shard ``w1`` and expert id e (``up_proj`` → ``w3``,
+    ``down_proj`` → ``w2_*`` / ``w2``), so ``create_weights`` registers one placeholder per
+    projection and tensor name (``w13_qweight``, …, ``w2_outlier_val`` or the Huffman tensors)
+    whose loader hands the tensor to the expert's :class:`~vllm_latq.linear_method.LoadState` —
+    the linear loader's own stash, validation, TP cut and HPTQ transcode, on geometries that say
+    which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
+    ``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
+    ranks' partial outputs after the layer).
+
+    After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
+    vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.kernels.vllm_moe`: Marlin
+    MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), which repacks and runs them. Otherwise
+    each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
+    kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
+    table; Triton experts are
+    then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
+    grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
+    :func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
+    the layer's router) — directly in eager mode, as the custom op ``latq::moe_experts`` while
+    torch.compile traces."""
 
     def __init__(self, config, moe_config, report, prefix: str):
         super().__init__(moe_config)

@@ -2,11 +2,10 @@
 ``algorithms/csrc/scales.cpp``, ``quantize/csrc/gram.cpp``), compiled on first use into one
 library, namespace ``latq_cpu``.
 
-* The CPU kernel's small-M call: at batch 1 a SmolLM2 linear costs ~20 µs in the int4 op,
-  and the Python around it (dtype casts, the MKL CSR ``mv`` — 12 µs for 5k outliers, mostly
-  its own setup —, the add, the custom-op hop into Python) cost as much again. The C++ op
-  does the int4 call, then one pass adding outliers and bias with the cast: same math, one
-  dispatch.
+* The CPU kernel's small-M call: at batch 1 the Python around the int4 op (dtype casts, the
+  MKL CSR ``mv``, the add, the custom-op hop) costs as much as the op itself (docs/KERNELS.md,
+  "CPU kernel"). The C++ op does the int4 call, then one pass adding outliers and bias with
+  the cast: same math, one dispatch.
 * The solvers' per-column rounding inside a sub-block (fp32 problems): one call instead of
   six or seven dispatched torch ops per column.
 * The MSE scale search (``scales.mse_scales``): all candidate scales of a group while its
@@ -14,7 +13,8 @@ library, namespace ``latq_cpu``.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja: both already needed by vLLM's CPU
 compiled mode) into torch's extension cache, once per machine and source version; later
-processes only load the library. Without a compiler, or with ``LATQ_CPU_NATIVE=0``, the
+processes only load the library. ``LATQ_CPU_MARCH`` builds for another ``-march`` target
+(default: this CPU's). Without a compiler, or with ``LATQ_CPU_NATIVE=0``, the
 callers keep their pure-torch paths (same math) and the reason is logged once.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -38,18 +39,34 @@ SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
-# -fopenmp: at::parallel_for (the solvers' whole-matrix helpers) is an OpenMP pragma in ATen's
-# headers, serial unless this build enables OpenMP
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# the build's target: this CPU, or another (LATQ_CPU_MARCH=x86-64-v3 builds what an AVX2-only
+# CPU builds, so an AVX-512 machine can test that build's code paths)
+MARCH_ENV = "LATQ_CPU_MARCH"
+_MARCH_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def march() -> str:
+    m = os.environ.get(MARCH_ENV, "") or "native"
+    if not _MARCH_OK.fullmatch(m):
+        raise ValueError(f"{MARCH_ENV}={m!r} is not a -march name")
+    return m
+
+
+def cflags() -> list[str]:
+    # -fopenmp: at::parallel_for (the solvers' whole-matrix helpers) is an OpenMP pragma in ATen's
+    # headers, serial unless this build enables OpenMP
+    return ["-O3", f"-march={march()}", "-fopenmp"]
+
+
 _UNSET = object()
 _STATUS: "str | None | object" = _UNSET   # None: loaded; a string: why not
 
 
 def _name() -> str:
-    # -march=native code is only valid on this CPU: the build cache is keyed by it too
+    # -march=native code is only valid on this CPU: the build cache is keyed by it and the flags
     cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}"
     src = "".join(f.read_text() for f in SOURCES)
-    return "latq_cpu_" + hashlib.sha256((cpu + " ".join(CFLAGS) + src).encode()).hexdigest()[:12]
+    return "latq_cpu_" + hashlib.sha256((cpu + " ".join(cflags()) + src).encode()).hexdigest()[:12]
 
 
 def load() -> str | None:
@@ -61,7 +78,7 @@ def load() -> str | None:
         else:
             try:
                 from torch.utils.cpp_extension import load as build
-                build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
+                build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=cflags(),
                       extra_ldflags=["-fopenmp"],
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)

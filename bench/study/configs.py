@@ -165,7 +165,7 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
             out.append(make_config(model, "GPTQ", b, f"g{g}", method="gptq", bits=b, group_size=g))
     # the target-correction lever at every level at the default group size, and at 4 bits (the
     # default's width) at the baselines' smaller groups; at 3 bits those points are already dominated
-    # by coded scales, and a corrected run costs ~30 min on one thread
+    # by coded scales, and a corrected run (one more forward per block) is slow
     for tag, g in TC_TAGS.items():
         for b in LEVELS if g == group_size else (4,):
             out.append(make_config(model, "GPTQ", b, tag, base="" if g == group_size else f"g{g}", method="gptq",

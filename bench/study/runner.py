@@ -17,7 +17,7 @@ import torch
 from bench import peer_llmcompressor
 from vllm_latq import data
 
-from bench.study import served, peers as solvers
+from bench.study import peers, served
 from .configs import Config, slug
 
 log = logging.getLogger("latq.study")
@@ -165,7 +165,7 @@ def quantize_config(cfg: Config, st: Settings, src: Path, ck: Path, progress: bo
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
-    solve = solvers.solve_for(cfg, src)
+    solve = peers.solve_for(cfg, src)
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
         journal.unlink(missing_ok=True)
@@ -223,7 +223,7 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
         if q is not None and (ck / ("peer.json" if cfg.tag == "llmc" else "latq_stats.json")).is_file():
             certs, tq = q["certificate"], q["quantize_seconds"]
         else:
-            certs, tq = (solvers.quantize_llmc if cfg.tag == "llmc" else quantize_config)(cfg, st, src, ck, progress)
+            certs, tq = (peers.quantize_llmc if cfg.tag == "llmc" else quantize_config)(cfg, st, src, ck, progress)
             write_json(done, {"certificate": certs, "quantize_seconds": tq, "settings": key})
     ev = evaluate(target, seqlen=st.eval_seqlen, nwindows=st.nwindows, progress=progress)
     r = {"model": cfg.model, "label": cfg.label, "family": cfg.family, "level": cfg.level, "tag": cfg.tag,

@@ -77,7 +77,7 @@ MODELS: dict[str, ModelSpec] = {
 def model_dir(name: str, progress: bool = True) -> Path:
     """Cached bf16 HF directory ``cache_dir()/models/<name>`` of a model in MODELS.
 
-    Converts on first use (20-75 s); a missing or incomplete directory is rebuilt. A file
+    Converts on first use; a missing or incomplete directory is rebuilt. A file
     lock makes concurrent callers (pytest-xdist, several developers) convert only once.
     ``progress=False`` hides the conversion's progress bars.
     """

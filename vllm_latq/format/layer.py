@@ -184,12 +184,18 @@ def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]
             _validate_scale_range(t["scales"].float(), bits, layer, "scales", file)
     else:
         _validate_scale_range(t["hscale"].float(), None, layer, "hscale", file)
+        s = t["hscale"].float()
+        if not torch.equal(s.half().float(), s):   # the runtime form keeps it as its fp16 group scale
+            raise FormatError(f"{float(s.max())!r} is not fp16-exact", file=file, tensor=f"{layer}.hscale")
         _validate_huffman(t, shape, layer, file, decode)
 
 
 # the largest weight a layer may dequantize to: fp16's largest value (every kernel computes
 # weights in fp16 or bf16, and no real model comes near it)
 MAX_WEIGHT = 65504.0
+# the largest Huffman symbol magnitude: the readers (dequantize, the runtime transcode, the
+# kernels' grid statistics) turn symbols into fp32, exact for integers up to 2^24
+MAX_SYMBOL = 2 ** 24
 
 
 def _validate_scale_range(s: torch.Tensor, bits: int | None, layer: str, sfx: str, file) -> None:
@@ -253,9 +259,13 @@ def _validate_huffman(t, shape, layer, file, decode):
     if key.numel() > 1 and (key[1:] <= key[:-1]).any():
         raise FormatError("symbols not in canonical order (by code length, then symbol) or not distinct",
                           file=file, tensor=f"{layer}.hsymbols")
-    top = float(t["hsymbols"].abs().max()) * float(t["hscale"].float().max())
+    big = int(sym.abs().max())   # in int64: |-2^31| does not fit int32
+    if big > MAX_SYMBOL:
+        raise FormatError(f"a symbol of magnitude {big} exceeds 2^24, the largest integer fp32 holds exactly "
+                          "(every reader computes symbol x hscale in fp32)", file=file, tensor=f"{layer}.hsymbols")
+    top = big * float(t["hscale"].float().max())
     if top > MAX_WEIGHT:
-        raise FormatError(f"a symbol of {int(t['hsymbols'].abs().max())} under the scale gives a weight of {top:g}, "
+        raise FormatError(f"a symbol of magnitude {big} under the scale gives a weight of {top:g}, "
                           f"beyond {MAX_WEIGHT:g}", file=file, tensor=f"{layer}.hsymbols")
     bits = int(t["hchunk_bits"].cpu().numpy().view(np.uint16).astype(np.int64).sum())
     if bits > 8 * t["hstream"].numel():

@@ -5,21 +5,19 @@ apart), ``latq_stats.json`` and each shard's header (dtypes, shapes, offsets and
 
 The JSON files are hashed by value (canonical JSON: sorted keys, no whitespace), so reformatting
 one is not an edit, while any changed value is. The writer records it last
-(:func:`write_manifest`); :func:`verify_manifest` is the validator's last check and
-:func:`verify_for_serving` the vLLM loader's. A checkpoint without one (written before manifests,
-or stripped) is refused: re-quantize it, or read it unchecked with ``--no-verify``
+(:func:`write_manifest`); :func:`verify_manifest` is the validator's last check (the validator is
+what inspect, eval, export and the vLLM plugin run). A checkpoint without one (unfinished, or
+stripped) is refused: re-quantize it, or read it unchecked with ``--no-verify``
 (``LATQ_NO_VERIFY=1`` for vLLM)."""
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from pathlib import Path
 
 from ..errors import FormatError
 from ..hf_model import config_dict
-from .checkpoint import Checkpoint
 from .files import CONFIG_FILE, MANIFEST_FILE, STATS_FILE
 from .safetensors_file import SafetensorsFile
 from .writer import write_json
@@ -29,7 +27,6 @@ SKIPPED = (f"the sha256 checks of the tensors (latq_sha256), the shard headers, 
            f"({MANIFEST_FILE}) are skipped: an edited checkpoint is read as it is")
 _PARTS = {"quantization_config": "its quantization_config differs",
           "model": "the model's fields (everything but quantization_config) differ"}
-logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
 
 def json_sha256(obj) -> str:
@@ -117,15 +114,3 @@ def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, Saf
 
 def no_verify_requested() -> bool:
     return os.environ.get(NO_VERIFY_ENV, "") not in ("", "0")
-
-
-def verify_for_serving(path: str | os.PathLike) -> None:
-    """The vLLM loader's check of a checkpoint directory before vLLM reads it: the manifest against
-    ``config.json``, the stats and the shard headers (the tensors' bytes are read by vLLM, not
-    hashed). ``LATQ_NO_VERIFY=1`` skips it, with one warning saying so."""
-    ck = Checkpoint(path)   # the config's sizes, links out of the directory, every shard header's form
-    if no_verify_requested():
-        logger.warning("latq: %s=1: not checking %s, %s and the shard headers against %s: an edited checkpoint "
-                       "is served as it is", NO_VERIFY_ENV, CONFIG_FILE, STATS_FILE, MANIFEST_FILE)
-        return
-    verify_manifest(ck.path, ck.config, ck.shards)

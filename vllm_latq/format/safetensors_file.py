@@ -7,6 +7,7 @@ file can never crash or hang a reader. The writer orders everything, so a file's
 depend only on its tensors and metadata."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -301,20 +302,26 @@ class SafetensorsFile:
                             "edited (--no-verify reads it unchecked)")
         if name not in sums:
             raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
-        written = self.layouts.get(name) if self.layouts is not None else None
-        e = self.entries[name]
-        if written is not None and written != _layout_text(e.dtype, e.shape):
-            raise self._err(f"header says {_layout_text(e.dtype, e.shape)}, the tensor was written as {written}: "
-                            "the header was edited", name)
+        self.check_layout(name)
         h = hashlib.sha256()
         for piece in self.pieces(name):
             h.update(piece)
         if h.hexdigest() != sums[name]:
             raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
 
-    @property
+    def check_layout(self, name: str) -> None:
+        """Raise unless the tensor's header entry (dtype, shape) is the one :data:`LAYOUT_KEY`
+        records as written; a file without that table has nothing to compare."""
+        written = self.layouts.get(name) if self.layouts is not None else None
+        e = self._entry_of(name)
+        if written is not None and written != _layout_text(e.dtype, e.shape):
+            raise self._err(f"header says {_layout_text(e.dtype, e.shape)}, the tensor was written as {written}: "
+                            "the header was edited", name)
+
+    @functools.cached_property
     def layouts(self) -> dict[str, str] | None:
-        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files."""
+        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files
+        (parsed once: the validator asks for every tensor)."""
         if LAYOUT_KEY not in self.metadata:
             return None
         try:

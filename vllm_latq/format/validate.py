@@ -1,12 +1,15 @@
 """Validating a whole checkpoint directory (:func:`validate_checkpoint`: config, index and
 shards, checksums, every layer, the bit budget, plain tensors against the model of
-``config.json``, the stats file) and the per-layer report ``latq-inspect`` prints."""
+``config.json``, the stats file), the vLLM plugin's call of it (:func:`verify_for_serving`) and
+the per-layer report ``latq-inspect`` prints."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from .. import hf_model
 from ..hf_model import UnsupportedModelError, decoder_layers
 from . import scale_codes
 from .checkpoint import Checkpoint, linear_shape
@@ -14,8 +17,10 @@ from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from . import huffman
 from .layer import expected_shapes, has_coded_scales, validate_layer
-from .manifest import verify_manifest
+from .manifest import NO_VERIFY_ENV, SKIPPED, no_verify_requested, verify_manifest
 from .spec import FORMAT_VERSION, QuantSpec, check_budget
+
+logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
 
 def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_checksums: bool = True,
@@ -91,6 +96,7 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         raise FormatError(f"quantization_config.layer_bits names {stray}, which are not quantized layers of the "
                           "checkpoint", file=CONFIG_FILE)
 
+    config_dtype = getattr(torch, hf_model.model_dtype(ck.config), None)
     for name in ck.plain_names():
         file = ck.where[name]
         if ck_names.model_key(name) not in expected:
@@ -102,6 +108,7 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
                               tensor=name)
         if not f.dtype(name).is_floating_point:
             raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
+        check_plain_dtype(f, name, config_dtype, file=file)
         if verify_checksums:
             f.verify(name)
         if len(want.shape) == 1 and not torch.isfinite(f.get(name).float()).all():   # norms, biases: small
@@ -129,6 +136,36 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if verify_checksums:   # last, so that a structural problem is named as such first
         verify_manifest(ck.path, ck.config, ck.shards)
     return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec}
+
+
+def verify_for_serving(path: str | os.PathLike) -> dict:
+    """The vLLM plugin's check of a checkpoint directory before vLLM reads a tensor: the checks
+    ``latq-eval`` runs (:func:`validate_checkpoint` without decoding the Huffman streams, which
+    the loader decodes): shapes before bytes, every tensor's sha256 streamed by pieces, value
+    bounds, the manifest. ``LATQ_NO_VERIFY=1`` skips the sha256 checks as ``--no-verify`` does,
+    with one warning saying so. Returns the report."""
+    skip = no_verify_requested()
+    if skip:
+        logger.warning("latq: %s=1: %s", NO_VERIFY_ENV, SKIPPED)
+    report = validate_checkpoint(path, decode=False, verify_checksums=not skip)
+    logger.info("latq: %s checked before serving: %s", path, "shapes, dtypes and value bounds (no sha256)" if skip
+                else "every tensor's sha256, the manifest, shapes, dtypes and value bounds")
+    return report
+
+
+def check_plain_dtype(f, name: str, config_dtype, *, file: str) -> None:
+    """A plain tensor keeps the dtype recorded for it when the checkpoint was written (its
+    shard's ``latq_layouts``): not the config's dtype, since sources keep some tensors in fp32
+    whatever it says (transformers' ``_keep_in_fp32_modules``: routers' score-correction biases,
+    gates) and the quantizer copies them as they are. A shard that records none (written before
+    the table, or re-saved without it) falls back to the config's dtype. Checked with or
+    without the sha256 checks: a dtype edit (BF16 → F16, the same bytes read as other numbers)
+    is refused under ``--no-verify`` too."""
+    if f.layouts is not None and name in f.layouts:
+        f.check_layout(name)
+    elif isinstance(config_dtype, torch.dtype) and f.dtype(name) != config_dtype:
+        raise FormatError(f"dtype {f.dtype(name)}, expected {config_dtype} from config.json (the shard records no "
+                          "dtype for it as written)", file=file, tensor=name)
 
 
 def check_declared_shapes(f, names: dict[str, str], kind: str, shape, bits, group_size, *, layer: str,

@@ -5,26 +5,9 @@ A kernel turns the runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) 
 own layout once at load (``prepare``) and computes ``y = x @ Wᵀ (+ bias)`` per call
 (``apply``), matching :func:`~vllm_latq.kernels.reference.latq_linear_ref`.
 ``can_implement`` says whether it can run a layer and, if not, why (the selector,
-:mod:`~vllm_latq.kernels.selector`, lists those reasons when nothing fits).
-
-Custom-op contract (vLLM's compiled mode, CUDA graphs): the vLLM layer does not keep the
-state object; it keeps ``flatten(state)`` = (tensors, ints) — the tensors as module buffers,
-the ints as static Python ints — and ``kernels/ops.py`` runs one ``torch.library`` custom op
-per kernel (``torch.ops.latq.<name>_linear``) that calls ``apply(unflatten(tensors, ints),
-x, bias)``. The defaults below handle a state that is a dataclass of ``state_cls`` whose
-fields are tensors (annotation mentions ``Tensor``; ``None`` allowed) or ints; a kernel with
-another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goes (batch-size
-branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
-tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
-
-Served bytes (decode speed is set by the bytes each step streams, so a layer's cost is its
-*served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
-prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
-index and padding); ``layout_bytes(n, k, bits, group, stats, scale_bits)`` is the same number
-from the layer's :class:`~vllm_latq.kernels.served_bytes.GridStats` without preparing it (and
-``scale_bits``: its scales coded, ``format.scale_codes``; None: fp16) — the cost model
-:func:`~vllm_latq.kernels.transcode.transcode` chooses HPTQ widths by (among ``widths``, the
-inlier widths the kernel takes) and ``latq-inspect`` reports. Tests tie the two per kernel.
+:mod:`~vllm_latq.kernels.selector`, lists those reasons when nothing fits). It also says what a
+layer costs to serve — decode speed is set by the bytes each step streams, so a layer's cost is
+its *served* bits/weight, not its stored ones (``served_bytes``, ``layout_bytes``).
 """
 from __future__ import annotations
 
@@ -80,7 +63,26 @@ def unflatten_dataclass(cls: type, tensors, ints) -> Any:
 
 
 class LatqKernel:
-    """Base class of the latq kernels (classmethods only: a kernel has no instance state)."""
+    """Base class of the latq kernels (classmethods only: a kernel has no instance state).
+
+    Custom-op contract (vLLM's compiled mode, CUDA graphs): the vLLM layer does not keep the
+    state object; it keeps ``flatten(state)`` = (tensors, ints) — the tensors as module buffers,
+    the ints as static Python ints — and ``kernels/ops.py`` runs one ``torch.library`` custom op
+    per kernel (``torch.ops.latq.<name>_linear``) that calls ``apply(unflatten(tensors, ints),
+    x, bias)``. The defaults below handle a state that is a dataclass of ``state_cls`` whose
+    fields are tensors (annotation mentions ``Tensor``; ``None`` allowed) or ints; a kernel with
+    another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goes (batch-size
+    branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
+    tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
+
+    Served bytes (decode speed is set by the bytes each step streams, so a layer's cost is its
+    *served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
+    prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
+    index and padding); ``layout_bytes(n, k, bits, group, stats, scale_bits)`` is the same number
+    from the layer's :class:`~vllm_latq.kernels.served_bytes.GridStats` without preparing it (and
+    ``scale_bits``: its scales coded, ``format.scale_codes``; None: fp16) — the cost model
+    :func:`~vllm_latq.kernels.transcode.transcode` chooses HPTQ widths by (among ``widths``, the
+    inlier widths the kernel takes) and ``latq-inspect`` reports. Tests tie the two per kernel."""
     name = "base"
     state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)
     auto_select = True            # False: only when forced by name (``LATQ_KERNEL``)

@@ -4,27 +4,11 @@ its own kernel (:mod:`~vllm_latq.kernels.selector`).
 
     y_t = Σ_k  p_tk · W2_e (act(W13_e x_t))      e = topk_ids[t, k],  p = topk_weights
 
-Three paths compute it (:func:`experts_forward`):
-
-* ``stacked`` — when every expert runs the Triton kernel, :func:`stack_experts` stacks the
-  experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton.grouped_moe`) and one
-  launch per projection runs the routed (token, slot) pairs, reading each block's expert from
-  a device tensor: no host sync, so it is a path for batches vLLM captures (and their
-  warm-ups) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
-  batches: it saves a sync and a handful of launches per routed expert; in a graph, E/k
-  times the masked path's work);
-* ``host`` — sort the pairs by expert, read the counts on the host and run each expert that
-  received tokens once, on all of them (one GEMM per expert and projection): eager, larger
-  batches, and every kernel family;
-* ``masked`` — every local expert on all tokens, the routing weights (zero where a token did
-  not pick it) selecting: capturable with any kernel, E/k times the work; the captured path
-  of layers that cannot be stacked (bf16 fallback, 5-bit inliers …) at capture sizes, or where
-  the model predicts it faster (a few huge experts at a large batch).
-
-:func:`flatten` / :func:`unflatten` turn the experts' prepared states (and the stacks) into the
-flat tensor list + ints of the custom op ``latq::moe_experts``
-(:func:`~vllm_latq.kernels.ops.moe_op`), each state by its kernel's own ``flatten``; a kernel
-is named by its index in ``selector.kernels()``.
+Three paths compute it (:func:`experts_forward`): ``stacked`` (one grouped Triton launch per
+projection, no host sync: what CUDA graphs capture), ``host`` (one GEMM per expert that received
+tokens, any kernel, eager) and ``masked`` (every expert on every token, capturable with any
+kernel). :func:`flatten` / :func:`unflatten` carry the experts' states through the custom op
+``latq::moe_experts`` (:func:`~vllm_latq.kernels.ops.moe_op`).
 """
 from __future__ import annotations
 
@@ -125,7 +109,22 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     rank, skipped); ``topk_weights`` [T, k]. → [T, hidden] in x.dtype, summed in fp32.
     ``weights_on_input``: the routing weight scales the expert's input instead of its output
     (vLLM's ``apply_router_weight_on_input``, top-1 models). ``path``: ``stacked`` (needs
-    ``stacked``), ``host`` or ``masked`` (module doc); None: :func:`choose_path`."""
+    ``stacked``), ``host`` or ``masked`` (below); None: :func:`choose_path`.
+
+    * ``stacked`` — when every expert runs the Triton kernel, :func:`stack_experts` stacks the
+      experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton.grouped_moe`) and one
+      launch per projection runs the routed (token, slot) pairs, reading each block's expert from
+      a device tensor: no host sync, so it is a path for batches vLLM captures (and their
+      warm-ups) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
+      batches: it saves a sync and a handful of launches per routed expert; in a graph, E/k
+      times the masked path's work);
+    * ``host`` — sort the pairs by expert, read the counts on the host and run each expert that
+      received tokens once, on all of them (one GEMM per expert and projection): eager, larger
+      batches, and every kernel family;
+    * ``masked`` — every local expert on all tokens, the routing weights (zero where a token did
+      not pick it) selecting: capturable with any kernel, E/k times the work; the captured path
+      of layers that cannot be stacked (bf16 fallback, 5-bit inliers …) at capture sizes, or where
+      the model predicts it faster (a few huge experts at a large batch)."""
     T, k = topk_ids.shape
     path = path or choose_path(x, k, stacked)
     if path == "stacked":

@@ -1,31 +1,15 @@
 """Torch custom ops around the latq kernels: one op per kernel (call path),
-``torch.ops.latq.<kernel>_linear(x, tensors, ints, bias, out_features) -> y``.
+``torch.ops.latq.<kernel>_linear(x, tensors, ints, bias, out_features) -> y``, and one for a
+mixture-of-experts layer, ``torch.ops.latq.moe_experts`` (:func:`moe_op`).
 
 ``tensors``/``ints`` are the kernel's prepared state flattened by
-:meth:`~vllm_latq.kernels.base.LatqKernel.flatten` (the layer keeps the tensors as
-buffers and the ints as static Python ints). The op is opaque to torch.compile: Dynamo and
-Inductor see one node with a fake implementation (output ``[..., out_features]`` in
-``x.dtype``, any leading dimension, dimension 0 dynamic), so a kernel may branch on the
-batch size, call ``.item()`` or build sparse tensors inside ``apply`` without a graph break
-and without baking a Python branch into the graph. Under CUDA graphs the op is captured like
-any other kernel launch.
-
-A mixture-of-experts layer runs as one op, ``torch.ops.latq.moe_experts`` (:func:`moe_op`):
-its experts' states flattened together (:mod:`~vllm_latq.kernels.moe`), the routing as
-tensors, the activation by name.
-
-Ops are registered lazily, once per process, when a layer first selects a kernel (vLLM
-loads weights, and so registers the ops, in every worker before it compiles).
-
-A kernel may also offer a ``native_op`` with the same schema implemented in C++ (the CPU
-kernel's ``latq_cpu::linear``): layers then call that one, which skips Python per call and
-may call back into the Python op for cases it leaves to it (the CPU kernel's large M).
-
-Registration goes through ``torch.library.Library`` (define + one
-``CompositeExplicitAutograd`` kernel + a fake), the way vLLM registers its own ops, not
-``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers,
-a cost that a decode step pays once per linear. The ops are inference-only (no autograd
-formula).
+:meth:`~vllm_latq.kernels.base.LatqKernel.flatten` (the layer keeps the tensors as buffers and
+the ints as static Python ints). The op is opaque to torch.compile — one node with a fake
+implementation, dimension 0 dynamic — so a kernel may branch on the batch size, call ``.item()``
+or build sparse tensors inside ``apply`` without a graph break; under CUDA graphs it is
+captured like any other kernel launch. Ops are registered lazily, once per process, when a
+layer first selects a kernel (vLLM loads weights, and so registers the ops, in every worker
+before it compiles).
 """
 from __future__ import annotations
 
@@ -48,8 +32,10 @@ def op_name(kernel: type[LatqKernel]) -> str:
 
 
 def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
-    """The op a layer calls for ``kernel``: its native op if it has one (which may call back
-    into the Python one), else the Python custom op (registered on first use)."""
+    """The op a layer calls for ``kernel``: its native op if it has one, else the Python custom
+    op (registered on first use). A native op has the same schema, implemented in C++ (the CPU
+    kernel's ``latq_cpu::linear``): it skips Python per call and may call back into the Python
+    op for the cases it leaves to it (the CPU kernel's large M)."""
     op = python_op_for(kernel)
     return kernel.native_op() or op
 
@@ -78,6 +64,12 @@ def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
 
 
 def _register(name: str, schema: str, impl, fake) -> "torch._ops.OpOverload":
+    """Define op ``name`` with ``schema``, its implementation ``impl`` and ``fake``. Registration
+    goes through ``torch.library.Library`` (define + one
+    ``CompositeExplicitAutograd`` kernel + a fake), the way vLLM registers its own ops, not
+    ``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers,
+    a cost that a decode step pays once per linear. The ops are inference-only (no autograd
+    formula)."""
     global _LIB
     impl.__name__ = name
     if _LIB is None:

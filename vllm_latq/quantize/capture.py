@@ -17,7 +17,6 @@ from .. import hf_model
 from .activations import Activations
 from .ranks import SINGLE, World
 from .resume import RunDir
-from .source import Source
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -103,34 +102,34 @@ def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, acts
 
 
 @torch.no_grad()
-def block_inputs(src: Source, calib: torch.Tensor | None, run: RunDir, device, max_memory: int | None,
-                 progress: bool, rows: range | None = None,
-                 world: World = SINGLE) -> tuple[Activations | None, dict | None]:
-    """→ (the inputs of the first block ``run`` has not done, every block's keyword
-    arguments); (None, None) without calibration data. The activations are kept in memory
-    up to ``max_memory`` bytes (None: :func:`.activations.default_budget`), else on disk.
-    ``rows``: the sequences of ``calib`` this rank forwards (default all).
-    Loads the tensors outside the blocks for the capture pass and drops them again."""
+def block_inputs(net: torch.nn.Module, layers: torch.nn.ModuleList, hidden_size: int, dtype: torch.dtype,
+                 calib: torch.Tensor | None, run: RunDir, device, max_memory: int | None, progress: bool,
+                 rows: range | None = None, world: World = SINGLE) -> tuple[Activations | None, dict | None]:
+    """→ (the inputs of the first block of ``layers`` ``run`` has not done, every block's keyword
+    arguments); (None, None) without calibration data. The activations (``hidden_size`` wide, in
+    ``dtype``) are kept in memory up to ``max_memory`` bytes (None:
+    :func:`.activations.default_budget`), else on disk. ``rows``: the sequences of ``calib`` this
+    rank forwards (default all). ``net``'s tensors outside the blocks are loaded by the caller for
+    this capture pass; it drops them again."""
     if calib is None:  # an uncalibrated method: no forwards, the embeddings are not read
         return None, None
-    src.load(src.outside_tensors(), device)
-    for m in src.net.modules():  # the real buffers (rotary frequencies, ...) go to the device
+    for m in net.modules():  # the real buffers (rotary frequencies, ...) go to the device
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = b.to(device)
-    shape = (len(calib), calib.shape[1], src.config.hidden_size)
+    shape = (len(calib), calib.shape[1], hidden_size)
     rows = range(len(calib)) if rows is None else rows
     mine = calib[rows.start:rows.stop]
     if run.blocks_done == 0:
-        acts = Activations.create(run.path, shape, src.dtype, device, max_memory, rows=rows, world=world)
-        kwargs = capture_inputs(src.net, src.layers, mine, acts, progress)
+        acts = Activations.create(run.path, shape, dtype, device, max_memory, rows=rows, world=world)
+        kwargs = capture_inputs(net, layers, mine, acts, progress)
     else:
-        kwargs = capture(src.net, src.layers, mine[:1].to(device), all_kwargs=True)[1]
-        acts = Activations.resume(run.path, shape, src.dtype, device, max_memory, run.blocks_done, rows, world)
-        log.info("resuming after block %d of %d", run.blocks_done - 1, src.nblocks)
-    hf_model.to_meta(src.net)  # embeddings are not needed any more
-    if len(kwargs) != src.nblocks:
-        raise hf_model.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {src.nblocks} decoder blocks")
+        kwargs = capture(net, layers, mine[:1].to(device), all_kwargs=True)[1]
+        acts = Activations.resume(run.path, shape, dtype, device, max_memory, run.blocks_done, rows, world)
+        log.info("resuming after block %d of %d", run.blocks_done - 1, len(layers))
+    hf_model.to_meta(net)  # embeddings are not needed any more
+    if len(kwargs) != len(layers):
+        raise hf_model.UnsupportedModelError(f"captured the arguments of {len(kwargs)} of {len(layers)} decoder blocks")
     return acts, kwargs
 
 

@@ -17,7 +17,6 @@ from ..format import writer
 from .. import format as fmt
 from .output import check_output
 from .resume import RunDir
-from .source import Source
 
 
 def stats_file(stats: list[dict], method: str, src: Path) -> dict:
@@ -33,29 +32,35 @@ def stats_file(stats: list[dict], method: str, src: Path) -> dict:
                        if rels else None, "cert_max": max(certs) if certs else None}}
 
 
-def finalize(src: Source, run: RunDir, out: Path, method: str, quantization_config: dict,
-             head_name: str | None, head_tensors: dict, validate: bool) -> dict:
-    """Write the rest of the checkpoint into ``run``, validate it (unless not ``validate``)
-    and move it to ``out`` (replacing it) → the stats file's totals."""
-    nshards = src.nblocks + 1
-    rest = src.outside_kept_tensors(head_name)
-    rest.update(head_tensors)
-    write_safetensors(run.path / writer.shard_name(src.nblocks, nshards), rest)
-    writer.write_index(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
-    cfg = dict(src.raw_config)
+def checkpoint_config(source_config: dict, quantization_config: dict, untie_head: bool) -> dict:
+    """The checkpoint's ``config.json``: the source's with its ``quantization_config``
+    (``untie_head``: a tied head quantized, stored apart from the embedding, which stays)."""
+    cfg = dict(source_config)
     cfg["quantization_config"] = quantization_config
-    if head_name is not None and src.tied:
-        cfg["tie_word_embeddings"] = False   # the embedding stays, the head is stored quantized
-    writer.write_json(run.path / CONFIG_FILE, cfg)
-    writer.copy_aux_files(src.path, run.path)
-    stats = stats_file(run.stats, method, src.path)
+    if untie_head:
+        cfg["tie_word_embeddings"] = False
+    return cfg
+
+
+def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, config: dict, method: str,
+             validate: bool) -> dict:
+    """Write the rest of the checkpoint into ``run`` after its ``nblocks`` block shards — the
+    last shard (``rest``: the tensors outside the blocks), ``config``, the tokenizer files of
+    ``source``, the stats of ``method`` and the manifest —, validate it (unless not ``validate``)
+    and move it to ``out`` (replacing it) → the stats file's totals."""
+    nshards = nblocks + 1
+    write_safetensors(run.path / writer.shard_name(nblocks, nshards), rest)
+    writer.write_index(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
+    writer.write_json(run.path / CONFIG_FILE, config)
+    writer.copy_aux_files(source, run.path)
+    stats = stats_file(run.stats, method, source)
     writer.write_json(run.path / STATS_FILE, stats)
     write_manifest(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
     run.clear_progress()
     if validate:
         validate_checkpoint(run.path, decode=True, verify_checksums=False)
     if out.exists():
-        check_output(out, src.path, overwrite=True)   # what it holds now, hours after the run began
+        check_output(out, source, overwrite=True)   # what it holds now, hours after the run began
         shutil.rmtree(out)
     os.replace(run.path, out)
     return stats["totals"]

@@ -15,7 +15,7 @@ from .. import hf_model
 from . import ranks
 from .calibrate import head_hessian
 from .ranks import SINGLE, World
-from .source import Source
+from .source import SourceWeights
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -27,35 +27,37 @@ class HeadPlan:
     norm: str       # the final norm module's name (hf_model.final_norm)
 
 
-def head_plan(src: Source) -> HeadPlan:
-    """Where the head, its weight and the final norm are; refuses heads it cannot quantize."""
-    net, head = src.net, src.head
+def head_plan(net: torch.nn.Module, prefix: str, tied: bool, weights: SourceWeights) -> HeadPlan:
+    """Where the head of ``net`` (decoder blocks under ``prefix``; ``tied`` to the input
+    embedding), its weight in ``weights`` and the final norm are; refuses heads it cannot quantize."""
+    head = net.get_output_embeddings()
     names = {m: n for n, m in net.named_modules()}
     if not isinstance(head, torch.nn.Linear) or head not in names:
         raise hf_model.UnsupportedModelError(f"{type(net).__name__}: the output head is not an nn.Linear; "
-                                         "cannot quantize it")
+                                             "cannot quantize it")
     if head.bias is not None:
         raise hf_model.UnsupportedModelError(f"{type(net).__name__}: quantizing an lm_head with a bias is not supported")
     head_name = names[head]
     weight = f"{head_name}.weight"
-    if src.tied:
+    if tied:
         weight = f"{names[net.get_input_embeddings()]}.weight"
-    if weight not in src.weights.where:
+    if weight not in weights.where:
         raise ValueError(f"the head's weight {weight} is not in the source safetensors")
-    return HeadPlan(head_name, weight, hf_model.final_norm(net, src.prefix))
+    return HeadPlan(head_name, weight, hf_model.final_norm(net, prefix))
 
 
 @torch.no_grad()
-def quantize_head(src: Source, plan: HeadPlan, inps: torch.Tensor | None, quantize: Callable, device,
-                  progress: bool, world: World = SINGLE) -> dict:
-    """Quantize the head with ``quantize(name, W, hessian) -> (result, tensors)`` on the last block's outputs
-    ``inps`` (None: an uncalibrated method) → the head's checkpoint tensors. With several ranks
-    the Hessian is summed over them and rank 0 solves (it alone writes; the others get {})."""
-    norm = src.net.get_submodule(plan.norm)
+def quantize_head(net: torch.nn.Module, weights: SourceWeights, plan: HeadPlan, inps: torch.Tensor | None,
+                  quantize: Callable, device, progress: bool, world: World = SINGLE) -> dict:
+    """Quantize the head of ``net`` (its weight and final norm read from ``weights``) with
+    ``quantize(name, W, hessian) -> (result, tensors)`` on the last block's outputs ``inps``
+    (None: an uncalibrated method) → the head's checkpoint tensors. With several ranks the
+    Hessian is summed over them and rank 0 solves (it alone writes; the others get {})."""
+    norm = net.get_submodule(plan.norm)
     dtype = inps.dtype if inps is not None else torch.float32  # the calibration forwards' dtype
     for n, p in list(norm.named_parameters()):
-        hf_model.set_tensor(norm, n, src.weights.get(f"{plan.norm}.{n}").to(device=device, dtype=dtype))
-    W = src.weights.get(plan.weight).to(device=device, dtype=torch.float32)
+        hf_model.set_tensor(norm, n, weights.get(f"{plan.norm}.{n}").to(device=device, dtype=dtype))
+    W = weights.get(plan.weight).to(device=device, dtype=torch.float32)
     t0 = time.time()
     hs = None
     if inps is not None:

@@ -1,30 +1,16 @@
 """The offline pipeline: a Hugging Face causal LM → a latq checkpoint, block by block.
 
 Sequential calibration (the standard GPTQ pipeline), :func:`quantize_model`: the inputs of
-decoder block 0 are captured once (:mod:`.capture`); then for every block i
-
-1. its weights are loaded from the source safetensors (only this block is in memory, :mod:`.source`),
-2. the Hessians ``XᵀX`` of all its linears are accumulated over every calibration sequence
-   (:mod:`.calibrate`; linears fed the same tensor — q/k/v, gate/up — share one Hessian),
-3. every linear is solved and its weight replaced by the dequantized result (:mod:`.solve`),
-4. the block is run again: its outputs, computed by the *quantized* block, are the inputs of
-   block i+1,
-5. the block's shard is written with the activations and progress, for ``--resume`` (:mod:`.resume`).
-
-Then the output head, if asked (:mod:`.head`), and the rest of the checkpoint (:mod:`.finalize`).
-With ``target_correction`` a second stream, the full-precision inputs, runs through the unquantized
-blocks beside the first: steps 2 and 3 alternate group by group (:func:`~.calibrate.target_corrected_stages`:
-each group's ``X̃ᵀX̃`` and ``X̃ᵀX`` with the block's earlier groups quantized), each linear solved against
-:func:`~.hessian.qronos_target` (experts and the head against their own W).
-RTN and HRTN ignore activations, so for them steps 2 and 4 (and the calibration data) are
-skipped: they quantize at the speed of reading the weights. Under ``torchrun`` the ranks split
-steps 2–4 (:mod:`.ranks`).
-
-Everything is deterministic: the same source, options and seed give a byte-identical
-checkpoint, with or without an interruption, at the same torch thread count and number of
-ranks (the last bits of activations and sums depend on both). The calibration forwards run in
-the model's dtype (bf16 for a bf16 model, as GPTQ runs), or fp32 on a CPU that only emulates
-bf16; the solvers work in fp32 on the exact weights, the Hessians are summed in fp64.
+decoder block 0 are captured once (:mod:`.capture`); then each block is loaded alone
+(:mod:`.source`), its linears' Hessians ``XᵀX`` accumulated over the calibration sequences
+(:mod:`.calibrate`), every linear solved and replaced by its dequantized result
+(:mod:`.solve_layers`), the *quantized* block run again to give the next block's inputs, and
+its shard written with the activations for ``--resume`` (:mod:`.resume`); then the output head,
+if asked (:mod:`.head`), and the rest of the checkpoint (:mod:`.finalize`). With
+``target_correction`` a second, full-precision stream runs beside the first and Hessians and
+solves alternate group by group (:func:`~.calibrate.target_corrected_stages`). RTN and HRTN
+ignore activations: no calibration forwards, they quantize at the speed of reading the
+weights. Under ``torchrun`` the ranks split the forwards and the solves (:mod:`.ranks`).
 """
 from __future__ import annotations
 
@@ -51,13 +37,13 @@ from . import ranks
 from .calibrate import block_hessians, drop_stream, full_precision_stream, sum_over_ranks, target_corrected_stages
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
-from .finalize import finalize
+from .finalize import checkpoint_config, finalize
 from .head import head_plan, quantize_head
 from . import solve_layers as solving
 from .output import check_output
 from .resume import PROGRESS_FILE, TMP_SUFFIX, fingerprint, run_directory
 from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
-from .source import Source, open_source, resolve_model
+from .source import open_source, resolve_model
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -250,14 +236,20 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     """Quantize ``model`` (see :func:`resolve_model`) into the checkpoint directory ``out``.
 
     ``solve(method, W, H, name, **kw) -> QuantResult`` replaces the per-layer solver call
-    (default: :func:`.solve.solve`). ``on_layer(name, W, H, result)`` is called for every
+    (default: :func:`.solve_layers.solve`). ``on_layer(name, W, H, result)`` is called for every
     quantized linear (tests), ``on_block(i, seconds)`` once block i is persisted (benches).
     ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is persisted
     (default: ``$LATQ_STOP_AFTER_BLOCK``), to test ``resume``. Returns ``out``.
 
     Started by ``torchrun`` with several ranks (:mod:`.ranks`), every rank runs this with the
     same arguments: each forwards its share of the calibration sequences, the statistics are
-    summed over ranks, each solve runs on one rank and is shared, rank 0 writes."""
+    summed over ranks, each solve runs on one rank and is shared, rank 0 writes.
+
+    Everything is deterministic: the same source, options and seed give a byte-identical
+    checkpoint, with or without an interruption, at the same torch thread count and number of
+    ranks (the last bits of activations and sums depend on both). The calibration forwards run in
+    the model's dtype (bf16 for a bf16 model, as GPTQ runs), or fp32 on a CPU that only emulates
+    bf16; the solvers work in fp32 on the exact weights, the Hessians are summed in fp64."""
     opts, out = opts or QuantizeOptions(), Path(out)
     world = ranks.init(opts.device)
     try:
@@ -289,25 +281,32 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
                          "forwards at least one calibration sequence")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    head = head_plan(src) if opts.quantize_lm_head else None
+    head = head_plan(src.net, src.prefix, src.tied, src.weights) if opts.quantize_lm_head else None
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
     with ranks.together("checking the output directory", world):
         if world.writes:
             check_output(out, src.path, overwrite)
-    with run_directory(out, _fingerprint(src, opts), resume, world) as run:
+    run_key = _fingerprint(opts, src.path, list(src.weights.handles), src.raw_config, src.dtype)
+    with run_directory(out, run_key, resume, world) as run:
         device = torch.device(opts.device)
-        calib = _calibration_text(src, opts)
-        acts, kwargs = block_inputs(src, calib, run, device, opts.max_activation_memory, progress,
+        calib = _calibration_text(src.path, opts)
+        if calib is not None:   # the capture pass runs the embeddings (block_inputs drops them)
+            src.load(src.outside_tensors(), device)
+        acts, kwargs = block_inputs(src.net, src.layers, src.config.hidden_size, src.dtype, calib, run, device,
+                                    opts.max_activation_memory, progress,
                                     ranks.own_rows(len(calib), world) if calib is not None else None, world)
         targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
         per_layer = dict(method=opts.method, solve=_with_fault(solve, world), stats=run.stats, on_layer=on_layer)
         quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
+        solve_block = partial(solving.solve_block, weight=src.linear_weight, expert_weight=src.expert_weight,
+                              names=src.names, dtype=src.dtype, device=device, progress=progress, stats=run.stats,
+                              moe_min_tokens=opts.moe_min_tokens, moe_route_all=opts.moe_route_all, world=world)
 
         bar = tqdm(range(run.blocks_done, src.nblocks), desc=f"{opts.method} blocks", unit="block",
                    disable=not progress, initial=run.blocks_done, total=src.nblocks)
         for i in bar:
-            layer = src.layers[i]
+            layer, block_name, desc = src.layers[i], f"{src.prefix}.{i}", f"block {i}"
             if opts.calibrated:   # the forwards need the block; an uncalibrated solve reads each weight alone
                 src.load(src.block_tensors(i), device)
             linears = src.block_linears(i)
@@ -316,35 +315,32 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             folding = None
             if targets is not None:   # Hessians and solves interleaved, group by group (calibrate.py)
                 shard = {}
-                for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, f"block {i}",
-                                                                     progress):
+                for names, hessians, last in target_corrected_stages(layer, linears, acts, targets, kw, desc, progress):
                     sum_over_ranks(hessians, world)
                     quantize_group = solving.target_corrected(quantize, {src.names.module(n): c for n, c in
                                                                          hessians.cross_of.items()}, opts.damp)
-                    shard.update(solving.solve_block(src, i, {n: linears[n] for n in names}, hessians, quantize_group,
-                                                     device, progress, run.stats, opts.moe_min_tokens,
-                                                     opts.moe_route_all, experts=last, world=world))
+                    shard.update(solve_block(layer, block_name, desc, {n: linears[n] for n in names},
+                                             src.block_experts(i) if last else {}, hessians, quantize_group))
                 t1 = t0
             else:
                 hessians = None
                 if opts.calibrated:
-                    with ranks.together(f"block {i}: Hessians", world):
-                        hessians = block_hessians(layer, linears, acts, kw, f"block {i}", progress)
+                    with ranks.together(f"{desc}: Hessians", world):
+                        hessians = block_hessians(layer, linears, acts, kw, desc, progress)
                     sum_over_ranks(hessians, world)
                 t1 = time.time()
                 if opts.column_scales != "none":
-                    folding = fold_block(layer, f"{src.prefix}.{i}", linears, hessians.of, acts[:1], kw,
+                    folding = fold_block(layer, block_name, linears, hessians.of, acts[:1], kw,
                                          power=opts.column_scale_power, order=opts.order, damp=opts.damp,
                                          stored=src.weights.get)
                 quantize_block = quantize if folding is None else folding.wrap(quantize)
-                shard = solving.solve_block(src, i, linears, hessians, quantize_block,
-                                            device, progress, run.stats, opts.moe_min_tokens, opts.moe_route_all,
-                                            write_back=opts.calibrated, world=world)
+                shard = solve_block(layer, block_name, desc, linears, src.block_experts(i), hessians, quantize_block,
+                                    write_back=opts.calibrated)
             hessians = None
             t2 = time.time()
             if opts.calibrated:
-                with ranks.together(f"block {i}: outputs", world):
-                    block_outputs(layer, acts, kw, f"block {i}", progress)
+                with ranks.together(f"{desc}: outputs", world):
+                    block_outputs(layer, acts, kw, desc, progress)
             log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", i, src.nblocks, t1 - t0,
                      t2 - t1, time.time() - t2)
             shard.update(src.kept_block_tensors(i, linears))
@@ -362,14 +358,16 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             drop_stream(targets)
             if head is not None:
                 log.info("target correction: the output head is solved against its own weight")
-        head_tensors = {} if head is None else quantize_head(src, head, acts, partial(
+        head_tensors = {} if head is None else quantize_head(src.net, src.weights, head, acts, partial(
             solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress,
             world)
         del acts
         qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
         with ranks.together("writing the checkpoint", world):
             if world.writes:
-                tot = finalize(src, run, out, opts.method, qc, head_name, head_tensors, validate)
+                config = checkpoint_config(src.raw_config, qc, untie_head=head is not None and src.tied)
+                rest = {**src.outside_kept_tensors(head_name), **head_tensors}
+                tot = finalize(run, out, src.path, src.nblocks, rest, config, opts.method, validate)
                 log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs%s", out, tot["layers"],
                          tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - t_start,
                          f" ({world.size} ranks)" if world.distributed else "")
@@ -405,22 +403,24 @@ def _return_freed_memory() -> None:
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
-def _fingerprint(src: Source, opts: QuantizeOptions) -> str:
-    """The resume fingerprint: the source and every option but where the run happens (the
-    device, the activations' memory budget)."""
+def _fingerprint(opts: QuantizeOptions, source: Path, files: list[str], config: dict, forward_dtype) -> str:
+    """The resume fingerprint: the source (its directory, weight ``files`` and ``config``), the
+    forwards' dtype and every option but where the run happens (the device, the activations'
+    memory budget)."""
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("device", "max_activation_memory")}
-    options["forward_dtype"] = str(src.dtype)   # "auto" resolves per machine: a resume must not mix them
-    return fingerprint(src.path, options, list(src.weights.handles), src.raw_config)
+    options["forward_dtype"] = str(forward_dtype)   # "auto" resolves per machine: a resume must not mix them
+    return fingerprint(source, options, files, config)
 
 
-def _calibration_text(src: Source, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]``; None for a method that uses none."""
+def _calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor | None:
+    """The calibration token ids ``[nsamples, seqlen]`` (the tokenizer of ``tokenizer_dir``);
+    None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(src.path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
                                     source=opts.calib)
 

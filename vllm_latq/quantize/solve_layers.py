@@ -21,7 +21,6 @@ from ..algorithms.lattice import layer_error
 from .moe import MoeInputs
 from ..algorithms.result import QuantResult
 from ..algorithms.solvers import babai, gptq, rtn
-from .source import Source
 from . import ranks
 from .ranks import SINGLE, World
 from ..algorithms.ssqr import ssqr
@@ -111,17 +110,22 @@ def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: W
 
 
 @torch.no_grad()
-def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
-                progress: bool, stats: list, moe_min_tokens: int = 128, moe_route_all: bool = False,
-                experts: bool = True, write_back: bool = True, world: World = SINGLE) -> dict[str, torch.Tensor]:
-    """Quantize the ``linears`` of block ``i`` with ``quantize(name, W, hessian)``, each on its
-    exact source weight (fp32 when calibrated, even when the forwards run in a narrower dtype), then its experts
-    (:func:`solve_experts`; ``experts=False``: not yet), and put the dequantized weights into the
-    block, so its outputs are the quantized block's (``write_back=False``: no forwards follow, the
-    block stays unloaded) → the block's quantized tensors, by name. Each Hessian is released as
-    soon as the last linear sharing it is solved. With several ranks each linear is solved on
-    one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in order."""
+def solve_block(block: torch.nn.Module, block_name: str, desc: str, linears: dict[str, torch.nn.Linear],
+                experts: dict[str, dict[str, hf_model.ExpertLinear]], hessians: SharedHessians | None,
+                quantize: Callable, *, weight: Callable[[str], torch.Tensor],
+                expert_weight: Callable[[str], torch.Tensor], names: hf_model.CheckpointNames, dtype: torch.dtype,
+                device, progress: bool, stats: list, moe_min_tokens: int = 128, moe_route_all: bool = False,
+                write_back: bool = True, world: World = SINGLE) -> dict[str, torch.Tensor]:
+    """Quantize the ``linears`` of ``block`` (the module named ``block_name``; ``desc`` in logs)
+    with ``quantize(name, W, hessian)``, each on its exact source weight ``weight(name)`` (fp32
+    when calibrated, even when the forwards run in a narrower ``dtype``), then its ``experts``
+    (:func:`solve_experts`; {}: none, or not yet), and put the dequantized weights into the block,
+    so its outputs are the quantized block's (``write_back=False``: no forwards follow, the block
+    stays unloaded) → the block's quantized tensors, by checkpoint name (``names``). Each Hessian is
+    released as soon as the last linear sharing it is solved. With several ranks each linear is
+    solved on one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in order."""
     from tqdm.auto import tqdm
+    within = lambda name: name[len(block_name) + 1:]  # noqa: E731  (a model name → its name in the block)
     owner = _owners(linears, world)
     mine: dict[str, tuple] = {}
     last_user = {id(hessians.of[n]): n for n in linears if owner[n] == world.rank} if hessians is not None else {}
@@ -129,46 +133,48 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
         for name in linears:
             if name in hessians.of and id(hessians.of[name]) not in last_user:
                 hessians.release(name)
-    with ranks.together(f"block {i}", world):
-        for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
+    with ranks.together(desc, world):
+        for name in tqdm(linears, desc=f"{desc}: quantizing", unit="layer", disable=not progress, leave=False):
             if owner[name] != world.rank:
                 continue
-            W = _exact(src.weights.get(src.on_disk(f"{name}.weight")), device, hessians is not None)
-            res, t, records = _solve_here(quantize, src.names.module(name), W,
+            W = _exact(weight(name), device, hessians is not None)
+            res, t, records = _solve_here(quantize, names.module(name), W,
                                           hessians.of[name] if hessians is not None else None, stats, world)
-            q = res.q.to(device=device, dtype=src.dtype) if write_back else None
+            q = res.q.to(device=device, dtype=dtype) if write_back else None
             if q is not None:
-                hf_model.set_tensor(src.net, f"{name}.weight", q)
+                hf_model.set_tensor(block, within(f"{name}.weight"), q)
             mine[name] = (q.cpu() if q is not None and world.distributed else None, t, records)
             if hessians is not None and last_user[id(hessians.of[name])] == name:
                 hessians.release(name)
-            del W, res, t, q   # else up_proj's fp32 weight and solution (~0.7 GiB at 8B) live through down_proj's solve
+            del W, res, t, q   # else up_proj's fp32 weight and solution live through down_proj's solve
     shard: dict[str, torch.Tensor] = {}
     for name, (q, t, records) in ranks.share(mine, owner, world).items():
         if owner[name] != world.rank and q is not None:
-            hf_model.set_tensor(src.net, f"{name}.weight", q.to(device))
+            hf_model.set_tensor(block, within(f"{name}.weight"), q.to(device))
         shard.update(t)
         stats.extend(records)
-    for module, parts in (src.block_experts(i) if experts else {}).items():
-        inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
-        shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,
-                                   progress, stats, write_back, world))
+    for module, parts in experts.items():
+        inputs = hessians.moe[within(module)] if hessians is not None else None
+        shard.update(solve_experts(block.get_submodule(within(module)), module, parts, inputs, quantize, expert_weight,
+                                   dtype, device, moe_min_tokens, moe_route_all, progress, stats, write_back, world))
     return shard
 
 
 @torch.no_grad()
-def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLinear], inputs: MoeInputs | None,
-                  quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool, stats: list,
+def solve_experts(experts: torch.nn.Module, module: str, parts: dict[str, hf_model.ExpertLinear],
+                  inputs: MoeInputs | None, quantize: Callable, expert_weight: Callable[[str], torch.Tensor],
+                  dtype: torch.dtype, device, min_tokens: int, route_all: bool, progress: bool, stats: list,
                   write_back: bool = True, world: World = SINGLE) -> dict:
-    """Quantize the experts of experts module ``module``: expert e's Hessians
+    """Quantize the experts of the experts module ``experts`` (named ``module``): expert e's Hessians
     (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
     each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
-    source weight, its dequantized weight written into its slice of the fused parameter. Experts
-    go in rounds of one per rank: the round's Hessians summed over every rank's tokens, each
-    rank solving one expert, the results shared."""
+    source weight ``expert_weight(name)``, its dequantized weight (in ``dtype``) written into its
+    slice of the fused parameter. Experts go in rounds of one per rank: the round's Hessians
+    summed over every rank's tokens, each rank solving one expert, the results shared."""
     from tqdm.auto import tqdm
-    role = lambda x: hf_model.EXPERT_PARAMS.index(x.param.rpartition(".")[2])  # noqa: E731  (0: gate/up, 1: down)
-    num_experts = src.net.get_submodule(module).gate_up_proj.shape[0]
+    leaf = lambda x: x.param.rpartition(".")[2]  # noqa: E731  (the fused parameter's name in ``experts``)
+    role = lambda x: hf_model.EXPERT_PARAMS.index(leaf(x))  # noqa: E731  (0: gate/up, 1: down)
+    num_experts = experts.gate_up_proj.shape[0]
     if inputs is not None:
         counts = inputs.routed_tokens(world)
         starved = [e for e, n in enumerate(counts) if n < min_tokens]
@@ -192,14 +198,14 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
             for e, hs in hessians.items():
                 solved, records = [], []
                 for name, x in (kv for kv in order if kv[1].expert == e):
-                    W = _exact(src.expert_weight(name), device, inputs is not None)
+                    W = _exact(expert_weight(name), device, inputs is not None)
                     extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
                                                               "moe_fallback": hs.fallback}
                     res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
                                                stats, world, extra=extra)
-                    q = res.q.to(device=device, dtype=src.dtype) if write_back else None
+                    q = res.q.to(device=device, dtype=dtype) if write_back else None
                     if q is not None:
-                        src.net.get_parameter(x.param).data[x.expert, x.rows] = q
+                        experts.get_parameter(leaf(x)).data[x.expert, x.rows] = q
                     solved.append((x, q.cpu() if q is not None and world.distributed else None, t))
                     records += recs
                     del W, res, t, q
@@ -208,7 +214,7 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
         for e, (solved, records) in ranks.share(mine, owner, world).items():
             for x, q, t in solved:
                 if owner[e] != world.rank and q is not None:
-                    src.net.get_parameter(x.param).data[x.expert, x.rows] = q.to(device)
+                    experts.get_parameter(leaf(x)).data[x.expert, x.rows] = q.to(device)
                 shard.update(t)
             stats.extend(records)
         bar.update(len(owner))

@@ -146,6 +146,10 @@ class Source:
                     t[x.expert, x.rows] = self.weights.get(f"{name}.weight").to(device=device, dtype=self.dtype)
             hf_model.set_tensor(self.net, n, t)
 
+    def linear_weight(self, name: str) -> torch.Tensor:
+        """The source weight ``[out, in]`` of block linear ``name`` (a model module name), as stored."""
+        return self.weights.get(self.on_disk(f"{name}.weight"))
+
     def expert_weight(self, name: str) -> torch.Tensor:
         """The source weight ``[out, in]`` of expert linear ``name`` (a checkpoint module name
         of ``names.experts``), read alone from a per-expert or a fused source tensor."""

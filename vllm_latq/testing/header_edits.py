@@ -1,5 +1,5 @@
-"""Edits of a safetensors file's JSON header, its tensor bytes untouched: what the fuzzers and
-the integrity tests do to a checkpoint's shards."""
+"""Edits of a safetensors file's JSON header, its tensor bytes untouched, and of a tensor's bytes,
+its header untouched: what the fuzzers and the integrity tests do to a checkpoint's shards."""
 from __future__ import annotations
 
 import json
@@ -36,3 +36,19 @@ def edit_entry(header: dict, name: str, field: str, *, dtype=None, dims=None, de
         header[name + "x"] = header.pop(name)
     else:
         raise ValueError(f"unknown header edit {field!r}")
+
+
+def edit_bytes_in_place(path, name: str, fn) -> None:
+    """Overwrite tensor ``name``'s bytes in the safetensors file ``path`` with those of
+    ``fn(tensor)`` (same dtype and shape); the header and its checksum table stay as written."""
+    import torch
+
+    from ..format.safetensors_file import SafetensorsFile
+    f = SafetensorsFile(path)
+    old = f.get(name)
+    new = fn(old.clone()).contiguous()
+    if new.dtype != old.dtype or new.shape != old.shape:
+        raise ValueError(f"{name}: an in-place edit keeps dtype and shape ({old.dtype} {tuple(old.shape)})")
+    with open(path, "r+b") as fh:
+        fh.seek(f.data_start + f.entries[name].begin)
+        fh.write(new.reshape(-1).view(torch.uint8).numpy().tobytes())

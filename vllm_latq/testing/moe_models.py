@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from vllm_latq import format as fmt
-from vllm_latq.format.manifest import write_manifest
+from vllm_latq.testing.checkpoints import write_checkpoint
 
 ARCHS = {   # model type → (config entries, expert projections, router module)
     "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
@@ -85,7 +85,7 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
     _, projections, router = ARCHS[cfg["model_type"]]
     kind = fmt.kind_of(method)
     sd = load_file(src / "model.safetensors")
-    tensors, deq, routers = {}, {}, []
+    tensors, deq, routers, shapes = {}, {}, [], {}
     for i, (name, t) in enumerate(sorted(sd.items())):
         module = name.removesuffix(".weight")
         if module.endswith("." + router):
@@ -96,6 +96,7 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
             layer = fmt.encode_layer(res, kind)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in layer.items()})
             deq[name] = fmt.dequantize_layer(layer, kind, tuple(t.shape), bits, group)
+            shapes[module] = tuple(t.shape)
         else:
             tensors[name] = deq[name] = t
     qc = fmt.quantization_config(method, bits=bits if kind == "dense" else None,
@@ -103,15 +104,16 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
                                  outlier_rate=0.01 if method == "ssqr" else None,
                                  target_bits=target_bits if kind == "huffman" else None,
                                  order="natural", damp=0.01, modules_not_converted=sorted(routers))
-    for d, sdict, extra in ((out, tensors, {"quantization_config": qc}), (out.with_name(out.name + "-deq"), deq, {})):
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(sdict, str(d / "model.safetensors"), metadata={"format": "pt"})
-        (d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
+    deq_dir = out.with_name(out.name + "-deq")
+    write_checkpoint(out, tensors, {**cfg, "quantization_config": qc}, shapes, source=src.name)
+    deq_dir.mkdir(parents=True, exist_ok=True)
+    save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
+    (deq_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    for d in (out, deq_dir):
         for f in src.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
                 shutil.copy(f, d / f.name)
-    write_manifest(out)
-    return out, out.with_name(out.name + "-deq")
+    return out, deq_dir
 
 
 def moe_reference(x, topk_weights, topk_ids, dense, activation="silu", on_input=False) -> torch.Tensor:

@@ -4,39 +4,16 @@ outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GE
 :mod:`~vllm_latq.kernels.cpu.dequant`.)
 
 Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
-pass adding outliers (its own loop for small sets, MKL's for large) and bias with the cast. On
-AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched at run time) the GEMM is the op's own GEMV over
-the same packed state and scales (the same bits/weight on both), streaming the
-weights at DRAM speed where torch's op is compute-bound, and unpacking each weight once for up
-to 8 rows, at every M below ``large_m()`` (``kernels/cpu/csrc/latq_cpu.cpp``).
-Without a compiler (or inside ``with native.disabled():``) the same math runs as torch calls
-(MKL CSR mv/mm).
+pass adding outliers and bias with the cast. On AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched
+at run time) the GEMM is the op's own GEMV over one packed state and scales (``layouts.pack_gemv``:
+the same bytes on both, whatever layout torch's packer uses there), streaming the weights at DRAM
+speed where torch's op is compute-bound, at every M below ``large_m()``
+(``kernels/cpu/csrc/latq_cpu.cpp``). Without a compiler (or inside ``with native.disabled():``)
+the same math runs as torch calls (MKL CSR mv/mm).
 
-The op's convention (torch 2.13, ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``; proven by
-``tests/test_cpu_kernel.py::test_op_convention``): ``_convert_weight_to_int4pack_for_cpu``
-takes int32 ``[N, K]`` with values u in 0..15 (N % 16 == 0, K even); the GEMM dequantizes
-``w = (u - 8)·scale + zero`` in fp32 with ``scale``/``zero`` from ``scales_and_zeros``
-``[K/g, N, 2]`` (same dtype as the activations), g ∈ {32, 64, 128, 256}, K % g == 0, and
-accumulates in fp32. So a signed b-bit integer z (b ≤ 4) maps to u = z + 8 with zero = 0:
-exact, for any b ≤ 4. The scale is carried over in bf16 (the only dtype with a vectorized
-kernel, see below): a relative change ≤ 2⁻⁸ from the fp16 scale. Where the C++ GEMV runs, the
-state holds the scales alone (zeros follow from them), per row and plane for a one-scale layer;
-coded scales (``--scale-bits 4``, ≤ 4 bits) stay codes there, 6 bits a scale as stored, decoded
-by the GEMV to the same bf16 values (elsewhere decoded at prepare).
-
-Numerics (what the tests check, tightly): y = bf16(x)·(z·bf16(s))ᵀ accumulated in fp32 and
-rounded to bf16, plus the outliers in fp32 on the unrounded x, summed in fp32 and rounded
-once to x.dtype; on the large-M path one bf16 weight bf16(z·s) / bf16(outlier) in a bf16
-GEMM. Versus the fp32 reference this is bf16-level: |Δy| ≤ (3–4)·2⁻⁸·Σ|x||w| + 2⁻⁸·|y|.
-
-Decisions (each measured; the numbers are in docs/KERNELS.md, "CPU kernel"):
-activations go to the op in bf16 (its only vectorized kernel); the op group size is the largest
-of 256/128/64/32 dividing both the latq group and K; outliers are tiles summed in the GEMV's
-threads where the C++ GEMV runs (int16 column + a value in 16 bits where exact:
-``cpu_layouts.code_values``), else an MKL fp32 CSR (int32 indices) built once per layer;
-5–8-bit HPTQ transcodes run as two int4 planes, or as 4 bits plus outliers when at most
-``SPLIT_MAX_EXTRA_RATE`` leave the grid; from ``large_m()`` rows on the weights are
-dequantized per call in row chunks into a reused bf16 buffer for a bf16 GEMM.
+docs/KERNELS.md, "CPU kernel", holds the op's convention, the numerics the tests check and the
+measurements behind each choice (bf16 activations, op group size, outlier tiles or CSR, two
+planes for 5–8 bits, the large-M crossover).
 """
 from __future__ import annotations
 
@@ -49,17 +26,16 @@ from ... import format as fmt
 from ... import native
 from . import dequant as cpu_dequant
 from ..base import LatqKernel
-from .layouts import (code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops, nbytes, op_scales_zeros, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
+from .layouts import (GEMV_LAYOUT, code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops,
+                      nbytes, op_scales_zeros, pack_gemv, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
 from ..derived_cache import DerivedCache
 from ..weight import LatqWeight
 
 OP_GROUPS = (256, 128, 64, 32)       # group sizes the op accepts, preferred first
 MAX_BITS = 8
 # bits > 4: weights off the 4-bit grid become fp32 outliers when they are at most this
-# fraction of the layer, else a second int4 plane. Measured on 4096×4096, M=1: the second
-# plane adds ~500 µs on 2 threads (op on 2K: 1000 µs vs 490; 1 thread: +850 µs), the MKL CSR
-# mv costs 180–200 µs at 5% and 400–470 µs at 10% (1 thread: 680–720 / 1500) → time breaks
-# even at 6–10%, memory at 6.25% (8 B per CSR entry vs 0.5 B/weight per plane).
+# fraction of the layer, else a second int4 plane: below where the two cost the same time and
+# memory (docs/KERNELS.md, "CPU kernel", 5- to 8-bit inliers).
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, large_m())
 LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "0"))
@@ -191,7 +167,10 @@ class CPUKernel(LatqKernel):
         ok, why = cls.can_implement(w, torch.device("cpu"), torch.bfloat16)
         if not ok:
             raise ValueError(f"CPU kernel cannot run this layer: {why}")
-        pack, _ = int4_ops()
+        # where the GEMV runs, its own layout on every CPU (one state whatever the instruction set;
+        # torch's AVX2 kernel would pack other blocks); else torch's op's
+        gemv = _gemv_here()
+        pack = (lambda u, _inner: pack_gemv(u)) if gemv else int4_ops()[0]
         coded = _codes_here(w.bits, w.coded is not None)
         N, K, go = w.out_features, w.in_features, _scale_group(w.in_features, w.group_size, coded)
         planes = 1
@@ -255,7 +234,7 @@ class CPUKernel(LatqKernel):
                 row_scale = s_row.contiguous() if coded.dtype == torch.int16 else None
                 tile_fields = tiles_from_csr(crow, col, coded)
                 crow = col = val = None
-        layout = detect_layout()
+        layout = GEMV_LAYOUT if gemv else detect_layout()
         if layout is not None:   # verify the large-M dequant on this layer's first and last rows
             B = layout[0]
             last = (N - 1) // B * B
@@ -298,7 +277,7 @@ class CPUKernel(LatqKernel):
             if state.planes == 2:
                 xb = torch.cat([xb, xb], 1)
             sz, go = _op_scales_zeros(state)
-            y = int4_ops()[1](xb, state.packed, go, sz)                   # bf16 [M, N]
+            y = int4_ops()[1](xb, _op_packed(state), go, sz)              # bf16 [M, N]
         if _has_outliers(state) and not large:
             csr = _csr(state)
             xf = x2.float()
@@ -345,8 +324,7 @@ def _tiles_here(in_features: int) -> bool:
 
 def large_m() -> int:
     """Rows from which the dequantize + GEMM path runs: ``LARGE_M`` if set, else 640 with the
-    C++ GEMV (it beats dequant + GEMM up to M ≈ 700 on 4096², 1%: 55.6 vs 60.8 ms at 512),
-    else 128 (torch's op)."""
+    C++ GEMV, 128 with torch's op: below each crossover (docs/KERNELS.md, "CPU kernel", Large M)."""
     return LARGE_M or (640 if _gemv_here() else 128)
 
 
@@ -356,6 +334,7 @@ def _has_outliers(state: CPUState) -> bool:
 
 _CSR = DerivedCache()
 _OP_SCALES = DerivedCache()
+_OP_PACKED = DerivedCache()
 
 
 def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
@@ -365,6 +344,18 @@ def _op_scales_zeros(state: CPUState) -> tuple[torch.Tensor, int]:
         return state.scales, state.group_size
     return _OP_SCALES.get((state.scales,), lambda: op_scales_zeros(
         cpu_dequant.scales_alone(state), state.group_size, state.planes, state.in_features * state.planes, OP_GROUPS))
+
+
+def _op_packed(state: CPUState) -> torch.Tensor:
+    """The state's packed weights as torch's op reads them here: the state's own, or (a GEMV
+    state on a CPU whose torch packs other blocks, run by the pure-torch path) repacked once per
+    layer."""
+    layout = (state.layout_block, bool(state.layout_halves))
+    if not state.layout_block or layout == detect_layout():
+        return state.packed
+    N, Kp = state.out_features, state.in_features * state.planes
+    return _OP_PACKED.get((state.packed,), lambda: int4_ops()[0](
+        (unpack_int4pack(state.packed.detach(), N, Kp, layout).T.int() + 8).contiguous(), 1))
 
 
 def _csr(state: CPUState) -> torch.Tensor:
@@ -389,3 +380,4 @@ def clear_prefill_cache() -> None:
     cpu_dequant.clear()
     _CSR.clear()
     _OP_SCALES.clear()
+    _OP_PACKED.clear()

@@ -1,8 +1,9 @@
 """The CPU kernel's native layouts, as pure torch: torch's int4pack (its ops, the packed
 layout's unpacker for the large-M dequant, and a probe for which layout this torch build
-uses), the outlier tiles the C++ op sums from (built from a CSR, read back as entries), and
-the coded group scales its GEMV decodes (words from the format's codes, and back).
-Split from :mod:`~vllm_latq.kernels.cpu`, which prepares and runs a layer with them."""
+uses), the C++ GEMV's packed layout (the same on every CPU), the outlier tiles the C++ op
+sums from (built from a CSR, read back as entries), and the coded group scales its GEMV
+decodes (words from the format's codes, and back). Split from :mod:`~vllm_latq.kernels.cpu`,
+which prepares and runs a layer with them."""
 from __future__ import annotations
 
 import torch
@@ -32,6 +33,26 @@ def has_int4_op() -> bool:
 
 
 _LAYOUT: tuple[int, bool] | None = None
+# the C++ GEMV's packed layout, on every CPU: torch's AVX-512 int4pack (64-row blocks, byte j of a
+# (block, k) holds rows j and j + 32); torch's AVX2 kernel packs 32-row blocks instead
+GEMV_LAYOUT = (64, True)
+
+
+def pack_gemv(u: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N, K]`` of u in 0..15 (N even, K even) → uint8 ``[N, K/2]`` in :data:`GEMV_LAYOUT`,
+    whatever torch's own packer does on this CPU: full 64-row blocks K-major, row j in the low
+    nibble and row j + 32 in the high one; a tail block of R < 64 rows K-major as pairs (rows
+    2j / 2j + 1). The bytes torch's packer gives on an AVX-512 CPU; the inverse of
+    :func:`unpack_int4pack` with :data:`GEMV_LAYOUT`."""
+    N, K = u.shape
+    B = GEMV_LAYOUT[0]
+    v = u.to(torch.uint8)
+    nb = N // B
+    full = v[: nb * B].view(nb, B, K)
+    full = (full[:, : B // 2] | (full[:, B // 2:] << 4)).transpose(1, 2).reshape(-1)     # [nb, K, 32]
+    tail = v[nb * B:]
+    tail = (tail[0::2] | (tail[1::2] << 4)).T.reshape(-1)                                # [K, R/2]
+    return torch.cat([full, tail]).view(N, K // 2)
 
 
 def unpack_int4pack(packed: torch.Tensor, n_rows: int, k: int, layout: tuple[int, bool],
@@ -236,8 +257,9 @@ def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_group
 def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,
                  n_rows: int, n_cols: int, r0: int, r1: int, padding: bool = False):
     """The outliers of rows [r0, r1) (multiples of 64, or r1 = n_rows) from the tiles: (row − r0,
-    col, val), in slot order. ``padding``: every lane of every slot, padding as col = n_cols, val 0
-    (no boolean mask: ~10× faster, for a scatter into a buffer with a spare row n_cols)."""
+    col, val), in slot order. ``padding``: every lane of every slot, padding as col = n_cols, val 0,
+    for a scatter into a buffer with a spare row n_cols (no boolean mask: masking costs more than
+    the scatter)."""
     T = tile_rows.shape[0]
     t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
     off = tile_off.long()

@@ -59,19 +59,18 @@ GEMV_SPLITS = (1, 2, 4, 8)
 # M fastest, so the ⌈M/BM⌉ programs of one weight tile run side by side and read it from HBM
 # once. :func:`mma_bm` picks BM from M. Every listed tile compiles without spills on sm_80 and
 # sm_90 at 2/3/4/5 bits (docs/KERNELS.md, "Triton tiles and the offline compile"); 128-row tiles spill.
-# BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations (BR = 8 at
-# BM = 64 spilled 1–4 KB), and BM·BR = 128 keeps it the size the 16-row tile has. At BM = 64
-# only BN = 32 × 4 warps is clean everywhere (BN 64 and 128 spill 12 B–1 KB in some
-# variants; BN 32 × 8 warps is clean but issues 10–40 % more per weight).
+# BR shrinks as BM grows: the ELL outlier gather holds BM·BR·BN activations, and BM·BR = 128
+# keeps it the size the 16-row tile has (a larger BR at BM = 64 spills). At BM = 64 only
+# BN = 32 × 4 warps is clean everywhere and cheapest per weight (docs/KERNELS.md, "Triton tiles
+# and the offline compile", has the spills and instruction counts of the others).
 MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
              32: [(32, 4, 4), (64, 8, 4), (128, 8, 4)],
              64: [(32, 4, 2)]}
 assert tuple(MMA_TILES) == MMA_BMS
 MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
 # Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
-# occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it
-# (measured: 17 of 864 config × target variants, 8–32 B each); with a cap it allocates up
-# to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
+# occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it in
+# some variants; with a cap it allocates up to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
 # 3-bit GEMV (three word planes, prefetched) and the tensor-core kernel (accumulator, group
 # partial, B tile) take what they need (≤ 255). ``Config(maxnreg=)`` and the launch option
 # are feature-detected (``MAXNREG_OK``; Triton 3.0.0, the gpu extra's floor, has both): a
@@ -81,8 +80,8 @@ MMA_MAXNREG = {2: 255, 3: 255, 4: 255, 5: 255}
 MAXNREG_OK = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
 # Software-pipeline stages: the tensor-core kernel's K loop prefetches its next word tiles
 # through shared memory at 2 stages (smem ≤ 43 KB); the SIMT kernel prefetches by hand in
-# registers and keeps 1. The 2-bit 32-row tile BN = 32 × 4 warps spills 40–60 B on sm_90 at
-# 2 stages and none at 1, so it stays single-buffered; the offline compile sweep
+# registers and keeps 1. The 2-bit 32-row tile BN = 32 × 4 warps spills on sm_90 at 2 stages
+# and not at 1, so it stays single-buffered; the offline compile sweep
 # (tools/triton_compile.py, the slow test) checks every tile at the stages it is served with.
 MMA_STAGES = 2
 MMA_SINGLE_STAGE = {(2, 32, 32, 4)}       # (bits, BM, BN, warps)
@@ -92,6 +91,8 @@ def stages(kernel: str, bits: int, bm: int, bn: int, num_warps: int) -> int:
     if kernel != "mma" or (bits, bm, bn, num_warps) in MMA_SINGLE_STAGE:
         return 1
     return MMA_STAGES
+
+
 # Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
 # rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
 # never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).

@@ -1,49 +1,16 @@
-"""The Triton kernels' cost model: when the tensor-core kernel gives way to
-dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`), and what either costs
-against bf16 ``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel`.
+"""The Triton kernels' cost model: when the tensor-core kernel gives way to dequantise-once +
+cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`), and what either costs against bf16
+``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel` (the formulas:
+:func:`model_times`); the threshold is the smallest M ≥ 17 from which on the dequantise-once
+path is predicted faster for every larger M (M ≤ 16 is one tile).
 
-With ``Wq`` the packed bytes (``N·K·b/8`` + scales — fp16 ``2·N·⌈K/g⌉``, coded ``0.75·N·⌈K/g⌉``
-— + ``4·nnz`` compact outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the activations in and out (``e`` = 2
-bytes), ``W16 = e·N·K`` a dense weight, ``BM = mma_bm(M)`` the tensor-core kernel's row
-tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's HBM bandwidth ``BW``, *achievable*
-dense tensor-core rate ``TC = η · peak`` and SASS issue rate ``ISSUE`` (SMs × 4 schedulers
-× 32 lanes × clock)::
-
-    t_mma(M)   = max( (Wq + X + Y) / BW,                     weights read once (M-fastest grid)
-                      T · (N·K·ipw[b, BM] + (1 + BM)·nnz) / ISSUE     dequantisation per M tile
-                      + 2 · BM·T · N·K / TC )                then the MMAs on BM-row padded tiles
-    t_deq(M)   = (Wq + W16) / BW + max( (W16 + X + Y) / BW, 2·M·N·K / TC )
-    t_dense(M) = max( (W16 + X + Y) / BW, 2·M·N·K / TC )    bf16 F.linear
-
-``ipw[b, BM]`` is the MMA kernel's K loop in SASS lane-instructions per weight per program
-(``triton_compile``'s "i/w", median over the BM's tile configs, sm_80, per scale form: coded
-scales' decode adds 0.5–3 to it; docs/KERNELS.md);
-an outlier costs one gather + one FMA per activation row per tile. The grid runs M fastest:
-the T programs of one weight tile are launched together and read it from HBM about once,
-so ``Wq`` is not multiplied by T even for a layer larger than L2. The threshold is the
-smallest M ≥ 17 from which on ``t_deq < t_mma`` for every larger M (M ≤ 16 is one tile).
-
-**Tensor-core efficiency η** (``DeviceModel.tc_eff``): the fraction of the datasheet bf16
-peak a GEMM reaches in practice — the "maximum achievable matmul FLOPS" of S. Bekman's
-*ML Engineering* (github.com/stas00/ml-engineering, compute/accelerator, MAMF table, bf16,
-cuBLAS through torch 2.6/2.7): A100 SXM 271.2 of 312 TFLOP/s (86.9 %), H100 SXM 794.5 of
-989 (80.3 %). No kernel beats it, so it caps cuBLAS and the MMA kernel alike. The MMA
-kernel's dequantisation and its MMAs are *added*, not overlapped: each warp's ``tl.dot``
-waits for the tile that warp just decoded, and at 168–255 registers a thread (the compile
-report, BM ≥ 32) one or two programs share an SM — one or two warps per scheduler, too few
-to hide one behind the other. Both choices lean
-towards cuBLAS where the model is unsure (the library is the path measured everywhere); the
-switch lands near vLLM's own for AWQ, which dequantises and calls the GEMM from 256 tokens
-(``auto_awq.py``, ``FP16_MATMUL_HEURISTIC_CONDITION``).
-
-Device constants (:func:`device_model`): on CUDA, from ``torch.cuda.get_device_properties``:
-**HBM bandwidth = 2 × memory clock × bus width** (the DDR peak the vendor quotes: A100-80GB
-1593 MHz × 5120 bit = 2.04 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s — so H100 PCIe, H200,
-A10 or L40S each get their own), the SM count (the per-SM tensor-core rate of the family
-× SMs) and the SM clock (issue rate); η is the family's. A property torch does not report
-(older torch: no memory clock) falls back to the family default: A100 (sm_8x) or H100 SXM
-(sm_9x+). A measured copy bandwidth was rejected: it would allocate and time at the first
-large-M call, which can be inside a CUDA graph capture.
+The tensor cores count at an *achievable* rate ``η · peak`` (``DeviceModel.tc_eff``), which caps
+cuBLAS and the MMA kernel alike, and the MMA kernel's dequantisation and MMAs are added, not
+overlapped: where the model is unsure it leans to cuBLAS, the path measured everywhere. Device
+constants come from ``torch.cuda.get_device_properties`` (HBM bandwidth = 2 × memory clock ×
+bus width, SMs, SM clock), the family's defaults where torch lacks one — never from a timing,
+since the first large-M call can be inside a CUDA-graph capture. Sources and figures:
+docs/KERNELS.md, "Large M and the cost model".
 """
 from __future__ import annotations
 
@@ -73,14 +40,14 @@ class DeviceModel:
     tc_flops: float        # dense fp16/bf16 tensor-core FLOP/s, the datasheet peak
     issue: float           # SASS lane-instructions/s (SMs × 4 schedulers × 32 lanes × clock)
     sms: int
-    tc_eff: float = 1.0    # achievable fraction of tc_flops (module docstring: η)
+    tc_eff: float = 1.0    # η: the achievable fraction of tc_flops (docs/KERNELS.md)
 
     @property
     def tc_achievable(self) -> float:
         return self.tc_flops * self.tc_eff
 
 
-# η: MAMF / peak, bf16 (module docstring): A100 SXM 271.2 / 312, H100 SXM 794.5 / 989
+# η: MAMF / peak, bf16 (docs/KERNELS.md): A100 SXM 271.2 / 312, H100 SXM 794.5 / 989
 A100_TC_EFF = 271.2 / 312
 H100_TC_EFF = 794.5 / 989
 DEVICES = {
@@ -134,9 +101,24 @@ def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128, coded: b
 
 def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
                 device_props=None, group: int = 128, coded: bool = False) -> dict[str, float]:
-    """Seconds for one layer at M rows (module docstring): ``mma``, ``deq`` (dequantise
-    once + GEMM) and ``dense`` (bf16/fp16 ``F.linear`` of the unquantised weight). ``coded``:
-    the layer's group scales are codes (``--scale-bits 4``)."""
+    """Seconds for one layer at M rows: ``mma``, ``deq`` (dequantise once + GEMM) and ``dense``
+    (bf16/fp16 ``F.linear`` of the unquantised weight); ``coded``: the group scales are codes.
+
+    With ``Wq`` the packed bytes (``N·K·b/8`` + scales — fp16 ``2·N·⌈K/g⌉``, coded
+    ``0.75·N·⌈K/g⌉`` — + ``4·nnz`` compact outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the
+    activations in and out (``e`` bytes a value), ``W16 = e·N·K`` a dense weight,
+    ``BM = mma_bm(M)`` the MMA kernel's row tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's
+    HBM bandwidth ``BW``, achievable tensor-core rate ``TC`` and SASS issue rate ``ISSUE``::
+
+        t_mma(M)   = max( (Wq + X + Y) / BW,                  weights read once (M-fastest grid)
+                          T · (N·K·ipw[b, BM] + (1 + BM)·nnz) / ISSUE     dequantisation per M tile
+                          + 2 · BM·T · N·K / TC )             then the MMAs on BM-row padded tiles
+        t_deq(M)   = (Wq + W16) / BW + max( (W16 + X + Y) / BW, 2·M·N·K / TC )
+        t_dense(M) = max( (W16 + X + Y) / BW, 2·M·N·K / TC )  bf16 F.linear
+
+    ``ipw`` is :data:`MMA_IPW` (or :data:`MMA_IPW_CODED`); an outlier costs one gather + one FMA
+    per activation row per tile. The T programs of one weight tile run side by side and read it
+    from HBM about once, so ``Wq`` is not multiplied by T even for a layer larger than L2."""
     d = device_model(device_props)
     e = dtype.itemsize
     wq = packed_bytes(n, k, bits, nnz, group, coded)

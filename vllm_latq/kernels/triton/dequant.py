@@ -1,32 +1,14 @@
 """Large-M path: dequantise once into a bf16/fp16 scratch, then one cuBLAS GEMM.
 
-The tensor-core kernel (``_mma_kernel``) re-dequantises every weight once per 64-row M
-tile (~8–13 SASS lane-instructions per weight per tile), so for large M (prefill) the
-instruction issue outgrows cuBLAS on a dense weight. This path reads the SAME prepared
-layout (:class:`TritonState`; weights are never stored twice) and:
-
-1. ``_dequant_kernel``: one program per (BN rows, K step) loads the step's word tiles once
-   and writes ``W[n, k] = z · s`` (fp32 product of the exact integer and the widened fp16
-   group scale, rounded once to the activation dtype) into a dense ``[N, K]`` scratch;
-2. ``_outlier_kernel`` (only with outliers): one program per 16-row group stores
-   ``W[row, col] = val`` rounded to the activation dtype. The format keeps the inlier
-   integer 0 at every outlier, so ``z·s + val = val`` exactly: a store, not an add.
-   ELL padding slots (value 0) are skipped; a real outlier of value 0 leaves ``0·s = 0``;
-3. ``torch.nn.functional.linear(x, W, bias)``: cuBLAS on a GPU.
-
-Exactness: the scratch equals ``weight.dequantize(w).to(dtype)`` bit for bit, so ``y``
-is the exact GEMM of the activations with the **dtype-rounded weights**. It differs from
-the fp32 reference (:func:`~vllm_latq.kernels.reference.latq_linear_ref`, which the GEMV
-and MMA kernels match up to summation order) by that one rounding of z·s (≤ ½ ulp of
-bf16/fp16 per weight) — the price the MMA kernel's docstring anticipated. fp32 activations
-never take this path (they use the exact SIMT kernel; see :func:`large_m_reason`).
-
-The scratch is a :class:`Workspace`: one buffer per (device, dtype, stream), sized to the
-largest layer seen and grown on demand, shared by the layers of a stream;
-with a byte cap, larger layers (a vocabulary head: 2·N·K can be ~1 GB) run in row chunks.
-
-When ``TritonKernel.apply`` takes this path instead of the tensor-core kernel's 64-row tiles
-is the crossover of the cost model, :func:`~vllm_latq.kernels.triton.cost_model.large_m_threshold`.
+The tensor-core kernel re-dequantises every weight once per 64-row M tile, so for large M
+(prefill) its instruction issue outgrows cuBLAS on a dense weight. This path reads the SAME
+prepared layout (:class:`TritonState`; weights are never stored twice) into a scratch equal to
+``weight.dequantize(w).to(dtype)`` bit for bit (:func:`apply_large_m`): ``y`` is the exact GEMM
+with the dtype-rounded weights, one rounding of z·s (≤ ½ ulp per weight) away from the fp32
+reference the other kernels match; fp32 activations never take it (:func:`large_m_reason`).
+The scratch is a :class:`Workspace` shared by the layers of a stream. When
+``TritonKernel.apply`` takes this path is the cost model's crossover,
+:func:`~vllm_latq.kernels.triton.cost_model.large_m_threshold`.
 """
 from __future__ import annotations
 
@@ -261,7 +243,16 @@ def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
                   workspace: Workspace | None = None) -> torch.Tensor:
     """``y = x2 @ Wᵀ (+ bias)`` with W dequantised once into ``workspace`` (a temporary
     buffer when None) and ``F.linear`` (cuBLAS): one GEMM, or one per row chunk when the
-    workspace is capped. x2: [M, K] fp16/bf16."""
+    workspace is capped. x2: [M, K] fp16/bf16.
+
+    1. ``_dequant_kernel``: one program per (BN rows, K step) loads the step's word tiles once
+       and writes ``W[n, k] = z · s`` (fp32 product of the exact integer and the widened fp16
+       group scale, rounded once to the activation dtype) into a dense ``[N, K]`` scratch;
+    2. ``_outlier_kernel`` (only with outliers): one program per 16-row group stores
+       ``W[row, col] = val`` rounded to the activation dtype. The format keeps the inlier
+       integer 0 at every outlier, so ``z·s + val = val`` exactly: a store, not an add.
+       ELL padding slots (value 0) are skipped; a real outlier of value 0 leaves ``0·s = 0``;
+    3. ``torch.nn.functional.linear(x, W, bias)``: cuBLAS on a GPU."""
     why = large_m_reason(x2.dtype)
     if why:
         raise ValueError(why)

@@ -6,40 +6,12 @@ offline-compiled binaries depend on it and on nothing host-side). The helpers he
 are shared by the tensor-core kernel (``mma.py``), the dequantize kernel and the grouped MoE
 kernel; the fingerprint of those counts this whole file.
 
-The kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton.layout`: 16×16
-word blocks; 3 bits as a 2-bit + 1-bit plane over whole 512-column chunks plus a 4-bit tail
-of < 512 columns, 5 bits as a 4-bit + 1-bit plane; outliers as ELL-16 or CSR). A K step is
-one call of ``_gemv_step`` (here) / ``_mma_step`` (``mma.py``); a 3-bit layer runs its main steps at BITS = 3
-and then its tail's 128-column steps at BITS = 4, dealt to the K splits from the last split
-(which got the fewest main steps):
-
-``_gemv_kernel`` — M = 1..7 (SIMT, no tensor cores)
-    One program per BN output rows (× a K split × an M tile). Per K step it loads one
-    [16 words × BN rows] int32 tile per plane (16-byte vector loads of contiguous 1 KiB
-    blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
-    ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
-    ``(word & (2^b−1) << P) | bits(2^(23−P))`` *is* the fp32 number 2^(23−P) + u (the
-    mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
-    halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
-    mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
-    per activation row (3 / 5 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane; at 5 bits
-    a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
-    the chunk's four steps, from L1/L2 after the first). At M = 1 the
-    products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
-    once (``acc += part · s``, fp16 scales widened, or coded ones decoded by
-    ``_group_scale`` under ``CODED``); at M > 1, z·s is formed once and
-    shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
-    cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
-    row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
-    acq_rel atomic ticket) sums them in fixed order, adds the bias and stores — one launch,
-    deterministic, tickets self-reset. Outliers of the program's rows are added by the same
-    program (16 ELL slots or 16 CSR entries per iteration, spread over the K splits), into
-    the same accumulator.
-
-fp32 activations use the SIMT kernel for every M (tiles of 8 rows): exact, no TF32.
-Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
-interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
-(:mod:`~tools.triton_compile`, ``bench/kernels.py``).
+The kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton.layout`). A K step is
+one call of ``_gemv_step`` (here) / ``_mma_step`` (``mma.py``); a 3-bit layer runs its main
+steps at BITS = 3, then its tail's 128-column steps at BITS = 4, dealt to the K splits from the
+last split (which got the fewest main steps). fp32 activations use the SIMT kernel for every M
+(tiles of 8 rows): exact, no TF32. Checked against the reference in the interpreter
+(tests/test_triton.py) and compiled offline for sm_80/86/89/90 (:mod:`~tools.triton_compile`).
 """
 from __future__ import annotations
 
@@ -241,6 +213,29 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                  OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CODED: tl.constexpr):
+    """M = 1..7 (SIMT, no tensor cores).
+
+    One program per BN output rows (× a K split × an M tile). Per K step it loads one
+    [16 words × BN rows] int32 tile per plane (16-byte vector loads of contiguous 1 KiB
+    blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
+    ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
+    ``(word & (2^b−1) << P) | bits(2^(23−P))`` *is* the fp32 number 2^(23−P) + u (the
+    mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
+    halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
+    mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
+    per activation row (3 / 5 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane; at 5 bits
+    a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
+    the chunk's four steps, from L1/L2 after the first). At M = 1 the
+    products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
+    once (``acc += part · s``, fp16 scales widened, or coded ones decoded by
+    ``_group_scale`` under ``CODED``); at M > 1, z·s is formed once and
+    shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
+    cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
+    row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
+    acq_rel atomic ticket) sums them in fixed order, adds the bias and stores — one launch,
+    deterministic, tickets self-reset. Outliers of the program's rows are added by the same
+    program (16 ELL slots or 16 CSR entries per iteration, spread over the K splits), into
+    the same accumulator."""
     # Every tensor of the K loop is 3-D [BM rows of x, 16 slab lanes, BN output rows] (or a
     # broadcastable slice of it), so the word tiles' coalesced layout (16-byte vectors along
     # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.

@@ -1,28 +1,9 @@
 """Grouped experts on the GPU: every expert of a mixture-of-experts layer in one stacked Triton
-layout, and one kernel launch per projection that runs only the routed (token, slot) pairs —
-with no host sync and launch parameters that depend on the batch size only, so it is
-captured in CUDA graphs (vLLM's decode) and replays with any routing.
-
-Stacked layout (:func:`stack`): the experts of one projection (w13 or w2) have the same shape,
-bits and group, so their :mod:`~vllm_latq.kernels.triton.layout` planes and scales have the
-same sizes and are stacked along a leading expert axis (expert e at ``e · size``). Outliers
-are ELL-16 for every expert (a CSR expert is converted by ``triton_layout.build_ell``): the
-experts' column/value arrays concatenated, the offsets ``off[e, g]`` absolute into them. The
-experts' own states then become views of the stack (ELL outliers, offsets relative again), so
-the weights are stored once; the eager per-expert path keeps working on the views.
-
-Routing (:func:`route`, torch ops only, capturable): the P = T·k pairs sorted by expert, each
-expert's pairs cut into blocks of BM rows (vLLM's fused MoE aligns its pairs the same way);
-``blocks[b] = (expert, first row, end row)`` for b < NB, where NB = min(P, ⌊P/BM⌋ + min(E, P))
-bounds Σ_e ⌈c_e/BM⌉ for any counts c; blocks past the used ones have expert −1 and run no K
-step. BM (rows per program) is chosen from the expected pairs per expert P/E, never from the
-routing.
-
-``_moe_gemv_kernel``: program (b, n-tile) reads its expert from ``blocks``, offsets the plane,
-scale and outlier pointers by it, and runs the SIMT GEMV step of ``triton_device`` (the
-unpacking helpers ``_word_tiles`` / ``_fbits`` / ``_ell_rows`` are imported from there) on its
-≤ BM rows of the expert-sorted activations. Bytes and work scale with the experts actually
-routed (≤ P), against E/k times the work for running every expert on every token.
+layout (:func:`stack`), and one kernel launch per projection that runs only the routed (token,
+slot) pairs (:func:`route`, :func:`_moe_gemv_kernel`) — with no host sync and launch
+parameters that depend on the batch size only, so it is captured in CUDA graphs (vLLM's
+decode) and replays with any routing. Bytes and work scale with the experts actually routed,
+against E/k times the work for running every expert on every token.
 """
 from __future__ import annotations
 
@@ -68,6 +49,10 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
                      BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, OUTL: tl.constexpr, ASM: tl.constexpr,
                      CODED: tl.constexpr):
+    """Program (b, n-tile) reads its expert from ``blocks``, offsets the plane,
+    scale and outlier pointers by it, and runs the SIMT GEMV step of ``triton_device`` (the
+    unpacking helpers ``_word_tiles`` / ``_fbits`` / ``_ell_rows`` are imported from there) on its
+    ≤ BM rows of the expert-sorted activations."""
     # the loop of triton_device._gemv_kernel (one K split, z·s formed once per slab and shared
     # by the BM rows), on the rows [r0, r1) of one expert's block
     SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS
@@ -154,7 +139,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
 
 @dataclass
 class StackedTriton:
-    """The Triton layouts of one projection of E experts, stacked (module docstring)."""
+    """The Triton layouts of one projection of E experts, stacked (:func:`stack`)."""
     plane_a: torch.Tensor                 # int32 [E, words]
     plane_h: torch.Tensor | None          # int32 [E, words] (3 bits)
     plane_t: torch.Tensor | None          # int32 [E, words] (3 bits: the 4-bit tail, maybe 0 words)
@@ -243,7 +228,15 @@ def _ell_of(st: TritonState) -> dict[str, torch.Tensor] | None:
 
 def stack(states: list[TritonState]) -> tuple[StackedTriton, list[TritonState]]:
     """One projection's per-expert states → (the stack, the experts' states as views of it):
-    a caller that replaces its states by the views keeps the weights stored once."""
+    a caller that replaces its states by the views keeps the weights stored once.
+
+    The experts of one projection (w13 or w2) have the same shape,
+    bits and group, so their :mod:`~vllm_latq.kernels.triton.layout` planes and scales have the
+    same sizes and are stacked along a leading expert axis (expert e at ``e · size``). Outliers
+    are ELL-16 for every expert (a CSR expert is converted by ``triton_layout.build_ell``): the
+    experts' column/value arrays concatenated, the offsets ``off[e, g]`` absolute into them. The
+    experts' own states then become views of the stack (ELL outliers, offsets relative again), so
+    the weights are stored once; the eager per-expert path keeps working on the views."""
     why = stack_reason(states)
     if why is not None:
         raise ValueError(f"latq: cannot stack these experts: {why}")
@@ -298,7 +291,14 @@ def max_blocks(pairs: int, experts: int, bm: int) -> int:
 
 def route(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat expert ids [P] (−1: not on this rank) → (order [P]: the pairs sorted by expert, the
-    −1 ones last; blocks int32 [NB, 3]: expert (−1: unused), first row, end row in that order)."""
+    −1 ones last; blocks int32 [NB, 3]: expert (−1: unused), first row, end row in that order).
+
+    Torch ops only, capturable: the P = T·k pairs sorted by expert, each
+    expert's pairs cut into blocks of BM rows (vLLM's fused MoE aligns its pairs the same way);
+    ``blocks[b] = (expert, first row, end row)`` for b < NB, where NB = min(P, ⌊P/BM⌋ + min(E, P))
+    bounds Σ_e ⌈c_e/BM⌉ for any counts c; blocks past the used ones have expert −1 and run no K
+    step. BM (rows per program) is chosen from the expected pairs per expert P/E, never from the
+    routing."""
     P = ids.numel()
     key = torch.where(ids >= 0, ids.long(), experts)
     order = torch.argsort(key, stable=True)

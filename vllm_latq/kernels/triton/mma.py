@@ -1,25 +1,7 @@
 """The tensor-core kernel (``@triton.jit`` device code; its host side is
 :mod:`~vllm_latq.kernels.triton.kernel`, its shared helpers :mod:`~vllm_latq.kernels.triton.device`).
-
-``_mma_kernel`` — M ≥ 8 (tensor cores; 8..16 padded to a 16-row tile, then 32 / 64)
-    Same word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
-    where the 512-column step runs as a runtime loop over its four 128-column quarters, for
-    registers; 5 bits: 128-column steps as at 4 bits, plus the 1-bit merge) the [DS·16 × BN]
-    B operand is built in registers by broadcasting per-slab
-    shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
-    order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
-    exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
-    in fp32, and the group's dot is scaled once (``acc += dot · s``): the result is the fp32
-    reference up to summation order — no fp16/bf16 rounding of z·s. Operands are fp16/bf16 on
-    GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
-    after loading. Outliers run on SIMT lanes after the K loop of the same program
-    ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
-    **Larger M** (> 16): BM = 32 or 64 rows per program (``triton_model.mma_bm``), so a
-    weight tile is dequantised once per 64 activation rows, and the grid runs M fastest:
-    the programs of one weight tile are launched together and share its HBM reads in L2.
-    128-row tiles spill. From the crossover of the cost model on (prefill-sized M),
-    :mod:`~vllm_latq.kernels.triton.dequant` dequantises once into a scratch and calls
-    cuBLAS, at the price of rounding z·s once to bf16/fp16.
+It runs M ≥ 8 on the same word tiles as the GEMV, multiplying the exact integers on tensor
+cores and scaling each group's dot once: the fp32 reference up to summation order.
 """
 from __future__ import annotations
 
@@ -118,6 +100,26 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
                 ASM: tl.constexpr, CODED: tl.constexpr):
+    """M ≥ 8 on tensor cores (8..16 rows padded to a 16-row tile, then 32 / 64).
+
+    The GEMV's word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
+    where the 512-column step runs as a runtime loop over its four 128-column quarters, for
+    registers; 5 bits: 128-column steps as at 4 bits, plus the 1-bit merge) the [DS·16 × BN]
+    B operand is built in registers by broadcasting per-slab
+    shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
+    order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
+    exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
+    in fp32, and the group's dot is scaled once (``acc += dot · s``): the result is the fp32
+    reference up to summation order — no fp16/bf16 rounding of z·s. Operands are fp16/bf16 on
+    GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
+    after loading. Outliers run on SIMT lanes after the K loop of the same program
+    ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
+    **Larger M** (> 16): BM = 32 or 64 rows per program (``triton_model.mma_bm``), so a
+    weight tile is dequantised once per 64 activation rows, and the grid runs M fastest:
+    the programs of one weight tile are launched together and share its HBM reads in L2.
+    128-row tiles spill. From the crossover of the cost model on (prefill-sized M),
+    :mod:`~vllm_latq.kernels.triton.dequant` dequantises once into a scratch and calls
+    cuBLAS, at the price of rounding z·s once to bf16/fp16."""
     # Per K step and per DS slabs (≤ 128 columns, one scale group): the [DS·16, BN] B tile is
     # built in registers from the step's word tiles by broadcasting per-slab shifts
     # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot

@@ -13,7 +13,8 @@
 // DRAM speed once per call and unpacks each weight once for up to 8 rows (bench/cpu_layer.py
 // --sections gemv / large: 30 SmolLM2 blocks at M=1 3.5 → 2.0 ms; 4096² at M=16/64/128
 // 4.0/15.8/31.3 → 2.0/8.6/17.0 ms; faster than the dequant + bf16 GEMM path up to M ≈ 700).
-// LATQ_CPU_GEMV=0 (read once) keeps torch's op.
+// LATQ_CPU_GEMV=0 (read once) keeps torch's op where it reads the GEMV's packed layout; where it
+// does not (torch's AVX2 kernel packs 32-row blocks), the GEMV is then off and the state is torch's.
 //
 //   latq_cpu::small_linear(x2d, packed, scales, crow?, col?, val?, tile_off?, tile_rows?,
 //                          tile_col?, tile_val?, row_scale?, bias?, group, planes)
@@ -128,7 +129,8 @@ void finish(const at::BFloat16* y, const float* ys, const float* bias, int64_t M
 // the op's math up to fp32 summation order: y[n] = bf16(Σ_g s_gn·Σ_{k∈g} x_k·(u_nk − 8)
 // + z_gn·Σ_{k∈g} x_k), x in bf16, products exact, sums in fp32.
 //
-// The op's AVX-512 layout (checked at first use against _convert_weight_to_int4pack_for_cpu):
+// The GEMV's layout is torch's AVX-512 int4pack layout (layouts.pack_gemv builds it on any CPU;
+// where _convert_weight_to_int4pack_for_cpu packs the same, torch's op reads it too):
 // blocks of 64 rows, K-major; the 32 bytes of (block, k) hold row j (low nibble) and row j+32
 // (high nibble); a tail block of R < 64 rows holds R/2 bytes per k, rows 2j / 2j+1.
 // One 64-byte load = k and k+1 of a block. vpermb gathers byte j of k and of k+1 into the two
@@ -208,17 +210,22 @@ inline void scale_zero(const Scales& sc, int64_t gi, int64_t N, int64_t r, float
   }
 }
 
+// LATQ_CPU_GEMV=0, read once: torch's op instead of the GEMV
+const bool g_env_off = [] {
+  const char* e = std::getenv("LATQ_CPU_GEMV");
+  return e && (e[0] == '0' || e[0] == 0);
+}();
+
 // rows up to which small_linear takes the GEMV: by default every M it is given (the large-M
 // path takes over from cpu.large_m() = 640 rows, near where dequant + bf16 GEMM gets faster)
-std::atomic<int64_t> g_max_m{[] {
-  const char* e = std::getenv("LATQ_CPU_GEMV");  // read once: "0" → always torch's op
-  return (e && (e[0] == '0' || e[0] == 0)) ? int64_t{0} : int64_t{1} << 30;
-}()};
+std::atomic<int64_t> g_max_m{g_env_off ? int64_t{0} : int64_t{1} << 30};
 
-// 1: the layout probe passed, 0: failed (torch's op only), -1: not probed yet
+// 1: torch's packer lays weights out as the GEMV reads them, 0: not (its AVX2/scalar kernels),
+// -1: not probed yet
 std::atomic<int> g_layout{-1};
 
-bool layout_ok() {
+// whether torch's op can read the GEMV's packed weights (an A/B switch to it is then possible)
+bool op_layout_ok() {
   int s = g_layout.load();
   if (s >= 0) return s == 1;
   static std::mutex mu;
@@ -533,9 +540,13 @@ void tail(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& sc
   }
 }
 
-// whether gemv() takes this call (the op's AVX-512 layout, supported shapes)
+// whether the GEMV runs at all: an instruction set for it, and not switched off by the env where
+// switching off needs torch's op to read its layout (Python then prepares torch's layout instead)
+bool on() { return g_isa.load() > 0 && (!g_env_off || op_layout_ok()); }
+
+// whether gemv() takes this call (the GEMV's layout, supported shapes)
 bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64_t group_size) {
-  if (g_isa.load() == 0) return false;
+  if (!on()) return false;
   const int64_t N = packed.size(0);
   const bool scales_ok = is_coded(scales) ? scales.dim() == 3 && scales.size(2) == 3 && N % 16 == 0 &&
                                                 scales.numel() == K / group_size * (N / 16) * 3
@@ -543,7 +554,7 @@ bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64
                                                 scales.numel() == K / group_size * N * (scales.dim() == 3 ? 2 : 1);
   return packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
          packed.size(1) * 2 == K && scales_ok && scales.is_contiguous() &&
-         group_size >= 4 && group_size % 4 == 0 && K % group_size == 0 && N % 2 == 0 && layout_ok();
+         group_size >= 4 && group_size % 4 == 0 && K % group_size == 0 && N % 2 == 0;
 }
 
 // The finishing pass, fused into the GEMV's threads right after each 64-row block (or run over
@@ -785,16 +796,38 @@ at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }
 
 void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
-// the M up to which small_linear takes the GEMV (0: off, or not built / not this layout)
-int64_t gemv_max_m() { return gemv::g_isa > 0 && gemv::layout_ok() ? gemv::g_max_m.load() : 0; }
-// whether this build has the GEMV and the op's layout matches (whatever set_gemv_max_m says)
-bool has_gemv() { return gemv::g_isa > 0 && gemv::layout_ok(); }
+// the M up to which small_linear takes the GEMV (0: off or not here; every M where torch's op
+// cannot read the GEMV's layout, whatever set_gemv_max_m says)
+int64_t gemv_max_m() {
+  return !gemv::on() ? 0 : gemv::op_layout_ok() ? gemv::g_max_m.load() : int64_t{1} << 30;
+}
+// whether the GEMV runs here, on its own layout (whatever set_gemv_max_m says)
+bool has_gemv() { return gemv::on(); }
+// whether torch's op reads the GEMV's layout here (AVX-512 torch), so set_gemv_max_m can switch to it
+bool op_reads_gemv_layout() { return gemv::op_layout_ok(); }
+// what this build compiled in: the AVX-512 GEMV (1/0) and the target's own AVX-512F / AVX2
+std::string build_isa() {
+  std::string s = "gemv512=" + std::to_string(LATQ_HAVE_GEMV) + " avx2fn=" + std::to_string(LATQ_HAVE_AVX2);
+#ifdef __AVX512F__
+  s += " avx512f=1";
+#else
+  s += " avx512f=0";
+#endif
+#ifdef __AVX2__
+  s += " avx2=1";
+#else
+  s += " avx2=0";
+#endif
+  return s;
+}
 // the instruction set the GEMV takes: "avx512", "avx2" or "" (none)
 std::string gemv_isa() { return gemv::g_isa == 2 ? "avx512" : gemv::g_isa == 1 ? "avx2" : ""; }
 void set_gemv_isa(const std::string& name) {
   const int isa = name == "avx512" ? 2 : name == "avx2" ? 1 : name.empty() ? 0 : -1;
   TORCH_CHECK(isa >= 0, "latq_cpu::set_gemv_isa: unknown instruction set '", name, "' (avx512, avx2 or '')");
   TORCH_CHECK(gemv::isa_runs(isa), "latq_cpu::set_gemv_isa: the GEMV cannot run on ", name, " here");
+  TORCH_CHECK(isa > 0 || gemv::op_layout_ok(), "latq_cpu::set_gemv_isa: torch's op cannot read the GEMV's "
+              "layout here, so the GEMV cannot be switched off");
   gemv::g_isa.store(isa);
 }
 
@@ -817,7 +850,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const bool has_bias = bias.has_value() && bias->defined();
   // coded scales: always the GEMV (CPUKernel.prepare codes them only where it runs; torch's op
   // cannot read them, and group 16 has no op group)
-  const bool use_gemv = (M <= gemv::g_max_m.load() || gemv::is_coded(scales)) &&
+  // (and every M where torch's op cannot read the GEMV's layout)
+  const bool use_gemv = (M <= gemv::g_max_m.load() || gemv::is_coded(scales) || !gemv::op_layout_ok()) &&
                         gemv::usable(packed, scales, xb.size(1), group_size);
   if (tiles || (use_gemv && !outl)) {
     // outliers (tiles) + bias + cast per 64-row block: in the GEMV's threads, or after torch's op
@@ -955,6 +989,8 @@ TORCH_LIBRARY(latq_cpu, m) {
   m.def("has_gemv() -> bool");
   m.def("gemv_isa() -> str");
   m.def("set_gemv_isa(str name) -> ()");
+  m.def("op_reads_gemv_layout() -> bool");
+  m.def("build_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
@@ -971,4 +1007,6 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("has_gemv", &has_gemv);
   m.impl("gemv_isa", &gemv_isa);
   m.impl("set_gemv_isa", &set_gemv_isa);
+  m.impl("op_reads_gemv_layout", &op_reads_gemv_layout);
+  m.impl("build_isa", &build_isa);
 }

@@ -1,0 +1,129 @@
+"""The C++ op as an AVX2-only CPU builds and runs it, on any x86 machine: a subprocess with
+``LATQ_CPU_MARCH=x86-64-v3`` (Haswell-class: AVX2, FMA, F16C, no AVX-512; its own build in the
+extension cache) and ``ATEN_CPU_CAPABILITY=avx2`` (torch's AVX2 kernels, which pack int4 in
+32-row blocks, not the GEMV's 64). The build compiles the paths an AVX-512 build leaves out
+(no ``LATQ_HAVE_GEMV``: the scalar outlier-tile sums and finish) — only this runs them here.
+
+Slow: the extra build takes about a minute on two shared cores (cached after), and the kernel's
+exactness files run again inside it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_latq import native
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target"),
+              pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")]
+
+ROOT = Path(__file__).resolve().parents[1]
+AVX2_ENV = {native.MARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
+
+# what the subprocess reports: the build's compiled-in ISA, the dispatch, the loaded library and
+# the prepared state of three layers (as in _states below)
+PROBE = r"""
+import hashlib, json, torch
+from vllm_latq import native
+assert native.load() is None, native.load()
+from vllm_latq.kernels.cpu import kernel
+from tests.test_cpu_avx2_build import _states
+so = sorted({l.split()[-1] for l in open("/proc/self/maps") if "latq_cpu_" in l and l.rstrip().endswith(".so")})
+print(json.dumps({"build": torch.ops.latq_cpu.build_isa(), "isa": torch.ops.latq_cpu.gemv_isa(),
+                  "has_gemv": torch.ops.latq_cpu.has_gemv(), "kernel_isa": kernel.gemv_isa(),
+                  "op_reads": torch.ops.latq_cpu.op_reads_gemv_layout(),
+                  "cap": torch.backends.cpu.get_cpu_capability(), "so": so, "states": _states()}))
+"""
+
+
+def _states() -> dict:
+    """sha256 and served bytes of the CPU kernel's state for a 4-bit g64 layer (the default
+    checkpoint's form), the same with coded scales (``--scale-bits 4``) and one with outliers."""
+    from vllm_latq.kernels.cpu.kernel import CPUKernel
+    from vllm_latq.testing.weights import random_weight
+    out = {}
+    for name, kw in (("g64", {}), ("coded", {"scale_bits": 4}), ("outliers", {"rate": 0.01})):
+        w = random_weight(192, 576, 4, kw.get("rate", 0.0), group=64, seed=41,
+                          **{k: v for k, v in kw.items() if k != "rate"})
+        st = CPUKernel.prepare(w)
+        tensors, ints = CPUKernel.flatten(st)
+        h = hashlib.sha256(repr(list(ints)).encode())
+        for t in tensors:
+            h.update(b"-" if t is None else f"{t.dtype}{tuple(t.shape)}".encode() + t.contiguous().view(-1).view(
+                torch.uint8).numpy().tobytes())
+        out[name] = {"sha": h.hexdigest(), "bytes": CPUKernel.served_bytes(st)}
+    return out
+
+
+def _run(args, timeout):
+    return subprocess.run(args, cwd=ROOT, env={**os.environ, **AVX2_ENV, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _avx512_lines(so: str) -> list[str]:
+    """Disassembly lines of ``so`` that use AVX-512 state: zmm, mask or xmm/ymm16–31 registers."""
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True, check=True)
+    pat = re.compile(r"%zmm\d|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b")
+    return [ln for ln in dis.stdout.splitlines() if pat.search(ln)]
+
+
+@pytest.fixture(scope="module")
+def probe():
+    out = _run([sys.executable, "-c", PROBE], timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_build_has_no_avx512_and_dispatches_to_the_avx2_gemv(probe):
+    """The x86-64-v3 build compiles no AVX-512 (its macros, and not one AVX-512 register in the
+    library's code), its GEMV runs on AVX2 although torch's AVX2 op packs another layout, and
+    the kernel prepares the GEMV's state there."""
+    assert probe["cap"] == "AVX2"
+    assert probe["build"] == "gemv512=0 avx2fn=1 avx512f=0 avx2=1"
+    assert (probe["isa"], probe["has_gemv"], probe["kernel_isa"], probe["op_reads"]) == ("avx2", True, "avx2", False)
+    assert len(probe["so"]) == 1
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to read the library's instructions (its macros were checked)")
+    assert _avx512_lines(probe["so"][0]) == []
+    if native.available() and torch.ops.latq_cpu.build_isa().startswith("gemv512=1"):   # the check sees AVX-512
+        mine = [ln.split()[-1] for ln in open("/proc/self/maps") if "latq_cpu_" in ln and ln.rstrip().endswith(".so")]
+        assert _avx512_lines(mine[0])
+
+
+def test_served_state_equals_the_avx512_paths(probe):
+    """The AVX2 path serves the same bytes as the AVX-512 one: 4.25 bits/weight for a 4-bit g64
+    layer, coded scales as 12 bytes per 16 — and, where this machine runs the AVX-512 GEMV, the
+    same state byte for byte."""
+    N, K = 192, 576
+    got = probe["states"]
+    assert sum(got["g64"]["bytes"].values()) * 8 == 4.25 * N * K
+    assert got["coded"]["bytes"]["scales"] == K // 64 * N // 16 * 12
+    assert got["outliers"]["bytes"]["outliers"] > 0
+    if not (native.available() and torch.ops.latq_cpu.gemv_isa() == "avx512"):
+        pytest.skip("no AVX-512 GEMV here to compare the state with")
+    assert got == _states()
+
+
+def test_kernel_exactness_files_pass_in_the_avx2_build(probe):
+    """What an AVX2-only machine runs of the CPU kernel's tests: every exactness test against
+    the reference (GEMV, outlier tiles and CSR, coded scales, M = 1, 3, 8, 16 and large M, bf16 /
+    fp16 / fp32 activations) through the x86-64-v3 build, and none of them skipped for lack of
+    the C++ op or its GEMV."""
+    out = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rs",
+                "tests/test_cpu_kernel.py", "tests/test_cpu_native.py"], timeout=3600)
+    tail = out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    m = re.search(r"(\d+) passed", out.stdout)
+    assert m and int(m.group(1)) > 100, tail
+    skips = [ln for ln in out.stdout.splitlines() if ln.startswith("SKIPPED")]
+    assert not [ln for ln in skips if "unavailable" in ln or "GEMV is not built" in ln or "no GEMV" in ln], skips
