@@ -9,7 +9,7 @@ block phases are read from its log (Hessians = calibration forwards and XᵀX; q
 solves; outputs = the quantized block's forwards). After the rounds both results are evaluated
 by ``latq-eval`` (the study's protocol), so the speed is read at the perplexity it comes with.
 
-    python -m bench.peer_speed                                    # SmolLM2-135M, 4 bits, group 128
+    python -m bench.peer_speed                                    # SmolLM2-135M, 4 bits, group 64 (576 columns: 128 does not divide)
     python -m bench.peer_speed --model gemma3-270m --bits 3 --rounds 3 --threads 1
 
 Last line: ``HEADLINE cpu=… speedup=<median over rounds of llmc time / latq time> latq_s=…
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--bits", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)

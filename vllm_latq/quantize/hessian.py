@@ -1,7 +1,8 @@
 """Layer Hessians ``H = XᵀX / n`` accumulated from calibration activations (fp64 sums).
 
 :class:`Hessian` is the definition (every product in fp64); :class:`PanelHessian` the
-pipeline's faster accumulator (fp32 products of upper-triangular row panels, fp64 sums).
+pipeline's faster accumulator (fp32 sums of upper-triangular row panels' products, fp64 sums
+over sequences).
 :func:`hook_linears` attaches one Hessian to each linear of a model and
 :func:`linear_hessians` runs calibration text through a whole Hugging Face model with
 them: the one collector the tests, the demo and the study use. The sequential pipeline's
@@ -93,14 +94,14 @@ def tn_add(a: torch.Tensor, b: torch.Tensor, S: torch.Tensor) -> None:
 
 class PanelHessian(Hessian):
     """``XᵀX / n`` with an fp64 accumulator, each product of ≤ ``PRODUCT_ROWS`` rows (one
-    calibration sequence) computed by an fp32 GEMM and added to the fp64 sum: a 512-term fp32
-    dot product's error is far below the damping, and an fp64 GEMM would cost more than the
-    block's forward pass. The sum over sequences, where fp32 would lose the small eigenvalues,
-    is fp64.
+    calibration sequence) summed in fp32 (:func:`tn_add`: the bf16 GEMM for bf16 activations)
+    and added to the fp64 sum: a 512-term fp32 dot product's error is far below the damping,
+    and an fp64 GEMM would cost more than the block's forward pass. The sum over sequences,
+    where fp32 would lose the small eigenvalues, is fp64.
 
     Only the row panels of the upper triangle are computed and summed (``PANEL`` rows
-    each): for a 2048-wide input that halves both the GEMM and the fp64 additions, which
-    together cost as much as the block's bf16 forward. :attr:`H` mirrors the upper triangle."""
+    each), which halves both the GEMM and the fp64 additions. :attr:`H` mirrors the upper
+    triangle."""
 
     def add(self, x: torch.Tensor) -> None:
         S = self._open_sum()
