@@ -9,7 +9,7 @@ block phases are read from its log (Hessians = calibration forwards and XᵀX; q
 solves; outputs = the quantized block's forwards). After the rounds both results are evaluated
 by ``latq-eval`` (the study's protocol), so the speed is read at the perplexity it comes with.
 
-    python -m bench.peer_speed                                    # SmolLM2-135M, 4 bits, group 64 (576 columns: 128 does not divide)
+    python -m bench.peer_speed                       # SmolLM2-135M, 4 bits, group 64 (128 does not divide 576)
     python -m bench.peer_speed --model gemma3-270m --bits 3 --rounds 3 --threads 1
 
 Last line: ``HEADLINE cpu=… speedup=<median over rounds of llmc time / latq time> latq_s=…
