@@ -8,6 +8,7 @@ wraps it to swap GPTQ implementations).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Callable
 
 import torch
@@ -86,13 +87,21 @@ def _exact(W: torch.Tensor, device, calibrated: bool) -> torch.Tensor:
     return W.to(device=device, dtype=torch.float32 if calibrated else W.dtype)
 
 
-def _owners(linears: dict, world: World) -> dict[str, int]:
-    """Which rank solves each linear: balanced by solve cost; rank 0 alone without ranks."""
+def _owners(linears: dict, world: World, busy: list[int] | None = None) -> dict[str, int]:
+    """Which rank solves each linear: balanced by solve cost, ``busy``: what each rank already
+    solves beside them (:func:`~.ranks.assign_by_cost`); rank 0 alone without ranks."""
     if not world.distributed:
         return {n: 0 for n in linears}
     costs = {n: ranks.solve_cost(*m.weight.shape) for n, m in linears.items()}
-    owner = ranks.assign_by_cost(costs, world)
+    owner = ranks.assign_by_cost(costs, world, busy)
     return {n: owner[n] for n in linears}
+
+
+def _expert_cost(src: Source, parts: dict[str, hf_model.ExpertLinear]) -> int:
+    """One expert's solve cost: its linears' (every expert of a module has the same shapes)."""
+    shapes = [(len(range(*x.rows.indices(P.shape[1]))), P.shape[2])
+              for x in parts.values() if x.expert == 0 for P in [src.net.get_parameter(x.param)]]
+    return sum(ranks.solve_cost(*rc) for rc in shapes)
 
 
 def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: World, **kw):
@@ -110,6 +119,31 @@ def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: W
     return res, t, records
 
 
+def _put(src: Source, where: str | hf_model.ExpertLinear, q: torch.Tensor) -> None:
+    """A dequantized weight into the block: linear ``where``'s, or an expert's slice of its fused parameter."""
+    if isinstance(where, str):
+        hf_model.set_tensor(src.net, f"{where}.weight", q)
+    else:
+        src.net.get_parameter(where.param).data[where.expert, where.rows] = q
+
+
+def _meet(jobs: dict, owner: dict, where: str, src: Source, device, shard: dict, stats: list, world: World) -> None:
+    """Run this rank's ``jobs`` (key → ``job()`` → ([(where, dequantized weight to share)],
+    checkpoint tensors, stats records)), then take every rank's results in ``owner``'s order:
+    the weights solved elsewhere into the block, the tensors into ``shard``, the records into ``stats``."""
+    mine = {}
+    with ranks.together(where, world):
+        for key, job in jobs.items():
+            if owner[key] == world.rank:
+                mine[key] = job()
+    for key, (weights, t, records) in ranks.share(mine, owner, world).items():
+        for at, q in weights if owner[key] != world.rank else ():
+            if q is not None:
+                _put(src, at, q.to(device))
+        shard.update(t)
+        stats.extend(records)
+
+
 @torch.no_grad()
 def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | None, quantize: Callable, device,
                 progress: bool, stats: list, moe_min_tokens: int = 128, moe_route_all: bool = False,
@@ -120,52 +154,61 @@ def solve_block(src: Source, i: int, linears: dict, hessians: SharedHessians | N
     block, so its outputs are the quantized block's (``write_back=False``: no forwards follow, the
     block stays unloaded) → the block's quantized tensors, by name. Each Hessian is released as
     soon as the last linear sharing it is solved. With several ranks each linear is solved on
-    one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in order."""
+    one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in order.
+    When the experts leave ranks idle in their first round, the linears are solved in that round
+    on those ranks first (balanced by cost with the round's experts), not in a round of their own."""
     from tqdm.auto import tqdm
-    owner = _owners(linears, world)
-    mine: dict[str, tuple] = {}
+    modules = src.block_experts(i) if experts else {}
+    first = next(iter(modules), None)
+    rounds = ranks.expert_rounds(src.net.get_submodule(first).gate_up_proj.shape[0], world) if first else None
+    joined = world.distributed and rounds is not None and len(rounds[0]) < world.size
+    busy = [_expert_cost(src, modules[first]) if r in rounds[0].values() else 0 for r in range(world.size)] \
+        if joined else None
+    owner = _owners(linears, world, busy)
     last_user = {id(hessians.of[n]): n for n in linears if owner[n] == world.rank} if hessians is not None else {}
     if hessians is not None:   # the Hessians only other ranks use
         for name in linears:
             if name in hessians.of and id(hessians.of[name]) not in last_user:
                 hessians.release(name)
-    with ranks.together(f"block {i}", world):
-        for name in tqdm(linears, desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False):
-            if owner[name] != world.rank:
-                continue
-            W = _exact(src.weights.get(src.on_disk(f"{name}.weight")), device, hessians is not None)
-            res, t, records = _solve_here(quantize, src.names.module(name), W,
-                                          hessians.of[name] if hessians is not None else None, stats, world)
-            q = res.q.to(device=device, dtype=src.dtype) if write_back else None
-            if q is not None:
-                hf_model.set_tensor(src.net, f"{name}.weight", q)
-            mine[name] = (q.cpu() if q is not None and world.distributed else None, t, records)
-            if hessians is not None and last_user[id(hessians.of[name])] == name:
-                hessians.release(name)
-            del W, res, t, q   # else up_proj's fp32 weight and solution (~0.7 GiB at 8B) live through down_proj's solve
+    bar = tqdm(total=len(linears), desc=f"block {i}: quantizing", unit="layer", disable=not progress, leave=False)
+
+    def job(name):
+        W = _exact(src.weights.get(src.on_disk(f"{name}.weight")), device, hessians is not None)
+        res, t, records = _solve_here(quantize, src.names.module(name), W,
+                                      hessians.of[name] if hessians is not None else None, stats, world)
+        q = res.q.to(device=device, dtype=src.dtype) if write_back else None
+        if q is not None:
+            _put(src, name, q)
+        if hessians is not None and last_user[id(hessians.of[name])] == name:
+            hessians.release(name)
+        bar.update()
+        # returning drops the fp32 weight and solution: held through the next solve, up_proj's
+        # would live through down_proj's
+        return [(name, q.cpu() if q is not None and world.distributed else None)], t, records
+    jobs = {name: partial(job, name) for name in linears}
     shard: dict[str, torch.Tensor] = {}
-    for name, (q, t, records) in ranks.share(mine, owner, world).items():
-        if owner[name] != world.rank and q is not None:
-            hf_model.set_tensor(src.net, f"{name}.weight", q.to(device))
-        shard.update(t)
-        stats.extend(records)
-    for module, parts in (src.block_experts(i) if experts else {}).items():
+    if not joined:
+        _meet(jobs, owner, f"block {i}", src, device, shard, stats, world)
+    for module, parts in modules.items():
         inputs = hessians.moe[module[len(f"{src.prefix}.{i}."):]] if hessians is not None else None
         shard.update(solve_experts(src, module, parts, inputs, quantize, device, moe_min_tokens, moe_route_all,
-                                   progress, stats, write_back, world))
+                                   progress, stats, write_back, world,
+                                   (jobs, owner, f"block {i}") if joined and module == first else None))
+    bar.close()
     return shard
 
 
 @torch.no_grad()
 def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLinear], inputs: MoeInputs | None,
                   quantize: Callable, device, min_tokens: int, route_all: bool, progress: bool, stats: list,
-                  write_back: bool = True, world: World = SINGLE) -> dict:
+                  write_back: bool = True, world: World = SINGLE, linears: tuple[dict, dict, str] | None = None) -> dict:
     """Quantize the experts of experts module ``module``: expert e's Hessians
     (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
     each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
     source weight, its dequantized weight written into its slice of the fused parameter. Experts
-    go in rounds of one per rank: the round's Hessians summed over every rank's tokens, each
-    rank solving one expert, the results shared."""
+    go in rounds of at most one per rank (:func:`~.ranks.expert_rounds`): the round's Hessians
+    summed over every rank's tokens, each rank solving its expert, the results shared. The first
+    round also runs ``linears`` (the block's jobs, their owners and the block, :func:`solve_block`)."""
     from tqdm.auto import tqdm
     role = lambda x: hf_model.EXPERT_PARAMS.index(x.param.rpartition(".")[2])  # noqa: E731  (0: gate/up, 1: down)
     num_experts = src.net.get_submodule(module).gate_up_proj.shape[0]
@@ -180,38 +223,36 @@ def solve_experts(src: Source, module: str, parts: dict[str, hf_model.ExpertLine
     order = sorted(parts.items(), key=lambda kv: (kv[1].expert, role(kv[1]), kv[1].rows.start))
     shard: dict[str, torch.Tensor] = {}
     bar = tqdm(total=num_experts, desc=f"{module}: experts", unit="expert", disable=not progress, leave=False)
-    for first in range(0, num_experts, world.size):
-        owner = {e: e - first for e in range(first, min(first + world.size, num_experts))}
-        hessians = {}
+
+    def job(e, hs):
+        weights, tensors, records = [], {}, []
+        for name, x in (kv for kv in order if kv[1].expert == e):
+            W = _exact(src.expert_weight(name), device, inputs is not None)
+            extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
+                                                      "moe_fallback": hs.fallback}
+            res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
+                                       stats, world, extra=extra)
+            q = res.q.to(device=device, dtype=src.dtype) if write_back else None
+            if q is not None:
+                _put(src, x, q)
+            weights.append((x, q.cpu() if q is not None and world.distributed else None))
+            tensors.update(t)
+            records += recs
+            del W, res, t, q
+        return weights, tensors, records
+    for k, owner in enumerate(ranks.expert_rounds(num_experts, world)):
+        jobs = {}
         for e in owner:   # collective: every rank sums every expert's Hessians of the round
             hs = inputs.expert_hessians(e, min_tokens, route_all, world) if inputs is not None else None
             if owner[e] == world.rank:
-                hessians[e] = hs
-        mine = {}
-        with ranks.together(f"{module}, experts {first}..{first + len(owner) - 1}", world):
-            for e, hs in hessians.items():
-                solved, records = [], []
-                for name, x in (kv for kv in order if kv[1].expert == e):
-                    W = _exact(src.expert_weight(name), device, inputs is not None)
-                    extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
-                                                              "moe_fallback": hs.fallback}
-                    res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
-                                               stats, world, extra=extra)
-                    q = res.q.to(device=device, dtype=src.dtype) if write_back else None
-                    if q is not None:
-                        src.net.get_parameter(x.param).data[x.expert, x.rows] = q
-                    solved.append((x, q.cpu() if q is not None and world.distributed else None, t))
-                    records += recs
-                    del W, res, t, q
-                mine[e] = (solved, records)
-        hessians = None
-        for e, (solved, records) in ranks.share(mine, owner, world).items():
-            for x, q, t in solved:
-                if owner[e] != world.rank and q is not None:
-                    src.net.get_parameter(x.param).data[x.expert, x.rows] = q.to(device)
-                shard.update(t)
-            stats.extend(records)
-        bar.update(len(owner))
+                jobs[e] = partial(job, e, hs)
+        hs = None
+        where = f"{module}, experts {min(owner)}..{max(owner)}"
+        if k == 0 and linears is not None:   # the block's linears first, as one process orders its records
+            jobs, owner, where = {**linears[0], **jobs}, {**linears[1], **owner}, f"{linears[2]} and {where}"
+        _meet(jobs, owner, where, src, device, shard, stats, world)
+        bar.update(sum(isinstance(e, int) for e in owner))
+        jobs = None
     bar.close()
     return shard
 
