@@ -165,6 +165,16 @@ def test_the_linears_fill_the_ranks_the_experts_leave_idle(tmp_path):
             "model.layers.0.self_attn.") in p.stderr
 
 
+def test_each_rank_runs_the_threads_it_is_given(tmp_path):
+    """torchrun gives each rank one thread unless ``OMP_NUM_THREADS`` says otherwise: an explicit
+    count is the one every rank runs with, and the run's first line says ranks × threads (an OUT
+    that exists ends the run right after it)."""
+    (tmp_path / "out").mkdir()
+    p = quantize(tmp_path / "src", tmp_path / "out", 2, env={"OMP_NUM_THREADS": "2"}, args=["--no-progress"])
+    assert p.returncode != 0 and "exists (pass overwrite=True" in p.stderr
+    assert "[rank 0] 2 ranks (gloo) × 2 threads each" in p.stderr
+
+
 def test_experts_in_rounds_and_the_linears_beside_them():
     """Experts of one module cost the same (their shapes are equal), so dealing them in turn is
     balanced; the short round comes first, where the linears go to the idle ranks by cost."""

@@ -16,11 +16,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("vllm_latq.quantize")
 
 TIMEOUT_ENV = "LATQ_DIST_TIMEOUT"  # seconds a collective waits for a silent rank (default 300)
 
@@ -67,6 +70,22 @@ def init(device: str = "cpu") -> World:
 def shutdown(world: World) -> None:
     if world.distributed and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def announce(world: World) -> list[int]:
+    """Log on rank 0 the ranks × each rank's torch threads (``OMP_NUM_THREADS``, which torchrun
+    sets to 1 unless it is given one) → the thread counts, by rank."""
+    threads = [torch.get_num_threads()] * world.size
+    if world.distributed:
+        torch.distributed.all_gather_object(threads, torch.get_num_threads())
+    plural = "s" * (threads[0] != 1)
+    if world.writes and not world.distributed:
+        log.info("1 rank × %d thread%s", threads[0], plural)
+    elif world.writes:
+        each = f"{threads[0]} thread{plural} each" if len(set(threads)) == 1 else \
+            f"threads {', '.join(map(str, threads))}"
+        log.info("%d ranks (%s) × %s", world.size, torch.distributed.get_backend(), each)
+    return threads
 
 
 def own_rows(n: int, world: World) -> range:
