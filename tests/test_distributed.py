@@ -103,11 +103,13 @@ def test_resume_at_another_world_size_and_byte_identical_at_one(dense):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_stops_every_rank_and_keeps_the_finished_blocks(dense):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_rank_stops_every_rank_and_keeps_the_finished_blocks(dense, killed):
+    """Rank 0 too: the writer lost, the rank that remains says so and the finished blocks are kept."""
     src, root = dense
-    out = root / "killed"
+    out = root / f"killed{killed}"
     t0 = time.time()
-    p = quantize(src, out, 2, env={"LATQ_FAULT": "1:layers.1.mlp:kill"})
+    p = quantize(src, out, 2, env={"LATQ_FAULT": f"{killed}:layers.1.mlp:kill"})
     assert p.returncode != 0 and time.time() - t0 < 120
     assert "another rank stopped answering" in p.stderr and "block 1" in p.stderr
     run = out.parent / (out.name + ".tmp-latq")
@@ -152,6 +154,24 @@ def test_moe_at_any_world_size(tmp_path, method):
     stats = json.loads((tmp_path / "w3" / "latq_stats.json").read_text())["layers"]
     assert [s["name"] for s in stats] == [s["name"] for s in
                                           json.loads((tmp_path / "w1" / "latq_stats.json").read_text())["layers"]]
+
+
+@pytest.mark.slow
+def test_moe_stopped_and_resumed_at_another_world_size(tmp_path):
+    """The tiny Mixtral stopped after block 0 with 3 ranks, resumed with 2: it agrees with one
+    rank's checkpoint; two fresh runs with 3 ranks are the same byte for byte."""
+    src = make_tiny_model(tmp_path / "src", "mixtral", layers=2)
+    for name, world in (("w1", 1), ("w3", 3), ("again3", 3)):
+        ok(quantize(src, tmp_path / name, world))
+    assert same_bytes(tmp_path / "w3", tmp_path / "again3")
+    out = tmp_path / "resumed"
+    p = quantize(src, out, 3, env={"LATQ_STOP_AFTER_BLOCK": "0"})
+    assert p.returncode != 0 and "simulated interruption after block 0" in p.stderr and not out.exists()
+    ok(quantize(src, out, 2, "--resume"))
+    assert agreement(out, tmp_path / "w1") >= 0.9999
+    stats = [s["name"] for s in json.loads((out / "latq_stats.json").read_text())["layers"]]
+    assert stats == [s["name"] for s in json.loads((tmp_path / "w1" / "latq_stats.json").read_text())["layers"]]
+    assert any(".experts." in n for n in stats)
 
 
 def test_the_linears_fill_the_ranks_the_experts_leave_idle(tmp_path):
