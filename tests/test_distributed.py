@@ -103,11 +103,13 @@ def test_resume_at_another_world_size_and_byte_identical_at_one(dense):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_stops_every_rank_and_keeps_the_finished_blocks(dense):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_rank_stops_every_rank_and_keeps_the_finished_blocks(dense, killed):
+    """Rank 0 too: the writer lost, the rank that remains says so and the finished blocks are kept."""
     src, root = dense
-    out = root / "killed"
+    out = root / f"killed{killed}"
     t0 = time.time()
-    p = quantize(src, out, 2, env={"LATQ_FAULT": "1:layers.1.mlp:kill"})
+    p = quantize(src, out, 2, env={"LATQ_FAULT": f"{killed}:layers.1.mlp:kill"})
     assert p.returncode != 0 and time.time() - t0 < 120
     assert "another rank stopped answering" in p.stderr and "block 1" in p.stderr
     run = out.parent / (out.name + ".tmp-latq")
@@ -142,7 +144,8 @@ def test_a_failing_rank_names_itself_the_block_and_the_layer(dense):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "ssqr"])
 def test_moe_at_any_world_size(tmp_path, method):
-    """Experts go in rounds of one per rank, their Hessians summed over every rank's tokens."""
+    """Experts go in rounds of one per rank, their Hessians summed over every rank's tokens (at 3
+    ranks the block's linears share the first round with one expert)."""
     src = make_tiny_model(tmp_path / "src", "mixtral", layers=1)
     for w in (1, 2, 3):
         ok(quantize(src, tmp_path / f"w{w}", w, "--method", method))
@@ -151,6 +154,65 @@ def test_moe_at_any_world_size(tmp_path, method):
     stats = json.loads((tmp_path / "w3" / "latq_stats.json").read_text())["layers"]
     assert [s["name"] for s in stats] == [s["name"] for s in
                                           json.loads((tmp_path / "w1" / "latq_stats.json").read_text())["layers"]]
+
+
+@pytest.mark.slow
+def test_moe_stopped_and_resumed_at_another_world_size(tmp_path):
+    """The tiny Mixtral stopped after block 0 with 3 ranks, resumed with 2: it agrees with one
+    rank's checkpoint; two fresh runs with 3 ranks are the same byte for byte."""
+    src = make_tiny_model(tmp_path / "src", "mixtral", layers=2)
+    for name, world in (("w1", 1), ("w3", 3), ("again3", 3)):
+        ok(quantize(src, tmp_path / name, world))
+    assert same_bytes(tmp_path / "w3", tmp_path / "again3")
+    out = tmp_path / "resumed"
+    p = quantize(src, out, 3, env={"LATQ_STOP_AFTER_BLOCK": "0"})
+    assert p.returncode != 0 and "simulated interruption after block 0" in p.stderr and not out.exists()
+    ok(quantize(src, out, 2, "--resume"))
+    assert agreement(out, tmp_path / "w1") >= 0.9999
+    stats = [s["name"] for s in json.loads((out / "latq_stats.json").read_text())["layers"]]
+    assert stats == [s["name"] for s in json.loads((tmp_path / "w1" / "latq_stats.json").read_text())["layers"]]
+    assert any(".experts." in n for n in stats)
+
+
+def test_the_linears_fill_the_ranks_the_experts_leave_idle(tmp_path):
+    """3 experts on 2 ranks: the first round holds one expert (rank 0), and the block's linears
+    are solved beside it, not in a round of their own: a failing attention linear on rank 1 is
+    reported from that round."""
+    src = make_tiny_model(tmp_path / "src", "mixtral", layers=1, num_local_experts=3)
+    p = quantize(src, tmp_path / "out", 2, "--method", "rtn", env={"LATQ_FAULT": "1:layers.0.self_attn:raise"})
+    assert p.returncode == 1
+    assert ("rank 1 of 2 failed at block 0 and model.layers.0.mlp.experts, experts 0..0: RuntimeError: layer "
+            "model.layers.0.self_attn.") in p.stderr
+
+
+def test_each_rank_runs_the_threads_it_is_given(tmp_path):
+    """torchrun gives each rank one thread unless ``OMP_NUM_THREADS`` says otherwise: an explicit
+    count is the one every rank runs with, and the run's first line says ranks × threads (an OUT
+    that exists ends the run right after it)."""
+    (tmp_path / "out").mkdir()
+    p = quantize(tmp_path / "src", tmp_path / "out", 2, env={"OMP_NUM_THREADS": "2"}, args=["--no-progress"])
+    assert p.returncode != 0 and "exists (pass overwrite=True" in p.stderr
+    assert "[rank 0] 2 ranks (gloo) × 2 threads each" in p.stderr
+
+
+def test_experts_in_rounds_and_the_linears_beside_them():
+    """Experts of one module cost the same (their shapes are equal), so dealing them in turn is
+    balanced; the short round comes first, where the linears go to the idle ranks by cost."""
+    three = ranks.World(0, 3)
+    rounds = ranks.expert_rounds(8, three)
+    assert [list(r.items()) for r in rounds] == [[(0, 0), (1, 1)], [(2, 0), (3, 1), (4, 2)], [(5, 0), (6, 1), (7, 2)]]
+    assert ranks.expert_rounds(3, ranks.SINGLE) == [{0: 0}, {1: 0}, {2: 0}]
+    assert ranks.expert_rounds(2, three) == [{0: 0, 1: 1}] and len(ranks.expert_rounds(6, three)[0]) == 3
+    # Mixtral-8x7B's shapes: its attention costs less than one expert, so rank 2 takes all of it
+    hidden, inter, kv = 4096, 14336, 1024
+    expert = 2 * ranks.solve_cost(inter, hidden) + ranks.solve_cost(hidden, inter)
+    attention = {"q": ranks.solve_cost(hidden, hidden), "k": ranks.solve_cost(kv, hidden),
+                 "v": ranks.solve_cost(kv, hidden), "o": ranks.solve_cost(hidden, hidden)}
+    busy = [expert if r in rounds[0].values() else 0 for r in range(3)]
+    assert set(ranks.assign_by_cost(attention, three, busy).values()) == {2}
+    # more linears than the idle rank can hold beside one expert spill onto the busy ranks
+    owner = ranks.assign_by_cost({"a": expert, "b": expert // 2, "c": expert // 2}, three, busy)
+    assert owner == {"a": 2, "b": 0, "c": 1}
 
 
 def test_rank_arithmetic():

@@ -13,6 +13,7 @@ examples:
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
   torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
+  OMP_NUM_THREADS=2 torchrun --nproc-per-node 2 -m vllm_latq.quantize ./my-llama ckpt/w4   # CPU: 2 ranks x 2 threads
 """
 from __future__ import annotations
 

@@ -255,6 +255,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     try:
         ranks.check_same_command({"model": str(model), "out": str(out.absolute()), "options": dataclasses.asdict(opts),
                                   "resume": resume, "overwrite": overwrite, "validate": validate}, world)
+        ranks.announce(world)
         return _quantize(model, out, opts, solve or solving.solve, resume, overwrite, progress and world.writes,
                          on_layer, stop_after_block, on_block, validate, world)
     except Exception as e:

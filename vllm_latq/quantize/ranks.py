@@ -7,20 +7,24 @@ the single process runs the code it always ran.
 
 Each rank forwards its own contiguous slice of the calibration sequences (:func:`own_rows`);
 partial statistics are summed in rank order on every rank (:func:`sum_in_rank_order`), so all
-ranks hold the very same bits; each solve runs on one rank (:func:`assign_by_cost`) and its
-result is broadcast from there (:func:`share`). Solves are deterministic given their inputs,
-so which rank runs one does not change it.
+ranks hold the very same bits; each solve runs on one rank (:func:`assign_by_cost`, experts by
+:func:`expert_rounds`) and its result is broadcast from there (:func:`share`). Solves are
+deterministic given their inputs, so which rank runs one does not change it.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import json
+import logging
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("vllm_latq.quantize")
 
 TIMEOUT_ENV = "LATQ_DIST_TIMEOUT"  # seconds a collective waits for a silent rank (default 300)
 
@@ -69,6 +73,31 @@ def shutdown(world: World) -> None:
         torch.distributed.destroy_process_group()
 
 
+def exit_rank(code: int):
+    """End a torchrun rank's process with ``code`` without the interpreter's teardown: gloo's
+    worker threads may still be freeing the last collective's tensors, which takes the GIL, and
+    one doing so while Python finalizes aborts the process (exit -6 after a finished run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def announce(world: World) -> list[int]:
+    """Log on rank 0 the ranks × each rank's torch threads (``OMP_NUM_THREADS``, which torchrun
+    sets to 1 unless it is given one) → the thread counts, by rank."""
+    threads = [torch.get_num_threads()] * world.size
+    if world.distributed:
+        torch.distributed.all_gather_object(threads, torch.get_num_threads())
+    plural = "s" * (threads[0] != 1)
+    if world.writes and not world.distributed:
+        log.info("1 rank × %d thread%s", threads[0], plural)
+    elif world.writes:
+        each = f"{threads[0]} thread{plural} each" if len(set(threads)) == 1 else \
+            f"threads {', '.join(map(str, threads))}"
+        log.info("%d ranks (%s) × %s", world.size, torch.distributed.get_backend(), each)
+    return threads
+
+
 def own_rows(n: int, world: World) -> range:
     """This rank's contiguous share of ``n`` calibration sequences (sizes differ by at most one)."""
     return range(world.rank * n // world.size, (world.rank + 1) * n // world.size)
@@ -108,16 +137,27 @@ def solve_cost(rows: int, columns: int) -> int:
     return columns * columns * (rows + columns // 3)
 
 
-def assign_by_cost(costs: dict[str, int], world: World) -> dict[str, int]:
-    """Each job → a rank: costliest first to the least loaded rank (ties: the lowest rank).
-    The same on every rank: it depends only on the costs and names."""
-    load = [0] * world.size
+def assign_by_cost(costs: dict[str, int], world: World, busy: list[int] | None = None) -> dict[str, int]:
+    """Each job → a rank: costliest first to the least loaded rank (ties: the lowest rank),
+    ``busy``: each rank's load already given. The same on every rank: it depends only on the
+    costs and names."""
+    load = list(busy) if busy is not None else [0] * world.size
     out = {}
     for name in sorted(costs, key=lambda n: (-costs[n], n)):
         r = min(range(world.size), key=lambda k: (load[k], k))
         out[name] = r
         load[r] += costs[name]
     return out
+
+
+def expert_rounds(num_experts: int, world: World) -> list[dict[int, int]]:
+    """The experts of one module in rounds, ``{expert: rank}`` each, at most one expert per rank
+    per round: a rank holds one expert's Hessians at a time. A module's experts have the same
+    shapes, so the same solve cost: dealt in turn they are balanced by cost. When they do not
+    divide evenly the first round is the short one; its idle ranks take the block's linears."""
+    short = num_experts % world.size or world.size
+    starts = [0, *range(short, num_experts, world.size)]
+    return [{e: e - s for e in range(s, min(s + (short if s == 0 else world.size), num_experts))} for s in starts]
 
 
 def share(results: dict, owner: dict[str, int], world: World) -> dict:

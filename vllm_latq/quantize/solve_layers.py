@@ -8,6 +8,7 @@ wraps it to swap GPTQ implementations).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Callable
 
 import torch
@@ -85,13 +86,21 @@ def _exact(W: torch.Tensor, device, calibrated: bool) -> torch.Tensor:
     return W.to(device=device, dtype=torch.float32 if calibrated else W.dtype)
 
 
-def _owners(linears: dict, world: World) -> dict[str, int]:
-    """Which rank solves each linear: balanced by solve cost; rank 0 alone without ranks."""
+def _owners(linears: dict, world: World, busy: list[int] | None = None) -> dict[str, int]:
+    """Which rank solves each linear: balanced by solve cost, ``busy``: what each rank already
+    solves beside them (:func:`~.ranks.assign_by_cost`); rank 0 alone without ranks."""
     if not world.distributed:
         return {n: 0 for n in linears}
     costs = {n: ranks.solve_cost(*m.weight.shape) for n, m in linears.items()}
-    owner = ranks.assign_by_cost(costs, world)
+    owner = ranks.assign_by_cost(costs, world, busy)
     return {n: owner[n] for n in linears}
+
+
+def _expert_cost(experts: torch.nn.Module, parts: dict[str, hf_model.ExpertLinear]) -> int:
+    """One expert's solve cost: its linears' (every expert of a module has the same shapes)."""
+    shapes = [(len(range(*x.rows.indices(P.shape[1]))), P.shape[2])
+              for x in parts.values() if x.expert == 0 for P in [experts.get_parameter(x.param.rpartition(".")[2])]]
+    return sum(ranks.solve_cost(*rc) for rc in shapes)
 
 
 def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: World, **kw):
@@ -109,6 +118,35 @@ def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: W
     return res, t, records
 
 
+def _put(block: torch.nn.Module, within: Callable[[str], str], where: str | hf_model.ExpertLinear,
+         q: torch.Tensor) -> None:
+    """A dequantized weight into ``block``: linear ``where``'s, or an expert's slice of its fused
+    parameter (``within``: a model name → its name in the block)."""
+    if isinstance(where, str):
+        hf_model.set_tensor(block, within(f"{where}.weight"), q)
+    else:
+        block.get_parameter(within(where.param)).data[where.expert, where.rows] = q
+
+
+def _meet(jobs: dict, owner: dict, where: str, put: Callable, device, shard: dict, stats: list,
+          world: World) -> None:
+    """Run this rank's ``jobs`` (key → ``job()`` → ([(where, dequantized weight to share)],
+    checkpoint tensors, stats records)), then take every rank's results in ``owner``'s order:
+    the weights solved elsewhere into the block (``put``), the tensors into ``shard``, the records
+    into ``stats``."""
+    mine = {}
+    with ranks.together(where, world):
+        for key, job in jobs.items():
+            if owner[key] == world.rank:
+                mine[key] = job()
+    for key, (weights, t, records) in ranks.share(mine, owner, world).items():
+        for at, q in weights if owner[key] != world.rank else ():
+            if q is not None:
+                put(at, q.to(device))
+        shard.update(t)
+        stats.extend(records)
+
+
 @torch.no_grad()
 def solve_block(block: torch.nn.Module, block_name: str, desc: str, linears: dict[str, torch.nn.Linear],
                 experts: dict[str, dict[str, hf_model.ExpertLinear]], hessians: SharedHessians | None,
@@ -123,40 +161,49 @@ def solve_block(block: torch.nn.Module, block_name: str, desc: str, linears: dic
     so its outputs are the quantized block's (``write_back=False``: no forwards follow, the block
     stays unloaded) → the block's quantized tensors, by checkpoint name (``names``). Each Hessian is
     released as soon as the last linear sharing it is solved. With several ranks each linear is
-    solved on one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in order."""
+    solved on one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in
+    order. When the experts leave ranks idle in their first round, the linears are solved in that
+    round on those ranks (balanced by cost with the round's experts), not in a round of their own."""
     from tqdm.auto import tqdm
     within = lambda name: name[len(block_name) + 1:]  # noqa: E731  (a model name → its name in the block)
-    owner = _owners(linears, world)
-    mine: dict[str, tuple] = {}
+    put = partial(_put, block, within)
+    first = next(iter(experts), None)
+    module = block.get_submodule(within(first)) if first else None
+    rounds = ranks.expert_rounds(module.gate_up_proj.shape[0], world) if first else None
+    joined = world.distributed and rounds is not None and len(rounds[0]) < world.size
+    busy = [_expert_cost(module, experts[first]) if r in rounds[0].values() else 0 for r in range(world.size)] \
+        if joined else None
+    owner = _owners(linears, world, busy)
     last_user = {id(hessians.of[n]): n for n in linears if owner[n] == world.rank} if hessians is not None else {}
     if hessians is not None:   # the Hessians only other ranks use
         for name in linears:
             if name in hessians.of and id(hessians.of[name]) not in last_user:
                 hessians.release(name)
-    with ranks.together(desc, world):
-        for name in tqdm(linears, desc=f"{desc}: quantizing", unit="layer", disable=not progress, leave=False):
-            if owner[name] != world.rank:
-                continue
-            W = _exact(weight(name), device, hessians is not None)
-            res, t, records = _solve_here(quantize, names.module(name), W,
-                                          hessians.of[name] if hessians is not None else None, stats, world)
-            q = res.q.to(device=device, dtype=dtype) if write_back else None
-            if q is not None:
-                hf_model.set_tensor(block, within(f"{name}.weight"), q)
-            mine[name] = (q.cpu() if q is not None and world.distributed else None, t, records)
-            if hessians is not None and last_user[id(hessians.of[name])] == name:
-                hessians.release(name)
-            del W, res, t, q   # else up_proj's fp32 weight and solution live through down_proj's solve
+    bar = tqdm(total=len(linears), desc=f"{desc}: quantizing", unit="layer", disable=not progress, leave=False)
+
+    def job(name):
+        W = _exact(weight(name), device, hessians is not None)
+        res, t, records = _solve_here(quantize, names.module(name), W,
+                                      hessians.of[name] if hessians is not None else None, stats, world)
+        q = res.q.to(device=device, dtype=dtype) if write_back else None
+        if q is not None:
+            put(name, q)
+        if hessians is not None and last_user[id(hessians.of[name])] == name:
+            hessians.release(name)
+        bar.update()
+        # returning drops the fp32 weight and solution: held through the next solve, up_proj's
+        # would live through down_proj's
+        return [(name, q.cpu() if q is not None and world.distributed else None)], t, records
+    jobs = {name: partial(job, name) for name in linears}
     shard: dict[str, torch.Tensor] = {}
-    for name, (q, t, records) in ranks.share(mine, owner, world).items():
-        if owner[name] != world.rank and q is not None:
-            hf_model.set_tensor(block, within(f"{name}.weight"), q.to(device))
-        shard.update(t)
-        stats.extend(records)
-    for module, parts in experts.items():
-        inputs = hessians.moe[within(module)] if hessians is not None else None
-        shard.update(solve_experts(block.get_submodule(within(module)), module, parts, inputs, quantize, expert_weight,
-                                   dtype, device, moe_min_tokens, moe_route_all, progress, stats, write_back, world))
+    if not joined:
+        _meet(jobs, owner, desc, put, device, shard, stats, world)
+    for name, parts in experts.items():
+        inputs = hessians.moe[within(name)] if hessians is not None else None
+        shard.update(solve_experts(block.get_submodule(within(name)), name, parts, inputs, quantize, expert_weight,
+                                   dtype, device, moe_min_tokens, moe_route_all, progress, stats, write_back, world,
+                                   put, (jobs, owner, desc) if joined and name == first else None))
+    bar.close()
     return shard
 
 
@@ -164,16 +211,24 @@ def solve_block(block: torch.nn.Module, block_name: str, desc: str, linears: dic
 def solve_experts(experts: torch.nn.Module, module: str, parts: dict[str, hf_model.ExpertLinear],
                   inputs: MoeInputs | None, quantize: Callable, expert_weight: Callable[[str], torch.Tensor],
                   dtype: torch.dtype, device, min_tokens: int, route_all: bool, progress: bool, stats: list,
-                  write_back: bool = True, world: World = SINGLE) -> dict:
+                  write_back: bool = True, world: World = SINGLE, put: Callable | None = None,
+                  linears: tuple[dict, dict, str] | None = None) -> dict:
     """Quantize the experts of the experts module ``experts`` (named ``module``): expert e's Hessians
     (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
     each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
     source weight ``expert_weight(name)``, its dequantized weight (in ``dtype``) written into its
-    slice of the fused parameter. Experts go in rounds of one per rank: the round's Hessians
-    summed over every rank's tokens, each rank solving one expert, the results shared."""
+    slice of the fused parameter. Experts go in rounds of at most one per rank
+    (:func:`~.ranks.expert_rounds`): the round's Hessians summed over every rank's tokens, each
+    rank solving its expert, the results shared. ``put(where, q)`` writes a weight solved
+    elsewhere (the block's, :func:`solve_block`); the first round also runs ``linears`` (the
+    block's jobs, their owners and its description)."""
     from tqdm.auto import tqdm
     leaf = lambda x: x.param.rpartition(".")[2]  # noqa: E731  (the fused parameter's name in ``experts``)
     role = lambda x: hf_model.EXPERT_PARAMS.index(leaf(x))  # noqa: E731  (0: gate/up, 1: down)
+
+    def put_expert(x, q):
+        experts.get_parameter(leaf(x)).data[x.expert, x.rows] = q
+    put = put or put_expert
     num_experts = experts.gate_up_proj.shape[0]
     if inputs is not None:
         counts = inputs.routed_tokens(world)
@@ -186,38 +241,36 @@ def solve_experts(experts: torch.nn.Module, module: str, parts: dict[str, hf_mod
     order = sorted(parts.items(), key=lambda kv: (kv[1].expert, role(kv[1]), kv[1].rows.start))
     shard: dict[str, torch.Tensor] = {}
     bar = tqdm(total=num_experts, desc=f"{module}: experts", unit="expert", disable=not progress, leave=False)
-    for first in range(0, num_experts, world.size):
-        owner = {e: e - first for e in range(first, min(first + world.size, num_experts))}
-        hessians = {}
+
+    def job(e, hs):
+        weights, tensors, records = [], {}, []
+        for name, x in (kv for kv in order if kv[1].expert == e):
+            W = _exact(expert_weight(name), device, inputs is not None)
+            extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
+                                                      "moe_fallback": hs.fallback}
+            res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
+                                       stats, world, extra=extra)
+            q = res.q.to(device=device, dtype=dtype) if write_back else None
+            if q is not None:
+                put_expert(x, q)
+            weights.append((x, q.cpu() if q is not None and world.distributed else None))
+            tensors.update(t)
+            records += recs
+            del W, res, t, q
+        return weights, tensors, records
+    for k, owner in enumerate(ranks.expert_rounds(num_experts, world)):
+        jobs = {}
         for e in owner:   # collective: every rank sums every expert's Hessians of the round
             hs = inputs.expert_hessians(e, min_tokens, route_all, world) if inputs is not None else None
             if owner[e] == world.rank:
-                hessians[e] = hs
-        mine = {}
-        with ranks.together(f"{module}, experts {first}..{first + len(owner) - 1}", world):
-            for e, hs in hessians.items():
-                solved, records = [], []
-                for name, x in (kv for kv in order if kv[1].expert == e):
-                    W = _exact(expert_weight(name), device, inputs is not None)
-                    extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
-                                                              "moe_fallback": hs.fallback}
-                    res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
-                                               stats, world, extra=extra)
-                    q = res.q.to(device=device, dtype=dtype) if write_back else None
-                    if q is not None:
-                        experts.get_parameter(leaf(x)).data[x.expert, x.rows] = q
-                    solved.append((x, q.cpu() if q is not None and world.distributed else None, t))
-                    records += recs
-                    del W, res, t, q
-                mine[e] = (solved, records)
-        hessians = None
-        for e, (solved, records) in ranks.share(mine, owner, world).items():
-            for x, q, t in solved:
-                if owner[e] != world.rank and q is not None:
-                    experts.get_parameter(leaf(x)).data[x.expert, x.rows] = q.to(device)
-                shard.update(t)
-            stats.extend(records)
-        bar.update(len(owner))
+                jobs[e] = partial(job, e, hs)
+        hs = None
+        where = f"{module}, experts {min(owner)}..{max(owner)}"
+        if k == 0 and linears is not None:   # the block's linears first, as one process orders its records
+            jobs, owner, where = {**linears[0], **jobs}, {**linears[1], **owner}, f"{linears[2]} and {where}"
+        _meet(jobs, owner, where, put, device, shard, stats, world)
+        bar.update(sum(isinstance(e, int) for e in owner))
+        jobs = None
     bar.close()
     return shard
 
