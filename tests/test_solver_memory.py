@@ -13,7 +13,7 @@ from vllm_latq.testing.tiny_models import TINY_OPTS
 from vllm_latq.format.safetensors_file import SafetensorsFile
 from vllm_latq.quantize import calibrate, pipeline
 from vllm_latq.quantize.hessian import Hessian, PanelHessian
-from vllm_latq.algorithms.lattice import damped, damped_in_place, layer_error, tri_inv_upper
+from vllm_latq.algorithms.lattice import damped, damped_in_place, layer_error, relative_error, tri_inv_upper
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 from vllm_latq.quantize.solve_layers import solve as default_solve
 
@@ -35,6 +35,21 @@ def test_h_is_formed_in_place_of_the_sum_with_the_division_values(kind):
         h.add(x[0])
     with pytest.raises(ValueError, match="no calibration rows"):
         kind(4).H
+
+
+@pytest.mark.parametrize("panel", [64, 2048])
+def test_relative_error_is_the_fp64_ratio_to_fp32_precision(panel):
+    """A layer record's relative error (fp32 products over panels of H) agrees with the ratio of
+    two fp64 layer errors, whatever the panel width (200 columns: 4 panels of 64, or one)."""
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(400, 200, generator=g, dtype=torch.float64)
+    X[:, :5] *= 40   # a few large channels, as real activations have
+    H = X.T @ X / 400
+    W = torch.randn(60, 200, generator=g)
+    Q = W + 0.03 * torch.randn(60, 200, generator=g)
+    expected = (layer_error(W, Q, H).sum() / layer_error(W, torch.zeros_like(W), H).sum()).item()
+    assert relative_error(W, Q, H, panel) == pytest.approx(expected, rel=1e-5)
+    assert relative_error(W, W, H, panel) == 0.0 and relative_error(W, torch.zeros_like(W), H, panel) == 1.0
 
 
 def test_layer_error_damps_h_in_place_and_restores_it():

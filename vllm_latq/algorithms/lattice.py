@@ -247,6 +247,21 @@ def tri_inv_upper(R: torch.Tensor, leaf: int = 256, overwrite: bool = False) -> 
     return out
 
 
+def relative_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, panel: int = 2048) -> float:
+    """``‖X(Q−W)ᵀ‖² / ‖XWᵀ‖²`` = Σ eᵢᵀHeᵢ / Σ wᵢᵀHwᵢ, the figure a layer's record reports: fp32
+    products (a reported ratio needs no more than fp32's digits, and they run at twice fp64's
+    rate) over column panels of H converted one at a time, summed in fp64. :func:`layer_error`
+    stays the fp64 definition the certificate is checked with."""
+    W32 = W.float()
+    E = Q.to(W32.device, torch.float32).sub(W32)
+    num = den = 0.0
+    for j0 in range(0, H.shape[1], panel):
+        Hp = H[:, j0:j0 + panel].to(torch.float32)
+        num += (E @ Hp).mul_(E[:, j0:j0 + panel]).sum(dtype=torch.float64).item()
+        den += (W32 @ Hp).mul_(W32[:, j0:j0 + panel]).sum(dtype=torch.float64).item()
+    return num / den if den > 0 else 0.0
+
+
 def layer_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, damp: float = 0.0) -> torch.Tensor:
     """Per-row ``(q_i - w_i)ᵀ (H + λI) (q_i - w_i)`` with λ = damp · mean diag H → ``[out]``.
     Two ``[out, in]`` fp64 temporaries, and an fp64 H damped in place rather than copied."""

@@ -18,7 +18,7 @@ from .. import format as fmt
 from .calibrate import SharedHessians
 from .hessian import CrossCovariance, Hessian, qronos_target
 from ..algorithms.hptq import hptq, hrtn
-from ..algorithms.lattice import layer_error
+from ..algorithms.lattice import relative_error
 from .moe import MoeInputs
 from ..algorithms.result import QuantResult
 from ..algorithms.solvers import babai, gptq, rtn
@@ -279,11 +279,7 @@ def layer_stats(name, W, H, res, t, kind) -> dict:
     """Per-layer record for latq_stats.json (deterministic: no timings), computed where ``W``
     and ``H`` are (``res`` holds CPU tensors). Without a Hessian (uncalibrated methods) there
     is no output error to report: ``rel_error`` is None."""
-    rel = None
-    if H is not None:
-        num = layer_error(W, res.q.to(W.device), H).sum().item()
-        den = layer_error(W, torch.zeros_like(W), H).sum().item()
-        rel = num / den if den > 0 else 0.0
+    rel = relative_error(W, res.q, H) if H is not None else None
     cert = None
     if res.bound is not None:
         err = res.error(W, H)
