@@ -291,6 +291,26 @@ def test_panel_hessian_upper_panels_match_fp64(width, products):
     assert ((H - Href).abs().max() / Href.abs().max()).item() < 1e-6
 
 
+def test_panel_hessian_pools_rows_across_calls(products):
+    """Rows of consecutive calls share a product until PRODUCT_ROWS are pending (here 9 calls of
+    600 rows: one product mid-way, the rest when H is formed); the caller may reuse its tensor
+    meanwhile; the sum read by the ranks' exchange includes every pending row."""
+    from vllm_latq.quantize.hessian import PRODUCT_ROWS, Hessian, PanelHessian
+    x = torch.randn(9, 600, 700, generator=torch.Generator().manual_seed(5)).bfloat16()
+    a, ref = PanelHessian(700), Hessian(700)
+    buf = torch.empty(600, 700, dtype=torch.bfloat16)
+    for part in x:
+        buf.copy_(part)
+        a.add(buf)   # the same tensor each call, overwritten after
+        ref.add(part)
+    assert 9 * 600 > PRODUCT_ROWS > 600
+    S = a.sum   # flushes the pending rows
+    assert a.n == 5400 and not a._pending
+    upper = torch.ones(700, 700, dtype=torch.bool).triu()
+    assert ((S - ref.sum)[upper].abs().max() / ref.sum.abs().max()).item() < 1e-6
+    assert ((a.H - ref.H).abs().max() / ref.H.abs().max()).item() < 1e-6
+
+
 def test_cross_covariance_matches_fp64(products):
     """Target correction's X̃ᵀX (not symmetric: every entry summed) from bf16 streams, either GEMM."""
     from vllm_latq.quantize.hessian import CrossCovariance

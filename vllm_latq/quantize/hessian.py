@@ -19,7 +19,7 @@ import torch
 from .. import native
 from ..algorithms.lattice import damped
 
-PRODUCT_ROWS = 512  # rows per fp32 XᵀX product of PanelHessian; products are summed in fp64
+PRODUCT_ROWS = 4096  # rows per fp32 XᵀX product of PanelHessian (8 sequences); products are summed in fp64
 PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
 
 
@@ -33,7 +33,7 @@ class Hessian:
     None and :meth:`add` refuses."""
 
     def __init__(self, columns: int, device="cpu"):
-        self.sum: torch.Tensor | None = torch.zeros(columns, columns, dtype=torch.float64, device=device)
+        self._sum: torch.Tensor | None = torch.zeros(columns, columns, dtype=torch.float64, device=device)
         self.n = 0
         self._H: torch.Tensor | None = None
 
@@ -41,8 +41,17 @@ class Hessian:
     def from_sum(cls, sum_: torch.Tensor, n: int) -> "Hessian":
         """A Hessian whose rows were summed elsewhere: ``sum_`` (fp64, taken over) over ``n`` rows."""
         out = cls.__new__(cls)
-        out.sum, out.n, out._H = sum_, n, None
+        out._sum, out.n, out._H = sum_, n, None
         return out
+
+    @property
+    def sum(self) -> torch.Tensor | None:
+        """The fp64 sum of every row added so far (None once :attr:`H` is formed)."""
+        return self._sum
+
+    @sum.setter
+    def sum(self, value: torch.Tensor | None) -> None:
+        self._sum = value
 
     def _open_sum(self) -> torch.Tensor:
         if self.sum is None:
@@ -93,25 +102,68 @@ def tn_add(a: torch.Tensor, b: torch.Tensor, S: torch.Tensor) -> None:
 
 
 class PanelHessian(Hessian):
-    """``XᵀX / n`` with an fp64 accumulator, each product of ≤ ``PRODUCT_ROWS`` rows (one
-    calibration sequence) summed in fp32 (:func:`tn_add`: the bf16 GEMM for bf16 activations)
-    and added to the fp64 sum: a 512-term fp32 dot product's error is far below the damping,
-    and an fp64 GEMM would cost more than the block's forward pass. The sum over sequences,
-    where fp32 would lose the small eigenvalues, is fp64.
+    """``XᵀX / n`` with an fp64 accumulator, each product of ≤ ``PRODUCT_ROWS`` rows (the rows
+    of consecutive :meth:`add` calls, kept until there are enough) summed in fp32 (:func:`tn_add`:
+    the bf16 GEMM for bf16 activations) and added to the fp64 sum: a 4096-term fp32 dot product's
+    error is far below the damping, an fp64 GEMM would cost more than the block's forward pass,
+    and each fp64 addition of a c×c product costs as much memory traffic as a GEMM of several
+    sequences. The sum over products, where fp32 would lose the small eigenvalues, is fp64.
 
     Only the row panels of the upper triangle are computed and summed (``PANEL`` rows
     each), which halves both the GEMM and the fp64 additions. :attr:`H` mirrors the upper
     triangle."""
 
+    def __init__(self, columns: int, device="cpu"):
+        super().__init__(columns, device)
+        self._pending: list[list[torch.Tensor]] = []
+        self._pending_rows = 0
+
+    @classmethod
+    def from_sum(cls, sum_: torch.Tensor, n: int) -> "PanelHessian":
+        out = super().from_sum(sum_, n)
+        out._pending, out._pending_rows = [], 0
+        return out
+
+    @property
+    def sum(self) -> torch.Tensor | None:
+        self._flush()
+        return self._sum
+
+    @sum.setter
+    def sum(self, value: torch.Tensor | None) -> None:
+        self._pending, self._pending_rows, self._sum = [], 0, value
+
     def add(self, x: torch.Tensor) -> None:
-        S = self._open_sum()
-        x = x.reshape(-1, x.shape[-1]).to(S.device)
-        n = x.shape[1]
-        for part in x.split(PRODUCT_ROWS):
-            part = product_operand(part)
-            for c in range(0, n, PANEL):
-                tn_add(part[:, c:c + PANEL], part[:, c:], S[c:c + PANEL, c:])
-        self.n += x.shape[0]
+        self._add_rows(x, None)
+
+    def _add_rows(self, a: torch.Tensor, b: torch.Tensor | None) -> None:
+        """Keep rows ``a`` (and the row-aligned ``b`` of a cross product) for the next product."""
+        if self._sum is None:
+            raise RuntimeError("rows added to a Hessian whose H was already formed from its sum")
+        a = a.reshape(-1, a.shape[-1]).to(self._sum.device)
+        b = None if b is None else b.reshape(-1, b.shape[-1]).to(self._sum.device)
+        if b is not None and a.dtype != b.dtype:
+            a, b = a.float(), b.float()
+        for i in range(0, a.shape[0], PRODUCT_ROWS):
+            # copies: the caller's activations may be reused before the product is taken
+            rows = [product_operand(t[i:i + PRODUCT_ROWS]).clone() for t in ((a,) if b is None else (a, b))]
+            self._pending.append(rows)
+            self._pending_rows += rows[0].shape[0]
+            if self._pending_rows >= PRODUCT_ROWS:
+                self._flush()
+        self.n += a.shape[0]
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        parts = [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*self._pending)]
+        self._pending, self._pending_rows = [], 0
+        self._product(*parts)
+
+    def _product(self, x: torch.Tensor) -> None:
+        S, n = self._sum, x.shape[1]
+        for c in range(0, n, PANEL):
+            tn_add(x[:, c:c + PANEL], x[:, c:], S[c:c + PANEL, c:])
 
     def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
         """The upper triangle mirrored panel by panel, in place (whole-matrix ``triu``
@@ -124,22 +176,21 @@ class PanelHessian(Hessian):
         return H
 
 
-class CrossCovariance(Hessian):
-    """Running ``X̃ᵀX / n`` (fp64 sums of fp32 products, as :class:`PanelHessian`) over row-aligned
-    pairs: ``x_tilde`` the linear's inputs with the quantized prefix, ``x`` the same tokens'
-    inputs with the full-precision prefix. Not symmetric: the whole product is summed."""
+class CrossCovariance(PanelHessian):
+    """Running ``X̃ᵀX / n`` (fp64 sums of fp32 products of the same rows as :class:`PanelHessian`'s)
+    over row-aligned pairs: ``x_tilde`` the linear's inputs with the quantized prefix, ``x`` the
+    same tokens' inputs with the full-precision prefix. Not symmetric: the whole product is summed."""
 
     def add(self, x_tilde: torch.Tensor, x: torch.Tensor) -> None:  # type: ignore[override]
-        S = self._open_sum()
-        x_tilde = x_tilde.reshape(-1, x_tilde.shape[-1]).to(S.device)
-        x = x.reshape(-1, x.shape[-1]).to(S.device)
         if x_tilde.shape != x.shape:
             raise ValueError(f"the two activation streams disagree: {tuple(x_tilde.shape)} vs {tuple(x.shape)}")
-        for xt, xf in zip(x_tilde.split(PRODUCT_ROWS), x.split(PRODUCT_ROWS)):
-            if xt.dtype != xf.dtype:
-                xt, xf = xt.float(), xf.float()
-            tn_add(product_operand(xt), product_operand(xf), S)
-        self.n += x.shape[0]
+        self._add_rows(x_tilde, x)
+
+    def _product(self, x_tilde: torch.Tensor, x: torch.Tensor) -> None:
+        tn_add(x_tilde, x, self._sum)
+
+    def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
+        return H
 
     @property
     def C(self) -> torch.Tensor:
