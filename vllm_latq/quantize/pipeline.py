@@ -392,16 +392,18 @@ def _with_fault(solve: Solve, world: ranks.World) -> Solve:
 
 
 def _return_freed_memory() -> None:
-    """Have glibc serve every allocation of 1 MiB or more by its own mmap, returned to the OS
+    """Have glibc serve every allocation of 32 MiB or more by its own mmap, returned to the OS
     when freed. Its default threshold adapts upwards after the first such free, and from then
     on block-sized tensors come from the heap, where the freed ones fragment and the peak RSS
     creeps up block after block (by about one block's weights per block on a small Llama:
-    ``tests/test_bench_memory.py``). Elsewhere (no glibc) nothing changes."""
+    ``tests/test_bench_memory.py``). Smaller allocations (a sequence's activations and their
+    temporaries) stay on the heap: a fresh mapping each would be page-faulted in at every
+    forward. Elsewhere (no glibc) nothing changes."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 25)
 
 
 def _fingerprint(opts: QuantizeOptions, source: Path, files: list[str], config: dict, forward_dtype) -> str:
