@@ -174,3 +174,23 @@ def test_vllm_greedy_equals_transformers(arch, tmp_path):
         if d == src and r["tokens"] != tokens:
             pytest.xfail(f"{arch}: vLLM's greedy tokens differ from transformers' on the unquantized source")
         assert r["tokens"] == tokens, d.name
+
+
+def test_model_built_after_vllm_decorated_its_class(tmp_path):
+    """vLLM's Transformers backend decorates transformers' model classes in place once it served
+    such a model; the next checkpoint's validation in that process still builds its model."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    src = make_tiny_model(tmp_path / "phi", "phi", layers=1)
+    code = (
+        "from transformers.models.phi.modeling_phi import PhiModel\n"
+        "from vllm.compilation.decorators import support_torch_compile\n"
+        "from vllm.model_executor.models.transformers.utils import can_enable_torch_compile\n"
+        "support_torch_compile(enable_if=can_enable_torch_compile)(PhiModel)\n"
+        "from vllm_latq import hf_model\n"
+        f"m = hf_model.empty_model(hf_model.hf_config(hf_model.config_dict({str(src)!r})))\n"
+        "print([c.__name__ for c in type(m.model).__mro__])\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "TorchCompileWithNoGuardsWrapper" in p.stdout, p.stderr[-3000:]

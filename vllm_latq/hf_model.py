@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,9 +108,28 @@ def empty_model(config, dtype: torch.dtype = torch.float32):
     """The causal LM of ``config`` with every parameter on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    with params_on_meta():
+    with params_on_meta(), _beside_vllm(config):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _beside_vllm(config):
+    """vLLM's Transformers backend decorates transformers' own model classes in place; the
+    decorated ``__init__`` reads vLLM's current config (its compilation mode and the model's
+    HF config). A process that served one such model builds the next (e.g. at a later load's
+    validation) under a stand-in that compiles nothing; vLLM is pinned to the minor read here."""
+    if "vllm.config" not in sys.modules:
+        yield
+        return
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
+
+    stand_in = SimpleNamespace(compilation_config=CompilationConfig(mode=CompilationMode.NONE),
+                               model_config=SimpleNamespace(hf_config=config))
+    with set_current_vllm_config(stand_in):
+        yield
 
 
 def _num_layers(config) -> int | None:
