@@ -52,10 +52,11 @@ def test_bench_target_correction_counts_its_second_stream(tmp_path):
 
 @pytest.mark.slow
 def test_peak_rss_does_not_grow_with_depth(tmp_path):
-    """A model twice as deep peaks within a fraction of one block's weights of the shallower
-    one (holding the blocks read, e.g. through memory maps, would add one block per block)."""
+    """A model four times as deep peaks within three blocks' weights of the shallower one: holding
+    the blocks read (e.g. through memory maps) would add twelve, a heap that keeps a quarter of
+    each freed block three; the rest is the peak's run-to-run spread."""
     peaks = {}
-    for layers in (4, 8):
+    for layers in (4, 16):
         _, head = bench("--shape", "small", "--layers", str(layers), "--ssqr-blocks", "0",
                         "--model-dir", str(tmp_path / f"small{layers}"))
         peaks[layers] = float(head["rtn_peak_rss_blocks_gib"])
@@ -63,7 +64,7 @@ def test_peak_rss_does_not_grow_with_depth(tmp_path):
     from bench.memory import SHAPES, model_config, sizes
     block_weights = sizes(model_config("small", 4), 1, 1)["block_weights"] / 2**30
     assert SHAPES["small"]["num_hidden_layers"] == 4 and block > block_weights
-    assert peaks[8] - peaks[4] < 1.5 * block_weights, (peaks, block_weights)
+    assert peaks[16] - peaks[4] < 3 * block_weights, (peaks, block_weights)
 
 
 @pytest.mark.slow

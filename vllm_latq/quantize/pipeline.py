@@ -15,6 +15,7 @@ weights. Under ``torchrun`` the ranks split the forwards and the solves (:mod:`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import dataclasses
 import logging
 import os
@@ -349,6 +350,7 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
             shard = None   # written: the next block's tensors replace it
             hf_model.to_meta(layer)
+            _trim_heap()
             if on_block is not None:
                 on_block(i, time.time() - t0)
             if stop_after_block is not None and i == stop_after_block:
@@ -393,17 +395,30 @@ def _with_fault(solve: Solve, world: ranks.World) -> Solve:
 
 def _return_freed_memory() -> None:
     """Have glibc serve every allocation of 32 MiB or more by its own mmap, returned to the OS
-    when freed. Its default threshold adapts upwards after the first such free, and from then
-    on block-sized tensors come from the heap, where the freed ones fragment and the peak RSS
-    creeps up block after block (by about one block's weights per block on a small Llama:
-    ``tests/test_bench_memory.py``). Smaller allocations (a sequence's activations and their
-    temporaries) stay on the heap: a fresh mapping each would be page-faulted in at every
-    forward. Elsewhere (no glibc) nothing changes."""
+    when freed (its default threshold adapts upwards after the first such free). Smaller
+    allocations (a sequence's activations and their temporaries) stay on the heap: a fresh
+    mapping each would be page-faulted in at every forward. Elsewhere (no glibc) nothing changes."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 25)
+
+
+def _trim_heap() -> None:
+    """Return the heap's free pages to the OS once a block is done: a small model's weights
+    come from the heap too, and without it the freed ones fragment and the peak RSS creeps up
+    from block to block (``tests/test_bench_memory.py``)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
     try:
         libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
     except OSError:
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 25)
+        return None
 
 
 def _fingerprint(opts: QuantizeOptions, source: Path, files: list[str], config: dict, forward_dtype) -> str:
