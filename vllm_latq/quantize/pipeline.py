@@ -15,8 +15,8 @@ weights. Under ``torchrun`` the ranks split the forwards and the solves (:mod:`.
 from __future__ import annotations
 
 import ctypes
-import functools
 import dataclasses
+import functools
 import logging
 import os
 import re
