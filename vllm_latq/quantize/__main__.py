@@ -1,11 +1,10 @@
 """``python -m vllm_latq.quantize`` = ``latq-quantize``."""
-import os
 import sys
 
 from .cli import main
+from .ranks import exit_rank, launched_ranks
 
 code = main()
-if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # a torchrun rank: see ranks.exit_rank
-    from .ranks import exit_rank
+if launched_ranks() > 1:   # a torchrun rank: see exit_rank
     exit_rank(code)
 sys.exit(code)

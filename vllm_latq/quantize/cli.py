@@ -23,6 +23,7 @@ import os
 import sys
 
 from .. import format as fmt
+from . import ranks
 
 
 class _TqdmHandler(logging.Handler):
@@ -44,7 +45,7 @@ def setup_logging(quiet: bool = False) -> None:
         log.addHandler(h)
         log.propagate = False
     log.setLevel(logging.WARNING if quiet else logging.INFO)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # under torchrun: whose line is whose
+    if ranks.launched_ranks() > 1:   # under torchrun: whose line is whose
         for h in log.handlers:
             h.setFormatter(logging.Formatter(f"[rank {os.environ.get('RANK', '?')}] %(message)s"))
 
@@ -144,7 +145,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from ..hf_model import UnsupportedModelError
     from .pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
-    from .ranks import RankFailed
 
     a = parser().parse_args(argv)
     setup_logging(a.quiet)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                                target_correction=a.target_correction, scale_bits=a.scale_bits)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
-    except RankFailed as e:
+    except ranks.RankFailed as e:
         # one rank says it; rank 0 may be the lost one
         if os.environ.get("RANK", "0") == "0" or "stopped answering" in str(e):
             print(f"latq-quantize: {e}; the finished blocks are kept: rerun with --resume (any number of ranks)",

@@ -52,10 +52,14 @@ class World:
 SINGLE = World()
 
 
+def launched_ranks() -> int:
+    """How many ranks torchrun launched (``WORLD_SIZE``; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init(device: str = "cpu") -> World:
     """Join the process group torchrun describes in the environment, or :data:`SINGLE`."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
+    if launched_ranks() <= 1:
         return SINGLE
     import torch.distributed as dist
     local = int(os.environ.get("LOCAL_RANK", "0"))
