@@ -252,7 +252,7 @@ def solve_experts(experts: torch.nn.Module, module: str, parts: dict[str, hf_mod
                                        stats, world, extra=extra)
             q = res.q.to(device=device, dtype=dtype) if write_back else None
             if q is not None:
-                put_expert(x, q)
+                put(x, q)
             weights.append((x, q.cpu() if q is not None and world.distributed else None))
             tensors.update(t)
             records += recs
