@@ -42,8 +42,8 @@ def worker(rss_dir: str, args: list[str]) -> int:
     rc = main(args)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     Path(rss_dir, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"peak_rss_kib": peak_kib}))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # a torchrun rank ends as latq-quantize's do
-        from vllm_latq.quantize.ranks import exit_rank
+    from vllm_latq.quantize.ranks import exit_rank, launched_ranks
+    if launched_ranks() > 1:   # a torchrun rank ends as latq-quantize's do
         exit_rank(rc)
     return rc
 
