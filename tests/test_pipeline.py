@@ -202,6 +202,21 @@ def test_seed_changes_calibration(tiny_llama, tmp_path):
     assert ha["model-00001-of-00003.safetensors"] != hb["model-00001-of-00003.safetensors"]
 
 
+def test_calibration_below_the_hidden_size_is_warned(tiny_llama, tmp_path, caplog):
+    """Fewer calibration tokens than the hidden size (80): a warning names both counts; the
+    tiny protocol's 4 × 64 tokens get none."""
+    def warned(name, **kw):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vllm_latq.quantize"):
+            quantize_model(tiny_llama, tmp_path / name, QuantizeOptions(method="gptq", **{**TINY_OPTS, **kw}),
+                           progress=False)
+        return [r.getMessage() for r in caplog.records if "singular" in r.getMessage()]
+
+    few = warned("few", nsamples=2, seqlen=32)
+    assert len(few) == 1 and "64 tokens, fewer than the 80 columns" in few[0]
+    assert warned("enough") == []
+
+
 def test_calibration_from_jsonl(tiny_llama, tmp_path):
     from vllm_latq import data
     calib = tmp_path / "calib.jsonl"

@@ -293,6 +293,11 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
     with run_directory(out, run_key, resume, world) as run:
         device = torch.device(opts.device)
         calib = _calibration_text(src.path, opts)
+        if calib is not None and calib.numel() < src.config.hidden_size and world.writes:
+            log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
+                        "state: their H is singular but for the damping and the integers follow its last bits "
+                        "(another thread or rank count gives others); raise --nsamples or --seqlen",
+                        calib.numel(), src.config.hidden_size)
         if calib is not None:   # the capture pass runs the embeddings (block_inputs drops them)
             src.load(src.outside_tensors(), device)
         acts, kwargs = block_inputs(src.net, src.layers, src.config.hidden_size, src.dtype, calib, run, device,
