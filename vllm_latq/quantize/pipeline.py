@@ -14,9 +14,7 @@ weights. Under ``torchrun`` the ranks split the forwards and the solves (:mod:`.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 import os
 import re
@@ -34,7 +32,7 @@ from ..format import writer
 from .. import data
 from .. import format as fmt
 from ..algorithms import lattice
-from . import ranks
+from . import heap, ranks
 from .calibrate import block_hessians, drop_stream, full_precision_stream, sum_over_ranks, target_corrected_stages
 from .capture import block_inputs, block_outputs
 from .column_scales import fold_block
@@ -49,7 +47,6 @@ from .source import open_source, resolve_model
 log = logging.getLogger("vllm_latq.quantize")
 
 UNCALIBRATED = ("rtn", "hrtn")  # solvers that ignore H
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # testing: raise SimulatedInterruption after this block
 FAULT_ENV = "LATQ_FAULT"  # testing: "RANK:LAYER_SUBSTRING:raise|kill" fails that rank at that layer's solve
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -273,7 +270,7 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
     from tqdm.auto import tqdm
 
     t_start = time.time()
-    _return_freed_memory()
+    heap.return_freed_memory()
     if stop_after_block is None and os.environ.get(STOP_ENV):
         stop_after_block = int(os.environ[STOP_ENV])
     if out.exists() and not overwrite:
@@ -355,7 +352,7 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             run.save_block(i, writer.shard_name(i, src.nblocks + 1), shard, acts, targets)
             shard = None   # written: the next block's tensors replace it
             hf_model.to_meta(layer)
-            _trim_heap()
+            heap.trim()
             if on_block is not None:
                 on_block(i, time.time() - t0)
             if stop_after_block is not None and i == stop_after_block:
@@ -396,34 +393,6 @@ def _with_fault(solve: Solve, world: ranks.World) -> Solve:
             raise RuntimeError(f"fault injected by ${FAULT_ENV}")
         return solve(method, W, H, name, **kw)
     return faulty
-
-
-def _return_freed_memory() -> None:
-    """Have glibc serve every allocation of 32 MiB or more by its own mmap, returned to the OS
-    when freed (its default threshold adapts upwards after the first such free). Smaller
-    allocations (a sequence's activations and their temporaries) stay on the heap: a fresh
-    mapping each would be page-faulted in at every forward. Elsewhere (no glibc) nothing changes."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 25)
-
-
-def _trim_heap() -> None:
-    """Return the heap's free pages to the OS once a block is done: a small model's weights
-    come from the heap too, and without it the freed ones fragment and the peak RSS creeps up
-    from block to block (``tests/test_bench_memory.py``)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 def _fingerprint(opts: QuantizeOptions, source: Path, files: list[str], config: dict, forward_dtype) -> str:
