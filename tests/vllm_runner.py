@@ -2,9 +2,9 @@
 tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
-"env"}; jobs run one after the other in this process (each engine is torn down before the
-next: vLLM is imported once for all of them). A job that raises records
-{"error": "Type: message", "traceback": ...} instead of tokens.
+"env"}; its result: {"tokens", "load_s", "generate_s", "native_libs", "gemv_isa"}. Jobs run one after the
+other in this process (each engine is torn down before the next: vLLM is imported once for all
+of them). A job that raises records {"error": "Type: message", "traceback": ...} instead.
 """
 from __future__ import annotations
 
@@ -30,7 +30,22 @@ def run_job(job: dict) -> dict:
     outs = llm.generate(prompts, sp, use_tqdm=False)
     t2 = time.time()
     del llm
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1}
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1,
+            "native_libs": native_libs(), "gemv_isa": gemv_isa()}
+
+
+def gemv_isa() -> str:
+    """The instruction set latq's C++ GEMV ran on in this process ("" without one)."""
+    from vllm_latq.kernels.cpu import kernel
+    return kernel.gemv_isa()
+
+
+def native_libs() -> list[str]:
+    """The file names of vLLM's and latq's C++ libraries this process has loaded (vLLM picks one
+    build per instruction set, and says nothing of which in its log)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so")}
+    return sorted(os.path.basename(p) for p in paths if "/vllm/_C" in p or "latq_cpu_" in p)
 
 
 def main() -> None:

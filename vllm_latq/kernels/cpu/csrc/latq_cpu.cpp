@@ -599,22 +599,12 @@ inline __m512 val16_at(const int16_t* v) {
 }
 #endif
 
+#if LATQ_HAVE_AVX2
+// M > 1 (both SIMD builds): rows m0 .. m0 + mb of x, 8 at a time as one vector of xᵀ per lane
 template <typename V>
-void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, float (*acc)[80]) {
+__attribute__((target("avx2,fma,f16c"))) void tile_sums_rows(const Fin& f, int64_t t0, int64_t t1, int64_t m0,
+                                                               int64_t mb, float (*acc)[80]) {
   const V* val = static_cast<const V*>(f.val);
-#if LATQ_HAVE_GEMV
-  if (f.M == 1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      __m512 v = _mm512_setzero_ps();
-      for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
-        const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.col + 16 * s)));
-        const __mmask16 k = _mm512_cmpge_epi32_mask(c, _mm512_setzero_si512());
-        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), val16_at(val + 16 * s), v);
-      }
-      _mm512_i32scatter_ps(acc[0], _mm512_loadu_si512(f.rows + 16 * t), v, 4);
-    }
-    return;
-  }
   const float* xT = f.xf + (m0 / 8) * (f.K + 1) * 8;
   for (int64_t t = t0; t < t1; ++t) {
     __m256 v[16];
@@ -634,7 +624,70 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
       for (int64_t m = 0; m < mb; ++m) acc[m][r] = tmp[l][m];
     }
   }
-#else
+}
+
+// M = 1 on AVX2: a slot is two 8-lane gathers of x and two FMAs, each lane summing its slots in
+// the AVX-512 path's order
+__attribute__((target("avx2,fma,f16c"))) inline __m256 val8_at(const float* v) { return _mm256_loadu_ps(v); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 val8_at(const at::Half* v) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));   // exact: fp16 ⊂ fp32
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 val8_at(const int16_t* v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
+}
+
+template <typename V>
+__attribute__((target("avx2,fma,f16c"))) void tile_sums_avx2(const Fin& f, int64_t t0, int64_t t1, float (*acc)[80]) {
+  const V* val = static_cast<const V*>(f.val);
+  const __m256i none = _mm256_set1_epi32(-1);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m256 v[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i c = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f.col + 16 * s + 8 * h)));
+        const __m256 k = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, none));   // padding (-1) is not read
+        const __m256 x = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), f.xf, c, k, 4);
+        v[h] = _mm256_fmadd_ps(x, val8_at(val + 16 * s + 8 * h), v[h]);
+      }
+    alignas(32) float tmp[16];
+    _mm256_store_ps(tmp, v[0]);
+    _mm256_store_ps(tmp + 8, v[1]);
+    for (int l = 0; l < 16; ++l) acc[0][f.rows[16 * t + l]] = tmp[l];
+  }
+}
+#endif
+
+// acc[m][row in block] over tiles [t0, t1) on the GEMV's instruction set: AVX-512, AVX2, or
+// scalar where the GEMV does not run
+template <typename V>
+void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, float (*acc)[80]) {
+  const int isa = g_isa.load();
+#if LATQ_HAVE_GEMV
+  if (isa == 2 && f.M == 1) {
+    const V* val = static_cast<const V*>(f.val);
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 v = _mm512_setzero_ps();
+      for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s) {
+        const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.col + 16 * s)));
+        const __mmask16 k = _mm512_cmpge_epi32_mask(c, _mm512_setzero_si512());
+        v = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, f.xf, 4), val16_at(val + 16 * s), v);
+      }
+      _mm512_i32scatter_ps(acc[0], _mm512_loadu_si512(f.rows + 16 * t), v, 4);
+    }
+    return;
+  }
+#endif
+#if LATQ_HAVE_AVX2
+  if (isa > 0) {
+    if (f.M == 1)
+      tile_sums_avx2<V>(f, t0, t1, acc);
+    else
+      tile_sums_rows<V>(f, t0, t1, m0, mb, acc);
+    return;
+  }
+#endif
+  const V* val = static_cast<const V*>(f.val);
   for (int64_t t = t0; t < t1; ++t) {
     float v[8][16] = {};
     for (int32_t s = f.off[t]; s < f.off[t + 1]; ++s)
@@ -647,7 +700,6 @@ void tile_sums(const Fin& f, int64_t t0, int64_t t1, int64_t m0, int64_t mb, flo
     for (int64_t m = 0; m < mb; ++m)
       for (int l = 0; l < 16; ++l) acc[m][f.rows[16 * t + l]] = v[m][l];
   }
-#endif
 }
 
 template <typename T>
@@ -696,7 +748,7 @@ void fin_rows(const Fin& f, const uint16_t* y, int64_t r0, int64_t r1) {
 // the tiles of [t0, t1) towards L2 (their ~3 KB per block at 1% would otherwise be read cold,
 // after the block's GEMV)
 void prefetch_tiles(const Fin& f, int64_t t0, int64_t t1) {
-#if LATQ_HAVE_GEMV
+#if LATQ_HAVE_AVX2
   const int32_t s0 = f.off[t0], s1 = f.off[t1];
   const char* c = reinterpret_cast<const char*>(f.col + 16 * s0);
   const int64_t vb = f.vtype == at::kFloat ? 64 : 32;   // value bytes per slot
@@ -740,6 +792,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     const int isa = g_isa.load();
     if (isa == 1)
       for (int64_t b = u0; b < std::min(u1, nb); ++b) {
+        if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));
         for (int64_t m0 = 0; m0 < M; m0 += 8)
           block_rows_avx2(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
         fin(f, yp, b * 64, b * 64 + 64);
