@@ -37,6 +37,7 @@
 #include <cstring>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -438,55 +439,135 @@ void block_rows(const uint16_t* x, int64_t K, const float* xs, const uint8_t* P,
 
 
 // The same GEMV for CPUs with AVX2 + FMA but no AVX-512 BF16: one 64-row block, mb ≤ 8 rows of
-// x. Per k, the block's 32 bytes unpack to 64 weights u − 8 in fp32 (exact), each FMA'd with
-// the row's bf16 activation widened by a shift; a group's sums fold into y with its scales as
-// blocks() does (the products are exact in fp32 either way: the same math up to summation order).
+// x (as fp32, xf). A k's 32 bytes are 8 lanes of 8 nibbles: nibble j of lane l is row
+// nibble_row(j, l), read as u·16^j by masking it in place (the top one, j = 7, by a shift: it
+// would overflow int32) — one integer op per 8 weights besides the conversion and the FMA, which
+// share two ports. Accumulator j sums x·u·16^j (exact products, each row's k in order); the scale
+// takes the 16^−j back (exact), and u − 8's 8 moves into the zero term, s·Σx·u + (z − 8s)·Σx: the
+// op's math, rounded in fp32 a little differently from blocks() — far below the bf16 output's rounding.
 #if LATQ_HAVE_AVX2
-__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint16_t* x, int64_t K, const float* xs,
-                                                               const uint8_t* P, const Scales& sc, int64_t N,
-                                                               int64_t g, int64_t b, uint16_t* y, int64_t mb) {
+inline int nibble_row(int j, int l) { return 4 * l + j / 2 + 32 * (j & 1); }
+
+// u·16^j of nibble j in every lane (u for j = 7)
+template <int J>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 nibble_u(__m256i v) {
+  if constexpr (J == 7) return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(15u << (4 * J)))));
+}
+
+template <int... J>
+__attribute__((target("avx2,fma,f16c"))) inline void fma_nibbles(std::integer_sequence<int, J...>, __m256i v,
+                                                                  __m256 xk, __m256* a) {
+  ((a[J] = _mm256_fmadd_ps(xk, nibble_u<J>(v), a[J])), ...);
+}
+
+// MB rows of x through nibble J of one group's k: a[m] += x[m][k]·u·16^J
+template <int J, int MB>
+__attribute__((target("avx2,fma,f16c"))) inline void fma_nibble_rows(const uint8_t* pg, int64_t g, const float* xg,
+                                                                      int64_t K, __m256* a) {
+  for (int64_t k = 0; k < g; ++k) {
+    if constexpr (J == 0) _mm_prefetch(reinterpret_cast<const char*>(pg + k * 32 + 1024), _MM_HINT_T0);
+    const __m256 w = nibble_u<J>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + k * 32)));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) a[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + m * K + k), w, a[m]);
+  }
+}
+
+template <int MB, int... J>
+__attribute__((target("avx2,fma,f16c"))) inline void fma_nibbles_rows(std::integer_sequence<int, J...>,
+                                                                       const uint8_t* pg, int64_t g, const float* xg,
+                                                                       int64_t K, __m256 (*acc)[8]) {
+  auto one = [&](auto jc) {
+    constexpr int j = decltype(jc)::value;
+    __m256 a[MB];
+    for (int m = 0; m < MB; ++m) a[m] = _mm256_setzero_ps();
+    fma_nibble_rows<j, MB>(pg, g, xg, K, a);
+    for (int m = 0; m < MB; ++m) acc[m][j] = a[m];
+  };
+  (one(std::integral_constant<int, J>{}), ...);
+}
+
+// of group gi for the rows nibble_row(j, l) of block b: s[j][l]·16^−j (16^0 for j = 7) and
+// z[j][l] − 8·s[j][l]
+__attribute__((target("avx2,fma,f16c"))) void nibble_scales(const Scales& sc, int64_t gi, int64_t N, int64_t b,
+                                                             float (*s)[8], float (*z)[8]) {
+  if (sc.s) {   // the usual layout: bf16 scales alone, widened 8 at a time
+    alignas(32) float lin[64];
+    const uint16_t* src = sc.s + gi * N + b * 64;
+    for (int r = 0; r < 64; r += 8)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lin + r), _mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r))), 16));
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 8; ++l) {
+        s[j][l] = lin[nibble_row(j, l)];
+        z[j][l] = gi < sc.zlow ? 8.f * s[j][l] : 0.f;
+      }
+  } else {
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 8; ++l) scale_zero(sc, gi, N, b * 64 + nibble_row(j, l), s[j][l], z[j][l]);
+  }
+  for (int j = 0; j < 8; ++j) {
+    const __m256 sj = _mm256_load_ps(s[j]);
+    _mm256_store_ps(z[j], _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sj, _mm256_load_ps(z[j])));
+    _mm256_store_ps(s[j], _mm256_mul_ps(sj, _mm256_set1_ps(std::ldexp(1.f, j == 7 ? 0 : -4 * j))));
+  }
+}
+
+// y row block += per group: s'·acc + z'·Σx (nibble_scales), for MB rows of accumulators acc[m][j]
+template <int MB>
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2_m(const float* xf, int64_t K, const float* xs,
+                                                                 const uint8_t* P, const Scales& sc, int64_t N,
+                                                                 int64_t g, int64_t b, uint16_t* y) {
   const int64_t G = K / g;
   const uint8_t* wb = P + b * K * 32;
-  alignas(32) float yv[8][64] = {};
-  alignas(32) float acc[8][64];
-  alignas(32) float s[64], z[64];
-  const __m256i m4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi32(8);
+  __m256 yv[MB][8];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 8; ++j) yv[m][j] = _mm256_setzero_ps();
+  alignas(32) float s[8][8], z[8][8];
   for (int64_t gi = 0; gi < G; ++gi) {
-    for (int64_t m = 0; m < mb; ++m) std::fill(acc[m], acc[m] + 64, 0.f);
-    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
-      const uint8_t* p = wb + k * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      __m256 w[8];   // rows 0..31: low nibbles of bytes 0..31; rows 32..63: high nibbles
-      const __m128i l0 = _mm256_castsi256_si128(lo), l1 = _mm256_extracti128_si256(lo, 1);
-      const __m128i h0 = _mm256_castsi256_si128(hi), h1 = _mm256_extracti128_si256(hi, 1);
-      const __m128i parts[4] = {l0, l1, h0, h1};
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        w[2 * q] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[q]), eight));
-        w[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[q], 8)), eight));
-      }
-      for (int64_t m = 0; m < mb; ++m) {
-        const __m256 xk = _mm256_set1_ps(bf(x[m * K + k]));
+    const uint8_t* pg = wb + gi * g * 32;
+    __m256 acc[MB][8];
+    if constexpr (MB == 1) {   // every nibble per k: eight independent FMA chains
 #pragma GCC unroll 8
-        for (int e = 0; e < 8; ++e)
-          _mm256_store_ps(acc[m] + 8 * e, _mm256_fmadd_ps(xk, w[e], _mm256_load_ps(acc[m] + 8 * e)));
+      for (int j = 0; j < 8; ++j) acc[0][j] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < g; ++k) {
+        const uint8_t* p = pg + k * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+        fma_nibbles(std::make_integer_sequence<int, 8>{}, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                    _mm256_broadcast_ss(xf + gi * g + k), acc[0]);
       }
+    } else {   // one nibble at a time over the group: MB chains, x's rows broadcast from L1
+      fma_nibbles_rows<MB>(std::make_integer_sequence<int, 8>{}, pg, g, xf + gi * g, K, acc);
     }
-    for (int r = 0; r < 64; ++r) scale_zero(sc, gi, N, b * 64 + r, s[r], z[r]);
-    for (int64_t m = 0; m < mb; ++m) {
+    nibble_scales(sc, gi, N, b, s, z);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
       const __m256 xsg = _mm256_set1_ps(xs[m * G + gi]);
 #pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {
-        const __m256 a = _mm256_load_ps(acc[m] + 8 * e);
-        const __m256 r = _mm256_fmadd_ps(a, _mm256_load_ps(s + 8 * e), _mm256_load_ps(yv[m] + 8 * e));
-        _mm256_store_ps(yv[m] + 8 * e, _mm256_fmadd_ps(xsg, _mm256_load_ps(z + 8 * e), r));
-      }
+      for (int j = 0; j < 8; ++j)
+        yv[m][j] = _mm256_fmadd_ps(xsg, _mm256_load_ps(z[j]), _mm256_fmadd_ps(acc[m][j], _mm256_load_ps(s[j]), yv[m][j]));
     }
   }
-  for (int64_t m = 0; m < mb; ++m)
-    for (int r = 0; r < 64; ++r) y[m * N + b * 64 + r] = at::BFloat16(yv[m][r]).x;   // nearest even
+  alignas(32) float out[8];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 8; ++j) {
+      _mm256_store_ps(out, yv[m][j]);
+      for (int l = 0; l < 8; ++l) y[m * N + b * 64 + nibble_row(j, l)] = at::BFloat16(out[l]).x;   // nearest even
+    }
+}
+
+void block_rows_avx2(const float* xf, int64_t K, const float* xs, const uint8_t* P, const Scales& sc, int64_t N,
+                     int64_t g, int64_t b, uint16_t* y, int64_t mb) {
+  switch (mb) {
+    case 1: block_rows_avx2_m<1>(xf, K, xs, P, sc, N, g, b, y); break;
+    case 2: block_rows_avx2_m<2>(xf, K, xs, P, sc, N, g, b, y); break;
+    case 3: block_rows_avx2_m<3>(xf, K, xs, P, sc, N, g, b, y); break;
+    case 4: block_rows_avx2_m<4>(xf, K, xs, P, sc, N, g, b, y); break;
+    case 5: block_rows_avx2_m<5>(xf, K, xs, P, sc, N, g, b, y); break;
+    case 6: block_rows_avx2_m<6>(xf, K, xs, P, sc, N, g, b, y); break;
+    case 7: block_rows_avx2_m<7>(xf, K, xs, P, sc, N, g, b, y); break;
+    default: block_rows_avx2_m<8>(xf, K, xs, P, sc, N, g, b, y); break;
+  }
 }
 #endif
 
@@ -782,6 +863,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     for (int64_t k = i * g; k < (i + 1) * g; ++k) s += bf(xp[k]);
     xs[i] = s;
   }
+  const int isa = g_isa.load();
+  std::vector<float> xf(isa == 1 ? M * K : 0);   // the AVX2 GEMV broadcasts x from fp32
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf(xp[i]);
   if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
@@ -789,12 +873,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
 #if LATQ_HAVE_AVX2
-    const int isa = g_isa.load();
     if (isa == 1)
       for (int64_t b = u0; b < std::min(u1, nb); ++b) {
         if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));
         for (int64_t m0 = 0; m0 < M; m0 += 8)
-          block_rows_avx2(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
+          block_rows_avx2(xf.data() + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N,
+                          std::min<int64_t>(8, M - m0));
         fin(f, yp, b * 64, b * 64 + 64);
       }
 #endif
