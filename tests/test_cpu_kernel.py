@@ -335,6 +335,26 @@ def test_chunked_prepare_and_large_m(monkeypatch):
         check(w, state, torch.randn(M, 256, generator=g).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("native_bf16", ["1", "0"])
+def test_large_m_gemm_in_the_cpus_fast_dtype(native_bf16, monkeypatch):
+    """Prefill multiplies the dequantized chunks in bf16 where the CPU computes bf16 natively and
+    in fp32 where it emulates it (AVX2-only CPUs, ``LATQ_CPU_BF16=0`` here): the same bf16
+    operands either way, so the result is within the kernel's bounds in both — and the fp32 one
+    is also the bf16 one to the bf16 rounding it skips."""
+    monkeypatch.setenv("LATQ_CPU_BF16", native_bf16)
+    monkeypatch.setattr(cpu_dequant, "CHUNK_BYTES", 2 * 512 * 64)
+    w = make_weight(208, 512, 4, 0.01, group=128, seed=9)
+    state = CPUKernel.prepare(w)
+    x = torch.randn(cpu.large_m(), 512, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    y = cpu_dequant.large_m_linear(state, x)
+    assert y.dtype == (torch.bfloat16 if native_bf16 == "1" else torch.float32)
+    check(w, state, x)
+    if native_bf16 == "0":
+        monkeypatch.setenv("LATQ_CPU_BF16", "1")
+        yb = cpu_dequant.large_m_linear(state, x).float()
+        assert torch.allclose(y, yb, rtol=2 ** -7, atol=1e-3 * float(yb.abs().max()))
+
+
 def test_prefill_cache(monkeypatch):
     """Opt-in cached bf16 weight for large M: the same bf16(z·s) weight as the per-call dequant."""
     w, state = prepared((640, 2048, 4, 0.01, 128))

@@ -1,7 +1,8 @@
 """The CPU kernel's prepared state (``cpu.CPUState``) read back as weights: its scales alone
 (coded ones decoded to the bf16 the GEMV computes), its outlier tiles as entries, and the
 large-M path — row chunks dequantized from the op's packed layout into a reused bf16 buffer,
-each multiplied by a bf16 GEMM, or (opt-in) a dequantized copy kept per layer. Split from
+each multiplied by a GEMM (bf16, or fp32 where bf16 is emulated), or (opt-in) a dequantized
+copy kept per layer. Split from
 :mod:`~vllm_latq.kernels.cpu`, which prepares the state and routes each call."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 
 import torch
 
+from ... import cpu_features
 from ... import format as fmt
 from .layouts import decode_scale_words, tile_entries, unpack_int4pack
 from ..derived_cache import DerivedCache
@@ -86,15 +88,19 @@ def _dequant_chunks(state):
 
 
 def large_m_linear(state, x2: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[M, N]``: a cached dequantized weight (``PREFILL_CACHE``) or per call: row chunks
-    dequantized into a reused, cache-sized bf16 buffer, each multiplied by a bf16 GEMM."""
+    """``[M, N]``: a cached dequantized weight (``PREFILL_CACHE``) or per call: row chunks
+    dequantized into a reused, cache-sized bf16 buffer, each multiplied by a GEMM — in bf16, or
+    in fp32 (then the result's dtype) where the CPU emulates bf16: the same bf16 operands, whose
+    products fp32 holds exactly."""
     xb = x2.to(torch.bfloat16)
     if PREFILL_CACHE:
         return torch.nn.functional.linear(xb, _cached_weight(state))
-    xbT = xb.t().contiguous()                                                  # [K, M]
-    yT = torch.empty(state.out_features, x2.shape[0], dtype=torch.bfloat16)
+    gemm = cpu_features.fastest_float(torch.bfloat16)
+    xT = xb.t().to(gemm).contiguous()                                          # [K, M]
+    yT = torch.empty(state.out_features, x2.shape[0], dtype=gemm)
     for r0, r1, buf in _dequant_chunks(state):
-        torch.mm(buf.t(), xbT, out=yT[r0:r1])
+        w = buf if gemm == torch.bfloat16 else _scratch("w32", buf.numel(), gemm).view(buf.shape).copy_(buf)
+        torch.mm(w.t(), xT, out=yT[r0:r1])
     return yT.t()
 
 
