@@ -115,6 +115,25 @@ def test_served_state_equals_the_avx512_paths(probe):
     assert got == _states()
 
 
+def test_a_generic_x86_64_build_still_runs_the_avx2_gemv():
+    """Built for plain x86-64 (a generic target, no AVX2 in it), the AVX2 code still compiles —
+    each of its functions carries its own target — and is dispatched to at run time on an AVX2
+    CPU, where the kernel's exactness tests pass through it."""
+    env = {native.MARCH_ENV: "x86-64", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    probe = ("from vllm_latq import native; assert native.load() is None, native.load(); import torch; "
+             "print(torch.ops.latq_cpu.build_isa(), torch.ops.latq_cpu.gemv_isa())")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-5:] == ["gemv512=0", "avx2fn=1", "avx512f=0", "avx2=0", "avx2"], out.stdout
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            "tests/test_cpu_kernel.py", "-k", "exact_vs_reference and native"], cwd=ROOT,
+                           env={**os.environ, **env}, capture_output=True, text=True, timeout=1800)
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    assert int(re.search(r"(\d+) passed", tests.stdout).group(1)) >= 20, tests.stdout[-2000:]
+
+
 def test_vllm_serves_the_default_checkpoint_as_on_an_avx2_machine(tmp_path):
     """vLLM as an AVX2-only machine runs it (``scripts/as_avx2_cpu.sh``: vLLM's AVX2 build,
     torch, oneDNN and MKL capped at AVX2, latq's op built for x86-64-v3): SmolLM2's default

@@ -461,30 +461,28 @@ __attribute__((target("avx2,fma,f16c"))) inline void fma_nibbles(std::integer_se
   ((a[J] = _mm256_fmadd_ps(xk, nibble_u<J>(v), a[J])), ...);
 }
 
-// MB rows of x through nibble J of one group's k: a[m] += x[m][k]·u·16^J
-template <int J, int MB>
-__attribute__((target("avx2,fma,f16c"))) inline void fma_nibble_rows(const uint8_t* pg, int64_t g, const float* xg,
-                                                                      int64_t K, __m256* a) {
+// MB rows of x through nibble J over one group: acc[m][J] = Σ_k x[m][k]·u·16^J
+template <int MB, int J>
+__attribute__((target("avx2,fma,f16c"))) inline void nibble_pass(const uint8_t* pg, int64_t g, const float* xg,
+                                                                  int64_t K, __m256 (*acc)[8]) {
+  __m256 a[MB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) a[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < g; ++k) {
     if constexpr (J == 0) _mm_prefetch(reinterpret_cast<const char*>(pg + k * 32 + 1024), _MM_HINT_T0);
     const __m256 w = nibble_u<J>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + k * 32)));
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) a[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + m * K + k), w, a[m]);
   }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) acc[m][J] = a[m];
 }
 
 template <int MB, int... J>
-__attribute__((target("avx2,fma,f16c"))) inline void fma_nibbles_rows(std::integer_sequence<int, J...>,
-                                                                       const uint8_t* pg, int64_t g, const float* xg,
-                                                                       int64_t K, __m256 (*acc)[8]) {
-  auto one = [&](auto jc) {
-    constexpr int j = decltype(jc)::value;
-    __m256 a[MB];
-    for (int m = 0; m < MB; ++m) a[m] = _mm256_setzero_ps();
-    fma_nibble_rows<j, MB>(pg, g, xg, K, a);
-    for (int m = 0; m < MB; ++m) acc[m][j] = a[m];
-  };
-  (one(std::integral_constant<int, J>{}), ...);
+__attribute__((target("avx2,fma,f16c"))) inline void nibble_passes(std::integer_sequence<int, J...>, const uint8_t* pg,
+                                                                    int64_t g, const float* xg, int64_t K,
+                                                                    __m256 (*acc)[8]) {
+  (nibble_pass<MB, J>(pg, g, xg, K, acc), ...);
 }
 
 // of group gi for the rows nibble_row(j, l) of block b: s[j][l]·16^−j (16^0 for j = 7) and
@@ -537,7 +535,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2_m(const float* xf,
                     _mm256_broadcast_ss(xf + gi * g + k), acc[0]);
       }
     } else {   // one nibble at a time over the group: MB chains, x's rows broadcast from L1
-      fma_nibbles_rows<MB>(std::make_integer_sequence<int, 8>{}, pg, g, xf + gi * g, K, acc);
+      nibble_passes<MB>(std::make_integer_sequence<int, 8>{}, pg, g, xf + gi * g, K, acc);
     }
     nibble_scales(sc, gi, N, b, s, z);
 #pragma GCC unroll 8
