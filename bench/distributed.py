@@ -38,7 +38,7 @@ BLOCK_LINE = re.compile(r"block (\d+)/\d+: Hessians ([\d.]+)s, quantization ([\d
 
 def worker(rss_dir: str, args: list[str]) -> int:
     """One rank: ``latq-quantize`` with ``args``, then its peak RSS into ``rss_dir``."""
-    from vllm_latq.quantize.cli import main
+    from vllm_latq.commands.quantize import main
     rc = main(args)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     Path(rss_dir, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"peak_rss_kib": peak_kib}))

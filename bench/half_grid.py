@@ -46,7 +46,7 @@ def quantized_weights(model: str, opts, offset: float, results: dict | None = No
 def perplexity(model: str, weights: dict[str, torch.Tensor], seqlen: int, nwindows: int) -> dict:
     """The study's perplexity (fp32 compute, the eval windows) of ``model`` with ``weights`` in place."""
     from vllm_latq import data
-    from vllm_latq.evaluate import load_for_eval
+    from vllm_latq.commands.evaluate import load_for_eval
 
     m, tok, _ = load_for_eval(model)
     for name, q in weights.items():

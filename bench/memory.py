@@ -168,7 +168,7 @@ def child(spec: dict) -> dict:
     The peak RSS is ``VmHWM`` of ``/proc/self/status`` (resident memory, memory-mapped file
     pages included), read after the last block and at the end (the tail writes embeddings and
     head and validates the checkpoint)."""
-    from vllm_latq.quantize.cli import setup_logging
+    from vllm_latq.commands.quantize import setup_logging
     from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 
     if spec["verbose"]:
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(json.loads(a.child))))
         return 0
     from vllm_latq import data
-    from vllm_latq.quantize.cli import _size
+    from vllm_latq.commands.quantize import _size
 
     cfg = model_config(a.shape, a.layers)
     L = cfg["num_hidden_layers"]

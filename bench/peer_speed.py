@@ -57,7 +57,7 @@ def phases(log: str) -> list[float]:
 
 def perplexity(ckpt: Path, threads: int) -> float:
     out = ckpt.with_name(ckpt.name + ".ppl.json")
-    timed([sys.executable, "-m", "vllm_latq.evaluate", str(ckpt), "--output", str(out), "--no-progress"], threads)
+    timed([sys.executable, "-m", "vllm_latq.commands.evaluate", str(ckpt), "--output", str(out), "--no-progress"], threads)
     return json.loads(out.read_text())["ppl"]
 
 

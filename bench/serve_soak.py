@@ -4,7 +4,7 @@ whether every one was answered in full or refused with a 4xx that names the prob
     python -m bench.serve_soak                         # a tiny SSQR checkpoint, built in seconds
     python -m bench.serve_soak --ckpt ckpt/smollm2-ssqr --requests 64 --concurrency 16
 
-The server runs ``python -m vllm_latq.serve CKPT`` on 127.0.0.1 (eager, ``--max-model-len``
+The server runs ``python -m vllm_latq.commands.serve CKPT`` on 127.0.0.1 (eager, ``--max-model-len``
 256, ``--max-num-seqs`` = the concurrency) and is stopped at the end. A quarter of the requests
 are malformed, two of each kind: bad JSON, a non-UTF-8 body, negative and huge ``max_tokens``,
 a prompt longer than the model length, a prompt and a ``max_tokens`` of the wrong type, an
@@ -157,7 +157,7 @@ def healthy(port: int) -> bool:
 
 
 def start_server(ckpt: Path, port: int, concurrency: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "vllm_latq.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "vllm_latq.commands.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-seqs", str(concurrency), "--kv-cache-memory-bytes", str(256 << 20)]
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1"}

@@ -9,7 +9,7 @@ import torch
 
 from vllm_latq.testing.tiny_models import TINY_OPTS
 from tests.test_pipeline import file_hashes
-from vllm_latq.quantize import cli
+from vllm_latq.commands import quantize as cli
 from vllm_latq.quantize.activations import Activations, inputs_file
 from vllm_latq.quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 

@@ -7,7 +7,7 @@ import torch
 
 from bench import half_grid
 from vllm_latq.testing.tiny_models import TINY_OPTS
-from vllm_latq.evaluate import evaluate
+from vllm_latq.commands.evaluate import evaluate
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 from vllm_latq.algorithms.scales import expand
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vllm_latq import format as fmt
 from vllm_latq.format import FormatError
 from vllm_latq.format.checkpoint import Checkpoint
-from vllm_latq.inspect import inspect_main
+from vllm_latq.commands.inspect import inspect_main
 from vllm_latq.format.files import INDEX_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, StoredTensor, write_safetensors
 from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
@@ -182,7 +182,7 @@ def test_format_imports_no_solver_kernel_or_vllm():
     import subprocess
     import sys
     code = ("import sys, vllm_latq.format, vllm_latq.format.checkpoint, vllm_latq.format.validate, "
-            "vllm_latq.format.writer, vllm_latq.inspect; "
+            "vllm_latq.format.writer, vllm_latq.commands.inspect; "
             "bad = [m for m in sys.modules if m.startswith(('vllm_latq.quantize', 'vllm_latq.kernels', 'vllm.'))"
             " or m == 'vllm']; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
@@ -250,11 +250,11 @@ def test_inspect_valid(tiny_checkpoints, capsys):
 
 
 def test_inspect_module_runs(tiny_checkpoints):
-    """``python -m vllm_latq.inspect`` (what the latq-inspect entry point runs)."""
+    """``python -m vllm_latq.commands.inspect`` (what the latq-inspect entry point runs)."""
     import subprocess
     import sys
     d = tiny_checkpoints["ssqr"][0]
-    r = subprocess.run([sys.executable, "-m", "vllm_latq.inspect", str(d), "--no-decode"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "vllm_latq.commands.inspect", str(d), "--no-decode"], capture_output=True,
                        text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and "OK:" in r.stdout, r.stderr
 
@@ -409,7 +409,7 @@ def test_flipped_payload_byte_without_checksums(tiny_checkpoints, tmp_path, caps
 
 
 def test_eval_rejects_corrupted_checkpoint(tiny_checkpoints, tmp_path, capsys):
-    from vllm_latq import evaluate
+    from vllm_latq.commands import evaluate
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     (d / SHARD0).write_bytes((d / SHARD0).read_bytes()[:1000])
     assert evaluate.main([str(d), "--nwindows", "1", "--seqlen", "32"]) == 2

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from vllm_latq.errors import FormatError
-from vllm_latq.evaluate import main as eval_main
+from vllm_latq.commands.evaluate import main as eval_main
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
 from vllm_latq.format.files import MANIFEST_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
-from vllm_latq.inspect import inspect_main
+from vllm_latq.commands.inspect import inspect_main
 from vllm_latq.testing.header_edits import edit_bytes_in_place, edit_entry, read_header, with_header
 
 L0 = "model.layers.0.self_attn.q_proj"
@@ -199,7 +199,7 @@ def test_config_sizes_are_bounded_before_any_tensor_is_read(tiny_checkpoints, tm
 
 
 def test_source_config_sizes_are_bounded_before_quantizing(tiny_llama, tmp_path, capsys):
-    from vllm_latq.quantize.cli import main as quantize_main
+    from vllm_latq.commands.quantize import main as quantize_main
     src = tmp_path / "src"
     shutil.copytree(tiny_llama, src)
     _edit(src / "config.json", lambda c: c.update(num_hidden_layers=100000))

@@ -245,7 +245,7 @@ def test_convert_without_progress_is_silent(tmp_path, capfd):
 
 def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd):
     """``latq-eval x.gguf --no-progress`` draws no progress bar, the conversion's included."""
-    from vllm_latq import evaluate
+    from vllm_latq.commands import evaluate
 
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
@@ -259,7 +259,7 @@ def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd)
 
 def test_quantize_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd):
     """``latq-quantize x.gguf OUT --no-progress`` draws no progress bar, the conversion's included."""
-    from vllm_latq.quantize import cli
+    from vllm_latq.commands import quantize as cli
 
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")

@@ -94,7 +94,9 @@ def test_loader_slices_and_merges(kind, bits, g, scale_bits):
     of an lm_head shard."""
     pytest.importorskip("vllm")
     from tests.test_plugin import _Cfg, _layers, _result
-    from vllm_latq import linear_method as lm
+    from vllm_latq.plugin.geometry import geometry
+    from vllm_latq.plugin.loading import LoadState
+    from vllm_latq.plugin.slicing import pad_rows
     cfg, seed, tp = _Cfg(kind, bits, g, scale_bits), 0, 4
     for r in range(tp):
         layers, full = _layers(tp, r)
@@ -106,14 +108,14 @@ def test_loader_slices_and_merges(kind, bits, g, scale_bits):
                                                 kind)
             names = [f"{layer.prefix}.{s}" for s in full[layer.prefix]]
             with factories_follow_inputs(allow=HUFFMAN_NUMPY):
-                st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
+                st = LoadState(layer, cfg, geometry(layer, names if len(names) > 1 else [layer.prefix]))
                 for sid, t in tensors.items():
                     for name, x in t.items():
                         st.add(name, x, sid)
                 assert st.weight is not None, st.missing()
                 w = st.weight
                 if w.coded is None or w.out_features % 16 == 0:   # coded: padded after whole grids only
-                    lm.pad_rows(w, w.out_features + 5)
+                    pad_rows(w, w.out_features + 5)
 
 
 # ----------------------------------------------------------------------------- the solvers

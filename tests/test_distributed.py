@@ -123,7 +123,7 @@ def test_options_that_differ_between_ranks_are_refused(tmp_path):
     rank refuses before anything is written."""
     src = make_tiny_model(tmp_path / "src", "llama", layers=1)
     launcher = tmp_path / "launch.py"
-    launcher.write_text("import os, sys\nfrom vllm_latq.quantize.cli import main\n"
+    launcher.write_text("import os, sys\nfrom vllm_latq.commands.quantize import main\n"
                         "sys.exit(main(sys.argv[1:] + ['--bits', str(4 - int(os.environ['RANK']))]))\n")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(launcher), str(src), str(tmp_path / "out"), *ARGS],

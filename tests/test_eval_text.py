@@ -17,8 +17,8 @@ from tests.test_data import char_ids, char_tokenizer
 from vllm_latq import data
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq import cpu_features
-from vllm_latq.quantize import cli
-from vllm_latq import evaluate
+from vllm_latq.commands import quantize as cli
+from vllm_latq.commands import evaluate
 
 
 def write_txt_and_jsonl(tmp_path, docs: list[str], stem: str = "mine"):

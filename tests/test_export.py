@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from vllm_latq import export
+from vllm_latq.commands import export
 from vllm_latq import format as fmt
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
@@ -185,7 +185,7 @@ def test_export_of_the_default_smollm2_checkpoint_keeps_latq_eval_perplexity(tmp
     SmolLM2-135M, loaded by transformers through compressed-tensors, has ``latq-eval``'s
     perplexity of the source checkpoint within 0.1 %."""
     from tests.vllm_helpers import pipeline_checkpoint
-    from vllm_latq.evaluate import evaluate
+    from vllm_latq.commands.evaluate import evaluate
     ck = pipeline_checkpoint("smollm2-135m", "gptq")
     out = tmp_path / "ex"
     assert export.main([str(ck), str(out), "--format", "compressed-tensors"]) == 0

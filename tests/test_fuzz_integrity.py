@@ -229,7 +229,7 @@ def test_cli_exits_2_naming_file_and_tensor(refs, case):
             edit_entry(header, name, **edit)
             path.write_bytes(with_header(orig, n, header))
         root = Path(__file__).resolve().parents[1]
-        p = subprocess.run([sys.executable, "-m", "vllm_latq.inspect", str(ref.dir), "--no-served"],
+        p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.inspect", str(ref.dir), "--no-served"],
                            capture_output=True, text=True, timeout=300,
                            env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]

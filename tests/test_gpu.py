@@ -832,7 +832,7 @@ def test_quantize_device_cuda_matches_cpu(tmp_path, capsys):
     within 2 % (calibration: two CPU runs at 1 and 2 threads gave 94–99.97 % per layer, all
     scales identical, errors within 0.4 %)."""
     from vllm_latq.format.checkpoint import Checkpoint
-    from vllm_latq.quantize import cli
+    from vllm_latq.commands import quantize as cli
     model, calib = _tiny_model(tmp_path)
     out = {}
     for run, dev in (("ref", "cpu"), ("dev", DEV.type)):

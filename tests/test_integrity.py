@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_latq.evaluate import main as eval_main
+from vllm_latq.commands.evaluate import main as eval_main
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.format.safetensors_file import CHECKSUM_KEY, SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.errors import FormatError
-from vllm_latq.inspect import inspect_main
+from vllm_latq.commands.inspect import inspect_main
 from vllm_latq.testing.header_edits import read_header, with_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,8 +155,8 @@ def test_memory_bomb_is_refused_under_a_memory_limit(tiny_checkpoints, tmp_path)
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-    cmds = {"latq-inspect": ["-m", "vllm_latq.inspect", str(d), "--no-served", "--no-verify"],
-            "latq-eval": ["-m", "vllm_latq.evaluate", str(d), "--text", str(text), "--nwindows", "1", "--seqlen",
+    cmds = {"latq-inspect": ["-m", "vllm_latq.commands.inspect", str(d), "--no-served", "--no-verify"],
+            "latq-eval": ["-m", "vllm_latq.commands.evaluate", str(d), "--text", str(text), "--nwindows", "1", "--seqlen",
                           "16", "--no-progress"]}
     t0 = time.time()
     try:

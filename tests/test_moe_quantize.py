@@ -15,7 +15,7 @@ from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
 from vllm_latq.format.validate import validate_checkpoint
-from vllm_latq.inspect import inspect_main
+from vllm_latq.commands.inspect import inspect_main
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
 NAMES = {  # model type: (its mixture's checkpoint prefix, its expert linears: gate, up, down)

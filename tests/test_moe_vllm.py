@@ -154,8 +154,8 @@ def _expert_tensors(kind: str, inter: int):
 
 
 def _load(kind: str, tp: int, rank: int, inter: int, tensors):
-    from vllm_latq.config import LatqConfig
-    from vllm_latq.moe_method import LatqMoEMethod
+    from vllm_latq.plugin.config import LatqConfig
+    from vllm_latq.plugin.moe_method import LatqMoEMethod
     qc = {"dense": _qc(), "coded": _qc(method="rtn", outlier_rate=None, order=None, damp=None, scale_bits=4),
           "huffman": _qc(method="hrtn", bits=None, group_size=None, outlier_rate=None, target_bits=3.5, order=None,
                          damp=None)}[kind]
@@ -248,7 +248,7 @@ def test_missing_expert_and_partial_listing_fail_clearly():
     from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from vllm_latq.config import LatqConfig
+    from vllm_latq.plugin.config import LatqConfig
     tensors = _expert_tensors("dense", 64)
     del tensors[2, "w3"]
     method, layer = _load("dense", 1, 0, 64, tensors)

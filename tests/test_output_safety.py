@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from vllm_latq.quantize import cli
+from vllm_latq.commands import quantize as cli
 from vllm_latq.quantize.output import LOCK_SUFFIX, OWNER_FILE, exclusive, is_latq_checkpoint, record_owner
 from vllm_latq.quantize.resume import TMP_SUFFIX
 

@@ -25,10 +25,8 @@ LAYERS = (
     ("vllm_latq.format",),
     ("vllm_latq.kernels", "vllm_latq.algorithms"),
     ("vllm_latq.quantize",),
-    ("vllm_latq.plugin", "vllm_latq.config", "vllm_latq.linear_method", "vllm_latq.moe_method",
-     "vllm_latq.loader_rows", "vllm_latq.slicing"),
-    ("vllm_latq", "vllm_latq.inspect", "vllm_latq.evaluate", "vllm_latq.serve", "vllm_latq.demo",
-     "vllm_latq.export", "vllm_latq.testing"),
+    ("vllm_latq.plugin",),
+    ("vllm_latq", "vllm_latq.commands", "vllm_latq.quantize.__main__", "vllm_latq.testing"),
 )
 
 

@@ -167,7 +167,7 @@ def test_refuses_existing_output_and_quantized_source(tiny_checkpoints, tiny_lla
 def test_deterministic_and_resume_after_interruption(tiny_checkpoints, tiny_llama, tmp_path, monkeypatch):
     """Same inputs and seed → byte-identical checkpoint. An interruption after block 0
     (simulated through the CLI's environment variable) + --resume → the same bytes."""
-    from vllm_latq.quantize import cli
+    from vllm_latq.commands import quantize as cli
     ref, _ = tiny_checkpoints["ssqr"]
     args = [str(tiny_llama), str(tmp_path / "ckpt"), "--method", "ssqr", "--group-size", "64", "--nsamples", "4",
             "--seqlen", "64", "--no-progress", "-q"]
@@ -381,7 +381,7 @@ def test_uncalibrated_methods_skip_calibration(tiny_llama, tmp_path, monkeypatch
 # ----------------------------------------------------------------------------- latq-eval
 
 def test_eval_checkpoint_and_source(tiny_checkpoints, tiny_llama, capsys):
-    from vllm_latq import evaluate
+    from vllm_latq.commands import evaluate
     d, _ = tiny_checkpoints["hptq"]
     assert evaluate.main([str(d), "--nwindows", "2", "--seqlen", "64", "--no-progress"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -394,7 +394,7 @@ def test_eval_checkpoint_and_source(tiny_checkpoints, tiny_llama, capsys):
 # ----------------------------------------------------------------------------- real models (slow)
 
 def _ppl(d):
-    from vllm_latq.evaluate import evaluate
+    from vllm_latq.commands.evaluate import evaluate
     return evaluate(str(d), progress=False)
 
 
@@ -453,7 +453,7 @@ def test_solve_replaces_the_per_layer_solver(tiny_llama, tmp_path):
 def test_defaults_are_the_studys_choice():
     """``latq-quantize MODEL OUT`` = GPTQ 4-bit at group 64 (the study's pick per served bit); a
     method chosen without ``--group-size`` gets its own default group (SSQR/HPTQ/HRTN: 128)."""
-    from vllm_latq.quantize import cli
+    from vllm_latq.commands import quantize as cli
     a = cli.parser().parse_args(["m", "out"])
     opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size)
     assert (opts.method, opts.bits, opts.group_size, opts.scale_bits) == ("gptq", 4, 64, None)

@@ -34,8 +34,11 @@ from vllm.model_executor.layers.linear import (  # noqa: E402
     RowParallelLinear,
 )
 
-from vllm_latq import linear_method as lm  # noqa: E402
-from vllm_latq.config import LatqConfig  # noqa: E402
+from vllm_latq.plugin.geometry import geometry, in_loader_order  # noqa: E402
+from vllm_latq.plugin.load_report import LoadReport  # noqa: E402
+from vllm_latq.plugin.loading import LoadState  # noqa: E402
+from vllm_latq.plugin.slicing import codes_refusal, pad_rows  # noqa: E402
+from vllm_latq.plugin.config import LatqConfig  # noqa: E402
 
 
 # ============================================================================ registration, config
@@ -251,7 +254,7 @@ def _load_layer(layer, full_rows: dict, cfg, seed: int):
         tensors[sid] = fmt.encode_layer(res, cfg.kind)
         deq[sid] = fmt.dequantize_layer(tensors[sid], cfg.kind, (rows, cin), cfg.bits, cfg.group_size)
     names = [f"{layer.prefix}.{s}" for s in full_rows]
-    st = lm.LoadState(layer, cfg, lm.geometry(layer, names if len(names) > 1 else [layer.prefix]))
+    st = LoadState(layer, cfg, geometry(layer, names if len(names) > 1 else [layer.prefix]))
     for sid, t in list(tensors.items())[::-1]:  # shards may arrive in any order
         for name, x in t.items():
             st.add(name, x, sid)
@@ -283,14 +286,14 @@ def test_coded_scales_off_grid_rows_fall_back_and_say_why(caplog):
         "inside a block of 16 rows sharing a grid"], said
 
     w = from_dense_tensors(fmt.encode_layer(_result(64, 96, "dense", 4, 32, 0.05, 1, 4), "dense"), 4, 32, 96)
-    padded = lm.pad_rows(w, 80)
+    padded = pad_rows(w, 80)
     assert padded.coded.codes.shape == (80, 3) and padded.coded.min.shape == (5, 3)
     assert torch.equal(padded.coded.decode().half(), padded.scales) and not padded.scales[64:].any()
-    assert lm.codes_refusal([("q", 0, 40), ("k", 0, 32)]) == ("40 rows of q (not a multiple of 16) are followed "
+    assert codes_refusal([("q", 0, 40), ("k", 0, 32)]) == ("40 rows of q (not a multiple of 16) are followed "
                                                               "by more rows")
-    assert lm.codes_refusal([("q", 0, 32), ("k", 0, 40)]) is None
-    assert lm.codes_refusal([("lm_head", 0, 40)], pad_to=64).startswith("the vocabulary padding after 40 rows")
-    assert lm.codes_refusal([("lm_head", 0, 48)], pad_to=64) is None
+    assert codes_refusal([("q", 0, 32), ("k", 0, 40)]) is None
+    assert codes_refusal([("lm_head", 0, 40)], pad_to=64).startswith("the vocabulary padding after 40 rows")
+    assert codes_refusal([("lm_head", 0, 48)], pad_to=64) is None
 
 
 def test_fused_on_disk_qkv_and_errors():
@@ -303,13 +306,13 @@ def test_fused_on_disk_qkv_and_errors():
     res = _result(rows, 96, "dense", 4, 32, 0.02, 7)
     t = fmt.encode_layer(res, "dense")
     W = fmt.dequantize_layer(t, "dense", (rows, 96), 4, 32)
-    st = lm.LoadState(qkv, cfg, lm.geometry(qkv, ["a.q", "a.k", "a.v"]))
+    st = LoadState(qkv, cfg, geometry(qkv, ["a.q", "a.k", "a.v"]))
     for name, x in t.items():
         st.add(name, x, None)
     split = dict(zip("qkv", W.split([128, 32, 32])))
     assert torch.equal(dequantize(st.weight), _vllm_oracle(qkv, split))
 
-    st = lm.LoadState(qkv, cfg, lm.geometry(qkv, ["a.q", "a.k", "a.v"]))
+    st = LoadState(qkv, cfg, geometry(qkv, ["a.q", "a.k", "a.v"]))
     st.add("qweight", t["qweight"][:128], "q")
     assert "a.q.scales" in st.missing() and "a.v.qweight" in st.missing()
     with pytest.raises(ValueError, match="loaded twice"):
@@ -319,13 +322,13 @@ def test_fused_on_disk_qkv_and_errors():
     res = _result(160, 96, "dense", 4, 32, 0.02, 8)
     bad = fmt.encode_layer(res, "dense")
     bad["outlier_crow"] = bad["outlier_crow"].flip(0).contiguous()
-    st = lm.LoadState(col, cfg, lm.geometry(col, ["m.col"]))
+    st = LoadState(col, cfg, geometry(col, ["m.col"]))
     with pytest.raises(fmt.FormatError, match=r"m\.col\.outlier_crow"):
         for name, x in bad.items():
             st.add(name, x, None)
     short = fmt.encode_layer(res, "dense")
     short["qweight"] = short["qweight"][:, :-1].contiguous()
-    st = lm.LoadState(col, cfg, lm.geometry(col, ["m.col"]))
+    st = LoadState(col, cfg, geometry(col, ["m.col"]))
     with pytest.raises(fmt.FormatError, match=r"m\.col\.qweight.*shape"):
         for name, x in short.items():
             st.add(name, x, None)
@@ -333,7 +336,7 @@ def test_fused_on_disk_qkv_and_errors():
     hc = _Cfg("huffman", None, None)
     ht = fmt.encode_layer(_result(160, 96, "huffman", None, None, 0, 9), "huffman")
     ht["hstream"] = ht["hstream"][:-3].contiguous()  # truncated
-    st = lm.LoadState(col, hc, lm.geometry(col, ["m.col"]))
+    st = LoadState(col, hc, geometry(col, ["m.col"]))
     with pytest.raises(fmt.FormatError, match=r"m\.col\.hstream"):
         for name, x in ht.items():
             st.add(name, x, None)
@@ -364,7 +367,7 @@ def test_falcon_qkv_in_vllm_loader_order(kind, scale_bits, tp):
     from transformers import FalconConfig
     from vllm.model_executor.models.falcon import FalconModel
 
-    from vllm_latq import loader_rows
+    from vllm_latq.plugin import loader_rows
     heads, kv, hd, cin = 4, 2, 32, 96
     hf = FalconConfig(num_attention_heads=heads, num_kv_heads=kv, new_decoder_architecture=True)
     rows = (heads + 2 * kv) * hd
@@ -382,7 +385,7 @@ def test_falcon_qkv_in_vllm_loader_order(kind, scale_bits, tp):
                       v_head_size=hd, num_heads=heads // tp, num_kv_heads=nkv, num_kv_head_replicas=rep, tp_rank=r,
                       tp_size=tp, output_sizes=[heads * hd, nkv * hd * tp, nkv * hd * tp])
         sources = loader_rows.checkpoint_rows("FalconForCausalLM", hf, qkv.prefix, rows)
-        st = lm.LoadState(qkv, cfg, lm.in_loader_order(lm.geometry(qkv, [qkv.prefix]), sources))
+        st = LoadState(qkv, cfg, in_loader_order(geometry(qkv, [qkv.prefix]), sources))
         for name, x in t.items():
             st.add(name, x, None)
         want = _vllm_oracle(qkv, dict(zip("qkv", regrouped.split([heads * hd, kv * hd, kv * hd]))))
@@ -398,7 +401,7 @@ def test_bloom_qkv_refused_before_loading():
     from transformers import BloomConfig
     from vllm.model_executor.models.bloom import BloomModel
 
-    from vllm_latq import loader_rows
+    from vllm_latq.plugin import loader_rows
     hf = BloomConfig(n_head=4)
     crow = fmt.encode_layer(_result(4 * 3 * 32, 96, "dense", 4, 32, 0.05, 4), "dense")["outlier_crow"]
     with pytest.raises(RuntimeError):
@@ -435,7 +438,7 @@ def test_load_report_says_stored_and_served_bits(caplog):
     from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
     from vllm_latq.testing.weights import random_weight
 
-    rep = lm.LoadReport("ssqr")
+    rep = LoadReport("ssqr")
     layers = [(random_weight(64, 256, 4, 0.01, group=64, seed=1), CPUKernel, 4.5),
               (random_weight(40, 256, 8, 0.0, group=64, seed=2), DequantizedBf16Kernel, 8.3)]
     served = 0

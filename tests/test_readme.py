@@ -43,7 +43,7 @@ def test_usage_block_names_real_commands_and_options():
     """Each usage line runs a console script of pyproject.toml (or torchrun / vllm), and every
     --option it passes to latq-quantize exists in its parser."""
     import tomllib
-    from vllm_latq.quantize import cli
+    from vllm_latq.commands import quantize as cli
     scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     block = _section("Use").split("```bash\n")[1].split("```")[0]
     options = {s for a in cli.parser()._actions for s in a.option_strings}

@@ -152,7 +152,7 @@ def test_pipeline_writes_coded_scales_that_every_reader_decodes(tiny_llama, tmp_
     valid (``latq-inspect`` saying so in its header, with served bits per family), the
     dequantized model holding exactly the solver's weights; a config that does not say so is
     refused."""
-    from vllm_latq.inspect import inspect_main
+    from vllm_latq.commands.inspect import inspect_main
     solved = {}
     d = quantize_model(tiny_llama, tmp_path / "q", QuantizeOptions(method="gptq", bits=3, scale_bits=4, **TINY_OPTS),
                        progress=False, on_layer=lambda n, W, H, r: solved.__setitem__(n, r.q))

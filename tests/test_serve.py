@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fastapi import Body, FastAPI, Request
 
-from vllm_latq import serve
+from vllm_latq.commands import serve
 
 from . import vllm_helpers as h
 
@@ -44,10 +44,10 @@ def test_plan_hands_over_to_vllm(monkeypatch):
 
 def test_print_command_and_version():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "vllm_latq.serve", "--print-command", "ckpt", "--port", "9"],
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", "--print-command", "ckpt", "--port", "9"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and "ckpt --port 9" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "vllm_latq.serve", "--version"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", "--version"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == 0 and "vllm-latq" in p.stdout
 
@@ -144,7 +144,7 @@ def _serve_and_ask(ck, tmp_path, name: str, server_args: list[str], requests: in
     port = _free_port()
     log = tmp_path / "server.log"
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "vllm_latq.serve", str(ck), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "vllm_latq.commands.serve", str(ck), "--host", "127.0.0.1", "--port", str(port),
            *server_args, "--enforce-eager", "--served-model-name", name]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -214,7 +214,7 @@ def test_dtype_advice_on_cpus_that_emulate_bf16(monkeypatch):
     import torch
 
     from vllm_latq import cpu_features
-    from vllm_latq.serve import dtype_advice
+    from vllm_latq.commands.serve import dtype_advice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(cpu_features.ENV_BF16, "0")
     advice = dtype_advice(["ckpt"])

@@ -20,7 +20,7 @@ from vllm_latq import format as fmt
 from vllm_latq.kernels import selector, vllm_mp
 from vllm_latq.kernels.transcode import transcode
 from vllm_latq.kernels.weight import dequantize
-from vllm_latq.slicing import slice_dense
+from vllm_latq.plugin.slicing import slice_dense
 from vllm_latq.testing.weights import random_weight
 
 N, K = 128, 576         # K: SmolLM2's hidden size (g128 leaves a half group); Machete wants N % 128 = 0
@@ -179,7 +179,7 @@ def test_cpu_vllm_kernel_runs(monkeypatch):
 def test_load_report_tables_choices_with_reasons(cuda_platform):
     """The load log's kernel table: per (kernel picked, refusals before it) the layer count and
     served bits/weight — here the default form on Marlin and an SSQR layer on Triton."""
-    from vllm_latq.linear_method import LoadReport
+    from vllm_latq.plugin.linear_method import LoadReport
     cuda_platform(80)
     report = LoadReport("gptq")
     layers = {"default": random_weight(N, K, 4, 0.0, group=64), "ssqr": random_weight(N, K, 4, 0.01, group=64)}

@@ -144,7 +144,7 @@ def _cpu_layer(kind: str, inter: int = 128):
     latq's expert loader; also each expert's dequantized (w13, w2)."""
     from vllm_latq import format as fmt
     from vllm_latq.algorithms import rtn
-    from vllm_latq.config import LatqConfig
+    from vllm_latq.plugin.config import LatqConfig
     from vllm_latq.testing.moe_models import ssqr_like
     from .test_moe_vllm import H, PREFIX, _Experts, _qc
     bits, group = (3 if kind == "rtn3" else 4), 64

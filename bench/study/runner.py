@@ -198,7 +198,7 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
                progress: bool = True) -> dict | None:
     """Quantize + evaluate one configuration, or return its cached result (``compute=False``:
     the cached result or None)."""
-    from vllm_latq.evaluate import evaluate
+    from vllm_latq.commands.evaluate import evaluate
 
     path = root / "results" / cfg.model / f"{cfg.slug}.json"
     key = st.key(cfg)

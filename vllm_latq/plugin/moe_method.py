@@ -3,7 +3,7 @@
 
 Each expert's projections are latq layers under the model's own per-expert names
 (docs/FORMAT.md), loaded by the linear loader's own stash, validation, TP cut and HPTQ
-transcode (:class:`~vllm_latq.linear_method.LoadState`). After loading, experts of a standard
+transcode (:class:`~vllm_latq.plugin.loading.LoadState`). After loading, experts of a standard
 form go to vLLM's own WNA16 MoE method where it takes them; the others run on the kernel the
 selector picks, Triton experts stacked for the grouped kernel of captured decode
 (:mod:`~vllm_latq.kernels.moe`).
@@ -18,10 +18,11 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import format as fmt
-from .kernels import graphs, moe, ops, selector, vllm_moe
-from .kernels.weight import LatqWeight
-from .linear_method import Geometry, LoadState, Shard, tensor_names
+from .. import format as fmt
+from ..kernels import graphs, moe, ops, selector, vllm_moe
+from ..kernels.weight import LatqWeight
+from .geometry import Geometry, Shard
+from .loading import LoadState, tensor_names
 
 STEMS = ("w13", "w2")
 log = logging.getLogger("vllm.latq")
@@ -50,7 +51,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
     to this layer's ``w13_qweight`` with shard ``w1`` and expert id e (``up_proj`` → ``w3``,
     ``down_proj`` → ``w2_*`` / ``w2``), so ``create_weights`` registers one placeholder per
     projection and tensor name (``w13_qweight``, …, ``w2_outlier_val`` or the Huffman tensors)
-    whose loader hands the tensor to the expert's :class:`~vllm_latq.linear_method.LoadState` —
+    whose loader hands the tensor to the expert's :class:`~vllm_latq.plugin.loading.LoadState` —
     the linear loader's own stash, validation, TP cut and HPTQ transcode, on geometries that say
     which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
     ``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the

@@ -1,5 +1,5 @@
 """``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
-(``python -m vllm_latq.inspect`` runs it too), plus each layer's served bits/weight per
+(``python -m vllm_latq.commands.inspect`` runs it too), plus each layer's served bits/weight per
 kernel family (:mod:`vllm_latq.kernels.served_report`, imported only when run)."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import json
 import sys
 
-from .format.checkpoint import Checkpoint
-from .errors import FormatError
-from .format.manifest import SKIPPED
-from .format.validate import format_report, validate_checkpoint
+from ..format.checkpoint import Checkpoint
+from ..errors import FormatError
+from ..format.manifest import SKIPPED
+from ..format.validate import format_report, validate_checkpoint
 
 
 def inspect_main(argv=None) -> int:
@@ -36,7 +36,7 @@ def inspect_main(argv=None) -> int:
         return 2
     if not a.no_served:
         # the kernels' cost models: imported only when asked for, so validating needs no kernels
-        from .kernels.served_report import checkpoint_served
+        from ..kernels.served_report import checkpoint_served
         report["totals"]["served_bits_per_weight"] = checkpoint_served(a.checkpoint, report["layers"])
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}

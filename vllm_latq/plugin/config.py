@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from . import format as fmt
-from .format.validate import verify_for_serving
+from .. import format as fmt
+from ..format.validate import verify_for_serving
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -58,7 +58,7 @@ class LatqConfig(QuantizationConfig):
     def load_report(self):
         """The layers of this model load (one config per load): handed to each linear method,
         it logs the summary line when the last one is processed."""
-        from .linear_method import LoadReport   # vLLM's layers: imported only when layers are built
+        from .load_report import LoadReport   # vLLM's layers: imported only when layers are built
         return LoadReport(self.method, self.scale_bits)
 
     @property

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from . import hf_model
-from .errors import FormatError
-from .format import writer
-from .format.checkpoint import Checkpoint, linear_shape
-from .format.files import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, STATS_FILE
-from .format.manifest import verify_manifest
-from .format.layer import dense_scales, dequantize_layer
-from .format.safetensors_file import write_safetensors
+from .. import hf_model
+from ..errors import FormatError
+from ..format import writer
+from ..format.checkpoint import Checkpoint, linear_shape
+from ..format.files import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, STATS_FILE
+from ..format.manifest import verify_manifest
+from ..format.layer import dense_scales, dequantize_layer
+from ..format.safetensors_file import write_safetensors
 
 FORMATS = ("compressed-tensors",)
 MAPPED_BITS = (4, 8)        # W4A16 / W8A16: the widths vLLM's kernels (Marlin, Machete, CPU) take

@@ -11,8 +11,8 @@ Results are cached under ``$LATQ_CACHE/demo``: a re-run prints the table, an int
 resumes. The demo calibrates on 32 sequences to keep a CPU run short; ``--nsamples 128`` is the
 full protocol.
 
-    python -m vllm_latq.demo [--nsamples 32] [--baselines] [--fresh]
-    python -m vllm_latq.demo --layers      # the paper's per-layer comparison on one block
+    python -m vllm_latq.commands.demo [--nsamples 32] [--baselines] [--fresh]
+    python -m vllm_latq.commands.demo --layers      # the paper's per-layer comparison on one block
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import data
+from .. import data
 
 MODEL = "gemma3-270m"
 JOBS = {  # label → pipeline options: latq-quantize's default, the paper's two methods; then baselines
@@ -50,8 +50,8 @@ def _slug(label: str) -> str:
 
 def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool) -> Path:
     """The checkpoint of one job, quantized unless a finished one is cached."""
-    from .format.files import INDEX_FILE, MANIFEST_FILE
-    from .quantize.pipeline import QuantizeOptions, quantize_model
+    from ..format.files import INDEX_FILE, MANIFEST_FILE
+    from ..quantize.pipeline import QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(nsamples=nsamples, seqlen=seqlen, **kw)
     out = root / f"{MODEL}-{_slug(label)}-n{nsamples}x{seqlen}"
@@ -92,14 +92,14 @@ def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fr
 
 
 def _ckpt_info(d: Path) -> dict:
-    from .format.checkpoint import Checkpoint
+    from ..format.checkpoint import Checkpoint
     st = Checkpoint(d).stats()
     size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
     return {"size": size, "cert": st["totals"].get("cert_max"), "rel": st["totals"].get("rel_error_mean")}
 
 
 def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh: bool) -> None:
-    from .quantize.cli import setup_logging
+    from .quantize import setup_logging
     setup_logging(quiet=False)  # one line per quantized layer, above the progress bars
     t0 = time.time()
     root = data.cache_dir() / "demo"
@@ -138,7 +138,7 @@ def block_hessians(model_name: str, block: int, nsamples: int, seqlen: int):
     """{linear name: (W [out, in], H [in, in])} for one decoder block, real text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .quantize.hessian import linear_hessians
+    from ..quantize.hessian import linear_hessians
     mdir = data.model_dir(model_name)
     tok = AutoTokenizer.from_pretrained(mdir)
     model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
@@ -155,8 +155,8 @@ def layer_comparison(model_name: str, block: int, nsamples: int, seqlen: int) ->
     HPTQ / SSQR at matched budgets, the certificate, and tr(D) per column order."""
     from tqdm import tqdm
 
-    from .algorithms import gptq, hptq, hrtn, ldl_diag, rtn, ssqr
-    from .algorithms.lattice import ORDERS
+    from ..algorithms import gptq, hptq, hrtn, ldl_diag, rtn, ssqr
+    from ..algorithms.lattice import ORDERS
     methods = {
         "RTN-4.125": (rtn, dict(bits=4, group_size=128)), "GPTQ-4.125": (gptq, dict(bits=4, group_size=128)),
         "HRTN-4.125": (hrtn, dict(target_bits=4.125)), "HPTQ-4.125": (hptq, dict(target_bits=4.125)),

@@ -23,7 +23,7 @@ import os
 import sys
 
 from .. import format as fmt
-from . import ranks
+from ..quantize import ranks
 
 
 class _TqdmHandler(logging.Handler):
@@ -75,7 +75,7 @@ def _size(s: str) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .pipeline import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
+    from ..quantize.pipeline import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
     d = QuantizeOptions()
     ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from ..hf_model import UnsupportedModelError
-    from .pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+    from ..quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
 
     a = parser().parse_args(argv)
     setup_logging(a.quiet)

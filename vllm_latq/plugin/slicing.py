@@ -5,7 +5,7 @@ inputs: packed words on 32-column tiles, repacked off them; group scales, split 
 gcd(g, c0) off a group boundary; CSR outliers filtered and re-based), parts stacked, an lm_head
 shard padded. Coded scales (:mod:`~vllm_latq.format.scale_codes`) are cut beside their fp16
 decode where the rows keep whole 16-row grids (:func:`codes_refusal`). Which rows and columns a
-rank holds is :mod:`~vllm_latq.linear_method`'s geometry; this module knows no vLLM.
+rank holds is :mod:`~vllm_latq.plugin.geometry`; this module knows no vLLM.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from . import format as fmt
-from .format.scale_codes import CodedScales
-from .kernels.weight import LatqWeight
+from .. import format as fmt
+from ..format.scale_codes import CodedScales
+from ..kernels.weight import LatqWeight
 
 
 def _rows_csr(crow, col, val, r0, n):

@@ -1,0 +1,85 @@
+"""``LatqLinearMethod``: a latq layer in a vLLM linear: placeholders whose loaders hand the
+checkpoint tensors to a :class:`~.loading.LoadState`, then the kernel the selector picks."""
+from __future__ import annotations
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from .. import format as fmt
+from ..kernels import ops, selector
+from . import loader_rows
+from .geometry import geometry, in_loader_order
+from .load_report import LoadReport
+from .loading import LoadState, WeightLoader
+
+
+class LatqLinearMethod(LinearMethodBase):
+    """A latq-quantized linear: loads the checkpoint tensors, runs the selected kernel."""
+
+    def __init__(self, config, report: "LoadReport"):
+        self.config = config
+        self.report = report
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        arch, hf_config = loader_rows.loading_model()
+        refusal = loader_rows.refusal(arch, layer.prefix)
+        if refusal:
+            raise NotImplementedError(refusal)
+        geo = geometry(layer, self.config.hf_names(layer.prefix))
+        if geo.fused is not None:
+            geo = in_loader_order(geo, loader_rows.checkpoint_rows(arch, hf_config, layer.prefix, geo.fused.rows))
+        st = layer._latq_load = LoadState(layer, self.config, geo)
+        layer._latq_act_dtype = params_dtype
+        for name in st.names:
+            dtype = fmt.tensor_dtype(name, input_size)
+            p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            set_weight_attrs(p, {"weight_loader": WeightLoader(layer, name)})
+            layer.register_parameter(name, p)
+        # the placeholders are made on the device the model is built on: its kernel family's
+        # widths and served bytes choose the inlier width of a transcoded (HPTQ) layer
+        st.family = selector.family_for(p.device)
+        self.report.expect()
+
+    def process_weights_after_loading(self, layer) -> None:
+        st: LoadState | None = getattr(layer, "_latq_load", None)
+        if st is None:
+            return  # already processed
+        if st.weight is None:
+            raise ValueError(f"latq checkpoint is missing tensors for layer {layer.prefix}: {st.missing()}")
+        names = st.names
+        device = getattr(layer, names[0]).device
+        for name in names:
+            delattr(layer, name)
+        w = st.weight
+        shards = [st.geo.fused] if st.fused else list(st.geo.shards.values())
+        stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
+        del layer._latq_load
+        w = w.to(device)
+        kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype)
+        state = kernel.prepare(w)
+        kernel.reserve(state, layer._latq_act_dtype)
+        tensors, ints = kernel.flatten(state)
+        for i, t in enumerate(tensors):
+            layer.register_buffer(f"latq_t{i}", t, persistent=False)
+        layer.latq_kernel = kernel
+        layer.latq_op = ops.op_for(kernel)
+        layer.latq_state = state
+        layer.latq_ntensors = len(tensors)
+        layer.latq_ints = list(ints)
+        layer.latq_out = w.out_features
+        self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
+            return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)
+        if torch.autograd.profiler._is_profiler_enabled:
+            # eager calls are plain Python: name them for a running torch.profiler
+            # (bench/decode.py --profile); compiled mode shows the custom op by itself
+            with torch.profiler.record_function("latq::linear"):
+                return layer.latq_kernel.apply(layer.latq_state, x, bias)
+        return layer.latq_kernel.apply(layer.latq_state, x, bias)
+
