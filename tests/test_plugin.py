@@ -80,7 +80,7 @@ def test_config_detection_and_errors():
     h_ = LatqConfig.from_config(_qc(method="hptq", bits=None, group_size=None, target_bits=3.125))
     assert h_.kind == "huffman"
     with pytest.raises(ValueError, match="format_version"):
-        LatqConfig.from_config(_qc(format_version=2))
+        LatqConfig.from_config(_qc(format_version=3))
     with pytest.raises(ValueError, match="latq-quantize"):
         LatqConfig()  # what vLLM does for --quantization latq on a model without quantization_config
 

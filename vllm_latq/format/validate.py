@@ -18,7 +18,7 @@ from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from . import huffman
 from .layer import expected_shapes, has_coded_scales, validate_layer
 from .manifest import NO_VERIFY_ENV, SKIPPED, no_verify_requested, verify_manifest
-from .spec import FORMAT_VERSION, QuantSpec, check_budget
+from .spec import QuantSpec, check_budget
 
 logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
@@ -128,6 +128,10 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         if not isinstance(s.get("bits"), (int, float)) or abs(s["bits"] - r["bits"]) > 1e-6:
             raise FormatError(f"bits {s.get('bits')!r} disagree with the stored tensors ({r['bits']:.6f})",
                               file=STATS_FILE, tensor=r["name"])
+        if spec.rotation is not None and s.get("rotation_block") != spec.rotation.block_size(r["shape"][1]):
+            raise FormatError(f"rotation_block {s.get('rotation_block')!r} disagrees with the rotation's rule "
+                              f"({spec.rotation.block_size(r['shape'][1])} for {r['shape'][1]} columns)",
+                              file=STATS_FILE, tensor=r["name"])
         r["rel_error"] = s.get("rel_error")
         r["cert"] = s.get("cert")
     if set(stats) - {r["name"] for r in rows}:
@@ -210,8 +214,10 @@ def format_report(report: dict) -> str:
               + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
               if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
     fams = list(report["layers"][0].get("served", {})) if report["layers"] else []
-    lines = [f"latq format v{FORMAT_VERSION} · method {spec.method} ({spec.kind}) · {budget}"
-             f" · order {spec.order} · damp {spec.damp}",
+    rot = spec.rotation
+    lines = [f"latq format v{spec.version} · method {spec.method} ({spec.kind}) · {budget}"
+             f" · order {spec.order} · damp {spec.damp}"
+             + (f" · rotation {rot.kind} seed {rot.seed}, blocks ≤ {rot.max_block}" if rot else ""),
              f"{'layer':44s} {'shape':>11s} {'bits/w':>7s} {'outl%':>6s} {'rel.err':>9s} {'cert':>6s}"
              + "".join(f" {'served ' + f:>16s}" for f in fams)]
 

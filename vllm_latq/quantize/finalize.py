@@ -14,18 +14,18 @@ from ..format.manifest import write_manifest
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
 from ..format import writer
-from .. import format as fmt
 from .output import check_output
 from .resume import RunDir
 
 
-def stats_file(stats: list[dict], method: str, src: Path) -> dict:
-    """``latq_stats.json``: the per-layer records and their parameter-weighted totals."""
+def stats_file(stats: list[dict], method: str, src: Path, version: int = 1) -> dict:
+    """``latq_stats.json``: the per-layer records and their parameter-weighted totals (``version``:
+    the checkpoint's format version)."""
     n = sum(s["shape"][0] * s["shape"][1] for s in stats)
     wavg = lambda k: sum(s[k] * s["shape"][0] * s["shape"][1] for s in stats) / n if n else 0.0  # noqa: E731
     certs = [s["cert"] for s in stats if s["cert"] is not None]
     rels = [s["rel_error"] for s in stats if s["rel_error"] is not None]
-    return {"format_version": fmt.FORMAT_VERSION, "method": method, "source": src.name,
+    return {"format_version": version, "method": method, "source": src.name,
             "layers": stats,
             "totals": {"layers": len(stats), "quantized_params": n, "bits_per_weight": wavg("bits"),
                        "outlier_rate": wavg("outlier_rate"), "rel_error_mean": sum(rels) / len(rels)
@@ -53,7 +53,7 @@ def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, con
     writer.write_index(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
     writer.write_json(run.path / CONFIG_FILE, config)
     writer.copy_aux_files(source, run.path)
-    stats = stats_file(run.stats, method, source)
+    stats = stats_file(run.stats, method, source, config["quantization_config"]["format_version"])
     writer.write_json(run.path / STATS_FILE, stats)
     write_manifest(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
     run.clear_progress()

@@ -41,6 +41,7 @@ from .head import head_plan, quantize_head
 from . import solve_layers as solving
 from .output import check_output
 from .resume import PROGRESS_FILE, TMP_SUFFIX, fingerprint, run_directory
+from .rotate import rotated
 from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
 from .source import open_source, resolve_model
 
@@ -122,6 +123,10 @@ class QuantizeOptions:
     # second-level scales (format/scale_codes.py): dense group scales stored and served
     # as codes of this many bits on 16-row grids (6 bits per scale instead of 16); None: fp16 scales
     scale_bits: int | None = None
+    # incoherence processing: every linear's input rotated by a seeded random-sign block Hadamard
+    # ("hadamard", format/rotation.py), the integers solved in that frame; "none": no rotation
+    rotate: str = "none"
+    rotate_seed: int = 0
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -150,6 +155,10 @@ class QuantizeOptions:
         if self.kind == "huffman" and not 1.0 < self.target_bits <= MAX_TARGET_BITS:
             raise ValueError(f"target_bits must be in (1, {MAX_TARGET_BITS:g}] bits/weight for {self.method}, got "
                              f"{self.target_bits:g}")
+        if self.rotate not in ("none",) + fmt.rotation.KINDS:
+            raise ValueError(f"rotate must be one of none, {', '.join(fmt.rotation.KINDS)}, got {self.rotate!r}")
+        if not 0 <= self.rotate_seed < 2 ** 63:
+            raise ValueError(f"rotate_seed must be in [0, 2^63), got {self.rotate_seed}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -160,6 +169,10 @@ class QuantizeOptions:
     @property
     def kind(self) -> str:
         return fmt.kind_of(self.method)
+
+    @property
+    def rotation(self) -> fmt.Rotation | None:
+        return None if self.rotate == "none" else fmt.Rotation(self.rotate_seed)
 
     @property
     def calibrated(self) -> bool:
@@ -211,7 +224,7 @@ class QuantizeOptions:
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
-            scale_bits=self.scale_bits, calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
+            scale_bits=self.scale_bits, rotation=self.rotation, calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
             **({"target_correction": True} if self.target_correction else {}))
 
     def head_options(self) -> "QuantizeOptions":
@@ -302,7 +315,8 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
                                     ranks.own_rows(len(calib), world) if calib is not None else None, world)
         targets = full_precision_stream(acts, opts.max_activation_memory) if opts.target_correction else None
         per_layer = dict(method=opts.method, solve=_with_fault(solve, world), stats=run.stats, on_layer=on_layer)
-        quantize = partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer)
+        quantize = rotated(partial(solving.quantize_linear, solver_kwargs=opts.solver_kwargs(), **per_layer),
+                           opts.rotation)
         solve_block = partial(solving.solve_block, weight=src.linear_weight, expert_weight=src.expert_weight,
                               names=src.names, dtype=src.dtype, device=device, progress=progress, stats=run.stats,
                               moe_min_tokens=opts.moe_min_tokens, moe_route_all=opts.moe_route_all, world=world)
@@ -363,9 +377,9 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
             drop_stream(targets)
             if head is not None:
                 log.info("target correction: the output head is solved against its own weight")
-        head_tensors = {} if head is None else quantize_head(src.net, src.weights, head, acts, partial(
-            solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), device, progress,
-            world)
+        head_tensors = {} if head is None else quantize_head(src.net, src.weights, head, acts, rotated(partial(
+            solving.quantize_linear, solver_kwargs=opts.head_options().solver_kwargs(), **per_layer), opts.rotation),
+            device, progress, world)
         del acts
         qc = opts.quantization_config(not_converted, head_name, src.dtype, moe=bool(src.names.experts))
         with ranks.together("writing the checkpoint", world):
