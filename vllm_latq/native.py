@@ -1,11 +1,13 @@
-"""The package's C++ ops (``kernels/cpu/csrc/latq_cpu.cpp``, ``algorithms/csrc/sweep.cpp``,
-``algorithms/csrc/scales.cpp``, ``quantize/csrc/gram.cpp``), compiled on first use into one
-library, namespace ``latq_cpu``.
+"""The package's C++ ops (``kernels/cpu/csrc/latq_cpu.cpp``, ``kernels/cpu/csrc/hadamard.cpp``,
+``algorithms/csrc/sweep.cpp``, ``algorithms/csrc/scales.cpp``, ``quantize/csrc/gram.cpp``), compiled on
+first use into one library, namespace ``latq_cpu``.
 
 * The CPU kernel's small-M call: at batch 1 the Python around the int4 op (dtype casts, the
   MKL CSR ``mv``, the add, the custom-op hop) costs as much as the op itself (docs/KERNELS.md,
   "CPU kernel"). The C++ op does the int4 call, then one pass adding outliers and bias with
   the cast: same math, one dispatch.
+* A rotated layer's input transform x·R (a fast Walsh–Hadamard transform, AVX-512 or AVX2), inside
+  the small-M call.
 * The solvers' per-column rounding inside a sub-block (fp32 problems): one call instead of
   six or seven dispatched torch ops per column.
 * The MSE scale search (``scales.mse_scales``): all candidate scales of a group while its
@@ -36,6 +38,7 @@ ENV = "LATQ_CPU_NATIVE"
 # outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
 SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
+           Path(__file__).parent / "kernels" / "cpu" / "csrc" / "hadamard.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
@@ -83,6 +86,7 @@ def load() -> str | None:
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
+                torch.library.register_fake("latq_cpu::hadamard", lambda x, signs: torch.empty_like(x))
                 torch.ops.latq_cpu.set_loop_max(LOOP_MAX)
                 _STATUS = None
             except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
