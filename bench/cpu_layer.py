@@ -34,12 +34,19 @@ torch.set_num_threads(2). Sections:
   vllm      the default form (4-bit, g64, fp16 scales, no outliers): latq's CPU kernel vs vLLM's
             CPU kernel (CPUWNA16 through ``kernels/vllm_mp``, where the build has its op) vs
             bf16 F.linear, M = 1 and 8: t_vllm / t_latq and the bits/weight each streams
+  rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel on vLLM's fused shapes
+            of a SmolLM2 and a Gemma3 block (qkv, o, gate_up, down; 4-bit g64, no outliers) and
+            4096², plain vs rotated, through the op a compiled layer calls (one C++ call that
+            rotates, then its GEMV) and through ``apply`` (eager: the transform op, then the
+            kernel), with the transform alone; overhead = t_rotated / t_plain − 1 per layer and
+            per block (Σ over its layers), next to the bits/weight each streams
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
 
 import argparse
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +229,52 @@ def vllm_cpu(a, results):
                   f"t_vllm/t_latq {r:.2f}")
 
 
+# vLLM's fused linears of one block (out, in): what a rotated model transforms once per input
+FUSED = {"smol": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+         "gemma": {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)},
+         "4096": {"4096": (4096, 4096)}}
+
+
+def rotation(a, results):
+    from vllm_latq.format.rotation import Rotation
+    from vllm_latq.kernels import ops
+    from vllm_latq.kernels.rotated import rotated_kernel
+    if not native.usable():
+        print("\nrotation: the C++ ops are not built here")
+        return
+    rot_k = rotated_kernel(CPUKernel)
+    print(f"\nrotation: the CPU kernel plain vs rotated (--rotate hadamard), 4-bit g64, no outliers, bf16 "
+          f"activations; transform ISA {torch.ops.latq_cpu.hadamard_isa() or 'scalar'}, GEMV ISA "
+          f"{cpu.gemv_isa() or 'none'} (µs, medians)")
+    for model, shapes in FUSED.items():
+        for M in a.m:
+            tot = {"op": 0.0, "op_rot": 0.0, "apply": 0.0, "apply_rot": 0.0}
+            for name, (N, K) in shapes.items():
+                w = synthetic(N, K, 4, 0.0, group=64)
+                wr = replace(w, rotation=Rotation(0).signs(K))
+                ps, rs = CPUKernel.prepare(w), rot_k.prepare(wr)
+                (pt, pi), (rt, ri) = CPUKernel.flatten(ps), rot_k.flatten(rs)
+                pop, rop = ops.op_for(CPUKernel), ops.op_for(rot_k)
+                x = torch.randn(M, K).bfloat16()
+                ts = side_by_side({"op": lambda: pop(x, pt, pi, None, N), "op_rot": lambda: rop(x, rt, ri, None, N),
+                                   "apply": lambda: CPUKernel.apply(ps, x), "apply_rot": lambda: rot_k.apply(rs, x),
+                                   "transform": lambda: torch.ops.latq_cpu.hadamard(x, rs.signs)},
+                                  a.rounds, a.sample_us)
+                for k in tot:
+                    tot[k] += med(ts[k])
+                bpw = [8 * sum(k_.served_bytes(s_).values()) / (N * K) for k_, s_ in ((CPUKernel, ps), (rot_k, rs))]
+                print(f"  {model:6s} {name:8s} {N:>5d}x{K:<5d} M={M}: op {med(ts['op']):7.1f} → {med(ts['op_rot']):7.1f} "
+                      f"({ratio(ts, 'op_rot', 'op') - 1:+6.1%}), apply {med(ts['apply']):7.1f} → "
+                      f"{med(ts['apply_rot']):7.1f} ({ratio(ts, 'apply_rot', 'apply') - 1:+6.1%}), transform "
+                      f"{med(ts['transform']):5.1f} (block {rs.signs.numel()}); {bpw[0]:.4f} → {bpw[1]:.4f} bits/w",
+                      flush=True)
+            results[f"rotation_overhead_{model}_m{M}"] = tot["op_rot"] / tot["op"] - 1
+            results[f"rotation_overhead_eager_{model}_m{M}"] = tot["apply_rot"] / tot["apply"] - 1
+            print(f"  {model:6s} all layers M={M}: op {tot['op']:.1f} → {tot['op_rot']:.1f} µs "
+                  f"({tot['op_rot'] / tot['op'] - 1:+.1%}), apply {tot['apply']:.1f} → {tot['apply_rot']:.1f} µs "
+                  f"({tot['apply_rot'] / tot['apply'] - 1:+.1%})", flush=True)
+
+
 def block_speedup(results, prefix, bits, rate, M):
     """A decoder block's linears (q, k, v, o, gate, up, down): Σ t_bf16 / Σ t_latq of the
     median times."""
@@ -245,8 +298,8 @@ def main(argv=None):
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded",
-                                                      "vllm"],
-                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm"])
+                                                      "vllm", "rotation"],
+                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm", "rotation"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
     ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
                     "coded): 30, ~57 MB of int4, more than L3")
@@ -273,6 +326,8 @@ def main(argv=None):
         coded_scales(a, results)
     if "vllm" in a.sections:
         vllm_cpu(a, results)
+    if "rotation" in a.sections:
+        rotation(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -288,7 +343,7 @@ def main(argv=None):
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
-               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_"))}}
+               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
     print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))

@@ -60,6 +60,8 @@ def test_cpu_transform_is_the_torch_one(isa, b):
                 assert torch.equal(torch.ops.latq_cpu.hadamard(x.to(dt), s), rotate(x.to(dt), s))
         x3 = torch.randn(2, 5, 2 * b)
         assert torch.equal(torch.ops.latq_cpu.hadamard(x3, s), rotate(x3, s))
+        many = torch.randn(300, max(512, b)).bfloat16()   # rows split over the threads
+        assert torch.equal(torch.ops.latq_cpu.hadamard(many, s), rotate(many, s))
 
 
 def test_cpu_transform_refuses_bad_shapes():

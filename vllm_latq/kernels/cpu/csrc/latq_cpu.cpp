@@ -54,7 +54,8 @@
 #define LATQ_HAVE_GEMV 0
 #endif
 
-at::Tensor latq_hadamard(const at::Tensor& x, const at::Tensor& signs);   // hadamard.cpp
+at::Tensor latq_hadamard(const at::Tensor& x, const at::Tensor& signs);                 // hadamard.cpp
+const at::Tensor& latq_hadamard_scratch(const at::Tensor& x, const at::Tensor& signs);
 
 namespace {
 
@@ -1091,11 +1092,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   // layout_block, layout_halves)
   TORCH_CHECK((tensors.size() == 10 || tensors.size() == 11) && ints.size() == 6, "latq_cpu::linear: not a CPUState");
   const std::optional<at::Tensor> signs = tensors.size() == 11 ? tensors.get(10) : std::nullopt;
-  if (signs.has_value() && signs->defined()) {
-    c10::List<std::optional<at::Tensor>> state;
-    for (size_t i = 0; i < 10; ++i) state.push_back(tensors.get(i));
-    return linear(latq_hadamard(x, *signs), state, ints, bias, out_features);
-  }
+  const bool rotated = signs.has_value() && signs->defined();
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   if (M >= g_large_m.load() && ints[4] != 0) {
@@ -1103,10 +1100,15 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
                          .findSchemaOrThrow("latq::cpu_linear", "")
                          .typed<at::Tensor(const at::Tensor&, const c10::List<std::optional<at::Tensor>>&,
                                            at::IntArrayRef, const std::optional<at::Tensor>&, int64_t)>();
-    return op.call(x, tensors, ints, bias, out_features);
+    if (!rotated) return op.call(x, tensors, ints, bias, out_features);
+    c10::List<std::optional<at::Tensor>> state;   // CPUState's own 10 tensors, x rotated
+    for (size_t i = 0; i < 10; ++i) state.push_back(tensors.get(i));
+    return op.call(latq_hadamard(x, *signs), state, ints, bias, out_features);
   }
-  const bool flat = x.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
-  at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
+  // small M: x·R in this thread's scratch (read during this call only)
+  const at::Tensor& xr = rotated ? latq_hadamard_scratch(x, *signs) : x;
+  const bool flat = xr.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
+  at::Tensor y = small_linear(flat ? xr : xr.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
                               tensors.get(3), tensors.get(4), tensors.get(5), tensors.get(6), tensors.get(7),
                               tensors.get(8), tensors.get(9), bias, ints[2], ints[3]);
   if (flat) return y;
