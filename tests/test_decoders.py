@@ -87,3 +87,36 @@ def test_bad_decoder_is_refused():
         gptq(W, H, decoder="sphere")
     with pytest.raises(ValueError, match="beam >= 1"):
         gptq(W, H, decoder="kbest", beam=0)
+
+
+def test_pipeline_option():
+    """``latq-quantize --decoder kbest --beam 2``: recorded (informational), passed to every
+    solver, refused for the methods without a lattice."""
+    from vllm_latq.quantize.pipeline import QuantizeOptions
+    from vllm_latq.testing.tiny_models import TINY_OPTS
+    opts = QuantizeOptions(method="gptq", bits=3, decoder="kbest", beam=2, **TINY_OPTS)
+    assert opts.solver_kwargs()["decoder"] == "kbest" and opts.solver_kwargs()["beam"] == 2
+    assert opts.quantization_config([])["decoder"] == {"name": "kbest", "beam": 2}
+    assert "decoder" not in QuantizeOptions().solver_kwargs() and "decoder" not in QuantizeOptions().quantization_config([])
+    with pytest.raises(ValueError, match="decoder kbest is for gptq, babai, ssqr and hptq, not rtn"):
+        QuantizeOptions(method="rtn", decoder="kbest")
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        QuantizeOptions(decoder="kbest", beam=0)
+
+
+@pytest.mark.slow
+def test_pipeline_with_a_decoder(tiny_llama, tmp_path):
+    """The checkpoint validates and block 0's first layer (the same problem in both runs) is no
+    farther from W than the Babai run's."""
+    from vllm_latq.format.validate import validate_checkpoint
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    from vllm_latq.testing.tiny_models import TINY_OPTS
+    errs = {}
+    for dec in ("babai", "kbest"):
+        o = QuantizeOptions(method="gptq", bits=3, decoder=dec, beam=2, **TINY_OPTS)
+        seen = errs.setdefault(dec, {})
+        d = quantize_model(tiny_llama, tmp_path / dec, o, progress=False,
+                           on_layer=lambda n, W, H, r, seen=seen: seen.__setitem__(n, r.error(W, H).sum().item()))
+        validate_checkpoint(d)
+    first = "model.layers.0.self_attn.q_proj"   # the same problem in both runs (later ones see other inputs)
+    assert errs["kbest"][first] <= errs["babai"][first] * (1 + 1e-9)

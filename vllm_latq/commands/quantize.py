@@ -76,6 +76,7 @@ def _size(s: str) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from ..algorithms.decoders import DECODERS
     from ..quantize.pipeline import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
     d = QuantizeOptions()
     ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
@@ -120,6 +121,11 @@ def parser() -> argparse.ArgumentParser:
                         "matrix R and quantize W·R (incoherence processing: outlier columns spread out); served "
                         "as x·R through latq's kernels. Default none")
     g.add_argument("--rotate-seed", type=int, default=d.rotate_seed, help="the rotation's seed (default 0)")
+    g.add_argument("--decoder", default=d.decoder, choices=DECODERS,
+                   help="gptq/babai/ssqr/hptq: the lattice decoder. babai: GPTQ's nearest plane (default); kbest: a "
+                        "beam of --beam paths; klein: --beam randomized nearest-plane draws. Each row keeps the "
+                        "closer of the decoder's point and Babai's, at about --beam times the solve time")
+    g.add_argument("--beam", type=int, default=d.beam, help="kbest's beam width / klein's draws (default 4)")
     c = ap.add_argument_group("calibration")
     c.add_argument("--calib", default=d.calib,
                    help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
                                moe_route_all=a.moe_route_all, column_scales=a.column_scales,
                                target_correction=a.target_correction, scale_bits=a.scale_bits,
-                               rotate=a.rotate, rotate_seed=a.rotate_seed)
+                               rotate=a.rotate, rotate_seed=a.rotate_seed, decoder=a.decoder, beam=a.beam)
         quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
                        validate=not a.no_validate)
     except ranks.RankFailed as e:

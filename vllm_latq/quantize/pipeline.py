@@ -32,6 +32,7 @@ from ..format import writer
 from .. import data
 from .. import format as fmt
 from ..algorithms import lattice
+from ..algorithms.decoders import DECODERS
 from . import heap, ranks
 from .calibrate import block_hessians, drop_stream, full_precision_stream, sum_over_ranks, target_corrected_stages
 from .capture import block_inputs, block_outputs
@@ -127,6 +128,10 @@ class QuantizeOptions:
     # ("hadamard", format/rotation.py), the integers solved in that frame; "none": no rotation
     rotate: str = "none"
     rotate_seed: int = 0
+    # the lattice decoder (algorithms/decoders.py) of gptq/babai/ssqr/hptq: "babai" (the nearest plane
+    # GPTQ is), "kbest" (a beam of `beam` paths) or "klein" (`beam` random draws); never farther than babai
+    decoder: str = "babai"
+    beam: int = 4
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -159,6 +164,11 @@ class QuantizeOptions:
             raise ValueError(f"rotate must be one of none, {', '.join(fmt.rotation.KINDS)}, got {self.rotate!r}")
         if not 0 <= self.rotate_seed < 2 ** 63:
             raise ValueError(f"rotate_seed must be in [0, 2^63), got {self.rotate_seed}")
+        if self.decoder not in DECODERS or self.beam < 1:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)} with beam >= 1, got {self.decoder!r}, "
+                             f"beam {self.beam}")
+        if self.decoder != "babai" and self.method not in ("gptq", "babai", "ssqr", "hptq"):
+            raise ValueError(f"decoder {self.decoder} is for gptq, babai, ssqr and hptq, not {self.method}")
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -192,18 +202,20 @@ class QuantizeOptions:
 
     def solver_kwargs(self) -> dict:
         m = self.method
+        decoded = {} if self.decoder == "babai" else {"decoder": self.decoder, "beam": self.beam}
         if m == "ssqr":
             return dict(bits=self.bits, group_size=self.group_size, outlier_rate=self.outlier_rate,
-                        order=self.order, damp=self.damp)
+                        order=self.order, damp=self.damp, **decoded)
         if m == "hptq":
-            return dict(target_bits=self.target_bits, order=self.order, damp=self.damp)
+            return dict(target_bits=self.target_bits, order=self.order, damp=self.damp, **decoded)
         if m == "hrtn":
             return dict(target_bits=self.target_bits)
         coded = {} if self.scale_bits is None else {"scale_bits": self.scale_bits}
         if m == "rtn":
             return dict(bits=self.bits, group_size=self.group_size, **coded)
         # gptq and babai: the clipped baselines (babai = clipped Babai ≡ GPTQ in reversed order)
-        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True, **coded)
+        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True, **coded,
+                    **decoded)
 
     def quantization_config(self, modules_not_converted, head_name: str | None = None,
                             compute_dtype: torch.dtype | None = None, moe: bool = False) -> dict:
@@ -225,7 +237,8 @@ class QuantizeOptions:
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
             scale_bits=self.scale_bits, rotation=self.rotation, calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
-            **({"target_correction": True} if self.target_correction else {}))
+            **({"target_correction": True} if self.target_correction else {}),
+            **({"decoder": {"name": self.decoder, "beam": self.beam}} if self.decoder != "babai" else {}))
 
     def head_options(self) -> "QuantizeOptions":
         """The options the output head is quantized with (``lm_head_bits`` as its ``bits``)."""
