@@ -34,12 +34,12 @@ torch.set_num_threads(2). Sections:
   vllm      the default form (4-bit, g64, fp16 scales, no outliers): latq's CPU kernel vs vLLM's
             CPU kernel (CPUWNA16 through ``kernels/vllm_mp``, where the build has its op) vs
             bf16 F.linear, M = 1 and 8: t_vllm / t_latq and the bits/weight each streams
-  rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel on vLLM's fused shapes
-            of a SmolLM2 and a Gemma3 block (qkv, o, gate_up, down; 4-bit g64, no outliers) and
-            4096², plain vs rotated, through the op a compiled layer calls (one C++ call that
-            rotates, then its GEMV) and through ``apply`` (eager: the transform op, then the
-            kernel), with the transform alone; overhead = t_rotated / t_plain − 1 per layer and
-            per block (Σ over its layers), next to the bits/weight each streams
+  rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel's op (one C++ call that
+            rotates, then its GEMV) plain vs rotated on one warm matrix of each input size of
+            SmolLM2's and Gemma3's fused linears and 4096², with the transform alone; then in situ,
+            whole passes over 30 SmolLM2 blocks (4-bit g64, no outliers: weights from DRAM, as in
+            decode), the transform's share = t_rotated / t_plain − 1, next to the bits/weight
+            streamed
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 # the in-situ sections stream many blocks per pass: their harness lives apart from this per-layer grid
-from bench.cpu_insitu import coded_scales, gemv, op_reads_gemv_layout, outlier_codings
+from bench.cpu_insitu import coded_scales, gemv, op_reads_gemv_layout, outlier_codings, rotation_insitu
 from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import cpu_features, native
@@ -229,13 +229,15 @@ def vllm_cpu(a, results):
                   f"t_vllm/t_latq {r:.2f}")
 
 
-# vLLM's fused linears of one block (out, in): what a rotated model transforms once per input
-FUSED = {"smol": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
-         "gemma": {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)},
-         "4096": {"4096": (4096, 4096)}}
+# the input sizes of vLLM's fused linears of SmolLM2 and Gemma3 and 4096² (out, in): one transform per input
+ROTATED = {"smol.qkv": (960, 576), "smol.down": (576, 1536), "gemma.qkv": (1536, 640), "gemma.o": (640, 1024),
+           "gemma.down": (640, 2048), "4096": (4096, 4096)}
 
 
 def rotation(a, results):
+    """Per layer (warm: one matrix): the CPU kernel's op plain and rotated, and the transform
+    alone (``latq_cpu::hadamard``); then the decode-sized pass over many blocks
+    (:func:`~bench.cpu_insitu.rotation_insitu`), where weights stream from DRAM as in decode."""
     from vllm_latq.format.rotation import Rotation
     from vllm_latq.kernels import ops
     from vllm_latq.kernels.rotated import rotated_kernel
@@ -243,36 +245,22 @@ def rotation(a, results):
         print("\nrotation: the C++ ops are not built here")
         return
     rot_k = rotated_kernel(CPUKernel)
-    print(f"\nrotation: the CPU kernel plain vs rotated (--rotate hadamard), 4-bit g64, no outliers, bf16 "
-          f"activations; transform ISA {torch.ops.latq_cpu.hadamard_isa() or 'scalar'}, GEMV ISA "
-          f"{cpu.gemv_isa() or 'none'} (µs, medians)")
-    for model, shapes in FUSED.items():
-        for M in a.m:
-            tot = {"op": 0.0, "op_rot": 0.0, "apply": 0.0, "apply_rot": 0.0}
-            for name, (N, K) in shapes.items():
-                w = synthetic(N, K, 4, 0.0, group=64)
-                wr = replace(w, rotation=Rotation(0).signs(K))
-                ps, rs = CPUKernel.prepare(w), rot_k.prepare(wr)
-                (pt, pi), (rt, ri) = CPUKernel.flatten(ps), rot_k.flatten(rs)
-                pop, rop = ops.op_for(CPUKernel), ops.op_for(rot_k)
-                x = torch.randn(M, K).bfloat16()
-                ts = side_by_side({"op": lambda: pop(x, pt, pi, None, N), "op_rot": lambda: rop(x, rt, ri, None, N),
-                                   "apply": lambda: CPUKernel.apply(ps, x), "apply_rot": lambda: rot_k.apply(rs, x),
-                                   "transform": lambda: torch.ops.latq_cpu.hadamard(x, rs.signs)},
-                                  a.rounds, a.sample_us)
-                for k in tot:
-                    tot[k] += med(ts[k])
-                bpw = [8 * sum(k_.served_bytes(s_).values()) / (N * K) for k_, s_ in ((CPUKernel, ps), (rot_k, rs))]
-                print(f"  {model:6s} {name:8s} {N:>5d}x{K:<5d} M={M}: op {med(ts['op']):7.1f} → {med(ts['op_rot']):7.1f} "
-                      f"({ratio(ts, 'op_rot', 'op') - 1:+6.1%}), apply {med(ts['apply']):7.1f} → "
-                      f"{med(ts['apply_rot']):7.1f} ({ratio(ts, 'apply_rot', 'apply') - 1:+6.1%}), transform "
-                      f"{med(ts['transform']):5.1f} (block {rs.signs.numel()}); {bpw[0]:.4f} → {bpw[1]:.4f} bits/w",
-                      flush=True)
-            results[f"rotation_overhead_{model}_m{M}"] = tot["op_rot"] / tot["op"] - 1
-            results[f"rotation_overhead_eager_{model}_m{M}"] = tot["apply_rot"] / tot["apply"] - 1
-            print(f"  {model:6s} all layers M={M}: op {tot['op']:.1f} → {tot['op_rot']:.1f} µs "
-                  f"({tot['op_rot'] / tot['op'] - 1:+.1%}), apply {tot['apply']:.1f} → {tot['apply_rot']:.1f} µs "
-                  f"({tot['apply_rot'] / tot['apply'] - 1:+.1%})", flush=True)
+    print(f"\nrotation: the CPU kernel's op plain vs rotated (--rotate hadamard), 4-bit g64, no outliers, bf16, "
+          f"M=1, one warm matrix; transform ISA {torch.ops.latq_cpu.hadamard_isa() or 'scalar'}, GEMV ISA "
+          f"{cpu.gemv_isa() or 'none'} (µs: min/median)")
+    for name, (N, K) in ROTATED.items():
+        w = synthetic(N, K, 4, 0.0, group=64)
+        ps, rs = CPUKernel.prepare(w), rot_k.prepare(replace(w, rotation=Rotation(0).signs(K)))
+        (pt, pi), (rt, ri) = CPUKernel.flatten(ps), rot_k.flatten(rs)
+        pop, rop = ops.op_for(CPUKernel), ops.op_for(rot_k)
+        x = torch.randn(1, K).bfloat16()
+        ts = side_by_side({"plain": lambda: pop(x, pt, pi, None, N), "rotated": lambda: rop(x, rt, ri, None, N),
+                           "transform": lambda: torch.ops.latq_cpu.hadamard(x, rs.signs)}, a.rounds, a.sample_us)
+        results[f"rotation_layer_{name}"] = ratio(ts, "rotated", "plain") - 1
+        print("  " + f"{name:11s} {N:>5d}x{K:<5d} block {rs.signs.numel():3d}: " + "  ".join(
+            f"{k} {min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
+            + f"  → {ratio(ts, 'rotated', 'plain') - 1:+.1%}", flush=True)
+    rotation_insitu(a, results)
 
 
 def block_speedup(results, prefix, bits, rate, M):
@@ -343,7 +331,7 @@ def main(argv=None):
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
-               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_"))}}
+               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_insitu"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
     print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))

@@ -255,17 +255,18 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
 # ----------------------------------------------------------------------------- decoders beyond Babai
 
 def decoded_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
-                  rounder: Rounder, decoder: str = "babai", beam: int = 1, block_size: int = 128) -> Sweep:
-    """Babai's sweep, or with ``decoder`` ``kbest``/``klein`` (``beam`` survivors / draws,
-    :mod:`.decoders`) that decoder's point in every row where it is at least as close to W as
-    Babai's (exact fp64 distances), Babai's elsewhere: never farther."""
+                  rounder: Rounder, decoder: str = "babai", beam: int = 1, block_size: int = 128,
+                  seed: int = 0) -> Sweep:
+    """Babai's sweep, or with ``decoder`` ``kbest``/``klein`` (``beam`` survivors / draws, Klein's
+    drawn from ``seed``; :mod:`.decoders`) that decoder's point in every row where it is at least as
+    close to W as Babai's (exact fp64 distances), Babai's elsewhere: never farther."""
     base = babai_sweep(A, T, W, scales, group_size, rounder, block_size)
     if decoder == "babai":
         return base
     Ad = A / A.diagonal()[:, None]
     table, gidx = _scale_table(scales, group_size, T, Ad.dtype)
     args = (Ad, A.diagonal() ** 2, lattice.upper_mm(Ad, _rows(W, T, Ad.dtype)), table, gidx.tolist(), rounder, beam)
-    Z, Q, O = decoders.kbest(*args) if decoder == "kbest" else decoders.klein(*args)
+    Z, Q, O = decoders.kbest(*args) if decoder == "kbest" else decoders.klein(*args, seed=seed)
     inv = torch.empty_like(T)
     inv[T] = torch.arange(len(T), device=T.device)
     Z, Q = Z[inv.to(Z.device)].T, Q[inv.to(Z.device)].T
