@@ -186,6 +186,15 @@ def test_pipeline_solves_every_linear_in_its_rotated_frame(run, tiny_llama, tmp_
             assert torch.equal(again.z, z), name
         if run in ("ssqr", "hptq"):
             assert stats[name]["cert"] <= 1.0 + 1e-6, name
+    if run == "gptq":   # latq-inspect's served bits count the signs the kernels read
+        from vllm_latq.kernels.served_report import checkpoint_served
+        rows = [dict(r) for r in report["layers"]]
+        checkpoint_served(d, rows)
+        served = [(r, f) for r in rows for f in r["served"].values()]
+        assert any(f["kernel"] != "bf16" for _, f in served)
+        for r, f in served:   # the bf16 fallback folds the rotation into its weights
+            want = 4 * Rotation(11).block_size(r["shape"][1]) if f["kernel"] != "bf16" else None
+            assert f["parts"].get("rotation") == want
     if run == "rtn":   # uncalibrated: its rotated weight is the source's, rotated
         from safetensors.torch import load_file
         src = load_file(str(next(tiny_llama.glob("*.safetensors"))))
