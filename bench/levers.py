@@ -162,15 +162,16 @@ def rotation_rows(layers, b, add) -> None:
 def decoder_rows(layers, b, beams, klein_draws, repeats, add) -> None:
     """(h): GPTQ g128 decoded by K-best / Klein against Babai: error ratio (summed over the layers,
     and each layer's), Klein's spread over three seeds, seconds per solve of the four layers."""
+    norm = sum(layer_error(W, torch.zeros_like(W), H).sum().item() for W, H in layers.values())
+
     def timed(**kw):
         ts, Qs = [], None
         for _ in range(repeats):
             t = time.perf_counter()
             Qs = {n: gptq(W, H, bits=b, **kw).q for n, (W, H) in layers.items()}
             ts.append(time.perf_counter() - t)
-        err = sum(layer_error(W, Qs[n], H).sum().item() for n, (W, H) in layers.items())
         per = [layer_error(W, Qs[n], H).sum().item() for n, (W, H) in layers.items()]
-        return err, per, sorted(ts)
+        return sum(per) / norm, per, sorted(ts)
 
     e0, p0, t0 = timed()
     for dec, ks in (("kbest", beams), ("klein", klein_draws)):
@@ -179,7 +180,7 @@ def decoder_rows(layers, b, beams, klein_draws, repeats, add) -> None:
             spread = [a / c for a, c in zip(p1, p0)]
             extra = ""
             if dec == "klein":
-                seeds = [timed_klein(layers, b, k, seed) / e0 for seed in (1, 2)]
+                seeds = [timed_klein(layers, b, k, seed) / norm / e0 for seed in (1, 2)]
                 extra = f", seeds 1–2: {', '.join(f'{x:.4f}' for x in seeds)}"
             print(f"    decode {dec} K={k} {b}-bit: layers {', '.join(f'{x:.4f}' for x in spread)}{extra}; "
                   f"{t1[len(t1) // 2]:.1f} s (min {t1[0]:.1f}, max {t1[-1]:.1f}) vs Babai {t0[len(t0) // 2]:.1f} s "
