@@ -238,7 +238,8 @@ def test_inspect_served_is_what_prepare_builds(tiny_checkpoints):
     from vllm_latq.format.checkpoint import Checkpoint
     from vllm_latq.format.validate import validate_checkpoint
     from vllm_latq.kernels.weight import from_dense_tensors
-    from vllm_latq.kernels.served_report import checkpoint_served, families
+    from vllm_latq.kernels.selector import families
+    from vllm_latq.kernels.served_report import checkpoint_served
 
     for method in ("ssqr", "hptq"):
         d, _ = tiny_checkpoints[method]
