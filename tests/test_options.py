@@ -33,6 +33,7 @@ def test_a_bad_option_is_named_as_the_user_wrote_it(kw, message):
 def test_what_the_options_accept_the_format_writes():
     """The options' rules and the format's agree at their edges: every accepted width writes."""
     for bits in fmt.spec.INLIER_BITS:
-        assert QuantizeOptions(bits=bits, quantize_lm_head=True, lm_head_bits=bits).quantization_config([])["bits"] == bits
+        opts = QuantizeOptions(bits=bits, quantize_lm_head=True, lm_head_bits=bits)
+        assert opts.quantization_config([], "lm_head")["layer_bits"] == {"lm_head": bits}
     assert QuantizeOptions(method="ssqr", outlier_rate=0.0).quantization_config([])["outlier_rate"] == 0.0
     assert QuantizeOptions(method="hrtn", target_bits=8).quantization_config([])["target_bits"] == 8.0

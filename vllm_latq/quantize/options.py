@@ -206,7 +206,8 @@ class QuantizeOptions:
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
-            scale_bits=self.scale_bits, calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
+            scale_bits=self.scale_bits, calibration=calibration,
+            **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
             **({"target_correction": True} if self.target_correction else {}))
 
     def head_options(self) -> "QuantizeOptions":
