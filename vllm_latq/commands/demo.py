@@ -51,7 +51,8 @@ def _slug(label: str) -> str:
 def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool) -> Path:
     """The checkpoint of one job, quantized unless a finished one is cached."""
     from ..format.files import INDEX_FILE, MANIFEST_FILE
-    from ..quantize.pipeline import QuantizeOptions, quantize_model
+    from ..quantize.options import QuantizeOptions
+    from ..quantize.pipeline import quantize_model
 
     opts = QuantizeOptions(nsamples=nsamples, seqlen=seqlen, **kw)
     out = root / f"{MODEL}-{_slug(label)}-n{nsamples}x{seqlen}"

@@ -45,7 +45,7 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True):
     from .. import hf_model
     from ..format.checkpoint import load_dequantized_model
     from ..format.validate import validate_checkpoint
-    from ..quantize.pipeline import resolve_model
+    from ..quantize.source import resolve_model
 
     if is_latq_checkpoint(model):
         report = validate_checkpoint(model, decode=False, verify_checksums=verify)

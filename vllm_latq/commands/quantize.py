@@ -75,7 +75,7 @@ def _size(s: str) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from ..quantize.pipeline import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
+    from ..quantize.options import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
     d = QuantizeOptions()
     ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,7 +144,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from ..hf_model import UnsupportedModelError
-    from ..quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+    from ..quantize.faults import SimulatedInterruption
+    from ..quantize.options import QuantizeOptions
+    from ..quantize.pipeline import quantize_model
 
     a = parser().parse_args(argv)
     setup_logging(a.quiet)

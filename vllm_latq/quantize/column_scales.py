@@ -139,10 +139,10 @@ class BlockFolding:
     def wrap(self, quantize: Callable) -> Callable:
         """``quantize(name, W, hessian)`` solving each folded linear's problem instead
         (``W·diag(c)`` against its folded Hessian); other linears unchanged."""
-        def folded(name, W, hessian):
+        def folded(name, W, hessian, **kw):
             if name not in self.scales:
-                return quantize(name, W, hessian)
-            return quantize(name, fold_weight(W, self.scales[name].to(W.device)), self.hessians[name])
+                return quantize(name, W, hessian, **kw)
+            return quantize(name, fold_weight(W, self.scales[name].to(W.device)), self.hessians[name], **kw)
         return folded
 
 

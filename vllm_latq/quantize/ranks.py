@@ -7,9 +7,10 @@ the single process runs the code it always ran.
 
 Each rank forwards its own contiguous slice of the calibration sequences (:func:`own_rows`);
 partial statistics are summed in rank order on every rank (:func:`sum_in_rank_order`), so all
-ranks hold the very same bits; each solve runs on one rank (:func:`assign_by_cost`, experts by
-:func:`expert_rounds`) and its result is broadcast from there (:func:`share`). Solves are
-deterministic given their inputs, so which rank runs one does not change it.
+ranks hold the very same bits; the :class:`Scheduler` runs each solve on one rank
+(:func:`assign_by_cost`, experts by :func:`expert_rounds`) and broadcasts its result from there
+(:func:`share`). Solves are deterministic given their inputs, so which rank runs one does not
+change it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -70,6 +72,24 @@ def init(device: str = "cpu") -> World:
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     return World(dist.get_rank(), dist.get_world_size(), local)
+
+
+@contextmanager
+def joined(device: str, command: dict):
+    """This process's :class:`World` for the body (:func:`init`), every rank checked to run the same
+    ``command``; a collective that fails because another rank died is raised as :class:`RankFailed`."""
+    world = init(device)
+    try:
+        check_same_command(command, world)
+        announce(world)
+        yield world
+    except Exception as e:
+        lost = lost_rank(e) if world.distributed else None
+        if lost is not None:
+            raise lost from e
+        raise
+    finally:
+        shutdown(world)
 
 
 def shutdown(world: World) -> None:
@@ -242,3 +262,89 @@ def sum_hessian(h, world: World) -> None:
     if world.distributed:
         h.sum = sum_in_rank_order(h.sum, world)
         h.n = sum_counts([h.n], world)[0]
+
+
+@dataclass
+class Job:
+    """One solve, run on one rank: ``run()`` → its result, which every rank receives; ``release()``
+    drops what only this job needs, once it has run here or is left to another rank."""
+    name: str
+    cost: int
+    run: Callable[[], Any]
+    release: Callable[[], None] | None = None
+
+
+@dataclass
+class RoundJobs:
+    """``count`` jobs of one ``cost``, each holding a large input (an expert and its Hessians), made
+    in rounds of at most one per rank (:func:`expert_rounds`): ``prepare(k)`` computes job k's input
+    and is collective (every rank calls it for every job of a round, in order); ``job(k, prepared)``
+    is job k."""
+    name: str
+    count: int
+    cost: int
+    prepare: Callable[[int], Any]
+    job: Callable[[int, Any], Job]
+
+
+class Scheduler:
+    """Who solves what, and where the ranks meet. :meth:`solve` yields every job's result in the
+    order given, the same on every rank: one process runs each job as its result is asked for;
+    several ranks each run their share, meet (:func:`together`) and broadcast the results
+    (``portable``: a result made fit to travel to another rank)."""
+
+    def __init__(self, world: World, portable: Callable[[Any], Any] = lambda result: result):
+        self.world, self.portable = world, portable
+
+    def solve(self, jobs: list[Job], rounds: list[RoundJobs], where: str) -> Iterator:
+        """The results of ``jobs`` (balanced over the ranks by cost), then of each of ``rounds``'
+        jobs by index. When the first round leaves ranks idle, ``jobs`` run in it, on those ranks
+        first, not in a meeting of their own."""
+        world = self.world
+        first = expert_rounds(rounds[0].count, world)[0] if rounds else {}
+        joined = world.distributed and 0 < len(first) < world.size
+        busy = [rounds[0].cost if r in first.values() else 0 for r in range(world.size)] if joined else None
+        assigned = assign_by_cost({j.name: j.cost for j in jobs}, world, busy)
+        owner = {j.name: assigned[j.name] for j in jobs}   # in the jobs' order: the order results come back in
+        for job in jobs:
+            if owner[job.name] != world.rank and job.release is not None:
+                job.release()
+        if not joined:
+            yield from self._meet({j.name: j for j in jobs}, owner, where)
+        for k, held in enumerate(rounds):
+            for r, dealt in enumerate(expert_rounds(held.count, world)):
+                mine, order = {}, {}
+                for e, rank in dealt.items():
+                    prepared = held.prepare(e)   # collective
+                    order[(held.name, e)] = rank
+                    if rank == world.rank:
+                        mine[(held.name, e)] = held.job(e, prepared)
+                prepared = None
+                at = f"{held.name}, experts {min(dealt)}..{max(dealt)}"
+                if joined and k == 0 and r == 0:   # the jobs first, as one process orders their results
+                    mine, order, at = {**{j.name: j for j in jobs}, **mine}, {**owner, **order}, f"{where} and {at}"
+                yield from self._meet(mine, order, at)
+
+    def _meet(self, jobs: dict, owner: dict, where: str) -> Iterator:
+        """Run the ``jobs`` this rank owns, meet, and yield every result in ``owner``'s order."""
+        if not self.world.distributed:   # each result is taken before the next job runs: one held at a time
+            for key in owner:
+                yield self._run(jobs[key])
+            return
+        mine = {}
+        with together(where, self.world):
+            for key, job in jobs.items():
+                if owner[key] == self.world.rank:
+                    mine[key] = self.portable(self._run(job))
+        yield from share(mine, owner, self.world).values()
+
+    def _run(self, job: Job):
+        try:
+            result = job.run()
+        except Exception as e:
+            if not self.world.distributed:
+                raise
+            raise RuntimeError(f"layer {job.name}: {type(e).__name__}: {e}") from e
+        if job.release is not None:
+            job.release()
+        return result
