@@ -37,7 +37,7 @@ def _round(v, DT: tl.constexpr):
         return v.to(DT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("NCH_A", "NCH_H", "NGP"))        # chunk counts: see device.UNSPECIALIZED
 def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr,
                     CODED: tl.constexpr):
