@@ -67,3 +67,30 @@ def test_scratch_cap_holds_for_a_wider_model():
 def test_fp32_activations_reserve_no_large_m_buffer():
     run = cs.serve_start(4, "none", "sm_80", sizes=[1, 8], act_dtype=torch.float32)
     assert run.scratch["load"] == max(tk.splitk_floats(-(-n // 16) * 16) for n, _ in cs.MODEL_8B.values()) * 4
+
+
+def test_grouped_moe_projections_share_their_variants(monkeypatch):
+    """The grouped MoE kernel compiles at load one variant per row tile (``compile_all``), and a
+    layer's two projections share them: their K steps (16 and 6 here) no longer split a tile in
+    two by divisibility."""
+    from vllm_latq.kernels.triton import grouped_moe as tm
+    from vllm_latq.kernels.triton.kernel import TritonKernel
+    from vllm_latq.testing.capture import compile_key, unspecialized
+    from vllm_latq.testing.weights import random_weight
+    projections = [tm.stack([TritonKernel.prepare(random_weight(64, k, 4, 0.0, seed=e)) for e in range(2)])[0]
+                   for k in (2048, 768)]
+
+    def count(skip):
+        keys = set()
+
+        class Record:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: keys.add(compile_key("moe", args, kw, skip))
+        monkeypatch.setattr(tm, "_moe_gemv_kernel", Record())
+        for st in projections:
+            tm.compile_all(st, torch.bfloat16)
+        return len(keys)
+
+    fn = tm._moe_gemv_kernel
+    assert count(unspecialized(fn)) == len(tm.MOE_TILES)
+    assert count(frozenset()) == 2 * len(tm.MOE_TILES)

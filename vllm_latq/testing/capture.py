@@ -33,7 +33,8 @@ def unspecialized(fn) -> frozenset[int]:
     JIT or an interpreted function."""
     names = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
     arg_names = list(getattr(fn, "arg_names", ()))
-    return frozenset(n if isinstance(n, int) else arg_names.index(n) for n in names)
+    return frozenset(n if isinstance(n, int) else arg_names.index(n) for n in names
+                     if isinstance(n, int) or n in arg_names)
 
 
 def compile_key(name, args, kwargs, skip: frozenset[int] = frozenset()) -> tuple:
