@@ -1,18 +1,21 @@
 """``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard
 checkpoint that stock vLLM, SGLang and transformers read (the ``compressed-tensors`` package).
 
-The dense kind at 4 and 8 bits with static natural groups and no outliers *is* compressed-tensors'
-``pack-quantized`` form (symmetric int, strategy ``group``): both store offset-binary integers
-(u = z + 2^(b-1)) little-endian along K, 32/b to an int32 word, padding u = 0. A latq row pads to
-whole 32-column tiles, one of compressed-tensors to whole words, so its ``weight_packed`` is the
-first ``ceil(K·b/32)`` words of latq's ``qweight``: the integers pass through untouched. Group
-scales (stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]`` (fp32, exact).
+The dense kind at 2–8 bits with static natural groups and no outliers *is* compressed-tensors'
+``pack-quantized`` form as vLLM's WNA16 scheme reads it (symmetric int, strategy ``group``, or
+``channel`` for one group per row): offset-binary integers (u = z + 2^(b-1)) packed densely
+along K, value k of a row at bits [k·b, k·b + b) of its little-endian int32 words, padding
+u = 0, ``ceil(K·b/32)`` words. A latq row is that stream in whole 32-column tiles, so its
+``weight_packed`` is the first ``ceil(K·b/32)`` words of latq's ``qweight``: the integers pass
+through untouched, at every width. (For 3, 5, 6 and 7 bits this is compressed-tensors' packing
+from 0.18 on; 0.17 put 32//b values in a word and reads these widths wrongly.) Group scales
+(stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]`` (fp32, exact).
 
-What does not map is refused, naming the layer and why: other bit widths (no vLLM kernel takes
-them), CSR outliers, a group size that does not divide K (vLLM's kernels refuse ragged groups),
-and the huffman kind (HPTQ/HRTN: entropy-coded integers under one fp32 scale, with no fixed bit
-width). ``--dequantize-unmapped`` writes such layers as bf16 weights instead, listed in
-``ignore``, and reports the bits/weight that costs.
+What does not map is refused, naming the layer and why: CSR outliers, a group size that
+neither divides K nor covers it (vLLM's kernels refuse ragged groups), and the huffman kind
+(HPTQ/HRTN: entropy-coded integers under one fp32 scale, with no fixed bit width).
+``--dequantize-unmapped`` writes such layers as bf16 weights instead, listed in ``ignore``, and
+reports the bits/weight that costs.
 
 examples:
   latq-export ckpt/gemma-w4 export/gemma-w4 --format compressed-tensors
@@ -41,7 +44,7 @@ from ..format.layer import dense_scales, dequantize_layer
 from ..format.safetensors_file import write_safetensors
 
 FORMATS = ("compressed-tensors",)
-MAPPED_BITS = (4, 8)        # W4A16 / W8A16: the widths vLLM's kernels (Marlin, Machete, CPU) take
+MAPPED_BITS = tuple(range(2, 9))   # vLLM's compressed-tensors WNA16 scheme: WNA16_SUPPORTED_TYPES_MAP
 TMP_SUFFIX = ".tmp-latq-export"
 UNMAPPED_BITS = 16          # a layer written as bf16
 SCALE_BITS = 32             # weight_scale's fp32
@@ -74,15 +77,15 @@ def _plan_layer(ck: Checkpoint, module: str, shape: tuple[int, int], tensors: di
     spec = ck.spec
     if spec.kind == "huffman":
         return Layer(module, shape, None, f"{spec.method}: entropy-coded integers under one fp32 scale, no fixed "
-                                          "bit width or group scales (pack-quantized holds 4/8-bit groups)")
+                                          "bit width or group scales (pack-quantized holds 2-8-bit groups)")
     bits, g, k = spec.bits_of(module), spec.group_size, shape[1]
     nnz = ck.shards[ck.where[tensors["outlier_col"]]].shape(tensors["outlier_col"])[0]
     why = None
     if bits not in MAPPED_BITS:
-        why = f"{bits}-bit integers (pack-quantized kernels in vLLM take {' and '.join(map(str, MAPPED_BITS))} bits)"
+        why = f"{bits}-bit integers (vLLM's pack-quantized scheme takes {MAPPED_BITS[0]}-{MAPPED_BITS[-1]} bits)"
     elif nnz:
         why = f"{nnz} CSR outliers beside the integers ({spec.method}); the target format has none"
-    elif k % g:
+    elif k % g and g < k:
         why = f"group size {g} does not divide its {k} input columns (vLLM's kernels refuse a ragged last group)"
     return Layer(module, shape, bits, why)
 
@@ -121,7 +124,7 @@ def layer_bits(layer: Layer, group_size: int | None) -> float:
     if layer.refusal:
         return UNMAPPED_BITS
     n, k = layer.shape
-    return (math.ceil(k * layer.bits / 32) * 32 + (k // group_size) * SCALE_BITS) / k
+    return (math.ceil(k * layer.bits / 32) * 32 + -(-k // group_size) * SCALE_BITS) / k
 
 
 # ----------------------------------------------------------------------------- config
@@ -132,18 +135,26 @@ def linear_modules(ck: Checkpoint, model) -> list[str]:
     return [names.module(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
+def weight_form(layer: Layer, group_size: int) -> tuple[int, str, int | None]:
+    """(bits, strategy, group size) of a mapped layer: ``group``, or ``channel`` where one group
+    covers the row (vLLM's channelwise form: one scale per row, any TP cut)."""
+    return (layer.bits, "channel", None) if group_size >= layer.shape[1] else (layer.bits, "group", group_size)
+
+
 def compressed_tensors_config(layers: list[Layer], group_size: int, linears: list[str]) -> dict:
-    """The ``quantization_config`` of the export: one config group per bit width, targeting
-    ``Linear`` when all share one width, else the layers by name; every other linear ignored."""
+    """The ``quantization_config`` of the export: one config group per weight form (bits,
+    strategy, group size), targeting ``Linear`` when all share one form, else the layers by
+    name; every other linear ignored."""
     mapped = [x for x in layers if not x.refusal]
-    widths = sorted({x.bits for x in mapped})
+    forms = sorted({weight_form(x, group_size) for x in mapped}, key=repr)
     groups = {}
-    for i, b in enumerate(widths):
-        targets = ["Linear"] if len(widths) == 1 else [f"re:^{re.escape(x.module)}$" for x in mapped if x.bits == b]
+    for i, (b, strategy, g) in enumerate(forms):
+        targets = ["Linear"] if len(forms) == 1 else [f"re:^{re.escape(x.module)}$" for x in mapped
+                                                      if weight_form(x, group_size) == (b, strategy, g)]
         groups[f"group_{i}"] = {
             "targets": targets, "format": "pack-quantized", "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": b, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": group_size, "dynamic": False, "actorder": None, "observer": None}}
+            "weights": {"num_bits": b, "type": "int", "symmetric": True, "strategy": strategy,
+                        "group_size": g, "dynamic": False, "actorder": None, "observer": None}}
     kept = {x.module for x in mapped}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": groups, "ignore": sorted(m for m in linears if m not in kept),
@@ -239,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("ckpt", help="latq checkpoint directory")
     ap.add_argument("out", help="output directory (written as OUT.tmp-latq-export, then renamed)")
     ap.add_argument("--format", default="compressed-tensors", choices=FORMATS, dest="fmt",
-                    help="target format (default compressed-tensors: pack-quantized W4A16/W8A16)")
+                    help="target format (default compressed-tensors: pack-quantized W2A16-W8A16)")
     ap.add_argument("--dequantize-unmapped", action="store_true",
                     help="write layers that have no form in the target format as bf16 weights instead of refusing")
     ap.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")

@@ -28,10 +28,21 @@ def _spec(v):
     return ("int", v == 1, v % 16 == 0)
 
 
-def compile_key(name, args, kwargs) -> tuple:
-    """A launch's compile key: the positional (runtime) arguments as Triton specialises them,
-    the keywords (constexprs, launch options) by value."""
-    return name, tuple(_spec(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+def unspecialized(fn) -> frozenset[int]:
+    """Positions of ``fn``'s arguments Triton does not specialise (``do_not_specialize``), for a
+    JIT or an interpreted function."""
+    names = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    arg_names = list(getattr(fn, "arg_names", ()))
+    return frozenset(n if isinstance(n, int) else arg_names.index(n) for n in names
+                     if isinstance(n, int) or n in arg_names)
+
+
+def compile_key(name, args, kwargs, skip: frozenset[int] = frozenset()) -> tuple:
+    """A launch's compile key: the positional (runtime) arguments as Triton specialises them
+    (those at ``skip`` not at all: only their type), the keywords (constexprs, launch options)
+    by value."""
+    return name, tuple(("int",) if i in skip and isinstance(a, int) else _spec(a) for i, a in enumerate(args)), \
+        tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
 
 
 class CaptureWatch:
@@ -43,8 +54,8 @@ class CaptureWatch:
         self.violations: list[str] = []
         self._in_kernel = 0
 
-    def _launched(self, name, args, kwargs):
-        key = compile_key(name, args, kwargs)
+    def _launched(self, name, args, kwargs, skip=frozenset()):
+        key = compile_key(name, args, kwargs, skip)
         if self.capturing and key not in self.keys:
             self.violations.append(f"new compile key in capture: {name} {dict(kwargs)}")
         self.keys.add(key)
@@ -54,7 +65,7 @@ class CaptureWatch:
 
         def run(fn, *args, **kwargs):
             watch._launched(getattr(fn, "__name__", repr(fn)), args,
-                            {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})
+                            {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}, unspecialized(fn))
             watch._in_kernel += 1
             try:
                 return orig(fn, *args, **kwargs)
