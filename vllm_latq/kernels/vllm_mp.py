@@ -96,11 +96,8 @@ def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
         return None, why
     try:
         from vllm.model_executor.kernels.linear import choose_mp_linear_kernel
-        from vllm.platforms import current_platform
     except ImportError as e:
         return None, f"vLLM's kernel selection does not import ({e})"
-    if current_platform.device_type != torch.device(device).type:
-        return None, f"layer on {torch.device(device).type}, vLLM's platform is {current_platform.device_type!r}"
     try:
         kernel = choose_mp_linear_kernel(layer_config(w, act_dtype))
     except ValueError as e:

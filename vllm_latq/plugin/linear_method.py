@@ -12,7 +12,7 @@ from ..kernels import ops, selector
 from . import loader_rows
 from .geometry import geometry, in_loader_order
 from .load_report import LoadReport
-from .loading import LoadState, WeightLoader
+from .loading import LoadState, WeightLoader, kernel_device
 
 
 class LatqLinearMethod(LinearMethodBase):
@@ -40,7 +40,7 @@ class LatqLinearMethod(LinearMethodBase):
             layer.register_parameter(name, p)
         # the placeholders are made on the device the model is built on: its kernel family's
         # widths and served bytes choose the inlier width of a transcoded (HPTQ) layer
-        st.family = selector.family_for(p.device)
+        st.family = selector.family_for(kernel_device(p.device))
         self.report.expect()
 
     def process_weights_after_loading(self, layer) -> None:
@@ -58,7 +58,7 @@ class LatqLinearMethod(LinearMethodBase):
         stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
         del layer._latq_load
         w = w.to(device)
-        kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype)
+        kernel, refused = selector.select_with_reasons(w, kernel_device(device), layer._latq_act_dtype)
         state = kernel.prepare(w)
         kernel.reserve(state, layer._latq_act_dtype)
         tensors, ints = kernel.flatten(state)

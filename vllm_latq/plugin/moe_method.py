@@ -22,7 +22,7 @@ from .. import format as fmt
 from ..kernels import graphs, moe, ops, selector, vllm_moe
 from ..kernels.weight import LatqWeight
 from .geometry import Geometry, Shard
-from .loading import LoadState, tensor_names
+from .loading import LoadState, kernel_device, tensor_names
 
 STEMS = ("w13", "w2")
 log = logging.getLogger("vllm.latq")
@@ -112,7 +112,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
                 layer.register_parameter(f"{stem}_{name}", p)
         # the device the model is built on: the kernels' (and an HPTQ transcode's width family's)
         layer._latq_device = p.device
-        layer._latq_family = selector.family_for(p.device)
+        layer._latq_kernel_device = kernel_device(p.device)     # what the kernels are chosen for
+        layer._latq_family = selector.family_for(layer._latq_kernel_device)
         for _ in range(num_experts * len(STEMS)):
             self.report.expect()
 
@@ -153,7 +154,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
             for name in layer._latq_moe_names:
                 delattr(layer, f"{stem}_{name}")
         del layer._latq_moe_load
-        self.vllm_method, why = vllm_moe.choose(weights, self.moe, layer._latq_device, self.prefix)
+        self.vllm_method, why = vllm_moe.choose(weights, self.moe, layer._latq_kernel_device, self.prefix)
         if self.vllm_method is None and selector.forced_kernel() == vllm_moe.NAME:
             raise ValueError(f"latq: {self.prefix}: {selector.ENV_FORCE}={vllm_moe.NAME}, but vLLM's MoE kernels "
                              f"cannot serve its experts: {why}")
@@ -191,7 +192,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
     def serve_with_latq(self, layer, weights, loads, vllm_refusal: str) -> None:
         """latq's kernels per expert (stacked for the grouped kernel where they are Triton's)."""
         graphs.GRAPH_TOKENS = graph_tokens()
-        device = layer._latq_device
+        device = layer._latq_kernel_device
         experts = []
         for local in range(layer.local_num_experts):
             pair = []
