@@ -24,6 +24,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa:
 from vllm.scalar_type import scalar_types  # noqa: E402
 
 from vllm_latq.testing import boundary_layers as bl  # noqa: E402
+from vllm_latq.testing.boundary_run import run_ranks  # noqa: E402
 from vllm_latq.testing.cuda_boundary import cuda_boundary  # noqa: E402
 from vllm_latq.testing.cuda_ops import OpContractError  # noqa: E402
 
@@ -109,3 +110,205 @@ def test_contracts_a_gpu_enforces(boundary):
     with pytest.raises(OpContractError, match="group scales torch.bfloat16"):
         ops.machete_mm(a=torch.randn(2, k).half(), b_q=packed, b_type=scalar_types.uint4b8,
                        b_group_scales=sm.bfloat16(), b_group_size=64)
+
+
+# ============================================================================ vLLM's layers with latq's method
+
+FORCED_VLLM = (("LATQ_KERNEL", "vllm"),)
+
+
+def _vllm_cases() -> list[bl.Case]:
+    """latq's standard form on vLLM's kernels: every linear type, fp16/bf16, biases on and off,
+    every capability; the MoE layer at each."""
+    return ([bl.Case(layer, dtype, cc, bias) for layer in ("qkv", "gate_up", "down", "column")
+             for dtype in ("fp16", "bf16") for cc in bl.CCS for bias in (False, True)]
+            + [bl.Case("moe", dtype, cc) for dtype in ("fp16", "bf16") for cc in bl.CCS])
+
+
+def _latq_cases() -> list[bl.Case]:
+    """Forms no vLLM kernel takes (CSR outliers, 3 bits) and 32-bit activations, which vLLM's
+    kernels would be handed but cannot compute: latq's Triton kernels, in the interpreter,
+    reached through the same layers; on the host, vLLM's CPU kernel where forced."""
+    return ([bl.Case("qkv", "fp16", 80, True, outliers=0.01), bl.Case("qkv", "bf16", 90, True, outliers=0.01),
+             bl.Case("down", "bf16", 86, True, bits=3)]
+            + [bl.Case("qkv", "fp32", 80, True), bl.Case("down", "fp32", 90)]
+            + [bl.Case("moe", "bf16", 89, outliers=0.01), bl.Case("moe", "fp32", 90)]
+            + [bl.Case("qkv", "fp32", 80, env=FORCED_VLLM), bl.Case("moe", "fp32", 80, env=FORCED_VLLM)]
+            + [bl.Case(layer, dtype, 0, True, env=FORCED_VLLM) for layer in ("qkv", "down") for dtype in ("fp16", "bf16")])
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    """Every case on TP 1 (one process) and TP 2 (two gloo ranks), run once for the module."""
+    return run_ranks((1, 2), _vllm_cases() + _latq_cases())
+
+
+def _records(tp_results, tp, case):
+    recs = tp_results[tp][case.id]
+    assert len(recs) == tp
+    return recs
+
+
+def _vllm_kernel(case: bl.Case, tp: int) -> str:
+    if case.layer == "moe":
+        return "vllm:MarlinExperts"
+    return "vllm:" + ("MacheteLinearKernel" if case.cc == 90 and _machete_takes(case, tp) else "MarlinLinearKernel")
+
+
+def _machete_takes(case: bl.Case, tp: int) -> bool:
+    """Machete (Hopper) takes groups of 64 and 128 and N a multiple of 128: down_proj's K (576,
+    288 a rank) leaves groups of gcd(128, K) = 64 on one rank but 32 on two, the column layer
+    384 rows, 192 a rank — Marlin's at TP 2."""
+    return not (case.layer in ("down", "column") and tp == 2)
+
+
+def _served_bits(case: bl.Case, tp: int) -> float:
+    """4-bit words plus one 16-bit scale per group vLLM is told, gcd(128, this rank's K), over
+    the K Marlin pads to (``marlin_padded_nk``: 288 → 320 at TP 2); the experts' g64 halved where
+    this rank's intermediate size is the group (``marlin_scale_hazard``)."""
+    import math
+
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_padded_nk
+    if case.layer == "moe":
+        return 4 + 16 / (64 if tp == 1 else 32)
+    n, k = {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN), "gate_up": (2 * bl.INTER // tp, bl.HIDDEN),
+            "column": (bl.COL_N // tp, bl.HIDDEN), "down": (bl.HIDDEN, bl.DOWN_K // tp)}[case.layer]
+    g = math.gcd(bl.GROUP, k)
+    pn, pk = (n, k) if "Machete" in _vllm_kernel(case, tp) else marlin_padded_nk(n, k, g)
+    return (4 + 16 / g) * pn * pk / (n * k)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", _vllm_cases(), ids=lambda c: c.id)
+def test_standard_form_on_vllms_kernels(case, tp, tp_results):
+    """vLLM's kernel class processes and applies latq's layer through vLLM's own scheme: within
+    the kernel's rounding of latq's dequantized reference (a permuted bias or scale is not), the
+    load report naming the class and the bits it streams."""
+    for rank, rec in enumerate(_records(tp_results, tp, case)):
+        assert rec["ok"], (f"rank {rank}", rec.get("error") or rec, rec.get("traceback", ""))
+        assert rec["kernel"] == _vllm_kernel(case, tp), rec
+        assert rec["served_bits"] == pytest.approx(_served_bits(case, tp)), rec
+
+
+def _latq_expected(case: bl.Case) -> tuple[str | None, str]:
+    """(the kernel serving the layer, the words of vLLM's refusal in the load report's table)."""
+    if case.cc == 0:
+        return "vllm:CPUWNA16LinearKernel", ""
+    if case.dtype == "fp32":
+        experts = "MarlinExperts" if case.layer == "moe" else None
+        return "triton", f"which computes no torch.float32 activations" if experts is None else \
+            f"vLLM picks {experts}, which computes no torch.float32"
+    return "triton", "CSR outliers" if case.outliers else "3-bit inliers"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", _latq_cases(), ids=lambda c: c.id)
+def test_other_forms_and_dtypes_on_latqs_kernels(case, tp, tp_results):
+    """What no vLLM kernel takes — or would take but not compute: 32-bit activations into Marlin or
+    Machete (their ``can_implement`` never asks) — runs on latq's Triton kernels through the same
+    layers, the refusal's reason in the load report's table; forcing ``vllm`` there fails at load
+    with that reason. On the host, forced ``vllm`` runs vLLM's real CPU kernel on its scheme."""
+    want, why = _latq_expected(case)
+    for rank, rec in enumerate(_records(tp_results, tp, case)):
+        if case.env == FORCED_VLLM and case.cc:
+            assert not rec["ok"] and "LATQ_KERNEL=vllm" in rec["error"] and "torch.float32" in rec["error"], rec
+            continue
+        assert rec["ok"], (f"rank {rank}", rec.get("error") or rec, rec.get("traceback", ""))
+        assert rec["kernel"] == want and why in rec.get("table", ""), rec
+
+
+# ============================================================================ what vLLM would pick but cannot compute
+
+ACTS = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16"),
+        pytest.param(torch.float32, id="fp32")]
+FORMS = {"4bit-g32": (4, 32, 512), "4bit-g64": (4, 64, 512), "4bit-g128": (4, 128, 512),
+         "4bit-channel": (4, 512, 512), "8bit-g64": (8, 64, 512), "4bit-g128-K576": (4, 128, 576)}
+
+
+def _op_computes(kernel: str, act: torch.dtype) -> bool:
+    """Whether the CUDA op the kernel class calls accepts ``act`` activations (the stand-ins carry
+    the ops' own checks)."""
+    from vllm_latq.testing import cuda_ops
+    try:
+        if kernel in ("MarlinLinearKernel", "MarlinExperts"):
+            cuda_ops._act_dtype(torch.empty(0, dtype=act))
+        elif kernel == "MacheteLinearKernel":
+            words = torch.zeros(64, 128, dtype=torch.int32).t().contiguous().t()
+            cuda_ops.machete_prepack_B(words, act, scalar_types.uint4b8.id, act)
+        else:
+            raise AssertionError(f"no stand-in for {kernel}: add it to the table")
+    except OpContractError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("cc", bl.CCS, ids=[f"sm{c}" for c in bl.CCS])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("form", FORMS)
+def test_what_vllm_would_pick_but_cannot_compute_is_refused(form, act, cc):
+    """Every (activation dtype × form × capability): the kernel vLLM's ``choose_mp_linear_kernel``
+    picks for it (what its scheme would use), whether that kernel's op computes the dtype, and
+    latq's decision — latq takes vLLM's pick only where it computes, and otherwise says why."""
+    from vllm.model_executor.kernels.linear import choose_mp_linear_kernel
+
+    from vllm_latq.kernels import vllm_mp
+    from vllm_latq.testing.weights import random_weight
+    bits, group, k = FORMS[form]
+    w = random_weight(256, k, bits, 0.0, group=group)
+    with cuda_boundary(cc):
+        picked = choose_mp_linear_kernel(vllm_mp.layer_config(w, act)).__name__
+        kernel, why = vllm_mp.choose(w, torch.device("cuda"), act)
+    if _op_computes(picked, act):
+        assert kernel is not None and kernel.__name__ == picked, why
+    else:
+        assert kernel is None and why == (f"vLLM picks {picked}, which computes no {act} activations "
+                                          "(only torch.float16, torch.bfloat16)")
+
+
+@pytest.mark.parametrize("cc", [80, 90], ids=["sm80", "sm90"])
+@pytest.mark.parametrize("act", ACTS)
+def test_what_vllms_moe_backend_would_pick_but_cannot_compute_is_refused(act, cc):
+    from vllm_latq.kernels import vllm_moe
+    from vllm_latq.plugin import vllm_scheme
+    from vllm_latq.testing.vllm_experts import fused_moe_config
+    from vllm_latq.testing.weights import random_weight
+    weights = {(e, s): random_weight(*shape, 4, 0.0, group=64, seed=e) for e in range(4)
+               for s, shape in (("w13", (256, 256)), ("w2", (256, 128)))}
+    config = fused_moe_config(4, 2, 256, 128, "cuda", act)
+    with cuda_boundary(cc):
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.\
+            compressed_tensors_moe_wna16 import CompressedTensorsWNA16MoEMethod
+        picked = CompressedTensorsWNA16MoEMethod(vllm_scheme.quant_args(4, 64), None, config).experts_cls.__name__
+        method, why = vllm_scheme.choose_experts(weights, config, torch.device("cuda"), "experts")
+    if _op_computes(picked, act):
+        assert method is not None and method.experts_cls.__name__ == picked, why
+    else:
+        assert method is None and why == vllm_moe.computes_refusal(picked, act) and "torch.float32" in why
+
+
+def test_marlin_moe_scale_hazard_halves_the_group():
+    """vLLM's Marlin MoE permutes w13's scales for a K of this rank's intermediate size: where
+    that size is the group (64 at TP 2 of a 128-wide intermediate) the group vLLM is told is
+    halved (exact, each half keeping its scale), and refused where the half is no Marlin group."""
+    from vllm_latq.kernels import vllm_moe
+    from vllm_latq.testing.weights import random_weight
+    weights = {(e, s): random_weight(*shape, 4, 0.0, group=64, seed=e) for e in range(2)
+               for s, shape in (("w13", (128, 256)), ("w2", (256, 64)))}
+    assert vllm_moe.candidate_groups(weights, inter=64, hidden=256) == [64, 32]
+    assert vllm_moe.candidate_groups(weights, inter=128, hidden=256) == [64]
+    assert "permutes w13's 4 scale groups as one" in vllm_moe.marlin_scale_hazard(64, 64, 256)
+    assert vllm_moe.marlin_scale_hazard(32, 32, 256) and vllm_moe.candidate_groups(
+        {k: random_weight(*w.qweight.shape[:1], w.in_features, 4, 0.0, group=32) for k, w in weights.items()},
+        inter=32, hidden=256) == [32]
+
+
+def test_torch_only_paths_need_no_vllm():
+    """``scripts/gpu_check.sh``'s boundary lines (what latq hands vLLM's kernels, multiplied out
+    with torch) run with vLLM unimportable, one passing line per path — here on the CPU."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['vllm'] = None; from vllm_latq.testing.boundary_paths import main; "
+            "sys.exit(main(['--device', 'cpu']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("boundary ")]
+    assert p.returncode == 0 and len(lines) == 10 and all(": ok (" in line for line in lines), p.stdout + p.stderr

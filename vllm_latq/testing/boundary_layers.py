@@ -8,19 +8,11 @@ is compared with the same vLLM layer unquantized (fp32) holding latq's dequantiz
 (``kernels.weight.dequantize``, the reference's math): vLLM's own TP cut and reduction, latq's
 numbers.
 
-One process per rank (:func:`run_ranks`: gloo, vLLM's distributed state is per process); each
-runs every case asked and writes one JSON record per case.
+The cases run one process per rank (:mod:`.boundary_run`: gloo; vLLM's distributed state is per
+process).
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import math
-import os
-import socket
-import subprocess
-import sys
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +25,7 @@ HIDDEN, HEAD, HEADS, KV_HEADS, INTER, DOWN_K, COL_N = 256, 64, 4, 2, 256, 576, 3
 E, TOPK, MOE_INTER = 4, 2, 128
 GROUP = 128            # the checkpoints' group: 576 = 4.5 groups, so down_proj's rows are cut off them
 CCS = (80, 86, 89, 90)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 ULP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}   # unit roundoff
 
 
@@ -41,15 +33,18 @@ ULP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 
 class Case:
     layer: str            # a key of LAYERS, or "moe"
     dtype: str            # a key of DTYPES
-    cc: int
+    cc: int               # 0: the host's own platform (no stub, no stand-ins)
     bias: bool = False
     bits: int = 4
+    outliers: float = 0.0   # the checkpoint's outlier rate (SSQR's CSR form: no vLLM kernel takes it)
     env: tuple = ()       # (name, value) pairs set for the case (e.g. LATQ_KERNEL)
 
     @property
     def id(self) -> str:
         env = "".join(f"-{k}={v}" for k, v in self.env)
-        return f"{self.layer}-{self.bits}bit-{self.dtype}-sm{self.cc}-{'bias' if self.bias else 'nobias'}{env}"
+        where = f"sm{self.cc}" if self.cc else "host"
+        form = f"{self.bits}bit" + (f"-{self.outliers:.0%}outliers" if self.outliers else "")
+        return f"{self.layer}-{form}-{self.dtype}-{where}-{'bias' if self.bias else 'nobias'}{env}"
 
 
 def quant_config(bits: int, group: int = GROUP):
@@ -58,13 +53,19 @@ def quant_config(bits: int, group: int = GROUP):
                                    "group_size": group, "modules_not_converted": []})
 
 
-def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = GROUP) -> dict[str, torch.Tensor]:
-    """One latq layer's checkpoint tensors (dense kind, no outliers): uniform ``bits``-bit integers,
-    fp16 group scales — what ``format.encode_layer`` writes for a solver's result."""
+def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = GROUP,
+                       outliers: float = 0.0) -> dict[str, torch.Tensor]:
+    """One latq layer's checkpoint tensors (dense kind): uniform ``bits``-bit integers, fp16 group
+    scales, a fraction ``outliers`` of the weights as fp16 CSR outliers (0 in the integers) —
+    what ``format.encode_layer`` writes for a solver's result."""
+    from ..algorithms.result import CSR
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (rows, cin), generator=g, dtype=torch.int32)
     scales = (torch.rand(rows, -(-cin // group), generator=g) * 0.02 + 0.002).half().float()
-    return fmt.encode_layer(QuantResult("rtn", z, None, scales, group, bits, float(bits)), "dense")
+    mask = torch.rand(rows, cin, generator=g) < outliers
+    z[mask] = 0
+    csr = CSR.from_mask(mask, torch.randn(rows, cin, generator=g) * 0.3) if outliers else None
+    return fmt.encode_layer(QuantResult("rtn", z, None, scales, group, bits, float(bits), outliers=csr), "dense")
 
 
 def dequantized(t: dict[str, torch.Tensor], rows: int, cin: int, bits: int, group: int = GROUP) -> torch.Tensor:
@@ -87,6 +88,23 @@ def _layers():
         "column": (L.ColumnParallelLinear, dict(input_size=HIDDEN, output_size=COL_N), [("mlp.col", None, COL_N)],
                    HIDDEN, "mlp.col"),
     }
+
+
+def weight_tensors(w) -> dict[str, torch.Tensor]:
+    """A runtime form's checkpoint tensors (dense kind, fp16 scales: its codes dropped)."""
+    return {"qweight": w.qweight, "scales": w.scales, "outlier_crow": w.crow,
+            "outlier_col": w.col.to(fmt.col_dtype(w.in_features)), "outlier_val": w.val.half()}
+
+
+def replicated_layer(w, dtype: torch.dtype, prefix: str = "bench.linear"):
+    """vLLM's ``ReplicatedLinear`` with latq's method, loaded with ``w``'s tensors and processed
+    (vLLM's distributed state initialized: ``boundary_run.init_ranks``)."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    layer = ReplicatedLinear(w.in_features, w.out_features, bias=False, quant_config=quant_config(w.bits, w.group_size),
+                             params_dtype=dtype, prefix=prefix)
+    _load(layer, {None: weight_tensors(w)})
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
 
 
 def _load(layer, parts: dict, suffixes=None) -> None:
@@ -112,16 +130,17 @@ def _reference(case: Case, deq: dict, bias: dict):
     _load(ref, deq)
     if bias:
         _load(ref, {s: {"bias": b.float()} for s, b in bias.items()})
+    ref.quant_method.process_weights_after_loading(ref)
     return ref
 
 
-def dense_case(case: Case, rank: int) -> dict:
+def dense_case(case: Case) -> dict:
     """One linear: latq's layer and vLLM's unquantized one (the reference), same inputs."""
     cls, kw, parts, cin, leaf = _layers()[case.layer]
     dtype = DTYPES[case.dtype]
     ckpt, deq, bias = {}, {}, {}
     for i, (module, shard, rows) in enumerate(parts):
-        ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits)
+        ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, outliers=case.outliers)
         deq[shard] = {"weight": dequantized(ckpt[shard], rows, cin, case.bits)}
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
@@ -138,93 +157,17 @@ def dense_case(case: Case, rank: int) -> dict:
     absolute = _reference(case, {s: {"weight": w["weight"].abs()} for s, w in deq.items()}, {})
     want, bias_out = ref(x.float())[0], ref(torch.zeros(1, cin))[0]      # the bias as this rank's output has it
     scale = absolute(x.float().abs())[0] + bias_out.abs()                # |x|·|W|ᵀ + |b|
-    return _compare(y, want, dtype, scale, quant.load_report.layers[-1].kernel)
+    row = quant.load_report.layers[-1]
+    return {**_compare(y, want, dtype, scale, cin, row.kernel), "served_bits": row.served_bits,
+            "table": quant.load_report.reason_table()}
 
 
-def _compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, kernel: str) -> dict:
+def _compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, k: int, kernel: str) -> dict:
     """Within the kernel's rounding: weights rounded once to the activation type (≤ u·|x|·|W|ᵀ),
-    the output once more (≤ u·|y|), fp32 sums; ``scale`` = |x|·|W|ᵀ + |b| bounds both."""
+    the output once more (≤ u·|y|), sums of ``k`` fp32 products (≤ k·u₃₂·|x|·|W|ᵀ);
+    ``scale`` = |x|·|W|ᵀ + |b| bounds all three."""
     err = (y.float() - want).abs()
-    bound = 3 * ULP[dtype] * scale + 1e-6
+    bound = 3 * (ULP[dtype] + k * ULP[torch.float32]) * scale + 1e-6
     worst = float((err / bound).max())
     return {"kernel": kernel, "ok": worst <= 1.0 and y.dtype == dtype and y.shape == want.shape,
             "worst": worst, "max_err": float(err.max()), "dtype": str(y.dtype)}
-
-
-_PROCESS = contextlib.ExitStack()     # what a rank process holds until it exits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_ranks(world: int, rank: int, port: int) -> None:
-    """vLLM's distributed state for one rank of a TP group of ``world`` (gloo)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    _PROCESS.enter_context(set_current_vllm_config(VllmConfig()))   # the process's config, as a worker holds one
-    init_distributed_environment(world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=rank, backend="gloo")
-    initialize_model_parallel(world)
-
-
-def run_case(case: Case, rank: int) -> dict:
-    from .cuda_boundary import cuda_boundary
-    saved = {k: os.environ.get(k) for k, _ in case.env}
-    os.environ.update(dict(case.env))
-    try:
-        with cuda_boundary(case.cc):
-            if case.layer == "moe":
-                from .boundary_moe import moe_case
-                out = moe_case(case, rank)
-            else:
-                out = dense_case(case, rank)
-    except Exception as e:   # a case's failure is its record, the next case runs
-        out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return {"case": case.id, **out}
-
-
-WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1",
-              "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING", "TRITON_INTERPRET": "1",
-              "TOKENIZERS_PARALLELISM": "false"}
-
-
-def run_ranks(world: int, cases: list[Case], timeout: float = 300) -> dict[str, list[dict]]:
-    """Every case on each of ``world`` rank processes → case id → its records, rank by rank."""
-    import tempfile
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = os.path.join(tmp, "cases.json")
-        with open(spec, "w") as f:
-            json.dump([vars(c) for c in cases], f)
-        env = {**os.environ, **WORKER_ENV}
-        procs = [subprocess.Popen([sys.executable, "-m", __name__, str(world), str(r), str(port), spec,
-                                   os.path.join(tmp, f"rank{r}.json")], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-        out: dict[str, list[dict]] = {}
-        for r, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if p.returncode or not os.path.exists(path):
-                raise RuntimeError(f"rank {r} of {world} exited {p.returncode}:\n{logs[r][-4000:]}")
-            for rec in json.load(open(path)):
-                out.setdefault(rec["case"], []).append(rec)
-    return out
-
-
-def main(argv: list[str]) -> None:
-    world, rank, port, spec, dest = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
-    init_ranks(world, rank, port)
-    cases = [Case(**{**c, "env": tuple(map(tuple, c["env"]))}) for c in json.load(open(spec))]
-    records = [run_case(c, rank) for c in cases]
-    with open(dest, "w") as f:
-        json.dump(records, f)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

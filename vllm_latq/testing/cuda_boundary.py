@@ -31,7 +31,8 @@ def cuda_platform(cc: int):
     """vLLM's ``current_platform`` answers as a CUDA GPU of capability ``cc`` (e.g. 80, 90):
     the class attributes its own capability helpers read, patched on its class so that every
     ``cls.get_device_capability`` inside them sees the stub; torch's capability query too (latq's
-    Triton kernel asks it). The dispatch key stays the host's: tensors stay on the CPU."""
+    Triton kernel asks it); the caching allocator's release and vLLM's current stream answer as
+    on the host. The dispatch key stays the host's: tensors stay on the CPU."""
     import importlib
     for name in PRELOAD:
         importlib.import_module(name)
@@ -48,6 +49,12 @@ def cuda_platform(cc: int):
             stack.enter_context(mock.patch.object(cls, name, value, create=True))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability",
                                               lambda device=None: (cc // 10, cc % 10)))
+        # the CUDA caching allocator's release (vLLM's workspace growth calls it): nothing to release
+        stack.enter_context(mock.patch.object(torch.accelerator, "empty_cache", lambda: None))
+        # vLLM's current CUDA stream (its per-stream workspaces key on it): the host's placeholder
+        from vllm.utils import torch_utils
+        stack.enter_context(mock.patch.object(torch_utils._current_stream_tls, "value",
+                                              torch_utils._StreamPlaceholder(), create=True))
         yield current_platform
 
 

@@ -234,9 +234,18 @@ def moe_wna16_marlin_gemm(input, output, b_qweight, b_bias, b_scales, a_scales, 
     return out
 
 
+def moe_sum(input, output, topk_ids=None, expert_map=None):
+    """``output[t] = Σ_k input[t, k]`` (in fp32, as the kernel accumulates), in place."""
+    _check(expert_map is None, "expert maps (expert parallelism): not taken by latq")
+    _check(input.dim() == 3 and tuple(output.shape) == (input.shape[0], input.shape[2]),
+           f"input {tuple(input.shape)} / output {tuple(output.shape)}")
+    output.copy_(input.float().sum(1).to(output.dtype))
+
+
 # namespace → op name → stand-in
 STAND_INS = {
     "_C": {"gptq_marlin_repack": gptq_marlin_repack, "marlin_gemm": marlin_gemm,
            "machete_prepack_B": machete_prepack_B, "machete_mm": machete_mm},
-    "_moe_C": {"moe_align_block_size": moe_align_block_size, "moe_wna16_marlin_gemm": moe_wna16_marlin_gemm},
+    "_moe_C": {"moe_align_block_size": moe_align_block_size, "moe_wna16_marlin_gemm": moe_wna16_marlin_gemm,
+               "moe_sum": moe_sum},
 }
