@@ -119,9 +119,10 @@ FORCED_VLLM = (("LATQ_KERNEL", "vllm"),)
 
 def _vllm_cases() -> list[bl.Case]:
     """latq's standard form on vLLM's kernels: every linear type, fp16/bf16, biases on and off,
-    every capability; the MoE layer at each."""
+    every capability; coded scales (their fp16 decode handed over); the MoE layer at each."""
     return ([bl.Case(layer, dtype, cc, bias) for layer in ("qkv", "gate_up", "down", "column")
              for dtype in ("fp16", "bf16") for cc in bl.CCS for bias in (False, True)]
+            + [bl.Case("qkv", "bf16", 80, True, scale_bits=4), bl.Case("down", "fp16", 90, scale_bits=4)]
             + [bl.Case("moe", dtype, cc) for dtype in ("fp16", "bf16") for cc in bl.CCS])
 
 
@@ -134,6 +135,7 @@ def _latq_cases() -> list[bl.Case]:
             + [bl.Case("qkv", "fp32", 80, True), bl.Case("down", "fp32", 90)]
             + [bl.Case("moe", "bf16", 89, outliers=0.01), bl.Case("moe", "fp32", 90)]
             + [bl.Case("qkv", "fp32", 80, env=FORCED_VLLM), bl.Case("moe", "fp32", 80, env=FORCED_VLLM)]
+            + [bl.Case("qkv", "fp16", 86, True, env=(("LATQ_KERNEL", "triton"),))]
             + [bl.Case(layer, dtype, 0, True, env=FORCED_VLLM) for layer in ("qkv", "down") for dtype in ("fp16", "bf16")])
 
 
@@ -194,6 +196,8 @@ def _latq_expected(case: bl.Case) -> tuple[str | None, str]:
     """(the kernel serving the layer, the words of vLLM's refusal in the load report's table)."""
     if case.cc == 0:
         return "vllm:CPUWNA16LinearKernel", ""
+    if case.env:                    # forced: the forced kernel, no refusals asked
+        return dict(case.env)["LATQ_KERNEL"], ""
     if case.dtype == "fp32":
         experts = "MarlinExperts" if case.layer == "moe" else None
         return "triton", f"which computes no torch.float32 activations" if experts is None else \
@@ -268,7 +272,7 @@ def test_what_vllm_would_pick_but_cannot_compute_is_refused(form, act, cc):
 @pytest.mark.parametrize("cc", [80, 90], ids=["sm80", "sm90"])
 @pytest.mark.parametrize("act", ACTS)
 def test_what_vllms_moe_backend_would_pick_but_cannot_compute_is_refused(act, cc):
-    from vllm_latq.kernels import vllm_moe
+    from vllm_latq.kernels import vllm_mp
     from vllm_latq.plugin import vllm_scheme
     from vllm_latq.testing.vllm_experts import fused_moe_config
     from vllm_latq.testing.weights import random_weight
@@ -283,7 +287,7 @@ def test_what_vllms_moe_backend_would_pick_but_cannot_compute_is_refused(act, cc
     if _op_computes(picked, act):
         assert method is not None and method.experts_cls.__name__ == picked, why
     else:
-        assert method is None and why == vllm_moe.computes_refusal(picked, act) and "torch.float32" in why
+        assert method is None and why == vllm_mp.computes_refusal(picked, act) and "torch.float32" in why
 
 
 def test_marlin_moe_scale_hazard_halves_the_group():

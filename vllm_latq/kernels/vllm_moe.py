@@ -21,10 +21,6 @@ from .weight import LatqWeight
 
 NAME = vllm_mp.VllmMPKernel.name
 STEMS = ("w13", "w2")
-# vLLM experts class → the activation dtypes it computes, where vLLM's backend selection does not
-# ask: Marlin MoE asserts 16-bit hidden states at its first forward
-EXPERT_ACT_DTYPES = {"MarlinExperts": (torch.float16, torch.bfloat16),
-                     "BatchedMarlinExperts": (torch.float16, torch.bfloat16)}
 
 
 def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
@@ -38,24 +34,6 @@ def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
     if len(widths) > 1:
         return f"experts mix {sorted(widths)}-bit projections (vLLM's MoE kernels take one width per layer)"
     return None
-
-
-def computes_refusal(experts_cls: str, act_dtype: torch.dtype) -> str | None:
-    """Why vLLM's ``experts_cls`` would be handed activations it cannot compute, or None."""
-    dtypes = EXPERT_ACT_DTYPES.get(experts_cls)
-    if dtypes is not None and act_dtype not in dtypes:
-        return (f"vLLM picks {experts_cls}, which computes no {act_dtype} activations "
-                f"(only {', '.join(str(d) for d in dtypes)})")
-    return None
-
-
-def moe_groups(weights: dict[tuple[int, str], LatqWeight]) -> list[int]:
-    """The group sizes vLLM may be told, in the order asked: the gcd of every projection's group
-    and input size (one scale per row counting as a group of the whole row); then -1
-    (channelwise), the same numbers, where every projection has one scale per row."""
-    groups = [vllm_mp.vllm_group(w) for w in weights.values()]
-    g = math.gcd(*(w.in_features if g == -1 else g for g, w in zip(groups, weights.values())))
-    return [g, -1] if all(g == -1 for g in groups) else [g]
 
 
 def marlin_scale_hazard(group: int, inter: int, hidden: int) -> str | None:

@@ -26,11 +26,12 @@ from .weight import LatqWeight
 WIDTHS = (2, 4, 8)     # latq's words are compressed-tensors' where the width divides 32
 # vLLM kernel class → the custom op its apply calls, where a build may lack it
 PROBED_OPS = {"CPUWNA16LinearKernel": "cpu_gemm_wna16"}
-# vLLM kernel class → the activation dtypes it computes, where its can_implement does not ask: the
-# ops' own checks refuse any other (Marlin's ``marlin_gemm``: "unsupported `a` scalar_type";
-# Machete has no kernel for it, though its group-size query lets 32-bit activations through)
-ACT_DTYPES = {"MarlinLinearKernel": (torch.float16, torch.bfloat16),
-              "MacheteLinearKernel": (torch.float16, torch.bfloat16)}
+# vLLM kernel or experts class → the activation dtypes it computes, where its selection does not
+# ask: the ops' own checks refuse any other (Marlin's ``marlin_gemm``: "unsupported `a`
+# scalar_type"; Machete has no kernel for it, though its group-size query lets 32-bit
+# activations through; Marlin MoE asserts 16-bit hidden states at its first forward)
+ACT_DTYPES = {name: (torch.float16, torch.bfloat16)
+              for name in ("MarlinLinearKernel", "MacheteLinearKernel", "MarlinExperts", "BatchedMarlinExperts")}
 
 
 def op_available(name: str) -> bool:
@@ -94,7 +95,8 @@ def group_scales(w: LatqWeight, group: int) -> torch.Tensor:
 
 
 def computes_refusal(kernel_name: str, act_dtype: torch.dtype) -> str | None:
-    """Why vLLM's ``kernel_name`` would be handed activations it cannot compute, or None."""
+    """Why vLLM's ``kernel_name`` (a linear kernel or experts class) would be handed activations
+    it cannot compute, or None."""
     dtypes = ACT_DTYPES.get(kernel_name)
     if dtypes is not None and act_dtype not in dtypes:
         return (f"vLLM picks {kernel_name}, which computes no {act_dtype} activations "
@@ -137,7 +139,7 @@ class VllmMPKernel(LatqKernel):
     (``VLLM_CPU_INT4_W4A8=0``) dies of SIGILL on a host whose torch reports AMX tiles, which no
     in-process probe can catch."""
     name = "vllm"
-    widths = WIDTHS
+    widths = (4, 8)         # a transcoded (HPTQ) layer's widths for it: those Marlin and Machete take
     cpu_opt_in = True       # on CPU only when forced (above)
     delegated = True        # served by vLLM's own layer code, installed by the plugin
 

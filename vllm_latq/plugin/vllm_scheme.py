@@ -93,9 +93,10 @@ class ServedScheme:
 
     @staticmethod
     def served_bytes(layer) -> dict[str, int]:
-        q, s, zp = layer.latq_scheme.kernel._get_weight_params(layer)
-        parts = {"inliers": q, "scales": s, "other": zp if isinstance(zp, torch.Tensor) else None}
-        return {k: t.numel() * t.element_size() for k, t in parts.items() if t is not None}
+        k = layer.latq_scheme.kernel
+        parts = {"inliers": k.w_q_name, "scales": k.w_s_name, "other": k.w_zp_name}
+        tensors = {part: getattr(layer, name, None) if name else None for part, name in parts.items()}
+        return {part: t.numel() * t.element_size() for part, t in tensors.items() if isinstance(t, torch.Tensor)}
 
 
 # ---------------------------------------------------------------------------- mixtures of experts
@@ -117,7 +118,7 @@ def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, devic
     WNA16 experts where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU). Marlin MoE is told a
     group half as large where it would misread w13's scales at the first
     (``vllm_moe.marlin_scale_hazard``). A backend whose ops a build may lack is taken only where
-    they exist; one that computes no such activations (``vllm_moe.EXPERT_ACT_DTYPES``) and vLLM's
+    they exist; one that computes no such activations (``vllm_mp.ACT_DTYPES``) and vLLM's
     emulation backend (experts dequantized to bf16) are refused."""
     why = vllm_moe.form_refusal(weights) or vllm_moe.policy_refusal(device)
     if why:
@@ -144,7 +145,7 @@ def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, devic
     backend, experts = method.wna16_backend.value, method.experts_cls.__name__
     if backend in REFUSED_BACKENDS:
         return None, REFUSED_BACKENDS[backend]
-    why = vllm_moe.computes_refusal(experts, moe_config.in_dtype)
+    why = vllm_mp.computes_refusal(experts, moe_config.in_dtype)
     if why:
         return None, why
     missing = [op for op in PROBED_OPS.get(experts, ()) if not vllm_mp.op_available(op)]

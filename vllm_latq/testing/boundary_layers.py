@@ -37,27 +37,30 @@ class Case:
     bias: bool = False
     bits: int = 4
     outliers: float = 0.0   # the checkpoint's outlier rate (SSQR's CSR form: no vLLM kernel takes it)
+    scale_bits: int | None = None   # group scales stored as codes (format/scale_codes.py)
     env: tuple = ()       # (name, value) pairs set for the case (e.g. LATQ_KERNEL)
 
     @property
     def id(self) -> str:
         env = "".join(f"-{k}={v}" for k, v in self.env)
         where = f"sm{self.cc}" if self.cc else "host"
-        form = f"{self.bits}bit" + (f"-{self.outliers:.0%}outliers" if self.outliers else "")
+        form = (f"{self.bits}bit" + (f"-{self.outliers:.0%}outliers" if self.outliers else "")
+                + (f"-s{self.scale_bits}codes" if self.scale_bits else ""))
         return f"{self.layer}-{form}-{self.dtype}-{where}-{'bias' if self.bias else 'nobias'}{env}"
 
 
-def quant_config(bits: int, group: int = GROUP):
+def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None):
     from ..plugin.config import LatqConfig
-    return LatqConfig.from_config({"quant_method": "latq", "format_version": 1, "method": "rtn", "bits": bits,
-                                   "group_size": group, "modules_not_converted": []})
+    qc = {"quant_method": "latq", "format_version": 1, "method": "rtn", "bits": bits, "group_size": group,
+          "modules_not_converted": []}
+    return LatqConfig.from_config({**qc, "scale_bits": scale_bits} if scale_bits else qc)
 
 
 def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = GROUP,
-                       outliers: float = 0.0) -> dict[str, torch.Tensor]:
+                       outliers: float = 0.0, scale_bits: int | None = None) -> dict[str, torch.Tensor]:
     """One latq layer's checkpoint tensors (dense kind): uniform ``bits``-bit integers, fp16 group
-    scales, a fraction ``outliers`` of the weights as fp16 CSR outliers (0 in the integers) —
-    what ``format.encode_layer`` writes for a solver's result."""
+    scales (``scale_bits``: coded), a fraction ``outliers`` of the weights as fp16 CSR outliers (0
+    in the integers) — what ``format.encode_layer`` writes for a solver's result."""
     from ..algorithms.result import CSR
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (rows, cin), generator=g, dtype=torch.int32)
@@ -65,7 +68,11 @@ def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = G
     mask = torch.rand(rows, cin, generator=g) < outliers
     z[mask] = 0
     csr = CSR.from_mask(mask, torch.randn(rows, cin, generator=g) * 0.3) if outliers else None
-    return fmt.encode_layer(QuantResult("rtn", z, None, scales, group, bits, float(bits), outliers=csr), "dense")
+    coded = fmt.scale_codes.code_scales(scales, scale_bits) if scale_bits else None
+    if coded is not None:
+        scales = coded.decode()
+    return fmt.encode_layer(QuantResult("rtn", z, None, scales, group, bits, float(bits), outliers=csr,
+                                        coded_scales=coded), "dense")
 
 
 def dequantized(t: dict[str, torch.Tensor], rows: int, cin: int, bits: int, group: int = GROUP) -> torch.Tensor:
@@ -140,12 +147,13 @@ def dense_case(case: Case) -> dict:
     dtype = DTYPES[case.dtype]
     ckpt, deq, bias = {}, {}, {}
     for i, (module, shard, rows) in enumerate(parts):
-        ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, outliers=case.outliers)
+        ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, outliers=case.outliers,
+                                         scale_bits=case.scale_bits)
         deq[shard] = {"weight": dequantized(ckpt[shard], rows, cin, case.bits)}
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
-    quant = quant_config(case.bits)
+    quant = quant_config(case.bits, scale_bits=case.scale_bits)
     layer = _build(case.layer, case, quant, dtype)
     _load(layer, ckpt)
     if case.bias:
