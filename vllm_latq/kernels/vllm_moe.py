@@ -36,6 +36,15 @@ def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
     return None
 
 
+def moe_groups(weights: dict[tuple[int, str], LatqWeight]) -> list[int]:
+    """The group sizes vLLM may be told, in the order asked: the gcd of every projection's group
+    and input size (one scale per row counting as a group of the whole row); then -1
+    (channelwise), the same numbers, where every projection has one scale per row."""
+    groups = [vllm_mp.vllm_group(w) for w in weights.values()]
+    g = math.gcd(*(w.in_features if g == -1 else g for g, w in zip(groups, weights.values())))
+    return [g, -1] if all(g == -1 for g in groups) else [g]
+
+
 def marlin_scale_hazard(group: int, inter: int, hidden: int) -> str | None:
     """Why vLLM's Marlin MoE would misread w13's scales at ``group``, or None. Its weight
     preparation permutes w13's scales for a K of this rank's intermediate size, not w13's own K
