@@ -92,6 +92,27 @@ def test_machete_prepack_and_mm(wtype, dtype, group, boundary):
     assert _max_diff(plain, a.float() @ w_ref.float()) > 0.1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [-1, 64, 128])
+def test_fused_marlin_moe_as_vllm_tests_it(dtype, group, boundary):
+    """As vLLM's Marlin MoE test: each expert's w1 ``[2N, K]`` and w2 ``[K, N]`` laid out by
+    ``marlin_quantize``, stacked, through vLLM's own ``fused_marlin_moe`` (block alignment, both
+    GEMMs, the activation, the top-k sum: stand-ins where CUDA) against the fp32 MoE of ``w_ref``."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+
+    from vllm_latq.testing.moe_models import moe_reference
+    E, K, N, topk, m = 4, 256, 128, 2, 9
+    g = torch.Generator().manual_seed(group)
+    parts = [[marlin_quantize((torch.randn(rows, cols, generator=g) / 10).t().contiguous().to(dtype),
+                              scalar_types.uint4b8, group) for rows, cols in ((2 * N, K), (K, N))] for _ in range(E)]
+    q1, s1, q2, s2 = (torch.stack([p[i][j] for p in parts]) for i, j in ((0, 1), (0, 2), (1, 1), (1, 2)))
+    a = torch.randn(m, K, generator=g).to(dtype)
+    w, ids = torch.randn(m, E, generator=g).softmax(-1).topk(topk, -1)
+    out = fused_marlin_moe(a, q1, q2, None, None, s1, s2, w, ids.int(), scalar_types.uint4b8.id)
+    want = moe_reference(a.float(), w, ids, [(p[0][0].t().float(), p[1][0].t().float()) for p in parts])
+    assert out.dtype == dtype and _max_diff(out, want) < 4 * bl.ULP[dtype]
+
+
 def test_contracts_a_gpu_enforces(boundary):
     """What the CUDA ops refuse: 32-bit activations (Marlin, Machete), scales of another type than
     the activations (Machete), a row-major B for Machete's prepack."""
@@ -126,23 +147,27 @@ def _vllm_cases() -> list[bl.Case]:
             + [bl.Case("moe", dtype, cc) for dtype in ("fp16", "bf16") for cc in bl.CCS])
 
 
-def _latq_cases() -> list[bl.Case]:
+def _latq_cases(tp: int) -> list[bl.Case]:
     """Forms no vLLM kernel takes (CSR outliers, 3 bits) and 32-bit activations, which vLLM's
     kernels would be handed but cannot compute: latq's Triton kernels, in the interpreter,
-    reached through the same layers; on the host, vLLM's CPU kernel where forced."""
-    return ([bl.Case("qkv", "fp16", 80, True, outliers=0.01), bl.Case("qkv", "bf16", 90, True, outliers=0.01),
-             bl.Case("down", "bf16", 86, True, bits=3)]
-            + [bl.Case("qkv", "fp32", 80, True), bl.Case("down", "fp32", 90)]
-            + [bl.Case("moe", "bf16", 89, outliers=0.01), bl.Case("moe", "fp32", 90)]
+    reached through the same layers (at TP 2 one of them: the interpreter's time); forcing
+    ``vllm`` there; on the host, vLLM's CPU kernel where forced."""
+    triton = ([bl.Case("qkv", "fp16", 80, True, outliers=0.01), bl.Case("qkv", "bf16", 90, True, outliers=0.01),
+               bl.Case("down", "bf16", 86, True, bits=3), bl.Case("down", "fp32", 90),
+               bl.Case("moe", "bf16", 89, outliers=0.01), bl.Case("moe", "fp32", 90),
+               bl.Case("qkv", "fp16", 86, True, env=(("LATQ_KERNEL", "triton"),))] if tp == 1 else [])
+    return (triton + [bl.Case("qkv", "fp32", 80, True)]
             + [bl.Case("qkv", "fp32", 80, env=FORCED_VLLM), bl.Case("moe", "fp32", 80, env=FORCED_VLLM)]
-            + [bl.Case("qkv", "fp16", 86, True, env=(("LATQ_KERNEL", "triton"),))]
             + [bl.Case(layer, dtype, 0, True, env=FORCED_VLLM) for layer in ("qkv", "down") for dtype in ("fp16", "bf16")])
+
+
+PLAN = {tp: _vllm_cases() + _latq_cases(tp) for tp in (1, 2)}
 
 
 @pytest.fixture(scope="module")
 def tp_results():
     """Every case on TP 1 (one process) and TP 2 (two gloo ranks), run once for the module."""
-    return run_ranks((1, 2), _vllm_cases() + _latq_cases())
+    return run_ranks(PLAN)
 
 
 def _records(tp_results, tp, case):
@@ -205,8 +230,8 @@ def _latq_expected(case: bl.Case) -> tuple[str | None, str]:
     return "triton", "CSR outliers" if case.outliers else "3-bit inliers"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", _latq_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case,tp", [(c, tp) for tp in (1, 2) for c in _latq_cases(tp)],
+                         ids=lambda v: v.id if isinstance(v, bl.Case) else str(v))
 def test_other_forms_and_dtypes_on_latqs_kernels(case, tp, tp_results):
     """What no vLLM kernel takes — or would take but not compute: 32-bit activations into Marlin or
     Machete (their ``can_implement`` never asks) — runs on latq's Triton kernels through the same

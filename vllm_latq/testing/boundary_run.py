@@ -68,16 +68,16 @@ WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "TO
               "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_ranks(worlds: tuple[int, ...], cases: list[Case], timeout: float = 600) -> dict[int, dict[str, list[dict]]]:
-    """Every case on each rank of a TP group of each size in ``worlds``, all groups at once →
+def run_ranks(plan: dict[int, list[Case]], timeout: float = 600) -> dict[int, dict[str, list[dict]]]:
+    """``plan``'s cases on each rank of a TP group of each size it names, all groups at once →
     world → case id → its records, rank by rank."""
     with tempfile.TemporaryDirectory() as tmp:
-        spec = os.path.join(tmp, "cases.json")
-        with open(spec, "w") as f:
-            json.dump([vars(c) for c in cases], f)
         env = {**os.environ, **WORKER_ENV}
         procs = {}
-        for world in worlds:
+        for world, cases in plan.items():
+            spec = os.path.join(tmp, f"tp{world}-cases.json")
+            with open(spec, "w") as f:
+                json.dump([vars(c) for c in cases], f)
             port = free_port()
             for r in range(world):
                 dest = os.path.join(tmp, f"tp{world}-rank{r}.json")
@@ -85,7 +85,7 @@ def run_ranks(worlds: tuple[int, ...], cases: list[Case], timeout: float = 600) 
                     [sys.executable, "-m", __name__, str(world), str(r), str(port), spec, dest], env=env,
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         logs = {key: p.communicate(timeout=timeout)[0] for key, p in procs.items()}
-        out: dict[int, dict[str, list[dict]]] = {w: {} for w in worlds}
+        out: dict[int, dict[str, list[dict]]] = {w: {} for w in plan}
         for (world, r, dest), p in procs.items():
             if p.returncode or not os.path.exists(dest):
                 raise RuntimeError(f"rank {r} of {world} exited {p.returncode}:\n{logs[world, r, dest][-4000:]}")
