@@ -161,7 +161,8 @@ def _latq_cases(tp: int) -> list[bl.Case]:
             + [bl.Case(layer, dtype, 0, True, env=FORCED_VLLM) for layer in ("qkv", "down") for dtype in ("fp16", "bf16")])
 
 
-PLAN = {tp: _vllm_cases() + _latq_cases(tp) for tp in (1, 2)}
+PLACEMENT = bl.Case("placement", "bf16", 90)
+PLAN = {tp: _vllm_cases() + _latq_cases(tp) + [PLACEMENT] * (tp == 1) for tp in (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +216,14 @@ def test_standard_form_on_vllms_kernels(case, tp, tp_results):
         assert rec["ok"], (f"rank {rank}", rec.get("error") or rec, rec.get("traceback", ""))
         assert rec["kernel"] == _vllm_kernel(case, tp), rec
         assert rec["served_bits"] == pytest.approx(_served_bits(case, tp)), rec
+
+
+def test_scheme_parameters_are_made_on_the_layers_device(tp_results):
+    """vLLM's scheme parameters, registered at ``process_weights_after_loading`` (outside vLLM's
+    device context), are made where latq's tensors are — on a GPU the layer's device: from tensors
+    on the meta device, every dense and expert parameter is on it."""
+    rec, = tp_results[1][PLACEMENT.id]
+    assert rec["ok"], rec
 
 
 def _latq_expected(case: bl.Case) -> tuple[str | None, str]:

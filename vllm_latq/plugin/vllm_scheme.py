@@ -154,21 +154,27 @@ def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, devic
     return method, None
 
 
-def install_experts(method, layer, weights: dict[tuple[int, str], LatqWeight], act_dtype: torch.dtype) -> dict:
+def register_experts(method, layer, weights: dict[tuple[int, str], LatqWeight], act_dtype: torch.dtype) -> None:
     """``method`` registers its parameters on ``layer`` (``create_weights``, on the experts'
-    device), latq fills them (``vllm_moe.expert_tensors``), the method repacks them for its
-    backend; returns the bytes per expert and stem the backend's tensors hold."""
+    device: the layer's) and latq fills them (``vllm_moe.expert_tensors``)."""
     experts, m = layer.local_num_experts, method.moe
-    device = next(iter(weights.values())).qweight.device
-    with torch.device(device):
+    name = getattr(layer, "layer_name", "experts")
+    with torch.device(next(iter(weights.values())).qweight.device):
         method.create_weights(layer, experts, m.hidden_dim, m.intermediate_size_per_partition, act_dtype,
-                              weight_loader=FilledByLatq(getattr(layer, "layer_name", "experts")))
-    for name, t in vllm_moe.expert_tensors(weights, experts, method.group_size, act_dtype).items():
-        _fill(getattr(layer, "layer_name", "experts"), name, getattr(layer, name), t)
+                              weight_loader=FilledByLatq(name))
+    for param, t in vllm_moe.expert_tensors(weights, experts, method.group_size, act_dtype).items():
+        _fill(name, param, getattr(layer, param), t)
     for stem in vllm_moe.STEMS:
         w = weights[0, stem]
         getattr(layer, f"{stem}_weight_shape").data.copy_(torch.tensor([w.out_features, w.in_features]))
+
+
+def install_experts(method, layer, weights: dict[tuple[int, str], LatqWeight], act_dtype: torch.dtype) -> dict:
+    """:func:`register_experts`, then the method repacks them for its backend; returns the bytes
+    per expert and stem the backend's tensors hold."""
+    register_experts(method, layer, weights, act_dtype)
     method.process_weights_after_loading(layer)
+    experts = layer.local_num_experts
     return {stem: sum(t.numel() * t.element_size() for n, t in layer.named_parameters()
                       if n.startswith(stem + "_") and not n.endswith("_weight_shape")) // experts
             for stem in vllm_moe.STEMS}

@@ -170,6 +170,27 @@ def dense_case(case: Case) -> dict:
             "table": quant.load_report.reason_table()}
 
 
+def placement_case(case: Case) -> dict:
+    """vLLM's scheme parameters are made on the device of latq's tensors (the layer's), not on the
+    default device, where a GPU layer's would land on the CPU at load: registered from tensors on
+    the meta device, dense and experts, every parameter is there."""
+    from ..plugin import vllm_scheme
+    from .vllm_experts import BareExperts, fused_moe_config
+    from .weights import random_weight
+    dtype = DTYPES[case.dtype]
+    layer = torch.nn.Module()
+    layer.prefix = "placement.linear"
+    vllm_scheme.register(layer, random_weight(256, 256, 4, 0.0, group=64).to("meta"), dtype, 256)
+    config = fused_moe_config(E, TOPK, HIDDEN, MOE_INTER, "cuda", dtype)
+    weights = {(e, s): random_weight(*shape, 4, 0.0, group=64, seed=e).to("meta") for e in range(E)
+               for s, shape in (("w13", (2 * MOE_INTER, HIDDEN)), ("w2", (HIDDEN, MOE_INTER)))}
+    method, why = vllm_scheme.choose_experts(weights, config, torch.device("cuda"), "placement.experts")
+    experts = BareExperts(config)
+    vllm_scheme.register_experts(method, experts, weights, dtype)
+    devices = {n: p.device.type for m in (layer, experts) for n, p in m.named_parameters()}
+    return {"ok": bool(devices) and set(devices.values()) == {"meta"}, "devices": devices, "kernel": why}
+
+
 def _compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, k: int, kernel: str) -> dict:
     """Within the kernel's rounding: weights rounded once to the activation type (≤ u·|x|·|W|ᵀ),
     the output once more (≤ u·|y|), sums of ``k`` fp32 products (≤ k·u₃₂·|x|·|W|ᵀ);

@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from .boundary_layers import Case, dense_case
+from .boundary_layers import Case, dense_case, placement_case
 
 _PROCESS = contextlib.ExitStack()     # what a rank process holds until it exits
 
@@ -54,7 +54,7 @@ def run_case(case: Case) -> dict:
                 from .boundary_moe import moe_case
                 out = moe_case(case)
             else:
-                out = dense_case(case)
+                out = (placement_case if case.layer == "placement" else dense_case)(case)
     except Exception as e:   # a case's failure is its record, the next case runs
         out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     finally:
