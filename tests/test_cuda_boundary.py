@@ -140,10 +140,12 @@ FORCED_VLLM = (("LATQ_KERNEL", "vllm"),)
 
 def _vllm_cases() -> list[bl.Case]:
     """latq's standard form on vLLM's kernels: every linear type, fp16/bf16, biases on and off,
-    every capability; coded scales (their fp16 decode handed over); the MoE layer at each."""
+    every capability; coded scales (their fp16 decode handed over); one scale per row (vLLM's
+    channelwise form, row-parallel at TP 2); the MoE layer at each."""
     return ([bl.Case(layer, dtype, cc, bias) for layer in ("qkv", "gate_up", "down", "column")
              for dtype in ("fp16", "bf16") for cc in bl.CCS for bias in (False, True)]
             + [bl.Case("qkv", "bf16", 80, True, scale_bits=4), bl.Case("down", "fp16", 90, scale_bits=4)]
+            + [bl.Case("down", dtype, cc, True, group=bl.DOWN_K) for dtype, cc in (("fp16", 80), ("bf16", 90))]
             + [bl.Case("moe", dtype, cc) for dtype in ("fp16", "bf16") for cc in bl.CCS])
 
 
@@ -158,7 +160,8 @@ def _latq_cases(tp: int) -> list[bl.Case]:
                bl.Case("qkv", "fp16", 86, True, env=(("LATQ_KERNEL", "triton"),))] if tp == 1 else [])
     return (triton + [bl.Case("qkv", "fp32", 80, True)]
             + [bl.Case("qkv", "fp32", 80, env=FORCED_VLLM), bl.Case("moe", "fp32", 80, env=FORCED_VLLM)]
-            + [bl.Case(layer, dtype, 0, True, env=FORCED_VLLM) for layer in ("qkv", "down") for dtype in ("fp16", "bf16")])
+            + [bl.Case(layer, dtype, 0, True, env=FORCED_VLLM) for layer in ("qkv", "down")
+               for dtype in ("fp16", "bf16")])
 
 
 PLACEMENT = bl.Case("placement", "bf16", 90)
@@ -184,26 +187,29 @@ def _vllm_kernel(case: bl.Case, tp: int) -> str:
 
 
 def _machete_takes(case: bl.Case, tp: int) -> bool:
-    """Machete (Hopper) takes groups of 64 and 128 and N a multiple of 128: down_proj's K (576,
-    288 a rank) leaves groups of gcd(128, K) = 64 on one rank but 32 on two, the column layer
-    384 rows, 192 a rank — Marlin's at TP 2."""
+    """Machete (Hopper) takes groups of 64 and 128 (or one per row), K a multiple of 64 and N of
+    128: down_proj's 288 columns a rank at TP 2 (groups of gcd(128, 288) = 32) and the column
+    layer's 192 rows a rank are Marlin's."""
     return not (case.layer in ("down", "column") and tp == 2)
 
 
 def _served_bits(case: bl.Case, tp: int) -> float:
-    """4-bit words plus one 16-bit scale per group vLLM is told, gcd(128, this rank's K), over
-    the K Marlin pads to (``marlin_padded_nk``: 288 → 320 at TP 2); the experts' g64 halved where
-    this rank's intermediate size is the group (``marlin_scale_hazard``)."""
+    """4-bit words plus one 16-bit scale per group vLLM is told, gcd(g, this rank's K) (one per
+    row for channelwise), on the N and K Marlin pads to (``marlin_padded_nk``: 288 → 320 at TP 2);
+    the experts' g64 halved where this rank's intermediate size is the group
+    (``marlin_scale_hazard``)."""
     import math
 
     from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_padded_nk
     if case.layer == "moe":
         return 4 + 16 / (64 if tp == 1 else 32)
-    n, k = {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN), "gate_up": (2 * bl.INTER // tp, bl.HIDDEN),
-            "column": (bl.COL_N // tp, bl.HIDDEN), "down": (bl.HIDDEN, bl.DOWN_K // tp)}[case.layer]
-    g = math.gcd(bl.GROUP, k)
-    pn, pk = (n, k) if "Machete" in _vllm_kernel(case, tp) else marlin_padded_nk(n, k, g)
-    return (4 + 16 / g) * pn * pk / (n * k)
+    n, k = {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN),
+            "gate_up": (2 * bl.INTER // tp, bl.HIDDEN), "column": (bl.COL_N // tp, bl.HIDDEN),
+            "down": (bl.HIDDEN, bl.DOWN_K // tp)}[case.layer]
+    g = math.gcd(case.group, k)
+    channel = g == k                                # one scale per row: vLLM's channelwise form
+    pn, pk = (n, k) if "Machete" in _vllm_kernel(case, tp) else marlin_padded_nk(n, k, -1 if channel else g)
+    return (4 * pk + 16 * (1 if channel else pk // g)) * pn / (n * k)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -38,6 +38,7 @@ class Case:
     bits: int = 4
     outliers: float = 0.0   # the checkpoint's outlier rate (SSQR's CSR form: no vLLM kernel takes it)
     scale_bits: int | None = None   # group scales stored as codes (format/scale_codes.py)
+    group: int = GROUP      # the checkpoint's group (≥ K: one scale per row, channelwise for vLLM)
     env: tuple = ()       # (name, value) pairs set for the case (e.g. LATQ_KERNEL)
 
     @property
@@ -45,7 +46,7 @@ class Case:
         env = "".join(f"-{k}={v}" for k, v in self.env)
         where = f"sm{self.cc}" if self.cc else "host"
         form = (f"{self.bits}bit" + (f"-{self.outliers:.0%}outliers" if self.outliers else "")
-                + (f"-s{self.scale_bits}codes" if self.scale_bits else ""))
+                + (f"-s{self.scale_bits}codes" if self.scale_bits else "") + f"-g{self.group}")
         return f"{self.layer}-{form}-{self.dtype}-{where}-{'bias' if self.bias else 'nobias'}{env}"
 
 
@@ -147,13 +148,13 @@ def dense_case(case: Case) -> dict:
     dtype = DTYPES[case.dtype]
     ckpt, deq, bias = {}, {}, {}
     for i, (module, shard, rows) in enumerate(parts):
-        ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, outliers=case.outliers,
-                                         scale_bits=case.scale_bits)
-        deq[shard] = {"weight": dequantized(ckpt[shard], rows, cin, case.bits)}
+        ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, group=case.group,
+                                         outliers=case.outliers, scale_bits=case.scale_bits)
+        deq[shard] = {"weight": dequantized(ckpt[shard], rows, cin, case.bits, case.group)}
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
-    quant = quant_config(case.bits, scale_bits=case.scale_bits)
+    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits)
     layer = _build(case.layer, case, quant, dtype)
     _load(layer, ckpt)
     if case.bias:
