@@ -201,7 +201,8 @@ def test_cpu_op_probe_refuses_a_missing_op(monkeypatch):
     monkeypatch.setenv(selector.ENV_FORCE, "vllm")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setitem(vllm_scheme.PROBED_OPS, "CPUExpertsInt4", ("latq_no_such_op",))
-    method, why = vllm_scheme.choose_experts(_experts(256, 128), _moe_config(256, 128, "cpu"), torch.device("cpu"), "experts")
+    method, why = vllm_scheme.choose_experts(_experts(256, 128), _moe_config(256, 128, "cpu"), torch.device("cpu"),
+                                             "experts")
     assert method is None and why == "vLLM chose CPUExpertsInt4 but its op torch.ops._C.latq_no_such_op is not " \
                                      "in this build"
     method, layer, _ = _cpu_layer("rtn4")
