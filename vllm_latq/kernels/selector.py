@@ -5,9 +5,10 @@ first whose ``can_implement`` accepts a layer — and says why the others did no
 kernel's reason. Accepted values (kernel ``name``, in selection order):
 
 * ``vllm`` — vLLM's own mixed-precision kernels (Marlin, Machete, …; CPUWNA16 where its op
-  exists) for standard forms: 4/8-bit, no outliers (:mod:`~vllm_latq.kernels.vllm_mp`; a MoE
-  layer's experts through vLLM's MoE kernels, :mod:`~vllm_latq.kernels.vllm_moe`); on CPU
-  opt-in only, asked after ``cpu``;
+  exists) for standard forms: 4/8-bit, no outliers, activations they compute
+  (:mod:`~vllm_latq.kernels.vllm_mp`; a MoE layer's experts through vLLM's MoE kernels,
+  :mod:`~vllm_latq.kernels.vllm_moe`), served by vLLM's own layer code (``delegated``: the plugin
+  installs vLLM's scheme, ``plugin/vllm_scheme.py``); on CPU opt-in only, asked after ``cpu``;
 * ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton.kernel`), CUDA ≥ sm_80,
   2–5-bit inliers;
 * ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);
@@ -133,5 +134,6 @@ def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dt
     names = [k.name for k in kernels()]
     if forced and forced not in names:
         raise ValueError(f"{ENV_FORCE}={forced!r} is not a latq kernel; available: {names}")
-    raise ValueError(f"no latq kernel can run this layer ({w.out_features}x{w.in_features}, "
+    raise ValueError(f"{f'{ENV_FORCE}={forced}: ' if forced else ''}no latq kernel can run this layer "
+                     f"({w.out_features}x{w.in_features}, "
                      f"{w.bits}-bit, device {device}, {act_dtype}): " + "; ".join(reasons))

@@ -14,6 +14,16 @@ from .slicing import codes_refusal, merge, pad_rows, slice_dense
 logger = init_logger("vllm.latq")
 
 
+def kernel_device(placed: torch.device) -> torch.device:
+    """The device latq chooses a layer's kernels for: vLLM's platform's. A layer's tensors are
+    placed on that platform's device by vLLM, so this is ``placed`` itself; tensors on another
+    device type (CPU tensors under a CUDA platform, as ``testing/cuda_boundary`` runs vLLM's layer
+    code) are served as the platform's."""
+    from vllm.platforms import current_platform
+    kind = current_platform.device_type
+    return placed if not kind or torch.device(placed).type == kind else torch.device(kind)
+
+
 def tensor_names(config) -> tuple[str, ...]:
     """The checkpoint tensors (suffixes) of each of ``config``'s layers."""
     if config.kind == "huffman":

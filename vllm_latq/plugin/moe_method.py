@@ -22,7 +22,8 @@ from .. import format as fmt
 from ..kernels import graphs, moe, ops, selector, vllm_moe
 from ..kernels.weight import LatqWeight
 from .geometry import Geometry, Shard
-from .loading import LoadState, tensor_names
+from . import vllm_scheme
+from .loading import LoadState, kernel_device, tensor_names
 
 STEMS = ("w13", "w2")
 log = logging.getLogger("vllm.latq")
@@ -58,8 +59,9 @@ class LatqMoEMethod(FusedMoEMethodBase):
     ranks' partial outputs after the layer).
 
     After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
-    vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.kernels.vllm_moe`: Marlin
-    MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), which repacks and runs them. Otherwise
+    vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.plugin.vllm_scheme`: Marlin
+    MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), whose parameters are registered on this
+    layer and filled by latq, and which repacks and runs them. Otherwise
     each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
     kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
     table; Triton experts are
@@ -72,7 +74,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
     def __init__(self, config, moe_config, report, prefix: str):
         super().__init__(moe_config)
         self.config, self.report, self.prefix = config, report, prefix
-        self.vllm_method = None     # vLLM's WNA16 MoE method, where it serves this layer (kernels/vllm_moe.py)
+        self.vllm_method = None     # vLLM's WNA16 MoE method, where it serves this layer (vllm_scheme.py)
         activation = moe_config.activation.value
         if activation not in moe.ACTIVATIONS:
             raise NotImplementedError(f"latq: mixture-of-experts layer {prefix}: activation {activation!r} is not "
@@ -112,7 +114,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
                 layer.register_parameter(f"{stem}_{name}", p)
         # the device the model is built on: the kernels' (and an HPTQ transcode's width family's)
         layer._latq_device = p.device
-        layer._latq_family = selector.family_for(p.device)
+        layer._latq_kernel_device = kernel_device(p.device)     # what the kernels are chosen for
+        layer._latq_family = selector.family_for(layer._latq_kernel_device)
         for _ in range(num_experts * len(STEMS)):
             self.report.expect()
 
@@ -153,7 +156,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
             for name in layer._latq_moe_names:
                 delattr(layer, f"{stem}_{name}")
         del layer._latq_moe_load
-        self.vllm_method, why = vllm_moe.choose(weights, self.moe, layer._latq_device, self.prefix)
+        self.vllm_method, why = vllm_scheme.choose_experts(weights, self.moe, layer._latq_kernel_device, self.prefix)
         if self.vllm_method is None and selector.forced_kernel() == vllm_moe.NAME:
             raise ValueError(f"latq: {self.prefix}: {selector.ENV_FORCE}={vllm_moe.NAME}, but vLLM's MoE kernels "
                              f"cannot serve its experts: {why}")
@@ -176,12 +179,13 @@ class LatqMoEMethod(FusedMoEMethodBase):
         return weights
 
     def serve_with_vllm(self, layer, weights, loads) -> None:
-        """vLLM's WNA16 MoE method (``kernels/vllm_moe.py``) repacks and runs the experts."""
-        per_expert = vllm_moe.install(self.vllm_method, layer, weights, layer._latq_act_dtype)
+        """vLLM's WNA16 MoE method, its parameters registered on this layer (``vllm_scheme``),
+        repacks and runs the experts."""
+        per_expert = vllm_scheme.install_experts(self.vllm_method, layer, weights, layer._latq_act_dtype)
         self.moe_kernel, self.moe_quant_config = self.vllm_method.moe_kernel, self.vllm_method.moe_quant_config
         experts_cls = self.vllm_method.experts_cls.__name__
         for (local, stem), w in weights.items():
-            self.report.add(loads[local, stem].prefix, w, vllm_moe.ServedExpert, (experts_cls, per_expert[stem]),
+            self.report.add(loads[local, stem].prefix, w, vllm_scheme.ServedExpert, (experts_cls, per_expert[stem]),
                             _stored_bits(loads[local, stem]))
         log.info("latq: %s: %d experts → %s:%s (%s backend, %.3f bits/weight served)", self.prefix, len(weights) // 2,
                  vllm_moe.NAME, experts_cls, self.vllm_method.wna16_backend.value,
@@ -191,7 +195,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
     def serve_with_latq(self, layer, weights, loads, vllm_refusal: str) -> None:
         """latq's kernels per expert (stacked for the grouped kernel where they are Triton's)."""
         graphs.GRAPH_TOKENS = graph_tokens()
-        device = layer._latq_device
+        device = layer._latq_kernel_device
         experts = []
         for local in range(layer.local_num_experts):
             pair = []

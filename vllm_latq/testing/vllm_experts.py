@@ -1,5 +1,5 @@
 """A vLLM mixture-of-experts layer's configuration and the attributes vLLM's WNA16 MoE methods
-read of it, without vLLM's engine (tests and benches of ``kernels/vllm_moe``)."""
+read of it, without vLLM's engine (tests and benches of ``plugin/vllm_scheme``'s experts)."""
 from __future__ import annotations
 
 import torch
