@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from vllm_latq.commands import quantize as cli
-from vllm_latq.quantize.output import LOCK_SUFFIX, OWNER_FILE, exclusive, is_latq_checkpoint, record_owner
+from vllm_latq.format.checkpoint import is_latq_checkpoint
+from vllm_latq.format.output_dir import LOCK_SUFFIX
+from vllm_latq.quantize.output import exclusive
 from vllm_latq.quantize.resume import TMP_SUFFIX
 
 RTN = ["--method", "rtn", "--group-size", "32", "--no-progress"]
@@ -41,7 +43,7 @@ def test_overwrite_refuses_a_directory_latq_did_not_write(source, tmp_path, caps
     out.mkdir()
     (out / "cat.jpg").write_bytes(b"\xff\xd8")
     assert cli.main([str(source), str(out), *RTN, "--overwrite"]) == 2
-    assert "not a latq checkpoint" in capsys.readouterr().err
+    assert "not a checkpoint latq-quantize wrote" in capsys.readouterr().err
     assert (out / "cat.jpg").read_bytes() == b"\xff\xd8" and not (tmp_path / ("photos" + TMP_SUFFIX)).exists()
 
 
@@ -60,8 +62,7 @@ def test_overwrite_replaces_a_latq_checkpoint_and_an_empty_directory(source, tmp
     assert cli.main([str(source), str(out), *RTN, "--overwrite"]) == 0   # empty: taken
     assert is_latq_checkpoint(out)
     assert cli.main([str(source), str(out), *RTN, "--bits", "3", "--overwrite"]) == 0
-    assert is_latq_checkpoint(out) and not list(out.glob(OWNER_FILE))
-    assert not (tmp_path / ("ck" + TMP_SUFFIX)).exists()
+    assert is_latq_checkpoint(out) and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "models"]   # no lock, no temporary
 
 
 def test_second_run_on_one_out_is_refused_naming_the_first(source, tmp_path, capsys):
@@ -69,16 +70,16 @@ def test_second_run_on_one_out_is_refused_naming_the_first(source, tmp_path, cap
     first's partial output alone."""
     out = tmp_path / "ck"
     run_dir = tmp_path / ("ck" + TMP_SUFFIX)
-    with exclusive(out, run_dir):
+    with exclusive(out):
         run_dir.mkdir()
-        record_owner(run_dir)
         (run_dir / "latq_progress.json").write_text("{}")
         assert cli.main([str(source), str(out), *RTN]) == 2
         err = capsys.readouterr().err
-        assert "being written by another latq-quantize run (pid" in err and LOCK_SUFFIX in err
+        assert "being written by another run (latq-quantize, pid" in err and LOCK_SUFFIX in err
         assert (run_dir / "latq_progress.json").read_text() == "{}"
+    assert not (tmp_path / ("ck" + LOCK_SUFFIX)).exists()   # released, and removed
     shutil.rmtree(run_dir)
-    assert cli.main([str(source), str(out), *RTN]) == 0   # released: the next run goes ahead
+    assert cli.main([str(source), str(out), *RTN]) == 0   # the next run goes ahead
 
 
 def test_refused_calibrated_run_leaves_no_partial_output(source, tmp_path, capsys):

@@ -39,6 +39,7 @@ from .column_scales import fold_block
 from .finalize import checkpoint_config, finalize
 from .head import head_plan, quantize_head
 from . import solve_layers as solving
+from ..format.output_dir import absolute
 from .output import check_output
 from .resume import PROGRESS_FILE, TMP_SUFFIX, fingerprint, run_directory
 from .solve_layers import Solve, solve  # noqa: F401  (solve: the default per-layer solver)
@@ -248,7 +249,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     ranks (the last bits of activations and sums depend on both). The calibration forwards run in
     the model's dtype (bf16 for a bf16 model, as GPTQ runs), or fp32 on a CPU that only emulates
     bf16; the solvers work in fp32 on the exact weights, the Hessians are summed in fp64."""
-    opts, out = opts or QuantizeOptions(), Path(out)
+    opts, out = opts or QuantizeOptions(), absolute(out)   # OUT=. is the working directory, by name
     world = ranks.init(opts.device)
     try:
         ranks.check_same_command({"model": str(model), "out": str(out.absolute()), "options": dataclasses.asdict(opts),
@@ -411,8 +412,7 @@ def _calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tenso
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = data.load_tokenizer(tokenizer_dir)
     return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
                                     source=opts.calib)
 
