@@ -19,6 +19,25 @@ from .safetensors_file import SafetensorsFile
 from .spec import parse_quantization_config
 
 
+def checkpoint_dir(name: str | os.PathLike, revision: str | None = None) -> Path:
+    """The directory of the checkpoint ``name``: a local directory, or a model hub id resolved to
+    its snapshot in the local Hugging Face cache — offline, never downloading (latq verifies a
+    checkpoint before anything reads it). FormatError naming ``name`` where it is neither."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        hit = try_to_load_from_cache(str(name), CONFIG_FILE, revision=revision)
+    except Exception as e:  # noqa: BLE001  (an id the hub's rules refuse)
+        raise FormatError(f"not a directory, nor a model hub id ({type(e).__name__}: {e})", file=str(name)) from None
+    if not isinstance(hit, str):
+        raise FormatError("not a local directory, and not in the local Hugging Face cache: latq verifies a checkpoint "
+                          "before it is served and downloads nothing, so download it whole first (hf download "
+                          f"{name}) or pass its directory", file=str(name))
+    return Path(hit).parent
+
+
 def is_latq_checkpoint(path: str | os.PathLike) -> bool:
     """Whether the directory ``path`` holds a latq checkpoint: a ``config.json`` whose
     ``quantization_config`` is latq's (one that cannot be read within bounds is refused, naming it)."""
