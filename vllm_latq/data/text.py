@@ -10,6 +10,7 @@ non-overlapping 512-token windows of the eval text (BOS + 511 tokens for Gemma).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -88,7 +89,8 @@ def source_record(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -
     or a file's path and sha256."""
     if str(source) == "wiki":
         return {"source": "wiki", "split": wiki_part}
-    return {"path": str(source), "sha256": file_sha256(source, limit=MAX_TEXT_BYTES)}
+    with _named_errors():
+        return {"path": str(source), "sha256": file_sha256(source, limit=MAX_TEXT_BYTES)}
 
 
 def load_tokenizer(model_dir: str | os.PathLike):
@@ -104,6 +106,16 @@ def load_tokenizer(model_dir: str | os.PathLike):
         why = " ".join(str(e).split())[:300]
         raise ValueError(f"{model_dir}: its tokenizer ({', '.join(files) or 'no tokenizer files'}) does not load: "
                          f"{type(e).__name__}: {why}") from None
+
+
+@contextlib.contextmanager
+def _named_errors():
+    """A text file's refusal as the ``ValueError`` ``PATH: why`` the commands print (not a
+    checkpoint's ``FormatError``, which the options' checks reword)."""
+    try:
+        yield
+    except FormatError as e:
+        raise ValueError(str(e).removeprefix("file ")) from None
 
 
 class Documents(NamedTuple):
@@ -124,7 +136,8 @@ def read_documents(source: str | os.PathLike = "wiki", wiki_part: str = "eval") 
         raise FileNotFoundError(f"text file not found: {path}")
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"text source must be 'wiki', a .txt or a .jsonl file: {path}")
-    raw = read_bytes(path, MAX_TEXT_BYTES)   # a regular file of bounded size, or refused naming it
+    with _named_errors():   # a regular file of bounded size, or refused naming it
+        raw = read_bytes(path, MAX_TEXT_BYTES)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
