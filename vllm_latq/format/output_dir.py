@@ -77,12 +77,12 @@ def why_not_replaceable(d: Path, made_by: str) -> str | None:
         m = read_manifest(d)
         if m["made_by"] != made_by:
             return f"it was written by {m['made_by']}, not {made_by}"
-        verify_manifest(d, config_dict(d), {n: SafetensorsFile(d / n) for n in m["shards"]})
         loose = unsealed_entries(d, m)
+        if loose:
+            return f"it holds {loose[0]}, which its {MANIFEST_FILE} does not list"
+        verify_manifest(d, config_dict(d), {n: SafetensorsFile(d / n) for n in m["shards"]})
     except FormatError as e:
         return f"its seal does not verify ({e})"
-    if loose:
-        return f"it holds {loose[0]}, which its {MANIFEST_FILE} does not list"
     return None
 
 
