@@ -156,7 +156,7 @@ def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, Saf
     for name in sorted(set(shards) | set(m["shards"])):
         if name not in m["shards"] or name not in shards:
             raise FormatError(f"{MANIFEST_FILE} lists shards {sorted(m['shards'])}, the checkpoint reads "
-                              f"{sorted(shards)}", file=name)
+                              f"{sorted(shards)}", file=name if name in shards else MANIFEST_FILE)
         if shards[name].header_sha256 != m["shards"][name]:
             raise FormatError(f"the header (tensor names, dtypes, shapes, offsets, checksums) differs from the one "
                               f"written (sha256 in {MANIFEST_FILE}): edited", file=name)
@@ -164,7 +164,8 @@ def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, Saf
         try:
             ok = file_sha256(path / name, name=name) == digest
         except FileNotFoundError:
-            raise FormatError(f"missing, but sealed in {MANIFEST_FILE}", file=name) from None
+            raise FormatError(f"seals {name}, which the checkpoint does not hold (removed or renamed)",
+                              file=MANIFEST_FILE) from None
         if not ok:
             raise FormatError(f"differs from what was written (sha256 in {MANIFEST_FILE}): edited after quantization",
                               file=name)
