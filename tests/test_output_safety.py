@@ -204,3 +204,12 @@ def test_out_dot_is_the_working_directory(source, tmp_path, capsys, monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert cli.main([str(source), ".", *RTN]) == 2
     assert f"error: {tmp_path} exists (pass" in capsys.readouterr().err
+
+
+def test_an_out_latq_cannot_lock_is_named_as_such(source, tmp_path, capsys):
+    """Not "being written by another run": the folder meant to hold OUT cannot hold its lock."""
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "ck"
+    assert cli.main([str(source), str(out), *RTN]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}: cannot create its lock" in err and "another run" not in err, err

@@ -91,7 +91,7 @@ def write_manifest(path: str | os.PathLike, shards: list[str] | None = None, fil
     names = sorted(shards if shards is not None else (p.name for p in path.glob("*.safetensors")))
     special = {CONFIG_FILE, STATS_FILE, MANIFEST_FILE, TEMP_MARK, *names}
     other = sorted(files if files is not None else
-                   (e.name for e in os.scandir(path) if e.is_file(follow_symlinks=False) and e.name not in special))
+                   (e.name for e in os.scandir(path) if e.is_file() and e.name not in special))
     stats = _stats(path)
     m = {"manifest_version": MANIFEST_VERSION, "made_by": made_by,
          CONFIG_FILE: config_digests(config_dict(path)),
