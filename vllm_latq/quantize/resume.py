@@ -109,9 +109,9 @@ class RunDir:
             s.save()   # every rank's rows: they meet there
         self.blocks_done = i + 1
         if self.world.writes:
-            saved = {inputs_file(s.run_dir, s.block).relative_to(self.path).as_posix(): None for s in streams}
-            record = {"fingerprint": self.fingerprint, "blocks_done": i + 1, "stats": self.stats,
-                      "shards": self.shards, "activations": {f: file_sha256(self.path / f) for f in saved}}
+            saved = [inputs_file(s.run_dir, s.block) for s in streams]
+            record = {"fingerprint": self.fingerprint, "blocks_done": i + 1, "stats": self.stats, "shards": self.shards,
+                      "activations": {f.relative_to(self.path).as_posix(): file_sha256(f) for f in saved}}
             writer.write_json(self.path / PROGRESS_FILE, {**record, "sha256": json_sha256(record)})
         ranks.barrier(self.world)   # no rank reads the older inputs any more
         for s in streams:
