@@ -289,12 +289,16 @@ def default_ckpt(model: str, method: str) -> Path:
     """The cached pipeline checkpoint of the plugin tests, else quantize one (slow, once)."""
     from vllm_latq.data import cache_dir
 
-    from vllm_latq.format.files import MANIFEST_FILE
+    from vllm_latq.errors import FormatError
+    from vllm_latq.format.manifest import read_manifest
 
     for root in ("plugin_tests", "bench"):
         d = cache_dir() / root / f"{model}-{method}"
-        if (d / MANIFEST_FILE).exists():   # one made before manifests is refused by the loader: made again
+        try:
+            read_manifest(d)   # one sealed by an older latq is refused by the loader: made again
             return d
+        except FormatError:
+            pass
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
     d = cache_dir() / "bench" / f"{model}-{method}"

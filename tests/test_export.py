@@ -349,12 +349,14 @@ def test_stock_vllm_loads_smollm2_3bit_export_with_latqs_integers(tmp_path):
 
 
 def test_an_edited_checkpoint_is_not_exported(tiny_src, tmp_path, capsys):
-    """A group_size edit that keeps every group count would export other weights: refused by the
-    manifest, naming config.json; --no-verify exports it on purpose and says what it skips."""
+    """An edit of quantization_config is refused by the manifest, naming config.json; --no-verify
+    exports it on purpose and says what it skips. A group_size edit that keeps every group count
+    (it would export other weights) is refused with or without it: the stats record the group
+    size the layers were quantized with."""
     import json
     ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=4, group_size=64)
     cfg = json.loads((ck / "config.json").read_text())
-    cfg["quantization_config"]["group_size"] = 65
+    cfg["quantization_config"]["damp"] = 0.5
     (ck / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "ex"
     assert export.main([str(ck), str(out), "--dequantize-unmapped"]) == 2
@@ -363,3 +365,10 @@ def test_an_edited_checkpoint_is_not_exported(tiny_src, tmp_path, capsys):
     assert not out.exists()
     assert export.main([str(ck), str(out), "--dequantize-unmapped", "--no-verify"]) == 0
     assert capsys.readouterr().err.count("--no-verify") == 1
+    cfg["quantization_config"]["group_size"] = 65
+    (ck / "config.json").write_text(json.dumps(cfg))
+    for extra in ([], ["--no-verify"]):
+        assert export.main([str(ck), str(tmp_path / "ex2"), "--dequantize-unmapped", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "config.json: quantization_config.group_size is 65, but" in err and "group size 64" in err, err
+    assert not (tmp_path / "ex2").exists()

@@ -104,10 +104,11 @@ def test_load_hook_refuses_an_in_place_byte_edit(tiny_checkpoints, tmp_path, mon
     norm = "model.norm.weight"
     shard = Checkpoint(d).where[norm]
     edit_bytes_in_place(d / shard, norm, lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
-    with pytest.raises(fmt.FormatError, match=rf"file {shard}, tensor {norm}: sha256 mismatch"):
+    from vllm_latq.plugin.config import LatqCheckpointRefused
+    with pytest.raises(LatqCheckpointRefused, match=rf"latq: {d} refused: file {shard}, tensor {norm}: sha256 mismatch"):
         c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
     monkeypatch.setenv("LATQ_NO_VERIFY", "1")
-    with pytest.raises(fmt.FormatError, match=rf"file {shard}, tensor {norm}: has NaN/Inf"):
+    with pytest.raises(LatqCheckpointRefused, match=rf"file {shard}, tensor {norm}: has NaN/Inf"):
         c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
 
 
@@ -608,8 +609,10 @@ def test_tiny_end_to_end_in_process(tiny):
         assert max(margins) < 0.1, (default_kernels, margins)
     assert "does not match the quantization method specified" in res[3]["error"]
     err = res[4]["error"] + res[4]["traceback"]
-    # refused while vLLM builds its config (pydantic wraps the FormatError), before any weight is read
-    assert "VllmConfig" in res[4]["error"] and f"file model.safetensors, tensor {bad_name}: must start at 0" in err, err
+    # refused while vLLM builds its config, before any weight is read: one line, not pydantic's ValidationError
+    assert res[4]["error"].startswith(f"LatqCheckpointRefused: latq: {bad} refused: file model.safetensors, tensor "
+                                      f"{bad_name}: must start at 0"), err
+    assert "ValidationError" not in err, err
     assert "load_weights" not in res[4]["traceback"], err
     assert "LATQ_NO_VERIFY=1: the sha256 checks" in res[4]["log"]
     # verified (the default): the re-saved shard lost its checksum table, refused before any weight

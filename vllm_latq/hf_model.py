@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,12 @@ from pathlib import Path
 import torch
 
 from .errors import FormatError
+from .model_config import CONFIG_FILE, config_dict  # noqa: F401  (read through here by the pipeline and readers)
 
-CONFIG_FILE = "config.json"   # a Hugging Face model's (and so a checkpoint's) config
+# The most bytes of tables (rotary positions, causal masks) building a model on the meta device may
+# compute for real: a real model's are a few MiB (GPT-J 6B: 15 MiB; StarCoder's 8192² mask: 64 MiB).
+BUILD_BUFFER_BUDGET = 256 << 20
+
 
 class UnsupportedModelError(ValueError):
     """The model has a construct the pipeline cannot walk block by block (the message names
@@ -49,47 +52,6 @@ def model_dtype(config: dict) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def config_dict(path: Path) -> dict:
-    """``config.json`` of a model/checkpoint dir as a dict (FormatError if unreadable)."""
-    f = Path(path) / CONFIG_FILE
-    try:
-        d = json.loads(f.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FormatError("missing (not a model directory?)", file=str(f)) from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"not valid JSON ({e})", file=str(f)) from None
-    if not isinstance(d, dict):
-        raise FormatError("not a JSON object", file=str(f))
-    return d
-
-
-# The sizes a config.json may declare, (lowest, highest): generous for any real model (a 405B
-# model has 126 layers, 16384 hidden, 128256 vocabulary), small enough that building its model on
-# the meta device (real rotary buffers, per-layer modules) and checking shapes stay cheap.
-SIZE_LIMITS = {
-    **dict.fromkeys(("num_hidden_layers", "n_layer"), (1, 1024)),
-    **dict.fromkeys(("hidden_size", "n_embd"), (1, 1 << 17)),
-    **dict.fromkeys(("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"), (1, 1 << 20)),
-    "vocab_size": (1, 1 << 22),
-    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "n_head"), (1, 1024)),
-    "head_dim": (1, 1 << 12),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"), (0, 1 << 12)),
-    **dict.fromkeys(("max_position_embeddings", "n_positions"), (1, 1 << 24)),
-}
-
-
-def check_config_sizes(cfg: dict, *, file: str = CONFIG_FILE, prefix: str = "") -> None:
-    """Refuse an integer size of ``cfg`` (or of a nested ``*_config``, e.g. ``text_config``) outside
-    :data:`SIZE_LIMITS`, naming the field, before anything is built from it or read against it."""
-    for k, v in cfg.items():
-        if isinstance(v, dict) and k.endswith("_config") and k != "quantization_config":
-            check_config_sizes(v, file=file, prefix=f"{prefix}{k}.")
-        elif k in SIZE_LIMITS and isinstance(v, int) and not isinstance(v, bool):
-            lo, hi = SIZE_LIMITS[k]
-            if not lo <= v <= hi:
-                raise FormatError(f"{prefix}{k} is {v}, expected an integer in [{lo}, {hi}]", file=file)
-
-
 def hf_config(cfg: dict, *, file: str = CONFIG_FILE):
     """A transformers config from a config dict, with any ``quantization_config`` dropped."""
     from transformers import CONFIG_MAPPING
@@ -108,9 +70,29 @@ def empty_model(config, dtype: torch.dtype = torch.float32):
     """The causal LM of ``config`` with every parameter on the meta device."""
     from transformers import AutoModelForCausalLM
 
+    check_build_budget(config, dtype)
     with params_on_meta(), _beside_vllm(config):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def check_build_budget(config, dtype: torch.dtype = torch.float32) -> None:
+    """Refuse a config whose model would compute more than :data:`BUILD_BUFFER_BUDGET` bytes of
+    buffers when built (GPT-J's per-layer position table grows with ``n_positions``, a causal mask
+    with its square): measured on a build where every tensor is on the meta device, before the
+    real one allocates them. A config that build fails on is left to the real build to report."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), _beside_vllm(config):
+            dry = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception:  # noqa: BLE001  (the real build raises it, with its own message)
+        return
+    n = sum(b.numel() * b.element_size() for b in dry.buffers())
+    if n > BUILD_BUFFER_BUDGET:
+        raise FormatError(f"building this model computes {n / 2**20:.0f} MiB of tables (position tables and masks, "
+                          f"from its positions and layers) before any weight is read, more than the "
+                          f"{BUILD_BUFFER_BUDGET >> 20} MiB a real model needs: refused", file=CONFIG_FILE)
 
 
 @contextlib.contextmanager

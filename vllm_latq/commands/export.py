@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import shutil
 import sys
@@ -35,17 +34,20 @@ from pathlib import Path
 import torch
 
 from .. import hf_model
+from ..bounded_io import MAX_JSON_BYTES, copy_regular
 from ..errors import FormatError
-from ..format import writer
+from ..format import output_dir, writer
 from ..format.checkpoint import Checkpoint, linear_shape
-from ..format.files import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, STATS_FILE
-from ..format.manifest import verify_manifest
+from ..format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
+from ..format.manifest import SKIPPED, write_manifest
 from ..format.layer import dense_scales, dequantize_layer
 from ..format.safetensors_file import write_safetensors
+from ..format.validate import validate_checkpoint
 
 FORMATS = ("compressed-tensors",)
 MAPPED_BITS = tuple(range(2, 9))   # vLLM's compressed-tensors WNA16 scheme: WNA16_SUPPORTED_TYPES_MAP
 TMP_SUFFIX = ".tmp-latq-export"
+COMMAND = "latq-export"
 UNMAPPED_BITS = 16          # a layer written as bf16
 SCALE_BITS = 32             # weight_scale's fp32
 
@@ -175,35 +177,35 @@ def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_unmapped: bool = False,
-                      overwrite: bool = False, verify: bool = True) -> dict:
-    """Write the export of latq checkpoint ``ckpt`` to ``out`` (via ``OUT.tmp-latq-export``, renamed
-    at the end: a failure leaves nothing at ``out``) → a summary (layers, bits/weight). Unless not
-    ``verify``, ``ckpt``'s config, stats and shard headers must be the ones its manifest records."""
+                      overwrite: bool = False, verify: bool = True, expect_digest: str | None = None) -> dict:
+    """Write the export of latq checkpoint ``ckpt`` to ``out`` (via ``OUT.tmp-latq-export``, sealed
+    with its own manifest and renamed at the end: a failure leaves nothing at ``out``) → a summary
+    (layers, bits/weight, the export's digest). ``ckpt`` is validated first as ``latq-eval`` does:
+    unless not ``verify``, every tensor's sha256 and every file against its manifest (and the
+    manifest against ``expect_digest``, if given); values and shapes either way. ``out`` is
+    replaced only where it is an empty directory or an export this command sealed."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    out = output_dir.absolute(out)
+    output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
+    validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)
     ck = Checkpoint(ckpt)
-    if verify:
-        verify_manifest(ck.path, ck.config, ck.shards)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (--overwrite replaces it)")
     model = ck.empty_model()
     layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:
         raise ExportRefused(refusal_message(layers))
     tmp = out.with_name(out.name + TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        _write(ck, layers, linear_modules(ck, model), tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return summary(ck, layers)
+    with output_dir.exclusive(out, COMMAND):
+        output_dir.make_temporary(tmp, COMMAND)
+        try:
+            _write(ck, layers, linear_modules(ck, model), tmp)
+            digest = write_manifest(tmp, sorted(ck.shards), made_by=COMMAND)
+            output_dir.unmark_temporary(tmp)
+            output_dir.replace_with(tmp, out, [ck.path], COMMAND)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)   # marked as this export's own when it was made
+            raise
+    return {**summary(ck, layers), "digest": digest}
 
 
 def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -> None:
@@ -226,7 +228,7 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
     writer.write_json(tmp / CONFIG_FILE, cfg)
     writer.copy_aux_files(ck.path, tmp)
     if (ck.path / STATS_FILE).is_file():
-        shutil.copyfile(ck.path / STATS_FILE, tmp / STATS_FILE)
+        copy_regular(ck.path / STATS_FILE, tmp / STATS_FILE, limit=MAX_JSON_BYTES, name=STATS_FILE)
 
 
 def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
@@ -253,20 +255,23 @@ def parser() -> argparse.ArgumentParser:
                     help="target format (default compressed-tensors: pack-quantized W2A16-W8A16)")
     ap.add_argument("--dequantize-unmapped", action="store_true",
                     help="write layers that have no form in the target format as bf16 weights instead of refusing")
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT if it is an empty directory or an export latq-export sealed")
+    ap.add_argument("--expect-digest", metavar="SHA256",
+                    help="refuse CKPT unless its manifest has this digest (what latq-quantize printed)")
     ap.add_argument("--no-verify", action="store_true",
-                    help="export a checkpoint edited on purpose: skip its latq_manifest.json check")
+                    help="export a checkpoint edited on purpose: skip its sha256 checks (tensors, every file "
+                         "against latq_manifest.json); shapes and values are checked all the same")
     return ap
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if a.no_verify:
-        print(f"latq-export: --no-verify: {CONFIG_FILE}, {STATS_FILE} and the shard headers are not checked against "
-              f"{MANIFEST_FILE}: an edited checkpoint is exported as it is", file=sys.stderr)
+        print(f"latq-export: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
         s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
-                              overwrite=a.overwrite, verify=not a.no_verify)
+                              overwrite=a.overwrite, verify=not a.no_verify, expect_digest=a.expect_digest)
     except ExportRefused as e:
         print(f"latq-export: refused: {e}", file=sys.stderr)
         return 2
@@ -277,7 +282,7 @@ def main(argv=None) -> int:
         print(f"latq-export: error: {e}", file=sys.stderr)
         return 2
     print(f"latq-export: {a.out}: {s['packed']} layers pack-quantized, {s['bf16']} as bf16; "
-          f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers")
+          f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers; sealed, digest {s['digest']}")
     if s["bf16"]:
         src = s["source_bits_per_weight"]
         print(f"latq-export: the {s['bf16']} bf16 layers ({s['bf16_params']} weights) cost {UNMAPPED_BITS} bits/weight "

@@ -159,8 +159,8 @@ def main(argv=None) -> int:
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
                                moe_route_all=a.moe_route_all, column_scales=a.column_scales,
                                target_correction=a.target_correction, scale_bits=a.scale_bits)
-        quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
-                       validate=not a.no_validate)
+        out = quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite,
+                             progress=not a.no_progress, validate=not a.no_validate)
     except ranks.RankFailed as e:
         # one rank says it; rank 0 may be the lost one
         if os.environ.get("RANK", "0") == "0" or "stopped answering" in str(e):
@@ -177,6 +177,12 @@ def main(argv=None) -> int:
     except (UnsupportedModelError, OSError, ValueError, ModuleNotFoundError) as e:
         print(f"latq-quantize: error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":
+        from ..format.manifest import digest_of
+        d = digest_of(out)
+        print(f"latq-quantize: sealed {out}, digest {d}\n  hand it on with the checkpoint, and pin it where it is "
+              f"read: latq-serve {out} --expect-digest {d} (latq-inspect, latq-eval, latq-export take it too; "
+              f"LATQ_EXPECT_DIGEST for vllm serve)")
     return 0
 
 

@@ -11,7 +11,12 @@ ARGS`` where that command works, else runs the same subcommand in this process
 (:func:`serve_in_process`); nothing in vLLM is patched. On a CPU that only emulates bf16, with
 no ``--dtype`` given, it says that ``--dtype float32`` is the dtype to try there.
 
-``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.commands.serve``
+Before handing over it verifies a latq checkpoint as the plugin will (a directory, or a hub id's
+snapshot in the local cache): a refusal is one line naming the file and why, exit code 2.
+``--expect-digest SHA256`` pins the checkpoint's manifest (it is passed to vLLM's processes as
+``LATQ_EXPECT_DIGEST``): an edited checkpoint sealed again is refused.
+
+``latq-serve --print-command ARGS`` checks the checkpoint and shows what would run. ``python -m vllm_latq.commands.serve``
 is the same launcher.
 """
 from __future__ import annotations
@@ -154,6 +159,46 @@ def dtype_advice(argv: list[str]) -> str | None:
             "faster: its unquantized head streams half the bytes; python -m bench.decode times both)")
 
 
+def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(the value of ``name`` in ``argv`` as ``NAME V`` or ``NAME=V``, argv without it)."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def model_of(argv: list[str]) -> str | None:
+    """The model ``vllm serve ARGS`` would load: its positional argument, or ``--model``."""
+    args = argv[1:] if argv[:1] == ["serve"] else argv
+    if args and not args[0].startswith("-"):
+        return args[0]
+    return take_option(args, "--model")[0]
+
+
+def preflight(argv: list[str]) -> str | None:
+    """Verify the latq checkpoint ``argv`` would serve as the plugin will, here, before vLLM starts
+    → None, or the one-line refusal (the file and why)."""
+    from ..errors import FormatError
+    from ..format.checkpoint import checkpoint_dir, is_latq_checkpoint
+    from ..format.validate import verify_for_serving
+
+    model = model_of(argv)
+    if model is None:
+        return None
+    try:
+        path = checkpoint_dir(model, take_option(argv, "--revision")[0])
+    except FormatError:
+        return None   # not here: vLLM fetches its config, and the plugin checks a latq one before any weight
+    try:
+        if is_latq_checkpoint(path):
+            verify_for_serving(path)
+    except FormatError as e:
+        return f"{model} refused: {e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
@@ -161,8 +206,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     show = "--print-command" in argv
     argv = [a for a in argv if a != "--print-command"]
+    digest, argv = take_option(argv, "--expect-digest")
+    if digest is not None:
+        from ..format.manifest import DIGEST_ENV, normalize_digest
+        try:
+            os.environ[DIGEST_ENV] = normalize_digest(digest)   # vLLM's processes inherit it
+        except ValueError as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            sys.exit(2)
     how, cmd = plan(argv)
-    if show:
+    refused = preflight(argv)
+    if refused:
+        print(f"{PROG}: {refused}", file=sys.stderr)
+        sys.exit(2)
+    if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
             print(" ".join(cmd))
         else:
@@ -174,7 +231,13 @@ def main(argv: list[str] | None = None) -> None:
         print(advice, file=sys.stderr)
     if how == "exec":
         os.execv(cmd[0], cmd)
-    serve_in_process(cmd)
+    try:
+        serve_in_process(cmd)
+    except RuntimeError as e:   # the plugin's refusal, should the checkpoint change after the check above
+        if type(e).__name__ != "LatqCheckpointRefused":
+            raise
+        print(f"{PROG}: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

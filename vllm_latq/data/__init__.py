@@ -16,8 +16,8 @@ from .gguf import convert_gguf, hf_progress_bars
 from .models import MODELS, ModelSpec, model_dir
 from .paths import cache_dir
 from .perplexity import perplexity
-from .text import (Documents, calibration_batches, eval_windows, read_documents, source_record, wiki_articles,
-                   wiki_split)
+from .text import (Documents, calibration_batches, eval_windows, load_tokenizer, read_documents, source_record,
+                   wiki_articles, wiki_split)
 
 __all__ = [
     "Documents",
@@ -28,6 +28,7 @@ __all__ = [
     "convert_gguf",
     "eval_windows",
     "hf_progress_bars",
+    "load_tokenizer",
     "model_dir",
     "perplexity",
     "read_documents",

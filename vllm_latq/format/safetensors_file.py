@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from ..bounded_io import open_regular, parse_json
 from ..errors import FormatError
 
 CHECKSUM_KEY = "latq_sha256"
@@ -63,10 +64,11 @@ class StoredTensor:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | StoredTensor],
-                      metadata: dict[str, str] | None = None) -> None:
+                      metadata: dict[str, str] | None = None) -> str:
     """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
-    atomically (``path.part`` then rename). A :class:`StoredTensor` value is read twice by pieces
-    (checksum, then bytes) and never held whole.
+    atomically (``path.part`` then rename) → the sha256 of the whole file as written (what a
+    resumed run checks a finished shard against). A :class:`StoredTensor` value is read twice by
+    pieces (checksum, then bytes) and never held whole.
 
     Our own serializer, because the safetensors library orders the metadata keys by a
     randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
@@ -94,15 +96,21 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     part = path.with_name(path.name + ".part")
+    whole = hashlib.sha256()
+
+    def put(b) -> int:
+        whole.update(b)
+        return f.write(b)
     with part.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        put(struct.pack("<Q", len(raw)))
+        put(raw)
         for k, v in values.items():
-            n = sum(f.write(b) for b in _pieces(v))
+            n = sum(put(b) for b in _pieces(v))
             begin, end = header[k]["data_offsets"]
             if n != end - begin:
                 raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
     os.replace(part, path)
+    return whole.hexdigest()
 
 
 def _layout_text(dtype: str, shape) -> str:
@@ -138,8 +146,8 @@ class SafetensorsFile:
         self.path = Path(path)
         self.name = display or self.path.name
         try:
-            size = self.path.stat().st_size
-            with self.path.open("rb") as f:
+            with self._open() as f:
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 if len(head) < 8:
                     raise self._err(f"truncated: {size} bytes, too short for a safetensors header")
@@ -150,9 +158,10 @@ class SafetensorsFile:
         except OSError as e:
             raise self._err(f"cannot read: {e}") from None
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise self._err(f"header is not valid JSON ({e})") from None
+            header = parse_json(raw, name=self.name)
+        except FormatError as e:
+            why = str(e).removeprefix(f"file {self.name}: ")
+            raise self._err(f"header is {why}" if why.startswith("not ") else f"header: {why}") from None
         if not isinstance(header, dict):
             raise self._err("header is not a JSON object")
         self.header_sha256 = hashlib.sha256(head + raw).hexdigest()   # what latq_manifest.json records
@@ -170,6 +179,11 @@ class SafetensorsFile:
             if b1 < e0:
                 raise self._err(f"data of tensors {k0} and {k1} overlap", k1)
         self._checksums: dict[str, str] | None = None
+
+    def _open(self):
+        """The file, opened only if it is a regular file (a FIFO or device put in its place is
+        refused, never waited on)."""
+        return open_regular(self.path, name=self.name)
 
     def _err(self, what: str, tensor: str | None = None) -> FormatError:
         return FormatError(what, file=self.name, tensor=tensor)
@@ -214,7 +228,7 @@ class SafetensorsFile:
     def raw(self, name: str) -> bytes:
         e = self.entries[name]
         try:
-            with self.path.open("rb") as f:
+            with self._open() as f:
                 f.seek(self.data_start + e.begin)
                 b = f.read(e.end - e.begin)
         except OSError as err:
@@ -238,13 +252,16 @@ class SafetensorsFile:
         e = self._entry_of(name)
         buf = memoryview(bytearray(min(size, e.end - e.begin)))
         try:
-            with self.path.open("rb") as f:
+            with self._open() as f:
                 f.seek(self.data_start + e.begin)
                 left = e.end - e.begin
                 while left:
-                    got = f.readinto(buf[:min(size, left)])
-                    if not got:
-                        raise self._err("truncated while reading", name)
+                    want, got = min(size, left), 0
+                    while got < want:   # whole pieces: a piece holds whole elements
+                        n = f.readinto(buf[got:want])
+                        if not n:
+                            raise self._err("truncated while reading", name)
+                        got += n
                     left -= got
                     yield buf[:got]
         except OSError as err:
@@ -270,7 +287,7 @@ class SafetensorsFile:
     def _read(self, name: str, begin: int, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
         try:
-            with self.path.open("rb") as f:
+            with self._open() as f:
                 f.seek(self.data_start + begin)
                 got = f.readinto(buf.numpy())
         except OSError as err:
@@ -284,18 +301,19 @@ class SafetensorsFile:
         """{tensor: sha256} from the metadata, or None when the file has none."""
         if self._checksums is None and CHECKSUM_KEY in self.metadata:
             try:
-                c = json.loads(self.metadata[CHECKSUM_KEY])
-            except ValueError:
+                c = parse_json(self.metadata[CHECKSUM_KEY], name=self.name)
+            except FormatError:
                 c = None
             if not isinstance(c, dict) or not all(isinstance(v, str) for v in c.values()):
                 raise self._err(f"metadata {CHECKSUM_KEY} is not a JSON object of hex digests")
             self._checksums = c
         return self._checksums
 
-    def verify(self, name: str) -> None:
+    def verify(self, name: str, value_limit: float | None = None) -> None:
         """Raise unless the tensor's header entry is the one written (dtype, shape) and its bytes
-        match the recorded sha256, read by pieces. A file without a checksum table is refused:
-        nothing would catch an edit of it (``--no-verify`` skips this on purpose)."""
+        match the recorded sha256, read by pieces; with ``value_limit`` its values are bounded in
+        the same pass (:meth:`check_values`). A file without a checksum table is refused: nothing
+        would catch an edit of it (``--no-verify`` skips this on purpose)."""
         sums = self.checksums
         if sums is None:
             raise self._err(f"no {CHECKSUM_KEY} checksum table in the metadata: not written by latq, or "
@@ -304,10 +322,37 @@ class SafetensorsFile:
             raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
         self.check_layout(name)
         h = hashlib.sha256()
-        for piece in self.pieces(name):
-            h.update(piece)
+        largest = self._scan(name, h, value_limit is not None)
         if h.hexdigest() != sums[name]:
             raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
+        self._bound(name, largest, value_limit)
+
+    def check_values(self, name: str, limit: float) -> None:
+        """Raise unless every value of the floating-point tensor is finite and within ``±limit``,
+        read by pieces (an embedding of any size, a few MiB at a time)."""
+        self._bound(name, self._scan(name, None, True), limit)
+
+    def _scan(self, name: str, h, values: bool) -> float | None:
+        """One pass over the tensor's bytes: ``h`` updated with them; with ``values`` → its largest
+        magnitude (NaN where it holds a NaN)."""
+        dtype = self.dtype(name)
+        largest = 0.0 if values and dtype.is_floating_point else None
+        for piece in self.pieces(name):
+            if h is not None:
+                h.update(piece)
+            if largest is not None and len(piece) and not math.isnan(largest):
+                m = torch.frombuffer(piece, dtype=dtype).abs().amax().item()
+                largest = m if math.isnan(m) else max(largest, m)
+        return largest
+
+    def _bound(self, name: str, largest: float | None, limit: float | None) -> None:
+        if limit is None or largest is None:
+            return
+        if not math.isfinite(largest):
+            raise self._err("has NaN/Inf values", name)
+        if largest > limit:
+            raise self._err(f"has values up to {largest:g}, beyond ±{limit:g} (fp16's range: a model may be served "
+                            "in fp16)", name)
 
     def check_layout(self, name: str) -> None:
         """Raise unless the tensor's header entry (dtype, shape) is the one :data:`LAYOUT_KEY`
@@ -325,8 +370,8 @@ class SafetensorsFile:
         if LAYOUT_KEY not in self.metadata:
             return None
         try:
-            v = json.loads(self.metadata[LAYOUT_KEY])
-        except ValueError:
+            v = parse_json(self.metadata[LAYOUT_KEY], name=self.name)
+        except FormatError:
             v = None
         if not isinstance(v, dict):
             raise self._err(f"metadata {LAYOUT_KEY} is not a JSON object")

@@ -18,6 +18,8 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from .. import format as fmt
+from ..errors import FormatError
+from ..format.checkpoint import checkpoint_dir
 from ..format.validate import verify_for_serving
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
@@ -31,6 +33,13 @@ def _moe_layer_types() -> tuple[type, ...]:
     from vllm.model_executor.layers import fused_moe
     return tuple(c for c in (getattr(fused_moe, n, None) for n in ("RoutedExperts", "FusedMoE"))
                  if isinstance(c, type))
+
+
+class LatqCheckpointRefused(RuntimeError):
+    """The checkpoint vLLM was asked to serve is refused (message: one line naming it, the file
+    and why). Not a ValueError on purpose: vLLM builds its config in a pydantic dataclass, which
+    folds a ValueError into a several-line ValidationError headed by its own words; this passes
+    through, so the refusal is the first line of the error vLLM prints."""
 
 
 class LatqConfig(QuantizationConfig):
@@ -139,25 +148,33 @@ class LatqConfig(QuantizationConfig):
                                         layer_bits=tuple(sorted((m, b) for m, b in mapped.items() if m is not None)))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
-        """Validate the checkpoint directory as ``latq-eval`` does (checksums, shapes, dtypes,
-        value bounds, the manifest: refused if edited or out of bounds), then fingerprint its
-        files (and ``LATQ_KERNEL``) into the HF config. vLLM
+        """Validate the checkpoint as ``latq-eval`` does (checksums, shapes, dtypes, value bounds,
+        every file against the manifest, the manifest against ``LATQ_EXPECT_DIGEST``: refused if
+        edited or out of bounds) — a directory, or a hub id's snapshot in the local cache —, then
+        fingerprint its files (and ``LATQ_KERNEL``) into the HF config. vLLM
         keys its on-disk torch.compile cache on the configs, and a latq graph carries static
         per-layer ints (e.g. the inlier width chosen when an HPTQ layer is transcoded, which
         depends on the data) and the selected kernel's op: re-quantizing into the same
         directory or forcing another kernel must not reuse a stale compiled graph."""
         qc = getattr(hf_config, "quantization_config", None)
-        if not isinstance(qc, dict) or not os.path.isdir(model_name):
+        if not isinstance(qc, dict):
             return
         # before vLLM reads a tensor, once per load (workers get this config pickled);
         # LATQ_NO_VERIFY=1 skips the sha256 checks only
-        verify_for_serving(model_name)
+        try:
+            path = checkpoint_dir(model_name, revision)
+            verify_for_serving(path)
+        except FormatError as e:   # one line naming the checkpoint, the file and why: vLLM prints it first
+            where = "" if os.path.isdir(model_name) else (
+                " (checked in the local Hugging Face cache, which vLLM fills as it goes: download the whole "
+                f"repository first, hf download {model_name})")
+            raise LatqCheckpointRefused(f"latq: {model_name} refused: {e}{where}") from None
         h = hashlib.sha256()
         # the kernel choice decides which custom op the graph calls
         h.update(f"LATQ_KERNEL={os.environ.get('LATQ_KERNEL', '')};".encode())
-        for name in sorted(os.listdir(model_name)):
+        for name in sorted(os.listdir(path)):
             if name.endswith((".safetensors", ".json")):
-                st = os.stat(os.path.join(model_name, name))
+                st = os.stat(os.path.join(path, name))
                 h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
         qc["_latq_fingerprint"] = h.hexdigest()[:16]
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from ..format.output_dir import absolute
 from . import faults, heap, ranks, solve_layers
 from .faults import STOP_ENV, SimulatedInterruption  # noqa: F401  (public names)
 from .options import (COMPUTE_DTYPES, DEFAULT_METHOD, ORDERS, UNCALIBRATED, QuantizeOptions,  # noqa: F401
@@ -42,7 +43,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     ``$LATQ_STOP_AFTER_BLOCK``). Started by ``torchrun``, every rank runs this with the same
     arguments. The same source, options and seed give a byte-identical checkpoint, with or
     without an interruption, at the same torch thread count and number of ranks."""
-    opts, out = opts or QuantizeOptions(), Path(out)
+    opts, out = opts or QuantizeOptions(), absolute(out)   # OUT=. is the working directory, by name
     command = {"model": str(model), "out": str(out.absolute()), "options": dataclasses.asdict(opts),
                "resume": resume, "overwrite": overwrite, "validate": validate}
     stop_after_block = faults.stop_after(stop_after_block)

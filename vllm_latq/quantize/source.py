@@ -8,7 +8,6 @@ loaded just before it is calibrated and dropped after it is written.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -16,9 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ..bounded_io import read_json
 from ..format.files import INDEX_FILE, SINGLE_FILE
+from ..format.writer import aux_files
 from ..format.safetensors_file import SafetensorsFile, StoredTensor
 from .. import hf_model
+from ..errors import FormatError
+from ..model_config import check_architecture, check_config
 from .. import data
 
 log = logging.getLogger("vllm_latq.quantize")
@@ -61,8 +64,13 @@ class SourceWeights:
 
     def __init__(self, d: Path):
         idx = d / INDEX_FILE
-        if idx.is_file():
-            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        if os.path.lexists(idx):
+            index = read_json(idx)
+            wm = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(f, str) and Path(f).name == f for f in wm.values()):
+                raise FormatError("weight_map must map tensor names to shard file names in this directory",
+                                  file=str(idx))
+            files = sorted(set(wm.values()))
         elif (d / SINGLE_FILE).is_file():
             files = [SINGLE_FILE]
         else:
@@ -208,18 +216,23 @@ def open_source(model: str | os.PathLike, compute_dtype) -> Source:
     the model does not use, refuse a source missing some it does."""
     src = resolve_model(model)
     raw_cfg = hf_model.config_dict(src)
-    hf_model.check_config_sizes(raw_cfg, file=str(Path(src) / hf_model.CONFIG_FILE))   # before building anything
+    cfg_file = str(Path(src) / hf_model.CONFIG_FILE)
+    check_config(raw_cfg, file=cfg_file)   # before building anything
+    aux_files(src)   # a tokenizer file linked out of the source is refused now, not after the run
     if "quantization_config" in raw_cfg:
         qm = raw_cfg["quantization_config"].get("quant_method", "?") if isinstance(raw_cfg["quantization_config"],
                                                                                 dict) else "?"
         raise ValueError(f"{src} is already quantized (quant_method {qm!r}); start from a bf16/fp16/fp32 model")
-    config = hf_model.hf_config(raw_cfg)
+    config = hf_model.hf_config(raw_cfg, file=cfg_file)
     cdtype = compute_dtype(raw_cfg)
     try:
         net = hf_model.empty_model(config, cdtype)
+    except FormatError as e:
+        raise FormatError(str(e).removeprefix(f"file {hf_model.CONFIG_FILE}: "), file=cfg_file) from None
     except ValueError as e:  # transformers has no causal LM class for this config
         raise hf_model.UnsupportedModelError(f"{type(config).__name__}: no *ForCausalLM ({e})") from None
     prefix, layers = hf_model.check_supported(net)
+    check_architecture(raw_cfg, type(net).__name__, file=cfg_file)
     names = hf_model.checkpoint_names(net)
     expected = dict(net.state_dict())
     head = net.get_output_embeddings()

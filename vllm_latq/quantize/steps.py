@@ -236,8 +236,7 @@ def calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = data.load_tokenizer(tokenizer_dir)
     return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
                                     source=opts.calib)
 

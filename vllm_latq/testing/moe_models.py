@@ -105,14 +105,14 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
                                  target_bits=target_bits if kind == "huffman" else None,
                                  order="natural", damp=0.01, modules_not_converted=sorted(routers))
     deq_dir = out.with_name(out.name + "-deq")
-    write_checkpoint(out, tensors, {**cfg, "quantization_config": qc}, shapes, source=src.name)
-    deq_dir.mkdir(parents=True, exist_ok=True)
-    save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
-    (deq_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    for d in (out, deq_dir):
+    for d in (out, deq_dir):   # the tokenizer files first: the checkpoint's seal covers them
+        d.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
                 shutil.copy(f, d / f.name)
+    write_checkpoint(out, tensors, {**cfg, "quantization_config": qc}, shapes, source=src.name)
+    save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
+    (deq_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out, deq_dir
 
 
