@@ -499,9 +499,11 @@ def test_bf16_fallback_when_no_compressed_kernel_fits(caplog, monkeypatch):
     for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):
         y, ref = k.apply(st, x, None), latq_linear_ref(x.float(), w, None)
         assert y.dtype == x.dtype and torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    for value in ("bf16", "dense"):   # its name, and its old name (an alias)
-        monkeypatch.setenv("LATQ_KERNEL", value)
-        assert selector.select(w, torch.device("cpu"), torch.bfloat16) is DequantizedBf16Kernel
+    monkeypatch.setenv("LATQ_KERNEL", "bf16")
+    assert selector.select(w, torch.device("cpu"), torch.bfloat16) is DequantizedBf16Kernel
+    monkeypatch.setenv("LATQ_KERNEL", "dense")   # the retired name: refused, naming its successor
+    with pytest.raises(ValueError, match="LATQ_KERNEL=bf16 is that kernel"):
+        selector.select(w, torch.device("cpu"), torch.bfloat16)
 
 
 def test_custom_op_compiles_fullgraph_with_dynamic_batch():
