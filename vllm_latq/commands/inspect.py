@@ -1,6 +1,4 @@
-"""``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
-(``python -m vllm_latq.commands.inspect`` runs it too), plus each layer's served bits/weight per
-kernel family (:mod:`vllm_latq.kernels.served_report`, imported only when run)."""
+"""``latq-inspect CKPT``: validate a checkpoint and print each layer's served bits per kernel family."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +13,7 @@ from ..format.validate import format_report, validate_checkpoint
 
 def inspect_main(argv=None) -> int:
     """``latq-inspect CKPT``: validate a checkpoint and print its per-layer table.
+
     Exit code 0 if valid, 2 with one error line naming file and tensor otherwise."""
     ap = argparse.ArgumentParser(prog="latq-inspect", description=inspect_main.__doc__)
     ap.add_argument("checkpoint")
