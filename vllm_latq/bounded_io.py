@@ -28,7 +28,6 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
 
 def open_regular(path: str | os.PathLike, *, name: str | None = None) -> BinaryIO:
     """``path`` opened for binary reading if it is a regular file; else a :class:`FormatError` naming ``name``.
-
     Opened without blocking, so a FIFO is refused instead of waiting for a writer."""
     name = name or str(path)
     try:
@@ -72,7 +71,7 @@ def read_json(path: str | os.PathLike, *, limit: int = MAX_JSON_BYTES, name: str
 
 
 def parse_json(raw: bytes | str, *, name: str):
-    """``raw`` parsed as JSON; refused, naming ``name``, if not UTF-8, too deep or holding a non-finite number."""
+    """``raw`` parsed as JSON; refused, naming ``name``, if not UTF-8, too deep or not finite."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
     except UnicodeDecodeError as e:

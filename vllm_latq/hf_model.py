@@ -70,9 +70,8 @@ def empty_model(config, dtype: torch.dtype = torch.float32):
 
 
 def check_build_budget(config, dtype: torch.dtype = torch.float32) -> None:
-    """Refuse a config whose built model would hold over :data:`BUILD_BUFFER_BUDGET` bytes of buffers.
-
-    Measured on a meta build, before the real build allocates (GPT-J's position table, causal masks)."""
+    """Refuse a config whose built model would hold over :data:`BUILD_BUFFER_BUDGET` bytes of buffers,
+    sized on a meta build before the real one allocates them (GPT-J's position table, causal masks)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -89,7 +88,7 @@ def check_build_budget(config, dtype: torch.dtype = torch.float32) -> None:
 
 @contextlib.contextmanager
 def _beside_vllm(config):
-    """Build under a stand-in vLLM config: vLLM's Transformers backend decorates transformers' classes in place."""
+    """Build under a stand-in vLLM config: vLLM's Transformers backend patches transformers' classes."""
     if "vllm.config" not in sys.modules:
         yield
         return

@@ -53,8 +53,7 @@ def config_dict(path: str | Path) -> dict:
 
 def check_config(cfg: dict, *, file: str = CONFIG_FILE) -> None:
     """Refuse, naming the field, a size outside :data:`SIZE_LIMITS` or a float outside :data:`VALUE_LIMITS`.
-
-    Nested objects (``text_config``, ``rope_parameters``) are checked too; ``quantization_config`` is the format's."""
+    Nested objects are checked too, but ``quantization_config`` (the format's)."""
     _check_fields(cfg, file, "")
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if _is_int(heads) and _is_int(kv) and kv and heads % kv:
@@ -80,7 +79,7 @@ def _is_int(v) -> bool:
 
 
 def check_architecture(cfg: dict, model_class: str, *, file: str = CONFIG_FILE) -> None:
-    """Refuse an ``architectures`` that is not ``[model_class]``: vLLM would serve another class than was checked."""
+    """Refuse ``architectures`` other than ``[model_class]``: vLLM would serve a class not checked."""
     archs = cfg.get("architectures")
     if archs is not None and archs != [model_class]:
         raise FormatError(f"architectures is {archs!r}, but model_type {cfg.get('model_type')!r} builds "

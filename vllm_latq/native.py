@@ -1,7 +1,5 @@
-"""The package's C++ ops (namespace ``latq_cpu``), compiled on first use into one library.
-
-Each replaces a run of small torch dispatches (docs/ARCHITECTURE.md, "C++ helpers"). Without a
-compiler, or with ``LATQ_CPU_NATIVE=0``, callers keep their pure-torch paths (same math)."""
+"""The package's C++ ops, compiled on first use into one library (docs/ARCHITECTURE.md, "C++ helpers").
+Without a compiler, or with ``LATQ_CPU_NATIVE=0``, callers keep their pure-torch paths (same math)."""
 from __future__ import annotations
 
 import contextlib

@@ -22,14 +22,14 @@ JOBS = {  # label → pipeline options: latq-quantize's default, the paper's two
     "SSQR-4b-1%": dict(method="ssqr", bits=4, group_size=128, outlier_rate=0.01),
     "HPTQ-3.125": dict(method="hptq", target_bits=3.125),
 }
-EXAMPLES = """examples:
-  python -m vllm_latq.commands.demo [--nsamples 32] [--baselines] [--fresh]
-  python -m vllm_latq.commands.demo --layers      # the paper's per-layer comparison on one block
-"""
 BASELINES = {
     "RTN-4b-g128": dict(method="rtn", bits=4, group_size=128),
     "RTN-3b-g128": dict(method="rtn", bits=3, group_size=128),
 }
+EXAMPLES = """examples:
+  python -m vllm_latq.commands.demo [--nsamples 32] [--baselines] [--fresh]
+  python -m vllm_latq.commands.demo --layers      # the paper's per-layer comparison on one block
+"""
 
 
 def _say(msg: str) -> None:
@@ -193,7 +193,8 @@ def layer_comparison(model_name: str, block: int, nsamples: int, seqlen: int) ->
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nsamples", type=int, default=32, help="calibration sequences (default 32; protocol 128)")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--nwindows", type=int, default=64, help="perplexity windows (protocol: 64)")

@@ -1,8 +1,7 @@
 """``latq-eval MODEL_OR_CKPT``: perplexity by the shared protocol, as one JSON object.
 
-The first 64 non-overlapping 512-token windows of the Wikipedia eval split, or of ``--text FILE``
-read as ``latq-quantize --calib`` reads it. A checkpoint is validated and dequantized by the
-format's reference into a transformers model (no kernels); compute is fp32."""
+The Wikipedia eval split, or ``--text FILE`` read as ``latq-quantize --calib`` reads it; a
+checkpoint is validated and dequantized by the format's reference (no kernels), in fp32."""
 from __future__ import annotations
 
 import argparse

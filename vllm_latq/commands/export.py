@@ -89,7 +89,6 @@ def refusal_message(layers: list[Layer]) -> str:
 
 def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
     """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer.
-
     Scales go to fp32: transformers dequantizes fused experts in the scale's dtype."""
     n, k = layer.shape
     t = ck.layer_tensors(layer.module)

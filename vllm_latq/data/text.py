@@ -109,7 +109,7 @@ class Documents(NamedTuple):
 
 
 def read_documents(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -> Documents:
-    """The documents of ``"wiki"`` (its ``wiki_part``), a ``.txt`` (one document) or a ``.jsonl`` ("text" per line)."""
+    """The documents of ``"wiki"`` (its ``wiki_part``), a ``.txt`` (one) or a ``.jsonl`` ("text" fields)."""
     if str(source) == "wiki":
         calib, evals = wiki_split()
         return Documents({"calibration": calib, "eval": evals}[wiki_part], f"the Wikipedia {wiki_part} split")
@@ -147,7 +147,7 @@ def _read_jsonl(path: Path, text: str) -> list[str]:
 
 
 def _encode_prefix(tokenizer, docs: list[str], need: int) -> list[int]:
-    """Ids of ``"\\n\\n".join(docs)``, tokenizing only a prefix long enough for ``need`` ids (64-token margin)."""
+    """Ids of ``"\\n\\n".join(docs)``, tokenizing only a long enough prefix for ``need`` ids."""
     margin = 64
     chars = 8 * (need + margin)  # English is ~4-5 characters per token: usually one pass
     while True:

@@ -1,7 +1,5 @@
 """The latq checkpoint format, version 1: one definition for the writer, the readers and the vLLM loader.
-
-The per-layer helpers are exported here (``fmt.pack(...)``); per-directory modules are imported
-by name. docs/FORMAT.md is the prose version and lists every module. Imports no solver, kernel or vLLM."""
+Per-layer helpers are exported here (``fmt.pack``); docs/FORMAT.md lists every module."""
 from . import scale_codes
 from .csr import csr_from_mask, csr_rows
 from ..errors import FormatError

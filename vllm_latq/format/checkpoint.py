@@ -18,7 +18,7 @@ from .spec import parse_quantization_config
 
 
 def checkpoint_dir(name: str | os.PathLike, revision: str | None = None) -> Path:
-    """The directory of checkpoint ``name``: local, or a hub id's snapshot in the local cache (never downloaded)."""
+    """The directory of checkpoint ``name``: local, or a hub id's snapshot in the local cache (offline)."""
     p = Path(name).expanduser()
     if p.is_dir():
         return p
@@ -136,14 +136,14 @@ class Checkpoint:
         return st
 
     def checkpoint_names(self, model) -> hf_model.CheckpointNames:
-        """How ``model`` is named here (per-expert layers, renamed tensors); FormatError if transformers cannot say."""
+        """How ``model`` is named here (per-expert layers, renamed tensors)."""
         try:
             return hf_model.checkpoint_names(model)
         except hf_model.UnsupportedModelError as e:
             raise FormatError(str(e), file=CONFIG_FILE) from None
 
     def dequantized_tensors(self, dtype: torch.dtype = torch.float32):
-        """Yield ``(name, tensor)`` by checkpoint name: quantized layers dequantized, the rest cast to ``dtype``."""
+        """Yield ``(name, tensor)``: quantized layers dequantized, the rest cast to ``dtype``."""
         spec = self.spec
         model = self.empty_model(dtype)
         ck_names = self.checkpoint_names(model)
@@ -161,7 +161,7 @@ class Checkpoint:
 
 
 def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames) -> tuple[int, int]:
-    """``(out, in)`` of the linear (or expert's linear) stored as ``module``; FormatError naming ``file`` else."""
+    """``(out, in)`` of the linear (or expert's linear) stored as ``module``; else FormatError."""
     x = names.experts.get(module)
     if x is not None:
         return x.rows.stop - x.rows.start, model.get_parameter(x.param).shape[2]
@@ -176,7 +176,7 @@ def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames)
 
 
 def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A plain transformers model holding :func:`~vllm_latq.format.layer.dequantize_layer`'s weights (no kernel)."""
+    """A plain transformers model holding the format's dequantized weights (no kernel)."""
     ck = Checkpoint(path)
     model = ck.empty_model(dtype)
     names = ck.checkpoint_names(model)

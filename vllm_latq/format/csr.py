@@ -6,7 +6,6 @@ import torch
 
 def csr_rows(crow: torch.Tensor, nnz: int | None = None) -> torch.Tensor:
     """The row index of every nonzero, int64 ``[nnz]``, from the row pointers ``[rows+1]``.
-
     Passing ``nnz`` spares a device sync on CUDA and makes it work on ``meta``."""
     crow = crow.long()
     return torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device), crow[1:] - crow[:-1],

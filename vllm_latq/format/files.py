@@ -1,4 +1,4 @@
-"""The files of a checkpoint directory, by name (docs/FORMAT.md, "Directory"), for writer, reader and validator."""
+"""The files of a checkpoint directory, by name (the tree in docs/FORMAT.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +17,7 @@ AUX_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "v
 
 
 def check_no_links_out(root: Path, what: str = "the checkpoint directory") -> None:
-    """Refuse a file of ``root`` that is a link resolving outside it (a hub snapshot's ``blobs`` links are read)."""
+    """Refuse a file of ``root`` that links outside it (a hub snapshot's ``blobs`` links are read)."""
     for entry in sorted(root.iterdir()):
         if entry.is_symlink() and not entry.is_dir():
             check_inside(root, entry, what)

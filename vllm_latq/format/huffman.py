@@ -1,7 +1,5 @@
-"""Length-limited canonical Huffman coding of integer matrices (HPTQ's kind; docs/FORMAT.md).
-
-The symbols are cut into chunks of ``CHUNK`` whose bit lengths are stored, so chunks decode
-independently (SIMD lanes here, threads on a GPU)."""
+"""Length-limited canonical Huffman coding of integer matrices (HPTQ's kind; docs/FORMAT.md), cut
+into chunks of ``CHUNK`` symbols that decode independently."""
 
 from __future__ import annotations
 
@@ -121,7 +119,6 @@ def stored_bits(payload_bits: int, nsym: int, numel: int) -> int:
 @dataclass(frozen=True, eq=False)
 class HuffmanCode:
     """A canonical prefix code: ``symbols[i]`` has code length ``lengths[i]``.
-
     Construction validates lengths, distinct symbols and Kraft, so codebooks read from disk are checked."""
 
     symbols: np.ndarray  # int32
@@ -324,7 +321,6 @@ def _decode_lanes(tables, pos: np.ndarray, tail: int) -> np.ndarray:
 
 def decode(stream: HuffmanStream) -> np.ndarray:
     """Decode ``stream`` to a flat int32 array; ValueError if corrupt.
-
     Chunks decode together as vector lanes through a 2^16-entry table, so corrupt input cannot hang."""
     code, n = stream.code, int(stream.numel)
     data = np.asarray(stream.data)
@@ -353,8 +349,7 @@ def decode(stream: HuffmanStream) -> np.ndarray:
     tables = (win, tab_idx, tab_len.astype(np.int64))
     idx = np.empty(nchunks * CHUNK, np.int32)
     pos = offsets.copy()
-    # Lane groups keep the per-step working set cache-sized (many more lanes
-    # than ~4k made each step several times slower per lane).
+    # Lane groups keep the per-step working set cache-sized.
     for g in range(0, nchunks, _LANES):
         stop = min(g + _LANES, nchunks)
         tail = n - (nchunks - 1) * CHUNK if stop == nchunks else CHUNK

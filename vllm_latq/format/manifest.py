@@ -1,7 +1,5 @@
-"""``latq_manifest.json``: the seal of a checkpoint directory, every file listed with its sha256.
-
-Unkeyed, it catches accidents and naive edits; a pinned :func:`manifest_digest` refuses a
-re-sealed edit (docs/FORMAT.md, "Manifest")."""
+"""``latq_manifest.json``: the seal of a checkpoint directory, every file with its sha256; a pinned
+:func:`manifest_digest` also refuses a re-sealed edit (docs/FORMAT.md, "Manifest")."""
 from __future__ import annotations
 
 import hashlib
@@ -69,7 +67,6 @@ def _stats(path: Path):
 def write_manifest(path: str | os.PathLike, shards: list[str] | None = None, files: list[str] | None = None,
                    made_by: str = "latq-quantize") -> str:
     """Seal the checkpoint directory ``path``, written last → its digest.
-
     ``made_by``: the command that wrote it, which alone may replace it."""
     path = Path(path)
     names = sorted(shards if shards is not None else (p.name for p in path.glob("*.safetensors")))
@@ -117,7 +114,6 @@ def _well_formed(m: dict) -> bool:
 def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, SafetensorsFile],
                     expect_digest: str | None = None) -> list[str]:
     """Raise :class:`FormatError` naming the file unless every file is the one sealed (and pinned).
-
     → the unsealed entries no loader reads (:data:`IGNORED` names, subdirectories), to report."""
     path = Path(path)
     m = read_manifest(path)

@@ -58,7 +58,7 @@ def check_out(out: Path, sources: Iterable[Path], overwrite: bool, made_by: str)
 
 
 def why_not_replaceable(d: Path, made_by: str) -> str | None:
-    """None if ``d`` is empty or a complete checkpoint ``made_by`` wrote (its manifest verifies), else why not."""
+    """None if ``d`` is empty or a complete checkpoint ``made_by`` sealed, else why not."""
     if not any(os.scandir(d)):
         return None
     if not os.path.lexists(d / MANIFEST_FILE):

@@ -1,7 +1,5 @@
-"""Our strict reader and deterministic writer of ``.safetensors`` files, with a per-tensor sha256 table.
-
-The reader raises :class:`~vllm_latq.format.FormatError` naming file and tensor instead of the
-library's panics; the writer's bytes depend only on the tensors and metadata."""
+"""Our strict reader (a :class:`~vllm_latq.format.FormatError` naming file and tensor, never a panic)
+and deterministic writer of ``.safetensors`` files, with a per-tensor sha256 table."""
 from __future__ import annotations
 
 import functools
@@ -60,7 +58,6 @@ class StoredTensor:
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | StoredTensor],
                       metadata: dict[str, str] | None = None) -> str:
     """Write a safetensors file with a ``latq_sha256`` table, atomically → the whole file's sha256.
-
     Our own serializer: the library orders metadata keys by a randomized hash map."""
     path = Path(path)
     values = {k: v if isinstance(v, StoredTensor) else v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
@@ -126,7 +123,7 @@ class _Entry:
 
 
 class SafetensorsFile:
-    """A strict reader of one ``.safetensors`` file: the header is checked at construction, tensors read on demand."""
+    """A strict reader of one ``.safetensors`` file: header checked on open, tensors read on demand."""
 
     def __init__(self, path: str | os.PathLike, display: str | None = None):
         self.path = Path(path)
@@ -294,8 +291,7 @@ class SafetensorsFile:
         return self._checksums
 
     def verify(self, name: str, value_limit: float | None = None) -> None:
-        """Raise unless the tensor's layout and bytes match what was written (and, with ``value_limit``, its values).
-
+        """Raise unless the tensor's layout and bytes are as written (with ``value_limit``: its values bounded).
         A file without a checksum table is refused: nothing would catch an edit of it."""
         sums = self.checksums
         if sums is None:

@@ -1,7 +1,5 @@
-"""Second-level scales (SpQR's idea): group scales as 4-bit codes on a grid per 16 rows of a group.
-
-The one definition of the coded form (docs/FORMAT.md, "Coded scales") for solvers, writer,
-readers and kernels."""
+"""Second-level scales (SpQR's idea): group scales as 4-bit codes on a grid per 16 rows of a group;
+the one definition of the coded form (docs/FORMAT.md, "Coded scales")."""
 from __future__ import annotations
 
 import math

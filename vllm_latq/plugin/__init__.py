@@ -1,7 +1,6 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: latq``).
 
-vLLM calls :func:`register` in every process, maybe more than once: it stays cheap and idempotent,
-and nothing from vLLM is imported until then."""
+vLLM calls :func:`register` in every process, maybe twice: it stays cheap, idempotent and vLLM-free."""
 from __future__ import annotations
 
 QUANT_NAME = "latq"

@@ -31,7 +31,6 @@ def _moe_layer_types() -> tuple[type, ...]:
 
 class LatqCheckpointRefused(RuntimeError):
     """The checkpoint is refused (one line naming it, the file and why).
-
     Not a ValueError: pydantic would fold it into a ValidationError headed by its own words."""
 
 
@@ -140,7 +139,6 @@ class LatqConfig(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Validate the checkpoint as ``latq-eval`` does, then fingerprint its files into the HF config.
-
         vLLM keys its torch.compile cache on the configs; a re-quantized checkpoint must not reuse a graph."""
         qc = getattr(hf_config, "quantization_config", None)
         if not isinstance(qc, dict):

@@ -30,8 +30,7 @@ def tensor_names(config) -> tuple[str, ...]:
 
 class LoadState:
     """Collects one layer's checkpoint tensors and builds its runtime form.
-
-    Each logical matrix is validated, cut and dropped as soon as it is in: one layer's full tensors at a time."""
+    Each logical matrix is validated, cut and dropped once in: one layer's full tensors at a time."""
 
     def __init__(self, layer, config, geo: Geometry, bits: int | None = None):
         # layer: the vLLM layer, or a name (one expert matrix of a MoE layer, moe_method.py)

@@ -36,7 +36,6 @@ def graph_tokens() -> int:
 
 class LatqMoEMethod(FusedMoEMethodBase):
     """latq experts of one ``RoutedExperts`` layer: one latq layer per expert and projection.
-
     Each is loaded by the linear loader's :class:`~vllm_latq.plugin.loading.LoadState`; then served
     by vLLM's WNA16 MoE method where it takes them, else by latq's kernels."""
 

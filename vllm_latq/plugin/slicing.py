@@ -27,7 +27,7 @@ def _cols_csr(crow, col, val, c0, n):
 
 
 def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int, coded: bool = False) -> LatqWeight:
-    """Rows ``blocks`` and columns ``[c0, c0+n)`` of a dense-kind layer → runtime form (``coded``: codes kept)."""
+    """Rows ``blocks`` and columns ``[c0, c0+n)`` of a dense-kind layer → runtime form."""
     rows = t["qweight"].shape[0]
     scales = fmt.dense_scales(t, rows)
     codes = fmt.scale_codes.from_tensors(t, rows) if coded else None
@@ -58,7 +58,6 @@ def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int, c
 
 def codes_refusal(runs: list[tuple[str, int, int]], pad_to: int | None = None) -> str | None:
     """Why stored scale codes cannot follow the row ``runs`` this rank stacks, or None.
-
     Each run must start on a 16-row boundary and all but the last span whole 16-row blocks."""
     block = fmt.scale_codes.ROWS
     for i, (name, r0, nr) in enumerate(runs):

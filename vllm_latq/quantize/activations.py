@@ -1,8 +1,7 @@
 """Calibration activations: the current block's inputs, one row per sequence, in memory or in files.
 
-They are the pipeline's largest buffer and the only one independent of the block, so they alone
-are budgeted (``--max-activation-memory``); after each block the next block's inputs are on disk
-for ``--resume``."""
+The pipeline's largest buffer, so the one budgeted (``--max-activation-memory``); after each
+block the next block's inputs are on disk for ``--resume``."""
 from __future__ import annotations
 
 import logging
@@ -48,7 +47,7 @@ def _gib(n: int) -> str:
 
 
 class Activations:
-    """The inputs of decoder block :attr:`block` for this rank's :attr:`rows`; ``x[j:j+1]`` is sequence ``j``."""
+    """The inputs of block :attr:`block` for this rank's :attr:`rows`; ``x[j:j+1]`` is sequence ``j``."""
 
     def __init__(self, run_dir: Path, shape: tuple[int, int, int], dtype: torch.dtype, device, block: int,
                  on_disk: bool, rows: range | None = None, world: World = SINGLE):

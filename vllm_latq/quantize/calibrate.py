@@ -12,12 +12,11 @@ from .ranks import World
 
 
 class InputsSeen(Exception):
-    """Raised once every linear of :attr:`SharedHessians.stop_after` has seen its input: the rest is not needed."""
+    """Raised once every linear of :attr:`SharedHessians.stop_after` has seen its input."""
 
 
 class SharedHessians:
     """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64.
-
     Linears fed the very same tensor (q/k/v, gate/up) share one Hessian; ``cross_of`` adds target
     correction's ``X̃ᵀX``; ``stop_after`` ends a forward once those linears have seen their inputs."""
 
@@ -97,7 +96,7 @@ class SharedHessians:
 
     @torch.no_grad()
     def record_targets(self, layer, x: torch.Tensor, kw: dict, stop: bool) -> torch.Tensor | None:
-        """Run the unquantized ``layer`` on full-precision ``x``, keeping each linear's input for the cross terms."""
+        """Run the unquantized ``layer`` on full-precision ``x``, keeping each linear's input."""
         moe_seen = {m: len(m.hidden) for m in self.moe.values()}
         self.targets, self._recording = {}, True
         try:
@@ -118,7 +117,7 @@ class SharedHessians:
         self.targets = None
 
     def release(self, name: str) -> None:
-        """Drop the Hessian (and cross term) of ``name`` and the linears sharing it: one c×c matrix at a time."""
+        """Drop the Hessian (and cross term) shared by ``name``: one c×c matrix at a time."""
         h = self.of[name]
         for n in [n for n, x in self.of.items() if x is h]:
             del self.of[n]

@@ -96,7 +96,6 @@ def block_inputs(net: torch.nn.Module, layers: torch.nn.ModuleList, hidden_size:
                  calib: torch.Tensor | None, run: RunDir, device, max_memory: int | None, progress: bool,
                  rows: range | None = None, world: World = SINGLE) -> tuple[Activations | None, dict | None]:
     """→ (the inputs of the first block ``run`` has not done, every block's kwargs); (None, None) uncalibrated.
-
     ``rows``: the sequences of ``calib`` this rank forwards."""
     if calib is None:  # an uncalibrated method: no forwards, the embeddings are not read
         return None, None

@@ -1,7 +1,5 @@
-"""Per-input-column scales folded into the norm that feeds a linear (``--column-scales``).
-
-``(n(x)·γ) Wᵀ = (n(x)·γ/c) (W·diag(c))ᵀ``: the checkpoint stores the quantized ``W·diag(c)``
-and the norm divided by ``c``, so every kernel serves it unchanged (docs/ARCHITECTURE.md)."""
+"""Per-input-column scales folded into the norm that feeds a linear (``--column-scales``): the checkpoint
+stores the quantized ``W·diag(c)`` and the norm divided by ``c``, so every kernel serves it unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,7 +99,6 @@ def _unit_offset(norm: torch.nn.Module) -> bool:
 
 def folded_norm_weight(weight: torch.Tensor, c: torch.Tensor, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm weight scaling by ``γ/c``, rounded to its dtype, and the scales it really applies.
-
     Folding those scales into W keeps the pair exact up to fp32 rounding."""
     one = 1.0 if unit_offset else 0.0
     g = weight.float() + one
@@ -138,9 +135,7 @@ def _scaled_hessian(h: Hessian, c: torch.Tensor) -> Hessian:
 def fold_block(layer: torch.nn.Module, prefix: str, linears: dict, hessians: dict[str, Hessian], x: torch.Tensor,
                kw: dict, *, power: float = 0.5, order="act", damp: float = 0.01,
                stored: Callable[[str], torch.Tensor] | None = None) -> BlockFolding:
-    """Fold column scales into the norms of block ``layer`` that feed only linears, in place.
-
-    ``x`` (one calibration sequence) traces the norms and checks the folded block computes the same;
+    """Fold column scales into the norms of block ``layer`` that feed only linears, in place, checked on ``x``.
     ``stored(name)``: a norm weight as the checkpoint stores it, which is what gets folded."""
     from .capture import run_block
     ref = run_block(layer, x, kw)

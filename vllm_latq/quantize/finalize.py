@@ -31,7 +31,7 @@ def stats_file(stats: list[dict], method: str, src: Path, group_size: int | None
 
 
 def checkpoint_config(source_config: dict, quantization_config: dict, untie_head: bool) -> dict:
-    """The checkpoint's ``config.json``: the source's with its ``quantization_config`` (``untie_head``: untied)."""
+    """The checkpoint's ``config.json``: the source's with its ``quantization_config``."""
     cfg = dict(source_config)
     cfg["quantization_config"] = quantization_config
     if untie_head:

@@ -10,7 +10,6 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 def return_freed_memory() -> None:
     """Serve every allocation of 32 MiB or more by its own mmap (glibc's threshold would adapt upwards).
-
     Smaller ones (a sequence's activations) stay on the heap: a fresh mapping would fault in every forward."""
     libc = _glibc()
     if libc is not None:

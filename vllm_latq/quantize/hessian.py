@@ -1,7 +1,4 @@
-"""Layer Hessians ``H = XᵀX / n`` from calibration activations, summed in fp64.
-
-:class:`Hessian` is the definition; :class:`PanelHessian` the pipeline's faster accumulator;
-:func:`linear_hessians` the whole-model collector tests, demo and study share."""
+"""Layer Hessians ``H = XᵀX / n`` from calibration activations, summed in fp64."""
 from __future__ import annotations
 
 from typing import Hashable, Iterable
@@ -16,10 +13,8 @@ PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
 
 
 class Hessian:
-    """Running ``XᵀX / n`` over the rows fed to :meth:`add`, every product in fp64.
-
-    fp32 sums over 10⁵ tokens lose the small eigenvalues that steer GPTQ. :attr:`H` replaces the
-    sum in place (no second c×c fp64 matrix); :meth:`add` then refuses."""
+    """Running ``XᵀX / n`` over the rows fed to :meth:`add`, every product in fp64 (the definition).
+    fp32 sums over 10⁵ tokens lose the small eigenvalues that steer GPTQ."""
 
     def __init__(self, columns: int, device="cpu"):
         self._sum: torch.Tensor | None = torch.zeros(columns, columns, dtype=torch.float64, device=device)
@@ -172,8 +167,7 @@ class CrossCovariance(PanelHessian):
 
 
 def qronos_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
-    """Target correction (after Qronos): ``W′ᵀ = Wᵀ + (H + λI)⁻¹(C − H)Wᵀ`` with ``H = X̃ᵀX̃/n``, ``C = X̃ᵀX/n``.
-
+    """Target correction (after Qronos): ``W′ᵀ = Wᵀ + (H + λI)⁻¹(C − H)Wᵀ``, ``H = X̃ᵀX̃/n``, ``C = X̃ᵀX/n``.
     The W′ whose outputs on X̃ best match XWᵀ, damped toward W so that ``W′ = W`` when C = H."""
     if C.shape != H.shape:
         raise ValueError(f"cross-covariance {tuple(C.shape)} and Hessian {tuple(H.shape)} differ")
@@ -200,7 +194,6 @@ def linear_hessians(model: torch.nn.Module, modules: dict[Hashable, torch.nn.Lin
                     batches: Iterable[torch.Tensor], *, stop_after: torch.nn.Module | None = None,
                     desc: str | None = None) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
     """``{key: (W fp32, H fp64)}`` for ``modules``, ``model`` run on each row of ``batches``.
-
     ``stop_after``: the module after which each forward stops."""
     hs, handles = hook_linears(modules)
     if stop_after is not None:

@@ -1,8 +1,5 @@
-"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it.
-
-One pre-hook per experts module keeps its inputs and routing during the block's Hessian forward;
-each expert's sums are then formed one expert at a time, no forward per expert. An expert routed
-fewer than ``min_tokens`` is topped up with all tokens (:func:`blend`)."""
+"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it,
+formed one expert at a time from inputs kept during the block's one Hessian forward."""
 from __future__ import annotations
 
 import inspect
@@ -27,13 +24,12 @@ class ExpertHessians:
 
 
 def blend(routed: PanelHessian, everything: PanelHessian, min_tokens: int) -> PanelHessian:
-    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens with all tokens' Hessian."""
+    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens."""
     return PanelHessian.from_sum(routed.sum + everything.sum * ((min_tokens - routed.n) / everything.n), min_tokens)
 
 
 class MoeInputs:
     """A pre-hook on one experts module keeping its inputs and routing, and the per-expert Hessians.
-
     Once ``world`` is set, sums are over every rank's tokens and every method is collective."""
 
     def __init__(self, experts: torch.nn.Module):

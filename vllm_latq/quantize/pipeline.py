@@ -1,7 +1,5 @@
-"""The offline pipeline: a Hugging Face causal LM → a latq checkpoint, one decoder block at a time.
-
-GPTQ's sequential calibration (docs/ARCHITECTURE.md, section 1): capture, then per block
-calibrate, solve, propagate, save; then the head and the rest. Each step is a method of :class:`~.steps.Steps`."""
+"""The offline pipeline: a Hugging Face causal LM → a latq checkpoint, one decoder block at a time,
+each step a method of :class:`~.steps.Steps` (docs/ARCHITECTURE.md, section 1)."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +27,6 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                    progress: bool = True, on_layer: Callable | None = None, stop_after_block: int | None = None,
                    on_block: Callable[[int, float], None] | None = None, validate: bool = True) -> Path:
     """Quantize ``model`` into the checkpoint directory ``out`` → ``out``; byte-identical run after run.
-
     ``solve`` replaces the per-layer solver, ``on_layer``/``on_block`` observe (tests, benches);
     ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is saved."""
     opts, out = opts or QuantizeOptions(), absolute(out)   # OUT=. is the working directory, by name

@@ -1,7 +1,5 @@
-"""The ranks of a ``torchrun`` quantization run: where they split and where they meet.
-
-Every collective the pipeline needs is here (gloo on CPU, NCCL on CUDA). Without torchrun,
-:func:`init` returns :data:`SINGLE` and every function is the identity."""
+"""The ranks of a ``torchrun`` quantization run: every collective the pipeline needs, and where
+ranks split and meet. Without torchrun, :func:`init` returns :data:`SINGLE`: the identity."""
 from __future__ import annotations
 
 import datetime
@@ -158,7 +156,6 @@ def assign_by_cost(costs: dict[str, int], world: World, busy: list[int] | None =
 
 def expert_rounds(num_experts: int, world: World) -> list[dict[int, int]]:
     """One module's experts in rounds of at most one per rank (a rank holds one expert's Hessians).
-
     The first round is the short one; its idle ranks take the block's linears."""
     short = num_experts % world.size or world.size
     starts = [0, *range(short, num_experts, world.size)]
@@ -253,7 +250,6 @@ class Job:
 @dataclass
 class RoundJobs:
     """``count`` equal-cost jobs with large inputs (experts), run in :func:`expert_rounds`.
-
     ``prepare(k)`` is collective; ``job(k, prepared)`` is job k."""
     name: str
     count: int

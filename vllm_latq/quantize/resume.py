@@ -32,7 +32,7 @@ PIPELINE_VERSION = 5
 
 
 def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
-    """What must not change before a ``--resume``: the source (path, files and sizes, config) and ``options``."""
+    """What must not change before a ``--resume``: the source (path, files, config) and ``options``."""
     sizes = sorted((f, (src / f).stat().st_size) for f in files)
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION, "options": options,
                        "source": str(src.resolve()), "files": sizes, "config": config}, sort_keys=True)
@@ -51,7 +51,7 @@ class RunDir:
 
     @classmethod
     def open(cls, out: Path, fp: str, resume: bool) -> "RunDir":
-        """The run directory of ``out``: continued when ``resume`` and fingerprint and checksums hold, else new."""
+        """The run directory of ``out``, continued when ``resume`` and its fingerprint and checksums hold."""
         tmp = out.with_name(out.name + TMP_SUFFIX)
         state = None
         if tmp.exists():
@@ -86,7 +86,7 @@ class RunDir:
         return cls(tmp, fp, state["blocks_done"], state["stats"], world, state["shards"])
 
     def save_block(self, i: int, shard_name: str, shard: dict, *streams: Activations | None) -> None:
-        """Persist block ``i``: its shard, the next block's inputs in each of ``streams``, the progress record."""
+        """Persist block ``i``: its shard, the next block's inputs (``streams``), the progress record."""
         streams = [s for s in streams if s is not None]
         if self.world.writes:
             self.shards[shard_name] = safetensors_file.write_safetensors(self.path / shard_name, shard)

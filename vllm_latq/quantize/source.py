@@ -22,7 +22,7 @@ log = logging.getLogger("vllm_latq.quantize")
 
 
 def resolve_model(spec: str | os.PathLike) -> Path:
-    """An HF model directory for ``spec``: a directory, a ``.gguf`` file (converted once) or a reference name."""
+    """An HF model directory for ``spec``: a directory, a ``.gguf`` file or a reference name."""
     s = str(spec)
     if s in data.MODELS:
         return data.model_dir(s)
@@ -52,7 +52,6 @@ def resolve_model(spec: str | os.PathLike) -> Path:
 
 class SourceWeights:
     """Tensors of a safetensors HF directory, read one at a time into memory the caller owns.
-
     Not memory-mapped: a mapped file's pages stay resident until it closes, so RSS would grow to the model."""
 
     def __init__(self, d: Path):
@@ -90,7 +89,6 @@ class SourceWeights:
 @dataclass
 class Source:
     """A source model opened for quantization: directory, config, tensors and the model on the meta device.
-
     A fused expert parameter is read from per-expert or fused source tensors, whichever the source holds."""
     path: Path
     raw_config: dict            # config.json as written

@@ -34,7 +34,7 @@ log = logging.getLogger("vllm_latq.quantize")
 
 def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progress: bool,
                  world: ranks.World) -> tuple[Source, HeadPlan | None]:
-    """The source ``model`` opened and its head located; what cannot be quantized refused before any tensor is read."""
+    """The source ``model`` opened, its head located; what cannot be quantized is refused first."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
     if opts.calibrated and opts.nsamples < world.size:
@@ -132,7 +132,7 @@ class Steps:
                      self.src.block_experts(i), kw)
 
     def calibrate(self, block: Block) -> Iterator[Stage]:
-        """The block's :class:`~.solve_layers.Stage` list: one, or with target correction one per group of linears."""
+        """The block's solve stages: one, or with target correction one per group of linears."""
         stages = self._whole_block(block) if self.targets is None else corrected_stages(
             block.layer, block.linears, block.experts, self.acts, self.targets, block.kw, self.src.names.module,
             self.solver, self.opts.damp, block.desc, self.progress, self.world)

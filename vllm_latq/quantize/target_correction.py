@@ -1,7 +1,5 @@
-"""Target correction (after Qronos): each block linear solved against ``W′``, mapping X̃ to XWᵀ.
-
-A full-precision stream X runs beside the quantized one X̃; groups of linears sharing an input
-are calibrated true-sequentially (docs/KERNELS.md, "Accuracy levers"). Experts keep their own W."""
+"""Target correction (after Qronos): each block linear solved against the ``W′`` mapping X̃ to XWᵀ,
+its groups of linears calibrated true-sequentially (docs/KERNELS.md, "Accuracy levers")."""
 from __future__ import annotations
 
 import copy
@@ -20,7 +18,7 @@ TARGET_STREAM_DIR = "latq_target_stream"  # in the run directory, when the strea
 
 
 def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp: float) -> Callable:
-    """``quantize(name, W, hessian)`` solving each linear named in ``cross`` against ``W′`` (stats: ‖X̃(Q − W′)ᵀ‖)."""
+    """``quantize(name, W, hessian)`` solving each linear named in ``cross`` against ``W′``."""
     def corrected(name, W, hessian, **kw):
         if name not in cross:
             return quantize(name, W, hessian, **kw)
@@ -31,9 +29,7 @@ def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp
 def corrected_stages(layer, linears: dict, experts: dict, inps: Activations, targets: Activations, kw: dict,
                      module_name: Callable[[str], str], quantize: Callable, damp: float, desc: str, progress: bool,
                      world: World) -> Iterator[Stage]:
-    """The block's solves, one :class:`~.solve_layers.Stage` per group of ``linears`` (experts with the last).
-
-    The caller solves each stage before asking for the next."""
+    """The block's solves, one :class:`~.solve_layers.Stage` per group of ``linears``, solved in turn."""
     for names, hessians, last in target_corrected_stages(layer, linears, inps, targets, kw, desc, progress):
         sum_over_ranks(hessians, world)
         cross = {module_name(n): c for n, c in hessians.cross_of.items()}
@@ -45,9 +41,7 @@ def corrected_stages(layer, linears: dict, experts: dict, inps: Activations, tar
 def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Activations, kw: dict, desc: str,
                             progress: bool) -> Iterator[tuple[list[str], SharedHessians, bool]]:
     """Yield ``(names, hessians, last)`` per group of linears sharing an input, in forward order.
-
-    X̃ᵀX̃ and X̃ᵀX come from ``layer`` as quantized so far, X from an unquantized copy whose outputs
-    become the next block's X."""
+    X̃ comes from ``layer`` as quantized so far, X from an unquantized copy (the next block's X)."""
     from tqdm.auto import tqdm
     original = copy.deepcopy(layer)
     name_in_layer = {id(m): n for n, m in layer.named_modules()}

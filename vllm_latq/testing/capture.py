@@ -32,7 +32,7 @@ def unspecialized(fn) -> frozenset[int]:
 
 
 def compile_key(name, args, kwargs, skip: frozenset[int] = frozenset()) -> tuple:
-    """A launch's compile key: runtime arguments as Triton specialises them (``skip``: type only), keywords by value."""
+    """A launch's compile key: runtime arguments as Triton specialises them, keywords by value."""
     return name, tuple(("int",) if i in skip and isinstance(a, int) else _spec(a) for i, a in enumerate(args)), \
         tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
 
@@ -98,7 +98,7 @@ class CaptureWatch:
 
     @contextlib.contextmanager
     def installed(self, interpreted: bool):
-        """Watch every launch, host sync, autotune and scratch allocation; ``interpreted``: CPU stands in for CUDA."""
+        """Watch launches, host syncs, autotunes and scratch allocations; ``interpreted``: CPU as CUDA."""
         import triton.runtime.jit as jit
         with contextlib.ExitStack() as stack:
             if interpreted:
@@ -126,7 +126,6 @@ class CaptureWatch:
 
 def warmup_then_capture(watch: CaptureWatch, sizes, run, graph=None) -> None:
     """vLLM's order: per capture size, largest first, one eager call then its capture.
-
     ``run(size, phase)``: the forward at that size; ``graph``: on a GPU, the CUDA-graph capture context."""
     for size in sorted(sizes, reverse=True):
         run(size, "warmup")

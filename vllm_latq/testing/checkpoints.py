@@ -17,7 +17,7 @@ from ..format.writer import write_json
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, shapes: dict[str, tuple[int, int]],
                      source: str = "test") -> Path:
-    """Write ``tensors`` (one shard), ``config``, the layers' stats and the manifest into ``out``; validate it."""
+    """Write ``tensors`` (one shard), ``config``, stats and manifest into ``out``, then validate it."""
     from ..quantize.finalize import stats_file
 
     out = Path(out)

@@ -8,7 +8,6 @@ import torch
 def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torch.Tensor, bits: int,
                    damp: float) -> torch.Tensor:
     """GPTQ as IST-DASLab's ``fasterquant`` without lazy batches, in ``perm`` order, on fixed scales ``S``.
-
     → int32 integers ``[out, in]``; computed in W's dtype (the factor in fp64 first)."""
     lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     Hd = H.double().clone()

@@ -18,7 +18,7 @@ def with_header(raw: bytes, n: int, header: dict) -> bytes:
 
 
 def edit_entry(header: dict, name: str, field: str, *, dtype=None, dims=None, delta: int = 0) -> None:
-    """One edit of tensor ``name``'s header entry: ``dtype``, ``shape``, ``end``, ``shift``, ``drop`` or ``rename``."""
+    """One edit of tensor ``name``'s header entry: dtype, shape, end, shift, drop or rename."""
     e = header[name]
     if field == "dtype":
         e["dtype"] = dtype

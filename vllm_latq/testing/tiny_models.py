@@ -33,7 +33,6 @@ GEMMA_NORMS = ("gemma", "gemma2", "gemma3")  # their norms scale by 1 + w
 
 def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloat16, seed: int = 0, **sizes):
     """A tiny random-weight causal LM of model type ``arch`` saved as an HF dir with SmolLM2's tokenizer.
-
     hidden 80 / intermediate 144 end in a ragged group at g64 and pad the 32-column tile."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

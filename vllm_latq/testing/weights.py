@@ -12,7 +12,6 @@ def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 12
                   rows: tuple[tuple[int, float], ...] = (), cells: tuple[tuple[int, int], ...] = (),
                   fp16_values: bool = False, scale_bits: int | None = None) -> LatqWeight:
     """A random layer in the runtime form: uniform b-bit inliers, fp16 group scales, random outliers.
-
     ``rows`` / ``cells`` force outliers on some rows or cells; ``scale_bits`` codes the scales."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)

@@ -12,7 +12,6 @@ VLLM_SIZES = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, 
 
 def tiny_export(out: Path, bits: int = 3, group_size: int = 16, method: str = "gptq") -> Path:
     """``latq-quantize`` then ``latq-export`` of a tiny Llama vLLM's CPU attention takes → the export directory.
-
     Intermediate 144, so 3 bits packs a row into 13.5 words."""
     from ..commands import export
     from ..quantize.pipeline import QuantizeOptions, quantize_model
@@ -38,7 +37,6 @@ def unpack_dense(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def reference_kernel():
     """A vLLM ``MPLinearKernel`` for symmetric 2–8-bit groups computing ``x @ (z·s)ᵀ`` in fp32.
-
     It leaves ``weight_packed`` / ``weight_scale`` as loaded, so a test reads what vLLM's loaders put there."""
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
 
