@@ -1,8 +1,5 @@
-"""Reading files that latq does not control (checkpoints, sources, calibration text, a partial
-run) within bounds: only a regular file is opened (a FIFO, device or directory is refused
-before it can block or stream forever), its size is capped before a byte is read, and JSON is
-parsed with a nesting limit and finite numbers only. Every refusal is a :class:`FormatError`
-naming the file, so a command reports it in one line with exit code 2."""
+"""Reading files latq does not control within bounds: regular files only, sizes capped before a read,
+JSON with a nesting limit and finite numbers. Every refusal is a :class:`FormatError` naming the file."""
 from __future__ import annotations
 
 import errno
@@ -30,9 +27,8 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
 
 
 def open_regular(path: str | os.PathLike, *, name: str | None = None) -> BinaryIO:
-    """``path`` opened for binary reading if it is a regular file (links followed); anything else is
-    a :class:`FormatError` naming ``name`` (default: the path). Opened without blocking, so a FIFO
-    is refused instead of waiting for a writer. A missing file raises ``FileNotFoundError``."""
+    """``path`` opened for binary reading if it is a regular file; else a :class:`FormatError` naming ``name``.
+    Opened without blocking, so a FIFO is refused instead of waiting for a writer."""
     name = name or str(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -51,8 +47,7 @@ def open_regular(path: str | os.PathLike, *, name: str | None = None) -> BinaryI
 
 
 def read_bytes(path: str | os.PathLike, limit: int, *, name: str | None = None) -> bytes:
-    """The bytes of the regular file ``path``, refused (naming ``name``) past ``limit`` bytes,
-    whether it says so up front or grows while read."""
+    """The bytes of regular file ``path``, refused past ``limit`` bytes (declared or grown while read)."""
     name = name or str(path)
     with open_regular(path, name=name) as f:
         size = os.fstat(f.fileno()).st_size
@@ -65,22 +60,18 @@ def read_bytes(path: str | os.PathLike, limit: int, *, name: str | None = None) 
 
 
 def read_text(path: str | os.PathLike, limit: int = MAX_TEXT_BYTES, *, name: str | None = None) -> str:
-    """UTF-8 text of the regular file ``path`` (at most ``limit`` bytes); ``UnicodeDecodeError``
-    passes through so the caller can name the line."""
+    """UTF-8 text of regular file ``path`` (≤ ``limit`` bytes); ``UnicodeDecodeError`` passes through."""
     return read_bytes(path, limit, name=name).decode("utf-8")
 
 
 def read_json(path: str | os.PathLike, *, limit: int = MAX_JSON_BYTES, name: str | None = None):
-    """The JSON value of the regular file ``path``: at most ``limit`` bytes, :data:`MAX_JSON_DEPTH`
-    levels, finite numbers (see :func:`parse_json`)."""
+    """The JSON value of regular file ``path``, bounded as :func:`parse_json` says."""
     name = name or str(path)
     return parse_json(read_bytes(path, limit, name=name), name=name)
 
 
 def parse_json(raw: bytes | str, *, name: str):
-    """``raw`` parsed as JSON, refused naming ``name`` when it is not UTF-8, nests deeper than
-    :data:`MAX_JSON_DEPTH` (Python's parser would recurse into a traceback), or holds a number that
-    is not finite (``NaN``, ``Infinity``, ``1e400``)."""
+    """``raw`` parsed as JSON; refused, naming ``name``, if not UTF-8, too deep or not finite."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
     except UnicodeDecodeError as e:
@@ -115,8 +106,7 @@ def _finite_float(token: str) -> float:
 
 
 def pieces(path: str | os.PathLike, *, limit: int | None = None, name: str | None = None) -> Iterator[bytes]:
-    """The bytes of the regular file ``path`` in pieces of :data:`PIECE_BYTES` (refused past
-    ``limit`` bytes when given): hashed or copied without holding it whole."""
+    """The bytes of regular file ``path`` in pieces of :data:`PIECE_BYTES` (refused past ``limit``)."""
     name = name or str(path)
     with open_regular(path, name=name) as f:
         size = os.fstat(f.fileno()).st_size

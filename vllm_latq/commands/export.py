@@ -1,26 +1,9 @@
-"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard
-checkpoint that stock vLLM, SGLang and transformers read (the ``compressed-tensors`` package).
+"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard one.
 
-The dense kind at 2–8 bits with static natural groups and no outliers *is* compressed-tensors'
-``pack-quantized`` form as vLLM's WNA16 scheme reads it (symmetric int, strategy ``group``, or
-``channel`` for one group per row): offset-binary integers (u = z + 2^(b-1)) packed densely
-along K, value k of a row at bits [k·b, k·b + b) of its little-endian int32 words, padding
-u = 0, ``ceil(K·b/32)`` words. A latq row is that stream in whole 32-column tiles, so its
-``weight_packed`` is the first ``ceil(K·b/32)`` words of latq's ``qweight``: the integers pass
-through untouched, at every width. (For 3, 5, 6 and 7 bits this is compressed-tensors' packing
-from 0.18 on; 0.17 put 32//b values in a word and reads these widths wrongly.) Group scales
-(stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]`` (fp32, exact).
+Dense 2–8-bit layers with natural groups and no outliers become compressed-tensors'
+``pack-quantized`` form, read by stock vLLM, SGLang and transformers; any other layer is
+refused, or written in bf16 with ``--dequantize-unmapped`` (docs/FORMAT.md, "Export")."""
 
-What does not map is refused, naming the layer and why: CSR outliers, a group size that
-neither divides K nor covers it (vLLM's kernels refuse ragged groups), and the huffman kind
-(HPTQ/HRTN: entropy-coded integers under one fp32 scale, with no fixed bit width).
-``--dequantize-unmapped`` writes such layers as bf16 weights instead, listed in ``ignore``, and
-reports the bits/weight that costs.
-
-examples:
-  latq-export ckpt/gemma-w4 export/gemma-w4 --format compressed-tensors
-  latq-export ckpt/gemma-ssqr export/gemma-ssqr --dequantize-unmapped
-"""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +33,10 @@ TMP_SUFFIX = ".tmp-latq-export"
 COMMAND = "latq-export"
 UNMAPPED_BITS = 16          # a layer written as bf16
 SCALE_BITS = 32             # weight_scale's fp32
+EXAMPLES = """examples:
+  latq-export ckpt/gemma-w4 export/gemma-w4 --format compressed-tensors
+  latq-export ckpt/gemma-ssqr export/gemma-ssqr --dequantize-unmapped
+"""
 
 
 class ExportRefused(ValueError):
@@ -58,8 +45,7 @@ class ExportRefused(ValueError):
 
 @dataclass(frozen=True)
 class Layer:
-    """A quantized layer of the source: its checkpoint name, shape, bits and why it does not
-    map (``None`` when it does)."""
+    """A quantized layer of the source and why it does not map (``None`` when it does)."""
     module: str
     shape: tuple[int, int]
     bits: int | None
@@ -67,8 +53,7 @@ class Layer:
 
 
 def plan_layers(ck: Checkpoint, model) -> list[Layer]:
-    """Every quantized layer of ``ck`` (``model``: its empty model) with its refusal reason,
-    from the headers alone."""
+    """Every quantized layer of ``ck`` with its refusal reason, from the headers alone."""
     names = ck.checkpoint_names(model)
     return [_plan_layer(ck, m, linear_shape(model, m, ck.layer_file(m), names), t)
             for m, t in ck.layers().items()]
@@ -103,9 +88,8 @@ def refusal_message(layers: list[Layer]) -> str:
 # ----------------------------------------------------------------------------- tensors
 
 def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
-    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer. The fp16
-    scales are stored as fp32 (exactly): transformers dequantizes fused experts in the scale's
-    dtype, where fp16 would round every product; vLLM casts them to its own dtype on load."""
+    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer.
+    Scales go to fp32: transformers dequantizes fused experts in the scale's dtype."""
     n, k = layer.shape
     t = ck.layer_tensors(layer.module)
     words = math.ceil(k * layer.bits / 32)   # compressed-tensors' words: latq's, less the tile padding
@@ -138,15 +122,12 @@ def linear_modules(ck: Checkpoint, model) -> list[str]:
 
 
 def weight_form(layer: Layer, group_size: int) -> tuple[int, str, int | None]:
-    """(bits, strategy, group size) of a mapped layer: ``group``, or ``channel`` where one group
-    covers the row (vLLM's channelwise form: one scale per row, any TP cut)."""
+    """(bits, strategy, group size) of a mapped layer: ``channel`` where one group covers the row."""
     return (layer.bits, "channel", None) if group_size >= layer.shape[1] else (layer.bits, "group", group_size)
 
 
 def compressed_tensors_config(layers: list[Layer], group_size: int, linears: list[str]) -> dict:
-    """The ``quantization_config`` of the export: one config group per weight form (bits,
-    strategy, group size), targeting ``Linear`` when all share one form, else the layers by
-    name; every other linear ignored."""
+    """The export's ``quantization_config``: one config group per weight form, other linears ignored."""
     mapped = [x for x in layers if not x.refusal]
     forms = sorted({weight_form(x, group_size) for x in mapped}, key=repr)
     groups = {}
@@ -178,12 +159,7 @@ def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
 
 def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_unmapped: bool = False,
                       overwrite: bool = False, verify: bool = True, expect_digest: str | None = None) -> dict:
-    """Write the export of latq checkpoint ``ckpt`` to ``out`` (via ``OUT.tmp-latq-export``, sealed
-    with its own manifest and renamed at the end: a failure leaves nothing at ``out``) → a summary
-    (layers, bits/weight, the export's digest). ``ckpt`` is validated first as ``latq-eval`` does:
-    unless not ``verify``, every tensor's sha256 and every file against its manifest (and the
-    manifest against ``expect_digest``, if given); values and shapes either way. ``out`` is
-    replaced only where it is an empty directory or an export this command sealed."""
+    """Validate latq checkpoint ``ckpt`` and write its export to ``out`` atomically → a summary."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     out = output_dir.absolute(out)
@@ -209,8 +185,7 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
 
 
 def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -> None:
-    """Every file of the export into ``tmp``: one shard per source shard, built and written one
-    at a time (an 8B model's packed layers are never all in memory), then index and JSON."""
+    """Every file of the export into ``tmp``, one shard at a time (bounded memory)."""
     meta = {"latq_method": ck.spec.method}
     for f in ck.shards:
         tensors: dict = {}
@@ -232,8 +207,7 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
 
 
 def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
-    """Layers written packed and as bf16, and the bits/weight the exported layers store: all of
-    them, and the packed ones alone."""
+    """Layers written packed and as bf16, and the bits/weight the exported layers store."""
     def mean_bits(xs):
         n = sum(x.shape[0] * x.shape[1] for x in xs)
         return sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in xs) / n if n else None
@@ -247,7 +221,7 @@ def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
 # ----------------------------------------------------------------------------- CLI
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="latq-export", description=__doc__,
+    ap = argparse.ArgumentParser(prog="latq-export", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", help="latq checkpoint directory")
     ap.add_argument("out", help="output directory (written as OUT.tmp-latq-export, then renamed)")

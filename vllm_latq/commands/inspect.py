@@ -1,6 +1,4 @@
-"""``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
-(``python -m vllm_latq.commands.inspect`` runs it too), plus each layer's served bits/weight per
-kernel family (:mod:`vllm_latq.kernels.served_report`, imported only when run)."""
+"""``latq-inspect CKPT``: validate a checkpoint and print each layer's served bits per kernel family."""
 from __future__ import annotations
 
 import argparse

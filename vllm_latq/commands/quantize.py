@@ -3,18 +3,7 @@
 MODEL is a Hugging Face directory (bf16/fp16/fp32 safetensors), a ``.gguf`` file (converted
 once into the cache), or a reference model name (gemma3-270m, smollm2-135m). The checkpoint
 format is described in docs/FORMAT.md; ``latq-inspect OUT`` validates it, ``latq-eval OUT``
-measures its perplexity.
-
-examples:
-  latq-quantize gemma3-270m ckpt/gemma-w4                        # GPTQ 4-bit, group 64 (the default)
-  latq-quantize gemma3-270m ckpt/gemma-w4s --scale-bits 4        # its group scales coded: fewer served bits
-  latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
-  latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
-  latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
-  latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
-  torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
-  OMP_NUM_THREADS=2 torchrun --nproc-per-node 2 -m vllm_latq.quantize ./my-llama ckpt/w4   # CPU: 2 ranks x 2 threads
-"""
+measures its perplexity."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +45,17 @@ def _rate(s: str) -> float:
     return float(s[:-1]) / 100 if s.endswith("%") else float(s)
 
 
+EXAMPLES = """examples:
+  latq-quantize gemma3-270m ckpt/gemma-w4                        # GPTQ 4-bit, group 64 (the default)
+  latq-quantize gemma3-270m ckpt/gemma-w4s --scale-bits 4        # its group scales coded: fewer served bits
+  latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
+  latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
+  latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
+  latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
+  torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
+  OMP_NUM_THREADS=2 torchrun --nproc-per-node 2 -m vllm_latq.quantize ./my-llama ckpt/w4   # CPU: 2 ranks x 2 threads
+"""
+
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -77,7 +77,7 @@ def _size(s: str) -> int | None:
 def parser() -> argparse.ArgumentParser:
     from ..quantize.options import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
     d = QuantizeOptions()
-    ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
+    ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="HF model directory, .gguf file, or a name: gemma3-270m, smollm2-135m")
     ap.add_argument("out", help="output checkpoint directory (written as OUT.tmp-latq, then renamed)")

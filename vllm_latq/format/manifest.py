@@ -1,19 +1,5 @@
-"""``latq_manifest.json``: the seal of a checkpoint directory — every file in it, listed with its
-sha256. Each shard's ``latq_sha256`` table covers its tensors' bytes and the manifest covers the
-shard's header (dtypes, shapes, offsets and that table), ``config.json`` (its
-``quantization_config`` and the model's own fields, apart), ``latq_stats.json``, and every other
-file byte for byte: the index, the tokenizer files, the generation config, the chat template.
-
-The JSON files the format defines are hashed by value (canonical JSON: sorted keys, no
-whitespace), so reformatting one is not an edit, while any changed value is. A file the
-manifest does not list is refused (a loader might read it), but for :data:`IGNORED` names and
-subdirectories, which no loader reads: they are reported. The writer records the manifest last
-(:func:`write_manifest`); :func:`verify_manifest` is the validator's last check.
-
-Its :func:`manifest_digest` pins the whole checkpoint: unkeyed, the manifest catches accidents,
-truncation and naive edits, while anyone can re-seal an edited checkpoint; a digest the user
-got from whoever made the checkpoint (``--expect-digest``, ``LATQ_EXPECT_DIGEST`` for vLLM)
-refuses any re-sealed edit."""
+"""``latq_manifest.json``: the seal of a checkpoint directory, every file with its sha256; a pinned
+:func:`manifest_digest` also refuses a re-sealed edit (docs/FORMAT.md, "Manifest")."""
 from __future__ import annotations
 
 import hashlib
@@ -57,8 +43,7 @@ def digest_of(path: str | os.PathLike) -> str:
 
 
 def normalize_digest(text: str) -> str:
-    """A digest as given (``sha256:<hex>`` or the bare hex) in its ``sha256:<hex>`` form; a
-    ValueError naming what is wrong otherwise."""
+    """A digest given as ``sha256:<hex>`` or bare hex, in its ``sha256:<hex>`` form; else a ValueError."""
     hexpart = text.strip().lower().removeprefix("sha256:")
     if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
         raise ValueError(f"--expect-digest {text!r}: expected sha256: and 64 hex digits, as latq-quantize prints")
@@ -66,8 +51,7 @@ def normalize_digest(text: str) -> str:
 
 
 def config_digests(cfg: dict) -> dict[str, str]:
-    """The digests of ``config.json``: its quantization_config and the rest, apart (so a refusal
-    says which was edited)."""
+    """The digests of ``config.json``'s quantization_config and the rest, apart (a refusal says which)."""
     return {"quantization_config": json_sha256(cfg.get("quantization_config")),
             "model": json_sha256({k: v for k, v in cfg.items() if k != "quantization_config"})}
 
@@ -82,11 +66,8 @@ def _stats(path: Path):
 
 def write_manifest(path: str | os.PathLike, shards: list[str] | None = None, files: list[str] | None = None,
                    made_by: str = "latq-quantize") -> str:
-    """Seal the checkpoint directory ``path`` (written last: it covers the other files as they are
-    now) → its digest. ``shards``: the shard files (default every ``*.safetensors``); ``files``:
-    the other files besides config and stats (default every other regular file, but the mark of a
-    temporary directory); ``made_by``: the
-    command that wrote it, which alone may replace it."""
+    """Seal the checkpoint directory ``path``, written last → its digest.
+    ``made_by``: the command that wrote it, which alone may replace it."""
     path = Path(path)
     names = sorted(shards if shards is not None else (p.name for p in path.glob("*.safetensors")))
     special = {CONFIG_FILE, STATS_FILE, MANIFEST_FILE, TEMP_MARK, *names}
@@ -103,8 +84,7 @@ def write_manifest(path: str | os.PathLike, shards: list[str] | None = None, fil
 
 
 def read_manifest(path: Path) -> dict:
-    """The manifest of ``path``, its form checked; refused, saying what to do, where it is missing
-    or older than :data:`MANIFEST_VERSION`."""
+    """The manifest of ``path``, its form checked; refused, saying what to do, if missing or too old."""
     try:
         m = read_json(path / MANIFEST_FILE, name=MANIFEST_FILE)
     except FileNotFoundError:
@@ -133,11 +113,8 @@ def _well_formed(m: dict) -> bool:
 
 def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, SafetensorsFile],
                     expect_digest: str | None = None) -> list[str]:
-    """Raise :class:`FormatError` naming the file unless the manifest is the pinned one
-    (``expect_digest``, if given), ``config`` (``config.json`` as read), the stats file, the
-    headers of ``shards`` (every shard the reader reads) and every other file are the ones
-    written, and the directory holds nothing else a loader could read → the entries it holds
-    unsealed (:data:`IGNORED` names, subdirectories), for the caller to report."""
+    """Raise :class:`FormatError` naming the file unless every file is the one sealed (and pinned).
+    → the unsealed entries no loader reads (:data:`IGNORED` names, subdirectories), to report."""
     path = Path(path)
     m = read_manifest(path)
     check_digest(m, expect_digest)
@@ -205,6 +182,5 @@ def no_verify_requested() -> bool:
 
 
 def expected_digest_from_env() -> str | None:
-    """The digest ``LATQ_EXPECT_DIGEST`` pins for the vLLM loader (``latq-serve --expect-digest``
-    sets it), or None."""
+    """The digest ``LATQ_EXPECT_DIGEST`` pins for the vLLM loader, or None."""
     return os.environ.get(DIGEST_ENV) or None

@@ -1,11 +1,6 @@
-"""The directory ``OUT`` a command writes a checkpoint to (``latq-quantize``, ``latq-export``): what
-it may replace, the lock that keeps a second run off it, and its temporary directory.
+"""The directory ``OUT`` a command writes a checkpoint to: what it may replace, its lock, its temporary.
 
-Nothing is deleted that latq did not make: ``--overwrite`` replaces an empty directory or a
-complete checkpoint the same command wrote — its manifest verifies and lists every entry —,
-never a source, a directory holding one or inside one, a link, or anything else; a temporary
-directory is removed only when latq marked it as its own. Every refusal names OUT and why
-(``ValueError`` / ``FileExistsError``: exit code 2 in the commands)."""
+Nothing is deleted that latq did not make; every refusal names OUT and why (exit code 2)."""
 from __future__ import annotations
 
 import errno
@@ -31,8 +26,7 @@ OLD_SUFFIX = ".old-latq"          # the checkpoint being replaced, for the insta
 
 
 def absolute(out: str | os.PathLike) -> Path:
-    """``out`` as an absolute path (``.`` → the working directory, by name), refusing one with no
-    name to put a temporary directory beside (``/``)."""
+    """``out`` as an absolute path, refusing one with no name to put a temporary beside (``/``)."""
     p = Path(os.path.abspath(out))
     if not p.name:
         raise ValueError(f"{out}: not a directory latq can write (it has no name to put OUT.tmp-latq beside)")
@@ -40,9 +34,7 @@ def absolute(out: str | os.PathLike) -> Path:
 
 
 def check_out(out: Path, sources: Iterable[Path], overwrite: bool, made_by: str) -> None:
-    """Refuse an ``out`` the command ``made_by`` must not write or replace: a link, a source of
-    the run (or a directory holding one, or one inside it), an existing ``out`` without
-    ``overwrite``, or one that is neither empty nor a complete checkpoint ``made_by`` wrote."""
+    """Refuse an ``out`` that command ``made_by`` must not write or replace (a link, a source, ...)."""
     if out.is_symlink():
         raise ValueError(f"{out} is a symbolic link: latq writes and replaces only a directory of its own")
     here = out.resolve()
@@ -66,9 +58,7 @@ def check_out(out: Path, sources: Iterable[Path], overwrite: bool, made_by: str)
 
 
 def why_not_replaceable(d: Path, made_by: str) -> str | None:
-    """None if the directory ``d`` is empty or a complete checkpoint ``made_by`` wrote — its
-    manifest verifies (config, stats, shard headers, every other file) and lists every entry —,
-    else why not."""
+    """None if ``d`` is empty or a complete checkpoint ``made_by`` sealed, else why not."""
     if not any(os.scandir(d)):
         return None
     if not os.path.lexists(d / MANIFEST_FILE):
@@ -87,8 +77,7 @@ def why_not_replaceable(d: Path, made_by: str) -> str | None:
 
 
 def make_temporary(tmp: Path, made_by: str) -> None:
-    """Create the temporary directory ``tmp``, marked as ``made_by``'s (a leftover one is first
-    removed by :func:`remove_temporary`)."""
+    """Create the temporary directory ``tmp``, marked as ``made_by``'s (a leftover one removed first)."""
     remove_temporary(tmp, made_by)
     tmp.mkdir(parents=True)
     mark_temporary(tmp, made_by)
@@ -104,8 +93,7 @@ def unmark_temporary(tmp: Path) -> None:
 
 
 def remove_temporary(tmp: Path, made_by: str) -> None:
-    """Remove the leftover temporary directory ``tmp`` if latq made it (marked, or a complete
-    checkpoint ``made_by`` sealed but did not rename); refuse anything else, naming it."""
+    """Remove a leftover temporary ``tmp`` if latq made it; refuse anything else, naming it."""
     if not os.path.lexists(tmp):
         return
     if tmp.is_symlink() or not tmp.is_dir():
@@ -117,8 +105,7 @@ def remove_temporary(tmp: Path, made_by: str) -> None:
 
 
 def replace_with(tmp: Path, out: Path, sources: Iterable[Path], made_by: str) -> None:
-    """Move the sealed checkpoint ``tmp`` to ``out``, replacing what is there only if
-    :func:`check_out` allows it now (hours may have passed since the run checked it)."""
+    """Move the sealed ``tmp`` to ``out`` if :func:`check_out` allows it now (hours may have passed)."""
     sources = list(sources)
     if not os.path.lexists(out):
         os.replace(tmp, out)
@@ -137,8 +124,7 @@ def replace_with(tmp: Path, out: Path, sources: Iterable[Path], made_by: str) ->
 
 @contextmanager
 def exclusive(out: Path, command: str):
-    """Hold ``OUT.latq-lock`` for the body: a second run on the same ``out`` fails at once naming
-    the holder; the lock file is removed on every exit path."""
+    """Hold ``OUT.latq-lock`` for the body: a second run on ``out`` fails at once, naming the holder."""
     path = out.with_name(out.name + LOCK_SUFFIX)
     fd = _acquire(path, out, command)
     try:

@@ -1,10 +1,5 @@
-"""Our strict reader and deterministic writer of ``.safetensors`` files, with a per-tensor
-sha256 table (``latq_sha256``) in the metadata.
-
-The reader (:class:`SafetensorsFile`) raises :class:`~vllm_latq.format.FormatError`, naming
-the file and tensor, on any inconsistency instead of the library's panics, so a corrupted
-file can never crash or hang a reader. The writer orders everything, so a file's bytes
-depend only on its tensors and metadata."""
+"""Our strict reader (a :class:`~vllm_latq.format.FormatError` naming file and tensor, never a panic)
+and deterministic writer of ``.safetensors`` files, with a per-tensor sha256 table."""
 from __future__ import annotations
 
 import functools
@@ -37,8 +32,7 @@ _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _DTYPES.items
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes safetensors stores for ``t``: a view of its memory, not a
-    copy (the writer hashes and writes GB-sized embeddings)."""
+    """The raw little-endian bytes safetensors stores for ``t``: a view, not a copy."""
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -53,9 +47,7 @@ PIECE_BYTES = 16 << 20  # a stored tensor is copied in pieces of this size
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """Tensor ``name`` of a safetensors ``file``, for :func:`write_safetensors` to copy by pieces:
-    a model's GB-sized embedding and head pass from the source into the checkpoint through a few
-    MiB of memory (read with ``read``, not mapped: no page of them joins the resident set)."""
+    """Tensor ``name`` of a safetensors ``file``, copied by pieces (read, not mapped: RSS stays flat)."""
     file: "SafetensorsFile"
     name: str
 
@@ -65,15 +57,8 @@ class StoredTensor:
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | StoredTensor],
                       metadata: dict[str, str] | None = None) -> str:
-    """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
-    atomically (``path.part`` then rename) → the sha256 of the whole file as written (what a
-    resumed run checks a finished shard against). A :class:`StoredTensor` value is read twice by
-    pieces (checksum, then bytes) and never held whole.
-
-    Our own serializer, because the safetensors library orders the metadata keys by a
-    randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
-    out contiguously in name order and the header is space-padded to 8 bytes, so the bytes
-    depend only on the tensors and the metadata (and the library reads the file as usual)."""
+    """Write a safetensors file with a ``latq_sha256`` table, atomically → the whole file's sha256.
+    Our own serializer: the library orders metadata keys by a randomized hash map."""
     path = Path(path)
     values = {k: v if isinstance(v, StoredTensor) else v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
     meta = {"format": "pt", **(metadata or {})}
@@ -138,9 +123,7 @@ class _Entry:
 
 
 class SafetensorsFile:
-    """A strict reader of one ``.safetensors`` file. The header is parsed and checked at
-    construction (sizes, dtypes, shapes, offsets in range and non-overlapping); tensors are
-    read on demand. Every problem is a :class:`FormatError` naming the file (and tensor)."""
+    """A strict reader of one ``.safetensors`` file: header checked on open, tensors read on demand."""
 
     def __init__(self, path: str | os.PathLike, display: str | None = None):
         self.path = Path(path)
@@ -181,8 +164,7 @@ class SafetensorsFile:
         self._checksums: dict[str, str] | None = None
 
     def _open(self):
-        """The file, opened only if it is a regular file (a FIFO or device put in its place is
-        refused, never waited on)."""
+        """The file, opened only if it is a regular file (a FIFO is refused, never waited on)."""
         return open_regular(self.path, name=self.name)
 
     def _err(self, what: str, tensor: str | None = None) -> FormatError:
@@ -268,8 +250,7 @@ class SafetensorsFile:
             raise self._err(f"cannot read: {err}", name) from None
 
     def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
-        """``tensor[index, rows]`` of a 3-D tensor (one expert's rows of a fused expert tensor),
-        read alone: those rows are contiguous in the file."""
+        """``tensor[index, rows]`` of a 3-D tensor (one expert's rows), read alone."""
         e = self._entry_of(name)
         if len(e.shape) != 3 or not 0 <= index < e.shape[0] or not 0 <= rows.start <= rows.stop <= e.shape[1]:
             raise self._err(f"no rows [{index}, {rows.start}:{rows.stop}] in a tensor of shape {tuple(e.shape)}", name)
@@ -310,10 +291,8 @@ class SafetensorsFile:
         return self._checksums
 
     def verify(self, name: str, value_limit: float | None = None) -> None:
-        """Raise unless the tensor's header entry is the one written (dtype, shape) and its bytes
-        match the recorded sha256, read by pieces; with ``value_limit`` its values are bounded in
-        the same pass (:meth:`check_values`). A file without a checksum table is refused: nothing
-        would catch an edit of it (``--no-verify`` skips this on purpose)."""
+        """Raise unless the tensor's layout and bytes are as written (with ``value_limit``: its values bounded).
+        A file without a checksum table is refused: nothing would catch an edit of it."""
         sums = self.checksums
         if sums is None:
             raise self._err(f"no {CHECKSUM_KEY} checksum table in the metadata: not written by latq, or "
@@ -328,13 +307,11 @@ class SafetensorsFile:
         self._bound(name, largest, value_limit)
 
     def check_values(self, name: str, limit: float) -> None:
-        """Raise unless every value of the floating-point tensor is finite and within ``±limit``,
-        read by pieces (an embedding of any size, a few MiB at a time)."""
+        """Raise unless every value of the floating-point tensor is finite and within ``±limit``, by pieces."""
         self._bound(name, self._scan(name, None, True), limit)
 
     def _scan(self, name: str, h, values: bool) -> float | None:
-        """One pass over the tensor's bytes: ``h`` updated with them; with ``values`` → its largest
-        magnitude (NaN where it holds a NaN)."""
+        """One pass over the tensor's bytes into ``h``; with ``values`` → its largest magnitude (NaN if any)."""
         dtype = self.dtype(name)
         largest = 0.0 if values and dtype.is_floating_point else None
         for piece in self.pieces(name):
@@ -355,8 +332,7 @@ class SafetensorsFile:
                             "in fp16)", name)
 
     def check_layout(self, name: str) -> None:
-        """Raise unless the tensor's header entry (dtype, shape) is the one :data:`LAYOUT_KEY`
-        records as written; a file without that table has nothing to compare."""
+        """Raise unless the tensor's dtype and shape are those :data:`LAYOUT_KEY` records (if recorded)."""
         written = self.layouts.get(name) if self.layouts is not None else None
         e = self._entry_of(name)
         if written is not None and written != _layout_text(e.dtype, e.shape):
@@ -365,8 +341,7 @@ class SafetensorsFile:
 
     @functools.cached_property
     def layouts(self) -> dict[str, str] | None:
-        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files
-        (parsed once: the validator asks for every tensor)."""
+        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files; parsed once."""
         if LAYOUT_KEY not in self.metadata:
             return None
         try:

@@ -1,6 +1,4 @@
-"""Writing a checkpoint directory's files other than the shards' contents: shard names, the
-index, deterministic JSON (config, stats, progress) and the files copied from the source
-model. Shards themselves are written by :func:`~vllm_latq.format.safetensors_file.write_safetensors`."""
+"""Writing a checkpoint's files other than the shards' contents: shard names, index, JSON, copied files."""
 from __future__ import annotations
 
 import json
@@ -40,9 +38,7 @@ def write_index(out: Path, shards: list[str]) -> None:
 
 
 def aux_files(src: Path) -> list[str]:
-    """The tokenizer, chat-template and generation files of the model directory ``src``
-    (:data:`AUX_PATTERNS`) that a checkpoint carries, by name; a link among them leaving ``src`` is
-    refused naming it (a checkpoint must not carry some other file of the machine)."""
+    """The tokenizer, chat-template and generation files of ``src`` a checkpoint carries; links out refused."""
     names = sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_symlink() or not p.is_dir()})
     for n in names:
         check_inside(src, src / n, "the source model's directory", name=str(src / n))
@@ -50,8 +46,7 @@ def aux_files(src: Path) -> list[str]:
 
 
 def copy_aux_files(src: Path, out: Path) -> list[str]:
-    """Copy :func:`aux_files` of ``src`` into ``out``, each only if it is a regular file (a FIFO or
-    device is refused naming it) of at most :data:`MAX_AUX_BYTES` → their names."""
+    """Copy :func:`aux_files` of ``src`` into ``out``, regular files of bounded size only → their names."""
     names = aux_files(src)
     for n in names:
         copy_regular(src / n, out / n, limit=MAX_AUX_BYTES, name=str(src / n))

@@ -1,5 +1,4 @@
-"""What the latq layers of one model load were loaded as: a debug line per layer, one summary and a
-table of kernel choices when the last layer is processed."""
+"""What one model load's latq layers were loaded as: a debug line per layer, then a summary and kernel table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +23,7 @@ class LayerRow:
 
 
 class LoadReport:
-    """The layers of one model load (owned by that load's ``LatqConfig``, handed to each method):
-    logs the summary and the kernel table once the last layer ``create_weights`` announced is in."""
+    """The layers of one model load: logs the summary and kernel table once the last layer is in."""
 
     def __init__(self, method: str, scale_bits: int | None = None):
         self.method, self.scale_bits = method, scale_bits
@@ -55,8 +53,7 @@ class LoadReport:
             logger.info("latq: kernel choices:\n%s", self.reason_table())
 
     def reason_table(self) -> str:
-        """One line per (kernel chosen, why the kernels asked before it refused): layer count,
-        served bits/weight of those layers."""
+        """One line per (kernel chosen, why earlier kernels refused): layer count, served bits/weight."""
         lines = []
         for (label, refused), count in sorted(self.reasons.items(), key=lambda kv: -kv[1]):
             rows = [r for r in self.layers if r.kernel == label]

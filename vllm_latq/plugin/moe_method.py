@@ -1,13 +1,4 @@
-"""``LatqMoEMethod``: loads the latq experts of a vLLM mixture-of-experts layer
-(``RoutedExperts``) and runs them through the latq kernels.
-
-Each expert's projections are latq layers under the model's own per-expert names
-(docs/FORMAT.md), loaded by the linear loader's own stash, validation, TP cut and HPTQ
-transcode (:class:`~vllm_latq.plugin.loading.LoadState`). After loading, experts of a standard
-form go to vLLM's own WNA16 MoE method where it takes them; the others run on the kernel the
-selector picks, Triton experts stacked for the grouped kernel of captured decode
-(:mod:`~vllm_latq.kernels.moe`).
-"""
+"""``LatqMoEMethod``: the latq experts of a vLLM mixture-of-experts layer (docs/ARCHITECTURE.md, "Experts")."""
 from __future__ import annotations
 
 import logging
@@ -44,32 +35,9 @@ def graph_tokens() -> int:
 
 
 class LatqMoEMethod(FusedMoEMethodBase):
-    """latq experts of one ``RoutedExperts`` layer (``prefix``).
-
-    Checkpoint (docs/FORMAT.md): one latq layer per expert and projection under the model's own
-    per-expert names (``…experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
-    ``w1`` / ``w3`` / ``w2``). vLLM's expert mapping renames ``…experts.{e}.gate_proj.qweight``
-    to this layer's ``w13_qweight`` with shard ``w1`` and expert id e (``up_proj`` → ``w3``,
-    ``down_proj`` → ``w2_*`` / ``w2``), so ``create_weights`` registers one placeholder per
-    projection and tensor name (``w13_qweight``, …, ``w2_outlier_val`` or the Huffman tensors)
-    whose loader hands the tensor to the expert's :class:`~vllm_latq.plugin.loading.LoadState` —
-    the linear loader's own stash, validation, TP cut and HPTQ transcode, on geometries that say
-    which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
-    ``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
-    ranks' partial outputs after the layer).
-
-    After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
-    vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.plugin.vllm_scheme`: Marlin
-    MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), whose parameters are registered on this
-    layer and filled by latq, and which repacks and runs them. Otherwise
-    each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
-    kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
-    table; Triton experts are
-    then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
-    grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
-    :func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
-    the layer's router) — directly in eager mode, as the custom op ``latq::moe_experts`` while
-    torch.compile traces."""
+    """latq experts of one ``RoutedExperts`` layer: one latq layer per expert and projection.
+    Each is loaded by the linear loader's :class:`~vllm_latq.plugin.loading.LoadState`; then served
+    by vLLM's WNA16 MoE method where it takes them, else by latq's kernels."""
 
     def __init__(self, config, moe_config, report, prefix: str):
         super().__init__(moe_config)
@@ -179,8 +147,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
         return weights
 
     def serve_with_vllm(self, layer, weights, loads) -> None:
-        """vLLM's WNA16 MoE method, its parameters registered on this layer (``vllm_scheme``),
-        repacks and runs the experts."""
+        """vLLM's WNA16 MoE method, its parameters registered on this layer, repacks and runs the experts."""
         per_expert = vllm_scheme.install_experts(self.vllm_method, layer, weights, layer._latq_act_dtype)
         self.moe_kernel, self.moe_quant_config = self.vllm_method.moe_kernel, self.vllm_method.moe_quant_config
         experts_cls = self.vllm_method.experts_cls.__name__
@@ -247,8 +214,7 @@ def _stored_bits(st: LoadState) -> float:
 
 
 class _ExpertLoader:
-    """The weight loader of one placeholder (``w13_qweight`` …): vLLM's expert mapping calls it
-    with the expert id and shard (``w1``/``w3``/``w2``) of each per-expert checkpoint tensor."""
+    """The weight loader of one placeholder (``w13_qweight`` …), called per expert id and shard."""
 
     def __init__(self, method: LatqMoEMethod, layer, stem: str, name: str):
         self.method, self.layer, self.stem, self.name = method, layer, stem, name

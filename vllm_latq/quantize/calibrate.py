@@ -1,10 +1,4 @@
-"""Calibration statistics: the Hessians ``XᵀX`` of a decoder block's linears over every
-calibration sequence, and of the output head.
-
-Linears fed the very same tensor (q/k/v, gate/up) share one Hessian; products are fp32 GEMMs
-summed in fp64 (:class:`~.hessian.PanelHessian`). With target correction the same hooks also
-add each linear's cross term ``X̃ᵀX`` (:mod:`.target_correction`).
-"""
+"""Calibration statistics: the Hessians ``XᵀX`` of a block's linears and of the output head."""
 from __future__ import annotations
 
 import torch
@@ -18,18 +12,13 @@ from .ranks import World
 
 
 class InputsSeen(Exception):
-    """Raised by a hook once every linear of :attr:`SharedHessians.stop_after` has seen its input
-    in the current forward: what follows in the block would not change the statistics."""
+    """Raised once every linear of :attr:`SharedHessians.stop_after` has seen its input."""
 
 
 class SharedHessians:
-    """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64. During the first
-    forward, linears that receive the very same input tensor (q/k/v, gate/up) are grouped and
-    share one Hessian; afterwards only each group's first member accumulates. ``moe``: the
-    inputs of each experts module of ``block`` (by name within it). ``cross_of``: with target
-    correction, each linear's ``X̃ᵀX`` (shared like the Hessians), against the inputs
-    :meth:`record_targets` kept. ``stop_after``: linears whose inputs end a forward
-    (:meth:`forward`) once all of them have been seen; empty: forwards run to the end."""
+    """Forward pre-hooks on a block's linears accumulating ``XᵀX`` in fp64.
+    Linears fed the very same tensor (q/k/v, gate/up) share one Hessian; ``cross_of`` adds target
+    correction's ``X̃ᵀX``; ``stop_after`` ends a forward once those linears have seen their inputs."""
 
     def __init__(self, linears: dict[str, torch.nn.Linear], block: torch.nn.Module | None = None,
                  target_linears: dict[str, torch.nn.Linear] | None = None):
@@ -65,7 +54,7 @@ class SharedHessians:
                 raise InputsSeen
 
     def forward(self, layer, x: torch.Tensor, kw: dict, stop: bool = True) -> torch.Tensor | None:
-        """``layer``'s outputs on ``x``, or None when ``stop`` and :attr:`stop_after` ended it early."""
+        """``layer``'s outputs on ``x``, or None when ``stop`` ended it early."""
         self._seen, self._stopping = set(), stop
         try:
             return capture.run_block(layer, x, kw)
@@ -107,9 +96,7 @@ class SharedHessians:
 
     @torch.no_grad()
     def record_targets(self, layer, x: torch.Tensor, kw: dict, stop: bool) -> torch.Tensor | None:
-        """Run ``layer`` (the unquantized copy whose linears were given as ``target_linears``) on
-        the full-precision inputs ``x`` keeping each linear's input (the X of the next forward's
-        cross terms; no Hessian is touched) → its outputs (None: ``stop`` ended it early)."""
+        """Run the unquantized ``layer`` on full-precision ``x``, keeping each linear's input."""
         moe_seen = {m: len(m.hidden) for m in self.moe.values()}
         self.targets, self._recording = {}, True
         try:
@@ -130,16 +117,14 @@ class SharedHessians:
         self.targets = None
 
     def release(self, name: str) -> None:
-        """Drop the Hessian (and cross term) of ``name`` and of every linear sharing it: called
-        once the last of them is solved, so that a block holds one c×c matrix at a time."""
+        """Drop the Hessian (and cross term) shared by ``name``: one c×c matrix at a time."""
         h = self.of[name]
         for n in [n for n, x in self.of.items() if x is h]:
             del self.of[n]
             self.cross_of.pop(n, None)
 
     def done(self, name: str) -> None:
-        """Linear ``name`` needs its Hessian no more (solved, or left to another rank): the Hessian
-        is released once every linear sharing it is done."""
+        """Linear ``name`` needs its Hessian no more; it is released once every sharer is done."""
         self._done.add(name)
         h = self.of.get(name)
         if h is not None and all(n in self._done for n, x in self.of.items() if x is h):
@@ -157,9 +142,7 @@ class SharedHessians:
 
 
 def sum_over_ranks(hs: SharedHessians, world: World) -> None:
-    """Every Hessian (and cross term) of ``hs``, accumulated over this rank's sequences, made
-    the sum over every rank's — in the linears' order, the same on every rank; the experts'
-    Hessians are summed over every rank's tokens as they are computed."""
+    """Every Hessian and cross term of ``hs`` summed over the ranks, in the linears' order."""
     for m in hs.moe.values():
         m.world = world
     seen = set()
@@ -190,8 +173,7 @@ def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bo
 @torch.no_grad()
 def head_hessian(norm: torch.nn.Module, inps: torch.Tensor, columns: int, device, desc: str,
                  progress: bool) -> PanelHessian:
-    """The output head's Hessian: ``XᵀX/n`` of its real inputs, the final ``norm`` applied to
-    the last (quantized) block's outputs ``inps`` over all calibration tokens."""
+    """The output head's ``XᵀX/n``: the final ``norm`` of the last quantized block's outputs ``inps``."""
     from tqdm.auto import tqdm
     hs = PanelHessian(columns, device)
     for j in tqdm(range(len(inps)), desc=f"{desc}: Hessian", unit="seq", disable=not progress, leave=False):

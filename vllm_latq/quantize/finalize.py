@@ -1,9 +1,5 @@
-"""Finishing a run: the last shard (everything outside the blocks, and a quantized head),
-the index, ``config.json`` with its ``quantization_config``, the tokenizer files,
-``latq_stats.json`` and ``latq_manifest.json`` (the seal of every file, last); then validation —
-every checksum, so nothing a resumed run kept is sealed unread — and the atomic rename of the run
-directory to ``OUT``.
-"""
+"""Finishing a run: last shard, index, config, tokenizer files, stats and manifest; then validation
+(so nothing a resumed run kept is sealed unread) and the atomic rename to ``OUT``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +16,7 @@ from .resume import RunDir
 
 
 def stats_file(stats: list[dict], method: str, src: Path, group_size: int | None = None) -> dict:
-    """``latq_stats.json``: the per-layer records (with the dense kinds' ``group_size``, which the
-    validator holds ``quantization_config`` to) and their parameter-weighted totals."""
+    """``latq_stats.json``: the per-layer records and their parameter-weighted totals."""
     if group_size is not None:
         stats = [{**s, "group_size": group_size} for s in stats]
     n = sum(s["shape"][0] * s["shape"][1] for s in stats)
@@ -36,8 +31,7 @@ def stats_file(stats: list[dict], method: str, src: Path, group_size: int | None
 
 
 def checkpoint_config(source_config: dict, quantization_config: dict, untie_head: bool) -> dict:
-    """The checkpoint's ``config.json``: the source's with its ``quantization_config``
-    (``untie_head``: a tied head quantized, stored apart from the embedding, which stays)."""
+    """The checkpoint's ``config.json``: the source's with its ``quantization_config``."""
     cfg = dict(source_config)
     cfg["quantization_config"] = quantization_config
     if untie_head:
@@ -47,11 +41,7 @@ def checkpoint_config(source_config: dict, quantization_config: dict, untie_head
 
 def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, config: dict, method: str,
              validate: bool) -> dict:
-    """Write the rest of the checkpoint into ``run`` after its ``nblocks`` block shards — the
-    last shard (``rest``: the tensors outside the blocks), ``config``, the tokenizer files of
-    ``source``, the stats of ``method`` and the manifest —, validate it (unless not ``validate``;
-    a file in the run directory latq did not write is refused either way) and move it to ``out``
-    (replacing it) → the stats file's totals."""
+    """Write the rest of the checkpoint into ``run``, validate it and move it to ``out`` → the stats totals."""
     nshards = nblocks + 1
     shards = [writer.shard_name(i, nshards) for i in range(nshards)]
     write_safetensors(run.path / shards[-1], rest)

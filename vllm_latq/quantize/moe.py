@@ -1,20 +1,5 @@
-"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it.
-
-During the block's one Hessian forward (:mod:`.calibrate`) a pre-hook on every experts module
-keeps what enters it: the hidden states ``[tokens, H]`` and the router's choice ``top_k_index
-[tokens, k]``. Then, one expert at a time (:meth:`MoeInputs.expert_hessians`), expert e's
-Hessians are summed over the tokens routed to it: the input of its gate and up projections is
-those hidden states, the input of its down projection the intermediate activations
-``act(gate)·up`` of those tokens, computed with the expert's own (still unquantized) gate/up
-slice and the model's own gating function. The whole costs about one more pass of the gate/up
-projections over the routed tokens: no forward per expert.
-
-An expert routed fewer than ``min_tokens`` tokens still gets a well-posed problem: its sums are
-blended with those of every token of the block entering the mixture (for the down projection:
-every token run through this expert), counted as if ``t − n_e`` of them had been routed to it:
-``H = (S_e + (t − n_e)/N · S_all) / t`` (t = ``min_tokens``, n_e routed tokens, N all tokens).
-``route_all`` calibrates every expert on every token.
-"""
+"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it,
+formed one expert at a time from inputs kept during the block's one Hessian forward."""
 from __future__ import annotations
 
 import inspect
@@ -31,8 +16,7 @@ BLEND, ALL_TOKENS = "blend", "all-tokens"   # the fallbacks recorded per expert
 
 @dataclass
 class ExpertHessians:
-    """Expert e's two Hessians (the gate/up projections' input, the down projection's input),
-    the tokens its router sent it and the fallback used (None, ``"blend"``, ``"all-tokens"``)."""
+    """Expert e's Hessians (gate/up input, down input), its routed tokens and fallback used."""
     inp: PanelHessian
     mid: PanelHessian
     tokens: int
@@ -40,16 +24,13 @@ class ExpertHessians:
 
 
 def blend(routed: PanelHessian, everything: PanelHessian, min_tokens: int) -> PanelHessian:
-    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens with the
-    all-token Hessian (convex in H_e and H_all, weights n_e/t and 1 − n_e/t)."""
+    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens."""
     return PanelHessian.from_sum(routed.sum + everything.sum * ((min_tokens - routed.n) / everything.n), min_tokens)
 
 
 class MoeInputs:
-    """A pre-hook on one experts module keeping its inputs and routing over the calibration
-    forwards (call :meth:`remove` after them), and the per-expert Hessians computed from them:
-    over every rank's tokens once ``world`` is set (:func:`~.calibrate.sum_over_ranks`; then
-    every method below is collective)."""
+    """A pre-hook on one experts module keeping its inputs and routing, and the per-expert Hessians.
+    Once ``world`` is set, sums are over every rank's tokens and every method is collective."""
 
     def __init__(self, experts: torch.nn.Module):
         self.experts = experts

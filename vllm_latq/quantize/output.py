@@ -1,6 +1,4 @@
-"""``latq-quantize``'s output directory ``OUT``: the guarded replace, the lock and the temporary
-directory of :mod:`vllm_latq.format.output_dir`, under the quantizer's name (a checkpoint it
-replaces must be one ``latq-quantize`` sealed)."""
+"""``latq-quantize``'s output directory: :mod:`vllm_latq.format.output_dir` under the quantizer's name."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +9,7 @@ COMMAND = "latq-quantize"
 
 
 def check_output(out: Path, source: Path, overwrite: bool) -> None:
-    """Refuse an ``out`` this run must not write or replace (``FileExistsError`` where it only
-    exists, ``ValueError`` where replacing it would delete what latq did not write)."""
+    """Refuse an ``out`` this run must not write or replace (``FileExistsError`` / ``ValueError``)."""
     output_dir.check_out(out, [source], overwrite, COMMAND)
 
 

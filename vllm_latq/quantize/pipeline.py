@@ -1,13 +1,5 @@
-"""The offline pipeline: a Hugging Face causal LM → a latq checkpoint, one decoder block at a time.
-
-The sequential calibration of GPTQ: capture the inputs of block 0 once; then per block calibrate
-(its linears' Hessians ``XᵀX`` over the calibration sequences), solve (each linear, then the
-experts; the dequantized weights replace the originals), propagate (the *quantized* block's
-outputs are the next block's inputs) and save (its shard, and what ``--resume`` needs); then the
-output head and the rest of the checkpoint. Each step is a method of :class:`~.steps.Steps`.
-RTN and HRTN read no activations: they run no forwards. Under ``torchrun`` every rank runs the
-same steps, splitting and meeting where :mod:`.ranks` says.
-"""
+"""The offline pipeline: a Hugging Face causal LM → a latq checkpoint, one decoder block at a time,
+each step a method of :class:`~.steps.Steps` (docs/ARCHITECTURE.md, section 1)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,15 +26,9 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                    solve: Solve | None = None, resume: bool = False, overwrite: bool = False,
                    progress: bool = True, on_layer: Callable | None = None, stop_after_block: int | None = None,
                    on_block: Callable[[int, float], None] | None = None, validate: bool = True) -> Path:
-    """Quantize ``model`` (see :func:`resolve_model`) into the checkpoint directory ``out`` → ``out``.
-
-    ``solve(method, W, H, name, **kw) -> QuantResult`` replaces the per-layer solver (default:
-    :func:`.solve_layers.solve`); ``on_layer(name, W, H, result)`` is called for every quantized
-    linear (tests), ``on_block(i, seconds)`` once block i is saved (benches);
-    ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is saved (default:
-    ``$LATQ_STOP_AFTER_BLOCK``). Started by ``torchrun``, every rank runs this with the same
-    arguments. The same source, options and seed give a byte-identical checkpoint, with or
-    without an interruption, at the same torch thread count and number of ranks."""
+    """Quantize ``model`` into the checkpoint directory ``out`` → ``out``; byte-identical run after run.
+    ``solve`` replaces the per-layer solver, ``on_layer``/``on_block`` observe (tests, benches);
+    ``stop_after_block=k`` raises :class:`SimulatedInterruption` once block k is saved."""
     opts, out = opts or QuantizeOptions(), absolute(out)   # OUT=. is the working directory, by name
     command = {"model": str(model), "out": str(out.absolute()), "options": dataclasses.asdict(opts),
                "resume": resume, "overwrite": overwrite, "validate": validate}

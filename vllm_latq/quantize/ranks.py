@@ -1,17 +1,5 @@
-"""The ranks of a quantization run started by ``torchrun``: where they split and where they meet.
-
-Every collective the pipeline needs is here, on ``torch.distributed`` (gloo on CPU, NCCL on CUDA
-with one GPU per rank by ``LOCAL_RANK``). Without torchrun (``WORLD_SIZE`` unset or 1),
-:func:`init` returns :data:`SINGLE` and every function below does nothing or returns its input:
-the single process runs the code it always ran.
-
-Each rank forwards its own contiguous slice of the calibration sequences (:func:`own_rows`);
-partial statistics are summed in rank order on every rank (:func:`sum_in_rank_order`), so all
-ranks hold the very same bits; the :class:`Scheduler` runs each solve on one rank
-(:func:`assign_by_cost`, experts by :func:`expert_rounds`) and broadcasts its result from there
-(:func:`share`). Solves are deterministic given their inputs, so which rank runs one does not
-change it.
-"""
+"""The ranks of a ``torchrun`` quantization run: every collective the pipeline needs, and where
+ranks split and meet. Without torchrun, :func:`init` returns :data:`SINGLE`: the identity."""
 from __future__ import annotations
 
 import datetime
@@ -76,8 +64,7 @@ def init(device: str = "cpu") -> World:
 
 @contextmanager
 def joined(device: str, command: dict):
-    """This process's :class:`World` for the body (:func:`init`), every rank checked to run the same
-    ``command``; a collective that fails because another rank died is raised as :class:`RankFailed`."""
+    """This process's :class:`World` for the body, every rank checked to run the same ``command``."""
     world = init(device)
     try:
         check_same_command(command, world)
@@ -98,17 +85,14 @@ def shutdown(world: World) -> None:
 
 
 def exit_rank(code: int):
-    """End a torchrun rank's process with ``code`` without the interpreter's teardown: gloo's
-    worker threads may still be freeing the last collective's tensors, which takes the GIL, and
-    one doing so while Python finalizes aborts the process (exit -6 after a finished run)."""
+    """End a torchrun rank without interpreter teardown: gloo threads still freeing tensors abort it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def announce(world: World) -> list[int]:
-    """Log on rank 0 the ranks × each rank's torch threads (``OMP_NUM_THREADS``, which torchrun
-    sets to 1 unless it is given one) → the thread counts, by rank."""
+    """Log on rank 0 the ranks × torch threads per rank."""
     threads = [torch.get_num_threads()] * world.size
     if world.distributed:
         torch.distributed.all_gather_object(threads, torch.get_num_threads())
@@ -128,8 +112,7 @@ def own_rows(n: int, world: World) -> range:
 
 
 def sum_in_rank_order(partial: torch.Tensor, world: World) -> torch.Tensor:
-    """Σ over ranks of each rank's ``partial``, added in rank order (0, 1, …) on every rank:
-    every rank gets the same bits, run after run, at a given world size."""
+    """Σ over ranks of ``partial``, added in rank order, so every rank gets the same bits."""
     if not world.distributed:
         return partial
     total = None
@@ -156,15 +139,12 @@ def _collective_device() -> torch.device:
 
 
 def solve_cost(rows: int, columns: int) -> int:
-    """A solve's cost: the rows·c² error propagation plus the c³/3 factorisation of H (the
-    propagation dominates: GPTQ's times on one core follow rows·c² within a factor of two)."""
+    """A solve's cost: rows·c² for the error propagation plus c³/3 for factorising H."""
     return columns * columns * (rows + columns // 3)
 
 
 def assign_by_cost(costs: dict[str, int], world: World, busy: list[int] | None = None) -> dict[str, int]:
-    """Each job → a rank: costliest first to the least loaded rank (ties: the lowest rank),
-    ``busy``: each rank's load already given. The same on every rank: it depends only on the
-    costs and names."""
+    """Each job → a rank: costliest first to the least loaded (``busy``: loads already given)."""
     load = list(busy) if busy is not None else [0] * world.size
     out = {}
     for name in sorted(costs, key=lambda n: (-costs[n], n)):
@@ -175,10 +155,8 @@ def assign_by_cost(costs: dict[str, int], world: World, busy: list[int] | None =
 
 
 def expert_rounds(num_experts: int, world: World) -> list[dict[int, int]]:
-    """The experts of one module in rounds, ``{expert: rank}`` each, at most one expert per rank
-    per round: a rank holds one expert's Hessians at a time. A module's experts have the same
-    shapes, so the same solve cost: dealt in turn they are balanced by cost. When they do not
-    divide evenly the first round is the short one; its idle ranks take the block's linears."""
+    """One module's experts in rounds of at most one per rank (a rank holds one expert's Hessians).
+    The first round is the short one; its idle ranks take the block's linears."""
     short = num_experts % world.size or world.size
     starts = [0, *range(short, num_experts, world.size)]
     return [{e: e - s for e in range(s, min(s + (short if s == 0 else world.size), num_experts))} for s in starts]
@@ -210,8 +188,7 @@ def check_same_command(options: dict, world: World) -> None:
 
 
 def agree_or_raise(error: BaseException | None, where: str, world: World) -> None:
-    """Meet the other ranks: if any failed, every rank raises one :class:`RankFailed` naming
-    the first failed rank and ``where``, instead of waiting for it in the next collective."""
+    """Meet the other ranks; if any failed, every rank raises one :class:`RankFailed` naming it."""
     if not world.distributed:
         if error is not None:
             raise error
@@ -228,8 +205,7 @@ _step = ["the start"]   # the last step entered (:func:`together`): where a lost
 
 
 def lost_rank(error: BaseException) -> RankFailed | None:
-    """A collective's failure because another rank died (gloo: its connection closed; NCCL: a
-    backend error) as a :class:`RankFailed` naming the step; None for any other error."""
+    """A collective's failure because another rank died, as a :class:`RankFailed`; else None."""
     lost = isinstance(error, torch.distributed.DistError) or (
         isinstance(error, RuntimeError) and "gloo" in str(error) and "by peer" in str(error))
     return RankFailed(f"another rank stopped answering (it died or was killed: see its log) during "
@@ -238,8 +214,7 @@ def lost_rank(error: BaseException) -> RankFailed | None:
 
 @contextmanager
 def together(where: str, world: World):
-    """Run the body on every rank, then meet: an exception on any rank is raised on all of
-    them (:func:`agree_or_raise`). Single process: the body's exception as it is."""
+    """Run the body on every rank, then meet: an exception on any rank is raised on all."""
     _step[0] = where
     error = None
     try:
@@ -257,8 +232,7 @@ def barrier(world: World) -> None:
 
 
 def sum_hessian(h, world: World) -> None:
-    """Make a :class:`~.hessian.Hessian` accumulated over this rank's rows the one over every
-    rank's: its fp64 sum and row count summed in rank order."""
+    """This rank's :class:`~.hessian.Hessian` made the sum over every rank's rows."""
     if world.distributed:
         h.sum = sum_in_rank_order(h.sum, world)
         h.n = sum_counts([h.n], world)[0]
@@ -266,8 +240,7 @@ def sum_hessian(h, world: World) -> None:
 
 @dataclass
 class Job:
-    """One solve, run on one rank: ``run()`` → its result, which every rank receives; ``release()``
-    drops what only this job needs, once it has run here or is left to another rank."""
+    """One solve run on one rank; ``release()`` drops what only this job needs."""
     name: str
     cost: int
     run: Callable[[], Any]
@@ -276,10 +249,8 @@ class Job:
 
 @dataclass
 class RoundJobs:
-    """``count`` jobs of one ``cost``, each holding a large input (an expert and its Hessians), made
-    in rounds of at most one per rank (:func:`expert_rounds`): ``prepare(k)`` computes job k's input
-    and is collective (every rank calls it for every job of a round, in order); ``job(k, prepared)``
-    is job k."""
+    """``count`` equal-cost jobs with large inputs (experts), run in :func:`expert_rounds`.
+    ``prepare(k)`` is collective; ``job(k, prepared)`` is job k."""
     name: str
     count: int
     cost: int
@@ -288,18 +259,13 @@ class RoundJobs:
 
 
 class Scheduler:
-    """Who solves what, and where the ranks meet. :meth:`solve` yields every job's result in the
-    order given, the same on every rank: one process runs each job as its result is asked for;
-    several ranks each run their share, meet (:func:`together`) and broadcast the results
-    (``portable``: a result made fit to travel to another rank)."""
+    """Who solves what: :meth:`solve` yields every job's result in order, the same on every rank."""
 
     def __init__(self, world: World, portable: Callable[[Any], Any] = lambda result: result):
         self.world, self.portable = world, portable
 
     def solve(self, jobs: list[Job], rounds: list[RoundJobs], where: str) -> Iterator:
-        """The results of ``jobs`` (balanced over the ranks by cost), then of each of ``rounds``'
-        jobs by index. When the first round leaves ranks idle, ``jobs`` run in it, on those ranks
-        first, not in a meeting of their own."""
+        """The results of ``jobs`` (balanced by cost), then of each of ``rounds``' jobs by index."""
         world = self.world
         first = expert_rounds(rounds[0].count, world)[0] if rounds else {}
         joined = world.distributed and 0 < len(first) < world.size

@@ -1,14 +1,7 @@
-"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue.
+"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue (``--resume``).
 
-Every finished block leaves its shard, the next block's inputs (``latq_activations.<block>.bin``,
-:mod:`.activations`) and the progress record (blocks done, per-layer stats, the run's fingerprint,
-the sha256 of every shard and activation file it vouches for, and its own) in the run
-directory; ``--resume`` continues from there if the fingerprint — source files, config,
-options, pipeline and format versions — is the same and every checksum holds (anything else
-is refused, naming the file: a tampered or corrupted partial state is never sealed), and a run
-without ``--resume`` starts over. The finished checkpoint is renamed into place only at the end
-(:mod:`.finalize`).
-"""
+A resume needs the same fingerprint and every checksum to hold; a tampered or corrupted partial
+state is refused, never sealed."""
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +32,7 @@ PIPELINE_VERSION = 5
 
 
 def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
-    """What must not change between an interrupted run and its ``--resume``: the source
-    (path, ``files`` and their sizes, ``config``) and the ``options`` that shape the output."""
+    """What must not change before a ``--resume``: the source (path, files, config) and ``options``."""
     sizes = sorted((f, (src / f).stat().st_size) for f in files)
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION, "options": options,
                        "source": str(src.resolve()), "files": sizes, "config": config}, sort_keys=True)
@@ -59,9 +51,7 @@ class RunDir:
 
     @classmethod
     def open(cls, out: Path, fp: str, resume: bool) -> "RunDir":
-        """The run directory of ``out``, continued when ``resume`` and it holds an interrupted
-        run with fingerprint ``fp`` whose checksums hold, else (re)created empty; a resume of a
-        run with another fingerprint, or of a partial state that fails its checksums, is refused."""
+        """The run directory of ``out``, continued when ``resume`` and its fingerprint and checksums hold."""
         tmp = out.with_name(out.name + TMP_SUFFIX)
         state = None
         if tmp.exists():
@@ -85,7 +75,7 @@ class RunDir:
 
     @classmethod
     def attach(cls, out: Path, fp: str, world: World) -> "RunDir":
-        """The run directory rank 0 has just opened (:meth:`open`), seen from another rank."""
+        """The run directory rank 0 has just opened, seen from another rank."""
         tmp = out.with_name(out.name + TMP_SUFFIX)
         state = _progress(tmp)
         if state is not None and state.get("fingerprint") != fp:
@@ -96,10 +86,7 @@ class RunDir:
         return cls(tmp, fp, state["blocks_done"], state["stats"], world, state["shards"])
 
     def save_block(self, i: int, shard_name: str, shard: dict, *streams: Activations | None) -> None:
-        """Persist block ``i``: its shard, the next block's inputs in each of ``streams`` (the
-        calibration activations; target correction's full-precision ones; None: an
-        uncalibrated run has none), the progress record with their checksums; then drop the
-        inputs saved for block ``i``."""
+        """Persist block ``i``: its shard, the next block's inputs (``streams``), the progress record."""
         streams = [s for s in streams if s is not None]
         if self.world.writes:
             self.shards[shard_name] = safetensors_file.write_safetensors(self.path / shard_name, shard)
@@ -126,8 +113,7 @@ class RunDir:
 
 
 def _progress(tmp: Path) -> dict | None:
-    """The progress record of the run directory ``tmp``, or None where it has none (a run that
-    stopped before its first block); a record that cannot be read is refused, naming it."""
+    """The progress record of ``tmp``, or None before the first block; an unreadable one is refused."""
     try:
         state = read_json(tmp / PROGRESS_FILE, name=str(tmp / PROGRESS_FILE))
     except FileNotFoundError:
@@ -138,9 +124,7 @@ def _progress(tmp: Path) -> dict | None:
 
 
 def verify_partial_state(tmp: Path, state: dict) -> None:
-    """Refuse, naming the file, a resume whose progress record is not the one written (its own
-    sha256) or whose finished shards or saved activations differ from the checksums written with
-    them: they would be sealed into the checkpoint unseen."""
+    """Refuse, naming the file, a progress record, shard or activation file that differs from its checksum."""
     where = str(tmp / PROGRESS_FILE)
     rest = {k: v for k, v in state.items() if k != "sha256"}
     if state.get("sha256") != json_sha256(rest):
@@ -167,9 +151,7 @@ def verify_partial_state(tmp: Path, state: dict) -> None:
 
 @contextmanager
 def run_directory(out: Path, fp: str, resume: bool, world: World = SINGLE):
-    """:meth:`RunDir.open` under ``out``'s lock, held until the body (the run) ends. A run that
-    ends before its first block is saved leaves nothing behind: a resume could use none of it.
-    With several ranks rank 0 opens and locks it; the others attach once it has."""
+    """:meth:`RunDir.open` under ``out``'s lock for the run; a run that saved no block leaves nothing."""
     if not world.writes:
         ranks.agree_or_raise(None, "opening the run directory", world)
         yield RunDir.attach(out, fp, world)

@@ -1,7 +1,6 @@
-"""The pipeline's steps, as methods of :class:`Steps` on the state they share: capture block 0's
-inputs; per block load, calibrate, solve, propagate, save; then the output head and the rest of
-the checkpoint. :func:`~.pipeline.quantize_model` calls them in that order; each step meets the
-other ranks where :mod:`.ranks` says."""
+"""The pipeline's steps, as methods of :class:`Steps` on the state they share.
+
+:func:`~.pipeline.quantize_model` calls them in order; each meets the other ranks where :mod:`.ranks` says."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,9 +34,7 @@ log = logging.getLogger("vllm_latq.quantize")
 
 def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progress: bool,
                  world: ranks.World) -> tuple[Source, HeadPlan | None]:
-    """The source ``model`` opened, and where its head is when it is quantized; refused before
-    any tensor is read: an ``out`` that exists (unless ``overwrite``), fewer calibration sequences
-    than ranks, a model or head it cannot quantize, an ``out`` latq may not replace."""
+    """The source ``model`` opened, its head located; what cannot be quantized is refused first."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
     if opts.calibrated and opts.nsamples < world.size:
@@ -59,8 +56,7 @@ def run_fingerprint(opts: QuantizeOptions, src: Source) -> str:
 
 @dataclass
 class Block:
-    """Decoder block ``i`` on its way through the steps: its module and name, its linears and
-    experts, the keyword arguments of its forwards (None: it runs none), what its solve produced."""
+    """Decoder block ``i`` on its way through the steps: module, linears, experts, forward kwargs, results."""
     i: int
     layer: torch.nn.Module
     name: str
@@ -91,8 +87,7 @@ def _timed(block: Block, step: str):
 
 
 class Steps:
-    """One run's steps on ``src`` (its head quantized by ``head``, or not) into ``run``, with
-    ``solve`` as the per-layer solver and ``on_layer`` told of each solved linear."""
+    """One run's steps on ``src`` into ``run``, with ``solve`` the per-layer solver."""
 
     def __init__(self, src: Source, head: HeadPlan | None, opts: QuantizeOptions, run: RunDir, solve: Solve,
                  on_layer: Callable | None, progress: bool, world: ranks.World):
@@ -106,9 +101,7 @@ class Steps:
         self.started = time.time()
 
     def capture(self) -> None:
-        """Block 0's inputs for every calibration sequence (resuming: the first block to do's, as
-        saved) and the keyword arguments of every block's forwards; target correction's
-        full-precision stream. An uncalibrated method has none of them."""
+        """Block 0's inputs (resuming: the first block to do's) and every block's forward kwargs."""
         calib = calibration_text(self.src.path, self.opts)
         if calib is not None and calib.numel() < self.src.config.hidden_size and self.world.writes:
             log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
@@ -131,8 +124,7 @@ class Steps:
                     disable=not self.progress, initial=self.run.blocks_done, total=self.src.nblocks)
 
     def load(self, i: int) -> Block:
-        """Block ``i``, its weights loaded when forwards run through it (an uncalibrated solve
-        reads each weight alone)."""
+        """Block ``i``, its weights loaded when forwards run through it."""
         if self.opts.calibrated:
             self.src.load(self.src.block_tensors(i), self.device)
         kw = _to_device(self.kwargs[i], self.device) if self.opts.calibrated else None
@@ -140,9 +132,7 @@ class Steps:
                      self.src.block_experts(i), kw)
 
     def calibrate(self, block: Block) -> Iterator[Stage]:
-        """What the block's solves take on: one :class:`~.solve_layers.Stage`, its Hessians summed
-        over every sequence and rank; with target correction one per group of linears, each
-        solved before the next is calibrated (:mod:`.target_correction`)."""
+        """The block's solve stages: one, or with target correction one per group of linears."""
         stages = self._whole_block(block) if self.targets is None else corrected_stages(
             block.layer, block.linears, block.experts, self.acts, self.targets, block.kw, self.src.names.module,
             self.solver, self.opts.damp, block.desc, self.progress, self.world)
@@ -169,8 +159,7 @@ class Steps:
         yield Stage(block.linears, block.experts, hessians, quantize)
 
     def solve(self, block: Block, stage: Stage) -> None:
-        """Every linear (and expert) of ``stage``, solved and put into the block
-        (:func:`~.solve_layers.solve_block`); its Hessians are dropped after."""
+        """Every linear and expert of ``stage`` solved and put into the block; its Hessians dropped after."""
         with _timed(block, "quantization"):
             solved = solve_block(block.layer, block.name, block.desc, stage, self.setup)
         stage.hessians = stage.quantize = None
@@ -184,8 +173,7 @@ class Steps:
                 block_outputs(block.layer, self.acts, block.kw, block.desc, self.progress)
 
     def save(self, block: Block) -> None:
-        """The block's shard (its quantized tensors and those it keeps), its records and the next
-        block's inputs, for ``--resume``; its weights go back to the meta device."""
+        """The block's shard, its records and the next block's inputs; its weights back to the meta device."""
         log.info("block %d/%d: Hessians %.1fs, quantization %.1fs, outputs %.1fs", block.i, self.src.nblocks,
                  *(block.seconds.get(s, 0.0) for s in ("Hessians", "quantization", "outputs")))
         shard = {**block.solved.tensors, **self.src.kept_block_tensors(block.i, block.linears), **block.norm_tensors}
@@ -196,8 +184,7 @@ class Steps:
         heap.trim()
 
     def head(self) -> dict:
-        """The output head's checkpoint tensors ({} unless it is quantized), solved on the last
-        block's outputs; the activations are dropped."""
+        """The output head's checkpoint tensors ({} unless quantized), solved on the last block's outputs."""
         if self.targets is not None:
             drop_stream(self.targets)
             self.targets = None
@@ -213,7 +200,7 @@ class Steps:
         return tensors
 
     def finalize(self, out: Path, head_tensors: dict, validate: bool) -> None:
-        """The rest of the checkpoint (:func:`~.finalize.finalize`), written by rank 0, moved to ``out``."""
+        """The rest of the checkpoint, written by rank 0, moved to ``out``."""
         head_name = self.head_plan.name if self.head_plan is not None else None
         quantization_config = self.opts.quantization_config(self.src.modules_not_converted(head_name), head_name,
                                                             self.src.dtype, moe=bool(self.src.names.experts))
@@ -230,8 +217,7 @@ class Steps:
 
 
 def calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]`` (the tokenizer of ``tokenizer_dir``);
-    None for a method that uses none."""
+    """The calibration token ids ``[nsamples, seqlen]``; None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)

