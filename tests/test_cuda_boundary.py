@@ -242,7 +242,7 @@ def _latq_expected(case: bl.Case) -> tuple[str | None, str]:
         experts = "MarlinExperts" if case.layer == "moe" else None
         return "triton", f"which computes no torch.float32 activations" if experts is None else \
             f"vLLM picks {experts}, which computes no torch.float32"
-    return "triton", "CSR outliers" if case.outliers else "3-bit inliers"
+    return "triton", "CSR outliers" if case.outliers else f"vLLM has no kernel for uint{case.bits}b"
 
 
 @pytest.mark.parametrize("case,tp", [(c, tp) for tp in (1, 2) for c in _latq_cases(tp)],
