@@ -29,12 +29,20 @@ from .weight import LatqWeight
 WIDTHS = tuple(range(2, 9))     # compressed-tensors' WNA16 widths; a latq row is their dense packing at each
 # vLLM kernel class → the custom op its apply calls, where a build may lack it
 PROBED_OPS = {"CPUWNA16LinearKernel": "cpu_gemm_wna16"}
-# vLLM kernel or experts class → the activation dtypes it computes, where its selection does not
-# ask: the ops' own checks refuse any other (Marlin's ``marlin_gemm``: "unsupported `a`
-# scalar_type"; Machete has no kernel for it, though its group-size query lets 32-bit
-# activations through; Marlin MoE asserts 16-bit hidden states at its first forward)
-ACT_DTYPES = {name: (torch.float16, torch.bfloat16)
-              for name in ("MarlinLinearKernel", "MacheteLinearKernel", "MarlinExperts", "BatchedMarlinExperts")}
+_16BIT = (torch.float16, torch.bfloat16)
+# vLLM kernel or experts class → (the activation dtypes it computes as latq's reference does — weights
+# dequantized in the activation type, products summed in fp32 —, why not the others), where its
+# selection does not ask
+COMPUTES = {
+    "MarlinLinearKernel": (_16BIT, 'marlin_gemm refuses them: "unsupported `a` scalar_type"'),
+    "MacheteLinearKernel": (_16BIT, "Machete has no kernel for them, though its group-size query lets 32-bit "
+                                    "activations through"),
+    "MarlinExperts": (_16BIT, "fused_marlin_moe asserts 16-bit hidden states"),
+    "BatchedMarlinExperts": (_16BIT, "fused_marlin_moe asserts 16-bit hidden states"),
+    "TritonWNA16Experts": (_16BIT, "its tl.dot multiplies 32-bit activations at TF32 precision, Triton's default "
+                                   "on NVIDIA GPUs"),
+    "ExllamaLinearKernel": ((), "gptq_gemm sums its products in fp16 (half2 FMAs, half atomics)"),
+}
 
 
 def op_available(name: str) -> bool:
@@ -99,12 +107,12 @@ def group_scales(w: LatqWeight, group: int) -> torch.Tensor:
 
 def computes_refusal(kernel_name: str, act_dtype: torch.dtype) -> str | None:
     """Why vLLM's ``kernel_name`` (a linear kernel or experts class) would be handed activations
-    it cannot compute, or None."""
-    dtypes = ACT_DTYPES.get(kernel_name)
-    if dtypes is not None and act_dtype not in dtypes:
-        return (f"vLLM picks {kernel_name}, which computes no {act_dtype} activations "
-                f"(only {', '.join(str(d) for d in dtypes)})")
-    return None
+    it does not compute as latq's reference does (``COMPUTES``), or None."""
+    dtypes, why = COMPUTES.get(kernel_name, (None, ""))
+    if dtypes is None or act_dtype in dtypes:
+        return None
+    only = ", ".join(str(d) for d in dtypes) or "no dtype"
+    return f"vLLM picks {kernel_name}, which computes no {act_dtype} activations (only {only}: {why})"
 
 
 def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype, full_in: int | None = None):
