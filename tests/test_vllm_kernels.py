@@ -87,7 +87,7 @@ def _expected(case: str, cc: int):
     if case in ("ssqr-outliers", "hptq-outliers"):
         return "triton", "CSR outliers"
     if case == "3bit":
-        return "triton", "3-bit inliers"
+        return "triton", "vLLM has no kernel for uint3b4"
     # Machete (Hopper only) takes groups of 64, 128 or whole rows: g32 and the TP cuts (g32 at
     # K/2 = 288) fall to Marlin
     machete = cc == 90 and case not in ("4bit-g32", "tp2-rank0", "tp2-rank1")

@@ -74,7 +74,7 @@ def _cases():
 
 def _expected(case: str):
     """(vLLM experts class, backend) or the words of latq's reason for keeping the layer."""
-    return {"3bit": "3-bit inliers", "ssqr-outliers": "CSR outliers", "hptq-outliers": "CSR outliers",
+    return {"3bit": "no WNA16 MoE backend for 3-bit", "ssqr-outliers": "CSR outliers", "hptq-outliers": "CSR outliers",
             "w13-4bit-w2-8bit": "mix [4, 8]-bit projections",
             # Marlin MoE refuses a hidden size that is not a multiple of 128: vLLM's Triton WNA16 experts
             "hidden-576": ("TritonWNA16Experts", "TRITON")}.get(case, ("MarlinExperts", "MARLIN"))
@@ -181,7 +181,7 @@ def _routing(T: int, hidden: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("kind,why", [("rtn4", "opt-in only on CPU (LATQ_KERNEL=vllm)"),
-                                      ("rtn3", "experts: 3-bit inliers"), ("ssqr", "experts: CSR outliers")])
+                                      ("rtn3", "opt-in only on CPU (LATQ_KERNEL=vllm)"), ("ssqr", "experts: CSR outliers")])
 def test_cpu_method_keeps_latq_experts_and_tables_why(kind, why, monkeypatch):
     """The default CPU load: latq's CPU kernel serves every expert projection, and the load
     log's table says why vLLM's MoE kernels did not (the form, or the CPU opt-in)."""

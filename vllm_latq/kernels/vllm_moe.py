@@ -1,14 +1,16 @@
 """Which latq mixture-of-experts layers vLLM's own MoE kernels serve, and in which tensors.
 
-A MoE layer whose experts all have a form vLLM's kernels take (``vllm_mp.form_refusal``: a width
-dividing 32, no outliers) at one width for w13 and w2 is exactly a compressed-tensors WNA16 MoE
-layer (symmetric int, pack-quantized): each expert's ``packed_words`` is the N-first
-``weight_packed [N, K·b/32]``, stacked ``[E, N, K·b/32]`` (w13: gate rows, then up rows), and its
-scales are ``weight_scale [E, N, G]`` at one group dividing every expert's group, the hidden size
-and this rank's intermediate size (``gcd``, each part keeping its group's scale). The plugin
-(``plugin/vllm_scheme.py``) hands them to vLLM's ``CompressedTensorsWNA16MoEMethod``, registered
-on the vLLM layer, whose backends (Marlin MoE on CUDA, ``CPUExpertsInt4`` on CPU) repack and run
-them. On CPU this is opt-in (``LATQ_KERNEL=vllm``, :func:`policy_refusal`).
+A MoE layer whose experts all have a standard form (``vllm_mp.form_refusal``: 2-8 bits, no
+outliers, whole int32 words a row) at one width for w13 and w2 is exactly a
+compressed-tensors WNA16 MoE layer (symmetric int, pack-quantized): each expert's
+``packed_words`` is the N-first ``weight_packed [N, K·b/32]``, stacked ``[E, N, K·b/32]`` (w13:
+gate rows, then up rows), and its scales are ``weight_scale [E, N, G]`` at one group dividing
+every expert's group, the hidden size and this rank's intermediate size (``gcd``, each part
+keeping its group's scale). The plugin (``plugin/vllm_scheme.py``) hands them to vLLM's
+``CompressedTensorsWNA16MoEMethod``, registered on the vLLM layer, whose backends (Marlin MoE on
+CUDA, vLLM's Triton WNA16 experts where Marlin refuses the shape, ``CPUExpertsInt4`` on CPU)
+repack and run them (4 and 8 bits: no backend of vLLM 0.32 but Humming's takes another width). On
+CPU this is opt-in (``LATQ_KERNEL=vllm``, :func:`policy_refusal`).
 """
 from __future__ import annotations
 

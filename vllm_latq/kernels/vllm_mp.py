@@ -1,12 +1,15 @@
 """Which latq layers vLLM's own mixed-precision kernels serve, and in which tensors.
 
-A latq layer of a *standard form* — inliers of a width dividing 32 (4 and 8 bits on CUDA), no
-outliers, static group scales (fp16, or coded scales decoded to fp16), no zero points, no
-``g_idx`` — is exactly a compressed-tensors ``pack-quantized`` WNA16 layer: latq's offset-binary
-``qweight`` (u = z + 2^(b-1), little-endian words along K, ``format.pack``) less its tile padding
-is ``weight_packed`` ``[N, K·b/32]`` in ``uint4b8`` / ``uint8b128``, and its scales are
-``weight_scale`` ``[N, G]``. This module says which layers are such (:func:`form_refusal`), what
-vLLM is told (:func:`layer_config`, :func:`vllm_group`), the tensors (:func:`packed_words`,
+A latq layer of a *standard form* — b-bit inliers (2 to 8), no outliers, static group scales
+(fp16, or coded scales decoded to fp16), no zero points, no ``g_idx`` — is exactly a
+compressed-tensors ``pack-quantized`` WNA16 layer: latq's offset-binary ``qweight`` (u = z +
+2^(b-1), a row one little-endian bit stream, value k at bits [k·b, k·b + b), ``format.pack``)
+less its tile padding is ``weight_packed`` ``[N, ceil(K·b/32)]`` in vLLM's ``uint{b}b{2^(b-1)}``
+— the dense packing vLLM's WNA16 scheme shapes its parameter for, at every width — and its scales
+are ``weight_scale`` ``[N, G]``. Which widths are *served* is vLLM's ``choose_mp_linear_kernel``'s
+answer on the platform (on CUDA in vLLM 0.32: 4 and 8 bits; every width where the Humming package
+is installed). This module says which layers are such (:func:`form_refusal`), what vLLM is told
+(:func:`layer_config`, :func:`vllm_group`), the tensors (:func:`packed_words`,
 :func:`group_scales`) and which vLLM kernel class ``choose_mp_linear_kernel`` picks for them
 (:func:`choose`). The plugin (``plugin/vllm_scheme.py``) then registers vLLM's own
 ``CompressedTensorsWNA16`` scheme on the vLLM layer and fills its parameters with these tensors:
@@ -23,15 +26,23 @@ from .base import LatqKernel
 from .served_bytes import GridStats
 from .weight import LatqWeight
 
-WIDTHS = (2, 4, 8)     # latq's words are compressed-tensors' where the width divides 32
+WIDTHS = tuple(range(2, 9))     # compressed-tensors' WNA16 widths; a latq row is their dense packing at each
 # vLLM kernel class → the custom op its apply calls, where a build may lack it
 PROBED_OPS = {"CPUWNA16LinearKernel": "cpu_gemm_wna16"}
-# vLLM kernel or experts class → the activation dtypes it computes, where its selection does not
-# ask: the ops' own checks refuse any other (Marlin's ``marlin_gemm``: "unsupported `a`
-# scalar_type"; Machete has no kernel for it, though its group-size query lets 32-bit
-# activations through; Marlin MoE asserts 16-bit hidden states at its first forward)
-ACT_DTYPES = {name: (torch.float16, torch.bfloat16)
-              for name in ("MarlinLinearKernel", "MacheteLinearKernel", "MarlinExperts", "BatchedMarlinExperts")}
+_16BIT = (torch.float16, torch.bfloat16)
+# vLLM kernel or experts class → (the activation dtypes it computes as latq's reference does — weights
+# dequantized in the activation type, products summed in fp32 —, why not the others), where its
+# selection does not ask
+COMPUTES = {
+    "MarlinLinearKernel": (_16BIT, 'marlin_gemm refuses them: "unsupported `a` scalar_type"'),
+    "MacheteLinearKernel": (_16BIT, "Machete has no kernel for them, though its group-size query lets 32-bit "
+                                    "activations through"),
+    "MarlinExperts": (_16BIT, "fused_marlin_moe asserts 16-bit hidden states"),
+    "BatchedMarlinExperts": (_16BIT, "fused_marlin_moe asserts 16-bit hidden states"),
+    "TritonWNA16Experts": (_16BIT, "its tl.dot multiplies 32-bit activations at TF32 precision, Triton's default "
+                                   "on NVIDIA GPUs"),
+    "ExllamaLinearKernel": ((), "gptq_gemm sums its products in fp16 (half2 FMAs, half atomics)"),
+}
 
 
 def op_available(name: str) -> bool:
@@ -59,13 +70,13 @@ def vllm_group(w: LatqWeight) -> int:
 
 
 def form_refusal(w: LatqWeight) -> str | None:
-    """Why ``w`` is not a compressed-tensors WNA16 form, or None."""
+    """Why ``w`` is not a compressed-tensors WNA16 form, or None (whether a vLLM kernel takes its
+    width is :func:`choose`'s question)."""
     if w.bits not in WIDTHS:
-        return (f"{w.bits}-bit inliers (latq's words are compressed-tensors' at "
-                f"{', '.join(map(str, WIDTHS))} bits)")
+        return f"{w.bits}-bit inliers (compressed-tensors' WNA16 forms are {WIDTHS[0]}-{WIDTHS[-1]} bits)"
     if w.nnz:
         return "CSR outliers (no vLLM kernel adds them)"
-    if w.in_features * w.bits % 32:
+    if w.in_features * w.bits % 32:      # vLLM's MoE method and Humming's schema shape ⌊K·b/32⌋ words
         return f"K = {w.in_features} does not fill whole int32 words at {w.bits} bits"
     return None
 
@@ -81,9 +92,9 @@ def layer_config(w: LatqWeight, act_dtype: torch.dtype, full_in: int | None = No
 
 
 def packed_words(w: LatqWeight) -> torch.Tensor:
-    """int32 ``[N, K·b/32]``: latq's ``qweight`` less its tile padding — compressed-tensors'
-    ``weight_packed``."""
-    return w.qweight[:, :w.in_features * w.bits // 32]
+    """int32 ``[N, ceil(K·b/32)]``: latq's ``qweight`` less its tile padding — compressed-tensors'
+    ``weight_packed``, the words ``CompressedTensorsWNA16.create_weights`` registers."""
+    return w.qweight[:, :math.ceil(w.in_features * w.bits / 32)]
 
 
 def group_scales(w: LatqWeight, group: int) -> torch.Tensor:
@@ -96,12 +107,12 @@ def group_scales(w: LatqWeight, group: int) -> torch.Tensor:
 
 def computes_refusal(kernel_name: str, act_dtype: torch.dtype) -> str | None:
     """Why vLLM's ``kernel_name`` (a linear kernel or experts class) would be handed activations
-    it cannot compute, or None."""
-    dtypes = ACT_DTYPES.get(kernel_name)
-    if dtypes is not None and act_dtype not in dtypes:
-        return (f"vLLM picks {kernel_name}, which computes no {act_dtype} activations "
-                f"(only {', '.join(str(d) for d in dtypes)})")
-    return None
+    it does not compute as latq's reference does (``COMPUTES``), or None."""
+    dtypes, why = COMPUTES.get(kernel_name, (None, ""))
+    if dtypes is None or act_dtype in dtypes:
+        return None
+    only = ", ".join(str(d) for d in dtypes) or "no dtype"
+    return f"vLLM picks {kernel_name}, which computes no {act_dtype} activations (only {only}: {why})"
 
 
 def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype, full_in: int | None = None):
@@ -113,10 +124,12 @@ def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype, full_in:
         from vllm.model_executor.kernels.linear import choose_mp_linear_kernel
     except ImportError as e:
         return None, f"vLLM's kernel selection does not import ({e})"
+    config = layer_config(w, act_dtype, full_in)
     try:
-        kernel = choose_mp_linear_kernel(layer_config(w, act_dtype, full_in))
+        kernel = choose_mp_linear_kernel(config)
     except ValueError as e:
-        return None, "vLLM has no kernel: " + " ".join(str(e).split("Reasons:")[-1].split())
+        return None, (f"vLLM has no kernel for {config.weight_type} group {config.group_size}: "
+                      + " ".join(str(e).split("Reasons:")[-1].split()))
     why = computes_refusal(kernel.__name__, act_dtype)
     if why:
         return None, why
@@ -151,8 +164,9 @@ class VllmMPKernel(LatqKernel):
     @classmethod
     def layout_bytes(cls, n: int, k: int, bits: int, group: int, stats: GridStats,
                      scale_bits: int | None = None) -> dict[str, int]:
-        """compressed-tensors' form's bytes (scales in a 16-bit activation dtype, coded ones decoded)."""
-        if bits not in WIDTHS or stats.off_grid(bits) or k * bits % 32:
-            raise ValueError(f"vLLM's kernels take no {bits}-bit layer with outliers or partial words")
+        """compressed-tensors' form's bytes (scales in a 16-bit activation dtype, coded ones decoded),
+        at the widths vLLM's CUDA kernels take (``widths``)."""
+        if bits not in cls.widths or stats.off_grid(bits) or k * bits % 32:
+            raise ValueError(f"vLLM's CUDA kernels take no {bits}-bit layer with outliers or partial words")
         groups = 1 if group >= k else k // math.gcd(group, k)
         return {"inliers": n * k * bits // 8, "scales": n * groups * 2}

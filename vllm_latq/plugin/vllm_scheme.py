@@ -118,7 +118,7 @@ def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, devic
     WNA16 experts where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU). Marlin MoE is told a
     group half as large where it would misread w13's scales at the first
     (``vllm_moe.marlin_scale_hazard``). A backend whose ops a build may lack is taken only where
-    they exist; one that computes no such activations (``vllm_mp.ACT_DTYPES``) and vLLM's
+    they exist; one that computes no such activations (``vllm_mp.COMPUTES``) and vLLM's
     emulation backend (experts dequantized to bf16) are refused."""
     why = vllm_moe.form_refusal(weights) or vllm_moe.policy_refusal(device)
     if why:

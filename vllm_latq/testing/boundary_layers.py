@@ -21,7 +21,7 @@ from .. import format as fmt
 from ..algorithms.result import QuantResult
 
 PREFIX = "model.layers.0"
-HIDDEN, HEAD, HEADS, KV_HEADS, INTER, DOWN_K, COL_N = 256, 64, 4, 2, 256, 576, 384
+HIDDEN, HEAD, HEADS, KV_HEADS, INTER, DOWN_K, COL_N, WIDE_K = 256, 64, 4, 2, 256, 576, 384, 512
 E, TOPK, MOE_INTER = 4, 2, 128
 GROUP = 128            # the checkpoints' group: 576 = 4.5 groups, so down_proj's rows are cut off them
 CCS = (80, 86, 89, 90)
@@ -40,6 +40,8 @@ class Case:
     scale_bits: int | None = None   # group scales stored as codes (format/scale_codes.py)
     group: int = GROUP      # the checkpoint's group (≥ K: one scale per row, channelwise for vLLM)
     env: tuple = ()       # (name, value) pairs set for the case (e.g. LATQ_KERNEL)
+    compiled: bool = False  # the forward also compiled (Dynamo, full graph) and compared with eager
+    export: str = ""      # "export" layers: the directory of the exports (not part of the id)
 
     @property
     def id(self) -> str:
@@ -47,7 +49,8 @@ class Case:
         where = f"sm{self.cc}" if self.cc else "host"
         form = (f"{self.bits}bit" + (f"-{self.outliers:.0%}outliers" if self.outliers else "")
                 + (f"-s{self.scale_bits}codes" if self.scale_bits else "") + f"-g{self.group}")
-        return f"{self.layer}-{form}-{self.dtype}-{where}-{'bias' if self.bias else 'nobias'}{env}"
+        return (f"{self.layer}-{form}-{self.dtype}-{where}-{'bias' if self.bias else 'nobias'}{env}"
+                + ("-compiled" if self.compiled else ""))
 
 
 def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None):
@@ -95,6 +98,9 @@ def _layers():
                  [("mlp.down_proj", None, HIDDEN)], DOWN_K, "mlp.down_proj"),
         "column": (L.ColumnParallelLinear, dict(input_size=HIDDEN, output_size=COL_N), [("mlp.col", None, COL_N)],
                    HIDDEN, "mlp.col"),
+        # K of two groups of 256 (a group Marlin does not take): Exllama (fp16) or Triton W4A16
+        "wide": (L.ColumnParallelLinear, dict(input_size=WIDE_K, output_size=COL_N), [("mlp.wide", None, COL_N)],
+                 WIDE_K, "mlp.wide"),
     }
 
 
@@ -110,12 +116,12 @@ def replicated_layer(w, dtype: torch.dtype, prefix: str = "bench.linear"):
     from vllm.model_executor.layers.linear import ReplicatedLinear
     layer = ReplicatedLinear(w.in_features, w.out_features, bias=False, quant_config=quant_config(w.bits, w.group_size),
                              params_dtype=dtype, prefix=prefix)
-    _load(layer, {None: weight_tensors(w)})
+    load_parts(layer, {None: weight_tensors(w)})
     layer.quant_method.process_weights_after_loading(layer)
     return layer
 
 
-def _load(layer, parts: dict, suffixes=None) -> None:
+def load_parts(layer, parts: dict, suffixes=None) -> None:
     """Every tensor through its parameter's ``weight_loader``, with the shard id vLLM's model
     loader gives a fused layer's parts (none for a plain one)."""
     for shard, tensors in parts.items():
@@ -135,9 +141,9 @@ def _build(name: str, case: Case, quant, dtype: torch.dtype):
 def _reference(case: Case, deq: dict, bias: dict):
     """The same vLLM layer unquantized, fp32, holding ``deq`` (and ``bias`` where given)."""
     ref = _build(case.layer, Case(case.layer, case.dtype, case.cc, bool(bias)), None, torch.float32)
-    _load(ref, deq)
+    load_parts(ref, deq)
     if bias:
-        _load(ref, {s: {"bias": b.float()} for s, b in bias.items()})
+        load_parts(ref, {s: {"bias": b.float()} for s, b in bias.items()})
     ref.quant_method.process_weights_after_loading(ref)
     return ref
 
@@ -156,19 +162,38 @@ def dense_case(case: Case) -> dict:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
     quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits)
     layer = _build(case.layer, case, quant, dtype)
-    _load(layer, ckpt)
+    load_parts(layer, ckpt)
     if case.bias:
-        _load(layer, {s: {"bias": b} for s, b in bias.items()})
+        load_parts(layer, {s: {"bias": b} for s, b in bias.items()})
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(5, cin, generator=torch.Generator().manual_seed(7)).to(dtype)
     y = layer(x)[0]
+    compiled = compiled_forward(layer, x, y) if case.compiled else {}
     ref = _reference(case, deq, bias)
     absolute = _reference(case, {s: {"weight": w["weight"].abs()} for s, w in deq.items()}, {})
     want, bias_out = ref(x.float())[0], ref(torch.zeros(1, cin))[0]      # the bias as this rank's output has it
     scale = absolute(x.float().abs())[0] + bias_out.abs()                # |x|·|W|ᵀ + |b|
     row = quant.load_report.layers[-1]
-    return {**_compare(y, want, dtype, scale, cin, row.kernel), "served_bits": row.served_bits,
-            "table": quant.load_report.reason_table()}
+    return {**compare(y, want, dtype, scale, cin, row.kernel), "served_bits": row.served_bits,
+            "table": quant.load_report.reason_table(), **compiled}
+
+
+def compiled_forward(layer, x: torch.Tensor, eager: torch.Tensor) -> dict:
+    """``layer``'s forward compiled as vLLM compiles a model's (Dynamo, one full graph; the graph
+    run as traced): whether its output equals the eager one bit for bit, and the ops the graph
+    calls — the kernel's GEMM traced over by its fake implementation, not into."""
+    import torch._dynamo
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):        # the workers run with TORCH_COMPILE_DISABLE=1
+        y = torch.compile(lambda t: layer(t)[0], backend=keep, fullgraph=True)(x)
+    ops = sorted({str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"})
+    return {"compiled_equal": bool(torch.equal(y, eager)), "graphs": len(graphs), "graph_ops": ops}
 
 
 def placement_case(case: Case) -> dict:
@@ -192,7 +217,7 @@ def placement_case(case: Case) -> dict:
     return {"ok": bool(devices) and set(devices.values()) == {"meta"}, "devices": devices, "kernel": why}
 
 
-def _compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, k: int, kernel: str) -> dict:
+def compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, k: int, kernel: str) -> dict:
     """Within the kernel's rounding: weights rounded once to the activation type (≤ u·|x|·|W|ᵀ),
     the output once more (≤ u·|y|), sums of ``k`` fp32 products (≤ k·u₃₂·|x|·|W|ᵀ);
     ``scale`` = |x|·|W|ᵀ + |b| bounds all three."""

@@ -50,9 +50,12 @@ def run_case(case: Case) -> dict:
     os.environ.update(dict(case.env))
     try:
         with cuda_boundary(case.cc) if case.cc else contextlib.nullcontext():
-            if case.layer == "moe":
+            if case.layer.startswith("moe"):
                 from .boundary_moe import moe_case
                 out = moe_case(case)
+            elif case.layer.startswith("export"):
+                from .boundary_export import export_case
+                out = export_case(case)
             else:
                 out = (placement_case if case.layer == "placement" else dense_case)(case)
     except Exception as e:   # a case's failure is its record, the next case runs
@@ -95,7 +98,9 @@ def run_ranks(plan: dict[int, list[Case]], timeout: float = 600) -> dict[int, di
 
 
 def main(argv: list[str]) -> None:
+    from .cuda_boundary import vllm_sees_triton
     world, rank, port, spec, dest = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
+    vllm_sees_triton()           # vLLM's Triton kernel classes in the interpreter, as the GPU runs them
     init_ranks(world, rank, port)
     cases = [Case(**{**c, "env": tuple(map(tuple, c["env"]))}) for c in json.load(open(spec))]
     records = [run_case(c) for c in cases]

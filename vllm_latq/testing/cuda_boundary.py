@@ -26,6 +26,28 @@ PRELOAD = ("vllm.model_executor.layers.linear", "vllm.model_executor.layers.fuse
            "vllm.model_executor.layers.quantization.online.fp8")
 
 
+class _NoDriver:
+    """A Triton backend's driver that is never the active one."""
+
+    @staticmethod
+    def is_active() -> bool:
+        return False
+
+
+def vllm_sees_triton() -> None:
+    """Before vLLM is imported: its Triton kernels are real ``@triton.jit`` functions, run in Triton's
+    interpreter (``TRITON_INTERPRET=1``). A CPU build of vLLM keeps Triton only where Triton has a
+    "cpu" backend (``vllm.triton_utils.importing``) and otherwise binds every Triton kernel to a
+    placeholder that cannot launch; an inert "cpu" entry in Triton's backend table (never an active
+    driver: the interpreter needs none) lets vLLM import Triton as it does on a GPU."""
+    import sys
+
+    import triton.backends
+    if "vllm.triton_utils" in sys.modules:
+        raise RuntimeError("vllm_sees_triton() must run before vLLM is imported")
+    triton.backends.backends.setdefault("cpu", triton.backends.Backend(compiler=None, driver=_NoDriver))
+
+
 @contextlib.contextmanager
 def cuda_platform(cc: int):
     """vLLM's ``current_platform`` answers as a CUDA GPU of capability ``cc`` (e.g. 80, 90):

@@ -242,10 +242,50 @@ def moe_sum(input, output, topk_ids=None, expert_map=None):
     output.copy_(input.float().sum(1).to(output.dtype))
 
 
+# ---------------------------------------------------------------------------- the GEMMs as custom ops
+
+# The GEMMs a compiled forward reaches are torch custom ops with fake (meta) implementations, as the
+# real ones are (vLLM's ``_custom_ops`` registers their fakes): Dynamo traces over them, not into
+# them. The weight preparation runs once at load, eager, and Marlin MoE's ops run inside vLLM's own
+# MoE custom op: plain functions suffice there.
+LIBRARY = "latq_cuda_stand_in"
+_LIB = torch.library.Library(LIBRARY, "DEF")
+_LIB.define("marlin_gemm(Tensor a, Tensor(c!)? c, Tensor b_q_weight, Tensor? b_bias, Tensor b_scales, "
+            "Tensor? a_scales, Tensor? global_scale, Tensor? b_zeros, Tensor? workspace, int b_q_type_id, "
+            "SymInt size_m, SymInt size_n, SymInt size_k, bool use_atomic_add=False, bool use_fp32_reduce=False, "
+            "bool is_zp_float=False) -> Tensor")
+_LIB.define("machete_mm(Tensor a, Tensor b_q, int b_type_id, ScalarType? out_type=None, Tensor? b_group_scales=None, "
+            "Tensor? b_group_zeros=None, int? b_group_size=None, Tensor? b_channel_scales=None, "
+            "Tensor? a_token_scales=None, str? schedule=None) -> Tensor")
+
+
+def _marlin_gemm_op(a, c, b_q_weight, *args, **kwargs):
+    out = marlin_gemm(a, None, b_q_weight, *args, **kwargs)
+    if c is not None:
+        c.copy_(out)
+    return out        # a new tensor: a custom op's output does not alias its inputs
+
+
+_LIB.impl("marlin_gemm", _marlin_gemm_op, "CompositeExplicitAutograd")
+_LIB.impl("machete_mm", machete_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{LIBRARY}::marlin_gemm")
+def _marlin_gemm_fake(a, c, b_q_weight, b_bias, b_scales, a_scales, global_scale, b_zeros, workspace, b_q_type_id,
+                      size_m, size_n, size_k, use_atomic_add=False, use_fp32_reduce=False, is_zp_float=False):
+    return a.new_empty((size_m, size_n))
+
+
+@torch.library.register_fake(f"{LIBRARY}::machete_mm")
+def _machete_mm_fake(a, b_q, b_type_id, out_type=None, b_group_scales=None, b_group_zeros=None, b_group_size=None,
+                     b_channel_scales=None, a_token_scales=None, schedule=None):
+    return a.new_empty((a.shape[0], b_q.shape[1]))      # the stand-in's prepacked B is [K·b/32, N]
+
+
 # namespace → op name → stand-in
 STAND_INS = {
-    "_C": {"gptq_marlin_repack": gptq_marlin_repack, "marlin_gemm": marlin_gemm,
-           "machete_prepack_B": machete_prepack_B, "machete_mm": machete_mm},
+    "_C": {"gptq_marlin_repack": gptq_marlin_repack, "marlin_gemm": getattr(torch.ops, LIBRARY).marlin_gemm,
+           "machete_prepack_B": machete_prepack_B, "machete_mm": getattr(torch.ops, LIBRARY).machete_mm},
     "_moe_C": {"moe_align_block_size": moe_align_block_size, "moe_wna16_marlin_gemm": moe_wna16_marlin_gemm,
                "moe_sum": moe_sum},
 }
