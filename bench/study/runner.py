@@ -164,7 +164,8 @@ def quantize_config(cfg: Config, st: Settings, src: Path, ck: Path, progress: bo
     interruption come from the journal ``<slug>.certs.jsonl`` written as layers finish."""
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
-    opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
+    # the head stays in the model dtype unless a configuration quantizes it (latq-quantize's default may not)
+    opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **{"quantize_lm_head": False, **cfg.kwargs})
     solve = peers.solve_for(cfg, src)
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
