@@ -76,6 +76,10 @@ def default_group_size(method: str) -> int:
     return DEFAULT_GROUP_SIZE.get(method, 128)
 
 
+# the output head's inlier bits by default (dense methods): free in perplexity on both reference
+# models at half the bytes of bf16 (docs/RESULTS.md, the decision rule and its measurements)
+DEFAULT_LM_HEAD_BITS = 8
+
 # HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
 MAX_TARGET_BITS = 8.0
 
@@ -99,11 +103,12 @@ class QuantizeOptions:
     # CPU that only emulates bf16 — and fp32 for fp16/fp32 sources. Weights are solved in fp32
     # and Hessians summed in fp64 either way.
     compute_dtype: str = "auto"
-    # also quantize the output head (lm_head) with the same method; a tied head is untied:
-    # the embedding stays in the model dtype, the quantized head is written as ``lm_head.*``
-    quantize_lm_head: bool = False
-    # with quantize_lm_head, a dense method: the head's inlier bits (e.g. 8: its error is then
-    # negligible while it streams half the bf16 bytes); None: ``bits`` like every other layer
+    # the output head (lm_head): True quantizes it with the same method, False keeps it in the model
+    # dtype; None (default): dense methods quantize it with DEFAULT_LM_HEAD_BITS-bit inliers, others
+    # keep it, as does a model whose head cannot be quantized. A tied head is untied: the embedding
+    # stays in the model dtype, the quantized head is written as ``lm_head.*``
+    quantize_lm_head: bool | None = None
+    # with quantize_lm_head, a dense method: the head's inlier bits; None: ``bits`` like every other layer
     lm_head_bits: int | None = None
     # mixture-of-experts: an expert routed fewer calibration tokens than this gets its Hessians
     # blended with all the block's tokens (quantize/moe.py); route_all: every token through every expert
@@ -122,6 +127,8 @@ class QuantizeOptions:
     # second-level scales (format/scale_codes.py): dense group scales stored and served
     # as codes of this many bits on 16-row grids (6 bits per scale instead of 16); None: fp16 scales
     scale_bits: int | None = None
+    # set by __post_init__: the head is quantized by default, not asked for (a head it cannot take is kept)
+    lm_head_default: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
         """The pipeline's own rules; what the checkpoint's ``quantization_config`` allows (method,
@@ -150,6 +157,10 @@ class QuantizeOptions:
         if self.kind == "huffman" and not 1.0 < self.target_bits <= MAX_TARGET_BITS:
             raise ValueError(f"target_bits must be in (1, {MAX_TARGET_BITS:g}] bits/weight for {self.method}, got "
                              f"{self.target_bits:g}")
+        if self.quantize_lm_head is None:   # the default, resolved here
+            self.lm_head_default = self.lm_head_bits is None and self.kind == "dense"
+            self.quantize_lm_head = self.lm_head_bits is not None or self.lm_head_default
+            self.lm_head_bits = DEFAULT_LM_HEAD_BITS if self.lm_head_default else self.lm_head_bits
         if self.lm_head_bits is not None and not self.quantize_lm_head:
             raise ValueError("lm_head_bits needs quantize_lm_head (the head is otherwise kept unquantized)")
         try:
@@ -211,7 +222,7 @@ class QuantizeOptions:
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
-            scale_bits=self.scale_bits, calibration=calibration, **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
+            scale_bits=self.scale_bits, calibration=calibration, **({"lm_head_quantized": True} if head_name else {}),
             **({"target_correction": True} if self.target_correction else {}))
 
     def head_options(self) -> "QuantizeOptions":
@@ -280,7 +291,7 @@ def _quantize(model, out: Path, opts: QuantizeOptions, solve: Solve, resume: boo
                          "forwards at least one calibration sequence")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    head = head_plan(src.net, src.prefix, src.tied, src.weights) if opts.quantize_lm_head else None
+    head = _head_plan(src, opts)
     head_name = head.name if head else None
     not_converted = src.modules_not_converted(head_name)
     with ranks.together("checking the output directory", world):
@@ -393,6 +404,20 @@ def _with_fault(solve: Solve, world: ranks.World) -> Solve:
             raise RuntimeError(f"fault injected by ${FAULT_ENV}")
         return solve(method, W, H, name, **kw)
     return faulty
+
+
+def _head_plan(src, opts: QuantizeOptions):
+    """Where the output head is, if it is quantized: asked for (a head it cannot quantize is an
+    error) or by default (such a head is kept in the model dtype, said in the log)."""
+    if not opts.quantize_lm_head:
+        return None
+    try:
+        return head_plan(src.net, src.prefix, src.tied, src.weights)
+    except hf_model.UnsupportedModelError as e:
+        if not opts.lm_head_default:
+            raise
+        log.info("the output head stays in the model dtype: %s", e)
+        return None
 
 
 def _fingerprint(opts: QuantizeOptions, source: Path, files: list[str], config: dict, forward_dtype) -> str:
