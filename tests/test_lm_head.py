@@ -82,6 +82,9 @@ def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
     assert torch.equal(m.lm_head.weight.detach(), seen["lm_head"][2].q.float())
     report = validate_checkpoint(c)
     assert "lm_head 8-bit" in format_report(report)
+    from vllm_latq.kernels.served_report import checkpoint_served   # latq-inspect's served bits count the head
+    report["totals"]["served_bits_per_weight"] = checkpoint_served(c, report["layers"])
+    assert "bits/weight vs stored" in format_report(report) and "the output head included" in format_report(report)
     # a layer_bits entry naming no quantized layer is refused, naming the file
     import shutil
     bad = tiny_head["dir"] / "bad-layer-bits"
