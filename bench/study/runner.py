@@ -18,6 +18,7 @@ from bench import peer_llmcompressor
 from vllm_latq import data
 
 from bench.study import peers, served
+from . import head
 from .configs import Config, slug
 
 log = logging.getLogger("latq.study")
@@ -244,6 +245,8 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
         r["stats_cert_max"] = stats["totals"].get("cert_max")
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
         r["served"] = served.checkpoint_record(Path(target))
+    if head.quantizes_head(cfg):
+        r["ppl_source_head"] = head.source_head_ppl(Path(target), src, st.eval_seqlen, st.nwindows)
     if cfg.family != "bf16":
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
@@ -291,6 +294,18 @@ def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, 
     write_json(root / "results" / cfg.model / f"{cfg.slug}.json", r)
     log.info("served bits of %s %s (%s): %s", cfg.model, cfg.label, r["served"]["source"],
              ", ".join(f"{f} {b:.3f}" for f, b in r["served"]["bits_per_weight"].items()))
+    return r
+
+
+def backfill_source_head(cfg: Config, st: Settings, root: Path, r: dict) -> dict:
+    """A cached result of a configuration that quantizes the head, run before the study measured
+    the same body with the source's head (``study/head.py``) → with it, where its checkpoint was kept."""
+    ck = root / "checkpoints" / cfg.model / cfg.slug
+    if not head.quantizes_head(cfg) or "ppl_source_head" in r or not (ck / "latq_stats.json").is_file():
+        return r
+    r["ppl_source_head"] = head.source_head_ppl(ck, source_dir(cfg.model, st, root), st.eval_seqlen, st.nwindows)
+    write_json(root / "results" / cfg.model / f"{cfg.slug}.json", r)
+    log.info("%s %s with the source's head: ppl %.3f", cfg.model, cfg.label, r["ppl_source_head"])
     return r
 
 
