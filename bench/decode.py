@@ -277,9 +277,13 @@ def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[
         for e in extra_ckpts]
 
 
-def bind_threads(bind: str) -> int:
-    """Threads of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0-3`` or ``0,2``."""
-    return sum(int(p.split("-")[1]) - int(p.split("-")[0]) + 1 if "-" in p else 1 for p in bind.split(","))
+def bind_cores(bind: str) -> list[int]:
+    """The cores of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0-3`` or ``0,2``: one thread each."""
+    cores = []
+    for p in bind.split(","):
+        a, _, b = p.partition("-")
+        cores += range(int(a), int(b or a) + 1)
+    return cores
 
 
 def peer_jobs(peers: str, ggufs: str, model: str, ckpt: str, workdir: str) -> list[dict]:
@@ -404,7 +408,7 @@ def main(argv=None) -> None:
            "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
     binds = ({int(t): "0" if t == "1" else f"0-{int(t) - 1}" for t in a.threads.split(",")} if a.threads else
-             {bind_threads(env["VLLM_CPU_OMP_THREADS_BIND"]): env["VLLM_CPU_OMP_THREADS_BIND"]})
+             {len(bind_cores(env["VLLM_CPU_OMP_THREADS_BIND"])): env["VLLM_CPU_OMP_THREADS_BIND"]})
     threads = list(binds)
     print(f"decode bench: {base} (bf16) vs {ckpt}; kernels {kernels}; batches {batches}; {a.tokens} new "
           f"tokens; median of {a.repeats}; threads {threads}; {cpu_features.describe()}", flush=True)
@@ -418,7 +422,7 @@ def main(argv=None) -> None:
                     dict(p) for p in peers]
                 for j in jobs:
                     ref = j["kernel"] == "reference"
-                    j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t,
+                    j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t, cores=bind_cores(binds[t]),
                              tokens=a.reference_tokens if ref else a.tokens,
                              repeats=a.reference_repeats if ref else a.repeats, profile=a.profile and not j.get("peer"))
                     j.update(streamed_bytes(j, streamed))

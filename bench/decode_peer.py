@@ -4,7 +4,8 @@ timed generation), the GGUFs it runs, and the bytes each engine streams per deco
 
 llama.cpp runs through ``xllamacpp`` (PyPI's prebuilt CPU wheel, the ``bench`` extra): its
 server object in process, one slot, greedy, EOS ignored, the same prompts and new tokens as
-the vLLM engines, ``threads`` threads for prompt and decode. A run is the wall time of one
+the vLLM engines, ``threads`` threads for prompt and decode, pinned to the vLLM engines' cores
+(``cores``, one thread each, as vLLM binds its OpenMP threads). A run is the wall time of one
 completion request (prompt included), as a vLLM run is one ``generate``. Batch 1 only: the
 server batches concurrent requests, which the bench does not drive.
 
@@ -35,7 +36,11 @@ def serve(job: dict, reply, requests, prompts: list[str]) -> None:
         p = xl.CommonParams()
         p.model.path = job["gguf"]
         p.n_ctx, p.n_parallel, p.n_predict = 512, 1, job["tokens"]
-        p.cpuparams.n_threads = p.cpuparams_batch.n_threads = job["threads"]
+        for cpu in (p.cpuparams, p.cpuparams_batch):   # the vLLM engines' cores, a thread pinned to each
+            cpu.n_threads = job["threads"]
+            if job.get("cores"):
+                cpu.cpumask = [i in job["cores"] for i in range(len(cpu.cpumask))]
+                cpu.mask_valid = cpu.strict_cpu = True
         p.sampling.temp = 0.0
         server = xl.Server(p)
         _complete(server, prompts[0], 16)

@@ -40,8 +40,9 @@ def fake_xllamacpp():
     class Params:
         def __init__(self):
             self.model = types.SimpleNamespace(path=None)
-            self.cpuparams = types.SimpleNamespace(n_threads=0)
-            self.cpuparams_batch = types.SimpleNamespace(n_threads=0)
+            self.cpuparams = types.SimpleNamespace(n_threads=0, cpumask=[False] * 8, mask_valid=False, strict_cpu=False)
+            self.cpuparams_batch = types.SimpleNamespace(n_threads=0, cpumask=[False] * 8, mask_valid=False,
+                                                         strict_cpu=False)
             self.sampling = types.SimpleNamespace(temp=1.0)
     mod.CommonParams, mod.Server = Params, FakeServer
     mod.get_system_info = lambda: "CPU : AVX2 = 1 |"
@@ -50,11 +51,14 @@ def fake_xllamacpp():
 
 def test_peer_worker_answers_runs_at_batch_1_on_its_threads(monkeypatch):
     monkeypatch.setitem(sys.modules, "xllamacpp", fake_xllamacpp())
-    replies = []
-    job = {"gguf": "/m.gguf", "threads": 2, "tokens": 8}
+    replies, servers = [], []
+    monkeypatch.setattr(FakeServer, "__init__", lambda self, params: servers.append(params))
+    job = {"gguf": "/m.gguf", "threads": 2, "cores": [0, 2], "tokens": 8}
     reqs = [{"op": "run", "batch": 1}, {"op": "run", "batch": 8}, {"op": "run", "batch": 1}, {"op": "quit"},
             {"op": "run", "batch": 1}]
     decode_peer.serve(job, replies.append, iter(reqs), ["p"])
+    cpu = servers[0].cpuparams   # the vLLM engines' cores, a thread pinned to each
+    assert cpu.n_threads == 2 and cpu.cpumask[:4] == [True, False, True, False] and cpu.strict_cpu and cpu.mask_valid
     assert replies[0]["load_s"] >= 0 and replies[0]["llamacpp_cpu"].startswith("CPU")
     assert "s" in replies[1] and "s" in replies[3] and "batch 1 only" in replies[2]["error"]
     assert len(replies) == 4        # nothing after quit
@@ -132,8 +136,8 @@ def test_bytes_each_engine_streams():
     assert hw == w and hb == 2 * w
 
 
-def test_thread_binding_counts():
-    assert [decode.bind_threads(b) for b in ("0-1", "0", "0,2", "0-3,8")] == [2, 1, 2, 5]
+def test_thread_binding_cores():
+    assert [decode.bind_cores(b) for b in ("0-1", "0", "0,2", "0-3,8")] == [[0, 1], [0], [0, 2], [0, 1, 2, 3, 8]]
 
 
 # ----------------------------------------------------------------------------- the report
