@@ -432,7 +432,8 @@ def test_transcode_row_scales_match_scalar_scale():
 
 def test_load_report_says_stored_and_served_bits(caplog):
     """The load log's summary: stored bits/weight (the checkpoint's tensors) and served
-    bits/weight, each layer by the kernel chosen for it (``served_bytes`` of its state)."""
+    bits/weight, each layer by the kernel chosen for it (``served_bytes`` of its state), and the
+    bytes a decode step streams with the quantized output head's share."""
     import logging
 
     from vllm_latq.kernels.cpu.kernel import CPUKernel
@@ -442,19 +443,21 @@ def test_load_report_says_stored_and_served_bits(caplog):
     rep = LoadReport("ssqr")
     layers = [(random_weight(64, 256, 4, 0.01, group=64, seed=1), CPUKernel, 4.5),
               (random_weight(40, 256, 8, 0.0, group=64, seed=2), DequantizedBf16Kernel, 8.3)]
-    served = 0
+    served, head = 0, 0
     with caplog.at_level(logging.INFO, logger="vllm.latq"):
         for w, k, stored in layers:
             rep.expect()
-        for w, k, stored in layers:
+        for (w, k, stored), prefix in zip(layers, ("model.layers.0.mlp.down_proj", "lm_head")):
             st = k.prepare(w)
             served += 8 * sum(k.served_bytes(st).values())
-            rep.add("m", w, k, st, stored)
+            head = sum(k.served_bytes(st).values())
+            rep.add(prefix, w, k, st, stored)
     n = [w.out_features * w.in_features for w, _, _ in layers]
     assert rep.served_bits() == pytest.approx(served / sum(n))
     stored = (4.5 * n[0] + 8.3 * n[1]) / sum(n)
     line = [r.getMessage() for r in caplog.records if "linears loaded" in r.getMessage()]
     assert len(line) == 1 and f"stored {stored:.3f} bits/weight, served {served / sum(n):.3f} bits/weight" in line[0]
+    assert f"({served / 8e6:.1f} MB a decode step, the 8-bit output head's {head / 1e6:.1f} included)" in line[0]
 
 
 def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):

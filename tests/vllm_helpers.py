@@ -260,7 +260,7 @@ PIPELINE_CALIB = dict(nsamples=16, seqlen=256)  # small calibration: these test 
 
 def pipeline_checkpoint(model: str, method: str) -> Path:
     """A real checkpoint of a reference model made by the offline pipeline
-    (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 %, 3.125 bits), cached under
+    (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 % with an 8-bit head, 3.125 bits), cached under
     ``cache_dir()/plugin_tests`` (built once, file-locked: quantizing a real model is slow)."""
     from filelock import FileLock
 
@@ -269,11 +269,13 @@ def pipeline_checkpoint(model: str, method: str) -> Path:
 
     root = cache_dir() / "plugin_tests"
     root.mkdir(parents=True, exist_ok=True)
-    out = root / f"{model}-{method}"
-    with FileLock(str(root / f".{model}-{method}.lock")):
+    opts = QuantizeOptions(method=method, **PIPELINE_CALIB)
+    # named by the head too: a checkpoint cached before the head was quantized by default is not this one
+    name = f"{model}-{method}" + (f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else "")
+    out = root / name
+    with FileLock(str(root / f".{name}.lock")):
         if not (out / "config.json").exists():
-            quantize_model(model, out, QuantizeOptions(method=method, **PIPELINE_CALIB), overwrite=True,
-                           progress=False)
+            quantize_model(model, out, opts, overwrite=True, progress=False)
         elif not _sealed(out):
             # a cached checkpoint without a current manifest: these test serving, not integrity, and
             # sealing it again is far cheaper than quantizing again

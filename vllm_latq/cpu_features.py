@@ -23,6 +23,32 @@ def capability() -> str:
     return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "")
 
 
+def hardware_capability() -> str:
+    """The capability this CPU's hardware has, in :func:`capability`'s terms, from the kernel's
+    CPU flags (``/proc/cpuinfo``): what the libraries would use were nothing capped. It differs
+    from :func:`capability` where a run caps them (``scripts/as_avx2_cpu.sh`` emulates an
+    AVX2-only CPU on a newer one); "" where the flags cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln.split(":", 1)[1] for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return ""
+    if not flags:
+        return ""
+    isa = ("AVX512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else
+           "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT")
+    return isa + ("+bf16" if flags & {"avx512_bf16", "amx_tile"} else "")
+
+
+def describe() -> str:
+    """The line to print beside CPU figures: the capability the run used and, where a run caps
+    it below the hardware's, that it is emulated on which hardware."""
+    used, hw = capability(), hardware_capability()
+    if not hw or hw == used:
+        return f"CPU {used} (native)"
+    return f"CPU {used} (emulated: the hardware is {hw}; clock, caches and memory are its own)"
+
+
 def fastest_float(dtype: torch.dtype) -> torch.dtype:
     """``dtype`` for CPU matmuls, or fp32 where a bf16 ``dtype`` would be emulated."""
     return torch.float32 if dtype == torch.bfloat16 and not native_bf16() else dtype

@@ -254,7 +254,9 @@ def format_report(report: dict) -> str:
     if "served_bits_per_weight" in t:
         lines.append("served (what a decode step streams, per kernel family): " + ", ".join(
             f"{fam} {b:.4f}" for fam, b in t["served_bits_per_weight"].items())
-            + f" bits/weight vs stored {t['bits_per_weight']:.4f}")
+            + f" bits/weight vs stored {t['bits_per_weight']:.4f}, "
+            + ("the output head included" if any(r["name"].split(".")[-1] == "lm_head" for r in report["layers"])
+               else "the output head in the model dtype not counted"))
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ class LayerRow:
     nnz: int               # outliers
     kernel: str            # the chosen kernel's label
     codes_kept: bool       # coded scales kept in the runtime form
+    head: bool = False     # the output head (a quantized lm_head)
 
 
 class LoadReport:
@@ -45,7 +46,8 @@ class LoadReport:
                      w.group_size, 100 * w.nnz / n, stored_bits, bpw,
                      ", ".join(f"{k} {v} B" for k, v in served.items()), label,
                      "".join(f"; {r}" for r in refused))
-        self.layers.append(LayerRow(n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None))
+        self.layers.append(LayerRow(n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None,
+                                    prefix.split(".")[-1] == "lm_head"))
         key = (label, tuple(refused))
         self.reasons[key] = self.reasons.get(key, 0) + 1
         if len(self.layers) == self.expected:
@@ -76,9 +78,13 @@ class LoadReport:
         codes = "" if self.scale_bits is None else (
             f", {self.scale_bits}-bit scale codes: kept in {sum(r.codes_kept for r in rows)} of {len(rows)} "
             "layers' runtime forms")
+        head = next((r for r in rows if r.head), None)
+        mb = sum(r.weights * r.served_bits for r in rows) / 8e6
         return (f"{len(rows)} linears loaded ({self.method} checkpoint{codes}): stored "
                 f"{_mean(rows, 'stored_bits'):.3f} bits/weight, served "
-                f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer, inlier widths "
+                f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer ({mb:.1f} MB a decode step, "
+                + (f"the {head.bits}-bit output head's {head.weights * head.served_bits / 8e6:.1f} included"
+                   if head else "the output head not a latq layer") + "), inlier widths "
                 f"{dict(sorted(widths.items()))}, {100 * sum(r.nnz for r in rows) / total:.3f}% outliers, "
                 f"kernels {kernels}")
 

@@ -33,6 +33,9 @@ MAX_TARGET_BITS = 8.0   # HPTQ's target: past 8 bits/weight a Huffman-coded laye
 # group does not pay (docs/KERNELS.md, accuracy levers: e).
 DEFAULT_METHOD = "gptq"
 DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64}   # other methods: 128
+# the output head's inlier bits by default (dense methods): free in perplexity on both reference
+# models at half the bytes of bf16 (docs/RESULTS.md, the decision rule and its measurements)
+DEFAULT_LM_HEAD_BITS = 8
 
 
 def default_group_size(method: str) -> int:
@@ -71,9 +74,11 @@ class QuantizeOptions:
     # dtype GPTQ implementations run in) — but fp32 on a CPU that only emulates bf16 — and fp32
     # for fp16/fp32 sources. Weights are solved in fp32 and Hessians summed in fp64 either way.
     compute_dtype: str = "auto"
-    # also quantize the output head (lm_head) with the same method; a tied head is untied:
-    # the embedding stays in the model dtype, the quantized head is written as ``lm_head.*``
-    quantize_lm_head: bool = False
+    # the output head (lm_head): True quantizes it with the same method, False keeps it in the model
+    # dtype; None (default): dense methods quantize it with DEFAULT_LM_HEAD_BITS-bit inliers, others
+    # keep it, as does a model whose head cannot be quantized. A tied head is untied: the embedding
+    # stays in the model dtype, the quantized head is written as ``lm_head.*``
+    quantize_lm_head: bool | None = None
     # with quantize_lm_head, a dense method: the head's inlier bits; None: ``bits``
     lm_head_bits: int | None = None
     # mixture-of-experts: an expert routed fewer calibration tokens than this gets its Hessians
@@ -93,6 +98,8 @@ class QuantizeOptions:
     # second-level scales (format/scale_codes.py): dense group scales stored and served as codes
     # of this many bits on 16-row grids; None: fp16 scales
     scale_bits: int | None = None
+    # set by __post_init__: the head is quantized by default, not asked for (a head it cannot take is kept)
+    lm_head_default: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
         _require(self.method in fmt.METHODS, "method", f"one of {', '.join(fmt.METHODS)}", self.method)
@@ -143,6 +150,10 @@ class QuantizeOptions:
             raise ValueError("target_correction and column_scales cannot be combined (yet)")
 
     def _check_head_options(self) -> None:
+        if self.quantize_lm_head is None:   # the default, resolved here
+            self.lm_head_default = self.lm_head_bits is None and self.kind == "dense"
+            self.quantize_lm_head = self.lm_head_bits is not None or self.lm_head_default
+            self.lm_head_bits = DEFAULT_LM_HEAD_BITS if self.lm_head_default else self.lm_head_bits
         if self.lm_head_bits is None:
             return
         if not self.quantize_lm_head:
@@ -207,7 +218,7 @@ class QuantizeOptions:
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
             scale_bits=self.scale_bits, calibration=calibration,
-            **({"lm_head_quantized": True} if self.quantize_lm_head else {}),
+            **({"lm_head_quantized": True} if head_name else {}),
             **({"target_correction": True} if self.target_correction else {}))
 
     def head_options(self) -> "QuantizeOptions":

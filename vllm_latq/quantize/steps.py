@@ -42,11 +42,25 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
                          "forwards at least one calibration sequence")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    head = head_plan(src.net, src.prefix, src.tied, src.weights) if opts.quantize_lm_head else None
+    head = _head_plan(src, opts)
     with ranks.together("checking the output directory", world):
         if world.writes:
             check_output(out, src.path, overwrite)
     return src, head
+
+
+def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
+    """Where the output head is, if it is quantized: asked for (a head it cannot quantize is an
+    error) or by default (such a head is kept in the model dtype, said in the log)."""
+    if not opts.quantize_lm_head:
+        return None
+    try:
+        return head_plan(src.net, src.prefix, src.tied, src.weights)
+    except hf_model.UnsupportedModelError as e:
+        if not opts.lm_head_default:
+            raise
+        log.info("the output head stays in the model dtype: %s", e)
+        return None
 
 
 def run_fingerprint(opts: QuantizeOptions, src: Source) -> str:
