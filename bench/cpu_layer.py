@@ -32,7 +32,7 @@ torch.set_num_threads(2). Sections:
             at g64/g32/g16 against fp16 scales at twice the group (the served bits they
             compete at) and at the same group: ms per pass next to the bits/weight each streams
   vllm      the default form (4-bit, g64, fp16 scales, no outliers): latq's CPU kernel vs vLLM's
-            CPU kernel (CPUWNA16 through ``kernels/vllm_mp``, where the build has its op) vs
+            CPU kernel (CPUWNA16: vLLM's compressed-tensors scheme on a vLLM layer, where the build has its op) vs
             bf16 F.linear, M = 1 and 8: t_vllm / t_latq and the bits/weight each streams
   rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel's op (one C++ call that
             rotates, then its GEMV) plain vs rotated on one warm matrix of each input size of
@@ -203,29 +203,37 @@ def wide(a, results):
 
 
 def vllm_cpu(a, results):
-    from vllm_latq.kernels.vllm_mp import VllmMPKernel, op_available
+    import os
+
+    from vllm_latq.kernels.vllm_mp import op_available
     if not op_available("cpu_gemm_wna16"):
         print("\nvllm: this vLLM build has no cpu_gemm_wna16 (vLLM's CPU kernel cannot run here)")
         return
-    print("\nvllm: latq CPU kernel vs vLLM's CPU kernel, 4-bit g64 fp16 scales, no outliers, bf16 activations")
-    for name in ("4096", "smol.gate_up", "smol.down"):
+    from vllm_latq.plugin.vllm_scheme import ServedScheme
+    from vllm_latq.testing.boundary_layers import replicated_layer
+    from vllm_latq.testing.boundary_run import free_port, init_ranks
+    init_ranks(1, 0, free_port())          # vLLM's parameter classes ask the TP group
+    os.environ["LATQ_KERNEL"] = "vllm"     # vLLM's CPU kernel is opt-in
+    print("\nvllm: latq CPU kernel vs vLLM's CPU kernel (its compressed-tensors scheme on a vLLM layer), 4-bit g64 "
+          "fp16 scales, no outliers, bf16 activations")
+    for i, name in enumerate(("4096", "smol.gate_up", "smol.down")):
         N, K = SHAPES[name]
         w = synthetic(N, K, 4, 0.0, group=64)
-        ls, vs = CPUKernel.prepare(w), VllmMPKernel.prepare(w)
+        ls = CPUKernel.prepare(w)
         CPUKernel.reserve(ls, torch.bfloat16)
-        VllmMPKernel.reserve(vs, torch.bfloat16)
-        bpw = {k: 8 * sum(K_.served_bytes(s_).values()) / (N * K)
-               for k, K_, s_ in (("latq", CPUKernel, ls), ("vllm", VllmMPKernel, vs))}
+        layer = replicated_layer(w, torch.bfloat16, prefix=f"bench.{i}")
+        bpw = {"latq": 8 * sum(CPUKernel.served_bytes(ls).values()) / (N * K),
+               "vllm": 8 * sum(ServedScheme.served_bytes(layer).values()) / (N * K)}
         wb = dequantize(w).bfloat16()
         for M in a.m:
             x = torch.randn(M, K).bfloat16()
-            ts = side_by_side({"latq": lambda: CPUKernel.apply(ls, x), "vllm": lambda: VllmMPKernel.apply(vs, x),
+            ts = side_by_side({"latq": lambda: CPUKernel.apply(ls, x), "vllm": lambda: layer(x)[0],
                                "bf16": lambda: F.linear(x, wb)}, a.rounds, a.sample_us)
             r = ratio(ts, "vllm", "latq")
             results[f"vllm_over_latq_{name}_m{M}"] = r
             print(f"  {name:13s} M={M:3d}: latq {med(ts['latq']):8.1f} µs ({bpw['latq']:.3f} b/w), "
-                  f"{VllmMPKernel.label(vs)} {med(ts['vllm']):8.1f} µs ({bpw['vllm']:.3f} b/w, w4a8 "
-                  f"{bool(getattr(vs.layer, 'use_w4a8', False))}), bf16 {med(ts['bf16']):8.1f} µs; "
+                  f"{ServedScheme.label(layer)} {med(ts['vllm']):8.1f} µs ({bpw['vllm']:.3f} b/w, w4a8 "
+                  f"{bool(getattr(layer, 'use_w4a8', False))}), bf16 {med(ts['bf16']):8.1f} µs; "
                   f"t_vllm/t_latq {r:.2f}")
 
 

@@ -4,7 +4,7 @@ One MoE layer (default: 32 experts, top-4, hidden 1024, intermediate 512), its e
 form both kernels take — 4-bit, group 64, fp16 scales, no outliers — on the same routing:
   latq  the latq CPU kernel per expert (``kernels.moe.experts_forward``, as ``LatqMoEMethod``)
   vllm  vLLM's ``CompressedTensorsWNA16MoEMethod`` on its CPU backend (``CPUExpertsInt4``:
-        activations quantized to int8, AMX), handed latq's experts by ``kernels/vllm_moe``
+        activations quantized to int8, AMX), handed latq's experts by ``plugin/vllm_scheme``
   bf16  the experts dequantized to bf16, ``F.linear`` per expert (the same routing code)
 M = 1, 8 and 32 tokens, bf16 activations; each candidate's relative error against the fp32
 definition (``moe_reference`` on latq's dequantized experts) beside its time. Timing as
@@ -29,6 +29,7 @@ from vllm_latq.kernels import moe, vllm_moe
 from vllm_latq.kernels.cpu.kernel import CPUKernel
 from vllm_latq.kernels.dequantized import DequantizedBf16Kernel
 from vllm_latq.kernels.weight import dequantize
+from vllm_latq.plugin import vllm_scheme
 from vllm_latq.testing.moe_models import moe_reference
 from vllm_latq.testing.vllm_experts import BareExperts, fused_moe_config
 from vllm_latq.testing.weights import random_weight
@@ -57,11 +58,11 @@ def latq_experts(weights, E: int, kernel) -> tuple[list[moe.Expert], int]:
 def vllm_layer(weights, E: int, H: int, inter: int, topk: int):
     """(vLLM's method, its layer, bytes its tensors hold), or (None, why, 0)."""
     mc = fused_moe_config(E, topk, H, inter, "cpu")
-    method, why = vllm_moe.choose(weights, mc, torch.device("cpu"), "bench.experts")
+    method, why = vllm_scheme.choose_experts(weights, mc, torch.device("cpu"), "bench.experts")
     if method is None:
         return None, why, 0
     layer = BareExperts(mc)
-    per_expert = vllm_moe.install(method, layer, weights, torch.bfloat16)
+    per_expert = vllm_scheme.install_experts(method, layer, weights, torch.bfloat16)
     return method, layer, E * sum(per_expert.values())
 
 

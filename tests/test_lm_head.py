@@ -82,6 +82,9 @@ def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
     assert torch.equal(m.lm_head.weight.detach(), seen["lm_head"][2].q.float())
     report = validate_checkpoint(c)
     assert "lm_head 8-bit" in format_report(report)
+    from vllm_latq.kernels.served_report import checkpoint_served   # latq-inspect's served bits count the head
+    report["totals"]["served_bits_per_weight"] = checkpoint_served(c, report["layers"])
+    assert "bits/weight vs stored" in format_report(report) and "the output head included" in format_report(report)
     # a layer_bits entry naming no quantized layer is refused, naming the file
     import shutil
     bad = tiny_head["dir"] / "bad-layer-bits"
@@ -95,7 +98,7 @@ def test_lm_head_bits_quantizes_only_the_head_wider(tiny_head):
 
 def test_lm_head_bits_needs_the_head_and_a_dense_method():
     with pytest.raises(ValueError, match="needs quantize_lm_head"):
-        QuantizeOptions(lm_head_bits=8)
+        QuantizeOptions(quantize_lm_head=False, lm_head_bits=8)
     with pytest.raises(ValueError, match="dense methods"):
         QuantizeOptions(method="hptq", quantize_lm_head=True, lm_head_bits=8)
     with pytest.raises(ValueError, match="2..8"):
@@ -104,11 +107,48 @@ def test_lm_head_bits_needs_the_head_and_a_dense_method():
 
 def test_option_off_keeps_head_unquantized(tiny_head, tmp_path):
     out = quantize_model(tiny_head["src"], tmp_path / "rtn", QuantizeOptions(method="rtn", group_size=32, nsamples=2,
-                                                                            seqlen=32), progress=False)
+                                                                            seqlen=32, quantize_lm_head=False),
+                         progress=False)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and "lm_head_quantized" not in cfg["quantization_config"]
     assert "lm_head" in cfg["quantization_config"]["modules_not_converted"]
     assert "lm_head" not in Checkpoint(out).layers()
+
+
+def test_dense_methods_quantize_the_head_with_8_bits_by_default(tiny_head, tmp_path):
+    """Without a head option a dense method quantizes the head with ``DEFAULT_LM_HEAD_BITS``-bit
+    inliers (the rest at ``bits``); a Huffman method keeps it in the model dtype."""
+    from vllm_latq.quantize.options import DEFAULT_LM_HEAD_BITS
+    assert DEFAULT_LM_HEAD_BITS == 8
+    out = quantize_model(tiny_head["src"], tmp_path / "rtn", QuantizeOptions(method="rtn", group_size=32, nsamples=2,
+                                                                            seqlen=32), progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert cfg["tie_word_embeddings"] is False and qc["lm_head_quantized"] is True
+    assert qc["layer_bits"] == {"lm_head": 8} and qc["bits"] == 4
+    assert "lm_head" in Checkpoint(out).layers() and "model.embed_tokens" in qc["modules_not_converted"]
+    hptq = QuantizeOptions(method="hptq")
+    assert hptq.quantize_lm_head is False and hptq.lm_head_bits is None
+
+
+def test_a_head_quantized_by_default_is_kept_where_it_cannot_be(tiny_head, tmp_path, monkeypatch, caplog):
+    """A model whose head the pipeline cannot quantize (here: made to refuse) keeps it in the model
+    dtype under the default, and says so; asked for explicitly, the same head is an error."""
+    from vllm_latq import hf_model
+    from vllm_latq.quantize import steps
+
+    def refuse(*a, **k):
+        raise hf_model.UnsupportedModelError("the output head is not an nn.Linear; cannot quantize it")
+    monkeypatch.setattr(steps, "head_plan", refuse)
+    with caplog.at_level("INFO", logger="vllm_latq.quantize"):
+        out = quantize_model(tiny_head["src"], tmp_path / "kept", QuantizeOptions(method="rtn", group_size=32),
+                             progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "lm_head_quantized" not in qc and "lm_head" in qc["modules_not_converted"]
+    assert "output head stays in the model dtype" in caplog.text
+    with pytest.raises(hf_model.UnsupportedModelError):
+        quantize_model(tiny_head["src"], tmp_path / "asked", QuantizeOptions(method="rtn", group_size=32,
+                                                                             lm_head_bits=8), progress=False)
 
 
 def test_vllm_quantized_head_equals_hf(tiny_head):

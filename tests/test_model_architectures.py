@@ -80,7 +80,7 @@ def test_walk_refuses_what_it_cannot_find():
 def _quantize(arch, method, tmp_path, layers, **opts):
     src = make_tiny_model(tmp_path / arch, arch, layers=layers)
     results = {}
-    d = quantize_model(src, tmp_path / "out", QuantizeOptions(method=method, **TINY_OPTS, **opts), progress=False,
+    d = quantize_model(src, tmp_path / "out", QuantizeOptions(method=method, **{**TINY_OPTS, **opts}), progress=False,
                        on_layer=lambda n, W, H, r: results.__setitem__(n, r))
     return src, d, results
 

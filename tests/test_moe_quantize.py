@@ -92,7 +92,7 @@ def _quantize(src, out, method, **opts):
 
     def on_layer(name, W, H, res):
         results[name], hessians[name] = res, H
-    d = quantize_model(src, out, QuantizeOptions(method=method, **TINY_OPTS, **opts), progress=False,
+    d = quantize_model(src, out, QuantizeOptions(method=method, **{**TINY_OPTS, **opts}), progress=False,
                        on_layer=on_layer)
     return d, results, hessians
 

@@ -104,10 +104,11 @@ def test_load_hook_refuses_an_in_place_byte_edit(tiny_checkpoints, tmp_path, mon
     norm = "model.norm.weight"
     shard = Checkpoint(d).where[norm]
     edit_bytes_in_place(d / shard, norm, lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
-    with pytest.raises(fmt.FormatError, match=rf"file {shard}, tensor {norm}: sha256 mismatch"):
+    from vllm_latq.plugin.config import LatqCheckpointRefused
+    with pytest.raises(LatqCheckpointRefused, match=rf"latq: {d} refused: file {shard}, tensor {norm}: sha256 mismatch"):
         c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
     monkeypatch.setenv("LATQ_NO_VERIFY", "1")
-    with pytest.raises(fmt.FormatError, match=rf"file {shard}, tensor {norm}: has NaN/Inf"):
+    with pytest.raises(LatqCheckpointRefused, match=rf"file {shard}, tensor {norm}: has NaN/Inf"):
         c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
 
 
@@ -209,6 +210,7 @@ class _Cfg:
     def __init__(self, kind, bits, g, scale_bits=None):
         self.kind, self.bits, self.group_size, self.scale_bits = kind, bits, g, scale_bits
         self.method = "ssqr" if kind == "dense" else "hptq"
+        self.rotation = None
 
     def bits_of(self, prefix):
         return self.bits
@@ -431,7 +433,8 @@ def test_transcode_row_scales_match_scalar_scale():
 
 def test_load_report_says_stored_and_served_bits(caplog):
     """The load log's summary: stored bits/weight (the checkpoint's tensors) and served
-    bits/weight, each layer by the kernel chosen for it (``served_bytes`` of its state)."""
+    bits/weight, each layer by the kernel chosen for it (``served_bytes`` of its state), and the
+    bytes a decode step streams with the quantized output head's share."""
     import logging
 
     from vllm_latq.kernels.cpu.kernel import CPUKernel
@@ -441,19 +444,21 @@ def test_load_report_says_stored_and_served_bits(caplog):
     rep = LoadReport("ssqr")
     layers = [(random_weight(64, 256, 4, 0.01, group=64, seed=1), CPUKernel, 4.5),
               (random_weight(40, 256, 8, 0.0, group=64, seed=2), DequantizedBf16Kernel, 8.3)]
-    served = 0
+    served, head = 0, 0
     with caplog.at_level(logging.INFO, logger="vllm.latq"):
         for w, k, stored in layers:
             rep.expect()
-        for w, k, stored in layers:
+        for (w, k, stored), prefix in zip(layers, ("model.layers.0.mlp.down_proj", "lm_head")):
             st = k.prepare(w)
             served += 8 * sum(k.served_bytes(st).values())
-            rep.add("m", w, k, st, stored)
+            head = sum(k.served_bytes(st).values())
+            rep.add(prefix, w, k, st, stored)
     n = [w.out_features * w.in_features for w, _, _ in layers]
     assert rep.served_bits() == pytest.approx(served / sum(n))
     stored = (4.5 * n[0] + 8.3 * n[1]) / sum(n)
     line = [r.getMessage() for r in caplog.records if "linears loaded" in r.getMessage()]
     assert len(line) == 1 and f"stored {stored:.3f} bits/weight, served {served / sum(n):.3f} bits/weight" in line[0]
+    assert f"({served / 8e6:.1f} MB a decode step, the 8-bit output head's {head / 1e6:.1f} included)" in line[0]
 
 
 def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):
@@ -498,9 +503,11 @@ def test_bf16_fallback_when_no_compressed_kernel_fits(caplog, monkeypatch):
     for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):
         y, ref = k.apply(st, x, None), latq_linear_ref(x.float(), w, None)
         assert y.dtype == x.dtype and torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    for value in ("bf16", "dense"):   # its name, and its old name (an alias)
-        monkeypatch.setenv("LATQ_KERNEL", value)
-        assert selector.select(w, torch.device("cpu"), torch.bfloat16) is DequantizedBf16Kernel
+    monkeypatch.setenv("LATQ_KERNEL", "bf16")
+    assert selector.select(w, torch.device("cpu"), torch.bfloat16) is DequantizedBf16Kernel
+    monkeypatch.setenv("LATQ_KERNEL", "dense")   # the retired name: refused, naming its successor
+    with pytest.raises(ValueError, match="LATQ_KERNEL=bf16 is that kernel"):
+        selector.select(w, torch.device("cpu"), torch.bfloat16)
 
 
 def test_custom_op_compiles_fullgraph_with_dynamic_batch():
@@ -608,8 +615,10 @@ def test_tiny_end_to_end_in_process(tiny):
         assert max(margins) < 0.1, (default_kernels, margins)
     assert "does not match the quantization method specified" in res[3]["error"]
     err = res[4]["error"] + res[4]["traceback"]
-    # refused while vLLM builds its config (pydantic wraps the FormatError), before any weight is read
-    assert "VllmConfig" in res[4]["error"] and f"file model.safetensors, tensor {bad_name}: must start at 0" in err, err
+    # refused while vLLM builds its config, before any weight is read: one line, not pydantic's ValidationError
+    assert res[4]["error"].startswith(f"LatqCheckpointRefused: latq: {bad} refused: file model.safetensors, tensor "
+                                      f"{bad_name}: must start at 0"), err
+    assert "ValidationError" not in err, err
     assert "load_weights" not in res[4]["traceback"], err
     assert "LATQ_NO_VERIFY=1: the sha256 checks" in res[4]["log"]
     # verified (the default): the re-saved shard lost its checksum table, refused before any weight

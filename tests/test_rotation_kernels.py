@@ -271,19 +271,10 @@ def test_opcheck_rotated_ops(kernel):
         torch.library.opcheck(torch.ops.latq_cpu.hadamard.default, (x, w.rotation))
 
 
-def test_vllm_kernel_serves_a_rotated_layer(monkeypatch):
-    """vLLM's own kernel (forced, CPUWNA16 where this build has its op) behind the same wrapper:
-    rotated activations into vLLM's GEMM (its activations may be int8 on AMX: a loose bound)."""
-    from vllm_latq.kernels import vllm_mp
-    if not vllm_mp.op_available("cpu_gemm_wna16"):
-        pytest.skip("this vLLM build has no cpu_gemm_wna16")
+def test_vllm_kernel_refuses_a_rotated_layer(monkeypatch):
+    """vLLM's own layer code would run the stored W·R on unrotated inputs: the wrapper refuses it,
+    naming why, and a forced LATQ_KERNEL=vllm fails at selection, not at the first call."""
     monkeypatch.setenv(selector.ENV_FORCE, "vllm")
     w = replace(random_weight(64, 256, 4, 0.0, group=64), rotation=Rotation(2).signs(256))
-    k = selector.select(w, torch.device("cpu"), torch.bfloat16)
-    assert k.name == "vllm+hadamard"
-    st = k.prepare(w)
-    k.reserve(st, torch.bfloat16)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
-    ref = latq_linear_ref(x.float(), w)
-    y = k.apply(k.unflatten(*k.flatten(st)), x)
-    assert (y.float() - ref).norm() / ref.norm() < 0.02
+    with pytest.raises(ValueError, match="a rotated layer: vLLM's scheme would need the input transform"):
+        selector.select(w, torch.device("cpu"), torch.bfloat16)

@@ -56,7 +56,7 @@ def test_vllm_serves_a_rotated_checkpoint(rotated_tiny):
     for r in res:
         assert "error" not in r, r.get("traceback")
     log = res[0]["log"]
-    assert "kernels {'reference+hadamard': 8}" in log, [x for x in log.splitlines() if "linears loaded" in x]
+    assert "kernels {'reference+hadamard': 9}" in log   # 8 linears and the 8-bit head, [x for x in log.splitlines() if "linears loaded" in x]
     assert "cpu+hadamard" in log
     for i, m in enumerate(("gptq", "ssqr")):
         assert res[2 * i]["tokens"] == want[m], m

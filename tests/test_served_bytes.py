@@ -230,6 +230,17 @@ def test_family_for_device(monkeypatch):
     assert selector.family_for(torch.device("cpu")) is None
 
 
+def test_one_list_of_kernel_families(monkeypatch):
+    """The families the reports list are the kernels serving each device type, CPU first; the
+    old ``LATQ_KERNEL=dense`` is refused, naming the kernel it meant."""
+    monkeypatch.delenv("LATQ_KERNEL", raising=False)
+    assert selector.families() == [CPUKernel, TritonKernel]
+    assert [selector.family_for(torch.device(d)) for d in selector.FAMILY_OF_DEVICE] == selector.families()
+    monkeypatch.setenv("LATQ_KERNEL", "dense")
+    with pytest.raises(ValueError, match="LATQ_KERNEL='dense' is no longer a kernel name: LATQ_KERNEL=bf16"):
+        selector.family_for(torch.device("cpu"))
+
+
 def test_inspect_served_is_what_prepare_builds(tiny_checkpoints):
     """``latq-inspect``'s served bytes per layer and family (cost models, no prepare) equal the
     served bytes of the state that family's prepare builds from the layer as the loader forms
@@ -238,7 +249,8 @@ def test_inspect_served_is_what_prepare_builds(tiny_checkpoints):
     from vllm_latq.format.checkpoint import Checkpoint
     from vllm_latq.format.validate import validate_checkpoint
     from vllm_latq.kernels.weight import from_dense_tensors
-    from vllm_latq.kernels.served_report import checkpoint_served, families
+    from vllm_latq.kernels.selector import families
+    from vllm_latq.kernels.served_report import checkpoint_served
 
     for method in ("ssqr", "hptq"):
         d, _ = tiny_checkpoints[method]

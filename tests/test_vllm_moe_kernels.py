@@ -1,4 +1,5 @@
-"""vLLM's own mixture-of-experts kernels for latq experts of a standard form (``kernels/vllm_moe.py``).
+"""vLLM's own mixture-of-experts kernels for latq experts of a standard form (``kernels/vllm_moe.py``,
+``plugin/vllm_scheme.py``).
 
 Selection runs vLLM's real ``CompressedTensorsWNA16MoEMethod`` constructor
 (``select_wna16_moe_backend``) with the platform stubbed as a CUDA GPU of each compute
@@ -19,6 +20,7 @@ from vllm.model_executor.layers.fused_moe.experts import marlin_moe  # noqa: E40
 from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32  # noqa: E402
 
 from vllm_latq.kernels import selector, vllm_moe, vllm_mp  # noqa: E402
+from vllm_latq.plugin import vllm_scheme  # noqa: E402
 from vllm_latq.kernels.transcode import transcode  # noqa: E402
 from vllm_latq.kernels.weight import dequantize  # noqa: E402
 from vllm_latq.testing.vllm_experts import fused_moe_config  # noqa: E402
@@ -72,7 +74,7 @@ def _cases():
 
 def _expected(case: str):
     """(vLLM experts class, backend) or the words of latq's reason for keeping the layer."""
-    return {"3bit": "3-bit inliers", "ssqr-outliers": "CSR outliers", "hptq-outliers": "CSR outliers",
+    return {"3bit": "no WNA16 MoE backend for 3-bit", "ssqr-outliers": "CSR outliers", "hptq-outliers": "CSR outliers",
             "w13-4bit-w2-8bit": "mix [4, 8]-bit projections",
             # Marlin MoE refuses a hidden size that is not a multiple of 128: vLLM's Triton WNA16 experts
             "hidden-576": ("TritonWNA16Experts", "TRITON")}.get(case, ("MarlinExperts", "MARLIN"))
@@ -83,7 +85,7 @@ def test_moe_selection_on_cuda(cc, cuda_platform):
     cuda_platform(cc)
     got, want = {}, {}
     for case, (weights, hidden, inter) in _cases().items():
-        method, why = vllm_moe.choose(weights, _moe_config(hidden, inter), torch.device("cuda"), "experts")
+        method, why = vllm_scheme.choose_experts(weights, _moe_config(hidden, inter), torch.device("cuda"), "experts")
         got[case] = (method.experts_cls.__name__, method.wna16_backend.value) if method else why
         want[case] = _expected(case)
         if isinstance(want[case], str):
@@ -102,17 +104,17 @@ def test_group_is_the_gcd_of_groups_and_sizes():
     one_scale = {k: _hptq(*((256, 128) if k[1] == "w13" else (128, 128)), k[0], 0.0) for k in _experts(128, 128)}
     assert vllm_moe.moe_groups(one_scale) == [128, -1]
     assert vllm_moe.moe_groups(_experts(64, 64, group=64)) == [64, -1]    # a group covering whole rows
-    assert vllm_moe.quant_args(4, -1).strategy == "channel" and vllm_moe.quant_args(8, 64).group_size == 64
+    assert vllm_scheme.quant_args(4, -1).strategy == "channel" and vllm_scheme.quant_args(8, 64).group_size == 64
 
 
 def test_latq_kernel_forced_or_cpu_default_keeps_latq_experts(monkeypatch, cuda_platform):
     weights = _experts(256, 128)
     monkeypatch.delenv(selector.ENV_FORCE, raising=False)
-    method, why = vllm_moe.choose(weights, _moe_config(256, 128, "cpu"), torch.device("cpu"), "experts")
+    method, why = vllm_scheme.choose_experts(weights, _moe_config(256, 128, "cpu"), torch.device("cpu"), "experts")
     assert method is None and why == f"opt-in only on CPU ({selector.ENV_FORCE}=vllm)"
     cuda_platform(80)
     monkeypatch.setenv(selector.ENV_FORCE, "triton")
-    method, why = vllm_moe.choose(weights, _moe_config(256, 128), torch.device("cuda"), "experts")
+    method, why = vllm_scheme.choose_experts(weights, _moe_config(256, 128), torch.device("cuda"), "experts")
     assert method is None and why == f"{selector.ENV_FORCE}=triton forces latq's kernels"
 
 
@@ -179,7 +181,7 @@ def _routing(T: int, hidden: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("kind,why", [("rtn4", "opt-in only on CPU (LATQ_KERNEL=vllm)"),
-                                      ("rtn3", "experts: 3-bit inliers"), ("ssqr", "experts: CSR outliers")])
+                                      ("rtn3", "opt-in only on CPU (LATQ_KERNEL=vllm)"), ("ssqr", "experts: CSR outliers")])
 def test_cpu_method_keeps_latq_experts_and_tables_why(kind, why, monkeypatch):
     """The default CPU load: latq's CPU kernel serves every expert projection, and the load
     log's table says why vLLM's MoE kernels did not (the form, or the CPU opt-in)."""
@@ -198,8 +200,9 @@ def test_cpu_op_probe_refuses_a_missing_op(monkeypatch):
     reason instead of at the first forward."""
     monkeypatch.setenv(selector.ENV_FORCE, "vllm")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    monkeypatch.setitem(vllm_moe.PROBED_OPS, "CPUExpertsInt4", ("latq_no_such_op",))
-    method, why = vllm_moe.choose(_experts(256, 128), _moe_config(256, 128, "cpu"), torch.device("cpu"), "experts")
+    monkeypatch.setitem(vllm_scheme.PROBED_OPS, "CPUExpertsInt4", ("latq_no_such_op",))
+    method, why = vllm_scheme.choose_experts(_experts(256, 128), _moe_config(256, 128, "cpu"), torch.device("cpu"),
+                                             "experts")
     assert method is None and why == "vLLM chose CPUExpertsInt4 but its op torch.ops._C.latq_no_such_op is not " \
                                      "in this build"
     method, layer, _ = _cpu_layer("rtn4")
@@ -208,7 +211,7 @@ def test_cpu_op_probe_refuses_a_missing_op(monkeypatch):
 
 
 def _cpu_int4_experts_run() -> bool:
-    ops = vllm_moe.PROBED_OPS["CPUExpertsInt4"]
+    ops = vllm_scheme.PROBED_OPS["CPUExpertsInt4"]
     return torch.cpu._is_amx_tile_supported() and all(vllm_mp.op_available(op) for op in ops)
 
 

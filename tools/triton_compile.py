@@ -14,11 +14,14 @@ and its instructions per weight per thread (``i/w``: one trip = one K step (mma 
 128-column quarter step (mma 3 bits) or one 16-bit half of a step (gemv), of BN rows;
 at M = 1 the ALU-issue ceiling is ~19.5 T lane-instructions/s on an A100 / i/w weights/s).
 
-Jobs: kernel × bits × BM × tile config (BN, warps, [BR], register cap) × SPLIT ∈ {1, the
-largest} (other splits compile to the same code with another constant) × outlier layout
-(none / ELL-16 / CSR, compact int16/fp16 entries) × scales (fp16 / coded: ``CODED``) × target. Activations are bf16 (fp16
-differs only in convert opcodes); sizes and pointers carry Triton's 16-divisibility
-specialisation, as for the Qwen3-8B shapes.
+Jobs (:mod:`tools.triton_sources`, every ``@triton.jit`` kernel the package launches): the
+SIMT GEMV and tensor-core kernels as kernel × bits × BM × tile config (BN, warps, [BR],
+register cap) × SPLIT ∈ {1, the largest} (other splits compile to the same code with another
+constant) × outlier layout (none / ELL-16 / CSR, compact int16/fp16 entries) × scales (fp16 /
+coded: ``CODED``) × target; the grouped MoE kernel per BM; the large-M path's dequantise and
+outlier kernels per weight dtype. Activations of the first three are bf16 (fp16 differs only
+in convert opcodes); sizes and pointers carry Triton's 16-divisibility specialisation, as for
+the Qwen3-8B shapes.
 """
 from __future__ import annotations
 
@@ -35,10 +38,14 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynamic smem per block (bytes)
+from tools import triton_sources as ts
+from tools.triton_sources import SCALES, S_PTR, TARGETS, all_jobs  # noqa: F401  (the report's job list)
+
 CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq")) / "triton_static"
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
+SOURCE_OF = {"gemv": "_tile_source", "mma": "_tile_source", "moe": "_moe_source", "dequant": "_dequant_source",
+             "outliers": "_outlier_source"}
 
 
 def _strip_docstrings(tree):
@@ -73,68 +80,19 @@ def _code_fingerprint(src: str, kernel: str | None = None) -> str:
     return "\n".join(ast.dump(jit[f], include_attributes=False) for f in sorted(seen))
 
 
-SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
-S_PTR = {"fp16": "*fp16", "coded": "*i32"}
-KERNEL_FN = {"gemv": "_gemv_kernel", "mma": "_mma_kernel", "moe": "_moe_gemv_kernel"}
-KERNEL_FILE = {"gemv": "device.py", "mma": "mma.py", "moe": "grouped_moe.py"}
-
-
 def source_hash(kernel: str) -> str:
-    """One kernel's device code + Triton version (+ the job → signature code). The grouped
-    MoE and tensor-core kernels call device.py's helpers: all of that file's device code counts for it."""
+    """One kernel's device code + Triton version (+ the job → source code). A kernel outside
+    device.py calls device.py's helpers: all of that file's device code counts for it."""
     import importlib.metadata as md
     import inspect
-    h = hashlib.sha256(_code_fingerprint((KERNELS / KERNEL_FILE[kernel]).read_text(), KERNEL_FN[kernel]).encode())
-    if KERNEL_FILE[kernel] != "device.py":
+    file, fn = ts.KERNELS[kernel]
+    h = hashlib.sha256(_code_fingerprint((KERNELS / file).read_text(), fn).encode())
+    if file != "device.py":
         h.update(_code_fingerprint((KERNELS / "device.py").read_text()).encode())
-    for f in (compile_job, _moe_source, _compile):
+    for f in (getattr(ts, SOURCE_OF[kernel]), ts._ast_source, _compile, sass_counts):
         h.update(_code_fingerprint(inspect.getsource(f)).encode())
     h.update(md.version("triton").encode())
     return f"{kernel}-{h.hexdigest()[:16]}"
-
-
-# ----------------------------------------------------------------------------- jobs
-
-def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
-    """Every (kernel, specialisation, config, target). ``quick``: per kernel and bit width the
-    heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
-    split-K — the default test; the full sweep is the slow test and the bench."""
-    from vllm_latq.kernels.triton import configs as cfg
-    from vllm_latq.kernels.triton import kernel as tk
-    from vllm_latq.kernels.triton.layout import WIDTHS
-    jobs = []
-    for kernel, tiles, splits in (("gemv", tk.GEMV_TILES, lambda bm: (1, 8)),
-                                  ("mma", tk.MMA_TILES, lambda bm: (1, max(tk.MMA_SPLITS[bm])))):
-        for bits in WIDTHS:
-            for bm, tl_ in tiles.items():
-                if quick and bm != max(tiles):
-                    continue
-                for t in tl_:
-                    if quick and t != max(tl_, key=lambda t: (t[0] / t[1], t[0])):
-                        continue
-                    cap = (tk.MMA_MAXNREG if kernel == "mma" else tk.GEMV_MAXNREG)[bits]
-                    tile = dict(BN=t[0], num_warps=t[1], maxnreg=cap, **({"BR": t[2]} if kernel == "mma" else {}))
-                    # pipeline stages as served (1 is the compiler's single-buffered default)
-                    n_st = cfg.stages(kernel, bits, bm, t[0], t[1])
-                    stages = {"num_stages": n_st} if n_st > 1 else {}
-                    variants = [(max(splits(bm)), "csr")] if quick else \
-                        [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
-                    for sp, outl in variants:
-                        for scales in SCALES:
-                            for cc in targets:
-                                jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales,
-                                                 cc=cc, **tile, **stages))
-    from vllm_latq.kernels.triton import grouped_moe as tm
-    for bits in (2, 3, 4):                    # the grouped MoE kernel: one fixed tile per BM, ELL or none
-        for bm, (bn, nw) in tm.MOE_TILES.items():
-            if quick and bm != max(tm.MOE_TILES):
-                continue
-            for outl in ("ell",) if quick else ("none", "ell"):
-                for scales in SCALES:
-                    for cc in targets:
-                        jobs.append(dict(kernel="moe", bits=bits, BM=bm, SPLIT=1, outl=outl, scales=scales, cc=cc,
-                                         BN=bn, num_warps=nw, maxnreg=tm.moe_maxnreg(bits, bm)))
-    return jobs
 
 
 def job_key(j: dict) -> str:
@@ -148,9 +106,10 @@ def _bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def sass_counts(cubin: bytes) -> tuple[dict, int, dict]:
-    """Opcode counts of the whole kernel, and the length and opcode counts of its K loop (a
-    backward branch to an earlier label; the loop richest in LOP3/HMMA)."""
+def sass_counts(cubin: bytes) -> tuple[dict, int, dict, list]:
+    """Opcode counts of the whole kernel, the length and opcode counts of its K loop (a
+    backward branch to an earlier label; the loop richest in LOP3/HMMA), and its global store
+    opcodes with their widths (``STG.E.128``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
         path = f.name
@@ -159,15 +118,17 @@ def sass_counts(cubin: bytes) -> tuple[dict, int, dict]:
     finally:
         os.unlink(path)
     ops = Counter()
-    seq, labels, loops = [], {}, []
+    seq, labels, loops, stores = [], {}, [], set()
     for line in out.splitlines():
         lab = re.match(r"^(\.L_x_\d+):", line)
         if lab:
             labels[lab.group(1)] = len(seq)
             continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)", line)
         if m:
             ops[m.group(1)] += 1
+            if m.group(1) == "STG":
+                stores.add(m.group(1) + m.group(2))
             seq.append(m.group(1))
             br = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
             if br and br.group(1) in labels and labels[br.group(1)] < len(seq) - 1:
@@ -175,62 +136,14 @@ def sass_counts(cubin: bytes) -> tuple[dict, int, dict]:
     # the K loop: the loop with the most dequantisation (LOP3) and MMA instructions
     best = max(loops, key=lambda ab: sum(1 for o in seq[ab[0]:ab[1]] if o in ("LOP3", "HMMA")), default=(0, 0))
     loop = Counter(seq[best[0]:best[1]])
-    return dict(ops), best[1] - best[0], dict(loop)
+    return dict(ops), best[1] - best[0], dict(loop), sorted(stores)
 
 
 def compile_job(j: dict) -> dict:
     """Compile one job (TRITON_INTERPRET must be unset in this process)."""
-    from triton.compiler import ASTSource
-    from vllm_latq.kernels.triton import device as td
-    from vllm_latq.kernels.triton import mma as tmma
     from vllm_latq.kernels.triton import kernel as tk
     assert not tk.INTERPRET, "compile jobs need TRITON_INTERPRET unset"
-    if j["kernel"] == "moe":
-        return _compile(_moe_source(j), j)
-    fn = td._gemv_kernel if j["kernel"] == "gemv" else tmma._mma_kernel
-    xdt = "bf16"
-    # compact outliers as for an SSQR checkpoint with K ≤ 32768: int16 columns, fp16 values
-    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*fp16", "*i16", "*fp16"],
-            "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
-    ptrs = ["*" + xdt, "*" + xdt, "*" + xdt, "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*fp32", "*i32"]
-    ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS", "M_WS"]
-    names = fn.arg_names
-    sig = {}
-    for i, n in enumerate(names[:len(ptrs)]):
-        sig[n] = ptrs[i]
-    for n in ints:
-        sig[n] = "i32"
-    group = 128
-    const = dict(BITS=j["bits"], GROUP=group, SPG=tk.spg_of(j["bits"], group), BM=j["BM"], BN=j["BN"],
-                 SPLIT=j["SPLIT"], OUTL=tk.OUTL_CODE[j["outl"]], HAS_BIAS=True, ASM=True, CODED=j["scales"] == "coded")
-    if j["kernel"] == "mma":
-        const.update(BR=j["BR"], F32DOT=False)
-    for n in const:
-        sig[n] = "constexpr"
-    # production-like specialisation: 16-byte aligned pointers, 16-divisible sizes/strides
-    # (Qwen3-8B shapes); M is not.
-    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    return _compile(ASTSource(fn, sig, const, attrs), j)
-
-
-def _moe_source(j: dict):
-    """The grouped MoE kernel's job: bf16 activations, compact ELL outliers (int16 / fp16)."""
-    from triton.compiler import ASTSource
-    from vllm_latq.kernels.triton import kernel as tk
-    from vllm_latq.kernels.triton.grouped_moe import _moe_gemv_kernel as fn
-    optr = ["*i32", "*i16", "*fp16"] if j["outl"] == "ell" else ["*fp16"] * 3
-    ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*i32"]
-    names = fn.arg_names
-    sig = dict(zip(names, ptrs))
-    ints = ["N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS",
-            "EXP_A", "EXP_H", "EXP_T", "EXP_S", "EXP_O"]
-    sig.update({n: "i32" for n in ints})
-    const = dict(BITS=j["bits"], GROUP=128, SPG=tk.spg_of(j["bits"], 128), BM=j["BM"], BN=j["BN"],
-                 OUTL=tk.OUTL_CODE[j["outl"]], ASM=True, CODED=j["scales"] == "coded")
-    sig.update({n: "constexpr" for n in const})
-    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "EXP_A", "EXP_S"}
-    return ASTSource(fn, sig, const, {(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    return _compile(ts.source(j), j)
 
 
 def _compile(src, j: dict) -> dict:
@@ -247,8 +160,8 @@ def _compile(src, j: dict) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
-    ops, loop_len, loop_ops = sass_counts(c.asm["cubin"])
-    return dict(loop_len=loop_len, loop_ops=loop_ops, regs=int(regs.group(1)) if regs else None,
+    ops, loop_len, loop_ops, stores = sass_counts(c.asm["cubin"])
+    return dict(loop_len=loop_len, loop_ops=loop_ops, stores=stores, regs=int(regs.group(1)) if regs else None,
                 spill_stores=int(st.group(1)) if st else None, spill_loads=int(st.group(2)) if st else None,
                 stack=int(stack.group(1)) if stack else None, smem=int(c.metadata.shared),
                 smem_limit=TARGETS[j["cc"]], sass=ops, sass_total=sum(ops.values()))
@@ -343,19 +256,22 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             row.update(error=r["error"])
         else:
             row.update({k: r[k] for k in ("regs", "spill_stores", "spill_loads", "stack", "smem", "smem_limit",
-                                          "sass_total")})
+                                          "sass_total", "stores")})
             for g, names in SASS_GROUPS.items():
                 row[g] = sum(v for k, v in r["sass"].items() if k.split(".")[0] in names)
             # K-loop SASS instructions per weight per thread: one trip of the innermost K
             # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns,
             # SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
             from vllm_latq.kernels.triton.layout import step_of
+            row["loop"], row["ipw"] = r["loop_len"], None
+            if j["kernel"] in ("dequant", "outliers"):                     # no K loop of weights × rows
+                rows.append(row)
+                continue
             if j["kernel"] == "mma":
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
             else:                                                           # gemv, moe
                 cols = 16 * (16 // {3: 2, 5: 4}.get(j["bits"], j["bits"]))
             wpt = cols * j["BN"] / (32 * j["num_warps"])
-            row["loop"] = r["loop_len"]
             row["ipw"] = r["loop_len"] / wpt
         rows.append(row)
     return rows
@@ -363,20 +279,22 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     """Human-readable table: one line per job."""
-    hdr = (f"{'kernel':6} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'scal':5} {'sm':>3} "
+    hdr = (f"{'kernel':8} {'dt':4} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'scal':5} {'sm':>3} "
            f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4} "
            f"{'loop':>5} {'i/w':>5}")
     lines = [hdr]
     for r in rows:
-        head = (f"{r['kernel']:6} {r['bits']:>1} {r['BM']:>3} {r['BN']:>4} {r['num_warps']:>2} "
-                f"{r.get('BR', '-'):>2} {r.get('maxnreg') or '-':>3} {r['SPLIT']:>3} {r['outl']:4} {r['scales']:5} "
+        g = {k: "-" if r.get(k) is None else r[k] for k in ("bits", "BM", "BR", "maxnreg", "SPLIT", "outl", "scales")}
+        head = (f"{r['kernel']:8} {r.get('dtype', 'bf16'):4} {g['bits']:>1} {g['BM']:>3} {r.get('BN', r.get('BE')):>4} "
+                f"{r['num_warps']:>2} {g['BR']:>2} {g['maxnreg']:>3} {g['SPLIT']:>3} {g['outl']:4} {g['scales']:5} "
                 f"{r['cc']:>3} ")
         if "error" in r:
             lines.append(head + "ERROR " + r["error"].splitlines()[-1][:120])
             continue
         sp = (r["spill_stores"] or 0) + (r["spill_loads"] or 0)
         lines.append(head + f"{r['regs']:>4} {sp:>5} {r['smem']:>6} {r['sass_total']:>5} {r['mem']:>4} "
-                     f"{r['fp32']:>4} {r['int']:>4} {r['cvt']:>4} {r['mma']:>4} {r['loop']:>5} {r['ipw']:>5.2f}")
+                     f"{r['fp32']:>4} {r['int']:>4} {r['cvt']:>4} {r['mma']:>4} {r['loop']:>5} "
+                     + ("    -" if r["ipw"] is None else f"{r['ipw']:>5.2f}"))
     return "\n".join(lines)
 
 

@@ -1,14 +1,10 @@
-"""The Hugging Face model helpers the pipeline, the readers and the validator share: read
-``config.json``, build a model on the meta device, walk its decoder blocks and linears, and
-swap tensors in and out. The walk is structural (no list of model types or module names):
-:func:`check_supported` refuses, before any calibration, what it cannot handle. Mixture-of-experts
-blocks keep their experts as fused 3-D parameters; :func:`checkpoint_names` names each expert's
-linear as the model's original per-expert checkpoint does."""
+"""The Hugging Face model helpers: read ``config.json``, build on the meta device, walk blocks and linears.
+
+The walk is structural, with no list of model types (docs/ARCHITECTURE.md, "Models")."""
 from __future__ import annotations
 
 import bisect
 import contextlib
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,19 +12,20 @@ from pathlib import Path
 import torch
 
 from .errors import FormatError
+from .model_config import CONFIG_FILE, config_dict  # noqa: F401  (read through here by the pipeline and readers)
 
-CONFIG_FILE = "config.json"   # a Hugging Face model's (and so a checkpoint's) config
+# The most bytes of tables (rotary positions, causal masks) building a model on the meta device may
+# compute for real: a real model's are a few MiB (GPT-J 6B: 15 MiB; StarCoder's 8192² mask: 64 MiB).
+BUILD_BUFFER_BUDGET = 256 << 20
+
 
 class UnsupportedModelError(ValueError):
-    """The model has a construct the pipeline cannot walk block by block (the message names
-the module and why)."""
+    """The model has a construct the pipeline cannot walk block by block (the message names it)."""
 
 
 @contextlib.contextmanager
 def params_on_meta():
-    """Create parameters on the meta device (no memory, no init), buffers for real: the
-    non-persistent buffers (rotary inv_freq, Gemma's embed_scale) are computed in ``__init__``
-    and are not in any checkpoint."""
+    """Parameters on the meta device; buffers for real (rotary inv_freq is in no checkpoint)."""
     orig = torch.nn.Module.register_parameter
 
     def register(self, name, param):
@@ -44,50 +41,8 @@ def params_on_meta():
 
 
 def model_dtype(config: dict) -> str:
-    """The dtype a ``config.json`` dict declares (``dtype``, or the older ``torch_dtype``;
-    "float32" when neither is set), e.g. "bfloat16"."""
+    """The dtype a ``config.json`` dict declares (``dtype`` or ``torch_dtype``; default "float32")."""
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
-
-
-def config_dict(path: Path) -> dict:
-    """``config.json`` of a model/checkpoint dir as a dict (FormatError if unreadable)."""
-    f = Path(path) / CONFIG_FILE
-    try:
-        d = json.loads(f.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FormatError("missing (not a model directory?)", file=str(f)) from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"not valid JSON ({e})", file=str(f)) from None
-    if not isinstance(d, dict):
-        raise FormatError("not a JSON object", file=str(f))
-    return d
-
-
-# The sizes a config.json may declare, (lowest, highest): generous for any real model (a 405B
-# model has 126 layers, 16384 hidden, 128256 vocabulary), small enough that building its model on
-# the meta device (real rotary buffers, per-layer modules) and checking shapes stay cheap.
-SIZE_LIMITS = {
-    **dict.fromkeys(("num_hidden_layers", "n_layer"), (1, 1024)),
-    **dict.fromkeys(("hidden_size", "n_embd"), (1, 1 << 17)),
-    **dict.fromkeys(("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"), (1, 1 << 20)),
-    "vocab_size": (1, 1 << 22),
-    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "n_head"), (1, 1024)),
-    "head_dim": (1, 1 << 12),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"), (0, 1 << 12)),
-    **dict.fromkeys(("max_position_embeddings", "n_positions"), (1, 1 << 24)),
-}
-
-
-def check_config_sizes(cfg: dict, *, file: str = CONFIG_FILE, prefix: str = "") -> None:
-    """Refuse an integer size of ``cfg`` (or of a nested ``*_config``, e.g. ``text_config``) outside
-    :data:`SIZE_LIMITS`, naming the field, before anything is built from it or read against it."""
-    for k, v in cfg.items():
-        if isinstance(v, dict) and k.endswith("_config") and k != "quantization_config":
-            check_config_sizes(v, file=file, prefix=f"{prefix}{k}.")
-        elif k in SIZE_LIMITS and isinstance(v, int) and not isinstance(v, bool):
-            lo, hi = SIZE_LIMITS[k]
-            if not lo <= v <= hi:
-                raise FormatError(f"{prefix}{k} is {v}, expected an integer in [{lo}, {hi}]", file=file)
 
 
 def hf_config(cfg: dict, *, file: str = CONFIG_FILE):
@@ -108,17 +63,32 @@ def empty_model(config, dtype: torch.dtype = torch.float32):
     """The causal LM of ``config`` with every parameter on the meta device."""
     from transformers import AutoModelForCausalLM
 
+    check_build_budget(config, dtype)
     with params_on_meta(), _beside_vllm(config):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
+def check_build_budget(config, dtype: torch.dtype = torch.float32) -> None:
+    """Refuse a config whose built model would hold over :data:`BUILD_BUFFER_BUDGET` bytes of buffers,
+    sized on a meta build before the real one allocates them (GPT-J's position table, causal masks)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), _beside_vllm(config):
+            dry = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception:  # noqa: BLE001  (the real build raises it, with its own message)
+        return
+    n = sum(b.numel() * b.element_size() for b in dry.buffers())
+    if n > BUILD_BUFFER_BUDGET:
+        raise FormatError(f"building this model computes {n / 2**20:.0f} MiB of tables (position tables and masks, "
+                          f"from its positions and layers) before any weight is read, more than the "
+                          f"{BUILD_BUFFER_BUDGET >> 20} MiB a real model needs: refused", file=CONFIG_FILE)
+
+
 @contextlib.contextmanager
 def _beside_vllm(config):
-    """vLLM's Transformers backend decorates transformers' own model classes in place; the
-    decorated ``__init__`` reads vLLM's current config (its compilation mode and the model's
-    HF config). A process that served one such model builds the next (e.g. at a later load's
-    validation) under a stand-in that compiles nothing; vLLM is pinned to the minor read here."""
+    """Build under a stand-in vLLM config: vLLM's Transformers backend patches transformers' classes."""
     if "vllm.config" not in sys.modules:
         yield
         return
@@ -149,9 +119,7 @@ def _block_lists(model) -> list[tuple[str, torch.nn.ModuleList]]:
 
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
-    """(prefix, layers) of the decoder blocks, found structurally: the outermost
-    ``nn.ModuleList`` of ``config.num_hidden_layers`` modules of one class, e.g.
-    ``("model.layers", ...)``, ``("transformer.h", ...)``, ``("gpt_neox.layers", ...)``."""
+    """(prefix, layers) of the decoder blocks, e.g. ``("model.layers", ...)``."""
     found = _block_lists(model)
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
@@ -162,9 +130,7 @@ def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
 
 
 def final_norm(model, prefix: str) -> str:
-    """The final norm's module name: the child of the blocks' parent whose parameters are all
-    1-D (``model.norm``, ``transformer.ln_f``, ``model.decoder.final_layer_norm``, ...); of
-    several, the one registered after the blocks (Bloom's embedding norm comes before)."""
+    """The final norm's module name (``model.norm``, ``transformer.ln_f``, ...)."""
     parent_name, _, attr = prefix.rpartition(".")
     parent = model.get_submodule(parent_name)
     kids = [(n, m) for n, m in parent.named_children() if n != attr]
@@ -185,10 +151,7 @@ def final_norm(model, prefix: str) -> str:
 
 
 def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
-    """The early structural check (before any tensor is read): a causal LM whose decoder blocks
-    are found and hold only ``nn.Linear`` weights (quantized), fused 3-D experts of transformers'
-    experts interface (quantized per expert) with their routers (kept) and 1-D parameters (kept).
-    Raises :class:`UnsupportedModelError` naming the module and why → (prefix, layers)."""
+    """Refuse, before any tensor is read, a model the pipeline cannot walk → (prefix, layers)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     mt = getattr(model.config, "model_type", None)
     name = type(model).__name__
@@ -216,8 +179,7 @@ def check_supported(model) -> tuple[str, torch.nn.ModuleList]:
 
 
 def block_linears(layer: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
-    """Every ``nn.Linear`` inside one decoder block but the routers' gates, full names, in
-    module order."""
+    """Every ``nn.Linear`` of one decoder block but the routers' gates, full names, in module order."""
     gates = moe_gates(layer)
     return {f"{prefix}.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and n not in gates}
 
@@ -228,15 +190,12 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the weights transformers' exper
 
 
 def expert_modules(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The experts modules of a decoder block by name within it: the modules that hold 3-D
-    parameters (transformers 5 keeps a mixture's experts as ``[experts, out, in]`` tensors)."""
+    """The experts modules of a block by name: those holding 3-D ``[experts, out, in]`` parameters."""
     return {n: m for n, m in block.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))}
 
 
 def check_experts(m: torch.nn.Module, where: str) -> None:
-    """Refuse an experts module that is not split into per-expert linears as ``gate_up_proj
-    [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, without biases, that
-    transformers' experts interface dispatches as ``forward(hidden_states, top_k_index, ...)``."""
+    """Refuse an experts module not fused as ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
     import inspect
     shapes = {pn: list(p.shape) for pn, p in m.named_parameters(recurse=False)}
     what = f"{where} ({type(m).__name__}, parameters {shapes})"
@@ -259,9 +218,7 @@ def check_experts(m: torch.nn.Module, where: str) -> None:
 
 
 def moe_gates(block: torch.nn.Module) -> set[str]:
-    """The routing gates of a block's mixtures, by name within it: beside each experts module,
-    the sibling modules that hold a 2-D weight themselves (the router, Qwen2-MoE's
-    ``shared_expert_gate``); a sibling MLP of linears (a shared expert) is no gate."""
+    """The routing gates of a block's mixtures: the experts' siblings holding a 2-D weight themselves."""
     gates = set()
     for n in expert_modules(block):
         parent, _, leaf = n.rpartition(".")
@@ -273,8 +230,7 @@ def moe_gates(block: torch.nn.Module) -> set[str]:
 
 @dataclass(frozen=True)
 class ExpertLinear:
-    """One expert's linear inside a fused 3-D parameter: ``param[expert, rows]`` is its weight
-    ``[out, in]`` (e.g. rows ``[0, I)`` of ``gate_up_proj[e]`` are expert e's gate projection)."""
+    """One expert's linear inside a fused 3-D parameter: ``param[expert, rows]`` is its ``[out, in]``."""
     param: str          # the model's parameter, e.g. "model.layers.0.mlp.experts.gate_up_proj"
     expert: int
     rows: slice
@@ -286,15 +242,13 @@ class ExpertLinear:
 
 @dataclass
 class CheckpointNames:
-    """How a model's state dict is named in a checkpoint: the model's original per-expert layout
-    (what vLLM's loaders read), from transformers' own conversion mapping, reverted as
-    ``save_pretrained`` reverts it. Identity for a model without experts."""
+    """How a model's state dict is named in the original per-expert checkpoint (what vLLM reads)."""
     original: dict[str, str]                # model key -> checkpoint name (fused expert params excluded)
     experts: dict[str, ExpertLinear]        # checkpoint module of one expert's linear -> where it lives
     _index: dict = field(default_factory=dict, repr=False)   # lookups built once, after construction
 
     def module(self, name: str) -> str:
-        """The checkpoint name of module ``name`` of the model (its weight's name less ``.weight``)."""
+        """The checkpoint name of module ``name`` (its weight's name less ``.weight``)."""
         return self.original.get(f"{name}.weight", f"{name}.weight").removesuffix(".weight")
 
     def model_key(self, name: str) -> str:
@@ -312,11 +266,7 @@ class CheckpointNames:
 
 
 def checkpoint_names(model) -> CheckpointNames:
-    """:class:`CheckpointNames` of ``model``. The fused expert parameters are probed with
-    integer codes (row r of expert e of a parameter → a unique number) through transformers'
-    ``revert_weight_conversion``, so whatever its converters do (split per expert, chunk gate
-    from up, rename ``mlp`` to ``block_sparse_moe``), each per-expert tensor's codes name the
-    expert and rows it came from. One block at a time (bounded memory)."""
+    """:class:`CheckpointNames` of ``model``, found by probing transformers' ``revert_weight_conversion``."""
     keys = list(model.state_dict(keep_vars=True).items())
     fused = {k for k, t in keys if t.dim() == 3}
     if not fused:

@@ -1,24 +1,5 @@
-"""The package's C++ ops (``kernels/cpu/csrc/latq_cpu.cpp``, ``kernels/cpu/csrc/hadamard.cpp``,
-``algorithms/csrc/sweep.cpp``, ``algorithms/csrc/scales.cpp``, ``quantize/csrc/gram.cpp``), compiled on
-first use into one library, namespace ``latq_cpu``.
-
-* The CPU kernel's small-M call: at batch 1 the Python around the int4 op (dtype casts, the
-  MKL CSR ``mv``, the add, the custom-op hop) costs as much as the op itself (docs/KERNELS.md,
-  "CPU kernel"). The C++ op does the int4 call, then one pass adding outliers and bias with
-  the cast: same math, one dispatch.
-* A rotated layer's input transform x·R (a fast Walsh–Hadamard transform, AVX-512 or AVX2), inside
-  the small-M call.
-* The solvers' per-column rounding inside a sub-block (fp32 problems): one call instead of
-  six or seven dispatched torch ops per column.
-* The MSE scale search (``scales.mse_scales``): all candidate scales of a group while its
-  weights sit in L1, instead of six whole-matrix torch passes per candidate.
-
-Built with ``torch.utils.cpp_extension`` (g++ and ninja: both already needed by vLLM's CPU
-compiled mode) into torch's extension cache, once per machine and source version; later
-processes only load the library. ``LATQ_CPU_MARCH`` builds for another ``-march`` target
-(default: this CPU's). Without a compiler, or with ``LATQ_CPU_NATIVE=0``, the
-callers keep their pure-torch paths (same math) and the reason is logged once.
-"""
+"""The package's C++ ops, compiled on first use into one library (docs/ARCHITECTURE.md, "C++ helpers").
+Without a compiler, or with ``LATQ_CPU_NATIVE=0``, callers keep their pure-torch paths (same math)."""
 from __future__ import annotations
 
 import contextlib

@@ -27,6 +27,10 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
                       "which SmolLM2 and Gemma3 tie to the embedding, so the checkpoint unties it):", "+ lm_head"),
           ("lm-head8", "The output head quantized with 8-bit inliers (`--lm-head-bits 8`), the rest as the default:",
            "+ 8-bit lm_head"),
+          ("g64-lm-head8", "latq-quantize's default (our GPTQ at group size 64) with its output head quantized with "
+                           "8-bit inliers at group size 64 against the same with the head in bf16 (bits/w count the "
+                           "head: the tied embedding stays bf16 for the lookup, the head is a separate copy):",
+           "+ 8-bit lm_head"),
           ("peer", "Peer GPTQ, whole model: every layer's integers from the IST-DASLab reference column loop "
                    "(`reference_gptq`) instead of ours, all else equal (pipeline, Hessians, act-order, damping, "
                    "scales); the bar is ±1 %:", "reference loop"),
@@ -67,7 +71,8 @@ SPREAD_TAGS = ("fp64", "damp-up", "damp-down", "damp-up2", "damp-down2", "fp32-f
 SPREAD_OPTS = {"fp32-forwards": {"compute_dtype": "float32"}}  # the spread controls that are an option
 # beyond the core study (sweep, ordering, min-pivot, peer): the peer gap's controls and the CPU
 # decode head options; `--core` skips them
-EXTRA_TAGS = SPREAD_TAGS + ("lm-head", "lm-head8")
+HEAD_TAGS = ("lm-head", "lm-head8", "g64-lm-head8")
+EXTRA_TAGS = SPREAD_TAGS + HEAD_TAGS
 # the peer GPTQs, the group-size-64 baseline of llm-compressor's, and ours given its scales
 PEER_TAGS = ("peer", "llmc", "g64", "llmc-scales")
 
@@ -150,6 +155,9 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
                            outlier_rate=0.01, quantize_lm_head=True))
     out.append(make_config(model, "SSQR-1%", 4, "lm-head8", method="ssqr", bits=4, group_size=group_size,
                            outlier_rate=0.01, quantize_lm_head=True, lm_head_bits=8))
+    # the same 8-bit head on latq-quantize's default (GPTQ 4-bit g64), against it: the head's default
+    out.append(make_config(model, "GPTQ", 4, "g64-lm-head8", base="g64", method="gptq", bits=4, group_size=64,
+                           quantize_lm_head=True, lm_head_bits=8))
     # the ordering ablation: min-pivot instead of act-order (the pipeline's default) at 3 bits
     out.append(make_config(model, "GPTQ", 3, "min-pivot", method="gptq", bits=3, group_size=group_size,
                            order="min-pivot"))
@@ -207,7 +215,7 @@ def run_priority(cfg: Config, models) -> tuple:
     models alternate in each round."""
     if cfg.family == "bf16" or cfg.family in ("RTN", "HRTN"):
         rnd = 0
-    elif cfg.tag in ("lm-head", "lm-head8") or (cfg.tag in PEER_TAGS and cfg.level == 4):
+    elif cfg.tag in HEAD_TAGS or (cfg.tag in PEER_TAGS and cfg.level == 4):
         rnd = 2.5    # right after its 4-bit default
     elif cfg.tag:
         rnd = 4

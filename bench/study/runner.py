@@ -18,6 +18,7 @@ from bench import peer_llmcompressor
 from vllm_latq import data
 
 from bench.study import peers, served
+from . import head
 from .configs import Config, slug
 
 log = logging.getLogger("latq.study")
@@ -164,7 +165,8 @@ def quantize_config(cfg: Config, st: Settings, src: Path, ck: Path, progress: bo
     interruption come from the journal ``<slug>.certs.jsonl`` written as layers finish."""
     from vllm_latq.quantize.pipeline import TMP_SUFFIX, QuantizeOptions, quantize_model
 
-    opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **cfg.kwargs)
+    # the head stays in the model dtype unless a configuration quantizes it (latq-quantize's default may not)
+    opts = QuantizeOptions(nsamples=st.nsamples, seqlen=st.seqlen, **{"quantize_lm_head": False, **cfg.kwargs})
     solve = peers.solve_for(cfg, src)
     journal = ck.with_name(cfg.slug + ".certs.jsonl")
     if not ck.with_name(ck.name + TMP_SUFFIX).exists():
@@ -243,6 +245,8 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
         r["stats_cert_max"] = stats["totals"].get("cert_max")
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
         r["served"] = served.checkpoint_record(Path(target))
+    if head.quantizes_head(cfg):
+        r["ppl_source_head"] = head.source_head_ppl(Path(target), src, st.eval_seqlen, st.nwindows)
     if cfg.family != "bf16":
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
@@ -290,6 +294,18 @@ def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, 
     write_json(root / "results" / cfg.model / f"{cfg.slug}.json", r)
     log.info("served bits of %s %s (%s): %s", cfg.model, cfg.label, r["served"]["source"],
              ", ".join(f"{f} {b:.3f}" for f, b in r["served"]["bits_per_weight"].items()))
+    return r
+
+
+def backfill_source_head(cfg: Config, st: Settings, root: Path, r: dict) -> dict:
+    """A cached result of a configuration that quantizes the head, run before the study measured
+    the same body with the source's head (``study/head.py``) → with it, where its checkpoint was kept."""
+    ck = root / "checkpoints" / cfg.model / cfg.slug
+    if not head.quantizes_head(cfg) or "ppl_source_head" in r or not (ck / "latq_stats.json").is_file():
+        return r
+    r["ppl_source_head"] = head.source_head_ppl(ck, source_dir(cfg.model, st, root), st.eval_seqlen, st.nwindows)
+    write_json(root / "results" / cfg.model / f"{cfg.slug}.json", r)
+    log.info("%s %s with the source's head: ppl %.3f", cfg.model, cfg.label, r["ppl_source_head"])
     return r
 
 

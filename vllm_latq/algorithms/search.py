@@ -90,10 +90,25 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
         log.extend(("sample", a, v) for a, v in zip(alphas, vals))
         return vals
 
-    # Stage 1: k-ary bracketing on the row sample; aim half a tolerance below the target so
-    # the full matrix usually lands inside [target - tol, target] at the first full run.
+    def full(a):
+        S = scaled(S0, a)
+        sw = run(W, S)
+        v = metric(sw, 1)[0]
+        log.append(("full", a, v))
+        return v, Searched(a, v, sw, S, log)
+
+    # aim half a tolerance below the target so the full matrix usually lands inside
+    # [target - tol, target] at the first full run
     aim = target - tol / 2 if target > tol else target  # a zero target must stay reachable
     smax = S0.abs().max().item()   # scales beyond FP16_MAX / smax cannot be stored
+    hi = _bracket(sampled, log, aim, target, smax, grid, rounds, span)
+    return _settle(full, log, hi, _slope(log[-grid:]), aim, target, tol, smax, max_full)
+
+
+def _bracket(sampled: Callable, log: list, aim: float, target: float, smax: float, grid: int, rounds: int,
+             span: float) -> float:
+    """Stage 1: k-ary bracketing on the row sample (``sampled(alphas)`` → their values, logged in
+    ``log``) → the multiplier the full runs start from (the bracket's upper end)."""
     lo, hi = 1.0 / span, span
     for _ in range(rounds + 8):  # extra rounds only when the bracket must move
         alphas = torch.logspace(math.log10(lo), math.log10(hi), grid).tolist()
@@ -118,20 +133,16 @@ def scale_search(W: torch.Tensor, S0: torch.Tensor, run: Run, metric: Metric,
             rounds -= 1
             if rounds == 0:
                 break
+    return hi
 
-    # Stage 2: full-matrix runs from the sampled estimate. The full matrix's metric is the
-    # sample's plus sampling noise, with about the same slope in log α: each next α is a
-    # secant step (first on the final sampled round's slope, then through the last two full
-    # runs), kept inside the bracket found so far and bisected when it would leave it.
-    def full(a):
-        S = scaled(S0, a)
-        sw = run(W, S)
-        v = metric(sw, 1)[0]
-        log.append(("full", a, v))
-        return v, Searched(a, v, sw, S, log)
 
-    slope = _slope(log[-len(alphas):])
-    a = hi
+def _settle(full: Callable, log: list, a: float, slope: float | None, aim: float, target: float, tol: float,
+            smax: float, max_full: int) -> Searched:
+    """Stage 2: full-matrix runs (``full(α)`` → (value, :class:`Searched`)) from the sampled
+    estimate ``a``. The full matrix's metric is the sample's plus sampling noise, with about the
+    same ``slope`` in log α: each next α is a secant step (first on the final sampled round's
+    slope, then through the last two full runs), kept inside the bracket found so far and
+    bisected when it would leave it."""
     best = None    # Searched: the smallest alpha seen with value ≤ target
     above = None   # the largest alpha seen with value > target
     prev = None

@@ -152,33 +152,36 @@ def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales:
     the caller's X is freed)."""
     dt = M.dtype
     table, gidx = _scale_table(scales, group_size, T, dt)
-    s = _column_scales(table, gidx)
     c, r = X.shape
     dev = X.device
     fast = _native(dt) and all(t.device.type == "cpu" for t in (M, X, table))   # the C++ step: CPU only
     Zt, Qt, Ot, Rt = _outputs(c, r, dt, dev, rounder, keep_rho, torch.int32 if fast else None)
-    Tl = T.tolist()
     B = torch.empty(block_size, r, dtype=dt, device=dev)   # the block's propagated rows (stays in cache)
-    omega = torch.empty(r, dtype=dt, device=dev)
-    if fast:
+    if fast:   # the path is chosen here, once: the sub-block step in C++ (algorithms/csrc/sweep.cpp) ...
         rows, mode = T.long().contiguous(), _mode(rounder)
+
+        def subblock(j0: int, k1: int, k2: int) -> None:
+            torch.ops.latq_cpu.back_substitution_subblock(X, B, M, table, gidx, rows, Zt, Qt if errors else None,
+                                                          Ot, Rt, j0, k1, k2, *mode)
+    else:      # ... or in torch, one column at a time (any dtype, any device)
+        s, Tl = _column_scales(table, gidx), T.tolist()
+        omega = torch.empty(r, dtype=dt, device=dev)
+
+        def subblock(j0: int, k1: int, k2: int) -> None:
+            for k in range(k2 - 1, k1 - 1, -1):
+                j = j0 + k
+                om = X[j] if k == k2 - 1 else torch.addmv(X[j], B[k + 1:k2].T, M[j, j + 1:j0 + k2], alpha=-1,
+                                                          out=omega)
+                if errors:
+                    _round_column(Tl[j], om, s(j), rounder, Zt, Qt, Ot, Rt)
+                    torch.sub(om, Qt[Tl[j]], out=B[k])
+                else:
+                    _round_column(Tl[j], om, s(j), rounder, Zt, B, Ot, Rt, jq=k)
     for j1 in range(c, 0, -block_size):
         j0 = max(j1 - block_size, 0)
         for k2 in range(j1 - j0, 0, -INNER):        # block-local indices
             k1 = max(k2 - INNER, 0)
-            if fast:
-                torch.ops.latq_cpu.back_substitution_subblock(X, B, M, table, gidx, rows, Zt, Qt if errors else None,
-                                                              Ot, Rt, j0, k1, k2, *mode)
-            else:
-                for k in range(k2 - 1, k1 - 1, -1):
-                    j = j0 + k
-                    om = X[j] if k == k2 - 1 else torch.addmv(X[j], B[k + 1:k2].T, M[j, j + 1:j0 + k2], alpha=-1,
-                                                              out=omega)
-                    if errors:
-                        _round_column(Tl[j], om, s(j), rounder, Zt, Qt, Ot, Rt)
-                        torch.sub(om, Qt[Tl[j]], out=B[k])
-                    else:
-                        _round_column(Tl[j], om, s(j), rounder, Zt, B, Ot, Rt, jq=k)
+            subblock(j0, k1, k2)
             X[j0:j0 + k1].addmm_(M[j0:j0 + k1, j0 + k1:j0 + k2], B[k1:k2], alpha=-1)
         if not errors:
             Qt.index_copy_(0, T[j0:j1], B[: j1 - j0])
@@ -389,7 +392,8 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
          decoder: str = "babai", beam: int = 1, name: str | None = None) -> QuantResult:
     """GPTQ (paper Alg. 1): columns processed first-to-last in ``order`` (a name from
     ``lattice.ORDERS`` or a permutation), each rounded and its error spread over the
-    unprocessed columns through the Cholesky factor of ``H⁻¹``.
+    unprocessed columns through the Cholesky factor of ``H⁻¹``. The plain column loop this
+    computes, in a dozen lines: :func:`vllm_latq.testing.gptq_loop.reference_gptq`.
 
     W ``[out, in]``; H ``[in, in]`` (= XᵀX, undamped; λ = damp·mean diag H is added).
     ``clip=False`` rounds to unbounded integers and fills ``.bound`` (the certificate).

@@ -1,20 +1,7 @@
 """``latq-eval MODEL_OR_CKPT``: perplexity by the shared protocol, as one JSON object.
 
-Protocol (docs/../shared data.md): the Wikipedia eval split (every 10th article), tokenized
-once, non-overlapping 512-token windows (BOS + 511 tokens for tokenizers that add BOS, e.g.
-Gemma), the first 64 windows; ppl = exp(mean NLL of the predicted tokens). ``--text FILE``
-evaluates a .txt (one document) or .jsonl file (a "text" field per line, the documents
-joined by a blank line) instead, read as ``latq-quantize --calib`` reads it, cut into the
-same windows.
-
-A latq checkpoint is validated, then dequantized through ``format.dequantize`` into a
-plain transformers model, so the number does not depend on any kernel. All models are
-evaluated with fp32 compute (a bf16 model's weights are exact in fp32).
-
-    latq-eval gemma3-270m                 # the bf16 reference model
-    latq-eval ckpt/gemma-ssqr --output ssqr.json
-    latq-eval ckpt/gemma-ssqr --text my_docs.jsonl --nwindows 16
-"""
+The Wikipedia eval split, or ``--text FILE`` read as ``latq-quantize --calib`` reads it; a
+checkpoint is validated and dequantized by the format's reference (no kernels), in fp32."""
 from __future__ import annotations
 
 import argparse
@@ -25,38 +12,37 @@ from pathlib import Path
 
 import torch
 
-
-def is_latq_checkpoint(path) -> bool:
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        return False
-    try:
-        qc = json.loads(p.read_text()).get("quantization_config")
-    except ValueError:
-        return False
-    return isinstance(qc, dict) and qc.get("quant_method") == "latq"
+EXAMPLES = """examples:
+  latq-eval gemma3-270m                 # the bf16 reference model
+  latq-eval ckpt/gemma-ssqr --output ssqr.json
+  latq-eval ckpt/gemma-ssqr --text my_docs.jsonl --nwindows 16
+"""
 
 
-def load_for_eval(model: str, device: str = "cpu", verify: bool = True):
-    """(model, tokenizer, info) for a latq checkpoint or any source ``resolve_model`` takes; a
-    checkpoint's checksums are checked unless not ``verify``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_digest: str | None = None):
+    """(model, tokenizer, info) of a checkpoint (verified unless not ``verify``) or any model source."""
+    from transformers import AutoModelForCausalLM
 
-    from .. import hf_model
-    from ..format.checkpoint import load_dequantized_model
+    from .. import data, hf_model
+    from ..format.checkpoint import is_latq_checkpoint, load_dequantized_model
     from ..format.validate import validate_checkpoint
-    from ..quantize.pipeline import resolve_model
+    from ..quantize.source import resolve_model
 
     if is_latq_checkpoint(model):
-        report = validate_checkpoint(model, decode=False, verify_checksums=verify)
+        report = validate_checkpoint(model, decode=False, verify_checksums=verify, expect_digest=expect_digest)
+        if report["unsealed"]:
+            print(f"latq-eval: {model}: not sealed, read by no loader: {', '.join(report['unsealed'])}",
+                  file=sys.stderr)
         spec = report["spec"]
         m = load_dequantized_model(model, torch.float32, device)
-        tok = AutoTokenizer.from_pretrained(model)
+        tok = data.load_tokenizer(model)
         info = {"method": spec.method, "bits": report["totals"]["bits_per_weight"],
                 "outlier_rate": report["totals"]["outlier_rate"],
                 "budget": spec.outlier_rate if spec.method == "ssqr" else spec.target_bits,
                 "quantized_params": report["totals"]["quantized_params"]}
         return m, tok, info
+    if expect_digest is not None:
+        raise ValueError(f"{model} is not a latq checkpoint: --expect-digest pins a latq checkpoint's manifest")
     d = resolve_model(model)
     dtype = hf_model.model_dtype(hf_model.config_dict(d))
     m, loading = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
@@ -66,23 +52,23 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True):
         raise ValueError(f"{d}: {len(missing)} weights of the model are not in its files ({missing[:3]}...); a latq "
                          "checkpoint needs its config.json quantization_config")
     m = m.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(d)
+    tok = data.load_tokenizer(d)
     bits = {"bfloat16": 16, "float16": 16, "float32": 32}.get(dtype)
     return m, tok, {"method": {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype),
                     "bits": bits}
 
 
 def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int = 64, batch_size: int = 4,
-             device: str = "cpu", progress: bool = True, verify: bool = True) -> dict:
-    """Perplexity of ``model`` (checkpoint, HF dir, .gguf or reference name) on ``text`` ("wiki"
-    or a .txt / .jsonl file) → result dict."""
+             device: str = "cpu", progress: bool = True, verify: bool = True,
+             expect_digest: str | None = None) -> dict:
+    """Perplexity of ``model`` on ``text`` ("wiki" or a .txt / .jsonl file) → result dict."""
     from .. import data
 
     t0 = time.time()
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
     source = data.source_record(text, "eval")
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
-        m, tok, info = load_for_eval(model, device, verify)
+        m, tok, info = load_for_eval(model, device, verify, expect_digest)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
     return {"model": str(model), **info, "text": source, "ppl": r["ppl"], "nll": r["nll"],
@@ -93,7 +79,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 def main(argv=None) -> int:
     from ..format import FormatError
 
-    ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__,
+    ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="latq checkpoint, HF directory, .gguf file, or gemma3-270m / smollm2-135m")
     ap.add_argument("--text", default="wiki", metavar="FILE",
@@ -104,16 +90,19 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--output", help="also write the JSON here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--expect-digest", metavar="SHA256",
+                    help="refuse the checkpoint unless its manifest has this digest (what latq-quantize printed)")
     ap.add_argument("--no-verify", action="store_true",
-                    help="skip a latq checkpoint's sha256 checks (tensors, shard headers, config.json, "
-                         "latq_stats.json): for a checkpoint edited on purpose")
+                    help="skip a latq checkpoint's sha256 checks (tensors, every file against latq_manifest.json): "
+                         "for a checkpoint edited on purpose; shapes and values are checked all the same")
     a = ap.parse_args(argv)
     if a.no_verify:
         from ..format.manifest import SKIPPED
         print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
         r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
-                     device=a.device, progress=not a.no_progress, verify=not a.no_verify)
+                     device=a.device, progress=not a.no_progress, verify=not a.no_verify,
+                     expect_digest=a.expect_digest)
     except FormatError as e:
         print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
         return 2

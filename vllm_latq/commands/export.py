@@ -1,28 +1,13 @@
-"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard
-checkpoint that stock vLLM, SGLang and transformers read (the ``compressed-tensors`` package).
+"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard one.
 
-The dense kind at 4 and 8 bits with static natural groups and no outliers *is* compressed-tensors'
-``pack-quantized`` form (symmetric int, strategy ``group``): both store offset-binary integers
-(u = z + 2^(b-1)) little-endian along K, 32/b to an int32 word, padding u = 0. A latq row pads to
-whole 32-column tiles, one of compressed-tensors to whole words, so its ``weight_packed`` is the
-first ``ceil(K·b/32)`` words of latq's ``qweight``: the integers pass through untouched. Group
-scales (stored fp16, or coded and decoded to fp16) become ``weight_scale [N, G]`` (fp32, exact).
+Dense 2–8-bit layers with natural groups and no outliers become compressed-tensors'
+``pack-quantized`` form, read by stock vLLM, SGLang and transformers; any other layer is
+refused, or written in bf16 with ``--dequantize-unmapped`` (docs/FORMAT.md, "Export")."""
 
-What does not map is refused, naming the layer and why: other bit widths (no vLLM kernel takes
-them), CSR outliers, a group size that does not divide K (vLLM's kernels refuse ragged groups),
-and the huffman kind (HPTQ/HRTN: entropy-coded integers under one fp32 scale, with no fixed bit
-width). ``--dequantize-unmapped`` writes such layers as bf16 weights instead, listed in
-``ignore``, and reports the bits/weight that costs.
-
-examples:
-  latq-export ckpt/gemma-w4 export/gemma-w4 --format compressed-tensors
-  latq-export ckpt/gemma-ssqr export/gemma-ssqr --dequantize-unmapped
-"""
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import shutil
 import sys
@@ -32,19 +17,26 @@ from pathlib import Path
 import torch
 
 from .. import hf_model
+from ..bounded_io import MAX_JSON_BYTES, copy_regular
 from ..errors import FormatError
-from ..format import writer
+from ..format import output_dir, writer
 from ..format.checkpoint import Checkpoint, linear_shape
-from ..format.files import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, STATS_FILE
-from ..format.manifest import verify_manifest
+from ..format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
+from ..format.manifest import SKIPPED, write_manifest
 from ..format.layer import dense_scales, dequantize_layer
 from ..format.safetensors_file import write_safetensors
+from ..format.validate import validate_checkpoint
 
 FORMATS = ("compressed-tensors",)
-MAPPED_BITS = (4, 8)        # W4A16 / W8A16: the widths vLLM's kernels (Marlin, Machete, CPU) take
+MAPPED_BITS = tuple(range(2, 9))   # vLLM's compressed-tensors WNA16 scheme: WNA16_SUPPORTED_TYPES_MAP
 TMP_SUFFIX = ".tmp-latq-export"
+COMMAND = "latq-export"
 UNMAPPED_BITS = 16          # a layer written as bf16
 SCALE_BITS = 32             # weight_scale's fp32
+EXAMPLES = """examples:
+  latq-export ckpt/gemma-w4 export/gemma-w4 --format compressed-tensors
+  latq-export ckpt/gemma-ssqr export/gemma-ssqr --dequantize-unmapped
+"""
 
 
 class ExportRefused(ValueError):
@@ -53,8 +45,7 @@ class ExportRefused(ValueError):
 
 @dataclass(frozen=True)
 class Layer:
-    """A quantized layer of the source: its checkpoint name, shape, bits and why it does not
-    map (``None`` when it does)."""
+    """A quantized layer of the source and why it does not map (``None`` when it does)."""
     module: str
     shape: tuple[int, int]
     bits: int | None
@@ -62,8 +53,7 @@ class Layer:
 
 
 def plan_layers(ck: Checkpoint, model) -> list[Layer]:
-    """Every quantized layer of ``ck`` (``model``: its empty model) with its refusal reason,
-    from the headers alone."""
+    """Every quantized layer of ``ck`` with its refusal reason, from the headers alone."""
     names = ck.checkpoint_names(model)
     return [_plan_layer(ck, m, linear_shape(model, m, ck.layer_file(m), names), t)
             for m, t in ck.layers().items()]
@@ -74,15 +64,15 @@ def _plan_layer(ck: Checkpoint, module: str, shape: tuple[int, int], tensors: di
     spec = ck.spec
     if spec.kind == "huffman":
         return Layer(module, shape, None, f"{spec.method}: entropy-coded integers under one fp32 scale, no fixed "
-                                          "bit width or group scales (pack-quantized holds 4/8-bit groups)")
+                                          "bit width or group scales (pack-quantized holds 2-8-bit groups)")
     bits, g, k = spec.bits_of(module), spec.group_size, shape[1]
     nnz = ck.shards[ck.where[tensors["outlier_col"]]].shape(tensors["outlier_col"])[0]
     why = None
     if bits not in MAPPED_BITS:
-        why = f"{bits}-bit integers (pack-quantized kernels in vLLM take {' and '.join(map(str, MAPPED_BITS))} bits)"
+        why = f"{bits}-bit integers (vLLM's pack-quantized scheme takes {MAPPED_BITS[0]}-{MAPPED_BITS[-1]} bits)"
     elif nnz:
         why = f"{nnz} CSR outliers beside the integers ({spec.method}); the target format has none"
-    elif k % g:
+    elif k % g and g < k:
         why = f"group size {g} does not divide its {k} input columns (vLLM's kernels refuse a ragged last group)"
     return Layer(module, shape, bits, why)
 
@@ -98,9 +88,8 @@ def refusal_message(layers: list[Layer]) -> str:
 # ----------------------------------------------------------------------------- tensors
 
 def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
-    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer. The fp16
-    scales are stored as fp32 (exactly): transformers dequantizes fused experts in the scale's
-    dtype, where fp16 would round every product; vLLM casts them to its own dtype on load."""
+    """``weight_packed`` / ``weight_scale`` / ``weight_shape`` of a mapped dense layer.
+    Scales go to fp32: transformers dequantizes fused experts in the scale's dtype."""
     n, k = layer.shape
     t = ck.layer_tensors(layer.module)
     words = math.ceil(k * layer.bits / 32)   # compressed-tensors' words: latq's, less the tile padding
@@ -121,7 +110,7 @@ def layer_bits(layer: Layer, group_size: int | None) -> float:
     if layer.refusal:
         return UNMAPPED_BITS
     n, k = layer.shape
-    return (math.ceil(k * layer.bits / 32) * 32 + (k // group_size) * SCALE_BITS) / k
+    return (math.ceil(k * layer.bits / 32) * 32 + -(-k // group_size) * SCALE_BITS) / k
 
 
 # ----------------------------------------------------------------------------- config
@@ -132,18 +121,23 @@ def linear_modules(ck: Checkpoint, model) -> list[str]:
     return [names.module(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
+def weight_form(layer: Layer, group_size: int) -> tuple[int, str, int | None]:
+    """(bits, strategy, group size) of a mapped layer: ``channel`` where one group covers the row."""
+    return (layer.bits, "channel", None) if group_size >= layer.shape[1] else (layer.bits, "group", group_size)
+
+
 def compressed_tensors_config(layers: list[Layer], group_size: int, linears: list[str]) -> dict:
-    """The ``quantization_config`` of the export: one config group per bit width, targeting
-    ``Linear`` when all share one width, else the layers by name; every other linear ignored."""
+    """The export's ``quantization_config``: one config group per weight form, other linears ignored."""
     mapped = [x for x in layers if not x.refusal]
-    widths = sorted({x.bits for x in mapped})
+    forms = sorted({weight_form(x, group_size) for x in mapped}, key=repr)
     groups = {}
-    for i, b in enumerate(widths):
-        targets = ["Linear"] if len(widths) == 1 else [f"re:^{re.escape(x.module)}$" for x in mapped if x.bits == b]
+    for i, (b, strategy, g) in enumerate(forms):
+        targets = ["Linear"] if len(forms) == 1 else [f"re:^{re.escape(x.module)}$" for x in mapped
+                                                      if weight_form(x, group_size) == (b, strategy, g)]
         groups[f"group_{i}"] = {
             "targets": targets, "format": "pack-quantized", "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": b, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": group_size, "dynamic": False, "actorder": None, "observer": None}}
+            "weights": {"num_bits": b, "type": "int", "symmetric": True, "strategy": strategy,
+                        "group_size": g, "dynamic": False, "actorder": None, "observer": None}}
     kept = {x.module for x in mapped}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": groups, "ignore": sorted(m for m in linears if m not in kept),
@@ -164,18 +158,14 @@ def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_unmapped: bool = False,
-                      overwrite: bool = False, verify: bool = True) -> dict:
-    """Write the export of latq checkpoint ``ckpt`` to ``out`` (via ``OUT.tmp-latq-export``, renamed
-    at the end: a failure leaves nothing at ``out``) → a summary (layers, bits/weight). Unless not
-    ``verify``, ``ckpt``'s config, stats and shard headers must be the ones its manifest records."""
+                      overwrite: bool = False, verify: bool = True, expect_digest: str | None = None) -> dict:
+    """Validate latq checkpoint ``ckpt`` and write its export to ``out`` atomically → a summary."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    out = output_dir.absolute(out)
+    output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
+    validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)
     ck = Checkpoint(ckpt)
-    if verify:
-        verify_manifest(ck.path, ck.config, ck.shards)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (--overwrite replaces it)")
     if ck.spec.rotation is not None:   # the export needs compressed-tensors' transform_config: not yet written
         raise ExportRefused(f"the checkpoint's layers quantize rotated weights (quantization_config.rotation "
                             f"{ck.spec.rotation.config()}); exporting them needs an input transform this export "
@@ -185,23 +175,21 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     if any(x.refusal for x in layers) and not dequantize_unmapped:
         raise ExportRefused(refusal_message(layers))
     tmp = out.with_name(out.name + TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        _write(ck, layers, linear_modules(ck, model), tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return summary(ck, layers)
+    with output_dir.exclusive(out, COMMAND):
+        output_dir.make_temporary(tmp, COMMAND)
+        try:
+            _write(ck, layers, linear_modules(ck, model), tmp)
+            digest = write_manifest(tmp, sorted(ck.shards), made_by=COMMAND)
+            output_dir.unmark_temporary(tmp)
+            output_dir.replace_with(tmp, out, [ck.path], COMMAND)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)   # marked as this export's own when it was made
+            raise
+    return {**summary(ck, layers), "digest": digest}
 
 
 def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -> None:
-    """Every file of the export into ``tmp``: one shard per source shard, built and written one
-    at a time (an 8B model's packed layers are never all in memory), then index and JSON."""
+    """Every file of the export into ``tmp``, one shard at a time (bounded memory)."""
     meta = {"latq_method": ck.spec.method}
     for f in ck.shards:
         tensors: dict = {}
@@ -219,12 +207,11 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
     writer.write_json(tmp / CONFIG_FILE, cfg)
     writer.copy_aux_files(ck.path, tmp)
     if (ck.path / STATS_FILE).is_file():
-        shutil.copyfile(ck.path / STATS_FILE, tmp / STATS_FILE)
+        copy_regular(ck.path / STATS_FILE, tmp / STATS_FILE, limit=MAX_JSON_BYTES, name=STATS_FILE)
 
 
 def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
-    """Layers written packed and as bf16, and the bits/weight the exported layers store: all of
-    them, and the packed ones alone."""
+    """Layers written packed and as bf16, and the bits/weight the exported layers store."""
     def mean_bits(xs):
         n = sum(x.shape[0] * x.shape[1] for x in xs)
         return sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in xs) / n if n else None
@@ -238,28 +225,31 @@ def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
 # ----------------------------------------------------------------------------- CLI
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="latq-export", description=__doc__,
+    ap = argparse.ArgumentParser(prog="latq-export", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", help="latq checkpoint directory")
     ap.add_argument("out", help="output directory (written as OUT.tmp-latq-export, then renamed)")
     ap.add_argument("--format", default="compressed-tensors", choices=FORMATS, dest="fmt",
-                    help="target format (default compressed-tensors: pack-quantized W4A16/W8A16)")
+                    help="target format (default compressed-tensors: pack-quantized W2A16-W8A16)")
     ap.add_argument("--dequantize-unmapped", action="store_true",
                     help="write layers that have no form in the target format as bf16 weights instead of refusing")
-    ap.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT if it is an empty directory or an export latq-export sealed")
+    ap.add_argument("--expect-digest", metavar="SHA256",
+                    help="refuse CKPT unless its manifest has this digest (what latq-quantize printed)")
     ap.add_argument("--no-verify", action="store_true",
-                    help="export a checkpoint edited on purpose: skip its latq_manifest.json check")
+                    help="export a checkpoint edited on purpose: skip its sha256 checks (tensors, every file "
+                         "against latq_manifest.json); shapes and values are checked all the same")
     return ap
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if a.no_verify:
-        print(f"latq-export: --no-verify: {CONFIG_FILE}, {STATS_FILE} and the shard headers are not checked against "
-              f"{MANIFEST_FILE}: an edited checkpoint is exported as it is", file=sys.stderr)
+        print(f"latq-export: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
         s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
-                              overwrite=a.overwrite, verify=not a.no_verify)
+                              overwrite=a.overwrite, verify=not a.no_verify, expect_digest=a.expect_digest)
     except ExportRefused as e:
         print(f"latq-export: refused: {e}", file=sys.stderr)
         return 2
@@ -270,7 +260,7 @@ def main(argv=None) -> int:
         print(f"latq-export: error: {e}", file=sys.stderr)
         return 2
     print(f"latq-export: {a.out}: {s['packed']} layers pack-quantized, {s['bf16']} as bf16; "
-          f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers")
+          f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers; sealed, digest {s['digest']}")
     if s["bf16"]:
         src = s["source_bits_per_weight"]
         print(f"latq-export: the {s['bf16']} bf16 layers ({s['bf16_params']} weights) cost {UNMAPPED_BITS} bits/weight "

@@ -1,6 +1,4 @@
-"""``latq-inspect CKPT``: the command-line front of :func:`~vllm_latq.format.validate.validate_checkpoint`
-(``python -m vllm_latq.commands.inspect`` runs it too), plus each layer's served bits/weight per
-kernel family (:mod:`vllm_latq.kernels.served_report`, imported only when run)."""
+"""``latq-inspect CKPT``: validate a checkpoint and print each layer's served bits per kernel family."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +7,7 @@ import sys
 
 from ..format.checkpoint import Checkpoint
 from ..errors import FormatError
-from ..format.manifest import SKIPPED
+from ..format.manifest import SKIPPED, digest_of
 from ..format.validate import format_report, validate_checkpoint
 
 
@@ -19,9 +17,12 @@ def inspect_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="latq-inspect", description=inspect_main.__doc__)
     ap.add_argument("checkpoint")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding the Huffman streams (faster)")
+    ap.add_argument("--expect-digest", metavar="SHA256",
+                    help="refuse the checkpoint unless its manifest has this digest (what latq-quantize printed): "
+                         "an edit sealed again is then refused too")
     ap.add_argument("--no-verify", "--no-checksums", dest="no_verify", action="store_true",
-                    help="skip the sha256 checks (tensors, shard headers, config.json, latq_stats.json): "
-                         "for a checkpoint edited on purpose")
+                    help="skip the sha256 checks (tensors, every file against latq_manifest.json): for a checkpoint "
+                         "edited on purpose; shapes and values are checked all the same")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--no-served", action="store_true",
                     help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
@@ -30,21 +31,29 @@ def inspect_main(argv=None) -> int:
         print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
         report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
-                                     progress=sys.stderr.isatty())
+                                     progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
     except FormatError as e:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:   # --expect-digest malformed, or beside --no-verify
+        print(f"latq-inspect: error: {e}", file=sys.stderr)
+        return 2
+    if report["unsealed"]:
+        print(f"latq-inspect: not sealed, read by no loader: {', '.join(report['unsealed'])}", file=sys.stderr)
     if not a.no_served:
         # the kernels' cost models: imported only when asked for, so validating needs no kernels
         from ..kernels.served_report import checkpoint_served
         report["totals"]["served_bits_per_weight"] = checkpoint_served(a.checkpoint, report["layers"])
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}
+        out["digest"] = None if a.no_verify else digest_of(a.checkpoint)
         out["quantization_config"] = Checkpoint(a.checkpoint).config["quantization_config"]
         print(json.dumps(out, indent=2))
     else:
         print(format_report(report))
-        print(f"OK: {a.checkpoint} is a valid latq checkpoint")
+        sealed = "" if a.no_verify else f", sealed: digest {digest_of(a.checkpoint)}" + (
+            " (the one pinned)" if a.expect_digest else "")
+        print(f"OK: {a.checkpoint} is a valid latq checkpoint{sealed}")
     return 0
 
 

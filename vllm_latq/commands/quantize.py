@@ -3,19 +3,7 @@
 MODEL is a Hugging Face directory (bf16/fp16/fp32 safetensors), a ``.gguf`` file (converted
 once into the cache), or a reference model name (gemma3-270m, smollm2-135m). The checkpoint
 format is described in docs/FORMAT.md; ``latq-inspect OUT`` validates it, ``latq-eval OUT``
-measures its perplexity.
-
-examples:
-  latq-quantize gemma3-270m ckpt/gemma-w4                        # GPTQ 4-bit, group 64 (the default)
-  latq-quantize gemma3-270m ckpt/gemma-w4s --scale-bits 4        # its group scales coded: fewer served bits
-  latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
-  latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
-  latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
-  latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
-  latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
-  torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
-  OMP_NUM_THREADS=2 torchrun --nproc-per-node 2 -m vllm_latq.quantize ./my-llama ckpt/w4   # CPU: 2 ranks x 2 threads
-"""
+measures its perplexity."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +45,18 @@ def _rate(s: str) -> float:
     return float(s[:-1]) / 100 if s.endswith("%") else float(s)
 
 
+EXAMPLES = """examples:
+  latq-quantize gemma3-270m ckpt/gemma-w4                        # GPTQ 4-bit, group 64 (the default)
+  latq-quantize gemma3-270m ckpt/gemma-w4s --scale-bits 4        # its group scales coded: fewer served bits
+  latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
+  latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
+  latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
+  latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
+  latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
+  torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
+  OMP_NUM_THREADS=2 torchrun --nproc-per-node 2 -m vllm_latq.quantize ./my-llama ckpt/w4   # CPU: 2 ranks x 2 threads
+"""
+
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -75,11 +75,26 @@ def _size(s: str) -> int | None:
     return int(n)
 
 
-def parser() -> argparse.ArgumentParser:
+def _lattice_arguments(g, d) -> None:
+    """The options that change the lattice problem or its decoder: ``--rotate``, ``--decoder``."""
     from ..algorithms.decoders import DECODERS
-    from ..quantize.pipeline import COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, ORDERS, QuantizeOptions, default_group_size
+    g.add_argument("--rotate", default=d.rotate, choices=("none",) + fmt.rotation.KINDS,
+                   help="hadamard: rotate every quantized linear's input by a seeded random-sign block Hadamard "
+                        "matrix R and quantize W·R (incoherence processing: outlier columns spread out); served "
+                        "as x·R through latq's kernels. Default none")
+    g.add_argument("--rotate-seed", type=int, default=d.rotate_seed, help="the rotation's seed (default 0)")
+    g.add_argument("--decoder", default=d.decoder, choices=DECODERS,
+                   help="gptq/babai/ssqr/hptq: the lattice decoder. babai: GPTQ's nearest plane (default); kbest: a "
+                        "beam of --beam paths; klein: --beam randomized nearest-plane draws. Each row keeps the "
+                        "closer of the decoder's point and Babai's, at about --beam times the solve time")
+    g.add_argument("--beam", type=int, default=d.beam, help="kbest's beam width / klein's draws (default 4)")
+
+
+def parser() -> argparse.ArgumentParser:
+    from ..quantize.options import (COMPUTE_DTYPES, DEFAULT_GROUP_SIZE, DEFAULT_LM_HEAD_BITS, ORDERS, QuantizeOptions,
+                                    default_group_size)
     d = QuantizeOptions()
-    ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__,
+    ap = argparse.ArgumentParser(prog="latq-quantize", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="HF model directory, .gguf file, or a name: gemma3-270m, smollm2-135m")
     ap.add_argument("out", help="output checkpoint directory (written as OUT.tmp-latq, then renamed)")
@@ -104,28 +119,22 @@ def parser() -> argparse.ArgumentParser:
                         "its inputs X~ (quantized prefix) to the full-precision outputs XW (a second activation "
                         "stream, one more forward per sequence; calibrated methods)")
     g.add_argument("--damp", type=float, default=d.damp, help="Hessian damping λ = damp·mean(diag H) (default 0.01)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="also quantize the output head (same method; Hessian from the final norm's outputs). "
-                        "A tied head is untied: the embedding stays in the model dtype")
+    g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="quantize the output head with the layers' own bits (Hessian from the final norm's outputs), "
+                        "or with --no-quantize-lm-head keep it in the model dtype. Default: dense methods quantize "
+                        f"it with {DEFAULT_LM_HEAD_BITS}-bit inliers (no measurable perplexity cost, half the bytes "
+                        "it streams per token: docs/RESULTS.md), hptq/hrtn keep it. A tied head is untied: the "
+                        "embedding stays in the model dtype for the lookup")
     g.add_argument("--lm-head-bits", type=int, default=None, metavar="N",
-                   help="quantize the output head with N-bit inliers (implies --quantize-lm-head; dense methods). "
-                        "8 keeps its error negligible while halving the bytes it streams per token")
+                   help="quantize the output head with N-bit inliers (implies --quantize-lm-head; dense methods; "
+                        f"default {DEFAULT_LM_HEAD_BITS})")
     g.add_argument("--column-scales", default=d.column_scales, choices=("none",) + fmt.COLUMN_SCALE_FOLDS,
                    help="norm: per-input-column scales c ∝ sqrt(D) folded into the norms feeding q/k/v and "
                         "gate/up (free at serving time; needs a calibrated method). Default none")
     g.add_argument("--scale-bits", type=int, default=None, choices=(4,),
                    help="gptq/rtn/babai: store (and serve) the group scales as 4-bit codes on a grid per 16 rows "
                         "(6 bits per scale instead of 16: group 64 then costs fewer bits than fp16 group 128)")
-    g.add_argument("--rotate", default=d.rotate, choices=("none",) + fmt.rotation.KINDS,
-                   help="hadamard: rotate every quantized linear's input by a seeded random-sign block Hadamard "
-                        "matrix R and quantize W·R (incoherence processing: outlier columns spread out); served "
-                        "as x·R through latq's kernels. Default none")
-    g.add_argument("--rotate-seed", type=int, default=d.rotate_seed, help="the rotation's seed (default 0)")
-    g.add_argument("--decoder", default=d.decoder, choices=DECODERS,
-                   help="gptq/babai/ssqr/hptq: the lattice decoder. babai: GPTQ's nearest plane (default); kbest: a "
-                        "beam of --beam paths; klein: --beam randomized nearest-plane draws. Each row keeps the "
-                        "closer of the decoder's point and Babai's, at about --beam times the solve time")
-    g.add_argument("--beam", type=int, default=d.beam, help="kbest's beam width / klein's draws (default 4)")
+    _lattice_arguments(ap.add_argument_group("lattice"), d)
     c = ap.add_argument_group("calibration")
     c.add_argument("--calib", default=d.calib,
                    help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
@@ -156,7 +165,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from ..hf_model import UnsupportedModelError
-    from ..quantize.pipeline import QuantizeOptions, SimulatedInterruption, quantize_model
+    from ..quantize.faults import SimulatedInterruption
+    from ..quantize.options import QuantizeOptions
+    from ..quantize.pipeline import quantize_model
 
     a = parser().parse_args(argv)
     setup_logging(a.quiet)
@@ -165,13 +176,13 @@ def main(argv=None) -> int:
                                target_bits=a.target_bits, order=a.order, damp=a.damp, calib=a.calib,
                                nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device,
                                compute_dtype=a.compute_dtype, max_activation_memory=a.max_activation_memory,
-                               quantize_lm_head=a.quantize_lm_head or a.lm_head_bits is not None,
+                               quantize_lm_head=a.quantize_lm_head,
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
                                moe_route_all=a.moe_route_all, column_scales=a.column_scales,
                                target_correction=a.target_correction, scale_bits=a.scale_bits,
                                rotate=a.rotate, rotate_seed=a.rotate_seed, decoder=a.decoder, beam=a.beam)
-        quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress,
-                       validate=not a.no_validate)
+        out = quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite,
+                             progress=not a.no_progress, validate=not a.no_validate)
     except ranks.RankFailed as e:
         # one rank says it; rank 0 may be the lost one
         if os.environ.get("RANK", "0") == "0" or "stopped answering" in str(e):
@@ -188,6 +199,12 @@ def main(argv=None) -> int:
     except (UnsupportedModelError, OSError, ValueError, ModuleNotFoundError) as e:
         print(f"latq-quantize: error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":
+        from ..format.manifest import digest_of
+        d = digest_of(out)
+        print(f"latq-quantize: sealed {out}, digest {d}\n  hand it on with the checkpoint, and pin it where it is "
+              f"read: latq-serve {out} --expect-digest {d} (latq-inspect, latq-eval, latq-export take it too; "
+              f"LATQ_EXPECT_DIGEST for vllm serve)")
     return 0
 
 

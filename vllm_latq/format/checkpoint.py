@@ -1,22 +1,47 @@
-"""A latq checkpoint directory opened for reading (:class:`Checkpoint`: config, index and
-shard headers checked on open, tensors read on demand) and the plain transformers model of
-its dequantized weights (:func:`load_dequantized_model`, what ``latq-eval`` measures).
-Checking everything is :mod:`vllm_latq.format.validate`'s job."""
+"""A latq checkpoint directory opened for reading, and the plain transformers model of its
+dequantized weights (what ``latq-eval`` measures). Full checks are :mod:`.validate`'s job."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from .. import hf_model
+from ..bounded_io import read_json
+from ..model_config import check_config
 from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .layer import dequantize_layer, split_name
 from .rotation import unrotate
 from .safetensors_file import SafetensorsFile
 from .spec import parse_quantization_config
+
+
+def checkpoint_dir(name: str | os.PathLike, revision: str | None = None) -> Path:
+    """The directory of checkpoint ``name``: local, or a hub id's snapshot in the local cache (offline)."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        hit = try_to_load_from_cache(str(name), CONFIG_FILE, revision=revision)
+    except Exception as e:  # noqa: BLE001  (an id the hub's rules refuse)
+        raise FormatError(f"not a directory, nor a model hub id ({type(e).__name__}: {e})", file=str(name)) from None
+    if not isinstance(hit, str):
+        raise FormatError("not a local directory, and not in the local Hugging Face cache: latq verifies a checkpoint "
+                          "before it is served and downloads nothing, so download it whole first (hf download "
+                          f"{name}) or pass its directory", file=str(name))
+    return Path(hit).parent
+
+
+def is_latq_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a ``config.json`` with latq's ``quantization_config``."""
+    p = Path(path)
+    if not p.is_dir() or not os.path.lexists(p / CONFIG_FILE):
+        return False
+    qc = hf_model.config_dict(p).get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "latq"
 
 
 class Checkpoint:
@@ -28,7 +53,7 @@ class Checkpoint:
             raise FormatError("not a directory", file=str(self.path))
         check_no_links_out(self.path)
         self.config = hf_model.config_dict(self.path)
-        hf_model.check_config_sizes(self.config)
+        check_config(self.config)
         if "quantization_config" not in self.config:
             raise FormatError("no quantization_config: not a latq checkpoint", file=CONFIG_FILE)
         self.spec = parse_quantization_config(self.config["quantization_config"], file=CONFIG_FILE)
@@ -38,18 +63,15 @@ class Checkpoint:
 
     def _read_index(self) -> None:
         idx = self.path / INDEX_FILE
-        if idx.is_file():
-            try:
-                index = json.loads(idx.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError) as e:
-                raise FormatError(f"not valid JSON ({e})", file=INDEX_FILE) from None
+        if os.path.lexists(idx):   # a FIFO or device in its place is refused by the reader, naming it
+            index = read_json(idx, name=INDEX_FILE)
             wm = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise FormatError("weight_map must map tensor names to shard file names", file=INDEX_FILE)
             for shard in sorted(set(wm.values())):
                 if Path(shard).name != shard or not shard.endswith(".safetensors"):
                     raise FormatError(f"invalid shard file name {shard!r}", file=INDEX_FILE)
-                if not (self.path / shard).is_file():
+                if not os.path.lexists(self.path / shard):
                     raise FormatError(f"shard {shard} listed in the index is missing", file=INDEX_FILE)
                 self.shards[shard] = SafetensorsFile(self.path / shard)
             for name, shard in wm.items():
@@ -60,7 +82,7 @@ class Checkpoint:
                     if wm.get(name) != shard:
                         raise FormatError(f"not listed under this file in {INDEX_FILE}", file=shard, tensor=name)
             self.where = dict(wm)
-        elif (self.path / SINGLE_FILE).is_file():
+        elif os.path.lexists(self.path / SINGLE_FILE):
             f = self.shards[SINGLE_FILE] = SafetensorsFile(self.path / SINGLE_FILE)
             self.where = {n: SINGLE_FILE for n in f.names()}
         else:
@@ -100,33 +122,30 @@ class Checkpoint:
         config = self.hf_config()
         try:
             return hf_model.empty_model(config, dtype)
+        except FormatError:
+            raise
         except Exception as e:  # transformers/torch raise many kinds on a bad config
             raise FormatError(f"cannot build the model: {type(e).__name__}: {e}", file=CONFIG_FILE) from None
 
     def stats(self) -> dict:
-        f = self.path / STATS_FILE
         try:
-            st = json.loads(f.read_text(encoding="utf-8"))
+            st = read_json(self.path / STATS_FILE, name=STATS_FILE)
         except FileNotFoundError:
             raise FormatError("missing", file=STATS_FILE) from None
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"not valid JSON ({e})", file=STATS_FILE) from None
         if not isinstance(st, dict) or not isinstance(st.get("layers"), list):
             raise FormatError('must be an object with a "layers" list', file=STATS_FILE)
         return st
 
     def checkpoint_names(self, model) -> hf_model.CheckpointNames:
-        """How ``model`` (of this checkpoint's config) is named here: per-expert layers of its
-        fused experts, renamed tensors (FormatError if transformers cannot say)."""
+        """How ``model`` is named here (per-expert layers, renamed tensors)."""
         try:
             return hf_model.checkpoint_names(model)
         except hf_model.UnsupportedModelError as e:
             raise FormatError(str(e), file=CONFIG_FILE) from None
 
     def dequantized_tensors(self, dtype: torch.dtype = torch.float32):
-        """Yield ``(name, tensor)`` by checkpoint name: quantized layers as ``{module}.weight``
-        dequantized by :func:`~vllm_latq.format.layer.dequantize_layer` (one expert's linear
-        each, for a mixture; a rotated checkpoint's rotated back, ``Q·Rᵀ``), the rest cast to ``dtype``."""
+        """Yield ``(name, tensor)``: quantized layers dequantized (a rotated checkpoint's rotated back,
+        ``Q·Rᵀ``), the rest cast to ``dtype``."""
         spec = self.spec
         model = self.empty_model(dtype)
         ck_names = self.checkpoint_names(model)
@@ -146,8 +165,7 @@ class Checkpoint:
 
 
 def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames) -> tuple[int, int]:
-    """``(out, in)`` of the linear stored as ``module`` (a checkpoint name: a linear of ``model``
-    or one expert's linear of a fused experts parameter; FormatError naming ``file`` if it is none)."""
+    """``(out, in)`` of the linear (or expert's linear) stored as ``module``; else FormatError."""
     x = names.experts.get(module)
     if x is not None:
         return x.rows.stop - x.rows.start, model.get_parameter(x.param).shape[2]
@@ -162,9 +180,7 @@ def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames)
 
 
 def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A plain transformers model whose quantized linears hold :func:`~vllm_latq.format.layer.dequantize_layer`'s
-    weights (independent of any kernel): what ``latq-eval`` measures. A mixture's fused 3-D
-    expert parameters are filled expert by expert from their per-expert layers."""
+    """A plain transformers model holding the format's dequantized weights (no kernel)."""
     ck = Checkpoint(path)
     model = ck.empty_model(dtype)
     names = ck.checkpoint_names(model)

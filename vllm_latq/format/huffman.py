@@ -1,21 +1,5 @@
-"""Length-limited canonical Huffman coding of integer matrices (used by HPTQ).
-
-A matrix of signed integers (mostly small, with a thin tail) is coded with one
-canonical Huffman code. The flat row-major symbol sequence is cut into chunks
-of ``CHUNK`` symbols; the bit length of every chunk is stored so that chunks
-can be decoded independently (in parallel: SIMD lanes here, threads on a GPU).
-
-Stored bits (``HuffmanStream.total_bits``, reproduced by ``coded_bits``)::
-
-    8 * ceil(payload_bits / 8)     payload, MSB-first, zero-padded to a byte
-  + 40 * n_symbols                 codebook: int32 symbol + uint8 length each
-  + 16 * ceil(numel / CHUNK)       uint16 bit length of every chunk
-
-``numel`` and the symbol count are shape metadata and are not counted.
-There is no checksum: a flipped payload bit that still parses to the same
-chunk lengths decodes to different symbols without an error (all structural
-inconsistencies, truncation and wrong chunk lengths are detected).
-"""
+"""Length-limited canonical Huffman coding of integer matrices (HPTQ's kind; docs/FORMAT.md), cut
+into chunks of ``CHUNK`` symbols that decode independently."""
 
 from __future__ import annotations
 
@@ -38,11 +22,7 @@ _I32 = np.iinfo(np.int32)
 
 
 def code_lengths(counts, max_len: int = MAX_CODE_LEN) -> np.ndarray:
-    """Optimal prefix-code lengths (uint8) for positive ``counts``, each <= ``max_len``.
-
-    Package-merge (Larmore & Hirschberg), vectorised per level. A single symbol
-    gets length 1 (a code needs at least one bit per symbol).
-    """
+    """Optimal prefix-code lengths (uint8, each ≤ ``max_len``) for positive ``counts``: package-merge."""
     w = np.asarray(counts)
     if w.ndim != 1:
         raise ValueError(f"counts must be 1-D, got shape {w.shape}")
@@ -128,7 +108,7 @@ def _payload(counts: np.ndarray, lengths: np.ndarray) -> int:
 
 
 def stored_bits(payload_bits: int, nsym: int, numel: int) -> int:
-    """Stored size in bits; the formula in the module docstring."""
+    """Stored size in bits: padded payload + codebook + chunk table."""
     return 8 * (-(-payload_bits // 8)) + 40 * nsym + 16 * (-(-numel // CHUNK))
 
 
@@ -139,11 +119,7 @@ def stored_bits(payload_bits: int, nsym: int, numel: int) -> int:
 @dataclass(frozen=True, eq=False)
 class HuffmanCode:
     """A canonical prefix code: ``symbols[i]`` has code length ``lengths[i]``.
-
-    Arrays are normalised to canonical order (sorted by (length, symbol)) and
-    frozen; construction validates lengths in [1, MAX_CODE_LEN], distinct
-    symbols and the Kraft inequality, so codebooks read from disk are checked.
-    """
+    Construction validates lengths, distinct symbols and Kraft, so codebooks read from disk are checked."""
 
     symbols: np.ndarray  # int32
     lengths: np.ndarray  # uint8
@@ -231,10 +207,7 @@ class HuffmanCode:
         return self.nsym * (32 + 8)
 
     def index_of(self, flat: np.ndarray) -> np.ndarray:
-        """Canonical index (int32) of every symbol in flat int32 ``flat``.
-
-        Raises ValueError naming the first symbol that is not in the code.
-        """
+        """Canonical index of every symbol in ``flat``; ValueError naming the first one not in the code."""
         if flat.size == 0:
             return np.empty(0, np.int32)
         if self.nsym == 0:
@@ -331,11 +304,7 @@ def encode(z, code: HuffmanCode | None = None) -> HuffmanStream:
 
 
 def _decode_lanes(tables, pos: np.ndarray, tail: int) -> np.ndarray:
-    """Decode CHUNK symbols in every lane from bit offsets ``pos`` (advanced in place).
-
-    The last lane stops after ``tail`` symbols. Returns canonical symbol indices
-    (lanes, CHUNK), -1 for invalid code words (which do not advance the lane).
-    """
+    """Decode CHUNK symbols in every lane from bit offsets ``pos`` (advanced in place); -1 if invalid."""
     win, tab_idx, tab_len = tables
     last_byte = win.size - 1  # clamp so corrupt lanes that run past the end stay in bounds
     out = np.empty((CHUNK, pos.size), np.int32)
@@ -351,13 +320,8 @@ def _decode_lanes(tables, pos: np.ndarray, tail: int) -> np.ndarray:
 
 
 def decode(stream: HuffmanStream) -> np.ndarray:
-    """Decode ``stream`` to a flat int32 array, validating it; ValueError if corrupt.
-
-    Chunks are decoded together as vector lanes (in groups of _LANES): step t
-    decodes symbol t of every chunk by peeking 16 bits at each lane's bit offset
-    and looking up (symbol, length) in a 2^16-entry table, so the work is
-    CHUNK numpy steps per group whatever the data (corrupt input cannot hang).
-    """
+    """Decode ``stream`` to a flat int32 array; ValueError if corrupt.
+    Chunks decode together as vector lanes through a 2^16-entry table, so corrupt input cannot hang."""
     code, n = stream.code, int(stream.numel)
     data = np.asarray(stream.data)
     cb = np.asarray(stream.chunk_bits)
@@ -385,8 +349,7 @@ def decode(stream: HuffmanStream) -> np.ndarray:
     tables = (win, tab_idx, tab_len.astype(np.int64))
     idx = np.empty(nchunks * CHUNK, np.int32)
     pos = offsets.copy()
-    # Lane groups keep the per-step working set cache-sized (many more lanes
-    # than ~4k made each step several times slower per lane).
+    # Lane groups keep the per-step working set cache-sized.
     for g in range(0, nchunks, _LANES):
         stop = min(g + _LANES, nchunks)
         tail = n - (nchunks - 1) * CHUNK if stop == nchunks else CHUNK

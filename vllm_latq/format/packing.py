@@ -1,8 +1,5 @@
-"""Bit-packing of the dense kinds' b-bit integers (``P.qweight``): the one definition of the
-layout that the writer, the readers and every kernel share (docs/FORMAT.md, "Packing").
-
-Every tensor is created on the input's device, so these run unchanged on CUDA and ``meta``.
-"""
+"""Bit-packing of the dense kinds' b-bit integers (``P.qweight``): the one definition of the layout
+(docs/FORMAT.md, "Packing"). Tensors are made on the input's device, so CUDA and ``meta`` work."""
 from __future__ import annotations
 
 import math
@@ -28,13 +25,7 @@ def row_chunks(rows: int, per_row: int, elems: int = PACK_CHUNK_ELEMS):
 
 
 def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed b-bit integers ``[out, in]`` → int32 ``[out, ceil(in/32)·b]``.
-
-    Offset binary: ``u = z + 2^(b-1)`` in ``[0, 2^b)``. Each tile of 32 consecutive input
-    columns is one 32·b-bit little-endian integer, value k at bits ``[k·b, k·b + b)``, split
-    into b int32 words. For b = 2 and 4 this is plain little-endian packing (16 / 8 values per
-    word); for b = 3 no value is wasted (32 values in 3 words) — a kernel loads b words per
-    32 columns for any b. Padding columns hold u = 0."""
+    """Signed b-bit integers ``[out, in]`` → int32 ``[out, ceil(in/32)·b]``: offset binary, 32-column tiles."""
     out, cin = z.shape
     # compared as int: 2^7 does not fit an int8 tensor's dtype (RTN's clipped integers are int8)
     if z.numel() and (int(z.min()) < -2 ** (bits - 1) or int(z.max()) >= 2 ** (bits - 1)):
@@ -51,27 +42,20 @@ def pack(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _bit_plane_words(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Tiles ``[R, T, 32]`` of offset values → their ``[R, T, b]`` words, for any b: bit j of
-    value k is bit k·b + j of the tile, i.e. bit (k·b + j) mod 32 of word (k·b + j) div 32."""
+    """Tiles ``[R, T, 32]`` of offset values → their ``[R, T, b]`` words, for any b."""
     dev = u.device
     bitplanes = (u[..., None] >> torch.arange(bits, device=dev)) & 1                     # [R, T, 32, b]
     return (bitplanes.reshape(*u.shape[:2], bits, 32) << torch.arange(32, device=dev)).sum(-1)
 
 
 def _whole_value_words(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`_bit_plane_words` where b divides 32 and no value straddles two words: value k is
-    bits [(k mod 32/b)·b, …) of word k div (32/b) — 1/b of the work."""
+    """:func:`_bit_plane_words` where b divides 32 (no value straddles two words): 1/b of the work."""
     per = 32 // bits
     return (u.reshape(*u.shape[:2], bits, per) << (bits * torch.arange(per, device=u.device))).sum(-1)
 
 
 def unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """Inverse of :func:`pack` → int32 ``[out, in]`` signed integers.
-
-    Read byte-wise: a tile is a little-endian 32·b-bit integer, so every b consecutive bytes
-    hold exactly 8 values — for b ∈ {1, 2, 4, 8} each byte holds whole values, otherwise the b
-    bytes are read as one int64. (Viewing int32 words as bytes assumes a little-endian device,
-    as x86, Arm and CUDA are.)"""
+    """Inverse of :func:`pack` → int32 ``[out, in]``; reads bytes, so assumes a little-endian device."""
     out = qweight.shape[0]
     dev = qweight.device
     res = torch.empty(out, in_features, dtype=torch.int32, device=dev)
@@ -91,9 +75,7 @@ def unpack(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
 
 
 def unpack_at(qweight: torch.Tensor, bits: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """The signed integers at positions ``(rows[k], cols[k])`` only, int32 ``[k]``: what
-    :func:`unpack` would give there, without unpacking the whole matrix. Value k of a tile
-    sits at bits ``[k·b, k·b + b)`` of its b words."""
+    """The signed integers at ``(rows[k], cols[k])`` only, without unpacking the whole matrix."""
     rows, cols = rows.long(), cols.long()
     bit = (cols % PACK_TILE)[:, None] * bits + torch.arange(bits, device=qweight.device)   # [k, b]
     word = (cols // PACK_TILE)[:, None] * bits + bit // 32

@@ -1,10 +1,5 @@
-"""Our strict reader and deterministic writer of ``.safetensors`` files, with a per-tensor
-sha256 table (``latq_sha256``) in the metadata.
-
-The reader (:class:`SafetensorsFile`) raises :class:`~vllm_latq.format.FormatError`, naming
-the file and tensor, on any inconsistency instead of the library's panics, so a corrupted
-file can never crash or hang a reader. The writer orders everything, so a file's bytes
-depend only on its tensors and metadata."""
+"""Our strict reader (a :class:`~vllm_latq.format.FormatError` naming file and tensor, never a panic)
+and deterministic writer of ``.safetensors`` files, with a per-tensor sha256 table."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from ..bounded_io import open_regular, parse_json
 from ..errors import FormatError
 
 CHECKSUM_KEY = "latq_sha256"
@@ -36,8 +32,7 @@ _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _DTYPES.items
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes safetensors stores for ``t``: a view of its memory, not a
-    copy (the writer hashes and writes GB-sized embeddings)."""
+    """The raw little-endian bytes safetensors stores for ``t``: a view, not a copy."""
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -52,9 +47,7 @@ PIECE_BYTES = 16 << 20  # a stored tensor is copied in pieces of this size
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """Tensor ``name`` of a safetensors ``file``, for :func:`write_safetensors` to copy by pieces:
-    a model's GB-sized embedding and head pass from the source into the checkpoint through a few
-    MiB of memory (read with ``read``, not mapped: no page of them joins the resident set)."""
+    """Tensor ``name`` of a safetensors ``file``, copied by pieces (read, not mapped: RSS stays flat)."""
     file: "SafetensorsFile"
     name: str
 
@@ -63,15 +56,9 @@ class StoredTensor:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor | StoredTensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file with a ``latq_sha256`` checksum table in the metadata,
-    atomically (``path.part`` then rename). A :class:`StoredTensor` value is read twice by pieces
-    (checksum, then bytes) and never held whole.
-
-    Our own serializer, because the safetensors library orders the metadata keys by a
-    randomized hash map: here the header is compact JSON with sorted keys, tensors are laid
-    out contiguously in name order and the header is space-padded to 8 bytes, so the bytes
-    depend only on the tensors and the metadata (and the library reads the file as usual)."""
+                      metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file with a ``latq_sha256`` table, atomically → the whole file's sha256.
+    Our own serializer: the library orders metadata keys by a randomized hash map."""
     path = Path(path)
     values = {k: v if isinstance(v, StoredTensor) else v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
     meta = {"format": "pt", **(metadata or {})}
@@ -94,15 +81,21 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     part = path.with_name(path.name + ".part")
+    whole = hashlib.sha256()
+
+    def put(b) -> int:
+        whole.update(b)
+        return f.write(b)
     with part.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        put(struct.pack("<Q", len(raw)))
+        put(raw)
         for k, v in values.items():
-            n = sum(f.write(b) for b in _pieces(v))
+            n = sum(put(b) for b in _pieces(v))
             begin, end = header[k]["data_offsets"]
             if n != end - begin:
                 raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
     os.replace(part, path)
+    return whole.hexdigest()
 
 
 def _layout_text(dtype: str, shape) -> str:
@@ -130,16 +123,14 @@ class _Entry:
 
 
 class SafetensorsFile:
-    """A strict reader of one ``.safetensors`` file. The header is parsed and checked at
-    construction (sizes, dtypes, shapes, offsets in range and non-overlapping); tensors are
-    read on demand. Every problem is a :class:`FormatError` naming the file (and tensor)."""
+    """A strict reader of one ``.safetensors`` file: header checked on open, tensors read on demand."""
 
     def __init__(self, path: str | os.PathLike, display: str | None = None):
         self.path = Path(path)
         self.name = display or self.path.name
         try:
-            size = self.path.stat().st_size
-            with self.path.open("rb") as f:
+            with self._open() as f:
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 if len(head) < 8:
                     raise self._err(f"truncated: {size} bytes, too short for a safetensors header")
@@ -150,9 +141,10 @@ class SafetensorsFile:
         except OSError as e:
             raise self._err(f"cannot read: {e}") from None
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise self._err(f"header is not valid JSON ({e})") from None
+            header = parse_json(raw, name=self.name)
+        except FormatError as e:
+            why = str(e).removeprefix(f"file {self.name}: ")
+            raise self._err(f"header is {why}" if why.startswith("not ") else f"header: {why}") from None
         if not isinstance(header, dict):
             raise self._err("header is not a JSON object")
         self.header_sha256 = hashlib.sha256(head + raw).hexdigest()   # what latq_manifest.json records
@@ -170,6 +162,10 @@ class SafetensorsFile:
             if b1 < e0:
                 raise self._err(f"data of tensors {k0} and {k1} overlap", k1)
         self._checksums: dict[str, str] | None = None
+
+    def _open(self):
+        """The file, opened only if it is a regular file (a FIFO is refused, never waited on)."""
+        return open_regular(self.path, name=self.name)
 
     def _err(self, what: str, tensor: str | None = None) -> FormatError:
         return FormatError(what, file=self.name, tensor=tensor)
@@ -214,7 +210,7 @@ class SafetensorsFile:
     def raw(self, name: str) -> bytes:
         e = self.entries[name]
         try:
-            with self.path.open("rb") as f:
+            with self._open() as f:
                 f.seek(self.data_start + e.begin)
                 b = f.read(e.end - e.begin)
         except OSError as err:
@@ -238,21 +234,23 @@ class SafetensorsFile:
         e = self._entry_of(name)
         buf = memoryview(bytearray(min(size, e.end - e.begin)))
         try:
-            with self.path.open("rb") as f:
+            with self._open() as f:
                 f.seek(self.data_start + e.begin)
                 left = e.end - e.begin
                 while left:
-                    got = f.readinto(buf[:min(size, left)])
-                    if not got:
-                        raise self._err("truncated while reading", name)
+                    want, got = min(size, left), 0
+                    while got < want:   # whole pieces: a piece holds whole elements
+                        n = f.readinto(buf[got:want])
+                        if not n:
+                            raise self._err("truncated while reading", name)
+                        got += n
                     left -= got
                     yield buf[:got]
         except OSError as err:
             raise self._err(f"cannot read: {err}", name) from None
 
     def get_rows(self, name: str, index: int, rows: slice) -> torch.Tensor:
-        """``tensor[index, rows]`` of a 3-D tensor (one expert's rows of a fused expert tensor),
-        read alone: those rows are contiguous in the file."""
+        """``tensor[index, rows]`` of a 3-D tensor (one expert's rows), read alone."""
         e = self._entry_of(name)
         if len(e.shape) != 3 or not 0 <= index < e.shape[0] or not 0 <= rows.start <= rows.stop <= e.shape[1]:
             raise self._err(f"no rows [{index}, {rows.start}:{rows.stop}] in a tensor of shape {tuple(e.shape)}", name)
@@ -270,7 +268,7 @@ class SafetensorsFile:
     def _read(self, name: str, begin: int, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
         try:
-            with self.path.open("rb") as f:
+            with self._open() as f:
                 f.seek(self.data_start + begin)
                 got = f.readinto(buf.numpy())
         except OSError as err:
@@ -284,18 +282,17 @@ class SafetensorsFile:
         """{tensor: sha256} from the metadata, or None when the file has none."""
         if self._checksums is None and CHECKSUM_KEY in self.metadata:
             try:
-                c = json.loads(self.metadata[CHECKSUM_KEY])
-            except ValueError:
+                c = parse_json(self.metadata[CHECKSUM_KEY], name=self.name)
+            except FormatError:
                 c = None
             if not isinstance(c, dict) or not all(isinstance(v, str) for v in c.values()):
                 raise self._err(f"metadata {CHECKSUM_KEY} is not a JSON object of hex digests")
             self._checksums = c
         return self._checksums
 
-    def verify(self, name: str) -> None:
-        """Raise unless the tensor's header entry is the one written (dtype, shape) and its bytes
-        match the recorded sha256, read by pieces. A file without a checksum table is refused:
-        nothing would catch an edit of it (``--no-verify`` skips this on purpose)."""
+    def verify(self, name: str, value_limit: float | None = None) -> None:
+        """Raise unless the tensor's layout and bytes are as written (with ``value_limit``: its values bounded).
+        A file without a checksum table is refused: nothing would catch an edit of it."""
         sums = self.checksums
         if sums is None:
             raise self._err(f"no {CHECKSUM_KEY} checksum table in the metadata: not written by latq, or "
@@ -304,14 +301,38 @@ class SafetensorsFile:
             raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
         self.check_layout(name)
         h = hashlib.sha256()
-        for piece in self.pieces(name):
-            h.update(piece)
+        largest = self._scan(name, h, value_limit is not None)
         if h.hexdigest() != sums[name]:
             raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
+        self._bound(name, largest, value_limit)
+
+    def check_values(self, name: str, limit: float) -> None:
+        """Raise unless every value of the floating-point tensor is finite and within ``±limit``, by pieces."""
+        self._bound(name, self._scan(name, None, True), limit)
+
+    def _scan(self, name: str, h, values: bool) -> float | None:
+        """One pass over the tensor's bytes into ``h``; with ``values`` → its largest magnitude (NaN if any)."""
+        dtype = self.dtype(name)
+        largest = 0.0 if values and dtype.is_floating_point else None
+        for piece in self.pieces(name):
+            if h is not None:
+                h.update(piece)
+            if largest is not None and len(piece) and not math.isnan(largest):
+                m = torch.frombuffer(piece, dtype=dtype).abs().amax().item()
+                largest = m if math.isnan(m) else max(largest, m)
+        return largest
+
+    def _bound(self, name: str, largest: float | None, limit: float | None) -> None:
+        if limit is None or largest is None:
+            return
+        if not math.isfinite(largest):
+            raise self._err("has NaN/Inf values", name)
+        if largest > limit:
+            raise self._err(f"has values up to {largest:g}, beyond ±{limit:g} (fp16's range: a model may be served "
+                            "in fp16)", name)
 
     def check_layout(self, name: str) -> None:
-        """Raise unless the tensor's header entry (dtype, shape) is the one :data:`LAYOUT_KEY`
-        records as written; a file without that table has nothing to compare."""
+        """Raise unless the tensor's dtype and shape are those :data:`LAYOUT_KEY` records (if recorded)."""
         written = self.layouts.get(name) if self.layouts is not None else None
         e = self._entry_of(name)
         if written is not None and written != _layout_text(e.dtype, e.shape):
@@ -320,13 +341,12 @@ class SafetensorsFile:
 
     @functools.cached_property
     def layouts(self) -> dict[str, str] | None:
-        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files
-        (parsed once: the validator asks for every tensor)."""
+        """{tensor: "DTYPE[shape]"} as written (:data:`LAYOUT_KEY`), or None in older files; parsed once."""
         if LAYOUT_KEY not in self.metadata:
             return None
         try:
-            v = json.loads(self.metadata[LAYOUT_KEY])
-        except ValueError:
+            v = parse_json(self.metadata[LAYOUT_KEY], name=self.name)
+        except FormatError:
             v = None
         if not isinstance(v, dict):
             raise self._err(f"metadata {LAYOUT_KEY} is not a JSON object")

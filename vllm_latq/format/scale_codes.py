@@ -1,21 +1,5 @@
-"""Second-level scale quantization (SpQR's idea): a dense layer's group scales
-stored as 4-bit codes on an affine grid shared by 16 consecutive rows of a group, instead of
-one fp16 per scale — 4 + 2·16/16 = 6 bits per scale instead of 16, so group 64 costs fewer
-served bits than fp16 group 128 (0.094 vs 0.125 bits/weight). The one definition of the coded
-form, used by the solvers (which quantize against the decoded scales), the writer, the readers
-and the kernels:
-
-    P.scale_codes  uint8  [ceil(out/2), G]   code of row 2r in the low nibble, 2r+1 in the high
-    P.scale_min    fp16   [ceil(out/16), G]  the grid's origin per 16-row block of a group
-    P.scale_step   fp16   [ceil(out/16), G]  its step
-    s[n, g] = fp16(fp32(min[n//16, g]) + code[n, g] · fp32(step[n//16, g]))
-
-The product is exact in fp32 (an 11-bit mantissa times a 4-bit integer), so the fp32 sum is one
-rounding whether a kernel fuses it or not, and the decoded scales are fp16 values like stored
-scales: any consumer of fp16 scales takes them unchanged. Nibbles pair rows (not groups), so a
-tensor-parallel cut of the input columns keeps whole bytes, and a cut of the rows on 16-row
-boundaries keeps whole blocks.
-"""
+"""Second-level scales (SpQR's idea): group scales as 4-bit codes on a grid per 16 rows of a group;
+the one definition of the coded form (docs/FORMAT.md, "Coded scales")."""
 from __future__ import annotations
 
 import math
@@ -70,8 +54,7 @@ def decode_scales(codes: torch.Tensor, smin: torch.Tensor, step: torch.Tensor) -
 
 
 def code_scales(S: torch.Tensor, bits: int = 4) -> CodedScales:
-    """Positive scales ``[out, G]`` → the nearest codes on each block's grid [min, max] of
-    ``2^bits`` levels (min and step rounded to fp16; min at least fp16's smallest subnormal)."""
+    """Positive scales ``[out, G]`` → the nearest codes on each block's grid of ``2^bits`` levels."""
     if bits not in CODE_BITS:
         raise ValueError(f"scale code bits {bits} not supported (supported: {CODE_BITS})")
     levels = 2 ** bits - 1

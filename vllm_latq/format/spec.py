@@ -25,6 +25,7 @@ DENSE_METHODS = ("ssqr", "gptq", "rtn", "babai")
 HUFFMAN_METHODS = ("hptq", "hrtn")
 METHODS = DENSE_METHODS + HUFFMAN_METHODS
 ORDERS = ("act", "min-pivot", "natural", "reverse")
+INLIER_BITS = range(2, 9)   # the inlier widths a dense layer may store
 # where per-input-column scales were folded (quantize/column_scales.py): "norm" = into the norm
 # feeding q/k/v and gate/up; the checkpoint's tensors already carry them, readers need nothing
 COLUMN_SCALE_FOLDS = ("norm",)
@@ -136,7 +137,7 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     bits = group_size = outlier_rate = target_bits = None
     if kind == "dense":
         bits = qc.get("bits")
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in INLIER_BITS:
             raise FormatError(f"quantization_config.bits must be an integer in 2..8, got {bits!r}", file=file)
         group_size = qc.get("group_size")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -164,7 +165,7 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     if lb and kind != "dense":
         raise FormatError(f"quantization_config.layer_bits is for the dense methods, not {method}", file=file)
     for m, b in lb.items():
-        if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 8:
+        if isinstance(b, bool) or not isinstance(b, int) or b not in INLIER_BITS:
             raise FormatError(f"quantization_config.layer_bits[{m!r}] must be an integer in 2..8, got {b!r}",
                               file=file)
     fold, power = _column_scales(qc.get("column_scales"), method, file)

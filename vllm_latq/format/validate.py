@@ -6,35 +6,46 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from .. import hf_model
 from ..hf_model import UnsupportedModelError, decoder_layers
+from ..model_config import check_architecture
 from . import scale_codes
 from .checkpoint import Checkpoint, linear_shape
 from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from . import huffman
 from .layer import expected_shapes, has_coded_scales, validate_layer
-from .manifest import NO_VERIFY_ENV, SKIPPED, no_verify_requested, verify_manifest
+from .layer import MAX_WEIGHT
+from .manifest import (DIGEST_ENV, NO_VERIFY_ENV, SKIPPED, check_digest, expected_digest_from_env,
+                       no_verify_requested, read_manifest, verify_manifest)
 from .spec import QuantSpec, check_budget
 
 logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
 
 def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_checksums: bool = True,
-                        progress: bool = False) -> dict:
+                        progress: bool = False, expect_digest: str | None = None) -> dict:
     """Check everything about a checkpoint and return its report ``{"layers": [...], "totals":
-    {...}, "spec": QuantSpec}``. Raises :class:`FormatError` naming file and tensor on the
-    first problem: config, index/shard consistency, safetensors headers, checksums, every
-    layer's tensors (:func:`~vllm_latq.format.layer.validate_layer`, with ``decode`` the Huffman streams are
+    {...}, "spec": QuantSpec, "unsealed": [...]}``. Raises :class:`FormatError` naming file and
+    tensor on the first problem: the pinned digest (``expect_digest``, first), config,
+    index/shard consistency, safetensors headers, checksums, every layer's tensors
+    (:func:`~vllm_latq.format.layer.validate_layer`, with ``decode`` the Huffman streams are
     decoded), the bit budget, plain tensors' shapes against a meta-device model built from
-    ``config.json``, the stats file, and (with ``verify_checksums``) ``latq_manifest.json``'s
-    checksums of the config, the stats and the shard headers."""
+    ``config.json`` and their values, the stats file, and (with ``verify_checksums``)
+    ``latq_manifest.json``: every file of the directory sealed as written. ``unsealed``: the
+    entries no loader reads that the manifest leaves out (README.md, subdirectories)."""
+    if expect_digest is not None:
+        if not verify_checksums:
+            raise ValueError("a pinned digest needs the checks --no-verify skips: pass one or the other")
+        check_digest(read_manifest(Path(path)), expect_digest)   # first: nothing else of another checkpoint matters
     ck = Checkpoint(path)
     spec = ck.spec
     model = ck.empty_model(torch.float32)
+    check_architecture(ck.config, type(model).__name__)
     try:
         decoder_layers(model)
     except UnsupportedModelError as e:
@@ -110,9 +121,9 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
         check_plain_dtype(f, name, config_dtype, file=file)
         if verify_checksums:
-            f.verify(name)
-        if len(want.shape) == 1 and not torch.isfinite(f.get(name).float()).all():   # norms, biases: small
-            raise FormatError("has NaN/Inf values", file=file, tensor=name)
+            f.verify(name, value_limit=MAX_WEIGHT)   # one pass over the bytes: sha256 and values
+        else:
+            f.check_values(name, MAX_WEIGHT)
         covered.add(ck_names.model_key(name))
     persistent = {n for n in expected if n not in dict(model.named_buffers())}
     missing = sorted(persistent - covered - tied)
@@ -132,28 +143,41 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             raise FormatError(f"rotation_block {s.get('rotation_block')!r} disagrees with the rotation's rule "
                               f"({spec.rotation.block_size(r['shape'][1])} for {r['shape'][1]} columns)",
                               file=STATS_FILE, tensor=r["name"])
+        if spec.kind == "dense" and "group_size" in s and s["group_size"] != spec.group_size:
+            raise FormatError(f"quantization_config.group_size is {spec.group_size}, but {r['name']} was quantized "
+                              f"with group size {s['group_size']!r} ({STATS_FILE}): one of them was edited",
+                              file=CONFIG_FILE)
         r["rel_error"] = s.get("rel_error")
         r["cert"] = s.get("cert")
     if set(stats) - {r["name"] for r in rows}:
         extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
         raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
+    unsealed = []
     if verify_checksums:   # last, so that a structural problem is named as such first
-        verify_manifest(ck.path, ck.config, ck.shards)
-    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec}
+        unsealed = verify_manifest(ck.path, ck.config, ck.shards, expect_digest)
+    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec, "unsealed": unsealed}
 
 
 def verify_for_serving(path: str | os.PathLike) -> dict:
     """The vLLM plugin's check of a checkpoint directory before vLLM reads a tensor: the checks
     ``latq-eval`` runs (:func:`validate_checkpoint` without decoding the Huffman streams, which
     the loader decodes): shapes before bytes, every tensor's sha256 streamed by pieces, value
-    bounds, the manifest. ``LATQ_NO_VERIFY=1`` skips the sha256 checks as ``--no-verify`` does,
-    with one warning saying so. Returns the report."""
-    skip = no_verify_requested()
+    bounds, every file against the manifest, and the manifest against the digest
+    ``LATQ_EXPECT_DIGEST`` pins. ``LATQ_NO_VERIFY=1`` skips the sha256 checks as ``--no-verify``
+    does, with one warning saying so (refused beside a pinned digest). Returns the report."""
+    skip, digest = no_verify_requested(), expected_digest_from_env()
+    if skip and digest:
+        raise FormatError(f"{NO_VERIFY_ENV}=1 and {DIGEST_ENV} are both set: a pinned digest needs the checks "
+                          f"{NO_VERIFY_ENV} skips", file=str(path))
     if skip:
         logger.warning("latq: %s=1: %s", NO_VERIFY_ENV, SKIPPED)
-    report = validate_checkpoint(path, decode=False, verify_checksums=not skip)
+    report = validate_checkpoint(path, decode=False, verify_checksums=not skip, expect_digest=digest)
+    if report["unsealed"]:
+        logger.warning("latq: %s: not sealed, read by no loader: %s", path, ", ".join(report["unsealed"]))
     logger.info("latq: %s checked before serving: %s", path, "shapes, dtypes and value bounds (no sha256)" if skip
-                else "every tensor's sha256, the manifest, shapes, dtypes and value bounds")
+                else "every tensor's sha256, every file against the manifest" + (f", the pinned digest {digest}"
+                                                                                 if digest else "")
+                + ", shapes, dtypes and value bounds")
     return report
 
 
@@ -236,7 +260,9 @@ def format_report(report: dict) -> str:
     if "served_bits_per_weight" in t:
         lines.append("served (what a decode step streams, per kernel family): " + ", ".join(
             f"{fam} {b:.4f}" for fam, b in t["served_bits_per_weight"].items())
-            + f" bits/weight vs stored {t['bits_per_weight']:.4f}")
+            + f" bits/weight vs stored {t['bits_per_weight']:.4f}, "
+            + ("the output head included" if any(r["name"].split(".")[-1] == "lm_head" for r in report["layers"])
+               else "the output head in the model dtype not counted"))
     return "\n".join(lines)
 
 

@@ -1,15 +1,16 @@
-"""Writing a checkpoint directory's files other than the shards' contents: shard names, the
-index, deterministic JSON (config, stats, progress) and the files copied from the source
-model. Shards themselves are written by :func:`~vllm_latq.format.safetensors_file.write_safetensors`."""
+"""Writing a checkpoint's files other than the shards' contents: shard names, index, JSON, copied files."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
-from .files import AUX_PATTERNS, INDEX_FILE
+from ..bounded_io import copy_regular
+from .files import AUX_PATTERNS, INDEX_FILE, check_inside
 from .safetensors_file import SafetensorsFile
+
+
+MAX_AUX_BYTES = 256 << 20   # a tokenizer file: the largest real ones are tens of MiB
 
 
 def shard_name(i: int, n: int) -> str:
@@ -36,9 +37,17 @@ def write_index(out: Path, shards: list[str]) -> None:
     write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))})
 
 
-def copy_aux_files(src: Path, out: Path) -> list[str]:
-    """Copy tokenizer / generation / chat-template files; returns their names."""
-    names = sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_file()})
+def aux_files(src: Path) -> list[str]:
+    """The tokenizer, chat-template and generation files of ``src`` a checkpoint carries; links out refused."""
+    names = sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_symlink() or not p.is_dir()})
     for n in names:
-        shutil.copyfile(src / n, out / n)
+        check_inside(src, src / n, "the source model's directory", name=str(src / n))
+    return names
+
+
+def copy_aux_files(src: Path, out: Path) -> list[str]:
+    """Copy :func:`aux_files` of ``src`` into ``out``, regular files of bounded size only → their names."""
+    names = aux_files(src)
+    for n in names:
+        copy_regular(src / n, out / n, limit=MAX_AUX_BYTES, name=str(src / n))
     return names

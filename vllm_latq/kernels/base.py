@@ -86,6 +86,9 @@ class LatqKernel:
     name = "base"
     state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)
     auto_select = True            # False: only when forced by name (``LATQ_KERNEL``)
+    # True: no prepare/apply of its own — vLLM's layer code serves the layers it is chosen for
+    # (the plugin installs it: ``plugin/vllm_scheme.py``)
+    delegated = False
     widths: tuple[int, ...] = RUNTIME_WIDTHS   # inlier widths the kernel takes
 
     @classmethod

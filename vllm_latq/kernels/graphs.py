@@ -4,6 +4,8 @@ eager warm-up at a capture size must take the path the capture will take, or the
 meets kernels, scratch and host reads the warm-up never prepared)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # vLLM's largest CUDA-graph batch (its default capture sizes end at 512 tokens); the plugin
@@ -25,3 +27,14 @@ def may_be_captured(device, tokens: int) -> bool:
     """A call of ``tokens`` rows on ``device`` is being captured, or is one vLLM may capture
     (its warm-up runs eagerly at every capture size first)."""
     return capturing(device) or (graph_device(device) and tokens <= GRAPH_TOKENS)
+
+
+def concurrent_streams() -> list:
+    """Streams on which vLLM runs model layers concurrently with the forward's own stream: the
+    one ``vllm.utils.torch_utils.aux_stream()`` makes (MoE shared experts, and the few models
+    that overlap other work), once some layer has created it. Every other stream vLLM runs a
+    forward on (the default one, each CUDA-graph capture stream, the memory profiler's) is
+    ordered with the forward. Read without importing vLLM or creating the stream."""
+    mod = sys.modules.get("vllm.utils.torch_utils")
+    aux = getattr(mod, "_aux_stream", None) if mod is not None else None
+    return [aux] if aux is not None else []

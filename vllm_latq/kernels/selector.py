@@ -5,15 +5,15 @@ first whose ``can_implement`` accepts a layer — and says why the others did no
 kernel's reason. Accepted values (kernel ``name``, in selection order):
 
 * ``vllm`` — vLLM's own mixed-precision kernels (Marlin, Machete, …; CPUWNA16 where its op
-  exists) for standard forms: 4/8-bit, no outliers (:mod:`~vllm_latq.kernels.vllm_mp`; a MoE
-  layer's experts through vLLM's MoE kernels, :mod:`~vllm_latq.kernels.vllm_moe`); on CPU
-  opt-in only, asked after ``cpu``;
+  exists) for standard forms: 4/8-bit, no outliers, activations they compute
+  (:mod:`~vllm_latq.kernels.vllm_mp`; a MoE layer's experts through vLLM's MoE kernels,
+  :mod:`~vllm_latq.kernels.vllm_moe`), served by vLLM's own layer code (``delegated``: the plugin
+  installs vLLM's scheme, ``plugin/vllm_scheme.py``); on CPU opt-in only, asked after ``cpu``;
 * ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton.kernel`), CUDA ≥ sm_80,
   2–5-bit inliers;
 * ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);
 * ``bf16`` — dequantized once to bf16 (:mod:`~vllm_latq.kernels.dequantized`): the fallback,
-  selected with a warning naming every faster kernel's reason; ``dense`` is its old name and
-  still accepted;
+  selected with a warning naming every faster kernel's reason;
 * ``reference`` — fp32 dequantize + matmul per call (:mod:`~vllm_latq.kernels.reference`);
 * ``dequant`` — dequantized once to fp32, exactly the reference's numbers; opt-in only.
 
@@ -34,7 +34,7 @@ from .reference import ReferenceKernel
 from .rotated import RotatedKernel, for_weight, rotated_kernel
 
 ENV_FORCE = "LATQ_KERNEL"
-ALIASES = {"dense": DequantizedBf16Kernel.name}   # old LATQ_KERNEL values → kernel names
+RETIRED = {"dense": DequantizedBf16Kernel.name}   # LATQ_KERNEL values no longer accepted → the kernel now named
 
 
 def kernels() -> list[type[LatqKernel]]:
@@ -74,12 +74,22 @@ def kernel_at(index: int) -> type[LatqKernel]:
 
 
 def forced_kernel() -> str | None:
-    """The kernel name ``LATQ_KERNEL`` forces (aliases resolved), or None."""
-    forced = os.environ.get(ENV_FORCE)
-    return ALIASES.get(forced, forced) or None
+    """The kernel name ``LATQ_KERNEL`` forces, or None."""
+    forced = os.environ.get(ENV_FORCE) or None
+    if forced in RETIRED:
+        raise ValueError(f"{ENV_FORCE}={forced!r} is no longer a kernel name: {ENV_FORCE}={RETIRED[forced]} is that "
+                         f"kernel (\"dense\" names a checkpoint layer's kind only)")
+    return forced
 
 
-FAMILY_OF_DEVICE = {"cuda": "triton", "cpu": "cpu"}   # the compressed kernel family per device type
+# latq's compressed kernel families, by the device type each serves (in the order reports list them)
+FAMILY_OF_DEVICE = {"cpu": "cpu", "cuda": "triton"}
+
+
+def families() -> list[type[LatqKernel]]:
+    """latq's compressed kernel families importable here, in :data:`FAMILY_OF_DEVICE`'s order."""
+    found = {k.name: k for k in kernels()}
+    return [found[name] for name in FAMILY_OF_DEVICE.values() if name in found]
 
 
 def family_for(device: torch.device) -> type[LatqKernel] | None:
@@ -141,7 +151,7 @@ def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dt
         reasons.append(f"{k.name}: {why}")
     names = [k.name for k in kernels()]
     if forced and forced not in names:
-        raise ValueError(f"{ENV_FORCE}={forced!r} is not a latq kernel; available: {names} "
-                         f"(aliases: {ALIASES})")
-    raise ValueError(f"no latq kernel can run this layer ({w.out_features}x{w.in_features}, "
+        raise ValueError(f"{ENV_FORCE}={forced!r} is not a latq kernel; available: {names}")
+    raise ValueError(f"{f'{ENV_FORCE}={forced}: ' if forced else ''}no latq kernel can run this layer "
+                     f"({w.out_features}x{w.in_features}, "
                      f"{w.bits}-bit, device {device}, {act_dtype}): " + "; ".join(reasons))

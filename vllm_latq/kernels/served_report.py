@@ -17,21 +17,9 @@ import torch
 
 from .. import format as fmt
 from ..format.checkpoint import Checkpoint
+from .selector import families
 from .served_bytes import FALLBACK_BYTES, GridStats, choose_width
 from .weight import from_dense_tensors
-
-
-def families() -> list:
-    """The compressed kernel families to report (those importable here), CPU first."""
-    found = []
-    from .cpu.kernel import CPUKernel
-    found.append(CPUKernel)
-    try:
-        from .triton.kernel import TritonKernel
-        found.append(TritonKernel)
-    except ImportError:
-        pass
-    return found
 
 
 def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams,

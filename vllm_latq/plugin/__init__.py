@@ -1,10 +1,6 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: latq``).
 
-vLLM calls :func:`register` in every process it starts (front end, API server, engine
-core, workers), possibly more than once per process; it must stay cheap and idempotent.
-Everything heavy is imported lazily: this module imports nothing from vLLM at import time.
-Select plugins with vLLM's ``VLLM_PLUGINS`` allow-list (``VLLM_PLUGINS=latq``).
-"""
+vLLM calls :func:`register` in every process, maybe twice: it stays cheap, idempotent and vLLM-free."""
 from __future__ import annotations
 
 QUANT_NAME = "latq"

@@ -1,11 +1,6 @@
-"""``LatqConfig``: vLLM's view of a latq checkpoint's ``quantization_config``.
+"""``LatqConfig``: vLLM's view of a latq checkpoint's ``quantization_config`` (method ``latq``).
 
-Registered as quantization method ``latq`` by :mod:`vllm_latq.plugin`. A checkpoint whose
-``config.json`` has ``quantization_config.quant_method == "latq"`` is detected without
-``--quantization``; ``--quantization latq`` is accepted too; any other ``--quantization``
-on a latq checkpoint (or ``latq`` on a checkpoint that is not latq) fails while vLLM builds
-its config, before any weight is read, with a message naming both.
-"""
+Detected without ``--quantization``; a mismatched ``--quantization`` fails before any weight is read."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +13,8 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from .. import format as fmt
+from ..errors import FormatError
+from ..format.checkpoint import checkpoint_dir
 from ..format.validate import verify_for_serving
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
@@ -26,11 +23,15 @@ DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["
 
 @functools.cache
 def _moe_layer_types() -> tuple[type, ...]:
-    """vLLM's layer classes that ask for a mixture-of-experts method: ``RoutedExperts`` (vLLM ≥
-    0.32), ``FusedMoE`` (earlier releases)."""
+    """vLLM's layer classes that ask for a MoE method: ``RoutedExperts`` (≥ 0.32), ``FusedMoE``."""
     from vllm.model_executor.layers import fused_moe
     return tuple(c for c in (getattr(fused_moe, n, None) for n in ("RoutedExperts", "FusedMoE"))
                  if isinstance(c, type))
+
+
+class LatqCheckpointRefused(RuntimeError):
+    """The checkpoint is refused (one line naming it, the file and why).
+    Not a ValueError: pydantic would fold it into a ValidationError headed by its own words."""
 
 
 class LatqConfig(QuantizationConfig):
@@ -51,13 +52,13 @@ class LatqConfig(QuantizationConfig):
         self.bits: int | None = self.spec.bits
         self.group_size: int | None = self.spec.group_size
         self.scale_bits: int | None = self.spec.scale_bits   # dense: group scales stored as codes
+        self.rotation: fmt.Rotation | None = self.spec.rotation   # every layer's input rotated
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
 
     @functools.cached_property
     def load_report(self):
-        """The layers of this model load (one config per load): handed to each linear method,
-        it logs the summary line when the last one is processed."""
+        """The layers of this model load, shared by its linear methods; logs the summary after the last."""
         from .load_report import LoadReport   # vLLM's layers: imported only when layers are built
         return LoadReport(self.method, self.scale_bits)
 
@@ -96,8 +97,7 @@ class LatqConfig(QuantizationConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
-        """Claim latq checkpoints when the user gave no ``--quantization`` (or ``latq``).
-        With another ``--quantization`` we stay silent so that vLLM reports the mismatch."""
+        """Claim latq checkpoints unless another ``--quantization`` was given (vLLM reports the mismatch)."""
         method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
         if method == "latq" and user_quant in (None, "latq"):
             return "latq"
@@ -139,25 +139,27 @@ class LatqConfig(QuantizationConfig):
                                         layer_bits=tuple(sorted((m, b) for m, b in mapped.items() if m is not None)))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
-        """Validate the checkpoint directory as ``latq-eval`` does (checksums, shapes, dtypes,
-        value bounds, the manifest: refused if edited or out of bounds), then fingerprint its
-        files (and ``LATQ_KERNEL``) into the HF config. vLLM
-        keys its on-disk torch.compile cache on the configs, and a latq graph carries static
-        per-layer ints (e.g. the inlier width chosen when an HPTQ layer is transcoded, which
-        depends on the data) and the selected kernel's op: re-quantizing into the same
-        directory or forcing another kernel must not reuse a stale compiled graph."""
+        """Validate the checkpoint as ``latq-eval`` does, then fingerprint its files into the HF config.
+        vLLM keys its torch.compile cache on the configs; a re-quantized checkpoint must not reuse a graph."""
         qc = getattr(hf_config, "quantization_config", None)
-        if not isinstance(qc, dict) or not os.path.isdir(model_name):
+        if not isinstance(qc, dict):
             return
         # before vLLM reads a tensor, once per load (workers get this config pickled);
         # LATQ_NO_VERIFY=1 skips the sha256 checks only
-        verify_for_serving(model_name)
+        try:
+            path = checkpoint_dir(model_name, revision)
+            verify_for_serving(path)
+        except FormatError as e:   # one line naming the checkpoint, the file and why: vLLM prints it first
+            where = "" if os.path.isdir(model_name) else (
+                " (checked in the local Hugging Face cache, which vLLM fills as it goes: download the whole "
+                f"repository first, hf download {model_name})")
+            raise LatqCheckpointRefused(f"latq: {model_name} refused: {e}{where}") from None
         h = hashlib.sha256()
         # the kernel choice decides which custom op the graph calls
         h.update(f"LATQ_KERNEL={os.environ.get('LATQ_KERNEL', '')};".encode())
-        for name in sorted(os.listdir(model_name)):
+        for name in sorted(os.listdir(path)):
             if name.endswith((".safetensors", ".json")):
-                st = os.stat(os.path.join(model_name, name))
+                st = os.stat(os.path.join(path, name))
                 h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
         qc["_latq_fingerprint"] = h.hexdigest()[:16]
 
@@ -173,8 +175,7 @@ class LatqConfig(QuantizationConfig):
         return [f"{parent}.{s}" if parent else s for s in subs]
 
     def is_converted(self, prefix: str) -> bool:
-        """Whether the vLLM layer ``prefix`` is latq-quantized in the checkpoint. A fused
-        layer whose parts disagree is an error (vLLM needs one method per layer)."""
+        """Whether the vLLM layer ``prefix`` is latq-quantized (a fused layer's parts must agree)."""
         if not self.spec.is_converted(prefix):
             return False
         flags = {n: self.spec.is_converted(n) for n in self.hf_names(prefix)}
@@ -184,8 +185,7 @@ class LatqConfig(QuantizationConfig):
         return all(flags.values())
 
     def bits_of(self, prefix: str) -> int | None:
-        """Inlier bits of the vLLM layer ``prefix`` (``quantization_config.layer_bits``, else
-        ``bits``); a fused layer's parts must agree (one kernel runs them)."""
+        """Inlier bits of the vLLM layer ``prefix`` (a fused layer's parts must agree)."""
         bits = {n: self.spec.bits_of(n) for n in self.hf_names(prefix)}
         if len(set(bits.values())) > 1:
             raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} have different bits {bits} "

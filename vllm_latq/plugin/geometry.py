@@ -88,9 +88,7 @@ def _split(full, blocks, hf_names, name, cin, col0, ncols, ids=None) -> Geometry
 
 
 def in_loader_order(geo: Geometry, sources: torch.Tensor | None) -> Geometry:
-    """``geo`` for a fused matrix whose rows the model's loader regroups (``sources[i]``: the
-    checkpoint row of vLLM's row i, :mod:`~vllm_latq.plugin.loader_rows`): the fused shard's blocks
-    become blocks of checkpoint rows, so every row-wise tensor is cut in vLLM's order."""
+    """``geo`` for a fused matrix the model's loader regroups: checkpoint rows in vLLM's order."""
     if sources is None:
         return geo
     if sources.numel() != geo.fused.rows:

@@ -1,5 +1,6 @@
 """``LatqLinearMethod``: a latq layer in a vLLM linear: placeholders whose loaders hand the
-checkpoint tensors to a :class:`~.loading.LoadState`, then the kernel the selector picks."""
+checkpoint tensors to a :class:`~.loading.LoadState`, then the kernel the selector picks — latq's
+own, or vLLM's compressed-tensors scheme installed on the layer (:mod:`.vllm_scheme`)."""
 from __future__ import annotations
 
 import torch
@@ -9,10 +10,10 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from .. import format as fmt
 from ..kernels import ops, selector
-from . import loader_rows
+from . import loader_rows, vllm_scheme
 from .geometry import geometry, in_loader_order
 from .load_report import LoadReport
-from .loading import LoadState, WeightLoader
+from .loading import LoadState, WeightLoader, kernel_device
 
 
 class LatqLinearMethod(LinearMethodBase):
@@ -40,7 +41,7 @@ class LatqLinearMethod(LinearMethodBase):
             layer.register_parameter(name, p)
         # the placeholders are made on the device the model is built on: its kernel family's
         # widths and served bytes choose the inlier width of a transcoded (HPTQ) layer
-        st.family = selector.family_for(p.device)
+        st.family = selector.family_for(kernel_device(p.device))
         self.report.expect()
 
     def process_weights_after_loading(self, layer) -> None:
@@ -58,9 +59,14 @@ class LatqLinearMethod(LinearMethodBase):
         stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
         del layer._latq_load
         w = w.to(device)
-        kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype)
+        act = layer._latq_act_dtype
+        kernel, refused = selector.select_with_reasons(w, kernel_device(device), act)
+        if kernel.delegated:     # vLLM's own layer code: its scheme's parameters on this layer
+            vllm_scheme.install(layer, w, act, st.geo.in_features)
+            self.report.add(layer.prefix, w, vllm_scheme.ServedScheme, layer, stored_bits, refused)
+            return
         state = kernel.prepare(w)
-        kernel.reserve(state, layer._latq_act_dtype)
+        kernel.reserve(state, act)
         tensors, ints = kernel.flatten(state)
         for i, t in enumerate(tensors):
             layer.register_buffer(f"latq_t{i}", t, persistent=False)
@@ -73,6 +79,9 @@ class LatqLinearMethod(LinearMethodBase):
         self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        scheme = getattr(layer, "latq_scheme", None)
+        if scheme is not None:   # vLLM's kernel class, on the layer's own (possibly permuted) bias
+            return scheme.apply_weights(layer, x, bias)
         if torch.compiler.is_compiling():
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)

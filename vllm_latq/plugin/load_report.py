@@ -1,5 +1,4 @@
-"""What the latq layers of one model load were loaded as: a debug line per layer, one summary and a
-table of kernel choices when the last layer is processed."""
+"""What one model load's latq layers were loaded as: a debug line per layer, then a summary and kernel table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,11 +20,11 @@ class LayerRow:
     nnz: int               # outliers
     kernel: str            # the chosen kernel's label
     codes_kept: bool       # coded scales kept in the runtime form
+    head: bool = False     # the output head (a quantized lm_head)
 
 
 class LoadReport:
-    """The layers of one model load (owned by that load's ``LatqConfig``, handed to each method):
-    logs the summary and the kernel table once the last layer ``create_weights`` announced is in."""
+    """The layers of one model load: logs the summary and kernel table once the last layer is in."""
 
     def __init__(self, method: str, scale_bits: int | None = None):
         self.method, self.scale_bits = method, scale_bits
@@ -47,7 +46,8 @@ class LoadReport:
                      w.group_size, 100 * w.nnz / n, stored_bits, bpw,
                      ", ".join(f"{k} {v} B" for k, v in served.items()), label,
                      "".join(f"; {r}" for r in refused))
-        self.layers.append(LayerRow(n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None))
+        self.layers.append(LayerRow(n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None,
+                                    prefix.split(".")[-1] == "lm_head"))
         key = (label, tuple(refused))
         self.reasons[key] = self.reasons.get(key, 0) + 1
         if len(self.layers) == self.expected:
@@ -55,8 +55,7 @@ class LoadReport:
             logger.info("latq: kernel choices:\n%s", self.reason_table())
 
     def reason_table(self) -> str:
-        """One line per (kernel chosen, why the kernels asked before it refused): layer count,
-        served bits/weight of those layers."""
+        """One line per (kernel chosen, why earlier kernels refused): layer count, served bits/weight."""
         lines = []
         for (label, refused), count in sorted(self.reasons.items(), key=lambda kv: -kv[1]):
             rows = [r for r in self.layers if r.kernel == label]
@@ -79,9 +78,13 @@ class LoadReport:
         codes = "" if self.scale_bits is None else (
             f", {self.scale_bits}-bit scale codes: kept in {sum(r.codes_kept for r in rows)} of {len(rows)} "
             "layers' runtime forms")
+        head = next((r for r in rows if r.head), None)
+        mb = sum(r.weights * r.served_bits for r in rows) / 8e6
         return (f"{len(rows)} linears loaded ({self.method} checkpoint{codes}): stored "
                 f"{_mean(rows, 'stored_bits'):.3f} bits/weight, served "
-                f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer, inlier widths "
+                f"{self.served_bits():.3f} bits/weight with the kernel chosen per layer ({mb:.1f} MB a decode step, "
+                + (f"the {head.bits}-bit output head's {head.weights * head.served_bits / 8e6:.1f} included"
+                   if head else "the output head not a latq layer") + "), inlier widths "
                 f"{dict(sorted(widths.items()))}, {100 * sum(r.nnz for r in rows) / total:.3f}% outliers, "
                 f"kernels {kernels}")
 

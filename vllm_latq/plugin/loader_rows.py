@@ -1,18 +1,5 @@
-"""Row regroupings that vLLM's model loaders apply to a fused checkpoint matrix.
-
-A few of vLLM's loaders reorder the output rows of a fused ``query_key_value`` tensor
-before the layer's weight loader sees it, because the checkpoint interleaves q, k and v
-per head group while vLLM's ``QKVParallelLinear`` wants all q rows, then all k, then all v:
-
-- Falcon (``FalconModel.load_weights``) regroups only parameters with an ``output_dim``:
-  rows ``[kv group, q heads per group + 2, head_dim]`` → q, k, v. latq's placeholders have
-  none, so its tensors arrive as stored and :func:`checkpoint_rows` gives the layer's
-  geometry the same order as row sources (packed rows, scales, CSR outliers and decoded
-  Huffman rows are all cut by those row blocks: no tensor is reshaped).
-- Bloom (``BloomModel._repack_qkv``) reshapes *every* tensor whose name holds
-  ``query_key_value`` to ``[heads, 3, -1]`` — also the 1-D CSR row pointers and Huffman
-  streams, which have no such shape: :func:`refusal` names it before any tensor is read.
-"""
+"""Row regroupings that vLLM's model loaders apply to a fused checkpoint matrix (Falcon), and the
+loaders that cannot load latq's tensors (Bloom); docs/ARCHITECTURE.md, "Loading"."""
 from __future__ import annotations
 
 import torch
@@ -36,8 +23,7 @@ REPACKS_EVERY_TENSOR = {("BloomForCausalLM", "query_key_value"): "BloomModel._re
 
 
 def loading_model() -> tuple[str | None, object]:
-    """The architecture vLLM is building (its model class's registry name) and its HF config;
-    (None, None) for a layer built outside a model load, as in unit tests."""
+    """The architecture vLLM is building and its HF config; (None, None) outside a model load."""
     from vllm.config import get_current_vllm_config_or_none
     model_config = getattr(get_current_vllm_config_or_none(), "model_config", None)
     if model_config is None:
@@ -46,9 +32,7 @@ def loading_model() -> tuple[str | None, object]:
 
 
 def checkpoint_rows(architecture: str | None, hf_config, prefix: str, rows: int) -> torch.Tensor | None:
-    """For the fused layer ``prefix`` (``rows`` output rows) of a model vLLM builds as
-    ``architecture``: the checkpoint row that becomes each of vLLM's rows, int64 ``[rows]``;
-    None when the model's loader keeps the checkpoint's order."""
+    """The checkpoint row that becomes each of vLLM's rows of fused layer ``prefix``; None if unchanged."""
     fn = REGROUPED.get((architecture, prefix.rpartition(".")[2]))
     return None if fn is None else fn(hf_config, rows)
 

@@ -15,6 +15,13 @@ from .slicing import codes_refusal, merge, pad_rows, slice_dense
 logger = init_logger("vllm.latq")
 
 
+def kernel_device(placed: torch.device) -> torch.device:
+    """The device latq chooses a layer's kernels for: vLLM's platform's, whatever device the tensors are on."""
+    from vllm.platforms import current_platform
+    kind = current_platform.device_type
+    return placed if not kind or torch.device(placed).type == kind else torch.device(kind)
+
+
 def tensor_names(config) -> tuple[str, ...]:
     """The checkpoint tensors (suffixes) of each of ``config``'s layers."""
     if config.kind == "huffman":
@@ -23,9 +30,8 @@ def tensor_names(config) -> tuple[str, ...]:
 
 
 class LoadState:
-    """Collects one layer's checkpoint tensors and builds its runtime form: each logical matrix is
-    validated whole by the format's validator as soon as its tensors are in, cut to this rank
-    (:mod:`.slicing`) and its full tensors dropped, so at most one layer's full tensors are held."""
+    """Collects one layer's checkpoint tensors and builds its runtime form.
+    Each logical matrix is validated, cut and dropped once in: one layer's full tensors at a time."""
 
     def __init__(self, layer, config, geo: Geometry, bits: int | None = None):
         # layer: the vLLM layer, or a name (one expert matrix of a MoE layer, moe_method.py)
@@ -63,7 +69,7 @@ class LoadState:
             self.parts[shard_id] = self._part(exp[shard_id], self.stash.pop(shard_id))
             if len(self.parts) == len(exp):
                 self.weight = with_rotation(pad_rows(self._finish([self.parts[k] for k in exp]), self.geo.pad_rows),
-                                            self.config.spec.rotation, self.geo.in_features, self.geo.col0, self.prefix)
+                                            self.config.rotation, self.geo.in_features, self.geo.col0, self.prefix)
                 self.parts.clear()
 
     def _part(self, shard: Shard, t: dict):
@@ -88,8 +94,7 @@ class LoadState:
         return z, t["hscale"].float().expand(z.shape[0])
 
     def _keeps_codes(self) -> bool:
-        """Whether the layer's runtime form keeps its scale codes (decided, and a refusal logged,
-        when its first shard is cut: then the layer's shards are known)."""
+        """Whether the runtime form keeps its scale codes (decided when its first shard is cut)."""
         if self.keep_codes is None:
             why = None if self.config.scale_bits is None else codes_refusal(
                 [(sh.name, r0, n) for sh in self.expected().values() for r0, n in sh.blocks], self.geo.pad_rows)

@@ -1,13 +1,4 @@
-"""``LatqMoEMethod``: loads the latq experts of a vLLM mixture-of-experts layer
-(``RoutedExperts``) and runs them through the latq kernels.
-
-Each expert's projections are latq layers under the model's own per-expert names
-(docs/FORMAT.md), loaded by the linear loader's own stash, validation, TP cut and HPTQ
-transcode (:class:`~vllm_latq.plugin.loading.LoadState`). After loading, experts of a standard
-form go to vLLM's own WNA16 MoE method where it takes them; the others run on the kernel the
-selector picks, Triton experts stacked for the grouped kernel of captured decode
-(:mod:`~vllm_latq.kernels.moe`).
-"""
+"""``LatqMoEMethod``: the latq experts of a vLLM mixture-of-experts layer (docs/ARCHITECTURE.md, "Experts")."""
 from __future__ import annotations
 
 import logging
@@ -22,7 +13,8 @@ from .. import format as fmt
 from ..kernels import graphs, moe, ops, selector, vllm_moe
 from ..kernels.weight import LatqWeight
 from .geometry import Geometry, Shard
-from .loading import LoadState, tensor_names
+from . import vllm_scheme
+from .loading import LoadState, kernel_device, tensor_names
 
 STEMS = ("w13", "w2")
 log = logging.getLogger("vllm.latq")
@@ -43,36 +35,14 @@ def graph_tokens() -> int:
 
 
 class LatqMoEMethod(FusedMoEMethodBase):
-    """latq experts of one ``RoutedExperts`` layer (``prefix``).
-
-    Checkpoint (docs/FORMAT.md): one latq layer per expert and projection under the model's own
-    per-expert names (``…experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
-    ``w1`` / ``w3`` / ``w2``). vLLM's expert mapping renames ``…experts.{e}.gate_proj.qweight``
-    to this layer's ``w13_qweight`` with shard ``w1`` and expert id e (``up_proj`` → ``w3``,
-    ``down_proj`` → ``w2_*`` / ``w2``), so ``create_weights`` registers one placeholder per
-    projection and tensor name (``w13_qweight``, …, ``w2_outlier_val`` or the Huffman tensors)
-    whose loader hands the tensor to the expert's :class:`~vllm_latq.plugin.loading.LoadState` —
-    the linear loader's own stash, validation, TP cut and HPTQ transcode, on geometries that say
-    which rows and columns this rank keeps: w13 (gate, up) the intermediate rows
-    ``[r·I/tp, (r+1)·I/tp)`` of each, w2 the same range of its input columns (vLLM sums the
-    ranks' partial outputs after the layer).
-
-    After loading, a layer whose experts all have a standard form (4/8-bit, no outliers) goes to
-    vLLM's own WNA16 MoE method where it takes them (:mod:`~vllm_latq.kernels.vllm_moe`: Marlin
-    MoE on CUDA; on CPU only with ``LATQ_KERNEL=vllm``), which repacks and runs them. Otherwise
-    each expert's w13 and w2 are prepared by the kernel the selector picks (CPU: the latq CPU
-    kernel; CUDA: Triton, or the bf16 fallback with its warning), vLLM's refusal in the load log's
-    table; Triton experts are
-    then stacked per projection (:func:`~vllm_latq.kernels.moe.stack_experts`: one layout for the
-    grouped kernel of captured decode, the experts' own states becoming views of it). ``apply`` runs
-    :func:`~vllm_latq.kernels.moe.experts_forward` on vLLM's routing (top-k ids and weights from
-    the layer's router) — directly in eager mode, as the custom op ``latq::moe_experts`` while
-    torch.compile traces."""
+    """latq experts of one ``RoutedExperts`` layer: one latq layer per expert and projection.
+    Each is loaded by the linear loader's :class:`~vllm_latq.plugin.loading.LoadState`; then served
+    by vLLM's WNA16 MoE method where it takes them, else by latq's kernels."""
 
     def __init__(self, config, moe_config, report, prefix: str):
         super().__init__(moe_config)
         self.config, self.report, self.prefix = config, report, prefix
-        self.vllm_method = None     # vLLM's WNA16 MoE method, where it serves this layer (kernels/vllm_moe.py)
+        self.vllm_method = None     # vLLM's WNA16 MoE method, where it serves this layer (vllm_scheme.py)
         activation = moe_config.activation.value
         if activation not in moe.ACTIVATIONS:
             raise NotImplementedError(f"latq: mixture-of-experts layer {prefix}: activation {activation!r} is not "
@@ -112,7 +82,8 @@ class LatqMoEMethod(FusedMoEMethodBase):
                 layer.register_parameter(f"{stem}_{name}", p)
         # the device the model is built on: the kernels' (and an HPTQ transcode's width family's)
         layer._latq_device = p.device
-        layer._latq_family = selector.family_for(p.device)
+        layer._latq_kernel_device = kernel_device(p.device)     # what the kernels are chosen for
+        layer._latq_family = selector.family_for(layer._latq_kernel_device)
         for _ in range(num_experts * len(STEMS)):
             self.report.expect()
 
@@ -153,7 +124,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
             for name in layer._latq_moe_names:
                 delattr(layer, f"{stem}_{name}")
         del layer._latq_moe_load
-        self.vllm_method, why = vllm_moe.choose(weights, self.moe, layer._latq_device, self.prefix)
+        self.vllm_method, why = vllm_scheme.choose_experts(weights, self.moe, layer._latq_kernel_device, self.prefix)
         if self.vllm_method is None and selector.forced_kernel() == vllm_moe.NAME:
             raise ValueError(f"latq: {self.prefix}: {selector.ENV_FORCE}={vllm_moe.NAME}, but vLLM's MoE kernels "
                              f"cannot serve its experts: {why}")
@@ -176,12 +147,12 @@ class LatqMoEMethod(FusedMoEMethodBase):
         return weights
 
     def serve_with_vllm(self, layer, weights, loads) -> None:
-        """vLLM's WNA16 MoE method (``kernels/vllm_moe.py``) repacks and runs the experts."""
-        per_expert = vllm_moe.install(self.vllm_method, layer, weights, layer._latq_act_dtype)
+        """vLLM's WNA16 MoE method, its parameters registered on this layer, repacks and runs the experts."""
+        per_expert = vllm_scheme.install_experts(self.vllm_method, layer, weights, layer._latq_act_dtype)
         self.moe_kernel, self.moe_quant_config = self.vllm_method.moe_kernel, self.vllm_method.moe_quant_config
         experts_cls = self.vllm_method.experts_cls.__name__
         for (local, stem), w in weights.items():
-            self.report.add(loads[local, stem].prefix, w, vllm_moe.ServedExpert, (experts_cls, per_expert[stem]),
+            self.report.add(loads[local, stem].prefix, w, vllm_scheme.ServedExpert, (experts_cls, per_expert[stem]),
                             _stored_bits(loads[local, stem]))
         log.info("latq: %s: %d experts → %s:%s (%s backend, %.3f bits/weight served)", self.prefix, len(weights) // 2,
                  vllm_moe.NAME, experts_cls, self.vllm_method.wna16_backend.value,
@@ -191,7 +162,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
     def serve_with_latq(self, layer, weights, loads, vllm_refusal: str) -> None:
         """latq's kernels per expert (stacked for the grouped kernel where they are Triton's)."""
         graphs.GRAPH_TOKENS = graph_tokens()
-        device = layer._latq_device
+        device = layer._latq_kernel_device
         experts = []
         for local in range(layer.local_num_experts):
             pair = []
@@ -243,8 +214,7 @@ def _stored_bits(st: LoadState) -> float:
 
 
 class _ExpertLoader:
-    """The weight loader of one placeholder (``w13_qweight`` …): vLLM's expert mapping calls it
-    with the expert id and shard (``w1``/``w3``/``w2``) of each per-expert checkpoint tensor."""
+    """The weight loader of one placeholder (``w13_qweight`` …), called per expert id and shard."""
 
     def __init__(self, method: LatqMoEMethod, layer, stem: str, name: str):
         self.method, self.layer, self.stem, self.name = method, layer, stem, name

@@ -1,12 +1,7 @@
-"""One TP rank's runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) of a dense-kind
-layer, cut from its checkpoint tensors: row blocks (a column-parallel rank's rows, the parts of
-a fused q/k/v or gate/up, a loader's row regrouping), a column range (a row-parallel rank's
-inputs: packed words on 32-column tiles, repacked off them; group scales, split to
-gcd(g, c0) off a group boundary; CSR outliers filtered and re-based), parts stacked, an lm_head
-shard padded. Coded scales (:mod:`~vllm_latq.format.scale_codes`) are cut beside their fp16
-decode where the rows keep whole 16-row grids (:func:`codes_refusal`). Which rows and columns a
-rank holds is :mod:`~vllm_latq.plugin.geometry`; this module knows no vLLM.
-"""
+"""One TP rank's runtime form of a dense-kind layer, cut from its checkpoint tensors (no vLLM here).
+
+Which rows and columns a rank holds is :mod:`~vllm_latq.plugin.geometry`; how they are cut is
+in docs/ARCHITECTURE.md, "Loading"."""
 from __future__ import annotations
 
 import math
@@ -32,9 +27,7 @@ def _cols_csr(crow, col, val, c0, n):
 
 
 def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int, coded: bool = False) -> LatqWeight:
-    """Rows ``blocks`` and columns ``[c0, c0+n)`` of a dense-kind layer → runtime form. Its
-    ``scales`` are the fp16 group scales (stored, or decoded from coded ones); ``coded``: keep the
-    stored scale codes beside them, cut alike (the blocks on 16-row grids: :func:`codes_refusal`)."""
+    """Rows ``blocks`` and columns ``[c0, c0+n)`` of a dense-kind layer → runtime form."""
     rows = t["qweight"].shape[0]
     scales = fmt.dense_scales(t, rows)
     codes = fmt.scale_codes.from_tensors(t, rows) if coded else None
@@ -64,11 +57,8 @@ def slice_dense(t: dict, bits: int, g: int, cin: int, blocks, c0: int, n: int, c
 
 
 def codes_refusal(runs: list[tuple[str, int, int]], pad_to: int | None = None) -> str | None:
-    """Why a layer's stored scale codes cannot follow the rows this rank stacks — ``runs`` of
-    (matrix, first row, row count), in output order — or None (16 rows of a group share one
-    grid): every run must start on a 16-row boundary of its matrix, every run but the last span
-    whole 16-row blocks (so the stacked codes keep whole blocks), and zero rows padded after them
-    (``pad_to``: an lm_head's padded vocabulary) must start a block of their own."""
+    """Why stored scale codes cannot follow the row ``runs`` this rank stacks, or None.
+    Each run must start on a 16-row boundary and all but the last span whole 16-row blocks."""
     block = fmt.scale_codes.ROWS
     for i, (name, r0, nr) in enumerate(runs):
         if r0 % block:
@@ -106,10 +96,7 @@ def _stack_crows(crows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
-    """``w`` with zero rows appended up to ``rows`` (the padded vocabulary of an lm_head
-    shard): integers 0, scales 0, no outliers — the padded logits are exactly 0, as vLLM's
-    zero-filled padding rows give, and are cut off by the LogitsProcessor anyway. Coded scales
-    get blocks of their own with grid 0 (``w``'s rows whole 16-row blocks: :func:`codes_refusal`)."""
+    """``w`` with zero rows appended up to ``rows`` (an lm_head shard's padded vocabulary): logits 0."""
     if rows is None or rows == w.out_features:
         return w
     extra = rows - w.out_features

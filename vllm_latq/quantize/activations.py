@@ -1,21 +1,7 @@
-"""Calibration activations: the hidden states entering the current decoder block, one
-``[seqlen, hidden]`` row per calibration sequence — in memory, or in files of the run
-directory when they would not fit the memory budget (``--max-activation-memory``).
+"""Calibration activations: the current block's inputs, one row per sequence, in memory or in files.
 
-They are the pipeline's largest buffer (nsamples × seqlen × hidden in the forwards' dtype:
-2 GiB for 128 × 2048 tokens of a 4096-wide bf16 model) and the only one that does not
-depend on the block, so they alone are budgeted. In memory there is one buffer: a block's
-output for a sequence replaces that sequence's input, which no later step reads. On disk
-the inputs of block ``b`` are ``latq_activations.<b>.bin`` (raw rows, sequence-major) and
-the outputs go to the next block's file; rows are read and written one sequence at a time
-with positional file I/O, not memory maps, whose pages would count against the process
-until unmapped. Either way the inputs of the next block are on disk after every block,
-named by that block, so ``--resume`` (:mod:`.resume`) restarts from the last finished one.
-
-With several ranks (:mod:`.ranks`) each holds only its own ``rows`` of the sequences; the
-files keep every sequence at its place, each rank writing its rows, so a run stopped with N
-ranks resumes with M.
-"""
+The pipeline's largest buffer, so the one budgeted (``--max-activation-memory``); after each
+block the next block's inputs are on disk for ``--resume``."""
 from __future__ import annotations
 
 import logging
@@ -45,8 +31,7 @@ def remove_all(run_dir: Path) -> None:
 
 
 def default_budget(device: torch.device) -> int:
-    """Half the memory available now (host RAM, or free memory of a CUDA ``device``): the
-    rest is left to one block's weights, Hessians and solver."""
+    """Half the memory available now (host RAM or a CUDA ``device``'s): the rest is the block's."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
     try:
@@ -62,10 +47,7 @@ def _gib(n: int) -> str:
 
 
 class Activations:
-    """The inputs of decoder block :attr:`block` for this rank's calibration sequences
-    (:attr:`rows` of the ``shape[0]`` of the run): ``x[j:j+1]`` is its ``j``-th sequence
-    ``[1, seqlen, hidden]`` on the device, ``len(x)`` its sequence count. :meth:`write` stores
-    a block's output for a sequence, :meth:`advance` makes the outputs the next block's inputs."""
+    """The inputs of block :attr:`block` for this rank's :attr:`rows`; ``x[j:j+1]`` is sequence ``j``."""
 
     def __init__(self, run_dir: Path, shape: tuple[int, int, int], dtype: torch.dtype, device, block: int,
                  on_disk: bool, rows: range | None = None, world: World = SINGLE):
@@ -80,9 +62,7 @@ class Activations:
     @classmethod
     def create(cls, run_dir: Path, shape, dtype, device, budget: int | None, block: int = -1,
                rows: range | None = None, world: World = SINGLE) -> "Activations":
-        """Empty activations (the caller writes block ``block + 1``'s inputs: the capture pass
-        writes block 0's) of ``rows`` (default all), on disk when they exceed ``budget`` bytes
-        (None: :func:`default_budget`)."""
+        """Empty activations of ``rows`` (default all), on disk when they exceed ``budget`` bytes."""
         device = torch.device(device)
         budget = default_budget(device) if budget is None else budget
         held = (shape[0] if rows is None else len(rows)) * _nbytes(shape[1:], dtype)
@@ -122,8 +102,7 @@ class Activations:
         return self._read(inputs_file(self.run_dir, self.block), j)[None].to(self.device)
 
     def write(self, j: int, y: torch.Tensor) -> None:
-        """Sequence ``j``'s output of block :attr:`block` (``[seqlen, hidden]``): in memory it
-        replaces the sequence's input, which is not read again."""
+        """Sequence ``j``'s output of block :attr:`block`; in memory it replaces the input, not read again."""
         if tuple(y.shape) != self.shape[1:]:
             raise ValueError(f"activation row of shape {tuple(y.shape)}, expected {self.shape[1:]}")
         if self.ram is not None:
@@ -157,8 +136,7 @@ class Activations:
         self._publish()
 
     def _publish(self) -> None:
-        """Once every rank has written its rows: the part file, cut to its size (a stale longer
-        one may have been there), becomes the block's inputs."""
+        """Once every rank has written its rows, the part file, cut to size, becomes the block's inputs."""
         ranks.barrier(self.world)
         if self.world.writes:
             part = self._part(self.block)

@@ -1,12 +1,5 @@
-"""Block inputs: the hidden states entering decoder block 0 and the keyword arguments every
-block receives, captured from the model's own forward; and running one block on them.
-
-The keyword arguments (position embeddings, attention masks: they differ per layer type in
-Gemma3) come from one real forward call per block, with the blocks replaced by catchers,
-and are replayed for every calibration sequence. A block's outputs, computed by the block
-already quantized, are the next block's inputs (:func:`block_outputs`); all of them are held
-by :class:`~.activations.Activations`, in memory or on disk.
-"""
+"""Block inputs: block 0's hidden states and every block's keyword arguments, captured from the
+model's own forward (blocks replaced by catchers); and running one block on them."""
 from __future__ import annotations
 
 import logging
@@ -26,8 +19,7 @@ class _Stop(Exception):
 
 
 class _Catcher(torch.nn.Module):
-    """Stands in for decoder block ``i`` during the capture pass: records its inputs and
-    keyword arguments, returns the hidden states unchanged (or stops the forward)."""
+    """Stands in for decoder block ``i`` during capture: records its inputs and kwargs, passes them on."""
 
     def __init__(self, layer, i: int, store: dict, stop: bool):
         super().__init__()
@@ -66,8 +58,7 @@ def _by_keyword(layer, hidden_states, args) -> dict:
 
 @torch.no_grad()
 def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: bool):
-    """Run the model's own forward on ``ids`` [1, seqlen] with the blocks replaced by
-    catchers → (input of block 0, {block: kwargs}); ``all_kwargs=False`` stops at block 0."""
+    """Run the model's forward on ``ids`` [1, seqlen] with catchers → (block 0's input, {block: kwargs})."""
     store = {"hidden": {}, "kwargs": {}}
     n = len(layers)
     orig = list(layers)
@@ -88,8 +79,7 @@ def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: b
 @torch.no_grad()
 def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, acts: Activations,
                    progress: bool) -> dict:
-    """Write block 0's inputs for every calibration sequence (rows of ``calib``) into
-    ``acts`` → every block's keyword arguments (from the first sequence)."""
+    """Write block 0's inputs for every calibration sequence into ``acts`` → every block's kwargs."""
     from tqdm.auto import tqdm
     kwargs = None
     for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
@@ -105,12 +95,8 @@ def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, acts
 def block_inputs(net: torch.nn.Module, layers: torch.nn.ModuleList, hidden_size: int, dtype: torch.dtype,
                  calib: torch.Tensor | None, run: RunDir, device, max_memory: int | None, progress: bool,
                  rows: range | None = None, world: World = SINGLE) -> tuple[Activations | None, dict | None]:
-    """→ (the inputs of the first block of ``layers`` ``run`` has not done, every block's keyword
-    arguments); (None, None) without calibration data. The activations (``hidden_size`` wide, in
-    ``dtype``) are kept in memory up to ``max_memory`` bytes (None:
-    :func:`.activations.default_budget`), else on disk. ``rows``: the sequences of ``calib`` this
-    rank forwards (default all). ``net``'s tensors outside the blocks are loaded by the caller for
-    this capture pass; it drops them again."""
+    """→ (the inputs of the first block ``run`` has not done, every block's kwargs); (None, None) uncalibrated.
+    ``rows``: the sequences of ``calib`` this rank forwards."""
     if calib is None:  # an uncalibrated method: no forwards, the embeddings are not read
         return None, None
     for m in net.modules():  # the real buffers (rotary frequencies, ...) go to the device
@@ -140,8 +126,7 @@ def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def block_outputs(layer, acts: Activations, kw: dict, desc: str, progress: bool) -> None:
-    """Run the block on every calibration sequence, one per call: its outputs become the
-    inputs ``acts`` holds (:meth:`~.activations.Activations.advance`)."""
+    """Run the block on every calibration sequence: its outputs become the inputs ``acts`` holds."""
     from tqdm.auto import tqdm
     for j in tqdm(range(len(acts)), desc=f"{desc}: outputs", unit="seq", disable=not progress, leave=False):
         acts.write(j, run_block(layer, acts[j:j + 1], kw)[0])

@@ -1,18 +1,5 @@
-"""Per-input-column scales folded into the norm that feeds a linear.
-
-A linear fed by a norm with a per-channel weight, ``y = (n(x)·γ) Wᵀ``, computes the same
-function as ``y = (n(x)·γ/c) (W·diag(c))ᵀ`` for any positive ``c``: the checkpoint stores the
-quantized ``W·diag(c)`` and the norm weight divided by ``c``, so every kernel serves it
-unchanged. Quantizing ``W·diag(c)`` against ``diag(1/c) H diag(1/c)`` gives column j the
-effective step ``s/c_j``; with one scale per matrix the certificate ``¼ Σ D_j s_j²`` at a fixed
-rate (``Σ log s_j`` fixed, high resolution) is smallest when ``D_j s_j²`` is equal over j, i.e.
-``c_j ∝ √D_j`` (``power`` ½), and shrinks by the AM/GM of D. ``c`` depends on H only, so the
-linears sharing a norm (q/k/v, gate/up) share their Hessian and their column scales.
-
-:func:`fold_block` applies this to a decoder block: it finds each norm whose output feeds only
-linears (by tracing one forward), folds ``c`` into it, and checks that the folded block computes
-what the original did.
-"""
+"""Per-input-column scales folded into the norm that feeds a linear (``--column-scales``): the checkpoint
+stores the quantized ``W·diag(c)`` and the norm divided by ``c``, so every kernel serves it unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +20,7 @@ FOLD_RTOL_HALF = 2e-2
 
 def column_scales(H: torch.Tensor, *, power: float = 0.5, order="act", damp: float = 0.01,
                   max_ratio: float = MAX_RATIO) -> torch.Tensor:
-    """``c_j ∝ D_j^power`` (D: the LDL diagonal of the damped H in GPTQ's ``order``, by column),
-    geometric mean 1, clamped to ``[1/max_ratio, max_ratio]`` → fp32 ``[in]``."""
+    """``c_j ∝ D_j^power`` (D: the LDL diagonal of the damped H in ``order``), geometric mean 1, clamped."""
     if power < 0:
         raise ValueError(f"column-scale power must be >= 0, got {power}")
     T = lattice.resolve_order(order, H, damp, babai=True)
@@ -63,8 +49,7 @@ def unfold(Q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class NormFold:
-    """One norm and the linears its output feeds (full names); ``unit_offset``: the norm
-    multiplies by ``1 + weight`` (Gemma) rather than ``weight``."""
+    """One norm and the linears its output feeds; ``unit_offset``: it multiplies by ``1 + weight`` (Gemma)."""
     norm: str
     linears: list[str]
     unit_offset: bool
@@ -76,8 +61,7 @@ def _is_norm(m: torch.nn.Module) -> bool:
 
 
 def trace_norms(layer: torch.nn.Module, prefix: str, linears: dict, x: torch.Tensor, kw: dict) -> list[NormFold]:
-    """Run ``layer`` once on ``x`` and return every norm (a leaf module with a 1-D weight)
-    whose output tensor is the input of linears and of nothing else that the trace sees."""
+    """Every norm of ``layer`` (a leaf with a 1-D weight) whose output feeds only linears, traced on ``x``."""
     from .capture import run_block
     out_of, fed, handles = {}, {}, []
     names = {m: n for n, m in layer.named_modules()}
@@ -102,8 +86,7 @@ def trace_norms(layer: torch.nn.Module, prefix: str, linears: dict, x: torch.Ten
 
 
 def _unit_offset(norm: torch.nn.Module) -> bool:
-    """Does ``norm`` scale by ``1 + weight``? Probed: with a zero weight its output is zero
-    unless it does."""
+    """Does ``norm`` scale by ``1 + weight``? Probed with a zero weight."""
     w = norm.weight
     probe = torch.randn(2, w.shape[0], dtype=w.dtype, device=w.device)
     try:
@@ -115,9 +98,8 @@ def _unit_offset(norm: torch.nn.Module) -> bool:
 
 
 def folded_norm_weight(weight: torch.Tensor, c: torch.Tensor, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm weight that multiplies by ``γ/c`` instead of ``γ`` (``γ = weight`` or
-    ``1 + weight``), rounded to the weight's dtype, and the scales that rounded weight really
-    applies (``γ/γ'`` in fp32): fold those into W, and the pair is exact up to fp32 rounding."""
+    """The norm weight scaling by ``γ/c``, rounded to its dtype, and the scales it really applies.
+    Folding those scales into W keeps the pair exact up to fp32 rounding."""
     one = 1.0 if unit_offset else 0.0
     g = weight.float() + one
     dead = g == 0          # γ_j = 0 (Gemma3-270M has such channels): input j is always 0, any c_j fits
@@ -130,25 +112,22 @@ def folded_norm_weight(weight: torch.Tensor, c: torch.Tensor, unit_offset: bool)
 
 @dataclass
 class BlockFolding:
-    """What :func:`fold_block` changed: per linear its column scales, per linear the Hessian of
-    the folded problem, and the folded norm weights (full tensor names, the source dtype)."""
+    """What :func:`fold_block` changed: per linear its scales and folded Hessian; the folded norm weights."""
     scales: dict[str, torch.Tensor]
     hessians: dict[str, Hessian]
     norm_tensors: dict[str, torch.Tensor]
 
     def wrap(self, quantize: Callable) -> Callable:
-        """``quantize(name, W, hessian)`` solving each folded linear's problem instead
-        (``W·diag(c)`` against its folded Hessian); other linears unchanged."""
-        def folded(name, W, hessian):
+        """``quantize(name, W, hessian)`` solving each folded linear's problem instead."""
+        def folded(name, W, hessian, **kw):
             if name not in self.scales:
-                return quantize(name, W, hessian)
-            return quantize(name, fold_weight(W, self.scales[name].to(W.device)), self.hessians[name])
+                return quantize(name, W, hessian, **kw)
+            return quantize(name, fold_weight(W, self.scales[name].to(W.device)), self.hessians[name], **kw)
         return folded
 
 
 def _scaled_hessian(h: Hessian, c: torch.Tensor) -> Hessian:
-    """The folded linear's Hessian, from ``h.H`` (a :class:`PanelHessian` sums only its upper
-    triangle: ``.H`` is the symmetric matrix)."""
+    """The folded linear's Hessian, from the symmetric ``h.H``."""
     return Hessian.from_sum(fold_hessian(h.H, c) * h.n, h.n)
 
 
@@ -156,13 +135,8 @@ def _scaled_hessian(h: Hessian, c: torch.Tensor) -> Hessian:
 def fold_block(layer: torch.nn.Module, prefix: str, linears: dict, hessians: dict[str, Hessian], x: torch.Tensor,
                kw: dict, *, power: float = 0.5, order="act", damp: float = 0.01,
                stored: Callable[[str], torch.Tensor] | None = None) -> BlockFolding:
-    """Fold column scales into the norms of decoder block ``layer`` (module name ``prefix``):
-    for every norm feeding only linears (which then share one Hessian), ``c`` from that
-    Hessian, the norm weight divided by ``c`` and the linears' weights multiplied by it, in
-    place. ``x`` (one calibration sequence) traces the norms and checks that the folded block
-    computes what the original did. ``hessians``: name → the block's Hessian of each linear;
-    ``stored(name)``: a norm weight as the checkpoint stores it (its dtype; default: the
-    module's), which is what gets folded and rounded."""
+    """Fold column scales into the norms of block ``layer`` that feed only linears, in place, checked on ``x``.
+    ``stored(name)``: a norm weight as the checkpoint stores it, which is what gets folded."""
     from .capture import run_block
     ref = run_block(layer, x, kw)
     folds = trace_norms(layer, prefix, linears, x, kw)

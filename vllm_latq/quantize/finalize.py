@@ -1,26 +1,25 @@
-"""Finishing a run: the last shard (everything outside the blocks, and a quantized head),
-the index, ``config.json`` with its ``quantization_config``, the tokenizer files,
-``latq_stats.json`` and ``latq_manifest.json`` (their checksums, last); then validation and
-the atomic rename of the run directory to ``OUT``.
-"""
+"""Finishing a run: last shard, index, config, tokenizer files, stats and manifest; then validation
+(so nothing a resumed run kept is sealed unread) and the atomic rename to ``OUT``."""
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from ..format.files import CONFIG_FILE, STATS_FILE
-from ..format.manifest import write_manifest
+from ..format import output_dir
+from ..format.files import CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, STATS_FILE
+from ..format.manifest import read_manifest, unsealed_entries, write_manifest
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
 from ..format import writer
-from .output import check_output
+from .output import COMMAND, replace_output
 from .resume import RunDir
 
 
-def stats_file(stats: list[dict], method: str, src: Path, version: int = 1) -> dict:
-    """``latq_stats.json``: the per-layer records and their parameter-weighted totals (``version``:
-    the checkpoint's format version)."""
+def stats_file(stats: list[dict], method: str, src: Path, group_size: int | None = None,
+               version: int = 1) -> dict:
+    """``latq_stats.json``: the per-layer records and their parameter-weighted totals (``version``: the
+    checkpoint's format version)."""
+    if group_size is not None:
+        stats = [{**s, "group_size": group_size} for s in stats]
     n = sum(s["shape"][0] * s["shape"][1] for s in stats)
     wavg = lambda k: sum(s[k] * s["shape"][0] * s["shape"][1] for s in stats) / n if n else 0.0  # noqa: E731
     certs = [s["cert"] for s in stats if s["cert"] is not None]
@@ -33,8 +32,7 @@ def stats_file(stats: list[dict], method: str, src: Path, version: int = 1) -> d
 
 
 def checkpoint_config(source_config: dict, quantization_config: dict, untie_head: bool) -> dict:
-    """The checkpoint's ``config.json``: the source's with its ``quantization_config``
-    (``untie_head``: a tied head quantized, stored apart from the embedding, which stays)."""
+    """The checkpoint's ``config.json``: the source's with its ``quantization_config``."""
     cfg = dict(source_config)
     cfg["quantization_config"] = quantization_config
     if untie_head:
@@ -44,23 +42,25 @@ def checkpoint_config(source_config: dict, quantization_config: dict, untie_head
 
 def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, config: dict, method: str,
              validate: bool) -> dict:
-    """Write the rest of the checkpoint into ``run`` after its ``nblocks`` block shards — the
-    last shard (``rest``: the tensors outside the blocks), ``config``, the tokenizer files of
-    ``source``, the stats of ``method`` and the manifest —, validate it (unless not ``validate``)
-    and move it to ``out`` (replacing it) → the stats file's totals."""
+    """Write the rest of the checkpoint into ``run``, validate it and move it to ``out`` → the stats totals."""
     nshards = nblocks + 1
-    write_safetensors(run.path / writer.shard_name(nblocks, nshards), rest)
-    writer.write_index(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
+    shards = [writer.shard_name(i, nshards) for i in range(nshards)]
+    write_safetensors(run.path / shards[-1], rest)
+    writer.write_index(run.path, shards)
     writer.write_json(run.path / CONFIG_FILE, config)
-    writer.copy_aux_files(source, run.path)
-    stats = stats_file(run.stats, method, source, config["quantization_config"]["format_version"])
+    aux = writer.copy_aux_files(source, run.path)
+    qc = config["quantization_config"]
+    stats = stats_file(run.stats, method, source, qc.get("group_size"), qc["format_version"])
     writer.write_json(run.path / STATS_FILE, stats)
-    write_manifest(run.path, [writer.shard_name(i, nshards) for i in range(nshards)])
     run.clear_progress()
+    write_manifest(run.path, shards, [INDEX_FILE, *aux], made_by=COMMAND)
+    output_dir.unmark_temporary(run.path)
     if validate:
-        validate_checkpoint(run.path, decode=True, verify_checksums=False)
-    if out.exists():
-        check_output(out, source, overwrite=True)   # what it holds now, hours after the run began
-        shutil.rmtree(out)
-    os.replace(run.path, out)
+        validate_checkpoint(run.path, decode=True, verify_checksums=True)
+    stray = unsealed_entries(run.path, read_manifest(run.path))
+    if stray:
+        raise ValueError(f"{run.path} holds {stray}, which this run did not write: not sealed into {out}; remove "
+                         f"them and check who writes into the run directory (its checkpoint is sealed in "
+                         f"{MANIFEST_FILE}: moving it to {out} yourself is safe once they are gone)")
+    replace_output(run.path, out, source)
     return stats["totals"]

@@ -48,11 +48,12 @@ def head_plan(net: torch.nn.Module, prefix: str, tied: bool, weights: SourceWeig
 
 @torch.no_grad()
 def quantize_head(net: torch.nn.Module, weights: SourceWeights, plan: HeadPlan, inps: torch.Tensor | None,
-                  quantize: Callable, device, progress: bool, world: World = SINGLE) -> dict:
+                  quantize: Callable, device, progress: bool, world: World = SINGLE) -> tuple[dict, list[dict]]:
     """Quantize the head of ``net`` (its weight and final norm read from ``weights``) with
-    ``quantize(name, W, hessian) -> (result, tensors)`` on the last block's outputs ``inps``
-    (None: an uncalibrated method) → the head's checkpoint tensors. With several ranks the
-    Hessian is summed over them and rank 0 solves (it alone writes; the others get {})."""
+    ``quantize(name, W, hessian) -> (result, tensors, record)`` on the last block's outputs
+    ``inps`` (None: an uncalibrated method) → the head's checkpoint tensors and stats records.
+    With several ranks the Hessian is summed over them and rank 0 solves (it alone writes; the
+    others get nothing)."""
     norm = net.get_submodule(plan.norm)
     dtype = inps.dtype if inps is not None else torch.float32  # the calibration forwards' dtype
     for n, p in list(norm.named_parameters()):
@@ -64,11 +65,12 @@ def quantize_head(net: torch.nn.Module, weights: SourceWeights, plan: HeadPlan, 
         with ranks.together(f"{plan.name}: Hessian", world):
             hs = head_hessian(norm, inps, W.shape[1], device, plan.name, progress)
         ranks.sum_hessian(hs, world)
-    t = {}
+    t, records = {}, []
     with ranks.together(plan.name, world):
         if world.writes:
-            _, t = quantize(plan.name, W, hs)
+            _, t, record = quantize(plan.name, W, hs)
+            records.append(record)
     log.info("%s (weight from %s, Hessian from %s outputs): %.1fs", plan.name, plan.weight, plan.norm,
              time.time() - t0)
     hf_model.to_meta(norm)
-    return t
+    return t, records

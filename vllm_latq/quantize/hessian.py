@@ -1,15 +1,4 @@
-"""Layer Hessians ``H = XᵀX / n`` accumulated from calibration activations (fp64 sums).
-
-:class:`Hessian` is the definition (every product in fp64); :class:`PanelHessian` the
-pipeline's faster accumulator (fp32 sums of upper-triangular row panels' products, fp64 sums
-over sequences).
-:func:`hook_linears` attaches one Hessian to each linear of a model and
-:func:`linear_hessians` runs calibration text through a whole Hugging Face model with
-them: the one collector the tests, the demo and the study use. The sequential pipeline's
-per-block collector (shared Hessians of linears fed the same input) is in
-:mod:`.calibrate`. :class:`CrossCovariance` and :func:`qronos_target` are target correction's
-cross term ``X̃ᵀX`` and its corrected weight.
-"""
+"""Layer Hessians ``H = XᵀX / n`` from calibration activations, summed in fp64."""
 from __future__ import annotations
 
 from typing import Hashable, Iterable
@@ -24,13 +13,8 @@ PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
 
 
 class Hessian:
-    """Running ``XᵀX / n`` over the rows of every input fed to :meth:`add` (``[..., in]``).
-    fp64 accumulation: a Hessian summed over 10⁵ tokens in fp32 loses the small
-    eigenvalues that decide GPTQ's error propagation.
-
-    :attr:`H` is formed once, in place of the sum: a second c×c fp64 matrix would be the
-    largest allocation of a block (1.6 GB for a 14336-wide input). From then on ``sum`` is
-    None and :meth:`add` refuses."""
+    """Running ``XᵀX / n`` over the rows fed to :meth:`add`, every product in fp64 (the definition).
+    fp32 sums over 10⁵ tokens lose the small eigenvalues that steer GPTQ."""
 
     def __init__(self, columns: int, device="cpu"):
         self._sum: torch.Tensor | None = torch.zeros(columns, columns, dtype=torch.float64, device=device)
@@ -39,7 +23,7 @@ class Hessian:
 
     @classmethod
     def from_sum(cls, sum_: torch.Tensor, n: int) -> "Hessian":
-        """A Hessian whose rows were summed elsewhere: ``sum_`` (fp64, taken over) over ``n`` rows."""
+        """A Hessian whose ``n`` rows were summed elsewhere into ``sum_`` (fp64, taken over)."""
         out = cls.__new__(cls)
         out._sum, out.n, out._H = sum_, n, None
         return out
@@ -66,8 +50,7 @@ class Hessian:
 
     @property
     def H(self) -> torch.Tensor:
-        """``sum / n`` (the very values of a fresh division), formed in place on first use;
-        later reads return the same tensor: callers must not modify it."""
+        """``sum / n``, formed in place on first use; callers must not modify it."""
         if self._H is None:
             if self.n == 0:
                 raise ValueError("no calibration rows were seen for this layer")
@@ -92,9 +75,7 @@ def product_operand(x: torch.Tensor) -> torch.Tensor:
 
 
 def tn_add(a: torch.Tensor, b: torch.Tensor, S: torch.Tensor) -> None:
-    """``S += aᵀb`` (``S`` fp64): one product of ≤ ``PRODUCT_ROWS`` rows in fp32, added in fp64.
-    bf16 operands go to the CPU's bf16 GEMM: their products are exact in fp32 and summed in fp32,
-    the values an fp32 GEMM of the upcast operands computes, up to the order of the sum."""
+    """``S += aᵀb`` (``S`` fp64): one product of ≤ ``PRODUCT_ROWS`` rows in fp32, added in fp64."""
     if a.dtype == torch.bfloat16:
         torch.ops.latq_cpu.bf16_tn_add(a, b, S)
     else:
@@ -102,16 +83,7 @@ def tn_add(a: torch.Tensor, b: torch.Tensor, S: torch.Tensor) -> None:
 
 
 class PanelHessian(Hessian):
-    """``XᵀX / n`` with an fp64 accumulator, each product of ≤ ``PRODUCT_ROWS`` rows (the rows
-    of consecutive :meth:`add` calls, kept until there are enough) summed in fp32 (:func:`tn_add`:
-    the bf16 GEMM for bf16 activations) and added to the fp64 sum: a 4096-term fp32 dot product's
-    error is far below the damping, an fp64 GEMM would cost more than the block's forward pass,
-    and each fp64 addition of a c×c product costs as much memory traffic as a GEMM of several
-    sequences. The sum over products, where fp32 would lose the small eigenvalues, is fp64.
-
-    Only the row panels of the upper triangle are computed and summed (``PANEL`` rows
-    each), which halves both the GEMM and the fp64 additions. :attr:`H` mirrors the upper
-    triangle."""
+    """``XᵀX / n`` summed in fp64 over fp32 products of ≤ ``PRODUCT_ROWS`` rows, upper-triangle panels only."""
 
     def __init__(self, columns: int, device="cpu"):
         super().__init__(columns, device)
@@ -166,8 +138,7 @@ class PanelHessian(Hessian):
             tn_add(x[:, c:c + PANEL], x[:, c:], S[c:c + PANEL, c:])
 
     def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
-        """The upper triangle mirrored panel by panel, in place (whole-matrix ``triu``
-        temporaries were 4 copies: 6.6 GB for a 14336-wide input)."""
+        """The upper triangle mirrored panel by panel, in place (no whole-matrix temporaries)."""
         n = H.shape[0]
         for c in range(0, n, PANEL):
             d = H[c:c + PANEL, c:c + PANEL]
@@ -177,9 +148,7 @@ class PanelHessian(Hessian):
 
 
 class CrossCovariance(PanelHessian):
-    """Running ``X̃ᵀX / n`` (fp64 sums of fp32 products of the same rows as :class:`PanelHessian`'s)
-    over row-aligned pairs: ``x_tilde`` the linear's inputs with the quantized prefix, ``x`` the
-    same tokens' inputs with the full-precision prefix. Not symmetric: the whole product is summed."""
+    """Running ``X̃ᵀX / n`` over row-aligned pairs (quantized prefix's inputs, full-precision prefix's)."""
 
     def add(self, x_tilde: torch.Tensor, x: torch.Tensor) -> None:  # type: ignore[override]
         if x_tilde.shape != x.shape:
@@ -198,12 +167,8 @@ class CrossCovariance(PanelHessian):
 
 
 def qronos_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
-    """Target correction (after Qronos): the weight ``W′`` whose outputs on
-    the quantized prefix's inputs X̃ best match the full-precision outputs XWᵀ, damped toward W:
-    ``argmin ‖X̃W′ᵀ − XWᵀ‖² + λn‖W′ − W‖²``, i.e. ``W′ᵀ = Wᵀ + (H + λI)⁻¹(C − H)Wᵀ`` (``H =
-    X̃ᵀX̃/n``, ``C = X̃ᵀX/n``, λ the solvers' damping). Damping toward W rather than 0 keeps
-    ``W′ = W`` exactly when the streams agree (C = H, block 0) instead of shrinking W.
-    Solving the layer against ``W′`` and ``H`` then minimizes ‖X̃Qᵀ − XWᵀ‖ up to the damping."""
+    """Target correction (after Qronos): ``W′ᵀ = Wᵀ + (H + λI)⁻¹(C − H)Wᵀ``, ``H = X̃ᵀX̃/n``, ``C = X̃ᵀX/n``.
+    The W′ whose outputs on X̃ best match XWᵀ, damped toward W so that ``W′ = W`` when C = H."""
     if C.shape != H.shape:
         raise ValueError(f"cross-covariance {tuple(C.shape)} and Hessian {tuple(H.shape)} differ")
     Wt = W.double().T
@@ -212,8 +177,7 @@ def qronos_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float
 
 
 def hook_linears(modules: dict[str, torch.nn.Linear]) -> tuple[dict[str, Hessian], list]:
-    """Attach forward pre-hooks that accumulate each linear's input Hessian.
-    Returns ``(hessians, handles)``; call ``h.remove()`` on every handle when done."""
+    """Attach forward pre-hooks accumulating each linear's input Hessian → ``(hessians, handles)``."""
     hessians, handles = {}, []
     for name, mod in modules.items():
         hs = hessians[name] = Hessian(mod.in_features, mod.weight.device)
@@ -229,10 +193,8 @@ class _Stop(Exception):
 def linear_hessians(model: torch.nn.Module, modules: dict[Hashable, torch.nn.Linear],
                     batches: Iterable[torch.Tensor], *, stop_after: torch.nn.Module | None = None,
                     desc: str | None = None) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
-    """``{key: (W [out, in] fp32, H [in, in] fp64)}`` for ``modules`` (linears of ``model``, by
-    any key), ``model`` run on every token-id row of ``batches`` (one sequence per forward).
-    ``stop_after``: a module after which each forward stops (the later blocks are not needed).
-    ``desc``: show a progress bar with this label."""
+    """``{key: (W fp32, H fp64)}`` for ``modules``, ``model`` run on each row of ``batches``.
+    ``stop_after``: the module after which each forward stops."""
     hs, handles = hook_linears(modules)
     if stop_after is not None:
         def stop(*_):

@@ -1,20 +1,5 @@
-"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it.
-
-During the block's one Hessian forward (:mod:`.calibrate`) a pre-hook on every experts module
-keeps what enters it: the hidden states ``[tokens, H]`` and the router's choice ``top_k_index
-[tokens, k]``. Then, one expert at a time (:meth:`MoeInputs.expert_hessians`), expert e's
-Hessians are summed over the tokens routed to it: the input of its gate and up projections is
-those hidden states, the input of its down projection the intermediate activations
-``act(gate)·up`` of those tokens, computed with the expert's own (still unquantized) gate/up
-slice and the model's own gating function. The whole costs about one more pass of the gate/up
-projections over the routed tokens: no forward per expert.
-
-An expert routed fewer than ``min_tokens`` tokens still gets a well-posed problem: its sums are
-blended with those of every token of the block entering the mixture (for the down projection:
-every token run through this expert), counted as if ``t − n_e`` of them had been routed to it:
-``H = (S_e + (t − n_e)/N · S_all) / t`` (t = ``min_tokens``, n_e routed tokens, N all tokens).
-``route_all`` calibrates every expert on every token.
-"""
+"""Mixture-of-experts calibration: each expert's Hessians from the tokens its router sends it,
+formed one expert at a time from inputs kept during the block's one Hessian forward."""
 from __future__ import annotations
 
 import inspect
@@ -31,8 +16,7 @@ BLEND, ALL_TOKENS = "blend", "all-tokens"   # the fallbacks recorded per expert
 
 @dataclass
 class ExpertHessians:
-    """Expert e's two Hessians (the gate/up projections' input, the down projection's input),
-    the tokens its router sent it and the fallback used (None, ``"blend"``, ``"all-tokens"``)."""
+    """Expert e's Hessians (gate/up input, down input), its routed tokens and fallback used."""
     inp: PanelHessian
     mid: PanelHessian
     tokens: int
@@ -40,14 +24,13 @@ class ExpertHessians:
 
 
 def blend(routed: PanelHessian, everything: PanelHessian, min_tokens: int) -> PanelHessian:
-    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens with the
-    all-token Hessian (convex in H_e and H_all, weights n_e/t and 1 − n_e/t)."""
+    """``(S_e + (t − n_e)/N · S_all) / t``: the routed sums topped up to ``t`` tokens."""
     return PanelHessian.from_sum(routed.sum + everything.sum * ((min_tokens - routed.n) / everything.n), min_tokens)
 
 
 class MoeInputs:
-    """A pre-hook on one experts module keeping its inputs and routing over the calibration
-    forwards (call :meth:`remove` after them), and the per-expert Hessians computed from them."""
+    """A pre-hook on one experts module keeping its inputs and routing, and the per-expert Hessians.
+    Once ``world`` is set, sums are over every rank's tokens and every method is collective."""
 
     def __init__(self, experts: torch.nn.Module):
         self.experts = experts
@@ -56,6 +39,7 @@ class MoeInputs:
         self._signature = inspect.signature(experts.forward)
         self._all_inp: PanelHessian | None = None
         self.handle = experts.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.world: World = SINGLE
 
     def _hook(self, mod, args, kwargs):
         a = self._signature.bind(*args, **kwargs).arguments
@@ -67,31 +51,34 @@ class MoeInputs:
 
     @property
     def num_tokens(self) -> int:
+        """The tokens that entered the module here (this rank's)."""
         return sum(len(x) for x in self.hidden)
 
-    def routed_tokens(self, world: World = SINGLE) -> list[int]:
-        """Tokens routed to each expert (they sum to tokens × top_k), over every rank's."""
-        counts = sum(torch.bincount(i.reshape(-1).cpu(), minlength=self.experts.num_experts) for i in self.index)
-        return ranks.sum_counts([int(c) for c in counts[:self.experts.num_experts]], world)
+    def total_tokens(self) -> int:
+        return ranks.sum_counts([self.num_tokens], self.world)[0]
 
-    def _all_inputs(self, world: World) -> PanelHessian:
+    def routed_tokens(self) -> list[int]:
+        """Tokens routed to each expert (they sum to tokens × top_k)."""
+        counts = sum(torch.bincount(i.reshape(-1).cpu(), minlength=self.experts.num_experts) for i in self.index)
+        return ranks.sum_counts([int(c) for c in counts[:self.experts.num_experts]], self.world)
+
+    def _all_inputs(self) -> PanelHessian:
         if self._all_inp is None:
             self._all_inp = PanelHessian(self.hidden[0].shape[1], self.hidden[0].device)
             for x in self.hidden:
                 self._all_inp.add(x)
-            ranks.sum_hessian(self._all_inp, world)
+            ranks.sum_hessian(self._all_inp, self.world)
         return self._all_inp
 
     @torch.no_grad()
-    def expert_hessians(self, e: int, min_tokens: int, route_all: bool, world: World = SINGLE) -> ExpertHessians:
-        """Expert ``e``'s Hessians, before its weights are replaced by quantized ones: over
-        every rank's tokens (a collective: every rank calls it for every expert)."""
+    def expert_hessians(self, e: int, min_tokens: int, route_all: bool) -> ExpertHessians:
+        """Expert ``e``'s Hessians, before its weights are replaced by quantized ones."""
         if min_tokens < 1:
             raise ValueError(f"moe_min_tokens must be >= 1, got {min_tokens}")
         W = self.experts.gate_up_proj[e]   # [2I, H]
         columns, device = W.shape[1], W.device
         inp, mid = PanelHessian(columns, device), PanelHessian(W.shape[0] // 2, device)
-        tokens = ranks.sum_counts([sum(int((i == e).any(-1).sum()) for i in self.index)], world)[0]
+        tokens = ranks.sum_counts([sum(int((i == e).any(-1).sum()) for i in self.index)], self.world)[0]
         fallback = ALL_TOKENS if route_all else BLEND if tokens < min_tokens else None
         all_mid = PanelHessian(W.shape[0] // 2, device) if fallback else None
         for x, i in zip(self.hidden, self.index):
@@ -106,10 +93,10 @@ class MoeInputs:
                 inp.add(x[routed])
                 mid.add(act)
         for h in (inp, mid) + ((all_mid,) if fallback else ()):
-            ranks.sum_hessian(h, world)
+            ranks.sum_hessian(h, self.world)
         if fallback == ALL_TOKENS:
-            return ExpertHessians(self._all_inputs(world), all_mid, tokens, fallback)
+            return ExpertHessians(self._all_inputs(), all_mid, tokens, fallback)
         if fallback == BLEND:
-            return ExpertHessians(blend(inp, self._all_inputs(world), min_tokens), blend(mid, all_mid, min_tokens),
+            return ExpertHessians(blend(inp, self._all_inputs(), min_tokens), blend(mid, all_mid, min_tokens),
                                   tokens, fallback)
         return ExpertHessians(inp, mid, tokens, None)

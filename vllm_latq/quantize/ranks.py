@@ -1,16 +1,5 @@
-"""The ranks of a quantization run started by ``torchrun``: where they split and where they meet.
-
-Every collective the pipeline needs is here, on ``torch.distributed`` (gloo on CPU, NCCL on CUDA
-with one GPU per rank by ``LOCAL_RANK``). Without torchrun (``WORLD_SIZE`` unset or 1),
-:func:`init` returns :data:`SINGLE` and every function below does nothing or returns its input:
-the single process runs the code it always ran.
-
-Each rank forwards its own contiguous slice of the calibration sequences (:func:`own_rows`);
-partial statistics are summed in rank order on every rank (:func:`sum_in_rank_order`), so all
-ranks hold the very same bits; each solve runs on one rank (:func:`assign_by_cost`, experts by
-:func:`expert_rounds`) and its result is broadcast from there (:func:`share`). Solves are
-deterministic given their inputs, so which rank runs one does not change it.
-"""
+"""The ranks of a ``torchrun`` quantization run: every collective the pipeline needs, and where
+ranks split and meet. Without torchrun, :func:`init` returns :data:`SINGLE`: the identity."""
 from __future__ import annotations
 
 import datetime
@@ -21,6 +10,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -72,23 +62,37 @@ def init(device: str = "cpu") -> World:
     return World(dist.get_rank(), dist.get_world_size(), local)
 
 
+@contextmanager
+def joined(device: str, command: dict):
+    """This process's :class:`World` for the body, every rank checked to run the same ``command``."""
+    world = init(device)
+    try:
+        check_same_command(command, world)
+        announce(world)
+        yield world
+    except Exception as e:
+        lost = lost_rank(e) if world.distributed else None
+        if lost is not None:
+            raise lost from e
+        raise
+    finally:
+        shutdown(world)
+
+
 def shutdown(world: World) -> None:
     if world.distributed and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 def exit_rank(code: int):
-    """End a torchrun rank's process with ``code`` without the interpreter's teardown: gloo's
-    worker threads may still be freeing the last collective's tensors, which takes the GIL, and
-    one doing so while Python finalizes aborts the process (exit -6 after a finished run)."""
+    """End a torchrun rank without interpreter teardown: gloo threads still freeing tensors abort it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def announce(world: World) -> list[int]:
-    """Log on rank 0 the ranks × each rank's torch threads (``OMP_NUM_THREADS``, which torchrun
-    sets to 1 unless it is given one) → the thread counts, by rank."""
+    """Log on rank 0 the ranks × torch threads per rank."""
     threads = [torch.get_num_threads()] * world.size
     if world.distributed:
         torch.distributed.all_gather_object(threads, torch.get_num_threads())
@@ -108,8 +112,7 @@ def own_rows(n: int, world: World) -> range:
 
 
 def sum_in_rank_order(partial: torch.Tensor, world: World) -> torch.Tensor:
-    """Σ over ranks of each rank's ``partial``, added in rank order (0, 1, …) on every rank:
-    every rank gets the same bits, run after run, at a given world size."""
+    """Σ over ranks of ``partial``, added in rank order, so every rank gets the same bits."""
     if not world.distributed:
         return partial
     total = None
@@ -136,15 +139,12 @@ def _collective_device() -> torch.device:
 
 
 def solve_cost(rows: int, columns: int) -> int:
-    """A solve's cost: the rows·c² error propagation plus the c³/3 factorisation of H (the
-    propagation dominates: GPTQ's times on one core follow rows·c² within a factor of two)."""
+    """A solve's cost: rows·c² for the error propagation plus c³/3 for factorising H."""
     return columns * columns * (rows + columns // 3)
 
 
 def assign_by_cost(costs: dict[str, int], world: World, busy: list[int] | None = None) -> dict[str, int]:
-    """Each job → a rank: costliest first to the least loaded rank (ties: the lowest rank),
-    ``busy``: each rank's load already given. The same on every rank: it depends only on the
-    costs and names."""
+    """Each job → a rank: costliest first to the least loaded (``busy``: loads already given)."""
     load = list(busy) if busy is not None else [0] * world.size
     out = {}
     for name in sorted(costs, key=lambda n: (-costs[n], n)):
@@ -155,10 +155,8 @@ def assign_by_cost(costs: dict[str, int], world: World, busy: list[int] | None =
 
 
 def expert_rounds(num_experts: int, world: World) -> list[dict[int, int]]:
-    """The experts of one module in rounds, ``{expert: rank}`` each, at most one expert per rank
-    per round: a rank holds one expert's Hessians at a time. A module's experts have the same
-    shapes, so the same solve cost: dealt in turn they are balanced by cost. When they do not
-    divide evenly the first round is the short one; its idle ranks take the block's linears."""
+    """One module's experts in rounds of at most one per rank (a rank holds one expert's Hessians).
+    The first round is the short one; its idle ranks take the block's linears."""
     short = num_experts % world.size or world.size
     starts = [0, *range(short, num_experts, world.size)]
     return [{e: e - s for e in range(s, min(s + (short if s == 0 else world.size), num_experts))} for s in starts]
@@ -190,8 +188,7 @@ def check_same_command(options: dict, world: World) -> None:
 
 
 def agree_or_raise(error: BaseException | None, where: str, world: World) -> None:
-    """Meet the other ranks: if any failed, every rank raises one :class:`RankFailed` naming
-    the first failed rank and ``where``, instead of waiting for it in the next collective."""
+    """Meet the other ranks; if any failed, every rank raises one :class:`RankFailed` naming it."""
     if not world.distributed:
         if error is not None:
             raise error
@@ -208,8 +205,7 @@ _step = ["the start"]   # the last step entered (:func:`together`): where a lost
 
 
 def lost_rank(error: BaseException) -> RankFailed | None:
-    """A collective's failure because another rank died (gloo: its connection closed; NCCL: a
-    backend error) as a :class:`RankFailed` naming the step; None for any other error."""
+    """A collective's failure because another rank died, as a :class:`RankFailed`; else None."""
     lost = isinstance(error, torch.distributed.DistError) or (
         isinstance(error, RuntimeError) and "gloo" in str(error) and "by peer" in str(error))
     return RankFailed(f"another rank stopped answering (it died or was killed: see its log) during "
@@ -218,8 +214,7 @@ def lost_rank(error: BaseException) -> RankFailed | None:
 
 @contextmanager
 def together(where: str, world: World):
-    """Run the body on every rank, then meet: an exception on any rank is raised on all of
-    them (:func:`agree_or_raise`). Single process: the body's exception as it is."""
+    """Run the body on every rank, then meet: an exception on any rank is raised on all."""
     _step[0] = where
     error = None
     try:
@@ -237,8 +232,85 @@ def barrier(world: World) -> None:
 
 
 def sum_hessian(h, world: World) -> None:
-    """Make a :class:`~.hessian.Hessian` accumulated over this rank's rows the one over every
-    rank's: its fp64 sum and row count summed in rank order."""
+    """This rank's :class:`~.hessian.Hessian` made the sum over every rank's rows."""
     if world.distributed:
         h.sum = sum_in_rank_order(h.sum, world)
         h.n = sum_counts([h.n], world)[0]
+
+
+@dataclass
+class Job:
+    """One solve run on one rank; ``release()`` drops what only this job needs."""
+    name: str
+    cost: int
+    run: Callable[[], Any]
+    release: Callable[[], None] | None = None
+
+
+@dataclass
+class RoundJobs:
+    """``count`` equal-cost jobs with large inputs (experts), run in :func:`expert_rounds`.
+    ``prepare(k)`` is collective; ``job(k, prepared)`` is job k."""
+    name: str
+    count: int
+    cost: int
+    prepare: Callable[[int], Any]
+    job: Callable[[int, Any], Job]
+
+
+class Scheduler:
+    """Who solves what: :meth:`solve` yields every job's result in order, the same on every rank."""
+
+    def __init__(self, world: World, portable: Callable[[Any], Any] = lambda result: result):
+        self.world, self.portable = world, portable
+
+    def solve(self, jobs: list[Job], rounds: list[RoundJobs], where: str) -> Iterator:
+        """The results of ``jobs`` (balanced by cost), then of each of ``rounds``' jobs by index."""
+        world = self.world
+        first = expert_rounds(rounds[0].count, world)[0] if rounds else {}
+        joined = world.distributed and 0 < len(first) < world.size
+        busy = [rounds[0].cost if r in first.values() else 0 for r in range(world.size)] if joined else None
+        assigned = assign_by_cost({j.name: j.cost for j in jobs}, world, busy)
+        owner = {j.name: assigned[j.name] for j in jobs}   # in the jobs' order: the order results come back in
+        for job in jobs:
+            if owner[job.name] != world.rank and job.release is not None:
+                job.release()
+        if not joined:
+            yield from self._meet({j.name: j for j in jobs}, owner, where)
+        for k, held in enumerate(rounds):
+            for r, dealt in enumerate(expert_rounds(held.count, world)):
+                mine, order = {}, {}
+                for e, rank in dealt.items():
+                    prepared = held.prepare(e)   # collective
+                    order[(held.name, e)] = rank
+                    if rank == world.rank:
+                        mine[(held.name, e)] = held.job(e, prepared)
+                prepared = None
+                at = f"{held.name}, experts {min(dealt)}..{max(dealt)}"
+                if joined and k == 0 and r == 0:   # the jobs first, as one process orders their results
+                    mine, order, at = {**{j.name: j for j in jobs}, **mine}, {**owner, **order}, f"{where} and {at}"
+                yield from self._meet(mine, order, at)
+
+    def _meet(self, jobs: dict, owner: dict, where: str) -> Iterator:
+        """Run the ``jobs`` this rank owns, meet, and yield every result in ``owner``'s order."""
+        if not self.world.distributed:   # each result is taken before the next job runs: one held at a time
+            for key in owner:
+                yield self._run(jobs[key])
+            return
+        mine = {}
+        with together(where, self.world):
+            for key, job in jobs.items():
+                if owner[key] == self.world.rank:
+                    mine[key] = self.portable(self._run(job))
+        yield from share(mine, owner, self.world).values()
+
+    def _run(self, job: Job):
+        try:
+            result = job.run()
+        except Exception as e:
+            if not self.world.distributed:
+                raise
+            raise RuntimeError(f"layer {job.name}: {type(e).__name__}: {e}") from e
+        if job.release is not None:
+            job.release()
+        return result

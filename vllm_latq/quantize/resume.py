@@ -1,11 +1,7 @@
-"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue.
+"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue (``--resume``).
 
-Every finished block leaves its shard, the next block's inputs (``latq_activations.<block>.bin``,
-:mod:`.activations`) and the progress record (blocks done, per-layer stats, the run's fingerprint) in the run
-directory; ``--resume`` continues from there if the fingerprint — source files, config,
-options, pipeline and format versions — is the same, and a run without ``--resume`` starts
-over. The finished checkpoint is renamed into place only at the end (:mod:`.finalize`).
-"""
+A resume needs the same fingerprint and every checksum to hold; a tampered or corrupted partial
+state is refused, never sealed."""
 from __future__ import annotations
 
 import hashlib
@@ -16,12 +12,15 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format import safetensors_file
+from ..bounded_io import file_sha256, read_json
+from ..errors import FormatError
+from ..format import output_dir, safetensors_file
 from ..format import writer
+from ..format.manifest import json_sha256
 from .. import format as fmt
 from . import activations, ranks
-from .activations import Activations
-from .output import OWNER_FILE, exclusive, record_owner
+from .activations import Activations, inputs_file
+from .output import COMMAND, exclusive
 from .ranks import SINGLE, World
 
 log = logging.getLogger("vllm_latq.quantize")
@@ -33,8 +32,7 @@ PIPELINE_VERSION = 5
 
 
 def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
-    """What must not change between an interrupted run and its ``--resume``: the source
-    (path, ``files`` and their sizes, ``config``) and the ``options`` that shape the output."""
+    """What must not change before a ``--resume``: the source (path, files, config) and ``options``."""
     sizes = sorted((f, (src / f).stat().st_size) for f in files)
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION, "options": options,
                        "source": str(src.resolve()), "files": sizes, "config": config}, sort_keys=True)
@@ -49,61 +47,59 @@ class RunDir:
     blocks_done: int = 0
     stats: list = field(default_factory=list)   # per-layer records of the blocks done
     world: World = SINGLE
+    shards: dict = field(default_factory=dict)  # {finished shard: sha256 of the file as written}
 
     @classmethod
     def open(cls, out: Path, fp: str, resume: bool) -> "RunDir":
-        """The run directory of ``out``, continued when ``resume`` and it holds an interrupted
-        run with fingerprint ``fp``, else (re)created empty; a resume of a run with another
-        fingerprint is refused."""
+        """The run directory of ``out``, continued when ``resume`` and its fingerprint and checksums hold."""
         tmp = out.with_name(out.name + TMP_SUFFIX)
         state = None
         if tmp.exists():
-            try:
-                state = json.loads((tmp / PROGRESS_FILE).read_text())
-            except (OSError, ValueError):
-                state = None
-            if resume and state is not None and state.get("fingerprint") != fp:
+            state = _progress(tmp) if resume else None
+            if state is not None and state.get("fingerprint") != fp:
                 raise ValueError(f"{tmp} holds an interrupted run of a different model or options; remove it or "
                                  "rerun without --resume")
-            if not resume or state is None:
+            if state is None:
                 log.warning("removing stale partial output %s", tmp)
-                shutil.rmtree(tmp)
-                state = None
+                output_dir.remove_temporary(tmp, COMMAND)
+            else:
+                verify_partial_state(tmp, state)
         elif resume:
             log.info("nothing to resume at %s: starting from block 0", tmp)
-        tmp.mkdir(parents=True, exist_ok=True)
         if state is None:
+            output_dir.make_temporary(tmp, COMMAND)
             return cls(tmp, fp)
-        return cls(tmp, fp, state["blocks_done"], state["stats"])
+        for part in tmp.rglob("*.part"):   # a write the interruption cut short
+            part.unlink()
+        return cls(tmp, fp, state["blocks_done"], state["stats"], shards=state["shards"])
 
     @classmethod
     def attach(cls, out: Path, fp: str, world: World) -> "RunDir":
-        """The run directory rank 0 has just opened (:meth:`open`), seen from another rank."""
+        """The run directory rank 0 has just opened, seen from another rank."""
         tmp = out.with_name(out.name + TMP_SUFFIX)
-        progress = tmp / PROGRESS_FILE
-        state = json.loads(progress.read_text()) if progress.exists() else None
+        state = _progress(tmp)
         if state is not None and state.get("fingerprint") != fp:
             raise ValueError(f"{tmp}: rank {world.rank} computes another fingerprint than rank 0 (a different "
                              "source or options on this node)")
         if state is None:
             return cls(tmp, fp, world=world)
-        return cls(tmp, fp, state["blocks_done"], state["stats"], world)
+        return cls(tmp, fp, state["blocks_done"], state["stats"], world, state["shards"])
 
     def save_block(self, i: int, shard_name: str, shard: dict, *streams: Activations | None) -> None:
-        """Persist block ``i``: its shard, the next block's inputs in each of ``streams`` (the
-        calibration activations; target correction's full-precision ones; None: an
-        uncalibrated run has none), the progress record; then drop the inputs saved for block ``i``."""
+        """Persist block ``i``: its shard, the next block's inputs (``streams``), the progress record."""
         streams = [s for s in streams if s is not None]
         if self.world.writes:
-            safetensors_file.write_safetensors(self.path / shard_name, shard)
+            self.shards[shard_name] = safetensors_file.write_safetensors(self.path / shard_name, shard)
         for s in streams:
             if s.block != i + 1:
                 raise RuntimeError(f"block {i} is saved with the inputs of block {s.block} ({s.run_dir})")
             s.save()   # every rank's rows: they meet there
         self.blocks_done = i + 1
         if self.world.writes:
-            writer.write_json(self.path / PROGRESS_FILE, {"fingerprint": self.fingerprint, "blocks_done": i + 1,
-                                                        "stats": self.stats})
+            saved = [inputs_file(s.run_dir, s.block) for s in streams]
+            record = {"fingerprint": self.fingerprint, "blocks_done": i + 1, "stats": self.stats, "shards": self.shards,
+                      "activations": {f.relative_to(self.path).as_posix(): file_sha256(f) for f in saved}}
+            writer.write_json(self.path / PROGRESS_FILE, {**record, "sha256": json_sha256(record)})
         ranks.barrier(self.world)   # no rank reads the older inputs any more
         for s in streams:
             s.remove_older()
@@ -112,14 +108,50 @@ class RunDir:
         """The run is complete: drop what only a resume needs."""
         activations.remove_all(self.path)
         (self.path / PROGRESS_FILE).unlink()
-        (self.path / OWNER_FILE).unlink(missing_ok=True)
+        for part in self.path.glob("*.part"):
+            part.unlink()
+
+
+def _progress(tmp: Path) -> dict | None:
+    """The progress record of ``tmp``, or None before the first block; an unreadable one is refused."""
+    try:
+        state = read_json(tmp / PROGRESS_FILE, name=str(tmp / PROGRESS_FILE))
+    except FileNotFoundError:
+        return None
+    if not isinstance(state, dict):
+        raise FormatError("not a progress record: rerun without --resume", file=str(tmp / PROGRESS_FILE))
+    return state
+
+
+def verify_partial_state(tmp: Path, state: dict) -> None:
+    """Refuse, naming the file, a progress record, shard or activation file that differs from its checksum."""
+    where = str(tmp / PROGRESS_FILE)
+    rest = {k: v for k, v in state.items() if k != "sha256"}
+    if state.get("sha256") != json_sha256(rest):
+        raise FormatError("its checksum does not match its content (edited or corrupted, or written by an older "
+                          "latq): rerun without --resume", file=where)
+    shards, acts = state.get("shards"), state.get("activations")
+    ok = (isinstance(state.get("blocks_done"), int) and isinstance(state.get("stats"), list)
+          and isinstance(shards, dict) and len(shards) == state["blocks_done"] and isinstance(acts, dict))
+    if not ok:
+        raise FormatError("does not record blocks_done, stats, one checksum per finished shard and the saved "
+                          "activations: rerun without --resume", file=where)
+    for name, digest in sorted({**shards, **acts}.items()):
+        path = tmp / name
+        if not path.resolve().is_relative_to(tmp.resolve()):
+            raise FormatError("names a file outside the run directory: rerun without --resume", file=where)
+        try:
+            same = file_sha256(path, name=str(path)) == digest
+        except FileNotFoundError:
+            raise FormatError("missing, but recorded as finished: rerun without --resume", file=str(path)) from None
+        if not same:
+            raise FormatError("differs from what the interrupted run wrote (its sha256 in latq_progress.json): "
+                              "corrupted or edited; rerun without --resume", file=str(path))
 
 
 @contextmanager
 def run_directory(out: Path, fp: str, resume: bool, world: World = SINGLE):
-    """:meth:`RunDir.open` under ``out``'s lock, held until the body (the run) ends. A run that
-    ends before its first block is saved leaves nothing behind: a resume could use none of it.
-    With several ranks rank 0 opens and locks it; the others attach once it has."""
+    """:meth:`RunDir.open` under ``out``'s lock for the run; a run that saved no block leaves nothing."""
     if not world.writes:
         ranks.agree_or_raise(None, "opening the run directory", world)
         yield RunDir.attach(out, fp, world)
@@ -127,10 +159,9 @@ def run_directory(out: Path, fp: str, resume: bool, world: World = SINGLE):
     with ExitStack() as held:
         error = None
         try:
-            held.enter_context(exclusive(out, out.with_name(out.name + TMP_SUFFIX)))
+            held.enter_context(exclusive(out))
             run = RunDir.open(out, fp, resume)
             run.world = world
-            record_owner(run.path)
         except Exception as e:   # noqa: BLE001  (every rank raises it)
             error = e
         ranks.agree_or_raise(error, "opening the run directory", world)
@@ -138,5 +169,5 @@ def run_directory(out: Path, fp: str, resume: bool, world: World = SINGLE):
             yield run
         except BaseException:
             if run.blocks_done == 0 and run.path.exists():
-                shutil.rmtree(run.path)
+                shutil.rmtree(run.path)   # marked as this run's own when it was made
             raise

@@ -1,15 +1,14 @@
-"""``--rotate hadamard``: every linear solved in its rotated frame (``algorithms/rotation.py``).
+"""``--rotate hadamard``: a linear's problem moved into its rotated frame (``algorithms/rotation.py``).
 
-:func:`rotated` wraps the pipeline's per-linear ``quantize(name, W, hessian, **kw)``: the solver,
-the encoding, the certificate and the layer's record all see ``(W·R, Rᵀ·H·R)``; the result's
-``q`` is then turned into the served weight ``Q·Rᵀ``, which the block's later forwards use. It is
-the innermost wrapper: target correction and column-scale folds change the problem in the
-original frame first, and the rotation applies to the problem they hand on.
+:func:`~.solve_layers.solve_linear` solves, encodes, certifies and records ``(W·R, Rᵀ·H·R)``
+and hands the block the served weight ``Q·Rᵀ``. It is the innermost change of problem: target
+correction and column-scale folds act in the original frame first. R depends only on the seed
+and the input size, so the linears that share a Hessian (q/k/v, gate/up, a block's experts)
+share one R and a fused layer transforms its input once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -19,22 +18,20 @@ from ..format.rotation import Rotation
 
 @dataclass
 class RotatedHessian:
-    """A linear's Hessian in the rotated frame: what ``quantize`` reads of a ``Hessian``."""
+    """A linear's Hessian in the rotated frame: what the solve reads of a ``Hessian``."""
     H: torch.Tensor
     n: int
 
 
-def rotated(quantize: Callable, rotation: Rotation | None) -> Callable:
-    """``quantize`` solving every linear on ``(W·R, Rᵀ·H·R)``, R of the linear's input size
-    (None: ``quantize`` itself). The layer's record gets ``rotation_block``."""
-    if rotation is None:
-        return quantize
+def rotated_problem(W: torch.Tensor, hessian, rotation: Rotation) -> tuple[torch.Tensor, RotatedHessian | None,
+                                                                            torch.Tensor]:
+    """``(W·R, Rᵀ·H·R, signs)`` for the linear of weight ``W`` (``hessian`` None: uncalibrated)."""
+    signs = rotation.signs(W.shape[1]).to(W.device)
+    Hr = None if hessian is None else RotatedHessian(rotate_hessian(hessian.H, signs.to(hessian.H.device)),
+                                                     hessian.n)
+    return rotate_weight(W, signs), Hr, signs
 
-    def solve_rotated(name, W, hessian, **kw):
-        signs = rotation.signs(W.shape[1])
-        kw["extra"] = {**(kw.get("extra") or {}), "rotation_block": signs.numel()}
-        Hr = None if hessian is None else RotatedHessian(rotate_hessian(hessian.H, signs.to(W.device)), hessian.n)
-        res, tensors = quantize(name, rotate_weight(W, signs.to(W.device)), Hr, **kw)
-        res.q = served_weight(res.q, signs.to(res.q.device))
-        return res, tensors
-    return solve_rotated
+
+def serve_rotated(res, signs: torch.Tensor) -> None:
+    """The result's weight turned into the one the block computes with from now on, ``Q·Rᵀ``."""
+    res.q = served_weight(res.q, signs.to(res.q.device))

@@ -1,13 +1,17 @@
-"""Solving one linear: the method's solver on its weight and Hessian, the result encoded
-into the layer's checkpoint tensors, and its record for ``latq_stats.json`` and the log.
+"""Solving a decoder block: each linear by the method's solver on its exact weight and Hessian
+(:func:`solve_linear`), encoded into its checkpoint tensors with its record for
+``latq_stats.json``; then the experts, one at a time. It reads as one process: which rank solves
+what is the :class:`~.ranks.Scheduler`'s business, and results come back from it in order.
 
-``solve(method, W, H, name, **kw) -> QuantResult`` is the pipeline's per-layer solver call;
+``solve(method, W, H, name, **kw) -> QuantResult`` is the per-layer solver call;
 :func:`~.pipeline.quantize_model` takes another through its ``solve=`` argument (the study
 wraps it to swap GPTQ implementations).
 """
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -15,16 +19,17 @@ import torch
 
 from .. import hf_model
 from .. import format as fmt
-from .calibrate import SharedHessians
-from .hessian import CrossCovariance, Hessian, qronos_target
 from ..algorithms.hptq import hptq, hrtn
 from ..algorithms.lattice import relative_error
-from .moe import MoeInputs
 from ..algorithms.result import QuantResult
 from ..algorithms.solvers import babai, gptq, rtn
-from . import ranks
-from .ranks import SINGLE, World
 from ..algorithms.ssqr import ssqr
+from ..format.rotation import Rotation
+from .calibrate import SharedHessians
+from .hessian import Hessian
+from .moe import MoeInputs
+from .ranks import Job, RoundJobs, Scheduler, solve_cost
+from .rotate import rotated_problem, serve_rotated
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -48,36 +53,186 @@ def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw) -> Qua
     return res
 
 
-def quantize_linear(name: str, W: torch.Tensor, hessian: Hessian | None, *, method: str, solver_kwargs: dict,
-                    solve: Solve, stats: list, on_layer: Callable | None,
-                    extra: dict | None = None) -> tuple[QuantResult, dict]:
-    """Solve linear ``name`` (weight ``W``, its accumulated ``hessian``, None for uncalibrated
-    methods), append its stats record (with ``extra``: an expert's routing) to ``stats`` and
-    log it, call ``on_layer(name, W, H, result)`` → (result, its checkpoint tensors named
-    ``<name>.<suffix>``)."""
+@dataclass(frozen=True)
+class LayerSolver:
+    """How a run solves each linear: ``method`` with its ``solver_kwargs`` through ``solve``;
+    ``on_layer(name, W, H, result)`` is told of each (tests); ``rotation``: each solved in its
+    rotated frame (``--rotate``). Called as ``(name, W, hessian, extra=None)``: :func:`solve_linear`."""
+    method: str
+    solver_kwargs: dict
+    solve: Solve = solve
+    on_layer: Callable | None = None
+    rotation: Rotation | None = None
+
+    def __call__(self, name: str, W: torch.Tensor, hessian: Hessian | None, extra: dict | None = None):
+        return solve_linear(name, W, hessian, self, extra)
+
+
+def solve_linear(name: str, W: torch.Tensor, hessian: Hessian | None, solver: LayerSolver,
+                 extra: dict | None = None) -> tuple[QuantResult, dict, dict]:
+    """Linear ``name``, its weight ``W`` and accumulated ``hessian`` (None: an uncalibrated method)
+    → (the solver's result, its checkpoint tensors named ``<name>.<suffix>``, its stats record,
+    with ``extra``: an expert's routing). The record is logged. A rotated run solves, encodes and
+    records ``(W·R, Rᵀ·H·R)`` (the same error, so the same certificate) and returns ``Q·Rᵀ``."""
+    signs = None
+    if solver.rotation is not None:
+        W, hessian, signs = rotated_problem(W, hessian, solver.rotation)
+        extra = {**(extra or {}), "rotation_block": signs.numel()}
     H = hessian.H if hessian is not None else None
-    res = solve(method, W, H, name, **solver_kwargs)
-    kind = fmt.kind_of(method)
+    res = solver.solve(solver.method, W, H, name, **solver.solver_kwargs)
+    kind = fmt.kind_of(solver.method)
     t = fmt.encode_layer(res, kind)
-    s = layer_stats(name, W, H, res, t, kind)
-    s["hessian_tokens"] = hessian.n if hessian is not None else 0
-    s.update(extra or {})
-    stats.append(s)
-    log.info(log_line(s))
-    if on_layer is not None:
-        on_layer(name, W, H, res)
-    return res, {f"{name}.{sfx}": v for sfx, v in t.items()}
+    record = layer_stats(name, W, H, res, t, kind)
+    record["hessian_tokens"] = hessian.n if hessian is not None else 0
+    record.update(extra or {})
+    log.info(log_line(record))
+    if solver.on_layer is not None:
+        solver.on_layer(name, W, H, res)
+    if signs is not None:
+        serve_rotated(res, signs)
+    return res, {f"{name}.{sfx}": v for sfx, v in t.items()}, record
 
 
-def target_corrected(quantize: Callable, cross: dict[str, CrossCovariance], damp: float) -> Callable:
-    """``quantize(name, W, hessian)`` solving each linear named in ``cross`` against its corrected
-    target ``W′`` (:func:`~.hessian.qronos_target`) instead of ``W``; its stats (``rel_error``,
-    ``cert``) are then those of the problem against ``W′``: ‖X̃(Q − W′)ᵀ‖. Others (experts) unchanged."""
-    def corrected(name, W, hessian, **kw):
-        if name not in cross:
-            return quantize(name, W, hessian, **kw)
-        return quantize(name, qronos_target(W, hessian.H, cross[name].C, damp), hessian, **kw)
-    return corrected
+@dataclass
+class Solved:
+    """What solving produced, as every rank receives it: the dequantized weights to put into the
+    block (where → q; None: not written back), the checkpoint tensors, the stats records in order."""
+    weights: list = field(default_factory=list)
+    tensors: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)
+
+    def add(self, where, q: torch.Tensor | None, tensors: dict, record: dict) -> None:
+        self.weights.append((where, q))
+        self.tensors.update(tensors)
+        self.records.append(record)
+
+    def portable(self) -> "Solved":
+        """This result with its weights in host memory, to travel to another rank."""
+        return Solved([(w, None if q is None else q.cpu()) for w, q in self.weights], self.tensors, self.records)
+
+
+@dataclass
+class Stage:
+    """What one solve of a block takes on: ``linears`` (model name → module), ``experts`` ({experts
+    module: {checkpoint name: where its weight lives}}; {}: none, or not yet), their ``hessians``
+    (None: an uncalibrated method) and ``quantize(name, W, hessian, extra=None)`` (a
+    :class:`LayerSolver`, or one wrapped to solve another problem: target correction, folded columns)."""
+    linears: dict[str, torch.nn.Linear]
+    experts: dict[str, dict[str, hf_model.ExpertLinear]]
+    hessians: SharedHessians | None
+    quantize: Callable
+
+
+@dataclass(frozen=True)
+class SolveSetup:
+    """What every block's solve reads: the source's exact weights (``weight(name)`` of a linear,
+    ``expert_weight(name)`` of an expert's), their checkpoint ``names``, the block's ``dtype`` and
+    ``device``, ``write_back`` (the dequantized weights go into the block: forwards follow), the
+    experts' calibration options and the ``scheduler``."""
+    weight: Callable[[str], torch.Tensor]
+    expert_weight: Callable[[str], torch.Tensor]
+    names: hf_model.CheckpointNames
+    dtype: torch.dtype
+    device: torch.device
+    write_back: bool
+    moe_min_tokens: int
+    moe_route_all: bool
+    scheduler: Scheduler
+    progress: bool = False
+
+
+@torch.no_grad()
+def solve_block(block: torch.nn.Module, block_name: str, desc: str, stage: Stage, setup: SolveSetup) -> Solved:
+    """Quantize ``stage``'s linears of ``block`` (the module named ``block_name``; ``desc`` in logs),
+    each on its exact source weight (fp32 when calibrated, even where the forwards run in a
+    narrower dtype), then its experts (:func:`expert_jobs`), and put the dequantized weights into
+    the block, so that its outputs are the quantized block's → the tensors and records, in order.
+    Each Hessian is released once the last linear sharing it is solved."""
+    from tqdm.auto import tqdm
+    within = partial(_within, block_name)
+    hessians = stage.hessians
+    jobs = [Job(setup.names.module(name), solve_cost(*m.weight.shape), partial(_linear_job, name, stage, setup),
+                partial(hessians.done, name) if hessians is not None else None)
+            for name, m in stage.linears.items()]
+    rounds = [expert_jobs(block.get_submodule(within(module)), module, parts,
+                          hessians.moe[within(module)] if hessians is not None else None, stage.quantize, setup)
+              for module, parts in stage.experts.items()]
+    out = Solved()
+    bar = tqdm(total=len(jobs) + sum(r.count for r in rounds), desc=f"{desc}: quantizing", unit="layer",
+               disable=not setup.progress, leave=False)
+    for solved in setup.scheduler.solve(jobs, rounds, desc):
+        for where, q in solved.weights:
+            if q is not None:
+                _put(block, within, where, q.to(setup.device))
+        out.tensors.update(solved.tensors)
+        out.records += solved.records
+        bar.update()
+    bar.close()
+    return out
+
+
+def _linear_job(name: str, stage: Stage, setup: SolveSetup) -> Solved:
+    hessian = stage.hessians.of[name] if stage.hessians is not None else None
+    W = _exact(setup.weight(name), setup.device, stage.hessians is not None)
+    res, t, record = stage.quantize(setup.names.module(name), W, hessian)
+    # returning drops the fp32 weight and solution: held through the next solve, up_proj's
+    # would live through down_proj's
+    return Solved([(name, _written_back(res, setup))], t, [record])
+
+
+def expert_jobs(experts: torch.nn.Module, module: str, parts: dict[str, hf_model.ExpertLinear],
+                inputs: MoeInputs | None, quantize: Callable, setup: SolveSetup) -> RoundJobs:
+    """The experts of the experts module ``experts`` (named ``module``), one job each: expert e's
+    Hessians (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed ``inputs``; None:
+    uncalibrated), then each of its linears ``parts`` (checkpoint name → slice of a fused
+    parameter) solved on its exact source weight."""
+    if inputs is not None:
+        _log_routing(module, inputs, setup)
+    order = sorted(parts.items(), key=lambda kv: (kv[1].expert, _role(kv[1]), kv[1].rows.start))
+    cost = _expert_cost(experts, parts)
+
+    def prepare(e: int):
+        return None if inputs is None else inputs.expert_hessians(e, setup.moe_min_tokens, setup.moe_route_all)
+
+    def job(e: int, hs) -> Job:
+        linears = [(name, x) for name, x in order if x.expert == e]
+        return Job(_common_prefix([name for name, _ in linears]), cost,
+                   partial(_expert_job, e, linears, hs, quantize, setup))
+    return RoundJobs(module, experts.gate_up_proj.shape[0], cost, prepare, job)
+
+
+def _expert_job(e: int, linears: list, hs, quantize: Callable, setup: SolveSetup) -> Solved:
+    out = Solved()
+    for name, x in linears:
+        W = _exact(setup.expert_weight(name), setup.device, hs is not None)
+        extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens, "moe_fallback": hs.fallback}
+        res, t, record = quantize(name, W, None if hs is None else (hs.inp, hs.mid)[_role(x)], extra=extra)
+        out.add(x, _written_back(res, setup), t, record)
+        del W, res, t
+    return out
+
+
+def _log_routing(module: str, inputs: MoeInputs, setup: SolveSetup) -> None:
+    counts, tokens = inputs.routed_tokens(), inputs.total_tokens()
+    starved = [e for e, n in enumerate(counts) if n < setup.moe_min_tokens]
+    log.info("%s: %d tokens × top-%d routed, per expert %d..%d; %s", module, tokens,
+             sum(counts) // max(tokens, 1), min(counts), max(counts),
+             "every token through every expert (route_all)" if setup.moe_route_all else
+             f"{len(starved)} experts below {setup.moe_min_tokens} tokens blended with all tokens: {starved}")
+
+
+def _within(block_name: str, name: str) -> str:
+    """A model name → its name in the block ``block_name``."""
+    return name[len(block_name) + 1:]
+
+
+def _role(x: hf_model.ExpertLinear) -> int:
+    """0: an expert's gate/up projection (fed the hidden state), 1: its down projection."""
+    return hf_model.EXPERT_PARAMS.index(x.param.rpartition(".")[2])
+
+
+def _common_prefix(names: list[str]) -> str:
+    return ".".join(os.path.commonprefix([n.split(".") for n in names]))
 
 
 def _exact(W: torch.Tensor, device, calibrated: bool) -> torch.Tensor:
@@ -86,36 +241,16 @@ def _exact(W: torch.Tensor, device, calibrated: bool) -> torch.Tensor:
     return W.to(device=device, dtype=torch.float32 if calibrated else W.dtype)
 
 
-def _owners(linears: dict, world: World, busy: list[int] | None = None) -> dict[str, int]:
-    """Which rank solves each linear: balanced by solve cost, ``busy``: what each rank already
-    solves beside them (:func:`~.ranks.assign_by_cost`); rank 0 alone without ranks."""
-    if not world.distributed:
-        return {n: 0 for n in linears}
-    costs = {n: ranks.solve_cost(*m.weight.shape) for n, m in linears.items()}
-    owner = ranks.assign_by_cost(costs, world, busy)
-    return {n: owner[n] for n in linears}
+def _written_back(res: QuantResult, setup: SolveSetup) -> torch.Tensor | None:
+    """The dequantized weight the block computes with from now on (None: no forwards follow)."""
+    return res.q.to(device=setup.device, dtype=setup.dtype) if setup.write_back else None
 
 
 def _expert_cost(experts: torch.nn.Module, parts: dict[str, hf_model.ExpertLinear]) -> int:
     """One expert's solve cost: its linears' (every expert of a module has the same shapes)."""
     shapes = [(len(range(*x.rows.indices(P.shape[1]))), P.shape[2])
               for x in parts.values() if x.expert == 0 for P in [experts.get_parameter(x.param.rpartition(".")[2])]]
-    return sum(ranks.solve_cost(*rc) for rc in shapes)
-
-
-def _solve_here(quantize: Callable, name: str, W, hessian, stats: list, world: World, **kw):
-    """``quantize`` on this rank → (result, tensors, the stats records it appended, taken
-    out of ``stats``: they are put back in the linears' order once every rank's are shared)."""
-    n0 = len(stats)
-    try:
-        res, t = quantize(name, W, hessian, **kw)
-    except Exception as e:
-        if not world.distributed:
-            raise
-        raise RuntimeError(f"layer {name}: {type(e).__name__}: {e}") from e
-    records = stats[n0:]
-    del stats[n0:]
-    return res, t, records
+    return sum(solve_cost(*rc) for rc in shapes)
 
 
 def _put(block: torch.nn.Module, within: Callable[[str], str], where: str | hf_model.ExpertLinear,
@@ -126,153 +261,6 @@ def _put(block: torch.nn.Module, within: Callable[[str], str], where: str | hf_m
         hf_model.set_tensor(block, within(f"{where}.weight"), q)
     else:
         block.get_parameter(within(where.param)).data[where.expert, where.rows] = q
-
-
-def _meet(jobs: dict, owner: dict, where: str, put: Callable, device, shard: dict, stats: list,
-          world: World) -> None:
-    """Run this rank's ``jobs`` (key → ``job()`` → ([(where, dequantized weight to share)],
-    checkpoint tensors, stats records)), then take every rank's results in ``owner``'s order:
-    the weights solved elsewhere into the block (``put``), the tensors into ``shard``, the records
-    into ``stats``."""
-    mine = {}
-    with ranks.together(where, world):
-        for key, job in jobs.items():
-            if owner[key] == world.rank:
-                mine[key] = job()
-    for key, (weights, t, records) in ranks.share(mine, owner, world).items():
-        for at, q in weights if owner[key] != world.rank else ():
-            if q is not None:
-                put(at, q.to(device))
-        shard.update(t)
-        stats.extend(records)
-
-
-@torch.no_grad()
-def solve_block(block: torch.nn.Module, block_name: str, desc: str, linears: dict[str, torch.nn.Linear],
-                experts: dict[str, dict[str, hf_model.ExpertLinear]], hessians: SharedHessians | None,
-                quantize: Callable, *, weight: Callable[[str], torch.Tensor],
-                expert_weight: Callable[[str], torch.Tensor], names: hf_model.CheckpointNames, dtype: torch.dtype,
-                device, progress: bool, stats: list, moe_min_tokens: int = 128, moe_route_all: bool = False,
-                write_back: bool = True, world: World = SINGLE) -> dict[str, torch.Tensor]:
-    """Quantize the ``linears`` of ``block`` (the module named ``block_name``; ``desc`` in logs)
-    with ``quantize(name, W, hessian)``, each on its exact source weight ``weight(name)`` (fp32
-    when calibrated, even when the forwards run in a narrower ``dtype``), then its ``experts``
-    (:func:`solve_experts`; {}: none, or not yet), and put the dequantized weights into the block,
-    so its outputs are the quantized block's (``write_back=False``: no forwards follow, the block
-    stays unloaded) → the block's quantized tensors, by checkpoint name (``names``). Each Hessian is
-    released as soon as the last linear sharing it is solved. With several ranks each linear is
-    solved on one (:func:`_owners`) and its result shared with all; ``stats`` gets the records in
-    order. When the experts leave ranks idle in their first round, the linears are solved in that
-    round on those ranks (balanced by cost with the round's experts), not in a round of their own."""
-    from tqdm.auto import tqdm
-    within = lambda name: name[len(block_name) + 1:]  # noqa: E731  (a model name → its name in the block)
-    put = partial(_put, block, within)
-    first = next(iter(experts), None)
-    module = block.get_submodule(within(first)) if first else None
-    rounds = ranks.expert_rounds(module.gate_up_proj.shape[0], world) if first else None
-    joined = world.distributed and rounds is not None and len(rounds[0]) < world.size
-    busy = [_expert_cost(module, experts[first]) if r in rounds[0].values() else 0 for r in range(world.size)] \
-        if joined else None
-    owner = _owners(linears, world, busy)
-    last_user = {id(hessians.of[n]): n for n in linears if owner[n] == world.rank} if hessians is not None else {}
-    if hessians is not None:   # the Hessians only other ranks use
-        for name in linears:
-            if name in hessians.of and id(hessians.of[name]) not in last_user:
-                hessians.release(name)
-    bar = tqdm(total=len(linears), desc=f"{desc}: quantizing", unit="layer", disable=not progress, leave=False)
-
-    def job(name):
-        W = _exact(weight(name), device, hessians is not None)
-        res, t, records = _solve_here(quantize, names.module(name), W,
-                                      hessians.of[name] if hessians is not None else None, stats, world)
-        q = res.q.to(device=device, dtype=dtype) if write_back else None
-        if q is not None:
-            put(name, q)
-        if hessians is not None and last_user[id(hessians.of[name])] == name:
-            hessians.release(name)
-        bar.update()
-        # returning drops the fp32 weight and solution: held through the next solve, up_proj's
-        # would live through down_proj's
-        return [(name, q.cpu() if q is not None and world.distributed else None)], t, records
-    jobs = {name: partial(job, name) for name in linears}
-    shard: dict[str, torch.Tensor] = {}
-    if not joined:
-        _meet(jobs, owner, desc, put, device, shard, stats, world)
-    for name, parts in experts.items():
-        inputs = hessians.moe[within(name)] if hessians is not None else None
-        shard.update(solve_experts(block.get_submodule(within(name)), name, parts, inputs, quantize, expert_weight,
-                                   dtype, device, moe_min_tokens, moe_route_all, progress, stats, write_back, world,
-                                   put, (jobs, owner, desc) if joined and name == first else None))
-    bar.close()
-    return shard
-
-
-@torch.no_grad()
-def solve_experts(experts: torch.nn.Module, module: str, parts: dict[str, hf_model.ExpertLinear],
-                  inputs: MoeInputs | None, quantize: Callable, expert_weight: Callable[[str], torch.Tensor],
-                  dtype: torch.dtype, device, min_tokens: int, route_all: bool, progress: bool, stats: list,
-                  write_back: bool = True, world: World = SINGLE, put: Callable | None = None,
-                  linears: tuple[dict, dict, str] | None = None) -> dict:
-    """Quantize the experts of the experts module ``experts`` (named ``module``): expert e's Hessians
-    (:meth:`~.moe.MoeInputs.expert_hessians`, from its routed inputs; None uncalibrated), then
-    each of its linears ``parts`` (checkpoint name → slice of a fused parameter) on its exact
-    source weight ``expert_weight(name)``, its dequantized weight (in ``dtype``) written into its
-    slice of the fused parameter. Experts go in rounds of at most one per rank
-    (:func:`~.ranks.expert_rounds`): the round's Hessians summed over every rank's tokens, each
-    rank solving its expert, the results shared. ``put(where, q)`` writes a weight solved
-    elsewhere (the block's, :func:`solve_block`); the first round also runs ``linears`` (the
-    block's jobs, their owners and its description)."""
-    from tqdm.auto import tqdm
-    leaf = lambda x: x.param.rpartition(".")[2]  # noqa: E731  (the fused parameter's name in ``experts``)
-    role = lambda x: hf_model.EXPERT_PARAMS.index(leaf(x))  # noqa: E731  (0: gate/up, 1: down)
-
-    def put_expert(x, q):
-        experts.get_parameter(leaf(x)).data[x.expert, x.rows] = q
-    put = put or put_expert
-    num_experts = experts.gate_up_proj.shape[0]
-    if inputs is not None:
-        counts = inputs.routed_tokens(world)
-        starved = [e for e, n in enumerate(counts) if n < min_tokens]
-        tokens = ranks.sum_counts([inputs.num_tokens], world)[0]
-        log.info("%s: %d tokens × top-%d routed, per expert %d..%d; %s", module, tokens,
-                 sum(counts) // max(tokens, 1), min(counts), max(counts),
-                 "every token through every expert (route_all)" if route_all else
-                 f"{len(starved)} experts below {min_tokens} tokens blended with all tokens: {starved}")
-    order = sorted(parts.items(), key=lambda kv: (kv[1].expert, role(kv[1]), kv[1].rows.start))
-    shard: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=num_experts, desc=f"{module}: experts", unit="expert", disable=not progress, leave=False)
-
-    def job(e, hs):
-        weights, tensors, records = [], {}, []
-        for name, x in (kv for kv in order if kv[1].expert == e):
-            W = _exact(expert_weight(name), device, inputs is not None)
-            extra = {"expert": e} if hs is None else {"expert": e, "expert_tokens": hs.tokens,
-                                                      "moe_fallback": hs.fallback}
-            res, t, recs = _solve_here(quantize, name, W, None if hs is None else (hs.inp, hs.mid)[role(x)],
-                                       stats, world, extra=extra)
-            q = res.q.to(device=device, dtype=dtype) if write_back else None
-            if q is not None:
-                put(x, q)
-            weights.append((x, q.cpu() if q is not None and world.distributed else None))
-            tensors.update(t)
-            records += recs
-            del W, res, t, q
-        return weights, tensors, records
-    for k, owner in enumerate(ranks.expert_rounds(num_experts, world)):
-        jobs = {}
-        for e in owner:   # collective: every rank sums every expert's Hessians of the round
-            hs = inputs.expert_hessians(e, min_tokens, route_all, world) if inputs is not None else None
-            if owner[e] == world.rank:
-                jobs[e] = partial(job, e, hs)
-        hs = None
-        where = f"{module}, experts {min(owner)}..{max(owner)}"
-        if k == 0 and linears is not None:   # the block's linears first, as one process orders its records
-            jobs, owner, where = {**linears[0], **jobs}, {**linears[1], **owner}, f"{linears[2]} and {where}"
-        _meet(jobs, owner, where, put, device, shard, stats, world)
-        bar.update(sum(isinstance(e, int) for e in owner))
-        jobs = None
-    bar.close()
-    return shard
 
 
 def layer_stats(name, W, H, res, t, kind) -> dict:

@@ -1,14 +1,7 @@
-"""The source model: where it is (a directory, a ``.gguf`` file, a reference name), its
-tensors (read one at a time from its safetensors) and what the pipeline does with each —
-the decoder blocks' linears are quantized, the rest is kept as it is.
-
-The model itself is built on the meta device (:func:`open_source`): a block's weights are
-loaded just before it is calibrated and dropped after it is written.
-"""
+"""The source model: where it is, its tensors (read one at a time) and which of them are quantized."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -16,17 +9,20 @@ from pathlib import Path
 
 import torch
 
+from ..bounded_io import read_json
 from ..format.files import INDEX_FILE, SINGLE_FILE
+from ..format.writer import aux_files
 from ..format.safetensors_file import SafetensorsFile, StoredTensor
 from .. import hf_model
+from ..errors import FormatError
+from ..model_config import check_architecture, check_config
 from .. import data
 
 log = logging.getLogger("vllm_latq.quantize")
 
 
 def resolve_model(spec: str | os.PathLike) -> Path:
-    """An HF model directory for ``spec``: a directory with config.json, a ``.gguf`` file
-    (converted once into ``cache_dir()/converted``), or a name from ``data.MODELS``."""
+    """An HF model directory for ``spec``: a directory, a ``.gguf`` file or a reference name."""
     s = str(spec)
     if s in data.MODELS:
         return data.model_dir(s)
@@ -56,13 +52,17 @@ def resolve_model(spec: str | os.PathLike) -> Path:
 
 class SourceWeights:
     """Tensors of a safetensors HF directory, read one at a time into memory the caller owns.
-    Not memory-mapped: pages of a mapped file stay in the process's resident set until the
-    file is closed, so reading a model block by block through maps grows RSS to the model's size."""
+    Not memory-mapped: a mapped file's pages stay resident until it closes, so RSS would grow to the model."""
 
     def __init__(self, d: Path):
         idx = d / INDEX_FILE
-        if idx.is_file():
-            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        if os.path.lexists(idx):
+            index = read_json(idx)
+            wm = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(f, str) and Path(f).name == f for f in wm.values()):
+                raise FormatError("weight_map must map tensor names to shard file names in this directory",
+                                  file=str(idx))
+            files = sorted(set(wm.values()))
         elif (d / SINGLE_FILE).is_file():
             files = [SINGLE_FILE]
         else:
@@ -88,11 +88,8 @@ class SourceWeights:
 
 @dataclass
 class Source:
-    """A source model opened for quantization: its directory and config, its tensors, and
-    the model built on the meta device in the calibration forwards' dtype. Tensors are named
-    by the model's state dict (``expected``); ``names`` gives each its checkpoint name, and a
-    fused 3-D expert parameter is read from the per-expert tensors of the original layout or
-    from a fused tensor, whichever the source holds."""
+    """A source model opened for quantization: directory, config, tensors and the model on the meta device.
+    A fused expert parameter is read from per-expert or fused source tensors, whichever the source holds."""
     path: Path
     raw_config: dict            # config.json as written
     config: object              # the transformers config
@@ -128,15 +125,13 @@ class Source:
         return [n for n in self.expected if self.block_of.get(n) == i and self.available(n)]
 
     def outside_tensors(self) -> list[str]:
-        """The parameters outside the blocks and the head (embeddings, final norm), which the
-        capture pass needs."""
+        """The parameters outside the blocks and the head (embeddings, final norm), which capture needs."""
         params = dict(self.net.named_parameters())
         return [n for n in self.expected if n not in self.block_of
                 and not n.rpartition(".")[0] in self.head_names and n in params]
 
     def load(self, names, device) -> None:
-        """Load model keys ``names`` into the model, on ``device`` in the forwards' dtype (a
-        fused expert parameter filled expert by expert from per-expert source tensors)."""
+        """Load model keys ``names`` into the model on ``device`` in the forwards' dtype."""
         for n in names:
             if self.on_disk(n) is not None:
                 t = self.weights.get(self.on_disk(n)).to(device=device, dtype=self.dtype)
@@ -151,17 +146,14 @@ class Source:
         return self.weights.get(self.on_disk(f"{name}.weight"))
 
     def expert_weight(self, name: str) -> torch.Tensor:
-        """The source weight ``[out, in]`` of expert linear ``name`` (a checkpoint module name
-        of ``names.experts``), read alone from a per-expert or a fused source tensor."""
+        """The source weight ``[out, in]`` of expert linear ``name``, read alone."""
         if f"{name}.weight" in self.weights.where:
             return self.weights.get(f"{name}.weight")
         x = self.names.experts[name]
         return self.weights.get_rows(self.on_disk(x.param), x.expert, x.rows)
 
     def kept_tensors(self, keys, linears=(), head_name: str | None = None, stored: bool = False) -> dict:
-        """Model keys ``keys`` other than the weights of the quantized ``linears`` and
-        ``head_name`` and the fused experts, in their original dtype, by checkpoint name
-        (``stored``: as :class:`~..format.safetensors_file.StoredTensor`, copied by pieces)."""
+        """Model keys ``keys`` other than the quantized weights, in their original dtype, by checkpoint name."""
         quantized = set(linears) | {head_name}
         fused = {x.param for x in self.names.experts.values()}
         keep = [n for n in keys if n not in fused and not (n.rpartition(".")[0] in quantized and n.endswith(".weight"))]
@@ -170,14 +162,12 @@ class Source:
         return {self.names.original[n]: self.weights.get(self.on_disk(n)) for n in keep}
 
     def outside_kept_tensors(self, head_name: str | None) -> dict:
-        """The tensors outside the blocks (embeddings, final norm, an unquantized head) by
-        checkpoint name, as stored (each GB-sized at 8B: copied by pieces)."""
+        """The tensors outside the blocks (embeddings, final norm, an unquantized head), copied by pieces."""
         return self.kept_tensors([n for n in self.expected if n not in self.block_of and self.available(n)],
                                  head_name=head_name, stored=True)
 
     def kept_block_tensors(self, i: int, linears) -> dict[str, torch.Tensor]:
-        """Block ``i``'s tensors other than its quantized ``linears``' weights and experts
-        (norms, biases, routers), in their original dtype, by checkpoint name."""
+        """Block ``i``'s unquantized tensors (norms, biases, routers) by checkpoint name."""
         return self.kept_tensors(self.block_tensors(i), linears)
 
     def block_linears(self, i: int) -> dict[str, torch.nn.Linear]:
@@ -185,7 +175,7 @@ class Source:
         return hf_model.block_linears(self.layers[i], f"{self.prefix}.{i}")
 
     def block_experts(self, i: int) -> dict[str, dict[str, hf_model.ExpertLinear]]:
-        """{experts module (model name): {expert linear (checkpoint name): where it lives}} of block ``i``."""
+        """{experts module: {expert linear (checkpoint name): where it lives}} of block ``i``."""
         out: dict[str, dict] = {}
         for name, x in self.names.experts.items():
             if self.block_of.get(x.param) == i:
@@ -193,9 +183,7 @@ class Source:
         return out
 
     def modules_not_converted(self, head_name: str | None) -> list[str]:
-        """The modules that stay unquantized, by checkpoint name: the linear and embedding
-        modules but the blocks' linears (and the head ``head_name`` when it is quantized), and the
-        mixtures' routing gates."""
+        """The modules that stay unquantized, by checkpoint name (linears, embeddings, routing gates)."""
         quantized = {n for i in range(self.nblocks) for n in self.block_linears(i)} | {head_name}
         gates = {f"{self.prefix}.{i}.{g}" for i in range(self.nblocks) for g in hf_model.moe_gates(self.layers[i])}
         return sorted(self.names.module(n) for n, m in self.net.named_modules()
@@ -203,23 +191,26 @@ class Source:
 
 
 def open_source(model: str | os.PathLike, compute_dtype) -> Source:
-    """Resolve ``model``, refuse an already quantized or unsupported one, and build it on the
-    meta device in the dtype ``compute_dtype(config.json)`` chose; warn about source tensors
-    the model does not use, refuse a source missing some it does."""
+    """Resolve ``model``, refuse a quantized or unsupported one, and build it on the meta device."""
     src = resolve_model(model)
     raw_cfg = hf_model.config_dict(src)
-    hf_model.check_config_sizes(raw_cfg, file=str(Path(src) / hf_model.CONFIG_FILE))   # before building anything
+    cfg_file = str(Path(src) / hf_model.CONFIG_FILE)
+    check_config(raw_cfg, file=cfg_file)   # before building anything
+    aux_files(src)   # a tokenizer file linked out of the source is refused now, not after the run
     if "quantization_config" in raw_cfg:
         qm = raw_cfg["quantization_config"].get("quant_method", "?") if isinstance(raw_cfg["quantization_config"],
                                                                                 dict) else "?"
         raise ValueError(f"{src} is already quantized (quant_method {qm!r}); start from a bf16/fp16/fp32 model")
-    config = hf_model.hf_config(raw_cfg)
+    config = hf_model.hf_config(raw_cfg, file=cfg_file)
     cdtype = compute_dtype(raw_cfg)
     try:
         net = hf_model.empty_model(config, cdtype)
+    except FormatError as e:
+        raise FormatError(str(e).removeprefix(f"file {hf_model.CONFIG_FILE}: "), file=cfg_file) from None
     except ValueError as e:  # transformers has no causal LM class for this config
         raise hf_model.UnsupportedModelError(f"{type(config).__name__}: no *ForCausalLM ({e})") from None
     prefix, layers = hf_model.check_supported(net)
+    check_architecture(raw_cfg, type(net).__name__, file=cfg_file)
     names = hf_model.checkpoint_names(net)
     expected = dict(net.state_dict())
     head = net.get_output_embeddings()

@@ -1,10 +1,6 @@
-"""vLLM's CUDA-graph start-up order — an eager warm-up at each capture size, then the capture
-— with watchers that record what must not happen inside a capture: a kernel variant (compile
-key) the warm-ups did not launch, an autotuner run, a host read of a tensor (``.item()``,
-``.tolist()``, ``.cpu()``) or a latq scratch buffer allocated. In Triton's interpreter the
-"capture" is patched on (``torch.cuda.is_current_stream_capturing``, and the CPU stands in
-for a CUDA device in :mod:`~vllm_latq.kernels.graphs`); on a GPU the same watchers wrap a
-real ``torch.cuda.graph`` capture."""
+"""vLLM's CUDA-graph start-up order (an eager warm-up at each size, then the capture) with watchers
+for what must not happen inside a capture: a new kernel variant, an autotune, a host sync, a
+scratch allocation. In Triton's interpreter the capture is patched on; on a GPU it is real."""
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +15,7 @@ SYNCS = ("item", "tolist", "cpu")
 
 
 def _spec(v):
-    """What of an argument Triton's compile key sees: a tensor's dtype and 16-byte alignment,
-    an int's value 1 / divisibility by 16, any other value itself."""
+    """What of an argument Triton's compile key sees: dtype and alignment, an int's 1 / divisibility by 16."""
     if isinstance(v, torch.Tensor):
         return ("tensor", str(v.dtype), v.data_ptr() % 16 == 0)
     if isinstance(v, bool) or not isinstance(v, int):
@@ -28,10 +23,18 @@ def _spec(v):
     return ("int", v == 1, v % 16 == 0)
 
 
-def compile_key(name, args, kwargs) -> tuple:
-    """A launch's compile key: the positional (runtime) arguments as Triton specialises them,
-    the keywords (constexprs, launch options) by value."""
-    return name, tuple(_spec(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+def unspecialized(fn) -> frozenset[int]:
+    """Positions of ``fn``'s arguments Triton does not specialise (``do_not_specialize``)."""
+    names = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    arg_names = list(getattr(fn, "arg_names", ()))
+    return frozenset(n if isinstance(n, int) else arg_names.index(n) for n in names
+                     if isinstance(n, int) or n in arg_names)
+
+
+def compile_key(name, args, kwargs, skip: frozenset[int] = frozenset()) -> tuple:
+    """A launch's compile key: runtime arguments as Triton specialises them, keywords by value."""
+    return name, tuple(("int",) if i in skip and isinstance(a, int) else _spec(a) for i, a in enumerate(args)), \
+        tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
 
 
 class CaptureWatch:
@@ -43,8 +46,8 @@ class CaptureWatch:
         self.violations: list[str] = []
         self._in_kernel = 0
 
-    def _launched(self, name, args, kwargs):
-        key = compile_key(name, args, kwargs)
+    def _launched(self, name, args, kwargs, skip=frozenset()):
+        key = compile_key(name, args, kwargs, skip)
         if self.capturing and key not in self.keys:
             self.violations.append(f"new compile key in capture: {name} {dict(kwargs)}")
         self.keys.add(key)
@@ -54,7 +57,7 @@ class CaptureWatch:
 
         def run(fn, *args, **kwargs):
             watch._launched(getattr(fn, "__name__", repr(fn)), args,
-                            {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})
+                            {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}, unspecialized(fn))
             watch._in_kernel += 1
             try:
                 return orig(fn, *args, **kwargs)
@@ -95,8 +98,7 @@ class CaptureWatch:
 
     @contextlib.contextmanager
     def installed(self, interpreted: bool):
-        """Watch every launch (the interpreter's or the JIT's), host sync, autotune and scratch
-        allocation; ``interpreted``: also stand the CPU in for a CUDA device being captured."""
+        """Watch launches, host syncs, autotunes and scratch allocations; ``interpreted``: CPU as CUDA."""
         import triton.runtime.jit as jit
         with contextlib.ExitStack() as stack:
             if interpreted:
@@ -123,10 +125,8 @@ class CaptureWatch:
 
 
 def warmup_then_capture(watch: CaptureWatch, sizes, run, graph=None) -> None:
-    """vLLM's order: for each capture size (largest first) one eager call, then the capture
-    of the same call. ``run(size, phase)``: the forward at that size (phase "warmup" or
-    "capture", so a caller can draw new routing); ``graph``: on a GPU, a function returning
-    the context that captures a CUDA graph (else the capture is only patched on)."""
+    """vLLM's order: per capture size, largest first, one eager call then its capture.
+    ``run(size, phase)``: the forward at that size; ``graph``: on a GPU, the CUDA-graph capture context."""
     for size in sorted(sizes, reverse=True):
         run(size, "warmup")
         with watch.capture(), (graph() if graph else contextlib.nullcontext()):

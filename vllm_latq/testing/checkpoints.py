@@ -1,6 +1,5 @@
-"""Writing a checkpoint quantized outside the pipeline (the tests' hand-quantized models) the way
-the pipeline writes one — checksummed shard, ``latq_stats.json``, manifest — so that it passes
-the validator every reader runs, the vLLM plugin's load check included."""
+"""Writing a hand-quantized checkpoint as the pipeline writes one (checksums, stats, manifest), so it
+passes the validator every reader runs."""
 from __future__ import annotations
 
 import json
@@ -18,10 +17,7 @@ from ..format.writer import write_json
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, shapes: dict[str, tuple[int, int]],
                      source: str = "test") -> Path:
-    """Write ``tensors`` (one shard), ``config`` (with its ``quantization_config``), the stats of
-    the quantized layers (``shapes``: module → ``(out, in)``; stored bits and outlier rate, no
-    measured errors) and the manifest into ``out``, then validate it (the Huffman streams are
-    decoded by the readers that need them)."""
+    """Write ``tensors`` (one shard), ``config``, stats and manifest into ``out``, then validate it."""
     from ..quantize.finalize import stats_file
 
     out = Path(out)
@@ -38,7 +34,8 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, 
              for m, t in sorted(layers.items())]
     write_safetensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    write_json(out / STATS_FILE, stats_file(stats, qc["method"], Path(source), qc["format_version"]))
+    write_json(out / STATS_FILE, stats_file(stats, qc["method"], Path(source), qc.get("group_size"),
+                                            qc["format_version"]))
     write_manifest(out)
     validate_checkpoint(out, decode=False)
     return out

@@ -7,11 +7,8 @@ import torch
 
 def reference_gptq(W: torch.Tensor, H: torch.Tensor, S: torch.Tensor, perm: torch.Tensor, bits: int,
                    damp: float) -> torch.Tensor:
-    """GPTQ as IST-DASLab's ``fasterquant`` without lazy batches, written independently of the
-    package: H damped by ``damp·mean(diag H)``, ``Hinv = cholesky(H⁻¹, upper)`` in ``perm``
-    order, columns processed in ``perm``, each rounded to the clipped signed ``bits`` grid on its
-    fixed scale (``S`` ``[out, in]``) and its error spread over the later columns. Computed in
-    W's dtype (the factor in fp64 first). → int32 integers ``[out, in]``."""
+    """GPTQ as IST-DASLab's ``fasterquant`` without lazy batches, in ``perm`` order, on fixed scales ``S``.
+    → int32 integers ``[out, in]``; computed in W's dtype (the factor in fp64 first)."""
     lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     Hd = H.double().clone()
     Hd.diagonal().add_(damp * Hd.diagonal().mean())

@@ -18,8 +18,7 @@ def with_header(raw: bytes, n: int, header: dict) -> bytes:
 
 
 def edit_entry(header: dict, name: str, field: str, *, dtype=None, dims=None, delta: int = 0) -> None:
-    """One edit of tensor ``name``'s entry: ``dtype``, ``shape`` (to ``dims``), ``end`` (its last
-    offset moved by ``delta``), ``shift`` (its whole span moved by ``delta``), ``drop`` or ``rename``."""
+    """One edit of tensor ``name``'s header entry: dtype, shape, end, shift, drop or rename."""
     e = header[name]
     if field == "dtype":
         e["dtype"] = dtype
@@ -39,8 +38,7 @@ def edit_entry(header: dict, name: str, field: str, *, dtype=None, dims=None, de
 
 
 def edit_bytes_in_place(path, name: str, fn) -> None:
-    """Overwrite tensor ``name``'s bytes in the safetensors file ``path`` with those of
-    ``fn(tensor)`` (same dtype and shape); the header and its checksum table stay as written."""
+    """Overwrite tensor ``name``'s bytes in ``path`` with ``fn(tensor)``'s; the header and checksums stay."""
     import torch
 
     from ..format.safetensors_file import SafetensorsFile

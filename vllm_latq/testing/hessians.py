@@ -1,5 +1,4 @@
-"""Real SmolLM2-135M layers with Hessians of real calibration text (cached on disk): the real
-data solver tests and benches share."""
+"""Real SmolLM2-135M layers with Hessians of real calibration text (cached), for solver tests and benches."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +11,7 @@ REAL_LAYERS = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
 
 
 def real_layer_hessians() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """name → (W [out, in] fp32, H [in, in] fp64) for ``REAL_LAYERS`` of SmolLM2-135M on
-    ``REAL_NSEQ`` × ``REAL_SEQLEN`` tokens of Wikipedia calibration text (cached on disk)."""
+    """name → (W fp32, H fp64) for ``REAL_LAYERS`` of SmolLM2-135M on Wikipedia calibration text (cached)."""
     from safetensors.torch import load_file, save_file
 
     from vllm_latq import data

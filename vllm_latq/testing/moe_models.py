@@ -1,9 +1,5 @@
-"""Tiny mixture-of-experts checkpoints for the MoE tests and ``bench/decode.py --moe``: a random
-Hugging Face MoE and a latq checkpoint of it in the contract the quantizer writes (one latq
-layer per expert and projection under the model's per-expert names, the router unquantized and
-listed in ``modules_not_converted``), with the same model's dequantized weights beside it as
-the reference. The expert integers are RTN with a few forced outliers (dense kind) or HRTN
-(huffman kind); the dequantized weights come from ``format``'s one definition."""
+"""Tiny mixture-of-experts checkpoints for the MoE tests and benches: a random HF MoE, a latq
+checkpoint of it as the quantizer writes it, and its dequantized weights as the reference."""
 from __future__ import annotations
 
 import json
@@ -31,9 +27,7 @@ DENSE = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def make_moe_model(out: Path, arch: str, *, layers: int = 2, hidden: int = 64, seed: int = 0, **config) -> Path:
-    """A tiny random-weight MoE of model type ``arch`` (fp32, SmolLM2's tokenizer, head_dim 32
-    for vLLM's CPU attention); weights scaled so that greedy output varies. ``config``
-    overrides entries of ``ARCHS`` (e.g. ``num_experts``, ``moe_intermediate_size``)."""
+    """A tiny random-weight MoE of model type ``arch`` (fp32); ``config`` overrides entries of ``ARCHS``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from vllm_latq import data
@@ -74,10 +68,7 @@ def ssqr_like(W: torch.Tensor, bits: int, group: int, seed: int):
 
 def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, group: int = 32,
                         target_bits: float = 3.25) -> tuple[Path, Path]:
-    """(latq checkpoint, HF dir of its dequantized weights) of the tiny MoE ``src``: every expert
-    projection and attention linear quantized (``method``: ``ssqr`` → dense kind with outliers,
-    ``rtn`` → dense kind without, ``hptq`` → huffman kind), routers listed in
-    ``modules_not_converted``."""
+    """(latq checkpoint, HF dir of its dequantized weights) of the tiny MoE ``src``, by ``method``'s kind."""
     from safetensors.torch import load_file, save_file
 
     from vllm_latq.algorithms import hrtn, rtn
@@ -105,20 +96,19 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
                                  target_bits=target_bits if kind == "huffman" else None,
                                  order="natural", damp=0.01, modules_not_converted=sorted(routers))
     deq_dir = out.with_name(out.name + "-deq")
-    write_checkpoint(out, tensors, {**cfg, "quantization_config": qc}, shapes, source=src.name)
-    deq_dir.mkdir(parents=True, exist_ok=True)
-    save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
-    (deq_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    for d in (out, deq_dir):
+    for d in (out, deq_dir):   # the tokenizer files first: the checkpoint's seal covers them
+        d.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
                 shutil.copy(f, d / f.name)
+    write_checkpoint(out, tensors, {**cfg, "quantization_config": qc}, shapes, source=src.name)
+    save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
+    (deq_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out, deq_dir
 
 
 def moe_reference(x, topk_weights, topk_ids, dense, activation="silu", on_input=False) -> torch.Tensor:
-    """The MoE forward token by token, slot by slot, in fp32 (the definition): ``dense`` the
-    experts' fp32 (w13 [2I, H], w2 [H, I]); expert −1 skipped."""
+    """The MoE forward token by token, slot by slot, in fp32 (the definition); expert −1 skipped."""
     act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation]
     out = torch.zeros(x.shape[0], dense[0][1].shape[0])
     for t in range(x.shape[0]):

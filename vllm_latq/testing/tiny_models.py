@@ -32,11 +32,8 @@ GEMMA_NORMS = ("gemma", "gemma2", "gemma3")  # their norms scale by 1 + w
 
 
 def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloat16, seed: int = 0, **sizes):
-    """A tiny random-weight causal LM of model type ``arch`` (a key of ``TINY_CONFIGS``) saved
-    as an HF dir with SmolLM2's tokenizer. hidden 80 / intermediate 144: with group size 64
-    both end in a ragged group, and neither is a multiple of the 32-column packing tile
-    (padding is exercised). ``sizes`` override the common and the type's config entries
-    (vLLM's CPU attention wants head_dim 32: ``hidden_size=64, num_attention_heads=2``)."""
+    """A tiny random-weight causal LM of model type ``arch`` saved as an HF dir with SmolLM2's tokenizer.
+    hidden 80 / intermediate 144 end in a ragged group at g64 and pad the 32-column tile."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from vllm_latq import data
@@ -61,4 +58,6 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
     return out
 
 
-TINY_OPTS = dict(group_size=64, nsamples=4, seqlen=64)
+# the output head stays in the model dtype: these checkpoints test the blocks (the head quantized by
+# default is tests/test_lm_head.py's subject; pass quantize_lm_head to change it)
+TINY_OPTS = dict(group_size=64, nsamples=4, seqlen=64, quantize_lm_head=False)

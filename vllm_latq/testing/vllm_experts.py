@@ -1,5 +1,5 @@
 """A vLLM mixture-of-experts layer's configuration and the attributes vLLM's WNA16 MoE methods
-read of it, without vLLM's engine (tests and benches of ``kernels/vllm_moe``)."""
+read of it, without vLLM's engine (tests and benches of ``plugin/vllm_scheme``'s experts)."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,7 @@ import torch
 
 def fused_moe_config(experts: int, topk: int, hidden: int, inter: int, device: str = "cpu",
                      dtype: torch.dtype = torch.bfloat16):
-    """vLLM's ``FusedMoEConfig`` of one rank holding every expert (TP 1, no expert parallelism),
-    SiLU-gated, renormalized top-``topk`` routing."""
+    """vLLM's ``FusedMoEConfig`` of one rank holding every expert, SiLU-gated, renormalized top-``topk``."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
                                                              RoutingMethodType)
@@ -22,8 +21,7 @@ def fused_moe_config(experts: int, topk: int, hidden: int, inter: int, device: s
 
 
 class BareExperts(torch.nn.Module):
-    """What vLLM's WNA16 MoE method reads of its ``RoutedExperts`` layer: the experts on this
-    rank, their sizes, activation, no expert map and no routing tables."""
+    """What vLLM's WNA16 MoE method reads of its ``RoutedExperts`` layer, and nothing more."""
 
     def __init__(self, moe_config):
         super().__init__()

@@ -11,13 +11,8 @@ def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 12
                   scale_lo: float = 0.001, scale_span: float = 0.05, val_std: float = 0.3,
                   rows: tuple[tuple[int, float], ...] = (), cells: tuple[tuple[int, int], ...] = (),
                   fp16_values: bool = False, scale_bits: int | None = None) -> LatqWeight:
-    """A random layer in the runtime form (tests, benches): uniform b-bit inliers, fp16 group
-    scales uniform in [scale_lo, scale_lo + scale_span), outliers at uniform positions with
-    probability ``rate`` (``rows``: (row, probability) pairs overriding it for some rows;
-    ``cells``: (row, col) positions that are outliers too) and N(0, val_std²) fp32 values
-    (``fp16_values``: rounded to fp16, as SSQR checkpoints store them); the inlier at an
-    outlier is 0. ``scale_bits``: the scales coded (``format.scale_codes``), ``scales`` their
-    decode."""
+    """A random layer in the runtime form: uniform b-bit inliers, fp16 group scales, random outliers.
+    ``rows`` / ``cells`` force outliers on some rows or cells; ``scale_bits`` codes the scales."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (out, cin), generator=g, dtype=torch.int32)
     mask = torch.rand(out, cin, generator=g) < rate

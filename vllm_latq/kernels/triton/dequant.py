@@ -37,7 +37,7 @@ def _round(v, DT: tl.constexpr):
         return v.to(DT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("NCH_A", "NCH_H", "NGP"))        # chunk counts: see device.UNSPECIALIZED
 def _dequant_kernel(w_ptr, pa_ptr, ph_ptr, s_ptr, ROW0, ROW1, K, K0, stride_wn, N_PAD, NCH_A, NCH_H, NGP,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr,
                     CODED: tl.constexpr):
@@ -139,21 +139,37 @@ def stream_key(device: torch.device) -> int:
     if get is None:
         return 0
     s = get(device) if device.type == "cuda" else get()
-    sid = getattr(s, "stream_id", None)
-    return id(s) if sid is None else sid
+    return _key_of(s)
+
+
+def _key_of(stream) -> int:
+    sid = getattr(stream, "stream_id", None)
+    return id(stream) if sid is None else sid
+
+
+MAIN_LANE = -1
+
+
+def lane(device: torch.device) -> int:
+    """The scratch lane of the current stream: its own for a stream vLLM runs concurrently with
+    the forward (:func:`~vllm_latq.kernels.graphs.concurrent_streams`), else the main lane, which
+    every stream vLLM orders with the forward shares."""
+    sk = stream_key(device)
+    return sk if any(_key_of(s) == sk for s in graphs.concurrent_streams()) else MAIN_LANE
 
 
 class Workspace:
-    """Scratch shared by the layers of one stream: one flat buffer per (device, dtype, stream),
-    sized to the largest request seen and grown on demand. Layers on one stream run in order,
-    so they can share; two streams (vLLM's MoE shared experts run on a second one) each get
-    their own, or they would overwrite each other's partials. Used for the large-M path's
-    dequantised weights and the split-K fp32 partials. ``max_bytes`` caps a dequantisation
-    buffer: a larger layer is dequantised and multiplied in row chunks that fit (at least 16
-    rows). Growing frees the old buffer, so under CUDA graphs every layer is reserved at load
-    time (``TritonKernel.reserve``) and a stream first seen later (the capture stream) gets
-    the reserved size at its first use: growing while a graph is being captured raises
-    instead of leaving a freed buffer in a graph."""
+    """Scratch shared by the layers of a device: one flat buffer per (device, dtype, lane), sized
+    to the largest request seen and grown on demand. Streams vLLM orders with the forward (the
+    default stream, each CUDA-graph capture stream, the memory profiler's capture stream) run
+    layers one after another, so they share the main lane: a new capture stream allocates
+    nothing. A stream that runs layers concurrently with the forward (vLLM's MoE shared
+    experts) gets a lane of its own, or the two would overwrite each other's partials. Used for
+    the large-M path's dequantised weights and the split-K fp32 partials. ``max_bytes`` caps a
+    dequantisation buffer: a larger layer is dequantised and multiplied in row chunks that fit
+    (at least 16 rows). ``reserve`` (every layer, at load) sizes every lane before vLLM profiles
+    memory, so the profile counts them and a capture never grows one: growing while a graph is
+    being captured raises instead of leaving a freed buffer in a graph."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
@@ -171,33 +187,40 @@ class Workspace:
         self.reserve_flat(self.rows(n, k, dtype) * k, dtype, device)
 
     def reserve_flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Size every stream's buffer for (device, dtype) to at least ``numel`` elements."""
-        key = (torch.device(device), dtype)
-        self._reserved[key] = max(self._reserved.get(key, 0), numel)
-        self.flat(numel, dtype, device)
+        """Size the main lane's buffer for (device, dtype), and each concurrent stream's, to at
+        least ``numel`` elements now."""
+        device = torch.device(device)
+        self._reserved[device, dtype] = max(self._reserved.get((device, dtype), 0), numel)
+        for ln in [MAIN_LANE] + [_key_of(s) for s in graphs.concurrent_streams()]:
+            self._buffer(ln, numel, dtype, device)
 
     def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The first ``numel`` elements of the current stream's buffer for (device, dtype)."""
+        """The first ``numel`` elements of the current stream's lane's buffer for (device, dtype)."""
         device = torch.device(device)
-        key = (device, dtype, stream_key(device))
+        return self._buffer(lane(device), numel, dtype, device)[:numel]
+
+    def _buffer(self, ln: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (device, dtype, ln)
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
             if graphs.capturing(device):
                 raise RuntimeError(f"latq workspace ({dtype}) must grow to {numel} elements during CUDA graph "
-                                   "capture: reserve() every layer and warm up on the capture stream first")
+                                   "capture: reserve() every layer at load")
+            if buf is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)      # another stream of the lane may still use it
             self._bufs.pop(key, None)                  # free the old buffer before growing
             size = max(numel, self._reserved.get((device, dtype), 0))
             buf = self._bufs[key] = torch.empty(size, dtype=dtype, device=device)
-        return buf[:numel]
+        return buf
 
     def matrix(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A contiguous ``[n, k]`` view of the current stream's buffer for (device, dtype)."""
+        """A contiguous ``[n, k]`` view of the current stream's lane's buffer for (device, dtype)."""
         return self.flat(n * k, dtype, device).view(n, k)
 
     def current(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """The current stream's whole buffer for (device, dtype), None before its first use."""
+        """The current stream's lane's whole buffer for (device, dtype), None before its first use."""
         device = torch.device(device)
-        return self._bufs.get((device, dtype, stream_key(device)))
+        return self._bufs.get((device, dtype, lane(device)))
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())

@@ -206,7 +206,14 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
     return acc
 
 
-@triton.jit
+# Integers Triton does not specialise (on == 1, on % 16): the batch M (M = 8 and 16 run one
+# tile; only row masks read it) and the per-layer step and chunk counts, which only scale
+# offsets that are multiples of 256 or bound loops. Specialised, each would compile another
+# variant of a tile per value class; the offline compile report compiles them unspecialised.
+UNSPECIALIZED = ("M", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS")
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                  start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
                  M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,

@@ -18,7 +18,7 @@ import triton.language as tl
 from . import layout as tlay
 from . import cost_model as triton_model
 from ..base import flatten_dataclass, unflatten_dataclass
-from .device import _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
+from .device import UNSPECIALIZED, _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
 from .kernel import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -42,7 +42,7 @@ def moe_maxnreg(bits: int, bm: int) -> int:
 
 # ============================================================================ device code
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)        # the step and chunk counts (no M here): device.py
 def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col_ptr, val_ptr, blk_ptr,
                      N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS,
                      EXP_A, EXP_H, EXP_T, EXP_S, EXP_O,

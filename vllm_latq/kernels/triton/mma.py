@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import _and_or, _ell_rows, _epilogue, _group_scale, _row_offset, _scale_base, _word_tiles
+from .device import UNSPECIALIZED, _and_or, _ell_rows, _epilogue, _group_scale, _row_offset, _scale_base, _word_tiles
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,

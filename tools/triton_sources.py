@@ -1,0 +1,202 @@
+"""What the offline compile report (:mod:`tools.triton_compile`) compiles: every ``@triton.jit``
+kernel the package launches, as the jobs of :func:`all_jobs` and the ``triton.compile`` source
+of each job (:func:`source`: signature, constexprs, Triton's 16-divisibility of the arguments
+as production launches see them). :func:`package_kernels` scans the package for its launched
+kernels, so a kernel added without a report entry fails the report's test.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "vllm_latq"
+TRITON_DIR = PACKAGE / "kernels" / "triton"
+TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynamic smem per block (bytes)
+# report name → (file under kernels/triton, the @triton.jit kernel it launches)
+KERNELS = {"gemv": ("device.py", "_gemv_kernel"), "mma": ("mma.py", "_mma_kernel"),
+           "moe": ("grouped_moe.py", "_moe_gemv_kernel"), "dequant": ("dequant.py", "_dequant_kernel"),
+           "outliers": ("dequant.py", "_outlier_kernel")}
+SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
+S_PTR = {"fp16": "*fp16", "coded": "*i32"}
+DTYPES = ("bf16", "fp16")       # activations: the large-M path writes the weights in their dtype
+DIV16 = [["tt.divisibility", 16]]
+
+
+# ----------------------------------------------------------------------------- the package's kernels
+
+def _is_jit(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(d, (ast.Attribute, ast.Name, ast.Call)) and "jit" in ast.dump(d) for d in fn.decorator_list)
+
+
+def package_kernels(root: Path = PACKAGE) -> set[tuple[str, str]]:
+    """{(file relative to ``root``, name)} of every ``@triton.jit`` function under ``root`` that no
+    other jit function calls: the kernels host code launches (a called one is a device helper)."""
+    jit: dict[str, list[str]] = {}
+    called: set[str] = set()
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.FunctionDef) and _is_jit(node):
+                jit.setdefault(node.name, []).append(str(f.relative_to(root)))
+                called |= {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call)
+                           and isinstance(c.func, ast.Name) and c.func.id != node.name}
+    return {(path, name) for name, paths in jit.items() if name not in called for path in paths}
+
+
+def reported_kernels() -> set[tuple[str, str]]:
+    """:data:`KERNELS` as :func:`package_kernels` names them."""
+    return {(str((TRITON_DIR / f).relative_to(PACKAGE)), fn) for f, fn in KERNELS.values()}
+
+
+# ----------------------------------------------------------------------------- jobs
+
+def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
+    """Every (kernel, specialisation, config, target). ``quick``: per kernel and bit width the
+    heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
+    split-K; bf16 only for the large-M kernels — the default test; the full sweep is the slow
+    test and the bench."""
+    return (_tile_jobs(targets, quick) + _moe_jobs(targets, quick) + _dequant_jobs(targets, quick)
+            + _outlier_jobs(targets, quick))
+
+
+def _tile_jobs(targets, quick: bool) -> list[dict]:
+    from vllm_latq.kernels.triton import configs as cfg
+    from vllm_latq.kernels.triton import kernel as tk
+    from vllm_latq.kernels.triton.layout import WIDTHS
+    jobs = []
+    for kernel, tiles, splits in (("gemv", tk.GEMV_TILES, lambda bm: (1, 8)),
+                                  ("mma", tk.MMA_TILES, lambda bm: (1, max(tk.MMA_SPLITS[bm])))):
+        for bits in WIDTHS:
+            for bm, tl_ in tiles.items():
+                if quick and bm != max(tiles):
+                    continue
+                for t in tl_:
+                    if quick and t != max(tl_, key=lambda t: (t[0] / t[1], t[0])):
+                        continue
+                    cap = (tk.MMA_MAXNREG if kernel == "mma" else tk.GEMV_MAXNREG)[bits]
+                    tile = dict(BN=t[0], num_warps=t[1], maxnreg=cap, **({"BR": t[2]} if kernel == "mma" else {}))
+                    # pipeline stages as served (1 is the compiler's single-buffered default)
+                    n_st = cfg.stages(kernel, bits, bm, t[0], t[1])
+                    stages = {"num_stages": n_st} if n_st > 1 else {}
+                    variants = [(max(splits(bm)), "csr")] if quick else \
+                        [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
+                    for sp, outl in variants:
+                        for scales in SCALES:
+                            for cc in targets:
+                                jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales,
+                                                 cc=cc, **tile, **stages))
+    return jobs
+
+
+def _moe_jobs(targets, quick: bool) -> list[dict]:
+    """The grouped MoE kernel: one fixed tile per BM, ELL or no outliers."""
+    from vllm_latq.kernels.triton import grouped_moe as tm
+    jobs = []
+    for bits in (2, 3, 4):
+        for bm, (bn, nw) in tm.MOE_TILES.items():
+            if quick and bm != max(tm.MOE_TILES):
+                continue
+            for outl in ("ell",) if quick else ("none", "ell"):
+                for scales in SCALES:
+                    for cc in targets:
+                        jobs.append(dict(kernel="moe", bits=bits, BM=bm, SPLIT=1, outl=outl, scales=scales, cc=cc,
+                                         BN=bn, num_warps=nw, maxnreg=tm.moe_maxnreg(bits, bm)))
+    return jobs
+
+
+def _dequant_jobs(targets, quick: bool) -> list[dict]:
+    """Dequantise-once: its one fixed tile, per weight dtype, bit width (a 3-bit layer's tail is
+    the 4-bit variant) and scale layout; quick: bf16 at 3 and 5 bits (two word planes, the
+    integer rounding), the heaviest."""
+    from vllm_latq.kernels.triton import dequant as td
+    from vllm_latq.kernels.triton.layout import WIDTHS
+    c = td.DEQUANT_CONFIG
+    return [dict(kernel="dequant", dtype=dt, bits=bits, scales=scales, cc=cc, BN=c["BN"], DS=c["DS"],
+                 num_warps=c["num_warps"])
+            for dt in (DTYPES[:1] if quick else DTYPES) for bits in ((3, 5) if quick else WIDTHS)
+            for scales in SCALES for cc in targets]
+
+
+def _outlier_jobs(targets, quick: bool) -> list[dict]:
+    """The outlier stores of the large-M path, ELL and CSR, compact entries (int16 / fp16)."""
+    from vllm_latq.kernels.triton import dequant as td
+    c = td.OUTLIER_CONFIG
+    return [dict(kernel="outliers", dtype=dt, outl=outl, cc=cc, BE=c["BE"], num_warps=c["num_warps"])
+            for dt in (DTYPES[:1] if quick else DTYPES) for outl in ("ell", "csr") for cc in targets]
+
+
+# ----------------------------------------------------------------------------- sources
+
+def source(j: dict):
+    """The ``triton.compile`` source of one job (TRITON_INTERPRET must be unset)."""
+    return {"gemv": _tile_source, "mma": _tile_source, "moe": _moe_source, "dequant": _dequant_source,
+            "outliers": _outlier_source}[j["kernel"]](j)
+
+
+def _ast_source(fn, sig: dict, const: dict, div16):
+    from triton.compiler import ASTSource
+    sig = {**sig, **{n: "constexpr" for n in const}}
+    names = fn.arg_names
+    return ASTSource(fn, sig, const, {(names.index(n),): DIV16 for n in div16})
+
+
+def _tile_source(j: dict):
+    """The SIMT GEMV or the tensor-core kernel: bf16 activations (fp16 differs only in convert
+    opcodes), compact outliers as for an SSQR checkpoint with K ≤ 32768 (int16 columns, fp16
+    values); sizes and pointers 16-divisible as for the Qwen3-8B shapes, M not (it is never
+    specialised: ``do_not_specialize``)."""
+    from vllm_latq.kernels.triton import device as td
+    from vllm_latq.kernels.triton import mma as tmma
+    from vllm_latq.kernels.triton import kernel as tk
+    fn = td._gemv_kernel if j["kernel"] == "gemv" else tmma._mma_kernel
+    optr = {"none": ["*fp16"] * 4, "ell": ["*i32", "*fp16", "*i16", "*fp16"],
+            "csr": ["*i32", "*i32", "*i16", "*fp16"]}[j["outl"]]
+    ptrs = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*fp32", "*i32"]
+    ints = ["M", "N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS", "M_WS"]
+    names = fn.arg_names
+    sig = {**dict(zip(names, ptrs)), **{n: "i32" for n in ints}}
+    const = dict(BITS=j["bits"], GROUP=128, SPG=tk.spg_of(j["bits"], 128), BM=j["BM"], BN=j["BN"],
+                 SPLIT=j["SPLIT"], OUTL=tk.OUTL_CODE[j["outl"]], HAS_BIAS=True, ASM=True, CODED=j["scales"] == "coded")
+    if j["kernel"] == "mma":
+        const.update(BR=j["BR"], F32DOT=False)
+    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
+    return _ast_source(fn, sig, const, div16)
+
+
+def _moe_source(j: dict):
+    """The grouped MoE kernel: bf16 activations, compact ELL outliers (int16 / fp16)."""
+    from vllm_latq.kernels.triton import kernel as tk
+    from vllm_latq.kernels.triton.grouped_moe import _moe_gemv_kernel as fn
+    optr = ["*i32", "*i16", "*fp16"] if j["outl"] == "ell" else ["*fp16"] * 3
+    ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*i32", S_PTR[j["scales"]], *optr, "*i32"]
+    ints = ["N", "K", "stride_xm", "stride_ym", "N_PAD", "NCH_A", "NCH_H", "NGP", "NSTEPS", "TSTEPS",
+            "EXP_A", "EXP_H", "EXP_T", "EXP_S", "EXP_O"]
+    names = fn.arg_names
+    sig = {**dict(zip(names, ptrs)), **{n: "i32" for n in ints}}
+    const = dict(BITS=j["bits"], GROUP=128, SPG=tk.spg_of(j["bits"], 128), BM=j["BM"], BN=j["BN"],
+                 OUTL=tk.OUTL_CODE[j["outl"]], ASM=True, CODED=j["scales"] == "coded")
+    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "EXP_A", "EXP_S"}
+    return _ast_source(fn, sig, const, div16)
+
+
+def _dequant_source(j: dict):
+    """Dequantise-once into a ``dtype`` scratch: rows from ROW0 (a multiple of 16) and K0 (0, or
+    a 3-bit layer's first tail column, a multiple of 512) are 16-divisible by contract."""
+    from vllm_latq.kernels.triton.dequant import _dequant_kernel as fn
+    sig = dict(w_ptr="*" + j["dtype"], pa_ptr="*i32", ph_ptr="*i32", s_ptr=S_PTR[j["scales"]], ROW0="i32",
+               ROW1="i32", K="i32", K0="i32", stride_wn="i32", N_PAD="i32", NCH_A="i32", NCH_H="i32", NGP="i32")
+    const = dict(BITS=j["bits"], GROUP=128, BN=j["BN"], DS=j["DS"], CODED=j["scales"] == "coded")
+    div16 = {"w_ptr", "pa_ptr", "ph_ptr", "s_ptr", "ROW0", "K", "K0", "stride_wn", "N_PAD"}
+    return _ast_source(fn, sig, const, div16)
+
+
+def _outlier_source(j: dict):
+    """The outlier stores: ELL's missing row array is passed as its start array (int32), as the
+    launch does."""
+    from vllm_latq.kernels.triton import kernel as tk
+    from vllm_latq.kernels.triton.dequant import _outlier_kernel as fn
+    sig = dict(w_ptr="*" + j["dtype"], start_ptr="*i32", row_ptr="*i32", col_ptr="*i16", val_ptr="*fp16",
+               ROW0="i32", ROW1="i32", stride_wn="i32")
+    const = dict(OUTL=tk.OUTL_CODE[j["outl"]], BE=j["BE"])
+    div16 = {"w_ptr", "start_ptr", "row_ptr", "col_ptr", "val_ptr", "ROW0", "stride_wn"}
+    return _ast_source(fn, sig, const, div16)

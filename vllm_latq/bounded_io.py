@@ -1,0 +1,138 @@
+"""Reading files latq does not control within bounds: regular files only, sizes capped before a read,
+JSON with a nesting limit and finite numbers. Every refusal is a :class:`FormatError` naming the file."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from .errors import FormatError
+
+MAX_JSON_BYTES = 64 << 20   # config, index, stats, manifest, progress: a 405B MoE's stats are ~25 MiB
+MAX_JSON_DEPTH = 64         # the package's JSON nests 5 deep; a deeper file is an attack, not a model
+MAX_TEXT_BYTES = 1 << 30    # a text file read whole (calibration, evaluation)
+PIECE_BYTES = 16 << 20      # a file hashed or copied in pieces of this size
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str | os.PathLike, *, name: str | None = None) -> BinaryIO:
+    """``path`` opened for binary reading if it is a regular file; else a :class:`FormatError` naming ``name``.
+    Opened without blocking, so a FIFO is refused instead of waiting for a writer."""
+    name = name or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        why = "a symbolic link loop" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+        raise FormatError(f"{why}: refused", file=name) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        raise FormatError(f"{kind}, not a regular file: refused", file=name)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: str | os.PathLike, limit: int, *, name: str | None = None) -> bytes:
+    """The bytes of regular file ``path``, refused past ``limit`` bytes (declared or grown while read)."""
+    name = name or str(path)
+    with open_regular(path, name=name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FormatError(f"{size} bytes, more than the {limit} such a file may hold: refused", file=name)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FormatError(f"grew past {limit} bytes while read: refused", file=name)
+    return data
+
+
+def read_text(path: str | os.PathLike, limit: int = MAX_TEXT_BYTES, *, name: str | None = None) -> str:
+    """UTF-8 text of regular file ``path`` (≤ ``limit`` bytes); ``UnicodeDecodeError`` passes through."""
+    return read_bytes(path, limit, name=name).decode("utf-8")
+
+
+def read_json(path: str | os.PathLike, *, limit: int = MAX_JSON_BYTES, name: str | None = None):
+    """The JSON value of regular file ``path``, bounded as :func:`parse_json` says."""
+    name = name or str(path)
+    return parse_json(read_bytes(path, limit, name=name), name=name)
+
+
+def parse_json(raw: bytes | str, *, name: str):
+    """``raw`` parsed as JSON; refused, naming ``name``, if not UTF-8, too deep or not finite."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+    except UnicodeDecodeError as e:
+        raise FormatError(f"not UTF-8 JSON (byte {e.start})", file=name) from None
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise FormatError(f"JSON nested {depth} levels deep, more than {MAX_JSON_DEPTH}: refused", file=name)
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"not valid JSON ({e})", file=name) from None
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON ``text``, brackets inside strings not counted."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return 0   # cannot be deeper than the limit
+    b = np.frombuffer(_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)
+    step = (b == ord("[")).astype(np.int32) + (b == ord("{")) - (b == ord("]")) - (b == ord("}"))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _no_constant(token: str):
+    raise ValueError(f"{token} is not a finite number")
+
+
+def _finite_float(token: str) -> float:
+    x = float(token)
+    if not math.isfinite(x):
+        raise ValueError(f"{token} is not a finite number (beyond the float range)")
+    return x
+
+
+def pieces(path: str | os.PathLike, *, limit: int | None = None, name: str | None = None) -> Iterator[bytes]:
+    """The bytes of regular file ``path`` in pieces of :data:`PIECE_BYTES` (refused past ``limit``)."""
+    name = name or str(path)
+    with open_regular(path, name=name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if limit is not None and size > limit:
+            raise FormatError(f"{size} bytes, more than the {limit} such a file may hold: refused", file=name)
+        n = 0
+        while piece := f.read(PIECE_BYTES):
+            n += len(piece)
+            if limit is not None and n > limit:
+                raise FormatError(f"grew past {limit} bytes while read: refused", file=name)
+            yield piece
+
+
+def file_sha256(path: str | os.PathLike, *, limit: int | None = None, name: str | None = None) -> str:
+    """sha256 of the regular file ``path``'s bytes, read by pieces."""
+    h = hashlib.sha256()
+    for piece in pieces(path, limit=limit, name=name):
+        h.update(piece)
+    return h.hexdigest()
+
+
+def copy_regular(src: Path, dst: Path, *, limit: int | None = None, name: str | None = None) -> str:
+    """Copy the regular file ``src`` to ``dst`` by pieces → the sha256 of what was written."""
+    h = hashlib.sha256()
+    with open(dst, "wb") as out:
+        for piece in pieces(src, limit=limit, name=name):
+            h.update(piece)
+            out.write(piece)
+    return h.hexdigest()

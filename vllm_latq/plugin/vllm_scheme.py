@@ -1,0 +1,194 @@
+"""latq layers of a standard form served by vLLM's own compressed-tensors WNA16 code.
+
+A linear whose form a vLLM kernel takes (``kernels/vllm_mp.py``) gets vLLM's own
+``CompressedTensorsWNA16`` scheme: the scheme registers its parameters on the vLLM layer itself
+(``weight_packed`` a ``PackedvLLMParameter``, ``weight_scale`` a group or channel scale parameter,
+``weight_shape``), latq fills them with the layer's validated, TP-cut runtime form, and the
+scheme's kernel class (Marlin, Machete, …; CPUWNA16 when forced on CPU) processes and applies the
+layer — its bias too, which Marlin permutes in place — exactly as for an llm-compressor
+checkpoint. A mixture-of-experts layer whose experts all have such a form gets vLLM's
+``CompressedTensorsWNA16MoEMethod`` the same way (:func:`choose_experts`, :func:`install_experts`).
+
+The route is decided after latq's loader has validated and cut the layer (``LoadState``): the
+format's validator sees every matrix whole before a tensor is used, HPTQ layers are only known
+after their decode and transcode, and a row-parallel cut off a group boundary is described with
+groups of gcd(g, K) and repeated scales (exact) — none of which vLLM's own loaders do.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import vllm_moe, vllm_mp
+from ..kernels.weight import LatqWeight
+
+NAME = vllm_mp.VllmMPKernel.name
+# vLLM experts class → the custom ops its weight preparation and apply call, where a build may lack them
+PROBED_OPS = {"CPUExpertsInt4": ("convert_weight_packed_scale_zp", "fused_experts_cpu")}
+REFUSED_BACKENDS = {"EMULATION": "vLLM's only backend is EMULATION (experts dequantized to bf16)"}
+
+
+class FilledByLatq:
+    """The ``weight_loader`` of a scheme parameter latq fills: vLLM's model loader never sees these
+    names (the checkpoint holds latq's tensors), and a second load by name is refused."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __call__(self, param, loaded_weight, *args, **kwargs):
+        raise ValueError(f"latq: {self.prefix}: vLLM's compressed-tensors parameters are filled from latq's "
+                         "checkpoint tensors at load; they cannot be loaded by name")
+
+
+def _fill(prefix: str, name: str, param: torch.nn.Parameter, t: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(t.shape):
+        raise ValueError(f"latq: {prefix}: {name} {tuple(t.shape)} does not fit vLLM's {tuple(param.shape)}")
+    param.data.copy_(t)        # fp16 scales → the parameter's (activation) dtype
+
+
+# ---------------------------------------------------------------------------- linears
+
+def scheme_for(w: LatqWeight, prefix: str):
+    """vLLM's ``CompressedTensorsWNA16`` for ``w``'s form: symmetric, static groups of
+    ``vllm_mp.vllm_group`` (channelwise for one scale per row)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 import (
+        CompressedTensorsWNA16)
+    group = vllm_mp.vllm_group(w)
+    return CompressedTensorsWNA16("channel" if group == -1 else "group", w.bits, None if group == -1 else group,
+                                  symmetric=True, layer_name=prefix)
+
+
+def register(layer, w: LatqWeight, act_dtype: torch.dtype, full_in: int):
+    """vLLM's scheme's parameters on ``layer`` (made on ``w``'s device: the layer's), filled with
+    ``w``: compressed-tensors' ``weight_packed`` [N, K·b/32], ``weight_scale`` [N, G] in the
+    activation dtype, ``weight_shape`` (the unpacked shape). Returns the scheme."""
+    scheme = scheme_for(w, layer.prefix)
+    full_out = getattr(layer, "output_size", None) or w.out_features
+    with torch.device(w.qweight.device):
+        scheme.create_weights(layer, output_size=full_out, input_size=full_in,
+                              output_partition_sizes=[w.out_features], input_size_per_partition=w.in_features,
+                              params_dtype=act_dtype, weight_loader=FilledByLatq(layer.prefix))
+    _fill(layer.prefix, "weight_packed", layer.weight_packed, vllm_mp.packed_words(w))
+    _fill(layer.prefix, "weight_scale", layer.weight_scale, vllm_mp.group_scales(w, vllm_mp.vllm_group(w)))
+    _fill(layer.prefix, "weight_shape", layer.weight_shape, torch.tensor([w.out_features, w.in_features]))
+    return scheme
+
+
+def install(layer, w: LatqWeight, act_dtype: torch.dtype, full_in: int):
+    """:func:`register`, then the scheme's kernel class processes the layer (repack, scale and
+    bias permutations); the scheme is kept as ``layer.latq_scheme``, which ``apply`` calls."""
+    scheme = register(layer, w, act_dtype, full_in)
+    scheme.process_weights_after_loading(layer)
+    layer.latq_scheme = scheme
+    return scheme
+
+
+class ServedScheme:
+    """The load report's view of a layer vLLM's scheme serves (``LoadReport.add``'s kernel; state:
+    the layer): the kernel class, and the bytes of the tensors its apply reads."""
+    name = NAME
+
+    @staticmethod
+    def label(layer) -> str:
+        return f"{NAME}:{type(layer.latq_scheme.kernel).__name__}"
+
+    @staticmethod
+    def served_bytes(layer) -> dict[str, int]:
+        k = layer.latq_scheme.kernel
+        parts = {"inliers": k.w_q_name, "scales": k.w_s_name, "other": k.w_zp_name}
+        tensors = {part: getattr(layer, name, None) if name else None for part, name in parts.items()}
+        return {part: t.numel() * t.element_size() for part, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------- mixtures of experts
+
+def quant_args(bits: int, group: int):
+    """compressed-tensors' description of latq's form: symmetric int, static groups."""
+    from compressed_tensors.quantization import QuantizationArgs
+    if group == -1:
+        return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group)
+
+
+def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, device: torch.device, prefix: str):
+    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not).
+
+    The layer is described as compressed-tensors ``QuantizationArgs`` at one group dividing every
+    expert's group, the hidden size and this rank's intermediate size (``vllm_moe.moe_groups``);
+    that method's constructor runs ``select_wna16_moe_backend`` (Marlin MoE on CUDA, vLLM's Triton
+    WNA16 experts where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU). Marlin MoE is told a
+    group half as large where it would misread w13's scales at the first
+    (``vllm_moe.marlin_scale_hazard``). A backend whose ops a build may lack is taken only where
+    they exist; one that computes no such activations (``vllm_mp.COMPUTES``) and vLLM's
+    emulation backend (experts dequantized to bf16) are refused."""
+    why = vllm_moe.form_refusal(weights) or vllm_moe.policy_refusal(device)
+    if why:
+        return None, why
+    try:
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.\
+            compressed_tensors_moe_wna16 import CompressedTensorsWNA16MoEMethod
+    except ImportError as e:
+        return None, f"vLLM's WNA16 MoE method does not import ({e})"
+    bits = next(iter(weights.values())).bits
+    inter, hidden = moe_config.intermediate_size_per_partition, moe_config.hidden_dim
+    for group in vllm_moe.candidate_groups(weights, inter, hidden):
+        try:
+            method = CompressedTensorsWNA16MoEMethod(quant_args(bits, group), None, moe_config, layer_name=prefix)
+        except (ValueError, NotImplementedError, AssertionError) as e:   # vLLM's refusals (an assert for channelwise)
+            why = why or f"vLLM has no WNA16 MoE backend for {bits}-bit group {group}: {str(e) or type(e).__name__}"
+            continue
+        hazard = method.is_marlin and vllm_moe.marlin_scale_hazard(group, inter, hidden)
+        if not hazard:
+            break
+        why = hazard
+    else:
+        return None, why
+    backend, experts = method.wna16_backend.value, method.experts_cls.__name__
+    if backend in REFUSED_BACKENDS:
+        return None, REFUSED_BACKENDS[backend]
+    why = vllm_mp.computes_refusal(experts, moe_config.in_dtype)
+    if why:
+        return None, why
+    missing = [op for op in PROBED_OPS.get(experts, ()) if not vllm_mp.op_available(op)]
+    if missing:
+        return None, f"vLLM chose {experts} but its op torch.ops._C.{missing[0]} is not in this build"
+    return method, None
+
+
+def register_experts(method, layer, weights: dict[tuple[int, str], LatqWeight], act_dtype: torch.dtype) -> None:
+    """``method`` registers its parameters on ``layer`` (``create_weights``, on the experts'
+    device: the layer's) and latq fills them (``vllm_moe.expert_tensors``)."""
+    experts, m = layer.local_num_experts, method.moe
+    name = getattr(layer, "layer_name", "experts")
+    with torch.device(next(iter(weights.values())).qweight.device):
+        method.create_weights(layer, experts, m.hidden_dim, m.intermediate_size_per_partition, act_dtype,
+                              weight_loader=FilledByLatq(name))
+    for param, t in vllm_moe.expert_tensors(weights, experts, method.group_size, act_dtype).items():
+        _fill(name, param, getattr(layer, param), t)
+    for stem in vllm_moe.STEMS:
+        w = weights[0, stem]
+        getattr(layer, f"{stem}_weight_shape").data.copy_(torch.tensor([w.out_features, w.in_features]))
+
+
+def install_experts(method, layer, weights: dict[tuple[int, str], LatqWeight], act_dtype: torch.dtype) -> dict:
+    """:func:`register_experts`, then the method repacks them for its backend; returns the bytes
+    per expert and stem the backend's tensors hold."""
+    register_experts(method, layer, weights, act_dtype)
+    method.process_weights_after_loading(layer)
+    experts = layer.local_num_experts
+    return {stem: sum(t.numel() * t.element_size() for n, t in layer.named_parameters()
+                      if n.startswith(stem + "_") and not n.endswith("_weight_shape")) // experts
+            for stem in vllm_moe.STEMS}
+
+
+class ServedExpert:
+    """The load report's view of one expert projection that vLLM's MoE kernel serves
+    (``LoadReport.add``'s kernel): state = (experts class name, bytes of this projection)."""
+    name = NAME
+
+    @staticmethod
+    def label(state: tuple[str, int]) -> str:
+        return f"{NAME}:{state[0]}"
+
+    @staticmethod
+    def served_bytes(state: tuple[str, int]) -> dict[str, int]:
+        return {"experts": state[1]}
