@@ -44,7 +44,7 @@ def tiny_block_export(root: Path, bits: int) -> Path:
     if not (src / "config.json").exists():
         make_tiny_model(src, "llama", layers=1, **SIZES)
     quantize_model(src, root / f"latq{bits}", QuantizeOptions(method="rtn", bits=bits, group_size=GROUP, nsamples=2,
-                                                              seqlen=16), progress=False)
+                                                              seqlen=16, quantize_lm_head=False), progress=False)
     export.export_checkpoint(root / f"latq{bits}", root / f"export{bits}")
     return root / f"export{bits}"
 
