@@ -325,14 +325,19 @@ def _served_bits(case: bl.Case, tp: int) -> float:
     from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_padded_nk
     if case.layer.startswith("moe"):
         return 4 + 16 / (32 if tp == 2 and case.layer == "moe" else 64)
-    n, k = {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN),
-            "gate_up": (2 * bl.INTER // tp, bl.HIDDEN), "column": (bl.COL_N // tp, bl.HIDDEN),
-            "down": (bl.HIDDEN, bl.DOWN_K // tp), "wide": (bl.COL_N // tp, bl.WIDE_K)}[case.layer]
+    n, k = _rank_shape(case, tp)
     g = math.gcd(case.group, k)
     channel = g == k                                # one scale per row: vLLM's channelwise form
     marlin = "Marlin" in _vllm_kernel(case, tp)
     pn, pk = marlin_padded_nk(n, k, -1 if channel else g) if marlin else (n, k)
     return (4 * pk + 16 * (1 if channel else pk // g)) * pn / (n * k)
+
+
+def _rank_shape(case: bl.Case, tp: int) -> tuple[int, int]:
+    """A dense case's (N, K) on one rank."""
+    return {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN),
+            "gate_up": (2 * bl.INTER // tp, bl.HIDDEN), "column": (bl.COL_N // tp, bl.HIDDEN),
+            "down": (bl.HIDDEN, bl.DOWN_K // tp), "wide": (bl.COL_N // tp, bl.WIDE_K)}[case.layer]
 
 
 def _checked_ok(rank: int, rec: dict) -> None:
@@ -413,6 +418,59 @@ def test_other_forms_and_dtypes_on_latqs_kernels(case, tp, request):
             continue
         _checked_ok(rank, rec)
         assert rec["kernel"] == want and why in rec.get("table", ""), rec
+
+
+# ============================================================================ rotated layers on vLLM's kernels
+
+# A rotated checkpoint's standard form: vLLM's scheme with x·R in front of it. down_proj's 576
+# columns rotated in blocks of 32 (max_block 32), so that its TP-2 cut (288 a rank) falls on them.
+ROTATED = {tp: [bl.Case("qkv", "bf16", 80, True, rotation=256), bl.Case("gate_up", "fp16", 90, rotation=256),
+                bl.Case("down", "fp16", 80, True, rotation=32), bl.Case("column", "bf16", 90, rotation=256),
+                bl.Case("qkv", "fp16", 80, True, compiled=True, rotation=256),
+                bl.Case("qkv", "bf16", 0, True, env=FORCED_VLLM, rotation=256)] for tp in (1, 2)}
+OFF_BLOCKS = bl.Case("down", "bf16", 90, True, rotation=256)   # blocks of 64: a rank's 288 columns cut one
+
+
+@pytest.fixture(scope="module")
+def rotated_results():
+    return run_ranks({tp: cases + [OFF_BLOCKS] for tp, cases in ROTATED.items()})
+
+
+@pytest.mark.parametrize("case,tp", _params(ROTATED, {}))
+def test_rotated_layer_through_vllms_scheme(case, tp, rotated_results):
+    """A rotated layer of a standard form on vLLM's kernel class: its input rotated by vLLM's own
+    HadamardTransform (compressed-tensors' random Hadamard on the rotation's blocks, dense) at TP 1,
+    by latq's op at TP 2, where vLLM's refuses tensor parallelism, and on the host (vLLM's CPU kernel,
+    forced), where its dense GEMM does not run — the refusal in the load report's table —, then
+    vLLM's scheme; within the rounding of latq's reference on the dequantized ``Q·Rᵀ``. The served
+    bits add the transform's tensor: vLLM's b×b matrix in the activation dtype, latq's b fp32 signs.
+    The compiled forward traces as one graph equal to the eager one."""
+    recs = rotated_results[tp][case.id]
+    assert len(recs) == tp
+    b = case.rotated.block_size({"down": bl.DOWN_K}.get(case.layer, bl.HIDDEN))
+    n, k = _rank_shape(case, tp)
+    vllms = tp == 1 and case.cc != 0
+    why = "refuses tensor parallelism" if tp == 2 else "has no dense GEMM on a CPU platform"
+    for rank, rec in enumerate(recs):
+        _checked_ok(rank, rec)
+        kernel = _vllm_kernel(case, tp) if case.cc else "vllm:CPUWNA16LinearKernel"
+        assert rec["kernel"] == kernel + f"+hadamard({'vllm' if vllms else 'latq'})", rec
+        assert vllms != (f"vllm's transform: vLLM's HadamardTransform {why}" in rec["table"]), rec["table"]
+        if case.cc:
+            extra = 8 * (b * b * 2 if vllms else 4 * b) / (n * k)
+            assert rec["served_bits"] == pytest.approx(_served_bits(case, tp) + extra), rec
+        if case.compiled:
+            assert rec["graphs"] == 1 and rec["compiled_equal"], rec
+
+
+def test_rotated_cut_off_its_blocks_is_refused(rotated_results):
+    """A row-parallel rank whose columns cut the rotation's blocks cannot rotate its own input: the
+    load fails naming the layer and the TP sizes that serve it; at TP 1 the layer serves."""
+    one, = rotated_results[1][OFF_BLOCKS.id]
+    _checked_ok(0, one)
+    for rec in rotated_results[2][OFF_BLOCKS.id]:
+        assert not rec["ok"] and "mlp.down_proj: this rank's input columns" in rec["error"], rec
+        assert "cut the rotation's 64-column blocks (576 columns)" in rec["error"], rec
 
 
 # ============================================================================ latq-export under stock vLLM

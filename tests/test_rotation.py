@@ -11,7 +11,7 @@ from vllm_latq import format as fmt
 from vllm_latq.algorithms import gptq, hptq, ssqr
 from vllm_latq.algorithms.lattice import layer_error
 from vllm_latq.algorithms.rotation import rotate_hessian, rotate_weight, served_weight
-from vllm_latq.format.rotation import Rotation, fwht_, hadamard_signs, matrix, rotate, unrotate
+from vllm_latq.format.rotation import Rotation, fwht_, hadamard_signs, matrix, random_hadamard, rotate, unrotate
 
 
 def sylvester(b: int) -> torch.Tensor:
@@ -34,15 +34,19 @@ def test_fwht_is_the_sylvester_hadamard_product(b):
     assert torch.allclose(fwht_(x.clone(), b), want, atol=1e-12 * b)
 
 
-@pytest.mark.parametrize("b,seed", [(64, 0), (256, 7), (8, 123456789)])
+@pytest.mark.parametrize("b,seed", [(64, 0), (256, 7), (8, 123456789), (128, 3), (32, 1)])
 def test_the_rotation_is_compressed_tensors_random_hadamard_of_the_seed(b, seed):
     """R_b = random_hadamard_matrix(b, gen=Generator().manual_seed(seed)) / √b exactly (its
-    precision float32 draws the same signs), in every block of R: vLLM's HadamardTransform with
-    head_dim = b can express it."""
+    precision float32 draws the same signs), in every block of R — except at b = 32, where
+    compressed-tensors takes a stored 32×32 Hadamard matrix that is not Sylvester's (the same
+    signs, another matrix): the exports store R's matrix (``random_hadamard``), never the seed."""
     ct = pytest.importorskip("compressed_tensors.transform.utils.hadamard")
-    M = ct.random_hadamard_matrix(b, torch.float32, gen=torch.Generator().manual_seed(seed)).double() / math.sqrt(b)
-    R = matrix(hadamard_signs(seed, b), 2 * b)
-    assert torch.equal(R[:b, :b], M) and torch.equal(R[b:, b:], M) and not R[:b, b:].any()
+    M = ct.random_hadamard_matrix(b, torch.float32, gen=torch.Generator().manual_seed(seed)).double()
+    signs = hadamard_signs(seed, b)
+    R = matrix(signs, 2 * b)
+    assert torch.equal(R[:b, :b], R[b:, b:]) and not R[:b, b:].any()
+    assert torch.equal(random_hadamard(signs), R[:b, :b] * math.sqrt(b))
+    assert torch.equal(R[:b, :b], M / math.sqrt(b)) == (b != 32)
 
 
 def test_rotation_is_orthogonal_and_unrotate_its_exact_inverse():

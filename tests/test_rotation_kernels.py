@@ -271,10 +271,15 @@ def test_opcheck_rotated_ops(kernel):
         torch.library.opcheck(torch.ops.latq_cpu.hadamard.default, (x, w.rotation))
 
 
-def test_vllm_kernel_refuses_a_rotated_layer(monkeypatch):
-    """vLLM's own layer code would run the stored W·R on unrotated inputs: the wrapper refuses it,
-    naming why, and a forced LATQ_KERNEL=vllm fails at selection, not at the first call."""
-    monkeypatch.setenv(selector.ENV_FORCE, "vllm")
+def test_vllms_kernels_get_the_transform_from_the_plugin():
+    """vLLM's layer code (``delegated``) is not wrapped: the plugin puts the transform in front of
+    vLLM's scheme (tests/test_cuda_boundary.py, rotated layers); latq's kernels are wrapped, the
+    bf16 fallback folds R. vLLM's MoE method has no input transform: rotated experts stay latq's."""
+    from vllm_latq.kernels import vllm_moe
+    from vllm_latq.kernels.rotated import for_weight
+    from vllm_latq.kernels.vllm_mp import VllmMPKernel
     w = replace(random_weight(64, 256, 4, 0.0, group=64), rotation=Rotation(2).signs(256))
-    with pytest.raises(ValueError, match="a rotated layer: vLLM's scheme would need the input transform"):
-        selector.select(w, torch.device("cpu"), torch.bfloat16)
+    assert for_weight(VllmMPKernel, w) is VllmMPKernel and for_weight(DequantizedBf16Kernel, w) is DequantizedBf16Kernel
+    assert for_weight(CPUKernel, w).name == "cpu+hadamard"
+    assert vllm_moe.form_refusal({(0, "w13"): w}) == "experts: rotated inputs (vLLM's MoE method has no input transform)"
+    assert vllm_moe.form_refusal({(0, "w13"): replace(w, rotation=None)}) is None

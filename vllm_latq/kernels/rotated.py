@@ -9,7 +9,7 @@ weights instead (``folds_rotation``): no transform per call."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,14 +18,20 @@ from ..format.rotation import rotate
 from .base import LatqKernel
 
 
+def transform_for(device: torch.device, dtype: torch.dtype) -> Callable:
+    """``f(x, signs) = x·R`` for ``dtype`` activations on ``device``: Triton's kernel on a GPU, the
+    C++ op on a CPU where it is built, torch's butterflies elsewhere (chosen once, it traces)."""
+    if device.type == "cuda":
+        from .triton.hadamard import hadamard
+        return hadamard
+    if device.type == "cpu" and native.usable() and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return torch.ops.latq_cpu.hadamard
+    return rotate
+
+
 def rotate_activations(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``x·R`` in x's dtype (computed in fp32), R of the b = ``len(signs)`` blocks."""
-    if x.device.type == "cuda":
-        from .triton.hadamard import hadamard
-        return hadamard(x, signs)
-    if x.device.type == "cpu" and native.usable() and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return torch.ops.latq_cpu.hadamard(x, signs)
-    return rotate(x, signs)
+    return transform_for(x.device, x.dtype)(x, signs)
 
 
 @dataclass
@@ -100,9 +106,10 @@ def rotated_kernel(kernel: type[LatqKernel]) -> type[LatqKernel]:
 
 def for_weight(kernel: type[LatqKernel], w) -> type[LatqKernel]:
     """The kernel that serves ``w``: ``kernel`` itself, or wrapped when ``w`` is rotated and the
-    kernel does not fold the rotation into its own state."""
-    if w.rotation is None or getattr(kernel, "folds_rotation", False):
-        return kernel
+    kernel neither folds the rotation into its own state nor is vLLM's (``delegated``: the plugin
+    puts the transform in front of vLLM's scheme, ``plugin/vllm_scheme.install_transform``)."""
+    if w.rotation is None or getattr(kernel, "folds_rotation", False) or kernel.delegated:
+        return kernel   # a delegated kernel's layer code gets the transform from the plugin
     return rotated_kernel(kernel)
 
 

@@ -29,6 +29,8 @@ def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
     """Why the experts ``{(local expert, stem): weight}`` are not one compressed-tensors WNA16
     MoE layer, or None."""
     for w in weights.values():
+        if w.rotation is not None:
+            return "experts: rotated inputs (vLLM's MoE method has no input transform)"
         why = vllm_mp.form_refusal(w)
         if why:
             return f"experts: {why}"

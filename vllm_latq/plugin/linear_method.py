@@ -63,6 +63,9 @@ class LatqLinearMethod(LinearMethodBase):
         kernel, refused = selector.select_with_reasons(w, kernel_device(device), act)
         if kernel.delegated:     # vLLM's own layer code: its scheme's parameters on this layer
             vllm_scheme.install(layer, w, act, st.geo.in_features)
+            if w.rotation is not None:   # x·R in front of it: vLLM's transform, or latq's op where it refuses
+                why = vllm_scheme.install_transform(layer, w, act, getattr(layer, "tp_size", 1))
+                refused = refused + [f"vllm's transform: {why}"] if why else refused
             self.report.add(layer.prefix, w, vllm_scheme.ServedScheme, layer, stored_bits, refused)
             return
         state = kernel.prepare(w)
@@ -81,7 +84,8 @@ class LatqLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         scheme = getattr(layer, "latq_scheme", None)
         if scheme is not None:   # vLLM's kernel class, on the layer's own (possibly permuted) bias
-            return scheme.apply_weights(layer, x, bias)
+            transform = getattr(layer, "latq_transform", None)
+            return scheme.apply_weights(layer, x if transform is None else transform(x), bias)
         if torch.compiler.is_compiling():
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)

@@ -6,8 +6,9 @@ A linear whose form a vLLM kernel takes (``kernels/vllm_mp.py``) gets vLLM's own
 ``weight_shape``), latq fills them with the layer's validated, TP-cut runtime form, and the
 scheme's kernel class (Marlin, Machete, …; CPUWNA16 when forced on CPU) processes and applies the
 layer — its bias too, which Marlin permutes in place — exactly as for an llm-compressor
-checkpoint. A mixture-of-experts layer whose experts all have such a form gets vLLM's
-``CompressedTensorsWNA16MoEMethod`` the same way (:func:`choose_experts`, :func:`install_experts`).
+checkpoint. A rotated layer gets its input transform in front of the scheme
+(:func:`install_transform`). A mixture-of-experts layer whose experts all have such a form gets
+vLLM's ``CompressedTensorsWNA16MoEMethod`` the same way (:func:`choose_experts`, :func:`install_experts`).
 
 The route is decided after latq's loader has validated and cut the layer (``LoadState``): the
 format's validator sees every matrix whole before a tensor is used, HPTQ layers are only known
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import format as fmt
 from ..kernels import vllm_moe, vllm_mp
+from ..kernels.rotated import transform_for
 from ..kernels.weight import LatqWeight
 
 NAME = vllm_mp.VllmMPKernel.name
@@ -89,14 +92,82 @@ class ServedScheme:
 
     @staticmethod
     def label(layer) -> str:
-        return f"{NAME}:{type(layer.latq_scheme.kernel).__name__}"
+        t = getattr(layer, "latq_transform", None)
+        return f"{NAME}:{type(layer.latq_scheme.kernel).__name__}" + (f"+hadamard({t.label})" if t is not None else "")
 
     @staticmethod
     def served_bytes(layer) -> dict[str, int]:
         k = layer.latq_scheme.kernel
         parts = {"inliers": k.w_q_name, "scales": k.w_s_name, "other": k.w_zp_name}
         tensors = {part: getattr(layer, name, None) if name else None for part, name in parts.items()}
+        transform = getattr(layer, "latq_transform", None)
+        if transform is not None:
+            tensors["rotation"] = transform_tensor(transform)
         return {part: t.numel() * t.element_size() for part, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------- rotated layers
+
+class LatqTransform(torch.nn.Module):
+    """latq's input transform ``x → x·R`` (``kernels.rotated.transform_for``: Triton on a GPU, the
+    C++ op on a CPU) in front of vLLM's scheme, where vLLM's own transform does not serve."""
+    label = "latq"
+
+    def __init__(self, signs: torch.Tensor, act_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("signs", signs.to(torch.float32).contiguous(), persistent=False)
+        self.transform = transform_for(signs.device, act_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transform(x, self.signs)
+
+
+def vllm_transform_refusal(tp_size: int) -> str | None:
+    """Why vLLM's ``HadamardTransform`` cannot rotate this layer's input, or None."""
+    from vllm.platforms import current_platform
+    if tp_size > 1:   # transform/module.py and SharedWeightParameter raise NotImplementedError
+        return "vLLM's HadamardTransform refuses tensor parallelism"
+    if current_platform.is_cpu():   # its dense GEMM is then layer.cpu_linear, which nothing sets on it
+        return "vLLM's HadamardTransform has no dense GEMM on a CPU platform"
+    return None
+
+
+def vllm_transform(layer, signs: torch.Tensor, act_dtype: torch.dtype, in_features: int, out_features: int):
+    """vLLM's own ``HadamardTransform`` of R: compressed-tensors' random Hadamard on blocks of
+    ``len(signs)`` columns (``format.rotation.transform_scheme``), its weight filled with
+    ``diag(s)·H_b`` in the activation dtype, which its ``process_weights_after_loading`` divides by √b."""
+    from compressed_tensors.transform import TransformScheme
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.utils import TransformTuple
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    scheme = TransformScheme(**fmt.rotation.transform_scheme(signs.numel(), [layer.prefix]))
+    with torch.device(signs.device), set_default_torch_dtype(act_dtype):
+        t = HadamardTransform({0: TransformTuple("latq_rotation", scheme, scheme.apply[0])}, layer,
+                              FilledByLatq(layer.prefix), in_features, [out_features])
+    part = t.weight.partitions[0]
+    part.data.copy_(fmt.rotation.random_hadamard(signs.cpu()))
+    # a fresh tensor: a freed one's address in vLLM's "already scaled" set must not skip its scaling
+    HadamardTransform.scaled_data_ptrs.discard(part.data.data_ptr())
+    t.process_weights_after_loading()
+    t.label = "vllm"
+    return t
+
+
+def transform_tensor(t) -> torch.Tensor:
+    """What a transform reads per call: latq's signs, or vLLM's b×b matrix."""
+    return t.signs if isinstance(t, LatqTransform) else t.weight.partitions[0].data
+
+
+def install_transform(layer, w: LatqWeight, act_dtype: torch.dtype, tp_size: int) -> str | None:
+    """A rotated layer's input transform in front of vLLM's scheme, as ``layer.latq_transform``:
+    vLLM's ``HadamardTransform`` where it serves, else latq's op → why not vLLM's (None: it is)."""
+    why = vllm_transform_refusal(tp_size)
+    if why is None:
+        t = vllm_transform(layer, w.rotation, act_dtype, w.in_features, w.out_features)
+    else:
+        t = LatqTransform(w.rotation, act_dtype)
+    layer.register_module("latq_transform", t)
+    return why
 
 
 # ---------------------------------------------------------------------------- mixtures of experts

@@ -26,6 +26,7 @@ E, TOPK, MOE_INTER = 4, 2, 128
 GROUP = 128            # the checkpoints' group: 576 = 4.5 groups, so down_proj's rows are cut off them
 CCS = (80, 86, 89, 90)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+ROTATION_SEED = 5
 ULP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}   # unit roundoff
 
 
@@ -42,6 +43,7 @@ class Case:
     env: tuple = ()       # (name, value) pairs set for the case (e.g. LATQ_KERNEL)
     compiled: bool = False  # the forward also compiled (Dynamo, full graph) and compared with eager
     export: str = ""      # "export" layers: the directory of the exports (not part of the id)
+    rotation: int = 0     # a rotated checkpoint's max_block (0: not rotated; seed ROTATION_SEED)
 
     @property
     def id(self) -> str:
@@ -50,14 +52,17 @@ class Case:
         form = (f"{self.bits}bit" + (f"-{self.outliers:.0%}outliers" if self.outliers else "")
                 + (f"-s{self.scale_bits}codes" if self.scale_bits else "") + f"-g{self.group}")
         return (f"{self.layer}-{form}-{self.dtype}-{where}-{'bias' if self.bias else 'nobias'}{env}"
-                + ("-compiled" if self.compiled else ""))
+                + ("-compiled" if self.compiled else "") + (f"-rot{self.rotation}" if self.rotation else ""))
+
+    @property
+    def rotated(self) -> fmt.Rotation | None:
+        return fmt.Rotation(ROTATION_SEED, self.rotation) if self.rotation else None
 
 
-def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None):
+def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None, rotation: fmt.Rotation | None = None):
     from ..plugin.config import LatqConfig
-    qc = {"quant_method": "latq", "format_version": 1, "method": "rtn", "bits": bits, "group_size": group,
-          "modules_not_converted": []}
-    return LatqConfig.from_config({**qc, "scale_bits": scale_bits} if scale_bits else qc)
+    return LatqConfig.from_config(fmt.quantization_config("rtn", bits=bits, group_size=group, scale_bits=scale_bits,
+                                                          rotation=rotation))
 
 
 def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = GROUP,
@@ -151,16 +156,17 @@ def _reference(case: Case, deq: dict, bias: dict):
 def dense_case(case: Case) -> dict:
     """One linear: latq's layer and vLLM's unquantized one (the reference), same inputs."""
     cls, kw, parts, cin, leaf = _layers()[case.layer]
-    dtype = DTYPES[case.dtype]
-    ckpt, deq, bias = {}, {}, {}
+    dtype, rot = DTYPES[case.dtype], case.rotated
+    ckpt, q, deq, bias = {}, {}, {}, {}
     for i, (module, shard, rows) in enumerate(parts):
         ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, group=case.group,
                                          outliers=case.outliers, scale_bits=case.scale_bits)
-        deq[shard] = {"weight": dequantized(ckpt[shard], rows, cin, case.bits, case.group)}
+        q[shard] = dequantized(ckpt[shard], rows, cin, case.bits, case.group)
+        deq[shard] = {"weight": q[shard] if rot is None else fmt.rotation.unrotate(q[shard], rot.signs(cin))}   # Q·Rᵀ
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
-    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits)
+    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits, rotation=rot)
     layer = _build(case.layer, case, quant, dtype)
     load_parts(layer, ckpt)
     if case.bias:
@@ -170,11 +176,12 @@ def dense_case(case: Case) -> dict:
     y = layer(x)[0]
     compiled = compiled_forward(layer, x, y) if case.compiled else {}
     ref = _reference(case, deq, bias)
-    absolute = _reference(case, {s: {"weight": w["weight"].abs()} for s, w in deq.items()}, {})
+    absolute = _reference(case, {s: {"weight": w.abs()} for s, w in q.items()}, {})
     want, bias_out = ref(x.float())[0], ref(torch.zeros(1, cin))[0]      # the bias as this rank's output has it
-    scale = absolute(x.float().abs())[0] + bias_out.abs()                # |x|·|W|ᵀ + |b|
+    xr = x.float().abs() if rot is None else x.float().abs() @ fmt.rotation.matrix(rot.signs(cin), cin).abs().float()
+    scale = absolute(xr)[0] + bias_out.abs()                             # |x|·|R|·|Q|ᵀ + |b| (R = I unrotated)
     row = quant.load_report.layers[-1]
-    return {**compare(y, want, dtype, scale, cin, row.kernel), "served_bits": row.served_bits,
+    return {**compare(y, want, dtype, scale, cin, row.kernel, 3 if rot is None else 5), "served_bits": row.served_bits,
             "table": quant.load_report.reason_table(), **compiled}
 
 
@@ -217,12 +224,14 @@ def placement_case(case: Case) -> dict:
     return {"ok": bool(devices) and set(devices.values()) == {"meta"}, "devices": devices, "kernel": why}
 
 
-def compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, k: int, kernel: str) -> dict:
+def compare(y: torch.Tensor, want: torch.Tensor, dtype, scale: torch.Tensor, k: int, kernel: str,
+            roundings: int = 3) -> dict:
     """Within the kernel's rounding: weights rounded once to the activation type (≤ u·|x|·|W|ᵀ),
     the output once more (≤ u·|y|), sums of ``k`` fp32 products (≤ k·u₃₂·|x|·|W|ᵀ);
-    ``scale`` = |x|·|W|ᵀ + |b| bounds all three."""
+    ``scale`` = |x|·|W|ᵀ + |b| bounds all three. A rotated layer's x·R adds two (the transform's
+    matrix and its output rounded to the activation type: ``roundings`` 5, ``scale`` on |x|·|R|)."""
     err = (y.float() - want).abs()
-    bound = 3 * (ULP[dtype] + k * ULP[torch.float32]) * scale + 1e-6
+    bound = roundings * (ULP[dtype] + k * ULP[torch.float32]) * scale + 1e-6
     worst = float((err / bound).max())
     return {"kernel": kernel, "ok": worst <= 1.0 and y.dtype == dtype and y.shape == want.shape,
             "worst": worst, "max_err": float(err.max()), "dtype": str(y.dtype)}
