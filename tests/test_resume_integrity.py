@@ -17,7 +17,7 @@ from vllm_latq.testing.tiny_models import TINY_OPTS
 
 OPTS = dict(method="gptq", **TINY_OPTS)
 CLI = ["--method", "gptq", "--group-size", str(TINY_OPTS["group_size"]), "--nsamples", str(TINY_OPTS["nsamples"]),
-       "--seqlen", str(TINY_OPTS["seqlen"]), "--no-progress"]
+       "--seqlen", str(TINY_OPTS["seqlen"]), "--no-quantize-lm-head", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
