@@ -282,3 +282,36 @@ def coded_scales(a, results):
             if g != 16:
                 results[f"coded_g{g}_vs_fp16_g{g}" + sfx] = ratio(ts, f"fp16-g{g}", f"s4-g{g}")
         del cands
+
+
+def rotation_insitu(a, results):
+    """A rotated model's decode step on the CPU: the op a compiled layer calls (``latq_cpu::linear``)
+    over ``a.blocks`` SmolLM2 blocks of vLLM's fused shapes, 4-bit g64, no outliers, plain against
+    rotated (the same weights, the signs as an 11th tensor: the transform inside the call), passes
+    interleaved; ms per pass and the transform's share, next to the bits/weight each streams."""
+    from vllm_latq.format.rotation import Rotation
+    from vllm_latq.kernels import ops
+    from vllm_latq.kernels.rotated import rotated_kernel
+    if not native.available():
+        print("\nrotation in situ: the C++ ops are not built here")
+        return
+    rot_k = rotated_kernel(CPUKernel)
+    layers = {"plain": [], "rotated": []}
+    for b in range(a.blocks):
+        for i, (_, N, K) in enumerate(SMOL_VLLM):
+            w = random_weight(N, K, 4, 0.0, group=64, seed=1000 * b + i)
+            for key, k, wk in (("plain", CPUKernel, w), ("rotated", rot_k, dataclass_replace(
+                    w, rotation=Rotation(0).signs(K)))):
+                st = k.prepare(wk)
+                layers[key].append((ops.op_for(k), *k.flatten(st), N, K, sum(k.served_bytes(st).values())))
+    numel = sum(N * K for *_, N, K, _ in layers["plain"])
+    for M in (1, 8):
+        x = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
+        ts = passes({key: (lambda v=v: [op(x[K], t, i, None, N) for op, t, i, N, K, _ in v])
+                     for key, v in layers.items()}, a.gemv_rounds)
+        share = ratio(ts, "rotated", "plain") - 1
+        sfx = "" if M == 1 else f"_m{M}"
+        results["rotation_insitu_overhead" + sfx] = share
+        print(f"rotation in situ, {a.blocks} SmolLM2 blocks, M={M}: " + "  ".join(
+            f"{k}={min(v):.2f}/{med(v):.2f} ms ({8 * sum(e[-1] for e in layers[k]) / numel:.4f} b/w)"
+            for k, v in ts.items()) + f"  → transform {share:+.1%} (median of paired ratios)", flush=True)

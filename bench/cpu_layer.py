@@ -34,18 +34,25 @@ torch.set_num_threads(2). Sections:
   vllm      the default form (4-bit, g64, fp16 scales, no outliers): latq's CPU kernel vs vLLM's
             CPU kernel (CPUWNA16: vLLM's compressed-tensors scheme on a vLLM layer, where the build has its op) vs
             bf16 F.linear, M = 1 and 8: t_vllm / t_latq and the bits/weight each streams
+  rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel's op (one C++ call that
+            rotates, then its GEMV) plain vs rotated on one warm matrix of each input size of
+            SmolLM2's and Gemma3's fused linears and 4096², with the transform alone; then in situ,
+            whole passes over 30 SmolLM2 blocks (4-bit g64, no outliers: weights from DRAM, as in
+            decode), the transform's share = t_rotated / t_plain − 1, next to the bits/weight
+            streamed
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
 
 import argparse
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 # the in-situ sections stream many blocks per pass: their harness lives apart from this per-layer grid
-from bench.cpu_insitu import coded_scales, gemv, op_reads_gemv_layout, outlier_codings
+from bench.cpu_insitu import coded_scales, gemv, op_reads_gemv_layout, outlier_codings, rotation_insitu
 from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import cpu_features, native
@@ -230,6 +237,40 @@ def vllm_cpu(a, results):
                   f"t_vllm/t_latq {r:.2f}")
 
 
+# the input sizes of vLLM's fused linears of SmolLM2 and Gemma3 and 4096² (out, in): one transform per input
+ROTATED = {"smol.qkv": (960, 576), "smol.down": (576, 1536), "gemma.qkv": (1536, 640), "gemma.o": (640, 1024),
+           "gemma.down": (640, 2048), "4096": (4096, 4096)}
+
+
+def rotation(a, results):
+    """Per layer (warm: one matrix): the CPU kernel's op plain and rotated, and the transform
+    alone (``latq_cpu::hadamard``); then the decode-sized pass over many blocks
+    (:func:`~bench.cpu_insitu.rotation_insitu`), where weights stream from DRAM as in decode."""
+    from vllm_latq.format.rotation import Rotation
+    from vllm_latq.kernels import ops
+    from vllm_latq.kernels.rotated import rotated_kernel
+    if not native.usable():
+        print("\nrotation: the C++ ops are not built here")
+        return
+    rot_k = rotated_kernel(CPUKernel)
+    print(f"\nrotation: the CPU kernel's op plain vs rotated (--rotate hadamard), 4-bit g64, no outliers, bf16, "
+          f"M=1, one warm matrix; transform ISA {torch.ops.latq_cpu.hadamard_isa() or 'scalar'}, GEMV ISA "
+          f"{cpu.gemv_isa() or 'none'} (µs: min/median)")
+    for name, (N, K) in ROTATED.items():
+        w = synthetic(N, K, 4, 0.0, group=64)
+        ps, rs = CPUKernel.prepare(w), rot_k.prepare(replace(w, rotation=Rotation(0).signs(K)))
+        (pt, pi), (rt, ri) = CPUKernel.flatten(ps), rot_k.flatten(rs)
+        pop, rop = ops.op_for(CPUKernel), ops.op_for(rot_k)
+        x = torch.randn(1, K).bfloat16()
+        ts = side_by_side({"plain": lambda: pop(x, pt, pi, None, N), "rotated": lambda: rop(x, rt, ri, None, N),
+                           "transform": lambda: torch.ops.latq_cpu.hadamard(x, rs.signs)}, a.rounds, a.sample_us)
+        results[f"rotation_layer_{name}"] = ratio(ts, "rotated", "plain") - 1
+        print("  " + f"{name:11s} {N:>5d}x{K:<5d} block {rs.signs.numel():3d}: " + "  ".join(
+            f"{k} {min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
+            + f"  → {ratio(ts, 'rotated', 'plain') - 1:+.1%}", flush=True)
+    rotation_insitu(a, results)
+
+
 def block_speedup(results, prefix, bits, rate, M):
     """A decoder block's linears (q, k, v, o, gate, up, down): Σ t_bf16 / Σ t_latq of the
     median times."""
@@ -253,8 +294,8 @@ def main(argv=None):
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded",
-                                                      "vllm"],
-                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm"])
+                                                      "vllm", "rotation"],
+                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm", "rotation"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
     ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
                     "coded): 30, ~57 MB of int4, more than L3")
@@ -281,6 +322,8 @@ def main(argv=None):
         coded_scales(a, results)
     if "vllm" in a.sections:
         vllm_cpu(a, results)
+    if "rotation" in a.sections:
+        rotation(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -296,7 +339,7 @@ def main(argv=None):
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
-               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_"))}}
+               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_insitu"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
     print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))

@@ -17,8 +17,14 @@ need). Levers:
 (e) group  SSQR and GPTQ at group sizes 64 and 32
 (f) code   HPTQ's integers under a compact codebook (lengths over the symbol range) and an
            ideal entropy coder (ANS's bound)
+(g) rotate ``--rotate hadamard``: each layer solved on (W·R, RᵀHR), R a seeded random-sign block
+           Hadamard (format/rotation.py), its error measured on the served Q·Rᵀ against (W, H)
+           (GPTQ g64 and g128, SSQR-1 %, HPTQ at the same bits); per layer and over the four
+(h) decode ``--decoder kbest|klein --beam K`` against Babai (≡ GPTQ g128): the error ratio, its
+           spread over the layers and (Klein) over seeds, and the solve time per K (median of
+           ``--repeats``, with the min–max of the repeats: the timing noise)
 
-    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target] [--levers acdef]
+    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target] [--levers acdefgh]
 """
 from __future__ import annotations
 
@@ -121,6 +127,79 @@ def codings(layers, bits) -> dict[str, float]:
     return {k: v / numel for k, v in tot.items()}
 
 
+# ----------------------------------------------------------------------------- (g) rotation, (h) decoders
+
+def rotated(method, seed=0, **kw):
+    """The method on the rotated problem; its Q rotated back (the weight the layer serves)."""
+    from vllm_latq.algorithms.rotation import rotate_hessian, rotate_weight, served_weight
+    from vllm_latq.format.rotation import Rotation
+
+    def solve(name, W, H):
+        s = Rotation(seed).signs(W.shape[1])
+        r = method(rotate_weight(W, s), rotate_hessian(H, s).float(), **kw)
+        return served_weight(r.q, s), r.bits_per_weight, served_bits(r, W)
+    return solve
+
+
+def rotation_rows(layers, b, add) -> None:
+    """(g): each method plain and rotated, every layer solved once per side: the summed row and
+    each layer's error ratio."""
+    for label, method, kw in (("gptq g64", gptq, dict(bits=b, group_size=64)), ("gptq g128", gptq, dict(bits=b)),
+                              ("ssqr-1% g128", ssqr, dict(bits=b)), ("hptq", hptq, dict(target_bits=b + 0.125))):
+        tallies, ratios = [Tally(), Tally()], []
+        for name, (W, H) in layers.items():
+            errs = []
+            for t, solve in zip(tallies, (plain(method, **kw), rotated(method, **kw))):
+                Q, stored, served = solve(name, W, H)
+                t.add(W, H, Q, stored, served)
+                errs.append(layer_error(W, Q, H).sum().item())
+            ratios.append(errs[1] / errs[0])
+        print(f"    rotate {label} {b}-bit per layer: " + ", ".join(f"{x:.3f}" for x in ratios), flush=True)
+        (e0, s0, v0), (e1, s1, v1) = (t.row() for t in tallies)
+        add(("g rotate", label, b, e0, e1, s0, s1, v0, v1))
+
+
+def decoder_rows(layers, b, beams, klein_draws, repeats, add) -> None:
+    """(h): GPTQ g128 decoded by K-best / Klein against Babai: error ratio (summed over the layers,
+    and each layer's), Klein's spread over three seeds, seconds per solve of the four layers."""
+    norm = sum(layer_error(W, torch.zeros_like(W), H).sum().item() for W, H in layers.values())
+
+    def timed(**kw):
+        ts, Qs = [], None
+        for _ in range(repeats):
+            t = time.perf_counter()
+            Qs = {n: gptq(W, H, bits=b, **kw).q for n, (W, H) in layers.items()}
+            ts.append(time.perf_counter() - t)
+        per = [layer_error(W, Qs[n], H).sum().item() for n, (W, H) in layers.items()]
+        return sum(per) / norm, per, sorted(ts)
+
+    e0, p0, t0 = timed()
+    for dec, ks in (("kbest", beams), ("klein", klein_draws)):
+        for k in ks:
+            e1, p1, t1 = timed(decoder=dec, beam=k)
+            spread = [a / c for a, c in zip(p1, p0)]
+            extra = ""
+            if dec == "klein":
+                seeds = [timed_klein(layers, b, k, seed) / norm / e0 for seed in (1, 2)]
+                extra = f", seeds 1–2: {', '.join(f'{x:.4f}' for x in seeds)}"
+            print(f"    decode {dec} K={k} {b}-bit: layers {', '.join(f'{x:.4f}' for x in spread)}{extra}; "
+                  f"{t1[len(t1) // 2]:.1f} s (min {t1[0]:.1f}, max {t1[-1]:.1f}) vs Babai {t0[len(t0) // 2]:.1f} s "
+                  f"(min {t0[0]:.1f}, max {t0[-1]:.1f})", flush=True)
+            add((f"h decode {dec}", f"gptq g128 K={k}", b, e0, e1, None, None, None, None))
+
+
+def timed_klein(layers, b, k, seed) -> float:
+    """Klein's summed error (GPTQ g128's problem) with another seed: the draws' spread."""
+    from vllm_latq.algorithms.scales import mse_scales
+    from vllm_latq.algorithms.solvers import Rounder, decoded_sweep, decoder_lattice
+    tot = 0.0
+    for W, H in layers.values():
+        lat = decoder_lattice(H, "act", 0.01, decoder="klein", beam=k)
+        q = decoded_sweep(lat.A, lat.T, W, mse_scales(W, b, 128), 128, Rounder.of(b, True), "klein", k, seed=seed).q
+        tot += layer_error(W, q, H).sum().item()
+    return tot
+
+
 # ----------------------------------------------------------------------------- (b) target correction
 
 @torch.no_grad()
@@ -198,7 +277,8 @@ def target_rows(streams, bits) -> list[tuple]:
 
 # ----------------------------------------------------------------------------- the screen
 
-def screen(bits_list, block, skip_target, nseq, seqlen, powers, only, levers="acdef"):
+def screen(bits_list, block, skip_target, nseq, seqlen, powers, only, levers="acdef", beams=(2, 4, 8),
+           klein_draws=(8,), repeats=3):
     layers = {k: (W, H.float()) for k, (W, H) in real_layer_hessians().items()}
     rows = []   # (lever, method, bits, err base, err lever, stored base, stored lever, served base, served lever)
 
@@ -231,6 +311,10 @@ def screen(bits_list, block, skip_target, nseq, seqlen, powers, only, levers="ac
         for g in (64, 32) if "e" in levers else ():
             pair("e group", f"ssqr-1% g128 → g{g}", b, plain(ssqr, bits=b), plain(ssqr, bits=b, group_size=g))
             pair("e group", f"gptq g128 → g{g}", b, plain(gptq, bits=b), plain(gptq, bits=b, group_size=g))
+        if "g" in levers:
+            rotation_rows(layers, b, add)
+        if "h" in levers:
+            decoder_rows(layers, b, beams, klein_draws, repeats, add)
         if "f" in levers:
             c = codings(layers, b)
             add(("f code", "hptq compact book", b, None, None, c["huffman"], c["compact"], None, None))
@@ -262,14 +346,18 @@ def main(argv=None):
     ap.add_argument("--skip-target", action="store_true", help="skip (b) (loads the model)")
     ap.add_argument("--only-target", dest="only", action="store_true", help="only (b)")
     ap.add_argument("--powers", type=float, nargs="+", default=[0.5], help="(c): exponents p of c ∝ D^p")
-    ap.add_argument("--levers", default="acdef", help="the per-layer levers to screen (letters; default all)")
+    ap.add_argument("--levers", default="acdefgh", help="the per-layer levers to screen (letters; default all)")
+    ap.add_argument("--beams", type=int, nargs="+", default=[2, 4, 8], help="(h): K-best beam widths")
+    ap.add_argument("--klein-draws", type=int, nargs="+", default=[8], help="(h): Klein's draws")
+    ap.add_argument("--repeats", type=int, default=3, help="(h): timed solves per decoder (median, min-max)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.time()
     print("| lever | method | bits | rel. error base → lever | ratio | stored b/w base → lever | "
           "served b/w (CPU) base → lever |")
     print("|---|---|---|---|---|---|---|", flush=True)
-    rows = screen(a.bits, a.block, a.skip_target, a.nseq, a.seqlen, a.powers, a.only, a.levers)
+    rows = screen(a.bits, a.block, a.skip_target, a.nseq, a.seqlen, a.powers, a.only, a.levers, a.beams,
+                  a.klein_draws, a.repeats)
     best = {}
     for lever, label, b, e0, e1, *_ in rows:
         if e0:

@@ -80,7 +80,7 @@ def test_config_detection_and_errors():
     h_ = LatqConfig.from_config(_qc(method="hptq", bits=None, group_size=None, target_bits=3.125))
     assert h_.kind == "huffman"
     with pytest.raises(ValueError, match="format_version"):
-        LatqConfig.from_config(_qc(format_version=2))
+        LatqConfig.from_config(_qc(format_version=3))
     with pytest.raises(ValueError, match="latq-quantize"):
         LatqConfig()  # what vLLM does for --quantization latq on a model without quantization_config
 
@@ -210,6 +210,7 @@ class _Cfg:
     def __init__(self, kind, bits, g, scale_bits=None):
         self.kind, self.bits, self.group_size, self.scale_bits = kind, bits, g, scale_bits
         self.method = "ssqr" if kind == "dense" else "hptq"
+        self.rotation = None
 
     def bits_of(self, prefix):
         return self.bits

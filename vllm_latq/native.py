@@ -19,6 +19,7 @@ ENV = "LATQ_CPU_NATIVE"
 # outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL
 LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
 SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
+           Path(__file__).parent / "kernels" / "cpu" / "csrc" / "hadamard.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
@@ -66,6 +67,7 @@ def load() -> str | None:
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
+                torch.library.register_fake("latq_cpu::hadamard", lambda x, signs: torch.empty_like(x))
                 torch.ops.latq_cpu.set_loop_max(LOOP_MAX)
                 _STATUS = None
             except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path

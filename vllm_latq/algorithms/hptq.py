@@ -10,7 +10,7 @@ from . import lattice
 from .result import QuantResult
 from .scales import matrix_scale
 from .search import scale_search
-from .solvers import Rounder, Sweep, _compute_dtype, gptq_lattice, gptq_sweep
+from .solvers import Rounder, Sweep, _compute_dtype, lattice_sweep, solver_lattice
 
 SCALE_BITS = 32  # the per-matrix scale is stored as fp32
 
@@ -50,15 +50,16 @@ def _huffman_search(method, W, target_bits, tol, run, name, **result_kw) -> Quan
 
 @torch.no_grad()
 def hptq(W: torch.Tensor, H: torch.Tensor, *, target_bits: float = 3.125, order="act",
-         damp: float = 0.01, block_size: int = 128, tol: float = 5e-3,
+         damp: float = 0.01, block_size: int = 128, tol: float = 5e-3, decoder: str = "babai", beam: int = 1,
          name: str | None = None) -> QuantResult:
     """W ``[out, in]``, H ``[in, in]`` → unclipped ``.z`` under one scalar ``.scales``,
     ``.bits_per_weight`` ≤ ``target_bits`` (within ``tol`` when reachable), ``.bound``,
-    the Huffman code in ``.info["code"]``. H is factorized once for the whole search."""
+    the Huffman code in ``.info["code"]``. H is factorized once for the whole search.
+    ``decoder``/``beam``: every search step decoded beyond Babai (:func:`.solvers.decoded_sweep`)."""
     lattice.check_inputs(W, H, name)
-    lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
+    lat = solver_lattice(H, order, damp, name, _compute_dtype(W), decoder, beam)
     res = _huffman_search("hptq", W, target_bits, tol,
-                          lambda Wr, S: gptq_sweep(lat, Wr, S, None, Rounder(), block_size), name,
+                          lambda Wr, S: lattice_sweep(lat, Wr, S, None, Rounder(), block_size), name,
                           order=lat.perm, damp=lat.damp)
     res.bound = lattice.bound_from_d(lat.D_col, res.scales, None, W.shape[0])
     return res

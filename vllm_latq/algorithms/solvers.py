@@ -13,7 +13,7 @@ import torch
 from .. import native
 from ..format import scale_codes
 from ..format.packing import row_chunks
-from . import lattice
+from . import decoders, lattice
 from .result import CSR, QuantResult
 from .scales import expand, grid, mse_scales, num_groups
 
@@ -255,6 +255,73 @@ def babai_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch
                                            rounder, False, block_size, keep_rho))
 
 
+# ----------------------------------------------------------------------------- decoders beyond Babai
+
+def decoded_sweep(A: torch.Tensor, T: torch.Tensor, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
+                  rounder: Rounder, decoder: str = "babai", beam: int = 1, block_size: int = 128,
+                  seed: int = 0) -> Sweep:
+    """Babai's sweep, or with ``decoder`` ``kbest``/``klein`` (``beam`` survivors / draws, Klein's
+    drawn from ``seed``; :mod:`.decoders`) that decoder's point in every row where it is at least as
+    close to W as Babai's (exact fp64 distances), Babai's elsewhere: never farther."""
+    base = babai_sweep(A, T, W, scales, group_size, rounder, block_size)
+    if decoder == "babai":
+        return base
+    Ad = A / A.diagonal()[:, None]
+    table, gidx = _scale_table(scales, group_size, T, Ad.dtype)
+    args = (Ad, A.diagonal() ** 2, lattice.upper_mm(Ad, _rows(W, T, Ad.dtype)), table, gidx.tolist(), rounder, beam)
+    Z, Q, O = decoders.kbest(*args) if decoder == "kbest" else decoders.klein(*args, seed=seed)
+    inv = torch.empty_like(T)
+    inv[T] = torch.arange(len(T), device=T.device)
+    Z, Q = Z[inv.to(Z.device)].T, Q[inv.to(Z.device)].T
+    closer = (decoders.lattice_distance(A, T, W, Q) <= decoders.lattice_distance(A, T, W, base.q))[:, None]
+    out = None if O is None else torch.where(closer, O[inv.to(O.device)].T, base.outlier)
+    return Sweep(torch.where(closer, Z.to(base.z.dtype), base.z), torch.where(closer, Q.to(base.q.dtype), base.q),
+                 out, None)
+
+
+@dataclass
+class DecoderLattice:
+    """What a decoder needs from H, computed once (SSQR/HPTQ search with it like with
+    :class:`GPTQLattice`): Babai's order T, the upper factor ``A`` (``AᵀA = (H_d)_TT``), D by column."""
+    T: torch.Tensor
+    A: torch.Tensor
+    D_col: torch.Tensor
+    damp: float
+    decoder: str
+    beam: int
+
+    @property
+    def perm(self) -> torch.Tensor:
+        return self.T.flip(0)
+
+
+def decoder_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | None = None,
+                    dtype: torch.dtype = torch.float32, decoder: str = "babai", beam: int = 1) -> DecoderLattice:
+    """For GPTQ's ``order`` (processed first to last): Babai's factor in the reversed order."""
+    if decoder not in decoders.DECODERS or beam < 1:
+        raise ValueError(f"decoder must be one of {decoders.DECODERS} with beam >= 1, got {decoder!r}, beam {beam}")
+    T = lattice.resolve_order(order, H, damp, babai=False).flip(0)
+    L, damp_used = lattice.cholesky(H, damp, T, name, dtype=dtype)
+    return DecoderLattice(T, L.T, lattice.d_by_column(L, T), damp_used, decoder, beam)
+
+
+def lattice_sweep(lat, W: torch.Tensor, scales: torch.Tensor, group_size: int | None, rounder: Rounder,
+                  block_size: int = 128, offset: float = 0.0) -> Sweep:
+    """One sweep on a :class:`GPTQLattice` (:func:`gptq_sweep`) or a :class:`DecoderLattice`."""
+    if isinstance(lat, GPTQLattice):
+        return gptq_sweep(lat, W, scales, group_size, rounder, block_size, offset=offset)
+    if offset:
+        raise ValueError("a shifted grid (offset) is not decoded beyond Babai")
+    return decoded_sweep(lat.A.to(W.device), lat.T, W, scales, group_size, rounder, lat.decoder, lat.beam, block_size)
+
+
+def solver_lattice(H, order, damp, name, dtype, decoder: str = "babai", beam: int = 1):
+    """GPTQ's lattice for Babai's sweep, a :class:`DecoderLattice` for another decoder."""
+    if decoder == "babai":
+        return gptq_lattice(H, order, damp, name, dtype)
+    return decoder_lattice(H, order, damp, name, dtype, decoder, beam)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def dense_bits(z: torch.Tensor, bits: int | None, clip: bool, group_size: int | None, n_scales: int,
@@ -322,7 +389,7 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
 def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
          damp: float = 0.01, clip: bool = True, scales: torch.Tensor | None = None,
          block_size: int = 128, keep_rho: bool = False, offset: float = 0.0, scale_bits: int | None = None,
-         name: str | None = None) -> QuantResult:
+         decoder: str = "babai", beam: int = 1, name: str | None = None) -> QuantResult:
     """GPTQ (paper Alg. 1): columns processed first-to-last in ``order`` (a name from
     ``lattice.ORDERS`` or a permutation), each rounded and its error spread over the
     unprocessed columns through the Cholesky factor of ``H⁻¹``. The plain column loop this
@@ -335,11 +402,16 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
     ``s·(z + offset)`` (:func:`gptq_sweep`; the checkpoint format has no offset yet).
     ``scale_bits``: the group scales coded on second-level grids (format/scale_codes.py), the
     integers solved against the decoded scales; ``.coded_scales`` carries the codes.
+    ``decoder``: ``kbest`` / ``klein`` search beyond Babai's nearest plane (≡ GPTQ) with ``beam``
+    survivors / draws (:func:`decoded_sweep`), never farther from W in the H-norm.
     """
     lattice.check_inputs(W, H, name)
     scales, group_size, coded = _scales_for(W, bits, group_size, scales, offset, scale_bits)
-    lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
-    sw = gptq_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho, offset)
+    lat = solver_lattice(H, order, damp, name, _compute_dtype(W), decoder, beam)
+    if decoder == "babai":
+        sw = gptq_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho, offset)
+    else:
+        sw = lattice_sweep(lat, W, scales, group_size, Rounder.of(bits, clip), block_size, offset)
     return _finish("gptq", sw, scales, group_size, bits, clip, lat.perm, lat.damp, lat.D_col, W, coded)
 
 
@@ -347,7 +419,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
 def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, order="act",
           damp: float = 0.01, clip: bool = False, scales: torch.Tensor | None = None,
           block_size: int = 128, keep_rho: bool = False, scale_bits: int | None = None,
-          name: str | None = None) -> QuantResult:
+          decoder: str = "babai", beam: int = 1, name: str | None = None) -> QuantResult:
     """Babai's nearest plane (paper v1 Alg. 3), batched over output rows: back-to-front on
     the upper Cholesky factor A of the damped, permuted Hessian (AᵀA = TᵀH_dT).
 
@@ -359,10 +431,14 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
     T = lattice.resolve_order(order, H, damp, babai=True)
     L, damp_used = lattice.cholesky(H, damp, T, name, dtype=_compute_dtype(W))
     A = L.T.to(W.device)        # a view: the sweep reads it through strides
-    sw = babai_sweep(A, T, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
+    if decoder == "babai":
+        sw = babai_sweep(A, T, W, scales, group_size, Rounder.of(bits, clip), block_size, keep_rho)
+    else:
+        sw = decoded_sweep(A, T, W, scales, group_size, Rounder.of(bits, clip), decoder, beam, block_size)
     return _finish("babai", sw, scales, group_size, bits, clip, T.flip(0), damp_used, lattice.d_by_column(L, T), W,
                    coded)
 
 
 __all__ = ["Rounder", "Sweep", "GPTQLattice", "gptq_lattice", "back_substitution", "gptq_sweep", "babai_sweep",
+           "decoded_sweep", "DecoderLattice", "decoder_lattice", "lattice_sweep", "solver_lattice",
            "rtn", "gptq", "babai", "num_groups", "CSR"]

@@ -13,7 +13,7 @@ from . import lattice
 from .result import CSR, QuantResult
 from .scales import mse_scales
 from .search import scale_search
-from .solvers import Rounder, _compute_dtype, gptq_lattice, gptq_sweep
+from .solvers import Rounder, _compute_dtype, lattice_sweep, solver_lattice
 
 
 def ssqr_bits(shape: tuple[int, int], bits: int, n_scales: int, nnz: int) -> float:
@@ -26,21 +26,23 @@ def ssqr_bits(shape: tuple[int, int], bits: int, n_scales: int, nnz: int) -> flo
 @torch.no_grad()
 def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128,
          outlier_rate: float = 0.01, order="act", damp: float = 0.01, block_size: int = 128,
-         tol: float = 5e-4, offset: float = 0.0, name: str | None = None) -> QuantResult:
+         tol: float = 5e-4, offset: float = 0.0, decoder: str = "babai", beam: int = 1,
+         name: str | None = None) -> QuantResult:
     """W ``[out, in]``, H ``[in, in]`` → inliers ``.z`` (0 at outliers), ``.scales``
     ``[out, ngroups]`` = α·MSE scales (those the search ran with), ``.outliers`` (CSR), ``.bound``.
     The outlier rate achieved is ≤ ``outlier_rate`` and within ``tol`` of it when reachable;
     H is factorized once for the whole search. ``offset`` (½: the symmetric half-integer grid
-    ``s·(z + ½)``, screened in ``bench/levers.py``) shifts the grid (:func:`.solvers.gptq_sweep`)."""
+    ``s·(z + ½)``, screened in ``bench/levers.py``) shifts the grid (:func:`.solvers.gptq_sweep`);
+    ``decoder``/``beam``: every search step decoded beyond Babai (:func:`.solvers.decoded_sweep`)."""
     lattice.check_inputs(W, H, name)
     if not 0 <= outlier_rate < 1:
         raise ValueError(f"outlier_rate must be in [0, 1), got {outlier_rate}")
     S0 = mse_scales(W, bits, group_size, offset=offset)
-    lat = gptq_lattice(H, order, damp, name, _compute_dtype(W))
+    lat = solver_lattice(H, order, damp, name, _compute_dtype(W), decoder, beam)
     rounder = Rounder.of(bits, clip=False, outliers=True)
 
     def run(Wr, S):
-        return gptq_sweep(lat, Wr, S, group_size, rounder, block_size, offset=offset)
+        return lattice_sweep(lat, Wr, S, group_size, rounder, block_size, offset=offset)
 
     def rates(sw, k):
         return sw.outlier.reshape(k, -1).float().mean(1).tolist()

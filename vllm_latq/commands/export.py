@@ -166,6 +166,10 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
     validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)
     ck = Checkpoint(ckpt)
+    if ck.spec.rotation is not None:   # the export needs compressed-tensors' transform_config: not yet written
+        raise ExportRefused(f"the checkpoint's layers quantize rotated weights (quantization_config.rotation "
+                            f"{ck.spec.rotation.config()}); exporting them needs an input transform this export "
+                            "does not write yet")
     model = ck.empty_model()
     layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:

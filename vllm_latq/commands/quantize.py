@@ -50,6 +50,7 @@ EXAMPLES = """examples:
   latq-quantize gemma3-270m ckpt/gemma-w4s --scale-bits 4        # its group scales coded: fewer served bits
   latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
   latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
+  latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
   torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
@@ -72,6 +73,21 @@ def _size(s: str) -> int | None:
     if n < 0:
         raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
     return int(n)
+
+
+def _lattice_arguments(g, d) -> None:
+    """The options that change the lattice problem or its decoder: ``--rotate``, ``--decoder``."""
+    from ..algorithms.decoders import DECODERS
+    g.add_argument("--rotate", default=d.rotate, choices=("none",) + fmt.rotation.KINDS,
+                   help="hadamard: rotate every quantized linear's input by a seeded random-sign block Hadamard "
+                        "matrix R and quantize W·R (incoherence processing: outlier columns spread out); served "
+                        "as x·R through latq's kernels. Default none")
+    g.add_argument("--rotate-seed", type=int, default=d.rotate_seed, help="the rotation's seed (default 0)")
+    g.add_argument("--decoder", default=d.decoder, choices=DECODERS,
+                   help="gptq/babai/ssqr/hptq: the lattice decoder. babai: GPTQ's nearest plane (default); kbest: a "
+                        "beam of --beam paths; klein: --beam randomized nearest-plane draws. Each row keeps the "
+                        "closer of the decoder's point and Babai's, at about --beam times the solve time")
+    g.add_argument("--beam", type=int, default=d.beam, help="kbest's beam width / klein's draws (default 4)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-bits", type=int, default=None, choices=(4,),
                    help="gptq/rtn/babai: store (and serve) the group scales as 4-bit codes on a grid per 16 rows "
                         "(6 bits per scale instead of 16: group 64 then costs fewer bits than fp16 group 128)")
+    _lattice_arguments(ap.add_argument_group("lattice"), d)
     c = ap.add_argument_group("calibration")
     c.add_argument("--calib", default=d.calib,
                    help="'wiki' (shipped Wikipedia summaries, calibration split) or a .txt / .jsonl file")
@@ -162,7 +179,8 @@ def main(argv=None) -> int:
                                quantize_lm_head=a.quantize_lm_head,
                                lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
                                moe_route_all=a.moe_route_all, column_scales=a.column_scales,
-                               target_correction=a.target_correction, scale_bits=a.scale_bits)
+                               target_correction=a.target_correction, scale_bits=a.scale_bits,
+                               rotate=a.rotate, rotate_seed=a.rotate_seed, decoder=a.decoder, beam=a.beam)
         out = quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite,
                              progress=not a.no_progress, validate=not a.no_validate)
     except ranks.RankFailed as e:

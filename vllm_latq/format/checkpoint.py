@@ -13,6 +13,7 @@ from ..model_config import check_config
 from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .layer import dequantize_layer, split_name
+from .rotation import unrotate
 from .safetensors_file import SafetensorsFile
 from .spec import parse_quantization_config
 
@@ -143,7 +144,8 @@ class Checkpoint:
             raise FormatError(str(e), file=CONFIG_FILE) from None
 
     def dequantized_tensors(self, dtype: torch.dtype = torch.float32):
-        """Yield ``(name, tensor)``: quantized layers dequantized, the rest cast to ``dtype``."""
+        """Yield ``(name, tensor)``: quantized layers dequantized (a rotated checkpoint's rotated back,
+        ``Q·Rᵀ``), the rest cast to ``dtype``."""
         spec = self.spec
         model = self.empty_model(dtype)
         ck_names = self.checkpoint_names(model)
@@ -155,6 +157,8 @@ class Checkpoint:
             except ValueError as e:   # e.g. a Huffman chunk table that does not fit its stream
                 raise FormatError(f"does not decode: {e}", file=self.where[next(iter(names.values()))],
                                   tensor=names.get("hstream" if spec.kind == "huffman" else "qweight", module)) from e
+            if spec.rotation is not None:   # the stored integers quantize W·R: the layer serves Q·Rᵀ
+                W = unrotate(W, spec.rotation.signs(shape[1]))
             yield f"{module}.weight", W.to(dtype)
         for name in self.plain_names():
             yield name, self.tensor(name).to(dtype)

@@ -11,8 +11,15 @@ import torch
 from . import scale_codes
 from ..errors import FormatError
 from .layer import layer_stats
+from .rotation import Rotation, parse_rotation
 
-FORMAT_VERSION = 1
+# The newest version this package reads and writes; a checkpoint is written at the oldest
+# version that expresses it (1 without rotation, so older readers keep reading those) and
+# version 2 marks a rotated one, which a version-1 reader must refuse: it has no new tensors
+# to trip over and would serve W·R as W.
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
+ROTATION_VERSION = 2
 QUANT_METHOD = "latq"
 DENSE_METHODS = ("ssqr", "gptq", "rtn", "babai")
 HUFFMAN_METHODS = ("hptq", "hrtn")
@@ -35,7 +42,7 @@ def kind_of(method: str) -> str:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """The parsed ``quantization_config`` of a latq checkpoint (format version 1)."""
+    """The parsed ``quantization_config`` of a latq checkpoint."""
     method: str
     kind: str
     bits: int | None                 # dense: inlier bits; huffman: None
@@ -50,6 +57,11 @@ class QuantSpec:
     column_scale_fold: str | None = None          # "norm": column scales folded into norms; None: none
     column_scale_power: float | None = None       # their exponent p in c ∝ D^p
     scale_bits: int | None = None                 # dense: group scales coded in this many bits (scale_codes.py)
+    rotation: Rotation | None = None              # every quantized linear's input rotated (rotation.py)
+
+    @property
+    def version(self) -> int:
+        return ROTATION_VERSION if self.rotation is not None else 1
 
     def is_converted(self, module: str) -> bool:
         """False for a module listed in ``modules_not_converted`` (or below one)."""
@@ -64,13 +76,15 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
                         outlier_rate: float | None = None, target_bits: float | None = None,
                         order: str | None = None, damp: float | None = None,
                         modules_not_converted=(), layer_bits: dict | None = None,
-                        column_scales: dict | None = None, scale_bits: int | None = None, **extra) -> dict:
+                        column_scales: dict | None = None, scale_bits: int | None = None,
+                        rotation: Rotation | None = None, **extra) -> dict:
     """The ``quantization_config`` dict written to ``config.json`` (keys as in docs/FORMAT.md).
     Only the keys that apply to ``method`` are set (``column_scales`` ``{"fold", "power"}``
-    only when used, so checkpoints without it are unchanged; ``scale_bits`` likewise); ``extra`` (e.g. ``calibration``)
-    is informational and ignored by readers."""
+    only when used, so checkpoints without it are unchanged; ``scale_bits`` and ``rotation`` likewise, the
+    latter at format version 2); ``extra`` (e.g. ``calibration``) is informational and ignored by readers."""
     kind = kind_of(method)
-    qc = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
+    version = 1 if rotation is None else ROTATION_VERSION
+    qc = {"quant_method": QUANT_METHOD, "format_version": version, "method": method,
           "bits": int(bits) if kind == "dense" else None,
           "group_size": int(group_size) if kind == "dense" else None}
     if method == "ssqr":
@@ -87,6 +101,8 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
         qc["column_scales"] = dict(column_scales)
     if scale_bits is not None:
         qc["scale_bits"] = int(scale_bits)
+    if rotation is not None:
+        qc["rotation"] = rotation.config()
     qc.update(extra)
     parse_quantization_config(qc)  # never write what we cannot read
     return qc
@@ -101,7 +117,7 @@ def _num(x, what, file, kinds=(int, float)) -> float:
 def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantSpec:
     """Check a ``quantization_config`` dict and return its :class:`QuantSpec`.
 
-    Raises :class:`FormatError` for anything but a well-formed latq version-1 config: wrong
+    Raises :class:`FormatError` for anything but a well-formed latq config of a known version: wrong
     ``quant_method``, unknown ``format_version`` (newer writers bump it on incompatible
     changes), unknown method, bits outside 2..8, non-positive group size, budgets out of range."""
     if not isinstance(qc, dict):
@@ -110,9 +126,10 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         raise FormatError(f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected "
                           f"{QUANT_METHOD!r}", file=file)
     version = qc.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
-        raise FormatError(f"unsupported latq format_version {version!r}: this reader knows version "
-                          f"{FORMAT_VERSION} (upgrade vllm-latq to read newer checkpoints)", file=file)
+    if version not in FORMAT_VERSIONS or isinstance(version, bool):
+        raise FormatError(f"unsupported latq format_version {version!r}: this reader knows versions "
+                          f"{', '.join(map(str, FORMAT_VERSIONS))} (upgrade vllm-latq to read newer checkpoints)",
+                          file=file)
     method = qc.get("method")
     if method not in METHODS:
         raise FormatError(f"quantization_config.method is {method!r}, expected one of {METHODS}", file=file)
@@ -162,11 +179,15 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
                                    or isinstance(scale_bits, bool)):
         raise FormatError(f"quantization_config.scale_bits must be absent or one of {scale_codes.CODE_BITS} "
                           f"for a dense method, got {scale_bits!r} ({method})", file=file)
+    rotation = parse_rotation(qc.get("rotation"), file)
+    if rotation is not None and version < ROTATION_VERSION:
+        raise FormatError(f"quantization_config.rotation needs format_version {ROTATION_VERSION}, got {version}",
+                          file=file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
-             "order", "damp", "modules_not_converted", "layer_bits", "column_scales", "scale_bits"}
+             "order", "damp", "modules_not_converted", "layer_bits", "column_scales", "scale_bits", "rotation"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
                      {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())), fold, power,
-                     scale_bits)
+                     scale_bits, rotation)
 
 
 def _column_scales(cs, method: str, file) -> tuple[str | None, float | None]:

@@ -22,7 +22,7 @@ from .layer import expected_shapes, has_coded_scales, validate_layer
 from .layer import MAX_WEIGHT
 from .manifest import (DIGEST_ENV, NO_VERIFY_ENV, SKIPPED, check_digest, expected_digest_from_env,
                        no_verify_requested, read_manifest, verify_manifest)
-from .spec import FORMAT_VERSION, QuantSpec, check_budget
+from .spec import QuantSpec, check_budget
 
 logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
@@ -139,6 +139,10 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         if not isinstance(s.get("bits"), (int, float)) or abs(s["bits"] - r["bits"]) > 1e-6:
             raise FormatError(f"bits {s.get('bits')!r} disagree with the stored tensors ({r['bits']:.6f})",
                               file=STATS_FILE, tensor=r["name"])
+        if spec.rotation is not None and s.get("rotation_block") != spec.rotation.block_size(r["shape"][1]):
+            raise FormatError(f"rotation_block {s.get('rotation_block')!r} disagrees with the rotation's rule "
+                              f"({spec.rotation.block_size(r['shape'][1])} for {r['shape'][1]} columns)",
+                              file=STATS_FILE, tensor=r["name"])
         if spec.kind == "dense" and "group_size" in s and s["group_size"] != spec.group_size:
             raise FormatError(f"quantization_config.group_size is {spec.group_size}, but {r['name']} was quantized "
                               f"with group size {s['group_size']!r} ({STATS_FILE}): one of them was edited",
@@ -234,8 +238,10 @@ def format_report(report: dict) -> str:
               + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
               if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
     fams = list(report["layers"][0].get("served", {})) if report["layers"] else []
-    lines = [f"latq format v{FORMAT_VERSION} · method {spec.method} ({spec.kind}) · {budget}"
-             f" · order {spec.order} · damp {spec.damp}",
+    rot = spec.rotation
+    lines = [f"latq format v{spec.version} · method {spec.method} ({spec.kind}) · {budget}"
+             f" · order {spec.order} · damp {spec.damp}"
+             + (f" · rotation {rot.kind} seed {rot.seed}, blocks ≤ {rot.max_block}" if rot else ""),
              f"{'layer':44s} {'shape':>11s} {'bits/w':>7s} {'outl%':>6s} {'rel.err':>9s} {'cert':>6s}"
              + "".join(f" {'served ' + f:>16s}" for f in fams)]
 

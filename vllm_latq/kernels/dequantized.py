@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..format.rotation import unrotate
 from .base import LatqKernel
 from .weight import dequantize
 
@@ -37,13 +38,18 @@ class _DequantizedKernel(LatqKernel):
 
     @classmethod
     def prepare(cls, w):
-        return DequantizedWeight(dequantize(w).to(cls.weight_dtype).contiguous())
+        W = dequantize(w)
+        if w.rotation is not None:   # folds_rotation: the weight it serves, Q·Rᵀ, once
+            W = unrotate(W, w.rotation)
+        return DequantizedWeight(W.to(cls.weight_dtype).contiguous())
 
 
 class DequantizedBf16Kernel(_DequantizedKernel):
-    """The fallback: bf16 weights, ``F.linear`` in bf16, output in x.dtype."""
+    """The fallback: bf16 weights, ``F.linear`` in bf16, output in x.dtype; a rotated layer's
+    rotation folded into the weights (``Q·Rᵀ``), so its inputs need no transform."""
     name = "bf16"
     weight_dtype = torch.bfloat16
+    folds_rotation = True
 
     @classmethod
     def apply(cls, state, x, bias=None):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from . import graphs, selector
 from .base import LatqKernel
+from .rotated import RotatedKernel, RotatedState, rotate_activations
 
 GATED = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 UNGATED = {"silu_no_mul": F.silu, "gelu_no_mul": F.gelu,
@@ -55,29 +56,51 @@ def expert_mlp(e: Expert, x: torch.Tensor, activation: str) -> torch.Tensor:
 
 @dataclass
 class Stacked:
-    """The experts' projections stacked for the grouped kernel (``triton_moe.StackedTriton``)."""
+    """The experts' projections stacked for the grouped kernel (``triton_moe.StackedTriton``); of
+    rotated experts, the signs of each projection's input rotation (one for all experts)."""
     w13: Any
     w2: Any
+    w13_signs: torch.Tensor | None = None
+    w2_signs: torch.Tensor | None = None
+
+
+def _inner(linear: tuple[type[LatqKernel], Any]) -> tuple[Any, torch.Tensor | None]:
+    """(the kernel's own state, the rotation's signs or None) of a prepared linear."""
+    kernel, state = linear
+    return (state.inner, state.signs) if issubclass(kernel, RotatedKernel) else (state, None)
+
+
+def _rotation_reason(signs: list) -> str | None:
+    if any(s is None for s in signs) != all(s is None for s in signs):
+        return "some experts' inputs are rotated and some not"
+    if signs[0] is not None and any(not torch.equal(s, signs[0]) for s in signs):
+        return "the experts' inputs are rotated differently"
+    return None
 
 
 def stack_experts(experts: list[Expert]) -> tuple[Stacked | None, str | None]:
     """(stacks, None) and the experts' states rebound to views of them (weights stored once),
-    or (None, why the stacked path cannot run these experts)."""
+    or (None, why the stacked path cannot run these experts). Rotated experts are stacked by
+    their kernels' states, the rotation applied once per projection around the grouped kernel."""
     try:
         from .triton import grouped_moe as triton_moe
     except ImportError as e:
         return None, f"Triton is not importable ({e})"
     for stem in ("w13", "w2"):
-        why = triton_moe.stack_reason([getattr(ex, stem)[1] for ex in experts])
+        states, signs = zip(*(_inner(getattr(ex, stem)) for ex in experts))
+        why = triton_moe.stack_reason(list(states)) or _rotation_reason(list(signs))
         if why is not None:
             return None, f"{stem}: {why}"
-    stacks = []
+    stacks, rotations = [], []
     for stem in ("w13", "w2"):
-        st, views = triton_moe.stack([getattr(ex, stem)[1] for ex in experts])
+        states, signs = zip(*(_inner(getattr(ex, stem)) for ex in experts))
+        st, views = triton_moe.stack(list(states))
         for ex, v in zip(experts, views):
-            setattr(ex, stem, (getattr(ex, stem)[0], v))
+            kernel = getattr(ex, stem)[0]
+            setattr(ex, stem, (kernel, v if signs[0] is None else RotatedState(v, signs[0])))
         stacks.append(st)
-    return Stacked(*stacks), None
+        rotations.append(signs[0])
+    return Stacked(*stacks, *rotations), None
 
 
 def compile_stacked(stacked: Stacked, act_dtype: torch.dtype) -> None:
@@ -131,8 +154,11 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         if stacked is None:
             raise ValueError("latq: the stacked MoE path needs the experts' stacks (stack_experts)")
         from .triton import grouped_moe as triton_moe
-        return triton_moe.grouped_forward(x, topk_weights, topk_ids, stacked.w13, stacked.w2,
-                                          lambda h: activate(h, activation), weights_on_input)
+        s13, s2 = stacked.w13_signs, stacked.w2_signs
+        act = (lambda h: activate(h, activation)) if s2 is None else (
+            lambda h: rotate_activations(activate(h, activation), s2))
+        return triton_moe.grouped_forward(x if s13 is None else rotate_activations(x, s13), topk_weights, topk_ids,
+                                          stacked.w13, stacked.w2, act, weights_on_input)
     out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
     if path == "masked":
         for e, ex in enumerate(experts):
@@ -167,31 +193,31 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 
 def flatten(experts: list[Expert], stacked: Stacked | None = None) -> tuple[list[torch.Tensor | None], list[int]]:
     """Experts (+ stacks) → (tensors, ints): ints = [E, then per expert and projection: kernel
-    index, tensor count, int count, the kernel's ints; then 1 and per stack its tensor count,
-    int count and ints, or 0 without stacks]."""
-    index = {k: i for i, k in enumerate(selector.kernels())}
+    index (:func:`~.selector.kernel_index`), tensor count, int count, the kernel's ints; then 1 and
+    per stack its tensor count, int count and ints, or 0 without stacks]; a stacked layer's tensors
+    end with its two projections' rotation signs (None: not rotated)."""
     tensors, ints = [], [len(experts)]
     for ex in experts:
         for kernel, state in (ex.w13, ex.w2):
             t, i = kernel.flatten(state)
             tensors += t
-            ints += [index[kernel], len(t), len(i), *i]
+            ints += [selector.kernel_index(kernel), len(t), len(i), *i]
     ints.append(int(stacked is not None))
     if stacked is not None:
         for st in (stacked.w13, stacked.w2):
             t, i = st.flatten()
             tensors += t
             ints += [len(t), len(i), *i]
+        tensors += [stacked.w13_signs, stacked.w2_signs]
     return tensors, ints
 
 
 def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> tuple[list[Expert], Stacked | None]:
-    kernels = selector.kernels()
     experts, ti, ii = [], 0, 1
     for _ in range(ints[0]):
         pair = []
         for _ in range(2):
-            kernel, nt, ni = kernels[ints[ii]], ints[ii + 1], ints[ii + 2]
+            kernel, nt, ni = selector.kernel_at(ints[ii]), ints[ii + 1], ints[ii + 2]
             pair.append((kernel, kernel.unflatten(tensors[ti:ti + nt], ints[ii + 3:ii + 3 + ni])))
             ti, ii = ti + nt, ii + 3 + ni
         experts.append(Expert(*pair))
@@ -204,4 +230,4 @@ def unflatten(tensors: list[torch.Tensor | None], ints: list[int]) -> tuple[list
         nt, ni = ints[ii], ints[ii + 1]
         stacks.append(StackedTriton.unflatten(tensors[ti:ti + nt], ints[ii + 2:ii + 2 + ni]))
         ti, ii = ti + nt, ii + 2 + ni
-    return experts, Stacked(*stacks)
+    return experts, Stacked(*stacks, *tensors[ti:ti + 2])

@@ -37,6 +37,8 @@ def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
     kernel's ``latq_cpu::linear``): it skips Python per call and may call back into the Python
     op for the cases it leaves to it (the CPU kernel's large M)."""
     op = python_op_for(kernel)
+    if getattr(kernel, "inner", None) is not None:   # a wrapper's native op may hand calls to the inner op
+        python_op_for(kernel.inner)
     return kernel.native_op() or op
 
 

@@ -9,13 +9,17 @@ from dataclasses import replace
 
 import torch
 
+from ..format.rotation import rotate
 from .base import LatqKernel
 from .served_bytes import runtime_bytes
 from .weight import LatqWeight, dequantize, weight_bytes
 
 
 def latq_linear_ref(x: torch.Tensor, w: LatqWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x @ Wᵀ (+ bias)`` computed in fp32, returned in ``x.dtype``. x: ``[..., in]``."""
+    """``y = x @ Wᵀ (+ bias)`` computed in fp32, returned in ``x.dtype``. x: ``[..., in]``. A rotated
+    layer's inputs are rotated first, ``x·R`` rounded to x's dtype as every kernel feeds them."""
+    if w.rotation is not None:
+        x = rotate(x, w.rotation)
     y = x.float() @ dequantize(w).T
     if bias is not None:
         y = y + bias.float()

@@ -16,6 +16,9 @@ kernel's reason. Accepted values (kernel ``name``, in selection order):
   selected with a warning naming every faster kernel's reason;
 * ``reference`` — fp32 dequantize + matmul per call (:mod:`~vllm_latq.kernels.reference`);
 * ``dequant`` — dequantized once to fp32, exactly the reference's numbers; opt-in only.
+
+A rotated layer (``LatqWeight.rotation``) gets the chosen kernel wrapped to rotate its inputs
+(:func:`~vllm_latq.kernels.rotated.for_weight`, named ``<kernel>+hadamard``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from .base import LatqKernel
 from .dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
 from .weight import LatqWeight
 from .reference import ReferenceKernel
+from .rotated import RotatedKernel, for_weight, rotated_kernel
 
 ENV_FORCE = "LATQ_KERNEL"
 RETIRED = {"dense": DequantizedBf16Kernel.name}   # LATQ_KERNEL values no longer accepted → the kernel now named
@@ -53,6 +57,20 @@ def kernels() -> list[type[LatqKernel]]:
     except ImportError:
         pass
     return found + [DequantizedBf16Kernel, ReferenceKernel, DequantizedFp32Kernel]
+
+
+def kernel_index(kernel: type[LatqKernel]) -> int:
+    """A kernel's number in :func:`kernels` (a rotated one's: past them), for flattened states."""
+    found = kernels()
+    if issubclass(kernel, RotatedKernel):
+        return len(found) + found.index(kernel.inner)
+    return found.index(kernel)
+
+
+def kernel_at(index: int) -> type[LatqKernel]:
+    """Inverse of :func:`kernel_index`."""
+    found = kernels()
+    return found[index] if index < len(found) else rotated_kernel(found[index - len(found)])
 
 
 def forced_kernel() -> str | None:
@@ -129,7 +147,7 @@ def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dt
             if k is DequantizedBf16Kernel and not forced:
                 _warn_once(f"latq: no compressed kernel runs {w.out_features}x{w.in_features} {w.bits}-bit layers "
                            f"on {device} ({'; '.join(reasons)}): they run dequantized to bf16 (kernel '{k.name}')")
-            return k, reasons
+            return for_weight(k, w), reasons
         reasons.append(f"{k.name}: {why}")
     names = [k.name for k in kernels()]
     if forced and forced not in names:

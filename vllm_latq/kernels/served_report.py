@@ -22,8 +22,10 @@ from .served_bytes import FALLBACK_BYTES, GridStats, choose_width
 from .weight import from_dense_tensors
 
 
-def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams) -> dict[str, dict]:
-    """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}}."""
+def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams,
+                 rotation_block: int = 0) -> dict[str, dict]:
+    """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}};
+    ``rotation_block``: a rotated layer's block, whose fp32 signs a compressed kernel reads too."""
     n, k = shape
     scale_bits = None
     if kind == "dense":
@@ -40,7 +42,9 @@ def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group:
         try:
             parts, kernel = fam.layout_bytes(n, k, b, group, stats, scale_bits), fam.name
         except ValueError:
-            parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"
+            parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"   # it folds a rotation into them
+        if rotation_block and kernel != "bf16":
+            parts = {**parts, "rotation": 4 * rotation_block}
         total = sum(parts.values())
         out[fam.name] = {"bits": b, "kernel": kernel, "bytes": total, "parts": parts,
                          "bits_per_weight": 8 * total / (n * k)}
@@ -55,7 +59,8 @@ def checkpoint_served(path: str | os.PathLike, rows: list[dict]) -> dict[str, fl
     spec, fams = ck.spec, families()
     for r in rows:
         t = ck.layer_tensors(r["name"])
-        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams)
+        block = spec.rotation.block_size(r["shape"][1]) if spec.rotation is not None else 0
+        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams, block)
     weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
     return {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights if weights else 0.0
             for f in fams}

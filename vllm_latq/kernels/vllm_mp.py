@@ -72,6 +72,8 @@ def vllm_group(w: LatqWeight) -> int:
 def form_refusal(w: LatqWeight) -> str | None:
     """Why ``w`` is not a compressed-tensors WNA16 form, or None (whether a vLLM kernel takes its
     width is :func:`choose`'s question)."""
+    if w.rotation is not None:   # vLLM's layer code would run the stored W·R on unrotated inputs
+        return "a rotated layer: vLLM's scheme would need the input transform in front of it"
     if w.bits not in WIDTHS:
         return f"{w.bits}-bit inliers (compressed-tensors' WNA16 forms are {WIDTHS[0]}-{WIDTHS[-1]} bits)"
     if w.nnz:

@@ -26,6 +26,9 @@ class LatqWeight:
     # the scales as stored codes (format/scale_codes.py), for kernels that read them; ``scales``
     # is always their fp16 decode, so a kernel that takes fp16 scales ignores this
     coded: fmt.scale_codes.CodedScales | None = None
+    # a rotated checkpoint's input rotation (format/rotation.py): fp32 ±1 [b], the signs of its
+    # b-column blocks; the layer computes (x·R)·Wᵀ with W = this form's weights (kernels/rotated.py)
+    rotation: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -38,7 +41,8 @@ class LatqWeight:
     def to(self, device) -> "LatqWeight":
         return LatqWeight(self.qweight.to(device), self.scales.to(device), self.crow.to(device),
                           self.col.to(device), self.val.to(device), self.bits, self.group_size, self.in_features,
-                          None if self.coded is None else self.coded.to(device))
+                          None if self.coded is None else self.coded.to(device),
+                          None if self.rotation is None else self.rotation.to(device))
 
     def bits_per_weight(self) -> float:
         """The runtime form's bytes → bits/weight (the reference kernel's served bits; each
@@ -47,7 +51,8 @@ class LatqWeight:
 
 
 def dequantize(w: LatqWeight) -> torch.Tensor:
-    """fp32 ``[out, in]``: unpack(qweight) · scales (per group) + CSR(outliers)."""
+    """fp32 ``[out, in]``: unpack(qweight) · scales (per group) + CSR(outliers) — of a rotated
+    layer, the weights its rotated inputs multiply."""
     return fmt.dequantize(w.qweight, w.scales, w.crow, w.col, w.val, w.bits, w.group_size, w.in_features)
 
 

@@ -52,6 +52,7 @@ class LatqConfig(QuantizationConfig):
         self.bits: int | None = self.spec.bits
         self.group_size: int | None = self.spec.group_size
         self.scale_bits: int | None = self.spec.scale_bits   # dense: group scales stored as codes
+        self.rotation: fmt.Rotation | None = self.spec.rotation   # every layer's input rotated
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
 

@@ -6,6 +6,7 @@ import torch
 from vllm.logger import init_logger
 
 from .. import format as fmt
+from ..kernels.rotated import with_rotation
 from ..kernels.transcode import transcode
 from ..kernels.weight import LatqWeight
 from .geometry import Geometry, Shard
@@ -67,7 +68,8 @@ class LoadState:
         if len(self.stash[shard_id]) == len(self.names):
             self.parts[shard_id] = self._part(exp[shard_id], self.stash.pop(shard_id))
             if len(self.parts) == len(exp):
-                self.weight = pad_rows(self._finish([self.parts[k] for k in exp]), self.geo.pad_rows)
+                self.weight = with_rotation(pad_rows(self._finish([self.parts[k] for k in exp]), self.geo.pad_rows),
+                                            self.config.rotation, self.geo.in_features, self.geo.col0, self.prefix)
                 self.parts.clear()
 
     def _part(self, shard: Shard, t: dict):

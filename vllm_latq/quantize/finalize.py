@@ -10,20 +10,21 @@ from ..format.manifest import read_manifest, unsealed_entries, write_manifest
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
 from ..format import writer
-from .. import format as fmt
 from .output import COMMAND, replace_output
 from .resume import RunDir
 
 
-def stats_file(stats: list[dict], method: str, src: Path, group_size: int | None = None) -> dict:
-    """``latq_stats.json``: the per-layer records and their parameter-weighted totals."""
+def stats_file(stats: list[dict], method: str, src: Path, group_size: int | None = None,
+               version: int = 1) -> dict:
+    """``latq_stats.json``: the per-layer records and their parameter-weighted totals (``version``: the
+    checkpoint's format version)."""
     if group_size is not None:
         stats = [{**s, "group_size": group_size} for s in stats]
     n = sum(s["shape"][0] * s["shape"][1] for s in stats)
     wavg = lambda k: sum(s[k] * s["shape"][0] * s["shape"][1] for s in stats) / n if n else 0.0  # noqa: E731
     certs = [s["cert"] for s in stats if s["cert"] is not None]
     rels = [s["rel_error"] for s in stats if s["rel_error"] is not None]
-    return {"format_version": fmt.FORMAT_VERSION, "method": method, "source": src.name,
+    return {"format_version": version, "method": method, "source": src.name,
             "layers": stats,
             "totals": {"layers": len(stats), "quantized_params": n, "bits_per_weight": wavg("bits"),
                        "outlier_rate": wavg("outlier_rate"), "rel_error_mean": sum(rels) / len(rels)
@@ -48,7 +49,8 @@ def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, con
     writer.write_index(run.path, shards)
     writer.write_json(run.path / CONFIG_FILE, config)
     aux = writer.copy_aux_files(source, run.path)
-    stats = stats_file(run.stats, method, source, config["quantization_config"].get("group_size"))
+    qc = config["quantization_config"]
+    stats = stats_file(run.stats, method, source, qc.get("group_size"), qc["format_version"])
     writer.write_json(run.path / STATS_FILE, stats)
     run.clear_progress()
     write_manifest(run.path, shards, [INDEX_FILE, *aux], made_by=COMMAND)

@@ -13,6 +13,7 @@ import torch
 from .. import cpu_features, data, hf_model
 from .. import format as fmt
 from ..algorithms import lattice
+from ..algorithms.decoders import DECODERS
 from ..format.scale_codes import CODE_BITS
 from ..format.spec import INLIER_BITS
 
@@ -25,6 +26,7 @@ COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bflo
 # "natural")), not a column-order heuristic of its own.
 ORDERS = tuple(o for o in lattice.ORDERS if o != "reverse")
 CODED_SCALE_METHODS = ("gptq", "rtn", "babai")   # the methods whose group scales may be stored as codes
+DECODED_METHODS = ("gptq", "babai", "ssqr", "hptq")   # the nearest-plane solvers another decoder may replace
 MAX_TARGET_BITS = 8.0   # HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
 
 # The defaults the study chose (docs/RESULTS.md): GPTQ 4-bit at group 64 serves fewer
@@ -98,6 +100,14 @@ class QuantizeOptions:
     # second-level scales (format/scale_codes.py): dense group scales stored and served as codes
     # of this many bits on 16-row grids; None: fp16 scales
     scale_bits: int | None = None
+    # incoherence processing: every quantized linear's input rotated by a seeded random-sign block
+    # Hadamard ("hadamard", format/rotation.py), the integers solved in that frame; "none": no rotation
+    rotate: str = "none"
+    rotate_seed: int = 0
+    # the lattice decoder (algorithms/decoders.py) of gptq/babai/ssqr/hptq: "babai" (the nearest plane
+    # GPTQ is), "kbest" (a beam of `beam` paths) or "klein" (`beam` random draws); never farther than babai
+    decoder: str = "babai"
+    beam: int = 4
     # set by __post_init__: the head is quantized by default, not asked for (a head it cannot take is kept)
     lm_head_default: bool = dataclasses.field(default=False, init=False)
 
@@ -129,6 +139,18 @@ class QuantizeOptions:
                 raise ValueError(f"scale_bits is for {', '.join(CODED_SCALE_METHODS[:-1])} and "
                                  f"{CODED_SCALE_METHODS[-1]} (their group scales), not {self.method}")
             _require(self.scale_bits in CODE_BITS, "scale_bits", f"one of {CODE_BITS}", self.scale_bits)
+        self._check_lattice_options()
+
+    def _check_lattice_options(self) -> None:
+        kinds = ("none",) + fmt.rotation.KINDS
+        _require(self.rotate in kinds, "rotate", f"one of {', '.join(kinds)}", self.rotate)
+        _require(_is_int(self.rotate_seed) and 0 <= self.rotate_seed < 2 ** 63, "rotate_seed", "an integer in "
+                 "[0, 2^63)", self.rotate_seed)
+        _require(self.decoder in DECODERS, "decoder", f"one of {', '.join(DECODERS)}", self.decoder)
+        _require(_is_int(self.beam) and self.beam >= 1, "beam", "an integer >= 1", self.beam)
+        if self.decoder != "babai" and self.method not in DECODED_METHODS:
+            raise ValueError(f"decoder {self.decoder} is for {', '.join(DECODED_METHODS[:-1])} and {DECODED_METHODS[-1]}, "
+                             f"not {self.method}")
 
     def _check_calibration_options(self) -> None:
         _require(_is_int(self.nsamples) and self.nsamples >= 1, "nsamples", "a positive integer", self.nsamples)
@@ -168,6 +190,10 @@ class QuantizeOptions:
         return fmt.kind_of(self.method)
 
     @property
+    def rotation(self) -> fmt.Rotation | None:
+        return None if self.rotate == "none" else fmt.Rotation(self.rotate_seed)
+
+    @property
     def calibrated(self) -> bool:
         """RTN and HRTN never look at activations: their pipeline runs no calibration forwards."""
         return self.method not in UNCALIBRATED
@@ -185,18 +211,20 @@ class QuantizeOptions:
 
     def solver_kwargs(self) -> dict:
         m = self.method
+        decoded = {} if self.decoder == "babai" else {"decoder": self.decoder, "beam": self.beam}
         if m == "ssqr":
             return dict(bits=self.bits, group_size=self.group_size, outlier_rate=self.outlier_rate,
-                        order=self.order, damp=self.damp)
+                        order=self.order, damp=self.damp, **decoded)
         if m == "hptq":
-            return dict(target_bits=self.target_bits, order=self.order, damp=self.damp)
+            return dict(target_bits=self.target_bits, order=self.order, damp=self.damp, **decoded)
         if m == "hrtn":
             return dict(target_bits=self.target_bits)
         coded = {} if self.scale_bits is None else {"scale_bits": self.scale_bits}
         if m == "rtn":
             return dict(bits=self.bits, group_size=self.group_size, **coded)
         # gptq and babai: the clipped baselines (babai = clipped Babai ≡ GPTQ in reversed order)
-        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True, **coded)
+        return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp, clip=True, **coded,
+                    **decoded)
 
     def quantization_config(self, modules_not_converted, head_name: str | None = None,
                             compute_dtype: torch.dtype | None = None, moe: bool = False) -> dict:
@@ -217,9 +245,10 @@ class QuantizeOptions:
             layer_bits={head_name: self.lm_head_bits} if head_name and self.lm_head_bits else None,
             column_scales=None if self.column_scales == "none" else {"fold": self.column_scales,
                                                                      "power": self.column_scale_power},
-            scale_bits=self.scale_bits, calibration=calibration,
+            scale_bits=self.scale_bits, rotation=self.rotation, calibration=calibration,
             **({"lm_head_quantized": True} if head_name else {}),
-            **({"target_correction": True} if self.target_correction else {}))
+            **({"target_correction": True} if self.target_correction else {}),
+            **({"decoder": {"name": self.decoder, "beam": self.beam}} if self.decoder != "babai" else {}))
 
     def head_options(self) -> "QuantizeOptions":
         """The options the output head is quantized with (``lm_head_bits`` as its ``bits``)."""

@@ -24,10 +24,12 @@ from ..algorithms.lattice import relative_error
 from ..algorithms.result import QuantResult
 from ..algorithms.solvers import babai, gptq, rtn
 from ..algorithms.ssqr import ssqr
+from ..format.rotation import Rotation
 from .calibrate import SharedHessians
 from .hessian import Hessian
 from .moe import MoeInputs
 from .ranks import Job, RoundJobs, Scheduler, solve_cost
+from .rotate import rotated_problem, serve_rotated
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -54,12 +56,13 @@ def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw) -> Qua
 @dataclass(frozen=True)
 class LayerSolver:
     """How a run solves each linear: ``method`` with its ``solver_kwargs`` through ``solve``;
-    ``on_layer(name, W, H, result)`` is told of each (tests). Called as
-    ``(name, W, hessian, extra=None)``: :func:`solve_linear`."""
+    ``on_layer(name, W, H, result)`` is told of each (tests); ``rotation``: each solved in its
+    rotated frame (``--rotate``). Called as ``(name, W, hessian, extra=None)``: :func:`solve_linear`."""
     method: str
     solver_kwargs: dict
     solve: Solve = solve
     on_layer: Callable | None = None
+    rotation: Rotation | None = None
 
     def __call__(self, name: str, W: torch.Tensor, hessian: Hessian | None, extra: dict | None = None):
         return solve_linear(name, W, hessian, self, extra)
@@ -69,7 +72,12 @@ def solve_linear(name: str, W: torch.Tensor, hessian: Hessian | None, solver: La
                  extra: dict | None = None) -> tuple[QuantResult, dict, dict]:
     """Linear ``name``, its weight ``W`` and accumulated ``hessian`` (None: an uncalibrated method)
     → (the solver's result, its checkpoint tensors named ``<name>.<suffix>``, its stats record,
-    with ``extra``: an expert's routing). The record is logged."""
+    with ``extra``: an expert's routing). The record is logged. A rotated run solves, encodes and
+    records ``(W·R, Rᵀ·H·R)`` (the same error, so the same certificate) and returns ``Q·Rᵀ``."""
+    signs = None
+    if solver.rotation is not None:
+        W, hessian, signs = rotated_problem(W, hessian, solver.rotation)
+        extra = {**(extra or {}), "rotation_block": signs.numel()}
     H = hessian.H if hessian is not None else None
     res = solver.solve(solver.method, W, H, name, **solver.solver_kwargs)
     kind = fmt.kind_of(solver.method)
@@ -80,6 +88,8 @@ def solve_linear(name: str, W: torch.Tensor, hessian: Hessian | None, solver: La
     log.info(log_line(record))
     if solver.on_layer is not None:
         solver.on_layer(name, W, H, res)
+    if signs is not None:
+        serve_rotated(res, signs)
     return res, {f"{name}.{sfx}": v for sfx, v in t.items()}, record
 
 

@@ -107,7 +107,8 @@ class Steps:
                  on_layer: Callable | None, progress: bool, world: ranks.World):
         self.src, self.head_plan, self.opts, self.run, self.progress, self.world = src, head, opts, run, progress, world
         self.device = torch.device(opts.device)
-        self.solver = LayerSolver(opts.method, opts.solver_kwargs(), with_fault(solve, world), on_layer)
+        self.solver = LayerSolver(opts.method, opts.solver_kwargs(), with_fault(solve, world), on_layer,
+                                  opts.rotation)
         self.setup = SolveSetup(src.linear_weight, src.expert_weight, src.names, src.dtype, self.device,
                                 opts.calibrated, opts.moe_min_tokens, opts.moe_route_all,
                                 ranks.Scheduler(world, Solved.portable), progress)

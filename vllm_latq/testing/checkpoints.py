@@ -34,7 +34,8 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, 
              for m, t in sorted(layers.items())]
     write_safetensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    write_json(out / STATS_FILE, stats_file(stats, qc["method"], Path(source), qc.get("group_size")))
+    write_json(out / STATS_FILE, stats_file(stats, qc["method"], Path(source), qc.get("group_size"),
+                                            qc["format_version"]))
     write_manifest(out)
     validate_checkpoint(out, decode=False)
     return out

@@ -110,6 +110,7 @@ class CPUKernel(LatqKernel):
     name = "cpu"
     state_cls = CPUState
     widths = tuple(range(2, MAX_BITS + 1))
+    native_rotation = True   # its native op rotates x by a trailing signs tensor (kernels/rotated.py)
 
     @classmethod
     def can_implement(cls, w, device, act_dtype):

@@ -21,7 +21,8 @@
 //   latq_cpu::gemv(x [M, K] bf16, packed, scales, group)   the GEMV alone (bench, tests; one plane)
 //   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
-//       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM)
+//       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM); an
+//       11th tensor, a rotated layer's signs, rotates x first (latq_hadamard, hadamard.cpp)
 //   latq_cpu::set_large_m(m), latq_cpu::set_loop_max(n)
 
 #include <ATen/ATen.h>
@@ -52,6 +53,9 @@
 #else
 #define LATQ_HAVE_GEMV 0
 #endif
+
+at::Tensor latq_hadamard(const at::Tensor& x, const at::Tensor& signs);                 // hadamard.cpp
+const at::Tensor& latq_hadamard_scratch(const at::Tensor& x, const at::Tensor& signs);
 
 namespace {
 
@@ -1084,9 +1088,11 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints,
                   const std::optional<at::Tensor>& bias, int64_t out_features) {
   // CPUState, flattened: tensors = (packed, scales, crow, col, val, tile_off, tile_rows,
-  // tile_col, tile_val, row_scale), ints = (out_features, in_features, group_size, planes, layout_block,
-  // layout_halves)
-  TORCH_CHECK(tensors.size() == 10 && ints.size() == 6, "latq_cpu::linear: not a CPUState");
+  // tile_col, tile_val, row_scale[, rotation signs]), ints = (out_features, in_features, group_size, planes,
+  // layout_block, layout_halves)
+  TORCH_CHECK((tensors.size() == 10 || tensors.size() == 11) && ints.size() == 6, "latq_cpu::linear: not a CPUState");
+  const std::optional<at::Tensor> signs = tensors.size() == 11 ? tensors.get(10) : std::nullopt;
+  const bool rotated = signs.has_value() && signs->defined();
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   if (M >= g_large_m.load() && ints[4] != 0) {
@@ -1094,10 +1100,15 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
                          .findSchemaOrThrow("latq::cpu_linear", "")
                          .typed<at::Tensor(const at::Tensor&, const c10::List<std::optional<at::Tensor>>&,
                                            at::IntArrayRef, const std::optional<at::Tensor>&, int64_t)>();
-    return op.call(x, tensors, ints, bias, out_features);
+    if (!rotated) return op.call(x, tensors, ints, bias, out_features);
+    c10::List<std::optional<at::Tensor>> state;   // CPUState's own 10 tensors, x rotated
+    for (size_t i = 0; i < 10; ++i) state.push_back(tensors.get(i));
+    return op.call(latq_hadamard(x, *signs), state, ints, bias, out_features);
   }
-  const bool flat = x.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
-  at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
+  // small M: x·R in this thread's scratch (read during this call only)
+  const at::Tensor& xr = rotated ? latq_hadamard_scratch(x, *signs) : x;
+  const bool flat = xr.dim() == 2;   // vLLM's usual [tokens, in]: no reshape (two dispatched views a call)
+  at::Tensor y = small_linear(flat ? xr : xr.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
                               tensors.get(3), tensors.get(4), tensors.get(5), tensors.get(6), tensors.get(7),
                               tensors.get(8), tensors.get(9), bias, ints[2], ints[3]);
   if (flat) return y;

@@ -1,0 +1,65 @@
+"""A rotated checkpoint served by vLLM through the latq plugin: the runtime form carries the
+rotation (the plugin's one line, ``kernels.rotated.with_rotation``) and every kernel rotates the
+activations, so vLLM's greedy tokens are those of HF transformers on ``latq-eval``'s weights
+``Q·Rᵀ``; a tensor-parallel cut off the rotation's blocks is refused naming the layer."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests import vllm_helpers as h
+from vllm_latq.format.rotation import Rotation
+from vllm_latq.kernels.rotated import with_rotation
+from vllm_latq.testing.weights import random_weight
+
+
+def test_a_rank_rotates_its_own_columns_only_on_block_boundaries():
+    w = random_weight(16, 80, 4, 0.0, group=16)
+    rot = Rotation(0)   # 160 columns: 32-column blocks
+    with pytest.raises(ValueError, match=r"layer mlp.down_proj: this rank's input columns \[80, 160\) cut the "
+                                         r"rotation's 32-column blocks"):
+        with_rotation(w, rot, 160, 80, "mlp.down_proj")   # TP 2: 80 columns a rank
+    w128 = replace(w, in_features=128)
+    got = with_rotation(w128, rot, 384, 128, "x")          # 384 = 3·128 at TP 3: a block a rank
+    assert torch.equal(got.rotation, rot.signs(384)) and got.rotation.numel() == 128
+    assert with_rotation(w, None, 160, 80, "x") is w
+
+
+@pytest.fixture(scope="module")
+def rotated_tiny(tmp_path_factory):
+    """make_tiny_llama (head_dim 32, as vLLM's CPU attention wants) quantized by the pipeline at
+    3 bits with --rotate hadamard: GPTQ and SSQR."""
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    d = tmp_path_factory.mktemp("rot")
+    src = h.make_tiny_llama(d / "model")
+    out = {"dir": d}
+    for method, kw in (("gptq", {}), ("ssqr", {"outlier_rate": 0.02})):
+        out[method] = quantize_model(src, d / method, QuantizeOptions(method=method, bits=3, group_size=32, nsamples=4,
+                                                                       seqlen=64, rotate="hadamard", **kw),
+                                     progress=False)
+    return out
+
+
+def test_vllm_serves_a_rotated_checkpoint(rotated_tiny):
+    """The reference kernel (exact): greedy 32 tokens == HF on the dequantized weights Q·Rᵀ;
+    the CPU kernel (bf16, its C++ op rotating before its GEMV) greedy up to near-ties."""
+    from vllm_latq.format.checkpoint import load_dequantized_model
+    ids = h.tokenize(rotated_tiny["gptq"])
+    jobs, want = [], {}
+    for m in ("gptq", "ssqr"):
+        want[m] = h.hf_greedy(load_dequantized_model(rotated_tiny[m]), ids, 32)
+        jobs += [{"model": rotated_tiny[m], "prompt_ids": ids, "max_tokens": 32, "env": {"LATQ_KERNEL": k}}
+                 for k in ("reference", "")]
+    res = h.run_vllm_jobs(jobs, tmp=rotated_tiny["dir"])
+    for r in res:
+        assert "error" not in r, r.get("traceback")
+    log = res[0]["log"]
+    assert "kernels {'reference+hadamard': 9}" in log   # 8 linears and the 8-bit head, [x for x in log.splitlines() if "linears loaded" in x]
+    assert "cpu+hadamard" in log
+    for i, m in enumerate(("gptq", "ssqr")):
+        assert res[2 * i]["tokens"] == want[m], m
+        if res[2 * i + 1]["tokens"] != want[m]:
+            hf = load_dequantized_model(rotated_tiny[m])
+            assert max(h.greedy_margins(hf, ids, res[2 * i + 1]["tokens"])) < 0.1, m

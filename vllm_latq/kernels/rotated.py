@@ -1,0 +1,121 @@
+"""A rotated layer (``LatqWeight.rotation``, format/rotation.py) through any kernel: its inputs
+rotated, ``x → x·R``, then the kernel on the stored weights, which quantize ``W·R``. The selector
+wraps the kernel it picks (:func:`rotated_kernel`): the wrapper's state is the kernel's with the
+signs beside it, its flattened form the kernel's tensors plus the signs, so one op serves it and
+the layer code needs nothing. The transform itself (:func:`rotate_activations`): Triton's kernel
+on a GPU, the C++ op on a CPU (AVX-512 or AVX2; inside the CPU kernel's own op, which rotates
+before its GEMV), torch's butterflies elsewhere. The bf16 fallback folds R into its dequantized
+weights instead (``folds_rotation``): no transform per call."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .. import native
+from ..format.rotation import rotate
+from .base import LatqKernel
+
+
+def rotate_activations(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``x·R`` in x's dtype (computed in fp32), R of the b = ``len(signs)`` blocks."""
+    if x.device.type == "cuda":
+        from .triton.hadamard import hadamard
+        return hadamard(x, signs)
+    if x.device.type == "cpu" and native.usable() and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return torch.ops.latq_cpu.hadamard(x, signs)
+    return rotate(x, signs)
+
+
+@dataclass
+class RotatedState:
+    inner: Any                 # the wrapped kernel's prepared state
+    signs: torch.Tensor        # fp32 [b]: the rotation's signs
+
+
+class RotatedKernel(LatqKernel):
+    """``inner`` on rotated inputs (classes made by :func:`rotated_kernel`)."""
+    inner: type[LatqKernel]
+    state_cls = RotatedState
+
+    @classmethod
+    def can_implement(cls, w, device, act_dtype):
+        return cls.inner.can_implement(replace(w, rotation=None), device, act_dtype)
+
+    @classmethod
+    def prepare(cls, w):
+        if w.rotation is None:
+            raise ValueError(f"kernel {cls.name}: the layer has no rotation")
+        signs = w.rotation.to(w.qweight.device, torch.float32).contiguous()
+        return RotatedState(cls.inner.prepare(replace(w, rotation=None)), signs)
+
+    @classmethod
+    def apply(cls, state, x, bias=None):
+        return cls.inner.apply(state.inner, rotate_activations(x, state.signs), bias)
+
+    @classmethod
+    def reserve(cls, state, act_dtype):
+        cls.inner.reserve(state.inner, act_dtype)
+
+    @classmethod
+    def served_bytes(cls, state):
+        return {**cls.inner.served_bytes(state.inner), "rotation": state.signs.numel() * state.signs.element_size()}
+
+    @classmethod
+    def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
+        return cls.inner.layout_bytes(n, k, bits, group, stats, scale_bits)
+
+    @classmethod
+    def label(cls, state):
+        return f"{cls.inner.label(state.inner)}+hadamard"
+
+    @classmethod
+    def native_op(cls):
+        """The inner kernel's native op where it rotates a trailing signs tensor itself (the
+        CPU op; ``ops.op_for`` registers the inner kernel's Python op, which it hands large M)."""
+        return cls.inner.native_op() if getattr(cls.inner, "native_rotation", False) else None
+
+    @classmethod
+    def flatten(cls, state):
+        tensors, ints = cls.inner.flatten(state.inner)
+        return [*tensors, state.signs], ints
+
+    @classmethod
+    def unflatten(cls, tensors, ints):
+        return RotatedState(cls.inner.unflatten(tensors[:-1], ints), tensors[-1])
+
+
+_WRAPPED: dict[type, type] = {}
+
+
+def rotated_kernel(kernel: type[LatqKernel]) -> type[LatqKernel]:
+    """``kernel`` on rotated inputs (one class per kernel, named ``<name>+hadamard``)."""
+    if kernel not in _WRAPPED:
+        _WRAPPED[kernel] = type(f"Rotated{kernel.__name__}", (RotatedKernel,),
+                                {"inner": kernel, "name": f"{kernel.name}+hadamard", "widths": kernel.widths,
+                                 "auto_select": kernel.auto_select})
+    return _WRAPPED[kernel]
+
+
+def for_weight(kernel: type[LatqKernel], w) -> type[LatqKernel]:
+    """The kernel that serves ``w``: ``kernel`` itself, or wrapped when ``w`` is rotated and the
+    kernel does not fold the rotation into its own state."""
+    if w.rotation is None or getattr(kernel, "folds_rotation", False):
+        return kernel
+    return rotated_kernel(kernel)
+
+
+def with_rotation(w, rotation, in_features: int, col0: int, layer: str):
+    """``w`` (this rank's columns ``[col0, col0 + w.in_features)`` of an ``in_features``-column
+    layer) with the signs of a rotated checkpoint's ``rotation`` (``format.Rotation``; None: ``w``
+    itself). A row-parallel cut must fall on the rotation's blocks, for a rank to rotate its own
+    columns: at tensor-parallel size t, where the block divides in_features / t."""
+    if rotation is None:
+        return w
+    b = rotation.block_size(in_features)
+    if col0 % b or w.in_features % b:
+        raise ValueError(f"latq: layer {layer}: this rank's input columns [{col0}, {col0 + w.in_features}) cut the "
+                         f"rotation's {b}-column blocks ({in_features} columns): a rotated checkpoint serves at "
+                         f"tensor-parallel sizes t where {b} divides {in_features} / t")
+    return replace(w, rotation=rotation.signs(in_features))
