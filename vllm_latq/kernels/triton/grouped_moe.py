@@ -18,7 +18,7 @@ import triton.language as tl
 from . import layout as tlay
 from . import cost_model as triton_model
 from ..base import flatten_dataclass, unflatten_dataclass
-from .device import UNSPECIALIZED, _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
+from .device import UNSPECIALIZED, _ell_gemv, _ell_rows, _gemv_step, _scale_base, _word_tile_ptrs, _word_tiles
 from .kernel import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -49,18 +49,9 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
                      BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, OUTL: tl.constexpr, ASM: tl.constexpr,
                      CODED: tl.constexpr):
-    """Program (b, n-tile) reads its expert from ``blocks``, offsets the plane,
-    scale and outlier pointers by it, and runs the SIMT GEMV step of ``triton_device`` (the
-    unpacking helpers ``_word_tiles`` / ``_fbits`` / ``_ell_rows`` are imported from there) on its
-    ≤ BM rows of the expert-sorted activations."""
-    # the loop of triton_device._gemv_kernel (one K split, z·s formed once per slab and shared
-    # by the BM rows), on the rows [r0, r1) of one expert's block
-    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS
-    STEP: tl.constexpr = 16 * SLABS
-    SPH: tl.constexpr = 8 if BITS == 3 else 16 // BITS
-    NH: tl.constexpr = SLABS // SPH
-    FL: tl.constexpr = SPG if SPG < SPH else SPH
-    OFF: tl.constexpr = 1 << (BITS - 1)
+    """Program (b, n-tile): the expert of block b (``blocks``) on its ≤ BM rows of the
+    expert-sorted activations, by the GEMV's K step (one K split, z·s formed once per slab)."""
+    STEP: tl.constexpr = 16 * (32 if BITS == 3 else 32 // BITS)
     pid_b = tl.program_id(0)            # blocks fastest: the blocks of one expert share its tiles in L2
     pid_n = tl.program_id(1)
     e = tl.load(blk_ptr + 3 * pid_b)
@@ -77,20 +68,20 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
     rm3 = rm[:, None, None]
     xrow = x_ptr + rm3 * stride_xm
     mmask = rm3 < r1
-    ta = pa_ptr + eo * EXP_A + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
-    th = ph_ptr + eo * EXP_H + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    ta = _word_tile_ptrs(pa_ptr + eo * EXP_A, g16, r16, w3, NCH_A)
+    th = _word_tile_ptrs(ph_ptr + eo * EXP_H, g16, r16, w3, NCH_H)
     sp = _scale_base(s_ptr + eo * EXP_S, g16, r16, NGP, CODED)[None, None, :]
     rs3 = r16[None, None, :]
 
     acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
     if BITS == 3:       # the 4-bit tail (< 512 columns from NSTEPS·512), as the dense GEMV runs it;
         # before the main steps, whose prefetched tiles would otherwise be live across it
-        tt = pt_ptr + eo * EXP_T + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        tt = _word_tile_ptrs(pt_ptr + eo * EXP_T, g16, r16, w3, TSTEPS)
         t_end = tl.where(e >= 0, TSTEPS, 0)
         for t in range(0, t_end):
             w4, _, _ = _word_tiles(tt, tt, t, t_end, rn3, w3, N_PAD, 4)
             acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
-                             4, GROUP, SPG, BM, ASM, CODED)
+                             4, GROUP, SPG, BM == 1, ASM, CODED)
 
     s_end = tl.where(e >= 0, NSTEPS, 0)                          # an unused block runs no step
     wa_n, wb_n, wh_n = _word_tiles(ta, th, 0, s_end, rn3, w3, N_PAD, BITS)
@@ -99,35 +90,12 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)
-        k0 = s * STEP
-        for h in range(NH):
-            if BITS == 3:
-                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
-                hi = wh >> (16 * (h // 2) + 8 * (h % 2))
-            else:
-                lo = wa >> (16 * h)
-                hi = lo
-            for i in tl.static_range(SPH):
-                P = (2 if BITS == 3 else BITS) * i
-                z = _fbits(lo, hi, P, BITS, ASM).to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)
-                j = h * SPH + i
-                kk = k0 + 16 * j + w3
-                xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)
-                if i % FL == 0:
-                    sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, rn3 < N_PAD, CODED, ASM)
-                acc += (z * sc) * xs
+        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD, BITS, GROUP, SPG,
+                         False, ASM, CODED)
 
     if OUTL == 1:       # ELL-16, offsets absolute into the concatenated entries
         e0, cnt, rmax = _ell_rows(start_ptr + eo * EXP_O, rn, N_PAD)
-        e03 = (e0 + r16)[None, None, :]
-        cnt3 = cnt[None, None, :]
-        for q0 in range(0, tl.where(e >= 0, rmax, 0), 16):
-            rr = q0 + w3
-            em = rr < cnt3
-            idx = e03 + rr * 16
-            col = tl.load(col_ptr + idx, mask=em, other=0)
-            val = tl.load(val_ptr + idx, mask=em, other=0.0)
-            acc += val * tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)
+        acc = _ell_gemv(acc, e0, cnt, col_ptr, val_ptr, xrow, mmask, r16, w3, 0, tl.where(e >= 0, rmax, 0), 16)
 
     out = tl.sum(acc, axis=1)
     rm2 = rm[:, None]
