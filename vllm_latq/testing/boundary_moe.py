@@ -1,11 +1,7 @@
 """A vLLM mixture-of-experts layer with latq's method across the CUDA boundary: built by vLLM's
-``FusedMoEFactory`` (router, runner and ``RoutedExperts``), its experts loaded from per-expert latq
-checkpoint tensors through the layer's weight loader with the expert ids and shards vLLM's
-expert mapping gives (``w1``/``w3``/``w2``), processed, and its quant method applied to routed
-tokens; on TP 2 each rank holds half of every expert's intermediate rows and the ranks' partial
-outputs are summed, as vLLM's runner does. Compared with the definition
-(``moe_models.moe_reference``) on latq's dequantized experts.
-"""
+``FusedMoEFactory``, loaded from per-expert latq tensors through vLLM's expert mapping,
+processed and applied (TP 2: half of each expert's rows a rank, partial outputs summed), against
+``moe_models.moe_reference`` on latq's dequantized experts."""
 from __future__ import annotations
 
 import torch

@@ -1,20 +1,7 @@
-"""CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the inliers,
-outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GEMM. (Layouts:
-:mod:`~vllm_latq.kernels.cpu.layouts`; the state read back as weights and the large-M path:
-:mod:`~vllm_latq.kernels.cpu.dequant`.)
-
-Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
-pass adding outliers and bias with the cast. On AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched
-at run time) the GEMM is the op's own GEMV over one packed state and scales (``layouts.pack_gemv``:
-the same bytes on both, whatever layout torch's packer uses there), streaming the weights at DRAM
-speed where torch's op is compute-bound, at every M below ``large_m()``
-(``kernels/cpu/csrc/latq_cpu.cpp``). Without a compiler (or inside ``with native.disabled():``)
-the same math runs as torch calls (MKL CSR mv/mm).
-
-docs/KERNELS.md, "CPU kernel", holds the op's convention, the numerics the tests check and the
-measurements behind each choice (bf16 activations, op group size, outlier tiles or CSR, two
-planes for 5–8 bits, the large-M crossover).
-"""
+"""CPU fast path: small M as one C++ op (the int4 GEMM or its own GEMV, then outliers, bias and
+the cast in one pass; torch calls without a compiler), large M as a chunked dequantize + bf16
+GEMM. Layouts: :mod:`~vllm_latq.kernels.cpu.layouts`; the choices and their measurements:
+docs/KERNELS.md, "CPU kernel"."""
 from __future__ import annotations
 
 import os
@@ -82,10 +69,8 @@ def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
 
 
 def _scale_group(K: int, g: int, codes: bool = False) -> int | None:
-    """The state's scale group, None where the kernel cannot lay the layer out: the op group
-    (``_op_group``; K instead for a one-scale layer where the C++ GEMV reads the scales alone),
-    or, where no op group divides g, g itself for scales kept as ``codes`` (only the GEMV reads
-    those, and it takes any group of 4k dividing K: group 16)."""
+    """The state's scale group, None where the kernel cannot lay the layer out: the op group (K for
+    a one-scale layer where the GEMV runs), else g itself for scales kept as ``codes`` (g = 4k | K)."""
     go = _op_group(K, g)
     if go is None:
         return g if codes and K % g == 0 and g % 4 == 0 else None

@@ -26,10 +26,8 @@ def _and_or(a, MASK: tl.constexpr, c, ASM: tl.constexpr):
 
 @triton.jit
 def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Slot at bit P of a 16-bit half of the plane-A word tile ``lo`` (3 / 5 bits: plus its bit
-    P/2 / P/4 of the 1-bit tile ``hi``, pre-shifted by the caller) → int32 bits of the fp32 number
-    2^(23−P) + u: u sits at bits [P, P+b) of the word and is OR-ed, in place, into the bits
-    of 2^(23−P), whose mantissa unit is 2^−P — so no shift is needed for 2/4 bits."""
+    """Slot at bit P of a 16-bit half of the word tile ``lo`` (3 / 5 bits: plus its bit of the
+    pre-shifted 1-bit tile ``hi``) → the int32 bits of the fp32 number 2^(23−P) + u."""
     magic = tl.full(lo.shape, (150 - P) << 23, tl.int32)    # fp32 bits of 2^(23−P)
     if BITS == 4:
         r = _and_or(lo, 15 << P, magic, ASM)
@@ -82,10 +80,8 @@ def _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD
 
 @triton.jit
 def _word_tiles(ta, th, s, s_end, rn3, w3, N_PAD, BITS: tl.constexpr):
-    """The [1, 16, BN] word tiles of K step ``s`` (zeros when ``s ≥ s_end``): plane A, its
-    second 256-word half (3 bits), the 1-bit plane (3 bits; 5 bits: the tile of the 512-column
-    chunk holding the step, shifted so that the step's slab j is bit j); 2/4 bits: plane A
-    three times."""
+    """The [1, 16, BN] word tiles of K step ``s`` (zeros when ``s ≥ s_end``): plane A, its second
+    half (3 bits) and the 1-bit plane (3 and 5 bits); 2/4 bits: plane A three times."""
     CA: tl.constexpr = 512 if BITS == 3 else 256                   # plane-A words per step per row group
     # (a scalar bool & a bool tensor is int in the interpreter: fold conditions into limits)
     pm = (rn3 < tl.where(s < s_end, N_PAD, 0)) & (w3 < 16)
@@ -112,11 +108,9 @@ def _scale_base(s_ptr, g16, r16, NGP, CODED: tl.constexpr):
 
 @triton.jit
 def _group_scale(sp, gi, r16, mask, CODED: tl.constexpr, ASM: tl.constexpr):
-    """fp32 scale of group ``gi`` of the rows of ``sp`` (:func:`_scale_base`; ``r16``: their
-    row in the slab, same shape), 0 where ``mask`` is off. Coded: the format's
-    ``fp16(fp32(min) + code · fp32(step))`` (the product is exact, so a fused FMA rounds
-    the same), the fp16 bits of min and step widened to fp32 right after the load; the code
-    becomes a float as the weights do (OR-ed into 2^23, one FADD: no int → float convert)."""
+    """fp32 scale of group ``gi`` of the rows of ``sp`` (``r16``: their row in the slab), 0 where
+    ``mask`` is off. Coded: the format's ``fp16(fp32(min) + code · fp32(step))``, the code made a
+    float as the weights are (OR-ed into 2^23, one FADD)."""
     if CODED:
         words = sp + gi * 3
         cw = tl.load(words + (r16 >> 3), mask=mask, other=0)

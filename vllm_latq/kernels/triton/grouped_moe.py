@@ -1,10 +1,6 @@
-"""Grouped experts on the GPU: every expert of a mixture-of-experts layer in one stacked Triton
-layout (:func:`stack`), and one kernel launch per projection that runs only the routed (token,
-slot) pairs (:func:`route`, :func:`_moe_gemv_kernel`) — with no host sync and launch
-parameters that depend on the batch size only, so it is captured in CUDA graphs (vLLM's
-decode) and replays with any routing. Bytes and work scale with the experts actually routed,
-against E/k times the work for running every expert on every token.
-"""
+"""Grouped experts on the GPU: a MoE layer's experts in one stacked Triton layout (:func:`stack`)
+and one launch per projection over the routed (token, slot) pairs only (:func:`route`), with no
+host sync and launch parameters set by the batch size alone, so CUDA graphs replay it."""
 from __future__ import annotations
 
 import dataclasses
@@ -195,16 +191,9 @@ def _ell_of(st: TritonState) -> dict[str, torch.Tensor] | None:
 
 
 def stack(states: list[TritonState]) -> tuple[StackedTriton, list[TritonState]]:
-    """One projection's per-expert states → (the stack, the experts' states as views of it):
-    a caller that replaces its states by the views keeps the weights stored once.
-
-    The experts of one projection (w13 or w2) have the same shape,
-    bits and group, so their :mod:`~vllm_latq.kernels.triton.layout` planes and scales have the
-    same sizes and are stacked along a leading expert axis (expert e at ``e · size``). Outliers
-    are ELL-16 for every expert (a CSR expert is converted by ``triton_layout.build_ell``): the
-    experts' column/value arrays concatenated, the offsets ``off[e, g]`` absolute into them. The
-    experts' own states then become views of the stack (ELL outliers, offsets relative again), so
-    the weights are stored once; the eager per-expert path keeps working on the views."""
+    """One projection's per-expert states → (the stack, the experts' states as views of it): planes
+    and scales stacked along an expert axis, outliers ELL-16 with absolute offsets; a caller that
+    replaces its states by the views keeps the weights stored once."""
     why = stack_reason(states)
     if why is not None:
         raise ValueError(f"latq: cannot stack these experts: {why}")
@@ -258,15 +247,9 @@ def max_blocks(pairs: int, experts: int, bm: int) -> int:
 
 
 def route(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat expert ids [P] (−1: not on this rank) → (order [P]: the pairs sorted by expert, the
-    −1 ones last; blocks int32 [NB, 3]: expert (−1: unused), first row, end row in that order).
-
-    Torch ops only, capturable: the P = T·k pairs sorted by expert, each
-    expert's pairs cut into blocks of BM rows (vLLM's fused MoE aligns its pairs the same way);
-    ``blocks[b] = (expert, first row, end row)`` for b < NB, where NB = min(P, ⌊P/BM⌋ + min(E, P))
-    bounds Σ_e ⌈c_e/BM⌉ for any counts c; blocks past the used ones have expert −1 and run no K
-    step. BM (rows per program) is chosen from the expected pairs per expert P/E, never from the
-    routing."""
+    """Flat expert ids [P] (−1: not on this rank) → (order: the pairs sorted by expert, −1 last;
+    blocks int32 [NB, 3]: expert or −1, first row, end row), each expert's pairs cut into blocks of
+    BM rows; NB = min(P, ⌊P/BM⌋ + min(E, P)) bounds any routing. Torch ops only, capturable."""
     P = ids.numel()
     key = torch.where(ids >= 0, ids.long(), experts)
     order = torch.argsort(key, stable=True)
@@ -335,9 +318,8 @@ def compile_all(st: StackedTriton, act_dtype: torch.dtype) -> None:
 
 def grouped_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: StackedTriton,
                     w2: StackedTriton, act, weights_on_input: bool = False) -> torch.Tensor:
-    """The experts' forward of :func:`~vllm_latq.kernels.moe.experts_forward` on the stacks:
-    ``act`` maps w13's outputs to w2's inputs. Each slot's contribution is summed per token in
-    slot order (fp32), so the result does not depend on how the pairs were sorted."""
+    """The experts' forward on the stacks (``act``: w13's outputs to w2's inputs), each slot summed per
+    token in slot order (fp32): independent of how the pairs were sorted."""
     T, k = topk_ids.shape
     P = T * k
     bm = row_block(P, w13.experts)
@@ -362,17 +344,9 @@ SYNC_S = 20e-6      # the host path's count read (device → host sync, the stre
 
 def path_times(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
                device: torch.device | None = None) -> dict[str, float]:
-    """Model seconds of one layer's experts on each path (:mod:`~vllm_latq.kernels.moe`),
-    from :mod:`~vllm_latq.kernels.triton.cost_model`'s device model; cached per batch size and
-    shapes. Every path streams the routed experts' bytes about once; the differences:
-
-    * ``stacked``: SIMT issue (``MOE_IPW`` per weight for every block of ≤ BM rows: ~P/BM +
-      routed blocks, each re-dequantising its expert) against tensor cores elsewhere; ~10 ops;
-    * ``host``: a sync and ~6 torch ops from Python per routed expert — a decode batch routes
-      to ~P distinct experts, so it is launch-bound there; tensor cores from 8 rows;
-    * ``masked`` (captured): every expert's weights on every token, E/k times the work, ~6
-      kernels per expert replayed without host cost.
-    """
+    """Model seconds of one layer's experts on each path of :mod:`~vllm_latq.kernels.moe` (cached
+    per batch and shapes): ``stacked`` pays SIMT issue per block, ``host`` a sync and torch ops per
+    routed expert, ``masked`` every expert on every token."""
     idx = None
     if device is not None and torch.device(device).type == "cuda":
         idx = torch.device(device).index

@@ -1,8 +1,5 @@
-"""The tensor-core kernel (``@triton.jit`` device code; its host side is
-:mod:`~vllm_latq.kernels.triton.kernel`, its shared helpers :mod:`~vllm_latq.kernels.triton.device`).
-It runs M ≥ 8 on the same word tiles as the GEMV, multiplying the exact integers on tensor
-cores and scaling each group's dot once: the fp32 reference up to summation order.
-"""
+"""The tensor-core kernel's device code: M ≥ 8 on the GEMV's word tiles, the exact integers
+multiplied on tensor cores and each group's dot scaled once (docs/KERNELS.md)."""
 from __future__ import annotations
 
 import triton
@@ -15,10 +12,8 @@ from .device import (UNSPECIALIZED, _and_or, _ell_rows, _epilogue, _group_scale,
 @triton.jit
 def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
             DT: tl.constexpr):
-    """Slabs [Q·DS, Q·DS + DS) of a step, dequantised to exact integers z = u − 2^(b−1) in
-    DT: [DS, 16, BN] from the [1, 16, BN] word tiles (per-slab shift amounts broadcast along
-    the first axis). u is OR-ed into the bits of 2^23 (one LOP3) and 2^23 + 2^(b−1)
-    subtracted (one FADD): no integer → float conversion."""
+    """Slabs [Q·DS, Q·DS + DS) of a step as exact integers z = u − 2^(b−1) in DT, [DS, 16, BN]: u
+    OR-ed into the bits of 2^23 (one LOP3), 2^23 + 2^(b−1) subtracted (one FADD)."""
     jj = Q * DS + tl.arange(0, DS)[:, None, None]                # slab index j
     magic = tl.full([DS, 16, wa.shape[2]], 0x4B000000, tl.int32)
     if BITS == 4:
