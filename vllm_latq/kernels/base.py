@@ -59,7 +59,7 @@ class LatqKernel:
 
     A vLLM layer keeps ``flatten(state)`` = (tensors as buffers, static ints), and one custom op per
     kernel calls ``apply(unflatten(...), x, bias)`` (``kernels/ops.py``), opaque to tracing. The
-    defaults handle a dataclass ``state_cls`` of dense tensors and ints. ``served_bytes`` measures a
+    defaults handle a dataclass ``state_cls`` of non-sparse tensors and ints. ``served_bytes`` measures a
     prepared state, ``layout_bytes`` predicts it from the integers' statistics (docs/ARCHITECTURE.md)."""
     name = "base"
     state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)

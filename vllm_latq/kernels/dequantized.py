@@ -1,7 +1,7 @@
-"""Dequantize-once kernels: weights dequantized at load, every call one dense matmul.
+"""Dequantize-once kernels: weights dequantized at load, every call one matmul of the unquantized shape.
 ``bf16`` is the fallback where no compressed kernel runs a layer (selecting it logs every
 faster kernel's reason); ``dequant`` (fp32 weights, opt-in only) computes exactly the
-reference's matmul, to check loading end to end at dense speed."""
+reference's matmul, to check loading end to end at an unquantized layer's speed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,7 +43,7 @@ class DequantizedBf16Kernel(_DequantizedKernel):
 
 
 class DequantizedFp32Kernel(_DequantizedKernel):
-    """Opt-in (``auto_select = False``): the reference's numbers at dense speed."""
+    """Opt-in (``auto_select = False``): the reference's numbers at an unquantized layer's speed."""
     name = "dequant"
     weight_dtype = torch.float32
     auto_select = False

@@ -367,7 +367,7 @@ def _op_packed(state: CPUState) -> torch.Tensor:
 def _csr(state: CPUState) -> torch.Tensor:
     """The layer's fp32 CSR as a torch sparse tensor (from the tiles if the state holds those),
     built on first use and kept while the layer's tensors live (the op's state holds only
-    dense tensors)."""
+    non-sparse tensors)."""
     src = (state.crow, state.col, state.val) if state.crow is not None else (state.tile_off, state.tile_col,
                                                                             state.tile_val)
 

@@ -27,7 +27,7 @@ class DeviceModel:
     name: str
     hbm_bw: float          # bytes/s
     l2_bytes: int
-    tc_flops: float        # dense fp16/bf16 tensor-core FLOP/s, the datasheet peak
+    tc_flops: float        # fp16/bf16 tensor-core FLOP/s without 2:4 sparsity, the datasheet peak
     issue: float           # SASS lane-instructions/s (SMs × 4 schedulers × 32 lanes × clock)
     sms: int
     tc_eff: float = 1.0    # η: the achievable fraction of tc_flops (docs/KERNELS.md)
@@ -91,8 +91,8 @@ def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128, coded: b
 
 def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
                 device_props=None, group: int = 128, coded: bool = False) -> dict[str, float]:
-    """Seconds for one layer at M rows: ``mma``, ``deq`` (dequantise once + GEMM) and ``dense``
-    (``F.linear`` of the unquantised weight); ``coded``: the scales are codes (docs/KERNELS.md)."""
+    """Seconds for one layer at M rows: ``mma``, ``deq`` (dequantise once + GEMM) and
+    ``unquantized`` (``F.linear`` of the unquantised weight); ``coded``: the scales are codes (docs/KERNELS.md)."""
     d = device_model(device_props)
     e = dtype.itemsize
     wq = packed_bytes(n, k, bits, nnz, group, coded)
@@ -100,9 +100,9 @@ def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype 
     bm = mma_bm(m)
     t = math.ceil(m / bm)
     issue = t * (n * k * (MMA_IPW_CODED if coded else MMA_IPW)[bits, bm] + (1 + bm) * nnz) / d.issue
-    dense = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_achievable)
+    unquantized = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_achievable)
     return {"mma": max((wq + act) / d.hbm_bw, issue + 2 * bm * t * n * k / d.tc_achievable),
-            "deq": (wq + w16) / d.hbm_bw + dense, "dense": dense}
+            "deq": (wq + w16) / d.hbm_bw + unquantized, "unquantized": unquantized}
 
 
 def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,

@@ -70,7 +70,7 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
     rs3 = r16[None, None, :]
 
     acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
-    if BITS == 3:       # the 4-bit tail (< 512 columns from NSTEPS·512), as the dense GEMV runs it;
+    if BITS == 3:       # the 4-bit tail (< 512 columns from NSTEPS·512), as a linear's GEMV runs it;
         # before the main steps, whose prefetched tiles would otherwise be live across it
         tt = _word_tile_ptrs(pt_ptr + eo * EXP_T, g16, r16, w3, TSTEPS)
         t_end = tl.where(e >= 0, TSTEPS, 0)
@@ -287,7 +287,7 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
                          "the kernel's int32 row addresses (2³¹); run the host path")
     spare = st.scales
     # a plane the experts lack (2/4 bits: the 1-bit plane and the tail; 3 bits: no tail, or no
-    # whole chunk) gets an int32 stand-in of stride 0, as the dense launch does: behind a
+    # whole chunk) gets an int32 stand-in of stride 0, as a linear's launch does: behind a
     # zero-trip loop, never read
     planes = [p if p is not None and p.numel() else blocks for p in (st.plane_a, st.plane_h, st.plane_t)]
     strides = [p.stride(0) if p is not blocks else 0 for p in planes]
