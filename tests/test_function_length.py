@@ -9,15 +9,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_latq"
 MAX_FUNCTION_LINES = 80
 
-# Over the limit for now, each rewritten on another branch this round: split once that lands.
-KNOWN_LONG = {
-    "format/validate.py:validate_checkpoint",      # the checkpoint verification being extended
-    "kernels/cpu/kernel.py:CPUKernel.prepare",     # the CPU decode kernel being reworked
-    "kernels/triton/mma.py:_mma_kernel",           # the Triton kernels being compiled and tuned offline
-    "kernels/triton/device.py:_gemv_kernel",
-    "kernels/triton/grouped_moe.py:_moe_gemv_kernel",
-}
-
 
 def function_lengths(root: Path = PACKAGE) -> dict[str, int]:
     """``"file:Class.function"`` → its length in lines, for every function and method under ``root``."""
@@ -40,13 +31,7 @@ def function_lengths(root: Path = PACKAGE) -> dict[str, int]:
 
 def test_no_function_over_the_limit():
     long = {name: n for name, n in function_lengths().items() if n > MAX_FUNCTION_LINES}
-    assert sorted(set(long) - set(KNOWN_LONG)) == [], long
-
-
-def test_the_known_long_functions_are_still_long():
-    """An entry of ``KNOWN_LONG`` goes once its function is split (or gone)."""
-    lengths = function_lengths()
-    assert [n for n in sorted(KNOWN_LONG) if lengths.get(n, 0) <= MAX_FUNCTION_LINES] == []
+    assert long == {}, long
 
 
 def test_the_measure_counts_nested_functions_and_methods(tmp_path):

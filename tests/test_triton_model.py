@@ -92,7 +92,7 @@ def test_predicted_ratio_vs_bf16():
 
     def ratio(m, dev):
         t = tm.model_times(m, 4096, 14336, 4, nnz, torch.bfloat16, dev)
-        return t["dense"] / min(t["mma"], t["deq"])
+        return t["unquantized"] / min(t["mma"], t["deq"])
     for dev in ("a100", "h100"):
         assert min(ratio(m, dev) for m in range(17, 65)) > 1.07
         assert max(ratio(m, dev) for m in range(65, 257)) < 1
@@ -107,7 +107,7 @@ def test_tensor_cores_at_achievable_efficiency():
     assert a.tc_achievable == pytest.approx(271.2e12) and h.tc_achievable == pytest.approx(794.5e12 * 990 / 989)
     assert 0.8 < h.tc_eff < a.tc_eff < 0.9
     m, n, k = 8192, 4096, 14336                                  # compute-bound: the GEMM term binds
-    assert tm.model_times(m, n, k, 4, 0, torch.bfloat16, "a100")["dense"] == pytest.approx(2 * m * n * k / 271.2e12)
+    assert tm.model_times(m, n, k, 4, 0, torch.bfloat16, "a100")["unquantized"] == pytest.approx(2 * m * n * k / 271.2e12)
 
 
 def replace(dev: str, **kw) -> tm.DeviceModel:

@@ -1,8 +1,5 @@
-"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard one.
-
-Dense 2–8-bit layers with natural groups and no outliers become compressed-tensors'
-``pack-quantized`` form, read by stock vLLM, SGLang and transformers; any other layer is
-refused, or written in bf16 with ``--dequantize-unmapped`` (docs/FORMAT.md, "Export")."""
+"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint's standard layers as
+``pack-quantized`` tensors stock vLLM, SGLang and transformers read (docs/FORMAT.md, "Export")."""
 
 from __future__ import annotations
 

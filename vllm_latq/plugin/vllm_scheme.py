@@ -1,19 +1,7 @@
-"""latq layers of a standard form served by vLLM's own compressed-tensors WNA16 code.
-
-A linear whose form a vLLM kernel takes (``kernels/vllm_mp.py``) gets vLLM's own
-``CompressedTensorsWNA16`` scheme: the scheme registers its parameters on the vLLM layer itself
-(``weight_packed`` a ``PackedvLLMParameter``, ``weight_scale`` a group or channel scale parameter,
-``weight_shape``), latq fills them with the layer's validated, TP-cut runtime form, and the
-scheme's kernel class (Marlin, Machete, …; CPUWNA16 when forced on CPU) processes and applies the
-layer — its bias too, which Marlin permutes in place — exactly as for an llm-compressor
-checkpoint. A mixture-of-experts layer whose experts all have such a form gets vLLM's
-``CompressedTensorsWNA16MoEMethod`` the same way (:func:`choose_experts`, :func:`install_experts`).
-
-The route is decided after latq's loader has validated and cut the layer (``LoadState``): the
-format's validator sees every matrix whole before a tensor is used, HPTQ layers are only known
-after their decode and transcode, and a row-parallel cut off a group boundary is described with
-groups of gcd(g, K) and repeated scales (exact) — none of which vLLM's own loaders do.
-"""
+"""latq layers of a standard form served by vLLM's own compressed-tensors WNA16 code: the scheme
+(or the MoE method) registers its parameters on the vLLM layer, latq fills them with the
+validated, TP-cut runtime form, vLLM's kernel class processes and applies them. Why the route is
+decided after loading: docs/KERNELS.md."""
 from __future__ import annotations
 
 import torch
@@ -110,16 +98,10 @@ def quant_args(bits: int, group: int):
 
 
 def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, device: torch.device, prefix: str):
-    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not).
-
-    The layer is described as compressed-tensors ``QuantizationArgs`` at one group dividing every
-    expert's group, the hidden size and this rank's intermediate size (``vllm_moe.moe_groups``);
-    that method's constructor runs ``select_wna16_moe_backend`` (Marlin MoE on CUDA, vLLM's Triton
-    WNA16 experts where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU). Marlin MoE is told a
-    group half as large where it would misread w13's scales at the first
-    (``vllm_moe.marlin_scale_hazard``). A backend whose ops a build may lack is taken only where
-    they exist; one that computes no such activations (``vllm_mp.COMPUTES``) and vLLM's
-    emulation backend (experts dequantized to bf16) are refused."""
+    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not): the
+    layer as ``QuantizationArgs`` at one group dividing every part (``vllm_moe.moe_groups``; half
+    of it where Marlin MoE would misread w13's scales); backends a build lacks, that compute no
+    such activations, or that emulate are refused."""
     why = vllm_moe.form_refusal(weights) or vllm_moe.policy_refusal(device)
     if why:
         return None, why
