@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "vllm_latq"
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_latq"
 MAX_SHARE = 0.10
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
