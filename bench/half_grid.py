@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     kw = {"outlier_rate": a.outlier_rate} if a.method == "ssqr" else {}
     opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size, nsamples=a.nsamples,
-                           seqlen=a.seqlen, **kw)
+                           seqlen=a.seqlen, quantize_lm_head=False, **kw)   # the lever is the blocks
     head = {"model": a.model, "method": a.method, "bits": a.bits, "group_size": a.group_size}
     for off in a.offset:
         t0 = time.time()

@@ -267,9 +267,9 @@ def cost_model(a, props=None) -> tuple[list[str], dict]:
                     for m in (m for m in a.m if m >= 8):
                         t = model_times(m, n, k, bits, nnz, dtype, dev, GROUP)
                         path = "dequant" if m >= th else "mma"
-                        ratio = t["dense"] / t["mma" if path == "mma" else "deq"]
+                        ratio = t["unquantized"] / t["mma" if path == "mma" else "deq"]
                         lines.append(f"{name:8} {label:16} {bits:>4} {rate * 100:>4.1f}% {m:>4} {t['mma'] * 1e6:>8.1f} "
-                                     f"{t['deq'] * 1e6:>8.1f} {t['dense'] * 1e6:>8.1f} {path:>7} {ratio:>5.2f}x")
+                                     f"{t['deq'] * 1e6:>8.1f} {t['unquantized'] * 1e6:>8.1f} {path:>7} {ratio:>5.2f}x")
                         if bits == 4 and rate == 0.01 and m <= 256 and n * k >= TARGET_WEIGHTS:
                             worst = min(worst, ratio)
         if math.isfinite(worst):

@@ -11,7 +11,7 @@
 #                         vLLM's kernels, multiplied out with torch (vllm_latq/testing/boundary_paths.py),
 #                         one line per path, also in summary.txt
 # OUTDIR/tests.log        every shard's pytest output (durations included); tests-N.log, junit-N.xml;
-#                         tests/test_gpu_capture.py is vLLM's warm-up + CUDA-graph capture
+#                         tests/gpu/test_gpu_capture.py is vLLM's warm-up + CUDA-graph capture
 # OUTDIR/bench.log        bench/kernels.py --no-static --m 1,2,4,8,16,32,64,128,256
 # OUTDIR/bench_scales.log the same kernels with coded group scales (--scale-bits 4) against fp16 ones:
 #                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (the timing
@@ -28,8 +28,10 @@
 set -uo pipefail
 
 # the GPU tests (test_gpu_capture.py: vLLM's eager warm-up at each capture size, then the real
-# capture) and their shards; tests/test_gpu_check.py checks every GPU test falls in a shard
-test_files=(tests/test_gpu.py tests/test_opcheck.py tests/test_gpu_capture.py tests/test_distributed.py)
+# capture) and their shards; tests/gpu/test_gpu_check.py checks every GPU test falls in a shard
+test_files=(tests/gpu/test_triton_cuda.py tests/gpu/test_families_cuda.py tests/gpu/test_graphs_cuda.py
+            tests/gpu/test_moe_cuda.py tests/gpu/test_solvers_cuda.py tests/gpu/test_pipeline_cuda.py
+            tests/kernels/test_opcheck.py tests/gpu/test_gpu_capture.py tests/quantize/test_distributed.py)
 shards=()
 for b in 2bit 3bit 4bit 5bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
 nobits="not 2bit and not 3bit and not 4bit and not 5bit"

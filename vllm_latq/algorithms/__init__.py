@@ -1,8 +1,5 @@
-"""The paper's algorithms, the package's Python API: GPTQ and Babai's nearest plane as one back
-substitution, the min-pivot order, the certificate ¼·sᵀDs, SSQR and HPTQ.
-
-``W`` is ``[out, in]`` (torch layout), ``H = XᵀX`` is ``[in, in]``.
-"""
+"""The paper's algorithms, the package's Python API: GPTQ and Babai as one back substitution, the
+min-pivot order, the certificate ¼·sᵀDs, SSQR and HPTQ; ``W`` is ``[out, in]``, ``H`` ``[in, in]``."""
 from .hptq import hptq, hrtn
 from .lattice import error_bound, ldl_diag, min_pivot_order
 from .result import CSR, QuantResult

@@ -1,11 +1,7 @@
-"""The lattice side of GPTQ: the damped Hessian, its factors, column orders and the
-no-clipping error bound (paper v1 Alg. 3-4 and Theorem 5).
-
-Frames. GPTQ processes columns first-to-last in a permutation ``p``; Babai processes
-its Gram-Schmidt order ``T`` back-to-front. ``gptq(order=p)`` ≡ ``babai(order=p.flip(0))``.
-Named orders are frame-literal for ``natural``/``reverse`` and mean the *same
-processing sequence* in both frames for the heuristics ``act`` and ``min-pivot``.
-"""
+"""The lattice side of GPTQ: the damped Hessian, its factors, column orders and the no-clipping
+error bound (paper v1 Alg. 3-4, Theorem 5). GPTQ processes columns first-to-last in ``p``, Babai
+back-to-front in ``T``: ``gptq(order=p)`` ≡ ``babai(order=p.flip(0))``; ``act`` and ``min-pivot``
+name the same processing sequence in both frames."""
 from __future__ import annotations
 
 import warnings
@@ -86,11 +82,9 @@ def damped_in_place(H: torch.Tensor, damp: float):
 def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
              name: str | None = None, max_tries: int = 6,
              dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, float]:
-    """Lower Cholesky factor of the damped (and permuted) Hessian. If it is not positive
-    definite, damping is raised ×10 per try; the final value is warned about (never a silent
-    fallback) and returned so every later step — and the certificate — uses the same matrix.
-    Factored in ``dtype``: the solvers use their compute dtype (fp32 as in reference GPTQ,
-    fp64 for fp64 problems); a factor that is not finite counts as a failure."""
+    """Lower Cholesky factor of the damped (and permuted) Hessian in ``dtype``; where it is not
+    positive definite (or finite) damping rises ×10 a try, warned about and returned, so every
+    later step and the certificate use the same matrix."""
     d = damp
     for _ in range(max_tries):
         L, info = torch.linalg.cholesky_ex(damped(H, d, dtype, perm))
@@ -104,12 +98,8 @@ def cholesky(H: torch.Tensor, damp: float, perm: torch.Tensor | None = None,
 
 
 def min_pivot_order(H: torch.Tensor, damp: float = 0.01, block: int = 64) -> torch.Tensor:
-    """Paper v1 Alg. 4: greedy LDL pivoting on the smallest Schur-complement diagonal.
-
-    Returns Babai's Gram-Schmidt order ``T`` (``T[0]`` = first pivot, processed *last* by
-    Babai); GPTQ uses ``T.flip(0)``. Blocked like LAPACK's pivoted Cholesky: inside a panel
-    only pivot columns and the diagonal are updated, the trailing matrix once per panel by a
-    GEMM — the same pivots as the rank-1 textbook loop at O(c³) GEMM cost."""
+    """Paper v1 Alg. 4: greedy LDL pivoting on the smallest Schur-complement diagonal → Babai's order
+    ``T`` (GPTQ: ``T.flip(0)``), blocked like LAPACK's pivoted Cholesky (trailing update per panel)."""
     A = damped(H, damp, H.dtype if H.dtype.is_floating_point else torch.float64)
     c = A.shape[0]
     diag = A.diagonal().clone()
@@ -191,10 +181,8 @@ def bound_from_d(D_col: torch.Tensor, scales: torch.Tensor, group_size: int | No
 
 def error_bound(H: torch.Tensor, scales: torch.Tensor, order="act", *, group_size: int | None = None,
                 damp: float = 0.01) -> torch.Tensor:
-    """Per-row certificate ``(q_i - w_i)ᵀ H_d (q_i - w_i) ≤ ¼ Σ_j D_jj s_i[T_j]²`` of unclipped
-    Babai / back-to-front GPTQ, with ``H_d`` the damped Hessian and D from its LDLᵀ in
-    Babai's order ``order`` (for ``gptq(order=p)`` pass ``p.flip(0)``; named heuristics
-    match both). ``scales``: ``[out, ngroups]`` with ``group_size``, or a scalar. → ``[out]``."""
+    """Per-row certificate ``(q_i - w_i)ᵀ H_d (q_i - w_i) ≤ ¼ Σ_j D_jj s_i[T_j]²`` of unclipped Babai /
+    back-to-front GPTQ, D from the damped Hessian's LDLᵀ in Babai's ``order`` → ``[out]``."""
     T = resolve_order(order, H, damp, babai=True)
     L, _ = cholesky(H, damp, T)
     return bound_from_d(d_by_column(L, T), scales, group_size, 1 if scales.dim() == 0 else scales.shape[0])
@@ -225,12 +213,9 @@ def upper_mm(A: torch.Tensor, B: torch.Tensor, leaf: int = 256, left: bool = Tru
 
 
 def tri_inv_upper(R: torch.Tensor, leaf: int = 256, overwrite: bool = False) -> torch.Tensor:
-    """Inverse of an upper-triangular matrix by 2x2 block recursion,
-    ``[[A⁻¹, −A⁻¹ B C⁻¹], [0, C⁻¹]]``, with triangle-aware products: ≈ n³/3 FLOPs, almost
-    all of them GEMM (LAPACK's triangular solve against I does n³ here). Returned row-major
-    even for a transposed R. ``overwrite``: R is garbage afterwards and, where its storage is
-    one n×n matrix (a Cholesky factor's transpose), the inverse is written there once R's
-    blocks are no longer read: one n×n matrix less at the peak, the same values."""
+    """Inverse of an upper-triangular matrix by 2×2 block recursion, nearly all GEMM (≈ n³/3 FLOPs),
+    row-major even for a transposed R. ``overwrite``: written into R's storage where it is one n×n
+    matrix, once R's blocks are read (one matrix less at the peak)."""
     n = R.shape[0]
     if n <= leaf:
         return torch.linalg.solve_triangular(R, torch.eye(n, dtype=R.dtype, device=R.device), upper=True)
@@ -248,10 +233,8 @@ def tri_inv_upper(R: torch.Tensor, leaf: int = 256, overwrite: bool = False) -> 
 
 
 def relative_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, panel: int = 2048) -> float:
-    """``‖X(Q−W)ᵀ‖² / ‖XWᵀ‖²`` = Σ eᵢᵀHeᵢ / Σ wᵢᵀHwᵢ, the figure a layer's record reports: fp32
-    products (a reported ratio needs no more than fp32's digits, and they run at twice fp64's
-    rate) over column panels of H converted one at a time, summed in fp64. :func:`layer_error`
-    stays the fp64 definition the certificate is checked with."""
+    """``‖X(Q−W)ᵀ‖² / ‖XWᵀ‖²``, the figure a layer's record reports: fp32 products over column panels
+    of H, summed in fp64; :func:`layer_error` is the fp64 definition."""
     W32 = W.float()
     E = Q.to(W32.device, torch.float32).sub(W32)
     num = den = 0.0

@@ -39,19 +39,10 @@ class CSR:
 
 @dataclass
 class QuantResult:
-    """A quantized ``[out, in]`` matrix.
-
-    z: int32 ``[out, in]`` integers (for SSQR 0 where a weight is an outlier); int8 from RTN on a
-       clipped grid, which must not hold four bytes a weight of an 8B model's largest matrix.
-    q: fp32 ``[out, in]`` dequantized weights = z·s (+ outliers), exactly what a checkpoint
-       loader reconstructs: ``stored_q``, or where a solver stores none (RTN) computed on each
-       read from ``z`` and the scales — the same products the solver rounded with.
-    scales: ``[out, ngroups]`` group scales (fp16-exact) or a 0-d per-matrix scale.
-    order: the processing sequence actually used (GPTQ frame: ``order[0]`` processed first).
-    coded_scales: with ``scale_bits``, ``scales`` as codes on second-level grids (decoded: ``scales``).
-    bound: per-row certificate ¼ Σ D s² (unclipped solvers only), against the Hessian damped
-       with ``damp``; ``error(W, H)`` gives the measured left-hand side.
-    """
+    """A quantized ``[out, in]`` matrix: integers ``z`` (int8 from clipped RTN), their dequantized
+    weights ``q`` as a loader reconstructs them, ``scales`` (groups, or 0-d per matrix), the column
+    ``order`` used, ``coded_scales`` (with ``scale_bits``) and the per-row certificate ``bound``
+    ¼ Σ D s² (unclipped solvers; ``error(W, H)`` measures its left-hand side)."""
     method: str
     z: torch.Tensor
     stored_q: torch.Tensor | None

@@ -1,11 +1,5 @@
-"""Quantization scales, fixed before any sweep (static groups, as in the paper).
-
-Shapes: ``W`` is ``[out, in]``; group scales are ``[out, ngroups]`` with
-``ngroups = ceil(in / group_size)`` (the last group may be ragged); a per-matrix
-scale is a 0-d tensor. Scales are rounded to fp16 here, once, because that is
-what checkpoints store: the dequantized weights seen by every algorithm are then
-exactly the ones a loader reconstructs.
-"""
+"""Quantization scales, fixed before any sweep (static groups, as in the paper): ``[out, ngroups]``
+per group or 0-d per matrix, rounded to fp16 once, as checkpoints store them."""
 from __future__ import annotations
 
 import math
@@ -63,18 +57,10 @@ def absmax_scales(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10, fine: int = 8,
                min_shrink: float = 0.2, row_chunk: int = 128, offset: float = 0.0) -> torch.Tensor:
-    """Per-group scales minimising the clipped-RTN squared error: absmax shrunk by the best
-    factor in ``[min_shrink, 1]``, searched per group coarse-to-fine (``coarse`` evenly
-    spaced factors, then ``fine`` factors between the best one's neighbours: the resolution
-    of a ~45-point grid for 18 evaluations). Returns fp16-exact ``[out, ngroups]`` fp32.
-
-    The code below is the definition; on CPU tensors the C++ op ``latq_cpu::mse_scales``
-    (``algorithms/csrc/scales.cpp``, several times faster) runs the same
-    arithmetic group by group, its errors summed in another order (a near-tie may pick the
-    other, equally good scale).
-
-    ``offset``: the grid is ``s·(z + offset)`` (½: the symmetric half-integer grid, screened in
-    ``bench/levers.py``; only the code below runs it)."""
+    """Per-group scales minimising the clipped-RTN squared error: absmax shrunk by the best factor in
+    ``[min_shrink, 1]``, searched coarse-to-fine; fp16-exact ``[out, ngroups]`` fp32. This code is
+    the definition; on CPU ``latq_cpu::mse_scales`` runs the same arithmetic (a near-tie may pick the
+    other scale). ``offset``: the grid ``s·(z + offset)``."""
     qmin, qmax = grid(bits)
     step = (1.0 - min_shrink) / (coarse - 1)
     if not offset and W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():

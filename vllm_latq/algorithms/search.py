@@ -1,13 +1,6 @@
-"""One-dimensional scale search shared by SSQR, HPTQ and HRTN (paper Alg. 9/11/12).
-
-All three scale fixed reference scales ``S0`` by one multiplier α and look for the α
-whose metric (outlier rate, or Huffman bits/weight) is at most ``target`` and within
-``tol`` of it; the metric falls as α grows. The paper bisects with one full solver run
-per step. Rows of W are quantized independently, so we bisect k-ary instead: each round
-runs one sweep over a stacked batch of ``grid`` copies of a fixed sample of rows, each
-copy with its own α (one Python loop over columns serves them all). A few full-matrix
-runs then settle the exact target. Cost ≈ 1 full run of sampled rounds + 1-2 full runs.
-"""
+"""One-dimensional scale search shared by SSQR, HPTQ and HRTN (paper Alg. 9/11/12): the multiplier
+α of the reference scales whose metric (outlier rate, Huffman bits/weight) meets ``target``
+within ``tol`` — k-ary rounds on a sample of rows, then a few full-matrix runs (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import math
@@ -138,11 +131,8 @@ def _bracket(sampled: Callable, log: list, aim: float, target: float, smax: floa
 
 def _settle(full: Callable, log: list, a: float, slope: float | None, aim: float, target: float, tol: float,
             smax: float, max_full: int) -> Searched:
-    """Stage 2: full-matrix runs (``full(α)`` → (value, :class:`Searched`)) from the sampled
-    estimate ``a``. The full matrix's metric is the sample's plus sampling noise, with about the
-    same ``slope`` in log α: each next α is a secant step (first on the final sampled round's
-    slope, then through the last two full runs), kept inside the bracket found so far and
-    bisected when it would leave it."""
+    """Stage 2: full-matrix runs from the sampled estimate ``a``, each next α a secant step kept
+    inside the bracket found so far (bisected where it would leave it)."""
     best = None    # Searched: the smallest alpha seen with value ≤ target
     above = None   # the largest alpha seen with value > target
     prev = None

@@ -141,15 +141,10 @@ def _round_column(j, w, s, rounder, Zt, Qt, Ot, Rt, jq=None):
 def back_substitution(M: torch.Tensor, T: torch.Tensor, X: torch.Tensor, scales: torch.Tensor,
                       group_size: int | None, rounder: Rounder, errors: bool, block_size: int = 128,
                       keep_rho: bool = False) -> list:
-    """The loop both GPTQ and Babai are: for j = c−1 … 0, ``ω_j = X_j − Σ_{l>j} M_jl b_l``,
-    round ``ω_j`` to ``q_j``, and propagate ``b_j`` = ``q_j`` (Babai: ``X = Y = A_d Wᵀ``,
-    ``M = A_d``) or ``ω_j − q_j`` (GPTQ: ``X = Wᵀ``, ``M`` = ``A⁻¹`` with columns over their
-    diagonal). ``M`` is upper-triangular, so a (sub-)block only updates rows above it: inside
-    a 16-row sub-block each ω gathers the sub-block's later b's (one GEMV, left-looking);
-    GEMMs update the rest of the block and all rows above it. ``X``: ``[in, out]`` rows in
-    processing order ``T``, overwritten. Outputs go straight to their column's row ``T[j]``:
-    ``[in, out]`` tables ``[Z, Q, outlier, rho]`` (:func:`_sweep_result` makes the Sweep, once
-    the caller's X is freed)."""
+    """The loop GPTQ and Babai both are: for j = c−1 … 0, ``ω_j = X_j − Σ_{l>j} M_jl b_l``, round
+    ω_j to q_j, propagate b_j = q_j (Babai: X = A_d Wᵀ, M = A_d) or ω_j − q_j (GPTQ: X = Wᵀ,
+    M = A⁻¹ over its diagonal); blocked as GEMMs with a GEMV per 16-row sub-block. ``X`` [in, out]
+    in order ``T``, overwritten; results go to row ``T[j]`` of the tables [Z, Q, outlier, rho]."""
     dt = M.dtype
     table, gidx = _scale_table(scales, group_size, T, dt)
     c, r = X.shape
@@ -224,14 +219,9 @@ def gptq_lattice(H: torch.Tensor, order="act", damp: float = 0.01, name: str | N
 
 def gptq_sweep(lat: GPTQLattice, W: torch.Tensor, scales: torch.Tensor, group_size: int | None,
                rounder: Rounder, block_size: int = 128, keep_rho: bool = False, offset: float = 0.0) -> Sweep:
-    """Paper Alg. 1 in GPTQ's lazy-batch form: each column's error ``(w − q)/U_jj · U_jl``
-    goes to the later columns — here :func:`back_substitution` on W in Babai's frame,
-    propagating errors through ``A⁻¹``. ``W``: ``[out, in]``; ``scales``: see
-    :func:`_scale_table`.
-
-    ``offset`` (e.g. ½): the grid is ``s·(z + offset)``, a shifted lattice. Rounding W on it is
-    rounding ``W − offset·s`` on the integers and shifting back (the error, hence the
-    certificate, is unchanged); outliers are re-rounded to fp16 after the shift."""
+    """Paper Alg. 1 in GPTQ's lazy-batch form, as :func:`back_substitution` in Babai's frame (errors
+    propagated through ``A⁻¹``). ``offset``: the shifted grid ``s·(z + offset)``, rounded as
+    ``W − offset·s`` on the integers (the certificate unchanged)."""
     T = lat.T
     shift = offset * expand(scales.to(W.device).float(), group_size, tuple(W.shape)) if offset else None
     sw = _sweep_result(back_substitution(lat.M, T, _rows(W if shift is None else W - shift, T, lat.M.dtype), scales,
@@ -390,21 +380,12 @@ def gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
          damp: float = 0.01, clip: bool = True, scales: torch.Tensor | None = None,
          block_size: int = 128, keep_rho: bool = False, offset: float = 0.0, scale_bits: int | None = None,
          decoder: str = "babai", beam: int = 1, name: str | None = None) -> QuantResult:
-    """GPTQ (paper Alg. 1): columns processed first-to-last in ``order`` (a name from
-    ``lattice.ORDERS`` or a permutation), each rounded and its error spread over the
-    unprocessed columns through the Cholesky factor of ``H⁻¹``. The plain column loop this
-    computes, in a dozen lines: :func:`vllm_latq.testing.gptq_loop.reference_gptq`.
-
-    W ``[out, in]``; H ``[in, in]`` (= XᵀX, undamped; λ = damp·mean diag H is added).
-    ``clip=False`` rounds to unbounded integers and fills ``.bound`` (the certificate).
-    ``scales`` (``[out, ngroups]`` or a scalar) overrides the MSE group scales.
-    ``keep_rho`` keeps the rounded arguments ω/s in ``info["rho"]``. ``offset``: the grid
-    ``s·(z + offset)`` (:func:`gptq_sweep`; the checkpoint format has no offset yet).
-    ``scale_bits``: the group scales coded on second-level grids (format/scale_codes.py), the
-    integers solved against the decoded scales; ``.coded_scales`` carries the codes.
-    ``decoder``: ``kbest`` / ``klein`` search beyond Babai's nearest plane (≡ GPTQ) with ``beam``
-    survivors / draws (:func:`decoded_sweep`), never farther from W in the H-norm.
-    """
+    """GPTQ (paper Alg. 1): columns first-to-last in ``order``, each rounded and its error spread
+    over the later columns through the Cholesky factor of ``H⁻¹``; the plain loop this computes:
+    :func:`vllm_latq.testing.gptq_loop.reference_gptq`. H is XᵀX undamped. ``clip=False``: unbounded
+    integers and the certificate ``.bound``; ``scales`` overrides the MSE scales; ``keep_rho`` keeps
+    ω/s; ``scale_bits``: scales coded on second-level grids, the integers solved against their decode;
+    ``decoder``: ``kbest`` / ``klein`` search beyond Babai with ``beam`` survivors / draws."""
     lattice.check_inputs(W, H, name)
     scales, group_size, coded = _scales_for(W, bits, group_size, scales, offset, scale_bits)
     lat = solver_lattice(H, order, damp, name, _compute_dtype(W), decoder, beam)
@@ -420,12 +401,9 @@ def babai(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 
           damp: float = 0.01, clip: bool = False, scales: torch.Tensor | None = None,
           block_size: int = 128, keep_rho: bool = False, scale_bits: int | None = None,
           decoder: str = "babai", beam: int = 1, name: str | None = None) -> QuantResult:
-    """Babai's nearest plane (paper v1 Alg. 3), batched over output rows: back-to-front on
-    the upper Cholesky factor A of the damped, permuted Hessian (AᵀA = TᵀH_dT).
-
-    ``order`` is Babai's Gram-Schmidt order T (processed ``T[-1]`` first); ``babai(order=p.
-    flip(0))`` returns the same integers as ``gptq(order=p)``. Unclipped by default, which
-    is where the certificate ``.bound`` holds. Other arguments as in :func:`gptq`."""
+    """Babai's nearest plane (paper v1 Alg. 3), batched over rows, back-to-front on the upper
+    Cholesky factor of the damped, permuted Hessian; ``babai(order=p.flip(0))`` equals
+    ``gptq(order=p)``. Unclipped by default, where ``.bound`` holds."""
     lattice.check_inputs(W, H, name)
     scales, group_size, coded = _scales_for(W, bits, group_size, scales, scale_bits=scale_bits)
     T = lattice.resolve_order(order, H, damp, babai=True)

@@ -1,10 +1,6 @@
-"""SSQR (paper §5, Alg. 9): b-bit group-quantized inliers + CSR fp16 outliers.
-
-Outliers are exactly the weights whose integer would overflow the b-bit grid *after*
-GPTQ's error propagation without clipping; one multiplier α on the MSE scales is searched
-so that they are at most ``outlier_rate`` of the matrix. No weight is clipped, so the
-certificate holds.
-"""
+"""SSQR (paper §5, Alg. 9): b-bit group-quantized inliers + CSR fp16 outliers, the weights whose
+integer would overflow the grid after unclipped GPTQ; one multiplier α on the MSE scales is
+searched so that they are at most ``outlier_rate``. Nothing is clipped: the certificate holds."""
 from __future__ import annotations
 
 import torch
@@ -28,12 +24,10 @@ def ssqr(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 1
          outlier_rate: float = 0.01, order="act", damp: float = 0.01, block_size: int = 128,
          tol: float = 5e-4, offset: float = 0.0, decoder: str = "babai", beam: int = 1,
          name: str | None = None) -> QuantResult:
-    """W ``[out, in]``, H ``[in, in]`` → inliers ``.z`` (0 at outliers), ``.scales``
-    ``[out, ngroups]`` = α·MSE scales (those the search ran with), ``.outliers`` (CSR), ``.bound``.
-    The outlier rate achieved is ≤ ``outlier_rate`` and within ``tol`` of it when reachable;
-    H is factorized once for the whole search. ``offset`` (½: the symmetric half-integer grid
-    ``s·(z + ½)``, screened in ``bench/levers.py``) shifts the grid (:func:`.solvers.gptq_sweep`);
-    ``decoder``/``beam``: every search step decoded beyond Babai (:func:`.solvers.decoded_sweep`)."""
+    """W ``[out, in]``, H ``[in, in]`` → inliers ``.z`` (0 at outliers), ``.scales`` (α·MSE scales),
+    ``.outliers`` (CSR), ``.bound``; the rate achieved is ≤ ``outlier_rate``, within ``tol`` where
+    reachable. ``offset``: the shifted grid (:func:`.solvers.gptq_sweep`); ``decoder``/``beam``:
+    every search step decoded beyond Babai."""
     lattice.check_inputs(W, H, name)
     if not 0 <= outlier_rate < 1:
         raise ValueError(f"outlier_rate must be in [0, 1), got {outlier_rate}")

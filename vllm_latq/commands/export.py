@@ -1,9 +1,6 @@
-"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint as a standard one.
-
-Dense 2–8-bit layers with natural groups and no outliers become compressed-tensors'
-``pack-quantized`` form, read by stock vLLM, SGLang and transformers; any other layer is
-refused, or written in bf16 with ``--dequantize-unmapped`` (docs/FORMAT.md, "Export"). A rotated
-checkpoint's mapped layers carry compressed-tensors' ``transform_config`` and their transform weights."""
+"""``latq-export CKPT OUT --format compressed-tensors``: a latq checkpoint's standard layers as
+``pack-quantized`` tensors stock vLLM, SGLang and transformers read, a rotated one's with its
+``transform_config`` (docs/FORMAT.md, "Export")."""
 
 from __future__ import annotations
 
@@ -105,8 +102,7 @@ def packed_tensors(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
 
 
 def dequantized_tensor(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
-    """An unmapped layer as its bf16 ``weight`` (format's one dequantization, a rotated one's
-    ``Q·Rᵀ``, then rounded)."""
+    """An unmapped layer as its bf16 ``weight`` (a rotated one's ``Q·Rᵀ``)."""
     t = ck.layer_tensors(layer.module)
     W = dequantize_layer(t, ck.spec.kind, layer.shape, layer.bits, ck.spec.group_size)
     if ck.spec.rotation is not None:
@@ -120,16 +116,14 @@ def transform_name(block: int) -> str:
 
 
 def transform_tensor(ck: Checkpoint, layer: Layer) -> dict[str, torch.Tensor]:
-    """A mapped rotated layer's transform weight, ``diag(s)·H_b`` (±1: exact in bf16), under the
-    name vLLM's ``HadamardTransform`` loads it by."""
+    """A mapped rotated layer's transform weight ``diag(s)·H_b``, named as vLLM loads it."""
     signs = ck.spec.rotation.signs(layer.shape[1])
     return {f"{layer.module}.{transform_name(signs.numel())}_input.weight":
             rotation.random_hadamard(signs, torch.bfloat16)}
 
 
 def transform_config(ck: Checkpoint, layers: list[Layer]) -> dict:
-    """compressed-tensors' ``transform_config``: one random-Hadamard scheme per block size, on the
-    mapped layers whose input it rotates."""
+    """compressed-tensors' ``transform_config``: a scheme per block size, on the mapped layers."""
     by_block: dict[int, list[str]] = {}
     for x in layers:
         if not x.refusal:
@@ -249,7 +243,8 @@ def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
         n = sum(x.shape[0] * x.shape[1] for x in xs)
         return sum(layer_bits(x, ck.spec.group_size) * x.shape[0] * x.shape[1] for x in xs) / n if n else None
     unmapped = [x for x in layers if x.refusal]
-    return {"layers": len(layers), "packed": len(layers) - len(unmapped), "rotated": ck.spec.rotation is not None, "bf16": len(unmapped),
+    return {"layers": len(layers), "packed": len(layers) - len(unmapped), "rotated": ck.spec.rotation is not None,
+            "bf16": len(unmapped),
             "bf16_params": sum(x.shape[0] * x.shape[1] for x in unmapped), "bits_per_weight": mean_bits(layers),
             "packed_bits_per_weight": mean_bits([x for x in layers if not x.refusal]),
             "source_bits_per_weight": latq_record(ck, layers)["source_bits_per_weight"]}

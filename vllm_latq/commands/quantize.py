@@ -1,9 +1,6 @@
-"""``latq-quantize MODEL OUT``: quantize a Hugging Face causal LM into a latq checkpoint.
-
-MODEL is a Hugging Face directory (bf16/fp16/fp32 safetensors), a ``.gguf`` file (converted
-once into the cache), or a reference model name (gemma3-270m, smollm2-135m). The checkpoint
-format is described in docs/FORMAT.md; ``latq-inspect OUT`` validates it, ``latq-eval OUT``
-measures its perplexity."""
+"""``latq-quantize MODEL OUT``: quantize a Hugging Face causal LM (a directory of safetensors, a
+``.gguf`` file, or a reference model name: gemma3-270m, smollm2-135m) into a latq checkpoint
+(docs/FORMAT.md); ``latq-inspect OUT`` validates it, ``latq-eval OUT`` measures its perplexity."""
 from __future__ import annotations
 
 import argparse

@@ -12,7 +12,7 @@ MAX_CODE_LEN = 16  # decoders peek 16 bits and use a 2^16-entry lookup table
 CHUNK = 2048  # symbols per chunk; 2048 * 16 bits = 32768 fits a uint16
 _TABLE_SIZE = 1 << MAX_CODE_LEN
 _BLOCK = 1 << 20  # symbols per vectorised encode/histogram block (multiple of CHUNK)
-_LUT_SPAN = 1 << 22  # widest symbol range mapped by a dense lookup table
+_LUT_SPAN = 1 << 22  # widest symbol range mapped by a direct-indexed lookup table
 _LANES = 2048  # chunks decoded together (one vector lane each)
 _I32 = np.iinfo(np.int32)
 
@@ -213,7 +213,7 @@ class HuffmanCode:
         if self.nsym == 0:
             raise ValueError(f"symbol {int(flat[0])} is not in the code (empty code)")
         lo, hi = int(self.symbols.min()), int(self.symbols.max())
-        if hi - lo < _LUT_SPAN:  # dense lookup table; -1 marks gaps
+        if hi - lo < _LUT_SPAN:  # direct-indexed lookup table; -1 marks gaps
             lut = np.full(hi - lo + 1, -1, np.int32)
             lut[self.symbols.astype(np.int64) - lo] = np.arange(self.nsym, dtype=np.int32)
             off = flat.astype(np.int64) - lo

@@ -1,25 +1,6 @@
-"""The tensors of one quantized linear ``P`` (an ``[out, in]`` weight): encode a solver's
-result, decode the integers, dequantize, expected shapes, validation and stored size.
-``docs/FORMAT.md`` is the prose version. Two kinds:
-
-dense  (SSQR, GPTQ, RTN, Babai — b-bit integers on the clipped grid + optional outliers)
-    P.qweight       int32  [out, ceil(in/32)·b]  packed offset-binary integers (packing.py)
-    P.scales        fp16   [out, ceil(in/g)]     group scales (static natural groups)
-    P.outlier_crow  int32  [out+1]               CSR row pointers (all zero: no outliers)
-    P.outlier_col   int16  [nnz]                 column indices (int32 when in > 32767)
-    P.outlier_val   fp16   [nnz]                 outlier weights (their dense integer is 0)
-    W = unpack(qweight)·scales (per group) + CSR(outliers)             see dequantize()
-    with second-level scales (``scale_bits``, scale_codes.py) P.scales is replaced by
-    P.scale_codes uint8 [ceil(out/2), G], P.scale_min / P.scale_step fp16 [ceil(out/16), G]
-
-huffman (HPTQ, HRTN — unclipped integers under one scale, one canonical Huffman code)
-    P.hscale        fp32   [1]
-    P.hsymbols      int32  [nsym]                canonical order (by code length, symbol)
-    P.hlengths      uint8  [nsym]                code lengths (≤ 16)
-    P.hstream       uint8  [nbytes]              MSB-first bit stream, row-major symbols
-    P.hchunk_bits   int16  [ceil(out·in/2048)]   bits of each 2048-symbol chunk (uint16 bits)
-    W = decode(stream) · hscale
-"""
+"""The tensors of one quantized linear ``P`` (an ``[out, in]`` weight) of either kind, dense or
+huffman: encode a solver's result, decode, dequantize, expected shapes, validation, stored
+size. The tensors, their dtypes and shapes: docs/FORMAT.md."""
 from __future__ import annotations
 
 import math
@@ -116,11 +97,8 @@ def decode_integers(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, crow: torch.Tensor, col: torch.Tensor,
                val: torch.Tensor, bits: int, group_size: int, in_features: int) -> torch.Tensor:
-    """fp32 ``[out, in]`` weights of the dense form: ``unpack(qweight) · scales`` (scale of
-    group ``j // group_size`` for column j) **plus** the CSR outliers ``(crow, col, val)``.
-    The one definition of the dense math: the checkpoint reader, ``latq-eval`` and the
-    kernels' reference all call it. The validator guarantees the integer under an outlier
-    is 0, so adding and overwriting agree on every valid file."""
+    """fp32 ``[out, in]`` weights of the dense form: ``unpack(qweight) · scales`` plus the CSR
+    outliers; the one definition of the dense math (reader, ``latq-eval``, kernels' reference)."""
     z = unpack(qweight, bits, in_features).float()
     W = z * scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
     W[csr_rows(crow, col.numel()), col.long()] += val.float()

@@ -122,15 +122,13 @@ def unrotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 def random_hadamard(signs: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``diag(s)·H_b`` ``[b, b]`` (±1, exact in every dtype): compressed-tensors' unnormalised
-    ``random_hadamard_matrix`` of the seed, the transform weight its readers divide by √b."""
+    """``diag(s)·H_b`` ``[b, b]`` (±1): the transform weight compressed-tensors' readers divide by √b."""
     b = signs.numel()
     return fwht_(torch.diag(signs.to(torch.float64)).contiguous(), b).to(dtype)
 
 
 def transform_scheme(block: int, targets: list[str]) -> dict:
-    """compressed-tensors' ``TransformScheme`` (as its JSON) of R on ``targets``: a random Hadamard
-    on ``block``-column blocks of the input, applied online (``x → x·M/√b``, M stored per layer)."""
+    """compressed-tensors' ``TransformScheme`` JSON of R on ``targets`` (docs/FORMAT.md, "Export")."""
     return {"type": "random-hadamard", "head_dim": block, "randomize": False, "requires_grad": False,
             "precision": "float32", "apply": [{"targets": list(targets), "location": "input", "inverse": False,
                                                "ignore": []}]}

@@ -29,15 +29,10 @@ logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows
 
 def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_checksums: bool = True,
                         progress: bool = False, expect_digest: str | None = None) -> dict:
-    """Check everything about a checkpoint and return its report ``{"layers": [...], "totals":
-    {...}, "spec": QuantSpec, "unsealed": [...]}``. Raises :class:`FormatError` naming file and
-    tensor on the first problem: the pinned digest (``expect_digest``, first), config,
-    index/shard consistency, safetensors headers, checksums, every layer's tensors
-    (:func:`~vllm_latq.format.layer.validate_layer`, with ``decode`` the Huffman streams are
-    decoded), the bit budget, plain tensors' shapes against a meta-device model built from
-    ``config.json`` and their values, the stats file, and (with ``verify_checksums``)
-    ``latq_manifest.json``: every file of the directory sealed as written. ``unsealed``: the
-    entries no loader reads that the manifest leaves out (README.md, subdirectories)."""
+    """Check everything about a checkpoint, shapes before bytes, and return its report
+    ``{"layers", "totals", "spec", "unsealed"}`` (``unsealed``: files no loader reads that the
+    manifest leaves out). Raises :class:`FormatError` naming file and tensor on the first problem
+    (the checks in order: docs/FORMAT.md, "Validation and its errors")."""
     if expect_digest is not None:
         if not verify_checksums:
             raise ValueError("a pinned digest needs the checks --no-verify skips: pass one or the other")
@@ -56,43 +51,14 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     tied = ({f"{n}.weight" for n, m in model.named_modules() if m is head}
             if getattr(model.config, "tie_word_embeddings", False) else set())
 
-    rank = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    where = lambda m: (ck_names.experts[m].experts_module if m in ck_names.experts  # noqa: E731
-                       else ck_names.model_key(f"{m}.weight").removesuffix(".weight"))
-    layers = dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(where(kv[0]), len(rank)), kv[0])))
+    layers = _layers_in_model_order(ck, model, ck_names)
     rows, covered, experts_done = [], set(), {}
     it = layers.items()
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(it, desc="validating", unit="layer", total=len(layers))
     for module, names in it:
-        files = {ck.where[n] for n in names.values()}
-        file = sorted(files)[0]
-        if len(files) > 1:
-            raise FormatError(f"tensors of one layer are split over {sorted(files)}", file=file, tensor=module)
-        if f"{module}.weight" in ck.where:
-            raise FormatError("stored both quantized and as a plain weight", file=file, tensor=f"{module}.weight")
-        if not spec.is_converted(module):
-            raise FormatError("quantized, but listed in quantization_config.modules_not_converted", file=file,
-                              tensor=module)
-        shape = linear_shape(model, module, file, ck_names)
-        check_declared_shapes(ck.shards[file], names, spec.kind, shape, spec.bits_of(module), spec.group_size,
-                              layer=module, file=file)
-        if verify_checksums:
-            for n in names.values():
-                ck.shards[file].verify(n)
-        t = {sfx: ck.tensor(n) for sfx, n in names.items()}
-        if spec.kind == "dense" and has_coded_scales(t) != (spec.scale_bits is not None):
-            raise FormatError("scales stored " + ("as codes, but quantization_config has no scale_bits"
-                                                  if has_coded_scales(t) else
-                                                  f"in fp16, but quantization_config.scale_bits is {spec.scale_bits}"),
-                              file=file, tensor=module)
-        validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
-                           decode=decode)
-        if spec.kind == "dense" and spec.method != "ssqr" and t["outlier_col"].numel():
-            raise FormatError(f"{t['outlier_col'].numel()} outliers, but method {spec.method} stores none",
-                              file=file, tensor=f"{module}.outlier_col")
-        st = check_budget(t, spec, shape, layer=module, file=file)
+        rows.append(_check_layer(ck, model, ck_names, module, names, decode=decode, verify_checksums=verify_checksums))
         if module in ck_names.experts:  # a fused parameter is covered once each of its per-expert layers is
             p = ck_names.experts[module].param
             experts_done[p] = experts_done.get(p, 0) + 1
@@ -100,31 +66,13 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
                 covered.add(p)
         else:
             covered.add(ck_names.model_key(f"{module}.weight"))
-        rows.append({"name": module, "kind": spec.kind, "shape": list(shape), **st})
 
     stray = [m for m, _ in spec.layer_bits if m not in layers]
     if stray:
         raise FormatError(f"quantization_config.layer_bits names {stray}, which are not quantized layers of the "
                           "checkpoint", file=CONFIG_FILE)
 
-    config_dtype = getattr(torch, hf_model.model_dtype(ck.config), None)
-    for name in ck.plain_names():
-        file = ck.where[name]
-        if ck_names.model_key(name) not in expected:
-            raise FormatError("unexpected tensor: not a parameter of the model in config.json", file=file, tensor=name)
-        want = expected[ck_names.model_key(name)]
-        f = ck.shards[file]
-        if f.shape(name) != tuple(want.shape):
-            raise FormatError(f"shape {f.shape(name)}, expected {tuple(want.shape)} from config.json", file=file,
-                              tensor=name)
-        if not f.dtype(name).is_floating_point:
-            raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
-        check_plain_dtype(f, name, config_dtype, file=file)
-        if verify_checksums:
-            f.verify(name, value_limit=MAX_WEIGHT)   # one pass over the bytes: sha256 and values
-        else:
-            f.check_values(name, MAX_WEIGHT)
-        covered.add(ck_names.model_key(name))
+    covered |= _check_plain_tensors(ck, ck_names, expected, verify_checksums)
     persistent = {n for n in expected if n not in dict(model.named_buffers())}
     missing = sorted(persistent - covered - tied)
     if missing:
@@ -156,6 +104,72 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if verify_checksums:   # last, so that a structural problem is named as such first
         unsealed = verify_manifest(ck.path, ck.config, ck.shards, expect_digest)
     return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec, "unsealed": unsealed}
+
+
+def _layers_in_model_order(ck: Checkpoint, model, ck_names) -> dict[str, dict[str, str]]:
+    """The checkpoint's quantized layers in the model's module order (experts at their module)."""
+    rank = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    where = lambda m: (ck_names.experts[m].experts_module if m in ck_names.experts  # noqa: E731
+                       else ck_names.model_key(f"{m}.weight").removesuffix(".weight"))
+    return dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(where(kv[0]), len(rank)), kv[0])))
+
+
+def _check_layer(ck: Checkpoint, model, ck_names, module: str, names: dict[str, str], *, decode: bool,
+                 verify_checksums: bool) -> dict:
+    """One quantized layer's tensors checked against the config and the model; its report row."""
+    spec = ck.spec
+    files = {ck.where[n] for n in names.values()}
+    file = sorted(files)[0]
+    if len(files) > 1:
+        raise FormatError(f"tensors of one layer are split over {sorted(files)}", file=file, tensor=module)
+    if f"{module}.weight" in ck.where:
+        raise FormatError("stored both quantized and as a plain weight", file=file, tensor=f"{module}.weight")
+    if not spec.is_converted(module):
+        raise FormatError("quantized, but listed in quantization_config.modules_not_converted", file=file,
+                          tensor=module)
+    shape = linear_shape(model, module, file, ck_names)
+    check_declared_shapes(ck.shards[file], names, spec.kind, shape, spec.bits_of(module), spec.group_size,
+                          layer=module, file=file)
+    if verify_checksums:
+        for n in names.values():
+            ck.shards[file].verify(n)
+    t = {sfx: ck.tensor(n) for sfx, n in names.items()}
+    if spec.kind == "dense" and has_coded_scales(t) != (spec.scale_bits is not None):
+        raise FormatError("scales stored " + ("as codes, but quantization_config has no scale_bits"
+                                              if has_coded_scales(t) else
+                                              f"in fp16, but quantization_config.scale_bits is {spec.scale_bits}"),
+                          file=file, tensor=module)
+    validate_layer(t, spec.kind, shape, spec.bits_of(module), spec.group_size, layer=module, file=file,
+                       decode=decode)
+    if spec.kind == "dense" and spec.method != "ssqr" and t["outlier_col"].numel():
+        raise FormatError(f"{t['outlier_col'].numel()} outliers, but method {spec.method} stores none",
+                          file=file, tensor=f"{module}.outlier_col")
+    st = check_budget(t, spec, shape, layer=module, file=file)
+    return {"name": module, "kind": spec.kind, "shape": list(shape), **st}
+
+
+def _check_plain_tensors(ck: Checkpoint, ck_names, expected: dict, verify_checksums: bool) -> set[str]:
+    """Every stored plain tensor checked against the model's parameter; the model keys covered."""
+    covered = set()
+    config_dtype = getattr(torch, hf_model.model_dtype(ck.config), None)
+    for name in ck.plain_names():
+        file = ck.where[name]
+        if ck_names.model_key(name) not in expected:
+            raise FormatError("unexpected tensor: not a parameter of the model in config.json", file=file, tensor=name)
+        want = expected[ck_names.model_key(name)]
+        f = ck.shards[file]
+        if f.shape(name) != tuple(want.shape):
+            raise FormatError(f"shape {f.shape(name)}, expected {tuple(want.shape)} from config.json", file=file,
+                              tensor=name)
+        if not f.dtype(name).is_floating_point:
+            raise FormatError(f"dtype {f.dtype(name)}, expected a floating-point dtype", file=file, tensor=name)
+        check_plain_dtype(f, name, config_dtype, file=file)
+        if verify_checksums:
+            f.verify(name, value_limit=MAX_WEIGHT)   # one pass over the bytes: sha256 and values
+        else:
+            f.check_values(name, MAX_WEIGHT)
+        covered.add(ck_names.model_key(name))
+    return covered
 
 
 def verify_for_serving(path: str | os.PathLike) -> dict:

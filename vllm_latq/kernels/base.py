@@ -1,14 +1,6 @@
-"""The kernel interface: what every latq kernel implements, and the flatten contract that
-lets a vLLM layer keep a kernel's prepared state as buffers + static ints.
-
-A kernel turns the runtime form (:class:`~vllm_latq.kernels.weight.LatqWeight`) into its
-own layout once at load (``prepare``) and computes ``y = x @ Wᵀ (+ bias)`` per call
-(``apply``), matching :func:`~vllm_latq.kernels.reference.latq_linear_ref`.
-``can_implement`` says whether it can run a layer and, if not, why (the selector,
-:mod:`~vllm_latq.kernels.selector`, lists those reasons when nothing fits). It also says what a
-layer costs to serve — decode speed is set by the bytes each step streams, so a layer's cost is
-its *served* bits/weight, not its stored ones (``served_bytes``, ``layout_bytes``).
-"""
+"""The kernel interface every latq kernel implements (``can_implement → (ok, reason)``,
+``prepare``, ``apply``, served bytes), and the flatten contract that lets a vLLM layer keep a
+kernel's prepared state as buffers and static ints."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,24 +57,10 @@ def unflatten_dataclass(cls: type, tensors, ints) -> Any:
 class LatqKernel:
     """Base class of the latq kernels (classmethods only: a kernel has no instance state).
 
-    Custom-op contract (vLLM's compiled mode, CUDA graphs): the vLLM layer does not keep the
-    state object; it keeps ``flatten(state)`` = (tensors, ints) — the tensors as module buffers,
-    the ints as static Python ints — and ``kernels/ops.py`` runs one ``torch.library`` custom op
-    per kernel (``torch.ops.latq.<name>_linear``) that calls ``apply(unflatten(tensors, ints),
-    x, bias)``. The defaults below handle a state that is a dataclass of ``state_cls`` whose
-    fields are tensors (annotation mentions ``Tensor``; ``None`` allowed) or ints; a kernel with
-    another state overrides ``flatten``/``unflatten``. Inside ``apply`` anything goes (batch-size
-    branches, ``.item()``, sparse tensors built from dense crow/col/val): the op is opaque to
-    tracing. State tensors must be dense (no sparse layouts) and on the layer's device.
-
-    Served bytes (decode speed is set by the bytes each step streams, so a layer's cost is its
-    *served* bits/weight, not its stored ones): ``served_bytes(state)`` measures the
-    prepared state's tensors that ``apply`` reads, by part (inliers, scales, outliers with their
-    index and padding); ``layout_bytes(n, k, bits, group, stats, scale_bits)`` is the same number
-    from the layer's :class:`~vllm_latq.kernels.served_bytes.GridStats` without preparing it (and
-    ``scale_bits``: its scales coded, ``format.scale_codes``; None: fp16) — the cost model
-    :func:`~vllm_latq.kernels.transcode.transcode` chooses HPTQ widths by (among ``widths``, the
-    inlier widths the kernel takes) and ``latq-inspect`` reports. Tests tie the two per kernel."""
+    A vLLM layer keeps ``flatten(state)`` = (tensors as buffers, static ints), and one custom op per
+    kernel calls ``apply(unflatten(...), x, bias)`` (``kernels/ops.py``), opaque to tracing. The
+    defaults handle a dataclass ``state_cls`` of non-sparse tensors and ints. ``served_bytes`` measures a
+    prepared state, ``layout_bytes`` predicts it from the integers' statistics (docs/ARCHITECTURE.md)."""
     name = "base"
     state_cls: type = LatqWeight  # what prepare() returns (used by the default unflatten)
     auto_select = True            # False: only when forced by name (``LATQ_KERNEL``)
@@ -112,20 +90,16 @@ class LatqKernel:
 
     @classmethod
     def served_bytes(cls, state: Any) -> dict[str, int]:
-        """Bytes of the prepared state one decode step streams, by part (``numel ·
-        element_size`` of the tensors ``apply`` reads). Default: every state tensor, as
-        ``other``; kernels split them into inliers / scales / outliers and say what they leave
-        out."""
+        """Bytes of the prepared state one decode step streams, by part (default: every state
+        tensor, as ``other``)."""
         tensors, _ = cls.flatten(state)
         return {"other": sum(t.numel() * t.element_size() for t in tensors if t is not None)}
 
     @classmethod
     def layout_bytes(cls, n: int, k: int, bits: int, group: int, stats: GridStats,
                      scale_bits: int | None = None) -> dict[str, int]:
-        """``served_bytes`` of the state ``prepare`` would build for an ``n``×``k`` layer with
-        ``bits``-bit inliers, ``group`` columns per scale, the integers of ``stats`` and scales
-        coded with ``scale_bits`` (None: fp16; a kernel that decodes codes at prepare counts
-        fp16 either way); ValueError if the kernel cannot lay it out."""
+        """``served_bytes`` of the state ``prepare`` would build for an ``n``×``k`` layer of these
+        integers (``stats``) and scales (``scale_bits``: coded; None: fp16); ValueError if it cannot."""
         raise NotImplementedError
 
     @classmethod

@@ -1,17 +1,7 @@
-"""Dequantize-once kernels: the weights are dequantized at load (``weight.dequantize``)
-and every call is a dense matmul — an unquantized layer's memory and speed, instead of the
-reference's dequantization on every call (seconds per step on a large head).
-
-* :class:`DequantizedBf16Kernel` (``bf16``): the fallback when no compressed kernel can run a
-  layer (e.g. an 8-bit ``--lm-head-bits`` head on a GPU, where the Triton kernels cover 2–5
-  bits). Selecting it logs a warning with every faster kernel's reason. Equals the reference
-  up to the bf16 rounding of the weights (and of the activations).
-* :class:`DequantizedFp32Kernel` (``dequant``): opt-in only — keeps fp32 weights (4
-  bytes/weight, twice bf16), so it is never selected automatically; it exists to check
-  loading end to end on real models at dense speed. Computes exactly
-  :func:`~vllm_latq.kernels.reference.latq_linear_ref`: the same fp32 matmul on the same
-  dequantized matrix.
-"""
+"""Dequantize-once kernels: weights dequantized at load, every call one matmul of the unquantized shape.
+``bf16`` is the fallback where no compressed kernel runs a layer (selecting it logs every
+faster kernel's reason); ``dequant`` (fp32 weights, opt-in only) computes exactly the
+reference's matmul, to check loading end to end at an unquantized layer's speed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,7 +49,7 @@ class DequantizedBf16Kernel(_DequantizedKernel):
 
 
 class DequantizedFp32Kernel(_DequantizedKernel):
-    """Opt-in (``auto_select = False``): the reference's numbers at dense speed."""
+    """Opt-in (``auto_select = False``): the reference's numbers at an unquantized layer's speed."""
     name = "dequant"
     weight_dtype = torch.float32
     auto_select = False

@@ -8,13 +8,9 @@ import torch
 
 
 class DerivedCache:
-    """Values derived from a layer's state tensors, built on first use and kept exactly as long
-    as the source tensor lives. The state a call gets is rebuilt per custom-op call
-    (``unflatten``), so the cache cannot live on it: entries are keyed by the source tensors'
-    addresses and shapes, and dropped (``weakref.finalize``) when the first source tensor is
-    freed — so dropping a layer frees them, and a freed address is never looked up again. An
-    entry must not hold the source tensors themselves (that would keep them alive): alias them
-    with ``detach()`` (a ``view`` keeps its base)."""
+    """Values derived from a layer's state tensors, kept exactly as long as the source tensor lives:
+    keyed by the sources' addresses and shapes (the state is rebuilt per op call) and dropped by
+    ``weakref.finalize``. An entry must not hold the source itself: alias it with ``detach()``."""
 
     def __init__(self):
         self.entries: dict[tuple, object] = {}

@@ -1,7 +1,5 @@
-"""CUDA-graph facts the kernels decide by, asked in one place: whether a graph is being
-captured now, and whether a call of a given batch may be one that vLLM captures (its
-eager warm-up at a capture size must take the path the capture will take, or the capture
-meets kernels, scratch and host reads the warm-up never prepared)."""
+"""CUDA-graph facts the kernels decide by, in one place: whether a graph is being captured, and
+whether a batch may be one vLLM captures (its warm-up must take the capture's path)."""
 from __future__ import annotations
 
 import sys
@@ -30,11 +28,9 @@ def may_be_captured(device, tokens: int) -> bool:
 
 
 def concurrent_streams() -> list:
-    """Streams on which vLLM runs model layers concurrently with the forward's own stream: the
-    one ``vllm.utils.torch_utils.aux_stream()`` makes (MoE shared experts, and the few models
-    that overlap other work), once some layer has created it. Every other stream vLLM runs a
-    forward on (the default one, each CUDA-graph capture stream, the memory profiler's) is
-    ordered with the forward. Read without importing vLLM or creating the stream."""
+    """Streams on which vLLM runs layers concurrently with the forward (``aux_stream()``: MoE shared
+    experts), once created; every other stream it forwards on is ordered with the forward. Read
+    without importing vLLM."""
     mod = sys.modules.get("vllm.utils.torch_utils")
     aux = getattr(mod, "_aux_stream", None) if mod is not None else None
     return [aux] if aux is not None else []

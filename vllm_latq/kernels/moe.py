@@ -1,15 +1,7 @@
-"""Routed experts through the latq kernels: the mixture-of-experts forward of one layer whose
-experts are latq linears (``w13`` = gate and up stacked, ``w2`` = down), each prepared by
-its own kernel (:mod:`~vllm_latq.kernels.selector`).
-
-    y_t = Σ_k  p_tk · W2_e (act(W13_e x_t))      e = topk_ids[t, k],  p = topk_weights
-
-Three paths compute it (:func:`experts_forward`): ``stacked`` (one grouped Triton launch per
-projection, no host sync: what CUDA graphs capture), ``host`` (one GEMM per expert that received
-tokens, any kernel, eager) and ``masked`` (every expert on every token, capturable with any
-kernel). :func:`flatten` / :func:`unflatten` carry the experts' states through the custom op
-``latq::moe_experts`` (:func:`~vllm_latq.kernels.ops.moe_op`).
-"""
+"""Routed experts through the latq kernels: the mixture-of-experts forward of one layer,
+``y_t = Σ_k p_tk · W2_e(act(W13_e x_t))`` with each expert's linears prepared by their own
+kernel, by one of three paths (:func:`experts_forward`), its states carried through the custom
+op ``latq::moe_experts`` (:func:`flatten` / :func:`unflatten`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -111,12 +103,8 @@ def compile_stacked(stacked: Stacked, act_dtype: torch.dtype) -> None:
 
 
 def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
-    """``stacked``, or the other path by ``triton_moe.path_times``: a batch vLLM may capture
-    (``graphs.may_be_captured``: being captured, or of a capture size on a GPU) cannot read the
-    counts on the host, so its other path is ``masked`` — in the eager warm-up as in the
-    capture, so that the capture runs only kernels and scratch the warm-up prepared; a larger
-    eager batch's is ``host``. (``stacked`` wins decode-sized batches: it saves the host path's
-    sync and per-expert launches, and the masked path's E/k times the work.)"""
+    """``stacked``, or the other path by ``triton_moe.path_times``: ``masked`` for a batch vLLM may
+    capture (its warm-up too, so the capture runs only what the warm-up prepared), else ``host``."""
     other = "masked" if graphs.may_be_captured(x.device, x.shape[0]) else "host"
     if stacked is None:
         return other
@@ -128,26 +116,11 @@ def choose_path(x: torch.Tensor, topk: int, stacked: Stacked | None) -> str:
 def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: list[Expert],
                     activation: str, *, weights_on_input: bool = False, stacked: Stacked | None = None,
                     path: str | None = None) -> torch.Tensor:
-    """``x`` [T, hidden]; ``topk_ids`` [T, k] local expert indices (−1: an expert not on this
-    rank, skipped); ``topk_weights`` [T, k]. → [T, hidden] in x.dtype, summed in fp32.
-    ``weights_on_input``: the routing weight scales the expert's input instead of its output
-    (vLLM's ``apply_router_weight_on_input``, top-1 models). ``path``: ``stacked`` (needs
-    ``stacked``), ``host`` or ``masked`` (below); None: :func:`choose_path`.
-
-    * ``stacked`` — when every expert runs the Triton kernel, :func:`stack_experts` stacks the
-      experts of each projection into one layout (:mod:`~vllm_latq.kernels.triton.grouped_moe`) and one
-      launch per projection runs the routed (token, slot) pairs, reading each block's expert from
-      a device tensor: no host sync, so it is a path for batches vLLM captures (and their
-      warm-ups) and in eager mode whenever ``triton_moe.path_times`` predicts it faster (small
-      batches: it saves a sync and a handful of launches per routed expert; in a graph, E/k
-      times the masked path's work);
-    * ``host`` — sort the pairs by expert, read the counts on the host and run each expert that
-      received tokens once, on all of them (one GEMM per expert and projection): eager, larger
-      batches, and every kernel family;
-    * ``masked`` — every local expert on all tokens, the routing weights (zero where a token did
-      not pick it) selecting: capturable with any kernel, E/k times the work; the captured path
-      of layers that cannot be stacked (bf16 fallback, 5-bit inliers …) at capture sizes, or where
-      the model predicts it faster (a few huge experts at a large batch)."""
+    """``x`` [T, hidden], ``topk_ids`` [T, k] local expert ids (−1: not on this rank), ``topk_weights``
+    [T, k] → [T, hidden] in x.dtype, summed in fp32; ``weights_on_input``: vLLM's
+    ``apply_router_weight_on_input``. ``path`` (None: :func:`choose_path`): ``stacked`` (one grouped
+    Triton launch per projection, no host sync), ``host`` (one GEMM per routed expert, eager) or
+    ``masked`` (every expert on every token, capturable with any kernel; docs/ARCHITECTURE.md)."""
     T, k = topk_ids.shape
     path = path or choose_path(x, k, stacked)
     if path == "stacked":

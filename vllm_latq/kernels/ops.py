@@ -1,16 +1,7 @@
-"""Torch custom ops around the latq kernels: one op per kernel (call path),
-``torch.ops.latq.<kernel>_linear(x, tensors, ints, bias, out_features) -> y``, and one for a
-mixture-of-experts layer, ``torch.ops.latq.moe_experts`` (:func:`moe_op`).
-
-``tensors``/``ints`` are the kernel's prepared state flattened by
-:meth:`~vllm_latq.kernels.base.LatqKernel.flatten` (the layer keeps the tensors as buffers and
-the ints as static Python ints). The op is opaque to torch.compile — one node with a fake
-implementation, dimension 0 dynamic — so a kernel may branch on the batch size, call ``.item()``
-or build sparse tensors inside ``apply`` without a graph break; under CUDA graphs it is
-captured like any other kernel launch. Ops are registered lazily, once per process, when a
-layer first selects a kernel (vLLM loads weights, and so registers the ops, in every worker
-before it compiles).
-"""
+"""Torch custom ops around the latq kernels: ``torch.ops.latq.<kernel>_linear(x, tensors, ints,
+bias, out_features)`` per kernel on its flattened state, and ``torch.ops.latq.moe_experts``.
+Each is one opaque node with a fake for torch.compile (dimension 0 dynamic), registered lazily
+once per process when a layer first selects its kernel."""
 from __future__ import annotations
 
 import re
@@ -66,12 +57,8 @@ def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
 
 
 def _register(name: str, schema: str, impl, fake) -> "torch._ops.OpOverload":
-    """Define op ``name`` with ``schema``, its implementation ``impl`` and ``fake``. Registration
-    goes through ``torch.library.Library`` (define + one
-    ``CompositeExplicitAutograd`` kernel + a fake), the way vLLM registers its own ops, not
-    ``torch.library.custom_op``: the latter wraps every call in Python autograd / dispatch layers,
-    a cost that a decode step pays once per linear. The ops are inference-only (no autograd
-    formula)."""
+    """Define op ``name`` with ``schema``, ``impl`` and ``fake`` through ``torch.library.Library``, as
+    vLLM does: ``custom_op`` would wrap every call in Python dispatch layers. Inference only."""
     global _LIB
     impl.__name__ = name
     if _LIB is None:

@@ -1,24 +1,7 @@
-"""Kernel selection: the kernels in order of preference, and :func:`select`, which picks the
-first whose ``can_implement`` accepts a layer — and says why the others did not.
-
-``LATQ_KERNEL=<name>`` forces one kernel; an impossible forced choice raises with that
-kernel's reason. Accepted values (kernel ``name``, in selection order):
-
-* ``vllm`` — vLLM's own mixed-precision kernels (Marlin, Machete, …; CPUWNA16 where its op
-  exists) for standard forms: 4/8-bit, no outliers, activations they compute
-  (:mod:`~vllm_latq.kernels.vllm_mp`; a MoE layer's experts through vLLM's MoE kernels,
-  :mod:`~vllm_latq.kernels.vllm_moe`), served by vLLM's own layer code (``delegated``: the plugin
-  installs vLLM's scheme, ``plugin/vllm_scheme.py``); on CPU opt-in only, asked after ``cpu``;
-* ``triton`` — Triton GPU kernels (:mod:`~vllm_latq.kernels.triton.kernel`), CUDA ≥ sm_80,
-  2–5-bit inliers;
-* ``cpu`` — torch's int4 GEMM + the C++ op (:mod:`~vllm_latq.kernels.cpu`);
-* ``bf16`` — dequantized once to bf16 (:mod:`~vllm_latq.kernels.dequantized`): the fallback,
-  selected with a warning naming every faster kernel's reason;
-* ``reference`` — fp32 dequantize + matmul per call (:mod:`~vllm_latq.kernels.reference`);
-* ``dequant`` — dequantized once to fp32, exactly the reference's numbers; opt-in only.
-
-A rotated layer (``LatqWeight.rotation``) gets the chosen kernel wrapped to rotate its inputs
-(:func:`~vllm_latq.kernels.rotated.for_weight`, named ``<kernel>+hadamard``).
+"""Kernel selection: the kernels in order of preference (``kernels()``), and :func:`select`, which
+picks the first whose ``can_implement`` accepts a layer and says why the others did not.
+``LATQ_KERNEL=<name>`` forces one (docs/KERNELS.md, "Which kernel"); a rotated layer gets the
+chosen kernel wrapped to rotate its inputs (``<kernel>+hadamard``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The served-bytes model: how a layer's integers sit on the b-bit grids (``GridStats``), the
-bytes of the runtime form per width, and the inlier width a transcoded layer gets
-(``choose_width``) — the quantities every kernel family's ``layout_bytes`` is priced on."""
+runtime form's bytes per width, and a transcoded layer's width (``choose_width``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +17,8 @@ STATS_CHUNK = 1 << 22   # entries per chunk of GridStats.from_integers (bounds i
 
 @dataclass
 class GridStats:
-    """How a layer's integers sit on the b-bit grids, enough for any kernel's cost model:
-    ``row_need[r, w]`` counts the entries of row r whose smallest grid is w bits (bucket
-    ``NEED_MAX``: stored outliers, off every grid); ``inexact[w]`` counts those whose value
-    (z·s, or the stored outlier) is not fp16-exact. Off the b-bit grid = buckets > b."""
+    """How a layer's integers sit on the b-bit grids: ``row_need[r, w]`` counts row r's entries whose
+    smallest grid is w bits (``NEED_MAX``: stored outliers); ``inexact[w]`` those not fp16-exact."""
     row_need: torch.Tensor     # int64 [n, NEED_MAX + 1]
     inexact: torch.Tensor      # int64 [NEED_MAX + 1]
 
@@ -38,9 +35,8 @@ class GridStats:
 
     @classmethod
     def from_integers(cls, z: torch.Tensor, s: torch.Tensor, stored: tuple | None = None) -> "GridStats":
-        """``z`` int [n, k] under fp32 scales ``s`` ([n] per row, or [n, k] per entry);
-        ``stored``: (crow, val) of outliers stored beside z (bucket NEED_MAX). Row chunks bound
-        the temporaries; every tensor stays on z's device."""
+        """``z`` int [n, k] under fp32 scales ``s`` ([n] or [n, k]); ``stored``: (crow, val) of outliers
+        beside z. Row chunks bound the temporaries, on z's device."""
         n = z.shape[0]
         nb = NEED_MAX + 1
         rows = max(1, STATS_CHUNK // max(1, z.shape[1]))
@@ -73,9 +69,8 @@ class GridStats:
 
 
 def _grid_need(z: torch.Tensor) -> torch.Tensor:
-    """int64: the smallest b with z on the signed b-bit grid [-2^(b-1), 2^(b-1)), at most
-    NEED_MAX - 1 (exact for |z| < 2^24, where fp32 holds v exactly; beyond, ±1 — no kernel
-    width comes near)."""
+    """int64: the smallest b with z on the signed b-bit grid, at most NEED_MAX - 1 (exact for
+    |z| < 2^24)."""
     v = torch.bitwise_xor(z, z >> 31) if z.dtype == torch.int32 else torch.where(z < 0, -z - 1, z)
     return (torch.frexp(v.float()).exponent.to(torch.int64) + 1).clamp_(1, NEED_MAX - 1)   # bit length + 1
 
@@ -89,12 +84,9 @@ def runtime_bytes(n: int, k: int, bits: int, group: int, stats: GridStats) -> di
 
 
 def choose_width(n: int, k: int, stats: GridStats, family=None) -> int:
-    """The inlier width a transcoded layer (one scale group per row) gets: among the widths
-    ``family`` takes (``family.widths``; None: the runtime form's 2..8), the one with the
-    fewest served bytes by the family's cost model (``family.layout_bytes``), ties to the
-    narrower. Where the family's best costs more than the bf16 fallback (``FALLBACK_BYTES``
-    per weight) or it takes the layer at no width, the layer is left to that fallback: the
-    runtime form's best width among those the family does not take."""
+    """The inlier width a transcoded layer gets: among ``family.widths`` (None: 2..8), the fewest
+    served bytes by ``family.layout_bytes``, ties to the narrower; where that costs more than the
+    bf16 fallback, or the family takes no width, the form's best width the family does not take."""
     def best(widths, cost):
         sizes = []
         for b in widths:

@@ -1,14 +1,7 @@
-"""Served bits/weight of a checkpoint's layers per kernel family, for ``latq-inspect``.
-
-Stored bits/weight are what the checkpoint holds; *served* bits/weight are what one decode
-step streams for the layer in a kernel family's prepared form (inliers, scales, outliers with
-their index and padding; ``LatqKernel.served_bytes``). Computed without preparing, from each
-family's cost model (``layout_bytes`` on the layer's :class:`~.served_bytes.GridStats`, the
-model ``prepare`` follows and the tests tie to it); HPTQ layers get the width
-:func:`~.transcode.transcode` would give them for that family (``choose_width``). A layer a
-family cannot lay out is counted as the bf16 fallback serves it (2 bytes/weight). The CPU
-numbers are for this host's build (outlier tiles where the C++ GEMV runs, else a CSR).
-"""
+"""Served bits/weight of a checkpoint's layers per kernel family, for ``latq-inspect``: what one
+decode step streams in each family's prepared form, from ``layout_bytes`` without preparing
+(HPTQ at the width the transcode picks; a layer no kernel lays out as the bf16 fallback; CPU
+figures for this host's build)."""
 from __future__ import annotations
 
 import os

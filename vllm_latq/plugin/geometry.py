@@ -18,8 +18,9 @@ from . import loader_rows
 
 
 @dataclass
-class Shard:
-    """One logical matrix as stored in the checkpoint and the rows this rank keeps."""
+class Part:
+    """One part of a layer (vLLM's ``shard_id``: q, k, v; gate, up; or the whole): a logical
+    matrix as stored in the checkpoint and the rows this rank keeps."""
     name: str                              # checkpoint module name (for messages)
     rows: int                              # rows of the checkpoint matrix
     blocks: list[tuple[int, int]]          # (first source row, row count), in output order
@@ -27,12 +28,12 @@ class Shard:
 
 @dataclass
 class Geometry:
-    shards: dict                           # shard id → Shard, in output order
-    fused: Shard | None                    # the same matrix when stored fused (shard id None)
+    parts: dict                            # vLLM's shard id → Part, in output order
+    fused: Part | None                     # the same matrix when stored fused (shard id None)
     in_features: int                       # checkpoint columns
     col0: int                              # this rank's first column
     ncols: int                             # this rank's column count
-    pad_rows: int | None = None            # lm_head: rows of this rank's padded vocab shard
+    pad_rows: int | None = None            # lm_head: rows of this rank's padded vocabulary slice
 
 
 def geometry(layer, hf_names: list[str]) -> Geometry:
@@ -44,7 +45,7 @@ def geometry(layer, hf_names: list[str]) -> Geometry:
         col0 = layer.tp_rank * ncols
     name = hf_names[0] if len(hf_names) == 1 else layer.prefix
     if isinstance(layer, ParallelLMHead):
-        # vocab rows sharded over ranks; the shard is padded (padding_size) past the real vocab
+        # vocab rows split over ranks; a rank's slice is padded (padding_size) past the real vocab
         if layer.num_added_embeddings:
             raise NotImplementedError(f"latq: {layer.prefix}: a quantized lm_head with added (LoRA) vocabulary "
                                       "is not supported")
@@ -78,13 +79,13 @@ def geometry(layer, hf_names: list[str]) -> Geometry:
 
 def _split(full, blocks, hf_names, name, cin, col0, ncols, ids=None) -> Geometry:
     if len(full) == 1:
-        return Geometry({None: Shard(name, full[0], [blocks[0]])}, None, cin, col0, ncols)
+        return Geometry({None: Part(name, full[0], [blocks[0]])}, None, cin, col0, ncols)
     ids = ids or tuple(range(len(full)))
     names = hf_names if len(hf_names) == len(full) else [f"{name}[{i}]" for i in ids]
-    shards = {i: Shard(n, f, [b]) for i, n, f, b in zip(ids, names, full, blocks)}
+    parts = {i: Part(n, f, [b]) for i, n, f, b in zip(ids, names, full, blocks)}
     offs = [sum(full[:i]) for i in range(len(full))]
-    fused = Shard(name, sum(full), [(o + s0, n) for o, (s0, n) in zip(offs, blocks)])
-    return Geometry(shards, fused, cin, col0, ncols)
+    fused = Part(name, sum(full), [(o + s0, n) for o, (s0, n) in zip(offs, blocks)])
+    return Geometry(parts, fused, cin, col0, ncols)
 
 
 def in_loader_order(geo: Geometry, sources: torch.Tensor | None) -> Geometry:

@@ -55,8 +55,8 @@ class LatqLinearMethod(LinearMethodBase):
         for name in names:
             delattr(layer, name)
         w = st.weight
-        shards = [st.geo.fused] if st.fused else list(st.geo.shards.values())
-        stored_bits = 8 * st.stored_bytes / (sum(sh.rows for sh in shards) * st.geo.in_features)
+        parts = [st.geo.fused] if st.fused else list(st.geo.parts.values())
+        stored_bits = 8 * st.stored_bytes / (sum(p.rows for p in parts) * st.geo.in_features)
         del layer._latq_load
         w = w.to(device)
         act = layer._latq_act_dtype

@@ -9,7 +9,7 @@ from .. import format as fmt
 from ..kernels.rotated import with_rotation
 from ..kernels.transcode import transcode
 from ..kernels.weight import LatqWeight
-from .geometry import Geometry, Shard
+from .geometry import Geometry, Part
 from .slicing import codes_refusal, merge, pad_rows, slice_dense
 
 logger = init_logger("vllm.latq")
@@ -44,23 +44,23 @@ class LoadState:
         self.keep_codes: bool | None = None   # coded scales: whether this rank's rows keep their codes
         self.fused: bool | None = None if geo.fused is not None else False
         self.stash: dict = {}
-        self.parts: dict = {}     # shard id → (z, row scales) for huffman, LatqWeight for dense
+        self.parts: dict = {}     # shard id → the part cut: (z, row scales) for huffman, LatqWeight for dense
         self.weight: LatqWeight | None = None
         self.family = None        # the kernel family whose served bytes choose HPTQ widths (the method sets it)
         self.stored_bytes = 0     # checkpoint bytes of this layer's tensors (the load report's stored bits)
 
     def expected(self) -> dict:
-        return {None: self.geo.fused} if self.fused else self.geo.shards
+        return {None: self.geo.fused} if self.fused else self.geo.parts
 
     def add(self, name: str, tensor: torch.Tensor, shard_id) -> None:
         if isinstance(shard_id, (tuple, list)):
-            raise NotImplementedError(f"latq: layer {self.prefix}: loading a span of fused shards {shard_id} "
+            raise NotImplementedError(f"latq: layer {self.prefix}: loading a span of fused parts {shard_id} "
                                       "is not supported")
         if self.fused is None:  # a fused layer: its first tensor says whether stored fused
             self.fused = shard_id is None
         exp = self.expected()
         if shard_id not in exp:
-            raise ValueError(f"latq: layer {self.prefix}: unexpected shard {shard_id!r} for tensor {name} "
+            raise ValueError(f"latq: layer {self.prefix}: unexpected part {shard_id!r} for tensor {name} "
                              f"(expected {list(exp)}); mixing fused and split tensors is not supported")
         if shard_id in self.parts or name in self.stash.get(shard_id, {}):
             raise ValueError(f"latq checkpoint: tensor {exp[shard_id].name}.{name} is loaded twice")
@@ -72,29 +72,29 @@ class LoadState:
                                             self.config.rotation, self.geo.in_features, self.geo.col0, self.prefix)
                 self.parts.clear()
 
-    def _part(self, shard: Shard, t: dict):
+    def _part(self, part: Part, t: dict):
         c = self.config
-        shape = (shard.rows, self.geo.in_features)
+        shape = (part.rows, self.geo.in_features)
         # cut on the CPU: only this rank's runtime form goes to the layer's device (process_weights_after_loading)
         t = {k: v.detach().cpu() for k, v in t.items()}
         try:
-            fmt.validate_layer(t, c.kind, shape, self.bits, c.group_size, layer=shard.name, decode=False)
+            fmt.validate_layer(t, c.kind, shape, self.bits, c.group_size, layer=part.name, decode=False)
         except fmt.FormatError as e:
             raise fmt.FormatError(f"latq checkpoint does not match layer {self.prefix} of the model: {e}") from e
         g = self.geo
         if c.kind == "dense":
-            return slice_dense(t, self.bits, c.group_size, g.in_features, shard.blocks, g.col0, g.ncols,
+            return slice_dense(t, self.bits, c.group_size, g.in_features, part.blocks, g.col0, g.ncols,
                                coded=self._keeps_codes())
         try:
             z = fmt.decode_integers(t, "huffman", shape, None)
         except ValueError as e:
             raise fmt.FormatError(f"latq checkpoint: Huffman stream does not decode: {e}",
-                                  tensor=f"{shard.name}.hstream") from e
-        z = torch.cat([z[r0:r0 + n, g.col0:g.col0 + g.ncols] for r0, n in shard.blocks])
+                                  tensor=f"{part.name}.hstream") from e
+        z = torch.cat([z[r0:r0 + n, g.col0:g.col0 + g.ncols] for r0, n in part.blocks])
         return z, t["hscale"].float().expand(z.shape[0])
 
     def _keeps_codes(self) -> bool:
-        """Whether the runtime form keeps its scale codes (decided when its first shard is cut)."""
+        """Whether the runtime form keeps its scale codes (decided when its first part is cut)."""
         if self.keep_codes is None:
             why = None if self.config.scale_bits is None else codes_refusal(
                 [(sh.name, r0, n) for sh in self.expected().values() for r0, n in sh.blocks], self.geo.pad_rows)
@@ -114,13 +114,13 @@ class LoadState:
             raise fmt.FormatError(f"latq checkpoint: layer {self.prefix}: {e}") from e
 
     def missing(self) -> str:
-        exp = self.expected() if self.fused is not None else self.geo.shards
+        exp = self.expected() if self.fused is not None else self.geo.parts
         miss = []
-        for k, shard in exp.items():
+        for k, part in exp.items():
             if k in self.parts:
                 continue
             have = self.stash.get(k, {})
-            miss += [f"{shard.name}.{n}" for n in self.names if n not in have]
+            miss += [f"{part.name}.{n}" for n in self.names if n not in have]
         return ", ".join(miss)
 
 

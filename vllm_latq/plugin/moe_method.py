@@ -12,7 +12,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from .. import format as fmt
 from ..kernels import graphs, moe, ops, selector, vllm_moe
 from ..kernels.weight import LatqWeight
-from .geometry import Geometry, Shard
+from .geometry import Geometry, Part
 from . import vllm_scheme
 from .loading import LoadState, kernel_device, tensor_names
 
@@ -101,14 +101,14 @@ class LatqMoEMethod(FusedMoEMethodBase):
             rows = (m.tp_rank * n, n)                          # this rank's intermediate range
             ckpt = self.checkpoint_names(layer, expert)
             if stem == "w13":
-                shards = {sid: Shard(ckpt[sid], n_full, [rows]) for sid in ("w1", "w3") if sid in ckpt}
-                geo = Geometry(shards, None, m.hidden_dim, 0, m.hidden_dim)
+                parts = {sid: Part(ckpt[sid], n_full, [rows]) for sid in ("w1", "w3") if sid in ckpt}
+                geo = Geometry(parts, None, m.hidden_dim, 0, m.hidden_dim)
             else:
-                geo = Geometry({"w2": Shard(ckpt["w2"], m.hidden_dim, [(0, m.hidden_dim)])}, None, n_full,
+                geo = Geometry({"w2": Part(ckpt["w2"], m.hidden_dim, [(0, m.hidden_dim)])}, None, n_full,
                                rows[0], n)
-            bits = {self.config.spec.bits_of(s.name) for s in geo.shards.values()}
+            bits = {self.config.spec.bits_of(s.name) for s in geo.parts.values()}
             if len(bits) > 1:
-                raise ValueError(f"latq checkpoint: {[s.name for s in geo.shards.values()]} have different bits "
+                raise ValueError(f"latq checkpoint: {[s.name for s in geo.parts.values()]} have different bits "
                                  f"{bits} (quantization_config.layer_bits); vLLM runs them as one matrix")
             st = LoadState(f"{self.prefix}.{expert}.{stem}", self.config, geo, bits=bits.pop())
             st.family = layer._latq_family
@@ -168,7 +168,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
             pair = []
             for stem in STEMS:
                 w, st = weights[local, stem], loads[local, stem]
-                # an expert runs in latq's per-expert/grouped paths: vLLM's dense linears serve no experts
+                # an expert runs in latq's per-expert/grouped paths: vLLM's linear kernels serve no experts
                 kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype,
                                                                skip=(vllm_moe.NAME,))
                 state = kernel.prepare(w)
@@ -209,12 +209,12 @@ class LatqMoEMethod(FusedMoEMethodBase):
 
 def _stored_bits(st: LoadState) -> float:
     """The checkpoint's bits/weight of one expert projection as this rank loaded it."""
-    rows = sum(s.rows for s in st.geo.shards.values())
+    rows = sum(s.rows for s in st.geo.parts.values())
     return 8 * st.stored_bytes / (rows * st.geo.in_features)
 
 
 class _ExpertLoader:
-    """The weight loader of one placeholder (``w13_qweight`` …), called per expert id and shard."""
+    """The weight loader of one placeholder (``w13_qweight`` …), called per expert id and shard id."""
 
     def __init__(self, method: LatqMoEMethod, layer, stem: str, name: str):
         self.method, self.layer, self.stem, self.name = method, layer, stem, name

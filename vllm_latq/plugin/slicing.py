@@ -96,12 +96,12 @@ def _stack_crows(crows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def pad_rows(w: LatqWeight, rows: int | None) -> LatqWeight:
-    """``w`` with zero rows appended up to ``rows`` (an lm_head shard's padded vocabulary): logits 0."""
+    """``w`` with zero rows appended up to ``rows`` (an lm_head rank's padded vocabulary slice): logits 0."""
     if rows is None or rows == w.out_features:
         return w
     extra = rows - w.out_features
     if extra < 0:
-        raise ValueError(f"latq: {w.out_features} rows do not fit a shard of {rows}")
+        raise ValueError(f"latq: {w.out_features} rows do not fit a padded slice of {rows}")
     q = fmt.pack(torch.zeros(extra, w.in_features, dtype=torch.int32, device=w.qweight.device), w.bits)
     coded = w.coded
     if coded is not None:

@@ -1,20 +1,7 @@
-"""latq layers of a standard form served by vLLM's own compressed-tensors WNA16 code.
-
-A linear whose form a vLLM kernel takes (``kernels/vllm_mp.py``) gets vLLM's own
-``CompressedTensorsWNA16`` scheme: the scheme registers its parameters on the vLLM layer itself
-(``weight_packed`` a ``PackedvLLMParameter``, ``weight_scale`` a group or channel scale parameter,
-``weight_shape``), latq fills them with the layer's validated, TP-cut runtime form, and the
-scheme's kernel class (Marlin, Machete, …; CPUWNA16 when forced on CPU) processes and applies the
-layer — its bias too, which Marlin permutes in place — exactly as for an llm-compressor
-checkpoint. A rotated layer gets its input transform in front of the scheme
-(:func:`install_transform`). A mixture-of-experts layer whose experts all have such a form gets
-vLLM's ``CompressedTensorsWNA16MoEMethod`` the same way (:func:`choose_experts`, :func:`install_experts`).
-
-The route is decided after latq's loader has validated and cut the layer (``LoadState``): the
-format's validator sees every matrix whole before a tensor is used, HPTQ layers are only known
-after their decode and transcode, and a row-parallel cut off a group boundary is described with
-groups of gcd(g, K) and repeated scales (exact) — none of which vLLM's own loaders do.
-"""
+"""latq layers of a standard form served by vLLM's own compressed-tensors WNA16 code: the scheme
+(or the MoE method) registers its parameters on the vLLM layer, latq fills them with the
+validated, TP-cut runtime form, vLLM's kernel class processes and applies them; a rotated layer's
+input transform goes in front. Why the route is decided after loading: docs/KERNELS.md."""
 from __future__ import annotations
 
 import torch
@@ -109,8 +96,7 @@ class ServedScheme:
 # ---------------------------------------------------------------------------- rotated layers
 
 class LatqTransform(torch.nn.Module):
-    """latq's input transform ``x → x·R`` (``kernels.rotated.transform_for``: Triton on a GPU, the
-    C++ op on a CPU) in front of vLLM's scheme, where vLLM's own transform does not serve."""
+    """latq's ``x → x·R`` (``kernels.rotated.transform_for``) where vLLM's transform does not serve."""
     label = "latq"
 
     def __init__(self, signs: torch.Tensor, act_dtype: torch.dtype):
@@ -133,9 +119,7 @@ def vllm_transform_refusal(tp_size: int) -> str | None:
 
 
 def vllm_transform(layer, signs: torch.Tensor, act_dtype: torch.dtype, in_features: int, out_features: int):
-    """vLLM's own ``HadamardTransform`` of R: compressed-tensors' random Hadamard on blocks of
-    ``len(signs)`` columns (``format.rotation.transform_scheme``), its weight filled with
-    ``diag(s)·H_b`` in the activation dtype, which its ``process_weights_after_loading`` divides by √b."""
+    """vLLM's own ``HadamardTransform`` of R (docs/KERNELS.md, "Rotated layers")."""
     from compressed_tensors.transform import TransformScheme
     from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
     from vllm.model_executor.layers.quantization.compressed_tensors.transform.utils import TransformTuple
@@ -159,8 +143,7 @@ def transform_tensor(t) -> torch.Tensor:
 
 
 def install_transform(layer, w: LatqWeight, act_dtype: torch.dtype, tp_size: int) -> str | None:
-    """A rotated layer's input transform in front of vLLM's scheme, as ``layer.latq_transform``:
-    vLLM's ``HadamardTransform`` where it serves, else latq's op → why not vLLM's (None: it is)."""
+    """``layer.latq_transform``: vLLM's ``HadamardTransform`` where it serves, else latq's op → why not vLLM's."""
     why = vllm_transform_refusal(tp_size)
     if why is None:
         t = vllm_transform(layer, w.rotation, act_dtype, w.in_features, w.out_features)
@@ -181,16 +164,10 @@ def quant_args(bits: int, group: int):
 
 
 def choose_experts(weights: dict[tuple[int, str], LatqWeight], moe_config, device: torch.device, prefix: str):
-    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not).
-
-    The layer is described as compressed-tensors ``QuantizationArgs`` at one group dividing every
-    expert's group, the hidden size and this rank's intermediate size (``vllm_moe.moe_groups``);
-    that method's constructor runs ``select_wna16_moe_backend`` (Marlin MoE on CUDA, vLLM's Triton
-    WNA16 experts where Marlin refuses the shape; ``CPUExpertsInt4`` on CPU). Marlin MoE is told a
-    group half as large where it would misread w13's scales at the first
-    (``vllm_moe.marlin_scale_hazard``). A backend whose ops a build may lack is taken only where
-    they exist; one that computes no such activations (``vllm_mp.COMPUTES``) and vLLM's
-    emulation backend (experts dequantized to bf16) are refused."""
+    """(vLLM's ``CompressedTensorsWNA16MoEMethod`` for this layer, None) or (None, why not): the
+    layer as ``QuantizationArgs`` at one group dividing every part (``vllm_moe.moe_groups``; half
+    of it where Marlin MoE would misread w13's scales); backends a build lacks, that compute no
+    such activations, or that emulate are refused."""
     why = vllm_moe.form_refusal(weights) or vllm_moe.policy_refusal(device)
     if why:
         return None, why

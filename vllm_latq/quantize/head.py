@@ -1,7 +1,5 @@
-"""The output head (``--quantize-lm-head``): quantized like a block linear after the last
-block, its Hessian from the final norm's outputs — the same sequential protocol as the
-blocks. A tied head is solved on the embedding's weight and written untied as ``lm_head.*``.
-"""
+"""The output head (``--quantize-lm-head``): quantized like a block linear after the last block,
+its Hessian from the final norm's outputs; a tied head is written untied as ``lm_head.*``."""
 from __future__ import annotations
 
 import logging
@@ -49,11 +47,9 @@ def head_plan(net: torch.nn.Module, prefix: str, tied: bool, weights: SourceWeig
 @torch.no_grad()
 def quantize_head(net: torch.nn.Module, weights: SourceWeights, plan: HeadPlan, inps: torch.Tensor | None,
                   quantize: Callable, device, progress: bool, world: World = SINGLE) -> tuple[dict, list[dict]]:
-    """Quantize the head of ``net`` (its weight and final norm read from ``weights``) with
-    ``quantize(name, W, hessian) -> (result, tensors, record)`` on the last block's outputs
-    ``inps`` (None: an uncalibrated method) → the head's checkpoint tensors and stats records.
-    With several ranks the Hessian is summed over them and rank 0 solves (it alone writes; the
-    others get nothing)."""
+    """Quantize the head of ``net`` with ``quantize(name, W, hessian)`` on the last block's outputs
+    ``inps`` (None: uncalibrated) → its checkpoint tensors and stats records; with several ranks
+    the Hessian is summed and rank 0 alone solves and writes."""
     norm = net.get_submodule(plan.norm)
     dtype = inps.dtype if inps is not None else torch.float32  # the calibration forwards' dtype
     for n, p in list(norm.named_parameters()):

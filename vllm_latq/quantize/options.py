@@ -149,8 +149,8 @@ class QuantizeOptions:
         _require(self.decoder in DECODERS, "decoder", f"one of {', '.join(DECODERS)}", self.decoder)
         _require(_is_int(self.beam) and self.beam >= 1, "beam", "an integer >= 1", self.beam)
         if self.decoder != "babai" and self.method not in DECODED_METHODS:
-            raise ValueError(f"decoder {self.decoder} is for {', '.join(DECODED_METHODS[:-1])} and {DECODED_METHODS[-1]}, "
-                             f"not {self.method}")
+            methods = f"{', '.join(DECODED_METHODS[:-1])} and {DECODED_METHODS[-1]}"
+            raise ValueError(f"decoder {self.decoder} is for {methods}, not {self.method}")
 
     def _check_calibration_options(self) -> None:
         _require(_is_int(self.nsamples) and self.nsamples >= 1, "nsamples", "a positive integer", self.nsamples)

@@ -1,11 +1,5 @@
-"""``--rotate hadamard``: a linear's problem moved into its rotated frame (``algorithms/rotation.py``).
-
-:func:`~.solve_layers.solve_linear` solves, encodes, certifies and records ``(W·R, Rᵀ·H·R)``
-and hands the block the served weight ``Q·Rᵀ``. It is the innermost change of problem: target
-correction and column-scale folds act in the original frame first. R depends only on the seed
-and the input size, so the linears that share a Hessian (q/k/v, gate/up, a block's experts)
-share one R and a fused layer transforms its input once.
-"""
+"""``--rotate hadamard``: a linear's problem in its rotated frame, for ``solve_layers.solve_linear``
+(docs/ARCHITECTURE.md, the solve step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +12,7 @@ from ..format.rotation import Rotation
 
 @dataclass
 class RotatedHessian:
-    """A linear's Hessian in the rotated frame: what the solve reads of a ``Hessian``."""
+    """``Rᵀ·H·R``, read as a ``Hessian``."""
     H: torch.Tensor
     n: int
 

@@ -1,12 +1,7 @@
-"""Solving a decoder block: each linear by the method's solver on its exact weight and Hessian
-(:func:`solve_linear`), encoded into its checkpoint tensors with its record for
-``latq_stats.json``; then the experts, one at a time. It reads as one process: which rank solves
-what is the :class:`~.ranks.Scheduler`'s business, and results come back from it in order.
-
-``solve(method, W, H, name, **kw) -> QuantResult`` is the per-layer solver call;
-:func:`~.pipeline.quantize_model` takes another through its ``solve=`` argument (the study
-wraps it to swap GPTQ implementations).
-"""
+"""Solving a decoder block: each linear by the method's solver on its weight and Hessian
+(:func:`solve_linear`), encoded with its stats record, then the experts one at a time. It reads
+as one process: the :class:`~.ranks.Scheduler` decides which rank solves what and returns the
+results in order."""
 from __future__ import annotations
 
 import logging

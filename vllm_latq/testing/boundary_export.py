@@ -1,17 +1,7 @@
-"""latq-export's checkpoint under *stock* vLLM across the CUDA boundary: a tiny Llama quantized by
-latq (RTN, 2-8 bits, group 64) and exported (:func:`tiny_block_export`), its block read by vLLM's
-own compressed-tensors config (``CompressedTensorsConfig.from_config`` of the export's
-``quantization_config``; latq's plugin is not used) on vLLM's real ``QKVParallelLinear``,
-``RowParallelLinear`` and ``MergedColumnParallelLinear``, the export's tensors loaded through their
-weight loaders as vLLM's model loader gives them (shard ids, this rank's cut), processed and
-applied by the kernel class vLLM picks on the stubbed GPU (:mod:`.cuda_boundary`), against the same
-layers unquantized holding latq's dequantized weights (latq's reader, not the export).
-
-Where vLLM has no CUDA kernel for the width, its scheme refuses at ``create_weights``: the record
-holds that refusal. ``reference=True`` appends ``testing.wna16``'s reference kernel to the stubbed
-platform's kernel list for the case (vLLM still prefers its own): its loaders then cut and place
-the export's words at widths no stock kernel takes, and the reference reads them back.
-"""
+"""latq-export's checkpoint under *stock* vLLM across the CUDA boundary: a tiny Llama block
+quantized by latq and exported, read by vLLM's own ``CompressedTensorsConfig`` (no plugin) on
+vLLM's real layers with the stubbed GPU, against the same layers holding latq's dequantized
+weights; a width vLLM refuses is recorded as refused (docs/KERNELS.md)."""
 from __future__ import annotations
 
 import contextlib

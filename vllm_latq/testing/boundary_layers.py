@@ -1,16 +1,7 @@
-"""vLLM's real layers with latq's quant method, across the CUDA boundary (:mod:`.cuda_boundary`):
-``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear`` (its K cut off the
-groups at TP 2), ``ColumnParallelLinear`` and a mixture-of-experts layer are built by vLLM's own
-constructors, loaded from latq checkpoint tensors through their ``weight_loader``s as vLLM's model
-loader calls them, processed (``process_weights_after_loading``) and applied on CPU, with the
-platform stubbed as a CUDA GPU of each capability and vLLM's CUDA ops as CPU stand-ins. Each output
-is compared with the same vLLM layer unquantized (fp32) holding latq's dequantized weights
-(``kernels.weight.dequantize``, the reference's math): vLLM's own TP cut and reduction, latq's
-numbers.
-
-The cases run one process per rank (:mod:`.boundary_run`: gloo; vLLM's distributed state is per
-process).
-"""
+"""vLLM's real layers with latq's quant method across the CUDA boundary (:mod:`.cuda_boundary`):
+built by vLLM's constructors, loaded through their ``weight_loader``s, processed and applied on
+CPU under a stubbed GPU, against the same layer unquantized holding latq's dequantized weights;
+one process per rank (:mod:`.boundary_run`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,9 +58,8 @@ def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None, r
 
 def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = GROUP,
                        outliers: float = 0.0, scale_bits: int | None = None) -> dict[str, torch.Tensor]:
-    """One latq layer's checkpoint tensors (dense kind): uniform ``bits``-bit integers, fp16 group
-    scales (``scale_bits``: coded), a fraction ``outliers`` of the weights as fp16 CSR outliers (0
-    in the integers) — what ``format.encode_layer`` writes for a solver's result."""
+    """One dense latq layer's checkpoint tensors as ``format.encode_layer`` writes them: uniform
+    ``bits``-bit integers, fp16 (or coded) scales, a fraction ``outliers`` as fp16 CSR outliers."""
     from ..algorithms.result import CSR
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (rows, cin), generator=g, dtype=torch.int32)
@@ -162,7 +152,7 @@ def dense_case(case: Case) -> dict:
         ckpt[shard] = checkpoint_tensors(rows, cin, case.bits, seed=10 * i + case.bits, group=case.group,
                                          outliers=case.outliers, scale_bits=case.scale_bits)
         q[shard] = dequantized(ckpt[shard], rows, cin, case.bits, case.group)
-        deq[shard] = {"weight": q[shard] if rot is None else fmt.rotation.unrotate(q[shard], rot.signs(cin))}   # Q·Rᵀ
+        deq[shard] = {"weight": q[shard] if rot is None else fmt.rotation.unrotate(q[shard], rot.signs(cin))}  # QRᵀ
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
@@ -186,9 +176,8 @@ def dense_case(case: Case) -> dict:
 
 
 def compiled_forward(layer, x: torch.Tensor, eager: torch.Tensor) -> dict:
-    """``layer``'s forward compiled as vLLM compiles a model's (Dynamo, one full graph; the graph
-    run as traced): whether its output equals the eager one bit for bit, and the ops the graph
-    calls — the kernel's GEMM traced over by its fake implementation, not into."""
+    """``layer``'s forward compiled as vLLM compiles a model's: whether it equals the eager output bit
+    for bit, and the ops the graph calls (the kernel's GEMM traced over by its fake)."""
     import torch._dynamo
     graphs = []
 
@@ -204,9 +193,8 @@ def compiled_forward(layer, x: torch.Tensor, eager: torch.Tensor) -> dict:
 
 
 def placement_case(case: Case) -> dict:
-    """vLLM's scheme parameters are made on the device of latq's tensors (the layer's), not on the
-    default device, where a GPU layer's would land on the CPU at load: registered from tensors on
-    the meta device, dense and experts, every parameter is there."""
+    """Whether vLLM's scheme parameters are made on the device of latq's tensors, not the default
+    device: registered from meta tensors, dense and experts."""
     from ..plugin import vllm_scheme
     from .vllm_experts import BareExperts, fused_moe_config
     from .weights import random_weight

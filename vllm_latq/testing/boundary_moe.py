@@ -1,11 +1,7 @@
 """A vLLM mixture-of-experts layer with latq's method across the CUDA boundary: built by vLLM's
-``FusedMoEFactory`` (router, runner and ``RoutedExperts``), its experts loaded from per-expert latq
-checkpoint tensors through the layer's weight loader with the expert ids and shards vLLM's
-expert mapping gives (``w1``/``w3``/``w2``), processed, and its quant method applied to routed
-tokens; on TP 2 each rank holds half of every expert's intermediate rows and the ranks' partial
-outputs are summed, as vLLM's runner does. Compared with the definition
-(``moe_models.moe_reference``) on latq's dequantized experts.
-"""
+``FusedMoEFactory``, loaded from per-expert latq tensors through vLLM's expert mapping,
+processed and applied (TP 2: half of each expert's rows a rank, partial outputs summed), against
+``moe_models.moe_reference`` on latq's dequantized experts."""
 from __future__ import annotations
 
 import torch
@@ -43,7 +39,7 @@ def moe_case(case: bl.Case) -> dict:
                              params_dtype=dtype, quant_config=quant, prefix=prefix,
                              tp_size=get_tensor_model_parallel_world_size())
     layer = _experts_module(runner)
-    dense = []
+    experts = []
     for e in range(bl.E):
         mats = {}
         for i, (proj, shard) in enumerate(PROJ):
@@ -54,13 +50,13 @@ def moe_case(case: bl.Case) -> dict:
             for suffix, v in t.items():
                 p = getattr(layer, f"{stem}_{suffix}")
                 p.weight_loader(p, v, f"{prefix}.{e}.{proj}.{suffix}", shard_id=shard, expert_id=e, return_success=True)
-        dense.append((torch.cat([mats["w1"], mats["w3"]]), mats["w2"]))
+        experts.append((torch.cat([mats["w1"], mats["w3"]]), mats["w2"]))
     layer.quant_method.process_weights_after_loading(layer)
     x, w, ids = _routing(7, hidden)
     y = layer.quant_method.apply(layer, x.to(dtype), w, ids, None, None)
     if get_tensor_model_parallel_world_size() > 1:
         y = tensor_model_parallel_all_reduce(y)     # each rank's intermediate share: partial sums
-    want = moe_reference(x.to(dtype).float(), w, ids, dense)
+    want = moe_reference(x.to(dtype).float(), w, ids, experts)
     rel = float((y.float() - want).norm() / want.norm())
     # weights, the intermediate activation and the output each rounded once to the activation type
     ok = rel <= 4 * (bl.ULP[dtype] + bl.MOE_INTER * bl.ULP[torch.float32]) and y.dtype == dtype

@@ -1,12 +1,8 @@
-"""The CUDA-boundary paths that need no vLLM, with torch alone, on any device: what latq hands
-vLLM's kernels (compressed-tensors' ``weight_packed`` / ``weight_scale`` of a layer, a
-row-parallel rank's cut off the groups, a mixture-of-experts layer's stacked experts) made from
-tensors on that device and multiplied out the way the kernels compute (weights dequantized in the
-activation type, fp32 sums), against latq's reference. ``scripts/gpu_check.sh`` runs it on a bare
-CUDA machine (no vLLM), the default suite on the CPU; one line per path.
+"""The CUDA-boundary paths that need no vLLM, on any device: what latq hands vLLM's kernels, made on
+that device and multiplied out as the kernels compute, against latq's reference; one line per
+path. ``scripts/gpu_check.sh`` runs it on a bare CUDA machine:
 
-    python -m vllm_latq.testing.boundary_paths [--device cuda]
-"""
+    python -m vllm_latq.testing.boundary_paths [--device cuda]"""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,6 @@
-"""The CUDA-boundary cases, one process per rank: vLLM's distributed state (gloo, a TP group of
-1 or 2), each case of :mod:`.boundary_layers` / :mod:`.boundary_moe` run under
-:func:`~.cuda_boundary.cuda_boundary` (or on the host's own platform), one JSON record per case.
-:func:`run_ranks` starts the rank processes and collects their records.
-"""
+"""The CUDA-boundary cases, one process per rank (gloo, TP 1 or 2), each run under
+:func:`~.cuda_boundary.cuda_boundary` or the host platform, one JSON record per case;
+:func:`run_ranks` starts the ranks and collects the records."""
 from __future__ import annotations
 
 import contextlib

@@ -1,11 +1,6 @@
-"""The CUDA boundary, run on CPU: vLLM's platform stubbed as a CUDA GPU of a given compute
-capability, and vLLM's CUDA ops replaced by the CPU stand-ins of :mod:`.cuda_ops`. Everything up to
-the CUDA call — vLLM's layer classes, its quantization schemes and kernel classes, latq's plugin
-— runs unchanged on CPU tensors; only the ops themselves and the platform's answers are stand-ins.
-
-:func:`cuda_boundary` is the one entry (tests, ``scripts/gpu_check.sh``'s harness line); the
-layers it is used on are built by :mod:`.boundary_layers`.
-"""
+"""The CUDA boundary, run on CPU: vLLM's platform stubbed as a CUDA GPU of a given capability and
+its CUDA ops replaced by the stand-ins of :mod:`.cuda_ops`; everything up to the CUDA call runs
+unchanged. :func:`cuda_boundary` is the one entry."""
 from __future__ import annotations
 
 import contextlib
@@ -35,11 +30,9 @@ class _NoDriver:
 
 
 def vllm_sees_triton() -> None:
-    """Before vLLM is imported: its Triton kernels are real ``@triton.jit`` functions, run in Triton's
-    interpreter (``TRITON_INTERPRET=1``). A CPU build of vLLM keeps Triton only where Triton has a
-    "cpu" backend (``vllm.triton_utils.importing``) and otherwise binds every Triton kernel to a
-    placeholder that cannot launch; an inert "cpu" entry in Triton's backend table (never an active
-    driver: the interpreter needs none) lets vLLM import Triton as it does on a GPU."""
+    """Before vLLM is imported: keep its Triton kernels real ``@triton.jit`` functions, run by the
+    interpreter, through an inert "cpu" entry in Triton's backend table (a CPU build of vLLM binds
+    them to placeholders where Triton has no "cpu" backend)."""
     import sys
 
     import triton.backends
@@ -50,11 +43,9 @@ def vllm_sees_triton() -> None:
 
 @contextlib.contextmanager
 def cuda_platform(cc: int):
-    """vLLM's ``current_platform`` answers as a CUDA GPU of capability ``cc`` (e.g. 80, 90):
-    the class attributes its own capability helpers read, patched on its class so that every
-    ``cls.get_device_capability`` inside them sees the stub; torch's capability query too (latq's
-    Triton kernel asks it); the caching allocator's release and vLLM's current stream answer as
-    on the host. The dispatch key stays the host's: tensors stay on the CPU."""
+    """vLLM's ``current_platform`` (patched on its class, so its own helpers see it) and torch's
+    capability query answer as a CUDA GPU of capability ``cc``; the allocator's release and vLLM's
+    current stream answer as on the host, whose tensors stay on the CPU."""
     import importlib
     for name in PRELOAD:
         importlib.import_module(name)

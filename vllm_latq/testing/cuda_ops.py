@@ -1,16 +1,7 @@
-"""CPU stand-ins for the CUDA ops that vLLM's Marlin, Machete and Marlin-MoE kernel classes call
-(``torch.ops._C`` / ``torch.ops._moe_C``), for the CUDA-boundary harness (:mod:`.cuda_boundary`).
-
-Each stand-in checks the op's contract as vLLM's CUDA source states it (shapes, dtypes, what it
-refuses: a 32-bit activation, scales of another type than the activations) and computes what the
-GPU computes: weights dequantized in the activation dtype, fp32 accumulation, output in the
-activation dtype. The GEMMs *invert* the layouts that the repack ops and vLLM's Python helpers
-make — Marlin's weight tiles and permutation (``marlin_utils_test.marlin_weights``), its scale and
-bias permutations (``marlin_utils.get_scale_perms``) — rather than trusting them, so a tensor handed
-over in another layout gives a wrong product, as it would on a GPU. Machete's prepacked layout is
-CUTLASS's and opaque to Python: its stand-in uses an opaque layout of its own (columns reversed),
-which only its own GEMM reads back.
-"""
+"""CPU stand-ins for the CUDA ops vLLM's Marlin, Machete and Marlin-MoE classes call, for the
+CUDA-boundary harness: each checks the op's contract as vLLM's CUDA source states it and computes
+what the GPU computes, *inverting* the repacked layouts rather than trusting them, so a tensor
+handed over in another layout gives a wrong product (Machete's opaque layout: columns reversed)."""
 from __future__ import annotations
 
 import torch

@@ -107,10 +107,11 @@ def make_moe_checkpoint(src: Path, out: Path, method: str, *, bits: int = 4, gro
     return out, deq_dir
 
 
-def moe_reference(x, topk_weights, topk_ids, dense, activation="silu", on_input=False) -> torch.Tensor:
-    """The MoE forward token by token, slot by slot, in fp32 (the definition); expert −1 skipped."""
+def moe_reference(x, topk_weights, topk_ids, experts, activation="silu", on_input=False) -> torch.Tensor:
+    """The MoE forward token by token, slot by slot, in fp32 (the definition); ``experts``: each expert's
+    full-precision (w13, w2); expert −1 skipped."""
     act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation]
-    out = torch.zeros(x.shape[0], dense[0][1].shape[0])
+    out = torch.zeros(x.shape[0], experts[0][1].shape[0])
     for t in range(x.shape[0]):
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
@@ -118,8 +119,8 @@ def moe_reference(x, topk_weights, topk_ids, dense, activation="silu", on_input=
                 continue
             p = float(topk_weights[t, k])
             xt = x[t].float() * (p if on_input else 1.0)
-            g, u = (dense[e][0] @ xt).chunk(2)
-            out[t] += (1.0 if on_input else p) * (dense[e][1] @ (act(g) * u))
+            g, u = (experts[e][0] @ xt).chunk(2)
+            out[t] += (1.0 if on_input else p) * (experts[e][1] @ (act(g) * u))
     return out
 
 

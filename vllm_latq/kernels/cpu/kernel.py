@@ -1,20 +1,7 @@
-"""CPU fast path: torch's fused int4 GEMM (``aten._weight_int4pack_mm_for_cpu``) for the inliers,
-outliers as 16-row tiles (or a CSR); for prefill, a chunked dequantize + bf16 GEMM. (Layouts:
-:mod:`~vllm_latq.kernels.cpu.layouts`; the state read back as weights and the large-M path:
-:mod:`~vllm_latq.kernels.cpu.dequant`.)
-
-Small M runs as one C++ op (``vllm_latq.native``, compiled on first use): the int4 GEMM, then one
-pass adding outliers and bias with the cast. On AVX-512 BF16 and on AVX2 + FMA CPUs (dispatched
-at run time) the GEMM is the op's own GEMV over one packed state and scales (``layouts.pack_gemv``:
-the same bytes on both, whatever layout torch's packer uses there), streaming the weights at DRAM
-speed where torch's op is compute-bound, at every M below ``large_m()``
-(``kernels/cpu/csrc/latq_cpu.cpp``). Without a compiler (or inside ``with native.disabled():``)
-the same math runs as torch calls (MKL CSR mv/mm).
-
-docs/KERNELS.md, "CPU kernel", holds the op's convention, the numerics the tests check and the
-measurements behind each choice (bf16 activations, op group size, outlier tiles or CSR, two
-planes for 5–8 bits, the large-M crossover).
-"""
+"""CPU fast path: small M as one C++ op (the int4 GEMM or its own GEMV, then outliers, bias and
+the cast in one pass; torch calls without a compiler), large M as a chunked dequantize + bf16
+GEMM. Layouts: :mod:`~vllm_latq.kernels.cpu.layouts`; the choices and their measurements:
+docs/KERNELS.md, "CPU kernel"."""
 from __future__ import annotations
 
 import os
@@ -82,10 +69,8 @@ def _unpack_rows(w: LatqWeight, r0: int, r1: int) -> torch.Tensor:
 
 
 def _scale_group(K: int, g: int, codes: bool = False) -> int | None:
-    """The state's scale group, None where the kernel cannot lay the layer out: the op group
-    (``_op_group``; K instead for a one-scale layer where the C++ GEMV reads the scales alone),
-    or, where no op group divides g, g itself for scales kept as ``codes`` (only the GEMV reads
-    those, and it takes any group of 4k dividing K: group 16)."""
+    """The state's scale group, None where the kernel cannot lay the layer out: the op group (K for
+    a one-scale layer where the GEMV runs), else g itself for scales kept as ``codes`` (g = 4k | K)."""
     go = _op_group(K, g)
     if go is None:
         return g if codes and K % g == 0 and g % 4 == 0 else None
@@ -103,6 +88,73 @@ def _op_scales(w: LatqWeight, go: int, rows: slice) -> torch.Tensor:
     K, g = w.in_features, w.group_size
     idx = torch.arange(K // go) * go // min(g, K) if g < K else torch.zeros(K // go, dtype=torch.long)
     return w.scales[rows].float()[:, idx]
+
+
+def _planes(w: LatqWeight) -> int:
+    """2 nibble planes for a layer past 4 bits with many weights off the 4-bit grid, else 1 (the
+    4-bit grid, the rest split off as fp32 outliers)."""
+    if w.bits <= 4:
+        return 1
+    N, K = w.out_features, w.in_features
+    off = 0
+    for r0 in range(0, N, 1024):
+        z = _unpack_rows(w, r0, min(N, r0 + 1024))
+        off += int(((z < -8) | (z > 7)).sum())
+    return 1 if off <= SPLIT_MAX_EXTRA_RATE * N * K else 2
+
+
+def _pack_rows(w: LatqWeight, planes: int, go: int, pack, r0: int, r1: int):
+    """Rows [r0, r1) packed, their op-group (scale, zero) pairs, and the weights split off the
+    4-bit grid as COO (rows, cols, fp32 values; None when not split)."""
+    z = _unpack_rows(w, r0, r1)
+    s = _op_scales(w, go, slice(r0, r1))                           # [R, K/go] fp32
+    split = None
+    if planes == 2:
+        v = z + 128
+        a, c = v >> 4, v & 15                                       # z = 16(a-8) + (c-8) + 8
+        u = torch.cat([c, a], 1)
+        szs = torch.cat([torch.stack([s, 8 * s], -1), torch.stack([16 * s, torch.zeros_like(s)], -1)], 1)
+        return pack(u.int().contiguous(), 1), szs, split
+    if w.bits > 4:
+        m = (z < -8) | (z > 7)
+        rr, cc = m.nonzero(as_tuple=True)
+        split = (rr + r0, cc, z[rr, cc].float() * s[rr, cc // go])    # exact: ≤ 19 bits
+        z = torch.where(m, torch.zeros_like(z), z)
+    szs = torch.stack([s, torch.zeros_like(s)], -1)                 # [R, K/go, 2]
+    return pack((z + 8).int().contiguous(), 1), szs, split
+
+
+def _state_scales(w: LatqWeight, go: int, coded: bool, gemv: bool, pairs: list[torch.Tensor]) -> torch.Tensor:
+    """The state's scales: coded words, the scales alone (the GEMV derives the zeros), or the
+    (scale, zero) pairs of torch's op."""
+    if coded:   # the codes of each scale group (op groups inside one latq group repeat them)
+        idx = torch.arange(w.in_features // go) * go // w.group_size
+        c = w.coded
+        return coded_scale_words(fmt.scale_codes.CodedScales(c.codes[:, idx], c.min[:, idx], c.step[:, idx]))
+    sz = torch.cat(pairs, 0).transpose(0, 1).to(torch.bfloat16)            # [Kp/go, N, 2]
+    return (sz[..., 0] if gemv else sz).contiguous()
+
+
+def _state_outliers(w: LatqWeight, split: list, tiles: bool):
+    """The layer's CSR merged with the weights split off the grid (row-major, sorted), as a CSR
+    or, where the C++ op reads them, its tiles: (crow, col, val, tile fields, row_scale)."""
+    N, K = w.out_features, w.in_features
+    rows = fmt.csr_rows(w.crow, w.nnz)
+    cols, vals = w.col.long(), w.val.float()
+    if split:
+        rows = torch.cat([rows, *[r for r, _, _ in split]])
+        cols = torch.cat([cols, *[c.long() for _, c, _ in split]])
+        vals = torch.cat([vals, *[v for _, _, v in split]])
+    if not vals.numel():
+        return None, None, None, (None,) * 4, None
+    crow, col, val = coo_to_csr(rows, cols, vals, N, K, sort=bool(split))
+    if not (tiles and _tiles_here(K)):
+        return crow, col, val, (None,) * 4, None
+    # the C++ op's layout replaces the CSR
+    s_row = w.scales[:, 0].float() if w.group_size >= K else None   # one scale per row
+    coded = code_values(val, None if s_row is None else s_row[fmt.csr_rows(crow, val.numel())])
+    row_scale = s_row.contiguous() if coded.dtype == torch.int16 else None
+    return None, None, None, tiles_from_csr(crow, col, coded), row_scale
 
 
 class CPUKernel(LatqKernel):
@@ -174,78 +226,32 @@ class CPUKernel(LatqKernel):
         pack = (lambda u, _inner: pack_gemv(u)) if gemv else int4_ops()[0]
         coded = _codes_here(w.bits, w.coded is not None)
         N, K, go = w.out_features, w.in_features, _scale_group(w.in_features, w.group_size, coded)
-        planes = 1
-        extra_rows, extra_cols, extra_vals = [], [], []
-        if w.bits > 4:
-            # count weights off the 4-bit grid to choose split (CSR) vs two planes
-            off = 0
-            for r0 in range(0, N, 1024):
-                z = _unpack_rows(w, r0, min(N, r0 + 1024))
-                off += int(((z < -8) | (z > 7)).sum())
-            planes = 1 if off <= SPLIT_MAX_EXTRA_RATE * N * K else 2
-        packed_parts, sz_parts = [], []
+        planes = _planes(w)
         step = max(64, PREPARE_CHUNK // K // 64 * 64)   # whole 64-row pack blocks
-        for r0 in range(0, N, step):
-            r1 = min(N, r0 + step)
-            z = _unpack_rows(w, r0, r1)
-            s = _op_scales(w, go, slice(r0, r1))                       # [R, K/go] fp32
-            if planes == 1:
-                if w.bits > 4:
-                    m = (z < -8) | (z > 7)
-                    rr, cc = m.nonzero(as_tuple=True)
-                    extra_rows.append(rr + r0)
-                    extra_cols.append(cc)
-                    extra_vals.append(z[rr, cc].float() * s[rr, cc // go])   # exact: ≤ 19 bits
-                    z = torch.where(m, torch.zeros_like(z), z)
-                u = z + 8
-                szs = torch.stack([s, torch.zeros_like(s)], -1)             # [R, K/go, 2]
-            else:
-                v = z + 128
-                a, c = v >> 4, v & 15                                       # z = 16(a-8) + (c-8) + 8
-                u = torch.cat([c, a], 1)
-                szs = torch.cat([torch.stack([s, 8 * s], -1), torch.stack([16 * s, torch.zeros_like(s)], -1)], 1)
-            packed_parts.append(pack(u.int().contiguous(), 1))
-            sz_parts.append(szs)
-        packed = torch.cat(packed_parts, 0) if len(packed_parts) > 1 else packed_parts[0]
-        if coded:   # the codes of each scale group (op groups inside one latq group repeat them)
-            idx = torch.arange(K // go) * go // w.group_size
-            c = w.coded
-            sz = coded_scale_words(fmt.scale_codes.CodedScales(c.codes[:, idx], c.min[:, idx], c.step[:, idx]))
-        else:
-            sz = torch.cat(sz_parts, 0).transpose(0, 1).to(torch.bfloat16)            # [Kp/go, N, 2]
-            # where the GEMV runs, the scales alone: it derives the zeros (torch's op gets pairs built from them)
-            sz = (sz[..., 0] if _gemv_here() else sz).contiguous()
-        if len(packed_parts) > 1:
+        parts = [_pack_rows(w, planes, go, pack, r0, min(N, r0 + step)) for r0 in range(0, N, step)]
+        packed = torch.cat([p for p, _, _ in parts], 0) if len(parts) > 1 else parts[0][0]
+        if len(parts) > 1:
             # the layout packs blocks of rows independently, but check the concatenation anyway
             assert packed.shape == (N, K * planes // 2)
-        # outliers: merge the layer's CSR with the split-off ones (row-major, sorted)
-        rows = fmt.csr_rows(w.crow, w.nnz)
-        cols, vals = w.col.long(), w.val.float()
-        if extra_rows:
-            rows = torch.cat([rows, *extra_rows])
-            cols = torch.cat([cols, *[c.long() for c in extra_cols]])
-            vals = torch.cat([vals, *extra_vals])
-        crow = col = val = row_scale = None
-        tile_fields = (None,) * 4
-        if vals.numel():
-            crow, col, val = coo_to_csr(rows, cols, vals, N, K, sort=bool(extra_rows))
-            if tiles and _tiles_here(K):   # the C++ op's layout replaces the CSR
-                s_row = w.scales[:, 0].float() if w.group_size >= K else None   # one scale per row
-                coded = code_values(val, None if s_row is None else s_row[fmt.csr_rows(crow, val.numel())])
-                row_scale = s_row.contiguous() if coded.dtype == torch.int16 else None
-                tile_fields = tiles_from_csr(crow, col, coded)
-                crow = col = val = None
+        sz = _state_scales(w, go, coded, gemv, [sz for _, sz, _ in parts])
+        split = [e for _, _, e in parts if e is not None]
+        crow, col, val, tile_fields, row_scale = _state_outliers(w, split, tiles)
         layout = GEMV_LAYOUT if gemv else detect_layout()
-        if layout is not None:   # verify the large-M dequant on this layer's first and last rows
-            B = layout[0]
-            last = (N - 1) // B * B
-            for r0, r1 in ((0, min(N, B)), (last, N)):
-                got = unpack_int4pack(packed, N, K * planes, layout, r0, r1).T.int() + 8
-                if not torch.equal(got, cls._reference_u(w, planes, r0, r1, extra_rows)):
-                    layout = None
-                    break
+        if layout is not None and not cls._layout_reads_back(w, packed, planes, layout, split):
+            layout = None
         return CPUState(packed, sz, crow, col, val, *tile_fields, row_scale, N, K, go, planes,
                         layout[0] if layout else 0, int(layout[1]) if layout else 0)
+
+    @classmethod
+    def _layout_reads_back(cls, w, packed, planes, layout, split) -> bool:
+        """Whether the large-M dequant reads the layer's first and last row blocks back exactly."""
+        N, K, B = w.out_features, w.in_features, layout[0]
+        last = (N - 1) // B * B
+        for r0, r1 in ((0, min(N, B)), (last, N)):
+            got = unpack_int4pack(packed, N, K * planes, layout, r0, r1).T.int() + 8
+            if not torch.equal(got, cls._reference_u(w, planes, r0, r1, split)):
+                return False
+        return True
 
     @staticmethod
     def _reference_u(w, planes, r0, r1, split):
@@ -362,7 +368,7 @@ def _op_packed(state: CPUState) -> torch.Tensor:
 def _csr(state: CPUState) -> torch.Tensor:
     """The layer's fp32 CSR as a torch sparse tensor (from the tiles if the state holds those),
     built on first use and kept while the layer's tensors live (the op's state holds only
-    dense tensors)."""
+    non-sparse tensors)."""
     src = (state.crow, state.col, state.val) if state.crow is not None else (state.tile_off, state.tile_col,
                                                                             state.tile_val)
 

@@ -1,9 +1,6 @@
-"""The CPU kernel's native layouts, as pure torch: torch's int4pack (its ops, the packed
-layout's unpacker for the large-M dequant, and a probe for which layout this torch build
-uses), the C++ GEMV's packed layout (the same on every CPU), the outlier tiles the C++ op
-sums from (built from a CSR, read back as entries), and the coded group scales its GEMV
-decodes (words from the format's codes, and back). Split from :mod:`~vllm_latq.kernels.cpu`,
-which prepares and runs a layer with them."""
+"""The CPU kernel's native layouts, as pure torch: torch's int4pack (and its unpacker and layout
+probe), the C++ GEMV's packed layout, the outlier tiles the C++ op sums and the coded scales its
+GEMV decodes."""
 from __future__ import annotations
 
 import torch
@@ -39,11 +36,9 @@ GEMV_LAYOUT = (64, True)
 
 
 def pack_gemv(u: torch.Tensor) -> torch.Tensor:
-    """int32 ``[N, K]`` of u in 0..15 (N even, K even) → uint8 ``[N, K/2]`` in :data:`GEMV_LAYOUT`,
-    whatever torch's own packer does on this CPU: full 64-row blocks K-major, row j in the low
-    nibble and row j + 32 in the high one; a tail block of R < 64 rows K-major as pairs (rows
-    2j / 2j + 1). The bytes torch's packer gives on an AVX-512 CPU; the inverse of
-    :func:`unpack_int4pack` with :data:`GEMV_LAYOUT`."""
+    """int32 ``[N, K]`` of u in 0..15 → uint8 ``[N, K/2]`` in :data:`GEMV_LAYOUT` (the bytes torch's
+    packer gives on AVX-512, whatever it does here): 64-row blocks K-major, rows j and j + 32 in one
+    byte, a tail block as row pairs; the inverse of :func:`unpack_int4pack`."""
     N, K = u.shape
     B = GEMV_LAYOUT[0]
     v = u.to(torch.uint8)
@@ -57,12 +52,9 @@ def pack_gemv(u: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4pack(packed: torch.Tensor, n_rows: int, k: int, layout: tuple[int, bool],
                      r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [r0, r1) of the op's packed weight → int8 ``[K, r1 - r0]`` of u − 8 (transposed:
-    the layout stores K-major blocks of B rows). ``layout = (B, halves)``: full blocks of B
-    rows; byte j of a (block, k) holds rows j and j + B/2 (``halves``, AVX512/AVX2 kernels) or
-    rows 2j and 2j + 1 (the scalar kernel); a tail block (< B rows) always holds pairs.
-    r0, r1 must be block boundaries (or r1 = n_rows). ``out``: a ``[K, r1 - r0]`` tensor of
-    any dtype to write into (the int8 → dtype conversion happens in the same pass)."""
+    """Rows [r0, r1) (block boundaries) of the op's packed weight → int8 ``[K, r1 - r0]`` of u − 8.
+    ``layout = (B, halves)``: byte j of a (block, k) holds rows j and j + B/2, or 2j and 2j + 1;
+    ``out``: a tensor of any dtype to write into in the same pass."""
     B, halves = layout
     r1 = n_rows if r1 is None else r1
     flat = packed.view(-1)
@@ -109,14 +101,9 @@ TILE_BLOCK = 64  # the GEMV's row block; tiles never cross one
 
 
 def tiles_from_csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor):
-    """CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val [S, 16] in val's dtype),
-    the layout the C++ op sums outliers from (``latq_cpu.cpp``, ``Fin``). The rows of each
-    64-row block, sorted by outlier count (most first), are cut into tiles of 16 (T = ⌈N/16⌉;
-    tile t belongs to block t // 4); tile t holds slots off[t] .. off[t+1] (its longest row's
-    count), one row per lane: rows[t, l] = the lane's row within the block (≥ 64: no row), and
-    slot s of lane l that row's s-th outlier (col −1, val 0: padding). Sorting keeps the
-    padding low: 1.19 slots per outlier on SmolLM2's SSQR layers, against 1.0 for a CSR. The
-    values come coded by :func:`code_values`."""
+    """CSR → (off int32 [T+1], rows int32 [T, 16], col int16 [S, 16], val [S, 16]): the outlier tiles
+    the C++ op sums — each 64-row block's rows sorted by count and cut into tiles of 16, one row per
+    lane, padded to the longest (col −1, val 0); values coded by :func:`code_values`."""
     N = crow.numel() - 1
     cnt = (crow[1:] - crow[:-1]).long()
     block, order, slots = _tile_order(cnt)
@@ -163,10 +150,8 @@ Z_MAX = 2 ** (Z_BITS - 1)
 
 
 def code_values(val: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp32 outlier values → their exact coding: fp16 when every value is fp16-exact (SSQR
-    stores them so); else, given the fp32 scale of each value's row (``scale``: a one-scale
-    layer, an HPTQ transcode whose outliers are z·s), int16 z with fp32(z)·s == value for
-    every one; else fp32 as given."""
+    """fp32 outlier values → their exact coding: fp16 when all are fp16-exact; else, given each
+    value's row ``scale``, int16 z with fp32(z)·s == value for all; else fp32."""
     v = val.float()
     if torch.equal(v.half().float(), v):
         return v.half()
@@ -178,11 +163,9 @@ def code_values(val: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def value_bytes(stats, width: int, one_scale: bool) -> tuple[int, bool]:
-    """:func:`code_values`' choice from a layer's :class:`~.served_bytes.GridStats` at inlier
-    width ``width`` → (bytes per value, whether int16 multiples of the row scale). The int16
-    coding needs every outlier to come from an integer on the ``Z_BITS`` grid (not a stored
-    value): stats from a layer's integers (transcode, ``latq-inspect``); stats of a runtime form
-    (``GridStats.from_weight``) see its outliers as stored, so count them fp32 (an upper bound)."""
+    """:func:`code_values`' choice from a layer's ``GridStats`` at inlier ``width`` → (bytes per
+    value, int16 multiples of the row scale?); a runtime form's stats see stored outliers, counted
+    fp32 (an upper bound)."""
     if stats.fp16_values(width):
         return 2, False
     if one_scale and stats.off_grid(Z_BITS) == 0:
@@ -208,11 +191,8 @@ def nbytes(*tensors) -> int:
 
 def state_bytes(n: int, k: int, planes: int, go: int, counts: torch.Tensor, tiles: bool,
                 coding: tuple[int, bool], pairs: bool, coded: bool = False) -> dict[str, int]:
-    """Bytes of a prepared CPU layer: int4pack (½ byte per weight per plane), bf16 scales
-    [K·planes/go, N] (``pairs``: with their zeros, torch's op's ``scales_and_zeros``; ``coded``:
-    :func:`coded_scale_words`, 12 bytes per 16), the outliers (``counts[r]`` in row r) as tiles
-    with ``coding`` (:func:`value_bytes`: bytes per value; int16 multiples of an fp32 row scale
-    [N]) or as an fp32 CSR (int32 crow/col)."""
+    """Bytes of a prepared CPU layer: int4pack, bf16 scales (``pairs``: with zeros; ``coded``: words),
+    and the outliers (``counts`` per row) as tiles of ``coding`` or as an fp32 CSR."""
     nnz = int(counts.sum())
     vb, scaled = coding
     outl = (0 if not nnz else tile_bytes(counts, vb) + 4 * n * scaled if tiles
@@ -242,10 +222,8 @@ def decode_scale_words(words: torch.Tensor) -> torch.Tensor:
 
 
 def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_groups) -> tuple[torch.Tensor, int]:
-    """Scales alone (bf16 [Kp/g, N], the C++ GEMV's layout) → torch's op's (s, z) pairs
-    [Kp/go, N, 2] and go, the largest of ``op_groups`` dividing Kp and g; z = 8·s on a
-    two-plane layer's low plane (the first half of the groups), else 0. (The C++ op builds the
-    same where torch's op replaces its GEMV.)"""
+    """Scales alone (bf16 [Kp/g, N]) → torch's op's (s, z) pairs [Kp/go, N, 2] and go, the largest
+    of ``op_groups`` dividing Kp and g; z = 8·s on a two-plane layer's low plane, else 0."""
     go = next(c for c in op_groups if Kp % c == 0 and g % c == 0)
     s = scales.repeat_interleave(g // go, 0)
     z = torch.zeros_like(s)
@@ -256,10 +234,8 @@ def op_scales_zeros(scales: torch.Tensor, g: int, planes: int, Kp: int, op_group
 
 def tile_entries(tile_off: torch.Tensor, tile_rows: torch.Tensor, tile_col: torch.Tensor, tile_val: torch.Tensor,
                  n_rows: int, n_cols: int, r0: int, r1: int, padding: bool = False):
-    """The outliers of rows [r0, r1) (multiples of 64, or r1 = n_rows) from the tiles: (row − r0,
-    col, val), in slot order. ``padding``: every lane of every slot, padding as col = n_cols, val 0,
-    for a scatter into a buffer with a spare row n_cols (no boolean mask: masking costs more than
-    the scatter)."""
+    """The outliers of rows [r0, r1) from the tiles: (row − r0, col, val) in slot order;
+    ``padding``: every slot, padding as col = n_cols, val 0 (a scatter beats a mask)."""
     T = tile_rows.shape[0]
     t0, t1 = r0 // TILE, min(T, -(-r1 // TILE))
     off = tile_off.long()

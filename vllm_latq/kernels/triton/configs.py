@@ -1,15 +1,7 @@
 """Launch configurations of the Triton kernels, fixed per GPU family and shape class so that
-serving never autotunes: vLLM's warm-up and CUDA-graph capture must neither benchmark nor
-compile a variant the warm-up did not. The table (``launch_configs.json``, package data,
-written by ``tools/launch_table.py`` from the offline compile report and the cost model)
-names one config per (family, kernel, bits, row tile, N class, K class); a shape it lacks
-gets :func:`rule`'s deterministic choice among the same pruned candidates the autotuner
-would try. ``LATQ_AUTOTUNE=1`` turns autotuning back on; ``LATQ_LAUNCH_CONFIGS=FILE`` names
-a table that overrides the packaged one, and the autotuner writes its choices there.
-
-:func:`choose` is the one function that computes a launch's config on a GPU and in the
-interpreter (which stands in for ``INTERPRETER_DEVICE``), so the interpreter tests run it.
-"""
+serving never autotunes (vLLM's warm-up and capture must not benchmark): the packaged table
+(``launch_configs.json``, from ``tools/launch_table.py``), else :func:`rule`'s choice among the
+same candidates. ``LATQ_AUTOTUNE=1`` tunes; ``LATQ_LAUNCH_CONFIGS=FILE`` overrides the table."""
 from __future__ import annotations
 
 import functools
@@ -203,10 +195,8 @@ def _strip(c: dict) -> dict:
 
 def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int, m_tiles: int,
            can_split: bool, capability: tuple[int, int], sms: int) -> dict:
-    """The launch config (tile, SPLIT, warps, stages, register cap) of one launch: the table's
-    entry for the family and shape class when it is one of the shape's candidates, else
-    :func:`rule`'s. Stages and register cap are always the candidate's (the ones the offline
-    compile checked), whatever a table says."""
+    """The launch config of one launch: the table's entry when it is a candidate of the shape, else
+    :func:`rule`'s; stages and register cap always the candidate's (what the compile checked)."""
     cands = candidates(kernel, bits, bm, n_pad, ksteps, can_split)
     entry = table().get(family(capability), {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
     if entry is not None:

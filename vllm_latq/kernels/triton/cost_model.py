@@ -1,17 +1,7 @@
 """The Triton kernels' cost model: when the tensor-core kernel gives way to dequantise-once +
-cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`), and what either costs against bf16
-``F.linear``. Pure functions of the layer's shape and a :class:`DeviceModel` (the formulas:
-:func:`model_times`); the threshold is the smallest M ≥ 17 from which on the dequantise-once
-path is predicted faster for every larger M (M ≤ 16 is one tile).
-
-The tensor cores count at an *achievable* rate ``η · peak`` (``DeviceModel.tc_eff``), which caps
-cuBLAS and the MMA kernel alike, and the MMA kernel's dequantisation and MMAs are added, not
-overlapped: where the model is unsure it leans to cuBLAS, the path measured everywhere. Device
-constants come from ``torch.cuda.get_device_properties`` (HBM bandwidth = 2 × memory clock ×
-bus width, SMs, SM clock), the family's defaults where torch lacks one — never from a timing,
-since the first large-M call can be inside a CUDA-graph capture. Sources and figures:
-docs/KERNELS.md, "Large M and the cost model".
-"""
+cuBLAS, and what either costs against bf16 ``F.linear`` — pure functions of the layer's shape
+and a :class:`DeviceModel` read from the device's properties, never from a timing (the first
+large-M call can be inside a CUDA-graph capture). Formulas and sources: docs/KERNELS.md."""
 from __future__ import annotations
 
 import functools
@@ -37,7 +27,7 @@ class DeviceModel:
     name: str
     hbm_bw: float          # bytes/s
     l2_bytes: int
-    tc_flops: float        # dense fp16/bf16 tensor-core FLOP/s, the datasheet peak
+    tc_flops: float        # fp16/bf16 tensor-core FLOP/s without 2:4 sparsity, the datasheet peak
     issue: float           # SASS lane-instructions/s (SMs × 4 schedulers × 32 lanes × clock)
     sms: int
     tc_eff: float = 1.0    # η: the achievable fraction of tc_flops (docs/KERNELS.md)
@@ -101,24 +91,8 @@ def packed_bytes(n: int, k: int, bits: int, nnz: int, group: int = 128, coded: b
 
 def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
                 device_props=None, group: int = 128, coded: bool = False) -> dict[str, float]:
-    """Seconds for one layer at M rows: ``mma``, ``deq`` (dequantise once + GEMM) and ``dense``
-    (bf16/fp16 ``F.linear`` of the unquantised weight); ``coded``: the group scales are codes.
-
-    With ``Wq`` the packed bytes (``N·K·b/8`` + scales — fp16 ``2·N·⌈K/g⌉``, coded
-    ``0.75·N·⌈K/g⌉`` — + ``4·nnz`` compact outlier entries), ``X = e·M·K`` and ``Y = e·M·N`` the
-    activations in and out (``e`` bytes a value), ``W16 = e·N·K`` a dense weight,
-    ``BM = mma_bm(M)`` the MMA kernel's row tile and ``T = ⌈M/BM⌉`` its M tiles, and the device's
-    HBM bandwidth ``BW``, achievable tensor-core rate ``TC`` and SASS issue rate ``ISSUE``::
-
-        t_mma(M)   = max( (Wq + X + Y) / BW,                  weights read once (M-fastest grid)
-                          T · (N·K·ipw[b, BM] + (1 + BM)·nnz) / ISSUE     dequantisation per M tile
-                          + 2 · BM·T · N·K / TC )             then the MMAs on BM-row padded tiles
-        t_deq(M)   = (Wq + W16) / BW + max( (W16 + X + Y) / BW, 2·M·N·K / TC )
-        t_dense(M) = max( (W16 + X + Y) / BW, 2·M·N·K / TC )  bf16 F.linear
-
-    ``ipw`` is :data:`MMA_IPW` (or :data:`MMA_IPW_CODED`); an outlier costs one gather + one FMA
-    per activation row per tile. The T programs of one weight tile run side by side and read it
-    from HBM about once, so ``Wq`` is not multiplied by T even for a layer larger than L2."""
+    """Seconds for one layer at M rows: ``mma``, ``deq`` (dequantise once + GEMM) and
+    ``unquantized`` (``F.linear`` of the unquantised weight); ``coded``: the scales are codes (docs/KERNELS.md)."""
     d = device_model(device_props)
     e = dtype.itemsize
     wq = packed_bytes(n, k, bits, nnz, group, coded)
@@ -126,17 +100,15 @@ def model_times(m: int, n: int, k: int, bits: int, nnz: int, dtype: torch.dtype 
     bm = mma_bm(m)
     t = math.ceil(m / bm)
     issue = t * (n * k * (MMA_IPW_CODED if coded else MMA_IPW)[bits, bm] + (1 + bm) * nnz) / d.issue
-    dense = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_achievable)
+    unquantized = max((w16 + act) / d.hbm_bw, 2 * m * n * k / d.tc_achievable)
     return {"mma": max((wq + act) / d.hbm_bw, issue + 2 * bm * t * n * k / d.tc_achievable),
-            "deq": (wq + w16) / d.hbm_bw + dense, "dense": dense}
+            "deq": (wq + w16) / d.hbm_bw + unquantized, "unquantized": unquantized}
 
 
 def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = torch.bfloat16,
                       device_props=None, group: int = 128, coded: bool = False) -> int:
     """Smallest M ≥ 17 from which on dequantise-once + GEMM is predicted faster than the MMA
-    kernel for every larger M (``NEVER`` if it loses at M = 65536). t_mma is constant over a
-    BM-row tile and t_deq grows with M, so a tile is won iff its last row is: scanning the
-    tile ends down from M_SEARCH, the answer is one past the last end lost."""
+    kernel for every larger M (``NEVER`` if it loses at M = 65536)."""
     ends = sorted({mma_bm(m) * math.ceil(m / mma_bm(m)) for m in range(17, M_SEARCH + 1, 16)}, reverse=True)
     for i, m in enumerate(ends):
         times = model_times(m, n, k, bits, nnz, dtype, device_props, group, coded)

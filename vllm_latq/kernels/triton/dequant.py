@@ -1,15 +1,6 @@
-"""Large-M path: dequantise once into a bf16/fp16 scratch, then one cuBLAS GEMM.
-
-The tensor-core kernel re-dequantises every weight once per 64-row M tile, so for large M
-(prefill) its instruction issue outgrows cuBLAS on a dense weight. This path reads the SAME
-prepared layout (:class:`TritonState`; weights are never stored twice) into a scratch equal to
-``weight.dequantize(w).to(dtype)`` bit for bit (:func:`apply_large_m`): ``y`` is the exact GEMM
-with the dtype-rounded weights, one rounding of z·s (≤ ½ ulp per weight) away from the fp32
-reference the other kernels match; fp32 activations never take it (:func:`large_m_reason`).
-The scratch is a :class:`Workspace` shared by the layers of a stream. When
-``TritonKernel.apply`` takes this path is the cost model's crossover,
-:func:`~vllm_latq.kernels.triton.cost_model.large_m_threshold`.
-"""
+"""Large-M path: dequantise the prepared layout once into a bf16/fp16 scratch equal to
+``weight.dequantize(w).to(dtype)`` bit for bit, then one cuBLAS GEMM (one rounding of z·s away
+from the fp32 reference; fp32 activations never take it). When: the cost model's crossover."""
 from __future__ import annotations
 
 import torch
@@ -25,10 +16,8 @@ from .cost_model import threshold_for
 
 @triton.jit
 def _round(v, DT: tl.constexpr):
-    """fp32 → DT, round to nearest, ties to even. bf16 in integer arithmetic: Triton's
-    interpreter truncates fp32 → bf16 casts, and this is what ``cvt.rn.bf16.f32`` computes
-    for finite values, so the interpreter checks the code the GPU runs. fp16: a plain cast
-    (RNE on both)."""
+    """fp32 → DT, round to nearest even. bf16 in integer arithmetic, as ``cvt.rn.bf16.f32`` does,
+    because the interpreter truncates such casts."""
     if DT == tl.bfloat16:
         b = v.to(tl.int32, bitcast=True)
         r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16               # no overflow for finite v
@@ -151,25 +140,17 @@ MAIN_LANE = -1
 
 
 def lane(device: torch.device) -> int:
-    """The scratch lane of the current stream: its own for a stream vLLM runs concurrently with
-    the forward (:func:`~vllm_latq.kernels.graphs.concurrent_streams`), else the main lane, which
-    every stream vLLM orders with the forward shares."""
+    """The scratch lane of the current stream: its own for a stream vLLM runs concurrently with the
+    forward, else the main lane."""
     sk = stream_key(device)
     return sk if any(_key_of(s) == sk for s in graphs.concurrent_streams()) else MAIN_LANE
 
 
 class Workspace:
-    """Scratch shared by the layers of a device: one flat buffer per (device, dtype, lane), sized
-    to the largest request seen and grown on demand. Streams vLLM orders with the forward (the
-    default stream, each CUDA-graph capture stream, the memory profiler's capture stream) run
-    layers one after another, so they share the main lane: a new capture stream allocates
-    nothing. A stream that runs layers concurrently with the forward (vLLM's MoE shared
-    experts) gets a lane of its own, or the two would overwrite each other's partials. Used for
-    the large-M path's dequantised weights and the split-K fp32 partials. ``max_bytes`` caps a
-    dequantisation buffer: a larger layer is dequantised and multiplied in row chunks that fit
-    (at least 16 rows). ``reserve`` (every layer, at load) sizes every lane before vLLM profiles
-    memory, so the profile counts them and a capture never grows one: growing while a graph is
-    being captured raises instead of leaving a freed buffer in a graph."""
+    """Scratch shared by the layers of a device: one buffer per (device, dtype, lane), grown on
+    demand, sized for every lane at load (``reserve``) so vLLM's profile counts it; growing during
+    a capture raises. ``max_bytes`` caps a dequantisation (larger layers go in row chunks). Lanes:
+    docs/KERNELS.md, "Scratch lanes"."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
@@ -234,9 +215,8 @@ def large_m_reason(act_dtype: torch.dtype) -> str | None:
 
 
 def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
-    """Rows ``row0 .. row0 + R`` of a prepared layer → ``out`` [R, K] (fp16/bf16, unit column
-    stride; row0 % 16 == 0): z·s rounded once, outliers stored over their (zero) inliers.
-    Equals ``weight.dequantize(w)[row0:row0 + R].to(dtype)``."""
+    """Rows ``row0 .. row0 + R`` (row0 % 16 == 0) of a prepared layer → ``out`` [R, K] fp16/bf16:
+    ``weight.dequantize(w)[row0:row0 + R].to(dtype)``, bit for bit."""
     rows = out.shape[0]
     if (out.dim() != 2 or out.shape[1] != st.k or out.stride(1) != 1 or row0 % 16 or row0 + rows > st.n
             or out.dtype not in (torch.float16, torch.bfloat16)):
@@ -264,18 +244,9 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
 
 def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
                   workspace: Workspace | None = None) -> torch.Tensor:
-    """``y = x2 @ Wᵀ (+ bias)`` with W dequantised once into ``workspace`` (a temporary
-    buffer when None) and ``F.linear`` (cuBLAS): one GEMM, or one per row chunk when the
-    workspace is capped. x2: [M, K] fp16/bf16.
-
-    1. ``_dequant_kernel``: one program per (BN rows, K step) loads the step's word tiles once
-       and writes ``W[n, k] = z · s`` (fp32 product of the exact integer and the widened fp16
-       group scale, rounded once to the activation dtype) into a dense ``[N, K]`` scratch;
-    2. ``_outlier_kernel`` (only with outliers): one program per 16-row group stores
-       ``W[row, col] = val`` rounded to the activation dtype. The format keeps the inlier
-       integer 0 at every outlier, so ``z·s + val = val`` exactly: a store, not an add.
-       ELL padding slots (value 0) are skipped; a real outlier of value 0 leaves ``0·s = 0``;
-    3. ``torch.nn.functional.linear(x, W, bias)``: cuBLAS on a GPU."""
+    """``y = x2 @ Wᵀ (+ bias)``, W dequantised once into ``workspace`` (row chunks where capped):
+    ``_dequant_kernel`` writes z·s rounded once, ``_outlier_kernel`` stores each outlier over its
+    zero integer (a store, not an add), then ``F.linear``. x2: [M, K] fp16/bf16."""
     why = large_m_reason(x2.dtype)
     if why:
         raise ValueError(why)

@@ -1,17 +1,7 @@
-"""Device code of the Triton kernels (``@triton.jit`` functions only; the host side —
-configs, autotuning, launch, the kernel class — is :mod:`~vllm_latq.kernels.triton.kernel`).
-Kept apart because :mod:`~tools.triton_compile` fingerprints exactly this code (a kernel's
-offline-compiled binaries depend on it and on nothing host-side). The helpers here (``_and_or``,
-``_fbits``, ``_word_tiles``, ``_gemv_step``, ``_epilogue``, ``_scale_base`` / ``_group_scale``)
-are shared by the tensor-core kernel (``mma.py``), the dequantize kernel and the grouped MoE
-kernel; the fingerprint of those counts this whole file.
-
-The kernels read one load-time layout (:mod:`~vllm_latq.kernels.triton.layout`). A K step is
-one call of ``_gemv_step`` (here) / ``_mma_step`` (``mma.py``); a 3-bit layer runs its main
-steps at BITS = 3, then its tail's 128-column steps at BITS = 4, dealt to the K splits from the
-last split (which got the fewest main steps). fp32 activations use the SIMT kernel for every M
-(tiles of 8 rows): exact, no TF32. Checked against the reference in the interpreter
-(tests/test_triton.py) and compiled offline for sm_80/86/89/90 (:mod:`~tools.triton_compile`).
+"""Device code of the Triton kernels: the SIMT GEMV and the helpers the tensor-core, dequantize
+and grouped MoE kernels share. Only ``@triton.jit`` functions live here, because
+:mod:`~tools.triton_compile` fingerprints this code; the host side is
+:mod:`~vllm_latq.kernels.triton.kernel`. The K loop's design: docs/KERNELS.md.
 """
 from __future__ import annotations
 
@@ -36,10 +26,8 @@ def _and_or(a, MASK: tl.constexpr, c, ASM: tl.constexpr):
 
 @triton.jit
 def _fbits(lo, hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Slot at bit P of a 16-bit half of the plane-A word tile ``lo`` (3 / 5 bits: plus its bit
-    P/2 / P/4 of the 1-bit tile ``hi``, pre-shifted by the caller) → int32 bits of the fp32 number
-    2^(23−P) + u: u sits at bits [P, P+b) of the word and is OR-ed, in place, into the bits
-    of 2^(23−P), whose mantissa unit is 2^−P — so no shift is needed for 2/4 bits."""
+    """Slot at bit P of a 16-bit half of the word tile ``lo`` (3 / 5 bits: plus its bit of the
+    pre-shifted 1-bit tile ``hi``) → the int32 bits of the fp32 number 2^(23−P) + u."""
     magic = tl.full(lo.shape, (150 - P) << 23, tl.int32)    # fp32 bits of 2^(23−P)
     if BITS == 4:
         r = _and_or(lo, 15 << P, magic, ASM)
@@ -92,10 +80,8 @@ def _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD
 
 @triton.jit
 def _word_tiles(ta, th, s, s_end, rn3, w3, N_PAD, BITS: tl.constexpr):
-    """The [1, 16, BN] word tiles of K step ``s`` (zeros when ``s ≥ s_end``): plane A, its
-    second 256-word half (3 bits), the 1-bit plane (3 bits; 5 bits: the tile of the 512-column
-    chunk holding the step, shifted so that the step's slab j is bit j); 2/4 bits: plane A
-    three times."""
+    """The [1, 16, BN] word tiles of K step ``s`` (zeros when ``s ≥ s_end``): plane A, its second
+    half (3 bits) and the 1-bit plane (3 and 5 bits); 2/4 bits: plane A three times."""
     CA: tl.constexpr = 512 if BITS == 3 else 256                   # plane-A words per step per row group
     # (a scalar bool & a bool tensor is int in the interpreter: fold conditions into limits)
     pm = (rn3 < tl.where(s < s_end, N_PAD, 0)) & (w3 < 16)
@@ -122,11 +108,9 @@ def _scale_base(s_ptr, g16, r16, NGP, CODED: tl.constexpr):
 
 @triton.jit
 def _group_scale(sp, gi, r16, mask, CODED: tl.constexpr, ASM: tl.constexpr):
-    """fp32 scale of group ``gi`` of the rows of ``sp`` (:func:`_scale_base`; ``r16``: their
-    row in the slab, same shape), 0 where ``mask`` is off. Coded: the format's
-    ``fp16(fp32(min) + code · fp32(step))`` (the product is exact, so a fused FMA rounds
-    the same), the fp16 bits of min and step widened to fp32 right after the load; the code
-    becomes a float as the weights do (OR-ed into 2^23, one FADD: no int → float convert)."""
+    """fp32 scale of group ``gi`` of the rows of ``sp`` (``r16``: their row in the slab), 0 where
+    ``mask`` is off. Coded: the format's ``fp16(fp32(min) + code · fp32(step))``, the code made a
+    float as the weights are (OR-ed into 2^23, one FADD)."""
     if CODED:
         words = sp + gi * 3
         cw = tl.load(words + (r16 >> 3), mask=mask, other=0)
@@ -153,11 +137,10 @@ def _ell_rows(start_ptr, rn, N_PAD):
 
 @triton.jit
 def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
-               BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr,
-               CODED: tl.constexpr):
-    """One K step of the GEMV (columns ``k0 + [0, STEP)``, word tiles from :func:`_word_tiles`)
-    added to ``acc`` [BM, 16, BN]. A 3-bit layer's main loop runs it at BITS = 3 and its
-    4-bit tail at BITS = 4 (``SPG`` is capped at the step's slabs here)."""
+               BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr, ONE_ROW: tl.constexpr,
+               ASM: tl.constexpr, CODED: tl.constexpr):
+    """One K step (columns ``k0 + [0, STEP)``) added to ``acc`` [BM, 16, BN]; 3-bit layers run
+    their 4-bit tail through it at BITS = 4. ``ONE_ROW``: sum z·x per scale group, scale once."""
     SLABS: tl.constexpr = 32 if BITS == 3 else (8 if BITS == 5 else 32 // BITS)   # 16-column slabs
     PB: tl.constexpr = 2 if BITS == 3 else (4 if BITS == 5 else BITS)             # plane-A slot bits
     SPH: tl.constexpr = 16 // PB                               # slabs per 16-bit half word
@@ -178,7 +161,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
         else:
             lo = wa >> (16 * h)
             hi = lo
-        if BM == 1:
+        if ONE_ROW:
             part = tl.zeros(acc.shape, dtype=tl.float32)
         for i in tl.static_range(SPH):
             P = PB * i
@@ -187,7 +170,7 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
             j = h * SPH + i
             kk = k0 + 16 * j + w3
             xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)    # [BM, 16, 1]
-            if BM == 1:
+            if ONE_ROW:
                 # one activation row: accumulate z·x per group, scale once per group
                 # (per weight: LOP3 + FADD + FFMA, no FMUL)
                 part += z * xs
@@ -206,6 +189,48 @@ def _gemv_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
     return acc
 
 
+@triton.jit
+def _word_tile_ptrs(plane_ptr, g16, r16, w3, NCH):
+    """Pointers of the [1, 16, BN] word tile of chunk 0 of a plane of ``NCH`` chunks
+    (address ((g·NCH + c)·16 + w)·16 + r)."""
+    return plane_ptr + (g16 * (NCH * 256) + r16)[None, None, :] + w3 * 16
+
+
+@triton.jit
+def _ell_gemv(acc, e0, cnt, col_ptr, val_ptr, xrow, mmask, r16, w3, r_beg, r_end, R_STRIDE: tl.constexpr):
+    """ELL-16 outliers added to ``acc`` [BM, 16, BN], 16 slots of each row per trip over the
+    slot ranges ``r_beg, r_beg + R_STRIDE, …`` below ``r_end`` (:func:`_ell_rows`: e0, cnt)."""
+    e03 = (e0 + r16)[None, None, :]
+    cnt3 = cnt[None, None, :]
+    for r0 in range(r_beg, r_end, R_STRIDE):
+        rr = r0 + w3                                                        # [1, 16, 1]
+        em = rr < cnt3                                                      # [1, 16, BN]
+        idx = e03 + rr * 16
+        col = tl.load(col_ptr + idx, mask=em, other=0)
+        val = tl.load(val_ptr + idx, mask=em, other=0.0)
+        xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, BN]
+        acc += val * xg
+    return acc
+
+
+@triton.jit
+def _csr_gemv(acc, start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, n0, rn3, w3, N_PAD, BN: tl.constexpr,
+              pid_k, SPLIT: tl.constexpr):
+    """CSR outliers of rows ``n0 + [0, BN)`` added to ``acc`` [BM, 16, BN], 16 entries per trip,
+    the trips dealt to the K splits; each entry routed to its row by a one-hot compare."""
+    e0 = tl.load(start_ptr + n0)
+    e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
+    for e in range(e0 + pid_k * 16, e1, SPLIT * 16):
+        ee = e + w3                                                         # [1, 16, 1]
+        em = ee < e1
+        row = tl.load(row_ptr + ee, mask=em, other=-1)
+        col = tl.load(col_ptr + ee, mask=em, other=0)
+        val = tl.load(val_ptr + ee, mask=em, other=0.0)
+        xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, 1]
+        acc += tl.where(row == rn3, xg * val, 0.0)
+    return acc
+
+
 # Integers Triton does not specialise (on == 1, on % 16): the batch M (M = 8 and 16 run one
 # tile; only row masks read it) and the per-layer step and chunk counts, which only scale
 # offsets that are multiples of 256 or bound loops. Specialised, each would compile another
@@ -220,29 +245,9 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                  OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CODED: tl.constexpr):
-    """M = 1..7 (SIMT, no tensor cores).
-
-    One program per BN output rows (× a K split × an M tile). Per K step it loads one
-    [16 words × BN rows] int32 tile per plane (16-byte vector loads of contiguous 1 KiB
-    blocks, prefetched one step ahead by hand); slot j of the tile is the 16-column slab
-    ``k0 + 16j + [0, 16)``. A value is dequantised with no shift and no int→float convert:
-    ``(word & (2^b−1) << P) | bits(2^(23−P))`` *is* the fp32 number 2^(23−P) + u (the
-    mantissa unit of 2^(23−P) is 2^−P; P < 16: the step runs over the words' two 16-bit
-    halves, each shifted down once), so one FADD gives z = u − 2^(b−1) exactly, and the
-    mask + OR is one LOP3 (inline ``lop3.b32``). Per weight: 1 LOP3, 1 FADD, and one FFMA
-    per activation row (3 / 5 bits: + 1 shift + 1 LOP3 to merge the 1-bit plane; at 5 bits
-    a step is 128 columns and the 1-bit tile of its 512-column chunk is loaded by each of
-    the chunk's four steps, from L1/L2 after the first). At M = 1 the
-    products accumulate per (slab lane, row) over the slabs of a scale group and are scaled
-    once (``acc += part · s``, fp16 scales widened, or coded ones decoded by
-    ``_group_scale`` under ``CODED``); at M > 1, z·s is formed once and
-    shared by the rows. The slab-lane axis is reduced once at the end, so the K loop has no
-    cross-thread traffic, no shared memory and no barrier. Split-K (``SPLIT`` programs per
-    row tile, for long K / small N) writes fp32 partials; the last program of a tile (an
-    acq_rel atomic ticket) sums them in fixed order, adds the bias and stores — one launch,
-    deterministic, tickets self-reset. Outliers of the program's rows are added by the same
-    program (16 ELL slots or 16 CSR entries per iteration, spread over the K splits), into
-    the same accumulator."""
+    """y = x·Wᵀ (+ bias) for M = 1..7 on SIMT lanes: one program per BN output rows × K split ×
+    M tile, one word tile per plane and K step (prefetched a step ahead), outliers into the same
+    accumulator, split-K partials reduced by the tile's last program (docs/KERNELS.md)."""
     # Every tensor of the K loop is 3-D [BM rows of x, 16 slab lanes, BN output rows] (or a
     # broadcastable slice of it), so the word tiles' coalesced layout (16-byte vectors along
     # BN) is the layout of the whole loop: no layout conversion, no shared memory, no barrier.
@@ -260,9 +265,8 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     rm3 = rm[:, None, None]                                        # [BM, 1, 1]
     xrow = x_ptr + _row_offset(rm3, stride_xm)
     mmask = rm3 < M
-    # word-tile pointers of chunk 0: ((g·NCH + c)·16 + w)·16 + r
-    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
-    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    ta = _word_tile_ptrs(pa_ptr, g16, r16, w3, NCH_A)
+    th = _word_tile_ptrs(ph_ptr, g16, r16, w3, NCH_H)
     sp = _scale_base(s_ptr, g16, r16, NGP, CODED)[None, None, :]   # scales of group 0
     rs3 = r16[None, None, :]
 
@@ -276,42 +280,23 @@ def _gemv_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
-        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD, BITS, GROUP, SPG, BM,
-                         ASM, CODED)
+        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD, BITS, GROUP, SPG,
+                         BM == 1, ASM, CODED)
     if BITS == 3:
         # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
         # the splits from the last one, which got the fewest main steps
-        tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        tt = _word_tile_ptrs(pt_ptr, g16, r16, w3, TSTEPS)
         for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
             w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
             acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
-                             4, GROUP, SPG, BM, ASM, CODED)
+                             4, GROUP, SPG, BM == 1, ASM, CODED)
 
-    # ---- outliers of these rows (same accumulator; entries spread over the K splits)
     if OUTL == 1:      # ELL-16: start = off [G+1]
         e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
-        e03 = (e0 + r16)[None, None, :]
-        cnt3 = cnt[None, None, :]
-        for r0 in range(pid_k * 16, rmax, SPLIT * 16):
-            rr = r0 + w3                                                        # [1, 16, 1]
-            em = rr < cnt3                                                      # [1, 16, BN]
-            idx = e03 + rr * 16
-            col = tl.load(col_ptr + idx, mask=em, other=0)
-            val = tl.load(val_ptr + idx, mask=em, other=0.0)
-            xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, BN]
-            acc += val * xg
+        acc = _ell_gemv(acc, e0, cnt, col_ptr, val_ptr, xrow, mmask, r16, w3, pid_k * 16, rmax, SPLIT * 16)
     elif OUTL == 2:    # CSR: start = crow [N_PAD+1]
-        n0 = pid_n * BN
-        e0 = tl.load(start_ptr + n0)
-        e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
-        for e in range(e0 + pid_k * 16, e1, SPLIT * 16):
-            ee = e + w3                                                         # [1, 16, 1]
-            em = ee < e1
-            row = tl.load(row_ptr + ee, mask=em, other=-1)
-            col = tl.load(col_ptr + ee, mask=em, other=0)
-            val = tl.load(val_ptr + ee, mask=em, other=0.0)
-            xg = tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)  # [BM, 16, 1]
-            acc += tl.where(row == rn3, xg * val, 0.0)                          # one-hot routing
+        acc = _csr_gemv(acc, start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, pid_n * BN, rn3, w3, N_PAD, BN,
+                        pid_k, SPLIT)
 
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,

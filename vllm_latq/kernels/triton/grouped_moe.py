@@ -1,10 +1,6 @@
-"""Grouped experts on the GPU: every expert of a mixture-of-experts layer in one stacked Triton
-layout (:func:`stack`), and one kernel launch per projection that runs only the routed (token,
-slot) pairs (:func:`route`, :func:`_moe_gemv_kernel`) — with no host sync and launch
-parameters that depend on the batch size only, so it is captured in CUDA graphs (vLLM's
-decode) and replays with any routing. Bytes and work scale with the experts actually routed,
-against E/k times the work for running every expert on every token.
-"""
+"""Grouped experts on the GPU: a MoE layer's experts in one stacked Triton layout (:func:`stack`)
+and one launch per projection over the routed (token, slot) pairs only (:func:`route`), with no
+host sync and launch parameters set by the batch size alone, so CUDA graphs replay it."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +14,7 @@ import triton.language as tl
 from . import layout as tlay
 from . import cost_model as triton_model
 from ..base import flatten_dataclass, unflatten_dataclass
-from .device import UNSPECIALIZED, _ell_rows, _fbits, _gemv_step, _group_scale, _scale_base, _word_tiles
+from .device import UNSPECIALIZED, _ell_gemv, _ell_rows, _gemv_step, _scale_base, _word_tile_ptrs, _word_tiles
 from .kernel import GEMV_MAXNREG, INTERPRET, MAXNREG_OK, OUTL_CSR, OUTL_ELL, OUTL_NONE, TritonState
 
 # Rows per program → (BN, warps), fixed, not autotuned: the first call may be inside a CUDA-graph
@@ -49,18 +45,9 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
                      BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, OUTL: tl.constexpr, ASM: tl.constexpr,
                      CODED: tl.constexpr):
-    """Program (b, n-tile) reads its expert from ``blocks``, offsets the plane,
-    scale and outlier pointers by it, and runs the SIMT GEMV step of ``triton_device`` (the
-    unpacking helpers ``_word_tiles`` / ``_fbits`` / ``_ell_rows`` are imported from there) on its
-    ≤ BM rows of the expert-sorted activations."""
-    # the loop of triton_device._gemv_kernel (one K split, z·s formed once per slab and shared
-    # by the BM rows), on the rows [r0, r1) of one expert's block
-    SLABS: tl.constexpr = 32 if BITS == 3 else 32 // BITS
-    STEP: tl.constexpr = 16 * SLABS
-    SPH: tl.constexpr = 8 if BITS == 3 else 16 // BITS
-    NH: tl.constexpr = SLABS // SPH
-    FL: tl.constexpr = SPG if SPG < SPH else SPH
-    OFF: tl.constexpr = 1 << (BITS - 1)
+    """Program (b, n-tile): the expert of block b (``blocks``) on its ≤ BM rows of the
+    expert-sorted activations, by the GEMV's K step (one K split, z·s formed once per slab)."""
+    STEP: tl.constexpr = 16 * (32 if BITS == 3 else 32 // BITS)
     pid_b = tl.program_id(0)            # blocks fastest: the blocks of one expert share its tiles in L2
     pid_n = tl.program_id(1)
     e = tl.load(blk_ptr + 3 * pid_b)
@@ -77,20 +64,20 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
     rm3 = rm[:, None, None]
     xrow = x_ptr + rm3 * stride_xm
     mmask = rm3 < r1
-    ta = pa_ptr + eo * EXP_A + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
-    th = ph_ptr + eo * EXP_H + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    ta = _word_tile_ptrs(pa_ptr + eo * EXP_A, g16, r16, w3, NCH_A)
+    th = _word_tile_ptrs(ph_ptr + eo * EXP_H, g16, r16, w3, NCH_H)
     sp = _scale_base(s_ptr + eo * EXP_S, g16, r16, NGP, CODED)[None, None, :]
     rs3 = r16[None, None, :]
 
     acc = tl.zeros([BM, 16, BN], dtype=tl.float32)
-    if BITS == 3:       # the 4-bit tail (< 512 columns from NSTEPS·512), as the dense GEMV runs it;
+    if BITS == 3:       # the 4-bit tail (< 512 columns from NSTEPS·512), as a linear's GEMV runs it;
         # before the main steps, whose prefetched tiles would otherwise be live across it
-        tt = pt_ptr + eo * EXP_T + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        tt = _word_tile_ptrs(pt_ptr + eo * EXP_T, g16, r16, w3, TSTEPS)
         t_end = tl.where(e >= 0, TSTEPS, 0)
         for t in range(0, t_end):
             w4, _, _ = _word_tiles(tt, tt, t, t_end, rn3, w3, N_PAD, 4)
             acc = _gemv_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD,
-                             4, GROUP, SPG, BM, ASM, CODED)
+                             4, GROUP, SPG, BM == 1, ASM, CODED)
 
     s_end = tl.where(e >= 0, NSTEPS, 0)                          # an unused block runs no step
     wa_n, wb_n, wh_n = _word_tiles(ta, th, 0, s_end, rn3, w3, N_PAD, BITS)
@@ -99,35 +86,12 @@ def _moe_gemv_kernel(x_ptr, y_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr, start_ptr, col
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)
-        k0 = s * STEP
-        for h in range(NH):
-            if BITS == 3:
-                lo = tl.where(h < 2, wa, wb) >> (16 * (h % 2))
-                hi = wh >> (16 * (h // 2) + 8 * (h % 2))
-            else:
-                lo = wa >> (16 * h)
-                hi = lo
-            for i in tl.static_range(SPH):
-                P = (2 if BITS == 3 else BITS) * i
-                z = _fbits(lo, hi, P, BITS, ASM).to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)
-                j = h * SPH + i
-                kk = k0 + 16 * j + w3
-                xs = tl.load(xrow + kk, mask=mmask & (kk < K), other=0.0).to(tl.float32)
-                if i % FL == 0:
-                    sc = _group_scale(sp, (k0 + 16 * j) // GROUP, rs3, rn3 < N_PAD, CODED, ASM)
-                acc += (z * sc) * xs
+        acc = _gemv_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, rs3, rn3, w3, N_PAD, BITS, GROUP, SPG,
+                         False, ASM, CODED)
 
     if OUTL == 1:       # ELL-16, offsets absolute into the concatenated entries
         e0, cnt, rmax = _ell_rows(start_ptr + eo * EXP_O, rn, N_PAD)
-        e03 = (e0 + r16)[None, None, :]
-        cnt3 = cnt[None, None, :]
-        for q0 in range(0, tl.where(e >= 0, rmax, 0), 16):
-            rr = q0 + w3
-            em = rr < cnt3
-            idx = e03 + rr * 16
-            col = tl.load(col_ptr + idx, mask=em, other=0)
-            val = tl.load(val_ptr + idx, mask=em, other=0.0)
-            acc += val * tl.load(xrow + col, mask=mmask & em, other=0.0).to(tl.float32)
+        acc = _ell_gemv(acc, e0, cnt, col_ptr, val_ptr, xrow, mmask, r16, w3, 0, tl.where(e >= 0, rmax, 0), 16)
 
     out = tl.sum(acc, axis=1)
     rm2 = rm[:, None]
@@ -227,16 +191,9 @@ def _ell_of(st: TritonState) -> dict[str, torch.Tensor] | None:
 
 
 def stack(states: list[TritonState]) -> tuple[StackedTriton, list[TritonState]]:
-    """One projection's per-expert states → (the stack, the experts' states as views of it):
-    a caller that replaces its states by the views keeps the weights stored once.
-
-    The experts of one projection (w13 or w2) have the same shape,
-    bits and group, so their :mod:`~vllm_latq.kernels.triton.layout` planes and scales have the
-    same sizes and are stacked along a leading expert axis (expert e at ``e · size``). Outliers
-    are ELL-16 for every expert (a CSR expert is converted by ``triton_layout.build_ell``): the
-    experts' column/value arrays concatenated, the offsets ``off[e, g]`` absolute into them. The
-    experts' own states then become views of the stack (ELL outliers, offsets relative again), so
-    the weights are stored once; the eager per-expert path keeps working on the views."""
+    """One projection's per-expert states → (the stack, the experts' states as views of it): planes
+    and scales stacked along an expert axis, outliers ELL-16 with absolute offsets; a caller that
+    replaces its states by the views keeps the weights stored once."""
     why = stack_reason(states)
     if why is not None:
         raise ValueError(f"latq: cannot stack these experts: {why}")
@@ -290,15 +247,9 @@ def max_blocks(pairs: int, experts: int, bm: int) -> int:
 
 
 def route(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat expert ids [P] (−1: not on this rank) → (order [P]: the pairs sorted by expert, the
-    −1 ones last; blocks int32 [NB, 3]: expert (−1: unused), first row, end row in that order).
-
-    Torch ops only, capturable: the P = T·k pairs sorted by expert, each
-    expert's pairs cut into blocks of BM rows (vLLM's fused MoE aligns its pairs the same way);
-    ``blocks[b] = (expert, first row, end row)`` for b < NB, where NB = min(P, ⌊P/BM⌋ + min(E, P))
-    bounds Σ_e ⌈c_e/BM⌉ for any counts c; blocks past the used ones have expert −1 and run no K
-    step. BM (rows per program) is chosen from the expected pairs per expert P/E, never from the
-    routing."""
+    """Flat expert ids [P] (−1: not on this rank) → (order: the pairs sorted by expert, −1 last;
+    blocks int32 [NB, 3]: expert or −1, first row, end row), each expert's pairs cut into blocks of
+    BM rows; NB = min(P, ⌊P/BM⌋ + min(E, P)) bounds any routing. Torch ops only, capturable."""
     P = ids.numel()
     key = torch.where(ids >= 0, ids.long(), experts)
     order = torch.argsort(key, stable=True)
@@ -336,7 +287,7 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
                          "the kernel's int32 row addresses (2³¹); run the host path")
     spare = st.scales
     # a plane the experts lack (2/4 bits: the 1-bit plane and the tail; 3 bits: no tail, or no
-    # whole chunk) gets an int32 stand-in of stride 0, as the dense launch does: behind a
+    # whole chunk) gets an int32 stand-in of stride 0, as a linear's launch does: behind a
     # zero-trip loop, never read
     planes = [p if p is not None and p.numel() else blocks for p in (st.plane_a, st.plane_h, st.plane_t)]
     strides = [p.stride(0) if p is not blocks else 0 for p in planes]
@@ -367,9 +318,8 @@ def compile_all(st: StackedTriton, act_dtype: torch.dtype) -> None:
 
 def grouped_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: StackedTriton,
                     w2: StackedTriton, act, weights_on_input: bool = False) -> torch.Tensor:
-    """The experts' forward of :func:`~vllm_latq.kernels.moe.experts_forward` on the stacks:
-    ``act`` maps w13's outputs to w2's inputs. Each slot's contribution is summed per token in
-    slot order (fp32), so the result does not depend on how the pairs were sorted."""
+    """The experts' forward on the stacks (``act``: w13's outputs to w2's inputs), each slot summed per
+    token in slot order (fp32): independent of how the pairs were sorted."""
     T, k = topk_ids.shape
     P = T * k
     bm = row_block(P, w13.experts)
@@ -394,17 +344,9 @@ SYNC_S = 20e-6      # the host path's count read (device → host sync, the stre
 
 def path_times(tokens: int, topk: int, w13: StackedTriton, w2: StackedTriton,
                device: torch.device | None = None) -> dict[str, float]:
-    """Model seconds of one layer's experts on each path (:mod:`~vllm_latq.kernels.moe`),
-    from :mod:`~vllm_latq.kernels.triton.cost_model`'s device model; cached per batch size and
-    shapes. Every path streams the routed experts' bytes about once; the differences:
-
-    * ``stacked``: SIMT issue (``MOE_IPW`` per weight for every block of ≤ BM rows: ~P/BM +
-      routed blocks, each re-dequantising its expert) against tensor cores elsewhere; ~10 ops;
-    * ``host``: a sync and ~6 torch ops from Python per routed expert — a decode batch routes
-      to ~P distinct experts, so it is launch-bound there; tensor cores from 8 rows;
-    * ``masked`` (captured): every expert's weights on every token, E/k times the work, ~6
-      kernels per expert replayed without host cost.
-    """
+    """Model seconds of one layer's experts on each path of :mod:`~vllm_latq.kernels.moe` (cached
+    per batch and shapes): ``stacked`` pays SIMT issue per block, ``host`` a sync and torch ops per
+    routed expert, ``masked`` every expert on every token."""
     idx = None
     if device is not None and torch.device(device).type == "cuda":
         idx = torch.device(device).index

@@ -3,7 +3,7 @@ launch before the layer's GEMV/GEMM. A program holds a [BM, b] tile of one block
 registers: the signs and 1/√b applied after the load (in fp32), log2(b) butterfly passes — each a
 reshape that pairs every element with its partner b/2^(i+1) apart, ``a + c`` and ``a − c``
 joined back —, one cast to the output's dtype. Checked against the torch reference in the
-interpreter (tests/test_rotation_kernels.py)."""
+interpreter (tests/kernels/test_rotation_kernels.py)."""
 from __future__ import annotations
 
 import math

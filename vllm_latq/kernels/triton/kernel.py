@@ -1,15 +1,6 @@
-"""Triton GPU kernels for latq dense + outlier linears: the host side — configs and
-autotuning, the prepared state, the launch, and :class:`TritonKernel` (the kernel interface).
-
-Two kernels (device code: :mod:`~vllm_latq.kernels.triton.device`) read one load-time layout
-(:mod:`~vllm_latq.kernels.triton.layout`): ``_gemv_kernel`` (SIMT) for M = 1..7 and for fp32
-activations, ``_mma_kernel`` (tensor cores) for M ≥ 8 in 16-, 32- or 64-row tiles, then
-dequantise-once + cuBLAS (:mod:`~vllm_latq.kernels.triton.dequant`) from the cost model's
-crossover (:mod:`~vllm_latq.kernels.triton.cost_model`).
-Everything is checked against :func:`~vllm_latq.kernels.reference.latq_linear_ref` in the
-interpreter (tests/test_triton.py) and compiled offline for sm_80/86/89/90
-(:mod:`~tools.triton_compile`, ``bench/kernels.py``).
-"""
+"""Triton kernels for latq linears, the host side (configs, prepared state, launch,
+:class:`TritonKernel`): the GEMV for M = 1..7 and fp32, tensor cores from M = 8, dequantise-once
+past the cost model's crossover."""
 from __future__ import annotations
 
 import functools
@@ -44,9 +35,8 @@ OUTL_CODE = {"none": OUTL_NONE, "ell": OUTL_ELL, "csr": OUTL_CSR}
 # ============================================================================ configs
 
 def spg_of(bits: int, group: int) -> int:
-    """Slabs per scale application: the largest power of two dividing group/16, at most the
-    slabs of one K step (slab boundaries are multiples of 16·SPG, so all of them lie in one
-    group). group % 16 == 0 is required (or a single group: group ≥ K_pad)."""
+    """Slabs per scale application: the largest power of two dividing group/16, at most a K step's
+    slabs (group % 16 == 0, or a single group)."""
     slabs = tlay.step_of(bits) // 16
     q = group // 16
     spg = 1
@@ -86,10 +76,8 @@ def _config(c: dict) -> triton.Config:
 
 @functools.lru_cache(maxsize=None)
 def tuned(kernel: str, bits: int, bucket: int):
-    """The autotuner of one kernel, bit width (register caps differ) and M bucket: its own
-    cache of tuned configs, the compiled binaries shared through the kernel. A bucket within
-    one M tile may split K; several M tiles run with SPLIT = 1 (the tickets cover one row
-    of tiles)."""
+    """The autotuner of one kernel, bit width and M bucket (its own cache of configs, the binaries
+    shared); only a bucket within one M tile may split K."""
     one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
     cfgs = [c for c in cfg.configs_for(kernel, None, bits) if one_tile or c["SPLIT"] == 1]
     return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
@@ -103,9 +91,8 @@ _KERNELS = {"gemv": _gemv_kernel, "mma": _mma_kernel}
 
 @dataclass
 class TritonState:
-    """Prepared layer, flat (tensor and int fields only) so the vLLM plugin can keep it as
-    module buffers + static ints (``LatqKernel.flatten``/``unflatten``). See
-    :mod:`~vllm_latq.kernels.triton.layout` for the tensors' layout."""
+    """Prepared layer, tensor and int fields only, so a vLLM layer keeps it as buffers + static ints
+    (layout: :mod:`~vllm_latq.kernels.triton.layout`)."""
     plane_a: torch.Tensor                 # int32 word blocks: the b-bit plane (3 / 5 bits: the 2- / 4-bit plane)
     plane_h: torch.Tensor | None          # int32 word blocks: 3 / 5 bits: the 1-bit plane
     plane_t: torch.Tensor | None          # int32 word blocks: 3 bits: the 4-bit tail (< 512 columns)
@@ -155,9 +142,8 @@ INDEX_LIMIT = 2**31        # the kernels index planes and outlier entries with i
 
 
 def size_reason(n: int, k: int, bits: int, nnz: int) -> str | None:
-    """Why an n × k layer at ``bits`` is too large for the kernels' int32 indices (None: it fits):
-    its planes must hold fewer than 2³¹ int32 words (N·K·b/32, as padded) and its outlier
-    slots (ELL pads up to 16 per entry) fewer than 2³¹."""
+    """Why an n × k layer at ``bits`` overflows the kernels' int32 indices (planes or ELL slots of
+    2³¹ or more), or None."""
     words = tlay.inlier_bytes(-(-n // tlay.ROWS) * tlay.ROWS, bits, tlay.pad_k(k, bits)) // 4
     if words >= INDEX_LIMIT:
         return f"{n}×{k} at {bits} bits is {words} int32 words of planes; the kernels index < 2³¹"
@@ -172,9 +158,8 @@ def splitk_floats(n_pad: int) -> int:
 
 
 def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, config: dict | None = None) -> dict:
-    """The config one launch runs (tile, SPLIT, warps, stages, register cap and the row tile
-    "BM"), the same on a GPU and in the interpreter: ``config`` as given, else the table's /
-    the rule's choice for ``device``'s family (:func:`~.configs.choose`)."""
+    """The config one launch runs (tile, SPLIT, warps, stages, register cap, "BM"), the same on a GPU
+    and in the interpreter: ``config``, else :func:`~.configs.choose`'s for ``device``'s family."""
     bm = min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M)
     if config is not None and "BM" in config:
         bm = config["BM"]
@@ -194,12 +179,8 @@ def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, co
 
 def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
            config: dict | None = None, scratch: Workspace | None = None) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma". ``config``: a fixed
-    config (a dict from gemv_configs() / mma_configs(), plus optional "BM"); default:
-    :func:`launch_config` (the autotuner of M's bucket only with ``LATQ_AUTOTUNE=1`` on a
-    GPU). Split-K only for one M tile of ≤ SPLITK_BM rows (the tickets cover one row of
-    tiles); its fp32 partials live in ``scratch`` (default: the shared ``SPLITK_SCRATCH``,
-    one buffer per stream), reserved at load."""
+    """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma", at ``config`` or
+    :func:`launch_config`'s; split-K partials in ``scratch`` (default ``SPLITK_SCRATCH``)."""
     M, K = x2.shape
     dev = x2.device
     y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
@@ -281,9 +262,8 @@ class TritonKernel(LatqKernel):
 
     @classmethod
     def served_bytes(cls, state: TritonState) -> dict[str, int]:
-        """The planes, the scales (fp16 or coded) and the ELL/CSR outlier arrays (with the ELL padding
-        slots and the int16/fp16 compaction), as laid out. Left out: ``tickets`` (split-K
-        counters, not weights: 4 bytes per 16 rows, touched only when SPLIT > 1)."""
+        """The planes, scales and outlier arrays as laid out (ELL padding included); the split-K
+        ``tickets`` are left out (counters, not weights)."""
         def nb(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         return {"inliers": nb(state.plane_a, state.plane_h, state.plane_t), "scales": nb(state.scales),
@@ -291,10 +271,8 @@ class TritonKernel(LatqKernel):
 
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
-        """:meth:`served_bytes` of ``triton_layout.build``'s layout from its shapes (padding
-        to 16 rows and to the K step / 128 columns, the planes of ``plane_columns``, the
-        scales fp16 or coded: ``scale_bytes``) and its outlier choice (``outlier_model`` on
-        the row counts; entry dtypes as ``compact_dtypes``)."""
+        """:meth:`served_bytes` of ``triton_layout.build``'s layout, from its shapes, planes, scales and
+        outlier choice alone."""
         if bits not in cls.widths or (-(-k // group) > 1 and group % 16):
             raise ValueError(f"{bits}-bit inliers, group {group} (kernels: {cls.widths} bits, groups of 16s)")
         if scale_bits not in (None, *fmt.scale_codes.CODE_BITS):

@@ -1,11 +1,7 @@
-"""Load-time layout of the Triton kernels (pure torch: no Triton needed, runs on any device).
-
-Both Triton kernels (the SIMT GEMV for small M, the tensor-core GEMM above it) read one copy of
-the weights, repacked here once from the checkpoint's form: 16×16-word blocks whose word slots
-are 16-column slabs of Wᵀ (the K = 16 operand of one MMA, with no reshape in the kernel),
-3- and 5-bit values as two planes, coded scales as three words per 16-row slab and group, and
-outliers as ELL-16 or CSR by :func:`outlier_model`. The layout is specified in docs/KERNELS.md
-("Triton layout reference")."""
+"""Load-time layout of the Triton kernels (pure torch, any device): one copy of the weights for
+every Triton kernel, repacked once into 16×16-word blocks whose slots are 16-column slabs of Wᵀ,
+3/5 bits as two planes, coded scales as words, outliers ELL-16 or CSR (:func:`outlier_model`).
+Specification: docs/KERNELS.md, "Triton layout reference"."""
 from __future__ import annotations
 
 import math
@@ -28,9 +24,7 @@ H_CHUNK = 512        # columns of one 1-bit-plane chunk (16 words × 32 values)
 
 
 def step_of(bits: int) -> int:
-    """Columns per K step of the main loop: 16 words × values per word of the plane that sets
-    it (3 bits: the 1-bit plane's 512; 5 bits: the 4-bit plane's 128, the 1-bit tile of a
-    512-column chunk serving four steps)."""
+    """Columns per K step of the main loop (3 bits: 512; 5 bits: 128, four steps per 1-bit tile)."""
     return {2: 256, 3: H_CHUNK, 4: 128, 5: 128}[bits]
 
 
@@ -68,10 +62,8 @@ def inlier_bytes(n_pad: int, bits: int, k_pad: int) -> int:
 
 
 def k_steps(bits: int, k_pad: int) -> dict[str, int]:
-    """What the kernels index: word chunks per row group of plane A and of the 1-bit plane
-    (``nch_a``, ``nch_h``), main K steps (``nsteps``), 4-bit tail steps of 128 columns
-    (``tsteps``: 3 bits only; also the tail plane's chunks per row group) and the first tail
-    column (``k_main``)."""
+    """What the kernels index: plane A's and the 1-bit plane's chunks per row group (``nch_a``,
+    ``nch_h``), main steps, 128-column tail steps (3 bits) and the first tail column (``k_main``)."""
     planes = plane_columns(bits, k_pad)
     nch = [cols // (WORDS * 32 // pb) for pb, cols in planes]
     km = main_columns(bits, k_pad)
@@ -213,9 +205,8 @@ def build_csr(crow, col, val, n_pad, k):
 
 
 def outlier_model(crow: torch.Tensor, n_pad: int, m: int = 1, bn: int = 64, entry_bytes: int = 4) -> dict:
-    """Model time (seconds, A100-class) of the outlier phase for ELL-16 and CSR; see the
-    module docstring. ``entry_bytes``: column + value bytes (4: int16 + fp16, 8: int32 +
-    fp32). Returns the numbers and the choice with its reason."""
+    """Model time (A100-class) of the outlier phase for ELL-16 and CSR (docs/KERNELS.md), per
+    ``entry_bytes`` (4 compact, 8 wide) → the numbers and the choice with its reason."""
     n = crow.numel() - 1
     nnz = int(crow[-1])
     counts = torch.zeros(n_pad, dtype=torch.int64, device=crow.device)

