@@ -65,6 +65,7 @@ def load() -> str | None:
                       extra_ldflags=["-fopenmp"],
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
+                torch.library.register_fake("latq_cpu::plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
                 torch.ops.latq_cpu.set_loop_max(LOOP_MAX)
                 _STATUS = None
@@ -99,6 +100,10 @@ def disabled(off: bool = True):
 
 
 def _fake(x, tensors, ints, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _fake_plain(x, packed, scales, ints, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
