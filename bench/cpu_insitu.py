@@ -315,3 +315,40 @@ def rotation_insitu(a, results):
         print(f"rotation in situ, {a.blocks} SmolLM2 blocks, M={M}: " + "  ".join(
             f"{k}={min(v):.2f}/{med(v):.2f} ms ({8 * sum(e[-1] for e in layers[k]) / numel:.4f} b/w)"
             for k, v in ts.items()) + f"  → transform {share:+.1%} (median of paired ratios)", flush=True)
+
+
+def layer_calls(a, results):
+    """The op as vLLM's compiled graph calls it, once per linear of a decode step at M = 1: 30
+    SmolLM2 blocks in situ, 4-bit g64 without outliers (latq-quantize's default), then the 8-bit
+    head (49152×576, two planes): ``latq_cpu::linear`` with the state as its list of ten optional
+    tensors against ``latq_cpu::plain_linear`` with its two; and one call on a 64×64 layer, where
+    the call is all there is. ms per pass best/median, µs per tiny call."""
+    if not (native.available() and cpu._gemv_here()):
+        print("\ncalls: the C++ GEMV is not available here")
+        return
+    layers = []
+    for b in range(a.blocks):
+        for i, (_, N, K) in enumerate(SMOL_VLLM):
+            layers.append(CPUKernel.prepare(random_weight(N, K, 4, 0.0, group=64, seed=2000 * b + i)))
+    head = CPUKernel.prepare(random_weight(49152, 576, 8, 0.0, group=64, seed=7))
+    tiny = CPUKernel.prepare(random_weight(64, 64, 4, 0.0, group=64, seed=8))
+    ops = {"list": CPUKernel.native_op(), "plain": torch.ops.latq_cpu.plain_linear.default}
+
+    def call_args(k, s):   # each op's arguments after x, as the compiled graph passes them
+        t, i = CPUKernel.flatten(s)
+        return (t, i, None, s.out_features) if k == "list" else (t[0], t[1], i, s.out_features)
+
+    xs = {K: torch.randn(1, K).to(torch.bfloat16) for K in (64, 576, 1536)}
+    print(f"\ncalls: {a.blocks} SmolLM2 blocks in situ, 4-bit g64, no outliers, M = 1; the 8-bit head; a 64x64 "
+          "layer (ms per pass best/median; µs per call median)")
+    for what, states, rounds in (("blocks", layers, a.gemv_rounds), ("head", [head], a.gemv_rounds)):
+        args = {k: [(xs[s.in_features], *call_args(k, s)) for s in states] for k in ops}
+        ts = passes({k: (lambda k=k: [ops[k](*c) for c in args[k]]) for k in ops}, rounds)
+        print(f"{what}: " + "  ".join(f"{k}={min(v):.3f}/{med(v):.3f}" for k, v in ts.items())
+              + f" | list/plain {ratio(ts, 'list', 'plain'):.3f}x", flush=True)
+        results[f"calls_plain_vs_list_{what}"] = ratio(ts, "list", "plain")
+    c = {k: (xs[64], *call_args(k, tiny)) for k in ops}
+    ts = side_by_side({k: (lambda k=k: ops[k](*c[k])) for k in ops}, a.rounds, a.sample_us)
+    print("64x64: " + "  ".join(f"{k}={med(v):.2f} µs" for k, v in ts.items())
+          + f" | list/plain {ratio(ts, 'list', 'plain'):.2f}x", flush=True)
+    results["calls_plain_vs_list_tiny"] = ratio(ts, "list", "plain")

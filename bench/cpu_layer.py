@@ -40,6 +40,9 @@ torch.set_num_threads(2). Sections:
             whole passes over 30 SmolLM2 blocks (4-bit g64, no outliers: weights from DRAM, as in
             decode), the transform's share = t_rotated / t_plain − 1, next to the bits/weight
             streamed
+  calls     the layer op as vLLM's compiled graph calls it, M = 1, over those 30 blocks (4-bit g64, no
+            outliers), the 8-bit head and a 64x64 layer: latq_cpu::linear (the state as a list of ten
+            optional tensors) vs latq_cpu::plain_linear (its two): t_list / t_plain
 The last line is ``HEADLINE speedup_m1_4096_1pct=<x> …`` (target ≥ 3).
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 # the in-situ sections stream many blocks per pass: their harness lives apart from this per-layer grid
-from bench.cpu_insitu import coded_scales, gemv, op_reads_gemv_layout, outlier_codings, rotation_insitu
+from bench.cpu_insitu import coded_scales, gemv, layer_calls, op_reads_gemv_layout, outlier_codings, rotation_insitu
 from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import cpu_features, native
@@ -294,8 +297,8 @@ def main(argv=None):
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded",
-                                                      "vllm", "rotation"],
-                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm", "rotation"])
+                                                      "vllm", "rotation", "calls"],
+                    choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm", "rotation", "calls"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
     ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
                     "coded): 30, ~57 MB of int4, more than L3")
@@ -324,6 +327,8 @@ def main(argv=None):
         vllm_cpu(a, results)
     if "rotation" in a.sections:
         rotation(a, results)
+    if "calls" in a.sections:
+        layer_calls(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -339,7 +344,8 @@ def main(argv=None):
             "gemv_smol_insitu_kernel_1pct": results.get("gemv_smol_insitu_kernel_1pct"),
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
-               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_insitu"))}}
+               and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_insitu",
+                                 "calls_"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
     print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))

@@ -66,6 +66,7 @@ def load() -> str | None:
                       extra_ldflags=["-fopenmp"],
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
+                torch.library.register_fake("latq_cpu::plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
                 torch.library.register_fake("latq_cpu::hadamard", lambda x, signs: torch.empty_like(x))
                 torch.ops.latq_cpu.set_loop_max(LOOP_MAX)
@@ -101,6 +102,10 @@ def disabled(off: bool = True):
 
 
 def _fake(x, tensors, ints, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _fake_plain(x, packed, scales, ints, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 

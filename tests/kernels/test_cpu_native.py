@@ -39,6 +39,34 @@ def test_native_op_is_the_layer_op_for_every_m():
         assert torch.equal(f(x), CPUKernel.apply(state, x))
 
 
+def test_plain_op_is_the_native_op_without_outliers_and_bias():
+    """``latq_cpu::plain_linear`` (a vLLM layer's call for a state without outliers, without
+    bias) gives ``latq_cpu::linear``'s bits at small M, on 3-D x, at large M (the Python op
+    behind it), in bf16 and fp32, also under torch.compile(fullgraph, dynamic); a state with
+    outliers has none (its layer keeps the list op)."""
+    with native.disabled():
+        assert CPUKernel.plain_op(prepared((192, 576, 4, 0.0, 64))[1]) is None
+    assert CPUKernel.plain_op(prepared((640, 2048, 4, 0.01, 128))[1]) is None
+    g = torch.Generator().manual_seed(22)
+    for key in ((192, 576, 4, 0.0, 64), (576, 576, 8, 0.0, 64)):   # one plane; two (an 8-bit head)
+        w, state = prepared(key)
+        N, K = key[0], key[1]
+        plain = CPUKernel.plain_op(state)
+        assert plain is torch.ops.latq_cpu.plain_linear.default
+        tensors, ints = CPUKernel.flatten(state)
+        assert all(t is None for t in tensors[2:])
+        for shape in ((1, K), (8, K), (2, 3, K), (cpu.large_m(), K)):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(*shape, generator=g).to(dtype)
+                want = CPUKernel.native_op()(x, tensors, ints, None, N)
+                got = plain(x, tensors[0], tensors[1], ints, N)
+                assert got.shape == (*shape[:-1], N) and torch.equal(got, want), (key, shape, dtype)
+        f = torch.compile(lambda x: plain(x, tensors[0], tensors[1], ints, N), fullgraph=True, dynamic=True)
+        for m in (1, 5):
+            x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+            assert torch.equal(f(x), CPUKernel.apply(state, x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_op_in_the_engines_dtype(dtype, gemv_isa):
     """An engine in fp32 activations (latq-serve's advice where bf16 is emulated) calls

@@ -93,6 +93,20 @@ def test_native_linear():
     torch.library.opcheck(op, (big, tensors, ints, None, N))
 
 
+def test_native_plain_linear():
+    """``latq_cpu::plain_linear`` (a state without outliers, no bias), small and large M."""
+    cpu_kernel = _native_cpu()
+    cpu = importlib.import_module(cpu_kernel.__module__)
+    state = cpu_kernel.prepare(make_weight("cpu", rate=0.0))
+    tensors, ints = cpu_kernel.flatten(state)
+    op = cpu_kernel.plain_op(state)
+    assert op is not None
+    x, _ = op_args("cpu")
+    torch.library.opcheck(op, (x, tensors[0], tensors[1], ints, N))
+    big = torch.randn(cpu.large_m() + 1, K).bfloat16()
+    torch.library.opcheck(op, (big, tensors[0], tensors[1], ints, N))
+
+
 def test_native_small_linear():
     cpu_kernel = _native_cpu()
     st = cpu_kernel.prepare(make_weight("cpu"))

@@ -114,6 +114,13 @@ class LatqKernel:
         return None
 
     @classmethod
+    def plain_op(cls, state: Any):
+        """For a state whose flattened tensors past the first two are all None: a native op
+        ``(x, tensors[0], tensors[1], ints, out_features)``, the native op's math without bias
+        and with fewer arguments to parse per call; None: none (the layer calls ``native_op``)."""
+        return None
+
+    @classmethod
     def flatten(cls, state: Any) -> tuple[list[torch.Tensor | None], list[int]]:
         """State → (tensors, static ints) for the custom op; inverse of ``unflatten``."""
         if not isinstance(state, cls.state_cls):

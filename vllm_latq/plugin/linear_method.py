@@ -75,6 +75,7 @@ class LatqLinearMethod(LinearMethodBase):
             layer.register_buffer(f"latq_t{i}", t, persistent=False)
         layer.latq_kernel = kernel
         layer.latq_op = ops.op_for(kernel)
+        layer.latq_plain = kernel.plain_op(state) if all(t is None for t in tensors[2:]) else None
         layer.latq_state = state
         layer.latq_ntensors = len(tensors)
         layer.latq_ints = list(ints)
@@ -87,6 +88,8 @@ class LatqLinearMethod(LinearMethodBase):
             transform = getattr(layer, "latq_transform", None)
             return scheme.apply_weights(layer, x if transform is None else transform(x), bias)
         if torch.compiler.is_compiling():
+            if bias is None and layer.latq_plain is not None:   # two tensors, not ten to parse per call
+                return layer.latq_plain(x, layer.latq_t0, layer.latq_t1, layer.latq_ints, layer.latq_out)
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)
         if torch.autograd.profiler._is_profiler_enabled:

@@ -212,6 +212,13 @@ class CPUKernel(LatqKernel):
         torch.ops.latq_cpu.set_large_m(large_m())
         return torch.ops.latq_cpu.linear.default
 
+    @classmethod
+    def plain_op(cls, state: CPUState):
+        """``latq_cpu::plain_linear`` for a state without outliers (the native op is the layer's)."""
+        if cls.native_op() is None or _has_outliers(state) or state.row_scale is not None:
+            return None
+        return torch.ops.latq_cpu.plain_linear.default
+
     # ------------------------------------------------------------------ prepare
     @classmethod
     def prepare(cls, w: LatqWeight, tiles: bool = True) -> CPUState:

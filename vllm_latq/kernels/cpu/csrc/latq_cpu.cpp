@@ -23,6 +23,7 @@
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
 //       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM); an
 //       11th tensor, a rotated layer's signs, rotates x first (latq_hadamard, hadamard.cpp)
+//   latq_cpu::plain_linear(x, packed, scales, ints, out_features)   linear() without outliers and bias
 //   latq_cpu::set_large_m(m), latq_cpu::set_loop_max(n)
 
 #include <ATen/ATen.h>
@@ -1085,6 +1086,13 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return out;
 }
 
+// x's shape with its last dimension out_features
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return shape;
+}
+
 at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints,
                   const std::optional<at::Tensor>& bias, int64_t out_features) {
   // CPUState, flattened: tensors = (packed, scales, crow, col, val, tile_off, tile_rows,
@@ -1111,10 +1119,26 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   at::Tensor y = small_linear(flat ? xr : xr.reshape({M, K}), *tensors.get(0), *tensors.get(1), tensors.get(2),
                               tensors.get(3), tensors.get(4), tensors.get(5), tensors.get(6), tensors.get(7),
                               tensors.get(8), tensors.get(9), bias, ints[2], ints[3]);
-  if (flat) return y;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  return y.reshape(shape);
+  return flat ? y : y.reshape(out_shape(x, out_features));
+}
+
+// linear() for a state without outliers, called without bias (every layer of a GPTQ or RTN
+// checkpoint): its two tensors instead of the list of ten optional ones, whose parsing is a
+// fifth of a small layer's call from vLLM's compiled graph at M = 1 (cpu_layer.py --sections calls)
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::IntArrayRef ints,
+                        int64_t out_features) {
+  TORCH_CHECK(ints.size() == 6, "latq_cpu::plain_linear: not a CPUState");
+  const int64_t K = ints[1];
+  const int64_t M = x.numel() / K;
+  const std::optional<at::Tensor> none;
+  if (M >= g_large_m.load() && ints[4] != 0) {
+    c10::List<std::optional<at::Tensor>> tensors({packed, scales, none, none, none, none, none, none, none, none});
+    return linear(x, tensors, ints, none, out_features);
+  }
+  const bool flat = x.dim() == 2;
+  at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), packed, scales, none, none, none, none, none, none, none,
+                              none, none, ints[2], ints[3]);
+  return flat ? y : y.reshape(out_shape(x, out_features));
 }
 
 void set_large_m(int64_t m) { g_large_m.store(m); }
@@ -1127,6 +1151,7 @@ TORCH_LIBRARY(latq_cpu, m) {
         "Tensor? tile_off, Tensor? tile_rows, Tensor? tile_col, Tensor? tile_val, Tensor? row_scale, Tensor? bias, "
         "int group_size, int planes) -> Tensor");
   m.def("linear(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor");
+  m.def("plain_linear(Tensor x, Tensor packed, Tensor scales, int[] ints, int out_features) -> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
   m.def("gemv(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor");
@@ -1142,6 +1167,7 @@ TORCH_LIBRARY(latq_cpu, m) {
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("linear", &linear);
+  m.impl("plain_linear", &plain_linear);
   m.impl("gemv", &gemv_op);
 }
 
