@@ -45,7 +45,7 @@ CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq"))
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
 SOURCE_OF = {"gemv": "_tile_source", "mma": "_tile_source", "moe": "_moe_source", "dequant": "_dequant_source",
-             "outliers": "_outlier_source"}
+             "outliers": "_outlier_source", "hadamard": "_hadamard_source"}
 
 
 def _strip_docstrings(tree):
@@ -264,7 +264,7 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             # SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
             from vllm_latq.kernels.triton.layout import step_of
             row["loop"], row["ipw"] = r["loop_len"], None
-            if j["kernel"] in ("dequant", "outliers"):                     # no K loop of weights × rows
+            if j["kernel"] in ("dequant", "outliers", "hadamard"):         # no K loop of weights × rows
                 rows.append(row)
                 continue
             if j["kernel"] == "mma":

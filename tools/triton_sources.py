@@ -16,7 +16,7 @@ TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynami
 # report name → (file under kernels/triton, the @triton.jit kernel it launches)
 KERNELS = {"gemv": ("device.py", "_gemv_kernel"), "mma": ("mma.py", "_mma_kernel"),
            "moe": ("grouped_moe.py", "_moe_gemv_kernel"), "dequant": ("dequant.py", "_dequant_kernel"),
-           "outliers": ("dequant.py", "_outlier_kernel")}
+           "outliers": ("dequant.py", "_outlier_kernel"), "hadamard": ("hadamard.py", "_hadamard_kernel")}
 SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
 S_PTR = {"fp16": "*fp16", "coded": "*i32"}
 DTYPES = ("bf16", "fp16")       # activations: the large-M path writes the weights in their dtype
@@ -56,7 +56,7 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
     split-K; bf16 only for the large-M kernels — the default test; the full sweep is the slow
     test and the bench."""
     return (_tile_jobs(targets, quick) + _moe_jobs(targets, quick) + _dequant_jobs(targets, quick)
-            + _outlier_jobs(targets, quick))
+            + _outlier_jobs(targets, quick) + _hadamard_jobs(targets, quick))
 
 
 def _tile_jobs(targets, quick: bool) -> list[dict]:
@@ -125,12 +125,22 @@ def _outlier_jobs(targets, quick: bool) -> list[dict]:
             for dt in (DTYPES[:1] if quick else DTYPES) for outl in ("ell", "csr") for cc in targets]
 
 
+def _hadamard_jobs(targets, quick: bool) -> list[dict]:
+    """A rotated layer's input transform, per activation dtype and block width (quick: bf16 at
+    the widest block, the largest tile), the launch's rows per program and Triton's 4 warps."""
+    from vllm_latq.format.rotation import MAX_BLOCK
+    from vllm_latq.kernels.triton.hadamard import rows_per_program
+    blocks = [MAX_BLOCK] if quick else [1 << i for i in range(MAX_BLOCK.bit_length())]
+    return [dict(kernel="hadamard", dtype=dt, B=b, BM=rows_per_program(b), BN=b, cc=cc, num_warps=4)
+            for dt in (DTYPES[:1] if quick else DTYPES) for b in blocks for cc in targets]
+
+
 # ----------------------------------------------------------------------------- sources
 
 def source(j: dict):
     """The ``triton.compile`` source of one job (TRITON_INTERPRET must be unset)."""
     return {"gemv": _tile_source, "mma": _tile_source, "moe": _moe_source, "dequant": _dequant_source,
-            "outliers": _outlier_source}[j["kernel"]](j)
+            "outliers": _outlier_source, "hadamard": _hadamard_source}[j["kernel"]](j)
 
 
 def _ast_source(fn, sig: dict, const: dict, div16):
@@ -200,3 +210,13 @@ def _outlier_source(j: dict):
     const = dict(OUTL=tk.OUTL_CODE[j["outl"]], BE=j["BE"])
     div16 = {"w_ptr", "start_ptr", "row_ptr", "col_ptr", "val_ptr", "ROW0", "stride_wn"}
     return _ast_source(fn, sig, const, div16)
+
+
+def _hadamard_source(j: dict):
+    """The input transform: activations in and out in ``dtype``, fp32 signs; rows contiguous and
+    16-divisible as a layer's inputs are."""
+    from vllm_latq.kernels.triton.hadamard import _hadamard_kernel as fn
+    sig = dict(x_ptr="*" + j["dtype"], s_ptr="*fp32", y_ptr="*" + j["dtype"], M="i32", stride_xm="i32",
+               stride_ym="i32", scale="fp32")
+    const = dict(B=j["B"], LOG=j["B"].bit_length() - 1, BM=j["BM"])
+    return _ast_source(fn, sig, const, {"x_ptr", "s_ptr", "y_ptr", "stride_xm", "stride_ym"})

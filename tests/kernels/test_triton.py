@@ -489,7 +489,7 @@ def test_offline_compile_heaviest_configs():
     from tools import triton_compile as tc
     jobs = tc.all_jobs(quick=True)
     assert {j["cc"] for j in jobs} == {80, 86, 89, 90}
-    assert {j["kernel"] for j in jobs} == {"gemv", "mma", "moe", "dequant", "outliers"}
+    assert {j["kernel"] for j in jobs} == {"gemv", "mma", "moe", "dequant", "outliers", "hadamard"}
     rows = _check_static(jobs)
     assert all(r["mma"] > 0 for r in rows if r["kernel"] == "mma")        # tensor cores used
     assert all(r["mma"] == 0 for r in rows if r["kernel"] != "mma")       # SIMT only

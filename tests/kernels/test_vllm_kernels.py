@@ -201,7 +201,7 @@ def test_engine_serves_the_default_form_through_vllms_scheme(tmp_path):
     ``LATQ_KERNEL=vllm``: vLLM's model loader loads latq's tensors, every linear gets vLLM's
     compressed-tensors scheme (its CPU kernel, down_proj's K = 160 told g32), the load log's
     table says so, and the greedy tokens are HF's on the dequantized model up to near-ties."""
-    from . import vllm_helpers as h
+    from tests import vllm_helpers as h
     src = h.make_tiny_llama(tmp_path / "src")
     ck = h.quantize_dir(src, tmp_path / "rtn", "rtn", bits=4, group_size=64)
     ids = h.tokenize(src)

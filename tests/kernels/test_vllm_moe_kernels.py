@@ -148,7 +148,7 @@ def _cpu_layer(kind: str, inter: int = 128):
     from vllm_latq.algorithms import rtn
     from vllm_latq.plugin.config import LatqConfig
     from vllm_latq.testing.moe_models import ssqr_like
-    from .test_moe_vllm import H, PREFIX, _Experts, _qc
+    from tests.plugin.test_moe_vllm import H, PREFIX, _Experts, _qc
     bits, group = (3 if kind == "rtn3" else 4), 64
     qc = _qc(bits=bits, group_size=group) if kind == "ssqr" else _qc(method="rtn", bits=bits, group_size=group,
                                                                       outlier_rate=None, order=None, damp=None)
@@ -246,8 +246,8 @@ def test_engine_serves_standard_experts_on_vllm_kernels(tp, tmp_path):
     quantizes activations to int8 here)."""
     from vllm_latq.testing.moe_models import hf_reference, make_moe_checkpoint, make_moe_model
 
-    from . import vllm_helpers as h
-    from .test_moe_vllm import _off_greedy_share
+    from tests import vllm_helpers as h
+    from tests.plugin.test_moe_vllm import _off_greedy_share
     src = make_moe_model(tmp_path / "src", "qwen3_moe", moe_intermediate_size=128)
     ids = h.tokenize(src)
     ck, deq = make_moe_checkpoint(src, tmp_path / "rtn", "rtn", bits=4, group=64)
