@@ -19,7 +19,7 @@ def tiny_export(out: Path, bits: int = 3, group_size: int = 16, method: str = "g
     out = Path(out)
     src = make_tiny_model(out / "src", "llama", **VLLM_SIZES)
     quantize_model(src, out / "latq", QuantizeOptions(method=method, bits=bits, group_size=group_size, nsamples=4,
-                                                      seqlen=64), progress=False)
+                                                      seqlen=64, quantize_lm_head=False), progress=False)
     export.export_checkpoint(out / "latq", out / "export")
     return out / "export"
 
