@@ -3,7 +3,7 @@ format does not store: the pipeline runs as the study runs it (same calibration,
 every solver gets ``offset``, and its dequantized weights ``q`` (inliers on the shifted grid,
 outliers exact) are written into the model that is then evaluated by the study's protocol
 (``latq-eval``'s windows). The checkpoint the run writes lacks the offset and is discarded:
-``--offset 0`` is the control, the perplexity of that checkpoint (``tests/test_bench_half_grid.py``).
+``--offset 0`` is the control, the perplexity of that checkpoint (``tests/bench/test_bench_half_grid.py``).
 
     python -m bench.half_grid smollm2-135m --method ssqr --bits 2 --offset 0.5
     python -m bench.half_grid gemma3-270m --method gptq --bits 2 --offset 0 0.5

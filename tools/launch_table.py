@@ -13,7 +13,7 @@ traffic, summed over the class's shapes. Candidates within ``TIE`` of the fastes
 order the candidates are listed in never decides.
 
 The table is built from the report's summary (spills, registers, i/w per tile and target),
-committed beside this file (``launch_report.json``): ``tests/test_launch_table.py`` rebuilds
+committed beside this file (``launch_report.json``): ``tests/bench/test_launch_table.py`` rebuilds
 the packaged table from it. A report that lacks a candidate is refused (exit 2, the missing
 tiles named) rather than filled in by the rule. ``--compile`` compiles the missing report
 entries first (minutes per family); ``--from-summary`` rebuilds from the committed summary alone.

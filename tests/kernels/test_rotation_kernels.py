@@ -273,7 +273,7 @@ def test_opcheck_rotated_ops(kernel):
 
 def test_vllms_kernels_get_the_transform_from_the_plugin():
     """vLLM's layer code (``delegated``) is not wrapped: the plugin puts the transform in front of
-    vLLM's scheme (tests/test_cuda_boundary.py, rotated layers); latq's kernels are wrapped, the
+    vLLM's scheme (tests/plugin/test_cuda_boundary.py, rotated layers); latq's kernels are wrapped, the
     bf16 fallback folds R. vLLM's MoE method has no input transform: rotated experts stay latq's."""
     from vllm_latq.kernels import vllm_moe
     from vllm_latq.kernels.rotated import for_weight

@@ -245,7 +245,7 @@ def test_rotated_under_torchrun_equals_one_process(tmp_path):
     """``torchrun --nproc-per-node 2 -m vllm_latq.quantize … --rotate hadamard``: every rank
     rotates the linears it solves, the shared weights are the served Q·Rᵀ, so the checkpoint is one
     process's (up to the last bits of the summed Hessians)."""
-    from tests.test_distributed import agreement, ok, quantize
+    from tests.quantize.test_distributed import agreement, ok, quantize
     from vllm_latq.format.checkpoint import Checkpoint
     from vllm_latq.format.validate import validate_checkpoint
     from vllm_latq.testing.tiny_models import make_tiny_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# Per model type, what its tiny config needs beside the common sizes (tests/test_model_architectures.py
+# Per model type, what its tiny config needs beside the common sizes (tests/quantize/test_model_architectures.py
 # lists which of them are tested how). "gemma3" is the text-only gemma3_text.
 TINY_CONFIGS = {
     "llama": dict(head_dim=20), "mistral": dict(head_dim=20, sliding_window=None), "qwen2": {},  # q/k/v biases
@@ -59,5 +59,5 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
 
 
 # the output head stays in the model dtype: these checkpoints test the blocks (the head quantized by
-# default is tests/test_lm_head.py's subject; pass quantize_lm_head to change it)
+# default is tests/quantize/test_lm_head.py's subject; pass quantize_lm_head to change it)
 TINY_OPTS = dict(group_size=64, nsamples=4, seqlen=64, quantize_lm_head=False)

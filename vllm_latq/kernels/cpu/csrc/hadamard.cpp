@@ -28,6 +28,12 @@
 #else
 #define LATQ_HADAMARD_X86 0
 #endif
+// AVX-512 paths only where the build targets AVX-512 (an x86-64-v3 build holds no AVX-512 code)
+#if LATQ_HADAMARD_X86 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LATQ_HADAMARD_AVX512 1
+#else
+#define LATQ_HADAMARD_AVX512 0
+#endif
 
 namespace {
 
@@ -71,6 +77,7 @@ __attribute__((target("avx2,fma"))) void butterflies_avx2(float* v, int64_t b) {
       }
 }
 
+#if LATQ_HADAMARD_AVX512
 __attribute__((target("avx512f"))) void butterflies_avx512(float* v, int64_t b) {
   if (b < 16) return butterflies_avx2(v, b);
   alignas(64) float s1[16], s2[16], s4[16], s8[16];
@@ -96,6 +103,7 @@ __attribute__((target("avx512f"))) void butterflies_avx512(float* v, int64_t b) 
       }
 }
 #endif
+#endif
 
 // fp32 → bf16 bits, round to nearest even, NaN → 0x7FC0: c10::BFloat16's rounding, 8 or 16 at a time
 inline uint16_t bf16_bits(float f) { return c10::BFloat16(f).x; }
@@ -114,6 +122,7 @@ __attribute__((target("avx2,fma"))) void store_bf16_avx2(const float* v, uint16_
   for (; k < n; ++k) y[k] = bf16_bits(v[k]);
 }
 
+#if LATQ_HADAMARD_AVX512
 __attribute__((target("avx512f,avx512bw"))) void store_bf16_avx512(const float* v, uint16_t* y, int64_t n) {
   int64_t k = 0;
   const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
@@ -126,11 +135,14 @@ __attribute__((target("avx512f,avx512bw"))) void store_bf16_avx512(const float* 
   }
   store_bf16_avx2(v + k, y + k, n - k);
 }
+#endif
 
 // 2: AVX-512F, 1: AVX2 + FMA, 0: scalar
 bool isa_runs(int isa) {
 #if LATQ_HADAMARD_X86
+#if LATQ_HADAMARD_AVX512
   if (isa == 2) return __builtin_cpu_supports("avx512f");
+#endif
   if (isa == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
   return isa == 0;
@@ -145,7 +157,9 @@ std::atomic<int> g_isa{isa_detect()};
 
 void butterflies(float* v, int64_t b, int isa) {
 #if LATQ_HADAMARD_X86
+#if LATQ_HADAMARD_AVX512
   if (isa == 2) return butterflies_avx512(v, b);
+#endif
   if (isa == 1) return butterflies_avx2(v, b);
 #endif
   butterflies_scalar(v, b, 1);
@@ -156,7 +170,9 @@ void store_row(const float* v, T* y, int64_t n, int isa) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     uint16_t* yb = reinterpret_cast<uint16_t*>(y);
 #if LATQ_HADAMARD_X86
+#if LATQ_HADAMARD_AVX512
     if (isa == 2 && __builtin_cpu_supports("avx512bw")) return store_bf16_avx512(v, yb, n);
+#endif
     if (isa >= 1) return store_bf16_avx2(v, yb, n);
 #endif
     for (int64_t k = 0; k < n; ++k) yb[k] = bf16_bits(v[k]);
