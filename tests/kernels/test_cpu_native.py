@@ -44,8 +44,11 @@ def test_plain_op_is_the_native_op_without_outliers_and_bias():
     bias) gives ``latq_cpu::linear``'s bits at small M, on 3-D x, at large M (the Python op
     behind it), in bf16 and fp32, also under torch.compile(fullgraph, dynamic); a state with
     outliers has none (its layer keeps the list op)."""
+    from vllm_latq.kernels import ops
+    ops.op_for(CPUKernel)   # registers latq::cpu_linear, the large-M op behind both, as a layer's load does
+    w0 = prepared((192, 576, 4, 0.0, 64))[0]   # cached outside: a state prepared without the op has torch's layout
     with native.disabled():
-        assert CPUKernel.plain_op(prepared((192, 576, 4, 0.0, 64))[1]) is None
+        assert CPUKernel.plain_op(CPUKernel.prepare(w0)) is None
     assert CPUKernel.plain_op(prepared((640, 2048, 4, 0.01, 128))[1]) is None
     g = torch.Generator().manual_seed(22)
     for key in ((192, 576, 4, 0.0, 64), (576, 576, 8, 0.0, 64)):   # one plane; two (an 8-bit head)
