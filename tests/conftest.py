@@ -1,5 +1,6 @@
 # Triton must run in its interpreter (no GPU anywhere): set before anything imports triton.
 import os
+import shutil
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -37,6 +38,14 @@ def tiny_checkpoints(tiny_llama, tmp_path_factory):
                            on_layer=lambda name, W, H, res, r=results: r.__setitem__(name, res))
         out[method] = (d, results)
     return out
+
+
+@pytest.fixture
+def ck(tiny_checkpoints, tmp_path):
+    """A copy of the tiny SSQR checkpoint that a test may edit (the session's original stays intact)."""
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoints["ssqr"][0], d)
+    return d
 
 
 @pytest.fixture(params=["avx512", "avx2"])

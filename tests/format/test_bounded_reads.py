@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -18,13 +17,6 @@ from vllm_latq.format.files import INDEX_FILE, MANIFEST_FILE, STATS_FILE
 
 GPTQ = ["--method", "gptq", "--nsamples", "2", "--seqlen", "16", "--no-progress"]
 DEEP = "[" * 100_000 + "]" * 100_000
-
-
-@pytest.fixture
-def ck(tiny_checkpoints, tmp_path):
-    d = tmp_path / "ck"
-    shutil.copytree(tiny_checkpoints["ssqr"][0], d)
-    return d
 
 
 def _shard(d) -> str:

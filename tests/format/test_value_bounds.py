@@ -22,13 +22,6 @@ from vllm_latq.testing.tiny_models import make_tiny_model
 EMBED = "model.embed_tokens.weight"
 
 
-@pytest.fixture
-def ck(tiny_checkpoints, tmp_path):
-    d = tmp_path / "ck"
-    shutil.copytree(tiny_checkpoints["ssqr"][0], d)
-    return d
-
-
 def _resealed(d, name, fn):
     """Tensor ``name`` replaced by ``fn(tensor)``, its checksum recomputed and the checkpoint sealed
     again: what a deliberate edit looks like to every unkeyed check."""

@@ -22,13 +22,6 @@ REPO_ID = "someone/tiny-latq"
 
 
 @pytest.fixture
-def ck(tiny_checkpoints, tmp_path):
-    d = tmp_path / "ck"
-    shutil.copytree(tiny_checkpoints["ssqr"][0], d)
-    return d
-
-
-@pytest.fixture
 def hub_cache(ck, tmp_path, monkeypatch):
     """``ck`` as the hub stores a downloaded repository: blobs named by hash, a snapshot of links
     to them, ``refs/main`` naming the snapshot; the library pointed at this cache."""
