@@ -97,6 +97,16 @@ def test_a_manifest_of_the_older_version_is_refused_saying_what_to_do(ck, capsys
     assert inspect.inspect_main([str(ck), "--no-served", "--no-verify"]) == 0
 
 
+@pytest.mark.parametrize("key", ["made_by", "config.json", "latq_stats.json", "shards", "files"])
+def test_a_manifest_missing_a_key_is_refused_naming_the_file(ck, capsys, key):
+    m = json.loads((ck / MANIFEST_FILE).read_text())
+    del m[key]
+    (ck / MANIFEST_FILE).write_text(json.dumps(m))
+    assert inspect.inspect_main([str(ck), "--no-served"]) == 2
+    err = capsys.readouterr().err
+    assert f"{MANIFEST_FILE}: must hold" in err and "Traceback" not in err, err
+
+
 def test_a_source_tokenizer_linked_out_is_refused_before_any_work(tiny_llama, tmp_path, capsys):
     src = tmp_path / "src"
     shutil.copytree(tiny_llama, src)

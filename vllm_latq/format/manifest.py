@@ -107,7 +107,7 @@ def _well_formed(m: dict) -> bool:
     strings = lambda d: isinstance(d, dict) and all(isinstance(v, str) for v in d.values())  # noqa: E731
     return (isinstance(m.get("made_by"), str) and isinstance(m.get(CONFIG_FILE), dict)
             and all(isinstance(m[CONFIG_FILE].get(k), str) for k in _PARTS)
-            and (m.get(STATS_FILE) is None or isinstance(m.get(STATS_FILE), str))
+            and STATS_FILE in m and (m[STATS_FILE] is None or isinstance(m[STATS_FILE], str))
             and strings(m.get("shards")) and strings(m.get("files")))
 
 
