@@ -44,13 +44,26 @@ def same_bytes(a: Path, b: Path) -> bool:
     return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
+def outlier_entries(t: dict[str, torch.Tensor], layer: str) -> set[tuple[int, int, float]]:
+    """A layer's CSR outliers as (row, column, value) entries: two solves may differ by an entry near
+    a tie, which shifts every later position of the arrays but no other entry."""
+    crow, col, val = (t[f"{layer}.outlier_{p}"] for p in ("crow", "col", "val"))
+    rows = torch.repeat_interleave(torch.arange(crow.numel() - 1), crow.diff().long())
+    return set(zip(rows.tolist(), col.tolist(), val.float().tolist()))
+
+
 def agreement(a: Path, b: Path) -> float:
-    """The share of stored quantized values (packed integer words, scales, outliers) that agree."""
+    """The share of stored quantized values (packed integer words, scales, outlier entries) that agree."""
     ta, tb = tensors(a), tensors(b)
     assert ta.keys() == tb.keys()
     equal = total = 0
     for k in ta:
-        if ta[k].dtype in (torch.int32, torch.int16, torch.uint8, torch.int8, torch.float16):
+        if k.endswith(".outlier_crow"):
+            ea, eb = (outlier_entries(t, k.removesuffix(".outlier_crow")) for t in (ta, tb))
+            equal += len(ea & eb)
+            total += max(len(ea), len(eb))
+        elif ta[k].dtype in (torch.int32, torch.int16, torch.uint8, torch.int8, torch.float16) \
+                and ".outlier_" not in k:
             equal += int((ta[k] == tb[k]).sum())
             total += ta[k].numel()
     return equal / total
