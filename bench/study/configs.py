@@ -21,6 +21,19 @@ TC_TAGS = {"tc": 128, **{f"tc-g{g}": g for g in GROUP_SIZES}}
 # and a quarter of the default group size, which serve about as many bits as the next larger
 # fp16-scaled group: the lever that could put a smaller group's error at a larger group's cost
 S4_TAGS = {f"s4-g{g}": g for g in (64, 32, 16)}
+# incoherence processing (--rotate hadamard): each rotated configuration against the same one
+# unrotated, tag "rot" + its base's tag; GPTQ at every group size and with coded scales, SSQR-1 %, HPTQ
+ROT_GPTQ_BASES = ("", "g64", "g32", "s4-g64", "s4-g32", "s4-g16")
+# the strongest 3-bit candidate: rotation, target correction and coded scales together
+ROT_TC_TAG = "rot-tc-s4-g16"
+
+
+def rot_tag(base: str) -> str:
+    """The tag of ``base``'s configuration rotated: ``rot`` or ``rot-<base>``."""
+    return "rot" + (f"-{base}" if base else "")
+
+
+ROT_TAGS = (*(rot_tag(b) for b in ROT_GPTQ_BASES), ROT_TC_TAG)
 # configurations that change one option of a default one: (tag, report heading, column name)
 TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
           ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
@@ -54,6 +67,12 @@ TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's de
           *((t, f"Second-level scales (`--scale-bits 4`: group scales as 4-bit codes on a grid per 16 rows, "
                 f"6 bits per scale instead of 16) at group size {g}, against our GPTQ at group size {2 * g} "
                 f"(about the served bits):", "coded scales") for t, g in S4_TAGS.items()),
+          *((rot_tag(b), "Incoherence processing (`--rotate hadamard`: every linear's input rotated by a seeded "
+                         "random-sign block Hadamard, the integers solved in that frame) against the same "
+                         + (f"configuration ({b})" if b else "configuration") + " unrotated:", "rotated")
+            for b in ROT_GPTQ_BASES),
+          (ROT_TC_TAG, "Rotation, target correction and 4-bit coded scales at group size 16 together, against "
+                       "coded scales at group size 16 alone:", "rotated + TC"),
           *((t, f"Noise floor: our GPTQ calibrated on the seeded draw {t} of the calibration text instead of "
                 "seed 0 (other articles, another order):", t) for t in NOISE_TAGS),
           ("fp64", "Control for the peer comparison: our GPTQ computed in fp64 instead of fp32 (same algorithm and "
@@ -184,6 +203,7 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
             twice = "" if 2 * g == group_size else f"g{2 * g}"   # the fp16-scaled group it is read against
             out.append(make_config(model, "GPTQ", b, tag, base=twice, method="gptq", bits=b, group_size=g,
                                    scale_bits=4))
+    out += rotation_configs(model, group_size)
     # the noise floor at each level: other calibration draws
     for b in LEVELS:
         for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
@@ -195,6 +215,24 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
         out.append(make_config(model, "GPTQ", 3, tag, method="gptq", bits=3, group_size=group_size,
                                **SPREAD_OPTS.get(tag, {})))
     return list(dict.fromkeys(out))   # SmolLM2's g64 baselines are both llm-compressor's and the Pareto's
+
+
+def rotation_configs(model: str, group_size: int) -> list[Config]:
+    """Every rotated configuration (:data:`ROT_TAGS`), each based on its unrotated one."""
+    out = []
+    for b in LEVELS:
+        for base in ROT_GPTQ_BASES:
+            g = int(base.rsplit("g", 1)[1]) if base else group_size
+            extra = {"scale_bits": 4} if base.startswith("s4") else {}
+            out.append(make_config(model, "GPTQ", b, rot_tag(base), base=base, method="gptq", bits=b, group_size=g,
+                                   rotate="hadamard", **extra))
+        out.append(make_config(model, "SSQR-1%", b, "rot", method="ssqr", bits=b, group_size=group_size,
+                               outlier_rate=0.01, rotate="hadamard"))
+        if b >= 3:
+            out.append(make_config(model, "HPTQ", b, "rot", method="hptq", target_bits=b + 0.125, rotate="hadamard"))
+    out.append(make_config(model, "GPTQ", 3, ROT_TC_TAG, base="s4-g16", method="gptq", bits=3, group_size=16,
+                           scale_bits=4, target_correction=True, rotate="hadamard"))
+    return out
 
 
 def tiny_configs(model: str, group_size: int, peer_group: int | None = None) -> list[Config]:

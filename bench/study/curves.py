@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 
+from .configs import ROT_TAGS
 from .served import served_bits
 
 # the configurations that are a method's operating points (variants and controls are not)
 SERIES_TAGS = {"": None, "g32": 32, "g64": 64, "llmc": None, "tc": None, "tc-g32": 32, "tc-g64": 64,
-               "s4-g64": 64, "s4-g32": 32, "s4-g16": 16}
+               "s4-g64": 64, "s4-g32": 32, "s4-g16": 16, **{t: None for t in ROT_TAGS}}
 
 
 def series_of(r: dict) -> str | None:
@@ -25,7 +26,8 @@ def series_of(r: dict) -> str | None:
     if r["family"] == "bf16" or r["tag"] not in SERIES_TAGS:
         return None
     g = (r.get("options") or {}).get("group_size")
-    lever = "+TC" if r["tag"].startswith("tc") else "+s4" if r["tag"].startswith("s4") else ""
+    parts = r["tag"].split("-")
+    lever = "".join(f"+{name}" for name, part in (("rot", "rot"), ("TC", "tc"), ("s4", "s4")) if part in parts)
     name = ("llm-compressor " if r["tag"] == "llmc" else "") + r["family"] + lever
     return f"{name} g{g}" if r["family"] in ("RTN", "GPTQ") and g else name
 

@@ -123,9 +123,9 @@ def _outlier_free_served(shapes: tuple, bits: int, group: int, scale_bits: int |
 
 def is_outlier_free(r: dict) -> bool:
     """Whether a result is a dense layout without outliers over the decoder blocks' linears only
-    (RTN, GPTQ, llm-compressor's GPTQ; not a variant that quantizes the head too)."""
+    (RTN, GPTQ, llm-compressor's GPTQ; not a variant that quantizes the head or rotates, whose signs stream too)."""
     o = r.get("options", {})
-    return o.get("method") in ("rtn", "gptq") and not o.get("quantize_lm_head")
+    return o.get("method") in ("rtn", "gptq") and not o.get("quantize_lm_head") and o.get("rotate", "none") == "none"
 
 
 def served_bits(r: dict, family: str) -> float | None:

@@ -25,6 +25,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa:
     gptq_pack, gptq_quantize_weights, pack_rows, quantize_weights)
 from vllm.scalar_type import scalar_types  # noqa: E402
 
+from vllm_latq import format as fmt  # noqa: E402
 from vllm_latq.testing import boundary_layers as bl  # noqa: E402
 from vllm_latq.testing import cuda_ops  # noqa: E402
 from vllm_latq.testing.boundary_run import run_ranks  # noqa: E402
@@ -241,19 +242,23 @@ EXPORT_WHERE = (("fp16", 80), ("bf16", 90))
 WIDE = (("fp16", 90), ("bf16", 80))
 
 
-def _export_cases(widths) -> list[bl.Case]:
+def _export_cases(widths, rotated: bool = False) -> list[bl.Case]:
+    """Each width's export; ``rotated``: the 4-bit one also rotated (``--rotate hadamard``, vLLM's
+    ``transform_config``)."""
     out = []
     for bits in widths:
         for dtype, cc in EXPORT_WHERE + (WIDE if bits == 8 else ()):
             out.append(bl.Case("export", dtype, cc, bits=bits, group=64))
             if bits not in (4, 8):
                 out.append(bl.Case("export-reference", dtype, cc, bits=bits, group=64))
+            if rotated and bits == 4:
+                out.append(bl.Case("export", dtype, cc, bits=bits, group=64, rotation=fmt.rotation.MAX_BLOCK))
     return out
 
 
 PLACEMENT = bl.Case("placement", "bf16", 90)
 PLAN = {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + VLLM_TRITON * (tp == 1) + VLLM_TRITON_BF16 * (tp == 1)
-        + COMPILED + _latq_cases(tp) + _export_cases((3, 4, 8)) + [PLACEMENT] * (tp == 1) for tp in (1, 2)}
+        + COMPILED + _latq_cases(tp) + _export_cases((3, 4, 8), rotated=True) + [PLACEMENT] * (tp == 1) for tp in (1, 2)}
 SLOW_PLAN = {tp: _vllm_cases(SLOW_CCS) + VLLM_TRITON * (tp == 2) + _latq_cases(tp, slow=True)
              + _export_cases((2, 5, 6, 7)) for tp in (1, 2)}
 
@@ -268,8 +273,9 @@ def _with_exports(plan: dict, root) -> dict:
 def _exports(tmp_path_factory, plan: dict):
     from vllm_latq.testing.boundary_export import tiny_block_export
     root = tmp_path_factory.mktemp("exports")
-    for bits in sorted({c.bits for cases in plan.values() for c in cases if c.layer.startswith("export")}):
-        tiny_block_export(root, bits)
+    for bits, rotation in sorted({(c.bits, c.rotation) for cases in plan.values() for c in cases
+                                  if c.layer.startswith("export")}):
+        tiny_block_export(root, bits, rotation)
     return root
 
 
@@ -484,7 +490,7 @@ def _stock_kernel(bits: int, cc: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("case,tp", _params({tp: _export_cases((3, 4, 8)) for tp in (1, 2)},
+@pytest.mark.parametrize("case,tp", _params({tp: _export_cases((3, 4, 8), rotated=True) for tp in (1, 2)},
                                             {tp: _export_cases((2, 5, 6, 7)) for tp in (1, 2)}))
 def test_export_under_stock_vllm(case, tp, request):
     """latq-export's checkpoint read by stock vLLM's compressed-tensors config and scheme on its
@@ -498,7 +504,13 @@ def test_export_under_stock_vllm(case, tp, request):
         _checked_ok(rank, rec)
         assert set(rec["layers"]) == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
         for name, layer in rec["layers"].items():
-            if want is None:
+            if case.rotation and tp > 1:    # vLLM's HadamardTransform: TP 1 only (latq's plugin serves TP > 1)
+                assert "NotImplementedError" in layer["refusal"] and "tensor parallelism" in layer["refusal"], layer
+            elif case.rotation:             # x·R by vLLM's transform module (its weights loaded), then its kernel
+                blocks = {"self_attn.o_proj": 128, "mlp.down_proj": 256}.get(name, 128)
+                assert layer["ok"] and layer["kernel"] == want, (name, layer)
+                assert layer["transforms"] == [f"latq_rotation_b{blocks}_input"], (name, layer)
+            elif want is None:
                 assert "Failed to find a kernel" in layer["refusal"] and f"({wtype})" in layer["refusal"], layer
             else:
                 assert layer["ok"] and layer["kernel"] == want, (name, layer)
