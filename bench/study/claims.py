@@ -475,7 +475,7 @@ def _rotation_claims(row) -> None:
     def best_below(res, _):
         if not res:
             return None
-        cap, bar = BELOW_4_TARGETS.get(res[0]["model"], (None, None))
+        cap, bar = BELOW_4_TARGETS.get(res[0].get("model"), (None, None))
         fits = [r for r in res if r["family"] != "bf16" and (b := served_bits(r, "triton")) is not None
                 and cap is not None and b <= cap and math.isfinite(r["ppl"])]
         if not fits:

@@ -700,3 +700,34 @@ def test_source_head_ppl_is_the_same_blocks_with_the_bf16_head(tiny_llama, tmp_p
     got = head.source_head_ppl(a, tiny_llama, 64, 2)
     want = evaluate(str(b), seqlen=64, nwindows=2, progress=False)["ppl"]
     assert got == want and got != evaluate(str(a), seqlen=64, nwindows=2, progress=False)["ppl"]
+
+
+def test_rotation_rows_judge_each_width_by_its_floor_and_the_bar_below_4_bits():
+    """Every rotated configuration against the same one unrotated, beyond that width's noise floor
+    (a gain inside it is no win); the below-4-bit row reads the best point under the model's served
+    bits cap against its bar; rotated configurations form series of their own."""
+    from bench.study import configs, curves
+    res = [_srec("GPTQ-3b", "GPTQ", 3, "", 24.0, 3.25), _srec("GPTQ-3b-seed1", "GPTQ", 3, "seed1", 24.24, 3.25),
+           _srec("GPTQ-3b-s4-g16", "GPTQ", 3, "s4-g16", 18.6, 3.504, 16),
+           {**_srec("GPTQ-3b-rot", "GPTQ", 3, "rot", 20.0, 3.26), "base": ""},
+           {**_srec("GPTQ-3b-rot-s4-g16", "GPTQ", 3, "rot-s4-g16", 18.5, 3.505, 16), "base": "s4-g16"},
+           {**_srec("GPTQ-4b-rot", "GPTQ", 4, "rot", 15.0, 4.13), "base": ""}, _srec("GPTQ-4b", "GPTQ", 4, "", 16.0, 4.125)]
+    for r in res:
+        r["model"] = "gemma3-270m"
+    rows = {r.split(" | ")[0]: r for r in claims.claims_table({"gemma3-270m": res}, {}) if r.startswith("| ")}
+    three = rows["| rotation (`--rotate hadamard`) lowers ppl at 3 bits: every rotated configuration against the same "
+                 "one unrotated, beyond that width's noise floor"]
+    assert "GPTQ-3b-rot -16.7%, GPTQ-3b-rot-s4-g16 -0.5%; lower beyond the floor (±1.00 %) in 1 of 2, higher in 0" \
+        in three and three.endswith("| does not hold |")
+    assert rows["| rotation (`--rotate hadamard`) lowers ppl at 4 bits: every rotated configuration against the same "
+                "one unrotated, beyond that width's noise floor"].endswith("no noise floor at this width | — |")
+    below = next(r for k, r in rows.items() if k.startswith("| below 4 bits"))
+    assert "GPTQ-3b-rot-s4-g16 18.50 at 3.505 b (bar: ≤ 17 at ≤ 3.51 b)" in below and below.endswith("does not hold |")
+    res[4]["ppl"] = 16.9
+    below = next(r for r in claims.claims_table({"gemma3-270m": res}, {}) if r.startswith("| below 4 bits"))
+    assert below.endswith("| holds |")
+    assert [curves.series_of(r) for r in res[3:6]] == ["GPTQ+rot g128", "GPTQ+rot+s4 g16", "GPTQ+rot g128"]
+    rotated = {c.label: c for c in configs.sweep_configs("gemma3-270m", 128) if c.tag in configs.ROT_TAGS}
+    assert rotated["GPTQ-3b-rot-s4-g16"].kwargs == {"bits": 3, "group_size": 16, "method": "gptq",
+                                                    "rotate": "hadamard", "scale_bits": 4}
+    assert rotated["GPTQ-3b-rot-s4-g16"].base == "s4-g16" and "HPTQ-2.125-rot" not in rotated
