@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from .configs import NOISE_TAGS, ROT_TAGS, SPREAD_TAGS, TAGGED
-from .curves import compare, frontier, points, series_of
+from .configs import NOISE_TAGS, ROT_TAGS, TAGGED
+from .curves import compare, series_of
+from .records import (base_label, gptq_curve, noise_floor, pct, ppl_of, ratio, record, spread_max, spread_of,
+                      within_noise)
 from .served import served_bits
 from .ordering import LAYER_TYPES, ORDERS
 from .summary import cert_summary, fmt_ppl
@@ -23,73 +25,8 @@ SERVED_FAMILIES = {"triton": "Triton", "cpu": "CPU"}   # kernel family → its n
 # latq-quantize quantizes the output head by default only where that costs at most this much
 # perplexity against the same checkpoint with a bf16 head, on every model
 HEAD_FREE = 0.001
-# issue 43's bar below 4 bits: a configuration at most this many Triton served bits with at most this ppl
+# the bar below 4 bits: a configuration at most this many Triton served bits with at most this ppl
 BELOW_4_TARGETS = {"gemma3-270m": (3.51, 17.0), "smollm2-135m": (3.85, 19.5)}
-
-
-# ============================================================================ one model's records
-
-def _rec(res: list[dict], label: str) -> dict | None:
-    return next((r for r in res if r["label"] == label), None)
-
-
-def _ppl(res: list[dict], label: str) -> float | None:
-    r = _rec(res, label)
-    return None if r is None else r["ppl"]
-
-
-def _rel(res: list[dict], label: str, base: str | None = "bf16") -> float | None:
-    a, b = _ppl(res, label), _ppl(res, base)
-    return None if a is None or b is None else a / b - 1
-
-
-def _base_of(res: list[dict], label: str) -> str | None:
-    """The label of the configuration the variant ``label`` is compared with."""
-    r = _rec(res, label)
-    return None if r is None else r["label"].removesuffix("-" + r["tag"]) + (f"-{r['base']}" if r.get("base") else "")
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%" if abs(x) < 9 else f"×{1 + x:.3g}"
-
-
-def _spread(res: list[dict], b: int) -> dict:
-    """How far ours' GPTQ-b perplexity moves under the harmless changes: {tag: Δ}."""
-    return {t: d for t in SPREAD_TAGS if (d := _rel(res, f"GPTQ-{b}b-{t}", f"GPTQ-{b}b")) is not None}
-
-
-def noise_floor(res: list[dict], level: int) -> tuple[float, str] | None:
-    """The noise floor of a comparison at ``level`` bits: how far our GPTQ at that width moves
-    (the largest ratio between two of its runs) under other calibration draws and the harmless controls
-    (:data:`SPREAD_TAGS`); None where neither ran at that width — a floor measured at more bits
-    would understate it."""
-    base = _ppl(res, f"GPTQ-{level}b")
-    seeds = [p for t in NOISE_TAGS if (p := _ppl(res, f"GPTQ-{level}b-{t}")) is not None]
-    controls = [p for t in SPREAD_TAGS if (p := _ppl(res, f"GPTQ-{level}b-{t}")) is not None]
-    if base is None or not (seeds or controls):
-        return None
-    runs = [base, *seeds, *controls]
-    what = [f"{len(seeds) + 1} calibration draws"] * bool(seeds) + ["the harmless controls"] * bool(controls)
-    # the largest gap between two runs of the same method: what a comparison of two runs can show by chance
-    return max(runs) / min(runs) - 1, f"GPTQ-{level}b over " + " and ".join(what)
-
-
-def _within_noise(res: list[dict], level: int | None, gap: float) -> bool | None:
-    """Whether a log-ppl ``gap`` at ``level`` bits is inside that width's noise floor; None: no
-    floor measured at that width (no verdict then)."""
-    nf = noise_floor(res, level) if level else None
-    return None if nf is None else abs(gap) <= math.log1p(nf[0])
-
-
-def gptq_curve(res: list[dict], family: str) -> list:
-    """Our GPTQ's curve in ``family``: the non-dominated points over every group size run."""
-    names = {s for r in res if r["family"] == "GPTQ" and (s := series_of(r)) and s.startswith("GPTQ g")}
-    return frontier(points(res, names, family))
-
-
-def spread_max(sp: dict) -> float:
-    """How far ours moved under the harmless changes ``sp`` ({tag: Δ}) at most (0 if none ran)."""
-    return max(map(abs, sp.values()), default=0.0)
 
 
 # ============================================================================ the table
@@ -143,11 +80,11 @@ def _lower_wins(a_label: str, b_label: str):
     """A cell: ``a_label``'s perplexity vs ``b_label``'s, holding where the first is lower by more
     than the noise floor at ``b_label``'s width."""
     def cell(res, _):
-        a, b = _ppl(res, a_label), _ppl(res, b_label)
+        a, b = ppl_of(res, a_label), ppl_of(res, b_label)
         if a is None or b is None:
             return None
-        within = _within_noise(res, _rec(res, b_label)["level"], math.log(a / b))
-        text = f"{fmt_ppl(a)} vs {fmt_ppl(b)} ({_pct(a / b - 1)})"
+        within = within_noise(res, record(res, b_label)["level"], math.log(a / b))
+        text = f"{fmt_ppl(a)} vs {fmt_ppl(b)} ({pct(a / b - 1)})"
         if within is None:
             return text + ": no noise floor at this width", None
         return text + (" — within noise" if within else ""), a < b and not within
@@ -156,8 +93,8 @@ def _lower_wins(a_label: str, b_label: str):
 
 def _near_lossless(label: str):
     def cell(res, _):
-        d = _rel(res, label)
-        return None if d is None else (f"{_pct(d)} ({fmt_ppl(_ppl(res, label))} vs {fmt_ppl(_ppl(res, 'bf16'))})",
+        d = ratio(res, label)
+        return None if d is None else (f"{pct(d)} ({fmt_ppl(ppl_of(res, label))} vs {fmt_ppl(ppl_of(res, 'bf16'))})",
                                        d <= NEAR_LOSSLESS)
     return cell
 
@@ -176,10 +113,10 @@ def _method_claims(row) -> None:
         row(f"HRTN-{lvl}.125 beats RTN-{lvl}b (no calibration either side)", "—",
             _lower_wins(f"HRTN-{lvl}.125", f"RTN-{lvl}b"))
     row(f"SSQR-1% at 4-bit inliers is near-lossless (Δ ppl vs bf16 ≤ {100 * NEAR_LOSSLESS:.0f}%)",
-        f"{_pct(PAPER['SSQR-1%-4b'] / PAPER['bf16'] - 1)} (Qwen3-8B)", _near_lossless("SSQR-1%-4b"))
+        f"{pct(PAPER['SSQR-1%-4b'] / PAPER['bf16'] - 1)} (Qwen3-8B)", _near_lossless("SSQR-1%-4b"))
     row("SSQR-2% at 4-bit inliers, same rule", "—", _near_lossless("SSQR-2%-4b"))
-    row("HPTQ-4.125, same rule", f"{_pct(PAPER['HPTQ-4.125'] / PAPER['bf16'] - 1)} (8B), "
-        f"{_pct(PAPER_SMALL['HPTQ-4.125'] / PAPER_SMALL['bf16'] - 1)} (0.6B)", _near_lossless("HPTQ-4.125"))
+    row("HPTQ-4.125, same rule", f"{pct(PAPER['HPTQ-4.125'] / PAPER['bf16'] - 1)} (8B), "
+        f"{pct(PAPER_SMALL['HPTQ-4.125'] / PAPER_SMALL['bf16'] - 1)} (0.6B)", _near_lossless("HPTQ-4.125"))
 
 
 def _served_claims(row) -> None:
@@ -190,7 +127,7 @@ def _served_claims(row) -> None:
             nf = noise_floor(res, level)
             if nf is None:
                 return None
-            seeds = [fmt_ppl(p) for t in ("", *(f"-{t}" for t in NOISE_TAGS)) if (p := _ppl(res, f"GPTQ-{level}b{t}"))]
+            seeds = [fmt_ppl(p) for t in ("", *(f"-{t}" for t in NOISE_TAGS)) if (p := ppl_of(res, f"GPTQ-{level}b{t}"))]
             return f"±{100 * nf[0]:.2f}% ({nf[1]}" + (f": {', '.join(seeds)}" if len(seeds) > 1 else "") + ")", None
         return cell
     for level in (4, 3, 2):
@@ -210,7 +147,7 @@ def _served_claims(row) -> None:
 def _served_wins(label: str, family: str):
     """A cell: ``label`` against our GPTQ's curve at its served bits in ``family``."""
     def cell(res, _):
-        r = _rec(res, label)
+        r = record(res, label)
         if r is None:
             return None
         curve = gptq_curve(res, family)
@@ -220,7 +157,7 @@ def _served_wins(label: str, family: str):
         if c.get("no_data"):
             reach = f"{curve[0][0]:.3f}–{curve[-1][0]:.3f} b" if curve else "no points"
             return f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: no data (GPTQ's curve: {reach})", None
-        within = _within_noise(res, r["level"], c["gap"])
+        within = within_noise(res, r["level"], c["gap"])
         if "end" in c:   # outside GPTQ's curve, one side dominates the other
             who = (f"dominated by {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)" if c["gap"] >= 0
                    else f"dominates {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)")
@@ -272,13 +209,13 @@ def _ordering_claims(row) -> None:
     row("min-pivot has the smallest tr(D) of the orders, every layer type", "every type (Qwen3-8B block 18)", trd)
     for base in ("GPTQ-3b", "SSQR-1%-3b"):
         def mp(res, _, base=base):
-            d = _rel(res, f"{base}-min-pivot", base)
-            return None if d is None else (f"{_pct(d)} ({fmt_ppl(_ppl(res, base + '-min-pivot'))} vs "
-                                           f"{fmt_ppl(_ppl(res, base))})", d < 0)
+            d = ratio(res, f"{base}-min-pivot", base)
+            return None if d is None else (f"{pct(d)} ({fmt_ppl(ppl_of(res, base + '-min-pivot'))} vs "
+                                           f"{fmt_ppl(ppl_of(res, base))})", d < 0)
         row(f"{base}: min-pivot lowers ppl vs act-order", "gains, no figure (§4.5)", mp)
 
     def every(res, _):   # every configuration run with min-pivot, against its act-order default
-        ds = [d for r in res if r["tag"] == "min-pivot" and (d := _rel(res, r["label"], _base_of(res, r["label"])))
+        ds = [d for r in res if r["tag"] == "min-pivot" and (d := ratio(res, r["label"], base_label(res, r["label"])))
               is not None]
         if not ds:
             return None
@@ -302,22 +239,22 @@ def _peer_claims(row) -> None:
         for b in (4, 3):
             def peer(res, _, b=b, tag=tag):
                 label = f"GPTQ-{b}b-{tag}"
-                d = _rel(res, label, _base_of(res, label))
+                d = ratio(res, label, base_label(res, label))
                 if d is None:
                     return None
-                sp = spread_max(_spread(res, b))
-                g = _rec(res, label)["options"]["group_size"]
-                return (f"{100 * d:+.2f}%" + (f" at group size {g}" if _base_of(res, label) != f"GPTQ-{b}b" else "")
-                        + (f" (ours' own spread ±{100 * sp:.2f}%)" if _spread(res, b) else ""),
+                sp = spread_max(spread_of(res, b))
+                g = record(res, label)["options"]["group_size"]
+                return (f"{100 * d:+.2f}%" + (f" at group size {g}" if base_label(res, label) != f"GPTQ-{b}b" else "")
+                        + (f" (ours' own spread ±{100 * sp:.2f}%)" if spread_of(res, b) else ""),
                         abs(d) <= max(PEER_BAR, sp))
             row(f"our GPTQ-{b}b vs {who}: Δ ppl within ±{100 * PEER_BAR:.0f}%, or within ours' own "
                 "spread under harmless changes where measured", "(our bar)", peer)
     for b in (4, 3):
         def same_scales(res, _, b=b):
-            d = _rel(res, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
+            d = ratio(res, f"GPTQ-{b}b-llmc-scales", f"GPTQ-{b}b-llmc")
             if d is None:
                 return None
-            return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, spread_max(_spread(res, b)))
+            return f"{100 * d:+.2f}%", abs(d) <= max(PEER_BAR, spread_max(spread_of(res, b)))
         row(f"our GPTQ-{b}b given llm-compressor's scales vs llm-compressor: same rule", "(our bar)",
             same_scales)
 
@@ -329,10 +266,10 @@ def _head_claim(row) -> None:
     against the same blocks with the source's bf16 head (``ppl_source_head``), else against the
     default configuration's own run."""
     def cell(res, _):
-        r = _rec(res, "GPTQ-4b-g64-lm-head8")
+        r = record(res, "GPTQ-4b-g64-lm-head8")
         if r is None:
             return None
-        b = r.get("ppl_source_head") or _ppl(res, "GPTQ-4b-g64")
+        b = r.get("ppl_source_head") or ppl_of(res, "GPTQ-4b-g64")
         if b is None:
             return None
         d = r["ppl"] / b - 1
@@ -362,10 +299,10 @@ def _method_notes(m: str, res: list[dict]) -> list[str]:
     if s4 and h4 and g4 and bf and s4["ppl"] / bf["ppl"] - 1 > NEAR_LOSSLESS:
         notes.append(
             f"- {m}: no 4-bit method is near-lossless here (Δ vs bf16: HPTQ-4.125 "
-            f"{_pct(h4['ppl'] / bf['ppl'] - 1)}, SSQR-1%-4b {_pct(s4['ppl'] / bf['ppl'] - 1)}, GPTQ-4b "
-            f"{_pct(g4['ppl'] / bf['ppl'] - 1)}). Small models lose more at every bit width: the paper's own "
-            f"Qwen3-0.6B loses {_pct(PAPER_SMALL['HPTQ-4.125'] / PAPER_SMALL['bf16'] - 1)} with HPTQ-4.125 "
-            f"against {_pct(PAPER['HPTQ-4.125'] / PAPER['bf16'] - 1)} for Qwen3-8B. The paper's ordering at "
+            f"{pct(h4['ppl'] / bf['ppl'] - 1)}, SSQR-1%-4b {pct(s4['ppl'] / bf['ppl'] - 1)}, GPTQ-4b "
+            f"{pct(g4['ppl'] / bf['ppl'] - 1)}). Small models lose more at every bit width: the paper's own "
+            f"Qwen3-0.6B loses {pct(PAPER_SMALL['HPTQ-4.125'] / PAPER_SMALL['bf16'] - 1)} with HPTQ-4.125 "
+            f"against {pct(PAPER['HPTQ-4.125'] / PAPER['bf16'] - 1)} for Qwen3-8B. The paper's ordering at "
             "≈4 bits, HPTQ < SSQR-1% < GPTQ, "
             + ("holds." if h4["ppl"] < s4["ppl"] < g4["ppl"] else "does not hold."))
     return notes
@@ -378,15 +315,15 @@ def _peer_notes(m: str, res: list[dict], ordering: dict | None) -> list[str]:
     for tag, who in PEERS.items():
         for b in (4, 3):
             label = f"GPTQ-{b}b-{tag}"
-            d = _rel(res, label, _base_of(res, label))
+            d = ratio(res, label, base_label(res, label))
             if d is None or abs(d) <= PEER_BAR:
                 continue
-            sp = _spread(res, b)
+            sp = spread_of(res, b)
             notes.append(" ".join([f"- {m}: {who}'s GPTQ-{b}b is {100 * d:+.2f}% from ours, outside the "
                                    f"±{100 * PEER_BAR:.0f}% bar."]
                                   + _peer_layers_note(tag, b, d, ordering)
                                   + _spread_note(d, b, sp)
-                                  + (_given_scales_note(d, _ppl(res, f"GPTQ-{b}b-llmc-scales"), _ppl(res, label), sp)
+                                  + (_given_scales_note(d, ppl_of(res, f"GPTQ-{b}b-llmc-scales"), ppl_of(res, label), sp)
                                      if tag == "llmc" else [])))
     return notes
 
@@ -452,16 +389,16 @@ def _spread_note(d: float, b: int, sp: dict) -> list[str]:
 
 def _rotation_claims(row) -> None:
     """Rotation's verdict per bit width (every rotated configuration against the same one
-    unrotated, by that width's noise floor), and the best point below 4 bits against issue 43's bar."""
+    unrotated, by that width's noise floor), and the best point below 4 bits against its bar."""
     for level in (4, 3, 2):
         def cell(res, _, level=level):
             pairs = [(r, b) for r in res if r["tag"] in ROT_TAGS and r["level"] == level
-                     and (b := _rec(res, _base_of(res, r["label"]))) is not None]
+                     and (b := record(res, base_label(res, r["label"]))) is not None]
             if not pairs:
                 return None
             nf = noise_floor(res, level)
             gaps = [(r["label"], math.log(r["ppl"] / b["ppl"])) for r, b in pairs]
-            text = ", ".join(f"{label} {_pct(math.expm1(g))}" for label, g in gaps)
+            text = ", ".join(f"{label} {pct(math.expm1(g))}" for label, g in gaps)
             if nf is None:
                 return text + ": no noise floor at this width", None
             wins = sum(g < -math.log1p(nf[0]) for _, g in gaps)

@@ -1,0 +1,71 @@
+"""One model's study records, read for the claims: a record by label, perplexity ratios, a
+variant's base, our GPTQ's spread and noise floor at a bit width, its curve in a kernel family."""
+from __future__ import annotations
+
+import math
+
+from .configs import NOISE_TAGS, SPREAD_TAGS
+from .curves import frontier, points, series_of
+
+
+def record(res: list[dict], label: str) -> dict | None:
+    return next((r for r in res if r["label"] == label), None)
+
+
+def ppl_of(res: list[dict], label: str) -> float | None:
+    r = record(res, label)
+    return None if r is None else r["ppl"]
+
+
+def ratio(res: list[dict], label: str, base: str | None = "bf16") -> float | None:
+    a, b = ppl_of(res, label), ppl_of(res, base)
+    return None if a is None or b is None else a / b - 1
+
+
+def base_label(res: list[dict], label: str) -> str | None:
+    """The label of the configuration the variant ``label`` is compared with."""
+    r = record(res, label)
+    return None if r is None else r["label"].removesuffix("-" + r["tag"]) + (f"-{r['base']}" if r.get("base") else "")
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:+.1f}%" if abs(x) < 9 else f"×{1 + x:.3g}"
+
+
+def spread_of(res: list[dict], b: int) -> dict:
+    """How far ours' GPTQ-b perplexity moves under the harmless changes: {tag: Δ}."""
+    return {t: d for t in SPREAD_TAGS if (d := ratio(res, f"GPTQ-{b}b-{t}", f"GPTQ-{b}b")) is not None}
+
+
+def noise_floor(res: list[dict], level: int) -> tuple[float, str] | None:
+    """The noise floor of a comparison at ``level`` bits: how far our GPTQ at that width moves
+    (the largest ratio between two of its runs) under other calibration draws and the harmless controls
+    (:data:`SPREAD_TAGS`); None where neither ran at that width — a floor measured at more bits
+    would understate it."""
+    base = ppl_of(res, f"GPTQ-{level}b")
+    seeds = [p for t in NOISE_TAGS if (p := ppl_of(res, f"GPTQ-{level}b-{t}")) is not None]
+    controls = [p for t in SPREAD_TAGS if (p := ppl_of(res, f"GPTQ-{level}b-{t}")) is not None]
+    if base is None or not (seeds or controls):
+        return None
+    runs = [base, *seeds, *controls]
+    what = [f"{len(seeds) + 1} calibration draws"] * bool(seeds) + ["the harmless controls"] * bool(controls)
+    # the largest gap between two runs of the same method: what a comparison of two runs can show by chance
+    return max(runs) / min(runs) - 1, f"GPTQ-{level}b over " + " and ".join(what)
+
+
+def within_noise(res: list[dict], level: int | None, gap: float) -> bool | None:
+    """Whether a log-ppl ``gap`` at ``level`` bits is inside that width's noise floor; None: no
+    floor measured at that width (no verdict then)."""
+    nf = noise_floor(res, level) if level else None
+    return None if nf is None else abs(gap) <= math.log1p(nf[0])
+
+
+def gptq_curve(res: list[dict], family: str) -> list:
+    """Our GPTQ's curve in ``family``: the non-dominated points over every group size run."""
+    names = {s for r in res if r["family"] == "GPTQ" and (s := series_of(r)) and s.startswith("GPTQ g")}
+    return frontier(points(res, names, family))
+
+
+def spread_max(sp: dict) -> float:
+    """How far ours moved under the harmless changes ``sp`` ({tag: Δ}) at most (0 if none ran)."""
+    return max(map(abs, sp.values()), default=0.0)
