@@ -133,6 +133,24 @@ def test_every_kernel_family_serves_a_rotated_layer(kernel, m, dtype):
     assert served.served_bytes(state).get("rotation", 0) == (0 if served is kernel else 4 * w.rotation.numel())
 
 
+def test_layers_of_one_block_share_their_signs_and_the_report_counts_them_once():
+    """R depends only on the seed and the block: two layers' prepared states hold one signs tensor,
+    and the load report counts its bytes with the first layer only."""
+    from vllm_latq.plugin.load_report import LoadReport
+    a, b = rotated_weight(bits=4, rate=0.0), rotated_weight(bits=3, rate=0.0)
+    served = selector.for_weight(CPUKernel, a)
+    sa, sb = served.prepare(a), served.prepare(b)
+    assert sa.signs is sb.signs
+    report = LoadReport("gptq")
+    for w, st in ((a, sa), (b, sb)):
+        report.expect()
+        report.add("model.layers.0.mlp.down_proj", w, served, st, 4.0)
+    n = a.out_features * a.in_features
+    plain = [8 * sum(v for k, v in served.served_bytes(st).items() if k != "rotation") / n for st in (sa, sb)]
+    assert report.layers[0].served_bits == pytest.approx(plain[0] + 8 * 4 * a.rotation.numel() / n)
+    assert report.layers[1].served_bits == pytest.approx(plain[1])
+
+
 def test_cpu_kernel_pure_torch_path_is_the_same():
     w = rotated_weight(bits=3, rate=0.01)
     served = rotated_kernel(CPUKernel)

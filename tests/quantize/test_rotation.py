@@ -196,9 +196,13 @@ def test_pipeline_solves_every_linear_in_its_rotated_frame(run, tiny_llama, tmp_
         checkpoint_served(d, rows)
         served = [(r, f) for r in rows for f in r["served"].values()]
         assert any(f["kernel"] != "bf16" for _, f in served)
+        counted = {}   # block → layers whose served bytes include its signs: the first of the block only
         for r, f in served:   # the bf16 fallback folds the rotation into its weights
-            want = 4 * Rotation(11).block_size(r["shape"][1]) if f["kernel"] != "bf16" else None
-            assert f["parts"].get("rotation") == want
+            block = Rotation(11).block_size(r["shape"][1])
+            if f["kernel"] != "bf16" and "rotation" in f["parts"]:
+                assert f["parts"]["rotation"] == 4 * block
+                counted.setdefault(block, set()).add(r["name"])
+        assert counted and all(len(names) == 1 for names in counted.values()), counted
     if run == "rtn":   # uncalibrated: its rotated weight is the source's, rotated
         from safetensors.torch import load_file
         src = load_file(str(next(tiny_llama.glob("*.safetensors"))))

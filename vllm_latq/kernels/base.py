@@ -103,6 +103,12 @@ class LatqKernel:
         raise NotImplementedError
 
     @classmethod
+    def shared_tensors(cls, state: Any) -> dict[str, torch.Tensor]:
+        """Parts of ``served_bytes`` that every layer of a model reads from one tensor (a decode
+        step streams them once), by part: none by default."""
+        return {}
+
+    @classmethod
     def label(cls, state: Any) -> str:
         """The kernel's name in the load report (a family that delegates names its pick)."""
         return cls.name

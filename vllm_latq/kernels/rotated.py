@@ -29,6 +29,18 @@ def transform_for(device: torch.device, dtype: torch.dtype) -> Callable:
     return rotate
 
 
+_SHARED_SIGNS: dict[tuple[str, tuple[float, ...]], torch.Tensor] = {}
+
+
+def shared_signs(signs: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One fp32 copy of ``signs`` per device for the whole model: R depends only on the seed and
+    the block, so every layer of a block size reads the same vector."""
+    key = (str(torch.device(device)), tuple(signs.tolist()))
+    if key not in _SHARED_SIGNS:
+        _SHARED_SIGNS[key] = signs.to(device, torch.float32).contiguous()
+    return _SHARED_SIGNS[key]
+
+
 def rotate_activations(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``x·R`` in x's dtype (computed in fp32), R of the b = ``len(signs)`` blocks."""
     return transform_for(x.device, x.dtype)(x, signs)
@@ -53,8 +65,7 @@ class RotatedKernel(LatqKernel):
     def prepare(cls, w):
         if w.rotation is None:
             raise ValueError(f"kernel {cls.name}: the layer has no rotation")
-        signs = w.rotation.to(w.qweight.device, torch.float32).contiguous()
-        return RotatedState(cls.inner.prepare(replace(w, rotation=None)), signs)
+        return RotatedState(cls.inner.prepare(replace(w, rotation=None)), shared_signs(w.rotation, w.qweight.device))
 
     @classmethod
     def apply(cls, state, x, bias=None):
@@ -67,6 +78,10 @@ class RotatedKernel(LatqKernel):
     @classmethod
     def served_bytes(cls, state):
         return {**cls.inner.served_bytes(state.inner), "rotation": state.signs.numel() * state.signs.element_size()}
+
+    @classmethod
+    def shared_tensors(cls, state):
+        return {**cls.inner.shared_tensors(state.inner), "rotation": state.signs}
 
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):

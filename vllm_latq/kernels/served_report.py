@@ -18,7 +18,8 @@ from .weight import from_dense_tensors
 def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams,
                  rotation_block: int = 0) -> dict[str, dict]:
     """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}};
-    ``rotation_block``: a rotated layer's block, whose fp32 signs a compressed kernel reads too."""
+    ``rotation_block``: a rotated layer's block, whose fp32 signs a compressed kernel reads too (0: the
+    signs are counted with another layer of that block, the model's layers sharing one vector)."""
     n, k = shape
     scale_bits = None
     if kind == "dense":
@@ -50,10 +51,14 @@ def checkpoint_served(path: str | os.PathLike, rows: list[dict]) -> dict[str, fl
     served bits/weight over all those layers."""
     ck = Checkpoint(path)
     spec, fams = ck.spec, families()
+    blocks = set()   # the signs of a block size: one vector for the model, counted with its first layer
     for r in rows:
         t = ck.layer_tensors(r["name"])
         block = spec.rotation.block_size(r["shape"][1]) if spec.rotation is not None else 0
-        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams, block)
+        first = block not in blocks
+        blocks.add(block)
+        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams,
+                                   block if first else 0)
     weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
     return {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights if weights else 0.0
             for f in fams}

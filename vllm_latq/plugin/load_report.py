@@ -31,6 +31,7 @@ class LoadReport:
         self.expected = 0
         self.layers: list[LayerRow] = []
         self.reasons: dict[tuple[str, tuple[str, ...]], int] = {}   # (kernel, refusals before it) → layers
+        self.shared: set[tuple[str, int]] = set()   # (device, address) of tensors layers share, counted once
 
     def expect(self) -> None:
         self.expected += 1
@@ -40,6 +41,11 @@ class LoadReport:
         n = w.out_features * w.in_features
         label = kernel.label(state)
         served = kernel.served_bytes(state)
+        for part, t in kernel.shared_tensors(state).items():   # streamed once a step, by the first layer
+            key = (str(t.device), t.data_ptr())
+            if key in self.shared:
+                served[part] = 0
+            self.shared.add(key)
         bpw = 8 * sum(served.values()) / n
         logger.debug("latq %s: %dx%d, %d-bit inliers, group %d, %.3f%% outliers, stored %.3f bits/weight, served "
                      "%.3f bits/weight (%s), kernel %s%s", prefix, w.out_features, w.in_features, w.bits,

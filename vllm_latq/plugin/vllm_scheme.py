@@ -8,7 +8,7 @@ import torch
 
 from .. import format as fmt
 from ..kernels import vllm_moe, vllm_mp
-from ..kernels.rotated import transform_for
+from ..kernels.rotated import shared_signs, transform_for
 from ..kernels.weight import LatqWeight
 
 NAME = vllm_mp.VllmMPKernel.name
@@ -92,6 +92,11 @@ class ServedScheme:
             tensors["rotation"] = transform_tensor(transform)
         return {part: t.numel() * t.element_size() for part, t in tensors.items() if isinstance(t, torch.Tensor)}
 
+    @staticmethod
+    def shared_tensors(layer) -> dict[str, torch.Tensor]:
+        transform = getattr(layer, "latq_transform", None)
+        return {} if transform is None else {"rotation": transform_tensor(transform)}
+
 
 # ---------------------------------------------------------------------------- rotated layers
 
@@ -101,7 +106,7 @@ class LatqTransform(torch.nn.Module):
 
     def __init__(self, signs: torch.Tensor, act_dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("signs", signs.to(torch.float32).contiguous(), persistent=False)
+        self.register_buffer("signs", shared_signs(signs, signs.device), persistent=False)
         self.transform = transform_for(signs.device, act_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,3 +245,7 @@ class ServedExpert:
     @staticmethod
     def served_bytes(state: tuple[str, int]) -> dict[str, int]:
         return {"experts": state[1]}
+
+    @staticmethod
+    def shared_tensors(state: tuple[str, int]) -> dict[str, torch.Tensor]:
+        return {}
