@@ -275,7 +275,7 @@ def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, 
     ck = root / "checkpoints" / cfg.model / cfg.slug
     if served.is_outlier_free(r):
         r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"], cfg.kwargs["group_size"],
-                                                 cfg.kwargs.get("scale_bits"))
+                                                 cfg.kwargs.get("scale_bits"), cfg.kwargs.get("rotate", "none") != "none")
     elif (ck / "latq_stats.json").is_file() or requantize:
         fresh = not (ck / "latq_stats.json").is_file()
         if fresh:

@@ -64,6 +64,8 @@ def is_stale(r: dict) -> bool:
         return False
     made, now = r["served"].get("cost_model"), cost_model_fingerprints()
     sb = r.get("options", {}).get("scale_bits")
+    if r.get("options", {}).get("rotate", "none") != "none" and r["served"].get("signs") != "shared":
+        return True   # made when every layer counted its own copy of the signs
     return not isinstance(made, dict) or any(made.get(_part(f, sb)) != now[_part(f, sb)]
                                              for f in r["served"]["bits_per_weight"])
 
@@ -73,7 +75,9 @@ def _record(totals: dict[str, float], rows: list[dict], source: str) -> dict:
     kernel serves at each inlier width (``"cpu 4b": 122``), under today's cost models."""
     kernels = {f: dict(Counter(f"{r['served'][f]['kernel']} {r['served'][f]['bits']}b" for r in rows))
                for f in totals}
-    return {"bits_per_weight": totals, "kernels": kernels, "source": source, "cost_model": cost_model_fingerprints()}
+    # "signs": a rotation's signs counted once per block size, as the kernels read them
+    return {"bits_per_weight": totals, "kernels": kernels, "source": source, "cost_model": cost_model_fingerprints(),
+            "signs": "shared"}
 
 
 def checkpoint_record(ck: Path) -> dict:
@@ -103,19 +107,29 @@ def _outlier_free_tensors(n: int, k: int, bits: int, group: int, scale_bits: int
             "outlier_col": torch.zeros(0, dtype=torch.int32), "outlier_val": torch.zeros(0, dtype=torch.float16)}
 
 
-def outlier_free_served(shapes, bits: int, group: int, scale_bits: int | None = None) -> dict:
+def outlier_free_served(shapes, bits: int, group: int, scale_bits: int | None = None, rotated: bool = False) -> dict:
     """The served record of a dense layout without outliers at ``bits`` and ``group`` (scales
-    coded with ``scale_bits``) over layers of ``shapes`` (each ``(out, in)``): exact, as its bytes
-    depend on nothing else."""
-    return copy.deepcopy(_outlier_free_served(tuple(map(tuple, shapes)), bits, group, scale_bits))
+    coded with ``scale_bits``; ``rotated``: ``--rotate hadamard``, whose signs are one vector per
+    block size) over layers of ``shapes`` (each ``(out, in)``): exact, as its bytes depend on
+    nothing else."""
+    return copy.deepcopy(_outlier_free_served(tuple(map(tuple, shapes)), bits, group, scale_bits, rotated))
 
 
 @functools.lru_cache(maxsize=None)
-def _outlier_free_served(shapes: tuple, bits: int, group: int, scale_bits: int | None) -> dict:
+def _outlier_free_served(shapes: tuple, bits: int, group: int, scale_bits: int | None, rotated: bool) -> dict:
     fams = families()
     per_shape = {s: layer_served(_outlier_free_tensors(*s, bits, group, scale_bits), "dense", s, bits, group, fams)
                  for s in set(map(tuple, shapes))}
-    rows = [{"shape": s, "served": per_shape[tuple(s)]} for s in shapes]
+    rows = [{"shape": s, "served": copy.deepcopy(per_shape[tuple(s)])} for s in shapes]
+    if rotated:   # the signs of each block size, counted with its first layer (kernels.served_report)
+        for f in fams:
+            blocks = set()
+            for r in rows:
+                part = r["served"][f.name]
+                b = fmt.Rotation(0).block_size(r["shape"][1])
+                if part["kernel"] != "bf16" and b not in blocks:
+                    blocks.add(b)
+                    part["bytes"] += 4 * b
     weights = sum(n * k for n, k in shapes)
     totals = {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights for f in fams}
     return _record(totals, rows, "layout")
@@ -123,9 +137,9 @@ def _outlier_free_served(shapes: tuple, bits: int, group: int, scale_bits: int |
 
 def is_outlier_free(r: dict) -> bool:
     """Whether a result is a dense layout without outliers over the decoder blocks' linears only
-    (RTN, GPTQ, llm-compressor's GPTQ; not a variant that quantizes the head or rotates, whose signs stream too)."""
+    (RTN, GPTQ, llm-compressor's GPTQ, rotated or not; not a variant that quantizes the head too)."""
     o = r.get("options", {})
-    return o.get("method") in ("rtn", "gptq") and not o.get("quantize_lm_head") and o.get("rotate", "none") == "none"
+    return o.get("method") in ("rtn", "gptq") and not o.get("quantize_lm_head")
 
 
 def served_bits(r: dict, family: str) -> float | None:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -423,12 +424,13 @@ def _prepared_bits(ck) -> dict[str, float]:
     from vllm_latq.format.checkpoint import Checkpoint
     from vllm_latq.kernels.weight import from_dense_tensors
     from vllm_latq.kernels.transcode import transcode
+    from vllm_latq.kernels.rotated import for_weight
     from vllm_latq.kernels.served_report import families
     c = Checkpoint(ck)
     shapes = {r["name"]: r["shape"] for r in c.stats()["layers"]}
     total = {}
     for fam in families():
-        nbytes = 0
+        nbytes, shared = 0, set()
         for name, (n, k) in shapes.items():
             t = c.layer_tensors(name)
             if c.spec.kind == "dense":
@@ -437,10 +439,21 @@ def _prepared_bits(ck) -> dict[str, float]:
                 w = transcode(fmt.decode_integers(t, "huffman", (n, k), None), t["hscale"].float().expand(n),
                               family=fam)
             ok = fam.can_implement(w, torch.device("cpu"), torch.bfloat16)[0] or fam.name == "triton"
+            if c.spec.rotation is not None:   # wrapped as the selector wraps it; shared signs read once
+                w = replace(w, rotation=c.spec.rotation.signs(k))
+            kern = for_weight(fam, w)
             try:
-                nbytes += sum(fam.served_bytes(fam.prepare(w)).values()) if ok else 2 * n * k
+                state = kern.prepare(w) if ok else None
             except ValueError:
+                state = None
+            if state is None:
                 nbytes += 2 * n * k
+                continue
+            served_bytes = kern.served_bytes(state)
+            for part, t in kern.shared_tensors(state).items():
+                served_bytes[part] = 0 if t.data_ptr() in shared else served_bytes[part]
+                shared.add(t.data_ptr())
+            nbytes += sum(served_bytes.values())
         total[fam.name] = 8 * nbytes / sum(n * k for n, k in shapes.values())
     return total
 
@@ -471,6 +484,19 @@ def test_served_bits_are_the_prepared_states(tiny_llama, tiny_checkpoints, tmp_p
     rec = served.checkpoint_record(ck)
     assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(ck), rel=1e-12)
     assert served.outlier_free_served(shapes, 3, 64, 4)["bits_per_weight"] == rec["bits_per_weight"]
+    # rotated (--rotate hadamard): the signs once per block size for the model, from the shapes alone too
+    ck = quantize_model(tiny_llama, tmp_path / "rot", QuantizeOptions(method="gptq", bits=3, group_size=64,
+                                                                      rotate="hadamard", nsamples=4, seqlen=64,
+                                                                      quantize_lm_head=False), progress=False)
+    rec = served.checkpoint_record(ck)
+    assert rec["bits_per_weight"] == pytest.approx(_prepared_bits(ck), rel=1e-12)
+    assert served.outlier_free_served(shapes, 3, 64, rotated=True)["bits_per_weight"] == \
+        pytest.approx(rec["bits_per_weight"], rel=1e-12)
+    blocks = {k & -k for _, k in shapes}
+    plain = served.outlier_free_served(shapes, 3, 64)["bits_per_weight"]["triton"]
+    assert rec["bits_per_weight"]["triton"] == pytest.approx(plain + 32 * sum(blocks) / sum(n * k for n, k in shapes))
+    old = {"options": {"rotate": "hadamard"}, "served": {k: v for k, v in rec.items() if k != "signs"}}
+    assert served.is_stale(old) and not served.is_stale({"options": {"rotate": "hadamard"}, "served": rec})
 
 
 def test_backfill_served_of_older_results(tiny_llama, tmp_path, monkeypatch):
