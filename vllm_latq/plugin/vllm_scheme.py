@@ -123,13 +123,21 @@ def vllm_transform_refusal(tp_size: int) -> str | None:
     return None
 
 
+_SCHEMES: dict = {}   # (block size, dtype, device) → compressed-tensors' TransformScheme of R
+
+
 def vllm_transform(layer, signs: torch.Tensor, act_dtype: torch.dtype, in_features: int, out_features: int):
     """vLLM's own ``HadamardTransform`` of R (docs/KERNELS.md, "Rotated layers")."""
     from compressed_tensors.transform import TransformScheme
     from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
     from vllm.model_executor.layers.quantization.compressed_tensors.transform.utils import TransformTuple
     from vllm.utils.torch_utils import set_default_torch_dtype
-    scheme = TransformScheme(**fmt.rotation.transform_scheme(signs.numel(), [layer.prefix]))
+    # one scheme per block size (and dtype, device): vLLM's SharedWeightParameter keys its tensor by
+    # (scheme, size), so every layer of a block size reads one b×b matrix, as all have the same R
+    key = (signs.numel(), act_dtype, str(signs.device))
+    if key not in _SCHEMES:
+        _SCHEMES[key] = TransformScheme(**fmt.rotation.transform_scheme(signs.numel(), ["Linear"]))
+    scheme = _SCHEMES[key]
     with torch.device(signs.device), set_default_torch_dtype(act_dtype):
         t = HadamardTransform({0: TransformTuple("latq_rotation", scheme, scheme.apply[0])}, layer,
                               FilledByLatq(layer.prefix), in_features, [out_features])
