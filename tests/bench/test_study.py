@@ -685,6 +685,8 @@ def test_which_method_options_reproduce_the_configuration():
     assert which_method.options({"options": {"method": "ssqr", "bits": 4, "outlier_rate": 0.01}}) == \
         "`--method ssqr --group-size 128 --outlier-rate 0.01`"
     assert which_method.options({"options": {"method": "gptq", "bits": 4, "group_size": 64}}) == "(defaults)"
+    rec = {"options": {"bits": 3, "group_size": 16, "method": "gptq", "scale_bits": 4, "rotate": "hadamard"}}
+    assert which_method.options(rec) == "`--bits 3 --group-size 16 --scale-bits 4 --rotate hadamard`"
 
 
 def test_default_head_configuration_and_its_rule():
