@@ -28,7 +28,8 @@ def options(r: dict) -> str:
         if o.get(key) is not None and o[key] != DEFAULTS.get(key):
             flags.append(f"--{key.replace('_', '-')} {o[key]:g}")
     flags += ["--target-correction"] * bool(o.get("target_correction"))
-    flags += [f"--rotate {o['rotate']}"] * (o.get("rotate", "none") != "none")
+    if o.get("rotate", "none") != "none":
+        flags.append(f"--rotate {o['rotate']}")
     return "`" + " ".join(flags) + "`" if flags else "(defaults)"
 
 
