@@ -243,17 +243,18 @@ def available_kernels() -> list[str]:
     return names + ["reference"]
 
 
-def default_ckpt(model: str, method: str) -> Path:
+def default_ckpt(model: str, method: str, rotate: str = "none") -> Path:
     """The cached pipeline checkpoint of the plugin tests, else quantize one (slow, once): the
     method's defaults, its output head included (named by it, so one cached before the head's
-    default is not taken for it)."""
+    default is not taken for it); ``rotate``: the same rotated (``--rotate``)."""
     from vllm_latq.data import cache_dir
     from vllm_latq.errors import FormatError
     from vllm_latq.format.manifest import read_manifest
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
-    opts = QuantizeOptions(method=method, nsamples=16, seqlen=256)
-    name = f"{model}-{method}" + (f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else "")
+    opts = QuantizeOptions(method=method, nsamples=16, seqlen=256, rotate=rotate)
+    name = (f"{model}-{method}" + (f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else "")
+            + (f"-rot-{rotate}" if rotate != "none" else ""))
     for root in ("plugin_tests", "bench"):
         d = cache_dir() / root / name
         try:
@@ -357,6 +358,9 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
+    ap.add_argument("--rotated", action="store_true", help="also the default checkpoint quantized with --rotate "
+                    "hadamard, as an extra checkpoint: the transform's cost per decode step (HEADLINE "
+                    "<mode>_b1_<ckpt>_vs_latq, its time over the plain checkpoint's)")
     ap.add_argument("--method", default=None, help="method of the default checkpoint (default: latq-quantize's, "
                     "GPTQ 4-bit g64; e.g. ssqr)")
     ap.add_argument("--kernels", default="auto", help="comma list (cpu,cpu-torch,triton,reference) or auto; "
@@ -400,6 +404,8 @@ def main(argv=None) -> None:
     else:
         base = str(model_dir(a.model)) if a.model in MODELS else a.model
         ckpt = str(a.ckpt or default_ckpt(a.model, a.method or DEFAULT_METHOD))
+        if a.rotated:
+            a.extra_ckpt.append(str(default_ckpt(a.model, a.method or DEFAULT_METHOD, rotate="hadamard")))
     latq_dtypes = a.latq_dtypes.split(",")
     kernels = available_kernels() if a.kernels == "auto" else a.kernels.split(",")
     batches = [int(b) for b in a.batches.split(",")]

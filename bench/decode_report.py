@@ -152,8 +152,10 @@ def _thread_keys(results, modes, batches, kernel, latq_dtypes, extra_ckpts, sfx:
         for e in extra_ckpts:   # e.g. a --quantize-lm-head checkpoint
             x = _find(results, f"latq-{kernel}:{Path(e).name}", mode)
             if x and ok and "runs" in x and "1" in x["runs"]:
-                head.append(f"{mode}_b1{sfx}_speedup_median_of_rounds_{Path(e).name}="
-                            f"{_vs_bf16(results, x['runs']['1'], '1', mode)[0]:.2f}")
+                head += [f"{mode}_b1{sfx}_speedup_median_of_rounds_{Path(e).name}="
+                         f"{_vs_bf16(results, x['runs']['1'], '1', mode)[0]:.2f}",
+                         # its time over the primary checkpoint's, paired by round (1.05: 5 % slower)
+                         f"{mode}_b1{sfx}_{Path(e).name}_vs_latq={paired_ratio(q['runs']['1'], x['runs']['1']):.3f}"]
         for b in map(str, batches):
             if ok:
                 paired, tok = _vs_bf16(results, q["runs"][b], b, mode)

@@ -90,3 +90,16 @@ def test_headline_names_the_gemv_isa_that_ran_and_the_fastest_latq_dtype():
     assert " gemv_isa=none " in " " + headline(res, modes=["eager"], batches=[1], kernel="cpu",
                                          latq_dtypes=["bfloat16", "float32"], extra_ckpts=[], cpu="AVX2",
                                          model="m", ckpt="c")
+
+
+def test_an_extra_checkpoint_is_paired_with_the_primary_one():
+    """An extra checkpoint (``--extra-ckpt``, ``--rotated``): its time over the primary latq
+    checkpoint's, paired by round (above 1: slower than the primary), beside its speedup over bf16."""
+    res = [_engine("bf16", "compiled", None, "bfloat16", {"1": [4.0, 4.0, 4.0]}),
+           _engine("latq-cpu", "compiled", "cpu", "bfloat16", {"1": [2.0, 2.0, 2.0]}),
+           _engine("latq-cpu:m-gptq-rot-hadamard", "compiled", "cpu", "bfloat16", {"1": [2.2, 2.1, 2.0]})]
+    line = headline(res, modes=["compiled"], batches=[1], kernel="cpu", latq_dtypes=["bfloat16"],
+                    extra_ckpts=["/c/m-gptq-rot-hadamard"], cpu="AVX512", model="m", ckpt="c")
+    keys = dict(kv.split("=", 1) for kv in line.split())
+    assert keys["compiled_b1_m-gptq-rot-hadamard_vs_latq"] == "1.050"     # rounds 1.10, 1.05, 1.00
+    assert "compiled_b1_speedup_median_of_rounds_m-gptq-rot-hadamard" in keys
