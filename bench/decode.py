@@ -28,14 +28,13 @@ whose ``can_implement`` accepts the layers, plus the reference). Every engine's 
 bytes one decode step streams (MB/token, bits/weight over its linears and head: latq's as its
 CPU kernels serve them, the head included, a bf16 head counted at 16 bits; ``decode_peer``).
 
-``--peer llamacpp`` (``bench/decode_peer.py``): llama.cpp at batch 1 on the GGUF the reference
-model ships as and on the latq checkpoint written in llama.cpp's blocks (``bench/latq_gguf.py``),
-interleaved with the vLLM engines, same prompt, tokens and threads; the paired ratio latq /
-llama.cpp per mode and thread count.
+``--peer llamacpp`` (``bench/decode_peer.py``): llama.cpp at batch 1 on the GGUF the reference model ships
+as and on the latq checkpoint in llama.cpp's blocks (``bench/latq_gguf.py``), interleaved with the vLLM
+engines, same prompt, tokens and threads; the paired ratio latq / llama.cpp per mode and threads.
 
-``--profile`` (``bench/decode_profile.py``): after the timed runs, each vLLM engine generates
-once more under ``torch.profiler``: lines ``PROFILE ...`` split the step into the decoder
-linears, attention, the rest of the forward, the head, sampling and the engine around them.
+``--profile`` (``bench/decode_profile.py``): each vLLM engine once more under ``torch.profiler``, the step
+split into the linears, attention, the rest of the forward, the head, sampling and the engine.
+``--rotated``: the default checkpoint with ``--rotate hadamard`` beside it, paired with the plain one.
 
 Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``), and so does latq's first
 kernel (``--latq-dtypes``; its other kernels run in the first of them): where a CPU emulates
@@ -253,8 +252,8 @@ def default_ckpt(model: str, method: str, rotate: str = "none") -> Path:
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(method=method, nsamples=16, seqlen=256, rotate=rotate)
-    name = (f"{model}-{method}" + (f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else "")
-            + (f"-rot-{rotate}" if rotate != "none" else ""))
+    head = f"-head{opts.lm_head_bits or opts.bits}" if opts.quantize_lm_head else ""
+    name = f"{model}-{method}{head}" + (f"-rot-{rotate}" if rotate != "none" else "")
     for root in ("plugin_tests", "bench"):
         d = cache_dir() / root / name
         try:
@@ -286,32 +285,6 @@ def bind_cores(bind: str) -> list[int]:
         a, _, b = p.partition("-")
         cores += range(int(a), int(b or a) + 1)
     return cores
-
-
-def peer_jobs(peers: str, ggufs: str, model: str, ckpt: str, workdir: str) -> list[dict]:
-    """The peer engines (``decode_peer``) on each GGUF asked for: the one ``model`` ships as, and
-    ``ckpt`` written in llama.cpp's blocks (``bench/latq_gguf.py``, into ``workdir``); a GGUF that
-    cannot be had is said and skipped."""
-    from bench.latq_gguf import write_gguf
-    from vllm_latq.data import MODELS
-
-    jobs = []
-    for peer in filter(None, peers.split(",")):
-        if peer not in decode_peer.PEERS:
-            raise SystemExit(f"--peer {peer}: not one of {', '.join(decode_peer.PEERS)}")
-        shipped = MODELS[model].gguf() if model in MODELS else None
-        for which in ggufs.split(","):
-            try:
-                if shipped is None:
-                    raise ValueError(f"{model} is not a reference model: no GGUF it ships as")
-                path = shipped if which == "shipped" else write_gguf(ckpt, shipped, Path(workdir, "latq.gguf"))
-            except ValueError as e:
-                print(f"decode bench: no {which} GGUF for llama.cpp: {e}", file=sys.stderr)
-                continue
-            name = Path(path).stem.rsplit(".", 1)[-1] if which == "shipped" else "latq"
-            jobs.append({"label": f"llama.cpp:{name}", "model": str(path), "gguf": str(path), "kernel": peer,
-                         "dtype": "gguf", "peer": True})
-    return jobs
 
 
 def streamed_bytes(job: dict, cache: dict) -> dict:
@@ -358,9 +331,8 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
-    ap.add_argument("--rotated", action="store_true", help="also the default checkpoint quantized with --rotate "
-                    "hadamard, as an extra checkpoint: the transform's cost per decode step (HEADLINE "
-                    "<mode>_b1_<ckpt>_vs_latq, its time over the plain checkpoint's)")
+    ap.add_argument("--rotated", action="store_true", help="also the default checkpoint with --rotate hadamard, "
+                    "as an extra one: HEADLINE <mode>_b1_<ckpt>_vs_latq, its step time over the plain one's")
     ap.add_argument("--method", default=None, help="method of the default checkpoint (default: latq-quantize's, "
                     "GPTQ 4-bit g64; e.g. ssqr)")
     ap.add_argument("--kernels", default="auto", help="comma list (cpu,cpu-torch,triton,reference) or auto; "
@@ -421,7 +393,7 @@ def main(argv=None) -> None:
           f"tokens; median of {a.repeats}; threads {threads}; {cpu_features.describe()}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as td:
-        peers = peer_jobs(a.peer, a.peer_ggufs, a.model, ckpt, td)
+        peers = decode_peer.peer_jobs(a.peer, a.peer_ggufs, a.model, ckpt, td)
         streamed = {}
         for t in threads:
             for mode in a.modes.split(","):

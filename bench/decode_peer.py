@@ -17,6 +17,7 @@ it rounds to 8-bit blocks (``Q8_0``/``Q8_1``); latq's kernels keep bf16 activati
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -127,3 +128,29 @@ def latq_bytes(ckpt: str | Path, dtype_bytes: int) -> tuple[int, int]:
         served += shape[0] * shape[1] * dtype_bytes
         weights += shape[0] * shape[1]
     return served, weights
+
+
+def peer_jobs(peers: str, ggufs: str, model: str, ckpt: str, workdir: str) -> list[dict]:
+    """The peer engines (``decode_peer``) on each GGUF asked for: the one ``model`` ships as, and
+    ``ckpt`` written in llama.cpp's blocks (``bench/latq_gguf.py``, into ``workdir``); a GGUF that
+    cannot be had is said and skipped."""
+    from bench.latq_gguf import write_gguf
+    from vllm_latq.data import MODELS
+
+    jobs = []
+    for peer in filter(None, peers.split(",")):
+        if peer not in PEERS:
+            raise SystemExit(f"--peer {peer}: not one of {', '.join(PEERS)}")
+        shipped = MODELS[model].gguf() if model in MODELS else None
+        for which in ggufs.split(","):
+            try:
+                if shipped is None:
+                    raise ValueError(f"{model} is not a reference model: no GGUF it ships as")
+                path = shipped if which == "shipped" else write_gguf(ckpt, shipped, Path(workdir, "latq.gguf"))
+            except ValueError as e:
+                print(f"decode bench: no {which} GGUF for llama.cpp: {e}", file=sys.stderr)
+                continue
+            name = Path(path).stem.rsplit(".", 1)[-1] if which == "shipped" else "latq"
+            jobs.append({"label": f"llama.cpp:{name}", "model": str(path), "gguf": str(path), "kernel": peer,
+                         "dtype": "gguf", "peer": True})
+    return jobs
