@@ -105,7 +105,7 @@ def _fake(x, tensors, ints, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _fake_plain(x, packed, scales, ints, out_features):
+def _fake_plain(x, packed, scales, ints, out_features, signs=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 

@@ -115,9 +115,10 @@ class LatqKernel:
 
     @classmethod
     def plain_op(cls, state: Any):
-        """For a state whose flattened tensors past the first two are all None: a native op
-        ``(x, tensors[0], tensors[1], ints, out_features)``, the native op's math without bias
-        and with fewer arguments to parse per call; None: none (the layer calls ``native_op``)."""
+        """A native op ``(x, tensors[0], tensors[1], ints, out_features, *rest)``, ``rest`` the
+        flattened tensors past the first two that are not None (``ops.plain_call``): the native
+        op's math without bias, with fewer arguments to parse per call; None where this state has
+        none (the layer calls ``native_op``)."""
         return None
 
     @classmethod

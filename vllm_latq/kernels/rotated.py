@@ -83,6 +83,12 @@ class RotatedKernel(LatqKernel):
         return cls.inner.native_op() if getattr(cls.inner, "native_rotation", False) else None
 
     @classmethod
+    def plain_op(cls, state):
+        """The inner kernel's lean op where its native op rotates: the signs its one optional
+        tensor past the inner state's two (``ops.plain_call``)."""
+        return cls.inner.plain_op(state.inner) if getattr(cls.inner, "native_rotation", False) else None
+
+    @classmethod
     def flatten(cls, state):
         tensors, ints = cls.inner.flatten(state.inner)
         return [*tensors, state.signs], ints
