@@ -135,17 +135,19 @@ def test_every_kernel_family_serves_a_rotated_layer(kernel, m, dtype):
 
 @pytest.mark.parametrize("isa", _isas() or [pytest.param("", marks=pytest.mark.skip(reason="no C++ ops"))])
 def test_cpu_rotated_layer_through_the_lean_op(isa):
-    """A rotated CPU layer without outliers is served by ``latq_cpu::plain_linear`` with the signs
-    as its optional tensor (``ops.plain_call``): bit for bit the list op with the signs as its 11th
-    tensor, and torch's rotation (``format.rotation.rotate``) then the plain op, in bf16, fp16 and
-    fp32, at M = 1, 3, 8, on 3-D x and past the large-M threshold, on each transform instruction set."""
+    """A rotated CPU layer without outliers is served by ``latq_cpu::rotated_plain_linear`` (the
+    lean op, the signs after ``out_features``: ``ops.plain_call``): bit for bit the list op with the
+    signs as its 11th tensor, and torch's rotation (``format.rotation.rotate``) then the plain op,
+    in bf16, fp16 and fp32, at M = 1, 3, 8, on 3-D x and past the large-M threshold, on each
+    transform instruction set."""
     from vllm_latq.kernels.cpu.kernel import large_m
     w = rotated_weight(out=64, cin=384, rate=0.0, group=64)   # 128-column blocks
     served = rotated_kernel(CPUKernel)
     state = served.prepare(w)
     tensors, ints = served.flatten(state)
-    plain, rest = ops.plain_call(served, state, tensors)
-    assert plain is torch.ops.latq_cpu.plain_linear.default and rest == (len(tensors) - 1,)
+    lean, rest = ops.plain_call(served, state, tensors)
+    assert lean is torch.ops.latq_cpu.rotated_plain_linear.default and rest == (len(tensors) - 1,)
+    plain = torch.ops.latq_cpu.plain_linear.default
     inner_t, _ = CPUKernel.flatten(state.inner)
     listed = ops.op_for(served)
     g = torch.Generator().manual_seed(5)
@@ -153,7 +155,7 @@ def test_cpu_rotated_layer_through_the_lean_op(isa):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             for shape in ((3, 384), (1, 384), (8, 384), (2, 3, 384), (1, 384), (large_m() + 1, 384)):
                 x = torch.randn(*shape, generator=g).to(dt)
-                got = plain(x, tensors[0], tensors[1], ints, 64, state.signs)
+                got = lean(x, tensors[0], tensors[1], ints, 64, state.signs)
                 assert got.dtype == dt and got.shape == (*shape[:-1], 64)
                 assert torch.equal(got, listed(x, tensors, ints, None, 64)), (shape, dt)
                 assert torch.equal(got, plain(rotate(x, w.rotation), inner_t[0], inner_t[1], ints, 64)), (shape, dt)

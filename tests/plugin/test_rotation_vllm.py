@@ -82,8 +82,8 @@ def _compiled(f, x):
 
 def test_compiled_rotated_cpu_layer_calls_the_lean_op():
     """A rotated CPU layer without outliers in vLLM's compiled mode (``LatqLinearMethod.apply``
-    under Dynamo): without bias its graph calls ``latq_cpu::plain_linear`` with the signs, with a
-    bias the list op; both equal the eager forward bit for bit."""
+    under Dynamo): without bias its graph calls the lean ``latq_cpu::rotated_plain_linear``, with
+    a bias the list op; both equal the eager forward bit for bit."""
     from vllm_latq import native
     from vllm_latq.kernels import selector
     from vllm_latq.plugin.linear_method import LatqLinearMethod, install_kernel
@@ -97,8 +97,8 @@ def test_compiled_rotated_cpu_layer_calls_the_lean_op():
     method = LatqLinearMethod(None, None)
     x, bias = torch.randn(3, 256).bfloat16(), torch.randn(64).bfloat16()
     y, called = _compiled(lambda t: method.apply(layer, t), x)
-    assert "latq_cpu.plain_linear.default" in called and "latq_cpu.linear.default" not in called, called
+    assert called == {"latq_cpu.rotated_plain_linear.default"}, called
     assert torch.equal(y, method.apply(layer, x))
     y, called = _compiled(lambda t: method.apply(layer, t, bias), x)
-    assert "latq_cpu.linear.default" in called and "latq_cpu.plain_linear.default" not in called, called
+    assert called == {"latq_cpu.linear.default"}, called
     assert torch.equal(y, method.apply(layer, x, bias))
