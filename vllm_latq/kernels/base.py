@@ -115,10 +115,8 @@ class LatqKernel:
 
     @classmethod
     def plain_op(cls, state: Any):
-        """A native op ``(x, tensors[0], tensors[1], ints, out_features, *rest)``, ``rest`` the
-        flattened tensors past the first two that are not None (``ops.plain_call``): the native
-        op's math without bias, with fewer arguments to parse per call; None where this state has
-        none (the layer calls ``native_op``)."""
+        """A native op ``(x, tensors[0], tensors[1], ints, out_features, *rest)`` (``ops.plain_call``):
+        the native op's math without bias, fewer arguments to parse per call; None: none."""
         return None
 
     @classmethod

@@ -34,9 +34,8 @@ def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
 
 
 def plain_call(kernel: type[LatqKernel], state, tensors: list) -> "tuple[torch._ops.OpOverload, tuple[int, ...]] | None":
-    """The lean native op a layer calls without bias (``kernel.plain_op``) and the indices of the
-    flattened tensors it takes after ``out_features``: those past the first two that are not None
-    (a rotated CPU state's signs). None: the layer calls :func:`op_for`'s op."""
+    """The lean op a layer calls without bias (``kernel.plain_op``; None: none) and the indices of
+    the flattened tensors it takes after ``out_features``: those past the first two not None."""
     op = kernel.plain_op(state)
     if op is None:
         return None

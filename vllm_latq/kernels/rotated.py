@@ -84,8 +84,7 @@ class RotatedKernel(LatqKernel):
 
     @classmethod
     def plain_op(cls, state):
-        """The inner kernel's lean op for rotated inputs where its native op rotates: the signs
-        its one tensor past the inner state's two (``ops.plain_call``)."""
+        """The inner kernel's lean op for rotated inputs where its native op rotates."""
         return cls.inner.plain_op(state.inner, rotated=True) if getattr(cls.inner, "native_rotation", False) else None
 
     @classmethod

@@ -93,8 +93,7 @@ class LatqLinearMethod(LinearMethodBase):
 
 
 def install_kernel(layer, kernel, state, out_features: int) -> None:
-    """``kernel``'s prepared ``state`` on ``layer`` as :meth:`LatqLinearMethod.apply` calls it: the
-    flattened tensors as buffers, the custom op, and the lean op where the state has one."""
+    """``kernel``'s prepared ``state`` on ``layer`` as :meth:`LatqLinearMethod.apply` calls it."""
     tensors, ints = kernel.flatten(state)
     for i, t in enumerate(tensors):
         layer.register_buffer(f"latq_t{i}", t, persistent=False)
