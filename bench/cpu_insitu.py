@@ -19,6 +19,17 @@ from vllm_latq.testing.weights import random_weight
 SMOL_VLLM = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
 
 
+def layer_call(kernel, state, N):
+    """(op, its arguments after x) as a compiled vLLM layer calls ``kernel`` without bias: the lean
+    op where the kernel has one for this state (``ops.plain_call``), else the list op."""
+    from vllm_latq.kernels import ops
+    t, i = kernel.flatten(state)
+    plain = ops.plain_call(kernel, state, t)
+    if plain is not None:
+        return plain[0], (t[0], t[1], i, N, *[t[j] for j in plain[1]])
+    return ops.op_for(kernel), (t, i, None, N)
+
+
 def _int4_state(N, K, seed, latq_group=128):
     """Random 4-bit weights in the GEMV's state: (packed, scales_zeros, op group); torch's op
     reads them through :func:`op_packed`."""
@@ -285,12 +296,11 @@ def coded_scales(a, results):
 
 
 def rotation_insitu(a, results):
-    """A rotated model's decode step on the CPU: the op a compiled layer calls (``latq_cpu::linear``)
+    """A rotated model's decode step on the CPU: the op a compiled layer calls (:func:`layer_call`)
     over ``a.blocks`` SmolLM2 blocks of vLLM's fused shapes, 4-bit g64, no outliers, plain against
-    rotated (the same weights, the signs as an 11th tensor: the transform inside the call), passes
-    interleaved; ms per pass and the transform's share, next to the bits/weight each streams."""
+    rotated (the same weights and the signs: the transform inside the call), passes interleaved;
+    ms per pass and the transform's share, next to the bits/weight each streams."""
     from vllm_latq.format.rotation import Rotation
-    from vllm_latq.kernels import ops
     from vllm_latq.kernels.rotated import rotated_kernel
     if not native.available():
         print("\nrotation in situ: the C++ ops are not built here")
@@ -303,11 +313,11 @@ def rotation_insitu(a, results):
             for key, k, wk in (("plain", CPUKernel, w), ("rotated", rot_k, dataclass_replace(
                     w, rotation=Rotation(0).signs(K)))):
                 st = k.prepare(wk)
-                layers[key].append((ops.op_for(k), *k.flatten(st), N, K, sum(k.served_bytes(st).values())))
+                layers[key].append((*layer_call(k, st, N), N, K, sum(k.served_bytes(st).values())))
     numel = sum(N * K for *_, N, K, _ in layers["plain"])
     for M in (1, 8):
         x = {K: torch.randn(M, K).to(torch.bfloat16) for _, _, K in SMOL_VLLM}
-        ts = passes({key: (lambda v=v: [op(x[K], t, i, None, N) for op, t, i, N, K, _ in v])
+        ts = passes({key: (lambda v=v: [op(x[K], *args) for op, args, N, K, _ in v])
                      for key, v in layers.items()}, a.gemv_rounds)
         share = ratio(ts, "rotated", "plain") - 1
         sfx = "" if M == 1 else f"_m{M}"

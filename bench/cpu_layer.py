@@ -34,8 +34,9 @@ torch.set_num_threads(2). Sections:
   vllm      the default form (4-bit, g64, fp16 scales, no outliers): latq's CPU kernel vs vLLM's
             CPU kernel (CPUWNA16: vLLM's compressed-tensors scheme on a vLLM layer, where the build has its op) vs
             bf16 F.linear, M = 1 and 8: t_vllm / t_latq and the bits/weight each streams
-  rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel's op (one C++ call that
-            rotates, then its GEMV) plain vs rotated on one warm matrix of each input size of
+  rotation  a rotated layer's cost (``--rotate hadamard``): the CPU kernel's op as a compiled layer
+            calls it (the lean op where the layer has one; one C++ call that rotates, then its
+            GEMV) plain vs rotated on one warm matrix of each input size of
             SmolLM2's and Gemma3's fused linears and 4096², with the transform alone; then in situ,
             whole passes over 30 SmolLM2 blocks (4-bit g64, no outliers: weights from DRAM, as in
             decode), the transform's share = t_rotated / t_plain − 1, next to the bits/weight
@@ -55,7 +56,8 @@ import torch
 import torch.nn.functional as F
 
 # the in-situ sections stream many blocks per pass: their harness lives apart from this per-layer grid
-from bench.cpu_insitu import coded_scales, gemv, layer_calls, op_reads_gemv_layout, outlier_codings, rotation_insitu
+from bench.cpu_insitu import (coded_scales, gemv, layer_call, layer_calls, op_reads_gemv_layout, outlier_codings,
+                              rotation_insitu)
 from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import cpu_features, native
@@ -250,7 +252,6 @@ def rotation(a, results):
     alone (``latq_cpu::hadamard``); then the decode-sized pass over many blocks
     (:func:`~bench.cpu_insitu.rotation_insitu`), where weights stream from DRAM as in decode."""
     from vllm_latq.format.rotation import Rotation
-    from vllm_latq.kernels import ops
     from vllm_latq.kernels.rotated import rotated_kernel
     if not native.usable():
         print("\nrotation: the C++ ops are not built here")
@@ -262,15 +263,14 @@ def rotation(a, results):
     for name, (N, K) in ROTATED.items():
         w = synthetic(N, K, 4, 0.0, group=64)
         ps, rs = CPUKernel.prepare(w), rot_k.prepare(replace(w, rotation=Rotation(0).signs(K)))
-        (pt, pi), (rt, ri) = CPUKernel.flatten(ps), rot_k.flatten(rs)
-        pop, rop = ops.op_for(CPUKernel), ops.op_for(rot_k)
+        (pop, pargs), (rop, rargs) = layer_call(CPUKernel, ps, N), layer_call(rot_k, rs, N)
         x = torch.randn(1, K).bfloat16()
-        ts = side_by_side({"plain": lambda: pop(x, pt, pi, None, N), "rotated": lambda: rop(x, rt, ri, None, N),
+        ts = side_by_side({"plain": lambda: pop(x, *pargs), "rotated": lambda: rop(x, *rargs),
                            "transform": lambda: torch.ops.latq_cpu.hadamard(x, rs.signs)}, a.rounds, a.sample_us)
         results[f"rotation_layer_{name}"] = ratio(ts, "rotated", "plain") - 1
-        print("  " + f"{name:11s} {N:>5d}x{K:<5d} block {rs.signs.numel():3d}: " + "  ".join(
-            f"{k} {min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
-            + f"  → {ratio(ts, 'rotated', 'plain') - 1:+.1%}", flush=True)
+        print(f"  {name:11s} {N:>5d}x{K:<5d} block {rs.signs.numel():3d} ({pop.name()}, {rop.name()}): "
+              + "  ".join(f"{k} {min(v):.2f}/{med(v):.2f}" for k, v in ts.items())
+              + f"  → {ratio(ts, 'rotated', 'plain') - 1:+.1%}", flush=True)
     rotation_insitu(a, results)
 
 

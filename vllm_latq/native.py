@@ -67,6 +67,7 @@ def load() -> str | None:
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::plain_linear", _fake_plain)
+                torch.library.register_fake("latq_cpu::rotated_plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)
                 torch.library.register_fake("latq_cpu::hadamard", lambda x, signs: torch.empty_like(x))
                 torch.ops.latq_cpu.set_loop_max(LOOP_MAX)
@@ -105,7 +106,7 @@ def _fake(x, tensors, ints, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _fake_plain(x, packed, scales, ints, out_features):
+def _fake_plain(x, packed, scales, ints, out_features, signs=None):   # signs: rotated_plain_linear
     return x.new_empty((*x.shape[:-1], out_features))
 
 

@@ -171,3 +171,18 @@ def test_kernel_exactness_files_pass_in_the_avx2_build(probe):
     assert m and int(m.group(1)) > 100, tail
     skips = [ln for ln in out.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert not [ln for ln in skips if "unavailable" in ln or "GEMV is not built" in ln or "no GEMV" in ln], skips
+
+
+def test_rotation_is_exact_in_the_avx2_build(probe):
+    """A rotated layer on an AVX2-only machine: the C++ transform (AVX2 and scalar, the build has no
+    AVX-512 path) bit for bit torch's, and the CPU kernel's lean and list ops on rotated inputs,
+    through the x86-64-v3 build."""
+    out = _run([sys.executable, "-m", "pytest", "-v", "-x", "-p", "no:cacheprovider", "-rs",
+                "tests/kernels/test_rotation_kernels.py", "-k", "cpu"], timeout=3600)
+    tail = out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    m = re.search(r"(\d+) passed", out.stdout)
+    assert m and int(m.group(1)) >= 20 and "SKIPPED" not in out.stdout, tail
+    assert "test_cpu_rotated_layer_through_the_lean_op[avx2] PASSED" in out.stdout, tail
+    assert "test_cpu_transform_is_the_torch_one[256-avx2] PASSED" in out.stdout, tail
+    assert "-avx512]" not in out.stdout and "[avx512]" not in out.stdout, tail

@@ -47,10 +47,10 @@ def _isas() -> list[str]:
 
 
 @pytest.mark.parametrize("isa", _isas() or [pytest.param("", marks=pytest.mark.skip(reason="no C++ ops"))])
-@pytest.mark.parametrize("b", BLOCKS)
+@pytest.mark.parametrize("b", BLOCKS + [512])
 def test_cpu_transform_is_the_torch_one(isa, b):
     """fp32: the same passes in the same order, bit for bit; bf16/fp16: the same fp32 values
-    rounded once."""
+    rounded once (a block past the format's 256 takes the scalar path on every instruction set)."""
     s = hadamard_signs(b, b)
     with hadamard_isa(isa):
         for rows in (1, 3, 17):
@@ -149,6 +149,36 @@ def test_layers_of_one_block_share_their_signs_and_the_report_counts_them_once()
     plain = [8 * sum(v for k, v in served.served_bytes(st).items() if k != "rotation") / n for st in (sa, sb)]
     assert report.layers[0].served_bits == pytest.approx(plain[0] + 8 * 4 * a.rotation.numel() / n)
     assert report.layers[1].served_bits == pytest.approx(plain[1])
+
+
+@pytest.mark.parametrize("isa", _isas() or [pytest.param("", marks=pytest.mark.skip(reason="no C++ ops"))])
+def test_cpu_rotated_layer_through_the_lean_op(isa):
+    """A rotated CPU layer without outliers is served by ``latq_cpu::rotated_plain_linear`` (the
+    lean op, the signs after ``out_features``: ``ops.plain_call``): bit for bit the list op with the
+    signs as its 11th tensor, and torch's rotation (``format.rotation.rotate``) then the plain op,
+    in bf16, fp16 and fp32, at M = 1, 3, 8, on 3-D x and past the large-M threshold, on each
+    transform instruction set."""
+    from vllm_latq.kernels.cpu.kernel import large_m
+    w = rotated_weight(out=64, cin=384, rate=0.0, group=64)   # 128-column blocks
+    served = rotated_kernel(CPUKernel)
+    state = served.prepare(w)
+    tensors, ints = served.flatten(state)
+    lean, rest = ops.plain_call(served, state, tensors)
+    assert lean is torch.ops.latq_cpu.rotated_plain_linear.default and rest == (len(tensors) - 1,)
+    plain = torch.ops.latq_cpu.plain_linear.default
+    inner_t, _ = CPUKernel.flatten(state.inner)
+    listed = ops.op_for(served)
+    g = torch.Generator().manual_seed(5)
+    with hadamard_isa(isa):   # shapes in turn: the op's scratch grows, then takes smaller shapes in place
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for shape in ((3, 384), (1, 384), (8, 384), (2, 3, 384), (1, 384), (large_m() + 1, 384)):
+                x = torch.randn(*shape, generator=g).to(dt)
+                got = lean(x, tensors[0], tensors[1], ints, 64, state.signs)
+                assert got.dtype == dt and got.shape == (*shape[:-1], 64)
+                assert torch.equal(got, listed(x, tensors, ints, None, 64)), (shape, dt)
+                assert torch.equal(got, plain(rotate(x, w.rotation), inner_t[0], inner_t[1], ints, 64)), (shape, dt)
+    outliers = served.prepare(rotated_weight(out=64, cin=384, rate=0.02, group=64))
+    assert ops.plain_call(served, outliers, served.flatten(outliers)[0]) is None   # the list op's layer
 
 
 def test_cpu_kernel_pure_torch_path_is_the_same():
@@ -287,6 +317,10 @@ def test_opcheck_rotated_ops(kernel):
         torch.library.opcheck(op, (x, tensors, ints, bias, 32))
         torch.library.opcheck(op, (torch.randn(large_m() + 1, 256).bfloat16(), tensors, ints, None, 32))
         torch.library.opcheck(torch.ops.latq_cpu.hadamard.default, (x, w.rotation))
+        lean = served.prepare(rotated_weight(out=32, cin=256, rate=0.0, group=128))
+        t, i = served.flatten(lean)
+        for m in (3, large_m() + 1):   # the lean op with the signs, small and large M
+            torch.library.opcheck(served.plain_op(lean), (torch.randn(m, 256).bfloat16(), t[0], t[1], i, 32, t[-1]))
 
 
 def test_vllms_kernels_get_the_transform_from_the_plugin():

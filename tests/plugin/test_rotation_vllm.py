@@ -63,3 +63,42 @@ def test_vllm_serves_a_rotated_checkpoint(rotated_tiny):
         if res[2 * i + 1]["tokens"] != want[m]:
             hf = load_dequantized_model(rotated_tiny[m])
             assert max(h.greedy_margins(hf, ids, res[2 * i + 1]["tokens"])) < 0.1, m
+
+
+def _compiled(f, x):
+    """``f(x)`` compiled as vLLM compiles a model (Dynamo, full graph): its result and the ops its graph calls."""
+    import torch._dynamo
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):        # the fast test config sets TORCH_COMPILE_DISABLE=1
+        y = torch.compile(f, backend=keep, fullgraph=True)(x)
+    return y, {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def test_compiled_rotated_cpu_layer_calls_the_lean_op():
+    """A rotated CPU layer without outliers in vLLM's compiled mode (``LatqLinearMethod.apply``
+    under Dynamo): without bias its graph calls the lean ``latq_cpu::rotated_plain_linear``, with
+    a bias the list op; both equal the eager forward bit for bit."""
+    from vllm_latq import native
+    from vllm_latq.kernels import selector
+    from vllm_latq.plugin.linear_method import LatqLinearMethod, install_kernel
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
+    w = replace(random_weight(64, 256, 4, 0.0, group=64), rotation=Rotation(3).signs(256))
+    kernel = selector.select(w, torch.device("cpu"), torch.bfloat16)
+    assert kernel.name == "cpu+hadamard"
+    layer = torch.nn.Module()
+    install_kernel(layer, kernel, kernel.prepare(w), w.out_features)
+    method = LatqLinearMethod(None, None)
+    x, bias = torch.randn(3, 256).bfloat16(), torch.randn(64).bfloat16()
+    y, called = _compiled(lambda t: method.apply(layer, t), x)
+    assert called == {"latq_cpu.rotated_plain_linear.default"}, called
+    assert torch.equal(y, method.apply(layer, x))
+    y, called = _compiled(lambda t: method.apply(layer, t, bias), x)
+    assert called == {"latq_cpu.linear.default"}, called
+    assert torch.equal(y, method.apply(layer, x, bias))

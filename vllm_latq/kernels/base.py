@@ -121,9 +121,8 @@ class LatqKernel:
 
     @classmethod
     def plain_op(cls, state: Any):
-        """For a state whose flattened tensors past the first two are all None: a native op
-        ``(x, tensors[0], tensors[1], ints, out_features)``, the native op's math without bias
-        and with fewer arguments to parse per call; None: none (the layer calls ``native_op``)."""
+        """A native op ``(x, tensors[0], tensors[1], ints, out_features, *rest)`` (``ops.plain_call``):
+        the native op's math without bias, fewer arguments to parse per call; None: none."""
         return None
 
     @classmethod

@@ -33,6 +33,15 @@ def op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
     return kernel.native_op() or op
 
 
+def plain_call(kernel: type[LatqKernel], state, tensors: list) -> "tuple[torch._ops.OpOverload, tuple[int, ...]] | None":
+    """The lean op a layer calls without bias (``kernel.plain_op``; None: none) and the indices of
+    the flattened tensors it takes after ``out_features``: those past the first two not None."""
+    op = kernel.plain_op(state)
+    if op is None:
+        return None
+    return op, tuple(i for i, t in enumerate(tensors[2:], 2) if t is not None)
+
+
 def python_op_for(kernel: type[LatqKernel]) -> "torch._ops.OpOverload":
     """``torch.ops.latq.<name>_linear``: ``kernel.apply`` behind the custom-op schema."""
     name = op_name(kernel)

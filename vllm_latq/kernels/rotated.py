@@ -98,6 +98,11 @@ class RotatedKernel(LatqKernel):
         return cls.inner.native_op() if getattr(cls.inner, "native_rotation", False) else None
 
     @classmethod
+    def plain_op(cls, state):
+        """The inner kernel's lean op for rotated inputs where its native op rotates."""
+        return cls.inner.plain_op(state.inner, rotated=True) if getattr(cls.inner, "native_rotation", False) else None
+
+    @classmethod
     def flatten(cls, state):
         tensors, ints = cls.inner.flatten(state.inner)
         return [*tensors, state.signs], ints

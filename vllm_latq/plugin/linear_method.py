@@ -70,16 +70,7 @@ class LatqLinearMethod(LinearMethodBase):
             return
         state = kernel.prepare(w)
         kernel.reserve(state, act)
-        tensors, ints = kernel.flatten(state)
-        for i, t in enumerate(tensors):
-            layer.register_buffer(f"latq_t{i}", t, persistent=False)
-        layer.latq_kernel = kernel
-        layer.latq_op = ops.op_for(kernel)
-        layer.latq_plain = kernel.plain_op(state) if all(t is None for t in tensors[2:]) else None
-        layer.latq_state = state
-        layer.latq_ntensors = len(tensors)
-        layer.latq_ints = list(ints)
-        layer.latq_out = w.out_features
+        install_kernel(layer, kernel, state, w.out_features)
         self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,8 +79,9 @@ class LatqLinearMethod(LinearMethodBase):
             transform = getattr(layer, "latq_transform", None)
             return scheme.apply_weights(layer, x if transform is None else transform(x), bias)
         if torch.compiler.is_compiling():
-            if bias is None and layer.latq_plain is not None:   # two tensors, not ten to parse per call
-                return layer.latq_plain(x, layer.latq_t0, layer.latq_t1, layer.latq_ints, layer.latq_out)
+            if bias is None and layer.latq_plain is not None:   # two tensors (and the signs), not ten to parse
+                rest = [getattr(layer, f"latq_t{i}") for i in layer.latq_plain_rest]
+                return layer.latq_plain(x, layer.latq_t0, layer.latq_t1, layer.latq_ints, layer.latq_out, *rest)
             tensors = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
             return layer.latq_op(x, tensors, layer.latq_ints, bias, layer.latq_out)
         if torch.autograd.profiler._is_profiler_enabled:
@@ -99,3 +91,16 @@ class LatqLinearMethod(LinearMethodBase):
                 return layer.latq_kernel.apply(layer.latq_state, x, bias)
         return layer.latq_kernel.apply(layer.latq_state, x, bias)
 
+
+def install_kernel(layer, kernel, state, out_features: int) -> None:
+    """``kernel``'s prepared ``state`` on ``layer`` as :meth:`LatqLinearMethod.apply` calls it."""
+    tensors, ints = kernel.flatten(state)
+    for i, t in enumerate(tensors):
+        layer.register_buffer(f"latq_t{i}", t, persistent=False)
+    layer.latq_kernel = kernel
+    layer.latq_op = ops.op_for(kernel)
+    layer.latq_plain, layer.latq_plain_rest = ops.plain_call(kernel, state, tensors) or (None, ())
+    layer.latq_state = state
+    layer.latq_ntensors = len(tensors)
+    layer.latq_ints = list(ints)
+    layer.latq_out = out_features

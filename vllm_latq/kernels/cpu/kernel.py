@@ -162,7 +162,7 @@ class CPUKernel(LatqKernel):
     name = "cpu"
     state_cls = CPUState
     widths = tuple(range(2, MAX_BITS + 1))
-    native_rotation = True   # its native op rotates x by a trailing signs tensor (kernels/rotated.py)
+    native_rotation = True   # its native ops rotate x by the signs (kernels/rotated.py): plain_op(rotated=True)
 
     @classmethod
     def can_implement(cls, w, device, act_dtype):
@@ -213,11 +213,12 @@ class CPUKernel(LatqKernel):
         return torch.ops.latq_cpu.linear.default
 
     @classmethod
-    def plain_op(cls, state: CPUState):
-        """``latq_cpu::plain_linear`` for a state without outliers (the native op is the layer's)."""
+    def plain_op(cls, state: CPUState, rotated: bool = False):
+        """``latq_cpu::plain_linear`` for a state without outliers (the native op is the layer's);
+        ``rotated``: ``latq_cpu::rotated_plain_linear``, which takes the signs after ``out_features``."""
         if cls.native_op() is None or _has_outliers(state) or state.row_scale is not None:
             return None
-        return torch.ops.latq_cpu.plain_linear.default
+        return torch.ops.latq_cpu.rotated_plain_linear.default if rotated else torch.ops.latq_cpu.plain_linear.default
 
     # ------------------------------------------------------------------ prepare
     @classmethod

@@ -24,6 +24,7 @@
 //       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM); an
 //       11th tensor, a rotated layer's signs, rotates x first (latq_hadamard, hadamard.cpp)
 //   latq_cpu::plain_linear(x, packed, scales, ints, out_features)   linear() without outliers and bias
+//   latq_cpu::rotated_plain_linear(x, packed, scales, ints, out_features, signs)   the same, x rotated first
 //   latq_cpu::set_large_m(m), latq_cpu::set_loop_max(n)
 
 #include <ATen/ATen.h>
@@ -1124,21 +1125,36 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
 
 // linear() for a state without outliers, called without bias (every layer of a GPTQ or RTN
 // checkpoint): its two tensors instead of the list of ten optional ones, whose parsing is a
-// fifth of a small layer's call from vLLM's compiled graph at M = 1 (cpu_layer.py --sections calls)
-at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::IntArrayRef ints,
-                        int64_t out_features) {
+// fifth of a small layer's call from vLLM's compiled graph at M = 1 (cpu_layer.py --sections
+// calls); a rotated layer's signs (nullptr: none) rotate x first, as linear()'s 11th tensor does
+at::Tensor lean_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::IntArrayRef ints,
+                       int64_t out_features, const at::Tensor* signs) {
   TORCH_CHECK(ints.size() == 6, "latq_cpu::plain_linear: not a CPUState");
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   const std::optional<at::Tensor> none;
   if (M >= g_large_m.load() && ints[4] != 0) {
     c10::List<std::optional<at::Tensor>> tensors({packed, scales, none, none, none, none, none, none, none, none});
+    if (signs) tensors.push_back(*signs);
     return linear(x, tensors, ints, none, out_features);
   }
-  const bool flat = x.dim() == 2;
-  at::Tensor y = small_linear(flat ? x : x.reshape({M, K}), packed, scales, none, none, none, none, none, none, none,
+  // small M: x·R in this thread's scratch (read during this call only)
+  const at::Tensor& xr = signs ? latq_hadamard_scratch(x, *signs) : x;
+  const bool flat = xr.dim() == 2;
+  at::Tensor y = small_linear(flat ? xr : xr.reshape({M, K}), packed, scales, none, none, none, none, none, none, none,
                               none, none, ints[2], ints[3]);
   return flat ? y : y.reshape(out_shape(x, out_features));
+}
+
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::IntArrayRef ints,
+                        int64_t out_features) {
+  return lean_linear(x, packed, scales, ints, out_features, nullptr);
+}
+
+// plain_linear() of a rotated layer: a sibling op, so the unrotated call parses no extra argument
+at::Tensor rotated_plain_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                at::IntArrayRef ints, int64_t out_features, const at::Tensor& signs) {
+  return lean_linear(x, packed, scales, ints, out_features, &signs);
 }
 
 void set_large_m(int64_t m) { g_large_m.store(m); }
@@ -1152,6 +1168,8 @@ TORCH_LIBRARY(latq_cpu, m) {
         "int group_size, int planes) -> Tensor");
   m.def("linear(Tensor x, Tensor?[] tensors, int[] ints, Tensor? bias, int out_features) -> Tensor");
   m.def("plain_linear(Tensor x, Tensor packed, Tensor scales, int[] ints, int out_features) -> Tensor");
+  m.def("rotated_plain_linear(Tensor x, Tensor packed, Tensor scales, int[] ints, int out_features, Tensor signs) "
+        "-> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
   m.def("gemv(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor");
@@ -1168,6 +1186,7 @@ TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("linear", &linear);
   m.impl("plain_linear", &plain_linear);
+  m.impl("rotated_plain_linear", &rotated_plain_linear);
   m.impl("gemv", &gemv_op);
 }
 
