@@ -193,6 +193,9 @@ class _Measured:
         s = vllm_mp.group_scales(self.w, vllm_mp.vllm_group(self.w))
         return {"inliers": vllm_mp.packed_words(self.w).numel() * 4, "scales": s.numel() * 2}
 
+    def shared_tensors(self, state):
+        return {}
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_mp.op_available("cpu_gemm_wna16"), reason="this vLLM build has no cpu_gemm_wna16")
