@@ -1,18 +1,14 @@
 """Lattice decoders beyond Babai's nearest plane, for the same problem: ``min ‖A(q − w)‖²`` over
-the grid, A the upper Cholesky factor of the damped Hessian in Babai's order T (``AᵀA = (H_d)_TT``),
-processed back to front. Babai decides each coordinate greedily: ``ω_j`` (the target less the
-decided ones' pull) rounded, at a cost ``A_jj²(ω_j − q_j)²``. Two decoders search more of the tree:
+the grid, A the upper Cholesky factor of the damped Hessian in Babai's order (``AᵀA = (H_d)_TT``),
+back to front. Babai rounds each ``ω_j`` (the target less the decided ones' pull) greedily:
 
-* :func:`kbest` — the K-best (M-algorithm) beam: every survivor branches to the two grid points
-  around its ``ω_j`` and the K cheapest partial paths survive;
-* :func:`klein` — Klein's randomized nearest plane: K independent draws, each rounding ``ω_j/s``
-  down or up at random (Gaussian weights around it, width ``tau`` in grid steps), draw 0 Babai's
-  own rounding.
+* :func:`kbest` — the K-best beam: each survivor branches to the two grid points around its
+  ``ω_j``, the K cheapest partial paths survive;
+* :func:`klein` — Klein's randomized nearest plane: K draws, each rounding ``ω_j/s`` down or up at
+  random (Gaussian weights, width ``tau`` grid steps), draw 0 Babai's own.
 
-Each costs about K unblocked sweeps (rows decoded together, beams or draws a third dimension);
-the solvers (``solvers.decoded_sweep``) keep, per row, the closer of its point and Babai's,
-measured exactly (:func:`lattice_distance`): never farther than Babai, so the certificate ¼·Σ D s²
-of unclipped Babai holds for them too.
+The solvers (``solvers.decoded_sweep``) keep per row the closer of its point and Babai's
+(:func:`lattice_distance`): never farther than Babai, so unclipped Babai's certificate holds too.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The input rotation of a rotated checkpoint (``quantization_config.rotation``): a seeded
 random-sign block Hadamard matrix R on every quantized linear's input dimension. The stored
-integers quantize ``W·R``; the layer computes ``y = (x·R)·(W·R)ᵀ``, so readers either rotate
-the activations (the kernels) or take ``W = Q·Rᵀ`` back (the dequantizing readers).
+integers quantize ``W·R``; readers rotate the activations (the kernels) or take ``W = Q·Rᵀ``.
 
-For an input of n columns, R is block-diagonal with n/b copies of ``R_b = diag(s)·H_b/√b``:
-``H_b`` the Sylvester Hadamard matrix (``H_2k = [[H_k, H_k], [H_k, −H_k]]``), ``s`` b signs,
-``b = block_size(n)``. The signs are compressed-tensors' ``random_hadamard_matrix(b,
-gen=torch.Generator().manual_seed(seed))`` rule, so that matrix divided by √b is ``R_b``
-exactly and vLLM's ``HadamardTransform`` (``head_dim = b``) can express R. One seed per
-checkpoint: linears of equal input size share R, so the linears that read one activation
-(q/k/v, gate/up, a block's experts) transform it once.
+R is block-diagonal with n/b copies of ``R_b = diag(s)·H_b/√b`` (``H_b`` Sylvester's, ``b =
+block_size(n)``, ``s`` drawn as compressed-tensors draws its signs: docs/FORMAT.md). R depends only
+on the seed and b, so linears that read one activation (q/k/v, gate/up, experts) transform it once.
 """
 from __future__ import annotations
 

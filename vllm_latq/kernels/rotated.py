@@ -1,11 +1,6 @@
-"""A rotated layer (``LatqWeight.rotation``, format/rotation.py) through any kernel: its inputs
-rotated, ``x → x·R``, then the kernel on the stored weights, which quantize ``W·R``. The selector
-wraps the kernel it picks (:func:`rotated_kernel`): the wrapper's state is the kernel's with the
-signs beside it, its flattened form the kernel's tensors plus the signs, so one op serves it and
-the layer code needs nothing. The transform itself (:func:`rotate_activations`): Triton's kernel
-on a GPU, the C++ op on a CPU (AVX-512 or AVX2; inside the CPU kernel's own op, which rotates
-before its GEMV), torch's butterflies elsewhere. The bf16 fallback folds R into its dequantized
-weights instead (``folds_rotation``): no transform per call."""
+"""A rotated layer (``LatqWeight.rotation``) through any kernel: ``x → x·R``, then the kernel on
+the stored weights, which quantize ``W·R``; the wrapper's state and flattened form are the kernel's
+plus the signs, so one op serves it (docs/KERNELS.md, "Rotated layers")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
