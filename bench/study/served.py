@@ -22,7 +22,7 @@ import torch
 from vllm_latq import format as fmt
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.kernels.served_bytes import GridStats
-from vllm_latq.kernels.served_report import checkpoint_served, families, layer_served
+from vllm_latq.kernels.served_report import add_rotation_signs, checkpoint_served, families, layer_served
 
 # layers whose served bytes fingerprint the kernels' cost models: ragged and round widths, every
 # width the runtime form takes, integers spread past the narrow grids (outliers at 2–5 bits)
@@ -121,15 +121,8 @@ def _outlier_free_served(shapes: tuple, bits: int, group: int, scale_bits: int |
     per_shape = {s: layer_served(_outlier_free_tensors(*s, bits, group, scale_bits), "dense", s, bits, group, fams)
                  for s in set(map(tuple, shapes))}
     rows = [{"shape": s, "served": copy.deepcopy(per_shape[tuple(s)])} for s in shapes]
-    if rotated:   # the signs of each block size, counted with its first layer (kernels.served_report)
-        for f in fams:
-            blocks = set()
-            for r in rows:
-                part = r["served"][f.name]
-                b = fmt.Rotation(0).block_size(r["shape"][1])
-                if part["kernel"] != "bf16" and b not in blocks:
-                    blocks.add(b)
-                    part["bytes"] += 4 * b
+    if rotated:   # the signs depend on the blocks only, not on the seed
+        add_rotation_signs(rows, fams, fmt.Rotation(0))
     weights = sum(n * k for n, k in shapes)
     totals = {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights for f in fams}
     return _record(totals, rows, "layout")

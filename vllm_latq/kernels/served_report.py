@@ -15,11 +15,8 @@ from .served_bytes import FALLBACK_BYTES, GridStats, choose_width
 from .weight import from_dense_tensors
 
 
-def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams,
-                 rotation_block: int = 0) -> dict[str, dict]:
-    """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}};
-    ``rotation_block``: a rotated layer's block, whose fp32 signs a compressed kernel reads too (0: the
-    signs are counted with another layer of that block, the model's layers sharing one vector)."""
+def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams) -> dict[str, dict]:
+    """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}}."""
     n, k = shape
     scale_bits = None
     if kind == "dense":
@@ -37,12 +34,26 @@ def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group:
             parts, kernel = fam.layout_bytes(n, k, b, group, stats, scale_bits), fam.name
         except ValueError:
             parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"   # it folds a rotation into them
-        if rotation_block and kernel != "bf16":
-            parts = {**parts, "rotation": 4 * rotation_block}
         total = sum(parts.values())
         out[fam.name] = {"bits": b, "kernel": kernel, "bytes": total, "parts": parts,
                          "bits_per_weight": 8 * total / (n * k)}
     return out
+
+
+def add_rotation_signs(rows: list[dict], fams, rotation) -> None:
+    """Adds a rotated model's signs to its served rows (each ``{"shape", "served"}``): in each family,
+    the fp32 vector of a block size counted once, with the first layer of that block whose kernel
+    reads it (the bf16 fallback folds R into its weights; every other layer shares the vector)."""
+    for fam in fams:
+        counted = set()
+        for r in rows:
+            f, (n, k) = r["served"][fam.name], r["shape"]
+            b = rotation.block_size(k)
+            if f["kernel"] != "bf16" and b not in counted:
+                counted.add(b)
+                f["parts"] = {**f["parts"], "rotation": 4 * b}
+                f["bytes"] += 4 * b
+                f["bits_per_weight"] = 8 * f["bytes"] / (n * k)
 
 
 def checkpoint_served(path: str | os.PathLike, rows: list[dict]) -> dict[str, float]:
@@ -51,14 +62,11 @@ def checkpoint_served(path: str | os.PathLike, rows: list[dict]) -> dict[str, fl
     served bits/weight over all those layers."""
     ck = Checkpoint(path)
     spec, fams = ck.spec, families()
-    blocks = set()   # the signs of a block size: one vector for the model, counted with its first layer
     for r in rows:
         t = ck.layer_tensors(r["name"])
-        block = spec.rotation.block_size(r["shape"][1]) if spec.rotation is not None else 0
-        first = block not in blocks
-        blocks.add(block)
-        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams,
-                                   block if first else 0)
+        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams)
+    if spec.rotation is not None:
+        add_rotation_signs(rows, fams, spec.rotation)
     weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
     return {f.name: 8 * sum(r["served"][f.name]["bytes"] for r in rows) / weights if weights else 0.0
             for f in fams}

@@ -105,11 +105,11 @@ def export_block(export_dir: str, dtype: torch.dtype, reference: bool = False) -
                if n.startswith(PREFIX)}
     latq = export_dir.parent / export_dir.name.replace("export", "latq")
     deq, rot = latq_weights(latq), Checkpoint(latq).spec.rotation
-    out, built = {}, {}
+    out, built, layers = {}, {}, _layers(cfg)
     with reference_kernel_last(reference), fresh_transforms():
         # as vLLM loads a model: every layer built and loaded, then each processed (layers of one
         # transform size share its tensor, scaled once, after the last load)
-        for leaf, (cls, kw, cin) in _layers(cfg).items():
+        for leaf, (cls, kw, cin) in layers.items():
             prefix = f"{PREFIX}.{leaf}"
             try:
                 built[leaf] = cls(**kw, bias=False, quant_config=quant, params_dtype=dtype, prefix=prefix)
@@ -123,7 +123,7 @@ def export_block(export_dir: str, dtype: torch.dtype, reference: bool = False) -
         for leaf, layer in built.items():
             layer.quant_method.process_weights_after_loading(layer)
         for leaf, layer in built.items():
-            cls, kw, cin = _layers(cfg)[leaf]
+            cls, kw, cin = layers[leaf]
             weights = {shard: {"weight": deq[f"{PREFIX}.{m}"]} for m, shard in MODULES[leaf]}
             out[leaf] = _compare_layer(layer, cls, kw, cin, dtype, weights, None if rot is None else rot.signs(cin))
     return out
