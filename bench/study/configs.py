@@ -219,11 +219,11 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
 
 def rotation_configs(model: str, group_size: int) -> list[Config]:
     """Every rotated configuration (:data:`ROT_TAGS`), each based on its unrotated one."""
-    out = []
+    out, groups = [], {"": group_size, **{f"g{g}": g for g in GROUP_SIZES}, **S4_TAGS}
     for b in LEVELS:
         for base in ROT_GPTQ_BASES:
-            g = int(base.rsplit("g", 1)[1]) if base else group_size
-            extra = {"scale_bits": 4} if base.startswith("s4") else {}
+            g = groups[base]
+            extra = {"scale_bits": 4} if base in S4_TAGS else {}
             out.append(make_config(model, "GPTQ", b, rot_tag(base), base=base, method="gptq", bits=b, group_size=g,
                                    rotate="hadamard", **extra))
         out.append(make_config(model, "SSQR-1%", b, "rot", method="ssqr", bits=b, group_size=group_size,
