@@ -22,8 +22,10 @@ TC_TAGS = {"tc": 128, **{f"tc-g{g}": g for g in GROUP_SIZES}}
 # fp16-scaled group: the lever that could put a smaller group's error at a larger group's cost
 S4_TAGS = {f"s4-g{g}": g for g in (64, 32, 16)}
 # incoherence processing (--rotate hadamard): each rotated configuration against the same one
-# unrotated, tag "rot" + its base's tag; GPTQ at every group size and with coded scales, SSQR-1 %, HPTQ
-ROT_GPTQ_BASES = ("", "g64", "g32", "s4-g64", "s4-g32", "s4-g16")
+# unrotated, tag "rot" + its base's tag; GPTQ at every group size, SSQR-1 %, HPTQ, and coded scales in
+# the form that leads the unrotated 3-bit front (g16); coded g64/g32 serve about the bits of fp16 g128/g64,
+# which the grid rotates already
+ROT_GPTQ_BASES = ("", "g64", "g32", "s4-g16")
 # the strongest 3-bit candidate: rotation, target correction and coded scales together
 ROT_TC_TAG = "rot-tc-s4-g16"
 

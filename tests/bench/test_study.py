@@ -759,3 +759,5 @@ def test_rotation_rows_judge_each_width_by_its_floor_and_the_bar_below_4_bits():
     assert rotated["GPTQ-3b-rot-s4-g16"].kwargs == {"bits": 3, "group_size": 16, "method": "gptq",
                                                     "rotate": "hadamard", "scale_bits": 4}
     assert rotated["GPTQ-3b-rot-s4-g16"].base == "s4-g16" and "HPTQ-2.125-rot" not in rotated
+    # per width: GPTQ at g128/g64/g32 and coded g16, SSQR-1 %, HPTQ above 2 bits; and the 3-bit TC candidate
+    assert len(rotated) == 3 * 5 + 2 + 1 and "GPTQ-3b-rot-s4-g64" not in rotated
