@@ -51,8 +51,9 @@ def fallback_kernel():
 
 @pytest.mark.parametrize("bits", [pytest.param(4, id="b4"), pytest.param(8, id="b8")])
 def test_dense_fallback_on_cuda(bits):
-    """The bf16 fallback (e.g. an 8-bit lm_head on a GPU): selected where Triton has no kernel,
-    prepared from CUDA tensors, called through its op, equal to the reference up to bf16."""
+    """The bf16 fallback (e.g. an 8-bit layer with fp32 activations, which vLLM's kernels do not take):
+    selected where Triton has no kernel, prepared from CUDA tensors, called through its op, equal to
+    the reference up to bf16."""
     n, k = 256, 1024
     w = weight(n, k, bits, 0.01)
     fallback = fallback_kernel()

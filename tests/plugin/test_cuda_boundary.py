@@ -215,6 +215,8 @@ VLLM_TRITON = [bl.Case("wide", "fp16", 80, True, group=256, env=NO_EXLLAMA), bl.
 # so only the route is checked: the class picked, its weight preparation and apply run
 VLLM_TRITON_BF16 = [bl.Case("wide", "bf16", 90, True, group=256), bl.Case("moe-h192", "bf16", 90)]
 COMPILED = [bl.Case("qkv", "fp16", 80, True, compiled=True), bl.Case("qkv", "bf16", 90, True, compiled=True)]
+# the output head at latq-quantize's default head form (8-bit groups of 64): vLLM's kernel, not the bf16 fallback
+HEAD_ON_VLLM = [bl.Case("lm_head", dtype, cc, bits=8, group=64) for dtype in ("fp16", "bf16") for cc in CCS]
 
 
 def _latq_cases(tp: int, slow: bool = False) -> list[bl.Case]:
@@ -257,7 +259,7 @@ def _export_cases(widths, rotated: bool = False) -> list[bl.Case]:
 
 
 PLACEMENT = bl.Case("placement", "bf16", 90)
-PLAN = {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + VLLM_TRITON * (tp == 1) + VLLM_TRITON_BF16 * (tp == 1)
+PLAN = {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + HEAD_ON_VLLM + VLLM_TRITON * (tp == 1) + VLLM_TRITON_BF16 * (tp == 1)
         + COMPILED + _latq_cases(tp) + _export_cases((3, 4, 8), rotated=True) + [PLACEMENT] * (tp == 1) for tp in (1, 2)}
 SLOW_PLAN = {tp: _vllm_cases(SLOW_CCS) + VLLM_TRITON * (tp == 2) + _latq_cases(tp, slow=True)
              + _export_cases((2, 5, 6, 7)) for tp in (1, 2)}
@@ -322,7 +324,7 @@ def _machete_takes(case: bl.Case, tp: int) -> bool:
 
 
 def _served_bits(case: bl.Case, tp: int) -> float:
-    """4-bit words plus one 16-bit scale per group vLLM is told, gcd(g, this rank's K) (one per
+    """b-bit words plus one 16-bit scale per group vLLM is told, gcd(g, this rank's K) (one per
     row for channelwise), on the N and K Marlin pads to (``marlin_padded_nk``: 288 → 320 at TP 2);
     Marlin MoE's g64 halved where this rank's intermediate size is the group
     (``marlin_scale_hazard``)."""
@@ -336,14 +338,15 @@ def _served_bits(case: bl.Case, tp: int) -> float:
     channel = g == k                                # one scale per row: vLLM's channelwise form
     marlin = "Marlin" in _vllm_kernel(case, tp)
     pn, pk = marlin_padded_nk(n, k, -1 if channel else g) if marlin else (n, k)
-    return (4 * pk + 16 * (1 if channel else pk // g)) * pn / (n * k)
+    return (case.bits * pk + 16 * (1 if channel else pk // g)) * pn / (n * k)
 
 
 def _rank_shape(case: bl.Case, tp: int) -> tuple[int, int]:
     """A dense case's (N, K) on one rank."""
     return {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN),
             "gate_up": (2 * bl.INTER // tp, bl.HIDDEN), "column": (bl.COL_N // tp, bl.HIDDEN),
-            "down": (bl.HIDDEN, bl.DOWN_K // tp), "wide": (bl.COL_N // tp, bl.WIDE_K)}[case.layer]
+            "down": (bl.HIDDEN, bl.DOWN_K // tp), "wide": (bl.COL_N // tp, bl.WIDE_K),
+            "lm_head": (-(-bl.VOCAB // (64 * tp)) * 64, bl.HIDDEN)}[case.layer]   # vLLM's padded vocab slice
 
 
 def _checked_ok(rank: int, rec: dict) -> None:
@@ -351,7 +354,7 @@ def _checked_ok(rank: int, rec: dict) -> None:
 
 
 @pytest.mark.parametrize("case,tp", _params(
-    {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + VLLM_TRITON * (tp == 1) + COMPILED for tp in (1, 2)},
+    {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + HEAD_ON_VLLM + VLLM_TRITON * (tp == 1) + COMPILED for tp in (1, 2)},
     {tp: _vllm_cases(SLOW_CCS) + VLLM_TRITON * (tp == 2) for tp in (1, 2)}))
 def test_standard_form_on_vllms_kernels(case, tp, request):
     """vLLM's kernel class processes and applies latq's layer through vLLM's own scheme: within

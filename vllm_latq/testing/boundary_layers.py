@@ -13,6 +13,7 @@ from ..algorithms.result import QuantResult
 
 PREFIX = "model.layers.0"
 HIDDEN, HEAD, HEADS, KV_HEADS, INTER, DOWN_K, COL_N, WIDE_K = 256, 64, 4, 2, 256, 576, 384, 512
+VOCAB = 1000           # the output head's rows: vLLM pads each rank's slice to a multiple of 64
 E, TOPK, MOE_INTER = 4, 2, 128
 GROUP = 128            # the checkpoints' group: 576 = 4.5 groups, so down_proj's rows are cut off them
 CCS = (80, 86, 89, 90)
@@ -50,10 +51,12 @@ class Case:
         return fmt.Rotation(ROTATION_SEED, self.rotation) if self.rotation else None
 
 
-def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None, rotation: fmt.Rotation | None = None):
+def quant_config(bits: int, group: int = GROUP, scale_bits: int | None = None, rotation: fmt.Rotation | None = None,
+                 lm_head: bool = False):
     from ..plugin.config import LatqConfig
     return LatqConfig.from_config(fmt.quantization_config("rtn", bits=bits, group_size=group, scale_bits=scale_bits,
-                                                          rotation=rotation))
+                                                          rotation=rotation,
+                                                          **({"lm_head_quantized": True} if lm_head else {})))
 
 
 def checkpoint_tensors(rows: int, cin: int, bits: int, seed: int, group: int = GROUP,
@@ -81,8 +84,12 @@ def dequantized(t: dict[str, torch.Tensor], rows: int, cin: int, bits: int, grou
 # name → (constructor, its arguments, [(checkpoint module, shard id, rows)], input size)
 def _layers():
     from vllm.model_executor.layers import linear as L
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     q, kv = HEADS * HEAD, KV_HEADS * HEAD
     return {
+        # the output head (LogitsProcessor calls its quant_method.apply): vocabulary rows split over ranks
+        "lm_head": (ParallelLMHead, dict(num_embeddings=VOCAB, embedding_dim=HIDDEN), [("lm_head", None, VOCAB)],
+                    HIDDEN, "lm_head"),
         "qkv": (L.QKVParallelLinear, dict(hidden_size=HIDDEN, head_size=HEAD, total_num_heads=HEADS,
                                           total_num_kv_heads=KV_HEADS),
                 [("self_attn.q_proj", "q", q), ("self_attn.k_proj", "k", kv), ("self_attn.v_proj", "v", kv)],
@@ -133,6 +140,12 @@ def _build(name: str, case: Case, quant, dtype: torch.dtype):
     return cls(**kw, bias=case.bias, quant_config=quant, params_dtype=dtype, prefix=f"{PREFIX}.{leaf}")
 
 
+def forward(layer, x: torch.Tensor) -> torch.Tensor:
+    """A layer's output on this rank: the head's logits slice as ``LogitsProcessor`` computes it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    return layer.quant_method.apply(layer, x) if isinstance(layer, ParallelLMHead) else layer(x)[0]
+
+
 def _reference(case: Case, deq: dict, bias: dict):
     """The same vLLM layer unquantized, fp32, holding ``deq`` (and ``bias`` where given)."""
     ref = _build(case.layer, Case(case.layer, case.dtype, case.cc, bool(bias)), None, torch.float32)
@@ -156,20 +169,20 @@ def dense_case(case: Case) -> dict:
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
-    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits, rotation=rot)
+    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits, rotation=rot, lm_head=case.layer == "lm_head")
     layer = _build(case.layer, case, quant, dtype)
     load_parts(layer, ckpt)
     if case.bias:
         load_parts(layer, {s: {"bias": b} for s, b in bias.items()})
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(5, cin, generator=torch.Generator().manual_seed(7)).to(dtype)
-    y = layer(x)[0]
+    y = forward(layer, x)
     compiled = compiled_forward(layer, x, y) if case.compiled else {}
     ref = _reference(case, deq, bias)
     absolute = _reference(case, {s: {"weight": w.abs()} for s, w in q.items()}, {})
-    want, bias_out = ref(x.float())[0], ref(torch.zeros(1, cin))[0]      # the bias as this rank's output has it
+    want, bias_out = forward(ref, x.float()), forward(ref, torch.zeros(1, cin))  # the bias as this rank's output has it
     xr = x.float().abs() if rot is None else x.float().abs() @ fmt.rotation.matrix(rot.signs(cin), cin).abs().float()
-    scale = absolute(xr)[0] + bias_out.abs()                             # |x|·|R|·|Q|ᵀ + |b| (R = I unrotated)
+    scale = forward(absolute, xr) + bias_out.abs()                             # |x|·|R|·|Q|ᵀ + |b| (R = I unrotated)
     row = quant.load_report.layers[-1]
     return {**compare(y, want, dtype, scale, cin, row.kernel, 3 if rot is None else 5), "served_bits": row.served_bits,
             "table": quant.load_report.reason_table(), **compiled}
