@@ -259,7 +259,7 @@ def _export_cases(widths, rotated: bool = False) -> list[bl.Case]:
 
 
 PLACEMENT = bl.Case("placement", "bf16", 90)
-PLAN = {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + HEAD_ON_VLLM + VLLM_TRITON * (tp == 1) + VLLM_TRITON_BF16 * (tp == 1)
+PLAN = {tp: _vllm_cases(CCS) + FORMS_ON_VLLM + HEAD_ON_VLLM + (VLLM_TRITON + VLLM_TRITON_BF16) * (tp == 1)
         + COMPILED + _latq_cases(tp) + _export_cases((3, 4, 8), rotated=True) + [PLACEMENT] * (tp == 1) for tp in (1, 2)}
 SLOW_PLAN = {tp: _vllm_cases(SLOW_CCS) + VLLM_TRITON * (tp == 2) + _latq_cases(tp, slow=True)
              + _export_cases((2, 5, 6, 7)) for tp in (1, 2)}
@@ -343,10 +343,11 @@ def _served_bits(case: bl.Case, tp: int) -> float:
 
 def _rank_shape(case: bl.Case, tp: int) -> tuple[int, int]:
     """A dense case's (N, K) on one rank."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
     return {"qkv": ((bl.HEADS + 2 * bl.KV_HEADS) * bl.HEAD // tp, bl.HIDDEN),
             "gate_up": (2 * bl.INTER // tp, bl.HIDDEN), "column": (bl.COL_N // tp, bl.HIDDEN),
             "down": (bl.HIDDEN, bl.DOWN_K // tp), "wide": (bl.COL_N // tp, bl.WIDE_K),
-            "lm_head": (-(-bl.VOCAB // (64 * tp)) * 64, bl.HIDDEN)}[case.layer]   # vLLM's padded vocab slice
+            "lm_head": (pad_vocab_size(bl.VOCAB) // tp, bl.HIDDEN)}[case.layer]   # vLLM's padded vocab, split
 
 
 def _checked_ok(rank: int, rec: dict) -> None:

@@ -13,7 +13,7 @@ from ..algorithms.result import QuantResult
 
 PREFIX = "model.layers.0"
 HIDDEN, HEAD, HEADS, KV_HEADS, INTER, DOWN_K, COL_N, WIDE_K = 256, 64, 4, 2, 256, 576, 384, 512
-VOCAB = 1000           # the output head's rows: vLLM pads each rank's slice to a multiple of 64
+VOCAB = 1000           # the output head's rows: vLLM pads the vocabulary to a multiple of 64, then splits it
 E, TOPK, MOE_INTER = 4, 2, 128
 GROUP = 128            # the checkpoints' group: 576 = 4.5 groups, so down_proj's rows are cut off them
 CCS = (80, 86, 89, 90)
@@ -169,7 +169,8 @@ def dense_case(case: Case) -> dict:
         g = torch.Generator().manual_seed(100 + i)
         if case.bias:
             bias[shard] = (torch.randn(rows, generator=g) * 4).to(dtype)
-    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits, rotation=rot, lm_head=case.layer == "lm_head")
+    quant = quant_config(case.bits, case.group, scale_bits=case.scale_bits, rotation=rot,
+                         lm_head=case.layer == "lm_head")
     layer = _build(case.layer, case, quant, dtype)
     load_parts(layer, ckpt)
     if case.bias:
@@ -180,9 +181,10 @@ def dense_case(case: Case) -> dict:
     compiled = compiled_forward(layer, x, y) if case.compiled else {}
     ref = _reference(case, deq, bias)
     absolute = _reference(case, {s: {"weight": w.abs()} for s, w in q.items()}, {})
-    want, bias_out = forward(ref, x.float()), forward(ref, torch.zeros(1, cin))  # the bias as this rank's output has it
+    # the bias as this rank's output has it
+    want, bias_out = forward(ref, x.float()), forward(ref, torch.zeros(1, cin))
     xr = x.float().abs() if rot is None else x.float().abs() @ fmt.rotation.matrix(rot.signs(cin), cin).abs().float()
-    scale = forward(absolute, xr) + bias_out.abs()                             # |x|·|R|·|Q|ᵀ + |b| (R = I unrotated)
+    scale = forward(absolute, xr) + bias_out.abs()           # |x|·|R|·|Q|ᵀ + |b| (R = I unrotated)
     row = quant.load_report.layers[-1]
     return {**compare(y, want, dtype, scale, cin, row.kernel, 3 if rot is None else 5), "served_bits": row.served_bits,
             "table": quant.load_report.reason_table(), **compiled}
