@@ -10,6 +10,7 @@ from tests.kernels.test_cpu_kernel import check, expected, prepared
 from vllm_latq import native
 from vllm_latq.kernels.cpu import kernel as cpu, dequant as cpu_dequant, layouts as cpu_layouts
 from vllm_latq.kernels.cpu.kernel import CPUKernel
+from vllm_latq.testing.weights import random_weight
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
               pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")]
@@ -130,6 +131,23 @@ def test_native_csr_outliers_by_loop_and_by_mkl(loop_max, gemv):
     finally:
         torch.ops.latq_cpu.set_loop_max(native.LOOP_MAX)
         torch.ops.latq_cpu.set_gemv_max_m(saved)
+
+
+def test_prefetch_switch_changes_no_output():
+    """``set_prefetch_l2`` (the bench's A/B of where the GEMV prefetches its weights) leaves every
+    output bit-identical: M = 1, 2 (prefetched into L2) and 8 (into L1), one and two planes."""
+    g = torch.Generator().manual_seed(5)
+    states = [CPUKernel.prepare(random_weight(320, 640, bits, 0.0, group=64, seed=bits)) for bits in (4, 8)]
+    try:
+        for st in states:
+            for M in (1, 2, 8):
+                x = torch.randn(M, 640, generator=g).to(torch.bfloat16)
+                torch.ops.latq_cpu.set_prefetch_l2(False)
+                l1 = CPUKernel.apply(st, x)
+                torch.ops.latq_cpu.set_prefetch_l2(True)
+                assert torch.equal(CPUKernel.apply(st, x), l1), (st.planes, M)
+    finally:
+        torch.ops.latq_cpu.set_prefetch_l2(True)
 
 
 def test_tiles_hold_the_csr():
@@ -290,7 +308,6 @@ def test_gemv_state_is_one_layout_on_every_isa(gemv_isa, monkeypatch):
     4.25 a weight for a 4-bit g64 layer, coded scales (``--scale-bits 4``) 12 bytes per 16.
     (tests/kernels/test_cpu_avx2_build.py compares the bytes with an AVX2-only build's, slow.)"""
     from vllm_latq import format as fmt
-    from vllm_latq.testing.weights import random_weight
     N, K = 192, 576
     w = random_weight(N, K, 4, 0.0, group=64, seed=41)
     u = (fmt.unpack(w.qweight, 4, K) + 8).int()

@@ -20,6 +20,7 @@
 //                          tile_col?, tile_val?, row_scale?, bias?, group, planes)
 //   latq_cpu::gemv(x [M, K] bf16, packed, scales, group)   the GEMV alone (bench, tests; one plane)
 //   latq_cpu::set_gemv_max_m(m), latq_cpu::gemv_max_m()          A/B switch (0: torch's op)
+//   latq_cpu::set_prefetch_l2(on)   A/B switch (off: the weights prefetched into L1, 2 KB ahead)
 //   latq_cpu::linear(x, tensors, ints, bias, out_features)   the schema of latq::cpu_linear;
 //       rows ≥ the large-M threshold go back to latq::cpu_linear (Python: dequant + GEMM); an
 //       11th tensor, a rotated layer's signs, rotates x first (latq_hadamard, hadamard.cpp)
@@ -227,6 +228,28 @@ const bool g_env_off = [] {
 // path takes over from cpu.large_m() = 640 rows, near where dequant + bf16 GEMM gets faster)
 std::atomic<int64_t> g_max_m{g_env_off ? int64_t{0} : int64_t{1} << 30};
 
+// The weights stream through once a call. Where memory bounds the GEMV (1 or 2 rows of x), they
+// are prefetched into L2 8 KB ahead: enough lines in flight for one core's memory bandwidth, where
+// prefetches into L1 queue on its few miss buffers; from 4 rows the arithmetic bounds it and the
+// L1 prefetch 2 KB ahead stays (docs/BENCHMARKS.md, "prefetch"). Off: L1 everywhere, the A/B.
+std::atomic<bool> g_prefetch_l2{true};
+
+#if LATQ_HAVE_GEMV
+class Prefetch {
+ public:
+  explicit Prefetch(bool memory_bound) : l2_(memory_bound && g_prefetch_l2.load(std::memory_order_relaxed)) {}
+  // the line 64·line bytes past p, ahead of the loop that reads it
+  inline void operator()(const uint8_t* p, int line = 0) const {
+    const char* a = reinterpret_cast<const char*>(p) + 64 * line;
+    if (l2_) _mm_prefetch(a + 8192, _MM_HINT_T1);
+    else _mm_prefetch(a + 2048, _MM_HINT_T0);
+  }
+
+ private:
+  bool l2_;
+};
+#endif
+
 // 1: torch's packer lays weights out as the GEMV reads them, 0: not (its AVX2/scalar kernels),
 // -1: not probed yet
 std::atomic<int> g_layout{-1};
@@ -319,6 +342,7 @@ void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& 
   const Tables& tb = tables();
   const __m512i idx1 = _mm512_load_si512(tb.i1), idx2 = _mm512_load_si512(tb.i2), T = _mm512_load_si512(tb.t);
   const int64_t G = K / g;
+  const Prefetch prefetch(true);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = P + b * K * 32;
     __m512 y0 = _mm512_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
@@ -327,8 +351,8 @@ void blocks(const uint16_t* x, const float* xs, const uint8_t* P, const Scales& 
       const uint16_t* xg = x + gi * g;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
       for (int64_t k = 0; k < g; k += 4, p += 128) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p + 2048 + 64), _MM_HINT_T0);
+        prefetch(p);
+        prefetch(p, 1);
         int32_t xa, xb;
         std::memcpy(&xa, xg + k, 4);
         std::memcpy(&xb, xg + k + 2, 4);
@@ -377,6 +401,7 @@ void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P,
   const __m512i T = _mm512_load_si512(tb.t);
   const int64_t G = K / g;
   const uint8_t* wb = P + b * K * 32;
+  const Prefetch prefetch(MB <= 2);
   alignas(64) float yv[MB][64] = {};
   for (int64_t gi = 0; gi < G; ++gi) {
     for (int h = 0; h < 2; ++h) {
@@ -388,8 +413,8 @@ void blocks_m(const uint16_t* x, int64_t ldx, const float* xs, const uint8_t* P,
         for (int m = 0; m < MB; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_ps();
       const uint8_t* p = wb + gi * g * 32;
       for (int64_t k = gi * g; k < (gi + 1) * g; k += 2 * U, p += 64 * U) {
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
-        if (h == 0 && U == 2) _mm_prefetch(reinterpret_cast<const char*>(p + 2048 + 64), _MM_HINT_T0);
+        if (h == 0) prefetch(p);
+        if (h == 0 && U == 2) prefetch(p, 1);
 #pragma GCC unroll 16
         for (int u = 0; u < U; ++u) {
           const __m512i z = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(p + 64 * u));
@@ -937,6 +962,7 @@ at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }
 
 void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
+void set_prefetch_l2(bool on) { gemv::g_prefetch_l2.store(on); }
 // the M up to which small_linear takes the GEMV (0: off or not here; every M where torch's op
 // cannot read the GEMV's layout, whatever set_gemv_max_m says)
 int64_t gemv_max_m() {
@@ -1174,6 +1200,7 @@ TORCH_LIBRARY(latq_cpu, m) {
   m.def("set_loop_max(int n) -> ()");
   m.def("gemv(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor");
   m.def("set_gemv_max_m(int m) -> ()");
+  m.def("set_prefetch_l2(bool on) -> ()");
   m.def("gemv_max_m() -> int");
   m.def("has_gemv() -> bool");
   m.def("gemv_isa() -> str");
@@ -1194,6 +1221,7 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_large_m", &set_large_m);
   m.impl("set_loop_max", &set_loop_max);
   m.impl("set_gemv_max_m", &set_gemv_max_m);
+  m.impl("set_prefetch_l2", &set_prefetch_l2);
   m.impl("gemv_max_m", &gemv_max_m);
   m.impl("has_gemv", &has_gemv);
   m.impl("gemv_isa", &gemv_isa);
