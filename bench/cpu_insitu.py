@@ -1,7 +1,7 @@
-"""The in-situ sections of :mod:`bench.cpu_layer` (``gemv``, ``outliers``, ``coded``): whole passes
-over SmolLM2 blocks of vLLM's fused shapes, more int4 than L3 holds, candidates interleaved per
-pass; and the wiring that runs the GEMV on each instruction set and reads torch's int4 op from
-the GEMV's packed layout.
+"""The in-situ sections of :mod:`bench.cpu_layer` (``gemv``, ``outliers``, ``coded``, ``rotation``,
+``calls``, ``streaming``): whole passes over SmolLM2 blocks of vLLM's fused shapes, more int4 than
+L3 holds, candidates interleaved per pass; and the wiring that runs the GEMV on each instruction
+set and reads torch's int4 op from the GEMV's packed layout.
 """
 from __future__ import annotations
 
@@ -362,3 +362,45 @@ def layer_calls(a, results):
     print("64x64: " + "  ".join(f"{k}={med(v):.2f} µs" for k, v in ts.items())
           + f" | list/plain {ratio(ts, 'list', 'plain'):.2f}x", flush=True)
     results["calls_plain_vs_list_tiny"] = ratio(ts, "list", "plain")
+
+
+def streaming(a, results):
+    """How a decode step's weights stream (M = 1, 2, 8, one pass over ``a.blocks`` SmolLM2 blocks
+    of vLLM's fused shapes, 4-bit g64, then the 8-bit head): the GEMV prefetching into L1 2 KB
+    ahead (``set_prefetch_l2(False)``) or into L2 8 KB ahead, each layer's state where
+    ``prepare`` allocated it or in the weight arenas a served model loads it into
+    (``CPUKernel.place``: huge pages, load order); passes interleaved. Keys: t_L1 / t_L2
+    (``stream_prefetch_*``) and t_L2 / t_L2+arena (``stream_arena_*``)."""
+    if not (native.available() and cpu._gemv_here()):
+        print("\nstreaming: the C++ GEMV is not available here")
+        return
+    plain = {"blocks": [CPUKernel.prepare(random_weight(N, K, 4, 0.0, group=64, seed=3000 * b + i))
+                        for b in range(a.blocks) for i, (_, N, K) in enumerate(SMOL_VLLM)],
+             "head": [CPUKernel.prepare(random_weight(49152, 576, 8, 0.0, group=64, seed=9))]}
+    placed = {}
+    for what, states in plain.items():
+        placed[what] = [dataclass_replace(s) for s in states]
+        for s in placed[what]:
+            CPUKernel.place(s)
+    print(f"\nstreaming: {a.blocks} SmolLM2 blocks in situ (4.25 b/w) and the 8-bit head (8.50 b/w); ms per "
+          "pass best/median, GB/s at the median")
+    try:
+        for M in (1, 2, 8):
+            x = {K: torch.randn(M, K).to(torch.bfloat16) for K in (576, 1536)}
+            for what in plain:
+                nbytes = sum(sum(CPUKernel.served_bytes(s).values()) for s in plain[what])
+
+                def run(states, l2):
+                    torch.ops.latq_cpu.set_prefetch_l2(l2)
+                    return [CPUKernel.apply(s, x[s.in_features]) for s in states]
+                ts = passes({"L1": lambda: run(plain[what], False), "L2": lambda: run(plain[what], True),
+                             "L2+arena": lambda: run(placed[what], True)}, a.gemv_rounds)
+                sfx = f"{what}_m{M}"
+                results[f"stream_prefetch_{sfx}"] = ratio(ts, "L1", "L2")
+                results[f"stream_arena_{sfx}"] = ratio(ts, "L2", "L2+arena")
+                print(f"{what} M={M}: " + "  ".join(f"{k}={min(v):.3f}/{med(v):.3f} ({nbytes / med(v) / 1e6:.1f})"
+                                                   for k, v in ts.items())
+                      + f" | L1/L2 {results['stream_prefetch_' + sfx]:.3f}x  L2/arena "
+                        f"{results['stream_arena_' + sfx]:.3f}x", flush=True)
+    finally:
+        torch.ops.latq_cpu.set_prefetch_l2(True)

@@ -206,6 +206,23 @@ def test_expert_loader_cuts_ranks_and_ranks_sum_to_the_layer(kind, monkeypatch):
     assert (total - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_cpu_experts_load_into_the_weight_arena(monkeypatch):
+    """With the CPU kernel each expert's state moves into the process's weight arenas at load, the
+    experts side by side in load order, and the layer's output is the token-by-token definition's."""
+    monkeypatch.setenv("LATQ_KERNEL", "cpu")
+    tensors = _expert_tensors("dense", 64)
+    dense = [(torch.cat([tensors[e, "w1"][1], tensors[e, "w3"][1]]), tensors[e, "w2"][1]) for e in range(E)]
+    method, layer = _load("dense", 1, 0, 64, tensors)
+    method.process_weights_after_loading(layer)
+    packed = [ex.w13[1].packed for ex in layer.latq_experts]
+    assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
+    assert [t.data_ptr() for t in packed] == sorted(t.data_ptr() for t in packed)
+    x, w, ids = _routing(3, 5)
+    want = moe_reference(x, w, ids, dense)
+    y = method.apply(layer, x.to(torch.bfloat16), w, ids, None, None).float()
+    assert (y - want).abs().max() <= 3e-2 * want.abs().max()
+
+
 def test_apply_compiles_fullgraph_with_dynamic_batch(monkeypatch):
     """The method's apply under torch.compile (fullgraph, dynamic batch): the experts run as
     the opaque latq::moe_experts op — no graph break — with the eager result at every batch size."""

@@ -461,6 +461,35 @@ def test_load_report_says_stored_and_served_bits(caplog):
     assert f"({served / 8e6:.1f} MB a decode step, the 8-bit output head's {head / 1e6:.1f} included)" in line[0]
 
 
+def test_cpu_layers_load_into_one_weight_arena_in_load_order(monkeypatch):
+    """``process_weights_after_loading`` with the CPU kernel: each layer's state moves into the
+    process's weight arenas (``kernels/cpu/arena.py``), consecutive layers side by side in load
+    order, and the layer computes what the kernel computes on the state as prepared."""
+    from vllm_latq.kernels.cpu.kernel import CPUKernel
+    from vllm_latq.plugin.linear_method import LatqLinearMethod
+
+    monkeypatch.setenv("LATQ_KERNEL", "cpu")
+    cfg = _Cfg("dense", 4, 32)
+    method = LatqLinearMethod(cfg, LoadReport("ssqr"))
+    layers, full = _layers(1, 0)
+    placed = []
+    for i, layer in enumerate(layers[-2:]):   # down_proj, then o_proj
+        st, _ = _load_layer(layer, full[layer.prefix], cfg, 100 + i)
+        layer._latq_load, layer._latq_act_dtype = st, torch.bfloat16
+        for name in st.names:
+            layer.register_parameter(name, torch.nn.Parameter(torch.empty(0), requires_grad=False))
+        method.report.expect()
+        want = CPUKernel.prepare(st.weight)
+        method.process_weights_after_loading(layer)
+        assert layer.latq_kernel is CPUKernel
+        x = torch.randn(2, layer.input_size_per_partition).to(torch.bfloat16)
+        assert torch.equal(method.apply(layer, x), CPUKernel.apply(want, x)), layer.prefix
+        placed.append(layer.latq_t0)
+    (a, b) = placed
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert a.data_ptr() < b.data_ptr() < a.data_ptr() + (2 << 20)
+
+
 def test_dequant_kernel_is_the_reference_at_dense_speed(monkeypatch):
     """LATQ_KERNEL=dequant (opt-in, used by the real-model tests): bit-identical to the
     reference; never chosen without being forced."""

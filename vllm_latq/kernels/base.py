@@ -84,6 +84,11 @@ class LatqKernel:
         raise NotImplementedError
 
     @classmethod
+    def place(cls, state: Any) -> None:
+        """Move the prepared state where the served model keeps it, once per layer in load order
+        (default: where ``prepare`` left it)."""
+
+    @classmethod
     def reserve(cls, state: Any, act_dtype: torch.dtype) -> None:
         """Allocate at load what ``apply`` would otherwise allocate on a first large call (a
         buffer grown during CUDA-graph capture would be freed under the captured graph)."""

@@ -67,6 +67,10 @@ class RotatedKernel(LatqKernel):
         return cls.inner.apply(state.inner, rotate_activations(x, state.signs), bias)
 
     @classmethod
+    def place(cls, state):
+        cls.inner.place(state.inner)
+
+    @classmethod
     def reserve(cls, state, act_dtype):
         cls.inner.reserve(state.inner, act_dtype)
 

@@ -69,6 +69,7 @@ class LatqLinearMethod(LinearMethodBase):
             self.report.add(layer.prefix, w, vllm_scheme.ServedScheme, layer, stored_bits, refused)
             return
         state = kernel.prepare(w)
+        kernel.place(state)
         kernel.reserve(state, act)
         install_kernel(layer, kernel, state, w.out_features)
         self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)

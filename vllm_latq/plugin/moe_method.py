@@ -172,6 +172,7 @@ class LatqMoEMethod(FusedMoEMethodBase):
                 kernel, refused = selector.select_with_reasons(w, device, layer._latq_act_dtype,
                                                                skip=(vllm_moe.NAME,))
                 state = kernel.prepare(w)
+                kernel.place(state)
                 kernel.reserve(state, layer._latq_act_dtype)
                 self.report.add(st.prefix, w, kernel, state, _stored_bits(st), [vllm_refusal] + refused)
                 pair.append((kernel, state))

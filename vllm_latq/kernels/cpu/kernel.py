@@ -5,13 +5,13 @@ docs/KERNELS.md, "CPU kernel"."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ... import format as fmt
 from ... import native
-from . import dequant as cpu_dequant
+from . import arena, dequant as cpu_dequant
 from ..base import LatqKernel
 from .layouts import (GEMV_LAYOUT, code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops,
                       nbytes, op_scales_zeros, pack_gemv, state_bytes, tiles_from_csr, unpack_int4pack, value_bytes)
@@ -270,6 +270,15 @@ class CPUKernel(LatqKernel):
         if split:
             z = torch.where((z < -8) | (z > 7), torch.zeros_like(z), z)
         return z + 8
+
+    @classmethod
+    def place(cls, state: CPUState) -> None:
+        """The state's tensors into this process's weight arenas (huge pages, load order): what a
+        decode step streams, kept together (:mod:`~vllm_latq.kernels.cpu.arena`)."""
+        for f in fields(state):
+            v = getattr(state, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(state, f.name, arena.place(v))
 
     # ------------------------------------------------------------------ apply
     @classmethod

@@ -1,0 +1,78 @@
+"""Where a served model keeps the CPU kernel's weights: copied at load, in load order, into large
+arenas on transparent huge pages. A decode step streams every layer's weights once; on 4 KiB pages
+the hardware prefetcher stops at each page and each page costs a TLB walk, and layers scattered in
+memory restart its streams (docs/BENCHMARKS.md, "Weight arenas").
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+import threading
+
+import torch
+
+HUGE_PAGE = 2 << 20
+CHUNK = 32 << 20       # one arena's bytes: many small layers share one
+OWN_FROM = CHUNK // 8  # a tensor this large gets an arena of its own (bounds a chunk's unused tail)
+ALIGN = 64             # each tensor starts on a cache line
+MADV_HUGEPAGE = 14     # linux/mman.h
+
+_libc = None
+
+
+def _madvise_huge(buf: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages under ``buf`` (2 MiB-aligned, not yet touched);
+    False where the call is not there or fails (the arena still keeps layers together)."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return _libc.madvise(buf.data_ptr(), buf.numel(), MADV_HUGEPAGE) == 0
+
+
+def _huge_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes rounded up to whole huge pages], starting on a huge page."""
+    n = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(n + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    buf = raw[start:start + n]
+    _madvise_huge(buf)
+    return buf
+
+
+class WeightArenas:
+    """Bump allocation over huge-page chunks; a placed tensor is a view that keeps its chunk."""
+
+    def __init__(self, chunk: int = CHUNK, own_from: int = OWN_FROM):
+        self.chunk, self.own_from = chunk, own_from
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` (contiguous, same dtype and shape) in the current arena."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or t.device.type != "cpu":
+            return t
+        if nbytes >= self.own_from:
+            buf, off = _huge_buffer(nbytes), 0
+        else:
+            with self._lock:
+                if self._buf is None or self._used + nbytes > self._buf.numel():
+                    self._buf, self._used = _huge_buffer(self.chunk), 0
+                buf, off = self._buf, self._used
+                self._used = -(-(off + nbytes) // ALIGN) * ALIGN
+        out = buf[off:off + nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+
+_ARENAS = WeightArenas()
+
+
+def place(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` moved into this process's weight arenas (None stays None)."""
+    return None if t is None else _ARENAS.place(t)
