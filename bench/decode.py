@@ -35,6 +35,9 @@ engines, same prompt, tokens and threads; the paired ratio latq / llama.cpp per 
 ``--profile`` (``bench/decode_profile.py``): each vLLM engine once more under ``torch.profiler``, the step
 split into the linears, attention, the rest of the forward, the head, sampling and the engine.
 ``--rotated``: the default checkpoint with ``--rotate hadamard`` beside it, paired with the plain one.
+``--streaming-ab``: the first latq engine once more with its CPU weights streamed as before the L2
+prefetch and the weight arenas (switched off in that worker alone: ``set_prefetch_l2(False)``, no
+``CPUKernel.place``), paired with the default (``streaming_gain``: its time / the default's).
 
 Unquantized baselines run in bf16 and fp32 (``--baseline-dtypes``), and so does latq's first
 kernel (``--latq-dtypes``; its other kernels run in the first of them): where a CPU emulates
@@ -62,7 +65,7 @@ from pathlib import Path
 
 from bench import decode_peer
 from bench.decode_profile import profile_step
-from bench.decode_report import dtype_label, headline, latq_label, table
+from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
 from vllm_latq import cpu_features
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +90,13 @@ def serve(job: dict) -> None:
     if job.get("kernel") == "cpu-torch":   # this worker process never loads the C++ ops
         from vllm_latq import native
         os.environ[native.ENV] = "0"
+    if job.get("streaming") is False:    # --streaming-ab: L1 prefetch, states where prepare left them
+        from vllm_latq import native
+        from vllm_latq.kernels.cpu.kernel import CPUKernel
+        CPUKernel.place = classmethod(lambda cls, state: None)
+        if native.load() is None:
+            import torch
+            torch.ops.latq_cpu.set_prefetch_l2(False)
 
     def reply(obj):
         print(MARK + json.dumps(obj), flush=True)
@@ -331,6 +341,8 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
+    ap.add_argument("--streaming-ab", action="store_true", help="also the first latq engine with its CPU weights "
+                    "streamed as before the L2 prefetch and the weight arenas, paired with the default")
     ap.add_argument("--rotated", action="store_true", help="also the default checkpoint with --rotate hadamard, "
                     "as an extra one: HEADLINE <mode>_b1_<ckpt>_vs_latq, its step time over the plain one's")
     ap.add_argument("--method", default=None, help="method of the default checkpoint (default: latq-quantize's, "
@@ -399,6 +411,10 @@ def main(argv=None) -> None:
             for mode in a.modes.split(","):
                 jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt) + [
                     dict(p) for p in peers]
+                if a.streaming_ab:
+                    jobs.insert(len(a.baseline_dtypes.split(",")) + 1, {
+                        "label": unstreamed_label(kernels[0]), "model": ckpt, "kernel": kernels[0],
+                        "dtype": latq_dtypes[0], "streaming": False})
                 for j in jobs:
                     ref = j["kernel"] == "reference"
                     j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t, cores=bind_cores(binds[t]),

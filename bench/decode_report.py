@@ -35,6 +35,11 @@ def paired_ratio(run: dict, ref: dict) -> float:
     return statistics.median(t0 / t1 for t0, t1 in pairs) if pairs else float("nan")
 
 
+def unstreamed_label(kernel: str) -> str:
+    """The label of ``--streaming-ab``'s engine: latq's first kernel streaming as before."""
+    return f"latq-{kernel}:L1,no-arena"
+
+
 def _find(results, label, mode, threads=None):
     return next((r for r in results if r["label"] == label and r["mode"] == mode
                  and (threads is None or r.get("threads") == threads)), None)
@@ -149,6 +154,9 @@ def _thread_keys(results, modes, batches, kernel, latq_dtypes, extra_ckpts, sfx:
     for mode in modes:
         q, ref = _find(results, latq_label(kernel, primary, primary), mode), _find(results, "bf16", mode)
         ok = q and ref and "runs" in q and "runs" in ref
+        x = _find(results, unstreamed_label(kernel), mode)
+        if x and ok and "runs" in x and "1" in x["runs"]:   # --streaming-ab: its time / the default's
+            head.append(f"{mode}_b1{sfx}_streaming_gain={paired_ratio(q['runs']['1'], x['runs']['1']):.3f}")
         for e in extra_ckpts:   # e.g. a --quantize-lm-head checkpoint
             x = _find(results, f"latq-{kernel}:{Path(e).name}", mode)
             if x and ok and "runs" in x and "1" in x["runs"]:

@@ -767,21 +767,24 @@ def test_decode_bench_runs_interleaved(tiny):
     """bench/decode.py end to end on the tiny model (eager, 4 tokens): the engines (bf16 and fp32
     baselines, latq in bf16 and fp32 activations) load side by side, every round runs each once
     per batch size, the table carries the paired ratio and its range, and the last line is the
-    HEADLINE, naming the instruction set the latq engines' GEMV ran on."""
+    HEADLINE, naming the instruction set the latq engines' GEMV ran on; ``--streaming-ab`` adds latq
+    streaming as before the L2 prefetch and the weight arenas, paired with the default."""
     from vllm_latq.kernels.cpu import kernel
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-m", "bench.decode",
                           "--model", str(tiny["src"]), "--ckpt", str(tiny["ssqr"]), "--kernels", "cpu",
-                          "--modes", "eager", "--batches", "1,2", "--tokens", "4", "--repeats", "2"],
+                          "--modes", "eager", "--batches", "1,2", "--tokens", "4", "--repeats", "2", "--streaming-ab"],
                          capture_output=True, text=True, timeout=1800, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     rows = [ln for ln in lines if ln.startswith("eager ")]
-    # bf16, fp32, latq, latq in fp32 × 2 batches
-    assert len(rows) == 8 and all("4 x 2" in r for r in rows), out.stdout
+    # bf16, fp32, latq, latq as before, latq in fp32 × 2 batches
+    assert len(rows) == 10 and all("4 x 2" in r for r in rows), out.stdout
     assert sum(r.split()[1] == "latq-cpu-fp32" for r in rows) == 2
+    assert sum(r.split()[1] == "latq-cpu:L1,no-arena" for r in rows) == 2
+    assert re.search(r" eager_b1_streaming_gain=\d+\.\d{3} ", lines[-1]), lines[-1]
     assert "eager_b1_fastest_baseline=" in lines[-1] and "eager_b2_speedup_vs_fastest=" in lines[-1]
     assert "eager_b1_fastest_latq_dtype=" in lines[-1] and "eager_b2_latq_fp32_vs_fastest=" in lines[-1]
     assert lines[-1].startswith("HEADLINE cpu=")
