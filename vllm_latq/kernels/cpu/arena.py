@@ -1,7 +1,7 @@
 """Where a served model keeps the CPU kernel's weights: copied at load, in load order, into large
 arenas on transparent huge pages. A decode step streams every layer's weights once; on 4 KiB pages
 the hardware prefetcher stops at each page and each page costs a TLB walk, and layers scattered in
-memory restart its streams (docs/BENCHMARKS.md, "Weight arenas").
+memory restart its streams (docs/KERNELS.md, "Streaming the weights").
 """
 from __future__ import annotations
 
@@ -21,25 +21,25 @@ MADV_HUGEPAGE = 14     # linux/mman.h
 _libc = None
 
 
-def _madvise_huge(buf: torch.Tensor) -> bool:
-    """Ask Linux for transparent huge pages under ``buf`` (2 MiB-aligned, not yet touched);
-    False where the call is not there or fails (the arena still keeps layers together)."""
+def _madvise_huge(address: int, nbytes: int) -> bool:
+    """Ask Linux for transparent huge pages under [address, address + nbytes) (2 MiB-aligned,
+    not yet touched); False where the call is not there or fails (the layers stay together)."""
     global _libc
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or nbytes <= 0:
         return False
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _libc.madvise(buf.data_ptr(), buf.numel(), MADV_HUGEPAGE) == 0
+    return _libc.madvise(address, nbytes, MADV_HUGEPAGE) == 0
 
 
 def _huge_buffer(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes rounded up to whole huge pages], starting on a huge page."""
-    n = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(n + HUGE_PAGE, dtype=torch.uint8)
+    """uint8 [nbytes] starting on a huge page, its whole huge pages advised as such: the slack in
+    front and a partial last page stay untouched (virtual), so they cost no memory."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[start:start + n]
-    _madvise_huge(buf)
+    buf = raw[start:start + nbytes]
+    _madvise_huge(buf.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
     return buf
 
 
