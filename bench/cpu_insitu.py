@@ -369,32 +369,34 @@ def streaming(a, results):
     of vLLM's fused shapes, 4-bit g64, then the 8-bit head): the GEMV prefetching into L1 2 KB
     ahead (``set_prefetch_l2(False)``) or into L2 8 KB ahead, each layer's state where
     ``prepare`` allocated it or in the weight arenas a served model loads it into
-    (``CPUKernel.place``: huge pages, load order); passes interleaved. Keys: t_L1 / t_L2
+    (``CPUKernel.place``: huge pages, load order); passes interleaved, each candidate on its own
+    copy of the weights (a pass must not find the previous one's weights in L3). Keys: t_L1 / t_L2
     (``stream_prefetch_*``) and t_L2 / t_L2+arena (``stream_arena_*``)."""
     if not (native.available() and cpu._gemv_here()):
         print("\nstreaming: the C++ GEMV is not available here")
         return
-    plain = {"blocks": [CPUKernel.prepare(random_weight(N, K, 4, 0.0, group=64, seed=3000 * b + i))
-                        for b in range(a.blocks) for i, (_, N, K) in enumerate(SMOL_VLLM)],
-             "head": [CPUKernel.prepare(random_weight(49152, 576, 8, 0.0, group=64, seed=9))]}
-    placed = {}
-    for what, states in plain.items():
-        placed[what] = [dataclass_replace(s) for s in states]
-        for s in placed[what]:
-            CPUKernel.place(s)
+
+    def states(what):
+        if what == "head":
+            return [CPUKernel.prepare(random_weight(49152, 576, 8, 0.0, group=64, seed=9))]
+        return [CPUKernel.prepare(random_weight(N, K, 4, 0.0, group=64, seed=3000 * b + i))
+                for b in range(a.blocks) for i, (_, N, K) in enumerate(SMOL_VLLM)]
+
     print(f"\nstreaming: {a.blocks} SmolLM2 blocks in situ (4.25 b/w) and the 8-bit head (8.50 b/w); ms per "
           "pass best/median, GB/s at the median")
     try:
-        for M in (1, 2, 8):
-            x = {K: torch.randn(M, K).to(torch.bfloat16) for K in (576, 1536)}
-            for what in plain:
-                nbytes = sum(sum(CPUKernel.served_bytes(s).values()) for s in plain[what])
+        for what in ("blocks", "head"):
+            copies = {k: states(what) for k in ("L1", "L2", "L2+arena")}
+            for s in copies["L2+arena"]:
+                CPUKernel.place(s)
+            nbytes = sum(sum(CPUKernel.served_bytes(s).values()) for s in copies["L1"])
+            for M in (1, 2, 8):
+                x = {K: torch.randn(M, K).to(torch.bfloat16) for K in (576, 1536)}
 
-                def run(states, l2):
-                    torch.ops.latq_cpu.set_prefetch_l2(l2)
-                    return [CPUKernel.apply(s, x[s.in_features]) for s in states]
-                ts = passes({"L1": lambda: run(plain[what], False), "L2": lambda: run(plain[what], True),
-                             "L2+arena": lambda: run(placed[what], True)}, a.gemv_rounds)
+                def run(k):
+                    torch.ops.latq_cpu.set_prefetch_l2(k != "L1")
+                    return [CPUKernel.apply(s, x[s.in_features]) for s in copies[k]]
+                ts = passes({k: (lambda k=k: run(k)) for k in copies}, a.gemv_rounds)
                 sfx = f"{what}_m{M}"
                 results[f"stream_prefetch_{sfx}"] = ratio(ts, "L1", "L2")
                 results[f"stream_arena_{sfx}"] = ratio(ts, "L2", "L2+arena")
@@ -402,5 +404,6 @@ def streaming(a, results):
                                                    for k, v in ts.items())
                       + f" | L1/L2 {results['stream_prefetch_' + sfx]:.3f}x  L2/arena "
                         f"{results['stream_arena_' + sfx]:.3f}x", flush=True)
+            del copies
     finally:
         torch.ops.latq_cpu.set_prefetch_l2(True)

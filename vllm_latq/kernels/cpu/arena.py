@@ -5,9 +5,7 @@ memory restart its streams (docs/KERNELS.md, "Streaming the weights").
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+import mmap
 import threading
 
 import torch
@@ -16,31 +14,22 @@ HUGE_PAGE = 2 << 20
 CHUNK = 32 << 20       # one arena's bytes: many small layers share one
 OWN_FROM = CHUNK // 8  # a tensor this large gets an arena of its own (bounds a chunk's unused tail)
 ALIGN = 64             # each tensor starts on a cache line
-MADV_HUGEPAGE = 14     # linux/mman.h
-
-_libc = None
-
-
-def _madvise_huge(address: int, nbytes: int) -> bool:
-    """Ask Linux for transparent huge pages under [address, address + nbytes) (2 MiB-aligned,
-    not yet touched); False where the call is not there or fails (the layers stay together)."""
-    global _libc
-    if not sys.platform.startswith("linux") or nbytes <= 0:
-        return False
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _libc.madvise(address, nbytes, MADV_HUGEPAGE) == 0
 
 
 def _huge_buffer(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes] starting on a huge page, its whole huge pages advised as such: the slack in
-    front and a partial last page stay untouched (virtual), so they cost no memory."""
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    """uint8 [nbytes] on fresh anonymous pages, starting on a huge page, its whole huge pages
+    advised as such (Linux): each first touch then faults in a whole huge page at once — memory the
+    heap had already touched in small pages would be left for khugepaged to collapse while the
+    model serves. The slack in front and a partial last page stay untouched: no memory."""
+    private = getattr(mmap, "MAP_PRIVATE", None)   # a shared mapping would be shmem, not THP's
+    mm = (mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private | mmap.MAP_ANONYMOUS) if private is not None
+          else mmap.mmap(-1, nbytes + HUGE_PAGE))
+    raw = torch.frombuffer(mm, dtype=torch.uint8)   # holds mm: unmapped when the last view goes
     start = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[start:start + nbytes]
-    _madvise_huge(buf.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
-    return buf
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    if whole and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    return raw[start:start + nbytes]
 
 
 class WeightArenas:
