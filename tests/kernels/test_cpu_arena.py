@@ -89,3 +89,24 @@ def test_rotated_state_places_its_inner_state():
     want, packed = k.apply(st, x), st.inner.packed
     k.place(st)
     assert _storage(st.inner.packed) != _storage(packed) and torch.equal(k.apply(st, x), want)
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_arenas_commit_only_what_they_hold():
+    """A fresh 32 MiB chunk holding 100 KB commits one huge page, a 5 MiB tensor's own buffer its
+    5 MiB: the alignment slack, the chunk's untouched rest and a partial last page stay virtual."""
+    small, big = torch.ones(100_000, dtype=torch.uint8), torch.ones(5 << 20, dtype=torch.uint8)
+    arena.WeightArenas().place(small)   # the first call's one-time costs, outside the measurement
+    a = arena.WeightArenas()
+    grown = []
+    for t in (small, big):
+        before = _rss()
+        held = a.place(t)
+        grown.append(_rss() - before)
+        assert torch.equal(held, t)
+    assert grown[0] <= arena.HUGE_PAGE + (256 << 10), grown      # the chunk's first huge page
+    assert big.numel() <= grown[1] <= big.numel() + (256 << 10), grown   # its last partial page in small ones
