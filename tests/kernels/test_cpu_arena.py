@@ -110,3 +110,13 @@ def test_arenas_commit_only_what_they_hold():
         assert torch.equal(held, t)
     assert grown[0] <= arena.HUGE_PAGE + (256 << 10), grown      # the chunk's first huge page
     assert big.numel() <= grown[1] <= big.numel() + (256 << 10), grown   # its last partial page in small ones
+
+
+def test_without_a_mapping_the_tensor_stays_and_says_so(monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(arena.mmap, "mmap", refuse)
+    t = torch.ones(1000, dtype=torch.int32)
+    with caplog.at_level("WARNING", logger="vllm_latq"):
+        assert arena.WeightArenas().place(t) is t
+    assert "no weight arena for a 4000-byte tensor" in caplog.text and "stays where it is" in caplog.text

@@ -5,6 +5,7 @@ memory restart its streams (docs/KERNELS.md, "Streaming the weights").
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 
@@ -14,6 +15,8 @@ HUGE_PAGE = 2 << 20
 CHUNK = 32 << 20       # one arena's bytes: many small layers share one
 OWN_FROM = CHUNK // 8  # a tensor this large gets an arena of its own (bounds a chunk's unused tail)
 ALIGN = 64             # each tensor starts on a cache line
+
+log = logging.getLogger("vllm_latq")
 
 
 def _huge_buffer(nbytes: int) -> torch.Tensor:
@@ -42,18 +45,23 @@ class WeightArenas:
         self._lock = threading.Lock()
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` (contiguous, same dtype and shape) in the current arena."""
+        """A copy of ``t`` (contiguous, same dtype and shape) in the current arena; ``t`` itself
+        where no mapping can be had (the layer then streams from where it is)."""
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or t.device.type != "cpu":
             return t
-        if nbytes >= self.own_from:
-            buf, off = _huge_buffer(nbytes), 0
-        else:
-            with self._lock:
-                if self._buf is None or self._used + nbytes > self._buf.numel():
-                    self._buf, self._used = _huge_buffer(self.chunk), 0
-                buf, off = self._buf, self._used
-                self._used = -(-(off + nbytes) // ALIGN) * ALIGN
+        try:
+            if nbytes >= self.own_from:
+                buf, off = _huge_buffer(nbytes), 0
+            else:
+                with self._lock:
+                    if self._buf is None or self._used + nbytes > self._buf.numel():
+                        self._buf, self._used = _huge_buffer(self.chunk), 0
+                    buf, off = self._buf, self._used
+                    self._used = -(-(off + nbytes) // ALIGN) * ALIGN
+        except OSError as e:   # e.g. a mapping limit: an optimization, never a failed load
+            log.warning("latq: no weight arena for a %d-byte tensor (%s); it stays where it is", nbytes, e)
+            return t
         out = buf[off:off + nbytes].view(t.dtype).view(t.shape)
         out.copy_(t)
         return out
