@@ -231,7 +231,8 @@ std::atomic<int64_t> g_max_m{g_env_off ? int64_t{0} : int64_t{1} << 30};
 // The weights stream through once a call. Where memory bounds the GEMV (1 or 2 rows of x), they
 // are prefetched into L2 8 KB ahead: enough lines in flight for one core's memory bandwidth, where
 // prefetches into L1 queue on its few miss buffers; from 4 rows the arithmetic bounds it and the
-// L1 prefetch 2 KB ahead stays (docs/KERNELS.md, "Streaming the weights"). Off: L1 everywhere, the A/B.
+// L1 prefetch 2 KB ahead stays (docs/KERNELS.md, "Streaming the weights"). Off: L1 everywhere
+// (the bench's A/B).
 std::atomic<bool> g_prefetch_l2{true};
 
 #if LATQ_HAVE_GEMV
