@@ -369,9 +369,10 @@ def streaming(a, results):
     of vLLM's fused shapes, 4-bit g64, then the 8-bit head): the GEMV prefetching into L1 2 KB
     ahead (``set_prefetch_l2(False)``) or into L2 8 KB ahead, each layer's state where
     ``prepare`` allocated it or in the weight arenas a served model loads it into
-    (``CPUKernel.place``: huge pages, load order); passes interleaved, each candidate on its own
-    copy of the weights (a pass must not find the previous one's weights in L3). Keys: t_L1 / t_L2
-    (``stream_prefetch_*``) and t_L2 / t_L2+arena (``stream_arena_*``)."""
+    (``CPUKernel.place``: huge pages, load order); each layer called as vLLM's compiled graph calls
+    it (:func:`layer_call`); passes interleaved, each candidate on its own copy of the weights (a
+    pass must not find the previous one's weights in L3). Keys: t_L1 / t_L2 (``stream_prefetch_*``)
+    and t_L2 / t_L2+arena (``stream_arena_*``)."""
     if not (native.available() and cpu._gemv_here()):
         print("\nstreaming: the C++ GEMV is not available here")
         return
@@ -390,12 +391,14 @@ def streaming(a, results):
             for s in copies["L2+arena"]:
                 CPUKernel.place(s)
             nbytes = sum(sum(CPUKernel.served_bytes(s).values()) for s in copies["L1"])
+            calls = {k: [(s.in_features, *layer_call(CPUKernel, s, s.out_features)) for s in v]
+                     for k, v in copies.items()}
             for M in (1, 2, 8):
                 x = {K: torch.randn(M, K).to(torch.bfloat16) for K in (576, 1536)}
 
                 def run(k):
                     torch.ops.latq_cpu.set_prefetch_l2(k != "L1")
-                    return [CPUKernel.apply(s, x[s.in_features]) for s in copies[k]]
+                    return [op(x[K], *args) for K, op, args in calls[k]]
                 ts = passes({k: (lambda k=k: run(k)) for k in copies}, a.gemv_rounds)
                 sfx = f"{what}_m{M}"
                 results[f"stream_prefetch_{sfx}"] = ratio(ts, "L1", "L2")
@@ -404,6 +407,6 @@ def streaming(a, results):
                                                    for k, v in ts.items())
                       + f" | L1/L2 {results['stream_prefetch_' + sfx]:.3f}x  L2/arena "
                         f"{results['stream_arena_' + sfx]:.3f}x", flush=True)
-            del copies
+            del copies, calls
     finally:
         torch.ops.latq_cpu.set_prefetch_l2(True)
