@@ -66,3 +66,29 @@ def test_op_packed_is_torchs_layout(reads, monkeypatch):
         assert got is p
     else:   # repacked through the GEMV layout's unpacker: torch's packer's bytes for the same u
         assert torch.equal(got, cpu_layouts.int4_ops()[0](u, 1))
+
+
+def test_streaming_candidates_are_what_their_keys_name(monkeypatch):
+    """``--sections streaming`` (one block, one round): L1 runs with the L2 prefetch off, the others
+    with it on; only the arena candidate's states are placed; every key is a positive ratio; the
+    switch is back on afterwards."""
+    from types import SimpleNamespace
+
+    from vllm_latq import native
+    from vllm_latq.kernels.cpu import kernel as cpu
+    if not (native.available() and cpu._gemv_here()):
+        pytest.skip("the C++ GEMV is not available here")
+    placed, switch = [], []
+    real_place, real_switch = cpu.CPUKernel.place.__func__, torch.ops.latq_cpu.set_prefetch_l2
+
+    def place(cls, state):
+        placed.append(state)
+        real_place(cls, state)
+    monkeypatch.setattr(cpu.CPUKernel, "place", classmethod(place))
+    monkeypatch.setattr(torch.ops.latq_cpu, "set_prefetch_l2", lambda on: (switch.append(on), real_switch(on)))
+    results = {}
+    cpu_insitu.streaming(SimpleNamespace(blocks=1, gemv_rounds=1), results)
+    assert len(placed) == len(cpu_insitu.SMOL_VLLM) + 1          # the arena copies: 4 layers, then the head
+    assert switch[-1] is True and set(switch) == {False, True}
+    keys = {f"stream_{k}_{w}_m{m}" for k in ("prefetch", "arena") for w in ("blocks", "head") for m in (1, 2, 8)}
+    assert set(results) == keys and all(v > 0 for v in results.values())
