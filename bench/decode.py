@@ -277,13 +277,16 @@ def default_ckpt(model: str, method: str, rotate: str = "none") -> Path:
 
 
 def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[str], latq_dtypes: list[str],
-                extra_ckpts: list[str]) -> list[dict]:
+                extra_ckpts: list[str], streaming_ab: bool = False) -> list[dict]:
     """The engines of one mode: the unquantized baselines (the first is the reference of the
-    paired ratios), the first latq kernel in every latq dtype, the other kernels and the extra
-    checkpoints in the first."""
-    return [{"label": dtype_label(d), "model": base, "kernel": None, "dtype": d} for d in baseline_dtypes] + [
-        {"label": latq_label(k, d, latq_dtypes[0]), "model": ckpt, "kernel": k, "dtype": d}
-        for k in kernels for d in (latq_dtypes if k == kernels[0] else latq_dtypes[:1])] + [
+    paired ratios), the first latq kernel in every latq dtype (``streaming_ab``: its first once
+    more, streaming as before), the other kernels and the extra checkpoints in the first."""
+    unstreamed = [{"label": unstreamed_label(kernels[0]), "model": ckpt, "kernel": kernels[0],
+                   "dtype": latq_dtypes[0], "streaming": False}] if streaming_ab else []
+    latq = [{"label": latq_label(k, d, latq_dtypes[0]), "model": ckpt, "kernel": k, "dtype": d}
+            for k in kernels for d in (latq_dtypes if k == kernels[0] else latq_dtypes[:1])]
+    return [{"label": dtype_label(d), "model": base, "kernel": None, "dtype": d} for d in baseline_dtypes] + \
+        latq[:1] + unstreamed + latq[1:] + [
         {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0], "dtype": latq_dtypes[0]}
         for e in extra_ckpts]
 
@@ -409,12 +412,8 @@ def main(argv=None) -> None:
         streamed = {}
         for t in threads:
             for mode in a.modes.split(","):
-                jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt) + [
-                    dict(p) for p in peers]
-                if a.streaming_ab:
-                    jobs.insert(len(a.baseline_dtypes.split(",")) + 1, {
-                        "label": unstreamed_label(kernels[0]), "model": ckpt, "kernel": kernels[0],
-                        "dtype": latq_dtypes[0], "streaming": False})
+                jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt,
+                                   a.streaming_ab) + [dict(p) for p in peers]
                 for j in jobs:
                     ref = j["kernel"] == "reference"
                     j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t, cores=bind_cores(binds[t]),

@@ -35,6 +35,10 @@ def test_engines_time_latqs_first_kernel_in_every_latq_dtype():
         ("bf16", None, "bfloat16"), ("fp32", None, "float32"),
         ("latq-cpu", "cpu", "bfloat16"), ("latq-cpu-fp32", "cpu", "float32"),
         ("latq-reference", "reference", "bfloat16"), ("latq-cpu:head8", "cpu", "bfloat16")]
+    ab = decode.engine_jobs("B", "C", ["cpu"], ["bfloat16"], ["bfloat16", "float32"], [], streaming_ab=True)
+    assert [(j["label"], j["dtype"], j.get("streaming")) for j in ab] == [
+        ("bf16", "bfloat16", None), ("latq-cpu", "bfloat16", None),
+        ("latq-cpu:L1,no-arena", "bfloat16", False), ("latq-cpu-fp32", "float32", None)]
 
 
 def test_default_checkpoint_is_latq_quantizes_default(monkeypatch):

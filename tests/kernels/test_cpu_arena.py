@@ -45,7 +45,7 @@ def test_small_tensors_share_a_chunk_in_load_order_large_ones_get_their_own():
     assert _storage(after) == _storage(first[0]) and after.data_ptr() == ptrs[2] + 1024
     filler = [a.place(torch.ones(200_000, dtype=torch.uint8)) for _ in range(12)]   # past one huge page: a new chunk
     assert _storage(filler[-1]) != _storage(first[0])
-    assert all(int(t[0]) == i for i, t in enumerate(first))   # the chunk outlives nothing it holds
+    assert all(int(t[0]) == i for i, t in enumerate(first))   # earlier views keep their values as the arena moves on
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
