@@ -18,9 +18,12 @@ ratio pairs runs of the same few seconds: a shared machine's memory bandwidth dr
 minutes, which separate back-to-back measurements would read as a speed difference. Reported:
 median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
 and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which.
-Both modes run in turn, at each ``--threads`` count (default: all cores; a vLLM engine's
-threads are ``VLLM_CPU_OMP_THREADS_BIND`` = 0..n−1, llama.cpp's its thread count; idle engines
-wait on a pipe). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
+Both modes run in turn, at each ``--threads`` count (default: all cores; idle engines wait on a
+pipe): llama.cpp on that many threads bound to cores 0..n−1, a vLLM engine with the OpenMP
+environment vLLM's multiprocess executor gives its CPU worker for ``VLLM_CPU_OMP_THREADS_BIND`` =
+0..n−1 (:func:`omp_env`). An in-process engine gets none from vLLM — its CPU platform says so — and
+would run torch's default of every core; each worker reports the threads and cores it ran on,
+and a vLLM engine on any other count than asked is an error, not a row. A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
 ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
 included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every kernel
@@ -117,7 +120,9 @@ def serve(job: dict) -> None:
     except Exception as e:  # noqa: BLE001 - reported in the table
         reply({"error": f"{type(e).__name__}: {e}"})
         return
-    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job), "vllm_ops": cpu_features.vllm_build()})
+    import torch
+    reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job), "vllm_ops": cpu_features.vllm_build(),
+           "omp_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -187,8 +192,10 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
         engines = []
         try:
             for j in jobs:                      # one at a time: loading (compiling) is CPU-bound
-                e = Engine(j, env, td)
+                e = Engine(j, env if j.get("peer") else {**env, **omp_env(j["cores"])}, td)
                 r = e.read()
+                if "omp_threads" in r and r["omp_threads"] != j["threads"]:
+                    r["error"] = f"the engine ran {r['omp_threads']} OpenMP threads, not {j['threads']}"
                 engines.append(e)
                 results.append({**j, **r})
                 print(f"[decode bench] {j['label']} {j['mode']} loaded", file=sys.stderr, flush=True)
@@ -289,6 +296,15 @@ def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[
         latq[:1] + unstreamed + latq[1:] + [
         {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0], "dtype": latq_dtypes[0]}
         for e in extra_ckpts]
+
+
+def omp_env(cores: list[int]) -> dict:
+    """The OpenMP environment vLLM's multiprocess executor sets for a CPU worker bound to
+    ``cores`` (vllm/utils/ompmultiprocessing.py, without a preloaded OpenMP): one thread per core,
+    pinned to them. Given to an in-process engine's worker process before torch starts, where
+    vLLM itself binds nothing."""
+    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}",
+            "OMP_PROC_BIND": "true"}
 
 
 def bind_cores(bind: str) -> list[int]:

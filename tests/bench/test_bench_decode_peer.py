@@ -4,6 +4,7 @@ each engine streams per token, and the HEADLINE's peer, thread and byte keys; a 
 the bench for real with llama.cpp beside vLLM."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -138,6 +139,43 @@ def test_bytes_each_engine_streams():
 
 def test_thread_binding_cores():
     assert [decode.bind_cores(b) for b in ("0-1", "0", "0,2", "0-3,8")] == [[0, 1], [0], [0, 2], [0, 1, 2, 3, 8]]
+
+
+def test_a_vllm_engine_runs_on_the_threads_and_cores_asked():
+    """An in-process vLLM engine gets no OpenMP binding from vLLM: the worker's environment
+    (``omp_env``) gives torch one thread per asked core, pinned there."""
+    code = "import os, torch; print(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **decode.omp_env([0])},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split(None, 1) == ["1", "[0]\n"]
+
+
+def test_an_engine_on_other_threads_than_asked_is_an_error_not_a_row(monkeypatch):
+    """run_mode gives each vLLM engine ``omp_env`` of its cores and the peer none; an engine
+    that reports another thread count is an error in its row and is never timed."""
+    seen = []
+
+    class Engine:
+        def __init__(self, job, env, logdir):
+            seen.append((job["label"], env.get("OMP_NUM_THREADS"), env.get("OMP_PLACES")))
+            self.job, self.lines = job, []
+
+        def read(self):
+            return {"load_s": 1.0, **({} if self.job.get("peer") else {"omp_threads": 2})}
+
+        def call(self, **req):
+            raise AssertionError("an engine on the wrong threads was timed")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(decode, "Engine", Engine)
+    common = {"mode": "compiled", "threads": 1, "cores": [0], "batches": [1], "tokens": 4}
+    jobs = [{"label": "bf16", "kernel": None, "repeats": 1, **common},
+            {"label": "llama.cpp:Q4_1", "kernel": "llamacpp", "peer": True, "repeats": 0, **common}]
+    res = decode.run_mode(jobs, {"OMP_NUM_THREADS": "7"}, repeats=1)
+    assert seen == [("bf16", "1", "{0}"), ("llama.cpp:Q4_1", "7", None)]
+    assert res[0]["error"] == "the engine ran 2 OpenMP threads, not 1" and "error" not in res[1]
 
 
 # ----------------------------------------------------------------------------- the report
