@@ -887,19 +887,26 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const int64_t N = packed.size(0), M = x.size(0), K = x.size(1), G = K / g;
   at::Tensor xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  std::vector<float> xs(M * G);  // [M, G] group sums of x
-  for (int64_t i = 0; i < M * G; ++i) {
-    float s = 0.f;
-    for (int64_t k = i * g; k < (i + 1) * g; ++k) s += bf(xp[k]);
-    xs[i] = s;
-  }
+  const Scales sc = scales_of(scales, planes);
   const int isa = g_isa.load();
+  // [M, G] group sums of x for the fold's z·Σx_g, summed only where a group's zero can be nonzero
+  // ((s, z) pairs; a two-plane layer's low plane; every group for the AVX2 GEMV, whose nibbles are
+  // unsigned): elsewhere z = 0 and they stay 0, so a one-plane or coded layer (the default's) makes
+  // no serial pass over x for them on AVX-512
+  const int64_t zgroups = isa == 1 || sc.sz ? G : sc.s ? sc.zlow : 0;
+  std::vector<float> xs(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < zgroups; ++gi) {
+      const uint16_t* xg = xp + m * K + gi * g;
+      float s = 0.f;
+      for (int64_t k = 0; k < g; ++k) s += bf(xg[k]);
+      xs[m * G + gi] = s;
+    }
   std::vector<float> xf(isa == 1 ? M * K : 0);   // the AVX2 GEMV broadcasts x from fp32
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf(xp[i]);
   if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
-  const Scales sc = scales_of(scales, planes);
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
 #if LATQ_HAVE_AVX2
