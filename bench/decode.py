@@ -19,11 +19,7 @@ minutes, which separate back-to-back measurements would read as a speed differen
 median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
 and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which.
 Both modes run in turn, at each ``--threads`` count (default: all cores; idle engines wait on a
-pipe): llama.cpp on that many threads bound to cores 0..n−1, a vLLM engine with the OpenMP
-environment vLLM's multiprocess executor gives its CPU worker for ``VLLM_CPU_OMP_THREADS_BIND`` =
-0..n−1 (:func:`omp_env`). An in-process engine gets none from vLLM — its CPU platform says so — and
-would run torch's default of every core; each worker reports the threads and cores it ran on,
-and a vLLM engine on any other count than asked is an error, not a row. A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
+pipe), every engine on that many threads and cores 0..n−1 (``bench/decode_engines.py``). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
 ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
 included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every kernel
@@ -59,19 +55,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import decode_peer
+from bench.decode_engines import MARK, ROOT, bind_cores, run_mode
 from bench.decode_profile import profile_step
 from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
 from vllm_latq import cpu_features
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
            "The theory of relativity", "A recipe for bread:", "The largest ocean on Earth",
            "Machine learning is", "The history of Rome"]
@@ -79,7 +73,6 @@ PROMPTS = ["The capital of France is", "Photosynthesis is the process by which",
 
 # ----------------------------------------------------------------------------- worker
 
-MARK = "@@decode-bench "   # prefix of the worker's replies on stdout (vLLM logs there too)
 
 
 def serve(job: dict) -> None:
@@ -148,96 +141,6 @@ def _gemv_isa(job: dict) -> str:
     return kernel.gemv_isa()
 
 
-class Engine:
-    """The driver's handle on one worker process."""
-
-    def __init__(self, job: dict, env: dict, logdir: str):
-        self.job, self.lines = job, []
-        self.err = open(Path(logdir, f"engine{id(self)}.err"), "w+")
-        self.p = subprocess.Popen([sys.executable, "-m", "bench.decode", "--serve", json.dumps(job)], env=env, cwd=ROOT,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
-
-    def read(self) -> dict:
-        for line in self.p.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-            self.lines.append(line.rstrip())
-        self.err.seek(0)
-        last = [ln for ln in self.err.read().splitlines() if ln.strip()][-4:]   # where a crash says why
-        return {"error": f"worker exited ({self.p.wait()}): " + " | ".join(last)}
-
-    def call(self, **req) -> dict:
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def close(self):
-        if self.p.poll() is None:
-            try:
-                self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.p.stdin.close()
-                self.p.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-        self.err.seek(0)
-        self.lines += self.err.read().splitlines()
-        self.err.close()
-
-
-def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
-    """Load every engine, then interleaved rounds; per engine: runs (median) and, for all but
-    the first (bf16), the median over rounds of the paired ratio bf16 time / its time."""
-    results = []
-    with tempfile.TemporaryDirectory() as td:
-        engines = []
-        try:
-            for j in jobs:                      # one at a time: loading (compiling) is CPU-bound
-                e = Engine(j, env if j.get("peer") else {**env, **omp_env(j["cores"])}, td)
-                r = e.read()
-                if "omp_threads" in r and r["omp_threads"] != j["threads"]:
-                    r["error"] = f"the engine ran {r['omp_threads']} OpenMP threads, not {j['threads']}"
-                engines.append(e)
-                results.append({**j, **r})
-                print(f"[decode bench] {j['label']} {j['mode']} loaded", file=sys.stderr, flush=True)
-            live = [(e, r) for e, r in zip(engines, results) if "error" not in r]
-            times = {id(r): {b: [] for b in jobs[0]["batches"]} for _, r in live}
-            for rnd in range(max(j["repeats"] for j in jobs)):
-                order = live[rnd % len(live):] + live[:rnd % len(live)] if live else []
-                for b in jobs[0]["batches"]:
-                    for e, r in order:
-                        if len(times[id(r)][b]) >= r["repeats"] or (r["kernel"] in decode_peer.PEERS and b != 1):
-                            continue
-                        got = e.call(op="run", batch=b)
-                        if "error" in got:
-                            r["error"] = got["error"]
-                            continue
-                        times[id(r)][b].append(got["s"])
-                        time.sleep(0.3)         # let the other engine's OpenMP threads go idle
-            ref = id(results[0]) if "error" not in results[0] else None
-            for e, r in live:
-                if "error" in r:
-                    continue
-                r["runs"] = {}
-                for b, ts in times[id(r)].items():
-                    if not ts:      # a peer at a batch it does not run
-                        continue
-                    med = statistics.median(ts)
-                    run = {"times": [round(x, 3) for x in ts], "median_s": med,
-                           "tok_s": b * r["tokens"] / med, "ms_per_step": 1000 * med / r["tokens"]}
-                    if ref is not None and r["tokens"] == results[0]["tokens"]:
-                        pairs = list(zip(times[ref][b], ts))
-                        rs = [t0 / t1 for t0, t1 in pairs]
-                        run["paired_ratio"], run["paired_range"] = statistics.median(rs), (min(rs), max(rs))
-                    r["runs"][str(b)] = run
-                if r.get("profile"):
-                    r["profile"] = e.call(op="profile")
-        finally:
-            for e, r in zip(engines, results):
-                e.close()
-                r["load_line"] = next((ln.split("] ", 1)[-1] for ln in e.lines if "linears loaded" in ln), None)
-    return results
-
-
 # ----------------------------------------------------------------------------- driver
 
 def available_kernels() -> list[str]:
@@ -296,24 +199,6 @@ def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[
         latq[:1] + unstreamed + latq[1:] + [
         {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0], "dtype": latq_dtypes[0]}
         for e in extra_ckpts]
-
-
-def omp_env(cores: list[int]) -> dict:
-    """The OpenMP environment vLLM's multiprocess executor sets for a CPU worker bound to
-    ``cores`` (vllm/utils/ompmultiprocessing.py, without a preloaded OpenMP): one thread per core,
-    pinned to them. Given to an in-process engine's worker process before torch starts, where
-    vLLM itself binds nothing."""
-    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}",
-            "OMP_PROC_BIND": "true"}
-
-
-def bind_cores(bind: str) -> list[int]:
-    """The cores of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0-3`` or ``0,2``: one thread each."""
-    cores = []
-    for p in bind.split(","):
-        a, _, b = p.partition("-")
-        cores += range(int(a), int(b or a) + 1)
-    return cores
 
 
 def streamed_bytes(job: dict, cache: dict) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import decode, decode_peer, latq_gguf
+from bench import decode_engines, decode_peer, latq_gguf
 from bench.decode_report import headline, table
 
 gguf = pytest.importorskip("gguf")
@@ -138,14 +138,14 @@ def test_bytes_each_engine_streams():
 
 
 def test_thread_binding_cores():
-    assert [decode.bind_cores(b) for b in ("0-1", "0", "0,2", "0-3,8")] == [[0, 1], [0], [0, 2], [0, 1, 2, 3, 8]]
+    assert [decode_engines.bind_cores(b) for b in ("0-1", "0", "0,2", "0-3,8")] == [[0, 1], [0], [0, 2], [0, 1, 2, 3, 8]]
 
 
 def test_a_vllm_engine_runs_on_the_threads_and_cores_asked():
     """An in-process vLLM engine gets no OpenMP binding from vLLM: the worker's environment
     (``omp_env``) gives torch one thread per asked core, pinned there."""
     code = "import os, torch; print(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **decode.omp_env([0])},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **decode_engines.omp_env([0])},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split(None, 1) == ["1", "[0]\n"]
 
@@ -169,11 +169,11 @@ def test_an_engine_on_other_threads_than_asked_is_an_error_not_a_row(monkeypatch
         def close(self):
             pass
 
-    monkeypatch.setattr(decode, "Engine", Engine)
+    monkeypatch.setattr(decode_engines, "Engine", Engine)
     common = {"mode": "compiled", "threads": 1, "cores": [0], "batches": [1], "tokens": 4}
     jobs = [{"label": "bf16", "kernel": None, "repeats": 1, **common},
             {"label": "llama.cpp:Q4_1", "kernel": "llamacpp", "peer": True, "repeats": 0, **common}]
-    res = decode.run_mode(jobs, {"OMP_NUM_THREADS": "7"}, repeats=1)
+    res = decode_engines.run_mode(jobs, {"OMP_NUM_THREADS": "7"}, repeats=1)
     assert seen == [("bf16", "1", "{0}"), ("llama.cpp:Q4_1", "7", None)]
     assert res[0]["error"] == "the engine ran 2 OpenMP threads, not 1" and "error" not in res[1]
 
