@@ -19,8 +19,8 @@ minutes, which separate back-to-back measurements would read as a speed differen
 median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
 and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which.
 Both modes run in turn, at each ``--threads`` count (default: all cores; idle engines wait on a
-pipe), every engine on that many threads and cores 0..n−1 (``bench/decode_engines.py``). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS
-ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
+pipe), every engine on that many threads and cores 0..n−1 (``bench/decode_engines.py``). A run
+times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
 included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every kernel
 whose ``can_implement`` accepts the layers, plus the reference). Every engine's row gives the
@@ -72,7 +72,6 @@ PROMPTS = ["The capital of France is", "Photosynthesis is the process by which",
 
 
 # ----------------------------------------------------------------------------- worker
-
 
 
 def serve(job: dict) -> None:

@@ -88,7 +88,8 @@ def run_mode(jobs: list[dict], env: dict, repeats: int) -> list[dict]:
                 e = Engine(j, env if j.get("peer") else {**env, **omp_env(j["cores"])}, td)
                 r = e.read()
                 if "omp_threads" in r and r["omp_threads"] != j["threads"]:
-                    r["error"] = f"the engine ran {r['omp_threads']} OpenMP threads, not {j['threads']}"
+                    r["error"] = (f"the engine ran {r['omp_threads']} OpenMP threads, not {j['threads']} "
+                                  f"(on cores {r.get('cpus')})")
                 engines.append(e)
                 results.append({**j, **r})
                 print(f"[decode bench] {j['label']} {j['mode']} loaded", file=sys.stderr, flush=True)

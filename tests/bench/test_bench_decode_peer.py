@@ -161,7 +161,7 @@ def test_an_engine_on_other_threads_than_asked_is_an_error_not_a_row(monkeypatch
             self.job, self.lines = job, []
 
         def read(self):
-            return {"load_s": 1.0, **({} if self.job.get("peer") else {"omp_threads": 2})}
+            return {"load_s": 1.0, **({} if self.job.get("peer") else {"omp_threads": 2, "cpus": [0, 1]})}
 
         def call(self, **req):
             raise AssertionError("an engine on the wrong threads was timed")
@@ -175,7 +175,7 @@ def test_an_engine_on_other_threads_than_asked_is_an_error_not_a_row(monkeypatch
             {"label": "llama.cpp:Q4_1", "kernel": "llamacpp", "peer": True, "repeats": 0, **common}]
     res = decode_engines.run_mode(jobs, {"OMP_NUM_THREADS": "7"}, repeats=1)
     assert seen == [("bf16", "1", "{0}"), ("llama.cpp:Q4_1", "7", None)]
-    assert res[0]["error"] == "the engine ran 2 OpenMP threads, not 1" and "error" not in res[1]
+    assert res[0]["error"] == "the engine ran 2 OpenMP threads, not 1 (on cores [0, 1])" and "error" not in res[1]
 
 
 # ----------------------------------------------------------------------------- the report
