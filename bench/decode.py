@@ -19,7 +19,8 @@ minutes, which separate back-to-back measurements would read as a speed differen
 median tok/s per engine, the median over rounds of the paired ratio (``speedup_median_of_rounds``)
 and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which.
 Both modes run in turn, at each ``--threads`` count (default: all cores; idle engines wait on a
-pipe), every engine on that many threads and cores 0..n−1 (``bench/decode_engines.py``). A run
+pipe), every engine on that many threads, on the first n cores the bench may use
+(``bench/decode_engines.py``). A run
 times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
 included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every kernel
@@ -61,7 +62,7 @@ import time
 from pathlib import Path
 
 from bench import decode_peer
-from bench.decode_engines import MARK, ROOT, bind_cores, run_mode
+from bench.decode_engines import MARK, ROOT, bind_cores, run_mode, thread_binds
 from bench.decode_profile import profile_step
 from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
 from vllm_latq import cpu_features
@@ -296,13 +297,10 @@ def main(argv=None) -> None:
     latq_dtypes = a.latq_dtypes.split(",")
     kernels = available_kernels() if a.kernels == "auto" else a.kernels.split(",")
     batches = [int(b) for b in a.batches.split(",")]
-    ncpu = os.cpu_count() or 1
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
-    binds = ({int(t): "0" if t == "1" else f"0-{int(t) - 1}" for t in a.threads.split(",")} if a.threads else
-             {len(bind_cores(env["VLLM_CPU_OMP_THREADS_BIND"])): env["VLLM_CPU_OMP_THREADS_BIND"]})
+    binds = thread_binds(a.threads, env.get("VLLM_CPU_OMP_THREADS_BIND"))
     threads = list(binds)
     print(f"decode bench: {base} (bf16) vs {ckpt}; kernels {kernels}; batches {batches}; {a.tokens} new "
           f"tokens; median of {a.repeats}; threads {threads}; {cpu_features.describe()}", flush=True)
@@ -335,7 +333,8 @@ def main(argv=None) -> None:
     print("HEADLINE " + headline(results, modes=a.modes.split(","), batches=batches, kernel=kernels[0],
                                  latq_dtypes=latq_dtypes, extra_ckpts=a.extra_ckpt, cpu=cpu_features.capability(),
                                  cpu_hw=cpu_features.hardware_capability(), model=Path(base).name,
-                                 ckpt=Path(ckpt).name, threads=threads, all_threads=ncpu))
+                                 ckpt=Path(ckpt).name, threads=threads,
+                                 all_threads=len(os.sched_getaffinity(0))))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ than asked is an error, not a row."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,22 @@ def omp_env(cores: list[int]) -> dict:
     vLLM itself binds nothing."""
     return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}",
             "OMP_PROC_BIND": "true"}
+
+
+def thread_binds(threads: str | None, bind: str | None) -> dict[int, str]:
+    """Thread count → the ``VLLM_CPU_OMP_THREADS_BIND`` list its engines run on: for each count of
+    ``threads`` (a comma list) the first that many cores this process may run on; without it one
+    count, ``bind`` (the caller's list) or every allowed core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not threads:
+        bind = bind or ",".join(map(str, allowed))
+        return {len(bind_cores(bind)): bind}
+    binds = {}
+    for t in map(int, threads.split(",")):
+        if not 1 <= t <= len(allowed):
+            raise ValueError(f"--threads {t}: this process may run on {len(allowed)} cores ({allowed})")
+        binds[t] = ",".join(map(str, allowed[:t]))
+    return binds
 
 
 def bind_cores(bind: str) -> list[int]:

@@ -141,6 +141,15 @@ def test_thread_binding_cores():
     assert [decode_engines.bind_cores(b) for b in ("0-1", "0", "0,2", "0-3,8")] == [[0, 1], [0], [0, 2], [0, 1, 2, 3, 8]]
 
 
+def test_thread_counts_take_the_first_cores_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(decode_engines.os, "sched_getaffinity", lambda pid: {6, 4, 5})
+    assert decode_engines.thread_binds("1,3", None) == {1: "4", 3: "4,5,6"}
+    assert decode_engines.thread_binds(None, None) == {3: "4,5,6"}
+    assert decode_engines.thread_binds(None, "5-6") == {2: "5-6"}
+    with pytest.raises(ValueError, match="may run on 3 cores"):
+        decode_engines.thread_binds("4", None)
+
+
 def test_a_vllm_engine_runs_on_the_threads_and_cores_asked():
     """An in-process vLLM engine gets no OpenMP binding from vLLM: the worker's environment
     (``omp_env``) gives torch one thread per asked core, pinned there."""
