@@ -20,9 +20,9 @@ median tok/s per engine, the median over rounds of the paired ratio (``speedup_m
 and the ratio of the median tok/s (``speedup_tok_s``): they differ, and each line says which.
 Both modes run in turn, at each ``--threads`` count (default: all cores; idle engines wait on a
 pipe), every engine on that many threads, on the first n cores the bench may use
-(``bench/decode_engines.py``). A run
-times ``llm.generate`` of ``batch`` prompts × ``--tokens`` new tokens (EOS ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short prompts' prefill
-included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
+(``bench/decode_engines.py``). A run times ``llm.generate`` of ``batch`` prompts × ``--tokens``
+new tokens (EOS ignored) after a warm-up; decode tok/s = batch · tokens / seconds (the short
+prompts' prefill included). The reference kernel (re-dequantizes every call) runs --reference-tokens (16) once.
 On a GPU machine the same script measures the Triton path (``--kernels auto`` = every kernel
 whose ``can_implement`` accepts the layers, plus the reference). Every engine's row gives the
 bytes one decode step streams (MB/token, bits/weight over its linears and head: latq's as its
@@ -318,7 +318,7 @@ def main(argv=None) -> None:
                              tokens=a.reference_tokens if ref else a.tokens,
                              repeats=a.reference_repeats if ref else a.repeats, profile=a.profile and not j.get("peer"))
                     j.update(streamed_bytes(j, streamed))
-                menv = dict(env, VLLM_CPU_OMP_THREADS_BIND=binds[t])
+                menv = dict(env)   # each engine's threads: decode_engines.run_mode, from its job's cores
                 if mode == "eager":
                     menv["TORCH_COMPILE_DISABLE"] = "1"
                 else:
