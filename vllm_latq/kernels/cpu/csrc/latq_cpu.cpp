@@ -176,6 +176,25 @@ struct Scales {
 
 inline bool is_coded(const at::Tensor& scales) { return scales.scalar_type() == at::kInt; }
 
+#if LATQ_HAVE_AVX2
+// The scales of 64-row block b into L1: one short run per group, N rows apart, which the
+// hardware's stream prefetchers do not follow — each group's first read would wait on memory.
+inline void prefetch_scales(const Scales& sc, int64_t G, int64_t N, int64_t b) {
+  const char* p;
+  int64_t row, bytes;
+  if (sc.coded) {
+    p = reinterpret_cast<const char*>(sc.coded + b * 4 * 3), row = N / 16 * 12, bytes = 48;
+  } else if (sc.sz) {
+    p = reinterpret_cast<const char*>(sc.sz + b * 64), row = 4 * N, bytes = 256;
+  } else {
+    p = reinterpret_cast<const char*>(sc.s + b * 64), row = 2 * N, bytes = 128;
+  }
+  for (int64_t gi = 0; gi < G; ++gi, p += row)   // every line the run touches, aligned or not
+    for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < reinterpret_cast<uintptr_t>(p) + bytes; a += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+}
+#endif
+
 inline float half_bits(uint32_t h) { return static_cast<float>(c10::Half(static_cast<uint16_t>(h), c10::Half::from_bits())); }
 
 // the scale of row j (< 16) of one 16-row block's words w: bf16(fp16(min + code·step)), the
@@ -913,6 +932,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     if (isa == 1)
       for (int64_t b = u0; b < std::min(u1, nb); ++b) {
         if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));
+        if (b == u0) prefetch_scales(sc, G, N, b);
+        if (b + 1 < std::min(u1, nb)) prefetch_scales(sc, G, N, b + 1);
         for (int64_t m0 = 0; m0 < M; m0 += 8)
           block_rows_avx2(xf.data() + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N,
                           std::min<int64_t>(8, M - m0));
@@ -922,6 +943,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 #if LATQ_HAVE_GEMV
     for (int64_t b = u0; isa == 2 && b < std::min(u1, nb); ++b) {
       if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));   // in flight during the GEMV
+      if (b == u0) prefetch_scales(sc, G, N, b);
+      if (b + 1 < std::min(u1, nb)) prefetch_scales(sc, G, N, b + 1);
       for (int64_t m0 = 0; m0 < M; m0 += 8)
         block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
       fin(f, yp, b * 64, b * 64 + 64);
