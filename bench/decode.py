@@ -5,11 +5,16 @@ beside them (``--peer llamacpp``), eager and compiled, batch 1 and 8, 128 new to
     python -m bench.decode --kernels cpu --modes compiled --batches 1 --peer llamacpp --threads 1,2
     python -m bench.decode --kernels cpu --profile --extra-ckpt CKPT   # + step breakdown, + another checkpoint
     python -m bench.decode --moe --kernels cpu             # a mixture-of-experts pair (below)
+    python -m bench.decode --synthetic 1b --kernels cpu    # Llama-3.2-1B's shapes, random weights
 
 ``--moe``: a random Qwen3-MoE (``MOE_SIZES``: 8 experts, top-2, 4 blocks, hidden 512; SmolLM2's
 tokenizer, untied bf16 head) vs its checkpoint with SSQR-format experts and attention
 (``vllm_latq/testing/moe_models.py``: RTN integers + forced outliers), both built once under the
 cache. The ratio covers the whole step: the bf16 embedding and head stream in both engines.
+``--synthetic SHAPE``: a random-weight model of ``bench/memory.py``'s shape (``1b``: Llama-3.2-1B's
+blocks and vocabulary, tied head) vs its default checkpoint (small calibration), both built once:
+the step where the weights, not vLLM's per-step work, take most of the time, as at the sizes
+people serve.
 
 Every engine runs in its own process (in-process engine, so start-up stays short); all
 engines of one mode are loaded (one after the other), then their runs are interleaved —
@@ -65,6 +70,7 @@ from bench import decode_peer
 from bench.decode_engines import MARK, ROOT, bind_cores, run_mode, thread_binds
 from bench.decode_profile import profile_step
 from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
+from bench.memory import SHAPES
 from vllm_latq import cpu_features
 
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
@@ -224,6 +230,26 @@ def streamed_bytes(job: dict, cache: dict) -> dict:
 MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
 
 
+def synthetic_pair(shape: str, method: str) -> tuple[Path, Path]:
+    """(bf16 source, default checkpoint by ``method``) of a random-weight model of ``bench/memory.py``'s
+    shape ``shape``, both built once under the cache: the step's bytes at a size people serve."""
+    from bench.memory import model_config, write_model
+    from vllm_latq.data import cache_dir
+    from vllm_latq.errors import FormatError
+    from vllm_latq.format.manifest import read_manifest
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+
+    src = write_model(cache_dir() / "bench" / f"synthetic-{shape}", model_config(shape, None))
+    ckpt = src.with_name(f"{src.name}-{method}")
+    try:
+        read_manifest(ckpt)
+    except FormatError:
+        print(f"quantizing {src} with {method} into {ckpt} (once; small calibration)", file=sys.stderr)
+        quantize_model(src, ckpt, QuantizeOptions(method=method, nsamples=16, seqlen=256), overwrite=True)
+    return src, ckpt
+
+
+
 def moe_pair() -> tuple[Path, Path]:
     """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache."""
     from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
@@ -278,6 +304,8 @@ def main(argv=None) -> None:
                     help="also profile one batch-1 run per engine: step time in linears / lm_head / rest")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts pair (see above) instead of "
                     "--model/--ckpt")
+    ap.add_argument("--synthetic", default=None, choices=sorted(SHAPES), help="a random-weight model of a shape of "
+                    "bench/memory.py (1b: Llama-3.2-1B's) and its default checkpoint, built once, instead of --model/--ckpt")
     ap.add_argument("--json", default=None, help="also write all results here")
     ap.add_argument("--serve", metavar="JOB", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -289,6 +317,8 @@ def main(argv=None) -> None:
 
     if a.moe:
         base, ckpt = map(str, moe_pair())
+    elif a.synthetic:
+        base, ckpt = map(str, synthetic_pair(a.synthetic, a.method or DEFAULT_METHOD))
     else:
         base = str(model_dir(a.model)) if a.model in MODELS else a.model
         ckpt = str(a.ckpt or default_ckpt(a.model, a.method or DEFAULT_METHOD))

@@ -34,10 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 SHARD_BYTES = 2 * GiB  # source shards of at most this size (HF writes ~5 GB ones)
 POOL = 1 << 24  # random values the weights are tiled from
-SHAPES = {  # the 8B's, a tiny one (tests), a small one whose block dwarfs the RSS noise, and a Qwen3-30B-A3B-like MoE
+SHAPES = {  # the 8B's, Llama-3.2-1B's (the decode bench's --synthetic), a tiny one (tests), a small one whose
+    # block dwarfs the RSS noise, and a Qwen3-30B-A3B-like MoE
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
                rms_norm_eps=1e-5),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
@@ -56,7 +60,7 @@ COMPLETE = "latq_bench_model.json"  # written last: the directory is complete
 
 
 def model_config(shape: str, layers: int | None) -> dict:
-    cfg = dict(SHAPES[shape], torch_dtype="bfloat16", tie_word_embeddings=False, hidden_act="silu")
+    cfg = {"tie_word_embeddings": False, **SHAPES[shape], "torch_dtype": "bfloat16", "hidden_act": "silu"}
     cfg.setdefault("model_type", "llama")
     cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
     if layers is not None:
@@ -79,6 +83,8 @@ def checkpoint_shapes(cfg: dict) -> dict:
             shapes[names.original.get(n, n)] = t.shape
         for name, x in sorted(experts.items(), key=lambda kv: (kv[1].expert, kv[1].rows.start)):
             shapes[f"{name}.weight"] = torch.Size([x.rows.stop - x.rows.start, t.shape[2]])
+    if cfg.get("tie_word_embeddings"):   # the head is the embedding: not stored twice, as HF saves it
+        shapes.pop("lm_head.weight", None)
     return shapes
 
 

@@ -107,3 +107,24 @@ def test_an_extra_checkpoint_is_paired_with_the_primary_one():
     keys = dict(kv.split("=", 1) for kv in line.split())
     assert keys["compiled_b1_m-gptq-rot-hadamard_vs_latq"] == "1.050"     # rounds 1.10, 1.05, 1.00
     assert "compiled_b1_speedup_median_of_rounds_m-gptq-rot-hadamard" in keys
+
+
+def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoint(tmp_path, monkeypatch):
+    """``--synthetic SHAPE``: bench/memory.py's model of that shape and the checkpoint the
+    pipeline makes of it by the method asked, both built once: a second call quantizes nothing."""
+    import json
+
+    from vllm_latq import data
+    from vllm_latq.format.manifest import read_manifest
+    from vllm_latq.quantize import pipeline
+    from bench.memory import SHAPES
+    monkeypatch.setattr(data, "cache_dir", lambda: tmp_path)
+    src, ckpt = decode.synthetic_pair("tiny", "gptq")
+    cfg = json.loads((src / "config.json").read_text())
+    assert {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} == \
+        {k: SHAPES["tiny"][k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    read_manifest(ckpt)   # sealed, as the loader wants it
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert (qc["method"], qc["lm_head_quantized"]) == ("gptq", True)
+    monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **k: pytest.fail("quantized again"))
+    assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt)
