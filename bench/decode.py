@@ -230,6 +230,20 @@ def streamed_bytes(job: dict, cache: dict) -> dict:
 MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
 
 
+def moe_pair() -> tuple[Path, Path]:
+    """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache."""
+    from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
+    from vllm_latq.data import cache_dir
+
+    src = cache_dir() / "bench" / "qwen3_moe-random-e8"
+    ckpt = src.with_name(src.name + "-ssqr")
+    if not (ckpt / "config.json").exists():
+        print(f"building {src} and {ckpt} (once)", file=sys.stderr)
+        make_moe_model(src, "qwen3_moe", **MOE_SIZES)
+        make_moe_checkpoint(src, ckpt, "ssqr", group=128)
+    return src, ckpt
+
+
 def synthetic_pair(shape: str, method: str) -> tuple[Path, Path]:
     """(bf16 source, default checkpoint by ``method``) of a random-weight model of ``bench/memory.py``'s
     shape ``shape``, both built once under the cache: the step's bytes at a size people serve."""
@@ -249,25 +263,11 @@ def synthetic_pair(shape: str, method: str) -> tuple[Path, Path]:
     return src, ckpt
 
 
-
-def moe_pair() -> tuple[Path, Path]:
-    """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache."""
-    from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
-    from vllm_latq.data import cache_dir
-
-    src = cache_dir() / "bench" / "qwen3_moe-random-e8"
-    ckpt = src.with_name(src.name + "-ssqr")
-    if not (ckpt / "config.json").exists():
-        print(f"building {src} and {ckpt} (once)", file=sys.stderr)
-        make_moe_model(src, "qwen3_moe", **MOE_SIZES)
-        make_moe_checkpoint(src, ckpt, "ssqr", group=128)
-    return src, ckpt
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="bf16 baseline: a reference model name or HF dir")
-    ap.add_argument("--ckpt", default=None, help="latq checkpoint (default: cached SSQR checkpoint of --model)")
+    ap.add_argument("--ckpt", default=None, help="latq checkpoint (default: the cached checkpoint latq-quantize "
+                    "makes of --model, by --method)")
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
@@ -315,6 +315,8 @@ def main(argv=None) -> None:
     from vllm_latq.data import MODELS, model_dir
     from vllm_latq.quantize.pipeline import DEFAULT_METHOD
 
+    if a.moe and a.synthetic or (a.moe or a.synthetic) and a.ckpt:
+        ap.error("--moe and --synthetic each measure the pair they build: one of them, without --ckpt")
     if a.moe:
         base, ckpt = map(str, moe_pair())
     elif a.synthetic:

@@ -128,3 +128,17 @@ def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoin
     assert (qc["method"], qc["lm_head_quantized"]) == ("gptq", True)
     monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **k: pytest.fail("quantized again"))
     assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt)
+
+
+@pytest.mark.parametrize("argv", [["--synthetic", "tiny", "--moe"], ["--synthetic", "tiny", "--ckpt", "/ckpt"],
+                                  ["--moe", "--ckpt", "/ckpt"]])
+def test_a_built_pair_refuses_another_checkpoint(argv, capsys, monkeypatch):
+    """--moe and --synthetic measure what they build: with each other or --ckpt, the bench says so
+    before building anything."""
+    def build(*a):
+        raise AssertionError("built a pair")
+    monkeypatch.setattr(decode, "moe_pair", build)
+    monkeypatch.setattr(decode, "synthetic_pair", build)
+    with pytest.raises(SystemExit):
+        decode.main(argv)
+    assert "without --ckpt" in capsys.readouterr().err
