@@ -70,7 +70,7 @@ from bench import decode_peer
 from bench.decode_engines import MARK, ROOT, bind_cores, run_mode, thread_binds
 from bench.decode_profile import profile_step
 from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
-from bench.memory import SHAPES
+from bench.memory import SHAPES, model_config, write_model
 from vllm_latq import cpu_features
 
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
@@ -247,7 +247,6 @@ def moe_pair() -> tuple[Path, Path]:
 def synthetic_pair(shape: str, method: str) -> tuple[Path, Path]:
     """(bf16 source, default checkpoint by ``method``) of a random-weight model of ``bench/memory.py``'s
     shape ``shape``, both built once under the cache: the step's bytes at a size people serve."""
-    from bench.memory import model_config, write_model
     from vllm_latq.data import cache_dir
     from vllm_latq.errors import FormatError
     from vllm_latq.format.manifest import read_manifest

@@ -193,6 +193,12 @@ inline void prefetch_scales(const Scales& sc, int64_t G, int64_t N, int64_t b) {
     for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < reinterpret_cast<uintptr_t>(p) + bytes; a += 64)
       _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
 }
+
+// at block b of a thread's blocks [b0, b1): the next block's scales (and, at b0, its own)
+inline void prefetch_scales_ahead(const Scales& sc, int64_t G, int64_t N, int64_t b, int64_t b0, int64_t b1) {
+  if (b == b0) prefetch_scales(sc, G, N, b);
+  if (b + 1 < b1) prefetch_scales(sc, G, N, b + 1);
+}
 #endif
 
 inline float half_bits(uint32_t h) { return static_cast<float>(c10::Half(static_cast<uint16_t>(h), c10::Half::from_bits())); }
@@ -932,8 +938,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     if (isa == 1)
       for (int64_t b = u0; b < std::min(u1, nb); ++b) {
         if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));
-        if (b == u0) prefetch_scales(sc, G, N, b);
-        if (b + 1 < std::min(u1, nb)) prefetch_scales(sc, G, N, b + 1);
+        prefetch_scales_ahead(sc, G, N, b, u0, std::min(u1, nb));
         for (int64_t m0 = 0; m0 < M; m0 += 8)
           block_rows_avx2(xf.data() + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N,
                           std::min<int64_t>(8, M - m0));
@@ -943,8 +948,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 #if LATQ_HAVE_GEMV
     for (int64_t b = u0; isa == 2 && b < std::min(u1, nb); ++b) {
       if (f && f->col) prefetch_tiles(*f, 4 * b, std::min(f->T, 4 * b + 4));   // in flight during the GEMV
-      if (b == u0) prefetch_scales(sc, G, N, b);
-      if (b + 1 < std::min(u1, nb)) prefetch_scales(sc, G, N, b + 1);
+      prefetch_scales_ahead(sc, G, N, b, u0, std::min(u1, nb));
       for (int64_t m0 = 0; m0 < M; m0 += 8)
         block_rows(xp + m0 * K, K, xs.data() + m0 * G, P, sc, N, g, b, yp + m0 * N, std::min<int64_t>(8, M - m0));
       fin(f, yp, b * 64, b * 64 + 64);
