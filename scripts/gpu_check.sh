@@ -19,7 +19,7 @@
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a boundary path or a test failed or timed out (the bench runs anyway).
 #
-# The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/5bit/splitk/ragged ids): most of
+# The tests run as parallel pytest shards (split on their 2bit/3bit/4bit/5bit/splitk/ragged ids and moe): most of
 # their time is Triton compiling kernel variants, one CPU core each. Knobs (environment):
 # PYTHON (python3), GPU_CHECK_TOTAL_S (570: the whole run, under a 10-minute slot), GPU_CHECK_TEST_S
 # (390: wall limit of the test phase; the bench gets what is left of the total),
@@ -33,7 +33,10 @@ test_files=(tests/gpu/test_triton_cuda.py tests/gpu/test_families_cuda.py tests/
             tests/gpu/test_moe_cuda.py tests/gpu/test_solvers_cuda.py tests/gpu/test_pipeline_cuda.py
             tests/kernels/test_opcheck.py tests/gpu/test_gpu_capture.py tests/quantize/test_distributed.py)
 shards=()
-for b in 2bit 3bit 4bit 5bit; do shards+=("$b and splitk" "$b and ragged" "$b and not splitk and not ragged"); done
+for b in 2bit 3bit 4bit 5bit; do
+  shards+=("$b and splitk" "$b and ragged" "$b and moe and not splitk and not ragged"
+           "$b and not moe and not splitk and not ragged")
+done
 nobits="not 2bit and not 3bit and not 4bit and not 5bit"
 shards+=("$nobits and (solver or sweep or mse or quantize)" "$nobits and not (solver or sweep or mse or quantize)")
 if [ "${1:-}" = "--list-shards" ]; then

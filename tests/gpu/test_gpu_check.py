@@ -30,7 +30,7 @@ def test_script_parses_and_lists_the_capture_test():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     files, shards = listed()
     assert "tests/gpu/test_gpu_capture.py" in files and all((REPO / f).is_file() for f in files)
-    assert len(shards) == 14 and len(set(shards)) == 14
+    assert len(shards) == 18 and len(set(shards)) == 18
 
 
 def test_every_gpu_test_falls_in_a_shard():

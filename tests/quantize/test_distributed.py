@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from vllm_latq import cpu_features
 from vllm_latq.quantize import ranks
-from vllm_latq.testing.tiny_models import make_tiny_model
+from vllm_latq.testing.tiny_models import make_tiny_model, make_word_level_model
 
 ARGS = ["--nsamples", "6", "--seqlen", "64", "--no-progress", "-q"]
 
@@ -246,9 +246,7 @@ def test_rank_arithmetic():
 def test_quantize_on_cuda_ranks_equals_one(tmp_path):
     """``--device cuda``: one rank per GPU over NCCL (two where two exist), the same code path
     as gloo; its checkpoint agrees with one rank's."""
-    src = make_tiny_model(tmp_path / "src", "llama")
-    calib = tmp_path / "calib.txt"
-    calib.write_text(" ".join(f"word{i} and its neighbour{i * 7 % 13}." for i in range(4000)))
+    src, calib = make_word_level_model(tmp_path)        # no data package: the GPU machine has none
     args = [*ARGS, "--device", "cuda", "--calib", str(calib)]
     world = min(2, torch.cuda.device_count())
     ok(quantize(src, tmp_path / "one", 1, args=args))

@@ -58,6 +58,34 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
     return out
 
 
+def make_word_level_model(root):
+    """(model dir, calibration text file) under ``root``: a 2-block Llama (hidden 256, intermediate
+    720: a ragged 64-group) with a word-level tokenizer and Zipf-distributed text, all built here:
+    no data package (a bare GPU machine has none; :func:`make_tiny_model` needs SmolLM2's tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    words = [f"w{i}" for i in range(253)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{wd: i + 3 for i, wd in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model_dir = root / "model"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(model_dir)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=720, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (1.0 if "norm" in name else 0.0))
+    model.to(torch.bfloat16).save_pretrained(model_dir)
+    zipf = 1.0 / torch.arange(1, len(words) + 1, dtype=torch.float64)      # word frequencies as in text
+    ids = torch.multinomial(zipf, 6000, replacement=True, generator=g)
+    (root / "calib.txt").write_text(" ".join(words[i] for i in ids.tolist()))
+    return model_dir, root / "calib.txt"
+
+
 # the output head stays in the model dtype: these checkpoints test the blocks (the head quantized by
 # default is tests/quantize/test_lm_head.py's subject; pass quantize_lm_head to change it)
 TINY_OPTS = dict(group_size=64, nsamples=4, seqlen=64, quantize_lm_head=False)
