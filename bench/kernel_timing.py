@@ -94,10 +94,10 @@ class Point:
         return not (self.err <= ERR_TOL)            # nan / inf count as wrong
 
 
-def picked_kernel(st, x2: torch.Tensor) -> str:
+def picked_kernel(x2: torch.Tensor) -> str:
     """The kernel ``TritonKernel.apply(st, x2)`` runs (mirrors its routing; tested against it)."""
     from vllm_latq.kernels.triton.dequant import use_large_m
-    if use_large_m(st, x2):
+    if use_large_m(x2):
         return "dequant"
     return "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
 
@@ -191,7 +191,7 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
     points = []
     for m in ms:
         x = torch.randn(m, k, device=dev).to(dtype)
-        pick = picked_kernel(st, x)
+        pick = picked_kernel(x)
         us = {}
         for kern in dict.fromkeys((pick, *kernels)):
             kk = None if kern == pick else kern             # the picked one through apply's routing

@@ -250,6 +250,7 @@ def cost_model(a, props=None) -> tuple[list[str], dict]:
     (a GPU's properties) when given. HEADLINE keys: the worst predicted 4-bit 1 % ratio at
     8 ≤ M ≤ 256 over the target layers, per model."""
     from vllm_latq.kernels.triton.cost_model import large_m_threshold, model_times
+    from vllm_latq.kernels.triton.dequant import MMA_MAX_M
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     devs = list(MODEL_DEVICES) + ([props] if props is not None else [])
     lines = [f"cost model (kernels/triton/cost_model.py), {a.dtype}: µs per call; path = the one TritonKernel.apply "
@@ -264,9 +265,11 @@ def cost_model(a, props=None) -> tuple[list[str], dict]:
                 for rate in a.rates:
                     nnz = int(outlier_counts(n, k, rate).sum())
                     th = large_m_threshold(n, k, bits, nnz, dtype, dev, GROUP)
+                    lines.append(f"{name:8} {label:16} {bits:>4} {rate * 100:>4.1f}%: the model's crossover to "
+                                 f"dequant at M = {th} (served: above M = {MMA_MAX_M})")
                     for m in (m for m in a.m if m >= 8):
                         t = model_times(m, n, k, bits, nnz, dtype, dev, GROUP)
-                        path = "dequant" if m >= th else "mma"
+                        path = "dequant" if m > MMA_MAX_M else "mma"
                         ratio = t["unquantized"] / t["mma" if path == "mma" else "deq"]
                         lines.append(f"{name:8} {label:16} {bits:>4} {rate * 100:>4.1f}% {m:>4} {t['mma'] * 1e6:>8.1f} "
                                      f"{t['deq'] * 1e6:>8.1f} {t['unquantized'] * 1e6:>8.1f} {path:>7} {ratio:>5.2f}x")

@@ -93,13 +93,13 @@ def test_table_entry_wins_per_family(recorded, monkeypatch, tmp_path):
     st2 = layer(2048, 1024)
     bad = cfg.shape_class("mma", 4, 64, st2.n_pad, st2.k_pad)
     path.write_text(json.dumps({"families": {"sm_90": {bad: {"BN": 32, "SPLIT": 4, "BR": 2, "num_warps": 4}}}}))
-    cfg._table.cache_clear()
+    cfg.reload_table()
     monkeypatch.setattr(cfg, "INTERPRETER_DEVICE", ((9, 0), 132))
     TritonKernel.apply(st2, torch.zeros(100, 1024, dtype=torch.float16), kernel="mma")
     assert recorded.pop()[1]["SPLIT"] == 1
     # stages come from the candidate (what the offline compile checked), not from the table
     path.write_text(json.dumps({"families": {"sm_90": {key: dict(entry, num_stages=3)}}}))
-    cfg._table.cache_clear()
+    cfg.reload_table()
     TritonKernel.apply(st, x, kernel="gemv")
     kw = recorded.pop()[1]
     assert (kw["BN"], kw["SPLIT"], kw["num_stages"]) == (128, 2, 1)

@@ -26,7 +26,6 @@ from vllm_latq.testing.weights import random_weight
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels.triton import dequant as td  # noqa: E402
 from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
-from vllm_latq.kernels.triton import cost_model as tm  # noqa: E402
 from vllm_latq.kernels.triton.kernel import TritonKernel  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRET, reason="kernel tests run in Triton's interpreter")
@@ -193,26 +192,23 @@ def test_reasons_and_choice():
     assert td.large_m_reason(torch.bfloat16) is None and td.large_m_reason(torch.float16) is None
     with pytest.raises(ValueError, match="SIMT"):
         td.apply_large_m(st, activations(20, torch.float32))
-    # TritonKernel.apply's choice (CPU: the A100 model): this 3-bit layer switches at M = 129
-    big = TritonKernel.prepare(make_weight(n=1024, k=1024, bits=3, rate=0.0))
-    th = td.threshold_for(big, torch.bfloat16, torch.device("cpu"))
-    assert th == tm.large_m_threshold(1024, 1024, 3, 0, torch.bfloat16, None, 128) == 129
-    assert not td.use_large_m(big, torch.empty(th - 1, 1024, dtype=torch.bfloat16))
-    assert td.use_large_m(big, torch.empty(th, 1024, dtype=torch.bfloat16))
-    assert not td.use_large_m(big, torch.empty(th, 1024, dtype=torch.float32))
+    # TritonKernel.apply's choice: above MMA_MAX_M rows of fp16/bf16 activations
+    m = td.MMA_MAX_M
+    assert not td.use_large_m(torch.empty(m, 1024, dtype=torch.bfloat16))
+    assert td.use_large_m(torch.empty(m + 1, 1024, dtype=torch.float16))
+    assert not td.use_large_m(torch.empty(m + 1, 1024, dtype=torch.float32))
 
 
 
 @interp
 def test_kernel_apply_routes_large_m(monkeypatch):
-    """TritonKernel.apply takes the dequantize-once path exactly from the layer's threshold on
-    (the MMA kernel below it), and reserve() sizes the shared scratch at load."""
+    """TritonKernel.apply takes the dequantize-once path above ``MMA_MAX_M`` rows (the MMA kernel
+    at and below it), and reserve() sizes the shared scratch at load."""
     w = make_weight(rate=0.01)
     st = TritonKernel.prepare(w)
     calls = []
     real = td.apply_large_m
     monkeypatch.setattr(tk, "apply_large_m", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(tk, "use_large_m", lambda st_, x2: x2.shape[0] >= 17)
     TritonKernel.reserve(st, torch.bfloat16)
     x = activations(17, torch.bfloat16)
     y = TritonKernel.apply(st, x)

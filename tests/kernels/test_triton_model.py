@@ -149,7 +149,3 @@ def test_coded_scales_in_the_model():
         t16, tc = (tm.model_times(1, n, 14336, 4, 0, torch.bfloat16, dev, 64, coded=c) for c in (False, True))
         assert tc["deq"] < t16["deq"]                       # fewer bytes where the issue term does not bind
 
-    class State:                                         # the fields threshold_for reads of a prepared layer
-        n, k, bits, nnz, group, coded_scales = 4096, 14336, 3, 0, 64, True
-    want = tm.large_m_threshold(4096, 14336, 3, 0, group=64, coded=True)
-    assert tm.threshold_for(State, torch.bfloat16, "cpu") == want

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from .cost_model import MMA_BMS
+from .layout import cdiv
 
 MAX_SPLIT = 8
 ENV_AUTOTUNE = "LATQ_AUTOTUNE"
@@ -139,7 +140,7 @@ def rule(cands: list[dict], n_pad: int, m_tiles: int, sms: int) -> dict:
     two programs, the first by :func:`preference`; if none fills the GPU, the one with the
     most programs (fewest splits on a tie)."""
     def programs(c):
-        return m_tiles * triton.cdiv(n_pad, c["BN"]) * c["SPLIT"]
+        return m_tiles * cdiv(n_pad, c["BN"]) * c["SPLIT"]
 
     full = [c for c in cands if programs(c) >= 2 * sms]
     if full:
@@ -196,14 +197,21 @@ def _strip(c: dict) -> dict:
 def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int, m_tiles: int,
            can_split: bool, capability: tuple[int, int], sms: int) -> dict:
     """The launch config of one launch: the table's entry when it is a candidate of the shape, else
-    :func:`rule`'s; stages and register cap always the candidate's (what the compile checked)."""
+    :func:`rule`'s; stages and register cap always the candidate's (what the compile checked).
+    Remembered per shape and table: an eager forward asks once per layer."""
+    return dict(_choose(kernel, bits, bm, n_pad, k_pad, ksteps, m_tiles, can_split, capability, sms,
+                        os.environ.get(ENV_TABLE)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _choose(kernel, bits, bm, n_pad, k_pad, ksteps, m_tiles, can_split, capability, sms, override) -> dict:
     cands = candidates(kernel, bits, bm, n_pad, ksteps, can_split)
-    entry = table().get(family(capability), {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
+    entry = _table(override).get(family(capability), {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
     if entry is not None:
         for c in cands:
             if _strip(c) == _strip(entry):
-                return dict(c)
-    return dict(rule(cands, n_pad, m_tiles, sms))
+                return c
+    return rule(cands, n_pad, m_tiles, sms)
 
 
 def record(capability: tuple[int, int], key: str, config: dict) -> None:
@@ -217,7 +225,13 @@ def record(capability: tuple[int, int], key: str, config: dict) -> None:
     data["families"].setdefault(family(capability), {})[key] = _strip(config) | {
         "num_stages": config.get("num_stages", 1)}
     p.write_text(json.dumps(data, indent=1, sort_keys=True))
+    reload_table()
+
+
+def reload_table() -> None:
+    """Forget the tables read and the choices made from them (after the override file changed)."""
     _table.cache_clear()
+    _choose.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,10 +1,10 @@
-"""The Triton kernels' cost model: when the tensor-core kernel gives way to dequantise-once +
-cuBLAS, and what either costs against bf16 ``F.linear`` — pure functions of the layer's shape
-and a :class:`DeviceModel` read from the device's properties, never from a timing (the first
-large-M call can be inside a CUDA-graph capture). Formulas and sources: docs/KERNELS.md."""
+"""The Triton kernels' cost model: what the tensor-core kernel and dequantise-once + cuBLAS are
+predicted to cost against bf16 ``F.linear``, and where it puts their crossover — pure functions of
+the layer's shape and a :class:`DeviceModel` read from the device's properties. Serving does not
+route by it: on an H100 the tensor-core kernel ran 9–51× slower than modelled (``dequant.MMA_MAX_M``).
+Formulas and sources: docs/KERNELS.md."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -115,17 +115,3 @@ def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = 
         if times["deq"] >= times["mma"]:
             return NEVER if i == 0 else m + 1
     return 17
-
-
-@functools.lru_cache(maxsize=4096)
-def _threshold_cached(n, k, bits, nnz, dtype, device_index, group, coded):
-    props = torch.cuda.get_device_properties(device_index) if device_index is not None else None
-    return large_m_threshold(n, k, bits, nnz, dtype, props, group, coded)
-
-
-def threshold_for(st, dtype: torch.dtype, device: torch.device) -> int:
-    """:func:`large_m_threshold` for a prepared layer on ``device`` (cached per shape)."""
-    device = torch.device(device)
-    idx = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
-    return _threshold_cached(st.n, st.k, st.bits, st.nnz, dtype, idx, st.group,    # one group: st.group = K_pad
-                             st.coded_scales)

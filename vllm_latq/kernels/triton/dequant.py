@@ -1,6 +1,6 @@
 """Large-M path: dequantise the prepared layout once into a bf16/fp16 scratch equal to
 ``weight.dequantize(w).to(dtype)`` bit for bit, then one cuBLAS GEMM (one rounding of z·s away
-from the fp32 reference; fp32 activations never take it). When: the cost model's crossover."""
+from the fp32 reference; fp32 activations never take it). When: above ``MMA_MAX_M`` rows."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +9,7 @@ import triton.language as tl
 
 from .. import graphs
 from .device import _group_scale, _scale_base
-from .layout import k_steps
-from .cost_model import threshold_for
+from .layout import cdiv, k_steps
 
 # ============================================================================ device code
 
@@ -115,6 +114,10 @@ def _outlier_kernel(w_ptr, start_ptr, row_ptr, col_ptr, val_ptr, ROW0, ROW1, str
 
 # ============================================================================ host side
 
+# Rows the tensor-core kernel serves at most: above them this path ran 3.4–9.6× faster than it on an
+# H100 at every 8B shape, where the cost model had put the crossover at M = 129–256
+# (docs/BENCHMARKS.md, "The first GPU check").
+MMA_MAX_M = 16
 # Suggested workspace cap: holds a fused 8B-class MLP projection (28672 × 4096 bf16 = 224 MiB)
 # in one piece; a vocabulary head (128k × 4096 bf16 ≈ 1 GiB) runs in 4 row chunks.
 DEFAULT_MAX_BYTES = 256 << 20
@@ -137,6 +140,14 @@ def _key_of(stream) -> int:
 
 
 MAIN_LANE = -1
+
+
+def _device(device) -> torch.device:
+    """``device`` with its index: ``cuda`` and ``cuda:<current>`` name one buffer, not two."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def lane(device: torch.device) -> int:
@@ -170,14 +181,14 @@ class Workspace:
     def reserve_flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Size the main lane's buffer for (device, dtype), and each concurrent stream's, to at
         least ``numel`` elements now."""
-        device = torch.device(device)
+        device = _device(device)
         self._reserved[device, dtype] = max(self._reserved.get((device, dtype), 0), numel)
         for ln in [MAIN_LANE] + [_key_of(s) for s in graphs.concurrent_streams()]:
             self._buffer(ln, numel, dtype, device)
 
     def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The first ``numel`` elements of the current stream's lane's buffer for (device, dtype)."""
-        device = torch.device(device)
+        device = _device(device)
         return self._buffer(lane(device), numel, dtype, device)[:numel]
 
     def _buffer(self, ln: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -200,7 +211,7 @@ class Workspace:
 
     def current(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """The current stream's lane's whole buffer for (device, dtype), None before its first use."""
-        device = torch.device(device)
+        device = _device(device)
         return self._bufs.get((device, dtype, lane(device)))
 
     def nbytes(self) -> int:
@@ -230,14 +241,14 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
                 (ks["tsteps"], st.plane_t, None, ks["k_main"], 4, ks["tsteps"])]     # 3 bits: the 4-bit tail
     for steps, pa, ph, k0, bits, nch_a in launches:
         if steps:
-            _dequant_kernel[(triton.cdiv(rows, cfg["BN"]), steps)](
+            _dequant_kernel[(cdiv(rows, cfg["BN"]), steps)](
                 out, pa, ph if ph is not None else pa, st.scales, row0, row0 + rows, st.k, k0, out.stride(0),
                 st.n_pad, nch_a, ks["nch_h"], st.scales.shape[1],
                 BITS=bits, GROUP=st.group, BN=cfg["BN"], DS=cfg["DS"], CODED=st.coded_scales,
                 num_warps=cfg["num_warps"])
     if st.outl and st.nnz:
         o = [t if t is not None else st.outl_start for t in st.outlier_arrays]
-        _outlier_kernel[(triton.cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,
+        _outlier_kernel[(cdiv(rows, 16),)](out, *o, row0, row0 + rows, out.stride(0), OUTL=st.outl,
                                                   BE=OUTLIER_CONFIG["BE"], num_warps=OUTLIER_CONFIG["num_warps"])
     return out
 
@@ -262,8 +273,7 @@ def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
     return y
 
 
-def use_large_m(st, x2: torch.Tensor) -> bool:
-    """Whether ``TritonKernel.apply`` should take this path for x2 [M, K]: fp16/bf16 and M at
-    or above the layer's model threshold on x2's device."""
-    return (x2.shape[0] > 16 and large_m_reason(x2.dtype) is None
-            and x2.shape[0] >= threshold_for(st, x2.dtype, x2.device))
+def use_large_m(x2: torch.Tensor) -> bool:
+    """Whether ``TritonKernel.apply`` should take this path for x2 [M, K]: fp16/bf16 and more
+    than ``MMA_MAX_M`` rows."""
+    return x2.shape[0] > MMA_MAX_M and large_m_reason(x2.dtype) is None

@@ -299,7 +299,7 @@ def launch(st: StackedTriton, xs: torch.Tensor, blocks: torch.Tensor, bm: int,
         bn, nw = MOE_TILES[bm] if not INTERPRET else (MOE_INTERP["BN"], MOE_INTERP["num_warps"])
         config = dict(BN=bn, num_warps=nw)
     opts = {"maxnreg": moe_maxnreg(st.bits, bm)} if MAXNREG_OK and not INTERPRET else {}
-    grid = (blocks.shape[0], triton.cdiv(st.n_pad, config["BN"]))
+    grid = (blocks.shape[0], tlay.cdiv(st.n_pad, config["BN"]))
     _moe_gemv_kernel[grid](*args, BITS=st.bits, GROUP=st.group, SPG=st.spg, BM=bm, BN=config["BN"],
                            OUTL=st.outl, ASM=not INTERPRET, CODED=st.coded_scales, num_warps=config["num_warps"],
                            num_stages=1, **opts)

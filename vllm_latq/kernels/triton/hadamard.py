@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .layout import cdiv
+
 
 @triton.jit
 def _hadamard_kernel(x_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale,
@@ -47,6 +49,6 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     if M:
         bm = rows_per_program(b)
-        _hadamard_kernel[(triton.cdiv(M, bm), n // b)](x2, signs, y, M, x2.stride(0), y.stride(0),
+        _hadamard_kernel[(cdiv(M, bm), n // b)](x2, signs, y, M, x2.stride(0), y.stride(0),
                                                        1.0 / math.sqrt(b), B=b, LOG=b.bit_length() - 1, BM=bm)
     return y.reshape(x.shape)

@@ -1,6 +1,6 @@
 """Triton kernels for latq linears, the host side (configs, prepared state, launch,
-:class:`TritonKernel`): the GEMV for M = 1..7 and fp32, tensor cores from M = 8, dequantise-once
-past the cost model's crossover."""
+:class:`TritonKernel`): the GEMV for M = 1..7 and fp32, tensor cores for M = 8..16, dequantise-once
+above."""
 from __future__ import annotations
 
 import functools
@@ -59,7 +59,7 @@ def _prune(kernel, bits):
     def prune(configs, named_args, **kw):
         def arg(name):
             return named_args.get(name, kw.get(name))
-        bm, m_tiles = arg("BM"), triton.cdiv(arg("M"), arg("BM"))
+        bm, m_tiles = arg("BM"), tlay.cdiv(arg("M"), arg("BM"))
         can_split = m_tiles == 1 and bm <= SPLITK_BM
         allowed = [{k: v for k, v in c.items() if k != "maxnreg"}
                    for c in cfg.candidates(kernel, bits, bm, arg("N_PAD"), arg("NSTEPS") + arg("TSTEPS"), can_split)]
@@ -163,7 +163,7 @@ def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, co
     bm = min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M)
     if config is not None and "BM" in config:
         bm = config["BM"]
-    m_tiles = triton.cdiv(M, bm)
+    m_tiles = tlay.cdiv(M, bm)
     can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
     if config is None:
         ks = tlay.k_steps(st.bits, st.k_pad)
@@ -189,7 +189,7 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     autotune = config is None and cfg.autotune_enabled() and not INTERPRET
     c = launch_config(st, M, kernel, dev, config if config is not None or not autotune else dict(SPLIT=1))
     bm = c["BM"]
-    m_tiles = triton.cdiv(M, bm)
+    m_tiles = tlay.cdiv(M, bm)
     spare = st.scales                                   # any tensor for pointers a variant never reads
     optr = [t if t is not None else spare for t in st.outlier_arrays]
     # a plane the layer lacks (2/4 bits: the 1-bit plane; 3 bits: no tail, or no whole chunk)
@@ -209,7 +209,7 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
         meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
 
     def grid(META):
-        return (m_tiles, triton.cdiv(st.n_pad, META["BN"]), META["SPLIT"])
+        return (m_tiles, tlay.cdiv(st.n_pad, META["BN"]), META["SPLIT"])
 
     if autotune:
         tuner = tuned(kernel, st.bits, m_bucket(M))
@@ -225,8 +225,8 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
 
 
 class TritonKernel(LatqKernel):
-    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (M ≥ 8), fused outliers; from
-    the crossover of :func:`~.triton_model.large_m_threshold` on, dequantize once + cuBLAS."""
+    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (8 ≤ M ≤ 16), fused outliers;
+    above 16 rows (``MMA_MAX_M``), dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
     widths = tlay.WIDTHS
@@ -311,7 +311,7 @@ class TritonKernel(LatqKernel):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if kernel is None:
-            if use_large_m(state, x2):
+            if use_large_m(x2):
                 kernel = "dequant"
             else:
                 kernel = "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"

@@ -23,6 +23,11 @@ CHUNK = 128          # K granularity of 3/5-bit layers (one 4-bit chunk); 2/4 bi
 H_CHUNK = 512        # columns of one 1-bit-plane chunk (16 words × 32 values)
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ of host integers (``triton.cdiv`` is a constexpr function in recent Triton: µs a call)."""
+    return -(-a // b)
+
+
 def step_of(bits: int) -> int:
     """Columns per K step of the main loop (3 bits: 512; 5 bits: 128, four steps per 1-bit tile)."""
     return {2: 256, 3: H_CHUNK, 4: 128, 5: 128}[bits]
