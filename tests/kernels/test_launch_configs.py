@@ -74,6 +74,26 @@ def test_launch_uses_the_planned_config(recorded, monkeypatch, cap, sms, m):
     assert kw["BM"] == plan["BM"] and grid == (triton.cdiv(m, plan["BM"]), triton.cdiv(st.n_pad, kw["BN"]), kw["SPLIT"])
 
 
+def test_choice_is_made_once_per_shape(monkeypatch):
+    """An eager forward asks for every layer's config on every call: the choice is remembered per
+    shape and table, and made again once the table is reloaded."""
+    made = []
+    real = cfg.candidates
+    monkeypatch.setattr(cfg, "candidates", lambda *a: made.append(a) or real(*a))
+    cfg.reload_table()
+    st = layer(2048, 1024)
+    cpu = torch.device("cpu")
+    for _ in range(3):
+        first = tk.launch_config(st, 1, "gemv", cpu)
+    first["BN"] = -1                                   # a caller's copy: the remembered choice stays
+    assert len(made) == 1 and tk.launch_config(st, 1, "gemv", cpu)["BN"] > 0
+    tk.launch_config(st, 4, "gemv", cpu)
+    assert len(made) == 2
+    cfg.reload_table()
+    tk.launch_config(st, 1, "gemv", cpu)
+    assert len(made) == 3
+
+
 def test_table_entry_wins_per_family(recorded, monkeypatch, tmp_path):
     """An override table (``LATQ_LAUNCH_CONFIGS``) entry is what the launch runs on its family
     only; the other family keeps the packaged/rule choice; an entry that is not a candidate
