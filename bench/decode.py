@@ -70,7 +70,7 @@ from bench import decode_peer
 from bench.decode_engines import MARK, ROOT, bind_cores, run_mode, thread_binds
 from bench.decode_profile import profile_step
 from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
-from bench.memory import SHAPES, model_config, write_model
+from bench.memory import COMPLETE, SHAPES, model_config, write_model
 from vllm_latq import cpu_features
 
 PROMPTS = ["The capital of France is", "Photosynthesis is the process by which", "In 1969, the first humans",
@@ -230,14 +230,25 @@ def streamed_bytes(job: dict, cache: dict) -> dict:
 MOE_SIZES = dict(layers=4, hidden=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768)
 
 
+def moe_sizes(ckpt: Path) -> dict | None:
+    """``MOE_SIZES``' entries as ``ckpt``'s config.json has them (None: no readable config)."""
+    try:
+        cfg = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = dict(layers="num_hidden_layers", hidden="hidden_size")
+    return {k: cfg.get(names.get(k, k)) for k in MOE_SIZES}
+
+
 def moe_pair() -> tuple[Path, Path]:
-    """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache."""
+    """(bf16 source, latq checkpoint) of the ``--moe`` bench model, built once under the cache
+    (again when ``MOE_SIZES`` changed)."""
     from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
     from vllm_latq.data import cache_dir
 
     src = cache_dir() / "bench" / "qwen3_moe-random-e8"
     ckpt = src.with_name(src.name + "-ssqr")
-    if not (ckpt / "config.json").exists():
+    if moe_sizes(ckpt) != MOE_SIZES:
         print(f"building {src} and {ckpt} (once)", file=sys.stderr)
         make_moe_model(src, "qwen3_moe", **MOE_SIZES)
         make_moe_checkpoint(src, ckpt, "ssqr", group=128)
@@ -246,9 +257,11 @@ def moe_pair() -> tuple[Path, Path]:
 
 def synthetic_pair(shape: str, method: str) -> tuple[Path, Path]:
     """(bf16 source, default checkpoint by ``method``) of a random-weight model of ``bench/memory.py``'s
-    shape ``shape``, both built once under the cache: the step's bytes at a size people serve."""
+    shape ``shape``, both built once under the cache (again when the shape changed): the step's
+    bytes at a size people serve."""
     from vllm_latq.data import cache_dir
     from vllm_latq.errors import FormatError
+    from vllm_latq.format.files import MANIFEST_FILE
     from vllm_latq.format.manifest import read_manifest
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
@@ -256,7 +269,10 @@ def synthetic_pair(shape: str, method: str) -> tuple[Path, Path]:
     ckpt = src.with_name(f"{src.name}-{method}")
     try:
         read_manifest(ckpt)
+        current = (ckpt / MANIFEST_FILE).stat().st_mtime >= (src / COMPLETE).stat().st_mtime   # of this source
     except FormatError:
+        current = False
+    if not current:
         print(f"quantizing {src} with {method} into {ckpt} (once; small calibration)", file=sys.stderr)
         quantize_model(src, ckpt, QuantizeOptions(method=method, nsamples=16, seqlen=256), overwrite=True)
     return src, ckpt

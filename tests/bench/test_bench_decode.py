@@ -111,13 +111,15 @@ def test_an_extra_checkpoint_is_paired_with_the_primary_one():
 
 def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoint(tmp_path, monkeypatch):
     """``--synthetic SHAPE``: bench/memory.py's model of that shape and the checkpoint the
-    pipeline makes of it by the method asked, both built once: a second call quantizes nothing."""
+    pipeline makes of it by the method asked, both built once: a second call quantizes nothing,
+    a source written again (its shape edited) is quantized again."""
     import json
+    import os
 
     from vllm_latq import data
     from vllm_latq.format.manifest import read_manifest
     from vllm_latq.quantize import pipeline
-    from bench.memory import SHAPES
+    from bench.memory import COMPLETE, SHAPES
     monkeypatch.setattr(data, "cache_dir", lambda: tmp_path)
     src, ckpt = decode.synthetic_pair("tiny", "gptq")
     cfg = json.loads((src / "config.json").read_text())
@@ -126,8 +128,40 @@ def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoin
     read_manifest(ckpt)   # sealed, as the loader wants it
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert (qc["method"], qc["lm_head_quantized"]) == ("gptq", True)
-    monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **k: pytest.fail("quantized again"))
-    assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt)
+    quantized = []
+    monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **k: quantized.append(a))
+    assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt) and not quantized
+    marker = src / COMPLETE                                   # what write_model writes last
+    later = (ckpt / "latq_manifest.json").stat().st_mtime + 10
+    os.utime(marker, (later, later))
+    assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt) and len(quantized) == 1
+
+
+def test_moe_pair_is_built_again_when_its_sizes_change(tmp_path, monkeypatch):
+    """``--moe``: its pair is built once, and again once ``MOE_SIZES`` no longer matches the cached
+    checkpoint's config (the builders stubbed: they write only the config)."""
+    import json
+
+    from vllm_latq import data
+    from vllm_latq.testing import moe_models
+    monkeypatch.setattr(data, "cache_dir", lambda: tmp_path)
+    built = []
+
+    def checkpoint(src, out, method, **kw):
+        sizes = decode.MOE_SIZES
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(dict(
+            {k: v for k, v in sizes.items() if k not in ("layers", "hidden")},
+            num_hidden_layers=sizes["layers"], hidden_size=sizes["hidden"])))
+        built.append(out)
+    monkeypatch.setattr(moe_models, "make_moe_model", lambda *a, **k: None)
+    monkeypatch.setattr(moe_models, "make_moe_checkpoint", checkpoint)
+    pair = decode.moe_pair()
+    assert decode.moe_pair() == pair and len(built) == 1
+    assert decode.moe_sizes(pair[1]) == decode.MOE_SIZES
+    monkeypatch.setattr(decode, "MOE_SIZES", dict(decode.MOE_SIZES, num_experts=16))
+    decode.moe_pair()
+    assert len(built) == 2 and decode.moe_sizes(pair[1])["num_experts"] == 16
 
 
 @pytest.mark.parametrize("argv", [["--synthetic", "tiny", "--moe"], ["--synthetic", "tiny", "--ckpt", "/ckpt"],
