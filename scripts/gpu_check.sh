@@ -16,6 +16,8 @@
 # OUTDIR/bench_scales.log the same kernels with coded group scales (--scale-bits 4) against fp16 ones:
 #                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (the timing
 #                         the --scale-bits 4 default waits for)
+# OUTDIR/launch_configs.log  bench/launch_configs.py on 8b.down and 8b.o, M = 1, 4, 8, 16: every launch config
+#                         against the table's choice, in the time left of the total (none under 30 s)
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a boundary path or a test failed or timed out (the bench runs anyway).
 #
@@ -164,6 +166,17 @@ echo "bench: ${scales[*]} (limit ${scales_s}s)" > "$out/bench_scales.log"
 scales_rc=$?
 head=$(grep -m1 '^HEADLINE' "$out/bench_scales.log" || tail -n 1 "$out/bench_scales.log")
 echo "scale-form bench exit $scales_rc: $head" | tee -a "$out/summary.txt"
+configs_s=$((total_s - ($(date +%s) - t0) - 5))
+if [ "$configs_s" -ge 30 ]; then
+  configs=(-m bench.launch_configs --shapes 8b.down,8b.o --m 1,4,8,16 --budget-s $((configs_s - 20)))
+  echo "bench: ${configs[*]} (limit ${configs_s}s)" > "$out/launch_configs.log"
+  (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 10 "$configs_s" "$py" "${configs[@]}") >> "$out/launch_configs.log" 2>&1
+  configs_rc=$?
+  head=$(grep -m1 '^HEADLINE' "$out/launch_configs.log" || tail -n 1 "$out/launch_configs.log")
+  echo "launch-config bench exit $configs_rc: $head" | tee -a "$out/summary.txt"
+else
+  echo "launch-config bench: not run (${configs_s}s left)" | tee -a "$out/summary.txt"
+fi
 echo "total: $(($(date +%s) - t0))s; logs in $out" | tee -a "$out/summary.txt"
 [ "$boundary_rc" = 0 ] || exit 1
 exit $tests_rc

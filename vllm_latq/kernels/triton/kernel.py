@@ -157,17 +157,29 @@ def splitk_floats(n_pad: int) -> int:
     return MAX_SPLIT * SPLITK_BM * n_pad if n_pad <= SPLITK_MAX_N else 0
 
 
+def launch_shape(st: TritonState, M: int, kernel: str, bm: int | None = None) -> dict:
+    """What a launch's config is chosen by: the row tile ``bm`` (M's, unless given), ``m_tiles``,
+    ``ksteps`` and ``can_split`` (one M tile of ≤ SPLITK_BM rows of a layer with split-K scratch)."""
+    bm = bm or (min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M))
+    m_tiles = tlay.cdiv(M, bm)
+    ks = tlay.k_steps(st.bits, st.k_pad)
+    return dict(bm=bm, m_tiles=m_tiles, ksteps=ks["nsteps"] + ks["tsteps"],
+                can_split=m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0)
+
+
+def launch_candidates(st: TritonState, M: int, kernel: str) -> tuple[int, list[dict]]:
+    """(row tile, the configs a launch of M rows may take): what the table and the rule choose among."""
+    sh = launch_shape(st, M, kernel)
+    return sh["bm"], cfg.candidates(kernel, st.bits, sh["bm"], st.n_pad, sh["ksteps"], sh["can_split"])
+
+
 def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, config: dict | None = None) -> dict:
     """The config one launch runs (tile, SPLIT, warps, stages, register cap, "BM"), the same on a GPU
     and in the interpreter: ``config``, else :func:`~.configs.choose`'s for ``device``'s family."""
-    bm = min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M)
-    if config is not None and "BM" in config:
-        bm = config["BM"]
-    m_tiles = tlay.cdiv(M, bm)
-    can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
+    sh = launch_shape(st, M, kernel, config.get("BM") if config is not None else None)
+    bm, can_split = sh["bm"], sh["can_split"]
     if config is None:
-        ks = tlay.k_steps(st.bits, st.k_pad)
-        config = cfg.choose(kernel, st.bits, bm, st.n_pad, st.k_pad, ks["nsteps"] + ks["tsteps"], m_tiles, can_split,
+        config = cfg.choose(kernel, st.bits, bm, st.n_pad, st.k_pad, sh["ksteps"], sh["m_tiles"], can_split,
                             *cfg.device_info(device))
     if config["SPLIT"] > MAX_SPLIT or (config["SPLIT"] > 1 and not can_split):
         raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 unless M is one tile of ≤ {SPLITK_BM} rows "
