@@ -130,3 +130,11 @@ def test_concurrent_streams_are_vllms_aux_stream(monkeypatch):
     aux = FakeStream(AUX)
     monkeypatch.setattr(tu, "_aux_stream", aux)
     assert graphs.concurrent_streams() == [aux]
+
+
+def test_cuda_and_its_current_index_are_one_device(monkeypatch):
+    """A layer reserves under its tensors' ``cuda:N`` and a caller may ask under ``cuda``: one key,
+    so the reserved buffer is found (a bare H100 run found the split-K scratch empty without it)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert td._device("cuda") == td._device("cuda:3") == torch.device("cuda", 3)
+    assert td._device("cuda:1") == torch.device("cuda", 1) and td._device("cpu") == torch.device("cpu")
