@@ -1,4 +1,4 @@
-"""Test helpers no bench needs: the kernel tests' outlier pattern and the block replay check.
+"""Test helpers no bench needs: the kernel tests' outlier pattern, the block replay check, a fake GPU timer.
 (What tests and benches share lives in ``vllm_latq.testing``.)"""
 from __future__ import annotations
 
@@ -50,3 +50,15 @@ def gemv_isa_set(name: str):
         yield name
     finally:
         torch.ops.latq_cpu.set_gemv_isa(saved)
+
+
+class FakeTimer:
+    """A GPU bench's timer in the interpreter: runs the timed function once (so its calls are
+    exercised) and returns 1, 2, 3 … µs, the first timed the fastest."""
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, fn):
+        fn()
+        self.n += 1
+        return float(self.n)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import kernel_timing as kt, kernels as bk
+from tests.helpers import FakeTimer
 from vllm_latq.testing.weights import random_weight
 
 triton = pytest.importorskip("triton")
@@ -166,17 +167,6 @@ def test_picked_kernel_is_apply_routing(monkeypatch):
         assert ran == [kt.picked_kernel(x)]
         seen.add(ran[0])
     assert seen == {"gemv", "mma", "dequant"}
-
-
-class FakeTimer:
-    """Runs the timed function once (so the calls are exercised) and returns 1, 2, 3 … µs."""
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, fn):
-        fn()
-        self.n += 1
-        return float(self.n)
 
 
 def test_one_layer_in_the_interpreter(monkeypatch):

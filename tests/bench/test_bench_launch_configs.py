@@ -4,20 +4,10 @@ import pytest
 import torch
 
 from bench import launch_configs as lc
+from tests.helpers import FakeTimer
 
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
-
-
-class FakeTimer:
-    """Runs the timed function once and returns 1, 2, 3 … µs: the first candidate timed is the fastest."""
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, fn):
-        fn()
-        self.n += 1
-        return float(self.n)
 
 
 def test_arguments():
