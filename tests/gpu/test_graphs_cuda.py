@@ -9,6 +9,7 @@ import torch
 
 from tests.gpu.cases import DEV, activations, assert_matches_reference, bias_for, kernel, needs_cuda, pytestmark, triton_state, weight
 from vllm_latq.kernels import ops
+from vllm_latq.kernels.triton.dequant import use_large_m
 
 
 def _graph_cases():
@@ -56,7 +57,9 @@ def test_cuda_graph_capture_and_replay(m, cfg):
         torch.cuda.synchronize()
         assert int(st.tickets.abs().sum()) == 0
         assert torch.equal(y, call()), "graph replay differs from an eager call"
-        assert_matches_reference(y, x, w, bias, what=f"graph M={m} {cfg}")
+        # the op dequantises once above MMA_MAX_M rows: bf16 weights, the bf16 bound
+        assert_matches_reference(y, x, w, bias, exact=cfg is not None or not use_large_m(x),
+                                 what=f"graph M={m} {cfg}")
     assert triton_k.splitk_workspace.flat(1, torch.float32, DEV).data_ptr() == scratch
 
 
@@ -96,4 +99,4 @@ def test_torch_compile_fullgraph():
         y_eager, z_eager = f(x)
         assert torch.equal(y, y_eager), f"M={m}: compiled op output differs from eager"
         torch.testing.assert_close(z, z_eager, rtol=1e-5, atol=1e-5)
-        assert_matches_reference(y, x * 0.5, w, bias, what=f"compiled M={m}")
+        assert_matches_reference(y, x * 0.5, w, bias, exact=not use_large_m(x), what=f"compiled M={m}")

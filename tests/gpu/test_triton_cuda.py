@@ -161,7 +161,8 @@ def test_triton_through_op(bits, m, monkeypatch):
     assert all(t is None or t.device.type == DEV.type for t in tensors)
     x = activations(m, k, torch.bfloat16, seed=m)
     bias = bias_for(n, torch.bfloat16)
-    assert_matches_reference(ops.op_for(triton_k)(x, tensors, ints, bias, n), x, w, bias)
+    from vllm_latq.kernels.triton.dequant import use_large_m
+    assert_matches_reference(ops.op_for(triton_k)(x, tensors, ints, bias, n), x, w, bias, exact=not use_large_m(x))
 
 
 def _triton_module():
