@@ -169,6 +169,7 @@ def _tile_source(j: dict):
                  SPLIT=j["SPLIT"], OUTL=tk.OUTL_CODE[j["outl"]], HAS_BIAS=True, ASM=True, CODED=j["scales"] == "coded")
     if j["kernel"] == "mma":
         const.update(BR=j["BR"], F32DOT=False)
+        sig.update(xt_ptr="*bf16", stride_xt="i32")
     div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
     return _ast_source(fn, sig, const, div16)
 

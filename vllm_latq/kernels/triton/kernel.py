@@ -219,6 +219,8 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
                 HAS_BIAS=has_bias, ASM=not INTERPRET, CODED=st.coded_scales)
     if kernel == "mma":
         meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
+        xt = x2.t().contiguous() if st.outl else x2     # the outliers' gathers: xᵀ [K, M]
+        args += [xt, xt.stride(0)]
 
     def grid(META):
         return (m_tiles, tlay.cdiv(st.n_pad, META["BN"]), META["SPLIT"])

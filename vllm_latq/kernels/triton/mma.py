@@ -89,10 +89,12 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
 
 
 @triton.jit
-def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, rn, r16, N_PAD, n0, pid_k,
+def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, mmask, rn, r16, N_PAD, n0, pid_k,
                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr, OUTL: tl.constexpr):
     """The outliers' part of the [BM, BN] output tile, on SIMT lanes: [BM, BR, BN] activation
-    gathers of ELL slots reduced over BR, or CSR entries routed to their rows one-hot."""
+    gathers of ELL slots reduced over BR, or CSR entries routed to their rows one-hot. The
+    gathers read xᵀ (``xt_ptr``, [K, M]): an outlier's BM activations are adjacent, one memory
+    sector instead of BM."""
     oacc = tl.zeros([BM, BN], dtype=tl.float32)
     rb = tl.arange(0, BR)
     if OUTL == 1:
@@ -103,8 +105,8 @@ def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, rn, r16, N_
             idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
             col = tl.load(col_ptr + idx, mask=em, other=0)
             val = tl.load(val_ptr + idx, mask=em, other=0.0)
-            xg = tl.load(xrow[:, :, None] + col[None, :, :], mask=mmask[:, :, None] & em[None, :, :],
-                         other=0.0).to(tl.float32)                          # [BM, BR, BN]
+            xg = tl.load(xt_ptr + _row_offset(col[None, :, :], stride_xt) + rm[:, None, None],
+                         mask=mmask[:, :, None] & em[None, :, :], other=0.0).to(tl.float32)   # [BM, BR, BN]
             oacc += tl.sum(val[None, :, :] * xg, axis=1)
     else:
         e0 = tl.load(start_ptr + n0)
@@ -115,16 +117,17 @@ def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, rn, r16, N_
             row = tl.load(row_ptr + ee, mask=em, other=-1)
             col = tl.load(col_ptr + ee, mask=em, other=0)
             val = tl.load(val_ptr + ee, mask=em, other=0.0)
-            xg = tl.load(xrow + col[None, :], mask=mmask & em[None, :], other=0.0).to(tl.float32)
+            xg = tl.load(xt_ptr + _row_offset(col[None, :], stride_xt) + rm[:, None], mask=mmask & em[None, :],
+                         other=0.0).to(tl.float32)                          # [BM, BR]
             hit = row[:, None] == rn[None, :]                               # [BR, BN]
             oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
     return oacc
 
 
-@triton.jit(do_not_specialize=UNSPECIALIZED)
+@triton.jit(do_not_specialize=UNSPECIALIZED + ("stride_xt",))
 def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS,
+                M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS, xt_ptr, stride_xt,
                 BITS: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                 OUTL: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, F32DOT: tl.constexpr,
@@ -174,8 +177,8 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
             acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, r16, rn, N_PAD,
                             4, GROUP, SPG, BN, ASM, DT, CODED)
     if OUTL != 0:
-        acc += _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xrow, mmask, rn, r16, N_PAD, pid_n * BN, pid_k,
-                             BM, BN, BR, SPLIT, OUTL)
+        acc += _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, mmask, rn, r16, N_PAD,
+                             pid_n * BN, pid_k, BM, BN, BR, SPLIT, OUTL)
 
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
