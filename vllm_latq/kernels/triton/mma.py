@@ -92,9 +92,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
 def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, mmask, rn, r16, N_PAD, n0, pid_k,
                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr, OUTL: tl.constexpr):
     """The outliers' part of the [BM, BN] output tile, on SIMT lanes: [BM, BR, BN] activation
-    gathers of ELL slots reduced over BR, or CSR entries routed to their rows one-hot. The
-    gathers read xᵀ (``xt_ptr``, [K, M]): an outlier's BM activations are adjacent, one memory
-    sector instead of BM."""
+    gathers of ELL slots from xᵀ [K, M], reduced over BR, or CSR entries routed to their rows one-hot."""
     oacc = tl.zeros([BM, BN], dtype=tl.float32)
     rb = tl.arange(0, BR)
     if OUTL == 1:
@@ -105,6 +103,7 @@ def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, m
             idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
             col = tl.load(col_ptr + idx, mask=em, other=0)
             val = tl.load(val_ptr + idx, mask=em, other=0.0)
+            # from xᵀ: a slot's BM activations are adjacent, one memory sector instead of BM
             xg = tl.load(xt_ptr + _row_offset(col[None, :, :], stride_xt) + rm[:, None, None],
                          mask=mmask[:, :, None] & em[None, :, :], other=0.0).to(tl.float32)   # [BM, BR, BN]
             oacc += tl.sum(val[None, :, :] * xg, axis=1)
