@@ -176,6 +176,11 @@ def launch_candidates(st: TritonState, M: int, kernel: str) -> tuple[int, list[d
 def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, config: dict | None = None) -> dict:
     """The config one launch runs (tile, SPLIT, warps, stages, register cap, "BM"), the same on a GPU
     and in the interpreter: ``config``, else :func:`~.configs.choose`'s for ``device``'s family."""
+    return _launch_plan(st, M, kernel, device, config)[0]
+
+
+def _launch_plan(st: TritonState, M: int, kernel: str, device: torch.device, config: dict | None) -> tuple[dict, dict]:
+    """(:func:`launch_config`'s config, :func:`launch_shape`'s shape at its row tile) of one launch."""
     sh = launch_shape(st, M, kernel, config.get("BM") if config is not None else None)
     bm, can_split = sh["bm"], sh["can_split"]
     if config is None:
@@ -186,7 +191,7 @@ def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, co
                          f"of a layer of ≤ {SPLITK_MAX_N} rows")
     cap = config.get("maxnreg", (GEMV_MAXNREG if kernel == "gemv" else MMA_MAXNREG)[st.bits])
     return dict(config, BM=bm, maxnreg=cap, num_warps=config.get("num_warps", 4),
-                num_stages=config.get("num_stages", 1))
+                num_stages=config.get("num_stages", 1)), sh
 
 
 def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
@@ -199,9 +204,8 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     if M == 0:
         return y
     autotune = config is None and cfg.autotune_enabled() and not INTERPRET
-    c = launch_config(st, M, kernel, dev, config if config is not None or not autotune else dict(SPLIT=1))
-    bm = c["BM"]
-    m_tiles = tlay.cdiv(M, bm)
+    c, sh = _launch_plan(st, M, kernel, dev, config if config is not None or not autotune else dict(SPLIT=1))
+    bm, m_tiles, can_split = sh["bm"], sh["m_tiles"], sh["can_split"]
     spare = st.scales                                   # any tensor for pointers a variant never reads
     optr = [t if t is not None else spare for t in st.outlier_arrays]
     # a plane the layer lacks (2/4 bits: the 1-bit plane; 3 bits: no tail, or no whole chunk)
@@ -209,7 +213,6 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
     # behind a zero-trip loop must still compile on int32 words
     planes = [t if t is not None and t.numel() else st.tickets for t in (st.plane_a, st.plane_h, st.plane_t)]
     ks = tlay.k_steps(st.bits, st.k_pad)
-    can_split = m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0
     ws = (scratch or SPLITK_SCRATCH).flat(splitk_floats(st.n_pad) if can_split else 1, torch.float32, dev)
     has_bias = bias is not None
     args = [x2, y, bias if has_bias else y, *planes, st.scales, *optr, ws, st.tickets,
