@@ -179,8 +179,8 @@ def launch_config(st: TritonState, M: int, kernel: str, device: torch.device, co
     return _launch_plan(st, M, kernel, device, config)[0]
 
 
+# (launch_config's config, launch_shape's shape at its row tile) of one launch
 def _launch_plan(st: TritonState, M: int, kernel: str, device: torch.device, config: dict | None) -> tuple[dict, dict]:
-    """(:func:`launch_config`'s config, :func:`launch_shape`'s shape at its row tile) of one launch."""
     sh = launch_shape(st, M, kernel, config.get("BM") if config is not None else None)
     bm, can_split = sh["bm"], sh["can_split"]
     if config is None:
