@@ -13,6 +13,7 @@ import torch
 from tests.gpu.cases import BITS, DEV, DTYPES, K_TAILS, MS, NAMES, QWEN3_8B, RAGGED, RATES, activations, assert_matches_reference, bias_for, fixed_config, kernel, needs_cuda, pytestmark, triton_module, triton_state, weight
 from vllm_latq import format as fmt
 from vllm_latq.kernels import ops, selector
+from vllm_latq.kernels.triton.dequant import use_large_m
 from vllm_latq.kernels.weight import LatqWeight
 
 
@@ -82,7 +83,6 @@ def test_triton_coded_scales_bit_exact(kind):
 @pytest.mark.parametrize("bits", [pytest.param(b, id=f"{b}bit") for b in (3, 4)])
 def test_triton_8b_shapes_coded_scales(bits, m):
     """A Qwen3-8B projection with coded scales at group 64, autotuned (as served)."""
-    from vllm_latq.kernels.triton.dequant import use_large_m
     n, k = QWEN3_8B[next(iter(QWEN3_8B))]
     w = weight(n, k, bits, 0.01, group=64, seed=0, scale_bits=4)
     x = activations(m, k, torch.bfloat16, seed=m)
@@ -98,7 +98,6 @@ def test_triton_8b_shapes_coded_scales(bits, m):
 def test_triton_8b_shapes(bits, shape, m):
     """The Qwen3-8B linears at 1 % outliers, bf16, the autotuned default path (as served; from
     the large-M crossover on, dequantize once + cuBLAS: weights rounded once to bf16)."""
-    from vllm_latq.kernels.triton.dequant import use_large_m
 
     n, k = QWEN3_8B[shape]
     w = weight(n, k, bits, 0.01, seed=0)
@@ -116,7 +115,6 @@ def test_triton_ragged_k_tails(bits, shape, m):
     4-bit tail, 5 bits' last 1-bit chunk part padding; the production tile of M's row tile
     (SPLIT = 1), and the autotuned default path (split-K over main and tail steps, or from
     the crossover on, dequantize once + cuBLAS)."""
-    from vllm_latq.kernels.triton.dequant import use_large_m
 
     n, k = K_TAILS[shape]
     w = weight(n, k, bits, 0.01)
@@ -161,7 +159,6 @@ def test_triton_through_op(bits, m, monkeypatch):
     assert all(t is None or t.device.type == DEV.type for t in tensors)
     x = activations(m, k, torch.bfloat16, seed=m)
     bias = bias_for(n, torch.bfloat16)
-    from vllm_latq.kernels.triton.dequant import use_large_m
     assert_matches_reference(ops.op_for(triton_k)(x, tensors, ints, bias, n), x, w, bias, exact=not use_large_m(x))
 
 
