@@ -171,6 +171,8 @@ def _tile_source(j: dict):
         const.update(BR=j["BR"], F32DOT=False)
         sig.update(xt_ptr="*bf16", stride_xt="i32")
     div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
+    if j["kernel"] == "mma":        # xᵀ: whole row tiles of rows (kernel._padded_xt)
+        div16 |= {"xt_ptr", "stride_xt"}
     return _ast_source(fn, sig, const, div16)
 
 

@@ -194,6 +194,14 @@ def _launch_plan(st: TritonState, M: int, kernel: str, device: torch.device, con
                 num_stages=config.get("num_stages", 1)), sh
 
 
+def _padded_xt(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    # the tensor-core kernel's outlier gathers read xᵀ [K, rows]: a slot's activations adjacent,
+    # zero rows up to whole row tiles, so its loads need no row mask and vectorise
+    xt = x2.new_zeros(x2.shape[1], rows)
+    xt[:, :x2.shape[0]] = x2.t()
+    return xt
+
+
 def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
            config: dict | None = None, scratch: Workspace | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma", at ``config`` or
@@ -222,7 +230,7 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
                 HAS_BIAS=has_bias, ASM=not INTERPRET, CODED=st.coded_scales)
     if kernel == "mma":
         meta["F32DOT"] = INTERPRET or x2.dtype == torch.float32
-        xt = x2.t().contiguous() if st.outl else x2     # the outliers' gathers: xᵀ [K, M]
+        xt = _padded_xt(x2, m_tiles * bm) if st.outl else x2
         args += [xt, xt.stride(0)]
 
     def grid(META):

@@ -89,41 +89,46 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
 
 
 @triton.jit
-def _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, mmask, rn, r16, N_PAD, n0, pid_k,
-                  BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr, OUTL: tl.constexpr):
-    """The outliers' part of the [BM, BN] output tile, on SIMT lanes: [BM, BR, BN] activation
-    gathers of ELL slots from xᵀ [K, M], reduced over BR, or CSR entries routed to their rows one-hot."""
+def _ell_slots(col_ptr, val_ptr, e0, cnt, r0, r16, BR: tl.constexpr):
+    """ELL slots ``r0 + [0, BR)`` of a tile's rows: columns and values [BR, BN], a row's slots
+    past its count as column 0, value 0 (what ELL padding holds)."""
+    rr = r0 + tl.arange(0, BR)
+    em = rr[:, None] < cnt[None, :]
+    idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
+    return tl.load(col_ptr + idx, mask=em, other=0), tl.load(val_ptr + idx, mask=em, other=0.0)
+
+
+@triton.jit
+def _ell_dot(xt_ptr, stride_xt, rm, col, val):
+    """Σ over slots of val · x[m, col]: [BM, BR, BN] gathers from xᵀ, reduced to [BM, BN]. xᵀ is
+    zero-padded to whole row tiles with a 16-divisible stride, so the gather needs no row mask
+    and a slot's BM activations load as 16-byte vectors."""
+    xg = tl.load(xt_ptr + _row_offset(col[None, :, :], stride_xt) + rm[:, None, None]).to(tl.float32)
+    return tl.sum(val.to(tl.float32)[None, :, :] * xg, axis=1)
+
+
+@triton.jit
+def _csr_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, rn, n0, N_PAD, pid_k,
+                  BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
+    """CSR outliers of the [BM, BN] output tile on SIMT lanes: BR entries at a time, gathered
+    from (padded) xᵀ and routed to their rows one-hot."""
     oacc = tl.zeros([BM, BN], dtype=tl.float32)
     rb = tl.arange(0, BR)
-    if OUTL == 1:
-        e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
-        for r0 in range(pid_k * BR, rmax, SPLIT * BR):
-            rr = r0 + rb
-            em = rr[:, None] < cnt[None, :]                                 # [BR, BN]
-            idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
-            col = tl.load(col_ptr + idx, mask=em, other=0)
-            val = tl.load(val_ptr + idx, mask=em, other=0.0)
-            # from xᵀ: a slot's BM activations are adjacent, one memory sector instead of BM
-            xg = tl.load(xt_ptr + _row_offset(col[None, :, :], stride_xt) + rm[:, None, None],
-                         mask=mmask[:, :, None] & em[None, :, :], other=0.0).to(tl.float32)   # [BM, BR, BN]
-            oacc += tl.sum(val[None, :, :] * xg, axis=1)
-    else:
-        e0 = tl.load(start_ptr + n0)
-        e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
-        for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
-            ee = e + rb
-            em = ee < e1
-            row = tl.load(row_ptr + ee, mask=em, other=-1)
-            col = tl.load(col_ptr + ee, mask=em, other=0)
-            val = tl.load(val_ptr + ee, mask=em, other=0.0)
-            xg = tl.load(xt_ptr + _row_offset(col[None, :], stride_xt) + rm[:, None], mask=mmask & em[None, :],
-                         other=0.0).to(tl.float32)                          # [BM, BR]
-            hit = row[:, None] == rn[None, :]                               # [BR, BN]
-            oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
+    e0 = tl.load(start_ptr + n0)
+    e1 = tl.load(start_ptr + tl.minimum(n0 + BN, N_PAD))
+    for e in range(e0 + pid_k * BR, e1, SPLIT * BR):
+        ee = e + rb
+        em = ee < e1
+        row = tl.load(row_ptr + ee, mask=em, other=-1)
+        col = tl.load(col_ptr + ee, mask=em, other=0)
+        val = tl.load(val_ptr + ee, mask=em, other=0.0)
+        xg = tl.load(xt_ptr + _row_offset(col[None, :], stride_xt) + rm[:, None]).to(tl.float32)   # [BM, BR]
+        hit = row[:, None] == rn[None, :]                                                          # [BR, BN]
+        oacc += tl.sum(tl.where(hit[None, :, :], (xg * val[None, :])[:, :, None], 0.0), axis=1)
     return oacc
 
 
-@triton.jit(do_not_specialize=UNSPECIALIZED + ("stride_xt",))
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
                 start_ptr, row_ptr, col_ptr, val_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, stride_ym, N_PAD, NCH_A, NCH_H, NGP, NSTEPS, TSTEPS, M_WS, xt_ptr, stride_xt,
@@ -160,11 +165,24 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     s_end = tl.minimum(s_beg + SPS, NSTEPS)
     wa_n, wb_n, wh_n = _word_tiles(ta, th, s_beg, s_end, rn3, w3, N_PAD, BITS)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # ELL outliers ride the K loop, SR slots a step (step s: slots [s·SR, s·SR + SR)), their
+    # entries prefetched a step ahead with the word tiles: the gathers' latency hides behind
+    # the step's tensor-core work instead of queuing after it
+    SR: tl.constexpr = BR if BR < STEP // 64 else STEP // 64
+    if OUTL == 1:
+        e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
+        oc_n, ov_n = _ell_slots(col_ptr, val_ptr, e0, cnt, s_beg * SR, r16, SR)
     for s in range(s_beg, s_end):
         wa = wa_n
         wb = wb_n
         wh = wh_n
         wa_n, wb_n, wh_n = _word_tiles(ta, th, s + 1, s_end, rn3, w3, N_PAD, BITS)   # prefetch the next step
+        if OUTL == 1:
+            oc = oc_n
+            ov = ov_n
+            oc_n, ov_n = _ell_slots(col_ptr, val_ptr, e0, cnt, (s + 1) * SR, r16, SR)
+            if s * SR < rmax:
+                acc += _ell_dot(xt_ptr, stride_xt, rm, oc, ov)
         acc = _mma_step(acc, wa, wb, wh, s * STEP, xrow, mmask, K, sp, r16, rn, N_PAD, BITS, GROUP, SPG, BN, ASM, DT,
                         CODED)
     if BITS == 3:
@@ -175,9 +193,13 @@ def _mma_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
             w4, _, _ = _word_tiles(tt, tt, t, TSTEPS, rn3, w3, N_PAD, 4)
             acc = _mma_step(acc, w4, w4, w4, NSTEPS * STEP + 128 * t, xrow, mmask, K, sp, r16, rn, N_PAD,
                             4, GROUP, SPG, BN, ASM, DT, CODED)
-    if OUTL != 0:
-        acc += _mma_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, mmask, rn, r16, N_PAD,
-                             pid_n * BN, pid_k, BM, BN, BR, SPLIT, OUTL)
+    if OUTL == 1:                # the slots past the K loop's, BR at a time
+        for r0 in range(NSTEPS * SR + pid_k * BR, rmax, SPLIT * BR):
+            oc, ov = _ell_slots(col_ptr, val_ptr, e0, cnt, r0, r16, BR)
+            acc += _ell_dot(xt_ptr, stride_xt, rm, oc, ov)
+    elif OUTL == 2:
+        acc += _csr_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, rn, pid_n * BN, N_PAD, pid_k,
+                             BM, BN, BR, SPLIT)
 
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
