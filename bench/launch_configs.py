@@ -1,14 +1,14 @@
 """Every launch config a Triton layer may take, timed on a GPU against the one serving picks.
 
 The packaged table (``tools/launch_table.py``) is chosen offline by the cost model; this bench
-measures what it leaves on the table. Per layer shape × bits × outlier rate × M (M ≤ 16: above
-that ``TritonKernel.apply`` dequantises once, which has no launch config), every candidate of
-the kernel M routes to (GEMV below 8 rows, tensor cores from 8) is run forced, its output checked
-against the fp32 reference, and timed as :mod:`bench.kernels` times (CUDA-graph medians over
-weight copies cycled past L2).
+measures what it leaves on the table. Per layer shape × bits × outlier rate × M (M ≤ 64, the
+tensor-core kernel's largest row tile), every candidate of the kernel for M rows (GEMV below 8,
+tensor cores from 8) is run forced, its output checked against the fp32 reference, and timed as
+:mod:`bench.kernels` times (CUDA-graph medians over weight copies cycled past L2). ``--json``
+writes every timing, the measured entries ``tools/launch_table.py --add-timings`` takes.
 
     python -m bench.launch_configs [--shapes 8b.down,8b.o] [--bits 4] [--rates 0.01] [--m 1,4,8,16]
-                                   [--budget-s 120]
+                                   [--budget-s 120] [--json timings.json]
 
 Prints each candidate's µs and the table's time over it; ends with ``HEADLINE`` keys
 ``table_over_best_max`` and ``table_over_best_median`` (the table's time / the fastest
@@ -18,6 +18,7 @@ candidate's over the points: 1.00 where the table picks the fastest), ``points``
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -36,18 +37,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shapes", default="8b.down,8b.o", help=f"NxK literals or names ({', '.join(SHAPES)})")
     ap.add_argument("--bits", default="4", help="inlier bits, of 2,3,4,5")
     ap.add_argument("--rates", default="0.01", help="outlier rates (fractions)")
-    ap.add_argument("--m", default="1,4,8,16", help="activation rows, each ≤ 16")
+    ap.add_argument("--m", default="1,4,8,16", help="activation rows, each ≤ 64")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--rep-ms", type=float, default=5.0, help="do_bench_cudagraph rep (ms per measurement)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="start no new layer after this many seconds")
+    ap.add_argument("--json", help="write every candidate's timing here (a JSON list)")
     a = ap.parse_args(argv)
-    from vllm_latq.kernels.triton.dequant import MMA_MAX_M
+    from vllm_latq.kernels.triton.cost_model import MMA_BMS
     try:
         a.shapes = parse_shapes(a.shapes)
         a.bits = _list(a.bits, int, lambda b: b in (2, 3, 4, 5), "bits must be of 2,3,4,5")
         a.rates = _list(a.rates, float, lambda r: 0 <= r < 0.5, "rates must be in [0, 0.5)")
-        a.m = sorted(_list(a.m, int, lambda m: 1 <= m <= MMA_MAX_M,
-                           f"M must be in 1..{MMA_MAX_M} (above it no launch config is used)"))
+        a.m = sorted(_list(a.m, int, lambda m: 1 <= m <= max(MMA_BMS),
+                           f"M must be in 1..{max(MMA_BMS)} (one row tile at most)"))
     except ValueError as e:
         ap.error(str(e))
     return a
@@ -57,9 +59,10 @@ def key(c: dict) -> tuple:
     return tuple(c.get(k) for k in TUNED)
 
 
-def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log) -> list[dict]:
+def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log, timings=None) -> list[dict]:
     """One layer: per M, every candidate forced (checked, timed) → a point per M: the table's
-    config and time, the fastest candidate and its time, and the wrong candidates."""
+    config and time, the fastest candidate and its time, and the wrong candidates; each timing
+    also appended to ``timings``."""
     from vllm_latq.kernels.triton.kernel import TritonKernel, launch_candidates, launch_config
     from vllm_latq.kernels.weight import dequantize
     name, n, k = spec
@@ -90,6 +93,9 @@ def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log) -> lis
                 continue
             times[key(c)] = us = time_cycled(timer, [lambda s=s: TritonKernel.apply(s, x, kernel=kind, config=cc)
                                                      for s in states])
+            if timings is not None:
+                timings.append(dict(family=family(dev), kernel=kind, bits=bits, bm=bm, n=n, k=k, m=m, rate=rate,
+                                    config={t: c[t] for t in TUNED if t in c}, us=round(us, 2)))
             log(f"  {name:12} {bits}-bit {rate * 100:g}% M={m:<3} {kind:4} {what:38} {us:9.1f} us"
                 f"{'   <- table' if key(c) == key(table) else ''}")
         if key(table) not in times or not times:
@@ -103,7 +109,14 @@ def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log) -> lis
     return points
 
 
-def sweep(a, dev, l2_bytes, timer, log=print) -> list[dict]:
+def family(dev) -> str:
+    if dev.type != "cuda":
+        return dev.type
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"sm_{major}{minor}"
+
+
+def sweep(a, dev, l2_bytes, timer, log=print, timings=None) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     t0 = time.perf_counter()
     points = []
@@ -113,7 +126,7 @@ def sweep(a, dev, l2_bytes, timer, log=print) -> list[dict]:
                 if time.perf_counter() - t0 > a.budget_s:
                     log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:g} spent")
                     continue
-                points += layer_configs(spec, bits, rate, a.m, dtype, dev, l2_bytes, timer, log)
+                points += layer_configs(spec, bits, rate, a.m, dtype, dev, l2_bytes, timer, log, timings)
     return points
 
 
@@ -137,7 +150,11 @@ def main(argv=None) -> int:
     l2 = getattr(props, "L2_cache_size", 0) or (50 << 20)
     print(f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs); µs per call, "
           f"CUDA-graph medians, {a.dtype} activations")
-    points = sweep(a, dev, l2, cuda_timer(a.rep_ms))
+    timings = []
+    points = sweep(a, dev, l2, cuda_timer(a.rep_ms), timings=timings)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write("[\n" + ",\n".join(json.dumps(t, sort_keys=True) for t in timings) + "\n]\n")
     print(headline(points, props.name))
     return 1 if any(p["wrong"] for p in points) else 0
 

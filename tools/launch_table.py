@@ -108,7 +108,7 @@ def _n_pad(n: int) -> int:
 
 def shape_candidates(kernel: str, bits: int, bm: int, n: int, k: int) -> list[dict]:
     ks = tlay.k_steps(bits, tlay.pad_k(k, bits))
-    can_split = bm <= cfg.SPLITK_BM and _n_pad(n) <= cfg.SPLITK_MAX_N
+    can_split = _n_pad(n) <= cfg.SPLITK_MAX_N
     return cfg.candidates(kernel, bits, bm, _n_pad(n), ks["nsteps"] + ks["tsteps"], can_split)
 
 

@@ -13,15 +13,16 @@ from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
 def test_arguments():
     a = lc.parse_args([])
     assert [s[0] for s in a.shapes] == ["8b.down", "8b.o"] and a.m == [1, 4, 8, 16] and a.bits == [4]
+    assert lc.parse_args(["--m", "8,64"]).m == [8, 64]
     with pytest.raises(SystemExit):
-        lc.parse_args(["--m", "1,17"])          # above 16 rows apply dequantises: no launch config
+        lc.parse_args(["--m", "1,65"])          # above one 64-row tile: no launch config of its own
 
 
 def test_every_candidate_against_the_tables_choice(monkeypatch):
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
-    log = []
+    log, timings = [], []
     pts = lc.layer_configs(("t", 32, 256), 4, 0.02, [1, 8], torch.bfloat16, torch.device("cpu"), 1, FakeTimer(),
-                           log.append)
+                           log.append, timings)
     st = tk.TritonKernel.prepare(lc.bench_weight(32, 256, 4, 0.02))
     assert [(p["m"], p["kernel"]) for p in pts] == [(1, "gemv"), (8, "mma")]
     timed = 0
@@ -32,6 +33,10 @@ def test_every_candidate_against_the_tables_choice(monkeypatch):
         assert len(cands) > 1 and p["table"] == table and not p["wrong"]
         assert p["best"] == keys[0] and p["best_us"] == timed + 1            # the first timed: 1 µs after the last M's
         assert p["table_us"] == timed + 1 + keys.index(table)
+        mine = [t for t in timings if t["m"] == p["m"]]
+        assert [tuple(t["config"].get(k) for k in lc.TUNED) for t in mine] == keys
+        assert {(t["kernel"], t["bm"], t["n"], t["k"], t["family"]) for t in mine} == {(p["kernel"], bm, 32, 256, "cpu")}
+        assert [t["us"] for t in mine] == [timed + 1 + i for i in range(len(cands))]
         timed += len(cands)
     assert lc.headline(pts, "Fake GPU").startswith("HEADLINE table_over_best_max=")
     assert "points=2 wrong=0 gpu=Fake_GPU" in lc.headline(pts, "Fake GPU")

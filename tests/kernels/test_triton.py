@@ -418,12 +418,26 @@ def test_mma_large_tile_configs(bits, mode):
 
 
 def test_large_m_split_refused():
+    """Split-K needs one row tile and at most ``SPLITK_ROWS`` partial rows (SPLIT · BM)."""
     w, st = state_for(4, 0.05)
     x = activations(70, torch.bfloat16)
-    with pytest.raises(ValueError, match="SPLIT"):
-        TritonKernel.apply(st, x, kernel="mma", config=dict(BN=64, SPLIT=2, BR=8))
-    with pytest.raises(ValueError, match="SPLIT"):                 # one tile, but of 32 rows
-        TritonKernel.apply(st, x[:20], kernel="mma", config=dict(BN=64, SPLIT=2, BR=8))
+    with pytest.raises(ValueError, match="SPLIT"):                 # two 64-row tiles
+        TritonKernel.apply(st, x, kernel="mma", config=dict(BN=32, SPLIT=2, BR=2))
+    with pytest.raises(ValueError, match="SPLIT must be ≤ 4 at 32-row"):
+        TritonKernel.apply(st, x[:20], kernel="mma", config=dict(BN=32, SPLIT=8, BR=4))
+
+
+@pytest.mark.parametrize("mode", ["ell", "csr"])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_mma_large_tile_split_k(bits, mode):
+    """One 32- or 64-row tile split over K (the largest split its partial rows allow), unequal
+    step counts per split: the partials reduce to the reference, twice (tickets reset)."""
+    w, st = state_for(bits, 0.05, mode)
+    for bm, m, split in ((32, 20, 4), (64, 33, 2)):
+        cfg = dict(tk.mma_configs(bm, bits)[0], SPLIT=split, BM=bm)
+        for seed in (1, 2):
+            x = activations(m, torch.float16, seed=seed)
+            check(TritonKernel.apply(st, x, kernel="mma", config=cfg), x, w)
 
 
 def test_m_buckets_and_tiles():
@@ -432,7 +446,7 @@ def test_m_buckets_and_tiles():
     assert [tk.mma_bm(m) for m in (1, 8, 16, 17, 32, 33, 64, 65, 1000)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
     assert tk.tuned("mma", 4, 1) is not tk.tuned("mma", 4, 64) and tk.tuned("mma", 4, 64) is tk.tuned("mma", 4, 64)
     splits = {c.kwargs["SPLIT"] for c in tk.tuned("mma", 4, 16).configs}
-    assert splits == {1, 2, 4} and {c.kwargs["SPLIT"] for c in tk.tuned("mma", 4, 64).configs} == {1}
+    assert splits == {1, 2, 4, 8} and {c.kwargs["SPLIT"] for c in tk.tuned("mma", 4, 128).configs} == {1}
     assert all((getattr(c, "maxnreg", None) is not None) == tk.MAXNREG_OK for c in tk.tuned("gemv", 2, 1).configs)
 
 

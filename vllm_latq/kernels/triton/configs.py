@@ -60,7 +60,7 @@ MMA_TILES = {16: [(32, 4, 8), (64, 4, 8), (128, 8, 8)],
              32: [(32, 4, 4), (64, 8, 4), (128, 8, 4)],
              64: [(32, 4, 2)]}
 assert tuple(MMA_TILES) == MMA_BMS
-MMA_SPLITS = {16: (1, 2, 4), 32: (1,), 64: (1,)}
+MMA_SPLITS = {16: (1, 2, 4, 8), 32: (1, 2, 4), 64: (1, 2)}
 # Register caps (.maxnreg) per kernel and bit width. Without a cap ptxas picks an
 # occupancy tier (64/72/80/96/128/168 registers) and spills a few bytes to reach it in
 # some variants; with a cap it allocates up to the cap and spills only if the code needs more. 2/4-bit GEMV fits 128 (≥ 16 warps/SM);
@@ -86,10 +86,10 @@ def stages(kernel: str, bits: int, bm: int, bn: int, num_warps: int) -> int:
     return MMA_STAGES
 
 
-# Split-K partials: only for one M tile of at most SPLITK_BM rows and at most SPLITK_MAX_N
-# rows of weights (above that N/BN alone gives every SM programs), so the shared scratch
-# never exceeds MAX_SPLIT · SPLITK_BM · SPLITK_MAX_N fp32 (8 MiB).
-SPLITK_BM = 16
+# Split-K partials: only for one M tile, at most SPLITK_ROWS partial rows (SPLIT · BM) and at
+# most SPLITK_MAX_N rows of weights (above that N/BN alone gives every SM programs), so the
+# shared scratch never exceeds SPLITK_ROWS · SPLITK_MAX_N fp32 (8 MiB).
+SPLITK_ROWS = MAX_SPLIT * 16
 SPLITK_MAX_N = 16384
 # Autotuning is per M bucket (next power of two of M, capped): batch 1 and batch 64 of one
 # layer tune separately; every M above the cap shares the last bucket.
@@ -123,9 +123,9 @@ def max_split(n_pad: int, ksteps: int) -> int:
 
 def candidates(kernel: str, bits: int, bm: int, n_pad: int, ksteps: int, can_split: bool) -> list[dict]:
     """The configs a launch of this shape may take (the autotuner's pruning, and the table's
-    and :func:`rule`'s choices): the row tile's tiles, SPLIT ≤ the K steps, and SPLIT = 1
-    unless M is one tile that may split (``can_split``)."""
-    top = max_split(n_pad, ksteps) if can_split else 1
+    and :func:`rule`'s choices): the row tile's tiles, SPLIT ≤ the K steps and SPLIT · BM ≤
+    ``SPLITK_ROWS``, and SPLIT = 1 unless M is one tile that may split (``can_split``)."""
+    top = min(max_split(n_pad, ksteps), SPLITK_ROWS // bm) if can_split else 1
     return [c for c in configs_for(kernel, bm, bits) if c["SPLIT"] <= top]
 
 

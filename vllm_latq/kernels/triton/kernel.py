@@ -21,7 +21,7 @@ from .mma import _mma_kernel
 from .cost_model import mma_bm
 from . import configs as cfg
 from .configs import (GEMV_MAXNREG, GEMV_SPLITS, GEMV_TILES, MAX_SPLIT, MAXNREG_OK, MMA_MAXNREG,  # noqa: F401
-                      MMA_SPLITS, MMA_TILES, SPLITK_BM, SPLITK_MAX_N, _next_pow2, gemv_configs, m_bucket,
+                      MMA_SPLITS, MMA_TILES, SPLITK_MAX_N, SPLITK_ROWS, _next_pow2, gemv_configs, m_bucket,
                       mma_configs)
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _prune(kernel, bits):
         def arg(name):
             return named_args.get(name, kw.get(name))
         bm, m_tiles = arg("BM"), tlay.cdiv(arg("M"), arg("BM"))
-        can_split = m_tiles == 1 and bm <= SPLITK_BM
+        can_split = m_tiles == 1
         allowed = [{k: v for k, v in c.items() if k != "maxnreg"}
                    for c in cfg.candidates(kernel, bits, bm, arg("N_PAD"), arg("NSTEPS") + arg("TSTEPS"), can_split)]
         keep = [c for c in configs if dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) in allowed]
@@ -78,7 +78,7 @@ def _config(c: dict) -> triton.Config:
 def tuned(kernel: str, bits: int, bucket: int):
     """The autotuner of one kernel, bit width and M bucket (its own cache of configs, the binaries
     shared); only a bucket within one M tile may split K."""
-    one_tile = bucket <= (8 if kernel == "gemv" else SPLITK_BM)
+    one_tile = bucket <= (8 if kernel == "gemv" else max(MMA_TILES))
     cfgs = [c for c in cfg.configs_for(kernel, None, bits) if one_tile or c["SPLIT"] == 1]
     return triton.autotune([_config(c) for c in _uniq(cfgs)], key=["N_PAD", "K", "BM", "BITS", "OUTL", "GROUP", "CODED"],
                            prune_configs_by={"early_config_prune": _prune(kernel, bits)})(_KERNELS[kernel])
@@ -154,17 +154,17 @@ def size_reason(n: int, k: int, bits: int, nnz: int) -> str | None:
 
 def splitk_floats(n_pad: int) -> int:
     """fp32 split-K partials a layer of ``n_pad`` rows may need (0: it never splits)."""
-    return MAX_SPLIT * SPLITK_BM * n_pad if n_pad <= SPLITK_MAX_N else 0
+    return SPLITK_ROWS * n_pad if n_pad <= SPLITK_MAX_N else 0
 
 
 def launch_shape(st: TritonState, M: int, kernel: str, bm: int | None = None) -> dict:
     """What a launch's config is chosen by: the row tile ``bm`` (M's, unless given), ``m_tiles``,
-    ``ksteps`` and ``can_split`` (one M tile of ≤ SPLITK_BM rows of a layer with split-K scratch)."""
+    ``ksteps`` and ``can_split`` (one M tile of a layer with split-K scratch)."""
     bm = bm or (min(8, _next_pow2(M)) if kernel == "gemv" else mma_bm(M))
     m_tiles = tlay.cdiv(M, bm)
     ks = tlay.k_steps(st.bits, st.k_pad)
     return dict(bm=bm, m_tiles=m_tiles, ksteps=ks["nsteps"] + ks["tsteps"],
-                can_split=m_tiles == 1 and bm <= SPLITK_BM and splitk_floats(st.n_pad) > 0)
+                can_split=m_tiles == 1 and splitk_floats(st.n_pad) > 0)
 
 
 def launch_candidates(st: TritonState, M: int, kernel: str) -> tuple[int, list[dict]]:
@@ -186,8 +186,8 @@ def _launch_plan(st: TritonState, M: int, kernel: str, device: torch.device, con
     if config is None:
         config = cfg.choose(kernel, st.bits, bm, st.n_pad, st.k_pad, sh["ksteps"], sh["m_tiles"], can_split,
                             *cfg.device_info(device))
-    if config["SPLIT"] > MAX_SPLIT or (config["SPLIT"] > 1 and not can_split):
-        raise ValueError(f"SPLIT must be ≤ {MAX_SPLIT}, and 1 unless M is one tile of ≤ {SPLITK_BM} rows "
+    if config["SPLIT"] > min(MAX_SPLIT, SPLITK_ROWS // bm) or (config["SPLIT"] > 1 and not can_split):
+        raise ValueError(f"SPLIT must be ≤ {min(MAX_SPLIT, SPLITK_ROWS // bm)} at {bm}-row tiles, and 1 unless M is one tile "
                          f"of a layer of ≤ {SPLITK_MAX_N} rows")
     cap = config.get("maxnreg", (GEMV_MAXNREG if kernel == "gemv" else MMA_MAXNREG)[st.bits])
     return dict(config, BM=bm, maxnreg=cap, num_warps=config.get("num_warps", 4),
