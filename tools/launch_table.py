@@ -5,7 +5,9 @@ TP 1 and 2), chosen offline so that serving never autotunes.
 Per shape class the candidates are the kernel's own (:func:`~vllm_latq.kernels.triton.configs.candidates`,
 the autotuner's pruning) that every shape of the class takes (one entry serves them all); a
 candidate the offline compile report (:mod:`tools.triton_compile`) shows spilling on the
-family's target is dropped; the rest are ranked by the cost model's device constants
+family's target is dropped. Where a GPU of the family timed the class (``launch_timings.json``,
+from ``bench/launch_configs.py --json``), the candidate of least time summed over the timed
+points wins — measured beats modelled; elsewhere the rest are ranked by the cost model's device constants
 (:mod:`~vllm_latq.kernels.triton.cost_model`) with the report's registers (resident programs
 per SM → wave quantisation) and K-loop instructions per weight, plus the split-K partials'
 traffic, summed over the class's shapes. Candidates within ``TIE`` of the fastest are ranked by
@@ -18,7 +20,7 @@ the packaged table from it. A report that lacks a candidate is refused (exit 2, 
 tiles named) rather than filled in by the rule. ``--compile`` compiles the missing report
 entries first (minutes per family); ``--from-summary`` rebuilds from the committed summary alone.
 
-    python -m tools.launch_table [--compile | --from-summary] [--out PATH]
+    python -m tools.launch_table [--compile | --from-summary] [--add-timings FILE] [--out PATH]
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
 ROW_TILES = {"gemv": (1, 2, 4, 8), "mma": cm.MMA_BMS}
 WARPS_PER_SM = {"sm_80": 64, "sm_86": 48, "sm_89": 48, "sm_90": 64}
 REPORT_FILE = Path(__file__).with_name("launch_report.json")
+TIMINGS_FILE = Path(__file__).with_name("launch_timings.json")
+TIMING_FIELDS = ("family", "kernel", "bits", "bm", "n", "k", "m", "rate", "config", "us")
+TUNED = ("BN", "SPLIT", "BR", "num_warps")          # what tells two candidates apart
 REPORT_FIELDS = ("kernel", "bits", "BM", "BN", "num_warps", "BR", "cc")
 TIE = 0.02       # modelled times this close are the model's noise, not a ranking
 
@@ -127,18 +132,41 @@ def missing(report: dict) -> list[tuple]:
     return sorted(need - set(report), key=str)
 
 
-def choose(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: str, report: dict) -> dict:
-    """The class's config: the spill-free candidate of least modelled time summed over its
-    shapes; within ``TIE`` of it, :func:`configs.preference` decides."""
+def tuned_key(c: dict) -> tuple:
+    return tuple(c.get(k) for k in TUNED)
+
+
+def measured_points(timings: list[dict], fam: str, kernel: str, bits: int, bm: int,
+                    shapes: list[tuple[int, int]]) -> list[dict]:
+    """{tuned key: µs} per timed point (shape × M × outlier rate) of this class on this family."""
+    points: dict = {}
+    for t in timings:
+        if (t["family"], t["kernel"], t["bits"], t["bm"]) == (fam, kernel, bits, bm) and (t["n"], t["k"]) in shapes:
+            points.setdefault((t["n"], t["k"], t["m"], t["rate"]), {})[tuned_key(t["config"])] = t["us"]
+    return list(points.values())
+
+
+def choose(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: str, report: dict,
+           timings: list[dict] = ()) -> dict:
+    """The class's config among its spill-free candidates: of least measured time summed over
+    the class's timed points (candidates timed at every point), else of least modelled time
+    summed over its shapes; within ``TIE`` of the least, :func:`configs.preference` decides."""
     cands = class_candidates(kernel, bits, bm, shapes)
     reps = [report[report_key(kernel, bits, bm, c, fam)] for c in cands]
     clean = [(c, r) for c, r in zip(cands, reps) if r[0] == 0] or list(zip(cands, reps))
-    times = [sum(modelled_time(c, kernel, bits, bm, n, k, _n_pad(n), fam, r) for n, k in shapes) for c, r in clean]
-    near = [c for (c, _), t in zip(clean, times) if t <= min(times) * (1 + TIE)]
-    return min(near, key=cfg.preference)
+    points = measured_points(timings, fam, kernel, bits, bm, shapes)
+    timed = [(c, sum(p[tuned_key(c)] for p in points)) for c, _ in clean
+             if points and all(tuned_key(c) in p for p in points)]
+    if timed:
+        pairs = timed
+    else:
+        pairs = [(c, sum(modelled_time(c, kernel, bits, bm, n, k, _n_pad(n), fam, r) for n, k in shapes))
+                 for c, r in clean]
+    least = min(t for _, t in pairs)
+    return min((c for c, t in pairs if t <= least * (1 + TIE)), key=cfg.preference)
 
 
-def build(report: dict) -> dict:
+def build(report: dict, timings: list[dict] = ()) -> dict:
     """The table from a complete report (:func:`missing` empty, else ValueError naming the gaps)."""
     gaps = missing(report)
     if gaps:
@@ -147,7 +175,8 @@ def build(report: dict) -> dict:
                          "python -m tools.launch_table --compile")
     fams = {}
     for fam in cfg.FAMILY_SMS:
-        entries = {key: {kk: v for kk, v in choose(kernel, bits, bm, shapes, fam, report).items() if kk != "maxnreg"}
+        entries = {key: {kk: v for kk, v in choose(kernel, bits, bm, shapes, fam, report, timings).items()
+                         if kk != "maxnreg"}
                    for (kernel, bits, bm, key), shapes in classes().items()}
         fams[fam] = dict(sorted(entries.items()))
     return {"families": fams}
@@ -169,6 +198,37 @@ def read_report(path: Path = REPORT_FILE) -> dict:
                          f"{{{', '.join(REPORT_FIELDS)}, spill, regs, ipw}}") from e
 
 
+def read_timings(path: Path = TIMINGS_FILE) -> list[dict]:
+    """The committed GPU timings (a JSON list of records with ``TIMING_FIELDS``); none if absent."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())
+        for r in rows:
+            missing_fields = [f for f in TIMING_FIELDS if f not in r]
+            if missing_fields or not isinstance(r["config"], dict):
+                raise KeyError(f"a record lacks {missing_fields or ['config as an object']}: {r}")
+        return rows
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"launch timings {path}: unreadable ({e}); expected a JSON list of "
+                         f"{{{', '.join(TIMING_FIELDS)}}} as bench/launch_configs.py --json writes") from e
+
+
+def merge_timings(old: list[dict], new: list[dict]) -> list[dict]:
+    """``new`` replaces ``old``'s records of the same family × kernel × bits × BM × shape × M ×
+    rate × config; sorted, so the committed file diffs cleanly."""
+    def ident(r):
+        return tuple(r[f] for f in TIMING_FIELDS[:-2]) + tuned_key(r["config"])
+    merged = {ident(r): r for r in old}
+    merged.update({ident(r): r for r in new})
+    return [merged[k] for k in sorted(merged, key=str)]
+
+
+def dumps_timings(rows: list[dict]) -> str:
+    return "[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n"
+
+
 def dumps(table: dict) -> str:
     """The table as JSON, one entry per line (diffs stay readable)."""
     fams = [f' "{fam}": {{\n' + ",\n".join(f'  "{k}": {json.dumps(v, sort_keys=True)}' for k, v in e.items()) + "}"
@@ -183,19 +243,28 @@ def main(argv=None) -> int:
     src.add_argument("--from-summary", action="store_true", help=f"build from the committed {REPORT_FILE.name} alone")
     ap.add_argument("--out", default=str(cfg.TABLE_FILE))
     ap.add_argument("--report-out", default=str(REPORT_FILE), help="where the report's summary is written")
+    ap.add_argument("--add-timings", metavar="FILE",
+                    help=f"merge a GPU's timings (bench/launch_configs.py --json) into {TIMINGS_FILE.name} first")
+    ap.add_argument("--timings", default=str(TIMINGS_FILE), help="the committed timings file")
     a = ap.parse_args(argv)
     try:
         report = read_report() if a.from_summary else load_report(a.compile)
-        table = build(report)
+        timings = read_timings(a.timings)
+        if a.add_timings:
+            timings = merge_timings(timings, read_timings(a.add_timings))
+        table = build(report, timings)
     except ValueError as e:
         print(f"launch_table: {e}", file=sys.stderr)
         return 2
+    if a.add_timings:
+        Path(a.timings).write_text(dumps_timings(timings))
     with open(a.out, "w") as f:
         f.write(dumps(table))
     if not a.from_summary:
         Path(a.report_out).write_text(dumps_report(report))
     n = sum(len(v) for v in table["families"].values())
-    print(f"HEADLINE entries={n} families={len(table['families'])} report_configs={len(report)}")
+    print(f"HEADLINE entries={n} families={len(table['families'])} report_configs={len(report)} "
+          f"timings={len(timings)}")
     return 0
 
 

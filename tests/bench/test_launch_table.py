@@ -17,7 +17,57 @@ def report():
 
 
 def test_packaged_table_is_what_the_tool_builds(report):
-    assert lt.dumps(lt.build(report)) == cfg.TABLE_FILE.read_text()
+    assert lt.dumps(lt.build(report, lt.read_timings())) == cfg.TABLE_FILE.read_text()
+
+
+def _timing(c, n, k, m, us, fam="sm_90", bm=16):
+    return dict(family=fam, kernel="mma", bits=4, bm=bm, n=n, k=k, m=m, rate=0.01,
+                config={t: c[t] for t in lt.TUNED}, us=us)
+
+
+def test_measured_times_beat_the_model_where_a_gpu_timed_the_class(report):
+    """The least summed measured time wins (ties within TIE by preference); a candidate not
+    timed at every point is out; other families and classes keep the model's choice."""
+    shapes = [(4096, 14336)]
+    cands = lt.class_candidates("mma", 4, 16, shapes)
+    model = lt.choose("mma", 4, 16, shapes, "sm_90", report)
+    fast = next(c for c in cands if lt.tuned_key(c) != lt.tuned_key(model))
+    rows = [_timing(c, 4096, 14336, m, 100.0) for c in cands for m in (8, 16)]
+    rows = [dict(r, us=40.0) if r["config"] == {t: fast[t] for t in lt.TUNED} else r for r in rows]
+    assert lt.choose("mma", 4, 16, shapes, "sm_90", report, rows) == fast
+    assert lt.choose("mma", 4, 16, shapes, "sm_80", report, rows) == lt.choose("mma", 4, 16, shapes, "sm_80", report)
+    wrong_once = rows + [_timing(c, 4096, 14336, 12, 100.0) for c in cands if c != fast]   # fast: wrong at M = 12
+    assert lt.choose("mma", 4, 16, shapes, "sm_90", report, wrong_once) not in (fast, None)
+    tie = [dict(r, us=40.0 * (1 + lt.TIE / 2)) if r["config"] == {t: model[t] for t in lt.TUNED} else r for r in rows]
+    assert lt.choose("mma", 4, 16, shapes, "sm_90", report, tie) == min([fast, model], key=cfg.preference)
+
+
+def test_timings_merge_read_and_name_a_bad_file(tmp_path):
+    c = dict(BN=32, SPLIT=4, BR=8, num_warps=4)
+    old = [_timing(c, 4096, 4096, 16, 20.0), _timing(c, 4096, 4096, 8, 19.0)]
+    merged = lt.merge_timings(old, [_timing(c, 4096, 4096, 16, 18.0)])
+    assert sorted(r["us"] for r in merged) == [18.0, 19.0]
+    p = tmp_path / "t.json"
+    p.write_text(lt.dumps_timings(merged))
+    assert lt.read_timings(p) == merged and lt.read_timings(tmp_path / "absent.json") == []
+    p.write_text('[{"family": "sm_90"}]')
+    with pytest.raises(ValueError, match=r"launch timings .*t.json: unreadable .*lacks"):
+        lt.read_timings(p)
+
+
+def test_add_timings_writes_both_files(report, tmp_path, monkeypatch):
+    monkeypatch.setattr(lt, "load_report", lambda compile_missing: report)
+    shapes = [(4096, 14336)]
+    fast = lt.class_candidates("mma", 4, 16, shapes)[-1]
+    new = tmp_path / "new.json"
+    new.write_text(lt.dumps_timings([_timing(c, 4096, 14336, 16, 40.0 if c == fast else 90.0)
+                                     for c in lt.class_candidates("mma", 4, 16, shapes)]))
+    committed, table = tmp_path / "timings.json", tmp_path / "table.json"
+    assert lt.main(["--from-summary", "--add-timings", str(new), "--timings", str(committed),
+                    "--out", str(table)]) == 0
+    assert len(lt.read_timings(committed)) == len(lt.class_candidates("mma", 4, 16, shapes))
+    entry = json.loads(table.read_text())["families"]["sm_90"][cfg.shape_class("mma", 4, 16, 4096, 14336)]
+    assert entry == {k: v for k, v in fast.items() if k != "maxnreg"}
 
 
 def test_report_covers_every_candidate_and_no_entry_spills(report):

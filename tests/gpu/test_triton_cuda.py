@@ -174,16 +174,17 @@ def _large_tile_cases():
     cases = []
     for b in (2, 3, 4, 5):
         for bm in (bm for bm in tk.MMA_TILES if bm > 16):
-            for i, c in enumerate(tk.mma_configs(bm, b)):
-                m = bm if i % 2 == 0 else 3 * bm - 5                  # one tile; three, the last ragged
-                cases.append(pytest.param(b, bm, m, c, id=f"{b}bit-BM{bm}-m{m}-BN{c['BN']}-w{c['num_warps']}"))
+            for c in tk.mma_configs(bm, b):
+                m = bm if c["SPLIT"] > 1 else 3 * bm - 5           # split-K: one tile; else three, the last ragged
+                cases.append(pytest.param(b, bm, m, c, id=f"{b}bit-BM{bm}-m{m}-BN{c['BN']}-w{c['num_warps']}"
+                                                          f"-S{c['SPLIT']}"))
     return cases
 
 
 @pytest.mark.parametrize("bits,bm,m,cfg", _large_tile_cases())
 def test_mma_large_tiles_every_config(bits, bm, m, cfg):
-    """Every tensor-core config of the 32- and 64-row tiles (the large-M path below the
-    crossover), ragged shape, 1 % outliers, fp16 and bf16."""
+    """Every tensor-core config of the 32- and 64-row tiles, split-K included, ragged shape,
+    1 % outliers, fp16 and bf16."""
     n, k = RAGGED
     w = weight(n, k, bits, 0.01)
     st = triton_state(w)
