@@ -144,8 +144,8 @@ def test_main_without_cuda_says_so_and_exits_0(monkeypatch, capsys):
     assert bk.main(["--no-static"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("cost model") and any("no CUDA device" in line for line in out)
-    assert out[-1] == ("HEADLINE model_min_4b_1pct_ratio_m_le_256_a100=0.44 "
-                       "model_min_4b_1pct_ratio_m_le_256_h100=0.44 gpu=none")
+    assert out[-1] == ("HEADLINE model_min_4b_1pct_ratio_m_le_256_a100=0.45 "
+                       "model_min_4b_1pct_ratio_m_le_256_h100=0.45 gpu=none")
     assert tk.INTERPRET and __import__("os").environ.get("TRITON_INTERPRET") == "1"   # env left alone
 
 

@@ -210,11 +210,11 @@ def test_kernel_apply_routes_large_m(monkeypatch):
     real = td.apply_large_m
     monkeypatch.setattr(tk, "apply_large_m", lambda *a: calls.append(1) or real(*a))
     TritonKernel.reserve(st, torch.bfloat16)
-    x = activations(17, torch.bfloat16)
+    x = activations(td.MMA_MAX_M + 1, torch.bfloat16)
     y = TritonKernel.apply(st, x)
     assert calls == [1]
     assert torch.equal(y, real(st, x, None, TritonKernel.workspace))
-    TritonKernel.apply(st, activations(16, torch.bfloat16))
+    TritonKernel.apply(st, activations(td.MMA_MAX_M, torch.bfloat16))
     assert calls == [1]
 
 # ----------------------------------------------------------------------------- offline compilation

@@ -250,8 +250,8 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
 
 
 class TritonKernel(LatqKernel):
-    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (8 ≤ M ≤ 16), fused outliers;
-    above 16 rows (``MMA_MAX_M``), dequantize once + cuBLAS."""
+    """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (8 ≤ M ≤ 64), fused outliers;
+    above 64 rows (``MMA_MAX_M``), dequantize once + cuBLAS."""
     name = "triton"
     state_cls = TritonState
     widths = tlay.WIDTHS
