@@ -1,7 +1,7 @@
 """The Triton kernels' cost model: what the tensor-core kernel and dequantise-once + cuBLAS are
 predicted to cost against bf16 ``F.linear``, and where it puts their crossover — pure functions of
 the layer's shape and a :class:`DeviceModel` read from the device's properties. Serving does not
-route by it: on an H100 the tensor-core kernel ran 9–51× slower than modelled (``dequant.MMA_MAX_M``).
+route by it: its threshold ``dequant.MMA_MAX_M`` is measured.
 Formulas and sources: docs/KERNELS.md."""
 from __future__ import annotations
 

@@ -114,9 +114,8 @@ def _outlier_kernel(w_ptr, start_ptr, row_ptr, col_ptr, val_ptr, ROW0, ROW1, str
 
 # ============================================================================ host side
 
-# Rows the tensor-core kernel serves at most (one 64-row tile): with its outliers in the K loop
-# and split-K tiles it beat this path at 32 and 64 rows on the H200 at every 8B shape, and one
-# 128-row call is two tiles' work (docs/BENCHMARKS.md, "The third GPU check").
+# Rows the tensor-core kernel serves at most: one 64-row tile, measured faster than this path up
+# to there on every 8B shape; 128 rows are two tiles' work (docs/BENCHMARKS.md, "The third GPU check").
 MMA_MAX_M = 64
 # Suggested workspace cap: holds a fused 8B-class MLP projection (28672 × 4096 bf16 = 224 MiB)
 # in one piece; a vocabulary head (128k × 4096 bf16 ≈ 1 GiB) runs in 4 row chunks.
