@@ -90,8 +90,7 @@ def _mma_step(acc, wa, wb, wh, k0, xrow, mmask, K, sp, r16, rn, N_PAD,
 
 @triton.jit
 def _ell_slots(col_ptr, val_ptr, e0, cnt, r0, r16, BR: tl.constexpr):
-    """ELL slots ``r0 + [0, BR)`` of a tile's rows: columns and values [BR, BN], a row's slots
-    past its count as column 0, value 0 (what ELL padding holds)."""
+    # ELL slots r0 + [0, BR) of the tile's rows, [BR, BN]; past a row's count column 0, value 0 (as padding)
     rr = r0 + tl.arange(0, BR)
     em = rr[:, None] < cnt[None, :]
     idx = e0[None, :] + rr[:, None] * 16 + r16[None, :]
@@ -100,9 +99,8 @@ def _ell_slots(col_ptr, val_ptr, e0, cnt, r0, r16, BR: tl.constexpr):
 
 @triton.jit
 def _ell_dot(xt_ptr, stride_xt, rm, col, val):
-    """Σ over slots of val · x[m, col]: [BM, BR, BN] gathers from xᵀ, reduced to [BM, BN]. xᵀ is
-    zero-padded to whole row tiles with a 16-divisible stride, so the gather needs no row mask
-    and a slot's BM activations load as 16-byte vectors."""
+    # Σ over slots of val · x[m, col] → [BM, BN]; xᵀ is zero-padded to whole row tiles with a
+    # 16-divisible stride, so the gather needs no row mask and loads a slot's BM rows as vectors
     xg = tl.load(xt_ptr + _row_offset(col[None, :, :], stride_xt) + rm[:, None, None]).to(tl.float32)
     return tl.sum(val.to(tl.float32)[None, :, :] * xg, axis=1)
 
@@ -110,8 +108,7 @@ def _ell_dot(xt_ptr, stride_xt, rm, col, val):
 @triton.jit
 def _csr_outliers(start_ptr, row_ptr, col_ptr, val_ptr, xt_ptr, stride_xt, rm, rn, n0, N_PAD, pid_k,
                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
-    """CSR outliers of the [BM, BN] output tile on SIMT lanes: BR entries at a time, gathered
-    from (padded) xᵀ and routed to their rows one-hot."""
+    # CSR outliers of the [BM, BN] tile, BR entries at a time, gathered from xᵀ, routed to rows one-hot
     oacc = tl.zeros([BM, BN], dtype=tl.float32)
     rb = tl.arange(0, BR)
     e0 = tl.load(start_ptr + n0)
