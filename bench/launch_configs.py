@@ -18,19 +18,17 @@ candidate's over the points: 1.00 where the table picks the fastest), ``points``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from bench.kernel_timing import ERR_TOL, _clone_state, bench_weight, copies, cuda_timer, rel_err, time_cycled, \
     weight_bytes
 from bench.kernels import SHAPES, _list, parse_shapes
-
-TUNED = ("BN", "SPLIT", "BR", "num_warps")      # what tells two candidates apart
-
+from tools.launch_table import TUNED, dumps_timings, tuned_key as key   # the table's record of a timing
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,10 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         ap.error(str(e))
     return a
-
-
-def key(c: dict) -> tuple:
-    return tuple(c.get(k) for k in TUNED)
 
 
 def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log, timings=None) -> list[dict]:
@@ -153,8 +147,7 @@ def main(argv=None) -> int:
     timings = []
     points = sweep(a, dev, l2, cuda_timer(a.rep_ms), timings=timings)
     if a.json:
-        with open(a.json, "w") as f:
-            f.write("[\n" + ",\n".join(json.dumps(t, sort_keys=True) for t in timings) + "\n]\n")
+        Path(a.json).write_text(dumps_timings(timings))
     print(headline(points, props.name))
     return 1 if any(p["wrong"] for p in points) else 0
 
