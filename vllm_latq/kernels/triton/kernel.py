@@ -197,8 +197,9 @@ def _launch_plan(st: TritonState, M: int, kernel: str, device: torch.device, con
 def _padded_xt(x2: torch.Tensor, rows: int) -> torch.Tensor:
     # the tensor-core kernel's outlier gathers read xᵀ [K, rows]: a slot's activations adjacent,
     # zero rows up to whole row tiles, so its loads need no row mask and vectorise
-    xt = x2.new_zeros(x2.shape[1], rows)
+    xt = x2.new_empty(x2.shape[1], rows)
     xt[:, :x2.shape[0]] = x2.t()
+    xt[:, x2.shape[0]:] = 0                 # nothing to fill when M is whole tiles
     return xt
 
 
