@@ -69,7 +69,7 @@ from pathlib import Path
 from bench import decode_peer
 from bench.decode_engines import MARK, ROOT, bind_cores, run_mode, thread_binds
 from bench.decode_profile import profile_step
-from bench.decode_report import dtype_label, headline, latq_label, table, teamless_label, unstreamed_label
+from bench.decode_report import dtype_label, headline, latq_label, table, unstreamed_label
 from bench.memory import COMPLETE, SHAPES, model_config, write_model
 from vllm_latq import cpu_features
 
@@ -100,10 +100,6 @@ def serve(job: dict) -> None:
             import torch
             torch.ops.latq_cpu.set_prefetch_l2(False)
 
-    if job.get("team") is False:         # --team-ab: every op on OpenMP's count, as before the decode team
-        from vllm_latq.kernels.cpu import kernel
-        kernel.GLUE_SERIAL_M = 0
-
     def reply(obj):
         print(MARK + json.dumps(obj), flush=True)
 
@@ -125,8 +121,7 @@ def serve(job: dict) -> None:
         return
     import torch
     reply({"load_s": round(load_s, 1), "gemv_isa": _gemv_isa(job), "vllm_ops": cpu_features.vllm_build(),
-           "omp_threads": _gemv_threads(job) or torch.get_num_threads(),
-           "cpus": sorted(os.sched_getaffinity(0))})
+           "omp_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     sp = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -150,15 +145,6 @@ def _gemv_isa(job: dict) -> str:
         return ""
     from vllm_latq.kernels.cpu import kernel
     return kernel.gemv_isa()
-
-
-def _gemv_threads(job: dict) -> int:
-    """The threads latq's GEMV ran on in this engine's last step (0: no GEMV here). With the
-    decode team the ops around it ran on ``glue_threads``, one at batch 1."""
-    if job.get("kernel") != "cpu":
-        return 0
-    from vllm_latq.kernels.cpu import kernel
-    return kernel.gemv_threads()
 
 
 # ----------------------------------------------------------------------------- driver
@@ -207,14 +193,12 @@ def default_ckpt(model: str, method: str, rotate: str = "none") -> Path:
 
 
 def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[str], latq_dtypes: list[str],
-                extra_ckpts: list[str], streaming_ab: bool = False, team_ab: bool = False) -> list[dict]:
+                extra_ckpts: list[str], streaming_ab: bool = False) -> list[dict]:
     """The engines of one mode: the unquantized baselines (the first is the reference of the
     paired ratios), the first latq kernel in every latq dtype (``streaming_ab``: its first once
-    more, streaming as before; ``team_ab``: once more without the decode team), the other kernels
-    and the extra checkpoints in the first."""
-    first = {"model": ckpt, "kernel": kernels[0], "dtype": latq_dtypes[0]}
-    unstreamed = ([{"label": unstreamed_label(kernels[0]), **first, "streaming": False}] if streaming_ab else []) + \
-        ([{"label": teamless_label(kernels[0]), **first, "team": False}] if team_ab else [])
+    more, streaming as before), the other kernels and the extra checkpoints in the first."""
+    unstreamed = [{"label": unstreamed_label(kernels[0]), "model": ckpt, "kernel": kernels[0],
+                   "dtype": latq_dtypes[0], "streaming": False}] if streaming_ab else []
     latq = [{"label": latq_label(k, d, latq_dtypes[0]), "model": ckpt, "kernel": k, "dtype": d}
             for k in kernels for d in (latq_dtypes if k == kernels[0] else latq_dtypes[:1])]
     return [{"label": dtype_label(d), "model": base, "kernel": None, "dtype": d} for d in baseline_dtypes] + \
@@ -302,8 +286,6 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
-    ap.add_argument("--team-ab", action="store_true", help="also the first latq engine without the decode team "
-                    "(every op on all threads), paired with the default: team_gain")
     ap.add_argument("--streaming-ab", action="store_true", help="also the first latq engine with its CPU weights "
                     "streamed as before the L2 prefetch and the weight arenas, paired with the default")
     ap.add_argument("--rotated", action="store_true", help="also the default checkpoint with --rotate hadamard, "
@@ -376,7 +358,7 @@ def main(argv=None) -> None:
         for t in threads:
             for mode in a.modes.split(","):
                 jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt,
-                                   a.streaming_ab, a.team_ab) + [dict(p) for p in peers]
+                                   a.streaming_ab) + [dict(p) for p in peers]
                 for j in jobs:
                     ref = j["kernel"] == "reference"
                     j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t, cores=bind_cores(binds[t]),

@@ -40,11 +40,6 @@ def unstreamed_label(kernel: str) -> str:
     return f"latq-{kernel}:L1,no-arena"
 
 
-def teamless_label(kernel: str) -> str:
-    """The label of ``--team-ab``'s engine: latq's first kernel with every op on all threads."""
-    return f"latq-{kernel}:no-team"
-
-
 def _find(results, label, mode, threads=None):
     return next((r for r in results if r["label"] == label and r["mode"] == mode
                  and (threads is None or r.get("threads") == threads)), None)
@@ -162,10 +157,6 @@ def _thread_keys(results, modes, batches, kernel, latq_dtypes, extra_ckpts, sfx:
         x = _find(results, unstreamed_label(kernel), mode)
         if x and ok and "runs" in x and "1" in x["runs"]:   # --streaming-ab: its time / the default's
             head.append(f"{mode}_b1{sfx}_streaming_gain={paired_ratio(q['runs']['1'], x['runs']['1']):.3f}")
-        x = _find(results, teamless_label(kernel), mode)
-        for b in map(str, batches) if x and ok and "runs" in x else ():   # --team-ab: its time / the default's
-            if b in x["runs"] and b in q["runs"]:
-                head.append(f"{mode}_b{b}{sfx}_team_gain={paired_ratio(q['runs'][b], x['runs'][b]):.3f}")
         for e in extra_ckpts:   # e.g. a --quantize-lm-head checkpoint
             x = _find(results, f"latq-{kernel}:{Path(e).name}", mode)
             if x and ok and "runs" in x and "1" in x["runs"]:

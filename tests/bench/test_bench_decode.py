@@ -39,9 +39,6 @@ def test_engines_time_latqs_first_kernel_in_every_latq_dtype():
     assert [(j["label"], j["dtype"], j.get("streaming")) for j in ab] == [
         ("bf16", "bfloat16", None), ("latq-cpu", "bfloat16", None),
         ("latq-cpu:L1,no-arena", "bfloat16", False), ("latq-cpu-fp32", "float32", None)]
-    ab = decode.engine_jobs("B", "C", ["cpu"], ["bfloat16"], ["bfloat16"], [], team_ab=True)
-    assert [(j["label"], j["dtype"], j.get("team")) for j in ab] == [
-        ("bf16", "bfloat16", None), ("latq-cpu", "bfloat16", None), ("latq-cpu:no-team", "bfloat16", False)]
 
 
 def test_default_checkpoint_is_latq_quantizes_default(monkeypatch):
@@ -110,18 +107,6 @@ def test_an_extra_checkpoint_is_paired_with_the_primary_one():
     keys = dict(kv.split("=", 1) for kv in line.split())
     assert keys["compiled_b1_m-gptq-rot-hadamard_vs_latq"] == "1.050"     # rounds 1.10, 1.05, 1.00
     assert "compiled_b1_speedup_median_of_rounds_m-gptq-rot-hadamard" in keys
-
-
-def test_team_gain_pairs_the_engine_without_the_team_with_the_default_at_every_batch():
-    """``--team-ab``: the engine with every op on all threads, its time over the default's per
-    batch, paired by round (above 1: the decode team is faster)."""
-    res = [_engine("bf16", "compiled", None, "bfloat16", {"1": [4.0, 4.0, 4.0], "8": [8.0, 8.0, 8.0]}),
-           _engine("latq-cpu", "compiled", "cpu", "bfloat16", {"1": [2.0, 2.0, 2.0], "8": [4.0, 4.0, 4.0]}),
-           _engine("latq-cpu:no-team", "compiled", "cpu", "bfloat16", {"1": [2.2, 2.1, 2.0], "8": [3.6, 4.0, 4.0]})]
-    line = headline(res, modes=["compiled"], batches=[1, 8], kernel="cpu", latq_dtypes=["bfloat16"],
-                    extra_ckpts=[], cpu="AVX512", model="m", ckpt="c")
-    keys = dict(kv.split("=", 1) for kv in line.split())
-    assert keys["compiled_b1_team_gain"] == "1.050" and keys["compiled_b8_team_gain"] == "1.000"
 
 
 def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoint(tmp_path, monkeypatch):

@@ -326,32 +326,3 @@ def test_gemv_state_is_one_layout_on_every_isa(gemv_isa, monkeypatch):
     assert coded.scales.dtype == torch.int32 and CPUKernel.served_bytes(coded)["scales"] == K // 64 * N // 16 * 12
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16)
     check(w, st, x)
-
-
-@gemv_only
-def test_decode_team_runs_the_gemv_on_the_team_whatever_the_count_around_it():
-    """With a decode team of two, the GEMV runs on two threads whether OpenMP's count is one (a
-    decode step's, plugin/step_threads.py) or two, and leaves the count as it found it; without a
-    team it runs on the count. Outputs are bit-identical."""
-    g = torch.Generator().manual_seed(6)
-    state = CPUKernel.prepare(random_weight(640, 576, 4, 0.0, group=64, seed=6))
-    op = CPUKernel.plain_op(state)
-    tensors, ints = CPUKernel.flatten(state)
-    threads, team = torch.get_num_threads(), cpu.decode_team()
-    # the op's first parallel call on a thread sets OpenMP's count to torch's (ATen's lazy init)
-    op(torch.zeros(1, 576, dtype=torch.bfloat16), tensors[0], tensors[1], ints, 640)
-    try:
-        for M in (1, 4):
-            x = torch.randn(M, 576, generator=g).to(torch.bfloat16)
-            torch.ops.latq_cpu.set_decode_team(0)
-            torch.ops.latq_cpu.set_omp_threads(1)
-            want = op(x, tensors[0], tensors[1], ints, 640)
-            assert torch.ops.latq_cpu.gemv_threads() == 1
-            torch.ops.latq_cpu.set_decode_team(2)
-            for count in (1, 2, 1):
-                torch.ops.latq_cpu.set_omp_threads(count)
-                assert torch.equal(op(x, tensors[0], tensors[1], ints, 640), want), (M, count)
-                assert torch.ops.latq_cpu.gemv_threads() == 2 and torch.get_num_threads() == count, (M, count)
-    finally:
-        torch.ops.latq_cpu.set_decode_team(team)
-        torch.set_num_threads(threads)

@@ -10,7 +10,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from .. import format as fmt
 from ..kernels import ops, selector
-from . import loader_rows, step_threads, vllm_scheme
+from . import loader_rows, vllm_scheme
 from .geometry import geometry, in_loader_order
 from .load_report import LoadReport
 from .loading import LoadState, WeightLoader, kernel_device
@@ -72,7 +72,6 @@ class LatqLinearMethod(LinearMethodBase):
         kernel.place(state)
         kernel.reserve(state, act)
         install_kernel(layer, kernel, state, w.out_features)
-        step_threads.install()   # where the GEMV has a team: vLLM's ops of a decode step on one thread
         self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

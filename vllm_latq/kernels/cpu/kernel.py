@@ -26,10 +26,6 @@ MAX_BITS = 8
 SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
 # rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, large_m())
 LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "0"))
-# tokens up to which a step of vLLM's CPU worker runs its ops on one thread while latq's GEMVs run
-# on all of the worker's, the decode team (plugin/step_threads.py; docs/KERNELS.md, "CPU kernel",
-# Decode threads). 0: every op on all of them.
-GLUE_SERIAL_M = int(os.environ.get("LATQ_CPU_GLUE_SERIAL_M", "1"))
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
 # Small M runs through the C++ op (vllm_latq.native) where ``native.usable()``: built, and not
 # switched off by ``with native.disabled():`` (tests and benches compare both paths).
@@ -214,9 +210,6 @@ class CPUKernel(LatqKernel):
         if not native.usable():
             return None
         torch.ops.latq_cpu.set_large_m(large_m())
-        if torch.ops.latq_cpu.decode_team() == 0:
-            # the worker's thread count as its layers load: vLLM has set it by then
-            torch.ops.latq_cpu.set_decode_team(torch.get_num_threads())
         return torch.ops.latq_cpu.linear.default
 
     @classmethod
@@ -345,17 +338,6 @@ def _gemv_here() -> bool:
 def gemv_isa() -> str:
     """The instruction set the C++ GEMV runs on here: "avx512", "avx2", or "" (torch's op)."""
     return str(torch.ops.latq_cpu.gemv_isa()) if _gemv_here() else ""
-
-
-def decode_team() -> int:
-    """Threads the C++ op's GEMV runs on, whatever count the ops around it run on (0: not set
-    here, the GEMV runs on OpenMP's count)."""
-    return int(torch.ops.latq_cpu.decode_team()) if native.available() else 0
-
-
-def gemv_threads() -> int:
-    """The threads this process's last GEMV ran on (0: none ran, or no GEMV here)."""
-    return int(torch.ops.latq_cpu.gemv_threads()) if _gemv_here() else 0
 
 
 def _tiles_here(in_features: int) -> bool:

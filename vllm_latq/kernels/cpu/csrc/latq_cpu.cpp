@@ -33,7 +33,6 @@
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -69,26 +68,6 @@ std::atomic<int64_t> g_large_m{128};
 // mv 32 µs for 4096² at 1% (168k) on 2 threads; on SmolLM2's 1–9k-outlier layers the loop
 // saves 3–8 µs per layer. Set from vllm_latq.native.LOOP_MAX.
 std::atomic<int64_t> g_loop_max{16384};
-
-// The decode team: the threads the GEMV runs on, whatever count the ops around it run on. vLLM's
-// CPU worker runs a decode step's other ops on one thread (plugin/step_threads.py), where waking a
-// second costs more than it saves, and the GEMV streams faster on every core. 0: OpenMP's count.
-std::atomic<int64_t> g_team{0};
-std::atomic<int64_t> g_gemv_threads{0};   // the threads the last GEMV ran on (what a bench reports)
-
-// For one call: OpenMP's count raised to the team, and put back as found.
-struct GemvTeam {
-  int before = 0;
-  GemvTeam() {
-    const int64_t team = g_team.load();
-    if (team < 2 || omp_in_parallel() || omp_get_max_threads() == team) return;
-    before = omp_get_max_threads();
-    omp_set_num_threads(static_cast<int>(team));
-  }
-  ~GemvTeam() {
-    if (before) omp_set_num_threads(before);
-  }
-};
 
 constexpr int64_t kMB = 16;  // activation rows per pass of the outlier loop (M ≤ kMB: loop)
 
@@ -955,7 +934,6 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const int64_t nb = N / 64, units = nb + (N % 64 ? 1 : 0);
   auto work = [&](int64_t u0, int64_t u1) {
-    if (u0 == 0) g_gemv_threads.store(omp_get_num_threads());
 #if LATQ_HAVE_AVX2
     if (isa == 1)
       for (int64_t b = u0; b < std::min(u1, nb); ++b) {
@@ -1067,7 +1045,6 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kHalf,
               "latq_cpu::small_linear: activations must be bf16/fp16/fp32, got ", dtype);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  const GemvTeam team;
   at::Tensor xb = (dtype == at::kBFloat16 && x.is_contiguous()) ? x : x.to(at::kBFloat16).contiguous();
   if (planes == 2) xb = at::cat({xb, xb}, 1);
   const bool tiles = tile_col.has_value() && tile_col->defined();   // outliers as the GEMV's tiles
@@ -1188,7 +1165,6 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   const bool rotated = signs.has_value() && signs->defined();
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
-  const GemvTeam team;
   if (M >= g_large_m.load() && ints[4] != 0) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("latq::cpu_linear", "")
@@ -1217,7 +1193,6 @@ at::Tensor lean_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(ints.size() == 6, "latq_cpu::plain_linear: not a CPUState");
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
-  const GemvTeam team;
   const std::optional<at::Tensor> none;
   if (M >= g_large_m.load() && ints[4] != 0) {
     c10::List<std::optional<at::Tensor>> tensors({packed, scales, none, none, none, none, none, none, none, none});
@@ -1245,18 +1220,6 @@ at::Tensor rotated_plain_linear(const at::Tensor& x, const at::Tensor& packed, c
 
 void set_large_m(int64_t m) { g_large_m.store(m); }
 void set_loop_max(int64_t n) { g_loop_max.store(n); }
-void set_decode_team(int64_t threads) {
-  TORCH_CHECK(threads >= 0, "latq_cpu::set_decode_team: threads must be >= 0, got ", threads);
-  g_team.store(threads);
-}
-int64_t decode_team() { return g_team.load(); }
-// OpenMP's count for the ops of this thread (torch.set_num_threads also resizes pools vLLM's
-// worker has bound, and vLLM replaces it there)
-void set_omp_threads(int64_t n) {
-  TORCH_CHECK(n >= 1, "latq_cpu::set_omp_threads: n must be >= 1, got ", n);
-  omp_set_num_threads(static_cast<int>(n));
-}
-int64_t gemv_threads() { return g_gemv_threads.load(); }
 
 }  // namespace
 
@@ -1270,10 +1233,6 @@ TORCH_LIBRARY(latq_cpu, m) {
         "-> Tensor");
   m.def("set_large_m(int m) -> ()");
   m.def("set_loop_max(int n) -> ()");
-  m.def("set_decode_team(int threads) -> ()");
-  m.def("set_omp_threads(int n) -> ()");
-  m.def("decode_team() -> int");
-  m.def("gemv_threads() -> int");
   m.def("gemv(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor");
   m.def("set_gemv_max_m(int m) -> ()");
   m.def("set_prefetch_l2(bool on) -> ()");
@@ -1296,10 +1255,6 @@ TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_large_m", &set_large_m);
   m.impl("set_loop_max", &set_loop_max);
-  m.impl("set_decode_team", &set_decode_team);
-  m.impl("decode_team", &decode_team);
-  m.impl("set_omp_threads", &set_omp_threads);
-  m.impl("gemv_threads", &gemv_threads);
   m.impl("set_gemv_max_m", &set_gemv_max_m);
   m.impl("set_prefetch_l2", &set_prefetch_l2);
   m.impl("gemv_max_m", &gemv_max_m);
