@@ -8,7 +8,7 @@ tensor cores from 8) is run forced, its output checked against the fp32 referenc
 writes every timing, the measured entries ``tools/launch_table.py --add-timings`` takes.
 
     python -m bench.launch_configs [--shapes 8b.down,8b.o] [--bits 4] [--rates 0.01] [--m 1,4,8,16]
-                                   [--budget-s 120] [--json timings.json]
+                                   [--budget-s 120] [--json timings.json] [--untimed]
 
 Prints each candidate's µs and the table's time over it; ends with ``HEADLINE`` keys
 ``table_over_best_max`` and ``table_over_best_median`` (the table's time / the fastest
@@ -28,7 +28,7 @@ import torch
 from bench.kernel_timing import ERR_TOL, _clone_state, bench_weight, copies, cuda_timer, rel_err, time_cycled, \
     weight_bytes
 from bench.kernels import SHAPES, _list, parse_shapes
-from tools.launch_table import TUNED, dumps_timings, tuned_key as key   # the table's record of a timing
+from tools.launch_table import TUNED, dumps_timings, read_timings, tuned_key as key   # the table's record of a timing
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--rep-ms", type=float, default=5.0, help="do_bench_cudagraph rep (ms per measurement)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="start no new layer after this many seconds")
-    ap.add_argument("--json", help="write every candidate's timing here (a JSON list)")
+    ap.add_argument("--json", help="write every candidate's timing here (a JSON list, rewritten after each layer)")
+    ap.add_argument("--untimed", action="store_true", help="of --bits, only those tools/launch_timings.json "
+                    "has no timing of for this GPU family (all of them where it has every one)")
     a = ap.parse_args(argv)
     from vllm_latq.kernels.triton.cost_model import MMA_BMS
     try:
@@ -110,6 +112,13 @@ def family(dev) -> str:
     return f"sm_{major}{minor}"
 
 
+def untimed_bits(bits: list[int], fam: str, timings: list[dict]) -> list[int]:
+    """Of ``bits``, those without a timing of family ``fam`` in ``timings``; all of them where each
+    has one (a second look at the timed ones)."""
+    timed = {r["bits"] for r in timings if r["family"] == fam}
+    return [b for b in bits if b not in timed] or bits
+
+
 def sweep(a, dev, l2_bytes, timer, log=print, timings=None) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     t0 = time.perf_counter()
@@ -121,6 +130,8 @@ def sweep(a, dev, l2_bytes, timer, log=print, timings=None) -> list[dict]:
                     log(f"SKIPPED {spec[0]} {bits}-bit {rate * 100:g}%: --budget-s {a.budget_s:g} spent")
                     continue
                 points += layer_configs(spec, bits, rate, a.m, dtype, dev, l2_bytes, timer, log, timings)
+                if a.json and timings is not None:   # kept if a time limit stops the sweep
+                    Path(a.json).write_text(dumps_timings(timings))
     return points
 
 
@@ -144,6 +155,9 @@ def main(argv=None) -> int:
     l2 = getattr(props, "L2_cache_size", 0) or (50 << 20)
     print(f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs); µs per call, "
           f"CUDA-graph medians, {a.dtype} activations")
+    if a.untimed:
+        a.bits = untimed_bits(a.bits, family(dev), read_timings())
+        print(f"bits to time (--untimed, {family(dev)}): {','.join(map(str, a.bits))}")
     timings = []
     points = sweep(a, dev, l2, cuda_timer(a.rep_ms), timings=timings)
     if a.json:

@@ -16,8 +16,10 @@
 # OUTDIR/bench_scales.log the same kernels with coded group scales (--scale-bits 4) against fp16 ones:
 #                         --scales fp16-g128,s4-g64,fp16-g64,s4-g32 on two 8B layers (the timing
 #                         the --scale-bits 4 default waits for)
-# OUTDIR/launch_configs.log  bench/launch_configs.py on 8b.down and 8b.o, M = 1, 4, 8, 16: every launch config
-#                         against the table's choice, in the time left of the total (none under 30 s)
+# OUTDIR/launch_configs.log  bench/launch_configs.py on four 8B layers at M = 16, 32, 64, at the bit widths
+#                         without timings for this GPU family: every tensor-core launch config against the
+#                         table's choice, in the time left of the total (none under 30 s);
+#                         OUTDIR/launch_timings.json: its timings, for tools/launch_table.py --add-timings
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a boundary path or a test failed or timed out (the bench runs anyway).
 #
@@ -168,7 +170,10 @@ head=$(grep -m1 '^HEADLINE' "$out/bench_scales.log" || tail -n 1 "$out/bench_sca
 echo "scale-form bench exit $scales_rc: $head" | tee -a "$out/summary.txt"
 configs_s=$((total_s - ($(date +%s) - t0) - 5))
 if [ "$configs_s" -ge 30 ]; then
-  configs=(-m bench.launch_configs --shapes 8b.down,8b.o --m 1,4,8,16 --budget-s $((configs_s - 20)))
+  # the tensor-core rows at every bit width this family has no timings of (tools/launch_timings.json);
+  # OUTDIR/launch_timings.json is what `python -m tools.launch_table --from-summary --add-timings` takes
+  configs=(-m bench.launch_configs --shapes 8b.down,8b.gate_up,8b.qkv,8b.o --bits 2,3,4,5 --untimed --m 16,32,64
+           --json "$out/launch_timings.json" --budget-s $((configs_s - 20)))
   echo "bench: ${configs[*]} (limit ${configs_s}s)" > "$out/launch_configs.log"
   (cd "$repo" && PYTHONUNBUFFERED=1 timeout -k 10 "$configs_s" "$py" "${configs[@]}") >> "$out/launch_configs.log" 2>&1
   configs_rc=$?

@@ -18,6 +18,14 @@ def test_arguments():
         lc.parse_args(["--m", "1,65"])          # above one 64-row tile: no launch config of its own
 
 
+def test_untimed_bits_are_those_this_family_has_no_timing_of():
+    rows = [{"family": "sm_90", "bits": 4}, {"family": "sm_80", "bits": 2}]
+    assert lc.untimed_bits([2, 3, 4, 5], "sm_90", rows) == [2, 3, 5]
+    assert lc.untimed_bits([2, 3, 4, 5], "sm_89", rows) == [2, 3, 4, 5]
+    assert lc.untimed_bits([4], "sm_90", rows) == [4]          # every one timed: look again
+    assert lc.parse_args(["--untimed"]).untimed and not lc.parse_args([]).untimed
+
+
 def test_every_candidate_against_the_tables_choice(monkeypatch):
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
     log, timings = [], []
@@ -67,3 +75,23 @@ def test_without_cuda_says_so_and_exits_0(monkeypatch, capsys):
     assert lc.main([]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "HEADLINE table_over_best_max=na table_over_best_median=na points=0 wrong=0 gpu=none"
+
+
+def test_the_json_holds_every_timing_after_each_layer(monkeypatch, tmp_path):
+    """``--json``: rewritten after each layer, so a sweep a time limit stops keeps what it timed."""
+    import json
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    out = tmp_path / "timings.json"
+    a = lc.parse_args(["--shapes", "32x256", "--bits", "2,4", "--m", "1", "--json", str(out)])
+    seen = []
+    real = lc.layer_configs
+
+    def layer(*args, **kw):
+        seen.append(len(json.loads(out.read_text())) if out.exists() else 0)
+        return real(*args, **kw)
+    monkeypatch.setattr(lc, "layer_configs", layer)
+    timings = []
+    lc.sweep(a, torch.device("cpu"), 1, FakeTimer(), lambda s: None, timings)
+    rows = json.loads(out.read_text())
+    assert seen[0] == 0 and 0 < seen[1] < len(rows) == len(timings)
+    assert {r["bits"] for r in rows} == {2, 4}
