@@ -179,6 +179,10 @@ if [ "$configs_s" -ge 30 ]; then
   configs_rc=$?
   head=$(grep -m1 '^HEADLINE' "$out/launch_configs.log" || tail -n 1 "$out/launch_configs.log")
   echo "launch-config bench exit $configs_rc: $head" | tee -a "$out/summary.txt"
+  if [ -s "$out/launch_timings.json" ]; then
+    echo "launch timings: $(grep -c '"us"' "$out/launch_timings.json") in $out/launch_timings.json (merge: python -m" \
+         "tools.launch_table --from-summary --add-timings FILE)" | tee -a "$out/summary.txt"
+  fi
 else
   echo "launch-config bench: not run (${configs_s}s left)" | tee -a "$out/summary.txt"
 fi
