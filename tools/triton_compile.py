@@ -80,10 +80,9 @@ def _code_fingerprint(src: str, kernel: str | None = None) -> str:
     return "\n".join(ast.dump(jit[f], include_attributes=False) for f in sorted(seen))
 
 
-def source_hash(kernel: str) -> str:
-    """One kernel's device code + Triton version (+ the job → source code). A kernel outside
-    device.py calls device.py's helpers: all of that file's device code counts for it."""
-    import importlib.metadata as md
+def _code_digest(kernel: str):
+    """One kernel's device code (+ the job → source code). A kernel outside device.py calls
+    device.py's helpers: all of that file's device code counts for it."""
     import inspect
     file, fn = ts.KERNELS[kernel]
     h = hashlib.sha256(_code_fingerprint((KERNELS / file).read_text(), fn).encode())
@@ -91,7 +90,23 @@ def source_hash(kernel: str) -> str:
         h.update(_code_fingerprint((KERNELS / "device.py").read_text()).encode())
     for f in (getattr(ts, SOURCE_OF[kernel]), ts._ast_source, _compile, sass_counts):
         h.update(_code_fingerprint(inspect.getsource(f)).encode())
-    h.update(md.version("triton").encode())
+    return h
+
+
+def code_hash(kernel: str) -> str:
+    """What a kernel's binaries depend on in this repository (the record's key per kernel)."""
+    return _code_digest(kernel).hexdigest()[:16]
+
+
+def triton_version() -> str:
+    import importlib.metadata as md
+    return md.version("triton")
+
+
+def source_hash(kernel: str) -> str:
+    """The cache key of a kernel's results: its code and the Triton that compiled it."""
+    h = _code_digest(kernel)
+    h.update(triton_version().encode())
     return f"{kernel}-{h.hexdigest()[:16]}"
 
 
@@ -277,6 +292,93 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- the committed record
+
+RECORD_FILE = Path(__file__).with_name("compile_record.json")
+RECORD_FIELDS = ("regs", "spill_stores", "spill_loads", "stack", "smem", "sass_total",
+                 *SASS_GROUPS, "loop", "ipw")
+
+
+def _record_values(row: dict) -> list:
+    return [round(row[f], 4) if f == "ipw" and row[f] is not None else row[f] for f in RECORD_FIELDS]
+
+
+def dumps_record(jobs: list[dict], rows: list[dict]) -> str:
+    """The summary rows of every job as committed JSON: the Triton and the code each kernel was
+    compiled from, then per set of job fields one line per job (its values, then ``RECORD_FIELDS``)."""
+    bad = [r for r in rows if "error" in r]
+    if bad:
+        raise ValueError("a record holds compiled jobs only; these failed:\n" + report(bad))
+    groups: dict[tuple, list] = {}
+    for j, r in sorted(zip(jobs, rows), key=lambda jr: job_key(jr[0])):
+        fields = tuple(sorted(j))
+        groups.setdefault(fields, []).append([j[f] for f in fields] + _record_values(r))
+    head = {"triton": triton_version(), "summary": summary_hash(),
+            "code": {k: code_hash(k) for k in sorted({j["kernel"] for j in jobs})},
+            "result_fields": list(RECORD_FIELDS)}
+    parts = [json.dumps(head, sort_keys=True)[:-1] + ', "groups": [']
+    for gi, (fields, vals) in enumerate(sorted(groups.items())):
+        lines = ",\n".join(json.dumps(v, separators=(",", ":")) for v in vals)
+        parts.append(('' if gi == 0 else ',\n') + f'{{"job_fields": {json.dumps(list(fields))}, "rows": [\n{lines}\n]}}')
+    return "".join(parts[:1]) + "\n" + "".join(parts[1:]) + "\n]}\n"
+
+
+def read_record(path: Path = RECORD_FILE) -> dict:
+    """{"triton", "summary", "code": {kernel: code hash}, "rows": {job key: summary row}}."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        rows = {}
+        for g in raw["groups"]:
+            n = len(g["job_fields"])
+            for v in g["rows"]:
+                job = dict(zip(g["job_fields"], v[:n]))
+                rows[job_key(job)] = {**job, **dict(zip(raw["result_fields"], v[n:], strict=True)),
+                                      "smem_limit": TARGETS[job["cc"]]}
+        return {"triton": raw["triton"], "summary": raw["summary"], "code": raw["code"], "rows": rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"compile record {path}: unreadable ({e}); write it with "
+                         "`python -m tools.triton_compile --record`") from e
+
+
+def summary_hash() -> str:
+    """What a record row depends on beyond the compile: :func:`summarize` and the fields it keeps."""
+    import inspect
+    from vllm_latq.kernels.triton.layout import step_of
+    src = "".join(inspect.getsource(f) for f in (summarize, step_of, _record_values)) + repr(RECORD_FIELDS)
+    return hashlib.sha256(_code_fingerprint(src).encode()).hexdigest()[:16]
+
+
+def record_staleness(record: dict, jobs: list[dict]) -> list[str]:
+    """Why ``record`` does not describe compiling ``jobs`` with this checkout and Triton (empty:
+    it does)."""
+    why = []
+    if record["triton"] != triton_version():
+        why.append(f"compiled with Triton {record['triton']}, this environment has {triton_version()}")
+    if record["summary"] != summary_hash():
+        why.append("the summary of a compile (tools/triton_compile.summarize) changed")
+    for k in sorted({j["kernel"] for j in jobs}):
+        if record["code"].get(k) != code_hash(k):
+            why.append(f"{k}: its device code or its job's source changed")
+    keys = {job_key(j) for j in jobs}
+    if keys != set(record["rows"]):
+        why.append(f"{len(keys - set(record['rows']))} jobs missing, {len(set(record['rows']) - keys)} no longer compiled")
+    return why
+
+
+def record_mismatches(jobs: list[dict], rows: list[dict], record: dict) -> list[str]:
+    """Where the summary rows of ``jobs`` compiled afresh differ from the record's (empty: nowhere)."""
+    out = []
+    for j, r in zip(jobs, rows, strict=True):
+        want = record["rows"].get(job_key(j))
+        if want is None or "error" in r:
+            out.append(f"{job_key(j)}: {'not in the record' if want is None else r['error'].splitlines()[-1]}")
+            continue
+        diff = [f"{f} {v} (record {want[f]})" for f, v in zip(RECORD_FIELDS, _record_values(r)) if v != want[f]]
+        if diff:
+            out.append(f"{job_key(j)}: " + ", ".join(diff))
+    return out
+
+
 def report(rows: list[dict]) -> str:
     """Human-readable table: one line per job."""
     hdr = (f"{'kernel':8} {'dt':4} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'scal':5} {'sm':>3} "
@@ -302,12 +404,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("JOBS", "OUT"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--record", action="store_true",
+                    help=f"compile every job (the cache's results reused) and write {RECORD_FILE.name}")
     a = ap.parse_args(argv)
     if a.worker:
         _worker(*a.worker)
         return
-    jobs = all_jobs(quick=a.quick)
+    jobs = all_jobs(quick=a.quick and not a.record)
     rows = summarize(jobs, run(jobs))
+    if a.record:
+        RECORD_FILE.write_text(dumps_record(jobs, rows))
+        print(f"HEADLINE record={RECORD_FILE} jobs={len(jobs)} triton={triton_version()}")
+        return
     print(report(rows))
 
 

@@ -1,7 +1,8 @@
 """tools/launch_table.py: the packaged launch-config table is what the tool builds from the
-committed compile-report summary (tools/launch_report.json), the summary covers every candidate
-the table ranks (no silent fallback to the serving rule), one entry per shape class serves all
-the class's shapes, and neither the order of SHAPES nor of the candidates decides an entry."""
+committed compile-report summary (tools/launch_report.json), that summary is the committed
+compile record's, it covers every candidate the table ranks (no silent fallback to the serving
+rule), one entry per shape class serves all the class's shapes, and neither the order of SHAPES
+nor of the candidates decides an entry."""
 import json
 
 import pytest
@@ -18,6 +19,20 @@ def report():
 
 def test_packaged_table_is_what_the_tool_builds(report):
     assert lt.dumps(lt.build(report, lt.read_timings())) == cfg.TABLE_FILE.read_text()
+
+
+def test_committed_report_is_the_compile_records_summary():
+    """launch_report.json summarises the committed compile record (itself current:
+    tests/kernels/test_triton.py), so the table ranks what the kernels compile to today."""
+    assert lt.dumps_report(lt.load_report(compile_missing=False)) == lt.REPORT_FILE.read_text(), (
+        "tools/launch_report.json is not the compile record's summary: run `python -m tools.launch_table`")
+
+
+def test_a_stale_record_is_refused(monkeypatch):
+    from tools import triton_compile as tc
+    monkeypatch.setattr(tc, "code_hash", lambda kernel: "edited")
+    with pytest.raises(ValueError, match=r"compile record .*stale \(.*gemv: its device code"):
+        lt.load_report(compile_missing=False)
 
 
 def _timing(c, n, k, m, us, fam="sm_90", bm=16):
