@@ -19,7 +19,7 @@ committed beside this file (``launch_report.json``) and made from the committed 
 (``compile_record.json``, :mod:`tools.triton_compile` ``--record``): ``tests/bench/test_launch_table.py``
 checks the summary is the record's and rebuilds the packaged table from it. A report that lacks a
 candidate is refused (exit 2, the missing tiles named) rather than filled in by the rule; so is a
-stale record. ``--compile`` compiles every tile instead (cached; ≈ 20 min on 2 cores uncached);
+stale record. ``--compile`` compiles every tile instead (the cache reused);
 ``--from-summary`` rebuilds from the committed summary alone.
 
     python -m tools.launch_table [--compile | --from-summary] [--add-timings FILE] [--out PATH]
