@@ -316,11 +316,10 @@ def dumps_record(jobs: list[dict], rows: list[dict]) -> str:
     head = {"triton": triton_version(), "summary": summary_hash(),
             "code": {k: code_hash(k) for k in sorted({j["kernel"] for j in jobs})},
             "result_fields": list(RECORD_FIELDS)}
-    parts = [json.dumps(head, sort_keys=True)[:-1] + ', "groups": [']
-    for gi, (fields, vals) in enumerate(sorted(groups.items())):
-        lines = ",\n".join(json.dumps(v, separators=(",", ":")) for v in vals)
-        parts.append(('' if gi == 0 else ',\n') + f'{{"job_fields": {json.dumps(list(fields))}, "rows": [\n{lines}\n]}}')
-    return "".join(parts[:1]) + "\n" + "".join(parts[1:]) + "\n]}\n"
+    blocks = [f'{{"job_fields": {json.dumps(list(fields))}, "rows": [\n'
+              + ",\n".join(json.dumps(v, separators=(",", ":")) for v in vals) + "\n]}"
+              for fields, vals in sorted(groups.items())]
+    return json.dumps(head, sort_keys=True)[:-1] + ', "groups": [\n' + ",\n".join(blocks) + "\n]}\n"
 
 
 def read_record(path: Path = RECORD_FILE) -> dict:
@@ -359,9 +358,9 @@ def record_staleness(record: dict, jobs: list[dict]) -> list[str]:
     for k in sorted({j["kernel"] for j in jobs}):
         if record["code"].get(k) != code_hash(k):
             why.append(f"{k}: its device code or its job's source changed")
-    keys = {job_key(j) for j in jobs}
-    if keys != set(record["rows"]):
-        why.append(f"{len(keys - set(record['rows']))} jobs missing, {len(set(record['rows']) - keys)} no longer compiled")
+    keys, held = {job_key(j) for j in jobs}, set(record["rows"])
+    if keys != held:
+        why.append(f"{len(keys - held)} jobs missing, {len(held - keys)} no longer compiled")
     return why
 
 
@@ -413,11 +412,15 @@ def main(argv=None):
     jobs = all_jobs(quick=a.quick and not a.record)
     rows = summarize(jobs, run(jobs))
     if a.record:
-        RECORD_FILE.write_text(dumps_record(jobs, rows))
+        try:
+            RECORD_FILE.write_text(dumps_record(jobs, rows))
+        except ValueError as e:
+            print(f"triton_compile: {e}", file=sys.stderr)
+            return 2
         print(f"HEADLINE record={RECORD_FILE} jobs={len(jobs)} triton={triton_version()}")
         return
     print(report(rows))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -523,7 +523,10 @@ def test_compile_record_is_current():
                      "`python -m tools.launch_table` to rebuild the launch report and table from it")
 
 
-def _record_sample(jobs: list[dict], seed: int, per_target: dict) -> list[dict]:
+SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "moe": 1, "dequant": 1, "outliers": 1, "hadamard": 1}
+
+
+def _record_sample(jobs: list[dict], seed: int, per_target: dict = SAMPLE_PER_TARGET) -> list[dict]:
     """``per_target[kernel]`` jobs of each kernel and target, drawn with ``seed``."""
     import random
     rng, out = random.Random(seed), []
@@ -550,7 +553,7 @@ def test_offline_compile_every_config():
         return
     _check_static([record["rows"][tc.job_key(j)] for j in jobs])
     seed = int(os.environ.get("LATQ_RECORD_SEED", time.time_ns() % 2**32))
-    sample = _record_sample(jobs, seed, {"gemv": 4, "mma": 4, "moe": 1, "dequant": 1, "outliers": 1, "hadamard": 1})
+    sample = _record_sample(jobs, seed)
     bad = tc.record_mismatches(sample, tc.summarize(sample, tc.run(sample, cache=False)), record)
     assert not bad, f"LATQ_RECORD_SEED={seed}: compiled afresh, these differ from the record:\n" + "\n".join(bad)
 
@@ -558,10 +561,10 @@ def test_offline_compile_every_config():
 def test_record_sample_draws_every_kernel_and_target():
     from tools import triton_compile as tc
     jobs = tc.all_jobs()
-    per = {"gemv": 4, "mma": 4, "moe": 1, "dequant": 1, "outliers": 1, "hadamard": 1}
-    a, b = _record_sample(jobs, 1, per), _record_sample(jobs, 2, per)
-    assert len(a) == 4 * sum(per.values()) and {(j["kernel"], j["cc"]) for j in a} == {(j["kernel"], j["cc"]) for j in jobs}
-    assert a == _record_sample(jobs, 1, per) and a != b
+    a, b = _record_sample(jobs, 1), _record_sample(jobs, 2)
+    assert len(a) == 4 * sum(SAMPLE_PER_TARGET.values())
+    assert {(j["kernel"], j["cc"]) for j in a} == {(j["kernel"], j["cc"]) for j in jobs}
+    assert a == _record_sample(jobs, 1) and a != b
 
 
 def test_compile_report_covers_every_launched_jit_kernel():
