@@ -156,14 +156,20 @@ def solve_block(block: torch.nn.Module, block_name: str, desc: str, stage: Stage
     bar = tqdm(total=len(jobs) + sum(r.count for r in rounds), desc=f"{desc}: quantizing", unit="layer",
                disable=not setup.progress, leave=False)
     for solved in setup.scheduler.solve(jobs, rounds, desc):
-        for where, q in solved.weights:
-            if q is not None:
-                _put(block, within, where, q.to(setup.device))
-        out.tensors.update(solved.tensors)
-        out.records += solved.records
+        _take(solved, out, block, within, setup.device)
+        del solved   # before the next solve: where the block's dtype is fp32, its weight is the solution itself
         bar.update()
     bar.close()
     return out
+
+
+def _take(solved: Solved, out: Solved, block: torch.nn.Module, within: Callable[[str], str], device) -> None:
+    """One job's dequantized weights into ``block``, its tensors and records into ``out``."""
+    for where, q in solved.weights:
+        if q is not None:
+            _put(block, within, where, q.to(device))
+    out.tensors.update(solved.tensors)
+    out.records += solved.records
 
 
 def _linear_job(name: str, stage: Stage, setup: SolveSetup) -> Solved:
