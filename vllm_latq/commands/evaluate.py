@@ -92,7 +92,8 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
 def main(argv=None) -> int:
     from ..format import FormatError
-    
+    from .environment import bad_environment
+
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="latq checkpoint, HF directory, .gguf file, or gemma3-270m / smollm2-135m")
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
                     help="skip a latq checkpoint's sha256 checks (tensors, every file against latq_manifest.json): "
                          "for a checkpoint edited on purpose; shapes and values are checked all the same")
     a = ap.parse_args(argv)
+    if bad_environment("latq-eval"):
+        return 2
     if a.no_verify:
         from ..format.manifest import SKIPPED
         print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)

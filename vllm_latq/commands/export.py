@@ -24,6 +24,7 @@ from ..format.manifest import SKIPPED, write_manifest
 from ..format.layer import dense_scales, dequantize_layer
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
+from .environment import bad_environment
 
 FORMATS = ("compressed-tensors",)
 MAPPED_BITS = tuple(range(2, 9))   # vLLM's compressed-tensors WNA16 scheme: WNA16_SUPPORTED_TYPES_MAP
@@ -304,6 +305,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if bad_environment(COMMAND):
+        return 2
     if a.no_verify:
         print(f"latq-export: --no-verify: {SKIPPED}", file=sys.stderr)
     try:

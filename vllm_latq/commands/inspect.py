@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..errors import FormatError
+from .environment import bad_environment
 from ..format.manifest import SKIPPED
 from ..format.validate import format_report, validate_checkpoint
 
@@ -26,6 +27,8 @@ def inspect_main(argv=None) -> int:
     ap.add_argument("--no-served", action="store_true",
                     help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
     a = ap.parse_args(argv)
+    if bad_environment("latq-inspect"):
+        return 2
     if a.no_verify:
         print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:

@@ -170,10 +170,14 @@ def preflight(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .environment import bad_environment
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
         print(_versions())
         return
+    if bad_environment(PROG):   # before vLLM starts: its engine would bury the refusal in a traceback
+        sys.exit(2)
     show = "--print-command" in argv
     argv = [a for a in argv if a != "--print-command"]
     digest, argv = take_option(argv, "--expect-digest")

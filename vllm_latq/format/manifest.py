@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import env
 from ..bounded_io import OpenedDir, file_sha256
 from ..errors import FormatError
 from ..hf_model import config_dict
@@ -183,9 +184,16 @@ def unsealed_entries(where: "str | os.PathLike | OpenedDir", manifest: dict) -> 
 
 
 def no_verify_requested() -> bool:
-    return os.environ.get(NO_VERIFY_ENV, "") not in ("", "0")
+    """Whether ``LATQ_NO_VERIFY`` asks the vLLM loader to skip the sha256 checks (a flag: 1/true, 0/false)."""
+    return env.flag(NO_VERIFY_ENV)
 
 
 def expected_digest_from_env() -> str | None:
-    """The digest ``LATQ_EXPECT_DIGEST`` pins for the vLLM loader, or None."""
-    return os.environ.get(DIGEST_ENV) or None
+    """The digest ``LATQ_EXPECT_DIGEST`` pins for the vLLM loader, or None; set but empty is refused."""
+    v = os.environ.get(DIGEST_ENV)
+    if v is None:
+        return None
+    try:
+        return normalize_digest(v)
+    except ValueError:
+        raise env.EnvError(DIGEST_ENV, v, "sha256: and 64 hex digits, as latq-quantize prints, or unset") from None

@@ -5,13 +5,15 @@ import os
 import shutil
 from pathlib import Path
 
+from .. import env
+
 SWAP_ENV = "LATQ_SWAP_AFTER_VERIFY"
 
 
 def swap_if_asked(path: str | os.PathLike) -> None:
     """Once a reader verified ``path``: the directory ``$LATQ_SWAP_AFTER_VERIFY`` names, if there, replaces it
     as ``--overwrite`` does (renamed in, the old one removed)."""
-    other = os.environ.get(SWAP_ENV)
+    other = env.path(SWAP_ENV)
     if other is None or not os.path.isdir(other):
         return
     path = Path(path)
