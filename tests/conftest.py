@@ -48,6 +48,17 @@ def ck(tiny_checkpoints, tmp_path):
     return d
 
 
+@pytest.fixture
+def pair(tiny_checkpoints, tmp_path):
+    """(A, B, A's digest, B's digest): copies of two sealed checkpoints of one model (SSQR, HPTQ), which a
+    test may swap (the readers' pin tests)."""
+    from vllm_latq.format.manifest import digest_of
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(tiny_checkpoints["ssqr"][0], a)
+    shutil.copytree(tiny_checkpoints["hptq"][0], b)
+    return a, b, digest_of(a), digest_of(b)
+
+
 @pytest.fixture(params=["avx512", "avx2"])
 def gemv_isa(request):
     """Each instruction set the C++ GEMV can run on here, set for the test (:func:`gemv_isa_set`)."""

@@ -1,7 +1,7 @@
 """Run vLLM greedy decoding for a list of jobs and write the token ids as JSON (used by the
 tests in a subprocess: ``python -m tests.vllm_runner JOBS.json OUT.json``).
 
-A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "dtype",
+A job: {"model", "prompt_ids", "max_tokens", "tp", "compiled", "quantization", "load_format", "dtype",
 "env", "reference_wna16" (vllm_latq.testing.wna16's reference kernel appended to vLLM's
 mixed-precision kernels), "transform_cpu_gemm" (vLLM's HadamardTransform given the CPU GEMM it lacks), "dump" (a file: every module's ``weight_packed`` / ``weight_scale``
 as loaded and its input size "k", torch.save'd)}; its result: {"tokens", "load_s", "generate_s", "vllm_build" (the
@@ -35,7 +35,7 @@ def run_job(job: dict) -> dict:
     t0 = time.time()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=not job.get("compiled"),
               max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=job.get("tp", 1), seed=0,
-              quantization=job.get("quantization"), max_num_seqs=8)
+              quantization=job.get("quantization"), max_num_seqs=8, load_format=job.get("load_format", "auto"))
     t1 = time.time()
     if job.get("dump"):
         import torch

@@ -1,7 +1,9 @@
 """Reading files latq does not control within bounds: regular files only, sizes capped before a read,
-JSON with a nesting limit and finite numbers. Every refusal is a :class:`FormatError` naming the file."""
+JSON with a nesting limit and finite numbers; a directory and its files held open, read by position
+(:class:`OpenedDir`). Every refusal is a :class:`FormatError` naming the file."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -26,12 +28,12 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def open_regular(path: str | os.PathLike, *, name: str | None = None) -> BinaryIO:
-    """``path`` opened for binary reading if it is a regular file; else a :class:`FormatError` naming ``name``.
-    Opened without blocking, so a FIFO is refused instead of waiting for a writer."""
+def open_regular(path: str | os.PathLike, *, name: str | None = None, dir_fd: int | None = None) -> BinaryIO:
+    """``path`` (in directory ``dir_fd``) opened for binary reading if it is a regular file; else a :class:`FormatError`
+    naming ``name``. Opened without blocking, so a FIFO is refused instead of waiting for a writer."""
     name = name or str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -136,3 +138,116 @@ def copy_regular(src: Path, dst: Path, *, limit: int | None = None, name: str | 
             h.update(piece)
             out.write(piece)
     return h.hexdigest()
+
+
+def pread_into(f: BinaryIO, buf, offset: int) -> int:
+    """Fill ``buf`` from byte ``offset`` of file ``f``, by position → the bytes read (fewer at its end)."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = os.preadv(f.fileno(), [view[got:]], offset + got)
+        if not n:
+            break
+        got += n
+    return got
+
+
+def pread_pieces(f: BinaryIO, offset: int, length: int, size: int = PIECE_BYTES) -> Iterator[memoryview]:
+    """``length`` bytes of ``f`` from ``offset`` in pieces, one buffer reused; ``EOFError`` if it ends first."""
+    buf = memoryview(bytearray(min(size, length)))
+    while length:
+        want = min(size, length)
+        if pread_into(f, buf[:want], offset) != want:
+            raise EOFError(f"ends before byte {offset + want}")
+        offset, length = offset + want, length - want
+        yield buf[:want]
+
+
+class OpenedDir:
+    """A directory and its files, each opened once (all on opening, or on first use) and read by position:
+    what is verified through it is what is read, whatever is renamed over them meanwhile."""
+
+    def __init__(self, path: str | os.PathLike, *, hold_all: bool = True):
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            why = "not a directory" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})"
+            raise FormatError(why, file=str(self.path)) from None
+        self._files: dict[str, BinaryIO] = {}
+        for e in self.entries() if hold_all else ():
+            if e.is_file():   # a link too (a hub snapshot's): the file it names
+                with contextlib.suppress(FileNotFoundError, FormatError):   # refused when read, naming it
+                    self.file(e.name)
+
+    def held(self) -> list[str]:
+        """The names of the files held open."""
+        return list(self._files)
+
+    def entries(self) -> list[os.DirEntry]:
+        """The directory's entries now (not those held)."""
+        with os.scandir(self.fd) as it:
+            return list(it)
+
+    def file(self, name: str) -> BinaryIO:
+        """File ``name``, opened on first use (``FileNotFoundError`` if absent or not a plain name)."""
+        f = self._files.get(name)
+        if f is None:
+            if name in ("", ".", "..") or "/" in name or "\0" in name:
+                raise FileNotFoundError(name)
+            f = self._files[name] = open_regular(name, name=name, dir_fd=self.fd)
+        return f
+
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` is held or in the directory now."""
+        if name in self._files:
+            return True
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return False
+        return True
+
+    def read(self, name: str, limit: int, *, display: str | None = None) -> bytes:
+        """The whole of file ``name``, refused past ``limit`` bytes."""
+        display = display or name
+        f = self.file(name)
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FormatError(f"{size} bytes, more than the {limit} such a file may hold: refused", file=display)
+        buf = bytearray(size + 1)
+        got = pread_into(f, buf, 0)
+        if got > size:
+            raise FormatError(f"grew past {size} bytes while read: refused", file=display)
+        return bytes(buf[:got])
+
+    def read_json(self, name: str, *, limit: int = MAX_JSON_BYTES, display: str | None = None):
+        return parse_json(self.read(name, limit, display=display), name=display or name)
+
+    def sha256(self, name: str) -> str:
+        """sha256 of file ``name``'s bytes, read by pieces."""
+        h, f = hashlib.sha256(), self.file(name)
+        size = os.fstat(f.fileno()).st_size
+        try:
+            for piece in pread_pieces(f, 0, size):
+                h.update(piece)
+        except EOFError:
+            raise FormatError("shrank while read", file=name) from None
+        return h.hexdigest()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):   # the directory's own descriptor; each file closes itself once no reader holds it
+        try:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        except Exception:  # noqa: BLE001  (at interpreter exit the modules it uses may be gone)
+            pass

@@ -6,14 +6,21 @@ import os
 
 import torch
 
+from . import env
+
 ENV_BF16 = "LATQ_CPU_BF16"
+
+
+def forced_bf16() -> bool | None:
+    """What ``LATQ_CPU_BF16`` says (a flag), or None where unset: probe the CPU."""
+    return env.flag(ENV_BF16, None)
 
 
 def native_bf16() -> bool:
     """Whether bf16 matmuls run natively on this CPU (``LATQ_CPU_BF16`` overrides)."""
-    forced = os.environ.get(ENV_BF16)
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = forced_bf16()
+    if forced is not None:
+        return forced
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
 

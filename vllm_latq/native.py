@@ -8,16 +8,20 @@ import hashlib
 import logging
 import os
 import platform
-import re
 from pathlib import Path
 
 import torch
 
+from . import env
+
 log = logging.getLogger("vllm_latq")
 
 ENV = "LATQ_CPU_NATIVE"
-# outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL
-LOOP_MAX = int(os.environ.get("LATQ_CPU_LOOP_MAX", "16384"))
+LOOP_ENV = "LATQ_CPU_LOOP_MAX"
+# read by the C++ library itself as it loads: checked here first (the rules of env.flag / env.choice)
+GEMV_ENV = "LATQ_CPU_GEMV"    # 0/false: torch's int4 op instead of the GEMV
+ISA_ENV = "LATQ_CPU_ISA"      # avx2: the GEMV's AVX2 code where AVX-512 BF16 runs too
+ISA_CHOICES = ("avx2", "best")
 SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "kernels" / "cpu" / "csrc" / "hadamard.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
@@ -26,14 +30,29 @@ SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
 # the build's target: this CPU, or another (LATQ_CPU_MARCH=x86-64-v3 builds what an AVX2-only
 # CPU builds, so an AVX-512 machine can test that build's code paths)
 MARCH_ENV = "LATQ_CPU_MARCH"
-_MARCH_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 def march() -> str:
-    m = os.environ.get(MARCH_ENV, "") or "native"
-    if not _MARCH_OK.fullmatch(m):
-        raise ValueError(f"{MARCH_ENV}={m!r} is not a -march name")
-    return m
+    return env.text(MARCH_ENV, r"[A-Za-z0-9][A-Za-z0-9_.+-]*", "a -march name (letters, digits, _.+-)") or "native"
+
+
+def enabled() -> bool:
+    """Whether the C++ ops may be built and used (``LATQ_CPU_NATIVE``, default on)."""
+    return env.flag(ENV, True)
+
+
+def loop_max() -> int:
+    """Outliers up to which the C++ loop sums them at M = 1 (M = 2..16: always the loop); above, MKL."""
+    return env.integer(LOOP_ENV, 16384, minimum=0, maximum=2**62)
+
+
+LOOP_MAX = loop_max()
+
+
+def check_library_switches() -> None:
+    """The switches the C++ library reads as it loads, parsed as the package parses its own."""
+    env.flag(GEMV_ENV, True)
+    env.choice(ISA_ENV, ISA_CHOICES)
 
 
 def cflags() -> list[str]:
@@ -57,9 +76,10 @@ def load() -> str | None:
     """Build/load the extension once per process → None if loaded, else why not."""
     global _STATUS
     if _STATUS is _UNSET:
-        if os.environ.get(ENV, "1") in ("0", ""):
-            _STATUS = f"{ENV}=0"
+        if not enabled():
+            _STATUS = f"{ENV}={os.environ[ENV]}"
         else:
+            check_library_switches()
             try:
                 from torch.utils.cpp_extension import load as build
                 build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=cflags(),

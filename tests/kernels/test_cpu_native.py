@@ -265,12 +265,13 @@ def test_gemv_in_small_linear(key, dtype, tiles, gemv_isa):
 
 
 def test_gemv_env_switch():
-    """``LATQ_CPU_GEMV=0`` (read once at load) keeps torch's op for every M."""
+    """``LATQ_CPU_GEMV=0`` or ``false`` (read once at load, by the C++ library) keeps torch's op for every M;
+    ``1`` and empty (unset) keep the GEMV, as the package's flag rule (vllm_latq/env.py) reads them."""
     import subprocess
     import sys
     code = ("import torch\nfrom vllm_latq import native\nassert native.load() is None\n"
             "print(torch.ops.latq_cpu.gemv_max_m())")
-    for env, want in (("0", "0"), ("1", None)):
+    for env, want in (("0", "0"), ("False", "0"), ("1", None), ("", None)):
         out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "LATQ_CPU_GEMV": env},
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]

@@ -204,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--model", default=MODEL, choices=sorted(data.MODELS), help="(--layers) model")
     ap.add_argument("--block", type=int, default=6, help="(--layers) decoder block")
     a = ap.parse_args(argv)
+    from .environment import bad_environment
+    if bad_environment("vllm_latq.commands.demo"):
+        sys.exit(2)
     if a.layers:
         layer_comparison(a.model, a.block, a.nsamples, a.seqlen)
     else:

@@ -33,9 +33,9 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_d
         if report["unsealed"]:
             print(f"latq-eval: {model}: not sealed, read by no loader: {', '.join(report['unsealed'])}",
                   file=sys.stderr)
-        spec = report["spec"]
-        m = load_dequantized_model(model, torch.float32, device)
-        tok = data.load_tokenizer(model)
+        spec, ck = report["spec"], report["checkpoint"]   # read what was verified, from the files it opened
+        m = load_dequantized_model(ck, torch.float32, device)
+        tok = verified_tokenizer(ck, model)
         info = {"method": spec.method, "bits": report["totals"]["bits_per_weight"],
                 "outlier_rate": report["totals"]["outlier_rate"],
                 "budget": spec.outlier_rate if spec.method == "ssqr" else spec.target_bits,
@@ -58,6 +58,20 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_d
                     "bits": bits}
 
 
+def verified_tokenizer(ck, model: str):
+    """The tokenizer of checkpoint ``ck``, from the bytes it verified (in a private directory)."""
+    import tempfile
+
+    from .. import data
+    with tempfile.TemporaryDirectory(prefix="latq-eval-tokenizer-") as tmp:
+        ck.write_aux_files(Path(tmp))
+        (Path(tmp) / "config.json").write_text(json.dumps(ck.config))   # its model type picks the tokenizer class
+        try:
+            return data.load_tokenizer(tmp)
+        except ValueError as e:
+            raise ValueError(str(e).replace(tmp, str(model))) from None
+
+
 def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int = 64, batch_size: int = 4,
              device: str = "cpu", progress: bool = True, verify: bool = True,
              expect_digest: str | None = None) -> dict:
@@ -78,6 +92,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
 def main(argv=None) -> int:
     from ..format import FormatError
+    from .environment import bad_environment
 
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +111,8 @@ def main(argv=None) -> int:
                     help="skip a latq checkpoint's sha256 checks (tensors, every file against latq_manifest.json): "
                          "for a checkpoint edited on purpose; shapes and values are checked all the same")
     a = ap.parse_args(argv)
+    if bad_environment("latq-eval"):
+        return 2
     if a.no_verify:
         from ..format.manifest import SKIPPED
         print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)

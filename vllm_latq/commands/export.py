@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import hf_model
-from ..bounded_io import MAX_JSON_BYTES, copy_regular
+from ..bounded_io import MAX_JSON_BYTES
 from ..errors import FormatError
 from ..format import output_dir, rotation, writer
 from ..format.checkpoint import Checkpoint, linear_shape
@@ -24,6 +24,7 @@ from ..format.manifest import SKIPPED, write_manifest
 from ..format.layer import dense_scales, dequantize_layer
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
+from .environment import bad_environment
 
 FORMATS = ("compressed-tensors",)
 MAPPED_BITS = tuple(range(2, 9))   # vLLM's compressed-tensors WNA16 scheme: WNA16_SUPPORTED_TYPES_MAP
@@ -222,8 +223,8 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     out = output_dir.absolute(out)
     output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
-    validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)
-    ck = Checkpoint(ckpt)
+    # the checkpoint validated, its files open: what is exported is read from them, checked as read
+    ck = validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)["checkpoint"]
     model = ck.empty_model()
     layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:
@@ -252,9 +253,9 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
                 tensors.update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
                 if ck.spec.rotation is not None and not x.refusal:
                     tensors.update(transform_tensor(ck, x))
-        tensors.update({n: ck.shards[f].stored(n) for n in ck.plain_names() if ck.where[n] == f})
+        tensors.update({n: ck.stored(n) for n in ck.plain_names() if ck.where[n] == f})
         write_safetensors(tmp / f, tensors, meta)
-    if (ck.path / INDEX_FILE).is_file():
+    if ck.files.exists(INDEX_FILE):
         writer.write_index(tmp, sorted(ck.shards))
     cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
     if any(not x.refusal for x in layers):
@@ -263,9 +264,9 @@ def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -
             cfg["quantization_config"]["transform_config"] = transform_config(ck, layers)
     cfg["latq_export"] = latq_record(ck, layers)
     writer.write_json(tmp / CONFIG_FILE, cfg)
-    writer.copy_aux_files(ck.path, tmp)
-    if (ck.path / STATS_FILE).is_file():
-        copy_regular(ck.path / STATS_FILE, tmp / STATS_FILE, limit=MAX_JSON_BYTES, name=STATS_FILE)
+    ck.write_aux_files(tmp)
+    if ck.files.exists(STATS_FILE):
+        (tmp / STATS_FILE).write_bytes(ck.sealed_bytes(STATS_FILE, MAX_JSON_BYTES))
 
 
 def summary(ck: Checkpoint, layers: list[Layer]) -> dict:
@@ -304,6 +305,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if bad_environment(COMMAND):
+        return 2
     if a.no_verify:
         print(f"latq-export: --no-verify: {SKIPPED}", file=sys.stderr)
     try:

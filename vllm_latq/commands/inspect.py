@@ -5,9 +5,9 @@ import argparse
 import json
 import sys
 
-from ..format.checkpoint import Checkpoint
 from ..errors import FormatError
-from ..format.manifest import SKIPPED, digest_of
+from .environment import bad_environment
+from ..format.manifest import SKIPPED
 from ..format.validate import format_report, validate_checkpoint
 
 
@@ -27,6 +27,8 @@ def inspect_main(argv=None) -> int:
     ap.add_argument("--no-served", action="store_true",
                     help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
     a = ap.parse_args(argv)
+    if bad_environment("latq-inspect"):
+        return 2
     if a.no_verify:
         print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
@@ -38,20 +40,24 @@ def inspect_main(argv=None) -> int:
     except ValueError as e:   # --expect-digest malformed, or beside --no-verify
         print(f"latq-inspect: error: {e}", file=sys.stderr)
         return 2
+    ck = report.pop("checkpoint")   # what was verified, its files open: read from it, not again by path
     if report["unsealed"]:
         print(f"latq-inspect: not sealed, read by no loader: {', '.join(report['unsealed'])}", file=sys.stderr)
     if not a.no_served:
         # the kernels' cost models: imported only when asked for, so validating needs no kernels
         from ..kernels.served_report import checkpoint_served
-        report["totals"]["served_bits_per_weight"] = checkpoint_served(a.checkpoint, report["layers"])
+        try:
+            report["totals"]["served_bits_per_weight"] = checkpoint_served(ck, report["layers"])
+        except FormatError as e:
+            print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
+            return 2
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}
-        out["digest"] = None if a.no_verify else digest_of(a.checkpoint)
-        out["quantization_config"] = Checkpoint(a.checkpoint).config["quantization_config"]
+        out["quantization_config"] = ck.config["quantization_config"]
         print(json.dumps(out, indent=2))
     else:
         print(format_report(report))
-        sealed = "" if a.no_verify else f", sealed: digest {digest_of(a.checkpoint)}" + (
+        sealed = "" if a.no_verify else f", sealed: digest {report['digest']}" + (
             " (the one pinned)" if a.expect_digest else "")
         print(f"OK: {a.checkpoint} is a valid latq checkpoint{sealed}")
     return 0

@@ -165,9 +165,12 @@ def main(argv=None) -> int:
     from ..quantize.faults import SimulatedInterruption
     from ..quantize.options import QuantizeOptions
     from ..quantize.pipeline import quantize_model
+    from .environment import bad_environment
 
     a = parser().parse_args(argv)
     setup_logging(a.quiet)
+    if bad_environment("latq-quantize"):
+        return 2
     try:
         opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size, outlier_rate=a.outlier_rate,
                                target_bits=a.target_bits, order=a.order, damp=a.damp, calib=a.calib,

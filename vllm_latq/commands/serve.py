@@ -148,11 +148,10 @@ def model_of(argv: list[str]) -> str | None:
     return take_option(args, "--model")[0]
 
 
-def preflight(argv: list[str]) -> str | None:
-    """Verify the checkpoint ``argv`` would serve as the plugin will → None, or the one-line refusal."""
+def latq_checkpoint_of(argv: list[str]) -> Path | None:
+    """The local latq checkpoint directory ``argv`` serves, or None."""
     from ..errors import FormatError
     from ..format.checkpoint import checkpoint_dir, is_latq_checkpoint
-    from ..format.validate import verify_for_serving
 
     model = model_of(argv)
     if model is None:
@@ -160,20 +159,52 @@ def preflight(argv: list[str]) -> str | None:
     try:
         path = checkpoint_dir(model, take_option(argv, "--revision")[0])
     except FormatError:
-        return None   # not here: vLLM fetches its config, and the plugin checks a latq one before any weight
+        return None
+    return path if is_latq_checkpoint(path) else None
+
+
+def preflight(argv: list[str]) -> str | None:
+    """Verify the checkpoint ``argv`` would serve as the plugin will → None, or the one-line refusal."""
+    from ..errors import FormatError
+    from ..format.validate import verify_for_serving
+
     try:
-        if is_latq_checkpoint(path):
+        path = latq_checkpoint_of(argv)
+        if path is not None:
             verify_for_serving(path)
     except FormatError as e:
-        return f"{model} refused: {e}"
+        return f"{model_of(argv)} refused: {e}"
     return None
 
 
+def with_latq_loader(argv: list[str]) -> list[str]:
+    """``argv`` with ``--load-format latq`` for a latq checkpoint (docs/FORMAT.md, "Manifest"); another
+    load format beside a pin is refused (``ValueError``)."""
+    from ..format.manifest import DIGEST_ENV, expected_digest_from_env
+    from ..plugin.names import LOAD_FORMAT
+
+    if latq_checkpoint_of(argv) is None:
+        return argv
+    given = take_option(argv, "--load-format")[0]
+    if given is None:
+        return [*argv, "--load-format", LOAD_FORMAT]
+    if given != LOAD_FORMAT and expected_digest_from_env() is not None:
+        raise ValueError(f"--load-format {given}: vLLM's loader reads the checkpoint's files again after the check, "
+                         f"so the pinned digest (--expect-digest, {DIGEST_ENV}) would not hold for what it reads; "
+                         f"leave --load-format out (latq-serve passes --load-format {LOAD_FORMAT}, whose loader "
+                         "verifies the bytes it reads)")
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
+    from .environment import bad_environment
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
         print(_versions())
         return
+    if bad_environment(PROG):   # before vLLM starts: its engine would bury the refusal in a traceback
+        sys.exit(2)
     show = "--print-command" in argv
     argv = [a for a in argv if a != "--print-command"]
     digest, argv = take_option(argv, "--expect-digest")
@@ -184,11 +215,16 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             sys.exit(2)
-    how, cmd = plan(argv)
     refused = preflight(argv)
     if refused:
         print(f"{PROG}: {refused}", file=sys.stderr)
         sys.exit(2)
+    try:
+        argv = with_latq_loader(argv)
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        sys.exit(2)
+    how, cmd = plan(argv)
     if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
             print(" ".join(cmd))

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
+
+from .. import env
+
+CACHE_ENV = "LATQ_CACHE"
 
 
 def cache_dir() -> Path:
     """Root of the vllm_latq cache: ``$LATQ_CACHE`` or ``~/.cache/vllm_latq`` (created)."""
-    root = Path(os.environ.get("LATQ_CACHE") or Path.home() / ".cache" / "vllm_latq")
+    root = Path(env.path(CACHE_ENV) or Path.home() / ".cache" / "vllm_latq")
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -2,16 +2,20 @@
 dequantized weights (what ``latq-eval`` measures). Full checks are :mod:`.validate`'s job."""
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import os
 from pathlib import Path
 
 import torch
 
 from .. import hf_model
-from ..bounded_io import read_json
+from ..bounded_io import MAX_JSON_BYTES, OpenedDir, parse_json
 from ..model_config import check_config
 from ..errors import FormatError
-from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
+from .files import AUX_PATTERNS, CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
+from .manifest import check_digest, json_sha256, manifest_digest, read_manifest
+from .writer import MAX_AUX_BYTES
 from .layer import dequantize_layer, split_name
 from .rotation import unrotate
 from .safetensors_file import SafetensorsFile
@@ -45,14 +49,20 @@ def is_latq_checkpoint(path: str | os.PathLike) -> bool:
 
 
 class Checkpoint:
-    """A latq checkpoint directory opened for reading (headers only; tensors on demand)."""
+    """A latq checkpoint directory opened for reading, its files once (``files``: headers parsed, tensors on demand);
+    ``expect_digest`` checked first. Once ``checked``, every tensor and sealed file is verified again as read."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, expect_digest: str | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise FormatError("not a directory", file=str(self.path))
         check_no_links_out(self.path)
-        self.config = hf_model.config_dict(self.path)
+        self.files = OpenedDir(self.path)
+        self._manifest: dict | None = None
+        if expect_digest is not None:   # first: nothing else of another checkpoint matters
+            check_digest(self.manifest, expect_digest)
+        self.checked = False
+        self.config = self._config()
         check_config(self.config)
         if "quantization_config" not in self.config:
             raise FormatError("no quantization_config: not a latq checkpoint", file=CONFIG_FILE)
@@ -61,19 +71,42 @@ class Checkpoint:
         self.where: dict[str, str] = {}  # tensor -> shard file name
         self._read_index()
 
+    @property
+    def manifest(self) -> dict:
+        """``latq_manifest.json``, read once (its form checked)."""
+        if self._manifest is None:
+            self._manifest = read_manifest(self.files)
+        return self._manifest
+
+    @property
+    def digest(self) -> str:
+        return manifest_digest(self.manifest)
+
+    def _config(self) -> dict:
+        name = str(self.path / CONFIG_FILE)
+        try:
+            d = self.files.read_json(CONFIG_FILE, display=name)
+        except FileNotFoundError:
+            raise FormatError("missing (not a model directory?)", file=name) from None
+        if not isinstance(d, dict):
+            raise FormatError("not a JSON object", file=name)
+        return d
+
+    def _shard(self, name: str) -> SafetensorsFile:
+        return SafetensorsFile(self.path / name, file=self.files.file(name))
+
     def _read_index(self) -> None:
-        idx = self.path / INDEX_FILE
-        if os.path.lexists(idx):   # a FIFO or device in its place is refused by the reader, naming it
-            index = read_json(idx, name=INDEX_FILE)
+        if self.files.exists(INDEX_FILE):   # a FIFO or device in its place is refused by the reader, naming it
+            index = self.files.read_json(INDEX_FILE)
             wm = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise FormatError("weight_map must map tensor names to shard file names", file=INDEX_FILE)
             for shard in sorted(set(wm.values())):
                 if Path(shard).name != shard or not shard.endswith(".safetensors"):
                     raise FormatError(f"invalid shard file name {shard!r}", file=INDEX_FILE)
-                if not os.path.lexists(self.path / shard):
+                if not self.files.exists(shard):
                     raise FormatError(f"shard {shard} listed in the index is missing", file=INDEX_FILE)
-                self.shards[shard] = SafetensorsFile(self.path / shard)
+                self.shards[shard] = self._shard(shard)
             for name, shard in wm.items():
                 if name not in self.shards[shard]:
                     raise FormatError(f"listed in {INDEX_FILE} but not in the file", file=shard, tensor=name)
@@ -82,11 +115,35 @@ class Checkpoint:
                     if wm.get(name) != shard:
                         raise FormatError(f"not listed under this file in {INDEX_FILE}", file=shard, tensor=name)
             self.where = dict(wm)
-        elif os.path.lexists(self.path / SINGLE_FILE):
-            f = self.shards[SINGLE_FILE] = SafetensorsFile(self.path / SINGLE_FILE)
+        elif self.files.exists(SINGLE_FILE):
+            f = self.shards[SINGLE_FILE] = self._shard(SINGLE_FILE)
             self.where = {n: SINGLE_FILE for n in f.names()}
         else:
             raise FormatError(f"no {INDEX_FILE} and no {SINGLE_FILE}", file=str(self.path))
+
+    def sealed_bytes(self, name: str, limit: int = MAX_AUX_BYTES) -> bytes:
+        """File ``name``'s bytes; once ``checked``, refused unless those the manifest seals."""
+        data = self.files.read(name, limit)
+        if self.checked:
+            if name == STATS_FILE:
+                ok = json_sha256(parse_json(data, name=name)) == self.manifest[STATS_FILE]
+            else:
+                ok = hashlib.sha256(data).hexdigest() == self.manifest["files"].get(name)
+            if not ok:
+                raise FormatError(f"differs from the file verified (sha256 in {MANIFEST_FILE}): changed after the "
+                                  "check", file=name)
+        return data
+
+    def aux_files(self) -> list[str]:
+        """The tokenizer, chat-template and generation files held (:data:`~.files.AUX_PATTERNS`)."""
+        return sorted(n for n in self.files.held() if any(fnmatch.fnmatchcase(n, p) for p in AUX_PATTERNS))
+
+    def write_aux_files(self, out: Path) -> list[str]:
+        """Write :meth:`aux_files` (:meth:`sealed_bytes`) into directory ``out`` → their names."""
+        names = self.aux_files()
+        for n in names:
+            (out / n).write_bytes(self.sealed_bytes(n))
+        return names
 
     # ---------------------------------------------------------------- structure
 
@@ -102,13 +159,15 @@ class Checkpoint:
     def plain_names(self) -> list[str]:
         return [n for n in self.where if split_name(n) is None]
 
-    def tensor(self, name: str, verify: bool = False) -> torch.Tensor:
-        f = self.shards[self.where[name]]
-        if verify:
-            f.verify(name)
-        return f.get(name)
+    def tensor(self, name: str, verify: bool | None = None) -> torch.Tensor:
+        """Tensor ``name``, its bytes checked as read with ``verify`` (default: once ``checked``)."""
+        return self.shards[self.where[name]].get(name, verify=self.checked if verify is None else verify)
 
-    def layer_tensors(self, module: str, verify: bool = False) -> dict[str, torch.Tensor]:
+    def stored(self, name: str):
+        """Tensor ``name`` to copy by pieces, checked as copied once ``checked``."""
+        return self.shards[self.where[name]].stored(name, verify=self.checked)
+
+    def layer_tensors(self, module: str, verify: bool | None = None) -> dict[str, torch.Tensor]:
         return {sfx: self.tensor(n, verify) for sfx, n in self.layers()[module].items()}
 
     def layer_file(self, module: str) -> str:
@@ -129,7 +188,7 @@ class Checkpoint:
 
     def stats(self) -> dict:
         try:
-            st = read_json(self.path / STATS_FILE, name=STATS_FILE)
+            st = parse_json(self.sealed_bytes(STATS_FILE, MAX_JSON_BYTES), name=STATS_FILE)
         except FileNotFoundError:
             raise FormatError("missing", file=STATS_FILE) from None
         if not isinstance(st, dict) or not isinstance(st.get("layers"), list):
@@ -179,9 +238,9 @@ def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames)
     return m.out_features, m.in_features
 
 
-def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A plain transformers model holding the format's dequantized weights (no kernel)."""
-    ck = Checkpoint(path)
+def load_dequantized_model(path: "str | os.PathLike | Checkpoint", dtype: torch.dtype = torch.float32, device="cpu"):
+    """A plain transformers model holding the format's dequantized weights (no kernel); ``path``: or a Checkpoint."""
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     model = ck.empty_model(dtype)
     names = ck.checkpoint_names(model)
     expected = set(model.state_dict())
@@ -201,10 +260,10 @@ def load_dequantized_model(path: str | os.PathLike, dtype: torch.dtype = torch.f
         hf_model.set_tensor(model, key, t.to(device))
     partial = sorted(p for p, n in filled.items() if n != len(names.of_param(p)))
     if partial:
-        raise FormatError(f"experts parameters with some experts' layers missing: {partial[:3]}", file=str(path))
+        raise FormatError(f"experts parameters with some experts' layers missing: {partial[:3]}", file=str(ck.path))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
-        raise FormatError(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}", file=str(path))
+        raise FormatError(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}", file=str(ck.path))
     return model.to(device).eval()

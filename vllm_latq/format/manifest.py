@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from ..bounded_io import file_sha256, read_json
+from .. import env
+from ..bounded_io import OpenedDir, file_sha256
 from ..errors import FormatError
 from ..hf_model import config_dict
 from .files import CONFIG_FILE, MANIFEST_FILE, STATS_FILE, TEMP_MARK
@@ -56,10 +57,15 @@ def config_digests(cfg: dict) -> dict[str, str]:
             "model": json_sha256({k: v for k, v in cfg.items() if k != "quantization_config"})}
 
 
-def _stats(path: Path):
+def opened(where: "str | os.PathLike | OpenedDir", hold_all: bool = True) -> OpenedDir:
+    """``where`` if already open, else the directory it names opened (:class:`OpenedDir`)."""
+    return where if isinstance(where, OpenedDir) else OpenedDir(where, hold_all=hold_all)
+
+
+def _stats(d: OpenedDir):
     """``latq_stats.json``'s value, or None where the checkpoint has none."""
     try:
-        return read_json(path / STATS_FILE, name=STATS_FILE)
+        return d.read_json(STATS_FILE)
     except FileNotFoundError:
         return None
 
@@ -73,7 +79,7 @@ def write_manifest(path: str | os.PathLike, shards: list[str] | None = None, fil
     special = {CONFIG_FILE, STATS_FILE, MANIFEST_FILE, TEMP_MARK, *names}
     other = sorted(files if files is not None else
                    (e.name for e in os.scandir(path) if e.is_file() and e.name not in special))
-    stats = _stats(path)
+    stats = _stats(opened(path, hold_all=False))
     m = {"manifest_version": MANIFEST_VERSION, "made_by": made_by,
          CONFIG_FILE: config_digests(config_dict(path)),
          STATS_FILE: None if stats is None else json_sha256(stats),
@@ -83,10 +89,10 @@ def write_manifest(path: str | os.PathLike, shards: list[str] | None = None, fil
     return manifest_digest(m)
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest of ``path``, its form checked; refused, saying what to do, if missing or too old."""
+def read_manifest(where: "str | os.PathLike | OpenedDir") -> dict:
+    """The manifest of directory ``where``, its form checked; refused, saying what to do, if missing or too old."""
     try:
-        m = read_json(path / MANIFEST_FILE, name=MANIFEST_FILE)
+        m = opened(where, hold_all=False).read_json(MANIFEST_FILE)
     except FileNotFoundError:
         raise FormatError(f"missing: the checkpoint is not sealed (written by a latq older than the seal, or the file "
                           f"was removed): {_REDO}", file=MANIFEST_FILE) from None
@@ -111,19 +117,19 @@ def _well_formed(m: dict) -> bool:
             and strings(m.get("shards")) and strings(m.get("files")))
 
 
-def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, SafetensorsFile],
-                    expect_digest: str | None = None) -> list[str]:
-    """Raise :class:`FormatError` naming the file unless every file is the one sealed (and pinned).
+def verify_manifest(where: "str | os.PathLike | OpenedDir", config: dict, shards: dict[str, SafetensorsFile],
+                    expect_digest: str | None = None, manifest: dict | None = None) -> list[str]:
+    """Raise :class:`FormatError` naming the file unless every file of ``where`` is the one sealed (and pinned).
     → the unsealed entries no loader reads (:data:`IGNORED` names, subdirectories), to report."""
-    path = Path(path)
-    m = read_manifest(path)
+    d = opened(where)
+    m = read_manifest(d) if manifest is None else manifest
     check_digest(m, expect_digest)
     got = config_digests(config)
     for part, what in _PARTS.items():
         if got[part] != m[CONFIG_FILE][part]:
             raise FormatError(f"{what} from what was written (sha256 in {MANIFEST_FILE}): edited after "
                               "quantization (--no-verify reads it unchecked)", file=CONFIG_FILE)
-    stats = _stats(path)
+    stats = _stats(d)
     if (stats is None) != (m[STATS_FILE] is None):
         raise FormatError("missing, but recorded in " + MANIFEST_FILE if stats is None else
                           f"not written with this checkpoint ({MANIFEST_FILE} records none)", file=STATS_FILE)
@@ -139,14 +145,14 @@ def verify_manifest(path: str | os.PathLike, config: dict, shards: dict[str, Saf
                               f"written (sha256 in {MANIFEST_FILE}): edited", file=name)
     for name, digest in sorted(m["files"].items()):
         try:
-            ok = file_sha256(path / name, name=name) == digest
+            ok = d.sha256(name) == digest
         except FileNotFoundError:
             raise FormatError(f"seals {name}, which the checkpoint does not hold (removed or renamed)",
                               file=MANIFEST_FILE) from None
         if not ok:
             raise FormatError(f"differs from what was written (sha256 in {MANIFEST_FILE}): edited after quantization",
                               file=name)
-    loose = unsealed_entries(path, m)
+    loose = unsealed_entries(d, m)
     added = [n for n in loose if not (n.endswith("/") or n in IGNORED)]
     if added:
         raise FormatError(f"not sealed in {MANIFEST_FILE}: added after the checkpoint was written (a loader may read "
@@ -170,17 +176,24 @@ def sealed_names(manifest: dict) -> set[str]:
             *manifest.get("shards", {}), *manifest.get("files", {})}
 
 
-def unsealed_entries(path: Path, manifest: dict) -> list[str]:
-    """The entries of ``path`` the manifest does not seal, by name (a directory's with a ``/``)."""
+def unsealed_entries(where: "str | os.PathLike | OpenedDir", manifest: dict) -> list[str]:
+    """The entries of directory ``where`` the manifest does not seal, by name (a directory's with a ``/``)."""
     sealed = sealed_names(manifest)
-    return sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in os.scandir(path)
-                  if e.name not in sealed)
+    return sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "")
+                  for e in opened(where, hold_all=False).entries() if e.name not in sealed)
 
 
 def no_verify_requested() -> bool:
-    return os.environ.get(NO_VERIFY_ENV, "") not in ("", "0")
+    """Whether ``LATQ_NO_VERIFY`` asks the vLLM loader to skip the sha256 checks (a flag: 1/true, 0/false)."""
+    return env.flag(NO_VERIFY_ENV)
 
 
 def expected_digest_from_env() -> str | None:
-    """The digest ``LATQ_EXPECT_DIGEST`` pins for the vLLM loader, or None."""
-    return os.environ.get(DIGEST_ENV) or None
+    """The digest ``LATQ_EXPECT_DIGEST`` pins for the vLLM loader, or None; set but empty is refused."""
+    v = os.environ.get(DIGEST_ENV)
+    if v is None:
+        return None
+    try:
+        return normalize_digest(v)
+    except ValueError:
+        raise env.EnvError(DIGEST_ENV, v, "sha256: and 64 hex digits, as latq-quantize prints, or unset") from None

@@ -10,11 +10,11 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import torch
 
-from ..bounded_io import open_regular, parse_json
+from ..bounded_io import open_regular, parse_json, pread_into, pread_pieces
 from ..errors import FormatError
 
 CHECKSUM_KEY = "latq_sha256"
@@ -47,9 +47,11 @@ PIECE_BYTES = 16 << 20  # a stored tensor is copied in pieces of this size
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """Tensor ``name`` of a safetensors ``file``, copied by pieces (read, not mapped: RSS stays flat)."""
+    """Tensor ``name`` of a safetensors ``file``, copied by pieces (read, not mapped: RSS stays flat), with ``sha256``
+    if the bytes copied must have it."""
     file: "SafetensorsFile"
     name: str
+    sha256: str | None = None
 
     def pieces(self, size: int = PIECE_BYTES) -> Iterator[memoryview]:
         return self.file.pieces(self.name, size)
@@ -71,6 +73,9 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
         for b in _pieces(v):
             h.update(b)
             n += len(b)
+        if isinstance(v, StoredTensor) and v.sha256 is not None and h.hexdigest() != v.sha256:
+            raise FormatError("sha256 mismatch: the bytes read are not those written (edited or corrupted)",
+                              file=v.file.name, tensor=v.name)
         header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
         sums[k] = h.hexdigest()
         off += n
@@ -90,10 +95,14 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
         put(struct.pack("<Q", len(raw)))
         put(raw)
         for k, v in values.items():
-            n = sum(put(b) for b in _pieces(v))
+            h, n = hashlib.sha256(), 0
+            for b in _pieces(v):
+                h.update(b)
+                n += put(b)
             begin, end = header[k]["data_offsets"]
-            if n != end - begin:
-                raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
+            if n != end - begin or h.hexdigest() != sums[k]:
+                where = {"file": v.file.name, "tensor": v.name} if isinstance(v, StoredTensor) else {"tensor": k}
+                raise FormatError("changed between its two reads (hashed, then copied): edited while read", **where)
     os.replace(part, path)
     return whole.hexdigest()
 
@@ -123,31 +132,34 @@ class _Entry:
 
 
 class SafetensorsFile:
-    """A strict reader of one ``.safetensors`` file: header checked on open, tensors read on demand."""
+    """A strict reader of one ``.safetensors`` file: header checked on open, tensors read on demand, all
+    from one descriptor (opened once, or ``file``), by position: what it verifies is what it reads."""
 
-    def __init__(self, path: str | os.PathLike, display: str | None = None):
+    def __init__(self, path: str | os.PathLike, display: str | None = None, *, file: BinaryIO | None = None):
         self.path = Path(path)
         self.name = display or self.path.name
+        self._file = file if file is not None else open_regular(self.path, name=self.name)
         try:
-            with self._open() as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(8)
-                if len(head) < 8:
-                    raise self._err(f"truncated: {size} bytes, too short for a safetensors header")
-                (n,) = struct.unpack("<Q", head)
-                if n > min(MAX_HEADER, size - 8):
-                    raise self._err(f"header length {n} exceeds the file ({size} bytes): truncated or corrupt")
-                raw = f.read(n)
+            size = os.fstat(self._file.fileno()).st_size
+            head = bytearray(8)
+            if pread_into(self._file, head, 0) < 8:
+                raise self._err(f"truncated: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(MAX_HEADER, size - 8):
+                raise self._err(f"header length {n} exceeds the file ({size} bytes): truncated or corrupt")
+            raw = bytearray(n)
+            if pread_into(self._file, raw, 8) < n:
+                raise self._err("truncated while reading its header")
         except OSError as e:
             raise self._err(f"cannot read: {e}") from None
         try:
-            header = parse_json(raw, name=self.name)
+            header = parse_json(bytes(raw), name=self.name)
         except FormatError as e:
             why = str(e).removeprefix(f"file {self.name}: ")
             raise self._err(f"header is {why}" if why.startswith("not ") else f"header: {why}") from None
         if not isinstance(header, dict):
             raise self._err("header is not a JSON object")
-        self.header_sha256 = hashlib.sha256(head + raw).hexdigest()   # what latq_manifest.json records
+        self.header_sha256 = hashlib.sha256(bytes(head) + bytes(raw)).hexdigest()   # what latq_manifest.json records
         self.data_start = 8 + n
         self.data_len = size - self.data_start
         meta = header.pop("__metadata__", {})
@@ -163,9 +175,8 @@ class SafetensorsFile:
                 raise self._err(f"data of tensors {k0} and {k1} overlap", k1)
         self._checksums: dict[str, str] | None = None
 
-    def _open(self):
-        """The file, opened only if it is a regular file (a FIFO is refused, never waited on)."""
-        return open_regular(self.path, name=self.name)
+    def close(self) -> None:
+        self._file.close()
 
     def _err(self, what: str, tensor: str | None = None) -> FormatError:
         return FormatError(what, file=self.name, tensor=tensor)
@@ -208,44 +219,34 @@ class SafetensorsFile:
         return _DTYPES[self.entries[name].dtype]
 
     def raw(self, name: str) -> bytes:
-        e = self.entries[name]
-        try:
-            with self._open() as f:
-                f.seek(self.data_start + e.begin)
-                b = f.read(e.end - e.begin)
-        except OSError as err:
-            raise self._err(f"cannot read: {err}", name) from None
-        if len(b) != e.end - e.begin:
-            raise self._err("truncated while reading", name)
-        return b
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor (a fresh CPU tensor that owns its memory)."""
         e = self._entry_of(name)
-        return self._read(name, e.begin, e.end - e.begin).view(_DTYPES[e.dtype]).reshape(e.shape)
+        return bytes(self._read(name, e.begin, e.end - e.begin).numpy())
 
-    def stored(self, name: str) -> StoredTensor:
-        """The tensor as a :class:`StoredTensor`: copied into another file by pieces."""
+    def get(self, name: str, verify: bool = False) -> torch.Tensor:
+        """The tensor (a fresh CPU tensor that owns its memory); with ``verify``, :meth:`verify`'s checks on these bytes."""
+        e = self._entry_of(name)
+        buf = self._read(name, e.begin, e.end - e.begin)
+        if verify:
+            want = self._checksum_of(name)
+            self.check_layout(name)
+            if hashlib.sha256(buf.numpy()).hexdigest() != want:
+                raise self._err("sha256 mismatch: the bytes read are not those written (edited or corrupted)", name)
+        return buf.view(_DTYPES[e.dtype]).reshape(e.shape)
+
+    def stored(self, name: str, verify: bool = False) -> StoredTensor:
+        """The tensor as a :class:`StoredTensor`, its bytes checked as copied with ``verify``."""
         self._entry_of(name)
-        return StoredTensor(self, name)
+        if verify:
+            self.check_layout(name)
+        return StoredTensor(self, name, self._checksum_of(name) if verify else None)
 
     def pieces(self, name: str, size: int = PIECE_BYTES) -> Iterator[memoryview]:
         """The tensor's bytes in pieces of at most ``size`` bytes, one buffer reused."""
         e = self._entry_of(name)
-        buf = memoryview(bytearray(min(size, e.end - e.begin)))
         try:
-            with self._open() as f:
-                f.seek(self.data_start + e.begin)
-                left = e.end - e.begin
-                while left:
-                    want, got = min(size, left), 0
-                    while got < want:   # whole pieces: a piece holds whole elements
-                        n = f.readinto(buf[got:want])
-                        if not n:
-                            raise self._err("truncated while reading", name)
-                        got += n
-                    left -= got
-                    yield buf[:got]
+            yield from pread_pieces(self._file, self.data_start + e.begin, e.end - e.begin, size)
+        except EOFError:
+            raise self._err("truncated while reading", name) from None
         except OSError as err:
             raise self._err(f"cannot read: {err}", name) from None
 
@@ -268,9 +269,7 @@ class SafetensorsFile:
     def _read(self, name: str, begin: int, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
         try:
-            with self._open() as f:
-                f.seek(self.data_start + begin)
-                got = f.readinto(buf.numpy())
+            got = pread_into(self._file, buf.numpy(), self.data_start + begin)
         except OSError as err:
             raise self._err(f"cannot read: {err}", name) from None
         if got != nbytes:
@@ -293,18 +292,22 @@ class SafetensorsFile:
     def verify(self, name: str, value_limit: float | None = None) -> None:
         """Raise unless the tensor's layout and bytes are as written (with ``value_limit``: its values bounded).
         A file without a checksum table is refused: nothing would catch an edit of it."""
+        want = self._checksum_of(name)
+        self.check_layout(name)
+        h = hashlib.sha256()
+        largest = self._scan(name, h, value_limit is not None)
+        if h.hexdigest() != want:
+            raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
+        self._bound(name, largest, value_limit)
+
+    def _checksum_of(self, name: str) -> str:
         sums = self.checksums
         if sums is None:
             raise self._err(f"no {CHECKSUM_KEY} checksum table in the metadata: not written by latq, or "
                             "edited (--no-verify reads it unchecked)")
         if name not in sums:
             raise self._err(f"no checksum recorded in {CHECKSUM_KEY}", name)
-        self.check_layout(name)
-        h = hashlib.sha256()
-        largest = self._scan(name, h, value_limit is not None)
-        if h.hexdigest() != sums[name]:
-            raise self._err("sha256 mismatch: the tensor's bytes are corrupted", name)
-        self._bound(name, largest, value_limit)
+        return sums[name]
 
     def check_values(self, name: str, limit: float) -> None:
         """Raise unless every value of the floating-point tensor is finite and within ``±limit``, by pieces."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import torch
 
@@ -20,9 +19,10 @@ from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
 from . import huffman
 from .layer import expected_shapes, has_coded_scales, validate_layer
 from .layer import MAX_WEIGHT
-from .manifest import (DIGEST_ENV, NO_VERIFY_ENV, SKIPPED, check_digest, expected_digest_from_env,
-                       no_verify_requested, read_manifest, verify_manifest)
+from .manifest import (DIGEST_ENV, NO_VERIFY_ENV, SKIPPED, expected_digest_from_env, no_verify_requested,
+                       verify_manifest)
 from .spec import QuantSpec, check_budget
+from .swap_hook import swap_if_asked
 
 logger = logging.getLogger("vllm.latq")   # where vLLM's log configuration shows the plugin's lines
 
@@ -31,13 +31,13 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
                         progress: bool = False, expect_digest: str | None = None) -> dict:
     """Check everything about a checkpoint, shapes before bytes, and return its report
     ``{"layers", "totals", "spec", "unsealed"}`` (``unsealed``: files no loader reads that the
-    manifest leaves out). Raises :class:`FormatError` naming file and tensor on the first problem
-    (the checks in order: docs/FORMAT.md, "Validation and its errors")."""
-    if expect_digest is not None:
-        if not verify_checksums:
-            raise ValueError("a pinned digest needs the checks --no-verify skips: pass one or the other")
-        check_digest(read_manifest(Path(path)), expect_digest)   # first: nothing else of another checkpoint matters
-    ck = Checkpoint(path)
+    manifest leaves out; ``digest``: the manifest's, None unchecked; ``checkpoint``: the
+    :class:`Checkpoint` validated, its files open, to read what was verified from). Raises
+    :class:`FormatError` naming file and tensor on the first problem (the checks in order:
+    docs/FORMAT.md, "Validation and its errors")."""
+    if expect_digest is not None and not verify_checksums:
+        raise ValueError("a pinned digest needs the checks --no-verify skips: pass one or the other")
+    ck = Checkpoint(path, expect_digest)
     spec = ck.spec
     model = ck.empty_model(torch.float32)
     check_architecture(ck.config, type(model).__name__)
@@ -100,10 +100,13 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if set(stats) - {r["name"] for r in rows}:
         extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
         raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
-    unsealed = []
+    unsealed, digest = [], None
     if verify_checksums:   # last, so that a structural problem is named as such first
-        unsealed = verify_manifest(ck.path, ck.config, ck.shards, expect_digest)
-    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec, "unsealed": unsealed}
+        unsealed = verify_manifest(ck.files, ck.config, ck.shards, expect_digest, ck.manifest)
+        ck.checked, digest = True, ck.digest
+    swap_if_asked(ck.path)
+    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec, "unsealed": unsealed,
+            "digest": digest, "checkpoint": ck}
 
 
 def _layers_in_model_order(ck: Checkpoint, model, ck_names) -> dict[str, dict[str, str]]:
@@ -130,10 +133,7 @@ def _check_layer(ck: Checkpoint, model, ck_names, module: str, names: dict[str, 
     shape = linear_shape(model, module, file, ck_names)
     check_declared_shapes(ck.shards[file], names, spec.kind, shape, spec.bits_of(module), spec.group_size,
                           layer=module, file=file)
-    if verify_checksums:
-        for n in names.values():
-            ck.shards[file].verify(n)
-    t = {sfx: ck.tensor(n) for sfx, n in names.items()}
+    t = {sfx: ck.tensor(n, verify=verify_checksums) for sfx, n in names.items()}   # the bytes hashed are those checked
     if spec.kind == "dense" and has_coded_scales(t) != (spec.scale_bits is not None):
         raise FormatError("scales stored " + ("as codes, but quantization_config has no scale_bits"
                                               if has_coded_scales(t) else
@@ -180,11 +180,12 @@ def verify_for_serving(path: str | os.PathLike) -> dict:
     ``LATQ_EXPECT_DIGEST`` pins. ``LATQ_NO_VERIFY=1`` skips the sha256 checks as ``--no-verify``
     does, with one warning saying so (refused beside a pinned digest). Returns the report."""
     skip, digest = no_verify_requested(), expected_digest_from_env()
+    said = f"{NO_VERIFY_ENV}={os.environ.get(NO_VERIFY_ENV)}"
     if skip and digest:
-        raise FormatError(f"{NO_VERIFY_ENV}=1 and {DIGEST_ENV} are both set: a pinned digest needs the checks "
+        raise FormatError(f"{said} and {DIGEST_ENV} are both set: a pinned digest needs the checks "
                           f"{NO_VERIFY_ENV} skips", file=str(path))
     if skip:
-        logger.warning("latq: %s=1: %s", NO_VERIFY_ENV, SKIPPED)
+        logger.warning("latq: %s: %s", said, SKIPPED)
     report = validate_checkpoint(path, decode=False, verify_checksums=not skip, expect_digest=digest)
     if report["unsealed"]:
         logger.warning("latq: %s: not sealed, read by no loader: %s", path, ", ".join(report["unsealed"]))

@@ -6,10 +6,10 @@ chosen kernel wrapped to rotate its inputs (``<kernel>+hadamard``).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from .. import env
 from .base import LatqKernel
 from .dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
 from .weight import LatqWeight
@@ -57,12 +57,33 @@ def kernel_at(index: int) -> type[LatqKernel]:
 
 
 def forced_kernel() -> str | None:
-    """The kernel name ``LATQ_KERNEL`` forces, or None."""
-    forced = os.environ.get(ENV_FORCE) or None
+    """The kernel name ``LATQ_KERNEL`` forces (one of :func:`kernels`' names), or None."""
+    forced = env.value(ENV_FORCE)
+    names = [k.name for k in kernels()]
     if forced in RETIRED:
-        raise ValueError(f"{ENV_FORCE}={forced!r} is no longer a kernel name: {ENV_FORCE}={RETIRED[forced]} is that "
-                         f"kernel (\"dense\" names a checkpoint layer's kind only)")
-    return forced
+        raise env.EnvError(ENV_FORCE, forced, f"one of {', '.join(names)}, or unset: {ENV_FORCE}={forced!r} is no "
+                                              f"longer a kernel name: {ENV_FORCE}={RETIRED[forced]} is that kernel "
+                                              "(\"dense\" names a checkpoint layer's kind only)")
+    return env.choice(ENV_FORCE, names)
+
+
+def check_environment() -> None:
+    """Every switch the kernels read, parsed: a bad value refused before a layer is built."""
+    from .. import cpu_features, native
+    forced_kernel()   # imports every kernel there is, parsing their module-level switches
+    cpu_features.forced_bf16()
+    native.enabled(), native.loop_max(), native.march(), native.check_library_switches()
+    try:
+        from .cpu import dequant as cpu_dequant, kernel as cpu_kernel
+        cpu_dequant.chunk_bytes(), cpu_dequant.prefill_cache()
+        cpu_kernel.split_max_extra_rate(), cpu_kernel.forced_large_m()
+    except ImportError:   # the kernel is not here: its switches are never read
+        pass
+    try:
+        from .triton import configs as triton_configs, kernel as triton_kernel
+        triton_configs.autotune_enabled(), triton_configs.override_path(), triton_kernel.interpret_ok()
+    except ImportError:
+        pass
 
 
 # latq's compressed kernel families, by the device type each serves (in the order reports list them)
@@ -132,9 +153,6 @@ def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dt
                            f"on {device} ({'; '.join(reasons)}): they run dequantized to bf16 (kernel '{k.name}')")
             return for_weight(k, w), reasons
         reasons.append(f"{k.name}: {why}")
-    names = [k.name for k in kernels()]
-    if forced and forced not in names:
-        raise ValueError(f"{ENV_FORCE}={forced!r} is not a latq kernel; available: {names}")
     raise ValueError(f"{f'{ENV_FORCE}={forced}: ' if forced else ''}no latq kernel can run this layer "
                      f"({w.out_features}x{w.in_features}, "
                      f"{w.bits}-bit, device {device}, {act_dtype}): " + "; ".join(reasons))

@@ -56,11 +56,11 @@ def add_rotation_signs(rows: list[dict], fams, rotation) -> None:
                 f["bits_per_weight"] = 8 * f["bytes"] / (n * k)
 
 
-def checkpoint_served(path: str | os.PathLike, rows: list[dict]) -> dict[str, float]:
+def checkpoint_served(path: "str | os.PathLike | Checkpoint", rows: list[dict]) -> dict[str, float]:
     """Adds ``served`` (:func:`layer_served`) to each layer row of a
-    :func:`~vllm_latq.format.validate.validate_checkpoint` report; returns each family's
-    served bits/weight over all those layers."""
-    ck = Checkpoint(path)
+    :func:`~vllm_latq.format.validate.validate_checkpoint` report (``path``: its ``checkpoint``, to
+    read what it verified); returns each family's served bits/weight over all those layers."""
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     spec, fams = ck.spec, families()
     for r in rows:
         t = ck.layer_tensors(r["name"])

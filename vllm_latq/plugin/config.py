@@ -13,12 +13,18 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from .. import format as fmt
+from ..env import EnvError
 from ..errors import FormatError
 from ..format.checkpoint import checkpoint_dir
+from ..format.manifest import DIGEST_ENV, expected_digest_from_env
 from ..format.validate import verify_for_serving
+from .names import LOAD_FORMAT
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+# in quantization_config: the digest of the manifest maybe_update_config validated, which latq's loader
+# holds the files it reads in each worker to (weights.py)
+DIGEST_KEY = "_latq_digest"
 
 
 @functools.cache
@@ -32,6 +38,10 @@ def _moe_layer_types() -> tuple[type, ...]:
 class LatqCheckpointRefused(RuntimeError):
     """The checkpoint is refused (one line naming it, the file and why).
     Not a ValueError: pydantic would fold it into a ValidationError headed by its own words."""
+
+
+class LatqEnvironmentRefused(RuntimeError):
+    """A ``LATQ_*`` environment variable's value is refused (one line naming it and the values it takes)."""
 
 
 class LatqConfig(QuantizationConfig):
@@ -107,6 +117,8 @@ class LatqConfig(QuantizationConfig):
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        check_load_format()
+
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
@@ -144,11 +156,19 @@ class LatqConfig(QuantizationConfig):
         qc = getattr(hf_config, "quantization_config", None)
         if not isinstance(qc, dict):
             return
+        from ..kernels import selector
+        try:   # the switches the workers read, refused here where vLLM shows it: not in a worker's traceback
+            selector.check_environment()
+            forced = selector.forced_kernel()
+        except EnvError as e:
+            raise LatqEnvironmentRefused(f"latq: {e}") from None
         # before vLLM reads a tensor, once per load (workers get this config pickled);
-        # LATQ_NO_VERIFY=1 skips the sha256 checks only
+        # LATQ_NO_VERIFY skips the sha256 checks only
         try:
             path = checkpoint_dir(model_name, revision)
-            verify_for_serving(path)
+            digest = verify_for_serving(path)["digest"]
+        except EnvError as e:
+            raise LatqEnvironmentRefused(f"latq: {e}") from None
         except FormatError as e:   # one line naming the checkpoint, the file and why: vLLM prints it first
             where = "" if os.path.isdir(model_name) else (
                 " (checked in the local Hugging Face cache, which vLLM fills as it goes: download the whole "
@@ -156,12 +176,14 @@ class LatqConfig(QuantizationConfig):
             raise LatqCheckpointRefused(f"latq: {model_name} refused: {e}{where}") from None
         h = hashlib.sha256()
         # the kernel choice decides which custom op the graph calls
-        h.update(f"LATQ_KERNEL={os.environ.get('LATQ_KERNEL', '')};".encode())
+        h.update(f"{selector.ENV_FORCE}={forced or ''};".encode())
         for name in sorted(os.listdir(path)):
             if name.endswith((".safetensors", ".json")):
                 st = os.stat(os.path.join(path, name))
                 h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
         qc["_latq_fingerprint"] = h.hexdigest()[:16]
+        if digest is not None:
+            qc[DIGEST_KEY] = digest
 
     # ------------------------------------------------------------------ helpers
 
@@ -191,3 +213,15 @@ class LatqConfig(QuantizationConfig):
             raise ValueError(f"latq checkpoint: the parts of fused layer {prefix} have different bits {bits} "
                              "(quantization_config.layer_bits); vLLM runs a fused layer as one")
         return next(iter(bits.values()))
+
+
+def check_load_format() -> None:
+    """Refuse a pinned digest under vLLM's own loaders, which read the files again after the check."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    fmt_ = getattr(getattr(cfg, "load_config", None), "load_format", LOAD_FORMAT)
+    if fmt_ != LOAD_FORMAT and expected_digest_from_env() is not None:
+        raise LatqCheckpointRefused(f"latq: {DIGEST_ENV} pins the checkpoint, but --load-format {fmt_} has vLLM read "
+                                    "its files again after latq checked them, unchecked: pass --load-format "
+                                    f"{LOAD_FORMAT}, whose loader verifies the bytes it reads (latq-serve passes it)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+from .. import env
 from .ranks import World
 
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # raise SimulatedInterruption after this block
@@ -17,9 +18,17 @@ class SimulatedInterruption(RuntimeError):
 
 def stop_after(block: int | None) -> int | None:
     """The block after which a run stops: ``block``, else ``$LATQ_STOP_AFTER_BLOCK``, else None."""
-    if block is None and os.environ.get(STOP_ENV):
-        return int(os.environ[STOP_ENV])
-    return block
+    asked = env.integer(STOP_ENV, None, minimum=0)
+    return asked if block is None else block
+
+
+def fault_spec() -> tuple[int, str, str] | None:
+    """``$LATQ_FAULT`` as (rank, layer substring, how), or None."""
+    spec = env.text(FAULT_ENV, r"[0-9]+:[^:]+:(raise|kill)", "RANK:LAYER_SUBSTRING:raise or kill")
+    if spec is None:
+        return None
+    rank, where, how = spec.split(":")
+    return int(rank), where, how
 
 
 def stop_if_asked(i: int, stop: int | None) -> None:
@@ -29,13 +38,13 @@ def stop_if_asked(i: int, stop: int | None) -> None:
 
 def with_fault(solve, world: World):
     """``solve``, failing as ``$LATQ_FAULT`` asks."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
+    spec = fault_spec()
+    if spec is None:
         return solve
-    rank, where, how = spec.split(":")
+    rank, where, how = spec
 
     def faulty(method, W, H, name, **kw):
-        if int(rank) == world.rank and where in name:
+        if rank == world.rank and where in name:
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"fault injected by ${FAULT_ENV}")

@@ -14,9 +14,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import env
+
 log = logging.getLogger("vllm_latq.quantize")
 
 TIMEOUT_ENV = "LATQ_DIST_TIMEOUT"  # seconds a collective waits for a silent rank (default 300)
+
+
+def dist_timeout() -> float:
+    """Seconds a collective waits for a silent rank (``LATQ_DIST_TIMEOUT``, default 300)."""
+    return env.number(TIMEOUT_ENV, 300.0, minimum=0.0, above=True, maximum=1e7)
 
 
 class RankFailed(RuntimeError):
@@ -57,7 +64,7 @@ def init(device: str = "cpu") -> World:
     if cuda:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
+        timeout = datetime.timedelta(seconds=dist_timeout())
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     return World(dist.get_rank(), dist.get_world_size(), local)
 

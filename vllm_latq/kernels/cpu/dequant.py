@@ -3,19 +3,29 @@ its large-M path: row chunks dequantized into a reused bf16 buffer, each multipl
 or (opt-in) a dequantized copy kept per layer."""
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ... import cpu_features
+from ... import cpu_features, env
 from ... import format as fmt
 from .layouts import decode_scale_words, tile_entries, unpack_int4pack
 from ..derived_cache import DerivedCache
 
-CHUNK_BYTES = int(os.environ.get("LATQ_CPU_CHUNK_BYTES", str(1 << 22)))  # bf16 weight chunk
-# opt-in: keep a dequantized bf16 copy of each layer for large M (fastest prefill, but
-# +2 bytes/weight resident: more than the bf16 model itself)
-PREFILL_CACHE = os.environ.get("LATQ_CPU_PREFILL_CACHE", "0") not in ("", "0")
+CHUNK_ENV = "LATQ_CPU_CHUNK_BYTES"
+PREFILL_CACHE_ENV = "LATQ_CPU_PREFILL_CACHE"
+
+
+def chunk_bytes() -> int:
+    # the bf16 weight chunk the large-M path dequantizes at a time
+    return env.integer(CHUNK_ENV, 1 << 22, minimum=1, maximum=1 << 40)
+
+
+def prefill_cache() -> bool:
+    # opt-in: a dequantized bf16 copy of each layer for large M (fastest prefill, +2 bytes/weight resident)
+    return env.flag(PREFILL_CACHE_ENV)
+
+
+CHUNK_BYTES = chunk_bytes()
+PREFILL_CACHE = prefill_cache()
 
 
 def is_coded(state) -> bool:

@@ -4,13 +4,12 @@ GEMM. Layouts: :mod:`~vllm_latq.kernels.cpu.layouts`; the choices and their meas
 docs/KERNELS.md, "CPU kernel"."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 
 from ... import format as fmt
-from ... import native
+from ... import env, native
 from . import arena, dequant as cpu_dequant
 from ..base import LatqKernel
 from .layouts import (GEMV_LAYOUT, code_values, coded_scale_words, coo_to_csr, detect_layout, has_int4_op, int4_ops,
@@ -23,9 +22,21 @@ MAX_BITS = 8
 # bits > 4: weights off the 4-bit grid become fp32 outliers when they are at most this
 # fraction of the layer, else a second int4 plane: below where the two cost the same time and
 # memory (docs/KERNELS.md, "CPU kernel", 5- to 8-bit inliers).
-SPLIT_MAX_EXTRA_RATE = float(os.environ.get("LATQ_CPU_SPLIT_MAX_EXTRA_RATE", "0.05"))
-# rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, large_m())
-LARGE_M = int(os.environ.get("LATQ_CPU_LARGE_M", "0"))
+SPLIT_ENV = "LATQ_CPU_SPLIT_MAX_EXTRA_RATE"
+LARGE_M_ENV = "LATQ_CPU_LARGE_M"
+
+
+def split_max_extra_rate() -> float:
+    return env.number(SPLIT_ENV, 0.05, minimum=0.0, maximum=1.0)
+
+
+def forced_large_m() -> int:
+    """Rows (tokens) from which the dequantize + bf16 GEMM path takes over (0: by kernel, :func:`large_m`)."""
+    return env.integer(LARGE_M_ENV, 0, minimum=0)
+
+
+SPLIT_MAX_EXTRA_RATE = split_max_extra_rate()
+LARGE_M = forced_large_m()
 PREPARE_CHUNK = 1 << 22   # weights unpacked at a time in prepare (bounds its memory)
 # Small M runs through the C++ op (vllm_latq.native) where ``native.usable()``: built, and not
 # switched off by ``with native.disabled():`` (tests and benches compare both paths).

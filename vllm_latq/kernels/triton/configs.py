@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 from pathlib import Path
 
 import torch
 import triton
 
+from ... import env
 from .cost_model import MMA_BMS
 from .layout import cdiv
 
@@ -184,11 +184,16 @@ def _table(override: str | None) -> dict:
 
 def table() -> dict:
     """The packaged table with the override file (``LATQ_LAUNCH_CONFIGS``) on top."""
-    return _table(os.environ.get(ENV_TABLE))
+    return _table(override_path())
+
+
+def override_path() -> str | None:
+    """The override table's file (``LATQ_LAUNCH_CONFIGS``), or None."""
+    return env.path(ENV_TABLE)
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get(ENV_AUTOTUNE, "0") == "1"
+    return env.flag(ENV_AUTOTUNE)
 
 
 def _strip(c: dict) -> dict:
@@ -201,7 +206,7 @@ def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int,
     :func:`rule`'s; stages and register cap always the candidate's (what the compile checked).
     Remembered per shape and table: an eager forward asks once per layer."""
     return dict(_choose(kernel, bits, bm, n_pad, k_pad, ksteps, m_tiles, can_split, capability, sms,
-                        os.environ.get(ENV_TABLE)))
+                        override_path()))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -218,7 +223,7 @@ def _choose(kernel, bits, bm, n_pad, k_pad, ksteps, m_tiles, can_split, capabili
 def record(capability: tuple[int, int], key: str, config: dict) -> None:
     """Write one autotuned choice into the override table (``LATQ_LAUNCH_CONFIGS``), which
     later processes read instead of tuning again."""
-    path = os.environ.get(ENV_TABLE)
+    path = override_path()
     if not path:
         return
     p = Path(path)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ... import env
 from ... import format as fmt
 from . import layout as tlay
 from ..base import LatqKernel
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 SPLITK_SCRATCH = Workspace()        # fp32 split-K partials, one buffer per device and stream
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ENV_INTERPRET_OK = "LATQ_TRITON_INTERPRET_OK"   # =1: accept CPU tensors when TRITON_INTERPRET=1
+
+
+def interpret_ok() -> bool:
+    return env.flag(ENV_INTERPRET_OK)
 OUTL_NONE, OUTL_ELL, OUTL_CSR = 0, 1, 2
 OUTL_CODE = {"none": OUTL_NONE, "ell": OUTL_ELL, "csr": OUTL_CSR}
 
@@ -272,7 +277,7 @@ class TritonKernel(LatqKernel):
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
         device = torch.device(device)
         if device.type != "cuda":
-            if not (INTERPRET and os.environ.get(ENV_INTERPRET_OK) == "1"):
+            if not (INTERPRET and interpret_ok()):
                 return False, (f"needs a CUDA device (got {device.type}); for CPU tensors set "
                                f"TRITON_INTERPRET=1 and {ENV_INTERPRET_OK}=1 (Triton interpreter)")
         elif torch.cuda.get_device_capability(device) < (8, 0):

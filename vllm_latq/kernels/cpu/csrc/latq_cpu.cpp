@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>
 #include <mutex>
 #include <type_traits>
 #include <utility>
@@ -243,10 +244,11 @@ inline void scale_zero(const Scales& sc, int64_t gi, int64_t N, int64_t r, float
   }
 }
 
-// LATQ_CPU_GEMV=0, read once: torch's op instead of the GEMV
+// LATQ_CPU_GEMV=0 or false (any case), read once: torch's op instead of the GEMV; the package refuses
+// any other value but 1, true and empty before it loads this library (vllm_latq/env.py's flag rule)
 const bool g_env_off = [] {
   const char* e = std::getenv("LATQ_CPU_GEMV");
-  return e && (e[0] == '0' || e[0] == 0);
+  return e && (std::strcmp(e, "0") == 0 || strcasecmp(e, "false") == 0);
 }();
 
 // rows up to which small_linear takes the GEMV: by default every M it is given (the large-M
