@@ -112,6 +112,21 @@ def test_a_failing_rank_names_itself_the_block_and_the_layer(dense):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("options", [["--method", "ssqr"], ["--method", "hptq", "--compute-dtype", "float32"],
+                                     ["--target-correction", "--rotate", "hadamard"],
+                                     ["--method", "babai", "--compute-dtype", "bfloat16", "--column-scales", "norm"]],
+                         ids=["ssqr", "hptq-fp32", "target-correction-rotated", "babai-bf16-column-scales"])
+def test_every_method_at_any_world_size(dense, options):
+    """Each method and the levers that add statistics (cross terms, rotations, folded norms), the
+    8-bit head included, in fp32 and bf16 forwards: 3 ranks write the one-rank checkpoint."""
+    src, root = dense
+    name = "-".join(o.strip("-") for o in options)
+    for w in (1, 3):
+        ok(quantize(src, root / f"{name}-{w}", w, *options))
+    assert same_bytes(root / f"{name}-1", root / f"{name}-3")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "ssqr"])
 def test_moe_at_any_world_size(tmp_path, method):
     """Experts go in rounds of one per rank, their Hessians summed over every rank's tokens (at 3

@@ -96,16 +96,18 @@ class Chunks:
 
 def two_sum_add(hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor, inexact: torch.Tensor) -> None:
     """``hi + lo += v`` with no rounding (Knuth's TwoSum puts hi's rounding error into lo); an
-    addition to lo that rounds sets ``inexact``. The torch twin of ``latq_cpu::exact_add``."""
-    v = v.double()
-    s = hi + v
-    t = s - hi
-    e = (hi - (s - t)) + (v - t)
-    hi.copy_(s)
-    s = lo + e
-    t = s - lo
-    inexact.logical_or_(((lo - (s - t)) + (e - t)).ne(0).any())
-    lo.copy_(s)
+    addition to lo that rounds sets ``inexact``. The torch twin of ``latq_cpu::exact_add``, a
+    ``PANEL`` of rows at a time (its temporaries stay small)."""
+    for r in range(0, hi.shape[0], PANEL):
+        h, l, x = hi[r:r + PANEL], lo[r:r + PANEL], v[r:r + PANEL].double()
+        s = h + x
+        t = s - h
+        e = (h - (s - t)) + (x - t)
+        h.copy_(s)
+        s = l + e
+        t = s - l
+        inexact.logical_or_(((l - (s - t)) + (e - t)).ne(0).any())
+        l.copy_(s)
 
 
 class ExactSum:
