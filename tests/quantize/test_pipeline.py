@@ -306,24 +306,79 @@ def test_panel_hessian_upper_panels_match_fp64(width, products):
     assert ((H - Href).abs().max() / Href.abs().max()).item() < 1e-6
 
 
-def test_panel_hessian_pools_rows_across_calls(products):
-    """Rows of consecutive calls share a product until PRODUCT_ROWS are pending (here 9 calls of
-    600 rows: one product mid-way, the rest when H is formed); the caller may reuse its tensor
-    meanwhile; the sum read by the ranks' exchange includes every pending row."""
-    from vllm_latq.quantize.hessian import PRODUCT_ROWS, Hessian, PanelHessian
+def test_panel_hessian_products_follow_the_sequences(products):
+    """Each add is one sequence; a product is taken at the end of each chunk of sequences (here 3,
+    counted from sequence 2 of the set: after the 1st, 4th and 7th add) and of the rows; the caller
+    may reuse its tensor meanwhile; the sum read by the ranks' exchange includes every pending row."""
+    from vllm_latq.quantize.hessian import Chunks, Hessian, PanelHessian
     x = torch.randn(9, 600, 700, generator=torch.Generator().manual_seed(5)).bfloat16()
-    a, ref = PanelHessian(700), Hessian(700)
+    a, ref = PanelHessian(700, chunks=Chunks(3, first=2)), Hessian(700)
     buf = torch.empty(600, 700, dtype=torch.bfloat16)
+    pending = []
     for part in x:
         buf.copy_(part)
         a.add(buf)   # the same tensor each call, overwritten after
         ref.add(part)
-    assert 9 * 600 > PRODUCT_ROWS > 600
-    S = a.sum   # flushes the pending rows
+        pending.append(len(a._pending))
+    assert pending == [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    S = a.pair().hi   # flushes the pending rows
     assert a.n == 5400 and not a._pending
     upper = torch.ones(700, 700, dtype=torch.bool).triu()
     assert ((S - ref.sum)[upper].abs().max() / ref.sum.abs().max()).item() < 1e-6
     assert ((a.H - ref.H).abs().max() / ref.H.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize("cls", ["panel", "cross"])
+def test_a_hessian_split_over_ranks_is_the_whole_to_the_bit(products, cls):
+    """The same products summed in one Hessian, or in two holding chunks 0–1 and 2–4 whose exact
+    pairs are merged (either way round): the same fp64 sum, bit for bit."""
+    from vllm_latq.quantize.hessian import Chunks, CrossCovariance, PanelHessian
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(10, 300, 700, generator=g).bfloat16()
+    x[..., :5] *= 50
+    kind = PanelHessian if cls == "panel" else CrossCovariance
+
+    def fed(seqs, first):
+        h = kind(700, chunks=Chunks(2, first))
+        for s in seqs:
+            h.add(s) if kind is PanelHessian else h.add(s, s.flip(-1))
+        return h
+    whole = fed(x, 0).sum
+    for into, other in ((0, 1), (1, 0)):
+        parts = [fed(x[:4], 0), fed(x[4:], 4)]
+        mine, theirs = parts[into].pair(), parts[other].pair()
+        mine.merge(theirs.hi, [theirs.lo_of(k) for k in range(len(theirs.regions))])
+        assert mine.exact and torch.equal(mine.rounded(), whole)
+
+
+def test_exact_sums_are_the_correctly_rounded_sum():
+    """fp32 products spanning 2⁻³⁰..2³⁰ added in any order and grouping, by the C++ op or its torch
+    twin: the pair rounded once is math.fsum's correctly rounded sum of every entry."""
+    import math
+    import random
+    from vllm_latq import native
+    from vllm_latq.quantize.hessian import two_sum_add
+    g = torch.Generator().manual_seed(2)
+    P = [(torch.randn(4, 5, generator=g) * 2.0 ** torch.randint(-30, 30, (4, 5), generator=g)).float()
+         for _ in range(12)]
+    want = torch.tensor([[math.fsum(float(p[i, j]) for p in P) for j in range(5)] for i in range(4)],
+                        dtype=torch.float64)
+    ops = [two_sum_add] + ([lambda hi, lo, p, f: torch.ops.latq_cpu.exact_add(p, hi, lo, f)]
+                           if native.usable() else [])
+    for op in ops:
+        for seed in range(3):
+            order = list(range(12))
+            random.Random(seed).shuffle(order)
+            hi, lo = torch.zeros(4, 5, dtype=torch.float64), torch.zeros(4, 5, dtype=torch.float64)
+            flag = torch.zeros((), dtype=torch.bool)
+            for k in order:
+                op(hi, lo, P[k], flag)
+            assert not bool(flag) and torch.equal(hi + lo, want), (op, seed)
+    hi, lo, flag = torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64), \
+        torch.zeros((), dtype=torch.bool)
+    for v in (1.0, 2.0 ** -60, 2.0 ** -120):   # beyond what the pair holds: said, not silently rounded
+        two_sum_add(hi, lo, torch.full((1, 1), v), flag)
+    assert bool(flag)
 
 
 def test_cross_covariance_matches_fp64(products):
@@ -344,10 +399,13 @@ def test_bf16_products_refuse_what_they_cannot_sum():
     if not hessian.bf16_products():
         pytest.skip("no bf16 GEMM here")
     a = torch.randn(8, 4).bfloat16()
+    pair = [torch.zeros(4, 4, dtype=torch.float64), torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.bool)]
     with pytest.raises(RuntimeError, match="b must be a CPU 2-d BFloat16"):
-        torch.ops.latq_cpu.bf16_tn_add(a, a.float(), torch.zeros(4, 4, dtype=torch.float64))
+        torch.ops.latq_cpu.bf16_tn_add(a, a.float(), *pair)
     with pytest.raises(RuntimeError, match="do not make"):
-        torch.ops.latq_cpu.bf16_tn_add(a, a, torch.zeros(4, 5, dtype=torch.float64))
+        torch.ops.latq_cpu.bf16_tn_add(a, a, torch.zeros(4, 5, dtype=torch.float64), *pair[1:])
+    with pytest.raises(RuntimeError, match="lo .* must have the product's shape"):
+        torch.ops.latq_cpu.exact_add(torch.zeros(4, 4), pair[0], torch.zeros(4, 3, dtype=torch.float64), pair[2])
 
 
 @pytest.mark.parametrize("method", ["rtn", "hrtn"])

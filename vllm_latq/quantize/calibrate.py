@@ -5,7 +5,7 @@ import torch
 
 from .. import hf_model
 from . import capture
-from .hessian import CrossCovariance, Hessian, PanelHessian
+from .hessian import Chunks, CrossCovariance, Hessian, PanelHessian, sequences_per_product
 from .moe import MoeInputs
 from . import ranks
 from .ranks import World
@@ -21,9 +21,10 @@ class SharedHessians:
     correction's ``X̃ᵀX``; ``stop_after`` ends a forward once those linears have seen their inputs."""
 
     def __init__(self, linears: dict[str, torch.nn.Linear], block: torch.nn.Module | None = None,
-                 target_linears: dict[str, torch.nn.Linear] | None = None):
-        self.linears = linears
-        self.moe = {n: MoeInputs(m) for n, m in hf_model.expert_modules(block).items()} if block is not None else {}
+                 target_linears: dict[str, torch.nn.Linear] | None = None, chunks: Chunks = Chunks()):
+        self.linears, self.chunks = linears, chunks
+        self.moe = {n: MoeInputs(m, chunks) for n, m in hf_model.expert_modules(block).items()} \
+            if block is not None else {}
         self.of: dict[str, Hessian] = {}
         self.leader: dict[str, bool] = {}
         self._call: list = []  # (input tensor, Hessian) seen in the current forward (keeps refs)
@@ -76,12 +77,12 @@ class SharedHessians:
                     if self.targets is not None:
                         self.cross_of[name] = self.cross_of[self._leader_of[id(hs)]]
                     return
-            hs = PanelHessian(mod.in_features, mod.weight.device)
+            hs = PanelHessian(mod.in_features, mod.weight.device, self.chunks)
             hs.add(x.detach())
             self.of[name], self.leader[name] = hs, True
             self._leader_of[id(hs)] = name
             if self.targets is not None:
-                self.cross_of[name] = CrossCovariance(mod.in_features, mod.weight.device)
+                self.cross_of[name] = CrossCovariance(mod.in_features, mod.weight.device, self.chunks)
                 self._add_cross(name, x)
             self._call.append((x, hs))
 
@@ -151,16 +152,21 @@ def sum_over_ranks(hs: SharedHessians, world: World) -> None:
         if h is None or id(h) in seen:
             continue
         seen.add(id(h))
-        ranks.sum_hessian(h, world)
+        ranks.sum_hessian(h, world, name)
         if name in hs.cross_of:
-            ranks.sum_hessian(hs.cross_of[name], world)
+            ranks.sum_hessian(hs.cross_of[name], world, f"{name} (cross-covariance)")
+
+
+def chunks_of(acts) -> Chunks:
+    """How the sequences of activations ``acts`` (this rank's rows of the calibration set) share products."""
+    return Chunks(sequences_per_product(*acts.shape[:2]), acts.rows.start)
 
 
 @torch.no_grad()
 def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bool) -> SharedHessians:
     """Run the (unquantized) block on every calibration sequence with Hessian hooks."""
     from tqdm.auto import tqdm
-    hs = SharedHessians(linears, layer)
+    hs = SharedHessians(linears, layer, chunks=chunks_of(inps))
     try:
         for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians", unit="seq", disable=not progress, leave=False):
             capture.run_block(layer, inps[j:j + 1], kw)
@@ -175,7 +181,7 @@ def head_hessian(norm: torch.nn.Module, inps: torch.Tensor, columns: int, device
                  progress: bool) -> PanelHessian:
     """The output head's ``XᵀX/n``: the final ``norm`` of the last quantized block's outputs ``inps``."""
     from tqdm.auto import tqdm
-    hs = PanelHessian(columns, device)
+    hs = PanelHessian(columns, device, chunks_of(inps))
     for j in tqdm(range(len(inps)), desc=f"{desc}: Hessian", unit="seq", disable=not progress, leave=False):
         hs.add(norm(inps[j:j + 1]))
     return hs

@@ -60,7 +60,7 @@ def quantize_head(net: torch.nn.Module, weights: SourceWeights, plan: HeadPlan, 
     if inps is not None:
         with ranks.together(f"{plan.name}: Hessian", world):
             hs = head_hessian(norm, inps, W.shape[1], device, plan.name, progress)
-        ranks.sum_hessian(hs, world)
+        ranks.sum_hessian(hs, world, plan.name)
     t, records = {}, []
     with ranks.together(plan.name, world):
         if world.writes:

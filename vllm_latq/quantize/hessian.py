@@ -1,6 +1,7 @@
 """Layer Hessians ``H = XᵀX / n`` from calibration activations, summed in fp64."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Iterable
 
 import torch
@@ -8,7 +9,8 @@ import torch
 from .. import native
 from ..algorithms.lattice import damped
 
-PRODUCT_ROWS = 4096  # rows per fp32 XᵀX product of PanelHessian (8 sequences); products are summed in fp64
+PRODUCT_ROWS = 4096  # rows per fp32 XᵀX product of PanelHessian (8 sequences of 512); summed exactly
+MIN_PRODUCTS = 16  # products a calibration set is cut into at least (when it has that many sequences)
 PANEL = 512  # columns per row panel of PanelHessian's upper-triangular product
 
 
@@ -68,50 +70,151 @@ def bf16_products() -> bool:
 
 
 def product_operand(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as an operand of :func:`tn_add`: bf16 kept where the bf16 GEMM runs, else fp32."""
+    """``x`` as an operand of :meth:`ExactSum.add_product`: bf16 kept where the bf16 GEMM runs, else fp32."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_products():
         return x if x.stride(-1) == 1 else x.contiguous()
     return x.float()
 
 
-def tn_add(a: torch.Tensor, b: torch.Tensor, S: torch.Tensor) -> None:
-    """``S += aᵀb`` (``S`` fp64): one product of ≤ ``PRODUCT_ROWS`` rows in fp32, added in fp64."""
-    if a.dtype == torch.bfloat16:
-        torch.ops.latq_cpu.bf16_tn_add(a, b, S)
-    else:
-        S.add_(a.T @ b)
+def sequences_per_product(nsamples: int, seqlen: int) -> int:
+    """How many consecutive calibration sequences share one fp32 product: up to ``PRODUCT_ROWS`` rows,
+    and at least ``MIN_PRODUCTS`` products over the ``nsamples`` (the unit ranks split)."""
+    return max(1, min(PRODUCT_ROWS // max(seqlen, 1), nsamples // MIN_PRODUCTS))
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Which sequences fed to a Hessian share a product: ``size`` consecutive ones, counted from
+    sequence 0 of the whole calibration set; ``first`` is the index of the first one fed here.
+    Products are then the same sequences' whichever rank takes them."""
+    size: int = 1
+    first: int = 0
+
+    def ends_after(self, fed: int) -> bool:
+        return (self.first + fed) % self.size == 0
+
+
+def two_sum_add(hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor, inexact: torch.Tensor) -> None:
+    """``hi + lo += v`` with no rounding (Knuth's TwoSum puts hi's rounding error into lo); an
+    addition to lo that rounds sets ``inexact``. The torch twin of ``latq_cpu::exact_add``, a
+    ``PANEL`` of rows at a time (its temporaries stay small)."""
+    for r in range(0, hi.shape[0], PANEL):
+        h, l, x = hi[r:r + PANEL], lo[r:r + PANEL], v[r:r + PANEL].double()
+        s = h + x
+        t = s - h
+        e = (h - (s - t)) + (x - t)
+        h.copy_(s)
+        s = l + e
+        t = s - l
+        inexact.logical_or_(((l - (s - t)) + (e - t)).ne(0).any())
+        l.copy_(s)
+
+
+class ExactSum:
+    """A running sum of fp32 products, held exactly as the unevaluated pair ``hi + lo`` of fp64
+    matrices and rounded once: any grouping or order of the same products gives the same sum, so
+    the ranks' partial sums add up to the one-process sum to the last bit. ``regions``:
+    ``(row0, row1, col0)``, the parts ``hi[row0:row1, col0:]`` products are added to (lo holds one
+    tensor each, made on first use)."""
+
+    def __init__(self, hi: torch.Tensor, regions: list[tuple[int, int, int]]):
+        self.hi, self.regions = hi, regions
+        self.lo: list[torch.Tensor | None] = [None] * len(regions)
+        self.inexact = torch.zeros((), dtype=torch.bool, device=hi.device)
+
+    def lo_of(self, k: int) -> torch.Tensor:
+        """Region ``k``'s low part (zeros until a product or a merge reaches it)."""
+        if self.lo[k] is None:
+            r0, r1, c0 = self.regions[k]
+            self.lo[k] = torch.zeros(r1 - r0, self.hi.shape[1] - c0, dtype=torch.float64, device=self.hi.device)
+        return self.lo[k]
+
+    def _pair(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r0, r1, c0 = self.regions[k]
+        return self.hi[r0:r1, c0:], self.lo_of(k)
+
+    def add_product(self, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Region ``k`` += ``aᵀb`` (operands from :func:`product_operand`), exactly."""
+        hi, lo = self._pair(k)
+        if a.dtype == torch.bfloat16:
+            torch.ops.latq_cpu.bf16_tn_add(a, b, hi, lo, self.inexact)
+        elif hi.device.type == "cpu" and native.usable():
+            torch.ops.latq_cpu.exact_add((a.T @ b).contiguous(), hi, lo, self.inexact)
+        else:
+            two_sum_add(hi, lo, a.T @ b, self.inexact)
+
+    def merge(self, hi: torch.Tensor, lo: list[torch.Tensor | None]) -> None:
+        """Add another pair of the same regions (another rank's), exactly."""
+        for k, (r0, r1, c0) in enumerate(self.regions):
+            mine_hi, mine_lo = self._pair(k)
+            two_sum_add(mine_hi, mine_lo, hi[r0:r1, c0:], self.inexact)
+            if lo[k] is not None:
+                two_sum_add(mine_hi, mine_lo, lo[k], self.inexact)
+
+    def rounded(self) -> torch.Tensor:
+        """``hi + lo`` rounded once, in place of hi; the pair is spent."""
+        for k, (r0, r1, c0) in enumerate(self.regions):
+            if self.lo[k] is not None:
+                self.hi[r0:r1, c0:] += self.lo[k]
+        self.lo = [None] * len(self.regions)
+        return self.hi
+
+    @property
+    def exact(self) -> bool:
+        return not bool(self.inexact)
 
 
 class PanelHessian(Hessian):
-    """``XᵀX / n`` summed in fp64 over fp32 products of ≤ ``PRODUCT_ROWS`` rows, upper-triangle panels only."""
+    """``XᵀX / n`` from fp32 products of ≤ ``PRODUCT_ROWS`` rows (:class:`Chunks` of sequences), summed
+    exactly (:class:`ExactSum`) and rounded once to fp64; upper-triangle panels only. Each :meth:`add`
+    is one calibration sequence."""
 
-    def __init__(self, columns: int, device="cpu"):
+    def __init__(self, columns: int, device="cpu", chunks: Chunks = Chunks()):
         super().__init__(columns, device)
+        self._init_state(chunks, ExactSum(self._sum, self._regions()))
+
+    def _init_state(self, chunks: Chunks, exact_sum: ExactSum | None) -> None:
+        self.chunks, self.fed, self.exact_sum = chunks, 0, exact_sum
         self._pending: list[list[torch.Tensor]] = []
         self._pending_rows = 0
+
+    def _regions(self) -> list[tuple[int, int, int]]:
+        n = self._sum.shape[0]
+        return [(c, min(c + PANEL, n), c) for c in range(0, n, PANEL)]
 
     @classmethod
     def from_sum(cls, sum_: torch.Tensor, n: int) -> "PanelHessian":
         out = super().from_sum(sum_, n)
-        out._pending, out._pending_rows = [], 0
+        out._init_state(Chunks(), None)
         return out
 
     @property
     def sum(self) -> torch.Tensor | None:
-        self._flush()
+        """The fp64 sum, rounded once from the exact pair (no rows may be added after)."""
+        if self.exact_sum is not None:
+            self._flush()
+            self._sum = self.exact_sum.rounded()
+            self.exact_sum = None
         return self._sum
 
     @sum.setter
     def sum(self, value: torch.Tensor | None) -> None:
-        self._pending, self._pending_rows, self._sum = [], 0, value
+        self._pending, self._pending_rows, self._sum, self.exact_sum = [], 0, value, None
+
+    def pair(self) -> ExactSum:
+        """The exact running sum, every pending row in it (the ranks' exchange merges these)."""
+        if self.exact_sum is None:
+            raise RuntimeError("a Hessian's exact sum was read after it was rounded")
+        self._flush()
+        return self.exact_sum
 
     def add(self, x: torch.Tensor) -> None:
         self._add_rows(x, None)
 
     def _add_rows(self, a: torch.Tensor, b: torch.Tensor | None) -> None:
-        """Keep rows ``a`` (and the row-aligned ``b`` of a cross product) for the next product."""
-        if self._sum is None:
-            raise RuntimeError("rows added to a Hessian whose H was already formed from its sum")
+        """Keep one sequence's rows ``a`` (and the row-aligned ``b`` of a cross product) for its chunk's product."""
+        if self.exact_sum is None:
+            raise RuntimeError("rows added to a Hessian whose sum was already rounded")
         a = a.reshape(-1, a.shape[-1]).to(self._sum.device)
         b = None if b is None else b.reshape(-1, b.shape[-1]).to(self._sum.device)
         if b is not None and a.dtype != b.dtype:
@@ -124,18 +227,21 @@ class PanelHessian(Hessian):
             if self._pending_rows >= PRODUCT_ROWS:
                 self._flush()
         self.n += a.shape[0]
+        self.fed += 1
+        if self.chunks.ends_after(self.fed):
+            self._flush()
 
     def _flush(self) -> None:
         if not self._pending:
             return
         parts = [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*self._pending)]
         self._pending, self._pending_rows = [], 0
-        self._product(*parts)
+        if parts[0].shape[0]:
+            self._product(*parts)
 
     def _product(self, x: torch.Tensor) -> None:
-        S, n = self._sum, x.shape[1]
-        for c in range(0, n, PANEL):
-            tn_add(x[:, c:c + PANEL], x[:, c:], S[c:c + PANEL, c:])
+        for k, (c, c1, _) in enumerate(self.exact_sum.regions):
+            self.exact_sum.add_product(k, x[:, c:c1], x[:, c:])
 
     def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
         """The upper triangle mirrored panel by panel, in place (no whole-matrix temporaries)."""
@@ -155,8 +261,11 @@ class CrossCovariance(PanelHessian):
             raise ValueError(f"the two activation streams disagree: {tuple(x_tilde.shape)} vs {tuple(x.shape)}")
         self._add_rows(x_tilde, x)
 
+    def _regions(self) -> list[tuple[int, int, int]]:
+        return [(0, self._sum.shape[0], 0)]
+
     def _product(self, x_tilde: torch.Tensor, x: torch.Tensor) -> None:
-        tn_add(x_tilde, x, self._sum)
+        self.exact_sum.add_product(0, x_tilde, x)
 
     def _symmetric(self, H: torch.Tensor) -> torch.Tensor:
         return H

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ranks
-from .hessian import PanelHessian
+from .hessian import Chunks, PanelHessian
 from .ranks import SINGLE, World
 
 BLEND, ALL_TOKENS = "blend", "all-tokens"   # the fallbacks recorded per expert
@@ -32,8 +32,8 @@ class MoeInputs:
     """A pre-hook on one experts module keeping its inputs and routing, and the per-expert Hessians.
     Once ``world`` is set, sums are over every rank's tokens and every method is collective."""
 
-    def __init__(self, experts: torch.nn.Module):
-        self.experts = experts
+    def __init__(self, experts: torch.nn.Module, chunks: Chunks = Chunks()):
+        self.experts, self.chunks = experts, chunks
         self.hidden: list[torch.Tensor] = []   # [tokens, H] per forward
         self.index: list[torch.Tensor] = []    # [tokens, k] per forward
         self._signature = inspect.signature(experts.forward)
@@ -64,10 +64,10 @@ class MoeInputs:
 
     def _all_inputs(self) -> PanelHessian:
         if self._all_inp is None:
-            self._all_inp = PanelHessian(self.hidden[0].shape[1], self.hidden[0].device)
+            self._all_inp = PanelHessian(self.hidden[0].shape[1], self.hidden[0].device, self.chunks)
             for x in self.hidden:
                 self._all_inp.add(x)
-            ranks.sum_hessian(self._all_inp, self.world)
+            ranks.sum_hessian(self._all_inp, self.world, "the experts' inputs")
         return self._all_inp
 
     @torch.no_grad()
@@ -77,10 +77,10 @@ class MoeInputs:
             raise ValueError(f"moe_min_tokens must be >= 1, got {min_tokens}")
         W = self.experts.gate_up_proj[e]   # [2I, H]
         columns, device = W.shape[1], W.device
-        inp, mid = PanelHessian(columns, device), PanelHessian(W.shape[0] // 2, device)
+        inp, mid = PanelHessian(columns, device, self.chunks), PanelHessian(W.shape[0] // 2, device, self.chunks)
         tokens = ranks.sum_counts([sum(int((i == e).any(-1).sum()) for i in self.index)], self.world)[0]
         fallback = ALL_TOKENS if route_all else BLEND if tokens < min_tokens else None
-        all_mid = PanelHessian(W.shape[0] // 2, device) if fallback else None
+        all_mid = PanelHessian(W.shape[0] // 2, device, self.chunks) if fallback else None
         for x, i in zip(self.hidden, self.index):
             routed = (i == e).any(-1)
             if fallback:
@@ -89,11 +89,11 @@ class MoeInputs:
                 act = act[routed]
             else:
                 act = self.experts._apply_gate(torch.nn.functional.linear(x[routed], W))
-            if len(act):
-                inp.add(x[routed])
-                mid.add(act)
-        for h in (inp, mid) + ((all_mid,) if fallback else ()):
-            ranks.sum_hessian(h, self.world)
+            inp.add(x[routed])   # every sequence, routed tokens or none: products follow the sequences
+            mid.add(act)
+        for h, what in ((inp, "inputs"), (mid, "intermediate"), (all_mid, "intermediate, every token")):
+            if h is not None:
+                ranks.sum_hessian(h, self.world, f"expert {e}'s {what}")
         if fallback == ALL_TOKENS:
             return ExpertHessians(self._all_inputs(), all_mid, tokens, fallback)
         if fallback == BLEND:

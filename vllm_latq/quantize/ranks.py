@@ -113,21 +113,44 @@ def announce(world: World) -> list[int]:
     return threads
 
 
-def own_rows(n: int, world: World) -> range:
-    """This rank's contiguous share of ``n`` calibration sequences (sizes differ by at most one)."""
-    return range(world.rank * n // world.size, (world.rank + 1) * n // world.size)
+def own_rows(n: int, world: World, per_product: int = 1) -> range:
+    """This rank's contiguous share of ``n`` calibration sequences: whole products of ``per_product``
+    sequences each (their counts differ by at most one), so a product's sequences are on one rank."""
+    products = -(-n // per_product)
+    first, last = (r * products // world.size for r in (world.rank, world.rank + 1))
+    return range(min(n, first * per_product), min(n, last * per_product))
 
 
-def sum_in_rank_order(partial: torch.Tensor, world: World) -> torch.Tensor:
-    """Σ over ranks of ``partial``, added in rank order, so every rank gets the same bits."""
-    if not world.distributed:
-        return partial
-    total = None
-    for r in range(world.size):
-        part = partial if r == world.rank else torch.empty_like(partial)
-        torch.distributed.broadcast(part, src=r)
-        total = part.clone() if total is None else total.add_(part)
-    return total.to(partial.device)
+def sum_hessian(h, world: World, name: str) -> None:
+    """Hessian ``h`` (a :class:`~.hessian.PanelHessian`) made the sum over every rank's rows: the
+    ranks' exact pairs merged on rank 0 and rounded once, so the same bits as one process's; a sum
+    the pair could not hold exactly is said in the log (its last bits may follow the rank count)."""
+    pair = h.pair()
+    if world.distributed:
+        _merge_on_rank0(pair, world)
+        lost = pair.inexact.to(_collective_device(), torch.int32)
+        torch.distributed.all_reduce(lost, op=torch.distributed.ReduceOp.MAX)
+        pair.inexact.fill_(bool(lost))
+        h.sum = pair.rounded() if world.writes else pair.hi
+        torch.distributed.broadcast(h.sum, src=0)
+        h.n = sum_counts([h.n], world)[0]
+    if not pair.exact and world.writes:
+        log.warning("%s: the Hessian's sum was not held exactly (its products span too many binary orders); "
+                    "its last bits, and a rare integer with them, may differ at another rank count", name)
+
+
+def _merge_on_rank0(pair, world: World) -> None:
+    """Every rank's exact pair sent to rank 0 and added to its own there (the order does not matter)."""
+    lo = [pair.lo_of(k) for k in range(len(pair.regions))]
+    if world.rank != 0:
+        for t in (pair.hi, *lo):
+            torch.distributed.send(t, dst=0)
+        return
+    hi_r, lo_r = torch.empty_like(pair.hi), [torch.empty_like(t) for t in lo]
+    for r in range(1, world.size):
+        for t in (hi_r, *lo_r):
+            torch.distributed.recv(t, src=r)
+        pair.merge(hi_r, lo_r)
 
 
 def sum_counts(counts: list[int], world: World) -> list[int]:
@@ -236,13 +259,6 @@ def together(where: str, world: World):
 def barrier(world: World) -> None:
     if world.distributed:
         torch.distributed.barrier()
-
-
-def sum_hessian(h, world: World) -> None:
-    """This rank's :class:`~.hessian.Hessian` made the sum over every rank's rows."""
-    if world.distributed:
-        h.sum = sum_in_rank_order(h.sum, world)
-        h.n = sum_counts([h.n], world)[0]
 
 
 @dataclass

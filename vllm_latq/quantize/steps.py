@@ -22,6 +22,7 @@ from .column_scales import fold_block
 from .faults import with_fault
 from .finalize import checkpoint_config, finalize
 from .head import HeadPlan, head_plan, quantize_head
+from .hessian import sequences_per_product
 from .options import QuantizeOptions
 from .output import check_output
 from .resume import RunDir, fingerprint
@@ -37,9 +38,11 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
     """The source ``model`` opened, its head located; what cannot be quantized is refused first."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
-    if opts.calibrated and opts.nsamples < world.size:
-        raise ValueError(f"nsamples ({opts.nsamples}) is below the number of ranks ({world.size}): each rank "
-                         "forwards at least one calibration sequence")
+    per = sequences_per_product(opts.nsamples, opts.seqlen)
+    if opts.calibrated and -(-opts.nsamples // per) < world.size:
+        raise ValueError(f"--nsamples {opts.nsamples} at --seqlen {opts.seqlen} makes {-(-opts.nsamples // per)} "
+                         f"Hessian products of {per} sequence{'s' * (per > 1)}, the unit ranks split, fewer than "
+                         f"the {world.size} ranks: raise --nsamples or run fewer ranks")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
     head = _head_plan(src, opts)
@@ -121,11 +124,12 @@ class Steps:
         if calib is not None and calib.numel() < self.src.config.hidden_size and self.world.writes:
             log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
                         "state: their H is singular but for the damping and the integers follow its last bits "
-                        "(another thread or rank count gives others); raise --nsamples or --seqlen",
+                        "(another thread count gives others); raise --nsamples or --seqlen",
                         calib.numel(), self.src.config.hidden_size)
         if calib is not None:   # the capture pass runs the embeddings (block_inputs drops them)
             self.src.load(self.src.outside_tensors(), self.device)
-        rows = ranks.own_rows(len(calib), self.world) if calib is not None else None
+        rows = ranks.own_rows(len(calib), self.world, sequences_per_product(*calib.shape)) \
+            if calib is not None else None
         self.acts, self.kwargs = block_inputs(self.src.net, self.src.layers, self.src.config.hidden_size,
                                               self.src.dtype, calib, self.run, self.device,
                                               self.opts.max_activation_memory, self.progress, rows, self.world)

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 from .. import hf_model
 from . import capture, ranks
 from .activations import Activations
-from .calibrate import SharedHessians, sum_over_ranks
+from .calibrate import SharedHessians, chunks_of, sum_over_ranks
 from .hessian import CrossCovariance, qronos_target
 from .ranks import World
 from .solve_layers import Stage
@@ -54,7 +54,7 @@ def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Ac
         names = list(linears) if groups is None else groups[stage] if stage < len(groups) else []
         last = groups is not None and stage == len(groups) + has_experts - 1
         hs = SharedHessians({n: linears[n] for n in names}, layer if last and has_experts else None,
-                            {n: twins[n] for n in names})
+                            {n: twins[n] for n in names}, chunks_of(inps))
         try:
             for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians {stage + 1}", unit="seq", disable=not progress,
                           leave=False):
