@@ -77,16 +77,14 @@ def product_operand(x: torch.Tensor) -> torch.Tensor:
 
 
 def sequences_per_product(nsamples: int, seqlen: int) -> int:
-    """How many consecutive calibration sequences share one fp32 product: up to ``PRODUCT_ROWS`` rows,
-    and at least ``MIN_PRODUCTS`` products over the ``nsamples`` (the unit ranks split)."""
+    """Consecutive sequences per fp32 product: ≤ ``PRODUCT_ROWS`` rows, ≥ ``MIN_PRODUCTS`` products."""
     return max(1, min(PRODUCT_ROWS // max(seqlen, 1), nsamples // MIN_PRODUCTS))
 
 
 @dataclass(frozen=True)
 class Chunks:
-    """Which sequences fed to a Hessian share a product: ``size`` consecutive ones, counted from
-    sequence 0 of the whole calibration set; ``first`` is the index of the first one fed here.
-    Products are then the same sequences' whichever rank takes them."""
+    """Products of ``size`` consecutive sequences counted from the set's first; ``first``: the index
+    of the first sequence fed here. A product is then the same sequences' on any rank."""
     size: int = 1
     first: int = 0
 
@@ -95,9 +93,8 @@ class Chunks:
 
 
 def two_sum_add(hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor, inexact: torch.Tensor) -> None:
-    """``hi + lo += v`` with no rounding (Knuth's TwoSum puts hi's rounding error into lo); an
-    addition to lo that rounds sets ``inexact``. The torch twin of ``latq_cpu::exact_add``, a
-    ``PANEL`` of rows at a time (its temporaries stay small)."""
+    """``hi + lo += v`` unrounded (TwoSum: hi's rounding error into lo; lo rounding sets ``inexact``),
+    a ``PANEL`` of rows at a time: the torch twin of ``latq_cpu::exact_add``."""
     for r in range(0, hi.shape[0], PANEL):
         h, l, x = hi[r:r + PANEL], lo[r:r + PANEL], v[r:r + PANEL].double()
         s = h + x
@@ -111,11 +108,9 @@ def two_sum_add(hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor, inexact: to
 
 
 class ExactSum:
-    """A running sum of fp32 products, held exactly as the unevaluated pair ``hi + lo`` of fp64
-    matrices and rounded once: any grouping or order of the same products gives the same sum, so
-    the ranks' partial sums add up to the one-process sum to the last bit. ``regions``:
-    ``(row0, row1, col0)``, the parts ``hi[row0:row1, col0:]`` products are added to (lo holds one
-    tensor each, made on first use)."""
+    """A sum of fp32 products held exactly as the fp64 pair ``hi + lo``, rounded once: no order, so
+    the ranks' partial sums give the one-process bits. ``regions``: ``(row0, row1, col0)``, the parts
+    ``hi[row0:row1, col0:]`` products go to (a lo tensor each, made on first use)."""
 
     def __init__(self, hi: torch.Tensor, regions: list[tuple[int, int, int]]):
         self.hi, self.regions = hi, regions
@@ -123,7 +118,7 @@ class ExactSum:
         self.inexact = torch.zeros((), dtype=torch.bool, device=hi.device)
 
     def lo_of(self, k: int) -> torch.Tensor:
-        """Region ``k``'s low part (zeros until a product or a merge reaches it)."""
+        """Region ``k``'s low part (zeros until first used)."""
         if self.lo[k] is None:
             r0, r1, c0 = self.regions[k]
             self.lo[k] = torch.zeros(r1 - r0, self.hi.shape[1] - c0, dtype=torch.float64, device=self.hi.device)
@@ -165,9 +160,8 @@ class ExactSum:
 
 
 class PanelHessian(Hessian):
-    """``XᵀX / n`` from fp32 products of ≤ ``PRODUCT_ROWS`` rows (:class:`Chunks` of sequences), summed
-    exactly (:class:`ExactSum`) and rounded once to fp64; upper-triangle panels only. Each :meth:`add`
-    is one calibration sequence."""
+    """``XᵀX / n``, upper-triangle panels only, from fp32 products of :class:`Chunks` of sequences
+    (one per :meth:`add`) summed by an :class:`ExactSum`."""
 
     def __init__(self, columns: int, device="cpu", chunks: Chunks = Chunks()):
         super().__init__(columns, device)
@@ -202,7 +196,7 @@ class PanelHessian(Hessian):
         self._pending, self._pending_rows, self._sum, self.exact_sum = [], 0, value, None
 
     def pair(self) -> ExactSum:
-        """The exact running sum, every pending row in it (the ranks' exchange merges these)."""
+        """The exact running sum, every pending row in it."""
         if self.exact_sum is None:
             raise RuntimeError("a Hessian's exact sum was read after it was rounded")
         self._flush()

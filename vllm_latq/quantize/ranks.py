@@ -114,17 +114,15 @@ def announce(world: World) -> list[int]:
 
 
 def own_rows(n: int, world: World, per_product: int = 1) -> range:
-    """This rank's contiguous share of ``n`` calibration sequences: whole products of ``per_product``
-    sequences each (their counts differ by at most one), so a product's sequences are on one rank."""
+    """This rank's contiguous share of ``n`` sequences: whole products of ``per_product`` sequences."""
     products = -(-n // per_product)
     first, last = (r * products // world.size for r in (world.rank, world.rank + 1))
     return range(min(n, first * per_product), min(n, last * per_product))
 
 
 def sum_hessian(h, world: World, name: str) -> None:
-    """Hessian ``h`` (a :class:`~.hessian.PanelHessian`) made the sum over every rank's rows: the
-    ranks' exact pairs merged on rank 0 and rounded once, so the same bits as one process's; a sum
-    the pair could not hold exactly is said in the log (its last bits may follow the rank count)."""
+    """Hessian ``h`` made the sum over every rank's rows: the exact pairs merged on rank 0, rounded
+    once (one process's bits); a sum the pair could not hold exactly is said in the log."""
     pair = h.pair()
     if world.distributed:
         _merge_on_rank0(pair, world)
@@ -140,7 +138,7 @@ def sum_hessian(h, world: World, name: str) -> None:
 
 
 def _merge_on_rank0(pair, world: World) -> None:
-    """Every rank's exact pair sent to rank 0 and added to its own there (the order does not matter)."""
+    """Every rank's exact pair added to rank 0's (in any order: the sums are exact)."""
     lo = [pair.lo_of(k) for k in range(len(pair.regions))]
     if world.rank != 0:
         for t in (pair.hi, *lo):
