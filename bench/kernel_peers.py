@@ -189,7 +189,7 @@ class PeerBench:
 
     def _measure(self, n: int, k: int) -> None:
         from bench.kernel_timing import bench_weight
-        w = bench_weight(n, k, 4, 0.0)
+        w = bench_weight(n, k, 4, 0.0).to(self.dev)         # unpacked where the peers are built
         for name in self.present:
             try:
                 self._measure_peer(PEER_CLASSES[name], w, n, k)

@@ -131,6 +131,10 @@ figures() {
   run e2e.log "$e2e_s" "${e2e[@]}"
   device=$(sed -n 's/^device \(.*\) capability.*/\1/p' "$out/env.txt" | head -n 1)
   [ "$dry" = 1 ] && device="dry run (CPU, fake timers)"
+  if [ -z "$device" ]; then
+    note "latest.json: not written (no CUDA device; --dry-run shows the schema)"
+    return
+  fi
   if [ -z "$commit" ]; then
     note "latest.json: not written (no commit: set GPU_CHECK_COMMIT=<sha>; merge later with python -m bench.gpu_figures merge)"
     return
