@@ -14,7 +14,7 @@ step run eagerly (its logits equal).
 
     python -m bench.decode_gpu [--layers 8] [--forms ssqr-1%-4b,ssqr-1%-3b,gptq-4b-g64]
                                [--batches 1,8,16] [--tokens 128] [--prompt 16] [--json FILE] [--budget-s S]
-    python -m bench.decode_gpu --dry-run          # a tiny model on the CPU, eager, reference kernel
+    python -m bench.decode_gpu --dry-run          # a tiny model on the CPU, eager, the reference's numbers
 
 Ends with ``HEADLINE`` keys ``e2e_<form>_vs_bf16_b<B>`` and ``e2e_<form>_vs_int4_b<B>`` (tok/s
 ratios), ``layers``, ``device``; ``--json`` writes the ``e2e`` rows of docs/gpu/latest.json.
@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=16, help="prefix tokens fed through the graph first (not timed)")
     ap.add_argument("--json", help="write the e2e rows (docs/gpu/latest.json's schema) here, after each form")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new form after this many seconds")
-    ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, eager, the reference kernel")
+    ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, eager, the reference's numbers (dequantized once)")
     a = ap.parse_args(argv)
     try:
         a.forms = [f for f in dict.fromkeys(t.strip() for t in a.forms.split(",") if t.strip())]
@@ -166,14 +166,14 @@ def project(t: dict, layers: int, full: int) -> float:
 
 def run(a, dev: torch.device, log=print) -> list[dict]:
     """Every form at every batch → one result per (form, batch), bf16 and int4 included."""
-    from vllm_latq.kernels import reference
+    from vllm_latq.kernels.dequantized import DequantizedFp32Kernel
     from vllm_latq.kernels.triton.kernel import TritonKernel
     config = dict(TINY if a.dry_run else LLAMA3_8B)
     full = config["num_hidden_layers"]
     layers = full if a.dry_run else (a.layers or full)
     spec = Spec.of(dict(config, num_hidden_layers=layers))
     act = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    kernel = reference.ReferenceKernel if dev.type == "cpu" else TritonKernel
+    kernel = DequantizedFp32Kernel if dev.type == "cpu" else TritonKernel
     clock, t0 = Clock(dev), time.perf_counter()
     weights = random_weights(spec, dev)
     base = random_decoder(spec, weights, "bf16", act)

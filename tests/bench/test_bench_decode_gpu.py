@@ -1,14 +1,16 @@
 """bench/decode_gpu.py and its decoder without a GPU: the gpt-fast-style step decodes real SmolLM2
-greedy-equal to transformers, bare and with every projection served by latq's reference kernel
-in a latq form (transformers holding the same dequantized weights); a tiny Llama through every
-form (torch's int4 kernel on its CPU twin); the quick forms' shapes; the dry run's rows."""
+greedy-equal to transformers, bare and with every projection in a latq form served through the
+kernel interface (the dequantize-once fp32 kernel: the reference's numbers; transformers holding
+the same dequantized weights); a tiny Llama through every form (torch's int4 kernel on its CPU
+twin), and through latq's Triton kernel in the interpreter; the quick forms; the dry run. The
+SmolLM2 and interpreter tests are slow."""
 import json
 
 import pytest
 import torch
 
 from bench import decode_gpu as dg, decode_model as dm
-from vllm_latq.kernels.reference import ReferenceKernel
+from vllm_latq.kernels.dequantized import DequantizedFp32Kernel as DequantKernel
 from vllm_latq.kernels.weight import dequantize
 
 N_NEW = 16
@@ -50,6 +52,7 @@ def smollm2():
     return model, ids
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_decoder_is_transformers_on_smollm2(smollm2):
     from tests.vllm_helpers import hf_greedy
@@ -59,10 +62,11 @@ def test_decoder_is_transformers_on_smollm2(smollm2):
     assert got == want
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_latq_wiring_decodes_greedy_equal_on_smollm2(smollm2):
-    """SSQR-1 %-4b's form in every projection, served by latq's reference kernel through the
-    decoder, against transformers on the same dequantized weights."""
+    """SSQR-1 %-4b's form in every projection, served by a latq kernel through the decoder,
+    against transformers on the same dequantized weights."""
     from tests.vllm_helpers import hf_greedy
     model, ids = smollm2
     dense = {}
@@ -71,7 +75,7 @@ def test_latq_wiring_decodes_greedy_equal_on_smollm2(smollm2):
         w = dm.quick_form(W, 4, 128, 0.01, seed=i)
         dense[i, proj] = dequantize(w)
         assert 0.005 < w.nnz / W.numel() < 0.015
-        return dm.latq_linear(ReferenceKernel, w, torch.float32)
+        return dm.latq_linear(DequantKernel, w, torch.float32)
     dec = dm.Decoder.from_hf(model, make)
     got = our_greedy(dec, ids, N_NEW)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -105,7 +109,7 @@ def test_every_form_through_the_decoder_on_a_tiny_llama(form):
             return lin
         w = dm.quick_form(W, *dm.FORMS[form], seed=i)
         dense[i, proj] = dequantize(w)
-        return dm.latq_linear(ReferenceKernel, w, torch.float32)
+        return dm.latq_linear(DequantKernel, w, torch.float32)
     dec = dm.Decoder.from_hf(model, make)
     ids = torch.randint(0, dg.TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(3))
     dec.allocate(1, 8)
@@ -147,3 +151,24 @@ def test_dry_run_rows_and_headline(tmp_path, capsys):
     with pytest.raises(SystemExit):
         dg.parse_args(["--forms", "awq-4b"])
     assert dg.project({"head": 1.0, "step_s": 3.0}, 8, 32) == 9.0
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_triton_kernel_through_the_decoder_in_the_interpreter(monkeypatch):
+    """The GPU run's kernel class in the decoder (prepared, scratch reserved, applied on [B, K]
+    rows), in Triton's interpreter: the same logits as the reference's numbers on the same form."""
+    from vllm_latq.kernels.triton import kernel as tk
+    monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
+    spec = dm.Spec.of(dict(dg.TINY, num_hidden_layers=1))
+    weights = [{k: v.float() for k, v in w.items()} for w in dm.random_weights(spec, torch.device("cpu"))]
+    logits = []
+    for kernel in (DequantKernel, tk.TritonKernel):
+        dec = dm.random_decoder(spec, weights, "ssqr-1%-4b", torch.float32, kernel)
+        dec.allocate(2, 4)
+        steps = []
+        for _ in range(2):
+            steps.append(dec.step(torch.tensor([3, 5])))
+            dec.pos.add_(1)
+        logits.append(torch.stack(steps))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-5)
