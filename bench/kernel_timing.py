@@ -68,6 +68,8 @@ class Point:
     kernels_us: dict            # kernel → µs, the picked one and the --breakdown ones
     err: float                  # worst max|y − ref| / max|ref| over the kernels run
     scales: str = SCALES        # the group-scale form (--scales)
+    peers_us: dict = dataclasses.field(default_factory=dict)    # peer → µs (bench.kernel_peers; nan: failed)
+    peer_bits: dict = dataclasses.field(default_factory=dict)   # peer → its served bits/weight
 
     @property
     def ratio(self) -> float:
@@ -167,10 +169,11 @@ def bench_weight(n: int, k: int, bits: int, rate: float, scales: str = SCALES):
 
 
 def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dense_cache, log,
-                scales: str = SCALES) -> list[Point]:
+                scales: str = SCALES, peers=None) -> list[Point]:
     """All points of one (shape, bits, rate) in the group-scale form ``scales``: weights, warm-up
     + check, then per M the picked kernel, the forced ones, the dense baseline (cached per shape
-    × M) and the copy."""
+    × M), the copy and the peers (``peers``: a ``kernel_peers.PeerBench``, which measures a shape
+    once)."""
     from vllm_latq.kernels.triton.kernel import TritonKernel
     name, n, k = spec
     t0 = time.perf_counter()
@@ -204,7 +207,12 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
         points.append(Point(name, n, k, bits, rate, m, pick, us[pick], dense_cache[n, k, m],
                             _time_copy(wb + ab, dev, l2_bytes, timer), wb, ab, us,
                             max([errs[m, None]] + [errs[m, kk] for kk in kernels]), scales))
+        if peers is not None and peers.present:
+            points[-1].peers_us = peers.times(n, k, m)
+            points[-1].peer_bits = {p: peers.bits.get((n, k, p), math.nan) for p in peers.present}
         log(format_point(points[-1]))
+        if points[-1].peers_us:
+            log(format_peers(points[-1]))
     log(f"  ({name} {bits}-bit {rate * 100:g}% {scales}: weights + prepare {t1 - t0:.1f} s, warm-up/autotune/check "
         f"{t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s; {len(states)} weight copies cycled)")
     return points
@@ -264,30 +272,39 @@ def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> 
     log(f"device-to-device copy of {big >> 20} MiB: {copy_gbps:.0f} GB/s (read + write)")
     log(f"latq = TritonKernel.apply (picked kernel), {a.dtype} = F.linear; µs per call, medians of CUDA-graph "
         f"replays; ratio = {a.dtype} / latq; GB/s and % of copy over latq's served bytes")
+    peers = None
+    if getattr(a, "peers", None):
+        from bench.kernel_peers import PeerBench
+        peers = PeerBench(a.peers, dtype, dev, l2, timer, log, a.m)
+        log(f"peers (4-bit g{GROUP}, no outliers): {', '.join(peers.present) or 'none present'}"
+            + (f"; {peers.absent_line()}" if peers.absent or peers.notes else ""))
     log(table_header(a.dtype))
     points, skipped, dense_cache = [], [], {}
-    for spec in a.shapes:
-        for bits in a.bits:
-            for rate in a.rates:
-                for form in a.scales:   # side by side: a layer's forms one after the other
-                    what = f"{spec[0]} {bits}-bit {rate * 100:g}% {form}"
-                    if time.perf_counter() - t0 > a.budget_s:
-                        skipped.append((spec[0], bits, rate, form))
-                        log(f"SKIPPED {what}: --budget-s {a.budget_s:g} spent")
-                        continue
-                    try:
-                        got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache,
-                                          log, form)
-                        if dev.type == "cuda":
-                            torch.cuda.empty_cache()
-                    except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
-                        log(f"FAILED {what}: {type(e).__name__}: {str(e).strip()[:300]}")
-                        got = []
-                    points += got
-                    if not got:
-                        skipped.append((spec[0], bits, rate, form))
+    # bit width and rate outermost: the first ones on every shape before the next (a budget or a
+    # time limit cuts the later widths); a layer's forms side by side
+    configs = [(spec, bits, rate, form) for bits in a.bits for rate in a.rates for spec in a.shapes for form in a.scales]
+    for spec, bits, rate, form in configs:
+        what = f"{spec[0]} {bits}-bit {rate * 100:g}% {form}"
+        if time.perf_counter() - t0 > a.budget_s:
+            skipped.append((spec[0], bits, rate, form))
+            log(f"SKIPPED {what}: --budget-s {a.budget_s:g} spent")
+            continue
+        try:
+            got = bench_layer(spec, bits, rate, a.m, a.breakdown, dtype, dev, l2, timer, dense_cache,
+                              log, form, peers)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 — one configuration lost, not the run and its HEADLINE
+            log(f"FAILED {what}: {type(e).__name__}: {str(e).strip()[:300]}")
+            got = []
+        points += got
+        if not got:
+            skipped.append((spec[0], bits, rate, form))
+        if getattr(a, "json", None):       # after each configuration: a cut run keeps what it measured
+            from bench.gpu_figures import write_points
+            write_points(a.json, device_name, points)
     return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, peers_absent=dict(peers.absent) if peers else {})
 
 
 # ----------------------------------------------------------------------------- table
@@ -308,3 +325,10 @@ def format_point(p: Point) -> str:
             f"{number_cell(p.latq_us, '.1f', 8)} {number_cell(p.dense_us, '.1f', 8)} {number_cell(p.ratio, '.2f', 5)}x {ks} "
             f"{p.bits_per_weight:>6.2f} {number_cell(p.gbps, '.0f', 6)} {number_cell(p.pct_copy, '.1f', 5)}% {p.err:>8.1e}"
             + ("  WRONG" if p.bad else ""))
+
+
+def format_peers(p: Point) -> str:
+    """The peers' line under a point: each peer's µs, served bits/weight and speed against latq."""
+    cells = [f"{name} {number_cell(us, '.1f', 0)} us ({p.peer_bits.get(name, math.nan):.2f} b/w, latq "
+             f"{number_cell(us / p.latq_us, '.2f', 0)}x)" for name, us in p.peers_us.items()]
+    return f"  peers M={p.m}: " + "; ".join(cells)

@@ -29,12 +29,14 @@ from collections import defaultdict
 
 import torch
 
+from bench import gpu_figures
+from bench.kernel_peers import PEERS, parse_peers
 from bench.kernel_timing import GROUP, KERNELS, SCALES, Point, gpu_bench, number_cell
 from vllm_latq.kernels.triton import layout as tlay
 
 # (out features N, in features K). Llama-3-8B: hidden 4096, 32 query + 8 KV heads of 128,
-# MLP 14336 — vLLM's fused qkv and gate_up; the 4096×14336 target layer first (the
-# --budget-s guard skips from the end). Qwen3-8B (MLP 12288): the paper's Figure 5 setup.
+# MLP 14336 — vLLM's fused qkv and gate_up; the 4096×14336 target layer first (within a bit
+# width the --budget-s guard skips from the end). Qwen3-8B (MLP 12288): the paper's Figure 5 setup.
 SHAPES = {"8b.down": (4096, 14336), "8b.gate_up": (28672, 4096), "8b.qkv": (6144, 4096), "8b.o": (4096, 4096),
           "qwen3-8b.down": (4096, 12288), "qwen3-8b.gate_up": (24576, 4096), "qwen3-8b.qkv": (6144, 4096),
           "qwen3-8b.o": (4096, 4096)}
@@ -45,6 +47,7 @@ BITS = tlay.WIDTHS
 DEFAULT = dict(shapes="8b", bits="4", rates="0.01", m="1,2,4,8,16,32,64,128,256")
 QUICK = dict(shapes="8b.down,8b.o", bits="4", rates="0.01", m="1,4,16,64,256")
 TARGET_WEIGHTS = 4096 * 14336   # the target: 4096×14336-class layers (8b.down, 8b.gate_up)
+DRY_SCALE = 64                  # --dry-run: N and K divided by this, K rounded up to whole groups of 128
 
 
 # ----------------------------------------------------------------------------- command line
@@ -101,6 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rep-ms", type=float, default=5.0, help="do_bench_cudagraph rep (ms per measurement)")
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="start no new layer configuration after this many seconds of the GPU part")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"peers timed beside latq at 4-bit g128 (bench/kernel_peers.py): of {','.join(PEERS)}, or none")
+    ap.add_argument("--json", help="write the GPU points here in docs/gpu/latest.json's schema (bench/gpu_figures.py)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help=f"the GPU part on the CPU in Triton's interpreter (TRITON_INTERPRET=1), every shape about "
+                         f"1/{DRY_SCALE} of its size, a fake timer: the pipeline and its output, no speed")
     a = ap.parse_args(argv)
     base = QUICK if a.quick else DEFAULT
     try:
@@ -112,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             _list(a.breakdown, str.strip, lambda k: k in KERNELS, f"breakdown kernels must be of {KERNELS}")
         a.scales = list(dict.fromkeys(_list(a.scales, str.strip, lambda f: re.fullmatch(r"(fp16|s4)-g\d+", f),
                                             "scale forms must be fp16-gG or s4-gG")))
+        a.peers = parse_peers(a.peers)
     except ValueError as e:
         ap.error(str(e))
     return a
@@ -346,7 +356,7 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
     losses = [m for m in first_losses(upto).values() if m is not None]
     lines = ["first M where latq is slower than dense, per layer configuration:"] + crossover_lines(pts)
     form_lines, form_head = scale_form_lines(pts)
-    lines += form_lines
+    lines += form_lines + gpu_figures.peer_table(pts) + gpu_figures.target_lines(pts)
     if upto:
         lines.append(f"target (4-bit 1 %, layers ≥ 4096×14336 weights): M=1 ≥ 2.5× dense: worst "
                      f"{worst_m1:.2f}× ({'met' if worst_m1 >= 2.5 else 'NOT met'}); ≥ 1× at every M ≤ 256: worst "
@@ -359,7 +369,7 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
             "m1_4b_1pct_pct_of_copy": na(_worst(p.pct_copy for p in m1), ".1f"),
             "m1_4b_1pct_ratio_all": na(_worst(p.ratio for p in _target(pts, m=1, all_shapes=True)), ".2f"),
             "copy_gbps": f"{res['copy_gbps']:.0f}",
-            **form_head,
+            **form_head, **gpu_figures.headline_keys(pts, res.get("peers_absent", {})),
             "points": len(pts), "wrong": sum(p.bad for p in pts), "skipped": len(res["skipped"]),
             "gpu_s": f"{res['seconds']:.0f}"}
     return lines, head
@@ -379,8 +389,27 @@ def headline(static: dict | None, ceilings: dict | None, gpu: dict | str, model:
     return "HEADLINE " + " ".join(f"{k}={v}" for k, v in head.items())
 
 
+def dry_run(a) -> dict:
+    """The GPU part's pipeline on the CPU: Triton's interpreter, shapes scaled down by DRY_SCALE
+    (their names kept), the fake timer (``vllm_latq.testing.timers``): no figure is a speed."""
+    from bench.kernel_timing import sweep
+    from vllm_latq.kernels.triton import kernel as tk
+    from vllm_latq.testing.timers import FakeTimer
+    if not tk.INTERPRET:
+        raise SystemExit("bench.kernels --dry-run: set TRITON_INTERPRET=1 (Triton's interpreter runs the kernels)")
+    os.environ[tk.ENV_INTERPRET_OK] = "1"
+    a.shapes = [(name, max(16, n // DRY_SCALE), -(-k // DRY_SCALE // 128) * 128) for name, n, k in a.shapes]
+    return sweep(a, torch.device("cpu"), "dry run (CPU interpreter, fake timer)", 1, FakeTimer(),
+                 lambda s: print(s, flush=True), big=1 << 12)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.dry_run:
+        lines, gpu = gpu_summary(dry_run(a))
+        print("\n".join(lines))
+        print(headline(None, None, gpu), flush=True)
+        return 0
     gpu_part = torch.cuda.is_available() and not a.static_only
     if gpu_part:       # real kernels: before anything (the static part too) imports triton_kernels
         os.environ.pop("TRITON_INTERPRET", None)

@@ -1,11 +1,13 @@
-"""Test helpers no bench needs: the kernel tests' outlier pattern, the block replay check, a fake GPU timer.
-(What tests and benches share lives in ``vllm_latq.testing``.)"""
+"""Test helpers no bench needs: the kernel tests' outlier pattern, the block replay check; the fake GPU
+timer is ``vllm_latq.testing.timers``' (what tests and benches share lives in ``vllm_latq.testing``)."""
 from __future__ import annotations
 
 import contextlib
 
 import pytest
 import torch
+
+from vllm_latq.testing.timers import FakeTimer  # noqa: F401  (the benches' tests time with it)
 
 # kernel tests' outlier pattern (random_weight rows=): row 1 has half its columns as outliers
 # (a crowded row), rows 3..5 none
@@ -50,15 +52,3 @@ def gemv_isa_set(name: str):
         yield name
     finally:
         torch.ops.latq_cpu.set_gemv_isa(saved)
-
-
-class FakeTimer:
-    """A GPU bench's timer in the interpreter: runs the timed function once (so its calls are
-    exercised) and returns 1, 2, 3 … µs, the first timed the fastest."""
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, fn):
-        fn()
-        self.n += 1
-        return float(self.n)

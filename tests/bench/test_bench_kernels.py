@@ -125,9 +125,13 @@ def test_crossovers_and_gpu_headline():
     assert any("M=1 ≥ 2.5× dense: worst 3.00× (met); ≥ 1× at every M ≤ 256: worst 0.75× (NOT met)" in s
                for s in lines)
     # target keys: 4-bit 1 % on layers ≥ 4096×14336 weights (8b.down here, not 8b.o), M ≤ 256
+    per_m = {k: head.pop(k) for k in list(head) if k.startswith("latq_vs_")}
     assert head == {"gpu": "NVIDIA_H100_80GB_HBM3", "m1_4b_1pct_ratio": "3.00", "min_4b_1pct_ratio_m_le_256": "0.75",
                     "first_loss_m_4b_1pct": 64, "m1_4b_1pct_pct_of_copy": "80.0", "m1_4b_1pct_ratio_all": "2.50",
                     "copy_gbps": "2987", "points": 11, "wrong": 1, "skipped": 1, "gpu_s": "151"}
+    # per M, the worst 8b shape at 4-bit 1 %: bf16's speed-up; no peer ran, so na against the peers
+    assert (per_m["latq_vs_bf16_m1"], per_m["latq_vs_bf16_m8"], per_m["latq_vs_bf16_m64"]) == ("2.50", "1.50", "0.75")
+    assert per_m["latq_vs_bf16_m2"] == "na" and set(per_m[f"latq_vs_peer_m{m}"] for m in (1, 8, 64)) == {"na"}
     line = bk.headline({"spills": 0, "configs": 864, "errors": 0, "max_regs": 255, "smem_over": 0},
                        {(b, 0.01): 3.5 for b in bk.BITS}, head)
     kv = dict(t.split("=") for t in line.split()[1:])

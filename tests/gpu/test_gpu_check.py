@@ -1,6 +1,9 @@
 """scripts/gpu_check.sh without a GPU: the script parses, runs vLLM's warm-up + capture test
 (tests/gpu/test_gpu_capture.py) among its GPU test files, and its ``-k`` shards leave no GPU test
-out — a test added without a bit-width id still runs in a shard on a lent GPU."""
+out — a test added without a bit-width id still runs in a shard on a lent GPU; its dry run (the
+figures' pieces on the CPU, fake timers) writes docs/gpu/latest.json's schema."""
+import json
+import os
 import re
 import subprocess
 import sys
@@ -46,3 +49,33 @@ def test_every_gpu_test_falls_in_a_shard():
             return word.lower() in names
         hits = [s for s, e in zip(shards, compiled) if e.evaluate(matcher)]
         assert len(hits) == 1, (nodeid, hits)
+
+
+def test_a_bad_phase_is_refused_naming_it(tmp_path):
+    run = subprocess.run(["bash", str(SCRIPT), "--phase", "tests", str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 2 and "--phase must be all, figures or rest (got tests)" in run.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_writes_the_figures_schema(tmp_path):
+    """The first call's pieces — kernel bench with its peers, end-to-end decode, merge — on the CPU
+    in Triton's interpreter with fake timers; latest.json comes out in the schema, nothing else
+    of the checkout is written."""
+    from bench import gpu_figures as gf
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_COMMIT="ab65128", OMP_NUM_THREADS="1")
+    before = (REPO / "docs" / "gpu" / "latest.json").read_bytes() if (REPO / "docs" / "gpu" / "latest.json").exists() \
+        else None
+    run = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=1200)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert not gf.check(doc) and doc["device"] == "dry run (CPU, fake timers)" and doc["commit"] == "ab65128"
+    assert {(p["shape"], p["m"]) for p in doc["points"]} == {(s, m) for s in gf.SHAPES for m in (1, 8)}
+    assert all(p["peers"]["gemlite"] is None and p["peers"]["torch_int4"] for p in doc["points"])
+    assert {(e["form"], e["batch"]) for e in doc["e2e"]} == {(f, b) for f in ("ssqr-1%-4b", "ssqr-1%-3b", "gptq-4b-g64")
+                                                            for b in (1, 2)}
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "kernels.log: exit 0" in summary and "e2e.log: exit 0" in summary and "no speed" in summary
+    after = (REPO / "docs" / "gpu" / "latest.json").read_bytes() if (REPO / "docs" / "gpu" / "latest.json").exists() \
+        else None
+    assert after == before

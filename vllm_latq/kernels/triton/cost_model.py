@@ -43,6 +43,7 @@ H100_TC_EFF = 794.5 / 989
 DEVICES = {
     "a100": DeviceModel("A100", 2.0e12, 40 * 2**20, 312e12, 108 * 128 * 1.41e9, 108, A100_TC_EFF),
     "h100": DeviceModel("H100", 3.35e12, 50 * 2**20, 990e12, 132 * 128 * 1.98e9, 132, H100_TC_EFF),
+    "h200": DeviceModel("H200", 4.8e12, 60 * 2**20, 990e12, 132 * 128 * 1.98e9, 132, H100_TC_EFF),
 }
 # MMA kernel K loop: SASS lane-instructions per weight per program of BM rows (triton_compile
 # "i/w", median over the tile configs of that BM, sm_80; docs/KERNELS.md)
@@ -115,3 +116,39 @@ def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = 
         if times["deq"] >= times["mma"]:
             return NEVER if i == 0 else m + 1
     return 17
+
+
+# ----------------------------------------------------------------------------- one launch
+
+@dataclass(frozen=True)
+class LaunchFit:
+    """Constants of :func:`launch_time` fitted on a GPU's timings (``tools/cost_fit.py``)."""
+    latency_ns: float        # memory latency: a SM streams at most its bytes in flight per latency
+    bw_eff: float            # the achievable fraction of the HBM peak
+    issue_eff: float         # the achievable fraction of the SASS issue rate
+    outlier_ops: float       # lane instructions per outlier and activation row
+    overhead_us: float       # a launch's fixed cost in a CUDA graph (launch, ramp, tail)
+
+
+# fitted on sm_90 (H100 and H200) timings of the GEMV and the tensor-core kernel, 4-bit 1 % outliers
+# (python -m tools.cost_fit --fit; its fit error and what it does not explain: docs/KERNELS.md)
+SM90_FIT = LaunchFit(latency_ns=324.6746, bw_eff=0.4363, issue_eff=0.4549, outlier_ops=0.4064, overhead_us=11.3618)
+
+
+def launch_time(d: DeviceModel, fit: LaunchFit, *, n: int, k: int, m: int, bm: int, bn: int, split: int,
+                wq_bytes: int, ipw: float, nnz: int, ctas_sm: int, step_bytes: int, depth: int = 1) -> float:
+    """Seconds of one launch of a latq kernel (GEMV or tensor cores) at M rows with tile (bm, bn, split):
+    the weights streamed at the least of the achievable HBM rate and what the SMs keep in flight
+    (``depth`` × ``step_bytes`` per resident CTA, by Little's law), or the K loop's instructions
+    (``ipw`` a weight per M tile) plus the outliers' at the achievable issue rate, whichever is
+    longer, stretched by the last wave's idle CTA slots; plus split-K partials and a fixed cost."""
+    n_pad = -(-n // 16) * 16
+    m_tiles = -(-m // bm)
+    programs = m_tiles * -(-n_pad // bn) * split
+    slots = d.sms * max(1, ctas_sm)
+    resident = min(max(1, ctas_sm), -(-programs // d.sms))
+    bw = min(fit.bw_eff * d.hbm_bw, depth * step_bytes * resident * d.sms / (fit.latency_ns * 1e-9))
+    issue = m_tiles * (n * k * ipw + nnz * bm * fit.outlier_ops) / (fit.issue_eff * d.issue)
+    stretch = math.ceil(programs / slots) * slots / programs if programs < 4 * slots else 1.0
+    partials = 2 * split * bm * n_pad * 4 / d.hbm_bw if split > 1 else 0.0
+    return max(wq_bytes / bw, issue) * stretch + partials + fit.overhead_us * 1e-6
