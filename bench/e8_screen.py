@@ -191,12 +191,13 @@ def report(b, runs, extra, add) -> None:
             r, pl = compare(e, base)
             ratios.append(r)
             per_layer += pl
-            if s == seeds[0]:
+            if s == seeds[0]:   # the row and the verdict name the first seed's scalar point
+                first = base
                 add(("i e8", f"{label} vs {base.label}", b, base.rel, e.rel, base.bits, e.bits,
                      base.served_bits().get("cpu"), e.bits))
         mean, noise, word = verdict(ratios, per_layer)
         print(f"verdict {b}-bit e8 {label} ({e.bits:.3f} b/w) vs scalar's best at ≤ "
-              f"{'b + 0.125' if generous else 'its stored bits'} ({base.label}, {base.bits:.3f} b/w): "
+              f"{'b + 0.125' if generous else 'its stored bits'} ({first.label}, {first.bits:.3f} b/w): "
               f"ratio {mean:.3f} (seeds " + ", ".join(f"{x:.3f}" for x in ratios)
               + f"; layers {min(per_layer):.3f}–{max(per_layer):.3f}), noise ±{noise:.3f}: {word}", flush=True)
 

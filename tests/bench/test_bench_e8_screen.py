@@ -38,3 +38,23 @@ def test_e8_beats_the_same_bit_grid_on_gaussian_layers_at_2_bits():
     assert main.rel < es.best_at(scalar, main.bits).rel
     assert extra["rtn_mse_ratio"] < 0.8
     assert set(scalar[0].served_bits()) == {"cpu", "triton"}
+
+
+def test_report_prints_each_verdict_against_the_first_seeds_scalar_point(capsys):
+    def pt(label, bits, errs):
+        p = es.Point(label)
+        p.err, p.norm, p.numel, p.stored = dict(zip("ab", errs)), {"a": 1.0, "b": 1.0}, 1, bits
+        p.served = {"cpu": 4.0, "triton": bits + 0.3} if label.startswith("gptq") else {}
+        return p
+
+    def run(scale):
+        return [pt("gptq row act", 3.02, (1.0 * scale, 1.0)), pt("gptq s4-g64 act", 3.09, (0.9, 0.9)),
+                pt(f"e8 {es.MAIN}", 3.02, (0.7, 0.72)), pt(f"e8 {es.GROUPED}", 3.09, (0.66, 0.68))]
+    rows = []
+    es.report(3, {0: run(1.0), 1: run(1.02)}, {"gauss": 0.73, 0: {"rtn_mse_ratio": 0.74},
+                                               1: {"rtn_mse_ratio": 0.75}}, rows.append)
+    out = capsys.readouterr().out
+    assert out.count(": beats") == 3 and "(gptq row act, 3.020 b/w)" in out
+    assert [r[1] for r in rows] == [f"{es.MAIN} vs gptq row act", f"{es.MAIN} vs gptq s4-g64 act",
+                                    f"{es.GROUPED} vs gptq s4-g64 act"]
+    assert "| gptq row act | 3.020 | 4.000 / 3.320 | 1, 1.01 |" in out
