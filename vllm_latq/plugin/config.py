@@ -16,6 +16,7 @@ from .. import format as fmt
 from ..errors import FormatError
 from ..format.checkpoint import checkpoint_dir
 from ..format.validate import verify_for_serving
+from .names import checkpoint_module, vllm_module
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -107,6 +108,7 @@ class LatqConfig(QuantizationConfig):
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        prefix = checkpoint_module(prefix)
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
@@ -132,11 +134,18 @@ class LatqConfig(QuantizationConfig):
         return LatqLinearMethod(self, self.load_report)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        """The spec's module names (HF) → vLLM's, so that lookups take vLLM prefixes."""
-        mnc = hf_to_vllm_mapper.apply_list(self.modules_not_converted) if self.modules_not_converted else []
-        mapped = {hf_to_vllm_mapper.map_name(m): b for m, b in self.spec.layer_bits}
-        self.spec = dataclasses.replace(self.spec, modules_not_converted=tuple(mnc),
-                                        layer_bits=tuple(sorted((m, b) for m, b in mapped.items() if m is not None)))
+        """The spec's module names (HF) → vLLM's, mapped as vLLM maps their tensors, so that lookups
+        take vLLM prefixes."""
+        from .loading import tensor_names
+        tensor = tensor_names(self)[0]
+
+        def mapped(modules):
+            return {m: vllm_module(hf_to_vllm_mapper, m, tensor) for m in modules}
+        mnc = mapped(self.modules_not_converted)
+        bits = mapped(m for m, _ in self.spec.layer_bits)
+        self.spec = dataclasses.replace(
+            self.spec, modules_not_converted=tuple(v for v in mnc.values() if v is not None),
+            layer_bits=tuple(sorted((bits[m], b) for m, b in self.spec.layer_bits if bits[m] is not None)))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Validate the checkpoint as ``latq-eval`` does, then fingerprint its files into the HF config.
@@ -167,6 +176,7 @@ class LatqConfig(QuantizationConfig):
 
     def hf_names(self, prefix: str) -> list[str]:
         """vLLM module name → the checkpoint (HF) module names it loads."""
+        prefix = checkpoint_module(prefix)
         parent, _, leaf = prefix.rpartition(".")
         mapping = self.packed_modules_mapping or DEFAULT_PACKED
         subs = mapping.get(leaf)
@@ -176,6 +186,7 @@ class LatqConfig(QuantizationConfig):
 
     def is_converted(self, prefix: str) -> bool:
         """Whether the vLLM layer ``prefix`` is latq-quantized (a fused layer's parts must agree)."""
+        prefix = checkpoint_module(prefix)
         if not self.spec.is_converted(prefix):
             return False
         flags = {n: self.spec.is_converted(n) for n in self.hf_names(prefix)}
