@@ -134,8 +134,7 @@ class LatqConfig(QuantizationConfig):
         return LatqLinearMethod(self, self.load_report)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        """The spec's module names (HF) → vLLM's, mapped as vLLM maps their tensors, so that lookups
-        take vLLM prefixes."""
+        """The spec's module names (HF) → vLLM's, mapped as their tensors are: lookups take vLLM prefixes."""
         from .loading import tensor_names
         tensor = tensor_names(self)[0]
 

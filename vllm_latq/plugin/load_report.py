@@ -37,8 +37,7 @@ class LoadReport:
         self.expected += 1
 
     def add(self, prefix: str, w: LatqWeight, kernel, state, stored_bits: float,
-            refused: list[str] = (), head: bool = False) -> None:
-        """One layer loaded (``head``: the output head, whatever the model names it)."""
+            refused: list[str] = (), head: bool = False) -> None:   # head: the output head, whatever its name
         n = w.out_features * w.in_features
         label = kernel.label(state)
         served = kernel.served_bytes(state)

@@ -1,9 +1,5 @@
-"""vLLM's layer prefixes ↔ the checkpoint's module names: the one place latq maps between them.
-
-vLLM builds a prefix by joining names with dots, and some of its models join onto an empty one
-(StableLM, GPT-2, PLaMo 3 name their head ``.lm_head``); the checkpoint knows ``lm_head``. A model's
-``hf_to_vllm_mapper`` renames the checkpoint's tensors, and some renamings match only a whole tensor
-name (transformers' ``^embed_out\\.`` → ``lm_head.`` for GPT-NeoX): a module is mapped as its tensors are."""
+"""vLLM's layer prefixes ↔ the checkpoint's module names, the one place latq maps them
+(docs/ARCHITECTURE.md, "Loading": why a prefix is normalised and a module mapped as its tensors)."""
 from __future__ import annotations
 
 
@@ -13,8 +9,7 @@ def checkpoint_module(prefix: str) -> str:
 
 
 def vllm_module(mapper, module: str, tensor: str) -> str | None:
-    """The vLLM layer that checkpoint ``module``'s tensor ``tensor`` loads into (``mapper``: the
-    model's ``hf_to_vllm_mapper``); None where the mapper drops it."""
+    """The vLLM layer checkpoint ``module``'s ``tensor`` loads into by the model's ``mapper``; None: dropped."""
     name = mapper.map_name(f"{module}.{tensor}")
     if name is None:
         return None

@@ -1,6 +1,5 @@
 """vLLM's own model classes built on the meta device with latq's quant config, in a process of their
-own (vLLM's distributed state is global): what each latq layer's loader expects, the module it
-names and its inlier bits — how latq maps vLLM's layer names to the checkpoint's, model by model."""
+own (vLLM's distributed state is global): the module and inlier bits each latq layer's loader expects."""
 from __future__ import annotations
 
 import json
@@ -13,8 +12,7 @@ from .boundary_run import WORKER_ENV, free_port, init_ranks
 
 
 def config_dir(root: Path, model_type: str, **sizes) -> Path:
-    """A directory holding only the ``config.json`` of a tiny untied ``model_type`` model, its
-    ``architectures`` set as a saved checkpoint's (vLLM picks its model class by them)."""
+    """A directory holding only a tiny untied ``model_type``'s ``config.json``, ``architectures`` as saved."""
     from transformers import AutoConfig
 
     from .. import hf_model
