@@ -54,19 +54,64 @@ MODELS = {
     "gpt_neox": ("embed_out", "gpt_neox.layers.0.mlp.dense_4h_to_h", "model.layers.0.mlp.dense_4h_to_h"),
     "llama": ("lm_head", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj"),
 }
+# built with the head unquantized (Bloom's fused matrices too, which its loader cannot take): does vLLM ask
+# latq for the head's method? OPT with a quantized head: refused, naming why
+HEAD_ASKED = {**{t: (head, []) for t, (head, _, _) in MODELS.items()}, "opt": ("lm_head", []),
+              "bloom": ("lm_head", ["transformer.h.0.self_attention.query_key_value"])}
 
 
-def test_vllm_models_load_the_checkpoints_head_and_layers(tmp_path):
-    """vLLM's own model classes, built as its engine builds them (on the meta device): each latq
+def _spec(head: str | None, skip: list[str]) -> dict:
+    bits = {head: 8} if head else None
+    return fmt.quantization_config("rtn", bits=4, group_size=64, layer_bits=bits, modules_not_converted=skip,
+                                   **({"lm_head_quantized": True} if head else {}))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Model type → what building vLLM's model of it with a latq config gave (``vllm_layer_names``):
+    the checkpoints of ``MODELS`` with an 8-bit head, then ``HEAD_ASKED``'s with the head unquantized."""
+    from vllm_latq.testing.vllm_layer_names import config_dir, run
+    root = tmp_path_factory.mktemp("configs")
+    dirs = {t: config_dir(root, t, n_embd=64, n_head=2, n_layer=1) for t in HEAD_ASKED}
+    cases = [(dirs[t], _spec(head, [skip])) for t, (head, skip, _) in MODELS.items()]
+    cases += [(dirs[t], _spec(None, skip)) for t, (_, skip) in HEAD_ASKED.items()]
+    cases += [(dirs["opt"], _spec("lm_head", [])), (config_dir(root, "cohere"), _spec("lm_head", []))]
+    out = run(cases)
+    return dict(zip(MODELS, out)), dict(zip(HEAD_ASKED, out[len(MODELS):])), out[-2:]
+
+
+def test_vllm_models_load_the_checkpoints_head_and_layers(built):
+    """vLLM's own model classes, built as its engine builds them: each latq
     layer's loader expects the module and bits the checkpoint wrote — the 8-bit head whatever vLLM
     calls it, 4-bit layers — and the layer the checkpoint keeps unquantized is not a latq layer."""
-    from vllm_latq.testing.vllm_layer_names import config_dir, run
-    cases = [(config_dir(tmp_path, t, n_embd=64, n_head=2, n_layer=1),
-              fmt.quantization_config("rtn", bits=4, group_size=64, layer_bits={head: 8}, modules_not_converted=[skip],
-                                      lm_head_quantized=True)) for t, (head, skip, _) in MODELS.items()]
-    for (model_type, (_, _, vllm_skip)), layers in zip(MODELS.items(), run(cases)):
+    for model_type, res in built[0].items():
+        layers, vllm_skip = res["layers"], MODELS[model_type][2]
         heads = {p: m for p, m in layers.items() if p.rpartition(".")[2] == "lm_head"}
         assert list(heads.values()) == [["lm_head", 8]], (model_type, layers)
         assert len(layers) == 4 and all(bits == 4 for p, (_, bits) in layers.items() if p not in heads), layers
         assert all(m == checkpoint_module(p) for p, (m, _) in layers.items()), layers
         assert vllm_skip not in layers, (model_type, layers)
+
+
+def test_a_head_vllm_builds_unquantized_is_refused_naming_why(built):
+    """The vLLM classes that build their head without the quantization config are
+    ``HEAD_WITHOUT_QUANT_CONFIG`` (they never ask latq for its method); a quantized head is refused
+    there before any tensor is read — vLLM would stop at the first tensor it has no parameter for."""
+    from vllm_latq.plugin.loader_rows import HEAD_WITHOUT_QUANT_CONFIG
+    asked = {t: any(checkpoint_module(p) == "lm_head" for p in res["asked"]) for t, res in built[1].items()}
+    assert asked == {t: t not in ("opt", "bloom") for t in HEAD_ASKED}, built[1]
+    assert set(HEAD_WITHOUT_QUANT_CONFIG) == {"OPTForCausalLM", "BloomForCausalLM"}
+    assert built[2][0] == {"error": "latq: vLLM's OPTForCausalLM builds its output head without a quantization config, "
+                                    "so it cannot load this checkpoint's quantized head (quantization_config."
+                                    "lm_head_quantized); quantize with --no-quantize-lm-head to serve the model with vLLM"}
+
+
+def test_a_head_vllm_drops_is_refused_naming_why(built):
+    """vLLM's Cohere drops every ``lm_head`` tensor and computes its logits with the input embedding,
+    whatever the config says: a quantized head is refused once its tensors are read, not silently
+    replaced by the embedding (where vLLM built the head, the first layer says what it lacks)."""
+    assert built[2][1]["processed"] == (
+        "latq: vLLM's CohereForCausalLM built no output head for this checkpoint's quantized head (quantization_config."
+        "lm_head_quantized): the head's tensors were dropped unread and the logits come from another weight; quantize "
+        "with --no-quantize-lm-head to serve the model with vLLM")
+    assert all(res["processed"].startswith("latq checkpoint is missing tensors for layer ") for res in built[0].values())

@@ -56,6 +56,7 @@ class LatqConfig(QuantizationConfig):
         self.rotation: fmt.Rotation | None = self.spec.rotation   # every layer's input rotated
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
+        self.head_built = False   # vLLM built a ParallelLMHead with latq's method
 
     @functools.cached_property
     def load_report(self):
@@ -125,6 +126,7 @@ class LatqConfig(QuantizationConfig):
                 raise ValueError(f"latq checkpoint: quantization_config.lm_head_quantized is true but {prefix} is "
                                  f"listed in modules_not_converted")
             from .linear_method import LatqLinearMethod
+            self.head_built = True
             return LatqLinearMethod(self, self.load_report)   # LogitsProcessor calls lm_head.quant_method.apply
         if not isinstance(layer, LinearBase):
             return None  # embeddings, an unquantized lm_head
@@ -172,6 +174,19 @@ class LatqConfig(QuantizationConfig):
         qc["_latq_fingerprint"] = h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ helpers
+
+    def head_refusal(self, architecture: str | None) -> str | None:
+        """Why the model vLLM loaded leaves this checkpoint's quantized head unserved, or None: it built no
+        head with latq's method (vLLM's Cohere drops every ``lm_head`` tensor, its logits from the embedding)."""
+        if not self.lm_head_quantized or self.head_built:
+            return None
+        from vllm.distributed import get_pp_group
+        if not get_pp_group().is_last_rank:   # the head lives on the last pipeline stage
+            return None
+        return (f"latq: vLLM's {architecture} built no output head for this checkpoint's quantized head "
+                "(quantization_config.lm_head_quantized): the head's tensors were dropped unread and the logits "
+                "come from another weight; quantize with --no-quantize-lm-head to serve the model with vLLM")
+
 
     def hf_names(self, prefix: str) -> list[str]:
         """vLLM module name → the checkpoint (HF) module names it loads."""

@@ -29,8 +29,9 @@ class LatqLinearMethod(LinearMethodBase):
                        output_size, params_dtype, **extra_weight_attrs):
         arch, hf_config = loader_rows.loading_model()
         module = checkpoint_module(layer.prefix)
-        refusal = loader_rows.refusal(arch, module)
-        if refusal:
+        head = self.config.lm_head_quantized and loader_rows.head_refusal(arch)
+        refusal = loader_rows.refusal(arch, module) or head
+        if refusal:   # the head's: at the model's first latq layer, before any tensor is read
             raise NotImplementedError(refusal)
         geo = geometry(layer, self.config.hf_names(module))
         if geo.fused is not None:
@@ -51,6 +52,9 @@ class LatqLinearMethod(LinearMethodBase):
         st: LoadState | None = getattr(layer, "_latq_load", None)
         if st is None:
             return  # already processed
+        unserved = self.config.head_refusal(loader_rows.loading_model()[0])
+        if unserved:
+            raise ValueError(unserved)
         if st.weight is None:
             raise ValueError(f"latq checkpoint is missing tensors for layer {st.prefix}: {st.missing()}")
         names = st.names

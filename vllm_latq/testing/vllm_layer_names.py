@@ -1,4 +1,4 @@
-"""vLLM's own model classes built on the meta device with latq's quant config, in a process of their
+"""vLLM's own model classes (tiny) built with latq's quant config, in a process of their
 own (vLLM's distributed state is global): the module and inlier bits each latq layer's loader expects."""
 from __future__ import annotations
 
@@ -16,17 +16,19 @@ def config_dir(root: Path, model_type: str, **sizes) -> Path:
     from transformers import AutoConfig
 
     from .. import hf_model
-    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
-                                  max_position_embeddings=128, **sizes)
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                  tie_word_embeddings=False, max_position_embeddings=128, **sizes)
     config.architectures = [type(hf_model.empty_model(config)).__name__]
     out = root / model_type
     config.save_pretrained(out)
     return out
 
 
-def latq_layers(model_dir: str, quantization_config: dict) -> dict[str, list]:
-    """vLLM prefix → [module, inlier bits] of each latq layer of vLLM's model of ``model_dir``."""
+def latq_layers(model_dir: str, quantization_config: dict) -> dict:
+    """vLLM's model of ``model_dir`` built: ``layers`` (vLLM prefix → [module, inlier bits] of each latq
+    layer), ``asked`` (the prefixes vLLM asked latq for a method), ``processed`` (why its first latq layer
+    refuses to be processed without tensors); or ``error``, the build's refusal."""
     import torch
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -34,14 +36,26 @@ def latq_layers(model_dir: str, quantization_config: dict) -> dict[str, list]:
     from ..plugin.config import LatqConfig
     model_config = ModelConfig(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
                                enforce_eager=True)
-    config = VllmConfig(model_config=model_config, quant_config=LatqConfig(quantization_config))
-    with set_current_vllm_config(config), torch.device("meta"):
-        model = initialize_model(config, prefix="")   # the engine's own call: the model at the root
-    return {m.prefix: [m._latq_load.prefix, m._latq_load.bits] for _, m in model.named_modules()
-            if hasattr(m, "_latq_load")}
+    quant, asked = LatqConfig(quantization_config), []
+    ask = quant.get_quant_method
+    quant.get_quant_method = lambda layer, prefix: asked.append(prefix) or ask(layer, prefix)
+    config = VllmConfig(model_config=model_config, quant_config=quant)
+    try:
+        with set_current_vllm_config(config), torch.device("cpu"):
+            model = initialize_model(config, prefix="")   # the engine's own call: the model at the root
+    except (NotImplementedError, ValueError) as e:
+        return {"error": str(e)}
+    latq = [m for _, m in model.named_modules() if hasattr(m, "_latq_load")]
+    layers = {m.prefix: [m._latq_load.prefix, m._latq_load.bits] for m in latq}
+    try:   # the first layer processed with none of its tensors loaded: what it says first
+        with set_current_vllm_config(config):
+            latq[0].quant_method.process_weights_after_loading(latq[0])
+    except ValueError as e:
+        return {"asked": asked, "layers": layers, "processed": str(e)}
+    raise AssertionError(f"{latq[0].prefix} was processed without its tensors")
 
 
-def run(cases: list[tuple[Path, dict]], timeout: float = 600) -> list[dict[str, list]]:
+def run(cases: list[tuple[Path, dict]], timeout: float = 600) -> list[dict]:
     """:func:`latq_layers` of each (model directory, quantization_config), in one fresh process."""
     spec, dest = (Path(cases[0][0]).parent / f"layer-names-{x}.json" for x in ("cases", "layers"))
     spec.write_text(json.dumps([[str(d), qc] for d, qc in cases]))
