@@ -56,8 +56,9 @@ MODELS = {
 }
 # built with the head unquantized (Bloom's fused matrices too, which its loader cannot take): does vLLM ask
 # latq for the head's method? OPT with a quantized head: refused, naming why
-HEAD_ASKED = {**{t: (head, []) for t, (head, _, _) in MODELS.items()}, "opt": ("lm_head", []),
+HEAD_ASKED = {**{t: (head, []) for t, (head, _, _) in MODELS.items()}, "opt": ("lm_head", []), "gemma2": ("lm_head", []),
               "bloom": ("lm_head", ["transformer.h.0.self_attention.query_key_value"])}
+UNASKED = {"opt": "OPTForCausalLM", "gemma2": "Gemma2ForCausalLM", "bloom": "BloomForCausalLM"}
 
 
 def _spec(head: str | None, skip: list[str]) -> dict:
@@ -75,9 +76,9 @@ def built(tmp_path_factory):
     dirs = {t: config_dir(root, t, n_embd=64, n_head=2, n_layer=1) for t in HEAD_ASKED}
     cases = [(dirs[t], _spec(head, [skip])) for t, (head, skip, _) in MODELS.items()]
     cases += [(dirs[t], _spec(None, skip)) for t, (_, skip) in HEAD_ASKED.items()]
-    cases += [(dirs["opt"], _spec("lm_head", [])), (config_dir(root, "cohere"), _spec("lm_head", []))]
+    cases += [(dirs[t], _spec("lm_head", [])) for t in ("opt", "gemma2")] + [(config_dir(root, "cohere"), _spec("lm_head", []))]
     out = run(cases)
-    return dict(zip(MODELS, out)), dict(zip(HEAD_ASKED, out[len(MODELS):])), out[-2:]
+    return dict(zip(MODELS, out)), dict(zip(HEAD_ASKED, out[len(MODELS):])), out[-3:]
 
 
 def test_vllm_models_load_the_checkpoints_head_and_layers(built):
@@ -94,23 +95,24 @@ def test_vllm_models_load_the_checkpoints_head_and_layers(built):
 
 
 def test_a_head_vllm_builds_unquantized_is_refused_naming_why(built):
-    """The vLLM classes that build their head without the quantization config are
-    ``HEAD_WITHOUT_QUANT_CONFIG`` (they never ask latq for its method); a quantized head is refused
-    there before any tensor is read — vLLM would stop at the first tensor it has no parameter for."""
+    """The vLLM classes that never ask latq for their head's method — OPT and Bloom build it without
+    the quantization config, Gemma 2 builds none — are ``HEAD_WITHOUT_QUANT_CONFIG``; a quantized head
+    is refused there before any tensor is read (vLLM's loader would stop at its first tensor)."""
     from vllm_latq.plugin.loader_rows import HEAD_WITHOUT_QUANT_CONFIG
     asked = {t: any(checkpoint_module(p) == "lm_head" for p in res["asked"]) for t, res in built[1].items()}
-    assert asked == {t: t not in ("opt", "bloom") for t in HEAD_ASKED}, built[1]
-    assert set(HEAD_WITHOUT_QUANT_CONFIG) == {"OPTForCausalLM", "BloomForCausalLM"}
-    assert built[2][0] == {"error": "latq: vLLM's OPTForCausalLM builds its output head without a quantization config, "
-                                    "so it cannot load this checkpoint's quantized head (quantization_config."
-                                    "lm_head_quantized); quantize with --no-quantize-lm-head to serve the model with vLLM"}
+    assert asked == {t: t not in UNASKED for t in HEAD_ASKED}, built[1]
+    assert set(HEAD_WITHOUT_QUANT_CONFIG) == set(UNASKED.values())
+    for res, cls in zip(built[2], ("OPTForCausalLM", "Gemma2ForCausalLM")):
+        assert res == {"error": f"latq: vLLM's {cls} builds no output head with a quantization config, so it cannot "
+                                "load this checkpoint's quantized head (quantization_config.lm_head_quantized); "
+                                "quantize with --no-quantize-lm-head to serve the model with vLLM"}
 
 
 def test_a_head_vllm_drops_is_refused_naming_why(built):
     """vLLM's Cohere drops every ``lm_head`` tensor and computes its logits with the input embedding,
     whatever the config says: a quantized head is refused once its tensors are read, not silently
     replaced by the embedding (where vLLM built the head, the first layer says what it lacks)."""
-    assert built[2][1]["processed"] == (
+    assert built[2][2]["processed"] == (
         "latq: vLLM's CohereForCausalLM built no output head for this checkpoint's quantized head (quantization_config."
         "lm_head_quantized): the head's tensors were dropped unread and the logits come from another weight; quantize "
         "with --no-quantize-lm-head to serve the model with vLLM")

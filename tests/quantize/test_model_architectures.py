@@ -137,10 +137,11 @@ VLLM_OPTIONS = {"default": {}, "front": dict(group_size=16, scale_bits=4, rotate
                 "ssqr": dict(method="ssqr", group_size=64)}
 VLLM_HPTQ = ["phi3", "falcon", "opt", "gptj", "cohere"]  # HPTQ too: fused-on-disk, regrouped, biased, tied heads
 VLLM_REFUSED = {"bloom": r"query_key_value: vLLM's BloomModel\._repack_qkv reshapes every checkpoint tensor"}
-# vLLM's class cannot serve a quantized head (OPT builds it without a quantization config, Cohere computes
-# its logits with the embedding): the default is refused naming why, the other option sets run with
-# --no-quantize-lm-head (the refusal's advice) and serve the blocks
-VLLM_HEAD_REFUSED = {"opt": r"vLLM's OPTForCausalLM builds its output head without a quantization config",
+# vLLM's class cannot serve a quantized head (OPT builds it without a quantization config, Gemma 2 and
+# Cohere compute their logits with the embedding): the default is refused naming why, the other option
+# sets run with --no-quantize-lm-head (the refusal's advice) and serve the blocks
+VLLM_HEAD_REFUSED = {"opt": r"vLLM's OPTForCausalLM builds no output head with a quantization config",
+                     "gemma2": r"vLLM's Gemma2ForCausalLM builds no output head with a quantization config",
                      "cohere": r"vLLM's CohereForCausalLM built no output head for this checkpoint's quantized head"}
 
 

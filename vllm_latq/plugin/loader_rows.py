@@ -20,8 +20,9 @@ def _falcon_qkv(hf_config, rows: int) -> torch.Tensor:
 REGROUPED = {("FalconForCausalLM", "query_key_value"): _falcon_qkv,
              ("RWForCausalLM", "query_key_value"): _falcon_qkv}
 REPACKS_EVERY_TENSOR = {("BloomForCausalLM", "query_key_value"): "BloomModel._repack_qkv"}
-# vLLM model classes whose output head is built without the quantization config (unquantized only)
-HEAD_WITHOUT_QUANT_CONFIG = ("OPTForCausalLM", "BloomForCausalLM")
+# vLLM model classes that build their output head without the quantization config (OPT, Bloom) or build
+# none, their logits from the input embedding (Gemma 2): their loader stops at a quantized head's tensors
+HEAD_WITHOUT_QUANT_CONFIG = ("OPTForCausalLM", "BloomForCausalLM", "Gemma2ForCausalLM")
 
 
 def loading_model() -> tuple[str | None, object]:
@@ -54,7 +55,7 @@ def head_refusal(architecture: str | None) -> str | None:
     """Why vLLM's model of ``architecture`` cannot load a quantized output head, or None."""
     if architecture not in HEAD_WITHOUT_QUANT_CONFIG:
         return None
-    return (f"latq: vLLM's {architecture} builds its output head without a quantization config, so it cannot load "
+    return (f"latq: vLLM's {architecture} builds no output head with a quantization config, so it cannot load "
             "this checkpoint's quantized head (quantization_config.lm_head_quantized); quantize with "
             "--no-quantize-lm-head to serve the model with vLLM")
 
