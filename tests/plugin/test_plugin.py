@@ -452,7 +452,7 @@ def test_load_report_says_stored_and_served_bits(caplog):
             st = k.prepare(w)
             served += 8 * sum(k.served_bytes(st).values())
             head = sum(k.served_bytes(st).values())
-            rep.add(prefix, w, k, st, stored)
+            rep.add(prefix, w, k, st, stored, head=prefix == "lm_head")
     n = [w.out_features * w.in_features for w, _, _ in layers]
     assert rep.served_bits() == pytest.approx(served / sum(n))
     stored = (4.5 * n[0] + 8.3 * n[1]) / sum(n)

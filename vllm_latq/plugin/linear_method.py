@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from .. import format as fmt
@@ -14,6 +15,7 @@ from . import loader_rows, vllm_scheme
 from .geometry import geometry, in_loader_order
 from .load_report import LoadReport
 from .loading import LoadState, WeightLoader, kernel_device
+from .names import checkpoint_module
 
 
 class LatqLinearMethod(LinearMethodBase):
@@ -26,12 +28,14 @@ class LatqLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         arch, hf_config = loader_rows.loading_model()
-        refusal = loader_rows.refusal(arch, layer.prefix)
-        if refusal:
+        module = checkpoint_module(layer.prefix)
+        head = self.config.lm_head_quantized and loader_rows.head_refusal(arch)
+        refusal = loader_rows.refusal(arch, module) or head
+        if refusal:   # the head's: at the model's first latq layer, before any tensor is read
             raise NotImplementedError(refusal)
-        geo = geometry(layer, self.config.hf_names(layer.prefix))
+        geo = geometry(layer, self.config.hf_names(module))
         if geo.fused is not None:
-            geo = in_loader_order(geo, loader_rows.checkpoint_rows(arch, hf_config, layer.prefix, geo.fused.rows))
+            geo = in_loader_order(geo, loader_rows.checkpoint_rows(arch, hf_config, module, geo.fused.rows))
         st = layer._latq_load = LoadState(layer, self.config, geo)
         layer._latq_act_dtype = params_dtype
         for name in st.names:
@@ -48,8 +52,11 @@ class LatqLinearMethod(LinearMethodBase):
         st: LoadState | None = getattr(layer, "_latq_load", None)
         if st is None:
             return  # already processed
+        unserved = self.config.head_refusal(loader_rows.loading_model()[0])
+        if unserved:
+            raise ValueError(unserved)
         if st.weight is None:
-            raise ValueError(f"latq checkpoint is missing tensors for layer {layer.prefix}: {st.missing()}")
+            raise ValueError(f"latq checkpoint is missing tensors for layer {st.prefix}: {st.missing()}")
         names = st.names
         device = getattr(layer, names[0]).device
         for name in names:
@@ -57,6 +64,7 @@ class LatqLinearMethod(LinearMethodBase):
         w = st.weight
         parts = [st.geo.fused] if st.fused else list(st.geo.parts.values())
         stored_bits = 8 * st.stored_bytes / (sum(p.rows for p in parts) * st.geo.in_features)
+        prefix, head = st.prefix, isinstance(layer, ParallelLMHead)
         del layer._latq_load
         w = w.to(device)
         act = layer._latq_act_dtype
@@ -66,13 +74,13 @@ class LatqLinearMethod(LinearMethodBase):
             if w.rotation is not None:   # x·R in front of it: vLLM's transform, or latq's op where it refuses
                 why = vllm_scheme.install_transform(layer, w, act, getattr(layer, "tp_size", 1))
                 refused = refused + [f"vllm's transform: {why}"] if why else refused
-            self.report.add(layer.prefix, w, vllm_scheme.ServedScheme, layer, stored_bits, refused)
+            self.report.add(prefix, w, vllm_scheme.ServedScheme, layer, stored_bits, refused, head)
             return
         state = kernel.prepare(w)
         kernel.place(state)
         kernel.reserve(state, act)
         install_kernel(layer, kernel, state, w.out_features)
-        self.report.add(layer.prefix, w, kernel, state, stored_bits, refused)
+        self.report.add(prefix, w, kernel, state, stored_bits, refused, head)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         scheme = getattr(layer, "latq_scheme", None)

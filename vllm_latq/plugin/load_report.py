@@ -37,7 +37,7 @@ class LoadReport:
         self.expected += 1
 
     def add(self, prefix: str, w: LatqWeight, kernel, state, stored_bits: float,
-            refused: list[str] = ()) -> None:
+            refused: list[str] = (), head: bool = False) -> None:   # head: the output head, whatever its name
         n = w.out_features * w.in_features
         label = kernel.label(state)
         served = kernel.served_bytes(state)
@@ -52,8 +52,7 @@ class LoadReport:
                      w.group_size, 100 * w.nnz / n, stored_bits, bpw,
                      ", ".join(f"{k} {v} B" for k, v in served.items()), label,
                      "".join(f"; {r}" for r in refused))
-        self.layers.append(LayerRow(n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None,
-                                    prefix.split(".")[-1] == "lm_head"))
+        self.layers.append(LayerRow(n, stored_bits, bpw, w.bits, w.nnz, label, w.coded is not None, head))
         key = (label, tuple(refused))
         self.reasons[key] = self.reasons.get(key, 0) + 1
         if len(self.layers) == self.expected:

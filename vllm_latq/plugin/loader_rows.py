@@ -1,5 +1,5 @@
 """Row regroupings that vLLM's model loaders apply to a fused checkpoint matrix (Falcon), and the
-loaders that cannot load latq's tensors (Bloom); docs/ARCHITECTURE.md, "Loading"."""
+models that cannot load latq's tensors (Bloom's fused matrices, OPT's head); docs/ARCHITECTURE.md, "Loading"."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +20,9 @@ def _falcon_qkv(hf_config, rows: int) -> torch.Tensor:
 REGROUPED = {("FalconForCausalLM", "query_key_value"): _falcon_qkv,
              ("RWForCausalLM", "query_key_value"): _falcon_qkv}
 REPACKS_EVERY_TENSOR = {("BloomForCausalLM", "query_key_value"): "BloomModel._repack_qkv"}
+# vLLM model classes that build their output head without the quantization config (OPT, Bloom) or build
+# none, their logits from the input embedding (Gemma 2): their loader stops at a quantized head's tensors
+HEAD_WITHOUT_QUANT_CONFIG = ("OPTForCausalLM", "BloomForCausalLM", "Gemma2ForCausalLM")
 
 
 def loading_model() -> tuple[str | None, object]:
@@ -46,6 +49,15 @@ def refusal(architecture: str | None, prefix: str) -> str | None:
     return (f"latq: {prefix}: vLLM's {where} reshapes every checkpoint tensor of {leaf} to [heads, 3, -1], "
             "which latq's CSR outliers and Huffman streams are not; a latq checkpoint of this model runs in "
             "transformers (latq-eval) only")
+
+
+def head_refusal(architecture: str | None) -> str | None:
+    """Why vLLM's model of ``architecture`` cannot load a quantized output head, or None."""
+    if architecture not in HEAD_WITHOUT_QUANT_CONFIG:
+        return None
+    return (f"latq: vLLM's {architecture} builds no output head with a quantization config, so it cannot load "
+            "this checkpoint's quantized head (quantization_config.lm_head_quantized); quantize with "
+            "--no-quantize-lm-head to serve the model with vLLM")
 
 
 def runs(sources: torch.Tensor) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ from ..kernels.rotated import with_rotation
 from ..kernels.transcode import transcode
 from ..kernels.weight import LatqWeight
 from .geometry import Geometry, Part
+from .names import checkpoint_module
 from .slicing import codes_refusal, merge, pad_rows, slice_dense
 
 logger = init_logger("vllm.latq")
@@ -35,7 +36,7 @@ class LoadState:
 
     def __init__(self, layer, config, geo: Geometry, bits: int | None = None):
         # layer: the vLLM layer, or a name (one expert matrix of a MoE layer, moe_method.py)
-        self.prefix = layer if isinstance(layer, str) else layer.prefix
+        self.prefix = checkpoint_module(layer if isinstance(layer, str) else layer.prefix)
         self.config = config
         # a layer_bits override (e.g. an 8-bit lm_head)
         self.bits = config.bits_of(self.prefix) if bits is None else bits

@@ -86,6 +86,8 @@ def make_word_level_model(root):
     return model_dir, root / "calib.txt"
 
 
+# calibration small enough for tiny models: these checkpoints test the structure, not the accuracy
+TINY_CALIB = dict(nsamples=4, seqlen=64)
 # the output head stays in the model dtype: these checkpoints test the blocks (the head quantized by
 # default is tests/quantize/test_lm_head.py's subject; pass quantize_lm_head to change it)
-TINY_OPTS = dict(group_size=64, nsamples=4, seqlen=64, quantize_lm_head=False)
+TINY_OPTS = dict(group_size=64, **TINY_CALIB, quantize_lm_head=False)
