@@ -23,7 +23,6 @@ from .faults import with_fault
 from .finalize import checkpoint_config, finalize
 from .head import HeadPlan, head_plan, quantize_head
 from .options import QuantizeOptions
-from .output import check_output
 from .resume import RunDir, fingerprint
 from .solve_layers import LayerSolver, Solve, Solved, SolveSetup, Stage, solve_block
 from .source import Source, open_source
@@ -34,7 +33,8 @@ log = logging.getLogger("vllm_latq.quantize")
 
 def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progress: bool,
                  world: ranks.World) -> tuple[Source, HeadPlan | None]:
-    """The source ``model`` opened, its head located; what cannot be quantized is refused first."""
+    """The source ``model`` opened, its head located; what cannot be quantized is refused first (OUT's
+    rules: under its lock, :func:`.resume.held_output`)."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
     if opts.calibrated and opts.nsamples < world.size:
@@ -42,11 +42,7 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
                          "forwards at least one calibration sequence")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    head = _head_plan(src, opts)
-    with ranks.together("checking the output directory", world):
-        if world.writes:
-            check_output(out, src.path, overwrite)
-    return src, head
+    return src, _head_plan(src, opts)
 
 
 def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
