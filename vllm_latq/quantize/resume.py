@@ -27,15 +27,17 @@ from .ranks import SINGLE, World
 log = logging.getLogger("vllm_latq.quantize")
 
 PROGRESS_FILE = "latq_progress.json"
-# part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards; 5: activations saved per block)
-PIPELINE_VERSION = 5
+# part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards; 5: activations saved per block;
+# 6: the source and the calibration text by their bytes' sha256)
+PIPELINE_VERSION = 6
 
 
-def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
-    """What must not change before a ``--resume``: the source (path, files, config) and ``options``."""
-    sizes = sorted((f, (src / f).stat().st_size) for f in files)
+def fingerprint(src: Path, options: dict, files: list[str], config: dict, texts: dict[str, Path] | None = None) -> str:
+    """What must not change before a ``--resume``: the bytes of ``files`` and ``texts``, the config, the options."""
+    digests = {f: file_sha256(src / f, name=str(src / f)) for f in sorted(files)}
+    text_digests = {k: file_sha256(p, name=str(p)) for k, p in sorted((texts or {}).items())}
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION, "options": options,
-                       "source": str(src.resolve()), "files": sizes, "config": config}, sort_keys=True)
+                       "files": digests, "texts": text_digests, "config": config}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

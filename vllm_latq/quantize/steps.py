@@ -60,8 +60,11 @@ def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
 
 
 def run_fingerprint(opts: QuantizeOptions, src: Source) -> str:
-    """The resume fingerprint: the source (its directory, weight files, config), the options."""
-    return fingerprint(src.path, opts.fingerprinted(src.dtype), list(src.weights.handles), src.raw_config)
+    """The resume fingerprint: the source (the bytes of its weight and tokenizer files, its config), the
+    calibration text's bytes, the options."""
+    texts = {"calib": data.text_file(opts.calib)} if opts.calibrated else {}
+    return fingerprint(src.path, opts.fingerprinted(src.dtype), [*src.weights.handles, *writer.aux_files(src.path)],
+                       src.raw_config, texts)
 
 
 @dataclass
@@ -113,7 +116,7 @@ class Steps:
 
     def capture(self) -> None:
         """Block 0's inputs (resuming: the first block to do's) and every block's forward kwargs."""
-        calib = calibration_text(self.src.path, self.opts)
+        calib = calibration_text(self.src.tokenizer, self.opts)
         if calib is not None and calib.numel() < self.src.config.hidden_size and self.world.writes:
             log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
                         "state: their H is singular but for the damping and the integers follow its last bits "
@@ -227,14 +230,13 @@ class Steps:
                          f" ({self.world.size} ranks)" if self.world.distributed else "")
 
 
-def calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]``; None for a method that uses none."""
+def calibration_text(tokenizer, opts: QuantizeOptions) -> torch.Tensor | None:
+    """The calibration token ids ``[nsamples, seqlen]`` by ``tokenizer``; None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
-    tok = data.load_tokenizer(tokenizer_dir)
-    return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
+    return data.calibration_batches(tokenizer, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
                                     source=opts.calib)
 
 
