@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,27 +158,46 @@ def _run(source, out, *args, env=None):
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _finish(p: subprocess.Popen) -> str:
+    """``p``'s stderr once it ended; killed if it has not ended in time (no process of a test outlives it)."""
+    try:
+        return p.communicate(timeout=900)[1]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+
+
+def _status(p: subprocess.Popen) -> int:
+    """``p``'s next wait status: stopped or ended (killed after 900 s, so no test waits forever)."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(p.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            return status
+        time.sleep(0.2)
+    p.kill()
+    raise TimeoutError(f"{p.args} neither stopped nor ended in 900 s")
+
+
 def _until_done(p: subprocess.Popen) -> int:
     """Continue ``p`` each time it stops itself (after every block) → its exit code."""
-    while True:
-        _, status = os.waitpid(p.pid, os.WUNTRACED)
-        if not os.WIFSTOPPED(status):
-            return os.waitstatus_to_exitcode(status)
+    while os.WIFSTOPPED(status := _status(p)):
         os.kill(p.pid, signal.SIGCONT)
+    return os.waitstatus_to_exitcode(status)
 
 
 def test_a_second_run_is_refused_while_the_first_is_paused_even_if_the_lock_file_is_deleted(source, tmp_path):
     out = tmp_path / "ck"
     first = _run(source, out, *RTN, env={faults.AT_ENV: "saved-block:stop"})
     try:
-        _, status = os.waitpid(first.pid, os.WUNTRACED)   # paused after its first block, holding OUT
-        assert os.WIFSTOPPED(status), first.communicate()
+        status = _status(first)   # paused after its first block, holding OUT
+        assert os.WIFSTOPPED(status), first.stderr.read()
         run_dir = _beside(out, TMP_SUFFIX)
         before = sorted(p.name for p in run_dir.iterdir())
         assert "model-00001-of-00003.safetensors" in before
         _beside(out, LOCK_SUFFIX).unlink()
         second = _run(source, out, *RTN)
-        _, err = second.communicate(timeout=900)
+        err = _finish(second)
         assert second.returncode == 2, err
         assert f"{out} is being written by another run (latq-quantize, pid {first.pid}" in err, err
         assert f"its run directory {run_dir} is locked" in err and sorted(p.name for p in run_dir.iterdir()) == before
@@ -192,9 +212,21 @@ def test_a_second_run_is_refused_while_the_first_is_paused_even_if_the_lock_file
 def test_sigkill_at_each_stage_then_the_rerun_finishes(source, out, stage):
     """The in-process stand-in above, with a real SIGKILL at the hook."""
     killed = _run(source, out, *NEW, env={faults.AT_ENV: f"{stage}:kill"})
-    _, err = killed.communicate(timeout=900)
+    err = _finish(killed)
     assert killed.returncode == -signal.SIGKILL, err
     rerun = _run(source, out, *NEW)
-    _, err = rerun.communicate(timeout=900)
+    err = _finish(rerun)
     assert rerun.returncode == 0 and "not computed again" in err, err
+    assert output_dir.sealed_digest(out) and _only(out) == ["ck"]
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_saved_block_then_resume(source, out):
+    killed = _run(source, out, *NEW, env={faults.AT_ENV: "saved-block:kill"})
+    err = _finish(killed)
+    assert killed.returncode == -signal.SIGKILL, err
+    assert (_beside(out, TMP_SUFFIX) / "latq_progress.json").is_file()
+    rerun = _run(source, out, *NEW, "--resume")
+    err = _finish(rerun)
+    assert rerun.returncode == 0 and "model.layers.0." not in err and "model.layers.1." in err, err
     assert output_dir.sealed_digest(out) and _only(out) == ["ck"]
