@@ -119,7 +119,7 @@ def source_dir(model: str, st: Settings, root: Path) -> Path:
         return src
     from safetensors import safe_open
     from safetensors.torch import save_file
-    out = root / "models" / f"{model}-{st.max_blocks}blocks"
+    out = root / "models" / f"{src.name}-{st.max_blocks}blocks"   # src is named by its GGUF's sha256
     if (out / "config.json").is_file():
         return out
     tmp = out.with_name(out.name + ".tmp")

@@ -112,9 +112,8 @@ def test_an_extra_checkpoint_is_paired_with_the_primary_one():
 def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoint(tmp_path, monkeypatch):
     """``--synthetic SHAPE``: bench/memory.py's model of that shape and the checkpoint the
     pipeline makes of it by the method asked, both built once: a second call quantizes nothing,
-    a source written again (its shape edited) is quantized again."""
+    a source written again with its shape edited is quantized again (the checkpoint is named by it)."""
     import json
-    import os
 
     from vllm_latq import data
     from vllm_latq.format.manifest import read_manifest
@@ -131,10 +130,10 @@ def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoin
     quantized = []
     monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **k: quantized.append(a))
     assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt) and not quantized
-    marker = src / COMPLETE                                   # what write_model writes last
-    later = (ckpt / "latq_manifest.json").stat().st_mtime + 10
-    os.utime(marker, (later, later))
-    assert decode.synthetic_pair("tiny", "gptq") == (src, ckpt) and len(quantized) == 1
+    edited = {**json.loads((src / COMPLETE).read_text()), "num_hidden_layers": cfg["num_hidden_layers"] + 1}
+    monkeypatch.setattr(decode, "model_config", lambda shape, layers: edited)
+    again, other = decode.synthetic_pair("tiny", "gptq")
+    assert again == src and other != ckpt and len(quantized) == 1
 
 
 def test_moe_pair_is_built_again_when_its_sizes_change(tmp_path, monkeypatch):

@@ -7,9 +7,11 @@ session fixtures (slow the first time, instant afterwards).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
+import os
 import random
 import sys
 
@@ -274,16 +276,42 @@ def test_model_dir_rebuilds_incomplete(tmp_path, monkeypatch):
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
     spec = data.ModelSpec("tiny", lambda: gguf_file, needs_bos=False, description="test")
     monkeypatch.setitem(data.MODELS, "tiny", spec)
-    broken = tmp_path / "models" / "tiny"
+    name = f"tiny-{hashlib.sha256(gguf_file.read_bytes()).hexdigest()[:16]}"   # keyed by the GGUF's bytes
+    broken = tmp_path / "models" / name
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")  # a half directory from an old, killed run
-    (tmp_path / "models" / ".tiny.123.abc.tmp").mkdir()  # stale temp dir
+    (tmp_path / "models" / f".{name}.123.abc.tmp").mkdir()  # stale temp dir
     d = data.model_dir("tiny")
     assert d == broken and gguf.conversion_complete(d)
-    assert not (tmp_path / "models" / ".tiny.123.abc.tmp").exists()
+    assert not (tmp_path / "models" / f".{name}.123.abc.tmp").exists()
     mtime = (d / "model.safetensors").stat().st_mtime_ns
     assert data.model_dir("tiny") == d  # cached: not converted again
     assert (d / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_a_gguf_edited_in_place_with_its_size_and_times_kept_is_converted_again(tmp_path, monkeypatch):
+    """The conversion cache is keyed by the GGUF's bytes, not its path, size or mtime."""
+    import gguf as gguf_lib
+    from safetensors.torch import load_file
+
+    from vllm_latq.quantize.source import resolve_model
+
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    g = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    first = resolve_model(g)
+    st = g.stat()
+    embd = next(t for t in gguf_lib.GGUFReader(str(g)).tensors if t.name == "token_embd.weight")
+    raw = bytearray(g.read_bytes())
+    raw[embd.data_offset + 3] ^= 0x01   # the first weight's exponent: its value times or over 4
+    g.write_bytes(bytes(raw))
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (g.stat().st_size, g.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    second = resolve_model(g)
+    assert second != first and gguf.conversion_complete(second)
+    w = [load_file(d / "model.safetensors")["model.embed_tokens.weight"][0, 0] for d in (first, second)]
+    assert float(w[1]) / float(w[0]) in (4.0, 0.25)
+    assert json.loads((second / gguf.SOURCE_INFO).read_text())["gguf_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert resolve_model(g) == second   # and now cached
 
 
 # ------------------------------------------------------------------------------- text

@@ -70,8 +70,7 @@ def test_second_run_on_one_out_is_refused_naming_the_first(source, tmp_path, cap
     first's partial output alone."""
     out = tmp_path / "ck"
     run_dir = tmp_path / ("ck" + TMP_SUFFIX)
-    with exclusive(out):
-        run_dir.mkdir()
+    with exclusive(out, source, overwrite=False):
         (run_dir / "latq_progress.json").write_text("{}")
         assert cli.main([str(source), str(out), *RTN]) == 2
         err = capsys.readouterr().err

@@ -112,6 +112,24 @@ def test_load_hook_refuses_an_in_place_byte_edit(tiny_checkpoints, tmp_path, mon
         c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
 
 
+def test_the_compile_cache_key_is_the_checkpoint_content(tiny_checkpoints, tmp_path):
+    """vLLM keys its torch.compile cache on the fingerprint: a file written again in place, its size and
+    times kept, gives another key."""
+    import shutil
+
+    from vllm_latq.plugin.config import content_key
+    d = tmp_path / "ssqr"
+    shutil.copytree(tiny_checkpoints["ssqr"][0], d)
+    key = content_key(str(d))
+    f = d / "latq_stats.json"
+    st, raw = f.stat(), f.read_bytes()
+    assert b'"method": "ssqr"' in raw
+    f.write_bytes(raw.replace(b'"method": "ssqr"', b'"method": "SSQR"'))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert content_key(str(d)) != key and content_key(str(d), "LATQ_KERNEL=cpu") != content_key(str(d))
+
+
 def test_modules_not_converted_and_fused_names():
     c = LatqConfig.from_config(_qc(modules_not_converted=["model.layers.1.mlp.down_proj", "model.layers.2"]))
     c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

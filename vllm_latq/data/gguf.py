@@ -1,10 +1,11 @@
 """Converting a GGUF causal LM into a plain Hugging Face directory (bf16 safetensors +
-tokenizer), atomically, and recognising a finished conversion."""
+tokenizer), atomically, and the cache of conversions, keyed by the GGUF's sha256."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -12,9 +13,14 @@ from pathlib import Path
 
 import torch
 
+from ..bounded_io import file_sha256
+
 # Bumped when the conversion changes, so stale cached directories are rebuilt.
 CONVERTER_VERSION = 1
 SOURCE_INFO = "latq_source.json"
+KEY_HEX = 16   # hex digits of the GGUF's sha256 in a cached conversion's name
+
+log = logging.getLogger("vllm_latq.data")
 
 
 @contextlib.contextmanager
@@ -56,14 +62,36 @@ def convert_gguf(
     dtype: torch.dtype = torch.bfloat16,
     add_bos_token: bool | None = None,
     progress: bool = True,
+    sha256: str | None = None,
 ) -> Path:
     """Convert a GGUF causal LM into a plain HF directory (``dtype`` safetensors + tokenizer), atomically.
-    ``add_bos_token=None``: True for Gemma models (they need BOS), else the GGUF default."""
+    ``add_bos_token=None``: True for Gemma models, else the GGUF default; ``sha256``: the GGUF's, recorded."""
     with hf_progress_bars(progress):
-        return _convert(Path(gguf_file).resolve(), Path(out_dir), dtype, add_bos_token)
+        return _convert(Path(gguf_file).resolve(), Path(out_dir), dtype, add_bos_token, sha256)
 
 
-def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: bool | None) -> Path:
+def cached_conversion(gguf_file: Path, root: Path, name: str, add_bos_token: bool | None = None,
+                      progress: bool = True) -> Path:
+    """The bf16 conversion of ``gguf_file``, cached as ``root/NAME-<sha256 of its bytes>`` (made under a lock)."""
+    from filelock import FileLock  # dependency of transformers/huggingface_hub
+
+    _check_gguf(gguf_file)
+    digest = file_sha256(gguf_file)
+    out = root / f"{name}-{digest[:KEY_HEX]}"
+    if conversion_complete(out, digest):
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{out.name}.lock")):
+        if conversion_complete(out, digest):  # another process finished it while we waited
+            return out
+        for stale in root.glob(f".{out.name}.*.tmp"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        log.info("converting %s (sha256 %s) to a Hugging Face directory in %s (once)", gguf_file, digest, out)
+        return convert_gguf(gguf_file, out, torch.bfloat16, add_bos_token, progress, sha256=digest)
+
+
+def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: bool | None,
+             sha256: str | None = None) -> Path:
     """:func:`convert_gguf` without the progress switch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,6 +128,10 @@ def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: 
             "add_bos_token": bool(add_bos_token),
             "converter_version": CONVERTER_VERSION,
         }
+        if sha256 is not None:
+            if file_sha256(gguf_file) != sha256:   # the conversion read other bytes than those keyed
+                raise ValueError(f"{gguf_file} changed while it was converted: convert it again once it is complete")
+            info["gguf_sha256"] = sha256
         (tmp / SOURCE_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out_dir.exists():  # an incomplete or stale directory: replace it
             shutil.rmtree(out_dir)
@@ -110,8 +142,8 @@ def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: 
     return out_dir
 
 
-def conversion_complete(d: Path) -> bool:
-    """True if ``d`` holds a finished conversion by the current converter."""
+def conversion_complete(d: Path, sha256: str | None = None) -> bool:
+    """True if ``d`` holds a finished conversion by the current converter (of the GGUF of this ``sha256``)."""
     try:
         info = json.loads((d / SOURCE_INFO).read_text())
     except (OSError, ValueError):
@@ -119,6 +151,7 @@ def conversion_complete(d: Path) -> bool:
     has_tokenizer = (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
     return (
         info.get("converter_version") == CONVERTER_VERSION
+        and (sha256 is None or info.get("gguf_sha256") == sha256)
         and (d / "config.json").is_file()
         and any(d.glob("*.safetensors"))
         and has_tokenizer

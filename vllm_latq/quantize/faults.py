@@ -1,5 +1,6 @@
-"""Test hooks: a run stopped after a block (to test ``--resume``) and a solve that fails or kills
-its rank (to test what the other ranks do then). Nothing here runs unless asked."""
+"""Test hooks: a run stopped after a block (to test ``--resume``), a solve that fails or kills
+its rank (to test what the other ranks do then), a process killed or paused at a stage of writing
+OUT (to test what the next run finds). Nothing here runs unless asked."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,11 @@ from .ranks import World
 
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # raise SimulatedInterruption after this block
 FAULT_ENV = "LATQ_FAULT"  # "RANK:LAYER_SUBSTRING:raise|kill" fails that rank at that layer's solve
+AT_ENV = "LATQ_FAULT_AT"  # "STAGE:kill|stop": SIGKILL or SIGSTOP this process when it reaches STAGE
+# a block's shard and progress saved; then output_dir.replace_with's: the run directory sealed, OUT moved
+# to OUT.old-latq, the run directory moved to OUT, the old checkpoint's removal begun
+STAGES = ("saved-block", "sealed", "aside", "replaced", "removing-old")
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 class SimulatedInterruption(RuntimeError):
@@ -34,6 +40,25 @@ def fault_spec() -> tuple[int, str, str] | None:
 def stop_if_asked(i: int, stop: int | None) -> None:
     if stop is not None and i == stop:
         raise SimulatedInterruption(f"simulated interruption after block {i}")
+
+
+def stage_fault() -> tuple[str, signal.Signals] | None:
+    """``$LATQ_FAULT_AT`` parsed → (stage, signal), or None; any other value is refused naming the variable."""
+    spec = os.environ.get(AT_ENV)
+    if not spec:
+        return None
+    stage, _, action = spec.partition(":")
+    if stage not in STAGES or action not in ACTIONS:
+        raise ValueError(f"${AT_ENV}={spec!r}: expected STAGE:ACTION with STAGE one of {', '.join(STAGES)} and "
+                         f"ACTION one of {', '.join(ACTIONS)}")
+    return stage, ACTIONS[action]
+
+
+def at(stage: str) -> None:
+    """The run reached ``stage``: killed or stopped there if ``$LATQ_FAULT_AT`` says so."""
+    fault = stage_fault()
+    if fault is not None and fault[0] == stage:
+        os.kill(os.getpid(), fault[1])
 
 
 def with_fault(solve, world: World):

@@ -53,7 +53,7 @@ def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, con
     stats = stats_file(run.stats, method, source, qc.get("group_size"), qc["format_version"])
     writer.write_json(run.path / STATS_FILE, stats)
     run.clear_progress()
-    write_manifest(run.path, shards, [INDEX_FILE, *aux], made_by=COMMAND)
+    digest = write_manifest(run.path, shards, [INDEX_FILE, *aux], made_by=COMMAND)
     output_dir.unmark_temporary(run.path)
     if validate:
         validate_checkpoint(run.path, decode=True, verify_checksums=True)
@@ -62,5 +62,17 @@ def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, con
         raise ValueError(f"{run.path} holds {stray}, which this run did not write: not sealed into {out}; remove "
                          f"them and check who writes into the run directory (its checkpoint is sealed in "
                          f"{MANIFEST_FILE}: moving it to {out} yourself is safe once they are gone)")
-    replace_output(run.path, out, source)
+    run.claim.note_sealed(digest, run.fingerprint)   # a rerun after a kill moves it, not computing it again
+    replace_output(run.claim, source)
     return stats["totals"]
+
+
+def place_sealed(run: RunDir, out: Path, source: Path, validate: bool) -> None:
+    """The checkpoint a killed run of this command sealed (:attr:`RunDir.sealed`), moved to ``out`` unless there."""
+    if validate:
+        validate_checkpoint(run.sealed, decode=True, verify_checksums=True)
+    if run.sealed != out:
+        run.claim.note_sealed(run.claim.journal["digest"], run.fingerprint)
+        replace_output(run.claim, source)
+    else:
+        run.claim.forget_journal()

@@ -4,20 +4,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..format import output_dir
+from . import faults
 
 COMMAND = "latq-quantize"
+TMP_SUFFIX = ".tmp-latq"
 
 
-def check_output(out: Path, source: Path, overwrite: bool) -> None:
-    """Refuse an ``out`` this run must not write or replace (``FileExistsError`` / ``ValueError``)."""
-    output_dir.check_out(out, [source], overwrite, COMMAND)
+def run_dir_of(out: Path) -> Path:
+    """The run directory of ``out``: ``OUT.tmp-latq``."""
+    return out.with_name(out.name + TMP_SUFFIX)
 
 
-def replace_output(run_dir: Path, out: Path, source: Path) -> None:
-    """The sealed run directory becomes ``out`` (replacing it only if still allowed)."""
-    output_dir.replace_with(run_dir, out, [source], COMMAND)
+def replace_output(claim: output_dir.Claim, source: Path) -> None:
+    """The sealed run directory becomes OUT, if still allowed (each stage a test hook, :func:`.faults.at`)."""
+    claim.replace([source], faults.at)
 
 
-def exclusive(out: Path):
-    """``out``'s lock, held while the run writes it."""
-    return output_dir.exclusive(out, COMMAND)
+def exclusive(out: Path, source: Path, overwrite: bool):
+    """``out`` held while the run writes it, an interrupted replace recovered first (:func:`output_dir.exclusive`)."""
+    return output_dir.exclusive(out, COMMAND, run_dir_of(out), [source], overwrite)

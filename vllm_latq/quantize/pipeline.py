@@ -12,7 +12,8 @@ from . import faults, heap, ranks, solve_layers
 from .faults import STOP_ENV, SimulatedInterruption  # noqa: F401  (public names)
 from .options import (COMPUTE_DTYPES, DEFAULT_METHOD, ORDERS, UNCALIBRATED, QuantizeOptions,  # noqa: F401
                       default_group_size)
-from .resume import PROGRESS_FILE, TMP_SUFFIX, run_directory  # noqa: F401
+from .finalize import place_sealed
+from .resume import PROGRESS_FILE, TMP_SUFFIX, held_output, run_directory  # noqa: F401
 from .solve_layers import Solve, solve
 from .source import resolve_model  # noqa: F401
 from .steps import Steps, open_checked, run_fingerprint
@@ -33,11 +34,18 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
     command = {"model": str(model), "out": str(out.absolute()), "options": dataclasses.asdict(opts),
                "resume": resume, "overwrite": overwrite, "validate": validate}
     stop_after_block = faults.stop_after(stop_after_block)
+    faults.stage_fault()   # a malformed test hook is refused before any work
     with ranks.joined(opts.device, command) as world:
         progress = progress and world.writes
         heap.return_freed_memory()
         src, head = open_checked(model, out, opts, overwrite, progress, world)
-        with run_directory(out, run_fingerprint(opts, src), resume, world) as run:
+        with held_output(out, src.path, overwrite, world) as claim, \
+                run_directory(claim, out, run_fingerprint(opts, src), resume, world) as run:
+            if run.sealed is not None:   # a killed run of this command sealed it: moved, not computed again
+                with ranks.together("moving the checkpoint into place", world):
+                    if world.writes:
+                        place_sealed(run, out, src.path, validate)
+                return out
             steps = Steps(src, head, opts, run, solve or solve_layers.solve, on_layer, progress, world)
             steps.capture()
             for i in steps.remaining():
@@ -48,6 +56,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                 steps.save(block)
                 if on_block is not None:
                     on_block(i, block.elapsed)
+                faults.at("saved-block")
                 faults.stop_if_asked(i, stop_after_block)
             steps.finalize(out, steps.head(), validate)
     return out

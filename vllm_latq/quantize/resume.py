@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
+import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,22 +20,24 @@ from ..format.manifest import json_sha256
 from .. import format as fmt
 from . import activations, ranks
 from .activations import Activations, inputs_file
-from .output import COMMAND, exclusive
+from ..format.files import TEMP_MARK
+from .output import COMMAND, TMP_SUFFIX, exclusive, run_dir_of  # noqa: F401  (TMP_SUFFIX: a public name)
 from .ranks import SINGLE, World
 
 log = logging.getLogger("vllm_latq.quantize")
 
-TMP_SUFFIX = ".tmp-latq"
 PROGRESS_FILE = "latq_progress.json"
-# part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards; 5: activations saved per block)
-PIPELINE_VERSION = 5
+# part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards; 5: activations saved per block;
+# 6: the source and the calibration text by their bytes' sha256)
+PIPELINE_VERSION = 6
 
 
-def fingerprint(src: Path, options: dict, files: list[str], config: dict) -> str:
-    """What must not change before a ``--resume``: the source (path, files, config) and ``options``."""
-    sizes = sorted((f, (src / f).stat().st_size) for f in files)
+def fingerprint(src: Path, options: dict, files: list[str], config: dict, texts: dict[str, Path] | None = None) -> str:
+    """What must not change before a ``--resume``: the bytes of ``files`` and ``texts``, the config, the options."""
+    digests = {f: file_sha256(src / f, name=str(src / f)) for f in sorted(files)}
+    text_digests = {k: file_sha256(p, name=str(p)) for k, p in sorted((texts or {}).items())}
     blob = json.dumps({"pipeline": PIPELINE_VERSION, "format": fmt.FORMAT_VERSION, "options": options,
-                       "source": str(src.resolve()), "files": sizes, "config": config}, sort_keys=True)
+                       "files": digests, "texts": text_digests, "config": config}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -48,35 +50,44 @@ class RunDir:
     stats: list = field(default_factory=list)   # per-layer records of the blocks done
     world: World = SINGLE
     shards: dict = field(default_factory=dict)  # {finished shard: sha256 of the file as written}
+    sealed: Path | None = None   # the checkpoint is complete, sealed by a killed run: in ``path`` or already in OUT
+    claim: output_dir.Claim | None = None   # OUT held (rank 0)
 
     @classmethod
-    def open(cls, out: Path, fp: str, resume: bool) -> "RunDir":
-        """The run directory of ``out``, continued when ``resume`` and its fingerprint and checksums hold."""
-        tmp = out.with_name(out.name + TMP_SUFFIX)
+    def open(cls, claim: output_dir.Claim, fp: str, resume: bool) -> "RunDir":
+        """The held OUT's run directory: resumed if asked and it verifies, taken whole if a killed run sealed it."""
+        tmp = claim.tmp
+        for where in (tmp, claim.out):
+            if claim.noted(where, fp):
+                log.info("%s holds the checkpoint an interrupted run of this command sealed: %s, not computed again",
+                         where, "kept" if where == claim.out else f"moved to {claim.out}")
+                return cls(tmp, fp, sealed=where, claim=claim)
         state = None
-        if tmp.exists():
+        leftover = any(e.name != TEMP_MARK for e in os.scandir(tmp))
+        if leftover:
             state = _progress(tmp) if resume else None
             if state is not None and state.get("fingerprint") != fp:
                 raise ValueError(f"{tmp} holds an interrupted run of a different model or options; remove it or "
                                  "rerun without --resume")
             if state is None:
                 log.warning("removing stale partial output %s", tmp)
-                output_dir.remove_temporary(tmp, COMMAND)
             else:
                 verify_partial_state(tmp, state)
         elif resume:
             log.info("nothing to resume at %s: starting from block 0", tmp)
         if state is None:
-            output_dir.make_temporary(tmp, COMMAND)
-            return cls(tmp, fp)
+            output_dir.make_temporary(tmp, COMMAND)   # emptied in place: the lock is on the directory
+            claim.forget_journal()
+            return cls(tmp, fp, claim=claim)
         for part in tmp.rglob("*.part"):   # a write the interruption cut short
             part.unlink()
-        return cls(tmp, fp, state["blocks_done"], state["stats"], shards=state["shards"])
+        claim.forget_journal()
+        return cls(tmp, fp, state["blocks_done"], state["stats"], shards=state["shards"], claim=claim)
 
     @classmethod
     def attach(cls, out: Path, fp: str, world: World) -> "RunDir":
         """The run directory rank 0 has just opened, seen from another rank."""
-        tmp = out.with_name(out.name + TMP_SUFFIX)
+        tmp = run_dir_of(out)
         state = _progress(tmp)
         if state is not None and state.get("fingerprint") != fp:
             raise ValueError(f"{tmp}: rank {world.rank} computes another fingerprint than rank 0 (a different "
@@ -150,24 +161,42 @@ def verify_partial_state(tmp: Path, state: dict) -> None:
 
 
 @contextmanager
-def run_directory(out: Path, fp: str, resume: bool, world: World = SINGLE):
-    """:meth:`RunDir.open` under ``out``'s lock for the run; a run that saved no block leaves nothing."""
+def held_output(out: Path, source: Path, overwrite: bool, world: World = SINGLE):
+    """OUT held by rank 0 for the body (:func:`.output.exclusive`) → its claim (None elsewhere), refusals agreed."""
     if not world.writes:
-        ranks.agree_or_raise(None, "opening the run directory", world)
-        yield RunDir.attach(out, fp, world)
+        ranks.agree_or_raise(None, "locking the output directory", world)
+        yield None
         return
     with ExitStack() as held:
-        error = None
+        error = claim = None
         try:
-            held.enter_context(exclusive(out))
-            run = RunDir.open(out, fp, resume)
-            run.world = world
+            claim = held.enter_context(exclusive(out, source, overwrite))
         except Exception as e:   # noqa: BLE001  (every rank raises it)
             error = e
-        ranks.agree_or_raise(error, "opening the run directory", world)
-        try:
-            yield run
-        except BaseException:
-            if run.blocks_done == 0 and run.path.exists():
-                shutil.rmtree(run.path)   # marked as this run's own when it was made
-            raise
+        ranks.agree_or_raise(error, "locking the output directory", world)
+        yield claim
+
+
+@contextmanager
+def run_directory(claim: output_dir.Claim | None, out: Path, fp: str, resume: bool, world: World = SINGLE):
+    """:meth:`RunDir.open` in the held OUT's run directory for the run; a run that saved no block leaves nothing."""
+    if not world.writes:
+        ranks.agree_or_raise(None, "opening the run directory", world)
+        run = RunDir.attach(out, fp, world)
+        run.sealed = ranks.share({}, {"sealed": 0}, world)["sealed"]
+        yield run
+        return
+    error = run = None
+    try:
+        run = RunDir.open(claim, fp, resume)
+        run.world = world
+    except Exception as e:   # noqa: BLE001  (every rank raises it)
+        error = e
+    ranks.agree_or_raise(error, "opening the run directory", world)
+    ranks.share({"sealed": run.sealed}, {"sealed": 0}, world)
+    try:
+        yield run
+    except BaseException:
+        if run.sealed is None and run.blocks_done == 0 and run.path.exists():
+            output_dir.clear_temporary(run.path, COMMAND)   # made for this run: the lock removes it, now empty
+        raise

@@ -1,17 +1,17 @@
 """The source model: where it is, its tensors (read one at a time) and which of them are quantized."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..bounded_io import read_json
+from ..bounded_io import MAX_JSON_BYTES, copy_regular, read_json
 from ..format.files import INDEX_FILE, SINGLE_FILE
-from ..format.writer import aux_files
+from ..format.writer import aux_files, copy_aux_files
 from ..format.safetensors_file import SafetensorsFile, StoredTensor
 from .. import hf_model
 from ..errors import FormatError
@@ -30,18 +30,7 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     if p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"GGUF file not found: {p}")
-        st = p.resolve().stat()
-        key = hashlib.sha256(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-        out = data.cache_dir() / "converted" / f"{p.stem}-{key}"
-        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
-            return out
-        from filelock import FileLock
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(out) + ".lock"):
-            if not ((out / "config.json").is_file() and any(out.glob("*.safetensors"))):
-                log.info("converting %s to a Hugging Face directory in %s (once)", p, out)
-                data.convert_gguf(p, out)
-        return out
+        return data.cached_conversion(p.resolve(), data.cache_dir() / "converted", p.stem)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} has no config.json: not a Hugging Face model directory")
@@ -85,6 +74,13 @@ class SourceWeights:
         """``tensor[index, rows]`` of a 3-D tensor, read without the rest of it."""
         return self.handles[self.where[name]].get_rows(name, index, rows)
 
+    def same(self, a: str, b: str) -> bool:
+        """Whether tensors ``a`` and ``b`` hold the same dtype, shape and bytes (compared by pieces)."""
+        fa, fb = self.handles[self.where[a]], self.handles[self.where[b]]
+        if (fa.dtype(a), fa.shape(a)) != (fb.dtype(b), fb.shape(b)):
+            return False
+        return all(bytes(x) == bytes(y) for x, y in zip(fa.pieces(a), fb.pieces(b)))
+
 
 @dataclass
 class Source:
@@ -104,6 +100,7 @@ class Source:
     tied: bool                  # the head shares the input embedding's weight
     dtype: torch.dtype          # of the calibration forwards
     names: hf_model.CheckpointNames
+    tokenizer: object = None    # the one the checkpoint carries (:func:`checkpoint_tokenizer`)
 
     @property
     def nblocks(self) -> int:
@@ -223,8 +220,46 @@ def open_source(model: str | os.PathLike, compute_dtype) -> Source:
                and n in dict(net.named_parameters())]
     if missing:
         raise ValueError(f"{src}: tensors of the model are missing from its safetensors files: {missing[:4]}")
-    used = set(expected) | set(names.original.values()) | {f"{n}.weight" for n in names.experts}
+    dropped = _drop_tied_head(source) if tied else set()
+    used = set(expected) | set(names.original.values()) | {f"{n}.weight" for n in names.experts} | dropped
     ignored = sorted(n for n in source.weights.names() if n not in used)
     if ignored:
         log.warning("ignoring %d source tensors the model does not use: %s", len(ignored), ignored[:4])
+    source.tokenizer = checkpoint_tokenizer(src)
     return source
+
+
+def _drop_tied_head(source: Source) -> set[str]:
+    """A tied head's own source tensors: dropped and named if equal to the embedding, else refused → their names."""
+    emb = {m: n for n, m in source.net.named_modules()}[source.net.get_input_embeddings()]
+    emb_weight = source.on_disk(f"{emb}.weight")
+    dropped = set()
+    for key in [n for n in source.expected if n.rpartition(".")[0] in source.head_names]:
+        own = source.on_disk(key)
+        if own is None or own == emb_weight:
+            continue
+        if emb_weight is None or not source.weights.same(own, emb_weight):
+            raise ValueError(f"{source.path}: config.json ties the output head to the input embedding "
+                             f"(tie_word_embeddings), but the source holds its own {own}, which differs from "
+                             f"{emb_weight}: transformers would keep it, vLLM and latq would use the embedding. Set "
+                             f"tie_word_embeddings to false in config.json to keep this head, or remove {own} to "
+                             "tie it")
+        log.info("config.json ties the output head to the input embedding: dropping the source's %s (equal to %s)",
+                 own, emb_weight)
+        del source.expected[key]
+        dropped.add(own)
+    return dropped
+
+
+def checkpoint_tokenizer(src: Path):
+    """The tokenizer the checkpoint of ``src`` will carry, loaded as ``latq-eval`` loads it, or a refusal now."""
+    with tempfile.TemporaryDirectory(prefix="latq-tokenizer-") as staged:
+        copy_aux_files(src, Path(staged))
+        copy_regular(src / hf_model.CONFIG_FILE, Path(staged) / hf_model.CONFIG_FILE, limit=MAX_JSON_BYTES)
+        try:
+            return data.load_tokenizer(staged)
+        except ValueError as e:
+            why = str(e).removeprefix(f"{staged}: ")
+            raise ValueError(f"{src}: {why}; its checkpoint could not be read by latq-eval or served: add the "
+                             "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json) to "
+                             "it") from None

@@ -24,7 +24,6 @@ from .finalize import checkpoint_config, finalize
 from .head import HeadPlan, head_plan, quantize_head
 from .hessian import sequences_per_product
 from .options import QuantizeOptions
-from .output import check_output
 from .resume import RunDir, fingerprint
 from .solve_layers import LayerSolver, Solve, Solved, SolveSetup, Stage, solve_block
 from .source import Source, open_source
@@ -35,7 +34,8 @@ log = logging.getLogger("vllm_latq.quantize")
 
 def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progress: bool,
                  world: ranks.World) -> tuple[Source, HeadPlan | None]:
-    """The source ``model`` opened, its head located; what cannot be quantized is refused first."""
+    """The source ``model`` opened, its head located; what cannot be quantized is refused first (OUT's
+    rules: under its lock, :func:`.resume.held_output`)."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
     per = sequences_per_product(opts.nsamples, opts.seqlen)
@@ -45,11 +45,7 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
                          f"the {world.size} ranks: raise --nsamples or run fewer ranks")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    head = _head_plan(src, opts)
-    with ranks.together("checking the output directory", world):
-        if world.writes:
-            check_output(out, src.path, overwrite)
-    return src, head
+    return src, _head_plan(src, opts)
 
 
 def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
@@ -67,8 +63,11 @@ def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
 
 
 def run_fingerprint(opts: QuantizeOptions, src: Source) -> str:
-    """The resume fingerprint: the source (its directory, weight files, config), the options."""
-    return fingerprint(src.path, opts.fingerprinted(src.dtype), list(src.weights.handles), src.raw_config)
+    """The resume fingerprint: the source (the bytes of its weight and tokenizer files, its config), the
+    calibration text's bytes, the options."""
+    texts = {"calib": data.text_file(opts.calib)} if opts.calibrated else {}
+    return fingerprint(src.path, opts.fingerprinted(src.dtype), [*src.weights.handles, *writer.aux_files(src.path)],
+                       src.raw_config, texts)
 
 
 @dataclass
@@ -120,7 +119,7 @@ class Steps:
 
     def capture(self) -> None:
         """Block 0's inputs (resuming: the first block to do's) and every block's forward kwargs."""
-        calib = calibration_text(self.src.path, self.opts)
+        calib = calibration_text(self.src.tokenizer, self.opts)
         if calib is not None and calib.numel() < self.src.config.hidden_size and self.world.writes:
             log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
                         "state: their H is singular but for the damping and the integers follow its last bits "
@@ -235,14 +234,13 @@ class Steps:
                          f" ({self.world.size} ranks)" if self.world.distributed else "")
 
 
-def calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]``; None for a method that uses none."""
+def calibration_text(tokenizer, opts: QuantizeOptions) -> torch.Tensor | None:
+    """The calibration token ids ``[nsamples, seqlen]`` by ``tokenizer``; None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
-    tok = data.load_tokenizer(tokenizer_dir)
-    return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
+    return data.calibration_batches(tokenizer, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
                                     source=opts.calib)
 
 

@@ -17,10 +17,13 @@ def real_layer_hessians() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     from vllm_latq import data
     from vllm_latq.quantize.hessian import linear_hessians
 
-    path = data.cache_dir() / f"test_hessians_smollm2_{REAL_NSEQ}x{REAL_SEQLEN}.safetensors"
+    from vllm_latq.bounded_io import file_sha256
+
+    mdir = data.model_dir("smollm2-135m")   # named by its GGUF's sha256; the text by its own: a key by content
+    text = file_sha256(data.text_file("wiki"))[:12]
+    path = data.cache_dir() / f"test_hessians_{mdir.name}_{text}_{REAL_NSEQ}x{REAL_SEQLEN}.safetensors"
     if not path.exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        mdir = data.model_dir("smollm2-135m")
         tok = AutoTokenizer.from_pretrained(mdir)
         model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
         mods = {n: m for n, m in model.named_modules() if n in REAL_LAYERS}
