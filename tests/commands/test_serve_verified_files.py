@@ -1,7 +1,7 @@
 """latq-serve hands vLLM the files its check verified: config.json, the tokenizer, chat template and generation
 defaults are written from the verified bytes into a private directory named by the manifest's digest, and vLLM is
-pointed at it (--hf-config-path, --tokenizer, --generation-config), so a checkpoint swapped in after the check does
-not configure the server; the plugin's config-time check refuses a checkpoint other than the one latq-serve checked.
+pointed at it (--hf-config-path, --tokenizer; the generation defaults come from the former's directory), so a
+checkpoint swapped in after the check does not configure the server; the plugin's config-time check refuses a checkpoint other than the one latq-serve checked.
 The copy is verified again when reused; a user's own option is kept, or refused beside a pin."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vllm_latq.format.manifest import DIGEST_ENV, digest_of, write_manifest
 from vllm_latq.format.served_copy import DIGEST_KEY, SERVED_DIR
 from vllm_latq.format.swap_hook import SWAP_ENV
 
-OPTIONS = ("--hf-config-path", "--tokenizer", "--generation-config")
+OPTIONS = ("--hf-config-path", "--tokenizer")
 
 
 @pytest.fixture
@@ -58,6 +58,7 @@ def test_the_command_points_vllm_at_a_private_copy_of_the_verified_files(ck, cac
     copy = Path(_value(cmd, "--tokenizer"))
     assert cmd[:3] == ["/opt/venv/bin/vllm", "serve", str(ck)]   # the served model (and its name) stays the path
     assert all(_value(cmd, o) == str(copy) for o in OPTIONS) and _value(cmd, "--load-format") == "latq"
+    assert "--generation-config" not in cmd   # vLLM's default reads the copy: a directory named would cap max_tokens
     assert copy == cache / digest_of(ck).removeprefix("sha256:")
     want = _expected(ck)
     assert {"tokenizer.json", "generation_config.json", "chat_template.jinja"} <= want.keys()
@@ -91,7 +92,9 @@ def test_a_users_own_option_is_kept_unpinned_and_refused_beside_a_pin(ck, cache,
     copy = str(cache / digest_of(ck).removeprefix("sha256:"))
     assert "--generation-config" not in cmd and _value(cmd, "--hf-config-path") == copy
     cmd = _command(capsys, [str(ck), "--tokenizer", str(ck), "--generation-config", "auto"])   # the checkpoint's own
-    assert _value(cmd, "--tokenizer") == _value(cmd, "--generation-config") == copy
+    assert _value(cmd, "--tokenizer") == copy and _value(cmd, "--generation-config") == "auto"
+    cmd = _command(capsys, [str(ck), "--generation-config", str(ck) + "/"])
+    assert _value(cmd, "--generation-config") == copy
     digest = digest_of(ck)
     cmd = _command(capsys, [str(ck), "--expect-digest", digest, "--generation-config", "vllm"])   # no file read
     assert _value(cmd, "--generation-config") == "vllm"
@@ -102,8 +105,8 @@ def test_a_users_own_option_is_kept_unpinned_and_refused_beside_a_pin(ck, cache,
         name = "--" + opt[2:].replace("_", "-")
         assert capsys.readouterr().err == (
             f"latq-serve: {name} {mine}: vLLM would read the {serve.SERVED_OPTIONS[name]} from {mine}, which the "
-            f"pinned digest (--expect-digest, {DIGEST_ENV}) does not cover; leave {name} out (latq-serve passes the "
-            "checkpoint's own, from the bytes it verified)\n")
+            f"pinned digest (--expect-digest, {DIGEST_ENV}) does not cover; leave {name} out (vLLM then reads the "
+            "checkpoint's own, from the bytes latq-serve verified)\n")
 
 
 def test_no_descriptor_or_temporary_outlives_the_hand_over(ck, cache, monkeypatch):
@@ -171,3 +174,91 @@ def test_vllm_reads_its_config_tokenizer_and_generation_defaults_from_the_copy(c
     qc = mc.hf_config.quantization_config
     LatqConfig.from_config(qc).maybe_update_config(mc.model, hf_config=mc.hf_config)   # the plugin's check passes
     assert qc[DIGEST_KEY] == digest_of(ck) and "_latq_fingerprint" in qc
+
+
+# latq-serve with the readers' swap hook off in its own checks: the swap comes once vLLM's worker has opened and
+# verified the pinned checkpoint, the last check, before the API process reads its generation defaults
+SWAP_IN_THE_WORKER = ("import sys; from vllm_latq.format import validate; validate.swap_if_asked = lambda path: None; "
+                      "from vllm_latq.commands.serve import main; main(sys.argv[1:])")
+PROMPT = "The capital of the world is the"
+
+
+def _variant(src: Path, out: Path, method: str, mark: str, max_new_tokens: int, swap_tokens: bool) -> Path:
+    """A checkpoint of ``src``'s weights with its own generation defaults, chat template and (``swap_tokens``) a
+    tokenizer whose ids of " the" and " of" are exchanged."""
+    from tests import vllm_helpers as h
+    s = out.with_name(out.name + "-src")
+    shutil.copytree(src, s)
+    (s / "generation_config.json").write_text(json.dumps({"max_new_tokens": max_new_tokens}))
+    (s / "chat_template.jinja").write_text(mark + "{% for m in messages %} {{ m['content'] }}{% endfor %}")
+    if swap_tokens:
+        tj = json.loads((s / "tokenizer.json").read_text())
+        v = tj["model"]["vocab"]
+        v["Ġthe"], v["Ġof"] = v["Ġof"], v["Ġthe"]
+        (s / "tokenizer.json").write_text(json.dumps(tj))
+    return h.quantize_dir(s, out, method)
+
+
+def _post(port: int, route: str, body: dict) -> dict:
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{route}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pinned_server_answers_with_the_verified_files_through_a_swap(tmp_path):
+    """latq-serve --expect-digest A, vLLM's server on 127.0.0.1: B (other generation defaults, chat template and
+    token ids) is renamed over A once the worker verified A, before vLLM reads the generation defaults; the server
+    answers with A's weights, tokenizer, chat template and generation defaults (max_new_tokens 3, not B's 5) under
+    A's path as the model's name."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from tests import vllm_helpers as h
+    from tests.commands.test_serve import _free_port, _wait_healthy
+
+    src = h.make_tiny_llama(tmp_path / "model")
+    a = _variant(src, tmp_path / "a", "ssqr", "A-TEMPLATE", 3, False)
+    b = _variant(src, tmp_path / "b", "rtn", "B-TEMPLATE", 5, True)
+    tok_a, tok_b = AutoTokenizer.from_pretrained(a), AutoTokenizer.from_pretrained(b)
+    assert tok_a(PROMPT)["input_ids"] != tok_b(PROMPT)["input_ids"]
+    da, db = digest_of(a), digest_of(b)
+    want = h.hf_greedy(h.hf_dequantized_model(a), [tok_a(PROMPT)["input_ids"]], 3)[0]
+    port, log = _free_port(), tmp_path / "server.log"
+    env = {**os.environ, **h.FAST_ENV, "PYTHONPATH": str(h.ROOT), SWAP_ENV: str(b), "LATQ_CACHE": str(tmp_path / "c"),
+           "LATQ_KERNEL": "reference"}
+    cmd = [sys.executable, "-c", SWAP_IN_THE_WORKER, str(a), "--expect-digest", da, "--host", "127.0.0.1", "--port",
+           str(port), "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "2", "--kv-cache-memory-bytes",
+           str(64 << 20), "--dtype", "float32"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(proc, port, log)
+        assert digest_of(a) == db and not b.exists(), log.read_text()[-3000:]   # B is at A's path now
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == [str(a)]
+        got = _post(port, "/v1/completions", {"model": str(a), "prompt": PROMPT, "temperature": 0, "max_tokens": 3,
+                                              "ignore_eos": True, "return_token_ids": True})
+        chat = _post(port, "/v1/chat/completions", {"model": str(a), "messages": [{"role": "user", "content": "hi"}],
+                                                    "ignore_eos": True, "return_prompt_text": True})   # no max_tokens
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)   # the group this test started
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    choice = got["choices"][0]
+    assert chat["usage"]["completion_tokens"] == 3, chat   # A's max_new_tokens, the default of a request without one
+    assert choice["prompt_token_ids"] == tok_a(PROMPT)["input_ids"], got
+    assert choice["text"] == tok_a.decode(choice["token_ids"]), got
+    assert choice["token_ids"] == want, got   # A's weights
+    assert chat["prompt_text"] == "A-TEMPLATE hi", chat
+    assert "linears loaded (ssqr checkpoint)" in log.read_text()

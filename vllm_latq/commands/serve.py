@@ -203,9 +203,12 @@ def with_latq_loader(argv: list[str]) -> list[str]:
     return argv
 
 
-# vLLM reads these by path in its own process: latq-serve points them at the files its check verified
+# vLLM reads these by path in its own process: latq-serve points them at the files its check verified. Its
+# generation defaults come from --hf-config-path's directory under --generation-config auto; a directory named
+# there would turn the defaults' max_new_tokens into a cap on every request, so latq-serve names none itself
 SERVED_OPTIONS = {"--hf-config-path": "model's config", "--tokenizer": "tokenizer",
                   "--generation-config": "generation defaults"}
+NO_FILE = {"--generation-config": (None, "auto", "vllm")}   # values naming no directory: latq-serve adds none
 
 
 def take_last(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -222,8 +225,8 @@ def take_last(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 
 def with_verified_files(argv: list[str], report: dict | None) -> list[str]:
     """``argv`` with vLLM's config, tokenizer and generation defaults read from a private copy of the files the check
-    verified (format/served_copy.py), where it verified them; an option the user gave is kept, or refused beside a
-    pin (``ValueError``)."""
+    verified (format/served_copy.py); an option the user gave naming other files is kept, or refused beside a pin
+    (``ValueError``)."""
     from ..format.manifest import DIGEST_ENV, expected_digest_from_env
     from ..format.served_copy import served_copy
 
@@ -233,13 +236,14 @@ def with_verified_files(argv: list[str], report: dict | None) -> list[str]:
     copy = str(served_copy(ck))
     for opt, what in SERVED_OPTIONS.items():
         given, rest = take_last(argv, opt)
-        if given is None or given == model_of(argv) or any(_same_dir(given, d) for d in (ck.path, copy)) or (
-                opt == "--generation-config" and given == "auto"):
+        if opt in NO_FILE and given in NO_FILE[opt]:
+            continue
+        if given is None or given == model_of(argv) or any(_same_dir(given, d) for d in (ck.path, copy)):
             argv = [*rest, opt, copy]
-        elif expected_digest_from_env() is not None and not (opt == "--generation-config" and given == "vllm"):
+        elif expected_digest_from_env() is not None:
             raise ValueError(f"{opt} {given}: vLLM would read the {what} from {given}, which the pinned digest "
-                             f"(--expect-digest, {DIGEST_ENV}) does not cover; leave {opt} out (latq-serve passes the "
-                             "checkpoint's own, from the bytes it verified)")
+                             f"(--expect-digest, {DIGEST_ENV}) does not cover; leave {opt} out (vLLM then reads the "
+                             "checkpoint's own, from the bytes latq-serve verified)")
     return argv
 
 
