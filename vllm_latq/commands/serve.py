@@ -163,18 +163,25 @@ def latq_checkpoint_of(argv: list[str]) -> Path | None:
     return path if is_latq_checkpoint(path) else None
 
 
-def preflight(argv: list[str]) -> str | None:
-    """Verify the checkpoint ``argv`` would serve as the plugin will → None, or the one-line refusal."""
+def checked(argv: list[str]) -> tuple[str | None, dict | None]:
+    """Verify the checkpoint ``argv`` would serve as the plugin will → (the one-line refusal, None), or (None, the
+    check's report, its checkpoint's files open; None where ``argv`` serves no latq checkpoint)."""
     from ..errors import FormatError
     from ..format.validate import verify_for_serving
 
     try:
         path = latq_checkpoint_of(argv)
-        if path is not None:
-            verify_for_serving(path)
+        return None, (None if path is None else verify_for_serving(path))
     except FormatError as e:
-        return f"{model_of(argv)} refused: {e}"
-    return None
+        return f"{model_of(argv)} refused: {e}", None
+
+
+def preflight(argv: list[str]) -> str | None:
+    """:func:`checked`'s refusal, or None."""
+    refused, report = checked(argv)
+    if report is not None:
+        report["checkpoint"].files.close()
+    return refused
 
 
 def with_latq_loader(argv: list[str]) -> list[str]:
@@ -196,6 +203,57 @@ def with_latq_loader(argv: list[str]) -> list[str]:
     return argv
 
 
+# vLLM reads these by path in its own process: latq-serve points them at the files its check verified. Its
+# generation defaults come from --hf-config-path's directory under --generation-config auto; a directory named
+# there would turn the defaults' max_new_tokens into a cap on every request, so latq-serve names none itself
+SERVED_OPTIONS = {"--hf-config-path": "model's config", "--tokenizer": "tokenizer",
+                  "--generation-config": "generation defaults"}
+NO_FILE = {"--generation-config": (None, "auto", "vllm")}   # values naming no directory: latq-serve adds none
+
+
+def take_last(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(the value ``name`` (or its ``_`` spelling) has last in ``argv``, as argparse takes it; argv without any)."""
+    value = None
+    for spelling in (name, "--" + name[2:].replace("-", "_")):
+        while True:
+            v, rest = take_option(argv, spelling)
+            if v is None:
+                break
+            value, argv = v, rest
+    return value, argv
+
+
+def with_verified_files(argv: list[str], report: dict | None) -> list[str]:
+    """``argv`` with vLLM's config, tokenizer and generation defaults read from a private copy of the files the check
+    verified (format/served_copy.py); an option the user gave naming other files is kept, or refused beside a pin
+    (``ValueError``)."""
+    from ..format.manifest import DIGEST_ENV, expected_digest_from_env
+    from ..format.served_copy import served_copy
+
+    if report is None or report["digest"] is None:   # no latq checkpoint, or LATQ_NO_VERIFY: nothing verified
+        return argv
+    ck = report["checkpoint"]
+    copy = str(served_copy(ck))
+    for opt, what in SERVED_OPTIONS.items():
+        given, rest = take_last(argv, opt)
+        if opt in NO_FILE and given in NO_FILE[opt]:
+            continue
+        if given is None or given == model_of(argv) or any(_same_dir(given, d) for d in (ck.path, copy)):
+            argv = [*rest, opt, copy]
+        elif expected_digest_from_env() is not None:
+            raise ValueError(f"{opt} {given}: vLLM would read the {what} from {given}, which the pinned digest "
+                             f"(--expect-digest, {DIGEST_ENV}) does not cover; leave {opt} out (vLLM then reads the "
+                             "checkpoint's own, from the bytes latq-serve verified)")
+    return argv
+
+
+def _same_dir(a: str, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     from .environment import bad_environment
 
@@ -215,15 +273,18 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             sys.exit(2)
-    refused = preflight(argv)
+    refused, report = checked(argv)
     if refused:
         print(f"{PROG}: {refused}", file=sys.stderr)
         sys.exit(2)
     try:
-        argv = with_latq_loader(argv)
-    except ValueError as e:
+        argv = with_verified_files(with_latq_loader(argv), report)
+    except (ValueError, OSError) as e:   # a FormatError too: the copy's directory refused, naming it
         print(f"{PROG}: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if report is not None:   # vLLM opens what it reads itself: no descriptor of the check outlives it
+            report["checkpoint"].files.close()
     how, cmd = plan(argv)
     if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":

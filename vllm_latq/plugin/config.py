@@ -17,8 +17,10 @@ from ..bounded_io import MAX_JSON_BYTES, file_sha256
 from ..env import EnvError
 from ..errors import FormatError
 from ..format.checkpoint import checkpoint_dir
+from ..format.files import MANIFEST_FILE
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
 from ..format.safetensors_file import SafetensorsFile
+from ..format.served_copy import DIGEST_KEY
 from ..format.validate import verify_for_serving
 from .names import LOAD_FORMAT, checkpoint_module, vllm_module
 
@@ -36,9 +38,6 @@ def content_key(path: str, extra: str = "") -> str:
 
 # vLLM fuses these HF modules into one layer; modules_not_converted names the HF modules.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-# in quantization_config: the digest of the manifest maybe_update_config validated, which latq's loader
-# holds the files it reads in each worker to (weights.py)
-DIGEST_KEY = "_latq_digest"
 
 
 @functools.cache
@@ -186,9 +185,13 @@ class LatqConfig(QuantizationConfig):
             raise LatqEnvironmentRefused(f"latq: {e}") from None
         # before vLLM reads a tensor, once per load (workers get this config pickled);
         # LATQ_NO_VERIFY skips the sha256 checks only
+        served = qc.get(DIGEST_KEY)   # latq-serve's check, in the config it handed vLLM (format/served_copy.py)
         try:
             path = checkpoint_dir(model_name, revision)
             digest = verify_for_serving(path)["digest"]
+            if served is not None and digest is not None and digest != served:
+                raise FormatError(f"the checkpoint's digest is {digest}, not {served}, the one latq-serve checked "
+                                  "and configured vLLM from: it was replaced after that check", file=MANIFEST_FILE)
             # the kernel choice decides which custom op the graph calls
             key = content_key(path, f"{selector.ENV_FORCE}={forced or ''}")
         except EnvError as e:
