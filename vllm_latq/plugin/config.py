@@ -219,7 +219,6 @@ class LatqConfig(QuantizationConfig):
                 "(quantization_config.lm_head_quantized): the head's tensors were dropped unread and the logits "
                 "come from another weight; quantize with --no-quantize-lm-head to serve the model with vLLM")
 
-
     def hf_names(self, prefix: str) -> list[str]:
         """vLLM module name → the checkpoint (HF) module names it loads."""
         prefix = checkpoint_module(prefix)
