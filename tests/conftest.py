@@ -13,6 +13,17 @@ from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model  # noqa: E4
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test ends with the environment it began with: a command under test sets variables for the
+    processes it starts (latq-serve its pinned digest), which would change what later tests run under."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def real_hessians():
     """Real layer Hessians: SmolLM2-135M (real pretrained weights) on real Wikipedia

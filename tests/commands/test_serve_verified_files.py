@@ -25,7 +25,7 @@ OPTIONS = ("--hf-config-path", "--tokenizer")
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(DIGEST_ENV, raising=False)   # what latq-serve sets is undone after the test
+    monkeypatch.delenv(DIGEST_ENV, raising=False)   # not the shell's pin (conftest undoes what latq-serve sets)
     monkeypatch.setattr(serve, "vllm_cli", lambda: "/opt/venv/bin/vllm")
     return tmp_path / "cache" / SERVED_DIR
 

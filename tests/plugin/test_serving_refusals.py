@@ -91,7 +91,7 @@ def test_latq_serve_expect_digest(ck, capsys, monkeypatch):
     handed = []
     monkeypatch.setattr(serve, "serve_in_process", lambda cmd: handed.append((cmd, os.environ.get(DIGEST_ENV))))
     monkeypatch.setattr(serve, "vllm_cli", lambda: None)
-    monkeypatch.delenv(DIGEST_ENV, raising=False)   # recorded: what latq-serve sets is undone after the test
+    monkeypatch.delenv(DIGEST_ENV, raising=False)   # not the shell's pin (conftest undoes what latq-serve sets)
     with pytest.raises(SystemExit) as e:
         serve.main([str(ck), "--expect-digest", "sha256:" + "1" * 64])
     assert e.value.code == 2 and "not the pinned sha256:111" in capsys.readouterr().err
