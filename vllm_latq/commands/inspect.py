@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..format.checkpoint import Checkpoint
-from ..errors import FormatError
+from ..errors import FormatError, ResourceLimit, limits
 from ..format.manifest import SKIPPED, digest_of
 from ..format.validate import format_report, validate_checkpoint
 
@@ -30,12 +30,13 @@ def inspect_main(argv=None) -> int:
     if a.no_verify:
         print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
-        report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
-                                     progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
+        with limits(f"validating {a.checkpoint}"):
+            report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
+                                         progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
     except FormatError as e:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:   # --expect-digest malformed, or beside --no-verify
+    except (ValueError, ResourceLimit) as e:   # --expect-digest malformed, or beside --no-verify; a limit reached
         print(f"latq-inspect: error: {e}", file=sys.stderr)
         return 2
     if report["unsealed"]:

@@ -3,8 +3,8 @@ from .gguf import convert_gguf, hf_progress_bars
 from .models import MODELS, ModelSpec, model_dir
 from .paths import cache_dir
 from .perplexity import perplexity
-from .text import (Documents, calibration_batches, eval_windows, load_tokenizer, read_documents, source_record,
-                   wiki_articles, wiki_split)
+from .text import (Documents, calibration_batches, check_vocabulary, eval_windows, load_tokenizer, read_documents,
+                   source_record, wiki_articles, wiki_split)
 
 __all__ = [
     "Documents",
@@ -12,6 +12,7 @@ __all__ = [
     "ModelSpec",
     "cache_dir",
     "calibration_batches",
+    "check_vocabulary",
     "convert_gguf",
     "eval_windows",
     "hf_progress_bars",

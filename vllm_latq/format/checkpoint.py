@@ -10,7 +10,7 @@ import torch
 from .. import hf_model
 from ..bounded_io import read_json
 from ..model_config import check_config
-from ..errors import FormatError
+from ..errors import FormatError, is_resource_error
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .layer import dequantize_layer, split_name
 from .rotation import unrotate
@@ -125,6 +125,8 @@ class Checkpoint:
         except FormatError:
             raise
         except Exception as e:  # transformers/torch raise many kinds on a bad config
+            if is_resource_error(e):   # a limit of the machine, not a bad checkpoint
+                raise
             raise FormatError(f"cannot build the model: {type(e).__name__}: {e}", file=CONFIG_FILE) from None
 
     def stats(self) -> dict:

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from ..bounded_io import open_regular, parse_json
-from ..errors import FormatError
+from ..errors import FormatError, limits, writing
 
 CHECKSUM_KEY = "latq_sha256"
 # each tensor's dtype and shape as written, so an edit of the header alone (the bytes untouched,
@@ -86,15 +86,20 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
     def put(b) -> int:
         whole.update(b)
         return f.write(b)
-    with part.open("wb") as f:
-        put(struct.pack("<Q", len(raw)))
-        put(raw)
-        for k, v in values.items():
-            n = sum(put(b) for b in _pieces(v))
-            begin, end = header[k]["data_offsets"]
-            if n != end - begin:
-                raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
-    os.replace(part, path)
+    try:
+        with writing(path), part.open("wb") as f:
+            put(struct.pack("<Q", len(raw)))
+            put(raw)
+            for k, v in values.items():
+                n = sum(put(b) for b in _pieces(v))
+                begin, end = header[k]["data_offsets"]
+                if n != end - begin:
+                    raise RuntimeError(f"{k} changed between its two reads: {end - begin} then {n} bytes")
+        with writing(path):
+            os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)   # a full disk gets its space back
+        raise
     return whole.hexdigest()
 
 
@@ -210,7 +215,7 @@ class SafetensorsFile:
     def raw(self, name: str) -> bytes:
         e = self.entries[name]
         try:
-            with self._open() as f:
+            with self._open() as f, limits(f"reading tensor {name} ({e.end - e.begin} bytes) of {self.path}"):
                 f.seek(self.data_start + e.begin)
                 b = f.read(e.end - e.begin)
         except OSError as err:
@@ -266,7 +271,8 @@ class SafetensorsFile:
         return self.entries[name]
 
     def _read(self, name: str, begin: int, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
+        with limits(f"reading tensor {name} ({nbytes} bytes) of {self.path}"):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy
         try:
             with self._open() as f:
                 f.seek(self.data_start + begin)
