@@ -13,9 +13,9 @@ import torch
 from .. import cpu_features, data, hf_model
 from .. import format as fmt
 from ..algorithms import lattice
-from ..algorithms.decoders import DECODERS
+from ..algorithms.decoders import DECODERS, MAX_BEAM
 from ..format.scale_codes import CODE_BITS
-from ..format.spec import INLIER_BITS
+from ..format.spec import INLIER_BITS, MAX_GROUP_SIZE
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -124,8 +124,9 @@ class QuantizeOptions:
     def _check_method_options(self) -> None:
         if self.kind == "dense":
             _require(_is_int(self.bits) and self.bits in INLIER_BITS, "bits", "an integer in 2..8", self.bits)
-            _require(_is_int(self.group_size) and self.group_size >= 1, "group_size", "a positive integer",
-                     self.group_size)
+            _require(_is_int(self.group_size) and 1 <= self.group_size <= MAX_GROUP_SIZE, "group_size",
+                     f"an integer in 1..{MAX_GROUP_SIZE} (the format's widest group; one at least a row wide is one "
+                     "scale per row)", self.group_size)
         if self.method == "ssqr":
             _require(_is_number(self.outlier_rate) and 0 <= self.outlier_rate < 1, "outlier_rate", "in [0, 1)",
                      self.outlier_rate)
@@ -147,7 +148,7 @@ class QuantizeOptions:
         _require(_is_int(self.rotate_seed) and 0 <= self.rotate_seed < 2 ** 63, "rotate_seed", "an integer in "
                  "[0, 2^63)", self.rotate_seed)
         _require(self.decoder in DECODERS, "decoder", f"one of {', '.join(DECODERS)}", self.decoder)
-        _require(_is_int(self.beam) and self.beam >= 1, "beam", "an integer >= 1", self.beam)
+        _require(_is_int(self.beam) and 1 <= self.beam <= MAX_BEAM, "beam", f"an integer in 1..{MAX_BEAM}", self.beam)
         if self.decoder != "babai" and self.method not in DECODED_METHODS:
             methods = f"{', '.join(DECODED_METHODS[:-1])} and {DECODED_METHODS[-1]}"
             raise ValueError(f"decoder {self.decoder} is for {methods}, not {self.method}")
@@ -155,6 +156,7 @@ class QuantizeOptions:
     def _check_calibration_options(self) -> None:
         _require(_is_int(self.nsamples) and self.nsamples >= 1, "nsamples", "a positive integer", self.nsamples)
         _require(_is_int(self.seqlen) and self.seqlen >= 1, "seqlen", "a positive integer", self.seqlen)
+        cpu_features.compute_device(self.device, "device", here=False)   # whether it is there: at the run
         _require(self.compute_dtype in COMPUTE_DTYPES, "compute_dtype", f"one of {', '.join(COMPUTE_DTYPES)}",
                  self.compute_dtype)
         _require(self.max_activation_memory is None or self.max_activation_memory >= 0, "max_activation_memory",

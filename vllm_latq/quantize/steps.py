@@ -25,6 +25,7 @@ from .head import HeadPlan, head_plan, quantize_head
 from .options import QuantizeOptions
 from .output import check_output
 from .resume import RunDir, fingerprint
+from .room import check_room
 from .solve_layers import LayerSolver, Solve, Solved, SolveSetup, Stage, solve_block
 from .source import Source, open_source
 from .target_correction import corrected_stages, drop_stream, full_precision_stream
@@ -43,6 +44,7 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
     head = _head_plan(src, opts)
+    check_room(src, head, opts, out)
     with ranks.together("checking the output directory", world):
         if world.writes:
             check_output(out, src.path, overwrite)
@@ -117,7 +119,7 @@ class Steps:
 
     def capture(self) -> None:
         """Block 0's inputs (resuming: the first block to do's) and every block's forward kwargs."""
-        calib = calibration_text(self.src.path, self.opts)
+        calib = calibration_text(self.src.path, self.opts, self.src.net.get_input_embeddings().num_embeddings)
         if calib is not None and calib.numel() < self.src.config.hidden_size and self.world.writes:
             log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
                         "state: their H is singular but for the damping and the integers follow its last bits "
@@ -231,15 +233,17 @@ class Steps:
                          f" ({self.world.size} ranks)" if self.world.distributed else "")
 
 
-def calibration_text(tokenizer_dir: Path, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]``; None for a method that uses none."""
+def calibration_text(tokenizer_dir: Path, opts: QuantizeOptions, vocabulary: int) -> torch.Tensor | None:
+    """The calibration token ids ``[nsamples, seqlen]``, each below ``vocabulary`` (the embedding's
+    rows); None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
     tok = data.load_tokenizer(tokenizer_dir)
-    return data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
-                                    source=opts.calib)
+    ids = data.calibration_batches(tok, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed, source=opts.calib)
+    data.check_vocabulary(ids, vocabulary, tok)
+    return ids
 
 
 def _to_device(kwargs: dict, device) -> dict:
