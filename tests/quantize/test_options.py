@@ -28,6 +28,9 @@ from vllm_latq.quantize.options import QuantizeOptions
     (dict(method="rtn", scale_bits=3), r"scale_bits must be one of \(4,\), got 3"),
     (dict(quantize_lm_head=True, lm_head_bits=1), "lm_head_bits must be an integer in 2..8, got 1"),
     (dict(nsamples=0), "nsamples must be a positive integer, got 0"),
+    (dict(moe_min_tokens=0), r"moe_min_tokens must be an integer in \[1, 2\^63\), got 0"),
+    (dict(moe_min_tokens=2 ** 64), r"moe_min_tokens must be an integer in \[1, 2\^63\), got 18446744073709551616"),
+    (dict(seed=2 ** 64), r"seed must be an integer in \[-2\^63, 2\^63\), got 18446744073709551616"),
     (dict(column_scales="norm", column_scale_power=-1.0), "column_scale_power must be >= 0, got -1.0"),
 ])
 def test_a_bad_option_is_named_as_the_user_wrote_it(kw, message):

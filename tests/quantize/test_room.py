@@ -34,6 +34,8 @@ def _refused(capfd, src, out, *args) -> str:
     (["--bits", 2 ** 64], "bits must be an integer in 2..8"),
     (["--nsamples", -1], "nsamples must be a positive integer, got -1"),
     (["--rotate", "hadamard", "--rotate-seed", 2 ** 64], "rotate_seed must be an integer in [0, 2^63)"),
+    (["--seed", 2 ** 64], f"seed must be an integer in [-2^63, 2^63), got {2 ** 64}"),
+    (["--moe-min-tokens", 0], "moe_min_tokens must be an integer in [1, 2^63), got 0"),
 ])
 def test_options_at_their_extremes_are_refused_by_name(tiny_llama, tmp_path, capfd, args, message):
     assert message in _refused(capfd, tiny_llama, tmp_path / "out", *args)

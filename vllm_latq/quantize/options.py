@@ -27,6 +27,7 @@ COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bflo
 ORDERS = tuple(o for o in lattice.ORDERS if o != "reverse")
 CODED_SCALE_METHODS = ("gptq", "rtn", "babai")   # the methods whose group scales may be stored as codes
 DECODED_METHODS = ("gptq", "babai", "ssqr", "hptq")   # the nearest-plane solvers another decoder may replace
+INT64 = 2 ** 63   # what the checkpoint's JSON records of an option, and torch, hold
 MAX_TARGET_BITS = 8.0   # HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
 
 # The defaults the study chose (docs/RESULTS.md): GPTQ 4-bit at group 64 serves fewer
@@ -145,7 +146,7 @@ class QuantizeOptions:
     def _check_lattice_options(self) -> None:
         kinds = ("none",) + fmt.rotation.KINDS
         _require(self.rotate in kinds, "rotate", f"one of {', '.join(kinds)}", self.rotate)
-        _require(_is_int(self.rotate_seed) and 0 <= self.rotate_seed < 2 ** 63, "rotate_seed", "an integer in "
+        _require(_is_int(self.rotate_seed) and 0 <= self.rotate_seed < INT64, "rotate_seed", "an integer in "
                  "[0, 2^63)", self.rotate_seed)
         _require(self.decoder in DECODERS, "decoder", f"one of {', '.join(DECODERS)}", self.decoder)
         _require(_is_int(self.beam) and 1 <= self.beam <= MAX_BEAM, "beam", f"an integer in 1..{MAX_BEAM}", self.beam)
@@ -161,7 +162,9 @@ class QuantizeOptions:
                  self.compute_dtype)
         _require(self.max_activation_memory is None or self.max_activation_memory >= 0, "max_activation_memory",
                  ">= 0 bytes", self.max_activation_memory)
-        _require(self.moe_min_tokens >= 1, "moe_min_tokens", ">= 1", self.moe_min_tokens)
+        _require(_is_int(self.moe_min_tokens) and 1 <= self.moe_min_tokens < INT64, "moe_min_tokens",
+                 "an integer in [1, 2^63)", self.moe_min_tokens)
+        _require(_is_int(self.seed) and -INT64 <= self.seed < INT64, "seed", "an integer in [-2^63, 2^63)", self.seed)
         folds = ("none",) + fmt.COLUMN_SCALE_FOLDS
         _require(self.column_scales in folds, "column_scales", f"one of {', '.join(folds)}", self.column_scales)
         _require(_is_number(self.column_scale_power) and self.column_scale_power >= 0, "column_scale_power",
