@@ -84,3 +84,15 @@ def test_a_device_this_machine_lacks_is_one_line(tiny_llama, tmp_path, text, cap
     assert err.count("\n") == 1 and not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-latq").exists()
     rc, out, err = _run(capfd, evaluate.main, tiny_llama, "--text", text, "--device", device, *EVAL)
     assert rc == 2 and err.startswith(f"latq-eval: error: --device {why}") and err.count("\n") == 1, err
+
+
+def test_eval_refuses_a_window_past_the_model_positions(tiny_llama, text, capfd, monkeypatch):
+    """Before the text is tokenized that far (a huge --seqlen once tokenized the whole file)."""
+    from vllm_latq.data import text as text_module
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized")
+    monkeypatch.setattr(text_module, "_encode", no_tokenizing)
+    rc, out, err = _run(capfd, evaluate.main, tiny_llama, "--text", text, "--seqlen", 2 ** 63, "--no-progress")
+    assert rc == 2 and err == (f"latq-eval: error: --seqlen {2 ** 63} is longer than the model's 2048 positions "
+                               f"(max_position_embeddings of {tiny_llama})\n"), err

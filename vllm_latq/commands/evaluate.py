@@ -62,6 +62,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
              expect_digest: str | None = None) -> dict:
     """Perplexity of ``model`` on ``text`` ("wiki" or a .txt / .jsonl file) → result dict."""
     from .. import cpu_features, data
+    from ..model_config import check_positions
 
     t0 = time.time()
     device = str(cpu_features.compute_device(device))
@@ -71,6 +72,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
     source = data.source_record(text, "eval")
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
         m, tok, info = load_for_eval(model, device, verify, expect_digest)
+    check_positions(m.config, seqlen, "--seqlen", model)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)
     data.check_vocabulary(windows, m.get_input_embeddings().num_embeddings, tok)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)

@@ -12,6 +12,7 @@ import torch
 from .. import cpu_features
 from ..algorithms.decoders import decoder_bytes
 from ..errors import ResourceLimit, in_units
+from ..model_config import CONFIG_FILE, check_positions
 from .head import HeadPlan
 from .options import QuantizeOptions
 from .source import Source
@@ -21,10 +22,8 @@ SAVED_STREAMS = 2   # a block's inputs and the next block's, both on disk while 
 
 def check_room(src: Source, head: HeadPlan | None, opts: QuantizeOptions, out: Path) -> None:
     """Refuse ``opts`` the model ``src`` or this machine cannot hold, naming the option and the limit."""
-    positions = getattr(src.config, "max_position_embeddings", None)
-    if opts.calibrated and isinstance(positions, int) and opts.seqlen > positions:
-        raise ValueError(f"seqlen {opts.seqlen} is longer than the model's {positions} positions (max_position_embeddings "
-                         f"of {src.path / 'config.json'})")
+    if opts.calibrated:
+        check_positions(src.config, opts.seqlen, "seqlen", str(src.path / CONFIG_FILE))
     if opts.decoder != "babai":
         _check_decoder(src, head, opts)
     if opts.calibrated:
