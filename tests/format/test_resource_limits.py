@@ -79,6 +79,17 @@ def test_a_file_size_limit_names_the_file_and_the_limit(tmp_path, what):
     assert not Path(f"{path}.part").exists()
 
 
+def test_a_full_disk_at_the_run_directory_names_it(tmp_path, monkeypatch):
+    from vllm_latq.format import output_dir
+    from vllm_latq.quantize.resume import RunDir
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")   # as a write() raises it: no file named
+    monkeypatch.setattr(output_dir, "mark_temporary", full)
+    with pytest.raises(ResourceLimit, match=rf"^no space left on the device while writing {tmp_path}/out\.tmp-latq \("):
+        RunDir.open(tmp_path / "out", "fingerprint", resume=False)
+
+
 def test_other_write_errors_name_the_path(tmp_path):
     with pytest.raises(OSError) as e, errors.writing(tmp_path / "x"):
         raise OSError(errno.EIO, "Input/output error")   # what a failed write() raises: no file named

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..bounded_io import read_json
-from ..errors import FormatError
+from ..errors import FormatError, writing
 from ..hf_model import config_dict
 from .files import MANIFEST_FILE, TEMP_MARK
 from .manifest import read_manifest, unsealed_entries, verify_manifest
@@ -79,8 +79,9 @@ def why_not_replaceable(d: Path, made_by: str) -> str | None:
 def make_temporary(tmp: Path, made_by: str) -> None:
     """Create the temporary directory ``tmp``, marked as ``made_by``'s (a leftover one removed first)."""
     remove_temporary(tmp, made_by)
-    tmp.mkdir(parents=True)
-    mark_temporary(tmp, made_by)
+    with writing(tmp):   # a full disk names the directory, not only the errno
+        tmp.mkdir(parents=True)
+        mark_temporary(tmp, made_by)
 
 
 def mark_temporary(tmp: Path, made_by: str) -> None:
