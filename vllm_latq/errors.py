@@ -11,6 +11,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from .cpu_features import address_space_left, available_memory
+
 
 class FormatError(ValueError):
     """A checkpoint does not follow the format. The message names the file and tensor."""
@@ -32,6 +34,9 @@ class ResourceLimit(OSError):
         return self.strerror
 
 
+# the memory a command's first steps take beyond what is loaded (a model's modules imported, its
+# config and headers read): with less, native code may crash in them rather than raise
+COMMAND_HEADROOM = 256 << 20
 _DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
               errno.EFBIG: "the file is too large"}
 # torch's CPU allocator and CUDA's out-of-memory error: RuntimeErrors, not MemoryError
@@ -50,9 +55,12 @@ def resource_limit(e: BaseException, doing: str, path: str | os.PathLike | None 
     None where ``e`` is no resource error."""
     if isinstance(e, ResourceLimit) or not is_resource_error(e):
         return e if isinstance(e, ResourceLimit) else None
-    if isinstance(e, OSError) and e.errno in _DISK_FULL:
-        return ResourceLimit(f"{_DISK_FULL[e.errno]} while {doing} ({disk_limit(e.errno, path)})", e.errno)
-    return ResourceLimit(f"out of memory while {doing} ({memory_limit()})")
+    try:   # with the memory gone, saying which limit may itself fail: then it is left unsaid
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return ResourceLimit(f"{_DISK_FULL[e.errno]} while {doing} ({disk_limit(e.errno, path)})", e.errno)
+        return ResourceLimit(f"out of memory while {doing} ({memory_limit()})")
+    except MemoryError:
+        return ResourceLimit(f"out of memory while {doing}", getattr(e, "errno", None) or errno.ENOMEM)
 
 
 def reason(e: OSError, path: str | os.PathLike | None = None) -> str:
@@ -63,10 +71,13 @@ def reason(e: OSError, path: str | os.PathLike | None = None) -> str:
 
 
 @contextmanager
-def limits(doing: str, path: str | os.PathLike | None = None):
+def limits(doing: str, path: str | os.PathLike | None = None, *, need: int = 0):
     """A limit of the machine reached in the body is raised as one :class:`ResourceLimit` saying
-    ``doing`` (the innermost such context names it: "reading tensor X of file Y")."""
+    ``doing`` (the innermost such context names it: "reading tensor X of file Y"); with ``need``,
+    the body is not entered with less memory than that (:func:`check_headroom`)."""
     try:
+        if need:
+            check_headroom(need, doing)
         yield
     except Exception as e:   # noqa: BLE001  (only resource errors are converted; the rest pass)
         r = resource_limit(e, doing, path)
@@ -89,20 +100,20 @@ def writing(path: str | os.PathLike):
 
 
 def check_headroom(need: int, doing: str) -> None:
-    """Refuse, as a :class:`ResourceLimit`, a step that needs about ``need`` bytes more than an
-    address-space limit (``ulimit -v``) leaves: native code that aborts the process when an
-    allocation fails (the Rust tokenizers) is never entered without room."""
-    from .cpu_features import address_space_left
-    left = address_space_left()
-    if left is not None and need > left:
+    """Refuse, as a :class:`ResourceLimit`, a step that needs about ``need`` bytes more than the
+    memory available (or than an address-space limit, ``ulimit -v``, leaves): native code that
+    aborts the process when an allocation fails (the Rust tokenizers) is never entered without room."""
+    room, left = address_space_left(), available_memory()
+    if need > left:
+        limited = room is not None and room <= left
         soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-        raise ResourceLimit(f"out of memory before {doing}: it takes about {in_units(need)}, and the address-space "
-                            f"limit, ulimit -v {in_units(soft)}, leaves {in_units(left)}")
+        limit = f"the address-space limit, ulimit -v {in_units(soft)}, leaves" if limited else "this machine has"
+        raise ResourceLimit(f"out of memory before {doing}: it takes about {in_units(need)}, and {limit} "
+                            f"{in_units(left)}" + ("" if limited else " available"))
 
 
 def memory_limit() -> str:
     """The memory limit this process runs under, in words."""
-    from .cpu_features import available_memory
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     if soft != resource.RLIM_INFINITY:
         return f"the address-space limit, ulimit -v, is {in_units(soft)}"
@@ -126,7 +137,7 @@ def disk_limit(err: int, path: str | os.PathLike | None) -> str:
 
 def in_units(n: int) -> str:
     """``n`` bytes in GiB, MiB, KiB or bytes, for a message."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} bytes"

@@ -110,6 +110,26 @@ def test_out_of_memory_is_a_resource_limit_naming_what_was_read(raised):
         raise ValueError("not mine")   # the rest passes through
 
 
+def test_a_command_is_not_begun_without_its_headroom(monkeypatch):
+    """Too little memory available (no ``ulimit -v``): refused before the body, saying how much."""
+    monkeypatch.setattr(errors, "address_space_left", lambda: None)
+    monkeypatch.setattr(errors, "available_memory", lambda: 100 << 20)
+    entered = []
+    with pytest.raises(ResourceLimit) as e, errors.limits("evaluating M", need=errors.COMMAND_HEADROOM):
+        entered.append(True)
+    assert str(e.value) == ("out of memory before evaluating M: it takes about 256.00 MiB, and this machine has "
+                            "100.00 MiB available") and not entered
+
+
+def test_a_limit_left_unsaid_when_saying_it_runs_out_of_memory(monkeypatch):
+    def no_memory():
+        raise MemoryError()
+    monkeypatch.setattr(errors, "memory_limit", no_memory)
+    with pytest.raises(ResourceLimit) as e, errors.limits("reading X"):
+        raise MemoryError()
+    assert str(e.value) == "out of memory while reading X" and e.value.errno == errno.ENOMEM
+
+
 def test_out_of_memory_in_a_valid_checkpoint_is_no_invalid_checkpoint(tiny_checkpoints, tmp_path, monkeypatch,
                                                                       capsys):
     """Building the model (transformers, where many errors mean a bad config) runs out of memory:
@@ -137,7 +157,8 @@ def _limited(code: str, headroom: int) -> subprocess.CompletedProcess:
     """``code`` run in a process whose address space is limited to what it holds after importing
     the commands plus ``headroom`` bytes (``ulimit -v``, set once the imports are done)."""
     prologue = ("import resource, re, sys\n"
-                "import transformers, vllm_latq.commands.evaluate, vllm_latq.commands.export\n"
+                "import transformers, vllm_latq.commands.evaluate, vllm_latq.commands.export, "
+                "vllm_latq.commands.quantize\n"
                 "used = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
                 f"resource.setrlimit(resource.RLIMIT_AS, (used + {headroom}, resource.RLIM_INFINITY))\n")
     return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True, text=True, timeout=300,
@@ -157,16 +178,19 @@ def test_eval_under_an_address_space_limit_says_out_of_memory(tiny_checkpoints, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", ["evaluate", "export"])
-@pytest.mark.parametrize("headroom_mib", [48, 96, 160, 256, 512])
-def test_every_address_space_limit_ends_in_a_result_or_one_line(tiny_checkpoints, tmp_path, command, headroom_mib):
+@pytest.mark.parametrize("command", ["evaluate", "export", "quantize"])
+@pytest.mark.parametrize("headroom_mib", [192, 288, 320, 384, 512, 768])
+def test_every_address_space_limit_ends_in_a_result_or_one_line(tiny_llama, tiny_checkpoints, tmp_path, command,
+                                                                headroom_mib):
     """Wherever the limit falls, the command ends with its result or one line saying out of memory:
     no abort, no traceback, no "invalid checkpoint"."""
     text = tmp_path / "t.txt"
     text.write_text("The tiny model reads this. " * 40)
     ck = str(tiny_checkpoints["ssqr"][0])
-    args = [ck, "--text", str(text), "--nwindows", "1", "--seqlen", "16", "--no-progress"] if command == "evaluate" \
-        else [ck, str(tmp_path / "x"), "--dequantize-unmapped"]
+    args = {"evaluate": [ck, "--text", str(text), "--nwindows", "1", "--seqlen", "16", "--no-progress"],
+            "export": [ck, str(tmp_path / "x"), "--dequantize-unmapped"],
+            "quantize": [str(tiny_llama), str(tmp_path / "q"), "--nsamples", "4", "--seqlen", "64", "--no-progress",
+                         "-q"]}[command]
     p = _limited(f"sys.exit(vllm_latq.commands.{command}.main({args!r}))", headroom_mib << 20)
     assert p.returncode in (0, 2), p.stderr[-3000:]
     if p.returncode == 2:

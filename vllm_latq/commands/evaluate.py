@@ -82,7 +82,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
 
 def main(argv=None) -> int:
-    from ..errors import limits
+    from ..errors import COMMAND_HEADROOM, limits
     from ..format import FormatError, writer
 
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__, epilog=EXAMPLES,
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     try:
         if a.output:   # a folder missing, read-only or full is refused now, not after the evaluation
             writer.check_writable(a.output, "--output")
-        with limits(f"evaluating {a.model}"):
+        with limits(f"evaluating {a.model}", need=COMMAND_HEADROOM):
             r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
                          device=a.device, progress=not a.no_progress, verify=not a.no_verify,
                          expect_digest=a.expect_digest)

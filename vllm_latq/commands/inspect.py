@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..format.checkpoint import Checkpoint
-from ..errors import FormatError, ResourceLimit, limits
+from ..errors import COMMAND_HEADROOM, FormatError, ResourceLimit, limits
 from ..format.manifest import SKIPPED, digest_of
 from ..format.validate import format_report, validate_checkpoint
 
@@ -30,7 +30,7 @@ def inspect_main(argv=None) -> int:
     if a.no_verify:
         print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
-        with limits(f"validating {a.checkpoint}"):
+        with limits(f"validating {a.checkpoint}", need=COMMAND_HEADROOM):
             report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
                                          progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
     except FormatError as e:

@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ..errors import limits
+    from ..errors import COMMAND_HEADROOM, limits
     from ..hf_model import UnsupportedModelError
     from ..quantize.faults import SimulatedInterruption
     from ..quantize.options import QuantizeOptions
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     a = parser().parse_args(argv)
     setup_logging(a.quiet)
     try:
-        with limits(f"quantizing {a.model}"):
+        with limits(f"quantizing {a.model}", need=COMMAND_HEADROOM):
             opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size,
                                    outlier_rate=a.outlier_rate, target_bits=a.target_bits, order=a.order,
                                    damp=a.damp, calib=a.calib,
