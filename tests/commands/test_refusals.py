@@ -35,11 +35,12 @@ def _no_evaluation(*a, **k):
     raise AssertionError("evaluated before the output was checked")
 
 
-@pytest.mark.parametrize("case", ["missing", "directory", "read-only", "full", "file-size"])
+@pytest.mark.parametrize("case", ["missing", "directory", "fifo", "read-only", "full", "file-size"])
 def test_eval_output_is_checked_before_the_evaluation(tiny_checkpoints, tmp_path, text, capfd, monkeypatch, case):
-    """A folder missing or no folder, read-only (EROFS), full (ENOSPC) or past ``ulimit -f``: one line
-    naming --output and why, exit 2, the model never loaded. Root writes anywhere a mode forbids,
-    so EROFS and ENOSPC come from a stand-in ``open`` (ENOSPC for real: tests/format/test_resource_limits.py)."""
+    """A folder missing or no folder, a pipe or device (never replaced by the result's file), read-only
+    (EROFS), full (ENOSPC) or past ``ulimit -f``: one line naming --output and why, exit 2, the model
+    never loaded. Root writes anywhere a mode forbids, so EROFS and ENOSPC come from a stand-in
+    ``open`` (ENOSPC for real: tests/format/test_resource_limits.py)."""
     out = {"missing": tmp_path / "nodir" / "r.json", "directory": tmp_path}.get(case, tmp_path / "r.json")
     fails = {"read-only": OSError(errno.EROFS, "Read-only file system"),
              "full": OSError(errno.ENOSPC, "No space left on device"),
@@ -48,15 +49,19 @@ def test_eval_output_is_checked_before_the_evaluation(tiny_checkpoints, tmp_path
         def refused(*a, **k):
             raise fails
         monkeypatch.setattr(writer, "open", refused, raising=False)
+    if case == "fifo":
+        os.mkfifo(out)
     monkeypatch.setattr(evaluate, "evaluate", _no_evaluation)
     rc, stdout, err = _run(capfd, evaluate.main, tiny_checkpoints["ssqr"][0], "--text", text, "--output", out, *EVAL)
     assert (rc, stdout) == (2, "") and err.count("\n") == 1, err
     why = {"missing": f"its folder {tmp_path / 'nodir'} does not exist", "directory": "is a directory: name a file",
+           "fifo": "is not a regular file (a device, pipe or socket): name a file",
            "read-only": "cannot be written: Read-only file system",
            "full": f"cannot be written: no space left on the device (", "file-size": "cannot be written: the file is "
                                                                                     "too large ("}[case]
     assert err.startswith(f"latq-eval: error: --output {out}") and why in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]   # no probe left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"] * (case == "fifo") + ["t.txt"]   # no probe left
+    assert case != "fifo" or out.is_fifo()
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")

@@ -40,11 +40,14 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def check_writable(path: str | os.PathLike, what: str) -> None:
     """Refuse, before any work, a file ``path`` that could not be written: its folder missing, not a
-    folder, read-only or full (a probe of a few KiB is written there and removed)."""
+    folder, read-only or full (a probe of a few KiB is written there and removed), or ``path`` a
+    device, pipe or socket."""
     path = Path(path)
     folder = path.parent
     if path.is_dir():
         raise ValueError(f"{what} {path} is a directory: name a file")
+    if path.exists() and not path.is_file():   # the atomic rename would replace a device (/dev/null) itself
+        raise ValueError(f"{what} {path} is not a regular file (a device, pipe or socket): name a file")
     if not folder.is_dir():
         raise ValueError(f"{what} {path}: its folder {folder} " + ("is not a directory" if folder.exists()
                                                                    else "does not exist"))
