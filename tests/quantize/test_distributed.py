@@ -146,6 +146,7 @@ def test_options_that_differ_between_ranks_are_refused(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-latq").exists()
 
 
+@pytest.mark.slow   # two ranks started and killed, then a resume
 def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     """torchrun's agent killed (SIGKILL: it cannot stop its ranks): the ranks notice their parent
     is gone, stop within seconds, one line says so, nothing is sealed and a rerun resumes."""
