@@ -72,9 +72,8 @@ def reason(e: OSError, path: str | os.PathLike | None = None) -> str:
 
 @contextmanager
 def limits(doing: str, path: str | os.PathLike | None = None, *, need: int = 0):
-    """A limit of the machine reached in the body is raised as one :class:`ResourceLimit` saying
-    ``doing`` (the innermost such context names it: "reading tensor X of file Y"); with ``need``,
-    the body is not entered with less memory than that (:func:`check_headroom`)."""
+    """A limit of the machine reached in the body (or ``need`` bytes not available before it) is one
+    :class:`ResourceLimit` saying ``doing`` (the innermost such context names it)."""
     try:
         if need:
             check_headroom(need, doing)
@@ -100,9 +99,8 @@ def writing(path: str | os.PathLike):
 
 
 def check_headroom(need: int, doing: str) -> None:
-    """Refuse, as a :class:`ResourceLimit`, a step that needs about ``need`` bytes more than the
-    memory available (or than an address-space limit, ``ulimit -v``, leaves): native code that
-    aborts the process when an allocation fails (the Rust tokenizers) is never entered without room."""
+    """Refuse, as a :class:`ResourceLimit`, a step needing more than the memory available (or than
+    ``ulimit -v`` leaves): native code that aborts on a failed allocation is never entered without room."""
     room, left = address_space_left(), available_memory()
     if need > left:
         limited = room is not None and room <= left

@@ -79,8 +79,7 @@ def _is_int(v) -> bool:
 
 
 def check_positions(config, seqlen: int, option: str, where: str) -> None:
-    """Refuse a window of ``seqlen`` tokens (``option``) longer than the positions the model of
-    ``config`` (read from ``where``) embeds, before any text is tokenized that far."""
+    """Refuse ``option``'s ``seqlen`` past the positions of ``config`` (read from ``where``)."""
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and seqlen > positions:
         raise ValueError(f"{option} {seqlen} is longer than the model's {positions} positions "

@@ -39,9 +39,8 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def check_writable(path: str | os.PathLike, what: str) -> None:
-    """Refuse, before any work, a file ``path`` that could not be written: its folder missing, not a
-    folder, read-only or full (a probe of a few KiB is written there and removed), or ``path`` a
-    device, pipe or socket."""
+    """Refuse, before any work, a file ``path`` that could not be written: a device, its folder missing,
+    read-only or full (a probe of a few KiB is written there and removed)."""
     path = Path(path)
     folder = path.parent
     if path.is_dir():
