@@ -16,7 +16,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, limits, writing
 
 MAX_JSON_BYTES = 64 << 20   # config, index, stats, manifest, progress: a 405B MoE's stats are ~25 MiB
 MAX_JSON_DEPTH = 64         # the package's JSON nests 5 deep; a deeper file is an attack, not a model
@@ -51,14 +51,30 @@ def open_regular(path: str | os.PathLike, *, name: str | None = None, dir_fd: in
 def read_bytes(path: str | os.PathLike, limit: int, *, name: str | None = None) -> bytes:
     """The bytes of regular file ``path``, refused past ``limit`` bytes (declared or grown while read)."""
     name = name or str(path)
-    with open_regular(path, name=name) as f:
+    with open_regular(path, name=name) as f, limits(f"reading {name}"):
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise FormatError(f"{size} bytes, more than the {limit} such a file may hold: refused", file=name)
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        chunks, n, want = [], 0, size + 1   # the size it has, and a byte more to see it grow
+        while n <= limit and (piece := f.read(min(want, limit + 1 - n))):
+            chunks.append(piece)
+            n, want = n + len(piece), PIECE_BYTES
+    if n > limit:
         raise FormatError(f"grew past {limit} bytes while read: refused", file=name)
-    return data
+    return b"".join(chunks)
+
+
+def read_head(path: str | os.PathLike, n: int, limit: int, *, name: str | None = None) -> tuple[bytes, bool]:
+    """The first ``n`` bytes of regular file ``path`` (refused past ``limit`` bytes), and whether
+    they are all of it: a file read only as far as it is needed."""
+    name = name or str(path)
+    with open_regular(path, name=name) as f, limits(f"reading {name}"):
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FormatError(f"{size} bytes, more than the {limit} such a file may hold: refused", file=name)
+        data = f.read(min(n, size + 1))
+        whole = len(data) < n and not f.read(1)
+    return data, whole
 
 
 def read_text(path: str | os.PathLike, limit: int = MAX_TEXT_BYTES, *, name: str | None = None) -> str:
@@ -133,7 +149,7 @@ def file_sha256(path: str | os.PathLike, *, limit: int | None = None, name: str 
 def copy_regular(src: Path, dst: Path, *, limit: int | None = None, name: str | None = None) -> str:
     """Copy the regular file ``src`` to ``dst`` by pieces → the sha256 of what was written."""
     h = hashlib.sha256()
-    with open(dst, "wb") as out:
+    with writing(dst), open(dst, "wb") as out:
         for piece in pieces(src, limit=limit, name=name):
             h.update(piece)
             out.write(piece)

@@ -1,8 +1,10 @@
-"""What this CPU computes natively: bf16 matmuls only with AVX-512 BF16 (or AMX); elsewhere torch
-emulates them, slower than fp32, so work in fp32 there. ``LATQ_CPU_BF16=0|1`` overrides."""
+"""What this machine computes on: bf16 matmuls natively only with AVX-512 BF16 (or AMX); elsewhere
+torch emulates them, slower than fp32, so work in fp32 there (``LATQ_CPU_BF16=0|1`` overrides);
+the devices a command may name, and the host memory a process may still take."""
 from __future__ import annotations
 
 import os
+import resource
 
 import torch
 
@@ -69,3 +71,49 @@ def vllm_build() -> str:
     with open("/proc/self/maps") as maps:
         libs = sorted({os.path.basename(line.split()[-1]) for line in maps if "/vllm/_C" in line})
     return ",".join(VLLM_BUILDS.get(lib, lib) for lib in libs) or "none"
+
+
+COMPUTE_DEVICES = ("cpu", "cuda")   # what the pipeline, the reference and the kernels compute on
+
+
+def compute_device(value: str, option: str = "--device", *, here: bool = True) -> torch.device:
+    """``value`` as a device latq computes on (cpu, cuda, cuda:N), else a ``ValueError`` naming
+    ``option``; with ``here``, one this machine has."""
+    try:
+        d = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{option} {value!r} is not a device: cpu, cuda or cuda:N") from None
+    if d.type not in COMPUTE_DEVICES:
+        raise ValueError(f"{option} {value}: latq computes on {' or '.join(COMPUTE_DEVICES)}, not {d.type}")
+    if here and d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"{option} {value}: CUDA is not available here ({why})")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"{option} {value}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    return d
+
+
+def available_memory() -> int:
+    """Bytes of host memory this process may still take: the kernel's ``MemAvailable``, or less
+    where an address-space limit (``ulimit -v``) leaves less room."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = address_space_left()
+    return avail if left is None else min(avail, left)
+
+
+def address_space_left() -> int | None:
+    """Bytes an address-space limit (``ulimit -v``) leaves this process; None without one."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        used = 0
+    return max(0, soft - used)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, is_resource_error
 from .model_config import CONFIG_FILE, config_dict  # noqa: F401  (read through here by the pipeline and readers)
 
 # The most bytes of tables (rotary positions, causal masks) building a model on the meta device may
@@ -56,6 +56,8 @@ def hf_config(cfg: dict, *, file: str = CONFIG_FILE):
     try:
         return CONFIG_MAPPING[mt].from_dict(cfg)
     except Exception as e:  # transformers raises many kinds on a bad config
+        if is_resource_error(e):
+            raise
         raise FormatError(f"transformers rejects the config: {type(e).__name__}: {e}", file=file) from None
 
 
@@ -289,6 +291,8 @@ def checkpoint_names(model) -> CheckpointNames:
         try:
             out = revert_weight_conversion(model, probe)
         except Exception as e:  # transformers raises many kinds on a mapping it cannot revert
+            if is_resource_error(e):
+                raise
             raise UnsupportedModelError(f"{type(model).__name__}: transformers cannot revert its conversion mapping "
                                         f"to the original checkpoint names ({type(e).__name__}: {e})") from None
         owners = list(codes)   # in increasing code order

@@ -78,6 +78,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def check_positions(config, seqlen: int, option: str, where: str) -> None:
+    """Refuse ``option``'s ``seqlen`` past the positions of ``config`` (read from ``where``)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and seqlen > positions:
+        raise ValueError(f"{option} {seqlen} is longer than the model's {positions} positions "
+                         f"(max_position_embeddings of {where})")
+
+
 def check_architecture(cfg: dict, model_class: str, *, file: str = CONFIG_FILE) -> None:
     """Refuse ``architectures`` other than ``[model_class]``: vLLM would serve a class not checked."""
     archs = cfg.get("architectures")

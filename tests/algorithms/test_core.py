@@ -335,3 +335,18 @@ def test_finite_check_survives_an_overflowing_sum():
     x[1, 1] = float("nan")
     with pytest.raises(ValueError, match="layer L: weight has 1 non-finite"):
         check_finite(x, "weight", "L")
+
+
+def test_a_group_wider_than_the_row_is_the_row():
+    """One scale per row whatever the group size past the row: the same scales, integers and
+    weights, and nothing allocated in proportion to the group (2^20 columns of fp32 per row)."""
+    from vllm_latq.format import dequantize_layer, encode_layer
+    torch.manual_seed(0)
+    W, H = torch.randn(16, 80), torch.eye(80) + 0.1
+    for scales in (absmax_scales, mse_scales):
+        assert torch.equal(scales(W, 4, 1 << 20), scales(W, 4, 80))
+    assert torch.equal(expand(torch.ones(16, 1), 1 << 20, (16, 80)), torch.ones(16, 80))
+    row, wide = gptq(W, H, bits=4, group_size=80), gptq(W, H, bits=4, group_size=1 << 20)
+    assert torch.equal(row.q, wide.q) and torch.equal(row.z, wide.z)
+    t = encode_layer(row, "dense")
+    assert torch.equal(dequantize_layer(t, "dense", (16, 80), 4, 1 << 20), row.q)

@@ -100,8 +100,9 @@ def test_pipeline_option():
     assert "decoder" not in QuantizeOptions().solver_kwargs() and "decoder" not in QuantizeOptions().quantization_config([])
     with pytest.raises(ValueError, match="decoder kbest is for gptq, babai, ssqr and hptq, not rtn"):
         QuantizeOptions(method="rtn", decoder="kbest")
-    with pytest.raises(ValueError, match="beam must be an integer >= 1, got 0"):
-        QuantizeOptions(decoder="kbest", beam=0)
+    for beam in (0, 100_000):
+        with pytest.raises(ValueError, match=f"beam must be an integer in 1..4096, got {beam}"):
+            QuantizeOptions(decoder="kbest", beam=beam)
     with pytest.raises(ValueError, match="decoder must be one of babai, kbest, klein, got 'beam'"):
         QuantizeOptions(decoder="beam")
 

@@ -388,6 +388,56 @@ def test_bad_jsonl_names_file_and_line(tmp_path):
         data.calibration_batches(tok, 1, 4, source=path)
 
 
+def test_a_long_single_line_txt_is_read_and_tokenized_only_as_far_as_needed(tmp_path, monkeypatch):
+    """A 64 MiB one-line file: calibration reads a few times the characters its tokens need and
+    tokenizes no more; the ids are those of tokenizing the whole text (a prefix cut at a blank)."""
+    words = "alpha beta gamma delta "
+    path = tmp_path / "big.txt"
+    with open(path, "w") as f:
+        f.write(words * ((64 << 20) // len(words)))
+    reads, encoded = [], []
+    read_head = text.read_head
+    monkeypatch.setattr(text, "read_head", lambda p, n, *a, **k: reads.append(n) or read_head(p, n, *a, **k))
+    tok = char_tokenizer(bos=False)
+    encode = text._encode
+    monkeypatch.setattr(text, "_encode", lambda t, s: encoded.append(len(s)) or encode(t, s))
+    got = data.calibration_batches(tok, nsamples=8, seqlen=256, source=path)
+    need = 8 * 256
+    assert got.flatten().tolist() == char_ids((words * (need // len(words) + 1))[:need])
+    assert max(reads) <= max(text.TXT_HEAD_BYTES, 4 * (8 * (need + 64) + text.CUT_SLACK)) and sum(reads) < 8 << 20
+    assert encoded and max(encoded) <= 8 * (need + 64) + text.CUT_SLACK
+
+
+def test_a_txt_read_in_part_is_read_on_until_enough_tokens(tmp_path, monkeypatch):
+    """Blanks first, then the text: read on past the first part; the windows are the whole file's."""
+    monkeypatch.setattr(text, "TXT_HEAD_BYTES", 1024)
+    path = tmp_path / "late.txt"
+    whole = " " * 1034 + "the quick brown fox jumps over the lazy dog. " * 2000
+    path.write_text(whole)
+    docs = data.read_documents(path, "calibration")
+    assert docs.texts[0].strip() and docs.unread == path and len(docs.texts[0]) < len(whole)
+    tok = char_tokenizer(bos=False)
+    got = data.eval_windows(tok, 64, None, docs)
+    assert got.shape == (len(whole) // 64, 64) and got.flatten().tolist() == char_ids(whole[: len(got) * 64])
+    assert torch.equal(data.eval_windows(tok, 64, 3, docs), got[:3])
+
+
+def test_a_lone_surrogate_in_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "hello \\ud800 world"}\n')
+    with pytest.raises(ValueError, match=r's\.jsonl: line 2: "text" holds a lone surrogate \\ud800 \(character 6\), '
+                                         "not Unicode text"):
+        data.read_documents(path)
+
+
+def test_ids_past_the_embedding_name_the_tokenizer_and_the_embedding():
+    tok = char_tokenizer(bos=False)
+    data.check_vocabulary(torch.tensor([[2, 40]]), 41, tok)
+    with pytest.raises(ValueError, match=rf"the tokenizer of .* \({len(tok)} ids\) gives token id 40, but the model's "
+                                         "embedding has 40 rows"):
+        data.check_vocabulary(torch.tensor([[2, 40]]), 40, tok)
+
+
 def test_source_errors(tmp_path):
     tok = char_tokenizer(bos=False)
     with pytest.raises(FileNotFoundError, match="nothere.txt"):

@@ -99,7 +99,54 @@ def test_options_that_differ_between_ranks_are_refused(tmp_path):
                         str(launcher), str(src), str(tmp_path / "out"), *ARGS],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "ranks [1] were given a model, output or options that differ" in p.stderr
+    assert p.stderr.count("latq-quantize: ") == 1, p.stderr   # every rank stops, rank 0 says it
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-latq").exists()
+
+
+@pytest.mark.slow   # two ranks started and killed, then a resume
+def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
+    """torchrun's agent killed (SIGKILL: it cannot stop its ranks): the ranks notice their parent
+    is gone, stop within seconds, one line says so, nothing is sealed and a rerun resumes."""
+    src = make_tiny_model(tmp_path / "src", "llama", layers=1)
+    out = tmp_path / "out"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              "-m", "vllm_latq.quantize", str(src), str(out), *ARGS], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        t0 = time.time()
+        while not out.with_name(out.name + ".tmp-latq").exists() and agent.poll() is None and time.time() - t0 < 300:
+            time.sleep(0.2)
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == agent.pid]
+        agent.kill()
+        agent.wait()
+        t0 = time.time()
+        err = agent.stderr.read()   # its end closes when the last rank is gone
+        assert time.time() - t0 < 60 and not any(_running(r) for r in ranks), err[-3000:]
+    finally:
+        agent.kill()
+    assert err.count(f"latq-quantize: the ranks' launcher (torchrun's agent, pid {agent.pid}) is gone: every rank of "
+                     "this node stops") == 1, err[-3000:]
+    assert len(ranks) == 2 and not out.exists()
+    ok(quantize(src, out, 1, "--resume"))
+
+
+def _stat(proc: Path) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name: state, parent, ..."""
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent(proc: Path) -> int | None:
+    fields = _stat(proc)
+    return int(fields[1]) if fields else None
+
+
+def _running(pid: int) -> bool:
+    fields = _stat(Path(f"/proc/{pid}"))
+    return bool(fields) and fields[0] not in ("Z", "X")   # a zombie has ended: only its parent's wait is left
 
 
 @pytest.mark.slow

@@ -15,6 +15,14 @@ from __future__ import annotations
 import torch
 
 DECODERS = ("babai", "kbest", "klein")
+MAX_BEAM = 1 << 12   # survivors / draws: the solve time and the [c, r, beam] buffers grow with it
+DECODER_BYTES = 28   # per column, row and beam entry: kbest's fp32 buffers, with a gather's copy and a product
+
+
+def decoder_bytes(rows: int, columns: int, beam: int) -> int:
+    """The memory a ``beam``-wide decoder holds for a ``[rows, columns]`` layer: its ``[c, r, beam]``
+    targets, integers, points and parents."""
+    return rows * columns * beam * DECODER_BYTES
 
 
 def _round_options(omega: torch.Tensor, s: torch.Tensor, rounder, up: torch.Tensor | None = None):

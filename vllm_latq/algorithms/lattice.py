@@ -175,7 +175,7 @@ def bound_from_d(D_col: torch.Tensor, scales: torch.Tensor, group_size: int | No
         return torch.full((rows,), 0.25 * scales.double().item() ** 2 * D.sum().item(), dtype=torch.float64,
                           device=D.device)
     G = scales.shape[1]
-    Dg = torch.nn.functional.pad(D, (0, G * (group_size or len(D)) - len(D))).reshape(G, -1).sum(1)
+    Dg = torch.nn.functional.pad(D, (0, G * min(group_size or len(D), len(D)) - len(D))).reshape(G, -1).sum(1)
     return 0.25 * (scales.double() ** 2 @ Dg)
 
 

@@ -31,6 +31,7 @@ def _grouped(W: torch.Tensor, group_size: int) -> torch.Tensor:
     (a zero rounds to zero, so padding never changes a scale or an error)."""
     r, c = W.shape
     G = num_groups(c, group_size)
+    group_size = min(group_size, c)   # a group past the row is the row: nothing allocated for the rest
     pad = G * group_size - c
     if pad:
         W = torch.nn.functional.pad(W, (0, pad))
@@ -65,8 +66,9 @@ def mse_scales(W: torch.Tensor, bits: int, group_size: int, *, coarse: int = 10,
     step = (1.0 - min_shrink) / (coarse - 1)
     if not offset and W.device.type == "cpu" and W.dim() == 2 and group_size > 0 and native.usable():
         # rows are independent: a few MiB of fp32 at a time, never a copy of a bf16 matrix
-        S = torch.cat([torch.ops.latq_cpu.mse_scales(W[rows].float().contiguous(), bits, group_size, coarse, fine,
-                                                     min_shrink) for rows in list(row_chunks(*W.shape)) or [slice(0, 0)]])
+        g = min(group_size, W.shape[1])
+        S = torch.cat([torch.ops.latq_cpu.mse_scales(W[rows].float().contiguous(), bits, g, coarse, fine, min_shrink)
+                       for rows in list(row_chunks(*W.shape)) or [slice(0, 0)]])
         return to_fp16_grid(S)  # a group fp16 cannot hold comes back NaN: the same ValueError
     out = []
     for Wc in W.split(row_chunk):  # small chunks: the temporaries stay in cache
@@ -107,4 +109,4 @@ def expand(scales: torch.Tensor, group_size: int | None, shape: tuple[int, int])
     """Per-weight scales ``[out, in]`` from group scales ``[out, ngroups]`` (or a scalar)."""
     if scales.dim() == 0:
         return scales.expand(shape)
-    return scales.repeat_interleave(group_size, dim=1)[:, : shape[1]]
+    return scales.repeat_interleave(min(group_size, shape[1]), dim=1)[:, : shape[1]]

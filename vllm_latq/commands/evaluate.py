@@ -8,7 +8,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -76,14 +75,20 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
              device: str = "cpu", progress: bool = True, verify: bool = True,
              expect_digest: str | None = None) -> dict:
     """Perplexity of ``model`` on ``text`` ("wiki" or a .txt / .jsonl file) → result dict."""
-    from .. import data
+    from .. import cpu_features, data
+    from ..model_config import check_positions
 
     t0 = time.time()
+    device = str(cpu_features.compute_device(device))
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
     source = data.source_record(text, "eval")
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
         m, tok, info = load_for_eval(model, device, verify, expect_digest)
+    check_positions(m.config, seqlen, "--seqlen", model)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)
+    data.check_vocabulary(windows, m.get_input_embeddings().num_embeddings, tok)
     r = data.perplexity(m, windows, batch_size=batch_size, progress=progress)
     return {"model": str(model), **info, "text": source, "ppl": r["ppl"], "nll": r["nll"],
             "windows": r["windows"], "tokens": r["tokens"], "seqlen": seqlen, "compute_dtype": "float32",
@@ -91,7 +96,8 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
 
 
 def main(argv=None) -> int:
-    from ..format import FormatError
+    from ..errors import COMMAND_HEADROOM, limits
+    from ..format import FormatError, writer
     from .environment import bad_environment
 
     ap = argparse.ArgumentParser(prog="latq-eval", description=__doc__, epilog=EXAMPLES,
@@ -117,9 +123,12 @@ def main(argv=None) -> int:
         from ..format.manifest import SKIPPED
         print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
-        r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
-                     device=a.device, progress=not a.no_progress, verify=not a.no_verify,
-                     expect_digest=a.expect_digest)
+        if a.output:   # a folder missing, read-only or full is refused now, not after the evaluation
+            writer.check_writable(a.output, "--output")
+        with limits(f"evaluating {a.model}", need=COMMAND_HEADROOM):
+            r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
+                         device=a.device, progress=not a.no_progress, verify=not a.no_verify,
+                         expect_digest=a.expect_digest)
     except FormatError as e:
         print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
         return 2
@@ -127,9 +136,13 @@ def main(argv=None) -> int:
         print(f"latq-eval: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(r, indent=2)
-    print(text)
+    print(text, flush=True)
     if a.output:
-        Path(a.output).write_text(text + "\n")
+        try:
+            writer.write_text(a.output, text + "\n")
+        except OSError as e:
+            print(f"latq-eval: error: {e}; the result is printed above", file=sys.stderr)
+            return 2
     return 0
 
 

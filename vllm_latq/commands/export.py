@@ -16,7 +16,7 @@ import torch
 
 from .. import hf_model
 from ..bounded_io import MAX_JSON_BYTES
-from ..errors import FormatError
+from ..errors import COMMAND_HEADROOM, FormatError, limits
 from ..format import output_dir, rotation, writer
 from ..format.checkpoint import Checkpoint, linear_shape
 from ..format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
@@ -310,8 +310,9 @@ def main(argv=None) -> int:
     if a.no_verify:
         print(f"latq-export: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
-        s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
-                              overwrite=a.overwrite, verify=not a.no_verify, expect_digest=a.expect_digest)
+        with limits(f"exporting {a.ckpt}", need=COMMAND_HEADROOM):
+            s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
+                                  overwrite=a.overwrite, verify=not a.no_verify, expect_digest=a.expect_digest)
     except ExportRefused as e:
         print(f"latq-export: refused: {e}", file=sys.stderr)
         return 2

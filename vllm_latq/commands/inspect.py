@@ -5,9 +5,9 @@ import argparse
 import json
 import sys
 
-from ..errors import FormatError
-from .environment import bad_environment
+from ..errors import COMMAND_HEADROOM, FormatError, ResourceLimit, limits
 from ..format.manifest import SKIPPED
+from .environment import bad_environment
 from ..format.validate import format_report, validate_checkpoint
 
 
@@ -32,12 +32,13 @@ def inspect_main(argv=None) -> int:
     if a.no_verify:
         print(f"latq-inspect: --no-verify: {SKIPPED}", file=sys.stderr)
     try:
-        report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
-                                     progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
+        with limits(f"validating {a.checkpoint}", need=COMMAND_HEADROOM):
+            report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
+                                         progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
     except FormatError as e:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:   # --expect-digest malformed, or beside --no-verify
+    except (ValueError, ResourceLimit) as e:   # --expect-digest malformed, or beside --no-verify; a limit reached
         print(f"latq-inspect: error: {e}", file=sys.stderr)
         return 2
     ck = report.pop("checkpoint")   # what was verified, its files open: read from it, not again by path

@@ -67,8 +67,8 @@ def _size(s: str) -> int | None:
         n = float(t[:len(t) - len(unit)]) * _SIZE_UNITS[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 8G, 512M, 0, auto)") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
+    if not 0 <= n < 2 ** 63:   # inf and nan too
+        raise argparse.ArgumentTypeError(f"a size must be in [0, 2^63) bytes, got {s!r}")
     return int(n)
 
 
@@ -161,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from ..errors import COMMAND_HEADROOM, limits
     from ..hf_model import UnsupportedModelError
     from ..quantize.faults import SimulatedInterruption
     from ..quantize.options import QuantizeOptions
@@ -172,17 +173,19 @@ def main(argv=None) -> int:
     if bad_environment("latq-quantize"):
         return 2
     try:
-        opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size, outlier_rate=a.outlier_rate,
-                               target_bits=a.target_bits, order=a.order, damp=a.damp, calib=a.calib,
-                               nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device,
-                               compute_dtype=a.compute_dtype, max_activation_memory=a.max_activation_memory,
-                               quantize_lm_head=a.quantize_lm_head,
-                               lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
-                               moe_route_all=a.moe_route_all, column_scales=a.column_scales,
-                               target_correction=a.target_correction, scale_bits=a.scale_bits,
-                               rotate=a.rotate, rotate_seed=a.rotate_seed, decoder=a.decoder, beam=a.beam)
-        out = quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite,
-                             progress=not a.no_progress, validate=not a.no_validate)
+        with limits(f"quantizing {a.model}", need=COMMAND_HEADROOM):
+            opts = QuantizeOptions(method=a.method, bits=a.bits, group_size=a.group_size,
+                                   outlier_rate=a.outlier_rate, target_bits=a.target_bits, order=a.order,
+                                   damp=a.damp, calib=a.calib,
+                                   nsamples=a.nsamples, seqlen=a.seqlen, seed=a.seed, device=a.device,
+                                   compute_dtype=a.compute_dtype, max_activation_memory=a.max_activation_memory,
+                                   quantize_lm_head=a.quantize_lm_head,
+                                   lm_head_bits=a.lm_head_bits, moe_min_tokens=a.moe_min_tokens,
+                                   moe_route_all=a.moe_route_all, column_scales=a.column_scales,
+                                   target_correction=a.target_correction, scale_bits=a.scale_bits,
+                                   rotate=a.rotate, rotate_seed=a.rotate_seed, decoder=a.decoder, beam=a.beam)
+            out = quantize_model(a.model, a.out, opts, resume=a.resume, overwrite=a.overwrite,
+                                 progress=not a.no_progress, validate=not a.no_validate)
     except ranks.RankFailed as e:
         # one rank says it; rank 0 may be the lost one
         if os.environ.get("RANK", "0") == "0" or "stopped answering" in str(e):
@@ -197,7 +200,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     except (UnsupportedModelError, OSError, ValueError, ModuleNotFoundError) as e:
-        print(f"latq-quantize: error: {e}", file=sys.stderr)
+        if not isinstance(e, ranks.RanksDisagree) or os.environ.get("RANK", "0") == "0":   # said once
+            print(f"latq-quantize: error: {e}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":
         from ..format.manifest import digest_of

@@ -12,7 +12,7 @@ import torch
 from .. import hf_model
 from ..bounded_io import MAX_JSON_BYTES, OpenedDir, parse_json
 from ..model_config import check_config
-from ..errors import FormatError
+from ..errors import FormatError, is_resource_error
 from .files import AUX_PATTERNS, CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .manifest import check_digest, json_sha256, manifest_digest, read_manifest
 from .writer import MAX_AUX_BYTES
@@ -184,6 +184,8 @@ class Checkpoint:
         except FormatError:
             raise
         except Exception as e:  # transformers/torch raise many kinds on a bad config
+            if is_resource_error(e):   # a limit of the machine, not a bad checkpoint
+                raise
             raise FormatError(f"cannot build the model: {type(e).__name__}: {e}", file=CONFIG_FILE) from None
 
     def stats(self) -> dict:

@@ -100,7 +100,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, crow: torch.Tensor, 
     """fp32 ``[out, in]`` weights of the dense form: ``unpack(qweight) · scales`` plus the CSR
     outliers; the one definition of the dense math (reader, ``latq-eval``, kernels' reference)."""
     z = unpack(qweight, bits, in_features).float()
-    W = z * scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    W = z * scales.float().repeat_interleave(min(group_size, in_features), dim=1)[:, :in_features]
     W[csr_rows(crow, col.numel()), col.long()] += val.float()
     return W
 

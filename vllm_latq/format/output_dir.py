@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import FormatError
+from ..errors import FormatError, writing
 from ..hf_model import config_dict
 from .files import MANIFEST_FILE, TEMP_MARK
 from .manifest import digest_of, read_manifest, unsealed_entries, verify_manifest
@@ -97,12 +97,13 @@ def sealed_digest(d: Path, made_by: str | None = None) -> str | None:
 
 def make_temporary(tmp: Path, made_by: str) -> None:
     """``tmp`` made, or a leftover one latq made emptied in place (its lock stays valid), and marked."""
-    if os.path.lexists(tmp):
-        _check_temporary(tmp, made_by)
-        clear_temporary(tmp, made_by)
-    else:
-        tmp.mkdir(parents=True)
-    mark_temporary(tmp, made_by)
+    with writing(tmp):   # a full disk names the directory, not only the errno
+        if os.path.lexists(tmp):
+            _check_temporary(tmp, made_by)
+            clear_temporary(tmp, made_by)
+        else:
+            tmp.mkdir(parents=True)
+        mark_temporary(tmp, made_by)
 
 
 def mark_temporary(tmp: Path, made_by: str) -> None:

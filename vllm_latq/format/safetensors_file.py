@@ -15,7 +15,7 @@ from typing import BinaryIO, Iterator
 import torch
 
 from ..bounded_io import open_regular, parse_json, pread_into, pread_pieces
-from ..errors import FormatError
+from ..errors import FormatError, limits, writing
 
 CHECKSUM_KEY = "latq_sha256"
 # each tensor's dtype and shape as written, so an edit of the header alone (the bytes untouched,
@@ -91,19 +91,24 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor |
     def put(b) -> int:
         whole.update(b)
         return f.write(b)
-    with part.open("wb") as f:
-        put(struct.pack("<Q", len(raw)))
-        put(raw)
-        for k, v in values.items():
-            h, n = hashlib.sha256(), 0
-            for b in _pieces(v):
-                h.update(b)
-                n += put(b)
-            begin, end = header[k]["data_offsets"]
-            if n != end - begin or h.hexdigest() != sums[k]:
-                where = {"file": v.file.name, "tensor": v.name} if isinstance(v, StoredTensor) else {"tensor": k}
-                raise FormatError("changed between its two reads (hashed, then copied): edited while read", **where)
-    os.replace(part, path)
+    try:
+        with writing(path), part.open("wb") as f:
+            put(struct.pack("<Q", len(raw)))
+            put(raw)
+            for k, v in values.items():
+                h, n = hashlib.sha256(), 0
+                for b in _pieces(v):
+                    h.update(b)
+                    n += put(b)
+                begin, end = header[k]["data_offsets"]
+                if n != end - begin or h.hexdigest() != sums[k]:
+                    where = {"file": v.file.name, "tensor": v.name} if isinstance(v, StoredTensor) else {"tensor": k}
+                    raise FormatError("changed between its two reads (hashed, then copied): edited while read", **where)
+        with writing(path):
+            os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)   # a full disk gets its space back
+        raise
     return whole.hexdigest()
 
 
@@ -267,7 +272,8 @@ class SafetensorsFile:
         return self.entries[name]
 
     def _read(self, name: str, begin: int, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy of the data
+        with limits(f"reading tensor {name} ({nbytes} bytes) of {self.path}"):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # read straight into it: one copy
         try:
             got = pread_into(self._file, buf.numpy(), self.data_start + begin)
         except OSError as err:

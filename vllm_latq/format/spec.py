@@ -26,6 +26,10 @@ HUFFMAN_METHODS = ("hptq", "hrtn")
 METHODS = DENSE_METHODS + HUFFMAN_METHODS
 ORDERS = ("act", "min-pivot", "natural", "reverse")
 INLIER_BITS = range(2, 9)   # the inlier widths a dense layer may store
+# the widest scale group: wider than any layer a config may declare (model_config.SIZE_LIMITS), so
+# a group of a row or more (one scale per row) is expressible; what a group's arithmetic allocates
+# is bounded by the row, never by g (a group is min(g, in_features) wide)
+MAX_GROUP_SIZE = 1 << 20
 # where per-input-column scales were folded (quantize/column_scales.py): "norm" = into the norm
 # feeding q/k/v and gate/up; the checkpoint's tensors already carry them, readers need nothing
 COLUMN_SCALE_FOLDS = ("norm",)
@@ -140,9 +144,9 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         if isinstance(bits, bool) or not isinstance(bits, int) or bits not in INLIER_BITS:
             raise FormatError(f"quantization_config.bits must be an integer in 2..8, got {bits!r}", file=file)
         group_size = qc.get("group_size")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise FormatError(f"quantization_config.group_size must be a positive integer, got {group_size!r}",
-                              file=file)
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE:
+            raise FormatError(f"quantization_config.group_size must be an integer in 1..{MAX_GROUP_SIZE}, got "
+                              f"{group_size!r}", file=file)
     if method == "ssqr":
         outlier_rate = _num(qc.get("outlier_rate"), "outlier_rate", file)
         if not 0 <= outlier_rate < 1:

@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 
 from ..bounded_io import copy_regular
+from ..errors import reason, writing
 from .files import AUX_PATTERNS, INDEX_FILE, check_inside
 from .safetensors_file import SafetensorsFile
 
 
 MAX_AUX_BYTES = 256 << 20   # a tokenizer file: the largest real ones are tens of MiB
+PROBE_BYTES = 4096          # written where an output will go, before the work: a full disk refuses it
 
 
 def shard_name(i: int, n: int) -> str:
@@ -20,9 +22,45 @@ def shard_name(i: int, n: int) -> str:
 
 def write_json(path: Path, obj) -> None:
     """Deterministic JSON (sorted keys, 2-space indent), written atomically."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """``text`` as UTF-8 at ``path``, atomically: a failed write leaves no part and names ``path``."""
+    path = Path(path)
     part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(part, path)
+    try:
+        with writing(path):
+            part.write_text(text, encoding="utf-8")
+            os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
+def check_writable(path: str | os.PathLike, what: str) -> None:
+    """Refuse, before any work, a file ``path`` that could not be written: a device, its folder missing,
+    read-only or full (a probe of a few KiB is written there and removed)."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory: name a file")
+    if path.exists() and not path.is_file():   # the atomic rename would replace a device (/dev/null) itself
+        raise ValueError(f"{what} {path} is not a regular file (a device, pipe or socket): name a file")
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path}: its folder {folder} " + ("is not a directory" if folder.exists()
+                                                                   else "does not exist"))
+    probe = folder / f".{path.name}.latq-probe-{os.getpid()}"
+    try:
+        try:
+            with open(probe, "wb") as f:
+                f.write(bytes(PROBE_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be written: {reason(e, path)}") from None
 
 
 def write_index(out: Path, shards: list[str]) -> None:

@@ -88,7 +88,7 @@ def group_scales(w: LatqWeight, group: int) -> torch.Tensor:
     its group size: each part keeps its group's scale."""
     if group == -1:
         return w.scales
-    return w.scales.repeat_interleave(w.group_size // group, 1)[:, :w.in_features // group]
+    return w.scales.repeat_interleave(min(w.group_size, w.in_features) // group, 1)[:, :w.in_features // group]
 
 
 def computes_refusal(kernel_name: str, act_dtype: torch.dtype) -> str | None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .. import cpu_features
+from ..errors import writing
 from . import ranks
 from .ranks import SINGLE, World
 
@@ -34,12 +36,7 @@ def default_budget(device: torch.device) -> int:
     """Half the memory available now (host RAM or a CUDA ``device``'s): the rest is the block's."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return avail // 2
+    return cpu_features.available_memory() // 2
 
 
 def _gib(n: int) -> str:
@@ -108,9 +105,10 @@ class Activations:
         if self.ram is not None:
             self.ram[j] = y
             return
-        if self._out is None:   # every rank writes its rows into the one file: none truncates it
-            self._out = os.open(self._part(self.block + 1), os.O_WRONLY | os.O_CREAT, 0o644)
-        _write_at(self._out, y, self._offset(j))
+        with writing(self._part(self.block + 1)):
+            if self._out is None:   # every rank writes its rows into the one file: none truncates it
+                self._out = os.open(self._part(self.block + 1), os.O_WRONLY | os.O_CREAT, 0o644)
+            _write_at(self._out, y, self._offset(j))
 
     def advance(self) -> None:
         """Every sequence's output is written: they are the inputs of the next block."""
@@ -127,12 +125,13 @@ class Activations:
         """Make sure the current inputs are in :func:`inputs_file` (on disk they already are)."""
         if self.on_disk:
             return
-        fd = os.open(self._part(self.block), os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            for j in range(len(self)):
-                _write_at(fd, self.ram[j], self._offset(j))
-        finally:
-            os.close(fd)
+        with writing(self._part(self.block)):
+            fd = os.open(self._part(self.block), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                for j in range(len(self)):
+                    _write_at(fd, self.ram[j], self._offset(j))
+            finally:
+                os.close(fd)
         self._publish()
 
     def _publish(self) -> None:
@@ -140,9 +139,10 @@ class Activations:
         ranks.barrier(self.world)
         if self.world.writes:
             part = self._part(self.block)
-            part.touch()
-            os.truncate(part, self.nbytes)
-            os.replace(part, inputs_file(self.run_dir, self.block))
+            with writing(part):
+                part.touch()
+                os.truncate(part, self.nbytes)
+                os.replace(part, inputs_file(self.run_dir, self.block))
         ranks.barrier(self.world)
 
     def _offset(self, j: int) -> int:

@@ -13,9 +13,9 @@ import torch
 from .. import cpu_features, data, hf_model
 from .. import format as fmt
 from ..algorithms import lattice
-from ..algorithms.decoders import DECODERS
+from ..algorithms.decoders import DECODERS, MAX_BEAM
 from ..format.scale_codes import CODE_BITS
-from ..format.spec import INLIER_BITS
+from ..format.spec import INLIER_BITS, MAX_GROUP_SIZE
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -27,6 +27,7 @@ COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bflo
 ORDERS = tuple(o for o in lattice.ORDERS if o != "reverse")
 CODED_SCALE_METHODS = ("gptq", "rtn", "babai")   # the methods whose group scales may be stored as codes
 DECODED_METHODS = ("gptq", "babai", "ssqr", "hptq")   # the nearest-plane solvers another decoder may replace
+INT64 = 2 ** 63   # what the checkpoint's JSON records of an option, and torch, hold
 MAX_TARGET_BITS = 8.0   # HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
 
 # The defaults the study chose (docs/RESULTS.md): GPTQ 4-bit at group 64 serves fewer
@@ -124,8 +125,9 @@ class QuantizeOptions:
     def _check_method_options(self) -> None:
         if self.kind == "dense":
             _require(_is_int(self.bits) and self.bits in INLIER_BITS, "bits", "an integer in 2..8", self.bits)
-            _require(_is_int(self.group_size) and self.group_size >= 1, "group_size", "a positive integer",
-                     self.group_size)
+            _require(_is_int(self.group_size) and 1 <= self.group_size <= MAX_GROUP_SIZE, "group_size",
+                     f"an integer in 1..{MAX_GROUP_SIZE} (the format's widest group; one at least a row wide is one "
+                     "scale per row)", self.group_size)
         if self.method == "ssqr":
             _require(_is_number(self.outlier_rate) and 0 <= self.outlier_rate < 1, "outlier_rate", "in [0, 1)",
                      self.outlier_rate)
@@ -144,10 +146,10 @@ class QuantizeOptions:
     def _check_lattice_options(self) -> None:
         kinds = ("none",) + fmt.rotation.KINDS
         _require(self.rotate in kinds, "rotate", f"one of {', '.join(kinds)}", self.rotate)
-        _require(_is_int(self.rotate_seed) and 0 <= self.rotate_seed < 2 ** 63, "rotate_seed", "an integer in "
+        _require(_is_int(self.rotate_seed) and 0 <= self.rotate_seed < INT64, "rotate_seed", "an integer in "
                  "[0, 2^63)", self.rotate_seed)
         _require(self.decoder in DECODERS, "decoder", f"one of {', '.join(DECODERS)}", self.decoder)
-        _require(_is_int(self.beam) and self.beam >= 1, "beam", "an integer >= 1", self.beam)
+        _require(_is_int(self.beam) and 1 <= self.beam <= MAX_BEAM, "beam", f"an integer in 1..{MAX_BEAM}", self.beam)
         if self.decoder != "babai" and self.method not in DECODED_METHODS:
             methods = f"{', '.join(DECODED_METHODS[:-1])} and {DECODED_METHODS[-1]}"
             raise ValueError(f"decoder {self.decoder} is for {methods}, not {self.method}")
@@ -155,11 +157,14 @@ class QuantizeOptions:
     def _check_calibration_options(self) -> None:
         _require(_is_int(self.nsamples) and self.nsamples >= 1, "nsamples", "a positive integer", self.nsamples)
         _require(_is_int(self.seqlen) and self.seqlen >= 1, "seqlen", "a positive integer", self.seqlen)
+        cpu_features.compute_device(self.device, "device", here=False)   # whether it is there: at the run
         _require(self.compute_dtype in COMPUTE_DTYPES, "compute_dtype", f"one of {', '.join(COMPUTE_DTYPES)}",
                  self.compute_dtype)
         _require(self.max_activation_memory is None or self.max_activation_memory >= 0, "max_activation_memory",
                  ">= 0 bytes", self.max_activation_memory)
-        _require(self.moe_min_tokens >= 1, "moe_min_tokens", ">= 1", self.moe_min_tokens)
+        _require(_is_int(self.moe_min_tokens) and 1 <= self.moe_min_tokens < INT64, "moe_min_tokens",
+                 "an integer in [1, 2^63)", self.moe_min_tokens)
+        _require(_is_int(self.seed) and -INT64 <= self.seed < INT64, "seed", "an integer in [-2^63, 2^63)", self.seed)
         folds = ("none",) + fmt.COLUMN_SCALE_FOLDS
         _require(self.column_scales in folds, "column_scales", f"one of {', '.join(folds)}", self.column_scales)
         _require(_is_number(self.column_scale_power) and self.column_scale_power >= 0, "column_scale_power",

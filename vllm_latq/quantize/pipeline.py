@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from .. import cpu_features
 from ..format.output_dir import absolute
 from . import faults, heap, ranks, solve_layers
 from .faults import STOP_ENV, SimulatedInterruption  # noqa: F401  (public names)
@@ -35,6 +36,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
                "resume": resume, "overwrite": overwrite, "validate": validate}
     stop_after_block = faults.stop_after(stop_after_block)
     faults.stage_fault()   # a malformed test hook is refused before any work
+    cpu_features.compute_device(opts.device, "device")   # a GPU asked for is there, before the ranks meet on it
     with ranks.joined(opts.device, command) as world:
         progress = progress and world.writes
         heap.return_freed_memory()

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -15,10 +17,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import env
+from ..errors import limits
 
 log = logging.getLogger("vllm_latq.quantize")
 
 TIMEOUT_ENV = "LATQ_DIST_TIMEOUT"  # seconds a collective waits for a silent rank (default 300)
+LAUNCHER_POLL_S = 1.0              # how often a rank looks whether its launcher still lives
 
 
 def dist_timeout() -> float:
@@ -28,6 +32,10 @@ def dist_timeout() -> float:
 
 class RankFailed(RuntimeError):
     """A rank failed; raised on every rank, naming the first failed rank and where."""
+
+
+class RanksDisagree(ValueError):
+    """The ranks were given different commands: raised on every rank, said by rank 0 alone."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ def init(device: str = "cpu") -> World:
 @contextmanager
 def joined(device: str, command: dict):
     """This process's :class:`World` for the body, every rank checked to run the same ``command``."""
+    stop_with_launcher()
     world = init(device)
     try:
         check_same_command(command, world)
@@ -84,6 +93,24 @@ def joined(device: str, command: dict):
         raise
     finally:
         shutdown(world)
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun, end this rank when its launcher dies: a killed agent neither stops nor
+    collects its ranks, which would run on to the end unseen. Ending is as abrupt as a kill,
+    which a run survives (the finished blocks are kept); a node's local rank 0 says so."""
+    parent = os.getppid()
+    if launched_ranks() <= 1 or parent == 1:
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"latq-quantize: the ranks' launcher (torchrun's agent, pid {parent}) is gone: every rank of this "
+                  "node stops; the finished blocks are kept: rerun with --resume", file=sys.stderr, flush=True)
+        os._exit(1)
+    threading.Thread(target=watch, name="latq-launcher-watch", daemon=True).start()
 
 
 def shutdown(world: World) -> None:
@@ -211,8 +238,8 @@ def check_same_command(options: dict, world: World) -> None:
     torch.distributed.all_gather_object(digests, mine)
     odd = [r for r, h in enumerate(digests) if h != digests[0]]
     if odd:
-        raise ValueError(f"ranks {odd} were given a model, output or options that differ from rank 0's: every rank "
-                         "must run the same command")
+        raise RanksDisagree(f"ranks {odd} were given a model, output or options that differ from rank 0's: every "
+                            "rank must run the same command")
 
 
 def agree_or_raise(error: BaseException | None, where: str, world: World) -> None:
@@ -246,7 +273,8 @@ def together(where: str, world: World):
     _step[0] = where
     error = None
     try:
-        yield
+        with limits(f"running {where}"):
+            yield
     except Exception as e:   # noqa: BLE001  (reported to every rank, then raised)
         if not world.distributed:
             raise

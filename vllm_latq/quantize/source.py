@@ -220,6 +220,7 @@ def open_source(model: str | os.PathLike, compute_dtype) -> Source:
                and n in dict(net.named_parameters())]
     if missing:
         raise ValueError(f"{src}: tensors of the model are missing from its safetensors files: {missing[:4]}")
+    check_shapes(source, {n: tuple(t.shape) for n, t in expected.items()}, cfg_file)
     dropped = _drop_tied_head(source) if tied else set()
     used = set(expected) | set(names.original.values()) | {f"{n}.weight" for n in names.experts} | dropped
     ignored = sorted(n for n in source.weights.names() if n not in used)
@@ -263,3 +264,19 @@ def checkpoint_tokenizer(src: Path):
             raise ValueError(f"{src}: {why}; its checkpoint could not be read by latq-eval or served: add the "
                              "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json) to "
                              "it") from None
+
+
+def check_shapes(source: Source, shapes: dict[str, tuple], config_file: str) -> None:
+    """Refuse, naming the source's config.json, a config whose model's tensors (``shapes``, by model
+    key) are not the shapes its safetensors headers declare: found before any tensor is read."""
+    for key, shape in shapes.items():
+        stored = {n: shape for n in [source.on_disk(key)] if n is not None}
+        stored |= {f"{n}.weight": (x.rows.stop - x.rows.start, shape[-1]) for n, x in source.names.of_param(key).items()}
+        for name, want in stored.items():
+            if name not in source.weights.where:
+                continue
+            f = source.weights.where[name]
+            have = tuple(source.weights.handles[f].shape(name))
+            if have != tuple(want):
+                raise FormatError(f"describes {name} as {tuple(want)}, but {f} holds {have}: config.json does not "
+                                  "match the weights", file=config_file)

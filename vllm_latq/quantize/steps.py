@@ -25,6 +25,7 @@ from .head import HeadPlan, head_plan, quantize_head
 from .hessian import sequences_per_product
 from .options import QuantizeOptions
 from .resume import RunDir, fingerprint
+from .room import check_room
 from .solve_layers import LayerSolver, Solve, Solved, SolveSetup, Stage, solve_block
 from .source import Source, open_source
 from .target_correction import corrected_stages, drop_stream, full_precision_stream
@@ -45,7 +46,9 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
                          f"the {world.size} ranks: raise --nsamples or run fewer ranks")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
         src = open_source(model, opts.torch_compute_dtype)
-    return src, _head_plan(src, opts)
+    head = _head_plan(src, opts)
+    check_room(src, head, opts, out)
+    return src, head
 
 
 def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
@@ -119,7 +122,7 @@ class Steps:
 
     def capture(self) -> None:
         """Block 0's inputs (resuming: the first block to do's) and every block's forward kwargs."""
-        calib = calibration_text(self.src.tokenizer, self.opts)
+        calib = calibration_text(self.src.tokenizer, self.opts, self.src.net.get_input_embeddings().num_embeddings)
         if calib is not None and calib.numel() < self.src.config.hidden_size and self.world.writes:
             log.warning("calibration: %d tokens, fewer than the %d columns of the linears that read the hidden "
                         "state: their H is singular but for the damping and the integers follow its last bits "
@@ -234,14 +237,17 @@ class Steps:
                          f" ({self.world.size} ranks)" if self.world.distributed else "")
 
 
-def calibration_text(tokenizer, opts: QuantizeOptions) -> torch.Tensor | None:
-    """The calibration token ids ``[nsamples, seqlen]`` by ``tokenizer``; None for a method that uses none."""
+def calibration_text(tokenizer, opts: QuantizeOptions, vocabulary: int) -> torch.Tensor | None:
+    """The calibration token ids ``[nsamples, seqlen]`` by ``tokenizer``, each below ``vocabulary`` (the
+    embedding's rows); None for a method that uses none."""
     if not opts.calibrated:
         if str(opts.calib) != "wiki":
             log.warning("%s uses no calibration data: ignoring --calib %s", opts.method, opts.calib)
         return None
-    return data.calibration_batches(tokenizer, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
-                                    source=opts.calib)
+    ids = data.calibration_batches(tokenizer, nsamples=opts.nsamples, seqlen=opts.seqlen, seed=opts.seed,
+                                   source=opts.calib)
+    data.check_vocabulary(ids, vocabulary, tokenizer)
+    return ids
 
 
 def _to_device(kwargs: dict, device) -> dict:
