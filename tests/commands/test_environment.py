@@ -44,6 +44,8 @@ BAD = {"LATQ_NO_VERIFY": ("no", "1 or true (on), 0 or false (off), or unset"),
        "LATQ_DIST_TIMEOUT": ("0", "a number > 0"),
        "LATQ_STOP_AFTER_BLOCK": ("one", "an integer ≥ 0"),
        "LATQ_FAULT": ("1:q_proj", "RANK:LAYER_SUBSTRING:raise or kill"),
+       "LATQ_FAULT_AT": ("sealed:term", "STAGE:ACTION, STAGE one of saved-block, sealed, aside, replaced, "
+                                        "removing-old, ACTION one of kill, stop"),
        "LATQ_SWAP_AFTER_VERIFY": ("\n", "a path without surrounding spaces")}
 
 

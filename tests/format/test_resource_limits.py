@@ -81,13 +81,15 @@ def test_a_file_size_limit_names_the_file_and_the_limit(tmp_path, what):
 
 def test_a_full_disk_at_the_run_directory_names_it(tmp_path, monkeypatch):
     from vllm_latq.format import output_dir
-    from vllm_latq.quantize.resume import RunDir
+    from vllm_latq.quantize.resume import RunDir, held_output
 
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")   # as a write() raises it: no file named
-    monkeypatch.setattr(output_dir, "mark_temporary", full)
-    with pytest.raises(ResourceLimit, match=rf"^no space left on the device while writing {tmp_path}/out\.tmp-latq \("):
-        RunDir.open(tmp_path / "out", "fingerprint", resume=False)
+    (tmp_path / "src").mkdir()
+    with held_output(tmp_path / "out", tmp_path / "src", overwrite=False) as claim:
+        monkeypatch.setattr(output_dir, "mark_temporary", full)
+        with pytest.raises(ResourceLimit, match=rf"^no space left on the device while writing {tmp_path}/out\.tmp-latq \("):
+            RunDir.open(claim, "fingerprint", resume=False)
 
 
 def test_other_write_errors_name_the_path(tmp_path):

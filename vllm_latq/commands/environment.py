@@ -14,7 +14,7 @@ def check_environment() -> None:
     from ..quantize import faults, ranks
 
     reads = (manifest.no_verify_requested, manifest.expected_digest_from_env, selector.check_environment,
-             ranks.dist_timeout, lambda: faults.stop_after(None), faults.fault_spec,
+             ranks.dist_timeout, lambda: faults.stop_after(None), faults.fault_spec, faults.stage_fault,
              lambda: env.path(paths.CACHE_ENV), lambda: env.path(swap_hook.SWAP_ENV))
     for read in reads:
         read()

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 

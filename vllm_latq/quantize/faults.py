@@ -44,13 +44,11 @@ def stop_if_asked(i: int, stop: int | None) -> None:
 
 def stage_fault() -> tuple[str, signal.Signals] | None:
     """``$LATQ_FAULT_AT`` parsed → (stage, signal), or None; any other value is refused naming the variable."""
-    spec = os.environ.get(AT_ENV)
-    if not spec:
+    spec = env.text(AT_ENV, f"({'|'.join(STAGES)}):({'|'.join(ACTIONS)})",
+                    f"STAGE:ACTION, STAGE one of {', '.join(STAGES)}, ACTION one of {', '.join(ACTIONS)}")
+    if spec is None:
         return None
     stage, _, action = spec.partition(":")
-    if stage not in STAGES or action not in ACTIONS:
-        raise ValueError(f"${AT_ENV}={spec!r}: expected STAGE:ACTION with STAGE one of {', '.join(STAGES)} and "
-                         f"ACTION one of {', '.join(ACTIONS)}")
     return stage, ACTIONS[action]
 
 

@@ -258,12 +258,14 @@ def checkpoint_tokenizer(src: Path):
         copy_aux_files(src, Path(staged))
         copy_regular(src / hf_model.CONFIG_FILE, Path(staged) / hf_model.CONFIG_FILE, limit=MAX_JSON_BYTES)
         try:
-            return data.load_tokenizer(staged)
+            tok = data.load_tokenizer(staged)
         except ValueError as e:
             why = str(e).removeprefix(f"{staged}: ")
             raise ValueError(f"{src}: {why}; its checkpoint could not be read by latq-eval or served: add the "
                              "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json) to "
                              "it") from None
+    tok.name_or_path = str(src)   # the source's tokenizer, as messages name it; not the staging copy
+    return tok
 
 
 def check_shapes(source: Source, shapes: dict[str, tuple], config_file: str) -> None:
