@@ -80,7 +80,7 @@ def test_config_detection_and_errors():
     h_ = LatqConfig.from_config(_qc(method="hptq", bits=None, group_size=None, target_bits=3.125))
     assert h_.kind == "huffman"
     with pytest.raises(ValueError, match="format_version"):
-        LatqConfig.from_config(_qc(format_version=3))
+        LatqConfig.from_config(_qc(format_version=4))
     with pytest.raises(ValueError, match="latq-quantize"):
         LatqConfig()  # what vLLM does for --quantization latq on a model without quantization_config
 
@@ -110,6 +110,21 @@ def test_load_hook_refuses_an_in_place_byte_edit(tiny_checkpoints, tmp_path, mon
     monkeypatch.setenv("LATQ_NO_VERIFY", "1")
     with pytest.raises(LatqCheckpointRefused, match=rf"file {shard}, tensor {norm}: has NaN/Inf"):
         c.maybe_update_config(str(d), hf_config=SimpleNamespace(quantization_config=dict(qc)))
+
+
+def test_a_codebook_layer_is_refused_naming_it():
+    """The codebook form (method e8) has no serving kernel: its first linear is refused in one line."""
+    c = LatqConfig.from_config(_qc(format_version=3, method="e8", bits=3, group_size=64, outlier_rate=None,
+                                   modules_not_converted=["m.o_proj"], rotation={"kind": "hadamard", "seed": 0,
+                                                                                  "max_block": 256}))
+    assert c.kind == "codebook"
+    down = _module(RowParallelLinear, prefix="m.down_proj")
+    with pytest.raises(ValueError, match=r"^latq checkpoint: m\.down_proj: the codebook form \(method e8\) has no "
+                                         r"serving kernel or export yet: it is evaluated via latq-eval only for now$"):
+        c.get_quant_method(down, "m.down_proj")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    assert isinstance(c.get_quant_method(_module(RowParallelLinear, prefix="m.o_proj"), "m.o_proj"),
+                      UnquantizedLinearMethod)
 
 
 def test_modules_not_converted_and_fused_names():

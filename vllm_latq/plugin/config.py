@@ -15,6 +15,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from .. import format as fmt
 from ..env import EnvError
 from ..errors import FormatError
+from ..format import codebook
 from ..format.checkpoint import checkpoint_dir
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
 from ..format.validate import verify_for_serving
@@ -118,6 +119,9 @@ class LatqConfig(QuantizationConfig):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         check_load_format()
+        served = (LinearBase, *_moe_layer_types()) + ((ParallelLMHead,) if self.lm_head_quantized else ())
+        if self.kind == "codebook" and isinstance(layer, served) and self.is_converted(prefix):
+            raise ValueError(f"latq checkpoint: {prefix}: {codebook.NOT_SERVED}")
 
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
