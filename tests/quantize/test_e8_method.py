@@ -12,6 +12,7 @@ import torch
 
 from vllm_latq import data
 from vllm_latq.commands.evaluate import evaluate
+from vllm_latq.commands.inspect import inspect_main
 from vllm_latq.commands.quantize import main as quantize_main
 from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.format.validate import format_report, validate_checkpoint
@@ -63,6 +64,13 @@ def test_certificate_and_overloads_per_layer(e8_checkpoint):
     text = format_report(validate_checkpoint(d))
     assert "3-bit codebook e8p+ball256 g64" in text and "latq-eval only for now" in text
     assert f"overloads: {sum(s['overloads'] for s in stats)} blocks" in text
+
+
+def test_latq_inspect_prints_it_without_served_bits(e8_checkpoint, capsys):
+    assert inspect_main([str(e8_checkpoint[0])]) == 0
+    out = capsys.readouterr().out
+    assert "latq format v3 · method e8 (codebook)" in out and "served: none: the codebook form" in out
+    assert "OK: " in out and "served " not in out.splitlines()[1]   # no served column in the table header
 
 
 def test_latq_eval_reads_it_as_the_solved_model(e8_checkpoint, tiny_llama):
