@@ -52,3 +52,11 @@ def gemv_isa_set(name: str):
         yield name
     finally:
         torch.ops.latq_cpu.set_gemv_isa(saved)
+
+
+def random_layer_problem(r: int = 24, c: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random correlated layer problem (W, H = XᵀX/n) in fp64."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(c, dtype=torch.float64) + 0.3 * torch.randn(c, c, generator=g, dtype=torch.float64)
+    X = torch.randn(512, c, generator=g, dtype=torch.float64) @ mix
+    return torch.randn(r, c, generator=g, dtype=torch.float64) * 0.05, X.T @ X / 512

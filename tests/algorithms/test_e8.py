@@ -7,6 +7,7 @@ import torch
 
 from vllm_latq.algorithms import e8
 from vllm_latq.algorithms.lattice import damped, layer_error
+from tests.helpers import random_layer_problem as problem
 
 
 def gen(seed):
@@ -81,14 +82,6 @@ def test_ball256_and_its_metric_search():
     x = torch.randn(500, 8, generator=gen(4), dtype=torch.float64)
     D = random_metric(5)
     assert torch.allclose(dist2(x, e8.nearest_ball256(x, D), D), dist2(x, brute(x, B, D), D), atol=1e-10)
-
-
-def problem(r=24, c=64, seed=0):
-    """A random correlated layer problem (W, H = XᵀX/n) in fp64."""
-    g = gen(seed)
-    mix = torch.eye(c, dtype=torch.float64) + 0.3 * torch.randn(c, c, generator=g, dtype=torch.float64)
-    X = torch.randn(512, c, generator=g, dtype=torch.float64) @ mix
-    return torch.randn(r, c, generator=g, dtype=torch.float64) * 0.05, X.T @ X / 512
 
 
 @pytest.mark.parametrize("order", e8.BLOCK_ORDERS)
@@ -169,3 +162,60 @@ def test_code_scales_are_fp16_and_no_worse_than_the_search_ends():
     rms = W.square().mean(1, keepdim=True).sqrt()
     for f in (0.75, 1.35):
         assert (err(s) <= err((rms * f).half().float()) + 1e-9).all()
+
+
+# ----------------------------------------------------------------------------- the certificate
+
+def test_certified_radius_per_block():
+    """A block inside E8P's ball is certified at E8's covering radius (1); at 3 bits the ball stage
+    refines it to ½, and where only the ball stage misses the block keeps 1 (that stage holds the
+    origin); at 4 bits a miss of the second E8P stage leaves it uncertified (inf)."""
+    x = torch.randn(4000, 8, generator=gen(11), dtype=torch.float64) * 0.7
+    for bits in (2, 3, 4):
+        pts, r = e8.CODES[bits].points(x)
+        assert set(r.unique().tolist()) <= {1.0, 0.5, 0.25, float("inf")}
+        err = (x - e8.CODES[bits].nearest(x)).square().sum(-1).sqrt()
+        assert (err[r.isfinite()] <= r[r.isfinite()] + 1e-12).all(), bits
+    assert {1.0, 0.5} <= set(e8.CODES[3].points(x)[1].unique().tolist())
+    far = torch.full((1, 8), 9.0, dtype=torch.float64)   # beyond E8P's ball: overloaded at every width
+    assert all(torch.isinf(e8.CODES[b].points(far)[1]).all() for b in (2, 3, 4))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("metric", [False, True])
+def test_certificate_holds_on_every_row_without_overload(bits, metric):
+    W, H = problem(r=48, c=32, seed=20 + bits)
+    res = e8.block_babai(W, H, e8.CODES[bits], group_size=16, order="act", metric=metric)
+    free = res.overloads == 0
+    assert free.sum() >= 3 and res.overloads.sum() > 0          # both kinds of row occur
+    err = layer_error(W, res.q, H, res.damp)
+    assert (err[free] <= res.bound[free] * (1 + 1e-9)).all()
+    assert torch.isinf(res.bound[~free]).all()
+
+
+def test_certificate_on_real_layers_at_scales_that_never_overload(real_hessians):
+    """Real SmolLM2 layers, rotated, 3 bits at twice the MSE scales: no block overloads on any
+    layer, and every row's measured error is within its bound."""
+    from vllm_latq.algorithms.rotation import rotate_hessian, rotate_weight
+    from vllm_latq.format.rotation import Rotation
+    for name, (W, H) in real_hessians.items():
+        signs = Rotation(0).signs(W.shape[1])
+        W, H = rotate_weight(W[:32], signs), rotate_hessian(H, signs)
+        code = e8.CODES[3]
+        S = (2 * e8.code_scales(W, code, 64)).half().float()
+        res = e8.block_babai(W, H, code, group_size=64, scales=S, order="act")
+        assert res.overloads.sum() == 0, name
+        ratio = layer_error(W, res.q, H, res.damp) / res.bound
+        assert (ratio <= 1 + 1e-9).all() and ratio.max() > 0.1, name
+
+
+def test_the_method_reports_overloads_and_codes_its_solution():
+    from vllm_latq.format import codebook
+    W, H = problem(r=32, seed=30)
+    res = e8.e8(W, H, bits=3, group_size=32, scale_bits=4)
+    assert res.info["overloads"].shape == (32,) and res.bound.shape == (32,)
+    deq = codebook.dequantize(res.codes, res.coded_scales.decode(), 3, 32)
+    assert torch.equal(deq, res.q)
+    assert res.bits_per_weight == 3 + (4 * 32 * 2 + 2 * 16 * 2 * 2) / (32 * 64)   # 4-bit codes, a grid per 16 rows
+    with pytest.raises(ValueError, match="order act or natural, not min-pivot"):
+        e8.e8(W, H, bits=3, order="min-pivot")

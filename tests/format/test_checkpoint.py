@@ -208,7 +208,7 @@ def test_quantization_config_schema():
 
 
 @pytest.mark.parametrize("change,msg", [
-    ({"format_version": 3}, "unsupported latq format_version 3"),
+    ({"format_version": 4}, "unsupported latq format_version 4"),
     ({"quant_method": "gptq"}, "quant_method is 'gptq'"),
     ({"method": "awq"}, "method is 'awq'"),
     ({"bits": 9}, "bits must be an integer in 2..8"),
@@ -305,8 +305,8 @@ CORRUPTIONS = {
     "flipped byte": (lambda d: _flip_data_byte(d, f"{L0}.qweight"),
                      [SHARD0, f"tensor {L0}.qweight", "sha256 mismatch"]),
     "missing shard": (lambda d: (d / SHARD0).unlink(), [INDEX_FILE, SHARD0, "missing"]),
-    "format version": (lambda d: _edit_config(d, lambda c: c["quantization_config"].update(format_version=3)),
-                       ["config.json", "unsupported latq format_version 3"]),
+    "format version": (lambda d: _edit_config(d, lambda c: c["quantization_config"].update(format_version=4)),
+                       ["config.json", "unsupported latq format_version 4"]),
     "config shape": (lambda d: _edit_config(d, lambda c: c.update(intermediate_size=208)),
                      [SHARD0, "tensor model.layers.0.mlp.gate_proj.qweight",
                       "shape (144, 12), expected (208, 12)"]),

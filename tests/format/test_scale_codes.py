@@ -143,7 +143,7 @@ def test_quantization_config_scale_bits():
     with pytest.raises(fmt.FormatError, match="scale_bits.*hptq"):
         fmt.parse_quantization_config({**hq, "scale_bits": 4})
     for method in ("ssqr", "hptq", "hrtn"):
-        with pytest.raises(ValueError, match="scale_bits is for gptq, rtn and babai"):
+        with pytest.raises(ValueError, match="scale_bits is for gptq, rtn, babai and e8"):
             QuantizeOptions(method=method, scale_bits=4)
 
 

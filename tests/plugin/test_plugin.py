@@ -80,7 +80,7 @@ def test_config_detection_and_errors():
     h_ = LatqConfig.from_config(_qc(method="hptq", bits=None, group_size=None, target_bits=3.125))
     assert h_.kind == "huffman"
     with pytest.raises(ValueError, match="format_version"):
-        LatqConfig.from_config(_qc(format_version=3))
+        LatqConfig.from_config(_qc(format_version=4))
     with pytest.raises(ValueError, match="latq-quantize"):
         LatqConfig()  # what vLLM does for --quantization latq on a model without quantization_config
 
@@ -128,6 +128,21 @@ def test_the_compile_cache_key_is_the_checkpoint_content(tiny_checkpoints, tmp_p
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     assert content_key(str(d)) != key and content_key(str(d), "LATQ_KERNEL=cpu") != content_key(str(d))
+
+
+def test_a_codebook_layer_is_refused_naming_it():
+    """The codebook form (method e8) has no serving kernel: its first linear is refused in one line."""
+    c = LatqConfig.from_config(_qc(format_version=3, method="e8", bits=3, group_size=64, outlier_rate=None,
+                                   modules_not_converted=["m.o_proj"], rotation={"kind": "hadamard", "seed": 0,
+                                                                                  "max_block": 256}))
+    assert c.kind == "codebook"
+    down = _module(RowParallelLinear, prefix="m.down_proj")
+    with pytest.raises(ValueError, match=r"^latq checkpoint: m\.down_proj: the codebook form \(method e8\) has no "
+                                         r"serving kernel or export yet: it is evaluated via latq-eval only for now$"):
+        c.get_quant_method(down, "m.down_proj")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    assert isinstance(c.get_quant_method(_module(RowParallelLinear, prefix="m.o_proj"), "m.o_proj"),
+                      UnquantizedLinearMethod)
 
 
 def test_modules_not_converted_and_fused_names():

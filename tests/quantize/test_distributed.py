@@ -161,8 +161,9 @@ def test_a_failing_rank_names_itself_the_block_and_the_layer(dense):
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [["--method", "ssqr"], ["--method", "hptq", "--compute-dtype", "float32"],
                                      ["--target-correction", "--rotate", "hadamard"],
-                                     ["--method", "babai", "--compute-dtype", "bfloat16", "--column-scales", "norm"]],
-                         ids=["ssqr", "hptq-fp32", "target-correction-rotated", "babai-bf16-column-scales"])
+                                     ["--method", "babai", "--compute-dtype", "bfloat16", "--column-scales", "norm"],
+                                     ["--method", "e8", "--bits", "3", "--scale-bits", "4", "--rotate", "hadamard"]],
+                         ids=["ssqr", "hptq-fp32", "target-correction-rotated", "babai-bf16-column-scales", "e8"])
 def test_every_method_at_any_world_size(dense, options):
     """Each method and the levers that add statistics (cross terms, rotations, folded norms), the
     8-bit head included, in fp32 and bf16 forwards: 3 ranks write the one-rank checkpoint."""

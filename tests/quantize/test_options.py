@@ -11,7 +11,7 @@ from vllm_latq.quantize.options import QuantizeOptions
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(method="latq"), "method must be one of ssqr, gptq, rtn, babai, hptq, hrtn, got 'latq'"),
+    (dict(method="latq"), "method must be one of ssqr, gptq, rtn, babai, hptq, hrtn, e8, got 'latq'"),
     (dict(bits=9), "bits must be an integer in 2..8, got 9"),
     (dict(method="rtn", bits=1), "bits must be an integer in 2..8, got 1"),
     (dict(group_size=0), r"group_size must be an integer in 1..1048576 .*, got 0"),

@@ -4,17 +4,19 @@ back to front on the block LDL of H, each block's point searched in its own metr
 eight columns (min-pivot by blocks). The design and the screen: docs/KERNELS.md#e8-codebooks."""
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
+from ..format import codebook as cb, scale_codes
+from ..format.codebook import DIM, e8_ball256, e8p_patterns, in_e8p
 from . import lattice
+from .result import QuantResult
 from .scales import to_fp16_grid
 
-DIM = 8          # the block: E8's dimension
 FALLBACK_CHUNK = 4096   # blocks searched at a time by the exhaustive path (bounds its temporaries)
 
 
@@ -42,46 +44,9 @@ def nearest_e8(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- E8P: a ball of E8 + ¼
 
-def _half_odd_patterns(max_norm2: float) -> torch.Tensor:
-    """Every vector of positive half-odd-integers (½, 3/2, 5/2, …) with squared norm ≤ ``max_norm2``."""
-    top = int(math.sqrt(max_norm2 - (DIM - 1) * 0.25) + 0.5)
-    vals = [k + 0.5 for k in range(top)]
-    out = [p for p in itertools.product(vals, repeat=DIM) if sum(v * v for v in p) <= max_norm2 + 1e-9]
-    return torch.tensor(out, dtype=torch.float64)
-
-
-@lru_cache(maxsize=None)
-def e8p_patterns() -> torch.Tensor:
-    """E8P's 256 absolute patterns ``[256, 8]`` fp64: the 227 half-odd vectors of squared norm ≤ 10 and
-    the 29 lexicographically largest of the 56 of type (3/2)⁵(½)³."""
-    inner = _half_odd_patterns(10.0)
-    twelve = [p for p in itertools.permutations((1.5,) * 5 + (0.5,) * 3)]
-    extra = sorted(set(twelve), reverse=True)[:256 - len(inner)]
-    return torch.cat([inner, torch.tensor(extra, dtype=torch.float64)])
-
-
-@lru_cache(maxsize=None)
-def _pattern_table() -> torch.Tensor:
-    """bool ``[3⁸]``: whether the pattern (k_i + ½) is in the table (key Σ k_i·3^i)."""
-    table = torch.zeros(3 ** DIM, dtype=torch.bool)
-    table[_pattern_keys(e8p_patterns())] = True
-    return table
-
-
-def _pattern_keys(a: torch.Tensor) -> torch.Tensor:
-    """Absolute patterns ``[..., 8]`` → keys into :func:`_pattern_table` (−1: a coordinate ≥ 7/2)."""
-    k = torch.round(a - 0.5).long()
-    key = (k * torch.tensor([3 ** i for i in range(DIM)])).sum(-1)
-    return torch.where((k > 2).any(-1), -1, key)
-
-
 def e8p_codebook() -> torch.Tensor:
-    """All 2¹⁶ E8P points ``[65536, 8]`` fp64: pattern a, signs σ with Σσa even, shift ±¼."""
-    a = e8p_patterns()
-    signs = torch.tensor(list(itertools.product((1.0, -1.0), repeat=DIM)), dtype=torch.float64)
-    pts = (signs[None] * a[:, None]).reshape(-1, DIM)
-    pts = pts[(pts.sum(-1) % 2) == 0]
-    return torch.cat([pts + 0.25, pts - 0.25])
+    """All 2¹⁶ E8P points ``[65536, 8]`` fp64, in code order."""
+    return cb.decode_e8p(torch.arange(2 ** 16)).double()
 
 
 def _e8p_shift_search(y: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,13 +86,6 @@ def _e8p_exhaustive(x: torch.Tensor, top: int = 16) -> torch.Tensor:
     p_plus, d_plus = _e8p_shift_search(x - 0.25, top)
     p_minus, d_minus = _e8p_shift_search(x + 0.25, top)
     return torch.where((d_plus <= d_minus)[:, None], p_plus + 0.25, p_minus - 0.25)
-
-
-def in_e8p(p: torch.Tensor) -> torch.Tensor:
-    """Whether each point ``p [..., 8]`` of E8 + ¼ is an E8P point (its pattern in the table)."""
-    half = (torch.remainder(p - 0.25, 1.0) == 0.5).all(-1, keepdim=True)   # p − ¼ ∈ D8 + ½
-    keys = _pattern_keys(torch.where(half, p - 0.25, p + 0.25).abs())
-    return (keys >= 0) & _pattern_table()[keys.clamp(min=0)]
 
 
 def nearest_e8p(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,15 +130,6 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
 
 # ----------------------------------------------------------------------------- a 1-bit ball of E8
 
-@lru_cache(maxsize=None)
-def e8_ball256() -> torch.Tensor:
-    """The origin, E8's 240 roots and 15 of the 16 vectors ±2eᵢ: 256 points, a 1-bit residual stage."""
-    roots = [v for v in itertools.product((-1.0, 0.0, 1.0), repeat=DIM) if sum(map(abs, v)) == 2]
-    roots += [v for v in itertools.product((-0.5, 0.5), repeat=DIM) if sum(v) % 2 == 0]
-    axes = [tuple(2.0 * s if j == i else 0.0 for j in range(DIM)) for s in (1, -1) for i in range(DIM)][:15]
-    return torch.tensor([(0.0,) * DIM] + roots + axes, dtype=torch.float64)
-
-
 def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Nearest row of ``book [n, 8]`` to each row of ``x [N, 8]``, in the metric ``D`` where given."""
     book = book.to(x.dtype)
@@ -192,61 +141,95 @@ def nearest_ball256(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Ten
     return nearest_in(x, e8_ball256(), D)
 
 
+def in_ball256(p: torch.Tensor) -> torch.Tensor:
+    return cb.table_index(cb.BALL, p)[1]
+
+
 # ----------------------------------------------------------------------------- codes: stages of codebooks
+
+COVERING_RADIUS = 1.0   # E8's (minimal norm √2): no point of space lies farther from the lattice
+
+
+@dataclass(frozen=True)
+class Search:
+    """A stage's searches: Euclidean nearest, then refined in D (never farther); ``keeps_error``: the
+    book holds the origin and ``refine`` is exact, so the stage never adds error."""
+    euclid: Callable
+    refine: Callable
+    keeps_error: bool
+
+
+SEARCH = {cb.E8P: Search(nearest_e8p, lambda p, t, D: metric_descent(p, t, D, in_e8p), False),
+          cb.BALL: Search(nearest_ball256, lambda p, t, D: nearest_ball256(t, D), True)}
+
 
 @dataclass(frozen=True)
 class VectorCode:
-    """A codebook as greedy residual stages: stage i rounds the residual times ``gain_i`` to its
-    nearest point; ``index_bits`` per 8-weight block, all stages."""
-    name: str
-    index_bits: int
-    stages: tuple
+    """A format :class:`~vllm_latq.format.codebook.Codebook` with its searches: stage i rounds the
+    residual times its gain to its nearest point."""
+    book: cb.Codebook
+
+    @property
+    def name(self) -> str:
+        return self.book.name
 
     @property
     def bits_per_weight(self) -> float:
-        return self.index_bits / DIM
+        return float(self.book.bits)
+
+    def points(self, x: torch.Tensor, D: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each stage's point for the rows of ``x [N, 8]`` (stage units), searched in ``D``; and each row's
+        certified radius (inf: an overload), the rule of docs/FORMAT.md, "kind codebook"."""
+        v, out = torch.zeros_like(x), []
+        radius = torch.full(x.shape[:1], math.inf, dtype=torch.float64, device=x.device)
+        for stage in self.book.stages:
+            target = (x - v) * stage.gain
+            search = SEARCH[stage.book]
+            p = search.euclid(target)
+            within = (target - p).square().sum(-1) <= COVERING_RADIUS ** 2 * (1 + 1e-9)
+            kept = radius if search.keeps_error else torch.full_like(radius, math.inf)
+            radius = torch.where(within, torch.full_like(radius, COVERING_RADIUS / stage.gain), kept)
+            out.append(p if D is None else search.refine(p, target, D))
+            v = v + out[-1] / stage.gain
+        return out, radius
 
     def nearest(self, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
         """The code's point for each row of ``x [N, 8]``, every stage in the metric ``D`` (None: Euclidean)."""
-        v = torch.zeros_like(x)
-        for nearest, gain in self.stages:
-            v = v + nearest((x - v) * gain, D) / gain
-        return v
+        pts, _ = self.points(x, D)
+        return sum(p / s.gain for p, s in zip(pts, self.book.stages))
 
 
-# The residual gains minimise the mean squared error of unit Gaussian blocks at their best scale.
-CODES = {
-    2: VectorCode("e8p", 16, ((nearest_e8p, 1.0),)),
-    3: VectorCode("e8p+ball256", 24, ((nearest_e8p, 1.0), (nearest_ball256, 2.0))),
-    4: VectorCode("e8p+e8p", 32, ((nearest_e8p, 1.0), (nearest_e8p, 4.0))),
-}
+CODES = {bits: VectorCode(book) for bits, book in cb.CODEBOOKS.items()}
 
 
 # ----------------------------------------------------------------------------- scales
 
-def _blocks(W: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """``[out, in]`` → ``[out, groups, blocks per group, 8]`` (one group per row when None)."""
-    r, c = W.shape
-    g = group_size or c
-    if c % DIM or g % DIM or c % g:
-        raise ValueError(f"E8 blocks need in ({c}) and the group ({g}) to be multiples of {DIM}, "
-                         f"the group dividing in")
-    return W.reshape(r, c // g, g // DIM, DIM)
+def _check_blocks(c: int, group_size: int | None) -> None:
+    if c % DIM or (group_size or DIM) % DIM:
+        raise ValueError(f"E8 blocks need in ({c}) and the group ({group_size}) to be multiples of {DIM}")
 
 
 def code_scales(W: torch.Tensor, code: VectorCode, group_size: int | None = None, coarse: int = 7,
                 fine: int = 2, lo: float = 0.75, hi: float = 1.35) -> torch.Tensor:
-    """Per row (or group) the fp16 scale s = f·rms(w) minimising the code's round-to-nearest error
-    (as ``mse_scales`` for the grid), f on a geometric grid over [lo, hi] then finer → ``[out, groups]``."""
-    Wb = _blocks(W.float(), group_size)
-    rms = Wb.square().mean((-1, -2)).sqrt().clamp(min=1e-12)
+    """Per group of ``group_size`` columns (the last may be ragged; None: per row) the fp16 scale
+    s = f·rms(w) minimising the code's round-to-nearest error (as ``mse_scales`` for the grid), f on a
+    geometric grid over [lo, hi] then finer → ``[out, groups]``."""
+    r, c = W.shape
+    _check_blocks(c, group_size)
+    Wb = W.float().reshape(r, c // DIM, DIM)
+    grp = cb.groups_of_blocks(c, group_size, W.device)
+    ng = int(grp[-1]) + 1
+
+    def per_group(x):   # [r, blocks] → [r, groups]
+        return x.new_zeros(r, ng).index_add_(1, grp, x)
+    rms = (per_group(Wb.square().sum(-1)) / (torch.bincount(grp, minlength=ng) * DIM)).sqrt().clamp(min=1e-12)
     ratio = (hi / lo) ** (1 / (coarse - 1))
     best = None   # (factor, scale, error) per group
 
     def consider(f, best):
         s = to_fp16_grid(rms * f)
-        e = (s[..., None, None] * code.nearest((Wb / s[..., None, None]).reshape(-1, DIM)).reshape(Wb.shape)
-             - Wb).square().sum((-1, -2))
+        sb = s[:, grp, None]
+        e = per_group((sb * code.nearest((Wb / sb).reshape(-1, DIM)).reshape(Wb.shape) - Wb).square().sum(-1))
         f = torch.as_tensor(f, dtype=rms.dtype).expand_as(rms)
         if best is None:
             return f, s, e
@@ -318,6 +301,13 @@ def block_ldl(H: torch.Tensor, T: torch.Tensor, damp: float = 0.01, name: str | 
     return BlockLDL(T, U, Akk.transpose(1, 2) @ Akk, damp_used)
 
 
+def certificate(D: torch.Tensor, block_scales: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Per row, ``Σ_k s_k²·λmax(D_k)·r_k²`` (blocks ``D [K, 8, 8]``, scales and radii ``[K, out]``):
+    block Babai's error bound, inf on a row with an overload."""
+    lam = torch.linalg.eigvalsh(D.double())[:, -1]
+    return (lam[:, None] * block_scales.double().square() * radius.to(lam.device).square()).sum(0)
+
+
 def _whole_groups(T: torch.Tensor, group_size: int) -> bool:
     """Whether every block (eight consecutive entries of T) lies inside one group of columns."""
     g = (T // group_size).reshape(-1, DIM)
@@ -326,13 +316,17 @@ def _whole_groups(T: torch.Tensor, group_size: int) -> bool:
 
 @dataclass
 class BlockResult:
-    """A block Babai solution: ``q`` in W's frame, scales, stored bits a weight, Babai's order ``T``."""
+    """Block Babai's ``q``, scales, bits, order, stages' points, rows' overloads, :func:`certificate`."""
     q: torch.Tensor
     scales: torch.Tensor
     group_size: int | None
     code: VectorCode
     bits_per_weight: float
     T: torch.Tensor
+    stage_points: list = field(default_factory=list)
+    overloads: torch.Tensor | None = None
+    bound: torch.Tensor | None = None
+    damp: float | None = None
 
 
 @torch.no_grad()
@@ -345,9 +339,9 @@ def block_babai(W: torch.Tensor, H: torch.Tensor, code: VectorCode, *, group_siz
     (``group_size`` None) or group, from :func:`code_scales` when not given."""
     lattice.check_inputs(W, H, name)
     r, c = W.shape
+    _check_blocks(c, group_size)
     if scales is None:
         scales = code_scales(W, code, group_size)
-    _blocks(W, group_size)   # the shape check
     T = block_order(H, order, damp) if isinstance(order, str) else order
     if not lattice.is_permutation(T, c):
         raise ValueError(f"order must be one of {BLOCK_ORDERS} or a permutation of range({c})")
@@ -357,16 +351,51 @@ def block_babai(W: torch.Tensor, H: torch.Tensor, code: VectorCode, *, group_siz
     X = W.double().T[T].contiguous()                   # [in, out] in order T
     Y = X.clone()                                      # the targets, fed as later blocks are fixed
     Q = torch.empty_like(X)
+    P = [torch.empty(c, r) for _ in code.book.stages]  # each stage's points, code units (exact in fp32)
     S = scales.double().T                              # [groups, out]
-    g = group_size or c
+    grp = T[::DIM] // (group_size or c)                # each block's group
+    radius = torch.empty(c // DIM, r, dtype=torch.float64)
     for k in range(c // DIM - 1, -1, -1):
         j = k * DIM
-        s = S[int(T[j]) // g][:, None]                 # the block's group (all its columns')
-        Q[j:j + DIM] = (s * code.nearest(Y[j:j + DIM].T / s, ldl.D[k] if metric else None)).T
+        s = S[int(grp[k])][:, None]
+        pts, radius[k] = code.points(Y[j:j + DIM].T / s, ldl.D[k] if metric else None)
+        Q[j:j + DIM] = (s * sum(p / st.gain for p, st in zip(pts, code.book.stages))).T
+        for Pi, p in zip(P, pts):
+            Pi[j:j + DIM] = p.T
         if j:
             Y[:j].addmm_(ldl.U[:j, j:j + DIM], X[j:j + DIM] - Q[j:j + DIM])
-    q = torch.empty_like(X)
+    bound = certificate(ldl.D, S[grp], radius)
+    q, pts = torch.empty_like(X), [torch.empty_like(p) for p in P]
     q[T] = Q
+    for Pi, p in zip(P, pts):
+        p[T] = Pi
     bits = code.bits_per_weight + 16 * scales.numel() / W.numel()
     return BlockResult(q.T.to(W.dtype if W.dtype == torch.float64 else torch.float32).contiguous(), scales,
-                       group_size, code, bits, T)
+                       group_size, code, bits, T, [p.T.contiguous() for p in pts], torch.isinf(radius).sum(0), bound,
+                       ldl.damp)
+
+
+# ----------------------------------------------------------------------------- the method
+
+E8_ORDERS = ("act", "natural")   # blocks of neighbouring columns: the input needs no permutation at serving
+
+
+def e8(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int | None = 64, scale_bits: int | None = None,
+       order: str = "act", damp: float = 0.01, name: str | None = None) -> QuantResult:
+    """The method ``e8``: block Babai with the ``bits`` code, scales per ``group_size`` columns, coded
+    in ``scale_bits`` (None: fp16); ``bound`` holds on rows where ``info["overloads"]`` is 0."""
+    if bits not in CODES:
+        raise ValueError(f"e8 codes have {', '.join(map(str, CODES))} bits a weight, not {bits}")
+    if order not in E8_ORDERS:
+        raise ValueError(f"e8 blocks are eight neighbouring columns: order {' or '.join(E8_ORDERS)}, not {order}")
+    code = CODES[bits]
+    S = code_scales(W, code, group_size)
+    coded = None if scale_bits is None else scale_codes.code_scales(S, scale_bits)
+    S = S if coded is None else coded.decode()
+    res = block_babai(W, H, code, group_size=group_size, scales=S, order=order, damp=damp, name=name)
+    r, c = W.shape
+    codes = cb.encode([p.reshape(r, c // DIM, DIM) for p in res.stage_points], code.book)
+    scale_storage = 16 * S.numel() if coded is None else scale_codes.stored_bits(*S.shape)
+    return QuantResult("e8", None, res.q, S, group_size, bits, bits + scale_storage / W.numel(), order=res.T,
+                       damp=res.damp, bound=res.bound, info={"overloads": res.overloads}, coded_scales=coded,
+                       codes=codes)

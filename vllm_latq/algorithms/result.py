@@ -56,6 +56,7 @@ class QuantResult:
     outliers: CSR | None = None
     info: dict = field(default_factory=dict)
     coded_scales: CodedScales | None = None   # the scales as stored codes (format/scale_codes.py)
+    codes: torch.Tensor | None = None          # a codebook layer's codes (format/codebook.py); z is None
 
     @property
     def q(self) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from .. import hf_model
 from ..bounded_io import MAX_JSON_BYTES
 from ..errors import COMMAND_HEADROOM, FormatError, limits
-from ..format import output_dir, rotation, writer
+from ..format import codebook, output_dir, rotation, writer
 from ..format.checkpoint import Checkpoint, linear_shape
 from ..format.files import CONFIG_FILE, INDEX_FILE, STATS_FILE
 from ..format.manifest import SKIPPED, write_manifest
@@ -225,6 +225,8 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
     # the checkpoint validated, its files open: what is exported is read from them, checked as read
     ck = validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)["checkpoint"]
+    if ck.spec.kind == "codebook":
+        raise ExportRefused(f"{next(iter(ck.layers()))}: {codebook.NOT_SERVED}")
     model = ck.empty_model()
     layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:

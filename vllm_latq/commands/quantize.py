@@ -48,6 +48,7 @@ EXAMPLES = """examples:
   latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
   latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
   latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
+  latq-quantize gemma3-270m ckpt/gemma-e8 --method e8 --bits 3 --scale-bits 4 --rotate hadamard   # latq-eval only
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
   torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
@@ -100,8 +101,10 @@ def parser() -> argparse.ArgumentParser:
                    help="gptq (the default: clipped b-bit groups, the best perplexity per served bit in "
                         "the study), ssqr (b-bit groups + CSR outliers, unclipped: the no-clipping certificate), "
                         "hptq (Huffman, one scale, certified), baselines rtn, hrtn, babai (clipped Babai ≡ GPTQ "
-                        "reversed)")
-    g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4)")
+                        "reversed), e8 (E8 vector codes on 8-column blocks by block Babai, needs --rotate hadamard; "
+                        "evaluated by latq-eval, not served yet)")
+    g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4); "
+                   "e8: the code's bits a weight (2, 3 or 4)")
     g.add_argument("--group-size", type=int, default=None,
                    help=f"group size along the input dimension (default {', '.join(sorted(DEFAULT_GROUP_SIZE))}: "
                         f"{d.group_size}, the others {default_group_size('')}; a ragged last group is allowed)")
@@ -129,7 +132,7 @@ def parser() -> argparse.ArgumentParser:
                    help="norm: per-input-column scales c ∝ sqrt(D) folded into the norms feeding q/k/v and "
                         "gate/up (free at serving time; needs a calibrated method). Default none")
     g.add_argument("--scale-bits", type=int, default=None, choices=(4,),
-                   help="gptq/rtn/babai: store (and serve) the group scales as 4-bit codes on a grid per 16 rows "
+                   help="gptq/rtn/babai/e8: store (and serve) the group scales as 4-bit codes on a grid per 16 rows "
                         "(6 bits per scale instead of 16: group 64 then costs fewer bits than fp16 group 128)")
     _lattice_arguments(ap.add_argument_group("lattice"), d)
     c = ap.add_argument_group("calibration")

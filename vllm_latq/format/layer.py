@@ -8,15 +8,16 @@ import math
 import numpy as np
 import torch
 
-from . import huffman, scale_codes
+from . import codebook, huffman, scale_codes
 from .csr import csr_rows
 from ..errors import FormatError
 from .packing import pack, packed_words, unpack, unpack_at
 
 DENSE_TENSORS = ("qweight", "scales", "outlier_crow", "outlier_col", "outlier_val")
 HUFFMAN_TENSORS = ("hscale", "hsymbols", "hlengths", "hstream", "hchunk_bits")
-LAYER_TENSORS = {"dense": DENSE_TENSORS, "huffman": HUFFMAN_TENSORS}
-ALL_TENSORS = DENSE_TENSORS + scale_codes.TENSORS + HUFFMAN_TENSORS
+CODEBOOK_TENSORS = ("codes", "scales")
+LAYER_TENSORS = {"dense": DENSE_TENSORS, "huffman": HUFFMAN_TENSORS, "codebook": CODEBOOK_TENSORS}
+ALL_TENSORS = DENSE_TENSORS + scale_codes.TENSORS + HUFFMAN_TENSORS + CODEBOOK_TENSORS[:1]
 
 
 def dense_tensors(coded: bool) -> tuple[str, ...]:
@@ -29,7 +30,7 @@ def has_coded_scales(t: dict) -> bool:
 
 
 def dense_scales(t: dict[str, torch.Tensor], out: int) -> torch.Tensor:
-    """fp16 ``[out, G]`` group scales of a dense layer, stored or decoded from their codes."""
+    """fp16 ``[out, G]`` group scales of a dense or codebook layer, stored or decoded from their codes."""
     if has_coded_scales(t):
         return scale_codes.from_tensors(t, out).decode().half()
     return t["scales"]
@@ -43,7 +44,7 @@ def col_dtype(in_features: int) -> torch.dtype:
 _TENSOR_DTYPES = {"qweight": torch.int32, "scales": torch.float16, "scale_codes": torch.uint8,
                   "scale_min": torch.float16, "scale_step": torch.float16, "outlier_crow": torch.int32,
                   "outlier_val": torch.float16, "hscale": torch.float32, "hsymbols": torch.int32,
-                  "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16}
+                  "hlengths": torch.uint8, "hstream": torch.uint8, "hchunk_bits": torch.int16, "codes": torch.uint8}
 
 
 def tensor_dtype(suffix: str, in_features: int) -> torch.dtype:
@@ -56,7 +57,9 @@ def tensor_dtype(suffix: str, in_features: int) -> torch.dtype:
 def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
     """A solver's :class:`~vllm_latq.algorithms.result.QuantResult` → the layer's tensors
     (suffixes only, e.g. ``"qweight"``), on the device of ``result.z`` (the Huffman codec is
-    numpy: its tensors are made on the CPU and moved there)."""
+    numpy: its tensors are made on the CPU and moved there; a codebook layer's: of ``result.codes``)."""
+    if kind == "codebook":
+        return {"codes": result.codes.contiguous(), **_scale_tensors(result)}
     dev = result.z.device
     if kind == "dense":
         out, cin = result.z.shape
@@ -64,9 +67,7 @@ def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
         crow = torch.zeros(out + 1, dtype=torch.int32, device=dev) if o is None else o.crow
         col = torch.zeros(0, dtype=torch.int32, device=dev) if o is None else o.col
         val = torch.zeros(0, dtype=torch.float16, device=dev) if o is None else o.val
-        coded = getattr(result, "coded_scales", None)
-        scales = {"scales": result.scales.half().contiguous()} if coded is None else scale_codes.to_tensors(coded)
-        return {"qweight": pack(result.z, result.bits), **scales,
+        return {"qweight": pack(result.z, result.bits), **_scale_tensors(result),
                 "outlier_crow": crow.to(torch.int32).contiguous(),
                 "outlier_col": col.to(col_dtype(cin)).contiguous(),
                 "outlier_val": val.half().contiguous()}
@@ -76,6 +77,12 @@ def encode_layer(result, kind: str) -> dict[str, torch.Tensor]:
             "hlengths": torch.from_numpy(np.asarray(s.code.lengths, np.uint8).copy()).to(dev),
             "hstream": torch.from_numpy(np.asarray(s.data, np.uint8).copy()).to(dev),
             "hchunk_bits": torch.from_numpy(np.asarray(s.chunk_bits, np.uint16).view(np.int16).copy()).to(dev)}
+
+
+def _scale_tensors(result) -> dict[str, torch.Tensor]:
+    """A result's group scales as stored: fp16, or their codes (scale_codes.py)."""
+    coded = getattr(result, "coded_scales", None)
+    return {"scales": result.scales.half().contiguous()} if coded is None else scale_codes.to_tensors(coded)
 
 
 def huffman_stream(t: dict[str, torch.Tensor], numel: int) -> huffman.HuffmanStream:
@@ -110,6 +117,8 @@ def dequantize_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, in
     """fp32 ``[out, in]`` weights of a layer's tensors, exactly the solver's ``QuantResult.q``."""
     if kind == "huffman":
         return decode_integers(t, kind, shape, bits).float() * t["hscale"].float()
+    if kind == "codebook":
+        return codebook.dequantize(t["codes"], dense_scales(t, shape[0]), bits, group_size)
     return dequantize(t["qweight"], dense_scales(t, shape[0]), t["outlier_crow"], t["outlier_col"], t["outlier_val"],
                       bits, group_size, shape[1])
 
@@ -121,6 +130,8 @@ def expected_shapes(kind: str, shape: tuple[int, int], bits: int | None, group_s
     """Fixed tensor shapes and dtypes of a layer (variable-length ones as ``None``); ``coded``:
     a dense layer with coded scales (scale_codes.py)."""
     out, cin = shape
+    if kind == "codebook":
+        return codebook.shapes(shape, bits, group_size, coded)
     if kind == "dense":
         ng = math.ceil(cin / group_size)
         scales = {"scales": (out, ng)} if not coded else {k: s for k, (s, _) in scale_codes.shapes(out, ng).items()}
@@ -137,7 +148,9 @@ def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]
     """Raise :class:`FormatError` naming the tensor on any inconsistency (names, shapes,
     dtypes, CSR structure and zero integers under the outliers, Huffman code and chunk
     table; ``decode`` also decodes the Huffman stream)."""
-    spec = expected_shapes(kind, shape, bits, group_size, coded=kind == "dense" and has_coded_scales(t))
+    if kind == "codebook":
+        codebook.check_layer_shape(shape, layer=layer, file=file)
+    spec = expected_shapes(kind, shape, bits, group_size, coded=kind != "huffman" and has_coded_scales(t))
     for suffix, (shp, dt) in spec.items():
         name = f"{layer}.{suffix}"
         if suffix not in t:
@@ -154,12 +167,16 @@ def validate_layer(t: dict[str, torch.Tensor], kind: str, shape: tuple[int, int]
     extra = set(t) - set(spec)
     if extra:
         raise FormatError(f"unexpected tensors {sorted(extra)}", file=file, tensor=layer)
-    if kind == "dense":
-        _validate_csr(t, shape, bits, layer, file)
+    if kind != "huffman":
+        if kind == "dense":
+            _validate_csr(t, shape, bits, layer, file)
+        top = 2 ** (bits - 1) if kind == "dense" else codebook.CODEBOOKS[bits].max_abs
         if has_coded_scales(t):
             _validate_scale_codes(t, shape, layer, file)
+            if kind == "codebook":
+                _validate_scale_range(dense_scales(t, shape[0]).float(), top, layer, "scale_step", file)
         else:
-            _validate_scale_range(t["scales"].float(), bits, layer, "scales", file)
+            _validate_scale_range(t["scales"].float(), top, layer, "scales", file)
     else:
         _validate_scale_range(t["hscale"].float(), None, layer, "hscale", file)
         s = t["hscale"].float()
@@ -176,13 +193,13 @@ MAX_WEIGHT = 65504.0
 MAX_SYMBOL = 2 ** 24
 
 
-def _validate_scale_range(s: torch.Tensor, bits: int | None, layer: str, sfx: str, file) -> None:
-    """Scales > 0, and — for b-bit groups — small enough that the grid's largest integer times
-    the scale stays a finite fp16 weight."""
+def _validate_scale_range(s: torch.Tensor, top: float | None, layer: str, sfx: str, file) -> None:
+    """Scales > 0, and — for groups — small enough that ``top``, the grid's or the code's largest
+    magnitude, times the scale stays a finite fp16 weight."""
     if (s <= 0).any():
         raise FormatError(f"must be > 0 (found {float(s.min()):g})", file=file, tensor=f"{layer}.{sfx}")
-    if bits is not None and float(s.max()) * 2 ** (bits - 1) > MAX_WEIGHT:
-        raise FormatError(f"scale {float(s.max()):g} times the {bits}-bit grid's {2 ** (bits - 1)} exceeds "
+    if top is not None and float(s.max()) * top > MAX_WEIGHT:
+        raise FormatError(f"scale {float(s.max()):g} times the grid's largest magnitude {top:g} exceeds "
                           f"{MAX_WEIGHT:g}", file=file, tensor=f"{layer}.{sfx}")
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import scale_codes
+from .codebook import CODEBOOKS, DIM as BLOCK
 from ..errors import FormatError
 from .layer import layer_stats
 from .rotation import Rotation, parse_rotation
@@ -16,14 +17,17 @@ from .rotation import Rotation, parse_rotation
 # The newest version this package reads and writes; a checkpoint is written at the oldest
 # version that expresses it (1 without rotation, so older readers keep reading those) and
 # version 2 marks a rotated one, which a version-1 reader must refuse: it has no new tensors
-# to trip over and would serve W·R as W.
-FORMAT_VERSION = 2
-FORMAT_VERSIONS = (1, 2)
+# to trip over and would serve W·R as W. Version 3 marks the codebook kind (method e8), whose
+# method name and tensors a version-2 reader does not know: it refuses the version by name first.
+FORMAT_VERSION = 3
+FORMAT_VERSIONS = (1, 2, 3)
 ROTATION_VERSION = 2
+CODEBOOK_VERSION = 3
 QUANT_METHOD = "latq"
 DENSE_METHODS = ("ssqr", "gptq", "rtn", "babai")
 HUFFMAN_METHODS = ("hptq", "hrtn")
-METHODS = DENSE_METHODS + HUFFMAN_METHODS
+CODEBOOK_METHODS = ("e8",)
+METHODS = DENSE_METHODS + HUFFMAN_METHODS + CODEBOOK_METHODS
 ORDERS = ("act", "min-pivot", "natural", "reverse")
 INLIER_BITS = range(2, 9)   # the inlier widths a dense layer may store
 # the widest scale group: wider than any layer a config may declare (model_config.SIZE_LIMITS), so
@@ -36,11 +40,13 @@ COLUMN_SCALE_FOLDS = ("norm",)
 
 
 def kind_of(method: str) -> str:
-    """The layer kind (``"dense"`` or ``"huffman"``) a method writes."""
+    """The layer kind (``"dense"``, ``"huffman"`` or ``"codebook"``) a method writes."""
     if method in DENSE_METHODS:
         return "dense"
     if method in HUFFMAN_METHODS:
         return "huffman"
+    if method in CODEBOOK_METHODS:
+        return "codebook"
     raise FormatError(f"unknown latq method {method!r}; expected one of {METHODS}")
 
 
@@ -49,8 +55,8 @@ class QuantSpec:
     """The parsed ``quantization_config`` of a latq checkpoint."""
     method: str
     kind: str
-    bits: int | None                 # dense: inlier bits; huffman: None
-    group_size: int | None           # dense: group size; huffman: None
+    bits: int | None                 # dense: inlier bits; codebook: bits of the code a weight; huffman: None
+    group_size: int | None           # dense, codebook: group size; huffman: None
     outlier_rate: float | None       # ssqr: the requested outlier-rate budget
     target_bits: float | None        # hptq/hrtn: the requested bits/weight budget
     order: str | None
@@ -60,12 +66,12 @@ class QuantSpec:
     layer_bits: tuple[tuple[str, int], ...] = ()   # dense: (module, inlier bits) overriding ``bits``
     column_scale_fold: str | None = None          # "norm": column scales folded into norms; None: none
     column_scale_power: float | None = None       # their exponent p in c ∝ D^p
-    scale_bits: int | None = None                 # dense: group scales coded in this many bits (scale_codes.py)
+    scale_bits: int | None = None                 # dense, codebook: group scales coded in this many bits (scale_codes.py)
     rotation: Rotation | None = None              # every quantized linear's input rotated (rotation.py)
 
     @property
     def version(self) -> int:
-        return ROTATION_VERSION if self.rotation is not None else 1
+        return version_of(self.kind, self.rotation)
 
     def is_converted(self, module: str) -> bool:
         """False for a module listed in ``modules_not_converted`` (or below one)."""
@@ -74,6 +80,13 @@ class QuantSpec:
     def bits_of(self, module: str) -> int | None:
         """The inlier bits of ``module``: its ``layer_bits`` entry, else ``bits``."""
         return dict(self.layer_bits).get(module, self.bits)
+
+
+def version_of(kind: str, rotation: Rotation | None) -> int:
+    """The oldest format version that expresses a checkpoint of ``kind``, rotated or not."""
+    if kind == "codebook":
+        return CODEBOOK_VERSION
+    return ROTATION_VERSION if rotation is not None else 1
 
 
 def quantization_config(method: str, *, bits: int | None = None, group_size: int | None = None,
@@ -87,10 +100,9 @@ def quantization_config(method: str, *, bits: int | None = None, group_size: int
     only when used, so checkpoints without it are unchanged; ``scale_bits`` and ``rotation`` likewise, the
     latter at format version 2); ``extra`` (e.g. ``calibration``) is informational and ignored by readers."""
     kind = kind_of(method)
-    version = 1 if rotation is None else ROTATION_VERSION
-    qc = {"quant_method": QUANT_METHOD, "format_version": version, "method": method,
-          "bits": int(bits) if kind == "dense" else None,
-          "group_size": int(group_size) if kind == "dense" else None}
+    grouped = kind != "huffman"
+    qc = {"quant_method": QUANT_METHOD, "format_version": version_of(kind, rotation), "method": method,
+          "bits": int(bits) if grouped else None, "group_size": int(group_size) if grouped else None}
     if method == "ssqr":
         qc["outlier_rate"] = float(outlier_rate)
     if kind == "huffman":
@@ -138,15 +150,12 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     if method not in METHODS:
         raise FormatError(f"quantization_config.method is {method!r}, expected one of {METHODS}", file=file)
     kind = kind_of(method)
+    if kind == "codebook" and version < CODEBOOK_VERSION:
+        raise FormatError(f"quantization_config.method {method} needs format_version {CODEBOOK_VERSION}, got "
+                          f"{version}", file=file)
     bits = group_size = outlier_rate = target_bits = None
-    if kind == "dense":
-        bits = qc.get("bits")
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in INLIER_BITS:
-            raise FormatError(f"quantization_config.bits must be an integer in 2..8, got {bits!r}", file=file)
-        group_size = qc.get("group_size")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE:
-            raise FormatError(f"quantization_config.group_size must be an integer in 1..{MAX_GROUP_SIZE}, got "
-                              f"{group_size!r}", file=file)
+    if kind != "huffman":
+        bits, group_size = _bits_and_group(qc, kind, file)
     if method == "ssqr":
         outlier_rate = _num(qc.get("outlier_rate"), "outlier_rate", file)
         if not 0 <= outlier_rate < 1:
@@ -179,10 +188,10 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     if tc and method in ("rtn", "hrtn"):
         raise FormatError(f"quantization_config.target_correction needs a calibrated method, not {method}", file=file)
     scale_bits = qc.get("scale_bits")
-    if scale_bits is not None and (kind != "dense" or scale_bits not in scale_codes.CODE_BITS
+    if scale_bits is not None and (kind == "huffman" or scale_bits not in scale_codes.CODE_BITS
                                    or isinstance(scale_bits, bool)):
         raise FormatError(f"quantization_config.scale_bits must be absent or one of {scale_codes.CODE_BITS} "
-                          f"for a dense method, got {scale_bits!r} ({method})", file=file)
+                          f"for a method with group scales, got {scale_bits!r} ({method})", file=file)
     rotation = parse_rotation(qc.get("rotation"), file)
     if rotation is not None and version < ROTATION_VERSION:
         raise FormatError(f"quantization_config.rotation needs format_version {ROTATION_VERSION}, got {version}",
@@ -192,6 +201,22 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
                      {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())), fold, power,
                      scale_bits, rotation)
+
+
+def _bits_and_group(qc: dict, kind: str, file) -> tuple[int, int]:
+    """``bits`` and ``group_size`` of a dense or codebook method."""
+    bits, group_size = qc.get("bits"), qc.get("group_size")
+    allowed = INLIER_BITS if kind == "dense" else tuple(CODEBOOKS)
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:
+        rule = "an integer in 2..8" if kind == "dense" else f"one of {', '.join(map(str, allowed))}"
+        raise FormatError(f"quantization_config.bits must be {rule}, got {bits!r}", file=file)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise FormatError(f"quantization_config.group_size must be an integer in 1..{MAX_GROUP_SIZE}, got "
+                          f"{group_size!r}", file=file)
+    if kind == "codebook" and group_size % BLOCK:
+        raise FormatError(f"quantization_config.group_size must be a multiple of {BLOCK} (whole codebook blocks), "
+                          f"got {group_size}", file=file)
+    return bits, group_size
 
 
 def _column_scales(cs, method: str, file) -> tuple[str | None, float | None]:
@@ -223,6 +248,8 @@ def check_budget(t: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, 
     outliers, the other dense methods none; HPTQ/HRTN store at most ``target_bits`` bits/weight
     (everything counted, as :func:`layer_bits`). Returns :func:`layer_stats`."""
     st = layer_stats(t, spec.kind, shape)
+    if spec.kind == "codebook":
+        return st   # a fixed-size code: its shapes are its budget
     if spec.kind == "dense":
         limit = spec.outlier_rate if spec.method == "ssqr" else 0.0
         if st["outlier_rate"] > limit + BUDGET_SLACK:

@@ -12,7 +12,7 @@ import torch
 from .. import hf_model
 from ..hf_model import UnsupportedModelError, decoder_layers
 from ..model_config import check_architecture
-from . import scale_codes
+from . import codebook, scale_codes
 from .checkpoint import Checkpoint, linear_shape
 from ..errors import FormatError
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, STATS_FILE
@@ -91,12 +91,11 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             raise FormatError(f"rotation_block {s.get('rotation_block')!r} disagrees with the rotation's rule "
                               f"({spec.rotation.block_size(r['shape'][1])} for {r['shape'][1]} columns)",
                               file=STATS_FILE, tensor=r["name"])
-        if spec.kind == "dense" and "group_size" in s and s["group_size"] != spec.group_size:
+        if spec.kind != "huffman" and "group_size" in s and s["group_size"] != spec.group_size:
             raise FormatError(f"quantization_config.group_size is {spec.group_size}, but {r['name']} was quantized "
                               f"with group size {s['group_size']!r} ({STATS_FILE}): one of them was edited",
                               file=CONFIG_FILE)
-        r["rel_error"] = s.get("rel_error")
-        r["cert"] = s.get("cert")
+        r.update({k: s.get(k) for k in ("rel_error", "cert") + (("overloads",) if spec.kind == "codebook" else ())})
     if set(stats) - {r["name"] for r in rows}:
         extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
         raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
@@ -134,7 +133,7 @@ def _check_layer(ck: Checkpoint, model, ck_names, module: str, names: dict[str, 
     check_declared_shapes(ck.shards[file], names, spec.kind, shape, spec.bits_of(module), spec.group_size,
                           layer=module, file=file)
     t = {sfx: ck.tensor(n, verify=verify_checksums) for sfx, n in names.items()}   # the bytes hashed are those checked
-    if spec.kind == "dense" and has_coded_scales(t) != (spec.scale_bits is not None):
+    if spec.kind != "huffman" and has_coded_scales(t) != (spec.scale_bits is not None):
         raise FormatError("scales stored " + ("as codes, but quantization_config has no scale_bits"
                                               if has_coded_scales(t) else
                                               f"in fp16, but quantization_config.scale_bits is {spec.scale_bits}"),
@@ -215,7 +214,9 @@ def check_declared_shapes(f, names: dict[str, str], kind: str, shape, bits, grou
                           file: str) -> None:
     """A layer's header shapes against what its linear's shape implies, before any byte is read:
     a tensor declaring more than that (a memory bomb) is refused naming it."""
-    coded = kind == "dense" and "scale_codes" in names
+    if kind == "codebook":
+        codebook.check_layer_shape(shape, layer=layer, file=file)
+    coded = kind != "huffman" and "scale_codes" in names
     out, cin = shape
     bound = {"outlier_col": out * cin, "outlier_val": out * cin, "hsymbols": out * cin, "hlengths": out * cin,
              "hstream": out * cin * huffman.MAX_CODE_LEN // 8 + 8}
@@ -247,11 +248,15 @@ def format_report(report: dict) -> str:
     """The per-layer table; with ``served`` in the rows (``latq-inspect`` adds it from the
     kernels' cost models) a stored and a served bits/weight column per kernel family."""
     spec: QuantSpec = report["spec"]
-    budget = (f"{spec.bits}-bit g{spec.group_size}" + (f", outlier rate ≤ {spec.outlier_rate:g}"
-                                                        if spec.method == "ssqr" else "")
-              + (f", scales as {spec.scale_bits}-bit codes on {scale_codes.ROWS}-row grids" if spec.scale_bits else "")
-              + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits)
-              if spec.kind == "dense" else f"target {spec.target_bits:g} bits/weight")
+    coded = f", scales as {spec.scale_bits}-bit codes on {scale_codes.ROWS}-row grids" if spec.scale_bits else ""
+    if spec.kind == "codebook":
+        budget = f"{spec.bits}-bit codebook {codebook.CODEBOOKS[spec.bits].name} g{spec.group_size}{coded}"
+    elif spec.kind == "dense":
+        budget = (f"{spec.bits}-bit g{spec.group_size}" + (f", outlier rate ≤ {spec.outlier_rate:g}"
+                                                            if spec.method == "ssqr" else "")
+                  + coded + "".join(f", {m} {b}-bit" for m, b in spec.layer_bits))
+    else:
+        budget = f"target {spec.target_bits:g} bits/weight"
     fams = list(report["layers"][0].get("served", {})) if report["layers"] else []
     rot = spec.rotation
     lines = [f"latq format v{spec.version} · method {spec.method} ({spec.kind}) · {budget}"
@@ -272,6 +277,12 @@ def format_report(report: dict) -> str:
                  f"{t['bits_per_weight']:.4f} bits/weight (outliers {100 * t['outlier_rate']:.3f}%); "
                  f"all tensors {t['tensor_bytes'] / 2**20:.1f} MiB = {t['bits_per_param_all']:.3f} bits/param "
                  f"over {t['params']:,} params (embeddings etc. in the model dtype)")
+    if spec.kind == "codebook":
+        over = [r for r in report["layers"] if r.get("overloads")]
+        lines.append(f"overloads: {sum(r['overloads'] for r in over)} blocks in {len(over)} of {len(report['layers'])} "
+                     "layers (a block whose target lies beyond the codebook's covering radius; cert covers the "
+                     "rows without one)")
+        lines.append(f"served: none: {codebook.NOT_SERVED}")
     if "served_bits_per_weight" in t:
         lines.append("served (what a decode step streams, per kernel family): " + ", ".join(
             f"{fam} {b:.4f}" for fam, b in t["served_bits_per_weight"].items())

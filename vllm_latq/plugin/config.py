@@ -16,6 +16,7 @@ from .. import format as fmt
 from ..bounded_io import MAX_JSON_BYTES, file_sha256
 from ..env import EnvError
 from ..errors import FormatError
+from ..format import codebook
 from ..format.checkpoint import checkpoint_dir
 from ..format.files import MANIFEST_FILE
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
@@ -133,6 +134,9 @@ class LatqConfig(QuantizationConfig):
 
         check_load_format()
         prefix = checkpoint_module(prefix)
+        served = (LinearBase, *_moe_layer_types()) + ((ParallelLMHead,) if self.lm_head_quantized else ())
+        if self.kind == "codebook" and isinstance(layer, served) and self.is_converted(prefix):
+            raise ValueError(f"latq checkpoint: {prefix}: {codebook.NOT_SERVED}")
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod

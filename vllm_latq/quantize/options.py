@@ -14,6 +14,8 @@ from .. import cpu_features, data, hf_model
 from .. import format as fmt
 from ..algorithms import lattice
 from ..algorithms.decoders import DECODERS, MAX_BEAM
+from ..algorithms.e8 import E8_ORDERS
+from ..format.codebook import CODEBOOKS, DIM as CODEBOOK_BLOCK
 from ..format.scale_codes import CODE_BITS
 from ..format.spec import INLIER_BITS, MAX_GROUP_SIZE
 
@@ -25,7 +27,7 @@ COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bflo
 # of "natural" that states the GPTQ ≡ Babai identity (gptq(order="reverse") ≡ babai(order=
 # "natural")), not a column-order heuristic of its own.
 ORDERS = tuple(o for o in lattice.ORDERS if o != "reverse")
-CODED_SCALE_METHODS = ("gptq", "rtn", "babai")   # the methods whose group scales may be stored as codes
+CODED_SCALE_METHODS = ("gptq", "rtn", "babai", "e8")   # the methods whose group scales may be stored as codes
 DECODED_METHODS = ("gptq", "babai", "ssqr", "hptq")   # the nearest-plane solvers another decoder may replace
 INT64 = 2 ** 63   # what the checkpoint's JSON records of an option, and torch, hold
 MAX_TARGET_BITS = 8.0   # HPTQ's target: past 8 bits/weight a Huffman-coded layer outgrows an 8-bit dense one
@@ -35,7 +37,7 @@ MAX_TARGET_BITS = 8.0   # HPTQ's target: past 8 bits/weight a Huffman-coded laye
 # kernel families; the methods with outliers or one scale keep group 128, where a smaller
 # group does not pay (docs/KERNELS.md, accuracy levers: e).
 DEFAULT_METHOD = "gptq"
-DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64}   # other methods: 128
+DEFAULT_GROUP_SIZE = {"gptq": 64, "babai": 64, "rtn": 64, "e8": 64}   # other methods: 128
 # the output head's inlier bits by default (dense methods): free in perplexity on both reference
 # models at half the bytes of bf16 (docs/RESULTS.md, the decision rule and its measurements)
 DEFAULT_LM_HEAD_BITS = 8
@@ -131,6 +133,12 @@ class QuantizeOptions:
         if self.method == "ssqr":
             _require(_is_number(self.outlier_rate) and 0 <= self.outlier_rate < 1, "outlier_rate", "in [0, 1)",
                      self.outlier_rate)
+        if self.kind == "codebook":
+            _require(_is_int(self.bits) and self.bits in CODEBOOKS, "bits",
+                     f"one of {', '.join(map(str, CODEBOOKS))} for {self.method}", self.bits)
+            _require(_is_int(self.group_size) and self.group_size >= 1 and self.group_size % CODEBOOK_BLOCK == 0,
+                     "group_size", f"a positive multiple of {CODEBOOK_BLOCK} for {self.method} (whole blocks)",
+                     self.group_size)
         if self.kind == "huffman":
             _require(_is_number(self.target_bits) and 1 < self.target_bits <= MAX_TARGET_BITS, "target_bits",
                      f"in (1, {MAX_TARGET_BITS:g}] bits/weight for {self.method}", self.target_bits)
@@ -142,6 +150,11 @@ class QuantizeOptions:
                                  f"{CODED_SCALE_METHODS[-1]} (their group scales), not {self.method}")
             _require(self.scale_bits in CODE_BITS, "scale_bits", f"one of {CODE_BITS}", self.scale_bits)
         self._check_lattice_options()
+        if self.kind == "codebook":
+            _require(self.order in E8_ORDERS, "order", f"one of {', '.join(E8_ORDERS)} for {self.method} (blocks of "
+                     "eight neighbouring columns)", self.order)
+            if self.rotate == "none":   # the codebooks are balls shaped for rotated, Gaussian-like blocks
+                raise ValueError(f"method {self.method} needs a rotation: add --rotate hadamard")
 
     def _check_lattice_options(self) -> None:
         kinds = ("none",) + fmt.rotation.KINDS
@@ -224,6 +237,9 @@ class QuantizeOptions:
             return dict(target_bits=self.target_bits, order=self.order, damp=self.damp, **decoded)
         if m == "hrtn":
             return dict(target_bits=self.target_bits)
+        if m == "e8":
+            return dict(bits=self.bits, group_size=self.group_size, order=self.order, damp=self.damp,
+                        scale_bits=self.scale_bits)
         coded = {} if self.scale_bits is None else {"scale_bits": self.scale_bits}
         if m == "rtn":
             return dict(bits=self.bits, group_size=self.group_size, **coded)

@@ -14,6 +14,7 @@ import torch
 
 from .. import hf_model
 from .. import format as fmt
+from ..algorithms.e8 import e8
 from ..algorithms.hptq import hptq, hrtn
 from ..algorithms.lattice import relative_error
 from ..algorithms.result import QuantResult
@@ -29,7 +30,7 @@ from .rotate import rotated_problem, serve_rotated
 log = logging.getLogger("vllm_latq.quantize")
 
 Solve = Callable[..., QuantResult]   # solve(method, W, H, name, **kw) -> QuantResult
-SOLVERS = {"ssqr": ssqr, "hptq": hptq, "gptq": gptq, "rtn": rtn, "hrtn": hrtn, "babai": babai}
+SOLVERS = {"ssqr": ssqr, "hptq": hptq, "gptq": gptq, "rtn": rtn, "hrtn": hrtn, "babai": babai, "e8": e8}
 # solvers that read the weight a few rows at a time in fp32: given it in its stored dtype, so an
 # uncalibrated run never holds an fp32 copy of a matrix (the others get one)
 ROW_READERS = {"rtn"}
@@ -38,7 +39,7 @@ ROW_READERS = {"rtn"}
 def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw) -> QuantResult:
     """Run one solver (a name from ``format.METHODS``) → QuantResult with CPU tensors."""
     res = SOLVERS[method](W if method in ROW_READERS else W.float(), H, name=name, **kw)
-    for f in ("z", "stored_q", "scales", "order", "bound"):
+    for f in ("z", "stored_q", "scales", "order", "bound", "codes"):
         v = getattr(res, f)
         if isinstance(v, torch.Tensor):
             setattr(res, f, v.cpu())
@@ -267,17 +268,23 @@ def _put(block: torch.nn.Module, within: Callable[[str], str], where: str | hf_m
 def layer_stats(name, W, H, res, t, kind) -> dict:
     """Per-layer record for latq_stats.json (deterministic: no timings), computed where ``W``
     and ``H`` are (``res`` holds CPU tensors). Without a Hessian (uncalibrated methods) there
-    is no output error to report: ``rel_error`` is None."""
+    is no output error to report: ``rel_error`` is None. ``cert``: over the rows the bound covers."""
     rel = relative_error(W, res.q, H) if H is not None else None
-    cert = None
+    cert, overloads = None, res.info.get("overloads")
     if res.bound is not None:
         err = res.error(W, H)
-        cert = (err / res.bound.to(err.device).clamp_min(1e-300)).max().item()
+        ratio = err / res.bound.to(err.device).clamp_min(1e-300)
+        if overloads is not None:
+            ratio = ratio[(overloads == 0).to(ratio.device)]
+        cert = ratio.max().item() if ratio.numel() else None
     st = fmt.layer_stats(t, kind, tuple(W.shape))
-    return {"name": name, "method": res.method, "shape": list(W.shape), "bits": st["bits"],
-            "solver_bits": float(res.bits_per_weight), "outlier_rate": st["outlier_rate"],
-            "rel_error": rel, "cert": cert,
-            "damp": res.damp, "alpha": res.info.get("alpha")}
+    record = {"name": name, "method": res.method, "shape": list(W.shape), "bits": st["bits"],
+              "solver_bits": float(res.bits_per_weight), "outlier_rate": st["outlier_rate"],
+              "rel_error": rel, "cert": cert,
+              "damp": res.damp, "alpha": res.info.get("alpha")}
+    if overloads is not None:
+        record["overloads"] = int(overloads.sum())
+    return record
 
 
 def log_line(s: dict) -> str:
@@ -285,5 +292,6 @@ def log_line(s: dict) -> str:
     rel = f"{s['rel_error']:.3e}" if s["rel_error"] is not None else "—"
     routed = "" if s.get("expert_tokens") is None else f", {s['expert_tokens']} routed tokens" + (
         f" ({s['moe_fallback']})" if s["moe_fallback"] else "")
+    over = "" if s.get("overloads") is None else f", {s['overloads']} overloaded blocks"
     return (f"{s['name']}: {s['method']} {s['bits']:.3f} bits/w, outliers {100 * s['outlier_rate']:.3f}%, "
-            f"rel.err {rel}, cert {cert}{routed}")
+            f"rel.err {rel}, cert {cert}{over}{routed}")
