@@ -46,7 +46,8 @@ CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq"))
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
 SOURCE_OF = {"gemv": "_tile_source", "mma": "_tile_source", "moe": "_moe_source", "dequant": "_dequant_source",
-             "outliers": "_outlier_source", "hadamard": "_hadamard_source"}
+             "outliers": "_outlier_source", "hadamard": "_hadamard_source", "gemv_pipe": "_pipelined_source",
+             "mma_pipe": "_pipelined_source"}
 
 
 def _strip_docstrings(tree):
@@ -91,6 +92,9 @@ def _code_digest(kernel: str):
         h.update(_code_fingerprint((KERNELS / "device.py").read_text()).encode())
     for f in (getattr(ts, SOURCE_OF[kernel]), ts._ast_source, _compile, sass_counts, load_width):
         h.update(_code_fingerprint(inspect.getsource(f)).encode())
+    if file == "pipelined.py":       # it calls mma.py's helpers, and its source is _tile_source's
+        h.update(_code_fingerprint((KERNELS / "mma.py").read_text()).encode())
+        h.update(_code_fingerprint(inspect.getsource(ts._tile_source)).encode())
     return h
 
 
@@ -284,15 +288,15 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             for g, names in SASS_GROUPS.items():
                 row[g] = sum(v for k, v in r["sass"].items() if k.split(".")[0] in names)
             # K-loop SASS instructions per weight per thread: one trip of the innermost K
-            # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns,
-            # SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
+            # loop = one K step (mma, the pipelined kernels) or one 16-bit half of a step (gemv:
+            # 16·SPH columns, SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
             from vllm_latq.kernels.triton.layout import step_of
             row["loop"], row["ipw"] = r["loop_len"], None
             row.update(proxies(j, r["loop_loads"], r["loop_ops"], r["regs"], r["smem"]))
             if j["kernel"] in ("dequant", "outliers", "hadamard"):         # no K loop of weights × rows
                 rows.append(row)
                 continue
-            if j["kernel"] == "mma":
+            if j["kernel"] in ("mma", "mma_pipe", "gemv_pipe"):
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
             else:                                                           # gemv, moe
                 cols = 16 * (16 // {3: 2, 5: 4}.get(j["bits"], j["bits"]))
