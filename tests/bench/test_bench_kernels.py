@@ -168,7 +168,7 @@ def test_picked_kernel_is_apply_routing(monkeypatch):
         x = torch.zeros(m, 1024, dtype=dt)
         ran.clear()
         TritonKernel.apply(st, x)                 # the fakes return x2: [M, K] is [M, N] here
-        assert ran == [kt.picked_kernel(x)]
+        assert ran == [kt.picked_kernel(st, x)]
         seen.add(ran[0])
     assert seen == {"gemv", "mma", "dequant"}
 

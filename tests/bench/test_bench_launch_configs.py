@@ -42,7 +42,7 @@ def test_every_candidate_against_the_tables_choice(monkeypatch):
         assert p["best"] == keys[0] and p["best_us"] == timed + 1            # the first timed: 1 µs after the last M's
         assert p["table_us"] == timed + 1 + keys.index(table)
         mine = [t for t in timings if t["m"] == p["m"]]
-        assert [tuple(t["config"].get(k) for k in lc.TUNED) for t in mine] == keys
+        assert [lc.key(t["config"]) for t in mine] == keys
         assert {(t["kernel"], t["bm"], t["n"], t["k"], t["family"]) for t in mine} == {(p["kernel"], bm, 32, 256, "cpu")}
         assert [t["us"] for t in mine] == [timed + 1 + i for i in range(len(cands))]
         timed += len(cands)
