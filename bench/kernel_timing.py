@@ -72,7 +72,7 @@ class Point:
     kernels_us: dict            # kernel → µs, the picked one and the --breakdown ones
     err: float                  # worst max|y − ref| / max|ref| over the kernels run
     scales: str = SCALES        # the group-scale form (--scales)
-    launches: dict = dataclasses.field(default_factory=dict)    # entry → (kernel, BM, config) it ran
+    launches: dict = dataclasses.field(default_factory=dict)    # entry → (kernel, BM, config, error) it ran
     peers_us: dict = dataclasses.field(default_factory=dict)    # peer → µs (bench.kernel_peers; nan: failed)
     peer_bits: dict = dataclasses.field(default_factory=dict)   # peer → its served bits/weight
 
@@ -235,7 +235,9 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
         points.append(Point(name, n, k, bits, rate, m, pick, us[pick], dense_cache[n, k, m],
                             _time_copy(wb + ab, dev, l2_bytes, timer), wb, ab, us,
                             max([errs[m, None]] + [e for kk in kernels if math.isfinite(e := errs[m, kk])
-                                                   or e == math.inf]), scales, launches=_launches(st, x, pick, kernels)))
+                                                   or e == math.inf]), scales,
+                            launches=_launches(st, x, pick, kernels, {e: errs[m, None if e == pick else e]
+                                                                      for e in (pick, *kernels)})))
         if peers is not None and peers.present:
             points[-1].peers_us = peers.times(n, k, m)
             points[-1].peer_bits = {p: peers.bits.get((n, k, p), math.nan) for p in peers.present}
@@ -247,16 +249,16 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
     return points
 
 
-def _launches(st, x, pick, kernels) -> dict:
-    """{entry: (kernel, row tile, config)} of the picked kernel and each breakdown entry that runs a
-    GEMV or tensor-core launch (what ``tools/launch_table`` takes as a timing)."""
+def _launches(st, x, pick, kernels, errs) -> dict:
+    """{entry: (kernel, row tile, config, error)} of the picked kernel and each breakdown entry that
+    runs a GEMV or tensor-core launch (what ``tools/launch_table`` takes as a timing)."""
     from vllm_latq.kernels.triton.kernel import launch_config
     out = {}
     for name in dict.fromkeys((pick, *kernels)):
         got = variant(st, x, name)
         if got is not None and got[0] in ("gemv", "mma"):
             c = got[1] or launch_config(st, x.shape[0], got[0], x.device)
-            out[name] = (got[0], c["BM"], c)
+            out[name] = (got[0], c["BM"], c, errs[name])
     return out
 
 
@@ -269,12 +271,13 @@ def family(dev) -> str:
 
 
 def timing_rows(points, family: str) -> list[dict]:
-    """The points' launches as ``tools/launch_table`` timing records (``--add-timings``)."""
-    from tools.launch_table import TUNED
+    """The points' launches as ``tools/launch_table`` timing records (``--add-timings``; a launch
+    whose output was off as ``WRONG``)."""
+    from tools.launch_table import TUNED, WRONG
     rows = []
     for p in points:
-        for name, (kernel, bm, c) in p.launches.items():
-            us = p.kernels_us.get(name, math.nan)
+        for name, (kernel, bm, c, err) in p.launches.items():
+            us = p.kernels_us.get(name, math.nan) if err <= ERR_TOL else WRONG
             if math.isfinite(us):
                 rows.append(dict(family=family, kernel=kernel, bits=p.bits, bm=bm, n=p.n, k=p.k, m=p.m, rate=p.rate,
                                  config={t: c[t] for t in TUNED if t in c}, us=round(us, 2)))

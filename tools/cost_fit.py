@@ -96,7 +96,8 @@ def table_config(kernel: str, bits: int, n: int, k: int, m: int) -> tuple[int, d
 
 def points() -> list[dict]:
     """Every timed point: launch_timings.json's candidates and gpu_check_timings.json's GEMV rows."""
-    out = [dict(t, device=DEVICE_OF[t["family"]]) for t in lt.read_timings() if t["family"] in DEVICE_OF]
+    out = [dict(t, device=DEVICE_OF[t["family"]]) for t in lt.read_timings()
+           if t["family"] in DEVICE_OF and t["us"] != lt.WRONG]
     for t in json.loads(CHECKS_FILE.read_text()):
         bm, c = table_config(t["kernel"], t["bits"], t["n"], t["k"], t["m"])
         out.append(dict(t, device=t["device"].lower(), bm=bm, config=c))

@@ -51,6 +51,7 @@ TUNED = ("BN", "SPLIT", "BR", "num_warps", "DEPTH")          # what tells two ca
 REPORT_FIELDS = ("kernel", "bits", "BM", "BN", "num_warps", "BR", "DEPTH", "cc")
 ROUTE = "route"          # shape classes whose M < 8 rows a GPU timed faster on tensor cores
 TIE = 0.02       # modelled times this close are the model's noise, not a ranking
+WRONG = -1.0     # a timing record's µs where the candidate's output was off (never served)
 
 
 def family_model(fam: str) -> cm.DeviceModel:
@@ -130,7 +131,8 @@ def shape_candidates(kernel: str, bits: int, bm: int, n: int, k: int, fam: str |
     return cfg.candidates(kernel, bits, bm, _n_pad(n), ks["nsteps"] + ks["tsteps"], can_split, fam)
 
 
-def class_candidates(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: str) -> list[dict]:
+def class_candidates(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]],
+                     fam: str | None = None) -> list[dict]:
     """The candidates every shape of a class takes on family ``fam`` (``configs.choose`` serves
     an entry only to a shape it is a candidate of)."""
     per_shape = [shape_candidates(kernel, bits, bm, n, k, fam) for n, k in shapes]
@@ -152,7 +154,8 @@ def tuned_key(c: dict) -> tuple:
 def measured_points(timings: list[dict], fam: str, kernel: str, bits: int, bm: int,
                     shapes: list[tuple[int, int]]) -> list[dict]:
     """{tuned key: µs} per timed point (shape × M × outlier rate) of this class on this family
-    (the tensor-core kernel's timings below 8 rows are the route's, :func:`routes`)."""
+    (the tensor-core kernel's timings below 8 rows are the route's, :func:`routes`; ``WRONG``
+    where a candidate's output was off)."""
     points: dict = {}
     for t in timings:
         if (t["family"], t["kernel"], t["bits"], t["bm"]) == (fam, kernel, bits, bm) and (t["n"], t["k"]) in shapes \
@@ -173,6 +176,8 @@ def choose(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: 
     reps = [report[report_key(kernel, bits, bm, c, fam)] for c in cands]
     clean = [(c, r) for c, r in zip(cands, reps) if r[0] == 0] or list(zip(cands, reps))
     points = measured_points(timings, fam, kernel, bits, bm, shapes)
+    wrong = {key for p in points for key, us in p.items() if us == WRONG}
+    clean = [(c, r) for c, r in clean if tuned_key(c) not in wrong] or clean
     timed = [(c, sum(p[tuned_key(c)] for p in points)) for c, _ in clean
              if points and all(tuned_key(c) in p for p in points)]
     if timed:
@@ -187,12 +192,12 @@ def choose(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: 
 
 def _challenger(pick: dict, cands: list[dict], points: list[dict]) -> dict | None:
     """The candidate that ran fastest against ``pick`` (its time over pick's, summed over the
-    points both ran) where that beats ``TIE``; None where none does."""
+    points both ran) where that beats ``TIE``; None where none does (or ``pick`` was wrong)."""
     mine = tuned_key(pick)
     best, best_ratio = None, 1 / (1 + TIE)
     for c in cands:
         both = [p for p in points if tuned_key(c) in p and mine in p]
-        if c is pick or not both:
+        if c is pick or not both or any(p[tuned_key(c)] == WRONG or p[mine] == WRONG for p in both):
             continue
         ratio = sum(p[tuned_key(c)] for p in both) / sum(p[mine] for p in both)
         if ratio < best_ratio:
@@ -218,7 +223,7 @@ def routes(entries: dict, fam: str, timings: list[dict]) -> dict:
         point[t["kernel"]] = t["us"]
     out = {}
     for key, points in sums.items():
-        both = [p for p in points.values() if len(p) == 2]
+        both = [p for p in points.values() if len(p) == 2 and WRONG not in p.values()]
         if both and sum(p["mma"] for p in both) * (1 + TIE) < sum(p["gemv"] for p in both):
             out[key] = {"kernel": "mma"}
     return out
