@@ -23,8 +23,10 @@ need). Levers:
 (h) decode ``--decoder kbest|klein --beam K`` against Babai (≡ GPTQ g128): the error ratio, its
            spread over the layers and (Klein) over seeds, and the solve time per K (median of
            ``--repeats``, with the min–max of the repeats: the timing noise)
+(i) e8     E8 codebooks by block Babai against rotated scalar GPTQ at its settings near the same
+           stored bits, both rotated alike, over ``--seeds`` rotation seeds (bench/e8_screen.py)
 
-    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target] [--levers acdefgh]
+    nice -n 5 python -m bench.levers [--bits 2 3 4] [--block 3] [--skip-target] [--levers acdefghi]
 """
 from __future__ import annotations
 
@@ -278,7 +280,7 @@ def target_rows(streams, bits) -> list[tuple]:
 # ----------------------------------------------------------------------------- the screen
 
 def screen(bits_list, block, skip_target, nseq, seqlen, powers, only, levers="acdef", beams=(2, 4, 8),
-           klein_draws=(8,), repeats=3):
+           klein_draws=(8,), repeats=3, seeds=(0, 1)):
     layers = {k: (W, H.float()) for k, (W, H) in real_layer_hessians().items()}
     rows = []   # (lever, method, bits, err base, err lever, stored base, stored lever, served base, served lever)
 
@@ -319,6 +321,9 @@ def screen(bits_list, block, skip_target, nseq, seqlen, powers, only, levers="ac
             c = codings(layers, b)
             add(("f code", "hptq compact book", b, None, None, c["huffman"], c["compact"], None, None))
             add(("f code", "hptq entropy (ANS)", b, None, None, c["huffman"], c["entropy"], None, None))
+    if "i" in levers and not only:
+        from bench.e8_screen import e8_rows
+        e8_rows(layers, bits_list, seeds, add)
     if not skip_target:
         for b in bits_list:
             for row in target_rows(block_streams(block, b, nseq, seqlen), b):
@@ -346,10 +351,11 @@ def main(argv=None):
     ap.add_argument("--skip-target", action="store_true", help="skip (b) (loads the model)")
     ap.add_argument("--only-target", dest="only", action="store_true", help="only (b)")
     ap.add_argument("--powers", type=float, nargs="+", default=[0.5], help="(c): exponents p of c ∝ D^p")
-    ap.add_argument("--levers", default="acdefgh", help="the per-layer levers to screen (letters; default all)")
+    ap.add_argument("--levers", default="acdefghi", help="the per-layer levers to screen (letters; default all)")
     ap.add_argument("--beams", type=int, nargs="+", default=[2, 4, 8], help="(h): K-best beam widths")
     ap.add_argument("--klein-draws", type=int, nargs="+", default=[8], help="(h): Klein's draws")
     ap.add_argument("--repeats", type=int, default=3, help="(h): timed solves per decoder (median, min-max)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="(i): rotation seeds")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.time()
@@ -357,7 +363,7 @@ def main(argv=None):
           "served b/w (CPU) base → lever |")
     print("|---|---|---|---|---|---|---|", flush=True)
     rows = screen(a.bits, a.block, a.skip_target, a.nseq, a.seqlen, a.powers, a.only, a.levers, a.beams,
-                  a.klein_draws, a.repeats)
+                  a.klein_draws, a.repeats, a.seeds)
     best = {}
     for lever, label, b, e0, e1, *_ in rows:
         if e0:

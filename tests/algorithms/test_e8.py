@@ -1,0 +1,171 @@
+"""E8 codebooks and block Babai against brute force: the lattice decoder, E8P's 2¹⁶ points and its
+fast search, the metric search, the block LDL and the block sweep on small random problems."""
+import itertools
+
+import pytest
+import torch
+
+from vllm_latq.algorithms import e8
+from vllm_latq.algorithms.lattice import damped, layer_error
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def e8_points():
+    """Every E8 point with coordinates in [-2, 2] (enough for targets of norm ≲ 1.5 a coordinate)."""
+    ints = torch.tensor(list(itertools.product(range(-2, 3), repeat=8)), dtype=torch.float64)
+    halves = torch.tensor(list(itertools.product((-1.5, -0.5, 0.5, 1.5), repeat=8)), dtype=torch.float64)
+    pts = torch.cat([ints, halves])
+    return pts[(pts.sum(1) % 2) == 0]
+
+
+def brute(x, book, D=None):
+    """The nearest row of ``book`` in the metric D (Euclidean when None), by one GEMM."""
+    D = torch.eye(8, dtype=x.dtype) if D is None else D
+    return book[((book @ D) * book).sum(1).sub(2 * (x @ D) @ book.T).argmin(1)]
+
+
+def dist2(x, p, D=None):
+    E = x - p
+    return ((E if D is None else E @ D) * E).sum(-1)
+
+
+def test_nearest_e8_is_the_nearest_lattice_point(e8_points):
+    x = torch.randn(300, 8, generator=gen(0), dtype=torch.float64) * 0.6
+    p = e8.nearest_e8(x)
+    assert torch.equal(e8.nearest_e8(p), p)                          # a lattice point maps to itself
+    assert torch.allclose(dist2(x, p), dist2(x, brute(x, e8_points)), atol=1e-12)
+
+
+def test_e8p_codebook_is_2_to_16_distinct_points_of_e8_plus_quarter():
+    C = e8.e8p_codebook()
+    assert C.shape == (65536, 8) and len(torch.unique(C, dim=0)) == 65536
+    assert torch.equal(e8.nearest_e8(C - 0.25), C - 0.25)
+    assert e8.in_e8p(C).all()
+    assert not e8.in_e8p(torch.full((1, 8), 3.75)).any()            # E8 + ¼, outside the ball
+    assert len(e8.e8p_patterns()) == 256 and (e8.e8p_patterns().square().sum(1) <= 10).sum() == 227
+
+
+@pytest.mark.parametrize("scale", [0.4, 1.0, 2.0])   # 2.0: nearly every block outside the ball
+def test_nearest_e8p_matches_brute_force(scale):
+    x = torch.randn(1500, 8, generator=gen(1), dtype=torch.float64) * scale
+    p = e8.nearest_e8p(x)
+    assert e8.in_e8p(p).all()
+    assert torch.allclose(dist2(x, p), dist2(x, brute(x, e8.e8p_codebook())), atol=1e-10)
+
+
+def random_metric(seed, skew=0.3):
+    A = torch.eye(8, dtype=torch.float64) + skew * torch.triu(torch.randn(8, 8, generator=gen(seed),
+                                                                           dtype=torch.float64), 1)
+    return A.T @ A
+
+
+def test_metric_search_never_farther_and_mostly_exact():
+    x = torch.randn(1500, 8, generator=gen(2), dtype=torch.float64)
+    D = random_metric(3)
+    p0, p = e8.nearest_e8p(x), e8.nearest_e8p(x, D)
+    assert e8.in_e8p(p).all()
+    assert (dist2(x, p, D) <= dist2(x, p0, D) + 1e-12).all()
+    exact = dist2(x, brute(x, e8.e8p_codebook(), D), D)
+    assert (dist2(x, p, D) <= exact + 1e-9).float().mean() > 0.75
+    assert torch.equal(e8.nearest_e8p(x, torch.eye(8, dtype=torch.float64)), p0)   # Euclidean: no move
+
+
+def test_ball256_and_its_metric_search():
+    B = e8.e8_ball256()
+    assert len(torch.unique(B, dim=0)) == 256 and torch.equal(e8.nearest_e8(B), B)
+    assert torch.equal(e8.e8_roots().square().sum(1), torch.full((240,), 2.0, dtype=torch.float64))
+    x = torch.randn(500, 8, generator=gen(4), dtype=torch.float64)
+    D = random_metric(5)
+    assert torch.allclose(dist2(x, e8.nearest_ball256(x, D), D), dist2(x, brute(x, B, D), D), atol=1e-10)
+
+
+def problem(r=24, c=64, seed=0):
+    """A random correlated layer problem (W, H = XᵀX/n) in fp64."""
+    g = gen(seed)
+    mix = torch.eye(c, dtype=torch.float64) + 0.3 * torch.randn(c, c, generator=g, dtype=torch.float64)
+    X = torch.randn(512, c, generator=g, dtype=torch.float64) @ mix
+    return torch.randn(r, c, generator=g, dtype=torch.float64) * 0.05, X.T @ X / 512
+
+
+@pytest.mark.parametrize("order", e8.BLOCK_ORDERS)
+def test_block_ldl_factors_the_damped_hessian(order):
+    _, H = problem()
+    T = e8.block_order(H, order)
+    assert torch.equal(T.sort().values, torch.arange(64))
+    f = e8.block_ldl(H, T)
+    Dfull = torch.block_diag(*f.D)
+    assert torch.allclose(f.U.T @ Dfull @ f.U, damped(H, 0.01)[T][:, T], rtol=1e-10, atol=1e-12)
+    assert torch.allclose(f.U.reshape(8, 8, 8, 8).diagonal(dim1=0, dim2=2).permute(2, 0, 1),
+                          torch.eye(8, dtype=torch.float64).expand(8, 8, 8), atol=1e-12)
+
+
+def test_block_min_pivot_takes_the_smallest_diagonals_first():
+    _, H = problem(seed=1)
+    T = e8.block_min_pivot(H)
+    assert torch.equal(T[:8], damped(H, 0.01).diagonal().topk(8, largest=False).indices.sort().values)
+
+
+def reference_block_babai(W, H, code, s, T, metric):
+    """The sweep written from its definition: the upper Cholesky factor A, blocks last to first."""
+    A = torch.linalg.cholesky(damped(H, 0.01)[T][:, T]).T
+    Wt, Q = W[:, T], torch.zeros_like(W)
+    for k in reversed(range(W.shape[1] // 8)):
+        b, later = slice(8 * k, 8 * k + 8), slice(8 * k + 8, None)
+        Akk = A[b, b]
+        t = Wt[:, b] - torch.linalg.solve_triangular(Akk, A[b, later] @ (Q[:, later] - Wt[:, later]).T, upper=True).T
+        Q[:, b] = s * code.nearest(t / s, Akk.T @ Akk if metric else None)
+    out = torch.empty_like(Q)
+    out[:, T] = Q
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("metric", [False, True])
+def test_block_babai_matches_its_definition(bits, metric):
+    W, H = problem(seed=bits)
+    code = e8.CODES[bits]
+    res = e8.block_babai(W, H, code, order="act", metric=metric)
+    s = res.scales.double()
+    ref = reference_block_babai(W, H, code, s, res.T, metric)
+    assert torch.allclose(res.q, ref, atol=1e-9)
+    assert res.bits_per_weight == bits + 16 / 64
+    if bits == 2:   # every block is s·(an E8P point)
+        assert e8.in_e8p((res.q[:, res.T] / s).reshape(-1, 8)).all()
+
+
+def test_block_babai_beats_blockwise_rounding_in_layer_error():
+    W, H = problem(r=64, seed=7)
+    code = e8.CODES[3]
+    s = e8.code_scales(W, code).double()
+    rtn = s * code.nearest((W / s).reshape(-1, 8)).reshape(W.shape)   # one scale a row
+    res = e8.block_babai(W, H, code, scales=s, order="min-pivot")
+    assert layer_error(W, res.q, H).sum() < 0.8 * layer_error(W, rtn, H).sum()
+
+
+def test_block_babai_refuses_what_it_cannot_solve():
+    W, H = problem()
+    with pytest.raises(ValueError, match="multiples of 8"):
+        e8.block_babai(W[:, :60], H[:60, :60], e8.CODES[2])
+    with pytest.raises(ValueError, match="inside one group"):
+        e8.block_babai(W, H, e8.CODES[2], group_size=16, order=torch.arange(64).flip(0).roll(4))
+    with pytest.raises(ValueError, match="unknown block order"):
+        e8.block_order(H, "random")
+
+
+def test_code_scales_are_fp16_and_no_worse_than_the_search_ends():
+    W = torch.randn(16, 64, generator=gen(8)) * 0.02
+    code = e8.CODES[2]
+    s = e8.code_scales(W, code)
+    assert torch.equal(s, s.half().float())
+
+    def err(scale):
+        Wb = W.reshape(16, 8, 8) / scale[:, :, None]
+        return ((scale[:, :, None] * code.nearest(Wb.reshape(-1, 8)).reshape(16, 8, 8)) - W.reshape(16, 8, 8)
+                ).square().sum((1, 2))
+    rms = W.square().mean(1, keepdim=True).sqrt()
+    for f in (0.75, 1.35):
+        assert (err(s) <= err((rms * f).half().float()) + 1e-9).all()
