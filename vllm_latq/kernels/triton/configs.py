@@ -83,8 +83,9 @@ MMA_SINGLE_STAGE = {(2, 32, 32, 4), (2, 32, 128, 8), (2, 64, 32, 4)}       # (bi
 
 # Pipelined kernels (triton/pipelined.py): every tile again with DEPTH K steps of weights (and
 # their scales) in a register queue instead of one, the outliers' loads riding the loop ahead of
-# their use. One depth per kernel, width and row tile: the deepest of 2 and 4 that compiles
-# without spills on sm_80 and sm_90 at the tile's register cap (tools/triton_compile.py). 3-bit
+# their use. One depth per kernel, width and row tile: the deepest of 2 and 4 that compiled
+# without spills on a sample of layer forms at the tile's register cap; some forms still spill
+# (the compile record's rows; docs/KERNELS.md), and the table never chooses those configs. 3-bit
 # steps hold three word tiles a step: their queue halves the resident programs, so they stay
 # unpipelined; 5-bit layers too (the kernels take them, the record does not compile them: at
 # depth 2 their two planes gain least). Offered on PIPE_FAMILIES, whose compile the record checks;
