@@ -98,7 +98,8 @@ def _pipelined_jobs(targets, quick: bool) -> list[dict]:
     for kernel, tiles, splits in (("gemv", cfg.GEMV_TILES, lambda bm: (1, 8)),
                                   ("mma", cfg.MMA_TILES, lambda bm: (1, max(cfg.MMA_SPLITS[bm])))):
         for (kern, bits, bm), depth in cfg.PIPE_DEPTH.items():
-            if kern != kernel or (quick and bm != max(tiles)):
+            heaviest = max(b for k, w, b in cfg.PIPE_DEPTH if (k, w) == (kern, bits))
+            if kern != kernel or (quick and bm != heaviest):
                 continue
             tl_ = tiles[bm]
             for t in tl_:

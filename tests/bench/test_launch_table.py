@@ -106,7 +106,7 @@ def test_add_timings_writes_both_files(report, tmp_path, monkeypatch):
 
 def test_report_covers_every_candidate_and_no_entry_spills(report):
     assert lt.missing(report) == []
-    assert len(report) == 320 and {k[-1] for k in report} == {80, 86, 89, 90}
+    assert len(report) == 284 and {k[-1] for k in report} == {80, 86, 89, 90}
     assert {k[-1] for k in report if k[-2] > 1} == {80, 90}                      # pipelined: sm_80, sm_90
     table = json.loads(cfg.TABLE_FILE.read_text())["families"]
     for fam, entries in table.items():

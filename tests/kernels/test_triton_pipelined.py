@@ -36,12 +36,10 @@ def cases(fast, *axes):
 
 
 def run(st, x, kernel, split=1, depth=None, bias=None):
-    """One launch of the pipelined ``kernel`` at ``split`` K splits (``depth``: the configured one)."""
-    c = launch_config(st, x.shape[0], kernel, x.device)
-    c = cfg.pipelined(dict(c, SPLIT=split), kernel, st.bits)
-    assert c is not None
-    if depth is not None:
-        c["DEPTH"] = depth
+    """One launch of the pipelined ``kernel`` at ``split`` K splits (``depth``: the configured one, else
+    2 where the tile has none: the kernel takes every tile, the launch table offers the spill-free ones)."""
+    c = dict(launch_config(st, x.shape[0], kernel, x.device), SPLIT=split)
+    c["DEPTH"] = depth or (cfg.pipelined(c, kernel, st.bits) or {"DEPTH": 2})["DEPTH"]
     return TritonKernel.apply(st, x, bias, kernel=kernel, config=c)
 
 

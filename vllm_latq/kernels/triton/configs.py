@@ -83,18 +83,16 @@ MMA_SINGLE_STAGE = {(2, 32, 32, 4), (2, 32, 128, 8), (2, 64, 32, 4)}       # (bi
 
 # Pipelined kernels (triton/pipelined.py): every tile again with DEPTH K steps of weights (and
 # their scales) in a register queue instead of one, the outliers' loads riding the loop ahead of
-# their use. One depth per kernel, width and row tile: the deepest of 2 and 4 that compiled
-# without spills on a sample of layer forms at the tile's register cap; some forms still spill
-# (the compile record's rows; docs/KERNELS.md), and the table never chooses those configs. 3-bit
+# their use. One depth per kernel, width and row tile: the deepest of 2 and 4 at which every layer
+# form of the compile record compiles without spills at the tile's register cap; tiles that spilled
+# at both are left out (docs/KERNELS.md). 3-bit
 # steps hold three word tiles a step: their queue halves the resident programs, so they stay
 # unpipelined; 5-bit layers too (the kernels take them, the record does not compile them: at
 # depth 2 their two planes gain least). Offered on PIPE_FAMILIES, whose compile the record checks;
 # served only where a table entry names them (measured on a GPU): the rule and the modelled
 # table keep DEPTH 1.
-PIPE_DEPTH = {("gemv", 2, 1): 2, ("gemv", 2, 2): 2, ("gemv", 2, 4): 2, ("gemv", 2, 8): 2,
-              ("gemv", 4, 1): 4, ("gemv", 4, 2): 4, ("gemv", 4, 4): 2, ("gemv", 4, 8): 2,
-              ("mma", 2, 16): 4, ("mma", 2, 32): 2, ("mma", 2, 64): 2,
-              ("mma", 4, 16): 4, ("mma", 4, 32): 4, ("mma", 4, 64): 2}
+PIPE_DEPTH = {("gemv", 2, 2): 2, ("gemv", 4, 1): 4,
+              ("mma", 2, 64): 2, ("mma", 4, 16): 4, ("mma", 4, 32): 4, ("mma", 4, 64): 2}
 PIPE_FAMILIES = ("sm_80", "sm_90")
 
 
