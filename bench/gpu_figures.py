@@ -83,6 +83,36 @@ def headline_keys(points, absent: dict) -> dict:
     return head
 
 
+def variant_lines(points) -> tuple[list[str], dict]:
+    """The pipelined kernels and the tensor-core route against the launch table's pick, where
+    ``--breakdown`` timed them (bench/kernel_timing.VARIANTS): per point the table's time and each
+    variant's; HEADLINE keys per M, the worst over the 8b shapes at 4-bit 1 %: table / pipelined
+    (``pipelined_vs_table_m<M>``) and bf16 / the fastest of them (``best_vs_bf16_m<M>``)."""
+    names = [n for n in ("pipelined", "mma", "mma_pipelined") if any(n in p.kernels_us for p in points)]
+    if "pipelined" not in names and "mma_pipelined" not in names:
+        return [], {}
+    lines = ["the table's pick against the pipelined kernels and (M < 8) the tensor-core kernel, µs:",
+             f"{'shape':12} {'bits':>4} {'M':>3} {'table':>8} " + " ".join(f"{n:>13}" for n in names)
+             + f" {'best/bf16':>9}"]
+    head, pipe, best = {}, {}, {}
+    for p in points:
+        times = {n: p.kernels_us.get(n, math.nan) for n in names}
+        if p.m >= 8:
+            times.pop("mma", None)                      # the table's pick itself
+        fastest = min([p.latq_us] + [t for t in times.values() if math.isfinite(t)])
+        lines.append(f"{p.shape:12} {p.bits:>4} {p.m:>3} {_cell(p.latq_us)} "
+                     + " ".join(f"{_cell(times.get(n, math.nan)):>13}" for n in names)
+                     + f" {p.dense_us / fastest:8.2f}x")
+        if p in _target_points([p], (p.m,), SHAPES):
+            pipe.setdefault(p.m, []).append(p.latq_us / times.get("pipelined", math.nan))
+            best.setdefault(p.m, []).append(p.dense_us / fastest)
+    for m in HEADLINE_MS:
+        vals = [v for v in pipe.get(m, []) if math.isfinite(v)]
+        head[f"pipelined_vs_table_m{m}"] = f"{min(vals):.2f}" if vals else "na"
+        head[f"best_vs_bf16_m{m}"] = f"{min(best[m]):.2f}" if best.get(m) else "na"
+    return lines, head
+
+
 def target_lines(points) -> list[str]:
     """Each target's worst point and whether it is met (``NOT met`` also where unmeasured)."""
     lines = ["targets (4-bit inliers, 1 % outliers; speed = other's time / latq's):"]

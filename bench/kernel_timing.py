@@ -15,10 +15,14 @@ import dataclasses
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 
 KERNELS = ("gemv", "mma", "dequant")
+# --breakdown entries beyond a forced kernel: the picked kernel's table config pipelined, and the
+# tensor-core kernel's pipelined (below 8 rows, the launch table's other route)
+VARIANTS = ("pipelined", "mma_pipelined")
 GROUP = 128
 SCALES = f"fp16-g{GROUP}"       # the group-scale form timed by default (--scales)
 ROTATE_L2 = 4          # timed operands span ≥ this many L2 sizes (copies cycled per call)
@@ -68,6 +72,7 @@ class Point:
     kernels_us: dict            # kernel → µs, the picked one and the --breakdown ones
     err: float                  # worst max|y − ref| / max|ref| over the kernels run
     scales: str = SCALES        # the group-scale form (--scales)
+    launches: dict = dataclasses.field(default_factory=dict)    # entry → (kernel, BM, config, error) it ran
     peers_us: dict = dataclasses.field(default_factory=dict)    # peer → µs (bench.kernel_peers; nan: failed)
     peer_bits: dict = dataclasses.field(default_factory=dict)   # peer → its served bits/weight
 
@@ -96,12 +101,10 @@ class Point:
         return not (self.err <= ERR_TOL)            # nan / inf count as wrong
 
 
-def picked_kernel(x2: torch.Tensor) -> str:
-    """The kernel ``TritonKernel.apply(st, x2)`` runs (mirrors its routing; tested against it)."""
-    from vllm_latq.kernels.triton.dequant import use_large_m
-    if use_large_m(x2):
-        return "dequant"
-    return "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
+def picked_kernel(st, x2: torch.Tensor) -> str:
+    """The kernel ``TritonKernel.apply(st, x2)`` runs (its routing, the launch table's included)."""
+    from vllm_latq.kernels.triton.kernel import pick_kernel
+    return pick_kernel(st, x2)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -121,11 +124,33 @@ def time_cycled(timer, calls) -> float:
     return timer(lambda: [c() for c in calls]) / len(calls)
 
 
+def variant(st, x: torch.Tensor, name: str) -> tuple[str, dict | None] | None:
+    """(kernel, config) a breakdown entry runs at x's rows: a kernel forced at its table config
+    (``KERNELS``), the picked kernel's table config pipelined ("pipelined") or the tensor-core
+    kernel's ("mma_pipelined"); None where that has no pipelined kernel."""
+    if name in KERNELS:
+        return name, None
+    from vllm_latq.kernels.triton import configs as cfg
+    from vllm_latq.kernels.triton.kernel import launch_config, pick_kernel
+    kernel = "mma" if name == "mma_pipelined" else pick_kernel(st, x)
+    if kernel not in ("gemv", "mma") or (kernel == "mma" and x.dtype == torch.float32):
+        return None
+    c = cfg.pipelined(launch_config(st, x.shape[0], kernel, x.device), kernel, st.bits)
+    return None if c is None else (kernel, c)
+
+
+def _run(st, x, name):
+    """One call of breakdown entry ``name`` (None: the picked kernel through apply's routing)."""
+    from vllm_latq.kernels.triton.kernel import TritonKernel
+    kernel, config = (None, None) if name is None else variant(st, x, name)
+    return TritonKernel.apply(st, x, kernel=kernel, config=config)
+
+
 def _warm_up(states, w, ms, kernels, dtype, dev, log) -> dict:
-    """Every M with the picked kernel (apply's routing), then every M with each forced
-    kernel, once — so the autotuners see the M the selector sends them first, and never run
-    inside a capture — each output checked against the fp32 reference → {(m, kernel or
-    None): rel error} (inf: the call failed)."""
+    """Every M with the picked kernel (apply's routing), then every M with each breakdown
+    entry, once — so the autotuners see the M the selector sends them first, and never run
+    inside a capture — each output checked against the fp32 reference → {(m, entry or
+    None): rel error} (inf: the call failed; nan: the entry has no kernel there)."""
     from vllm_latq.kernels.weight import dequantize
     from vllm_latq.kernels.triton.kernel import TritonKernel
     w_ref = dequantize(w)
@@ -135,8 +160,11 @@ def _warm_up(states, w, ms, kernels, dtype, dev, log) -> dict:
     errs = {}
     for kernel in (None, *kernels):
         for m in ms:
+            if kernel is not None and variant(states[0], xs[m], kernel) is None:
+                errs[m, kernel] = math.nan
+                continue
             try:
-                errs[m, kernel] = rel_err(TritonKernel.apply(states[0], xs[m], kernel=kernel), refs[m])
+                errs[m, kernel] = rel_err(_run(states[0], xs[m], kernel), refs[m])
             except Exception as e:  # noqa: BLE001 — reported and counted, the run goes on
                 log(f"  FAILED M={m} {kernel or 'picked'}: {type(e).__name__}: {str(e).strip()[:200]}")
                 errs[m, kernel] = math.inf
@@ -194,11 +222,11 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
     points = []
     for m in ms:
         x = torch.randn(m, k, device=dev).to(dtype)
-        pick = picked_kernel(x)
+        pick = picked_kernel(st, x)
         us = {}
         for kern in dict.fromkeys((pick, *kernels)):
             kk = None if kern == pick else kern             # the picked one through apply's routing
-            calls = [lambda s=s, kk=kk: TritonKernel.apply(s, x, kernel=kk) for s in states]
+            calls = [lambda s=s, kk=kk: _run(s, x, kk) for s in states]
             us[kern] = _time_or_nan(timer, calls, f"{name} M={m} {kern}", log) \
                 if math.isfinite(errs[m, kk]) else math.nan
         if (n, k, m) not in dense_cache:
@@ -206,7 +234,10 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
         ab = act_bytes(m, n, k, elem)
         points.append(Point(name, n, k, bits, rate, m, pick, us[pick], dense_cache[n, k, m],
                             _time_copy(wb + ab, dev, l2_bytes, timer), wb, ab, us,
-                            max([errs[m, None]] + [errs[m, kk] for kk in kernels]), scales))
+                            max([errs[m, None]] + [e for kk in kernels if math.isfinite(e := errs[m, kk])
+                                                   or e == math.inf]), scales,
+                            launches=_launches(st, x, pick, kernels, {e: errs[m, None if e == pick else e]
+                                                                      for e in (pick, *kernels)})))
         if peers is not None and peers.present:
             points[-1].peers_us = peers.times(n, k, m)
             points[-1].peer_bits = {p: peers.bits.get((n, k, p), math.nan) for p in peers.present}
@@ -216,6 +247,41 @@ def bench_layer(spec, bits, rate, ms, kernels, dtype, dev, l2_bytes, timer, dens
     log(f"  ({name} {bits}-bit {rate * 100:g}% {scales}: weights + prepare {t1 - t0:.1f} s, warm-up/autotune/check "
         f"{t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s; {len(states)} weight copies cycled)")
     return points
+
+
+def _launches(st, x, pick, kernels, errs) -> dict:
+    """{entry: (kernel, row tile, config, error)} of the picked kernel and each breakdown entry that
+    runs a GEMV or tensor-core launch (what ``tools/launch_table`` takes as a timing)."""
+    from vllm_latq.kernels.triton.kernel import launch_config
+    out = {}
+    for name in dict.fromkeys((pick, *kernels)):
+        got = variant(st, x, name)
+        if got is not None and got[0] in ("gemv", "mma"):
+            c = got[1] or launch_config(st, x.shape[0], got[0], x.device)
+            out[name] = (got[0], c["BM"], c, errs[name])
+    return out
+
+
+def family(dev) -> str:
+    """The launch table's family of ``dev`` (``sm_90``), or its type off a GPU (``cpu``)."""
+    if dev.type != "cuda":
+        return dev.type
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"sm_{major}{minor}"
+
+
+def timing_rows(points, family: str) -> list[dict]:
+    """The points' launches as ``tools/launch_table`` timing records (``--add-timings``; a launch
+    whose output was off as ``WRONG``)."""
+    from tools.launch_table import TUNED, WRONG
+    rows = []
+    for p in points:
+        for name, (kernel, bm, c, err) in p.launches.items():
+            us = p.kernels_us.get(name, math.nan) if err <= ERR_TOL else WRONG
+            if math.isfinite(us):
+                rows.append(dict(family=family, kernel=kernel, bits=p.bits, bm=bm, n=p.n, k=p.k, m=p.m, rate=p.rate,
+                                 config={t: c[t] for t in TUNED if t in c}, us=round(us, 2)))
+    return rows
 
 
 def _time_dense(n, k, x, l2_bytes, timer) -> float:
@@ -303,6 +369,9 @@ def sweep(a, dev, device_name: str, l2: int, timer, log, big: int = 1 << 30) -> 
         if getattr(a, "json", None):       # after each configuration: a cut run keeps what it measured
             from bench.gpu_figures import write_points
             write_points(a.json, device_name, points)
+        if getattr(a, "timings_json", None):
+            from tools.launch_table import dumps_timings
+            Path(a.timings_json).write_text(dumps_timings(timing_rows(points, family(dev))))
     return dict(device=device_name, l2=l2, copy_gbps=copy_gbps, points=points, skipped=skipped,
                 seconds=time.perf_counter() - t0, peers_absent=dict(peers.absent) if peers else {})
 

@@ -31,7 +31,7 @@ import torch
 
 from bench import gpu_figures
 from bench.kernel_peers import PEERS, parse_peers
-from bench.kernel_timing import GROUP, KERNELS, SCALES, Point, gpu_bench, number_cell
+from bench.kernel_timing import GROUP, KERNELS, SCALES, VARIANTS, Point, gpu_bench, number_cell
 from vllm_latq.kernels.triton import layout as tlay
 
 # (out features N, in features K). Llama-3-8B: hidden 4096, 32 query + 8 KV heads of 128,
@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
                     help="activations and the dense baseline's weight")
     ap.add_argument("--breakdown", default=",".join(KERNELS),
-                    help="kernels also timed forced (gemv,mma,dequant or none)")
+                    help="kernels also timed forced (gemv,mma,dequant), the picked kernel's table config "
+                         "pipelined (pipelined) and the tensor-core kernel's (mma_pipelined), or none")
     ap.add_argument("--scales", default=SCALES, help="group-scale forms timed, the first the baseline of the others: "
                     "fp16-gG (fp16 scales, group G) or s4-gG (4-bit coded scales, --scale-bits 4); "
                     f"default {SCALES}")
@@ -107,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peers", default=",".join(PEERS),
                     help=f"peers timed beside latq at 4-bit g128 (bench/kernel_peers.py): of {','.join(PEERS)}, or none")
     ap.add_argument("--json", help="write the GPU points here in docs/gpu/latest.json's schema (bench/gpu_figures.py)")
+    ap.add_argument("--timings-json", help="write every GEMV / tensor-core launch timed here as launch timings "
+                    "(python -m tools.launch_table --from-summary --add-timings FILE)")
     ap.add_argument("--dry-run", action="store_true",
                     help=f"the GPU part on the CPU in Triton's interpreter (TRITON_INTERPRET=1), every shape about "
                          f"1/{DRY_SCALE} of its size, a fake timer: the pipeline and its output, no speed")
@@ -118,7 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.rates = _list(a.rates or base["rates"], float, lambda r: 0 <= r < 0.5, "rates must be in [0, 0.5)")
         a.m = sorted(_list(a.m or base["m"], int, lambda m: m >= 1, "M must be ≥ 1"))
         a.breakdown = [] if a.breakdown == "none" else \
-            _list(a.breakdown, str.strip, lambda k: k in KERNELS, f"breakdown kernels must be of {KERNELS}")
+            _list(a.breakdown, str.strip, lambda k: k in KERNELS + VARIANTS,
+                  f"breakdown entries must be of {KERNELS + VARIANTS}")
         a.scales = list(dict.fromkeys(_list(a.scales, str.strip, lambda f: re.fullmatch(r"(fp16|s4)-g\d+", f),
                                             "scale forms must be fp16-gG or s4-gG")))
         a.peers = parse_peers(a.peers)
@@ -356,7 +360,8 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
     losses = [m for m in first_losses(upto).values() if m is not None]
     lines = ["first M where latq is slower than dense, per layer configuration:"] + crossover_lines(pts)
     form_lines, form_head = scale_form_lines(pts)
-    lines += form_lines + gpu_figures.peer_table(pts) + gpu_figures.target_lines(pts)
+    variant_lines, variant_head = gpu_figures.variant_lines(pts)
+    lines += form_lines + variant_lines + gpu_figures.peer_table(pts) + gpu_figures.target_lines(pts)
     if upto:
         lines.append(f"target (4-bit 1 %, layers ≥ 4096×14336 weights): M=1 ≥ 2.5× dense: worst "
                      f"{worst_m1:.2f}× ({'met' if worst_m1 >= 2.5 else 'NOT met'}); ≥ 1× at every M ≤ 256: worst "
@@ -369,7 +374,7 @@ def gpu_summary(res: dict) -> tuple[list[str], dict]:
             "m1_4b_1pct_pct_of_copy": na(_worst(p.pct_copy for p in m1), ".1f"),
             "m1_4b_1pct_ratio_all": na(_worst(p.ratio for p in _target(pts, m=1, all_shapes=True)), ".2f"),
             "copy_gbps": f"{res['copy_gbps']:.0f}",
-            **form_head, **gpu_figures.headline_keys(pts, res.get("peers_absent", {})),
+            **form_head, **variant_head, **gpu_figures.headline_keys(pts, res.get("peers_absent", {})),
             "points": len(pts), "wrong": sum(p.bad for p in pts), "skipped": len(res["skipped"]),
             "gpu_s": f"{res['seconds']:.0f}"}
     return lines, head

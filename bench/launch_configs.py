@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from bench.kernel_timing import ERR_TOL, _clone_state, bench_weight, copies, cuda_timer, rel_err, time_cycled, \
-    weight_bytes
+from bench.kernel_timing import ERR_TOL, _clone_state, bench_weight, copies, cuda_timer, family, rel_err, \
+    time_cycled, weight_bytes
 from bench.kernels import SHAPES, _list, parse_shapes
-from tools.launch_table import TUNED, dumps_timings, read_timings, tuned_key as key   # the table's record of a timing
+from tools.launch_table import TUNED, WRONG, dumps_timings, read_timings, tuned_key as key   # the table's record of a timing
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +86,9 @@ def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log, timing
                 err = math.inf
             if not err <= ERR_TOL:
                 wrong.append(what)
+                if timings is not None:       # recorded as wrong: the table never serves it
+                    timings.append(dict(family=family(dev), kernel=kind, bits=bits, bm=bm, n=n, k=k, m=m, rate=rate,
+                                        config={t: c[t] for t in TUNED if t in c}, us=WRONG))
                 continue
             times[key(c)] = us = time_cycled(timer, [lambda s=s: TritonKernel.apply(s, x, kernel=kind, config=cc)
                                                      for s in states])
@@ -103,13 +106,6 @@ def layer_configs(spec, bits, rate, ms, dtype, dev, l2_bytes, timer, log, timing
         log(f"  {name} M={m}: table {times[key(table)]:.1f} us, best {dict(zip(TUNED, best))} {times[best]:.1f} us "
             f"(table / best {times[key(table)] / times[best]:.2f})")
     return points
-
-
-def family(dev) -> str:
-    if dev.type != "cuda":
-        return dev.type
-    major, minor = torch.cuda.get_device_capability(dev)
-    return f"sm_{major}{minor}"
 
 
 def untimed_bits(bits: list[int], fam: str, timings: list[dict]) -> list[int]:

@@ -11,7 +11,10 @@
 #
 # OUTDIR/env.txt          nvidia-smi, python and package versions (GemLite's too), compilers, the cost model's device
 # OUTDIR/kernels.log      bench/kernels.py: the four 8B layers, 4-bit then 2- and 3-bit inliers with 1 % outliers,
-#                         M = 1..64, beside bf16, torch's int4 kernel and GemLite (4-bit g128); OUTDIR/points.json
+#                         M = 1..64, beside bf16, torch's int4 kernel and GemLite (4-bit g128); OUTDIR/points.json;
+#                         the table's pick against its pipelined twin and the tensor-core route below 8 rows
+#                         (OUTDIR/ab_timings.json); OUTDIR/table.log, launch_configs.json, table_timings.json: the
+#                         launch table rebuilt with those timings
 # OUTDIR/e2e.log          bench/decode_gpu.py: the Llama-3-8B-shaped decoder (8 of 32 blocks, projected) in
 #                         SSQR-1 %-4b / -3b and the default's form against bf16 and int4, batch 1, 8, 16; OUTDIR/e2e.json
 # OUTDIR/latest.json      both in docs/gpu/latest.json's schema (bench/gpu_figures.py), for commit GPU_CHECK_COMMIT
@@ -119,15 +122,23 @@ EOF
 # ---------------------------------------------------------------------------- the figures
 figures() {
   local kern_s=${GPU_CHECK_KERNELS_S:-270} e2e_s=${GPU_CHECK_E2E_S:-150}
-  local kern=(-m bench.kernels --no-static --shapes 8b --bits 4,2,3 --rates 0.01 --m 1,2,4,8,16,32,64 --breakdown none
+  # beside the table's pick, its pipelined twin and (M < 8) the tensor-core route, 4-bit first:
+  # a cut run still has the A/B (OUTDIR/ab_timings.json, launch timings the table takes)
+  local ab=(--breakdown pipelined,mma,mma_pipelined --timings-json "$out/ab_timings.json")
+  local kern=(-m bench.kernels --no-static --shapes 8b --bits 4,2,3 --rates 0.01 --m 1,2,4,8,16,32,64 "${ab[@]}"
               --json "$out/points.json" --budget-s $((kern_s - 70)))
   local e2e=(-m bench.decode_gpu --layers "${GPU_CHECK_LAYERS:-8}" --json "$out/e2e.json" --budget-s $((e2e_s - 50)))
   local device
   if [ "$dry" = 1 ]; then
-    kern=(-m bench.kernels --dry-run --shapes 8b --bits 4 --rates 0.01 --m 1,8 --breakdown none --json "$out/points.json")
+    kern=(-m bench.kernels --dry-run --shapes 8b --bits 4 --rates 0.01 --m 1,8 "${ab[@]}" --json "$out/points.json")
     e2e=(-m bench.decode_gpu --dry-run --tokens 4 --prompt 2 --batches 1,2 --json "$out/e2e.json")
   fi
   run kernels.log "$kern_s" "${kern[@]}"
+  # the packaged table rebuilt with the A/B's timings: where a pipelined kernel or the tensor-core
+  # route ran faster (OUTDIR/launch_configs.json; commit it with tools/launch_timings.json)
+  cp "$repo/tools/launch_timings.json" "$out/table_timings.json"
+  run table.log 60 -m tools.launch_table --from-summary --add-timings "$out/ab_timings.json" \
+      --timings "$out/table_timings.json" --out "$out/launch_configs.json"
   run e2e.log "$e2e_s" "${e2e[@]}"
   device=$(sed -n 's/^device \(.*\) capability.*/\1/p' "$out/env.txt" | head -n 1)
   [ "$dry" = 1 ] && device="dry run (CPU, fake timers)"

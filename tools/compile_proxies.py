@@ -33,31 +33,39 @@ def resident_ctas(regs: int, num_warps: int, smem: int, cc: int) -> int:
 
 
 def step_bytes(job: dict) -> int | None:
-    """Bytes of weights one CTA of a GEMV, tensor-core or MoE job loads per K step: its BN rows'
-    word tiles, their group scales (fp16, or 12 bytes per 16 coded) and, where the tensor-core
-    kernel prefetches them with the word tiles, its ELL outlier slots (int16 column + fp16 value,
-    the upper bound: every slot present). None for kernels without such a loop."""
-    if job["kernel"] not in ("gemv", "mma", "moe"):
+    """Bytes of weights one CTA of a GEMV, tensor-core or MoE job (pipelined or not) loads per K
+    step: its BN rows' word tiles, their group scales (fp16, or 12 bytes per 16 coded) and, where
+    the tensor-core kernel prefetches them with the word tiles, its ELL outlier slots (int16 column
+    + fp16 value, the upper bound: every slot present). None for kernels without such a loop."""
+    if job["kernel"] not in ("gemv", "mma", "moe", "gemv_pipe", "mma_pipe"):
         return None
     from vllm_latq.kernels.triton.layout import step_of
     cols, bn = step_of(job["bits"]), job["BN"]
     groups = -(-cols // 128)
     scales = bn * groups * 2 if job["scales"] == "fp16" else bn // 16 * groups * 12
     slots = 0
-    if job["kernel"] == "mma" and job["outl"] == "ell":
+    if job["kernel"] in ("mma", "mma_pipe") and job["outl"] == "ell":
         slots = min(job["BR"], cols // 64) * bn * 4
+    elif job["kernel"] == "gemv_pipe" and job["outl"] == "ell":
+        slots = cols // 64 * bn * 4
     return bn * cols * job["bits"] // 8 + scales + slots
 
 
+def prefetch_depth(job: dict, async_copies: bool) -> int:
+    """K steps of weights a CTA has in flight: a pipelined kernel's ``DEPTH`` (register queue),
+    else ``num_stages − 1`` where the K loop copies asynchronously (``LDGSTS``), else one step
+    (the kernels' register prefetch)."""
+    if "DEPTH" in job:
+        return job["DEPTH"]
+    return max(1, job.get("num_stages", 1) - 1) if async_copies else 1
+
+
 def inflight_bytes(job: dict, ctas: int, async_copies: bool) -> int | None:
-    """Bytes of weights in flight per SM: the prefetch depth (``num_stages − 1`` where the K loop
-    copies asynchronously, ``LDGSTS``; else one step, the kernels' register prefetch) × a step's
-    tile bytes × resident CTAs."""
+    """Bytes of weights in flight per SM: the prefetch depth × a step's tile bytes × resident CTAs."""
     tile = step_bytes(job)
     if tile is None:
         return None
-    depth = max(1, job.get("num_stages", 1) - 1) if async_copies else 1
-    return depth * tile * ctas
+    return prefetch_depth(job, async_copies) * tile * ctas
 
 
 def proxies(job: dict, loop_loads: dict, loop_ops: dict, regs: int, smem: int) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -39,30 +40,46 @@ SHAPES = {"8b.down": (4096, 14336), "8b.gate_up": (28672, 4096), "8b.qkv": (6144
 FIT_FIELDS = [f.name for f in dataclasses.fields(cm.LaunchFit)]
 
 
+KERNEL_JOBS = ("gemv", "mma", "gemv_pipe", "mma_pipe")
+
+
 def _row_index(rows) -> dict:
-    """Compile rows (fp16 scales, ELL outliers, sm_90) by (kernel, bits, BM, BN, warps, BR, SPLIT)."""
-    return {(r["kernel"], r["bits"], r["BM"], r["BN"], r["num_warps"], r.get("BR"), r["SPLIT"]): r for r in rows
-            if r["kernel"] in ("gemv", "mma") and r["cc"] == 90 and r["scales"] == "fp16" and r["outl"] == "ell"}
+    """Compile rows (fp16 scales, ELL outliers, sm_90) by (kernel, bits, BM, BN, warps, BR, SPLIT, DEPTH), a
+    pipelined kernel's under its unpipelined kernel's name."""
+    return {(r["kernel"].split("_")[0], r["bits"], r["BM"], r["BN"], r["num_warps"], r.get("BR"), r["SPLIT"],
+             r.get("DEPTH", 1)): r for r in rows
+            if r["kernel"] in KERNEL_JOBS and r["cc"] == 90 and r["scales"] == "fp16" and r["outl"] == "ell"}
 
 
 def compile_rows(fresh: bool) -> dict:
     """The index of :func:`_row_index` from the committed record, or compiled now (``fresh``, cached)."""
     if not fresh:
         return _row_index(tc.read_record()["rows"].values())
-    jobs = [j for j in tc.all_jobs(targets=(90,)) if j["kernel"] in ("gemv", "mma") and j["scales"] == "fp16"
+    jobs = [j for j in tc.all_jobs(targets=(90,)) if j["kernel"] in KERNEL_JOBS and j["scales"] == "fp16"
             and j["outl"] == "ell"]
     return _row_index(tc.summarize(jobs, tc.run(jobs)))
 
 
+@functools.lru_cache(maxsize=None)
+def bf16_share(device: str) -> float:
+    """bf16 ``F.linear``'s share of the device model's HBM peak in the checks (their median): the
+    streaming rate a latq kernel is held to."""
+    d = cm.DEVICES[device]
+    return statistics.median(2 * t["n"] * t["k"] / (t["bf16_us"] * 1e-6) / d.hbm_bw
+                             for t in json.loads(CHECKS_FILE.read_text()) if t["device"].lower() == device)
+
+
 def features(p: dict, rows: dict) -> dict:
-    """launch_time's arguments for one timed point (its kernel, tile and shape)."""
-    c, bm = p["config"], p["bm"]
+    """launch_time's arguments for one timed point (its kernel, tile, depth and shape)."""
+    c, bm, bits = p["config"], p["bm"], p["bits"]
     top = max(cfg.GEMV_SPLITS) if p["kernel"] == "gemv" else max(cfg.MMA_SPLITS[bm])
-    r = rows[p["kernel"], p["bits"], bm, c["BN"], c["num_warps"], c.get("BR"), top if c["SPLIT"] == top else 1]
-    nnz = round(p["rate"] * p["n"] * p["k"])
-    return dict(n=p["n"], k=p["k"], m=p["m"], bm=bm, bn=c["BN"], split=c["SPLIT"], ipw=r["ipw"], nnz=nnz,
-                wq_bytes=cm.packed_bytes(p["n"], p["k"], p["bits"], nnz),
-                ctas_sm=cp.resident_ctas(r["regs"], c["num_warps"], r["smem"], 90), step_bytes=cp.step_bytes(r),
+    r = rows[p["kernel"], bits, bm, c["BN"], c["num_warps"], c.get("BR"), top if c["SPLIT"] == top else 1,
+             cfg.depth(c)]
+    ks = tlay.k_steps(bits, tlay.pad_k(p["k"], bits))
+    return dict(kernel=p["kernel"], n=p["n"], m=p["m"], bm=bm, bn=c["BN"], split=c["SPLIT"],
+                steps=-(-(ks["nsteps"] + ks["tsteps"]) // c["SPLIT"]), step_weights=c["BN"] * tlay.step_of(bits),
+                ipw=r["ipw"], ctas_sm=cp.resident_ctas(r["regs"], c["num_warps"], r["smem"], 90),
+                step_bytes=cp.step_bytes(r), bw_eff=bf16_share(p["device"]), depth=cfg.depth(c),
                 report=(r["spill_stores"] + r["spill_loads"], r["regs"], r["ipw"]))
 
 
@@ -79,7 +96,8 @@ def table_config(kernel: str, bits: int, n: int, k: int, m: int) -> tuple[int, d
 
 def points() -> list[dict]:
     """Every timed point: launch_timings.json's candidates and gpu_check_timings.json's GEMV rows."""
-    out = [dict(t, device=DEVICE_OF[t["family"]]) for t in lt.read_timings() if t["family"] in DEVICE_OF]
+    out = [dict(t, device=DEVICE_OF[t["family"]]) for t in lt.read_timings()
+           if t["family"] in DEVICE_OF and t["us"] != lt.WRONG]
     for t in json.loads(CHECKS_FILE.read_text()):
         bm, c = table_config(t["kernel"], t["bits"], t["n"], t["k"], t["m"])
         out.append(dict(t, device=t["device"].lower(), bm=bm, config=c))
@@ -169,27 +187,53 @@ def summary(fit: cm.LaunchFit, fresh: bool = False) -> tuple[list[str], dict]:
     return lines, head
 
 
-def predictions(fit: cm.LaunchFit, fresh: bool = False) -> list[str]:
-    """latq (the table's config, the kernel apply routes to) beside a bf16 weight streamed at the
-    share of the HBM peak bf16 ``F.linear`` reached in the checks, per 8b shape and M, on the H100
-    and H200 models."""
+def _modelled(rows, fit, dev, kernel, bits, n, k, m, pipelined: bool) -> float:
+    """µs the model gives the table's config of ``kernel`` (pipelined: at its ``PIPE_DEPTH``; nan where
+    it has none, or its compile row is missing)."""
+    bm, c = table_config(kernel, bits, n, k, m)
+    if pipelined:
+        c = cfg.pipelined(dict(c, BM=bm), kernel, bits)
+        if c is None:
+            return math.nan
+        c.pop("BM")
+    p = dict(kernel=kernel, bits=bits, bm=bm, n=n, k=k, m=m, rate=0.01, config=c, device=dev)
+    try:
+        return predict(p, features(p, rows), fit)
+    except KeyError:
+        return math.nan
+
+
+def predictions(fit: cm.LaunchFit, fresh: bool = False, bits: int = 4) -> list[str]:
+    """PREDICTED, not measured: per 8b shape and M on the H100 and H200 models, latq at the table's
+    config (the kernel apply routes to), the same config pipelined, below 8 rows the tensor-core
+    kernel (and pipelined), beside a bf16 weight streamed at the checks' bf16 share of the HBM peak;
+    then per M the geometric mean over the shapes of table / pipelined and the worst bf16 / best."""
     rows = compile_rows(fresh)
-    checks = json.loads(CHECKS_FILE.read_text())
-    lines = [f"{'device':6} {'shape':11} {'M':>3} {'kernel':6} {'latq_us':>8} {'bf16_us':>8} {'bf16/latq':>9}"]
+    cols = ("table", "pipelined", "mma", "mma_pipe")
+    lines = [f"PREDICTED by the cost model (tools/cost_fit.py, constants {fit}), {bits}-bit, 1 % outliers; µs",
+             f"{'device':6} {'shape':11} {'M':>3} " + " ".join(f"{c:>9}" for c in cols) + f" {'bf16':>8} {'bf16/best':>9}"]
+    gains: dict = {}
     for dev in ("h100", "h200"):
         d = cm.DEVICES[dev]
-        # bf16 F.linear's share of the HBM peak, as the checks timed it (median over their points)
-        dense_eff = statistics.median(2 * t["n"] * t["k"] / (t["bf16_us"] * 1e-6) / d.hbm_bw for t in checks
-                                      if t["device"].lower() == dev)
-        lines.insert(0, f"{dev}: bf16 F.linear at {dense_eff:.2f} of the HBM peak (the checks' median)")
+        lines.insert(1, f"{dev}: bf16 F.linear at {bf16_share(dev):.2f} of the HBM peak (the checks' median)")
         for shape, (n, k) in SHAPES.items():
             for m in (1, 2, 4, 8, 16, 32, 64):
                 kernel = "gemv" if m < 8 else "mma"
-                bm, c = table_config(kernel, 4, n, k, m)
-                p = dict(kernel=kernel, bits=4, bm=bm, n=n, k=k, m=m, rate=0.01, config=c, device=dev)
-                t = predict(p, features(p, rows), fit)
-                dense = 2 * n * k / (dense_eff * d.hbm_bw) * 1e6
-                lines.append(f"{dev:6} {shape:11} {m:>3} {kernel:6} {t:8.1f} {dense:8.1f} {dense / t:8.2f}x")
+                t = [_modelled(rows, fit, dev, kernel, bits, n, k, m, False),
+                     _modelled(rows, fit, dev, kernel, bits, n, k, m, True)]
+                t += [_modelled(rows, fit, dev, "mma", bits, n, k, m, pipe) if m < 8 else math.nan
+                      for pipe in (False, True)]
+                dense = 2 * n * k / (bf16_share(dev) * d.hbm_bw) * 1e6
+                best = min(v for v in t if math.isfinite(v))
+                g = gains.setdefault((dev, m), [[], []])
+                g[0].append(t[0] / t[1] if math.isfinite(t[1]) else 1.0)
+                g[1].append(dense / best)
+                lines.append(f"{dev:6} {shape:11} {m:>3} " + " ".join(f"{v:9.1f}" for v in t)
+                             + f" {dense:8.1f} {dense / best:8.2f}x")
+    lines.append("per M: table / pipelined (geometric mean over the shapes), bf16 / best (worst shape) — predicted")
+    for (dev, m), (g, b) in gains.items():
+        lines.append(f"  {dev} M={m:<3} pipelined {math.exp(statistics.fmean(map(math.log, g))):5.2f}x  "
+                     f"best vs bf16 {min(b):5.2f}x")
     return lines
 
 

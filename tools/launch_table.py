@@ -47,9 +47,11 @@ WARPS_PER_SM = {"sm_80": 64, "sm_86": 48, "sm_89": 48, "sm_90": 64}
 REPORT_FILE = Path(__file__).with_name("launch_report.json")
 TIMINGS_FILE = Path(__file__).with_name("launch_timings.json")
 TIMING_FIELDS = ("family", "kernel", "bits", "bm", "n", "k", "m", "rate", "config", "us")
-TUNED = ("BN", "SPLIT", "BR", "num_warps")          # what tells two candidates apart
-REPORT_FIELDS = ("kernel", "bits", "BM", "BN", "num_warps", "BR", "cc")
+TUNED = ("BN", "SPLIT", "BR", "num_warps", "DEPTH")          # what tells two candidates apart
+REPORT_FIELDS = ("kernel", "bits", "BM", "BN", "num_warps", "BR", "DEPTH", "cc")
+ROUTE = "route"          # shape classes whose M < 8 rows a GPU timed faster on tensor cores
 TIE = 0.02       # modelled times this close are the model's noise, not a ranking
+WRONG = -1.0     # a timing record's µs where the candidate's output was off (never served)
 
 
 def family_model(fam: str) -> cm.DeviceModel:
@@ -64,7 +66,7 @@ def load_report(compile_missing: bool) -> dict:
     (``tools/compile_record.json``), or with ``compile_missing`` from compiling (the cache reused)."""
     from tools import triton_compile as tc
     every = tc.all_jobs()
-    jobs = [j for j in every if j["kernel"] in ROW_TILES]
+    jobs = [j for j in every if j["kernel"].split("_")[0] in ROW_TILES]
     if compile_missing:
         return aggregate(tc.summarize(jobs, tc.run(jobs)))
     record = tc.read_record()
@@ -76,13 +78,15 @@ def load_report(compile_missing: bool) -> dict:
 
 
 def aggregate(rows: list[dict]) -> dict:
-    """Compile summary rows → the report: per tile and target the worst spill, the most
-    registers and the median i/w (an element, not an average: rounding it commutes)."""
+    """Compile summary rows → the report: per tile, depth and target the worst spill, the most
+    registers and the median i/w (an element, not an average: rounding it commutes); a pipelined
+    kernel's rows under its unpipelined kernel's name at their DEPTH."""
     out: dict = {}
     for r in rows:
         if "error" in r:
             continue
-        key = (r["kernel"], r["bits"], r["BM"], r["BN"], r["num_warps"], r.get("BR"), r["cc"])
+        key = (r["kernel"].split("_")[0], r["bits"], r["BM"], r["BN"], r["num_warps"], r.get("BR"), r.get("DEPTH", 1),
+               r["cc"])
         spill, regs, ipws = out.get(key, (0, 0, []))
         out[key] = (max(spill, r["spill_stores"] + r["spill_loads"]), max(regs, r["regs"]), ipws + [r["ipw"]])
     return {k: (s, g, sorted(i)[len(i) // 2]) for k, (s, g, i) in out.items()}
@@ -102,7 +106,7 @@ def modelled_time(c: dict, kernel: str, bits: int, bm: int, n: int, k: int, n_pa
 
 
 def report_key(kernel: str, bits: int, bm: int, c: dict, fam: str) -> tuple:
-    return kernel, bits, bm, c["BN"], c["num_warps"], c.get("BR"), int(fam[3:])
+    return kernel, bits, bm, c["BN"], c["num_warps"], c.get("BR"), cfg.depth(c), int(fam[3:])
 
 
 def classes() -> dict[tuple, list[tuple[int, int]]]:
@@ -121,16 +125,17 @@ def _n_pad(n: int) -> int:
     return -(-n // tlay.ROWS) * tlay.ROWS
 
 
-def shape_candidates(kernel: str, bits: int, bm: int, n: int, k: int) -> list[dict]:
+def shape_candidates(kernel: str, bits: int, bm: int, n: int, k: int, fam: str | None = None) -> list[dict]:
     ks = tlay.k_steps(bits, tlay.pad_k(k, bits))
     can_split = _n_pad(n) <= cfg.SPLITK_MAX_N
-    return cfg.candidates(kernel, bits, bm, _n_pad(n), ks["nsteps"] + ks["tsteps"], can_split)
+    return cfg.candidates(kernel, bits, bm, _n_pad(n), ks["nsteps"] + ks["tsteps"], can_split, fam)
 
 
-def class_candidates(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]]) -> list[dict]:
-    """The candidates every shape of a class takes (``configs.choose`` serves an entry only
-    to a shape it is a candidate of)."""
-    per_shape = [shape_candidates(kernel, bits, bm, n, k) for n, k in shapes]
+def class_candidates(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]],
+                     fam: str | None = None) -> list[dict]:
+    """The candidates every shape of a class takes on family ``fam`` (``configs.choose`` serves
+    an entry only to a shape it is a candidate of)."""
+    per_shape = [shape_candidates(kernel, bits, bm, n, k, fam) for n, k in shapes]
     return [c for c in per_shape[0] if all(c in other for other in per_shape[1:])]
 
 
@@ -138,20 +143,23 @@ def missing(report: dict) -> list[tuple]:
     """Report keys some candidate of the table needs and the report lacks."""
     need = {report_key(kernel, bits, bm, c, fam) for fam in cfg.FAMILY_SMS
             for (kernel, bits, bm, _), shapes in classes().items()
-            for c in class_candidates(kernel, bits, bm, shapes)}
+            for c in class_candidates(kernel, bits, bm, shapes, fam)}
     return sorted(need - set(report), key=str)
 
 
 def tuned_key(c: dict) -> tuple:
-    return tuple(c.get(k) for k in TUNED)
+    return tuple(cfg.depth(c) if k == "DEPTH" else c.get(k) for k in TUNED)
 
 
 def measured_points(timings: list[dict], fam: str, kernel: str, bits: int, bm: int,
                     shapes: list[tuple[int, int]]) -> list[dict]:
-    """{tuned key: µs} per timed point (shape × M × outlier rate) of this class on this family."""
+    """{tuned key: µs} per timed point (shape × M × outlier rate) of this class on this family
+    (the tensor-core kernel's timings below 8 rows are the route's, :func:`routes`; ``WRONG``
+    where a candidate's output was off)."""
     points: dict = {}
     for t in timings:
-        if (t["family"], t["kernel"], t["bits"], t["bm"]) == (fam, kernel, bits, bm) and (t["n"], t["k"]) in shapes:
+        if (t["family"], t["kernel"], t["bits"], t["bm"]) == (fam, kernel, bits, bm) and (t["n"], t["k"]) in shapes \
+                and not (kernel == "mma" and t["m"] < 8):
             points.setdefault((t["n"], t["k"], t["m"], t["rate"]), {})[tuned_key(t["config"])] = t["us"]
     return list(points.values())
 
@@ -160,20 +168,65 @@ def choose(kernel: str, bits: int, bm: int, shapes: list[tuple[int, int]], fam: 
            timings: list[dict] = ()) -> dict:
     """The class's config among its spill-free candidates: of least measured time summed over
     the class's timed points (candidates timed at every point), else of least modelled time
-    summed over its shapes; within ``TIE`` of the least, :func:`configs.preference` decides."""
-    cands = class_candidates(kernel, bits, bm, shapes)
+    summed over its shapes (the unpipelined ones: the model has no term for a pipeline's depth);
+    within ``TIE`` of the least, :func:`configs.preference` decides. A candidate timed at only
+    some points (a later GPU's A/B of the pick against its pipelined twin) replaces that choice
+    where it ran faster than it, beyond ``TIE``, summed over the points both ran."""
+    cands = class_candidates(kernel, bits, bm, shapes, fam)
     reps = [report[report_key(kernel, bits, bm, c, fam)] for c in cands]
     clean = [(c, r) for c, r in zip(cands, reps) if r[0] == 0] or list(zip(cands, reps))
     points = measured_points(timings, fam, kernel, bits, bm, shapes)
+    wrong = {key for p in points for key, us in p.items() if us == WRONG}
+    clean = [(c, r) for c, r in clean if tuned_key(c) not in wrong] or clean
     timed = [(c, sum(p[tuned_key(c)] for p in points)) for c, _ in clean
              if points and all(tuned_key(c) in p for p in points)]
     if timed:
         pairs = timed
     else:
         pairs = [(c, sum(modelled_time(c, kernel, bits, bm, n, k, _n_pad(n), fam, r) for n, k in shapes))
-                 for c, r in clean]
+                 for c, r in clean if cfg.depth(c) == 1]
     least = min(t for _, t in pairs)
-    return min((c for c, t in pairs if t <= least * (1 + TIE)), key=cfg.preference)
+    pick = min((c for c, t in pairs if t <= least * (1 + TIE)), key=cfg.preference)
+    return _challenger(pick, [c for c, _ in clean], points) or pick
+
+
+def _challenger(pick: dict, cands: list[dict], points: list[dict]) -> dict | None:
+    """The candidate that ran fastest against ``pick`` (its time over pick's, summed over the
+    points both ran) where that beats ``TIE``; None where none does (or ``pick`` was wrong)."""
+    mine = tuned_key(pick)
+    best, best_ratio = None, 1 / (1 + TIE)
+    for c in cands:
+        both = [p for p in points if tuned_key(c) in p and mine in p]
+        if c is pick or not both or any(p[tuned_key(c)] == WRONG or p[mine] == WRONG for p in both):
+            continue
+        ratio = sum(p[tuned_key(c)] for p in both) / sum(p[mine] for p in both)
+        if ratio < best_ratio:
+            best, best_ratio = c, ratio
+    return best
+
+
+def routes(entries: dict, fam: str, timings: list[dict]) -> dict:
+    """``route`` entries of family ``fam``: per shape class and GEMV row tile, ``{"kernel": "mma"}``
+    where the tensor-core kernel at its table config ran the class's timed points of M < 8 faster
+    (beyond ``TIE``) than the GEMV at its table config; none elsewhere (the GEMV serves)."""
+    sums: dict = {}
+    for t in timings:
+        if t["family"] != fam or t["m"] >= 8:
+            continue
+        gbm = min(8, cfg._next_pow2(t["m"]))
+        n_pad, k_pad = _n_pad(t["n"]), tlay.pad_k(t["k"], t["bits"])
+        mine = entries.get(cfg.shape_class(t["kernel"], t["bits"], gbm if t["kernel"] == "gemv" else t["bm"], n_pad, k_pad))
+        if mine is None or tuned_key(mine) != tuned_key(t["config"]):
+            continue
+        point = sums.setdefault(cfg.shape_class(ROUTE, t["bits"], gbm, n_pad, k_pad), {}).setdefault(
+            (t["n"], t["k"], t["m"], t["rate"]), {})
+        point[t["kernel"]] = t["us"]
+    out = {}
+    for key, points in sums.items():
+        both = [p for p in points.values() if len(p) == 2 and WRONG not in p.values()]
+        if both and sum(p["mma"] for p in both) * (1 + TIE) < sum(p["gemv"] for p in both):
+            out[key] = {"kernel": "mma"}
+    return out
 
 
 def build(report: dict, timings: list[dict] = ()) -> dict:
@@ -188,7 +241,7 @@ def build(report: dict, timings: list[dict] = ()) -> dict:
         entries = {key: {kk: v for kk, v in choose(kernel, bits, bm, shapes, fam, report, timings).items()
                          if kk != "maxnreg"}
                    for (kernel, bits, bm, key), shapes in classes().items()}
-        fams[fam] = dict(sorted(entries.items()))
+        fams[fam] = dict(sorted({**entries, **routes(entries, fam, timings)}.items()))
     return {"families": fams}
 
 
@@ -239,6 +292,14 @@ def dumps_timings(rows: list[dict]) -> str:
     return "[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n"
 
 
+def _read(path: Path) -> dict:
+    """A table file's families (none where it cannot be read)."""
+    try:
+        return json.loads(Path(path).read_text())["families"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 def dumps(table: dict) -> str:
     """The table as JSON, one entry per line (diffs stay readable)."""
     fams = [f' "{fam}": {{\n' + ",\n".join(f'  "{k}": {json.dumps(v, sort_keys=True)}' for k, v in e.items()) + "}"
@@ -274,8 +335,12 @@ def main(argv=None) -> int:
     if not a.from_summary:
         Path(a.report_out).write_text(dumps_report(report))
     n = sum(len(v) for v in table["families"].values())
+    packaged = _read(cfg.TABLE_FILE)
+    changed = sum(packaged.get(f, {}).get(k) != v for f, e in table["families"].items() for k, v in e.items())
+    pipelined = sum(cfg.depth(v) > 1 for e in table["families"].values() for v in e.values())
+    routes_ = sum(k.startswith(ROUTE + "/") for e in table["families"].values() for k in e)
     print(f"HEADLINE entries={n} families={len(table['families'])} report_configs={len(report)} "
-          f"timings={len(timings)}")
+          f"timings={len(timings)} changed={changed} pipelined={pipelined} routes={routes_}")
     return 0
 
 

@@ -39,13 +39,15 @@ from collections import Counter
 from pathlib import Path
 
 from tools import triton_sources as ts
+from tools.compile_proxies import GLOBAL_LOADS, load_width, proxies
 from tools.triton_sources import SCALES, S_PTR, TARGETS, all_jobs  # noqa: F401  (the report's job list)
 
 CACHE = Path(os.environ.get("LATQ_CACHE", Path.home() / ".cache" / "vllm_latq")) / "triton_static"
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
 SOURCE_OF = {"gemv": "_tile_source", "mma": "_tile_source", "moe": "_moe_source", "dequant": "_dequant_source",
-             "outliers": "_outlier_source", "hadamard": "_hadamard_source"}
+             "outliers": "_outlier_source", "hadamard": "_hadamard_source", "gemv_pipe": "_pipelined_source",
+             "mma_pipe": "_pipelined_source"}
 
 
 def _strip_docstrings(tree):
@@ -88,8 +90,11 @@ def _code_digest(kernel: str):
     h = hashlib.sha256(_code_fingerprint((KERNELS / file).read_text(), fn).encode())
     if file != "device.py":
         h.update(_code_fingerprint((KERNELS / "device.py").read_text()).encode())
-    for f in (getattr(ts, SOURCE_OF[kernel]), ts._ast_source, _compile, sass_counts):
+    for f in (getattr(ts, SOURCE_OF[kernel]), ts._ast_source, _compile, sass_counts, load_width):
         h.update(_code_fingerprint(inspect.getsource(f)).encode())
+    if file == "pipelined.py":       # it calls mma.py's helpers, and its source is _tile_source's
+        h.update(_code_fingerprint((KERNELS / "mma.py").read_text()).encode())
+        h.update(_code_fingerprint(inspect.getsource(ts._tile_source)).encode())
     return h
 
 
@@ -123,8 +128,9 @@ def _bin(name: str) -> str:
 
 def sass_counts(cubin: bytes) -> tuple[dict, int, dict, list]:
     """Opcode counts of the whole kernel, the length and opcode counts of its K loop (a
-    backward branch to an earlier label; the loop richest in LOP3/HMMA), and its global store
-    opcodes with their widths (``STG.E.128``)."""
+    backward branch to an earlier label; the loop richest in LOP3/HMMA), its global store
+    opcodes with their widths (``STG.E.128``) and the global loads of the loop around its K loop
+    (a K step) by width in bytes."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
         path = f.name
@@ -133,7 +139,7 @@ def sass_counts(cubin: bytes) -> tuple[dict, int, dict, list]:
     finally:
         os.unlink(path)
     ops = Counter()
-    seq, labels, loops, stores = [], {}, [], set()
+    seq, widths, labels, loops, stores = [], [], {}, [], set()
     for line in out.splitlines():
         lab = re.match(r"^(\.L_x_\d+):", line)
         if lab:
@@ -145,13 +151,19 @@ def sass_counts(cubin: bytes) -> tuple[dict, int, dict, list]:
             if m.group(1) == "STG":
                 stores.add(m.group(1) + m.group(2))
             seq.append(m.group(1))
+            widths.append(load_width(m.group(2)) if m.group(1) in GLOBAL_LOADS else 0)
             br = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
             if br and br.group(1) in labels and labels[br.group(1)] < len(seq) - 1:
                 loops.append((labels[br.group(1)], len(seq)))
     # the K loop: the loop with the most dequantisation (LOP3) and MMA instructions
     best = max(loops, key=lambda ab: sum(1 for o in seq[ab[0]:ab[1]] if o in ("LOP3", "HMMA")), default=(0, 0))
     loop = Counter(seq[best[0]:best[1]])
-    return dict(ops), best[1] - best[0], dict(loop), sorted(stores)
+    # the K-step loop: the outermost loop around the K loop (the GEMV's word tiles load a step
+    # ahead, outside its inner loop over 16-bit halves)
+    step = max((ab for ab in loops if ab[0] <= best[0] and best[1] <= ab[1]), key=lambda ab: ab[1] - ab[0],
+               default=best)
+    loads = Counter(w for w in widths[step[0]:step[1]] if w)
+    return dict(ops), best[1] - best[0], dict(loop), sorted(stores), {str(w): n for w, n in sorted(loads.items())}
 
 
 def compile_job(j: dict) -> dict:
@@ -175,8 +187,9 @@ def _compile(src, j: dict) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
-    ops, loop_len, loop_ops, stores = sass_counts(c.asm["cubin"])
-    return dict(loop_len=loop_len, loop_ops=loop_ops, stores=stores, regs=int(regs.group(1)) if regs else None,
+    ops, loop_len, loop_ops, stores, loop_loads = sass_counts(c.asm["cubin"])
+    return dict(loop_len=loop_len, loop_ops=loop_ops, loop_loads=loop_loads, stores=stores,
+                regs=int(regs.group(1)) if regs else None,
                 spill_stores=int(st.group(1)) if st else None, spill_loads=int(st.group(2)) if st else None,
                 stack=int(stack.group(1)) if stack else None, smem=int(c.metadata.shared),
                 smem_limit=TARGETS[j["cc"]], sass=ops, sass_total=sum(ops.values()))
@@ -275,14 +288,15 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             for g, names in SASS_GROUPS.items():
                 row[g] = sum(v for k, v in r["sass"].items() if k.split(".")[0] in names)
             # K-loop SASS instructions per weight per thread: one trip of the innermost K
-            # loop = one K step (mma) or one 16-bit half of a step (gemv: 16·SPH columns,
-            # SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
+            # loop = one K step (mma, the pipelined kernels) or one 16-bit half of a step (gemv:
+            # 16·SPH columns, SPH = 16 / plane-A slot bits) of BN rows over 32·warps threads
             from vllm_latq.kernels.triton.layout import step_of
             row["loop"], row["ipw"] = r["loop_len"], None
+            row.update(proxies(j, r["loop_loads"], r["loop_ops"], r["regs"], r["smem"]))
             if j["kernel"] in ("dequant", "outliers", "hadamard"):         # no K loop of weights × rows
                 rows.append(row)
                 continue
-            if j["kernel"] == "mma":
+            if j["kernel"] in ("mma", "mma_pipe", "gemv_pipe"):
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
             else:                                                           # gemv, moe
                 cols = 16 * (16 // {3: 2, 5: 4}.get(j["bits"], j["bits"]))
@@ -296,7 +310,7 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
 
 RECORD_FILE = Path(__file__).with_name("compile_record.json")
 RECORD_FIELDS = ("regs", "spill_stores", "spill_loads", "stack", "smem", "sass_total",
-                 *SASS_GROUPS, "loop", "ipw")
+                 *SASS_GROUPS, "loop", "ipw", "ldg_width", "ldg_min", "ctas_sm", "inflight_sm")
 
 
 def _record_values(row: dict) -> list:
@@ -342,8 +356,10 @@ def read_record(path: Path = RECORD_FILE) -> dict:
 def summary_hash() -> str:
     """What a record row depends on beyond the compile: :func:`summarize` and the fields it keeps."""
     import inspect
+    from tools import compile_proxies
     from vllm_latq.kernels.triton.layout import step_of
-    src = "".join(inspect.getsource(f) for f in (summarize, step_of, _record_values)) + repr(RECORD_FIELDS)
+    src = "".join(inspect.getsource(f) for f in (summarize, step_of, _record_values, compile_proxies)) \
+        + repr(RECORD_FIELDS)
     return hashlib.sha256(_code_fingerprint(src).encode()).hexdigest()[:16]
 
 
@@ -382,7 +398,7 @@ def report(rows: list[dict]) -> str:
     """Human-readable table: one line per job."""
     hdr = (f"{'kernel':8} {'dt':4} {'b':>1} {'BM':>3} {'BN':>4} {'w':>2} {'BR':>2} {'cap':>3} {'spl':>3} {'outl':4} {'scal':5} {'sm':>3} "
            f"{'regs':>4} {'spill':>5} {'smem':>6} {'sass':>5} {'mem':>4} {'fp32':>4} {'int':>4} {'cvt':>4} {'mma':>4} "
-           f"{'loop':>5} {'i/w':>5}")
+           f"{'loop':>5} {'i/w':>5} {'ldgB':>5} {'ctas':>4} {'inflight':>8}")
     lines = [hdr]
     for r in rows:
         g = {k: "-" if r.get(k) is None else r[k] for k in ("bits", "BM", "BR", "maxnreg", "SPLIT", "outl", "scales")}
@@ -395,7 +411,9 @@ def report(rows: list[dict]) -> str:
         sp = (r["spill_stores"] or 0) + (r["spill_loads"] or 0)
         lines.append(head + f"{r['regs']:>4} {sp:>5} {r['smem']:>6} {r['sass_total']:>5} {r['mem']:>4} "
                      f"{r['fp32']:>4} {r['int']:>4} {r['cvt']:>4} {r['mma']:>4} {r['loop']:>5} "
-                     + ("    -" if r["ipw"] is None else f"{r['ipw']:>5.2f}"))
+                     + ("    -" if r["ipw"] is None else f"{r['ipw']:>5.2f}")
+                     + ("     -" if r.get("ldg_width") is None else f" {r['ldg_width']:>5.2f}")
+                     + f" {r.get('ctas_sm', '-'):>4} " + f"{r.get('inflight_sm') or '-':>8}")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ TRITON_DIR = PACKAGE / "kernels" / "triton"
 TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynamic smem per block (bytes)
 # report name → (file under kernels/triton, the @triton.jit kernel it launches)
 KERNELS = {"gemv": ("device.py", "_gemv_kernel"), "mma": ("mma.py", "_mma_kernel"),
+           "gemv_pipe": ("pipelined.py", "_gemv_pipelined_kernel"), "mma_pipe": ("pipelined.py", "_mma_pipelined_kernel"),
            "moe": ("grouped_moe.py", "_moe_gemv_kernel"), "dequant": ("dequant.py", "_dequant_kernel"),
            "outliers": ("dequant.py", "_outlier_kernel"), "hadamard": ("hadamard.py", "_hadamard_kernel")}
 SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
@@ -55,8 +56,8 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
     heaviest tile only (largest BM, then most accumulator elements per thread), CSR outliers,
     split-K; bf16 only for the large-M kernels — the default test; the full sweep is the slow
     test and the bench."""
-    return (_tile_jobs(targets, quick) + _moe_jobs(targets, quick) + _dequant_jobs(targets, quick)
-            + _outlier_jobs(targets, quick) + _hadamard_jobs(targets, quick))
+    return (_tile_jobs(targets, quick) + _pipelined_jobs(targets, quick) + _moe_jobs(targets, quick)
+            + _dequant_jobs(targets, quick) + _outlier_jobs(targets, quick) + _hadamard_jobs(targets, quick))
 
 
 def _tile_jobs(targets, quick: bool) -> list[dict]:
@@ -85,6 +86,33 @@ def _tile_jobs(targets, quick: bool) -> list[dict]:
                             for cc in targets:
                                 jobs.append(dict(kernel=kernel, bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales,
                                                  cc=cc, **tile, **stages))
+    return jobs
+
+
+def _pipelined_jobs(targets, quick: bool) -> list[dict]:
+    """The pipelined kernels: every tile of the unpipelined ones at its ``configs.PIPE_DEPTH``, on
+    the targets of ``configs.PIPE_FAMILIES`` (quick: the heaviest tile per kernel and width)."""
+    from vllm_latq.kernels.triton import configs as cfg
+    ccs = [cc for cc in targets if f"sm_{cc}" in cfg.PIPE_FAMILIES]
+    jobs = []
+    for kernel, tiles, splits in (("gemv", cfg.GEMV_TILES, lambda bm: (1, 8)),
+                                  ("mma", cfg.MMA_TILES, lambda bm: (1, max(cfg.MMA_SPLITS[bm])))):
+        for (kern, bits, bm), depth in cfg.PIPE_DEPTH.items():
+            heaviest = max(b for k, w, b in cfg.PIPE_DEPTH if (k, w) == (kern, bits))
+            if kern != kernel or (quick and bm != heaviest):
+                continue
+            tl_ = tiles[bm]
+            for t in tl_:
+                if quick and t != max(tl_, key=lambda t: (t[0] / t[1], t[0])):
+                    continue
+                cap = (cfg.MMA_MAXNREG if kernel == "mma" else cfg.GEMV_MAXNREG)[bits]
+                tile = dict(BN=t[0], num_warps=t[1], maxnreg=cap, DEPTH=depth, **({"BR": t[2]} if kernel == "mma" else {}))
+                n_st = cfg.stages(kernel, bits, bm, t[0], t[1])
+                stages = {"num_stages": n_st} if n_st > 1 else {}
+                variants = [(max(splits(bm)), "csr")] if quick else \
+                    [(sp, o) for sp in dict.fromkeys(splits(bm)) for o in ("none", "ell", "csr")]
+                jobs += [dict(kernel=f"{kernel}_pipe", bits=bits, BM=bm, SPLIT=sp, outl=outl, scales=scales, cc=cc,
+                              **tile, **stages) for sp, outl in variants for scales in SCALES for cc in ccs]
     return jobs
 
 
@@ -139,8 +167,9 @@ def _hadamard_jobs(targets, quick: bool) -> list[dict]:
 
 def source(j: dict):
     """The ``triton.compile`` source of one job (TRITON_INTERPRET must be unset)."""
-    return {"gemv": _tile_source, "mma": _tile_source, "moe": _moe_source, "dequant": _dequant_source,
-            "outliers": _outlier_source, "hadamard": _hadamard_source}[j["kernel"]](j)
+    return {"gemv": _tile_source, "mma": _tile_source, "gemv_pipe": _pipelined_source, "mma_pipe": _pipelined_source,
+            "moe": _moe_source, "dequant": _dequant_source, "outliers": _outlier_source,
+            "hadamard": _hadamard_source}[j["kernel"]](j)
 
 
 def _ast_source(fn, sig: dict, const: dict, div16):
@@ -174,6 +203,18 @@ def _tile_source(j: dict):
     if j["kernel"] == "mma":        # xᵀ: whole row tiles of rows (kernel._padded_xt)
         div16 |= {"xt_ptr", "stride_xt"}
     return _ast_source(fn, sig, const, div16)
+
+
+def _pipelined_source(j: dict):
+    """A pipelined kernel (``triton/pipelined.py``): its unpipelined kernel's source (the same
+    arguments and specialisation) with the pipelined function and its prefetch ``DEPTH``."""
+    from triton.compiler import ASTSource
+    from vllm_latq.kernels.triton import pipelined as tp
+    base = _tile_source({k: v for k, v in j.items() if k != "DEPTH"} | {"kernel": j["kernel"].split("_")[0]})
+    fn = tp._gemv_pipelined_kernel if j["kernel"] == "gemv_pipe" else tp._mma_pipelined_kernel
+    names = base.fn.arg_names
+    const = {names[i]: v for (i,), v in base.constants.items()} | {"DEPTH": j["DEPTH"]}
+    return ASTSource(fn, {**base.signature, "DEPTH": "constexpr"}, const, base.attrs)
 
 
 def _moe_source(j: dict):

@@ -114,6 +114,23 @@ def test_targets_and_headline_per_m():
     assert "  M=32,64 every shape ≥ 1.0× bf16: NOT measured" in lines
 
 
+def test_the_pipelined_ab_lines_and_headline():
+    """The A/B summary: per M the worst 8b shape's table / pipelined time and bf16 / the fastest
+    of the pick and its variants; at M ≥ 8 the ``mma`` entry is the pick itself, not a variant."""
+    pts = []
+    for s in gf.SHAPES:
+        p = _pt(s, 1, 10.0, 30.0, 12.0)
+        p.kernels_us = {"gemv": 10.0, "pipelined": 8.0 if s != "8b.o" else 12.5, "mma": 6.0, "mma_pipelined": math.nan}
+        pts.append(p)
+    big = _pt("8b.down", 16, 20.0, 24.0, 18.0)
+    big.kernels_us = {"mma": 1.0, "pipelined": 16.0}
+    lines, head = gf.variant_lines(pts + [big])
+    assert (head["pipelined_vs_table_m1"], head["best_vs_bf16_m1"]) == ("0.80", "5.00")
+    assert (head["pipelined_vs_table_m16"], head["best_vs_bf16_m16"]) == ("1.25", "1.50")
+    assert head["pipelined_vs_table_m2"] == head["best_vs_bf16_m2"] == "na" and len(lines) == 2 + 5
+    assert gf.variant_lines([_pt("8b.o", 1, 10.0, 30.0, 12.0)]) == ([], {})          # no A/B timed
+
+
 def test_latest_json_schema(tmp_path):
     pts = [gf.point_record(_pt("8b.down", 1, 10.0, 25.0, 12.0))]
     e2e = [{"model": "llama3-8b-shapes", "form": "ssqr-1%-4b", "batch": 1, "tokens": 128, "latq_tok_s": 150.0,

@@ -13,6 +13,7 @@ from vllm_latq.testing.weights import random_weight
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
 from vllm_latq.kernels.triton.kernel import TritonKernel  # noqa: E402
+from tools import launch_table as lt  # noqa: E402
 
 L2 = 50 << 20
 
@@ -168,7 +169,7 @@ def test_picked_kernel_is_apply_routing(monkeypatch):
         x = torch.zeros(m, 1024, dtype=dt)
         ran.clear()
         TritonKernel.apply(st, x)                 # the fakes return x2: [M, K] is [M, N] here
-        assert ran == [kt.picked_kernel(x)]
+        assert ran == [kt.picked_kernel(st, x)]
         seen.add(ran[0])
     assert seen == {"gemv", "mma", "dequant"}
 
@@ -212,6 +213,8 @@ def test_a_failing_kernel_costs_its_numbers_not_the_run(monkeypatch):
     assert math.isnan(pts[1].latq_us) and math.isfinite(pts[1].kernels_us["gemv"])
     assert bk.first_losses(pts) == {("t", 4, 0.0, "fp16-g128"): 8}
     assert sum("FAILED" in s and "no mma today" in s for s in log) == 3   # M=8 picked, M=1 and 8 forced
+    rows = {(t["m"], t["kernel"]): t["us"] for t in kt.timing_rows(pts, "cpu")}
+    assert rows == {(1, "gemv"): 1.0, (1, "mma"): lt.WRONG, (8, "mma"): lt.WRONG, (8, "gemv"): pts[1].kernels_us["gemv"]}
 
 
 def test_sweep_with_budget_and_summary(monkeypatch):

@@ -7,6 +7,7 @@ from bench import launch_configs as lc
 from tests.helpers import FakeTimer
 
 triton = pytest.importorskip("triton")
+from tools import launch_table as lt  # noqa: E402
 from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def test_every_candidate_against_the_tables_choice(monkeypatch):
         assert p["best"] == keys[0] and p["best_us"] == timed + 1            # the first timed: 1 µs after the last M's
         assert p["table_us"] == timed + 1 + keys.index(table)
         mine = [t for t in timings if t["m"] == p["m"]]
-        assert [tuple(t["config"].get(k) for k in lc.TUNED) for t in mine] == keys
+        assert [lc.key(t["config"]) for t in mine] == keys
         assert {(t["kernel"], t["bm"], t["n"], t["k"], t["family"]) for t in mine} == {(p["kernel"], bm, 32, 256, "cpu")}
         assert [t["us"] for t in mine] == [timed + 1 + i for i in range(len(cands))]
         timed += len(cands)
@@ -63,11 +64,14 @@ def test_a_wrong_candidate_is_named_and_not_timed(monkeypatch):
         return y * 2 if config is not None and lc.key(config) == victim else y
     monkeypatch.setattr(tk, "launch", launch)
     timer = FakeTimer()
+    timings = []
     pts = lc.layer_configs(("t", 32, 256), 4, 0.0, [1], torch.bfloat16, torch.device("cpu"), 1, timer,
-                           lambda s: None)
+                           lambda s: None, timings)
     n = len(tk.launch_candidates(st, 1, "gemv")[1])
     assert len(pts[0]["wrong"]) == 1 and f"BN={victim[0]} SPLIT={victim[1]}" in pts[0]["wrong"][0]
     assert timer.n == n - 1 and lc.headline(pts, "g").endswith("wrong=1 gpu=g")
+    assert [lc.key(t["config"]) for t in timings if t["us"] == lt.WRONG] == [victim]     # recorded, never served
+    assert len(timings) == n
 
 
 def test_without_cuda_says_so_and_exits_0(monkeypatch, capsys):

@@ -36,25 +36,44 @@ def test_a_stale_record_is_refused(monkeypatch):
 
 
 def _timing(c, n, k, m, us, fam="sm_90", bm=16):
-    return dict(family=fam, kernel="mma", bits=4, bm=bm, n=n, k=k, m=m, rate=0.01,
-                config={t: c[t] for t in lt.TUNED}, us=us)
+    return dict(family=fam, kernel="mma", bits=4, bm=bm, n=n, k=k, m=m, rate=0.01, config=_tuned(c), us=us)
+
+
+def _tuned(c):
+    return {t: c[t] for t in lt.TUNED if t in c}
 
 
 def test_measured_times_beat_the_model_where_a_gpu_timed_the_class(report):
-    """The least summed measured time wins (ties within TIE by preference); a candidate not
-    timed at every point is out; other families and classes keep the model's choice."""
+    """The least summed measured time wins (ties within TIE by preference); a candidate wrong at
+    a point is out; other families and classes keep the model's choice."""
     shapes = [(4096, 14336)]
     cands = lt.class_candidates("mma", 4, 16, shapes)
     model = lt.choose("mma", 4, 16, shapes, "sm_90", report)
     fast = next(c for c in cands if lt.tuned_key(c) != lt.tuned_key(model))
     rows = [_timing(c, 4096, 14336, m, 100.0) for c in cands for m in (8, 16)]
-    rows = [dict(r, us=40.0) if r["config"] == {t: fast[t] for t in lt.TUNED} else r for r in rows]
+    rows = [dict(r, us=40.0) if r["config"] == _tuned(fast) else r for r in rows]
     assert lt.choose("mma", 4, 16, shapes, "sm_90", report, rows) == fast
     assert lt.choose("mma", 4, 16, shapes, "sm_80", report, rows) == lt.choose("mma", 4, 16, shapes, "sm_80", report)
-    wrong_once = rows + [_timing(c, 4096, 14336, 12, 100.0) for c in cands if c != fast]   # fast: wrong at M = 12
+    wrong_once = rows + [_timing(c, 4096, 14336, 12, 100.0 if c != fast else lt.WRONG) for c in cands]
     assert lt.choose("mma", 4, 16, shapes, "sm_90", report, wrong_once) not in (fast, None)
-    tie = [dict(r, us=40.0 * (1 + lt.TIE / 2)) if r["config"] == {t: model[t] for t in lt.TUNED} else r for r in rows]
+    tie = [dict(r, us=40.0 * (1 + lt.TIE / 2)) if r["config"] == _tuned(model) else r for r in rows]
     assert lt.choose("mma", 4, 16, shapes, "sm_90", report, tie) == min([fast, model], key=cfg.preference)
+
+
+def test_an_ab_timing_serves_the_pipelined_twin_where_it_ran_faster(report):
+    """The GPU check's A/B times the pick and its pipelined twin at a few points only: the twin
+    replaces the pick where it ran faster beyond TIE on the points both ran, not when slower or
+    wrong; a class with no twin timed keeps the measured pick."""
+    shapes = [(4096, 14336)]
+    cands = lt.class_candidates("mma", 4, 16, shapes, "sm_90")
+    sweep = [_timing(c, 4096, 14336, m, 50.0 + i) for i, c in enumerate(cands) if cfg.depth(c) == 1 for m in (8, 16)]
+    pick = lt.choose("mma", 4, 16, shapes, "sm_90", report, sweep)
+    twin = cfg.pipelined(dict(pick, BM=16), "mma", 4)
+    twin.pop("BM")
+    for us, want in ((40.0, twin), (50.0 * (1 - lt.TIE / 2), pick), (70.0, pick), (lt.WRONG, pick)):
+        ab = [_timing(pick, 4096, 14336, 16, 50.0), _timing(twin, 4096, 14336, 16, us)]
+        got = lt.choose("mma", 4, 16, shapes, "sm_90", report, lt.merge_timings(sweep, ab))
+        assert lt.tuned_key(got) == lt.tuned_key(want), us
 
 
 def test_timings_merge_read_and_name_a_bad_file(tmp_path):
@@ -87,7 +106,8 @@ def test_add_timings_writes_both_files(report, tmp_path, monkeypatch):
 
 def test_report_covers_every_candidate_and_no_entry_spills(report):
     assert lt.missing(report) == []
-    assert len(report) == 256 and {k[-1] for k in report} == {80, 86, 89, 90}
+    assert len(report) == 284 and {k[-1] for k in report} == {80, 86, 89, 90}
+    assert {k[-1] for k in report if k[-2] > 1} == {80, 90}                      # pipelined: sm_80, sm_90
     table = json.loads(cfg.TABLE_FILE.read_text())["families"]
     for fam, entries in table.items():
         for key, entry in entries.items():
@@ -96,10 +116,10 @@ def test_report_covers_every_candidate_and_no_entry_spills(report):
 
 
 def test_an_incomplete_report_is_refused(report, monkeypatch, capsys, tmp_path):
-    gap = ("mma", 3, 64, 32, 4, 2, 90)
+    gap = ("mma", 3, 64, 32, 4, 2, 1, 90)
     partial = {k: v for k, v in report.items() if k != gap}
     assert lt.missing(partial) == [gap]
-    with pytest.raises(ValueError, match=r"lacks 1 tile.*'mma', 3, 64, 32, 4, 2, 90.*--compile"):
+    with pytest.raises(ValueError, match=r"lacks 1 tile.*'mma', 3, 64, 32, 4, 2, 1, 90.*--compile"):
         lt.build(partial)
     monkeypatch.setattr(lt, "load_report", lambda compile_missing: partial)
     out = tmp_path / "table.json"
@@ -147,7 +167,7 @@ def test_ties_go_to_the_preference(report):
     """2-bit GEMV of 28672 rows: the three tiles model alike (issue-bound, same waves), so the
     widest tile (fewest activation re-reads) is the entry."""
     shapes = [(28672, 4096)]
-    cands = lt.class_candidates("gemv", 2, 1, shapes)
+    cands = [c for c in lt.class_candidates("gemv", 2, 1, shapes, "sm_80") if cfg.depth(c) == 1]
     times = [lt.modelled_time(c, "gemv", 2, 1, 28672, 4096, 28672, "sm_80",
                               report[lt.report_key("gemv", 2, 1, c, "sm_80")]) for c in cands]
     assert max(times) <= min(times) * (1 + lt.TIE)

@@ -13,20 +13,22 @@ from vllm_latq.kernels.triton.dequant import use_large_m
 
 
 def _graph_cases():
-    return [pytest.param(1, None, id="m1-op"), pytest.param(16, None, id="m16-op"),
-            pytest.param(64, None, id="m64-op"), pytest.param(100, None, id="m100-op"),
-            pytest.param(1, dict(BN=32, SPLIT=4, num_warps=2), id="m1-splitk4"),
-            pytest.param(12, dict(BN=64, SPLIT=2, BR=8, num_warps=4), id="m12-mma-splitk2")]
+    return [pytest.param(1, None, 3, id="m1-op"), pytest.param(16, None, 3, id="m16-op"),
+            pytest.param(64, None, 3, id="m64-op"), pytest.param(100, None, 3, id="m100-op"),
+            pytest.param(1, dict(BN=32, SPLIT=4, num_warps=2), 3, id="m1-splitk4"),
+            pytest.param(12, dict(BN=64, SPLIT=2, BR=8, num_warps=4), 3, id="m12-mma-splitk2"),
+            pytest.param(1, dict(BN=64, SPLIT=4, num_warps=4, DEPTH=4), 4, id="m1-pipelined-splitk4"),
+            pytest.param(4, dict(BN=32, SPLIT=2, BR=8, num_warps=4, DEPTH=4), 4, id="m4-mma-pipelined-splitk2")]
 
 
 @needs_cuda
-@pytest.mark.parametrize("m,cfg", _graph_cases())
-def test_cuda_graph_capture_and_replay(m, cfg):
+@pytest.mark.parametrize("m,cfg,bits", _graph_cases())
+def test_cuda_graph_capture_and_replay(m, cfg, bits):
     """Capture one call (after the warm-up that compiles and autotunes), replay it on new
     inputs: equal to eager calls bit for bit, right, tickets back to 0 after every replay."""
     triton_k = kernel("triton")
     n, k = 1000, 4096
-    w = weight(n, k, 3, 0.01, seed=7)
+    w = weight(n, k, bits, 0.01, seed=7)
     st = triton_state(w)
     tensors, ints = triton_k.flatten(st)
     op = ops.op_for(triton_k)
@@ -36,7 +38,8 @@ def test_cuda_graph_capture_and_replay(m, cfg):
     def call():
         if cfg is None:
             return op(x, tensors, ints, bias, n)
-        return triton_k.apply(st, x, bias, kernel="gemv" if m < 8 else "mma", config=cfg)
+        kind = "mma" if m >= 8 or "BR" in cfg else "gemv"
+        return triton_k.apply(st, x, bias, kernel=kind, config=cfg)
 
     triton_k.reserve(st, torch.bfloat16)                         # as the loader does: scratches sized
     scratch = triton_k.splitk_workspace.flat(1, torch.float32, DEV).data_ptr()

@@ -250,3 +250,41 @@ def test_splitk_scratch_is_reserved_and_shared(bits):
         assert triton_k.splitk_workspace.flat(1, torch.float32, DEV).data_ptr() == ptr, "split-K scratch reallocated"
     assert torch.equal(ys[0], ys[2]) and torch.equal(ys[0], ys[4]) and torch.equal(ys[1], ys[3])
     assert all(int(st.tickets.abs().sum()) == 0 for st in states)
+
+
+def _pipelined_cases():
+    """Every pipelined config (``configs.pipelined_configs``) at 2 and 4 bits: the GEMV's row tiles
+    at one tile of rows, the tensor-core kernel's at 2 rows (the route below 8) and one tile; a
+    split config is one split-K case (its id says so: gpu_check.sh's splitk shards)."""
+    if "triton" not in NAMES:
+        return []
+    from vllm_latq.kernels.triton import configs as cfg
+    cases = []
+    for b in (2, 4):
+        for kind, tiles in (("gemv", cfg.GEMV_TILES), ("mma", cfg.MMA_TILES)):
+            for i, c in enumerate(cfg.pipelined_configs(kind, None, b)):
+                bm = next(t for t in tiles if any(c == dict(x, DEPTH=c["DEPTH"]) for x in cfg.configs_for(kind, t, b)))
+                ms = [{1: 1, 2: 2, 4: 3, 8: 7}[bm]] if kind == "gemv" else ([2, bm] if bm == 16 else [bm - 5])
+                mode = ("ell", "csr")[i % 2]
+                tag = "splitk" if c["SPLIT"] > 1 else "whole"
+                cases.append(pytest.param(b, kind, bm, ms, c, mode, id=f"{b}bit-pipelined-{kind}-BM{bm}-BN{c['BN']}"
+                                          f"-w{c['num_warps']}-S{c['SPLIT']}-D{c['DEPTH']}-{mode}-{tag}"))
+    return cases
+
+
+@pytest.mark.parametrize("bits,kind,bm,ms,cfg,mode", _pipelined_cases())
+def test_pipelined_every_config(bits, kind, bm, ms, cfg, mode):
+    """The pipelined kernels (kernels/triton/pipelined.py) against the reference, K = 4200 (a
+    last step reaching past K, unequal splits), 3 % outliers, bias, fp16 and bf16; a split config
+    bit-identical over three calls with its tickets back to 0."""
+    n, k = 184, 4200
+    w = weight(n, k, bits, 0.03, seed=3)
+    st = triton_state(w, mode)
+    for m in ms:
+        for dtype in (torch.float16, torch.bfloat16):
+            x = activations(m, k, dtype, seed=m)
+            bias = bias_for(n, dtype)
+            ys = [kernel("triton").apply(st, x, bias, kernel=kind, config=dict(cfg, BM=bm)) for _ in range(3)]
+            assert all(torch.equal(ys[0], y) for y in ys[1:]), "pipelined results differ between identical calls"
+            assert int(st.tickets.abs().sum()) == 0, "split-K tickets not reset"
+            assert_matches_reference(ys[0], x, w, bias, what=f"pipelined {kind} M={m} {cfg} {dtype}")

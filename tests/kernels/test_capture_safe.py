@@ -53,6 +53,36 @@ def test_dense_layers():
     assert len(watch.keys) >= len(layers) * 2
 
 
+def test_dense_layers_on_the_pipelined_kernels(monkeypatch):
+    """The same with every launch config pipelined where the width has a pipelined kernel and
+    M < 8 routed to tensor cores at 3 and 4 rows (what a measured table may serve)."""
+    from vllm_latq.kernels.triton import configs as cfg
+    choose = cfg.choose
+
+    def pipelined(kernel, bits, bm, *args):
+        c = choose(kernel, bits, bm, *args)
+        depth = cfg.PIPE_DEPTH.get((kernel, bits, bm))
+        return dict(c, DEPTH=depth) if depth else c
+    monkeypatch.setattr(cfg, "choose", pipelined)
+    monkeypatch.setattr(cfg, "route", lambda bits, m, *a: "mma" if m in (3, 4) else "gemv")
+    layers = []
+    for bits, rate in ((2, 0.02), (4, 0.0), (4, 0.02)):
+        w = random_weight(48, 256, bits, rate, group=64, seed=bits, fp16_values=True)
+        layers.append(TritonKernel.prepare(w))
+        TritonKernel.reserve(layers[-1], torch.bfloat16)
+    watch = CaptureWatch()
+
+    def run(size, phase):
+        x = dummy_tokens(size, 256)
+        for st in layers:
+            TritonKernel.apply(st, x)
+
+    with watch.installed(interpreted=True):
+        warmup_then_capture(watch, DENSE_SIZES + (3,), run)
+    assert watch.violations == []
+    assert any("pipelined" in str(k) for k in watch.keys)
+
+
 def experts_of(bits, rate=0.03, seed=0):
     experts = []
     for e in range(E):

@@ -134,7 +134,8 @@ def test_rule_is_deterministic_and_fills_the_gpu():
     assert (4096 // c["BN"]) * c["SPLIT"] >= 216 and c["SPLIT"] == 2
     tiny = cfg.candidates("gemv", 4, 1, 48, 3, True)
     assert cfg.rule(tiny, 48, 1, 108) == cfg.rule(list(tiny), 48, 1, 108) and max(c["SPLIT"] for c in tiny) == 2
-    assert cfg.candidates("gemv", 4, 1, 32768, 32, True) == [c for c in cfg.gemv_configs(1, 4) if c["SPLIT"] == 1]
+    assert cfg.candidates("gemv", 4, 1, 32768, 32, True) == [c for c in cfg.configs_for("gemv", 1, 4, pipelined=True)
+                                                          if c["SPLIT"] == 1]
 
 
 def test_prune_hook_is_the_candidates():
@@ -189,9 +190,12 @@ def test_packaged_table():
     for fam, entries in table.items():
         for key, entry in entries.items():
             kernel, b, bm, n, k = key.split("/")
+            if kernel == "route":
+                assert entry == {"kernel": "mma"} and fam in cfg.PIPE_FAMILIES + ("sm_86", "sm_89"), (fam, key)
+                continue
             bits, bm, n_pad, k_pad = int(b[1:]), int(bm[2:]), int(n[1:]), int(k[1:])
             ks = tlay.k_steps(bits, k_pad)
-            cands = cfg.candidates(kernel, bits, bm, n_pad, ks["nsteps"] + ks["tsteps"], True)
+            cands = cfg.candidates(kernel, bits, bm, n_pad, ks["nsteps"] + ks["tsteps"], True, fam)
             # stages included: a table may not serve a tile at stages the offline compile never checked
             assert entry in [{k: v for k, v in c.items() if k != "maxnreg"} for c in cands], (fam, key)
 
@@ -233,3 +237,45 @@ def test_row_offsets_are_int64():
     offsets[(1,)](out, stride, R=16)
     want = (torch.arange(16, dtype=torch.int64) + 16376) * stride
     assert want.max() > 2**31 and torch.equal(out, want)
+
+
+def test_pipelined_candidates_are_offered_but_never_ruled():
+    """The pipelined configs are candidates on PIPE_FAMILIES only (their compile is checked there),
+    after the unpipelined ones; the rule and ties keep the unpipelined kernels."""
+    plain = cfg.candidates("gemv", 4, 1, 4096, 32, True, "sm_86")
+    both = cfg.candidates("gemv", 4, 1, 4096, 32, True, "sm_90")
+    assert all(cfg.depth(c) == 1 for c in plain) and both[:len(plain)] == plain
+    assert {cfg.depth(c) for c in both[len(plain):]} == {cfg.PIPE_DEPTH["gemv", 4, 1]}
+    assert all(cfg.depth(c) == 1 for c in cfg.candidates("mma", 3, 16, 4096, 8, True, "sm_90"))
+    assert cfg.depth(cfg.rule(both, 4096, 1, 132)) == 1 and cfg.rule(both, 4096, 1, 132) == cfg.rule(plain, 4096, 1, 132)
+    piped = dict(plain[0], DEPTH=4)
+    assert min([piped, plain[0]], key=cfg.preference) is plain[0]
+
+
+def test_a_table_entry_serves_a_pipelined_config_and_routes_small_m(recorded, monkeypatch, tmp_path):
+    """An entry with DEPTH launches the pipelined kernel (on a family that has it); a ``route``
+    entry sends M < 8 of its class to the tensor-core kernel, the GEMV serving elsewhere."""
+    monkeypatch.setitem(tk._PIPELINED, "gemv", Recorder(recorded))
+    st = layer(2048, 1024)
+    key = cfg.shape_class("gemv", 4, 1, st.n_pad, st.k_pad)
+    entry = {"BN": 64, "SPLIT": 2, "num_warps": 4, "num_stages": 1, "DEPTH": cfg.PIPE_DEPTH["gemv", 4, 1]}
+    path = tmp_path / "tuned.json"
+    route = cfg.shape_class("route", 4, 4, st.n_pad, st.k_pad)
+    path.write_text(json.dumps({"families": {"sm_90": {key: entry, route: {"kernel": "mma"}}}}))
+    monkeypatch.setenv(cfg.ENV_TABLE, str(path))
+    cfg.reload_table()
+    monkeypatch.setattr(cfg, "INTERPRETER_DEVICE", ((9, 0), 132))
+    TritonKernel.apply(st, torch.zeros(1, 1024, dtype=torch.float16))
+    kw = recorded.pop()[1]
+    assert {k: kw[k] for k in entry} == entry
+    ran = []
+    monkeypatch.setattr(tk, "launch", lambda st, x2, bias, kernel, config, scratch:
+                        ran.append(kernel) or x2.new_zeros(x2.shape[0], st.n))
+    for m, want in ((1, "gemv"), (3, "mma"), (4, "mma"), (5, "gemv"), (8, "mma")):
+        TritonKernel.apply(st, torch.zeros(m, 1024, dtype=torch.float16))
+        assert ran.pop() == want, m
+    TritonKernel.apply(st, torch.zeros(4, 1024, dtype=torch.float32))       # fp32: the exact GEMV
+    assert ran.pop() == "gemv"
+    monkeypatch.setattr(cfg, "INTERPRETER_DEVICE", ((8, 6), 84))             # another family: no route
+    TritonKernel.apply(st, torch.zeros(4, 1024, dtype=torch.float16))
+    assert ran.pop() == "gemv"

@@ -504,10 +504,11 @@ def test_offline_compile_heaviest_configs():
     from tools import triton_compile as tc
     jobs = tc.all_jobs(quick=True)
     assert {j["cc"] for j in jobs} == {80, 86, 89, 90}
-    assert {j["kernel"] for j in jobs} == {"gemv", "mma", "moe", "dequant", "outliers", "hadamard"}
+    assert {j["kernel"] for j in jobs} == {"gemv", "mma", "gemv_pipe", "mma_pipe", "moe", "dequant", "outliers",
+                                           "hadamard"}
     rows = _check_static(tc.summarize(jobs, tc.run(jobs)))
-    assert all(r["mma"] > 0 for r in rows if r["kernel"] == "mma")        # tensor cores used
-    assert all(r["mma"] == 0 for r in rows if r["kernel"] != "mma")       # SIMT only
+    assert all(r["mma"] > 0 for r in rows if r["kernel"] in ("mma", "mma_pipe"))        # tensor cores used
+    assert all(r["mma"] == 0 for r in rows if r["kernel"] not in ("mma", "mma_pipe"))   # SIMT only
     record = tc.read_record()
     if not tc.record_staleness(record, tc.all_jobs()):                    # else the test below fails
         assert not (bad := tc.record_mismatches(jobs, rows, record)), "\n".join(bad)
@@ -523,7 +524,8 @@ def test_compile_record_is_current():
                      "`python -m tools.launch_table` to rebuild the launch report and table from it")
 
 
-SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "moe": 1, "dequant": 1, "outliers": 1, "hadamard": 1}
+SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "gemv_pipe": 2, "mma_pipe": 2, "moe": 1, "dequant": 1, "outliers": 1,
+                     "hadamard": 1}
 
 
 def _record_sample(jobs: list[dict], seed: int, per_target: dict = SAMPLE_PER_TARGET) -> list[dict]:
@@ -562,7 +564,7 @@ def test_record_sample_draws_every_kernel_and_target():
     from tools import triton_compile as tc
     jobs = tc.all_jobs()
     a, b = _record_sample(jobs, 1), _record_sample(jobs, 2)
-    assert len(a) == 4 * sum(SAMPLE_PER_TARGET.values())
+    assert len(a) == sum(n * len({j["cc"] for j in jobs if j["kernel"] == k}) for k, n in SAMPLE_PER_TARGET.items())
     assert {(j["kernel"], j["cc"]) for j in a} == {(j["kernel"], j["cc"]) for j in jobs}
     assert a == _record_sample(jobs, 1) and a != b
 
@@ -575,9 +577,11 @@ def test_compile_report_covers_every_launched_jit_kernel():
     found = ts.package_kernels()
     assert len(found) >= 5 and found <= ts.reported_kernels(), (
         f"jit kernels missing from tools/triton_sources.KERNELS: {sorted(found - ts.reported_kernels())}")
+    from vllm_latq.kernels.triton.configs import PIPE_FAMILIES
     for quick in (True, False):
         covered = {(j["kernel"], j["cc"]) for j in ts.all_jobs(quick=quick)}
-        assert covered == {(k, cc) for k in ts.KERNELS for cc in ts.TARGETS}
+        assert covered == {(k, cc) for k in ts.KERNELS for cc in ts.TARGETS
+                           if not k.endswith("_pipe") or f"sm_{cc}" in PIPE_FAMILIES}
 
 
 def test_kernel_scan_tells_kernels_from_device_helpers(tmp_path):

@@ -81,6 +81,33 @@ MMA_STAGES = 2
 MMA_SINGLE_STAGE = {(2, 32, 32, 4), (2, 32, 128, 8), (2, 64, 32, 4)}       # (bits, BM, BN, warps)
 
 
+# Pipelined kernels (triton/pipelined.py): every tile again with DEPTH K steps of weights (and
+# their scales) in a register queue instead of one, the outliers' loads riding the loop ahead of
+# their use. One depth per kernel, width and row tile: the deepest of 2 and 4 at which every layer
+# form of the compile record compiles without spills at the tile's register cap; tiles that spilled
+# at both are left out (docs/KERNELS.md). 3-bit
+# steps hold three word tiles a step: their queue halves the resident programs, so they stay
+# unpipelined; 5-bit layers too (the kernels take them, the record does not compile them: at
+# depth 2 their two planes gain least). Offered on PIPE_FAMILIES, whose compile the record checks;
+# served only where a table entry names them (measured on a GPU): the rule and the modelled
+# table keep DEPTH 1.
+PIPE_DEPTH = {("gemv", 2, 2): 2, ("gemv", 4, 1): 4,
+              ("mma", 2, 64): 2, ("mma", 4, 16): 4, ("mma", 4, 32): 4, ("mma", 4, 64): 2}
+PIPE_FAMILIES = ("sm_80", "sm_90")
+
+
+def depth(c: dict) -> int:
+    """K steps of weights a config keeps in flight (1: the unpipelined kernels)."""
+    return c.get("DEPTH", 1)
+
+
+def pipelined(c: dict, kernel: str, bits: int) -> dict | None:
+    """Launch config ``c`` (with its "BM") at the pipelined kernel's depth, or None where that
+    width and row tile have no pipelined kernel."""
+    d = PIPE_DEPTH.get((kernel, bits, c["BM"]))
+    return None if d is None else dict(c, DEPTH=d)
+
+
 def stages(kernel: str, bits: int, bm: int, bn: int, num_warps: int) -> int:
     if kernel != "mma" or (bits, bm, bn, num_warps) in MMA_SINGLE_STAGE:
         return 1
@@ -113,8 +140,17 @@ def mma_configs(bm: int | None = None, bits: int = 4) -> list[dict]:
 
 
 
-def configs_for(kernel: str, bm: int | None = None, bits: int = 4) -> list[dict]:
-    return (gemv_configs if kernel == "gemv" else mma_configs)(bm, bits)
+def pipelined_configs(kernel: str, bm: int | None = None, bits: int = 4) -> list[dict]:
+    """The kernel's configs at its pipelined depth (``PIPE_DEPTH``; none at 3 bits)."""
+    base = gemv_configs if kernel == "gemv" else mma_configs
+    return [dict(c, DEPTH=PIPE_DEPTH[kernel, bits, b]) for b in (GEMV_TILES if kernel == "gemv" else MMA_TILES)
+            if bm in (None, b) and (kernel, bits, b) in PIPE_DEPTH for c in base(b, bits)]
+
+
+def configs_for(kernel: str, bm: int | None = None, bits: int = 4, pipelined: bool = False) -> list[dict]:
+    """The unpipelined kernel's configs, and with ``pipelined`` the pipelined ones after them."""
+    return (gemv_configs if kernel == "gemv" else mma_configs)(bm, bits) + (
+        pipelined_configs(kernel, bm, bits) if pipelined else [])
 
 
 def max_split(n_pad: int, ksteps: int) -> int:
@@ -122,18 +158,20 @@ def max_split(n_pad: int, ksteps: int) -> int:
     return max(1, ksteps) if n_pad <= SPLITK_MAX_N else 1
 
 
-def candidates(kernel: str, bits: int, bm: int, n_pad: int, ksteps: int, can_split: bool) -> list[dict]:
+def candidates(kernel: str, bits: int, bm: int, n_pad: int, ksteps: int, can_split: bool,
+               fam: str | None = None) -> list[dict]:
     """The configs a launch of this shape may take (the autotuner's pruning, and the table's
     and :func:`rule`'s choices): the row tile's tiles, SPLIT ≤ the K steps and SPLIT · BM ≤
-    ``SPLITK_ROWS``, and SPLIT = 1 unless M is one tile that may split (``can_split``)."""
+    ``SPLITK_ROWS``, and SPLIT = 1 unless M is one tile that may split (``can_split``); the
+    pipelined ones too, except on a family ``fam`` outside ``PIPE_FAMILIES``."""
     top = min(max_split(n_pad, ksteps), SPLITK_ROWS // bm) if can_split else 1
-    return [c for c in configs_for(kernel, bm, bits) if c["SPLIT"] <= top]
+    return [c for c in configs_for(kernel, bm, bits, pipelined=fam in (None, *PIPE_FAMILIES)) if c["SPLIT"] <= top]
 
 
 def preference(c: dict) -> tuple:
-    """Order among equally good configs: the fewest K splits (partials written and re-read),
-    then the widest row tile (activations re-read least), then the fewest warps."""
-    return c["SPLIT"], -c["BN"], c["num_warps"]
+    """Order among equally good configs: unpipelined, the fewest K splits (partials written and
+    re-read), then the widest row tile (activations re-read least), then the fewest warps."""
+    return depth(c) > 1, c["SPLIT"], -c["BN"], c["num_warps"]
 
 
 def rule(cands: list[dict], n_pad: int, m_tiles: int, sms: int) -> dict:
@@ -143,6 +181,7 @@ def rule(cands: list[dict], n_pad: int, m_tiles: int, sms: int) -> dict:
     def programs(c):
         return m_tiles * cdiv(n_pad, c["BN"]) * c["SPLIT"]
 
+    cands = [c for c in cands if depth(c) == 1] or cands
     full = [c for c in cands if programs(c) >= 2 * sms]
     if full:
         return min(full, key=preference)
@@ -197,7 +236,7 @@ def autotune_enabled() -> bool:
 
 
 def _strip(c: dict) -> dict:
-    return {k: v for k, v in c.items() if k not in ("maxnreg", "num_stages")}
+    return {k: v for k, v in c.items() if k not in ("maxnreg", "num_stages") and not (k == "DEPTH" and v == 1)}
 
 
 def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int, m_tiles: int,
@@ -211,13 +250,26 @@ def choose(kernel: str, bits: int, bm: int, n_pad: int, k_pad: int, ksteps: int,
 
 @functools.lru_cache(maxsize=65536)
 def _choose(kernel, bits, bm, n_pad, k_pad, ksteps, m_tiles, can_split, capability, sms, override) -> dict:
-    cands = candidates(kernel, bits, bm, n_pad, ksteps, can_split)
-    entry = _table(override).get(family(capability), {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
+    fam = family(capability)
+    cands = candidates(kernel, bits, bm, n_pad, ksteps, can_split, fam)
+    entry = _table(override).get(fam, {}).get(shape_class(kernel, bits, bm, n_pad, k_pad))
     if entry is not None:
         for c in cands:
             if _strip(c) == _strip(entry):
                 return c
     return rule(cands, n_pad, m_tiles, sms)
+
+
+def route(bits: int, m: int, n_pad: int, k_pad: int, capability: tuple[int, int]) -> str:
+    """The kernel for 1 ≤ M < 8 rows: the tensor-core kernel where the table's ``route`` entry
+    of the shape class says a GPU timed it faster, else the GEMV."""
+    return _route(bits, min(8, _next_pow2(m)), n_pad, k_pad, capability, override_path())
+
+
+@functools.lru_cache(maxsize=4096)
+def _route(bits, bm, n_pad, k_pad, capability, override) -> str:
+    entry = _table(override).get(family(capability), {}).get(shape_class("route", bits, bm, n_pad, k_pad))
+    return "mma" if entry is not None and entry.get("kernel") == "mma" else "gemv"
 
 
 def record(capability: tuple[int, int], key: str, config: dict) -> None:
@@ -238,6 +290,7 @@ def reload_table() -> None:
     """Forget the tables read and the choices made from them (after the override file changed)."""
     _table.cache_clear()
     _choose.cache_clear()
+    _route.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

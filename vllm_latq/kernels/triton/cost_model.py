@@ -123,32 +123,31 @@ def large_m_threshold(n: int, k: int, bits: int, nnz: int, dtype: torch.dtype = 
 @dataclass(frozen=True)
 class LaunchFit:
     """Constants of :func:`launch_time` fitted on a GPU's timings (``tools/cost_fit.py``)."""
-    latency_ns: float        # memory latency: a SM streams at most its bytes in flight per latency
-    bw_eff: float            # the achievable fraction of the HBM peak
-    issue_eff: float         # the achievable fraction of the SASS issue rate
-    outlier_ops: float       # lane instructions per outlier and activation row
-    overhead_us: float       # a launch's fixed cost in a CUDA graph (launch, ramp, tail)
+    gemv_latency_ns: float   # a GEMV K step's exposed latency with one step of weights in flight
+    mma_latency_ns: float    # the same for the tensor-core kernel (its in-step gathers included)
+    issue_overlap: float     # the share of a step's instruction issue not hidden behind its latency
+    chain_us: float          # a program's fixed chain (its first loads, the epilogue)
+    split_us: float          # the split-K reduction's added chain (partials, ticket, sum)
 
 
 # fitted on sm_90 (H100 and H200) timings of the GEMV and the tensor-core kernel, 4-bit 1 % outliers
 # (python -m tools.cost_fit --fit; its fit error and what it does not explain: docs/KERNELS.md)
-SM90_FIT = LaunchFit(latency_ns=324.6746, bw_eff=0.4363, issue_eff=0.4549, outlier_ops=0.4064, overhead_us=11.3618)
+SM90_FIT = LaunchFit(gemv_latency_ns=491.6033, mma_latency_ns=1092.5996, issue_overlap=0.9944, chain_us=2.7634,
+                     split_us=2.5372)
 
 
-def launch_time(d: DeviceModel, fit: LaunchFit, *, n: int, k: int, m: int, bm: int, bn: int, split: int,
-                wq_bytes: int, ipw: float, nnz: int, ctas_sm: int, step_bytes: int, depth: int = 1) -> float:
-    """Seconds of one launch of a latq kernel (GEMV or tensor cores) at M rows with tile (bm, bn, split):
-    the weights streamed at the least of the achievable HBM rate and what the SMs keep in flight
-    (``depth`` × ``step_bytes`` per resident CTA, by Little's law), or the K loop's instructions
-    (``ipw`` a weight per M tile) plus the outliers' at the achievable issue rate, whichever is
-    longer, stretched by the last wave's idle CTA slots; plus split-K partials and a fixed cost."""
+def launch_time(d: DeviceModel, fit: LaunchFit, *, kernel: str, n: int, m: int, bm: int, bn: int, split: int,
+                steps: int, step_weights: int, ipw: float, ctas_sm: int, step_bytes: int, bw_eff: float,
+                depth: int = 1) -> float:
+    """Seconds of one launch: waves of programs of ``steps`` K steps and a fixed chain; a step waits
+    its latency over ``depth`` or its share of the HBM rate, plus its unhidden SASS issue (as
+    1 / depth: an assumption, the fit saw depth 1 only; docs/KERNELS.md)."""
     n_pad = -(-n // 16) * 16
-    m_tiles = -(-m // bm)
-    programs = m_tiles * -(-n_pad // bn) * split
-    slots = d.sms * max(1, ctas_sm)
-    resident = min(max(1, ctas_sm), -(-programs // d.sms))
-    bw = min(fit.bw_eff * d.hbm_bw, depth * step_bytes * resident * d.sms / (fit.latency_ns * 1e-9))
-    issue = m_tiles * (n * k * ipw + nnz * bm * fit.outlier_ops) / (fit.issue_eff * d.issue)
-    stretch = math.ceil(programs / slots) * slots / programs if programs < 4 * slots else 1.0
-    partials = 2 * split * bm * n_pad * 4 / d.hbm_bw if split > 1 else 0.0
-    return max(wq_bytes / bw, issue) * stretch + partials + fit.overhead_us * 1e-6
+    programs = -(-m // bm) * -(-n_pad // bn) * split
+    ctas = max(1, ctas_sm)
+    resident = min(ctas, -(-programs // d.sms))
+    latency = (fit.gemv_latency_ns if kernel == "gemv" else fit.mma_latency_ns) * 1e-9
+    memory = max(latency / depth, resident * step_bytes * d.sms / (bw_eff * d.hbm_bw))
+    issue = resident * step_weights * ipw / (d.issue / d.sms)
+    program = steps * (memory + fit.issue_overlap / depth * issue) + (fit.chain_us + (fit.split_us if split > 1 else 0)) * 1e-6
+    return math.ceil(programs / (d.sms * ctas)) * program

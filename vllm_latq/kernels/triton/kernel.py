@@ -19,6 +19,7 @@ from ..weight import LatqWeight
 from .dequant import DEFAULT_MAX_BYTES, Workspace, apply_large_m, large_m_reason, use_large_m
 from .device import _gemv_kernel
 from .mma import _mma_kernel
+from .pipelined import _gemv_pipelined_kernel, _mma_pipelined_kernel
 from .cost_model import mma_bm
 from . import configs as cfg
 from .configs import (GEMV_MAXNREG, GEMV_SPLITS, GEMV_TILES, MAX_SPLIT, MAXNREG_OK, MMA_MAXNREG,  # noqa: F401
@@ -90,6 +91,13 @@ def tuned(kernel: str, bits: int, bucket: int):
 
 
 _KERNELS = {"gemv": _gemv_kernel, "mma": _mma_kernel}
+# DEPTH ≥ 2 in a launch config: the pipelined kernel of that name (triton/pipelined.py)
+_PIPELINED = {"gemv": _gemv_pipelined_kernel, "mma": _mma_pipelined_kernel}
+
+
+def kernel_fn(kernel: str, depth: int):
+    """The ``@triton.jit`` function a launch of ``kernel`` at prefetch ``depth`` runs."""
+    return (_PIPELINED if depth > 1 else _KERNELS)[kernel]
 
 
 # ============================================================================ host side
@@ -201,10 +209,13 @@ def _launch_plan(st: TritonState, M: int, kernel: str, device: torch.device, con
 
 def _padded_xt(x2: torch.Tensor, rows: int) -> torch.Tensor:
     # the tensor-core kernel's outlier gathers read xᵀ [K, rows]: a slot's activations adjacent,
-    # zero rows up to whole row tiles, so its loads need no row mask and vectorise
+    # rows up to whole row tiles, so its loads need no row mask and vectorise. The rows past M
+    # are left unset on a GPU, a launch saved: they feed only output rows the kernel never stores
+    # (the interpreter zeroes them, or numpy warns about the garbage's arithmetic)
     xt = x2.new_empty(x2.shape[1], rows)
     xt[:, :x2.shape[0]] = x2.t()
-    xt[:, x2.shape[0]:] = 0                 # nothing to fill when M is whole tiles
+    if INTERPRET:
+        xt[:, x2.shape[0]:] = 0
     return xt
 
 
@@ -249,10 +260,27 @@ def launch(st: TritonState, x2: torch.Tensor, bias: torch.Tensor | None, kernel:
         cfg.record(cfg.device_info(dev)[0], cfg.shape_class(kernel, st.bits, bm, st.n_pad, st.k_pad),
                    dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages))
         return y
-    kw = {k: v for k, v in c.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg")}
+    depth = c.get("DEPTH", 1)
+    kw = {k: v for k, v in c.items() if k not in ("BM", "num_warps", "num_stages", "maxnreg", "DEPTH")}
+    if depth > 1:
+        kw["DEPTH"] = depth
     opts = {"maxnreg": c["maxnreg"]} if c["maxnreg"] and MAXNREG_OK and not INTERPRET else {}
-    _KERNELS[kernel][grid(kw)](*args, **meta, **kw, num_warps=c["num_warps"], num_stages=c["num_stages"], **opts)
+    kernel_fn(kernel, depth)[grid(kw)](*args, **meta, **kw, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                       **opts)
     return y
+
+
+def pick_kernel(st: TritonState, x2: torch.Tensor) -> str:
+    """The kernel for ``x2``'s rows: dequantise-once above ``MMA_MAX_M``, tensor cores from 8 rows,
+    below that the GEMV or the table's route (:func:`~.configs.route`); fp32: the exact GEMV."""
+    M = x2.shape[0]
+    if use_large_m(x2):
+        return "dequant"
+    if x2.dtype == torch.float32:
+        return "gemv"
+    if M >= 8:
+        return "mma"
+    return cfg.route(st.bits, M, st.n_pad, st.k_pad, cfg.device_info(x2.device)[0])
 
 
 class TritonKernel(LatqKernel):
@@ -342,10 +370,7 @@ class TritonKernel(LatqKernel):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if kernel is None:
-            if use_large_m(x2):
-                kernel = "dequant"
-            else:
-                kernel = "gemv" if (x2.shape[0] < 8 or x2.dtype == torch.float32) else "mma"
+            kernel = pick_kernel(state, x2)
         if kernel == "dequant":
             y = apply_large_m(state, x2, bias, cls.workspace)
         else:

@@ -99,8 +99,9 @@ def _ell_slots(col_ptr, val_ptr, e0, cnt, r0, r16, BR: tl.constexpr):
 
 @triton.jit
 def _ell_dot(xt_ptr, stride_xt, rm, col, val):
-    # Σ over slots of val · x[m, col] → [BM, BN]; xᵀ is zero-padded to whole row tiles with a
+    # Σ over slots of val · x[m, col] → [BM, BN]; xᵀ is padded to whole row tiles with a
     # 16-divisible stride, so the gather needs no row mask and loads a slot's BM rows as vectors
+    # (the padding rows are unset: they reach only output rows never stored)
     xg = tl.load(xt_ptr + _row_offset(col[None, :, :], stride_xt) + rm[:, None, None]).to(tl.float32)
     return tl.sum(val.to(tl.float32)[None, :, :] * xg, axis=1)
 
