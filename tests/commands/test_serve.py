@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from fastapi import Body, FastAPI, Request
 from vllm_latq.commands import serve
 
 from tests import vllm_helpers as h
+from bench.serve_soak import stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,12 +159,7 @@ def _serve_and_ask(ck, tmp_path, name: str, server_args: list[str], requests: in
         alive = proc.poll() is None
         return json.loads(p.stdout.strip().splitlines()[-1]), log.read_text(), alive
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # the group this test started
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop_server(proc)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from vllm_latq.format.checkpoint import Checkpoint
 from vllm_latq.format.manifest import DIGEST_ENV, digest_of, write_manifest
 from vllm_latq.format.served_copy import DIGEST_KEY, SERVED_DIR
 from vllm_latq.format.swap_hook import SWAP_ENV
+from bench.serve_soak import stop_server
 
 OPTIONS = ("--hf-config-path", "--tokenizer")
 
@@ -214,7 +215,6 @@ def test_a_pinned_server_answers_with_the_verified_files_through_a_swap(tmp_path
     token ids) is renamed over A once the worker verified A, before vLLM reads the generation defaults; the server
     answers with A's weights, tokenizer, chat template and generation defaults (max_new_tokens 3, not B's 5) under
     A's path as the model's name."""
-    import signal
     import subprocess
     import sys
     import urllib.request
@@ -249,12 +249,7 @@ def test_a_pinned_server_answers_with_the_verified_files_through_a_swap(tmp_path
         chat = _post(port, "/v1/chat/completions", {"model": str(a), "messages": [{"role": "user", "content": "hi"}],
                                                     "ignore_eos": True, "return_prompt_text": True})   # no max_tokens
     finally:
-        os.killpg(proc.pid, signal.SIGINT)   # the group this test started
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop_server(proc)
     choice = got["choices"][0]
     assert chat["usage"]["completion_tokens"] == 3, chat   # A's max_new_tokens, the default of a request without one
     assert choice["prompt_token_ids"] == tok_a(PROMPT)["input_ids"], got
