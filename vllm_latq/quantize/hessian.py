@@ -208,7 +208,7 @@ class PanelHessian(Hessian):
     def _add_rows(self, a: torch.Tensor, b: torch.Tensor | None) -> None:
         """Keep one sequence's rows ``a`` (and the row-aligned ``b`` of a cross product) for its chunk's product."""
         if self.exact_sum is None:
-            raise RuntimeError("rows added to a Hessian whose sum was already rounded")
+            raise RuntimeError("rows added to a Hessian whose H was already formed from its sum")
         a = a.reshape(-1, a.shape[-1]).to(self._sum.device)
         b = None if b is None else b.reshape(-1, b.shape[-1]).to(self._sum.device)
         if b is not None and a.dtype != b.dtype:
