@@ -21,7 +21,10 @@ def test_every_class_is_refused_naming_what_was_tampered_with(tiny_checkpoints, 
     monkeypatch.setenv(DIGEST_ENV, digest)
     assert serve.preflight([str(tampered(ck, tmp_path, "intact"))]) is None
     for kind, (_, name, pinned) in CLASSES.items():
-        monkeypatch.setenv(DIGEST_ENV, digest if pinned else "")
+        if pinned:
+            monkeypatch.setenv(DIGEST_ENV, digest)
+        else:   # unset: an empty pin is refused as malformed
+            monkeypatch.delenv(DIGEST_ENV, raising=False)
         refusal = serve.preflight([str(tampered(ck, tmp_path, kind))])
         assert refusal is not None and name in refusal and "\n" not in refusal, (kind, refusal)
         assert judge(kind, {"rc": 2, "lines": [f"latq-serve: {refusal}"]}), kind
