@@ -159,7 +159,8 @@ def sum_over_ranks(hs: SharedHessians, world: World) -> None:
 
 def chunks_of(acts) -> Chunks:
     """How the sequences of activations ``acts`` (this rank's rows of the calibration set) share products."""
-    return Chunks(sequences_per_product(*acts.shape[:2]), acts.rows.start)
+    start = acts.rows.start if hasattr(acts, "rows") else 0   # a plain tensor: every sequence, from the first
+    return Chunks(sequences_per_product(*acts.shape[:2]), start)
 
 
 @torch.no_grad()

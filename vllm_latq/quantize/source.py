@@ -235,7 +235,8 @@ def _drop_tied_head(source: Source) -> set[str]:
     emb = {m: n for n, m in source.net.named_modules()}[source.net.get_input_embeddings()]
     emb_weight = source.on_disk(f"{emb}.weight")
     dropped = set()
-    for key in [n for n in source.expected if n.rpartition(".")[0] in source.head_names]:
+    # only the weight is tied: a head's bias (Phi's) is its own
+    for key in [n for n in source.expected if n.rpartition(".")[0] in source.head_names and n.endswith(".weight")]:
         own = source.on_disk(key)
         if own is None or own == emb_weight:
             continue
