@@ -58,7 +58,7 @@ def _as_stream(x):
 class _RowStream:
     """A tensor read one sequence at a time, as :class:`Activations` are."""
     def __init__(self, x):
-        self.x = x
+        self.x, self.shape = x, x.shape
 
     def __len__(self):
         return len(self.x)
