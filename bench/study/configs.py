@@ -36,6 +36,13 @@ def rot_tag(base: str) -> str:
 
 
 ROT_TAGS = (*(rot_tag(b) for b in ROT_GPTQ_BASES), ROT_TC_TAG)
+# E8 codebooks by block Babai (--method e8, rotation required): each level with 4-bit coded scales at
+# group size 16 (the scalar 3-bit front's scales), against rotated GPTQ with the same scales (same
+# served bits: a block's code is b bits a weight, like b-bit integers); at 3 bits also coarser scales
+# (g64), target correction, and the noise floor of other calibration draws
+E8_FAMILY = "E8"
+E8_TAGS = {"rot-s4-g16": 16, "rot-s4-g64": 64, "rot-tc-s4-g16": 16,
+           **{f"rot-s4-g16-{t}": 16 for t in NOISE_TAGS}}
 # configurations that change one option of a default one: (tag, report heading, column name)
 TAGGED = (("min-pivot", "Perplexity of min-pivot vs act-order (the pipeline's default):", "min-pivot"),
           ("lm-head", "The output head quantized too (`--quantize-lm-head`; bits/w then count the head, "
@@ -111,7 +118,7 @@ class Config:
     def label(self) -> str:
         if self.family == "bf16":
             return "bf16"
-        lvl = f"{self.level}b" if self.family in ("RTN", "GPTQ") or self.family.startswith("SSQR") \
+        lvl = f"{self.level}b" if self.family in ("RTN", "GPTQ", E8_FAMILY) or self.family.startswith("SSQR") \
             else f"{self.level}.125"
         return f"{self.family}-{lvl}" + (f"-{self.tag}" if self.tag else "")
 
@@ -206,6 +213,7 @@ def sweep_configs(model: str, group_size: int, peer_group: int | None = None) ->
             out.append(make_config(model, "GPTQ", b, tag, base=twice, method="gptq", bits=b, group_size=g,
                                    scale_bits=4))
     out += rotation_configs(model, group_size)
+    out += e8_configs(model)
     # the noise floor at each level: other calibration draws
     for b in LEVELS:
         for s, tag in zip(NOISE_SEEDS, NOISE_TAGS):
@@ -234,6 +242,23 @@ def rotation_configs(model: str, group_size: int) -> list[Config]:
             out.append(make_config(model, "HPTQ", b, "rot", method="hptq", target_bits=b + 0.125, rotate="hadamard"))
     out.append(make_config(model, "GPTQ", 3, ROT_TC_TAG, base="s4-g16", method="gptq", bits=3, group_size=16,
                            scale_bits=4, target_correction=True, rotate="hadamard"))
+    return out
+
+
+def e8_configs(model: str) -> list[Config]:
+    """The E8 rows (:data:`E8_TAGS`): 4-bit coded scales at group size 16 at every level, the other
+    variants at 3 bits; each against rotated GPTQ with the same scales."""
+    out = []
+    for b in LEVELS:
+        for tag, g in E8_TAGS.items():
+            if tag != "rot-s4-g16" and b != 3:
+                continue
+            seed = next((int(t.removeprefix("seed")) for t in NOISE_TAGS if tag.endswith(t)), None)
+            extra = {"seed": seed} if seed is not None else {}
+            if "-tc-" in tag:
+                extra["target_correction"] = True
+            out.append(make_config(model, E8_FAMILY, b, tag, base="rot-s4-g16" if g == 16 else "rot", method="e8", bits=b,
+                                   group_size=g, scale_bits=4, rotate="hadamard", **extra))
     return out
 
 
