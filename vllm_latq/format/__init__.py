@@ -1,7 +1,7 @@
 """The latq checkpoint format (versions 1–3: 2 marks a rotated checkpoint, 3 the codebook kind): one
 definition for the writer, the readers and the vLLM loader. Per-layer helpers are exported here
 (``fmt.pack``); docs/FORMAT.md lists every module."""
-from . import rotation, scale_codes
+from . import codebook, rotation, scale_codes
 from .csr import csr_from_mask, csr_rows
 from ..errors import FormatError
 from .layer import (ALL_TENSORS, DENSE_TENSORS, HUFFMAN_TENSORS, LAYER_TENSORS, col_dtype, decode_integers,

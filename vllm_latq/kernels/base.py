@@ -68,6 +68,10 @@ class LatqKernel:
     # (the plugin installs it: ``plugin/vllm_scheme.py``)
     delegated = False
     widths: tuple[int, ...] = RUNTIME_WIDTHS   # inlier widths the kernel takes
+    # the runtime forms (kernels/weight.py) it takes: the selector asks only kernels of the layer's form
+    forms: tuple[type, ...] = (LatqWeight,)
+    # the family it belongs to (selector.FAMILY_OF_DEVICE; None: its name): a family's kernel for each form
+    family: str | None = None
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[bool, str | None]:
@@ -105,6 +109,12 @@ class LatqKernel:
                      scale_bits: int | None = None) -> dict[str, int]:
         """``served_bytes`` of the state ``prepare`` would build for an ``n``×``k`` layer of these
         integers (``stats``) and scales (``scale_bits``: coded; None: fp16); ValueError if it cannot."""
+        raise NotImplementedError
+
+    @classmethod
+    def codebook_bytes(cls, n: int, k: int, bits: int, group: int, scale_bits: int | None = None) -> dict[str, int]:
+        """``served_bytes`` of the state ``prepare`` would build for an ``n``×``k`` codebook layer
+        (:class:`~.weight.CodebookWeight`, ``bits`` its code's): kernels of that form only."""
         raise NotImplementedError
 
     @classmethod

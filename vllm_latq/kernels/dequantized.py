@@ -10,7 +10,7 @@ import torch
 
 from ..format.rotation import unrotate
 from .base import LatqKernel
-from .weight import dequantize
+from .weight import CodebookWeight, LatqWeight, dequantize
 
 
 @dataclass
@@ -20,6 +20,7 @@ class DequantizedWeight:
 
 class _DequantizedKernel(LatqKernel):
     state_cls = DequantizedWeight
+    forms = (LatqWeight, CodebookWeight)
     weight_dtype: torch.dtype
 
     @classmethod

@@ -60,7 +60,7 @@ class RotatedKernel(LatqKernel):
     def prepare(cls, w):
         if w.rotation is None:
             raise ValueError(f"kernel {cls.name}: the layer has no rotation")
-        return RotatedState(cls.inner.prepare(replace(w, rotation=None)), shared_signs(w.rotation, w.qweight.device))
+        return RotatedState(cls.inner.prepare(replace(w, rotation=None)), shared_signs(w.rotation, w.scales.device))
 
     @classmethod
     def apply(cls, state, x, bias=None):
@@ -85,6 +85,10 @@ class RotatedKernel(LatqKernel):
     @classmethod
     def layout_bytes(cls, n, k, bits, group, stats, scale_bits=None):
         return cls.inner.layout_bytes(n, k, bits, group, stats, scale_bits)
+
+    @classmethod
+    def codebook_bytes(cls, n, k, bits, group, scale_bits=None):
+        return cls.inner.codebook_bytes(n, k, bits, group, scale_bits)
 
     @classmethod
     def label(cls, state):
@@ -119,7 +123,7 @@ def rotated_kernel(kernel: type[LatqKernel]) -> type[LatqKernel]:
     if kernel not in _WRAPPED:
         _WRAPPED[kernel] = type(f"Rotated{kernel.__name__}", (RotatedKernel,),
                                 {"inner": kernel, "name": f"{kernel.name}+hadamard", "widths": kernel.widths,
-                                 "auto_select": kernel.auto_select})
+                                 "auto_select": kernel.auto_select, "forms": kernel.forms, "family": kernel.family})
     return _WRAPPED[kernel]
 
 

@@ -12,7 +12,7 @@ import torch
 from .. import env
 from .base import LatqKernel
 from .dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
-from .weight import LatqWeight
+from .weight import RuntimeWeight
 from .reference import ReferenceKernel
 from .rotated import RotatedKernel, for_weight, rotated_kernel
 
@@ -56,10 +56,16 @@ def kernel_at(index: int) -> type[LatqKernel]:
     return found[index] if index < len(found) else rotated_kernel(found[index - len(found)])
 
 
+def family_name(k: type[LatqKernel]) -> str:
+    """The family ``k`` belongs to: its ``family``, else its name."""
+    return k.family or k.name
+
+
 def forced_kernel() -> str | None:
-    """The kernel name ``LATQ_KERNEL`` forces (one of :func:`kernels`' names), or None."""
+    """The kernel name ``LATQ_KERNEL`` forces (one of :func:`kernels`' names, or a family's: its kernel
+    for each runtime form), or None."""
     forced = env.value(ENV_FORCE)
-    names = [k.name for k in kernels()]
+    names = list(dict.fromkeys(n for k in kernels() for n in (k.name, family_name(k))))
     if forced in RETIRED:
         raise env.EnvError(ENV_FORCE, forced, f"one of {', '.join(names)}, or unset: {ENV_FORCE}={forced!r} is no "
                                               f"longer a kernel name: {ENV_FORCE}={RETIRED[forced]} is that kernel "
@@ -96,6 +102,11 @@ def families() -> list[type[LatqKernel]]:
     return [found[name] for name in FAMILY_OF_DEVICE.values() if name in found]
 
 
+def family_member(family: str, form: type) -> type[LatqKernel] | None:
+    """Family ``family``'s kernel for runtime form ``form``, or None (it has none here)."""
+    return next((k for k in kernels() if family_name(k) == family and form in k.forms), None)
+
+
 def family_for(device: torch.device) -> type[LatqKernel] | None:
     """The compressed kernel family that serves layers on ``device`` (``LATQ_KERNEL`` when it
     forces one): its ``widths`` and ``layout_bytes`` choose an HPTQ layer's inlier width at
@@ -128,19 +139,24 @@ def in_preference(found: list[type[LatqKernel]], device: torch.device) -> list[t
     return rest[:at] + late + rest[at:]
 
 
-def select(w: LatqWeight, device: torch.device, act_dtype: torch.dtype,
+def select(w: RuntimeWeight, device: torch.device, act_dtype: torch.dtype,
            skip: tuple[str, ...] = ()) -> type[LatqKernel]:
     return select_with_reasons(w, device, act_dtype, skip)[0]
 
 
-def select_with_reasons(w: LatqWeight, device: torch.device, act_dtype: torch.dtype,
+def select_with_reasons(w: RuntimeWeight, device: torch.device, act_dtype: torch.dtype,
                         skip: tuple[str, ...] = ()) -> tuple[type[LatqKernel], list[str]]:
     """The kernel :func:`select` picks — never one named in ``skip`` — and why each kernel
     asked before it refused."""
     forced = forced_kernel()
     reasons = []
     for k in in_preference([k for k in kernels() if k.name not in skip], device):
-        if forced and k.name != forced:
+        if forced and forced not in (k.name, family_name(k)):
+            continue
+        if type(w) not in k.forms:
+            if forced or k.family is None:   # a family's member for other forms says nothing here
+                reasons.append(f"{k.name}: serves {' and '.join(f.__name__ for f in k.forms)} layers, not "
+                               f"{type(w).__name__}")
             continue
         if not forced and (not k.auto_select or (getattr(k, "cpu_opt_in", False)
                                                  and torch.device(device).type == "cpu")):

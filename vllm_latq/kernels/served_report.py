@@ -10,15 +10,17 @@ import torch
 
 from .. import format as fmt
 from ..format.checkpoint import Checkpoint
-from .selector import families
+from .selector import families, family_member, family_name
 from .served_bytes import FALLBACK_BYTES, GridStats, choose_width
-from .weight import from_dense_tensors
+from .weight import CodebookWeight, from_dense_tensors
 
 
 def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group: int, fams) -> dict[str, dict]:
     """One checkpoint layer's tensors → {family: {"bits", "kernel", "bytes", "bits_per_weight"}}."""
     n, k = shape
     scale_bits = None
+    if kind == "codebook":
+        return _codebook_served(t, n, k, bits, group, fams)
     if kind == "dense":
         w = from_dense_tensors(t, bits, group, k)
         stats = GridStats.from_weight(w)
@@ -36,6 +38,22 @@ def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group:
             parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"   # it folds a rotation into them
         total = sum(parts.values())
         out[fam.name] = {"bits": b, "kernel": kernel, "bytes": total, "parts": parts,
+                         "bits_per_weight": 8 * total / (n * k)}
+    return out
+
+
+def _codebook_served(t, n: int, k: int, bits: int, group: int, fams) -> dict[str, dict]:
+    """A codebook layer in each family: its kernel for the form's ``codebook_bytes``, or the bf16 fallback."""
+    scale_bits = fmt.scale_codes.from_tensors(t, n).bits if fmt.has_coded_scales(t) else None
+    out = {}
+    for fam in fams:
+        member = family_member(family_name(fam), CodebookWeight)
+        if member is not None:
+            parts, kernel = member.codebook_bytes(n, k, bits, group, scale_bits), member.name
+        else:
+            parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"
+        total = sum(parts.values())
+        out[fam.name] = {"bits": bits, "kernel": kernel, "bytes": total, "parts": parts,
                          "bits_per_weight": 8 * total / (n * k)}
     return out
 

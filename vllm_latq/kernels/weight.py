@@ -1,9 +1,10 @@
-"""The runtime form of a latq linear, built once at load: dense b-bit inliers packed as in the
+"""The runtime forms of a latq linear, built once at load. ``LatqWeight``: dense b-bit inliers packed as in the
 checkpoint (``format.pack``), fp16 group scales (with their codes beside them when the
 checkpoint stores coded scales), and CSR outliers with int32 columns and **fp32** values
 (torch's sparse kernels have no bf16/fp16 path, and an HPTQ outlier z·s is exact in fp32 but
 not always in fp16). HPTQ/HRTN layers are transcoded to this form (``transcode.py``), so one
-kernel family serves both checkpoint kinds."""
+kernel family serves both checkpoint kinds. ``CodebookWeight``: a codebook layer (method e8) as stored,
+E8 codes of 8-column blocks and their group scales (format/codebook.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,9 +51,34 @@ class LatqWeight:
         return 8 * sum(weight_bytes(self).values()) / (self.out_features * self.in_features)
 
 
-def dequantize(w: LatqWeight) -> torch.Tensor:
-    """fp32 ``[out, in]``: unpack(qweight) · scales (per group) + CSR(outliers) — of a rotated
-    layer, the weights its rotated inputs multiply."""
+@dataclass
+class CodebookWeight:
+    codes: torch.Tensor        # uint8 [out, in/8, index bytes]: each block's code (format/codebook.py)
+    scales: torch.Tensor       # fp16  [out, ceil(in/group_size)]
+    bits: int                  # the code's bits a weight (its CODEBOOKS entry)
+    group_size: int            # a multiple of 8: a block lies in one group
+    in_features: int
+    coded: fmt.scale_codes.CodedScales | None = None   # as LatqWeight's
+    rotation: torch.Tensor | None = None               # as LatqWeight's (a codebook layer is always rotated)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    def to(self, device) -> "CodebookWeight":
+        return CodebookWeight(self.codes.to(device), self.scales.to(device), self.bits, self.group_size,
+                              self.in_features, None if self.coded is None else self.coded.to(device),
+                              None if self.rotation is None else self.rotation.to(device))
+
+
+RuntimeWeight = LatqWeight | CodebookWeight
+
+
+def dequantize(w: RuntimeWeight) -> torch.Tensor:
+    """fp32 ``[out, in]``: unpack(qweight) · scales (per group) + CSR(outliers), or each block's codebook
+    point times its group's scale — of a rotated layer, the weights its rotated inputs multiply."""
+    if isinstance(w, CodebookWeight):
+        return fmt.codebook.dequantize(w.codes, w.scales, w.bits, w.group_size)
     return fmt.dequantize(w.qweight, w.scales, w.crow, w.col, w.val, w.bits, w.group_size, w.in_features)
 
 
@@ -64,8 +90,18 @@ def from_dense_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, i
                       t["outlier_val"].float(), bits, group_size, in_features, coded)
 
 
-def weight_bytes(w: LatqWeight) -> dict[str, int]:
+def from_codebook_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int,
+                          in_features: int) -> CodebookWeight:
+    """A codebook-kind checkpoint layer → runtime form (coded scales decoded, their codes kept)."""
+    out = t["codes"].shape[0]
+    coded = fmt.scale_codes.from_tensors(t, out) if fmt.has_coded_scales(t) else None
+    return CodebookWeight(t["codes"], fmt.dense_scales(t, out), bits, group_size, in_features, coded)
+
+
+def weight_bytes(w: RuntimeWeight) -> dict[str, int]:
     """The runtime form's tensors, measured (``runtime_bytes`` is their model)."""
     def nb(*ts):
         return sum(t.numel() * t.element_size() for t in ts)
+    if isinstance(w, CodebookWeight):
+        return {"codes": nb(w.codes), "scales": nb(w.scales)}
     return {"inliers": nb(w.qweight), "scales": nb(w.scales), "outliers": nb(w.crow, w.col, w.val)}

@@ -1,0 +1,45 @@
+"""The codebook runtime form (method e8): its dequantization is the format's, the selector asks only the
+kernels of its form, and the dequantize-once kernels serve it like the reference."""
+import pytest
+import torch
+
+from vllm_latq.format import codebook as cb
+from vllm_latq.kernels import selector
+from vllm_latq.kernels.dequantized import DequantizedBf16Kernel, DequantizedFp32Kernel
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.kernels.weight import CodebookWeight, dequantize, weight_bytes
+
+
+def _weight(bits=3, n=32, k=64, group=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // cb.DIM, cb.CODEBOOKS[bits].index_bytes), generator=g, dtype=torch.uint8)
+    return CodebookWeight(codes, (torch.rand(n, k // group, generator=g) + 0.5).half(), bits, group, k)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantize_is_the_formats(bits):
+    w = _weight(bits)
+    assert torch.equal(dequantize(w), cb.dequantize(w.codes, w.scales, bits, w.group_size))
+    assert weight_bytes(w) == {"codes": w.codes.numel(), "scales": 2 * w.scales.numel()}
+
+
+def test_selector_asks_only_kernels_of_the_form(monkeypatch):
+    w = _weight()
+    kernel, reasons = selector.select_with_reasons(w, torch.device("cpu"), torch.float32)
+    assert kernel.forms and CodebookWeight in kernel.forms
+    for r in reasons:   # an integer-only kernel refuses by the form
+        assert "not CodebookWeight" in r
+    monkeypatch.setenv(selector.ENV_FORCE, "dequant")
+    assert selector.select(w, torch.device("cpu"), torch.float32) is DequantizedFp32Kernel
+    monkeypatch.setenv(selector.ENV_FORCE, "reference")
+    with pytest.raises(ValueError, match="reference: serves LatqWeight layers, not CodebookWeight"):
+        selector.select(w, torch.device("cpu"), torch.float32)
+
+
+def test_dequantized_kernels_serve_the_reference():
+    w = _weight(4)
+    x = torch.randn(5, w.in_features)
+    ref = latq_linear_ref(x, w)
+    assert torch.equal(DequantizedFp32Kernel.apply(DequantizedFp32Kernel.prepare(w), x), ref)
+    y = DequantizedBf16Kernel.apply(DequantizedBf16Kernel.prepare(w), x.bfloat16())
+    torch.testing.assert_close(y.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
