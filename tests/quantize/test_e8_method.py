@@ -55,22 +55,33 @@ def test_checkpoint_is_version_3_and_dequantizes_to_the_solution(e8_checkpoint):
 
 def test_certificate_and_overloads_per_layer(e8_checkpoint):
     """Every layer records its overloaded blocks; on the rows without one the measured error is
-    within the bound (cert ≤ 1); latq-inspect's table says the totals and that nothing serves it."""
+    within the bound (cert ≤ 1); latq-inspect's table says the totals."""
     d, results = e8_checkpoint
     stats = json.loads((d / "latq_stats.json").read_text())["layers"]
     assert all(isinstance(s["overloads"], int) and s["overloads"] >= 0 for s in stats)
     certs = [s["cert"] for s in stats if s["cert"] is not None]
     assert certs and max(certs) <= 1.0
     text = format_report(validate_checkpoint(d))
-    assert "3-bit codebook e8p+ball256 g64" in text and "latq-eval only for now" in text
+    assert "3-bit codebook e8p+ball256 g64" in text
     assert f"overloads: {sum(s['overloads'] for s in stats)} blocks" in text
 
 
-def test_latq_inspect_prints_it_without_served_bits(e8_checkpoint, capsys):
+def test_latq_inspect_prints_its_served_bits(e8_checkpoint, capsys):
+    """Each kernel family serves a codebook layer with its codebook kernel (the bf16 fallback where it has
+    none): its served bits are that kernel's ``codebook_bytes``."""
+    from vllm_latq.kernels.selector import families, family_member, family_name
+    from vllm_latq.kernels.weight import CodebookWeight
     assert inspect_main([str(e8_checkpoint[0])]) == 0
     out = capsys.readouterr().out
-    assert "latq format v3 · method e8 (codebook)" in out and "served: none: the codebook form" in out
-    assert "OK: " in out and "served " not in out.splitlines()[1]   # no served column in the table header
+    assert "latq format v3 · method e8 (codebook)" in out and "OK: " in out
+    served = next(line for line in out.splitlines() if line.startswith("served (what a decode step streams"))
+    for fam in families():
+        member = family_member(family_name(fam), CodebookWeight)
+        assert f" {fam.name} " in served
+        if member is None:
+            assert f"(3b bf16)" in out
+        else:
+            assert f"(3b {member.name})" in out
 
 
 def test_latq_eval_reads_it_as_the_solved_model(e8_checkpoint, tiny_llama):
@@ -93,7 +104,8 @@ def test_latq_eval_reads_it_as_the_solved_model(e8_checkpoint, tiny_llama):
 def test_export_refuses_it_naming_a_layer(e8_checkpoint, tmp_path):
     from vllm_latq.commands.export import ExportRefused, export_checkpoint
     with pytest.raises(ExportRefused, match=r"^model\.layers\.0\.[a-z_.]+: the codebook form \(method e8\) has no "
-                                            r"serving kernel or export yet: it is evaluated via latq-eval only for now$"):
+                                            r"export: no GGUF or compressed-tensors type holds E8 codes; serve it "
+                                            r"with latq's plugin \(latq-serve\)$"):
         export_checkpoint(e8_checkpoint[0], tmp_path / "ct", dequantize_unmapped=True)
     assert not (tmp_path / "ct").exists()
 

@@ -226,7 +226,7 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     # the checkpoint validated, its files open: what is exported is read from them, checked as read
     ck = validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)["checkpoint"]
     if ck.spec.kind == "codebook":
-        raise ExportRefused(f"{next(iter(ck.layers()))}: {codebook.NOT_SERVED}")
+        raise ExportRefused(f"{next(iter(ck.layers()))}: {codebook.NOT_EXPORTED}")
     model = ck.empty_model()
     layers = plan_layers(ck, model)
     if any(x.refusal for x in layers) and not dequantize_unmapped:

@@ -44,7 +44,7 @@ def inspect_main(argv=None) -> int:
     ck = report.pop("checkpoint")   # what was verified, its files open: read from it, not again by path
     if report["unsealed"]:
         print(f"latq-inspect: not sealed, read by no loader: {', '.join(report['unsealed'])}", file=sys.stderr)
-    if not a.no_served and report["spec"].kind != "codebook":   # no kernel serves a codebook layer yet
+    if not a.no_served:
         # the kernels' cost models: imported only when asked for, so validating needs no kernels
         from ..kernels.served_report import checkpoint_served
         try:

@@ -48,7 +48,7 @@ EXAMPLES = """examples:
   latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
   latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
   latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
-  latq-quantize gemma3-270m ckpt/gemma-e8 --method e8 --bits 3 --scale-bits 4 --rotate hadamard   # latq-eval only
+  latq-quantize gemma3-270m ckpt/gemma-e8 --method e8 --bits 3 --scale-bits 4 --rotate hadamard   # E8 codebooks
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
   torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
@@ -102,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
                         "the study), ssqr (b-bit groups + CSR outliers, unclipped: the no-clipping certificate), "
                         "hptq (Huffman, one scale, certified), baselines rtn, hrtn, babai (clipped Babai ≡ GPTQ "
                         "reversed), e8 (E8 vector codes on 8-column blocks by block Babai, needs --rotate hadamard; "
-                        "evaluated by latq-eval, not served yet)")
+                        "served by latq's plugin for dense models, no export)")
     g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4); "
                    "e8: the code's bits a weight (2, 3 or 4)")
     g.add_argument("--group-size", type=int, default=None,

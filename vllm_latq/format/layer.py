@@ -20,9 +20,19 @@ LAYER_TENSORS = {"dense": DENSE_TENSORS, "huffman": HUFFMAN_TENSORS, "codebook":
 ALL_TENSORS = DENSE_TENSORS + scale_codes.TENSORS + HUFFMAN_TENSORS + CODEBOOK_TENSORS[:1]
 
 
+def layer_tensors(kind: str, coded: bool) -> tuple[str, ...]:
+    """A layer's tensor suffixes: its kind's, a dense or codebook layer's fp16 scales replaced by their
+    codes where ``coded`` (scale_codes.py)."""
+    names = LAYER_TENSORS[kind]
+    if not coded or "scales" not in names:
+        return names
+    at = names.index("scales")
+    return names[:at] + scale_codes.TENSORS + names[at + 1:]
+
+
 def dense_tensors(coded: bool) -> tuple[str, ...]:
     """A dense layer's tensor suffixes: with fp16 scales or with coded ones (scale_codes.py)."""
-    return DENSE_TENSORS if not coded else ("qweight", *scale_codes.TENSORS) + DENSE_TENSORS[2:]
+    return layer_tensors("dense", coded)
 
 
 def has_coded_scales(t: dict) -> bool:

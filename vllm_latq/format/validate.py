@@ -282,7 +282,6 @@ def format_report(report: dict) -> str:
         lines.append(f"overloads: {sum(r['overloads'] for r in over)} blocks in {len(over)} of {len(report['layers'])} "
                      "layers (a block whose target lies beyond the codebook's covering radius; cert covers the "
                      "rows without one)")
-        lines.append(f"served: none: {codebook.NOT_SERVED}")
     if "served_bits_per_weight" in t:
         lines.append("served (what a decode step streams, per kernel family): " + ", ".join(
             f"{fam} {b:.4f}" for fam, b in t["served_bits_per_weight"].items())

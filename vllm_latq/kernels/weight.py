@@ -65,6 +65,10 @@ class CodebookWeight:
     def out_features(self) -> int:
         return self.codes.shape[0]
 
+    @property
+    def nnz(self) -> int:   # a codebook has no outliers: every block is a point of it
+        return 0
+
     def to(self, device) -> "CodebookWeight":
         return CodebookWeight(self.codes.to(device), self.scales.to(device), self.bits, self.group_size,
                               self.in_features, None if self.coded is None else self.coded.to(device),

@@ -134,9 +134,8 @@ class LatqConfig(QuantizationConfig):
 
         check_load_format()
         prefix = checkpoint_module(prefix)
-        served = (LinearBase, *_moe_layer_types()) + ((ParallelLMHead,) if self.lm_head_quantized else ())
-        if self.kind == "codebook" and isinstance(layer, served) and self.is_converted(prefix):
-            raise ValueError(f"latq checkpoint: {prefix}: {codebook.NOT_SERVED}")
+        if self.kind == "codebook" and isinstance(layer, _moe_layer_types()) and self.is_converted(prefix):
+            raise ValueError(f"latq checkpoint: {prefix}: {codebook.EXPERTS_NOT_SERVED}")
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod

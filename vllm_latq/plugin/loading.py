@@ -8,10 +8,10 @@ from vllm.logger import init_logger
 from .. import format as fmt
 from ..kernels.rotated import with_rotation
 from ..kernels.transcode import transcode
-from ..kernels.weight import LatqWeight
+from ..kernels.weight import RuntimeWeight
 from .geometry import Geometry, Part
 from .names import checkpoint_module
-from .slicing import codes_refusal, merge, pad_rows, slice_dense
+from .slicing import codes_refusal, merge, pad_rows, slice_codebook, slice_dense
 
 logger = init_logger("vllm.latq")
 
@@ -25,9 +25,7 @@ def kernel_device(placed: torch.device) -> torch.device:
 
 def tensor_names(config) -> tuple[str, ...]:
     """The checkpoint tensors (suffixes) of each of ``config``'s layers."""
-    if config.kind == "huffman":
-        return fmt.HUFFMAN_TENSORS
-    return fmt.dense_tensors(config.scale_bits is not None)
+    return fmt.layer_tensors(config.kind, config.scale_bits is not None)
 
 
 class LoadState:
@@ -45,8 +43,8 @@ class LoadState:
         self.keep_codes: bool | None = None   # coded scales: whether this rank's rows keep their codes
         self.fused: bool | None = None if geo.fused is not None else False
         self.stash: dict = {}
-        self.parts: dict = {}     # shard id → the part cut: (z, row scales) for huffman, LatqWeight for dense
-        self.weight: LatqWeight | None = None
+        self.parts: dict = {}     # shard id → the part cut: (z, row scales) for huffman, else its runtime form
+        self.weight: RuntimeWeight | None = None
         self.family = None        # the kernel family whose served bytes choose HPTQ widths (the method sets it)
         self.stored_bytes = 0     # checkpoint bytes of this layer's tensors (the load report's stored bits)
 
@@ -86,6 +84,8 @@ class LoadState:
         if c.kind == "dense":
             return slice_dense(t, self.bits, c.group_size, g.in_features, part.blocks, g.col0, g.ncols,
                                coded=self._keeps_codes())
+        if c.kind == "codebook":
+            return slice_codebook(t, self.bits, c.group_size, part.blocks, g.col0, g.ncols, coded=self._keeps_codes())
         try:
             z = fmt.decode_integers(t, "huffman", shape, None)
         except ValueError as e:
@@ -104,8 +104,8 @@ class LoadState:
             self.keep_codes = self.config.scale_bits is not None and why is None
         return self.keep_codes
 
-    def _finish(self, parts) -> LatqWeight:
-        if self.config.kind == "dense":
+    def _finish(self, parts) -> RuntimeWeight:
+        if self.config.kind in ("dense", "codebook"):
             return merge(parts)
         z = torch.cat([p[0] for p in parts])
         s = torch.cat([p[1] for p in parts])

@@ -1,0 +1,62 @@
+"""An E8 checkpoint (method e8, the codebook form) served by vLLM through the latq plugin: each linear's
+runtime form is its codes and group scales, cut per rank on the codebook's 8-column blocks, and its
+greedy tokens are HF transformers' on ``latq-eval``'s weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import vllm_helpers as h
+from vllm_latq.format.codebook import DIM
+from vllm_latq.kernels.weight import CodebookWeight, dequantize
+from vllm_latq.plugin.slicing import merge, pad_rows, slice_codebook
+
+
+def _codebook_tensors(n=32, k=64, bits=3, group=16, seed=0):
+    from vllm_latq.format import codebook as cb
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // DIM, cb.CODEBOOKS[bits].index_bytes), generator=g, dtype=torch.uint8)
+    return {"codes": codes, "scales": (torch.rand(n, k // group, generator=g) + 0.5).half()}
+
+
+def test_a_rank_cuts_whole_blocks_and_groups_split_off_their_boundary():
+    t = _codebook_tensors()
+    full = dequantize(CodebookWeight(t["codes"], t["scales"], 3, 16, 64))
+    got = slice_codebook(t, 3, 16, [(0, 8), (20, 12)], 24, 40)     # columns [24, 64): groups split to 8
+    want = torch.cat([full[0:8, 24:64], full[20:32, 24:64]])
+    assert got.group_size == 8 and got.in_features == 40 and torch.equal(dequantize(got), want)
+    with pytest.raises(ValueError, match=r"columns \[4, 36\) cut the codebook's 8-column blocks"):
+        slice_codebook(t, 3, 16, [(0, 32)], 4, 32)
+    both = merge([slice_codebook(t, 3, 16, [(0, 16)], 0, 64), slice_codebook(t, 3, 16, [(16, 16)], 0, 64)])
+    assert torch.equal(dequantize(both), full)
+    padded = dequantize(pad_rows(both, 40))
+    assert torch.equal(padded[:32], full) and not padded[32:].any()
+
+
+@pytest.fixture(scope="module")
+def e8_tiny(tmp_path_factory):
+    """make_tiny_llama quantized by the pipeline with method e8 (3 bits, coded scales per 32 columns)."""
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    d = tmp_path_factory.mktemp("e8")
+    src = h.make_tiny_llama(d / "model")
+    ck = quantize_model(src, d / "e8", QuantizeOptions(method="e8", bits=3, group_size=32, scale_bits=4, nsamples=4,
+                                                       seqlen=64, rotate="hadamard"), progress=False)
+    return d, ck
+
+
+def test_vllm_serves_an_e8_checkpoint(e8_tiny):
+    """The fp32 dequantize-once kernel (exact): greedy 32 tokens == HF on the dequantized weights; the
+    kernel chosen by default (its codebook kernel on CPU, or the bf16 fallback) greedy up to near-ties."""
+    from vllm_latq.format.checkpoint import load_dequantized_model
+    d, ck = e8_tiny
+    ids = h.tokenize(ck)
+    hf = load_dequantized_model(ck)
+    want = h.hf_greedy(hf, ids, 32)
+    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": 32, "env": {"LATQ_KERNEL": k}} for k in ("dequant", "")]
+    res = h.run_vllm_jobs(jobs, tmp=d)
+    for r in res:
+        assert "error" not in r, r.get("traceback")
+    assert "linears loaded (e8 checkpoint" in res[0]["log"]
+    assert res[0]["tokens"] == want
+    if res[1]["tokens"] != want:
+        assert max(h.greedy_margins(hf, ids, res[1]["tokens"])) < 0.1
