@@ -8,6 +8,19 @@ from bench.study import claims, configs, curves, e8, report, runner, served, whi
 from vllm_latq import format as fmt
 from vllm_latq.kernels import served_report
 
+def test_every_e8_base_is_a_configuration_of_the_study():
+    """Each E8 configuration's base (rotated GPTQ with the same scales) runs in the study too, at the
+    E8 row's width, group size and scale coding."""
+    study = {c.label: c for c in configs.sweep_configs("gemma3-270m", 128)}
+    rows = [c for c in study.values() if c.family == configs.E8_FAMILY]
+    assert len(rows) == 7
+    for c in rows:
+        base = study[f"GPTQ-{c.level}b-{c.base}"]
+        assert base.kwargs["rotate"] == c.kwargs["rotate"] == "hadamard" and base.level == c.level
+        assert (base.kwargs["group_size"], base.kwargs.get("scale_bits")) == \
+            ((16, 4) if c.kwargs["group_size"] == 16 else (128, None))
+
+
 def _rec(label, family, level, tag, ppl, triton, cpu=None, group=16, base="", method="gptq", kernels=None):
     """A result record with served bits (``triton`` None: none recorded; ``cpu`` defaults to ``triton``)."""
     r = {"model": "gemma3-270m", "label": label, "family": family, "level": level, "tag": tag, "base": base,
