@@ -9,9 +9,9 @@ claim in docs/RESULTS.md is a verdict computed from cached measurements rather t
 Per model (Gemma3-270M, SmolLM2-135M): the accuracy sweep of the paper's Tables 3/4 (RTN, GPTQ,
 HRTN, HPTQ, SSQR at 2/3/4 bits) with GPTQ's baselines and levers at other group sizes and E8
 codebooks against rotated GPTQ with the same scales, each result carrying its stored and served
-bits/weight (what a decode step streams per kernel family); the certificate (measured error against its bound); the column-order study of Table 2; peer GPTQs (the
-reference column loop, llm-compressor) and the controls that size their gaps; and the noise floor
-per bit width (other calibration draws) every verdict is read against. Each configuration is
+bits/weight (what a decode step streams per kernel family); the certificate (measured error
+against its bound); the column-order study of Table 2; peer GPTQs (the reference column loop,
+llm-compressor) and the controls that size their gaps; and the noise floor per bit width (other calibration draws) every verdict is read against. Each configuration is
 quantized by the pipeline, evaluated by the shared protocol and cached as JSON under ``--out``
 (default ``$LATQ_CACHE/study``), so a re-run resumes; ``--jobs`` run side by side.
 
