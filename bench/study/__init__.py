@@ -11,9 +11,10 @@ HRTN, HPTQ, SSQR at 2/3/4 bits) with GPTQ's baselines and levers at other group 
 codebooks against rotated GPTQ with the same scales, each result carrying its stored and served
 bits/weight (what a decode step streams per kernel family); the certificate (measured error
 against its bound); the column-order study of Table 2; peer GPTQs (the reference column loop,
-llm-compressor) and the controls that size their gaps; and the noise floor per bit width (other calibration draws) every verdict is read against. Each configuration is
-quantized by the pipeline, evaluated by the shared protocol and cached as JSON under ``--out``
-(default ``$LATQ_CACHE/study``), so a re-run resumes; ``--jobs`` run side by side.
+llm-compressor) and the controls that size their gaps; and the noise floor per bit width (other
+calibration draws) every verdict is read against. Each configuration is quantized by the
+pipeline, evaluated by the shared protocol and cached as JSON under ``--out`` (default
+``$LATQ_CACHE/study``), so a re-run resumes; ``--jobs`` run side by side.
 
 Where each part lives: ``configs`` (what runs), ``runner`` (settings, cache, running), ``peers``
 (peer and control solvers, llm-compressor), ``ordering`` (Table 2), ``served`` (served bits),
