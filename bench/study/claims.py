@@ -394,7 +394,8 @@ def _rotation_claims(row) -> None:
     unrotated, by that width's noise floor), and the best point below 4 bits against its bar."""
     for level in (4, 3, 2):
         def cell(res, _, level=level):
-            pairs = [(r, b) for r in res if r["tag"] in ROT_TAGS and r["level"] == level and r["family"] != E8_FAMILY
+            pairs = [(r, b) for r in res if r["tag"] in ROT_TAGS and r["level"] == level
+                     and r["family"] != E8_FAMILY   # E8 against rotated GPTQ: its own section
                      and (b := record(res, base_label(res, r["label"]))) is not None]
             if not pairs:
                 return None

@@ -106,7 +106,8 @@ def e8_claim(row) -> None:
             return None
         served = [r for r in e8 if served_bits(r, "triton") is not None]
         if not served:
-            why = "no codebook kernel (bf16 fallback)" if any(fallback_only(r, "triton") for r in e8) else "not computed"
+            fallback = any(fallback_only(r, "triton") for r in e8)
+            why = "no codebook kernel (bf16 fallback)" if fallback else "not computed"
             return f"no Triton served bits for E8: {why}", None
         fits = [r for r in served if served_bits(r, "triton") <= CLAIM_BITS]
         if not fits:

@@ -254,7 +254,8 @@ def _served_section(res: list[dict]) -> list[str]:
                 for f in ("triton", "cpu")]
         cpu = served_bits(r, "cpu")
         L.append(f"| {r['label']}{star} | {series_of(r)} | {r['bits']:.3f} | {t:.3f} | "
-                 f"{'n/a' if cpu is None else f'{cpu:.3f}'} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | {sv.get('source', '—')}"
+                 f"{'n/a' if cpu is None else f'{cpu:.3f}'} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | "
+                 f"{sv.get('source', '—')}"
                  + (f" (stores {sv['stored_bits']:.5f})" if "stored_bits" in sv else "") + " |")
     return L + [""]
 

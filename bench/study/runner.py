@@ -275,8 +275,9 @@ def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, 
     src = source_dir(cfg.model, st, root)
     ck = root / "checkpoints" / cfg.model / cfg.slug
     if served.is_outlier_free(r):
-        r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"], cfg.kwargs["group_size"],
-                                                 cfg.kwargs.get("scale_bits"), cfg.kwargs.get("rotate", "none") != "none",
+        o = cfg.kwargs
+        r["served"] = served.outlier_free_served(served.linear_shapes(src), o["bits"], o["group_size"],
+                                                 o.get("scale_bits"), o.get("rotate", "none") != "none",
                                                  "codebook" if served.is_codebook(r) else "dense")
     elif (ck / "latq_stats.json").is_file() or requantize:
         fresh = not (ck / "latq_stats.json").is_file()
