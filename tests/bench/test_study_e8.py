@@ -197,3 +197,16 @@ def test_codebook_served_bits_follow_the_family_kernel(triton_e8, tmp_path, monk
     new = runner.backfill_served(cfg, runner.Settings(), tmp_path, {**old, "options": cfg.kwargs}, keep=False,
                                  requantize=False)
     assert new["served"] == rec and (tmp_path / "results" / "tiny" / f"{cfg.slug}.json").is_file()
+
+
+@pytest.mark.slow
+def test_codebook_layout_is_the_checkpoint_record(tiny_llama, tmp_path):
+    """An E8 checkpoint's served record (what the runner records when a run finishes) equals the one
+    its layout gives from the model's shapes alone (what the backfill computes without it)."""
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    ck = quantize_model(tiny_llama, tmp_path / "e8", QuantizeOptions(method="e8", bits=3, group_size=16, scale_bits=4,
+                                                                     rotate="hadamard", nsamples=4, seqlen=64,
+                                                                     quantize_lm_head=False), progress=False)
+    rec = served.checkpoint_record(ck)
+    layout = served.outlier_free_served(served.linear_shapes(tiny_llama), 3, 16, 4, rotated=True, kind="codebook")
+    assert {**rec, "source": "layout"} == layout and sum(rec["kernels"]["triton"].values()) == 14
