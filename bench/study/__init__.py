@@ -7,17 +7,19 @@ claim in docs/RESULTS.md is a verdict computed from cached measurements rather t
     python -m bench.accuracy --tiny --out /tmp/s    # the CI version, report in /tmp/s
 
 Per model (Gemma3-270M, SmolLM2-135M): the accuracy sweep of the paper's Tables 3/4 (RTN, GPTQ,
-HRTN, HPTQ, SSQR at 2/3/4 bits) with GPTQ's baselines and levers at other group sizes, each result
-carrying its stored and served bits/weight (what a decode step streams per kernel family); the
-certificate (measured error against its bound); the column-order study of Table 2; peer GPTQs (the
-reference column loop, llm-compressor) and the controls that size their gaps; and the noise floor
-per bit width (other calibration draws) every verdict is read against. Each configuration is
-quantized by the pipeline, evaluated by the shared protocol and cached as JSON under ``--out``
-(default ``$LATQ_CACHE/study``), so a re-run resumes; ``--jobs`` run side by side.
+HRTN, HPTQ, SSQR at 2/3/4 bits) with GPTQ's baselines and levers at other group sizes and E8
+codebooks against rotated GPTQ with the same scales, each result carrying its stored and served
+bits/weight (what a decode step streams per kernel family); the certificate (measured error
+against its bound); the column-order study of Table 2; peer GPTQs (the reference column loop,
+llm-compressor) and the controls that size their gaps; and the noise floor per bit width (other
+calibration draws) every verdict is read against. Each configuration is quantized by the
+pipeline, evaluated by the shared protocol and cached as JSON under ``--out`` (default
+``$LATQ_CACHE/study``), so a re-run resumes; ``--jobs`` run side by side.
 
 Where each part lives: ``configs`` (what runs), ``runner`` (settings, cache, running), ``peers``
 (peer and control solvers, llm-compressor), ``ordering`` (Table 2), ``served`` (served bits),
-``curves`` (perplexity against served bits), ``noise`` (the noise floor per width), ``claims``
-(the paper's claims and their verdicts), ``report`` (report, plot, headline), ``summary``
+``curves`` (perplexity against served bits), ``records`` (one model's records: ratios, bases, the
+noise floor per width), ``claims`` (the paper's claims and their verdicts), ``e8`` (the E8 codebook
+rows against rotated GPTQ, and their claim), ``report`` (report, plot, headline), ``summary``
 (formatting shared by the last two), ``cli`` (the command line).
 """

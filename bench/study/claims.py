@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import statistics
 
-from .configs import NOISE_TAGS, ROT_TAGS, TAGGED
+from .configs import E8_FAMILY, NOISE_TAGS, ROT_TAGS, TAGGED
 from .curves import compare, series_of
+from .e8 import e8_claim
 from .records import (base_label, gptq_curve, noise_floor, pct, ppl_of, ratio, record, spread_max, spread_of,
                       within_noise)
 from .served import served_bits
@@ -61,6 +62,7 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
     _peer_claims(row)
     _head_claim(row)
     _rotation_claims(row)
+    e8_claim(row)
     notes = [n for m in models for n in _method_notes(m, by_model[m])]
     notes += [n for m in models for n in _peer_notes(m, by_model[m], ordering.get(m))]
     return (["## The paper's claims on these models", "",
@@ -393,6 +395,7 @@ def _rotation_claims(row) -> None:
     for level in (4, 3, 2):
         def cell(res, _, level=level):
             pairs = [(r, b) for r in res if r["tag"] in ROT_TAGS and r["level"] == level
+                     and r["family"] != E8_FAMILY   # E8 against rotated GPTQ: its own section
                      and (b := record(res, base_label(res, r["label"]))) is not None]
             if not pairs:
                 return None

@@ -41,6 +41,7 @@ ROT_TAGS = (*(rot_tag(b) for b in ROT_GPTQ_BASES), ROT_TC_TAG)
 # served bits: a block's code is b bits a weight, like b-bit integers); at 3 bits also coarser scales
 # (g64), target correction, and the noise floor of other calibration draws
 E8_FAMILY = "E8"
+BASE_FAMILY = {E8_FAMILY: "GPTQ"}   # a family whose configurations are compared with another family's
 E8_TAGS = {"rot-s4-g16": 16, "rot-s4-g64": 64, "rot-tc-s4-g16": 16,
            **{f"rot-s4-g16-{t}": 16 for t in NOISE_TAGS}}
 # configurations that change one option of a default one: (tag, report heading, column name)

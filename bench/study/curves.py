@@ -12,24 +12,29 @@ from __future__ import annotations
 
 import math
 
-from .configs import ROT_TAGS
+from .configs import E8_FAMILY, E8_TAGS, NOISE_TAGS, ROT_TAGS
 from .served import served_bits
 
-# the configurations that are a method's operating points (variants and controls are not)
+# the configurations that are a method's operating points (variants and controls, other
+# calibration draws, are not)
 SERIES_TAGS = {"": None, "g32": 32, "g64": 64, "llmc": None, "tc": None, "tc-g32": 32, "tc-g64": 64,
-               "s4-g64": 64, "s4-g32": 32, "s4-g16": 16, **{t: None for t in ROT_TAGS}}
+               "s4-g64": 64, "s4-g32": 32, "s4-g16": 16, **{t: None for t in ROT_TAGS},
+               **{t: g for t, g in E8_TAGS.items() if not t.endswith(NOISE_TAGS)}}
+# the families whose series are one per group size
+GROUPED = ("RTN", "GPTQ", E8_FAMILY)
 
 
 def series_of(r: dict) -> str | None:
     """The series a result belongs to (``GPTQ g128``, ``llm-compressor GPTQ g128``, ``HPTQ``,
-    ``SSQR-1%``; with its group size where the family has one), or None (bf16, variants)."""
+    ``SSQR-1%``, ``E8+rot+s4 g16``; with its group size where the family has one), or None (bf16,
+    variants)."""
     if r["family"] == "bf16" or r["tag"] not in SERIES_TAGS:
         return None
     g = (r.get("options") or {}).get("group_size")
     parts = r["tag"].split("-")
     lever = "".join(f"+{name}" for name, part in (("rot", "rot"), ("TC", "tc"), ("s4", "s4")) if part in parts)
     name = ("llm-compressor " if r["tag"] == "llmc" else "") + r["family"] + lever
-    return f"{name} g{g}" if r["family"] in ("RTN", "GPTQ") and g else name
+    return f"{name} g{g}" if r["family"] in GROUPED and g else name
 
 
 def points(results: list[dict], series, family: str | None) -> list[tuple[float, float, str]]:

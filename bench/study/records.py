@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .configs import NOISE_TAGS, SPREAD_TAGS
+from .configs import BASE_FAMILY, NOISE_TAGS, SPREAD_TAGS
 from .curves import frontier, points, series_of
 
 
@@ -23,9 +23,15 @@ def ratio(res: list[dict], label: str, base: str | None = "bf16") -> float | Non
 
 
 def base_label(res: list[dict], label: str) -> str | None:
-    """The label of the configuration the variant ``label`` is compared with."""
+    """The label of the configuration the variant ``label`` is compared with (of its family, or of
+    the family :data:`~.configs.BASE_FAMILY` names: E8's base is rotated GPTQ)."""
     r = record(res, label)
-    return None if r is None else r["label"].removesuffix("-" + r["tag"]) + (f"-{r['base']}" if r.get("base") else "")
+    if r is None:
+        return None
+    head = r["label"].removesuffix("-" + r["tag"])
+    if r["family"] in BASE_FAMILY:
+        head = BASE_FAMILY[r["family"]] + head.removeprefix(r["family"])
+    return head + (f"-{r['base']}" if r.get("base") else "")
 
 
 def pct(x: float) -> str:

@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 
 from .claims import PEERS, claims_table
-from .configs import EXTRA_TAGS, FAMILIES, TAGGED, slug
+from .configs import E8_FAMILY, EXTRA_TAGS, FAMILIES, TAGGED, slug
+from .e8 import e8_section
 from .curves import frontier, global_front, points, series_of
 from .served import served_bits
 from .ordering import LAYER_TYPES, ORDERS
@@ -144,6 +145,7 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
         o = ordering.get(model)
         if o:
             L += _ordering_section(o, st)
+    L += e8_section(by_model)
     L += ["## Pareto plot", ""]
     if why:
         L += [f"_{why}._", ""]
@@ -248,9 +250,12 @@ def _served_section(res: list[dict]) -> list[str]:
     for t, r in rows:
         sv = r["served"]
         star = "".join(f" ★{f[0].upper()}" for f in ("triton", "cpu") if r["label"] in front[f])
-        kern = [", ".join(f"{k}: {n}" for k, n in sorted(sv["kernels"][f].items())) for f in ("triton", "cpu")]
+        kern = [", ".join(f"{k}: {n}" for k, n in sorted(sv.get("kernels", {}).get(f, {}).items()))
+                for f in ("triton", "cpu")]
+        cpu = served_bits(r, "cpu")
         L.append(f"| {r['label']}{star} | {series_of(r)} | {r['bits']:.3f} | {t:.3f} | "
-                 f"{served_bits(r, 'cpu'):.3f} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | {sv['source']}"
+                 f"{'n/a' if cpu is None else f'{cpu:.3f}'} | {kern[0]} | {kern[1]} | {fmt_ppl(r['ppl'])} | "
+                 f"{sv.get('source', '—')}"
                  + (f" (stores {sv['stored_bits']:.5f})" if "stored_bits" in sv else "") + " |")
     return L + [""]
 
@@ -259,7 +264,7 @@ def _variants_section(res: list[dict]) -> list[str]:
     """Variants (one option changed) next to their default configuration."""
     L = []
     for tag, title, col in TAGGED:
-        pairs = [(r, base) for r in res if r["tag"] == tag
+        pairs = [(r, base) for r in res if r["tag"] == tag and r["family"] != E8_FAMILY   # E8: its own section
                  for base in [next((x for x in res if x["family"] == r["family"] and x["level"] == r["level"]
                                     and x["tag"] == r.get("base", "")), None)] if base]
         if pairs:

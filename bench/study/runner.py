@@ -261,8 +261,9 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
 
 def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, requantize: bool) -> dict:
     """A cached result of ``cfg`` without served bits (run before the study recorded them), or with
-    stale ones (computed under kernel cost models that changed since) → with today's: from the
-    layout for one without outliers (exact), else from its kept checkpoint, else (``requantize``)
+    stale ones (computed under kernel cost models that changed since, or before its family had a
+    codebook kernel) → with today's: from the layout for one without outliers or a codebook one
+    (exact), else from its kept checkpoint, else (``requantize``)
     from the checkpoint quantized again with its settings (no evaluation: the perplexity stays the
     result's; the record keeps that checkpoint's stored bits, which must be the result's). Without
     a way, the result is returned without served bits (stale ones are never reported)."""
@@ -274,8 +275,10 @@ def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, 
     src = source_dir(cfg.model, st, root)
     ck = root / "checkpoints" / cfg.model / cfg.slug
     if served.is_outlier_free(r):
-        r["served"] = served.outlier_free_served(served.linear_shapes(src), cfg.kwargs["bits"], cfg.kwargs["group_size"],
-                                                 cfg.kwargs.get("scale_bits"), cfg.kwargs.get("rotate", "none") != "none")
+        o = cfg.kwargs
+        r["served"] = served.outlier_free_served(served.linear_shapes(src), o["bits"], o["group_size"],
+                                                 o.get("scale_bits"), o.get("rotate", "none") != "none",
+                                                 "codebook" if served.is_codebook(r) else "dense")
     elif (ck / "latq_stats.json").is_file() or requantize:
         fresh = not (ck / "latq_stats.json").is_file()
         if fresh:
