@@ -60,3 +60,24 @@ def test_vllm_serves_an_e8_checkpoint(e8_tiny):
     assert res[0]["tokens"] == want
     if res[1]["tokens"] != want:
         assert max(h.greedy_margins(hf, ids, res[1]["tokens"])) < 0.1
+
+
+@pytest.mark.slow
+def test_vllm_serves_it_on_two_ranks(tmp_path):
+    """Tensor-parallel size 2: each rank cuts its rows (q/k/v, gate/up) or its columns (o, down) on
+    whole blocks of the codebook and of the rotation; greedy tokens as on one rank, up to near-ties."""
+    from vllm_latq.format.checkpoint import load_dequantized_model
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    # o and down take 512 columns, 256 a rank: whole blocks of the rotation (256 columns at most)
+    src = h.make_tiny_llama(tmp_path / "model", heads=16, kv_heads=2, intermediate=512)
+    ck = quantize_model(src, tmp_path / "e8", QuantizeOptions(method="e8", bits=3, group_size=16, scale_bits=4,
+                                                              nsamples=4, seqlen=64, rotate="hadamard"),
+                        progress=False)
+    ids = h.tokenize(ck)
+    hf = load_dequantized_model(ck)
+    res = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}}],
+                          tp=2, tmp=tmp_path)[0]
+    assert "error" not in res, res.get("traceback")
+    want = h.hf_greedy(hf, ids, 16)
+    if res["tokens"] != want:
+        assert max(h.greedy_margins(hf, ids, res["tokens"])) < 0.1
