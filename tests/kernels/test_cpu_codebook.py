@@ -88,11 +88,16 @@ def test_decoding_is_the_formats_exactly(bits, isa):
 
 
 def test_table_is_the_formats():
-    """Rows 0..255: E8P's patterns, each signed by its parity; rows 256..511: the ball."""
+    """Rows 0..255: E8P's patterns, each signed by its parity; 256..511: the ball; 512..639: the
+    sign masks (−0.0 on a flipped lane, the last by the parity); 640, 641: ±¼."""
     t = decode_table()
-    assert t.shape == (512, 8) and t.dtype == torch.float32
-    assert torch.equal(t[:256].abs().double(), cb.e8p_patterns()) and torch.equal(t[256:].double(), cb.e8_ball256())
+    assert t.shape == (642, 8) and t.dtype == torch.float32
+    assert torch.equal(t[:256].abs().double(), cb.e8p_patterns()) and torch.equal(t[256:512].double(), cb.e8_ball256())
     assert torch.equal(t[:256, -1] < 0, torch.remainder(cb.e8p_patterns().sum(-1), 2) != 0)
+    masks = t[512:640]
+    assert torch.equal(masks, torch.zeros_like(masks)) and torch.signbit(masks).sum() == 128 * 8 // 2
+    assert torch.signbit(masks[0b1000011]).tolist() == [True, True, False, False, False, False, True, True]
+    assert t[640:].tolist() == [[0.25] * 8, [-0.25] * 8]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -185,7 +190,7 @@ def test_served_bytes(bits):
         w = weight(bits, n=48, k=320, group=group, coded=coded)
         st = CPUCodebookKernel.prepare(w)
         served = CPUCodebookKernel.served_bytes(st)
-        assert served.pop("table") == 512 * 8 * 4
+        assert served.pop("table") == 642 * 8 * 4
         assert served == CPUCodebookKernel.codebook_bytes(48, 320, bits, group, 4 if coded else None)
         assert served == {"codes": 48 * 320 * bits // 8, "scales": 2 * 48 * -(-320 // group)}
     other = CPUCodebookKernel.prepare(weight(bits, seed=1))

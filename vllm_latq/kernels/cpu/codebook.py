@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from ... import format as fmt
+from ...format import codebook as cb
 from ... import native
 from ..base import LatqKernel
 from ..weight import CodebookWeight
@@ -20,20 +20,26 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @lru_cache(maxsize=None)
 def decode_table() -> torch.Tensor:
-    """fp32 ``[512, 8]``, one per process: E8P's patterns, each with its parity (Σ a mod 2) as the sign
-    of its last coordinate, so the op's last sign is that bit XOR the parity of the code's seven
-    signs (``decode_e8p``'s rule); then the 256-point ball's points."""
-    a = fmt.codebook.e8p_patterns().clone()
+    """fp32 ``[642, 8]``, one per process, what the op decodes a code with (``decode_e8p``'s rule):
+    rows 0..255 E8P's patterns, each with its parity (Σ a mod 2) as the sign of its last coordinate;
+    256..511 the 256-point ball; 512..639 the sign masks of a code's seven sign bits h (−0.0 where a
+    lane's sign flips: bit j, and the last lane by the parity of h), XOR'd onto a pattern, so the last
+    sign is the parity of Σσa; 640, 641 the shifts +¼ and −¼."""
+    a = cb.e8p_patterns().clone()
     odd = torch.remainder(a.sum(-1), 2) != 0
     a[odd, -1] = -a[odd, -1]
-    return torch.cat([a, fmt.codebook.e8_ball256()]).float().contiguous()
+    h = (torch.arange(128)[:, None] >> torch.arange(cb.DIM - 1)) & 1
+    flips = torch.cat([h, h.sum(-1, keepdim=True) % 2], -1).bool()
+    masks = torch.zeros(128, cb.DIM, dtype=torch.float64).masked_fill(flips, -0.0)
+    shifts = torch.tensor([[0.25] * cb.DIM, [-0.25] * cb.DIM], dtype=torch.float64)
+    return torch.cat([a, cb.e8_ball256(), masks, shifts]).float().contiguous()
 
 
 @dataclass
 class CodebookState:
     codes: torch.Tensor     # uint8 [out, in/8, bits]: the form's codes, as stored
     scales: torch.Tensor    # fp16  [out, ceil(in/group_size)] (coded scales decoded)
-    table: torch.Tensor     # fp32  [512, 8]: decode_table(), shared by every layer
+    table: torch.Tensor     # fp32  [642, 8]: decode_table(), shared by every layer
     bits: int
     group_size: int
     in_features: int
@@ -60,11 +66,11 @@ class CPUCodebookKernel(LatqKernel):
             return False, f"device {device} is not a CPU"
         if act_dtype not in ACT_DTYPES:
             return False, f"activation dtype {act_dtype} unsupported (bf16/fp16/fp32)"
-        if w.bits not in fmt.codebook.CODEBOOKS:
-            return False, f"{w.bits}-bit codes: the codebooks are {sorted(fmt.codebook.CODEBOOKS)} bits"
-        if w.in_features % fmt.codebook.DIM or w.group_size % fmt.codebook.DIM:
+        if w.bits not in cb.CODEBOOKS:
+            return False, f"{w.bits}-bit codes: the codebooks are {sorted(cb.CODEBOOKS)} bits"
+        if w.in_features % cb.DIM or w.group_size % cb.DIM:
             return False, (f"in_features={w.in_features}, group size {w.group_size}: both must be multiples of "
-                           f"{fmt.codebook.DIM}")
+                           f"{cb.DIM}")
         return True, None
 
     @classmethod
@@ -88,7 +94,7 @@ class CPUCodebookKernel(LatqKernel):
             return torch.ops.latq_cpu.codebook_linear(x, [state.codes, state.scales, state.table],
                                                       [state.bits, state.group_size, state.in_features], bias, N)
         # without the op: latq_linear_ref's operations on the format's dequantization
-        w = fmt.codebook.dequantize(state.codes, state.scales, state.bits, state.group_size)
+        w = cb.dequantize(state.codes, state.scales, state.bits, state.group_size)
         y = x.float() @ w.T
         if bias is not None:
             y = y + bias.float()
@@ -107,7 +113,7 @@ class CPUCodebookKernel(LatqKernel):
     def codebook_bytes(cls, n, k, bits, group, scale_bits=None):
         """A layer's own bytes: its codes and fp16 scales (coded ones are decoded at prepare); the
         table, one for the model, is not a layer's (``shared_tensors``)."""
-        if bits not in fmt.codebook.CODEBOOKS or k % fmt.codebook.DIM or group % fmt.codebook.DIM:
+        if bits not in cb.CODEBOOKS or k % cb.DIM or group % cb.DIM:
             raise ValueError(f"kernel {cls.name} cannot lay out a {n}x{k} {bits}-bit codebook layer with group {group}")
-        return {"codes": n * k // fmt.codebook.DIM * fmt.codebook.CODEBOOKS[bits].index_bytes,
+        return {"codes": n * k // cb.DIM * cb.CODEBOOKS[bits].index_bytes,
                 "scales": 2 * n * math.ceil(k / group)}

@@ -4,8 +4,9 @@
 // 8..14, lane 7's sign fixing the parity, ±¼ from bit 15), the 3-bit ball's point / 2, or a
 // second E8P / 4; times its group's fp16 scale. The table (vllm_latq/kernels/cpu/codebook.py,
 // decode_table) holds E8P's 256 patterns with each pattern's parity in lane 7's sign, so the
-// last sign is lane 7's sign bit XOR the parity of the seven code signs; then the ball's 256
-// points. Every product is exact in fp32 (a point has ≤ 7 significant bits, a scale 11): the
+// last sign is lane 7's sign bit XOR the parity of the seven code signs; the ball's 256 points;
+// the sign masks of the 128 sign bytes and the two shifts, so a vector decode is three loads, an
+// XOR and an add, without a branch. Every product is exact in fp32 (a point has ≤ 7 significant bits, a scale 11): the
 // result is the reference's up to fp32 summation order.
 //
 // Small M: per output row, each block decoded once into 8 fp32 lanes (AVX2: one register; AVX-512F:
@@ -14,7 +15,7 @@
 // FMA + F16C (each function its own target) or scalar, chosen at run time.
 //
 //   latq_cpu::codebook_linear(x [..., K] bf16/fp16/fp32, tensors = (codes uint8 [N, K/8, B],
-//       scales fp16 [N, G], table fp32 [512, 8][, signs fp32 [b]]), ints = (bits, group_size,
+//       scales fp16 [N, G], table fp32 [642, 8][, signs fp32 [b]]), ints = (bits, group_size,
 //       in_features), bias?, out_features)   the schema of latq::cpu_e8_linear; a 4th tensor,
 //       a rotated layer's signs, rotates x first (hadamard.cpp)
 //   latq_cpu::codebook_isa() / set_codebook_isa(name)   which path runs ("avx512", "avx2", "")
@@ -49,7 +50,9 @@ const at::Tensor& latq_hadamard_scratch(const at::Tensor& x, const at::Tensor& s
 namespace {
 namespace cb {
 
-constexpr int64_t kBall = 256;   // the ball's first row in the table
+// the table's rows (kernels/cpu/codebook.py, decode_table): E8P's patterns, the ball's points, the sign
+// masks of a code's seven sign bits (−0.0 where a lane's sign flips, lane 7 by their parity), ±¼
+constexpr int64_t kBall = 256, kSigns = 512, kShift = 640, kRows = 642;
 constexpr int kMaxRows = 8;      // rows of x one pass over the weights serves
 
 struct Layer {
@@ -118,23 +121,22 @@ void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t 
 #if LATQ_CB_X86
 // ------------------------------------------------------------------ AVX2 + FMA + F16C: a block a register
 
-__attribute__((target("avx2,fma,f16c"))) inline __m256 e8p_avx2(const float* T, uint32_t c) {
-  const __m256i lane = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);   // bit j → the sign of lane j
-  const __m256i m = _mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(sign_bits(c))), lane);
+// σ⊙a ± ¼: the pattern, XOR its sign mask (the table's −0.0 lanes), plus the shift's row; no branch
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 e8p_avx2(const float* T, uint32_t c) {
   const __m256 a = _mm256_load_ps(T + (c & 255) * 8);
-  const __m256 v = _mm256_xor_ps(a, _mm256_and_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(-0.f)));
-  return _mm256_add_ps(v, _mm256_set1_ps((c >> 15) ? -0.25f : 0.25f));
+  const __m256 v = _mm256_xor_ps(a, _mm256_load_ps(T + (kSigns + ((c >> 8) & 127)) * 8));
+  return _mm256_add_ps(v, _mm256_load_ps(T + (kShift + (c >> 15)) * 8));
 }
 
 template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) inline __m256 block_avx2(const float* T, const uint8_t* c) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 block_avx2(const float* T, const uint8_t* c) {
   __m256 v = e8p_avx2(T, e8p_code(c));
   if constexpr (BITS == 3) v = _mm256_fmadd_ps(_mm256_load_ps(T + (kBall + c[2]) * 8), _mm256_set1_ps(0.5f), v);
   if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, e8p_code(c + 2)), _mm256_set1_ps(0.25f), v);
   return v;
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -152,8 +154,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Layer& L, const fl
       for (int m = 0; m < MR; ++m) acc[u][m] = _mm256_setzero_ps();
     const uint8_t* c = L.codes + n * L.nb * L.B;
     const at::Half* sr = L.scales + n * L.G;
-    for (int64_t b0 = 0; b0 < L.nb; b0 += L.bpg) {
-      const __m256 s = _mm256_set1_ps(static_cast<float>(sr[b0 / L.bpg]));
+    for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+      const __m256 s = _mm256_set1_ps(static_cast<float>(sr[gi]));
       const int64_t b1 = std::min(L.nb, b0 + L.bpg);
       int64_t b = b0;
       for (; b + U <= b1; b += U)
@@ -316,9 +318,9 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == N &&
                   group % 8 == 0 && scales.size(1) == (K + group - 1) / group,
               "latq_cpu::codebook_linear: scales must be fp16 [out, ceil(in/group)], contiguous, group a multiple of 8");
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == 512 * 8 &&
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == cb::kRows * 8 &&
                   reinterpret_cast<uintptr_t>(table.data_ptr()) % 32 == 0,
-              "latq_cpu::codebook_linear: table must be fp32 [512, 8], contiguous, 32-byte aligned");
+              "latq_cpu::codebook_linear: table must be fp32 [642, 8], contiguous, 32-byte aligned");
   TORCH_CHECK(x.size(-1) == K, "latq_cpu::codebook_linear: x has ", x.size(-1), " columns, the layer ", K);
   const std::optional<at::Tensor> signs = tensors.size() == 4 ? tensors.get(3) : std::nullopt;
   const at::Tensor& xr = signs.has_value() && signs->defined() ? latq_hadamard_scratch(x, *signs) : x;
