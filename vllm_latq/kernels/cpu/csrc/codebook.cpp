@@ -53,7 +53,7 @@ namespace cb {
 // the table's rows (kernels/cpu/codebook.py, decode_table): E8P's patterns, the ball's points, the sign
 // masks of a code's seven sign bits (−0.0 where a lane's sign flips, lane 7 by their parity), ±¼
 constexpr int64_t kBall = 256, kSigns = 512, kShift = 640, kRows = 642;
-constexpr int kMaxRows = 8;      // rows of x one pass over the weights serves
+constexpr int kMaxRows = 4;      // rows of x one pass over the weights serves (more spill registers)
 
 struct Layer {
   const uint8_t* codes;     // [N, nb, B]
@@ -122,10 +122,13 @@ void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t 
 // ------------------------------------------------------------------ AVX2 + FMA + F16C: a block a register
 
 // σ⊙a ± ¼: the pattern, XOR its sign mask (the table's −0.0 lanes), plus the shift's row; no branch
+// (byte offsets of the three rows: each a shift and a mask of c, rows being 32 bytes)
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 e8p_avx2(const float* T, uint32_t c) {
-  const __m256 a = _mm256_load_ps(T + (c & 255) * 8);
-  const __m256 v = _mm256_xor_ps(a, _mm256_load_ps(T + (kSigns + ((c >> 8) & 127)) * 8));
-  return _mm256_add_ps(v, _mm256_load_ps(T + (kShift + (c >> 15)) * 8));
+  const char* t = reinterpret_cast<const char*>(T);
+  const __m256 a = _mm256_load_ps(reinterpret_cast<const float*>(t + ((c << 5) & 0x1FE0)));
+  const __m256 m = _mm256_load_ps(reinterpret_cast<const float*>(t + kSigns * 32 + ((c >> 3) & 0xFE0)));
+  const __m256 h = _mm256_load_ps(reinterpret_cast<const float*>(t + kShift * 32 + ((c >> 10) & 0x20)));
+  return _mm256_add_ps(_mm256_xor_ps(a, m), h);
 }
 
 template <int BITS>
@@ -142,35 +145,41 @@ __attribute__((target("avx2,fma"), always_inline)) inline float hsum_avx2(__m256
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// rows [n0, n1) for MR rows of x: each block decoded once; two accumulators per row of x (even and
-// odd blocks) where registers allow, for two FMA chains in flight
+// rows [n0, n1) for MR ≤ 4 rows of x: each block decoded once, a group's sums scaled once at its end
+// (two sets, even and odd blocks, for two FMA chains in flight up to 2 rows)
 template <int BITS, int MR>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Layer& L, const float* x, int64_t n0, int64_t n1,
                                                          float* y) {
-  constexpr int U = MR <= 4 ? 2 : 1;
+  constexpr int U = MR <= 2 ? 2 : 1;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[U][MR];
-    for (int u = 0; u < U; ++u)
-      for (int m = 0; m < MR; ++m) acc[u][m] = _mm256_setzero_ps();
+    __m256 acc[MR], part[U][MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
     const uint8_t* c = L.codes + n * L.nb * L.B;
     const at::Half* sr = L.scales + n * L.G;
     for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
       const __m256 s = _mm256_set1_ps(static_cast<float>(sr[gi]));
       const int64_t b1 = std::min(L.nb, b0 + L.bpg);
+      for (int u = 0; u < U; ++u)
+        for (int m = 0; m < MR; ++m) part[u][m] = _mm256_setzero_ps();
       int64_t b = b0;
       for (; b + U <= b1; b += U)
 #pragma GCC unroll 2
         for (int u = 0; u < U; ++u) {
-          const __m256 w = _mm256_mul_ps(block_avx2<BITS>(L.table, c + (b + u) * L.B), s);
+          const __m256 w = block_avx2<BITS>(L.table, c + (b + u) * L.B);
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) acc[u][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * L.K + (b + u) * 8), acc[u][m]);
+          for (int m = 0; m < MR; ++m)
+            part[u][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * L.K + (b + u) * 8), part[u][m]);
         }
       for (; b < b1; ++b) {
-        const __m256 w = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * L.B), s);
-        for (int m = 0; m < MR; ++m) acc[0][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * L.K + b * 8), acc[0][m]);
+        const __m256 w = block_avx2<BITS>(L.table, c + b * L.B);
+        for (int m = 0; m < MR; ++m) part[0][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * L.K + b * 8), part[0][m]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 sum = U == 2 ? _mm256_add_ps(part[0][m], part[U - 1][m]) : part[0][m];
+        acc[m] = _mm256_fmadd_ps(sum, s, acc[m]);
       }
     }
-    for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(U == 2 ? _mm256_add_ps(acc[0][m], acc[U - 1][m]) : acc[0][m]);
+    for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(acc[m]);
   }
 }
 
@@ -240,7 +249,8 @@ int isa_detect() {
   return 0;
 }
 std::atomic<int> g_isa{isa_detect()};
-std::atomic<int64_t> g_large_m{32};
+// rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "E8 codebooks")
+std::atomic<int64_t> g_large_m{20};
 
 template <int BITS, int MR>
 void rows_fixed(const Layer& L, const float* x, int64_t n0, int64_t n1, float* y) {
@@ -260,11 +270,7 @@ void rows(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1, flo
     case 1: return rows_fixed<BITS, 1>(L, x, n0, n1, y);
     case 2: return rows_fixed<BITS, 2>(L, x, n0, n1, y);
     case 3: return rows_fixed<BITS, 3>(L, x, n0, n1, y);
-    case 4: return rows_fixed<BITS, 4>(L, x, n0, n1, y);
-    case 5: return rows_fixed<BITS, 5>(L, x, n0, n1, y);
-    case 6: return rows_fixed<BITS, 6>(L, x, n0, n1, y);
-    case 7: return rows_fixed<BITS, 7>(L, x, n0, n1, y);
-    default: return rows_fixed<BITS, 8>(L, x, n0, n1, y);
+    default: return rows_fixed<BITS, 4>(L, x, n0, n1, y);
   }
 }
 
