@@ -38,14 +38,15 @@
 #else
 #define LATQ_CB_X86 0
 #endif
-// AVX-512 only where the build targets it (an x86-64-v3 build holds no AVX-512 code)
-#if LATQ_CB_X86 && defined(__AVX512F__)
+// AVX-512 only where the build targets it (an x86-64-v3 build holds no AVX-512 code), as hadamard.cpp's
+#if LATQ_CB_X86 && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LATQ_CB_AVX512 1
 #else
 #define LATQ_CB_AVX512 0
 #endif
 
 const at::Tensor& latq_hadamard_scratch(const at::Tensor& x, const at::Tensor& signs);   // hadamard.cpp
+bool latq_isa_runs(int isa);                                                              // hadamard.cpp
 
 namespace {
 namespace cb {
@@ -229,23 +230,11 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void rows_avx512(const Layer& L
 
 // ------------------------------------------------------------------ dispatch
 
-// 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: scalar
-bool isa_runs(int isa) {
-#if LATQ_CB_X86
-#if LATQ_CB_AVX512
-  if (isa == 2) return __builtin_cpu_supports("avx512f");
-#endif
-  if (isa == 1)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#endif
-  return isa == 0;
-}
-
 // the best one, or AVX2 where LATQ_CPU_ISA=avx2 (read once, as the GEMV reads it)
 int isa_detect() {
   const char* e = std::getenv("LATQ_CPU_ISA");
   for (int isa = e && std::strcmp(e, "avx2") == 0 ? 1 : 2; isa > 0; --isa)
-    if (isa_runs(isa)) return isa;
+    if (latq_isa_runs(isa)) return isa;
   return 0;
 }
 std::atomic<int> g_isa{isa_detect()};
@@ -351,7 +340,7 @@ std::string codebook_isa() { return cb::g_isa == 2 ? "avx512" : cb::g_isa == 1 ?
 void set_codebook_isa(const std::string& name) {
   const int isa = name == "avx512" ? 2 : name == "avx2" ? 1 : name.empty() ? 0 : -1;
   TORCH_CHECK(isa >= 0, "latq_cpu::set_codebook_isa: unknown instruction set '", name, "' (avx512, avx2 or '')");
-  TORCH_CHECK(cb::isa_runs(isa), "latq_cpu::set_codebook_isa: ", name, " does not run here");
+  TORCH_CHECK(latq_isa_runs(isa), "latq_cpu::set_codebook_isa: ", name, " does not run here");
   cb::g_isa.store(isa);
 }
 
