@@ -44,6 +44,9 @@ torch.set_num_threads(2). Sections:
   calls     the layer op as vLLM's compiled graph calls it, M = 1, over those 30 blocks (4-bit g64, no
             outliers), the 8-bit head and a 64x64 layer: latq_cpu::linear (the state as a list of ten
             optional tensors) vs latq_cpu::plain_linear (its two): t_list / t_plain
+  e8        the codebook form (method e8): cpu-e8 at 2/3/4 bits vs bf16 F.linear vs the integer
+            kernel at 3/4 bits, 1536x576 and 2048x8192, M = 1 and 8, with the bits each streams;
+            and the E8 op's small-M path vs its decoded tiles + GEMM (bench/cpu_e8.py)
   streaming those 30 blocks and the 8-bit head, M = 1, 2, 8: the GEMV prefetching its weights into
             L1 (2 KB ahead) vs L2 (8 KB ahead), and the states where prepare left them vs in the
             weight arenas a served model loads them into (huge pages, load order)
@@ -61,6 +64,7 @@ import torch.nn.functional as F
 # the in-situ sections stream many blocks per pass: their harness lives apart from this per-layer grid
 from bench.cpu_insitu import (coded_scales, gemv, layer_call, layer_calls, op_reads_gemv_layout, outlier_codings,
                               rotation_insitu, streaming)
+from bench.cpu_e8 import e8
 from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import cpu_features, native
@@ -300,9 +304,9 @@ def main(argv=None):
     ap.add_argument("--sample-us", type=float, default=3000.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", nargs="+", default=["table", "profile", "large", "wide", "gemv", "outliers", "coded",
-                                                      "vllm", "rotation", "calls", "streaming"],
+                                                      "vllm", "rotation", "calls", "streaming", "e8"],
                     choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm", "rotation", "calls",
-                             "streaming"])
+                             "streaming", "e8"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
     ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
                     "coded): 30, ~57 MB of int4, more than L3")
@@ -335,6 +339,8 @@ def main(argv=None):
         layer_calls(a, results)
     if "streaming" in a.sections:
         streaming(a, results)
+    if "e8" in a.sections:
+        e8(a, results)
     one = lambda *k: results[k][0] if k in results else None  # noqa: E731
     # gemv results are plain ratios under string keys
     head = {"speedup_m1_4096_1pct": one("4096", 4, 0.01, 1),
@@ -351,9 +357,10 @@ def main(argv=None):
             "gemv_4096_cold": results.get("gemv_4096_cold"), "gemv_4096_warm": results.get("gemv_4096_warm"),
             **{k: v for k, v in results.items() if isinstance(k, str)
                and k.startswith(("outliers_", "gemv_scales", "gemv_isa_", "coded_", "vllm_", "rotation_insitu",
-                                 "calls_", "stream_"))}}
+                                 "calls_", "stream_", "e8_"))}}
     isa = torch.ops.latq_cpu.gemv_isa() if native.available() else ""
-    print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} "
+    e8_isa = torch.ops.latq_cpu.codebook_isa() if native.available() else ""
+    print(f"HEADLINE cpu={cpu_features.capability()} gemv_isa={isa or 'none'} e8_isa={e8_isa or 'none'} "
           + " ".join(f"{k}={v:.2f}" for k, v in head.items() if v is not None))
 
 

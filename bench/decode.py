@@ -154,6 +154,7 @@ def available_kernels() -> list[str]:
     import torch
 
     from vllm_latq.kernels.selector import kernels
+    from vllm_latq.kernels.weight import LatqWeight
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     names = []
@@ -163,6 +164,8 @@ def available_kernels() -> list[str]:
         if k.name == "triton" and dev != "cuda":
             continue
         if k.name == "cpu" and dev != "cpu":
+            continue
+        if LatqWeight not in k.forms:   # a family's member for the codebook form: LATQ_KERNEL=<family> reaches it
             continue
         names.append(k.name)
     return names + ["reference"]

@@ -24,6 +24,7 @@ ISA_ENV = "LATQ_CPU_ISA"      # avx2: the GEMV's AVX2 code where AVX-512 BF16 ru
 ISA_CHOICES = ("avx2", "best")
 SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "kernels" / "cpu" / "csrc" / "hadamard.cpp",
+           Path(__file__).parent / "kernels" / "cpu" / "csrc" / "codebook.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
@@ -86,6 +87,7 @@ def load() -> str | None:
                       extra_ldflags=["-fopenmp"],
                       is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
+                torch.library.register_fake("latq_cpu::codebook_linear", _fake)
                 torch.library.register_fake("latq_cpu::plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::rotated_plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)

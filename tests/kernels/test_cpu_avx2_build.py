@@ -41,6 +41,7 @@ from vllm_latq.kernels.cpu import kernel
 from tests.kernels.test_cpu_avx2_build import _states
 so = sorted({l.split()[-1] for l in open("/proc/self/maps") if "latq_cpu_" in l and l.rstrip().endswith(".so")})
 print(json.dumps({"build": torch.ops.latq_cpu.build_isa(), "isa": torch.ops.latq_cpu.gemv_isa(),
+                  "e8_isa": torch.ops.latq_cpu.codebook_isa(),
                   "has_gemv": torch.ops.latq_cpu.has_gemv(), "kernel_isa": kernel.gemv_isa(),
                   "op_reads": torch.ops.latq_cpu.op_reads_gemv_layout(),
                   "cap": torch.backends.cpu.get_cpu_capability(), "so": so, "states": _states()}))
@@ -186,3 +187,19 @@ def test_rotation_is_exact_in_the_avx2_build(probe):
     assert "test_cpu_rotated_layer_through_the_lean_op[avx2] PASSED" in out.stdout, tail
     assert "test_cpu_transform_is_the_torch_one[256-avx2] PASSED" in out.stdout, tail
     assert "-avx512]" not in out.stdout and "[avx512]" not in out.stdout, tail
+
+
+def test_codebook_kernel_in_the_avx2_build(probe):
+    """The codebook kernel (``cpu-e8``) on an AVX2-only machine: its AVX2 path is the one that runs
+    (the build holds no AVX-512, as checked above), and its tests — exact decoding, the reference's
+    numbers, rotated layers, opcheck — pass through the x86-64-v3 build, none skipped for lack of
+    the op."""
+    assert probe["e8_isa"] == "avx2"
+    out = _run([sys.executable, "-m", "pytest", "-v", "-x", "-p", "no:cacheprovider", "-rs", "-m", "not slow",
+                "tests/kernels/test_cpu_codebook.py"], timeout=3600)
+    tail = out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    m = re.search(r"(\d+) passed", out.stdout)
+    assert m and int(m.group(1)) >= 60 and "C++ ops unavailable" not in out.stdout, tail
+    assert "test_each_instruction_set[avx2-1] PASSED" in out.stdout, tail
+    assert not re.search(r"\[avx512-\d+\] PASSED", out.stdout), tail

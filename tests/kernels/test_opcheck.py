@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_latq.kernels import ops, selector
-from vllm_latq.kernels.weight import LatqWeight
+from vllm_latq.kernels.weight import CodebookWeight, LatqWeight
 from vllm_latq.testing.weights import random_weight
 
 N, K, GROUP, M = 32, 256, 128, 3          # CPU kernel: N % 16 == 0, its op groups divide K
@@ -36,6 +36,14 @@ def kernel(name: str):
 def make_weight(device, bits=4, rate=0.03, seed=0) -> LatqWeight:
     return random_weight(N, K, bits, rate, group=GROUP, seed=seed, scale_lo=0.002, scale_span=0.02,
                          val_std=0.2, fp16_values=True).to(device)
+
+
+def make_codebook_weight(device, bits=3, seed=0) -> CodebookWeight:
+    """A codebook layer of the same shape (random codes: each a point of its codebook)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (N, K // 8, bits), generator=g, dtype=torch.uint8)
+    return CodebookWeight(codes, (torch.rand(N, K // GROUP, generator=g) * 0.02 + 0.002).half(), bits, GROUP,
+                          K).to(device)
 
 
 def op_args(device, dtype=torch.bfloat16):
@@ -60,8 +68,9 @@ def _skip_unrunnable(name, device, w, dtype, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", NAMES)
 def test_python_op(name, device, monkeypatch):
-    """``latq::<name>_linear``: the op every layer calls (or a native op calls back into)."""
-    w = make_weight(device)
+    """``latq::<name>_linear``: the op every layer calls (or a native op calls back into), on a
+    layer of the kernel's first runtime form."""
+    w = make_weight(device) if kernel(name).forms[0] is LatqWeight else make_codebook_weight(device)
     x, bias = op_args(device)
     _skip_unrunnable(name, device, w, x.dtype, monkeypatch)
     K_ = kernel(name)

@@ -39,6 +39,11 @@ def kernels() -> list[type[LatqKernel]]:
         found.append(CPUKernel)
     except ImportError:
         pass
+    try:
+        from .cpu.codebook import CPUCodebookKernel
+        found.append(CPUCodebookKernel)
+    except ImportError:
+        pass
     return found + [DequantizedBf16Kernel, ReferenceKernel, DequantizedFp32Kernel]
 
 

@@ -338,6 +338,10 @@ void set_hadamard_isa(const std::string& name) {
 
 }  // namespace
 
+// whether an instruction set (2: AVX-512F and BW where the build targets them, 1: AVX2 + FMA + F16C,
+// 0: scalar) runs here: the codebook op (codebook.cpp) takes the same ones
+bool latq_isa_runs(int isa) { return isa_runs(isa); }
+
 TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
   m.def("hadamard(Tensor x, Tensor signs) -> Tensor");
   m.def("hadamard_isa() -> str");

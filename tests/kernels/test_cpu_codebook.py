@@ -1,0 +1,227 @@
+"""The CPU family's codebook kernel (``cpu-e8``, kernels/cpu/codebook.py and csrc/codebook.cpp): exact
+decoding of every stage, the reference's numbers for 2/3/4-bit codes at groups 16/64/a row, coded
+and fp16 scales, M = 1..64, bf16/fp32 activations, bias, rotated layers through the selector, each
+instruction set that runs here, the pure-torch path, the ops under opcheck, and the AVX-512 path
+compiled (this suite may run on an AVX2-only machine)."""
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from dataclasses import replace
+
+import pytest
+import torch
+
+from vllm_latq import native
+from vllm_latq.format import codebook as cb, scale_codes
+from vllm_latq.format.rotation import Rotation, rotate
+from vllm_latq.kernels import ops, selector
+from vllm_latq.kernels.cpu.codebook import CPUCodebookKernel, decode_table
+from vllm_latq.kernels.reference import latq_linear_ref
+from vllm_latq.kernels.weight import CodebookWeight, dequantize
+
+CPU = torch.device("cpu")
+
+
+def weight(bits=3, n=48, k=256, group=64, coded=False, seed=0) -> CodebookWeight:
+    """Random codes (every code is a point of its codebook) and scales; ``coded``: on the coded grid."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // cb.DIM, cb.CODEBOOKS[bits].index_bytes), generator=g, dtype=torch.uint8)
+    s = torch.rand(n, -(-k // group), generator=g) * 0.02 + 0.002
+    cs = scale_codes.code_scales(s) if coded else None
+    scales = cs.decode().half() if coded else s.half()
+    return CodebookWeight(codes, scales, bits, group, k, cs)
+
+
+def native_or_skip():
+    why = native.load()
+    if why is not None:
+        pytest.skip(f"C++ ops unavailable: {why}")
+
+
+def isas() -> list[str]:
+    """The instruction sets the op runs here (its best first), scalar included."""
+    if native.load() is not None:
+        return []
+    best = torch.ops.latq_cpu.codebook_isa()
+    return [i for i in ("avx512", "avx2", "") if i == best or (i != "avx512" and best)]
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    native_or_skip()
+    name = "" if request.param == "scalar" else request.param
+    if name not in isas():
+        pytest.skip(f"{request.param} does not run here")
+    saved = torch.ops.latq_cpu.codebook_isa()
+    torch.ops.latq_cpu.set_codebook_isa(name)
+    yield request.param
+    torch.ops.latq_cpu.set_codebook_isa(saved)
+
+
+def close(y: torch.Tensor, x: torch.Tensor, w: CodebookWeight, bias=None):
+    """y against the reference: fp32 summation order, one rounding in x's dtype."""
+    ref = latq_linear_ref(x, w, bias)
+    xr = x if w.rotation is None else rotate(x, w.rotation)
+    bound = (xr.float().abs() @ dequantize(w).abs().T).max().item() * 1e-5
+    ulp = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[x.dtype]
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    torch.testing.assert_close(y.float(), ref.float(), rtol=ulp, atol=bound + ulp * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_decoding_is_the_formats_exactly(bits, isa):
+    """Rows of the identity through the op: every weight read back as the format dequantizes it,
+    bit for bit (small M, and large M's decoded tiles)."""
+    w = weight(bits, n=40, k=128, group=16)
+    st = CPUCodebookKernel.prepare(w)
+    want = dequantize(w).T
+    for m0 in range(0, 128, 8):
+        assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(128)[m0:m0 + 8]), want[m0:m0 + 8])
+    saved = torch.ops.latq_cpu.codebook_large_m()
+    try:
+        torch.ops.latq_cpu.set_codebook_large_m(1)
+        assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(128)), want)
+    finally:
+        torch.ops.latq_cpu.set_codebook_large_m(saved)
+
+
+def test_table_is_the_formats():
+    """Rows 0..255: E8P's patterns, each signed by its parity; 256..511: the ball; 512..639: the
+    sign masks (−0.0 on a flipped lane, the last by the parity); 640, 641: ±¼."""
+    t = decode_table()
+    assert t.shape == (642, 8) and t.dtype == torch.float32
+    assert torch.equal(t[:256].abs().double(), cb.e8p_patterns()) and torch.equal(t[256:512].double(), cb.e8_ball256())
+    assert torch.equal(t[:256, -1] < 0, torch.remainder(cb.e8p_patterns().sum(-1), 2) != 0)
+    masks = t[512:640]
+    assert torch.equal(masks, torch.zeros_like(masks)) and torch.signbit(masks).sum() == 128 * 8 // 2
+    assert torch.signbit(masks[0b1000011]).tolist() == [True, True, False, False, False, False, True, True]
+    assert t[640:].tolist() == [[0.25] * 8, [-0.25] * 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("coded", [False, True], ids=["fp16", "coded"])
+@pytest.mark.parametrize("group", [16, 64, 0], ids=["g16", "g64", "row"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_matches_the_reference(bits, group, coded, dtype):
+    native_or_skip()
+    w = weight(bits, n=48, k=192, group=group or 192, coded=coded, seed=bits)
+    st = CPUCodebookKernel.prepare(w)
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(48, generator=g).to(dtype)
+    for M in (1, 3, 17, 64):
+        x = torch.randn(M, 192, generator=g).to(dtype)
+        close(CPUCodebookKernel.apply(st, x), x, w)
+        close(CPUCodebookKernel.apply(st, x, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 64])
+def test_each_instruction_set(M, isa):
+    w = weight(4, n=40, k=200, group=24)   # a group of 3 blocks: pairs of blocks straddle groups; odd blocks a row
+    x = torch.randn(M, 200, generator=torch.Generator().manual_seed(M))
+    close(CPUCodebookKernel.apply(CPUCodebookKernel.prepare(w), x), x, w)
+
+
+def test_large_m_path_agrees_with_the_small_m_one():
+    native_or_skip()
+    w = weight(3, n=40, k=256)
+    st = CPUCodebookKernel.prepare(w)
+    x = torch.randn(2, 5, 256).bfloat16()   # leading dimensions kept
+    saved = torch.ops.latq_cpu.codebook_large_m()
+    try:
+        small = CPUCodebookKernel.apply(st, x)
+        torch.ops.latq_cpu.set_codebook_large_m(1)
+        large = CPUCodebookKernel.apply(st, x)
+    finally:
+        torch.ops.latq_cpu.set_codebook_large_m(saved)
+    assert large.shape == (2, 5, 40)
+    close(large.reshape(10, 40), x.reshape(10, 256), w)
+    torch.testing.assert_close(large, small, rtol=2 ** -7, atol=1e-6)
+
+
+def test_pure_torch_path_is_the_references():
+    w = weight(2, group=16, coded=True)
+    x = torch.randn(5, 256)
+    bias = torch.randn(48)
+    with native.disabled():
+        y = CPUCodebookKernel.apply(CPUCodebookKernel.prepare(w), x, bias)
+    assert torch.equal(y, latq_linear_ref(x, w, bias))
+
+
+def test_selector_picks_it_for_a_rotated_codebook_layer():
+    """A rotated CodebookWeight on CPU: ``cpu-e8+hadamard`` (``LATQ_KERNEL=cpu`` too: the family's
+    member for the form), through its apply and the op a layer calls."""
+    native_or_skip()
+    k = 256
+    w = replace(weight(3, k=k, group=64), rotation=Rotation(0).signs(k))
+    for forced in (None, "cpu"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(selector.ENV_FORCE, raising=False) if forced is None else mp.setenv(selector.ENV_FORCE, forced)
+            kern, reasons = selector.select_with_reasons(w, CPU, torch.bfloat16)
+        assert kern.name == "cpu-e8+hadamard", reasons
+    st = kern.prepare(w)
+    assert kern.label(st) == "cpu-e8+hadamard"
+    tensors, ints = kern.flatten(st)
+    op = ops.op_for(kern)
+    assert op is torch.ops.latq_cpu.codebook_linear.default
+    bias = torch.randn(48).bfloat16()
+    for M in (1, 3, 17, 64):
+        x = torch.randn(M, k).bfloat16()
+        close(kern.apply(st, x), x, w)
+        close(op(x, tensors, ints, bias, 48), x, w, bias)
+
+
+def test_refusals_name_the_reason():
+    w = weight()
+    assert CPUCodebookKernel.can_implement(w, torch.device("cuda"), torch.bfloat16) == (
+        False, "device cuda is not a CPU")
+    ok, why = CPUCodebookKernel.can_implement(w, CPU, torch.int8)
+    assert not ok and "activation dtype torch.int8 unsupported" in why
+    from vllm_latq.testing.weights import random_weight
+    ok, why = CPUCodebookKernel.can_implement(random_weight(16, 64, 4, 0.0, group=32), CPU, torch.float32)
+    assert (ok, why) == (False, "serves CodebookWeight layers, not LatqWeight")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_served_bytes(bits):
+    """Codes + fp16 scales per layer (``codebook_bytes``), the table once for all layers."""
+    for group, coded in ((64, True), (16, False), (320, False)):
+        w = weight(bits, n=48, k=320, group=group, coded=coded)
+        st = CPUCodebookKernel.prepare(w)
+        served = CPUCodebookKernel.served_bytes(st)
+        assert served.pop("table") == 642 * 8 * 4
+        assert served == CPUCodebookKernel.codebook_bytes(48, 320, bits, group, 4 if coded else None)
+        assert served == {"codes": 48 * 320 * bits // 8, "scales": 2 * 48 * -(-320 // group)}
+    other = CPUCodebookKernel.prepare(weight(bits, seed=1))
+    assert CPUCodebookKernel.shared_tensors(other)["table"] is CPUCodebookKernel.shared_tensors(st)["table"]
+    assert selector.family_member("cpu", CodebookWeight) is CPUCodebookKernel
+
+
+def test_opcheck_native_op():
+    """``latq_cpu::codebook_linear``: schema, fake and dynamic shapes (small and large M, rotated)."""
+    native_or_skip()
+    w = weight(4, n=32, k=256, group=64)
+    tensors, ints = CPUCodebookKernel.flatten(CPUCodebookKernel.prepare(w))
+    op = CPUCodebookKernel.native_op()
+    x, bias = torch.randn(3, 256).bfloat16(), torch.randn(32).bfloat16()
+    torch.library.opcheck(op, (x, tensors, ints, bias, 32))
+    torch.library.opcheck(op, (torch.randn(40, 256), tensors, ints, None, 32))
+    torch.library.opcheck(op, (x, [*tensors, Rotation(0).signs(256)], ints, None, 32))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None
+                    or shutil.which("objdump") is None, reason="an x86 g++ and objdump")
+def test_avx512_path_compiles(tmp_path):
+    """The AVX-512 path, compiled for an AVX-512 target on any x86 machine: it builds and holds
+    zmm code (an AVX2-only machine cannot run it; where one runs it, the tests above do)."""
+    from torch.utils.cpp_extension import include_paths
+    src = next(s for s in native.SOURCES if s.name == "codebook.cpp")
+    obj = tmp_path / "codebook.o"
+    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-fPIC", "-w", *[f"-I{p}" for p in include_paths()],
+           str(src), "-o", str(obj)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True)
+    assert "%zmm" in dis.stdout   # the two-blocks-a-register path (nothing else here targets AVX-512)
