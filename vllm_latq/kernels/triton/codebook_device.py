@@ -163,7 +163,9 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
             w = tl.reshape(v, [8 * GKB, BN]).to(DT)
             cols = 8 * b0 + kk
             xs = tl.load(xrow + cols[None, :], mask=mmask & (cols < K)[None, :], other=0.0).to(DT)
-            sc = _group_scale(sp, (8 * b0) // GROUP, rn % 16, rn < N_PAD, CODED, ASM)
+            # a chunk past K (ragged last step) reads no scale: past the last group lies garbage
+            # (the interpreter folds a scalar bool & a bool tensor into an int: a limit instead)
+            sc = _group_scale(sp, (8 * b0) // GROUP, rn % 16, rn < tl.where(b0 < KB, N_PAD, 0), CODED, ASM)
             acc += tl.dot(xs, w) * sc[None, :]
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
