@@ -26,7 +26,11 @@ from .codebook_device import BALL_AT, _e8_gemv_kernel, _e8_mma_kernel
 from .kernel import INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, device_reason, splitk_floats
 
 BITS = tuple(sorted(cb.CODEBOOKS))
-GEMV_TILE = dict(BN=64, BKB=8, num_warps=4)      # BKB blocks (8·BKB columns) a K step
+# BKB blocks (8·BKB columns) a K step; the GEMV's by its row tile: each row of x adds a register
+# accumulator per (block, output row) pair, so more rows take fewer blocks a step (no spills on
+# sm_80–90 at any of these: tools/compile_record.json)
+GEMV_TILES = {1: dict(BN=64, BKB=8, num_warps=4), 2: dict(BN=64, BKB=4, num_warps=4),
+              4: dict(BN=64, BKB=2, num_warps=4), 8: dict(BN=64, BKB=2, num_warps=4)}
 MMA_TILE = dict(BN=64, BKB=8, num_warps=4)
 MMA_MIN_M = 8                                    # fewer rows of x: the GEMV
 
@@ -116,8 +120,8 @@ def gemv_split(st: E8State, M: int, bm: int, device: torch.device) -> int:
     if tlay.cdiv(M, bm) > 1 or not splitk_floats(st.n_pad):
         return 1
     sms = cfg.device_info(device)[1]
-    n_tiles = tlay.cdiv(st.n_pad, GEMV_TILE["BN"])
-    steps = tlay.cdiv(st.k // cb.DIM, GEMV_TILE["BKB"])
+    n_tiles = tlay.cdiv(st.n_pad, GEMV_TILES[bm]["BN"])
+    steps = tlay.cdiv(st.k // cb.DIM, GEMV_TILES[bm]["BKB"])
     split = 1
     while (2 * split <= min(cfg.MAX_SPLIT, cfg.SPLITK_ROWS // bm) and n_tiles * split < 2 * sms
            and steps >= 8 * split):
@@ -146,8 +150,8 @@ def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str
     y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
     if M == 0:
         return y
-    c = dict(GEMV_TILE if kernel == "gemv" else MMA_TILE)
     bm = min(8, cfg._next_pow2(M)) if kernel == "gemv" else mma_bm(M)
+    c = dict(GEMV_TILES[bm] if kernel == "gemv" else MMA_TILE)
     c["SPLIT"] = gemv_split(st, M, bm, dev) if kernel == "gemv" else 1
     c.update(config or {})
     if c["SPLIT"] > 1 and (tlay.cdiv(M, bm) > 1 or c["SPLIT"] * bm > cfg.SPLITK_ROWS or not splitk_floats(st.n_pad)):
