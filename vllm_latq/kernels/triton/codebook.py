@@ -184,6 +184,8 @@ class TritonCodebookKernel(LatqKernel):
 
     @classmethod
     def can_implement(cls, w: CodebookWeight, device: torch.device, act_dtype: torch.dtype):
+        if not isinstance(w, CodebookWeight):
+            return False, f"serves CodebookWeight layers, not {type(w).__name__}"
         why = device_reason(device, act_dtype)
         if why is not None:
             return False, why
