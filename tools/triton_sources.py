@@ -166,7 +166,7 @@ def _hadamard_jobs(targets, quick: bool) -> list[dict]:
 
 
 def _codebook_jobs(targets, quick: bool) -> list[dict]:
-    """The codebook layers' kernels (``triton/codebook.py``) at their one tile: the GEMV at 1 and 8 rows
+    """The codebook layers' kernels (``triton/codebook.py``) at their tiles: the GEMV at 1 and 8 rows
     of x (split-K's epilogue), the tensor-core kernel at 16 and 64; per code width, with fp16 scales of
     64 columns (one a K step) and coded ones of 16 (a scale per block, decoded). Quick: the most rows, 3 and 4 bits, coded scales
     of 16 columns (the heaviest decode)."""

@@ -27,10 +27,10 @@ from .kernel import INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, device_reason, split
 
 BITS = tuple(sorted(cb.CODEBOOKS))
 # BKB blocks (8·BKB columns) a K step; the GEMV's by its row tile: each row of x adds a register
-# accumulator per (block, output row) pair, so more rows take fewer blocks a step (no spills on
-# sm_80–90 at any of these: tools/compile_record.json)
-GEMV_TILES = {1: dict(BN=64, BKB=8, num_warps=4), 2: dict(BN=64, BKB=4, num_warps=4),
-              4: dict(BN=64, BKB=2, num_warps=4), 8: dict(BN=64, BKB=2, num_warps=4)}
+# accumulator per (block, output row) pair, so more rows take fewer blocks a step (chosen by the
+# compile report's registers and instructions per weight: tools/compile_record.json)
+GEMV_TILES = {1: dict(BN=64, BKB=16, num_warps=4), 2: dict(BN=64, BKB=8, num_warps=4),
+              4: dict(BN=64, BKB=8, num_warps=4), 8: dict(BN=64, BKB=8, num_warps=4)}
 MMA_TILE = dict(BN=64, BKB=8, num_warps=4)
 MMA_MIN_M = 8                                    # fewer rows of x: the GEMV
 

@@ -84,40 +84,41 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
     """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: one program per BN output rows × K split
     × BM rows of x, BKB blocks a K step; each block's point decoded once, scaled by its group's
     scale (the reference's fp32 product, exact) and multiplied with the BM rows' eight activations."""
-    # tensors of the K loop are [BM rows of x, BKB blocks, BN output rows] or slices of it: the
-    # code planes' loads are 16-byte vectors along BN, as the integer GEMV's word tiles
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
-    rn2 = rn[None, :]
-    kb = tl.arange(0, BKB)[:, None]
+    # every tensor of the K loop is [BM rows of x, BKB blocks, BN output rows] or a broadcastable
+    # slice of it, the codes loaded in that shape too: one layout for the whole loop (a 2-D code
+    # tile broadcast into it took a shared-memory round trip and a barrier per coordinate)
+    rn3 = rn[None, None, :]
+    kb3 = tl.arange(0, BKB)[None, :, None]
     rm3 = rm[:, None, None]
     xrow = x_ptr + _row_offset(rm3, stride_xm)
     mmask = rm3 < M
-    sp = _scale_base(s_ptr, rn // 16, rn % 16, NGP, CODED)[None, :]
-    rs = (rn % 16)[None, :]
-    nmask = rn2 < N_PAD
+    sp = _scale_base(s_ptr, rn // 16, rn % 16, NGP, CODED)[None, None, :]
+    rs = (rn % 16)[None, None, :]
+    nmask = rn3 < N_PAD
     tiles = tl.cdiv(KB, BKB)
     per = tl.cdiv(tiles, SPLIT)
     t_beg = pid_k * per
     t_end = tl.minimum(t_beg + per, tiles)
     acc = tl.zeros([BM, BKB, BN], dtype=tl.float32)
     for t in range(t_beg, t_end):
-        b = t * BKB + kb
+        b = t * BKB + kb3
         bmask = (b < KB) & nmask
-        t1, s1, h1, t2, s2, h2 = _fetch(ca_ptr, cb_ptr, tab_ptr, b * N_PAD + rn2, bmask, BITS)
+        t1, s1, h1, t2, s2, h2 = _fetch(ca_ptr, cb_ptr, tab_ptr, b * N_PAD + rn3, bmask, BITS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
         else:
             sc = _group_scale(sp, (8 * b) // GROUP, rs, bmask, CODED, ASM)
-        xb = xrow + 8 * b[None, :, :]
-        xm = mmask & (b < KB)[None, :, :]
+        xb = xrow + 8 * b
+        xm = mmask & (b < KB)
         for j in tl.static_range(8):
             w = _coord(t1, s1, h1, t2, s2, h2, j, BITS, ASM) * sc
             xs = tl.load(xb + j, mask=xm, other=0.0).to(tl.float32)
-            acc += xs * w[None, :, :]
+            acc += xs * w
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
