@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from vllm_latq.format import codebook as cb
-from vllm_latq.format import scale_codes
 from vllm_latq.kernels.reference import latq_linear_ref
 from vllm_latq.kernels.weight import CodebookWeight
+from vllm_latq.testing.weights import random_codebook_weight
 
 triton = pytest.importorskip("triton")
 from vllm_latq.kernels.triton import codebook as tcb  # noqa: E402
@@ -29,14 +29,7 @@ N, K = 40, 200
 
 def make_weight(bits=3, n=N, k=K, group=16, coded=False, seed=0) -> CodebookWeight:
     """Random codes, scales in [0.002, 0.022) (``group`` None: one a row), coded to 4 bits if asked."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k // cb.DIM, cb.CODEBOOKS[bits].index_bytes), generator=g, dtype=torch.uint8)
-    ng = -(-k // group) if group else 1
-    scales = (0.002 + 0.02 * torch.rand(n, ng, generator=g)).half()
-    cs = scale_codes.code_scales(scales.float(), 4) if coded else None
-    if cs is not None:
-        scales = cs.decode().half()
-    return CodebookWeight(codes, scales, bits, group or k, k, cs)
+    return random_codebook_weight(n, k, bits, group=group, seed=seed, scale_bits=4 if coded else None)
 
 
 def check(y, x, w, bias=None):
