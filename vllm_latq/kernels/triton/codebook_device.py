@@ -75,6 +75,19 @@ def _coord(t1, s1, h1, t2, s2, h2, j, BITS: tl.constexpr, ASM: tl.constexpr):
     return v
 
 
+@triton.jit
+def _program(KB, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's rows of x and output rows, and its K split's steps ``[t_beg, t_end)`` of BKB
+    blocks (grid: M tiles fastest, then output tiles, then splits)."""
+    pid_k = tl.program_id(2)
+    tiles = tl.cdiv(KB, BKB)
+    per = tl.cdiv(tiles, SPLIT)
+    t_beg = pid_k * per
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    return rm, rn, pid_k, t_beg, tl.minimum(t_beg + per, tiles)
+
+
 @triton.jit(do_not_specialize=("M", "KB", "NGP"))
 def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, cnt_ptr,
                     M, N, K, KB, stride_xm, stride_ym, N_PAD, NGP, M_WS,
@@ -84,11 +97,7 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
     """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: one program per BN output rows × K split
     × BM rows of x, BKB blocks a K step; each block's point decoded once, scaled by its group's
     scale (the reference's fp32 product, exact) and multiplied with the BM rows' eight activations."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
+    rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
     # every tensor of the K loop is [BM rows of x, BKB blocks, BN output rows] or a broadcastable
     # slice of it, the codes loaded in that shape too: one layout for the whole loop (a 2-D code
     # tile broadcast into it took a shared-memory round trip and a barrier per coordinate)
@@ -100,10 +109,6 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
     sp = _scale_base(s_ptr, rn // 16, rn % 16, NGP, CODED)[None, None, :]
     rs = (rn % 16)[None, None, :]
     nmask = rn3 < N_PAD
-    tiles = tl.cdiv(KB, BKB)
-    per = tl.cdiv(tiles, SPLIT)
-    t_beg = pid_k * per
-    t_end = tl.minimum(t_beg + per, tiles)
     acc = tl.zeros([BM, BKB, BN], dtype=tl.float32)
     for t in range(t_beg, t_end):
         b = t * BKB + kb3
@@ -121,7 +126,7 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
             acc += xs * w
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
-              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
+              tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), SPLIT, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=("M", "KB", "NGP"))
@@ -137,11 +142,7 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
         DT: tl.constexpr = tl.float32
     else:
         DT: tl.constexpr = x_ptr.dtype.element_ty
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
+    rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
     rn3 = rn[None, None, :]
     kb3 = tl.arange(0, GKB)[:, None, None]
     j3 = tl.arange(0, 8)[None, :, None]
@@ -149,10 +150,6 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
     xrow = x_ptr + _row_offset(rm[:, None], stride_xm)
     mmask = (rm < M)[:, None]
     sp = _scale_base(s_ptr, rn // 16, rn % 16, NGP, CODED)
-    tiles = tl.cdiv(KB, BKB)
-    per = tl.cdiv(tiles, SPLIT)
-    t_beg = pid_k * per
-    t_end = tl.minimum(t_beg + per, tiles)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for t in range(t_beg, t_end):
         for q in tl.static_range(BKB // GKB):
@@ -169,4 +166,4 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
             sc = _group_scale(sp, (8 * b0) // GROUP, rn % 16, rn < tl.where(b0 < KB, N_PAD, 0), CODED, ASM)
             acc += tl.dot(xs, w) * sc[None, :]
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
-              pid_n * tl.num_programs(0) + pid_m, SPLIT, HAS_BIAS)
+              tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), SPLIT, HAS_BIAS)
