@@ -179,3 +179,13 @@ def test_rotated_layer_through_the_selector(monkeypatch, interpret_ok):
         with native.disabled():
             y = kern.apply(st, x)
         check(y, rotate(x, w.rotation), replace(w, rotation=None))
+
+
+def test_served_report_counts_codebook_layers_by_this_kernel():
+    from vllm_latq.kernels import selector
+    from vllm_latq.kernels.served_report import layer_served
+    w = make_weight(3, group=64)
+    fams = [k for k in selector.families() if k.name == "triton"]
+    row = layer_served({"codes": w.codes, "scales": w.scales}, "codebook", (N, K), 3, 64, fams)["triton"]
+    assert row["kernel"] == "triton-e8"
+    assert row["bytes"] == sum(TritonCodebookKernel.codebook_bytes(N, K, 3, 64).values())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ...format import codebook as cb
+from ...format import scale_codes
 from ..base import LatqKernel
 from ..weight import CodebookWeight
 from . import configs as cfg
@@ -193,8 +194,8 @@ class TritonCodebookKernel(LatqKernel):
             return False, f"{w.bits}-bit codes (kernels exist for {', '.join(map(str, BITS))})"
         if w.scales.shape[1] > 1 and w.group_size % 16:
             return False, f"group size {w.group_size} is not a multiple of 16"
-        if w.coded is not None and w.coded.bits != 4:
-            return False, f"{w.coded.bits}-bit scale codes (kernels read 4-bit ones)"
+        if w.coded is not None and w.coded.bits not in scale_codes.CODE_BITS:
+            return False, f"{w.coded.bits}-bit scale codes (kernels read {scale_codes.CODE_BITS})"
         n_pad = tlay.cdiv(w.out_features, tlay.ROWS) * tlay.ROWS
         if n_pad * (w.in_features // cb.DIM) >= INDEX_LIMIT:
             return False, f"{w.out_features}×{w.in_features}: the kernels index < 2³¹ blocks"
@@ -248,8 +249,8 @@ class TritonCodebookKernel(LatqKernel):
         if bits not in BITS or k % cb.DIM or (ng > 1 and group % 16):
             raise ValueError(f"{bits}-bit codes, {k} columns, group {group} (kernels: {BITS} bits, whole blocks, "
                              "groups of 16s)")
-        if scale_bits not in (None, 4):
-            raise ValueError(f"{scale_bits}-bit scale codes (kernels: 4)")
+        if scale_bits not in (None, *scale_codes.CODE_BITS):
+            raise ValueError(f"{scale_bits}-bit scale codes (kernels: {scale_codes.CODE_BITS})")
         n_pad = tlay.cdiv(n, tlay.ROWS) * tlay.ROWS
         return {"codes": n_pad * (k // cb.DIM) * cb.CODEBOOKS[bits].index_bytes,
                 "scales": tlay.scale_bytes(n_pad, ng, scale_bits is not None)}
