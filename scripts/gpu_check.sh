@@ -36,7 +36,8 @@ set -uo pipefail
 # the GPU tests and their shards; tests/gpu/test_gpu_check.py checks every GPU test falls in a shard
 test_files=(tests/gpu/test_triton_cuda.py tests/gpu/test_families_cuda.py tests/gpu/test_graphs_cuda.py
             tests/gpu/test_moe_cuda.py tests/gpu/test_solvers_cuda.py tests/gpu/test_pipeline_cuda.py
-            tests/kernels/test_opcheck.py tests/gpu/test_gpu_capture.py tests/quantize/test_distributed.py)
+            tests/kernels/test_opcheck.py tests/gpu/test_gpu_capture.py tests/quantize/test_distributed.py
+            tests/gpu/test_codebook_cuda.py)
 shards=()
 for b in 2bit 3bit 4bit 5bit; do
   shards+=("$b and splitk" "$b and ragged" "$b and moe and not splitk and not ragged"
