@@ -21,7 +21,9 @@
 #                         (else the checkout's HEAD); also written to the checkout's docs/gpu/latest.json
 # OUTDIR/boundary.log     the CUDA-boundary paths that need no vLLM (vllm_latq/testing/boundary_paths.py)
 # OUTDIR/tests.log        every shard's pytest output; tests-N.log, junit-N.xml (in the time left)
-# OUTDIR/bench_scales.log, launch_configs.log, launch_timings.json: the rest, where time is left (--phase rest)
+# OUTDIR/bench_scales.log, e8_kernels.log, launch_configs.log, launch_timings.json: the rest, where time is left
+#                         (--phase rest); e8_kernels.log: the codebook kernels (triton-e8, 3 bits, s4-g64) against
+#                         bf16 and the integer 3-bit kernel at batch 1, 4, 16
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a boundary path or a test failed or timed out (the benches run anyway).
 #
@@ -34,7 +36,8 @@ set -uo pipefail
 # the GPU tests and their shards; tests/gpu/test_gpu_check.py checks every GPU test falls in a shard
 test_files=(tests/gpu/test_triton_cuda.py tests/gpu/test_families_cuda.py tests/gpu/test_graphs_cuda.py
             tests/gpu/test_moe_cuda.py tests/gpu/test_solvers_cuda.py tests/gpu/test_pipeline_cuda.py
-            tests/kernels/test_opcheck.py tests/gpu/test_gpu_capture.py tests/quantize/test_distributed.py)
+            tests/kernels/test_opcheck.py tests/gpu/test_gpu_capture.py tests/quantize/test_distributed.py
+            tests/gpu/test_codebook_cuda.py)
 shards=()
 for b in 2bit 3bit 4bit 5bit; do
   shards+=("$b and splitk" "$b and ragged" "$b and moe and not splitk and not ragged"
@@ -204,6 +207,12 @@ rest() {
         --breakdown none --peers none --scales fp16-g128,s4-g64,fp16-g64,s4-g32 --budget-s $((scales_s - 25))
   else
     note "scale-form bench: not run ($(left)s left)"
+  fi
+  local e8_s=60
+  if [ "$(left)" -ge $((e8_s + 10)) ]; then
+    run e8_kernels.log "$e8_s" -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 --budget-s $((e8_s - 25))
+  else
+    note "codebook-kernel bench: not run ($(left)s left)"
   fi
   configs_s=$(($(left) - 5))
   if [ "$configs_s" -ge 30 ]; then

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
 SOURCE_OF = {"gemv": "_tile_source", "mma": "_tile_source", "moe": "_moe_source", "dequant": "_dequant_source",
              "outliers": "_outlier_source", "hadamard": "_hadamard_source", "gemv_pipe": "_pipelined_source",
-             "mma_pipe": "_pipelined_source"}
+             "mma_pipe": "_pipelined_source", "e8_gemv": "_codebook_source", "e8_mma": "_codebook_source"}
 
 
 def _strip_docstrings(tree):
@@ -296,7 +296,9 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             if j["kernel"] in ("dequant", "outliers", "hadamard"):         # no K loop of weights × rows
                 rows.append(row)
                 continue
-            if j["kernel"] in ("mma", "mma_pipe", "gemv_pipe"):
+            if j["kernel"] in ("e8_gemv", "e8_mma"):                        # one trip: a K step of blocks
+                cols = 8 * j["BKB"]
+            elif j["kernel"] in ("mma", "mma_pipe", "gemv_pipe"):
                 cols = 128 if j["bits"] == 3 else step_of(j["bits"])      # 3 bits: quarter-step loop
             else:                                                           # gemv, moe
                 cols = 16 * (16 // {3: 2, 5: 4}.get(j["bits"], j["bits"]))

@@ -17,7 +17,8 @@ TARGETS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}   # cc → max dynami
 KERNELS = {"gemv": ("device.py", "_gemv_kernel"), "mma": ("mma.py", "_mma_kernel"),
            "gemv_pipe": ("pipelined.py", "_gemv_pipelined_kernel"), "mma_pipe": ("pipelined.py", "_mma_pipelined_kernel"),
            "moe": ("grouped_moe.py", "_moe_gemv_kernel"), "dequant": ("dequant.py", "_dequant_kernel"),
-           "outliers": ("dequant.py", "_outlier_kernel"), "hadamard": ("hadamard.py", "_hadamard_kernel")}
+           "outliers": ("dequant.py", "_outlier_kernel"), "hadamard": ("hadamard.py", "_hadamard_kernel"),
+           "e8_gemv": ("codebook_device.py", "_e8_gemv_kernel"), "e8_mma": ("codebook_device.py", "_e8_mma_kernel")}
 SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
 S_PTR = {"fp16": "*fp16", "coded": "*i32"}
 DTYPES = ("bf16", "fp16")       # activations: the large-M path writes the weights in their dtype
@@ -57,7 +58,8 @@ def all_jobs(targets=tuple(TARGETS), quick: bool = False) -> list[dict]:
     split-K; bf16 only for the large-M kernels — the default test; the full sweep is the slow
     test and the bench."""
     return (_tile_jobs(targets, quick) + _pipelined_jobs(targets, quick) + _moe_jobs(targets, quick)
-            + _dequant_jobs(targets, quick) + _outlier_jobs(targets, quick) + _hadamard_jobs(targets, quick))
+            + _dequant_jobs(targets, quick) + _outlier_jobs(targets, quick) + _hadamard_jobs(targets, quick)
+            + _codebook_jobs(targets, quick))
 
 
 def _tile_jobs(targets, quick: bool) -> list[dict]:
@@ -163,13 +165,30 @@ def _hadamard_jobs(targets, quick: bool) -> list[dict]:
             for dt in (DTYPES[:1] if quick else DTYPES) for b in blocks for cc in targets]
 
 
+def _codebook_jobs(targets, quick: bool) -> list[dict]:
+    """The codebook layers' kernels (``triton/codebook.py``) at their tiles: the GEMV at 1 and 8 rows
+    of x (split-K's epilogue), the tensor-core kernel at 16 and 64; per code width, with fp16 scales of
+    64 columns (one a K step) and coded ones of 16 (a scale per block, decoded). Quick: the most rows, 3 and 4 bits, coded scales
+    of 16 columns (the heaviest decode)."""
+    from vllm_latq.kernels.triton import codebook as tcb
+    out = []
+    for kernel, bms in (("e8_gemv", (1, 8)), ("e8_mma", (16, 64))):
+        for bm in bms[-1:] if quick else bms:
+            tile = tcb.GEMV_TILES[bm] if kernel == "e8_gemv" else tcb.MMA_TILE
+            for bits in (3, 4) if quick else tcb.BITS:
+                for scales, group in [("coded", 16)] if quick else [("fp16", 64), ("coded", 16)]:
+                    out += [dict(kernel=kernel, bits=bits, BM=bm, SPLIT=8 if kernel == "e8_gemv" else 1,
+                                 scales=scales, group=group, cc=cc, **tile) for cc in targets]
+    return out
+
+
 # ----------------------------------------------------------------------------- sources
 
 def source(j: dict):
     """The ``triton.compile`` source of one job (TRITON_INTERPRET must be unset)."""
     return {"gemv": _tile_source, "mma": _tile_source, "gemv_pipe": _pipelined_source, "mma_pipe": _pipelined_source,
             "moe": _moe_source, "dequant": _dequant_source, "outliers": _outlier_source,
-            "hadamard": _hadamard_source}[j["kernel"]](j)
+            "hadamard": _hadamard_source, "e8_gemv": _codebook_source, "e8_mma": _codebook_source}[j["kernel"]](j)
 
 
 def _ast_source(fn, sig: dict, const: dict, div16):
@@ -264,3 +283,23 @@ def _hadamard_source(j: dict):
                stride_ym="i32", scale="fp32")
     const = dict(B=j["B"], LOG=j["B"].bit_length() - 1, BM=j["BM"])
     return _ast_source(fn, sig, const, {"x_ptr", "s_ptr", "y_ptr", "stride_xm", "stride_ym"})
+
+
+def _codebook_source(j: dict):
+    """A codebook kernel: bf16 activations, sizes and pointers 16-divisible as for the Qwen3-8B shapes
+    (M and the per-layer block and group counts never specialised: ``do_not_specialize``)."""
+    from vllm_latq.kernels.triton import codebook as tcb
+    from vllm_latq.kernels.triton import codebook_device as tcd
+    fn = tcd._e8_gemv_kernel if j["kernel"] == "e8_gemv" else tcd._e8_mma_kernel
+    plane = "*i32" if j["bits"] == 4 else "*i16"
+    ptrs = ["*bf16", "*bf16", "*bf16", plane, "*u8" if j["bits"] == 3 else plane, S_PTR[j["scales"]], "*i32",
+            "*fp32", "*i32"]
+    ints = ["M", "N", "K", "KB", "stride_xm", "stride_ym", "N_PAD", "NGP", "M_WS"]
+    names = fn.arg_names
+    sig = {**dict(zip(names, ptrs)), **{n: "i32" for n in ints}}
+    const = dict(BITS=j["bits"], GROUP=j["group"], BM=j["BM"], BN=j["BN"], BKB=j["BKB"], SPLIT=j["SPLIT"],
+                 HAS_BIAS=True, ASM=True, CODED=j["scales"] == "coded")
+    if j["kernel"] == "e8_mma":
+        const.update(GKB=tcb.dot_blocks(j["group"], j["BKB"]), F32DOT=False)
+    div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
+    return _ast_source(fn, sig, const, div16)

@@ -98,7 +98,7 @@ def assert_matches_reference(y, x, w, bias=None, exact=True, what=""):
     √K·2⁻²⁴·S, to recalibrate from the first GPU log."""
     K = w.in_features
     assert not (CUDA and torch.backends.cuda.matmul.allow_tf32), "TF32 on: the fp32 reference would not be fp32"
-    with torch.device(w.qweight.device):
+    with torch.device(w.scales.device):
         ref = latq_linear_ref(x.float(), w, None if bias is None else bias.float())
         W = dequantize(w)
     S = (x.float().reshape(-1, K).abs() @ W.abs().T).reshape(ref.shape)

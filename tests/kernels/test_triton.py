@@ -505,10 +505,11 @@ def test_offline_compile_heaviest_configs():
     jobs = tc.all_jobs(quick=True)
     assert {j["cc"] for j in jobs} == {80, 86, 89, 90}
     assert {j["kernel"] for j in jobs} == {"gemv", "mma", "gemv_pipe", "mma_pipe", "moe", "dequant", "outliers",
-                                           "hadamard"}
+                                           "hadamard", "e8_gemv", "e8_mma"}
     rows = _check_static(tc.summarize(jobs, tc.run(jobs)))
-    assert all(r["mma"] > 0 for r in rows if r["kernel"] in ("mma", "mma_pipe"))        # tensor cores used
-    assert all(r["mma"] == 0 for r in rows if r["kernel"] not in ("mma", "mma_pipe"))   # SIMT only
+    tensor_cores = ("mma", "mma_pipe", "e8_mma")
+    assert all(r["mma"] > 0 for r in rows if r["kernel"] in tensor_cores)        # tensor cores used
+    assert all(r["mma"] == 0 for r in rows if r["kernel"] not in tensor_cores)   # SIMT only
     record = tc.read_record()
     if not tc.record_staleness(record, tc.all_jobs()):                    # else the test below fails
         assert not (bad := tc.record_mismatches(jobs, rows, record)), "\n".join(bad)
@@ -525,7 +526,7 @@ def test_compile_record_is_current():
 
 
 SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "gemv_pipe": 2, "mma_pipe": 2, "moe": 1, "dequant": 1, "outliers": 1,
-                     "hadamard": 1}
+                     "hadamard": 1, "e8_gemv": 1, "e8_mma": 1}
 
 
 def _record_sample(jobs: list[dict], seed: int, per_target: dict = SAMPLE_PER_TARGET) -> list[dict]:

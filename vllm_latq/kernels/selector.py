@@ -32,6 +32,8 @@ def kernels() -> list[type[LatqKernel]]:
     try:
         from .triton.kernel import TritonKernel
         found.append(TritonKernel)
+        from .triton.codebook import TritonCodebookKernel
+        found.append(TritonCodebookKernel)
     except ImportError:
         pass
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import format as fmt
-from ..kernels.weight import LatqWeight
+from ..kernels.weight import CodebookWeight, LatqWeight
 
 
 def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 128, seed: int = 0,
@@ -32,3 +32,17 @@ def random_weight(out: int, cin: int, bits: int, rate: float, *, group: int = 12
     if coded is not None:
         scales = coded.decode().half()
     return LatqWeight(fmt.pack(z, bits), scales, crow, cols.int(), val.float(), bits, group, cin, coded)
+
+
+def random_codebook_weight(out: int, cin: int, bits: int, *, group: int | None = 64, seed: int = 0,
+                           scale_bits: int | None = None) -> CodebookWeight:
+    """A random codebook layer (method e8) in the runtime form: uniform codes of ``bits``' codebook,
+    scales in [0.002, 0.022) per ``group`` columns (None: one a row), coded to ``scale_bits`` if given."""
+    g = torch.Generator().manual_seed(seed)
+    book = fmt.codebook.CODEBOOKS[bits]
+    codes = torch.randint(0, 256, (out, cin // fmt.codebook.DIM, book.index_bytes), generator=g, dtype=torch.uint8)
+    scales = (0.002 + 0.02 * torch.rand(out, -(-cin // group) if group else 1, generator=g)).half()
+    coded = None if scale_bits is None else fmt.scale_codes.code_scales(scales.float(), scale_bits)
+    if coded is not None:
+        scales = coded.decode().half()
+    return CodebookWeight(codes, scales, bits, group or cin, cin, coded)

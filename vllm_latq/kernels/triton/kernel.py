@@ -283,6 +283,21 @@ def pick_kernel(st: TritonState, x2: torch.Tensor) -> str:
     return cfg.route(st.bits, M, st.n_pad, st.k_pad, cfg.device_info(x2.device)[0])
 
 
+def device_reason(device: torch.device, act_dtype: torch.dtype) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` with ``act_dtype`` activations, or None: a CUDA
+    device of compute capability ≥ 8.0 (or CPU tensors in the interpreter, where allowed)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        if not (INTERPRET and interpret_ok()):
+            return (f"needs a CUDA device (got {device.type}); for CPU tensors set "
+                    f"TRITON_INTERPRET=1 and {ENV_INTERPRET_OK}=1 (Triton interpreter)")
+    elif torch.cuda.get_device_capability(device) < (8, 0):
+        return f"needs compute capability ≥ 8.0 (got {torch.cuda.get_device_capability(device)})"
+    if act_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"activation dtype {act_dtype}"
+    return None
+
+
 class TritonKernel(LatqKernel):
     """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (8 ≤ M ≤ 64), fused outliers;
     above 64 rows (``MMA_MAX_M``), dequantize once + cuBLAS."""
@@ -303,17 +318,11 @@ class TritonKernel(LatqKernel):
 
     @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype):
-        device = torch.device(device)
-        if device.type != "cuda":
-            if not (INTERPRET and interpret_ok()):
-                return False, (f"needs a CUDA device (got {device.type}); for CPU tensors set "
-                               f"TRITON_INTERPRET=1 and {ENV_INTERPRET_OK}=1 (Triton interpreter)")
-        elif torch.cuda.get_device_capability(device) < (8, 0):
-            return False, f"needs compute capability ≥ 8.0 (got {torch.cuda.get_device_capability(device)})"
+        why = device_reason(device, act_dtype)
+        if why is not None:
+            return False, why
         if w.bits not in cls.widths:
             return False, f"{w.bits}-bit inliers (kernels exist for {', '.join(map(str, cls.widths))})"
-        if act_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            return False, f"activation dtype {act_dtype}"
         if w.scales.shape[1] > 1 and w.group_size % 16:
             return False, f"group size {w.group_size} is not a multiple of 16"
         why = size_reason(w.out_features, w.in_features, w.bits, w.nnz)

@@ -1,0 +1,95 @@
+"""The codebook layers' Triton kernels (``triton-e8``) on a GPU: per layer shape and batch, the
+kernel's time beside dense bf16 ``F.linear`` and the integer Triton kernel at the same bits and scales
+(``TritonKernel``, no outliers), operands cycled past L2 as :mod:`bench.kernel_timing` does, each
+output checked against the fp32 reference. ``--dry-run``: a tiny layer in Triton's interpreter with a
+fake timer (no speed), the tables' shape only.
+
+    python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from bench.kernel_timing import _time_dense, bench_weight, copies, cuda_timer, rel_err, scale_form, time_cycled
+from bench.kernels import parse_shapes
+
+ERR_TOL = 3e-2       # as bench.kernel_timing: bf16 output rounding is ≤ 2^-7
+
+
+def _copies_of(kernel, st, r: int) -> list:
+    """``r`` states of ``kernel`` (``st`` and clones of its tensors but the shared ones)."""
+    shared = {id(t) for t in kernel.shared_tensors(st).values()}
+    tensors, ints = kernel.flatten(st)
+    return [st] + [kernel.unflatten([t if t is None or id(t) in shared else t.clone() for t in tensors], ints)
+                   for _ in range(r - 1)]
+
+
+def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
+    """One layer shape: rows {m, e8_us, int_us, bf16_us, e8_err, e8_gbps} for each batch of ``ms``."""
+    from vllm_latq.kernels.reference import latq_linear_ref
+    from vllm_latq.kernels.triton.codebook import TritonCodebookKernel as E8
+    from vllm_latq.kernels.triton.kernel import TritonKernel as Int
+    from vllm_latq.testing.weights import random_codebook_weight
+    group, scale_bits = scale_form(scales)
+    w8 = random_codebook_weight(n, k, bits, group=group, scale_bits=scale_bits)
+    wi = bench_weight(n, k, bits, 0.0, scales)
+    st8, sti = E8.prepare(w8.to(dev)), Int.prepare(wi.to(dev))
+    served = sum(v for p, v in E8.served_bytes(st8).items() if p != "codebook")
+    s8 = _copies_of(E8, st8, copies(served, l2))
+    si = _copies_of(Int, sti, copies(sum(Int.served_bytes(sti).values()), l2))
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        err = rel_err(E8.apply(st8, x).float().cpu(), latq_linear_ref(x.float().cpu(), w8))
+        e8 = time_cycled(timer, [lambda s=s: E8.apply(s, x) for s in s8])
+        it = time_cycled(timer, [lambda s=s: Int.apply(s, x) for s in si])
+        dense = _time_dense(n, k, x, l2, timer)
+        rows.append(dict(m=m, e8_us=e8, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3))
+        log(f"{n:>6}x{k:<6} {m:>3} {e8:>9.1f} {it:>9.1f} {dense:>9.1f} {served / e8 / 1e3:>8.0f} {err:>8.1e}"
+            + ("  WRONG" if err > ERR_TOL else ""))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="8b.down,8b.gate_up", help="bench.kernels' shapes (NxK or table names)")
+    ap.add_argument("--m", default="1,4,16", help="batches (rows of x)")
+    ap.add_argument("--bits", type=int, default=3, choices=(2, 3, 4))
+    ap.add_argument("--scales", default="s4-g64", help="scale form, as bench.kernels' --scales")
+    ap.add_argument("--rep-ms", type=float, default=50.0)
+    ap.add_argument("--budget-s", type=float, default=60.0, help="no new shape after this many seconds")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, a tiny layer, no speed")
+    a = ap.parse_args(argv)
+    ms = [int(v) for v in a.m.split(",")]
+    if a.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("e8_kernels: --dry-run needs TRITON_INTERPRET=1 (set before Triton is imported)", file=sys.stderr)
+            return 2
+        shapes, dev, l2 = [("tiny", 64, 256)], torch.device("cpu"), 1 << 10
+        timer = lambda fn: (fn(), 1.0)[1]  # noqa: E731
+    else:
+        shapes, dev = parse_shapes(a.shapes), torch.device("cuda", 0)
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (50 << 20)
+        timer = cuda_timer(a.rep_ms)
+    print(f"{'layer':>13} {'M':>3} {'e8 µs':>9} {'int µs':>9} {'bf16 µs':>9} {'e8 GB/s':>8} {'rel err':>8}"
+          f"   ({a.bits} bits, {a.scales}; int: TritonKernel at the same bits and scales, no outliers)")
+    t0, worst = time.perf_counter(), 0.0
+    for name, n, k in shapes:
+        if time.perf_counter() - t0 > a.budget_s:
+            print(f"{name}: not timed (budget {a.budget_s:.0f} s spent)")
+            continue
+        rows = time_layer(n, k, a.bits, a.scales, ms, dev, l2, timer, print)
+        worst = max([worst] + [r["e8_err"] for r in rows])
+        one = rows[0]
+        print(f"HEADLINE e8_kernels {name} M={one['m']}: triton-e8 {one['e8_us']:.1f} us, integer "
+              f"{one['int_us']:.1f} us, bf16 {one['bf16_us']:.1f} us ({one['bf16_us'] / one['e8_us']:.2f}x bf16)")
+    return 1 if worst > ERR_TOL else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""bench/e8_kernels.py on a CPU: its dry run (Triton's interpreter, a fake timer) prints a row per batch and
+a HEADLINE, the codebook kernel's outputs within the bench's error bound; without the interpreter it refuses."""
+import os
+
+import pytest
+
+pytest.importorskip("triton")
+from bench import e8_kernels  # noqa: E402
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the dry run needs Triton's interpreter")
+def test_dry_run_prints_rows_and_a_headline(capsys):
+    assert e8_kernels.main(["--dry-run", "--m", "1,9", "--bits", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.strip().startswith("64x256")]
+    assert [int(r.split()[1]) for r in rows] == [1, 9]
+    assert all(float(r.split()[-1]) < e8_kernels.ERR_TOL for r in rows)
+    assert "HEADLINE e8_kernels tiny M=1: triton-e8 1.0 us" in out
+
+
+def test_dry_run_needs_the_interpreter(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert e8_kernels.main(["--dry-run"]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
