@@ -43,3 +43,28 @@ def test_dequantized_kernels_serve_the_reference():
     assert torch.equal(DequantizedFp32Kernel.apply(DequantizedFp32Kernel.prepare(w), x), ref)
     y = DequantizedBf16Kernel.apply(DequantizedBf16Kernel.prepare(w), x.bfloat16())
     torch.testing.assert_close(y.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+def test_every_codebook_kernel_installs_on_a_rotated_layer():
+    """What a vLLM layer does at load (``install_kernel``): the kernel for a rotated codebook layer, its
+    prepared state flattened, its op and lean op looked up, and the op's output the reference's."""
+    from dataclasses import replace
+
+    from vllm_latq.format.rotation import Rotation
+    from vllm_latq.kernels import ops
+    w = _weight(3)
+    w = replace(w, rotation=Rotation(0).signs(w.in_features))
+    x = torch.randn(2, w.in_features)
+    served = 0
+    for k in selector.kernels():   # the families' codebook kernels that run here (the fallback: above)
+        if k.family is None or CodebookWeight not in k.forms or not k.can_implement(w, torch.device("cpu"),
+                                                                                     torch.float32)[0]:
+            continue
+        served += 1
+        kernel = selector.for_weight(k, w)
+        state = kernel.prepare(w)
+        tensors, ints = kernel.flatten(state)
+        ops.plain_call(kernel, state, tensors)
+        y = ops.op_for(kernel)(x, tensors, ints, None, w.out_features)
+        torch.testing.assert_close(y, latq_linear_ref(x, w), rtol=1e-4, atol=1e-4, msg=kernel.name)
+    assert served

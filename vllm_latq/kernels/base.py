@@ -135,9 +135,10 @@ class LatqKernel:
         return None
 
     @classmethod
-    def plain_op(cls, state: Any):
+    def plain_op(cls, state: Any, rotated: bool = False):
         """A native op ``(x, tensors[0], tensors[1], ints, out_features, *rest)`` (``ops.plain_call``):
-        the native op's math without bias, fewer arguments to parse per call; None: none."""
+        the native op's math without bias, fewer arguments to parse per call; None: none
+        (``rotated``: the op for a rotated layer, the signs after ``out_features``)."""
         return None
 
     @classmethod
