@@ -101,3 +101,13 @@ def test_eval_refuses_a_window_past_the_model_positions(tiny_llama, text, capfd,
     rc, out, err = _run(capfd, evaluate.main, tiny_llama, "--text", text, "--seqlen", 2 ** 63, "--no-progress")
     assert rc == 2 and err == (f"latq-eval: error: --seqlen {2 ** 63} is longer than the model's 2048 positions "
                                f"(max_position_embeddings of {tiny_llama})\n"), err
+
+
+def test_inspect_names_a_missing_checkpoint_and_a_file_for_what_they_are(tmp_path, capfd):
+    """``latq-inspect`` on a path that does not exist says so, and on a file that it is not a directory."""
+    from vllm_latq.commands.inspect import inspect_main
+    f = tmp_path / "ckpt.txt"
+    f.write_text("x")
+    for path, why in ((tmp_path / "missing", "no such directory"), (f, "not a directory")):
+        rc, out, err = _run(capfd, inspect_main, path)
+        assert rc == 2 and err.strip().endswith(f"file {path}: {why}"), err

@@ -55,7 +55,7 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike, expect_digest: str | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FormatError("not a directory", file=str(self.path))
+            raise FormatError("not a directory" if self.path.exists() else "no such directory", file=str(self.path))
         check_no_links_out(self.path)
         self.files = OpenedDir(self.path)
         self._manifest: dict | None = None
