@@ -33,13 +33,20 @@ def layer_served(t: dict[str, torch.Tensor], kind: str, shape, bits: int, group:
     for fam in fams:
         b = bits if kind == "dense" else choose_width(n, k, stats, fam)
         try:
-            parts, kernel = fam.layout_bytes(n, k, b, group, stats, scale_bits), fam.name
+            out[fam.name] = _served(b, fam.name, fam.layout_bytes(n, k, b, group, stats, scale_bits), n * k)
         except ValueError:
-            parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"   # it folds a rotation into them
-        total = sum(parts.values())
-        out[fam.name] = {"bits": b, "kernel": kernel, "bytes": total, "parts": parts,
-                         "bits_per_weight": 8 * total / (n * k)}
+            out[fam.name] = _fallback(b, n * k)
     return out
+
+
+def _served(bits: int, kernel: str, parts: dict[str, int], weights: int) -> dict:
+    total = sum(parts.values())
+    return {"bits": bits, "kernel": kernel, "bytes": total, "parts": parts, "bits_per_weight": 8 * total / weights}
+
+
+def _fallback(bits: int, weights: int) -> dict:
+    """The bf16 dequantize-once kernel's record (it folds a rotation into its weights)."""
+    return _served(bits, "bf16", {"weights": FALLBACK_BYTES * weights}, weights)
 
 
 def _codebook_served(t, n: int, k: int, bits: int, group: int, fams) -> dict[str, dict]:
@@ -48,13 +55,8 @@ def _codebook_served(t, n: int, k: int, bits: int, group: int, fams) -> dict[str
     out = {}
     for fam in fams:
         member = family_member(family_name(fam), CodebookWeight)
-        if member is not None:
-            parts, kernel = member.codebook_bytes(n, k, bits, group, scale_bits), member.name
-        else:
-            parts, kernel = {"weights": FALLBACK_BYTES * n * k}, "bf16"
-        total = sum(parts.values())
-        out[fam.name] = {"bits": bits, "kernel": kernel, "bytes": total, "parts": parts,
-                         "bits_per_weight": 8 * total / (n * k)}
+        out[fam.name] = _fallback(bits, n * k) if member is None else _served(
+            bits, member.name, member.codebook_bytes(n, k, bits, group, scale_bits), n * k)
     return out
 
 
