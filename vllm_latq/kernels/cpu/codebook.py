@@ -13,6 +13,7 @@ import torch
 from ...format import codebook as cb
 from ... import native
 from ..base import LatqKernel
+from ..reference import latq_linear_ref
 from ..weight import CodebookWeight
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,12 +94,9 @@ class CPUCodebookKernel(LatqKernel):
         if native.usable():
             return torch.ops.latq_cpu.codebook_linear(x, [state.codes, state.scales, state.table],
                                                       [state.bits, state.group_size, state.in_features], bias, N)
-        # without the op: latq_linear_ref's operations on the format's dequantization
-        w = cb.dequantize(state.codes, state.scales, state.bits, state.group_size)
-        y = x.float() @ w.T
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
+        # without the op: the reference itself, on the state's codes and fp16 scales
+        return latq_linear_ref(x, CodebookWeight(state.codes, state.scales, state.bits, state.group_size,
+                                                 state.in_features), bias)
 
     @classmethod
     def served_bytes(cls, state: CodebookState) -> dict[str, int]:
