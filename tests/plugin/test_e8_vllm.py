@@ -81,3 +81,33 @@ def test_vllm_serves_it_on_two_ranks(tmp_path):
     want = h.hf_greedy(hf, ids, 16)
     if res["tokens"] != want:
         assert max(h.greedy_margins(hf, ids, res["tokens"])) < 0.1
+
+
+@pytest.mark.slow
+def test_vllm_serves_e8_experts(tmp_path):
+    """A tiny Qwen3-MoE quantized with method e8, experts included: vLLM's MoE kernels refuse the
+    form, latq's serve each expert with its codebook kernel. The exact kernel's greedy tokens are HF's
+    on the dequantized weights; the default kernel's up to near-ties; at TP 2 (each rank half of every
+    expert's rows of gate and up and columns of down, whole rotation blocks) as on one rank."""
+    from vllm_latq.format.checkpoint import load_dequantized_model
+    from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
+    from vllm_latq.testing.moe_models import make_moe_model
+    # o and down take 512 columns, 256 a rank: whole blocks of the rotation (256 columns at most)
+    src = make_moe_model(tmp_path / "src", "qwen3_moe", head_dim=256, moe_intermediate_size=512)
+    ck = quantize_model(src, tmp_path / "e8", QuantizeOptions(method="e8", bits=3, group_size=16, scale_bits=4,
+                                                              nsamples=4, seqlen=64, rotate="hadamard"),
+                        progress=False)
+    ids = h.tokenize(ck)
+    hf = load_dequantized_model(ck)
+    want = h.hf_greedy(hf, ids, 16)
+    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}} for k in ("dequant", "")]
+    res = h.run_vllm_jobs(jobs, tmp=tmp_path)
+    for r in res:
+        assert "error" not in r, r.get("traceback")
+    assert "refused by vllm: experts: the codebook form" in res[0]["log"]
+    assert res[0]["tokens"] == want
+    two = h.run_vllm_jobs([jobs[0]], tp=2, tmp=tmp_path, timeout=1800)[0]
+    assert "error" not in two, two.get("traceback")
+    for got in (res[1]["tokens"], two["tokens"]):
+        if got != want:
+            assert max(h.greedy_margins(hf, ids, got)) < 0.1

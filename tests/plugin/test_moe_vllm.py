@@ -9,7 +9,7 @@ import torch
 from vllm_latq import format as fmt
 from vllm_latq.kernels import moe, ops
 from vllm_latq.kernels.weight import dequantize
-from vllm_latq.testing.weights import random_weight
+from vllm_latq.testing.weights import random_codebook_weight, random_weight
 
 from tests import vllm_helpers as h
 from vllm_latq.testing.moe_models import (ARCHS, hf_reference, make_moe_checkpoint, make_moe_model, moe_reference, ssqr_like)
@@ -19,14 +19,20 @@ from vllm_latq.testing.moe_models import (ARCHS, hf_reference, make_moe_checkpoi
 E, H, INTER, TOPK = 4, 64, 96, 2
 
 
-def _experts(kernel_name: str, seed: int = 0) -> tuple[list[moe.Expert], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Random latq experts prepared by ``kernel_name`` and their fp32 dequantized weights."""
+def _experts(kernel_name: str, seed: int = 0, codebook: bool = False
+             ) -> tuple[list[moe.Expert], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Random latq experts prepared by ``kernel_name`` and their fp32 dequantized weights; ``codebook``:
+    of the codebook form (method e8: 3-bit codes, coded scales per 16 columns), else dense with outliers."""
     from vllm_latq.kernels.selector import kernels
     kernel = next(k for k in kernels() if k.name == kernel_name)
     experts, dense = [], []
     for e in range(E):
-        w13 = random_weight(2 * INTER, H, 4, 0.01, group=32, seed=seed + 2 * e, fp16_values=True)
-        w2 = random_weight(H, INTER, 3, 0.02, group=32, seed=seed + 2 * e + 1, fp16_values=True)
+        if codebook:
+            w13 = random_codebook_weight(2 * INTER, H, 3, group=16, seed=seed + 2 * e, scale_bits=4)
+            w2 = random_codebook_weight(H, INTER, 2, group=16, seed=seed + 2 * e + 1, scale_bits=4)
+        else:
+            w13 = random_weight(2 * INTER, H, 4, 0.01, group=32, seed=seed + 2 * e, fp16_values=True)
+            w2 = random_weight(H, INTER, 3, 0.02, group=32, seed=seed + 2 * e + 1, fp16_values=True)
         experts.append(moe.Expert((kernel, kernel.prepare(w13)), (kernel, kernel.prepare(w2))))
         dense.append((dequantize(w13), dequantize(w2)))
     return experts, dense
@@ -65,30 +71,53 @@ def test_experts_forward_equals_reference(kernel, dtype, tol, T):
     assert (got1.float() - want1).abs().max() <= tol * want1.abs().max()
 
 
+@pytest.mark.parametrize("kernel,dtype,tol", [("dequant", torch.float32, 1e-5), ("cpu-e8", torch.bfloat16, 3e-2),
+                                              ("bf16", torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_codebook_experts_forward_equals_reference(kernel, dtype, tol, T):
+    """Experts of the codebook form (method e8) by each kernel that takes it, grouped by expert,
+    masked and through the custom op: the token-by-token definition on their decoded points."""
+    experts, dense = _experts(kernel, codebook=True)
+    x, w, ids = _routing(T, T)
+    ids[0, 1] = -1
+    want = moe_reference(x, w, ids, dense)
+    xd = x.to(dtype)
+    for y in (moe.experts_forward(xd, w, ids, experts, "silu"),
+              moe.experts_forward(xd, w, ids, experts, "silu", path="masked"),
+              ops.moe_op()(xd, w, ids, *moe.flatten(experts), "silu", False)):
+        assert y.dtype == dtype and (y.float() - want).abs().max() <= tol * want.abs().max()
+
+
 @pytest.mark.parametrize("T", [3, 9])
-def test_experts_forward_through_triton_interpreter(T, monkeypatch):
-    """The CUDA path's kernels (Triton: SIMT GEMV below 8 rows, tensor-core from 8), run by
-    Triton's interpreter on CPU, inside the experts' forward."""
+@pytest.mark.parametrize("codebook", [False, True], ids=["dense", "codebook"])
+def test_experts_forward_through_triton_interpreter(T, codebook, monkeypatch):
+    """The CUDA path's kernels (Triton: SIMT GEMV below 8 rows, tensor-core from 8; the integer
+    kernel or the codebook one), run by Triton's interpreter on CPU, inside the experts' forward."""
     from vllm_latq.kernels.triton.kernel import ENV_INTERPRET_OK, INTERPRET
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest)")
     monkeypatch.setenv(ENV_INTERPRET_OK, "1")
-    experts, dense = _experts("triton")
+    experts, dense = _experts("triton-e8" if codebook else "triton", codebook=codebook)
+    if codebook:   # no grouped kernel reads codes: each expert runs its own
+        stacked, why = moe.stack_experts(experts)
+        assert stacked is None and "not every expert runs the Triton kernel" in why
     x, w, ids = _routing(T, 7)
     want = moe_reference(x, w, ids, dense)
     y = moe.experts_forward(x.half(), w, ids, experts, "silu")
     assert (y.float() - want).abs().max() <= 1e-2 * want.abs().max()
 
 
-def test_moe_op_opcheck_and_flatten_roundtrip():
+@pytest.mark.parametrize("codebook", [False, True], ids=["dense", "codebook"])
+def test_moe_op_opcheck_and_flatten_roundtrip(codebook):
     """The op's schema, fake and registration pass torch.library.opcheck; flatten/unflatten
     keeps every expert's kernel and state."""
-    experts, _ = _experts("cpu")
+    experts, _ = _experts("cpu-e8" if codebook else "cpu", codebook=codebook)
     tensors, ints = moe.flatten(experts)
     back, stacked = moe.unflatten(tensors, ints)
     assert stacked is None                   # CPU kernel experts: not stacked
     assert [(a.w13[0], a.w2[0]) for a in back] == [(a.w13[0], a.w2[0]) for a in experts]
-    assert all(torch.equal(a.w13[1].packed, b.w13[1].packed) for a, b in zip(back, experts))
+    field = "codes" if codebook else "packed"
+    assert all(torch.equal(getattr(a.w13[1], field), getattr(b.w13[1], field)) for a, b in zip(back, experts))
     x, w, ids = _routing(6, 1)
     torch.library.opcheck(ops.moe_op(), (x.bfloat16(), w, ids, tensors, ints, "silu", False),
                           test_utils=("test_schema", "test_faketensor"))
@@ -259,6 +288,20 @@ def test_triton_experts_load_stacked_and_apply_in_the_interpreter(monkeypatch):
     buffers = [getattr(layer, f"latq_t{i}") for i in range(layer.latq_ntensors)]
     y_op = layer.latq_moe_op(x, w, ids, buffers, layer.latq_ints, "silu", False)
     assert torch.equal(y_op, y)
+
+
+def test_codebook_experts_get_latq_and_vllm_refuses_their_form():
+    """A mixture-of-experts layer of the codebook form (method e8) gets latq's experts method; vLLM's
+    MoE kernels refuse the form by name, so latq's codebook kernels serve it."""
+    from vllm_latq.kernels import vllm_moe
+    from vllm_latq.plugin.config import LatqConfig
+    from vllm_latq.plugin.moe_method import LatqMoEMethod
+    c = LatqConfig.from_config(_qc(format_version=3, method="e8", bits=3, group_size=16, outlier_rate=None,
+                                   rotation={"kind": "hadamard", "seed": 0, "max_block": 256}))
+    assert c.kind == "codebook"
+    assert isinstance(c.get_quant_method(_Experts(_moe_config(1, 0, 64)), PREFIX), LatqMoEMethod)
+    weights = {(0, "w13"): random_codebook_weight(128, 64, 3), (0, "w2"): random_codebook_weight(64, 64, 3)}
+    assert vllm_moe.form_refusal(weights) == "experts: the codebook form (no vLLM kernel decodes E8 codes)"
 
 
 def test_missing_expert_and_partial_listing_fail_clearly():

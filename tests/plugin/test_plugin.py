@@ -130,11 +130,10 @@ def test_the_compile_cache_key_is_the_checkpoint_content(tiny_checkpoints, tmp_p
     assert content_key(str(d)) != key and content_key(str(d), "LATQ_KERNEL=cpu") != content_key(str(d))
 
 
-def test_a_codebook_layer_gets_latq_and_its_experts_are_refused_naming_them():
-    """The codebook form (method e8): a linear gets latq's method; a mixture-of-experts layer has no
-    kernel of that form and is refused in one line naming it."""
+def test_a_codebook_layer_gets_latq():
+    """The codebook form (method e8): a converted linear gets latq's method, one listed in
+    modules_not_converted vLLM's (its experts: tests/plugin/test_moe_vllm.py)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm_latq.plugin.config import _moe_layer_types
     from vllm_latq.plugin.linear_method import LatqLinearMethod
     c = LatqConfig.from_config(_qc(format_version=3, method="e8", bits=3, group_size=64, outlier_rate=None,
                                    modules_not_converted=["m.o_proj"], rotation={"kind": "hadamard", "seed": 0,
@@ -144,10 +143,6 @@ def test_a_codebook_layer_gets_latq_and_its_experts_are_refused_naming_them():
                       LatqLinearMethod)
     assert isinstance(c.get_quant_method(_module(RowParallelLinear, prefix="m.o_proj"), "m.o_proj"),
                       UnquantizedLinearMethod)
-    experts = _module(_moe_layer_types()[0], prefix="m.experts")
-    with pytest.raises(ValueError, match=r"^latq checkpoint: m\.experts: mixture-of-experts layers of the codebook "
-                                         r"form \(method e8\) have no serving kernel yet: "):
-        c.get_quant_method(experts, "m.experts")
 
 
 def test_modules_not_converted_and_fused_names():

@@ -15,11 +15,9 @@ from ..errors import FormatError
 DIM = 8                  # a block: eight consecutive input columns, E8's dimension
 E8P, BALL = "e8p", "ball256"
 CODE_BYTES = {E8P: 2, BALL: 1}
-# what latq-export and the plugin say of what they cannot take, after a layer's name
+# what latq-export says of a codebook layer, after its name
 NOT_EXPORTED = ("the codebook form (method e8) has no export: no GGUF or compressed-tensors type holds E8 codes; "
                 "serve it with latq's plugin (latq-serve)")
-EXPERTS_NOT_SERVED = ("mixture-of-experts layers of the codebook form (method e8) have no serving kernel yet: "
-                      "latq-eval evaluates the checkpoint; to serve this model, quantize it with another method")
 
 
 def _half_odd_patterns(max_norm2: float) -> list[tuple[float, ...]]:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from . import selector, vllm_mp
-from .weight import LatqWeight
+from .weight import CodebookWeight, LatqWeight
 
 NAME = vllm_mp.VllmMPKernel.name
 STEMS = ("w13", "w2")
@@ -18,6 +18,8 @@ def form_refusal(weights: dict[tuple[int, str], LatqWeight]) -> str | None:
     """Why the experts ``{(local expert, stem): weight}`` are not one compressed-tensors WNA16
     MoE layer, or None."""
     for w in weights.values():
+        if isinstance(w, CodebookWeight):
+            return "experts: the codebook form (no vLLM kernel decodes E8 codes)"
         if w.rotation is not None:
             return "experts: rotated inputs (vLLM's MoE method has no input transform)"
         why = vllm_mp.form_refusal(w)

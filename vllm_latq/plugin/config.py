@@ -16,7 +16,6 @@ from .. import format as fmt
 from ..bounded_io import MAX_JSON_BYTES, file_sha256
 from ..env import EnvError
 from ..errors import FormatError
-from ..format import codebook
 from ..format.checkpoint import checkpoint_dir
 from ..format.files import MANIFEST_FILE
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
@@ -134,8 +133,6 @@ class LatqConfig(QuantizationConfig):
 
         check_load_format()
         prefix = checkpoint_module(prefix)
-        if self.kind == "codebook" and isinstance(layer, _moe_layer_types()) and self.is_converted(prefix):
-            raise ValueError(f"latq checkpoint: {prefix}: {codebook.EXPERTS_NOT_SERVED}")
         if isinstance(layer, _moe_layer_types()):
             if not self.is_converted(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
