@@ -219,3 +219,26 @@ def test_the_method_reports_overloads_and_codes_its_solution():
     assert res.bits_per_weight == 3 + (4 * 32 * 2 + 2 * 16 * 2 * 2) / (32 * 64)   # 4-bit codes, a grid per 16 rows
     with pytest.raises(ValueError, match="order act or natural, not min-pivot"):
         e8.e8(W, H, bits=3, order="min-pivot")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_every_tensor_lands_on_the_inputs_device(bits):
+    """Run with the default device set to meta, the method and block min-pivot give the CPU run's
+    results: no tensor is made on the default device, so on a GPU (W and H on cuda) none is left on
+    the CPU. The codebook tables are cached per process, so they are made afresh inside."""
+    from vllm_latq.format import codebook
+    W, H = problem(r=16, seed=31)
+    want = e8.e8(W, H, bits=bits, group_size=16, scale_bits=4)
+    want_T = e8.block_min_pivot(H)
+    caches = (codebook.e8p_patterns, codebook.e8_ball256, codebook._table_keys, e8.e8_roots)
+    for c in caches:
+        c.cache_clear()
+    try:
+        with torch.device("meta"):
+            got = e8.e8(W, H, bits=bits, group_size=16, scale_bits=4)
+            got_T = e8.block_min_pivot(H)
+    finally:
+        for c in caches:
+            c.cache_clear()
+    assert torch.equal(got.q, want.q) and torch.equal(got.codes, want.codes) and torch.equal(got_T, want_T)
+    assert got.q.device.type == "cpu" and torch.equal(got.bound, want.bound)

@@ -52,7 +52,7 @@ def e8p_codebook() -> torch.Tensor:
 def _e8p_shift_search(y: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The nearest point of {σ⊙a : a a pattern, Σσa even} to each row of ``y`` → (point, squared
     distance); the ``top`` patterns nearest without the parity first, all of them where that can miss."""
-    a = e8p_patterns().to(y.dtype)
+    a = e8p_patterns().to(y.device, y.dtype)
     sgn = torch.where(y < 0, -1.0, 1.0).to(y.dtype)
     ay = y.abs()
     free = ay.square().sum(-1, keepdim=True) - 2 * ay @ a.T + a.square().sum(-1)   # [N, 256]
@@ -62,7 +62,7 @@ def _e8p_shift_search(y: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Te
     best_d, best = _fixed_parity(ay, sgn, a, cand[:, :top], free)
     rest = best_d > near[:, top]
     if rest.any():
-        every = torch.arange(len(a)).expand(int(rest.sum()), len(a))
+        every = torch.arange(len(a), device=y.device).expand(int(rest.sum()), len(a))
         best_d[rest], best[rest] = _fixed_parity(ay[rest], sgn[rest], a, every, free[rest])
     return best, best_d
 
@@ -78,7 +78,7 @@ def _fixed_parity(ay, sgn, a, cand, free):
     fix = odd.gather(1, k[:, None]).squeeze(1)
     i = flip_at.gather(1, k[:, None]).squeeze(1)
     s[fix, i[fix]] *= -1
-    return dmin, s * ac[torch.arange(len(k)), k]
+    return dmin, s * ac[torch.arange(len(k), device=k.device), k]
 
 
 def _e8p_exhaustive(x: torch.Tensor, top: int = 16) -> torch.Tensor:
@@ -111,8 +111,8 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
                    tries: int = 8) -> torch.Tensor:
     """Local search from codebook points ``p`` toward the nearest to ``x`` in the metric ``D``: moves to
     the best admitted neighbour p + r (r a root of E8) while one improves; never farther than ``p``."""
-    R = e8_roots().to(x.dtype)
-    D = D.to(x.dtype)
+    R = e8_roots().to(x.device, x.dtype)
+    D = D.to(x.device, x.dtype)
     RD = (R @ D * R).sum(-1)                                       # rᵀDr
     for _ in range(rounds):
         gain = 2 * ((p - x) @ D) @ R.T + RD                        # change of the distance, [N, 240]
@@ -124,7 +124,7 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
         val = torch.where(ok, val, torch.zeros_like(val))
         k = val.argmin(-1)
         move = ok.gather(1, k[:, None]).squeeze(1)
-        p = torch.where(move[:, None], cand[torch.arange(len(k)), k], p)
+        p = torch.where(move[:, None], cand[torch.arange(len(k), device=k.device), k], p)
     return p
 
 
@@ -132,8 +132,8 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
 
 def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Nearest row of ``book [n, 8]`` to each row of ``x [N, 8]``, in the metric ``D`` where given."""
-    book = book.to(x.dtype)
-    Dc = book.T if D is None else D.to(x.dtype) @ book.T
+    book = book.to(x.device, x.dtype)
+    Dc = book.T if D is None else D.to(x.device, x.dtype) @ book.T
     return book[(2 * x @ Dc - (book * Dc.T).sum(-1)).argmax(-1)]
 
 
@@ -230,7 +230,7 @@ def code_scales(W: torch.Tensor, code: VectorCode, group_size: int | None = None
         s = to_fp16_grid(rms * f)
         sb = s[:, grp, None]
         e = per_group((sb * code.nearest((Wb / sb).reshape(-1, DIM)).reshape(Wb.shape) - Wb).square().sum(-1))
-        f = torch.as_tensor(f, dtype=rms.dtype).expand_as(rms)
+        f = torch.as_tensor(f, dtype=rms.dtype, device=rms.device).expand_as(rms)
         if best is None:
             return f, s, e
         better = e < best[2]
@@ -257,21 +257,21 @@ def block_order(H: torch.Tensor, order: str = "natural", damp: float = 0.01) -> 
         raise ValueError(f"unknown block order {order!r}: use one of {BLOCK_ORDERS}")
     if order == "min-pivot":
         return block_min_pivot(H, damp)
-    blocks = torch.arange(c // DIM)
+    blocks = torch.arange(c // DIM, device=H.device)
     if order == "act":   # ascending trace: back to front takes the largest first
         blocks = torch.argsort(H.diagonal().reshape(-1, DIM).sum(1), stable=True)
-    return (blocks[:, None] * DIM + torch.arange(DIM)).reshape(-1)
+    return (blocks[:, None] * DIM + torch.arange(DIM, device=H.device)).reshape(-1)
 
 
 def block_min_pivot(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """Paper v1 Alg. 4 by blocks: T built front to back, each block the eight columns of smallest
     Schur-complement diagonal eliminated together (greedily minimises Σ tr D_k)."""
     S = lattice.damped(H, damp)
-    left = torch.arange(S.shape[0])       # S: the Schur complement on the columns not yet taken
+    left = torch.arange(S.shape[0], device=S.device)       # S: the Schur complement on the columns not yet taken
     T = []
     while len(left):
         pick = S.diagonal().topk(DIM, largest=False).indices
-        keep = torch.ones(len(left), dtype=torch.bool)
+        keep = torch.ones(len(left), dtype=torch.bool, device=S.device)
         keep[pick] = False
         SB = S[keep][:, pick]
         S = S[keep][:, keep] - SB @ torch.linalg.solve(S[pick][:, pick], SB.T)
@@ -296,7 +296,7 @@ def block_ldl(H: torch.Tensor, T: torch.Tensor, damp: float = 0.01, name: str | 
     K = c // DIM
     A = L.T
     Akk = A.reshape(K, DIM, K, DIM).diagonal(dim1=0, dim2=2).permute(2, 0, 1)        # [K, 8, 8]
-    inv = torch.linalg.solve_triangular(Akk, torch.eye(DIM, dtype=A.dtype).expand(K, DIM, DIM), upper=True)
+    inv = torch.linalg.solve_triangular(Akk, torch.eye(DIM, dtype=A.dtype, device=A.device).expand(K, DIM, DIM), upper=True)
     U = (inv @ A.reshape(K, DIM, c)).reshape(c, c)
     return BlockLDL(T, U, Akk.transpose(1, 2) @ Akk, damp_used)
 
@@ -351,10 +351,10 @@ def block_babai(W: torch.Tensor, H: torch.Tensor, code: VectorCode, *, group_siz
     X = W.double().T[T].contiguous()                   # [in, out] in order T
     Y = X.clone()                                      # the targets, fed as later blocks are fixed
     Q = torch.empty_like(X)
-    P = [torch.empty(c, r) for _ in code.book.stages]  # each stage's points, code units (exact in fp32)
+    P = [torch.empty(c, r, device=X.device) for _ in code.book.stages]  # each stage's points, code units (exact in fp32)
     S = scales.double().T                              # [groups, out]
     grp = T[::DIM] // (group_size or c)                # each block's group
-    radius = torch.empty(c // DIM, r, dtype=torch.float64)
+    radius = torch.empty(c // DIM, r, dtype=torch.float64, device=X.device)
     for k in range(c // DIM - 1, -1, -1):
         j = k * DIM
         s = S[int(grp[k])][:, None]

@@ -31,7 +31,7 @@ def e8p_patterns() -> torch.Tensor:
     """E8P's 256 absolute patterns ``[256, 8]`` fp64 (docs/FORMAT.md, "kind codebook")."""
     inner = _half_odd_patterns(10.0)
     extra = sorted(set(itertools.permutations((1.5,) * 5 + (0.5,) * 3)), reverse=True)[:256 - len(inner)]
-    return torch.tensor(inner + extra, dtype=torch.float64)
+    return torch.tensor(inner + extra, dtype=torch.float64, device="cpu")   # a constant: moved where used
 
 
 @lru_cache(maxsize=None)
@@ -40,7 +40,7 @@ def e8_ball256() -> torch.Tensor:
     roots = [v for v in itertools.product((-1.0, 0.0, 1.0), repeat=DIM) if sum(map(abs, v)) == 2]
     roots += [v for v in itertools.product((-0.5, 0.5), repeat=DIM) if sum(v) % 2 == 0]
     axes = [tuple(2.0 * s if j == i else 0.0 for j in range(DIM)) for s in (1, -1) for i in range(DIM)][:15]
-    return torch.tensor([(0.0,) * DIM] + roots + axes, dtype=torch.float64)
+    return torch.tensor([(0.0,) * DIM] + roots + axes, dtype=torch.float64, device="cpu")
 
 
 def _keys(p: torch.Tensor) -> torch.Tensor:

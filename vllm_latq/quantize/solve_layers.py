@@ -46,6 +46,9 @@ def solve(method: str, W: torch.Tensor, H: torch.Tensor, name: str, **kw) -> Qua
     if res.outliers is not None:
         o = res.outliers
         o.crow, o.col, o.val = o.crow.cpu(), o.col.cpu(), o.val.cpu()
+    if res.coded_scales is not None:
+        res.coded_scales = res.coded_scales.to("cpu")
+    res.info = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in res.info.items()}
     return res
 
 
