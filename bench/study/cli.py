@@ -17,8 +17,8 @@ from . import __doc__ as STUDY_DOC
 from .configs import EXTRA_TAGS, MODELS, peer_group_size, run_priority, sweep_configs, tiny_configs
 from .ordering import ordering_study
 from .report import headline, write_report
-from .runner import (ROOT, Settings, backfill_served, backfill_source_head, import_results, run_config, run_configs,
-                     write_json)
+from .runner import (ROOT, Settings, backfill_overloads, backfill_served, backfill_source_head, import_results,
+                     run_config, run_configs, write_json)
 
 log = logging.getLogger("latq.study")
 
@@ -135,6 +135,7 @@ def _run(a, argv) -> int:
     # cached results without (current) served bits: what can be had without evaluating
     results = [r and backfill_served(c, st, root, r, a.keep_checkpoints, a.requantize_served and not a.report_only)
                for c, r in zip(configs, results)]
+    results = [r and backfill_overloads(c, root, r) for c, r in zip(configs, results)]
     if not a.report_only:   # kept checkpoints that quantize the head: the same body with the source's head
         results = [r and backfill_source_head(c, st, root, r) for c, r in zip(configs, results)]
     by_model: dict[str, list[dict]] = {m: [] for m in models}

@@ -61,7 +61,18 @@ def _pair(res: list[dict], label: str, base: str) -> str:
     cells = [both(lambda r: f"{r['bits']:.3f}"), *(both(lambda r, f=f: served_cell(r, f)) for f in FAMILIES),
              both(lambda r: fmt_ppl(r["ppl"]))]
     cells += [pct(e8["ppl"] / b["ppl"] - 1), verdict(res, e8, b)] if e8 and b else ["", ""]
-    return f"| {label} | {base} | " + " | ".join(cells) + " |"
+    return f"| {label} | {base} | " + " | ".join(cells + [certificate_cell(e8)]) + " |"
+
+
+def certificate_cell(r: dict | None) -> str:
+    """An E8 result's overloaded blocks (% of all) and its certificate's largest measured / bound over
+    the rows without one (from the checkpoint's stats)."""
+    over = (r or {}).get("overloads")
+    if not over:
+        return "not recorded"
+    cert = r.get("stats_cert_max")
+    return (f"{100 * over['blocks'] / over['of']:.1f} % · "
+            + ("no row covered" if cert is None else f"≤ {cert:.3f} ({over['certified_layers']}/{over['layers']} layers)"))
 
 
 def _floor_lines(model: str, res: list[dict]) -> list[str]:
@@ -84,11 +95,13 @@ def e8_section(by_model: dict[str, list[dict]]) -> list[str]:
          "C: CPU) from the kernels' cost models (n/a: not computed, or no codebook kernel in that family, "
          "whose layers it dequantizes to bf16). Verdict: beats / loses where the log-ppl gap is beyond the "
          "noise floor at the row's width (at 3 bits the larger of E8's own spread over calibration draws and "
-         "our GPTQ's), else within noise.", ""]
+         "our GPTQ's), else within noise. Overloads · cert: the blocks whose target lay beyond the codebook's "
+         "covering radius (the certificate does not cover their rows), and the largest measured error / bound over "
+         "the rows it covers, with the layers that have such a row.", ""]
     for model, res in by_model.items():
         L += _floor_lines(model, res) + [""]
-        L += [f"| {model}: E8 | compared with | stored b | served T | served C | ppl | Δ ppl | verdict |",
-              "|---|---|---|---|---|---|---|---|"]
+        L += [f"| {model}: E8 | compared with | stored b | served T | served C | ppl | Δ ppl | verdict | "
+              "overloads · cert |", "|---|---|---|---|---|---|---|---|---|"]
         bases = {c.label: replace(c, family=BASE_FAMILY[c.family], tag=c.base).label for c in e8_configs(model)}
         bases.update({r["label"]: base_label(res, r["label"]) for r in res if r["family"] == E8_FAMILY})
         L += [_pair(res, label, base) for label, base in bases.items()]

@@ -152,11 +152,28 @@ def source_dir(model: str, st: Settings, root: Path) -> Path:
 # ============================================================================ one configuration
 
 def _cert_record(name: str, W, H, res) -> dict:
+    """Measured error / bound of one layer, over the rows the bound covers (E8: rows without an
+    overloaded block, whose bound is inf; None where no row is covered)."""
     err = res.error(W, H)
-    bound = res.bound.double()
+    bound = res.bound.double().to(err.device)
+    covered = torch.isfinite(bound)
+    if not covered.any():
+        return {"name": name, "layer_ratio": None, "row_max": None, "row_median": None}
+    err, bound = err[covered], bound[covered]
     ratio = err / bound.clamp_min(1e-300)
     return {"name": name, "layer_ratio": float(err.sum() / bound.sum()), "row_max": float(ratio.max()),
             "row_median": float(ratio.median())}
+
+
+def overload_record(stats: dict) -> dict | None:
+    """A codebook checkpoint's overloads from its latq_stats.json: overloaded blocks of all blocks, and
+    the layers with a row the certificate covers (None: not a codebook checkpoint)."""
+    layers = [s for s in stats["layers"] if "overloads" in s]
+    if not layers:
+        return None
+    return {"blocks": sum(s["overloads"] for s in layers),
+            "of": sum(s["shape"][0] * s["shape"][1] // 8 for s in layers),
+            "certified_layers": sum(s["cert"] is not None for s in layers), "layers": len(layers)}
 
 
 def quantize_config(cfg: Config, st: Settings, src: Path, ck: Path, progress: bool = True) -> tuple[list[dict], float]:
@@ -244,6 +261,8 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
         stats = json.loads((Path(target) / "latq_stats.json").read_text())
         r["stats_cert_max"] = stats["totals"].get("cert_max")
         r["rel_error_mean"] = stats["totals"].get("rel_error_mean")
+        if (over := overload_record(stats)) is not None:
+            r["overloads"] = over
         r["served"] = served.checkpoint_record(Path(target))
     if head.quantizes_head(cfg):
         r["ppl_source_head"] = head.source_head_ppl(Path(target), src, st.eval_seqlen, st.nwindows)
@@ -258,6 +277,17 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
 
 
 # ============================================================================ served bits of older results
+
+def backfill_overloads(cfg: Config, root: Path, r: dict) -> dict:
+    """A cached codebook result run before the study recorded overloads → with them, where its
+    checkpoint was kept."""
+    stats = root / "checkpoints" / cfg.model / cfg.slug / "latq_stats.json"
+    if "overloads" in r or cfg.kwargs.get("method") != "e8" or not stats.is_file():
+        return r
+    r["overloads"] = overload_record(json.loads(stats.read_text()))
+    write_json(root / "results" / cfg.model / f"{cfg.slug}.json", r)
+    return r
+
 
 def backfill_served(cfg: Config, st: Settings, root: Path, r: dict, keep: bool, requantize: bool) -> dict:
     """A cached result of ``cfg`` without served bits (run before the study recorded them), or with

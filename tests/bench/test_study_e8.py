@@ -79,18 +79,59 @@ def test_e8_section_reads_each_row_against_its_base_and_the_floor():
     assert e8.floor_at(res, 3) == pytest.approx(0.02) and e8.floor_at(res, 2) is None
     rows = _rows(lines)
     assert rows["E8-3b-rot-s4-g16"] == ("| E8-3b-rot-s4-g16 | GPTQ-3b-rot-s4-g16 | 3.375 → 3.375 | 3.400 → 3.400 | "
-                                        "3.400 → 3.400 | 18.50 → 17.00 | -8.1% | beats |")
+                                        "3.400 → 3.400 | 18.50 → 17.00 | -8.1% | beats | not recorded |")
     assert rows["E8-3b-rot-s4-g64"].startswith("| E8-3b-rot-s4-g64 | GPTQ-3b-rot | ")
-    assert rows["E8-3b-rot-s4-g64"].endswith("| 20.00 → 20.20 | +1.0% | within noise |")
-    assert rows["E8-3b-rot-tc-s4-g16"].endswith("| 18.50 → 19.00 | +2.7% | loses |")
-    assert rows["E8-2b-rot-s4-g16"].endswith("| -12.5% | — (no noise floor at 2 bits) |")
+    assert rows["E8-3b-rot-s4-g64"].endswith("| 20.00 → 20.20 | +1.0% | within noise | not recorded |")
+    assert rows["E8-3b-rot-tc-s4-g16"].endswith("| 18.50 → 19.00 | +2.7% | loses | not recorded |")
+    assert rows["E8-2b-rot-s4-g16"].endswith("| -12.5% | — (no noise floor at 2 bits) | not recorded |")
     assert "| 4.400 → n/a | 4.400 → n/a | 15.00 → 14.50 |" in rows["E8-4b-rot-s4-g16"]
     # a configuration of the study not run yet, and one whose base is not run
     res = [r for r in res if r["label"] not in ("GPTQ-2b-rot-s4-g16", "E8-3b-rot-tc-s4-g16")]
     rows = _rows(e8.e8_section({"gemma3-270m": res}))
     assert rows["E8-3b-rot-tc-s4-g16"] == ("| E8-3b-rot-tc-s4-g16 | GPTQ-3b-rot-s4-g16 | 3.375 → not run | "
-                                           "3.400 → not run | 3.400 → not run | 18.50 → not run |  |  |")
+                                           "3.400 → not run | 3.400 → not run | 18.50 → not run |  |  | "
+                                           "not recorded |")
     assert rows["E8-2b-rot-s4-g16"].startswith("| E8-2b-rot-s4-g16 | GPTQ-2b-rot-s4-g16 | not run → 2.375 |")
+
+
+def test_overloads_are_read_from_the_checkpoint_stats_and_backfilled(tmp_path):
+    """A codebook checkpoint's overloaded blocks and covered layers come from its latq_stats.json, at
+    record time or afterwards from a kept checkpoint; the section shows them beside the certificate."""
+    stats = {"layers": [{"name": "a", "shape": [16, 64], "overloads": 12, "cert": None},
+                        {"name": "b", "shape": [16, 128], "overloads": 4, "cert": 0.31}]}
+    over = runner.overload_record(stats)
+    assert over == {"blocks": 16, "of": 16 * 8 + 16 * 16, "certified_layers": 1, "layers": 2}
+    assert runner.overload_record({"layers": [{"name": "a", "shape": [16, 64], "cert": 0.3}]}) is None
+    cfg = next(c for c in configs.e8_configs("gemma3-270m") if c.label == "E8-3b-rot-s4-g16")
+    r = _e8("rot-s4-g16", 3, 17.0, 3.40)
+    assert runner.backfill_overloads(cfg, tmp_path, r) is r and "overloads" not in r   # no kept checkpoint
+    ck = tmp_path / "checkpoints" / cfg.model / cfg.slug
+    ck.mkdir(parents=True)
+    (ck / "latq_stats.json").write_text(runner.json.dumps(stats))
+    (tmp_path / "results" / cfg.model).mkdir(parents=True)
+    r = runner.backfill_overloads(cfg, tmp_path, r)
+    assert r["overloads"] == over and (tmp_path / "results" / cfg.model / f"{cfg.slug}.json").is_file()
+    r["stats_cert_max"] = 0.31
+    assert e8.certificate_cell(r) == "4.2 % · ≤ 0.310 (1/2 layers)"
+    row = _rows(e8.e8_section({"gemma3-270m": _put(_study(), r)}))["E8-3b-rot-s4-g16"]
+    assert row.endswith("| beats | 4.2 % · ≤ 0.310 (1/2 layers) |")
+
+
+def test_a_layers_certificate_record_covers_only_the_bounded_rows():
+    """E8 rows with an overloaded block have an infinite bound: a layer's record leaves them out, and
+    is None where no row is covered (its old records read 0 there)."""
+    import math
+    import torch
+
+    class Res:
+        def __init__(self, bound):
+            self.bound = torch.tensor(bound, dtype=torch.float64)
+
+        def error(self, W, H):
+            return torch.tensor([0.5, 9.0, 0.5], dtype=torch.float64)
+    rec = runner._cert_record("x", None, None, Res([1.0, math.inf, 2.0]))
+    assert rec == {"name": "x", "layer_ratio": pytest.approx(1 / 3), "row_max": 0.5, "row_median": 0.25}
+    assert runner._cert_record("x", None, None, Res([math.inf] * 3))["layer_ratio"] is None
 
 
 def test_e8_claim_verdict_both_ways():
