@@ -47,19 +47,26 @@ def e8_tiny(tmp_path_factory):
 def test_vllm_serves_an_e8_checkpoint(e8_tiny):
     """The fp32 dequantize-once kernel (exact): greedy 32 tokens == HF on the dequantized weights; the
     kernel chosen by default (its codebook kernel on CPU, or the bf16 fallback) greedy up to near-ties."""
-    from vllm_latq.format.checkpoint import load_dequantized_model
     d, ck = e8_tiny
+    log = _serve_exact_and_default(ck, d, 32)
+    assert "linears loaded (e8 checkpoint" in log
+
+
+def _serve_exact_and_default(ck, tmp, n: int) -> str:
+    """Greedy ``n`` tokens of ``ck`` through vLLM: with the exact kernel HF's on the dequantized
+    weights, with the default kernel up to near-ties → the exact run's log."""
+    from vllm_latq.format.checkpoint import load_dequantized_model
     ids = h.tokenize(ck)
     hf = load_dequantized_model(ck)
-    want = h.hf_greedy(hf, ids, 32)
-    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": 32, "env": {"LATQ_KERNEL": k}} for k in ("dequant", "")]
-    res = h.run_vllm_jobs(jobs, tmp=d)
-    for r in res:
+    want = h.hf_greedy(hf, ids, n)
+    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": n, "env": {"LATQ_KERNEL": k}} for k in ("dequant", "")]
+    exact, default = h.run_vllm_jobs(jobs, tmp=tmp)
+    for r in (exact, default):
         assert "error" not in r, r.get("traceback")
-    assert "linears loaded (e8 checkpoint" in res[0]["log"]
-    assert res[0]["tokens"] == want
-    if res[1]["tokens"] != want:
-        assert max(h.greedy_margins(hf, ids, res[1]["tokens"])) < 0.1
+    assert exact["tokens"] == want
+    if default["tokens"] != want:
+        assert max(h.greedy_margins(hf, ids, default["tokens"])) < 0.1
+    return exact["log"]
 
 
 @pytest.mark.slow
@@ -97,17 +104,11 @@ def test_vllm_serves_e8_experts(tmp_path):
     ck = quantize_model(src, tmp_path / "e8", QuantizeOptions(method="e8", bits=3, group_size=16, scale_bits=4,
                                                               nsamples=4, seqlen=64, rotate="hadamard"),
                         progress=False)
+    assert "refused by vllm: experts: the codebook form" in _serve_exact_and_default(ck, tmp_path, 16)
     ids = h.tokenize(ck)
     hf = load_dequantized_model(ck)
-    want = h.hf_greedy(hf, ids, 16)
-    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}} for k in ("dequant", "")]
-    res = h.run_vllm_jobs(jobs, tmp=tmp_path)
-    for r in res:
-        assert "error" not in r, r.get("traceback")
-    assert "refused by vllm: experts: the codebook form" in res[0]["log"]
-    assert res[0]["tokens"] == want
-    two = h.run_vllm_jobs([jobs[0]], tp=2, tmp=tmp_path, timeout=1800)[0]
+    two = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "dequant"}}],
+                          tp=2, tmp=tmp_path, timeout=1800)[0]
     assert "error" not in two, two.get("traceback")
-    for got in (res[1]["tokens"], two["tokens"]):
-        if got != want:
-            assert max(h.greedy_margins(hf, ids, got)) < 0.1
+    if two["tokens"] != h.hf_greedy(hf, ids, 16):
+        assert max(h.greedy_margins(hf, ids, two["tokens"])) < 0.1
