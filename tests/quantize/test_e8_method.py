@@ -133,8 +133,16 @@ def test_experts_are_quantized_one_by_one(tmp_path):
         assert torch.equal(deq[f"{name}.weight"], res.q), name
 
 
+def test_e8_rotates_unless_told_and_refuses_to_be_told_not_to():
+    from vllm_latq.quantize.options import QuantizeOptions
+    assert QuantizeOptions(method="e8", bits=3).rotate == "hadamard"
+    assert QuantizeOptions(method="gptq", bits=3).rotate == "none"
+    with pytest.raises(ValueError, match="method e8 needs a rotation"):
+        QuantizeOptions(method="e8", bits=3, rotate="none")
+
+
 @pytest.mark.parametrize("argv, says", [
-    (["--method", "e8"], "method e8 needs a rotation: add --rotate hadamard"),
+    (["--method", "e8", "--rotate", "none"], "method e8 needs a rotation: leave --rotate out or give --rotate hadamard"),
     (["--method", "e8", "--rotate", "hadamard", "--bits", "5"], "bits must be one of 2, 3, 4 for e8"),
     (["--method", "e8", "--rotate", "hadamard", "--group-size", "60"], "group_size must be a positive multiple of 8"),
     (["--method", "e8", "--rotate", "hadamard", "--order", "min-pivot"], "order must be one of act, natural for e8"),

@@ -48,7 +48,7 @@ EXAMPLES = """examples:
   latq-quantize gemma3-270m ckpt/gemma-ssqr --method ssqr        # SSQR, 4-bit g128, 1% outliers, certified
   latq-quantize gemma3-270m ckpt/gemma-hptq --method hptq --target-bits 3.125
   latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
-  latq-quantize gemma3-270m ckpt/gemma-e8 --method e8 --bits 3 --scale-bits 4 --rotate hadamard   # E8 codebooks
+  latq-quantize gemma3-270m ckpt/gemma-e8 --method e8 --bits 3 --scale-bits 4   # E8 codebooks (rotated)
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
   latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
   torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
@@ -76,10 +76,11 @@ def _size(s: str) -> int | None:
 def _lattice_arguments(g, d) -> None:
     """The options that change the lattice problem or its decoder: ``--rotate``, ``--decoder``."""
     from ..algorithms.decoders import DECODERS
-    g.add_argument("--rotate", default=d.rotate, choices=("none",) + fmt.rotation.KINDS,
+    g.add_argument("--rotate", default=None, choices=("none",) + fmt.rotation.KINDS,
                    help="hadamard: rotate every quantized linear's input by a seeded random-sign block Hadamard "
                         "matrix R and quantize W·R (incoherence processing: outlier columns spread out); served "
-                        "as x·R through latq's kernels. Default none")
+                        "as x·R through latq's kernels. Default hadamard for e8 (which needs it), none for the "
+                        "others")
     g.add_argument("--rotate-seed", type=int, default=d.rotate_seed, help="the rotation's seed (default 0)")
     g.add_argument("--decoder", default=d.decoder, choices=DECODERS,
                    help="gptq/babai/ssqr/hptq: the lattice decoder. babai: GPTQ's nearest plane (default); kbest: a "
@@ -101,8 +102,8 @@ def parser() -> argparse.ArgumentParser:
                    help="gptq (the default: clipped b-bit groups, the best perplexity per served bit in "
                         "the study), ssqr (b-bit groups + CSR outliers, unclipped: the no-clipping certificate), "
                         "hptq (Huffman, one scale, certified), baselines rtn, hrtn, babai (clipped Babai ≡ GPTQ "
-                        "reversed), e8 (E8 vector codes on 8-column blocks by block Babai, needs --rotate hadamard; "
-                        "served by latq's plugin for dense models, no export)")
+                        "reversed), e8 (E8 vector codes on 8-column blocks by block Babai, rotated by default; "
+                        "served by latq's plugin, no export)")
     g.add_argument("--bits", type=int, default=d.bits, help="inlier bits for ssqr/gptq/rtn/babai (2..8, default 4); "
                    "e8: the code's bits a weight (2, 3 or 4)")
     g.add_argument("--group-size", type=int, default=None,

@@ -47,6 +47,11 @@ def default_group_size(method: str) -> int:
     return DEFAULT_GROUP_SIZE.get(method, 128)
 
 
+def default_rotation(method: str) -> str:
+    """The codebook methods' balls are shaped for rotated, Gaussian-like blocks: they rotate unless told."""
+    return "hadamard" if fmt.kind_of(method) == "codebook" else "none"
+
+
 def _require(ok: bool, option: str, rule: str, value) -> None:
     """Refuse ``option`` = ``value`` unless ``ok``, in the option's own name."""
     if not ok:
@@ -104,8 +109,9 @@ class QuantizeOptions:
     # of this many bits on 16-row grids; None: fp16 scales
     scale_bits: int | None = None
     # incoherence processing: every quantized linear's input rotated by a seeded random-sign block
-    # Hadamard ("hadamard", format/rotation.py), the integers solved in that frame; "none": no rotation
-    rotate: str = "none"
+    # Hadamard ("hadamard", format/rotation.py), the integers solved in that frame; "none": no rotation;
+    # None: the method's default (default_rotation)
+    rotate: str | None = None
     rotate_seed: int = 0
     # the lattice decoder (algorithms/decoders.py) of gptq/babai/ssqr/hptq: "babai" (the nearest plane
     # GPTQ is), "kbest" (a beam of `beam` paths) or "klein" (`beam` random draws); never farther than babai
@@ -118,6 +124,8 @@ class QuantizeOptions:
         _require(self.method in fmt.METHODS, "method", f"one of {', '.join(fmt.METHODS)}", self.method)
         if self.group_size is None:
             self.group_size = default_group_size(self.method)
+        if self.rotate is None:
+            self.rotate = default_rotation(self.method)
         self._check_method_options()
         self._check_calibration_options()
         self._check_head_options()
@@ -154,7 +162,8 @@ class QuantizeOptions:
             _require(self.order in E8_ORDERS, "order", f"one of {', '.join(E8_ORDERS)} for {self.method} (blocks of "
                      "eight neighbouring columns)", self.order)
             if self.rotate == "none":   # the codebooks are balls shaped for rotated, Gaussian-like blocks
-                raise ValueError(f"method {self.method} needs a rotation: add --rotate hadamard")
+                raise ValueError(f"method {self.method} needs a rotation: leave --rotate out or give --rotate "
+                                 "hadamard")
 
     def _check_lattice_options(self) -> None:
         kinds = ("none",) + fmt.rotation.KINDS
