@@ -242,3 +242,15 @@ def test_every_tensor_lands_on_the_inputs_device(bits):
             c.cache_clear()
     assert torch.equal(got.q, want.q) and torch.equal(got.codes, want.codes) and torch.equal(got_T, want_T)
     assert got.q.device.type == "cpu" and torch.equal(got.bound, want.bound)
+
+
+def test_a_whole_matrix_search_in_chunks_is_the_search_at_once(monkeypatch):
+    """``VectorCode.nearest`` takes NEAREST_CHUNK rows at a time (bounding its temporaries on big
+    layers): any chunk size gives the points of one search over every row."""
+    x = torch.randn(1000, 8, generator=gen(40), dtype=torch.float64) * 1.3
+    for bits in (2, 3, 4):
+        code = e8.CODES[bits]
+        whole, _ = code.points(x)
+        want = sum(p / s.gain for p, s in zip(whole, code.book.stages))
+        monkeypatch.setattr(e8, "NEAREST_CHUNK", 97)
+        assert torch.equal(code.nearest(x), want)

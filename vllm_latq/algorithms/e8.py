@@ -18,6 +18,7 @@ from .result import QuantResult
 from .scales import to_fp16_grid
 
 FALLBACK_CHUNK = 4096   # blocks searched at a time by the exhaustive path (bounds its temporaries)
+NEAREST_CHUNK = 16384   # blocks a whole-matrix search takes at a time: ~2 KB of temporaries a block
 
 
 # ----------------------------------------------------------------------------- the lattice
@@ -194,9 +195,13 @@ class VectorCode:
         return out, radius
 
     def nearest(self, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-        """The code's point for each row of ``x [N, 8]``, every stage in the metric ``D`` (None: Euclidean)."""
-        pts, _ = self.points(x, D)
-        return sum(p / s.gain for p, s in zip(pts, self.book.stages))
+        """The code's point for each row of ``x [N, 8]``, every stage in the metric ``D`` (None: Euclidean);
+        :data:`NEAREST_CHUNK` rows at a time, so a whole matrix's search holds no [N, 256] temporaries."""
+        out = torch.empty_like(x)
+        for i in range(0, len(x), NEAREST_CHUNK):
+            pts, _ = self.points(x[i:i + NEAREST_CHUNK], D)
+            out[i:i + NEAREST_CHUNK] = sum(p / s.gain for p, s in zip(pts, self.book.stages))
+        return out
 
 
 CODES = {bits: VectorCode(book) for bits, book in cb.CODEBOOKS.items()}
