@@ -72,7 +72,8 @@ def certificate_cell(r: dict | None) -> str:
         return "not recorded"
     cert = r.get("stats_cert_max")
     return (f"{100 * over['blocks'] / over['of']:.1f} % · "
-            + ("no row covered" if cert is None else f"≤ {cert:.3f} ({over['certified_layers']}/{over['layers']} layers)"))
+            + ("no row covered" if cert is None
+               else f"≤ {cert:.3f} ({over['certified_layers']}/{over['layers']} layers)"))
 
 
 def _floor_lines(model: str, res: list[dict]) -> list[str]:

@@ -142,7 +142,8 @@ def test_e8_rotates_unless_told_and_refuses_to_be_told_not_to():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--method", "e8", "--rotate", "none"], "method e8 needs a rotation: leave --rotate out or give --rotate hadamard"),
+    (["--method", "e8", "--rotate", "none"],
+     "method e8 needs a rotation: leave --rotate out or give --rotate hadamard"),
     (["--method", "e8", "--rotate", "hadamard", "--bits", "5"], "bits must be one of 2, 3, 4 for e8"),
     (["--method", "e8", "--rotate", "hadamard", "--group-size", "60"], "group_size must be a positive multiple of 8"),
     (["--method", "e8", "--rotate", "hadamard", "--order", "min-pivot"], "order must be one of act, natural for e8"),

@@ -272,7 +272,7 @@ def block_min_pivot(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """Paper v1 Alg. 4 by blocks: T built front to back, each block the eight columns of smallest
     Schur-complement diagonal eliminated together (greedily minimises Σ tr D_k)."""
     S = lattice.damped(H, damp)
-    left = torch.arange(S.shape[0], device=S.device)       # S: the Schur complement on the columns not yet taken
+    left = torch.arange(S.shape[0], device=S.device)   # S: the Schur complement on the columns not yet taken
     T = []
     while len(left):
         pick = S.diagonal().topk(DIM, largest=False).indices
@@ -301,7 +301,8 @@ def block_ldl(H: torch.Tensor, T: torch.Tensor, damp: float = 0.01, name: str | 
     K = c // DIM
     A = L.T
     Akk = A.reshape(K, DIM, K, DIM).diagonal(dim1=0, dim2=2).permute(2, 0, 1)        # [K, 8, 8]
-    inv = torch.linalg.solve_triangular(Akk, torch.eye(DIM, dtype=A.dtype, device=A.device).expand(K, DIM, DIM), upper=True)
+    eye = torch.eye(DIM, dtype=A.dtype, device=A.device).expand(K, DIM, DIM)
+    inv = torch.linalg.solve_triangular(Akk, eye, upper=True)
     U = (inv @ A.reshape(K, DIM, c)).reshape(c, c)
     return BlockLDL(T, U, Akk.transpose(1, 2) @ Akk, damp_used)
 
@@ -356,7 +357,7 @@ def block_babai(W: torch.Tensor, H: torch.Tensor, code: VectorCode, *, group_siz
     X = W.double().T[T].contiguous()                   # [in, out] in order T
     Y = X.clone()                                      # the targets, fed as later blocks are fixed
     Q = torch.empty_like(X)
-    P = [torch.empty(c, r, device=X.device) for _ in code.book.stages]  # each stage's points, code units (exact in fp32)
+    P = [torch.empty(c, r, device=X.device) for _ in code.book.stages]  # each stage's points, code units
     S = scales.double().T                              # [groups, out]
     grp = T[::DIM] // (group_size or c)                # each block's group
     radius = torch.empty(c // DIM, r, dtype=torch.float64, device=X.device)
