@@ -84,6 +84,16 @@ def test_ball256_and_its_metric_search():
     assert torch.allclose(dist2(x, e8.nearest_ball256(x, D), D), dist2(x, brute(x, B, D), D), atol=1e-10)
 
 
+@pytest.mark.parametrize("scale", [0.1, 0.6, 1.5, 4.0])
+def test_ball256_euclidean_closed_form_is_the_exhaustive_search(scale):
+    """The ball's nearest point in closed form (its four kinds of point) is the table's first nearest
+    row, at every scale (inside the ball and beyond) and on the ball's own points."""
+    B = e8.e8_ball256()
+    x = torch.randn(4000, 8, generator=gen(41), dtype=torch.float64) * scale
+    x[:256] = B
+    assert torch.equal(e8.nearest_ball256(x), e8.nearest_in(x, B))
+
+
 @pytest.mark.parametrize("order", e8.BLOCK_ORDERS)
 def test_block_ldl_factors_the_damped_hessian(order):
     _, H = problem()

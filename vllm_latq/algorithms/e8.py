@@ -139,7 +139,33 @@ def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = Non
 
 
 def nearest_ball256(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-    return nearest_in(x, e8_ball256(), D)
+    """The ball's nearest point to each row of ``x``: Euclidean in closed form
+    (:func:`_nearest_ball_euclid`), in the metric ``D`` by the whole ball."""
+    return _nearest_ball_euclid(x) if D is None else nearest_in(x, e8_ball256(), D)
+
+
+def _nearest_ball_euclid(x: torch.Tensor) -> torch.Tensor:
+    """The best point of each of the ball's four kinds, by its gain 2⟨x, p⟩ − |p|² (the largest is the
+    nearest; a tie goes to the earlier kind, as in the table): the origin; (±1, ±1, 0⁶) on the two
+    largest |x_i|; (±½)⁸ with x's signs, the smallest |x_i| flipped where the minus signs are odd;
+    ±2eᵢ on the largest admitted ±xᵢ (every one but −2e₇)."""
+    ax = x.abs()
+    sgn = torch.where(x < 0, -1.0, 1.0).to(x.dtype)
+    top2, at2 = ax.topk(2, dim=-1)
+    odd = (x < 0).sum(-1) % 2 == 1
+    low, at_low = ax.min(-1)
+    axis = torch.cat([ax[:, :DIM - 1], x[:, DIM - 1:]], -1)          # −2e₇ is not in the ball
+    far, at_far = axis.max(-1)
+    gains = torch.stack([torch.zeros_like(far), 2 * top2.sum(-1) - 2,
+                         ax.sum(-1) - 2 * low * odd - 2, 4 * far - 4], -1)
+    kind = gains.argmax(-1)
+    root = torch.zeros_like(x).scatter_(1, at2, sgn.gather(1, at2))
+    flip = torch.where(odd, -0.5, 0.5)[:, None] * sgn.gather(1, at_low[:, None])
+    half = (0.5 * sgn).scatter_(1, at_low[:, None], flip)
+    axis_sign = torch.where(at_far == DIM - 1, 1.0, sgn.gather(1, at_far[:, None]).squeeze(1)).to(x.dtype)
+    spike = torch.zeros_like(x).scatter_(1, at_far[:, None], (2 * axis_sign)[:, None])
+    kinds = torch.stack([torch.zeros_like(x), root, half, spike], 1)   # [N, 4, 8]
+    return kinds[torch.arange(len(x), device=x.device), kind]
 
 
 def in_ball256(p: torch.Tensor) -> torch.Tensor:
