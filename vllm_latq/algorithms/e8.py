@@ -139,16 +139,14 @@ def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = Non
 
 
 def nearest_ball256(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-    """The ball's nearest point to each row of ``x``: Euclidean in closed form
-    (:func:`_nearest_ball_euclid`), in the metric ``D`` by the whole ball."""
+    """The ball's nearest point to each row of ``x``: Euclidean in closed form, in ``D`` by the whole ball."""
     return _nearest_ball_euclid(x) if D is None else nearest_in(x, e8_ball256(), D)
 
 
 def _nearest_ball_euclid(x: torch.Tensor) -> torch.Tensor:
-    """The best point of each of the ball's four kinds, by its gain 2⟨x, p⟩ − |p|² (the largest is the
-    nearest; a tie goes to the earlier kind, as in the table): the origin; (±1, ±1, 0⁶) on the two
-    largest |x_i|; (±½)⁸ with x's signs, the smallest |x_i| flipped where the minus signs are odd;
-    ±2eᵢ on the largest admitted ±xᵢ (every one but −2e₇)."""
+    """The best of the ball's four kinds by the gain 2⟨x, p⟩ − |p|² (ties: the earlier kind, as in the
+    table): 0; (±1, ±1, 0⁶) on the two largest |xᵢ|; (±½)⁸ with x's signs, the smallest |xᵢ| flipped
+    where the minus signs are odd; ±2eᵢ on the largest admitted ±xᵢ (all but −2e₇)."""
     ax = x.abs()
     sgn = torch.where(x < 0, -1.0, 1.0).to(x.dtype)
     top2, at2 = ax.topk(2, dim=-1)
