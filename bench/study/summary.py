@@ -23,8 +23,7 @@ def cert_summary(results: list[dict]) -> dict | None:
     """Measured error / bound over the certificate records of ``results``: min, median, mean and
     max of the per-layer ratio, the largest per-row ratio (None without records). E8's records are left
     out: its bound is the codebook's (covering radius, overloaded blocks), not ¼ΣD s²."""
-    recs = [c for r in results if r.get("family") != E8_FAMILY for c in r.get("certificate", [])
-            if c["layer_ratio"] is not None]
+    recs = [c for r in results if r.get("family") != E8_FAMILY for c in r.get("certificate", [])]
     if not recs:
         return None
     lr = [c["layer_ratio"] for c in recs]
