@@ -1,8 +1,9 @@
-"""``bench.cpu_layer --sections e8``: the CPU family's codebook kernel (``cpu-e8``, method e8) against bf16
-``F.linear`` and the integer CPU kernel (3 and 4 bits) on the same shapes, M = 1 and 8, each with the
-bits a weight it streams; then the E8 op's small-M path against its decoded tiles + GEMM for M = 8..256
-(where ``set_codebook_large_m`` should sit). All at group 64, fp16 scales, no outliers, bf16
-activations; timed side by side (:mod:`bench.paired_timing`)."""
+"""``bench.cpu_layer --sections e8``: the CPU family's codebook kernel (``cpu-e8``, method e8) as the study
+configures it (coded scales per 16 columns: E8-2/3/4b at 2.375 / 3.375 / 4.375 stored bits) against the
+integer CPU kernel at 3 and 4 bits (the default checkpoint's form: group 64) and bf16 ``F.linear``, on
+SmolLM2-135M's and Llama-3-8B's shapes, M = 1, 4, 8; each with the bits a weight it streams and the
+GB/s that makes. Then the E8 op's small-M path against its decoded tiles + GEMM for M = 8..256 (where
+``set_codebook_large_m`` should sit). bf16 activations; timed side by side (:mod:`bench.paired_timing`)."""
 from __future__ import annotations
 
 import torch
@@ -17,58 +18,69 @@ from vllm_latq.kernels.weight import CodebookWeight, dequantize
 from vllm_latq.testing.weights import random_weight
 
 # name: (out_features, in_features)
-E8_SHAPES = {"smol.up": (1536, 576), "2048x8192": (2048, 8192)}
-GROUP = 64
+E8_SHAPES = {"smol.up": (1536, 576), "smol.down": (576, 1536), "8b.qo": (4096, 4096), "8b.up": (14336, 4096),
+             "8b.down": (4096, 14336)}
+E8_GROUP, INT_GROUP = 16, 64
+E8_M = (1, 4, 8)
 
 
-def codebook_weight(n: int, k: int, bits: int, seed: int = 0) -> CodebookWeight:
-    """Random codes (each a point of the codebook) and fp16 scales: the op's time does not depend on them."""
+def codebook_weight(n: int, k: int, bits: int, group: int = E8_GROUP, seed: int = 0) -> CodebookWeight:
+    """Random codes (each a point of the codebook) and coded scales: the op's time does not depend on them."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (n, k // fmt.codebook.DIM, fmt.codebook.CODEBOOKS[bits].index_bytes), generator=g,
                           dtype=torch.uint8)
-    return CodebookWeight(codes, (torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.002).half(), bits, GROUP, k)
+    cs = fmt.scale_codes.code_scales(torch.rand(n, -(-k // group), generator=g) * 0.02 + 0.002)
+    return CodebookWeight(codes, cs.decode().half(), bits, group, k, cs)
 
 
-def _bits(kernel, state, n: int, k: int) -> float:
-    """Bits a weight the layer streams (a shared table not counted: read once a step)."""
-    parts = kernel.served_bytes(state)
+def _bytes(kernel, state) -> int:
+    """Bytes the layer streams a call (a shared table not counted: read once a step)."""
     shared = kernel.shared_tensors(state)
-    return 8 * sum(v for p, v in parts.items() if p not in shared) / (n * k)
+    return sum(v for p, v in kernel.served_bytes(state).items() if p not in shared)
 
 
 def e8(a, results: dict) -> None:
     if not native.usable():
         print("\ne8: the C++ ops are not built here")
         return
-    print(f"\ne8: cpu-e8 vs bf16 F.linear vs the integer CPU kernel (cpu), g{GROUP} fp16 scales, bf16 x; E8 op ISA "
-          f"{torch.ops.latq_cpu.codebook_isa() or 'scalar'} (µs: median; b/w: bits a weight streamed)")
-    for name, (n, k) in E8_SHAPES.items():
-        wb = dequantize(codebook_weight(n, k, 3)).bfloat16()
-        fns, bpw = {}, {"bf16": 16.0}
+    shapes = [s for s in (a.e8_shapes or E8_SHAPES)]
+    print(f"\ne8: cpu-e8 (coded scales, g{E8_GROUP}) vs the integer CPU kernel (g{INT_GROUP}) vs bf16 F.linear, "
+          f"bf16 x; E8 op ISA {torch.ops.latq_cpu.codebook_isa() or 'scalar'}, GEMV ISA "
+          f"{torch.ops.latq_cpu.gemv_isa() or 'none'} (µs: median; b/w: bits a weight streamed; GB/s)")
+    for name in shapes:
+        n, k = E8_SHAPES[name]
+        fns, nbytes = {}, {}
         for bits in (2, 3, 4):
             st = CPUCodebookKernel.prepare(codebook_weight(n, k, bits))
             fns[f"e8_{bits}b"] = (lambda st=st: CPUCodebookKernel.apply(st, x))
-            bpw[f"e8_{bits}b"] = _bits(CPUCodebookKernel, st, n, k)
+            nbytes[f"e8_{bits}b"] = _bytes(CPUCodebookKernel, st)
         for bits in (3, 4):
-            st = CPUKernel.prepare(random_weight(n, k, bits, 0.0, group=GROUP, seed=1))
+            st = CPUKernel.prepare(random_weight(n, k, bits, 0.0, group=INT_GROUP, seed=1))
             fns[f"int_{bits}b"] = (lambda st=st: CPUKernel.apply(st, x))
-            bpw[f"int_{bits}b"] = _bits(CPUKernel, st, n, k)
+            nbytes[f"int_{bits}b"] = _bytes(CPUKernel, st)
+        wb = dequantize(codebook_weight(n, k, 3)).bfloat16()
         fns["bf16"] = lambda: F.linear(x, wb)
-        for M in (1, 8):
+        nbytes["bf16"] = 2 * n * k
+        for M in E8_M:
             x = torch.randn(M, k).bfloat16()
             ts = side_by_side(fns, a.rounds, a.sample_us)
             for key in ts:
                 results[f"e8_{name}_m{M}_{key}_us"] = med(ts[key])
-            for bits in (3, 4):
-                results[f"e8_{name}_m{M}_int_over_e8_{bits}b"] = ratio(ts, f"int_{bits}b", f"e8_{bits}b")
-            print(f"  {name:10s} {n:>5d}x{k:<5d} M={M}: " + "  ".join(
-                f"{key} {med(v):.1f} ({bpw[key]:.3f} b/w)" for key, v in ts.items()), flush=True)
+            for bits in (2, 3, 4):
+                results[f"e8_{name}_m{M}_e8_{bits}b_over_int_4b"] = ratio(ts, f"e8_{bits}b", "int_4b")
+                results[f"e8_{name}_m{M}_e8_{bits}b_over_bf16"] = ratio(ts, f"e8_{bits}b", "bf16")
+            print(f"  {name:9s} {n:>5d}x{k:<5d} M={M}: " + "  ".join(
+                f"{key} {med(v):.1f} ({8 * nbytes[key] / (n * k):.3f} b/w, {nbytes[key] / med(v) / 1e3:.1f} GB/s)"
+                for key, v in ts.items()), flush=True)
+            print(f"  {'':9s} {'':11s}     time / int_4b: " + "  ".join(
+                f"e8_{b}b {ratio(ts, f'e8_{b}b', 'int_4b'):.2f}" for b in (2, 3, 4)) + "   time / bf16: " + "  ".join(
+                f"e8_{b}b {ratio(ts, f'e8_{b}b', 'bf16'):.2f}" for b in (2, 3, 4)), flush=True)
     large(a, results)
 
 
 def large(a, results: dict) -> None:
     """The op's two paths for M rows: decoded on the fly (small) vs tiles decoded once + fp32 GEMM."""
-    n, k = E8_SHAPES["2048x8192"]
+    n, k = E8_SHAPES["8b.qo"]
     st = CPUCodebookKernel.prepare(codebook_weight(n, k, 3))
     saved = torch.ops.latq_cpu.codebook_large_m()
 

@@ -44,9 +44,10 @@ torch.set_num_threads(2). Sections:
   calls     the layer op as vLLM's compiled graph calls it, M = 1, over those 30 blocks (4-bit g64, no
             outliers), the 8-bit head and a 64x64 layer: latq_cpu::linear (the state as a list of ten
             optional tensors) vs latq_cpu::plain_linear (its two): t_list / t_plain
-  e8        the codebook form (method e8): cpu-e8 at 2/3/4 bits vs bf16 F.linear vs the integer
-            kernel at 3/4 bits, 1536x576 and 2048x8192, M = 1 and 8, with the bits each streams;
-            and the E8 op's small-M path vs its decoded tiles + GEMM (bench/cpu_e8.py)
+  e8        the codebook form (method e8, coded scales per 16 columns): cpu-e8 at 2/3/4 bits vs
+            the integer kernel at 3/4 bits (g64) vs bf16 F.linear, SmolLM2's and Llama-3-8B's shapes
+            (--e8-shapes), M = 1, 4, 8, with the bits each streams and its GB/s; and the E8 op's
+            small-M path vs its decoded tiles + GEMM (bench/cpu_e8.py)
   streaming those 30 blocks and the 8-bit head, M = 1, 2, 8: the GEMV prefetching its weights into
             L1 (2 KB ahead) vs L2 (8 KB ahead), and the states where prepare left them vs in the
             weight arenas a served model loads them into (huge pages, load order)
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 # the in-situ sections stream many blocks per pass: their harness lives apart from this per-layer grid
 from bench.cpu_insitu import (coded_scales, gemv, layer_call, layer_calls, op_reads_gemv_layout, outlier_codings,
                               rotation_insitu, streaming)
-from bench.cpu_e8 import e8
+from bench.cpu_e8 import E8_SHAPES, e8
 from bench.paired_timing import med, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import cpu_features, native
@@ -311,6 +312,7 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
                     "coded): 30, ~57 MB of int4, more than L3")
     ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
+    ap.add_argument("--e8-shapes", nargs="+", choices=list(E8_SHAPES), help="the e8 section's shapes (default: all)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -88,16 +88,21 @@ def test_decoding_is_the_formats_exactly(bits, isa):
 
 
 def test_table_is_the_formats():
-    """Rows 0..255: E8P's patterns, each signed by its parity; 256..511: the ball; 512..639: the
-    sign masks (−0.0 on a flipped lane, the last by the parity); 640, 641: ±¼."""
+    """Rows 0..255: E8P's patterns, each signed by its parity; 256..511: the ball, halved; then per sign
+    byte h a mask (−0.0 on a flipped lane, the last by the parity of h's low seven bits) and a shift
+    (+¼, −¼ where bit 7 is set)."""
     t = decode_table()
-    assert t.shape == (642, 8) and t.dtype == torch.float32
-    assert torch.equal(t[:256].abs().double(), cb.e8p_patterns()) and torch.equal(t[256:512].double(), cb.e8_ball256())
+    assert t.shape == (1024, 8) and t.dtype == torch.float32
+    assert torch.equal(t[:256].abs().double(), cb.e8p_patterns())
+    assert torch.equal(t[256:512].double() * 2, cb.e8_ball256())
     assert torch.equal(t[:256, -1] < 0, torch.remainder(cb.e8p_patterns().sum(-1), 2) != 0)
-    masks = t[512:640]
-    assert torch.equal(masks, torch.zeros_like(masks)) and torch.signbit(masks).sum() == 128 * 8 // 2
-    assert torch.signbit(masks[0b1000011]).tolist() == [True, True, False, False, False, False, True, True]
-    assert t[640:].tolist() == [[0.25] * 8, [-0.25] * 8]
+    masks, shifts = t[512::2], t[513::2]
+    assert masks.shape == (256, 8) and torch.equal(masks, torch.zeros_like(masks))
+    assert torch.signbit(masks).sum() == 256 * 8 // 2
+    for h in (0b1000011, 0b11000011):
+        assert torch.signbit(masks[h]).tolist() == [True, True, False, False, False, False, True, True]
+    assert torch.equal(shifts[:128], torch.full((128, 8), 0.25))
+    assert torch.equal(shifts[128:], torch.full((128, 8), -0.25))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -185,17 +190,32 @@ def test_refusals_name_the_reason():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_served_bytes(bits):
-    """Codes + fp16 scales per layer (``codebook_bytes``), the table once for all layers."""
-    for group, coded in ((64, True), (16, False), (320, False)):
-        w = weight(bits, n=48, k=320, group=group, coded=coded)
+    """Codes + scales as stored per layer (``codebook_bytes``: fp16, or coded at 6 bits a scale), the
+    table once for all layers: E8-3b with coded scales per 16 columns streams its stored 3.375 bits."""
+    for n, group, coded in ((48, 64, True), (40, 16, True), (48, 16, False), (48, 320, False)):
+        w = weight(bits, n=n, k=320, group=group, coded=coded)
         st = CPUCodebookKernel.prepare(w)
         served = CPUCodebookKernel.served_bytes(st)
-        assert served.pop("table") == 642 * 8 * 4
-        assert served == CPUCodebookKernel.codebook_bytes(48, 320, bits, group, 4 if coded else None)
-        assert served == {"codes": 48 * 320 * bits // 8, "scales": 2 * 48 * -(-320 // group)}
+        assert served.pop("table") == 1024 * 8 * 4
+        assert served == CPUCodebookKernel.codebook_bytes(n, 320, bits, group, 4 if coded else None)
+        ng = -(-320 // group)
+        assert served == {"codes": n * 320 * bits // 8, "scales": (-(-n // 16) * 12 if coded else 2 * n) * ng}
+    st = CPUCodebookKernel.prepare(weight(3, n=48, k=320, group=16, coded=True))
+    parts = CPUCodebookKernel.served_bytes(st)
+    assert 8 * (parts["codes"] + parts["scales"]) / (48 * 320) == 3.375
     other = CPUCodebookKernel.prepare(weight(bits, seed=1))
     assert CPUCodebookKernel.shared_tensors(other)["table"] is CPUCodebookKernel.shared_tensors(st)["table"]
     assert selector.family_member("cpu", CodebookWeight) is CPUCodebookKernel
+
+
+def test_coded_scales_are_read_as_stored():
+    """A coded layer's state holds the checkpoint's words (not decoded fp16 scales), and reading them
+    back gives the format's scales bit for bit, a last band of fewer than 16 rows included."""
+    from vllm_latq.kernels.cpu.codebook import state_scales
+    w = weight(3, n=40, k=256, group=16, coded=True)
+    st = CPUCodebookKernel.prepare(w)
+    assert st.scales.dtype == torch.int32 and st.scales.shape == (3, 16, 3)
+    assert torch.equal(state_scales(st), w.coded.decode().half())
 
 
 def test_opcheck_native_op():

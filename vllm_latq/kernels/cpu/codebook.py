@@ -10,37 +10,56 @@ from functools import lru_cache
 
 import torch
 
-from ...format import codebook as cb
+from ...format import codebook as cb, scale_codes
 from ... import native
 from ..base import LatqKernel
 from ..reference import latq_linear_ref
 from ..weight import CodebookWeight
+from . import layouts
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @lru_cache(maxsize=None)
 def decode_table() -> torch.Tensor:
-    """fp32 ``[642, 8]``, one per process, what the op decodes a code with (``decode_e8p``'s rule):
-    rows 0..255 E8P's patterns, each with its parity (Σ a mod 2) as the sign of its last coordinate;
-    256..511 the 256-point ball; 512..639 the sign masks of a code's seven sign bits h (−0.0 where a
-    lane's sign flips: bit j, and the last lane by the parity of h), XOR'd onto a pattern, so the last
-    sign is the parity of Σσa; 640, 641 the shifts +¼ and −¼."""
+    """fp32 ``[1024, 8]``, one per process, what the op decodes a code with (``decode_e8p``'s rule),
+    rows addressed by a code's bytes as they are: 0..255 E8P's patterns (byte 0), each with its parity
+    (Σ a mod 2) as the sign of its last coordinate; 256..511 the 256-point ball, halved (the 3-bit
+    stage's byte 2); then per sign byte h (byte 1) two rows, 512 + 2h its sign mask (−0.0 where a
+    lane's sign flips: bit j of h's low seven, the last lane by their parity), XOR'd onto a pattern so
+    the last sign is the parity of Σσa, and 513 + 2h its shift (+¼, or −¼ where bit 7 is set)."""
     a = cb.e8p_patterns().clone()
     odd = torch.remainder(a.sum(-1), 2) != 0
     a[odd, -1] = -a[odd, -1]
-    h = (torch.arange(128)[:, None] >> torch.arange(cb.DIM - 1)) & 1
+    h = (torch.arange(256)[:, None] >> torch.arange(cb.DIM - 1)) & 1
     flips = torch.cat([h, h.sum(-1, keepdim=True) % 2], -1).bool()
-    masks = torch.zeros(128, cb.DIM, dtype=torch.float64).masked_fill(flips, -0.0)
-    shifts = torch.tensor([[0.25] * cb.DIM, [-0.25] * cb.DIM], dtype=torch.float64)
-    return torch.cat([a, cb.e8_ball256(), masks, shifts]).float().contiguous()
+    masks = torch.zeros(256, cb.DIM, dtype=torch.float64).masked_fill(flips, -0.0)
+    shifts = torch.where(torch.arange(256)[:, None] >= 128, -0.25, 0.25).double().expand(256, cb.DIM)
+    signs = torch.stack([masks, shifts], 1).reshape(512, cb.DIM)
+    return torch.cat([a, cb.e8_ball256() / 2, signs]).float().contiguous()
+
+
+def coded_scale_words(cs: scale_codes.CodedScales) -> torch.Tensor:
+    """Coded scales ``[N, G]`` → the op's int32 ``[ceil(N/16), G, 3]``: per 16 rows and group, fp16 min |
+    fp16 step << 16, then the 16 codes as the format packs them — the stored 6 bits a scale (the
+    integer GEMV's words, band-major: a row's band is one run)."""
+    pad = -cs.codes.shape[0] % scale_codes.ROWS
+    codes = torch.nn.functional.pad(cs.codes, (0, 0, 0, pad))
+    return layouts.coded_scale_words(scale_codes.CodedScales(codes, cs.min, cs.step, cs.bits)).transpose(0, 1).contiguous()
+
+
+def state_scales(state: "CodebookState") -> torch.Tensor:
+    """fp16 ``[out, G]``: the state's scales as the format decodes them (coded words decoded)."""
+    if state.scales.dtype == torch.float16:
+        return state.scales
+    return layouts.decode_scale_words(state.scales.transpose(0, 1))[:, :state.codes.shape[0]].T.half()
 
 
 @dataclass
 class CodebookState:
     codes: torch.Tensor     # uint8 [out, in/8, bits]: the form's codes, as stored
-    scales: torch.Tensor    # fp16  [out, ceil(in/group_size)] (coded scales decoded)
-    table: torch.Tensor     # fp32  [642, 8]: decode_table(), shared by every layer
+    scales: torch.Tensor    # fp16 [out, ceil(in/group_size)], or coded: int32 [ceil(out/16), G, 3] (as stored)
+    table: torch.Tensor     # fp32 [1024, 8]: decode_table(), shared by every layer
     bits: int
     group_size: int
     in_features: int
@@ -51,7 +70,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class CPUCodebookKernel(LatqKernel):
-    """E8 codes → fp32 points → FMA with x in fp32 (large M: tiles of decoded rows + a GEMM)."""
+    """E8 codes → fp32 points × scales (fp16 or coded, as stored) → FMA with x in fp32 (large M: tiles of
+    decoded rows + a GEMM)."""
     name = "cpu-e8"
     family = "cpu"
     forms = (CodebookWeight,)
@@ -79,8 +99,8 @@ class CPUCodebookKernel(LatqKernel):
         ok, why = cls.can_implement(w, torch.device("cpu"), torch.float32)
         if not ok:
             raise ValueError(f"kernel {cls.name} cannot run this layer: {why}")
-        scales = w.coded.decode() if w.coded is not None else w.scales
-        return CodebookState(w.codes.contiguous(), scales.half().contiguous(), decode_table(), w.bits,
+        scales = coded_scale_words(w.coded) if w.coded is not None else w.scales.half().contiguous()
+        return CodebookState(w.codes.contiguous(), scales, decode_table(), w.bits,
                              w.group_size, w.in_features)
 
     @classmethod
@@ -95,7 +115,7 @@ class CPUCodebookKernel(LatqKernel):
             return torch.ops.latq_cpu.codebook_linear(x, [state.codes, state.scales, state.table],
                                                       [state.bits, state.group_size, state.in_features], bias, N)
         # without the op: the reference itself, on the state's codes and fp16 scales
-        return latq_linear_ref(x, CodebookWeight(state.codes, state.scales, state.bits, state.group_size,
+        return latq_linear_ref(x, CodebookWeight(state.codes, state_scales(state), state.bits, state.group_size,
                                                  state.in_features), bias)
 
     @classmethod
@@ -109,9 +129,9 @@ class CPUCodebookKernel(LatqKernel):
 
     @classmethod
     def codebook_bytes(cls, n, k, bits, group, scale_bits=None):
-        """A layer's own bytes: its codes and fp16 scales (coded ones are decoded at prepare); the
-        table, one for the model, is not a layer's (``shared_tensors``)."""
+        """A layer's own bytes: its codes and its scales as stored (fp16, or coded: 12 bytes per 16 rows
+        and group); the table, one for the model, is not a layer's (``shared_tensors``)."""
         if bits not in cb.CODEBOOKS or k % cb.DIM or group % cb.DIM:
             raise ValueError(f"kernel {cls.name} cannot lay out a {n}x{k} {bits}-bit codebook layer with group {group}")
         return {"codes": n * k // cb.DIM * cb.CODEBOOKS[bits].index_bytes,
-                "scales": 2 * n * math.ceil(k / group)}
+                "scales": (math.ceil(n / scale_codes.ROWS) * 12 if scale_bits else 2 * n) * math.ceil(k / group)}

@@ -1,28 +1,34 @@
 // A codebook layer (method e8, vllm_latq/format/codebook.py) on the CPU straight from its codes:
 // y = x · Wᵀ (+ bias), W's 8-column blocks decoded as the rows are read, never stored. A block's
-// point is Σ stages: E8P (16 bits: pattern row c & 255 of the table, signs of lanes 0..6 from bits
-// 8..14, lane 7's sign fixing the parity, ±¼ from bit 15), the 3-bit ball's point / 2, or a
-// second E8P / 4; times its group's fp16 scale. The table (vllm_latq/kernels/cpu/codebook.py,
-// decode_table) holds E8P's 256 patterns with each pattern's parity in lane 7's sign, so the
-// last sign is lane 7's sign bit XOR the parity of the seven code signs; the ball's 256 points;
-// the sign masks of the 128 sign bytes and the two shifts, so a vector decode is three loads, an
-// XOR and an add, without a branch. Every product is exact in fp32 (a point has ≤ 7 significant bits, a scale 11): the
+// point is Σ stages: E8P (16 bits: byte 0 the pattern, byte 1 seven signs and the ±¼ shift), the
+// 3-bit ball's point / 2, or a second E8P / 4; times its group's scale.
+//
+// The decode is table rows addressed by the code's bytes as they are, so a block costs three
+// aligned loads, an XOR and an add (kernels/cpu/codebook.py, decode_table): the pattern row
+// (byte 0 · 32, its parity folded into lane 7's sign), then two rows addressed by byte 1 · 64,
+// the sign mask of its seven signs (lane 7 by their parity) and its shift. No shift-and-mask
+// chain, no branch. The ball stage is one more row (byte 2 · 32, pre-halved).
+//
+// Scales are read as the checkpoint stores them: fp16 [N, G], or coded (format/scale_codes.py)
+// as int32 words [ceil(N/16), G, 3] — per 16 rows and group, fp16 min | fp16 step << 16 and 16
+// 4-bit codes — decoded a band of 16 rows at a time to fp16(min + code·step), the format's one
+// rounding. Point × scale is exact in fp32 (a point ≤ 7 significant bits, a scale 11), so the
 // result is the reference's up to fp32 summation order.
 //
-// Small M: per output row, each block decoded once into 8 fp32 lanes (AVX2: one register; AVX-512F:
-// two blocks a register) and FMA'd into up to 8 rows of x. Large M (≥ set_codebook_large_m): tiles
-// of rows decoded to fp32, then one GEMM per tile. AVX-512F (where the build targets it), AVX2 +
-// FMA + F16C (each function its own target) or scalar, chosen at run time.
+// Small M: per output row, each block decoded once into 8 fp32 lanes, scaled and FMA'd into up to
+// 4 rows of x (AVX2 + FMA + F16C) or 8 (AVX-512VL: 32 registers), two FMA chains per row. Large M
+// (≥ set_codebook_large_m): tiles of rows decoded to fp32, then one GEMM per tile.
 //
 //   latq_cpu::codebook_linear(x [..., K] bf16/fp16/fp32, tensors = (codes uint8 [N, K/8, B],
-//       scales fp16 [N, G], table fp32 [642, 8][, signs fp32 [b]]), ints = (bits, group_size,
-//       in_features), bias?, out_features)   the schema of latq::cpu_e8_linear; a 4th tensor,
-//       a rotated layer's signs, rotates x first (hadamard.cpp)
+//       scales fp16 [N, G] or int32 [ceil(N/16), G, 3], table fp32 [1024, 8][, signs fp32 [K]]),
+//       ints = (bits, group_size, in_features), bias?, out_features)   the schema of
+//       latq::cpu_e8_linear; a 4th tensor, a rotated layer's signs, rotates x first (hadamard.cpp)
 //   latq_cpu::codebook_isa() / set_codebook_isa(name)   which path runs ("avx512", "avx2", "")
 //   latq_cpu::set_codebook_large_m(m) / codebook_large_m()   rows from which tiles + GEMM run
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -39,7 +46,7 @@
 #define LATQ_CB_X86 0
 #endif
 // AVX-512 only where the build targets it (an x86-64-v3 build holds no AVX-512 code), as hadamard.cpp's
-#if LATQ_CB_X86 && defined(__AVX512F__) && defined(__AVX512BW__)
+#if LATQ_CB_X86 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LATQ_CB_AVX512 1
 #else
 #define LATQ_CB_AVX512 0
@@ -51,67 +58,117 @@ bool latq_isa_runs(int isa);                                                    
 namespace {
 namespace cb {
 
-// the table's rows (kernels/cpu/codebook.py, decode_table): E8P's patterns, the ball's points, the sign
-// masks of a code's seven sign bits (−0.0 where a lane's sign flips, lane 7 by their parity), ±¼
-constexpr int64_t kBall = 256, kSigns = 512, kShift = 640, kRows = 642;
-constexpr int kMaxRows = 4;      // rows of x one pass over the weights serves (more spill registers)
+// the table (kernels/cpu/codebook.py, decode_table): fp32 rows of 8, byte offsets of each part
+constexpr int64_t kRows = 1024;
+constexpr int64_t kBallOff = 256 * 32;   // the ball's points / 2
+constexpr int64_t kSignOff = 512 * 32;   // per sign byte: its mask row, then its shift row
+constexpr int kBand = 16;                // rows sharing a coded scale grid (scale_codes.ROWS)
+constexpr int kMaxRows = 8;              // rows of x one pass over the weights serves
 
 struct Layer {
   const uint8_t* codes;     // [N, nb, B]
-  const at::Half* scales;   // [N, G]
-  const float* table;       // [512, 8]
+  const at::Half* scales;   // [N, G], or null:
+  const int32_t* coded;     // [ceil(N/16), G, 3]
+  const char* table;        // [1024, 8] fp32, 32-byte aligned
   int64_t N, K, nb, B, G, bpg;   // bpg: blocks a group
 };
 
-// the sign byte of an E8P code: bits 8..14 for lanes 0..6, lane 7 the parity of those seven
-inline uint32_t sign_bits(uint32_t c) {
-  const uint32_t s = (c >> 8) & 127;
-  return s | (static_cast<uint32_t>(__builtin_parity(s)) << 7);
+inline float half_bits(uint32_t h) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(h & 0xFFFF), c10::Half::from_bits()));
 }
 
-inline uint32_t e8p_code(const uint8_t* c) { return c[0] | (static_cast<uint32_t>(c[1]) << 8); }
-
-// ------------------------------------------------------------------ scalar: the definition's steps
-
-inline void e8p_scalar(const float* T, uint32_t c, float gain, float* v) {
-  const float* a = T + (c & 255) * 8;
-  const uint32_t s = sign_bits(c);
-  const float shift = (c >> 15) ? -0.25f : 0.25f;
-  for (int j = 0; j < 8; ++j) v[j] += ((((s >> j) & 1) ? -a[j] : a[j]) + shift) * gain;
-}
-
-template <int BITS>
-inline void block_scalar(const float* T, const uint8_t* c, float* v) {
-  for (int j = 0; j < 8; ++j) v[j] = 0.f;
-  e8p_scalar(T, e8p_code(c), 1.f, v);
-  if constexpr (BITS == 3) {
-    const float* p = T + (kBall + c[2]) * 8;
-    for (int j = 0; j < 8; ++j) v[j] += p[j] * 0.5f;
-  } else if constexpr (BITS == 4) {
-    e8p_scalar(T, e8p_code(c + 2), 0.25f, v);
+// the scales of band t (rows 16t..16t+15) into s [G][16] fp32, even rows first (row r at
+// (r % 2)·8 + r / 2, as the codes' nibbles pair them): fp16(min + code·step), the format's
+// decode_scales (code·step is exact in fp32, so an FMA rounds as its mul + add)
+void band_scales_scalar(const Layer& L, int64_t t, float* s) {
+  for (int64_t g = 0; g < L.G; ++g) {
+    const int32_t* w = L.coded + (t * L.G + g) * 3;
+    const float mn = half_bits(static_cast<uint32_t>(w[0])), st = half_bits(static_cast<uint32_t>(w[0]) >> 16);
+    const uint8_t* c = reinterpret_cast<const uint8_t*>(w + 1);
+    for (int j = 0; j < kBand / 2; ++j) {
+      s[g * kBand + j] = static_cast<float>(c10::Half(mn + static_cast<float>(c[j] & 15) * st));
+      s[g * kBand + 8 + j] = static_cast<float>(c10::Half(mn + static_cast<float>(c[j] >> 4) * st));
+    }
   }
 }
 
-// rows [n0, n1) of W (decoded, scaled) into w [n1 - n0, K]
-template <int BITS>
-void decode_rows_scalar(const Layer& L, int64_t n0, int64_t n1, float* w) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < L.nb; ++b) {
-      const float s = static_cast<float>(L.scales[n * L.G + b / L.bpg]);
-      float* o = w + (n - n0) * L.K + b * 8;
-      block_scalar<BITS>(L.table, L.codes + (n * L.nb + b) * L.B, o);
-      for (int j = 0; j < 8; ++j) o[j] *= s;
-    }
+#if LATQ_CB_X86
+__attribute__((target("avx2,fma,f16c"))) void band_scales_avx2(const Layer& L, int64_t t, float* s) {
+  constexpr int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const int32_t* w = L.coded + t * L.G * 3;
+  for (int64_t g = 0; g < L.G; ++g, w += 3) {
+    const __m256 mn = _mm256_set1_ps(_cvtsh_ss(static_cast<uint16_t>(w[0] & 0xFFFF)));
+    const __m256 st = _mm256_set1_ps(_cvtsh_ss(static_cast<uint16_t>(static_cast<uint32_t>(w[0]) >> 16)));
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 1)));
+    const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15))), st, mn);
+    const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), st, mn);
+    _mm256_storeu_ps(s + g * kBand, _mm256_cvtph_ps(_mm256_cvtps_ph(lo, rne)));
+    _mm256_storeu_ps(s + g * kBand + 8, _mm256_cvtph_ps(_mm256_cvtps_ph(hi, rne)));
+  }
+}
+#endif
+
+void band_scales(const Layer& L, int64_t t, float* s, int isa) {
+#if LATQ_CB_X86
+  if (isa >= 1) return band_scales_avx2(L, t, s);
+#endif
+  band_scales_scalar(L, t, s);
+}
+
+// a row's scale reader: fp16 scales of the row, or its column of the band's decoded [G][16]
+struct RowScales {
+  const at::Half* h;   // or null:
+  const float* f;      // stride kBand
+  float operator()(int64_t g) const { return h ? static_cast<float>(h[g]) : f[g * kBand]; }
+};
+
+inline RowScales row_scales(const Layer& L, int64_t n, const float* band) {
+  return L.coded ? RowScales{nullptr, band + (n % 2) * 8 + n % kBand / 2} : RowScales{L.scales + n * L.G, nullptr};
+}
+
+// ------------------------------------------------------------------ scalar: the definition's steps
+
+inline const float* row(const Layer& L, int64_t off) { return reinterpret_cast<const float*>(L.table + off); }
+
+inline void e8p_scalar(const Layer& L, uint32_t p, uint32_t s, float gain, float* v) {
+  const float *a = row(L, p << 5), *m = row(L, kSignOff + (s << 6));
+  for (int j = 0; j < 8; ++j) v[j] += (std::signbit(m[j]) ? -a[j] : a[j]) * gain + m[8 + j] * gain;
 }
 
 template <int BITS>
-void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
+inline void block_scalar(const Layer& L, const uint8_t* c, float* v) {
+  for (int j = 0; j < 8; ++j) v[j] = 0.f;
+  e8p_scalar(L, c[0], c[1], 1.f, v);
+  if constexpr (BITS == 3) {
+    const float* p = row(L, kBallOff + (c[2] << 5));
+    for (int j = 0; j < 8; ++j) v[j] += p[j];
+  } else if constexpr (BITS == 4) {
+    e8p_scalar(L, c[2], c[3], 0.25f, v);
+  }
+}
+
+template <int BITS>
+void decode_rows_scalar(const Layer& L, int64_t n0, int64_t n1, const float* band, float* w) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const RowScales sc = row_scales(L, n, band);
+    for (int64_t b = 0; b < L.nb; ++b) {
+      const float s = sc(b / L.bpg);
+      float* o = w + (n - n0) * L.K + b * 8;
+      block_scalar<BITS>(L, L.codes + (n * L.nb + b) * L.B, o);
+      for (int j = 0; j < 8; ++j) o[j] *= s;
+    }
+  }
+}
+
+template <int BITS>
+void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1, const float* band, float* y) {
   float v[8];
   for (int64_t n = n0; n < n1; ++n) {
+    const RowScales sc = row_scales(L, n, band);
     float acc[kMaxRows] = {};
     for (int64_t b = 0; b < L.nb; ++b) {
-      const float s = static_cast<float>(L.scales[n * L.G + b / L.bpg]);
-      block_scalar<BITS>(L.table, L.codes + (n * L.nb + b) * L.B, v);
+      const float s = sc(b / L.bpg);
+      block_scalar<BITS>(L, L.codes + (n * L.nb + b) * L.B, v);
       for (int64_t m = 0; m < M; ++m)
         for (int j = 0; j < 8; ++j) acc[m] += x[m * L.K + b * 8 + j] * (v[j] * s);
     }
@@ -122,209 +179,245 @@ void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t 
 #if LATQ_CB_X86
 // ------------------------------------------------------------------ AVX2 + FMA + F16C: a block a register
 
-// σ⊙a ± ¼: the pattern, XOR its sign mask (the table's −0.0 lanes), plus the shift's row; no branch
-// (byte offsets of the three rows: each a shift and a mask of c, rows being 32 bytes)
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 e8p_avx2(const float* T, uint32_t c) {
-  const char* t = reinterpret_cast<const char*>(T);
-  const __m256 a = _mm256_load_ps(reinterpret_cast<const float*>(t + ((c << 5) & 0x1FE0)));
-  const __m256 m = _mm256_load_ps(reinterpret_cast<const float*>(t + kSigns * 32 + ((c >> 3) & 0xFE0)));
-  const __m256 h = _mm256_load_ps(reinterpret_cast<const float*>(t + kShift * 32 + ((c >> 10) & 0x20)));
-  return _mm256_add_ps(_mm256_xor_ps(a, m), h);
+#define LATQ_CB_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+// σ⊙a ± ¼: the pattern row, XOR its sign byte's mask row, plus its shift row (S: the table's sign rows,
+// a base of its own so each load is base + index, no add)
+LATQ_CB_INLINE __m256 e8p_avx2(const char* T, const char* S, uint32_t p, uint32_t s) {
+  const __m256 a = _mm256_load_ps(reinterpret_cast<const float*>(T + (p << 5)));
+  return _mm256_add_ps(_mm256_xor_ps(a, _mm256_load_ps(reinterpret_cast<const float*>(S + (s << 6)))),
+                       _mm256_load_ps(reinterpret_cast<const float*>(S + 32 + (s << 6))));
 }
 
 template <int BITS>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 block_avx2(const float* T, const uint8_t* c) {
-  __m256 v = e8p_avx2(T, e8p_code(c));
-  if constexpr (BITS == 3) v = _mm256_fmadd_ps(_mm256_load_ps(T + (kBall + c[2]) * 8), _mm256_set1_ps(0.5f), v);
-  if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, e8p_code(c + 2)), _mm256_set1_ps(0.25f), v);
+LATQ_CB_INLINE __m256 block_avx2(const char* T, const uint8_t* c) {
+  const char* S = T + kSignOff;
+  __m256 v = e8p_avx2(T, S, c[0], c[1]);
+  if constexpr (BITS == 3) v = _mm256_add_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(T + kBallOff + (c[2] << 5))));
+  if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, S, c[2], c[3]), _mm256_set1_ps(0.25f), v);
   return v;
 }
 
-__attribute__((target("avx2,fma"), always_inline)) inline float hsum_avx2(__m256 v) {
+LATQ_CB_INLINE float hsum_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// rows [n0, n1) for MR ≤ 4 rows of x: each block decoded once, a group's sums scaled once at its end
-// (two sets, even and odd blocks, for two FMA chains in flight up to 2 rows)
+LATQ_CB_INLINE float scale_at(const RowScales& sc, int64_t g) {
+  return sc.h ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(sc.h)[g]) : sc.f[g * kBand];
+}
+
+// rows [n0, n1) for MR rows of x: each block decoded once and scaled (exact), then FMA'd into MR
+// rows; blocks alternate between two accumulators a row so two FMA chains are in flight
 template <int BITS, int MR>
-__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Layer& L, const float* x, int64_t n0, int64_t n1,
-                                                         float* y) {
-  constexpr int U = MR <= 2 ? 2 : 1;
+LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MR], part[U][MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    const RowScales sc = row_scales(L, n, band);
     const uint8_t* c = L.codes + n * L.nb * L.B;
-    const at::Half* sr = L.scales + n * L.G;
+    __m256 a0[MR], a1[MR];
+    for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-      const __m256 s = _mm256_set1_ps(static_cast<float>(sr[gi]));
+      const __m256 s = _mm256_set1_ps(scale_at(sc, gi));
       const int64_t b1 = std::min(L.nb, b0 + L.bpg);
-      for (int u = 0; u < U; ++u)
-        for (int m = 0; m < MR; ++m) part[u][m] = _mm256_setzero_ps();
       int64_t b = b0;
-      for (; b + U <= b1; b += U)
-#pragma GCC unroll 2
-        for (int u = 0; u < U; ++u) {
-          const __m256 w = block_avx2<BITS>(L.table, c + (b + u) * L.B);
+      for (; b + 2 <= b1; b += 2) {
+        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * L.B), s);
+        const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + (b + 1) * L.B), s);
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m)
-            part[u][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * L.K + (b + u) * 8), part[u][m]);
+        for (int m = 0; m < MR; ++m) {
+          a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
+          a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * L.K + b * 8 + 8), a1[m]);
         }
-      for (; b < b1; ++b) {
-        const __m256 w = block_avx2<BITS>(L.table, c + b * L.B);
-        for (int m = 0; m < MR; ++m) part[0][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * L.K + b * 8), part[0][m]);
       }
-      for (int m = 0; m < MR; ++m) {
-        const __m256 sum = U == 2 ? _mm256_add_ps(part[0][m], part[U - 1][m]) : part[0][m];
-        acc[m] = _mm256_fmadd_ps(sum, s, acc[m]);
+      if (b < b1) {
+        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * L.B), s);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
       }
     }
-    for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(acc[m]);
+    for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(_mm256_add_ps(a0[m], a1[m]));
   }
 }
 
+template <int BITS, int MR>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Layer& L, const float* x, int64_t n0, int64_t n1,
+                                                         const float* band, float* y) {
+  rows_body<BITS, MR>(L, x, n0, n1, band, y);
+}
+
 template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, int64_t n0, int64_t n1, float* w) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < L.nb; ++b) {
-      const __m256 s = _mm256_set1_ps(static_cast<float>(L.scales[n * L.G + b / L.bpg]));
+__attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, int64_t n0, int64_t n1, const float* band,
+                                                                float* w) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const RowScales sc = row_scales(L, n, band);
+    for (int64_t b = 0; b < L.nb; ++b)
       _mm256_storeu_ps(w + (n - n0) * L.K + b * 8,
-                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.codes + (n * L.nb + b) * L.B), s));
-    }
+                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.codes + (n * L.nb + b) * L.B),
+                                     _mm256_set1_ps(scale_at(sc, b / L.bpg))));
+  }
 }
 #endif
 
 #if LATQ_CB_AVX512
-// ------------------------------------------------------------------ AVX-512F: two blocks a register
-
-__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 two(__m256 lo, __m256 hi) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
-
-template <int BITS>
-__attribute__((target("avx512f,avx2,fma,f16c"))) void rows_avx512(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1,
-                                                    float* y) {
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[kMaxRows];
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const uint8_t* c = L.codes + n * L.nb * L.B;
-    const at::Half* sr = L.scales + n * L.G;
-    int64_t b = 0;
-    for (; b + 2 <= L.nb; b += 2) {   // the two blocks may lie in two groups
-      const __m512 s = two(_mm256_set1_ps(static_cast<float>(sr[b / L.bpg])),
-                           _mm256_set1_ps(static_cast<float>(sr[(b + 1) / L.bpg])));
-      const __m512 w = _mm512_mul_ps(two(block_avx2<BITS>(L.table, c + b * L.B), block_avx2<BITS>(L.table, c + (b + 1) * L.B)), s);
-      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * L.K + b * 8), acc[m]);
-    }
-    float tail[kMaxRows] = {};
-    if (b < L.nb) {
-      const __m256 w = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * L.B),
-                                     _mm256_set1_ps(static_cast<float>(sr[b / L.bpg])));
-      for (int64_t m = 0; m < M; ++m) tail[m] = hsum_avx2(_mm256_mul_ps(w, _mm256_loadu_ps(x + m * L.K + b * 8)));
-    }
-    for (int64_t m = 0; m < M; ++m) y[m * L.N + n] = _mm512_reduce_add_ps(acc[m]) + tail[m];
-  }
+// the same body with AVX-512VL's 32 registers: up to 8 rows of x a pass
+template <int BITS, int MR>
+__attribute__((target("avx512f,avx512vl,avx2,fma,f16c"))) void rows_avx512(const Layer& L, const float* x, int64_t n0,
+                                                                            int64_t n1, const float* band, float* y) {
+  rows_body<BITS, MR>(L, x, n0, n1, band, y);
 }
 #endif
 
 // ------------------------------------------------------------------ dispatch
 
-// the best one, or AVX2 where LATQ_CPU_ISA=avx2 (read once, as the GEMV reads it)
 int isa_detect() {
   const char* e = std::getenv("LATQ_CPU_ISA");
   for (int isa = e && std::strcmp(e, "avx2") == 0 ? 1 : 2; isa > 0; --isa)
-    if (latq_isa_runs(isa)) return isa;
+    if (latq_isa_runs(isa) && (isa < 2 || __builtin_cpu_supports("avx512vl"))) return isa;
   return 0;
 }
 std::atomic<int> g_isa{isa_detect()};
 // rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "E8 codebooks")
 std::atomic<int64_t> g_large_m{20};
 
+// the rows of x one pass serves on this instruction set
+inline int64_t rows_a_pass(int isa) { return isa == 2 ? 8 : 4; }
+
 template <int BITS, int MR>
-void rows_fixed(const Layer& L, const float* x, int64_t n0, int64_t n1, float* y) {
+void rows_fixed(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y, int isa) {
+#if LATQ_CB_AVX512
+  if (isa == 2) return rows_avx512<BITS, MR>(L, x, n0, n1, band, y);
+#endif
 #if LATQ_CB_X86
-  rows_avx2<BITS, MR>(L, x, n0, n1, y);
+  if constexpr (MR <= 4) rows_avx2<BITS, MR>(L, x, n0, n1, band, y);
 #endif
 }
 
-// rows [n0, n1) of y for rows [0, M) of x (M ≤ kMaxRows) on this instruction set
+// rows [n0, n1) of y for rows [0, M) of x (M ≤ rows_a_pass(isa))
 template <int BITS>
-void rows(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int isa) {
-#if LATQ_CB_AVX512
-  if (isa == 2) return rows_avx512<BITS>(L, x, M, n0, n1, y);
-#endif
-  if (isa == 0) return rows_scalar<BITS>(L, x, M, n0, n1, y);
+void rows(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1, const float* band, float* y, int isa) {
+  if (isa == 0) return rows_scalar<BITS>(L, x, M, n0, n1, band, y);
   switch (M) {
-    case 1: return rows_fixed<BITS, 1>(L, x, n0, n1, y);
-    case 2: return rows_fixed<BITS, 2>(L, x, n0, n1, y);
-    case 3: return rows_fixed<BITS, 3>(L, x, n0, n1, y);
-    default: return rows_fixed<BITS, 4>(L, x, n0, n1, y);
+    case 1: return rows_fixed<BITS, 1>(L, x, n0, n1, band, y, isa);
+    case 2: return rows_fixed<BITS, 2>(L, x, n0, n1, band, y, isa);
+    case 3: return rows_fixed<BITS, 3>(L, x, n0, n1, band, y, isa);
+    case 4: return rows_fixed<BITS, 4>(L, x, n0, n1, band, y, isa);
+    case 5: return rows_fixed<BITS, 5>(L, x, n0, n1, band, y, isa);
+    case 6: return rows_fixed<BITS, 6>(L, x, n0, n1, band, y, isa);
+    case 7: return rows_fixed<BITS, 7>(L, x, n0, n1, band, y, isa);
+    default: return rows_fixed<BITS, 8>(L, x, n0, n1, band, y, isa);
   }
 }
 
 template <int BITS>
-void decode_rows(const Layer& L, int64_t n0, int64_t n1, float* w, int isa) {
+void decode_rows(const Layer& L, int64_t n0, int64_t n1, const float* band, float* w, int isa) {
 #if LATQ_CB_X86
-  if (isa >= 1) return decode_rows_avx2<BITS>(L, n0, n1, w);
+  if (isa >= 1) return decode_rows_avx2<BITS>(L, n0, n1, band, w);
 #endif
-  decode_rows_scalar<BITS>(L, n0, n1, w);
+  decode_rows_scalar<BITS>(L, n0, n1, band, w);
+}
+
+// fn(n0, n1, band) over bands of 16 rows of [r0, r1) split across threads, each band's coded scales
+// decoded once into the task's own [G][16] buffer
+template <class F>
+void for_bands(const Layer& L, int64_t r0, int64_t r1, int64_t grain_rows, const F& fn) {
+  const int64_t t0 = r0 / kBand, t1 = (r1 + kBand - 1) / kBand;
+  at::parallel_for(t0, t1, std::max<int64_t>(1, grain_rows / kBand), [&](int64_t a, int64_t b) {
+    std::vector<float> band(L.coded ? L.G * kBand : 0);
+    for (int64_t t = a; t < b; ++t) {
+      if (L.coded) band_scales(L, t, band.data(), g_isa.load());
+      fn(std::max(r0, t * kBand), std::min(r1, (t + 1) * kBand), band.data());
+    }
+  });
 }
 
 // y [M, N] fp32 = xf [M, K] fp32 · Wᵀ
 template <int BITS>
 void gemm(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
-  const int64_t M = xf.size(0), isa = g_isa.load();
+  const int64_t M = xf.size(0);
+  const int isa = g_isa.load();
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M < g_large_m.load()) {
+    const int64_t R = isa == 0 ? kMaxRows : rows_a_pass(isa);
     const int64_t grain = std::max<int64_t>(1, 16384 / L.K);   // rows a task: ≥ 16k weights
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-      at::parallel_for(0, L.N, grain, [&](int64_t n0, int64_t n1) {
-        rows<BITS>(L, xp + m0 * L.K, std::min<int64_t>(kMaxRows, M - m0), n0, n1, yp + m0 * L.N, isa);
-      });
+    for_bands(L, 0, L.N, grain, [&](int64_t n0, int64_t n1, const float* band) {
+      for (int64_t m0 = 0; m0 < M; m0 += R)
+        rows<BITS>(L, xp + m0 * L.K, std::min(R, M - m0), n0, n1, band, yp + m0 * L.N, isa);
+    });
     return;
   }
-  // tiles of rows ≤ 4 MB of fp32, 16 rows at least
-  const int64_t tile = std::max<int64_t>(16, (int64_t{1} << 20) / L.K / 16 * 16);
+  // tiles of rows ≤ 4 MB of fp32, whole bands, 16 rows at least
+  const int64_t tile = std::max<int64_t>(kBand, (int64_t{1} << 20) / L.K / kBand * kBand);
   at::Tensor w = at::empty({std::min(tile, L.N), L.K}, xf.options());
   for (int64_t r0 = 0; r0 < L.N; r0 += tile) {
     const int64_t R = std::min(tile, L.N - r0);
     float* wp = w.data_ptr<float>();
-    at::parallel_for(r0, r0 + R, 1, [&](int64_t n0, int64_t n1) { decode_rows<BITS>(L, n0, n1, wp + (n0 - r0) * L.K, isa); });
+    for_bands(L, r0, r0 + R, 1, [&](int64_t n0, int64_t n1, const float* band) {
+      decode_rows<BITS>(L, n0, n1, band, wp + (n0 - r0) * L.K, isa);
+    });
     y.narrow(1, r0, R).copy_(at::mm(xf, w.narrow(0, 0, R).t()));
   }
 }
 
 }  // namespace cb
 
+// every argument checked against the others before any pointer is read: a direct call raises
 at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                            at::IntArrayRef ints, const std::optional<at::Tensor>& bias, int64_t out_features) {
   // CodebookState, flattened: tensors = (codes, scales, table[, rotation signs]), ints = (bits, group_size,
   // in_features)
-  TORCH_CHECK((tensors.size() == 3 || tensors.size() == 4) && ints.size() == 3,
-              "latq_cpu::codebook_linear: not a CodebookState");
+  constexpr const char* op = "latq_cpu::codebook_linear: ";
+  TORCH_CHECK((tensors.size() == 3 || tensors.size() == 4) && ints.size() == 3, op, "not a CodebookState");
+  for (size_t i = 0; i < 3; ++i)
+    TORCH_CHECK(tensors.get(i).has_value() && tensors.get(i)->defined(), op, "tensor ", i, " is missing");
   const at::Tensor codes = *tensors.get(0), scales = *tensors.get(1), table = *tensors.get(2);
   const int64_t bits = ints[0], group = ints[1], K = ints[2], N = out_features;
-  TORCH_CHECK(bits >= 2 && bits <= 4, "latq_cpu::codebook_linear: ", bits, "-bit codes (2, 3 or 4)");
+  TORCH_CHECK(bits >= 2 && bits <= 4, op, bits, "-bit codes (2, 3 or 4)");
+  TORCH_CHECK(K > 0 && K % 8 == 0, op, "in_features ", K, " must be a positive multiple of 8");
+  TORCH_CHECK(group > 0 && group % 8 == 0, op, "group size ", group, " must be a positive multiple of 8");
+  TORCH_CHECK(N >= 0, op, "out_features ", N, " is negative");
+  const int64_t G = (K + group - 1) / group;
+  for (const at::Tensor* t : {&x, &codes, &scales, &table})
+    TORCH_CHECK(t->device().is_cpu(), op, "every tensor must be on the CPU, got ", t->device());
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == N &&
                   codes.size(1) * 8 == K && codes.size(2) == bits,   // a code's bytes: 8 weights × bits
-              "latq_cpu::codebook_linear: codes must be uint8 [out, in/8, bytes], contiguous");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == N &&
-                  group % 8 == 0 && scales.size(1) == (K + group - 1) / group,
-              "latq_cpu::codebook_linear: scales must be fp16 [out, ceil(in/group)], contiguous, group a multiple of 8");
+              op, "codes must be uint8 [out, in/8, bits], contiguous, got ", codes.scalar_type(), " ", codes.sizes());
+  const bool coded = scales.scalar_type() == at::kInt;
+  if (coded) {
+    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == (N + cb::kBand - 1) / cb::kBand &&
+                    scales.size(1) == G && scales.size(2) == 3,
+                op, "coded scales must be int32 [ceil(out/16), ceil(in/group), 3], contiguous, got ", scales.sizes());
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                    scales.size(0) == N && scales.size(1) == G,
+                op, "scales must be fp16 [out, ceil(in/group)] (or coded int32), contiguous, got ",
+                scales.scalar_type(), " ", scales.sizes());
+  }
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == cb::kRows * 8 &&
                   reinterpret_cast<uintptr_t>(table.data_ptr()) % 32 == 0,
-              "latq_cpu::codebook_linear: table must be fp32 [642, 8], contiguous, 32-byte aligned");
-  TORCH_CHECK(x.size(-1) == K, "latq_cpu::codebook_linear: x has ", x.size(-1), " columns, the layer ", K);
+              op, "table must be fp32 [1024, 8], contiguous, 32-byte aligned (decode_table())");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              op, "x must be fp32, bf16 or fp16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, op, "x has ", x.dim() ? x.size(-1) : 0, " columns, the layer ", K);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point(), op,
+                "bias must be a floating [out] tensor on the CPU, got ", bias->sizes());
+  }
   const std::optional<at::Tensor> signs = tensors.size() == 4 ? tensors.get(3) : std::nullopt;
-  const at::Tensor& xr = signs.has_value() && signs->defined() ? latq_hadamard_scratch(x, *signs) : x;
-  const int64_t M = K ? x.numel() / K : 0;
+  const bool rotated = signs.has_value() && signs->defined();
+  if (rotated) {
+    TORCH_CHECK(signs->device().is_cpu() && signs->dim() == 1 && signs->size(0) == K, op,
+                "rotation signs must be a [in] tensor on the CPU, got ", signs->sizes());
+  }
+  const at::Tensor& xr = rotated ? latq_hadamard_scratch(x, *signs) : x;
+  const int64_t M = x.numel() / K;
   const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, xf.options());
-  const cb::Layer L{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), table.data_ptr<float>(),
-                    N, K, K / 8, codes.size(2), scales.size(1), group / 8};
-  if (M > 0) {
+  const cb::Layer L{codes.data_ptr<uint8_t>(), coded ? nullptr : scales.data_ptr<at::Half>(),
+                    coded ? scales.data_ptr<int32_t>() : nullptr, static_cast<const char*>(table.data_ptr()),
+                    N, K, K / 8, codes.size(2), G, group / 8};
+  if (M > 0 && N > 0) {
     if (bits == 2) cb::gemm<2>(L, xf, y);
     else if (bits == 3) cb::gemm<3>(L, xf, y);
     else cb::gemm<4>(L, xf, y);
@@ -340,11 +433,16 @@ std::string codebook_isa() { return cb::g_isa == 2 ? "avx512" : cb::g_isa == 1 ?
 void set_codebook_isa(const std::string& name) {
   const int isa = name == "avx512" ? 2 : name == "avx2" ? 1 : name.empty() ? 0 : -1;
   TORCH_CHECK(isa >= 0, "latq_cpu::set_codebook_isa: unknown instruction set '", name, "' (avx512, avx2 or '')");
-  TORCH_CHECK(latq_isa_runs(isa), "latq_cpu::set_codebook_isa: ", name, " does not run here");
+  TORCH_CHECK(latq_isa_runs(isa) && (isa < 2 || (LATQ_CB_AVX512 && __builtin_cpu_supports("avx512vl"))),
+              "latq_cpu::set_codebook_isa: ", name,
+              " does not run here");
   cb::g_isa.store(isa);
 }
 
-void set_codebook_large_m(int64_t m) { cb::g_large_m.store(m); }
+void set_codebook_large_m(int64_t m) {
+  TORCH_CHECK(m >= 1, "latq_cpu::set_codebook_large_m: ", m, " rows (at least 1)");
+  cb::g_large_m.store(m);
+}
 int64_t codebook_large_m() { return cb::g_large_m.load(); }
 
 }  // namespace
