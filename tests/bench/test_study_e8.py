@@ -135,18 +135,30 @@ def test_a_layers_certificate_record_covers_only_the_bounded_rows():
 
 
 def test_e8_claim_verdict_both_ways():
-    """The claims row: the best E8 operating point (seeds are no operating points) at ≤ 3.5
-    Triton-served bits against GPTQ-4b's perplexity; none served there: does not hold; no served
-    figure at all: no verdict."""
-    def claim(res):
-        return next(r for r in claims.claims_table({"gemma3-270m": res}, {}) if r.startswith("| an E8 configuration"))
-    res = _study()
-    assert claim(res).endswith("| E8-3b-rot-s4-g16 17.00 at 3.400 b vs GPTQ-4b 15.63 (+8.8%) | does not hold |")
-    res = _put(res, _e8("rot-tc-s4-g16", 3, 15.5, 3.40))
-    assert claim(res).endswith("| E8-3b-rot-tc-s4-g16 15.50 at 3.400 b vs GPTQ-4b 15.63 (-0.8%) | holds |")
+    """The claims rows: the best E8 operating point (seeds are no operating points) at ≤ 3.5
+    Triton-served bits against GPTQ-4b's perplexity and rotated GPTQ-4b's: it holds only lower by more
+    than the 4-bit noise floor (here ±1.41 %), "within noise" inside it, fails beyond it the other way;
+    no 4-bit floor: no verdict; none served at ≤ 3.5 bits: does not hold; no served figure at all: no
+    verdict."""
+    def claim(res, base="GPTQ-4b"):
+        head = f"| an E8 configuration at ≤ 3.5 Triton-served bits reaches {base}-g128's perplexity"
+        return next(r for r in claims.claims_table({"gemma3-270m": res}, {}) if r.startswith(head))
+    res = _study() + [_rec("GPTQ-4b-seed1", "GPTQ", 4, "seed1", 15.85, 4.125, group=128),
+                      _rec("GPTQ-4b-rot", "GPTQ", 4, "rot", 14.33, 4.125, group=128)]
+    assert claim(res).endswith("| E8-3b-rot-s4-g16 17.00 at 3.400 b vs GPTQ-4b 15.63 at 4.125 b (+8.8%) "
+                               "| does not hold |")
+    res = _put(res, _e8("rot-tc-s4-g16", 3, 15.5, 3.40))                 # −0.8 %: inside the floor
+    assert claim(res).endswith("| E8-3b-rot-tc-s4-g16 15.50 at 3.400 b vs GPTQ-4b 15.63 at 4.125 b (-0.8%) — "
+                               "within noise (±1.41 %) | within noise |")
+    assert claim(res, "GPTQ-4b-rot").endswith("| E8-3b-rot-tc-s4-g16 15.50 at 3.400 b vs GPTQ-4b-rot 14.33 at "
+                                              "4.125 b (+8.2%) | does not hold |")
+    assert claim(_put(res, _e8("rot-tc-s4-g16", 3, 15.3, 3.40))).endswith("(-2.1%) | holds |")   # beyond it
+    no_floor = [r for r in res if r["label"] != "GPTQ-4b-seed1"]
+    assert claim(no_floor).endswith("(-0.8%): no noise floor at 4 bits | — |")
     res = _put(res, _e8("rot-tc-s4-g16", 3, 15.5, 3.60))          # over the budget: the next best
     res = _put(res, _e8("rot-s4-g16", 2, 15.6, 2.40))
-    assert claim(res).endswith("| E8-2b-rot-s4-g16 15.60 at 2.400 b vs GPTQ-4b 15.63 (-0.2%) | holds |")
+    assert claim(res).endswith("| E8-2b-rot-s4-g16 15.60 at 2.400 b vs GPTQ-4b 15.63 at 4.125 b (-0.2%) — "
+                               "within noise (±1.41 %) | within noise |")
     e8_only = [r for r in res if r["family"] != "E8" or r["tag"].endswith("seed1")]   # a seed alone: not run
     assert claim(e8_only).endswith("| not run | — |")
     over = [r for r in res if r["family"] != "E8"] + [_e8("rot-s4-g16", 4, 14.0, 4.40)]
