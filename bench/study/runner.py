@@ -223,7 +223,7 @@ def run_config(cfg: Config, st: Settings, root: Path, keep: bool, compute: bool 
     key = st.key(cfg)
     r = read_cached(path, key, f"{cfg.model} {cfg.label}")
     if r is not None:   # what it is compared with is the study's choice, not part of the measurement: today's
-        return {**r, "base": cfg.base}
+        return r if r.get("base", "") == cfg.base else {**r, "base": cfg.base}
     if not compute:
         return None
     log.info("running: %s %s", cfg.model, cfg.label)
