@@ -170,7 +170,8 @@ def test_report_tables_from_results(tmp_path):
     table's verdicts follow the numbers."""
     res = [rec("bf16", "bf16", None, "", 13.0, 16.0), rec("SSQR-1%-4b", "SSQR-1%", 4, "", 13.5, 4.45),
            rec("SSQR-1%-4b-lm-head", "SSQR-1%", 4, "lm-head", 13.9, 4.46),
-           rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.18), rec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 19.0, 3.18)]
+           rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.18), rec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 19.0, 3.18),
+           rec("GPTQ-3b-seed1", "GPTQ", 3, "seed1", 20.2, 3.18)]   # the 3-bit floor: ±1 %
     out = tmp_path / "R.md"
     report.write_report({"m": res}, {}, runner.Settings(), out, tmp_path / "p.png", "cmd")
     text = out.read_text()
@@ -236,7 +237,7 @@ def test_report_tables_from_results(tmp_path):
     assert line.startswith("HEADLINE m_bf16_ppl=13.00 m_gptq_3b_ppl=20.00 m_ssqr_1pct_4b_ppl=13.50 ")
     assert " m_llmc3_vs_ours_pct=+0.50 " in line and "peer3" not in line
     assert line.endswith(" hours_core=0.00 hours_all=0.00")
-    assert report.compute_hours({"m": res}, {"m": {"seconds": 36}}) == ((6 * 2 + 36) / 3600, 2 / 3600)  # lm-head: extra
+    assert report.compute_hours({"m": res}, {"m": {"seconds": 36}}) == ((7 * 2 + 36) / 3600, 2 / 3600)  # lm-head: extra
 
 
 def test_claims_ssqr_2bit_and_min_pivot_gains():
@@ -248,7 +249,8 @@ def test_claims_ssqr_2bit_and_min_pivot_gains():
            rec("GPTQ-2b", "GPTQ", 2, "", 25.0, 2.17, rel_error_mean=0.04),
            rec("GPTQ-2b-seed1", "GPTQ", 2, "seed1", 26.0, 2.17),
            rec("SSQR-1%-2b", "SSQR-1%", 2, "", 30.0, 2.48, rel_error_mean=0.08),
-           rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.17), rec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 19.0, 3.17),
+           rec("GPTQ-3b", "GPTQ", 3, "", 20.0, 3.17), rec("GPTQ-3b-seed1", "GPTQ", 3, "seed1", 20.2, 3.17),
+           rec("GPTQ-3b-min-pivot", "GPTQ", 3, "min-pivot", 19.0, 3.17),
            rec("SSQR-1%-3b", "SSQR-1%", 3, "", 18.0, 3.48),
            rec("SSQR-1%-3b-min-pivot", "SSQR-1%", 3, "min-pivot", 18.5, 3.48)]
     lines = claims.claims_table({"m": res}, {})
@@ -256,7 +258,7 @@ def test_claims_ssqr_2bit_and_min_pivot_gains():
     assert ("| SSQR-1%-2b (≈2.45 b) beats GPTQ-2b (≈2.13 b) | 22.30 vs 57.51 | 30.00 vs 25.00 (+20.0%) "
             "| does not hold |") in text
     assert ("| min-pivot lowers ppl vs act-order in every configuration run | modest but consistent gains (§4.5, "
-            "App. C.3) | lower in 1 of 2 configurations | does not hold |") in text
+            "App. C.3) | lower beyond the floor in 1 of 2 configurations, higher in 1 | does not hold |") in text
     assert "The paper finds the opposite on Qwen3-8B (Table 3: SSQR-1% at 2.445 b 22.30 vs GPTQ-2b 57.51)." in text
     assert "3 and 4 bits only" not in text
     # SSQR ahead at 2 bits and min-pivot lower everywhere: both hold, and no 2-bit note
@@ -265,7 +267,14 @@ def test_claims_ssqr_2bit_and_min_pivot_gains():
     other = {**res[0], "label": "bf16"}
     text = "\n".join(claims.claims_table({"m": res, "z": [other]}, {}))
     assert "| 24.50 vs 25.00 (-2.0%) — within noise | not run | within noise (judged on 1 of 2 models; 1 not run) |" in text
-    assert ("| lower in 2 of 2 configurations | not run | holds (judged on 1 of 2 models; 1 not run) |") in text
+    assert ("| lower beyond the floor in 2 of 2 configurations, higher in 0 | not run | holds (judged on 1 of 2 "
+            "models; 1 not run) |") in text
+    assert "| -5.0% (19.00 vs 20.00) | not run | holds (judged on 1 of 2 models; 1 not run) |" in text
+    res[-1] = {**res[-1], "ppl": 17.9}   # −0.6 %: inside the 3-bit floor (±1 %)
+    text = "\n".join(claims.claims_table({"m": res}, {}))
+    assert "| -0.6% (17.90 vs 18.00) — within noise | within noise |" in text
+    assert "| lower beyond the floor in 1 of 2 configurations, higher in 0 | within noise |" in text
+    res[-1] = {**res[-1], "ppl": 17.5}
     assert "Table 3: SSQR-1% at" not in text
     res[3] = {**res[3], "ppl": 23.0}   # beyond the 2-bit floor
     assert "| 23.00 vs 25.00 (-8.0%) | holds |" in "\n".join(claims.claims_table({"m": res}, {}))
