@@ -19,7 +19,8 @@ pipeline, evaluated by the shared protocol and cached as JSON under ``--out`` (d
 Where each part lives: ``configs`` (what runs), ``runner`` (settings, cache, running), ``peers``
 (peer and control solvers, llm-compressor), ``ordering`` (Table 2), ``served`` (served bits),
 ``curves`` (perplexity against served bits), ``records`` (one model's records: ratios, bases, the
-noise floor per width), ``claims`` (the paper's claims and their verdicts), ``e8`` (the E8 codebook
-rows against rotated GPTQ, and their claim), ``report`` (report, plot, headline), ``summary``
+noise floor per width and ``by_floor``, the one rule every "beats" is judged by: holds, fails or
+within noise), ``claims`` (the paper's claims and their verdicts), ``e8`` (the E8 codebook rows
+against rotated GPTQ, and their claims), ``report`` (report, plot, headline), ``summary``
 (formatting shared by the last two), ``cli`` (the command line).
 """

@@ -8,8 +8,8 @@ import statistics
 from .configs import E8_FAMILY, NOISE_TAGS, ROT_TAGS, TAGGED
 from .curves import compare, series_of
 from .e8 import e8_claim
-from .records import (base_label, gptq_curve, noise_floor, pct, ppl_of, ratio, record, spread_max, spread_of,
-                      within_noise)
+from .records import (NOISE, base_label, by_floor, gptq_curve, lower_by_floor, noise_floor, pct, ppl_of, ratio,
+                      record, spread_max, spread_of)
 from .served import served_bits
 from .ordering import LAYER_TYPES, ORDERS
 from .summary import cert_summary, fmt_ppl
@@ -32,11 +32,18 @@ BELOW_4_TARGETS = {"gemma3-270m": (3.51, 17.0), "smollm2-135m": (3.85, 19.5)}
 
 # ============================================================================ the table
 
+VERDICTS = ((True, "holds"), (False, "does not hold"), (NOISE, "within noise"))
+
+
 def verdict(cells: list) -> str:
     """A row's verdict from its cells (None: not run; (text, None): run, nothing to judge by —
-    a measurement, no data in range, no noise floor; (text, bool): judged)."""
+    a measurement, no data in range, no noise floor; (text, True / False / NOISE): judged, NOISE where
+    the gap is inside the noise floor, so the claim neither holds nor fails there)."""
     verdicts = [c[1] for c in cells if c and c[1] is not None]
-    v = "—" if not verdicts else "holds" if all(verdicts) else "does not hold" if not any(verdicts) else "mixed"
+    states = [NOISE if v == NOISE else bool(v) for v in verdicts]
+    counts = [(name, n) for value, name in VERDICTS if (n := states.count(value))]
+    v = ("—" if not counts else counts[0][0] if len(counts) == 1
+         else "mixed (" + ", ".join(f"{name} on {n}" for name, n in counts) + ")")
     if verdicts and len(verdicts) < len(cells):
         not_run = sum(c is None for c in cells)
         unjudged = len(cells) - len(verdicts) - not_run
@@ -73,23 +80,27 @@ def claims_table(by_model: dict[str, list[dict]], ordering: dict[str, dict]) -> 
              "that kernel family; where the curve does not reach those bits it is read only where one side dominates (a GPTQ point "
              "with fewer bits and lower ppl, or more bits and higher ppl), else \"no data\" (never extrapolated); "
              "it holds only by more than the noise floor of that bit width (its rows; no floor measured at a width: "
-             "no verdict). \"A beats B\" at stored bits uses the same floor.", "",
+             "no verdict); inside it the verdict is \"within noise\": the claim neither holds nor fails. \"A beats B\" and \"A reaches B\" at stored bits use the same rule, with the floor at B's width.", "",
              "| claim | paper | " + " | ".join(models) + " | verdict |", "|---|---|" + "---|" * len(models) + "---|"]
             + rows + [""] + (["Notes:", "", *notes, ""] if notes else []))
 
 
+def judged(text: str, v: bool | str | None) -> tuple[str, bool | str | None]:
+    """A judged cell: ``text`` with what the floor said where it is not a plain verdict."""
+    if v is None:
+        return text + ": no noise floor at this width", None
+    return text + (f" — {NOISE}" if v == NOISE else ""), v
+
+
 def _lower_wins(a_label: str, b_label: str):
     """A cell: ``a_label``'s perplexity vs ``b_label``'s, holding where the first is lower by more
-    than the noise floor at ``b_label``'s width."""
+    than the noise floor at ``b_label``'s width, "within noise" inside it."""
     def cell(res, _):
         a, b = ppl_of(res, a_label), ppl_of(res, b_label)
         if a is None or b is None:
             return None
-        within = within_noise(res, record(res, b_label)["level"], math.log(a / b))
-        text = f"{fmt_ppl(a)} vs {fmt_ppl(b)} ({pct(a / b - 1)})"
-        if within is None:
-            return text + ": no noise floor at this width", None
-        return text + (" — within noise" if within else ""), a < b and not within
+        return judged(f"{fmt_ppl(a)} vs {fmt_ppl(b)} ({pct(a / b - 1)})",
+                      lower_by_floor(res, record(res, b_label)["level"], math.log(a / b)))
     return cell
 
 
@@ -159,16 +170,13 @@ def _served_wins(label: str, family: str):
         if c.get("no_data"):
             reach = f"{curve[0][0]:.3f}–{curve[-1][0]:.3f} b" if curve else "no points"
             return f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: no data (GPTQ's curve: {reach})", None
-        within = within_noise(res, r["level"], c["gap"])
         if "end" in c:   # outside GPTQ's curve, one side dominates the other
             who = (f"dominated by {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)" if c["gap"] >= 0
                    else f"dominates {c['between']} ({fmt_ppl(c['base_ppl'])} at {c['end']:.3f} b)")
             text = f"{fmt_ppl(c['ppl'])} at {c['bits']:.3f} b: {who}"
         else:
             text = f"{fmt_ppl(c['ppl'])} vs {fmt_ppl(c['base_ppl'])} at {c['bits']:.3f} b (GPTQ: {c['between']})"
-        if within is None:
-            return text + ": no noise floor at this width", None
-        return text + (" — within noise" if within else ""), c["gap"] < 0 and not within
+        return judged(text, lower_by_floor(res, r["level"], c["gap"]))
     return cell
 
 
@@ -209,20 +217,23 @@ def _ordering_claims(row) -> None:
                    for t in types)
         return f"smallest in {wins} of {len(types)} layer types", wins == len(types)
     row("min-pivot has the smallest tr(D) of the orders, every layer type", "every type (Qwen3-8B block 18)", trd)
-    for base in ("GPTQ-3b", "SSQR-1%-3b"):
+    for base in ("GPTQ-3b", "SSQR-1%-3b"):   # a gain counts only beyond the 3-bit floor, as every "beats"
         def mp(res, _, base=base):
             d = ratio(res, f"{base}-min-pivot", base)
-            return None if d is None else (f"{pct(d)} ({fmt_ppl(ppl_of(res, base + '-min-pivot'))} vs "
-                                           f"{fmt_ppl(ppl_of(res, base))})", d < 0)
+            return None if d is None else judged(f"{pct(d)} ({fmt_ppl(ppl_of(res, base + '-min-pivot'))} vs "
+                                                 f"{fmt_ppl(ppl_of(res, base))})", lower_by_floor(res, 3, math.log1p(d)))
         row(f"{base}: min-pivot lowers ppl vs act-order", "gains, no figure (§4.5)", mp)
 
-    def every(res, _):   # every configuration run with min-pivot, against its act-order default
-        ds = [d for r in res if r["tag"] == "min-pivot" and (d := ratio(res, r["label"], base_label(res, r["label"])))
-              is not None]
-        if not ds:
+    def every(res, _):   # every configuration run with min-pivot, against its act-order default, by its floor
+        vs = [lower_by_floor(res, r["level"], math.log1p(d)) for r in res if r["tag"] == "min-pivot"
+              and (d := ratio(res, r["label"], base_label(res, r["label"]))) is not None]
+        if not vs:
             return None
-        wins = sum(d < 0 for d in ds)
-        return f"lower in {wins} of {len(ds)} configurations", wins == len(ds)
+        if None in vs:
+            return f"{len(vs)} configurations: no noise floor at a width of theirs", None
+        wins, losses = vs.count(True), vs.count(False)
+        return (f"lower beyond the floor in {wins} of {len(vs)} configurations, higher in {losses}",
+                True if wins == len(vs) else False if losses else NOISE)
     row("min-pivot lowers ppl vs act-order in every configuration run", "modest but consistent gains (§4.5, "
         "App. C.3)", every)
 
@@ -404,10 +415,11 @@ def _rotation_claims(row) -> None:
             text = ", ".join(f"{label} {pct(math.expm1(g))}" for label, g in gaps)
             if nf is None:
                 return text + ": no noise floor at this width", None
-            wins = sum(g < -math.log1p(nf[0]) for _, g in gaps)
-            losses = sum(g > math.log1p(nf[0]) for _, g in gaps)
+            v = [by_floor(g, nf[0]) for _, g in gaps]
+            wins, losses = v.count(True), v.count(False)   # NOISE is neither
+            # every one lower beyond the floor: holds; one higher beyond it: fails; else within noise
             return (f"{text}; lower beyond the floor (±{100 * nf[0]:.2f} %) in {wins} of {len(gaps)}, higher in "
-                    f"{losses}"), wins == len(gaps)
+                    f"{losses}"), True if wins == len(gaps) else False if losses else NOISE
         row(f"rotation (`--rotate hadamard`) lowers ppl at {level} bits: every rotated configuration against the "
             "same one unrotated, beyond that width's noise floor", "QuaRot: 8.25 → 5.60 (4-bit per-channel, "
             "Llama-2-7B)" if level == 4 else "—", cell)

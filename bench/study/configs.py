@@ -248,7 +248,8 @@ def rotation_configs(model: str, group_size: int) -> list[Config]:
 
 def e8_configs(model: str) -> list[Config]:
     """The E8 rows (:data:`E8_TAGS`): 4-bit coded scales at group size 16 at every level, the other
-    variants at 3 bits; each against rotated GPTQ with the same scales."""
+    variants at 3 bits; each against rotated GPTQ with the same scales (and, target-corrected, the
+    target-corrected one: :data:`ROT_TC_TAG`)."""
     out = []
     for b in LEVELS:
         for tag, g in E8_TAGS.items():
@@ -256,9 +257,11 @@ def e8_configs(model: str) -> list[Config]:
                 continue
             seed = next((int(t.removeprefix("seed")) for t in NOISE_TAGS if tag.endswith(t)), None)
             extra = {"seed": seed} if seed is not None else {}
-            if "-tc-" in tag:
+            base = "rot-s4-g16" if g == 16 else "rot"
+            if "-tc-" in tag:   # against rotated GPTQ with target correction too: one lever apart, not two
                 extra["target_correction"] = True
-            out.append(make_config(model, E8_FAMILY, b, tag, base="rot-s4-g16" if g == 16 else "rot", method="e8", bits=b,
+                base = ROT_TC_TAG
+            out.append(make_config(model, E8_FAMILY, b, tag, base=base, method="e8", bits=b,
                                    group_size=g, scale_bits=4, rotate="hadamard", **extra))
     return out
 

@@ -59,11 +59,22 @@ def noise_floor(res: list[dict], level: int) -> tuple[float, str] | None:
     return max(runs) / min(runs) - 1, f"GPTQ-{level}b over " + " and ".join(what)
 
 
-def within_noise(res: list[dict], level: int | None, gap: float) -> bool | None:
-    """Whether a log-ppl ``gap`` at ``level`` bits is inside that width's noise floor; None: no
-    floor measured at that width (no verdict then)."""
+# a judged comparison inside the noise floor: neither holds nor fails (the claims' third verdict)
+NOISE = "within noise"
+
+
+def by_floor(gap: float, floor: float) -> bool | str:
+    """The one rule every "A beats / reaches B" is judged by: True where the log-ppl ``gap`` (A against
+    B) is lower by more than the noise ``floor`` (a ratio, e.g. 0.014), False where higher by more,
+    else :data:`NOISE`."""
+    return True if gap < -math.log1p(floor) else False if gap > math.log1p(floor) else NOISE
+
+
+def lower_by_floor(res: list[dict], level: int | None, gap: float) -> bool | str | None:
+    """:func:`by_floor` with the noise floor our GPTQ measured at ``level`` bits; None: no floor
+    measured at that width (no verdict then — a floor measured at more bits would understate it)."""
     nf = noise_floor(res, level) if level else None
-    return None if nf is None else abs(gap) <= math.log1p(nf[0])
+    return None if nf is None else by_floor(gap, nf[0])
 
 
 def gptq_curve(res: list[dict], family: str) -> list:

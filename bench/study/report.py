@@ -157,6 +157,14 @@ def write_report(by_model: dict[str, list[dict]], ordering: dict[str, dict], st:
     report.write_text("\n".join(L))
 
 
+# what the reference models really are (their GGUF headers: the tensor type of each block linear,
+# by share of weights): the study's "bf16" is the bf16 of these dequantized weights
+SOURCES = {"gemma3-270m": "Gemma3-270M ships as a Q4_K_M GGUF: its block linears are 63 % Q5_0, 24 % Q4_K, 12 % "
+                          "Q6_K and 1.5 % Q8_0 (5.5, 4.5, 6.5625 and 8.5 bits/weight in llama.cpp's formats)",
+           "smollm2-135m": "SmolLM2-135M ships as a Q4_1 GGUF: every block linear is asymmetric 4-bit in groups of "
+                           "32 columns (5.0 bits/weight with its fp16 scale and minimum)"}
+
+
 def _preamble(by_model, ordering, st: Settings, command: str, missing) -> list[str]:
     """Title, command, protocol, compute hours and what is not run yet."""
     L = [f"# Accuracy study{' (tiny CI configuration — not the paper-scale results)' if st.tiny else ''}",
@@ -177,6 +185,18 @@ def _preamble(by_model, ordering, st: Settings, command: str, missing) -> list[s
          + (f" **Models truncated to their first {st.max_blocks} decoder blocks** (a pipeline test: the "
             "perplexities mean nothing)." if st.max_blocks else ""),
          ""]
+    sources = [SOURCES[m] for m in by_model if m in SOURCES]
+    if sources:
+        L += ["**Source precision.** Neither reference model ships in bf16: " + "; ".join(sources) + ". The study "
+              "converts each once to bf16, so its \"bf16\" rows are the bf16 of these dequantized weights, not the "
+              "models' original bf16 weights (not available here, their perplexity not measured), and every Δ vs "
+              "bf16 is a loss against the dequantized model. Re-quantizing weights that already lie on a 4–6-bit "
+              "grid flatters the 4-bit results, most where the grids match (SmolLM2's 4-bit groups of 32): from "
+              "real bf16 weights a 4-bit method would lose more than it does here.", ""]
+    L += ["**Certificate.** Only layers quantized without clipping carry the bound ‖X(q−w)‖² ≤ ¼·sᵀDs: SSQR and "
+          "HPTQ (and E8 on the rows without an overloaded block, see its section). GPTQ as latq-quantize runs it — "
+          "the default, and every GPTQ lever here: coded scales, target correction, rotation — clips its scales and "
+          "carries no certificate; neither do RTN and HRTN (no Hessian).", ""]
     core, extra = compute_hours(by_model, ordering)
     L += [f"Compute: {core + extra:.1f} h of this machine's time for everything below (the "
           "per-configuration wall times, divided by the number of configurations that ran side by side; a "
