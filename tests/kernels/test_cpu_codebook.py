@@ -105,16 +105,20 @@ def test_table_is_the_formats():
     assert torch.equal(shifts[128:], torch.full((128, 8), -0.25))
 
 
+@pytest.mark.parametrize("n", [48, 128], ids=["rows", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("coded", [False, True], ids=["fp16", "coded"])
 @pytest.mark.parametrize("group", [16, 64, 0], ids=["g16", "g64", "row"])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_matches_the_reference(bits, group, coded, dtype):
+def test_matches_the_reference(bits, group, coded, dtype, n):
+    """Every path against the reference: 128 rows lay out as 64-row tiles where the tiles' path runs
+    (M = 1 of bf16 x takes it), 48 as rows."""
     native_or_skip()
-    w = weight(bits, n=48, k=192, group=group or 192, coded=coded, seed=bits)
+    w = weight(bits, n=n, k=192, group=group or 192, coded=coded, seed=bits)
     st = CPUCodebookKernel.prepare(w)
+    assert st.tile_rows == (CPUCodebookKernel.tile_rows(128) if n == 128 else 1)
     g = torch.Generator().manual_seed(2)
-    bias = torch.randn(48, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
     for M in (1, 3, 17, 64):
         x = torch.randn(M, 192, generator=g).to(dtype)
         close(CPUCodebookKernel.apply(st, x), x, w)
@@ -126,6 +130,33 @@ def test_each_instruction_set(M, isa):
     w = weight(4, n=40, k=200, group=24)   # a group of 3 blocks: pairs of blocks straddle groups; odd blocks a row
     x = torch.randn(M, 200, generator=torch.Generator().manual_seed(M))
     close(CPUCodebookKernel.apply(CPUCodebookKernel.prepare(w), x), x, w)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_tiles_read_every_weight_exactly(bits):
+    """The 64-row tiles' path (AVX-512 VBMI + BF16, M = 1, bf16 x): unit rows of x read every weight back
+    as the format dequantizes it, bit for bit (point × scale, exact in fp32 and bf16-rounded once), and
+    the same tiled state on every other instruction set and M gives the rows' results."""
+    native_or_skip()
+    if CPUCodebookKernel.tile_rows(64) != 64:
+        pytest.skip("the tiles' path does not run here (AVX-512 VBMI + BF16)")
+    for coded, group in ((True, 16), (False, 64), (True, 256)):
+        w = weight(bits, n=192, k=256, group=group, coded=coded, seed=bits)
+        st = CPUCodebookKernel.prepare(w)
+        assert st.tile_rows == 64 and st.codes.shape == (3, 32, bits, 64)
+        want = dequantize(w).T.bfloat16()
+        for m in (0, 7, 8, 100, 255):
+            assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[m:m + 1].bfloat16()), want[m:m + 1])
+        rows = replace(st, codes=w.codes.contiguous(), tile_rows=1)
+        x = torch.randn(5, 256).bfloat16()
+        for isa in isas():
+            saved = torch.ops.latq_cpu.codebook_isa()
+            try:
+                torch.ops.latq_cpu.set_codebook_isa(isa)
+                torch.testing.assert_close(CPUCodebookKernel.apply(st, x), CPUCodebookKernel.apply(rows, x),
+                                           rtol=2 ** -7, atol=1e-6)
+            finally:
+                torch.ops.latq_cpu.set_codebook_isa(saved)
 
 
 def test_large_m_path_agrees_with_the_small_m_one():

@@ -48,21 +48,38 @@ def coded_scale_words(cs: scale_codes.CodedScales) -> torch.Tensor:
     return layouts.coded_scale_words(scale_codes.CodedScales(codes, cs.min, cs.step, cs.bits)).transpose(0, 1).contiguous()
 
 
+def tile_codes(codes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Codes ``[N, in/8, B]`` → the op's tiled layout ``[N/rows, in/8, B, rows]``: each block's code bytes
+    as planes of ``rows`` rows (the same bytes); ``rows`` 1 keeps the row layout."""
+    if rows == 1:
+        return codes.contiguous()
+    n, nb, nbytes = codes.shape
+    return codes.reshape(n // rows, rows, nb, nbytes).permute(0, 2, 3, 1).contiguous()
+
+
+def state_codes(state: "CodebookState") -> torch.Tensor:
+    """uint8 ``[out, in/8, B]``: the state's codes in the format's row layout."""
+    c = state.codes
+    return c if c.dim() == 3 else c.permute(0, 3, 1, 2).reshape(-1, c.shape[1], c.shape[2])
+
+
 def state_scales(state: "CodebookState") -> torch.Tensor:
     """fp16 ``[out, G]``: the state's scales as the format decodes them (coded words decoded)."""
     if state.scales.dtype == torch.float16:
         return state.scales
-    return layouts.decode_scale_words(state.scales.transpose(0, 1))[:, :state.codes.shape[0]].T.half()
+    n = state_codes(state).shape[0]
+    return layouts.decode_scale_words(state.scales.transpose(0, 1))[:, :n].T.half()
 
 
 @dataclass
 class CodebookState:
-    codes: torch.Tensor     # uint8 [out, in/8, bits]: the form's codes, as stored
+    codes: torch.Tensor     # uint8 [out, in/8, bits] as stored, or tiled [out/64, in/8, bits, 64] (tile_codes)
     scales: torch.Tensor    # fp16 [out, ceil(in/group_size)], or coded: int32 [ceil(out/16), G, 3] (as stored)
     table: torch.Tensor     # fp32 [1024, 8]: decode_table(), shared by every layer
     bits: int
     group_size: int
     in_features: int
+    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + BF16) and out % 64 == 0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -100,8 +117,16 @@ class CPUCodebookKernel(LatqKernel):
         if not ok:
             raise ValueError(f"kernel {cls.name} cannot run this layer: {why}")
         scales = coded_scale_words(w.coded) if w.coded is not None else w.scales.half().contiguous()
-        return CodebookState(w.codes.contiguous(), scales, decode_table(), w.bits,
-                             w.group_size, w.in_features)
+        rows = cls.tile_rows(w.out_features)
+        return CodebookState(tile_codes(w.codes, rows), scales, decode_table(), w.bits, w.group_size, w.in_features, rows)
+
+    @staticmethod
+    def tile_rows(out_features: int) -> int:
+        """64 where the op's tiles' path runs here and the rows fill whole tiles, else 1 (rows)."""
+        if not native.usable():
+            return 1
+        rows = int(torch.ops.latq_cpu.codebook_tile_rows())
+        return rows if out_features % rows == 0 else 1
 
     @classmethod
     def native_op(cls):
@@ -110,12 +135,13 @@ class CPUCodebookKernel(LatqKernel):
 
     @classmethod
     def apply(cls, state: CodebookState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        N = state.codes.shape[0]
+        N = state.codes.shape[0] * state.tile_rows
         if native.usable():
             return torch.ops.latq_cpu.codebook_linear(x, [state.codes, state.scales, state.table],
-                                                      [state.bits, state.group_size, state.in_features], bias, N)
+                                                      [state.bits, state.group_size, state.in_features, state.tile_rows],
+                                                      bias, N)
         # without the op: the reference itself, on the state's codes and fp16 scales
-        return latq_linear_ref(x, CodebookWeight(state.codes, state_scales(state), state.bits, state.group_size,
+        return latq_linear_ref(x, CodebookWeight(state_codes(state), state_scales(state), state.bits, state.group_size,
                                                  state.in_features), bias)
 
     @classmethod

@@ -33,6 +33,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <mutex>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +53,12 @@
 #else
 #define LATQ_CB_AVX512 0
 #endif
+// the 64-row tiles' path: where the build targets AVX-512 VBMI and BF16 too (the integer GEMV's condition)
+#if LATQ_CB_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define LATQ_CB_TILES 1
+#else
+#define LATQ_CB_TILES 0
+#endif
 
 const at::Tensor& latq_hadamard_scratch(const at::Tensor& x, const at::Tensor& signs);   // hadamard.cpp
 bool latq_isa_runs(int isa);                                                              // hadamard.cpp
@@ -64,13 +72,18 @@ constexpr int64_t kBallOff = 256 * 32;   // the ball's points / 2
 constexpr int64_t kSignOff = 512 * 32;   // per sign byte: its mask row, then its shift row
 constexpr int kBand = 16;                // rows sharing a coded scale grid (scale_codes.ROWS)
 constexpr int kMaxRows = 8;              // rows of x one pass over the weights serves
+constexpr int kTile = 64;                // rows a tile of the tiled layout
 
 struct Layer {
-  const uint8_t* codes;     // [N, nb, B]
+  const uint8_t* codes;     // [N, nb, B], or tiled (T = 64): [N/64, nb, B, 64], a block's bytes as 64-row planes
   const at::Half* scales;   // [N, G], or null:
   const int32_t* coded;     // [ceil(N/16), G, 3]
   const char* table;        // [1024, 8] fp32, 32-byte aligned
   int64_t N, K, nb, B, G, bpg;   // bpg: blocks a group
+  int64_t T;                      // rows a tile: 1 (row layout) or 64
+
+  // block b of row n: its first code byte; byte i lies T bytes after byte i − 1
+  const uint8_t* block(int64_t n, int64_t b) const { return codes + ((n / T) * nb + b) * B * T + n % T; }
 };
 
 inline float half_bits(uint32_t h) {
@@ -108,7 +121,16 @@ __attribute__((target("avx2,fma,f16c"))) void band_scales_avx2(const Layer& L, i
 }
 #endif
 
+// fp16 scales of band t in the same order (the tiles' path reads every layer's scales by bands)
+void band_scales_fp16(const Layer& L, int64_t t, float* s) {
+  for (int j = 0; j < kBand; ++j) {
+    const at::Half* h = L.scales + (t * kBand + j) * L.G;
+    for (int64_t g = 0; g < L.G; ++g) s[g * kBand + (j % 2) * 8 + j / 2] = static_cast<float>(h[g]);
+  }
+}
+
 void band_scales(const Layer& L, int64_t t, float* s, int isa) {
+  if (!L.coded) return band_scales_fp16(L, t, s);
 #if LATQ_CB_X86
   if (isa >= 1) return band_scales_avx2(L, t, s);
 #endif
@@ -137,13 +159,14 @@ inline void e8p_scalar(const Layer& L, uint32_t p, uint32_t s, float gain, float
 
 template <int BITS>
 inline void block_scalar(const Layer& L, const uint8_t* c, float* v) {
+  const int64_t T = L.T;
   for (int j = 0; j < 8; ++j) v[j] = 0.f;
-  e8p_scalar(L, c[0], c[1], 1.f, v);
+  e8p_scalar(L, c[0], c[T], 1.f, v);
   if constexpr (BITS == 3) {
-    const float* p = row(L, kBallOff + (c[2] << 5));
+    const float* p = row(L, kBallOff + (c[2 * T] << 5));
     for (int j = 0; j < 8; ++j) v[j] += p[j];
   } else if constexpr (BITS == 4) {
-    e8p_scalar(L, c[2], c[3], 0.25f, v);
+    e8p_scalar(L, c[2 * T], c[3 * T], 0.25f, v);
   }
 }
 
@@ -154,7 +177,7 @@ void decode_rows_scalar(const Layer& L, int64_t n0, int64_t n1, const float* ban
     for (int64_t b = 0; b < L.nb; ++b) {
       const float s = sc(b / L.bpg);
       float* o = w + (n - n0) * L.K + b * 8;
-      block_scalar<BITS>(L, L.codes + (n * L.nb + b) * L.B, o);
+      block_scalar<BITS>(L, L.block(n, b), o);
       for (int j = 0; j < 8; ++j) o[j] *= s;
     }
   }
@@ -168,7 +191,7 @@ void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t 
     float acc[kMaxRows] = {};
     for (int64_t b = 0; b < L.nb; ++b) {
       const float s = sc(b / L.bpg);
-      block_scalar<BITS>(L, L.codes + (n * L.nb + b) * L.B, v);
+      block_scalar<BITS>(L, L.block(n, b), v);
       for (int64_t m = 0; m < M; ++m)
         for (int j = 0; j < 8; ++j) acc[m] += x[m * L.K + b * 8 + j] * (v[j] * s);
     }
@@ -189,12 +212,13 @@ LATQ_CB_INLINE __m256 e8p_avx2(const char* T, const char* S, uint32_t p, uint32_
                        _mm256_load_ps(reinterpret_cast<const float*>(S + 32 + (s << 6))));
 }
 
+// a block's code bytes c[0], c[st], … (st: the layout's rows a tile)
 template <int BITS>
-LATQ_CB_INLINE __m256 block_avx2(const char* T, const uint8_t* c) {
+LATQ_CB_INLINE __m256 block_avx2(const char* T, const uint8_t* c, int64_t st) {
   const char* S = T + kSignOff;
-  __m256 v = e8p_avx2(T, S, c[0], c[1]);
-  if constexpr (BITS == 3) v = _mm256_add_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(T + kBallOff + (c[2] << 5))));
-  if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, S, c[2], c[3]), _mm256_set1_ps(0.25f), v);
+  __m256 v = e8p_avx2(T, S, c[0], c[st]);
+  if constexpr (BITS == 3) v = _mm256_add_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(T + kBallOff + (c[2 * st] << 5))));
+  if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, S, c[2 * st], c[3 * st]), _mm256_set1_ps(0.25f), v);
   return v;
 }
 
@@ -214,7 +238,8 @@ template <int BITS, int MR>
 LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
     const RowScales sc = row_scales(L, n, band);
-    const uint8_t* c = L.codes + n * L.nb * L.B;
+    const uint8_t* c = L.block(n, 0);
+    const int64_t st = L.T, bs = L.B * L.T;   // a code's byte stride, a block's
     __m256 a0[MR], a1[MR];
     for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
@@ -222,8 +247,8 @@ LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_
       const int64_t b1 = std::min(L.nb, b0 + L.bpg);
       int64_t b = b0;
       for (; b + 2 <= b1; b += 2) {
-        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * L.B), s);
-        const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + (b + 1) * L.B), s);
+        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * bs, st), s);
+        const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + (b + 1) * bs, st), s);
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
           a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
@@ -231,7 +256,7 @@ LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_
         }
       }
       if (b < b1) {
-        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * L.B), s);
+        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * bs, st), s);
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
       }
@@ -253,9 +278,166 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
     const RowScales sc = row_scales(L, n, band);
     for (int64_t b = 0; b < L.nb; ++b)
       _mm256_storeu_ps(w + (n - n0) * L.K + b * 8,
-                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.codes + (n * L.nb + b) * L.B),
+                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.block(n, b), L.T),
                                      _mm256_set1_ps(scale_at(sc, b / L.bpg))));
   }
+}
+#endif
+
+#if LATQ_CB_TILES
+// ------------------------------------------------------------------ AVX-512 VBMI + BF16: 64-row tiles, M = 1
+//
+// A tile's block is 64 rows' code bytes as planes (pattern, signs[, ball | pattern, signs]), and the
+// decode runs across rows, 64 a register: the pattern plane indexes four 256-entry tables (two
+// vpermi2b and a blend each), giving each lane's |a| − ½ (k) two lanes a byte; a lane's index
+// k | σ << 2 | h << 3 (its sign from the sign plane, lane 7's by the two parities, h the shift) looks
+// up q = 4w + 15 (vpermb; the 3-bit ball adds 2·ball its own way, 0 ≤ q ≤ 30); then per 16 rows and
+// pair of lanes one vpermi2b interleaves the two lanes' q into words, one vpermw turns them into
+// bf16 (every point is exact in bf16) and one vdpbf16ps multiplies them with x's bf16 pair (exact
+// products, fp32 sums). A group's sums are scaled once, 16 rows a register. Accumulator lane i holds
+// row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
+
+inline int rowof(int i) { return i < 8 ? 2 * i : 2 * (i - 8) + 1; }
+
+struct TileTables {
+  alignas(64) uint8_t kp[4][256];   // lanes 2j, 2j+1: k at bits 0–1 and 4–5; j = 3: the pattern's parity at bit 6
+  alignas(64) uint8_t bp[4][256];   // lanes 2j, 2j+1: 2·ball + 4 (0..8) at bits 0–3 and 4–7
+  alignas(64) uint8_t ps[128];      // the parity of a sign byte's seven signs, at bit 2
+  alignas(64) uint8_t e15[64];      // index (bits 4, 5 ignored) → 4w + 15 of σ(½ + k) ± ¼
+  alignas(64) uint8_t e11[64];      // the same − 4 (the ball's 2·ball + 4 brings it back)
+  alignas(64) uint16_t val[2][32];  // q → bf16((q − 15)/4); /16 for a 4-bit code's second stage
+  alignas(64) uint8_t sel[4][64];   // quarter r's vpermi2b: word 2i ← row 16r + rowof(i) of the even lane, 2i+1 of the odd
+  const void* from = nullptr;
+};
+
+inline uint16_t bf16_bits(float f) {   // exact here: the values have ≤ 7 significant bits
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// derived from the fp32 table (decode_table), the one definition of the codebooks, once a process
+const TileTables& tile_tables(const float* T) {
+  static TileTables tt;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (tt.from == T) return tt;
+  for (int p = 0; p < 256; ++p) {
+    const float* a = T + p * 8;
+    const float* ball = T + (256 + p) * 8;   // ball / 2
+    for (int j = 0; j < 4; ++j) {
+      const int k0 = static_cast<int>(std::fabs(a[2 * j]) - 0.5f), k1 = static_cast<int>(std::fabs(a[2 * j + 1]) - 0.5f);
+      tt.kp[j][p] = static_cast<uint8_t>(k0 | (k1 << 4) | (j == 3 && std::signbit(a[7]) ? 64 : 0));
+      tt.bp[j][p] = static_cast<uint8_t>(static_cast<int>(4 * ball[2 * j] + 4) | (static_cast<int>(4 * ball[2 * j + 1] + 4) << 4));
+    }
+  }
+  for (int h = 0; h < 128; ++h) tt.ps[h] = static_cast<uint8_t>(__builtin_parity(h) << 2);
+  for (int i = 0; i < 64; ++i) {
+    const int k = i & 3, neg = (i >> 2) & 1, minus = (i >> 3) & 1;
+    const int q4 = (neg ? -1 : 1) * (2 + 4 * k) + (minus ? -1 : 1);   // 4·(σ(½ + k) ± ¼)
+    tt.e15[i] = static_cast<uint8_t>(k == 3 ? 15 : q4 + 15);
+    tt.e11[i] = static_cast<uint8_t>(k == 3 ? 11 : q4 + 11);
+  }
+  for (int q = 0; q < 32; ++q) {
+    tt.val[0][q] = bf16_bits((q - 15) / 4.f);
+    tt.val[1][q] = bf16_bits((q - 15) / 16.f);
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 16; ++i) {
+      const int row = 16 * r + rowof(i);
+      tt.sel[r][4 * i] = tt.sel[r][4 * i + 1] = static_cast<uint8_t>(row);
+      tt.sel[r][4 * i + 2] = tt.sel[r][4 * i + 3] = static_cast<uint8_t>(64 + row);
+    }
+  tt.from = T;
+  return tt;
+}
+
+#define LATQ_CB_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")))
+
+LATQ_CB_TILE_TARGET inline __m512i lookup256(const uint8_t* t, __m512i idx, __mmask64 hi) {
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 64));
+  const __m512i up = _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), idx, _mm512_load_si512(t + 192));
+  return _mm512_mask_blend_epi8(hi, lo, up);
+}
+
+// one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index])
+LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m512i S, const uint8_t* E, __m512i q[8]) {
+  const __mmask64 hi = _mm512_movepi8_mask(P);
+  const __m512i e = _mm512_load_si512(E), four = _mm512_set1_epi8(4);
+  const __m512i h3 = _mm512_and_si512(_mm512_srli_epi16(S, 4), _mm512_set1_epi8(8));
+  const __m512i ps = _mm512_permutex2var_epi8(_mm512_load_si512(tt.ps), S, _mm512_load_si512(tt.ps + 64));
+  __m512i kp[4];
+  for (int j = 0; j < 4; ++j) kp[j] = lookup256(tt.kp[j], P, hi);
+  // σ of lane l (bit l of S) at bit 2, OR'd with h at bit 3 (0xEA: (a & b) | c), XOR'd onto the lane's k
+  const __m512i sg[7] = {_mm512_slli_epi16(S, 2), _mm512_slli_epi16(S, 1), S, _mm512_srli_epi16(S, 1),
+                         _mm512_srli_epi16(S, 2), _mm512_srli_epi16(S, 3), _mm512_srli_epi16(S, 4)};
+  for (int l = 0; l < 7; ++l) {
+    const __m512i a = l % 2 ? _mm512_srli_epi16(kp[l / 2], 4) : kp[l / 2];
+    q[l] = _mm512_permutexvar_epi8(_mm512_xor_si512(a, _mm512_ternarylogic_epi32(sg[l], four, h3, 0xEA)), e);
+  }
+  // lane 7: the pattern's parity (bit 6 of kp[3], at bit 2 once shifted) XOR the signs' (0x96: a ^ b ^ c)
+  q[7] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(kp[3], 4), ps, h3, 0x96), e);
+}
+
+// part[r] += each lane pair's bf16 weights (q planes through val) · x's pairs, 16 rows a quarter r
+LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q[8], const uint16_t* val, const uint16_t* x,
+                                           __m512 part[4]) {
+  const __m512i v = _mm512_load_si512(val);
+  for (int j = 0; j < 4; ++j) {
+    int32_t xp;
+    std::memcpy(&xp, x + 2 * j, 4);
+    const __m512bh xj = (__m512bh)_mm512_set1_epi32(xp);
+    for (int r = 0; r < 4; ++r) {
+      // vpermi2b into the selector loaded afresh (with the intrinsic the compiler keeps the four
+      // selectors in registers and copies one a lookup, since vpermi2b overwrites it)
+      __m512i ix;
+      asm("vmovdqa64 %1, %0\n\tvpermi2b %3, %2, %0"
+          : "=&v"(ix) : "m"(*reinterpret_cast<const __m512i*>(tt.sel[r])), "v"(q[2 * j]), "v"(q[2 * j + 1]));
+      const __m512i w = _mm512_permutexvar_epi16(ix, v);
+      part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)w, xj);
+    }
+  }
+}
+
+// tiles [t0, t1) of y (fp32, natural row order) for one row of bf16 x; band: 4 bands' scales, [4][G][16]
+template <int BITS>
+LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t t, const float* band,
+                                  float* y) {
+  __m512 acc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
+  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+    __m512 part[4];
+    for (int r = 0; r < 4; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
+      const uint8_t* p = c + b * L.B * kTile;
+      // the tables are read from L1 in each block (as load operands) rather than held in registers:
+      // vpermt2b overwrites a table operand, and held tables cost a register copy a lookup
+      const TileTables* t = &tt0;
+      asm("" : "+r"(t));
+      const TileTables& tt = *t;
+      __m512i q[8];
+      e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : tt.e15, q);
+      if constexpr (BITS == 3) {
+        const __m512i bl = _mm512_loadu_si512(p + 2 * kTile), lo4 = _mm512_set1_epi8(15);
+        const __mmask64 hi = _mm512_movepi8_mask(bl);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i bp = lookup256(tt.bp[j], bl, hi);
+          q[2 * j] = _mm512_add_epi8(q[2 * j], _mm512_and_si512(bp, lo4));
+          q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_and_si512(_mm512_srli_epi16(bp, 4), lo4));
+        }
+      }
+      dot_planes(tt, q, tt.val[0], x + b * 8, part);
+      if constexpr (BITS == 4) {
+        e8p_planes(tt, _mm512_loadu_si512(p + 2 * kTile), _mm512_loadu_si512(p + 3 * kTile), tt.e15, q);
+        dot_planes(tt, q, tt.val[1], x + b * 8, part);
+      }
+    }
+    for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[r]);
+  }
+  // lane i holds row rowof(i): row j is lane (j % 2)·8 + j / 2
+  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+  for (int r = 0; r < 4; ++r) _mm512_storeu_ps(y + t * kTile + r * kBand, _mm512_permutexvar_ps(natural, acc[r]));
 }
 #endif
 
@@ -279,6 +461,16 @@ int isa_detect() {
 std::atomic<int> g_isa{isa_detect()};
 // rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "E8 codebooks")
 std::atomic<int64_t> g_large_m{20};
+
+// whether the 64-row tiles' path runs here (on the best instruction set only)
+bool tiles_run() {
+#if LATQ_CB_TILES
+  static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+  return cpu && g_isa.load() == 2;
+#else
+  return false;
+#endif
+}
 
 // the rows of x one pass serves on this instruction set
 inline int64_t rows_a_pass(int isa) { return isa == 2 ? 8 : 4; }
@@ -331,6 +523,21 @@ void for_bands(const Layer& L, int64_t r0, int64_t r1, int64_t grain_rows, const
   });
 }
 
+#if LATQ_CB_TILES
+// y [1, N] fp32 = x [1, K] bf16 · Wᵀ, a tile a task
+template <int BITS>
+void gemv_tiles(const Layer& L, const at::BFloat16* x, float* y) {
+  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
+  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> band(4 * L.G * kBand);
+    for (int64_t t = a; t < b; ++t) {
+      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
+      tiles_m1<BITS>(L, tt, reinterpret_cast<const uint16_t*>(x), t, band.data(), y);
+    }
+  });
+}
+#endif
+
 // y [M, N] fp32 = xf [M, K] fp32 · Wᵀ
 template <int BITS>
 void gemm(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
@@ -368,21 +575,28 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   // CodebookState, flattened: tensors = (codes, scales, table[, rotation signs]), ints = (bits, group_size,
   // in_features)
   constexpr const char* op = "latq_cpu::codebook_linear: ";
-  TORCH_CHECK((tensors.size() == 3 || tensors.size() == 4) && ints.size() == 3, op, "not a CodebookState");
+  TORCH_CHECK((tensors.size() == 3 || tensors.size() == 4) && (ints.size() == 3 || ints.size() == 4), op,
+              "not a CodebookState");
   for (size_t i = 0; i < 3; ++i)
     TORCH_CHECK(tensors.get(i).has_value() && tensors.get(i)->defined(), op, "tensor ", i, " is missing");
   const at::Tensor codes = *tensors.get(0), scales = *tensors.get(1), table = *tensors.get(2);
-  const int64_t bits = ints[0], group = ints[1], K = ints[2], N = out_features;
+  const int64_t bits = ints[0], group = ints[1], K = ints[2], N = out_features, T = ints.size() == 4 ? ints[3] : 1;
   TORCH_CHECK(bits >= 2 && bits <= 4, op, bits, "-bit codes (2, 3 or 4)");
   TORCH_CHECK(K > 0 && K % 8 == 0, op, "in_features ", K, " must be a positive multiple of 8");
   TORCH_CHECK(group > 0 && group % 8 == 0, op, "group size ", group, " must be a positive multiple of 8");
   TORCH_CHECK(N >= 0, op, "out_features ", N, " is negative");
+  TORCH_CHECK(T == 1 || (T == cb::kTile && N % cb::kTile == 0), op, "tile rows ", T, " (1, or 64 dividing out_features ",
+              N, ")");
   const int64_t G = (K + group - 1) / group;
   for (const at::Tensor* t : {&x, &codes, &scales, &table})
     TORCH_CHECK(t->device().is_cpu(), op, "every tensor must be on the CPU, got ", t->device());
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == N &&
-                  codes.size(1) * 8 == K && codes.size(2) == bits,   // a code's bytes: 8 weights × bits
-              op, "codes must be uint8 [out, in/8, bits], contiguous, got ", codes.scalar_type(), " ", codes.sizes());
+  // a code's bytes: 8 weights × bits, as rows [out, in/8, bits] or 64-row tiles [out/64, in/8, bits, 64]
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  (T == 1 ? codes.dim() == 3 && codes.size(0) == N && codes.size(1) * 8 == K && codes.size(2) == bits
+                          : codes.dim() == 4 && codes.size(0) * T == N && codes.size(1) * 8 == K &&
+                                codes.size(2) == bits && codes.size(3) == T),
+              op, "codes must be uint8 [out, in/8, bits] (or tiled [out/64, in/8, bits, 64]), contiguous, got ",
+              codes.scalar_type(), " ", codes.sizes());
   const bool coded = scales.scalar_type() == at::kInt;
   if (coded) {
     TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == (N + cb::kBand - 1) / cb::kBand &&
@@ -412,12 +626,22 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   }
   const at::Tensor& xr = rotated ? latq_hadamard_scratch(x, *signs) : x;
   const int64_t M = x.numel() / K;
-  const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, xf.options());
   const cb::Layer L{codes.data_ptr<uint8_t>(), coded ? nullptr : scales.data_ptr<at::Half>(),
                     coded ? scales.data_ptr<int32_t>() : nullptr, static_cast<const char*>(table.data_ptr()),
-                    N, K, K / 8, codes.size(2), G, group / 8};
+                    N, K, K / 8, bits, G, group / 8, T};
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if LATQ_CB_TILES
+  // one row of bf16 x on a tiled layer: the tiles' path (x's bf16 as it is: exact products)
+  if (M == 1 && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 && cb::tiles_run()) {
+    const at::Tensor xb = xr.reshape({1, K}).contiguous();
+    const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+    if (bits == 2) cb::gemv_tiles<2>(L, xp, y.data_ptr<float>());
+    else if (bits == 3) cb::gemv_tiles<3>(L, xp, y.data_ptr<float>());
+    else cb::gemv_tiles<4>(L, xp, y.data_ptr<float>());
+  } else
+#endif
   if (M > 0 && N > 0) {
+    const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
     if (bits == 2) cb::gemm<2>(L, xf, y);
     else if (bits == 3) cb::gemm<3>(L, xf, y);
     else cb::gemm<4>(L, xf, y);
@@ -439,6 +663,9 @@ void set_codebook_isa(const std::string& name) {
   cb::g_isa.store(isa);
 }
 
+// the tile rows prepare lays a layer out in: 64 where the tiles' path runs here, else 1 (rows)
+int64_t codebook_tile_rows() { return cb::tiles_run() ? cb::kTile : 1; }
+
 void set_codebook_large_m(int64_t m) {
   TORCH_CHECK(m >= 1, "latq_cpu::set_codebook_large_m: ", m, " rows (at least 1)");
   cb::g_large_m.store(m);
@@ -453,6 +680,7 @@ TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
   m.def("set_codebook_isa(str name) -> ()");
   m.def("set_codebook_large_m(int m) -> ()");
   m.def("codebook_large_m() -> int");
+  m.def("codebook_tile_rows() -> int");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) { m.impl("codebook_linear", &codebook_linear); }
@@ -462,4 +690,5 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_codebook_isa", &set_codebook_isa);
   m.impl("set_codebook_large_m", &set_codebook_large_m);
   m.impl("codebook_large_m", &codebook_large_m);
+  m.impl("codebook_tile_rows", &codebook_tile_rows);
 }
