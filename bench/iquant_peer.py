@@ -33,8 +33,10 @@ the ratio is the median over rounds of the paired time ratio Q4_1 / the file (ab
     python -m bench.iquant_peer                                    # IQ3_S, IQ3_XXS, IQ2_XS
     python -m bench.iquant_peer --types IQ3_S --repeats 5 --threads 1
     python -m bench.iquant_peer --types IQ3_S --no-pure --no-baseline   # the llama.cpp file only
+    python -m bench.iquant_peer --no-ppl --reuse-files             # decode only, on the files made before
 
-HEADLINE keys: ``cpu`` (torch's capability), ``llamacpp_cpu`` (the wheel's build), then per type
+HEADLINE keys: ``cpu`` (torch's capability), ``cpu_hw`` (the hardware's), ``llamacpp_isa`` (the
+widest instruction set the wheel's llama.cpp was built for: it runs that code on any CPU), then per type
 ``<type>_bits`` (bits/weight over the block linears, as stored), ``<type>_ppl``,
 ``<type>_pure_bits``, ``<type>_pure_ppl``, ``<type>_tok_s``, ``<type>_vs_q4_1`` (paired speed ratio),
 and ``q4_1_tok_s``, ``q4_1_bits``, ``source_ppl`` (the bf16 source), ``windows``, ``tokens``.
@@ -204,6 +206,17 @@ def ppl(model, windows) -> dict:
 
 # ----------------------------------------------------------------------------- decode
 
+def llamacpp_features(info: str) -> list[str]:
+    """The instruction sets and features a llama.cpp build reports (``llama_print_system_info``:
+    ``CPU : SSE3 = 1 | AVX2 = 1 | …``) that are on."""
+    out = []
+    for part in info.split("|"):
+        key, _, val = part.rpartition("=")
+        if val.strip() == "1":
+            out.append(key.split(":")[-1].strip())
+    return out
+
+
 def decode_rounds(ggufs: dict[str, Path], threads: int, tokens: int, repeats: int) -> dict[str, dict]:
     """llama.cpp on each GGUF (the first the reference), ``threads`` threads on the first cores this
     process may use, batch 1, interleaved rounds (``bench/decode_engines.run_mode``) → label → run record."""
@@ -231,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (and torch's)")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens a decode run")
     ap.add_argument("--repeats", type=int, default=5, help="decode rounds")
+    ap.add_argument("--reuse-files", action="store_true", help="use a GGUF this bench wrote before in --workdir "
+                    "(same type, imatrix and source) instead of quantizing again")
     ap.add_argument("--workdir", default=None, help="where the GGUFs and the imatrix go (default: the cache)")
     a = ap.parse_args(argv)
 
@@ -244,22 +259,24 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ggml = GGML()
     import xllamacpp
-    llcpu = " ".join(x.split(" = ")[0] for x in xllamacpp.get_system_info().split("|")
-                     if x.strip().endswith("= 1")) or "?"
-    cpu = torch.backends.cpu.get_cpu_capability()
-    print(f"[iquant] CPU: torch {cpu}; llama.cpp (xllamacpp {getattr(xllamacpp, '__version__', '?')}) built for: "
-          f"{llcpu}", file=sys.stderr)
+    from vllm_latq import cpu_features
+    llfeat = llamacpp_features(xllamacpp.get_system_info())
+    llisa = "AVX512" if any(f.startswith("AVX512") for f in llfeat) else "AVX2" if "AVX2" in llfeat else "none"
+    cpu, cpu_hw = cpu_features.capability(), cpu_features.hardware_capability()
+    load0 = os.getloadavg()[0]
+    print(f"[iquant] {cpu_features.describe()}; llama.cpp (xllamacpp {getattr(xllamacpp, '__version__', '?')}) "
+          f"built for {' '.join(llfeat)}; load average {load0:.1f}", file=sys.stderr)
     shipped = MODELS[MODEL].gguf()
     d = model_dir(MODEL, progress=False)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     tok = load_tokenizer(d)
     weights = source_weights(shipped)
     check_source(weights, model)
-    imat = imatrix(model, tok, a.nsamples, a.seqlen, 0,
-                   work / f"imatrix-{MODEL}-{a.nsamples}x{a.seqlen}-s0.npz")
+    imat_file = work / f"imatrix-{MODEL}-{a.nsamples}x{a.seqlen}-s0.npz"
+    imat = imatrix(model, tok, a.nsamples, a.seqlen, 0, imat_file)
     windows = None if a.no_ppl else eval_windows(tok, seqlen=a.seqlen, nwindows=a.nwindows)
 
-    rows, head = [], {"cpu": cpu, "llamacpp_cpu": llcpu.replace(" ", "+")}
+    rows, head = [], {"cpu": cpu, "cpu_hw": cpu_hw, "llamacpp_isa": llisa}
     q41_bits, _ = linear_bits(shipped)
     head["q4_1_bits"] = f"{q41_bits:.3f}"
     if windows is not None and not a.no_baseline:
@@ -270,11 +287,19 @@ def main(argv=None) -> int:
     files = {"Q4_1": shipped}
     for name in types:
         out = work / f"{MODEL}-{name}.gguf"
+        made = {"type": name, "imatrix": imat_file.name, "source": str(shipped)}
+        side = out.with_suffix(".json")
         t0 = time.time()
-        write_iquant_gguf(shipped, out, name, weights, imat, ggml)
+        if a.reuse_files and out.is_file() and side.is_file() and json.loads(side.read_text()) == made:
+            what = "reused"
+        else:
+            side.unlink(missing_ok=True)
+            write_iquant_gguf(shipped, out, name, weights, imat, ggml)
+            side.write_text(json.dumps(made) + "\n")
+            what = "wrote"
         bits, kinds = linear_bits(out)
         mix = ", ".join(f"{k} {100 * v / sum(kinds.values()):.0f} %" for k, v in sorted(kinds.items()))
-        print(f"[iquant] wrote {out} in {time.time() - t0:.0f} s: linears {mix}, {bits:.3f} bits/weight",
+        print(f"[iquant] {what} {out} in {time.time() - t0:.0f} s: linears {mix}, {bits:.3f} bits/weight",
               file=sys.stderr, flush=True)
         files[name] = out
         row = {"row": f"{name} (llama.cpp file: {mix})", "bits": bits, "ppl": None, "file": out, "type": name}
@@ -312,22 +337,26 @@ def main(argv=None) -> int:
                 head[f"{key}_vs_q4_1"] = f"{run['paired_ratio']:.2f}"
 
     print(f"\nSmolLM2-135M, llama.cpp's quantizer on the bf16 of the shipped Q4_1 (imatrix: {a.nsamples} x {a.seqlen} "
-          f"calibration tokens of latq's split); torch CPU {cpu}, llama.cpp build {llcpu}, {a.threads} thread(s)")
+          f"calibration tokens of latq's split); torch on {cpu_features.describe()}, llama.cpp's build {llisa} "
+          f"({' '.join(llfeat)}), {a.threads} thread(s); load average {load0:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at the end")
     if windows is not None:
         print(f"perplexity: {len(windows)} windows x {windows.shape[1]} tokens, {head['tokens']} predicted\n")
-    print("| row | bits/w (linears) | ppl | decode tok/s (llama.cpp, batch 1) | vs Q4_1 (paired) | MB/token |")
-    print("|---|---|---|---|---|---|")
+    print("| row | bits/w (linears) | ppl | tok/s median (llama.cpp, batch 1) | tok/s best run | vs Q4_1 (paired) "
+          "| MB/token |")
+    print("|---|---|---|---|---|---|---|")
     from bench.decode_peer import gguf_bytes
     for row in rows:
         label = next((k for k, p in files.items() if row.get("file") == p), None)
         r = dec.get(label, {}) if label else {}
         run = r.get("runs", {}).get("1", {})
         tok_s = f"{run['tok_s']:.1f}" if run else ""
+        best = f"{a.tokens / min(run['times']):.1f}" if run else ""
         ratio = (f"{run['paired_ratio']:.2f}× ({run['paired_range'][0]:.2f}–{run['paired_range'][1]:.2f})"
                  if run.get("paired_ratio") is not None and label != "Q4_1" else "")
         mb = f"{gguf_bytes(row['file'])[0] / 1e6:.1f}" if row.get("file") else ""
         p = f"{row['ppl']:.2f}" if row.get("ppl") is not None else ""
-        print(f"| {row['row']} | {row['bits']:.3f} | {p} | {tok_s} | {ratio} | {mb} |")
+        print(f"| {row['row']} | {row['bits']:.3f} | {p} | {tok_s} | {best} | {ratio} | {mb} |")
     print("\nHEADLINE " + " ".join(f"{k}={v}" for k, v in head.items()))
     return 0
 

@@ -133,3 +133,8 @@ def test_imatrix_is_the_diagonal_of_latqs_hessian(tmp_path, monkeypatch):
     assert not np.allclose(im["blk.1.ffn_down.weight"][:8], im["blk.1.ffn_down.weight"][8:16])
     cached = iquant_peer.imatrix(model, None, 3, 16, 0, tmp_path / "im.npz")   # read back, same values
     assert all(np.array_equal(cached[t], im[t]) for t in im)
+
+
+def test_llamacpp_features_reads_the_system_info_line():
+    info = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | F16C = 1 | OPENMP = 1 | "
+    assert iquant_peer.llamacpp_features(info) == ["SSE3", "SSSE3", "AVX", "AVX2", "F16C", "OPENMP"]
