@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import math
 import os
 import shutil
 import sys
 from pathlib import Path
 
-PROG = "latq-serve"
+from .argv import take_last, take_option
+from .serve_memory import ENGINE_FAILED, PROG, kv_cache_plan, memory_refusal, node_memory, on_cpu
+from .serve_memory import KV_ENV, KV_MAX, KV_SHARE_TEXT
+
 MIDDLEWARE = "vllm_latq.commands.serve.Utf8JsonBody"
 
 
@@ -132,16 +134,6 @@ def dtype_advice(argv: list[str]) -> str | None:
             "faster: its unquantized head streams half the bytes; python -m bench.decode times both)")
 
 
-def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """(the value of ``name`` in ``argv`` as ``NAME V`` or ``NAME=V``, argv without it)."""
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return None, argv
-
-
 def model_of(argv: list[str]) -> str | None:
     """The model ``vllm serve ARGS`` would load: its positional argument, or ``--model``."""
     args = argv[1:] if argv[:1] == ["serve"] else argv
@@ -213,18 +205,6 @@ SERVED_OPTIONS = {"--hf-config-path": "model's config", "--tokenizer": "tokenize
 NO_FILE = {"--generation-config": (None, "auto", "vllm")}   # values naming no directory: latq-serve adds none
 
 
-def take_last(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """(the value ``name`` (or its ``_`` spelling) has last in ``argv``, as argparse takes it; argv without any)."""
-    value = None
-    for spelling in (name, "--" + name[2:].replace("-", "_")):
-        while True:
-            v, rest = take_option(argv, spelling)
-            if v is None:
-                break
-            value, argv = v, rest
-    return value, argv
-
-
 def with_verified_files(argv: list[str], report: dict | None) -> list[str]:
     """``argv`` with vLLM's config, tokenizer and generation defaults read from a private copy of the files the check
     verified (format/served_copy.py); an option the user gave naming other files is kept, or refused beside a pin
@@ -289,117 +269,6 @@ def own_parser() -> argparse.ArgumentParser:
 def wants_help(argv: list[str]) -> bool:
     """``-h``/``--help`` alone (latq's help); ``--help=SECTION`` is vLLM's and goes to it."""
     return any(a in ("-h", "--help") for a in argv)
-
-
-# latq-serve's KV cache on a CPU: vLLM's CPU backend otherwise reserves --gpu-memory-utilization (0.92) of all the
-# memory and refuses to start when that much is not free; a quarter of what is free leaves room for the weights,
-# the activations and whatever else runs, and 4 GiB was vLLM's own CPU default (VLLM_CPU_KVCACHE_SPACE)
-KV_SHARE = 4
-KV_SHARE_TEXT = "a quarter"
-KV_MAX = 4 << 30
-KV_OPTIONS = ("--kv-cache-memory-bytes",)
-UTILIZATION_OPTIONS = ("--gpu-memory-utilization", "--device-memory-utilization")
-KV_ENV = "VLLM_CPU_KVCACHE_SPACE"   # vLLM's legacy setting, in GiB: it overrides --kv-cache-memory-bytes
-
-
-def _given(argv: list[str], names: tuple[str, ...]) -> str | None:
-    """The value the last of ``names`` (either spelling) has in ``argv``, or None."""
-    value = None
-    for name in names:
-        v = take_last(argv, name)[0]
-        value = v if v is not None else value
-    return value
-
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
-def _bytes(value: str) -> int | None:
-    """``--kv-cache-memory-bytes``'s value as vLLM reads it (``1G`` = 2**30, ``1g`` = 10**9), or None (vLLM then
-    refuses it itself)."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    v = value.strip()
-    try:
-        if v[-1:] in units:
-            return int(float(v[:-1]) * units[v[-1]])
-        return int(v)
-    except ValueError:
-        return None
-
-
-def kv_cache_plan(argv: list[str], total: int, available: int,
-                  env: dict[str, str] | None = None) -> tuple[list[str], str | None, str | None]:
-    """What latq-serve does about the KV cache on a CPU with ``available`` of ``total`` bytes free:
-    (argv to run, the one line saying what it chose, None), or (argv, None, the one-line refusal) when a size the
-    user gave cannot be had — vLLM would find out only minutes later, in a traceback."""
-    env = os.environ if env is None else env
-    kv, util = _given(argv, KV_OPTIONS), _given(argv, UTILIZATION_OPTIONS)
-    legacy = env.get(KV_ENV, "")
-    own = (f"leave it out (latq-serve then gives the KV cache {KV_SHARE_TEXT} of the free memory, at most "
-           f"{KV_MAX >> 30} GiB)")
-    if legacy:
-        size = _bytes(legacy)
-        size = None if size is None else size << 30
-        if size is not None and size > available:
-            return argv, None, (f"{PROG}: {KV_ENV}={legacy} asks for a {_gib(size)} KV cache but {_gib(available)} "
-                                f"of memory is free: set a smaller one, or unset it and {own}")
-        return argv, None, None
-    if kv is not None:
-        size = _bytes(kv)
-        if size is not None and size > available:
-            return argv, None, (f"{PROG}: --kv-cache-memory-bytes {kv} asks for a {_gib(size)} KV cache but "
-                                f"{_gib(available)} of memory is free: give a smaller one, or {own}")
-        return argv, None, None
-    if util is not None:
-        try:
-            share = float(util)
-        except ValueError:
-            return argv, None, None   # vLLM refuses it, naming the option
-        if 0 < share <= 1 and math.ceil(total * share) > available:
-            return argv, None, (f"{PROG}: --gpu-memory-utilization {util} reserves {_gib(math.ceil(total * share))} "
-                                f"({util} of {_gib(total)}) on vLLM's CPU backend but {_gib(available)} is free: give "
-                                f"at most {math.floor(available / total * 100) / 100:.2f}, or {own}")
-        return argv, None, None
-    size = min(KV_MAX, available // KV_SHARE)
-    argv = [*argv, "--kv-cache-memory-bytes", str(size)]
-    fitted = ""
-    if _given(argv, ("--max-model-len",)) is None:   # the model's full context may not fit: vLLM fits it (-1)
-        argv = [*argv, "--max-model-len", "-1"]
-        fitted = ", the context fitted to it"
-    return argv, (f"{PROG}: KV cache {_gib(size)} ({KV_SHARE_TEXT} of the {_gib(available)} free, at most "
-                  f"{KV_MAX >> 30} GiB){fitted}; --kv-cache-memory-bytes or --gpu-memory-utilization to choose, "
-                  f"--max-model-len for the context"), None
-
-
-ENGINE_FAILED = "Engine core initialization failed"
-# the openings of vLLM 0.32's refusals for too little memory (v1/worker/cpu_worker.py, v1/core/kv_cache_utils.py)
-MEMORY_REFUSALS = ("Available memory on node", "To serve at least one request with the model's max seq len",
-                   "No available memory for the cache blocks")
-
-
-def memory_refusal(e: BaseException) -> str | None:
-    """vLLM's refusal for too little memory as latq-serve's one line with the fix, or None for any other error."""
-    msg = " ".join(str(e).split())
-    if not msg.startswith(MEMORY_REFUSALS):
-        return None
-    return (f"{PROG}: not enough memory for vLLM: {msg} (latq-serve: leave --kv-cache-memory-bytes and "
-            f"--gpu-memory-utilization out to have the KV cache sized from the free memory, or give a smaller one; "
-            f"a smaller --max-model-len needs less)")
-
-
-def node_memory() -> tuple[int, int]:
-    """(total, available) bytes as vLLM's CPU worker counts them: its first CPU's memory node, within the cgroup."""
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-
-    info = get_memory_node_info(max(get_allowed_cpu_list()[0].numa_node, 0))
-    return info.total_memory, info.available_memory
-
-
-def on_cpu() -> bool:
-    """Whether vLLM runs on its CPU backend here."""
-    from vllm.platforms import current_platform
-    return current_platform.is_cpu()
 
 
 def main(argv: list[str] | None = None) -> None:
