@@ -251,6 +251,19 @@ def test_a_size_the_user_gave_is_theirs(argv, env):
     assert serve.kv_cache_plan(argv, total=18 * GiB, available=12 * GiB, env=env) == (argv, None, None)
 
 
+def test_a_size_in_a_config_file_is_the_users_too(tmp_path):
+    """vLLM reads options from ``--config FILE.yaml`` too: a size there is the user's, the command line's wins."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("kv_cache_memory_bytes: 16G\nport: 9\n")
+    argv = ["ck", "--config", str(cfg)]
+    assert serve.config_options(argv) == ["--kv_cache_memory_bytes", "16G", "--port", "9"]
+    _, chose, refused = serve.kv_cache_plan(argv, 18 * GiB, 12 * GiB, {}, serve.config_options(argv))
+    assert chose is None and refused.startswith("latq-serve: --kv-cache-memory-bytes 16G asks for")
+    argv = [*argv, "--kv-cache-memory-bytes", "1G"]
+    assert serve.kv_cache_plan(argv, 18 * GiB, 12 * GiB, {}, serve.config_options(argv)) == (argv, None, None)
+    assert serve.config_options(["ck", "--config", str(tmp_path / "missing.yaml")]) == []
+
+
 @pytest.mark.parametrize("argv, env, names", [
     (["ck", "--kv-cache-memory-bytes", "16G"], {}, "--kv-cache-memory-bytes 16G asks for a 16.00 GiB KV cache"),
     (["ck", "--gpu-memory-utilization", "0.92"], {}, "--gpu-memory-utilization 0.92 reserves 16.56 GiB"),

@@ -12,13 +12,18 @@ def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return None, argv
 
 
-def take_last(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """(the value ``name`` (or its ``_`` spelling) has last in ``argv``, as argparse takes it; argv without any)."""
-    value = None
-    for spelling in (name, "--" + name[2:].replace("-", "_")):
-        while True:
-            v, rest = take_option(argv, spelling)
-            if v is None:
-                break
-            value, argv = v, rest
-    return value, argv
+def take_last(argv: list[str], *names: str) -> tuple[str | None, list[str]]:
+    """(the value any of ``names`` (or their ``_`` spellings) has last in ``argv``, as argparse takes it; argv
+    without any of them)."""
+    spellings = {n for name in names for n in (name, "--" + name[2:].replace("-", "_"))}
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        key, eq, v = argv[i].partition("=")
+        if argv[i] in spellings and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif eq and key in spellings:
+            value, i = v, i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return value, rest

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .argv import take_last, take_option
-from .serve_memory import ENGINE_FAILED, PROG, kv_cache_plan, memory_refusal, node_memory, on_cpu
+from .serve_memory import ENGINE_FAILED, PROG, config_options, kv_cache_plan, memory_refusal, node_memory, on_cpu
 from .serve_memory import KV_ENV, KV_MAX, KV_SHARE_TEXT
 
 MIDDLEWARE = "vllm_latq.commands.serve.Utf8JsonBody"
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         if report is not None:   # vLLM opens what it reads itself: no descriptor of the check outlives it
             report["checkpoint"].files.close()
     if not any(a.startswith("--help") for a in argv) and on_cpu():
-        argv, chose, refused = kv_cache_plan(argv, *node_memory())
+        argv, chose, refused = kv_cache_plan(argv, *node_memory(), config=config_options(argv))
         if refused:
             print(refused, file=sys.stderr)
             sys.exit(2)

@@ -22,11 +22,7 @@ KV_ENV = "VLLM_CPU_KVCACHE_SPACE"   # vLLM's legacy setting, in GiB: it override
 
 def _given(argv: list[str], names: tuple[str, ...]) -> str | None:
     """The value the last of ``names`` (either spelling) has in ``argv``, or None."""
-    value = None
-    for name in names:
-        v = take_last(argv, name)[0]
-        value = v if v is not None else value
-    return value
+    return take_last(argv, *names)[0]
 
 
 def _gib(n: float) -> str:
@@ -46,13 +42,32 @@ def _bytes(value: str) -> int | None:
         return None
 
 
-def kv_cache_plan(argv: list[str], total: int, available: int,
-                  env: dict[str, str] | None = None) -> tuple[list[str], str | None, str | None]:
-    """What latq-serve does about the KV cache on a CPU with ``available`` of ``total`` bytes free:
-    (argv to run, the one line saying what it chose, None), or (argv, None, the one-line refusal) when a size the
-    user gave cannot be had — vLLM would find out only minutes later, in a traceback."""
+def config_options(argv: list[str]) -> list[str]:
+    """The options of the YAML file ``--config`` names, as vLLM reads them in (``--key value``); none where there
+    is no such file or it cannot be read (vLLM then says why)."""
+    path = take_last(argv, "--config")[0]
+    if path is None:
+        return []
+    try:
+        import yaml
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except Exception:   # noqa: BLE001  (vLLM refuses the file itself, naming it)
+        return []
+    if not isinstance(config, dict):
+        return []
+    return [w for k, v in config.items() if not isinstance(v, (bool, list, dict)) for w in (f"--{k}", str(v))]
+
+
+def kv_cache_plan(argv: list[str], total: int, available: int, env: dict[str, str] | None = None,
+                  config: list[str] = ()) -> tuple[list[str], str | None, str | None]:
+    """What latq-serve does about the KV cache on a CPU with ``available`` of ``total`` bytes free, ``config``
+    holding the options of a ``--config`` file: (argv to run, the one line saying what it chose, None), or
+    (argv, None, the one-line refusal) when a size the user gave cannot be had — vLLM would find out only minutes
+    later, in a traceback."""
     env = os.environ if env is None else env
-    kv, util = _given(argv, KV_OPTIONS), _given(argv, UTILIZATION_OPTIONS)
+    given = [*config, *argv]   # the command line wins over the file, as in vLLM
+    kv, util = _given(given, KV_OPTIONS), _given(given, UTILIZATION_OPTIONS)
     legacy = env.get(KV_ENV, "")
     own = (f"leave it out (latq-serve then gives the KV cache {KV_SHARE_TEXT} of the free memory, at most "
            f"{KV_MAX >> 30} GiB)")
@@ -82,7 +97,7 @@ def kv_cache_plan(argv: list[str], total: int, available: int,
     size = min(KV_MAX, available // KV_SHARE)
     argv = [*argv, "--kv-cache-memory-bytes", str(size)]
     fitted = ""
-    if _given(argv, ("--max-model-len",)) is None:   # the model's full context may not fit: vLLM fits it (-1)
+    if _given(given, ("--max-model-len",)) is None:   # the model's full context may not fit: vLLM fits it (-1)
         argv = [*argv, "--max-model-len", "-1"]
         fitted = ", the context fitted to it"
     return argv, (f"{PROG}: KV cache {_gib(size)} ({KV_SHARE_TEXT} of the {_gib(available)} free, at most "
