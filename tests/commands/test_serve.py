@@ -297,7 +297,7 @@ def test_vllms_memory_refusal_becomes_one_line(monkeypatch, capsys):
         assert e.value.code == code and len(err) == 2 and err[0].startswith("latq-serve: KV cache"), err
         if code == 2:
             assert err[1].startswith("latq-serve: not enough memory for vLLM: Available memory on node 0")
-            assert "leave --kv-cache-memory-bytes and --gpu-memory-utilization out" in err[1]
+            assert "give a smaller --kv-cache-memory-bytes or --max-model-len" in err[1]
         else:
             assert err[1] == "latq-serve: vLLM's engine did not start; its error is above"
     monkeypatch.setattr(serve, "serve_in_process", lambda cmd: (_ for _ in ()).throw(ValueError("something else")))

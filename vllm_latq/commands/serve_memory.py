@@ -116,9 +116,9 @@ def memory_refusal(e: BaseException) -> str | None:
     msg = " ".join(str(e).split())
     if not msg.startswith(MEMORY_REFUSALS):
         return None
-    return (f"{PROG}: not enough memory for vLLM: {msg} (latq-serve: leave --kv-cache-memory-bytes and "
-            f"--gpu-memory-utilization out to have the KV cache sized from the free memory, or give a smaller one; "
-            f"a smaller --max-model-len needs less)")
+    return (f"{PROG}: not enough memory for vLLM: {msg} (latq-serve: give a smaller --kv-cache-memory-bytes or "
+            f"--max-model-len, or free some memory; without a size latq-serve gives the KV cache {KV_SHARE_TEXT} of "
+            f"the free memory, at most {KV_MAX >> 30} GiB)")
 
 
 def node_memory() -> tuple[int, int]:
