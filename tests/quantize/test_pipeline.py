@@ -200,8 +200,8 @@ def test_the_same_command_again_resumes_without_redoing_a_finished_block(tiny_ll
     with caplog.at_level("WARNING", logger="vllm_latq.quantize"):
         quantize_model(tiny_llama, tmp_path / "a", opts, progress=False, on_block=lambda i, _: computed.append(i))
     assert computed == [1]
-    said = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
-    assert said == ["resuming 1 of 2 finished blocks from a.tmp-latq (same source and options)"], said
+    said = {r.getMessage() for r in caplog.records if "resuming" in r.getMessage()}   # a record may reach 2 handlers
+    assert said == {"resuming 1 of 2 finished blocks from a.tmp-latq (same source and options)"}, said
     quantize_model(tiny_llama, tmp_path / "b", opts, progress=False)
     assert file_hashes(tmp_path / "a") == file_hashes(tmp_path / "b")
 
