@@ -193,16 +193,20 @@ def test_offline_example_runs(tmp_path):
 def test_served_moe_checkpoint_answers(tmp_path):
     """A quantized tiny mixture-of-experts (Qwen3-MoE, SSQR experts) through `latq-serve` on
     127.0.0.1: /v1/completions and /v1/chat/completions requests answered in full, the experts
-    loaded by the latq MoE method."""
+    loaded by the latq MoE method. No KV cache size and no context length given: the command a
+    newcomer runs, where latq-serve sizes the KV cache on a CPU (vLLM's own default refuses to
+    start unless 92 % of the memory is free)."""
     from vllm_latq.testing.moe_models import make_moe_checkpoint, make_moe_model
 
     ck, _ = make_moe_checkpoint(make_moe_model(tmp_path / "src", "qwen3_moe"), tmp_path / "ssqr", "ssqr")
-    summary, log, _ = _serve_and_ask(
-        ck, tmp_path, "moe-latq", ["--max-model-len", "256", "--max-num-seqs", "2", "--kv-cache-memory-bytes",
-                                   str(64 << 20)], requests=2, concurrency=1, max_tokens=8)
+    summary, log, _ = _serve_and_ask(ck, tmp_path, "moe-latq", ["--max-num-seqs", "2"], requests=2, concurrency=1,
+                                     max_tokens=8)
     assert summary["model"] == "moe-latq" and summary["complete"] == 2
     assert {r["endpoint"] for r in summary["results"]} == {"completions", "chat"}
     assert "linears loaded (ssqr checkpoint)" in log
+    import torch
+    if not torch.cuda.is_available():
+        assert re.search(r"^latq-serve: KV cache [\d.]+ GiB \(a quarter of the [\d.]+ GiB free", log, flags=re.M), log
 
 
 def test_dtype_advice_on_cpus_that_emulate_bf16(monkeypatch):
@@ -219,3 +223,92 @@ def test_dtype_advice_on_cpus_that_emulate_bf16(monkeypatch):
     assert dtype_advice(["ckpt", "--dtype", "bfloat16"]) is None and dtype_advice(["ckpt", "--dtype=auto"]) is None
     monkeypatch.setenv(cpu_features.ENV_BF16, "1")
     assert dtype_advice(["ckpt"]) is None
+
+
+GiB = 1 << 30
+
+
+def test_kv_cache_sized_from_the_free_memory_when_the_user_gave_no_size():
+    """On a CPU without a size: a quarter of the free memory, at most 4 GiB, the context fitted to it — never
+    vLLM's default, which reserves 92 % of all the memory and refuses to start when less is free."""
+    argv, chose, refused = serve.kv_cache_plan(["ck", "--port", "9"], total=18 * GiB, available=12 * GiB, env={})
+    assert refused is None and argv == ["ck", "--port", "9", "--kv-cache-memory-bytes", str(3 * GiB),
+                                        "--max-model-len", "-1"]
+    assert chose.startswith("latq-serve: KV cache 3.00 GiB (a quarter of the 12.00 GiB free")
+    assert "--kv-cache-memory-bytes" in chose and "--gpu-memory-utilization" in chose and "\n" not in chose
+    argv, _, _ = serve.kv_cache_plan(["ck"], total=256 * GiB, available=200 * GiB, env={})
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(4 * GiB)
+    argv, chose, _ = serve.kv_cache_plan(["ck", "--max_model_len", "512"], total=18 * GiB, available=GiB, env={})
+    assert argv == ["ck", "--max_model_len", "512", "--kv-cache-memory-bytes", str(GiB // 4)]   # the user's context
+    assert "fitted" not in chose
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["ck", "--kv-cache-memory-bytes", "1G"], {}), (["ck", "--kv_cache_memory_bytes=2000000000"], {}),
+    (["ck", "--gpu-memory-utilization", "0.5"], {}), (["ck", "--device-memory-utilization=0.3"], {}),
+    (["ck"], {"VLLM_CPU_KVCACHE_SPACE": "2"})])
+def test_a_size_the_user_gave_is_theirs(argv, env):
+    assert serve.kv_cache_plan(argv, total=18 * GiB, available=12 * GiB, env=env) == (argv, None, None)
+
+
+def test_a_size_in_a_config_file_is_the_users_too(tmp_path):
+    """vLLM reads options from ``--config FILE.yaml`` too: a size there is the user's, the command line's wins."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("kv_cache_memory_bytes: 16G\nport: 9\n")
+    argv = ["ck", "--config", str(cfg)]
+    assert serve.config_options(argv) == ["--kv_cache_memory_bytes", "16G", "--port", "9"]
+    _, chose, refused = serve.kv_cache_plan(argv, 18 * GiB, 12 * GiB, {}, serve.config_options(argv))
+    assert chose is None and refused.startswith("latq-serve: --kv-cache-memory-bytes 16G asks for")
+    argv = [*argv, "--kv-cache-memory-bytes", "1G"]
+    assert serve.kv_cache_plan(argv, 18 * GiB, 12 * GiB, {}, serve.config_options(argv)) == (argv, None, None)
+    assert serve.config_options(["ck", "--config", str(tmp_path / "missing.yaml")]) == []
+
+
+@pytest.mark.parametrize("argv, env, names", [
+    (["ck", "--kv-cache-memory-bytes", "16G"], {}, "--kv-cache-memory-bytes 16G asks for a 16.00 GiB KV cache"),
+    (["ck", "--gpu-memory-utilization", "0.92"], {}, "--gpu-memory-utilization 0.92 reserves 16.56 GiB"),
+    (["ck"], {"VLLM_CPU_KVCACHE_SPACE": "40"}, "VLLM_CPU_KVCACHE_SPACE=40 asks for a 40.00 GiB KV cache")])
+def test_a_size_that_cannot_be_had_is_refused_in_one_line_before_vllm_starts(argv, env, names):
+    _, chose, refused = serve.kv_cache_plan(argv, total=18 * GiB, available=12 * GiB, env=env)
+    assert chose is None and refused.startswith(f"latq-serve: {names}") and "\n" not in refused
+    assert "12.00 GiB" in refused and "leave it out" in refused
+    if "utilization" in names:
+        assert "at most 0.66" in refused
+
+
+def test_vllms_memory_refusal_becomes_one_line(monkeypatch, capsys):
+    """Where vLLM's engine runs in latq-serve's process, its refusal for memory is one line naming the fix, exit 2;
+    where it ran in its own process (which printed the cause), one line instead of a second traceback."""
+    monkeypatch.setattr(serve, "vllm_cli", lambda: None)
+    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    monkeypatch.setattr(serve, "node_memory", lambda: (18 * GiB, 12 * GiB))
+    vllm_says = ("Available memory on node 0 (12.25/17.84 GiB) on kv cache allocation is less than requested "
+                 "memory for kv (13.00 GiB). Decrease --kv-cache-memory-bytes,\nVLLM_CPU_KVCACHE_SPACE, or reduce "
+                 "CPU memory used by other processes.")
+    for raised, code in ((ValueError(vllm_says), 2),
+                         (RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): "
+                                       "{'EngineCore_DP0': 1}"), 1)):
+        def fail(cmd, raised=raised):
+            raise raised
+        monkeypatch.setattr(serve, "serve_in_process", fail)
+        with pytest.raises(SystemExit) as e:
+            serve.main(["ck"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == code and len(err) == 2 and err[0].startswith("latq-serve: KV cache"), err
+        if code == 2:
+            assert err[1].startswith("latq-serve: not enough memory for vLLM: Available memory on node 0")
+            assert "give a smaller --kv-cache-memory-bytes or --max-model-len" in err[1]
+        else:
+            assert err[1] == "latq-serve: vLLM's engine did not start; its error is above"
+    monkeypatch.setattr(serve, "serve_in_process", lambda cmd: (_ for _ in ()).throw(ValueError("something else")))
+    with pytest.raises(ValueError, match="something else"):
+        serve.main(["ck"])
+
+
+def test_help_lists_latq_serves_own_options_and_where_vllms_are():
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", "--help"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("usage: latq-serve CKPT"), p.stdout + p.stderr
+    for opt in ("--expect-digest", "--print-command", "--version", "--help=all", "--kv-cache-memory-bytes"):
+        assert opt in p.stdout, opt
+    assert "vllm serve [model_tag]" not in p.stdout and "Qwen" not in p.stdout

@@ -53,7 +53,7 @@ def test_rows_are_read_and_written_one_sequence_at_a_time(tmp_path):
         with pytest.raises(ValueError, match="shape"):
             acts.write(0, x[0, :2])
     inputs_file(tmp_path, 0).write_bytes(b"\0" * 7)
-    with pytest.raises(ValueError, match="rerun without --resume"):
+    with pytest.raises(ValueError, match=r"rerun with --overwrite \(without --resume\) to start over"):
         Activations.resume(tmp_path, x.shape, torch.bfloat16, "cpu", None, block=0)
 
 

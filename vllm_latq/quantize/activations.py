@@ -81,7 +81,7 @@ class Activations:
         size = path.stat().st_size if path.is_file() else None
         if size != acts.nbytes:
             raise ValueError(f"{path}: {'missing' if size is None else f'{size} bytes'}, expected the {acts.nbytes} "
-                             f"bytes of block {block}'s inputs; rerun without --resume")
+                             f"bytes of block {block}'s inputs; rerun with --overwrite (without --resume) to start over")
         if acts.ram is not None:
             for j in range(len(acts)):
                 acts.ram[j] = acts._read(path, j)

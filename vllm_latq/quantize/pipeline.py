@@ -42,7 +42,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
         heap.return_freed_memory()
         src, head = open_checked(model, out, opts, overwrite, progress, world)
         with held_output(out, src.path, overwrite, world) as claim, \
-                run_directory(claim, out, run_fingerprint(opts, src), resume, world) as run:
+                run_directory(claim, out, run_fingerprint(opts, src), resume, world, overwrite=overwrite,
+                              nblocks=src.nblocks) as run:
             if run.sealed is not None:   # a killed run of this command sealed it: moved, not computed again
                 with ranks.together("moving the checkpoint into place", world):
                     if world.writes:

@@ -1,4 +1,4 @@
-"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue (``--resume``).
+"""The run directory ``OUT.tmp-latq`` and what lets an interrupted run continue (the same command again).
 
 A resume needs the same fingerprint and every checksum to hold; a tampered or corrupted partial
 state is refused, never sealed."""
@@ -27,6 +27,8 @@ from .ranks import SINGLE, World
 log = logging.getLogger("vllm_latq.quantize")
 
 PROGRESS_FILE = "latq_progress.json"
+# a rerun without --resume continues a partial run of the same fingerprint too: only --overwrite starts over
+START_OVER = "rerun with --overwrite (without --resume) to start over"
 # part of the resume fingerprint (3: RTN/HRTN run uncalibrated; 4: bf16 forwards; 5: activations saved per block;
 # 6: the source and the calibration text by their bytes' sha256)
 PIPELINE_VERSION = 6
@@ -54,8 +56,11 @@ class RunDir:
     claim: output_dir.Claim | None = None   # OUT held (rank 0)
 
     @classmethod
-    def open(cls, claim: output_dir.Claim, fp: str, resume: bool) -> "RunDir":
-        """The held OUT's run directory: resumed if asked and it verifies, taken whole if a killed run sealed it."""
+    def open(cls, claim: output_dir.Claim, fp: str, resume: bool, *, overwrite: bool = False,
+             nblocks: int | None = None) -> "RunDir":
+        """The held OUT's run directory: taken whole if a killed run sealed it; resumed if a run of the same
+        fingerprint left finished blocks (asked with ``resume`` or not) and they verify; a partial run of another
+        fingerprint, or one that does not verify, refused unless ``overwrite`` (without ``resume``) discards it."""
         tmp = claim.tmp
         for where in (tmp, claim.out):
             if claim.noted(where, fp):
@@ -64,15 +69,29 @@ class RunDir:
                 return cls(tmp, fp, sealed=where, claim=claim)
         state = None
         leftover = any(e.name != TEMP_MARK for e in os.scandir(tmp))
+        discard = overwrite and not resume   # --overwrite starts over where the partial run cannot be continued
         if leftover:
-            state = _progress(tmp) if resume else None
-            if state is not None and state.get("fingerprint") != fp:
-                raise ValueError(f"{tmp} holds an interrupted run of a different model or options; remove it or "
-                                 "rerun without --resume")
-            if state is None:
-                log.warning("removing stale partial output %s", tmp)
+            try:
+                state = _progress(tmp)
+                if state is not None and state.get("fingerprint") != fp:
+                    done = state.get("blocks_done")
+                    done = f" ({done} block{'' if done == 1 else 's'} finished)" if isinstance(done, int) else ""
+                    raise ValueError(f"{tmp} holds an interrupted run of another source or other options{done}: "
+                                     "rerun that command (--resume or not) to continue it, or pass --overwrite "
+                                     "without --resume to discard it")
+                if state is not None:
+                    verify_partial_state(tmp, state)
+            except ValueError as e:   # FormatError too
+                if not discard:
+                    raise
+                log.warning("discarding the partial run %s (--overwrite): %s", tmp, e)
+                state = None
             else:
-                verify_partial_state(tmp, state)
+                if state is None:   # stopped before its first block was saved: no finished work in it
+                    log.warning("removing %s, left by an interrupted run before it finished a block", tmp)
+                else:
+                    log.warning("resuming %d%s finished blocks from %s (same source and options)",
+                                state["blocks_done"], "" if nblocks is None else f" of {nblocks}", tmp.name)
         elif resume:
             log.info("nothing to resume at %s: starting from block 0", tmp)
         if state is None:
@@ -130,7 +149,7 @@ def _progress(tmp: Path) -> dict | None:
     except FileNotFoundError:
         return None
     if not isinstance(state, dict):
-        raise FormatError("not a progress record: rerun without --resume", file=str(tmp / PROGRESS_FILE))
+        raise FormatError(f"not a progress record: {START_OVER}", file=str(tmp / PROGRESS_FILE))
     return state
 
 
@@ -140,24 +159,24 @@ def verify_partial_state(tmp: Path, state: dict) -> None:
     rest = {k: v for k, v in state.items() if k != "sha256"}
     if state.get("sha256") != json_sha256(rest):
         raise FormatError("its checksum does not match its content (edited or corrupted, or written by an older "
-                          "latq): rerun without --resume", file=where)
+                          f"latq): {START_OVER}", file=where)
     shards, acts = state.get("shards"), state.get("activations")
     ok = (isinstance(state.get("blocks_done"), int) and isinstance(state.get("stats"), list)
           and isinstance(shards, dict) and len(shards) == state["blocks_done"] and isinstance(acts, dict))
     if not ok:
         raise FormatError("does not record blocks_done, stats, one checksum per finished shard and the saved "
-                          "activations: rerun without --resume", file=where)
+                          f"activations: {START_OVER}", file=where)
     for name, digest in sorted({**shards, **acts}.items()):
         path = tmp / name
         if not path.resolve().is_relative_to(tmp.resolve()):
-            raise FormatError("names a file outside the run directory: rerun without --resume", file=where)
+            raise FormatError(f"names a file outside the run directory: {START_OVER}", file=where)
         try:
             same = file_sha256(path, name=str(path)) == digest
         except FileNotFoundError:
-            raise FormatError("missing, but recorded as finished: rerun without --resume", file=str(path)) from None
+            raise FormatError(f"missing, but recorded as finished: {START_OVER}", file=str(path)) from None
         if not same:
             raise FormatError("differs from what the interrupted run wrote (its sha256 in latq_progress.json): "
-                              "corrupted or edited; rerun without --resume", file=str(path))
+                              f"corrupted or edited; {START_OVER}", file=str(path))
 
 
 @contextmanager
@@ -178,7 +197,8 @@ def held_output(out: Path, source: Path, overwrite: bool, world: World = SINGLE)
 
 
 @contextmanager
-def run_directory(claim: output_dir.Claim | None, out: Path, fp: str, resume: bool, world: World = SINGLE):
+def run_directory(claim: output_dir.Claim | None, out: Path, fp: str, resume: bool, world: World = SINGLE, *,
+                  overwrite: bool = False, nblocks: int | None = None):
     """:meth:`RunDir.open` in the held OUT's run directory for the run; a run that saved no block leaves nothing."""
     if not world.writes:
         ranks.agree_or_raise(None, "opening the run directory", world)
@@ -188,7 +208,7 @@ def run_directory(claim: output_dir.Claim | None, out: Path, fp: str, resume: bo
         return
     error = run = None
     try:
-        run = RunDir.open(claim, fp, resume)
+        run = RunDir.open(claim, fp, resume, overwrite=overwrite, nblocks=nblocks)
         run.world = world
     except Exception as e:   # noqa: BLE001  (every rank raises it)
         error = e
