@@ -149,6 +149,8 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
 
 def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Nearest row of ``book [n, 8]`` to each row of ``x [N, 8]``, in the metric ``D`` where given."""
+    if D is not None and _native(x):
+        return torch.ops.latq_cpu.nearest_in_metric(x, book, D)
     book = book.to(x.device, x.dtype)
     Dc = book.T if D is None else D.to(x.device, x.dtype) @ book.T
     return book[(2 * x @ Dc - (book * Dc.T).sum(-1)).argmax(-1)]
@@ -239,6 +241,9 @@ class VectorCode:
     def nearest(self, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
         """The code's point for each row of ``x [N, 8]``, every stage in the metric ``D`` (None: Euclidean);
         :data:`NEAREST_CHUNK` rows at a time, so a whole matrix's search holds no [N, 256] temporaries."""
+        if D is None and _native(x):   # every stage in one C++ call, a block at a time
+            kinds = [{cb.E8P: 0, cb.BALL: 1}[s.book] for s in self.book.stages]
+            return torch.ops.latq_cpu.e8_code_nearest(x, e8p_patterns(), kinds, [s.gain for s in self.book.stages])
         out = torch.empty_like(x)
         for i in range(0, len(x), NEAREST_CHUNK):
             pts, _ = self.points(x[i:i + NEAREST_CHUNK], D)
