@@ -1,9 +1,13 @@
-"""Solver cost on a 4096x4096 layer with a real-shaped Hessian.
+"""Solver cost on a 4096x4096 layer with a real-shaped Hessian, and E8's on SmolLM2's shapes.
 
 (a) GPTQ and Babai time / time of an fp32 GEMM doing the same number of FLOPs
     (target ≤ 2): the sequential sweep should run near GEMM speed.
 (b) SSQR and HPTQ end-to-end time (scales + factorization + the whole scale search)
     / one GPTQ run (target ≤ 3).
+(c) method e8 at 2/3/4 bits (coded scales per 16 columns, the study's E8 point) against GPTQ-4b
+    g128 on the same layers — SmolLM2-135M's seven linears of a block by default, each rotated
+    (Hadamard) as ``--rotate hadamard`` solves it: seconds a block and E8 / GPTQ (target ≤ 2 at
+    3 bits), with each one's relative layer error ‖X(Q−W)ᵀ‖²/‖XWᵀ‖² summed over the block.
 All timings in this one run, in interleaved rounds, best of --repeats. Ends with a HEADLINE line.
 
 FLOP counts (useful work, multiply-add = 2): the lazy-batch sweep r·c² (each column's
@@ -18,6 +22,14 @@ import time
 import torch
 
 from vllm_latq.algorithms import babai, gptq, hptq, ssqr
+from vllm_latq.algorithms.e8 import e8
+from vllm_latq.algorithms.lattice import relative_error
+from vllm_latq.algorithms.rotation import rotate_hessian, rotate_weight
+from vllm_latq.format.rotation import Rotation
+
+# SmolLM2-135M's linears of a block (out × in): q, k, v, o, gate, up, down
+SMOL_BLOCK = "576x576,192x576,192x576,576x576,1536x576,1536x576,576x1536"
+E8_BITS = (2, 3, 4)
 
 
 def real_shaped(r: int, c: int, n: int, seed: int = 0):
@@ -45,13 +57,68 @@ def best_time(fn, repeats):
     return best, out
 
 
+def e8_section(shapes: str, tokens: int, repeats: int) -> dict:
+    """(c): every layer of ``shapes`` (``"OUTxIN,…"``) rotated, solved by GPTQ-4b g128 and by e8 at
+    2/3/4 bits (``--group-size 16 --scale-bits 4``), in interleaved rounds → {name: (s, error)}, each
+    summed over the layers (the best round's time a layer)."""
+    layers = []
+    for i, shape in enumerate(shapes.split(",")):
+        r, c = map(int, shape.split("x"))
+        W, H = real_shaped(r, c, tokens, seed=i)
+        signs = Rotation(0).signs(c)
+        layers.append((rotate_weight(W, signs), rotate_hessian(H, signs)))
+    jobs = {"gptq_4b": lambda W, H: gptq(W, H, bits=4, group_size=128, order="act"),
+            **{f"e8_{b}b": (lambda W, H, b=b: e8(W, H, bits=b, group_size=16, scale_bits=4)) for b in E8_BITS}}
+    small = min(layers, key=lambda wh: wh[0].numel())
+    for f in jobs.values():   # warm-up: the C++ ops build/load
+        f(*small)
+    t = {k: [float("inf")] * len(layers) for k in jobs}
+    err = {k: 0.0 for k in jobs}
+    for rnd in range(repeats):
+        for k, f in jobs.items():
+            for i, (W, H) in enumerate(layers):
+                dt, res = best_time(lambda: f(W, H), 1)
+                t[k][i] = min(t[k][i], dt)
+                if rnd == 0:
+                    err[k] += relative_error(W, res.q, H)
+    return {k: (sum(t[k]), err[k]) for k in jobs}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--e8-shapes", default=SMOL_BLOCK, help="(c): the layers, OUTxIN comma-separated")
+    ap.add_argument("--e8-tokens", type=int, default=2048, help="(c): tokens of each layer's Hessian")
+    ap.add_argument("--sections", default="abc", help="which of (a)/(b) (one run: both) and (c) to run")
     a = ap.parse_args(argv)
+    heads = []
+    if "a" in a.sections or "b" in a.sections:
+        heads.append(solver_section(a))
+    if "c" in a.sections:
+        heads.append(e8_report(a))
+    print("HEADLINE " + " ".join(heads))
+
+
+def e8_report(a) -> str:
+    """Run and print (c) → its HEADLINE keys."""
+    res = e8_section(a.e8_shapes, a.e8_tokens, a.repeats)
+    n = len(a.e8_shapes.split(","))
+    t_g, e_g = res["gptq_4b"]
+    print(f"(c) {n} layers ({a.e8_shapes}), rotated; seconds summed over them, relative layer error summed")
+    print(f"    GPTQ-4b g128  {t_g:7.2f}s  error {e_g:.5f}")
+    for b in E8_BITS:
+        t_e, e_e = res[f"e8_{b}b"]
+        print(f"    E8-{b}b s4-g16 {t_e:7.2f}s  error {e_e:.5f}  = {t_e / t_g:5.2f}x GPTQ-4b's time"
+              + ("  (target ≤ 2)" if b == 3 else ""))
+    return " ".join(f"e8_{b}b_vs_gptq={res[f'e8_{b}b'][0] / t_g:.2f}" for b in E8_BITS) + \
+        f" e8_3b_s={res['e8_3b'][0]:.2f} gptq_4b_s={t_g:.2f}"
+
+
+def solver_section(a) -> str:
+    """Run and print (a) and (b) → their HEADLINE keys."""
     r, c = a.rows, a.cols
     W, H = real_shaped(r, c, a.tokens)
     print(f"layer {r}x{c}, Hessian from {a.tokens} tokens, torch threads={torch.get_num_threads()}")
@@ -89,8 +156,8 @@ def main(argv=None):
           f"{full['ssqr']} on the full matrix)  (target ≤ 3)")
     print(f"    HPTQ-3.125 {t_hptq:5.2f}s = {t_hptq / t_gptq:4.2f}x GPTQ  ({h.bits_per_weight:.4f} bits, "
           f"{full['hptq']} full-matrix evaluations)  (target ≤ 3)")
-    print(f"HEADLINE gptq_vs_gemm={t_gptq / g_gptq:.2f} babai_vs_gemm={t_babai / g_babai:.2f} "
-          f"ssqr_vs_gptq={t_ssqr / t_gptq:.2f} hptq_vs_gptq={t_hptq / t_gptq:.2f}")
+    return (f"gptq_vs_gemm={t_gptq / g_gptq:.2f} babai_vs_gemm={t_babai / g_babai:.2f} "
+            f"ssqr_vs_gptq={t_ssqr / t_gptq:.2f} hptq_vs_gptq={t_hptq / t_gptq:.2f}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "kernels" / "cpu" / "csrc" / "codebook.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
+           Path(__file__).parent / "algorithms" / "csrc" / "e8.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
 # the build's target: this CPU, or another (LATQ_CPU_MARCH=x86-64-v3 builds what an AVX2-only
 # CPU builds, so an AVX-512 machine can test that build's code paths)

@@ -264,3 +264,45 @@ def test_a_whole_matrix_search_in_chunks_is_the_search_at_once(monkeypatch):
         want = sum(p / s.gain for p, s in zip(whole, code.book.stages))
         monkeypatch.setattr(e8, "NEAREST_CHUNK", 97)
         assert torch.equal(code.nearest(x), want)
+
+
+# ----------------------------------------------------------------------------- the C++ searches
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [0.4, 1.0, 1.6, 3.0])   # 3.0: nearly every block outside the ball
+def test_native_searches_are_the_torch_searches(dtype, scale):
+    """``algorithms/csrc/e8.cpp`` (E8P's nearest point, the ball's closed form, the descent in D, a
+    code's stages, the ball in D) gives the torch path's points, on blocks inside and far outside the
+    ball; only a near-tie may go the other way (sums in another order), to a point as near."""
+    from vllm_latq import native
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
+    x = (torch.randn(3000, 8, generator=gen(50), dtype=torch.float64) * scale).to(dtype)
+    x[:8] = 0.0                                                       # ties: the origin, half-way points
+    x[8:16] = 0.5
+    D = random_metric(51).to(dtype)
+
+    def searches():
+        return (e8.nearest_e8p(x), e8.nearest_ball256(x), e8.nearest_e8p(x, D), e8.nearest_ball256(x, D),
+                *(e8.CODES[b].nearest(x) for b in (2, 3, 4)))
+    with native.disabled():
+        want = searches()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for i, (w, g) in enumerate(zip(want, searches())):
+        differ = (w != g).any(1)
+        assert g.dtype == dtype and differ.sum() <= 2
+        if i < 4:   # one search: as near (a code's later stages start from the other point)
+            M = D if i in (2, 3) else None
+            assert torch.allclose(dist2(x[differ], g[differ], M), dist2(x[differ], w[differ], M), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_native_method_is_the_torch_method(bits):
+    from vllm_latq import native
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
+    W, H = problem(r=32, seed=60 + bits)
+    with native.disabled():
+        want = e8.e8(W, H, bits=bits, group_size=16, scale_bits=4)
+    got = e8.e8(W, H, bits=bits, group_size=16, scale_bits=4)
+    assert torch.equal(got.q, want.q) and torch.equal(got.codes, want.codes)

@@ -84,12 +84,14 @@ def test_next_alpha_secant_inside_bracket_else_bisect():
 
 
 def test_solver_bench_runs_small(capsys):
-    """bench/solver_speed.py end to end on a small layer: every ratio printed, one HEADLINE line."""
+    """bench/solver_speed.py end to end on small layers: every ratio printed, one HEADLINE line."""
     from bench import solver_speed as mod
-    mod.main(["--rows", "256", "--cols", "384", "--tokens", "768", "--repeats", "1"])
+    mod.main(["--rows", "256", "--cols", "384", "--tokens", "768", "--repeats", "1", "--e8-shapes", "48x128,16x64",
+              "--e8-tokens", "256"])
     lines = capsys.readouterr().out.strip().splitlines()
     head = [x for x in lines if x.startswith("HEADLINE")]
     assert len(head) == 1 and lines[-1] == head[0]
     vals = dict(kv.split("=") for kv in head[0].split()[1:])
-    assert set(vals) == {"gptq_vs_gemm", "babai_vs_gemm", "ssqr_vs_gptq", "hptq_vs_gptq"}
+    assert set(vals) == {"gptq_vs_gemm", "babai_vs_gemm", "ssqr_vs_gptq", "hptq_vs_gptq", "e8_2b_vs_gptq",
+                         "e8_3b_vs_gptq", "e8_4b_vs_gptq", "e8_3b_s", "gptq_4b_s"}
     assert all(float(v) > 0 for v in vals.values())

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .. import native
 from ..format import codebook as cb, scale_codes
 from ..format.codebook import DIM, e8_ball256, e8p_patterns, in_e8p
 from . import lattice
@@ -89,9 +90,17 @@ def _e8p_exhaustive(x: torch.Tensor, top: int = 16) -> torch.Tensor:
     return torch.where((d_plus <= d_minus)[:, None], p_plus + 0.25, p_minus - 0.25)
 
 
+def _native(x: torch.Tensor) -> bool:
+    """The searches' C++ ops (``algorithms/csrc/e8.cpp``: the same points, a block at a time) for CPU rows."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and native.usable()
+
+
 def nearest_e8p(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Nearest E8P point to each row of ``x [N, 8]`` (exact); with a metric ``D`` that point improved
     in ``(p − x)ᵀD(p − x)`` by :func:`metric_descent`."""
+    if _native(x):
+        p = torch.ops.latq_cpu.e8p_nearest(x, e8p_patterns())
+        return p if D is None else e8p_descent(p, x, D)
     p = nearest_e8(x - 0.25) + 0.25
     out = ~in_e8p(p)
     if out.any():
@@ -100,6 +109,13 @@ def nearest_e8p(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
             r = rows[r0:r0 + FALLBACK_CHUNK]
             p[r] = _e8p_exhaustive(x[r])
     return p if D is None else metric_descent(p, x, D, in_e8p)
+
+
+def e8p_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """:func:`metric_descent` within E8P (its C++ op on CPU rows)."""
+    if _native(x):
+        return torch.ops.latq_cpu.e8p_metric_descent(p, x, D, e8_roots(), e8p_patterns(), 3, 8)
+    return metric_descent(p, x, D, in_e8p)
 
 
 @lru_cache(maxsize=None)
@@ -133,6 +149,8 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
 
 def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Nearest row of ``book [n, 8]`` to each row of ``x [N, 8]``, in the metric ``D`` where given."""
+    if D is not None and _native(x):
+        return torch.ops.latq_cpu.nearest_in_metric(x, book, D)
     book = book.to(x.device, x.dtype)
     Dc = book.T if D is None else D.to(x.device, x.dtype) @ book.T
     return book[(2 * x @ Dc - (book * Dc.T).sum(-1)).argmax(-1)]
@@ -140,7 +158,9 @@ def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = Non
 
 def nearest_ball256(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """The ball's nearest point to each row of ``x``: Euclidean in closed form, in ``D`` by the whole ball."""
-    return _nearest_ball_euclid(x) if D is None else nearest_in(x, e8_ball256(), D)
+    if D is not None:
+        return nearest_in(x, e8_ball256(), D)
+    return torch.ops.latq_cpu.ball256_nearest(x) if _native(x) else _nearest_ball_euclid(x)
 
 
 def _nearest_ball_euclid(x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +204,7 @@ class Search:
     keeps_error: bool
 
 
-SEARCH = {cb.E8P: Search(nearest_e8p, lambda p, t, D: metric_descent(p, t, D, in_e8p), False),
+SEARCH = {cb.E8P: Search(nearest_e8p, e8p_descent, False),
           cb.BALL: Search(nearest_ball256, lambda p, t, D: nearest_ball256(t, D), True)}
 
 
@@ -221,6 +241,9 @@ class VectorCode:
     def nearest(self, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
         """The code's point for each row of ``x [N, 8]``, every stage in the metric ``D`` (None: Euclidean);
         :data:`NEAREST_CHUNK` rows at a time, so a whole matrix's search holds no [N, 256] temporaries."""
+        if D is None and _native(x):   # every stage in one C++ call, a block at a time
+            kinds = [{cb.E8P: 0, cb.BALL: 1}[s.book] for s in self.book.stages]
+            return torch.ops.latq_cpu.e8_code_nearest(x, e8p_patterns(), kinds, [s.gain for s in self.book.stages])
         out = torch.empty_like(x)
         for i in range(0, len(x), NEAREST_CHUNK):
             pts, _ = self.points(x[i:i + NEAREST_CHUNK], D)
