@@ -84,6 +84,16 @@ def test_latq_inspect_prints_its_served_bits(e8_checkpoint, capsys):
             assert f"(3b {member.name})" in out
 
 
+def test_latq_inspect_reports_a_group_triton_e8_refuses_by_name(tiny_llama, tmp_path, capsys):
+    """Group 24 is a codebook group the format allows (a multiple of 8), not one triton-e8 lays out
+    (groups of 16s): inspect says so per kernel instead of ending in the cost model's error."""
+    d, _ = _quantize(tiny_llama, tmp_path / "g24", bits=2, group_size=24)
+    assert inspect_main([str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "not served by triton-e8: group size 24 is not a multiple of 16" in out, out
+    assert "OK: " in out
+
+
 def test_its_rotation_removed_and_resealed_is_refused_by_every_reader(e8_checkpoint, tmp_path, capsys):
     """The codebook kind is written only with a rotation (its codes quantize W·R): a checkpoint whose
     ``rotation`` was removed and the manifest written again would be served unrotated (garbage).
