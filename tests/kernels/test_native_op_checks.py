@@ -370,9 +370,10 @@ def child(which: str, start: int) -> None:
         print(f"END {i} {outcome}", flush=True)
 
 
-def run_all(which: str, n: int) -> dict[int, str]:
-    """Each case's outcome: ``ok``, ``raises …``, ``other …`` or ``signal NAME`` (the child died in it)."""
-    got: dict[int, str] = {}
+def run_all(which: str, n: int) -> dict:
+    """Each case's outcome: ``ok``, ``raises …``, ``other …`` or ``signal NAME`` (the child died in it);
+    ``"exit"``: the signal a child died of after its last case (memory an earlier case corrupted)."""
+    got: dict = {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     start = 0
@@ -389,8 +390,11 @@ def run_all(which: str, n: int) -> dict[int, str]:
                 got[int(parts[1])] = parts[2]
         if p.returncode == 0:
             break
-        assert p.returncode < 0 and last not in got, f"child failed outside a case:\n{p.stderr[-3000:]}"
-        got[last] = f"signal {signal.Signals(-p.returncode).name}"
+        assert p.returncode < 0, f"child failed outside a case:\n{p.stderr[-3000:]}"
+        if last in got:   # died after its case ended (at exit, or in the next one's setup)
+            got["exit"] = f"signal {signal.Signals(-p.returncode).name} after case {last}: {p.stderr.strip()[-200:]}"
+        else:
+            got[last] = f"signal {signal.Signals(-p.returncode).name}"
         start = last + 1
     return got
 
@@ -404,6 +408,8 @@ def _check(which: str, todo) -> None:
                 else out == OK or out.startswith(RAISES))
         if not fine:
             bad.append(f"{name}: expected {want}, got {out}")
+    if "exit" in got:
+        bad.append(f"memory corrupted by some case: the child died by {got['exit']}")
     assert not bad, "\n".join(bad)
 
 
