@@ -8,13 +8,20 @@ import re
 
 TRUE = ("1", "true")
 FALSE = ("0", "false")
+# the longest number a variable may spell: int() refuses over 4300 digits with its own error, and
+# no switch needs more than a 64-bit value
+MAX_NUMBER_CHARS = 40
+# ASCII only: float() and int() also read Unicode digits ('３０', '٠.٥'), and float() '1_0' and 'inf'
+INTEGER = re.compile(r"[+-]?[0-9]+")
+DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 class EnvError(ValueError):
     """An environment variable's value is not one its reader accepts (one line: name, value, accepted)."""
 
     def __init__(self, name: str, value: str, accepted: str):
-        super().__init__(f"environment variable {name}={value!r}: expected {accepted}")
+        shown = repr(value) if len(value) <= 80 else f"{value[:60]!r}… ({len(value)} characters)"   # one short line
+        super().__init__(f"environment variable {name}={shown}: expected {accepted}")
         self.name = name
 
 
@@ -41,7 +48,7 @@ def integer(name: str, default: int | None, *, minimum: int, maximum: int | None
     if v is None:
         return default
     accepted = f"an integer ≥ {minimum}" + (f" and ≤ {maximum}" if maximum is not None else "") + ", or unset"
-    if not re.fullmatch(r"[+-]?[0-9]+", v.strip()) or v != v.strip():
+    if len(v) > MAX_NUMBER_CHARS or not INTEGER.fullmatch(v):
         raise EnvError(name, v, accepted)
     n = int(v)
     if n < minimum or (maximum is not None and n > maximum):
@@ -57,10 +64,7 @@ def number(name: str, default: float | None, *, minimum: float, above: bool = Fa
         return default
     accepted = (f"a number {'>' if above else '≥'} {minimum:g}" + (f" and ≤ {maximum:g}" if maximum is not None else "")
                 + ", or unset")
-    try:
-        x = float(v) if v == v.strip() else math.nan
-    except ValueError:
-        x = math.nan
+    x = float(v) if len(v) <= MAX_NUMBER_CHARS and DECIMAL.fullmatch(v) else math.nan
     if not math.isfinite(x) or x < minimum or (above and x == minimum) or (maximum is not None and x > maximum):
         raise EnvError(name, v, accepted)
     return x
@@ -87,3 +91,12 @@ def text(name: str, pattern: str, accepted: str) -> str | None:
 def path(name: str) -> str | None:
     """A file or directory name (no newline or NUL, no surrounding spaces); None if unset or empty."""
     return text(name, r"[^\s\x00](?:[^\n\x00]*[^\s\x00])?", "a path without surrounding spaces or newlines")
+
+
+def directory(name: str) -> str | None:
+    """:func:`path` naming a directory, or nothing yet (it is created where used): an existing file,
+    device or FIFO (``/dev/null``) is refused here, not met as an OSError inside a command."""
+    v = path(name)
+    if v is not None and os.path.exists(v) and not os.path.isdir(v):
+        raise EnvError(name, v, "a directory (this exists and is not one), or unset")
+    return v

@@ -39,6 +39,8 @@ class ResourceLimit(OSError):
 COMMAND_HEADROOM = 256 << 20
 _DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
               errno.EFBIG: "the file is too large"}
+# the descriptor limits: a process under ``ulimit -n`` meets them in any open, an import included
+_NO_DESCRIPTOR = {errno.EMFILE: "too many open files", errno.ENFILE: "too many open files in the system"}
 # torch's CPU allocator and CUDA's out-of-memory error: RuntimeErrors, not MemoryError
 _ALLOCATION_FAILED = re.compile(r"can't allocate memory|out of memory", re.I)
 
@@ -46,7 +48,7 @@ _ALLOCATION_FAILED = re.compile(r"can't allocate memory|out of memory", re.I)
 def is_resource_error(e: BaseException) -> bool:
     """Whether ``e`` says a limit of the machine was reached, not that the input is bad."""
     return (isinstance(e, (MemoryError, ResourceLimit))
-            or (isinstance(e, OSError) and e.errno in (*_DISK_FULL, errno.ENOMEM))
+            or (isinstance(e, OSError) and e.errno in (*_DISK_FULL, *_NO_DESCRIPTOR, errno.ENOMEM))
             or (isinstance(e, RuntimeError) and bool(_ALLOCATION_FAILED.search(str(e)))))
 
 
@@ -58,6 +60,8 @@ def resource_limit(e: BaseException, doing: str, path: str | os.PathLike | None 
     try:   # with the memory gone, saying which limit may itself fail: then it is left unsaid
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
             return ResourceLimit(f"{_DISK_FULL[e.errno]} while {doing} ({disk_limit(e.errno, path)})", e.errno)
+        if isinstance(e, OSError) and e.errno in _NO_DESCRIPTOR:
+            return ResourceLimit(f"{_NO_DESCRIPTOR[e.errno]} while {doing} ({files_limit(e.errno)})", e.errno)
         return ResourceLimit(f"out of memory while {doing} ({memory_limit()})")
     except MemoryError:
         return ResourceLimit(f"out of memory while {doing}", getattr(e, "errno", None) or errno.ENOMEM)
@@ -67,6 +71,8 @@ def reason(e: OSError, path: str | os.PathLike | None = None) -> str:
     """Why ``e`` failed, in words; a disk limit with the limit (writing ``path``)."""
     if e.errno in _DISK_FULL:
         return f"{_DISK_FULL[e.errno]} ({disk_limit(e.errno, path)})"
+    if e.errno in _NO_DESCRIPTOR:
+        return f"{_NO_DESCRIPTOR[e.errno]} ({files_limit(e.errno)})"
     return e.strerror or str(e)
 
 
@@ -116,6 +122,13 @@ def memory_limit() -> str:
     if soft != resource.RLIM_INFINITY:
         return f"the address-space limit, ulimit -v, is {in_units(soft)}"
     return f"{in_units(available_memory())} of memory available now"
+
+
+def files_limit(err: int) -> str:
+    """The descriptor limit ``err`` (EMFILE, ENFILE) names, in words."""
+    if err == errno.EMFILE:
+        return f"the open-file limit, ulimit -n, is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    return "the system's table of open files is full"
 
 
 def disk_limit(err: int, path: str | os.PathLike | None) -> str:

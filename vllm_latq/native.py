@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -74,6 +75,46 @@ def _name() -> str:
     return "latq_cpu_" + hashlib.sha256((cpu + " ".join(cflags()) + src).encode()).hexdigest()[:12]
 
 
+# torch's build lock is a plain file (cpp_extension's FileBaton: created, removed when the build
+# ends): a builder killed mid-build leaves it and every later load polls for it forever, silent.
+# Every latq load takes this flock first, which dies with its holder: holding it, no latq builder
+# is alive, so a torch lock still there is stale and is removed.
+FLOCK_FILE = "latq_build.flock"
+TORCH_LOCK_FILE = "lock"
+
+
+def build_directory() -> str:
+    """The folder torch builds (and finds) this host's library in (``TORCH_EXTENSIONS_DIR``, else torch's default)."""
+    from torch.utils.cpp_extension import _get_build_directory
+    return _get_build_directory(_name(), verbose=False)
+
+
+@contextlib.contextmanager
+def build_lock(folder: str):
+    """Holds ``folder``'s latq build lock (waiting for a live builder, saying so on stderr at once),
+    with a stale torch lock of a killed build removed."""
+    import fcntl
+    fd = os.open(os.path.join(folder, FLOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            print(f"latq: waiting for process {holder}, which is building the C++ ops in {folder}",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        stale = os.path.join(folder, TORCH_LOCK_FILE)
+        if os.path.exists(stale):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+            print(f"latq: removed {stale}, the build lock of a build that was killed", file=sys.stderr, flush=True)
+        yield
+    finally:
+        os.close(fd)   # releases the flock
+
+
 def load() -> str | None:
     """Build/load the extension once per process → None if loaded, else why not."""
     global _STATUS
@@ -84,9 +125,11 @@ def load() -> str | None:
             check_library_switches()
             try:
                 from torch.utils.cpp_extension import load as build
-                build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=cflags(),
-                      extra_ldflags=["-fopenmp"],
-                      is_python_module=False, verbose=False)
+                folder = build_directory()
+                with build_lock(folder):
+                    build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=cflags(),
+                          extra_ldflags=["-fopenmp"], build_directory=folder,
+                          is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::codebook_linear", _fake)
                 torch.library.register_fake("latq_cpu::plain_linear", _fake_plain)

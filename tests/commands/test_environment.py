@@ -91,6 +91,41 @@ def test_numbers_are_bounded_and_finite(monkeypatch):
     assert env.integer("LATQ_X", 3, minimum=0) == 3
 
 
+@pytest.mark.parametrize("raw", ["1" * 5000, "３０", "٣", "1_0", "1e400", "0x10"])
+def test_an_integer_is_short_ascii_digits(monkeypatch, raw):
+    """int() reads Unicode digits and '1_0', and past 4300 digits raises an error of its own: all refused
+    by name, in one short line."""
+    monkeypatch.setenv("LATQ_X", raw)
+    with pytest.raises(env.EnvError) as e:
+        env.integer("LATQ_X", 3, minimum=0)
+    assert str(e.value).startswith("environment variable LATQ_X=") and len(str(e.value)) < 200, e.value
+
+
+@pytest.mark.parametrize("raw", ["1" * 5000, "٠.٥", "３０", "1_0", "١", "infinity", "0x1p-2", " 0.5"])
+def test_a_number_is_short_ascii_decimal(monkeypatch, raw):
+    """float() reads '٠.٥' as 0.5, '３０' as 30 and '1_0' as 10: a number variable takes ASCII decimals only."""
+    monkeypatch.setenv("LATQ_X", raw)
+    with pytest.raises(env.EnvError) as e:
+        env.number("LATQ_X", 1.0, minimum=0.0, maximum=1e9)
+    assert "expected a number ≥ 0" in str(e.value) and len(str(e.value)) < 200, e.value
+    for ok, want in (("0.5", 0.5), (".5", 0.5), ("5.", 5.0), ("+1e3", 1e3), ("1E-3", 1e-3)):
+        monkeypatch.setenv("LATQ_X", ok)
+        assert env.number("LATQ_X", 1.0, minimum=0.0, maximum=1e9) == want
+
+
+def test_the_cache_must_be_a_directory(monkeypatch, capsys, tmp_path):
+    """LATQ_CACHE=/dev/null (or any file) is refused naming the variable, before any work."""
+    monkeypatch.setenv("LATQ_CACHE", "/dev/null")
+    assert inspect.inspect_main([str(tmp_path / "no-such-checkpoint")]) == 2
+    assert capsys.readouterr().err == ("latq-inspect: error: environment variable LATQ_CACHE='/dev/null': expected a "
+                                       "directory (this exists and is not one), or unset\n")
+    from vllm_latq.data.paths import cache_dir
+    with pytest.raises(env.EnvError, match="LATQ_CACHE"):
+        cache_dir()
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "new"))   # a directory to be: created where used
+    assert cache_dir() == tmp_path / "new" and (tmp_path / "new").is_dir()
+
+
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_every_variable_is_refused_by_name_before_any_work(monkeypatch, capsys, name, tmp_path):
     value, accepted = BAD[name]

@@ -89,6 +89,24 @@ def test_config_refusals(change, says):
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize("qc, says", [
+    (_qc(rotation=None), "quantization_config.rotation is missing: the codebook kind (method e8) is written only "
+                         "with a rotation"),
+    (_qc(format_version=3.0), "quantization_config.format_version must be an integer, got 3.0"),
+    ({**fmt.quantization_config("gptq", bits=4, group_size=64, order="act", damp=0.01), "format_version": 3},
+     "quantization_config.format_version 3 marks the codebook kind (method e8), not gptq"),
+    ({**fmt.quantization_config("gptq", bits=4, group_size=64, order="act", damp=0.01), "format_version": 2},
+     "quantization_config.format_version 2 marks a rotated checkpoint, but it has no rotation"),
+])
+def test_each_version_means_what_it_marks(qc, says):
+    """The format's versions name what they mark (3: the codebook kind, always rotated; 2: rotated),
+    and are JSON integers: any other combination is refused by the one parser every reader runs."""
+    qc = {k: v for k, v in qc.items() if v is not None or k != "rotation"}
+    with pytest.raises(FormatError) as e:
+        fmt.parse_quantization_config(qc)
+    assert says in str(e.value)
+
+
 def test_a_version_2_reader_refuses_it_by_its_version(monkeypatch):
     monkeypatch.setattr(spec_module, "FORMAT_VERSIONS", (1, 2))
     with pytest.raises(FormatError, match="unsupported latq format_version 3: this reader knows versions 1, 2"):

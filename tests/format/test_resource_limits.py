@@ -213,3 +213,25 @@ def test_export_under_a_file_size_limit_names_the_shard(tiny_checkpoints, tmp_pa
     assert re.match(rf"latq-export: error: the file is too large while writing {re.escape(str(out))}"
                     r"\.tmp-latq-export/\S+ \(the file-size limit, ulimit -f, is 256\.00 KiB\)$", p.stderr), p.stderr
     assert sorted(q.name for q in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "evaluate"])
+def test_an_open_file_limit_is_one_line_naming_it(tiny_checkpoints, command):
+    """``ulimit -n 16`` for real: the first open past it (an import, a shard) is one line naming the
+    limit, not an OSError traceback nor "transformers rejects the config"."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (16, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    p = subprocess.run([sys.executable, "-m", f"vllm_latq.commands.{command}", str(tiny_checkpoints["ssqr"][0])],
+                       preexec_fn=limit, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    prog = {"inspect": "latq-inspect", "evaluate": "latq-eval"}[command]
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
+    assert re.match(rf"{prog}: error: too many open files while \S+ .*\(the open-file limit, ulimit -n, is 16\)$",
+                    p.stderr), p.stderr
+
+
+def test_out_of_descriptors_is_a_resource_limit_naming_it():
+    e = errors.resource_limit(OSError(errno.EMFILE, "Too many open files"), "reading x")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert str(e) == f"too many open files while reading x (the open-file limit, ulimit -n, is {soft})"
+    assert errors.resource_limit(OSError(errno.ENOENT, "No such file"), "reading x") is None

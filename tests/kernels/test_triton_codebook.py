@@ -84,7 +84,7 @@ def test_served_bytes_are_codebook_bytes(bits, group, coded):
     assert served == TritonCodebookKernel.codebook_bytes(N, K, bits, w.group_size, 4 if coded else None)
     assert served["codes"] == 48 * (K // 8) * cb.CODEBOOKS[bits].index_bytes
     assert TritonCodebookKernel.shared_tensors(st)["codebook"] is TritonCodebookKernel.prepare(w).table
-    with pytest.raises(ValueError, match="group 24"):
+    with pytest.raises(ValueError, match="group size 24 is not a multiple of 16"):
         TritonCodebookKernel.codebook_bytes(N, K, bits, 24)
 
 
@@ -189,3 +189,15 @@ def test_served_report_counts_codebook_layers_by_this_kernel():
     row = layer_served({"codes": w.codes, "scales": w.scales}, "codebook", (N, K), 3, 64, fams)["triton"]
     assert row["kernel"] == "triton-e8"
     assert row["bytes"] == sum(TritonCodebookKernel.codebook_bytes(N, K, 3, 64).values())
+
+
+def test_served_report_names_the_refusal_of_a_group_the_format_allows():
+    """Group 24 (any multiple of 8 is a valid codebook group): triton-e8 takes groups of 16s, so the
+    report serves the layer by the bf16 fallback and says why instead of raising."""
+    from vllm_latq.kernels import selector
+    from vllm_latq.kernels.served_report import layer_served
+    w = make_weight(3, group=24)
+    fams = [k for k in selector.families() if k.name == "triton"]
+    row = layer_served({"codes": w.codes, "scales": w.scales}, "codebook", (N, K), 3, 24, fams)["triton"]
+    assert row["kernel"] == "bf16"
+    assert row["why"] == "not served by triton-e8: group size 24 is not a multiple of 16"

@@ -84,6 +84,41 @@ def test_latq_inspect_prints_its_served_bits(e8_checkpoint, capsys):
             assert f"(3b {member.name})" in out
 
 
+def test_latq_inspect_reports_a_group_triton_e8_refuses_by_name(tiny_llama, tmp_path, capsys):
+    """Group 24 is a codebook group the format allows (a multiple of 8), not one triton-e8 lays out
+    (groups of 16s): inspect says so per kernel instead of ending in the cost model's error."""
+    d, _ = _quantize(tiny_llama, tmp_path / "g24", bits=2, group_size=24)
+    assert inspect_main([str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "not served by triton-e8: group size 24 is not a multiple of 16" in out, out
+    assert "OK: " in out
+
+
+def test_its_rotation_removed_and_resealed_is_refused_by_every_reader(e8_checkpoint, tmp_path, capsys):
+    """The codebook kind is written only with a rotation (its codes quantize W·R): a checkpoint whose
+    ``rotation`` was removed and the manifest written again would be served unrotated (garbage).
+    inspect, eval, export and the serving check refuse it in one line naming the key."""
+    import shutil
+    from vllm_latq.commands import evaluate as evaluate_cmd, export
+    from vllm_latq.errors import FormatError
+    from vllm_latq.format.manifest import write_manifest
+    from vllm_latq.format.validate import verify_for_serving
+    d = tmp_path / "ck"
+    shutil.copytree(e8_checkpoint[0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]["rotation"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_manifest(d)
+    says = "quantization_config.rotation is missing: the codebook kind (method e8) is written only with a rotation"
+    assert inspect_main([str(d), "--no-served"]) == 2
+    assert evaluate_cmd.main([str(d), "--nwindows", "1", "--seqlen", "16", "--no-progress"]) == 2
+    assert export.main([str(d), str(tmp_path / "ex"), "--dequantize-unmapped"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(says) == 3 and len(err.strip().splitlines()) == 3, err
+    with pytest.raises(FormatError, match="rotation is missing"):
+        verify_for_serving(d)
+
+
 def test_latq_eval_reads_it_as_the_solved_model(e8_checkpoint, tiny_llama):
     """latq-eval's perplexity of the checkpoint is the source model's with every linear replaced by
     the solver's served weight."""

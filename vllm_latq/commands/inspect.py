@@ -48,9 +48,13 @@ def inspect_main(argv=None) -> int:
         # the kernels' cost models: imported only when asked for, so validating needs no kernels
         from ..kernels.served_report import checkpoint_served
         try:
-            report["totals"]["served_bits_per_weight"] = checkpoint_served(ck, report["layers"])
+            with limits(f"computing the served bits of {a.checkpoint}"):
+                report["totals"]["served_bits_per_weight"] = checkpoint_served(ck, report["layers"])
         except FormatError as e:
             print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
+            return 2
+        except ResourceLimit as e:
+            print(f"latq-inspect: error: {e}", file=sys.stderr)
             return 2
     if a.json:
         out = {k: v for k, v in report.items() if k != "spec"}

@@ -11,7 +11,7 @@ CACHE_ENV = "LATQ_CACHE"
 
 def cache_dir() -> Path:
     """Root of the vllm_latq cache: ``$LATQ_CACHE`` or ``~/.cache/vllm_latq`` (created)."""
-    root = Path(env.path(CACHE_ENV) or Path.home() / ".cache" / "vllm_latq")
+    root = Path(env.directory(CACHE_ENV) or Path.home() / ".cache" / "vllm_latq")
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -142,6 +142,8 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         raise FormatError(f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected "
                           f"{QUANT_METHOD!r}", file=file)
     version = qc.get("format_version")
+    if isinstance(version, float):   # 3.0 == 3 in Python: the format's integers are JSON integers
+        raise FormatError(f"quantization_config.format_version must be an integer, got {version!r}", file=file)
     if version not in FORMAT_VERSIONS or isinstance(version, bool):
         raise FormatError(f"unsupported latq format_version {version!r}: this reader knows versions "
                           f"{', '.join(map(str, FORMAT_VERSIONS))} (upgrade vllm-latq to read newer checkpoints)",
@@ -196,11 +198,27 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
     if rotation is not None and version < ROTATION_VERSION:
         raise FormatError(f"quantization_config.rotation needs format_version {ROTATION_VERSION}, got {version}",
                           file=file)
+    _check_version_meaning(version, method, kind, rotation, file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
              "order", "damp", "modules_not_converted", "layer_bits", "column_scales", "scale_bits", "rotation"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
                      {k: v for k, v in qc.items() if k not in known}, tuple(sorted(lb.items())), fold, power,
                      scale_bits, rotation)
+
+
+def _check_version_meaning(version: int, method: str, kind: str, rotation, file) -> None:
+    """Each version names what it marks (docs/FORMAT.md, "Versioning"): 3 exactly the codebook
+    kind, always rotated (its codes quantize W·R: served unrotated they are garbage), 2 exactly a
+    rotated checkpoint of the other kinds."""
+    if kind == "codebook" and rotation is None:
+        raise FormatError(f"quantization_config.rotation is missing: the codebook kind (method {method}) is "
+                          "written only with a rotation", file=file)
+    if kind != "codebook" and version == CODEBOOK_VERSION:
+        raise FormatError(f"quantization_config.format_version {version} marks the codebook kind (method e8), "
+                          f"not {method}", file=file)
+    if kind != "codebook" and version == ROTATION_VERSION and rotation is None:
+        raise FormatError(f"quantization_config.format_version {version} marks a rotated checkpoint, but it has "
+                          "no rotation", file=file)
 
 
 def _bits_and_group(qc: dict, kind: str, file) -> tuple[int, int]:

@@ -288,7 +288,19 @@ def format_report(report: dict) -> str:
             + f" bits/weight vs stored {t['bits_per_weight']:.4f}, "
             + ("the output head included" if any(r["name"].split(".")[-1] == "lm_head" for r in report["layers"])
                else "the output head in the model dtype not counted"))
+    lines += _refusals(report["layers"], fams)
     return "\n".join(lines)
+
+
+def _refusals(rows: list[dict], fams: list[str]) -> list[str]:
+    """One line per kernel refusal the served columns hide behind "bf16": which kernel, why, how many layers."""
+    seen: dict[str, int] = {}
+    for r in rows:
+        for fam in fams:
+            why = r["served"][fam].get("why")
+            if why:
+                seen[f"{fam}: {why}"] = seen.get(f"{fam}: {why}", 0) + 1
+    return [f"{what} ({n} layers, served by the bf16 fallback)" for what, n in seen.items()]
 
 
 def _served_cell(s: dict) -> str:

@@ -44,19 +44,26 @@ def _served(bits: int, kernel: str, parts: dict[str, int], weights: int) -> dict
     return {"bits": bits, "kernel": kernel, "bytes": total, "parts": parts, "bits_per_weight": 8 * total / weights}
 
 
-def _fallback(bits: int, weights: int) -> dict:
-    """The bf16 dequantize-once kernel's record (it folds a rotation into its weights)."""
-    return _served(bits, "bf16", {"weights": FALLBACK_BYTES * weights}, weights)
+def _fallback(bits: int, weights: int, why: str | None = None) -> dict:
+    """The bf16 dequantize-once kernel's record (it folds a rotation into its weights); ``why``: the
+    kernel that refused the layer and its reason, which the report prints."""
+    return {**_served(bits, "bf16", {"weights": FALLBACK_BYTES * weights}, weights), **({"why": why} if why else {})}
 
 
 def _codebook_served(t, n: int, k: int, bits: int, group: int, fams) -> dict[str, dict]:
-    """A codebook layer in each family: its kernel for the form's ``codebook_bytes``, or the bf16 fallback."""
+    """A codebook layer in each family: its kernel for the form's ``codebook_bytes``, or the bf16
+    fallback (where the family has none, or its kernel refuses any layout the format allows)."""
     scale_bits = fmt.scale_codes.from_tensors(t, n).bits if fmt.has_coded_scales(t) else None
     out = {}
     for fam in fams:
         member = family_member(family_name(fam), CodebookWeight)
-        out[fam.name] = _fallback(bits, n * k) if member is None else _served(
-            bits, member.name, member.codebook_bytes(n, k, bits, group, scale_bits), n * k)
+        if member is None:
+            out[fam.name] = _fallback(bits, n * k)
+            continue
+        try:
+            out[fam.name] = _served(bits, member.name, member.codebook_bytes(n, k, bits, group, scale_bits), n * k)
+        except ValueError as e:
+            out[fam.name] = _fallback(bits, n * k, f"not served by {member.name}: {e}")
     return out
 
 

@@ -81,7 +81,12 @@ __attribute__((optimize("fp-contract=off"))) void group_errors(const float* w, i
 at::Tensor mse_scales(const at::Tensor& W, int64_t bits, int64_t group_size, int64_t coarse, int64_t fine,
                       double min_shrink) {
   TORCH_CHECK(W.scalar_type() == at::kFloat && W.is_contiguous() && W.dim() == 2, "W: contiguous fp32 [r, c]");
-  TORCH_CHECK(2 <= bits && bits <= 8 && group_size > 0 && coarse >= 2 && fine >= 0, "mse_scales: bad arguments");
+  TORCH_CHECK(W.device().is_cpu(), "mse_scales: W must be on the CPU");
+  // coarse and fine size the candidate buffers: bounded so a typo is an error, not an allocation
+  TORCH_CHECK(2 <= bits && bits <= 8 && group_size > 0 && 2 <= coarse && coarse <= 4096 && 0 <= fine && fine <= 4096,
+              "mse_scales: bits ", bits, " (2..8), group_size ", group_size, " (> 0), coarse ", coarse,
+              " (2..4096), fine ", fine, " (0..4096)");
+  TORCH_CHECK(std::isfinite(min_shrink), "mse_scales: min_shrink ", min_shrink, " must be finite");
   const int64_t r = W.size(0), c = W.size(1), G = (c + group_size - 1) / group_size;
   const float qmin = -static_cast<float>(1 << (bits - 1)), qmax = static_cast<float>((1 << (bits - 1)) - 1);
   // the factors as torch sees them: Python doubles rounded to fp32

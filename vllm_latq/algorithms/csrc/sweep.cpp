@@ -79,6 +79,50 @@ Rounder make_rounder(const at::Tensor& S, const at::Tensor& gidx, const at::Tens
                  has_o ? Ot->data_ptr<bool>() : nullptr, has_r ? Rt->data_ptr<float>() : nullptr, Zt.size(1)};
 }
 
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+void expect(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(),
+              "back_substitution_subblock: ", name, " must be a contiguous CPU ", c10::toString(dtype),
+              " tensor of shape ", shape, ", got ", t.device(), " ", t.scalar_type(), " ", t.sizes(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// every tensor against X [c, r] and the rows [j0 + k1, j0 + k2) this call reads, whose table
+// indices (gidx, rows) are checked too: O(sub-block) per call, the loop below trusts them
+void check_subblock(const at::Tensor& X, const at::Tensor& B, const at::Tensor& M, const at::Tensor& S,
+                    const at::Tensor& gidx, const at::Tensor& rows, const at::Tensor& Zt,
+                    const std::optional<at::Tensor>& Qt, const std::optional<at::Tensor>& Ot,
+                    const std::optional<at::Tensor>& Rt, int64_t j0, int64_t k1, int64_t k2, int64_t mode) {
+  constexpr const char* op = "back_substitution_subblock";
+  TORCH_CHECK(X.dim() == 2 && B.dim() == 2 && Zt.dim() == 2, op, ": X, B and Zt must be 2-D");
+  const int64_t c = X.size(0), r = X.size(1), nb = B.size(0), out_rows = Zt.size(0);
+  expect(X, "X", at::kFloat, {c, r});
+  expect(B, "B", at::kFloat, {nb, r});
+  expect(Zt, "Zt", at::kInt, {out_rows, r});
+  TORCH_CHECK(M.device().is_cpu() && M.scalar_type() == at::kFloat && M.dim() == 2 && M.size(0) == c &&
+              M.size(1) == c, op, ": M must be a CPU fp32 [", c, ", ", c, "] tensor, got ", M.scalar_type(), " ",
+              M.sizes());
+  TORCH_CHECK(S.dim() == 2 && S.size(0) >= 1 && (S.size(1) == r || S.size(1) == 1), op,
+              ": S must be [G, ", r, "] or [G, 1], got ", S.sizes());
+  expect(S, "S", at::kFloat, {S.size(0), S.size(1)});
+  expect(gidx, "gidx", at::kLong, {c});
+  expect(rows, "rows", at::kLong, {c});
+  if (given(Qt)) expect(*Qt, "Qt", at::kFloat, {out_rows, r});
+  if (given(Ot)) expect(*Ot, "Ot", at::kBool, {out_rows, r});
+  if (given(Rt)) expect(*Rt, "Rt", at::kFloat, {out_rows, r});
+  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0, 1 or 2, got ", mode);
+  TORCH_CHECK(0 <= k1 && k1 <= k2 && k2 <= nb && j0 >= 0 && j0 <= c - k2, op, ": rows j0 + [k1, k2) = ", j0,
+              " + [", k1, ", ", k2, ") must lie in X's ", c, " rows and B's ", nb);
+  const int64_t* g = gidx.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  for (int64_t j = j0 + k1; j < j0 + k2; ++j) {
+    TORCH_CHECK(g[j] >= 0 && g[j] < S.size(0), op, ": gidx[", j, "] = ", g[j], " is not a row of S's ", S.size(0));
+    TORCH_CHECK(rw[j] >= 0 && rw[j] < out_rows, op, ": rows[", j, "] = ", rw[j], " is not a row of the tables' ",
+                out_rows);
+  }
+}
+
 // Rows j0+k2-1 down to j0+k1 of the back-substitution both solvers are: ω = X[j] − Σ_t M[j, j0+t] B[t]
 // over the sub-block's later rows, round, then B[k] = q (Babai) or, given Qt, q → Qt and B[k] = ω − q
 // (GPTQ, propagating errors).
@@ -87,9 +131,8 @@ void back_substitution_subblock(const at::Tensor& X, const at::Tensor& B, const 
                                 const std::optional<at::Tensor>& Qt, const std::optional<at::Tensor>& Ot,
                                 const std::optional<at::Tensor>& Rt, int64_t j0, int64_t k1, int64_t k2, int64_t mode,
                                 double qmin, double qmax) {
-  TORCH_CHECK(X.is_contiguous() && B.is_contiguous(), "back_substitution_subblock: contiguous rows");
+  check_subblock(X, B, M, S, gidx, rows, Zt, Qt, Ot, Rt, j0, k1, k2, mode);
   const bool errors = Qt.has_value() && Qt->defined();
-  TORCH_CHECK(!errors || Qt->is_contiguous(), "back_substitution_subblock: contiguous Qt");
   const Rounder rnd = make_rounder(S, gidx, rows, Zt, errors ? Qt->data_ptr<float>() : nullptr, Ot, Rt, mode, qmin, qmax);
   const int64_t r = X.size(1);
   const float* Xp = X.data_ptr<float>();
@@ -122,10 +165,17 @@ void back_substitution_subblock(const at::Tensor& X, const at::Tensor& B, const 
 // (H + λI)[perm][:, perm] in `dtype` (fp32/fp64) in one pass over the fp64 Hessian: row perm[i] is read
 // whole and gathered in cache
 at::Tensor permuted_damped(const at::Tensor& H_, const at::Tensor& perm_, double lam, at::ScalarType dtype) {
-  TORCH_CHECK(H_.dim() == 2 && H_.size(0) == H_.size(1), "permuted_damped: square H");
+  TORCH_CHECK(H_.device().is_cpu() && H_.dim() == 2 && H_.size(0) == H_.size(1) && at::isFloatingType(H_.scalar_type()),
+              "permuted_damped: H must be a square floating-point CPU matrix, got ", H_.scalar_type(), " ", H_.sizes());
+  TORCH_CHECK(perm_.device().is_cpu() && perm_.dim() == 1 && at::isIntegralType(perm_.scalar_type(), false),
+              "permuted_damped: perm must be a 1-D integer CPU tensor, got ", perm_.scalar_type(), " ", perm_.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "permuted_damped: dtype must be fp32 or fp64, got ", dtype);
   const at::Tensor H = H_.to(at::kDouble).contiguous(), perm = perm_.to(at::kLong).contiguous();
   const int64_t c = H.size(0);
   TORCH_CHECK(perm.numel() == c, "permuted_damped: perm of length ", c);
+  const int64_t* pp = perm.data_ptr<int64_t>();   // O(c) against the O(c²) gather it guards
+  for (int64_t i = 0; i < c; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < c, "permuted_damped: perm[", i, "] = ", pp[i], " is not in [0, ", c, ")");
   at::Tensor out = at::empty({c, c}, H.options().dtype(dtype));
   const double* h = H.data_ptr<double>();
   const int64_t* p = perm.data_ptr<int64_t>();

@@ -246,9 +246,13 @@ class TritonCodebookKernel(LatqKernel):
     def codebook_bytes(cls, n, k, bits, group, scale_bits=None):
         """:meth:`served_bytes` of ``prepare``'s state but the shared table (a model streams it once)."""
         ng = math.ceil(k / group) if group else 1
-        if bits not in BITS or k % cb.DIM or (ng > 1 and group % 16):
-            raise ValueError(f"{bits}-bit codes, {k} columns, group {group} (kernels: {BITS} bits, whole blocks, "
-                             "groups of 16s)")
+        # the same refusals as can_implement, in its words: the report prints them as the reason
+        if bits not in BITS:
+            raise ValueError(f"{bits}-bit codes (kernels exist for {', '.join(map(str, BITS))})")
+        if k % cb.DIM:
+            raise ValueError(f"{k} columns are not whole blocks of {cb.DIM}")
+        if ng > 1 and group % 16:
+            raise ValueError(f"group size {group} is not a multiple of 16")
         if scale_bits not in (None, *scale_codes.CODE_BITS):
             raise ValueError(f"{scale_bits}-bit scale codes (kernels: {scale_codes.CODE_BITS})")
         n_pad = tlay.cdiv(n, tlay.ROWS) * tlay.ROWS

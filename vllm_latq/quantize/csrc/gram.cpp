@@ -17,6 +17,7 @@
 #include <torch/library.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 
 namespace {
@@ -44,9 +45,11 @@ Bf16Gemm gemm() {
 bool has_bf16_gemm() { return gemm() != nullptr; }
 
 void check_operand(const at::Tensor& t, const char* op, const char* what, int64_t dim, at::ScalarType dtype) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == dim && t.scalar_type() == dtype && t.stride(-1) == 1,
+  // rows must not overlap (an expanded tensor's stride 0): the loops and MKL step whole rows
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == dim && t.scalar_type() == dtype && t.stride(-1) == 1 &&
+                  (dim < 2 || t.size(0) <= 1 || t.stride(0) >= std::max<int64_t>(t.size(1), 1)),
               op, ": ", what, " must be a CPU ", dim, "-d ", c10::toString(dtype),
-              " tensor with a contiguous last dimension, got ", t.scalar_type(), " ", t.sizes(),
+              " tensor with a contiguous last dimension and rows apart, got ", t.scalar_type(), " ", t.sizes(),
               " strides ", t.strides());
 }
 
@@ -106,7 +109,11 @@ void bf16_tn_add(const at::Tensor& a, const at::Tensor& b, at::Tensor hi, at::Te
               a.sizes(), ", b ", b.sizes(), ", hi ", hi.sizes(), " do not make hi += aᵀb");
   TORCH_CHECK(n < INT32_MAX && p < INT32_MAX && q < INT32_MAX && a.stride(0) < INT32_MAX &&
                   b.stride(0) < INT32_MAX, "bf16_tn_add: sizes beyond MKL's 32-bit integers");
+  TORCH_CHECK(a.stride(0) >= std::max<int64_t>(p, 1) && b.stride(0) >= std::max<int64_t>(q, 1),
+              "bf16_tn_add: a's and b's row strides must be at least their widths (MKL's leading dimensions)");
   at::Tensor prod = at::empty({p, q}, at::kFloat);
+  check_pair("bf16_tn_add", prod, hi, lo, inexact);
+  if (n == 0 || p == 0 || q == 0) return;   // nothing to add; MKL refuses leading dimensions of 0
   gemm()(kRowMajor, kTrans, kNoTrans, int(p), int(q), int(n), 1.0f,
          reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), int(a.stride(0)),
          reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()), int(b.stride(0)), 0.0f,

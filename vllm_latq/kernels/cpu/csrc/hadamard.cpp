@@ -280,6 +280,8 @@ namespace {
 
 // y ← x·R; x contiguous, y of x's shape and dtype, contiguous
 void rotate_into(const at::Tensor& x, const at::Tensor& signs, at::Tensor& y) {
+  TORCH_CHECK(x.device().is_cpu() && signs.device().is_cpu() && x.dim() >= 1,
+              "latq_cpu::hadamard: x (at least 1-D) and signs must be on the CPU");
   TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.dim() == 1 && signs.is_contiguous(),
               "latq_cpu::hadamard: signs must be fp32 [b], contiguous");
   const int64_t b = signs.numel(), n = x.size(-1);

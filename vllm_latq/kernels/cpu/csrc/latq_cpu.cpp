@@ -684,8 +684,8 @@ bool on() { return g_isa.load() > 0 && (!g_env_off || op_layout_ok()); }
 
 // whether gemv() takes this call (the GEMV's layout, supported shapes)
 bool usable(const at::Tensor& packed, const at::Tensor& scales, int64_t K, int64_t group_size) {
-  if (!on()) return false;
-  const int64_t N = packed.size(0);
+  if (!on() || packed.dim() != 2 || group_size < 4 || group_size % 4 != 0 || K % group_size != 0) return false;
+  const int64_t N = packed.size(0);   // group_size checked first: it divides below
   const bool scales_ok = is_coded(scales) ? scales.dim() == 3 && scales.size(2) == 3 && N % 16 == 0 &&
                                                 scales.numel() == K / group_size * (N / 16) * 3
                                           : scales.scalar_type() == at::kBFloat16 &&
@@ -991,14 +991,18 @@ at::Tensor int4_op(const at::Tensor& xb, const at::Tensor& packed, const at::Ten
 }
 
 at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
-              "latq_cpu::gemv: x must be bf16 [M, K], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
+              "latq_cpu::gemv: x must be bf16 [M, K] on the CPU, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), "latq_cpu::gemv: packed and scales must be on the CPU");
   TORCH_CHECK(gemv::usable(packed, scales, x.size(1), group_size),
               "latq_cpu::gemv: not available for this build/layout/shape");
   return gemv::run(x, packed, scales, group_size, 1);
 }
 
-void set_gemv_max_m(int64_t m) { gemv::g_max_m.store(m); }
+void set_gemv_max_m(int64_t m) {
+  TORCH_CHECK(m >= 0, "latq_cpu::set_gemv_max_m: m must be >= 0, got ", m);
+  gemv::g_max_m.store(m);
+}
 void set_prefetch_l2(bool on) { gemv::g_prefetch_l2.store(on); }
 // the M up to which small_linear takes the GEMV (0: off or not here; every M where torch's op
 // cannot read the GEMV's layout, whatever set_gemv_max_m says)
@@ -1035,6 +1039,82 @@ void set_gemv_isa(const std::string& name) {
   gemv::g_isa.store(isa);
 }
 
+// ---- argument checks: one TORCH_CHECK (a Python RuntimeError) for every call the loops below
+// could not compute; O(1) or O(rows) per call — index contents (CSR columns, tile columns) are
+// checked once at load (format.validate_layer, layouts.tiles_from_csr), O(outliers) per call
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+void expect(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(), op,
+              ": ", name, " must be a contiguous CPU ", c10::toString(dtype), " tensor of shape ", shape, ", got ",
+              t.device(), " ", t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+void check_small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
+                        const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& tile_off,
+                        const std::optional<at::Tensor>& tile_rows, const std::optional<at::Tensor>& tile_col,
+                        const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& row_scale,
+                        const std::optional<at::Tensor>& bias, int64_t group_size, int64_t planes) {
+  constexpr const char* op = "latq_cpu::small_linear";
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, op, ": x must be a 2-D CPU tensor, got ", x.device(), " ", x.sizes());
+  TORCH_CHECK(planes == 1 || planes == 2, op, ": planes must be 1 or 2, got ", planes);
+  TORCH_CHECK(packed.dim() == 2, op, ": packed must be 2-D [N, K·planes/2], got ", packed.sizes());
+  const int64_t K = x.size(1), N = packed.size(0), Kp = K * planes;
+  TORCH_CHECK(K > 0 && N > 0 && N % 16 == 0, op, ": the layer must have K > 0 columns and N > 0 rows, N a multiple "
+              "of 16, got K ", K, ", N ", N);
+  expect(packed, op, "packed", at::kByte, {N, Kp / 2});
+  TORCH_CHECK(Kp % 2 == 0, op, ": K·planes (", Kp, ") must be even");
+  TORCH_CHECK(group_size > 0 && Kp % group_size == 0, op, ": group_size ", group_size,
+              " must be positive and divide K·planes = ", Kp);
+  const int64_t G = Kp / group_size;
+  if (gemv::is_coded(scales)) {
+    TORCH_CHECK(planes == 1, op, ": coded scales on a ", planes, "-plane layer");
+    expect(scales, op, "coded scales", at::kInt, {G, N / 16, 3});
+  } else if (scales.dim() == 3) {
+    expect(scales, op, "scales (s, z pairs)", at::kBFloat16, {G, N, 2});
+  } else {
+    expect(scales, op, "scales", at::kBFloat16, {G, N});
+  }
+  const bool csr = given(crow) || given(col) || given(val);
+  if (csr) {
+    TORCH_CHECK(given(crow) && given(col) && given(val), op, ": crow, col and val come together");
+    expect(*crow, op, "crow", at::kInt, {N + 1});
+    const int64_t nnz = col->numel();
+    expect(*col, op, "col", at::kInt, {nnz});
+    expect(*val, op, "val", at::kFloat, {nnz});
+    const int32_t* cp = crow->data_ptr<int32_t>();
+    TORCH_CHECK(cp[0] == 0 && cp[N] == nnz, op, ": crow must start at 0 and end at nnz = ", nnz);
+  }
+  const bool tiles = given(tile_off) || given(tile_rows) || given(tile_col) || given(tile_val);
+  if (tiles) {
+    TORCH_CHECK(given(tile_off) && given(tile_rows) && given(tile_col) && given(tile_val), op,
+                ": tile_off, tile_rows, tile_col and tile_val come together");
+    TORCH_CHECK(K <= 32767, op, ": tile columns are int16, K ", K, " is too wide for tiles");
+    const int64_t T = (N + 15) / 16, S = tile_col->dim() == 2 ? tile_col->size(0) : -1;
+    expect(*tile_off, op, "tile_off", at::kInt, {T + 1});
+    expect(*tile_rows, op, "tile_rows", at::kInt, {T, 16});
+    TORCH_CHECK(S >= 0, op, ": tile_col must be [S, 16], got ", tile_col->sizes());
+    expect(*tile_col, op, "tile_col", at::kShort, {S, 16});
+    expect(*tile_val, op, "tile_val", tile_val->scalar_type(), {S, 16});
+    const int32_t* off = tile_off->data_ptr<int32_t>();
+    const int32_t* rows = tile_rows->data_ptr<int32_t>();
+    TORCH_CHECK(off[0] == 0 && off[T] == S, op, ": tile_off must start at 0 and end at S = ", S);
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(off[t] <= off[t + 1], op, ": tile_off is not monotone at tile ", t);
+    for (int64_t i = 0; i < T * 16; ++i)   // a lane's row within its 64-row block; 64..79: no row
+      TORCH_CHECK(rows[i] >= 0 && rows[i] < 80, op, ": tile_rows[", i, "] = ", rows[i], " is not in [0, 80)");
+  } else {
+    TORCH_CHECK(!given(row_scale), op, ": row_scale without tiles");
+  }
+  if (given(row_scale)) expect(*row_scale, op, "row_scale", at::kFloat, {N});
+  if (given(bias)) {
+    const auto bt = bias->scalar_type();
+    TORCH_CHECK(bt == at::kBFloat16 || bt == at::kHalf || bt == at::kFloat, op, ": bias must be bf16/fp16/fp32, got ", bt);
+    TORCH_CHECK(bias->device().is_cpu() && bias->sizes() == at::IntArrayRef{N}, op, ": bias must be a CPU [", N,
+                "] tensor, got ", bias->device(), " ", bias->sizes());
+  }
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& crow, const std::optional<at::Tensor>& col,
                         const std::optional<at::Tensor>& val, const std::optional<at::Tensor>& tile_off,
@@ -1042,7 +1122,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
                         const std::optional<at::Tensor>& tile_val, const std::optional<at::Tensor>& row_scale,
                         const std::optional<at::Tensor>& bias,
                         int64_t group_size, int64_t planes) {
-  TORCH_CHECK(x.dim() == 2, "latq_cpu::small_linear: x must be 2-D, got ", x.sizes());
+  check_small_linear(x, packed, scales, crow, col, val, tile_off, tile_rows, tile_col, tile_val, row_scale, bias,
+                     group_size, planes);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kHalf,
               "latq_cpu::small_linear: activations must be bf16/fp16/fp32, got ", dtype);
@@ -1150,6 +1231,20 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return out;
 }
 
+// a CPUState's ints (out_features, in_features, group_size, planes, layout_block, layout_halves)
+// against x and the packed weights: K divides x's size below, and the large-M path (Python)
+// reads them as given; small_linear checks the tensors against each other
+void check_state(const char* op, const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef ints,
+                 int64_t out_features) {
+  const int64_t N = ints[0], K = ints[1];
+  TORCH_CHECK(N > 0 && K > 0 && out_features == N, op, ": out_features ", out_features, " and the state's sizes [",
+              N, ", ", K, "] must agree and be positive");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, op, ": x must end in the layer's ", K, " columns, got ", x.sizes());
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == N, op, ": packed must have the layer's ", N, " rows, got ",
+              packed.sizes());
+  TORCH_CHECK(ints[4] >= 0 && ints[5] >= 0, op, ": layout_block and layout_halves must be >= 0");
+}
+
 // x's shape with its last dimension out_features
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -1163,6 +1258,9 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
   // tile_col, tile_val, row_scale[, rotation signs]), ints = (out_features, in_features, group_size, planes,
   // layout_block, layout_halves)
   TORCH_CHECK((tensors.size() == 10 || tensors.size() == 11) && ints.size() == 6, "latq_cpu::linear: not a CPUState");
+  TORCH_CHECK(given(tensors.get(0)) && given(tensors.get(1)), "latq_cpu::linear: the state has no packed weights "
+              "or scales");
+  check_state("latq_cpu::linear", x, *tensors.get(0), ints, out_features);
   const std::optional<at::Tensor> signs = tensors.size() == 11 ? tensors.get(10) : std::nullopt;
   const bool rotated = signs.has_value() && signs->defined();
   const int64_t K = ints[1];
@@ -1193,6 +1291,7 @@ at::Tensor linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>
 at::Tensor lean_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::IntArrayRef ints,
                        int64_t out_features, const at::Tensor* signs) {
   TORCH_CHECK(ints.size() == 6, "latq_cpu::plain_linear: not a CPUState");
+  check_state("latq_cpu::plain_linear", x, packed, ints, out_features);
   const int64_t K = ints[1];
   const int64_t M = x.numel() / K;
   const std::optional<at::Tensor> none;
@@ -1220,8 +1319,14 @@ at::Tensor rotated_plain_linear(const at::Tensor& x, const at::Tensor& packed, c
   return lean_linear(x, packed, scales, ints, out_features, &signs);
 }
 
-void set_large_m(int64_t m) { g_large_m.store(m); }
-void set_loop_max(int64_t n) { g_loop_max.store(n); }
+void set_large_m(int64_t m) {
+  TORCH_CHECK(m >= 0, "latq_cpu::set_large_m: m must be >= 0, got ", m);
+  g_large_m.store(m);
+}
+void set_loop_max(int64_t n) {
+  TORCH_CHECK(n >= 0, "latq_cpu::set_loop_max: n must be >= 0, got ", n);
+  g_loop_max.store(n);
+}
 
 }  // namespace
 

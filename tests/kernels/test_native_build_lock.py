@@ -1,0 +1,99 @@
+"""No stale lock hangs a load of the C++ ops (``vllm_latq/native.py``): torch's build lock is a
+plain file that a builder killed mid-build leaves behind, and torch's loader then polls for it
+forever; latq's own lock (a flock, gone with its holder) lets the next load remove it, and a load
+that waits for a live builder says so at once. Each load runs in a child process under a timeout,
+so a hang fails the test."""
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_latq import native
+
+ROOT = Path(__file__).resolve().parents[2]
+LOAD = "from vllm_latq import native; import sys; why = native.load(); print(why); sys.exit(why is not None)"
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ ops unavailable: {native.load()}")
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+def _stderr_until(p: subprocess.Popen, text: str, seconds: float) -> str:
+    """The child's stderr up to the line holding ``text``, or all it wrote within ``seconds``."""
+    got, deadline = "", time.monotonic() + seconds
+    while text not in got and time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = p.stderr.readline()
+        if not line:
+            break
+        got += line
+    return got
+
+
+def test_a_stale_torch_lock_does_not_hang_a_load():
+    """A torch ``lock`` file left in the (built) library's folder, as a killed build leaves it: the
+    next load removes it, says so, and loads (the library is built: seconds, not a hang)."""
+    stale = Path(native.build_directory()) / native.TORCH_LOCK_FILE
+    fd = os.open(stale, os.O_CREAT | os.O_EXCL | os.O_WRONLY)   # fails if a build is running: not stale
+    os.close(fd)
+    try:
+        p = subprocess.run([sys.executable, "-c", LOAD], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=180)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"latq: removed {stale}, the build lock of a build that was killed" in p.stderr, p.stderr
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+def test_a_load_waiting_for_a_live_builder_says_so():
+    """While another process holds the build lock (a live build), a load waits for it and says so
+    on stderr at once, naming that process; it loads once the lock is released."""
+    folder = native.build_directory()
+    fd = os.open(os.path.join(folder, native.FLOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    p = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        said = _stderr_until(p, "latq: waiting", seconds=60)
+        assert f"latq: waiting for process {os.getpid()}, which is building the C++ ops in {folder}" in said, said
+        assert p.poll() is None
+    finally:
+        os.close(fd)   # the "builder" ends
+        out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, out + err
+
+
+@pytest.mark.slow
+def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(tmp_path):
+    """A real build in a fresh TORCH_EXTENSIONS_DIR, killed (its whole process group) once torch's
+    lock exists: the next load builds and loads the library (minutes: one full build)."""
+    env = _env(TORCH_EXTENSIONS_DIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(f"*/{native.TORCH_LOCK_FILE}")):
+        assert p.poll() is None and time.monotonic() < deadline, "the build never took torch's lock"
+        time.sleep(0.2)
+    time.sleep(5)   # into the compilers' work
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    assert list(tmp_path.glob(f"*/{native.TORCH_LOCK_FILE}")), "the killed build left no lock: nothing tested"
+    q = subprocess.run([sys.executable, "-c", LOAD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert q.returncode == 0, q.stdout + q.stderr
+    assert "the build lock of a build that was killed" in q.stderr, q.stderr
