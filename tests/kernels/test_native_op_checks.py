@@ -349,6 +349,13 @@ def codebook_cases() -> list[tuple[str, str, object]]:
         ("codebook_linear signs 3", RAISES, call(t=tensors[:3] + [torch.ones(3)])),
         ("codebook_linear codes not contiguous", RAISES,
          call(t=[codes.transpose(0, 1).contiguous().transpose(0, 1), scales, table])),
+        ("codebook_linear tile rows 32", RAISES, call(i=[bits, group, k, 32])),
+        ("codebook_linear tile rows 64, 32 rows", RAISES, call(i=[bits, group, k, 64])),
+        ("codebook_linear tile rows 64, row layout codes, 64 rows", RAISES,
+         call(t=[torch.cat([codes, codes]), torch.cat([scales, scales]), table], i=[bits, group, k, 64], out=2 * N)),
+        ("codebook_linear tiled codes, 64 rows", OK,
+         call(t=[torch.cat([codes, codes]).reshape(1, 64, k // 8, bits).permute(0, 2, 3, 1).contiguous(),
+                 torch.cat([scales, scales]), table], i=[bits, group, k, 64], out=2 * N)),
         ("codebook_linear set_codebook_large_m -1", RAISES, lambda: torch.ops.latq_cpu.set_codebook_large_m(-1)),
         ("codebook_linear set_codebook_isa bogus", RAISES, lambda: torch.ops.latq_cpu.set_codebook_isa("sse")),
     ]
@@ -417,6 +424,5 @@ def test_every_op_refuses_what_it_cannot_compute_with_an_exception():
     _check("ops", cases())
 
 
-@pytest.mark.xfail(reason="codebook.cpp checks: merged separately", strict=False)
 def test_codebook_linear_refuses_what_it_cannot_compute_with_an_exception():
     _check("codebook", codebook_cases())

@@ -54,3 +54,27 @@ def test_usage_block_names_real_commands_and_options():
         assert cmd[0] in (*scripts, "torchrun", "vllm"), line
         if cmd[0] == "latq-quantize" or "vllm_latq.quantize" in cmd:
             assert {w for w in cmd if w.startswith("--") and not w.startswith("--nproc")} <= options, line
+
+
+def test_python_example_names_real_functions_and_options():
+    """The README's Python block imports what exists and passes only options those functions take."""
+    import importlib
+    import inspect
+    from vllm_latq.quantize.options import QuantizeOptions
+    block = _section("Python").split("```python\n")[1].split("```")[0]
+    for mod, names in re.findall(r"^from ([\w.]+) import (.+)$", block, re.M):
+        m = importlib.import_module(mod)
+        assert all(hasattr(m, n.strip()) for n in names.split(",")), (mod, names)
+    fields = set(inspect.signature(QuantizeOptions).parameters)
+    for call in re.findall(r"QuantizeOptions\(([^)]*)\)", block):
+        assert {kw.split("=")[0].strip() for kw in call.split(",")} <= fields, call
+    from vllm_latq.commands.evaluate import evaluate
+    assert "ppl" in inspect.getsource(evaluate)
+
+
+def test_methods_table_lists_the_methods_latq_quantize_takes():
+    from vllm_latq.commands import quantize as cli
+    choices = next(a.choices for a in cli.parser()._actions if "--method" in a.option_strings)
+    listed = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)?", _section("Methods"), re.M))
+    listed = {m for pair in listed for m in pair if m}
+    assert listed == set(choices) - {"babai"}, (listed, choices)

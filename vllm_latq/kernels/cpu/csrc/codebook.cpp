@@ -621,8 +621,8 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   const std::optional<at::Tensor> signs = tensors.size() == 4 ? tensors.get(3) : std::nullopt;
   const bool rotated = signs.has_value() && signs->defined();
   if (rotated) {
-    TORCH_CHECK(signs->device().is_cpu() && signs->dim() == 1 && signs->size(0) == K, op,
-                "rotation signs must be a [in] tensor on the CPU, got ", signs->sizes());
+    TORCH_CHECK(signs->device().is_cpu() && signs->dim() == 1 && signs->numel() > 0 && K % signs->numel() == 0, op,
+                "rotation signs must be one block [b] (b dividing in_features) on the CPU, got ", signs->sizes());
   }
   const at::Tensor& xr = rotated ? latq_hadamard_scratch(x, *signs) : x;
   const int64_t M = x.numel() / K;
