@@ -22,12 +22,10 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @lru_cache(maxsize=None)
 def decode_table() -> torch.Tensor:
-    """fp32 ``[1024, 8]``, one per process, what the op decodes a code with (``decode_e8p``'s rule),
-    rows addressed by a code's bytes as they are: 0..255 E8P's patterns (byte 0), each with its parity
-    (Σ a mod 2) as the sign of its last coordinate; 256..511 the 256-point ball, halved (the 3-bit
-    stage's byte 2); then per sign byte h (byte 1) two rows, 512 + 2h its sign mask (−0.0 where a
-    lane's sign flips: bit j of h's low seven, the last lane by their parity), XOR'd onto a pattern so
-    the last sign is the parity of Σσa, and 513 + 2h its shift (+¼, or −¼ where bit 7 is set)."""
+    """fp32 ``[1024, 8]`` (one a process), ``decode_e8p``'s rule as rows a code's bytes address: 0..255
+    E8P's patterns (byte 0), each signed in its last lane by its parity; 256..511 the ball, halved
+    (byte 2 at 3 bits); per sign byte h (byte 1), row 512 + 2h its mask (−0.0 on each flipped lane, the
+    last by the parity of h's low seven bits) and 513 + 2h its shift (±¼ by bit 7)."""
     a = cb.e8p_patterns().clone()
     odd = torch.remainder(a.sum(-1), 2) != 0
     a[odd, -1] = -a[odd, -1]
@@ -40,17 +38,15 @@ def decode_table() -> torch.Tensor:
 
 
 def coded_scale_words(cs: scale_codes.CodedScales) -> torch.Tensor:
-    """Coded scales ``[N, G]`` → the op's int32 ``[ceil(N/16), G, 3]``: per 16 rows and group, fp16 min |
-    fp16 step << 16, then the 16 codes as the format packs them — the stored 6 bits a scale (the
-    integer GEMV's words, band-major: a row's band is one run)."""
+    """Coded scales ``[N, G]`` → the op's int32 ``[ceil(N/16), G, 3]``: the integer GEMV's words (the
+    stored 6 bits a scale), band-major."""
     pad = -cs.codes.shape[0] % scale_codes.ROWS
     codes = torch.nn.functional.pad(cs.codes, (0, 0, 0, pad))
     return layouts.coded_scale_words(scale_codes.CodedScales(codes, cs.min, cs.step, cs.bits)).transpose(0, 1).contiguous()
 
 
 def tile_codes(codes: torch.Tensor, rows: int) -> torch.Tensor:
-    """Codes ``[N, in/8, B]`` → the op's tiled layout ``[N/rows, in/8, B, rows]``: each block's code bytes
-    as planes of ``rows`` rows (the same bytes); ``rows`` 1 keeps the row layout."""
+    """Codes ``[N, in/8, B]`` → ``[N/rows, in/8, B, rows]``: a block's bytes as planes of ``rows`` rows."""
     if rows == 1:
         return codes.contiguous()
     n, nb, nbytes = codes.shape
