@@ -178,11 +178,7 @@ class SafetensorsFile:
         for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
             if b1 < e0:
                 raise self._err(f"data of tensors {k0} and {k1} overlap", k1)
-            if b1 > e0:   # the safetensors library refuses holes too: bytes no tensor owns are unsealed
-                raise self._err(f"{b1 - e0} bytes between the data of tensors {k0} and {k1} belong to no tensor", k1)
         covered = spans[-1][1] if spans else 0
-        if spans and spans[0][0] > 0:
-            raise self._err(f"{spans[0][0]} bytes before the first tensor's data belong to no tensor", spans[0][2])
         if covered != self.data_len:   # size must be 8 + header + data, as the safetensors library requires
             raise self._err(f"{self.data_len - covered} bytes after the tensors' data, which ends with this one's "
                             f"(the file is {size} bytes, 8 + {n} of header + {covered} of data)",
