@@ -289,8 +289,8 @@ def test_native_searches_are_the_torch_searches(dtype, scale):
         want = searches()
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for i, (w, g) in enumerate(zip(want, searches())):
-        differ = (w != g).any(1)
-        assert g.dtype == dtype and differ.sum() <= 2
+        differ = (w != g).any(1)   # the first 16 rows are exact ties: the sums' rounding picks either point
+        assert g.dtype == dtype and differ[16:].sum() <= 2
         if i < 4:   # one search: as near (a code's later stages start from the other point)
             M = D if i in (2, 3) else None
             assert torch.allclose(dist2(x[differ], g[differ], M), dist2(x[differ], w[differ], M), rtol=tol, atol=tol)

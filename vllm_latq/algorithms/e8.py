@@ -100,7 +100,7 @@ def nearest_e8p(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     in ``(p − x)ᵀD(p − x)`` by :func:`metric_descent`."""
     if _native(x):
         p = torch.ops.latq_cpu.e8p_nearest(x, e8p_patterns())
-        return p if D is None else e8p_descent(p, x, D)
+        return p if D is None else metric_descent(p, x, D, in_e8p)
     p = nearest_e8(x - 0.25) + 0.25
     out = ~in_e8p(p)
     if out.any():
@@ -109,13 +109,6 @@ def nearest_e8p(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
             r = rows[r0:r0 + FALLBACK_CHUNK]
             p[r] = _e8p_exhaustive(x[r])
     return p if D is None else metric_descent(p, x, D, in_e8p)
-
-
-def e8p_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-    """:func:`metric_descent` within E8P (its C++ op on CPU rows)."""
-    if _native(x):
-        return torch.ops.latq_cpu.e8p_metric_descent(p, x, D, e8_roots(), e8p_patterns(), 3, 8)
-    return metric_descent(p, x, D, in_e8p)
 
 
 @lru_cache(maxsize=None)
@@ -128,6 +121,8 @@ def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, ro
                    tries: int = 8) -> torch.Tensor:
     """Local search from codebook points ``p`` toward the nearest to ``x`` in the metric ``D``: moves to
     the best admitted neighbour p + r (r a root of E8) while one improves; never farther than ``p``."""
+    if member is in_e8p and _native(x):   # E8P's: the C++ op, a block at a time
+        return torch.ops.latq_cpu.e8p_metric_descent(p, x, D, e8_roots(), e8p_patterns(), rounds, tries)
     R = e8_roots().to(x.device, x.dtype)
     D = D.to(x.device, x.dtype)
     RD = (R @ D * R).sum(-1)                                       # rᵀDr
@@ -204,7 +199,7 @@ class Search:
     keeps_error: bool
 
 
-SEARCH = {cb.E8P: Search(nearest_e8p, e8p_descent, False),
+SEARCH = {cb.E8P: Search(nearest_e8p, lambda p, t, D: metric_descent(p, t, D, in_e8p), False),
           cb.BALL: Search(nearest_ball256, lambda p, t, D: nearest_ball256(t, D), True)}
 
 

@@ -10,6 +10,10 @@
 //     earlier pattern).
 //   latq_cpu::ball256_nearest(x [N, 8]) -> [N, 8]
 //     The 256-point ball's nearest point in closed form (e8.py::_nearest_ball_euclid).
+//   latq_cpu::e8_code_nearest(x [N, 8], patterns, kinds, gains) -> [N, 8]
+//     A code's point, its stages in turn (e8.py::VectorCode.nearest without a metric).
+//   latq_cpu::nearest_in_metric(x [N, 8], book [n, 8], D [8, 8]) -> [N, 8]
+//     The book's nearest point in D (e8.py::nearest_in): the 3-bit ball stage's search in block Babai.
 //   latq_cpu::e8p_metric_descent(p, x [N, 8], D [8, 8], roots [240, 8], patterns, rounds, tries) -> [N, 8]
 //     e8.py::metric_descent with E8P's membership: per row up to `rounds` moves to the best of the
 //     `tries` roots of least gain 2(p − x)ᵀDr + rᵀDr that is negative and stays in E8P.
@@ -478,11 +482,7 @@ at::Tensor e8p_metric_descent(const at::Tensor& p_, const at::Tensor& x_, const 
 
 }  // namespace
 
-#ifdef LATQ_E8_DEV
-TORCH_LIBRARY(e8dev, m) {
-#else
 TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
-#endif
   m.def("e8p_nearest(Tensor x, Tensor patterns) -> Tensor");
   m.def("ball256_nearest(Tensor x) -> Tensor");
   m.def("e8_code_nearest(Tensor x, Tensor patterns, int[] kinds, float[] gains) -> Tensor");
@@ -490,11 +490,7 @@ TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
   m.def("e8p_metric_descent(Tensor p, Tensor x, Tensor D, Tensor roots, Tensor patterns, int rounds, int tries) -> Tensor");
 }
 
-#ifdef LATQ_E8_DEV
-TORCH_LIBRARY_IMPL(e8dev, CPU, m) {
-#else
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) {
-#endif
   m.impl("e8p_nearest", &e8p_nearest);
   m.impl("ball256_nearest", &ball256_nearest);
   m.impl("e8_code_nearest", &e8_code_nearest);
