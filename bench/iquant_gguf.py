@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.latq_gguf import copy_fields
+
 QK_K = 256
 FALLBACK = "IQ4_NL"    # llama-quantize's type for an IQ2/IQ3 tensor whose rows are not whole 256-blocks
 # llama.cpp's tensor names of a decoder block's linears (GGUF names, ``blk.N.<name>.weight``)
@@ -170,15 +172,7 @@ def write_iquant_gguf(source: str | Path, out: str | Path, name: str, weights: d
     ref = gguf.GGUFReader(str(source))
     arch = bytes(ref.fields["general.architecture"].parts[-1]).decode()
     w = gguf.GGUFWriter(str(out), arch)
-    for field in ref.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == gguf.Keys.General.FILE_TYPE:
-            value = int(gguf.LlamaFileType[FILE_TYPES[name]])
-        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    copy_fields(ref, w, {gguf.Keys.General.FILE_TYPE: int(gguf.LlamaFileType[FILE_TYPES[name]])})
     linears = {}
     for t in ref.tensors:
         if is_linear(t.name):

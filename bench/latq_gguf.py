@@ -124,12 +124,7 @@ def write_gguf(ckpt: str | Path, reference: str | Path, out: str | Path) -> Path
             raise ValueError(f"{ckpt}: no llama.cpp tensor for {name}")
         tensors[gname] = _plain(ck.tensor(name))
     w = gguf.GGUFWriter(str(out), arch)
-    for field in ref.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    copy_fields(ref, w)
     for gname, (data, qtype) in tensors.items():
         w.add_tensor(f"{gname}.weight", data, raw_dtype=qtype)
     w.write_header_to_file()
@@ -156,3 +151,16 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def copy_fields(ref, w, replace: dict | None = None) -> None:
+    """The metadata of GGUFReader ``ref`` into GGUFWriter ``w`` (its architecture and the file's own
+    ``GGUF.*`` fields aside, which the writer sets), ``replace``'s values for the keys it names."""
+    import gguf
+    for field in ref.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = (replace or {}).get(field.name, None)
+        w.add_key_value(field.name, field.contents() if value is None else value, vtype, sub_type=sub)
