@@ -265,14 +265,17 @@ def test_opcheck_native_op():
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None
                     or shutil.which("objdump") is None, reason="an x86 g++ and objdump")
 def test_avx512_path_compiles(tmp_path):
-    """The AVX-512 path, compiled for an AVX-512 target on any x86 machine: it builds and holds
-    zmm code (an AVX2-only machine cannot run it; where one runs it, the tests above do)."""
+    """The AVX-512 paths, compiled for an AVX-512 VBMI + BF16 target on any x86 machine: they build, and
+    the tiles' path holds its zmm byte lookups and bf16 dots (an AVX2-only machine cannot run them;
+    where one runs them, the tests above do)."""
     from torch.utils.cpp_extension import include_paths
     src = next(s for s in native.SOURCES if s.name == "codebook.cpp")
     obj = tmp_path / "codebook.o"
-    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-fPIC", "-w", *[f"-I{p}" for p in include_paths()],
+    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-mavx512vbmi", "-mavx512bf16", "-fPIC", "-w",
+           *[f"-I{p}" for p in include_paths()],
            str(src), "-o", str(obj)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True)
-    assert "%zmm" in dis.stdout   # the two-blocks-a-register path (nothing else here targets AVX-512)
+    for insn in ("vpermi2b", "vpermw", "vdpbf16ps"):   # the tiles' path (nothing else here uses them)
+        assert insn in dis.stdout, insn
