@@ -59,12 +59,16 @@ def state_codes(state: "CodebookState") -> torch.Tensor:
     return c if c.dim() == 3 else c.permute(0, 3, 1, 2).reshape(-1, c.shape[1], c.shape[2])
 
 
+def state_rows(state: "CodebookState") -> int:
+    """The layer's output rows, in either layout (no copy of the codes)."""
+    return state.codes.shape[0] * state.tile_rows
+
+
 def state_scales(state: "CodebookState") -> torch.Tensor:
     """fp16 ``[out, G]``: the state's scales as the format decodes them (coded words decoded)."""
     if state.scales.dtype == torch.float16:
         return state.scales
-    n = state_codes(state).shape[0]
-    return layouts.decode_scale_words(state.scales.transpose(0, 1))[:, :n].T.half()
+    return layouts.decode_scale_words(state.scales.transpose(0, 1))[:, :state_rows(state)].T.half()
 
 
 @dataclass
@@ -131,7 +135,7 @@ class CPUCodebookKernel(LatqKernel):
 
     @classmethod
     def apply(cls, state: CodebookState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        N = state.codes.shape[0] * state.tile_rows
+        N = state_rows(state)
         if native.usable():
             return torch.ops.latq_cpu.codebook_linear(x, [state.codes, state.scales, state.table],
                                                       [state.bits, state.group_size, state.in_features, state.tile_rows],
