@@ -72,7 +72,10 @@ def _name() -> str:
     # -march=native code is only valid on this CPU: the build cache is keyed by it and the flags
     cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}"
     src = "".join(f.read_text() for f in SOURCES)
-    return "latq_cpu_" + hashlib.sha256((cpu + " ".join(cflags()) + src).encode()).hexdigest()[:12]
+    # the sources' folder too: two checkouts of the same sources would otherwise share a build folder,
+    # and each load from the other rebuilds it (its build.ninja names the other's paths)
+    where = str(SOURCES[0].resolve().parent)
+    return "latq_cpu_" + hashlib.sha256((cpu + " ".join(cflags()) + where + src).encode()).hexdigest()[:12]
 
 
 # torch's build lock is a plain file (cpp_extension's FileBaton: created, removed when the build

@@ -124,3 +124,19 @@ def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(tmp_path):
             q.wait()
     assert q.returncode == 0, out + err
     assert "the build lock of a build that was killed" in err, err
+
+
+def test_two_checkouts_of_the_same_sources_build_in_folders_of_their_own(tmp_path, monkeypatch):
+    """Sharing a folder, each checkout's load would rebuild the other's library (its build.ninja names
+    the other's paths) and hold the lock for the whole build."""
+    here = native._name()
+    copies = []
+    for f in native.SOURCES:
+        c = tmp_path / f.relative_to(ROOT / "vllm_latq")
+        c.parent.mkdir(parents=True, exist_ok=True)
+        c.write_text(f.read_text())
+        copies.append(c)
+    monkeypatch.setattr(native, "SOURCES", tuple(copies))
+    assert native._name() != here
+    monkeypatch.setattr(native, "SOURCES", tuple(copies))
+    assert native._name() == native._name()
