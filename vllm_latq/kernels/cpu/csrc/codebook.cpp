@@ -16,8 +16,9 @@
 // result is the reference's up to fp32 summation order.
 //
 // Small M: per output row, each block decoded once into 8 fp32 lanes, scaled and FMA'd into up to
-// 4 rows of x (AVX2 + FMA + F16C) or 8 (AVX-512VL: 32 registers), two FMA chains per row. Large M
-// (≥ set_codebook_large_m): tiles of rows decoded to fp32, then one GEMM per tile.
+// 4 rows of x (AVX2 + FMA + F16C) or 8 (AVX-512VL: 32 registers), two FMA chains per row; on AVX-512
+// VBMI + BF16 with bf16 x, 64-row tiles decoded across rows (below). Large M (≥ set_codebook_large_m):
+// tiles of rows decoded to fp32, then one GEMM per tile.
 //
 //   latq_cpu::codebook_linear(x [..., K] bf16/fp16/fp32, tensors = (codes uint8 [N, K/8, B],
 //       scales fp16 [N, G] or int32 [ceil(N/16), G, 3], table fp32 [1024, 8][, signs fp32 [K]]),
@@ -121,6 +122,23 @@ __attribute__((target("avx2,fma,f16c"))) void band_scales_avx2(const Layer& L, i
 }
 #endif
 
+#if LATQ_CB_AVX512
+// the same, a group's 16 scales in one register: codes c[j] & 15 then c[j] >> 4 (its bytes twice, shifted 0 or 4)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void band_scales_avx512(const Layer& L, int64_t t,
+                                                                                           float* s) {
+  constexpr int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0), lo4 = _mm512_set1_epi32(15);
+  const int32_t* w = L.coded + t * L.G * 3;
+  for (int64_t g = 0; g < L.G; ++g, w += 3) {
+    const __m512 mn = _mm512_set1_ps(_cvtsh_ss(static_cast<uint16_t>(w[0] & 0xFFFF)));
+    const __m512 st = _mm512_set1_ps(_cvtsh_ss(static_cast<uint16_t>(static_cast<uint32_t>(w[0]) >> 16)));
+    const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 1));
+    const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c8, c8)), shift), lo4);
+    _mm512_storeu_ps(s + g * kBand, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_fmadd_ps(_mm512_cvtepi32_ps(c), st, mn), rne)));
+  }
+}
+#endif
+
 // fp16 scales of band t in the same order (the tiles' path reads every layer's scales by bands)
 void band_scales_fp16(const Layer& L, int64_t t, float* s) {
   for (int j = 0; j < kBand; ++j) {
@@ -131,6 +149,9 @@ void band_scales_fp16(const Layer& L, int64_t t, float* s) {
 
 void band_scales(const Layer& L, int64_t t, float* s, int isa) {
   if (!L.coded) return band_scales_fp16(L, t, s);
+#if LATQ_CB_AVX512
+  if (isa == 2) return band_scales_avx512(L, t, s);
+#endif
 #if LATQ_CB_X86
   if (isa >= 1) return band_scales_avx2(L, t, s);
 #endif
@@ -379,7 +400,17 @@ LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m5
   q[7] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(kp[3], 4), ps, h3, 0x96), e);
 }
 
-// part[r] += each lane pair's bf16 weights (q planes through val) · x's pairs, 16 rows a quarter r
+// quarter r's bf16 weights of lanes 2j, 2j+1 (16 rows, a pair a row): the q planes interleaved into words
+// (vpermi2b, into the selector loaded afresh: with the intrinsic the compiler keeps the four selectors in
+// registers and copies one a lookup, since vpermi2b overwrites it), then q → bf16 (vpermw)
+LATQ_CB_TILE_TARGET inline __m512i pair_words(const TileTables& tt, __m512i q0, __m512i q1, int r, __m512i v) {
+  __m512i ix;
+  asm("vmovdqa64 %1, %0\n\tvpermi2b %3, %2, %0"
+      : "=&v"(ix) : "m"(*reinterpret_cast<const __m512i*>(tt.sel[r])), "v"(q0), "v"(q1));
+  return _mm512_permutexvar_epi16(ix, v);
+}
+
+// part[r] += each lane pair's bf16 weights · x's pairs, 16 rows a quarter r
 LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q[8], const uint16_t* val, const uint16_t* x,
                                            __m512 part[4]) {
   const __m512i v = _mm512_load_si512(val);
@@ -387,16 +418,31 @@ LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q
     int32_t xp;
     std::memcpy(&xp, x + 2 * j, 4);
     const __m512bh xj = (__m512bh)_mm512_set1_epi32(xp);
-    for (int r = 0; r < 4; ++r) {
-      // vpermi2b into the selector loaded afresh (with the intrinsic the compiler keeps the four
-      // selectors in registers and copies one a lookup, since vpermi2b overwrites it)
-      __m512i ix;
-      asm("vmovdqa64 %1, %0\n\tvpermi2b %3, %2, %0"
-          : "=&v"(ix) : "m"(*reinterpret_cast<const __m512i*>(tt.sel[r])), "v"(q[2 * j]), "v"(q[2 * j + 1]));
-      const __m512i w = _mm512_permutexvar_epi16(ix, v);
-      part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)w, xj);
+    for (int r = 0; r < 4; ++r) part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)pair_words(tt, q[2 * j], q[2 * j + 1], r, v), xj);
+  }
+}
+
+// the q planes of a block's E8P stage at p (and for 3 bits its ball's 2·ball added)
+template <int BITS>
+LATQ_CB_TILE_TARGET inline void block_planes(const TileTables& tt, const uint8_t* p, __m512i q[8]) {
+  e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : tt.e15, q);
+  if constexpr (BITS == 3) {
+    const __m512i bl = _mm512_loadu_si512(p + 2 * kTile), lo4 = _mm512_set1_epi8(15);
+    const __mmask64 hi = _mm512_movepi8_mask(bl);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i bp = lookup256(tt.bp[j], bl, hi);
+      q[2 * j] = _mm512_add_epi8(q[2 * j], _mm512_and_si512(bp, lo4));
+      q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_and_si512(_mm512_srli_epi16(bp, 4), lo4));
     }
   }
+}
+
+// the tables are read from L1 in each block (as load operands) rather than held in registers:
+// vpermt2b overwrites a table operand, and held tables cost a register copy a lookup
+inline const TileTables& from_l1(const TileTables& tt0) {
+  const TileTables* t = &tt0;
+  asm("" : "+r"(t));
+  return *t;
 }
 
 // tiles [t0, t1) of y (fp32, natural row order) for one row of bf16 x; band: 4 bands' scales, [4][G][16]
@@ -411,25 +457,12 @@ LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const u
     for (int r = 0; r < 4; ++r) part[r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
       const uint8_t* p = c + b * L.B * kTile;
-      // the tables are read from L1 in each block (as load operands) rather than held in registers:
-      // vpermt2b overwrites a table operand, and held tables cost a register copy a lookup
-      const TileTables* t = &tt0;
-      asm("" : "+r"(t));
-      const TileTables& tt = *t;
+      const TileTables& tt = from_l1(tt0);
       __m512i q[8];
-      e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : tt.e15, q);
-      if constexpr (BITS == 3) {
-        const __m512i bl = _mm512_loadu_si512(p + 2 * kTile), lo4 = _mm512_set1_epi8(15);
-        const __mmask64 hi = _mm512_movepi8_mask(bl);
-        for (int j = 0; j < 4; ++j) {
-          const __m512i bp = lookup256(tt.bp[j], bl, hi);
-          q[2 * j] = _mm512_add_epi8(q[2 * j], _mm512_and_si512(bp, lo4));
-          q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_and_si512(_mm512_srli_epi16(bp, 4), lo4));
-        }
-      }
+      block_planes<BITS>(tt, p, q);
       dot_planes(tt, q, tt.val[0], x + b * 8, part);
       if constexpr (BITS == 4) {
-        e8p_planes(tt, _mm512_loadu_si512(p + 2 * kTile), _mm512_loadu_si512(p + 3 * kTile), tt.e15, q);
+        block_planes<2>(tt, p + 2 * kTile, q);
         dot_planes(tt, q, tt.val[1], x + b * 8, part);
       }
     }
@@ -438,6 +471,84 @@ LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const u
   // lane i holds row rowof(i): row j is lane (j % 2)·8 + j / 2
   const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
   for (int r = 0; r < 4; ++r) _mm512_storeu_ps(y + t * kTile + r * kBand, _mm512_permutexvar_ps(natural, acc[r]));
+}
+
+// M rows of bf16 x (1 < M < the large-M rows): a block's bf16 weights are made once into L1 (words, up to
+// kChunk blocks: [block][stage][quarter r][lane pair j]) and every row of x takes its dots from there, so
+// the decode is shared by the M rows. part, acc: [M][4] registers' worth of scratch.
+constexpr int kChunk = 8;
+struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a vector of __m512 loses its alignment)
+
+template <int MR>
+LATQ_CB_TILE_TARGET inline void dot_words(const __m512i* w, int64_t nw, int r, const uint16_t* x, int64_t K, int64_t S,
+                                          __m512* part) {
+  __m512 p[MR];
+  for (int i = 0; i < MR; ++i) p[i] = part[4 * i + r];
+  for (int64_t k = 0; k < nw; ++k) {   // k: block · S + stage
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh wj = (__m512bh)w[k * 16 + r * 4 + j];
+      for (int i = 0; i < MR; ++i) {
+        int32_t xp;
+        std::memcpy(&xp, x + i * K + k / S * 8 + 2 * j, 4);
+        p[i] = _mm512_dpbf16_ps(p[i], wj, (__m512bh)_mm512_set1_epi32(xp));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) part[4 * i + r] = p[i];
+}
+
+LATQ_CB_TILE_TARGET inline void dot_rows(const __m512i* w, int64_t nw, int r, const uint16_t* x, int64_t M, int64_t K,
+                                         int64_t S, __m512* part) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* xm = x + m0 * K;
+    __m512* pm = part + 4 * m0;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: dot_words<1>(w, nw, r, xm, K, S, pm); break;
+      case 2: dot_words<2>(w, nw, r, xm, K, S, pm); break;
+      case 3: dot_words<3>(w, nw, r, xm, K, S, pm); break;
+      case 4: dot_words<4>(w, nw, r, xm, K, S, pm); break;
+      case 5: dot_words<5>(w, nw, r, xm, K, S, pm); break;
+      case 6: dot_words<6>(w, nw, r, xm, K, S, pm); break;
+      case 7: dot_words<7>(w, nw, r, xm, K, S, pm); break;
+      default: dot_words<8>(w, nw, r, xm, K, S, pm);
+    }
+  }
+}
+
+template <int BITS>
+LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t M, int64_t t,
+                                  const float* band, float* y, __m512i* words, __m512* part, __m512* acc) {
+  constexpr int S = BITS == 4 ? 2 : 1;   // E8P stages a block
+  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
+  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+    for (int64_t i = 0; i < 4 * M; ++i) part[i] = _mm512_setzero_ps();
+    const int64_t b1 = std::min(L.nb, b0 + L.bpg);
+    for (int64_t c0 = b0; c0 < b1; c0 += kChunk) {
+      const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = c + (c0 + b) * L.B * kTile;
+        const TileTables& tt = from_l1(tt0);
+        __m512i q[8];
+        for (int st = 0; st < S; ++st) {
+          if (st == 0) block_planes<BITS == 4 ? 2 : BITS>(tt, p, q);
+          else block_planes<2>(tt, p + 2 * kTile, q);
+          const __m512i v = _mm512_load_si512(tt.val[st]);
+          __m512i* w = words + (b * S + st) * 16;
+          for (int r = 0; r < 4; ++r)
+            for (int j = 0; j < 4; ++j) w[r * 4 + j] = pair_words(tt, q[2 * j], q[2 * j + 1], r, v);
+        }
+      }
+      for (int r = 0; r < 4; ++r) dot_rows(words, nb * S, r, x + c0 * 8, M, L.K, S, part);
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < 4; ++r)
+        acc[4 * m + r] = _mm512_fmadd_ps(part[4 * m + r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[4 * m + r]);
+  }
+  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int r = 0; r < 4; ++r)
+      _mm512_storeu_ps(y + m * L.N + t * kTile + r * kBand, _mm512_permutexvar_ps(natural, acc[4 * m + r]));
 }
 #endif
 
@@ -536,6 +647,22 @@ void gemv_tiles(const Layer& L, const at::BFloat16* x, float* y) {
     }
   });
 }
+
+// y [M, N] fp32 = x [M, K] bf16 · Wᵀ, 1 < M < the large-M rows, a tile a task
+template <int BITS>
+void gemm_tiles(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
+  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
+  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> band(4 * L.G * kBand);
+    std::vector<Zmm> words(kChunk * 2 * 16), part(4 * M), acc(4 * M);
+    for (int64_t t = a; t < b; ++t) {
+      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
+      tiles_mm<BITS>(L, tt, reinterpret_cast<const uint16_t*>(x), M, t, band.data(), y,
+                     reinterpret_cast<__m512i*>(words.data()), reinterpret_cast<__m512*>(part.data()),
+                     reinterpret_cast<__m512*>(acc.data()));
+    }
+  });
+}
 #endif
 
 // y [M, N] fp32 = xf [M, K] fp32 · Wᵀ
@@ -631,13 +758,21 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
                     N, K, K / 8, bits, G, group / 8, T};
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if LATQ_CB_TILES
-  // one row of bf16 x on a tiled layer: the tiles' path (x's bf16 as it is: exact products)
-  if (M == 1 && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 && cb::tiles_run()) {
-    const at::Tensor xb = xr.reshape({1, K}).contiguous();
+  // rows of bf16 x on a tiled layer, fewer than the large-M rows: the tiles' path (x's bf16 as it is: exact products)
+  if (M >= 1 && M < cb::g_large_m.load() && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 &&
+      cb::tiles_run()) {
+    const at::Tensor xb = xr.reshape({M, K}).contiguous();
     const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
-    if (bits == 2) cb::gemv_tiles<2>(L, xp, y.data_ptr<float>());
-    else if (bits == 3) cb::gemv_tiles<3>(L, xp, y.data_ptr<float>());
-    else cb::gemv_tiles<4>(L, xp, y.data_ptr<float>());
+    float* yp = y.data_ptr<float>();
+    if (M == 1) {
+      if (bits == 2) cb::gemv_tiles<2>(L, xp, yp);
+      else if (bits == 3) cb::gemv_tiles<3>(L, xp, yp);
+      else cb::gemv_tiles<4>(L, xp, yp);
+    } else {
+      if (bits == 2) cb::gemm_tiles<2>(L, xp, M, yp);
+      else if (bits == 3) cb::gemm_tiles<3>(L, xp, M, yp);
+      else cb::gemm_tiles<4>(L, xp, M, yp);
+    }
   } else
 #endif
   if (M > 0 && N > 0) {
