@@ -306,17 +306,18 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 #endif
 
 #if LATQ_CB_TILES
-// ------------------------------------------------------------------ AVX-512 VBMI + BF16: 64-row tiles, M = 1
+// ------------------------------------------------------------------ AVX-512 VBMI + BF16: 64-row tiles
 //
 // A tile's block is 64 rows' code bytes as planes (pattern, signs[, ball | pattern, signs]), and the
 // decode runs across rows, 64 a register: the pattern plane indexes four 256-entry tables (two
 // vpermi2b and a blend each), giving each lane's |a| − ½ (k) two lanes a byte; a lane's index
-// k | σ << 2 | h << 3 (its sign from the sign plane, lane 7's by the two parities, h the shift) looks
-// up q = 4w + 15 (vpermb; the 3-bit ball adds 2·ball its own way, 0 ≤ q ≤ 30); then per 16 rows and
-// pair of lanes one vpermi2b interleaves the two lanes' q into words, one vpermw turns them into
-// bf16 (every point is exact in bf16) and one vdpbf16ps multiplies them with x's bf16 pair (exact
-// products, fp32 sums). A group's sums are scaled once, 16 rows a register. Accumulator lane i holds
-// row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
+// k | σ << 2 | h << 3 (its sign from the sign plane, lane 7's by the two parities, h the shift) is
+// what an E8P stage alone needs; the 3-bit ball's stage looks it up as q = 4w + 15 (vpermb) and adds
+// 2·ball (0 ≤ q ≤ 30). Then per pair of lanes and pair of 16-row quarters one vpermi2b interleaves the
+// two lanes' planes into words (one quarter's byte low, the other's high) and two vpermw turn them into
+// bf16 (every point is exact in bf16); one vdpbf16ps multiplies 16 rows' pair with x's bf16 pair
+// (exact products, fp32 sums). A group's sums are scaled once, 16 rows a register. Accumulator lane i
+// holds row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
 
 inline int rowof(int i) { return i < 8 ? 2 * i : 2 * (i - 8) + 1; }
 
@@ -327,7 +328,10 @@ struct TileTables {
   alignas(64) uint8_t e15[64];      // index (bits 4, 5 ignored) → 4w + 15 of σ(½ + k) ± ¼
   alignas(64) uint8_t e11[64];      // the same − 4 (the ball's 2·ball + 4 brings it back)
   alignas(64) uint16_t val[2][32];  // q → bf16((q − 15)/4); /16 for a 4-bit code's second stage
-  alignas(64) uint8_t sel[4][64];   // quarter r's vpermi2b: word 2i ← row 16r + rowof(i) of the even lane, 2i+1 of the odd
+  alignas(64) uint16_t raw[2][32];  // an E8P stage's index (bits 0–3; 4 ignored) → the same, no q between
+  // quarters 2h, 2h+1's vpermi2b: word 2i ← row 32h + rowof(i) of the even lane (low byte) and row 32h + 16 +
+  // rowof(i) (high byte), 2i+1 the same of the odd lane
+  alignas(64) uint8_t sel[2][64];
   const void* from = nullptr;
 };
 
@@ -362,12 +366,16 @@ const TileTables& tile_tables(const float* T) {
   for (int q = 0; q < 32; ++q) {
     tt.val[0][q] = bf16_bits((q - 15) / 4.f);
     tt.val[1][q] = bf16_bits((q - 15) / 16.f);
+    tt.raw[0][q] = bf16_bits((tt.e15[q] - 15) / 4.f);
+    tt.raw[1][q] = bf16_bits((tt.e15[q] - 15) / 16.f);
   }
-  for (int r = 0; r < 4; ++r)
+  for (int h = 0; h < 2; ++h)
     for (int i = 0; i < 16; ++i) {
-      const int row = 16 * r + rowof(i);
-      tt.sel[r][4 * i] = tt.sel[r][4 * i + 1] = static_cast<uint8_t>(row);
-      tt.sel[r][4 * i + 2] = tt.sel[r][4 * i + 3] = static_cast<uint8_t>(64 + row);
+      const int row = 32 * h + rowof(i);
+      tt.sel[h][4 * i] = static_cast<uint8_t>(row);
+      tt.sel[h][4 * i + 1] = static_cast<uint8_t>(row + 16);
+      tt.sel[h][4 * i + 2] = static_cast<uint8_t>(64 + row);
+      tt.sel[h][4 * i + 3] = static_cast<uint8_t>(64 + row + 16);
     }
   tt.from = T;
   return tt;
@@ -381,10 +389,12 @@ LATQ_CB_TILE_TARGET inline __m512i lookup256(const uint8_t* t, __m512i idx, __mm
   return _mm512_mask_blend_epi8(hi, lo, up);
 }
 
-// one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index])
+// one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index]), or with E null its index
+// plane itself (bits 0–3; bits 4–7 not cleared), for tables that take the index (raw)
 LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m512i S, const uint8_t* E, __m512i q[8]) {
   const __mmask64 hi = _mm512_movepi8_mask(P);
-  const __m512i e = _mm512_load_si512(E), four = _mm512_set1_epi8(4);
+  const __m512i e = E ? _mm512_load_si512(E) : _mm512_setzero_si512(), four = _mm512_set1_epi8(4);
+  const auto lookup = [&](__m512i idx) { return E ? _mm512_permutexvar_epi8(idx, e) : idx; };
   const __m512i h3 = _mm512_and_si512(_mm512_srli_epi16(S, 4), _mm512_set1_epi8(8));
   const __m512i ps = _mm512_permutex2var_epi8(_mm512_load_si512(tt.ps), S, _mm512_load_si512(tt.ps + 64));
   __m512i kp[4];
@@ -394,20 +404,23 @@ LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m5
                          _mm512_srli_epi16(S, 2), _mm512_srli_epi16(S, 3), _mm512_srli_epi16(S, 4)};
   for (int l = 0; l < 7; ++l) {
     const __m512i a = l % 2 ? _mm512_srli_epi16(kp[l / 2], 4) : kp[l / 2];
-    q[l] = _mm512_permutexvar_epi8(_mm512_xor_si512(a, _mm512_ternarylogic_epi32(sg[l], four, h3, 0xEA)), e);
+    q[l] = lookup(_mm512_xor_si512(a, _mm512_ternarylogic_epi32(sg[l], four, h3, 0xEA)));
   }
   // lane 7: the pattern's parity (bit 6 of kp[3], at bit 2 once shifted) XOR the signs' (0x96: a ^ b ^ c)
-  q[7] = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(kp[3], 4), ps, h3, 0x96), e);
+  q[7] = lookup(_mm512_ternarylogic_epi32(_mm512_srli_epi16(kp[3], 4), ps, h3, 0x96));
 }
 
-// quarter r's bf16 weights of lanes 2j, 2j+1 (16 rows, a pair a row): the q planes interleaved into words
-// (vpermi2b, into the selector loaded afresh: with the intrinsic the compiler keeps the four selectors in
-// registers and copies one a lookup, since vpermi2b overwrites it), then q → bf16 (vpermw)
-LATQ_CB_TILE_TARGET inline __m512i pair_words(const TileTables& tt, __m512i q0, __m512i q1, int r, __m512i v) {
+// quarters 2h and 2h + 1's bf16 weights of lanes 2j, 2j+1 (16 rows each, a pair a row): one vpermi2b
+// interleaves the two lanes' planes into words holding quarter 2h's byte low and 2h + 1's high (into the
+// selector loaded afresh: with the intrinsic the compiler keeps the selectors in registers and copies one
+// a lookup, since vpermi2b overwrites it), then vpermw turns the low bytes into bf16 (the table v, its
+// index the low 5 bits), and again after a shift the high ones
+LATQ_CB_TILE_TARGET inline void pair_words(const TileTables& tt, __m512i q0, __m512i q1, int h, __m512i v, __m512i w[2]) {
   __m512i ix;
   asm("vmovdqa64 %1, %0\n\tvpermi2b %3, %2, %0"
-      : "=&v"(ix) : "m"(*reinterpret_cast<const __m512i*>(tt.sel[r])), "v"(q0), "v"(q1));
-  return _mm512_permutexvar_epi16(ix, v);
+      : "=&v"(ix) : "m"(*reinterpret_cast<const __m512i*>(tt.sel[h])), "v"(q0), "v"(q1));
+  w[0] = _mm512_permutexvar_epi16(ix, v);
+  w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(ix, 8), v);
 }
 
 // part[r] += each lane pair's bf16 weights · x's pairs, 16 rows a quarter r
@@ -418,14 +431,20 @@ LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q
     int32_t xp;
     std::memcpy(&xp, x + 2 * j, 4);
     const __m512bh xj = (__m512bh)_mm512_set1_epi32(xp);
-    for (int r = 0; r < 4; ++r) part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)pair_words(tt, q[2 * j], q[2 * j + 1], r, v), xj);
+    for (int h = 0; h < 2; ++h) {
+      __m512i w[2];
+      pair_words(tt, q[2 * j], q[2 * j + 1], h, v, w);
+      part[2 * h] = _mm512_dpbf16_ps(part[2 * h], (__m512bh)w[0], xj);
+      part[2 * h + 1] = _mm512_dpbf16_ps(part[2 * h + 1], (__m512bh)w[1], xj);
+    }
   }
 }
 
 // the q planes of a block's E8P stage at p (and for 3 bits its ball's 2·ball added)
+// (3 bits: q planes for val; an E8P stage alone: index planes for raw)
 template <int BITS>
 LATQ_CB_TILE_TARGET inline void block_planes(const TileTables& tt, const uint8_t* p, __m512i q[8]) {
-  e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : tt.e15, q);
+  e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : nullptr, q);
   if constexpr (BITS == 3) {
     const __m512i bl = _mm512_loadu_si512(p + 2 * kTile), lo4 = _mm512_set1_epi8(15);
     const __mmask64 hi = _mm512_movepi8_mask(bl);
@@ -460,10 +479,10 @@ LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const u
       const TileTables& tt = from_l1(tt0);
       __m512i q[8];
       block_planes<BITS>(tt, p, q);
-      dot_planes(tt, q, tt.val[0], x + b * 8, part);
+      dot_planes(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x + b * 8, part);
       if constexpr (BITS == 4) {
         block_planes<2>(tt, p + 2 * kTile, q);
-        dot_planes(tt, q, tt.val[1], x + b * 8, part);
+        dot_planes(tt, q, tt.raw[1], x + b * 8, part);
       }
     }
     for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[r]);
@@ -533,10 +552,15 @@ LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const u
         for (int st = 0; st < S; ++st) {
           if (st == 0) block_planes<BITS == 4 ? 2 : BITS>(tt, p, q);
           else block_planes<2>(tt, p + 2 * kTile, q);
-          const __m512i v = _mm512_load_si512(tt.val[st]);
+          const __m512i v = _mm512_load_si512(BITS == 3 ? tt.val[0] : tt.raw[st]);
           __m512i* w = words + (b * S + st) * 16;
-          for (int r = 0; r < 4; ++r)
-            for (int j = 0; j < 4; ++j) w[r * 4 + j] = pair_words(tt, q[2 * j], q[2 * j + 1], r, v);
+          for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 4; ++j) {
+              __m512i pw[2];
+              pair_words(tt, q[2 * j], q[2 * j + 1], h, v, pw);
+              w[2 * h * 4 + j] = pw[0];
+              w[(2 * h + 1) * 4 + j] = pw[1];
+            }
         }
       }
       for (int r = 0; r < 4; ++r) dot_rows(words, nb * S, r, x + c0 * 8, M, L.K, S, part);
