@@ -56,7 +56,7 @@ def test_eval_text_equals_perplexity_by_hand(tiny_llama, tmp_path, capfd):
     for path in (txt, jsonl):
         out = tmp_path / f"{path.name}.json"
         rc, stdout, err = run_eval(capfd, tiny_llama, "--text", path, "--seqlen", 32, "--nwindows", 3,
-                                   "--output", out)
+                                   "--output", out, "--json")
         assert rc == 0, err
         r = json.loads(out.read_text())
         assert r == json.loads(stdout)

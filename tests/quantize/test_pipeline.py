@@ -480,12 +480,21 @@ def test_uncalibrated_methods_skip_calibration(tiny_llama, tmp_path, monkeypatch
 def test_eval_checkpoint_and_source(tiny_checkpoints, tiny_llama, capsys):
     from vllm_latq.commands import evaluate
     d, _ = tiny_checkpoints["hptq"]
-    assert evaluate.main([str(d), "--nwindows", "2", "--seqlen", "64", "--no-progress"]) == 0
+    assert evaluate.main([str(d), "--nwindows", "2", "--seqlen", "64", "--no-progress", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["method"] == "hptq" and r["windows"] == 2 and r["tokens"] == 2 * 63 and math.isfinite(r["ppl"])
     assert r["bits"] <= 3.125
     base = evaluate.evaluate(str(tiny_llama), seqlen=64, nwindows=2, progress=False)
     assert base["method"] == "bf16" and base["bits"] == 16 and math.isfinite(base["ppl"])
+    # the table a person reads, the source measured on the same windows beside it
+    assert evaluate.main([str(d), "--nwindows", "2", "--seqlen", "64", "--no-progress",
+                          "--compare", str(tiny_llama)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["model", "method", "bits/w", "perplexity"]
+    assert lines[1].split()[:2] == [str(d), "hptq"] and float(lines[1].split()[3]) == pytest.approx(r["ppl"], abs=1e-3)
+    assert lines[2].split() == [str(tiny_llama), "bf16", "16", f"{base['ppl']:.3f}"]
+    assert lines[3] == f"perplexity {100 * (r['ppl'] / base['ppl'] - 1):+.2f} % against {tiny_llama}"
+    assert lines[4].startswith("2 windows of 64 tokens of wiki (126 predicted), fp32")
 
 
 # ----------------------------------------------------------------------------- real models (slow)

@@ -1,7 +1,8 @@
-"""``latq-eval MODEL_OR_CKPT``: perplexity by the shared protocol, as one JSON object.
+"""``latq-eval MODEL_OR_CKPT``: perplexity by the shared protocol, as a table (``--json``: one JSON object).
 
 The Wikipedia eval split, or ``--text FILE`` read as ``latq-quantize --calib`` reads it; a
-checkpoint is validated and dequantized by the format's reference (no kernels), in fp32."""
+checkpoint is validated and dequantized by the format's reference (no kernels), in fp32.
+``--compare SOURCE`` measures a second model on the same windows, side by side."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ import torch
 
 EXAMPLES = """examples:
   latq-eval gemma3-270m                 # the bf16 reference model
+  latq-eval OUT --compare smollm2-135m  # a checkpoint beside the model it was made from
   latq-eval ckpt/gemma-ssqr --output ssqr.json
   latq-eval ckpt/gemma-ssqr --text my_docs.jsonl --nwindows 16
 """
@@ -96,6 +98,23 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
             "seconds": round(time.time() - t0, 1)}
 
 
+def table(r: dict) -> str:
+    """The result (and its ``compare`` row) as the lines a person reads: each model's method, bits a
+    weight (a checkpoint's quantized linears, as stored) and perplexity, the change against the second."""
+    rows = [r] + ([r["compare"]] if "compare" in r else [])
+    width = max(len(x["model"]) for x in rows)
+    lines = [f"{'model':<{width}}  {'method':<6}  {'bits/w':>7}  {'perplexity':>10}"]
+    for x in rows:
+        bits = x["bits"] if isinstance(x["bits"], int) or x["bits"] is None else f"{x['bits']:.4f}"
+        lines.append(f"{x['model']:<{width}}  {x['method']:<6}  {bits if bits is not None else '—':>7}  {x['ppl']:>10.3f}")
+    if "compare" in r:
+        lines.append(f"perplexity {100 * (r['ppl'] / r['compare']['ppl'] - 1):+.2f} % against {r['compare']['model']}")
+    text = r["text"].get("source") or r["text"].get("path")
+    lines.append(f"{r['windows']} windows of {r['seqlen']} tokens of {text} ({r['tokens']} predicted), fp32, "
+                 f"{r['seconds'] + r.get('compare', {}).get('seconds', 0):.0f} s")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     from ..errors import COMMAND_HEADROOM, limits
     from ..format import FormatError, writer
@@ -108,10 +127,14 @@ def main(argv=None) -> int:
                     help="'wiki' (default: the Wikipedia eval split) or a .txt / .jsonl file, read as --calib reads it")
     ap.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     ap.add_argument("--nwindows", type=int, default=64, help="at most this many consecutive windows (default 64)")
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--output", help="also write the JSON here")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--compare", metavar="MODEL",
+                    help="also measure MODEL (e.g. the source the checkpoint was made from) on the same windows and "
+                         "print the change in perplexity")
+    ap.add_argument("--batch-size", type=int, default=4, help="windows a forward pass (default 4; memory, not the result)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
+    ap.add_argument("--output", help="also write the result's JSON here")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (stderr)")
     ap.add_argument("--expect-digest", metavar="SHA256",
                     help="refuse the checkpoint unless its manifest has this digest (what latq-quantize printed)")
     ap.add_argument("--no-verify", action="store_true",
@@ -127,9 +150,11 @@ def main(argv=None) -> int:
         if a.output:   # a folder missing, read-only or full is refused now, not after the evaluation
             writer.check_writable(a.output, "--output")
         with limits(f"evaluating {a.model}", need=COMMAND_HEADROOM):
-            r = evaluate(a.model, text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size,
-                         device=a.device, progress=not a.no_progress, verify=not a.no_verify,
-                         expect_digest=a.expect_digest)
+            kw = dict(text=a.text, seqlen=a.seqlen, nwindows=a.nwindows, batch_size=a.batch_size, device=a.device,
+                      progress=not a.no_progress, verify=not a.no_verify)
+            r = evaluate(a.model, expect_digest=a.expect_digest, **kw)
+            if a.compare:
+                r["compare"] = evaluate(a.compare, **kw)
     except FormatError as e:
         print(f"latq-eval: invalid checkpoint {a.model}: {e}", file=sys.stderr)
         return 2
@@ -137,7 +162,7 @@ def main(argv=None) -> int:
         print(f"latq-eval: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(r, indent=2)
-    print(text, flush=True)
+    print(text if a.json else table(r), flush=True)
     if a.output:
         try:
             writer.write_text(a.output, text + "\n")
