@@ -594,8 +594,6 @@ int isa_detect() {
   return 0;
 }
 std::atomic<int> g_isa{isa_detect()};
-// rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "E8 codebooks")
-std::atomic<int64_t> g_large_m{20};
 
 // whether the 64-row tiles' path runs here (on the best instruction set only)
 bool tiles_run() {
@@ -606,6 +604,10 @@ bool tiles_run() {
   return false;
 #endif
 }
+
+// rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "CPU kernel (cpu-e8)"):
+// the tiles' path shares its decode across rows, the row path does not
+std::atomic<int64_t> g_large_m{tiles_run() ? 128 : 20};
 
 // the rows of x one pass serves on this instruction set
 inline int64_t rows_a_pass(int isa) { return isa == 2 ? 8 : 4; }
