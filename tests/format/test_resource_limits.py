@@ -215,6 +215,22 @@ def test_export_under_a_file_size_limit_names_the_shard(tiny_checkpoints, tmp_pa
     assert sorted(q.name for q in tmp_path.iterdir()) == []
 
 
+def test_serve_under_a_file_size_limit_names_the_file(tiny_checkpoints, tmp_path):
+    """``ulimit -f`` for real while latq-serve writes the verified files it hands vLLM: one line naming the file
+    and the limit, nothing half-written left in served/."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 10, resource.RLIM_INFINITY))
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", str(tiny_checkpoints["ssqr"][0]),
+                        "--print-command"], preexec_fn=limit, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                            "LATQ_CACHE": str(tmp_path / "cache")})
+    served = tmp_path / "cache" / "served"
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
+    assert re.match(rf"latq-serve: error: the file is too large while writing {re.escape(str(served))}/\.tmp-\S+ "
+                    r"\(the file-size limit, ulimit -f, is 4\.00 KiB\)$", p.stderr), p.stderr
+    assert os.listdir(served) == []
+
+
 def _open_files_limited(n: int, module: str, args: list[str]) -> subprocess.CompletedProcess:
     """``python -m vllm_latq.commands.MODULE ARGS`` under ``ulimit -n N`` for real (soft and hard)."""
     def limit():
