@@ -112,8 +112,7 @@ def existing_directory(name: str) -> str | None:
 
 
 def regular_file(name: str) -> str | None:
-    """:func:`path` naming a regular file, or none yet in an existing directory (where it is written): a device
-    (``/dev/zero``), FIFO or directory is refused here, not read or waited on inside a command."""
+    """:func:`path` naming a regular file, or none yet in an existing directory (where it is to be written)."""
     v = path(name)
     if v is None:
         return v

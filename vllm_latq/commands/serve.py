@@ -275,6 +275,21 @@ def wants_help(argv: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
 
+def _with_cpu_kv_cache(argv: list[str]) -> list[str]:
+    """``argv`` with the KV cache :func:`kv_cache_plan` gives vLLM's CPU backend (its line said); a refusal exits 2."""
+    from ..cpu_features import address_space_left
+    total, free = node_memory()
+    room = address_space_left()   # ulimit -v binds vLLM's processes too: the KV cache comes out of what it leaves
+    argv, chose, refused = kv_cache_plan(argv, total, free if room is None else min(free, room),
+                                         config=config_options(argv))
+    if refused:
+        print(refused, file=sys.stderr)
+        sys.exit(2)
+    if chose:
+        print(chose, file=sys.stderr)
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     from ..errors import ResourceLimit, limits
     from .environment import bad_environment
@@ -313,12 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         if report is not None:   # vLLM opens what it reads itself: no descriptor of the check outlives it
             report["checkpoint"].files.close()
     if not any(a.startswith("--help") for a in argv) and on_cpu():
-        argv, chose, refused = kv_cache_plan(argv, *node_memory(), config=config_options(argv))
-        if refused:
-            print(refused, file=sys.stderr)
-            sys.exit(2)
-        if chose:
-            print(chose, file=sys.stderr)
+        argv = _with_cpu_kv_cache(argv)
     how, cmd = plan(argv)
     if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":

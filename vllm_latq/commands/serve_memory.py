@@ -28,8 +28,7 @@ SERVE_DESCRIPTORS = 256
 
 
 def descriptor_refusal(files: int) -> str | None:
-    """The one line refusing to start vLLM under an open-file limit too low for it (``ulimit -n``), or None. A soft
-    limit below what it needs is raised first, up to the hard limit, as vLLM raises it itself."""
+    """The line refusing an open-file limit too low for vLLM, or None (a low soft limit raised, as vLLM does)."""
     need = SERVE_DESCRIPTORS + files
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:

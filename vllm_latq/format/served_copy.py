@@ -66,8 +66,7 @@ def served_copy(ck: Checkpoint, root: Path | None = None) -> Path:
 
 
 def _private(root: Path) -> Path:
-    """``root`` (created 0700 if missing) under its folder's real path, once that folder and every one above it
-    pass :func:`_check_folders`: what is checked is the path the copy is then written and named by."""
+    """``root`` (made 0700) under its folder's real path, the one :func:`_check_folders` checks and vLLM is handed."""
     holder = Path(os.path.realpath(root.parent))
     root = holder / root.name
     _check_folders(holder)   # before anything is made in it
@@ -83,11 +82,10 @@ def _private(root: Path) -> Path:
 
 
 def _check_folders(folder: Path) -> None:
-    """``folder`` (a real path) and every folder above it are yours or root's and writable by no one else, as ssh's
-    StrictModes asks, else ``ValueError`` naming the folder: whoever can write one can rename what it holds away
-    and plant the config vLLM reads. A sticky folder (``/tmp``) may be writable by all while what it holds on the
-    way down is yours or root's: others can then neither rename nor remove it (``served/``, made next, is refused
-    unless it is yours)."""
+    """``folder`` (a real path) and every folder above it yours or root's, writable by no one else; else ValueError."""
+    # as ssh's StrictModes: whoever can write a folder on the way can rename what it holds away and plant the config
+    # vLLM reads. A sticky folder (/tmp) may be writable by all while what it holds on the way down is yours or
+    # root's: others can neither rename nor remove that (served/, made next, is refused unless it is yours)
     me = os.geteuid()
     child_uid = me
     while True:
@@ -128,8 +126,7 @@ def _holds(d: Path, want: dict[str, bytes]) -> bool:
 
 
 def _own_single(f) -> bool:
-    """Whether the opened file is yours with one link: a hard link to another user's file holds bytes they may
-    change after the comparison."""
+    """Whether the opened file is yours with one link (another user may change a file linked to theirs)."""
     st = os.fstat(f.fileno())
     return st.st_uid == os.geteuid() and st.st_nlink == 1
 

@@ -75,8 +75,7 @@ class LatqKernel:
 
     @classmethod
     def unavailable_here(cls) -> str | None:
-        """Why the kernel can serve no layer on this machine, whatever the layer (no device of its kind), or None:
-        ``LATQ_KERNEL`` forcing it is then refused before any work."""
+        """Why the kernel can serve no layer on this machine (no device of its kind), or None: forcing it is refused."""
         return None
 
     @classmethod

@@ -227,13 +227,12 @@ def table() -> dict:
 
 
 def override_path() -> str | None:
-    """The override table's file (``LATQ_LAUNCH_CONFIGS``), or None: asked per launch, so only its spelling is
-    checked here; :func:`checked_override_path` checks what it names."""
+    """The override table's file (``LATQ_LAUNCH_CONFIGS``), or None; asked per launch, so not stat'ed."""
     return env.path(ENV_TABLE)
 
 
 def checked_override_path() -> str | None:
-    """:func:`override_path`, refused unless a regular file or one autotuning is to write (not ``/dev/zero``)."""
+    """:func:`override_path`, refused unless a regular file or one autotuning is to write."""
     return env.regular_file(ENV_TABLE)
 
 

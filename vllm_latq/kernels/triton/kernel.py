@@ -299,8 +299,8 @@ def device_reason(device: torch.device, act_dtype: torch.dtype) -> str | None:
 
 
 def machine_reason() -> str | None:
-    """Why the Triton kernels can run on no device of this machine, or None: a CUDA device is here (NVML counts it
-    where it can, so no CUDA context is made before vLLM forks), or CPU tensors are allowed in the interpreter."""
+    """Why the Triton kernels can run on no device of this machine, or None."""
+    # device_count asks NVML where it can: no CUDA context made before vLLM forks its workers
     if (INTERPRET and interpret_ok()) or torch.cuda.device_count() > 0:
         return None
     return (f"needs a CUDA device (this machine has none); for CPU tensors set TRITON_INTERPRET=1 and "
