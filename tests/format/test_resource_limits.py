@@ -278,3 +278,25 @@ def test_out_of_descriptors_is_a_resource_limit_naming_it():
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert str(e) == f"too many open files while reading x (the open-file limit, ulimit -n, is {soft})"
     assert errors.resource_limit(OSError(errno.ENOENT, "No such file"), "reading x") is None
+
+
+def test_the_plugin_names_a_limit_reached_while_vllm_builds_its_config(tiny_checkpoints, monkeypatch):
+    """``vllm serve`` run directly: out of descriptors while the plugin verifies the checkpoint is one line naming
+    the limit, not "file config.json: cannot be opened … refused" (the checkpoint is not at fault)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_latq.format.checkpoint import Checkpoint
+    from vllm_latq.plugin import config as plugin_config
+
+    ck = tiny_checkpoints["ssqr"][0]
+    qc = Checkpoint(ck).config["quantization_config"]
+
+    def out_of_descriptors(path):
+        raise OSError(errno.EMFILE, "Too many open files", "config.json")
+    monkeypatch.setattr(plugin_config, "verify_for_serving", out_of_descriptors)
+    with pytest.raises(plugin_config.LatqResourceLimit) as e:
+        plugin_config.LatqConfig.from_config(qc).maybe_update_config(
+            str(ck), hf_config=SimpleNamespace(quantization_config=qc))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert str(e.value) == f"latq: too many open files while verifying {ck} (the open-file limit, ulimit -n, is {soft})"
