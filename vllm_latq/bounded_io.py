@@ -16,7 +16,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from .errors import FormatError, limits, writing
+from .errors import FormatError, is_resource_error, limits, writing
 
 MAX_JSON_BYTES = 64 << 20   # config, index, stats, manifest, progress: a 405B MoE's stats are ~25 MiB
 MAX_JSON_DEPTH = 64         # the package's JSON nests 5 deep; a deeper file is an attack, not a model
@@ -37,6 +37,8 @@ def open_regular(path: str | os.PathLike, *, name: str | None = None, dir_fd: in
     except FileNotFoundError:
         raise
     except OSError as e:
+        if is_resource_error(e):   # out of descriptors, not a bad file: the command's limits() names the limit
+            raise
         why = "a symbolic link loop" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
         raise FormatError(f"{why}: refused", file=name) from None
     mode = os.fstat(fd).st_mode
@@ -189,6 +191,8 @@ class OpenedDir:
         except FileNotFoundError:
             raise
         except OSError as e:
+            if is_resource_error(e):   # as in open_regular
+                raise
             why = "not a directory" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})"
             raise FormatError(why, file=str(self.path)) from None
         self._files: dict[str, BinaryIO] = {}

@@ -100,3 +100,25 @@ def directory(name: str) -> str | None:
     if v is not None and os.path.exists(v) and not os.path.isdir(v):
         raise EnvError(name, v, "a directory (this exists and is not one), or unset")
     return v
+
+
+def existing_directory(name: str) -> str | None:
+    """:func:`path` naming a directory that exists now."""
+    v = path(name)
+    if v is not None and not os.path.isdir(v):
+        why = "this is not one" if os.path.exists(v) else "nothing is there"
+        raise EnvError(name, v, f"an existing directory ({why}), or unset")
+    return v
+
+
+def regular_file(name: str) -> str | None:
+    """:func:`path` naming a regular file, or none yet in an existing directory (where it is to be written)."""
+    v = path(name)
+    if v is None:
+        return v
+    if os.path.exists(v) and not os.path.isfile(v):
+        raise EnvError(name, v, "a regular file (this exists and is not one), or unset")
+    if not os.path.exists(v) and not os.path.isdir(os.path.dirname(os.path.abspath(v))):
+        raise EnvError(name, v, "a regular file, or one to be written in an existing directory (its directory is "
+                                "not there), or unset")
+    return v

@@ -2,7 +2,8 @@
 its documented values and refuses anything else by name, before any work (one line, exit 2);
 LATQ_NO_VERIFY=false/no/space never turns verification off, and its warning says the value given;
 LATQ_KERNEL=bogus is one line from latq-serve before vLLM starts, and from the plugin while vLLM builds
-its config; every variable the package reads is in docs/ENVIRONMENT.md."""
+its config; a path is checked for what it names (a folder, a regular file) and a kernel for whether this machine
+runs it (LATQ_KERNEL=triton without CUDA); every variable the package reads is in docs/ENVIRONMENT.md."""
 from __future__ import annotations
 
 import ast
@@ -124,6 +125,51 @@ def test_the_cache_must_be_a_directory(monkeypatch, capsys, tmp_path):
         cache_dir()
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "new"))   # a directory to be: created where used
     assert cache_dir() == tmp_path / "new" and (tmp_path / "new").is_dir()
+
+
+@pytest.mark.parametrize("name, raw, accepted", [
+    ("LATQ_LAUNCH_CONFIGS", "/dev/zero", "a regular file (this exists and is not one)"),
+    ("LATQ_LAUNCH_CONFIGS", "{tmp}", "a regular file (this exists and is not one)"),
+    ("LATQ_LAUNCH_CONFIGS", "/nonexistent/table.json", "(its directory is not there)"),
+    ("LATQ_SWAP_AFTER_VERIFY", "/nonexistent/dir", "an existing directory (nothing is there)"),
+    ("LATQ_SWAP_AFTER_VERIFY", "/dev/null", "an existing directory (this is not one)")])
+def test_a_path_is_checked_for_what_it_names(monkeypatch, capsys, tmp_path, name, raw, accepted):
+    """A launch-config table must be a regular file (or one autotuning is to write), the swap hook's directory
+    must be there: /dev/zero, a folder, a missing folder are one line naming the variable, before any work."""
+    raw = raw.format(tmp=tmp_path)
+    monkeypatch.setenv(name, raw)
+    assert inspect.inspect_main([str(tmp_path / "no-such-checkpoint")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"latq-inspect: error: environment variable {name}={raw!r}: expected ") and accepted in err \
+        and err.count("\n") == 1, err
+    (tmp_path / "table.json").write_text('{"families": {}}')
+    for ok in (tmp_path / "table.json", tmp_path / "new.json", tmp_path):   # a table, one to write, a folder
+        if (name == "LATQ_SWAP_AFTER_VERIFY") == ok.is_dir():
+            monkeypatch.setenv(name, str(ok))
+            check_environment()
+
+
+def test_a_kernel_this_machine_cannot_run_is_refused_before_any_work(ck, monkeypatch, capsys):
+    """LATQ_KERNEL=triton without a CUDA device (outside the interpreter) is refused with the other variables,
+    not when vLLM builds a layer."""
+    pytest.importorskip("triton")
+    import torch
+
+    from vllm_latq.kernels.triton.kernel import ENV_INTERPRET_OK, INTERPRET
+    if torch.cuda.device_count():
+        pytest.skip("a CUDA device is here: the Triton kernels run")
+    monkeypatch.setenv("LATQ_KERNEL", "triton")
+    want = ("environment variable LATQ_KERNEL='triton': expected a kernel that runs on this machine (triton needs a "
+            "CUDA device (this machine has none); for CPU tensors set TRITON_INTERPRET=1 and "
+            f"{ENV_INTERPRET_OK}=1 (Triton interpreter)), or unset\n")
+    assert inspect.inspect_main([str(ck)]) == 2 and capsys.readouterr().err == f"latq-inspect: error: {want}"
+    monkeypatch.setattr(serve, "serve_in_process", lambda *a: pytest.fail("handed over to vLLM"))
+    with pytest.raises(SystemExit) as e:
+        serve.main([str(ck), "--port", "9"])
+    assert e.value.code == 2 and capsys.readouterr().err == f"latq-serve: error: {want}"
+    if INTERPRET:   # the interpreter, where allowed, runs them on CPU tensors
+        monkeypatch.setenv(ENV_INTERPRET_OK, "1")
+        check_environment()
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

@@ -305,6 +305,19 @@ def test_vllms_memory_refusal_becomes_one_line(monkeypatch, capsys):
         serve.main(["ck"])
 
 
+def test_an_address_space_limit_bounds_the_kv_cache(monkeypatch, capsys):
+    """Under ``ulimit -v`` vLLM's processes have what the limit leaves, not the node's free memory: the KV cache
+    latq-serve gives is a quarter of the former (a quarter of the latter failed to allocate in the worker)."""
+    from vllm_latq import cpu_features
+    monkeypatch.setattr(serve, "vllm_cli", lambda: None)
+    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    monkeypatch.setattr(serve, "node_memory", lambda: (18 * GiB, 12 * GiB))
+    monkeypatch.setattr(cpu_features, "address_space_left", lambda: 2 * GiB)
+    serve.main(["ck", "--print-command"])
+    out, err = capsys.readouterr()
+    assert f"--kv-cache-memory-bytes {GiB // 2} " in out and "KV cache 0.50 GiB (a quarter of the 2.00 GiB" in err
+
+
 def test_help_lists_latq_serves_own_options_and_where_vllms_are():
     p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", "--help"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

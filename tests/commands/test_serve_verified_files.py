@@ -2,7 +2,9 @@
 defaults are written from the verified bytes into a private directory named by the manifest's digest, and vLLM is
 pointed at it (--hf-config-path, --tokenizer; the generation defaults come from the former's directory), so a
 checkpoint swapped in after the check does not configure the server; the plugin's config-time check refuses a checkpoint other than the one latq-serve checked.
-The copy is verified again when reused; a user's own option is kept, or refused beside a pin."""
+The copy is verified again when reused, each of its files yours with one link; the folder holding served/ and
+every folder above it are yours or root's and writable by no one else (a sticky /tmp aside), or latq-serve refuses
+naming the folder and LATQ_CACHE; a user's own option is kept, or refused beside a pin."""
 from __future__ import annotations
 
 import json
@@ -68,7 +70,12 @@ def test_the_command_points_vllm_at_a_private_copy_of_the_verified_files(ck, cac
     assert os.stat(cache).st_mode & 0o077 == 0 and os.stat(copy).st_mode & 0o077 == 0
 
 
-@pytest.mark.parametrize("damage", ["edit", "extra", "missing", "open", "file"])
+OTHER_UID = 12345   # a user who is not the caller (root may chown to it)
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="another user's file needs root to chown")
+
+
+@pytest.mark.parametrize("damage", ["edit", "extra", "missing", "open", "file",
+                                    pytest.param("hardlink", marks=AS_ROOT), pytest.param("foreign", marks=AS_ROOT)])
 def test_the_copy_is_verified_again_when_reused(ck, cache, capsys, damage):
     copy = Path(_value(_command(capsys, [str(ck)]), "--tokenizer"))
     if damage == "edit":
@@ -79,11 +86,78 @@ def test_the_copy_is_verified_again_when_reused(ck, cache, capsys, damage):
         (copy / "tokenizer.json").unlink()
     elif damage == "open":
         os.chmod(copy, 0o777)
+    elif damage == "hardlink":   # the same bytes, in a file another user may change after the comparison
+        theirs = cache.parent.parent / "theirs.json"
+        os.link(copy / "tokenizer.json", theirs)
+        os.chown(theirs, OTHER_UID, OTHER_UID)
+    elif damage == "foreign":
+        os.chown(copy / "config.json", OTHER_UID, OTHER_UID)
     else:
         shutil.rmtree(copy)
         copy.write_text("not a directory")
     assert Path(_value(_command(capsys, [str(ck)]), "--tokenizer")) == copy
     assert _held(copy) == _expected(ck) and os.listdir(cache) == [copy.name]
+    assert all(os.stat(f).st_nlink == 1 and os.stat(f).st_uid == os.geteuid() for f in copy.iterdir())
+    if damage == "hardlink":   # theirs is kept, as it was
+        assert theirs.read_bytes() == (ck / "tokenizer.json").read_bytes() and os.stat(theirs).st_uid == OTHER_UID
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--print-command", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def _folder_refusal(folder: Path, why: str) -> str:
+    return (f"latq-serve: folder {folder}: {why}: whoever can write it can replace the verified files latq-serve hands "
+            "vLLM; set LATQ_CACHE to a folder of yours that only you or root can write, in folders that only you or "
+            "root can write\n")
+
+
+@pytest.mark.parametrize("where", ["cache", "above"])
+def test_a_folder_others_can_write_is_refused_up_to_the_root(ck, cache, capsys, where):
+    """LATQ_CACHE (or a folder above it) that others can write: they could rename served/ away and plant the
+    config.json vLLM reads; refused naming the folder and LATQ_CACHE, nothing made in it."""
+    folder = cache.parent if where == "cache" else cache.parent.parent
+    cache.parent.mkdir(mode=0o700)
+    for mode in (0o777, 0o775, 0o757):
+        os.chmod(folder, mode)
+        assert _refused(capsys, [str(ck)]) == _folder_refusal(folder, f"writable by others (mode {mode:04o})")
+        assert not cache.exists()
+    os.chmod(folder, 0o1777)   # sticky, as /tmp: what it holds on the way down is the caller's, so it stays put
+    assert Path(_value(_command(capsys, [str(ck)]), "--tokenizer")).parent == cache
+
+
+@AS_ROOT
+@pytest.mark.parametrize("where", ["cache", "above"])
+def test_a_folder_of_another_user_is_refused(ck, cache, capsys, where):
+    """LATQ_CACHE owned by another user, mode 0777 (or a folder above owned by them, even 0755), also sticky:
+    the owner may rename what it holds; refused naming the folder and LATQ_CACHE."""
+    folder = cache.parent if where == "cache" else cache.parent.parent
+    cache.parent.mkdir(mode=0o700)
+    for mode in (0o777, 0o755, 0o1777):
+        os.chown(folder, OTHER_UID, OTHER_UID)
+        os.chmod(folder, mode)
+        assert _refused(capsys, [str(ck)]) == _folder_refusal(
+            folder, f"owned by uid {OTHER_UID}, not by you (uid {os.geteuid()}) or root")
+        assert not cache.exists()
+
+
+def test_the_folders_checked_are_those_a_link_names(ck, cache, capsys, monkeypatch, tmp_path):
+    """LATQ_CACHE through a link: the folders checked are the real ones, and vLLM is handed the real path (a link
+    in a folder others can write could be pointed elsewhere once checked)."""
+    open_folder, real = tmp_path / "open", tmp_path / "real"
+    open_folder.mkdir(mode=0o777)
+    os.chmod(open_folder, 0o777)
+    real.mkdir(mode=0o700)
+    (open_folder / "cache").symlink_to(real)
+    monkeypatch.setenv("LATQ_CACHE", str(open_folder / "cache"))
+    copy = Path(_value(_command(capsys, [str(ck)]), "--tokenizer"))
+    assert copy.parent == real / SERVED_DIR and os.path.realpath(copy) == str(copy)
+    os.chmod(real, 0o777)
+    assert _refused(capsys, [str(ck)]) == _folder_refusal(real, "writable by others (mode 0777)")
 
 
 def test_a_users_own_option_is_kept_unpinned_and_refused_beside_a_pin(ck, cache, capsys, tmp_path):

@@ -51,6 +51,7 @@ def test_export_writes_the_pinned_checkpoint_through_a_swap(pair, capsys, monkey
     monkeypatch.setenv(SWAP_ENV, str(b))
     assert _export_digest(capsys, [str(a), str(tmp_path / "x2"), *argv]) == pinned
     assert digest_of(a) == db
+    monkeypatch.delenv(SWAP_ENV)   # swapped in: the hook's directory is gone, and a command refuses the variable
     assert _export_digest(capsys, [str(a), str(tmp_path / "x3"), "--dequantize-unmapped"]) != pinned
 
 
@@ -60,6 +61,7 @@ def test_inspect_reports_the_pinned_checkpoint_through_a_swap(pair, capsys, monk
     assert inspect.inspect_main([str(a), "--expect-digest", da]) == 0
     out = capsys.readouterr().out
     assert f"sealed: digest {da} (the one pinned)" in out and digest_of(a) == db, out
+    monkeypatch.delenv(SWAP_ENV)   # as in the export's test
     assert inspect.inspect_main([str(a), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["digest"] == db
 

@@ -215,19 +215,62 @@ def test_export_under_a_file_size_limit_names_the_shard(tiny_checkpoints, tmp_pa
     assert sorted(q.name for q in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["inspect", "evaluate"])
-def test_an_open_file_limit_is_one_line_naming_it(tiny_checkpoints, command):
-    """``ulimit -n 16`` for real: the first open past it (an import, a shard) is one line naming the
-    limit, not an OSError traceback nor "transformers rejects the config"."""
+def test_serve_under_a_file_size_limit_names_the_file(tiny_checkpoints, tmp_path):
+    """``ulimit -f`` for real while latq-serve writes the verified files it hands vLLM: one line naming the file
+    and the limit, nothing half-written left in served/."""
     def limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (16, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    p = subprocess.run([sys.executable, "-m", f"vllm_latq.commands.{command}", str(tiny_checkpoints["ssqr"][0])],
-                       preexec_fn=limit, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    prog = {"inspect": "latq-inspect", "evaluate": "latq-eval"}[command]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 10, resource.RLIM_INFINITY))
+    p = subprocess.run([sys.executable, "-m", "vllm_latq.commands.serve", str(tiny_checkpoints["ssqr"][0]),
+                        "--print-command"], preexec_fn=limit, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                            "LATQ_CACHE": str(tmp_path / "cache")})
+    served = tmp_path / "cache" / "served"
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
+    assert re.match(rf"latq-serve: error: the file is too large while writing {re.escape(str(served))}/\.tmp-\S+ "
+                    r"\(the file-size limit, ulimit -f, is 4\.00 KiB\)$", p.stderr), p.stderr
+    assert os.listdir(served) == []
+
+
+def _open_files_limited(n: int, module: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m vllm_latq.commands.MODULE ARGS`` under ``ulimit -n N`` for real (soft and hard)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return subprocess.run([sys.executable, "-m", f"vllm_latq.commands.{module}", *args], preexec_fn=limit,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("command", ["inspect", "evaluate", "export", "quantize", "serve"])
+def test_an_open_file_limit_is_one_line_naming_it(tiny_llama, tiny_checkpoints, tmp_path, command, monkeypatch):
+    """``ulimit -n 16`` for real: the first open past it (an import, a shard, the source's config.json) is one
+    line naming the limit, in every command: not an OSError traceback, nor "transformers rejects the config", nor
+    "file config.json: cannot be opened"."""
+    ck = str(tiny_checkpoints["ssqr"][0])
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    args = {"export": [ck, str(tmp_path / "x"), "--dequantize-unmapped"],
+            "quantize": [str(tiny_llama), str(tmp_path / "q"), "--nsamples", "4", "--seqlen", "64", "--no-progress",
+                         "-q"],
+            "serve": [ck, "--port", "9"]}.get(command, [ck])
+    p = _open_files_limited(16, command, args)
+    prog = {"inspect": "latq-inspect", "evaluate": "latq-eval"}.get(command, f"latq-{command}")
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
     assert re.match(rf"{prog}: error: too many open files while \S+ .*\(the open-file limit, ulimit -n, is 16\)$",
                     p.stderr), p.stderr
+
+
+def test_serve_refuses_an_open_file_limit_too_low_for_vllm(tiny_checkpoints, tmp_path, monkeypatch):
+    """``ulimit -n 64``: enough to verify the checkpoint, not for vLLM's processes (they end in an OSError
+    traceback): latq-serve refuses before starting vLLM, naming the limit and what it takes."""
+    from vllm_latq.commands.serve_memory import SERVE_DESCRIPTORS
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    ck = tiny_checkpoints["ssqr"][0]
+    p = _open_files_limited(64, "serve", [str(ck), "--port", "9"])
+    files = len(list(ck.iterdir()))
+    assert p.returncode == 2 and p.stderr.splitlines()[-1] == (
+        f"latq-serve: error: the open-file limit, ulimit -n, is 64: vLLM's server takes about "
+        f"{SERVE_DESCRIPTORS + files} descriptors ({SERVE_DESCRIPTORS}, and {files} for the checkpoint's files); "
+        "raise it (ulimit -n 65536) and run again"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
 
 
 def test_out_of_descriptors_is_a_resource_limit_naming_it():
@@ -235,3 +278,25 @@ def test_out_of_descriptors_is_a_resource_limit_naming_it():
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert str(e) == f"too many open files while reading x (the open-file limit, ulimit -n, is {soft})"
     assert errors.resource_limit(OSError(errno.ENOENT, "No such file"), "reading x") is None
+
+
+def test_the_plugin_names_a_limit_reached_while_vllm_builds_its_config(tiny_checkpoints, monkeypatch):
+    """``vllm serve`` run directly: out of descriptors while the plugin verifies the checkpoint is one line naming
+    the limit, not "file config.json: cannot be opened … refused" (the checkpoint is not at fault)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_latq.format.checkpoint import Checkpoint
+    from vllm_latq.plugin import config as plugin_config
+
+    ck = tiny_checkpoints["ssqr"][0]
+    qc = Checkpoint(ck).config["quantization_config"]
+
+    def out_of_descriptors(path):
+        raise OSError(errno.EMFILE, "Too many open files", "config.json")
+    monkeypatch.setattr(plugin_config, "verify_for_serving", out_of_descriptors)
+    with pytest.raises(plugin_config.LatqResourceLimit) as e:
+        plugin_config.LatqConfig.from_config(qc).maybe_update_config(
+            str(ck), hf_config=SimpleNamespace(quantization_config=qc))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert str(e.value) == f"latq: too many open files while verifying {ck} (the open-file limit, ulimit -n, is {soft})"

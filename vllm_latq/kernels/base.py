@@ -74,6 +74,11 @@ class LatqKernel:
     family: str | None = None
 
     @classmethod
+    def unavailable_here(cls) -> str | None:
+        """Why the kernel can serve no layer on this machine (no device of its kind), or None: forcing it is refused."""
+        return None
+
+    @classmethod
     def can_implement(cls, w: LatqWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[bool, str | None]:
         """(True, None), or (False, why not) for this layer, device and activation dtype."""
         raise NotImplementedError

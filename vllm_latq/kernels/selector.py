@@ -83,7 +83,11 @@ def forced_kernel() -> str | None:
 def check_environment() -> None:
     """Every switch the kernels read, parsed: a bad value refused before a layer is built."""
     from .. import cpu_features, native
-    forced_kernel()   # imports every kernel there is, parsing their module-level switches
+    forced = forced_kernel()   # imports every kernel there is, parsing their module-level switches
+    members = [k for k in kernels() if forced in (k.name, family_name(k))]
+    why = [k.unavailable_here() for k in members]
+    if members and all(why):   # a name this install has, which cannot run here: refused now, not at a layer
+        raise env.EnvError(ENV_FORCE, forced, f"a kernel that runs on this machine ({forced} {why[0]}), or unset")
     cpu_features.forced_bf16()
     native.enabled(), native.loop_max(), native.march(), native.check_library_switches()
     try:
@@ -94,7 +98,7 @@ def check_environment() -> None:
         pass
     try:
         from .triton import configs as triton_configs, kernel as triton_kernel
-        triton_configs.autotune_enabled(), triton_configs.override_path(), triton_kernel.interpret_ok()
+        triton_configs.autotune_enabled(), triton_configs.checked_override_path(), triton_kernel.interpret_ok()
     except ImportError:
         pass
 

@@ -15,7 +15,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from .. import format as fmt
 from ..bounded_io import MAX_JSON_BYTES, file_sha256
 from ..env import EnvError
-from ..errors import FormatError
+from ..errors import FormatError, is_resource_error, resource_limit
 from ..format.checkpoint import checkpoint_dir
 from ..format.files import MANIFEST_FILE
 from ..format.manifest import DIGEST_ENV, expected_digest_from_env
@@ -55,6 +55,10 @@ class LatqCheckpointRefused(RuntimeError):
 
 class LatqEnvironmentRefused(RuntimeError):
     """A ``LATQ_*`` environment variable's value is refused (one line naming it and the values it takes)."""
+
+
+class LatqResourceLimit(RuntimeError):
+    """A limit of the machine (``ulimit -n``, ``-v``) reached while checking the checkpoint: one line naming it."""
 
 
 class LatqConfig(QuantizationConfig):
@@ -196,6 +200,10 @@ class LatqConfig(QuantizationConfig):
             key = content_key(path, f"{selector.ENV_FORCE}={forced or ''}")
         except EnvError as e:
             raise LatqEnvironmentRefused(f"latq: {e}") from None
+        except (OSError, MemoryError) as e:   # the machine's limit, not the checkpoint: named as such, in one line
+            if not is_resource_error(e):
+                raise
+            raise LatqResourceLimit(f"latq: {resource_limit(e, f'verifying {model_name}')}") from None
         except FormatError as e:   # one line naming the checkpoint, the file and why: vLLM prints it first
             where = "" if os.path.isdir(model_name) else (
                 " (checked in the local Hugging Face cache, which vLLM fills as it goes: download the whole "

@@ -24,7 +24,7 @@ from ..weight import CodebookWeight
 from . import configs as cfg
 from . import layout as tlay
 from .codebook_device import BALL_AT, _e8_gemv_kernel, _e8_mma_kernel
-from .kernel import INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, device_reason, splitk_floats
+from .kernel import INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, device_reason, machine_reason, splitk_floats
 
 BITS = tuple(sorted(cb.CODEBOOKS))
 # BKB blocks (8·BKB columns) a K step; the GEMV's by its row tile: each row of x adds a register
@@ -182,6 +182,10 @@ class TritonCodebookKernel(LatqKernel):
     family = "triton"
     forms = (CodebookWeight,)
     state_cls = E8State
+
+    @classmethod
+    def unavailable_here(cls) -> str | None:
+        return machine_reason()
 
     @classmethod
     def can_implement(cls, w: CodebookWeight, device: torch.device, act_dtype: torch.dtype):

@@ -215,7 +215,7 @@ def _read(path: Path) -> dict:
 @functools.lru_cache(maxsize=None)
 def _table(override: str | None) -> dict:
     table = {f: dict(v) for f, v in _read(TABLE_FILE).items()}
-    if override and Path(override).exists():
+    if override and checked_override_path() and Path(override).exists():
         for f, v in _read(Path(override)).items():
             table.setdefault(f, {}).update(v)
     return table
@@ -227,8 +227,13 @@ def table() -> dict:
 
 
 def override_path() -> str | None:
-    """The override table's file (``LATQ_LAUNCH_CONFIGS``), or None."""
+    """The override table's file (``LATQ_LAUNCH_CONFIGS``), or None; asked per launch, so not stat'ed."""
     return env.path(ENV_TABLE)
+
+
+def checked_override_path() -> str | None:
+    """:func:`override_path`, refused unless a regular file or one autotuning is to write."""
+    return env.regular_file(ENV_TABLE)
 
 
 def autotune_enabled() -> bool:

@@ -298,6 +298,15 @@ def device_reason(device: torch.device, act_dtype: torch.dtype) -> str | None:
     return None
 
 
+def machine_reason() -> str | None:
+    """Why the Triton kernels can run on no device of this machine, or None."""
+    # device_count asks NVML where it can: no CUDA context made before vLLM forks its workers
+    if (INTERPRET and interpret_ok()) or torch.cuda.device_count() > 0:
+        return None
+    return (f"needs a CUDA device (this machine has none); for CPU tensors set TRITON_INTERPRET=1 and "
+            f"{ENV_INTERPRET_OK}=1 (Triton interpreter)")
+
+
 class TritonKernel(LatqKernel):
     """Triton GPU kernels: SIMT GEMV (M ≤ 7), tensor-core GEMM (8 ≤ M ≤ 64), fused outliers;
     above 64 rows (``MMA_MAX_M``), dequantize once + cuBLAS."""
@@ -306,6 +315,10 @@ class TritonKernel(LatqKernel):
     widths = tlay.WIDTHS
     workspace = Workspace(max_bytes=DEFAULT_MAX_BYTES)   # large-M scratch, one per device and stream
     splitk_workspace = SPLITK_SCRATCH                    # split-K partials, one per device and stream
+
+    @classmethod
+    def unavailable_here(cls) -> str | None:
+        return machine_reason()
 
     @classmethod
     def reserve(cls, state: TritonState, act_dtype: torch.dtype) -> None:
