@@ -122,11 +122,27 @@ def test_a_folder_others_can_write_is_refused_up_to_the_root(ck, cache, capsys, 
     config.json vLLM reads; refused naming the folder and LATQ_CACHE, nothing made in it."""
     folder = cache.parent if where == "cache" else cache.parent.parent
     cache.parent.mkdir(mode=0o700)
-    for mode in (0o777, 0o775, 0o757):
+    shared_group = [0o775] if os.geteuid() == 0 else []   # group-writable, the group another's (root may chgrp)
+    for mode in (0o777, 0o757, *shared_group):
+        if mode == 0o775:
+            os.chown(folder, -1, OTHER_UID)
         os.chmod(folder, mode)
         assert _refused(capsys, [str(ck)]) == _folder_refusal(folder, f"writable by others (mode {mode:04o})")
         assert not cache.exists()
     os.chmod(folder, 0o1777)   # sticky, as /tmp: what it holds on the way down is the caller's, so it stays put
+    assert Path(_value(_command(capsys, [str(ck)]), "--tokenizer")).parent == cache
+
+
+def test_a_group_writable_folder_of_the_callers_private_group_is_the_callers(ck, cache, capsys):
+    """A user-private-group system (umask 002) makes ~/.cache 0775 with the caller's own group, which no one
+    else is in: writable by the caller alone, so accepted."""
+    import grp
+    import pwd
+    if set(grp.getgrgid(os.getegid()).gr_mem) - {pwd.getpwuid(os.geteuid()).pw_name}:
+        pytest.skip("the caller's group has other members here")
+    cache.parent.mkdir(mode=0o700)
+    os.chown(cache.parent, -1, os.getegid())
+    os.chmod(cache.parent, 0o775)
     assert Path(_value(_command(capsys, [str(ck)]), "--tokenizer")).parent == cache
 
 

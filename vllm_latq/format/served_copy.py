@@ -93,7 +93,8 @@ def _check_folders(folder: Path) -> None:
         why = None
         if st.st_uid not in (me, 0):
             why = f"owned by uid {st.st_uid}, not by you (uid {me}) or root"
-        elif st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and child_uid in (me, 0)):
+        elif (st.st_mode & 0o002 or st.st_mode & 0o020 and not _own_group(st.st_gid)) and \
+                not (st.st_mode & stat.S_ISVTX and child_uid in (me, 0)):
             why = f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
         if why:
             from ..data.paths import CACHE_ENV   # lazily, as cache_dir: the plugin imports this module
@@ -103,6 +104,19 @@ def _check_folders(folder: Path) -> None:
         if folder.parent == folder:
             return
         folder, child_uid = folder.parent, st.st_uid
+
+
+def _own_group(gid: int) -> bool:
+    """``gid`` is the caller's private group (a user-private-group system's umask 002 makes ~/.cache 0775):
+    the caller's own group with no member but the caller, so group-writable is writable by the caller alone."""
+    import grp
+    import pwd
+    if gid != os.getegid():
+        return False
+    try:
+        return set(grp.getgrgid(gid).gr_mem) <= {pwd.getpwuid(os.geteuid()).pw_name}
+    except KeyError:   # a group or user without an entry: no one known to share it
+        return True
 
 
 def _holds(d: Path, want: dict[str, bytes]) -> bool:
