@@ -179,10 +179,18 @@ T shift_search(const Table& tab, const T* y, T* out) {
     yy += ay[i] * ay[i];
     ord[i] = i;
   }
-  for (int i = 1; i < D8; ++i)   // |y| descending (insertion: stable)
-    for (int j = i; j > 0 && ay[ord[j]] > ay[ord[j - 1]]; --j) std::swap(ord[j], ord[j - 1]);
-  T ys[D8];
-  for (int r = 0; r < D8; ++r) ys[r] = ay[ord[r]];
+  T ys[D8];   // |y| descending, equals in index order (a stable sort), by a branchless sorting network
+  for (int r = 0; r < D8; ++r) ys[r] = ay[r];
+  static constexpr int NET[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6}, {3, 7}, {0, 1}, {2, 3},
+                                     {4, 5}, {6, 7}, {2, 4}, {3, 5}, {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+  for (const auto& ab : NET) {
+    const int a = ab[0], b = ab[1];
+    const bool swap = ys[b] > ys[a] || (ys[b] == ys[a] && ord[b] < ord[a]);
+    const T va = ys[a], vb = ys[b];
+    const int oa = ord[a], ob = ord[b];
+    ys[a] = swap ? vb : va, ys[b] = swap ? va : vb;
+    ord[a] = swap ? ob : oa, ord[b] = swap ? oa : ob;
+  }
   T bd = std::numeric_limits<T>::infinity();
   int best_type = -1, best_pat = -1;
   for (size_t t = 0; t < tab.type.size(); ++t) {
@@ -326,10 +334,12 @@ struct MetricBook {
 
   // g: scratch of n gains
   void nearest(const T* x, T* out, T* g) const {
-    for (int64_t k = 0; k < n; ++k) g[k] = -bDb[k];
-    for (int j = 0; j < D8; ++j) {
-      const T xj = 2 * x[j], *dj = Db.data() + j * n;
-      for (int64_t k = 0; k < n; ++k) g[k] += xj * dj[k];
+    T x2[D8];
+    for (int j = 0; j < D8; ++j) x2[j] = 2 * x[j];
+    for (int64_t k = 0; k < n; ++k) {   // −bᵀDb + Σⱼ 2xⱼ·(Db)ⱼ, in that order, in registers
+      T gk = -bDb[k];
+      for (int j = 0; j < D8; ++j) gk += x2[j] * Db[j * n + k];
+      g[k] = gk;
     }
     int64_t best = 0;
     for (int64_t k = 1; k < n; ++k)
@@ -370,10 +380,10 @@ struct RootDescent {
         for (int i = 0; i < D8; ++i) s += (p[i] - xr[i]) * D[i * D8 + j];
         eD[j] = 2 * s;
       }
-      std::copy(RD.begin(), RD.end(), g);
-      for (int j = 0; j < D8; ++j) {
-        const T e = eD[j], *rj = RT.data() + j * nr;
-        for (int64_t k = 0; k < nr; ++k) g[k] += e * rj[k];
+      for (int64_t k = 0; k < nr; ++k) {   // rᵀDr + Σⱼ eDⱼ·rⱼ, in that order (each product exact: rⱼ ∈ {0, ±½, ±1})
+        T gk = RD[k];
+        for (int j = 0; j < D8; ++j) gk += eD[j] * RT[j * nr + k];
+        g[k] = gk;
       }
       // the `tries` least gains, ascending (insertion; ties: the earlier root first), kept only where
       // negative: the moves look no further, and the least negatives are the least gains' negative prefix
