@@ -56,7 +56,7 @@ class VectorCode:
 
     @property
     def cpp_stages(self) -> tuple[list[int], list[float]]:
-        """The stages as the C++ ops take them: kinds (0 E8P, 1 the ball) and gains."""
+        # the stages as the C++ ops take them: kinds (0 E8P, 1 the ball) and gains
         return [{cb.E8P: 0, cb.BALL: 1}[s.book] for s in self.book.stages], [s.gain for s in self.book.stages]
 
     def points(self, x: torch.Tensor, D: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -108,7 +108,8 @@ def code_scales(W: torch.Tensor, code: VectorCode, group_size: int | None = None
     grp = cb.groups_of_blocks(c, group_size, W.device)
     ng = int(grp[-1]) + 1
     sq = Wf.reshape(r, c // DIM, DIM).square().sum(-1)
-    rms = (sq.new_zeros(r, ng).index_add_(1, grp, sq) / (torch.bincount(grp, minlength=ng) * DIM)).sqrt().clamp(min=1e-12)
+    rms = sq.new_zeros(r, ng).index_add_(1, grp, sq) / (torch.bincount(grp, minlength=ng) * DIM)
+    rms = rms.sqrt().clamp(min=1e-12)
     ratio = (hi / lo) ** (1 / (coarse - 1))
     factors = [lo * ratio ** k for k in range(coarse)]
     S = torch.stack([to_fp16_grid(rms * f) for f in factors])
@@ -123,8 +124,7 @@ def code_scales(W: torch.Tensor, code: VectorCode, group_size: int | None = None
 
 
 def rounding_errors(W: torch.Tensor, S: torch.Tensor, code: VectorCode, grp: torch.Tensor) -> torch.Tensor:
-    """For candidate scales ``S [n, out, groups]`` (blocks' groups ``grp``), each group's error
-    Σ ‖s·nearest(w/s) − w‖² over its blocks → ``[n, out, groups]`` (fp32, as ``W``)."""
+    """Each group's Σ ‖s·nearest(w/s) − w‖² for candidate scales ``S [n, out, groups]`` → ``[n, out, groups]``."""
     if cpp_rows(W):   # one C++ call: no [n, out, in] temporaries
         return torch.ops.latq_cpu.e8_code_errors(W, S, grp, e8p_patterns(), *code.cpp_stages)
     r, c = W.shape
@@ -258,11 +258,8 @@ def block_babai(W: torch.Tensor, H: torch.Tensor, code: VectorCode, *, group_siz
 
 def babai_sweep(X: torch.Tensor, ldl: BlockLDL, S: torch.Tensor, grp: torch.Tensor, code: VectorCode,
                 metric: bool = True, chunk: int = SWEEP_CHUNK):
-    """Block Babai's sweep on ``X [in, out]`` in Babai's order: for k = last … first, each row's target
-    ``y_k / s`` (s: ``S [groups, out]`` at the block's group ``grp[k]``) to the code's point, in D_k where
-    ``metric`` → (Q, each stage's points ``[stages, in, out]`` fp32, each block's radii ``[blocks, out]``).
-    The targets are fed as in GPTQ's lazy batch: within a chunk of blocks at once, above it once the
-    chunk is done (one GEMM instead of a pass over every earlier column a block)."""
+    """Block Babai's sweep on ``X [in, out]`` (Babai's order, scales ``S [groups, out]``, blocks' groups ``grp``)
+    → (Q, stages' points ``[stages, in, out]``, radii ``[blocks, out]``); targets fed lazily (GPTQ's lazy batch)."""
     c, r = X.shape
     Y, Q = X.clone(), torch.empty_like(X)
     P = torch.empty(len(code.book.stages), c, r, device=X.device)
@@ -282,8 +279,7 @@ def babai_sweep(X: torch.Tensor, ldl: BlockLDL, S: torch.Tensor, grp: torch.Tens
 
 def cpp_sweep(X: torch.Tensor, ldl: BlockLDL, S: torch.Tensor, grp: torch.Tensor, code: VectorCode,
               metric: bool = True, chunk: int = SWEEP_CHUNK):
-    """:func:`babai_sweep` as one C++ call (``algorithms/csrc/e8_sweep.cpp``): the same searches and
-    the same GEMMs, so the same results."""
+    """:func:`babai_sweep` as one C++ call (``algorithms/csrc/e8_sweep.cpp``): the same searches and GEMMs."""
     return tuple(torch.ops.latq_cpu.e8_block_babai(
         X, ldl.U, ldl.D.contiguous(), S, grp, e8p_patterns(), e8_roots(), e8_ball256(), *code.cpp_stages, metric,
         DESCENT_ROUNDS, DESCENT_TRIES, chunk))

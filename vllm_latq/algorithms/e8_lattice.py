@@ -1,6 +1,5 @@
-"""E8's lattice searches, one block of eight coordinates a row: the nearest point of D8, E8, E8P (a ball
-of E8 + ¼) and the 256-point ball, Euclidean and in a metric D (the searches of block Babai,
-algorithms/e8.py); C++ ops (algorithms/csrc/e8.cpp) for CPU rows, the same points."""
+"""Nearest points of D8, E8, E8P (a ball of E8 + ¼) and the 256-point ball, a block of 8 a row, Euclidean
+and in a metric D: block Babai's searches (algorithms/e8.py); C++ ops (csrc/e8.cpp) on CPU rows."""
 from __future__ import annotations
 
 from functools import lru_cache

@@ -44,8 +44,7 @@ def e8_ball256() -> torch.Tensor:
 
 
 def _keys(p: torch.Tensor) -> torch.Tensor:
-    """Points of ½ℤ⁸ with coordinates in [−4, 4] → distinct int64 keys (base 17; the digits' sum as one
-    fp64 product, exact below 2⁵³)."""
+    """Points of ½ℤ⁸ with coordinates in [−4, 4] → distinct int64 keys (base 17, one exact fp64 product)."""
     d = torch.round(p.to(torch.promote_types(p.dtype, torch.float32)) * 2 + 8).double()
     return (d @ (17.0 ** torch.arange(DIM, dtype=torch.float64, device=p.device))).long()
 
@@ -86,7 +85,8 @@ def encode_e8p(p: torch.Tensor) -> torch.Tensor:
     idx, ok = table_index(E8P, y.abs())
     if not ok.all():
         raise ValueError("a point outside E8P cannot be encoded")
-    signs = ((y[..., :DIM - 1] < 0).double() @ (2.0 ** torch.arange(8, 15, dtype=torch.float64, device=p.device))).long()
+    bits = 2.0 ** torch.arange(8, 15, dtype=torch.float64, device=p.device)
+    signs = ((y[..., :DIM - 1] < 0).double() @ bits).long()
     return idx | signs | (shift << 15)
 
 
