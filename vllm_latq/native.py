@@ -29,7 +29,10 @@ SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "e8.cpp",
+           Path(__file__).parent / "algorithms" / "csrc" / "e8_sweep.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
+# included by SOURCES: hashed with them, so an edit rebuilds
+HEADERS = (Path(__file__).parent / "algorithms" / "csrc" / "e8_search.h",)
 # the build's target: this CPU, or another (LATQ_CPU_MARCH=x86-64-v3 builds what an AVX2-only
 # CPU builds, so an AVX-512 machine can test that build's code paths)
 MARCH_ENV = "LATQ_CPU_MARCH"
@@ -71,7 +74,7 @@ _STATUS: "str | None | object" = _UNSET   # None: loaded; a string: why not
 def _name() -> str:
     # -march=native code is only valid on this CPU: the build cache is keyed by it and the flags
     cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}"
-    src = "".join(f.read_text() for f in SOURCES)
+    src = "".join(f.read_text() for f in SOURCES + HEADERS)
     # the sources' folder too: two checkouts of the same sources would otherwise share a build folder,
     # and each load from the other rebuilds it (its build.ninja names the other's paths)
     where = str(SOURCES[0].resolve().parent)

@@ -6,183 +6,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Callable
 
 import torch
 
-from .. import native
 from ..format import codebook as cb, scale_codes
 from ..format.codebook import DIM, e8_ball256, e8p_patterns, in_e8p
 from . import lattice
+from .e8_lattice import (DESCENT_ROUNDS, DESCENT_TRIES, cpp_rows, e8_roots, e8p_codebook,  # noqa: F401
+                         in_ball256, metric_descent, nearest_ball256, nearest_d8, nearest_e8, nearest_e8p, nearest_in)
 from .result import QuantResult
 from .scales import to_fp16_grid
 
-FALLBACK_CHUNK = 4096   # blocks searched at a time by the exhaustive path (bounds its temporaries)
 NEAREST_CHUNK = 16384   # blocks a whole-matrix search takes at a time: ~2 KB of temporaries a block
-
-
-# ----------------------------------------------------------------------------- the lattice
-
-def nearest_d8(x: torch.Tensor) -> torch.Tensor:
-    """Nearest point of D8 (integer vectors of even sum) to each row of ``x [..., 8]`` (Conway–Sloane)."""
-    f = torch.round(x)
-    odd = (f.sum(-1) % 2) != 0
-    if odd.any():   # an odd sum: the coordinate farthest from its integer rounds the other way
-        d = x - f
-        i = d.abs().argmax(-1, keepdim=True)
-        step = torch.where(d.gather(-1, i) >= 0, 1.0, -1.0).to(x.dtype)
-        f = f.scatter_add(-1, i, torch.where(odd[..., None], step, torch.zeros_like(step)))
-    return f
-
-
-def nearest_e8(x: torch.Tensor) -> torch.Tensor:
-    """Nearest point of E8 = D8 ∪ (D8 + ½) to each row of ``x [..., 8]``."""
-    a = nearest_d8(x)
-    b = nearest_d8(x - 0.5) + 0.5
-    closer_b = ((x - b).square().sum(-1) < (x - a).square().sum(-1))[..., None]
-    return torch.where(closer_b, b, a)
-
-
-# ----------------------------------------------------------------------------- E8P: a ball of E8 + ¼
-
-def e8p_codebook() -> torch.Tensor:
-    """All 2¹⁶ E8P points ``[65536, 8]`` fp64, in code order."""
-    return cb.decode_e8p(torch.arange(2 ** 16)).double()
-
-
-def _e8p_shift_search(y: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The nearest point of {σ⊙a : a a pattern, Σσa even} to each row of ``y`` → (point, squared
-    distance); the ``top`` patterns nearest without the parity first, all of them where that can miss."""
-    a = e8p_patterns().to(y.device, y.dtype)
-    sgn = torch.where(y < 0, -1.0, 1.0).to(y.dtype)
-    ay = y.abs()
-    free = ay.square().sum(-1, keepdim=True) - 2 * ay @ a.T + a.square().sum(-1)   # [N, 256]
-    # a pattern's best signs are y's, the cheapest coordinate (least |y_i|·a_i) flipped where Σσa is odd;
-    # the flip only adds, so a row whose best beats the next pattern's parity-free distance is done
-    near, cand = free.topk(top + 1, dim=-1, largest=False)
-    best_d, best = _fixed_parity(ay, sgn, a, cand[:, :top], free)
-    rest = best_d > near[:, top]
-    if rest.any():
-        every = torch.arange(len(a), device=y.device).expand(int(rest.sum()), len(a))
-        best_d[rest], best[rest] = _fixed_parity(ay[rest], sgn[rest], a, every, free[rest])
-    return best, best_d
-
-
-def _fixed_parity(ay, sgn, a, cand, free):
-    """The candidates ``cand [N, k]`` (pattern indices) with their parity fixed → the best (distance, point)."""
-    ac = a[cand]                                                   # [N, k, 8]
-    odd = torch.remainder(torch.round((sgn[:, None, :] * ac).sum(-1) * 2), 4) != 0
-    flip_cost, flip_at = (ay[:, None, :] * ac).min(-1)
-    d = free.gather(1, cand) + torch.where(odd, 4 * flip_cost, torch.zeros_like(flip_cost))
-    dmin, k = d.min(-1)
-    s = sgn.clone()
-    fix = odd.gather(1, k[:, None]).squeeze(1)
-    i = flip_at.gather(1, k[:, None]).squeeze(1)
-    s[fix, i[fix]] *= -1
-    return dmin, s * ac[torch.arange(len(k), device=k.device), k]
-
-
-def _e8p_exhaustive(x: torch.Tensor, top: int = 16) -> torch.Tensor:
-    """E8P's nearest point by the pattern search for both shifts (exact)."""
-    p_plus, d_plus = _e8p_shift_search(x - 0.25, top)
-    p_minus, d_minus = _e8p_shift_search(x + 0.25, top)
-    return torch.where((d_plus <= d_minus)[:, None], p_plus + 0.25, p_minus - 0.25)
-
-
-def _native(x: torch.Tensor) -> bool:
-    """The searches' C++ ops (``algorithms/csrc/e8.cpp``: the same points, a block at a time) for CPU rows."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and native.usable()
-
-
-def nearest_e8p(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-    """Nearest E8P point to each row of ``x [N, 8]`` (exact); with a metric ``D`` that point improved
-    in ``(p − x)ᵀD(p − x)`` by :func:`metric_descent`."""
-    if _native(x):
-        p = torch.ops.latq_cpu.e8p_nearest(x, e8p_patterns())
-        return p if D is None else metric_descent(p, x, D, in_e8p)
-    p = nearest_e8(x - 0.25) + 0.25
-    out = ~in_e8p(p)
-    if out.any():
-        rows = out.nonzero().squeeze(1)
-        for r0 in range(0, len(rows), FALLBACK_CHUNK):
-            r = rows[r0:r0 + FALLBACK_CHUNK]
-            p[r] = _e8p_exhaustive(x[r])
-    return p if D is None else metric_descent(p, x, D, in_e8p)
-
-
-@lru_cache(maxsize=None)
-def e8_roots() -> torch.Tensor:
-    """E8's 240 minimal vectors (squared norm 2) ``[240, 8]`` fp64."""
-    return e8_ball256()[1:241]
-
-
-def metric_descent(p: torch.Tensor, x: torch.Tensor, D: torch.Tensor, member, rounds: int = 3,
-                   tries: int = 8) -> torch.Tensor:
-    """Local search from codebook points ``p`` toward the nearest to ``x`` in the metric ``D``: moves to
-    the best admitted neighbour p + r (r a root of E8) while one improves; never farther than ``p``."""
-    if member is in_e8p and _native(x):   # E8P's: the C++ op, a block at a time
-        return torch.ops.latq_cpu.e8p_metric_descent(p, x, D, e8_roots(), e8p_patterns(), rounds, tries)
-    R = e8_roots().to(x.device, x.dtype)
-    D = D.to(x.device, x.dtype)
-    RD = (R @ D * R).sum(-1)                                       # rᵀDr
-    for _ in range(rounds):
-        gain = 2 * ((p - x) @ D) @ R.T + RD                        # change of the distance, [N, 240]
-        val, idx = gain.topk(tries, dim=-1, largest=False)
-        cand = p[:, None, :] + R[idx]                              # [N, tries, 8]
-        ok = (val < 0) & member(cand)
-        if not ok.any():
-            break
-        val = torch.where(ok, val, torch.zeros_like(val))
-        k = val.argmin(-1)
-        move = ok.gather(1, k[:, None]).squeeze(1)
-        p = torch.where(move[:, None], cand[torch.arange(len(k), device=k.device), k], p)
-    return p
-
-
-# ----------------------------------------------------------------------------- a 1-bit ball of E8
-
-def nearest_in(x: torch.Tensor, book: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-    """Nearest row of ``book [n, 8]`` to each row of ``x [N, 8]``, in the metric ``D`` where given."""
-    if D is not None and _native(x):
-        return torch.ops.latq_cpu.nearest_in_metric(x, book, D)
-    book = book.to(x.device, x.dtype)
-    Dc = book.T if D is None else D.to(x.device, x.dtype) @ book.T
-    return book[(2 * x @ Dc - (book * Dc.T).sum(-1)).argmax(-1)]
-
-
-def nearest_ball256(x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-    """The ball's nearest point to each row of ``x``: Euclidean in closed form, in ``D`` by the whole ball."""
-    if D is not None:
-        return nearest_in(x, e8_ball256(), D)
-    return torch.ops.latq_cpu.ball256_nearest(x) if _native(x) else _nearest_ball_euclid(x)
-
-
-def _nearest_ball_euclid(x: torch.Tensor) -> torch.Tensor:
-    """The best of the ball's four kinds by the gain 2⟨x, p⟩ − |p|² (ties: the earlier kind, as in the
-    table): 0; (±1, ±1, 0⁶) on the two largest |xᵢ|; (±½)⁸ with x's signs, the smallest |xᵢ| flipped
-    where the minus signs are odd; ±2eᵢ on the largest admitted ±xᵢ (all but −2e₇)."""
-    ax = x.abs()
-    sgn = torch.where(x < 0, -1.0, 1.0).to(x.dtype)
-    top2, at2 = ax.topk(2, dim=-1)
-    odd = (x < 0).sum(-1) % 2 == 1
-    low, at_low = ax.min(-1)
-    axis = torch.cat([ax[:, :DIM - 1], x[:, DIM - 1:]], -1)          # −2e₇ is not in the ball
-    far, at_far = axis.max(-1)
-    gains = torch.stack([torch.zeros_like(far), 2 * top2.sum(-1) - 2,
-                         ax.sum(-1) - 2 * low * odd - 2, 4 * far - 4], -1)
-    kind = gains.argmax(-1)
-    root = torch.zeros_like(x).scatter_(1, at2, sgn.gather(1, at2))
-    flip = torch.where(odd, -0.5, 0.5)[:, None] * sgn.gather(1, at_low[:, None])
-    half = (0.5 * sgn).scatter_(1, at_low[:, None], flip)
-    axis_sign = torch.where(at_far == DIM - 1, 1.0, sgn.gather(1, at_far[:, None]).squeeze(1)).to(x.dtype)
-    spike = torch.zeros_like(x).scatter_(1, at_far[:, None], (2 * axis_sign)[:, None])
-    kinds = torch.stack([torch.zeros_like(x), root, half, spike], 1)   # [N, 4, 8]
-    return kinds[torch.arange(len(x), device=x.device), kind]
-
-
-def in_ball256(p: torch.Tensor) -> torch.Tensor:
-    return cb.table_index(cb.BALL, p)[1]
+SWEEP_CHUNK = 16        # blocks whose targets block Babai feeds at once (GPTQ's lazy batch)
 
 
 # ----------------------------------------------------------------------------- codes: stages of codebooks
@@ -217,6 +54,11 @@ class VectorCode:
     def bits_per_weight(self) -> float:
         return float(self.book.bits)
 
+    @property
+    def cpp_stages(self) -> tuple[list[int], list[float]]:
+        # the stages as the C++ ops take them: kinds (0 E8P, 1 the ball) and gains
+        return [{cb.E8P: 0, cb.BALL: 1}[s.book] for s in self.book.stages], [s.gain for s in self.book.stages]
+
     def points(self, x: torch.Tensor, D: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Each stage's point for the rows of ``x [N, 8]`` (stage units), searched in ``D``; and each row's
         certified radius (inf: an overload), the rule of docs/FORMAT.md, "kind codebook"."""
@@ -236,9 +78,8 @@ class VectorCode:
     def nearest(self, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
         """The code's point for each row of ``x [N, 8]``, every stage in the metric ``D`` (None: Euclidean);
         :data:`NEAREST_CHUNK` rows at a time, so a whole matrix's search holds no [N, 256] temporaries."""
-        if D is None and _native(x):   # every stage in one C++ call, a block at a time
-            kinds = [{cb.E8P: 0, cb.BALL: 1}[s.book] for s in self.book.stages]
-            return torch.ops.latq_cpu.e8_code_nearest(x, e8p_patterns(), kinds, [s.gain for s in self.book.stages])
+        if D is None and cpp_rows(x):   # every stage in one C++ call, a block at a time
+            return torch.ops.latq_cpu.e8_code_nearest(x, e8p_patterns(), *self.cpp_stages)
         out = torch.empty_like(x)
         for i in range(0, len(x), NEAREST_CHUNK):
             pts, _ = self.points(x[i:i + NEAREST_CHUNK], D)
@@ -260,35 +101,40 @@ def code_scales(W: torch.Tensor, code: VectorCode, group_size: int | None = None
                 fine: int = 2, lo: float = 0.75, hi: float = 1.35) -> torch.Tensor:
     """Per group of ``group_size`` columns (the last may be ragged; None: per row) the fp16 scale
     s = f·rms(w) minimising the code's round-to-nearest error (as ``mse_scales`` for the grid), f on a
-    geometric grid over [lo, hi] then finer → ``[out, groups]``."""
+    geometric grid over [lo, hi] then finer → ``[out, groups]``; of equal errors, the first tried."""
     r, c = W.shape
     _check_blocks(c, group_size)
-    Wb = W.float().reshape(r, c // DIM, DIM)
+    Wf = W.float()
     grp = cb.groups_of_blocks(c, group_size, W.device)
     ng = int(grp[-1]) + 1
-
-    def per_group(x):   # [r, blocks] → [r, groups]
-        return x.new_zeros(r, ng).index_add_(1, grp, x)
-    rms = (per_group(Wb.square().sum(-1)) / (torch.bincount(grp, minlength=ng) * DIM)).sqrt().clamp(min=1e-12)
+    sq = Wf.reshape(r, c // DIM, DIM).square().sum(-1)
+    rms = sq.new_zeros(r, ng).index_add_(1, grp, sq) / (torch.bincount(grp, minlength=ng) * DIM)
+    rms = rms.sqrt().clamp(min=1e-12)
     ratio = (hi / lo) ** (1 / (coarse - 1))
-    best = None   # (factor, scale, error) per group
+    factors = [lo * ratio ** k for k in range(coarse)]
+    S = torch.stack([to_fp16_grid(rms * f) for f in factors])
+    E = rounding_errors(Wf, S, code, grp)
+    k = E.argmin(0, keepdim=True)   # the first least: a scan that keeps only strict improvements
+    center = torch.tensor(factors, dtype=rms.dtype, device=rms.device)[k[0]]
+    # strictly between the coarse neighbours of each group's best
+    fine_S = torch.stack([to_fp16_grid(rms * (center * ratio ** (2 * i / (fine + 1) - 1))) for i in range(1, fine + 1)])
+    S = torch.cat([S.gather(0, k), fine_S])
+    E = torch.cat([E.gather(0, k), rounding_errors(Wf, fine_S, code, grp)])
+    return S.gather(0, E.argmin(0, keepdim=True))[0].float()
 
-    def consider(f, best):
-        s = to_fp16_grid(rms * f)
+
+def rounding_errors(W: torch.Tensor, S: torch.Tensor, code: VectorCode, grp: torch.Tensor) -> torch.Tensor:
+    """Each group's Σ ‖s·nearest(w/s) − w‖² for candidate scales ``S [n, out, groups]`` → ``[n, out, groups]``."""
+    if cpp_rows(W):   # one C++ call: no [n, out, in] temporaries
+        return torch.ops.latq_cpu.e8_code_errors(W, S, grp, e8p_patterns(), *code.cpp_stages)
+    r, c = W.shape
+    Wb = W.reshape(r, c // DIM, DIM)
+    out = []
+    for s in S:
         sb = s[:, grp, None]
-        e = per_group((sb * code.nearest((Wb / sb).reshape(-1, DIM)).reshape(Wb.shape) - Wb).square().sum(-1))
-        f = torch.as_tensor(f, dtype=rms.dtype, device=rms.device).expand_as(rms)
-        if best is None:
-            return f, s, e
-        better = e < best[2]
-        return torch.where(better, f, best[0]), torch.where(better, s, best[1]), torch.minimum(e, best[2])
-
-    for k in range(coarse):
-        best = consider(lo * ratio ** k, best)
-    center = best[0]
-    for k in range(1, fine + 1):   # strictly between the coarse neighbours of each group's best
-        best = consider(center * ratio ** (2 * k / (fine + 1) - 1), best)
-    return best[1].float()
+        e = (sb * code.nearest((Wb / sb).reshape(-1, DIM)).reshape(Wb.shape) - Wb).square().sum(-1)
+        out.append(e.new_zeros(s.shape).index_add_(1, grp, e))
+    return torch.stack(out)
 
 
 # ----------------------------------------------------------------------------- block LDL and block Babai
@@ -397,30 +243,46 @@ def block_babai(W: torch.Tensor, H: torch.Tensor, code: VectorCode, *, group_siz
         raise ValueError("group scales need each block inside one group: use order natural or act")
     ldl = block_ldl(H, T, damp, name)
     X = W.double().T[T].contiguous()                   # [in, out] in order T
-    Y = X.clone()                                      # the targets, fed as later blocks are fixed
-    Q = torch.empty_like(X)
-    P = [torch.empty(c, r, device=X.device) for _ in code.book.stages]  # each stage's points, code units
-    S = scales.double().T                              # [groups, out]
+    S = scales.double().T.contiguous()                 # [groups, out]
     grp = T[::DIM] // (group_size or c)                # each block's group
-    radius = torch.empty(c // DIM, r, dtype=torch.float64, device=X.device)
-    for k in range(c // DIM - 1, -1, -1):
-        j = k * DIM
-        s = S[int(grp[k])][:, None]
-        pts, radius[k] = code.points(Y[j:j + DIM].T / s, ldl.D[k] if metric else None)
-        Q[j:j + DIM] = (s * sum(p / st.gain for p, st in zip(pts, code.book.stages))).T
-        for Pi, p in zip(P, pts):
-            Pi[j:j + DIM] = p.T
-        if j:
-            Y[:j].addmm_(ldl.U[:j, j:j + DIM], X[j:j + DIM] - Q[j:j + DIM])
+    Q, P, radius = (cpp_sweep if cpp_rows(X) else babai_sweep)(X, ldl, S, grp, code, metric)
     bound = certificate(ldl.D, S[grp], radius)
-    q, pts = torch.empty_like(X), [torch.empty_like(p) for p in P]
+    q, pts = torch.empty_like(Q), torch.empty_like(P)
     q[T] = Q
-    for Pi, p in zip(P, pts):
-        p[T] = Pi
+    pts[:, T] = P
     bits = code.bits_per_weight + 16 * scales.numel() / W.numel()
     return BlockResult(q.T.to(W.dtype if W.dtype == torch.float64 else torch.float32).contiguous(), scales,
                        group_size, code, bits, T, [p.T.contiguous() for p in pts], torch.isinf(radius).sum(0), bound,
                        ldl.damp)
+
+
+def babai_sweep(X: torch.Tensor, ldl: BlockLDL, S: torch.Tensor, grp: torch.Tensor, code: VectorCode,
+                metric: bool = True, chunk: int = SWEEP_CHUNK):
+    """Block Babai's sweep on ``X [in, out]`` (Babai's order, scales ``S [groups, out]``, blocks' groups ``grp``)
+    → (Q, stages' points ``[stages, in, out]``, radii ``[blocks, out]``); targets fed lazily (GPTQ's lazy batch)."""
+    c, r = X.shape
+    Y, Q = X.clone(), torch.empty_like(X)
+    P = torch.empty(len(code.book.stages), c, r, device=X.device)
+    radius = torch.empty(c // DIM, r, dtype=torch.float64, device=X.device)
+    for k in range(c // DIM - 1, -1, -1):
+        j, j0 = k * DIM, k // chunk * chunk * DIM    # the block's and its chunk's first column
+        s = S[int(grp[k])][:, None]
+        pts, radius[k] = code.points(Y[j:j + DIM].T / s, ldl.D[k] if metric else None)
+        Q[j:j + DIM] = (s * sum(p / st.gain for p, st in zip(pts, code.book.stages))).T
+        P[:, j:j + DIM] = torch.stack(pts).transpose(1, 2)
+        Y[j0:j].addmm_(ldl.U[j0:j, j:j + DIM], X[j:j + DIM] - Q[j:j + DIM])
+        if j == j0 and j0:
+            done = slice(j0, j0 + chunk * DIM)
+            Y[:j0].addmm_(ldl.U[:j0, done], X[done] - Q[done])
+    return Q, P, radius
+
+
+def cpp_sweep(X: torch.Tensor, ldl: BlockLDL, S: torch.Tensor, grp: torch.Tensor, code: VectorCode,
+              metric: bool = True, chunk: int = SWEEP_CHUNK):
+    """:func:`babai_sweep` as one C++ call (``algorithms/csrc/e8_sweep.cpp``): the same searches and GEMMs."""
+    return tuple(torch.ops.latq_cpu.e8_block_babai(
+        X, ldl.U, ldl.D.contiguous(), S, grp, e8p_patterns(), e8_roots(), e8_ball256(), *code.cpp_stages, metric,
+        DESCENT_ROUNDS, DESCENT_TRIES, chunk))
 
 
 # ----------------------------------------------------------------------------- the method

@@ -44,9 +44,9 @@ def e8_ball256() -> torch.Tensor:
 
 
 def _keys(p: torch.Tensor) -> torch.Tensor:
-    """Points of ½ℤ⁸ with coordinates in [−4, 4] → distinct int64 keys (base 17)."""
-    d = torch.round(p.double() * 2 + 8).long()
-    return (d * torch.tensor([17 ** i for i in range(DIM)], device=p.device)).sum(-1)
+    """Points of ½ℤ⁸ with coordinates in [−4, 4] → distinct int64 keys (base 17, one exact fp64 product)."""
+    d = torch.round(p.to(torch.promote_types(p.dtype, torch.float32)) * 2 + 8).double()
+    return (d @ (17.0 ** torch.arange(DIM, dtype=torch.float64, device=p.device))).long()
 
 
 @lru_cache(maxsize=None)
@@ -62,14 +62,14 @@ def table_index(book: str, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     keys, index = _table_keys(book)
     keys, index = keys.to(p.device), index.to(p.device)
     inside = (p.abs() <= 4).all(-1)
-    k = _keys(torch.where(inside[..., None], p, torch.zeros_like(p)))
+    k = _keys(p.clamp(-4, 4))   # a point outside: its key matches no row (no table coordinate is ±4)
     at = torch.searchsorted(keys, k).clamp(max=len(keys) - 1)
     return index[at], inside & (keys[at] == k)
 
 
 def _e8p_parts(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A point of E8 + ¼ → (its half-odd part σ⊙a, its shift bit: 0 for +¼, 1 for −¼)."""
-    y = p.double() - 0.25
+    y = p.to(torch.promote_types(p.dtype, torch.float32)) - 0.25   # exact: points are multiples of ¼
     minus = ~(torch.remainder(y * 2, 2) == 1).all(-1)   # y not half-odd: the point is σ⊙a − ¼
     return torch.where(minus[..., None], y + 0.5, y), minus.long()
 
@@ -85,7 +85,8 @@ def encode_e8p(p: torch.Tensor) -> torch.Tensor:
     idx, ok = table_index(E8P, y.abs())
     if not ok.all():
         raise ValueError("a point outside E8P cannot be encoded")
-    signs = ((y[..., :DIM - 1] < 0).long() << torch.arange(8, 15, device=p.device)).sum(-1)
+    bits = 2.0 ** torch.arange(8, 15, dtype=torch.float64, device=p.device)
+    signs = ((y[..., :DIM - 1] < 0).double() @ bits).long()
     return idx | signs | (shift << 15)
 
 
