@@ -10,7 +10,9 @@ import torch  # noqa: E402
 from tests.helpers import gemv_isa_set  # noqa: E402
 from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist workers (scripts/test.sh) share the cores: each gets its share, at most 2 threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)
