@@ -72,6 +72,15 @@ def pair(tiny_checkpoints, tmp_path):
     return a, b, digest_of(a), digest_of(b)
 
 
+@pytest.fixture
+def native_ops():
+    """Skips the test where the package's C++ ops cannot be built; built at the first test that asks,
+    not while the tests are collected (collection takes seconds)."""
+    from vllm_latq import native
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
+
+
 @pytest.fixture(params=["avx512", "avx2"])
 def gemv_isa(request):
     """Each instruction set the C++ GEMV can run on here, set for the test (:func:`gemv_isa_set`)."""

@@ -21,7 +21,7 @@ from vllm_latq import native
 ROOT = Path(__file__).resolve().parents[2]
 LOAD = "from vllm_latq import native; import sys; why = native.load(); print(why); sys.exit(why is not None)"
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ ops unavailable: {native.load()}")
+pytestmark = pytest.mark.usefixtures("native_ops")
 
 
 def _env(**extra) -> dict:
