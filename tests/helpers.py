@@ -76,14 +76,24 @@ def pairwise(**values) -> list:
     which every pair of values of any two names meets at least once runs in the default suite, the
     rest of the grid is marked slow and runs in the slow suite. A fault in one value or in one
     interaction of two shows in the default suite."""
+    return _covering(2, values)
+
+
+def each_value(**values) -> list:
+    """As :func:`pairwise`, the default subset only holding every value of every name once at least
+    (for two-name grids, where all pairs would be the whole grid)."""
+    return _covering(1, values)
+
+
+def _covering(strength: int, values: dict) -> list:
     import itertools
     lists = list(values.values())
     grid = list(itertools.product(*(range(len(v)) for v in lists)))   # indices: values need not hash
 
     def pairs(case):
-        return {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(case)), 2)}
+        return {tuple((i, case[i]) for i in ii) for ii in itertools.combinations(range(len(case)), strength)}
 
-    todo = set().union(*(pairs(c) for c in grid)) if len(lists) > 1 else set()
+    todo = set().union(*(pairs(c) for c in grid)) if len(lists) >= strength else set()
     keep = set() if todo else set(grid)
     while todo:   # greedy: the case meeting the most pairs not yet met, the first in grid order on ties
         best = max(grid, key=lambda c: len(pairs(c) & todo))

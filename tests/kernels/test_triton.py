@@ -23,7 +23,7 @@
 import pytest
 import torch
 
-from tests.helpers import CROWDED, pairwise
+from tests.helpers import CROWDED, each_value, pairwise
 from vllm_latq import format as fmt
 from vllm_latq.kernels.triton import layout as tlay
 from vllm_latq.kernels.weight import LatqWeight
@@ -404,8 +404,7 @@ def test_mma_large_m_tiles(bits, m, rate):
     check(TritonKernel.apply(st, x, bias, kernel="mma"), x, w, bias)
 
 
-@pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("bits,mode", each_value(bits=[2, 3, 4, 5], mode=["ell", "csr"]))
 def test_mma_large_tile_configs(bits, mode):
     """The production configs of the 32- and 64-row tiles (their smaller outlier slot
     counts BR), both outlier layouts, one tile and two (the last ragged)."""
@@ -427,8 +426,7 @@ def test_large_m_split_refused():
         TritonKernel.apply(st, x[:20], kernel="mma", config=dict(BN=32, SPLIT=8, BR=4))
 
 
-@pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits,mode", each_value(bits=[3, 4], mode=["ell", "csr"]))
 def test_mma_large_tile_split_k(bits, mode):
     """One 32- or 64-row tile split over K (the largest split its partial rows allow), unequal
     step counts per split: the partials reduce to the reference, twice (tickets reset)."""
