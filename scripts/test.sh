@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 workers=${LATQ_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 par=()
-[ "$workers" -gt 1 ] && par=(-n "$workers" --dist loadfile)
+if [ "$workers" -gt 1 ]; then par=(-n "$workers" --dist loadfile); fi
 if [ "${1:-}" = "--slow" ]; then
   shift
   exec .venv/bin/python -m pytest -m slow -q "${par[@]}" "$@"
