@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Run the test suite (sets up .venv first; re-running setup is quick).
-#   bash scripts/test.sh          default suite (< ~25 min on 2 cores)
+#   bash scripts/test.sh          default suite (<= 15 min on 2 idle cores)
 #   bash scripts/test.sh --slow   the slow tests (real models end to end, vLLM runs)
+# Tests run on LATQ_TEST_WORKERS pytest-xdist workers (default: the cores, at most 4; 1: no
+# workers), whole files to a worker, so a file's module fixtures are built once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+workers=${LATQ_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+par=()
+if [ "$workers" -gt 1 ]; then par=(-n "$workers" --dist loadfile); fi
 if [ "${1:-}" = "--slow" ]; then
   shift
-  exec .venv/bin/python -m pytest -m slow -q "$@"
+  exec .venv/bin/python -m pytest -m slow -q "${par[@]}" "$@"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q "${par[@]}" "$@"

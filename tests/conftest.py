@@ -10,7 +10,9 @@ import torch  # noqa: E402
 from tests.helpers import gemv_isa_set  # noqa: E402
 from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist workers (scripts/test.sh) share the cores: each gets its share, at most 2 threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)
@@ -32,22 +34,42 @@ def real_hessians():
     return real_layer_hessians()
 
 
+def _shared(tmp_path_factory, name: str):
+    """(a folder all of this run's pytest-xdist workers share, its lock): what one worker builds there
+    the others read (read-only) instead of building it again on the same cores."""
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    return root / name, FileLock(str(root / f".{name}.lock"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    d, lock = _shared(tmp_path_factory, "shared-tiny-llama")
+    with lock:
+        if not (d / "done").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            make_tiny_model(d / "llama", "llama")
+            (d / "done").touch()
+    return d / "llama"
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tiny_llama, tmp_path_factory):
-    """{method: (checkpoint dir, {layer: QuantResult})} for SSQR and HPTQ of the tiny Llama."""
+    """{method: (checkpoint dir, {layer: QuantResult})} for SSQR and HPTQ of the tiny Llama, built once
+    for all workers (tests copy a checkpoint before they edit it: ``ck``, ``pair``)."""
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
-    root = tmp_path_factory.mktemp("ckpt")
+    root, lock = _shared(tmp_path_factory, "shared-ckpt")
     out = {}
-    for method in ("ssqr", "hptq"):
-        results = {}
-        d = quantize_model(tiny_llama, root / method, QuantizeOptions(method=method, **TINY_OPTS), progress=False,
-                           on_layer=lambda name, W, H, res, r=results: r.__setitem__(name, res))
-        out[method] = (d, results)
+    with lock:
+        for method in ("ssqr", "hptq"):
+            if not (root / f"{method}.results").exists():
+                results = {}
+                shutil.rmtree(root / method, ignore_errors=True)
+                quantize_model(tiny_llama, root / method, QuantizeOptions(method=method, **TINY_OPTS), progress=False,
+                               on_layer=lambda name, W, H, res, r=results: r.__setitem__(name, res))
+                torch.save(results, root / f"{method}.results")
+            out[method] = (root / method, torch.load(root / f"{method}.results", weights_only=False))
     return out
 
 
@@ -68,6 +90,15 @@ def pair(tiny_checkpoints, tmp_path):
     shutil.copytree(tiny_checkpoints["ssqr"][0], a)
     shutil.copytree(tiny_checkpoints["hptq"][0], b)
     return a, b, digest_of(a), digest_of(b)
+
+
+@pytest.fixture
+def native_ops():
+    """Skips the test where the package's C++ ops cannot be built; built at the first test that asks,
+    not while the tests are collected (collection takes seconds)."""
+    from vllm_latq import native
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
 
 
 @pytest.fixture(params=["avx512", "avx2"])

@@ -60,3 +60,47 @@ def random_layer_problem(r: int = 24, c: int = 64, seed: int = 0) -> tuple[torch
     mix = torch.eye(c, dtype=torch.float64) + 0.3 * torch.randn(c, c, generator=g, dtype=torch.float64)
     X = torch.randn(512, c, generator=g, dtype=torch.float64) @ mix
     return torch.randn(r, c, generator=g, dtype=torch.float64) * 0.05, X.T @ X / 512
+
+
+def _param_id(v) -> str:
+    if isinstance(v, torch.dtype):
+        return str(v).removeprefix("torch.")
+    if isinstance(v, dict):
+        return "_".join(f"{k}{x}" for k, x in v.items())
+    return str(v)
+
+
+def pairwise(**values) -> list:
+    """The whole grid over ``values`` (name → its values; a name "a,b" takes tuples, one value of
+    each) as pytest params for ``parametrize`` of the names joined by commas: a covering subset in
+    which every pair of values of any two names meets at least once runs in the default suite, the
+    rest of the grid is marked slow and runs in the slow suite. A fault in one value or in one
+    interaction of two shows in the default suite."""
+    return _covering(2, values)
+
+
+def each_value(**values) -> list:
+    """As :func:`pairwise`, the default subset only holding every value of every name once at least
+    (for two-name grids, where all pairs would be the whole grid)."""
+    return _covering(1, values)
+
+
+def _covering(strength: int, values: dict) -> list:
+    import itertools
+    lists = list(values.values())
+    grid = list(itertools.product(*(range(len(v)) for v in lists)))   # indices: values need not hash
+
+    def pairs(case):
+        return {tuple((i, case[i]) for i in ii) for ii in itertools.combinations(range(len(case)), strength)}
+
+    todo = set().union(*(pairs(c) for c in grid)) if len(lists) >= strength else set()
+    keep = set() if todo else set(grid)
+    while todo:   # greedy: the case meeting the most pairs not yet met, the first in grid order on ties
+        best = max(grid, key=lambda c: len(pairs(c) & todo))
+        keep.add(best)
+        todo -= pairs(best)
+
+    def flat(case):
+        return [x for name, vs, i in zip(values, lists, case) for x in (vs[i] if "," in name else (vs[i],))]
+    return [pytest.param(*flat(c), id="-".join(_param_id(v) for v in flat(c)),
+                         marks=() if c in keep else pytest.mark.slow) for c in grid]

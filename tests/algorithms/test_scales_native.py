@@ -11,7 +11,7 @@ from vllm_latq import native
 from vllm_latq.algorithms import scales
 from vllm_latq.algorithms.scales import expand, grid, mse_scales
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")
+pytestmark = pytest.mark.usefixtures("native_ops")
 
 
 def _both(W, bits, g, **kw):

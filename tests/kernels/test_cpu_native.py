@@ -13,7 +13,7 @@ from vllm_latq.kernels.cpu.kernel import CPUKernel
 from vllm_latq.testing.weights import random_weight
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
-              pytest.mark.skipif(not native.available(), reason=f"C++ op unavailable: {native.load()}")]
+              pytest.mark.usefixtures("native_ops")]
 
 
 def test_native_op_is_the_layer_op_for_every_m():
@@ -183,8 +183,13 @@ def test_tiles_hold_the_csr():
 
 # --------------------------------------------------------------------------- the M = 1 GEMV
 
-gemv_only = pytest.mark.skipif(not (native.available() and torch.ops.latq_cpu.gemv_max_m() > 0),
-                               reason="the C++ GEMV is not built here (no AVX-512 VBMI/BF16) or is off")
+@pytest.fixture
+def _gemv_built(native_ops):
+    if torch.ops.latq_cpu.gemv_max_m() <= 0:
+        pytest.skip("the C++ GEMV is not built here (no AVX-512 VBMI/BF16) or is off")
+
+
+gemv_only = pytest.mark.usefixtures("_gemv_built")
 
 
 def _op_state(N, K, g, seed, zeros=False):

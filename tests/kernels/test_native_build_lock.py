@@ -21,7 +21,7 @@ from vllm_latq import native
 ROOT = Path(__file__).resolve().parents[2]
 LOAD = "from vllm_latq import native; import sys; why = native.load(); print(why); sys.exit(why is not None)"
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ ops unavailable: {native.load()}")
+pytestmark = pytest.mark.usefixtures("native_ops")
 
 
 def _env(**extra) -> dict:
@@ -43,15 +43,27 @@ def _stderr_until(p: subprocess.Popen, text: str, seconds: float) -> str:
     return got
 
 
-def test_a_stale_torch_lock_does_not_hang_a_load():
+@pytest.fixture
+def built(tmp_path):
+    """(a private copy of the built library's folder, the extensions root to load it from): the lock
+    files these tests plant stay out of the folder other test workers' processes load from."""
+    import shutil
+    src = Path(native.build_directory())
+    folder = tmp_path / src.name
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns(native.TORCH_LOCK_FILE, native.FLOCK_FILE))
+    return folder, str(tmp_path)
+
+
+def test_a_stale_torch_lock_does_not_hang_a_load(built):
     """A torch ``lock`` file left in the (built) library's folder, as a killed build leaves it: the
     next load removes it, says so, and loads (the library is built: seconds, not a hang)."""
-    stale = Path(native.build_directory()) / native.TORCH_LOCK_FILE
-    fd = os.open(stale, os.O_CREAT | os.O_EXCL | os.O_WRONLY)   # fails if a build is running: not stale
+    folder, root = built
+    stale = folder / native.TORCH_LOCK_FILE
+    fd = os.open(stale, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     os.close(fd)
     try:
-        p = subprocess.run([sys.executable, "-c", LOAD], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                           timeout=180)
+        p = subprocess.run([sys.executable, "-c", LOAD], cwd=ROOT, env=_env(TORCH_EXTENSIONS_DIR=root),
+                           capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stdout + p.stderr
         assert f"latq: removed {stale}, the build lock of a build that was killed" in p.stderr, p.stderr
         assert not stale.exists()
@@ -59,16 +71,16 @@ def test_a_stale_torch_lock_does_not_hang_a_load():
         stale.unlink(missing_ok=True)
 
 
-def test_a_load_waiting_for_a_live_builder_says_so():
+def test_a_load_waiting_for_a_live_builder_says_so(built):
     """While another process holds the build lock (a live build), a load waits for it and says so
     on stderr at once, naming that process; it loads once the lock is released."""
-    folder = native.build_directory()
+    folder, root = built
     fd = os.open(os.path.join(folder, native.FLOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    p = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=_env(TORCH_EXTENSIONS_DIR=root),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         said = _stderr_until(p, "latq: waiting", seconds=60)
         assert f"latq: waiting for process {os.getpid()}, which is building the C++ ops in {folder}" in said, said

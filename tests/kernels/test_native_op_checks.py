@@ -16,7 +16,7 @@ import torch
 
 from vllm_latq import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"C++ ops unavailable: {native.load()}")
+pytestmark = pytest.mark.usefixtures("native_ops")
 
 ROOT = Path(__file__).resolve().parents[2]
 OK, RAISES, EITHER = "ok", "raises", "either"   # EITHER: a valid call some builds decline (no GEMV here)

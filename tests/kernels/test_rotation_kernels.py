@@ -33,20 +33,18 @@ def hadamard_isa(name: str):
         torch.ops.latq_cpu.set_hadamard_isa(before)
 
 
-def _isas() -> list[str]:
-    if not native.available():
-        return []
-    out = [""]
-    for name in ("avx2", "avx512"):
-        try:
-            with hadamard_isa(name):
-                out.append(name)
-        except RuntimeError:
+@pytest.fixture(params=["", "avx2", "avx512"])
+def isa(request, native_ops):
+    """Each instruction set of the C++ transform ("": the build's pick), skipped where this CPU or
+    build lacks it; asked at the test, so collecting the tests builds nothing."""
+    try:
+        with hadamard_isa(request.param):
             pass
-    return out
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return request.param
 
 
-@pytest.mark.parametrize("isa", _isas() or [pytest.param("", marks=pytest.mark.skip(reason="no C++ ops"))])
 @pytest.mark.parametrize("b", BLOCKS + [512])
 def test_cpu_transform_is_the_torch_one(isa, b):
     """fp32: the same passes in the same order, bit for bit; bf16/fp16: the same fp32 values
@@ -151,7 +149,6 @@ def test_layers_of_one_block_share_their_signs_and_the_report_counts_them_once()
     assert report.layers[1].served_bits == pytest.approx(plain[1])
 
 
-@pytest.mark.parametrize("isa", _isas() or [pytest.param("", marks=pytest.mark.skip(reason="no C++ ops"))])
 def test_cpu_rotated_layer_through_the_lean_op(isa):
     """A rotated CPU layer without outliers is served by ``latq_cpu::rotated_plain_linear`` (the
     lean op, the signs after ``out_features``: ``ops.plain_call``): bit for bit the list op with the

@@ -5,7 +5,8 @@
   CSR for crowded ones.
 * The kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest) against
   ``latq_linear_ref``: bits {2, 3, 4, 5} × M {1, 2, 4, 7, 8, 16} × outlier rates {0, 1 %, 5 %}
-  × fp16/bf16, on shapes that are multiples of nothing (N = 40, K = 300: ragged scale group,
+  × fp16/bf16 (each grid: every pair of values by default, the whole grid in the slow suite),
+  on shapes that are multiples of nothing (N = 40, K = 300: ragged scale group,
   ragged 32-column tile, rows padded to 16, K padded to the step; at 3 bits all of it is
   the 4-bit tail), with a row holding half the columns as outliers and rows holding none;
   split-K, bias, fp32 activations, the larger-M fallback, group sizes 32/64/one group per
@@ -22,7 +23,7 @@
 import pytest
 import torch
 
-from tests.helpers import CROWDED
+from tests.helpers import CROWDED, each_value, pairwise
 from vllm_latq import format as fmt
 from vllm_latq.kernels.triton import layout as tlay
 from vllm_latq.kernels.weight import LatqWeight
@@ -224,10 +225,9 @@ def state_for(bits, rate, mode=None, group=128, k=K, scale_bits=None):
     return _STATES[key]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rate", [0.0, 0.01, 0.05])
-@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, 16])
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+# all pairs of the grid by default, the whole grid in the slow suite
+@pytest.mark.parametrize("bits,m,rate,dtype", pairwise(bits=[2, 3, 4, 5], m=[1, 2, 4, 7, 8, 16], rate=[0.0, 0.01, 0.05],
+                                                       dtype=[torch.float16, torch.bfloat16]))
 def test_kernel_matches_reference(bits, m, rate, dtype):
     w, st = state_for(bits, rate)
     x = activations(m, dtype, seed=m)
@@ -236,9 +236,8 @@ def test_kernel_matches_reference(bits, m, rate, dtype):
     check(y, x, w, bias)
 
 
-@pytest.mark.parametrize("kernel,m", [("gemv", 1), ("gemv", 3), ("mma", 8), ("mma", 20)])
-@pytest.mark.parametrize("k", [576, 640, 896, 1280])
-@pytest.mark.parametrize("bits", [3, 5])
+@pytest.mark.parametrize("bits,k,kernel,m", pairwise(bits=[3, 5], k=[576, 640, 896, 1280], **{
+    "kernel,m": [("gemv", 1), ("gemv", 3), ("mma", 8), ("mma", 20)]}))
 def test_k_tails(bits, k, kernel, m):
     """K not a multiple of 512 (SmolLM2's 576, Gemma3's 640, Qwen2.5's 896, 1280 ~ 4864 =
     9·512 + 256): 3 bits run whole 512-column chunks and then the 4-bit tail (1, 1, 3, 2
@@ -317,9 +316,7 @@ def test_solver_coded_scales_through_the_stored_form(bits):
         check(TritonKernel.apply(st, x, kernel="gemv" if m < 8 else "mma"), x, w)
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.02])
-@pytest.mark.parametrize("m", [1, 4, 9, 17, 64])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits,m,rate", pairwise(bits=[2, 3, 4], m=[1, 4, 9, 17, 64], rate=[0.0, 0.02]))
 def test_kernel_coded_scales_match_reference(bits, m, rate):
     """Coded scales at group 64 (several groups per K step), both kernels by M."""
     w, st = state_for(bits, rate, group=64, scale_bits=4)
@@ -328,7 +325,8 @@ def test_kernel_coded_scales_match_reference(bits, m, rate):
     check(TritonKernel.apply(st, x, kernel="gemv" if m < 8 else "mma"), x, w)
 
 
-@pytest.mark.parametrize("mode,k", [("ell", 33000), ("csr", K)])
+# K = 33000 runs long in the interpreter: the slow suite's (the int32 columns' layout: the test below)
+@pytest.mark.parametrize("mode,k", [pytest.param("ell", 33000, marks=pytest.mark.slow), ("csr", K)])
 def test_wide_outliers(mode, k):
     """fp32 outlier values (not fp16-exact, as from an HPTQ transcode), and for ELL K > 32768
     (int32 columns): the non-compact entry types."""
@@ -341,14 +339,18 @@ def test_wide_outliers(mode, k):
     check(TritonKernel.apply(st, x), x, w)
 
 
-@pytest.mark.parametrize("kernel,m,cfg", [
-    ("gemv", 2, dict(BN=32, SPLIT=4, num_warps=2)),
-    ("gemv", 5, dict(BN=16, SPLIT=3, num_warps=1)),
-    ("mma", 9, dict(BN=32, SPLIT=2, BR=4, num_warps=4)),
-    ("mma", 16, dict(BN=16, SPLIT=4, BR=16, num_warps=4)),
-])
-@pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits,k", [(4, 600), (5, 600), (3, 1280)])
+def test_wide_outlier_columns_are_int32():
+    """ELL outliers of a layer with K > 32768 columns keep int32 columns (the kernel on them: slow above)."""
+    w = make_weight(n=16, k=33000, bits=4, rate=0.002, seed=11)
+    st = TritonKernel.prepare(w, outlier_mode="ell")
+    assert st.outl_col.dtype == torch.int32 and int(st.outl_col.max()) > 32767
+
+
+@pytest.mark.parametrize("bits,k,mode,kernel,m,cfg", pairwise(**{
+    "bits,k": [(4, 600), (5, 600), (3, 1280)], "mode": ["ell", "csr"],
+    "kernel,m,cfg": [("gemv", 2, dict(BN=32, SPLIT=4, num_warps=2)), ("gemv", 5, dict(BN=16, SPLIT=3, num_warps=1)),
+                     ("mma", 9, dict(BN=32, SPLIT=2, BR=4, num_warps=4)),
+                     ("mma", 16, dict(BN=16, SPLIT=4, BR=16, num_warps=4))]}))
 def test_split_k(bits, k, kernel, m, cfg, mode):
     """K = 600 (5 steps at 4/5 bits; 1280 at 3 bits: 2 main steps + 2 tail steps, dealt to
     the splits from the last): splits get unequal step counts, one may get none; the ticket
@@ -391,9 +393,7 @@ def test_fp32_activations_and_shapes():
         TritonKernel.apply(st, torch.zeros(1, K + 1))
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.05])
-@pytest.mark.parametrize("m", [17, 40, 100])
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("bits,m,rate", pairwise(bits=[2, 3, 4, 5], m=[17, 40, 100], rate=[0.0, 0.05]))
 def test_mma_large_m_tiles(bits, m, rate):
     """M > 16 on the tensor-core kernel: 32-row tiles (M ≤ 32), else 64-row tiles, the M
     tiles fastest in the grid (100: a ragged last tile); no split-K there."""
@@ -404,8 +404,7 @@ def test_mma_large_m_tiles(bits, m, rate):
     check(TritonKernel.apply(st, x, bias, kernel="mma"), x, w, bias)
 
 
-@pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("bits,mode", each_value(bits=[2, 3, 4, 5], mode=["ell", "csr"]))
 def test_mma_large_tile_configs(bits, mode):
     """The production configs of the 32- and 64-row tiles (their smaller outlier slot
     counts BR), both outlier layouts, one tile and two (the last ragged)."""
@@ -427,8 +426,7 @@ def test_large_m_split_refused():
         TritonKernel.apply(st, x[:20], kernel="mma", config=dict(BN=32, SPLIT=8, BR=4))
 
 
-@pytest.mark.parametrize("mode", ["ell", "csr"])
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits,mode", each_value(bits=[3, 4], mode=["ell", "csr"]))
 def test_mma_large_tile_split_k(bits, mode):
     """One 32- or 64-row tile split over K (the largest split its partial rows allow), unequal
     step counts per split: the partials reduce to the reference, twice (tickets reset)."""
