@@ -70,7 +70,8 @@ def test_eval_output_that_fails_after_the_evaluation_keeps_the_result(tiny_check
     result is printed, the line names the path, exit 2, and no part file is left."""
     out = tmp_path / "r.json"
     (tmp_path / "r.json.part").symlink_to("/dev/full")
-    rc, stdout, err = _run(capfd, evaluate.main, tiny_checkpoints["ssqr"][0], "--text", text, "--output", out, *EVAL)
+    rc, stdout, err = _run(capfd, evaluate.main, tiny_checkpoints["ssqr"][0], "--text", text, "--output", out, *EVAL,
+                           "--json")
     assert rc == 2 and json.loads(stdout)["windows"] == 1
     assert err == (f"latq-eval: error: no space left on the device while writing {out} ({err.split(' (', 1)[1]}"), err
     assert "the result is printed above" in err and err.count("\n") == 1

@@ -252,7 +252,7 @@ def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd)
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
     capfd.readouterr()
-    assert evaluate.main([str(gguf_file), "--nwindows", "1", "--seqlen", "16", "--no-progress"]) == 0
+    assert evaluate.main([str(gguf_file), "--nwindows", "1", "--seqlen", "16", "--no-progress", "--json"]) == 0
     out, err = capfd.readouterr()
     assert json.loads(out)["windows"] == 1
     assert "it/s]" not in err and "GGUF tensors" not in err, err

@@ -25,7 +25,7 @@ EDITED = "model.layers.0.self_attn.q_proj.qweight"
 
 
 def _ppl(capsys, argv) -> float:
-    assert evaluate.main(argv) == 0, capsys.readouterr().err
+    assert evaluate.main([*argv, "--json"]) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)["ppl"]
 
 
