@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_latq import cpu_features
-from vllm_latq.quantize import ranks
+from vllm_latq.quantize import faults, ranks
 from vllm_latq.testing.tiny_models import make_tiny_model, make_word_level_model
 
 ARGS = ["--nsamples", "6", "--seqlen", "64", "--no-progress", "-q"]
@@ -112,7 +112,8 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     out = tmp_path / "out"
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                               "-m", "vllm_latq.quantize", str(src), str(out), *ARGS], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             stderr=subprocess.PIPE, text=True,   # held after the block: killed mid-run, however fast
+                             env={**os.environ, "OMP_NUM_THREADS": "1", faults.AT_ENV: "saved-block:hold"})
     try:
         t0 = time.time()
         while not out.with_name(out.name + ".tmp-latq").exists() and agent.poll() is None and time.time() - t0 < 300:
@@ -129,7 +130,7 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     assert err.count(f"latq-quantize: the ranks' launcher (torchrun's agent, pid {agent.pid}) is gone: every rank of "
                      "this node stops") == 1, err[-3000:]
     assert len(ranks) == 2 and not out.exists()
-    ok(quantize(src, out, 1, "--resume"))
+    ok(quantize(src, out, 1, "--resume", args=ARGS))
 
 
 def _stat(proc: Path) -> list[str]:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from .. import env
 from .ranks import World
 
 STOP_ENV = "LATQ_STOP_AFTER_BLOCK"  # raise SimulatedInterruption after this block
 FAULT_ENV = "LATQ_FAULT"  # "RANK:LAYER_SUBSTRING:raise|kill" fails that rank at that layer's solve
-AT_ENV = "LATQ_FAULT_AT"  # "STAGE:kill|stop": SIGKILL or SIGSTOP this process when it reaches STAGE
+AT_ENV = "LATQ_FAULT_AT"  # "STAGE:kill|stop|hold": SIGKILL, SIGSTOP or sleep until killed at STAGE
 # a block's shard and progress saved; then output_dir.replace_with's: the run directory sealed, OUT moved
 # to OUT.old-latq, the run directory moved to OUT, the old checkpoint's removal begun
 STAGES = ("saved-block", "sealed", "aside", "replaced", "removing-old")
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hold": None}   # hold: threads (watches) run on
 
 
 class SimulatedInterruption(RuntimeError):
@@ -42,7 +43,7 @@ def stop_if_asked(i: int, stop: int | None) -> None:
         raise SimulatedInterruption(f"simulated interruption after block {i}")
 
 
-def stage_fault() -> tuple[str, signal.Signals] | None:
+def stage_fault() -> tuple[str, signal.Signals | None] | None:
     """``$LATQ_FAULT_AT`` parsed → (stage, signal), or None; any other value is refused naming the variable."""
     spec = env.text(AT_ENV, f"({'|'.join(STAGES)}):({'|'.join(ACTIONS)})",
                     f"STAGE:ACTION, STAGE one of {', '.join(STAGES)}, ACTION one of {', '.join(ACTIONS)}")
@@ -56,6 +57,8 @@ def at(stage: str) -> None:
     """The run reached ``stage``: killed or stopped there if ``$LATQ_FAULT_AT`` says so."""
     fault = stage_fault()
     if fault is not None and fault[0] == stage:
+        while fault[1] is None:
+            time.sleep(1.0)
         os.kill(os.getpid(), fault[1])
 
 

@@ -95,6 +95,10 @@ def joined(device: str, command: dict):
         shutdown(world)
 
 
+_launcher = [0]                 # the pid of this rank's launcher while a watch runs
+_stopping = threading.Lock()
+
+
 def stop_with_launcher() -> None:
     """Under torchrun, end this rank when its launcher dies: a killed agent neither stops nor
     collects its ranks, which would run on to the end unseen. Ending is as abrupt as a kill,
@@ -102,15 +106,26 @@ def stop_with_launcher() -> None:
     parent = os.getppid()
     if launched_ranks() <= 1 or parent == 1:
         return
+    _launcher[0] = parent
 
     def watch():
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
+        stop_if_launcher_gone()
+    threading.Thread(target=watch, name="latq-launcher-watch", daemon=True).start()
+
+
+def stop_if_launcher_gone() -> None:
+    """End this rank if its launcher is gone. A peer's watch may fire first and break a collective
+    here: the launcher, not that peer, is the cause to name, and it is named once."""
+    parent = _launcher[0]
+    if not parent or os.getppid() == parent:
+        return
+    with _stopping:   # the watch and a failed collective may both arrive; os._exit ends the process inside
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"latq-quantize: the ranks' launcher (torchrun's agent, pid {parent}) is gone: every rank of this "
                   "node stops; the finished blocks are kept: rerun with --resume", file=sys.stderr, flush=True)
         os._exit(1)
-    threading.Thread(target=watch, name="latq-launcher-watch", daemon=True).start()
 
 
 def shutdown(world: World) -> None:
@@ -263,6 +278,8 @@ def lost_rank(error: BaseException) -> RankFailed | None:
     """A collective's failure because another rank died, as a :class:`RankFailed`; else None."""
     lost = isinstance(error, torch.distributed.DistError) or (
         isinstance(error, RuntimeError) and "gloo" in str(error) and "by peer" in str(error))
+    if lost:
+        stop_if_launcher_gone()
     return RankFailed(f"another rank stopped answering (it died or was killed: see its log) during "
                       f"{_step[0]}: {error}") if lost else None
 
