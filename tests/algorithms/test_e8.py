@@ -170,7 +170,7 @@ def test_code_scales_are_fp16_and_no_worse_than_the_search_ends():
         return ((scale[:, :, None] * code.nearest(Wb.reshape(-1, 8)).reshape(16, 8, 8)) - W.reshape(16, 8, 8)
                 ).square().sum((1, 2))
     rms = W.square().mean(1, keepdim=True).sqrt()
-    for f in (0.75, 1.35):
+    for f in (e8.SCALE_SEARCH[2].lo, e8.SCALE_SEARCH[2].hi):
         assert (err(s) <= err((rms * f).half().float()) + 1e-9).all()
 
 

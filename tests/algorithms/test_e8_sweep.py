@@ -1,6 +1,8 @@
 """Block Babai's fast paths against the readable ones on small random problems: the lazily fed sweep
 against the block-by-block one, the C++ sweep (``algorithms/csrc/e8_sweep.cpp``) against the Python
 loop, and the C++ scale search's errors against torch's — the same codes, scales, radii and bounds."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,8 +77,9 @@ def test_the_method_with_the_cpp_sweep_is_the_method_with_the_loop(bits, group_s
     assert got.info["overloads"].sum() > 0 and (got.info["overloads"] == 0).any()
 
 
-def scanned_scales(W, code, group_size=None, coarse=7, fine=2, lo=0.75, hi=1.35):
+def scanned_scales(W, code, group_size=None):
     """code_scales as first written: one candidate factor at a time, kept where strictly better."""
+    coarse, fine, lo, hi = dataclasses.astuple(e8.SCALE_SEARCH[code.book.bits])
     r, c = W.shape
     Wb = W.float().reshape(r, c // 8, 8)
     grp = codebook.groups_of_blocks(c, group_size, W.device)
@@ -85,7 +88,7 @@ def scanned_scales(W, code, group_size=None, coarse=7, fine=2, lo=0.75, hi=1.35)
     def per_group(x):
         return x.new_zeros(r, ng).index_add_(1, grp, x)
     rms = (per_group(Wb.square().sum(-1)) / (torch.bincount(grp, minlength=ng) * 8)).sqrt().clamp(min=1e-12)
-    ratio = (hi / lo) ** (1 / (coarse - 1))
+    ratio = (hi / lo) ** (1 / max(coarse - 1, 1))
     best = None
 
     def consider(f, best):
