@@ -68,7 +68,7 @@ def test_a_dominating_tied_head_stays_tied_and_the_checkpoint_is_smaller(kept):
     ("gemma3-270m", (18, 640, 1024, 256, 2048), True)])
 def test_the_rule_on_the_reference_models_shapes(model, shapes, keeps):
     """SmolLM2's 8-bit copy (28 MiB) is far below what its linears save (148 MiB): it stays; Gemma3's
-    (166 MiB) outweighs its linears' 140 MiB: the head stays tied (537.4 MiB would beat the source's 511.4)."""
+    (166 MiB) outweighs its linears' 140 MiB: the head stays tied (with the copy: 537.4 MiB against the source's 511.4)."""
     blocks, hidden, q, kv, inter = shapes
     vocab = {"smollm2-135m": 49152, "gemma3-270m": 262144}[model]
     block = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q), "gate": (inter, hidden),
