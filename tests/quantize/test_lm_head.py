@@ -115,20 +115,29 @@ def test_option_off_keeps_head_unquantized(tiny_head, tmp_path):
     assert "lm_head" not in Checkpoint(out).layers()
 
 
-def test_dense_methods_quantize_the_head_with_8_bits_by_default(tiny_head, tmp_path):
+def test_dense_methods_quantize_the_head_with_8_bits_by_default(tmp_path):
     """Without a head option a dense method quantizes the head with ``DEFAULT_LM_HEAD_BITS``-bit
-    inliers (the rest at ``bits``); a Huffman method keeps it in the model dtype."""
+    inliers (the rest at ``bits``) — a tied one too where its copy weighs less than quantizing the
+    linears saves (here a 256-word vocabulary), so the checkpoint stays smaller than the source; a
+    Huffman method keeps it in the model dtype."""
     from vllm_latq.quantize.options import DEFAULT_LM_HEAD_BITS
+    from vllm_latq.testing.tiny_models import make_word_level_model
     assert DEFAULT_LM_HEAD_BITS == 8
-    out = quantize_model(tiny_head["src"], tmp_path / "rtn", QuantizeOptions(method="rtn", group_size=32, nsamples=2,
-                                                                            seqlen=32), progress=False)
+    src, calib = make_word_level_model(tmp_path)
+    out = quantize_model(src, tmp_path / "rtn", QuantizeOptions(method="rtn", group_size=32, calib=str(calib)),
+                         progress=False)
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert cfg["tie_word_embeddings"] is False and qc["lm_head_quantized"] is True
     assert qc["layer_bits"] == {"lm_head": 8} and qc["bits"] == 4
     assert "lm_head" in Checkpoint(out).layers() and "model.embed_tokens" in qc["modules_not_converted"]
+    assert safetensors_bytes(out) < safetensors_bytes(src)
     hptq = QuantizeOptions(method="hptq")
     assert hptq.quantize_lm_head is False and hptq.lm_head_bits is None
+
+
+def safetensors_bytes(d) -> int:
+    return sum(p.stat().st_size for p in d.glob("*.safetensors"))
 
 
 def test_a_head_quantized_by_default_is_kept_where_it_cannot_be(tiny_head, tmp_path, monkeypatch, caplog):

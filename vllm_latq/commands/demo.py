@@ -26,6 +26,9 @@ BASELINES = {
     "RTN-4b-g128": dict(method="rtn", bits=4, group_size=128),
     "RTN-3b-g128": dict(method="rtn", bits=3, group_size=128),
 }
+# what latq-quantize's defaults write, in the cache key: a checkpoint cached under older defaults is made again
+# (2: a tied head kept tied where its copy would outgrow the source)
+DEFAULTS = 2
 EXAMPLES = """examples:
   python -m vllm_latq.commands.demo [--nsamples 32] [--baselines] [--fresh]
   python -m vllm_latq.commands.demo --layers      # the paper's per-layer comparison on one block
@@ -61,7 +64,8 @@ def quantize_job(label: str, kw: dict, root: Path, nsamples: int, seqlen: int, f
     from ..quantize.pipeline import quantize_model
 
     opts = QuantizeOptions(nsamples=nsamples, seqlen=seqlen, **kw)
-    out = root / f"{src.name}-{_slug(label)}-n{nsamples}x{seqlen}-{json_sha256(kw)[:8]}"
+    key = json_sha256({**kw, "defaults": DEFAULTS})[:8]
+    out = root / f"{src.name}-{_slug(label)}-n{nsamples}x{seqlen}-{key}"
     if fresh and out.exists():
         shutil.rmtree(out)
     try:
@@ -111,6 +115,23 @@ def _ckpt_info(d: Path) -> dict:
     return {"size": size, "cert": st["totals"].get("cert_max"), "rel": st["totals"].get("rel_error_mean")}
 
 
+def table(rows: list[dict]) -> list[str]:
+    """The result table, the first row the bf16 source: size beside bits, so that a checkpoint reads
+    smaller than its source at a glance (``rows``: label, bits, ppl, size; rel, cert, outlier_rate if any)."""
+    base, src_size = rows[0]["ppl"], rows[0]["size"]
+    lines = [f"{'model':13s} {'bits/w':>7s} {'size MiB':>9s} {'of bf16':>7s} {'outliers':>8s} {'ppl':>8s} "
+             f"{'Δ bf16':>7s} {'rel.err':>8s} {'cert':>6s}"]
+    for r in rows:
+        first = r is rows[0]
+        outliers = f"{'—':>8s}" if first else f"{100 * r.get('outlier_rate', 0):7.2f}%"
+        delta = f"{'':>7s}" if first else f"{100 * (r['ppl'] / base - 1):+6.1f}%"
+        rel = f"{'—':>8s}" if r.get("rel") is None else f"{r['rel']:8.2e}"
+        cert = f"{'—':>6s}" if r.get("cert") is None else f"{r['cert']:6.3f}"
+        lines.append(f"{r['label']:13s} {r['bits']:7.3f} {r['size'] / 2**20:9.1f} {100 * r['size'] / src_size:6.1f}% "
+                     f"{outliers} {r['ppl']:8.3f} {delta} {rel} {cert}")
+    return lines
+
+
 def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh: bool) -> None:
     from .quantize import setup_logging
     setup_logging(quiet=False)  # one line per quantized layer, above the progress bars
@@ -126,23 +147,17 @@ def full_demo(nsamples: int, seqlen: int, nwindows: int, baselines: bool, fresh:
     for label, d in ckpts.items():
         res[label] = eval_job(label, str(d), root, nwindows, seqlen, fresh, step)
 
-    base = res["bf16"]["ppl"]
     src_size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"\n{MODEL}: Wikipedia perplexity ({res['bf16']['windows']} windows × {seqlen} tokens = "
           f"{res['bf16']['tokens']} predicted tokens; fp32 compute, checkpoints dequantized by the "
           f"format's reference; calibration {nsamples} × {seqlen} tokens)")
-    print(f"{'model':13s} {'bits/w':>7s} {'outliers':>8s} {'ppl':>8s} {'Δ bf16':>7s} {'size MiB':>9s} "
-          f"{'rel.err':>8s} {'cert':>6s}")
-    print(f"{'bf16':13s} {16:7.3f} {'—':>8s} {base:8.3f} {'':>7s} {src_size / 2**20:9.1f} {'—':>8s} {'—':>6s}")
-    for label, d in ckpts.items():
-        r, info = res[label], _ckpt_info(d)
-        cert = f"{info['cert']:6.3f}" if info["cert"] is not None else f"{'—':>6s}"
-        print(f"{label:13s} {r['bits']:7.3f} {100 * r.get('outlier_rate', 0):7.2f}% {r['ppl']:8.3f} "
-              f"{100 * (r['ppl'] / base - 1):+6.1f}% {info['size'] / 2**20:9.1f} {info['rel']:8.2e} {cert}")
-    print("bits/w: stored bits per weight of the quantized linears — scales, outliers and the 8-bit output head "
-          "counted (docs/FORMAT.md);\nsize: all safetensors, the bf16 embedding included: a tied head (Gemma3's "
-          "262k × 640) gets an 8-bit copy beside it, which the\nserved head reads (half a bf16 head's bytes a decode "
-          "step) but which can outweigh what quantizing saves (--no-quantize-lm-head keeps it tied);\n"
+    rows = [{"label": "bf16", "bits": 16, "ppl": res["bf16"]["ppl"], "size": src_size}]
+    rows += [{"label": label, **res[label], **_ckpt_info(d)} for label, d in ckpts.items()]
+    print("\n".join(table(rows)))
+    print("bits/w: stored bits per weight of the quantized linears — scales, outliers and an 8-bit output head "
+          "where quantized counted (docs/FORMAT.md);\nsize: all safetensors, the bf16 embedding included, and its "
+          "share of the bf16 model's: a tied head gets an 8-bit copy only\nwhere the checkpoint stays smaller "
+          "with it — Gemma3's 262k × 640 head stays tied in bf16 (--quantize-lm-head copies it anyway);\n"
           "rel.err: mean ‖X(Q−W)‖²/‖XW‖² over layers; cert: max measured/bound of the no-clipping certificate "
           "(≤ 1 is the theorem; — : a method with clipping, such as the default GPTQ, carries none).")
     print(f"checkpoints: {', '.join(str(d) for d in ckpts.values())}")

@@ -124,8 +124,9 @@ def parser() -> argparse.ArgumentParser:
                    help="quantize the output head with the layers' own bits (Hessian from the final norm's outputs), "
                         "or with --no-quantize-lm-head keep it in the model dtype. Default: dense methods quantize "
                         f"it with {DEFAULT_LM_HEAD_BITS}-bit inliers (no measurable perplexity cost, half the bytes "
-                        "it streams per token: docs/RESULTS.md), hptq/hrtn keep it. A tied head is untied: the "
-                        "embedding stays in the model dtype for the lookup")
+                        "it streams per token: docs/RESULTS.md), hptq/hrtn keep it. A tied head gets its own copy "
+                        "(untied; the embedding stays in the model dtype for the lookup) only where the checkpoint "
+                        "stays smaller than the source; asked for, always")
     g.add_argument("--lm-head-bits", type=int, default=None, metavar="N",
                    help="quantize the output head with N-bit inliers (implies --quantize-lm-head; dense methods; "
                         f"default {DEFAULT_LM_HEAD_BITS})")

@@ -1,5 +1,6 @@
 """The output head (``--quantize-lm-head``): quantized like a block linear after the last block,
-its Hessian from the final norm's outputs; a tied head is written untied as ``lm_head.*``."""
+its Hessian from the final norm's outputs; a tied head is written untied as ``lm_head.*``
+(by default only where that keeps the checkpoint smaller: head_size.py)."""
 from __future__ import annotations
 
 import logging

@@ -86,7 +86,8 @@ class QuantizeOptions:
     compute_dtype: str = "auto"
     # the output head (lm_head): True quantizes it with the same method, False keeps it in the model
     # dtype; None (default): dense methods quantize it with DEFAULT_LM_HEAD_BITS-bit inliers, others
-    # keep it, as does a model whose head cannot be quantized. A tied head is untied: the embedding
+    # keep it, as does a model whose head cannot be quantized, and a tied head whose copy would make the
+    # checkpoint bigger than the source (head_size.py). A quantized tied head is untied: the embedding
     # stays in the model dtype, the quantized head is written as ``lm_head.*``
     quantize_lm_head: bool | None = None
     # with quantize_lm_head, a dense method: the head's inlier bits; None: ``bits``

@@ -22,6 +22,7 @@ from .column_scales import fold_block
 from .faults import with_fault
 from .finalize import checkpoint_config, finalize
 from .head import HeadPlan, head_plan, quantize_head
+from .head_size import keep_tied
 from .hessian import sequences_per_product
 from .options import QuantizeOptions
 from .resume import RunDir, fingerprint
@@ -53,16 +54,19 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
 
 def _head_plan(src: Source, opts: QuantizeOptions) -> HeadPlan | None:
     """Where the output head is, if it is quantized: asked for (a head it cannot quantize is an
-    error) or by default (such a head is kept in the model dtype, said in the log)."""
+    error) or by default (such a head, or a tied one whose copy would outgrow the source, is kept in
+    the model dtype, said in the log)."""
     if not opts.quantize_lm_head:
         return None
     try:
-        return head_plan(src.net, src.prefix, src.tied, src.weights)
+        plan = head_plan(src.net, src.prefix, src.tied, src.weights)
     except hf_model.UnsupportedModelError as e:
         if not opts.lm_head_default:
             raise
         log.info("the output head stays in the model dtype: %s", e)
         return None
+    # asked for, a tied head is untied whatever it costs; by default only where the checkpoint stays smaller
+    return None if src.tied and opts.lm_head_default and keep_tied(src, plan, opts) else plan
 
 
 def run_fingerprint(opts: QuantizeOptions, src: Source) -> str:
