@@ -9,6 +9,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,16 +96,32 @@ def build_directory() -> str:
     return _get_build_directory(_name(), verbose=False)
 
 
+# a holder that only loads the built library (torchrun's ranks start together) lets go within this: no word
+QUIET_WAIT_S = 2.0
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """Whether ``fd``'s exclusive flock was taken within ``seconds``."""
+    import fcntl
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def build_lock(folder: str):
-    """Holds ``folder``'s latq build lock (waiting for a live builder, saying so on stderr at once),
-    with a stale torch lock of a killed build removed."""
+    """Holds ``folder``'s latq build lock (waiting for a live builder, saying so on stderr within
+    :data:`QUIET_WAIT_S`), with a stale torch lock of a killed build removed."""
     import fcntl
     fd = os.open(os.path.join(folder, FLOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _flock_within(fd, QUIET_WAIT_S):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             print(f"latq: waiting for process {holder}, which is building the C++ ops in {folder}",
                   file=sys.stderr, flush=True)
