@@ -5,7 +5,7 @@ head and the options that only change values), and each checkpoint read by ``lat
 each serves every layer or refuses it naming the family and why) and ``latq-export`` in each format
 (writes, or refuses naming the layers). Options latq-quantize refuses are refused in one line
 before anything is written. The grid is sampled (:func:`tests.helpers.pairs_sampled`): every value
-in the default suite, every pair of values in the slow one."""
+in the default suite, every pair of values in the slow one; a model of odd shapes takes a few cases."""
 from __future__ import annotations
 
 import json
@@ -111,3 +111,24 @@ def test_codebook_options(grid_model, tmp_path, capsys, monkeypatch, method, bit
                           extra):
     monkeypatch.setenv("LATQ_TRITON_INTERPRET_OK", "1")
     _quantized_and_read(grid_model, tmp_path, capsys, _argv(method, bits, group, scales, rotate, head, extra))
+
+
+# a model of odd shapes: k/v 8 rows (half a scale-code grid), 40 and 24 columns (5 and 3 codebook blocks,
+# rotation blocks of 8), heads of 5; one case a suite, the rest slow
+ODD = [pytest.param(opts, marks=() if i == 0 else pytest.mark.slow, id=opts) for i, opts in enumerate((
+    "--method gptq --bits 3 --group-size 16 --rotate hadamard --scale-bits 4 --lm-head-bits 2",
+    "--method e8 --bits 3 --group-size 8 --scale-bits 4", "--method e8 --bits 4 --group-size 24 --quantize-lm-head",
+    "--method ssqr --bits 8 --group-size 7 --outlier-rate 0.2", "--method hrtn --target-bits 1.5 --rotate hadamard",
+    "--method rtn --bits 2 --group-size 1 --scale-bits 4"))]
+
+
+@pytest.fixture(scope="module")
+def odd_model(tmp_path_factory):
+    return make_word_level_model(tmp_path_factory.mktemp("odd"), num_hidden_layers=1, hidden_size=40,
+                                 intermediate_size=24, num_attention_heads=5, num_key_value_heads=1, head_dim=8)
+
+
+@pytest.mark.parametrize("opts", ODD)
+def test_odd_shapes(odd_model, tmp_path, capsys, monkeypatch, opts):
+    monkeypatch.setenv("LATQ_TRITON_INTERPRET_OK", "1")
+    _quantized_and_read(odd_model, tmp_path, capsys, opts.split())

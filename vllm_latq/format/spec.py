@@ -226,11 +226,10 @@ def _check_version_meaning(version: int, method: str, kind: str, rotation, file)
 
 
 def _check_method_keys(qc: dict, method: str, kind: str, file) -> None:
-    """``outlier_rate`` is ssqr's only, ``target_bits`` the huffman kind's only: the writer sets no other
-    method's, so one elsewhere is an edit (the budget check would skip it unread)."""
-    if "outlier_rate" in qc and method != "ssqr":
+    """``outlier_rate`` is ssqr's, ``target_bits`` hptq's and hrtn's: elsewhere an edit, unread by the budget check."""
+    if qc.get("outlier_rate") is not None and method != "ssqr":   # null is absent
         raise FormatError(f"quantization_config.outlier_rate is ssqr's only, not {method}'s", file=file)
-    if "target_bits" in qc and kind != "huffman":
+    if qc.get("target_bits") is not None and kind != "huffman":
         raise FormatError(f"quantization_config.target_bits is hptq's and hrtn's only, not {method}'s", file=file)
 
 

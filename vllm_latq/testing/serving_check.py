@@ -39,8 +39,7 @@ def forced(family: str):
 
 
 def runtime_weight(t: dict, spec: fmt.QuantSpec, module: str, shape: tuple[int, int], rows: int, family):
-    """Checkpoint layer ``module``'s first ``rows`` rows → their runtime form, cut as the plugin's
-    loader cuts a rank's rows (an HPTQ layer at the width ``family`` streams least)."""
+    """Layer ``module``'s first ``rows`` rows in the runtime form, cut as the loader cuts a rank's."""
     bits, cin = spec.bits_of(module), shape[1]
     coded = fmt.has_coded_scales(t)
     if spec.kind == "dense":
@@ -65,8 +64,7 @@ def distinct_layers(ck: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def serve_layer(ck: Checkpoint, module: str, W: torch.Tensor, family, rows: int = 3) -> str:
-    """Layer ``module`` through ``family`` forced → the kernel that served it, or the family's refusal
-    (one line, ``LATQ_KERNEL=<family>: …``). Raises AssertionError on a wrong product."""
+    """Layer ``module`` through ``family`` forced → the kernel that served it, or the family's refusal."""
     shape, W = tuple(W.shape), W[:MAX_ROWS]
     w = runtime_weight(ck.layer_tensors(module), ck.spec, module, shape, len(W), family)
     with forced(family.name):
@@ -85,8 +83,7 @@ def serve_layer(ck: Checkpoint, module: str, W: torch.Tensor, family, rows: int 
 
 
 def serve_checkpoint(path) -> dict[str, dict[str, str]]:
-    """The serving check, then every distinct layer through every family →
-    {family: {module: kernel or refusal}}."""
+    """The serving check, then each distinct layer through each family → {family: {module: kernel or why}}."""
     from ..format.validate import verify_for_serving
     ck = verify_for_serving(path)["checkpoint"]   # what it verified, read as verified
     layers = distinct_layers(ck)

@@ -60,9 +60,8 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
 
 def make_word_level_model(root, **sizes):
     """(model dir, calibration text file) under ``root``: a 2-block Llama (hidden 256, intermediate
-    720: a ragged 64-group; ``sizes`` change them) with a word-level tokenizer (256 words: a head
-    of 256 rows) and Zipf-distributed text, all built here: no data package (a bare GPU machine has
-    none; :func:`make_tiny_model` needs SmolLM2's tokenizer)."""
+    720: a ragged 64-group; ``sizes`` change them) with a word-level tokenizer of 256 words and Zipf-distributed
+    text, all built here: no data package (a bare GPU machine has none; :func:`make_tiny_model` needs SmolLM2's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     words = [f"w{i}" for i in range(253)]
