@@ -3,6 +3,7 @@ timer is ``vllm_latq.testing.timers``' (what tests and benches share lives in ``
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -85,22 +86,41 @@ def each_value(**values) -> list:
     return _covering(1, values)
 
 
+def pairs_sampled(**values) -> list:
+    """As :func:`pairwise` for a grid too large to run whole: a covering subset holding every value of
+    every name once at least runs in the default suite, the cases that complete a covering of every
+    pair of values of any two names run in the slow suite, and the grid's other cases not at all."""
+    lists = list(values.values())
+    grid = list(itertools.product(*(range(len(v)) for v in lists)))
+    once = _greedy(grid, 1)
+    both = _greedy(grid, 2, once)
+    return [_param(values, c, slow=c not in once) for c in grid if c in both]
+
+
 def _covering(strength: int, values: dict) -> list:
-    import itertools
     lists = list(values.values())
     grid = list(itertools.product(*(range(len(v)) for v in lists)))   # indices: values need not hash
+    keep = _greedy(grid, strength) if len(lists) >= strength else set(grid)
+    return [_param(values, c, slow=c not in keep) for c in grid]
 
+
+def _greedy(grid: list, strength: int, keep: set = frozenset()) -> set:
+    """``keep`` and the cases added to it, greedily, until every ``strength`` values of ``strength``
+    names meet in one of them: the case meeting the most not yet met, the first in grid order on ties."""
     def pairs(case):
-        return {tuple((i, case[i]) for i in ii) for ii in itertools.combinations(range(len(case)), strength)}
+        return frozenset(tuple((i, case[i]) for i in ii) for ii in itertools.combinations(range(len(case)), strength))
 
-    todo = set().union(*(pairs(c) for c in grid)) if len(lists) >= strength else set()
-    keep = set() if todo else set(grid)
-    while todo:   # greedy: the case meeting the most pairs not yet met, the first in grid order on ties
-        best = max(grid, key=lambda c: len(pairs(c) & todo))
+    met = {c: pairs(c) for c in grid}   # once: large grids are searched again for each case kept
+    keep = set(keep)
+    todo = set().union(*met.values()) - set().union(set(), *(met[c] for c in keep))
+    while todo:
+        best = max(grid, key=lambda c: len(met[c] & todo))
         keep.add(best)
-        todo -= pairs(best)
+        todo -= met[best]
+    return keep
 
-    def flat(case):
-        return [x for name, vs, i in zip(values, lists, case) for x in (vs[i] if "," in name else (vs[i],))]
-    return [pytest.param(*flat(c), id="-".join(_param_id(v) for v in flat(c)),
-                         marks=() if c in keep else pytest.mark.slow) for c in grid]
+
+def _param(values: dict, case: tuple, slow: bool):
+    """Grid case ``case`` (an index into each name's values) as a pytest param, marked slow if ``slow``."""
+    flat = [x for name, vs, i in zip(values, values.values(), case) for x in (vs[i] if "," in name else (vs[i],))]
+    return pytest.param(*flat, id="-".join(_param_id(v) for v in flat), marks=pytest.mark.slow if slow else ())

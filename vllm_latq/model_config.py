@@ -64,6 +64,8 @@ def _check_fields(cfg: dict, file: str, prefix: str) -> None:
     for k, v in cfg.items():
         if isinstance(v, dict) and k != "quantization_config":
             _check_fields(v, file, f"{prefix}{k}.")
+        elif k in SIZE_LIMITS and isinstance(v, float):   # a size is a JSON integer: 128.0 is not one
+            raise FormatError(f"{prefix}{k} is {v!r}, expected an integer", file=file)
         elif k in SIZE_LIMITS and _is_int(v):
             lo, hi = SIZE_LIMITS[k]
             if not lo <= v <= hi:

@@ -64,6 +64,8 @@ def _qc(**kw):
     qc = {"quant_method": "latq", "format_version": 1, "method": "ssqr", "bits": 4, "group_size": 128,
           "outlier_rate": 0.01, "order": "act", "damp": 0.01, "modules_not_converted": []}
     qc.update(kw)
+    if qc["method"] != "ssqr" and "outlier_rate" not in kw:   # ssqr's key only (docs/FORMAT.md)
+        del qc["outlier_rate"]
     return qc
 
 

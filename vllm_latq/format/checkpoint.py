@@ -195,6 +195,7 @@ class Checkpoint:
             raise FormatError("missing", file=STATS_FILE) from None
         if not isinstance(st, dict) or not isinstance(st.get("layers"), list):
             raise FormatError('must be an object with a "layers" list', file=STATS_FILE)
+        _check_stats_integers(st)
         return st
 
     def checkpoint_names(self, model) -> hf_model.CheckpointNames:
@@ -223,6 +224,26 @@ class Checkpoint:
             yield f"{module}.weight", W.to(dtype)
         for name in self.plain_names():
             yield name, self.tensor(name).to(dtype)
+
+
+# the stats file's integers, per layer: 64.0 == 64 in Python, so a float would pass the comparisons
+STATS_INTEGERS = ("group_size", "rotation_block", "hessian_tokens", "overloads", "expert", "expert_tokens")
+
+
+def _check_stats_integers(st: dict) -> None:
+    """Refuse a JSON number other than an integer where the stats file means one, naming the layer."""
+    if "format_version" in st and type(st["format_version"]) is not int:
+        raise FormatError(f"format_version must be a JSON integer, got {st['format_version']!r}", file=STATS_FILE)
+    for s in st["layers"]:
+        if not isinstance(s, dict):
+            continue
+        shape = s.get("shape")
+        bad = [(k, "a JSON integer") for k in STATS_INTEGERS if s.get(k) is not None and type(s[k]) is not int]
+        if shape is not None and not (isinstance(shape, list) and all(type(d) is int for d in shape)):
+            bad.append(("shape", "a list of JSON integers"))
+        if bad:
+            raise FormatError(f"{bad[0][0]} must be {bad[0][1]}, got {s[bad[0][0]]!r}", file=STATS_FILE,
+                              tensor=s.get("name") if isinstance(s.get("name"), str) else None)
 
 
 def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames) -> tuple[int, int]:

@@ -97,11 +97,11 @@ def read_manifest(where: "str | os.PathLike | OpenedDir") -> dict:
         raise FormatError(f"missing: the checkpoint is not sealed (written by a latq older than the seal, or the file "
                           f"was removed): {_REDO}", file=MANIFEST_FILE) from None
     version = m.get("manifest_version", 1) if isinstance(m, dict) else None
-    if version == 1:
+    if version == 1 and type(version) is int:
         raise FormatError("sealed by an older latq (manifest version 1: its tokenizer, generation and index files are "
                           f"not covered): {_REDO}", file=MANIFEST_FILE)
-    if version != MANIFEST_VERSION:
-        raise FormatError(f"manifest_version {version!r}: this reader knows version {MANIFEST_VERSION}",
+    if version != MANIFEST_VERSION or type(version) is not int:   # 2.0 == 2 in Python: a JSON integer
+        raise FormatError(f"manifest_version {version!r}: this reader knows version {MANIFEST_VERSION}, a JSON integer",
                           file=MANIFEST_FILE)
     if not _well_formed(m):
         raise FormatError(f'must hold "manifest_version", "made_by", "{CONFIG_FILE}": {{{", ".join(_PARTS)}}}, '

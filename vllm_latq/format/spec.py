@@ -184,6 +184,9 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
             raise FormatError(f"quantization_config.layer_bits[{m!r}] must be an integer in 2..8, got {b!r}",
                               file=file)
     fold, power = _column_scales(qc.get("column_scales"), method, file)
+    if qc.get("lm_head_quantized", True) is not True:   # the plugin reads `is True`: 1 or false would be ignored
+        raise FormatError(f"quantization_config.lm_head_quantized must be true or absent, got "
+                          f"{qc['lm_head_quantized']!r}", file=file)
     tc = qc.get("target_correction")
     if tc is not None and tc is not True:
         raise FormatError(f"quantization_config.target_correction must be true or absent, got {tc!r}", file=file)
@@ -191,7 +194,7 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         raise FormatError(f"quantization_config.target_correction needs a calibrated method, not {method}", file=file)
     scale_bits = qc.get("scale_bits")
     if scale_bits is not None and (kind == "huffman" or scale_bits not in scale_codes.CODE_BITS
-                                   or isinstance(scale_bits, bool)):
+                                   or type(scale_bits) is not int):   # 4.0 == 4 in Python: a JSON integer
         raise FormatError(f"quantization_config.scale_bits must be absent or one of {scale_codes.CODE_BITS} "
                           f"for a method with group scales, got {scale_bits!r} ({method})", file=file)
     rotation = parse_rotation(qc.get("rotation"), file)
@@ -199,6 +202,7 @@ def parse_quantization_config(qc, *, file: str | None = "config.json") -> QuantS
         raise FormatError(f"quantization_config.rotation needs format_version {ROTATION_VERSION}, got {version}",
                           file=file)
     _check_version_meaning(version, method, kind, rotation, file)
+    _check_method_keys(qc, method, kind, file)
     known = {"quant_method", "format_version", "method", "bits", "group_size", "outlier_rate", "target_bits",
              "order", "damp", "modules_not_converted", "layer_bits", "column_scales", "scale_bits", "rotation"}
     return QuantSpec(method, kind, bits, group_size, outlier_rate, target_bits, order, damp, tuple(mnc),
@@ -219,6 +223,14 @@ def _check_version_meaning(version: int, method: str, kind: str, rotation, file)
     if kind != "codebook" and version == ROTATION_VERSION and rotation is None:
         raise FormatError(f"quantization_config.format_version {version} marks a rotated checkpoint, but it has "
                           "no rotation", file=file)
+
+
+def _check_method_keys(qc: dict, method: str, kind: str, file) -> None:
+    """``outlier_rate`` is ssqr's, ``target_bits`` hptq's and hrtn's: elsewhere an edit, unread by the budget check."""
+    if qc.get("outlier_rate") is not None and method != "ssqr":   # null is absent
+        raise FormatError(f"quantization_config.outlier_rate is ssqr's only, not {method}'s", file=file)
+    if qc.get("target_bits") is not None and kind != "huffman":
+        raise FormatError(f"quantization_config.target_bits is hptq's and hrtn's only, not {method}'s", file=file)
 
 
 def _bits_and_group(qc: dict, kind: str, file) -> tuple[int, int]:

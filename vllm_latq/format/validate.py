@@ -38,6 +38,7 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if expect_digest is not None and not verify_checksums:
         raise ValueError("a pinned digest needs the checks --no-verify skips: pass one or the other")
     ck = Checkpoint(path, expect_digest)
+    _check_no_pickles(ck)
     spec = ck.spec
     model = ck.empty_model(torch.float32)
     check_architecture(ck.config, type(model).__name__)
@@ -52,6 +53,8 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
             if getattr(model.config, "tie_word_embeddings", False) else set())
 
     layers = _layers_in_model_order(ck, model, ck_names)
+    _check_head_key(spec, model, ck_names, layers)   # the config against which layers are stored, before their bytes
+    _check_fused_bits(spec, layers)
     rows, covered, experts_done = [], set(), {}
     it = layers.items()
     if progress:
@@ -79,6 +82,18 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
         raise FormatError(f"missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} (neither stored "
                           "nor quantized)", file=INDEX_FILE if (ck.path / INDEX_FILE).exists() else SINGLE_FILE)
 
+    _check_stats(ck, spec, rows)
+    unsealed, digest = [], None
+    if verify_checksums:   # last, so that a structural problem is named as such first
+        unsealed = verify_manifest(ck.files, ck.config, ck.shards, expect_digest, ck.manifest)
+        ck.checked, digest = True, ck.digest
+    swap_if_asked(ck.path)
+    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec, "unsealed": unsealed,
+            "digest": digest, "checkpoint": ck}
+
+
+def _check_stats(ck: Checkpoint, spec, rows: list[dict]) -> None:
+    """The stats file agrees with the stored layers (``rows``), which take its errors and certificates."""
     stats = {s.get("name"): s for s in ck.stats()["layers"] if isinstance(s, dict)}
     for r in rows:
         s = stats.get(r["name"])
@@ -99,13 +114,44 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     if set(stats) - {r["name"] for r in rows}:
         extra = sorted(set(stats) - {r["name"] for r in rows})[:3]
         raise FormatError(f"entries for layers that are not in the checkpoint: {extra}", file=STATS_FILE)
-    unsealed, digest = [], None
-    if verify_checksums:   # last, so that a structural problem is named as such first
-        unsealed = verify_manifest(ck.files, ck.config, ck.shards, expect_digest, ck.manifest)
-        ck.checked, digest = True, ck.digest
-    swap_if_asked(ck.path)
-    return {"layers": rows, "totals": _totals(ck, rows, model), "spec": spec, "unsealed": unsealed,
-            "digest": digest, "checkpoint": ck}
+
+
+def _check_head_key(spec, model, ck_names, layers) -> None:
+    """``lm_head_quantized`` is true exactly when the output head is stored quantized: the plugin builds
+    the head from the key, not from the tensors."""
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    stored = name is not None and any(ck_names.model_key(f"{m}.weight") == f"{name}.weight" for m in layers)
+    if stored != (spec.extra.get("lm_head_quantized") is True):
+        raise FormatError(f"quantization_config.lm_head_quantized is {'absent' if stored else 'true'}, but the output "
+                          f"head {name} is stored {'quantized' if stored else 'unquantized'}", file=CONFIG_FILE)
+
+
+# pickle's suffixes: a latq checkpoint is safetensors only, and loading a pickle runs its code
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def _check_no_pickles(ck: Checkpoint) -> None:
+    """Refuse a pickle file in the directory, sealed or not: a loader that finds one may run it."""
+    pickled = sorted(e.name for e in ck.files.entries() if e.name.endswith(PICKLE_SUFFIXES))
+    if pickled:
+        raise FormatError("a pickle file in a latq checkpoint, which is safetensors only (loading a pickle runs its "
+                          "code): remove it", file=pickled[0])
+
+
+# the parts vLLM fuses into one layer (q/k/v, gate/up): one layer, one width
+FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _check_fused_bits(spec, layers) -> None:
+    """The parts of a layer vLLM fuses are quantized with the same bits (``layer_bits`` must agree)."""
+    for m in layers:
+        parent, _, leaf = m.rpartition(".")
+        group = next((g for g in FUSED_PARTS if leaf in g), ())
+        bits = {spec.bits_of(f"{parent}.{p}") for p in group if f"{parent}.{p}" in layers}
+        if len(bits) > 1:
+            raise FormatError(f"quantization_config.layer_bits gives the parts {'/'.join(group)} of {parent}, which "
+                              f"vLLM fuses into one layer, different bits {sorted(bits)}", file=CONFIG_FILE)
 
 
 def _layers_in_model_order(ck: Checkpoint, model, ck_names) -> dict[str, dict[str, str]]:

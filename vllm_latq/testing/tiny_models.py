@@ -58,10 +58,10 @@ def make_tiny_model(out, arch: str = "llama", layers: int = 2, dtype=torch.bfloa
     return out
 
 
-def make_word_level_model(root):
+def make_word_level_model(root, **sizes):
     """(model dir, calibration text file) under ``root``: a 2-block Llama (hidden 256, intermediate
-    720: a ragged 64-group) with a word-level tokenizer and Zipf-distributed text, all built here:
-    no data package (a bare GPU machine has none; :func:`make_tiny_model` needs SmolLM2's tokenizer)."""
+    720: a ragged 64-group; ``sizes`` change them) with a word-level tokenizer of 256 words and Zipf-distributed
+    text, all built here: no data package (a bare GPU machine has none; :func:`make_tiny_model` needs SmolLM2's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     words = [f"w{i}" for i in range(253)]
@@ -71,9 +71,9 @@ def make_word_level_model(root):
     model_dir = root / "model"
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(model_dir)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=720, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, bos_token_id=1, eos_token_id=2,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(**{**dict(vocab_size=len(vocab), hidden_size=256, intermediate_size=720, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, bos_token_id=1,
+                                eos_token_id=2, tie_word_embeddings=True), **sizes})
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
