@@ -103,7 +103,7 @@ def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: 
 
     _check_gguf(gguf_file)
     src, name = gguf_file.parent, gguf_file.name
-    say(f"  reading {name} with transformers: its metadata ({gguf_file.stat().st_size / 2**20:.0f} MiB file), "
+    say(f"  reading {name} with transformers: its metadata ({_progress.size(gguf_file.stat().st_size)} file), "
         "then its tensors dequantized")
     try:
         loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
