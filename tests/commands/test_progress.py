@@ -127,3 +127,17 @@ def test_serve_says_what_it_verifies(tiny_checkpoints, shown, tmp_path, monkeypa
     assert out.startswith("/opt/venv/bin/vllm serve ") and "--no-progress" not in out
     out, err = _run(capsys, serve.main, ck, "--print-command", "--no-progress")
     assert "verifying" not in err and "--no-progress" not in out
+
+
+def test_every_command_the_readme_names_takes_no_progress(capsys):
+    """README, "Use": "Each command shows its long steps ... none with `--no-progress`"."""
+    from pathlib import Path
+
+    from vllm_latq.commands import quantize
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert "Each command shows its long steps" in readme and "none with `--no-progress`" in readme
+    for main in (quantize.main, inspect.inspect_main, evaluate.main, export.main):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert "--no-progress" in capsys.readouterr().out, main
+    assert "--no-progress" in serve.own_parser().format_help()
