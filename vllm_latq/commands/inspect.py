@@ -27,7 +27,8 @@ def inspect_main(argv=None) -> int:
     ap.add_argument("--no-served", action="store_true",
                     help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
     ap.add_argument("--no-progress", action="store_true",
-                    help="say nothing while verifying (else a bar on a terminal, one line on stderr otherwise)")
+                    help="say nothing while verifying and computing the served bits (else bars on a terminal, a line "
+                         "per step on stderr otherwise)")
     a = ap.parse_args(argv)
     if bad_environment("latq-inspect"):
         return 2
