@@ -141,3 +141,14 @@ def test_every_command_the_readme_names_takes_no_progress(capsys):
             main(["--help"])
         assert "--no-progress" in capsys.readouterr().out, main
     assert "--no-progress" in serve.own_parser().format_help()
+
+
+def test_quantize_says_it_verifies_what_it_wrote(tiny_llama, shown, tmp_path, capsys):
+    from vllm_latq.commands import quantize
+    args = [tiny_llama, tmp_path / "q", "--method", "rtn", "--group-size", "32", "-q"]
+    out, err = _run(capsys, quantize.main, *args)
+    assert re.search(rf"^verifying {re.escape(str(tmp_path / 'q'))}\.tmp-latq \(sha256, shapes, values\): ", err,
+                     re.M), err
+    assert out.startswith(f"latq-quantize: sealed {tmp_path / 'q'}, digest ")
+    out, err = _run(capsys, quantize.main, *args[:1], tmp_path / "r", *args[2:], "--no-progress")
+    assert "verifying" not in err and out.startswith(f"latq-quantize: sealed {tmp_path / 'r'}, digest ")
