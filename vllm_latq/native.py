@@ -150,6 +150,9 @@ def load() -> str | None:
                 from torch.utils.cpp_extension import load as build
                 folder = build_directory()
                 with build_lock(folder):
+                    if not os.path.exists(os.path.join(folder, f"{_name()}.so")):   # torch's compile says nothing
+                        print(f"latq: building the C++ ops for this CPU in {folder} (once; minutes)", file=sys.stderr,
+                              flush=True)
                     build(name=_name(), sources=[str(f) for f in SOURCES], extra_cflags=cflags(),
                           extra_ldflags=["-fopenmp"], build_directory=folder,
                           is_python_module=False, verbose=False)

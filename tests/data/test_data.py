@@ -229,18 +229,27 @@ def test_convert_is_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-def test_convert_without_progress_is_silent(tmp_path, capfd):
-    """progress=False hides every bar of the conversion, including the GGUF de-quantization
-    bar transformers draws with tqdm directly, and leaves transformers' switch as it was."""
+def test_convert_without_progress_is_silent(tmp_path, capfd, monkeypatch):
+    """progress=False hides every bar and line of the conversion, including the GGUF de-quantization
+    bar transformers draws with tqdm directly, and leaves transformers' switch as it was; with progress
+    a log gets one line per step before it starts (the metadata is read without a bar), a terminal
+    transformers' bars as well."""
     from transformers.utils import logging as hf_logging
+
+    from vllm_latq import progress
 
     gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
     before = hf_logging.is_progress_bar_enabled()
     capfd.readouterr()
     data.convert_gguf(gguf_file, tmp_path / "quiet", dtype=torch.float32, progress=False)
     err = capfd.readouterr().err
-    assert "GGUF tensors" not in err and "it/s]" not in err, err
+    assert "GGUF tensors" not in err and "it/s]" not in err and "reading" not in err, err
     assert hf_logging.is_progress_bar_enabled() == before
+    data.convert_gguf(gguf_file, tmp_path / "log", dtype=torch.float32)
+    err = capfd.readouterr().err
+    assert [x.split(" with")[0].split(" safetensors")[0] for x in err.splitlines()] == [
+        "  reading tiny.gguf", "  reading its tokenizer from tiny.gguf", "  writing float32"], err
+    monkeypatch.setattr(progress, "terminal", lambda: True)
     data.convert_gguf(gguf_file, tmp_path / "loud", dtype=torch.float32)
     assert "Converting and de-quantizing GGUF tensors" in capfd.readouterr().err
 
@@ -255,7 +264,7 @@ def test_eval_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, capfd)
     assert evaluate.main([str(gguf_file), "--nwindows", "1", "--seqlen", "16", "--no-progress", "--json"]) == 0
     out, err = capfd.readouterr()
     assert json.loads(out)["windows"] == 1
-    assert "it/s]" not in err and "GGUF tensors" not in err, err
+    assert "it/s]" not in err and "GGUF tensors" not in err and "converting" not in err, err
 
 
 
@@ -269,7 +278,7 @@ def test_quantize_no_progress_silences_gguf_conversion(tmp_path, monkeypatch, ca
     cli.main([str(gguf_file), str(tmp_path / "ckpt"), "--method", "rtn", "--group-size", "32", "--no-progress"])
     err = capfd.readouterr().err
     assert (tmp_path / "ckpt" / "config.json").is_file()
-    assert "it/s]" not in err and "GGUF tensors" not in err, err
+    assert "it/s]" not in err and "GGUF tensors" not in err and "converting" not in err, err
 
 def test_model_dir_rebuilds_incomplete(tmp_path, monkeypatch):
     monkeypatch.setenv("LATQ_CACHE", str(tmp_path))
@@ -568,3 +577,18 @@ def test_protocol_perplexity(name, expected):
     r = data.perplexity(model, windows, progress=False)
     assert (r["windows"], r["tokens"]) == (64, 64 * 511)
     assert r["ppl"] == pytest.approx(expected, rel=0.02)
+
+
+def test_eval_says_it_converts_a_gguf_before_the_conversion_starts(tmp_path, monkeypatch, capfd):
+    """``latq-eval x.gguf`` in a log: the conversion and each of its steps said as it begins, stdout the result."""
+    from vllm_latq.commands import evaluate
+
+    monkeypatch.setenv("LATQ_CACHE", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    capfd.readouterr()
+    assert evaluate.main([str(gguf_file), "--nwindows", "1", "--seqlen", "16", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["windows"] == 1
+    lines = err.splitlines()
+    assert lines[0].startswith(f"converting {gguf_file} (sha256 ") and lines[0].endswith(", once"), err
+    assert lines[1].startswith("  reading tiny.gguf with transformers: its metadata"), err

@@ -66,9 +66,23 @@ def test_a_stale_torch_lock_does_not_hang_a_load(built):
                            capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stdout + p.stderr
         assert f"latq: removed {stale}, the build lock of a build that was killed" in p.stderr, p.stderr
+        assert "building" not in p.stderr, p.stderr   # built already: nothing to say
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_a_build_says_so_before_it_starts(tmp_path):
+    """A load that has to build (no library in the folder) says so first: the compiler prints nothing for
+    minutes. The compiler is stubbed here: it fails at once, and the load falls back to the torch paths."""
+    stub = ("import torch.utils.cpp_extension as c\n"
+            "def build(**kw): raise RuntimeError('no compiler here')\n"
+            "c.load = build\n" + LOAD)
+    p = subprocess.run([sys.executable, "-c", stub], cwd=ROOT, env=_env(TORCH_EXTENSIONS_DIR=str(tmp_path)),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1 and "no compiler here" in p.stdout, p.stdout + p.stderr
+    [folder] = tmp_path.iterdir()
+    assert p.stderr.startswith(f"latq: building the C++ ops for this CPU in {folder} (once; minutes)\n"), p.stderr
 
 
 def test_a_load_waiting_for_a_live_builder_says_so(built):
@@ -157,7 +171,7 @@ def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(tmp_path):
             os.killpg(q.pid, signal.SIGKILL)
             q.wait()
     assert q.returncode == 0, out + err
-    assert "the build lock of a build that was killed" in err, err
+    assert "the build lock of a build that was killed" in err and "latq: building the C++ ops" in err, err
 
 
 def test_two_checkouts_of_the_same_sources_build_in_folders_of_their_own(tmp_path, monkeypatch):

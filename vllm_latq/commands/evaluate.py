@@ -21,22 +21,25 @@ EXAMPLES = """examples:
 """
 
 
-def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_digest: str | None = None):
+def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_digest: str | None = None,
+                  progress: bool = True):
     """(model, tokenizer, info) of a checkpoint (verified unless not ``verify``) or any model source."""
     from transformers import AutoModelForCausalLM
 
     from .. import data, hf_model
     from ..format.checkpoint import is_latq_checkpoint, load_dequantized_model
     from ..format.validate import validate_checkpoint
+    from ..progress import step
     from ..quantize.source import resolve_model
 
     if is_latq_checkpoint(model):
-        report = validate_checkpoint(model, decode=False, verify_checksums=verify, expect_digest=expect_digest)
+        report = validate_checkpoint(model, decode=False, verify_checksums=verify, expect_digest=expect_digest,
+                                     progress=progress)
         if report["unsealed"]:
             print(f"latq-eval: {model}: not sealed, read by no loader: {', '.join(report['unsealed'])}",
                   file=sys.stderr)
         spec, ck = report["spec"], report["checkpoint"]   # read what was verified, from the files it opened
-        m = load_dequantized_model(ck, torch.float32, device)
+        m = load_dequantized_model(ck, torch.float32, device, progress=progress)
         tok = verified_tokenizer(ck, model)
         info = {"method": spec.method, "bits": report["totals"]["bits_per_weight"],
                 "outlier_rate": report["totals"]["outlier_rate"],
@@ -45,9 +48,10 @@ def load_for_eval(model: str, device: str = "cpu", verify: bool = True, expect_d
         return m, tok, info
     if expect_digest is not None:
         raise ValueError(f"{model} is not a latq checkpoint: --expect-digest pins a latq checkpoint's manifest")
-    d = resolve_model(model)
+    d = resolve_model(model, progress)
     dtype = hf_model.model_dtype(hf_model.config_dict(d))
-    m, loading = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    with step(f"loading {d} in float32", progress, bar=False):   # transformers draws the terminal's bar
+        m, loading = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
     tied = getattr(m, "_tied_weights_keys", None) or ()   # a tied head is filled from the embedding
     missing = [k for k in loading["missing_keys"] if k not in tied]
     if missing:   # transformers would initialise them at random: a perplexity of nothing
@@ -88,7 +92,7 @@ def evaluate(model: str, *, text: str = "wiki", seqlen: int = 512, nwindows: int
     docs = data.read_documents(text, "eval")  # a bad file fails before the model loads
     source = data.source_record(text, "eval")
     with data.hf_progress_bars(progress):  # loading, and converting a .gguf source
-        m, tok, info = load_for_eval(model, device, verify, expect_digest)
+        m, tok, info = load_for_eval(model, device, verify, expect_digest, progress)
     check_positions(m.config, seqlen, "--seqlen", model)
     windows = data.eval_windows(tok, seqlen=seqlen, nwindows=nwindows, docs=docs)
     data.check_vocabulary(windows, m.get_input_embeddings().num_embeddings, tok)
@@ -134,7 +138,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
     ap.add_argument("--output", help="also write the result's JSON here")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars (stderr)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="say nothing while verifying, loading and measuring (else bars on a terminal, a line per "
+                         "step on stderr otherwise)")
     ap.add_argument("--expect-digest", metavar="SHA256",
                     help="refuse the checkpoint unless its manifest has this digest (what latq-quantize printed)")
     ap.add_argument("--no-verify", action="store_true",

@@ -24,6 +24,7 @@ from ..format.manifest import SKIPPED, write_manifest
 from ..format.layer import dense_scales, dequantize_layer
 from ..format.safetensors_file import write_safetensors
 from ..format.validate import validate_checkpoint
+from ..progress import step
 from .environment import bad_environment
 
 FORMATS = ("compressed-tensors",)
@@ -217,14 +218,16 @@ def latq_record(ck: Checkpoint, layers: list[Layer]) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_unmapped: bool = False,
-                      overwrite: bool = False, verify: bool = True, expect_digest: str | None = None) -> dict:
+                      overwrite: bool = False, verify: bool = True, expect_digest: str | None = None,
+                      progress: bool = False) -> dict:
     """Validate latq checkpoint ``ckpt`` and write its export to ``out`` atomically → a summary."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     out = output_dir.absolute(out)
     output_dir.check_out(out, [Path(ckpt)], overwrite, COMMAND)   # before any work
     # the checkpoint validated, its files open: what is exported is read from them, checked as read
-    ck = validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest)["checkpoint"]
+    ck = validate_checkpoint(ckpt, decode=False, verify_checksums=verify, expect_digest=expect_digest,
+                             progress=progress)["checkpoint"]
     if ck.spec.kind == "codebook":
         raise ExportRefused(f"{next(iter(ck.layers()))}: {codebook.NOT_EXPORTED}")
     model = ck.empty_model()
@@ -235,7 +238,9 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     with output_dir.exclusive(out, COMMAND, tmp, [Path(ckpt)], overwrite):
         output_dir.make_temporary(tmp, COMMAND)
         try:
-            _write(ck, layers, linear_modules(ck, model), tmp)
+            with step(f"writing {out} ({fmt})", progress, total=len(layers) + len(ck.plain_names()),
+                      unit="tensor") as advance:
+                _write(ck, layers, linear_modules(ck, model), tmp, advance)
             digest = write_manifest(tmp, sorted(ck.shards), made_by=COMMAND)
             output_dir.unmark_temporary(tmp)
             output_dir.replace_with(tmp, out, [ck.path], COMMAND)
@@ -245,18 +250,20 @@ def export_checkpoint(ckpt, out, *, fmt: str = "compressed-tensors", dequantize_
     return {**summary(ck, layers), "digest": digest}
 
 
-def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path) -> None:
-    """Every file of the export into ``tmp``, one shard at a time (bounded memory)."""
+def _write(ck: Checkpoint, layers: list[Layer], linears: list[str], tmp: Path, advance=lambda n: None) -> None:
+    """Every file of the export into ``tmp``, one shard at a time (bounded memory), ``advance``-d by tensors."""
     meta = {"latq_method": ck.spec.method}
     for f in ck.shards:
         tensors: dict = {}
-        for x in layers:
-            if ck.layer_file(x.module) == f:
-                tensors.update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
-                if ck.spec.rotation is not None and not x.refusal:
-                    tensors.update(transform_tensor(ck, x))
-        tensors.update({n: ck.stored(n) for n in ck.plain_names() if ck.where[n] == f})
+        mine = [x for x in layers if ck.layer_file(x.module) == f]
+        for x in mine:
+            tensors.update(dequantized_tensor(ck, x) if x.refusal else packed_tensors(ck, x))
+            if ck.spec.rotation is not None and not x.refusal:
+                tensors.update(transform_tensor(ck, x))
+        plain = {n: ck.stored(n) for n in ck.plain_names() if ck.where[n] == f}
+        tensors.update(plain)
         write_safetensors(tmp / f, tensors, meta)
+        advance(len(mine) + len(plain))
     if ck.files.exists(INDEX_FILE):
         writer.write_index(tmp, sorted(ck.shards))
     cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
@@ -302,6 +309,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-verify", action="store_true",
                     help="export a checkpoint edited on purpose: skip its sha256 checks (tensors, every file "
                          "against latq_manifest.json); shapes and values are checked all the same")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="say nothing while verifying and writing (else bars on a terminal, a line per step on "
+                         "stderr otherwise)")
     return ap
 
 
@@ -314,7 +324,8 @@ def main(argv=None) -> int:
     try:
         with limits(f"exporting {a.ckpt}", need=COMMAND_HEADROOM):
             s = export_checkpoint(a.ckpt, a.out, fmt=a.fmt, dequantize_unmapped=a.dequantize_unmapped,
-                                  overwrite=a.overwrite, verify=not a.no_verify, expect_digest=a.expect_digest)
+                                  overwrite=a.overwrite, verify=not a.no_verify, expect_digest=a.expect_digest,
+                                  progress=not a.no_progress)
     except ExportRefused as e:
         print(f"latq-export: refused: {e}", file=sys.stderr)
         return 2

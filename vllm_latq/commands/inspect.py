@@ -26,6 +26,9 @@ def inspect_main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--no-served", action="store_true",
                     help="skip the served bits/weight per kernel family (needs vllm_latq.kernels)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="say nothing while verifying and computing the served bits (else bars on a terminal, a line "
+                         "per step on stderr otherwise)")
     a = ap.parse_args(argv)
     if bad_environment("latq-inspect"):
         return 2
@@ -34,7 +37,7 @@ def inspect_main(argv=None) -> int:
     try:
         with limits(f"validating {a.checkpoint}", need=COMMAND_HEADROOM):
             report = validate_checkpoint(a.checkpoint, decode=not a.no_decode, verify_checksums=not a.no_verify,
-                                         progress=sys.stderr.isatty(), expect_digest=a.expect_digest)
+                                         progress=not a.no_progress, expect_digest=a.expect_digest)
     except FormatError as e:
         print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
         return 2
@@ -49,7 +52,8 @@ def inspect_main(argv=None) -> int:
         from ..kernels.served_report import checkpoint_served
         try:
             with limits(f"computing the served bits of {a.checkpoint}"):
-                report["totals"]["served_bits_per_weight"] = checkpoint_served(ck, report["layers"])
+                report["totals"]["served_bits_per_weight"] = checkpoint_served(ck, report["layers"],
+                                                                                not a.no_progress)
         except FormatError as e:
             print(f"latq-inspect: invalid checkpoint {a.checkpoint}: {e}", file=sys.stderr)
             return 2

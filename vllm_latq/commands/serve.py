@@ -158,7 +158,7 @@ def latq_checkpoint_of(argv: list[str]) -> Path | None:
     return path if is_latq_checkpoint(path) else None
 
 
-def checked(argv: list[str]) -> tuple[str | None, dict | None]:
+def checked(argv: list[str], progress: bool = False) -> tuple[str | None, dict | None]:
     """Verify the checkpoint ``argv`` would serve as the plugin will → (the one-line refusal, None), or (None, the
     check's report, its checkpoint's files open; None where ``argv`` serves no latq checkpoint)."""
     from ..errors import COMMAND_HEADROOM, FormatError, ResourceLimit, limits
@@ -167,7 +167,7 @@ def checked(argv: list[str]) -> tuple[str | None, dict | None]:
     try:
         with limits(f"verifying {model_of(argv)}", need=COMMAND_HEADROOM):
             path = latq_checkpoint_of(argv)
-            return None, (None if path is None else verify_for_serving(path))
+            return None, (None if path is None else verify_for_serving(path, progress))
     except FormatError as e:
         return f"{model_of(argv)} refused: {e}", None
     except ResourceLimit as e:   # the machine's limit, not the checkpoint: named as such
@@ -256,6 +256,9 @@ def own_parser() -> argparse.ArgumentParser:
                          "sets LATQ_EXPECT_DIGEST for vLLM's processes")
     ap.add_argument("--print-command", action="store_true",
                     help="check the checkpoint and print the vLLM command latq-serve would run, without running it")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="say nothing while verifying the checkpoint (else a bar on a terminal, one line on stderr "
+                         "otherwise)")
     ap.add_argument("--version", "-v", action="store_true", help="print the versions of vllm-latq and vLLM")
     ap.add_argument("--help", "-h", action="store_true", help="this help")
     ap.epilog = (
@@ -303,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if bad_environment(PROG):   # before vLLM starts: its engine would bury the refusal in a traceback
         sys.exit(2)
-    show = "--print-command" in argv
-    argv = [a for a in argv if a != "--print-command"]
+    show, quiet = "--print-command" in argv, "--no-progress" in argv
+    argv = [a for a in argv if a not in ("--print-command", "--no-progress")]
     digest, argv = take_option(argv, "--expect-digest")
     if digest is not None:
         from ..format.manifest import DIGEST_ENV, normalize_digest
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             sys.exit(2)
-    refused, report = checked(argv)
+    refused, report = checked(argv, progress=not quiet)
     if refused:
         print(f"{PROG}: {refused}", file=sys.stderr)
         sys.exit(2)

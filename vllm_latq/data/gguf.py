@@ -5,14 +5,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from .. import progress as _progress
 from ..bounded_io import file_sha256
 
 # Bumped when the conversion changes, so stale cached directories are rebuilt.
@@ -20,13 +21,11 @@ CONVERTER_VERSION = 1
 SOURCE_INFO = "latq_source.json"
 KEY_HEX = 16   # hex digits of the GGUF's sha256 in a cached conversion's name
 
-log = logging.getLogger("vllm_latq.data")
-
 
 @contextlib.contextmanager
 def hf_progress_bars(enabled: bool = True):
-    """transformers' progress bars on or off within the block (off also silences its GGUF tqdm bar)."""
-    if enabled:
+    """transformers' progress bars on within the block where ``enabled`` on a terminal, else off (its GGUF bar too)."""
+    if enabled and _progress.terminal():
         yield
         return
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
@@ -67,7 +66,12 @@ def convert_gguf(
     """Convert a GGUF causal LM into a plain HF directory (``dtype`` safetensors + tokenizer), atomically.
     ``add_bos_token=None``: True for Gemma models, else the GGUF default; ``sha256``: the GGUF's, recorded."""
     with hf_progress_bars(progress):
-        return _convert(Path(gguf_file).resolve(), Path(out_dir), dtype, add_bos_token, sha256)
+        return _convert(Path(gguf_file).resolve(), Path(out_dir), dtype, add_bos_token, sha256,
+                        _progress.say if progress else _quiet)
+
+
+def _quiet(line: str) -> None:
+    pass
 
 
 def cached_conversion(gguf_file: Path, root: Path, name: str, add_bos_token: bool | None = None,
@@ -86,17 +90,21 @@ def cached_conversion(gguf_file: Path, root: Path, name: str, add_bos_token: boo
             return out
         for stale in root.glob(f".{out.name}.*.tmp"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        log.info("converting %s (sha256 %s) to a Hugging Face directory in %s (once)", gguf_file, digest, out)
+        if progress:   # said on stderr by every command, not only those that show the package's log
+            _progress.say(f"converting {gguf_file} (sha256 {digest[:KEY_HEX]}…) to a Hugging Face directory in "
+                          f"{out}, once")
         return convert_gguf(gguf_file, out, torch.bfloat16, add_bos_token, progress, sha256=digest)
 
 
 def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: bool | None,
-             sha256: str | None = None) -> Path:
-    """:func:`convert_gguf` without the progress switch."""
+             sha256: str | None = None, say: Callable[[str], None] = _quiet) -> Path:
+    """:func:`convert_gguf`, each step ``say``-d first (transformers reads the GGUF's metadata without a bar)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_gguf(gguf_file)
     src, name = gguf_file.parent, gguf_file.name
+    say(f"  reading {name} with transformers: its metadata ({_progress.size(gguf_file.stat().st_size)} file), "
+        "then its tensors dequantized")
     try:
         loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     except Exception as e:
@@ -114,7 +122,9 @@ def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: 
     if add_bos_token is None:
         add_bos_token = config.model_type.startswith("gemma")
     tok_kwargs = {"add_bos_token": True} if add_bos_token else {}
+    say(f"  reading its tokenizer from {name}")
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, **tok_kwargs)
+    say(f"  writing {str(dtype).removeprefix('torch.')} safetensors and the tokenizer to {out_dir}")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")

@@ -5,13 +5,13 @@ import math
 
 import torch
 
+from ..progress import step
+
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True) -> dict:
     """Perplexity of a causal LM over ``windows`` [n, seqlen] → {"ppl", "nll", "windows", "tokens"}.
     Every token but each window's first is predicted (a leading BOS is context); NLL summed in fp64."""
-    from tqdm.auto import tqdm
-
     if windows.ndim != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [n, seqlen >= 2], got {tuple(windows.shape)}")
     was_training = model.training
@@ -19,7 +19,8 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool
     device = next(model.parameters()).device
     total, count = 0.0, 0
     try:
-        with tqdm(total=len(windows), desc="perplexity", unit="win", disable=not progress) as bar:
+        with step(f"perplexity: {len(windows)} windows × {windows.shape[1]} tokens", progress,
+                  total=len(windows), unit="window") as advance:
             for start in range(0, len(windows), batch_size):
                 batch = windows[start : start + batch_size].to(device)
                 logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
@@ -30,7 +31,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool
                     )
                     total += float(nll.double())
                     count += ids.numel() - 1
-                bar.update(len(batch))
+                advance(len(batch))
     finally:
         model.train(was_training)
     mean = total / count

@@ -13,6 +13,7 @@ from .. import hf_model
 from ..bounded_io import MAX_JSON_BYTES, OpenedDir, parse_json
 from ..model_config import check_config
 from ..errors import FormatError, is_resource_error
+from ..progress import step
 from .files import AUX_PATTERNS, CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, SINGLE_FILE, STATS_FILE, check_no_links_out
 from .manifest import check_digest, json_sha256, manifest_digest, read_manifest
 from .writer import MAX_AUX_BYTES
@@ -261,26 +262,19 @@ def linear_shape(model, module: str, file: str, names: hf_model.CheckpointNames)
     return m.out_features, m.in_features
 
 
-def load_dequantized_model(path: "str | os.PathLike | Checkpoint", dtype: torch.dtype = torch.float32, device="cpu"):
+def load_dequantized_model(path: "str | os.PathLike | Checkpoint", dtype: torch.dtype = torch.float32, device="cpu",
+                           progress: bool = False):
     """A plain transformers model holding the format's dequantized weights (no kernel); ``path``: or a Checkpoint."""
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     model = ck.empty_model(dtype)
     names = ck.checkpoint_names(model)
     expected = set(model.state_dict())
     filled: dict[str, int] = {}
-    for name, t in ck.dequantized_tensors(dtype):
-        x = names.experts.get(name.removesuffix(".weight"))
-        if x is not None:
-            if model.get_parameter(x.param).device.type == "meta":
-                hf_model.set_tensor(model, x.param, torch.empty(model.get_parameter(x.param).shape, dtype=dtype,
-                                                                device=device))
-            model.get_parameter(x.param).data[x.expert, x.rows] = t.to(device)
-            filled[x.param] = filled.get(x.param, 0) + 1
-            continue
-        key = names.model_key(name)
-        if key not in expected:
-            raise FormatError("not a parameter of the model", file=ck.where.get(name), tensor=name)
-        hf_model.set_tensor(model, key, t.to(device))
+    with step(f"loading {ck.path} dequantized to {str(dtype).removeprefix('torch.')}", progress,
+              total=len(ck.layers()) + len(ck.plain_names()), unit="tensor") as advance:
+        for name, t in ck.dequantized_tensors(dtype):
+            _place(model, names, expected, filled, ck, name, t.to(device))
+            advance(1)
     partial = sorted(p for p, n in filled.items() if n != len(names.of_param(p)))
     if partial:
         raise FormatError(f"experts parameters with some experts' layers missing: {partial[:3]}", file=str(ck.path))
@@ -290,3 +284,20 @@ def load_dequantized_model(path: "str | os.PathLike | Checkpoint", dtype: torch.
     if missing:
         raise FormatError(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}", file=str(ck.path))
     return model.to(device).eval()
+
+
+def _place(model, names: hf_model.CheckpointNames, expected: set[str], filled: dict[str, int], ck: Checkpoint,
+           name: str, t: torch.Tensor) -> None:
+    """Checkpoint tensor ``name`` into ``model``: its parameter, or its expert's rows (counted in ``filled``)."""
+    x = names.experts.get(name.removesuffix(".weight"))
+    if x is not None:
+        if model.get_parameter(x.param).device.type == "meta":
+            hf_model.set_tensor(model, x.param, torch.empty(model.get_parameter(x.param).shape, dtype=t.dtype,
+                                                            device=t.device))
+        model.get_parameter(x.param).data[x.expert, x.rows] = t
+        filled[x.param] = filled.get(x.param, 0) + 1
+        return
+    key = names.model_key(name)
+    if key not in expected:
+        raise FormatError("not a parameter of the model", file=ck.where.get(name), tensor=name)
+    hf_model.set_tensor(model, key, t)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import torch
 
 from .. import hf_model
 from ..hf_model import UnsupportedModelError, decoder_layers
+from ..progress import step
 from ..model_config import check_architecture
 from . import codebook, scale_codes
 from .checkpoint import Checkpoint, linear_shape
@@ -55,27 +57,14 @@ def validate_checkpoint(path: str | os.PathLike, *, decode: bool = True, verify_
     layers = _layers_in_model_order(ck, model, ck_names)
     _check_head_key(spec, model, ck_names, layers)   # the config against which layers are stored, before their bytes
     _check_fused_bits(spec, layers)
-    rows, covered, experts_done = [], set(), {}
-    it = layers.items()
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(it, desc="validating", unit="layer", total=len(layers))
-    for module, names in it:
-        rows.append(_check_layer(ck, model, ck_names, module, names, decode=decode, verify_checksums=verify_checksums))
-        if module in ck_names.experts:  # a fused parameter is covered once each of its per-expert layers is
-            p = ck_names.experts[module].param
-            experts_done[p] = experts_done.get(p, 0) + 1
-            if experts_done[p] == len(ck_names.of_param(p)):
-                covered.add(p)
-        else:
-            covered.add(ck_names.model_key(f"{module}.weight"))
-
-    stray = [m for m, _ in spec.layer_bits if m not in layers]
-    if stray:
-        raise FormatError(f"quantization_config.layer_bits names {stray}, which are not quantized layers of the "
-                          "checkpoint", file=CONFIG_FILE)
-
-    covered |= _check_plain_tensors(ck, ck_names, expected, verify_checksums)
+    what = f"verifying {path} (sha256, shapes, values)" if verify_checksums else f"checking {path} (shapes, values)"
+    with step(what, progress, total=_nbytes(ck, ck.where), unit="B") as advance:
+        rows, covered = _check_layers(ck, model, ck_names, layers, decode, verify_checksums, advance)
+        stray = [m for m, _ in spec.layer_bits if m not in layers]
+        if stray:
+            raise FormatError(f"quantization_config.layer_bits names {stray}, which are not quantized layers of the "
+                              "checkpoint", file=CONFIG_FILE)
+        covered |= _check_plain_tensors(ck, ck_names, expected, verify_checksums, advance)
     persistent = {n for n in expected if n not in dict(model.named_buffers())}
     missing = sorted(persistent - covered - tied)
     if missing:
@@ -162,6 +151,28 @@ def _layers_in_model_order(ck: Checkpoint, model, ck_names) -> dict[str, dict[st
     return dict(sorted(ck.layers().items(), key=lambda kv: (rank.get(where(kv[0]), len(rank)), kv[0])))
 
 
+def _nbytes(ck: Checkpoint, names) -> int:
+    """Bytes the tensors ``names`` of ``ck`` hold: what checking them reads."""
+    return sum(ck.shards[ck.where[n]].entries[n].end - ck.shards[ck.where[n]].entries[n].begin for n in names)
+
+
+def _check_layers(ck: Checkpoint, model, ck_names, layers: dict[str, dict[str, str]], decode: bool,
+                  verify_checksums: bool, advance: Callable[[int], object]) -> tuple[list[dict], set[str]]:
+    """Every quantized layer checked (``advance``: by the bytes read) → its report rows, the model keys covered."""
+    rows, covered, experts_done = [], set(), {}
+    for module, names in layers.items():
+        rows.append(_check_layer(ck, model, ck_names, module, names, decode=decode, verify_checksums=verify_checksums))
+        advance(_nbytes(ck, names.values()))
+        if module in ck_names.experts:  # a fused parameter is covered once each of its per-expert layers is
+            p = ck_names.experts[module].param
+            experts_done[p] = experts_done.get(p, 0) + 1
+            if experts_done[p] == len(ck_names.of_param(p)):
+                covered.add(p)
+        else:
+            covered.add(ck_names.model_key(f"{module}.weight"))
+    return rows, covered
+
+
 def _check_layer(ck: Checkpoint, model, ck_names, module: str, names: dict[str, str], *, decode: bool,
                  verify_checksums: bool) -> dict:
     """One quantized layer's tensors checked against the config and the model; its report row."""
@@ -193,7 +204,8 @@ def _check_layer(ck: Checkpoint, model, ck_names, module: str, names: dict[str, 
     return {"name": module, "kind": spec.kind, "shape": list(shape), **st}
 
 
-def _check_plain_tensors(ck: Checkpoint, ck_names, expected: dict, verify_checksums: bool) -> set[str]:
+def _check_plain_tensors(ck: Checkpoint, ck_names, expected: dict, verify_checksums: bool,
+                         advance: Callable[[int], object]) -> set[str]:
     """Every stored plain tensor checked against the model's parameter; the model keys covered."""
     covered = set()
     config_dtype = getattr(torch, hf_model.model_dtype(ck.config), None)
@@ -213,11 +225,12 @@ def _check_plain_tensors(ck: Checkpoint, ck_names, expected: dict, verify_checks
             f.verify(name, value_limit=MAX_WEIGHT)   # one pass over the bytes: sha256 and values
         else:
             f.check_values(name, MAX_WEIGHT)
+        advance(_nbytes(ck, [name]))
         covered.add(ck_names.model_key(name))
     return covered
 
 
-def verify_for_serving(path: str | os.PathLike) -> dict:
+def verify_for_serving(path: str | os.PathLike, progress: bool = False) -> dict:
     """The vLLM plugin's check of a checkpoint directory before vLLM reads a tensor: the checks
     ``latq-eval`` runs (:func:`validate_checkpoint` without decoding the Huffman streams, which
     the loader decodes): shapes before bytes, every tensor's sha256 streamed by pieces, value
@@ -231,7 +244,8 @@ def verify_for_serving(path: str | os.PathLike) -> dict:
                           f"{NO_VERIFY_ENV} skips", file=str(path))
     if skip:
         logger.warning("latq: %s: %s", said, SKIPPED)
-    report = validate_checkpoint(path, decode=False, verify_checksums=not skip, expect_digest=digest)
+    report = validate_checkpoint(path, decode=False, verify_checksums=not skip, expect_digest=digest,
+                                 progress=progress)
     if report["unsealed"]:
         logger.warning("latq: %s: not sealed, read by no loader: %s", path, ", ".join(report["unsealed"]))
     logger.info("latq: %s checked before serving: %s", path, "shapes, dtypes and value bounds (no sha256)" if skip
@@ -281,7 +295,7 @@ def check_declared_shapes(f, names: dict[str, str], kind: str, shape, bits, grou
 def _totals(ck: Checkpoint, rows: list[dict], model) -> dict:
     qparams = sum(r["shape"][0] * r["shape"][1] for r in rows)
     qbits = sum(r["bits"] * r["shape"][0] * r["shape"][1] for r in rows)
-    nbytes = sum(ck.shards[ck.where[n]].entries[n].end - ck.shards[ck.where[n]].entries[n].begin for n in ck.where)
+    nbytes = _nbytes(ck, ck.where)
     params = sum(p.numel() for p in model.parameters())
     return {"layers": len(rows), "quantized_params": qparams,
             "bits_per_weight": qbits / qparams if qparams else 0.0,

@@ -10,6 +10,7 @@ import torch
 
 from .. import format as fmt
 from ..format.checkpoint import Checkpoint
+from ..progress import step
 from .selector import families, family_member, family_name
 from .served_bytes import FALLBACK_BYTES, GridStats, choose_width
 from .weight import CodebookWeight, from_dense_tensors
@@ -83,15 +84,18 @@ def add_rotation_signs(rows: list[dict], fams, rotation) -> None:
                 f["bits_per_weight"] = 8 * f["bytes"] / (n * k)
 
 
-def checkpoint_served(path: "str | os.PathLike | Checkpoint", rows: list[dict]) -> dict[str, float]:
+def checkpoint_served(path: "str | os.PathLike | Checkpoint", rows: list[dict], progress: bool = False
+                      ) -> dict[str, float]:
     """Adds ``served`` (:func:`layer_served`) to each layer row of a
     :func:`~vllm_latq.format.validate.validate_checkpoint` report (``path``: its ``checkpoint``, to
     read what it verified); returns each family's served bits/weight over all those layers."""
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     spec, fams = ck.spec, families()
-    for r in rows:
-        t = ck.layer_tensors(r["name"])
-        r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams)
+    with step(f"served bits of {ck.path} per kernel family", progress, total=len(rows), unit="layer") as advance:
+        for r in rows:
+            t = ck.layer_tensors(r["name"])
+            r["served"] = layer_served(t, spec.kind, r["shape"], spec.bits_of(r["name"]), spec.group_size, fams)
+            advance(1)
     if spec.rotation is not None:
         add_rotation_signs(rows, fams, spec.rotation)
     weights = sum(r["shape"][0] * r["shape"][1] for r in rows)

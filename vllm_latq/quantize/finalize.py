@@ -41,7 +41,7 @@ def checkpoint_config(source_config: dict, quantization_config: dict, untie_head
 
 
 def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, config: dict, method: str,
-             validate: bool) -> dict:
+             validate: bool, progress: bool = False) -> dict:
     """Write the rest of the checkpoint into ``run``, validate it and move it to ``out`` → the stats totals."""
     nshards = nblocks + 1
     shards = [writer.shard_name(i, nshards) for i in range(nshards)]
@@ -56,7 +56,7 @@ def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, con
     digest = write_manifest(run.path, shards, [INDEX_FILE, *aux], made_by=COMMAND)
     output_dir.unmark_temporary(run.path)
     if validate:
-        validate_checkpoint(run.path, decode=True, verify_checksums=True)
+        validate_checkpoint(run.path, decode=True, verify_checksums=True, progress=progress)
     stray = unsealed_entries(run.path, read_manifest(run.path))
     if stray:
         raise ValueError(f"{run.path} holds {stray}, which this run did not write: not sealed into {out}; remove "
@@ -67,10 +67,10 @@ def finalize(run: RunDir, out: Path, source: Path, nblocks: int, rest: dict, con
     return stats["totals"]
 
 
-def place_sealed(run: RunDir, out: Path, source: Path, validate: bool) -> None:
+def place_sealed(run: RunDir, out: Path, source: Path, validate: bool, progress: bool = False) -> None:
     """The checkpoint a killed run of this command sealed (:attr:`RunDir.sealed`), moved to ``out`` unless there."""
     if validate:
-        validate_checkpoint(run.sealed, decode=True, verify_checksums=True)
+        validate_checkpoint(run.sealed, decode=True, verify_checksums=True, progress=progress)
     if run.sealed != out:
         run.claim.note_sealed(run.claim.journal["digest"], run.fingerprint)
         replace_output(run.claim, source)

@@ -47,7 +47,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, opts: Quant
             if run.sealed is not None:   # a killed run of this command sealed it: moved, not computed again
                 with ranks.together("moving the checkpoint into place", world):
                     if world.writes:
-                        place_sealed(run, out, src.path, validate)
+                        place_sealed(run, out, src.path, validate, progress)
                 return out
             steps = Steps(src, head, opts, run, solve or solve_layers.solve, on_layer, progress, world)
             steps.capture()

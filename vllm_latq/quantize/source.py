@@ -21,16 +21,16 @@ from .. import data
 log = logging.getLogger("vllm_latq.quantize")
 
 
-def resolve_model(spec: str | os.PathLike) -> Path:
-    """An HF model directory for ``spec``: a directory, a ``.gguf`` file or a reference name."""
+def resolve_model(spec: str | os.PathLike, progress: bool = True) -> Path:
+    """An HF model directory for ``spec``: a directory, a ``.gguf`` file or a reference name (converted once)."""
     s = str(spec)
     if s in data.MODELS:
-        return data.model_dir(s)
+        return data.model_dir(s, progress)
     p = Path(s).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"GGUF file not found: {p}")
-        return data.cached_conversion(p.resolve(), data.cache_dir() / "converted", p.stem)
+        return data.cached_conversion(p.resolve(), data.cache_dir() / "converted", p.stem, progress=progress)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} has no config.json: not a Hugging Face model directory")
@@ -187,9 +187,9 @@ class Source:
                       if (isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n not in quantized) or n in gates)
 
 
-def open_source(model: str | os.PathLike, compute_dtype) -> Source:
+def open_source(model: str | os.PathLike, compute_dtype, progress: bool = True) -> Source:
     """Resolve ``model``, refuse a quantized or unsupported one, and build it on the meta device."""
-    src = resolve_model(model)
+    src = resolve_model(model, progress)
     raw_cfg = hf_model.config_dict(src)
     cfg_file = str(Path(src) / hf_model.CONFIG_FILE)
     check_config(raw_cfg, file=cfg_file)   # before building anything

@@ -46,7 +46,7 @@ def open_checked(model, out: Path, opts: QuantizeOptions, overwrite: bool, progr
                          f"Hessian products of {per} sequence{'s' * (per > 1)}, the unit ranks split, fewer than "
                          f"the {world.size} ranks: raise --nsamples or run fewer ranks")
     with data.hf_progress_bars(progress):   # a GGUF source is converted here, with transformers' bars
-        src = open_source(model, opts.torch_compute_dtype)
+        src = open_source(model, opts.torch_compute_dtype, progress)
     head = _head_plan(src, opts)
     check_room(src, head, opts, out)
     return src, head
@@ -235,7 +235,7 @@ class Steps:
                                                 untie_head=head_name is not None and self.src.tied)
                 rest = {**self.src.outside_kept_tensors(head_name), **head_tensors}
                 tot = finalize(self.run, out, self.src.path, self.src.nblocks, rest, config_json, self.opts.method,
-                               validate)
+                               validate, self.progress)
                 log.info("wrote %s: %d layers, %.4f bits/weight, outliers %.3f%%, in %.0fs%s", out, tot["layers"],
                          tot["bits_per_weight"], 100 * tot["outlier_rate"], time.time() - self.started,
                          f" ({self.world.size} ranks)" if self.world.distributed else "")

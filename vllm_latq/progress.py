@@ -1,0 +1,60 @@
+"""Progress of the long steps on stderr (stdout holds results): a bar on a terminal, one line saying what is
+under way elsewhere (a log), nothing with ``--no-progress``; a step quiet for :data:`DELAY` s says nothing."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from typing import Callable, Iterator
+
+DELAY = 2.0   # a step shorter than this stays quiet: a small model's steps, and a refusal found at once stays one line
+
+
+def terminal() -> bool:   # where a bar redraws in place; a log or a pipe would keep every redraw
+    return sys.stderr.isatty()
+
+
+def say(line: str) -> None:   # flushed: a pipe would hold the line back until the step is over
+    print(line, file=sys.stderr, flush=True)
+
+
+def _ignore(n: int = 1) -> None:
+    pass
+
+
+def size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def _later(line: str) -> Iterator[None]:
+    """``line`` said once the block has run :data:`DELAY` seconds (at once with no delay)."""
+    if DELAY <= 0:
+        say(line)
+        yield
+        return
+    timer = threading.Timer(DELAY, say, [line])
+    timer.daemon = True   # a step that never ends must not keep the process alive
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
+def step(what: str, enabled: bool = True, *, total: int | None = None, unit: str = "it",
+         bar: bool = True) -> Iterator[Callable[[int], object]]:
+    """``what`` within the block: a bar of ``total`` ``unit`` ("B": bytes) on a terminal (``bar=False``: the library
+    called draws it), else one line; yields ``advance(n)``."""
+    if not enabled or (not bar and terminal()):
+        yield _ignore
+    elif not terminal():
+        with _later(f"{what}: {size(total)}" if unit == "B" and total is not None else what):
+            yield _ignore
+    else:
+        from tqdm.auto import tqdm
+        nbytes = unit == "B"
+        with tqdm(total=total, desc=what, unit=unit, unit_scale=nbytes, unit_divisor=1024 if nbytes else 1000,
+                  file=sys.stderr, delay=DELAY) as drawn:
+            yield drawn.update
