@@ -30,14 +30,16 @@ def test_a_rank_rotates_its_own_columns_only_on_block_boundaries():
 @pytest.fixture(scope="module")
 def rotated_tiny(tmp_path_factory):
     """make_tiny_llama (head_dim 32, as vLLM's CPU attention wants) quantized by the pipeline at
-    3 bits with --rotate hadamard: GPTQ and SSQR."""
+    3 bits with --rotate hadamard and the 8-bit head asked for (its tied head would stay tied by
+    default: the vocabulary outweighs the blocks): GPTQ and SSQR."""
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
     d = tmp_path_factory.mktemp("rot")
     src = h.make_tiny_llama(d / "model")
     out = {"dir": d}
     for method, kw in (("gptq", {}), ("ssqr", {"outlier_rate": 0.02})):
         out[method] = quantize_model(src, d / method, QuantizeOptions(method=method, bits=3, group_size=32, nsamples=4,
-                                                                       seqlen=64, rotate="hadamard", **kw),
+                                                                       seqlen=64, rotate="hadamard", lm_head_bits=8,
+                                                                       **kw),
                                      progress=False)
     return out
 
