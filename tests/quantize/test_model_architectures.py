@@ -159,7 +159,7 @@ def _vllm_checkpoints(arch, src, tmp_path) -> dict:
     """Name → the checkpoint of ``src`` that each option set of ``VLLM_OPTIONS`` (and HPTQ's
     defaults on ``VLLM_HPTQ``) makes, calibrated on little text; on ``VLLM_HEAD_REFUSED`` SSQR keeps the head."""
     options = {**VLLM_OPTIONS, **({"hptq": dict(method="hptq")} if arch in VLLM_HPTQ else {})}
-    if not _head_quantizable(src):   # a head with a bias (GPT-J, Phi): every option set keeps it
+    if not _head_quantizable(src):   # a head with a bias (GPT-J, Phi) or no norm weights (OLMo): kept
         options = {n: {k: v for k, v in o.items() if k != "lm_head_bits"} for n, o in options.items()}
     if arch in VLLM_HEAD_REFUSED:
         options["ssqr"] = {**{k: v for k, v in options["ssqr"].items() if k != "lm_head_bits"}, "quantize_lm_head": False}
@@ -168,8 +168,14 @@ def _vllm_checkpoints(arch, src, tmp_path) -> dict:
 
 
 def _head_quantizable(src) -> bool:
-    """Whether latq quantizes the output head of model directory ``src`` when asked (a bias-free nn.Linear)."""
-    head = hf_model.empty_model(hf_model.hf_config(hf_model.config_dict(src))).get_output_embeddings()
+    """Whether latq quantizes the output head of model directory ``src`` when asked: a bias-free nn.Linear
+    whose input is a final norm it can tell (OLMo's norm has no weights)."""
+    net = hf_model.empty_model(hf_model.hf_config(hf_model.config_dict(src)))
+    head = net.get_output_embeddings()
+    try:
+        hf_model.final_norm(net, hf_model.decoder_layers(net)[0])
+    except hf_model.UnsupportedModelError:
+        return False
     return isinstance(head, torch.nn.Linear) and head.bias is None
 
 
