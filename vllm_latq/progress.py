@@ -7,6 +7,8 @@ import sys
 import threading
 from typing import Callable, Iterator
 
+from .errors import in_units
+
 DELAY = 2.0   # a step shorter than this stays quiet: a small model's steps, and a refusal found at once stays one line
 
 
@@ -20,10 +22,6 @@ def say(line: str) -> None:   # flushed: a pipe would hold the line back until t
 
 def _ignore(n: int = 1) -> None:
     pass
-
-
-def size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @contextlib.contextmanager
@@ -50,7 +48,7 @@ def step(what: str, enabled: bool = True, *, total: int | None = None, unit: str
     if not enabled or (not bar and terminal()):
         yield _ignore
     elif not terminal():
-        with _later(f"{what}: {size(total)}" if unit == "B" and total is not None else what):
+        with _later(f"{what}: {in_units(total)}" if unit == "B" and total is not None else what):
             yield _ignore
     else:
         from tqdm.auto import tqdm

@@ -43,7 +43,7 @@ def test_a_step_in_a_log_is_one_line_with_its_size(shown, capsys):
         advance(1 << 20)
         advance(2 << 20)
     out, err = capsys.readouterr()
-    assert (out, err) == ("", "verifying X: 3.0 MiB\n")
+    assert (out, err) == ("", "verifying X: 3.00 MiB\n")
 
 
 def test_a_step_on_a_terminal_is_a_bar_over_its_total(terminal, capsys):
@@ -81,7 +81,7 @@ def test_inspect_says_what_it_verifies_and_computes(tiny_checkpoints, shown, cap
     ck = tiny_checkpoints["ssqr"][0]
     out, err = _run(capsys, inspect.inspect_main, ck, "--json")
     verified, served = err.splitlines()
-    assert re.fullmatch(rf"verifying {re.escape(str(ck))} \(sha256, shapes, values\): \d+\.\d MiB", verified), err
+    assert re.fullmatch(rf"verifying {re.escape(str(ck))} \(sha256, shapes, values\): \d+\.\d\d MiB", verified), err
     assert served == f"served bits of {ck} per kernel family"
     assert json.loads(out)["totals"]["layers"] > 0
     assert _run(capsys, inspect.inspect_main, ck, "--json", "--no-progress") == (out, "")

@@ -15,6 +15,7 @@ import torch
 
 from .. import progress as _progress
 from ..bounded_io import file_sha256
+from ..errors import in_units
 
 # Bumped when the conversion changes, so stale cached directories are rebuilt.
 CONVERTER_VERSION = 1
@@ -103,7 +104,7 @@ def _convert(gguf_file: Path, out_dir: Path, dtype: torch.dtype, add_bos_token: 
 
     _check_gguf(gguf_file)
     src, name = gguf_file.parent, gguf_file.name
-    say(f"  reading {name} with transformers: its metadata ({_progress.size(gguf_file.stat().st_size)} file), "
+    say(f"  reading {name} with transformers: its metadata ({in_units(gguf_file.stat().st_size)} file), "
         "then its tensors dequantized")
     try:
         loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
