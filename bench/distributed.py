@@ -54,9 +54,10 @@ def run(config: str, model: str, out: Path, args: list[str], rss_dir: Path) -> d
         if world > 1 else [sys.executable]
     cmd = [*launcher, "-m", "bench.distributed", "--worker", str(rss_dir), "--", model, str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    wall = time.perf_counter() - t0
+    wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)   # every rank's, the launcher's too
     if p.returncode != 0:
         raise RuntimeError(f"{config} failed ({p.returncode}):\n{p.stderr[-4000:]}")
     phases = [0.0, 0.0, 0.0]
@@ -65,7 +66,7 @@ def run(config: str, model: str, out: Path, args: list[str], rss_dir: Path) -> d
         if m and ("[rank 0]" in line or world == 1):
             phases = [a + float(b) for a, b in zip(phases, m.groups()[1:])]
     rss = [json.loads((rss_dir / f"rank{r}.json").read_text())["peak_rss_kib"] / 2**20 for r in range(world)]
-    return {"wall": wall, "phases": phases, "rss_gib": rss}
+    return {"wall": wall, "cpu": cpu, "phases": phases, "rss_gib": rss}
 
 
 def compare(a: Path, b: Path) -> str:
