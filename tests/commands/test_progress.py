@@ -155,3 +155,26 @@ def test_quantize_says_it_verifies_what_it_wrote(tiny_llama, shown, tmp_path, ca
     assert out.startswith(f"latq-quantize: sealed {tmp_path / 'q'}, digest ")
     out, err = _run(capsys, quantize.main, *args[:1], tmp_path / "r", *args[2:], "--no-progress")
     assert "verifying" not in err and out.startswith(f"latq-quantize: sealed {tmp_path / 'r'}, digest ")
+
+
+def test_quantize_in_a_log_has_no_redrawn_bars(tiny_llama, shown, tmp_path, capsys):
+    """A log keeps every redraw of a bar: there, latq-quantize says each step once and each block in its line."""
+    from vllm_latq.commands import quantize
+    out, err = _run(capsys, quantize.main, tiny_llama, tmp_path / "q", "--method", "gptq", "--group-size", "32",
+                    "--nsamples", "2", "--seqlen", "32")
+    assert "\r" not in err and "%|" not in err, err
+    assert re.search(r"^capturing block-0 inputs$", err, re.M), err
+    assert len(re.findall(r"block \d+/\d+: Hessians [\d.]+s, quantization", err)) >= 1, err
+
+
+def test_quantize_on_a_terminal_draws_its_block_bars(tiny_llama, terminal, tmp_path, capsys):
+    from vllm_latq.commands import quantize
+    _, err = _run(capsys, quantize.main, tiny_llama, tmp_path / "q", "--method", "gptq", "--group-size", "32",
+                  "--nsamples", "2", "--seqlen", "32")
+    assert "gptq blocks: 100%" in err and ": Hessians:" in err, err
+
+
+def test_bar_passes_items_through_where_it_draws_nothing(terminal):
+    items = [1, 2, 3]
+    assert progress.bar(items, "x", enabled=False) is items
+    assert list(progress.bar(items, "x")) == items

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import hf_model
+from ..progress import bar
 from . import capture
 from .hessian import Chunks, CrossCovariance, Hessian, PanelHessian, sequences_per_product
 from .moe import MoeInputs
@@ -166,10 +167,9 @@ def chunks_of(acts) -> Chunks:
 @torch.no_grad()
 def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bool) -> SharedHessians:
     """Run the (unquantized) block on every calibration sequence with Hessian hooks."""
-    from tqdm.auto import tqdm
     hs = SharedHessians(linears, layer, chunks=chunks_of(inps))
     try:
-        for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians", unit="seq", disable=not progress, leave=False):
+        for j in bar(range(len(inps)), f"{desc}: Hessians", progress, unit="seq"):
             capture.run_block(layer, inps[j:j + 1], kw)
             hs.end_forward()
     finally:
@@ -181,8 +181,7 @@ def block_hessians(layer, linears: dict, inps, kw: dict, desc: str, progress: bo
 def head_hessian(norm: torch.nn.Module, inps: torch.Tensor, columns: int, device, desc: str,
                  progress: bool) -> PanelHessian:
     """The output head's ``XᵀX/n``: the final ``norm`` of the last quantized block's outputs ``inps``."""
-    from tqdm.auto import tqdm
     hs = PanelHessian(columns, device, chunks_of(inps))
-    for j in tqdm(range(len(inps)), desc=f"{desc}: Hessian", unit="seq", disable=not progress, leave=False):
+    for j in bar(range(len(inps)), f"{desc}: Hessian", progress, unit="seq"):
         hs.add(norm(inps[j:j + 1]))
     return hs

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from .. import hf_model
+from ..progress import bar, step
 from .activations import Activations
 from .ranks import SINGLE, World
 from .resume import RunDir
@@ -80,13 +81,12 @@ def capture(model, layers: torch.nn.ModuleList, ids: torch.Tensor, all_kwargs: b
 def capture_inputs(model, layers: torch.nn.ModuleList, calib: torch.Tensor, acts: Activations,
                    progress: bool) -> dict:
     """Write block 0's inputs for every calibration sequence into ``acts`` → every block's kwargs."""
-    from tqdm.auto import tqdm
     kwargs = None
-    for j in tqdm(range(len(calib)), desc="capturing block-0 inputs", unit="seq", disable=not progress,
-                  leave=False):
-        h, kw = capture(model, layers, calib[j:j + 1].to(acts.device), all_kwargs=(j == 0))
-        acts.write(j, h[0])
-        kwargs = kwargs or kw
+    with step("capturing block-0 inputs", progress, bar=False):   # a log's one line; a terminal's bar below
+        for j in bar(range(len(calib)), "capturing block-0 inputs", progress, unit="seq"):
+            h, kw = capture(model, layers, calib[j:j + 1].to(acts.device), all_kwargs=(j == 0))
+            acts.write(j, h[0])
+            kwargs = kwargs or kw
     acts.advance()
     return kwargs
 
@@ -127,7 +127,6 @@ def run_block(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
 @torch.no_grad()
 def block_outputs(layer, acts: Activations, kw: dict, desc: str, progress: bool) -> None:
     """Run the block on every calibration sequence: its outputs become the inputs ``acts`` holds."""
-    from tqdm.auto import tqdm
-    for j in tqdm(range(len(acts)), desc=f"{desc}: outputs", unit="seq", disable=not progress, leave=False):
+    for j in bar(range(len(acts)), f"{desc}: outputs", progress, unit="seq"):
         acts.write(j, run_block(layer, acts[j:j + 1], kw)[0])
     acts.advance()

@@ -304,8 +304,8 @@ def linear_hessians(model: torch.nn.Module, modules: dict[Hashable, torch.nn.Lin
             raise _Stop
         handles.append(stop_after.register_forward_hook(stop))
     if desc is not None:
-        from tqdm.auto import tqdm
-        batches = tqdm(batches, desc=desc, unit="seq")
+        from ..progress import bar
+        batches = bar(batches, desc, unit="seq", leave=True)
     try:
         for seq in batches:
             try:

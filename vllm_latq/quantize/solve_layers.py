@@ -14,6 +14,7 @@ import torch
 
 from .. import hf_model
 from .. import format as fmt
+from ..progress import bar
 from ..algorithms.e8 import e8
 from ..algorithms.hptq import hptq, hrtn
 from ..algorithms.lattice import relative_error
@@ -147,7 +148,6 @@ def solve_block(block: torch.nn.Module, block_name: str, desc: str, stage: Stage
     narrower dtype), then its experts (:func:`expert_jobs`), and put the dequantized weights into
     the block, so that its outputs are the quantized block's → the tensors and records, in order.
     Each Hessian is released once the last linear sharing it is solved."""
-    from tqdm.auto import tqdm
     within = partial(_within, block_name)
     hessians = stage.hessians
     jobs = [Job(setup.names.module(name), solve_cost(*m.weight.shape), partial(_linear_job, name, stage, setup),
@@ -157,13 +157,10 @@ def solve_block(block: torch.nn.Module, block_name: str, desc: str, stage: Stage
                           hessians.moe[within(module)] if hessians is not None else None, stage.quantize, setup)
               for module, parts in stage.experts.items()]
     out = Solved()
-    bar = tqdm(total=len(jobs) + sum(r.count for r in rounds), desc=f"{desc}: quantizing", unit="layer",
-               disable=not setup.progress, leave=False)
-    for solved in setup.scheduler.solve(jobs, rounds, desc):
+    for solved in bar(setup.scheduler.solve(jobs, rounds, desc), f"{desc}: quantizing", setup.progress, unit="layer",
+                      total=len(jobs) + sum(r.count for r in rounds)):
         _take(solved, out, block, within, setup.device)
         del solved   # before the next solve: where the block's dtype is fp32, its weight is the solution itself
-        bar.update()
-    bar.close()
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .. import data, hf_model
+from ..progress import bar
 from ..format import writer
 from . import heap, ranks
 from .calibrate import block_hessians, sum_over_ranks
@@ -144,9 +145,8 @@ class Steps:
 
     def remaining(self) -> Iterable[int]:
         """The blocks still to quantize, with a progress bar."""
-        from tqdm.auto import tqdm
-        return tqdm(range(self.run.blocks_done, self.src.nblocks), desc=f"{self.opts.method} blocks", unit="block",
-                    disable=not self.progress, initial=self.run.blocks_done, total=self.src.nblocks)
+        return bar(range(self.run.blocks_done, self.src.nblocks), f"{self.opts.method} blocks", self.progress,
+                   unit="block", leave=True, initial=self.run.blocks_done, total=self.src.nblocks)
 
     def load(self, i: int) -> Block:
         """Block ``i``, its weights loaded when forwards run through it."""

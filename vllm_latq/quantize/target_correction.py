@@ -7,6 +7,7 @@ import shutil
 from typing import Callable, Iterator
 
 from .. import hf_model
+from ..progress import bar
 from . import capture, ranks
 from .activations import Activations
 from .calibrate import SharedHessians, chunks_of, sum_over_ranks
@@ -42,7 +43,6 @@ def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Ac
                             progress: bool) -> Iterator[tuple[list[str], SharedHessians, bool]]:
     """Yield ``(names, hessians, last)`` per group of linears sharing an input, in forward order.
     X̃ comes from ``layer`` as quantized so far, X from an unquantized copy (the next block's X)."""
-    from tqdm.auto import tqdm
     original = copy.deepcopy(layer)
     name_in_layer = {id(m): n for n, m in layer.named_modules()}
     in_original = dict(original.named_modules())
@@ -56,8 +56,7 @@ def target_corrected_stages(layer, linears: dict, inps: Activations, targets: Ac
         hs = SharedHessians({n: linears[n] for n in names}, layer if last and has_experts else None,
                             {n: twins[n] for n in names}, chunks_of(inps))
         try:
-            for j in tqdm(range(len(inps)), desc=f"{desc}: Hessians {stage + 1}", unit="seq", disable=not progress,
-                          leave=False):
+            for j in bar(range(len(inps)), f"{desc}: Hessians {stage + 1}", progress, unit="seq"):
                 if groups is not None or j > 0:   # the first forward of the block finds the groups
                     hs.stop_after = frozenset(hs.groups()[0] if groups is None else names)
                 y = hs.record_targets(original, targets[j:j + 1], kw, stop=not last)
