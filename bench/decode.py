@@ -315,7 +315,8 @@ def main(argv=None) -> None:
     ap.add_argument("--peer", default="", help="peer engines run beside the others, batch 1 (llamacpp: llama.cpp "
                     "through xllamacpp, on --peer-ggufs)")
     ap.add_argument("--peer-ggufs", default="shipped,latq", help="the peer's GGUFs: shipped (the one the reference "
-                    "model ships as) and/or latq (the checkpoint written value for value in llama.cpp's blocks)")
+                    "model ships as), latq (the checkpoint written value for value in llama.cpp's blocks) and/or a .gguf "
+                    "file of the same weights (bench/iquant_peer.py's IQ3_S: named by its stem's last part)")
     ap.add_argument("--threads", default=None, help="comma list of thread counts, every engine set loaded and run "
                     "at each (default: all cores, or VLLM_CPU_OMP_THREADS_BIND)")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20)

@@ -143,6 +143,12 @@ def peer_jobs(peers: str, ggufs: str, model: str, ckpt: str, workdir: str) -> li
             raise SystemExit(f"--peer {peer}: not one of {', '.join(PEERS)}")
         shipped = MODELS[model].gguf() if model in MODELS else None
         for which in ggufs.split(","):
+            if which.endswith(".gguf"):   # a GGUF of the same weights made elsewhere (bench/iquant_peer.py's)
+                if not Path(which).is_file():
+                    raise SystemExit(f"--peer-ggufs {which}: no such file")
+                jobs.append({"label": f"llama.cpp:{Path(which).stem.rsplit('-', 1)[-1]}", "model": which,
+                             "gguf": which, "kernel": peer, "dtype": "gguf", "peer": True})
+                continue
             try:
                 if shipped is None:
                     raise ValueError(f"{model} is not a reference model: no GGUF it ships as")

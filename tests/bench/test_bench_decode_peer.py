@@ -243,3 +243,12 @@ def test_bench_runs_llama_cpp_beside_vllm(tmp_path):
         assert k in keys, (k, out.stdout[-2000:])
     assert float(keys["latq_mb_per_token"]) < float(keys["llamacpp_Q4_1_mb_per_token"]) < float(
         keys["bf16_mb_per_token"])
+
+
+def test_a_gguf_file_of_the_same_weights_runs_as_a_peer_named_by_its_type(tmp_path):
+    iq = tmp_path / "smollm2-135m-IQ3_S.gguf"
+    iq.write_bytes(b"GGUF")
+    jobs = decode_peer.peer_jobs("llamacpp", str(iq), "smollm2-135m", "unused", str(tmp_path))
+    assert [(j["label"], j["gguf"], j["peer"]) for j in jobs] == [("llama.cpp:IQ3_S", str(iq), True)]
+    with pytest.raises(SystemExit, match="no such file"):
+        decode_peer.peer_jobs("llamacpp", str(tmp_path / "missing-IQ3_S.gguf"), "smollm2-135m", "unused", str(tmp_path))
