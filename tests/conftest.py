@@ -13,6 +13,9 @@ from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model  # noqa: E4
 # pytest-xdist workers (scripts/test.sh) share the cores: each gets its share, at most 2 threads
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+# the same count for the commands and processes under test: not fitted to the load (vllm_latq/threads.py), which
+# would make a checkpoint's last bits depend on what else runs
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

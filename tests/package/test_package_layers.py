@@ -21,7 +21,7 @@ MAX_LINES = 450
 # kernels and the algorithms are siblings that do not import each other.
 LAYERS = (
     ("vllm_latq.errors", "vllm_latq.env", "vllm_latq.bounded_io", "vllm_latq.progress", "vllm_latq.native",
-     "vllm_latq.cpu_features", "vllm_latq.data"),
+     "vllm_latq.cpu_features", "vllm_latq.threads", "vllm_latq.data"),
     ("vllm_latq.hf_model", "vllm_latq.model_config"),
     ("vllm_latq.format",),
     ("vllm_latq.kernels", "vllm_latq.algorithms"),

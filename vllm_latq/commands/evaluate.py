@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     if a.no_verify:
         from ..format.manifest import SKIPPED
         print(f"latq-eval: --no-verify: {SKIPPED}", file=sys.stderr)
+    if not a.device.startswith("cuda"):
+        from ..threads import fit_to_idle_cores
+        fit_to_idle_cores("latq-eval: evaluating", say=lambda line: print(line, file=sys.stderr))
     try:
         if a.output:   # a folder missing, read-only or full is refused now, not after the evaluation
             writer.check_writable(a.output, "--output")

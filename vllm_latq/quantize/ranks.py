@@ -18,6 +18,7 @@ import torch
 
 from .. import env
 from ..errors import limits
+from ..threads import fit_to_idle_cores
 
 log = logging.getLogger("vllm_latq.quantize")
 
@@ -84,6 +85,8 @@ def joined(device: str, command: dict):
     world = init(device)
     try:
         check_same_command(command, world)
+        if not world.distributed:   # ranks keep the threads torchrun gave them
+            fit_to_idle_cores("quantizing")
         announce(world)
         yield world
     except Exception as e:
