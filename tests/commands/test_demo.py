@@ -25,6 +25,17 @@ def test_ctrl_c_stops_in_one_line(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith("[demo] stopped") and "Traceback" not in err[0]
 
 
+def test_a_checkpoint_another_demo_is_writing_is_one_line(monkeypatch, capsys):
+    def locked(*a, **k):
+        raise FileExistsError("/c/gptq is being written by another run (latq-quantize, pid 7): wait for it")
+    monkeypatch.setattr(demo, "full_demo", locked)
+    with pytest.raises(SystemExit) as e:
+        demo.main([])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "[demo] error: /c/gptq is being written by another run (latq-quantize, " \
+                                      "pid 7): wait for it\n"
+
+
 def test_table_shows_size_beside_bits():
     """Each row's size and its share of the bf16 source sit next to its bits, so a checkpoint bigger
     than its source could not hide in the table."""

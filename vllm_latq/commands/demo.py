@@ -249,6 +249,9 @@ def main(argv=None):
         _say("\n[demo] stopped. Run it again to go on: finished checkpoints and evaluations are cached, "
              "an unfinished quantization resumes.")
         sys.exit(130)
+    except (OSError, ValueError) as e:   # another demo writing the same checkpoint, a full disk, …: one line
+        _say(f"[demo] error: {e}")
+        sys.exit(2)
 
 
 if __name__ == "__main__":
