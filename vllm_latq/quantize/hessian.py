@@ -8,6 +8,7 @@ import torch
 
 from .. import native
 from ..algorithms.lattice import damped
+from ..progress import bar
 
 PRODUCT_ROWS = 4096  # rows per fp32 XᵀX product of PanelHessian (8 sequences of 512); summed exactly
 MIN_PRODUCTS = 16  # products a calibration set is cut into at least (when it has that many sequences)
@@ -304,7 +305,6 @@ def linear_hessians(model: torch.nn.Module, modules: dict[Hashable, torch.nn.Lin
             raise _Stop
         handles.append(stop_after.register_forward_hook(stop))
     if desc is not None:
-        from ..progress import bar
         batches = bar(batches, desc, unit="seq", leave=True)
     try:
         for seq in batches:
