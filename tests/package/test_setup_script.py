@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "scripts" / "setup.sh"
 
 BLOCK = """\
-  /tmp/pip-build-env-x/overlay/lib/python3.11/site-packages/setuptools/command/editable_wheel.py:354: \
+  overlay/site-packages/setuptools/command/editable_wheel.py:354: \
 BuildBackendWarning: Editable installation.
   !!
 
@@ -26,11 +26,15 @@ BuildBackendWarning: Editable installation.
 """
 
 
-def _quiet(text: str) -> subprocess.CompletedProcess:
+def _quiet_function() -> str:
+    """setup.sh's ``quiet() { … }`` as it stands there."""
     src = SETUP.read_text()
-    quiet = src[src.index("quiet() {"):src.index("\n}\n", src.index("quiet() {")) + 3]
-    return subprocess.run(["bash", "-c", f"set -o pipefail\n{quiet}quiet cat"], input=text, capture_output=True,
-                          text=True)
+    return src[src.index("quiet() {"):src.index("\n}\n", src.index("quiet() {")) + 3]
+
+
+def _quiet(text: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f"set -o pipefail\n{_quiet_function()}quiet cat"], input=text,
+                          capture_output=True, text=True)
 
 
 def test_pip_output_goes_to_stderr_without_the_editable_warning_block():
@@ -41,10 +45,8 @@ def test_pip_output_goes_to_stderr_without_the_editable_warning_block():
 
 
 def test_a_failing_pip_fails_setup():
-    src = SETUP.read_text()
-    quiet = src[src.index("quiet() {"):src.index("\n}\n", src.index("quiet() {")) + 3]
-    r = subprocess.run(["bash", "-c", f"set -euo pipefail\n{quiet}quiet false\necho after"], capture_output=True,
-                       text=True)
+    r = subprocess.run(["bash", "-c", f"set -euo pipefail\n{_quiet_function()}quiet false\necho after"],
+                       capture_output=True, text=True)
     assert r.returncode != 0 and "after" not in r.stdout
 
 
