@@ -292,14 +292,15 @@ def test_failed_export_leaves_nothing_at_out(tiny_src, tmp_path, monkeypatch):
 def test_export_of_the_default_smollm2_checkpoint_keeps_latq_eval_perplexity(tmp_path):
     """The issue's criterion: ``latq-export`` of the default checkpoint (GPTQ 4-bit g64) of
     SmolLM2-135M, loaded by transformers through compressed-tensors, has ``latq-eval``'s
-    perplexity of the source checkpoint within 0.1 %."""
+    perplexity of the source checkpoint within 0.1 % (on 8 of the protocol's 64 windows: the same
+    weights read two ways, not a quality figure)."""
     from tests.vllm_helpers import pipeline_checkpoint
     from vllm_latq.commands.evaluate import evaluate
     ck = pipeline_checkpoint("smollm2-135m", "gptq")
     out = tmp_path / "ex"
     assert export.main([str(ck), str(out), "--format", "compressed-tensors"]) == 0
-    src = evaluate(str(ck), progress=False)
-    ex = evaluate(str(out), progress=False)
+    src = evaluate(str(ck), progress=False, nwindows=8)
+    ex = evaluate(str(out), progress=False, nwindows=8)
     print(f"latq-eval perplexity: source {src['ppl']:.4f}, export {ex['ppl']:.4f}")
     assert abs(ex["ppl"] - src["ppl"]) <= 1e-3 * src["ppl"], (src["ppl"], ex["ppl"])
 

@@ -331,4 +331,4 @@ def test_export_refuses_what_the_validator_refuses(refs):
 @pytest.mark.timeout(3600, func_only=True)
 @pytest.mark.parametrize("edit", sorted(EDITS))
 def test_edits_are_refused_or_change_nothing_long(refs, edit):
-    _fuzz(refs, edit, 20 * EXAMPLES[edit])
+    _fuzz(refs, edit, 10 * EXAMPLES[edit])

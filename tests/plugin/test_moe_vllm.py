@@ -386,11 +386,12 @@ def test_tp2_equals_tp1(tmp_path):
     HPTQ decoded whole and cut): the tokens of TP=1."""
     src = make_moe_model(tmp_path / "src", "qwen3_moe")
     ids = h.tokenize(src)
-    for m in ("ssqr", "hptq"):
-        ck, _ = make_moe_checkpoint(src, tmp_path / m, m)
-        one = h.run_vllm(ck, ids, 16, kernel="reference", tmp=tmp_path)
-        two = h.run_vllm(ck, ids, 16, kernel="reference", tp=2, tmp=tmp_path, timeout=1800)
-        assert two["tokens"] == one["tokens"], m
+    jobs = [{"model": make_moe_checkpoint(src, tmp_path / m, m)[0], "prompt_ids": ids, "max_tokens": 16,
+             "env": {"LATQ_KERNEL": "reference"}} for m in ("ssqr", "hptq")]
+    one, two = (h.run_vllm_jobs(jobs, tp=tp, tmp=tmp_path, timeout=1800) for tp in (1, 2))   # a process each
+    for m, a, b in zip(("ssqr", "hptq"), one, two):
+        assert "error" not in a and "error" not in b, (a.get("traceback"), b.get("traceback"))
+        assert b["tokens"] == a["tokens"], m
 
 
 @pytest.mark.slow

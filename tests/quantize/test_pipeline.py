@@ -499,20 +499,22 @@ def test_eval_checkpoint_and_source(tiny_checkpoints, tiny_llama, capsys):
 
 # ----------------------------------------------------------------------------- real models (slow)
 
+EVAL_WINDOWS = 16   # of 512 tokens: RTN's 3-bit loss is tens of percent, far beyond these windows' spread
+
+
 def _ppl(d):
     from vllm_latq.commands.evaluate import evaluate
-    return evaluate(str(d), progress=False)
+    return evaluate(str(d), progress=False, nwindows=EVAL_WINDOWS)
 
 
 @pytest.mark.slow
 def test_smollm2_ssqr_hptq_beat_rtn(tmp_path):
     """SmolLM2-135M (real weights, real text), 3-bit class: HPTQ-3.125 and SSQR-3b-1% (3.45
-    bits) both beat RTN w3 g128 (3.125 bits) and w3 g32 (3.5 bits) by a wide margin on the
-    shared protocol (64 × 512-token Wikipedia windows); the SSQR checkpoint dequantizes to
-    exactly the solver's weights."""
+    bits) both beat RTN w3 g128 (3.125 bits) and w3 g32 (3.5 bits) by a wide margin (on 16 of the shared
+    protocol's 512-token Wikipedia windows); the SSQR checkpoint dequantizes to exactly the solver's weights."""
     from vllm_latq import data
     src = data.model_dir("smollm2-135m")
-    calib = dict(nsamples=32, seqlen=512)
+    calib = dict(nsamples=32, seqlen=512)   # with 16 × 256 tokens SSQR's 3-bit loss doubles (44.5 vs RTN-g32's 55.3)
     results = {}
     keep = {"model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"}
     runs = {
@@ -533,7 +535,7 @@ def test_smollm2_ssqr_hptq_beat_rtn(tmp_path):
         ppl[name] = _ppl(d)
     print(json.dumps(ppl, indent=1))
     for r in ppl.values():
-        assert math.isfinite(r["ppl"]) and r["windows"] == 64 and r["tokens"] == 64 * 511
+        assert math.isfinite(r["ppl"]) and r["windows"] == EVAL_WINDOWS and r["tokens"] == EVAL_WINDOWS * 511
     assert ppl["hptq"]["bits"] <= 3.125 + 1e-9
     assert ppl["hptq"]["ppl"] < 0.8 * ppl["rtn"]["ppl"]
     assert ppl["ssqr"]["ppl"] < 0.8 * ppl["rtn-g32"]["ppl"] and ppl["ssqr"]["bits"] < ppl["rtn-g32"]["bits"]
