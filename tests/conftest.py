@@ -10,13 +10,15 @@ import torch  # noqa: E402
 from tests.helpers import gemv_isa_set  # noqa: E402
 from vllm_latq.testing.tiny_models import TINY_OPTS, make_tiny_model  # noqa: E402
 
-# pytest-xdist workers (scripts/test.sh) share the cores: each gets its share, at most 2 threads, unless
-# OMP_NUM_THREADS says how many (a run beside other work: more threads than idle cores wait for each other)
+# pytest-xdist workers (scripts/test.sh) share the cores: each gets its share, at most 2 threads, unless the
+# run was given OMP_NUM_THREADS (beside other work: more threads than idle cores wait for each other). The
+# commands and processes under test get the same count: not fitted to the load (vllm_latq/threads.py), which
+# would make a checkpoint's last bits depend on what else runs. The given count is kept apart because the
+# controller's own setting below reaches its workers.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
-# the same count for the commands and processes under test: not fitted to the load (vllm_latq/threads.py), which
-# would make a checkpoint's last bits depend on what else runs
-os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+_GIVEN = os.environ.setdefault("LATQ_TESTS_GIVEN_THREADS", os.environ.get("OMP_NUM_THREADS", ""))
+torch.set_num_threads(int(_GIVEN) if _GIVEN else max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 @pytest.fixture(autouse=True)
