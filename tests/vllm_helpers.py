@@ -313,6 +313,5 @@ def _sealed(d: Path) -> bool:
 
 
 if __name__ == "__main__":  # build the cached real checkpoints: python -m tests.vllm_helpers
-    for spec in sys.argv[1:] or ["smollm2-135m:ssqr", "smollm2-135m:hptq", "gemma3-270m:ssqr",
-                                 "gemma3-270m:hptq"]:
+    for spec in sys.argv[1:] or ["smollm2-135m:ssqr", "smollm2-135m:hptq", "smollm2-135m:gptq", "gemma3-270m:ssqr"]:
         print(pipeline_checkpoint(*spec.split(":")), flush=True)

@@ -714,7 +714,9 @@ def test_tiny_vllm_through_triton_interpreter(tiny):
 
 # ============================================================================ slow: real checkpoints
 
-REAL = [("smollm2-135m", "ssqr"), ("smollm2-135m", "hptq"), ("gemma3-270m", "ssqr"), ("gemma3-270m", "hptq")]
+# each model and each method once: SmolLM2 SSQR's tokens are test_compiled_mode_matches_hf's, and HPTQ's
+# path does not depend on the model (a Gemma3 HPTQ checkpoint cost CI a real quantization and a load)
+REAL = [("smollm2-135m", "hptq"), ("gemma3-270m", "ssqr")]
 
 
 @pytest.mark.slow
@@ -755,12 +757,12 @@ def test_tp2_equals_tp1_gemma3(tmp_path):
 def test_tp2_equals_tp1_tiny_off_tile_splits(tiny, method):
     """Tiny model at TP=2: down_proj's 160 inputs split 80/80 (off the 32-column tiles and
     the 32-groups), one k/v head replicated; HPTQ decoded whole and cut per rank; the checkpoint
-    validated once, not once per rank."""
+    validated once, not once per rank. TP=2's tokens are transformers' on the dequantized checkpoint,
+    which TP=1's are (``test_tiny_end_to_end_in_process``)."""
     ck = tiny[method]
     ids = h.tokenize(ck)
-    one = h.run_vllm(ck, ids, 32, kernel="reference", tmp=tiny["dir"])
     two = h.run_vllm(ck, ids, 32, kernel="reference", tp=2, tmp=tiny["dir"], timeout=1200)
-    _check_equal(ck, two["tokens"], one["tokens"])
+    _check_equal(ck, two["tokens"], h.hf_greedy(h.hf_dequantized_model(ck), ids, 32))
     # the checkpoint is validated once per load, where vLLM builds its config, not once per rank
     assert two["log"].count("checked before serving") == 1, two["log"][-4000:]
 
