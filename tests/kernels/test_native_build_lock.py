@@ -169,9 +169,12 @@ def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(built):
     assert (folder / f"{native._name()}.so").exists()
 
 
+COMPILERS = {"cc1plus", "clang", "clang++"}   # the process that compiles: GCC's or Clang's
+
+
 def _compiling(folder: Path) -> bool:
     """Whether a compiler works in ``folder``."""
-    return any(_comm(pid) == "cc1plus" for pid in _working_in(folder))
+    return any(_comm(pid) in COMPILERS for pid in _working_in(folder))
 
 
 def _comm(pid: str) -> str:
