@@ -403,11 +403,11 @@ def stock_vllm_reads_latqs_integers(out, ck, bits: int, tmp_path, n_layers: int)
     from vllm_latq.format.layer import dense_scales
     from vllm_latq.testing.wna16 import unpack_dense
     ids, dump = tokenize(out), tmp_path / "loaded.pt"
-    stock = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 4}], extra_env={"VLLM_PLUGINS": ""})[0]
+    stock, ref = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 4},   # one process, no plugin
+                                {"model": out, "prompt_ids": ids, "max_tokens": 24, "reference_wna16": True,
+                                 "dump": str(dump)}], extra_env={"VLLM_PLUGINS": ""})
     assert "Failed to find a kernel that can implement the WNA16 linear layer" in stock.get("error", ""), stock
     assert f"uint{bits}b{1 << (bits - 1)}" in stock["error"] and "CPUWNA16" in stock["error"]
-    ref = run_vllm_jobs([{"model": out, "prompt_ids": ids, "max_tokens": 24, "reference_wna16": True,
-                          "dump": str(dump)}], extra_env={"VLLM_PLUGINS": ""})[0]
     latq = run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 24}], extra_env={"VLLM_PLUGINS": "latq"})[0]
     assert "error" not in ref and "error" not in latq, (ref.get("traceback"), latq.get("traceback"))
     assert "ReferenceWNA16Kernel for CompressedTensorsWNA16" in ref["log"] and "latq: " not in ref["log"]
