@@ -57,7 +57,7 @@ def _loaded_wna16(model) -> dict:
 
 # vLLM collects the whole heap about nine times as an engine starts and stops, a second or more each with
 # torch, transformers and vLLM loaded: here only the young objects, and the whole heap once after each job
-# (what a job's engine leaves in cycles). Tokens and loads are the same; a job starts in seconds, not ten.
+# (what a job's engine leaves in cycles). Tokens and loads are the same.
 _collect_all = gc.collect
 
 
