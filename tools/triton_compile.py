@@ -355,6 +355,20 @@ def read_record(path: Path = RECORD_FILE) -> dict:
                          "`python -m tools.triton_compile --record`") from e
 
 
+def current_rows(jobs: list[dict]) -> dict:
+    """The committed record's rows of ``jobs`` whose kernel it describes as this checkout and Triton would
+    compile it (the same device code, Triton and summary): {job key: row}; none from an unreadable record."""
+    try:
+        record = read_record()
+    except ValueError:
+        return {}
+    if record["triton"] != triton_version() or record["summary"] != summary_hash():
+        return {}
+    same = {k for k in {j["kernel"] for j in jobs} if record["code"].get(k) == code_hash(k)}
+    return {job_key(j): record["rows"][job_key(j)] for j in jobs
+            if j["kernel"] in same and job_key(j) in record["rows"]}
+
+
 def summary_hash() -> str:
     """What a record row depends on beyond the compile: :func:`summarize` and the fields it keeps."""
     import inspect
@@ -424,13 +438,19 @@ def main(argv=None):
     ap.add_argument("--worker", nargs=2, metavar=("JOBS", "OUT"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--record", action="store_true",
-                    help=f"compile every job (the cache's results reused) and write {RECORD_FILE.name}")
+                    help=f"write {RECORD_FILE.name}: the jobs of kernels whose device code changed compiled (the "
+                         "cache's results reused), the others' rows kept from the record")
+    ap.add_argument("--record-all", action="store_true", help="the same, every job compiled")
     a = ap.parse_args(argv)
     if a.worker:
         _worker(*a.worker)
         return
+    a.record |= a.record_all
     jobs = all_jobs(quick=a.quick and not a.record)
-    rows = summarize(jobs, run(jobs))
+    kept = {} if a.record_all or not a.record else current_rows(jobs)
+    todo = [j for j in jobs if job_key(j) not in kept]
+    fresh = dict(zip(map(job_key, todo), summarize(todo, run(todo)))) if todo else {}
+    rows = [kept.get(job_key(j)) or fresh[job_key(j)] for j in jobs]
     if a.record:
         try:
             RECORD_FILE.write_text(dumps_record(jobs, rows))

@@ -519,8 +519,25 @@ def test_compile_record_is_current():
     from tools import triton_compile as tc
     why = tc.record_staleness(tc.read_record(), tc.all_jobs())
     assert not why, ("tools/compile_record.json is stale (" + "; ".join(why) + "): rewrite it with "
-                     "`python -m tools.triton_compile --record` (the whole sweep; docs/KERNELS.md), then "
+                     "`python -m tools.triton_compile --record` (docs/KERNELS.md), then "
                      "`python -m tools.launch_table` to rebuild the launch report and table from it")
+
+
+def test_record_keeps_the_rows_of_unchanged_kernels(monkeypatch):
+    """``--record`` compiles only the jobs of kernels whose device code changed: the others' rows come
+    from the record while their code, Triton and the summary are the ones it was written with."""
+    from tools import triton_compile as tc
+    jobs = tc.all_jobs()
+    record = tc.read_record()
+    if tc.record_staleness(record, jobs):
+        pytest.skip("the record is stale (test_compile_record_is_current says why)")
+    assert tc.current_rows(jobs) == {tc.job_key(j): record["rows"][tc.job_key(j)] for j in jobs}
+    real = tc.code_hash
+    monkeypatch.setattr(tc, "code_hash", lambda k: "edited" if k == "e8_gemv" else real(k))
+    kept = tc.current_rows(jobs)
+    assert {tc.job_key(j) for j in jobs} - set(kept) == {tc.job_key(j) for j in jobs if j["kernel"] == "e8_gemv"}
+    monkeypatch.setattr(tc, "triton_version", lambda: "0.0")
+    assert tc.current_rows(jobs) == {}
 
 
 SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "gemv_pipe": 2, "mma_pipe": 2, "moe": 1, "dequant": 1, "outliers": 1,

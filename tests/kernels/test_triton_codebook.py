@@ -52,11 +52,15 @@ def interpret_ok(monkeypatch):
 # ----------------------------------------------------------------------------- layout (torch)
 
 def test_table_holds_the_formats_points():
+    """A code's pattern word xor its sign word holds u_j = (σ_j·2|a_j| + 7)/2 (the eighth sign by the
+    parities), the shift at bit 31; the ball's words its points. Checked on all 2¹⁶ E8P codes."""
     words = tcb.table_words().long() & 0xFFFFFFFF
     j = torch.arange(cb.DIM)
-    e8p, ball = words[:256], words[tcb.BALL_AT:]
-    assert torch.equal(((e8p[:, None] >> (3 * j)) & 7).double() / 2, cb.e8p_patterns())
-    assert torch.equal((e8p >> 24) & 1, cb.e8p_patterns().sum(-1).long() % 2)
+    e8p, signs, ball = words[:256], words[tcb.SIGNS_AT:tcb.BALL_AT], words[tcb.BALL_AT:]
+    c = torch.arange(2**16)
+    u = e8p[c & 255] ^ signs[c >> 8]
+    points = ((u[:, None] >> (3 * j)) & 7).double() - 3.5 + torch.where(u >> 31 == 1, -0.25, 0.25)[:, None]
+    assert torch.equal(points, cb.decode_e8p(c).double())
     assert torch.equal((((ball[:, None] >> (4 * j)) & 15) - 8).double() / 2, cb.e8_ball256())
 
 
@@ -80,7 +84,7 @@ def test_served_bytes_are_codebook_bytes(bits, group, coded):
     w = make_weight(bits, group=group, coded=coded)
     st = TritonCodebookKernel.prepare(w)
     served = TritonCodebookKernel.served_bytes(st)
-    assert served.pop("codebook") == 512 * 4
+    assert served.pop("codebook") == 768 * 4
     assert served == TritonCodebookKernel.codebook_bytes(N, K, bits, w.group_size, 4 if coded else None)
     assert served["codes"] == 48 * (K // 8) * cb.CODEBOOKS[bits].index_bytes
     assert TritonCodebookKernel.shared_tensors(st)["codebook"] is TritonCodebookKernel.prepare(w).table

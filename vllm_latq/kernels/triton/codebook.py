@@ -6,9 +6,11 @@ SIMT GEMV below 8 rows of x (and for fp32), tensor cores from 8. Device code:
 Layout: plane A holds each block's E8P code(s), int16 (2 and 3 bits) or int32 (4 bits: the second
 stage's code in bits 16–31); plane B (3 bits) the ball's uint8 index; both ``[in/8, N_pad]``, so the
 codes of a block for BN consecutive rows are one coalesced load. Scales as the integer kernels lay
-them out (fp16 or coded, :mod:`~vllm_latq.kernels.triton.layout`). One int32 table for the model:
-E8P's 256 patterns (3-bit fields 2|a_j|, the pattern's parity at bit 24), then the ball's 256 points
-(4-bit fields 2·p_j + 8).
+them out (fp16 or coded, :mod:`~vllm_latq.kernels.triton.layout`). One int32 table for the model: E8P's
+256 patterns (3-bit fields 4 | (|a_j| − ½) at bit 3j, the eighth xor 7 where the pattern's parity is odd),
+the 256 sign bytes (seven signs, the shift at bit 7: fields 7·sign_j, the eighth sign their parity, the
+shift at bit 31), so that a code's pattern word xor its sign word holds u_j = (σ_j·2|a_j| + 7)/2 and
+coordinate j is u_j − 7/2 ± ¼; then the ball's 256 points (4-bit fields 2·p_j + 8).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ..base import LatqKernel
 from ..weight import CodebookWeight
 from . import configs as cfg
 from . import layout as tlay
-from .codebook_device import BALL_AT, _e8_gemv_kernel, _e8_mma_kernel
+from .codebook_device import BALL_AT, SIGNS_AT, _e8_gemv_kernel, _e8_mma_kernel  # noqa: F401  (the table's parts)
 from .kernel import INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, device_reason, machine_reason, splitk_floats
 
 BITS = tuple(sorted(cb.CODEBOOKS))
@@ -39,14 +41,20 @@ MMA_MIN_M = 8                                    # fewer rows of x: the GEMV
 # ============================================================================ layout
 
 def table_words() -> torch.Tensor:
-    """int32 ``[512]``: E8P's patterns then the ball's points, packed (module docstring)."""
+    """int32 ``[768]``: E8P's pattern words, its sign words, the ball's points (module docstring)."""
+    j = torch.arange(cb.DIM)
     a = cb.e8p_patterns()
-    q = torch.round(2 * a).long()                                   # odd: 1, 3, 5
+    k = torch.round(a - 0.5).long()                                 # |a_j| − ½: 0 … 3
     parity = torch.round(a.sum(-1)).long() % 2
-    e8p = (q << (3 * torch.arange(cb.DIM))).sum(-1) | (parity << 24)
+    fields = (4 | k) ^ torch.where(j == cb.DIM - 1, 7 * parity[:, None], 0)
+    e8p = (fields << (3 * j)).sum(-1)
+    s = torch.arange(256)
+    neg = (s[:, None] >> j[:-1]) & 1                                 # the seven stored signs
+    flips = torch.cat([neg, neg.sum(-1, keepdim=True) % 2], -1)     # the eighth: their parity (xor the pattern's)
+    signs = ((7 * flips) << (3 * j)).sum(-1) | ((s >> 7) << 31)
     u = torch.round(2 * cb.e8_ball256()).long() + 8                 # 4 … 12
-    ball = (u << (4 * torch.arange(cb.DIM))).sum(-1)
-    words = torch.cat([e8p, ball])
+    ball = (u << (4 * j)).sum(-1)
+    words = torch.cat([e8p, signs, ball])
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 

@@ -1,6 +1,6 @@
 """Device code of the Triton kernels for codebook layers (method e8, format/codebook.py): an E8 block's
-point decoded in registers from its code planes and the shared codebook table, then the SIMT GEMV or
-one ``tl.dot`` per scale group. Only ``@triton.jit`` functions live here (:mod:`tools.triton_compile`
+point decoded in registers from its code planes and the shared codebook table, as fields in place and one
+constant a block, then the SIMT GEMV or one ``tl.dot`` per scale group. Only ``@triton.jit`` functions live here (:mod:`tools.triton_compile`
 fingerprints them); the host side and the table's layout: :mod:`~vllm_latq.kernels.triton.codebook`.
 """
 from __future__ import annotations
@@ -10,69 +10,100 @@ import triton.language as tl
 
 from .device import _and_or, _epilogue, _group_scale, _row_offset, _scale_base
 
-BALL_AT = tl.constexpr(256)      # the ball's words follow E8P's 256 in the shared table
+SIGNS_AT = tl.constexpr(256)     # the shared table: E8P's 256 pattern words, 256 sign words, the ball's 256
+BALL_AT = tl.constexpr(512)
 
 
 @triton.jit
-def _e8p_fetch(c, tab_ptr):
-    """16-bit E8P codes (int32; bits above 15 ignored) → (pattern words, their eight sign bits, the
-    shift ±¼ in fp32). The eighth sign makes the signed sum even: the pattern's parity (word bit 24)
-    xor the parity of the seven stored signs (a negated half-odd coordinate flips the sum's parity)."""
-    t = tl.load(tab_ptr + (c & 255))
-    neg = (c >> 8) & 127
-    p = neg ^ (t >> 24)
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    sh = 0.25 - 0.5 * ((c >> 15) & 1).to(tl.float32)
-    return t, neg | ((p & 1) << 7), sh
+def _field(w, AT: tl.constexpr, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
+    """The unsigned field ``(w >> AT) & MASK`` over ``2^LOG_GAIN`` in fp32, exact, without a shift: the
+    field's bits, kept in place, OR-ed into the fp32 number 2^(23 − AT − LOG_GAIN) (one LOP3) make that
+    number plus the field's value, which one FADD leaves."""
+    magic = tl.full(w.shape, (150 - AT - LOG_GAIN) << 23, tl.int32)
+    return _and_or(w, MASK << AT, magic, ASM).to(tl.float32, bitcast=True) - magic.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e8p_coord(t, sgn, sh, j, ASM: tl.constexpr):
-    """Coordinate ``j`` (a constant, or an index tensor broadcast with the words) of E8P points,
-    fp32 and exact: the 3-bit field 2|a_j| made a float (OR-ed into 2^23, one FADD), its sign xor-ed
-    in, halved, plus the shift."""
-    f = t >> (3 * j)
-    q = _and_or(f, 7, tl.full(f.shape, 0x4B000000, tl.int32), ASM).to(tl.float32, bitcast=True) - 8388608.0
-    s = ((sgn >> j) & 1) << 31
-    return (q.to(tl.int32, bitcast=True) ^ s).to(tl.float32, bitcast=True) * 0.5 + sh
+def _field_at(w, at, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
+    """The same with ``at`` a tensor (no constant): the field shifted down first."""
+    magic = tl.full(w.shape, (150 - LOG_GAIN) << 23, tl.int32)
+    return _and_or(w >> at, MASK, magic, ASM).to(tl.float32, bitcast=True) - magic.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _ball_coord(t, j, ASM: tl.constexpr):
-    """Coordinate ``j`` of the ball stage's points over its gain 2: the 4-bit field 2·p_j + 8."""
-    f = t >> (4 * j)
-    u = _and_or(f, 15, tl.full(f.shape, 0x4B000000, tl.int32), ASM).to(tl.float32, bitcast=True)
-    return (u - 8388616.0) * 0.25
+def _e8p_word(c, tab_ptr):
+    """16-bit E8P codes (int32; bits above 15 ignored) → their words: the pattern's word (byte 0) xor its
+    sign byte's (byte 1), eight 3-bit fields u_j at bit 3j with coordinate j = u_j − 7/2 + shift
+    (u = (4 | (|a_j| − ½)) xor 7·sign: the eighth sign, the pattern's parity xor the seven signs', is in
+    both words), the shift's sign at bit 31."""
+    return tl.load(tab_ptr + (c & 255)) ^ tl.load(tab_ptr + SIGNS_AT + ((c >> 8) & 255))
 
 
 @triton.jit
-def _fetch(ca_ptr, cb_ptr, tab_ptr, off, mask, BITS: tl.constexpr):
-    """The codes of blocks ``off`` → each stage's table words (and E8P's signs and shift): stage 1
-    E8P; 3 bits: the ball's word second; 4 bits: the second E8P code (bits 16–31 of plane A)."""
+def _e8p_offset(u):
+    """7/2 − the ±¼ of E8P words, the shift's sign at the word's bit 31: 3.25, or 3.75 where it is set."""
+    return tl.where(u < 0, 3.75, 3.25)
+
+
+@triton.jit
+def _words(ca_ptr, cb_ptr, tab_ptr, off, mask, BITS: tl.constexpr):
+    """The codes of blocks ``off`` → each stage's table word and its high half for coordinates 4–7 (E8P: 12
+    bits down, the ball: 16)."""
     ca = tl.load(ca_ptr + off, mask=mask, other=0).to(tl.int32)
-    t1, s1, h1 = _e8p_fetch(ca, tab_ptr)
-    t2 = t1
-    s2 = s1
-    h2 = h1
+    u1 = _e8p_word(ca, tab_ptr)
     if BITS == 3:
         cb = tl.load(cb_ptr + off, mask=mask, other=0).to(tl.int32)
-        t2 = tl.load(tab_ptr + BALL_AT + (cb & 255))
+        u2 = tl.load(tab_ptr + BALL_AT + (cb & 255))
+        return u1, u1 >> 12, u2, u2 >> 16
     elif BITS == 4:
-        t2, s2, h2 = _e8p_fetch(ca >> 16, tab_ptr)
-    return t1, s1, h1, t2, s2, h2
+        u2 = _e8p_word(ca >> 16, tab_ptr)
+        return u1, u1 >> 12, u2, u2 >> 12
+    return u1, u1 >> 12, u1, u1
 
 
 @triton.jit
-def _coord(t1, s1, h1, t2, s2, h2, j, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Coordinate ``j`` of the blocks' points, Σ stages' points over their gains (fp32, exact)."""
-    v = _e8p_coord(t1, s1, h1, j, ASM)
+def _constant(u1, u2, BITS: tl.constexpr):
+    """What each coordinate of the blocks' points is less than its fields (:func:`_fields`): E8P's
+    7/2 − shift, the ball's 8/4, a second E8P stage's (7/2 − shift)/4."""
+    c = _e8p_offset(u1)
     if BITS == 3:
-        v += _ball_coord(t2, j, ASM)
+        c += 2.0
     elif BITS == 4:
-        v += _e8p_coord(t2, s2, h2, j, ASM) * 0.25
+        c += 0.25 * _e8p_offset(u2)
+    return c
+
+
+@triton.jit
+def _fields(u1, h1, u2, h2, j, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Coordinate ``j`` (a constant) of the blocks' points less their constant terms: Σ stages' fields
+    over their gains (fp32, exact): E8P's u_j, the ball's 4-bit 2·p_j + 8 over 4, the second E8P's over 4."""
+    if j < 4:
+        v = _field(u1, 3 * j, 0, 7, ASM)
+    else:
+        v = _field(h1, 3 * (j - 4), 0, 7, ASM)
+    if BITS == 3:
+        if j < 4:
+            v += _field(u2, 4 * j, 2, 15, ASM)
+        else:
+            v += _field(h2, 4 * (j - 4), 2, 15, ASM)
+    elif BITS == 4:
+        if j < 4:
+            v += _field(u2, 3 * j, 2, 7, ASM)
+        else:
+            v += _field(h2, 3 * (j - 4), 2, 7, ASM)
     return v
+
+
+@triton.jit
+def _points(u1, u2, j, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Coordinates ``j`` (an index tensor broadcast with the words) of the blocks' points, exact: each
+    stage's field, shifted down (j is no constant), over its gain, less the blocks' :func:`_constant`."""
+    v = _field_at(u1, 3 * j, 0, 7, ASM)
+    if BITS == 3:
+        v += _field_at(u2, 4 * j, 2, 15, ASM)
+    elif BITS == 4:
+        v += _field_at(u2, 3 * j, 2, 7, ASM)
+    return v - _constant(u1, u2, BITS)
 
 
 @triton.jit
@@ -95,8 +126,9 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                     BKB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
                     CODED: tl.constexpr):
     """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: one program per BN output rows × K split
-    × BM rows of x, BKB blocks a K step; each block's point decoded once, scaled by its group's
-    scale (the reference's fp32 product, exact) and multiplied with the BM rows' eight activations."""
+    × BM rows of x, BKB blocks a K step. A block's point is its fields less one :func:`_constant`,
+    so a weight costs a LOP3, an FADD and an FFMA a stage: each row of x takes Σ_j x_j · fields_j (exact
+    products) less the constant · Σ_j x_j, then times the block's scale."""
     rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
     # every tensor of the K loop is [BM rows of x, BKB blocks, BN output rows] or a broadcastable
     # slice of it, the codes loaded in that shape too: one layout for the whole loop (a 2-D code
@@ -113,17 +145,20 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
     for t in range(t_beg, t_end):
         b = t * BKB + kb3
         bmask = (b < KB) & nmask
-        t1, s1, h1, t2, s2, h2 = _fetch(ca_ptr, cb_ptr, tab_ptr, b * N_PAD + rn3, bmask, BITS)
+        u1, h1, u2, h2 = _words(ca_ptr, cb_ptr, tab_ptr, b * N_PAD + rn3, bmask, BITS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
         else:
             sc = _group_scale(sp, (8 * b) // GROUP, rs, bmask, CODED, ASM)
         xb = xrow + 8 * b
         xm = mmask & (b < KB)
+        part = tl.zeros([BM, BKB, BN], dtype=tl.float32)
+        xsum = tl.zeros([BM, BKB, 1], dtype=tl.float32)
         for j in tl.static_range(8):
-            w = _coord(t1, s1, h1, t2, s2, h2, j, BITS, ASM) * sc
             xs = tl.load(xb + j, mask=xm, other=0.0).to(tl.float32)
-            acc += xs * w
+            xsum += xs
+            part += xs * _fields(u1, h1, u2, h2, j, BITS, ASM)
+        acc += (part - _constant(u1, u2, BITS) * xsum) * sc
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), SPLIT, HAS_BIAS)
@@ -155,9 +190,8 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
         for q in tl.static_range(BKB // GKB):
             b0 = t * BKB + q * GKB
             b3 = b0 + kb3
-            t1, s1, h1, t2, s2, h2 = _fetch(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD),
-                                            BITS)
-            v = _coord(t1, s1, h1, t2, s2, h2, j3, BITS, ASM)                   # [GKB, 8, BN]
+            u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS)
+            v = _points(u1, u2, j3, BITS, ASM)                                  # [GKB, 8, BN]
             w = tl.reshape(v, [8 * GKB, BN]).to(DT)
             cols = 8 * b0 + kk
             xs = tl.load(xrow + cols[None, :], mask=mmask & (cols < K)[None, :], other=0.0).to(DT)
