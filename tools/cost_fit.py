@@ -30,6 +30,7 @@ from pathlib import Path
 from tools import compile_proxies as cp
 from tools import launch_table as lt
 from tools import triton_compile as tc
+from tools import triton_record as tr
 from vllm_latq.kernels.triton import configs as cfg
 from vllm_latq.kernels.triton import cost_model as cm
 from vllm_latq.kernels.triton import layout as tlay
@@ -54,7 +55,7 @@ def _row_index(rows) -> dict:
 def compile_rows(fresh: bool) -> dict:
     """The index of :func:`_row_index` from the committed record, or compiled now (``fresh``, cached)."""
     if not fresh:
-        return _row_index(tc.read_record()["rows"].values())
+        return _row_index(tr.read_record()["rows"].values())
     jobs = [j for j in tc.all_jobs(targets=(90,)) if j["kernel"] in KERNEL_JOBS and j["scales"] == "fp16"
             and j["outl"] == "ell"]
     return _row_index(tc.summarize(jobs, tc.run(jobs)))

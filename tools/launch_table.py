@@ -65,14 +65,15 @@ def load_report(compile_missing: bool) -> dict:
     over the outlier layouts, scale forms and splits compiled: from the committed compile record
     (``tools/compile_record.json``), or with ``compile_missing`` from compiling (the cache reused)."""
     from tools import triton_compile as tc
+    from tools import triton_record as tr
     every = tc.all_jobs()
     jobs = [j for j in every if j["kernel"].split("_")[0] in ROW_TILES]
     if compile_missing:
         return aggregate(tc.summarize(jobs, tc.run(jobs)))
-    record = tc.read_record()
-    why = tc.record_staleness(record, every)
+    record = tr.read_record()
+    why = tr.record_staleness(record, every)
     if why:
-        raise ValueError(f"compile record {tc.RECORD_FILE} is stale ({'; '.join(why)}): rewrite it with "
+        raise ValueError(f"compile record {tr.RECORD_FILE} is stale ({'; '.join(why)}): rewrite it with "
                          "`python -m tools.triton_compile --record`, or pass --compile")
     return aggregate([record["rows"][tc.job_key(j)] for j in jobs])
 

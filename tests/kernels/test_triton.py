@@ -500,6 +500,7 @@ def test_offline_compile_heaviest_configs():
     """The heaviest configs compiled (uncached in CI) pass the static checks and give the
     committed record's rows."""
     from tools import triton_compile as tc
+    from tools import triton_record as tr
     jobs = tc.all_jobs(quick=True)
     assert {j["cc"] for j in jobs} == {80, 86, 89, 90}
     assert {j["kernel"] for j in jobs} == {"gemv", "mma", "gemv_pipe", "mma_pipe", "moe", "dequant", "outliers",
@@ -508,16 +509,17 @@ def test_offline_compile_heaviest_configs():
     tensor_cores = ("mma", "mma_pipe", "e8_mma")
     assert all(r["mma"] > 0 for r in rows if r["kernel"] in tensor_cores)        # tensor cores used
     assert all(r["mma"] == 0 for r in rows if r["kernel"] not in tensor_cores)   # SIMT only
-    record = tc.read_record()
-    if not tc.record_staleness(record, tc.all_jobs()):                    # else the test below fails
-        assert not (bad := tc.record_mismatches(jobs, rows, record)), "\n".join(bad)
+    record = tr.read_record()
+    if not tr.record_staleness(record, tc.all_jobs()):                    # else the test below fails
+        assert not (bad := tr.record_mismatches(jobs, rows, record)), "\n".join(bad)
 
 
 def test_compile_record_is_current():
     """tools/compile_record.json holds every job of the full sweep compiled from this checkout's
     kernels with this Triton: what the slow sweep checks is what would be compiled."""
     from tools import triton_compile as tc
-    why = tc.record_staleness(tc.read_record(), tc.all_jobs())
+    from tools import triton_record as tr
+    why = tr.record_staleness(tr.read_record(), tc.all_jobs())
     assert not why, ("tools/compile_record.json is stale (" + "; ".join(why) + "): rewrite it with "
                      "`python -m tools.triton_compile --record` (docs/KERNELS.md), then "
                      "`python -m tools.launch_table` to rebuild the launch report and table from it")
@@ -527,17 +529,18 @@ def test_record_keeps_the_rows_of_unchanged_kernels(monkeypatch):
     """``--record`` compiles only the jobs of kernels whose device code changed: the others' rows come
     from the record while their code, Triton and the summary are the ones it was written with."""
     from tools import triton_compile as tc
+    from tools import triton_record as tr
     jobs = tc.all_jobs()
-    record = tc.read_record()
-    if tc.record_staleness(record, jobs):
+    record = tr.read_record()
+    if tr.record_staleness(record, jobs):
         pytest.skip("the record is stale (test_compile_record_is_current says why)")
-    assert tc.current_rows(jobs) == {tc.job_key(j): record["rows"][tc.job_key(j)] for j in jobs}
+    assert tr.current_rows(jobs) == {tc.job_key(j): record["rows"][tc.job_key(j)] for j in jobs}
     real = tc.code_hash
     monkeypatch.setattr(tc, "code_hash", lambda k: "edited" if k == "e8_gemv" else real(k))
-    kept = tc.current_rows(jobs)
+    kept = tr.current_rows(jobs)
     assert {tc.job_key(j) for j in jobs} - set(kept) == {tc.job_key(j) for j in jobs if j["kernel"] == "e8_gemv"}
     monkeypatch.setattr(tc, "triton_version", lambda: "0.0")
-    assert tc.current_rows(jobs) == {}
+    assert tr.current_rows(jobs) == {}
 
 
 SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "gemv_pipe": 2, "mma_pipe": 2, "moe": 1, "dequant": 1, "outliers": 1,
@@ -565,14 +568,15 @@ def test_offline_compile_every_config():
     import os
     import time
     from tools import triton_compile as tc
-    jobs, record = tc.all_jobs(), tc.read_record()
-    if tc.record_staleness(record, jobs):
+    from tools import triton_record as tr
+    jobs, record = tc.all_jobs(), tr.read_record()
+    if tr.record_staleness(record, jobs):
         _check_static(tc.summarize(jobs, tc.run(jobs)))
         return
     _check_static([record["rows"][tc.job_key(j)] for j in jobs])
     seed = int(os.environ.get("LATQ_RECORD_SEED", time.time_ns() % 2**32))
     sample = _record_sample(jobs, seed)
-    bad = tc.record_mismatches(sample, tc.summarize(sample, tc.run(sample, cache=False)), record)
+    bad = tr.record_mismatches(sample, tc.summarize(sample, tc.run(sample, cache=False)), record)
     assert not bad, f"LATQ_RECORD_SEED={seed}: compiled afresh, these differ from the record:\n" + "\n".join(bad)
 
 

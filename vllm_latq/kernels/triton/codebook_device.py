@@ -1,7 +1,7 @@
 """Device code of the Triton kernels for codebook layers (method e8, format/codebook.py): an E8 block's
-point decoded in registers from its code planes and the shared codebook table, as fields in place and one
-constant a block, then the SIMT GEMV or one ``tl.dot`` per scale group. Only ``@triton.jit`` functions live here (:mod:`tools.triton_compile`
-fingerprints them); the host side and the table's layout: :mod:`~vllm_latq.kernels.triton.codebook`.
+point decoded in registers from its code planes and the shared table, as fields read in place less one
+constant a block, then the SIMT GEMV or one ``tl.dot`` per scale group. Only ``@triton.jit`` functions
+(:mod:`tools.triton_compile` fingerprints them); host side, table: :mod:`~vllm_latq.kernels.triton.codebook`.
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ BALL_AT = tl.constexpr(512)
 
 @triton.jit
 def _field(w, AT: tl.constexpr, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
-    """The unsigned field ``(w >> AT) & MASK`` over ``2^LOG_GAIN`` in fp32, exact, without a shift: the
-    field's bits, kept in place, OR-ed into the fp32 number 2^(23 − AT − LOG_GAIN) (one LOP3) make that
-    number plus the field's value, which one FADD leaves."""
+    """``((w >> AT) & MASK) / 2^LOG_GAIN`` in fp32, exact, with no shift: the bits in place OR-ed into
+    2^(23 − AT − LOG_GAIN) (one LOP3) are that number plus the field's value, which one FADD leaves."""
     magic = tl.full(w.shape, (150 - AT - LOG_GAIN) << 23, tl.int32)
     return _and_or(w, MASK << AT, magic, ASM).to(tl.float32, bitcast=True) - magic.to(tl.float32, bitcast=True)
 
@@ -32,23 +31,20 @@ def _field_at(w, at, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constex
 
 @triton.jit
 def _e8p_word(c, tab_ptr):
-    """16-bit E8P codes (int32; bits above 15 ignored) → their words: the pattern's word (byte 0) xor its
-    sign byte's (byte 1), eight 3-bit fields u_j at bit 3j with coordinate j = u_j − 7/2 + shift
-    (u = (4 | (|a_j| − ½)) xor 7·sign: the eighth sign, the pattern's parity xor the seven signs', is in
-    both words), the shift's sign at bit 31."""
+    """16-bit E8P codes (int32) → their pattern word xor their sign byte's: 3-bit fields u_j at bit 3j,
+    coordinate j = u_j − 7/2 ± ¼, the ¼'s sign at bit 31 (codebook.table_words)."""
     return tl.load(tab_ptr + (c & 255)) ^ tl.load(tab_ptr + SIGNS_AT + ((c >> 8) & 255))
 
 
 @triton.jit
 def _e8p_offset(u):
-    """7/2 − the ±¼ of E8P words, the shift's sign at the word's bit 31: 3.25, or 3.75 where it is set."""
+    """7/2 − the ±¼ of E8P words: 3.25, or 3.75 where bit 31 is set."""
     return tl.where(u < 0, 3.75, 3.25)
 
 
 @triton.jit
 def _words(ca_ptr, cb_ptr, tab_ptr, off, mask, BITS: tl.constexpr):
-    """The codes of blocks ``off`` → each stage's table word and its high half for coordinates 4–7 (E8P: 12
-    bits down, the ball: 16)."""
+    """Codes of blocks ``off`` → each stage's word and its half for coordinates 4–7 (shifted 12 or 16)."""
     ca = tl.load(ca_ptr + off, mask=mask, other=0).to(tl.int32)
     u1 = _e8p_word(ca, tab_ptr)
     if BITS == 3:
@@ -63,8 +59,7 @@ def _words(ca_ptr, cb_ptr, tab_ptr, off, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _constant(u1, u2, BITS: tl.constexpr):
-    """What each coordinate of the blocks' points is less than its fields (:func:`_fields`): E8P's
-    7/2 − shift, the ball's 8/4, a second E8P stage's (7/2 − shift)/4."""
+    """What a coordinate is less than its fields: 7/2 ∓ ¼, the ball's 8/4, a second E8P's (7/2 ∓ ¼)/4."""
     c = _e8p_offset(u1)
     if BITS == 3:
         c += 2.0
@@ -75,29 +70,22 @@ def _constant(u1, u2, BITS: tl.constexpr):
 
 @triton.jit
 def _fields(u1, h1, u2, h2, j, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Coordinate ``j`` (a constant) of the blocks' points less their constant terms: Σ stages' fields
-    over their gains (fp32, exact): E8P's u_j, the ball's 4-bit 2·p_j + 8 over 4, the second E8P's over 4."""
+    """Coordinate ``j`` (a constant) less :func:`_constant`: Σ stages' fields over their gains (exact)."""
     if j < 4:
-        v = _field(u1, 3 * j, 0, 7, ASM)
+        a, b, at = u1, u2, j
     else:
-        v = _field(h1, 3 * (j - 4), 0, 7, ASM)
+        a, b, at = h1, h2, j - 4
+    v = _field(a, 3 * at, 0, 7, ASM)
     if BITS == 3:
-        if j < 4:
-            v += _field(u2, 4 * j, 2, 15, ASM)
-        else:
-            v += _field(h2, 4 * (j - 4), 2, 15, ASM)
+        v += _field(b, 4 * at, 2, 15, ASM)
     elif BITS == 4:
-        if j < 4:
-            v += _field(u2, 3 * j, 2, 7, ASM)
-        else:
-            v += _field(h2, 3 * (j - 4), 2, 7, ASM)
+        v += _field(b, 3 * at, 2, 7, ASM)
     return v
 
 
 @triton.jit
 def _points(u1, u2, j, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Coordinates ``j`` (an index tensor broadcast with the words) of the blocks' points, exact: each
-    stage's field, shifted down (j is no constant), over its gain, less the blocks' :func:`_constant`."""
+    """Coordinates ``j`` (an index tensor) of the blocks' points, exact: fields shifted down, less the constant."""
     v = _field_at(u1, 3 * j, 0, 7, ASM)
     if BITS == 3:
         v += _field_at(u2, 4 * j, 2, 15, ASM)
