@@ -238,7 +238,8 @@ template <int BITS>
 LATQ_CB_INLINE __m256 block_avx2(const char* T, const uint8_t* c, int64_t st) {
   const char* S = T + kSignOff;
   __m256 v = e8p_avx2(T, S, c[0], c[st]);
-  if constexpr (BITS == 3) v = _mm256_add_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(T + kBallOff + (c[2 * st] << 5))));
+  if constexpr (BITS == 3)
+    v = _mm256_add_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(T + kBallOff + (size_t{c[2 * st]} << 5))));
   if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, S, c[2 * st], c[3 * st]), _mm256_set1_ps(0.25f), v);
   return v;
 }
@@ -253,35 +254,70 @@ LATQ_CB_INLINE float scale_at(const RowScales& sc, int64_t g) {
   return sc.h ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(sc.h)[g]) : sc.f[g * kBand];
 }
 
+// a row's group scales broadcast: fp16 [G], or its column of a band's decoded [G][16]
+struct HalfScales {
+  const uint16_t* h;
+  LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_set1_ps(_cvtsh_ss(h[g])); }
+};
+struct BandScales {
+  const float* f;
+  LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_broadcast_ss(f + g * kBand); }
+};
+
+// blocks b and b + 1 of a row (codes c) times s into MR rows of x's two accumulators
+template <int BITS, int MR>
+LATQ_CB_INLINE void pair_avx2(const Layer& L, const uint8_t* c, int64_t st, const float* x, int64_t b, __m256 s,
+                              __m256* a0, __m256* a1) {
+  const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c, st), s);
+  const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + L.B * st, st), s);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
+    a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * L.K + b * 8 + 8), a1[m]);
+  }
+}
+
+// one row's blocks into a0, a1; scale(g): group g's scale broadcast
+template <int BITS, int MR, class Scale>
+LATQ_CB_INLINE void row_blocks(const Layer& L, const uint8_t* c, const float* x, Scale scale, __m256* a0, __m256* a1) {
+  const int64_t st = L.T, bs = L.B * L.T;   // a code's byte stride, a block's
+  if (L.bpg % 2 == 0 && L.nb % 2 == 0) {
+    __m256 s = scale(0);
+    for (int64_t b = 0, left = L.bpg, gi = 0; b < L.nb; b += 2) {
+      pair_avx2<BITS, MR>(L, c + b * bs, st, x, b, s, a0, a1);
+      if ((left -= 2) == 0 && b + 2 < L.nb) left = L.bpg, s = scale(++gi);
+    }
+    return;
+  }
+  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+    const __m256 s = scale(gi);
+    const int64_t b1 = std::min(L.nb, b0 + L.bpg);
+    int64_t b = b0;
+    for (; b + 2 <= b1; b += 2) pair_avx2<BITS, MR>(L, c + b * bs, st, x, b, s, a0, a1);
+    if (b < b1) {
+      const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * bs, st), s);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
+    }
+  }
+}
+
 // rows [n0, n1) for MR rows of x: each block decoded once and scaled (exact), then FMA'd into MR
-// rows; blocks alternate between two accumulators a row so two FMA chains are in flight
+// rows; blocks go in pairs, one to each of two accumulators a row, so two FMA chains are in flight.
+// Where a group and the row hold even numbers of blocks (groups of a multiple of 16 columns) the pairs
+// run as one loop, the scale read afresh where a group ends (a loop a group cost as much as its two
+// blocks' decode at 16 columns), from a reader chosen once a row.
 template <int BITS, int MR>
 LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
     const RowScales sc = row_scales(L, n, band);
     const uint8_t* c = L.block(n, 0);
-    const int64_t st = L.T, bs = L.B * L.T;   // a code's byte stride, a block's
     __m256 a0[MR], a1[MR];
     for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
-    for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-      const __m256 s = _mm256_set1_ps(scale_at(sc, gi));
-      const int64_t b1 = std::min(L.nb, b0 + L.bpg);
-      int64_t b = b0;
-      for (; b + 2 <= b1; b += 2) {
-        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * bs, st), s);
-        const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + (b + 1) * bs, st), s);
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
-          a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * L.K + b * 8 + 8), a1[m]);
-        }
-      }
-      if (b < b1) {
-        const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * bs, st), s);
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
-      }
-    }
+    if (sc.h)
+      row_blocks<BITS, MR>(L, c, x, HalfScales{reinterpret_cast<const uint16_t*>(sc.h)}, a0, a1);
+    else
+      row_blocks<BITS, MR>(L, c, x, BandScales{sc.f}, a0, a1);
     for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(_mm256_add_ps(a0[m], a1[m]));
   }
 }
