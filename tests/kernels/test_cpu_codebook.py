@@ -125,10 +125,13 @@ def test_matches_the_reference(bits, group, coded, dtype, n):
         close(CPUCodebookKernel.apply(st, x, bias), x, w, bias)
 
 
+# the row path's loops: a group of 3 blocks (pairs straddle groups) and 25 blocks a row; a pair a group
+# with a lone last block; a pair a group throughout; 4 blocks a group
+@pytest.mark.parametrize("k,group", [(200, 24), (200, 16), (192, 16), (192, 32)])
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 64])
-def test_each_instruction_set(M, isa):
-    w = weight(4, n=40, k=200, group=24)   # a group of 3 blocks: pairs of blocks straddle groups; odd blocks a row
-    x = torch.randn(M, 200, generator=torch.Generator().manual_seed(M))
+def test_each_instruction_set(M, k, group, isa):
+    w = weight(4 if group == 24 else 3, n=40, k=k, group=group)
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(M))
     close(CPUCodebookKernel.apply(CPUCodebookKernel.prepare(w), x), x, w)
 
 

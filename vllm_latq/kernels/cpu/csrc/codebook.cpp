@@ -281,6 +281,10 @@ LATQ_CB_INLINE void pair_avx2(const Layer& L, const uint8_t* c, int64_t st, cons
 template <int BITS, int MR, class Scale>
 LATQ_CB_INLINE void row_blocks(const Layer& L, const uint8_t* c, const float* x, Scale scale, __m256* a0, __m256* a1) {
   const int64_t st = L.T, bs = L.B * L.T;   // a code's byte stride, a block's
+  if (L.bpg == 2 && L.nb % 2 == 0) {          // a pair a group (16 columns): the study's E8 point
+    for (int64_t b = 0; b < L.nb; b += 2) pair_avx2<BITS, MR>(L, c + b * bs, st, x, b, scale(b / 2), a0, a1);
+    return;
+  }
   if (L.bpg % 2 == 0 && L.nb % 2 == 0) {
     __m256 s = scale(0);
     for (int64_t b = 0, left = L.bpg, gi = 0; b < L.nb; b += 2) {
