@@ -309,8 +309,9 @@ LATQ_CB_INLINE void row_blocks(const Layer& L, const uint8_t* c, const float* x,
 // rows [n0, n1) for MR rows of x: each block decoded once and scaled (exact), then FMA'd into MR
 // rows; blocks go in pairs, one to each of two accumulators a row, so two FMA chains are in flight.
 // Where a group and the row hold even numbers of blocks (groups of a multiple of 16 columns) the pairs
-// run as one loop, the scale read afresh where a group ends (a loop a group cost as much as its two
-// blocks' decode at 16 columns), from a reader chosen once a row.
+// run as one loop — at 16 columns a pair is a group, its scale read with it; else the scale is re-read
+// where a group ends — from a reader chosen once a row: a loop a group cost as much as the two blocks'
+// decode at 16 columns.
 template <int BITS, int MR>
 LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
