@@ -65,9 +65,14 @@ def current_rows(jobs: list[dict]) -> dict:
         return {}
     if record["triton"] != tc.triton_version() or record["summary"] != summary_hash():
         return {}
-    same = {k for k in {j["kernel"] for j in jobs} if record["code"].get(k) == tc.code_hash(k)}
+    changed = changed_kernels(record, jobs)
     return {tc.job_key(j): record["rows"][tc.job_key(j)] for j in jobs
-            if j["kernel"] in same and tc.job_key(j) in record["rows"]}
+            if j["kernel"] not in changed and tc.job_key(j) in record["rows"]}
+
+
+def changed_kernels(record: dict, jobs: list[dict]) -> list[str]:
+    """The kernels of ``jobs`` whose device code (or job source) is not the one ``record`` was compiled from."""
+    return [k for k in sorted({j["kernel"] for j in jobs}) if record["code"].get(k) != tc.code_hash(k)]
 
 
 def summary_hash() -> str:
@@ -88,9 +93,7 @@ def record_staleness(record: dict, jobs: list[dict]) -> list[str]:
         why.append(f"compiled with Triton {record['triton']}, this environment has {tc.triton_version()}")
     if record["summary"] != summary_hash():
         why.append("the summary of a compile (tools/triton_compile.summarize) changed")
-    for k in sorted({j["kernel"] for j in jobs}):
-        if record["code"].get(k) != tc.code_hash(k):
-            why.append(f"{k}: its device code or its job's source changed")
+    why += [f"{k}: its device code or its job's source changed" for k in changed_kernels(record, jobs)]
     keys, held = {tc.job_key(j) for j in jobs}, set(record["rows"])
     if keys != held:
         why.append(f"{len(keys - held)} jobs missing, {len(held - keys)} no longer compiled")

@@ -250,10 +250,6 @@ LATQ_CB_INLINE float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-LATQ_CB_INLINE float scale_at(const RowScales& sc, int64_t g) {
-  return sc.h ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(sc.h)[g]) : sc.f[g * kBand];
-}
-
 // a row's group scales broadcast: fp16 [G], or its column of a band's decoded [G][16]
 struct HalfScales {
   const uint16_t* h;
@@ -263,6 +259,10 @@ struct BandScales {
   const float* f;
   LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_broadcast_ss(f + g * kBand); }
 };
+
+LATQ_CB_INLINE __m256 scale_at(const RowScales& sc, int64_t g) {
+  return sc.h ? HalfScales{reinterpret_cast<const uint16_t*>(sc.h)}(g) : BandScales{sc.f}(g);
+}
 
 // blocks b and b + 1 of a row (codes c) times s into MR rows of x's two accumulators
 template <int BITS, int MR>
@@ -340,8 +340,7 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
     const RowScales sc = row_scales(L, n, band);
     for (int64_t b = 0; b < L.nb; ++b)
       _mm256_storeu_ps(w + (n - n0) * L.K + b * 8,
-                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.block(n, b), L.T),
-                                     _mm256_set1_ps(scale_at(sc, b / L.bpg))));
+                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.block(n, b), L.T), scale_at(sc, b / L.bpg)));
   }
 }
 #endif
