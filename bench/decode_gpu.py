@@ -1,9 +1,9 @@
 """End-to-end decode on a GPU without vLLM: a Llama-3-8B-shaped decoder (transformers'
 ``LlamaConfig`` shapes, random weights, ``bench/decode_model.py``), its projections in each latq
-form on latq's Triton kernels, against the same model in bf16 and on torch's int4 kernel (4-bit
-g128): a static KV cache and the whole decode step captured in one CUDA graph, as gpt-fast runs
-it; per batch, ``--tokens`` new tokens after a ``--prompt``-token prefix fed through the same
-graph, timed with CUDA events.
+form on latq's Triton kernels (E8 codebook forms: random codes on ``triton-e8``, speed only),
+against the same model in bf16 and on torch's int4 kernel (4-bit g128): a static KV cache and the
+whole decode step captured in one CUDA graph, as gpt-fast runs it; per batch, ``--tokens`` new
+tokens after a ``--prompt``-token prefix fed through the same graph, timed with CUDA events.
 
 Reported per form and batch: tok/s, ms a step, and where a step's time goes — the projections
 alone (every linear of every block replayed as one graph), the head (embedding, final norm, bf16
@@ -12,7 +12,7 @@ model's 32 the figures are projected: step = head + 32 × (measured step − hea
 in the output and in the rows' ``model``. Each form's captured step is checked against the same
 step run eagerly (its logits equal).
 
-    python -m bench.decode_gpu [--layers 8] [--forms ssqr-1%-4b,ssqr-1%-3b,gptq-4b-g64]
+    python -m bench.decode_gpu [--layers 8] [--forms ssqr-1%-4b,ssqr-1%-3b,gptq-4b-g64,e8-3b-s4-g16]
                                [--batches 1,8,16] [--tokens 128] [--prompt 16] [--json FILE] [--budget-s S]
     python -m bench.decode_gpu --dry-run          # a tiny model on the CPU, eager, the reference's numbers
 
@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_model import FORMS, LLAMA3_8B, Decoder, Spec, random_decoder, random_weights
+from bench.decode_model import CODEBOOK_FORMS, FORMS, LLAMA3_8B, Decoder, Spec, random_decoder, random_weights
 
 BASELINES = ("bf16", "int4")
+ALL_FORMS = (*FORMS, *CODEBOOK_FORMS)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             vocab_size=512, num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 
@@ -40,7 +41,7 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, help="decoder blocks built (default: all 32; fewer are projected to 32)")
-    ap.add_argument("--forms", default="ssqr-1%-4b,ssqr-1%-3b,gptq-4b-g64", help=f"latq forms, of {', '.join(FORMS)}")
+    ap.add_argument("--forms", default="ssqr-1%-4b,ssqr-1%-3b,gptq-4b-g64", help=f"latq forms, of {', '.join(ALL_FORMS)}")
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens timed per sequence")
     ap.add_argument("--prompt", type=int, default=16, help="prefix tokens fed through the graph first (not timed)")
@@ -50,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     try:
         a.forms = [f for f in dict.fromkeys(t.strip() for t in a.forms.split(",") if t.strip())]
-        if not a.forms or any(f not in FORMS for f in a.forms):
-            raise ValueError(f"--forms: of {', '.join(FORMS)} (got {a.forms})")
+        if not a.forms or any(f not in ALL_FORMS for f in a.forms):
+            raise ValueError(f"--forms: of {', '.join(ALL_FORMS)} (got {a.forms})")
         a.batches = sorted({int(b) for b in a.batches.split(",") if b.strip()})
         if not a.batches or min(a.batches) < 1 or a.tokens < 1 or a.prompt < 1:
             raise ValueError("--batches, --tokens and --prompt must be positive")

@@ -29,6 +29,8 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=
 # latq forms: (inlier bits, group, outlier rate); "gptq-4b-g64" is latq-quantize's default form
 FORMS = {"ssqr-1%-4b": (4, 128, 0.01), "ssqr-1%-3b": (3, 128, 0.01), "ssqr-1%-2b": (2, 128, 0.01),
          "gptq-4b-g64": (4, 64, 0.0)}
+# codebook forms: (bits, group, scale-code bits); random codes, so their figures are speed only
+CODEBOOK_FORMS = {"e8-3b-s4-g16": (3, 16, 4), "e8-2b-s4-g16": (2, 16, 4)}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -118,13 +120,26 @@ def int4_linear(W: torch.Tensor, act_dtype: torch.dtype) -> Linear:
 
 def make_linear(form: str, W: torch.Tensor, act_dtype: torch.dtype, kernel=None, seed: int = 0) -> Linear:
     """``form``: ``bf16`` (the dense weight in ``act_dtype``), ``int4`` (torch's kernel) or a key of
-    :data:`FORMS` served by ``kernel``."""
+    :data:`FORMS` served by ``kernel``, or of :data:`CODEBOOK_FORMS` (by ``kernel`` where it serves
+    codebook layers, else ``triton-e8``)."""
     if form == "bf16":
         return dense_linear(W.to(act_dtype))
     if form == "int4":
         return int4_linear(W, act_dtype)
+    if form in CODEBOOK_FORMS:
+        return codebook_linear(kernel, W.shape, *CODEBOOK_FORMS[form], act_dtype, W.device, seed)
     bits, group, rate = FORMS[form]
     return latq_linear(kernel, quick_form(W, bits, group, rate, seed), act_dtype)
+
+
+def codebook_linear(kernel, shape, bits: int, group: int, scale_bits: int, act_dtype, device, seed: int) -> Linear:
+    """A random codebook layer of ``shape`` (:func:`~vllm_latq.testing.weights.random_codebook_weight`)."""
+    from vllm_latq.kernels.weight import CodebookWeight
+    from vllm_latq.testing.weights import random_codebook_weight
+    if CodebookWeight not in kernel.forms:
+        from vllm_latq.kernels.triton.codebook import TritonCodebookKernel as kernel
+    w = random_codebook_weight(*shape, bits, group=group, seed=seed, scale_bits=scale_bits)
+    return latq_linear(kernel, w.to(device), act_dtype)
 
 
 def form_maker(form: str, act_dtype: torch.dtype, kernel=None):

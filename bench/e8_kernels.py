@@ -4,11 +4,15 @@ kernel's time beside dense bf16 ``F.linear`` and the integer Triton kernel at th
 output checked against the fp32 reference. ``--dry-run``: a tiny layer in Triton's interpreter with a
 fake timer (no speed), the tables' shape only.
 
-    python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16
+    python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 [--json FILE]
+
+``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "int_us", "bf16_us", "e8_err"}``
+(``form`` e.g. ``e8-3b-s4-g64``), beside docs/gpu/latest.json's integer points.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,7 +53,8 @@ def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
         e8 = time_cycled(timer, [lambda s=s: E8.apply(s, x) for s in s8])
         it = time_cycled(timer, [lambda s=s: Int.apply(s, x) for s in si])
         dense = _time_dense(n, k, x, l2, timer)
-        rows.append(dict(m=m, e8_us=e8, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3))
+        rows.append(dict(m=m, e8_us=e8, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3,
+                         served_bits=8 * served / (n * k)))
         log(f"{n:>6}x{k:<6} {m:>3} {e8:>9.1f} {it:>9.1f} {dense:>9.1f} {served / e8 / 1e3:>8.0f} {err:>8.1e}"
             + ("  WRONG" if err > ERR_TOL else ""))
     return rows
@@ -63,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scales", default="s4-g64", help="scale form, as bench.kernels' --scales")
     ap.add_argument("--rep-ms", type=float, default=50.0)
     ap.add_argument("--budget-s", type=float, default=60.0, help="no new shape after this many seconds")
+    ap.add_argument("--json", help="write the rows here (see above), after each shape")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, a tiny layer, no speed")
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.m.split(",")]
@@ -78,13 +84,19 @@ def main(argv=None) -> int:
         timer = cuda_timer(a.rep_ms)
     print(f"{'layer':>13} {'M':>3} {'e8 µs':>9} {'int µs':>9} {'bf16 µs':>9} {'e8 GB/s':>8} {'rel err':>8}"
           f"   ({a.bits} bits, {a.scales}; int: TritonKernel at the same bits and scales, no outliers)")
-    t0, worst = time.perf_counter(), 0.0
+    t0, worst, records = time.perf_counter(), 0.0, []
     for name, n, k in shapes:
         if time.perf_counter() - t0 > a.budget_s:
             print(f"{name}: not timed (budget {a.budget_s:.0f} s spent)")
             continue
         rows = time_layer(n, k, a.bits, a.scales, ms, dev, l2, timer, print)
         worst = max([worst] + [r["e8_err"] for r in rows])
+        records += [dict(form=f"e8-{a.bits}b-{a.scales}", shape=name, m=r["m"], served_bits=round(r["served_bits"], 3),
+                         **{k: round(r[k], 2) for k in ("e8_us", "int_us", "bf16_us")}, e8_err=float(f"{r['e8_err']:.2e}"))
+                    for r in rows]
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"e8_points": records}, f, indent=1)
         one = rows[0]
         print(f"HEADLINE e8_kernels {name} M={one['m']}: triton-e8 {one['e8_us']:.1f} us, integer "
               f"{one['int_us']:.1f} us, bf16 {one['bf16_us']:.1f} us ({one['bf16_us'] / one['e8_us']:.2f}x bf16)")

@@ -15,22 +15,23 @@
 #                         the table's pick against its pipelined twin and the tensor-core route below 8 rows
 #                         (OUTDIR/ab_timings.json); OUTDIR/table.log, launch_configs.json, table_timings.json: the
 #                         launch table rebuilt with those timings
+# OUTDIR/e8_kernels.log   bench/e8_kernels.py: the codebook kernels (triton-e8, E8-3b s4-g16) on 8b.down and 8b.gate_up
+#                         against bf16 and the integer 3-bit kernel at batch 1, 4, 16; OUTDIR/e8_points.json
 # OUTDIR/e2e.log          bench/decode_gpu.py: the Llama-3-8B-shaped decoder (8 of 32 blocks, projected) in
-#                         SSQR-1 %-4b / -3b and the default's form against bf16 and int4, batch 1, 8, 16; OUTDIR/e2e.json
+#                         SSQR-1 %-4b, E8-3b, the default's form and SSQR-1 %-3b against bf16 and int4, batch 1, 8,
+#                         16; OUTDIR/e2e.json
 # OUTDIR/latest.json      both in docs/gpu/latest.json's schema (bench/gpu_figures.py), for commit GPU_CHECK_COMMIT
 #                         (else the checkout's HEAD); also written to the checkout's docs/gpu/latest.json
 # OUTDIR/boundary.log     the CUDA-boundary paths that need no vLLM (vllm_latq/testing/boundary_paths.py)
 # OUTDIR/tests.log        every shard's pytest output; tests-N.log, junit-N.xml (in the time left)
-# OUTDIR/bench_scales.log, e8_kernels.log, launch_configs.log, launch_timings.json: the rest, where time is left
-#                         (--phase rest); e8_kernels.log: the codebook kernels (triton-e8, 3 bits, s4-g64) against
-#                         bf16 and the integer 3-bit kernel at batch 1, 4, 16
+# OUTDIR/bench_scales.log, launch_configs.log, launch_timings.json: the rest, where time is left (--phase rest)
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a boundary path or a test failed or timed out (the benches run anyway).
 #
 # GemLite is not installed on a lent machine: its sdist, unpacked under .gpu_peers/ by scripts/gpu_peers.sh and
 # carried with the checkout, goes on PYTHONPATH. Knobs (environment): PYTHON (python3), GPU_CHECK_TOTAL_S (570),
-# GPU_CHECK_KERNELS_S (270), GPU_CHECK_E2E_S (150), GPU_CHECK_TEST_S (390: the tests' limit, at most the time
-# left), GPU_CHECK_LAYERS (8), LATQ_CPU_NATIVE (0: the CPU halves of the CUDA-vs-CPU tests run pure torch).
+# GPU_CHECK_KERNELS_S (230), GPU_CHECK_E8_S (60), GPU_CHECK_E2E_S (150), GPU_CHECK_TEST_S (390: the tests' limit, at
+# most the time left), GPU_CHECK_LAYERS (8), LATQ_CPU_NATIVE (0: the CPU halves of the CUDA-vs-CPU tests run pure torch).
 set -uo pipefail
 
 # the GPU tests and their shards; tests/gpu/test_gpu_check.py checks every GPU test falls in a shard
@@ -124,17 +125,22 @@ EOF
 
 # ---------------------------------------------------------------------------- the figures
 figures() {
-  local kern_s=${GPU_CHECK_KERNELS_S:-270} e2e_s=${GPU_CHECK_E2E_S:-150}
+  local kern_s=${GPU_CHECK_KERNELS_S:-230} e8_s=${GPU_CHECK_E8_S:-60} e2e_s=${GPU_CHECK_E2E_S:-150}
   # beside the table's pick, its pipelined twin and (M < 8) the tensor-core route, 4-bit first:
   # a cut run still has the A/B (OUTDIR/ab_timings.json, launch timings the table takes)
   local ab=(--breakdown pipelined,mma,mma_pipelined --timings-json "$out/ab_timings.json")
   local kern=(-m bench.kernels --no-static --shapes 8b --bits 4,2,3 --rates 0.01 --m 1,2,4,8,16,32,64 "${ab[@]}"
               --json "$out/points.json" --budget-s $((kern_s - 70)))
-  local e2e=(-m bench.decode_gpu --layers "${GPU_CHECK_LAYERS:-8}" --json "$out/e2e.json" --budget-s $((e2e_s - 50)))
+  local e8=(-m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 --scales s4-g16 --json "$out/e8_points.json"
+            --budget-s $((e8_s - 25)))
+  local e2e=(-m bench.decode_gpu --layers "${GPU_CHECK_LAYERS:-8}" --forms ssqr-1%-4b,e8-3b-s4-g16,gptq-4b-g64,ssqr-1%-3b
+             --json "$out/e2e.json" --budget-s $((e2e_s - 50)))
   local device
   if [ "$dry" = 1 ]; then
     kern=(-m bench.kernels --dry-run --shapes 8b --bits 4 --rates 0.01 --m 1,8 "${ab[@]}" --json "$out/points.json")
-    e2e=(-m bench.decode_gpu --dry-run --tokens 4 --prompt 2 --batches 1,2 --json "$out/e2e.json")
+    e8=(-m bench.e8_kernels --dry-run --m 1,8 --scales s4-g16 --json "$out/e8_points.json")
+    e2e=(-m bench.decode_gpu --dry-run --forms ssqr-1%-4b,e8-3b-s4-g16 --tokens 4 --prompt 2 --batches 1,2
+         --json "$out/e2e.json")
   fi
   run kernels.log "$kern_s" "${kern[@]}"
   # the packaged table rebuilt with the A/B's timings: where a pipelined kernel or the tensor-core
@@ -142,6 +148,7 @@ figures() {
   cp "$repo/tools/launch_timings.json" "$out/table_timings.json"
   run table.log 60 -m tools.launch_table --from-summary --add-timings "$out/ab_timings.json" \
       --timings "$out/table_timings.json" --out "$out/launch_configs.json"
+  run e8_kernels.log "$e8_s" "${e8[@]}"
   run e2e.log "$e2e_s" "${e2e[@]}"
   device=$(sed -n 's/^device \(.*\) capability.*/\1/p' "$out/env.txt" | head -n 1)
   [ "$dry" = 1 ] && device="dry run (CPU, fake timers)"
@@ -208,12 +215,6 @@ rest() {
   else
     note "scale-form bench: not run ($(left)s left)"
   fi
-  local e8_s=60
-  if [ "$(left)" -ge $((e8_s + 10)) ]; then
-    run e8_kernels.log "$e8_s" -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 --budget-s $((e8_s - 25))
-  else
-    note "codebook-kernel bench: not run ($(left)s left)"
-  fi
   configs_s=$(($(left) - 5))
   if [ "$configs_s" -ge 30 ]; then
     # the tensor-core rows at every bit width this family has no timings of (tools/launch_timings.json);
@@ -230,7 +231,7 @@ tests_rc=0
 if [ "$phase" != rest ]; then
   figures
 fi
-if [ "$dry" = 0 ]; then
+if [ "$dry" = 0 ] && [ "$phase" != rest ]; then
   run boundary.log 120 -m vllm_latq.testing.boundary_paths --device cuda
   boundary_rc=$?
   grep '^boundary ' "$out/boundary.log" >> "$out/summary.txt"

@@ -203,5 +203,5 @@ def test_codebook_kernel_in_the_avx2_build(probe):
     assert out.returncode == 0, tail
     m = re.search(r"(\d+) passed", out.stdout)
     assert m and int(m.group(1)) >= 60 and "C++ ops unavailable" not in out.stdout, tail
-    assert "test_each_instruction_set[avx2-1] PASSED" in out.stdout, tail
-    assert not re.search(r"\[avx512-\d+\] PASSED", out.stdout), tail
+    assert re.search(r"test_each_instruction_set\[avx2-1-[^\]]*\] PASSED", out.stdout), tail
+    assert not re.search(r"\[avx512-[^\]]*\] PASSED", out.stdout), tail
