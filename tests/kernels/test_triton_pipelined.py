@@ -70,6 +70,16 @@ def test_every_depth_and_split_over_whole_steps(bits, launch, depth):
         check(run(st, x, kernel, split=split, depth=depth), x, w)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_splits_past_the_last_step_add_nothing(bits):
+    """K = 300 in 8 splits: two or three steps, so most splits start past the last one; with
+    groups narrower than a 2-bit step the scales are read in the step, so an empty split that ran
+    the last step again would add it twice (a GPU run caught this)."""
+    w, st = state(bits, 0.05, "csr")
+    x = activations(1, torch.float16, seed=1)
+    check(run(st, x, "gemv", split=8, depth=2), x, w)
+
+
 @pytest.mark.parametrize("bits,launch,scales", cases({(4, ("gemv", 1), (4, 64)), (4, ("mma", 16), (None, None))},
                                                     [2, 4], [("gemv", 1), ("gemv", 2), ("mma", 16)],
                                                     [(4, 64), (None, 32), (None, None)]))

@@ -180,7 +180,8 @@ def _gemv_pipelined_kernel(x_ptr, y_ptr, b_ptr, pa_ptr, ph_ptr, pt_ptr, s_ptr,
     SPS = tl.cdiv(NSTEPS, SPLIT)
     s_beg = pid_k * SPS
     s_end = tl.minimum(s_beg + SPS, NSTEPS)
-    s_full = tl.minimum(s_end, K // STEP)      # steps wholly inside K; at most one more reaches past it
+    # steps wholly inside K, at most one more reaching past it; none in a split past NSTEPS
+    s_full = tl.maximum(s_beg, tl.minimum(s_end, K // STEP))
     oacc = tl.zeros([BM, SR, BN], dtype=tl.float32)
     if OUTL == 1:          # the rows' slot ranges go out with the first word tiles
         e0, cnt, rmax = _ell_rows(start_ptr, rn, N_PAD)
