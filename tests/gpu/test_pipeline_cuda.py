@@ -14,8 +14,10 @@ from vllm_latq.testing.tiny_models import make_word_level_model
 def test_quantize_device_cuda_matches_cpu(tmp_path, capsys):
     """``latq-quantize --device cuda`` (fp32 forwards; GPTQ: no scale search) against the CPU
     run: the same tensors, the unquantized ones and the scales (a function of W alone)
-    identical, block 0's integers (same inputs on both devices) equal up to ties (≥ 99.9 %).
-    Block 1's inputs are computed by each device's quantized block 0, so its Hessians differ by
+    identical, block 0's integers (same inputs on both devices) equal up to ties (≥ 99.5 %, layer
+    errors within 0.2 %: a layer's integers are one Babai chain over its columns, so a tie that fp32
+    summation order flips moves some later ones: an H200 gave 99.785 % on block 0's down_proj, its
+    error within 0.01 %). Block 1's inputs are computed by each device's quantized block 0, so its Hessians differ by
     more than rounding: there ≥ 75 % identical per layer, ≥ 88 % over the model, layer errors
     within 2 % (an H100 against the CPU gave 83.8 % on block 1's down_proj, errors within 0.4 %;
     two CPU runs at 1 and 2 threads gave 94–99.97 % per layer)."""
@@ -49,6 +51,6 @@ def test_quantize_device_cuda_matches_cpu(tmp_path, capsys):
         msg = f"{layer}: integers {same / za.numel():.5f}, scales {s_same:.5f} identical; rel.err {ra:.5g} vs {rb:.5g}"
         first_block = ".layers.0." in layer
         print(msg)
-        assert same >= (0.999 if first_block else 0.75) * za.numel(), msg
-        assert s_same >= 0.999 and abs(ra - rb) <= 0.02 * ra, msg
+        assert same >= (0.995 if first_block else 0.75) * za.numel(), msg
+        assert s_same >= 0.999 and abs(ra - rb) <= (0.002 if first_block else 0.02) * ra, msg
     assert same_total >= 0.88 * total, f"{same_total / total:.5f} of all integers identical"
