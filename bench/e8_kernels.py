@@ -1,12 +1,14 @@
-"""The codebook layers' Triton kernels (``triton-e8``) on a GPU: per layer shape and batch, the
-kernel's time beside dense bf16 ``F.linear`` and the integer Triton kernel at the same bits and scales
-(``TritonKernel``, no outliers), operands cycled past L2 as :mod:`bench.kernel_timing` does, each
-output checked against the fp32 reference. ``--dry-run``: a tiny layer in Triton's interpreter with a
+"""The codebook layers' Triton kernels (``triton-e8``) on a GPU: per layer shape and batch, the time of
+the route ``apply`` takes (the GEMV below 8 rows, else the weight decoded once + cuBLAS) and, from 8
+rows, of the tensor-core kernel, beside dense bf16 ``F.linear`` and the integer Triton kernel at the
+same bits and scales (``TritonKernel``, no outliers), operands cycled past L2 as
+:mod:`bench.kernel_timing` does, each output checked against the fp32 reference. ``--dry-run``: a tiny layer in Triton's interpreter with a
 fake timer (no speed), the tables' shape only.
 
     python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 [--json FILE]
 
-``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "int_us", "bf16_us", "e8_err"}``
+``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "mma_us", "int_us", "bf16_us",
+"e8_err"}``
 (``form`` e.g. ``e8-3b-s4-g64``), beside docs/gpu/latest.json's integer points.
 """
 from __future__ import annotations
@@ -21,6 +23,13 @@ import torch
 
 from bench.kernel_timing import _time_dense, bench_weight, copies, cuda_timer, rel_err, scale_form, time_cycled
 from bench.kernels import parse_shapes
+from vllm_latq.kernels.triton.codebook import LARGE_MIN_M
+from vllm_latq.kernels.triton.dequant import large_m_reason
+
+
+def route(m: int, dtype) -> str:
+    """The route ``TritonCodebookKernel.apply`` takes for m rows of ``dtype``."""
+    return "gemv" if m < LARGE_MIN_M or large_m_reason(dtype) else "dequant"
 
 ERR_TOL = 3e-2       # as bench.kernel_timing: bf16 output rounding is ≤ 2^-7
 
@@ -49,14 +58,18 @@ def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-        err = rel_err(E8.apply(st8, x).float().cpu(), latq_linear_ref(x.float().cpu(), w8))
+        ref = latq_linear_ref(x.float().cpu(), w8)
+        err = rel_err(E8.apply(st8, x).float().cpu(), ref)
+        if m >= LARGE_MIN_M:
+            err = max(err, rel_err(E8.apply(st8, x, kernel="mma").float().cpu(), ref))
         e8 = time_cycled(timer, [lambda s=s: E8.apply(s, x) for s in s8])
+        mma = time_cycled(timer, [lambda s=s: E8.apply(s, x, kernel="mma") for s in s8]) if m >= LARGE_MIN_M else None
         it = time_cycled(timer, [lambda s=s: Int.apply(s, x) for s in si])
         dense = _time_dense(n, k, x, l2, timer)
-        rows.append(dict(m=m, e8_us=e8, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3,
+        rows.append(dict(m=m, e8_us=e8, mma_us=mma, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3,
                          served_bits=8 * served / (n * k)))
-        log(f"{n:>6}x{k:<6} {m:>3} {e8:>9.1f} {it:>9.1f} {dense:>9.1f} {served / e8 / 1e3:>8.0f} {err:>8.1e}"
-            + ("  WRONG" if err > ERR_TOL else ""))
+        log(f"{n:>6}x{k:<6} {m:>3} {route(m, x.dtype):>8} {e8:>9.1f} {'-' if mma is None else f'{mma:.1f}':>9} "
+            f"{it:>9.1f} {dense:>9.1f} {served / e8 / 1e3:>8.0f} {err:>8.1e}" + ("  WRONG" if err > ERR_TOL else ""))
     return rows
 
 
@@ -82,7 +95,7 @@ def main(argv=None) -> int:
         shapes, dev = parse_shapes(a.shapes), torch.device("cuda", 0)
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (50 << 20)
         timer = cuda_timer(a.rep_ms)
-    print(f"{'layer':>13} {'M':>3} {'e8 µs':>9} {'int µs':>9} {'bf16 µs':>9} {'e8 GB/s':>8} {'rel err':>8}"
+    print(f"{'layer':>13} {'M':>3} {'route':>8} {'e8 µs':>9} {'mma µs':>9} {'int µs':>9} {'bf16 µs':>9} {'e8 GB/s':>8} {'rel err':>8}"
           f"   ({a.bits} bits, {a.scales}; int: TritonKernel at the same bits and scales, no outliers)")
     t0, worst, records = time.perf_counter(), 0.0, []
     for name, n, k in shapes:
@@ -92,7 +105,8 @@ def main(argv=None) -> int:
         rows = time_layer(n, k, a.bits, a.scales, ms, dev, l2, timer, print)
         worst = max([worst] + [r["e8_err"] for r in rows])
         records += [dict(form=f"e8-{a.bits}b-{a.scales}", shape=name, m=r["m"], served_bits=round(r["served_bits"], 3),
-                         **{k: round(r[k], 2) for k in ("e8_us", "int_us", "bf16_us")}, e8_err=float(f"{r['e8_err']:.2e}"))
+                         **{k: None if r[k] is None else round(r[k], 2) for k in ("e8_us", "mma_us", "int_us", "bf16_us")},
+                         e8_err=float(f"{r['e8_err']:.2e}"))
                     for r in rows]
         if a.json:
             with open(a.json, "w") as f:

@@ -14,7 +14,7 @@ import torch
 
 from vllm_latq.format import codebook as cb
 from vllm_latq.kernels.reference import latq_linear_ref
-from vllm_latq.kernels.weight import CodebookWeight
+from vllm_latq.kernels.weight import CodebookWeight, dequantize
 from vllm_latq.testing.weights import random_codebook_weight
 
 triton = pytest.importorskip("triton")
@@ -32,8 +32,15 @@ def make_weight(bits=3, n=N, k=K, group=16, coded=False, seed=0) -> CodebookWeig
     return random_codebook_weight(n, k, bits, group=group, seed=seed, scale_bits=4 if coded else None)
 
 
-def check(y, x, w, bias=None):
-    ref = latq_linear_ref(x.float(), w, None if bias is None else bias.float())
+def check(y, x, w, bias=None, route=None):
+    """Against the fp32 reference; where the route (``apply``'s own choice when None) decodes the
+    weight once (``dequant``), against x·W_dtypeᵀ in fp32: the weight rounded once to x's dtype."""
+    route = route or ("dequant" if x.dtype != torch.float32 and x.reshape(-1, x.shape[-1]).shape[0] >= tcb.LARGE_MIN_M
+                      else "gemv")
+    if route == "dequant":
+        ref = x.float() @ dequantize(w).to(x.dtype).float().T + (0 if bias is None else bias.float())
+    else:
+        ref = latq_linear_ref(x.float(), w, None if bias is None else bias.float())
     assert y.dtype == x.dtype and y.shape == ref.shape
     eps = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}[x.dtype]
     # the output is rounded to x.dtype (≤ ½ ulp) after an fp32 sum in another order
@@ -117,7 +124,7 @@ def test_bias_and_batch_dims(kernel, m):
     bias = torch.randn(N).half()
     y = TritonCodebookKernel.apply(st, x, bias, kernel=kernel)
     assert y.shape == (1, m, N)
-    check(y.reshape(m, N), x.reshape(m, K), w, bias)
+    check(y.reshape(m, N), x.reshape(m, K), w, bias, route=kernel)
 
 
 @pytest.mark.parametrize("kernel,bits", [("gemv", 3), ("mma", 2)])
@@ -125,10 +132,47 @@ def test_split_k(kernel, bits):
     w = make_weight(bits, k=1024, group=64, coded=True)
     st = TritonCodebookKernel.prepare(w)
     x = activations(2 if kernel == "gemv" else 16, torch.bfloat16, k=1024)
-    check(TritonCodebookKernel.apply(st, x, kernel=kernel, config=dict(SPLIT=4)), x, w)
+    check(TritonCodebookKernel.apply(st, x, kernel=kernel, config=dict(SPLIT=4)), x, w, route=kernel)
     assert not st.tickets.any()          # the tickets are back to 0 for the next launch
     with pytest.raises(ValueError, match="split-K"):
         TritonCodebookKernel.apply(st, activations(40, torch.bfloat16, k=1024), kernel=kernel, config=dict(SPLIT=4))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group,coded", [(16, False), (64, True), (None, False), (16, True)])
+def test_dequantize_is_exact(bits, group, coded):
+    """The large-M route's decode equals ``dequantize(w).to(dtype)`` bit for bit (K = 200: a ragged
+    last tile of blocks), whole and in row chunks into a wider matrix; fp32 out refused."""
+    w = make_weight(bits, group=group, coded=coded, seed=bits)
+    st = TritonCodebookKernel.prepare(w)
+    for dt in (torch.float16, torch.bfloat16):
+        ref = dequantize(w).to(dt)
+        assert torch.equal(tcb.dequantize_into(st, torch.full((N, K), float("nan"), dtype=dt)), ref)
+        wide = torch.zeros(N, K + 8, dtype=dt)
+        for row0 in (0, 16, 32):
+            tcb.dequantize_into(st, wide[row0:min(row0 + 16, N), :K], row0)
+        assert torch.equal(wide[:, :K], ref) and not wide[:, K:].any()
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        tcb.dequantize_into(st, torch.zeros(N, K))
+
+
+def test_large_m_route(monkeypatch):
+    """From LARGE_MIN_M rows of fp16/bf16 x, apply decodes once into the Triton kernels' shared
+    scratch (reserved at load) and runs one GEMM; fp32 x and fewer rows stay on the GEMV."""
+    from vllm_latq.kernels.triton import dequant
+    w = make_weight(3, group=16, coded=True)
+    st = TritonCodebookKernel.prepare(w)
+    TritonCodebookKernel.reserve(st, torch.bfloat16)
+    assert tk.TritonKernel.workspace.current(torch.bfloat16, torch.device("cpu")).numel() >= N * K
+    routes = []
+    real = dequant.apply_large_m
+    monkeypatch.setattr(tcb, "apply_large_m", lambda *a, **k: routes.append("dequant") or real(*a, **k))
+    for m, dt, route in ((tcb.LARGE_MIN_M - 1, torch.bfloat16, "gemv"), (tcb.LARGE_MIN_M, torch.bfloat16, "dequant"),
+                         (tcb.LARGE_MIN_M, torch.float32, "gemv")):
+        routes.clear()
+        x = activations(m, dt)
+        check(TritonCodebookKernel.apply(st, x), x, w, route=route)
+        assert routes == ([route] if route == "dequant" else [])
 
 
 def test_every_e8p_code():

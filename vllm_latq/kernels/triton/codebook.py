@@ -1,6 +1,6 @@
 """Triton kernels for codebook layers (method e8, :class:`~vllm_latq.kernels.weight.CodebookWeight`),
 the host side: the prepared layout, the launch and :class:`TritonCodebookKernel` (family "triton"): the
-SIMT GEMV below 8 rows of x (and for fp32), tensor cores from 8. Device code:
+SIMT GEMV below 8 rows of x (and for fp32); from 8, the weight decoded once and cuBLAS. Device code:
 :mod:`~vllm_latq.kernels.triton.codebook_device`; design: docs/KERNELS.md, "E8 codebooks".
 
 Layout: plane A holds each block's E8P code(s), int16 (2 and 3 bits) or int32 (4 bits: the second
@@ -25,8 +25,10 @@ from ..base import LatqKernel
 from ..weight import CodebookWeight
 from . import configs as cfg
 from . import layout as tlay
-from .codebook_device import BALL_AT, SIGNS_AT, _e8_gemv_kernel, _e8_mma_kernel  # noqa: F401  (the table's parts)
-from .kernel import INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, device_reason, machine_reason, splitk_floats
+from .codebook_device import BALL_AT, SIGNS_AT, _e8_dequant_kernel, _e8_gemv_kernel, _e8_mma_kernel  # noqa: F401
+from .dequant import apply_large_m, check_out, large_m_reason
+from .kernel import (INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, TritonKernel, device_reason, machine_reason,
+                     splitk_floats)
 
 BITS = tuple(sorted(cb.CODEBOOKS))
 # BKB blocks (8·BKB columns) a K step; the GEMV's by its row tile: each row of x adds a register
@@ -35,7 +37,10 @@ BITS = tuple(sorted(cb.CODEBOOKS))
 GEMV_TILES = {1: dict(BN=64, BKB=16, num_warps=4), 2: dict(BN=64, BKB=8, num_warps=4),
               4: dict(BN=64, BKB=8, num_warps=4), 8: dict(BN=64, BKB=8, num_warps=4)}
 MMA_TILE = dict(BN=64, BKB=8, num_warps=4)
-MMA_MIN_M = 8                                    # fewer rows of x: the GEMV
+DEQUANT_TILE = dict(BN=64, BKB=8, num_warps=4)   # [64 rows × 64 columns] a store
+# from this many rows of fp16/bf16 x: the weight decoded once into the shared scratch, then cuBLAS
+# (the tensor-core kernel, a tl.dot per 16-column scale group, ran 5-30x slower on an H200: KERNELS.md)
+LARGE_MIN_M = 8
 
 
 # ============================================================================ layout
@@ -181,11 +186,26 @@ def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str
     return y
 
 
+def dequantize_into(st: E8State, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """Rows ``row0 .. row0 + R`` of a prepared codebook layer → ``out`` [R, K] fp16/bf16:
+    ``dequantize(w)[row0:row0 + R].to(dtype)``, bit for bit."""
+    rows = check_out(st, out, row0)
+    if rows:
+        c = DEQUANT_TILE
+        grid = (tlay.cdiv(rows, c["BN"]), tlay.cdiv(st.k // cb.DIM, c["BKB"]))
+        _e8_dequant_kernel[grid](out, st.codes, st.ball if st.ball is not None else st.codes, st.scales, st.table,
+                                 row0, row0 + rows, st.k, st.k // cb.DIM, out.stride(0), st.n_pad,
+                                 st.scales.shape[1], BITS=st.bits, GROUP=st.group, BN=c["BN"], BKB=c["BKB"],
+                                 ASM=not INTERPRET, CODED=st.coded_scales, num_warps=c["num_warps"])
+    return out
+
+
 # ============================================================================ the kernel
 
 class TritonCodebookKernel(LatqKernel):
-    """Triton GPU kernels for codebook layers: SIMT GEMV (M ≤ 7, and fp32 activations), tensor cores
-    from 8 rows; each block's point decoded in registers from its codes and the shared table."""
+    """Triton GPU kernels for codebook layers: SIMT GEMV (M ≤ 7, and fp32 activations), from 8 rows the
+    weight decoded once into the shared scratch and one cuBLAS GEMM (``kernel="mma"``: tensor cores);
+    each block's point decoded in registers from its codes and the shared table."""
     name = "triton-e8"
     family = "triton"
     forms = (CodebookWeight,)
@@ -230,6 +250,8 @@ class TritonCodebookKernel(LatqKernel):
     @classmethod
     def reserve(cls, state: E8State, act_dtype: torch.dtype) -> None:
         SPLITK_SCRATCH.reserve_flat(max(1, splitk_floats(state.n_pad)), torch.float32, state.scales.device)
+        if large_m_reason(act_dtype) is None:
+            TritonKernel.workspace.reserve(state.n, state.k, act_dtype, state.scales.device)
 
     @classmethod
     def apply(cls, state: E8State, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -240,8 +262,12 @@ class TritonCodebookKernel(LatqKernel):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if kernel is None:
-            kernel = "gemv" if x2.shape[0] < MMA_MIN_M or x2.dtype == torch.float32 else "mma"
-        return launch(state, x2, bias, kernel, config).reshape(*x.shape[:-1], state.n)
+            kernel = "gemv" if x2.shape[0] < LARGE_MIN_M or large_m_reason(x2.dtype) else "dequant"
+        if kernel == "dequant":
+            y = apply_large_m(state, x2, bias, TritonKernel.workspace, dequantize_into)
+        else:
+            y = launch(state, x2, bias, kernel, config)
+        return y.reshape(*x.shape[:-1], state.n)
 
     @classmethod
     def served_bytes(cls, state: E8State) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """Device code of the Triton kernels for codebook layers (method e8, format/codebook.py): an E8 block's
 point decoded in registers from its code planes and the shared table, as fields read in place less one
-constant a block, then the SIMT GEMV or one ``tl.dot`` per scale group. Only ``@triton.jit`` functions
+constant a block, then the SIMT GEMV, one ``tl.dot`` per scale group, or (large M) stored as the
+dequantized weight for one cuBLAS GEMM. Only ``@triton.jit`` functions
 (:mod:`tools.triton_compile` fingerprints them); host side, table: :mod:`~vllm_latq.kernels.triton.codebook`.
 """
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .dequant import _round
 from .device import _and_or, _epilogue, _group_scale, _row_offset, _scale_base
 
 SIGNS_AT = tl.constexpr(256)     # the shared table: E8P's 256 pattern words, 256 sign words, the ball's 256
@@ -189,3 +191,24 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
             acc += tl.dot(xs, w) * sc[None, :]
     _epilogue(acc, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), SPLIT, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=("KB", "NGP"))
+def _e8_dequant_kernel(w_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ROW0, ROW1, K, KB, stride_wn, N_PAD, NGP,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr,
+                       ASM: tl.constexpr, CODED: tl.constexpr):
+    """Rows ROW0 .. ROW1 − 1 of the layer → rows 0 .. of ``w`` [R, K] (fp16/bf16): each point times its
+    group's scale in fp32 (exact: ≤ 7 significant bits times fp16's 11), rounded once, as
+    ``dequantize(w).to(dtype)``. One program: BN rows × BKB blocks, stored along K."""
+    rn = ROW0 + tl.program_id(0) * BN + tl.arange(0, BN)
+    b3 = tl.program_id(1) * BKB + tl.arange(0, BKB)[:, None, None]
+    rn3 = rn[None, None, :]
+    pm = (b3 < KB) & (rn3 < N_PAD)
+    u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS)
+    v = _points(u1, u2, tl.arange(0, 8)[None, :, None], BITS, ASM)                  # [BKB, 8, BN]
+    sp = _scale_base(s_ptr, rn3 // 16, rn3 % 16, NGP, CODED)
+    v = v * _group_scale(sp, (8 * b3) // GROUP, rn3 % 16, pm, CODED, ASM)
+    cols = tl.program_id(1) * (8 * BKB) + tl.arange(0, 8 * BKB)
+    wv = tl.trans(tl.reshape(v, [8 * BKB, BN]))                                      # [BN, 8·BKB], along K
+    tl.store(w_ptr + (rn - ROW0).to(tl.int64)[:, None] * stride_wn + cols[None, :],
+             _round(wv, w_ptr.dtype.element_ty), mask=(rn < ROW1)[:, None] & (cols < K)[None, :])

@@ -224,14 +224,20 @@ def large_m_reason(act_dtype: torch.dtype) -> str | None:
     return None
 
 
-def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
-    """Rows ``row0 .. row0 + R`` (row0 % 16 == 0) of a prepared layer → ``out`` [R, K] fp16/bf16:
-    ``weight.dequantize(w)[row0:row0 + R].to(dtype)``, bit for bit."""
+def check_out(st, out: torch.Tensor, row0: int) -> int:
+    """The rows a dequantisation of layer ``st`` into ``out`` from ``row0`` writes; a clear error if it cannot."""
     rows = out.shape[0]
     if (out.dim() != 2 or out.shape[1] != st.k or out.stride(1) != 1 or row0 % 16 or row0 + rows > st.n
             or out.dtype not in (torch.float16, torch.bfloat16)):
         raise ValueError(f"out must be an [R, {st.k}] fp16/bf16 matrix with unit column stride for rows "
                          f"row0 .. row0 + R ≤ {st.n}, row0 % 16 == 0 (got {tuple(out.shape)}, row0={row0})")
+    return rows
+
+
+def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """Rows ``row0 .. row0 + R`` (row0 % 16 == 0) of a prepared layer → ``out`` [R, K] fp16/bf16:
+    ``weight.dequantize(w)[row0:row0 + R].to(dtype)``, bit for bit."""
+    rows = check_out(st, out, row0)
     if rows == 0:
         return out
     ks = k_steps(st.bits, st.k_pad)
@@ -253,21 +259,21 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
 
 
 def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: Workspace | None = None) -> torch.Tensor:
-    """``y = x2 @ Wᵀ (+ bias)``, W dequantised once into ``workspace`` (row chunks where capped):
-    ``_dequant_kernel`` writes z·s rounded once, ``_outlier_kernel`` stores each outlier over its
-    zero integer (a store, not an add), then ``F.linear``. x2: [M, K] fp16/bf16."""
+                  workspace: Workspace | None = None, dequantize=dequantize_into) -> torch.Tensor:
+    """``y = x2 @ Wᵀ (+ bias)``, W dequantised once into ``workspace`` (row chunks where capped) by
+    ``dequantize`` (here: ``_dequant_kernel`` writes z·s rounded once, ``_outlier_kernel`` stores each
+    outlier over its zero integer, a store, not an add), then ``F.linear``. x2: [M, K] fp16/bf16."""
     why = large_m_reason(x2.dtype)
     if why:
         raise ValueError(why)
     ws = workspace or Workspace()
     rows = ws.rows(st.n, st.k, x2.dtype)
     if rows >= st.n:
-        return torch.nn.functional.linear(x2, dequantize_into(st, ws.matrix(st.n, st.k, x2.dtype, x2.device)), bias)
+        return torch.nn.functional.linear(x2, dequantize(st, ws.matrix(st.n, st.k, x2.dtype, x2.device)), bias)
     y = torch.empty(x2.shape[0], st.n, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, st.n, rows):
         r = min(rows, st.n - n0)
-        W = dequantize_into(st, ws.matrix(r, st.k, x2.dtype, x2.device), n0)
+        W = dequantize(st, ws.matrix(r, st.k, x2.dtype, x2.device), n0)
         y[:, n0:n0 + r] = torch.nn.functional.linear(x2, W, None if bias is None else bias[n0:n0 + r])
     return y
 
