@@ -2,12 +2,14 @@
 targets they are held to, and ``docs/gpu/latest.json`` — its schema, written from a kernel bench's
 points and an end-to-end decode's rows (``bench/decode_gpu.py``), checked and merged here.
 
-    python -m bench.gpu_figures merge --points P.json --e2e E.json --device NAME --commit SHA --out latest.json
+    python -m bench.gpu_figures merge --points P.json --e2e E.json [--e8 E8.json] --device NAME --commit SHA --out latest.json
     python -m bench.gpu_figures check latest.json
 
 The file: ``{"device", "commit", "date", "points": [{"shape", "m", "bits", "rate", "latq_us",
 "bf16_us", "peers": {"torch_int4", "gemlite"}}], "e2e": [{"model", "form", "batch", "tokens",
-"latq_tok_s", "bf16_tok_s", "int4_tok_s"}]}``; a peer or figure not measured is ``null``.
+"latq_tok_s", "bf16_tok_s", "int4_tok_s"}], "e8_points": [{"form", "shape", "m", "served_bits", "e8_us",
+"mma_us", "int_us", "bf16_us", "e8_err"}]}`` (``bench/e8_kernels.py``: the codebook kernels' route, the
+tensor-core kernel, the integer kernel at the same bits); a peer or figure not measured is ``null``.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from bench.kernel_peers import PEERS
 
 POINT_KEYS = ("shape", "m", "bits", "rate", "latq_us", "bf16_us", "peers")
 E2E_KEYS = ("model", "form", "batch", "tokens", "latq_tok_s", "bf16_tok_s", "int4_tok_s")
-TOP_KEYS = ("device", "commit", "date", "points", "e2e")
+E8_KEYS = ("form", "shape", "m", "served_bits", "e8_us", "mma_us", "int_us", "bf16_us", "e8_err")
+TOP_KEYS = ("device", "commit", "date", "points", "e2e", "e8_points")
 SHAPES = ("8b.down", "8b.gate_up", "8b.qkv", "8b.o")
 BIG = ("8b.down", "8b.gate_up")
 # what a lent GPU's run is held to (4-bit inliers, 1 % outliers): (Ms, shapes, against, at least)
@@ -174,6 +177,12 @@ def check(doc: dict) -> list[str]:
         elif not (isinstance(e["model"], str) and isinstance(e["form"], str) and isinstance(e["batch"], int)
                   and isinstance(e["tokens"], int) and _figures([e["latq_tok_s"], e["bf16_tok_s"], e["int4_tok_s"]])):
             bad.append(f"e2e[{i}]: model and form strings, integer batch and tokens, numbers (got {e})")
+    for i, e in enumerate(doc["e8_points"] if isinstance(doc["e8_points"], list) else [None]):
+        if not isinstance(e, dict) or tuple(e) != E8_KEYS:
+            bad.append(f"e8_points[{i}]: keys {E8_KEYS} in order (got {e})")
+        elif not (isinstance(e["form"], str) and e["shape"] in SHAPES and isinstance(e["m"], int)
+                  and _figures([e[k] for k in E8_KEYS[3:]])):
+            bad.append(f"e8_points[{i}]: form string, shape of {SHAPES}, integer m, numbers (got {e})")
     return bad
 
 
@@ -183,9 +192,11 @@ def _figures(values) -> bool:
                for v in values)
 
 
-def assemble(points: list[dict], e2e: list[dict], device: str, commit: str, date: str | None = None) -> dict:
+def assemble(points: list[dict], e2e: list[dict], device: str, commit: str, date: str | None = None,
+             e8_points: list[dict] = ()) -> dict:
     date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    return {"device": device, "commit": commit, "date": date, "points": points, "e2e": e2e}
+    e8 = [{k: p.get(k) for k in E8_KEYS} for p in e8_points]
+    return {"device": device, "commit": commit, "date": date, "points": points, "e2e": e2e, "e8_points": e8}
 
 
 def _read_list(path: str | None, key: str) -> list[dict]:
@@ -201,6 +212,7 @@ def main(argv=None) -> int:
     mg = sub.add_parser("merge", help="assemble latest.json from a kernel bench's and a decode's --json files")
     mg.add_argument("--points", help="bench/kernels.py --json FILE (absent: no points)")
     mg.add_argument("--e2e", help="bench/decode_gpu.py --json FILE (absent: no e2e rows)")
+    mg.add_argument("--e8", help="bench/e8_kernels.py --json FILE (absent: no e8 rows)")
     mg.add_argument("--device", required=True)
     mg.add_argument("--commit", required=True)
     mg.add_argument("--out", required=True)
@@ -209,7 +221,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         doc = json.loads(Path(a.file).read_text()) if a.cmd == "check" else \
-            assemble(_read_list(a.points, "points"), _read_list(a.e2e, "e2e"), a.device, a.commit)
+            assemble(_read_list(a.points, "points"), _read_list(a.e2e, "e2e"), a.device, a.commit,
+                     e8_points=_read_list(a.e8, "e8_points"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"gpu_figures: {getattr(a, 'file', None) or a.points or a.e2e}: unreadable ({e})", file=sys.stderr)
         return 2
@@ -220,7 +233,8 @@ def main(argv=None) -> int:
     if a.cmd == "merge":
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"HEADLINE file={a.out if a.cmd == 'merge' else a.file} points={len(doc['points'])} e2e={len(doc['e2e'])}")
+    print(f"HEADLINE file={a.out if a.cmd == 'merge' else a.file} points={len(doc['points'])} e2e={len(doc['e2e'])} "
+          f"e8_points={len(doc['e8_points'])}")
     return 0
 
 

@@ -20,7 +20,7 @@
 # OUTDIR/e2e.log          bench/decode_gpu.py: the Llama-3-8B-shaped decoder (8 of 32 blocks, projected) in
 #                         SSQR-1 %-4b, E8-3b, the default's form and SSQR-1 %-3b against bf16 and int4, batch 1, 8,
 #                         16; OUTDIR/e2e.json
-# OUTDIR/latest.json      both in docs/gpu/latest.json's schema (bench/gpu_figures.py), for commit GPU_CHECK_COMMIT
+# OUTDIR/latest.json      all three in docs/gpu/latest.json's schema (bench/gpu_figures.py), for commit GPU_CHECK_COMMIT
 #                         (else the checkout's HEAD); also written to the checkout's docs/gpu/latest.json
 # OUTDIR/boundary.log     the CUDA-boundary paths that need no vLLM (vllm_latq/testing/boundary_paths.py)
 # OUTDIR/tests.log        every shard's pytest output; tests-N.log, junit-N.xml (in the time left)
@@ -160,7 +160,7 @@ figures() {
     note "latest.json: not written (no commit: set GPU_CHECK_COMMIT=<sha>; merge later with python -m bench.gpu_figures merge)"
     return
   fi
-  run merge.log 60 -m bench.gpu_figures merge --points "$out/points.json" --e2e "$out/e2e.json" \
+  run merge.log 60 -m bench.gpu_figures merge --points "$out/points.json" --e2e "$out/e2e.json" --e8 "$out/e8_points.json" \
       --device "${device:-unknown}" --commit "$commit" --out "$out/latest.json"
   if [ "$dry" = 0 ] && [ -s "$out/latest.json" ]; then
     mkdir -p "$repo/docs/gpu" && cp "$out/latest.json" "$repo/docs/gpu/latest.json"

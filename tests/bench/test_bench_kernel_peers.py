@@ -131,22 +131,36 @@ def test_the_pipelined_ab_lines_and_headline():
     assert gf.variant_lines([_pt("8b.o", 1, 10.0, 30.0, 12.0)]) == ([], {})          # no A/B timed
 
 
+def test_the_committed_record_is_the_schema():
+    """docs/gpu/latest.json, the GPU figures of record, as ``gpu_figures check`` reads it."""
+    from pathlib import Path
+    doc = json.loads((Path(__file__).resolve().parents[2] / "docs" / "gpu" / "latest.json").read_text())
+    assert not gf.check(doc) and doc["points"] and doc["e2e"] and doc["e8_points"]
+
+
 def test_latest_json_schema(tmp_path):
     pts = [gf.point_record(_pt("8b.down", 1, 10.0, 25.0, 12.0))]
     e2e = [{"model": "llama3-8b-shapes", "form": "ssqr-1%-4b", "batch": 1, "tokens": 128, "latq_tok_s": 150.0,
             "bf16_tok_s": 80.0, "int4_tok_s": None}]
+    e8 = [{"form": "e8-3b-s4-g16", "shape": "8b.down", "m": 1, "served_bits": 3.375, "e8_us": 39.5, "mma_us": None,
+           "int_us": 59.0, "bf16_us": 31.4, "e8_err": 0.0027}]
     (tmp_path / "p.json").write_text(json.dumps({"device": "X", "points": pts}))
     (tmp_path / "e.json").write_text(json.dumps({"e2e": e2e}))
+    (tmp_path / "e8.json").write_text(json.dumps({"e8_points": e8}))
     out = tmp_path / "docs" / "latest.json"
     assert gf.main(["merge", "--points", str(tmp_path / "p.json"), "--e2e", str(tmp_path / "e.json"),
-                    "--device", "NVIDIA H100", "--commit", "ab65128", "--out", str(out)]) == 0
+                    "--e8", str(tmp_path / "e8.json"), "--device", "NVIDIA H100", "--commit", "ab65128",
+                    "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert list(doc) == list(gf.TOP_KEYS) and doc["points"] == pts and doc["e2e"] == e2e and not gf.check(doc)
+    assert doc["e8_points"] == e8
     assert doc["points"][0]["peers"] == {"torch_int4": 12.0, "gemlite": None}
     assert gf.main(["check", str(out)]) == 0
-    bad = dict(doc, commit="HEAD", points=[dict(pts[0], shape="8b.mlp")], e2e=[dict(e2e[0], batch="1")])
+    bad = dict(doc, commit="HEAD", points=[dict(pts[0], shape="8b.mlp")], e2e=[dict(e2e[0], batch="1")],
+               e8_points=[dict(e8[0], e8_us=-1.0)])
     why = "\n".join(gf.check(bad))
     assert "commit: a git commit id" in why and "points[0]: shape of" in why and "e2e[0]: model and form" in why
+    assert "e8_points[0]: form string" in why
     assert gf.check({"device": "x"})[0].startswith("top-level keys must be")
     out.write_text(json.dumps(bad))
     assert gf.main(["check", str(out)]) == 2
