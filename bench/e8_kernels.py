@@ -2,8 +2,8 @@
 the route ``apply`` takes (the GEMV below 8 rows, else the weight decoded once + cuBLAS) and, from 8
 rows, of the tensor-core kernel, beside dense bf16 ``F.linear`` and the integer Triton kernel at the
 same bits and scales (``TritonKernel``, no outliers), operands cycled past L2 as
-:mod:`bench.kernel_timing` does, each output checked against the fp32 reference. ``--dry-run``: a tiny layer in Triton's interpreter with a
-fake timer (no speed), the tables' shape only.
+:mod:`bench.kernel_timing` does, each output checked against the fp32 reference. ``--dry-run``: the shapes at 1/64 of their size in Triton's
+interpreter with a fake timer (no speed), the tables' shape only.
 
     python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 [--json FILE]
 
@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.kernel_timing import _time_dense, bench_weight, copies, cuda_timer, rel_err, scale_form, time_cycled
-from bench.kernels import parse_shapes
+from bench.kernels import DRY_SCALE, parse_shapes
 from vllm_latq.kernels.triton.codebook import LARGE_MIN_M
 from vllm_latq.kernels.triton.dequant import large_m_reason
 
@@ -82,14 +82,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=float, default=50.0)
     ap.add_argument("--budget-s", type=float, default=60.0, help="no new shape after this many seconds")
     ap.add_argument("--json", help="write the rows here (see above), after each shape")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, a tiny layer, no speed")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, layers 1/64 the size, no speed")
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.m.split(",")]
     if a.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("e8_kernels: --dry-run needs TRITON_INTERPRET=1 (set before Triton is imported)", file=sys.stderr)
             return 2
-        shapes, dev, l2 = [("tiny", 64, 256)], torch.device("cpu"), 1 << 10
+        # the shapes' names on layers 1/DRY_SCALE their size (K in whole groups of 64), as bench.kernels does
+        shapes = [(name, max(16, n // DRY_SCALE), -(-max(64, k // DRY_SCALE) // 64) * 64)
+                  for name, n, k in parse_shapes(a.shapes)]
+        dev, l2 = torch.device("cpu"), 1 << 10
         timer = lambda fn: (fn(), 1.0)[1]  # noqa: E731
     else:
         shapes, dev = parse_shapes(a.shapes), torch.device("cuda", 0)

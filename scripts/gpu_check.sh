@@ -5,6 +5,9 @@
 #
 #   GPU_CHECK_COMMIT=<sha> bash scripts/gpu_check.sh OUTDIR     # figures, boundary paths, tests, the rest
 #   bash scripts/gpu_check.sh --phase rest OUTDIR               # a second call: tests, scale forms, launch configs
+#   bash scripts/gpu_check.sh --phase e8 OUTDIR                 # the codebook kernels alone: bench, decode, tests (~4 min)
+#   bash scripts/gpu_check.sh --tar "$OUT/check.tgz" ... OUTDIR   # OUTDIR packed into one file at the end (a lent
+#                                                               # machine returns at most 8 files)
 #   bash scripts/gpu_check.sh --dry-run OUTDIR                  # on a CPU: the figures' pieces, tiny, in Triton's
 #                                                               # interpreter with fake timers (no speed), the schema
 #   bash scripts/gpu_check.sh --list-shards                     # the test files and shard expressions, nothing run
@@ -48,16 +51,18 @@ nobits="not 2bit and not 3bit and not 4bit and not 5bit"
 shards+=("$nobits and (solver or sweep or mse or quantize)" "$nobits and not (solver or sweep or mse or quantize)")
 phase=all
 dry=0
+tarball=
 while [ $# -gt 0 ]; do
   case "$1" in
     --list-shards) echo "files: ${test_files[*]}"; printf 'shard: %s\n' "${shards[@]}"; exit 0 ;;
-    --phase) phase=${2:?--phase all|figures|rest}; shift 2 ;;
+    --phase) phase=${2:?--phase all|figures|rest|e8}; shift 2 ;;
+    --tar) tarball=${2:?--tar FILE}; shift 2 ;;
     --dry-run) dry=1; shift ;;
     *) break ;;
   esac
 done
-case "$phase" in all|figures|rest) ;; *) echo "gpu_check: --phase must be all, figures or rest (got $phase)" >&2; exit 2 ;; esac
-out=${1:?usage: bash scripts/gpu_check.sh [--phase all|figures|rest] [--dry-run] OUTDIR}
+case "$phase" in all|figures|rest|e8) ;; *) echo "gpu_check: --phase must be all, figures, rest or e8 (got $phase)" >&2; exit 2 ;; esac
+out=${1:?usage: bash scripts/gpu_check.sh [--phase all|figures|rest|e8] [--tar FILE] [--dry-run] OUTDIR}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 total_s=${GPU_CHECK_TOTAL_S:-570}
@@ -138,7 +143,7 @@ figures() {
   local device
   if [ "$dry" = 1 ]; then
     kern=(-m bench.kernels --dry-run --shapes 8b --bits 4 --rates 0.01 --m 1,8 "${ab[@]}" --json "$out/points.json")
-    e8=(-m bench.e8_kernels --dry-run --m 1,8 --scales s4-g16 --json "$out/e8_points.json")
+    e8=(-m bench.e8_kernels --dry-run --shapes 8b.down --m 1,8 --scales s4-g16 --json "$out/e8_points.json")
     e2e=(-m bench.decode_gpu --dry-run --forms ssqr-1%-4b,e8-3b-s4-g16 --tokens 4 --prompt 2 --batches 1,2
          --json "$out/e2e.json")
   fi
@@ -226,8 +231,29 @@ rest() {
   fi
 }
 
+# ---------------------------------------------------------------------------- the codebook kernels alone
+e8_phase() {
+  local scales
+  for scales in s4-g16 fp16-g64; do     # the study's form, then a plain one: what coded scales cost
+    run "e8_kernels_$scales.log" 90 -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,8,16 --scales "$scales" \
+        --json "$out/e8_points_$scales.json" --budget-s 50
+  done
+  run e2e.log 100 -m bench.decode_gpu --layers 8 --forms e8-3b-s4-g16,e8-2b-s4-g16 --batches 1,8,16 \
+      --json "$out/e2e.json" --budget-s 60
+  (cd "$repo" && timeout -k 10 150 "$py" -m pytest -m gpu tests/gpu/test_codebook_cuda.py -q -rfEs -p no:cacheprovider \
+      > "$out/tests.log" 2>&1)
+  tests_rc=$?
+  note "codebook tests exit $tests_rc: $(tail -n 1 "$out/tests.log")"
+}
+
 boundary_rc=0
 tests_rc=0
+if [ "$phase" = e8 ]; then
+  [ "$dry" = 0 ] && e8_phase || note "--phase e8: on a GPU only"
+  note "total: $(($(date +%s) - t0))s; logs in $out"
+  [ -n "$tarball" ] && tar czf "$tarball" -C "$out" .
+  exit $tests_rc
+fi
 if [ "$phase" != rest ]; then
   figures
 fi
@@ -244,5 +270,6 @@ if [ "$phase" != figures ] && [ "$dry" = 0 ]; then
 fi
 [ "$dry" = 1 ] && note "dry run: no GPU, no tests, no speed; OUTDIR/latest.json shows the schema only"
 note "total: $(($(date +%s) - t0))s; logs in $out"
+[ -n "$tarball" ] && tar czf "$tarball" -C "$out" .
 [ "$boundary_rc" = 0 ] || exit 1
 exit $tests_rc

@@ -53,14 +53,14 @@ def test_every_gpu_test_falls_in_a_shard():
 
 def test_a_bad_phase_is_refused_naming_it(tmp_path):
     run = subprocess.run(["bash", str(SCRIPT), "--phase", "tests", str(tmp_path)], capture_output=True, text=True)
-    assert run.returncode == 2 and "--phase must be all, figures or rest (got tests)" in run.stderr
+    assert run.returncode == 2 and "--phase must be all, figures, rest or e8 (got tests)" in run.stderr
 
 
 @pytest.mark.slow
 def test_dry_run_writes_the_figures_schema(tmp_path):
-    """The first call's pieces — kernel bench with its peers, end-to-end decode, merge — on the CPU
-    in Triton's interpreter with fake timers; latest.json comes out in the schema, nothing else
-    of the checkout is written."""
+    """The first call's pieces — kernel bench with its peers, the codebook kernels, end-to-end decode,
+    merge — on the CPU in Triton's interpreter with fake timers; latest.json comes out in the schema,
+    nothing else of the checkout is written."""
     from bench import gpu_figures as gf
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_COMMIT="ab65128", OMP_NUM_THREADS="1")
     before = (REPO / "docs" / "gpu" / "latest.json").read_bytes() if (REPO / "docs" / "gpu" / "latest.json").exists() \
@@ -72,8 +72,9 @@ def test_dry_run_writes_the_figures_schema(tmp_path):
     assert not gf.check(doc) and doc["device"] == "dry run (CPU, fake timers)" and doc["commit"] == "ab65128"
     assert {(p["shape"], p["m"]) for p in doc["points"]} == {(s, m) for s in gf.SHAPES for m in (1, 8)}
     assert all(p["peers"]["gemlite"] is None and p["peers"]["torch_int4"] for p in doc["points"])
-    assert {(e["form"], e["batch"]) for e in doc["e2e"]} == {(f, b) for f in ("ssqr-1%-4b", "ssqr-1%-3b", "gptq-4b-g64")
+    assert {(e["form"], e["batch"]) for e in doc["e2e"]} == {(f, b) for f in ("ssqr-1%-4b", "e8-3b-s4-g16")
                                                             for b in (1, 2)}
+    assert {(p["form"], p["shape"], p["m"]) for p in doc["e8_points"]} == {("e8-3b-s4-g16", "8b.down", m) for m in (1, 8)}
     summary = (tmp_path / "summary.txt").read_text()
     assert "kernels.log: exit 0" in summary and "e2e.log: exit 0" in summary and "no speed" in summary
     after = (REPO / "docs" / "gpu" / "latest.json").read_bytes() if (REPO / "docs" / "gpu" / "latest.json").exists() \
