@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "vllm_latq" / "kernels" / "triton"   # the device code compiled here
 SOURCE_OF = {"gemv": "_tile_source", "mma": "_tile_source", "moe": "_moe_source", "dequant": "_dequant_source",
              "outliers": "_outlier_source", "hadamard": "_hadamard_source", "gemv_pipe": "_pipelined_source",
-             "mma_pipe": "_pipelined_source", "e8_gemv": "_codebook_source", "e8_mma": "_codebook_source"}
+             "mma_pipe": "_pipelined_source", "e8_gemv": "_codebook_source", "e8_mma": "_codebook_source",
+             "e8_dequant": "_e8_dequant_source"}
 
 
 def _strip_docstrings(tree):
@@ -293,7 +294,7 @@ def summarize(jobs: list[dict], res: dict) -> list[dict]:
             from vllm_latq.kernels.triton.layout import step_of
             row["loop"], row["ipw"] = r["loop_len"], None
             row.update(proxies(j, r["loop_loads"], r["loop_ops"], r["regs"], r["smem"]))
-            if j["kernel"] in ("dequant", "outliers", "hadamard"):         # no K loop of weights × rows
+            if j["kernel"] in ("dequant", "outliers", "hadamard", "e8_dequant"):   # no K loop of weights × rows
                 rows.append(row)
                 continue
             if j["kernel"] in ("e8_gemv", "e8_mma"):                        # one trip: a K step of blocks

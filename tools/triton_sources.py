@@ -18,7 +18,8 @@ KERNELS = {"gemv": ("device.py", "_gemv_kernel"), "mma": ("mma.py", "_mma_kernel
            "gemv_pipe": ("pipelined.py", "_gemv_pipelined_kernel"), "mma_pipe": ("pipelined.py", "_mma_pipelined_kernel"),
            "moe": ("grouped_moe.py", "_moe_gemv_kernel"), "dequant": ("dequant.py", "_dequant_kernel"),
            "outliers": ("dequant.py", "_outlier_kernel"), "hadamard": ("hadamard.py", "_hadamard_kernel"),
-           "e8_gemv": ("codebook_device.py", "_e8_gemv_kernel"), "e8_mma": ("codebook_device.py", "_e8_mma_kernel")}
+           "e8_gemv": ("codebook_device.py", "_e8_gemv_kernel"), "e8_mma": ("codebook_device.py", "_e8_mma_kernel"),
+           "e8_dequant": ("codebook_device.py", "_e8_dequant_kernel")}
 SCALES = ("fp16", "coded")      # the scales' layouts (triton_layout): the kernels' CODED flag
 S_PTR = {"fp16": "*fp16", "coded": "*i32"}
 DTYPES = ("bf16", "fp16")       # activations: the large-M path writes the weights in their dtype
@@ -179,6 +180,9 @@ def _codebook_jobs(targets, quick: bool) -> list[dict]:
                 for scales, group in [("coded", 16)] if quick else [("fp16", 64), ("coded", 16)]:
                     out += [dict(kernel=kernel, bits=bits, BM=bm, SPLIT=8 if kernel == "e8_gemv" else 1,
                                  scales=scales, group=group, cc=cc, **tile) for cc in targets]
+    for bits in (3,) if quick else tcb.BITS:          # the large-M route's decode into a bf16 scratch
+        out += [dict(kernel="e8_dequant", bits=bits, scales="coded", group=16, cc=cc, **tcb.DEQUANT_TILE)
+                for cc in targets]
     return out
 
 
@@ -188,7 +192,8 @@ def source(j: dict):
     """The ``triton.compile`` source of one job (TRITON_INTERPRET must be unset)."""
     return {"gemv": _tile_source, "mma": _tile_source, "gemv_pipe": _pipelined_source, "mma_pipe": _pipelined_source,
             "moe": _moe_source, "dequant": _dequant_source, "outliers": _outlier_source,
-            "hadamard": _hadamard_source, "e8_gemv": _codebook_source, "e8_mma": _codebook_source}[j["kernel"]](j)
+            "hadamard": _hadamard_source, "e8_gemv": _codebook_source, "e8_mma": _codebook_source,
+            "e8_dequant": _e8_dequant_source}[j["kernel"]](j)
 
 
 def _ast_source(fn, sig: dict, const: dict, div16):
@@ -283,6 +288,18 @@ def _hadamard_source(j: dict):
                stride_ym="i32", scale="fp32")
     const = dict(B=j["B"], LOG=j["B"].bit_length() - 1, BM=j["BM"])
     return _ast_source(fn, sig, const, {"x_ptr", "s_ptr", "y_ptr", "stride_xm", "stride_ym"})
+
+
+def _e8_dequant_source(j: dict):
+    """The codebook layers' decode into a bf16 scratch: rows from ROW0 (a multiple of 16) and the
+    sizes 16-divisible as for the Qwen3-8B shapes (the block and group counts never specialised)."""
+    from vllm_latq.kernels.triton.codebook_device import _e8_dequant_kernel as fn
+    plane = "*i32" if j["bits"] == 4 else "*i16"
+    sig = dict(w_ptr="*bf16", ca_ptr=plane, cb_ptr="*u8" if j["bits"] == 3 else plane, s_ptr=S_PTR[j["scales"]],
+               tab_ptr="*i32", ROW0="i32", ROW1="i32", K="i32", KB="i32", stride_wn="i32", N_PAD="i32", NGP="i32")
+    const = dict(BITS=j["bits"], GROUP=j["group"], BN=j["BN"], BKB=j["BKB"], ASM=True, CODED=j["scales"] == "coded")
+    div16 = {"w_ptr", "ca_ptr", "cb_ptr", "s_ptr", "tab_ptr", "ROW0", "K", "stride_wn", "N_PAD"}
+    return _ast_source(fn, sig, const, div16)
 
 
 def _codebook_source(j: dict):

@@ -112,6 +112,9 @@ def test_report_covers_every_candidate_and_no_entry_spills(report):
     for fam, entries in table.items():
         for key, entry in entries.items():
             kernel, b, bm = key.split("/")[:3]
+            if kernel == "route":            # which kernel serves M < 8 rows there (a timed A/B), no config
+                assert entry == {"kernel": "mma"}, (fam, key, entry)
+                continue
             assert report[lt.report_key(kernel, int(b[1:]), int(bm[2:]), entry, fam)][0] == 0, (fam, key)
 
 

@@ -504,7 +504,7 @@ def test_offline_compile_heaviest_configs():
     jobs = tc.all_jobs(quick=True)
     assert {j["cc"] for j in jobs} == {80, 86, 89, 90}
     assert {j["kernel"] for j in jobs} == {"gemv", "mma", "gemv_pipe", "mma_pipe", "moe", "dequant", "outliers",
-                                           "hadamard", "e8_gemv", "e8_mma"}
+                                           "hadamard", "e8_gemv", "e8_mma", "e8_dequant"}
     rows = _check_static(tc.summarize(jobs, tc.run(jobs)))
     tensor_cores = ("mma", "mma_pipe", "e8_mma")
     assert all(r["mma"] > 0 for r in rows if r["kernel"] in tensor_cores)        # tensor cores used
@@ -544,7 +544,7 @@ def test_record_keeps_the_rows_of_unchanged_kernels(monkeypatch):
 
 
 SAMPLE_PER_TARGET = {"gemv": 4, "mma": 4, "gemv_pipe": 2, "mma_pipe": 2, "moe": 1, "dequant": 1, "outliers": 1,
-                     "hadamard": 1, "e8_gemv": 1, "e8_mma": 1}
+                     "hadamard": 1, "e8_gemv": 1, "e8_mma": 1, "e8_dequant": 1}
 
 
 def _record_sample(jobs: list[dict], seed: int, per_target: dict = SAMPLE_PER_TARGET) -> list[dict]:
