@@ -108,6 +108,7 @@ def serve_start(bits: int, outliers: str, family: str, tp: int = 1, shapes: dict
                 kern.apply(st, torch.empty(m, st.k, dtype=act_dtype, device="meta"))
 
     with mock.patch.dict(tk._KERNELS, {k: Record(k, tk._KERNELS[k]) for k in ("gemv", "mma")}), \
+            mock.patch.dict(tk._PIPELINED, {k: Record(f"{k}_pipe", tk._PIPELINED[k]) for k in ("gemv", "mma")}), \
             mock.patch.object(td, "_dequant_kernel", Record("dequant", td._dequant_kernel)), \
             mock.patch.object(td, "_outlier_kernel", Record("outliers", td._outlier_kernel)), \
             mock.patch.object(cfg, "INTERPRETER_DEVICE", (FAMILY_CC[family], cfg.FAMILY_SMS[family])), \

@@ -95,10 +95,16 @@ def table_config(kernel: str, bits: int, n: int, k: int, m: int) -> tuple[int, d
     return bm, {t: c[t] for t in lt.TUNED if t in c}
 
 
+def in_sweep(t: dict) -> bool:
+    """A launch_timings.json row of the sweep the constants are fit to: a 4-bit tensor-core candidate
+    at M ≥ 16, unpipelined (the other widths, depths and small-M A/Bs feed the table directly)."""
+    return t["kernel"] == "mma" and t["bits"] == 4 and t["m"] >= 16 and cfg.depth(t["config"]) == 1
+
+
 def points() -> list[dict]:
-    """Every timed point: launch_timings.json's candidates and gpu_check_timings.json's GEMV rows."""
+    """Every timed point: the sweep's candidates (:func:`in_sweep`) and gpu_check_timings.json's GEMV rows."""
     out = [dict(t, device=DEVICE_OF[t["family"]]) for t in lt.read_timings()
-           if t["family"] in DEVICE_OF and t["us"] != lt.WRONG]
+           if t["family"] in DEVICE_OF and t["us"] != lt.WRONG and in_sweep(t)]
     for t in json.loads(CHECKS_FILE.read_text()):
         bm, c = table_config(t["kernel"], t["bits"], t["n"], t["k"], t["m"])
         out.append(dict(t, device=t["device"].lower(), bm=bm, config=c))

@@ -15,7 +15,7 @@ def test_dry_run_prints_rows_and_a_headline(capsys):
     rows = [ln for ln in out.splitlines() if ln.strip().startswith("64x256")]
     assert [int(r.split()[1]) for r in rows] == [1, 9]
     assert all(float(r.split()[-1]) < e8_kernels.ERR_TOL for r in rows)
-    assert "HEADLINE e8_kernels tiny M=1: triton-e8 1.0 us" in out
+    assert "HEADLINE e8_kernels 8b.down M=1: triton-e8 1.0 us" in out          # 8b.down at 1/64: 64x256
 
 
 def test_dry_run_needs_the_interpreter(monkeypatch, capsys):

@@ -259,14 +259,16 @@ def dequantize_into(st, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
 
 
 def apply_large_m(st, x2: torch.Tensor, bias: torch.Tensor | None = None,
-                  workspace: Workspace | None = None, dequantize=dequantize_into) -> torch.Tensor:
+                  workspace: Workspace | None = None, dequantize=None) -> torch.Tensor:
     """``y = x2 @ Wᵀ (+ bias)``, W dequantised once into ``workspace`` (row chunks where capped) by
-    ``dequantize`` (here: ``_dequant_kernel`` writes z·s rounded once, ``_outlier_kernel`` stores each
-    outlier over its zero integer, a store, not an add), then ``F.linear``. x2: [M, K] fp16/bf16."""
+    ``dequantize`` (default :func:`dequantize_into`: ``_dequant_kernel`` writes z·s rounded once,
+    ``_outlier_kernel`` stores each outlier over its zero integer, a store, not an add), then
+    ``F.linear``. x2: [M, K] fp16/bf16."""
     why = large_m_reason(x2.dtype)
     if why:
         raise ValueError(why)
     ws = workspace or Workspace()
+    dequantize = dequantize or dequantize_into
     rows = ws.rows(st.n, st.k, x2.dtype)
     if rows >= st.n:
         return torch.nn.functional.linear(x2, dequantize(st, ws.matrix(st.n, st.k, x2.dtype, x2.device)), bias)
