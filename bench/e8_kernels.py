@@ -2,14 +2,14 @@
 the route ``apply`` takes (the GEMV below 8 rows, else the weight decoded once + cuBLAS) and, from 8
 rows, of the tensor-core kernel, beside dense bf16 ``F.linear`` and the integer Triton kernel at the
 same bits and scales (``TritonKernel``, no outliers), operands cycled past L2 as
-:mod:`bench.kernel_timing` does, each output checked against the fp32 reference. ``--dry-run``: the shapes at 1/64 of their size in Triton's
-interpreter with a fake timer (no speed), the tables' shape only.
+:mod:`bench.kernel_timing` does, each output checked against the fp32 reference. ``--dry-run``: the
+shapes at 1/64 of their size in Triton's interpreter with a fake timer (no speed), the tables' shape
+only.
 
     python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 [--json FILE]
 
 ``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "mma_us", "int_us", "bf16_us",
-"e8_err"}``
-(``form`` e.g. ``e8-3b-s4-g64``), beside docs/gpu/latest.json's integer points.
+"e8_err"}`` (``form`` e.g. ``e8-3b-s4-g64``), docs/gpu/latest.json's ``e8_points``.
 """
 from __future__ import annotations
 
@@ -23,13 +23,7 @@ import torch
 
 from bench.kernel_timing import _time_dense, bench_weight, copies, cuda_timer, rel_err, scale_form, time_cycled
 from bench.kernels import DRY_SCALE, parse_shapes
-from vllm_latq.kernels.triton.codebook import LARGE_MIN_M
-from vllm_latq.kernels.triton.dequant import large_m_reason
-
-
-def route(m: int, dtype) -> str:
-    """The route ``TritonCodebookKernel.apply`` takes for m rows of ``dtype``."""
-    return "gemv" if m < LARGE_MIN_M or large_m_reason(dtype) else "dequant"
+from vllm_latq.kernels.triton.codebook import LARGE_MIN_M, route
 
 ERR_TOL = 3e-2       # as bench.kernel_timing: bf16 output rounding is ≤ 2^-7
 

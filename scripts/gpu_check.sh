@@ -248,27 +248,24 @@ e8_phase() {
 
 boundary_rc=0
 tests_rc=0
-if [ "$phase" = e8 ]; then
-  [ "$dry" = 0 ] && e8_phase || note "--phase e8: on a GPU only"
-  note "total: $(($(date +%s) - t0))s; logs in $out"
-  [ -n "$tarball" ] && tar czf "$tarball" -C "$out" .
-  exit $tests_rc
-fi
-if [ "$phase" != rest ]; then
-  figures
-fi
-if [ "$dry" = 0 ] && [ "$phase" != rest ]; then
-  run boundary.log 120 -m vllm_latq.testing.boundary_paths --device cuda
-  boundary_rc=$?
-  grep '^boundary ' "$out/boundary.log" >> "$out/summary.txt"
-fi
-if [ "$phase" != figures ] && [ "$dry" = 0 ]; then
-  test_s=$(( $(left) - 15 ))
-  [ "$test_s" -le "${GPU_CHECK_TEST_S:-390}" ] || test_s=${GPU_CHECK_TEST_S:-390}
-  if [ "$test_s" -ge 60 ]; then tests "$test_s"; else note "tests: not run (${test_s}s left)"; fi
-  rest
-fi
-[ "$dry" = 1 ] && note "dry run: no GPU, no tests, no speed; OUTDIR/latest.json shows the schema only"
+case "$phase" in
+  e8)
+    if [ "$dry" = 0 ]; then e8_phase; else note "--phase e8: on a GPU only"; fi ;;
+  *)
+    [ "$phase" = rest ] || figures
+    if [ "$dry" = 0 ] && [ "$phase" != rest ]; then
+      run boundary.log 120 -m vllm_latq.testing.boundary_paths --device cuda
+      boundary_rc=$?
+      grep '^boundary ' "$out/boundary.log" >> "$out/summary.txt"
+    fi
+    if [ "$phase" != figures ] && [ "$dry" = 0 ]; then
+      test_s=$(( $(left) - 15 ))
+      [ "$test_s" -le "${GPU_CHECK_TEST_S:-390}" ] || test_s=${GPU_CHECK_TEST_S:-390}
+      if [ "$test_s" -ge 60 ]; then tests "$test_s"; else note "tests: not run (${test_s}s left)"; fi
+      rest
+    fi
+    [ "$dry" = 1 ] && note "dry run: no GPU, no tests, no speed; OUTDIR/latest.json shows the schema only" ;;
+esac
 note "total: $(($(date +%s) - t0))s; logs in $out"
 [ -n "$tarball" ] && tar czf "$tarball" -C "$out" .
 [ "$boundary_rc" = 0 ] || exit 1

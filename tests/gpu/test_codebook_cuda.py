@@ -7,7 +7,7 @@ import torch
 
 from tests.gpu.cases import DEV, DTYPES, RAGGED, activations, assert_matches_reference, bias_for, kernel, pytestmark  # noqa: F401
 from vllm_latq.kernels import selector
-from vllm_latq.kernels.triton.codebook import LARGE_MIN_M
+from vllm_latq.kernels.triton.codebook import LARGE_MIN_M, route
 from vllm_latq.testing.weights import random_codebook_weight
 
 BITS = [pytest.param(b, id=f"{b}bit") for b in (2, 3, 4)]     # ids: gpu_check.sh shards on them
@@ -39,7 +39,7 @@ def test_e8_matches_reference(bits, dtype, scales, monkeypatch):
     for m in (1, 3, 7, 8, 17, 64, 100):
         x = activations(m, k, dtype, seed=m)
         bias = bias_for(n, dtype) if m in (3, 17) else None
-        exact = m < LARGE_MIN_M or dtype == torch.float32
+        exact = route(m, dtype) == "gemv"
         assert_matches_reference(kern.apply(st, x, bias), x, w, bias, exact=exact, what=f"triton-e8 M={m}")
         if m >= LARGE_MIN_M:
             assert_matches_reference(kern.apply(st, x, bias, kernel="mma"), x, w, bias, what=f"triton-e8 mma M={m}")
@@ -60,4 +60,4 @@ def test_e8_rotated_through_the_selector(bits, monkeypatch):
     for m in (1, 16):
         x = activations(m, k, torch.bfloat16, seed=m)
         assert_matches_reference(served.apply(st, x), rotate(x, w.rotation), replace(w, rotation=None),
-                                 exact=m < LARGE_MIN_M, what=f"triton-e8+hadamard M={m}")
+                                 exact=route(m, torch.bfloat16) == "gemv", what=f"triton-e8+hadamard M={m}")

@@ -35,8 +35,7 @@ def make_weight(bits=3, n=N, k=K, group=16, coded=False, seed=0) -> CodebookWeig
 def check(y, x, w, bias=None, route=None):
     """Against the fp32 reference; where the route (``apply``'s own choice when None) decodes the
     weight once (``dequant``), against x·W_dtypeᵀ in fp32: the weight rounded once to x's dtype."""
-    route = route or ("dequant" if x.dtype != torch.float32 and x.reshape(-1, x.shape[-1]).shape[0] >= tcb.LARGE_MIN_M
-                      else "gemv")
+    route = route or tcb.route(x.reshape(-1, x.shape[-1]).shape[0], x.dtype)
     if route == "dequant":
         ref = x.float() @ dequantize(w).to(x.dtype).float().T + (0 if bias is None else bias.float())
     else:

@@ -186,6 +186,12 @@ def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str
     return y
 
 
+def route(m: int, dtype: torch.dtype) -> str:
+    """The kernel ``apply`` runs for ``m`` rows of x in ``dtype``: the GEMV, or (large M, fp16/bf16) the
+    weight decoded once + cuBLAS."""
+    return "gemv" if m < LARGE_MIN_M or large_m_reason(dtype) else "dequant"
+
+
 def dequantize_into(st: E8State, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
     """Rows ``row0 .. row0 + R`` of a prepared codebook layer → ``out`` [R, K] fp16/bf16:
     ``dequantize(w)[row0:row0 + R].to(dtype)``, bit for bit."""
@@ -262,7 +268,7 @@ class TritonCodebookKernel(LatqKernel):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if kernel is None:
-            kernel = "gemv" if x2.shape[0] < LARGE_MIN_M or large_m_reason(x2.dtype) else "dequant"
+            kernel = route(x2.shape[0], x2.dtype)
         if kernel == "dequant":
             y = apply_large_m(state, x2, bias, TritonKernel.workspace, dequantize_into)
         else:
