@@ -192,16 +192,20 @@ def hf_greedy(model, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
 
 @torch.no_grad()
 def greedy_margins(model, prompt_ids: list[list[int]], generated: list[list[int]]) -> list[float]:
-    """Teacher-forced check of a generation against ``model``: per prompt, the largest
+    """Teacher-forced check of a generation against ``model`` (or a tuple of models, each step
+    judged by the one under which it is closest to greedy): per prompt, the largest
     (max logit − logit of the generated token) over its steps, divided by the logits' std.
     0 = exactly greedy under ``model``; a low-precision kernel can only flip near-ties."""
+    models = model if isinstance(model, tuple) else (model,)
     worst = []
     for ids, gen in zip(prompt_ids, generated):
         x = torch.tensor([ids + gen[:-1]])
-        logits = model(input_ids=x).logits[0, len(ids) - 1:]
-        chosen = logits.gather(1, torch.tensor(gen)[:, None])[:, 0]
-        gap = (logits.max(1).values - chosen) / logits.std(1)
-        worst.append(float(gap.max()))
+        gaps = []
+        for m in models:
+            logits = m(input_ids=x).logits[0, len(ids) - 1:].float()
+            chosen = logits.gather(1, torch.tensor(gen)[:, None])[:, 0]
+            gaps.append((logits.max(1).values - chosen) / logits.std(1))
+        worst.append(float(torch.stack(gaps).min(0).values.max()))
     return worst
 
 
