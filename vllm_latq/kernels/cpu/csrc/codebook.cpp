@@ -538,38 +538,53 @@ LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const u
 constexpr int kChunk = 8;
 struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a vector of __m512 loses its alignment)
 
+// rows i < MR of x · the words of nw blocks' stages (a chunk of a scale group), quarter r, summed in
+// p[i][r]: MR rows and the four quarters at once (4·MR chains: vdpbf16ps' latency is six of its issue
+// slots), each x pair broadcast once for the four quarters. The sums start at 0 in a group's first
+// chunk (else from part) and after its last go scaled into acc (else back to part): scale: the
+// group's 16-row scales of quarter r at scale + r·G·16.
 template <int MR>
-LATQ_CB_TILE_TARGET inline void dot_words(const __m512i* w, int64_t nw, int r, const uint16_t* x, int64_t K, int64_t S,
-                                          __m512* part) {
-  __m512 p[MR];
-  for (int i = 0; i < MR; ++i) p[i] = part[4 * i + r];
+LATQ_CB_TILE_TARGET inline void dot_words(const __m512i* w, int64_t nw, const uint16_t* x, int64_t K, int64_t S,
+                                          bool first, bool last, const float* scale, int64_t G, __m512* part,
+                                          __m512* acc) {
+  __m512 p[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < 4; ++r) p[i][r] = first ? _mm512_setzero_ps() : part[4 * i + r];
   for (int64_t k = 0; k < nw; ++k) {   // k: block · S + stage
     for (int j = 0; j < 4; ++j) {
-      const __m512bh wj = (__m512bh)w[k * 16 + r * 4 + j];
+      __m512bh xb[MR];
       for (int i = 0; i < MR; ++i) {
         int32_t xp;
         std::memcpy(&xp, x + i * K + k / S * 8 + 2 * j, 4);
-        p[i] = _mm512_dpbf16_ps(p[i], wj, (__m512bh)_mm512_set1_epi32(xp));
+        xb[i] = (__m512bh)_mm512_set1_epi32(xp);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512bh wj = (__m512bh)w[k * 16 + r * 4 + j];
+        for (int i = 0; i < MR; ++i) p[i][r] = _mm512_dpbf16_ps(p[i][r], wj, xb[i]);
       }
     }
   }
-  for (int i = 0; i < MR; ++i) part[4 * i + r] = p[i];
+  for (int r = 0; r < 4; ++r) {
+    const __m512 s = last ? _mm512_loadu_ps(scale + r * G * kBand) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      if (last) acc[4 * i + r] = _mm512_fmadd_ps(p[i][r], s, acc[4 * i + r]);
+      else part[4 * i + r] = p[i][r];
+    }
+  }
 }
 
-LATQ_CB_TILE_TARGET inline void dot_rows(const __m512i* w, int64_t nw, int r, const uint16_t* x, int64_t M, int64_t K,
-                                         int64_t S, __m512* part) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+// every row of x, 4 a pass (16 sums in registers)
+LATQ_CB_TILE_TARGET inline void dot_rows(const __m512i* w, int64_t nw, const uint16_t* x, int64_t M, int64_t K,
+                                         int64_t S, bool first, bool last, const float* scale, int64_t G,
+                                         __m512* part, __m512* acc) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const uint16_t* xm = x + m0 * K;
-    __m512* pm = part + 4 * m0;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: dot_words<1>(w, nw, r, xm, K, S, pm); break;
-      case 2: dot_words<2>(w, nw, r, xm, K, S, pm); break;
-      case 3: dot_words<3>(w, nw, r, xm, K, S, pm); break;
-      case 4: dot_words<4>(w, nw, r, xm, K, S, pm); break;
-      case 5: dot_words<5>(w, nw, r, xm, K, S, pm); break;
-      case 6: dot_words<6>(w, nw, r, xm, K, S, pm); break;
-      case 7: dot_words<7>(w, nw, r, xm, K, S, pm); break;
-      default: dot_words<8>(w, nw, r, xm, K, S, pm);
+    __m512 *pm = part + 4 * m0, *am = acc + 4 * m0;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: dot_words<1>(w, nw, xm, K, S, first, last, scale, G, pm, am); break;
+      case 2: dot_words<2>(w, nw, xm, K, S, first, last, scale, G, pm, am); break;
+      case 3: dot_words<3>(w, nw, xm, K, S, first, last, scale, G, pm, am); break;
+      default: dot_words<4>(w, nw, xm, K, S, first, last, scale, G, pm, am);
     }
   }
 }
@@ -581,7 +596,6 @@ LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const u
   for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
   for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-    for (int64_t i = 0; i < 4 * M; ++i) part[i] = _mm512_setzero_ps();
     const int64_t b1 = std::min(L.nb, b0 + L.bpg);
     for (int64_t c0 = b0; c0 < b1; c0 += kChunk) {
       const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
@@ -603,11 +617,8 @@ LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const u
             }
         }
       }
-      for (int r = 0; r < 4; ++r) dot_rows(words, nb * S, r, x + c0 * 8, M, L.K, S, part);
+      dot_rows(words, nb * S, x + c0 * 8, M, L.K, S, c0 == b0, c0 + nb == b1, band + gi * kBand, L.G, part, acc);
     }
-    for (int64_t m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r)
-        acc[4 * m + r] = _mm512_fmadd_ps(part[4 * m + r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[4 * m + r]);
   }
   const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
   for (int64_t m = 0; m < M; ++m)
@@ -647,7 +658,7 @@ bool tiles_run() {
 
 // rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "CPU kernel (cpu-e8)"):
 // the tiles' path shares its decode across rows, the row path does not
-std::atomic<int64_t> g_large_m{tiles_run() ? 64 : 20};
+std::atomic<int64_t> g_large_m{tiles_run() ? 256 : 20};
 
 // the rows of x one pass serves on this instruction set
 inline int64_t rows_a_pass(int isa) { return isa == 2 ? 8 : 4; }
