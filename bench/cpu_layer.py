@@ -316,7 +316,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"capability {cpu_features.capability()}, LARGE_M={cpu.large_m()}, "
+          f"{cpu_features.describe()}, LARGE_M={cpu.large_m()}, "
           f"load average at start {open('/proc/loadavg').read().split()[0]} (other processes skew timings)")
     results = {}
     if "table" in a.sections:

@@ -32,16 +32,27 @@ def capability() -> str:
     return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "")
 
 
+def _cpuinfo(key: str) -> str:
+    """The first ``key`` line's value in ``/proc/cpuinfo``; "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.split(":", 1)[0].strip() == key), "")
+    except OSError:
+        return ""
+
+
+def model() -> str:
+    """The CPU's model name (``AMD EPYC``, ``Intel(R) Xeon(R) …``): the same instruction set runs at
+    other rates on other cores (AVX-512 is two 256-bit halves on AMD Zen 4), so figures name it."""
+    return " ".join(_cpuinfo("model name").split())
+
+
 def hardware_capability() -> str:
     """The capability this CPU's hardware has, in :func:`capability`'s terms, from the kernel's
     CPU flags (``/proc/cpuinfo``): what the libraries would use were nothing capped. It differs
     from :func:`capability` where a run caps them (``scripts/as_avx2_cpu.sh`` emulates an
     AVX2-only CPU on a newer one); "" where the flags cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln.split(":", 1)[1] for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return ""
+    flags = set(_cpuinfo("flags").split())
     if not flags:
         return ""
     isa = ("AVX512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else
@@ -51,11 +62,12 @@ def hardware_capability() -> str:
 
 def describe() -> str:
     """The line to print beside CPU figures: the capability the run used and, where a run caps
-    it below the hardware's, that it is emulated on which hardware."""
-    used, hw = capability(), hardware_capability()
+    it below the hardware's, that it is emulated on which hardware; the CPU's model where known."""
+    used, hw, name = capability(), hardware_capability(), model()
+    on = f", {name}" if name else ""
     if not hw or hw == used:
-        return f"CPU {used} (native)"
-    return f"CPU {used} (emulated: the hardware is {hw}; clock, caches and memory are its own)"
+        return f"CPU {used} (native{on})"
+    return f"CPU {used} (emulated: the hardware is {hw}{on}; clock, caches and memory are its own)"
 
 
 def fastest_float(dtype: torch.dtype) -> torch.dtype:

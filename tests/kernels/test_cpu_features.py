@@ -52,3 +52,21 @@ def test_vllm_build_names_the_library_vllm_loaded():
     want = ("avx512bf16" if torch.cpu._is_avx512_bf16_supported() else
             "avx512" if torch.cpu._is_avx512_supported() else "avx2")
     assert out.stdout.split()[-2:] == ["none", want], out.stdout[-500:]
+
+
+def test_figures_name_the_cpu_model_and_whether_the_capability_is_emulated(monkeypatch, tmp_path):
+    """``describe()``, printed beside CPU figures: the capability used, native or emulated on which
+    hardware's, and the CPU's model from /proc/cpuinfo (AVX-512 runs at other rates on other cores)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD  EPYC 9R14\nflags\t\t: fpu avx2 fma avx512f avx512bw avx512vl "
+                    "avx512dq avx512_bf16\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: real_open(info if f == "/proc/cpuinfo" else f, *a, **k))
+    monkeypatch.setattr(cpu_features, "capability", lambda: "AVX512+bf16")
+    assert cpu_features.model() == "AMD EPYC 9R14"
+    assert cpu_features.describe() == "CPU AVX512+bf16 (native, AMD EPYC 9R14)"
+    monkeypatch.setattr(cpu_features, "capability", lambda: "AVX2")
+    assert cpu_features.describe() == ("CPU AVX2 (emulated: the hardware is AVX512+bf16, AMD EPYC 9R14; clock, caches "
+                                       "and memory are its own)")
+    info.write_text("processor\t: 0\n")
+    assert cpu_features.model() == "" and cpu_features.describe() == "CPU AVX2 (native)"
