@@ -1,5 +1,6 @@
 """The codebook layers' Triton kernels (``triton-e8``) on a GPU: per layer shape and batch, the time of
-the route ``apply`` takes (the GEMV below 8 rows, else the weight decoded once + cuBLAS) and, from 8
+the route ``apply`` takes (the GEMV below 8 rows, else the weight decoded once + cuBLAS), below 8 rows
+of the GEMV with its table in shared memory (``LDS``, the alternative not yet the default) and, from 8
 rows, of the tensor-core kernel, beside dense bf16 ``F.linear`` and the integer Triton kernel at the
 same bits and scales (``TritonKernel``, no outliers), operands cycled past L2 as
 :mod:`bench.kernel_timing` does, each output checked against the fp32 reference. ``--dry-run``: the
@@ -8,8 +9,8 @@ only.
 
     python -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,16 [--json FILE]
 
-``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "mma_us", "int_us", "bf16_us",
-"e8_err"}`` (``form`` e.g. ``e8-3b-s4-g64``), docs/gpu/latest.json's ``e8_points``.
+``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "lds_us", "mma_us", "int_us",
+"bf16_us", "e8_err"}`` (``form`` e.g. ``e8-3b-s4-g64``), docs/gpu/latest.json's ``e8_points``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from bench.kernels import DRY_SCALE, parse_shapes
 from vllm_latq.kernels.triton.codebook import LARGE_MIN_M, route
 
 ERR_TOL = 3e-2       # as bench.kernel_timing: bf16 output rounding is ≤ 2^-7
+LDS = {"LDS": True}  # the GEMV's table through shared memory
 
 
 def _copies_of(kernel, st, r: int) -> list:
@@ -37,7 +39,7 @@ def _copies_of(kernel, st, r: int) -> list:
 
 
 def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
-    """One layer shape: rows {m, e8_us, int_us, bf16_us, e8_err, e8_gbps} for each batch of ``ms``."""
+    """One layer shape: rows {m, e8_us, lds_us, mma_us, int_us, bf16_us, e8_err, e8_gbps} for each batch of ``ms``."""
     from vllm_latq.kernels.reference import latq_linear_ref
     from vllm_latq.kernels.triton.codebook import TritonCodebookKernel as E8
     from vllm_latq.kernels.triton.kernel import TritonKernel as Int
@@ -54,15 +56,20 @@ def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         ref = latq_linear_ref(x.float().cpu(), w8)
         err = rel_err(E8.apply(st8, x).float().cpu(), ref)
+        lds = None
         if m >= LARGE_MIN_M:
             err = max(err, rel_err(E8.apply(st8, x, kernel="mma").float().cpu(), ref))
+        else:
+            err = max(err, rel_err(E8.apply(st8, x, kernel="gemv", config=LDS).float().cpu(), ref))
+            lds = time_cycled(timer, [lambda s=s: E8.apply(s, x, kernel="gemv", config=LDS) for s in s8])
         e8 = time_cycled(timer, [lambda s=s: E8.apply(s, x) for s in s8])
         mma = time_cycled(timer, [lambda s=s: E8.apply(s, x, kernel="mma") for s in s8]) if m >= LARGE_MIN_M else None
         it = time_cycled(timer, [lambda s=s: Int.apply(s, x) for s in si])
         dense = _time_dense(n, k, x, l2, timer)
-        rows.append(dict(m=m, e8_us=e8, mma_us=mma, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3,
+        rows.append(dict(m=m, e8_us=e8, lds_us=lds, mma_us=mma, int_us=it, bf16_us=dense, e8_err=err, e8_gbps=served / e8 / 1e3,
                          served_bits=8 * served / (n * k)))
-        log(f"{n:>6}x{k:<6} {m:>3} {route(m, x.dtype):>8} {e8:>9.1f} {'-' if mma is None else f'{mma:.1f}':>9} "
+        log(f"{n:>6}x{k:<6} {m:>3} {route(m, x.dtype):>8} {e8:>9.1f} {'-' if lds is None else f'{lds:.1f}':>9} "
+            f"{'-' if mma is None else f'{mma:.1f}':>9} "
             f"{it:>9.1f} {dense:>9.1f} {served / e8 / 1e3:>8.0f} {err:>8.1e}" + ("  WRONG" if err > ERR_TOL else ""))
     return rows
 
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
         shapes, dev = parse_shapes(a.shapes), torch.device("cuda", 0)
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (50 << 20)
         timer = cuda_timer(a.rep_ms)
-    print(f"{'layer':>13} {'M':>3} {'route':>8} {'e8 µs':>9} {'mma µs':>9} {'int µs':>9} {'bf16 µs':>9} {'e8 GB/s':>8} {'rel err':>8}"
+    print(f"{'layer':>13} {'M':>3} {'route':>8} {'e8 µs':>9} {'lds µs':>9} {'mma µs':>9} {'int µs':>9} {'bf16 µs':>9} {'e8 GB/s':>8} {'rel err':>8}"
           f"   ({a.bits} bits, {a.scales}; int: TritonKernel at the same bits and scales, no outliers)")
     t0, worst, records = time.perf_counter(), 0.0, []
     for name, n, k in shapes:
@@ -102,7 +109,7 @@ def main(argv=None) -> int:
         rows = time_layer(n, k, a.bits, a.scales, ms, dev, l2, timer, print)
         worst = max([worst] + [r["e8_err"] for r in rows])
         records += [dict(form=f"e8-{a.bits}b-{a.scales}", shape=name, m=r["m"], served_bits=round(r["served_bits"], 3),
-                         **{k: None if r[k] is None else round(r[k], 2) for k in ("e8_us", "mma_us", "int_us", "bf16_us")},
+                         **{k: None if r[k] is None else round(r[k], 2) for k in ("e8_us", "lds_us", "mma_us", "int_us", "bf16_us")},
                          e8_err=float(f"{r['e8_err']:.2e}"))
                     for r in rows]
         if a.json:

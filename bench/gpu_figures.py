@@ -8,8 +8,8 @@ points and an end-to-end decode's rows (``bench/decode_gpu.py``), checked and me
 The file: ``{"device", "commit", "date", "points": [{"shape", "m", "bits", "rate", "latq_us",
 "bf16_us", "peers": {"torch_int4", "gemlite"}}], "e2e": [{"model", "form", "batch", "tokens",
 "latq_tok_s", "bf16_tok_s", "int4_tok_s"}], "e8_points": [{"form", "shape", "m", "served_bits", "e8_us",
-"mma_us", "int_us", "bf16_us", "e8_err"}]}`` (``bench/e8_kernels.py``: the codebook kernels' route, the
-tensor-core kernel, the integer kernel at the same bits); a peer or figure not measured is ``null``.
+"lds_us", "mma_us", "int_us", "bf16_us", "e8_err"}]}`` (``bench/e8_kernels.py``: the codebook kernels' route,
+the GEMV with its table in shared memory, the tensor-core kernel, the integer kernel at the same bits); a peer or figure not measured is ``null``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from bench.kernel_peers import PEERS
 
 POINT_KEYS = ("shape", "m", "bits", "rate", "latq_us", "bf16_us", "peers")
 E2E_KEYS = ("model", "form", "batch", "tokens", "latq_tok_s", "bf16_tok_s", "int4_tok_s")
-E8_KEYS = ("form", "shape", "m", "served_bits", "e8_us", "mma_us", "int_us", "bf16_us", "e8_err")
+E8_KEYS = ("form", "shape", "m", "served_bits", "e8_us", "lds_us", "mma_us", "int_us", "bf16_us", "e8_err")
 TOP_KEYS = ("device", "commit", "date", "points", "e2e", "e8_points")
 SHAPES = ("8b.down", "8b.gate_up", "8b.qkv", "8b.o")
 BIG = ("8b.down", "8b.gate_up")

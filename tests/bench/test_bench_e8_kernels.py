@@ -14,6 +14,7 @@ def test_dry_run_prints_rows_and_a_headline(capsys):
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.strip().startswith("64x256")]
     assert [int(r.split()[1]) for r in rows] == [1, 9]
+    assert [r.split()[4] for r in rows] == ["1.0", "-"]     # the shared-memory GEMV timed below 8 rows
     assert all(float(r.split()[-1]) < e8_kernels.ERR_TOL for r in rows)
     assert "HEADLINE e8_kernels 8b.down M=1: triton-e8 1.0 us" in out          # 8b.down at 1/64: 64x256
 

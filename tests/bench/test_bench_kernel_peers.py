@@ -142,7 +142,7 @@ def test_latest_json_schema(tmp_path):
     pts = [gf.point_record(_pt("8b.down", 1, 10.0, 25.0, 12.0))]
     e2e = [{"model": "llama3-8b-shapes", "form": "ssqr-1%-4b", "batch": 1, "tokens": 128, "latq_tok_s": 150.0,
             "bf16_tok_s": 80.0, "int4_tok_s": None}]
-    e8 = [{"form": "e8-3b-s4-g16", "shape": "8b.down", "m": 1, "served_bits": 3.375, "e8_us": 39.5, "mma_us": None,
+    e8 = [{"form": "e8-3b-s4-g16", "shape": "8b.down", "m": 1, "served_bits": 3.375, "e8_us": 39.5, "lds_us": 30.1, "mma_us": None,
            "int_us": 59.0, "bf16_us": 31.4, "e8_err": 0.0027}]
     (tmp_path / "p.json").write_text(json.dumps({"device": "X", "points": pts}))
     (tmp_path / "e.json").write_text(json.dumps({"e2e": e2e}))

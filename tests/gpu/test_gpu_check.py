@@ -75,6 +75,7 @@ def test_dry_run_writes_the_figures_schema(tmp_path):
     assert {(e["form"], e["batch"]) for e in doc["e2e"]} == {(f, b) for f in ("ssqr-1%-4b", "e8-3b-s4-g16")
                                                             for b in (1, 2)}
     assert {(p["form"], p["shape"], p["m"]) for p in doc["e8_points"]} == {("e8-3b-s4-g16", "8b.down", m) for m in (1, 8)}
+    assert [p["lds_us"] is not None for p in sorted(doc["e8_points"], key=lambda p: p["m"])] == [True, False]
     summary = (tmp_path / "summary.txt").read_text()
     assert "kernels.log: exit 0" in summary and "e2e.log: exit 0" in summary and "no speed" in summary
     after = (REPO / "docs" / "gpu" / "latest.json").read_bytes() if (REPO / "docs" / "gpu" / "latest.json").exists() \

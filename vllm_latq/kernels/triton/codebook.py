@@ -37,6 +37,9 @@ BITS = tuple(sorted(cb.CODEBOOKS))
 GEMV_TILES = {1: dict(BN=64, BKB=16, num_warps=4), 2: dict(BN=64, BKB=8, num_warps=4),
               4: dict(BN=64, BKB=8, num_warps=4), 8: dict(BN=64, BKB=8, num_warps=4)}
 MMA_TILE = dict(BN=64, BKB=8, num_warps=4)
+# the GEMV's table lookups through shared memory (codebook_device._table) rather than L1: not yet timed
+# on a GPU, so off; bench/e8_kernels.py times both (config={"LDS": True})
+GEMV_LDS_TABLE = False
 DEQUANT_TILE = dict(BN=64, BKB=8, num_warps=4)   # [64 rows × 64 columns] a store
 # from this many rows of fp16/bf16 x: the weight decoded once into the shared scratch, then cuBLAS
 # (the tensor-core kernel, a tl.dot per 16-column scale group, ran 5-30x slower on an H200: KERNELS.md)
@@ -158,7 +161,7 @@ def dot_blocks(group: int, bkb: int) -> int:
 def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
            config: dict | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma"; ``config`` overrides the
-    tile (BN, BKB, num_warps) and SPLIT."""
+    tile (BN, BKB, num_warps), SPLIT and (gemv) LDS."""
     M, K = x2.shape
     dev = x2.device
     y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
@@ -180,6 +183,8 @@ def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str
                 HAS_BIAS=has_bias, ASM=not INTERPRET, CODED=st.coded_scales)
     if kernel == "mma":
         meta.update(GKB=dot_blocks(st.group, c["BKB"]), F32DOT=INTERPRET or x2.dtype == torch.float32)
+    else:
+        meta.update(LDS=c.get("LDS", GEMV_LDS_TABLE))
     grid = (tlay.cdiv(M, bm), tlay.cdiv(st.n_pad, c["BN"]), c["SPLIT"])
     fn = _e8_gemv_kernel if kernel == "gemv" else _e8_mma_kernel
     fn[grid](*args, **meta, num_warps=c["num_warps"])

@@ -32,10 +32,31 @@ def _field_at(w, at, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constex
 
 
 @triton.jit
-def _e8p_word(c, tab_ptr):
+def _table(tab_ptr, LDS: tl.constexpr):
+    """The shared table as a program reads it: through its pointer (a gather from L1 a lookup, whose
+    lanes' addresses span up to 24 cache lines), or (LDS) a copy the program loads once and looks
+    up through shared memory (``tl.gather``: 32 banks, a few lanes a bank)."""
+    if LDS:
+        i = tl.arange(0, 1024)
+        return tl.load(tab_ptr + i, mask=i < 768, other=0)
+    else:
+        return tab_ptr
+
+
+@triton.jit
+def _lookup(tab, i, LDS: tl.constexpr):
+    """``table[i]`` for an index tensor ``i`` of any shape (``tab``: :func:`_table`'s)."""
+    if LDS:
+        return tl.reshape(tl.gather(tab, tl.reshape(i, [i.numel]), 0), i.shape)
+    else:
+        return tl.load(tab + i)
+
+
+@triton.jit
+def _e8p_word(c, tab, LDS: tl.constexpr):
     """16-bit E8P codes (int32) → their pattern word xor their sign byte's: 3-bit fields u_j at bit 3j,
     coordinate j = u_j − 7/2 ± ¼, the ¼'s sign at bit 31 (codebook.table_words)."""
-    return tl.load(tab_ptr + (c & 255)) ^ tl.load(tab_ptr + SIGNS_AT + ((c >> 8) & 255))
+    return _lookup(tab, c & 255, LDS) ^ _lookup(tab, ((c >> 8) & 255) + SIGNS_AT, LDS)
 
 
 @triton.jit
@@ -45,16 +66,16 @@ def _e8p_offset(u):
 
 
 @triton.jit
-def _words(ca_ptr, cb_ptr, tab_ptr, off, mask, BITS: tl.constexpr):
+def _words(ca_ptr, cb_ptr, tab, off, mask, BITS: tl.constexpr, LDS: tl.constexpr):
     """Codes of blocks ``off`` → each stage's word and its half for coordinates 4–7 (shifted 12 or 16)."""
     ca = tl.load(ca_ptr + off, mask=mask, other=0).to(tl.int32)
-    u1 = _e8p_word(ca, tab_ptr)
+    u1 = _e8p_word(ca, tab, LDS)
     if BITS == 3:
         cb = tl.load(cb_ptr + off, mask=mask, other=0).to(tl.int32)
-        u2 = tl.load(tab_ptr + BALL_AT + (cb & 255))
+        u2 = _lookup(tab, (cb & 255) + BALL_AT, LDS)
         return u1, u1 >> 12, u2, u2 >> 16
     elif BITS == 4:
-        u2 = _e8p_word(ca >> 16, tab_ptr)
+        u2 = _e8p_word(ca >> 16, tab, LDS)
         return u1, u1 >> 12, u2, u2 >> 12
     return u1, u1 >> 12, u1, u1
 
@@ -114,9 +135,9 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                     M, N, K, KB, stride_xm, stride_ym, N_PAD, NGP, M_WS,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BKB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                    CODED: tl.constexpr):
+                    CODED: tl.constexpr, LDS: tl.constexpr):
     """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: one program per BN output rows × K split
-    × BM rows of x, BKB blocks a K step. A block's point is its fields less one :func:`_constant`,
+    × BM rows of x, BKB blocks a K step, the table read as :func:`_table` says (``LDS``). A block's point is its fields less one :func:`_constant`,
     so a weight costs a LOP3, an FADD and an FFMA a stage: each row of x takes Σ_j x_j · fields_j (exact
     products) less the constant · Σ_j x_j, then times the block's scale."""
     rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
@@ -131,11 +152,12 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
     sp = _scale_base(s_ptr, rn // 16, rn % 16, NGP, CODED)[None, None, :]
     rs = (rn % 16)[None, None, :]
     nmask = rn3 < N_PAD
+    tab = _table(tab_ptr, LDS)
     acc = tl.zeros([BM, BKB, BN], dtype=tl.float32)
     for t in range(t_beg, t_end):
         b = t * BKB + kb3
         bmask = (b < KB) & nmask
-        u1, h1, u2, h2 = _words(ca_ptr, cb_ptr, tab_ptr, b * N_PAD + rn3, bmask, BITS)
+        u1, h1, u2, h2 = _words(ca_ptr, cb_ptr, tab, b * N_PAD + rn3, bmask, BITS, LDS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
         else:
@@ -180,7 +202,7 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
         for q in tl.static_range(BKB // GKB):
             b0 = t * BKB + q * GKB
             b3 = b0 + kb3
-            u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS)
+            u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS, False)
             v = _points(u1, u2, j3, BITS, ASM)                                  # [GKB, 8, BN]
             w = tl.reshape(v, [8 * GKB, BN]).to(DT)
             cols = 8 * b0 + kk
@@ -204,7 +226,7 @@ def _e8_dequant_kernel(w_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ROW0, ROW1, K, KB,
     b3 = tl.program_id(1) * BKB + tl.arange(0, BKB)[:, None, None]
     rn3 = rn[None, None, :]
     pm = (b3 < KB) & (rn3 < N_PAD)
-    u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS)
+    u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS, False)
     v = _points(u1, u2, tl.arange(0, 8)[None, :, None], BITS, ASM)                  # [BKB, 8, BN]
     sp = _scale_base(s_ptr, rn3 // 16, rn3 % 16, NGP, CODED)
     v = v * _group_scale(sp, (8 * b3) // GROUP, rn3 % 16, pm, CODED, ASM)
