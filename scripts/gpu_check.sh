@@ -5,7 +5,8 @@
 #
 #   GPU_CHECK_COMMIT=<sha> bash scripts/gpu_check.sh OUTDIR     # figures, boundary paths, tests, the rest
 #   bash scripts/gpu_check.sh --phase rest OUTDIR               # a second call: tests, scale forms, launch configs
-#   bash scripts/gpu_check.sh --phase e8 OUTDIR                 # the codebook kernels alone: bench, decode, tests (~4 min)
+#   bash scripts/gpu_check.sh --phase e8 OUTDIR                 # the codebook kernels alone: bench and the GEMV's
+#                                                               # tiles at M = 1 (--sweep), decode, tests (~5 min)
 #   bash scripts/gpu_check.sh --tar "$OUT/check.tgz" ... OUTDIR   # OUTDIR packed into one file at the end (a lent
 #                                                               # machine returns at most 8 files)
 #   bash scripts/gpu_check.sh --dry-run OUTDIR                  # on a CPU: the figures' pieces, tiny, in Triton's
@@ -234,10 +235,10 @@ rest() {
 # ---------------------------------------------------------------------------- the codebook kernels alone
 e8_phase() {
   local scales
-  for scales in s4-g16 fp16-g64; do     # the study's form, then a plain one: what coded scales cost
-    run "e8_kernels_$scales.log" 90 -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,8,16 --scales "$scales" \
-        --json "$out/e8_points_$scales.json" --budget-s 50
-  done
+  run e8_kernels_s4-g16.log 150 -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,8,16 --scales s4-g16 \
+      --json "$out/e8_points_s4-g16.json" --budget-s 100 --sweep     # the study's form, and the GEMV's tiles
+  run e8_kernels_fp16-g64.log 90 -m bench.e8_kernels --shapes 8b.down,8b.gate_up --m 1,4,8,16 --scales fp16-g64 \
+      --json "$out/e8_points_fp16-g64.json" --budget-s 50           # a plain form: what coded scales cost
   run e2e.log 100 -m bench.decode_gpu --layers 8 --forms e8-3b-s4-g16,e8-2b-s4-g16 --batches 1,8,16 \
       --json "$out/e2e.json" --budget-s 60
   (cd "$repo" && timeout -k 10 150 "$py" -m pytest -m gpu tests/gpu/test_codebook_cuda.py -q -rfEs -p no:cacheprovider \

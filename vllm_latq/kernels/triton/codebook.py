@@ -131,14 +131,15 @@ class E8State:
         return self.scales.dtype == torch.int32
 
 
-def gemv_split(st: E8State, M: int, bm: int, device: torch.device) -> int:
-    """K splits of a GEMV launch: enough programs for two a SM, each split ≥ 4 K steps; only for one M
-    tile of a layer with split-K scratch."""
+def gemv_split(st: E8State, M: int, bm: int, device: torch.device, tile: dict | None = None) -> int:
+    """K splits of a GEMV launch (``tile``'s BN and BKB, default the table's): enough programs for two
+    a SM, each split ≥ 4 K steps; only for one M tile of a layer with split-K scratch."""
     if tlay.cdiv(M, bm) > 1 or not splitk_floats(st.n_pad):
         return 1
+    tile = tile or GEMV_TILES[bm]
     sms = cfg.device_info(device)[1]
-    n_tiles = tlay.cdiv(st.n_pad, GEMV_TILES[bm]["BN"])
-    steps = tlay.cdiv(st.k // cb.DIM, GEMV_TILES[bm]["BKB"])
+    n_tiles = tlay.cdiv(st.n_pad, tile["BN"])
+    steps = tlay.cdiv(st.k // cb.DIM, tile["BKB"])
     split = 1
     while (2 * split <= min(cfg.MAX_SPLIT, cfg.SPLITK_ROWS // bm) and n_tiles * split < 2 * sms
            and steps >= 8 * split):
@@ -169,8 +170,9 @@ def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str
         return y
     bm = min(8, cfg._next_pow2(M)) if kernel == "gemv" else mma_bm(M)
     c = dict(GEMV_TILES[bm] if kernel == "gemv" else MMA_TILE)
-    c["SPLIT"] = gemv_split(st, M, bm, dev) if kernel == "gemv" else 1
     c.update(config or {})
+    if "SPLIT" not in c:
+        c["SPLIT"] = gemv_split(st, M, bm, dev, c) if kernel == "gemv" else 1
     if c["SPLIT"] > 1 and (tlay.cdiv(M, bm) > 1 or c["SPLIT"] * bm > cfg.SPLITK_ROWS or not splitk_floats(st.n_pad)):
         raise ValueError(f"SPLIT {c['SPLIT']}: split-K needs one M tile of ≤ {cfg.SPLITK_ROWS} rows in all "
                          f"splits and a layer of ≤ {cfg.SPLITK_MAX_N} rows")
