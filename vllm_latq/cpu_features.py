@@ -42,8 +42,7 @@ def _cpuinfo(key: str) -> str:
 
 
 def model() -> str:
-    """The CPU's model name (``AMD EPYC``, ``Intel(R) Xeon(R) …``): the same instruction set runs at
-    other rates on other cores (AVX-512 is two 256-bit halves on AMD Zen 4), so figures name it."""
+    """The CPU's model name (``AMD EPYC``): an instruction set runs at other rates on other cores."""
     return " ".join(_cpuinfo("model name").split())
 
 

@@ -132,8 +132,7 @@ class E8State:
 
 
 def gemv_split(st: E8State, M: int, bm: int, device: torch.device, tile: dict | None = None) -> int:
-    """K splits of a GEMV launch (``tile``'s BN and BKB, default the table's): enough programs for two
-    a SM, each split ≥ 4 K steps; only for one M tile of a layer with split-K scratch."""
+    """K splits of a GEMV launch (``tile``: default the table's): two programs an SM, ≥ 4 K steps a split."""
     if tlay.cdiv(M, bm) > 1 or not splitk_floats(st.n_pad):
         return 1
     tile = tile or GEMV_TILES[bm]

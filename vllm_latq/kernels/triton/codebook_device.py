@@ -33,9 +33,7 @@ def _field_at(w, at, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constex
 
 @triton.jit
 def _table(tab_ptr, LDS: tl.constexpr):
-    """The shared table as a program reads it: through its pointer (a gather from L1 a lookup, whose
-    lanes' addresses span up to 24 cache lines), or (LDS) a copy the program loads once and looks
-    up through shared memory (``tl.gather``: 32 banks, a few lanes a bank)."""
+    """The shared table as a program reads it: its pointer (L1), or (LDS) a copy held, read through shared memory."""
     if LDS:
         i = tl.arange(0, 1024)
         return tl.load(tab_ptr + i, mask=i < 768, other=0)
