@@ -134,10 +134,10 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BKB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
                     CODED: tl.constexpr, LDS: tl.constexpr):
-    """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: one program per BN output rows × K split
-    × BM rows of x, BKB blocks a K step, the table read as :func:`_table` says (``LDS``). A block's point is its fields less one :func:`_constant`,
-    so a weight costs a LOP3, an FADD and an FFMA a stage: each row of x takes Σ_j x_j · fields_j (exact
-    products) less the constant · Σ_j x_j, then times the block's scale."""
+    """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: a program per BN output rows × K split × BM rows
+    of x, BKB blocks a K step, the table read as :func:`_table` says. A block's point is its fields less one
+    :func:`_constant`, so a weight costs a LOP3, an FADD and an FFMA a stage: each row of x takes Σ_j x_j ·
+    fields_j (exact products) less the constant · Σ_j x_j, then times the block's scale."""
     rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
     # every tensor of the K loop is [BM rows of x, BKB blocks, BN output rows] or a broadcastable
     # slice of it, the codes loaded in that shape too: one layout for the whole loop (a 2-D code
