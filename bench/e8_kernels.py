@@ -11,7 +11,7 @@ only.
 
 ``--json``: the rows as ``{"form", "shape", "m", "served_bits", "e8_us", "lds_us", "mma_us", "int_us",
 "bf16_us", "e8_err"}`` (``form`` e.g. ``e8-3b-s4-g64``), docs/gpu/latest.json's ``e8_points``.
-``--sweep``: the GEMV at M = 1 over its tiles too (``SWEEP``: BN × BKB × warps × LDS), each output
+``--sweep``: the GEMV at M = 1 over its tiles too (``SWEEP``: BN × BKB × LDS × AHEAD), each output
 checked, the fastest first; in the JSON as ``e8_sweep`` rows ``{"form", "shape", "config", "us"}``.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from vllm_latq.kernels.triton.codebook import LARGE_MIN_M, route
 
 ERR_TOL = 3e-2       # as bench.kernel_timing: bf16 output rounding is ≤ 2^-7
 LDS = {"LDS": True}  # the GEMV's table through shared memory
-SWEEP = [dict(BN=bn, BKB=bkb, num_warps=nw, LDS=lds) for bn in (64, 128) for bkb in (8, 16, 32) for nw in (4, 8)
-         for lds in (False, True)]
+SWEEP = [dict(BN=bn, BKB=bkb, num_warps=4, LDS=lds, AHEAD=ahead) for bn in (64, 128) for bkb in (8, 16)
+         for lds in (False, True) for ahead in (False, True)]
 
 
 def _copies_of(kernel, st, r: int) -> list:

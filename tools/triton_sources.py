@@ -170,19 +170,21 @@ def _codebook_jobs(targets, quick: bool) -> list[dict]:
     """The codebook layers' kernels (``triton/codebook.py``) at their tiles: the GEMV at 1 and 8 rows
     of x (split-K's epilogue), the tensor-core kernel at 16 and 64; per code width, with fp16 scales of
     64 columns (one a K step) and coded ones of 16 (a scale per block, decoded). Quick: the most rows, 3 and 4 bits, coded scales
-    of 16 columns (the heaviest decode). The GEMV at 1 row also with its table in shared memory
-    (``lds``: codebook.GEMV_LDS_TABLE's alternative)."""
+    of 16 columns (the heaviest decode). The GEMV at 1 row also with its table in shared memory and/or
+    its codes a step ahead (``lds``, ``ahead``: the alternatives to codebook.GEMV_LDS_TABLE, GEMV_AHEAD)."""
     from vllm_latq.kernels.triton import codebook as tcb
     out = []
     for kernel, bms in (("e8_gemv", (1, 8)), ("e8_mma", (16, 64))):
         for bm in bms[-1:] if quick else bms:
             tile = tcb.GEMV_TILES[bm] if kernel == "e8_gemv" else tcb.MMA_TILE
-            lds = (False, True) if kernel == "e8_gemv" and bm == 1 else (False,)
+            alts = [(ld, ah) for ld in (False, True) for ah in (False, True)] if kernel == "e8_gemv" and bm == 1 \
+                else [(False, False)]
             for bits in (3, 4) if quick else tcb.BITS:
                 for scales, group in [("coded", 16)] if quick else [("fp16", 64), ("coded", 16)]:
                     out += [dict(kernel=kernel, bits=bits, BM=bm, SPLIT=8 if kernel == "e8_gemv" else 1,
-                                 scales=scales, group=group, cc=cc, **tile, **({"lds": True} if ld else {}))
-                            for cc in targets for ld in lds]
+                                 scales=scales, group=group, cc=cc, **tile, **({"lds": True} if ld else {}),
+                                 **({"ahead": True} if ah else {}))
+                            for cc in targets for ld, ah in alts]
     for bits in (3,) if quick else tcb.BITS:          # the large-M route's decode into a bf16 scratch
         out += [dict(kernel="e8_dequant", bits=bits, scales="coded", group=16, cc=cc, **tcb.DEQUANT_TILE)
                 for cc in targets]
@@ -322,6 +324,6 @@ def _codebook_source(j: dict):
     if j["kernel"] == "e8_mma":
         const.update(GKB=tcb.dot_blocks(j["group"], j["BKB"]), F32DOT=False)
     else:
-        const.update(LDS=j.get("lds", False))
+        const.update(LDS=j.get("lds", False), AHEAD=j.get("ahead", False))
     div16 = set(names[:len(ptrs)]) | {"N", "K", "stride_xm", "stride_ym", "N_PAD", "M_WS"}
     return _ast_source(fn, sig, const, div16)

@@ -174,30 +174,33 @@ def test_large_m_route(monkeypatch):
         assert routes == ([route] if route == "dequant" else [])
 
 
-@pytest.mark.parametrize("lds", [False, True])
-def test_every_e8p_code(lds):
+@pytest.mark.parametrize("lds,ahead", [(False, False), (True, True)])
+def test_every_e8p_code(lds, ahead):
     """All 2¹⁶ codes of E8P (signs, parity, shift) in one 2-bit layer, exact fp32 activations; the
-    table read through L1 and through shared memory (``LDS``)."""
+    table read through L1 and through shared memory (``LDS``), the codes loaded a step ahead (``AHEAD``)."""
     codes = torch.arange(2**16).reshape(128, 512)
     w = CodebookWeight(torch.stack([codes & 255, codes >> 8], -1).to(torch.uint8), torch.ones(128, 1).half(), 2,
                        4096, 4096)
     x = activations(1, torch.float32, k=4096)
-    y = TritonCodebookKernel.apply(TritonCodebookKernel.prepare(w), x, config=dict(BN=128, BKB=64, LDS=lds))
+    y = TritonCodebookKernel.apply(TritonCodebookKernel.prepare(w), x, config=dict(BN=128, BKB=64, LDS=lds, AHEAD=ahead))
     check(y, x, w)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_gemv_with_the_table_in_shared_memory(bits):
-    """The GEMV with its table lookups through shared memory (``LDS``, off by default until timed on a
-    GPU) computes what the L1 lookups do: the reference up to summation order, bit for bit the same
-    output, at 1 and 3 rows of x, coded scales, split-K."""
-    w = make_weight(bits, k=1024, group=16, coded=True, seed=bits)
+@pytest.mark.parametrize("lds,ahead", [(True, False), (False, True), (True, True)])
+def test_gemv_alternatives_compute_the_same(bits, lds, ahead):
+    """The GEMV with its table lookups through shared memory (``LDS``) and/or its codes loaded a K step
+    ahead (``AHEAD``; both off by default until timed on a GPU) computes what the plain one does: the
+    reference up to summation order, bit for bit the same output, at 1 and 3 rows of x, coded scales,
+    split-K (K = 1000: 8 steps of 16 blocks, the last ragged; splits of 2 steps and of 1)."""
+    w = make_weight(bits, k=1000, group=16, coded=True, seed=bits)
     st = TritonCodebookKernel.prepare(w)
-    for m, split in ((1, 1), (3, 4)):
-        x = activations(m, torch.bfloat16, k=1024)
-        y = TritonCodebookKernel.apply(st, x, kernel="gemv", config=dict(SPLIT=split, LDS=True))
+    for m, split in ((1, 1), (3, 4), (1, 8)):
+        x = activations(m, torch.bfloat16, k=1000)
+        plain = TritonCodebookKernel.apply(st, x, kernel="gemv", config=dict(SPLIT=split, BKB=16))
+        y = TritonCodebookKernel.apply(st, x, kernel="gemv", config=dict(SPLIT=split, BKB=16, LDS=lds, AHEAD=ahead))
         check(y, x, w, route="gemv")
-        assert torch.equal(y, TritonCodebookKernel.apply(st, x, kernel="gemv", config=dict(SPLIT=split, LDS=False)))
+        assert torch.equal(y, plain)
 
 
 # ----------------------------------------------------------------------------- selection

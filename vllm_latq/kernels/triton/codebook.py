@@ -37,9 +37,10 @@ BITS = tuple(sorted(cb.CODEBOOKS))
 GEMV_TILES = {1: dict(BN=64, BKB=16, num_warps=4), 2: dict(BN=64, BKB=8, num_warps=4),
               4: dict(BN=64, BKB=8, num_warps=4), 8: dict(BN=64, BKB=8, num_warps=4)}
 MMA_TILE = dict(BN=64, BKB=8, num_warps=4)
-# the GEMV's table lookups through shared memory (codebook_device._table) rather than L1: not yet timed
-# on a GPU, so off; bench/e8_kernels.py times both (config={"LDS": True})
+# the GEMV's table lookups through shared memory (codebook_device._table) rather than L1, and its codes
+# loaded a K step ahead: not yet timed on a GPU, so off; bench/e8_kernels.py times them (config LDS, AHEAD)
 GEMV_LDS_TABLE = False
+GEMV_AHEAD = False
 DEQUANT_TILE = dict(BN=64, BKB=8, num_warps=4)   # [64 rows × 64 columns] a store
 # from this many rows of fp16/bf16 x: the weight decoded once into the shared scratch, then cuBLAS
 # (the tensor-core kernel, a tl.dot per 16-column scale group, ran 5-30x slower on an H200: KERNELS.md)
@@ -161,7 +162,7 @@ def dot_blocks(group: int, bkb: int) -> int:
 def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str,
            config: dict | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ Wᵀ (+ bias) with kernel "gemv" or "mma"; ``config`` overrides the
-    tile (BN, BKB, num_warps), SPLIT and (gemv) LDS."""
+    tile (BN, BKB, num_warps), SPLIT and (gemv) LDS, AHEAD."""
     M, K = x2.shape
     dev = x2.device
     y = torch.empty(M, st.n, dtype=x2.dtype, device=dev)
@@ -185,7 +186,7 @@ def launch(st: E8State, x2: torch.Tensor, bias: torch.Tensor | None, kernel: str
     if kernel == "mma":
         meta.update(GKB=dot_blocks(st.group, c["BKB"]), F32DOT=INTERPRET or x2.dtype == torch.float32)
     else:
-        meta.update(LDS=c.get("LDS", GEMV_LDS_TABLE))
+        meta.update(LDS=c.get("LDS", GEMV_LDS_TABLE), AHEAD=c.get("AHEAD", GEMV_AHEAD))
     grid = (tlay.cdiv(M, bm), tlay.cdiv(st.n_pad, c["BN"]), c["SPLIT"])
     fn = _e8_gemv_kernel if kernel == "gemv" else _e8_mma_kernel
     fn[grid](*args, **meta, num_warps=c["num_warps"])

@@ -64,18 +64,33 @@ def _e8p_offset(u):
 
 
 @triton.jit
-def _words(ca_ptr, cb_ptr, tab, off, mask, BITS: tl.constexpr, LDS: tl.constexpr):
-    """Codes of blocks ``off`` → each stage's word and its half for coordinates 4–7 (shifted 12 or 16)."""
+def _codes(ca_ptr, cb_ptr, off, mask, BITS: tl.constexpr):
+    """Code planes of blocks ``off``: plane A as int32, and the ball's (3 bits; else plane A again)."""
     ca = tl.load(ca_ptr + off, mask=mask, other=0).to(tl.int32)
-    u1 = _e8p_word(ca, tab, LDS)
+    cb = ca
     if BITS == 3:
         cb = tl.load(cb_ptr + off, mask=mask, other=0).to(tl.int32)
+    return ca, cb
+
+
+@triton.jit
+def _decode_words(ca, cb, tab, BITS: tl.constexpr, LDS: tl.constexpr):
+    """:func:`_codes`' planes → each stage's word and its half for coordinates 4–7 (shifted 12 or 16)."""
+    u1 = _e8p_word(ca, tab, LDS)
+    if BITS == 3:
         u2 = _lookup(tab, (cb & 255) + BALL_AT, LDS)
         return u1, u1 >> 12, u2, u2 >> 16
     elif BITS == 4:
         u2 = _e8p_word(ca >> 16, tab, LDS)
         return u1, u1 >> 12, u2, u2 >> 12
     return u1, u1 >> 12, u1, u1
+
+
+@triton.jit
+def _words(ca_ptr, cb_ptr, tab, off, mask, BITS: tl.constexpr, LDS: tl.constexpr):
+    """Codes of blocks ``off`` → :func:`_decode_words`."""
+    ca, cb = _codes(ca_ptr, cb_ptr, off, mask, BITS)
+    return _decode_words(ca, cb, tab, BITS, LDS)
 
 
 @triton.jit
@@ -133,9 +148,10 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                     M, N, K, KB, stride_xm, stride_ym, N_PAD, NGP, M_WS,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BKB: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                    CODED: tl.constexpr, LDS: tl.constexpr):
+                    CODED: tl.constexpr, LDS: tl.constexpr, AHEAD: tl.constexpr):
     """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: a program per BN output rows × K split × BM rows
-    of x, BKB blocks a K step, the table read as :func:`_table` says. A block's point is its fields less one
+    of x, BKB blocks a K step (AHEAD: its codes loaded a step before), the table read as :func:`_table`
+    says. A block's point is its fields less one
     :func:`_constant`, so a weight costs a LOP3, an FADD and an FFMA a stage: each row of x takes Σ_j x_j ·
     fields_j (exact products) less the constant · Σ_j x_j, then times the block's scale."""
     rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
@@ -152,10 +168,19 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
     nmask = rn3 < N_PAD
     tab = _table(tab_ptr, LDS)
     acc = tl.zeros([BM, BKB, BN], dtype=tl.float32)
+    if AHEAD:   # (a scalar bool & a bool tensor is int in the interpreter: the step's bound is a row limit)
+        b = t_beg * BKB + kb3
+        na, nb = _codes(ca_ptr, cb_ptr, b * N_PAD + rn3, (b < KB) & (rn3 < tl.where(t_beg < t_end, N_PAD, 0)), BITS)
     for t in range(t_beg, t_end):
         b = t * BKB + kb3
         bmask = (b < KB) & nmask
-        u1, h1, u2, h2 = _words(ca_ptr, cb_ptr, tab, b * N_PAD + rn3, bmask, BITS, LDS)
+        if AHEAD:
+            ca, cb = na, nb
+            na, nb = _codes(ca_ptr, cb_ptr, (b + BKB) * N_PAD + rn3,
+                            (b + BKB < KB) & (rn3 < tl.where(t + 1 < t_end, N_PAD, 0)), BITS)
+        else:
+            ca, cb = _codes(ca_ptr, cb_ptr, b * N_PAD + rn3, bmask, BITS)
+        u1, h1, u2, h2 = _decode_words(ca, cb, tab, BITS, LDS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
         else:
