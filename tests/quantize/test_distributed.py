@@ -133,6 +133,39 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     ok(quantize(src, out, 1, "--resume", args=ARGS))
 
 
+@pytest.mark.slow   # two ranks held after a block, one of them killed
+def test_a_rank_the_launcher_stops_says_why(tmp_path):
+    """A rank dies while the other is not in a collective (here: held after the first block): torchrun's
+    agent sends the survivor SIGTERM, which says in a line that another rank stopped answering, and
+    where, rather than dying silently; a rerun resumes."""
+    src = make_tiny_model(tmp_path / "src", "llama", layers=2)
+    out = tmp_path / "out"
+    progress = out.with_name(out.name + ".tmp-latq") / "latq_progress.json"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              "-m", "vllm_latq.quantize", str(src), str(out), *ARGS], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", faults.AT_ENV: "saved-block:hold"})
+    try:
+        t0 = time.time()
+        while not (progress.exists() and json.loads(progress.read_text())["blocks_done"] == 1) \
+                and agent.poll() is None and time.time() - t0 < 300:
+            time.sleep(0.2)
+        time.sleep(1.0)   # both ranks past the block's last collective, sleeping at the hold
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+        rank1 = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == agent.pid
+                 and b"RANK=1" in (p / "environ").read_bytes().split(b"\0")]
+        assert len(rank1) == 1
+        os.kill(rank1[0], 9)
+        _, err = agent.communicate(timeout=120)
+    finally:
+        agent.kill()
+    assert agent.returncode != 0
+    said = [line for line in err.splitlines() if line.startswith("latq-quantize: ")]
+    assert len(said) == 1 and "another rank stopped answering" in said[0], err[-3000:]
+    assert "rerun with --resume" in said[0]
+    ok(quantize(src, out, 1, "--resume", args=ARGS))
+
+
 def _stat(proc: Path) -> list[str]:
     """The fields of ``/proc/PID/stat`` after the command's name: state, parent, ..."""
     try:

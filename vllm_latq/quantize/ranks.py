@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -110,12 +111,21 @@ def stop_with_launcher() -> None:
     if launched_ranks() <= 1 or parent == 1:
         return
     _launcher[0] = parent
+    if threading.current_thread() is threading.main_thread():   # where Python runs signal handlers
+        signal.signal(signal.SIGTERM, _stopped_by_launcher)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
         stop_if_launcher_gone()
     threading.Thread(target=watch, name="latq-launcher-watch", daemon=True).start()
+
+
+def _stopped_by_launcher(signum, frame) -> None:
+    """SIGTERM from torchrun's agent (sent to every rank when one ends): raised where this rank is."""
+    if sys.exc_info()[0] is None:   # a rank already unwinding an error lets it finish
+        raise RankFailed(f"this rank was stopped by its launcher during {_step[0]}: another rank stopped answering "
+                         "(it died or was killed: see its log), or the launcher was stopped")
 
 
 def stop_if_launcher_gone() -> None:
