@@ -42,18 +42,25 @@ def _copies_of(kernel, st, r: int) -> list:
                    for _ in range(r - 1)]
 
 
-def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
-    """One layer shape: rows {m, e8_us, lds_us, mma_us, int_us, bf16_us, e8_err, e8_gbps} for each batch of ``ms``."""
-    from vllm_latq.kernels.reference import latq_linear_ref
+def e8_layer(n, k, bits, scales, dev, l2):
+    """A random codebook layer of the form: (weight, prepared state, its copies cycled past L2, served bytes)."""
     from vllm_latq.kernels.triton.codebook import TritonCodebookKernel as E8
-    from vllm_latq.kernels.triton.kernel import TritonKernel as Int
     from vllm_latq.testing.weights import random_codebook_weight
     group, scale_bits = scale_form(scales)
     w8 = random_codebook_weight(n, k, bits, group=group, scale_bits=scale_bits)
-    wi = bench_weight(n, k, bits, 0.0, scales)
-    st8, sti = E8.prepare(w8.to(dev)), Int.prepare(wi.to(dev))
+    st8 = E8.prepare(w8.to(dev))
     served = sum(v for p, v in E8.served_bytes(st8).items() if p != "codebook")
-    s8 = _copies_of(E8, st8, copies(served, l2))
+    return w8, st8, _copies_of(E8, st8, copies(served, l2)), served
+
+
+def time_layer(n, k, bits, scales, ms, dev, l2, timer, log, layer=None) -> list[dict]:
+    """One layer shape (``layer``: :func:`e8_layer`'s, else made here): rows {m, e8_us, lds_us, mma_us,
+    int_us, bf16_us, e8_err, e8_gbps} for each batch of ``ms``."""
+    from vllm_latq.kernels.reference import latq_linear_ref
+    from vllm_latq.kernels.triton.codebook import TritonCodebookKernel as E8
+    from vllm_latq.kernels.triton.kernel import TritonKernel as Int
+    w8, st8, s8, served = layer or e8_layer(n, k, bits, scales, dev, l2)
+    sti = Int.prepare(bench_weight(n, k, bits, 0.0, scales).to(dev))
     si = _copies_of(Int, sti, copies(sum(Int.served_bytes(sti).values()), l2))
     rows = []
     for m in ms:
@@ -78,17 +85,15 @@ def time_layer(n, k, bits, scales, ms, dev, l2, timer, log) -> list[dict]:
     return rows
 
 
-def sweep_layer(n, k, bits, scales, dev, l2, timer, log) -> list[dict]:
-    """The GEMV at M = 1 over ``SWEEP``'s tiles: rows {config, us}, the fastest first (a config whose
-    output is off by more than ERR_TOL, or that fails to launch, is logged and left out)."""
+def sweep_layer(layer, timer, log) -> list[dict]:
+    """The GEMV at M = 1 over ``SWEEP``'s tiles on :func:`e8_layer`'s ``layer``: rows {config, us}, the
+    fastest first (a config whose output is off by more than ERR_TOL, or that fails to launch, is logged
+    and left out)."""
     from vllm_latq.kernels.reference import latq_linear_ref
     from vllm_latq.kernels.triton.codebook import TritonCodebookKernel as E8
-    from vllm_latq.testing.weights import random_codebook_weight
-    group, scale_bits = scale_form(scales)
-    w8 = random_codebook_weight(n, k, bits, group=group, scale_bits=scale_bits)
-    st8 = E8.prepare(w8.to(dev))
-    s8 = _copies_of(E8, st8, copies(sum(v for p, v in E8.served_bytes(st8).items() if p != "codebook"), l2))
-    x = torch.randn(1, k, device=dev).to(torch.bfloat16)
+    w8, st8, s8, _ = layer
+    n, k = st8.n, st8.k
+    x = torch.randn(1, k, device=st8.codes.device).to(torch.bfloat16)
     ref = latq_linear_ref(x.float().cpu(), w8)
     rows = []
     for c in SWEEP:
@@ -142,7 +147,8 @@ def main(argv=None) -> int:
         if time.perf_counter() - t0 > a.budget_s:
             print(f"{name}: not timed (budget {a.budget_s:.0f} s spent)")
             continue
-        rows = time_layer(n, k, a.bits, a.scales, ms, dev, l2, timer, print)
+        layer = e8_layer(n, k, a.bits, a.scales, dev, l2)
+        rows = time_layer(n, k, a.bits, a.scales, ms, dev, l2, timer, print, layer)
         worst = max([worst] + [r["e8_err"] for r in rows])
         records += [dict(form=f"e8-{a.bits}b-{a.scales}", shape=name, m=r["m"], served_bits=round(r["served_bits"], 3),
                          **{k: None if r[k] is None else round(r[k], 2)
@@ -151,7 +157,7 @@ def main(argv=None) -> int:
                     for r in rows]
         if a.sweep:
             sweeps += [dict(form=f"e8-{a.bits}b-{a.scales}", shape=name, config=r["config"], us=round(r["us"], 2))
-                       for r in sweep_layer(n, k, a.bits, a.scales, dev, l2, timer, print)]
+                       for r in sweep_layer(layer, timer, print)]
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"e8_points": records, **({"e8_sweep": sweeps} if a.sweep else {})}, f, indent=1)
