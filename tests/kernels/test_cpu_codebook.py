@@ -277,11 +277,11 @@ def test_avx512_path_compiles(tmp_path):
     from torch.utils.cpp_extension import include_paths
     src = next(s for s in native.SOURCES if s.name == "codebook.cpp")
     obj = tmp_path / "codebook.o"
-    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-mavx512vbmi", "-mavx512bf16", "-fPIC", "-w",
+    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-mavx512vbmi", "-mavx512bf16", "-mgfni", "-fPIC", "-w",
            *[f"-I{p}" for p in include_paths()],
            str(src), "-o", str(obj)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True)
-    for insn in ("vpermi2b", "vpermw", "vdpbf16ps"):   # the tiles' path (nothing else here uses them)
+    for insn in ("vpermi2b", "vpermw", "vdpbf16ps", "vgf2p8affineqb"):   # the tiles' path (nothing else here uses them)
         assert insn in dis.stdout, insn

@@ -54,8 +54,8 @@
 #else
 #define LATQ_CB_AVX512 0
 #endif
-// the 64-row tiles' path: where the build targets AVX-512 VBMI and BF16 too (the integer GEMV's condition)
-#if LATQ_CB_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+// the 64-row tiles' path: where the build targets AVX-512 VBMI, BF16 and GFNI too (every CPU with the first two)
+#if LATQ_CB_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BF16__) && defined(__GFNI__)
 #define LATQ_CB_TILES 1
 #else
 #define LATQ_CB_TILES 0
@@ -364,7 +364,6 @@ inline int rowof(int i) { return i < 8 ? 2 * i : 2 * (i - 8) + 1; }
 struct TileTables {
   alignas(64) uint8_t kp[4][256];   // lanes 2j, 2j+1: k at bits 0–1 and 4–5; j = 3: the pattern's parity at bit 6
   alignas(64) uint8_t bp[4][256];   // lanes 2j, 2j+1: 2·ball + 4 (0..8) at bits 0–3 and 4–7
-  alignas(64) uint8_t ps[128];      // the parity of a sign byte's seven signs, at bit 2
   alignas(64) uint8_t e15[64];      // index (bits 4, 5 ignored) → 4w + 15 of σ(½ + k) ± ¼
   alignas(64) uint8_t e11[64];      // the same − 4 (the ball's 2·ball + 4 brings it back)
   alignas(64) uint16_t val[2][32];  // q → bf16((q − 15)/4); /16 for a 4-bit code's second stage
@@ -396,7 +395,6 @@ const TileTables& tile_tables(const float* T) {
       tt.bp[j][p] = static_cast<uint8_t>(static_cast<int>(4 * ball[2 * j] + 4) | (static_cast<int>(4 * ball[2 * j + 1] + 4) << 4));
     }
   }
-  for (int h = 0; h < 128; ++h) tt.ps[h] = static_cast<uint8_t>(__builtin_parity(h) << 2);
   for (int i = 0; i < 64; ++i) {
     const int k = i & 3, neg = (i >> 2) & 1, minus = (i >> 3) & 1;
     const int q4 = (neg ? -1 : 1) * (2 + 4 * k) + (minus ? -1 : 1);   // 4·(σ(½ + k) ± ¼)
@@ -421,7 +419,7 @@ const TileTables& tile_tables(const float* T) {
   return tt;
 }
 
-#define LATQ_CB_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")))
+#define LATQ_CB_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")))
 
 LATQ_CB_TILE_TARGET inline __m512i lookup256(const uint8_t* t, __m512i idx, __mmask64 hi) {
   const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 64));
@@ -429,25 +427,28 @@ LATQ_CB_TILE_TARGET inline __m512i lookup256(const uint8_t* t, __m512i idx, __mm
   return _mm512_mask_blend_epi8(hi, lo, up);
 }
 
+// GF(2) affine maps of a byte (gf2p8affineqb: output bit i = parity(row byte 7 − i & input)), one
+// instruction for a bit shuffle. Lane pair j's: from a sign byte, lane 2j's sign to bit 2, lane 2j+1's
+// to bit 6 (lane 7's: the parity of the seven signs), the shift bit to 3 and 7 — each lane's index
+// bits once XOR'd onto kp[j] (k at 0–1 and 4–5, the pattern's parity at 6 for lane 7)
+constexpr long long sign_bits(int j) {
+  return static_cast<long long>((1ull << (2 * j)) << 40 | 0x80ull << 32 | (j == 3 ? 0x7Full : 1ull << (2 * j + 1)) << 8 | 0x80ull);
+}
+constexpr long long kHighNibble = 0x1020408000000000ll;   // bits 4–7 to 0–3, the rest 0
+
 // one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index]), or with E null its index
-// plane itself (bits 0–3; bits 4–7 not cleared), for tables that take the index (raw)
+// plane itself (bits 0–3; bits 4–7 not cleared), for tables that take the index (raw): lane pair j's
+// indices are kp[j] XOR its sign bits, the even lane's in bits 0–3, the odd lane's in 4–7
 LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m512i S, const uint8_t* E, __m512i q[8]) {
   const __mmask64 hi = _mm512_movepi8_mask(P);
-  const __m512i e = E ? _mm512_load_si512(E) : _mm512_setzero_si512(), four = _mm512_set1_epi8(4);
+  const __m512i e = E ? _mm512_load_si512(E) : _mm512_setzero_si512();
   const auto lookup = [&](__m512i idx) { return E ? _mm512_permutexvar_epi8(idx, e) : idx; };
-  const __m512i h3 = _mm512_and_si512(_mm512_srli_epi16(S, 4), _mm512_set1_epi8(8));
-  const __m512i ps = _mm512_permutex2var_epi8(_mm512_load_si512(tt.ps), S, _mm512_load_si512(tt.ps + 64));
-  __m512i kp[4];
-  for (int j = 0; j < 4; ++j) kp[j] = lookup256(tt.kp[j], P, hi);
-  // σ of lane l (bit l of S) at bit 2, OR'd with h at bit 3 (0xEA: (a & b) | c), XOR'd onto the lane's k
-  const __m512i sg[7] = {_mm512_slli_epi16(S, 2), _mm512_slli_epi16(S, 1), S, _mm512_srli_epi16(S, 1),
-                         _mm512_srli_epi16(S, 2), _mm512_srli_epi16(S, 3), _mm512_srli_epi16(S, 4)};
-  for (int l = 0; l < 7; ++l) {
-    const __m512i a = l % 2 ? _mm512_srli_epi16(kp[l / 2], 4) : kp[l / 2];
-    q[l] = lookup(_mm512_xor_si512(a, _mm512_ternarylogic_epi32(sg[l], four, h3, 0xEA)));
+  for (int j = 0; j < 4; ++j) {
+    const __m512i idx = _mm512_xor_si512(lookup256(tt.kp[j], P, hi),
+                                         _mm512_gf2p8affine_epi64_epi8(S, _mm512_set1_epi64(sign_bits(j)), 0));
+    q[2 * j] = lookup(idx);
+    q[2 * j + 1] = lookup(_mm512_srli_epi16(idx, 4));
   }
-  // lane 7: the pattern's parity (bit 6 of kp[3], at bit 2 once shifted) XOR the signs' (0x96: a ^ b ^ c)
-  q[7] = lookup(_mm512_ternarylogic_epi32(_mm512_srli_epi16(kp[3], 4), ps, h3, 0x96));
 }
 
 // quarters 2h and 2h + 1's bf16 weights of lanes 2j, 2j+1 (16 rows each, a pair a row): one vpermi2b
@@ -491,7 +492,7 @@ LATQ_CB_TILE_TARGET inline void block_planes(const TileTables& tt, const uint8_t
     for (int j = 0; j < 4; ++j) {
       const __m512i bp = lookup256(tt.bp[j], bl, hi);
       q[2 * j] = _mm512_add_epi8(q[2 * j], _mm512_and_si512(bp, lo4));
-      q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_and_si512(_mm512_srli_epi16(bp, 4), lo4));
+      q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_gf2p8affine_epi64_epi8(bp, _mm512_set1_epi64(kHighNibble), 0));
     }
   }
 }
@@ -649,7 +650,8 @@ std::atomic<int> g_isa{isa_detect()};
 // whether the 64-row tiles' path runs here (on the best instruction set only)
 bool tiles_run() {
 #if LATQ_CB_TILES
-  static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+  static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("gfni");
   return cpu && g_isa.load() == 2;
 #else
   return false;
