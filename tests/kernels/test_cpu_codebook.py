@@ -255,6 +255,23 @@ def test_coded_scales_are_read_as_stored():
     assert torch.equal(state_scales(st), w.coded.decode().half())
 
 
+@pytest.mark.parametrize("coded", [True, False])
+def test_placed_state_computes_the_same(coded):
+    """place moves the codes and scales into the weight arenas (as a served model loads them) and
+    keeps the table every layer shares; apply's output is bit-identical (tiles and rows layouts)."""
+    for n in (128, 40):
+        st = CPUCodebookKernel.prepare(weight(3, n=n, k=256, group=16, coded=coded))
+        x = torch.randn(3, 256).bfloat16()
+        want = [CPUCodebookKernel.apply(st, x[:m]) for m in (1, 3)]
+        codes, scales, table = st.codes, st.scales, st.table
+        CPUCodebookKernel.place(st)
+        assert st.table is table
+        for new, old in ((st.codes, codes), (st.scales, scales)):
+            assert torch.equal(new, old) and new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+        assert st.codes.untyped_storage().data_ptr() == st.scales.untyped_storage().data_ptr()   # one arena
+        assert all(torch.equal(CPUCodebookKernel.apply(st, x[:m]), y) for m, y in zip((1, 3), want))
+
+
 def test_opcheck_native_op():
     """``latq_cpu::codebook_linear``: schema, fake and dynamic shapes (small and large M, rotated)."""
     native_or_skip()

@@ -15,7 +15,7 @@ from ... import native
 from ..base import LatqKernel
 from ..reference import latq_linear_ref
 from ..weight import CodebookWeight
-from . import layouts
+from . import arena, layouts
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -79,7 +79,7 @@ class CodebookState:
     bits: int
     group_size: int
     in_features: int
-    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + BF16) and out % 64 == 0
+    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + BF16 + GFNI), out % 64 == 0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -119,6 +119,12 @@ class CPUCodebookKernel(LatqKernel):
         scales = coded_scale_words(w.coded) if w.coded is not None else w.scales.half().contiguous()
         rows = cls.tile_rows(w.out_features)
         return CodebookState(tile_codes(w.codes, rows), scales, decode_table(), w.bits, w.group_size, w.in_features, rows)
+
+    @classmethod
+    def place(cls, state: CodebookState) -> None:
+        """The codes and scales into the weight arenas (huge pages, load order), as the integer kernel's;
+        the table stays the one every layer shares."""
+        state.codes, state.scales = arena.place(state.codes), arena.place(state.scales)
 
     @staticmethod
     def tile_rows(out_features: int) -> int:

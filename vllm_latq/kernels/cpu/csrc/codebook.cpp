@@ -505,6 +505,12 @@ inline const TileTables& from_l1(const TileTables& tt0) {
   return *t;
 }
 
+// a block's code lines 2 KB ahead into L1: the codes stream once a call, and in a served model's pass
+// over every layer they come from memory (3 % off that pass at M = 1, docs/KERNELS.md)
+LATQ_CB_TILE_TARGET inline void prefetch_codes(const uint8_t* p, int64_t lines) {
+  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64 * l, _MM_HINT_T0);
+}
+
 // tiles [t0, t1) of y (fp32, natural row order) for one row of bf16 x; band: 4 bands' scales, [4][G][16]
 template <int BITS>
 LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t t, const float* band,
@@ -517,6 +523,7 @@ LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const u
     for (int r = 0; r < 4; ++r) part[r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
       const uint8_t* p = c + b * L.B * kTile;
+      prefetch_codes(p, L.B);
       const TileTables& tt = from_l1(tt0);
       __m512i q[8];
       block_planes<BITS>(tt, p, q);
@@ -602,6 +609,7 @@ LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const u
       const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = c + (c0 + b) * L.B * kTile;
+        prefetch_codes(p, L.B);
         const TileTables& tt = from_l1(tt0);
         __m512i q[8];
         for (int st = 0; st < S; ++st) {
