@@ -94,8 +94,7 @@ class LatqKernel:
 
     @classmethod
     def place(cls, state: Any) -> None:
-        """Move the prepared state where the served model keeps it, once per layer in load order
-        (default: where ``prepare`` left it)."""
+        """Move the prepared state where the served model keeps it, in load order (default: it stays)."""
 
     @classmethod
     def reserve(cls, state: Any, act_dtype: torch.dtype) -> None:

@@ -122,8 +122,7 @@ class CPUCodebookKernel(LatqKernel):
 
     @classmethod
     def place(cls, state: CodebookState) -> None:
-        """The codes and scales into the weight arenas (huge pages, load order), as the integer kernel's;
-        the table stays the one every layer shares."""
+        """Codes and scales into the weight arenas, as the integer kernel's (the shared table stays)."""
         state.codes, state.scales = arena.place(state.codes), arena.place(state.scales)
 
     @staticmethod
