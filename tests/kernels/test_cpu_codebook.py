@@ -214,6 +214,21 @@ def test_selector_picks_it_for_a_rotated_codebook_layer():
         close(op(x, tensors, ints, bias, 48), x, w, bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rotated_layer_rotates_in_the_same_call(dtype, monkeypatch):
+    """Eager apply of a rotated codebook layer is one C++ call (the op rotates x by its trailing signs,
+    no separate transform), bit for bit what rotating first and then applying gives, small and large M."""
+    native_or_skip()
+    from vllm_latq.kernels import rotated
+    k, kern = 256, rotated.rotated_kernel(CPUCodebookKernel)
+    st = kern.prepare(replace(weight(3, n=64, k=k, group=16, coded=True), rotation=Rotation(0).signs(k)))
+    xs = [torch.randn(M, k).to(dtype) for M in (1, 3, 300)]
+    want = [CPUCodebookKernel.apply(st.inner, torch.ops.latq_cpu.hadamard(x, st.signs)) for x in xs]
+    monkeypatch.setattr(rotated, "rotate_activations", lambda *a: pytest.fail("a separate rotation call"))
+    for x, y in zip(xs, want):
+        assert torch.equal(kern.apply(st, x), y)
+
+
 def test_refusals_name_the_reason():
     w = weight()
     assert CPUCodebookKernel.can_implement(w, torch.device("cuda"), torch.bfloat16) == (

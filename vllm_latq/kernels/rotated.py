@@ -64,6 +64,9 @@ class RotatedKernel(LatqKernel):
 
     @classmethod
     def apply(cls, state, x, bias=None):
+        fused = getattr(cls.inner, "apply_rotated", None)   # the inner op rotates x itself: one call, not two
+        if fused is not None:
+            return fused(state.inner, x, state.signs, bias)
         return cls.inner.apply(state.inner, rotate_activations(x, state.signs), bias)
 
     @classmethod

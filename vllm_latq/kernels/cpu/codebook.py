@@ -11,6 +11,7 @@ from functools import lru_cache
 import torch
 
 from ...format import codebook as cb, scale_codes
+from ...format.rotation import rotate
 from ... import native
 from ..base import LatqKernel
 from ..reference import latq_linear_ref
@@ -140,14 +141,22 @@ class CPUCodebookKernel(LatqKernel):
 
     @classmethod
     def apply(cls, state: CodebookState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return cls.apply_rotated(state, x, None, bias)
+
+    @classmethod
+    def apply_rotated(cls, state: CodebookState, x: torch.Tensor, signs: torch.Tensor | None,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``apply`` on x·R (R's fp32 ``signs``; None: on x), rotated in the same C++ call."""
         N = state_rows(state)
         if native.usable():
-            return torch.ops.latq_cpu.codebook_linear(x, [state.codes, state.scales, state.table],
+            tensors = [state.codes, state.scales, state.table] + ([] if signs is None else [signs])
+            return torch.ops.latq_cpu.codebook_linear(x, tensors,
                                                       [state.bits, state.group_size, state.in_features, state.tile_rows],
                                                       bias, N)
         # without the op: the reference itself, on the state's codes and fp16 scales
-        return latq_linear_ref(x, CodebookWeight(state_codes(state), state_scales(state), state.bits, state.group_size,
-                                                 state.in_features), bias)
+        return latq_linear_ref(x if signs is None else rotate(x, signs),
+                               CodebookWeight(state_codes(state), state_scales(state), state.bits, state.group_size,
+                                              state.in_features), bias)
 
     @classmethod
     def served_bytes(cls, state: CodebookState) -> dict[str, int]:
