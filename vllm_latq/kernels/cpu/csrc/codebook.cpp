@@ -17,7 +17,7 @@
 //
 // Small M: per output row, each block decoded once into 8 fp32 lanes, scaled and FMA'd into up to
 // 4 rows of x (AVX2 + FMA + F16C) or 8 (AVX-512VL: 32 registers), two FMA chains per row; on AVX-512
-// VBMI + BF16 with bf16 x, 64-row tiles decoded across rows (below). Large M (≥ set_codebook_large_m):
+// VBMI + BF16 + GFNI with bf16 x, 64-row tiles decoded across rows (below). Large M (≥ set_codebook_large_m):
 // tiles of rows decoded to fp32, then one GEMM per tile.
 //
 //   latq_cpu::codebook_linear(x [..., K] bf16/fp16/fp32, tensors = (codes uint8 [N, K/8, B],
@@ -346,12 +346,13 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 #endif
 
 #if LATQ_CB_TILES
-// ------------------------------------------------------------------ AVX-512 VBMI + BF16: 64-row tiles
+// ------------------------------------------------------------------ AVX-512 VBMI + BF16 + GFNI: 64-row tiles
 //
 // A tile's block is 64 rows' code bytes as planes (pattern, signs[, ball | pattern, signs]), and the
 // decode runs across rows, 64 a register: the pattern plane indexes four 256-entry tables (two
 // vpermi2b and a blend each), giving each lane's |a| − ½ (k) two lanes a byte; a lane's index
-// k | σ << 2 | h << 3 (its sign from the sign plane, lane 7's by the two parities, h the shift) is
+// k | σ << 2 | h << 3 (its sign from the sign plane, lane 7's by the two parities, h the shift; both
+// lanes' bits by one GF(2) affine map of the sign byte, e8p_planes) is
 // what an E8P stage alone needs; the 3-bit ball's stage looks it up as q = 4w + 15 (vpermb) and adds
 // 2·ball (0 ≤ q ≤ 30). Then per pair of lanes and pair of 16-row quarters one vpermi2b interleaves the
 // two lanes' planes into words (one quarter's byte low, the other's high) and two vpermw turn them into
@@ -432,7 +433,8 @@ LATQ_CB_TILE_TARGET inline __m512i lookup256(const uint8_t* t, __m512i idx, __mm
 // to bit 6 (lane 7's: the parity of the seven signs), the shift bit to 3 and 7 — each lane's index
 // bits once XOR'd onto kp[j] (k at 0–1 and 4–5, the pattern's parity at 6 for lane 7)
 constexpr long long sign_bits(int j) {
-  return static_cast<long long>((1ull << (2 * j)) << 40 | 0x80ull << 32 | (j == 3 ? 0x7Full : 1ull << (2 * j + 1)) << 8 | 0x80ull);
+  const unsigned long long odd = j == 3 ? 0x7Full : 1ull << (2 * j + 1);   // output bits 2, 3, 6, 7: bytes 5, 4, 1, 0
+  return static_cast<long long>((1ull << (2 * j)) << 40 | 0x80ull << 32 | odd << 8 | 0x80ull);
 }
 constexpr long long kHighNibble = 0x1020408000000000ll;   // bits 4–7 to 0–3, the rest 0
 
