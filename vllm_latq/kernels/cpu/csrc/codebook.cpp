@@ -507,8 +507,8 @@ inline const TileTables& from_l1(const TileTables& tt0) {
   return *t;
 }
 
-// a block's code lines 2 KB ahead into L1: the codes stream once a call, and in a served model's pass
-// over every layer they come from memory (3 % off that pass at M = 1, docs/KERNELS.md)
+// a block's code lines 2 KB ahead into L1: the codes stream once a call, from memory in a served
+// model's pass over every layer (docs/KERNELS.md, "CPU kernel (cpu-e8)")
 LATQ_CB_TILE_TARGET inline void prefetch_codes(const uint8_t* p, int64_t lines) {
   for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64 * l, _MM_HINT_T0);
 }
