@@ -1,5 +1,6 @@
 """bench/cpu_insitu.py's per-instruction-set wiring and keys (nothing timed): each impl runs on the
-instruction set its name says, and the HEADLINE keys are the ratios their descriptions name."""
+instruction set its name says, and the HEADLINE keys are the ratios their descriptions name; and the
+e8 section's keys (bench/cpu_e8.py, tiny shapes, one round)."""
 from __future__ import annotations
 
 import pytest
@@ -92,3 +93,22 @@ def test_streaming_candidates_are_what_their_keys_name(monkeypatch):
     assert switch[-1] is True and set(switch) == {False, True}
     keys = {f"stream_{k}_{w}_m{m}" for k in ("prefetch", "arena") for w in ("blocks", "head") for m in (1, 2, 8)}
     assert set(results) == keys and all(v > 0 for v in results.values())
+
+
+def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
+    """``--sections e8`` on small shapes, one round: every E8 width against the integer kernel and bf16
+    at each M, and the large-M paths, as HEADLINE keys (positive, finite)."""
+    from argparse import Namespace
+
+    from bench import cpu_e8
+    from vllm_latq import native
+    if native.load() is not None:
+        pytest.skip("the C++ ops are not built here")
+    monkeypatch.setattr(cpu_e8, "E8_SHAPES", {"tiny": (128, 256), "8b.qo": (128, 256)})
+    results = {}
+    cpu_e8.e8(Namespace(e8_shapes=["tiny"], rounds=1, sample_us=50.0), results)
+    want = {f"e8_tiny_m{m}_e8_{b}b_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4) for ref in ("int_4b", "bf16")}
+    want |= {f"e8_large_m{m}_small_over_tiles" for m in (8, 16, 32, 64, 128, 256, 512)}
+    assert want <= set(results), sorted(want - set(results))
+    assert all(0 < results[k] < float("inf") for k in want)
+    assert "time / int_4b" in capsys.readouterr().out
