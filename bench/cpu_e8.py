@@ -3,17 +3,25 @@ configures it (coded scales per 16 columns: E8-2/3/4b at 2.375 / 3.375 / 4.375 s
 integer CPU kernel at 3 and 4 bits (the default checkpoint's form: group 64) and bf16 ``F.linear``, on
 SmolLM2-135M's and Llama-3-8B's shapes, M = 1, 4, 8; each with the bits a weight it streams and the
 GB/s that makes. Then the E8 op's small-M path against its decoded tiles + GEMM for M = 8..512 (where
-``set_codebook_large_m`` should sit). bf16 activations; timed side by side (:mod:`bench.paired_timing`)."""
+``set_codebook_large_m`` should sit), and E8-3b in situ: whole passes over ``--blocks`` SmolLM2 blocks of
+vLLM's fused shapes at M = 1 (weights from memory, as a decode step streams them) — the states in the weight
+arenas as a served model's, where prepare left them, and rotated — beside the integer kernel's pass.
+bf16 activations; timed side by side (:mod:`bench.paired_timing`)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from bench.paired_timing import med, ratio, side_by_side
+from bench.cpu_insitu import SMOL_VLLM
+from bench.paired_timing import med, passes, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import native
+from vllm_latq.format.rotation import Rotation
 from vllm_latq.kernels.cpu.codebook import CPUCodebookKernel
 from vllm_latq.kernels.cpu.kernel import CPUKernel
+from vllm_latq.kernels.rotated import rotated_kernel
 from vllm_latq.kernels.weight import CodebookWeight, dequantize
 from vllm_latq.testing.weights import random_weight
 
@@ -76,6 +84,7 @@ def e8(a, results: dict) -> None:
                 f"e8_{b}b {ratio(ts, f'e8_{b}b', 'int_4b'):.2f}" for b in (2, 3, 4)) + "   time / bf16: " + "  ".join(
                 f"e8_{b}b {ratio(ts, f'e8_{b}b', 'bf16'):.2f}" for b in (2, 3, 4)), flush=True)
     large(a, results)
+    insitu(a, results)
 
 
 def large(a, results: dict) -> None:
@@ -100,3 +109,34 @@ def large(a, results: dict) -> None:
                   f"small/tiles {ratio(ts, 'small', 'tiles'):.2f}", flush=True)
     finally:
         torch.ops.latq_cpu.set_codebook_large_m(saved)
+
+
+def insitu(a, results: dict) -> None:
+    """E8-3b over ``a.blocks`` SmolLM2 blocks at M = 1 through ``apply`` (eager's call): placed in the
+    arenas (``e8``), left on the heap (``e8_heap``), rotated and placed (``e8_rot``); the integer 4-bit
+    kernel placed (``int_4b``, g64)."""
+    rot = rotated_kernel(CPUCodebookKernel)
+    kernels = {"e8": CPUCodebookKernel, "e8_heap": CPUCodebookKernel, "e8_rot": rot, "int_4b": CPUKernel}
+    layers = {key: [] for key in kernels}
+    for b in range(a.blocks):
+        for i, (_, n, k) in enumerate(SMOL_VLLM):
+            w = codebook_weight(n, k, 3, seed=1000 * b + i)
+            for key, kern in kernels.items():
+                lw = (random_weight(n, k, 4, 0.0, group=INT_GROUP, seed=1000 * b + i) if key == "int_4b" else
+                      replace(w, rotation=Rotation(0).signs(k)) if key == "e8_rot" else w)
+                st = kern.prepare(lw)
+                if key != "e8_heap":
+                    kern.place(st)
+                layers[key].append((kern, st, k, _bytes(kern, st), n * k))
+    x = {k: torch.randn(1, k).bfloat16() for _, _, k in SMOL_VLLM}
+    ts = passes({key: (lambda v=v: [kern.apply(st, x[k]) for kern, st, k, _, _ in v]) for key, v in layers.items()},
+                a.rounds)
+    numel = sum(e[-1] for e in layers["e8"])
+    results["e8_insitu_ms"] = med(ts["e8"])
+    results["e8_insitu_heap_over_placed"] = ratio(ts, "e8_heap", "e8")
+    results["e8_insitu_rot_over_plain"] = ratio(ts, "e8_rot", "e8")
+    results["e8_insitu_over_int_4b"] = ratio(ts, "e8", "int_4b")
+    print(f"  in situ, {a.blocks} SmolLM2 blocks (vLLM's fused shapes), M=1, E8-3b (ms: median): " + "  ".join(
+        f"{key} {med(v):.2f} ({8 * sum(e[3] for e in layers[key]) / numel:.3f} b/w)" for key, v in ts.items())
+        + f"   heap/placed {results['e8_insitu_heap_over_placed']:.2f}  rotated/plain "
+        f"{results['e8_insitu_rot_over_plain']:.2f}  e8/int_4b {results['e8_insitu_over_int_4b']:.2f}", flush=True)

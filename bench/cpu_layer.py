@@ -46,8 +46,9 @@ torch.set_num_threads(2). Sections:
             optional tensors) vs latq_cpu::plain_linear (its two): t_list / t_plain
   e8        the codebook form (method e8, coded scales per 16 columns): cpu-e8 at 2/3/4 bits vs
             the integer kernel at 3/4 bits (g64) vs bf16 F.linear, SmolLM2's and Llama-3-8B's shapes
-            (--e8-shapes), M = 1, 4, 8, with the bits each streams and its GB/s; and the E8 op's
-            small-M path vs its decoded tiles + GEMM (bench/cpu_e8.py)
+            (--e8-shapes), M = 1, 4, 8, with the bits each streams and its GB/s; the E8 op's
+            small-M path vs its decoded tiles + GEMM; and E8-3b in situ (--blocks SmolLM2 blocks, M = 1):
+            in the weight arenas vs on the heap vs rotated, beside the integer kernel (bench/cpu_e8.py)
   streaming those 30 blocks and the 8-bit head, M = 1, 2, 8: the GEMV prefetching its weights into
             L1 (2 KB ahead) vs L2 (8 KB ahead), and the states where prepare left them vs in the
             weight arenas a served model loads them into (huge pages, load order)
@@ -309,7 +310,7 @@ def main(argv=None):
                     choices=["table", "profile", "large", "wide", "gemv", "outliers", "coded", "vllm", "rotation", "calls",
                              "streaming", "e8"])
     ap.add_argument("--gemv-rounds", type=int, default=40, help="interleaved whole passes (gemv, outliers, coded)")
-    ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, "
+    ap.add_argument("--blocks", type=int, default=30, help="SmolLM2 blocks of an in-situ pass (gemv, outliers, e8, "
                     "coded): 30, ~57 MB of int4, more than L3")
     ap.add_argument("--large-m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 512])
     ap.add_argument("--e8-shapes", nargs="+", choices=list(E8_SHAPES), help="the e8 section's shapes (default: all)")

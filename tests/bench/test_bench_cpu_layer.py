@@ -96,8 +96,8 @@ def test_streaming_candidates_are_what_their_keys_name(monkeypatch):
 
 
 def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
-    """``--sections e8`` on small shapes, one round: every E8 width against the integer kernel and bf16
-    at each M, and the large-M paths, as HEADLINE keys (positive, finite)."""
+    """``--sections e8`` on small shapes, one round, one block in situ: every E8 width against the integer
+    kernel and bf16 at each M, the large-M paths and the in-situ ratios, as HEADLINE keys (positive, finite)."""
     from argparse import Namespace
 
     from bench import cpu_e8
@@ -106,9 +106,10 @@ def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
         pytest.skip("the C++ ops are not built here")
     monkeypatch.setattr(cpu_e8, "E8_SHAPES", {"tiny": (128, 256), "8b.qo": (128, 256)})
     results = {}
-    cpu_e8.e8(Namespace(e8_shapes=["tiny"], rounds=1, sample_us=50.0), results)
+    cpu_e8.e8(Namespace(e8_shapes=["tiny"], rounds=1, sample_us=50.0, blocks=1), results)
     want = {f"e8_tiny_m{m}_e8_{b}b_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4) for ref in ("int_4b", "bf16")}
     want |= {f"e8_large_m{m}_small_over_tiles" for m in (8, 16, 32, 64, 128, 256, 512)}
+    want |= {"e8_insitu_ms", "e8_insitu_heap_over_placed", "e8_insitu_rot_over_plain", "e8_insitu_over_int_4b"}
     assert want <= set(results), sorted(want - set(results))
     assert all(0 < results[k] < float("inf") for k in want)
     assert "time / int_4b" in capsys.readouterr().out
