@@ -5,8 +5,9 @@ SmolLM2-135M's and Llama-3-8B's shapes, M = 1, 4, 8; each with the bits a weight
 GB/s that makes. Then the E8 op's small-M path against its decoded tiles + GEMM for M = 8..512 (where
 ``set_codebook_large_m`` should sit), and E8-3b in situ: whole passes over ``--blocks`` SmolLM2 blocks of
 vLLM's fused shapes at M = 1 (weights from memory, as a decode step streams them) — the states in the weight
-arenas as a served model's, where prepare left them, and rotated — beside the integer kernel's pass.
-bf16 activations; timed side by side (:mod:`bench.paired_timing`)."""
+arenas as a served model's, where prepare left them, and rotated — beside the integer kernel's pass. Where
+it runs, the opt-in ``cpu-e8-a8`` (x rounded to int8) beside each (``…_a8``). bf16 activations; timed side by
+side (:mod:`bench.paired_timing`)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -19,7 +20,7 @@ from bench.paired_timing import med, passes, ratio, side_by_side
 from vllm_latq import format as fmt
 from vllm_latq import native
 from vllm_latq.format.rotation import Rotation
-from vllm_latq.kernels.cpu.codebook import CPUCodebookKernel
+from vllm_latq.kernels.cpu.codebook import CPUCodebookA8Kernel, CPUCodebookKernel
 from vllm_latq.kernels.cpu.kernel import CPUKernel
 from vllm_latq.kernels.rotated import rotated_kernel
 from vllm_latq.kernels.weight import CodebookWeight, dequantize
@@ -52,6 +53,7 @@ def e8(a, results: dict) -> None:
         print("\ne8: the C++ ops are not built here")
         return
     shapes = [s for s in (a.e8_shapes or E8_SHAPES)]
+    a8 = CPUCodebookA8Kernel.unavailable_here() is None
     print(f"\ne8: cpu-e8 (coded scales, g{E8_GROUP}) vs the integer CPU kernel (g{INT_GROUP}) vs bf16 F.linear, "
           f"bf16 x; E8 op ISA {torch.ops.latq_cpu.codebook_isa() or 'scalar'}, GEMV ISA "
           f"{torch.ops.latq_cpu.gemv_isa() or 'none'} (µs: median; b/w: bits a weight streamed; GB/s)")
@@ -59,9 +61,10 @@ def e8(a, results: dict) -> None:
         n, k = E8_SHAPES[name]
         fns, nbytes = {}, {}
         for bits in (2, 3, 4):
-            st = CPUCodebookKernel.prepare(codebook_weight(n, k, bits))
-            fns[f"e8_{bits}b"] = (lambda st=st: CPUCodebookKernel.apply(st, x))
-            nbytes[f"e8_{bits}b"] = _bytes(CPUCodebookKernel, st)
+            for kern, key in ((CPUCodebookKernel, f"e8_{bits}b"), (CPUCodebookA8Kernel, f"e8_{bits}b_a8"))[:1 + a8]:
+                st = kern.prepare(codebook_weight(n, k, bits))
+                fns[key] = (lambda st=st, kern=kern: kern.apply(st, x))
+                nbytes[key] = _bytes(kern, st)
         for bits in (3, 4):
             st = CPUKernel.prepare(random_weight(n, k, bits, 0.0, group=INT_GROUP, seed=1))
             fns[f"int_{bits}b"] = (lambda st=st: CPUKernel.apply(st, x))
@@ -77,12 +80,16 @@ def e8(a, results: dict) -> None:
             for bits in (2, 3, 4):
                 results[f"e8_{name}_m{M}_e8_{bits}b_over_int_4b"] = ratio(ts, f"e8_{bits}b", "int_4b")
                 results[f"e8_{name}_m{M}_e8_{bits}b_over_bf16"] = ratio(ts, f"e8_{bits}b", "bf16")
+                if a8:
+                    results[f"e8_{name}_m{M}_e8_{bits}b_a8_over_int_4b"] = ratio(ts, f"e8_{bits}b_a8", "int_4b")
+                    results[f"e8_{name}_m{M}_e8_{bits}b_a8_over_exact"] = ratio(ts, f"e8_{bits}b_a8", f"e8_{bits}b")
             print(f"  {name:9s} {n:>5d}x{k:<5d} M={M}: " + "  ".join(
                 f"{key} {med(v):.1f} ({8 * nbytes[key] / (n * k):.3f} b/w, {nbytes[key] / med(v) / 1e3:.1f} GB/s)"
                 for key, v in ts.items()), flush=True)
             print(f"  {'':9s} {'':11s}     time / int_4b: " + "  ".join(
                 f"e8_{b}b {ratio(ts, f'e8_{b}b', 'int_4b'):.2f}" for b in (2, 3, 4)) + "   time / bf16: " + "  ".join(
-                f"e8_{b}b {ratio(ts, f'e8_{b}b', 'bf16'):.2f}" for b in (2, 3, 4)), flush=True)
+                f"e8_{b}b {ratio(ts, f'e8_{b}b', 'bf16'):.2f}" for b in (2, 3, 4)) + ("   a8 / exact: " + "  ".join(
+                f"e8_{b}b {ratio(ts, f'e8_{b}b_a8', f'e8_{b}b'):.2f}" for b in (2, 3, 4)) if a8 else ""), flush=True)
     large(a, results)
     insitu(a, results)
 
@@ -114,16 +121,18 @@ def large(a, results: dict) -> None:
 def insitu(a, results: dict) -> None:
     """E8-3b over ``a.blocks`` SmolLM2 blocks at M = 1 through ``apply`` (eager's call): placed in the
     arenas (``e8``), left on the heap (``e8_heap``), rotated and placed (``e8_rot``); the integer 4-bit
-    kernel placed (``int_4b``, g64)."""
+    kernel placed (``int_4b``, g64); where it runs, ``cpu-e8-a8`` rotated and placed (``e8_a8_rot``)."""
     rot = rotated_kernel(CPUCodebookKernel)
     kernels = {"e8": CPUCodebookKernel, "e8_heap": CPUCodebookKernel, "e8_rot": rot, "int_4b": CPUKernel}
+    if CPUCodebookA8Kernel.unavailable_here() is None:
+        kernels["e8_a8_rot"] = rotated_kernel(CPUCodebookA8Kernel)
     layers = {key: [] for key in kernels}
     for b in range(a.blocks):
         for i, (_, n, k) in enumerate(SMOL_VLLM):
             w = codebook_weight(n, k, 3, seed=1000 * b + i)
             for key, kern in kernels.items():
                 lw = (random_weight(n, k, 4, 0.0, group=INT_GROUP, seed=1000 * b + i) if key == "int_4b" else
-                      replace(w, rotation=Rotation(0).signs(k)) if key == "e8_rot" else w)
+                      replace(w, rotation=Rotation(0).signs(k)) if key.endswith("_rot") else w)
                 st = kern.prepare(lw)
                 if key != "e8_heap":
                     kern.place(st)
@@ -136,6 +145,8 @@ def insitu(a, results: dict) -> None:
     results["e8_insitu_heap_over_placed"] = ratio(ts, "e8_heap", "e8")
     results["e8_insitu_rot_over_plain"] = ratio(ts, "e8_rot", "e8")
     results["e8_insitu_over_int_4b"] = ratio(ts, "e8", "int_4b")
+    if "e8_a8_rot" in ts:
+        results["e8_insitu_a8_rot_over_rot"] = ratio(ts, "e8_a8_rot", "e8_rot")
     print(f"  in situ, {a.blocks} SmolLM2 blocks (vLLM's fused shapes), M=1, E8-3b (ms: median): " + "  ".join(
         f"{key} {med(v):.2f} ({8 * sum(e[3] for e in layers[key]) / numel:.3f} b/w)" for key, v in ts.items())
         + f"   heap/placed {results['e8_insitu_heap_over_placed']:.2f}  rotated/plain "

@@ -27,13 +27,15 @@ ISA_CHOICES = ("avx2", "best")
 SOURCES = (Path(__file__).parent / "kernels" / "cpu" / "csrc" / "latq_cpu.cpp",
            Path(__file__).parent / "kernels" / "cpu" / "csrc" / "hadamard.cpp",
            Path(__file__).parent / "kernels" / "cpu" / "csrc" / "codebook.cpp",
+           Path(__file__).parent / "kernels" / "cpu" / "csrc" / "codebook_a8.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "sweep.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "scales.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "e8.cpp",
            Path(__file__).parent / "algorithms" / "csrc" / "e8_sweep.cpp",
            Path(__file__).parent / "quantize" / "csrc" / "gram.cpp")
 # included by SOURCES: hashed with them, so an edit rebuilds
-HEADERS = (Path(__file__).parent / "algorithms" / "csrc" / "e8_search.h",)
+HEADERS = (Path(__file__).parent / "algorithms" / "csrc" / "e8_search.h",
+           Path(__file__).parent / "kernels" / "cpu" / "csrc" / "codebook.h")
 # the build's target: this CPU, or another (LATQ_CPU_MARCH=x86-64-v3 builds what an AVX2-only
 # CPU builds, so an AVX-512 machine can test that build's code paths)
 MARCH_ENV = "LATQ_CPU_MARCH"
@@ -158,6 +160,7 @@ def load() -> str | None:
                           is_python_module=False, verbose=False)
                 torch.library.register_fake("latq_cpu::linear", _fake)
                 torch.library.register_fake("latq_cpu::codebook_linear", _fake)
+                torch.library.register_fake("latq_cpu::codebook_linear_a8", _fake)
                 torch.library.register_fake("latq_cpu::plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::rotated_plain_linear", _fake_plain)
                 torch.library.register_fake("latq_cpu::small_linear", _fake_small)

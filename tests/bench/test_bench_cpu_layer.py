@@ -110,6 +110,10 @@ def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
     want = {f"e8_tiny_m{m}_e8_{b}b_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4) for ref in ("int_4b", "bf16")}
     want |= {f"e8_large_m{m}_small_over_tiles" for m in (8, 16, 32, 64, 128, 256, 512)}
     want |= {"e8_insitu_ms", "e8_insitu_heap_over_placed", "e8_insitu_rot_over_plain", "e8_insitu_over_int_4b"}
+    from vllm_latq.kernels.cpu.codebook import CPUCodebookA8Kernel
+    if CPUCodebookA8Kernel.unavailable_here() is None:   # the opt-in int8-activation kernel beside each
+        want |= {f"e8_tiny_m{m}_e8_{b}b_a8_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4)
+                 for ref in ("int_4b", "exact")} | {"e8_insitu_a8_rot_over_rot"}
     assert want <= set(results), sorted(want - set(results))
     assert all(0 < results[k] < float("inf") for k in want)
     assert "time / int_4b" in capsys.readouterr().out

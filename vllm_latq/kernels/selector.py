@@ -42,8 +42,8 @@ def kernels() -> list[type[LatqKernel]]:
     except ImportError:
         pass
     try:
-        from .cpu.codebook import CPUCodebookKernel
-        found.append(CPUCodebookKernel)
+        from .cpu.codebook import CPUCodebookA8Kernel, CPUCodebookKernel
+        found += [CPUCodebookKernel, CPUCodebookA8Kernel]
     except ImportError:
         pass
     return found + [DequantizedBf16Kernel, ReferenceKernel, DequantizedFp32Kernel]

@@ -54,10 +54,41 @@ def tile_codes(codes: torch.Tensor, rows: int) -> torch.Tensor:
     return codes.reshape(n // rows, rows, nb, nbytes).permute(0, 2, 3, 1).contiguous()
 
 
+A8_ROWS = 32   # rows a half tile of the int8-activation layout (csrc/codebook_a8.cpp)
+
+
+def _a8_plane() -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair plane byte's row in the half tile and block in the pair (csrc/codebook_a8.cpp, "Layout")."""
+    i = torch.arange(64)
+    k, s, blk = i // 8, i % 8 // 2, i % 2
+    j = 2 * k + s % 2
+    return torch.where(s < 2, 0, 16) + torch.where(j < 8, 2 * j, 2 * (j - 8) + 1), blk
+
+
+def tile_codes_a8(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[N, in/8, B]`` → ``[N/32, in/16, B, 64]``: pairs of blocks as planes of 32 rows (the same bytes)."""
+    n, nb, nbytes = codes.shape
+    rows, blk = _a8_plane()
+    return codes.reshape(n // A8_ROWS, A8_ROWS, nb // 2, 2, nbytes)[:, rows, :, blk, :].permute(1, 2, 3, 0).contiguous()
+
+
 def state_codes(state: "CodebookState") -> torch.Tensor:
     """uint8 ``[out, in/8, B]``: the state's codes in the format's row layout."""
     c = state.codes
+    if state.tile_rows == A8_ROWS:
+        rows, blk = _a8_plane()
+        out = c.new_empty(c.shape[0], A8_ROWS, c.shape[1], 2, c.shape[2])
+        out[:, rows, :, blk, :] = c.permute(3, 0, 1, 2)
+        return out.reshape(-1, 2 * c.shape[1], c.shape[2])
     return c if c.dim() == 3 else c.permute(0, 3, 1, 2).reshape(-1, c.shape[1], c.shape[2])
+
+
+def round_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as ``cpu-e8-a8`` multiplies it, in fp32: each row on int8 steps of max |row| / 127, halves to even."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv) * (amax / 127.0)
 
 
 def state_rows(state: "CodebookState") -> int:
@@ -80,7 +111,8 @@ class CodebookState:
     bits: int
     group_size: int
     in_features: int
-    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + BF16 + GFNI), out % 64 == 0
+    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + BF16 + GFNI), out % 64 == 0;
+                            # 32: the int8-activation layout (tile_codes_a8)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -150,13 +182,17 @@ class CPUCodebookKernel(LatqKernel):
         N = state_rows(state)
         if native.usable():
             tensors = [state.codes, state.scales, state.table] + ([] if signs is None else [signs])
-            return torch.ops.latq_cpu.codebook_linear(x, tensors,
-                                                      [state.bits, state.group_size, state.in_features, state.tile_rows],
-                                                      bias, N)
+            return cls.native_op()(x, tensors, [state.bits, state.group_size, state.in_features, state.tile_rows],
+                                   bias, N)
         # without the op: the reference itself, on the state's codes and fp16 scales
-        return latq_linear_ref(x if signs is None else rotate(x, signs),
+        return latq_linear_ref(cls.activations(x if signs is None else rotate(x, signs)),
                                CodebookWeight(state_codes(state), state_scales(state), state.bits, state.group_size,
                                               state.in_features), bias)
+
+    @staticmethod
+    def activations(x: torch.Tensor) -> torch.Tensor:
+        """x as the kernel multiplies it (here: as it is)."""
+        return x
 
     @classmethod
     def served_bytes(cls, state: CodebookState) -> dict[str, int]:
@@ -175,3 +211,43 @@ class CPUCodebookKernel(LatqKernel):
             raise ValueError(f"kernel {cls.name} cannot lay out a {n}x{k} {bits}-bit codebook layer with group {group}")
         return {"codes": n * k // cb.DIM * cb.CODEBOOKS[bits].index_bytes,
                 "scales": (math.ceil(n / scale_codes.ROWS) * 12 if scale_bits else 2 * n) * math.ceil(k / group)}
+
+
+class CPUCodebookA8Kernel(CPUCodebookKernel):
+    """Opt-in (``LATQ_KERNEL=cpu-e8-a8``): ``cpu-e8`` on x rounded to int8 (:func:`round_to_int8`), integer
+    products (``csrc/codebook_a8.cpp``): the reference's numbers on the rounded x; AVX-512 VBMI + VNNI + GFNI."""
+    name = "cpu-e8-a8"
+    family = None
+    auto_select = False
+
+    @classmethod
+    def unavailable_here(cls):
+        if not native.usable():
+            return "needs latq's C++ ops, not built here"
+        if not torch.ops.latq_cpu.codebook_a8_runs():
+            return "needs AVX-512 VBMI, VNNI and GFNI (in the build and on this CPU)"
+        return None
+
+    @classmethod
+    def can_implement(cls, w, device, act_dtype):
+        ok, why = super().can_implement(w, device, act_dtype)
+        if ok and (w.out_features % A8_ROWS or w.in_features % 16
+                   or (w.group_size % 16 and w.group_size < w.in_features)):
+            ok, why = False, (f"{w.out_features}x{w.in_features}, group size {w.group_size}: needs out_features a "
+                              f"multiple of {A8_ROWS}, in_features of 16, the group of 16 or the whole row")
+        if ok and cls.unavailable_here():
+            ok, why = False, cls.unavailable_here()
+        return ok, why
+
+    @classmethod
+    def prepare(cls, w: CodebookWeight) -> CodebookState:
+        state = super().prepare(w)
+        state.codes, state.tile_rows = tile_codes_a8(state_codes(state)), A8_ROWS
+        return state
+
+    @classmethod
+    def native_op(cls):
+        """``latq_cpu::codebook_linear_a8``, where the C++ ops are built."""
+        return torch.ops.latq_cpu.codebook_linear_a8.default if native.usable() else None
+
+    activations = staticmethod(round_to_int8)

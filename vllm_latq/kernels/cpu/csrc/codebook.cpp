@@ -27,65 +27,9 @@
 //   latq_cpu::codebook_isa() / set_codebook_isa(name)   which path runs ("avx512", "avx2", "")
 //   latq_cpu::set_codebook_large_m(m) / codebook_large_m()   rows from which tiles + GEMM run
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "codebook.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <mutex>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define LATQ_CB_X86 1
-#else
-#define LATQ_CB_X86 0
-#endif
-// AVX-512 only where the build targets it (an x86-64-v3 build holds no AVX-512 code), as hadamard.cpp's
-#if LATQ_CB_X86 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define LATQ_CB_AVX512 1
-#else
-#define LATQ_CB_AVX512 0
-#endif
-// the 64-row tiles' path: where the build targets AVX-512 VBMI, BF16 and GFNI too (every CPU with the first two)
-#if LATQ_CB_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BF16__) && defined(__GFNI__)
-#define LATQ_CB_TILES 1
-#else
-#define LATQ_CB_TILES 0
-#endif
-
-const at::Tensor& latq_hadamard_scratch(const at::Tensor& x, const at::Tensor& signs);   // hadamard.cpp
-bool latq_isa_runs(int isa);                                                              // hadamard.cpp
-
-namespace {
-namespace cb {
-
-// the table (kernels/cpu/codebook.py, decode_table): fp32 rows of 8, byte offsets of each part
-constexpr int64_t kRows = 1024;
-constexpr int64_t kBallOff = 256 * 32;   // the ball's points / 2
-constexpr int64_t kSignOff = 512 * 32;   // per sign byte: its mask row, then its shift row
-constexpr int kBand = 16;                // rows sharing a coded scale grid (scale_codes.ROWS)
-constexpr int kMaxRows = 8;              // rows of x one pass over the weights serves
-constexpr int kTile = 64;                // rows a tile of the tiled layout
-
-struct Layer {
-  const uint8_t* codes;     // [N, nb, B], or tiled (T = 64): [N/64, nb, B, 64], a block's bytes as 64-row planes
-  const at::Half* scales;   // [N, G], or null:
-  const int32_t* coded;     // [ceil(N/16), G, 3]
-  const char* table;        // [1024, 8] fp32, 32-byte aligned
-  int64_t N, K, nb, B, G, bpg;   // bpg: blocks a group
-  int64_t T;                      // rows a tile: 1 (row layout) or 64
-
-  // block b of row n: its first code byte; byte i lies T bytes after byte i − 1
-  const uint8_t* block(int64_t n, int64_t b) const { return codes + ((n / T) * nb + b) * B * T + n % T; }
-};
+namespace latq_cb {
 
 inline float half_bits(uint32_t h) {
   return static_cast<float>(c10::Half(static_cast<uint16_t>(h & 0xFFFF), c10::Half::from_bits()));
@@ -345,7 +289,7 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 }
 #endif
 
-#if LATQ_CB_TILES
+#if LATQ_CB_BYTES
 // ------------------------------------------------------------------ AVX-512 VBMI + BF16 + GFNI: 64-row tiles
 //
 // A tile's block is 64 rows' code bytes as planes (pattern, signs[, ball | pattern, signs]), and the
@@ -360,28 +304,12 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 // (exact products, fp32 sums). A group's sums are scaled once, 16 rows a register. Accumulator lane i
 // holds row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
 
-inline int rowof(int i) { return i < 8 ? 2 * i : 2 * (i - 8) + 1; }
-
-struct TileTables {
-  alignas(64) uint8_t kp[4][256];   // lanes 2j, 2j+1: k at bits 0–1 and 4–5; j = 3: the pattern's parity at bit 6
-  alignas(64) uint8_t bp[4][256];   // lanes 2j, 2j+1: 2·ball + 4 (0..8) at bits 0–3 and 4–7
-  alignas(64) uint8_t e15[64];      // index (bits 4, 5 ignored) → 4w + 15 of σ(½ + k) ± ¼
-  alignas(64) uint8_t e11[64];      // the same − 4 (the ball's 2·ball + 4 brings it back)
-  alignas(64) uint16_t val[2][32];  // q → bf16((q − 15)/4); /16 for a 4-bit code's second stage
-  alignas(64) uint16_t raw[2][32];  // an E8P stage's index (bits 0–3; 4 ignored) → the same, no q between
-  // quarters 2h, 2h+1's vpermi2b: word 2i ← row 32h + rowof(i) of the even lane (low byte) and row 32h + 16 +
-  // rowof(i) (high byte), 2i+1 the same of the odd lane
-  alignas(64) uint8_t sel[2][64];
-  const void* from = nullptr;
-};
-
 inline uint16_t bf16_bits(float f) {   // exact here: the values have ≤ 7 significant bits
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>(u >> 16);
 }
 
-// derived from the fp32 table (decode_table), the one definition of the codebooks, once a process
 const TileTables& tile_tables(const float* T) {
   static TileTables tt;
   static std::mutex mu;
@@ -420,24 +348,9 @@ const TileTables& tile_tables(const float* T) {
   return tt;
 }
 
-#define LATQ_CB_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")))
+#endif
 
-LATQ_CB_TILE_TARGET inline __m512i lookup256(const uint8_t* t, __m512i idx, __mmask64 hi) {
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 64));
-  const __m512i up = _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), idx, _mm512_load_si512(t + 192));
-  return _mm512_mask_blend_epi8(hi, lo, up);
-}
-
-// GF(2) affine maps of a byte (gf2p8affineqb: output bit i = parity(row byte 7 − i & input)), one
-// instruction for a bit shuffle. Lane pair j's: from a sign byte, lane 2j's sign to bit 2, lane 2j+1's
-// to bit 6 (lane 7's: the parity of the seven signs), the shift bit to 3 and 7 — each lane's index
-// bits once XOR'd onto kp[j] (k at 0–1 and 4–5, the pattern's parity at 6 for lane 7)
-constexpr long long sign_bits(int j) {
-  const unsigned long long odd = j == 3 ? 0x7Full : 1ull << (2 * j + 1);   // output bits 2, 3, 6, 7: bytes 5, 4, 1, 0
-  return static_cast<long long>((1ull << (2 * j)) << 40 | 0x80ull << 32 | odd << 8 | 0x80ull);
-}
-constexpr long long kHighNibble = 0x1020408000000000ll;   // bits 4–7 to 0–3, the rest 0
-
+#if LATQ_CB_TILES
 // one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index]), or with E null its index
 // plane itself (bits 0–3; bits 4–7 not cleared), for tables that take the index (raw): lane pair j's
 // indices are kp[j] XOR its sign bits, the even lane's in bits 0–3, the odd lane's in 4–7
@@ -497,20 +410,6 @@ LATQ_CB_TILE_TARGET inline void block_planes(const TileTables& tt, const uint8_t
       q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_gf2p8affine_epi64_epi8(bp, _mm512_set1_epi64(kHighNibble), 0));
     }
   }
-}
-
-// the tables are read from L1 in each block (as load operands) rather than held in registers:
-// vpermt2b overwrites a table operand, and held tables cost a register copy a lookup
-inline const TileTables& from_l1(const TileTables& tt0) {
-  const TileTables* t = &tt0;
-  asm("" : "+r"(t));
-  return *t;
-}
-
-// a block's code lines 2 KB ahead into L1: the codes stream once a call, from memory in a served
-// model's pass over every layer (docs/KERNELS.md, "CPU kernel (cpu-e8)")
-LATQ_CB_TILE_TARGET inline void prefetch_codes(const uint8_t* p, int64_t lines) {
-  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64 * l, _MM_HINT_T0);
 }
 
 // tiles [t0, t1) of y (fp32, natural row order) for one row of bf16 x; band: 4 bands' scales, [4][G][16]
@@ -783,48 +682,43 @@ void gemm(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
   }
 }
 
-}  // namespace cb
+}  // namespace latq_cb
 
-// every argument checked against the others before any pointer is read: a direct call raises
-at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
-                           at::IntArrayRef ints, const std::optional<at::Tensor>& bias, int64_t out_features) {
-  // CodebookState, flattened: tensors = (codes, scales, table[, rotation signs]), ints = (bits, group_size,
-  // in_features)
-  constexpr const char* op = "latq_cpu::codebook_linear: ";
+namespace cb = latq_cb;
+
+namespace latq_cb {
+
+Args check_args(const char* op, const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
+                at::IntArrayRef ints, const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK((tensors.size() == 3 || tensors.size() == 4) && (ints.size() == 3 || ints.size() == 4), op,
               "not a CodebookState");
   for (size_t i = 0; i < 3; ++i)
     TORCH_CHECK(tensors.get(i).has_value() && tensors.get(i)->defined(), op, "tensor ", i, " is missing");
-  const at::Tensor codes = *tensors.get(0), scales = *tensors.get(1), table = *tensors.get(2);
-  const int64_t bits = ints[0], group = ints[1], K = ints[2], N = out_features, T = ints.size() == 4 ? ints[3] : 1;
+  Args a{*tensors.get(0), *tensors.get(1), *tensors.get(2), tensors.size() == 4 ? tensors.get(3) : std::nullopt,
+         ints[0], ints[1], ints[2], out_features, ints.size() == 4 ? ints[3] : 1, 0, false};
+  const at::Tensor &codes = a.codes, &scales = a.scales, &table = a.table;
+  const int64_t bits = a.bits, group = a.group, K = a.K, N = a.N;
   TORCH_CHECK(bits >= 2 && bits <= 4, op, bits, "-bit codes (2, 3 or 4)");
   TORCH_CHECK(K > 0 && K % 8 == 0, op, "in_features ", K, " must be a positive multiple of 8");
   TORCH_CHECK(group > 0 && group % 8 == 0, op, "group size ", group, " must be a positive multiple of 8");
   TORCH_CHECK(N >= 0, op, "out_features ", N, " is negative");
-  TORCH_CHECK(T == 1 || (T == cb::kTile && N % cb::kTile == 0), op, "tile rows ", T, " (1, or 64 dividing out_features ",
-              N, ")");
-  const int64_t G = (K + group - 1) / group;
+  a.G = (K + group - 1) / group;
   for (const at::Tensor* t : {&x, &codes, &scales, &table})
     TORCH_CHECK(t->device().is_cpu(), op, "every tensor must be on the CPU, got ", t->device());
-  // a code's bytes: 8 weights × bits, as rows [out, in/8, bits] or 64-row tiles [out/64, in/8, bits, 64]
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  (T == 1 ? codes.dim() == 3 && codes.size(0) == N && codes.size(1) * 8 == K && codes.size(2) == bits
-                          : codes.dim() == 4 && codes.size(0) * T == N && codes.size(1) * 8 == K &&
-                                codes.size(2) == bits && codes.size(3) == T),
-              op, "codes must be uint8 [out, in/8, bits] (or tiled [out/64, in/8, bits, 64]), contiguous, got ",
-              codes.scalar_type(), " ", codes.sizes());
-  const bool coded = scales.scalar_type() == at::kInt;
-  if (coded) {
-    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == (N + cb::kBand - 1) / cb::kBand &&
-                    scales.size(1) == G && scales.size(2) == 3,
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), op, "codes must be uint8, contiguous, got ",
+              codes.scalar_type());
+  a.coded = scales.scalar_type() == at::kInt;
+  if (a.coded) {
+    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == (N + kBand - 1) / kBand &&
+                    scales.size(1) == a.G && scales.size(2) == 3,
                 op, "coded scales must be int32 [ceil(out/16), ceil(in/group), 3], contiguous, got ", scales.sizes());
   } else {
     TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                    scales.size(0) == N && scales.size(1) == G,
+                    scales.size(0) == N && scales.size(1) == a.G,
                 op, "scales must be fp16 [out, ceil(in/group)] (or coded int32), contiguous, got ",
                 scales.scalar_type(), " ", scales.sizes());
   }
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == cb::kRows * 8 &&
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == kRows * 8 &&
                   reinterpret_cast<uintptr_t>(table.data_ptr()) % 32 == 0,
               op, "table must be fp32 [1024, 8], contiguous, 32-byte aligned (decode_table())");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
@@ -834,17 +728,48 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
     TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point(), op,
                 "bias must be a floating [out] tensor on the CPU, got ", bias->sizes());
   }
-  const std::optional<at::Tensor> signs = tensors.size() == 4 ? tensors.get(3) : std::nullopt;
-  const bool rotated = signs.has_value() && signs->defined();
-  if (rotated) {
-    TORCH_CHECK(signs->device().is_cpu() && signs->dim() == 1 && signs->numel() > 0 && K % signs->numel() == 0, op,
-                "rotation signs must be one block [b] (b dividing in_features) on the CPU, got ", signs->sizes());
+  if (a.rotated()) {
+    TORCH_CHECK(a.signs->device().is_cpu() && a.signs->dim() == 1 && a.signs->numel() > 0 &&
+                    K % a.signs->numel() == 0,
+                op, "rotation signs must be one block [b] (b dividing in_features) on the CPU, got ", a.signs->sizes());
   }
-  const at::Tensor& xr = rotated ? latq_hadamard_scratch(x, *signs) : x;
+  return a;
+}
+
+Layer Args::layer() const {
+  return Layer{codes.data_ptr<uint8_t>(), coded ? nullptr : scales.data_ptr<at::Half>(),
+               coded ? scales.data_ptr<int32_t>() : nullptr, static_cast<const char*>(table.data_ptr()),
+               N, K, K / 8, bits, G, group / 8, T};
+}
+
+at::Tensor finish(at::Tensor y, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = y.size(1);
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+}  // namespace latq_cb
+
+namespace {
+
+at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
+                           at::IntArrayRef ints, const std::optional<at::Tensor>& bias, int64_t out_features) {
+  constexpr const char* op = "latq_cpu::codebook_linear: ";
+  const cb::Args a = cb::check_args(op, x, tensors, ints, bias, out_features);
+  const at::Tensor& codes = a.codes;
+  const int64_t bits = a.bits, K = a.K, N = a.N, T = a.T;
+  TORCH_CHECK(T == 1 || (T == cb::kTile && N % cb::kTile == 0), op, "tile rows ", T, " (1, or 64 dividing out_features ",
+              N, ")");
+  // a code's bytes: 8 weights × bits, as rows [out, in/8, bits] or 64-row tiles [out/64, in/8, bits, 64]
+  TORCH_CHECK(T == 1 ? codes.dim() == 3 && codes.size(0) == N && codes.size(1) * 8 == K && codes.size(2) == bits
+                     : codes.dim() == 4 && codes.size(0) * T == N && codes.size(1) * 8 == K && codes.size(2) == bits &&
+                           codes.size(3) == T,
+              op, "codes must be uint8 [out, in/8, bits] (or tiled [out/64, in/8, bits, 64]), contiguous, got ",
+              codes.sizes());
+  const at::Tensor& xr = a.rotated() ? latq_hadamard_scratch(x, *a.signs) : x;
   const int64_t M = x.numel() / K;
-  const cb::Layer L{codes.data_ptr<uint8_t>(), coded ? nullptr : scales.data_ptr<at::Half>(),
-                    coded ? scales.data_ptr<int32_t>() : nullptr, static_cast<const char*>(table.data_ptr()),
-                    N, K, K / 8, bits, G, group / 8, T};
+  const cb::Layer L = a.layer();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if LATQ_CB_TILES
   // rows of bf16 x on a tiled layer, fewer than the large-M rows: the tiles' path (x's bf16 as it is: exact products)
@@ -870,10 +795,7 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
     else if (bits == 3) cb::gemm<3>(L, xf, y);
     else cb::gemm<4>(L, xf, y);
   }
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.to(x.scalar_type()).reshape(shape);
+  return cb::finish(y, x, bias);
 }
 
 std::string codebook_isa() { return cb::g_isa == 2 ? "avx512" : cb::g_isa == 1 ? "avx2" : ""; }
