@@ -116,15 +116,16 @@ LATQ_CB_A8_TARGET inline void pair_q(const TileTables& tt, const A8Tables& at, c
 }
 
 // x rounded to int8, a row a scale, as the dots read it: per row m, pair p and lane pair j the dword
-// [x(16p + 2j), x(16p + 2j + 1), x(16p + 8 + 2j), x(16p + 8 + 2j + 1)]; each group's Σ of the bytes
+// [x(16p + 2j), x(16p + 2j + 1), x(16p + 8 + 2j), x(16p + 8 + 2j + 1)]; each group's Σ of the bytes. Rows
+// of zeros pad M to a multiple of 8, so a pass of 6 or 8 rows may read past the last.
 struct X8 {
   std::vector<int32_t> dw, sum;   // [M][K/16][4], [M][G]
   std::vector<float> scale;       // [M]: max |x| / 127
 };
 
 X8 round_x(const at::Tensor& xf, const Layer& L) {
-  const int64_t M = xf.size(0), np = L.K / 16;
-  X8 r{std::vector<int32_t>(M * np * 4), std::vector<int32_t>(M * L.G), std::vector<float>(M)};
+  const int64_t M = xf.size(0), np = L.K / 16, padded = (M + 7) / 8 * 8;
+  X8 r{std::vector<int32_t>(padded * np * 4), std::vector<int32_t>(padded * L.G), std::vector<float>(padded)};
   std::vector<int8_t> q(L.K);
   for (int64_t m = 0; m < M; ++m) {
     const float* x = xf.data_ptr<float>() + m * L.K;
@@ -178,7 +179,7 @@ LATQ_CB_A8_TARGET void half_rows(const Layer& L, const TileTables& tt0, const A8
     for (int ab = 0; ab < 2; ++ab) _mm512_storeu_ps(out + (i * 2 + ab) * kBand, y[i][ab]);
 }
 
-// y [M, N] fp32 = round(x) · Wᵀ, a half tile a task, 4 rows of x a pass over it
+// y [M, N] fp32 = round(x) · Wᵀ, a half tile a task, up to 8 rows of x a pass over it
 template <int BITS>
 LATQ_CB_A8_TARGET void gemm_a8(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
   const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
@@ -188,17 +189,19 @@ LATQ_CB_A8_TARGET void gemm_a8(const Layer& L, const at::Tensor& xf, at::Tensor&
   const float d = BITS == 4 ? 16.f : 4.f;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, L.N / kHalfTile, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> band(2 * L.G * kBand), out(4 * 2 * kBand);
+    std::vector<float> band(2 * L.G * kBand), out(8 * 2 * kBand);
     const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
     for (int64_t u = a; u < b; ++u) {
       for (int ab = 0; ab < 2; ++ab) band_scales(L, 2 * u + ab, band.data() + ab * L.G * kBand, 2);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mr = std::min<int64_t>(8, M - m0);
         switch (mr) {
           case 1: half_rows<BITS, 1>(L, tt, at, x, m0, u, band.data(), out.data()); break;
           case 2: half_rows<BITS, 2>(L, tt, at, x, m0, u, band.data(), out.data()); break;
           case 3: half_rows<BITS, 3>(L, tt, at, x, m0, u, band.data(), out.data()); break;
-          default: half_rows<BITS, 4>(L, tt, at, x, m0, u, band.data(), out.data());
+          case 4: half_rows<BITS, 4>(L, tt, at, x, m0, u, band.data(), out.data()); break;
+          case 5: case 6: half_rows<BITS, 6>(L, tt, at, x, m0, u, band.data(), out.data()); break;
+          default: half_rows<BITS, 8>(L, tt, at, x, m0, u, band.data(), out.data());
         }
         for (int64_t i = 0; i < mr; ++i)
           for (int ab = 0; ab < 2; ++ab) {
