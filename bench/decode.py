@@ -196,18 +196,19 @@ def default_ckpt(model: str, method: str, rotate: str = "none") -> Path:
 
 
 def engine_jobs(base: str, ckpt: str, kernels: list[str], baseline_dtypes: list[str], latq_dtypes: list[str],
-                extra_ckpts: list[str], streaming_ab: bool = False) -> list[dict]:
+                extra_ckpts: list[str], streaming_ab: bool = False, extra_kernels: tuple[str, ...] = ()) -> list[dict]:
     """The engines of one mode: the unquantized baselines (the first is the reference of the
     paired ratios), the first latq kernel in every latq dtype (``streaming_ab``: its first once
-    more, streaming as before), the other kernels and the extra checkpoints in the first."""
+    more, streaming as before), the other kernels and the extra checkpoints in the first, and in
+    each of ``extra_kernels`` (opt-in kernels, ``LATQ_KERNEL=<name>``)."""
     unstreamed = [{"label": unstreamed_label(kernels[0]), "model": ckpt, "kernel": kernels[0],
                    "dtype": latq_dtypes[0], "streaming": False}] if streaming_ab else []
     latq = [{"label": latq_label(k, d, latq_dtypes[0]), "model": ckpt, "kernel": k, "dtype": d}
             for k in kernels for d in (latq_dtypes if k == kernels[0] else latq_dtypes[:1])]
     return [{"label": dtype_label(d), "model": base, "kernel": None, "dtype": d} for d in baseline_dtypes] + \
         latq[:1] + unstreamed + latq[1:] + [
-        {"label": f"latq-{kernels[0]}:{Path(e).name}", "model": e, "kernel": kernels[0], "dtype": latq_dtypes[0]}
-        for e in extra_ckpts]
+        {"label": f"latq-{k}:{Path(e).name}", "model": e, "kernel": k, "dtype": latq_dtypes[0]}
+        for e in extra_ckpts for k in (kernels[0], *extra_kernels)]
 
 
 def streamed_bytes(job: dict, cache: dict) -> dict:
@@ -290,6 +291,9 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-ckpt", action="append", default=[],
                     help="another latq checkpoint measured in the same run with the first kernel, labelled by "
                          "its directory name (e.g. the same model with --quantize-lm-head); repeatable")
+    ap.add_argument("--extra-kernel", action="append", default=[],
+                    help="also serve each --extra-ckpt with this kernel (LATQ_KERNEL=NAME: an opt-in one, e.g. "
+                         "cpu-e8-a8 for a codebook checkpoint), labelled latq-NAME:DIR; repeatable")
     ap.add_argument("--streaming-ab", action="store_true", help="also the first latq engine with its CPU weights "
                     "streamed as before the L2 prefetch and the weight arenas, paired with the default")
     ap.add_argument("--rotated", action="store_true", help="also the default checkpoint with --rotate hadamard, "
@@ -363,7 +367,7 @@ def main(argv=None) -> None:
         for t in threads:
             for mode in a.modes.split(","):
                 jobs = engine_jobs(base, ckpt, kernels, a.baseline_dtypes.split(","), latq_dtypes, a.extra_ckpt,
-                                   a.streaming_ab) + [dict(p) for p in peers]
+                                   a.streaming_ab, tuple(a.extra_kernel)) + [dict(p) for p in peers]
                 for j in jobs:
                     ref = j["kernel"] == "reference"
                     j.update(mode=mode, batches=batches, kv_bytes=a.kv_bytes, threads=t, cores=bind_cores(binds[t]),

@@ -39,6 +39,9 @@ def test_engines_time_latqs_first_kernel_in_every_latq_dtype():
     assert [(j["label"], j["dtype"], j.get("streaming")) for j in ab] == [
         ("bf16", "bfloat16", None), ("latq-cpu", "bfloat16", None),
         ("latq-cpu:L1,no-arena", "bfloat16", False), ("latq-cpu-fp32", "float32", None)]
+    extra = decode.engine_jobs("B", "C", ["cpu"], ["bfloat16"], ["bfloat16"], ["X/e8"], extra_kernels=("cpu-e8-a8",))
+    assert [(j["label"], j["model"], j["kernel"]) for j in extra[2:]] == [
+        ("latq-cpu:e8", "X/e8", "cpu"), ("latq-cpu-e8-a8:e8", "X/e8", "cpu-e8-a8")]
 
 
 def test_default_checkpoint_is_latq_quantizes_default(monkeypatch):

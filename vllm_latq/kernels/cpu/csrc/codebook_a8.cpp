@@ -123,24 +123,24 @@ struct X8 {
   std::vector<float> scale;       // [M]: max |x| / 127
 };
 
-X8 round_x(const at::Tensor& xf, const Layer& L) {
-  const int64_t M = xf.size(0), np = L.K / 16, padded = (M + 7) / 8 * 8;
+LATQ_CB_A8_TARGET X8 round_x(const at::Tensor& xf, const Layer& L) {
+  const int64_t M = xf.size(0), np = L.K / 16, padded = (M + 7) / 8 * 8, gcols = L.G == 1 ? L.K : L.bpg * 8;
   X8 r{std::vector<int32_t>(padded * np * 4), std::vector<int32_t>(padded * L.G), std::vector<float>(padded)};
-  std::vector<int8_t> q(L.K);
+  // a pair's 16 bytes in dword order: lane pair j's [2j, 2j + 1, 8 + 2j, 9 + 2j]
+  const __m128i order = _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
   for (int64_t m = 0; m < M; ++m) {
     const float* x = xf.data_ptr<float>() + m * L.K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < L.K; ++k) amax = std::max(amax, std::fabs(x[k]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < L.K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     r.scale[m] = amax / 127.f;
-    for (int64_t k = 0; k < L.K; ++k) {
-      q[k] = static_cast<int8_t>(std::nearbyint(x[k] * inv));   // the current rounding mode: to nearest even
-      r.sum[m * L.G + k / (L.bpg * 8)] += q[k];
+    for (int64_t p = 0; p < np; ++p) {   // cvtps rounds in the current mode: to nearest even
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * p), inv));
+      r.sum[m * L.G + 16 * p / gcols] += _mm512_reduce_add_epi32(q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.dw.data() + (m * np + p) * 4),
+                       _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(q), order));
     }
-    auto* dw = reinterpret_cast<int8_t*>(r.dw.data() + m * np * 4);
-    for (int64_t p = 0; p < np; ++p)
-      for (int j = 0; j < 4; ++j)
-        for (int i = 0; i < 4; ++i) dw[(p * 4 + j) * 4 + i] = q[16 * p + 8 * (i / 2) + 2 * j + i % 2];
   }
   return r;
 }
