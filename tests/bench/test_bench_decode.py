@@ -112,6 +112,20 @@ def test_an_extra_checkpoint_is_paired_with_the_primary_one():
     assert "compiled_b1_speedup_median_of_rounds_m-gptq-rot-hadamard" in keys
 
 
+def test_an_extra_kernel_is_paired_with_the_first_on_the_same_checkpoint():
+    """``--extra-kernel``: each batch's time of the opt-in kernel over the first kernel's on the same extra
+    checkpoint (below 1: faster), beside its speedup over bf16."""
+    res = [_engine("bf16", "eager", None, "bfloat16", {"1": [4.0, 4.0, 4.0], "4": [8.0, 8.0, 8.0]}),
+           _engine("latq-cpu", "eager", "cpu", "bfloat16", {"1": [2.0, 2.0, 2.0], "4": [4.0, 4.0, 4.0]}),
+           _engine("latq-cpu:e8", "eager", "cpu", "bfloat16", {"1": [3.0, 3.0, 3.0], "4": [6.0, 6.0, 6.0]}),
+           _engine("latq-cpu-e8-a8:e8", "eager", "cpu-e8-a8", "bfloat16", {"1": [2.7, 3.0, 2.4], "4": [4.8, 4.8, 4.8]})]
+    line = headline(res, modes=["eager"], batches=[1, 4], kernel="cpu", latq_dtypes=["bfloat16"],
+                    extra_ckpts=["/c/e8"], cpu="AVX512", model="m", ckpt="c", extra_kernels=("cpu-e8-a8",))
+    keys = dict(kv.split("=", 1) for kv in line.split())
+    assert keys["eager_b1_e8_cpu-e8-a8_vs_cpu"] == "0.900" and keys["eager_b4_e8_cpu-e8-a8_vs_cpu"] == "0.800"
+    assert "eager_b4_speedup_median_of_rounds_e8_cpu-e8-a8" in keys
+
+
 def test_synthetic_pair_is_a_random_model_of_the_shape_and_its_default_checkpoint(tmp_path, monkeypatch):
     """``--synthetic SHAPE``: bench/memory.py's model of that shape and the checkpoint the
     pipeline makes of it by the method asked, both built once: a second call quantizes nothing,
