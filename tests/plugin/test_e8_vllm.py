@@ -52,6 +52,28 @@ def test_vllm_serves_an_e8_checkpoint(e8_tiny):
     assert "linears loaded (e8 checkpoint" in log
 
 
+@pytest.mark.slow
+def test_vllm_serves_it_with_int8_activations_when_forced(e8_tiny):
+    """``LATQ_KERNEL=cpu-e8-a8`` through vLLM: every layer on the opt-in kernel, greedy tokens HF's on the
+    dequantized weights with each quantized linear's input rounded as the kernel rounds it, up to near-ties."""
+    from bench.e8_a8_accuracy import round_inputs
+    from vllm_latq.format.checkpoint import Checkpoint, load_dequantized_model
+    from vllm_latq.kernels.cpu.codebook import CPUCodebookA8Kernel
+    if CPUCodebookA8Kernel.unavailable_here():
+        pytest.skip(f"cpu-e8-a8 {CPUCodebookA8Kernel.unavailable_here()}")
+    d, ck = e8_tiny
+    ids = h.tokenize(ck)
+    hf = load_dequantized_model(ck)
+    round_inputs(hf, Checkpoint(ck))
+    want = h.hf_greedy(hf, ids, 16)
+    (r,) = h.run_vllm_jobs([{"model": ck, "prompt_ids": ids, "max_tokens": 16, "env": {"LATQ_KERNEL": "cpu-e8-a8"}}],
+                           tmp=d)
+    assert "error" not in r, r.get("traceback")
+    assert "cpu-e8-a8" in r["log"]
+    if r["tokens"] != want:
+        assert max(h.greedy_margins(hf, ids, r["tokens"])) < 0.1
+
+
 def _serve_exact_and_default(ck, tmp, n: int) -> str:
     """Greedy ``n`` tokens of ``ck`` through vLLM: with the exact kernel HF's on the dequantized
     weights, with the default kernel up to near-ties → the exact run's log."""
