@@ -1,6 +1,6 @@
 """What the opt-in ``cpu-e8-a8`` kernel costs in perplexity: a codebook checkpoint's perplexity with every
 quantized linear's input as the exact kernel multiplies it, then as ``cpu-e8-a8`` does — rotated, each row
-rounded to int8 (``round_to_int8``), back — on the same windows, in one run.
+rounded to int8 a block of 64 columns (``round_to_int8``), back — on the same windows, in one run.
 
 The model holds the checkpoint's dequantized weights (``latq-eval``'s reading, fp32 forwards); a hook on
 each quantized linear rounds its input in the layer's rotated frame, which is the kernel's arithmetic up to
@@ -21,19 +21,20 @@ import torch
 def round_inputs(model, ck) -> list:
     """Hooks on ``ck``'s quantized linears in ``model``: each input rounded as ``cpu-e8-a8`` rounds it."""
     from vllm_latq.format.rotation import rotate, unrotate
-    from vllm_latq.kernels.cpu.codebook import round_to_int8
+    from vllm_latq.kernels.cpu.codebook import a8_block, round_to_int8
 
     rotation = ck.spec.rotation
     hooks = []
     for name in ck.layers():
         layer = model.get_submodule(name)
         signs = None if rotation is None else rotation.signs(layer.in_features)
+        block = a8_block(ck.spec.group_size, layer.in_features)
 
-        def pre(_, args, signs=signs):
+        def pre(_, args, signs=signs, block=block):
             x = args[0]
             if signs is None:
-                return (round_to_int8(x).to(x.dtype),)
-            return (unrotate(round_to_int8(rotate(x, signs)), signs).to(x.dtype),)
+                return (round_to_int8(x, block).to(x.dtype),)
+            return (unrotate(round_to_int8(rotate(x, signs), block), signs).to(x.dtype),)
         hooks.append(layer.register_forward_pre_hook(pre))
     return hooks
 

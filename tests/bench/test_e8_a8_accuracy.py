@@ -10,7 +10,7 @@ import torch
 from bench.e8_a8_accuracy import round_inputs
 from tests.kernels.test_cpu_codebook import weight
 from vllm_latq.format.rotation import Rotation, rotate, unrotate
-from vllm_latq.kernels.cpu.codebook import round_to_int8
+from vllm_latq.kernels.cpu.codebook import a8_block, round_to_int8
 from vllm_latq.kernels.reference import latq_linear_ref
 from vllm_latq.kernels.weight import dequantize
 
@@ -23,9 +23,10 @@ def test_hooked_layer_computes_the_kernels_arithmetic():
         model[0].weight.copy_(unrotate(dequantize(w), rotation.signs(128)))   # the served Q·Rᵀ, as latq-eval reads it
     x = torch.randn(3, 128)
     exact = model(x)
-    hooks = round_inputs(model, SimpleNamespace(spec=SimpleNamespace(rotation=rotation), layers=lambda: {"0": {}}))
+    spec = SimpleNamespace(rotation=rotation, group_size=16)
+    hooks = round_inputs(model, SimpleNamespace(spec=spec, layers=lambda: {"0": {}}))
     y = model(x)
-    want = latq_linear_ref(round_to_int8(rotate(x, rotation.signs(128))), replace(w, rotation=None))
+    want = latq_linear_ref(round_to_int8(rotate(x, rotation.signs(128)), a8_block(16, 128)), replace(w, rotation=None))
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert not torch.allclose(y, exact, rtol=1e-5, atol=1e-6)   # the rounding changed something
     for h in hooks:

@@ -16,8 +16,8 @@ import torch
 from vllm_latq import native
 from vllm_latq.format.rotation import Rotation, rotate
 from vllm_latq.kernels import selector
-from vllm_latq.kernels.cpu.codebook import (A8_ROWS, CPUCodebookA8Kernel, CPUCodebookKernel, round_to_int8,
-                                            state_codes)
+from vllm_latq.kernels.cpu.codebook import (A8_ROWS, CPUCodebookA8Kernel, CPUCodebookKernel, a8_block,
+                                            round_to_int8, state_codes)
 from vllm_latq.kernels.reference import latq_linear_ref
 from vllm_latq.kernels.weight import dequantize
 
@@ -33,7 +33,7 @@ def a8_or_skip():
 
 def close_on_rounded(y, x, w):
     """y against the reference on the rounded x: fp32 summation order, one rounding in x's dtype."""
-    xq = round_to_int8(x if w.rotation is None else rotate(x, w.rotation))
+    xq = round_to_int8(x if w.rotation is None else rotate(x, w.rotation), a8_block(w.group_size, w.in_features))
     ref = latq_linear_ref(xq, replace(w, rotation=None))   # Q itself: the rotated frame's weights
     bound = (xq.abs() @ dequantize(replace(w, rotation=None)).abs().T).max().item() * 1e-5
     ulp = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7}[x.dtype]
@@ -41,13 +41,16 @@ def close_on_rounded(y, x, w):
     torch.testing.assert_close(y.float(), ref.float(), rtol=ulp, atol=bound + ulp * ref.float().abs().max().item())
 
 
-def test_rounding_is_a_row_scale_to_127_steps():
+def test_rounding_is_a_block_scale_to_127_steps():
     x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.0, -2.9, 1.49]])
     q = round_to_int8(x)
     steps = q / (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
     assert torch.equal(steps, steps.round()) and steps.abs().max() == 127
     assert torch.equal(q[1], torch.zeros(4))
     assert q[0, 1] == -1.0 and (q - x).abs().max() <= 3.0 / 254 + 1e-7
+    wide = torch.cat([x, 4 * x, x[:, :2]], -1)        # blocks of 4: each its own scale, the last of 2
+    assert torch.equal(round_to_int8(wide, 4), torch.cat([q, 4 * q, round_to_int8(x[:, :2])], -1))
+    assert [a8_block(g, 576) for g in (16, 32, 48, 64, 128, 576)] == [16, 32, 48, 64, 64, 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -78,7 +81,7 @@ def test_it_differs_from_the_exact_kernel_only_by_the_rounding():
     """The rounding is what changes: on x already on its int8 grid the two kernels agree."""
     a8_or_skip()
     w = weight(3, n=64, k=256, group=16, coded=True)
-    x = round_to_int8(torch.randn(2, 256))
+    x = round_to_int8(torch.randn(2, 256), a8_block(16, 256))
     exact = CPUCodebookKernel.apply(CPUCodebookKernel.prepare(w), x)
     torch.testing.assert_close(CPUCodebookA8Kernel.apply(CPUCodebookA8Kernel.prepare(w), x), exact,
                                rtol=1e-5, atol=1e-5 * exact.abs().max().item())

@@ -83,12 +83,22 @@ def state_codes(state: "CodebookState") -> torch.Tensor:
     return c if c.dim() == 3 else c.permute(0, 3, 1, 2).reshape(-1, c.shape[1], c.shape[2])
 
 
-def round_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x as ``cpu-e8-a8`` multiplies it, in fp32: each row on int8 steps of max |row| / 127, halves to even."""
+def a8_block(group_size: int, in_features: int) -> int:
+    """The columns of x one scale rounds in ``cpu-e8-a8``: 64, or the group where 64 does not divide it."""
+    return 64 if group_size >= in_features or group_size % 64 == 0 else group_size
+
+
+def round_to_int8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """x as ``cpu-e8-a8`` multiplies it, in fp32: each block of ``block`` columns of a row (the last may be
+    shorter) on int8 steps of its max |x| / 127, halves to even."""
     xf = x.float()
-    amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv) * (amax / 127.0)
+    out = torch.empty_like(xf)
+    for c0 in range(0, xf.shape[-1], block):
+        xb = xf[..., c0:c0 + block]
+        amax = xb.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+        out[..., c0:c0 + block] = torch.round(xb * inv) * (amax / 127.0)
+    return out
 
 
 def state_rows(state: "CodebookState") -> int:
@@ -185,12 +195,12 @@ class CPUCodebookKernel(LatqKernel):
             return cls.native_op()(x, tensors, [state.bits, state.group_size, state.in_features, state.tile_rows],
                                    bias, N)
         # without the op: the reference itself, on the state's codes and fp16 scales
-        return latq_linear_ref(cls.activations(x if signs is None else rotate(x, signs)),
+        return latq_linear_ref(cls.activations(x if signs is None else rotate(x, signs), state),
                                CodebookWeight(state_codes(state), state_scales(state), state.bits, state.group_size,
                                               state.in_features), bias)
 
     @staticmethod
-    def activations(x: torch.Tensor) -> torch.Tensor:
+    def activations(x: torch.Tensor, state: CodebookState) -> torch.Tensor:
         """x as the kernel multiplies it (here: as it is)."""
         return x
 
@@ -250,4 +260,6 @@ class CPUCodebookA8Kernel(CPUCodebookKernel):
         """``latq_cpu::codebook_linear_a8``, where the C++ ops are built."""
         return torch.ops.latq_cpu.codebook_linear_a8.default if native.usable() else None
 
-    activations = staticmethod(round_to_int8)
+    @staticmethod
+    def activations(x: torch.Tensor, state: CodebookState) -> torch.Tensor:
+        return round_to_int8(x, a8_block(state.group_size, state.in_features))

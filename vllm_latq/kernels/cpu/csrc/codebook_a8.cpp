@@ -1,8 +1,9 @@
 // A codebook layer (method e8) on the CPU with its activations rounded to int8: the opt-in twin of
-// codebook.cpp's tiles (kernel cpu-e8-a8, kernels/cpu/codebook.py). Each row of x is rounded to int8
-// with one scale (max |x| / 127, halves to even) and every product is an integer: a weight decoded to
-// the byte q = d·w + c (d = 4, c = 15 at 2 and 3 bits; 16 and 75 at 4), vpdpbusd multiplying it with
-// x's byte and summing four a lane, a group's sums less c·Σx scaled by the group's 16-row scales in fp32.
+// codebook.cpp's tiles (kernel cpu-e8-a8, kernels/cpu/codebook.py). x is rounded to int8 with a scale a
+// block of 64 columns (max |x| / 127, halves to even; a group smaller than 64 or not dividing by it: a
+// scale a group) and every product is an integer: a weight decoded to the byte q = d·w + c (d = 4, c = 15
+// at 2 and 3 bits; 16 and 75 at 4), vpdpbusd multiplying it with x's byte and summing four a lane, a
+// block's sums less c·Σx scaled by the group's 16-row scales times x's in fp32.
 // The result is the reference's on the rounded x up to fp32 summation order.
 //
 // Layout (prepare, tile_codes_a8): half tiles of 32 rows, a pair of blocks (16 columns) a plane of 64
@@ -115,50 +116,61 @@ LATQ_CB_A8_TARGET inline void pair_q(const TileTables& tt, const A8Tables& at, c
   }
 }
 
-// x rounded to int8, a row a scale, as the dots read it: per row m, pair p and lane pair j the dword
-// [x(16p + 2j), x(16p + 2j + 1), x(16p + 8 + 2j), x(16p + 8 + 2j + 1)]; each group's Σ of the bytes. Rows
-// of zeros pad M to a multiple of 8, so a pass of 6 or 8 rows may read past the last.
+// the columns of x one scale rounds (codebook.py, a8_block): 64, or the group where 64 does not divide it
+inline int64_t x_block(const Layer& L) { return L.G == 1 || L.bpg % 8 == 0 ? 64 : L.bpg * 8; }
+
+// x rounded to int8, a scale a block of x_block columns, as the dots read it: per row m, pair p and lane
+// pair j the dword [x(16p + 2j), x(16p + 2j + 1), x(16p + 8 + 2j), x(16p + 8 + 2j + 1)]; per row and block
+// its scale and the Σ of its bytes. Rows of zeros pad M to a multiple of 8, so a pass of 6 or 8 rows may
+// read past the last.
 struct X8 {
-  std::vector<int32_t> dw, sum;   // [M][K/16][4], [M][G]
-  std::vector<float> scale;       // [M]: max |x| / 127
+  std::vector<int32_t> dw, sum;   // [M][K/16][4], [M][blocks]
+  std::vector<float> scale;       // [M][blocks]: max |x| / 127 over the block
+  int64_t blocks, pairs;          // blocks a row, pairs of blocks of codes (16 columns) a block
 };
 
 LATQ_CB_A8_TARGET X8 round_x(const at::Tensor& xf, const Layer& L) {
-  const int64_t M = xf.size(0), np = L.K / 16, padded = (M + 7) / 8 * 8, gcols = L.G == 1 ? L.K : L.bpg * 8;
-  X8 r{std::vector<int32_t>(padded * np * 4), std::vector<int32_t>(padded * L.G), std::vector<float>(padded)};
+  const int64_t M = xf.size(0), np = L.K / 16, padded = (M + 7) / 8 * 8, bp = x_block(L) / 16;
+  const int64_t nx = (np + bp - 1) / bp;
+  X8 r{std::vector<int32_t>(padded * np * 4), std::vector<int32_t>(padded * nx), std::vector<float>(padded * nx), nx,
+       bp};
   // a pair's 16 bytes in dword order: lane pair j's [2j, 2j + 1, 8 + 2j, 9 + 2j]
   const __m128i order = _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* x = xf.data_ptr<float>() + m * L.K;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < L.K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    r.scale[m] = amax / 127.f;
-    for (int64_t p = 0; p < np; ++p) {   // cvtps rounds in the current mode: to nearest even
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * p), inv));
-      r.sum[m * L.G + 16 * p / gcols] += _mm512_reduce_add_epi32(q);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.dw.data() + (m * np + p) * 4),
-                       _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(q), order));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t xb = 0; xb < nx; ++xb) {
+      const int64_t p0 = xb * bp, p1 = std::min(np, p0 + bp);
+      const float* x = xf.data_ptr<float>() + m * L.K;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t p = p0; p < p1; ++p) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * p)));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      r.scale[m * nx + xb] = amax / 127.f;
+      for (int64_t p = p0; p < p1; ++p) {   // cvtps rounds in the current mode: to nearest even
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * p), inv));
+        r.sum[m * nx + xb] += _mm512_reduce_add_epi32(q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(r.dw.data() + (m * np + p) * 4),
+                         _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(q), order));
+      }
     }
-  }
   return r;
 }
 
-// rows [m0, m0 + MR) of x · half tile u's 32 rows, each group's sums scaled by its scales (band: the half
-// tile's two bands' [G][16]) → out [MR][2][16] fp32, band order, not yet times x's scale / d
+// rows [m0, m0 + MR) of x · half tile u's 32 rows, each block of x's sums (one group's, or part of one)
+// scaled by the group's scales times x's (band: the half tile's two bands' [G][16]) → out [MR][2][16]
+// fp32, band order, not yet divided by d
 template <int BITS, int MR>
 LATQ_CB_A8_TARGET void half_rows(const Layer& L, const TileTables& tt0, const A8Tables& at0, const X8& x, int64_t m0,
                                  int64_t u, const float* band, float* out) {
   constexpr int c = BITS == 4 ? 75 : 15;
-  const int64_t np = L.K / 16, ppg = L.G == 1 ? np : L.bpg / 2, B = L.B;
+  const int64_t np = L.K / 16, B = L.B, gpairs = L.G == 1 ? np : L.bpg / 2;
   const uint8_t* codes = L.codes + u * np * B * 64;
   __m512 y[MR][2];
   for (int i = 0; i < MR; ++i) y[i][0] = y[i][1] = _mm512_setzero_ps();
-  for (int64_t p0 = 0, g = 0; p0 < np; p0 += ppg, ++g) {
+  for (int64_t xb = 0; xb < x.blocks; ++xb) {
+    const int64_t p0 = xb * x.pairs, g = p0 / gpairs;
     __m512i acc[MR][2];
-    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_set1_epi32(-c * x.sum[(m0 + i) * L.G + g]);
-    for (int64_t p = p0; p < std::min(np, p0 + ppg); ++p) {
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_set1_epi32(-c * x.sum[(m0 + i) * x.blocks + xb]);
+    for (int64_t p = p0; p < std::min(np, p0 + x.pairs); ++p) {
       const uint8_t* src = codes + p * B * 64;
       prefetch_codes(src, B);
       __m512i q[8];
@@ -172,7 +184,9 @@ LATQ_CB_A8_TARGET void half_rows(const Layer& L, const TileTables& tt0, const A8
     }
     for (int ab = 0; ab < 2; ++ab) {
       const __m512 s = _mm512_loadu_ps(band + (ab * L.G + g) * kBand);
-      for (int i = 0; i < MR; ++i) y[i][ab] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][ab]), s, y[i][ab]);
+      for (int i = 0; i < MR; ++i)
+        y[i][ab] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][ab]),
+                                   _mm512_mul_ps(s, _mm512_set1_ps(x.scale[(m0 + i) * x.blocks + xb])), y[i][ab]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -205,8 +219,7 @@ LATQ_CB_A8_TARGET void gemm_a8(const Layer& L, const at::Tensor& xf, at::Tensor&
         }
         for (int64_t i = 0; i < mr; ++i)
           for (int ab = 0; ab < 2; ++ab) {
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(out.data() + (i * 2 + ab) * kBand),
-                                           _mm512_set1_ps(x.scale[m0 + i] / d));
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(out.data() + (i * 2 + ab) * kBand), _mm512_set1_ps(1.f / d));
             _mm512_storeu_ps(yp + (m0 + i) * L.N + u * kHalfTile + ab * kBand, _mm512_permutexvar_ps(natural, v));
           }
       }
