@@ -43,13 +43,13 @@ const A8Tables& a8_tables(const TileTables& tt) {
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
   if (at.from == tt.from) return at;
-  int code_of[16];
+  bool present[16] = {};
+  int code_of[16] = {};
   uint8_t value_of[8] = {};
-  std::fill(code_of, code_of + 16, -1);
   for (int j = 0; j < 4; ++j)   // the ball's values 2·ball + 4, coded by rank
-    for (int p = 0; p < 256; ++p) code_of[tt.bp[j][p] & 15] = code_of[tt.bp[j][p] >> 4] = 0;
+    for (int p = 0; p < 256; ++p) present[tt.bp[j][p] & 15] = present[tt.bp[j][p] >> 4] = true;
   for (int v = 0, n = 0; v < 16; ++v)
-    if (code_of[v] == 0) {
+    if (present[v]) {
       TORCH_CHECK(n < 8, "latq_cpu: the ball has more than 8 coordinate values");
       value_of[n] = static_cast<uint8_t>(v);
       code_of[v] = n++;
