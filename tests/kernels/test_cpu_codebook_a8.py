@@ -139,3 +139,16 @@ def test_avx512_vnni_path_compiles(tmp_path):
     for insn in ("vpmultishiftqb", "vpdpbusd", "vgf2p8affineqb"):
         assert insn in dis.stdout, insn
     assert "vpermi2b" in dis.stdout or "vpermt2b" in dis.stdout
+
+
+def test_forcing_it_where_it_cannot_run_is_refused_before_any_layer(monkeypatch):
+    """On a CPU or build without VNNI (or without the C++ ops) ``LATQ_KERNEL=cpu-e8-a8`` fails at start-up,
+    naming what is missing, rather than at the first layer."""
+    from vllm_latq import env
+    monkeypatch.setattr(CPUCodebookA8Kernel, "unavailable_here",
+                        classmethod(lambda cls: "needs AVX-512 VBMI, VNNI and GFNI (in the build and on this CPU)"))
+    monkeypatch.setenv(selector.ENV_FORCE, "cpu-e8-a8")
+    with pytest.raises(env.EnvError, match="VNNI"):
+        selector.check_environment()
+    ok, why = CPUCodebookA8Kernel.can_implement(weight(3, n=64, k=256, group=16), CPU, torch.bfloat16)
+    assert not ok and "VNNI" in why
