@@ -2,7 +2,7 @@
 configures it (coded scales per 16 columns: E8-2/3/4b at 2.375 / 3.375 / 4.375 stored bits) against the
 integer CPU kernel at 3 and 4 bits (the default checkpoint's form: group 64) and bf16 ``F.linear``, on
 SmolLM2-135M's and Llama-3-8B's shapes, M = 1, 4, 8; each with the bits a weight it streams and the
-GB/s that makes. Then the E8 op's small-M path against its decoded tiles + GEMM for M = 8..512 (where
+GB/s that makes. Then the E8 op's small-M path against its decoded tiles + GEMM for M = 8..2048 (where
 ``set_codebook_large_m`` should sit), and E8-3b in situ: whole passes over ``--blocks`` SmolLM2 blocks of
 vLLM's fused shapes at M = 1 (weights from memory, as a decode step streams them) — the states in the weight
 arenas as a served model's, where prepare left them, and rotated — beside the integer kernel's pass. Where
@@ -108,7 +108,7 @@ def large(a, results: dict) -> None:
 
     print(f"  large M, {n}x{k} 3-bit (ms: median): on-the-fly decode vs decoded tiles + GEMM")
     try:
-        for M in (8, 16, 32, 64, 128, 256, 512):
+        for M in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
             x = torch.randn(M, k).bfloat16()
             ts = side_by_side({"small": path(1 << 30), "tiles": path(1)}, max(5, a.rounds // 4), a.sample_us)
             results[f"e8_large_m{M}_small_over_tiles"] = ratio(ts, "small", "tiles")

@@ -108,7 +108,7 @@ def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
     results = {}
     cpu_e8.e8(Namespace(e8_shapes=["tiny"], rounds=1, sample_us=50.0, blocks=1), results)
     want = {f"e8_tiny_m{m}_e8_{b}b_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4) for ref in ("int_4b", "bf16")}
-    want |= {f"e8_large_m{m}_small_over_tiles" for m in (8, 16, 32, 64, 128, 256, 512)}
+    want |= {f"e8_large_m{m}_small_over_tiles" for m in (8, 16, 32, 64, 128, 256, 512, 1024, 2048)}
     want |= {"e8_insitu_ms", "e8_insitu_heap_over_placed", "e8_insitu_rot_over_plain", "e8_insitu_over_int_4b"}
     from vllm_latq.kernels.cpu.codebook import CPUCodebookA8Kernel
     if CPUCodebookA8Kernel.unavailable_here() is None:   # the opt-in int8-activation kernel beside each

@@ -569,7 +569,7 @@ bool tiles_run() {
 
 // rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "CPU kernel (cpu-e8)"):
 // the tiles' path shares its decode across rows, the row path does not
-std::atomic<int64_t> g_large_m{tiles_run() ? 256 : 20};
+std::atomic<int64_t> g_large_m{tiles_run() ? 1024 : 20};
 
 // the rows of x one pass serves on this instruction set
 inline int64_t rows_a_pass(int isa) { return isa == 2 ? 8 : 4; }
