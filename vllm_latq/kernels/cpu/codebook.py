@@ -46,14 +46,6 @@ def coded_scale_words(cs: scale_codes.CodedScales) -> torch.Tensor:
     return layouts.coded_scale_words(scale_codes.CodedScales(codes, cs.min, cs.step, cs.bits)).transpose(0, 1).contiguous()
 
 
-def tile_codes(codes: torch.Tensor, rows: int) -> torch.Tensor:
-    """Codes ``[N, in/8, B]`` → ``[N/rows, in/8, B, rows]``: a block's bytes as planes of ``rows`` rows."""
-    if rows == 1:
-        return codes.contiguous()
-    n, nb, nbytes = codes.shape
-    return codes.reshape(n // rows, rows, nb, nbytes).permute(0, 2, 3, 1).contiguous()
-
-
 A8_ROWS = 32   # rows a half tile of the int8-activation layout (csrc/codebook_a8.cpp)
 
 
@@ -70,6 +62,16 @@ def tile_codes_a8(codes: torch.Tensor) -> torch.Tensor:
     n, nb, nbytes = codes.shape
     rows, blk = _a8_plane()
     return codes.reshape(n // A8_ROWS, A8_ROWS, nb // 2, 2, nbytes)[:, rows, :, blk, :].permute(1, 2, 3, 0).contiguous()
+
+
+def tile_codes(codes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Codes ``[N, in/8, B]`` → ``[N/rows, in/8, B, rows]``: a block's bytes as planes of ``rows`` rows."""
+    if rows == 1:
+        return codes.contiguous()
+    if rows == A8_ROWS:   # the int8-activation layout
+        return tile_codes_a8(codes)
+    n, nb, nbytes = codes.shape
+    return codes.reshape(n // rows, rows, nb, nbytes).permute(0, 2, 3, 1).contiguous()
 
 
 def state_codes(state: "CodebookState") -> torch.Tensor:
@@ -245,15 +247,12 @@ class CPUCodebookA8Kernel(CPUCodebookKernel):
                    or (w.group_size % 16 and w.group_size < w.in_features)):
             ok, why = False, (f"{w.out_features}x{w.in_features}, group size {w.group_size}: needs out_features a "
                               f"multiple of {A8_ROWS}, in_features of 16, the group of 16 or the whole row")
-        if ok and cls.unavailable_here():
-            ok, why = False, cls.unavailable_here()
-        return ok, why
+        missing = cls.unavailable_here() if ok else None
+        return (False, missing) if missing else (ok, why)
 
-    @classmethod
-    def prepare(cls, w: CodebookWeight) -> CodebookState:
-        state = super().prepare(w)
-        state.codes, state.tile_rows = tile_codes_a8(state_codes(state)), A8_ROWS
-        return state
+    @staticmethod
+    def tile_rows(out_features: int) -> int:   # its own layout's; can_implement asks out_features a multiple
+        return A8_ROWS
 
     @classmethod
     def native_op(cls):

@@ -682,12 +682,6 @@ void gemm(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
   }
 }
 
-}  // namespace latq_cb
-
-namespace cb = latq_cb;
-
-namespace latq_cb {
-
 Args check_args(const char* op, const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                 at::IntArrayRef ints, const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK((tensors.size() == 3 || tensors.size() == 4) && (ints.size() == 3 || ints.size() == 4), op,
@@ -752,6 +746,7 @@ at::Tensor finish(at::Tensor y, const at::Tensor& x, const std::optional<at::Ten
 }  // namespace latq_cb
 
 namespace {
+namespace cb = latq_cb;
 
 at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                            at::IntArrayRef ints, const std::optional<at::Tensor>& bias, int64_t out_features) {
