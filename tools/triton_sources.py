@@ -295,13 +295,19 @@ def _hadamard_source(j: dict):
     return _ast_source(fn, sig, const, {"x_ptr", "s_ptr", "y_ptr", "stride_xm", "stride_ym"})
 
 
+def _table_sig() -> str:
+    """The codebook kernels' shared table as a pointer type (its element type, from the host's table)."""
+    from vllm_latq.kernels.triton import codebook as tcb
+    return "*" + {"int64": "i64", "int32": "i32"}[str(tcb.table_words().dtype).removeprefix("torch.")]
+
+
 def _e8_dequant_source(j: dict):
     """The codebook layers' decode into a bf16 scratch: rows from ROW0 (a multiple of 16) and the
     sizes 16-divisible as for the Qwen3-8B shapes (the block and group counts never specialised)."""
     from vllm_latq.kernels.triton.codebook_device import _e8_dequant_kernel as fn
     plane = "*i32" if j["bits"] == 4 else "*i16"
     sig = dict(w_ptr="*bf16", ca_ptr=plane, cb_ptr="*u8" if j["bits"] == 3 else plane, s_ptr=S_PTR[j["scales"]],
-               tab_ptr="*i32", ROW0="i32", ROW1="i32", K="i32", KB="i32", stride_wn="i32", N_PAD="i32", NGP="i32")
+               tab_ptr=_table_sig(), ROW0="i32", ROW1="i32", K="i32", KB="i32", stride_wn="i32", N_PAD="i32", NGP="i32")
     const = dict(BITS=j["bits"], GROUP=j["group"], BN=j["BN"], BKB=j["BKB"], ASM=True, CODED=j["scales"] == "coded")
     div16 = {"w_ptr", "ca_ptr", "cb_ptr", "s_ptr", "tab_ptr", "ROW0", "K", "stride_wn", "N_PAD"}
     return _ast_source(fn, sig, const, div16)
@@ -314,8 +320,8 @@ def _codebook_source(j: dict):
     from vllm_latq.kernels.triton import codebook_device as tcd
     fn = tcd._e8_gemv_kernel if j["kernel"] == "e8_gemv" else tcd._e8_mma_kernel
     plane = "*i32" if j["bits"] == 4 else "*i16"
-    ptrs = ["*bf16", "*bf16", "*bf16", plane, "*u8" if j["bits"] == 3 else plane, S_PTR[j["scales"]], "*i32",
-            "*fp32", "*i32"]
+    ptrs = ["*bf16", "*bf16", "*bf16", plane, "*u8" if j["bits"] == 3 else plane, S_PTR[j["scales"]],
+            _table_sig(), "*fp32", "*i32"]
     ints = ["M", "N", "K", "KB", "stride_xm", "stride_ym", "N_PAD", "NGP", "M_WS"]
     names = fn.arg_names
     sig = {**dict(zip(names, ptrs)), **{n: "i32" for n in ints}}

@@ -58,16 +58,21 @@ def interpret_ok(monkeypatch):
 # ----------------------------------------------------------------------------- layout (torch)
 
 def test_table_holds_the_formats_points():
-    """A code's pattern word xor its sign word holds u_j = (σ_j·2|a_j| + 7)/2 (the eighth sign by the
-    parities), the shift at bit 31; the ball's words its points. Checked on all 2¹⁶ E8P codes."""
-    words = tcb.table_words().long() & 0xFFFFFFFF
+    """A code's pattern entry xor its sign entry holds u_j = (σ_j·2|a_j| + 7)/2 (the eighth sign by the
+    parities) at bit 6j of its low word (j < 4) or 6(j − 4) of its high one, the shift at bit 31; the
+    ball's entries its points. Checked on all 2¹⁶ E8P codes."""
+    words = tcb.table_words()
+    assert words.dtype == torch.int64 and words.shape == (768,) and (words >= 0).all()
     j = torch.arange(cb.DIM)
+    at = 6 * (j % 4) + 32 * (j // 4)
     e8p, signs, ball = words[:256], words[tcb.SIGNS_AT:tcb.BALL_AT], words[tcb.BALL_AT:]
     c = torch.arange(2**16)
     u = e8p[c & 255] ^ signs[c >> 8]
-    points = ((u[:, None] >> (3 * j)) & 7).double() - 3.5 + torch.where(u >> 31 == 1, -0.25, 0.25)[:, None]
+    points = ((u[:, None] >> at) & 7).double() - 3.5 + torch.where((u >> 31) & 1 == 1, -0.25, 0.25)[:, None]
     assert torch.equal(points, cb.decode_e8p(c).double())
-    assert torch.equal((((ball[:, None] >> (4 * j)) & 15) - 8).double() / 2, cb.e8_ball256())
+    assert torch.equal((((ball[:, None] >> at) & 63) - 8).double() / 2, cb.e8_ball256())
+    # bits 3–5 of each E8P field clear (room for the second stage's ×4), the ball's ≤ 12: sums ≤ 40 never carry
+    assert not ((e8p | signs)[:, None] >> at & 0b111000).any() and ((ball[:, None] >> at) & 63).max() <= 12
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -90,7 +95,7 @@ def test_served_bytes_are_codebook_bytes(bits, group, coded):
     w = make_weight(bits, group=group, coded=coded)
     st = TritonCodebookKernel.prepare(w)
     served = TritonCodebookKernel.served_bytes(st)
-    assert served.pop("codebook") == 768 * 4
+    assert served.pop("codebook") == 768 * 8
     assert served == TritonCodebookKernel.codebook_bytes(N, K, bits, w.group_size, 4 if coded else None)
     assert served["codes"] == 48 * (K // 8) * cb.CODEBOOKS[bits].index_bytes
     assert TritonCodebookKernel.shared_tensors(st)["codebook"] is TritonCodebookKernel.prepare(w).table

@@ -51,10 +51,15 @@ def _lookup(tab, i, LDS: tl.constexpr):
 
 
 @triton.jit
-def _e8p_word(c, tab, LDS: tl.constexpr):
-    """16-bit E8P codes (int32) → their pattern word xor their sign byte's: 3-bit fields u_j at bit 3j,
-    coordinate j = u_j − 7/2 ± ¼, the ¼'s sign at bit 31 (codebook.table_words)."""
-    return _lookup(tab, c & 255, LDS) ^ _lookup(tab, ((c >> 8) & 255) + SIGNS_AT, LDS)
+def _halves(e):
+    return e.to(tl.int32), (e >> 32).to(tl.int32)
+
+
+@triton.jit
+def _e8p_words(c, tab, LDS: tl.constexpr):
+    """16-bit E8P codes (int32) → their pattern entry xor their sign byte's, as two int32 words
+    (coordinates 0–3, 4–7): coordinate j = u_j − 7/2 ± ¼, the ¼'s sign at bit 31 (codebook.table_words)."""
+    return _halves(_lookup(tab, c & 255, LDS) ^ _lookup(tab, ((c >> 8) & 255) + SIGNS_AT, LDS))
 
 
 @triton.jit
@@ -75,15 +80,28 @@ def _codes(ca_ptr, cb_ptr, off, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _decode_words(ca, cb, tab, BITS: tl.constexpr, LDS: tl.constexpr):
-    """:func:`_codes`' planes → each stage's word and its half for coordinates 4–7 (shifted 12 or 16)."""
-    u1 = _e8p_word(ca, tab, LDS)
+    # (lo, hi): coordinate j is field j % 4 of lo (j < 4) or hi over the gain, less _constant; two stages
+    # in one field, the first's ×4 plus the second's (≤ 40: no carry); ±¼ signs at bit 31 (stage 1's in hi at 4 bits)
+    lo, hi = _e8p_words(ca, tab, LDS)
     if BITS == 3:
-        u2 = _lookup(tab, (cb & 255) + BALL_AT, LDS)
-        return u1, u1 >> 12, u2, u2 >> 16
+        b_lo, b_hi = _halves(_lookup(tab, (cb & 255) + BALL_AT, LDS))
+        lo, hi = ((lo << 2) + b_lo) | (lo & -2147483648), (hi << 2) + b_hi
     elif BITS == 4:
-        u2 = _e8p_word(ca >> 16, tab, LDS)
-        return u1, u1 >> 12, u2, u2 >> 12
-    return u1, u1 >> 12, u1, u1
+        lo2, hi2 = _e8p_words(ca >> 16, tab, LDS)
+        lo, hi = (lo << 2) + lo2, ((hi << 2) + hi2) | (lo & -2147483648)
+    return lo, hi
+
+
+@triton.jit
+def _constant(lo, hi, BITS: tl.constexpr):
+    # what a coordinate is less than its field over the gain: 7/2 ∓ ¼, + the ball's 8/4 or a second E8P's (7/2 ∓ ¼)/4
+    if BITS == 2:
+        c = _e8p_offset(lo)
+    elif BITS == 3:
+        c = _e8p_offset(lo) + 2.0
+    else:
+        c = _e8p_offset(hi) + 0.25 * _e8p_offset(lo)
+    return c
 
 
 @triton.jit
@@ -94,40 +112,30 @@ def _words(ca_ptr, cb_ptr, tab, off, mask, BITS: tl.constexpr, LDS: tl.constexpr
 
 
 @triton.jit
-def _constant(u1, u2, BITS: tl.constexpr):
-    """What a coordinate is less than its fields: 7/2 ∓ ¼, the ball's 8/4, a second E8P's (7/2 ∓ ¼)/4."""
-    c = _e8p_offset(u1)
-    if BITS == 3:
-        c += 2.0
-    elif BITS == 4:
-        c += 0.25 * _e8p_offset(u2)
-    return c
-
-
-@triton.jit
-def _fields(u1, h1, u2, h2, j, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Coordinate ``j`` (a constant) less :func:`_constant`: Σ stages' fields over their gains (exact)."""
+def _coordinate(lo, hi, j: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Coordinate ``j`` (a constant) plus :func:`_constant`, exact."""
     if j < 4:
-        a, b, at = u1, u2, j
+        w = lo
     else:
-        a, b, at = h1, h2, j - 4
-    v = _field(a, 3 * at, 0, 7, ASM)
-    if BITS == 3:
-        v += _field(b, 4 * at, 2, 15, ASM)
-    elif BITS == 4:
-        v += _field(b, 3 * at, 2, 7, ASM)
+        w = hi
+    if BITS == 2:
+        v = _field(w, 6 * (j % 4), 0, 7, ASM)
+    elif j % 4 == 3:   # bits 18–23: the top one would land on the exponent, so read it 6 bits lower
+        v = _field(w >> 6, 12, 2, 63, ASM)
+    else:
+        v = _field(w, 6 * (j % 4), 2, 63, ASM)
     return v
 
 
 @triton.jit
-def _points(u1, u2, j, BITS: tl.constexpr, ASM: tl.constexpr):
+def _points(lo, hi, j, BITS: tl.constexpr, ASM: tl.constexpr):
     """Coordinates ``j`` (an index tensor) of the blocks' points, exact: fields shifted down, less the constant."""
-    v = _field_at(u1, 3 * j, 0, 7, ASM)
-    if BITS == 3:
-        v += _field_at(u2, 4 * j, 2, 15, ASM)
-    elif BITS == 4:
-        v += _field_at(u2, 3 * j, 2, 7, ASM)
-    return v - _constant(u1, u2, BITS)
+    w = tl.where(j < 4, lo, hi)
+    if BITS == 2:
+        v = _field_at(w, 6 * (j % 4), 0, 7, ASM)
+    else:
+        v = _field_at(w, 6 * (j % 4), 2, 63, ASM)
+    return v - _constant(lo, hi, BITS)
 
 
 @triton.jit
@@ -151,9 +159,9 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                     CODED: tl.constexpr, LDS: tl.constexpr, AHEAD: tl.constexpr):
     """y = x·Wᵀ (+ bias) on SIMT lanes for a few rows of x: a program per BN output rows × K split × BM rows
     of x, BKB blocks a K step (AHEAD: its codes loaded a step before), the table read as :func:`_table`
-    says. A block's point is its fields less one
-    :func:`_constant`, so a weight costs a LOP3, an FADD and an FFMA a stage: each row of x takes Σ_j x_j ·
-    fields_j (exact products) less the constant · Σ_j x_j, then times the block's scale."""
+    says. A block's point is its fields (both stages' in one) less one constant, so a weight costs a
+    LOP3, an FADD and an FFMA at every width: each row of x takes Σ_j x_j · fields_j (exact products)
+    less the constant · Σ_j x_j, then times the block's scale."""
     rm, rn, pid_k, t_beg, t_end = _program(KB, BM, BN, BKB, SPLIT)
     # every tensor of the K loop is [BM rows of x, BKB blocks, BN output rows] or a broadcastable
     # slice of it, the codes loaded in that shape too: one layout for the whole loop (a 2-D code
@@ -180,7 +188,7 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                             (b + BKB < KB) & (rn3 < tl.where(t + 1 < t_end, N_PAD, 0)), BITS)
         else:
             ca, cb = _codes(ca_ptr, cb_ptr, b * N_PAD + rn3, bmask, BITS)
-        u1, h1, u2, h2 = _decode_words(ca, cb, tab, BITS, LDS)
+        lo, hi = _decode_words(ca, cb, tab, BITS, LDS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
         else:
@@ -192,8 +200,8 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
         for j in tl.static_range(8):
             xs = tl.load(xb + j, mask=xm, other=0.0).to(tl.float32)
             xsum += xs
-            part += xs * _fields(u1, h1, u2, h2, j, BITS, ASM)
-        acc += (part - _constant(u1, u2, BITS) * xsum) * sc
+            part += xs * _coordinate(lo, hi, j, BITS, ASM)
+        acc += (part - _constant(lo, hi, BITS) * xsum) * sc
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), SPLIT, HAS_BIAS)
@@ -225,8 +233,8 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
         for q in tl.static_range(BKB // GKB):
             b0 = t * BKB + q * GKB
             b3 = b0 + kb3
-            u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS, False)
-            v = _points(u1, u2, j3, BITS, ASM)                                  # [GKB, 8, BN]
+            lo, hi = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS, False)
+            v = _points(lo, hi, j3, BITS, ASM)                                  # [GKB, 8, BN]
             w = tl.reshape(v, [8 * GKB, BN]).to(DT)
             cols = 8 * b0 + kk
             xs = tl.load(xrow + cols[None, :], mask=mmask & (cols < K)[None, :], other=0.0).to(DT)
@@ -249,8 +257,8 @@ def _e8_dequant_kernel(w_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ROW0, ROW1, K, KB,
     b3 = tl.program_id(1) * BKB + tl.arange(0, BKB)[:, None, None]
     rn3 = rn[None, None, :]
     pm = (b3 < KB) & (rn3 < N_PAD)
-    u1, _, u2, _ = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS, False)
-    v = _points(u1, u2, tl.arange(0, 8)[None, :, None], BITS, ASM)                  # [BKB, 8, BN]
+    lo, hi = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS, False)
+    v = _points(lo, hi, tl.arange(0, 8)[None, :, None], BITS, ASM)                  # [BKB, 8, BN]
     sp = _scale_base(s_ptr, rn3 // 16, rn3 % 16, NGP, CODED)
     v = v * _group_scale(sp, (8 * b3) // GROUP, rn3 % 16, pm, CODED, ASM)
     cols = tl.program_id(1) * (8 * BKB) + tl.arange(0, 8 * BKB)
