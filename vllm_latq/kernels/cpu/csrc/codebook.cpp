@@ -3,11 +3,11 @@
 // point is Σ stages: E8P (16 bits: byte 0 the pattern, byte 1 seven signs and the ±¼ shift), the
 // 3-bit ball's point / 2, or a second E8P / 4; times its group's scale.
 //
-// The decode is table rows addressed by the code's bytes as they are, so a block costs three
-// aligned loads, an XOR and an add (kernels/cpu/codebook.py, decode_table): the pattern row
-// (byte 0 · 32, its parity folded into lane 7's sign), then two rows addressed by byte 1 · 64,
-// the sign mask of its seven signs (lane 7 by their parity) and its shift. No shift-and-mask
-// chain, no branch. The ball stage is one more row (byte 2 · 32, pre-halved).
+// The decode is tables addressed by the code's bytes as they are (kernels/cpu/codebook.py,
+// decode_table): the scalar path reads its fp32 rows (the pattern row, byte 0 · 32, its parity folded
+// into lane 7's sign; byte 1 · 64: the sign mask of its seven signs, lane 7 by their parity, and the
+// shift; the ball row, byte 2 · 32, pre-halved); the row path (row_tables) makes a block's 8 lanes in
+// the bytes of one 64-bit word; the 64-row tiles look the bytes up across rows. No branch.
 //
 // Scales are read as the checkpoint stores them: fp16 [N, G], or coded (format/scale_codes.py)
 // as int32 words [ceil(N/16), G, 3] — per 16 rows and group, fp16 min | fp16 step << 16 and 16
@@ -169,24 +169,56 @@ void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t 
 
 #define LATQ_CB_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
-// σ⊙a ± ¼: the pattern row, XOR its sign byte's mask row, plus its shift row (S: the table's sign rows,
-// a base of its own so each load is base + index, no add)
-LATQ_CB_INLINE __m256 e8p_avx2(const char* T, const char* S, uint32_t p, uint32_t s) {
-  const __m256 a = _mm256_load_ps(reinterpret_cast<const float*>(T + (p << 5)));
-  return _mm256_add_ps(_mm256_xor_ps(a, _mm256_load_ps(reinterpret_cast<const float*>(S + (s << 6)))),
-                       _mm256_load_ps(reinterpret_cast<const float*>(S + 32 + (s << 6))));
+// The row path's byte tables (from decode_table, once a process): a block's point times 4 (16 at 4 bits)
+// is an integer of at most 8 bits, made lane by lane in the bytes of one 64-bit word by scalar loads, an
+// XOR and adds — no vector op — then widened to 8 fp32 lanes: p4 = the pattern's 4u_j, u_j = a_j + 7/2 (its
+// parity in lane 7's sign), s4 = a sign byte's 28 on each flipped lane (4u xor 28 = 4(7 − u): a negation)
+// | 2 where its shift is +¼, so p4 ^ s4 = 4(point + 15/4); bb = 4·ball/2 + 113.
+struct RowTables {
+  uint64_t p4[256], s4[256], bb[256];
+  const void* from = nullptr;
+};
+
+const RowTables& row_tables(const char* table) {
+  static RowTables rt;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (rt.from == table) return rt;
+  const float* T = reinterpret_cast<const float*>(table);
+  const float* S = reinterpret_cast<const float*>(table + kSignOff);
+  auto byte = [](float v, int at) {
+    TORCH_CHECK(v >= 0.f && v < 256.f && v == std::nearbyint(v), "latq_cpu: the decode table is not E8's");
+    return static_cast<uint64_t>(v) << (8 * at);
+  };
+  for (int i = 0; i < 256; ++i) {
+    rt.p4[i] = rt.s4[i] = rt.bb[i] = 0;
+    for (int j = 0; j < 8; ++j) {
+      rt.p4[i] |= byte(4.f * T[i * 8 + j] + 14.f, j);
+      rt.s4[i] |= byte((std::signbit(S[2 * i * 8 + j]) ? 28.f : 0.f) + (S[(2 * i + 1) * 8 + j] > 0.f ? 2.f : 0.f), j);
+      rt.bb[i] |= byte(4.f * T[(256 + i) * 8 + j] + 113.f, j);
+    }
+  }
+  rt.from = table;
+  return rt;
 }
 
-// a block's code bytes c[0], c[st], … (st: the layout's rows a tile)
+// a block's point × 4 (16 at 4 bits) in 8 fp32 lanes, from its code bytes c[0], c[st], … (st: the
+// layout's rows a tile). Each byte stays in [53, 203] before the xor (so no sum carries into the next)
+// and the xor of 0x80 takes 128 off: the point × 4 (× 16) as a signed byte.
 template <int BITS>
-LATQ_CB_INLINE __m256 block_avx2(const char* T, const uint8_t* c, int64_t st) {
-  const char* S = T + kSignOff;
-  __m256 v = e8p_avx2(T, S, c[0], c[st]);
-  if constexpr (BITS == 3)
-    v = _mm256_add_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(T + kBallOff + (size_t{c[2 * st]} << 5))));
-  if constexpr (BITS == 4) v = _mm256_fmadd_ps(e8p_avx2(T, S, c[2 * st], c[3 * st]), _mm256_set1_ps(0.25f), v);
-  return v;
+LATQ_CB_INLINE __m256 block_avx2(const RowTables& R, const uint8_t* c, int64_t st) {
+  constexpr uint64_t ones = 0x0101010101010101ull;
+  uint64_t v = R.p4[c[0]] ^ R.s4[c[st]];                          // 4·point + 15
+  if constexpr (BITS == 2) v += 113 * ones;
+  if constexpr (BITS == 3) v += R.bb[c[2 * st]];                  // + 4·ball/2 − 15 + 128
+  if constexpr (BITS == 4) v = (v << 2) + (R.p4[c[2 * st]] ^ R.s4[c[3 * st]]) + 53 * ones;   // 16·(point + ¼ point₂) + 128
+  v ^= 0x80 * ones;
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v))));
 }
+
+// what block_avx2's lanes are times the point
+template <int BITS>
+constexpr float kBlockGain = BITS == 4 ? 16.f : 4.f;
 
 LATQ_CB_INLINE float hsum_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -194,26 +226,28 @@ LATQ_CB_INLINE float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// a row's group scales broadcast: fp16 [G], or its column of a band's decoded [G][16]
+// a row's group scales over block_avx2's gain q, broadcast: fp16 [G], or its column of a band's decoded [G][16]
 struct HalfScales {
   const uint16_t* h;
-  LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_set1_ps(_cvtsh_ss(h[g])); }
+  float q;
+  LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_set1_ps(_cvtsh_ss(h[g]) * q); }
 };
 struct BandScales {
   const float* f;
-  LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_broadcast_ss(f + g * kBand); }
+  float q;
+  LATQ_CB_INLINE __m256 operator()(int64_t g) const { return _mm256_set1_ps(f[g * kBand] * q); }
 };
 
-LATQ_CB_INLINE __m256 scale_at(const RowScales& sc, int64_t g) {
-  return sc.h ? HalfScales{reinterpret_cast<const uint16_t*>(sc.h)}(g) : BandScales{sc.f}(g);
+LATQ_CB_INLINE __m256 scale_at(const RowScales& sc, int64_t g, float q) {
+  return sc.h ? HalfScales{reinterpret_cast<const uint16_t*>(sc.h), q}(g) : BandScales{sc.f, q}(g);
 }
 
 // blocks b and b + 1 of a row (codes c) times s into MR rows of x's two accumulators
 template <int BITS, int MR>
-LATQ_CB_INLINE void pair_avx2(const Layer& L, const uint8_t* c, int64_t st, const float* x, int64_t b, __m256 s,
-                              __m256* a0, __m256* a1) {
-  const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c, st), s);
-  const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + L.B * st, st), s);
+LATQ_CB_INLINE void pair_avx2(const Layer& L, const RowTables& R, const uint8_t* c, int64_t st, const float* x,
+                              int64_t b, __m256 s, __m256* a0, __m256* a1) {
+  const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(R, c, st), s);
+  const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(R, c + L.B * st, st), s);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
@@ -221,18 +255,19 @@ LATQ_CB_INLINE void pair_avx2(const Layer& L, const uint8_t* c, int64_t st, cons
   }
 }
 
-// one row's blocks into a0, a1; scale(g): group g's scale broadcast
+// one row's blocks into a0, a1; scale(g): group g's scale over the blocks' gain, broadcast
 template <int BITS, int MR, class Scale>
-LATQ_CB_INLINE void row_blocks(const Layer& L, const uint8_t* c, const float* x, Scale scale, __m256* a0, __m256* a1) {
+LATQ_CB_INLINE void row_blocks(const Layer& L, const RowTables& R, const uint8_t* c, const float* x, Scale scale,
+                               __m256* a0, __m256* a1) {
   const int64_t st = L.T, bs = L.B * L.T;   // a code's byte stride, a block's
   if (L.bpg == 2 && L.nb % 2 == 0) {          // a pair a group (16 columns): the study's E8 point
-    for (int64_t b = 0; b < L.nb; b += 2) pair_avx2<BITS, MR>(L, c + b * bs, st, x, b, scale(b / 2), a0, a1);
+    for (int64_t b = 0; b < L.nb; b += 2) pair_avx2<BITS, MR>(L, R, c + b * bs, st, x, b, scale(b / 2), a0, a1);
     return;
   }
   if (L.bpg % 2 == 0 && L.nb % 2 == 0) {
     __m256 s = scale(0);
     for (int64_t b = 0, left = L.bpg, gi = 0; b < L.nb; b += 2) {
-      pair_avx2<BITS, MR>(L, c + b * bs, st, x, b, s, a0, a1);
+      pair_avx2<BITS, MR>(L, R, c + b * bs, st, x, b, s, a0, a1);
       if ((left -= 2) == 0 && b + 2 < L.nb) left = L.bpg, s = scale(++gi);
     }
     return;
@@ -241,9 +276,9 @@ LATQ_CB_INLINE void row_blocks(const Layer& L, const uint8_t* c, const float* x,
     const __m256 s = scale(gi);
     const int64_t b1 = std::min(L.nb, b0 + L.bpg);
     int64_t b = b0;
-    for (; b + 2 <= b1; b += 2) pair_avx2<BITS, MR>(L, c + b * bs, st, x, b, s, a0, a1);
+    for (; b + 2 <= b1; b += 2) pair_avx2<BITS, MR>(L, R, c + b * bs, st, x, b, s, a0, a1);
     if (b < b1) {
-      const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(L.table, c + b * bs, st), s);
+      const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(R, c + b * bs, st), s);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
     }
@@ -258,15 +293,17 @@ LATQ_CB_INLINE void row_blocks(const Layer& L, const uint8_t* c, const float* x,
 // decode at 16 columns.
 template <int BITS, int MR>
 LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
+  const RowTables& R = row_tables(L.table);
+  constexpr float q = 1.f / kBlockGain<BITS>;
   for (int64_t n = n0; n < n1; ++n) {
     const RowScales sc = row_scales(L, n, band);
     const uint8_t* c = L.block(n, 0);
     __m256 a0[MR], a1[MR];
     for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     if (sc.h)
-      row_blocks<BITS, MR>(L, c, x, HalfScales{reinterpret_cast<const uint16_t*>(sc.h)}, a0, a1);
+      row_blocks<BITS, MR>(L, R, c, x, HalfScales{reinterpret_cast<const uint16_t*>(sc.h), q}, a0, a1);
     else
-      row_blocks<BITS, MR>(L, c, x, BandScales{sc.f}, a0, a1);
+      row_blocks<BITS, MR>(L, R, c, x, BandScales{sc.f, q}, a0, a1);
     for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(_mm256_add_ps(a0[m], a1[m]));
   }
 }
@@ -280,11 +317,12 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Layer& L, const fl
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, int64_t n0, int64_t n1, const float* band,
                                                                 float* w) {
+  const RowTables& R = row_tables(L.table);
   for (int64_t n = n0; n < n1; ++n) {
     const RowScales sc = row_scales(L, n, band);
     for (int64_t b = 0; b < L.nb; ++b)
-      _mm256_storeu_ps(w + (n - n0) * L.K + b * 8,
-                       _mm256_mul_ps(block_avx2<BITS>(L.table, L.block(n, b), L.T), scale_at(sc, b / L.bpg)));
+      _mm256_storeu_ps(w + (n - n0) * L.K + b * 8, _mm256_mul_ps(block_avx2<BITS>(R, L.block(n, b), L.T),
+                                                                 scale_at(sc, b / L.bpg, 1.f / kBlockGain<BITS>)));
   }
 }
 #endif
