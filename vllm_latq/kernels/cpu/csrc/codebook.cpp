@@ -181,7 +181,9 @@ struct RowTables {
 
 const RowTables& row_tables(const char* table) {
   static RowTables rt;
+  static std::atomic<const void*> made{nullptr};   // read without the lock: every band of every call asks
   static std::mutex mu;
+  if (made.load(std::memory_order_acquire) == table) return rt;
   std::lock_guard<std::mutex> lock(mu);
   if (rt.from == table) return rt;
   const float* T = reinterpret_cast<const float*>(table);
@@ -199,6 +201,7 @@ const RowTables& row_tables(const char* table) {
     }
   }
   rt.from = table;
+  made.store(table, std::memory_order_release);
   return rt;
 }
 
