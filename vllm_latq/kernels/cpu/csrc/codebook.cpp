@@ -205,9 +205,8 @@ const RowTables& row_tables(const char* table) {
   return rt;
 }
 
-// a block's point × 4 (16 at 4 bits) in 8 fp32 lanes, from its code bytes c[0], c[st], … (st: the
-// layout's rows a tile). Each byte stays in [53, 203] before the xor (so no sum carries into the next)
-// and the xor of 0x80 takes 128 off: the point × 4 (× 16) as a signed byte.
+// a block's point × 4 (16 at 4 bits) + 128 in 8 fp32 lanes, from its code bytes c[0], c[st], … (st: the
+// layout's rows a tile). Each byte stays in [53, 203], so no sum carries into the next.
 template <int BITS>
 LATQ_CB_INLINE __m256 block_avx2(const RowTables& R, const uint8_t* c, int64_t st) {
   constexpr uint64_t ones = 0x0101010101010101ull;
@@ -215,9 +214,13 @@ LATQ_CB_INLINE __m256 block_avx2(const RowTables& R, const uint8_t* c, int64_t s
   if constexpr (BITS == 2) v += 113 * ones;
   if constexpr (BITS == 3) v += R.bb[c[2 * st]];                  // + 4·ball/2 − 15 + 128
   if constexpr (BITS == 4) v = (v << 2) + (R.p4[c[2 * st]] ^ R.s4[c[3 * st]]) + 53 * ones;   // 16·(point + ¼ point₂) + 128
-  v ^= 0x80 * ones;
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v))));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v))));
 }
+
+// block_avx2's lanes times a scale s over their gain, exactly: (lanes − 128)·s in one FMA (s128 = 128·s)
+LATQ_CB_INLINE __m256 scaled(__m256 lanes, __m256 s, __m256 s128) { return _mm256_fmsub_ps(lanes, s, s128); }
+
+LATQ_CB_INLINE __m256 times128(__m256 s) { return _mm256_mul_ps(s, _mm256_set1_ps(128.f)); }
 
 // what block_avx2's lanes are times the point
 template <int BITS>
@@ -249,8 +252,9 @@ LATQ_CB_INLINE __m256 scale_at(const RowScales& sc, int64_t g, float q) {
 template <int BITS, int MR>
 LATQ_CB_INLINE void pair_avx2(const Layer& L, const RowTables& R, const uint8_t* c, int64_t st, const float* x,
                               int64_t b, __m256 s, __m256* a0, __m256* a1) {
-  const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(R, c, st), s);
-  const __m256 w1 = _mm256_mul_ps(block_avx2<BITS>(R, c + L.B * st, st), s);
+  const __m256 s128 = times128(s);
+  const __m256 w0 = scaled(block_avx2<BITS>(R, c, st), s, s128);
+  const __m256 w1 = scaled(block_avx2<BITS>(R, c + L.B * st, st), s, s128);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
@@ -281,7 +285,7 @@ LATQ_CB_INLINE void row_blocks(const Layer& L, const RowTables& R, const uint8_t
     int64_t b = b0;
     for (; b + 2 <= b1; b += 2) pair_avx2<BITS, MR>(L, R, c + b * bs, st, x, b, s, a0, a1);
     if (b < b1) {
-      const __m256 w0 = _mm256_mul_ps(block_avx2<BITS>(R, c + b * bs, st), s);
+      const __m256 w0 = scaled(block_avx2<BITS>(R, c + b * bs, st), s, times128(s));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * L.K + b * 8), a0[m]);
     }
@@ -323,9 +327,10 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
   const RowTables& R = row_tables(L.table);
   for (int64_t n = n0; n < n1; ++n) {
     const RowScales sc = row_scales(L, n, band);
-    for (int64_t b = 0; b < L.nb; ++b)
-      _mm256_storeu_ps(w + (n - n0) * L.K + b * 8, _mm256_mul_ps(block_avx2<BITS>(R, L.block(n, b), L.T),
-                                                                 scale_at(sc, b / L.bpg, 1.f / kBlockGain<BITS>)));
+    for (int64_t b = 0; b < L.nb; ++b) {
+      const __m256 s = scale_at(sc, b / L.bpg, 1.f / kBlockGain<BITS>);
+      _mm256_storeu_ps(w + (n - n0) * L.K + b * 8, scaled(block_avx2<BITS>(R, L.block(n, b), L.T), s, times128(s)));
+    }
   }
 }
 #endif
