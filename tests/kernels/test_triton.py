@@ -525,6 +525,15 @@ def test_compile_record_is_current():
                      "`python -m tools.launch_table` to rebuild the launch report and table from it")
 
 
+def test_compile_record_holds_no_spills():
+    """Every job of the committed full sweep compiled without register spills or a stack frame (the
+    heaviest are compiled again above; a spill elsewhere would otherwise pass unseen)."""
+    from tools import triton_record as tr
+    rows = tr.read_record()["rows"]
+    spilled = [k for k, r in rows.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]]
+    assert rows and not spilled, spilled
+
+
 def test_record_keeps_the_rows_of_unchanged_kernels(monkeypatch):
     """``--record`` compiles only the jobs of kernels whose device code changed: the others' rows come
     from the record while their code, Triton and the summary are the ones it was written with."""

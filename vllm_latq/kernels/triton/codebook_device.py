@@ -130,12 +130,13 @@ def _coordinate(lo, hi, j: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _points(lo, hi, j, BITS: tl.constexpr, ASM: tl.constexpr):
     """Coordinates ``j`` (an index tensor) of the blocks' points, exact: fields shifted down, less the constant."""
+    c = _constant(lo, hi, BITS)
     w = tl.where(j < 4, lo, hi)
     if BITS == 2:
         v = _field_at(w, 6 * (j % 4), 0, 7, ASM)
     else:
         v = _field_at(w, 6 * (j % 4), 2, 63, ASM)
-    return v - _constant(lo, hi, BITS)
+    return v - c
 
 
 @triton.jit
@@ -189,6 +190,7 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
         else:
             ca, cb = _codes(ca_ptr, cb_ptr, b * N_PAD + rn3, bmask, BITS)
         lo, hi = _decode_words(ca, cb, tab, BITS, LDS)
+        c = _constant(lo, hi, BITS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
         else:
@@ -201,7 +203,7 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
             xs = tl.load(xb + j, mask=xm, other=0.0).to(tl.float32)
             xsum += xs
             part += xs * _coordinate(lo, hi, j, BITS, ASM)
-        acc += (part - _constant(lo, hi, BITS) * xsum) * sc
+        acc += (part - c * xsum) * sc
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, b_ptr, ws_ptr, cnt_ptr, rm, rn, M, N, stride_ym, N_PAD, M_WS, pid_k,
               tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), SPLIT, HAS_BIAS)
