@@ -14,6 +14,7 @@ from .device import _and_or, _epilogue, _group_scale, _row_offset, _scale_base
 
 SIGNS_AT = tl.constexpr(256)     # the shared table: E8P's 256 pattern words, 256 sign words, the ball's 256
 BALL_AT = tl.constexpr(512)
+H_BIT = tl.constexpr(-2**31)   # bit 31 of a word: where the ±¼ sign of an E8P stage sits
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def _lookup(tab, i, LDS: tl.constexpr):
 
 
 @triton.jit
-def _halves(e):
+def _halves(e):   # a table entry (int64) → its words: coordinates 0–3, coordinates 4–7
     return e.to(tl.int32), (e >> 32).to(tl.int32)
 
 
@@ -85,10 +86,10 @@ def _decode_words(ca, cb, tab, BITS: tl.constexpr, LDS: tl.constexpr):
     lo, hi = _e8p_words(ca, tab, LDS)
     if BITS == 3:
         b_lo, b_hi = _halves(_lookup(tab, (cb & 255) + BALL_AT, LDS))
-        lo, hi = ((lo << 2) + b_lo) | (lo & -2147483648), (hi << 2) + b_hi
+        lo, hi = ((lo << 2) + b_lo) | (lo & H_BIT), (hi << 2) + b_hi
     elif BITS == 4:
         lo2, hi2 = _e8p_words(ca >> 16, tab, LDS)
-        lo, hi = (lo << 2) + lo2, ((hi << 2) + hi2) | (lo & -2147483648)
+        lo, hi = (lo << 2) + lo2, ((hi << 2) + hi2) | (lo & H_BIT)
     return lo, hi
 
 
