@@ -176,7 +176,6 @@ void rows_scalar(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t 
 // | 2 where its shift is +¼, so p4 ^ s4 = 4(point + 15/4); bb = 4·ball/2 + 113.
 struct RowTables {
   uint64_t p4[256], s4[256], bb[256];
-  const void* from = nullptr;
 };
 
 const RowTables& row_tables(const char* table) {
@@ -185,7 +184,7 @@ const RowTables& row_tables(const char* table) {
   static std::mutex mu;
   if (made.load(std::memory_order_acquire) == table) return rt;
   std::lock_guard<std::mutex> lock(mu);
-  if (rt.from == table) return rt;
+  if (made.load(std::memory_order_relaxed) == table) return rt;
   const float* T = reinterpret_cast<const float*>(table);
   const float* S = reinterpret_cast<const float*>(table + kSignOff);
   auto byte = [](float v, int at) {
@@ -200,7 +199,6 @@ const RowTables& row_tables(const char* table) {
       rt.bb[i] |= byte(4.f * T[(256 + i) * 8 + j] + 113.f, j);
     }
   }
-  rt.from = table;
   made.store(table, std::memory_order_release);
   return rt;
 }
