@@ -16,7 +16,8 @@
 // result is the reference's up to fp32 summation order.
 //
 // Small M: per output row, each block decoded once into 8 fp32 lanes, scaled and FMA'd into up to
-// 4 rows of x (AVX2 + FMA + F16C) or 8 (AVX-512VL: 32 registers), two FMA chains per row; on AVX-512
+// 8 rows of x (AVX2 + FMA + F16C: two FMA chains a row up to 4 rows, one from 5; AVX-512VL's 32
+// registers: two); on AVX-512
 // VBMI + BF16 + GFNI with bf16 x, 64-row tiles decoded across rows (below). Large M (≥ set_codebook_large_m):
 // tiles of rows decoded to fp32, then one GEMM per tile.
 //
@@ -298,18 +299,23 @@ LATQ_CB_INLINE void row_blocks(const Layer& L, const RowTables& R, const uint8_t
 // decode at 16 columns.
 template <int BITS, int MR>
 LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
+  // AVX2's 16 registers hold two sums a row up to 4 rows; from 5, one (its two FMAs a pair in a chain,
+  // 8 rows' chains enough to fill the FMA units)
+  constexpr bool two = MR <= 4 || sizeof(void*) == 0;
   const RowTables& R = row_tables(L.table);
   constexpr float q = 1.f / kBlockGain<BITS>;
   for (int64_t n = n0; n < n1; ++n) {
     const RowScales sc = row_scales(L, n, band);
     const uint8_t* c = L.block(n, 0);
-    __m256 a0[MR], a1[MR];
-    for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    __m256 a0[MR], a1[two ? MR : 1];
+    for (int m = 0; m < MR; ++m) a0[m] = _mm256_setzero_ps();
+    for (int m = 0; m < (two ? MR : 1); ++m) a1[m] = _mm256_setzero_ps();
+    __m256* second = two ? a1 : a0;
     if (sc.h)
-      row_blocks<BITS, MR>(L, R, c, x, HalfScales{reinterpret_cast<const uint16_t*>(sc.h), q}, a0, a1);
+      row_blocks<BITS, MR>(L, R, c, x, HalfScales{reinterpret_cast<const uint16_t*>(sc.h), q}, a0, second);
     else
-      row_blocks<BITS, MR>(L, R, c, x, BandScales{sc.f, q}, a0, a1);
-    for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(_mm256_add_ps(a0[m], a1[m]));
+      row_blocks<BITS, MR>(L, R, c, x, BandScales{sc.f, q}, a0, second);
+    for (int m = 0; m < MR; ++m) y[m * L.N + n] = hsum_avx2(two ? _mm256_add_ps(a0[m], a1[m]) : a0[m]);
   }
 }
 
@@ -615,8 +621,8 @@ bool tiles_run() {
 // the tiles' path shares its decode across rows, the row path does not
 std::atomic<int64_t> g_large_m{tiles_run() ? 1024 : 20};
 
-// the rows of x one pass serves on this instruction set
-inline int64_t rows_a_pass(int isa) { return isa == 2 ? 8 : 4; }
+// the rows of x one pass of the row path serves (AVX2 with one sum a row from 5: rows_body)
+constexpr int64_t kRowsAPass = 8;
 
 template <int BITS, int MR>
 void rows_fixed(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y, int isa) {
@@ -624,11 +630,11 @@ void rows_fixed(const Layer& L, const float* x, int64_t n0, int64_t n1, const fl
   if (isa == 2) return rows_avx512<BITS, MR>(L, x, n0, n1, band, y);
 #endif
 #if LATQ_CB_X86
-  if constexpr (MR <= 4) rows_avx2<BITS, MR>(L, x, n0, n1, band, y);
+  rows_avx2<BITS, MR>(L, x, n0, n1, band, y);
 #endif
 }
 
-// rows [n0, n1) of y for rows [0, M) of x (M ≤ rows_a_pass(isa))
+// rows [n0, n1) of y for rows [0, M) of x (M ≤ kRowsAPass)
 template <int BITS>
 void rows(const Layer& L, const float* x, int64_t M, int64_t n0, int64_t n1, const float* band, float* y, int isa) {
   if (isa == 0) return rows_scalar<BITS>(L, x, M, n0, n1, band, y);
@@ -705,7 +711,7 @@ void gemm(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M < g_large_m.load()) {
-    const int64_t R = isa == 0 ? kMaxRows : rows_a_pass(isa);
+    const int64_t R = isa == 0 ? kMaxRows : kRowsAPass;
     const int64_t grain = std::max<int64_t>(1, 16384 / L.K);   // rows a task: ≥ 16k weights
     for_bands(L, 0, L.N, grain, [&](int64_t n0, int64_t n1, const float* band) {
       for (int64_t m0 = 0; m0 < M; m0 += R)
