@@ -301,7 +301,7 @@ template <int BITS, int MR>
 LATQ_CB_INLINE void rows_body(const Layer& L, const float* x, int64_t n0, int64_t n1, const float* band, float* y) {
   // AVX2's 16 registers hold two sums a row up to 4 rows; from 5, one (its two FMAs a pair in a chain,
   // 8 rows' chains enough to fill the FMA units)
-  constexpr bool two = MR <= 4 || sizeof(void*) == 0;
+  constexpr bool two = MR <= 4;
   const RowTables& R = row_tables(L.table);
   constexpr float q = 1.f / kBlockGain<BITS>;
   for (int64_t n = n0; n < n1; ++n) {
