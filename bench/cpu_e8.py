@@ -90,8 +90,42 @@ def e8(a, results: dict) -> None:
                 f"e8_{b}b {ratio(ts, f'e8_{b}b', 'int_4b'):.2f}" for b in (2, 3, 4)) + "   time / bf16: " + "  ".join(
                 f"e8_{b}b {ratio(ts, f'e8_{b}b', 'bf16'):.2f}" for b in (2, 3, 4)) + ("   a8 / exact: " + "  ".join(
                 f"e8_{b}b {ratio(ts, f'e8_{b}b_a8', f'e8_{b}b'):.2f}" for b in (2, 3, 4)) if a8 else ""), flush=True)
+    fp32_row(a, results)
     large(a, results)
     insitu(a, results)
+
+
+def fp32_row(a, results: dict) -> None:
+    """One row of fp32 x — what a CPU without AVX-512 BF16 serves (``cpu_features.fastest_float``): the tiles'
+    fp32 dots where they run (VBMI + GFNI) against the row path on the same codes, the integer kernel and
+    fp32 ``F.linear``, each with fp32 x."""
+    if CPUCodebookKernel.tile_rows(64) != 64:
+        print("\n  fp32 x: the tiles' path does not run here (AVX-512 VBMI + GFNI)")
+        return
+    print("  one row of fp32 x (µs: median): the tiles' fp32 dots vs the row path on the same codes vs the integer "
+          "kernel vs fp32 F.linear")
+    for name in a.e8_shapes or E8_SHAPES:
+        n, k = E8_SHAPES[name]
+        fns = {}
+        for bits in (2, 3, 4):
+            st = CPUCodebookKernel.prepare(codebook_weight(n, k, bits))
+            rows = replace(st, codes=codebook_weight(n, k, bits).codes.contiguous(), tile_rows=1)
+            fns[f"e8_{bits}b"] = lambda st=st: CPUCodebookKernel.apply(st, x)
+            fns[f"e8_{bits}b_rows"] = lambda st=rows: CPUCodebookKernel.apply(st, x)
+        st = CPUKernel.prepare(random_weight(n, k, 4, 0.0, group=INT_GROUP, seed=1))
+        fns["int_4b"] = lambda st=st: CPUKernel.apply(st, x)
+        wf = dequantize(codebook_weight(n, k, 3))
+        fns["fp32"] = lambda: F.linear(x, wf)
+        x = torch.randn(1, k)
+        ts = side_by_side(fns, a.rounds, a.sample_us)
+        for bits in (2, 3, 4):
+            for base in ("rows", "int_4b", "fp32"):
+                other = f"e8_{bits}b_rows" if base == "rows" else base
+                results[f"e8_{name}_f32_e8_{bits}b_over_{base}"] = ratio(ts, f"e8_{bits}b", other)
+        print(f"    {name:9s} {n:>5d}x{k:<5d}: " + "  ".join(f"{key} {med(v):.1f}" for key, v in ts.items())
+              + "   tiles/rows: " + "  ".join(f"e8_{b}b {ratio(ts, f'e8_{b}b', f'e8_{b}b_rows'):.2f}" for b in (2, 3, 4))
+              + "   /int_4b: " + "  ".join(f"e8_{b}b {ratio(ts, f'e8_{b}b', 'int_4b'):.2f}" for b in (2, 3, 4)),
+              flush=True)
 
 
 def large(a, results: dict) -> None:

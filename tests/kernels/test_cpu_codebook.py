@@ -137,13 +137,11 @@ def test_each_instruction_set(M, k, group, isa):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_tiles_read_every_weight_exactly(bits):
-    """The 64-row tiles' path (AVX-512 VBMI + BF16, bf16 x, M below the large-M rows: one row, or a block's
-    weights made once for 4 rows a pass): unit rows of x read every weight back as the format
-    dequantizes it, bit for bit (point × scale, exact in fp32 and bf16-rounded once), and the same tiled
-    state on every other instruction set and M gives the rows' results."""
-    native_or_skip()
-    if CPUCodebookKernel.tile_rows(64) != 64:
-        pytest.skip("the tiles' path does not run here (AVX-512 VBMI + BF16)")
+    """The 64-row tiles' path (AVX-512 VBMI + GFNI; bf16 x's dots in bf16 with AVX-512 BF16, M below the
+    large-M rows: one row, or a block's weights made once for 4 rows a pass): unit rows of x read every
+    weight back as the format dequantizes it, bit for bit (point × scale, exact in fp32 and bf16-rounded
+    once), and the same tiled state on every other instruction set and M gives the rows' results."""
+    tiles_or_skip()
     for coded, group in ((True, 16), (False, 64), (True, 256)):
         w = weight(bits, n=192, k=256, group=group, coded=coded, seed=bits)
         st = CPUCodebookKernel.prepare(w)
@@ -163,6 +161,42 @@ def test_tiles_read_every_weight_exactly(bits):
                                            rtol=2 ** -7, atol=1e-6)
             finally:
                 torch.ops.latq_cpu.set_codebook_isa(saved)
+
+def tiles_or_skip():
+    native_or_skip()
+    if CPUCodebookKernel.tile_rows(64) != 64:
+        pytest.skip("the tiles' path does not run here (AVX-512 VBMI + GFNI)")
+
+
+@pytest.fixture
+def without_bf16_dots():
+    """The tiles' path as on a CPU without AVX-512 BF16 (Ice Lake): one row of any x in fp32."""
+    tiles_or_skip()
+    saved = torch.ops.latq_cpu.codebook_bf16_dots()
+    torch.ops.latq_cpu.set_codebook_bf16_dots(False)
+    yield
+    torch.ops.latq_cpu.set_codebook_bf16_dots(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("coded,group", [(True, 16), (False, 64), (True, 256)], ids=["coded-g16", "fp16-g64", "row"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_tiles_fp32_dots(bits, coded, group, dtype, without_bf16_dots):
+    """The tiles' fp32 dots (a row of x without bf16 dots: q bytes spread into fp32 words less their offset,
+    at 4 bits the two stages' bytes summed): unit rows read every weight back bit for bit, in x's dtype
+    rounded once; random rows (and a bias) match the reference; more rows take the row path on the tiles."""
+    w = weight(bits, n=192, k=256, group=group, coded=coded, seed=bits)
+    st = CPUCodebookKernel.prepare(w)
+    assert st.tile_rows == 64
+    want = dequantize(w).T.to(dtype)
+    for m in (0, 7, 8, 100, 255):
+        assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[m:m + 1].to(dtype)), want[m:m + 1])
+    g = torch.Generator().manual_seed(bits)
+    bias = torch.randn(192, generator=g).to(dtype)
+    for M in (1, 3):
+        x = torch.randn(M, 256, generator=g).to(dtype)
+        close(CPUCodebookKernel.apply(st, x), x, w)
+        close(CPUCodebookKernel.apply(st, x, bias), x, w, bias)
 
 
 def test_large_m_path_agrees_with_the_small_m_one():
@@ -302,18 +336,21 @@ def test_opcheck_native_op():
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None
                     or shutil.which("objdump") is None, reason="an x86 g++ and objdump")
-def test_avx512_path_compiles(tmp_path):
-    """The AVX-512 paths, compiled for an AVX-512 VBMI + BF16 target on any x86 machine: they build, and
-    the tiles' path holds its zmm byte lookups and bf16 dots (an AVX2-only machine cannot run them;
-    where one runs them, the tests above do)."""
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "icelake"])
+def test_avx512_path_compiles(tmp_path, bf16):
+    """The AVX-512 paths, compiled for an AVX-512 VBMI + GFNI target with and without BF16 (an Ice Lake's)
+    on any x86 machine: they build, and the tiles' path holds its zmm byte lookups, with its bf16 dots
+    only where the target has them (an AVX2-only machine cannot run them; where one runs them, the tests
+    above do, the fp32 dots as without BF16 too)."""
     from torch.utils.cpp_extension import include_paths
     src = next(s for s in native.SOURCES if s.name == "codebook.cpp")
     obj = tmp_path / "codebook.o"
-    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-mavx512vbmi", "-mavx512bf16", "-mgfni", "-fPIC", "-w",
-           *[f"-I{p}" for p in include_paths()],
-           str(src), "-o", str(obj)]
+    cmd = ["g++", "-std=c++17", "-c", "-O3", "-march=x86-64-v4", "-mavx512vbmi", "-mgfni", "-fPIC", "-w",
+           *(["-mavx512bf16"] if bf16 else []), *[f"-I{p}" for p in include_paths()], str(src), "-o", str(obj)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True)
-    for insn in ("vpermi2b", "vpermw", "vdpbf16ps", "vgf2p8affineqb"):   # the tiles' path (nothing else here uses them)
+    for insn in ("vpermi2b", "vgf2p8affineqb", "vpermb"):   # the tiles' decode (nothing else here uses them)
         assert insn in dis.stdout, insn
+    for insn in ("vpermw", "vdpbf16ps"):   # the bf16 dots'
+        assert (insn in dis.stdout) == bf16, insn

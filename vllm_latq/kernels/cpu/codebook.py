@@ -123,7 +123,7 @@ class CodebookState:
     bits: int
     group_size: int
     in_features: int
-    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + BF16 + GFNI), out % 64 == 0;
+    tile_rows: int = 1      # 64 where the op's 64-row tiles' path runs (AVX-512 VBMI + GFNI), out % 64 == 0;
                             # 32: the int8-activation layout (tile_codes_a8)
 
 

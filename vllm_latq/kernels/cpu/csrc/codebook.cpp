@@ -17,8 +17,8 @@
 //
 // Small M: per output row, each block decoded once into 8 fp32 lanes, scaled and FMA'd into up to
 // 8 rows of x (AVX2 + FMA + F16C: two FMA chains a row up to 4 rows, one from 5; AVX-512VL's 32
-// registers: two); on AVX-512
-// VBMI + BF16 + GFNI with bf16 x, 64-row tiles decoded across rows (below). Large M (≥ set_codebook_large_m):
+// registers: two); on AVX-512 VBMI + GFNI, 64-row tiles decoded across rows (below): bf16 x's dots in
+// bf16 where the CPU has them (AVX-512 BF16), else one row of any x in fp32. Large M (≥ set_codebook_large_m):
 // tiles of rows decoded to fp32, then one GEMM per tile.
 //
 //   latq_cpu::codebook_linear(x [..., K] bf16/fp16/fp32, tensors = (codes uint8 [N, K/8, B],
@@ -27,6 +27,7 @@
 //       latq::cpu_e8_linear; a 4th tensor, a rotated layer's signs, rotates x first (hadamard.cpp)
 //   latq_cpu::codebook_isa() / set_codebook_isa(name)   which path runs ("avx512", "avx2", "")
 //   latq_cpu::set_codebook_large_m(m) / codebook_large_m()   rows from which tiles + GEMM run
+//   latq_cpu::codebook_bf16_dots() / set_codebook_bf16_dots(on)   whether bf16 x's dots run in bf16
 
 #include "codebook.h"
 
@@ -340,7 +341,7 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 #endif
 
 #if LATQ_CB_BYTES
-// ------------------------------------------------------------------ AVX-512 VBMI + BF16 + GFNI: 64-row tiles
+// ------------------------------------------------------------------ AVX-512 VBMI + GFNI (+ BF16): 64-row tiles
 //
 // A tile's block is 64 rows' code bytes as planes (pattern, signs[, ball | pattern, signs]), and the
 // decode runs across rows, 64 a register: the pattern plane indexes four 256-entry tables (two
@@ -351,8 +352,10 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 // 2·ball (0 ≤ q ≤ 30). Then per pair of lanes and pair of 16-row quarters one vpermi2b interleaves the
 // two lanes' planes into words (one quarter's byte low, the other's high) and two vpermw turn them into
 // bf16 (every point is exact in bf16); one vdpbf16ps multiplies 16 rows' pair with x's bf16 pair
-// (exact products, fp32 sums). A group's sums are scaled once, 16 rows a register. Accumulator lane i
-// holds row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
+// (exact products, fp32 sums). Without BF16 dots (or for x not bf16) one row of x is taken in fp32: each
+// lane's q bytes, spread to fp32 words by one vpermb a quarter, less their offset, FMA'd with x_j (at 4 bits
+// the two stages' q bytes summed first, one FMA a weight). A group's sums are scaled once, 16 rows a
+// register. Accumulator lane i holds row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
 
 inline uint16_t bf16_bits(float f) {   // exact here: the values have ≤ 7 significant bits
   uint32_t u;
@@ -379,7 +382,10 @@ const TileTables& tile_tables(const float* T) {
     const int q4 = (neg ? -1 : 1) * (2 + 4 * k) + (minus ? -1 : 1);   // 4·(σ(½ + k) ± ¼)
     tt.e15[i] = static_cast<uint8_t>(k == 3 ? 15 : q4 + 15);
     tt.e11[i] = static_cast<uint8_t>(k == 3 ? 11 : q4 + 11);
+    tt.e60[i] = static_cast<uint8_t>(4 * tt.e15[i]);
   }
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 64; ++i) tt.spread[r][i] = static_cast<uint8_t>(16 * r + rowof(i / 4));
   for (int q = 0; q < 32; ++q) {
     tt.val[0][q] = bf16_bits((q - 15) / 4.f);
     tt.val[1][q] = bf16_bits((q - 15) / 16.f);
@@ -398,13 +404,11 @@ const TileTables& tile_tables(const float* T) {
   return tt;
 }
 
-#endif
 
-#if LATQ_CB_TILES
 // one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index]), or with E null its index
 // plane itself (bits 0–3; bits 4–7 not cleared), for tables that take the index (raw): lane pair j's
 // indices are kp[j] XOR its sign bits, the even lane's in bits 0–3, the odd lane's in 4–7
-LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m512i S, const uint8_t* E, __m512i q[8]) {
+LATQ_CB_BYTES_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m512i S, const uint8_t* E, __m512i q[8]) {
   const __mmask64 hi = _mm512_movepi8_mask(P);
   const __m512i e = E ? _mm512_load_si512(E) : _mm512_setzero_si512();
   const auto lookup = [&](__m512i idx) { return E ? _mm512_permutexvar_epi8(idx, e) : idx; };
@@ -416,6 +420,78 @@ LATQ_CB_TILE_TARGET inline void e8p_planes(const TileTables& tt, __m512i P, __m5
   }
 }
 
+// the q planes of a block's E8P stage at p (and for 3 bits its ball's 2·ball added)
+// (3 bits: q planes for val; an E8P stage alone: index planes for raw)
+template <int BITS>
+LATQ_CB_BYTES_TARGET inline void block_planes(const TileTables& tt, const uint8_t* p, __m512i q[8]) {
+  e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : nullptr, q);
+  if constexpr (BITS == 3) {
+    const __m512i bl = _mm512_loadu_si512(p + 2 * kTile), lo4 = _mm512_set1_epi8(15);
+    const __mmask64 hi = _mm512_movepi8_mask(bl);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i bp = lookup256(tt.bp[j], bl, hi);
+      q[2 * j] = _mm512_add_epi8(q[2 * j], _mm512_and_si512(bp, lo4));
+      q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_gf2p8affine_epi64_epi8(bp, _mm512_set1_epi64(kHighNibble), 0));
+    }
+  }
+}
+
+
+// q planes (bytes, the point × gain + offset) times x into part, 16 rows an FMA: each lane's bytes go to the
+// low byte of fp32 words 2^23 + q (merged into a register of the exponent's constant), less 2^23 + offset —
+// exactly the point × gain, so the products are x's own and the sums fp32
+LATQ_CB_BYTES_TARGET inline void dot_planes_f32(const TileTables& tt, const __m512i q[8], float offset, const float* x,
+                                                __m512 part[4]) {
+  const __m512i magic = _mm512_set1_epi32(0x4B000000);
+  const __m512 less = _mm512_set1_ps(8388608.f + offset);
+  for (int j = 0; j < 8; ++j) {
+    const __m512 xj = _mm512_set1_ps(x[j]);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i v = _mm512_mask_permutexvar_epi8(magic, 0x1111111111111111ull, _mm512_load_si512(tt.spread[r]), q[j]);
+      part[r] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(v), less), xj, part[r]);
+    }
+  }
+}
+
+// tiles_m1 for x of any dtype, as fp32, on CPUs without BF16 dots (or x not bf16): a block's planes hold
+// the point × 4 + 15 (2, 3 bits) or × 16 + 75 (4 bits: the two stages' bytes added), gain undone at the end
+template <int BITS>
+LATQ_CB_BYTES_TARGET void tiles_m1_f32(const Layer& L, const TileTables& tt0, const float* x, int64_t t,
+                                       const float* band, float* y) {
+  constexpr float gain = BITS == 4 ? 16.f : 4.f, offset = BITS == 4 ? 75.f : 15.f;
+  __m512 acc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
+  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+    __m512 part[4];
+    for (int r = 0; r < 4; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
+      const uint8_t* p = c + b * L.B * kTile;
+      prefetch_codes(p, L.B);
+      const TileTables& tt = from_l1(tt0);
+      __m512i q[8];
+      if constexpr (BITS == 3) {
+        block_planes<3>(tt, p, q);
+      } else {
+        e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 4 ? tt.e60 : tt.e15, q);
+        if constexpr (BITS == 4) {
+          __m512i q2[8];
+          e8p_planes(tt, _mm512_loadu_si512(p + 2 * kTile), _mm512_loadu_si512(p + 3 * kTile), tt.e15, q2);
+          for (int j = 0; j < 8; ++j) q[j] = _mm512_add_epi8(q[j], q2[j]);
+        }
+      }
+      dot_planes_f32(tt, q, offset, x + b * 8, part);
+    }
+    for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[r]);
+  }
+  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+  const __m512 ungain = _mm512_set1_ps(1.f / gain);
+  for (int r = 0; r < 4; ++r)
+    _mm512_storeu_ps(y + t * kTile + r * kBand, _mm512_mul_ps(_mm512_permutexvar_ps(natural, acc[r]), ungain));
+}
+#endif
+
+#if LATQ_CB_TILES
 // quarters 2h and 2h + 1's bf16 weights of lanes 2j, 2j+1 (16 rows each, a pair a row): one vpermi2b
 // interleaves the two lanes' planes into words holding quarter 2h's byte low and 2h + 1's high (into the
 // selector loaded afresh: with the intrinsic the compiler keeps the selectors in registers and copies one
@@ -442,22 +518,6 @@ LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q
       pair_words(tt, q[2 * j], q[2 * j + 1], h, v, w);
       part[2 * h] = _mm512_dpbf16_ps(part[2 * h], (__m512bh)w[0], xj);
       part[2 * h + 1] = _mm512_dpbf16_ps(part[2 * h + 1], (__m512bh)w[1], xj);
-    }
-  }
-}
-
-// the q planes of a block's E8P stage at p (and for 3 bits its ball's 2·ball added)
-// (3 bits: q planes for val; an E8P stage alone: index planes for raw)
-template <int BITS>
-LATQ_CB_TILE_TARGET inline void block_planes(const TileTables& tt, const uint8_t* p, __m512i q[8]) {
-  e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 3 ? tt.e11 : nullptr, q);
-  if constexpr (BITS == 3) {
-    const __m512i bl = _mm512_loadu_si512(p + 2 * kTile), lo4 = _mm512_set1_epi8(15);
-    const __mmask64 hi = _mm512_movepi8_mask(bl);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i bp = lookup256(tt.bp[j], bl, hi);
-      q[2 * j] = _mm512_add_epi8(q[2 * j], _mm512_and_si512(bp, lo4));
-      q[2 * j + 1] = _mm512_add_epi8(q[2 * j + 1], _mm512_gf2p8affine_epi64_epi8(bp, _mm512_set1_epi64(kHighNibble), 0));
     }
   }
 }
@@ -606,20 +666,31 @@ int isa_detect() {
 }
 std::atomic<int> g_isa{isa_detect()};
 
-// whether the 64-row tiles' path runs here (on the best instruction set only)
+// whether the 64-row tiles run here (on the best instruction set only): the byte decode (VBMI, GFNI), and
+// with BF16 bf16 x's dots as bf16 (tiles_m1, tiles_mm), else x as fp32 at M = 1 (tiles_m1_f32)
 bool tiles_run() {
-#if LATQ_CB_TILES
-  static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16") &&
-                          __builtin_cpu_supports("gfni");
+#if LATQ_CB_BYTES
+  static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
   return cpu && g_isa.load() == 2;
 #else
   return false;
 #endif
 }
 
+// whether bf16 x's dots run as bf16 (set_codebook_bf16_dots turns them off, as on a CPU without them)
+bool bf16_dots_cpu() {
+#if LATQ_CB_TILES
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+std::atomic<bool> g_bf16_dots{bf16_dots_cpu()};
+bool bf16_dots_run() { return g_bf16_dots.load() && tiles_run(); }
+
 // rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "CPU kernel (cpu-e8)"):
 // the tiles' path shares its decode across rows, the row path does not
-std::atomic<int64_t> g_large_m{tiles_run() ? 1024 : 20};
+std::atomic<int64_t> g_large_m{bf16_dots_run() ? 1024 : 20};
 
 // the rows of x one pass of the row path serves (AVX2 with one sum a row from 5: rows_body)
 constexpr int64_t kRowsAPass = 8;
@@ -671,6 +742,21 @@ void for_bands(const Layer& L, int64_t r0, int64_t r1, int64_t grain_rows, const
     }
   });
 }
+
+#if LATQ_CB_BYTES
+// y [1, N] fp32 = x [1, K] fp32 · Wᵀ, a tile a task
+template <int BITS>
+void gemv_tiles_f32(const Layer& L, const float* x, float* y) {
+  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
+  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> band(4 * L.G * kBand);
+    for (int64_t t = a; t < b; ++t) {
+      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
+      tiles_m1_f32<BITS>(L, tt, x, t, band.data(), y);
+    }
+  });
+}
+#endif
 
 #if LATQ_CB_TILES
 // y [1, N] fp32 = x [1, K] bf16 · Wᵀ, a tile a task
@@ -817,9 +903,9 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   const cb::Layer L = a.layer();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if LATQ_CB_TILES
-  // rows of bf16 x on a tiled layer, fewer than the large-M rows: the tiles' path (x's bf16 as it is: exact products)
+  // rows of bf16 x on a tiled layer, fewer than the large-M rows: the tiles' bf16 dots (x's bf16 as it is: exact products)
   if (M >= 1 && M < cb::g_large_m.load() && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 &&
-      cb::tiles_run()) {
+      cb::bf16_dots_run()) {
     const at::Tensor xb = xr.reshape({M, K}).contiguous();
     const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
     float* yp = y.data_ptr<float>();
@@ -832,6 +918,15 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
       else if (bits == 3) cb::gemm_tiles<3>(L, xp, M, yp);
       else cb::gemm_tiles<4>(L, xp, M, yp);
     }
+  } else
+#endif
+#if LATQ_CB_BYTES
+  // one row of any other x on a tiled layer: the tiles' decode, x as fp32
+  if (M == 1 && N > 0 && T == cb::kTile && cb::tiles_run()) {
+    const at::Tensor xf = xr.reshape({K}).to(at::kFloat).contiguous();
+    if (bits == 2) cb::gemv_tiles_f32<2>(L, xf.data_ptr<float>(), y.data_ptr<float>());
+    else if (bits == 3) cb::gemv_tiles_f32<3>(L, xf.data_ptr<float>(), y.data_ptr<float>());
+    else cb::gemv_tiles_f32<4>(L, xf.data_ptr<float>(), y.data_ptr<float>());
   } else
 #endif
   if (M > 0 && N > 0) {
@@ -857,6 +952,13 @@ void set_codebook_isa(const std::string& name) {
 // the tile rows prepare lays a layer out in: 64 where the tiles' path runs here, else 1 (rows)
 int64_t codebook_tile_rows() { return cb::tiles_run() ? cb::kTile : 1; }
 
+bool codebook_bf16_dots() { return cb::bf16_dots_run(); }
+
+void set_codebook_bf16_dots(bool on) {
+  TORCH_CHECK(!on || cb::bf16_dots_cpu(), "latq_cpu::set_codebook_bf16_dots: this CPU (or build) has no AVX-512 BF16 dots");
+  cb::g_bf16_dots.store(on);
+}
+
 void set_codebook_large_m(int64_t m) {
   TORCH_CHECK(m >= 1, "latq_cpu::set_codebook_large_m: ", m, " rows (at least 1)");
   cb::g_large_m.store(m);
@@ -872,6 +974,8 @@ TORCH_LIBRARY_FRAGMENT(latq_cpu, m) {
   m.def("set_codebook_large_m(int m) -> ()");
   m.def("codebook_large_m() -> int");
   m.def("codebook_tile_rows() -> int");
+  m.def("codebook_bf16_dots() -> bool");
+  m.def("set_codebook_bf16_dots(bool on) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(latq_cpu, CPU, m) { m.impl("codebook_linear", &codebook_linear); }
@@ -882,4 +986,6 @@ TORCH_LIBRARY_IMPL(latq_cpu, CompositeExplicitAutograd, m) {
   m.impl("set_codebook_large_m", &set_codebook_large_m);
   m.impl("codebook_large_m", &codebook_large_m);
   m.impl("codebook_tile_rows", &codebook_tile_rows);
+  m.impl("codebook_bf16_dots", &codebook_bf16_dots);
+  m.impl("set_codebook_bf16_dots", &set_codebook_bf16_dots);
 }

@@ -100,11 +100,14 @@ struct TileTables {
   alignas(64) uint8_t bp[4][256];   // lanes 2j, 2j+1: 2·ball + 4 (0..8) at bits 0–3 and 4–7
   alignas(64) uint8_t e15[64];      // index (bits 4, 5 ignored) → 4w + 15 of σ(½ + k) ± ¼
   alignas(64) uint8_t e11[64];      // the same − 4 (the ball's 2·ball + 4 brings it back)
+  alignas(64) uint8_t e60[64];      // 4·e15: a 4-bit code's first stage, so the two stages' bytes add to 16w + 75
   alignas(64) uint16_t val[2][32];  // q → bf16((q − 15)/4); /16 for a 4-bit code's second stage
   alignas(64) uint16_t raw[2][32];  // an E8P stage's index (bits 0–3; 4 ignored) → the same, no q between
   // quarters 2h, 2h+1's vpermi2b: word 2i ← row 32h + rowof(i) of the even lane (low byte) and row 32h + 16 +
   // rowof(i) (high byte), 2i+1 the same of the odd lane
   alignas(64) uint8_t sel[2][64];
+  // quarter r's vpermb for the fp32 dots: every byte of dword i ← row 16r + rowof(i)
+  alignas(64) uint8_t spread[4][64];
   const void* from = nullptr;
 };
 
