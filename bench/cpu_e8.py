@@ -129,7 +129,8 @@ def fp32_row(a, results: dict) -> None:
 
 
 def large(a, results: dict) -> None:
-    """The op's two paths for M rows: decoded on the fly (small) vs tiles decoded once + fp32 GEMM."""
+    """The op's two paths for M rows: decoded on the fly (small) vs tiles decoded once + fp32 GEMM; bf16 x
+    (the tiles' bf16 dots where they run) and fp32 x (their fp32 dots; the row path elsewhere)."""
     n, k = E8_SHAPES["8b.qo"]
     st = CPUCodebookKernel.prepare(codebook_weight(n, k, 3))
     saved = torch.ops.latq_cpu.codebook_large_m()
@@ -142,12 +143,14 @@ def large(a, results: dict) -> None:
 
     print(f"  large M, {n}x{k} 3-bit (ms: median): on-the-fly decode vs decoded tiles + GEMM")
     try:
-        for M in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
-            x = torch.randn(M, k).bfloat16()
-            ts = side_by_side({"small": path(1 << 30), "tiles": path(1)}, max(5, a.rounds // 4), a.sample_us)
-            results[f"e8_large_m{M}_small_over_tiles"] = ratio(ts, "small", "tiles")
-            print(f"    M={M:4d}: small {med(ts['small']) / 1e3:.2f}  tiles {med(ts['tiles']) / 1e3:.2f}  "
-                  f"small/tiles {ratio(ts, 'small', 'tiles'):.2f}", flush=True)
+        for dtype, ms in ((torch.bfloat16, (8, 16, 32, 64, 128, 256, 512, 1024, 2048)), (torch.float32, (64, 128, 256, 512))):
+            tag = "" if dtype == torch.bfloat16 else "_f32"
+            for M in ms:
+                x = torch.randn(M, k).to(dtype)
+                ts = side_by_side({"small": path(1 << 30), "tiles": path(1)}, max(5, a.rounds // 4), a.sample_us)
+                results[f"e8_large{tag}_m{M}_small_over_tiles"] = ratio(ts, "small", "tiles")
+                print(f"    {str(dtype)[6:]} x, M={M:4d}: small {med(ts['small']) / 1e3:.2f}  tiles {med(ts['tiles']) / 1e3:.2f}  "
+                      f"small/tiles {ratio(ts, 'small', 'tiles'):.2f}", flush=True)
     finally:
         torch.ops.latq_cpu.set_codebook_large_m(saved)
 

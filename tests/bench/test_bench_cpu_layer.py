@@ -97,11 +97,13 @@ def test_streaming_candidates_are_what_their_keys_name(monkeypatch):
 
 def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
     """``--sections e8`` on small shapes, one round, one block in situ: every E8 width against the integer
-    kernel and bf16 at each M, the large-M paths and the in-situ ratios, as HEADLINE keys (positive, finite)."""
+    kernel and bf16 at each M, one row of fp32 x, the large-M paths (bf16 and fp32 x) and the in-situ ratios,
+    as HEADLINE keys (positive, finite)."""
     from argparse import Namespace
 
     from bench import cpu_e8
     from vllm_latq import native
+    from vllm_latq.kernels.cpu.codebook import CPUCodebookA8Kernel, CPUCodebookKernel
     if native.load() is not None:
         pytest.skip("the C++ ops are not built here")
     monkeypatch.setattr(cpu_e8, "E8_SHAPES", {"tiny": (128, 256), "8b.qo": (128, 256)})
@@ -109,8 +111,10 @@ def test_e8_section_keys_every_ratio_it_prints(monkeypatch, capsys):
     cpu_e8.e8(Namespace(e8_shapes=["tiny"], rounds=1, sample_us=50.0, blocks=1), results)
     want = {f"e8_tiny_m{m}_e8_{b}b_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4) for ref in ("int_4b", "bf16")}
     want |= {f"e8_large_m{m}_small_over_tiles" for m in (8, 16, 32, 64, 128, 256, 512, 1024, 2048)}
+    want |= {f"e8_large_f32_m{m}_small_over_tiles" for m in (64, 128, 256, 512)}
+    if CPUCodebookKernel.tile_rows(64) == 64:   # one row of fp32 x: the tiles' fp32 dots against the row path
+        want |= {f"e8_tiny_f32_e8_{b}b_over_{ref}" for b in (2, 3, 4) for ref in ("rows", "int_4b", "fp32")}
     want |= {"e8_insitu_ms", "e8_insitu_heap_over_placed", "e8_insitu_rot_over_plain", "e8_insitu_over_int_4b"}
-    from vllm_latq.kernels.cpu.codebook import CPUCodebookA8Kernel
     if CPUCodebookA8Kernel.unavailable_here() is None:   # the opt-in int8-activation kernel beside each
         want |= {f"e8_tiny_m{m}_e8_{b}b_a8_over_{ref}" for m in cpu_e8.E8_M for b in (2, 3, 4)
                  for ref in ("int_4b", "exact")} | {"e8_insitu_a8_rot_over_rot"}

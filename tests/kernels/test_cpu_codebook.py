@@ -182,18 +182,18 @@ def without_bf16_dots():
 @pytest.mark.parametrize("coded,group", [(True, 16), (False, 64), (True, 256)], ids=["coded-g16", "fp16-g64", "row"])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_tiles_fp32_dots(bits, coded, group, dtype, without_bf16_dots):
-    """The tiles' fp32 dots (a row of x without bf16 dots: q bytes spread into fp32 words less their offset,
-    at 4 bits the two stages' bytes summed): unit rows read every weight back bit for bit, in x's dtype
-    rounded once; random rows (and a bias) match the reference; more rows take the row path on the tiles."""
+    """The tiles' fp32 dots (x without bf16 dots: q bytes spread into fp32 words less their offset, at 4 bits
+    the two stages' bytes summed; up to 4 rows of x in registers, more through L1): unit rows read every
+    weight back bit for bit, in x's dtype rounded once; random rows (and a bias) match the reference."""
     w = weight(bits, n=192, k=256, group=group, coded=coded, seed=bits)
     st = CPUCodebookKernel.prepare(w)
     assert st.tile_rows == 64
     want = dequantize(w).T.to(dtype)
-    for m in (0, 7, 8, 100, 255):
-        assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[m:m + 1].to(dtype)), want[m:m + 1])
+    for rows in ([0], [7], [255], [8, 100, 3], [0, 9, 17, 64, 130, 255]):   # 1 and 3 rows in registers, 6 via L1
+        assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[rows].to(dtype)), want[rows])
     g = torch.Generator().manual_seed(bits)
     bias = torch.randn(192, generator=g).to(dtype)
-    for M in (1, 3):
+    for M in (1, 3, 4, 6, 9):
         x = torch.randn(M, 256, generator=g).to(dtype)
         close(CPUCodebookKernel.apply(st, x), x, w)
         close(CPUCodebookKernel.apply(st, x, bias), x, w, bias)

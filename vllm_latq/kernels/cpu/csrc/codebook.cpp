@@ -26,7 +26,7 @@
 //       ints = (bits, group_size, in_features), bias?, out_features)   the schema of
 //       latq::cpu_e8_linear; a 4th tensor, a rotated layer's signs, rotates x first (hadamard.cpp)
 //   latq_cpu::codebook_isa() / set_codebook_isa(name)   which path runs ("avx512", "avx2", "")
-//   latq_cpu::set_codebook_large_m(m) / codebook_large_m()   rows from which tiles + GEMM run
+//   latq_cpu::set_codebook_large_m(m) / codebook_large_m()   rows from which tiles + GEMM run (0: each path's)
 //   latq_cpu::codebook_bf16_dots() / set_codebook_bf16_dots(on)   whether bf16 x's dots run in bf16
 
 #include "codebook.h"
@@ -437,57 +437,146 @@ LATQ_CB_BYTES_TARGET inline void block_planes(const TileTables& tt, const uint8_
 }
 
 
-// q planes (bytes, the point × gain + offset) times x into part, 16 rows an FMA: each lane's bytes go to the
-// low byte of fp32 words 2^23 + q (merged into a register of the exponent's constant), less 2^23 + offset —
-// exactly the point × gain, so the products are x's own and the sums fp32
-LATQ_CB_BYTES_TARGET inline void dot_planes_f32(const TileTables& tt, const __m512i q[8], float offset, const float* x,
-                                                __m512 part[4]) {
-  const __m512i magic = _mm512_set1_epi32(0x4B000000);
-  const __m512 less = _mm512_set1_ps(8388608.f + offset);
-  for (int j = 0; j < 8; ++j) {
-    const __m512 xj = _mm512_set1_ps(x[j]);
-    for (int r = 0; r < 4; ++r) {
-      const __m512i v = _mm512_mask_permutexvar_epi8(magic, 0x1111111111111111ull, _mm512_load_si512(tt.spread[r]), q[j]);
-      part[r] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(v), less), xj, part[r]);
+constexpr int kChunk = 8;                  // blocks a chunk whose weights are made once for every row of x
+struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a vector of __m512 loses its alignment)
+
+// The fp32 dots: a block's q planes hold the point × gain + offset — × 4 + 15 at 2 and 3 bits, × 16 + 75
+// at 4 (the two stages' bytes added: 4·(4p₁ + 15) + 4p₂ + 15 ≤ 150) — and each lane's 16 rows a quarter go to
+// the low byte of fp32 words 2^23 + q (merged into a register of the exponent's constant), less 2^23 + offset:
+// exactly the point × gain, so each product is x's own; the gain is undone as y is stored
+template <int BITS> constexpr float kF32Gain = BITS == 4 ? 16.f : 4.f;
+template <int BITS> constexpr float kF32Offset = BITS == 4 ? 75.f : 15.f;
+
+template <int BITS>
+LATQ_CB_BYTES_TARGET inline void q_planes_f32(const TileTables& tt, const uint8_t* p, __m512i q[8]) {
+  if constexpr (BITS == 3) {
+    block_planes<3>(tt, p, q);
+  } else {
+    e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 4 ? tt.e60 : tt.e15, q);
+    if constexpr (BITS == 4) {
+      __m512i q2[8];
+      e8p_planes(tt, _mm512_loadu_si512(p + 2 * kTile), _mm512_loadu_si512(p + 3 * kTile), tt.e15, q2);
+      for (int j = 0; j < 8; ++j) q[j] = _mm512_add_epi8(q[j], q2[j]);
     }
   }
 }
 
-// tiles_m1 for x of any dtype, as fp32, on CPUs without BF16 dots (or x not bf16): a block's planes hold
-// the point × 4 + 15 (2, 3 bits) or × 16 + 75 (4 bits: the two stages' bytes added), gain undone at the end
+// quarter r of a lane's q plane as fp32 point × gain (16 rows, rowof order)
 template <int BITS>
-LATQ_CB_BYTES_TARGET void tiles_m1_f32(const Layer& L, const TileTables& tt0, const float* x, int64_t t,
-                                       const float* band, float* y) {
-  constexpr float gain = BITS == 4 ? 16.f : 4.f, offset = BITS == 4 ? 75.f : 15.f;
-  __m512 acc[4];
-  for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+LATQ_CB_BYTES_TARGET inline __m512 f32_weights(const TileTables& tt, __m512i q, int r) {
+  const __m512i v = _mm512_mask_permutexvar_epi8(_mm512_set1_epi32(0x4B000000), 0x1111111111111111ull,
+                                                 _mm512_load_si512(tt.spread[r]), q);
+  return _mm512_sub_ps(_mm512_castsi512_ps(v), _mm512_set1_ps(8388608.f + kF32Offset<BITS>));
+}
+
+// a group's end for MR rows of x's sums p (quarter r of row i): scaled into acc after its last chunk,
+// else kept in part for the next
+template <int MR>
+LATQ_CB_BYTES_TARGET inline void group_end(__m512 (&p)[MR][4], bool last, const float* scale, int64_t G, __m512* part,
+                                           __m512* acc) {
+  for (int r = 0; r < 4; ++r) {
+    const __m512 s = last ? _mm512_loadu_ps(scale + r * G * kBand) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      if (last) acc[4 * i + r] = _mm512_fmadd_ps(p[i][r], s, acc[4 * i + r]);
+      else part[4 * i + r] = p[i][r];
+    }
+  }
+}
+
+// y's tile t for M rows from acc (lane i of quarter r: row rowof(i)), times `times`
+LATQ_CB_BYTES_TARGET inline void store_tile(const __m512* acc, int64_t M, int64_t N, int64_t t, float times, float* y) {
+  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int r = 0; r < 4; ++r)
+      _mm512_storeu_ps(y + m * N + t * kTile + r * kBand,
+                       _mm512_mul_ps(_mm512_permutexvar_ps(natural, acc[4 * m + r]), _mm512_set1_ps(times)));
+}
+
+// MR ≤ 4 rows of x of any dtype, as fp32 (no BF16 dots, or x not bf16): each block's weights made in registers
+// and FMA'd into every row's sums, so nothing goes through memory
+template <int BITS, int MR>
+LATQ_CB_BYTES_TARGET void tiles_f32(const Layer& L, const TileTables& tt0, const float* x, int64_t t,
+                                    const float* band, float* y) {
+  __m512 acc[4 * MR];
+  for (int i = 0; i < 4 * MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
   for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-    __m512 part[4];
-    for (int r = 0; r < 4; ++r) part[r] = _mm512_setzero_ps();
+    __m512 part[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < 4; ++r) part[i][r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
       const uint8_t* p = c + b * L.B * kTile;
       prefetch_codes(p, L.B);
       const TileTables& tt = from_l1(tt0);
       __m512i q[8];
-      if constexpr (BITS == 3) {
-        block_planes<3>(tt, p, q);
-      } else {
-        e8p_planes(tt, _mm512_loadu_si512(p), _mm512_loadu_si512(p + kTile), BITS == 4 ? tt.e60 : tt.e15, q);
-        if constexpr (BITS == 4) {
-          __m512i q2[8];
-          e8p_planes(tt, _mm512_loadu_si512(p + 2 * kTile), _mm512_loadu_si512(p + 3 * kTile), tt.e15, q2);
-          for (int j = 0; j < 8; ++j) q[j] = _mm512_add_epi8(q[j], q2[j]);
+      q_planes_f32<BITS>(tt, p, q);
+      for (int j = 0; j < 8; ++j) {
+        __m512 xj[MR];
+        for (int i = 0; i < MR; ++i) xj[i] = _mm512_set1_ps(x[i * L.K + b * 8 + j]);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 w = f32_weights<BITS>(tt, q[j], r);
+          for (int i = 0; i < MR; ++i) part[i][r] = _mm512_fmadd_ps(w, xj[i], part[i][r]);
         }
       }
-      dot_planes_f32(tt, q, offset, x + b * 8, part);
     }
-    for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[r]);
+    group_end<MR>(part, true, band + gi * kBand, L.G, nullptr, acc);
   }
-  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-  const __m512 ungain = _mm512_set1_ps(1.f / gain);
-  for (int r = 0; r < 4; ++r)
-    _mm512_storeu_ps(y + t * kTile + r * kBand, _mm512_mul_ps(_mm512_permutexvar_ps(natural, acc[r]), ungain));
+  store_tile(acc, MR, L.N, t, 1.f / kF32Gain<BITS>, y);
+}
+
+// rows i < MR of x · the fp32 weights of nb blocks (a chunk of a scale group; [block][lane][quarter]), summed
+// in p[i][r]: MR rows and the four quarters at once, each x_j broadcast once for the four; then group_end
+template <int MR>
+LATQ_CB_BYTES_TARGET inline void dot_weights_f32(const __m512* w, int64_t nb, const float* x, int64_t K, bool first,
+                                                 bool last, const float* scale, int64_t G, __m512* part, __m512* acc) {
+  __m512 p[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < 4; ++r) p[i][r] = first ? _mm512_setzero_ps() : part[4 * i + r];
+  for (int64_t k = 0; k < nb * 8; ++k) {   // k: block · 8 + lane
+    __m512 xk[MR];
+    for (int i = 0; i < MR; ++i) xk[i] = _mm512_set1_ps(x[i * K + k]);
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < MR; ++i) p[i][r] = _mm512_fmadd_ps(w[k * 4 + r], xk[i], p[i][r]);
+  }
+  group_end<MR>(p, last, scale, G, part, acc);
+}
+
+// M rows of x of any dtype, as fp32 (1 < M < the large-M rows): a chunk's blocks decoded once into L1 as
+// fp32 weights (kChunk blocks, 16 KB), every row of x, 4 a pass, taking its FMAs from there
+template <int BITS>
+LATQ_CB_BYTES_TARGET void tiles_mm_f32(const Layer& L, const TileTables& tt0, const float* x, int64_t M, int64_t t,
+                                       const float* band, float* y, __m512* w, __m512* part, __m512* acc) {
+  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
+  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+    const int64_t b1 = std::min(L.nb, b0 + L.bpg);
+    for (int64_t c0 = b0; c0 < b1; c0 += kChunk) {
+      const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = c + (c0 + b) * L.B * kTile;
+        prefetch_codes(p, L.B);
+        const TileTables& tt = from_l1(tt0);
+        __m512i q[8];
+        q_planes_f32<BITS>(tt, p, q);
+        for (int j = 0; j < 8; ++j)
+          for (int r = 0; r < 4; ++r) w[(b * 8 + j) * 4 + r] = f32_weights<BITS>(tt, q[j], r);
+      }
+      const float* xc = x + c0 * 8;
+      const float* scale = band + gi * kBand;
+      const bool first = c0 == b0, last = c0 + nb == b1;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* xm = xc + m0 * L.K;
+        __m512 *pm = part + 4 * m0, *am = acc + 4 * m0;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: dot_weights_f32<1>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
+          case 2: dot_weights_f32<2>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
+          case 3: dot_weights_f32<3>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
+          default: dot_weights_f32<4>(w, nb, xm, L.K, first, last, scale, L.G, pm, am);
+        }
+      }
+    }
+  }
+  store_tile(acc, M, L.N, t, 1.f / kF32Gain<BITS>, y);
 }
 #endif
 
@@ -546,16 +635,12 @@ LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const u
     }
     for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[r]);
   }
-  // lane i holds row rowof(i): row j is lane (j % 2)·8 + j / 2
-  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-  for (int r = 0; r < 4; ++r) _mm512_storeu_ps(y + t * kTile + r * kBand, _mm512_permutexvar_ps(natural, acc[r]));
+  store_tile(acc, 1, L.N, t, 1.f, y);
 }
 
 // M rows of bf16 x (1 < M < the large-M rows): a block's bf16 weights are made once into L1 (words, up to
 // kChunk blocks: [block][stage][quarter r][lane pair j]) and every row of x takes its dots from there, so
 // the decode is shared by the M rows. part, acc: [M][4] registers' worth of scratch.
-constexpr int kChunk = 8;
-struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a vector of __m512 loses its alignment)
 
 // rows i < MR of x · the words of nw blocks' stages (a chunk of a scale group), quarter r, summed in
 // p[i][r]: MR rows and the four quarters at once (4·MR chains: vdpbf16ps' latency is six of its issue
@@ -583,13 +668,7 @@ LATQ_CB_TILE_TARGET inline void dot_words(const __m512i* w, int64_t nw, const ui
       }
     }
   }
-  for (int r = 0; r < 4; ++r) {
-    const __m512 s = last ? _mm512_loadu_ps(scale + r * G * kBand) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) {
-      if (last) acc[4 * i + r] = _mm512_fmadd_ps(p[i][r], s, acc[4 * i + r]);
-      else part[4 * i + r] = p[i][r];
-    }
-  }
+  group_end<MR>(p, last, scale, G, part, acc);
 }
 
 // every row of x, 4 a pass (16 sums in registers)
@@ -640,10 +719,7 @@ LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const u
       dot_rows(words, nb * S, x + c0 * 8, M, L.K, S, c0 == b0, c0 + nb == b1, band + gi * kBand, L.G, part, acc);
     }
   }
-  const __m512i natural = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int r = 0; r < 4; ++r)
-      _mm512_storeu_ps(y + m * L.N + t * kTile + r * kBand, _mm512_permutexvar_ps(natural, acc[4 * m + r]));
+  store_tile(acc, M, L.N, t, 1.f, y);
 }
 #endif
 
@@ -688,9 +764,15 @@ bool bf16_dots_cpu() {
 std::atomic<bool> g_bf16_dots{bf16_dots_cpu()};
 bool bf16_dots_run() { return g_bf16_dots.load() && tiles_run(); }
 
-// rows from which decoded tiles + a GEMM beat decoding per call (docs/KERNELS.md, "CPU kernel (cpu-e8)"):
-// the tiles' path shares its decode across rows, the row path does not
-std::atomic<int64_t> g_large_m{bf16_dots_run() ? 1024 : 20};
+// rows from which decoded tiles + a GEMM beat decoding per call, each path's (docs/KERNELS.md, "CPU kernel
+// (cpu-e8)"): the tiles' paths share their decode across rows (the fp32 dots at half the bf16 dots' rate),
+// the row path does not; set_codebook_large_m(m ≥ 1) puts every path's at m, 0 back to these
+constexpr int64_t kLargeMBf16 = 1024, kLargeMF32 = 256, kLargeMRows = 20;
+std::atomic<int64_t> g_large_m{0};
+int64_t large_m(int64_t path_default) {
+  const int64_t m = g_large_m.load();
+  return m > 0 ? m : path_default;
+}
 
 // the rows of x one pass of the row path serves (AVX2 with one sum a row from 5: rows_body)
 constexpr int64_t kRowsAPass = 8;
@@ -744,15 +826,35 @@ void for_bands(const Layer& L, int64_t r0, int64_t r1, int64_t grain_rows, const
 }
 
 #if LATQ_CB_BYTES
-// y [1, N] fp32 = x [1, K] fp32 · Wᵀ, a tile a task
+// y [M, N] fp32 = x [M, K] fp32 · Wᵀ, M ≤ 4, a tile a task
 template <int BITS>
-void gemv_tiles_f32(const Layer& L, const float* x, float* y) {
+void gemv_tiles_f32(const Layer& L, const float* x, int64_t M, float* y) {
   const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
   at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
     std::vector<float> band(4 * L.G * kBand);
     for (int64_t t = a; t < b; ++t) {
       for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
-      tiles_m1_f32<BITS>(L, tt, x, t, band.data(), y);
+      switch (M) {
+        case 1: tiles_f32<BITS, 1>(L, tt, x, t, band.data(), y); break;
+        case 2: tiles_f32<BITS, 2>(L, tt, x, t, band.data(), y); break;
+        case 3: tiles_f32<BITS, 3>(L, tt, x, t, band.data(), y); break;
+        default: tiles_f32<BITS, 4>(L, tt, x, t, band.data(), y);
+      }
+    }
+  });
+}
+
+// y [M, N] fp32 = x [M, K] fp32 · Wᵀ, 1 < M < the large-M rows, a tile a task
+template <int BITS>
+void gemm_tiles_f32(const Layer& L, const float* x, int64_t M, float* y) {
+  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
+  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> band(4 * L.G * kBand);
+    std::vector<Zmm> w(kChunk * 8 * 4), part(4 * M), acc(4 * M);
+    for (int64_t t = a; t < b; ++t) {
+      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
+      tiles_mm_f32<BITS>(L, tt, x, M, t, band.data(), y, reinterpret_cast<__m512*>(w.data()),
+                         reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
     }
   });
 }
@@ -796,7 +898,7 @@ void gemm(const Layer& L, const at::Tensor& xf, at::Tensor& y) {
   const int isa = g_isa.load();
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M < g_large_m.load()) {
+  if (M < large_m(kLargeMRows)) {
     const int64_t R = isa == 0 ? kMaxRows : kRowsAPass;
     const int64_t grain = std::max<int64_t>(1, 16384 / L.K);   // rows a task: ≥ 16k weights
     for_bands(L, 0, L.N, grain, [&](int64_t n0, int64_t n1, const float* band) {
@@ -904,7 +1006,7 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if LATQ_CB_TILES
   // rows of bf16 x on a tiled layer, fewer than the large-M rows: the tiles' bf16 dots (x's bf16 as it is: exact products)
-  if (M >= 1 && M < cb::g_large_m.load() && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 &&
+  if (M >= 1 && M < cb::large_m(cb::kLargeMBf16) && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 &&
       cb::bf16_dots_run()) {
     const at::Tensor xb = xr.reshape({M, K}).contiguous();
     const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
@@ -921,12 +1023,20 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   } else
 #endif
 #if LATQ_CB_BYTES
-  // one row of any other x on a tiled layer: the tiles' decode, x as fp32
-  if (M == 1 && N > 0 && T == cb::kTile && cb::tiles_run()) {
-    const at::Tensor xf = xr.reshape({K}).to(at::kFloat).contiguous();
-    if (bits == 2) cb::gemv_tiles_f32<2>(L, xf.data_ptr<float>(), y.data_ptr<float>());
-    else if (bits == 3) cb::gemv_tiles_f32<3>(L, xf.data_ptr<float>(), y.data_ptr<float>());
-    else cb::gemv_tiles_f32<4>(L, xf.data_ptr<float>(), y.data_ptr<float>());
+  // rows of any other x on a tiled layer, fewer than the large-M rows: the tiles' decode, x as fp32
+  if (M >= 1 && M < cb::large_m(cb::kLargeMF32) && N > 0 && T == cb::kTile && cb::tiles_run()) {
+    const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    if (M <= 4) {
+      if (bits == 2) cb::gemv_tiles_f32<2>(L, xp, M, yp);
+      else if (bits == 3) cb::gemv_tiles_f32<3>(L, xp, M, yp);
+      else cb::gemv_tiles_f32<4>(L, xp, M, yp);
+    } else {
+      if (bits == 2) cb::gemm_tiles_f32<2>(L, xp, M, yp);
+      else if (bits == 3) cb::gemm_tiles_f32<3>(L, xp, M, yp);
+      else cb::gemm_tiles_f32<4>(L, xp, M, yp);
+    }
   } else
 #endif
   if (M > 0 && N > 0) {
@@ -960,7 +1070,7 @@ void set_codebook_bf16_dots(bool on) {
 }
 
 void set_codebook_large_m(int64_t m) {
-  TORCH_CHECK(m >= 1, "latq_cpu::set_codebook_large_m: ", m, " rows (at least 1)");
+  TORCH_CHECK(m >= 0, "latq_cpu::set_codebook_large_m: ", m, " rows (at least 1, or 0: each path's own)");
   cb::g_large_m.store(m);
 }
 int64_t codebook_large_m() { return cb::g_large_m.load(); }
