@@ -138,7 +138,8 @@ def test_each_instruction_set(M, k, group, isa):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_tiles_read_every_weight_exactly(bits):
     """The 64-row tiles' path (AVX-512 VBMI + GFNI; bf16 x's dots in bf16 with AVX-512 BF16, M below the
-    large-M rows: one row, or a block's weights made once for 4 rows a pass): unit rows of x read every
+    large-M rows: up to 4 rows with each block's words in registers, more with a chunk's words made once
+    into L1 for 4 rows a pass): unit rows of x read every
     weight back as the format dequantizes it, bit for bit (point × scale, exact in fp32 and bf16-rounded
     once), and the same tiled state on every other instruction set and M gives the rows' results."""
     tiles_or_skip()
@@ -149,7 +150,7 @@ def test_tiles_read_every_weight_exactly(bits):
         want = dequantize(w).T.bfloat16()
         for m in (0, 7, 8, 100, 255):
             assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[m:m + 1].bfloat16()), want[m:m + 1])
-        for rows in ([3, 200], [0, 9, 17, 64, 65, 130, 199, 254, 255]):   # 2 rows of x; 4 + 4 + 1
+        for rows in ([3, 200], [5, 6, 70, 250], [0, 9, 17, 64, 65, 130, 199, 254, 255]):   # in registers; 4 + 4 + 1 via L1
             assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[rows].bfloat16()), want[rows])
         rows = replace(st, codes=w.codes.contiguous(), tile_rows=1)
         x = torch.randn(5, 256).bfloat16()

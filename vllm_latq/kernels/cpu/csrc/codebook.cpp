@@ -437,6 +437,7 @@ LATQ_CB_BYTES_TARGET inline void block_planes(const TileTables& tt, const uint8_
 }
 
 
+constexpr int kRowsInRegisters = 4;        // rows of x whose sums the tiles' one-pass loops keep in registers
 constexpr int kChunk = 8;                  // blocks a chunk whose weights are made once for every row of x
 struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a vector of __m512 loses its alignment)
 
@@ -594,48 +595,56 @@ LATQ_CB_TILE_TARGET inline void pair_words(const TileTables& tt, __m512i q0, __m
   w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(ix, 8), v);
 }
 
-// part[r] += each lane pair's bf16 weights · x's pairs, 16 rows a quarter r
+// part[i][r] += each lane pair's bf16 weights · row i of x's pairs, 16 rows a quarter r
+template <int MR>
 LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q[8], const uint16_t* val, const uint16_t* x,
-                                           __m512 part[4]) {
+                                           int64_t K, __m512 (&part)[MR][4]) {
   const __m512i v = _mm512_load_si512(val);
   for (int j = 0; j < 4; ++j) {
-    int32_t xp;
-    std::memcpy(&xp, x + 2 * j, 4);
-    const __m512bh xj = (__m512bh)_mm512_set1_epi32(xp);
+    __m512bh xj[MR];
+    for (int i = 0; i < MR; ++i) {
+      int32_t xp;
+      std::memcpy(&xp, x + i * K + 2 * j, 4);
+      xj[i] = (__m512bh)_mm512_set1_epi32(xp);
+    }
     for (int h = 0; h < 2; ++h) {
       __m512i w[2];
       pair_words(tt, q[2 * j], q[2 * j + 1], h, v, w);
-      part[2 * h] = _mm512_dpbf16_ps(part[2 * h], (__m512bh)w[0], xj);
-      part[2 * h + 1] = _mm512_dpbf16_ps(part[2 * h + 1], (__m512bh)w[1], xj);
+      for (int i = 0; i < MR; ++i) {
+        part[i][2 * h] = _mm512_dpbf16_ps(part[i][2 * h], (__m512bh)w[0], xj[i]);
+        part[i][2 * h + 1] = _mm512_dpbf16_ps(part[i][2 * h + 1], (__m512bh)w[1], xj[i]);
+      }
     }
   }
 }
 
-// tiles [t0, t1) of y (fp32, natural row order) for one row of bf16 x; band: 4 bands' scales, [4][G][16]
-template <int BITS>
-LATQ_CB_TILE_TARGET void tiles_m1(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t t, const float* band,
-                                  float* y) {
-  __m512 acc[4];
-  for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+// tile t of y (fp32, natural row order) for MR rows of bf16 x, each block's words made in registers and
+// dotted with every row; band: 4 bands' scales, [4][G][16]
+template <int BITS, int MR>
+LATQ_CB_TILE_TARGET void tiles_rows(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t t, const float* band,
+                                    float* y) {
+  __m512 acc[4 * MR];
+  for (int i = 0; i < 4 * MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
   for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-    __m512 part[4];
-    for (int r = 0; r < 4; ++r) part[r] = _mm512_setzero_ps();
+    __m512 part[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < 4; ++r) part[i][r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
       const uint8_t* p = c + b * L.B * kTile;
       prefetch_codes(p, L.B);
       const TileTables& tt = from_l1(tt0);
       __m512i q[8];
       block_planes<BITS>(tt, p, q);
-      dot_planes(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x + b * 8, part);
+      dot_planes<MR>(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x + b * 8, L.K, part);
       if constexpr (BITS == 4) {
         block_planes<2>(tt, p + 2 * kTile, q);
-        dot_planes(tt, q, tt.raw[1], x + b * 8, part);
+        dot_planes<MR>(tt, q, tt.raw[1], x + b * 8, L.K, part);
       }
     }
-    for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_loadu_ps(band + (r * L.G + gi) * kBand), acc[r]);
+    group_end<MR>(part, true, band + gi * kBand, L.G, nullptr, acc);
   }
-  store_tile(acc, 1, L.N, t, 1.f, y);
+  store_tile(acc, MR, L.N, t, 1.f, y);
 }
 
 // M rows of bf16 x (1 < M < the large-M rows): a block's bf16 weights are made once into L1 (words, up to
@@ -742,8 +751,8 @@ int isa_detect() {
 }
 std::atomic<int> g_isa{isa_detect()};
 
-// whether the 64-row tiles run here (on the best instruction set only): the byte decode (VBMI, GFNI), and
-// with BF16 bf16 x's dots as bf16 (tiles_m1, tiles_mm), else x as fp32 at M = 1 (tiles_m1_f32)
+// whether the 64-row tiles run here (on the best instruction set only): the byte decode (VBMI, GFNI), with
+// BF16 bf16 x's dots in bf16 (tiles_rows, tiles_mm), and every other x's in fp32 (tiles_f32, tiles_mm_f32)
 bool tiles_run() {
 #if LATQ_CB_BYTES
   static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
@@ -861,15 +870,21 @@ void gemm_tiles_f32(const Layer& L, const float* x, int64_t M, float* y) {
 #endif
 
 #if LATQ_CB_TILES
-// y [1, N] fp32 = x [1, K] bf16 · Wᵀ, a tile a task
+// y [M, N] fp32 = x [M, K] bf16 · Wᵀ, M ≤ kRowsInRegisters, a tile a task
 template <int BITS>
-void gemv_tiles(const Layer& L, const at::BFloat16* x, float* y) {
+void gemv_tiles(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
   const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
     std::vector<float> band(4 * L.G * kBand);
     for (int64_t t = a; t < b; ++t) {
       for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
-      tiles_m1<BITS>(L, tt, reinterpret_cast<const uint16_t*>(x), t, band.data(), y);
+      switch (M) {
+        case 1: tiles_rows<BITS, 1>(L, tt, xp, t, band.data(), y); break;
+        case 2: tiles_rows<BITS, 2>(L, tt, xp, t, band.data(), y); break;
+        case 3: tiles_rows<BITS, 3>(L, tt, xp, t, band.data(), y); break;
+        default: tiles_rows<BITS, 4>(L, tt, xp, t, band.data(), y);
+      }
     }
   });
 }
@@ -1011,10 +1026,10 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
     const at::Tensor xb = xr.reshape({M, K}).contiguous();
     const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
     float* yp = y.data_ptr<float>();
-    if (M == 1) {
-      if (bits == 2) cb::gemv_tiles<2>(L, xp, yp);
-      else if (bits == 3) cb::gemv_tiles<3>(L, xp, yp);
-      else cb::gemv_tiles<4>(L, xp, yp);
+    if (M <= cb::kRowsInRegisters) {
+      if (bits == 2) cb::gemv_tiles<2>(L, xp, M, yp);
+      else if (bits == 3) cb::gemv_tiles<3>(L, xp, M, yp);
+      else cb::gemv_tiles<4>(L, xp, M, yp);
     } else {
       if (bits == 2) cb::gemm_tiles<2>(L, xp, M, yp);
       else if (bits == 3) cb::gemm_tiles<3>(L, xp, M, yp);
@@ -1028,7 +1043,7 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
     const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
     const float* xp = xf.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    if (M <= 4) {
+    if (M <= cb::kRowsInRegisters) {
       if (bits == 2) cb::gemv_tiles_f32<2>(L, xp, M, yp);
       else if (bits == 3) cb::gemv_tiles_f32<3>(L, xp, M, yp);
       else cb::gemv_tiles_f32<4>(L, xp, M, yp);
