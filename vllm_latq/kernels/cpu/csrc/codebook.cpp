@@ -493,11 +493,17 @@ LATQ_CB_BYTES_TARGET inline void store_tile(const __m512* acc, int64_t M, int64_
                        _mm512_mul_ps(_mm512_permutexvar_ps(natural, acc[4 * m + r]), _mm512_set1_ps(times)));
 }
 
-// MR ≤ 4 rows of x of any dtype, as fp32 (no BF16 dots, or x not bf16): each block's weights made in registers
-// and FMA'd into every row's sums, so nothing goes through memory
-template <int BITS, int MR>
-LATQ_CB_BYTES_TARGET void tiles_f32(const Layer& L, const TileTables& tt0, const float* x, int64_t t,
-                                    const float* band, float* y) {
+// The one-pass loop of the tiles' paths for MR ≤ kRowsInRegisters rows of x, every sum in registers: each
+// block of tile t (its code bytes at p, its columns from 8b) handed to Dots::block to add into part, a group's
+// sums scaled into the totals as it ends, y stored over Dots' gain. With the bf16 dots built, so is this loop.
+#if LATQ_CB_TILES
+#define LATQ_CB_PASS_TARGET LATQ_CB_TILE_TARGET
+#else
+#define LATQ_CB_PASS_TARGET LATQ_CB_BYTES_TARGET
+#endif
+template <int BITS, int MR, class Dots>
+LATQ_CB_PASS_TARGET inline void tile_pass(const Layer& L, const TileTables& tt0, const typename Dots::X* x, int64_t t,
+                                          const float* band, float* y) {
   __m512 acc[4 * MR];
   for (int i = 0; i < 4 * MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
@@ -508,22 +514,33 @@ LATQ_CB_BYTES_TARGET void tiles_f32(const Layer& L, const TileTables& tt0, const
     for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
       const uint8_t* p = c + b * L.B * kTile;
       prefetch_codes(p, L.B);
-      const TileTables& tt = from_l1(tt0);
-      __m512i q[8];
-      q_planes_f32<BITS>(tt, p, q);
-      for (int j = 0; j < 8; ++j) {
-        __m512 xj[MR];
-        for (int i = 0; i < MR; ++i) xj[i] = _mm512_set1_ps(x[i * L.K + b * 8 + j]);
-        for (int r = 0; r < 4; ++r) {
-          const __m512 w = f32_weights<BITS>(tt, q[j], r);
-          for (int i = 0; i < MR; ++i) part[i][r] = _mm512_fmadd_ps(w, xj[i], part[i][r]);
-        }
-      }
+      Dots::template block<BITS, MR>(from_l1(tt0), p, x + b * 8, L.K, part);
     }
     group_end<MR>(part, true, band + gi * kBand, L.G, nullptr, acc);
   }
-  store_tile(acc, MR, L.N, t, 1.f / kF32Gain<BITS>, y);
+  store_tile(acc, MR, L.N, t, 1.f / Dots::template gain<BITS>(), y);
 }
+
+// the fp32 dots (x of any dtype as fp32: no BF16 dots, or x not bf16): block makes a block's lanes' weights in
+// registers and FMAs them into MR rows' sums for tile_pass
+struct F32Dots {
+  using X = float;
+  template <int BITS> static constexpr float gain() { return kF32Gain<BITS>; }
+  template <int BITS, int MR>
+  LATQ_CB_BYTES_TARGET static inline void block(const TileTables& tt, const uint8_t* p, const float* x, int64_t K,
+                                                __m512 (&part)[MR][4]) {
+    __m512i q[8];
+    q_planes_f32<BITS>(tt, p, q);
+    for (int j = 0; j < 8; ++j) {
+      __m512 xj[MR];
+      for (int i = 0; i < MR; ++i) xj[i] = _mm512_set1_ps(x[i * K + j]);
+      for (int r = 0; r < 4; ++r) {
+        const __m512 w = f32_weights<BITS>(tt, q[j], r);
+        for (int i = 0; i < MR; ++i) part[i][r] = _mm512_fmadd_ps(w, xj[i], part[i][r]);
+      }
+    }
+  }
+};
 
 // rows i < MR of x · the fp32 weights of nb blocks (a chunk of a scale group; [block][lane][quarter]), summed
 // in p[i][r]: MR rows and the four quarters at once, each x_j broadcast once for the four; then group_end
@@ -618,34 +635,23 @@ LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q
   }
 }
 
-// tile t of y (fp32, natural row order) for MR rows of bf16 x, each block's words made in registers and
-// dotted with every row; band: 4 bands' scales, [4][G][16]
-template <int BITS, int MR>
-LATQ_CB_TILE_TARGET void tiles_rows(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t t, const float* band,
-                                    float* y) {
-  __m512 acc[4 * MR];
-  for (int i = 0; i < 4 * MR; ++i) acc[i] = _mm512_setzero_ps();
-  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
-  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-    __m512 part[MR][4];
-    for (int i = 0; i < MR; ++i)
-      for (int r = 0; r < 4; ++r) part[i][r] = _mm512_setzero_ps();
-    for (int64_t b = b0; b < std::min(L.nb, b0 + L.bpg); ++b) {
-      const uint8_t* p = c + b * L.B * kTile;
-      prefetch_codes(p, L.B);
-      const TileTables& tt = from_l1(tt0);
-      __m512i q[8];
-      block_planes<BITS>(tt, p, q);
-      dot_planes<MR>(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x + b * 8, L.K, part);
-      if constexpr (BITS == 4) {
-        block_planes<2>(tt, p + 2 * kTile, q);
-        dot_planes<MR>(tt, q, tt.raw[1], x + b * 8, L.K, part);
-      }
+// the bf16 dots (bf16 x): block makes a block's lane pairs' words in registers and dots them with MR rows (at
+// 4 bits a stage at a time) for tile_pass
+struct Bf16Dots {
+  using X = uint16_t;
+  template <int BITS> static constexpr float gain() { return 1.f; }
+  template <int BITS, int MR>
+  LATQ_CB_TILE_TARGET static inline void block(const TileTables& tt, const uint8_t* p, const uint16_t* x, int64_t K,
+                                               __m512 (&part)[MR][4]) {
+    __m512i q[8];
+    block_planes<BITS>(tt, p, q);
+    dot_planes<MR>(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x, K, part);
+    if constexpr (BITS == 4) {
+      block_planes<2>(tt, p + 2 * kTile, q);
+      dot_planes<MR>(tt, q, tt.raw[1], x, K, part);
     }
-    group_end<MR>(part, true, band + gi * kBand, L.G, nullptr, acc);
   }
-  store_tile(acc, MR, L.N, t, 1.f, y);
-}
+};
 
 // M rows of bf16 x (1 < M < the large-M rows): a block's bf16 weights are made once into L1 (words, up to
 // kChunk blocks: [block][stage][quarter r][lane pair j]) and every row of x takes its dots from there, so
@@ -752,7 +758,7 @@ int isa_detect() {
 std::atomic<int> g_isa{isa_detect()};
 
 // whether the 64-row tiles run here (on the best instruction set only): the byte decode (VBMI, GFNI), with
-// BF16 bf16 x's dots in bf16 (tiles_rows, tiles_mm), and every other x's in fp32 (tiles_f32, tiles_mm_f32)
+// BF16 bf16 x's dots in bf16 (Bf16Dots, tiles_mm), and every other x's in fp32 (F32Dots, tiles_mm_f32)
 bool tiles_run() {
 #if LATQ_CB_BYTES
   static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
@@ -834,74 +840,65 @@ void for_bands(const Layer& L, int64_t r0, int64_t r1, int64_t grain_rows, const
   });
 }
 
+// fn(std::integral_constant<int, B>{}) for a layer's bits B, so a kernel's template takes them
+template <class F>
+void with_bits(int64_t bits, const F& fn) {
+  if (bits == 2) fn(std::integral_constant<int, 2>{});
+  else if (bits == 3) fn(std::integral_constant<int, 3>{});
+  else fn(std::integral_constant<int, 4>{});
+}
+
 #if LATQ_CB_BYTES
-// y [M, N] fp32 = x [M, K] fp32 · Wᵀ, M ≤ 4, a tile a task
-template <int BITS>
-void gemv_tiles_f32(const Layer& L, const float* x, int64_t M, float* y) {
-  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
+// fn(t, band) for each 64-row tile t, tiles split across threads: band its 4 bands' scales decoded ([4][G][16])
+template <class F>
+void for_tiles(const Layer& L, const F& fn) {
   at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
     std::vector<float> band(4 * L.G * kBand);
     for (int64_t t = a; t < b; ++t) {
       for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
-      switch (M) {
-        case 1: tiles_f32<BITS, 1>(L, tt, x, t, band.data(), y); break;
-        case 2: tiles_f32<BITS, 2>(L, tt, x, t, band.data(), y); break;
-        case 3: tiles_f32<BITS, 3>(L, tt, x, t, band.data(), y); break;
-        default: tiles_f32<BITS, 4>(L, tt, x, t, band.data(), y);
-      }
+      fn(t, band.data());
     }
   });
 }
 
-// y [M, N] fp32 = x [M, K] fp32 · Wᵀ, 1 < M < the large-M rows, a tile a task
+// fn(std::integral_constant<int, M>{}) for M ≤ kRowsInRegisters rows of x
+template <class F>
+void rows_in_registers(int64_t M, const F& fn) {
+  static_assert(kRowsInRegisters == 4, "a case each");
+  switch (M) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, kRowsInRegisters>{});
+  }
+}
+
+// y [M, N] fp32 = x [M, K] fp32 · Wᵀ on the fp32 dots, M < the large-M rows
 template <int BITS>
-void gemm_tiles_f32(const Layer& L, const float* x, int64_t M, float* y) {
+void tiles_fp32(const Layer& L, const float* x, int64_t M, float* y) {
   const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
-  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> band(4 * L.G * kBand);
+  for_tiles(L, [&](int64_t t, const float* band) {
+    if (M <= kRowsInRegisters)
+      return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, F32Dots>(L, tt, x, t, band, y); });
     std::vector<Zmm> w(kChunk * 8 * 4), part(4 * M), acc(4 * M);
-    for (int64_t t = a; t < b; ++t) {
-      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
-      tiles_mm_f32<BITS>(L, tt, x, M, t, band.data(), y, reinterpret_cast<__m512*>(w.data()),
-                         reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
-    }
+    tiles_mm_f32<BITS>(L, tt, x, M, t, band, y, reinterpret_cast<__m512*>(w.data()),
+                       reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
   });
 }
 #endif
 
 #if LATQ_CB_TILES
-// y [M, N] fp32 = x [M, K] bf16 · Wᵀ, M ≤ kRowsInRegisters, a tile a task
+// y [M, N] fp32 = x [M, K] bf16 · Wᵀ on the bf16 dots, M < the large-M rows
 template <int BITS>
-void gemv_tiles(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
+void tiles_bf16(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
   const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
-  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> band(4 * L.G * kBand);
-    for (int64_t t = a; t < b; ++t) {
-      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
-      switch (M) {
-        case 1: tiles_rows<BITS, 1>(L, tt, xp, t, band.data(), y); break;
-        case 2: tiles_rows<BITS, 2>(L, tt, xp, t, band.data(), y); break;
-        case 3: tiles_rows<BITS, 3>(L, tt, xp, t, band.data(), y); break;
-        default: tiles_rows<BITS, 4>(L, tt, xp, t, band.data(), y);
-      }
-    }
-  });
-}
-
-// y [M, N] fp32 = x [M, K] bf16 · Wᵀ, 1 < M < the large-M rows, a tile a task
-template <int BITS>
-void gemm_tiles(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
-  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
-  at::parallel_for(0, L.N / kTile, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> band(4 * L.G * kBand);
+  for_tiles(L, [&](int64_t t, const float* band) {
+    if (M <= kRowsInRegisters)
+      return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, Bf16Dots>(L, tt, xp, t, band, y); });
     std::vector<Zmm> words(kChunk * 2 * 16), part(4 * M), acc(4 * M);
-    for (int64_t t = a; t < b; ++t) {
-      for (int r = 0; r < 4; ++r) band_scales(L, 4 * t + r, band.data() + r * L.G * kBand, 2);
-      tiles_mm<BITS>(L, tt, reinterpret_cast<const uint16_t*>(x), M, t, band.data(), y,
-                     reinterpret_cast<__m512i*>(words.data()), reinterpret_cast<__m512*>(part.data()),
-                     reinterpret_cast<__m512*>(acc.data()));
-    }
+    tiles_mm<BITS>(L, tt, xp, M, t, band, y, reinterpret_cast<__m512i*>(words.data()),
+                   reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
   });
 }
 #endif
@@ -1024,41 +1021,19 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   if (M >= 1 && M < cb::large_m(cb::kLargeMBf16) && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 &&
       cb::bf16_dots_run()) {
     const at::Tensor xb = xr.reshape({M, K}).contiguous();
-    const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
-    float* yp = y.data_ptr<float>();
-    if (M <= cb::kRowsInRegisters) {
-      if (bits == 2) cb::gemv_tiles<2>(L, xp, M, yp);
-      else if (bits == 3) cb::gemv_tiles<3>(L, xp, M, yp);
-      else cb::gemv_tiles<4>(L, xp, M, yp);
-    } else {
-      if (bits == 2) cb::gemm_tiles<2>(L, xp, M, yp);
-      else if (bits == 3) cb::gemm_tiles<3>(L, xp, M, yp);
-      else cb::gemm_tiles<4>(L, xp, M, yp);
-    }
+    cb::with_bits(bits, [&](auto b) { cb::tiles_bf16<decltype(b)::value>(L, xb.data_ptr<at::BFloat16>(), M, y.data_ptr<float>()); });
   } else
 #endif
 #if LATQ_CB_BYTES
   // rows of any other x on a tiled layer, fewer than the large-M rows: the tiles' decode, x as fp32
   if (M >= 1 && M < cb::large_m(cb::kLargeMF32) && N > 0 && T == cb::kTile && cb::tiles_run()) {
     const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
-    const float* xp = xf.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    if (M <= cb::kRowsInRegisters) {
-      if (bits == 2) cb::gemv_tiles_f32<2>(L, xp, M, yp);
-      else if (bits == 3) cb::gemv_tiles_f32<3>(L, xp, M, yp);
-      else cb::gemv_tiles_f32<4>(L, xp, M, yp);
-    } else {
-      if (bits == 2) cb::gemm_tiles_f32<2>(L, xp, M, yp);
-      else if (bits == 3) cb::gemm_tiles_f32<3>(L, xp, M, yp);
-      else cb::gemm_tiles_f32<4>(L, xp, M, yp);
-    }
+    cb::with_bits(bits, [&](auto b) { cb::tiles_fp32<decltype(b)::value>(L, xf.data_ptr<float>(), M, y.data_ptr<float>()); });
   } else
 #endif
   if (M > 0 && N > 0) {
     const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
-    if (bits == 2) cb::gemm<2>(L, xf, y);
-    else if (bits == 3) cb::gemm<3>(L, xf, y);
-    else cb::gemm<4>(L, xf, y);
+    cb::with_bits(bits, [&](auto b) { cb::gemm<decltype(b)::value>(L, xf, y); });
   }
   return cb::finish(y, x, bias);
 }
