@@ -521,11 +521,79 @@ LATQ_CB_PASS_TARGET inline void tile_pass(const Layer& L, const TileTables& tt0,
   store_tile(acc, MR, L.N, t, 1.f / Dots::template gain<BITS>(), y);
 }
 
+// The loop of the tiles' paths for more rows of x than registers hold: a chunk's blocks (up to kChunk of a
+// scale group) made once into L1 by Dots::make, Dots::words() registers' worth a block, then every row of x
+// takes its dots from there (Dots::dots, 4 rows a pass; part, acc: [M][4] registers' worth of scratch), so
+// the decode is shared by the M rows
+template <int BITS, class Dots>
+LATQ_CB_PASS_TARGET void tile_chunks(const Layer& L, const TileTables& tt0, const typename Dots::X* x, int64_t M,
+                                     int64_t t, const float* band, float* y, __m512i* w, __m512* part, __m512* acc) {
+  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
+  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
+    const int64_t b1 = std::min(L.nb, b0 + L.bpg);
+    for (int64_t c0 = b0; c0 < b1; c0 += kChunk) {
+      const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = c + (c0 + b) * L.B * kTile;
+        prefetch_codes(p, L.B);
+        Dots::template make<BITS>(from_l1(tt0), p, w + b * Dots::template words<BITS>());
+      }
+      const bool first = c0 == b0, last = c0 + nb == b1;
+      const float* scale = band + gi * kBand;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsInRegisters) {   // 4 rows a pass: 16 sums in registers
+        const typename Dots::X* xm = x + m0 * L.K + c0 * 8;
+        __m512 *pm = part + 4 * m0, *am = acc + 4 * m0;
+        static_assert(kRowsInRegisters == 4, "a case each");
+        switch (std::min<int64_t>(kRowsInRegisters, M - m0)) {
+          case 1: Dots::template dots<BITS, 1>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
+          case 2: Dots::template dots<BITS, 2>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
+          case 3: Dots::template dots<BITS, 3>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
+          default: Dots::template dots<BITS, 4>(w, nb, xm, L.K, first, last, scale, L.G, pm, am);
+        }
+      }
+    }
+  }
+  store_tile(acc, M, L.N, t, 1.f / Dots::template gain<BITS>(), y);
+}
+
+// rows i < MR of x · the fp32 weights of nb blocks (a chunk of a scale group; [block][lane][quarter]), summed
+// in p[i][r]: MR rows and the four quarters at once, each x_j broadcast once for the four; then group_end
+template <int MR>
+LATQ_CB_BYTES_TARGET inline void dot_weights_f32(const __m512i* w, int64_t nb, const float* x, int64_t K, bool first,
+                                                 bool last, const float* scale, int64_t G, __m512* part, __m512* acc) {
+  __m512 p[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < 4; ++r) p[i][r] = first ? _mm512_setzero_ps() : part[4 * i + r];
+  for (int64_t k = 0; k < nb * 8; ++k) {   // k: block · 8 + lane
+    __m512 xk[MR];
+    for (int i = 0; i < MR; ++i) xk[i] = _mm512_set1_ps(x[i * K + k]);
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < MR; ++i) p[i][r] = _mm512_fmadd_ps(_mm512_castsi512_ps(w[k * 4 + r]), xk[i], p[i][r]);
+  }
+  group_end<MR>(p, last, scale, G, part, acc);
+}
+
 // the fp32 dots (x of any dtype as fp32: no BF16 dots, or x not bf16): block makes a block's lanes' weights in
-// registers and FMAs them into MR rows' sums for tile_pass
+// registers and FMAs them into MR rows' sums for tile_pass; make puts them in L1 for dots (tile_chunks)
 struct F32Dots {
   using X = float;
   template <int BITS> static constexpr float gain() { return kF32Gain<BITS>; }
+  template <int BITS> static constexpr int words() { return 32; }   // [lane][quarter]
+  template <int BITS>
+  LATQ_CB_BYTES_TARGET __attribute__((always_inline)) static inline void make(const TileTables& tt, const uint8_t* p, __m512i* w) {
+    __m512i q[8];
+    q_planes_f32<BITS>(tt, p, q);
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < 4; ++r) w[j * 4 + r] = _mm512_castps_si512(f32_weights<BITS>(tt, q[j], r));
+  }
+  template <int BITS, int MR>
+  LATQ_CB_BYTES_TARGET __attribute__((always_inline)) static inline void dots(const __m512i* w, int64_t nb, const float* x,
+                                                                              int64_t K, bool first, bool last,
+                                                                              const float* scale, int64_t G, __m512* part,
+                                                                              __m512* acc) {
+    dot_weights_f32<MR>(w, nb, x, K, first, last, scale, G, part, acc);
+  }
   template <int BITS, int MR>
   LATQ_CB_BYTES_TARGET static inline void block(const TileTables& tt, const uint8_t* p, const float* x, int64_t K,
                                                 __m512 (&part)[MR][4]) {
@@ -542,60 +610,6 @@ struct F32Dots {
   }
 };
 
-// rows i < MR of x · the fp32 weights of nb blocks (a chunk of a scale group; [block][lane][quarter]), summed
-// in p[i][r]: MR rows and the four quarters at once, each x_j broadcast once for the four; then group_end
-template <int MR>
-LATQ_CB_BYTES_TARGET inline void dot_weights_f32(const __m512* w, int64_t nb, const float* x, int64_t K, bool first,
-                                                 bool last, const float* scale, int64_t G, __m512* part, __m512* acc) {
-  __m512 p[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < 4; ++r) p[i][r] = first ? _mm512_setzero_ps() : part[4 * i + r];
-  for (int64_t k = 0; k < nb * 8; ++k) {   // k: block · 8 + lane
-    __m512 xk[MR];
-    for (int i = 0; i < MR; ++i) xk[i] = _mm512_set1_ps(x[i * K + k]);
-    for (int r = 0; r < 4; ++r)
-      for (int i = 0; i < MR; ++i) p[i][r] = _mm512_fmadd_ps(w[k * 4 + r], xk[i], p[i][r]);
-  }
-  group_end<MR>(p, last, scale, G, part, acc);
-}
-
-// M rows of x of any dtype, as fp32 (1 < M < the large-M rows): a chunk's blocks decoded once into L1 as
-// fp32 weights (kChunk blocks, 16 KB), every row of x, 4 a pass, taking its FMAs from there
-template <int BITS>
-LATQ_CB_BYTES_TARGET void tiles_mm_f32(const Layer& L, const TileTables& tt0, const float* x, int64_t M, int64_t t,
-                                       const float* band, float* y, __m512* w, __m512* part, __m512* acc) {
-  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm512_setzero_ps();
-  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
-  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-    const int64_t b1 = std::min(L.nb, b0 + L.bpg);
-    for (int64_t c0 = b0; c0 < b1; c0 += kChunk) {
-      const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = c + (c0 + b) * L.B * kTile;
-        prefetch_codes(p, L.B);
-        const TileTables& tt = from_l1(tt0);
-        __m512i q[8];
-        q_planes_f32<BITS>(tt, p, q);
-        for (int j = 0; j < 8; ++j)
-          for (int r = 0; r < 4; ++r) w[(b * 8 + j) * 4 + r] = f32_weights<BITS>(tt, q[j], r);
-      }
-      const float* xc = x + c0 * 8;
-      const float* scale = band + gi * kBand;
-      const bool first = c0 == b0, last = c0 + nb == b1;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* xm = xc + m0 * L.K;
-        __m512 *pm = part + 4 * m0, *am = acc + 4 * m0;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: dot_weights_f32<1>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
-          case 2: dot_weights_f32<2>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
-          case 3: dot_weights_f32<3>(w, nb, xm, L.K, first, last, scale, L.G, pm, am); break;
-          default: dot_weights_f32<4>(w, nb, xm, L.K, first, last, scale, L.G, pm, am);
-        }
-      }
-    }
-  }
-  store_tile(acc, M, L.N, t, 1.f / kF32Gain<BITS>, y);
-}
 #endif
 
 #if LATQ_CB_TILES
@@ -635,28 +649,6 @@ LATQ_CB_TILE_TARGET inline void dot_planes(const TileTables& tt, const __m512i q
   }
 }
 
-// the bf16 dots (bf16 x): block makes a block's lane pairs' words in registers and dots them with MR rows (at
-// 4 bits a stage at a time) for tile_pass
-struct Bf16Dots {
-  using X = uint16_t;
-  template <int BITS> static constexpr float gain() { return 1.f; }
-  template <int BITS, int MR>
-  LATQ_CB_TILE_TARGET static inline void block(const TileTables& tt, const uint8_t* p, const uint16_t* x, int64_t K,
-                                               __m512 (&part)[MR][4]) {
-    __m512i q[8];
-    block_planes<BITS>(tt, p, q);
-    dot_planes<MR>(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x, K, part);
-    if constexpr (BITS == 4) {
-      block_planes<2>(tt, p + 2 * kTile, q);
-      dot_planes<MR>(tt, q, tt.raw[1], x, K, part);
-    }
-  }
-};
-
-// M rows of bf16 x (1 < M < the large-M rows): a block's bf16 weights are made once into L1 (words, up to
-// kChunk blocks: [block][stage][quarter r][lane pair j]) and every row of x takes its dots from there, so
-// the decode is shared by the M rows. part, acc: [M][4] registers' worth of scratch.
-
 // rows i < MR of x · the words of nw blocks' stages (a chunk of a scale group), quarter r, summed in
 // p[i][r]: MR rows and the four quarters at once (4·MR chains: vdpbf16ps' latency is six of its issue
 // slots), each x pair broadcast once for the four quarters. The sums start at 0 in a group's first
@@ -686,56 +678,49 @@ LATQ_CB_TILE_TARGET inline void dot_words(const __m512i* w, int64_t nw, const ui
   group_end<MR>(p, last, scale, G, part, acc);
 }
 
-// every row of x, 4 a pass (16 sums in registers)
-LATQ_CB_TILE_TARGET inline void dot_rows(const __m512i* w, int64_t nw, const uint16_t* x, int64_t M, int64_t K,
-                                         int64_t S, bool first, bool last, const float* scale, int64_t G,
-                                         __m512* part, __m512* acc) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const uint16_t* xm = x + m0 * K;
-    __m512 *pm = part + 4 * m0, *am = acc + 4 * m0;
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: dot_words<1>(w, nw, xm, K, S, first, last, scale, G, pm, am); break;
-      case 2: dot_words<2>(w, nw, xm, K, S, first, last, scale, G, pm, am); break;
-      case 3: dot_words<3>(w, nw, xm, K, S, first, last, scale, G, pm, am); break;
-      default: dot_words<4>(w, nw, xm, K, S, first, last, scale, G, pm, am);
-    }
-  }
-}
-
-template <int BITS>
-LATQ_CB_TILE_TARGET void tiles_mm(const Layer& L, const TileTables& tt0, const uint16_t* x, int64_t M, int64_t t,
-                                  const float* band, float* y, __m512i* words, __m512* part, __m512* acc) {
-  constexpr int S = BITS == 4 ? 2 : 1;   // E8P stages a block
-  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm512_setzero_ps();
-  const uint8_t* c = L.codes + t * L.nb * L.B * kTile;
-  for (int64_t b0 = 0, gi = 0; b0 < L.nb; b0 += L.bpg, ++gi) {
-    const int64_t b1 = std::min(L.nb, b0 + L.bpg);
-    for (int64_t c0 = b0; c0 < b1; c0 += kChunk) {
-      const int64_t nb = std::min<int64_t>(kChunk, b1 - c0);
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = c + (c0 + b) * L.B * kTile;
-        prefetch_codes(p, L.B);
-        const TileTables& tt = from_l1(tt0);
-        __m512i q[8];
-        for (int st = 0; st < S; ++st) {
-          if (st == 0) block_planes<BITS == 4 ? 2 : BITS>(tt, p, q);
-          else block_planes<2>(tt, p + 2 * kTile, q);
-          const __m512i v = _mm512_load_si512(BITS == 3 ? tt.val[0] : tt.raw[st]);
-          __m512i* w = words + (b * S + st) * 16;
-          for (int h = 0; h < 2; ++h)
-            for (int j = 0; j < 4; ++j) {
-              __m512i pw[2];
-              pair_words(tt, q[2 * j], q[2 * j + 1], h, v, pw);
-              w[2 * h * 4 + j] = pw[0];
-              w[(2 * h + 1) * 4 + j] = pw[1];
-            }
+// the bf16 dots (bf16 x): block makes a block's lane pairs' words in registers and dots them with MR rows (at
+// 4 bits a stage at a time) for tile_pass; make puts them in L1 for dots (tile_chunks)
+struct Bf16Dots {
+  using X = uint16_t;
+  template <int BITS> static constexpr float gain() { return 1.f; }
+  template <int BITS> static constexpr int stages() { return BITS == 4 ? 2 : 1; }   // E8P stages a block
+  template <int BITS> static constexpr int words() { return 16 * stages<BITS>(); }   // [stage][quarter][lane pair]
+  template <int BITS>
+  LATQ_CB_TILE_TARGET __attribute__((always_inline)) static inline void make(const TileTables& tt, const uint8_t* p, __m512i* w) {
+    __m512i q[8];
+    for (int st = 0; st < stages<BITS>(); ++st, w += 16) {
+      if (st == 0) block_planes<BITS == 4 ? 2 : BITS>(tt, p, q);
+      else block_planes<2>(tt, p + 2 * kTile, q);
+      const __m512i v = _mm512_load_si512(BITS == 3 ? tt.val[0] : tt.raw[st]);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j) {
+          __m512i pw[2];
+          pair_words(tt, q[2 * j], q[2 * j + 1], h, v, pw);
+          w[2 * h * 4 + j] = pw[0];
+          w[(2 * h + 1) * 4 + j] = pw[1];
         }
-      }
-      dot_rows(words, nb * S, x + c0 * 8, M, L.K, S, c0 == b0, c0 + nb == b1, band + gi * kBand, L.G, part, acc);
     }
   }
-  store_tile(acc, M, L.N, t, 1.f, y);
-}
+  template <int BITS, int MR>
+  LATQ_CB_TILE_TARGET __attribute__((always_inline)) static inline void dots(const __m512i* w, int64_t nb, const uint16_t* x,
+                                                                             int64_t K, bool first, bool last,
+                                                                             const float* scale, int64_t G, __m512* part,
+                                                                             __m512* acc) {
+    dot_words<MR>(w, nb * stages<BITS>(), x, K, stages<BITS>(), first, last, scale, G, part, acc);
+  }
+  template <int BITS, int MR>
+  LATQ_CB_TILE_TARGET static inline void block(const TileTables& tt, const uint8_t* p, const uint16_t* x, int64_t K,
+                                               __m512 (&part)[MR][4]) {
+    __m512i q[8];
+    block_planes<BITS>(tt, p, q);
+    dot_planes<MR>(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x, K, part);
+    if constexpr (BITS == 4) {
+      block_planes<2>(tt, p + 2 * kTile, q);
+      dot_planes<MR>(tt, q, tt.raw[1], x, K, part);
+    }
+  }
+};
+
 #endif
 
 #if LATQ_CB_AVX512
@@ -758,7 +743,7 @@ int isa_detect() {
 std::atomic<int> g_isa{isa_detect()};
 
 // whether the 64-row tiles run here (on the best instruction set only): the byte decode (VBMI, GFNI), with
-// BF16 bf16 x's dots in bf16 (Bf16Dots, tiles_mm), and every other x's in fp32 (F32Dots, tiles_mm_f32)
+// BF16 bf16 x's dots in bf16 (Bf16Dots), and every other x's in fp32 (F32Dots)
 bool tiles_run() {
 #if LATQ_CB_BYTES
   static const bool cpu = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
@@ -880,9 +865,9 @@ void tiles_fp32(const Layer& L, const float* x, int64_t M, float* y) {
   for_tiles(L, [&](int64_t t, const float* band) {
     if (M <= kRowsInRegisters)
       return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, F32Dots>(L, tt, x, t, band, y); });
-    std::vector<Zmm> w(kChunk * 8 * 4), part(4 * M), acc(4 * M);
-    tiles_mm_f32<BITS>(L, tt, x, M, t, band, y, reinterpret_cast<__m512*>(w.data()),
-                       reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
+    std::vector<Zmm> w(kChunk * F32Dots::words<BITS>()), part(4 * M), acc(4 * M);
+    tile_chunks<BITS, F32Dots>(L, tt, x, M, t, band, y, reinterpret_cast<__m512i*>(w.data()),
+                               reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
   });
 }
 #endif
@@ -896,9 +881,9 @@ void tiles_bf16(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
   for_tiles(L, [&](int64_t t, const float* band) {
     if (M <= kRowsInRegisters)
       return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, Bf16Dots>(L, tt, xp, t, band, y); });
-    std::vector<Zmm> words(kChunk * 2 * 16), part(4 * M), acc(4 * M);
-    tiles_mm<BITS>(L, tt, xp, M, t, band, y, reinterpret_cast<__m512i*>(words.data()),
-                   reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
+    std::vector<Zmm> w(kChunk * Bf16Dots::words<BITS>()), part(4 * M), acc(4 * M);
+    tile_chunks<BITS, Bf16Dots>(L, tt, xp, M, t, band, y, reinterpret_cast<__m512i*>(w.data()),
+                                reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
   });
 }
 #endif
