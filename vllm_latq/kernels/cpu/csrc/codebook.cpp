@@ -436,7 +436,6 @@ LATQ_CB_BYTES_TARGET inline void block_planes(const TileTables& tt, const uint8_
   }
 }
 
-
 constexpr int kRowsInRegisters = 4;        // rows of x whose sums the tiles' one-pass loops keep in registers
 constexpr int kChunk = 8;                  // blocks a chunk whose weights are made once for every row of x
 struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a vector of __m512 loses its alignment)
