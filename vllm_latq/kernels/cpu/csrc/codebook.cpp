@@ -18,7 +18,7 @@
 // Small M: per output row, each block decoded once into 8 fp32 lanes, scaled and FMA'd into up to
 // 8 rows of x (AVX2 + FMA + F16C: two FMA chains a row up to 4 rows, one from 5; AVX-512VL's 32
 // registers: two); on AVX-512 VBMI + GFNI, 64-row tiles decoded across rows (below): bf16 x's dots in
-// bf16 where the CPU has them (AVX-512 BF16), else one row of any x in fp32. Large M (≥ set_codebook_large_m):
+// bf16 where the CPU has them (AVX-512 BF16), else any x's in fp32. Large M (≥ set_codebook_large_m):
 // tiles of rows decoded to fp32, then one GEMM per tile.
 //
 //   latq_cpu::codebook_linear(x [..., K] bf16/fp16/fp32, tensors = (codes uint8 [N, K/8, B],
@@ -222,7 +222,7 @@ LATQ_CB_INLINE __m256 scaled(__m256 lanes, __m256 s, __m256 s128) { return _mm25
 
 LATQ_CB_INLINE __m256 times128(__m256 s) { return _mm256_mul_ps(s, _mm256_set1_ps(128.f)); }
 
-// what block_avx2's lanes are times the point
+// what a decoded block's lanes are times the point (block_avx2's, and the tiles' fp32 dots')
 template <int BITS>
 constexpr float kBlockGain = BITS == 4 ? 16.f : 4.f;
 
@@ -352,9 +352,9 @@ __attribute__((target("avx2,fma,f16c"))) void decode_rows_avx2(const Layer& L, i
 // 2·ball (0 ≤ q ≤ 30). Then per pair of lanes and pair of 16-row quarters one vpermi2b interleaves the
 // two lanes' planes into words (one quarter's byte low, the other's high) and two vpermw turn them into
 // bf16 (every point is exact in bf16); one vdpbf16ps multiplies 16 rows' pair with x's bf16 pair
-// (exact products, fp32 sums). Without BF16 dots (or for x not bf16) one row of x is taken in fp32: each
-// lane's q bytes, spread to fp32 words by one vpermb a quarter, less their offset, FMA'd with x_j (at 4 bits
-// the two stages' q bytes summed first, one FMA a weight). A group's sums are scaled once, 16 rows a
+// (exact products, fp32 sums). Without BF16 dots (or for x not bf16) x is taken in fp32: each lane's q
+// bytes, spread to fp32 words by one vpermb a quarter, less their offset, FMA'd with x_j (at 4 bits the two
+// stages' q bytes summed first, one FMA a weight). A group's sums are scaled once, 16 rows a
 // register. Accumulator lane i holds row rowof(i) of its 16 (even rows, then odd: the coded scales' band order).
 
 inline uint16_t bf16_bits(float f) {   // exact here: the values have ≤ 7 significant bits
@@ -404,7 +404,6 @@ const TileTables& tile_tables(const float* T) {
   return tt;
 }
 
-
 // one E8P stage of 64 rows (planes P, S) → each lane's q plane (bytes: E[index]), or with E null its index
 // plane itself (bits 0–3; bits 4–7 not cleared), for tables that take the index (raw): lane pair j's
 // indices are kp[j] XOR its sign bits, the even lane's in bits 0–3, the odd lane's in 4–7
@@ -443,8 +442,8 @@ struct alignas(64) Zmm { float f[16]; };   // a register's worth of scratch (a v
 // The fp32 dots: a block's q planes hold the point × gain + offset — × 4 + 15 at 2 and 3 bits, × 16 + 75
 // at 4 (the two stages' bytes added: 4·(4p₁ + 15) + 4p₂ + 15 ≤ 150) — and each lane's 16 rows a quarter go to
 // the low byte of fp32 words 2^23 + q (merged into a register of the exponent's constant), less 2^23 + offset:
-// exactly the point × gain, so each product is x's own; the gain is undone as y is stored
-template <int BITS> constexpr float kF32Gain = BITS == 4 ? 16.f : 4.f;
+// exactly the point × gain (kBlockGain, the row path's), so each product is x's own; the gain is undone as y
+// is stored
 template <int BITS> constexpr float kF32Offset = BITS == 4 ? 75.f : 15.f;
 
 template <int BITS>
@@ -577,7 +576,7 @@ LATQ_CB_BYTES_TARGET inline void dot_weights_f32(const __m512i* w, int64_t nb, c
 // registers and FMAs them into MR rows' sums for tile_pass; make puts them in L1 for dots (tile_chunks)
 struct F32Dots {
   using X = float;
-  template <int BITS> static constexpr float gain() { return kF32Gain<BITS>; }
+  template <int BITS> static constexpr float gain() { return kBlockGain<BITS>; }
   template <int BITS> static constexpr int words() { return 32; }   // [lane][quarter]
   template <int BITS>
   LATQ_CB_BYTES_TARGET __attribute__((always_inline)) static inline void make(const TileTables& tt, const uint8_t* p, __m512i* w) {
