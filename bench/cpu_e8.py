@@ -123,7 +123,8 @@ def fp32_row(a, results: dict) -> None:
                 other = f"e8_{bits}b_rows" if base == "rows" else base
                 results[f"e8_{name}_f32_e8_{bits}b_over_{base}"] = ratio(ts, f"e8_{bits}b", other)
         print(f"    {name:9s} {n:>5d}x{k:<5d}: " + "  ".join(f"{key} {med(v):.1f}" for key, v in ts.items())
-              + "   tiles/rows: " + "  ".join(f"e8_{b}b {ratio(ts, f'e8_{b}b', f'e8_{b}b_rows'):.2f}" for b in (2, 3, 4))
+              + "   tiles/rows: "
+              + "  ".join(f"e8_{b}b {ratio(ts, f'e8_{b}b', f'e8_{b}b_rows'):.2f}" for b in (2, 3, 4))
               + "   /int_4b: " + "  ".join(f"e8_{b}b {ratio(ts, f'e8_{b}b', 'int_4b'):.2f}" for b in (2, 3, 4)),
               flush=True)
 
@@ -143,14 +144,15 @@ def large(a, results: dict) -> None:
 
     print(f"  large M, {n}x{k} 3-bit (ms: median): on-the-fly decode vs decoded tiles + GEMM")
     try:
-        for dtype, ms in ((torch.bfloat16, (8, 16, 32, 64, 128, 256, 512, 1024, 2048)), (torch.float32, (64, 128, 256, 512))):
+        for dtype, ms in ((torch.bfloat16, (8, 16, 32, 64, 128, 256, 512, 1024, 2048)),
+                          (torch.float32, (64, 128, 256, 512))):
             tag = "" if dtype == torch.bfloat16 else "_f32"
             for M in ms:
                 x = torch.randn(M, k).to(dtype)
                 ts = side_by_side({"small": path(1 << 30), "tiles": path(1)}, max(5, a.rounds // 4), a.sample_us)
                 results[f"e8_large{tag}_m{M}_small_over_tiles"] = ratio(ts, "small", "tiles")
-                print(f"    {str(dtype)[6:]} x, M={M:4d}: small {med(ts['small']) / 1e3:.2f}  tiles {med(ts['tiles']) / 1e3:.2f}  "
-                      f"small/tiles {ratio(ts, 'small', 'tiles'):.2f}", flush=True)
+                print(f"    {str(dtype)[6:]} x, M={M:4d}: small {med(ts['small']) / 1e3:.2f}  "
+                      f"tiles {med(ts['tiles']) / 1e3:.2f}  small/tiles {ratio(ts, 'small', 'tiles'):.2f}", flush=True)
     finally:
         torch.ops.latq_cpu.set_codebook_large_m(saved)
 

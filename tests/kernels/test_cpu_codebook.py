@@ -139,9 +139,9 @@ def test_each_instruction_set(M, k, group, isa):
 def test_tiles_read_every_weight_exactly(bits):
     """The 64-row tiles' path (AVX-512 VBMI + GFNI; bf16 x's dots in bf16 with AVX-512 BF16, M below the
     large-M rows: up to 4 rows with each block's words in registers, more with a chunk's words made once
-    into L1 for 4 rows a pass): unit rows of x read every
-    weight back as the format dequantizes it, bit for bit (point × scale, exact in fp32 and bf16-rounded
-    once), and the same tiled state on every other instruction set and M gives the rows' results."""
+    into L1 for 4 rows a pass): unit rows of x read every weight back as the format dequantizes it, bit
+    for bit (point × scale, exact in fp32 and bf16-rounded once), and the same tiled state on every other
+    instruction set and M gives the rows' results."""
     tiles_or_skip()
     for coded, group in ((True, 16), (False, 64), (True, 256)):
         w = weight(bits, n=192, k=256, group=group, coded=coded, seed=bits)
@@ -150,7 +150,8 @@ def test_tiles_read_every_weight_exactly(bits):
         want = dequantize(w).T.bfloat16()
         for m in (0, 7, 8, 100, 255):
             assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[m:m + 1].bfloat16()), want[m:m + 1])
-        for rows in ([3, 200], [5, 6, 70, 250], [0, 9, 17, 64, 65, 130, 199, 254, 255]):   # in registers; 4 + 4 + 1 via L1
+        # 2 and 4 rows of x in registers; 9 through L1, 4 + 4 + 1 a pass
+        for rows in ([3, 200], [5, 6, 70, 250], [0, 9, 17, 64, 65, 130, 199, 254, 255]):
             assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(256)[rows].bfloat16()), want[rows])
         rows = replace(st, codes=w.codes.contiguous(), tile_rows=1)
         x = torch.randn(5, 256).bfloat16()
@@ -162,6 +163,7 @@ def test_tiles_read_every_weight_exactly(bits):
                                            rtol=2 ** -7, atol=1e-6)
             finally:
                 torch.ops.latq_cpu.set_codebook_isa(saved)
+
 
 def tiles_or_skip():
     native_or_skip()
