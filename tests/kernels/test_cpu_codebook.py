@@ -202,6 +202,29 @@ def test_tiles_fp32_dots(bits, coded, group, dtype, without_bf16_dots):
         close(CPUCodebookKernel.apply(st, x, bias), x, w, bias)
 
 
+@pytest.mark.parametrize("bf16_dots", [True, False], ids=["bf16-dots", "fp32-dots"])
+@pytest.mark.parametrize("k,group", [(200, 24), (136, 136)], ids=["25-blocks-g24", "17-blocks-one-group"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_tiles_take_odd_blocks_and_groups(bits, k, group, bf16_dots):
+    """The tiles' loops with an odd number of blocks a row and groups of 3 (or 17) blocks, both dots, 1 to 9
+    rows of x in bf16, fp16 and fp32, against the reference."""
+    tiles_or_skip()
+    if bf16_dots and not torch.ops.latq_cpu.codebook_bf16_dots():
+        pytest.skip("no AVX-512 BF16 dots here")
+    saved = torch.ops.latq_cpu.codebook_bf16_dots()
+    torch.ops.latq_cpu.set_codebook_bf16_dots(bf16_dots)
+    try:
+        w = weight(bits, n=128, k=k, group=group, coded=True, seed=k)
+        st = CPUCodebookKernel.prepare(w)
+        g = torch.Generator().manual_seed(k)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for M in (1, 3, 6, 9):
+                x = torch.randn(M, k, generator=g).to(dtype)
+                close(CPUCodebookKernel.apply(st, x), x, w)
+    finally:
+        torch.ops.latq_cpu.set_codebook_bf16_dots(saved)
+
+
 def test_large_m_path_agrees_with_the_small_m_one():
     native_or_skip()
     w = weight(3, n=40, k=256)
