@@ -683,13 +683,19 @@ struct Bf16Dots {
   template <int BITS> static constexpr float gain() { return 1.f; }
   template <int BITS> static constexpr int stages() { return BITS == 4 ? 2 : 1; }   // E8P stages a block
   template <int BITS> static constexpr int words() { return 16 * stages<BITS>(); }   // [stage][quarter][lane pair]
+  // stage st's planes (its code bytes 2·st planes on from p) → q, and the bf16 values they index
+  template <int BITS>
+  LATQ_CB_TILE_TARGET __attribute__((always_inline)) static inline const uint16_t* stage(const TileTables& tt,
+                                                                                        const uint8_t* p, int st,
+                                                                                        __m512i q[8]) {
+    block_planes<BITS == 4 ? 2 : BITS>(tt, p + 2 * st * kTile, q);
+    return BITS == 3 ? tt.val[0] : tt.raw[st];
+  }
   template <int BITS>
   LATQ_CB_TILE_TARGET __attribute__((always_inline)) static inline void make(const TileTables& tt, const uint8_t* p, __m512i* w) {
     __m512i q[8];
     for (int st = 0; st < stages<BITS>(); ++st, w += 16) {
-      if (st == 0) block_planes<BITS == 4 ? 2 : BITS>(tt, p, q);
-      else block_planes<2>(tt, p + 2 * kTile, q);
-      const __m512i v = _mm512_load_si512(BITS == 3 ? tt.val[0] : tt.raw[st]);
+      const __m512i v = _mm512_load_si512(stage<BITS>(tt, p, st, q));
       for (int h = 0; h < 2; ++h)
         for (int j = 0; j < 4; ++j) {
           __m512i pw[2];
@@ -710,11 +716,9 @@ struct Bf16Dots {
   LATQ_CB_TILE_TARGET static inline void block(const TileTables& tt, const uint8_t* p, const uint16_t* x, int64_t K,
                                                __m512 (&part)[MR][4]) {
     __m512i q[8];
-    block_planes<BITS>(tt, p, q);
-    dot_planes<MR>(tt, q, BITS == 3 ? tt.val[0] : tt.raw[0], x, K, part);
-    if constexpr (BITS == 4) {
-      block_planes<2>(tt, p + 2 * kTile, q);
-      dot_planes<MR>(tt, q, tt.raw[1], x, K, part);
+    for (int st = 0; st < stages<BITS>(); ++st) {
+      const uint16_t* val = stage<BITS>(tt, p, st, q);
+      dot_planes<MR>(tt, q, val, x, K, part);
     }
   }
 };
@@ -856,32 +860,16 @@ void rows_in_registers(int64_t M, const F& fn) {
   }
 }
 
-// y [M, N] fp32 = x [M, K] fp32 · Wᵀ on the fp32 dots, M < the large-M rows
-template <int BITS>
-void tiles_fp32(const Layer& L, const float* x, int64_t M, float* y) {
+// y [M, N] fp32 = x [M, K] · Wᵀ on Dots (x as Dots takes it), M < the large-M rows
+template <int BITS, class Dots>
+void tiles(const Layer& L, const typename Dots::X* x, int64_t M, float* y) {
   const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
   for_tiles(L, [&](int64_t t, const float* band) {
     if (M <= kRowsInRegisters)
-      return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, F32Dots>(L, tt, x, t, band, y); });
-    std::vector<Zmm> w(kChunk * F32Dots::words<BITS>()), part(4 * M), acc(4 * M);
-    tile_chunks<BITS, F32Dots>(L, tt, x, M, t, band, y, reinterpret_cast<__m512i*>(w.data()),
-                               reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
-  });
-}
-#endif
-
-#if LATQ_CB_TILES
-// y [M, N] fp32 = x [M, K] bf16 · Wᵀ on the bf16 dots, M < the large-M rows
-template <int BITS>
-void tiles_bf16(const Layer& L, const at::BFloat16* x, int64_t M, float* y) {
-  const TileTables& tt = tile_tables(reinterpret_cast<const float*>(L.table));
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
-  for_tiles(L, [&](int64_t t, const float* band) {
-    if (M <= kRowsInRegisters)
-      return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, Bf16Dots>(L, tt, xp, t, band, y); });
-    std::vector<Zmm> w(kChunk * Bf16Dots::words<BITS>()), part(4 * M), acc(4 * M);
-    tile_chunks<BITS, Bf16Dots>(L, tt, xp, M, t, band, y, reinterpret_cast<__m512i*>(w.data()),
-                                reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
+      return rows_in_registers(M, [&](auto mr) { tile_pass<BITS, decltype(mr)::value, Dots>(L, tt, x, t, band, y); });
+    std::vector<Zmm> w(kChunk * Dots::template words<BITS>()), part(4 * M), acc(4 * M);
+    tile_chunks<BITS, Dots>(L, tt, x, M, t, band, y, reinterpret_cast<__m512i*>(w.data()),
+                            reinterpret_cast<__m512*>(part.data()), reinterpret_cast<__m512*>(acc.data()));
   });
 }
 #endif
@@ -1004,14 +992,15 @@ at::Tensor codebook_linear(const at::Tensor& x, const c10::List<std::optional<at
   if (M >= 1 && M < cb::large_m(cb::kLargeMBf16) && N > 0 && T == cb::kTile && xr.scalar_type() == at::kBFloat16 &&
       cb::bf16_dots_run()) {
     const at::Tensor xb = xr.reshape({M, K}).contiguous();
-    cb::with_bits(bits, [&](auto b) { cb::tiles_bf16<decltype(b)::value>(L, xb.data_ptr<at::BFloat16>(), M, y.data_ptr<float>()); });
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    cb::with_bits(bits, [&](auto b) { cb::tiles<decltype(b)::value, cb::Bf16Dots>(L, xp, M, y.data_ptr<float>()); });
   } else
 #endif
 #if LATQ_CB_BYTES
   // rows of any other x on a tiled layer, fewer than the large-M rows: the tiles' decode, x as fp32
   if (M >= 1 && M < cb::large_m(cb::kLargeMF32) && N > 0 && T == cb::kTile && cb::tiles_run()) {
     const at::Tensor xf = xr.reshape({M, K}).to(at::kFloat).contiguous();
-    cb::with_bits(bits, [&](auto b) { cb::tiles_fp32<decltype(b)::value>(L, xf.data_ptr<float>(), M, y.data_ptr<float>()); });
+    cb::with_bits(bits, [&](auto b) { cb::tiles<decltype(b)::value, cb::F32Dots>(L, xf.data_ptr<float>(), M, y.data_ptr<float>()); });
   } else
 #endif
   if (M > 0 && N > 0) {
