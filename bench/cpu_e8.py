@@ -108,8 +108,9 @@ def fp32_row(a, results: dict) -> None:
         n, k = E8_SHAPES[name]
         fns = {}
         for bits in (2, 3, 4):
-            st = CPUCodebookKernel.prepare(codebook_weight(n, k, bits))
-            rows = replace(st, codes=codebook_weight(n, k, bits).codes.contiguous(), tile_rows=1)
+            w = codebook_weight(n, k, bits)
+            st = CPUCodebookKernel.prepare(w)
+            rows = replace(st, codes=w.codes.contiguous(), tile_rows=1)   # the same codes as rows
             fns[f"e8_{bits}b"] = lambda st=st: CPUCodebookKernel.apply(st, x)
             fns[f"e8_{bits}b_rows"] = lambda st=rows: CPUCodebookKernel.apply(st, x)
         st = CPUKernel.prepare(random_weight(n, k, 4, 0.0, group=INT_GROUP, seed=1))

@@ -37,6 +37,19 @@ def replay_blocks(model_dir, ntokens: int):
 
 
 @contextlib.contextmanager
+def op_setting(name: str, value):
+    """The C++ ops' process-wide setting ``name`` (read by ``torch.ops.latq_cpu.<name>()``, set by
+    ``set_<name>``) at ``value`` within the block, then back to what it was."""
+    ops = torch.ops.latq_cpu
+    saved = getattr(ops, name)()
+    getattr(ops, f"set_{name}")(value)
+    try:
+        yield
+    finally:
+        getattr(ops, f"set_{name}")(saved)
+
+
+@contextlib.contextmanager
 def gemv_isa_set(name: str):
     """The C++ GEMV on instruction set ``name`` within the block (AVX2 runs on an AVX-512 CPU
     too); skips the test where this CPU or build lacks it; nothing to set without the op."""

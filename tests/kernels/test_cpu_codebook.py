@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.helpers import op_setting
 from vllm_latq import native
 from vllm_latq.format import codebook as cb, scale_codes
 from vllm_latq.format.rotation import Rotation, rotate
@@ -54,10 +55,8 @@ def isa(request):
     name = "" if request.param == "scalar" else request.param
     if name not in isas():
         pytest.skip(f"{request.param} does not run here")
-    saved = torch.ops.latq_cpu.codebook_isa()
-    torch.ops.latq_cpu.set_codebook_isa(name)
-    yield request.param
-    torch.ops.latq_cpu.set_codebook_isa(saved)
+    with op_setting("codebook_isa", name):
+        yield request.param
 
 
 def close(y: torch.Tensor, x: torch.Tensor, w: CodebookWeight, bias=None):
@@ -79,12 +78,8 @@ def test_decoding_is_the_formats_exactly(bits, isa):
     want = dequantize(w).T
     for m0 in range(0, 128, 8):
         assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(128)[m0:m0 + 8]), want[m0:m0 + 8])
-    saved = torch.ops.latq_cpu.codebook_large_m()
-    try:
-        torch.ops.latq_cpu.set_codebook_large_m(1)
+    with op_setting("codebook_large_m", 1):
         assert torch.equal(CPUCodebookKernel.apply(st, torch.eye(128)), want)
-    finally:
-        torch.ops.latq_cpu.set_codebook_large_m(saved)
 
 
 def test_table_is_the_formats():
@@ -156,13 +151,9 @@ def test_tiles_read_every_weight_exactly(bits):
         rows = replace(st, codes=w.codes.contiguous(), tile_rows=1)
         x = torch.randn(5, 256).bfloat16()
         for isa in isas():
-            saved = torch.ops.latq_cpu.codebook_isa()
-            try:
-                torch.ops.latq_cpu.set_codebook_isa(isa)
+            with op_setting("codebook_isa", isa):
                 torch.testing.assert_close(CPUCodebookKernel.apply(st, x), CPUCodebookKernel.apply(rows, x),
                                            rtol=2 ** -7, atol=1e-6)
-            finally:
-                torch.ops.latq_cpu.set_codebook_isa(saved)
 
 
 def tiles_or_skip():
@@ -173,12 +164,10 @@ def tiles_or_skip():
 
 @pytest.fixture
 def without_bf16_dots():
-    """The tiles' path as on a CPU without AVX-512 BF16 (Ice Lake): one row of any x in fp32."""
+    """The tiles' path as on a CPU without AVX-512 BF16 (Ice Lake): any x in fp32."""
     tiles_or_skip()
-    saved = torch.ops.latq_cpu.codebook_bf16_dots()
-    torch.ops.latq_cpu.set_codebook_bf16_dots(False)
-    yield
-    torch.ops.latq_cpu.set_codebook_bf16_dots(saved)
+    with op_setting("codebook_bf16_dots", False):
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
@@ -202,27 +191,23 @@ def test_tiles_fp32_dots(bits, coded, group, dtype, without_bf16_dots):
         close(CPUCodebookKernel.apply(st, x, bias), x, w, bias)
 
 
-@pytest.mark.parametrize("bf16_dots", [True, False], ids=["bf16-dots", "fp32-dots"])
+@pytest.mark.parametrize("dots", [True, False], ids=["bf16-dots", "fp32-dots"])
 @pytest.mark.parametrize("k,group", [(200, 24), (136, 136)], ids=["25-blocks-g24", "17-blocks-one-group"])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_tiles_take_odd_blocks_and_groups(bits, k, group, bf16_dots):
+def test_tiles_take_odd_blocks_and_groups(bits, k, group, dots):
     """The tiles' loops with an odd number of blocks a row and groups of 3 (or 17) blocks, both dots, 1 to 9
     rows of x in bf16, fp16 and fp32, against the reference."""
     tiles_or_skip()
-    if bf16_dots and not torch.ops.latq_cpu.codebook_bf16_dots():
+    if dots and not torch.ops.latq_cpu.codebook_bf16_dots():
         pytest.skip("no AVX-512 BF16 dots here")
-    saved = torch.ops.latq_cpu.codebook_bf16_dots()
-    torch.ops.latq_cpu.set_codebook_bf16_dots(bf16_dots)
-    try:
-        w = weight(bits, n=128, k=k, group=group, coded=True, seed=k)
-        st = CPUCodebookKernel.prepare(w)
-        g = torch.Generator().manual_seed(k)
+    w = weight(bits, n=128, k=k, group=group, coded=True, seed=k)
+    st = CPUCodebookKernel.prepare(w)
+    g = torch.Generator().manual_seed(k)
+    with op_setting("codebook_bf16_dots", dots):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for M in (1, 3, 6, 9):
                 x = torch.randn(M, k, generator=g).to(dtype)
                 close(CPUCodebookKernel.apply(st, x), x, w)
-    finally:
-        torch.ops.latq_cpu.set_codebook_bf16_dots(saved)
 
 
 def test_large_m_path_agrees_with_the_small_m_one():
@@ -230,13 +215,9 @@ def test_large_m_path_agrees_with_the_small_m_one():
     w = weight(3, n=40, k=256)
     st = CPUCodebookKernel.prepare(w)
     x = torch.randn(2, 5, 256).bfloat16()   # leading dimensions kept
-    saved = torch.ops.latq_cpu.codebook_large_m()
-    try:
-        small = CPUCodebookKernel.apply(st, x)
-        torch.ops.latq_cpu.set_codebook_large_m(1)
+    small = CPUCodebookKernel.apply(st, x)
+    with op_setting("codebook_large_m", 1):
         large = CPUCodebookKernel.apply(st, x)
-    finally:
-        torch.ops.latq_cpu.set_codebook_large_m(saved)
     assert large.shape == (2, 5, 40)
     close(large.reshape(10, 40), x.reshape(10, 256), w)
     torch.testing.assert_close(large, small, rtol=2 ** -7, atol=1e-6)

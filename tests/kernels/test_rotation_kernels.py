@@ -4,12 +4,12 @@ kernel in the interpreter — and every kernel family (reference, fp32 and bf16 
 in Python and as its native op, Triton) against the reference; mixture-of-experts layers too."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
 
+from tests.helpers import op_setting
 from vllm_latq import native
 from vllm_latq.format.rotation import Rotation, hadamard_signs, matrix, rotate, unrotate
 from vllm_latq.kernels import moe, ops, selector
@@ -23,14 +23,8 @@ from vllm_latq.testing.weights import random_weight
 BLOCKS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
-@contextlib.contextmanager
 def hadamard_isa(name: str):
-    before = torch.ops.latq_cpu.hadamard_isa()
-    torch.ops.latq_cpu.set_hadamard_isa(name)
-    try:
-        yield
-    finally:
-        torch.ops.latq_cpu.set_hadamard_isa(before)
+    return op_setting("hadamard_isa", name)
 
 
 @pytest.fixture(params=["", "avx2", "avx512"])
