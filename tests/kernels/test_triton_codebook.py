@@ -1,7 +1,7 @@
 """The Triton kernels for codebook layers (triton-e8), in Triton's interpreter against ``latq_linear_ref``.
 
-* Layout (torch): the shared table's fields are the format's E8P patterns, their parity and the ball's
-  points; the code planes hold each block's stage codes; served bytes are ``codebook_bytes`` plus the
+* Layout: the shared table's fields are the format's E8P patterns and their parity, with the computed
+  sign words every E8P code's point, and the ball's points; the code planes hold each block's stage codes; served bytes are ``codebook_bytes`` plus the
   shared table.
 * The kernels: bits {2, 3, 4} × scale groups {16, 64, one a row} × fp16 / coded scales × M {1, 3, 17,
   40} × fp32 / bf16 / fp16 activations, on ragged shapes (N = 40 padded to 48, K = 200: a partial K
@@ -18,7 +18,10 @@ from vllm_latq.kernels.weight import CodebookWeight, dequantize
 from vllm_latq.testing.weights import random_codebook_weight
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from vllm_latq.kernels.triton import codebook as tcb  # noqa: E402
+from vllm_latq.kernels.triton import codebook_device as tcd  # noqa: E402
 from vllm_latq.kernels.triton import kernel as tk  # noqa: E402
 from vllm_latq.kernels.triton.codebook import TritonCodebookKernel  # noqa: E402
 
@@ -57,22 +60,33 @@ def interpret_ok(monkeypatch):
 
 # ----------------------------------------------------------------------------- layout (torch)
 
-def test_table_holds_the_formats_points():
-    """A code's pattern entry xor its sign entry holds u_j = (σ_j·2|a_j| + 7)/2 (the eighth sign by the
-    parities) at bit 6j of its low word (j < 4) or 6(j − 4) of its high one, the shift at bit 31; the
-    ball's entries its points. Checked on all 2¹⁶ E8P codes."""
+@triton.jit
+def _e8p_words_of(c_ptr, lo_ptr, hi_ptr, tab_ptr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo, hi = tcd._e8p_words(tl.load(c_ptr + i), tab_ptr, False, False)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+def test_table_and_sign_words_hold_the_formats_points():
+    """A code's pattern entry xor its computed sign words (``_sign_words``: the eighth sign by the
+    parities) holds u_j = (σ_j·2|a_j| + 7)/2 at bit 6j of its low word (j < 4) or 6(j − 4) of its high
+    one, the shift at bit 31; the ball's entries its points. Checked on all 2¹⁶ E8P codes, the device's
+    own decode in the interpreter."""
     words = tcb.table_words()
-    assert words.dtype == torch.int64 and words.shape == (768,) and (words >= 0).all()
+    assert words.dtype == torch.int64 and words.shape == (tcb.TABLE_ENTRIES,) and (words >= 0).all()
     j = torch.arange(cb.DIM)
     at = 6 * (j % 4) + 32 * (j // 4)
-    e8p, signs, ball = words[:256], words[tcb.SIGNS_AT:tcb.BALL_AT], words[tcb.BALL_AT:]
-    c = torch.arange(2**16)
-    u = e8p[c & 255] ^ signs[c >> 8]
+    e8p, ball = words[:tcb.BALL_AT], words[tcb.BALL_AT:]
+    c = torch.arange(2**16, dtype=torch.int32)
+    lo, hi = torch.empty_like(c), torch.empty_like(c)
+    _e8p_words_of[(2**16 // 1024,)](c, lo, hi, words, BLOCK=1024)
+    u = (lo.long() & 0xFFFFFFFF) | (hi.long() << 32)
     points = ((u[:, None] >> at) & 7).double() - 3.5 + torch.where((u >> 31) & 1 == 1, -0.25, 0.25)[:, None]
-    assert torch.equal(points, cb.decode_e8p(c).double())
+    assert torch.equal(points, cb.decode_e8p(c.long()).double())
     assert torch.equal((((ball[:, None] >> at) & 63) - 8).double() / 2, cb.e8_ball256())
     # bits 3–5 of each E8P field clear (room for the second stage's ×4), the ball's ≤ 12: sums ≤ 40 never carry
-    assert not ((e8p | signs)[:, None] >> at & 0b111000).any() and ((ball[:, None] >> at) & 63).max() <= 12
+    assert not (u[:, None] >> at & 0b111000).any() and ((ball[:, None] >> at) & 63).max() <= 12
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -95,7 +109,7 @@ def test_served_bytes_are_codebook_bytes(bits, group, coded):
     w = make_weight(bits, group=group, coded=coded)
     st = TritonCodebookKernel.prepare(w)
     served = TritonCodebookKernel.served_bytes(st)
-    assert served.pop("codebook") == 768 * 8
+    assert served.pop("codebook") == tcb.TABLE_ENTRIES * 8
     assert served == TritonCodebookKernel.codebook_bytes(N, K, bits, w.group_size, 4 if coded else None)
     assert served["codes"] == 48 * (K // 8) * cb.CODEBOOKS[bits].index_bytes
     assert TritonCodebookKernel.shared_tensors(st)["codebook"] is TritonCodebookKernel.prepare(w).table

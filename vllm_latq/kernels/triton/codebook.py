@@ -8,10 +8,11 @@ stage's code in bits 16–31); plane B (3 bits) the ball's uint8 index; both ``[
 codes of a block for BN consecutive rows are one coalesced load. Scales as the integer kernels lay
 them out (fp16 or coded, :mod:`~vllm_latq.kernels.triton.layout`). One int64 table for the model, each
 entry two int32 words of fields 6 bits apart (low word: coordinates 0–3, high word: 4–7): E8P's 256
-patterns (3-bit fields 4 | (|a_j| − ½), the eighth xor 7 where the pattern's parity is odd), the 256 sign
-bytes (seven signs, the shift at bit 7: fields 7·sign_j, the eighth sign their parity, the shift at bit
-31 of the low word), so that a code's pattern entry xor its sign entry holds u_j = (σ_j·2|a_j| + 7)/2 and
-coordinate j is u_j − 7/2 ± ¼; then the ball's 256 points (fields 2·p_j + 8).
+patterns (3-bit fields 4 | (|a_j| − ½), the eighth xor 7 where the pattern's parity is odd), then the
+ball's 256 points (fields 2·p_j + 8). A code's sign byte (seven signs, the shift at bit 7) is not looked
+up but computed into the words its pattern entry is xor-ed with (``codebook_device._sign_words``: fields
+7·sign_j, the eighth sign their parity, the shift at bit 31 of the low word), so that the two hold
+u_j = (σ_j·2|a_j| + 7)/2 and coordinate j is u_j − 7/2 ± ¼.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ..base import LatqKernel
 from ..weight import CodebookWeight
 from . import configs as cfg
 from . import layout as tlay
-from .codebook_device import BALL_AT, SIGNS_AT, _e8_dequant_kernel, _e8_gemv_kernel, _e8_mma_kernel  # noqa: F401
+from .codebook_device import BALL_AT, TABLE_ENTRIES, _e8_dequant_kernel, _e8_gemv_kernel, _e8_mma_kernel  # noqa: F401
 from .dequant import apply_large_m, check_out, large_m_reason
 from .kernel import (INDEX_LIMIT, INTERPRET, SPLITK_SCRATCH, TritonKernel, device_reason, machine_reason,
                      splitk_floats)
@@ -51,7 +52,7 @@ LARGE_MIN_M = 8
 # ============================================================================ layout
 
 def table_words() -> torch.Tensor:
-    """int64 ``[768]``: E8P's pattern entries, its sign entries, the ball's points (module docstring)."""
+    """int64 ``[512]``: E8P's pattern entries, then the ball's points (module docstring)."""
     j = torch.arange(cb.DIM)
     at = 6 * (j % 4) + 32 * (j // 4)                                # field j's bit: word j // 4, 6 bits apart
     a = cb.e8p_patterns()
@@ -59,13 +60,9 @@ def table_words() -> torch.Tensor:
     parity = torch.round(a.sum(-1)).long() % 2
     fields = (4 | k) ^ torch.where(j == cb.DIM - 1, 7 * parity[:, None], 0)
     e8p = (fields << at).sum(-1)
-    s = torch.arange(256)
-    neg = (s[:, None] >> j[:-1]) & 1                                 # the seven stored signs
-    flips = torch.cat([neg, neg.sum(-1, keepdim=True) % 2], -1)     # the eighth: their parity (xor the pattern's)
-    signs = ((7 * flips) << at).sum(-1) | ((s >> 7) << 31)
     u = torch.round(2 * cb.e8_ball256()).long() + 8                 # 4 … 12
     ball = (u << at).sum(-1)
-    return torch.cat([e8p, signs, ball])
+    return torch.cat([e8p, ball])
 
 
 _TABLES: dict[str, torch.Tensor] = {}
@@ -120,7 +117,7 @@ class E8State:
     codes: torch.Tensor                # plane A: int16 / int32 [in/8, N_pad]
     ball: torch.Tensor | None          # plane B: uint8 [in/8, N_pad] (3 bits)
     scales: torch.Tensor               # fp16 [N_pad/16, ngroups, 16], or coded: int32 [N_pad/16, ngroups, 3]
-    table: torch.Tensor                # int64 [768] (table_words), shared by the model's codebook layers
+    table: torch.Tensor                # int64 [512] (table_words), shared by the model's codebook layers
     tickets: torch.Tensor              # int32 [N_pad/16] split-K tickets, always back to 0
     bits: int
     group: int                         # kernel_group's

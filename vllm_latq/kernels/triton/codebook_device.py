@@ -12,8 +12,8 @@ import triton.language as tl
 from .dequant import _round
 from .device import _and_or, _epilogue, _group_scale, _row_offset, _scale_base
 
-SIGNS_AT = tl.constexpr(256)     # the shared table: E8P's 256 pattern words, 256 sign words, the ball's 256
-BALL_AT = tl.constexpr(512)
+TABLE_ENTRIES = tl.constexpr(512)   # the shared table: E8P's 256 pattern entries, then the ball's 256
+BALL_AT = tl.constexpr(256)
 H_BIT = tl.constexpr(-2**31)   # bit 31 of a word: where the ±¼ sign of an E8P stage sits
 
 
@@ -36,8 +36,7 @@ def _field_at(w, at, LOG_GAIN: tl.constexpr, MASK: tl.constexpr, ASM: tl.constex
 def _table(tab_ptr, LDS: tl.constexpr):
     """The shared table as a program reads it: its pointer (L1), or (LDS) a copy held, read through shared memory."""
     if LDS:
-        i = tl.arange(0, 1024)
-        return tl.load(tab_ptr + i, mask=i < 768, other=0)
+        return tl.load(tab_ptr + tl.arange(0, TABLE_ENTRIES))
     else:
         return tab_ptr
 
@@ -57,10 +56,39 @@ def _halves(e):   # a table entry (int64) → its words: coordinates 0–3, coor
 
 
 @triton.jit
-def _e8p_words(c, tab, LDS: tl.constexpr):
-    """16-bit E8P codes (int32) → their pattern entry xor their sign byte's, as two int32 words
+def _parity7(s, ASM: tl.constexpr):
+    """The parity of bits 0–6 of ``s`` (a sign byte's seven signs): one POPC on GPU, xor folds in the interpreter."""
+    if ASM:
+        n = tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [s & 127], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        n = s & 127
+        n = n ^ (n >> 4)
+        n = n ^ (n >> 2)
+        n = n ^ (n >> 1)
+    return n & 1
+
+
+@triton.jit
+def _spread6(v):   # bits 0–3 of v (< 16) to bits 0, 6, 12, 18: the product's four copies of v never overlap
+    return (v * 0x8421) & 0x41041
+
+
+@triton.jit
+def _sign_words(s, ASM: tl.constexpr):
+    """A sign byte (seven signs, the ±¼'s at bit 7) → the words its pattern entry is xor-ed with: 7 in each
+    negated coordinate's field (u → 7 − u), the eighth's by the seven's parity, the ±¼'s sign at bit 31."""
+    lo = (_spread6(s & 15) * 7) | ((s & 128) << 24)
+    hi = _spread6(((s >> 4) & 7) | (_parity7(s, ASM) << 3)) * 7
+    return lo, hi
+
+
+@triton.jit
+def _e8p_words(c, tab, LDS: tl.constexpr, ASM: tl.constexpr):
+    """16-bit E8P codes (int32) → their pattern entry xor their sign byte's words, as two int32 words
     (coordinates 0–3, 4–7): coordinate j = u_j − 7/2 ± ¼, the ¼'s sign at bit 31 (codebook.table_words)."""
-    return _halves(_lookup(tab, c & 255, LDS) ^ _lookup(tab, ((c >> 8) & 255) + SIGNS_AT, LDS))
+    lo, hi = _halves(_lookup(tab, c & 255, LDS))
+    s_lo, s_hi = _sign_words((c >> 8) & 255, ASM)
+    return lo ^ s_lo, hi ^ s_hi
 
 
 @triton.jit
@@ -80,15 +108,15 @@ def _codes(ca_ptr, cb_ptr, off, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _decode_words(ca, cb, tab, BITS: tl.constexpr, LDS: tl.constexpr):
+def _decode_words(ca, cb, tab, BITS: tl.constexpr, LDS: tl.constexpr, ASM: tl.constexpr):
     # (lo, hi): coordinate j is field j % 4 of lo (j < 4) or hi over the gain, less _constant; two stages
     # in one field, the first's ×4 plus the second's (≤ 40: no carry); ±¼ signs at bit 31 (stage 1's in hi at 4 bits)
-    lo, hi = _e8p_words(ca, tab, LDS)
+    lo, hi = _e8p_words(ca, tab, LDS, ASM)
     if BITS == 3:
         b_lo, b_hi = _halves(_lookup(tab, (cb & 255) + BALL_AT, LDS))
         lo, hi = ((lo << 2) + b_lo) | (lo & H_BIT), (hi << 2) + b_hi
     elif BITS == 4:
-        lo2, hi2 = _e8p_words(ca >> 16, tab, LDS)
+        lo2, hi2 = _e8p_words(ca >> 16, tab, LDS, ASM)
         lo, hi = (lo << 2) + lo2, ((hi << 2) + hi2) | (lo & H_BIT)
     return lo, hi
 
@@ -106,10 +134,10 @@ def _constant(lo, hi, BITS: tl.constexpr):
 
 
 @triton.jit
-def _words(ca_ptr, cb_ptr, tab, off, mask, BITS: tl.constexpr, LDS: tl.constexpr):
+def _words(ca_ptr, cb_ptr, tab, off, mask, BITS: tl.constexpr, LDS: tl.constexpr, ASM: tl.constexpr):
     """Codes of blocks ``off`` → :func:`_decode_words`."""
     ca, cb = _codes(ca_ptr, cb_ptr, off, mask, BITS)
-    return _decode_words(ca, cb, tab, BITS, LDS)
+    return _decode_words(ca, cb, tab, BITS, LDS, ASM)
 
 
 @triton.jit
@@ -190,7 +218,7 @@ def _e8_gemv_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr,
                             (b + BKB < KB) & (rn3 < tl.where(t + 1 < t_end, N_PAD, 0)), BITS)
         else:
             ca, cb = _codes(ca_ptr, cb_ptr, b * N_PAD + rn3, bmask, BITS)
-        lo, hi = _decode_words(ca, cb, tab, BITS, LDS)
+        lo, hi = _decode_words(ca, cb, tab, BITS, LDS, ASM)
         c = _constant(lo, hi, BITS)
         if GROUP % (8 * BKB) == 0:       # the step lies in one group: one scale per row
             sc = _group_scale(sp, (8 * BKB * t) // GROUP, rs, nmask, CODED, ASM)
@@ -236,7 +264,7 @@ def _e8_mma_kernel(x_ptr, y_ptr, b_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ws_ptr, 
         for q in tl.static_range(BKB // GKB):
             b0 = t * BKB + q * GKB
             b3 = b0 + kb3
-            lo, hi = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS, False)
+            lo, hi = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, (b3 < KB) & (rn3 < N_PAD), BITS, False, ASM)
             v = _points(lo, hi, j3, BITS, ASM)                                  # [GKB, 8, BN]
             w = tl.reshape(v, [8 * GKB, BN]).to(DT)
             cols = 8 * b0 + kk
@@ -260,7 +288,7 @@ def _e8_dequant_kernel(w_ptr, ca_ptr, cb_ptr, s_ptr, tab_ptr, ROW0, ROW1, K, KB,
     b3 = tl.program_id(1) * BKB + tl.arange(0, BKB)[:, None, None]
     rn3 = rn[None, None, :]
     pm = (b3 < KB) & (rn3 < N_PAD)
-    lo, hi = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS, False)
+    lo, hi = _words(ca_ptr, cb_ptr, tab_ptr, b3 * N_PAD + rn3, pm, BITS, False, ASM)
     v = _points(lo, hi, tl.arange(0, 8)[None, :, None], BITS, ASM)                  # [BKB, 8, BN]
     sp = _scale_base(s_ptr, rn3 // 16, rn3 % 16, NGP, CODED)
     v = v * _group_scale(sp, (8 * b3) // GROUP, rn3 % 16, pm, CODED, ASM)
