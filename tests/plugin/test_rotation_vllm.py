@@ -82,6 +82,35 @@ def _compiled(f, x):
     return y, {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
 
 
+@pytest.mark.parametrize("form", ["gptq", "e8"])
+def test_eager_cpu_layer_calls_its_cpp_op_not_the_kernels_python(monkeypatch, form):
+    """vLLM's eager mode: a layer whose kernel has a C++ op calls it on the tensors flattened at load
+    (the kernel's Python around it cost as much as a small layer's op), with and without a bias, the
+    same numbers as ``kernel.apply``; without the op (``latq_native`` None) the kernel's apply."""
+    from vllm_latq import native
+    from vllm_latq.kernels import selector
+    from vllm_latq.plugin.linear_method import LatqLinearMethod, install_kernel
+    from vllm_latq.testing.weights import random_codebook_weight
+    if not native.available():
+        pytest.skip(f"C++ ops unavailable: {native.load()}")
+    w = random_weight(64, 256, 4, 0.0, group=64) if form == "gptq" else random_codebook_weight(64, 256, 3, group=16)
+    w = replace(w, rotation=Rotation(3).signs(256))
+    kernel = selector.select(w, torch.device("cpu"), torch.bfloat16)
+    layer, state = torch.nn.Module(), kernel.prepare(w)
+    install_kernel(layer, kernel, state, w.out_features)
+    method = LatqLinearMethod(None, None)
+    x, bias = torch.randn(3, 256).bfloat16(), torch.randn(64).bfloat16()
+    want = [kernel.apply(state, x), kernel.apply(state, x, bias)]
+    assert layer.latq_native is not None
+    with monkeypatch.context() as m:
+        m.setattr(kernel, "apply", classmethod(lambda *a: pytest.fail("eager went through the kernel's Python")))
+        assert torch.equal(method.apply(layer, x), want[0]) and torch.equal(method.apply(layer, x, bias), want[1])
+    layer.latq_native = None
+    with monkeypatch.context() as m:
+        m.setattr(kernel, "apply", classmethod(lambda cls, st, t, b=None: t.new_full((t.shape[0], 64), 7.0)))
+        assert (method.apply(layer, x) == 7).all()
+
+
 def test_compiled_rotated_cpu_layer_calls_the_lean_op():
     """A rotated CPU layer without outliers in vLLM's compiled mode (``LatqLinearMethod.apply``
     under Dynamo): without bias its graph calls the lean ``latq_cpu::rotated_plain_linear``, with

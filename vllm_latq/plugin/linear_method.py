@@ -83,7 +83,7 @@ class LatqLinearMethod(LinearMethodBase):
         self.report.add(prefix, w, kernel, state, stored_bits, refused, head)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        scheme = getattr(layer, "latq_scheme", None)
+        scheme = layer.latq_scheme
         if scheme is not None:   # vLLM's kernel class, on the layer's own (possibly permuted) bias
             transform = getattr(layer, "latq_transform", None)
             return scheme.apply_weights(layer, x if transform is None else transform(x), bias)
@@ -97,8 +97,16 @@ class LatqLinearMethod(LinearMethodBase):
             # eager calls are plain Python: name them for a running torch.profiler
             # (bench/decode.py --profile); compiled mode shows the custom op by itself
             with torch.profiler.record_function("latq::linear"):
-                return layer.latq_kernel.apply(layer.latq_state, x, bias)
-        return layer.latq_kernel.apply(layer.latq_state, x, bias)
+                return _eager(layer, x, bias)
+        return _eager(layer, x, bias)
+
+
+def _eager(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """An eager call: a kernel with a C++ op runs it on the tensors flattened at load, as compiled
+    mode does (the kernel's Python around it cost as much as a small layer's op); else its apply."""
+    if layer.latq_native is not None:
+        return layer.latq_op(x, layer.latq_native, layer.latq_ints, bias, layer.latq_out)
+    return layer.latq_kernel.apply(layer.latq_state, x, bias)
 
 
 def install_kernel(layer, kernel, state, out_features: int) -> None:
@@ -107,7 +115,9 @@ def install_kernel(layer, kernel, state, out_features: int) -> None:
     for i, t in enumerate(tensors):
         layer.register_buffer(f"latq_t{i}", t, persistent=False)
     layer.latq_kernel = kernel
+    layer.latq_scheme = None   # set: a missing attribute costs nn.Module a raised AttributeError a call
     layer.latq_op = ops.op_for(kernel)
+    layer.latq_native = tensors if kernel.native_op() is not None else None
     layer.latq_plain, layer.latq_plain_rest = ops.plain_call(kernel, state, tensors) or (None, ())
     layer.latq_state = state
     layer.latq_ntensors = len(tensors)
