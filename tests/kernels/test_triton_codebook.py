@@ -1,8 +1,8 @@
 """The Triton kernels for codebook layers (triton-e8), in Triton's interpreter against ``latq_linear_ref``.
 
-* Layout: the shared table's fields are the format's E8P patterns and their parity, with the computed
-  sign words every E8P code's point, and the ball's points; the code planes hold each block's stage codes; served bytes are ``codebook_bytes`` plus the
-  shared table.
+* Layout: the shared table's pattern fields xor the computed sign words are every E8P code's point,
+  its ball fields the ball's points; the code planes hold each block's stage codes; served bytes are
+  ``codebook_bytes`` plus the shared table.
 * The kernels: bits {2, 3, 4} × scale groups {16, 64, one a row} × fp16 / coded scales × M {1, 3, 17,
   40} × fp32 / bf16 / fp16 activations, on ragged shapes (N = 40 padded to 48, K = 200: a partial K
   step and a partial scale group); bias, split-K, every one of E8P's 2¹⁶ codes.
@@ -58,7 +58,7 @@ def interpret_ok(monkeypatch):
     monkeypatch.setenv(tk.ENV_INTERPRET_OK, "1")
 
 
-# ----------------------------------------------------------------------------- layout (torch)
+# ----------------------------------------------------------------------------- layout
 
 @triton.jit
 def _e8p_words_of(c_ptr, lo_ptr, hi_ptr, tab_ptr, BLOCK: tl.constexpr):
