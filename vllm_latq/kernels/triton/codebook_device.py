@@ -77,7 +77,7 @@ def _spread6(v):   # bits 0–3 of v (< 16) to bits 0, 6, 12, 18: the product's 
 def _sign_words(s, ASM: tl.constexpr):
     """A sign byte (seven signs, the ±¼'s at bit 7) → the words its pattern entry is xor-ed with: 7 in each
     negated coordinate's field (u → 7 − u), the eighth's by the seven's parity, the ±¼'s sign at bit 31."""
-    lo = (_spread6(s & 15) * 7) | ((s & 128) << 24)
+    lo = (_spread6(s & 15) * 7) | ((0 - (s >> 7)) & H_BIT)   # no shift past bit 31
     hi = _spread6(((s >> 4) & 7) | (_parity7(s, ASM) << 3)) * 7
     return lo, hi
 
