@@ -7,7 +7,8 @@
 (c) method e8 at 2/3/4 bits (coded scales per 16 columns, the study's E8 point) against GPTQ-4b
     g128 on the same layers — SmolLM2-135M's seven linears of a block by default, each rotated
     (Hadamard) as ``--rotate hadamard`` solves it: seconds a block and E8 / GPTQ (target ≤ 2 at
-    3 bits), with each one's relative layer error ‖X(Q−W)ᵀ‖²/‖XWᵀ‖² summed over the block.
+    3 bits), with each one's relative layer error ‖X(Q−W)ᵀ‖²/‖XWᵀ‖² summed over the block;
+    ``--device cuda`` solves them on a GPU (the GPU check: 8B shapes, 3 bits).
 All timings in this one run, in interleaved rounds, best of --repeats. Ends with a HEADLINE line.
 
 FLOP counts (useful work, multiply-add = 2): the lazy-batch sweep r·c² (each column's
@@ -32,20 +33,22 @@ SMOL_BLOCK = "576x576,192x576,192x576,576x576,1536x576,1536x576,576x1536"
 E8_BITS = (2, 3, 4)
 
 
-def real_shaped(r: int, c: int, n: int, seed: int = 0):
+def real_shaped(r: int, c: int, n: int, seed: int = 0, device: str = "cpu"):
     """Heavy-tailed weights; activations with log-normal channel scales (a few channels
-    100x the rest, as in LLMs), correlated through a low-rank component, plus dead channels."""
+    100x the rest, as in LLMs), correlated through a low-rank component, plus dead channels;
+    drawn on the CPU (the same on every device), H's product and both tensors on ``device``."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp(torch.randn(c, generator=g) * 1.0)
     scale[torch.randperm(c, generator=g)[: c // 256]] *= 30
     X = torch.randn(n, c, generator=g) * scale
     X += torch.randn(n, 32, generator=g) @ torch.randn(32, c, generator=g) * scale * 0.3
     X[:, torch.randperm(c, generator=g)[:4]] = 0
-    H = (X.T.double() @ X.double()) / n
+    X = X.to(device).double()
+    H = (X.T @ X) / n
     # Student-t with 4 degrees of freedom, z / sqrt(χ²₄/4), from the seeded generator
     chi2 = (torch.randn(4, r, c, generator=g) ** 2).sum(0)
     W = torch.randn(r, c, generator=g) / (chi2 / 4).sqrt() * 0.02
-    return W, H
+    return W.to(device), H
 
 
 def best_time(fn, repeats):
@@ -53,22 +56,24 @@ def best_time(fn, repeats):
     for _ in range(repeats):
         t = time.perf_counter()
         out = fn()
+        if torch.cuda.is_available():   # a GPU's work done before the clock stops
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return best, out
 
 
-def e8_section(shapes: str, tokens: int, repeats: int) -> dict:
-    """(c): every layer of ``shapes`` (``"OUTxIN,…"``) rotated, solved by GPTQ-4b g128 and by e8 at
-    2/3/4 bits (``--group-size 16 --scale-bits 4``), in interleaved rounds → {name: (s, error)}, each
-    summed over the layers (the best round's time a layer)."""
+def e8_section(shapes: str, tokens: int, repeats: int, bits=E8_BITS, device: str = "cpu") -> dict:
+    """(c): every layer of ``shapes`` (``"OUTxIN,…"``) rotated, solved on ``device`` by GPTQ-4b g128 and by
+    e8 at ``bits`` (``--group-size 16 --scale-bits 4``), in interleaved rounds → {name: (s, error)}, each
+    summed over the layers (the best round's time a layer); each time printed as it is taken."""
     layers = []
     for i, shape in enumerate(shapes.split(",")):
         r, c = map(int, shape.split("x"))
-        W, H = real_shaped(r, c, tokens, seed=i)
-        signs = Rotation(0).signs(c)
+        W, H = real_shaped(r, c, tokens, seed=i, device=device)
+        signs = Rotation(0).signs(c).to(device)
         layers.append((rotate_weight(W, signs), rotate_hessian(H, signs)))
     jobs = {"gptq_4b": lambda W, H: gptq(W, H, bits=4, group_size=128, order="act"),
-            **{f"e8_{b}b": (lambda W, H, b=b: e8(W, H, bits=b, group_size=16, scale_bits=4)) for b in E8_BITS}}
+            **{f"e8_{b}b": (lambda W, H, b=b: e8(W, H, bits=b, group_size=16, scale_bits=4)) for b in bits}}
     small = min(layers, key=lambda wh: wh[0].numel())
     for f in jobs.values():   # warm-up: the C++ ops build/load
         f(*small)
@@ -78,6 +83,7 @@ def e8_section(shapes: str, tokens: int, repeats: int) -> dict:
         for k, f in jobs.items():
             for i, (W, H) in enumerate(layers):
                 dt, res = best_time(lambda: f(W, H), 1)
+                print(f"    {k} {W.shape[0]}x{W.shape[1]} on {device}: {dt:.2f}s", flush=True)
                 t[k][i] = min(t[k][i], dt)
                 if rnd == 0:
                     err[k] += relative_error(W, res.q, H)
@@ -93,6 +99,8 @@ def main(argv=None):
     ap.add_argument("--e8-shapes", default=SMOL_BLOCK, help="(c): the layers, OUTxIN comma-separated")
     ap.add_argument("--e8-tokens", type=int, default=2048, help="(c): tokens of each layer's Hessian")
     ap.add_argument("--sections", default="abc", help="which of (a)/(b) (one run: both) and (c) to run")
+    ap.add_argument("--e8-bits", default=",".join(map(str, E8_BITS)), help="(c): E8's bits a weight, comma-separated")
+    ap.add_argument("--device", default="cpu", help="(c): where the layers are solved (cpu, cuda)")
     a = ap.parse_args(argv)
     heads = []
     if "a" in a.sections or "b" in a.sections:
@@ -104,17 +112,19 @@ def main(argv=None):
 
 def e8_report(a) -> str:
     """Run and print (c) → its HEADLINE keys."""
-    res = e8_section(a.e8_shapes, a.e8_tokens, a.repeats)
+    bits = tuple(int(b) for b in a.e8_bits.split(","))
+    res = e8_section(a.e8_shapes, a.e8_tokens, a.repeats, bits, a.device)
     n = len(a.e8_shapes.split(","))
     t_g, e_g = res["gptq_4b"]
-    print(f"(c) {n} layers ({a.e8_shapes}), rotated; seconds summed over them, relative layer error summed")
+    print(f"(c) {n} layers ({a.e8_shapes}), rotated, solved on {a.device}; seconds summed over them, relative "
+          "layer error summed")
     print(f"    GPTQ-4b g128  {t_g:7.2f}s  error {e_g:.5f}")
-    for b in E8_BITS:
+    for b in bits:
         t_e, e_e = res[f"e8_{b}b"]
         print(f"    E8-{b}b s4-g16 {t_e:7.2f}s  error {e_e:.5f}  = {t_e / t_g:5.2f}x GPTQ-4b's time"
               + ("  (target ≤ 2)" if b == 3 else ""))
-    return " ".join(f"e8_{b}b_vs_gptq={res[f'e8_{b}b'][0] / t_g:.2f}" for b in E8_BITS) + \
-        f" e8_3b_s={res['e8_3b'][0]:.4g} gptq_4b_s={t_g:.4g}"
+    return " ".join(f"e8_{b}b_vs_gptq={res[f'e8_{b}b'][0] / t_g:.2f}" for b in bits) + \
+        "".join(f" e8_{b}b_s={res[f'e8_{b}b'][0]:.4g}" for b in bits if b == 3) + f" gptq_4b_s={t_g:.4g}"
 
 
 def solver_section(a) -> str:

@@ -6,7 +6,8 @@
 #   GPU_CHECK_COMMIT=<sha> bash scripts/gpu_check.sh OUTDIR     # figures, boundary paths, tests, the rest
 #   bash scripts/gpu_check.sh --phase rest OUTDIR               # a second call: tests, scale forms, launch configs
 #   bash scripts/gpu_check.sh --phase e8 OUTDIR                 # the codebook kernels alone: bench and the GEMV's
-#                                                               # tiles at M = 1 (--sweep), decode, tests (~5 min)
+#                                                               # tiles at M = 1 (--sweep), decode, tests, E8's
+#                                                               # solve beside GPTQ's on 8B shapes (~6 min)
 #   bash scripts/gpu_check.sh --tar "$OUT/check.tgz" ... OUTDIR   # OUTDIR packed into one file at the end (a lent
 #                                                               # machine returns at most 8 files)
 #   bash scripts/gpu_check.sh --dry-run OUTDIR                  # on a CPU: the figures' pieces, tiny, in Triton's
@@ -29,6 +30,7 @@
 # OUTDIR/boundary.log     the CUDA-boundary paths that need no vLLM (vllm_latq/testing/boundary_paths.py)
 # OUTDIR/tests.log        every shard's pytest output; tests-N.log, junit-N.xml (in the time left)
 # OUTDIR/bench_scales.log, launch_configs.log, launch_timings.json: the rest, where time is left (--phase rest)
+# OUTDIR/solver_e8.log    (--phase e8) bench/solver_speed.py: E8-3b's solve on the GPU beside GPTQ-4b's, 8B shapes
 # OUTDIR/summary.txt      what is printed at the end
 # Exit status: non-zero when a boundary path or a test failed or timed out (the benches run anyway).
 #
@@ -245,6 +247,15 @@ e8_phase() {
       > "$out/tests.log" 2>&1)
   tests_rc=$?
   note "codebook tests exit $tests_rc: $(tail -n 1 "$out/tests.log")"
+  # E8's solve on the GPU beside GPTQ's (block Babai's torch path: a user's `--device cuda`), in the time left
+  local solve_s=$(( $(left) - 10 ))
+  [ "$solve_s" -le 90 ] || solve_s=90
+  if [ "$solve_s" -ge 30 ]; then
+    run solver_e8.log "$solve_s" -m bench.solver_speed --sections c --device cuda --e8-shapes 4096x4096,4096x14336 \
+        --e8-bits 3 --e8-tokens 2048 --repeats 1
+  else
+    note "solver_e8: not run (${solve_s}s left)"
+  fi
 }
 
 boundary_rc=0

@@ -5,6 +5,7 @@ figures' pieces on the CPU, fake timers) writes docs/gpu/latest.json's schema.""
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,22 @@ def test_every_gpu_test_falls_in_a_shard():
 def test_a_bad_phase_is_refused_naming_it(tmp_path):
     run = subprocess.run(["bash", str(SCRIPT), "--phase", "tests", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 2 and "--phase must be all, figures, rest or e8 (got tests)" in run.stderr
+
+
+def test_e8_phase_solve_command_runs_on_the_cpu(capsys):
+    """The e8 phase's solver bench, its own arguments with the device, shapes and tokens made small and CPU:
+    the options exist and the run ends with E8-3b's and GPTQ-4b's keys (CUDA: tests/gpu/test_solvers_cuda.py)."""
+    from bench import solver_speed
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    line = next(x for x in text.splitlines() if "run solver_e8.log" in x)
+    args = shlex.split(line.split("-m bench.solver_speed", 1)[1])
+    small = {"--device": "cpu", "--e8-shapes": "32x64,16x64", "--e8-tokens": "128"}
+    assert set(small) <= set(args)
+    args = [small.get(args[i - 1], a) if i else a for i, a in enumerate(args)]
+    solver_speed.main(args)
+    head = capsys.readouterr().out.strip().splitlines()[-1]
+    assert head.startswith("HEADLINE ") and set(dict(kv.split("=") for kv in head.split()[1:])) == \
+        {"e8_3b_vs_gptq", "e8_3b_s", "gptq_4b_s"}
 
 
 @pytest.mark.slow
