@@ -124,7 +124,7 @@ def e8_report(a) -> str:
         print(f"    E8-{b}b s4-g16 {t_e:7.2f}s  error {e_e:.5f}  = {t_e / t_g:5.2f}x GPTQ-4b's time"
               + ("  (target ≤ 2)" if b == 3 else ""))
     return " ".join(f"e8_{b}b_vs_gptq={res[f'e8_{b}b'][0] / t_g:.2f}" for b in bits) + \
-        "".join(f" e8_{b}b_s={res[f'e8_{b}b'][0]:.4g}" for b in bits if b == 3) + f" gptq_4b_s={t_g:.4g}"
+        (f" e8_3b_s={res['e8_3b'][0]:.4g}" if 3 in bits else "") + f" gptq_4b_s={t_g:.4g}"
 
 
 def solver_section(a) -> str:
